@@ -1,0 +1,531 @@
+"""A strict, nested configuration in the manner of Graphcore's ``IPUConfig``.
+
+Example::
+
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.version = "ipu1"
+  cfg.device.tiles_per_ipu = 16
+  cfg.matmuls.available_memory_proportion = 0.3
+  target = cfg.to_target()             # an IPUTarget
+  options = cfg.lowering_options()     # a hashable LoweringOptions
+
+Each option is declared once, as an :class:`_Option` descriptor carrying its
+default, the values it accepts and its documentation. A misspelt name or a bad
+value fails where it is assigned and names the full dotted option, rather than
+being silently ignored when a program is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy as copy_lib
+import dataclasses
+import difflib
+import functools
+import numbers
+import os
+import textwrap
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+from ipu_jax.target import PRESETS, IPUTarget
+
+__all__ = [
+    "IPUConfig",
+    "LoweringOptions",
+    "REPORT_DIR_ENV",
+    "default_config",
+    "get_default_config",
+]
+
+# Like POPLAR_ENGINE_OPTIONS='{"autoReport.directory": ...}': reports can be
+# switched on for a whole run without touching the code.
+REPORT_DIR_ENV = "IPU_JAX_REPORT_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+  """The values an option accepts.
+
+  Attributes:
+    description: the accepted values in words, quoted in error messages.
+    types: accepted Python types. ``bool`` passes only when listed itself:
+      ``True`` is an ``int`` to Python but hardly ever meant as one.
+    is_valid: range check, applied once the type is right.
+    convert: turns an accepted value into its stored form.
+    allow_none: whether ``None`` is accepted.
+  """
+
+  description: str
+  types: tuple[type, ...]
+  is_valid: Callable[[Any], bool] = lambda value: True
+  convert: Callable[[Any], Any] = lambda value: value
+  allow_none: bool = False
+
+  def check(self, name: str, value: Any) -> Any:
+    """Returns ``value`` in stored form, or raises an error naming ``name``."""
+    if value is None and self.allow_none:
+      return None
+    if ((isinstance(value, bool) and bool not in self.types) or
+        not isinstance(value, self.types)):
+      raise TypeError(f"{name} must be {self.description}; got {value!r} of "
+                      f"type {type(value).__name__}.")
+    if not self.is_valid(value):
+      raise ValueError(f"{name} must be {self.description}; got {value!r}.")
+    return self.convert(value)
+
+
+def _one_of(*choices: str) -> _Kind:
+  return _Kind("one of " + ", ".join(map(repr, choices)), (str,),
+               lambda value: value in choices)
+
+
+def _integer(minimum: Optional[int] = None, allow_none: bool = False) -> _Kind:
+  description = "an int" if minimum is None else f"an int >= {minimum}"
+  if allow_none:
+    description += " or None"
+  return _Kind(description, (numbers.Integral,),
+               lambda value: minimum is None or value >= minimum, int,
+               allow_none)
+
+
+# `0 < value` is False for NaN, so NaN is rejected too.
+_PROPORTION = _Kind("a number in (0, 1]", (numbers.Real,),
+                    lambda value: 0 < value <= 1, float)
+_BOOL = _Kind("a bool", (bool,))
+_OPTIONAL_PATH = _Kind("a str (or path) or None", (str, os.PathLike),
+                       convert=os.fspath, allow_none=True)
+
+
+class _Option:
+  """A data descriptor declaring one option: what it accepts, default, doc."""
+
+  def __init__(self, kind: _Kind, default: Any, doc: str):
+    self.kind = kind
+    self.default = default
+    self.__doc__ = doc
+    self.name = ""
+
+  def __set_name__(self, owner: type, name: str):
+    self.name = name
+
+  def __get__(self, group: Optional[_Group], owner: Optional[type] = None):
+    if group is None:
+      return self
+    return group._values[self.name]
+
+  def __set__(self, group: _Group, value: Any):
+    group._values[self.name] = self.kind.check(group._qualify(self.name), value)
+
+  def explain(self, heading: str) -> str:
+    """``heading`` followed by the doc, accepted values and default."""
+    body = (f"{self.__doc__} Accepts {self.kind.description}; "
+            f"default {self.default!r}.")
+    return heading + "\n" + textwrap.fill(
+        body, width=80, initial_indent="    ", subsequent_indent="    ")
+
+
+class _Section:
+  """A data descriptor holding a nested group of options."""
+
+  def __init__(self, group_type: type[_Group]):
+    self.group_type = group_type
+    self.__doc__ = group_type.__doc__
+    self.name = ""
+
+  def __set_name__(self, owner: type, name: str):
+    self.name = name
+
+  def __get__(self, group: Optional[_Group], owner: Optional[type] = None):
+    if group is None:
+      return self
+    return group._values[self.name]
+
+  def __set__(self, group: _Group, value: Any):
+    path = group._qualify(self.name)
+    first = next(iter(self.group_type._options))
+    raise AttributeError(
+        f"IPUConfig.{path} is a group of options and cannot be replaced; set "
+        f"its options instead, e.g. cfg.{path}.{first} = ...")
+
+
+class _Group:
+  """Base of option groups: attributes are exactly the declared options."""
+
+  _options: dict[str, _Option | _Section] = {}
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls._options = {name: spec for name, spec in vars(cls).items()
+                    if isinstance(spec, (_Option, _Section))}
+
+  def __init__(self, _path: str = ""):
+    object.__setattr__(self, "_path", _path)
+    object.__setattr__(self, "_values", {})
+    for name, spec in self._options.items():
+      if isinstance(spec, _Section):
+        self._values[name] = spec.group_type(_path=self._qualify(name))
+      else:
+        self._values[name] = spec.default
+
+  def _qualify(self, name: str) -> str:
+    return f"{self._path}.{name}" if self._path else name
+
+  def __setattr__(self, name: str, value: Any):
+    if name not in self._options:
+      raise self._no_option(self._path, name)
+    object.__setattr__(self, name, value)
+
+  def __getattr__(self, name: str) -> Any:
+    # Reached only when normal lookup fails. Private names are answered plainly
+    # because copy, pickle and IPython probe them, on half-built objects too.
+    if name.startswith("_"):
+      raise AttributeError(name)
+    raise self._no_option(self._path, name)
+
+  @classmethod
+  def _leaf_paths(cls) -> Iterator[tuple[str, _Option]]:
+    """(dotted path relative to this group, option) for every nested option."""
+    for name, spec in cls._options.items():
+      if isinstance(spec, _Section):
+        for path, option in spec.group_type._leaf_paths():
+          yield f"{name}.{path}", option
+      else:
+        yield name, spec
+
+  @classmethod
+  def _no_option(cls, where: str, name: str) -> AttributeError:
+    hint = ""
+    close = difflib.get_close_matches(name, list(cls._options), n=1)
+    if not close:
+      # Also catch an option set at the wrong level, e.g. cfg.partials_type
+      # meant as cfg.matmuls.partials_type.
+      nested = [path for path, _ in cls._leaf_paths() if "." in path]
+      leaf = difflib.get_close_matches(
+          name, {path.rpartition(".")[2] for path in nested}, n=1)
+      close = [path for path in nested if path.rpartition(".")[2] in leaf]
+    if close:
+      hint = " Did you mean " + " or ".join(map(repr, close)) + "?"
+    owner = f"IPUConfig.{where}" if where else "IPUConfig"
+    return AttributeError(f"{owner} has no option {name!r}.{hint} Valid "
+                          f"options are: {', '.join(cls._options)}.")
+
+  def _walk(self) -> Iterator[tuple[str, _Option, Any]]:
+    """(relative dotted path, option, current value) for every option."""
+    for path, option in self._leaf_paths():
+      value = functools.reduce(getattr, path.split("."), self)
+      yield path, option, value
+
+  def to_dict(self) -> dict[str, Any]:
+    """The settings as nested plain dicts, one level per group."""
+    return {name: value.to_dict() if isinstance(value, _Group) else value
+            for name, value in self._values.items()}
+
+  def _update(self, values: Mapping[str, Any]):
+    if not isinstance(values, Mapping):
+      owner = f"IPUConfig.{self._path}" if self._path else "IPUConfig"
+      raise TypeError(f"{owner} must be set from a dict of its options; got "
+                      f"{values!r} of type {type(values).__name__}.")
+    for name, value in values.items():
+      if isinstance(self._options.get(name), _Section):
+        getattr(self, name)._update(value)
+      else:
+        setattr(self, name, value)
+
+  def describe(self) -> str:
+    """Every option in this group: its value, documentation and valid values."""
+    return "\n".join(
+        option.explain(f"{self._qualify(path)} = {value!r}")
+        for path, option, value in self._walk())
+
+  def copy(self):
+    """An independent deep copy."""
+    return copy_lib.deepcopy(self)
+
+  def __repr__(self) -> str:
+    changed = [f"{path}={value!r}" for path, option, value in self._walk()
+               if value != option.default]
+    owner = f"IPUConfig.{self._path}" if self._path else "IPUConfig"
+    return f"{owner}({', '.join(changed)})"
+
+  def __eq__(self, other: Any) -> bool:
+    if type(other) is not type(self):
+      return NotImplemented
+    return self.to_dict() == other.to_dict()
+
+  __hash__ = None  # Mutable; freeze it with lowering_options() for a key.
+
+
+class _DeviceOptions(_Group):
+  """The emulated IPU chip."""
+
+  version = _Option(
+      _one_of("ipu1", "ipu2", "bow"), "ipu2",
+      "IPU generation to emulate: 'ipu1' (GC2, 1216 tiles x 256 KiB), 'ipu2' "
+      "(GC200, 1472 tiles x 624 KiB) or 'bow' (the GC200 die at 1.85 GHz).")
+  tiles_per_ipu = _Option(
+      _integer(0), 0,
+      "Tiles to use on each IPU; 0 means every tile of device.version. Fewer "
+      "tiles make small tests and studies fast. The chip's limit is checked by "
+      "to_target(), since device.version may be set afterwards.")
+
+
+class _MatmulOptions(_Group):
+  """How matrix multiplications are planned."""
+
+  available_memory_proportion = _Option(
+      _PROPORTION, 0.6,
+      "Fraction of each tile's memory a matmul may use for temporaries "
+      "(Poplar's availableMemoryProportion); lower values trade cycles for "
+      "memory.")
+  partials_type = _Option(
+      _one_of("float32", "float16"), "float32",
+      "Type of matmul partial sums: 'float32' is more accurate, 'float16' "
+      "halves their memory for half-precision inputs.")
+
+
+class _ConvolutionOptions(_Group):
+  """How convolutions are planned."""
+
+  available_memory_proportion = _Option(
+      _PROPORTION, 0.6,
+      "Fraction of each tile's memory a convolution may use for temporaries "
+      "(Poplar's availableMemoryProportion); lower values trade cycles for "
+      "memory.")
+
+
+class _MemoryOptions(_Group):
+  """What to do when tiles run out of memory."""
+
+  allow_out_of_memory = _Option(
+      _BOOL, False,
+      "Lower programs whose tiles exceed their memory instead of raising "
+      "OutOfMemoryError, so their report can still be read (Poplar's "
+      "debug.allowOutOfMemory).")
+
+
+class _ReportOptions(_Group):
+  """Where compilation reports go."""
+
+  directory = _Option(
+      _OPTIONAL_PATH, None,
+      "Directory where a report of every compiled program is saved. None "
+      f"saves none, unless the {REPORT_DIR_ENV} environment variable names a "
+      "directory.")
+
+
+class _TrainingOptions(_Group):
+  """How gradients are accumulated and reduced when training."""
+
+  gradient_accumulation_reduction = _Option(
+      _one_of("sum", "mean", "running_mean"), "sum",
+      "How the gradients of accumulated micro-batches are combined: 'sum' "
+      "(the Keras-on-IPU default), 'mean' (what optax.MultiSteps gives) or "
+      "'running_mean' (a mean kept while accumulating, which stays in range "
+      "in float16).")
+  replica_reduction = _Option(
+      _one_of("sum", "mean"), "sum",
+      "How gradients are combined across replicas: 'sum' of the per-replica "
+      "gradients (Keras on IPU) or their 'mean' (PopTorch).")
+  gradient_accumulation_steps = _Option(
+      _integer(1), 1,
+      "Micro-batches whose gradients are accumulated before each weight "
+      "update.")
+
+
+class _ExecutorOptions(_Group):
+  """How the emulator runs programs on the host."""
+
+  mode = _Option(
+      _one_of("batched", "per_tile"), "batched",
+      "How identical per-tile vertices are arranged on the host: 'batched' "
+      "runs them as fewer, larger operations, 'per_tile' one tile at a time. "
+      "Results and per-tile accounting are identical; only host speed "
+      "differs.")
+
+
+class IPUConfig(_Group):
+  """Configuration of an emulated IPU system, like Graphcore's ``IPUConfig``.
+
+  Options are nested attributes, checked when assigned::
+
+    cfg = IPUConfig()
+    cfg.replication_factor = 2
+    cfg.matmuls.available_memory_proportion = 0.3
+
+  An unknown name raises ``AttributeError`` with a suggestion; a value of the
+  wrong type raises ``TypeError`` and one out of range ``ValueError``, both
+  naming the dotted option and what it accepts. ``cfg.describe()`` lists every
+  option; ``IPUConfig.help("device.version")`` explains one.
+  """
+
+  device = _Section(_DeviceOptions)
+  auto_select_ipus = _Option(
+      _integer(1), 1,
+      "IPUs each replica spans; the target has this many IPUs.")
+  replication_factor = _Option(
+      _integer(1), 1,
+      "Data-parallel replicas of the program, each on its own "
+      "auto_select_ipus IPUs.")
+  matmuls = _Section(_MatmulOptions)
+  convolutions = _Section(_ConvolutionOptions)
+  memory = _Section(_MemoryOptions)
+  report = _Section(_ReportOptions)
+  training = _Section(_TrainingOptions)
+  executor = _Section(_ExecutorOptions)
+  random_seed = _Option(
+      _integer(allow_none=True), None,
+      "Seed for the random state of programs run with this config, for "
+      "reproducible runs; None fixes no seed.")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> IPUConfig:
+    """A config from nested dicts as ``to_dict`` gives; missing keys default.
+
+    Every value is checked as if assigned, so unknown names and bad values
+    raise the same errors.
+    """
+    cfg = cls()
+    cfg._update(values)
+    return cfg
+
+  @classmethod
+  def help(cls, path: str) -> str:
+    """Documentation of the option or group at dotted ``path``.
+
+    Example: ``IPUConfig.help("matmuls.available_memory_proportion")``.
+    """
+    group_type, where = cls, ""
+    for part in path.split("."):
+      spec = group_type._options.get(part)
+      if spec is None:
+        raise group_type._no_option(where, part)
+      where = f"{where}.{part}" if where else part
+      if isinstance(spec, _Option):
+        if where != path:
+          raise AttributeError(f"IPUConfig.{where} is an option, not a group; "
+                               f"it has no {path[len(where) + 1:]!r}.")
+        return spec.explain(path)
+      group_type = spec.group_type
+    return f"{path}: {group_type.__doc__}\n" + "\n".join(
+        option.explain(f"{path}.{leaf}")
+        for leaf, option in group_type._leaf_paths())
+
+  def to_target(self) -> IPUTarget:
+    """The :class:`IPUTarget` of one replica: ``auto_select_ipus`` IPUs.
+
+    Raises:
+      ValueError: ``device.tiles_per_ipu`` exceeds the tiles of
+        ``device.version``.
+    """
+    version, tiles = self.device.version, self.device.tiles_per_ipu
+    available = PRESETS[version]["tiles_per_ipu"]
+    if tiles > available:
+      raise ValueError(
+          f"device.tiles_per_ipu={tiles} exceeds the {available} tiles of a "
+          f"{version} IPU (device.version={version!r}); valid values are 0 "
+          f"(every tile) or 1..{available}.")
+    return IPUTarget.preset(version, num_ipus=self.auto_select_ipus,
+                            tiles_per_ipu=tiles or None)
+
+  def lowering_options(self) -> LoweringOptions:
+    """The options that change how programs are lowered, frozen and hashable.
+
+    ``report_directory`` falls back to the ``IPU_JAX_REPORT_DIR`` environment
+    variable, read now, when ``report.directory`` is None.
+    """
+    values = {name: functools.reduce(getattr, path.split("."), self)
+              for name, path in _LOWERING_SOURCES.items()}
+    if values["report_directory"] is None:
+      values["report_directory"] = os.environ.get(REPORT_DIR_ENV) or None
+    return LoweringOptions(**values)
+
+
+# Each LoweringOptions field and the IPUConfig option it comes from; the
+# option supplies its default and its check.
+_LOWERING_SOURCES = {
+    "available_memory_proportion": "matmuls.available_memory_proportion",
+    "conv_available_memory_proportion":
+        "convolutions.available_memory_proportion",
+    "partials_type": "matmuls.partials_type",
+    "allow_out_of_memory": "memory.allow_out_of_memory",
+    "report_directory": "report.directory",
+    "executor_mode": "executor.mode",
+}
+_OPTIONS_BY_PATH = dict(IPUConfig._leaf_paths())
+
+
+def _default(field: str) -> Any:
+  return _OPTIONS_BY_PATH[_LOWERING_SOURCES[field]].default
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringOptions:
+  """What lowering needs from an :class:`IPUConfig`; a hashable cache key.
+
+  Defaults equal those of ``IPUConfig`` (without the environment fallback), so
+  ``LoweringOptions()`` is usable on its own. Values are checked like the
+  options they come from.
+
+  Attributes:
+    available_memory_proportion: ``matmuls.available_memory_proportion``.
+    conv_available_memory_proportion:
+      ``convolutions.available_memory_proportion``.
+    partials_type: ``matmuls.partials_type``.
+    allow_out_of_memory: ``memory.allow_out_of_memory``.
+    report_directory: ``report.directory``, else ``$IPU_JAX_REPORT_DIR``.
+    executor_mode: ``executor.mode``.
+  """
+
+  available_memory_proportion: float = _default("available_memory_proportion")
+  conv_available_memory_proportion: float = _default(
+      "conv_available_memory_proportion")
+  partials_type: str = _default("partials_type")
+  allow_out_of_memory: bool = _default("allow_out_of_memory")
+  report_directory: Optional[str] = _default("report_directory")
+  executor_mode: str = _default("executor_mode")
+
+  def __post_init__(self):
+    for name, path in _LOWERING_SOURCES.items():
+      value = _OPTIONS_BY_PATH[path].kind.check(f"LoweringOptions.{name}",
+                                                getattr(self, name))
+      object.__setattr__(self, name, value)
+
+
+_DEFAULT_CONFIG: contextvars.ContextVar[Optional[IPUConfig]] = (
+    contextvars.ContextVar("ipu_jax_default_config", default=None))
+
+
+def get_default_config() -> IPUConfig:
+  """The config set by the innermost :func:`default_config`, else a new one.
+
+  A fresh default ``IPUConfig`` is returned each time none is set, so changing
+  it affects nothing else.
+  """
+  cfg = _DEFAULT_CONFIG.get()
+  return IPUConfig() if cfg is None else cfg
+
+
+@contextlib.contextmanager
+def default_config(cfg: IPUConfig) -> Iterator[IPUConfig]:
+  """Makes ``cfg`` the default config inside the ``with`` block.
+
+  Nests, and restores the previous default on exit, exceptions included. The
+  setting is per context (``contextvars``), so other threads are unaffected.
+  The config itself, not a copy, is installed: changes made inside the block
+  are seen by what is compiled after them.
+
+  Args:
+    cfg: the config to install.
+
+  Yields:
+    ``cfg``.
+  """
+  if not isinstance(cfg, IPUConfig):
+    raise TypeError(f"default_config expects an IPUConfig; got {cfg!r} of "
+                    f"type {type(cfg).__name__}.")
+  token = _DEFAULT_CONFIG.set(cfg)
+  try:
+    yield cfg
+  finally:
+    _DEFAULT_CONFIG.reset(token)

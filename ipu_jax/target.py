@@ -1,0 +1,177 @@
+"""IPU targets: immutable descriptions of the emulated hardware.
+
+Every figure the cost and memory models use lives here, so a what-if study is a
+``dataclasses.replace`` away::
+
+    t = IPUTarget.preset("ipu2")
+    big = t.replace(bytes_per_tile=2 * t.bytes_per_tile)
+
+Sources for the presets: Graphcore datasheets (tiles, SRAM, clock, peak FLOPS),
+the IPUModel API (exchange bytes per cycle), "Dissecting the Graphcore IPU
+Architecture via Microbenchmarking" (Jia et al., 2019) for latencies. Figures
+marked *estimate* are round numbers in the measured range, not vendor values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["IPUTarget", "PRESETS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IPUTarget:
+  """An emulated IPU system: ``num_ipus`` chips of ``tiles_per_ipu`` tiles.
+
+  Attributes:
+    name: preset name this target came from (``"ipu1"``, ``"ipu2"``, ``"bow"``).
+    num_ipus: IPUs in the system; tiles are numbered IPU-major.
+    tiles_per_ipu: tiles on each IPU.
+    bytes_per_tile: SRAM per tile in bytes.
+    worker_contexts: hardware worker threads per tile (issued round-robin).
+    clock_hz: tile clock frequency.
+    fp16_flops_per_cycle: peak fp16 FLOP per cycle per tile (AMP units).
+    fp32_flops_per_cycle: peak fp32 FLOP per cycle per tile.
+    vector_width_bytes: bytes a worker loads per cycle for elementwise work.
+    exchange_bytes_per_cycle: bytes a tile sends or receives per cycle.
+    exchange_latency_cycles: fixed cost of an exchange phase (*estimate*).
+    sync_cycles_internal: cost of a sync among the tiles of one IPU (*estimate*).
+    sync_cycles_external: cost of a sync across IPUs (*estimate*).
+    supervisor_overhead_cycles: per compute set per tile, launching workers
+      (*estimate*).
+    ipu_link_bytes_per_second: IPU-Link bandwidth per IPU (all links).
+    host_link_bytes_per_second: PCIe bandwidth between host and IPU.
+    code_bytes_per_codelet: code size charged once per distinct codelet on a
+      tile (*estimate*).
+    vertex_state_bytes: bytes of vertex state per vertex plus per connection
+      (*estimate*).
+  """
+
+  name: str = "ipu2"
+  num_ipus: int = 1
+  tiles_per_ipu: int = 1472
+  bytes_per_tile: int = 638_976
+  worker_contexts: int = 6
+  clock_hz: float = 1.33e9
+  fp16_flops_per_cycle: int = 128
+  fp32_flops_per_cycle: int = 32
+  vector_width_bytes: int = 8
+  exchange_bytes_per_cycle: int = 4
+  exchange_latency_cycles: int = 30
+  sync_cycles_internal: int = 150
+  sync_cycles_external: int = 1500
+  supervisor_overhead_cycles: int = 50
+  ipu_link_bytes_per_second: float = 320e9
+  host_link_bytes_per_second: float = 64e9
+  code_bytes_per_codelet: int = 256
+  vertex_state_bytes: int = 8
+
+  def __post_init__(self):
+    positive_ints = ("num_ipus", "tiles_per_ipu", "bytes_per_tile",
+                     "worker_contexts", "fp16_flops_per_cycle",
+                     "fp32_flops_per_cycle", "vector_width_bytes",
+                     "exchange_bytes_per_cycle")
+    for field in positive_ints:
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"IPUTarget.{field} must be a positive integer, got {value!r}.")
+    non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
+                    "sync_cycles_external", "supervisor_overhead_cycles",
+                    "code_bytes_per_codelet", "vertex_state_bytes")
+    for field in non_negative:
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"IPUTarget.{field} must be a non-negative integer, got {value!r}.")
+    for field in ("clock_hz", "ipu_link_bytes_per_second",
+                  "host_link_bytes_per_second"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(
+            f"IPUTarget.{field} must be a positive number, got {value!r}.")
+
+  @property
+  def num_tiles(self) -> int:
+    """Tiles in the whole system: ``num_ipus * tiles_per_ipu``."""
+    return self.num_ipus * self.tiles_per_ipu
+
+  @property
+  def total_memory_bytes(self) -> int:
+    return self.num_tiles * self.bytes_per_tile
+
+  @property
+  def ipu_link_bytes_per_cycle(self) -> float:
+    """IPU-Link bandwidth expressed in bytes per tile-clock cycle."""
+    return self.ipu_link_bytes_per_second / self.clock_hz
+
+  def ipu_of_tile(self, tile):
+    """The IPU index that holds ``tile`` (works on NumPy arrays too)."""
+    return tile // self.tiles_per_ipu
+
+  def flops_per_cycle(self, dtype) -> int:
+    """Peak FLOP per cycle per tile for matmul-like work in ``dtype``."""
+    import numpy as np
+    itemsize = np.dtype(dtype).itemsize
+    return self.fp16_flops_per_cycle if itemsize <= 2 else self.fp32_flops_per_cycle
+
+  def cycles_to_seconds(self, cycles: float) -> float:
+    return float(cycles) / self.clock_hz
+
+  def replace(self, **changes: Any) -> "IPUTarget":
+    """A copy with ``changes`` applied (validated like the constructor)."""
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def preset(cls, name: str, num_ipus: int = 1,
+             tiles_per_ipu: int | None = None, **overrides: Any) -> "IPUTarget":
+    """A target for a known IPU generation.
+
+    Args:
+      name: one of ``"ipu1"`` (GC2), ``"ipu2"`` (GC200) or ``"bow"``.
+      num_ipus: how many IPUs the system has.
+      tiles_per_ipu: use fewer tiles than the chip has (``None`` = all), handy
+        for fast tests and small studies.
+      **overrides: any other field of :class:`IPUTarget`.
+
+    Example::
+
+      t = IPUTarget.preset("ipu2", tiles_per_ipu=16)
+      assert t.num_tiles == 16
+    """
+    if name not in PRESETS:
+      raise ValueError(
+          f"Unknown IPU preset {name!r}; valid presets are {sorted(PRESETS)}.")
+    fields = dict(PRESETS[name])
+    fields["num_ipus"] = num_ipus
+    if tiles_per_ipu is not None:
+      if isinstance(tiles_per_ipu, bool) or not isinstance(tiles_per_ipu, int) or tiles_per_ipu <= 0:
+        raise ValueError(
+            f"IPUTarget.tiles_per_ipu must be a positive integer or None, got {tiles_per_ipu!r}.")
+      if tiles_per_ipu > fields["tiles_per_ipu"]:
+        raise ValueError(
+            f"IPUTarget.tiles_per_ipu={tiles_per_ipu} exceeds the {fields['tiles_per_ipu']} "
+            f"tiles of a {name} IPU; valid values are 1..{fields['tiles_per_ipu']}.")
+      fields["tiles_per_ipu"] = tiles_per_ipu
+    fields.update(overrides)
+    return cls(**fields)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # GC2: 1,216 tiles x 256 KiB (~300 MB), 124.5 TFLOPS fp16 at ~1.6 GHz.
+    "ipu1": dict(name="ipu1", tiles_per_ipu=1216, bytes_per_tile=262_144,
+                 worker_contexts=6, clock_hz=1.6e9, fp16_flops_per_cycle=64,
+                 fp32_flops_per_cycle=16, ipu_link_bytes_per_second=320e9,
+                 host_link_bytes_per_second=64e9),
+    # GC200: 1,472 tiles x 624 KiB (~900 MB), 250 TFLOPS fp16 at 1.33 GHz.
+    "ipu2": dict(name="ipu2", tiles_per_ipu=1472, bytes_per_tile=638_976,
+                 worker_contexts=6, clock_hz=1.33e9, fp16_flops_per_cycle=128,
+                 fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
+                 host_link_bytes_per_second=64e9),
+    # Bow: the GC200 die with wafer-on-wafer power delivery, 1.85 GHz.
+    "bow": dict(name="bow", tiles_per_ipu=1472, bytes_per_tile=638_976,
+                worker_contexts=6, clock_hz=1.85e9, fp16_flops_per_cycle=128,
+                fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
+                host_link_bytes_per_second=64e9),
+}

@@ -1,0 +1,236 @@
+"""Cost and memory analysis of a tile program, and the out-of-memory check.
+
+Runs at compile time on NumPy arrays indexed by tile; nothing here executes
+the program. Produces a :class:`~ipu_jax.lowering.profile.ProgramProfile`.
+
+Memory is allocated statically, as Poplar does: variables, constants, vertex
+state and code are always live; temporaries are live from the first step that
+touches them to the last (a value touched inside a loop lives for the whole
+loop), and exchange buffers and per-step scratch only during their step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ipu_jax.errors import OutOfMemoryError
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.exchange import exchange_cycles
+from ipu_jax.lowering.profile import (MemoryProfile, ProgramProfile,
+                                      StepProfile, TensorProfile)
+from ipu_jax.target import IPUTarget
+
+__all__ = ["profile_program", "check_memory"]
+
+
+def _tensor_bytes(tensor: P.Tensor, num_tiles: int):
+  mapping = tensor.mapping
+  if mapping is None or mapping.num_elements == 0:
+    return np.zeros(0, np.int64), np.zeros(0, np.int64)
+  return mapping.tiles, mapping.counts * tensor.itemsize
+
+
+def _sync_cycles(target, touched_tiles: np.ndarray, crosses: bool) -> float:
+  if target.num_ipus > 1 and (crosses or (touched_tiles.size and
+                              np.unique(touched_tiles // target.tiles_per_ipu).size > 1)):
+    return float(target.sync_cycles_external)
+  return float(target.sync_cycles_internal)
+
+
+def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
+  t = target.num_tiles
+  zeros = np.zeros(t, np.float64)
+  if isinstance(node, P.Superstep):
+    compute = zeros if node.compute_cycles is None else np.asarray(node.compute_cycles, np.float64)
+    ex = node.exchange
+    bytes_in = np.zeros(t, np.int64) if ex is None else ex.bytes_in
+    bytes_out = np.zeros(t, np.int64) if ex is None else ex.bytes_out
+    link = 0 if ex is None else int(ex.link_bytes_out.sum())
+    touched = np.nonzero((compute > 0) | (bytes_in > 0) | (bytes_out > 0))[0]
+    vertices = node.vertices if node.vertices is not None else (compute > 0).astype(np.int64)
+    return StepProfile(
+        name=node.name, op=node.op, source=node.source, compute_cycles=compute,
+        exchange_bytes_in=bytes_in, exchange_bytes_out=bytes_out,
+        exchange_cycles=exchange_cycles(target, ex),
+        sync_cycles=_sync_cycles(target, touched, link > 0),
+        ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
+        executions=executions)
+  # Host transfers: stream copies and printed tensors cross the host link.
+  tensor = node.tensor
+  tiles, nbytes = _tensor_bytes(tensor, t)
+  per_tile = np.zeros(t, np.int64)
+  np.add.at(per_tile, tiles, nbytes)
+  to_device = isinstance(node, P.StreamCopy) and node.stream.to_device
+  total = int(per_tile.sum())
+  host_cycles = total / (target.host_link_bytes_per_second / target.clock_hz)
+  busiest = per_tile.max(initial=0) / target.exchange_bytes_per_cycle
+  name = (f"stream {node.stream.name}" if isinstance(node, P.StreamCopy)
+          else f"print {node.title}")
+  op = "StreamCopy" if isinstance(node, P.StreamCopy) else "PrintTensor"
+  return StepProfile(
+      name=name, op=op, source=tensor.source, compute_cycles=zeros,
+      exchange_bytes_in=per_tile if to_device else np.zeros(t, np.int64),
+      exchange_bytes_out=np.zeros(t, np.int64) if to_device else per_tile,
+      exchange_cycles=float(max(host_cycles, busiest) + target.exchange_latency_cycles) if total else 0.0,
+      sync_cycles=float(target.sync_cycles_external),
+      executions=executions, host_bytes=total,
+      vertices=np.zeros(t, np.int64))
+
+
+def _leaf_tensors(node):
+  if isinstance(node, P.Superstep):
+    return list(node.reads) + list(node.writes)
+  if isinstance(node, (P.StreamCopy, P.PrintTensor)):
+    return [node.tensor]
+  return []
+
+
+def _control_tensors(program, out):
+  """Predicates of control programs, which are read by the control flow."""
+  if isinstance(program, (P.RepeatWhileTrue, P.If)):
+    out.append(program.predicate)
+  if isinstance(program, P.Switch):
+    out.append(program.control)
+  for child in P._children(program):
+    _control_tensors(child, out)
+  return out
+
+
+def profile_program(program, target: IPUTarget, *, persistent=(),
+                    live_to_end=(), name: str = "program",
+                    host_round_trips: int = 1) -> ProgramProfile:
+  """Cycles and per-tile memory of ``program``.
+
+  Args:
+    program: the control program.
+    target: the IPU target.
+    persistent: tensors allocated for the whole program even if the program
+      never touches them (graph variables and constants).
+    live_to_end: temporaries that must survive to the end (outputs).
+    name: the program's name in reports.
+    host_round_trips: host calls per execution of the program.
+  """
+  t = target.num_tiles
+  leaves = list(P.iter_steps(program))
+  steps = [_step_profile(target, node, ex) for node, ex, _ in leaves]
+  n_steps = len(steps)
+
+  # First and last step touching each tensor; a loop stretches both to
+  # cover the whole loop, since the value must survive every iteration.
+  tensors, first, last = {}, {}, {}
+  loop_span = {}
+  for i, (node, _, loops) in enumerate(leaves):
+    for loop in loops:
+      lo, hi = loop_span.get(id(loop), (i, i))
+      loop_span[id(loop)] = (min(lo, i), max(hi, i))
+  control = {tensor.id for tensor in _control_tensors(program, [])}
+  for i, (node, _, loops) in enumerate(leaves):
+    lo, hi = i, i
+    for loop in loops:
+      span = loop_span[id(loop)]
+      lo, hi = min(lo, span[0]), max(hi, span[1])
+    for tensor in _leaf_tensors(node):
+      tensors[tensor.id] = tensor
+      first[tensor.id] = min(first.get(tensor.id, lo), lo)
+      last[tensor.id] = max(last.get(tensor.id, hi), hi)
+  for tensor in _control_tensors(program, []):
+    tensors.setdefault(tensor.id, tensor)
+    first.setdefault(tensor.id, 0)
+    last[tensor.id] = max(last.get(tensor.id, 0), n_steps - 1)
+  for tensor in persistent:
+    tensors.setdefault(tensor.id, tensor)
+  for tensor in live_to_end:
+    tensors.setdefault(tensor.id, tensor)
+    first.setdefault(tensor.id, max(n_steps - 1, 0))
+    last[tensor.id] = max(n_steps - 1, 0)
+  del control
+
+  by_category = {c: np.zeros(t, np.float64) for c in
+                 ("variables", "constants", "vertex_state", "code",
+                  "temporaries", "exchange_buffers")}
+  temp_delta = np.zeros((n_steps + 1, t), np.float64)
+  profiles = []
+  for tensor in tensors.values():
+    tiles, nbytes = _tensor_bytes(tensor, t)
+    category = tensor.category
+    if category in ("variables", "constants") or n_steps == 0:
+      np.add.at(by_category[category if category != "temporaries" else "variables"], tiles, nbytes)
+      lo, hi = 0, max(n_steps - 1, 0)
+    else:
+      lo, hi = first.get(tensor.id, 0), last.get(tensor.id, 0)
+      np.add.at(temp_delta[lo], tiles, nbytes)
+      np.add.at(temp_delta[hi + 1], tiles, -nbytes)
+    profiles.append(TensorProfile(
+        name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name,
+        category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
+        source=tensor.source, live_from=lo, live_to=hi))
+
+  # Vertex state per vertex, and code once per vertex type per tile.
+  code_tiles = {}
+  for node, _, _ in leaves:
+    if isinstance(node, P.Superstep) and node.compute_cycles is not None:
+      vertices = node.vertices if node.vertices is not None else (node.compute_cycles > 0)
+      by_category["vertex_state"] += np.asarray(vertices, np.float64) * target.vertex_state_bytes
+      for codelet in (node.codelets or (node.op,)):
+        mask = code_tiles.setdefault(codelet, np.zeros(t, bool))
+        mask |= np.asarray(vertices) > 0
+  for mask in code_tiles.values():
+    by_category["code"] += mask * target.code_bytes_per_codelet
+
+  always = sum(by_category[c] for c in ("variables", "constants", "vertex_state", "code"))
+  if n_steps:
+    temporaries = np.cumsum(temp_delta[:-1], axis=0)
+    exchange = np.stack([s.exchange_bytes_in for s in steps]).astype(np.float64)
+    for i, (node, _, _) in enumerate(leaves):
+      if isinstance(node, P.Superstep) and node.scratch_bytes is not None:
+        temporaries[i] += node.scratch_bytes
+    live = temporaries + exchange
+    peak_step = live.argmax(axis=0)
+    cols = np.arange(t)
+    by_category["temporaries"] = temporaries[peak_step, cols]
+    by_category["exchange_buffers"] = exchange[peak_step, cols]
+    live_over_program = always.sum() + live.sum(axis=1)
+  else:
+    live_over_program = np.zeros(0)
+  peak = always + by_category["temporaries"] + by_category["exchange_buffers"]
+  memory = MemoryProfile(
+      by_category={k: v.astype(np.int64) for k, v in by_category.items()},
+      peak=peak.astype(np.int64), live_over_program=live_over_program,
+      tile_limit=target.bytes_per_tile)
+  return ProgramProfile(target=target, steps=steps, tensors=profiles,
+                        memory=memory, name=name,
+                        host_round_trips=host_round_trips)
+
+
+def check_memory(profile: ProgramProfile, *, allow_out_of_memory: bool = False,
+                 report=None, what: str = "program") -> None:
+  """Raise :class:`OutOfMemoryError` if a tile exceeds its SRAM."""
+  memory = profile.memory
+  over = memory.over_limit_tiles
+  if over.size == 0 or allow_out_of_memory:
+    return
+  worst = int(over[np.argmax(memory.peak[over])])
+  needed = int(memory.peak[worst])
+  limit = memory.tile_limit
+  on_tile = []
+  for tensor in profile.tensors:
+    hit = np.nonzero(tensor.tiles == worst)[0]
+    if hit.size:
+      on_tile.append((int(tensor.bytes_on_tile[hit].sum()), tensor))
+  on_tile.sort(key=lambda item: -item[0])
+  lines = [f"  {b:>12,d} B  {tt.name} {tt.shape} {tt.dtype} ({tt.category}"
+           f"{', ' + tt.op if tt.op else ''}{', ' + tt.source if tt.source else ''})"
+           for b, tt in on_tile[:5]]
+  categories = ", ".join(f"{k} {int(v[worst]):,d}" for k, v in memory.by_category.items() if v[worst])
+  message = (
+      f"Out of memory on tile {worst} of {what}: it needs {needed:,d} bytes but has "
+      f"{limit:,d} ({len(over)} tile(s) over the limit: "
+      f"{', '.join(str(int(x)) for x in over[:8])}{' ...' if len(over) > 8 else ''}).\n"
+      f"By category on tile {worst}: {categories}.\n"
+      f"Largest tensors on tile {worst}:\n" + "\n".join(lines) + "\n"
+      "What may help: spread the tensor over more tiles (map_tensor_linearly), "
+      "lower matmuls.available_memory_proportion, recompute activations, use more "
+      "IPUs, or set memory.allow_out_of_memory=True (allow_out_of_memory) to lower "
+      "anyway and read the report.")
+  raise OutOfMemoryError(message, tile=worst, bytes_needed=needed,
+                         bytes_available=limit, over_tiles=over, report=report)

@@ -1,0 +1,154 @@
+"""Static exchanges: moving elements between tile layouts, and their cost.
+
+All exchange is decided at compile time, as on the IPU: every moved element
+has a known source tile and destination tile, so the bytes each tile sends and
+receives are exact. The JAX side of an exchange is a gather between storage
+arrays, or a pad/reshape when both layouts are linear (XLA fuses those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.target import IPUTarget
+
+__all__ = ["ExchangeCost", "movement_cost", "to_storage", "to_flat",
+           "relayout", "relayout_cost", "exchange_cycles", "NO_EXCHANGE"]
+
+
+@dataclasses.dataclass
+class ExchangeCost:
+  """Bytes an exchange moves.
+
+  Attributes:
+    bytes_in: ``[num_tiles]`` bytes received by each tile.
+    bytes_out: ``[num_tiles]`` bytes sent by each tile.
+    link_bytes_out: ``[num_ipus]`` bytes each IPU sends to other IPUs.
+  """
+
+  bytes_in: np.ndarray
+  bytes_out: np.ndarray
+  link_bytes_out: np.ndarray
+
+  @classmethod
+  def zeros(cls, target: IPUTarget) -> "ExchangeCost":
+    return cls(np.zeros(target.num_tiles, np.int64),
+               np.zeros(target.num_tiles, np.int64),
+               np.zeros(target.num_ipus, np.int64))
+
+  def __add__(self, other: "ExchangeCost") -> "ExchangeCost":
+    return ExchangeCost(self.bytes_in + other.bytes_in,
+                        self.bytes_out + other.bytes_out,
+                        self.link_bytes_out + other.link_bytes_out)
+
+  @property
+  def total_bytes(self) -> int:
+    return int(self.bytes_in.sum())
+
+
+NO_EXCHANGE = None  # a step without exchange passes None
+
+
+def movement_cost(target: IPUTarget, src_tile: np.ndarray, dst_tile: np.ndarray,
+                  itemsize: int, element_id: np.ndarray | None = None) -> ExchangeCost:
+  """The cost of moving elements from ``src_tile`` to ``dst_tile``.
+
+  Args:
+    target: the IPU target.
+    src_tile: ``[M]`` tile each moved element comes from.
+    dst_tile: ``[M]`` tile it goes to.
+    itemsize: bytes per element.
+    element_id: ``[M]`` identity of the source element. An element sent to
+      several tiles leaves its tile once (the exchange multicasts), so a tile
+      sends each distinct element once.
+  """
+  src_tile = np.asarray(src_tile, np.int64).reshape(-1)
+  dst_tile = np.asarray(dst_tile, np.int64).reshape(-1)
+  if element_id is None:
+    element_id = np.arange(src_tile.size)
+  element_id = np.asarray(element_id, np.int64).reshape(-1)
+  moved = src_tile != dst_tile
+  ids, src, dst = element_id[moved], src_tile[moved], dst_tile[moved]
+  t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
+  bytes_in = np.bincount(dst, minlength=t)[:t] * itemsize
+  _, first_send = np.unique(ids, return_index=True)
+  bytes_out = np.bincount(src[first_send], minlength=t)[:t] * itemsize
+  # A multicast crosses the IPU-Links once per destination IPU.
+  src_ipu, dst_ipu = src // per_ipu, dst // per_ipu
+  crossing = src_ipu != dst_ipu
+  _, first_cross = np.unique(ids[crossing] * n_ipus + dst_ipu[crossing],
+                             return_index=True)
+  link = np.bincount(src_ipu[crossing][first_cross], minlength=n_ipus)[:n_ipus]
+  return ExchangeCost(bytes_in.astype(np.int64), bytes_out.astype(np.int64),
+                      (link * itemsize).astype(np.int64))
+
+
+def exchange_cycles(target: IPUTarget, cost: ExchangeCost | None) -> float:
+  """Cycles of an exchange phase: the busiest tile, latency, IPU-Link time."""
+  if cost is None:
+    return 0.0
+  busiest = max(int(cost.bytes_in.max(initial=0)), int(cost.bytes_out.max(initial=0)))
+  if busiest == 0:
+    return 0.0
+  cycles = busiest / target.exchange_bytes_per_cycle + target.exchange_latency_cycles
+  link = int(cost.link_bytes_out.max(initial=0))
+  if link:
+    cycles += link / target.ipu_link_bytes_per_cycle
+  return float(cycles)
+
+
+# -- storage conversions (JAX, traced inside the executor) -------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _general_storage_source(mapping_id: int, mapping: TileMapping):
+  """For each storage slot, the flat element it holds (N = padding)."""
+  rows, size = mapping.storage_shape
+  source = np.full(rows * size, mapping.num_elements, np.int64)
+  source[mapping.storage_position] = np.arange(mapping.num_elements)
+  return source
+
+
+def to_storage(flat, mapping: TileMapping):
+  """Flat logical array -> ``[rows, row_size]`` tile storage."""
+  rows, size = mapping.storage_shape
+  if mapping.num_elements == 0:
+    return jnp.zeros((rows, size), flat.dtype)
+  if mapping.is_linear:
+    pad = rows * size - mapping.num_elements
+    if pad:
+      flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+    return flat.reshape(rows, size)
+  source = _general_storage_source(id(mapping), mapping)
+  padded = jnp.concatenate([flat, jnp.zeros((1,), flat.dtype)])
+  return padded[source].reshape(rows, size)
+
+
+def to_flat(storage, mapping: TileMapping):
+  """``[rows, row_size]`` tile storage -> flat logical array."""
+  if mapping.num_elements == 0:
+    return jnp.zeros((0,), storage.dtype)
+  flat = storage.reshape(-1)
+  if mapping.is_linear:
+    return flat[:mapping.num_elements]
+  return flat[mapping.storage_position]
+
+
+def relayout(storage, src: TileMapping, dst: TileMapping):
+  """Move a tensor's storage from mapping ``src`` to mapping ``dst``."""
+  if src.same_as(dst):
+    return storage
+  return to_storage(to_flat(storage, src), dst)
+
+
+def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
+                  itemsize: int) -> ExchangeCost | None:
+  """Bytes moved when a tensor goes from ``src`` to ``dst``."""
+  if src.same_as(dst) or src.num_elements == 0:
+    return None
+  return movement_cost(target, src.element_tile, dst.element_tile, itemsize)

@@ -1,0 +1,231 @@
+"""The executor: a whole tile program becomes one jit-compiled JAX function.
+
+State is a set of tile-storage arrays (``[rows, row_size]``, the leading axis
+is the tile) keyed by tensor id, plus host-stream buffers and cursors keyed by
+strings. A :class:`~ipu_jax.lowering.program.Superstep` maps storages to
+storages; control programs become ``lax.fori_loop`` (Repeat),
+``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If) and ``lax.switch``
+(Switch). Nothing here loops over tiles in Python: a step's function does its
+work on whole storage arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.exchange import to_flat, to_storage
+
+__all__ = ["build_function", "format_tensor"]
+
+
+class _Env:
+  """What the interpreter needs besides the state: tensors by id, memo."""
+
+  def __init__(self, tensors: dict):
+    self.tensors = tensors
+    self.memo = {}
+
+  def get(self, state: dict, key):
+    value = state.get(key)
+    if value is not None:
+      return value
+    tensor = self.tensors[key]
+    # A temporary not yet written (e.g. first use in a loop carry) is zeros,
+    # as uninitialised tile memory would be undefined.
+    return jnp.zeros(tensor.storage_shape, tensor.dtype)
+
+  def writes(self, program):
+    return sorted(P.program_writes(program, self.memo), key=str)
+
+
+def _run(program, state: dict, env: _Env) -> dict:
+  if program is None:
+    return state
+  if isinstance(program, P.Superstep):
+    values = [env.get(state, t.id) for t in program.reads]
+    outputs = program.fn(*values)
+    if len(outputs) != len(program.writes):
+      raise RuntimeError(f"step {program.name} returned {len(outputs)} values, "
+                         f"expected {len(program.writes)}")
+    state = dict(state)
+    for tensor, value in zip(program.writes, outputs):
+      if tuple(value.shape) != tensor.storage_shape:
+        raise RuntimeError(
+            f"step {program.name} produced storage {value.shape} for {tensor.name}, "
+            f"expected {tensor.storage_shape}")
+      state[tensor.id] = value.astype(tensor.dtype)
+    return state
+  if isinstance(program, P.Sequence):
+    for child in program.programs:
+      state = _run(child, state, env)
+    return state
+  if isinstance(program, P.StreamCopy):
+    return _stream_copy(program, state, env)
+  if isinstance(program, P.PrintTensor):
+    tensor = program.tensor
+    value = to_flat(env.get(state, tensor.id), tensor.mapping).reshape(tensor.shape)
+    jax.debug.callback(functools.partial(_print_tensor, program.title), value,
+                       ordered=True)
+    return state
+  if isinstance(program, P.Repeat):
+    return _repeat(program, state, env)
+  if isinstance(program, P.RepeatWhileTrue):
+    return _repeat_while(program, state, env)
+  if isinstance(program, P.If):
+    return _if(program, state, env)
+  if isinstance(program, P.Switch):
+    return _switch(program, state, env)
+  raise TypeError(f"not a tile program: {program!r}")
+
+
+def _carry(state, env, keys):
+  return tuple(env.get(state, k) for k in keys)
+
+
+def _with(state, keys, values):
+  state = dict(state)
+  state.update(zip(keys, values))
+  return state
+
+
+def _repeat(program: P.Repeat, state, env):
+  keys = env.writes(program.body)
+  if program.count <= 0:
+    return state
+
+  def body(_, carried):
+    inner = _run(program.body, _with(state, keys, carried), env)
+    return _carry(inner, env, keys)
+
+  carried = jax.lax.fori_loop(0, program.count, body, _carry(state, env, keys))
+  return _with(state, keys, carried)
+
+
+def _scalar_true(state, env, tensor):
+  value = to_flat(env.get(state, tensor.id), tensor.mapping)
+  return value.reshape(()) != 0
+
+
+def _repeat_while(program: P.RepeatWhileTrue, state, env):
+  keys = sorted(set(env.writes(program.body)) | set(env.writes(program.condition)), key=str)
+  state = _run(program.condition, state, env)
+
+  def cond(carry):
+    return carry[0]
+
+  def body(carry):
+    inner = _with(state, keys, carry[1])
+    inner = _run(program.body, inner, env)
+    inner = _run(program.condition, inner, env)
+    return _scalar_true(inner, env, program.predicate), _carry(inner, env, keys)
+
+  init = (_scalar_true(state, env, program.predicate), _carry(state, env, keys))
+  _, carried = jax.lax.while_loop(cond, body, init)
+  return _with(state, keys, carried)
+
+
+def _branches(programs, state, env):
+  keys = sorted(set().union(*[env.writes(p) for p in programs if p is not None]), key=str)
+
+  def make(p):
+    def branch(carried):
+      return _carry(_run(p, _with(state, keys, carried), env), env, keys)
+    return branch
+
+  return keys, [make(p) for p in programs]
+
+
+def _if(program: P.If, state, env):
+  keys, (then, else_) = _branches([program.then, program.else_], state, env)
+  pred = _scalar_true(state, env, program.predicate)
+  carried = jax.lax.cond(pred, then, else_, _carry(state, env, keys))
+  return _with(state, keys, carried)
+
+
+def _switch(program: P.Switch, state, env):
+  bodies = [p for _, p in program.cases] + [program.default]
+  keys, branches = _branches(bodies, state, env)
+  control = to_flat(env.get(state, program.control.id), program.control.mapping).reshape(())
+  index = jnp.int32(len(program.cases))
+  for i, (value, _) in reversed(list(enumerate(program.cases))):
+    index = jnp.where(control == value, jnp.int32(i), index)
+  carried = jax.lax.switch(index, branches, _carry(state, env, keys))
+  return _with(state, keys, carried)
+
+
+def _stream_copy(program: P.StreamCopy, state, env):
+  stream, tensor = program.stream, program.tensor
+  buffer = state[stream.buffer_key]
+  cursor = state[stream.cursor_key]
+  length = buffer.shape[0]
+  n = stream.num_elements
+  # Host buffers are circular, as with Poplar's connectStream(start, end).
+  index = (cursor + jnp.arange(n, dtype=jnp.int32)) % max(length, 1)
+  state = dict(state)
+  if stream.to_device:
+    chunk = buffer[index].astype(tensor.dtype)
+    state[tensor.id] = to_storage(chunk, tensor.mapping)
+  else:
+    value = to_flat(env.get(state, tensor.id), tensor.mapping)
+    state[stream.buffer_key] = buffer.at[index].set(value.astype(buffer.dtype))
+  state[stream.cursor_key] = ((cursor + n) % max(length, 1)).astype(cursor.dtype)
+  return state
+
+
+def format_tensor(value: np.ndarray) -> str:
+  """Format like Poplar's PrintTensor: ``[1.0000000 1.5000000]``."""
+  value = np.asarray(value)
+  if value.ndim == 0:
+    return _format_scalar(value)
+  if value.ndim == 1:
+    return "[" + " ".join(_format_scalar(v) for v in value) + "]"
+  return "[" + ",\n ".join(format_tensor(v) for v in value) + "]"
+
+
+def _format_scalar(v) -> str:
+  v = np.asarray(v)
+  if np.issubdtype(v.dtype, np.floating):
+    return f"{float(v):.7f}"
+  if v.dtype == np.bool_:
+    return "true" if bool(v) else "false"
+  return str(int(v))
+
+
+def _print_tensor(title, value):
+  sys.stdout.write(f"{title}: {format_tensor(np.asarray(value))}\n")
+  sys.stdout.flush()
+
+
+def build_function(program, tensors: dict, input_keys: Iterable,
+                   output_keys: Iterable, *, donate: bool = False) -> Callable:
+  """Compile ``program`` into one jitted function.
+
+  Args:
+    program: the control program.
+    tensors: every tensor the program touches, by id.
+    input_keys: state keys the function takes (tensor ids / stream keys), in
+      order; keys the program reads but that are not inputs start as zeros.
+    output_keys: state keys it returns, in order.
+    donate: donate the input buffers (their storage is reused for outputs).
+
+  Returns:
+    ``fn(*inputs) -> tuple(outputs)``, jit-compiled.
+  """
+  input_keys = tuple(input_keys)
+  output_keys = tuple(output_keys)
+  env = _Env(tensors)
+
+  def run(*inputs):
+    state = dict(zip(input_keys, inputs))
+    state = _run(program, state, env)
+    return tuple(env.get(state, k) for k in output_keys)
+
+  donate_argnums = tuple(range(len(input_keys))) if donate else ()
+  return jax.jit(run, donate_argnums=donate_argnums)

@@ -1,0 +1,197 @@
+"""Tile mappings: which tile holds each element of a tensor.
+
+A mapping also fixes the tensor's *storage*: a ``[rows, row_size]`` array with
+one row per tile that holds elements (the tile axis), elements in flattened
+order within a row, zero-padded to the longest row. Compute phases ``vmap``
+over that leading axis.
+
+Linear mappings (equal contiguous chunks on consecutive tiles, as
+``poputil::mapTensorLinearly`` makes) are the common, fast case: their storage
+is a pad + reshape of the flat array, so moving between them needs no gather.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["TileMapping", "linear_chunk"]
+
+
+def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
+                 grain_bytes: int = 8, min_bytes_per_tile: int = 128,
+                 max_tiles: Optional[int] = None) -> int:
+  """Elements per tile for a linear mapping, like ``mapTensorLinearly``.
+
+  The flattened tensor is cut into grains (``grain_bytes`` wide: 2 floats or 4
+  halves) spread evenly, with at least ``min_bytes_per_tile`` on each tile so
+  small tensors occupy few tiles.
+  """
+  grain = max(1, grain_bytes // itemsize)
+  min_elements = max(grain, -(-min_bytes_per_tile // itemsize))
+  tiles = num_tiles if max_tiles is None else max(1, min(num_tiles, max_tiles))
+  per_tile = -(-num_elements // tiles)
+  per_tile = -(-per_tile // grain) * grain
+  return max(per_tile, -(-min_elements // grain) * grain, 1)
+
+
+class TileMapping:
+  """Which tile holds each element of a flattened tensor, and its storage.
+
+  Build one with :meth:`linear`, :meth:`single` or :meth:`from_element_tiles`.
+
+  Attributes:
+    num_elements: elements of the flattened tensor.
+    tiles: ``[rows]`` tile id of each storage row (unique).
+    counts: ``[rows]`` elements in each row.
+    chunk: for linear mappings, the elements per row (row ``r`` holds elements
+      ``[r * chunk, (r + 1) * chunk)``); ``None`` for general mappings.
+  """
+
+  def __init__(self, num_elements: int, tiles: np.ndarray, counts: np.ndarray,
+               chunk: Optional[int] = None,
+               element_row: Optional[np.ndarray] = None,
+               element_offset: Optional[np.ndarray] = None):
+    self.num_elements = int(num_elements)
+    self.tiles = np.asarray(tiles, dtype=np.int64)
+    self.counts = np.asarray(counts, dtype=np.int64)
+    self.chunk = chunk
+    self._element_row = element_row
+    self._element_offset = element_offset
+
+  # -- constructors ---------------------------------------------------------
+
+  @classmethod
+  def linear(cls, num_elements: int, num_tiles: int, itemsize: int, *,
+             start_tile: int = 0, grain_bytes: int = 8,
+             min_bytes_per_tile: int = 128,
+             max_tiles: Optional[int] = None) -> "TileMapping":
+    """Equal contiguous chunks on consecutive tiles from ``start_tile``."""
+    if num_elements == 0:
+      return cls(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
+    chunk = linear_chunk(num_elements, num_tiles, itemsize, grain_bytes,
+                         min_bytes_per_tile, max_tiles)
+    return cls.blocks(num_elements, chunk, num_tiles, start_tile)
+
+  @classmethod
+  def blocks(cls, num_elements: int, chunk: int, num_tiles: int,
+             start_tile: int = 0) -> "TileMapping":
+    """Chunks of ``chunk`` elements on tiles ``start_tile, start_tile+1, ...``."""
+    rows = -(-num_elements // chunk) if num_elements else 0
+    if rows > num_tiles:
+      raise ValueError(f"{rows} chunks of {chunk} do not fit on {num_tiles} tiles")
+    tiles = (start_tile + np.arange(rows)) % num_tiles
+    counts = np.full(rows, chunk, np.int64)
+    if rows:
+      counts[-1] = num_elements - chunk * (rows - 1)
+    return cls(num_elements, tiles, counts, chunk=chunk)
+
+  @classmethod
+  def single(cls, num_elements: int, tile: int) -> "TileMapping":
+    """Every element on one tile."""
+    if num_elements == 0:
+      return cls(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
+    return cls(num_elements, np.array([tile]), np.array([num_elements]),
+               chunk=num_elements)
+
+  @classmethod
+  def from_element_tiles(cls, element_tile: np.ndarray) -> "TileMapping":
+    """A mapping from the tile of every element (any pattern)."""
+    element_tile = np.asarray(element_tile, dtype=np.int64).reshape(-1)
+    n = element_tile.size
+    if n == 0:
+      return cls(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
+    tiles, first, counts = np.unique(element_tile, return_index=True,
+                                     return_counts=True)
+    # Rows in order of first appearance keeps linear mappings recognisable.
+    order = np.argsort(first, kind="stable")
+    tiles, counts = tiles[order], counts[order]
+    row_of_tile = np.empty(tiles.max() + 1, np.int64)
+    row_of_tile[tiles] = np.arange(tiles.size)
+    element_row = row_of_tile[element_tile]
+    chunk = int(counts[0])
+    expected_rows = np.arange(n) // chunk
+    if np.array_equal(element_row, expected_rows):
+      return cls(n, tiles, counts, chunk=chunk)
+    # Offset of each element within its row: rank among same-row elements.
+    sort = np.argsort(element_row, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    offsets = np.empty(n, np.int64)
+    offsets[sort] = np.arange(n) - np.repeat(starts, counts)
+    return cls(n, tiles, counts, element_row=element_row,
+               element_offset=offsets)
+
+  # -- queries --------------------------------------------------------------
+
+  @property
+  def is_linear(self) -> bool:
+    return self.chunk is not None
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.tiles.size)
+
+  @property
+  def row_size(self) -> int:
+    if self.num_elements == 0:
+      return 0
+    return int(self.chunk) if self.is_linear else int(self.counts.max())
+
+  @property
+  def storage_shape(self) -> tuple:
+    return (self.num_rows, self.row_size)
+
+  @functools.cached_property
+  def element_row(self) -> np.ndarray:
+    if self.is_linear:
+      return np.arange(self.num_elements, dtype=np.int64) // self.chunk
+    return self._element_row
+
+  @functools.cached_property
+  def element_offset(self) -> np.ndarray:
+    if self.is_linear:
+      return np.arange(self.num_elements, dtype=np.int64) % self.chunk
+    return self._element_offset
+
+  @functools.cached_property
+  def element_tile(self) -> np.ndarray:
+    """``[num_elements]`` tile of each element."""
+    if self.is_linear:
+      return np.repeat(self.tiles, self.counts)
+    return self.tiles[self.element_row]
+
+  @functools.cached_property
+  def storage_position(self) -> np.ndarray:
+    """``[num_elements]`` index of each element in the flattened storage."""
+    if self.is_linear:
+      return np.arange(self.num_elements, dtype=np.int64)
+    return self.element_row * self.row_size + self.element_offset
+
+  def elements_per_tile(self, num_tiles: int) -> np.ndarray:
+    """``[num_tiles]`` elements held by each tile."""
+    out = np.zeros(num_tiles, np.int64)
+    np.add.at(out, self.tiles, self.counts)
+    return out
+
+  def bytes_per_tile(self, num_tiles: int, itemsize: int) -> np.ndarray:
+    return self.elements_per_tile(num_tiles) * itemsize
+
+  def same_as(self, other: "TileMapping") -> bool:
+    """Whether both mappings put every element in the same storage slot."""
+    if self is other:
+      return True
+    if self.num_elements != other.num_elements:
+      return False
+    if self.is_linear and other.is_linear:
+      return (self.chunk == other.chunk or self.num_rows <= 1) and \
+          np.array_equal(self.tiles, other.tiles) and self.storage_shape == other.storage_shape
+    return (np.array_equal(self.tiles, other.tiles)
+            and self.storage_shape == other.storage_shape
+            and np.array_equal(self.storage_position, other.storage_position))
+
+  def __repr__(self):
+    kind = f"linear chunk={self.chunk}" if self.is_linear else "general"
+    return (f"TileMapping({self.num_elements} elements on {self.num_rows} tiles, "
+            f"{kind})")

@@ -1,0 +1,185 @@
+"""The raw numbers a compiled tile program yields: cycles and bytes per tile.
+
+`ProgramProfile` is the contract between the cost / memory models (which fill
+it in, in `lowering.cost` and `lowering.memory`) and the reports people read
+(`ipu_jax.report`, which only reads it). Arrays are NumPy, indexed by tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from ipu_jax.target import IPUTarget
+
+__all__ = ["StepProfile", "TensorProfile", "MemoryProfile", "ProgramProfile",
+           "MEMORY_CATEGORIES", "ALWAYS_LIVE_CATEGORIES"]
+
+# Always-live memory is allocated for the whole program; not-always-live
+# memory is shared between values whose lifetimes do not overlap.
+ALWAYS_LIVE_CATEGORIES = ("variables", "constants", "vertex_state", "code")
+NOT_ALWAYS_LIVE_CATEGORIES = ("temporaries", "exchange_buffers")
+MEMORY_CATEGORIES = ALWAYS_LIVE_CATEGORIES + NOT_ALWAYS_LIVE_CATEGORIES
+
+
+@dataclasses.dataclass
+class StepProfile:
+  """One BSP superstep (sync -> exchange -> compute) of the program.
+
+  Attributes:
+    name: a readable name, e.g. ``"dot_general/partials"``.
+    op: the JAX primitive or graph program that produced it (``"dot_general"``,
+      ``"Execute"``, ``"Copy"``...).
+    source: the user's ``file:line`` the operation came from ('' if unknown).
+    compute_cycles: ``[num_tiles]`` cycles of the compute phase on each tile.
+    exchange_bytes_in: ``[num_tiles]`` bytes each tile receives.
+    exchange_bytes_out: ``[num_tiles]`` bytes each tile sends.
+    exchange_cycles: cost of the exchange phase (the busiest tile plus latency,
+      plus IPU-Link time for bytes that cross IPUs).
+    sync_cycles: cost of the sync that opens the superstep.
+    ipu_link_bytes: bytes that cross from one IPU to another.
+    flops: floating point operations of the compute phase.
+    vertices: ``[num_tiles]`` vertex count per tile.
+    executions: times the step runs per program run (``Repeat`` multiplies it;
+      loops of unknown trip count count once).
+    host_bytes: bytes moved over the host link (streams), 0 otherwise.
+    ipu: the IPU the step runs on, -1 when it spans several.
+  """
+
+  name: str
+  op: str
+  source: str
+  compute_cycles: np.ndarray
+  exchange_bytes_in: np.ndarray
+  exchange_bytes_out: np.ndarray
+  exchange_cycles: float
+  sync_cycles: float
+  ipu_link_bytes: int = 0
+  flops: int = 0
+  vertices: Optional[np.ndarray] = None
+  executions: int = 1
+  host_bytes: int = 0
+
+  @property
+  def compute_phase_cycles(self) -> float:
+    """The compute phase lasts as long as its slowest tile."""
+    return float(self.compute_cycles.max()) if self.compute_cycles.size else 0.0
+
+  @property
+  def total_cycles(self) -> float:
+    """Cycles for one execution: sync + exchange + compute."""
+    return self.sync_cycles + self.exchange_cycles + self.compute_phase_cycles
+
+
+@dataclasses.dataclass
+class TensorProfile:
+  """A tensor of the program and where its bytes live.
+
+  Attributes:
+    name: tensor name (user-given, or the JAX variable it holds).
+    shape, dtype: logical shape and dtype.
+    category: one of `MEMORY_CATEGORIES` ("variables", "constants",
+      "temporaries").
+    tiles: tile ids that hold part of it.
+    bytes_on_tile: bytes held on each of ``tiles``.
+    op: the operation that produced it; source: its ``file:line``.
+    live_from, live_to: first and last step index (into
+      `ProgramProfile.steps`) where it is live (temporaries only).
+  """
+
+  name: str
+  shape: tuple
+  dtype: str
+  category: str
+  tiles: np.ndarray
+  bytes_on_tile: np.ndarray
+  op: str = ""
+  source: str = ""
+  live_from: int = 0
+  live_to: int = 0
+
+  @property
+  def total_bytes(self) -> int:
+    return int(self.bytes_on_tile.sum())
+
+
+@dataclasses.dataclass
+class MemoryProfile:
+  """Bytes per tile, by category, at each tile's peak.
+
+  Attributes:
+    by_category: category -> ``[num_tiles]`` bytes. For not-always-live
+      categories the value is the category's share at that tile's peak.
+    peak: ``[num_tiles]`` peak bytes (always-live + peak not-always-live).
+    live_over_program: ``[num_steps]`` total bytes live on the device (all
+      tiles) at each step, always-live included.
+    tile_limit: SRAM per tile.
+  """
+
+  by_category: dict
+  peak: np.ndarray
+  live_over_program: np.ndarray
+  tile_limit: int
+
+  @property
+  def always_live(self) -> np.ndarray:
+    return sum(self.by_category[c] for c in ALWAYS_LIVE_CATEGORIES)
+
+  @property
+  def not_always_live(self) -> np.ndarray:
+    return self.peak - self.always_live
+
+  @property
+  def over_limit_tiles(self) -> np.ndarray:
+    return np.nonzero(self.peak > self.tile_limit)[0]
+
+
+@dataclasses.dataclass
+class ProgramProfile:
+  """Everything the emulator knows about what a program would cost."""
+
+  target: IPUTarget
+  steps: list
+  tensors: list
+  memory: MemoryProfile
+  name: str = "program"
+  host_round_trips: int = 1
+
+  def _weighted(self, attribute: str) -> float:
+    return float(sum(getattr(s, attribute) * s.executions for s in self.steps))
+
+  @property
+  def compute_cycles(self) -> float:
+    return self._weighted("compute_phase_cycles")
+
+  @property
+  def exchange_cycles(self) -> float:
+    return self._weighted("exchange_cycles")
+
+  @property
+  def sync_cycles(self) -> float:
+    return self._weighted("sync_cycles")
+
+  @property
+  def total_cycles(self) -> float:
+    return self.compute_cycles + self.exchange_cycles + self.sync_cycles
+
+  @property
+  def total_flops(self) -> float:
+    return float(sum(s.flops * s.executions for s in self.steps))
+
+  @property
+  def estimated_seconds(self) -> float:
+    return self.target.cycles_to_seconds(self.total_cycles)
+
+  @property
+  def tiles_used(self) -> int:
+    return int(np.count_nonzero(self.memory.peak))
+
+  def tile_cycles(self) -> np.ndarray:
+    """``[num_steps, num_tiles]`` compute cycles per step and tile."""
+    if not self.steps:
+      return np.zeros((0, self.target.num_tiles))
+    return np.stack([s.compute_cycles for s in self.steps])

@@ -1,0 +1,298 @@
+"""The tile program IR: tile-mapped tensors, supersteps and control programs.
+
+This mirrors Poplar's model. A :class:`Tensor` is a logical array plus its
+:class:`~ipu_jax.lowering.mapping.TileMapping`. A :class:`Superstep` is one
+BSP step: sync, then the exchange that brings every vertex's operands onto its
+tile, then a compute phase of vertices running on their tiles; its ``fn`` does
+the exchange and the ``vmap``-ed compute on tile storage arrays and its cost
+fields say what the real chip would spend. Control programs (Sequence, Repeat,
+RepeatWhileTrue, If, Switch, host stream copies, PrintTensor) arrange steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable, Optional, Sequence as SequenceT
+
+import numpy as np
+
+from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.mapping import TileMapping
+
+__all__ = [
+    "Tensor", "Superstep", "Sequence", "Repeat", "RepeatWhileTrue", "If",
+    "Switch", "HostStream", "StreamCopy", "PrintTensor", "Program",
+    "program_reads", "program_writes", "iter_steps",
+]
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Tensor:
+  """A logical array held in tile memory.
+
+  Attributes:
+    name: a readable name.
+    shape: logical shape.
+    dtype: NumPy dtype.
+    mapping: where each element lives (``None`` until mapped, graph API only).
+    category: memory category: ``"variables"``, ``"constants"`` or
+      ``"temporaries"``.
+    value: initial value of constants (a NumPy array), else ``None``.
+    op: the operation that produced it (for reports).
+    source: the user's ``file:line`` (for reports).
+  """
+
+  name: str
+  shape: tuple
+  dtype: np.dtype
+  mapping: Optional[TileMapping] = None
+  category: str = "temporaries"
+  value: Optional[np.ndarray] = None
+  op: str = ""
+  source: str = ""
+  id: int = dataclasses.field(default_factory=lambda: next(_ids))
+
+  def __post_init__(self):
+    self.shape = tuple(int(d) for d in self.shape)
+    self.dtype = np.dtype(self.dtype)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def itemsize(self) -> int:
+    return self.dtype.itemsize
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.itemsize
+
+  @property
+  def storage_shape(self) -> tuple:
+    return self.mapping.storage_shape
+
+  def __repr__(self):
+    return f"Tensor({self.name!r}, {self.shape}, {self.dtype.name})"
+
+
+@dataclasses.dataclass(eq=False)
+class Superstep:
+  """One BSP superstep: sync, exchange, compute.
+
+  Attributes:
+    name: readable name (``"add"``, ``"dot_general/partials"``...).
+    op: the JAX primitive or graph program that produced it.
+    reads: tensors whose storage ``fn`` takes, in order.
+    writes: tensors whose new storage ``fn`` returns, in order. A step that
+      writes only part of a tensor also lists it in ``reads``.
+    fn: ``fn(*read_storages) -> tuple of write_storages``; does the exchange
+      (static gathers / reshapes) and the compute (codelets ``vmap``-ed over
+      the tile axis).
+    compute_cycles: ``[num_tiles]`` compute-phase cycles, or ``None`` for a
+      step with no compute (a pure exchange).
+    exchange: bytes moved, or ``None``.
+    vertices: ``[num_tiles]`` vertices per tile.
+    codelets: vertex type names run (code memory is charged once per type
+      per tile).
+    flops: floating point operations.
+    scratch_bytes: ``[num_tiles]`` temporary bytes live only during the step.
+    source: the user's ``file:line``.
+  """
+
+  name: str
+  op: str
+  reads: tuple
+  writes: tuple
+  fn: Callable
+  compute_cycles: Optional[np.ndarray] = None
+  exchange: Optional[ExchangeCost] = None
+  vertices: Optional[np.ndarray] = None
+  codelets: tuple = ()
+  flops: int = 0
+  scratch_bytes: Optional[np.ndarray] = None
+  source: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """Run programs one after another."""
+  programs: list = dataclasses.field(default_factory=list)
+
+  def __init__(self, *programs):
+    if len(programs) == 1 and isinstance(programs[0], (list, tuple)):
+      programs = tuple(programs[0])
+    self.programs = list(programs)
+
+  def add(self, program) -> "Sequence":
+    self.programs.append(program)
+    return self
+
+
+@dataclasses.dataclass(eq=False)
+class Repeat:
+  """Run ``body`` ``count`` times (an on-device loop)."""
+  count: int
+  body: object
+
+
+@dataclasses.dataclass(eq=False)
+class RepeatWhileTrue:
+  """Run ``condition``, then ``body`` while the scalar ``predicate`` is true.
+
+  ``condition`` is the program that computes ``predicate``; it runs before
+  the first iteration and after every body.
+  """
+  condition: object
+  predicate: Tensor
+  body: object
+
+
+@dataclasses.dataclass(eq=False)
+class If:
+  """Run ``then`` when the scalar ``predicate`` is non-zero, else ``else_``."""
+  predicate: Tensor
+  then: object
+  else_: object = None
+
+
+@dataclasses.dataclass(eq=False)
+class Switch:
+  """Run the case whose value equals the scalar ``control``, else ``default``."""
+  control: Tensor
+  cases: list
+  default: object = None
+
+
+@dataclasses.dataclass(eq=False)
+class HostStream:
+  """A FIFO between host memory and the device.
+
+  Attributes:
+    name: the stream's handle.
+    dtype: element type.
+    num_elements: elements moved per copy.
+    to_device: True for host-to-device, False for device-to-host.
+  """
+  name: str
+  dtype: np.dtype
+  num_elements: int
+  to_device: bool = True
+
+  @property
+  def buffer_key(self) -> str:
+    return f"stream:{self.name}:buffer"
+
+  @property
+  def cursor_key(self) -> str:
+    return f"stream:{self.name}:cursor"
+
+
+@dataclasses.dataclass(eq=False)
+class StreamCopy:
+  """Copy one transfer of ``stream`` into (or out of) ``tensor``."""
+  stream: HostStream
+  tensor: Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class PrintTensor:
+  """Print ``tensor`` on the host as Poplar's PrintTensor does."""
+  title: str
+  tensor: Tensor
+
+
+Program = object  # any of the classes above
+
+
+def _children(program) -> SequenceT:
+  if isinstance(program, Sequence):
+    return program.programs
+  if isinstance(program, Repeat):
+    return [program.body]
+  if isinstance(program, RepeatWhileTrue):
+    return [program.condition, program.body]
+  if isinstance(program, If):
+    return [p for p in (program.then, program.else_) if p is not None]
+  if isinstance(program, Switch):
+    return [p for _, p in program.cases] + ([program.default] if program.default is not None else [])
+  return []
+
+
+def _key_sets(program, memo):
+  """(read keys, written keys) of a program; keys are tensor ids or strings."""
+  if program is None:
+    return frozenset(), frozenset()
+  cached = memo.get(id(program))
+  if cached is not None:
+    return cached
+  reads, writes = set(), set()
+  if isinstance(program, Superstep):
+    reads.update(t.id for t in program.reads)
+    writes.update(t.id for t in program.writes)
+  elif isinstance(program, StreamCopy):
+    keys = {program.stream.buffer_key, program.stream.cursor_key}
+    reads |= keys
+    if program.stream.to_device:
+      writes.add(program.tensor.id)
+      writes.add(program.stream.cursor_key)
+    else:
+      reads.add(program.tensor.id)
+      writes |= keys
+  elif isinstance(program, PrintTensor):
+    reads.add(program.tensor.id)
+  else:
+    if isinstance(program, RepeatWhileTrue):
+      reads.add(program.predicate.id)
+    elif isinstance(program, If):
+      reads.add(program.predicate.id)
+    elif isinstance(program, Switch):
+      reads.add(program.control.id)
+    for child in _children(program):
+      r, w = _key_sets(child, memo)
+      reads |= r
+      writes |= w
+  result = (frozenset(reads), frozenset(writes))
+  memo[id(program)] = result
+  return result
+
+
+def program_reads(program, memo=None) -> frozenset:
+  return _key_sets(program, {} if memo is None else memo)[0]
+
+
+def program_writes(program, memo=None) -> frozenset:
+  return _key_sets(program, {} if memo is None else memo)[1]
+
+
+def iter_steps(program, executions: int = 1, loop_depth: int = 0):
+  """Yield ``(node, executions, loop_path)`` for every leaf in program order.
+
+  ``loop_path`` is a tuple of the enclosing loop nodes, so liveness can keep
+  values touched inside a loop alive for the whole loop.
+  """
+  yield from _iter(program, executions, ())
+
+
+def _iter(program, executions, loops):
+  if program is None:
+    return
+  if isinstance(program, (Superstep, StreamCopy, PrintTensor)):
+    yield program, executions, loops
+  elif isinstance(program, Sequence):
+    for p in program.programs:
+      yield from _iter(p, executions, loops)
+  elif isinstance(program, Repeat):
+    yield from _iter(program.body, executions * program.count, loops + (program,))
+  elif isinstance(program, RepeatWhileTrue):
+    inner = loops + (program,)
+    yield from _iter(program.condition, executions, inner)
+    yield from _iter(program.body, executions, inner)
+  elif isinstance(program, (If, Switch)):
+    for child in _children(program):
+      yield from _iter(child, executions, loops)
+  else:
+    raise TypeError(f"not a tile program: {program!r}")

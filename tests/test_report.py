@@ -1,0 +1,453 @@
+"""Tests of ipu_jax.report on synthetic program profiles."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import numpy as np
+
+from ipu_jax import report as report_lib
+from ipu_jax.lowering.profile import MEMORY_CATEGORIES
+from ipu_jax.lowering.profile import MemoryProfile
+from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.lowering.profile import StepProfile
+from ipu_jax.lowering.profile import TensorProfile
+from ipu_jax.target import IPUTarget
+
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_OVER_TILE = 3
+
+
+def _on_tiles(n, tiles, value):
+  array = np.zeros(n)
+  array[list(tiles)] = value
+  return array
+
+
+def _make_profile(num_ipus=1, over_limit=True, name="mlp", scale=1.0,
+                  extra_variable_bytes=0):
+  """Three supersteps on 16 tiles per IPU, a few tensors, one tile too full.
+
+  Cycles (one IPU): compute 1000 + 4 x 200 + 300 = 2100, exchange 50 + 40 =
+  90, sync 150 + 4 x 150 + 150 = 900 (the last sync is external on 2 IPUs).
+  """
+  target = IPUTarget.preset("ipu2", num_ipus=num_ipus, tiles_per_ipu=16)
+  n = target.num_tiles
+  last_sync = 1500.0 if num_ipus > 1 else 150.0
+  steps = [
+      StepProfile(
+          name="dot_general/partials", op="dot_general", source="model.py:12",
+          compute_cycles=_on_tiles(n, range(8), 1000 * scale),
+          exchange_bytes_in=_on_tiles(n, range(8), 64),
+          exchange_bytes_out=_on_tiles(n, range(8, 16), 64),
+          exchange_cycles=50.0, sync_cycles=150.0, flops=100_000,
+          vertices=_on_tiles(n, range(8), 1).astype(int)),
+      StepProfile(
+          name="add", op="add", source="model.py:13",
+          compute_cycles=np.full(n, 200.0), exchange_bytes_in=np.zeros(n),
+          exchange_bytes_out=np.zeros(n), exchange_cycles=0.0,
+          sync_cycles=150.0, flops=1_600, executions=4),
+      StepProfile(
+          name="reduce_sum", op="reduce_sum", source="model.py:14",
+          compute_cycles=_on_tiles(n, [0], 300.0),
+          exchange_bytes_in=_on_tiles(n, [0], 32 * (n - 1)),
+          exchange_bytes_out=_on_tiles(n, range(1, n), 32),
+          exchange_cycles=40.0, sync_cycles=last_sync, flops=50,
+          ipu_link_bytes=512 if num_ipus > 1 else 0),
+  ]
+  used = range(16)
+  categories = {
+      "variables": _on_tiles(n, range(8), 2048 + extra_variable_bytes),
+      "constants": _on_tiles(n, range(4), 512),
+      "vertex_state": _on_tiles(n, used, 100),
+      "code": _on_tiles(n, used, 256),
+      "temporaries": _on_tiles(n, range(8), 1024),
+      "exchange_buffers": _on_tiles(n, used, 64),
+  }
+  if over_limit:
+    categories["temporaries"][_OVER_TILE] = target.bytes_per_tile
+  categories = {c: v.astype(np.int64) for c, v in categories.items()}
+  peak = sum(categories.values())
+  tensors = [
+      TensorProfile(name="weights", shape=(64, 64), dtype="float32",
+                    category="variables", tiles=np.arange(8),
+                    bytes_on_tile=np.full(8, 2048), op="param",
+                    source="model.py:5"),
+      TensorProfile(name="bias", shape=(256,), dtype="float32",
+                    category="constants", tiles=np.arange(4),
+                    bytes_on_tile=np.full(4, 256), op="broadcast_in_dim",
+                    source="model.py:6"),
+      TensorProfile(name="partials", shape=(8, 64, 64), dtype="float32",
+                    category="temporaries", tiles=np.array([_OVER_TILE]),
+                    bytes_on_tile=np.array([target.bytes_per_tile]),
+                    op="dot_general", source="model.py:12", live_from=0,
+                    live_to=2),
+  ]
+  memory = MemoryProfile(
+      by_category=categories, peak=peak,
+      live_over_program=np.array([60_000, 80_000, 40_000]),
+      tile_limit=target.bytes_per_tile)
+  return ProgramProfile(target=target, steps=steps, tensors=tensors,
+                        memory=memory, name=name, host_round_trips=2)
+
+
+def _empty_profile():
+  target = IPUTarget.preset("ipu1", tiles_per_ipu=4)
+  zeros = np.zeros(4, np.int64)
+  memory = MemoryProfile(by_category={c: zeros for c in MEMORY_CATEGORIES},
+                         peak=zeros, live_over_program=np.zeros(0),
+                         tile_limit=target.bytes_per_tile)
+  return ProgramProfile(target=target, steps=[], tensors=[], memory=memory,
+                        name="empty")
+
+
+def _run_cli(*args):
+  return subprocess.run([sys.executable, "-m", "ipu_jax.report", *args],
+                        capture_output=True, text=True, check=False,
+                        timeout=120)
+
+
+class ReportNumbersTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.parameters(1, 2)
+  def test_totals_match_profile(self, num_ipus):
+    profile = _make_profile(num_ipus=num_ipus)
+    report = report_lib.Report(profile)
+    self.assertIs(report.profile, profile)
+    self.assertEqual(report.compute_cycles, 2100.0)
+    self.assertEqual(report.exchange_cycles, 90.0)
+    self.assertEqual(report.sync_cycles,
+                     900.0 + (1350.0 if num_ipus > 1 else 0.0))
+    self.assertAlmostEqual(report.total_cycles, profile.total_cycles)
+    self.assertAlmostEqual(report.estimated_seconds,
+                           profile.estimated_seconds)
+    self.assertEqual(report.total_flops, 100_000 + 4 * 1_600 + 50)
+
+  def test_memory_and_structure(self):
+    profile = _make_profile()
+    report = report_lib.Report(profile)
+    np.testing.assert_array_equal(report.memory_per_tile, profile.memory.peak)
+    self.assertEqual(set(report.memory_by_category), set(MEMORY_CATEGORIES))
+    np.testing.assert_array_equal(report.over_limit_tiles, [_OVER_TILE])
+    self.assertEqual(report.tiles_used, 16)
+    self.assertEqual(report.num_supersteps, 3)
+    self.assertEqual(report.num_supersteps_executed, 6)
+    self.assertEqual(report.num_compute_sets, 3)
+    self.assertEqual(report.host_round_trips, 2)
+
+  def test_flops_fraction_of_peak_uses_fp32_by_default(self):
+    report = report_lib.Report(_make_profile())
+    target = report.target
+    peak = target.num_tiles * target.fp32_flops_per_cycle * target.clock_hz
+    expected = report.total_flops / (report.estimated_seconds * peak)
+    self.assertAlmostEqual(report.flops_fraction_of_peak, expected)
+    self.assertEqual(report.flops_dtype, "float32")
+
+  def test_flops_fraction_honours_declared_fp16(self):
+    profile = _make_profile()
+    profile.flops_dtype = "float16"
+    report = report_lib.Report(profile)
+    target = report.target
+    peak = target.num_tiles * target.fp16_flops_per_cycle * target.clock_hz
+    self.assertAlmostEqual(report.flops_fraction_of_peak,
+                           report.total_flops / (report.estimated_seconds *
+                                                 peak))
+
+  def test_operations_aggregate_by_op_and_source(self):
+    profile = _make_profile()
+    repeated = profile.steps[1]
+    profile.steps.append(StepProfile(
+        name="add/again", op="add", source="model.py:13",
+        compute_cycles=repeated.compute_cycles,
+        exchange_bytes_in=repeated.exchange_bytes_in,
+        exchange_bytes_out=repeated.exchange_bytes_out,
+        exchange_cycles=0.0, sync_cycles=150.0, executions=2))
+    rows = report_lib.Report(profile).cycles_by_operation()
+    add = [r for r in rows if r["op"] == "add"]
+    self.assertLen(add, 1)
+    self.assertEqual(add[0]["steps"], 2)
+    self.assertEqual(add[0]["executions"], 6)
+    self.assertEqual(add[0]["cycles"], 6 * 350.0)
+    self.assertEqual(rows[0]["op"], "add")  # the most cycles come first
+
+  def test_rejects_non_profile(self):
+    with self.assertRaises(TypeError):
+      report_lib.Report({"steps": []})
+
+  def test_empty_program(self):
+    report = report_lib.Report(_empty_profile())
+    self.assertEqual(report.total_cycles, 0.0)
+    self.assertEqual(report.flops_fraction_of_peak, 0.0)
+    self.assertIn("no supersteps", report.summary())
+    with tempfile.TemporaryDirectory() as directory:
+      files = report.save(directory)
+      loaded = report_lib.Report.load(directory)
+    self.assertLen(files, 5)
+    self.assertEqual(loaded.summary(), report.summary())
+
+
+class SummaryTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.parameters(1, 2)
+  def test_every_field_is_present(self, num_ipus):
+    report = report_lib.Report(_make_profile(num_ipus=num_ipus))
+    text = report.summary()
+    expected = [
+        "Target:", "ipu2", f"Number of IPUs:        {num_ipus}",
+        "Total tiles:", "638,976 B", "1.330 GHz", "Tiles used:",
+        "Always-live", "Not-always-live", "Variables", "Constants",
+        "Temporaries", "Exchange buffers", "Vertex state", "Code",
+        "Total over device", "Peak tile", "Mean per tile", "Worst tiles",
+        "Compute sets:", "Supersteps:", "Compute:", "Exchange:", "Sync:",
+        "Estimated time:", "FLOP", "Fraction of peak:",
+        "Top operations by cycles", "dot_general", "model.py:12",
+        "model.py:14", "Top tensors by memory", "weights", "model.py:5",
+        "OUT OF MEMORY", f"tile {_OVER_TILE}",
+    ]
+    for needle in expected:
+      self.assertIn(needle, text)
+    self.assertEqual(str(report), text)
+
+  def test_cycle_split_percentages(self):
+    text = report_lib.Report(_make_profile()).summary()
+    self.assertRegex(text, r"Compute:\s+2,100 \(67\.\d%\)")
+    self.assertRegex(text, r"Exchange:\s+90 \(2\.9%\)")
+    self.assertRegex(text, r"Sync:\s+900 \(29\.\d%\)")
+
+  def test_out_of_memory_names_tile_and_tensor(self):
+    text = report_lib.Report(_make_profile()).summary()
+    oom = text[text.index("OUT OF MEMORY"):]
+    self.assertIn(f"tile {_OVER_TILE}", oom)
+    self.assertIn("partials", oom)  # the largest tensor on that tile
+    self.assertIn("1 tile(s) over the limit", oom)
+
+  def test_no_out_of_memory_section_when_everything_fits(self):
+    text = report_lib.Report(_make_profile(over_limit=False)).summary()
+    self.assertNotIn("OUT OF MEMORY", text)
+
+
+class SaveTest(chex.TestCase, parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.directory = self.create_tempdir().full_path
+
+  def test_writes_all_files(self):
+    out = os.path.join(self.directory, "new", "report")
+    files = report_lib.Report(_make_profile()).save(out)
+    names = sorted(os.path.basename(f) for f in files)
+    self.assertEqual(names, sorted([
+        "report.json", "trace.json", "memory_per_tile.png",
+        "cycles_heatmap.png", "live_memory.png"]))
+    for path in files:
+      self.assertTrue(os.path.isfile(path), path)
+
+  @parameterized.parameters(1, 2)
+  def test_report_json_round_trip(self, num_ipus):
+    report = report_lib.Report(_make_profile(num_ipus=num_ipus))
+    report.save(self.directory, plots=False)
+    with open(os.path.join(self.directory, "report.json")) as f:
+      document = json.load(f)
+    self.assertEqual(document["schema"], "ipu-jax-report")
+    self.assertEqual(document["version"], 1)
+    self.assertEqual(document["target"]["num_ipus"], num_ipus)
+    self.assertLen(document["steps"], 3)
+    self.assertLen(document["tensors"], 3)
+    self.assertEqual(document["memory"]["over_limit_tiles"], [_OVER_TILE])
+    self.assertEqual(set(document["memory"]["categories"]),
+                     set(MEMORY_CATEGORIES))
+    self.assertEqual(document["steps"][1]["executions"], 4)
+    self.assertEqual(document["totals"]["cycles"], report.total_cycles)
+
+    for source in (self.directory,
+                   os.path.join(self.directory, "report.json")):
+      loaded = report_lib.Report.load(source)
+      self.assertIsInstance(loaded, report_lib.SavedReport)
+      self.assertEqual(loaded.total_cycles, report.total_cycles)
+      self.assertEqual(loaded.total_flops, report.total_flops)
+      self.assertEqual(loaded.target, report.target)
+      np.testing.assert_array_equal(loaded.memory_per_tile,
+                                    report.memory_per_tile)
+      for category, values in report.memory_by_category.items():
+        np.testing.assert_array_equal(loaded.memory_by_category[category],
+                                      values)
+      np.testing.assert_array_equal(loaded.live_over_program,
+                                    report.live_over_program)
+      self.assertEqual(loaded.summary(), report.summary())
+
+  def test_load_rejects_other_files(self):
+    path = os.path.join(self.directory, "report.json")
+    for document, message in (({"schema": "other"}, "not an ipu-jax report"),
+                              ({"schema": "ipu-jax-report", "version": 99},
+                               "Upgrade")):
+      with open(path, "w") as f:
+        json.dump(document, f)
+      with self.assertRaisesRegex(ValueError, message):
+        report_lib.Report.load(path)
+
+  @parameterized.parameters(1, 2)
+  def test_trace_is_valid_chrome_trace(self, num_ipus):
+    report = report_lib.Report(_make_profile(num_ipus=num_ipus))
+    report.save(self.directory, plots=False)
+    with open(os.path.join(self.directory, "trace.json")) as f:
+      trace = json.load(f)
+    self.assertEqual(trace["displayTimeUnit"], "ns")
+    events = trace["traceEvents"]
+    self.assertIsInstance(events, list)
+    for event in events:
+      for key in ("ph", "ts", "pid", "tid"):
+        self.assertIn(key, event)
+    spans = [e for e in events if e["ph"] == "X"]
+    self.assertNotEmpty(spans)
+    for span in spans:
+      self.assertGreaterEqual(span["dur"], 0)
+      self.assertIn(span["tid"], (0, 1, 2))
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e["ph"] == "M" and e["name"] == "process_name"}
+    self.assertEqual(processes, {i: f"IPU {i}" for i in range(num_ipus)})
+    self.assertEqual({s["pid"] for s in spans}, set(range(num_ipus)))
+    threads = {e["args"]["name"] for e in events
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    self.assertEqual(threads, {"sync", "exchange", "compute"})
+
+  def test_trace_spans_follow_bsp_order_and_scale_executions(self):
+    report = report_lib.Report(_make_profile())
+    spans = [e for e in report.trace()["traceEvents"] if e["ph"] == "X"]
+    us_per_cycle = 1e6 / report.target.clock_hz
+    add = [s for s in spans if s["args"]["op"] == "add"]
+    self.assertEqual([s["tid"] for s in add], [0, 2])  # no exchange bytes
+    compute = add[1]
+    self.assertEqual(compute["args"]["executions"], 4)
+    self.assertAlmostEqual(compute["dur"], 4 * 200 * us_per_cycle)
+    self.assertEqual(compute["args"]["source"], "model.py:13")
+    first = [s for s in spans if s["args"]["step"] == 0]
+    self.assertEqual([s["tid"] for s in first], [0, 1, 2])
+    for before, after in zip(first, first[1:]):
+      self.assertAlmostEqual(before["ts"] + before["dur"], after["ts"])
+    end = max(s["ts"] + s["dur"] for s in spans)
+    self.assertAlmostEqual(end, report.total_cycles * us_per_cycle)
+
+  def test_pngs_are_valid(self):
+    files = report_lib.Report(_make_profile(num_ipus=2)).save(self.directory)
+    pngs = [f for f in files if f.endswith(".png")]
+    self.assertLen(pngs, 3)
+    for path in pngs:
+      with open(path, "rb") as f:
+        self.assertEqual(f.read(8), _PNG_MAGIC, path)
+
+  def test_memory_plot_has_limit_line(self):
+    report = report_lib.Report(_make_profile())
+    figure = report_lib._memory_figure(report._data)
+    limit = report.target.bytes_per_tile
+    lines = [line for line in figure.axes[0].lines
+             if np.allclose(line.get_ydata(), limit)]
+    self.assertLen(lines, 1)
+    self.assertIn("SRAM limit", lines[0].get_label())
+
+  def test_heatmap_bins_large_programs(self):
+    cycles = np.ones((1000, 1472))
+    executions = np.ones(1000, np.int64)
+    image, step_starts, tile_starts = report_lib._binned_cycles(cycles,
+                                                                executions)
+    self.assertLessEqual(image.shape[1], 400)
+    self.assertLessEqual(image.shape[0], 512)
+    self.assertEqual(image.shape, (len(tile_starts), len(step_starts)))
+    self.assertEqual(image.sum(axis=1)[0], 1000)  # steps are summed
+
+  def test_missing_matplotlib_writes_a_note(self):
+    with mock.patch.object(report_lib, "_load_matplotlib", return_value=None):
+      files = report_lib.Report(_make_profile()).save(self.directory)
+    names = sorted(os.path.basename(f) for f in files)
+    self.assertEqual(names,
+                     ["PLOTS_MISSING.txt", "report.json", "trace.json"])
+    with open(os.path.join(self.directory, "PLOTS_MISSING.txt")) as f:
+      self.assertIn("pip install ipu-jax[plots]", f.read())
+
+
+class CompareTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(("live", False), ("loaded", True))
+  def test_shows_deltas(self, load_b):
+    a = report_lib.Report(_make_profile(name="before"))
+    b = report_lib.Report(_make_profile(name="after", scale=2.0,
+                                        extra_variable_bytes=1024))
+    if load_b:
+      directory = self.create_tempdir().full_path
+      b.save(directory, plots=False)
+      b = report_lib.Report.load(directory)
+    text = report_lib.compare_reports(a, b)
+    for needle in ("before", "after", "Variables", "Temporaries",
+                   "Exchange buffers", "Compute", "Exchange", "Sync",
+                   "Total", "dot_general", "reduce_sum", "add"):
+      self.assertIn(needle, text)
+    # Variables grew by 1,024 bytes on each of 8 tiles; 50% more.
+    self.assertRegex(text, r"Variables\s+16,384\s+24,576\s+\+8,192\s+\+50\.0%")
+    # Only the dot_general compute phase doubled (1,000 -> 2,000 cycles).
+    self.assertRegex(text, r"dot_general\s+1,200\s+2,200\s+\+1,000\s+\+83\.3%")
+    self.assertRegex(text, r"add\s+1,400\s+1,400\s+\+0\s+0\.0%")
+
+  def test_new_operation(self):
+    a = _make_profile()
+    b = _make_profile()
+    b.steps[0].op = "conv"
+    text = report_lib.compare_reports(a, b)
+    self.assertRegex(text, r"conv\s+0\s+1,200\s+\+1,200\s+new")
+    self.assertRegex(text, r"dot_general\s+1,200\s+0\s+-1,200\s+-100\.0%")
+
+
+class CommandLineTest(chex.TestCase):
+
+  def test_summary_and_compare(self):
+    root = self.create_tempdir().full_path
+    first, second = os.path.join(root, "a"), os.path.join(root, "b")
+    report_lib.Report(_make_profile(name="first")).save(first, plots=False)
+    report_lib.Report(_make_profile(name="second", scale=3.0)).save(
+        second, plots=False)
+
+    result = _run_cli(first)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertIn("Program: first", result.stdout)
+    self.assertIn("OUT OF MEMORY", result.stdout)
+
+    result = _run_cli(os.path.join(first, "report.json"), second)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertIn("Comparing A = first", result.stdout)
+    self.assertIn("dot_general", result.stdout)
+    self.assertRegex(result.stdout, r"dot_general\s+1,200\s+3,200\s+\+2,000\s+\+166\.7%")
+
+  def test_missing_report_fails_cleanly(self):
+    result = _run_cli(os.path.join(self.create_tempdir().full_path, "none"))
+    self.assertEqual(result.returncode, 1)
+    self.assertIn("error:", result.stderr)
+
+
+class AutoSaveTest(chex.TestCase):
+
+  def test_none_directory_does_nothing(self):
+    self.assertIsNone(report_lib.maybe_auto_save(
+        report_lib.Report(_make_profile()), None))
+
+  def test_unique_folders(self):
+    root = self.create_tempdir().full_path
+    report = report_lib.Report(_make_profile(name="train/step"))
+    paths = [report_lib.maybe_auto_save(report, root) for _ in range(3)]
+    self.assertLen(set(paths), 3)
+    self.assertEqual([os.path.basename(p) for p in paths],
+                     ["train_step-0", "train_step-1", "train_step-2"])
+    for path in paths:
+      self.assertEqual(os.path.dirname(path), root)
+      self.assertTrue(os.path.isfile(os.path.join(path, "report.json")))
+    os.rename(paths[0], os.path.join(root, "train_step-7"))
+    self.assertEqual(
+        os.path.basename(report_lib.maybe_auto_save(report, root)),
+        "train_step-8")
+
+
+if __name__ == "__main__":
+  absltest.main()
