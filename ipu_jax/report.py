@@ -22,13 +22,14 @@ Files written by :meth:`Report.save`:
 
 * ``report.json`` -- everything needed to print the summary or compare again,
   schema below.
-* ``trace.json`` -- Chrome Trace Event Format; open it in https://ui.perfetto.dev
-  or chrome://tracing. One process per IPU (``pid`` = IPU index), threads
-  ``tid`` 0 = sync, 1 = exchange, 2 = compute; one complete (``"ph": "X"``)
-  span per superstep phase, with ``ts``/``dur`` in microseconds at the
-  target's clock. A step that executes ``n`` times is drawn once, ``n`` times
-  as long, with ``args.executions = n``. Phases of zero cycles are left out.
-  A counter track on process 0 shows the bytes live on the device.
+* ``trace.json`` -- Chrome Trace Event Format; open it in
+  https://ui.perfetto.dev or chrome://tracing. One process per IPU (``pid`` =
+  IPU index), threads ``tid`` 0 = sync, 1 = exchange, 2 = compute; one
+  complete (``"ph": "X"``) span per superstep phase, with ``ts``/``dur`` in
+  microseconds at the target's clock. A step that executes ``n`` times is
+  drawn once, ``n`` times as long, with ``args.executions = n``. Phases of
+  zero cycles are left out. A counter track on process 0 shows the bytes live
+  on the device.
 * ``memory_per_tile.png``, ``cycles_heatmap.png``, ``live_memory.png`` --
   when matplotlib is installed (``pip install ipu-jax[plots]``); otherwise
   ``PLOTS_MISSING.txt`` says how to get them.
@@ -56,7 +57,7 @@ Files written by :meth:`Report.save`:
       "memory": {
         "tile_limit": int,               # SRAM per tile
         "always_live_categories": [str],
-        "categories": {category: [int] * num_tiles},  # bytes at each tile's peak
+        "categories": {category: [int] * num_tiles},  # at each tile's peak
         "peak": [int] * num_tiles,
         "over_limit_tiles": [int],
         "largest_tensors_on_peak_tile": [
@@ -886,7 +887,8 @@ class _ReportBase:
     if len(order) > limit:
       lines.append(f"  ... and {len(order) - limit} more tiles over the limit")
     if data.peak_tile_tensors:
-      lines += ["", f"  Largest tensors on {_tile_name(int(order[0]), target)}:"]
+      worst = _tile_name(int(order[0]), target)
+      lines += ["", f"  Largest tensors on {worst}:"]
       lines += _table(
           ["Tensor", "Category", "Bytes", "Op", "Source"],
           [[t["name"], _category_label(t["category"]), f"{t['bytes']:,}",
@@ -1175,10 +1177,12 @@ def _binary_axis(axis, top: float, unit: str, scale: int) -> None:
       ticker.FuncFormatter(lambda v, _: f"{v / scale:,.4g} {unit}"))
 
 
-def _mark_ipus(ax, target: IPUTarget) -> None:
+def _mark_ipus(ax, target: IPUTarget, tiles_on_y: bool = False) -> None:
+  """Dotted lines between the tiles of neighbouring IPUs."""
+  draw = ax.axhline if tiles_on_y else ax.axvline
   for ipu in range(1, target.num_ipus):
-    ax.axvline(ipu * target.tiles_per_ipu - 0.5, color="black", lw=0.8,
-               ls=":")
+    draw(ipu * target.tiles_per_ipu - 0.5, color="white" if tiles_on_y
+         else "black", lw=0.8, ls=":")
 
 
 def _memory_figure(data: _ReportData, figure_class=None):
@@ -1275,7 +1279,7 @@ def _cycles_heatmap_figure(data: _ReportData, tile_cycles: np.ndarray,
     ax.set_xticklabels([n or o for n, o in zip(data.steps.names,
                                                data.steps.ops)],
                        rotation=60, ha="right", fontsize=7)
-  _mark_ipus(ax, data.target)
+  _mark_ipus(ax, data.target, tiles_on_y=True)
   binned = []
   if len(step_starts) < steps:
     binned.append(f"{len(step_starts)} bins of supersteps (summed)")
@@ -1311,6 +1315,8 @@ def _live_memory_figure(data: _ReportData, figure_class=None):
     _binary_axis(ax.yaxis, top, "MiB", 1 << 20)
   else:
     _binary_axis(ax.yaxis, top, "KiB", 1 << 10)
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   ax.set_xlabel("superstep")
   ax.set_ylabel("bytes live on the device")
   ax.set_title(f"{data.name}: live memory over the program")

@@ -216,7 +216,7 @@ class SummaryTest(chex.TestCase, parameterized.TestCase):
 
   def test_cycle_split_percentages(self):
     text = report_lib.Report(_make_profile()).summary()
-    self.assertRegex(text, r"Compute:\s+2,100 \(67\.\d%\)")
+    self.assertRegex(text, r"Compute:\s+2,100 \(68\.0%\)")
     self.assertRegex(text, r"Exchange:\s+90 \(2\.9%\)")
     self.assertRegex(text, r"Sync:\s+900 \(29\.\d%\)")
 
@@ -419,7 +419,8 @@ class CommandLineTest(chex.TestCase):
     self.assertEqual(result.returncode, 0, result.stderr)
     self.assertIn("Comparing A = first", result.stdout)
     self.assertIn("dot_general", result.stdout)
-    self.assertRegex(result.stdout, r"dot_general\s+1,200\s+3,200\s+\+2,000\s+\+166\.7%")
+    self.assertRegex(result.stdout,
+                     r"dot_general\s+1,200\s+3,200\s+\+2,000\s+\+166\.7%")
 
   def test_missing_report_fails_cleanly(self):
     result = _run_cli(os.path.join(self.create_tempdir().full_path, "none"))

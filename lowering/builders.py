@@ -1,0 +1,351 @@
+"""Step builders shared by the lowering rules.
+
+Rules describe *what* an operation does; these helpers plan where its results
+live, emit the supersteps that move data and compute, and account for their
+cost. The common shapes of work:
+
+* :func:`assign` / :func:`relayout`: an exchange-only step that copies a
+  tensor into another mapping.
+* :func:`elementwise`: a compute set of elementwise vertices over the output's
+  tiles, operands exchanged onto the output's mapping first.
+* :func:`movement`: a pure data movement (transpose, slice, broadcast...):
+  every output element's source is known statically, so the exchange is exact.
+* :func:`partitioned`: an operation whose output is cut along one axis into
+  per-tile pieces, each computed on its tile from the inputs it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
+                                       relayout_cost, to_flat, to_storage)
+from ipu_jax.lowering.mapping import TileMapping
+
+__all__ = ["assign", "relayout_to", "elementwise", "movement", "partitioned",
+           "logical", "storage", "broadcast_cost", "add_costs",
+           "worker_vertices"]
+
+
+def logical(storage_array, tensor: P.Tensor):
+  """Tile storage -> logical array of ``tensor``'s shape."""
+  return to_flat(storage_array, tensor.mapping).reshape(tensor.shape)
+
+
+def storage(value, tensor: P.Tensor):
+  """Logical array -> tile storage in ``tensor``'s mapping."""
+  return to_storage(jnp.reshape(value, (-1,)).astype(tensor.dtype), tensor.mapping)
+
+
+def add_costs(*costs) -> Optional[ExchangeCost]:
+  costs = [c for c in costs if c is not None]
+  if not costs:
+    return None
+  total = costs[0]
+  for c in costs[1:]:
+    total = total + c
+  return total
+
+
+def worker_vertices(ctx, elements: np.ndarray) -> np.ndarray:
+  """Vertices per tile when each tile's work is split over its workers."""
+  return np.minimum(np.asarray(elements), ctx.target.worker_contexts)
+
+
+def assign(ctx, dst: P.Tensor, src: P.Tensor, name: str = "copy") -> None:
+  """Emit a step copying ``src`` into ``dst`` (same shape, any mappings)."""
+  if src.size != dst.size:
+    raise ValueError(f"assign: {src.shape} into {dst.shape}")
+
+  def fn(x):
+    return (relayout(x, src.mapping, dst.mapping).astype(dst.dtype),)
+
+  ctx.emit(P.Superstep(name=name, op=ctx.op or "copy", reads=(src,), writes=(dst,), fn=fn,
+                       exchange=relayout_cost(ctx.target, src.mapping, dst.mapping, src.itemsize)))
+
+
+def relayout_to(ctx, tensor: P.Tensor, mapping: TileMapping, name: str = "relayout") -> P.Tensor:
+  """``tensor`` in ``mapping``: itself if already there, else a copy."""
+  if tensor.mapping.same_as(mapping):
+    return tensor
+  out = ctx.new_tensor(tensor.shape, tensor.dtype, mapping, name=name)
+  assign(ctx, out, tensor, name)
+  return out
+
+
+def broadcast_cost(ctx, tensor: P.Tensor, dst_tiles: np.ndarray) -> Optional[ExchangeCost]:
+  """Every tile in ``dst_tiles`` receives the whole of ``tensor`` (multicast)."""
+  target = ctx.target
+  dst_tiles = np.unique(np.asarray(dst_tiles, np.int64))
+  if tensor.size == 0 or dst_tiles.size == 0:
+    return None
+  on_tile = tensor.mapping.bytes_per_tile(target.num_tiles, tensor.itemsize)
+  bytes_in = np.zeros(target.num_tiles, np.int64)
+  bytes_in[dst_tiles] = tensor.nbytes - on_tile[dst_tiles]
+  receivers = np.zeros(target.num_tiles, bool)
+  receivers[dst_tiles] = True
+  # A source tile sends its part once if anyone but itself needs it.
+  others = receivers.sum() - receivers
+  bytes_out = np.where(others > 0, on_tile, 0)
+  ipu_of_dst = np.unique(dst_tiles // target.tiles_per_ipu)
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1:
+    on_ipu = np.bincount(np.arange(target.num_tiles) // target.tiles_per_ipu,
+                         weights=on_tile, minlength=target.num_ipus)
+    for ipu in range(target.num_ipus):
+      link[ipu] = int(on_ipu[ipu]) * int((ipu_of_dst != ipu).sum())
+  return ExchangeCost(bytes_in, bytes_out.astype(np.int64), link)
+
+
+def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
+  size = int(np.prod(shape, dtype=np.int64))
+  # Follow the operand with the result's shape (popops maps results like
+  # their first full-size operand), preferring non-constants.
+  candidates = [t for t in operands if t.size == size and tuple(t.shape) == tuple(shape)]
+  candidates.sort(key=lambda t: t.category == "constants")
+  if candidates and size > 0:
+    mapping = candidates[0].mapping
+    if mapping.is_linear or np.dtype(dtype).itemsize == candidates[0].itemsize:
+      return mapping
+  return ctx.linear_mapping(shape, dtype)
+
+
+def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
+                name: str = "", cost_op: str = "", flops_per_element: int = 1) -> list:
+  """Lower an elementwise operation; returns the output tensors.
+
+  Args:
+    ctx: the lowering context.
+    fn: ``fn(*operand_arrays) -> array or tuple``; applied to whole tile
+      storages (elementwise, so the tile axis is just another axis).
+    operands: tensors of the result's shape, or scalars (broadcast).
+    out_avals: ``[(shape, dtype)]`` of the results (default: ``ctx.out_avals``).
+    name: step name; cost_op: estimator key (default: the primitive).
+    flops_per_element: for the report.
+  """
+  if out_avals is None:
+    out_avals = [(a.shape, a.dtype) for a in ctx.out_avals]
+  shape, dtype = tuple(out_avals[0][0]), np.dtype(out_avals[0][1])
+  size = int(np.prod(shape, dtype=np.int64))
+  mapping = _output_mapping(ctx, operands, shape, dtype)
+  outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
+  target = ctx.target
+  all_tiles = mapping.tiles
+  reads, kinds, costs = [], [], []
+  for t in operands:
+    if t.size == size and tuple(t.shape) == shape and size != 1:
+      reads.append(t)
+      kinds.append(("same", t.mapping))
+      costs.append(relayout_cost(target, t.mapping, mapping, t.itemsize))
+    elif t.size == 1:
+      if t.category == "constants" and t.value is not None:
+        kinds.append(("literal", np.asarray(t.value).reshape(())))
+      else:
+        reads.append(t)
+        kinds.append(("scalar", t.mapping))
+        costs.append(broadcast_cost(ctx, t, all_tiles))
+    else:
+      raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not match result {shape}")
+
+  def step_fn(*storages):
+    it = iter(storages)
+    args = []
+    for kind, info in kinds:
+      if kind == "literal":
+        args.append(jnp.asarray(info))
+      elif kind == "scalar":
+        args.append(next(it).reshape(-1)[0])
+      else:
+        args.append(relayout(next(it), info, mapping))
+    result = fn(*args)
+    if not isinstance(result, (tuple, list)):
+      result = (result,)
+    rows_shape = mapping.storage_shape
+    return tuple(jnp.broadcast_to(r, rows_shape) for r in result)
+
+  elements = mapping.elements_per_tile(target.num_tiles)
+  op = cost_op or ctx.op
+  compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize)
+  flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
+  ctx.emit(P.Superstep(
+      name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
+      compute_cycles=compute, exchange=add_costs(*costs),
+      vertices=worker_vertices(ctx, elements), codelets=(f"elementwise<{op}>",),
+      flops=flops))
+  return outputs
+
+
+def movement(ctx, operands: Sequence[P.Tensor], shape, dtype, source_index: np.ndarray,
+             logical_fn: Callable, name: str = "", fill_value=None) -> P.Tensor:
+  """Lower a pure data movement; every output element copies one input element.
+
+  Args:
+    operands: the input tensors.
+    shape, dtype: the result.
+    source_index: ``[size]`` index of each output element in the concatenation
+      of the operands' flattened elements; ``-1`` for elements that take
+      ``fill_value`` (padding) instead.
+    logical_fn: ``logical_fn(*logical_operands) -> logical result``: the same
+      movement done with ``jax.numpy``/``lax`` on logical arrays, which XLA
+      fuses into reshapes and slices; its result must equal the static gather
+      described by ``source_index`` (tests check both).
+    fill_value: value of ``-1`` elements.
+  """
+  shape = tuple(int(d) for d in shape)
+  out = ctx.new_tensor(shape, dtype)
+  target = ctx.target
+  source_index = np.asarray(source_index, np.int64).reshape(-1)
+  if out.size:
+    element_tiles = np.concatenate([t.mapping.element_tile for t in operands]) \
+        if operands else np.zeros(0, np.int64)
+    real = source_index >= 0
+    cost = movement_cost(target, element_tiles[source_index[real]],
+                         out.mapping.element_tile[real], out.itemsize,
+                         element_id=source_index[real])
+  else:
+    cost = None
+  mode = ctx.options.executor_mode
+
+  def fn(*storages):
+    if mode == "per_tile" and out.size:
+      flat = jnp.concatenate([to_flat(s, t.mapping).astype(out.dtype)
+                              for s, t in zip(storages, operands)] + [
+          jnp.full((1,), 0 if fill_value is None else fill_value, out.dtype)])
+      index = np.where(source_index >= 0, source_index, flat.shape[0] - 1)
+      return (to_storage(flat[index], out.mapping),)
+    args = [logical(s, t) for s, t in zip(storages, operands)]
+    return (storage(logical_fn(*args), out),)
+
+  ctx.emit(P.Superstep(name=name or ctx.op, op=ctx.op, reads=tuple(operands), writes=(out,),
+                       fn=fn, exchange=cost))
+  return out
+
+
+def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
+                split_axes: Sequence[Optional[int]], out_axis: int = 0,
+                flops: int = 0, cycles_per_tile_fn: Optional[Callable] = None,
+                name: str = "", codelet: str = "") -> list:
+  """Lower an operation that splits along one axis into per-tile pieces.
+
+  The results are cut along ``out_axis`` into one block of rows per tile.
+  Operand ``i`` is cut the same way along ``split_axes[i]`` (its piece is
+  exchanged to the tile), or, where ``split_axes[i]`` is ``None``, sent whole
+  to every tile that works (a multicast). Each tile then runs ``fn`` on its
+  pieces. Because the split is along independent rows, running ``fn`` once on
+  the whole arrays gives the same numbers as running it per tile; the
+  ``"per_tile"`` executor mode vmaps it over the tiles instead.
+
+  Args:
+    fn: ``fn(*logical_operands) -> result or tuple`` on logical arrays.
+    operands: input tensors.
+    out_avals: ``[(shape, dtype)]`` of the results; all share ``out_axis``.
+    split_axes: per operand, its axis that maps to ``out_axis``, or ``None``.
+    out_axis: the result axis cut over tiles.
+    flops: total FLOPs; spread over tiles in proportion to their rows.
+    cycles_per_tile_fn: ``f(rows_per_tile [num_tiles]) -> cycles`` override.
+  """
+  target = ctx.target
+  shapes = [tuple(int(d) for d in s) for s, _ in out_avals]
+  rows = shapes[0][out_axis] if shapes[0] else 1
+  num_tiles = target.num_tiles
+  # Enough rows per tile that a tile holds at least a few hundred bytes.
+  row_elements = max(1, int(np.prod(shapes[0], dtype=np.int64)) // max(rows, 1))
+  min_rows = max(1, -(-64 // max(row_elements, 1)))
+  per_tile = max(min_rows, -(-rows // num_tiles)) if rows else 1
+  groups = -(-rows // per_tile) if rows else 0
+  start = ctx._next_start_tile
+  if groups < num_tiles:
+    ctx._next_start_tile = (start + groups) % num_tiles
+  tiles = (start + np.arange(groups)) % num_tiles
+  outputs = []
+  for shape, dtype in out_avals:
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == 0 or not shape:
+      mapping = ctx.linear_mapping(shape, dtype)
+    else:
+      group = (np.arange(shape[out_axis]) // per_tile)
+      element_group = np.broadcast_to(
+          group.reshape([-1 if a == out_axis else 1 for a in range(len(shape))]), shape)
+      mapping = TileMapping.from_element_tiles(tiles[element_group.reshape(-1)])
+    outputs.append(ctx.new_tensor(shape, dtype, mapping))
+  # Exchange: split operands go row-block to tile; whole operands multicast.
+  costs = []
+  for t, axis in zip(operands, split_axes):
+    if t.size == 0:
+      continue
+    if axis is None or groups == 0:
+      costs.append(broadcast_cost(ctx, t, tiles))
+    else:
+      group = np.arange(t.shape[axis]) // per_tile
+      element_group = np.broadcast_to(
+          group.reshape([-1 if a == axis else 1 for a in range(len(t.shape))]),
+          t.shape).reshape(-1)
+      dst = tiles[np.minimum(element_group, max(groups - 1, 0))]
+      costs.append(movement_cost(target, t.mapping.element_tile, dst, t.itemsize))
+  rows_on_tile = np.zeros(num_tiles, np.int64)
+  if groups:
+    counts = np.full(groups, per_tile, np.int64)
+    counts[-1] = rows - per_tile * (groups - 1)
+    np.add.at(rows_on_tile, tiles, counts)
+  if cycles_per_tile_fn is not None:
+    compute = np.asarray(cycles_per_tile_fn(rows_on_tile), np.float64)
+  else:
+    share = rows_on_tile / max(rows, 1)
+    itemsize = np.dtype(out_avals[0][1]).itemsize
+    rate = target.fp16_flops_per_cycle if itemsize <= 2 else target.fp32_flops_per_cycle
+    # Non-matmul work runs on the workers at about a vector per cycle.
+    rate = min(rate, max(1, target.vector_width_bytes // itemsize) * target.worker_contexts)
+    compute = np.where(rows_on_tile > 0,
+                       np.ceil(flops * share / rate) + target.worker_contexts * estimators.WORKER_OVERHEAD
+                       + target.supervisor_overhead_cycles, 0.0)
+  mode = ctx.options.executor_mode
+
+  def run(*storages):
+    args = [logical(s, t) for s, t in zip(storages, operands)]
+    if mode == "per_tile" and groups > 1:
+      result = _per_tile(fn, args, split_axes, out_axis, per_tile, groups, rows)
+    else:
+      result = fn(*args)
+    if not isinstance(result, (tuple, list)):
+      result = (result,)
+    return tuple(storage(r, o) for r, o in zip(result, outputs))
+
+  ctx.emit(P.Superstep(name=name or ctx.op, op=ctx.op, reads=tuple(operands),
+                       writes=tuple(outputs), fn=run, compute_cycles=compute,
+                       exchange=add_costs(*costs),
+                       vertices=worker_vertices(ctx, rows_on_tile),
+                       codelets=(codelet or f"{ctx.op}",), flops=int(flops)))
+  return outputs
+
+
+def _per_tile(fn, args, split_axes, out_axis, per_tile, groups, rows):
+  """Run ``fn`` on each tile's row block with vmap (rows padded to equal)."""
+  padded_rows = per_tile * groups
+  blocked = []
+  in_axes = []
+  for x, axis in zip(args, split_axes):
+    if axis is None:
+      blocked.append(x)
+      in_axes.append(None)
+      continue
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, padded_rows - x.shape[axis])
+    x = jnp.pad(x, pad)
+    x = jnp.moveaxis(x, axis, 0).reshape((groups, per_tile) + tuple(np.delete(x.shape, axis)))
+    blocked.append(jnp.moveaxis(x, 1, axis + 1))
+    in_axes.append(0)
+  results = jax.vmap(fn, in_axes=tuple(in_axes))(*blocked)
+  single = not isinstance(results, (tuple, list))
+  results = (results,) if single else results
+  out = []
+  for r in results:
+    r = jnp.moveaxis(r, out_axis + 1, 1)
+    r = r.reshape((groups * per_tile,) + r.shape[2:])[:rows]
+    out.append(jnp.moveaxis(r, 0, out_axis))
+  return out

@@ -1,0 +1,142 @@
+"""The lowering context: what a rule uses to create tensors and emit steps.
+
+One context lowers one jaxpr (and the jaxprs nested in it) into one tile
+program. It knows the target and options, spreads small tensors over tiles,
+and stamps every tensor and step with the JAX operation and user source line
+it came from, so reports and errors can point at the user's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from ipu_jax.config import LoweringOptions
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.target import IPUTarget
+
+__all__ = ["LoweringContext", "LoweringOptions"]
+
+
+class LoweringContext:
+  """State of one lowering: target, options, tensors and the program so far.
+
+  Attributes:
+    target: the IPU target.
+    options: the :class:`LoweringOptions`.
+    op: name of the primitive being lowered (stamped on tensors and steps).
+    source: user ``file:line`` of the equation being lowered.
+  """
+
+  def __init__(self, target: IPUTarget, options=None):
+    self.target = target
+    self.options = options if options is not None else LoweringOptions()
+    self.op = ""
+    self.source = ""
+    self.tensors: dict = {}
+    self.constants: list = []
+    self._program_stack = [P.Sequence()]
+    self._next_start_tile = 0
+    self._local_stack = []
+    self._constant_cache = {}
+
+  # -- the program --------------------------------------------------------
+
+  @property
+  def program(self) -> P.Sequence:
+    return self._program_stack[0]
+
+  def emit(self, node) -> None:
+    """Append a step or control program to the current sequence."""
+    if isinstance(node, P.Superstep):
+      if not node.source:
+        node.source = self.source
+      if not node.op:
+        node.op = self.op
+      for tensor in node.reads + node.writes:
+        self.tensors.setdefault(tensor.id, tensor)
+    self._program_stack[-1].add(node)
+
+  @contextlib.contextmanager
+  def sub_program(self):
+    """Collect emitted steps into a new Sequence (a loop or branch body).
+
+    Yields ``(sequence, locals)``: ``locals`` gets the ids of tensors created
+    inside, which live only within the body.
+    """
+    seq = P.Sequence()
+    local_ids = set()
+    self._program_stack.append(seq)
+    self._local_stack.append(local_ids)
+    try:
+      yield seq, local_ids
+    finally:
+      self._program_stack.pop()
+      self._local_stack.pop()
+
+  @contextlib.contextmanager
+  def at(self, op: str, source: str):
+    """Stamp what is created inside with ``op`` and ``source``."""
+    saved = self.op, self.source
+    self.op, self.source = op, source
+    try:
+      yield
+    finally:
+      self.op, self.source = saved
+
+  # -- tensors ------------------------------------------------------------
+
+  def linear_mapping(self, shape, dtype, max_tiles: Optional[int] = None) -> TileMapping:
+    """A linear mapping, starting where the last small tensor ended.
+
+    Tensors too small to cover every tile start on a rotating tile, so many
+    small tensors (biases, scalars) do not all pile onto tile 0.
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    num_tiles = self.target.num_tiles
+    mapping = TileMapping.linear(size, num_tiles, np.dtype(dtype).itemsize,
+                                 max_tiles=max_tiles)
+    if 0 < mapping.num_rows < num_tiles:
+      start = self._next_start_tile
+      self._next_start_tile = (start + mapping.num_rows) % num_tiles
+      mapping = TileMapping.blocks(size, mapping.chunk, num_tiles, start)
+    return mapping
+
+  def new_tensor(self, shape, dtype, mapping: Optional[TileMapping] = None,
+                 name: str = "", category: str = "temporaries") -> P.Tensor:
+    """A new tensor (linearly mapped unless ``mapping`` is given)."""
+    shape = tuple(int(d) for d in shape)
+    if mapping is None:
+      mapping = self.linear_mapping(shape, dtype)
+    tensor = P.Tensor(name or self.op or "t", shape, np.dtype(dtype), mapping,
+                      category=category, op=self.op, source=self.source)
+    self.tensors[tensor.id] = tensor
+    if self._local_stack and category == "temporaries":
+      self._local_stack[-1].add(tensor.id)
+    return tensor
+
+  def like(self, tensor: P.Tensor, dtype=None, name: str = "") -> P.Tensor:
+    """A new tensor with ``tensor``'s shape and mapping."""
+    return self.new_tensor(tensor.shape, dtype or tensor.dtype, tensor.mapping, name)
+
+  def constant(self, value, dtype=None, name: str = "") -> P.Tensor:
+    """A constant tensor holding ``value`` (cached for small values)."""
+    value = np.asarray(value, dtype=dtype)
+    key = None
+    if value.size <= 16:
+      key = (value.dtype.str, value.shape, value.tobytes())
+      cached = self._constant_cache.get(key)
+      if cached is not None:
+        return cached
+    tensor = P.Tensor(name or "constant", value.shape, value.dtype,
+                      self.linear_mapping(value.shape, value.dtype),
+                      category="constants", value=value, op=self.op,
+                      source=self.source)
+    self.tensors[tensor.id] = tensor
+    self.constants.append(tensor)
+    if key is not None:
+      self._constant_cache[key] = tensor
+    return tensor

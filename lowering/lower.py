@@ -1,0 +1,98 @@
+"""Walk a jaxpr and lower every equation with its registered rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from ipu_jax.errors import LoweringError
+from ipu_jax.lowering.registry import get_lowering
+
+__all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
+
+
+def source_of(eqn) -> str:
+  """The user's ``file:line`` an equation came from ('' if unknown)."""
+  frame = source_info_util.user_frame(eqn.source_info.traceback)
+  if frame is None:
+    return ""
+  return f"{frame.file_name}:{frame.start_line}"
+
+
+def is_key_dtype(dtype) -> bool:
+  """Whether ``dtype`` is a JAX PRNG key type (held as uint32 key data)."""
+  import jax
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _describe(values) -> str:
+  return ", ".join(f"{getattr(v.aval, 'str_short', lambda: str(v.aval))()}" for v in values)
+
+
+def _unsupported(eqn) -> LoweringError:
+  source = source_of(eqn) or "an unknown source line"
+  return LoweringError(
+      f"No tile lowering for primitive '{eqn.primitive.name}' "
+      f"(operands: {_describe(eqn.invars) or 'none'}; results: {_describe(eqn.outvars)}) "
+      f"at {source}. Register one with "
+      f"ipu_jax.lowering.register_lowering({eqn.primitive.name}_p, rule).")
+
+
+def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
+  """Lower ``jaxpr`` into ``ctx``'s program; returns the output tensors.
+
+  Args:
+    ctx: the :class:`~ipu_jax.lowering.context.LoweringContext`.
+    jaxpr: a ``jax.extend.core.Jaxpr``.
+    consts: tensors for ``jaxpr.constvars``.
+    args: tensors for ``jaxpr.invars``.
+  """
+  env = {}
+
+  def read(v):
+    if isinstance(v, jcore.Literal):
+      return ctx.constant(np.asarray(v.val, dtype=v.aval.dtype))
+    return env[v]
+
+  for v, t in zip(jaxpr.constvars, consts):
+    env[v] = t
+  for v, t in zip(jaxpr.invars, args):
+    env[v] = t
+  for eqn in jaxpr.eqns:
+    rule = get_lowering(eqn.primitive)
+    if rule is None:
+      raise _unsupported(eqn)
+    operands = [read(v) for v in eqn.invars]
+    saved_avals = getattr(ctx, "out_avals", None)
+    with ctx.at(eqn.primitive.name, source_of(eqn)):
+      ctx.out_avals = [v.aval for v in eqn.outvars]
+      try:
+        outputs = rule(ctx, *operands, **eqn.params)
+      except LoweringError:
+        raise
+      except NotImplementedError as e:
+        raise LoweringError(
+            f"Primitive '{eqn.primitive.name}' (operands: {_describe(eqn.invars)}) at "
+            f"{source_of(eqn) or 'an unknown source line'} is not supported: {e}") from e
+      finally:
+        ctx.out_avals = saved_avals
+    if len(outputs) != len(eqn.outvars):
+      raise LoweringError(f"rule for {eqn.primitive.name} returned {len(outputs)} results, "
+                          f"expected {len(eqn.outvars)}")
+    for v, t in zip(eqn.outvars, outputs):
+      if not is_key_dtype(v.aval.dtype) and (tuple(t.shape) != tuple(v.aval.shape)
+                                             or np.dtype(t.dtype) != np.dtype(v.aval.dtype)):
+        raise LoweringError(
+            f"rule for {eqn.primitive.name} at {source_of(eqn)} produced "
+            f"{t.dtype}{list(t.shape)}, expected {v.aval.str_short()}")
+      if not isinstance(v, jcore.DropVar):
+        env[v] = t
+  return [read(v) for v in jaxpr.outvars]
+
+
+def lower_closed_jaxpr(ctx, closed_jaxpr, args) -> list:
+  """Lower a ``ClosedJaxpr``: its consts become constant tensors."""
+  consts = [ctx.constant(np.asarray(c)) for c in closed_jaxpr.consts]
+  return lower_jaxpr(ctx, closed_jaxpr.jaxpr, consts, args)
