@@ -320,8 +320,9 @@ class Graph:
       return
     itemsize = tensor.dtype.itemsize
     grain = grain_size or max(1, 8 // itemsize)
-    chunk = linear_chunk(n, self.target.num_tiles, itemsize, grain * itemsize,
-                         max(min_elements_per_tile * itemsize, 128))
+    # Without an explicit minimum, at least 128 bytes per tile, as Poplar.
+    min_bytes = min_elements_per_tile * itemsize if min_elements_per_tile else 128
+    chunk = linear_chunk(n, self.target.num_tiles, itemsize, grain * itemsize, min_bytes)
     self._set_tiles(tensor.index, np.arange(n) // chunk)
 
   # compute
@@ -523,7 +524,8 @@ class _Lowerer:
       stacked = {f: np.stack([v.connections[f].index for v in vertices]) for f in cdl.fields}
       for f in cdl.fields:
         bases, _ = self.split(stacked[f])
-        (all_written_bases if f in cdl.written_fields else all_read_bases).update(np.unique(bases).tolist())
+        if f in cdl.written_fields:
+          all_written_bases.update(np.unique(bases).tolist())
         if f in cdl.read_fields:
           all_read_bases.update(np.unique(bases).tolist())
         # Every element a vertex touches must reach its tile.
@@ -562,20 +564,19 @@ class _Lowerer:
       sizes = [self.graph._bases[b].size for b in bs]
       starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
       layout[dtype] = (bs, dict(zip(bs, starts)))
-    read_position = {}
+    # Each field's positions in its dtype's buffer, fixed at compile time.
+    base_start = {dtype: np.array([starts.get(b, 0) for b in range(len(self.graph._bases))],
+                                  np.int64)
+                  for dtype, (_, starts) in layout.items()}
     gathers = []
-    for gi, (cdl, stacked) in enumerate(plans):
+    for cdl, stacked in plans:
       positions = {}
       for f in cdl.fields:
-        dtype = cdl_dtype = None
         bases, local = self.split(stacked[f])
         dtype = self.graph._bases[int(bases[0])].dtype if bases.size else np.dtype("float32")
-        bs, starts = layout.setdefault(dtype, ([], {}))
-        start_arr = np.array([starts.get(int(b), 0) for b in range(len(self.graph._bases))], np.int64)
-        positions[f] = (dtype, (start_arr[bases] + local).reshape(stacked[f].shape), bases, local)
+        index = (base_start[dtype][bases] + local).reshape(stacked[f].shape)
+        positions[f] = (dtype, index, bases, local)
       gathers.append(positions)
-    base_index = {b: i for i, b in enumerate(read_bases)}
-    write_index = {b: i for i, b in enumerate(written_bases)}
     graph = self.graph
 
     def fn(*storages):
@@ -600,7 +601,6 @@ class _Lowerer:
             new_flats[int(b)] = new_flats[int(b)].at[local[sel]].set(value[sel].astype(tensor.dtype))
       return tuple(to_storage(new_flats[b], graph._bases[b].ir.mapping) for b in written_bases)
 
-    del base_index, write_index, read_position
     vt = np.concatenate(vertex_tiles) if vertex_tiles else np.zeros(0, np.int64)
     vc = np.concatenate(vertex_cycles) if vertex_cycles else np.zeros(0)
     compute = vertex_cycles_per_tile(target, vt, vc)
@@ -612,7 +612,7 @@ class _Lowerer:
       for size in np.unique(isz):
         sel = isz == size
         exchange = exchange + movement_cost(target, st[sel], dt[sel], int(size), element_id=ids[sel])
-    return P.Superstep(name=cs.name, op="Execute", reads=tuple(reads), writes=tuple(writes),
+    return P.Superstep(name=cs.name, op=f"Execute({cs.name})", reads=tuple(reads), writes=tuple(writes),
                        fn=fn, compute_cycles=compute, exchange=exchange, vertices=vertices,
                        codelets=tuple(sorted({c.name for c, _ in plans})), flops=flops)
 

@@ -34,9 +34,6 @@ __all__ = ["jit", "IPUFunction", "Lowered"]
 
 
 def _key_data_shape(aval):
-  impl = jax.random.key_impl(jax.ShapeDtypeStruct(aval.shape, aval.dtype)) \
-      if hasattr(jax.random, "key_impl") else None
-  del impl
   return tuple(aval.shape) + tuple(aval.dtype._impl.key_shape)
 
 
@@ -51,7 +48,7 @@ class Lowered:
   """
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
-               target: IPUTarget, options):
+               target: IPUTarget, options, replication_factor: int = 1):
     self.target = target
     self.options = options
     closed, out_shape = jax.make_jaxpr(
@@ -60,6 +57,9 @@ class Lowered:
     self.jaxpr = closed
     self.out_tree = jax.tree_util.tree_structure(out_shape)
     ctx = LoweringContext(target, options)
+    # Collectives cost a ring all-reduce over this many replicas.
+    ctx.replication_factor = replication_factor
+    self.replication_factor = replication_factor
     self._in_avals = [v.aval for v in closed.jaxpr.invars]
     inputs = []
     for i, aval in enumerate(self._in_avals):
@@ -115,13 +115,27 @@ class Lowered:
         flat_out.append(value)
       return flat_out
 
+    self._pure = run
     return jax.jit(run)
 
-  def __call__(self, *args_flat):
+  def _check_runnable(self):
     if self.out_of_memory:
       raise RuntimeError("this program was lowered with allow_out_of_memory and a tile is "
                          "over its SRAM; it cannot run (read .report)")
+
+  def __call__(self, *args_flat):
+    self._check_runnable()
     flat = self._function(list(args_flat), self._constant_values)
+    return jax.tree_util.tree_unflatten(self.out_tree, flat)
+
+  def apply(self, *args_flat):
+    """Run the tile program as a traceable function of the flat arguments.
+
+    Use it inside ``jax.jit``, ``jax.vmap`` or ``jax.shard_map`` (replicas run
+    the same program this way); ``__call__`` is the jitted form.
+    """
+    self._check_runnable()
+    flat = self._pure(list(args_flat), self._constant_values)
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
 
   @property
@@ -145,7 +159,7 @@ class IPUFunction:
   def _settings(self):
     config = self._config if self._config is not None else config_lib.get_default_config()
     target = self._target if self._target is not None else config.to_target()
-    return target, config.lowering_options()
+    return target, config.lowering_options(), config.replication_factor
 
   def _split(self, args):
     static = tuple(args[i] for i in self.static_argnums if i < len(args))
@@ -160,16 +174,17 @@ class IPUFunction:
 
   def lower(self, *args) -> Lowered:
     """Lower (or fetch from the cache) the program for these arguments."""
-    target, options = self._settings()
+    target, options, replicas = self._settings()
     static, dynamic, call = self._split(args)
     flat, in_tree = jax.tree_util.tree_flatten(dynamic)
     avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
                    getattr(x, "weak_type", False)) for x in flat)
-    key = (in_tree, avals, static, target, options)
+    key = (in_tree, avals, static, target, options, replicas)
     lowered = self._cache.get(key)
     if lowered is None:
       name = getattr(self.fn, "__name__", "fn")
-      lowered = Lowered(lambda *dyn: call(*dyn), flat, in_tree, name, target, options)
+      lowered = Lowered(lambda *dyn: call(*dyn), flat, in_tree, name, target, options,
+                        replication_factor=replicas)
       self._cache[key] = lowered
     return lowered
 

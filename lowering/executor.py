@@ -41,8 +41,9 @@ class _Env:
     # as uninitialised tile memory would be undefined.
     return jnp.zeros(tensor.storage_shape, tensor.dtype)
 
-  def writes(self, program):
-    return sorted(P.program_writes(program, self.memo), key=str)
+  def writes(self, program, local_ids=frozenset()):
+    """State keys ``program`` writes, less those local to it (not carried)."""
+    return sorted(P.program_writes(program, self.memo) - frozenset(local_ids), key=str)
 
 
 def _run(program, state: dict, env: _Env) -> dict:
@@ -96,7 +97,7 @@ def _with(state, keys, values):
 
 
 def _repeat(program: P.Repeat, state, env):
-  keys = env.writes(program.body)
+  keys = env.writes(program.body, program.local_ids)
   if program.count <= 0:
     return state
 
@@ -114,7 +115,8 @@ def _scalar_true(state, env, tensor):
 
 
 def _repeat_while(program: P.RepeatWhileTrue, state, env):
-  keys = sorted(set(env.writes(program.body)) | set(env.writes(program.condition)), key=str)
+  keys = sorted(set(env.writes(program.body, program.local_ids))
+                | set(env.writes(program.condition, program.local_ids)), key=str)
   state = _run(program.condition, state, env)
 
   def cond(carry):
@@ -131,8 +133,9 @@ def _repeat_while(program: P.RepeatWhileTrue, state, env):
   return _with(state, keys, carried)
 
 
-def _branches(programs, state, env):
-  keys = sorted(set().union(*[env.writes(p) for p in programs if p is not None]), key=str)
+def _branches(programs, state, env, local_ids=frozenset()):
+  keys = sorted(set().union(*[env.writes(p, local_ids) for p in programs if p is not None]),
+                key=str)
 
   def make(p):
     def branch(carried):
@@ -143,7 +146,7 @@ def _branches(programs, state, env):
 
 
 def _if(program: P.If, state, env):
-  keys, (then, else_) = _branches([program.then, program.else_], state, env)
+  keys, (then, else_) = _branches([program.then, program.else_], state, env, program.local_ids)
   pred = _scalar_true(state, env, program.predicate)
   carried = jax.lax.cond(pred, then, else_, _carry(state, env, keys))
   return _with(state, keys, carried)
@@ -151,7 +154,7 @@ def _if(program: P.If, state, env):
 
 def _switch(program: P.Switch, state, env):
   bodies = [p for _, p in program.cases] + [program.default]
-  keys, branches = _branches(bodies, state, env)
+  keys, branches = _branches(bodies, state, env, program.local_ids)
   control = to_flat(env.get(state, program.control.id), program.control.mapping).reshape(())
   index = jnp.int32(len(program.cases))
   for i, (value, _) in reversed(list(enumerate(program.cases))):

@@ -45,7 +45,6 @@ class StepProfile:
     executions: times the step runs per program run (``Repeat`` multiplies it;
       loops of unknown trip count count once).
     host_bytes: bytes moved over the host link (streams), 0 otherwise.
-    ipu: the IPU the step runs on, -1 when it spans several.
   """
 
   name: str

@@ -134,9 +134,14 @@ class Sequence:
 
 @dataclasses.dataclass(eq=False)
 class Repeat:
-  """Run ``body`` ``count`` times (an on-device loop)."""
+  """Run ``body`` ``count`` times (an on-device loop).
+
+  ``local_ids`` names tensors that live only within one iteration of the
+  body (written before read each time); the executor does not carry them.
+  """
   count: int
   body: object
+  local_ids: frozenset = frozenset()
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,6 +154,7 @@ class RepeatWhileTrue:
   condition: object
   predicate: Tensor
   body: object
+  local_ids: frozenset = frozenset()
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,6 +163,7 @@ class If:
   predicate: Tensor
   then: object
   else_: object = None
+  local_ids: frozenset = frozenset()
 
 
 @dataclasses.dataclass(eq=False)
@@ -165,6 +172,7 @@ class Switch:
   control: Tensor
   cases: list
   default: object = None
+  local_ids: frozenset = frozenset()
 
 
 @dataclasses.dataclass(eq=False)

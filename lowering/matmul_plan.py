@@ -1,0 +1,270 @@
+"""Matmul planning: how a batched matrix product is cut over the tiles.
+
+Like poplin's planner, a product ``[B, M, K] x [B, K, N]`` is partitioned into
+a grid of ``gb x gm x gn x gk`` blocks, one per tile (``gb*gm*gn*gk <=
+num_tiles``). Tile ``(ib, im, in, ik)`` receives the A block ``[bb, bm, bk]``
+and the B block ``[bb, bk, bn]`` and multiplies them on its AMP unit into a
+partial block ``[bb, bm, bn]`` held in the partials type. When ``gk > 1`` the
+``gk`` partials of each output block are then exchanged and summed: each of the
+``gk`` tiles of the group reduces ``1/gk`` of the block (a reduce-scatter), so
+the output ends up spread over every tile of the grid.
+
+The cost of a candidate, per tile (the busiest, whose blocks are full):
+
+* compute: block MACs at the AMP rate (``estimators.matmul_cycles``: fp16 and
+  bf16 at the fp16 rate, everything else at the fp32 rate);
+* exchange: the bytes of both operand blocks at the exchange bandwidth. The
+  planner assumes nothing is already in place (the operands' mappings are not
+  known when planning); the emitted supersteps count the exact bytes, so the
+  report may show slightly less exchange than the plan;
+* reduce, when ``gk > 1``: a second superstep (sync, exchange of ``gk - 1``
+  pieces of ``1/gk`` of the block in the partials type, a reduce vertex).
+
+Temporary memory per tile is the two operand blocks plus the partial block
+(and, in the reduce stage, the received partials plus the output piece); a plan
+must fit in ``available_memory_proportion`` of the tile's SRAM. When nothing
+fits the plan with the least temporary memory is returned (``fits=False``),
+and the program's out-of-memory check reports the tile.
+
+The search is vectorised: for each of ``B, M, N, K`` a modest set of split
+counts (powers of two, divisors and the full size, deduplicated by the block
+size they give) is combined into a grid of candidates evaluated as NumPy
+arrays. Plans are cached by shapes, dtypes, target and proportion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ipu_jax.kernels import estimators
+from ipu_jax.target import IPUTarget
+
+__all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div"]
+
+# At most this many split counts per dimension enter the search.
+_MAX_CANDIDATES_PER_DIM = 40
+
+
+def ceil_div(a, b):
+  """``ceil(a / b)`` for non-negative integers (works on arrays)."""
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPlan:
+  """How a ``[B, M, K] x [B, K, N]`` product is cut over tiles.
+
+  Attributes:
+    b, m, n, k: the canonical problem size.
+    dtype: operand dtype name; partials_dtype: partial sums' dtype name.
+    grid: ``(gb, gm, gn, gk)`` blocks along each dimension; tile
+      ``((ib * gm + im) * gn + in) * gk + ik`` of the grid holds block
+      ``(ib, im, in, ik)``.
+    block: ``(bb, bm, bn, bk)`` full block sizes (edge blocks may be smaller).
+    compute_cycles: the busiest tile's block-matmul cycles.
+    exchange_cycles: cycles to bring the operand blocks in (nothing assumed in
+      place).
+    reduce_cycles: sync + exchange + compute of the partials reduction
+      (0 when ``gk == 1``).
+    sync_cycles: sync of the matmul superstep.
+    exchange_bytes: bytes the busiest tile receives for its operand blocks.
+    reduce_bytes: bytes the busiest tile receives in the reduction.
+    temp_bytes: temporary bytes per tile (operand blocks + partials, or the
+      reduce stage's buffers if larger).
+    memory_limit: ``available_memory_proportion * bytes_per_tile``.
+    fits: whether ``temp_bytes <= memory_limit``.
+    candidates: how many grids were evaluated.
+  """
+
+  b: int
+  m: int
+  n: int
+  k: int
+  dtype: str
+  partials_dtype: str
+  grid: tuple
+  block: tuple
+  compute_cycles: float
+  exchange_cycles: float
+  reduce_cycles: float
+  sync_cycles: float
+  exchange_bytes: int
+  reduce_bytes: int
+  temp_bytes: int
+  memory_limit: int
+  fits: bool
+  candidates: int = 0
+
+  @property
+  def num_tiles(self) -> int:
+    """Tiles the grid occupies."""
+    gb, gm, gn, gk = self.grid
+    return gb * gm * gn * gk
+
+  @property
+  def cycles(self) -> float:
+    """Estimated cycles of the whole matmul (both supersteps)."""
+    return self.sync_cycles + self.exchange_cycles + self.compute_cycles + self.reduce_cycles
+
+  @property
+  def label(self) -> str:
+    """A short name, e.g. ``grid b1.m8.n8.k16 blocks 1x128x128x64``."""
+    gb, gm, gn, gk = self.grid
+    bb, bm, bn, bk = self.block
+    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}"
+
+  def describe(self) -> str:
+    """A one-paragraph account of the plan, for reports and logs."""
+    return (f"matmul [{self.b}x{self.m}x{self.k}] x [{self.b}x{self.k}x{self.n}] "
+            f"{self.dtype} (partials {self.partials_dtype}): {self.label} on "
+            f"{self.num_tiles} tiles; cycles {self.cycles:,.0f} = compute "
+            f"{self.compute_cycles:,.0f} + exchange {self.exchange_cycles:,.0f} + sync "
+            f"{self.sync_cycles:,.0f} + reduce {self.reduce_cycles:,.0f}; temporary "
+            f"memory {self.temp_bytes:,d} B per tile of {self.memory_limit:,d} B allowed"
+            f"{'' if self.fits else ' (does not fit)'}.")
+
+
+def _divisors(d: int) -> list:
+  small = [i for i in range(1, int(d ** 0.5) + 1) if d % i == 0]
+  return sorted(set(small + [d // i for i in small]))
+
+
+def split_candidates(d: int, limit: int, aligned_only: bool = False) -> np.ndarray:
+  """Split counts worth trying for a dimension of size ``d``.
+
+  Powers of two, the divisors of ``d`` and ``d`` itself, capped at ``limit``;
+  counts giving the same block size are merged into the smallest grid that
+  reaches it (``ceil(d / ceil(d / g))``), since they cost the same.
+
+  Args:
+    d: dimension size.
+    limit: the most blocks wanted (usually the tile count).
+    aligned_only: only divisors of ``d`` (every block the same size).
+  """
+  limit = max(1, min(int(d), int(limit)))
+  if d <= 1:
+    return np.array([1], np.int64)
+  divisors = [g for g in _divisors(d) if g <= limit]
+  values = set(divisors)
+  if not aligned_only:
+    values |= {1 << p for p in range(limit.bit_length()) if (1 << p) <= limit}
+    values.add(limit)
+    values = {ceil_div(d, ceil_div(d, g)) for g in values}
+  values = np.array(sorted(values), np.int64)
+  if values.size > _MAX_CANDIDATES_PER_DIM:
+    # Keep a log-spaced subset (always the ends).
+    pick = np.unique(np.round(np.geomspace(1, values.size, _MAX_CANDIDATES_PER_DIM)).astype(int) - 1)
+    values = values[pick]
+  return values
+
+
+def grid_product(lists: Sequence[np.ndarray], limit: int) -> list:
+  """All combinations of per-dimension split counts whose product fits.
+
+  Returns:
+    One flat array per dimension, of equal length.
+  """
+  mesh = np.meshgrid(*lists, indexing="ij")
+  flat = [g.reshape(-1) for g in mesh]
+  total = np.ones_like(flat[0])
+  for g in flat:
+    total = total * g
+  keep = total <= limit
+  return [g[keep] for g in flat]
+
+
+def _exchange_cycles(target: IPUTarget, nbytes: np.ndarray) -> np.ndarray:
+  nbytes = np.asarray(nbytes, np.float64)
+  return np.where(nbytes > 0, nbytes / target.exchange_bytes_per_cycle
+                  + target.exchange_latency_cycles, 0.0)
+
+
+def _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk):
+  """Per-candidate costs (arrays over candidates)."""
+  bb, bm, bn, bk = (ceil_div(b, gb), ceil_div(m, gm), ceil_div(n, gn), ceil_div(k, gk))
+  macs = bb * bm * bn * bk
+  out_block = bb * bm * bn
+  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block)
+  a_bytes = bb * bm * bk * itemsize
+  b_bytes = bb * bk * bn * itemsize
+  partial_bytes = out_block * p_itemsize
+  exchange_bytes = a_bytes + b_bytes
+  exchange = _exchange_cycles(target, exchange_bytes)
+  piece = ceil_div(out_block, gk)
+  reduce_bytes = np.where(gk > 1, (gk - 1) * piece * p_itemsize, 0)
+  reduce_compute = np.where(
+      gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
+  reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
+                    + reduce_compute, 0.0)
+  stage1 = a_bytes + b_bytes + partial_bytes
+  stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
+  temp = np.maximum(stage1, stage2)
+  cycles = target.sync_cycles_internal + exchange + compute + reduce
+  return dict(block=(bb, bm, bn, bk), compute=compute, exchange=exchange,
+              reduce=reduce, exchange_bytes=exchange_bytes, reduce_bytes=reduce_bytes,
+              temp=temp, cycles=cycles)
+
+
+def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
+                partials_dtype=np.float32, available_memory_proportion: float = 0.6,
+                max_tiles: Optional[int] = None) -> MatmulPlan:
+  """Choose how a ``[b, m, k] x [b, k, n]`` product is cut over tiles.
+
+  Args:
+    target: the IPU target.
+    b, m, n, k: batch, rows, columns and contraction size.
+    dtype: operand dtype (sets the AMP rate and operand bytes).
+    partials_dtype: dtype of the partial sums.
+    available_memory_proportion: fraction of a tile's SRAM the plan's
+      temporaries may use.
+    max_tiles: use at most this many tiles (default: all of the target).
+
+  Returns:
+    The cheapest :class:`MatmulPlan` that fits, else the one with the least
+    temporary memory per tile.
+  """
+  return _plan_cached(target, int(b), int(m), int(n), int(k), np.dtype(dtype).name,
+                      np.dtype(partials_dtype).name, float(available_memory_proportion),
+                      target.num_tiles if max_tiles is None else int(max_tiles))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles):
+  itemsize = np.dtype(dtype).itemsize
+  p_itemsize = np.dtype(partials_dtype).itemsize
+  limit = max(1, min(max_tiles, target.num_tiles))
+  memory_limit = int(proportion * target.bytes_per_tile)
+  if min(b, m, n, k) <= 0:
+    return MatmulPlan(b, m, n, k, dtype, partials_dtype, (1, 1, 1, 1),
+                      (max(b, 0), max(m, 0), max(n, 0), max(k, 0)), 0.0, 0.0, 0.0,
+                      0.0, 0, 0, 0, memory_limit, True, 0)
+  lists = [split_candidates(d, limit) for d in (b, m, n, k)]
+  gb, gm, gn, gk = grid_product(lists, limit)
+  # Every tile of a reduce group must get at least one output element.
+  keep = gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
+  gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
+  costs = _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk)
+  tiles = gb * gm * gn * gk
+  fits = costs["temp"] <= memory_limit
+  if fits.any():
+    # Cheapest; ties go to less memory, then fewer tiles.
+    order = np.lexsort((tiles, costs["temp"], np.where(fits, costs["cycles"], np.inf)))
+  else:
+    order = np.lexsort((tiles, costs["cycles"], costs["temp"]))
+  i = int(order[0])
+  block = tuple(int(x[i]) for x in costs["block"])
+  return MatmulPlan(
+      b=b, m=m, n=n, k=k, dtype=dtype, partials_dtype=partials_dtype,
+      grid=(int(gb[i]), int(gm[i]), int(gn[i]), int(gk[i])), block=block,
+      compute_cycles=float(costs["compute"][i]),
+      exchange_cycles=float(costs["exchange"][i]),
+      reduce_cycles=float(costs["reduce"][i]),
+      sync_cycles=float(target.sync_cycles_internal),
+      exchange_bytes=int(costs["exchange_bytes"][i]),
+      reduce_bytes=int(costs["reduce_bytes"][i]),
+      temp_bytes=int(costs["temp"][i]), memory_limit=memory_limit,
+      fits=bool(fits[i]), candidates=int(gb.size))

@@ -1,0 +1,472 @@
+"""Control flow: inlined calls, scan, while and cond as tile control programs.
+
+Tile plan:
+
+* **Inlined calls** (``jit``, ``closed_call``, ``call``, ``custom_jvp_call``,
+  ``custom_vjp_call``, ``remat``): the inner jaxpr is lowered in place on the
+  operand tensors, as XLA inlines calls; nothing is copied.
+* **scan** becomes ``Repeat(length, body)``. Before the loop, the carries are
+  copied into loop-carried tensors (one exchange step) and an iteration counter
+  (an int32 scalar on one tile) is zeroed. Each iteration runs
+
+  1. a *slice* step: the counter is broadcast to the tiles holding the stacked
+     ``xs``; each of them copies its part of row ``i`` (``length - 1 - i`` when
+     ``reverse``) and the exchange moves it to the body's slice tensor;
+  2. the body, lowered in a sub-program;
+  3. an *update* step: the ``ys`` rows are exchanged into the stacked outputs
+     at row ``i``, the body's new carries are copied into the carried tensors
+     (all reads happen before any write, so swapped carries are safe), and the
+     counter is incremented.
+
+  A dynamic slice moves different tiles' data on different iterations; the
+  static exchange is sized for the worst iteration of every tile, as a Poplar
+  program is compiled for all the offsets it may see.
+* **while** becomes ``RepeatWhileTrue(condition, predicate, body)``: the
+  condition jaxpr is lowered into the condition program (its boolean output is
+  the predicate), the body into the body program, ending with the carry copy.
+* **cond** becomes ``If`` (two branches) or ``Switch`` (more) on the index: each
+  branch is lowered in its own sub-program and ends by copying its results into
+  result tensors shared by all branches (mapped like branch 0's results, so
+  that branch's copy is an on-tile one). An index out of range runs the last
+  branch, as XLA's ``case`` does.
+
+Loop and branch bodies record the tensors created inside them (their locals):
+they are written before they are read on every iteration, so the executor need
+not carry them between iterations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import add_costs, broadcast_cost, worker_vertices
+from ipu_jax.lowering.exchange import (ExchangeCost, relayout, relayout_cost,
+                                       to_flat, to_storage)
+from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, lower_jaxpr
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.registry import register_lowering
+
+__all__ = ["physical_aval", "copy_step", "make_repeat"]
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def physical_aval(aval):
+  """``(shape, dtype)`` a value of ``aval`` is held as in tile memory.
+
+  PRNG key arrays are held as their ``uint32`` key data, with the key shape
+  appended.
+  """
+  if is_key_dtype(aval.dtype):
+    impl = aval.dtype._impl  # pylint: disable=protected-access
+    return tuple(aval.shape) + tuple(impl.key_shape), np.dtype(np.uint32)
+  return tuple(aval.shape), np.dtype(aval.dtype)
+
+
+def _lower_any(ctx, jaxpr, args) -> list:
+  """Lower a ``ClosedJaxpr`` or an open ``Jaxpr`` (no constvars) inline."""
+  if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
+    return lower_closed_jaxpr(ctx, jaxpr, list(args))
+  if jaxpr.constvars:
+    raise NotImplementedError("an open jaxpr with constvars cannot be inlined")
+  return lower_jaxpr(ctx, jaxpr, [], list(args))
+
+
+def _fields(cls) -> set:
+  return {f.name for f in dataclasses.fields(cls)}
+
+
+def make_repeat(count: int, body, local_ids=()):
+  """``P.Repeat``, passing ``local_ids`` when the IR supports it."""
+  if "local_ids" in _fields(P.Repeat):
+    return P.Repeat(count, body, local_ids=frozenset(local_ids))
+  return P.Repeat(count, body)
+
+
+def _make_while(condition, predicate, body, local_ids=()):
+  if "local_ids" in _fields(P.RepeatWhileTrue):
+    return P.RepeatWhileTrue(condition, predicate, body, local_ids=frozenset(local_ids))
+  return P.RepeatWhileTrue(condition, predicate, body)
+
+
+def _make_branching(index, branches, local_ids=()):
+  """``If`` for two branches, else ``Switch``; out-of-range runs the last."""
+  kwargs = {}
+  cls = P.If if len(branches) == 2 else P.Switch
+  if "local_ids" in _fields(cls):
+    kwargs["local_ids"] = frozenset(local_ids)
+  if len(branches) == 2:
+    # XLA's case runs the last branch for any index outside [0, n): so any
+    # non-zero index runs branch 1, exactly If's rule.
+    return P.If(index, branches[1], branches[0], **kwargs)
+  cases = [(i, b) for i, b in enumerate(branches[:-1])]
+  return P.Switch(index, cases, branches[-1], **kwargs)
+
+
+def _append(ctx, seq: P.Sequence, step: P.Superstep) -> None:
+  """Add ``step`` to an already closed sub-program, stamped like ``ctx.emit``."""
+  if not step.source:
+    step.source = ctx.source
+  if not step.op:
+    step.op = ctx.op
+  for tensor in step.reads + step.writes:
+    ctx.tensors.setdefault(tensor.id, tensor)
+  seq.add(step)
+
+
+def copy_step(ctx, dsts: Sequence[P.Tensor], srcs: Sequence[P.Tensor],
+              name: str = "copy") -> Optional[P.Superstep]:
+  """One step copying every ``srcs[i]`` into ``dsts[i]`` in parallel.
+
+  All sources are read before any destination is written, so a destination
+  may also be another pair's source (swapped loop carries). Pairs where the
+  source already is the destination are left out. Returns ``None`` when
+  nothing needs copying. The step is not emitted.
+  """
+  pairs = [(d, s) for d, s in zip(dsts, srcs) if d is not s and d.size > 0]
+  if not pairs:
+    return None
+  for d, s in pairs:
+    if d.size != s.size:
+      raise ValueError(f"copy {s.shape} into {d.shape}")
+  src_maps = [s.mapping for _, s in pairs]
+  dst_maps = [d.mapping for d, _ in pairs]
+  dst_dtypes = [d.dtype for d, _ in pairs]
+
+  def fn(*storages):
+    return tuple(relayout(x, sm, dm).astype(dt)
+                 for x, sm, dm, dt in zip(storages, src_maps, dst_maps, dst_dtypes))
+
+  cost = add_costs(*[relayout_cost(ctx.target, s.mapping, d.mapping, s.itemsize)
+                     for d, s in pairs])
+  return P.Superstep(name=name, op=ctx.op, reads=tuple(s for _, s in pairs),
+                     writes=tuple(d for d, _ in pairs), fn=fn, exchange=cost,
+                     source=ctx.source)
+
+
+def _emit_copies(ctx, dsts, srcs, name="copy") -> None:
+  step = copy_step(ctx, dsts, srcs, name)
+  if step is not None:
+    ctx.emit(step)
+
+
+def _carry_tensor(ctx, init: P.Tensor, name: str) -> P.Tensor:
+  """A loop-carried tensor for ``init``: mapped like it unless it is a constant."""
+  mapping = init.mapping if init.category != "constants" and init.size else None
+  return ctx.new_tensor(init.shape, init.dtype, mapping, name=name)
+
+
+def _scalar(storage_array):
+  return storage_array.reshape(-1)[0]
+
+
+# -- inlined calls ------------------------------------------------------------
+
+
+def _inline_rule(param_names):
+  def rule(ctx, *operands, **params):
+    for name in param_names:
+      jaxpr = params.get(name)
+      if jaxpr is not None:
+        return _lower_any(ctx, jaxpr, operands)
+    raise NotImplementedError(f"no inner jaxpr among {param_names}")
+  return rule
+
+
+def _register_calls():
+  from jax._src import ad_checkpoint, core, custom_derivatives, pjit
+
+  calls = [
+      (getattr(pjit, "jit_p", None), ("jaxpr",)),
+      (getattr(pjit, "pjit_p", None), ("jaxpr",)),
+      (getattr(core, "closed_call_p", None), ("call_jaxpr",)),
+      (getattr(core, "call_p", None), ("call_jaxpr",)),
+      (getattr(custom_derivatives, "custom_jvp_call_p", None), ("call_jaxpr",)),
+      (getattr(custom_derivatives, "custom_jvp_call_jaxpr_p", None), ("fun_jaxpr",)),
+      (getattr(custom_derivatives, "custom_vjp_call_p", None), ("call_jaxpr",)),
+      (getattr(custom_derivatives, "custom_vjp_call_jaxpr_p", None), ("fun_jaxpr", "call_jaxpr")),
+      (getattr(ad_checkpoint, "remat_p", None), ("jaxpr",)),
+  ]
+  for prim, names in calls:
+    if prim is not None:
+      register_lowering(prim, _inline_rule(names))
+
+
+_register_calls()
+
+
+# -- dynamic rows (scan xs / ys) ----------------------------------------------
+
+
+def _dynamic_rows_cost(ctx, stacked: P.Tensor, piece: P.Tensor, to_piece: bool,
+                       index: P.Tensor):
+  """Exchange and compute of moving row ``i`` of ``stacked`` to/from ``piece``.
+
+  Every tile's bytes are those of its busiest iteration; the index is
+  broadcast to the tiles holding ``stacked`` (they run the dynamic-slice or
+  dynamic-update vertices).
+
+  Returns:
+    ``(ExchangeCost or None, compute cycles [num_tiles])``.
+  """
+  target = ctx.target
+  t = target.num_tiles
+  length, size = stacked.shape[0], piece.size
+  cycles = np.zeros(t, np.float64)
+  if length == 0 or size == 0:
+    return None, cycles
+  smap, pmap = stacked.mapping, piece.mapping
+  src = smap.element_tile.reshape(length, size)
+  dst = pmap.element_tile
+  moved = src != dst[None, :]
+  it = np.broadcast_to(np.arange(length)[:, None], (length, size))
+
+  def busiest_per_tile(rows, num_rows, tiles, mask):
+    """Max over iterations of elements per row (mask selects elements)."""
+    key = (it * num_rows + rows)[mask]
+    out = np.zeros(t, np.int64)
+    if key.size == 0:
+      return out
+    keys, counts = np.unique(key, return_counts=True)
+    per_row = np.zeros(num_rows, np.int64)
+    np.maximum.at(per_row, keys % num_rows, counts)
+    np.add.at(out, tiles, per_row)
+    return out
+
+  piece_rows = np.broadcast_to(pmap.element_row[None, :], (length, size))
+  stacked_rows = smap.element_row.reshape(length, size)
+  piece_side = busiest_per_tile(piece_rows, pmap.num_rows, pmap.tiles, moved) * piece.itemsize
+  stacked_side = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles, moved) * piece.itemsize
+  if to_piece:
+    bytes_in, bytes_out = piece_side, stacked_side
+  else:
+    bytes_in, bytes_out = stacked_side, piece_side
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1:
+    per_ipu = target.tiles_per_ipu
+    src_ipu, dst_ipu = (src // per_ipu), np.broadcast_to(dst // per_ipu, src.shape)
+    if not to_piece:
+      src_ipu, dst_ipu = dst_ipu, src_ipu
+    crossing = src_ipu != dst_ipu
+    if crossing.any():
+      totals = np.bincount(src_ipu[crossing], minlength=target.num_ipus)[:target.num_ipus]
+      link = (-(-totals // length) * piece.itemsize).astype(np.int64)
+  cost = ExchangeCost(bytes_in.astype(np.int64), bytes_out.astype(np.int64), link)
+  # The tiles holding the stacked tensor copy their part of the row.
+  copied = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles,
+                            np.ones_like(moved))
+  cycles = estimators.copy_cycles(target, copied, piece.itemsize)
+  # Every tile holding the stacked tensor checks the index, even when idle.
+  holders = np.zeros(t, bool)
+  holders[smap.tiles] = True
+  cycles = np.where(holders & (cycles == 0), target.supervisor_overhead_cycles, cycles)
+  return add_costs(cost, broadcast_cost(ctx, index, smap.tiles)), cycles
+
+
+def _row_positions(mapping: TileMapping, length: int, size: int):
+  """``[length, size]`` storage positions of each row (None when linear)."""
+  if mapping.is_linear:
+    return None
+  return mapping.storage_position.reshape(length, size).astype(np.int32)
+
+
+def _read_row(stacked_storage, mapping, positions, row, size):
+  flat = stacked_storage.reshape(-1)
+  if positions is None:
+    return lax.dynamic_slice(flat, (row * size,), (size,))
+  return flat[jnp.asarray(positions)[row]]
+
+
+def _write_row(stacked_storage, mapping, positions, row, size, value):
+  shape = stacked_storage.shape
+  flat = stacked_storage.reshape(-1)
+  if positions is None:
+    flat = lax.dynamic_update_slice(flat, value.astype(flat.dtype), (row * size,))
+  else:
+    flat = flat.at[jnp.asarray(positions)[row]].set(value.astype(flat.dtype))
+  return flat.reshape(shape)
+
+
+# -- scan ---------------------------------------------------------------------
+
+
+def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
+               unroll=1, **params):
+  del unroll, params  # unrolling does not change the tile program's numbers
+  length = int(length)
+  consts = list(operands[:num_consts])
+  inits = list(operands[num_consts:num_consts + num_carry])
+  xs = list(operands[num_consts + num_carry:])
+  body_out_avals = jaxpr.out_avals
+  ys_avals = body_out_avals[num_carry:]
+  target = ctx.target
+
+  carries = [_carry_tensor(ctx, x, "scan/carry") for x in inits]
+  ys_stacked = []
+  for aval in ys_avals:
+    shape, dtype = physical_aval(aval)
+    ys_stacked.append(ctx.new_tensor((length,) + shape, dtype, name="scan/ys"))
+  if length == 0:
+    _emit_copies(ctx, carries, inits, "scan/init")
+    return carries + ys_stacked
+
+  counter = ctx.new_tensor((), np.int32, name="scan/counter")
+  init = copy_step(ctx, carries, inits, "scan/init")
+  # The counter is zeroed by a one-element fill vertex on its tile.
+  counter_tiles = counter.mapping.elements_per_tile(target.num_tiles)
+  fill = estimators.fill_cycles(target, counter_tiles, 4)
+  counter_shape = counter.storage_shape
+  if init is None:
+    ctx.emit(P.Superstep(
+        name="scan/init", op=ctx.op, reads=(), writes=(counter,),
+        fn=lambda: (jnp.zeros(counter_shape, jnp.int32),),
+        compute_cycles=fill, vertices=(counter_tiles > 0).astype(np.int64),
+        codelets=("Fill<int>",)))
+  else:
+    copy_fn = init.fn
+    init.fn = lambda *s: tuple(copy_fn(*s)) + (jnp.zeros(counter_shape, jnp.int32),)
+    init.writes = init.writes + (counter,)
+    init.compute_cycles = fill
+    init.vertices = (counter_tiles > 0).astype(np.int64)
+    init.codelets = ("Fill<int>",)
+    ctx.emit(init)
+
+  def row_of(counter_storage):
+    i = _scalar(counter_storage)
+    return (length - 1 - i) if reverse else i
+
+  with ctx.sub_program() as (body, local_ids):
+    # 1. This iteration's rows of xs.
+    slices = [ctx.new_tensor(x.shape[1:], x.dtype, name="scan/x") for x in xs]
+    moves = [(x, s) for x, s in zip(xs, slices) if s.size]
+    if moves:
+      costs, cycles = [], np.zeros(target.num_tiles)
+      for x, s in moves:
+        c, cy = _dynamic_rows_cost(ctx, x, s, True, counter)
+        costs.append(c)
+        cycles = cycles + cy
+      plans = [(x.mapping, _row_positions(x.mapping, length, s.size), s.size, s.mapping)
+               for x, s in moves]
+
+      def slice_fn(counter_storage, *stacked):
+        row = row_of(counter_storage)
+        return tuple(to_storage(_read_row(st, m, pos, row, n), sm)
+                     for st, (m, pos, n, sm) in zip(stacked, plans))
+
+      ctx.emit(P.Superstep(
+          name="scan/slice", op=ctx.op, reads=(counter,) + tuple(x for x, _ in moves),
+          writes=tuple(s for _, s in moves), fn=slice_fn, compute_cycles=cycles,
+          exchange=add_costs(*costs), vertices=(cycles > 0).astype(np.int64),
+          codelets=("DynamicSlice",)))
+
+    # 2. The body.
+    outs = lower_closed_jaxpr(ctx, jaxpr, consts + carries + slices)
+    new_carries, ys = outs[:num_carry], outs[num_carry:]
+
+    # 3. ys rows, carry copies and the counter increment in one step.
+    y_pairs = [(st, y) for st, y in zip(ys_stacked, ys) if y.size]
+    copies = copy_step(ctx, carries, new_carries)
+    costs = [copies.exchange if copies is not None else None]
+    cycles = estimators.elementwise_cycles(target, counter_tiles, "add", 4)
+    for st, y in y_pairs:
+      c, cy = _dynamic_rows_cost(ctx, st, y, False, counter)
+      costs.append(c)
+      cycles = cycles + cy
+    y_plans = [(y.mapping, y.size) for _, y in y_pairs]
+    n_y = len(y_pairs)
+    copy_fn = copies.fn if copies is not None else (lambda: ())
+    copy_reads = copies.reads if copies is not None else ()
+    copy_writes = copies.writes if copies is not None else ()
+
+    def update_fn(counter_storage, *rest):
+      stacked, values, copy_in = rest[:n_y], rest[n_y:2 * n_y], rest[2 * n_y:]
+      row = row_of(counter_storage)
+      new_stacked = tuple(
+          _write_row(st, None, None, row, n, to_flat(v, m))
+          for st, v, (m, n) in zip(stacked, values, y_plans))
+      return new_stacked + tuple(copy_fn(*copy_in)) + (counter_storage + 1,)
+
+    ctx.emit(P.Superstep(
+        name="scan/update", op=ctx.op,
+        reads=(counter,) + tuple(st for st, _ in y_pairs) + tuple(y for _, y in y_pairs)
+        + tuple(copy_reads),
+        writes=tuple(st for st, _ in y_pairs) + tuple(copy_writes) + (counter,),
+        fn=update_fn, compute_cycles=cycles, exchange=add_costs(*costs),
+        vertices=(cycles > 0).astype(np.int64), codelets=("DynamicUpdateSlice", "Add<int>")))
+
+  ctx.emit(make_repeat(length, body, local_ids))
+  return carries + ys_stacked
+
+
+# -- while --------------------------------------------------------------------
+
+
+def _while_rule(ctx, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
+                **params):
+  del params
+  cond_consts = list(operands[:cond_nconsts])
+  body_consts = list(operands[cond_nconsts:cond_nconsts + body_nconsts])
+  inits = list(operands[cond_nconsts + body_nconsts:])
+  carries = [_carry_tensor(ctx, x, "while/carry") for x in inits]
+  _emit_copies(ctx, carries, inits, "while/init")
+  with ctx.sub_program() as (condition, cond_locals):
+    predicate, = lower_closed_jaxpr(ctx, cond_jaxpr, cond_consts + carries)
+    if predicate.size != 1:
+      raise NotImplementedError("a while condition must be a scalar")
+  with ctx.sub_program() as (body, body_locals):
+    outs = lower_closed_jaxpr(ctx, body_jaxpr, body_consts + carries)
+    _emit_copies(ctx, carries, outs, "while/copy")
+  # The predicate is read after the loop's last condition: keep it carried.
+  cond_locals.discard(predicate.id)
+  ctx.emit(_make_while(condition, predicate, body, cond_locals | body_locals))
+  return carries
+
+
+# -- cond ---------------------------------------------------------------------
+
+
+def _cond_rule(ctx, index, *operands, branches, **params):
+  del params  # branches_platforms: the index already says which branch
+  operands = list(operands)
+  if len(branches) == 1:
+    return lower_closed_jaxpr(ctx, branches[0], operands)
+  if index.category == "constants" and index.value is not None:
+    # A static index picks its branch at compile time (XLA folds it too).
+    i = int(np.asarray(index.value).reshape(()))
+    i = i if 0 <= i < len(branches) else len(branches) - 1
+    return lower_closed_jaxpr(ctx, branches[i], operands)
+  sequences, outputs, local_ids = [], [], set()
+  for branch in branches:
+    with ctx.sub_program() as (seq, locals_):
+      outputs.append(lower_closed_jaxpr(ctx, branch, operands))
+    sequences.append(seq)
+    local_ids |= locals_
+  results = []
+  for i, first in enumerate(outputs[0]):
+    mapping = first.mapping if first.category != "constants" and first.size else None
+    results.append(ctx.new_tensor(first.shape, first.dtype, mapping, name="cond/result"))
+  for seq, outs in zip(sequences, outputs):
+    step = copy_step(ctx, results, outs, "cond/result")
+    if step is not None:
+      _append(ctx, seq, step)
+  ctx.emit(_make_branching(index, sequences, local_ids))
+  return results
+
+
+def _register_control_flow():
+  from jax._src.lax import control_flow as cf
+  register_lowering(cf.scan_p, _scan_rule)
+  register_lowering(cf.while_p, _while_rule)
+  register_lowering(cf.cond_p, _cond_rule)
+
+
+_register_control_flow()

@@ -1,0 +1,103 @@
+"""Identities, compiler hints and host callbacks.
+
+Tile plan:
+
+* ``optimization_barrier``, ``sharding_constraint``, ``device_put``,
+  ``stop_gradient``, ``name`` (``checkpoint_name``), ``pvary``,
+  ``random_clone``-like identities change nothing in tile memory: the result
+  *is* the operand's tensor, so they cost nothing (no step, no copy). A tensor
+  is never written after it is produced except as a loop carry, and loop
+  rules copy carries explicitly, so sharing the tensor is safe.
+* ``platform_index`` (``lax.platform_dependent``) is resolved at compile time
+  to the branch of the platform the emulator runs on, so the numbers equal
+  those of ``jax.jit`` on that platform.
+* ``debug_callback`` / ``debug_print`` run as a step that reads the operands
+  (as the IPU streams them to the host) and binds the primitive with the
+  user's parameters, so ordering (``ordered=True``) and formatting are JAX's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import logical
+from ipu_jax.lowering.registry import register_lowering
+
+
+def _identity(ctx, *operands, **params):
+  del ctx, params
+  return list(operands)
+
+
+def _platform_names() -> set:
+  backend = jax.default_backend()
+  names = {backend}
+  if backend == "gpu":
+    names |= {"cuda", "rocm"}
+  return names
+
+
+def _platform_index(ctx, *, platforms, **params):
+  del params
+  names = _platform_names()
+  index = next((i for i, group in enumerate(platforms)
+                if group is not None and names & set(group)), None)
+  if index is None:
+    index = next((i for i, group in enumerate(platforms) if group is None), None)
+  if index is None:
+    raise NotImplementedError(
+        f"platform_dependent has no branch for platform(s) {sorted(names)} "
+        f"and no default")
+  return [ctx.constant(np.int32(index))]
+
+
+def _host_callback_rule(primitive):
+  """A step that hands the operands to the host and runs the callback."""
+
+  def rule(ctx, *operands, **params):
+    tensors = tuple(operands)
+
+    def fn(*storages):
+      args = [logical(s, t) for s, t in zip(storages, tensors)]
+      primitive.bind(*args, **params)
+      return ()
+
+    # Reading to the host costs the tensors' bytes over the host link; the
+    # step itself moves nothing between tiles.
+    ctx.emit(P.Superstep(name=primitive.name, op=ctx.op, reads=tensors, writes=(),
+                         fn=fn))
+    return [ctx.new_tensor(a.shape, a.dtype) for a in ctx.out_avals]
+
+  return rule
+
+
+def _register():
+  from jax._src import ad_checkpoint, core, custom_derivatives, debugging, dispatch, pjit
+  from jax._src.lax import control_flow as cf
+
+  identities = [
+      getattr(cf, "optimization_barrier_p", None),
+      getattr(pjit, "sharding_constraint_p", None),
+      getattr(pjit, "layout_constraint_p", None),
+      getattr(pjit, "reshard_p", None),
+      getattr(dispatch, "device_put_p", None),
+      getattr(custom_derivatives, "stop_gradient_p", None),
+      getattr(ad_checkpoint, "name_p", None),
+      getattr(core, "pvary_p", None),
+  ]
+  for prim in identities:
+    if prim is not None:
+      register_lowering(prim, _identity)
+  prim = getattr(cf, "platform_index_p", None)
+  if prim is not None:
+    register_lowering(prim, _platform_index)
+  for name in ("debug_callback_p", "debug_print_p"):
+    prim = getattr(debugging, name, None)
+    if prim is not None:
+      register_lowering(prim, _host_callback_rule(prim))
+
+
+_register()

@@ -1,0 +1,315 @@
+"""Random numbers: PRNG keys, ``random_bits``, ``split``, ``fold_in``, threefry.
+
+PRNG key arrays (the extended dtype ``key<impl>``) are held in tile memory as
+their ``uint32`` key data: shape ``keys.shape + impl.key_shape``. Wrapping and
+unwrapping keys therefore moves nothing: the result is the operand's tensor.
+
+Tile plan of the generators (``random_seed``, ``random_split``,
+``random_fold_in``, ``random_bits``): the result is mapped linearly over the
+tiles; each tile runs threefry vertices for the words it holds (a counter-based
+generator needs nothing but the key and the element's position), so the
+exchange is the key data (and fold-in messages) sent to every tile that holds a
+result made from them: a multicast of one key to all result tiles, or of each
+key of a batch to its results' tiles. Compute is costed as an elementwise
+threefry per 32-bit word generated. The vertex body re-wraps the key data
+with the key's implementation and binds the JAX primitive itself, so the
+numbers are exactly those of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
+                                       logical, storage, worker_vertices)
+from ipu_jax.lowering.exchange import movement_cost
+from ipu_jax.lowering.lower import is_key_dtype
+from ipu_jax.lowering.registry import register_lowering, registered_primitives
+
+from jax._src.random import prng
+
+__all__ = ["key_impl_of"]
+
+# The key implementation of tensors made by these rules, by tensor id (an
+# alias made by a reshape keeps the id, so it keeps its impl too).
+_KEY_IMPLS: dict = {}
+
+
+def _default_impl():
+  from jax._src import config
+  name = config.default_prng_impl.value
+  return prng.prngs[name]
+
+
+def key_impl_of(ctx, tensor: P.Tensor, operand_index: int = 0):
+  """The PRNG implementation of the key data in ``tensor``.
+
+  Uses the equation's operand avals when the context provides them
+  (``ctx.in_avals``), else the impl recorded when the key was made here, else
+  the default implementation (or the only one whose key shape fits).
+  """
+  in_avals = getattr(ctx, "in_avals", None)
+  if in_avals is not None and operand_index < len(in_avals):
+    aval = in_avals[operand_index]
+    if is_key_dtype(aval.dtype):
+      return aval.dtype._impl  # pylint: disable=protected-access
+  impl = _KEY_IMPLS.get(tensor.id)
+  if impl is not None:
+    return impl
+  default = _default_impl()
+  shape = tuple(tensor.shape)
+  ks = tuple(default.key_shape)
+  if shape[len(shape) - len(ks):] == ks:
+    return default
+  for impl in prng.prngs.values():
+    ks = tuple(impl.key_shape)
+    if shape[len(shape) - len(ks):] == ks:
+      return impl
+  raise NotImplementedError(f"cannot tell the PRNG implementation of key data {shape}")
+
+
+def _record(tensor: P.Tensor, impl) -> P.Tensor:
+  _KEY_IMPLS[tensor.id] = impl
+  return tensor
+
+
+def _wrap(data, impl):
+  return prng.random_wrap_p.bind(data, impl=impl)
+
+
+def _unwrap(keys):
+  return prng.random_unwrap_p.bind(keys)
+
+
+# -- cost ---------------------------------------------------------------------
+
+
+def _fanout_cost(ctx, tensor: P.Tensor, members: np.ndarray, out: P.Tensor,
+                 group_size: int):
+  """Send the elements each output group needs to the tiles holding it.
+
+  Args:
+    tensor: the operand (key data or messages).
+    members: ``[num_groups, k]`` flat elements of ``tensor`` that output group
+      ``g`` is made from.
+    out: the result; its element ``e`` belongs to group ``e // group_size``.
+  """
+  if tensor.size == 0 or out.size == 0:
+    return None
+  members = np.asarray(members, np.int64)
+  if members.shape[0] == 0:
+    return None
+  if (members == members[:1]).all():
+    # Every group uses the same elements: one multicast to all result tiles.
+    if members.shape[1] == tensor.size:
+      return broadcast_cost(ctx, tensor, out.mapping.tiles)
+  # Pairs (group, result row) in element order: both never decrease for a
+  # linear result, so consecutive duplicates are all the duplicates.
+  omap = out.mapping
+  group = np.arange(out.size, dtype=np.int64) // max(group_size, 1)
+  row = omap.element_row
+  keep = np.ones(out.size, bool)
+  keep[1:] = (group[1:] != group[:-1]) | (row[1:] != row[:-1])
+  if not omap.is_linear:
+    pair = np.unique(group * omap.num_rows + row)
+    g, r = pair // omap.num_rows, pair % omap.num_rows
+  else:
+    g, r = group[keep], row[keep]
+  dst = omap.tiles[r]
+  ids = members[g]  # [pairs, k]
+  src = tensor.mapping.element_tile[ids]
+  k = ids.shape[1]
+  return movement_cost(ctx.target, src.reshape(-1), np.repeat(dst, k), tensor.itemsize,
+                       element_id=ids.reshape(-1))
+
+
+def _emit_generator(ctx, name: str, fn, operands: Sequence[P.Tensor],
+                    members: Sequence[np.ndarray], out_shape, out_dtype,
+                    group_size: int, words_per_element: float = 1.0,
+                    cost_op: str = "threefry2x32") -> P.Tensor:
+  """A result mapped linearly, made on its tiles from the operands' groups."""
+  out = ctx.new_tensor(out_shape, out_dtype, name=name)
+  target = ctx.target
+  elements = out.mapping.elements_per_tile(target.num_tiles)
+  words = np.ceil(elements * words_per_element).astype(np.int64)
+  compute = estimators.elementwise_cycles(target, words, cost_op, 4)
+  cost = add_costs(*[_fanout_cost(ctx, t, m, out, group_size)
+                     for t, m in zip(operands, members)])
+  tensors = tuple(operands)
+
+  def step(*storages):
+    args = [logical(s, t) for s, t in zip(storages, tensors)]
+    return (storage(fn(*args), out),)
+
+  if out.size:
+    ctx.emit(P.Superstep(name=name, op=ctx.op, reads=tensors, writes=(out,), fn=step,
+                         compute_cycles=compute, exchange=cost,
+                         vertices=worker_vertices(ctx, words),
+                         codelets=(f"{cost_op}",)))
+  return out
+
+
+def _key_members(num_keys: int, key_words: int) -> np.ndarray:
+  """``[num_keys, key_words]``: the words of each key in the key data."""
+  return (np.arange(num_keys, dtype=np.int64)[:, None] * key_words
+          + np.arange(key_words, dtype=np.int64)[None, :])
+
+
+# -- rules --------------------------------------------------------------------
+
+
+def _random_seed(ctx, seeds, *, impl):
+  ks = tuple(impl.key_shape)
+  kw = int(np.prod(ks, dtype=np.int64))
+  out = _emit_generator(
+      ctx, "random_seed", lambda s: _unwrap(prng.random_seed_p.bind(s, impl=impl)),
+      [seeds], [np.arange(seeds.size, dtype=np.int64)[:, None]],
+      tuple(seeds.shape) + ks, np.uint32, kw, cost_op="random_seed")
+  return [_record(out, impl)]
+
+
+def _random_split(ctx, keys, *, shape):
+  impl = ctx.out_avals[0].dtype._impl  # pylint: disable=protected-access
+  ks = tuple(impl.key_shape)
+  kw = int(np.prod(ks, dtype=np.int64))
+  batch = tuple(keys.shape[:len(keys.shape) - len(ks)])
+  num_keys = int(np.prod(batch, dtype=np.int64))
+  per_key = int(np.prod(shape, dtype=np.int64)) * kw
+  out = _emit_generator(
+      ctx, "random_split",
+      lambda d: _unwrap(prng.random_split_p.bind(_wrap(d, impl), shape=tuple(shape))),
+      [keys], [_key_members(num_keys, kw)], batch + tuple(shape) + ks, np.uint32,
+      max(per_key, 1))
+  return [_record(out, impl)]
+
+
+def _random_fold_in(ctx, keys, msgs):
+  impl = ctx.out_avals[0].dtype._impl  # pylint: disable=protected-access
+  ks = tuple(impl.key_shape)
+  kw = int(np.prod(ks, dtype=np.int64))
+  key_batch = tuple(keys.shape[:len(keys.shape) - len(ks)])
+  out_batch = tuple(ctx.out_avals[0].shape)
+  n = int(np.prod(out_batch, dtype=np.int64))
+
+  def index_in(batch_shape):
+    """Which key / message each result key is folded from (broadcasting)."""
+    size = int(np.prod(batch_shape, dtype=np.int64))
+    ids = np.arange(size, dtype=np.int64).reshape(batch_shape)
+    ids = ids.reshape((1,) * (len(out_batch) - len(batch_shape)) + tuple(batch_shape))
+    return np.broadcast_to(ids, out_batch).reshape(-1)
+
+  key_of = index_in(key_batch)
+  msg_of = index_in(tuple(msgs.shape))
+  out = _emit_generator(
+      ctx, "random_fold_in",
+      lambda d, m: _unwrap(prng.random_fold_in_p.bind(_wrap(d, impl), m)),
+      [keys, msgs], [_key_members(1, kw)[0][None, :] + key_of[:, None] * kw,
+                     msg_of[:, None]],
+      out_batch + ks, np.uint32, kw)
+  del n
+  return [_record(out, impl)]
+
+
+def _random_bits(ctx, keys, *, bit_width, shape):
+  impl = key_impl_of(ctx, keys)
+  ks = tuple(impl.key_shape)
+  kw = int(np.prod(ks, dtype=np.int64))
+  batch = tuple(keys.shape[:len(keys.shape) - len(ks)])
+  num_keys = int(np.prod(batch, dtype=np.int64))
+  per_key = int(np.prod(shape, dtype=np.int64))
+  out_aval = ctx.out_avals[0]
+  out = _emit_generator(
+      ctx, "random_bits",
+      lambda d: prng.random_bits_p.bind(_wrap(d, impl), bit_width=bit_width,
+                                        shape=tuple(shape)),
+      [keys], [_key_members(num_keys, kw)], tuple(out_aval.shape), np.dtype(out_aval.dtype),
+      max(per_key, 1), words_per_element=bit_width / 32)
+  return [out]
+
+
+def _random_wrap(ctx, data, *, impl):
+  del ctx
+  return [_record(data, impl)]
+
+
+def _random_unwrap(ctx, keys):
+  del ctx
+  return [keys]
+
+
+def _random_clone(ctx, keys):
+  impl = ctx.out_avals[0].dtype._impl if is_key_dtype(ctx.out_avals[0].dtype) else None
+  if impl is not None:
+    _record(keys, impl)
+  return [keys]
+
+
+def _threefry2x32(ctx, *operands):
+  from jax._src.random.threefry2x32 import threefry2x32_p
+
+  def body(*arrays):
+    shape = next((a.shape for a in arrays if a.ndim), ())
+    return tuple(threefry2x32_p.bind(*[jnp.broadcast_to(a, shape) for a in arrays]))
+
+  return elementwise(ctx, body, list(operands), cost_op="threefry2x32",
+                     flops_per_element=0)
+
+
+def _iota_2x32_shape(ctx, *, shape):
+  shape = tuple(int(d) for d in shape)
+  hi = ctx.new_tensor(shape, np.uint32, name="iota_hi")
+  lo = ctx.new_tensor(shape, np.uint32, hi.mapping, name="iota_lo")
+  target = ctx.target
+  elements = hi.mapping.elements_per_tile(target.num_tiles)
+
+  def step():
+    h, l = prng.iota_2x32_shape_p.bind(shape=shape)
+    return storage(h, hi), storage(l, lo)
+
+  if hi.size:
+    ctx.emit(P.Superstep(name="iota_2x32", op=ctx.op, reads=(), writes=(hi, lo), fn=step,
+                         compute_cycles=2 * estimators.fill_cycles(target, elements, 4),
+                         vertices=worker_vertices(ctx, elements), codelets=("Iota<uint>",)))
+  return [hi, lo]
+
+
+def _bitcast_convert_type(ctx, x, *, new_dtype):
+  """Fallback bitcast for equal widths (``random.uniform`` needs it)."""
+  new_dtype = np.dtype(new_dtype)
+  if new_dtype.itemsize != x.itemsize:
+    raise NotImplementedError(
+        f"bitcast from {x.dtype} to {new_dtype} changes the element width")
+  from jax import lax
+  return elementwise(ctx, lambda a: lax.bitcast_convert_type(a, new_dtype), [x],
+                     cost_op="copy", flops_per_element=0)
+
+
+def _register():
+  from jax._src.random import core as random_core
+  from jax._src.random import threefry2x32 as threefry
+  rules = [
+      (prng.random_seed_p, _random_seed),
+      (prng.random_split_p, _random_split),
+      (prng.random_fold_in_p, _random_fold_in),
+      (prng.random_bits_p, _random_bits),
+      (prng.random_wrap_p, _random_wrap),
+      (prng.random_unwrap_p, _random_unwrap),
+      (getattr(random_core, "random_clone_p", None), _random_clone),
+      (getattr(threefry, "threefry2x32_p", None), _threefry2x32),
+      (getattr(prng, "iota_2x32_shape_p", None), _iota_2x32_shape),
+  ]
+  for prim, rule in rules:
+    if prim is not None:
+      register_lowering(prim, rule)
+  # Registered only if no earlier family (elementwise, shape) provides it.
+  if "bitcast_convert_type" not in registered_primitives():
+    from jax import lax
+    register_lowering(lax.bitcast_convert_type_p, _bitcast_convert_type)
+
+
+_register()

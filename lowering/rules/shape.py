@@ -1,0 +1,501 @@
+"""Data movement and constants from nothing: reshape, transpose, slice, pad...
+
+Tile plan. Every primitive here copies elements without computing on them,
+so its plan is a static map: for each output element, the flat index of the
+input element it copies (or "fill" for padding and constants). The map is
+found by applying the NumPy twin of the primitive to an array of flat
+indices, which is vectorised and costs a few milliseconds for a million
+elements.
+
+* ``reshape``, ``squeeze`` (and ``broadcast_in_dim`` / ``transpose`` / ...
+  whose map turns out to be the identity) change only the logical shape.
+  A tile mapping is defined on the flattened, row-major tensor, so the same
+  storage serves the new shape: the rule returns an *alias*, a Tensor with
+  the new shape that shares the operand's id, mapping and storage. No
+  superstep, no sync, no memory: like a Poplar view (``Tensor::reshape``).
+* Everything else materialises a new, linearly mapped tensor in one
+  superstep. Its exchange sends each element whose destination tile differs
+  from its source tile; an element needed several times on one tile (a
+  broadcast) crosses the exchange once per destination tile and is then
+  replicated on the tile. The compute phase runs ``Copy`` vertices for the
+  elements that did not arrive straight from the exchange (kept on their
+  tile, or replicated) and ``Fill`` vertices for elements set to a constant
+  (padding, ``jnp.zeros``...). A pad value held in a tensor is an ordinary
+  source element, multicast to the tiles that need it.
+* ``iota`` is a compute set of fill-like vertices writing each tile's own
+  elements; no exchange.
+
+In the executor, "batched" mode runs the primitive itself on logical arrays
+(XLA fuses it into reshapes and slices); "per_tile" mode performs the static
+gather the plan describes. Both give the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import logical, storage, worker_vertices
+from ipu_jax.lowering.exchange import ExchangeCost, to_flat, to_storage
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.registry import register_lowering
+
+__all__ = ["alias", "move", "exchange_plan"]
+
+
+# -- helpers -----------------------------------------------------------------
+
+
+def _index_dtype(n: int):
+  # int32 indices halve the memory traffic of planning; int64 beyond 2**31.
+  return np.int32 if n < 2**31 - 1 else np.int64
+
+
+def _flat_indices(shape, offset: int = 0, total: Optional[int] = None) -> np.ndarray:
+  size = int(np.prod(shape, dtype=np.int64))
+  dtype = _index_dtype(max(size + offset, total or 0))
+  return np.arange(offset, offset + size, dtype=dtype).reshape(shape)
+
+
+def _out_aval(ctx, i: int = 0):
+  aval = ctx.out_avals[i]
+  return tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
+
+
+def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
+  """Where a moved result lives: near its inputs, spread linearly.
+
+  A result the size of a linearly mapped operand takes that operand's
+  mapping (as popops maps results like their operand), so a transpose or
+  reverse moves only the elements that change tile. Otherwise the result is
+  mapped linearly; when it is too small to cover every tile it starts on its
+  largest operand's first tile rather than on a fresh one.
+  """
+  size = int(np.prod(shape, dtype=np.int64))
+  itemsize = np.dtype(dtype).itemsize
+  live = [t for t in operands if t.category != "constants" and t.size and t.mapping.is_linear]
+  for t in live:
+    if t.size == size and t.itemsize == itemsize:
+      return t.mapping
+  if live and size:
+    num_tiles = ctx.target.num_tiles
+    mapping = TileMapping.linear(size, num_tiles, itemsize)
+    if mapping.num_rows < num_tiles:
+      start = int(max(live, key=lambda t: t.size).mapping.tiles[0])
+      return TileMapping.blocks(size, mapping.chunk, num_tiles, start)
+    return mapping
+  return ctx.linear_mapping(shape, dtype)
+
+
+def alias(tensor: P.Tensor, shape) -> P.Tensor:
+  """``tensor`` seen with another shape of the same size, sharing its storage.
+
+  The alias keeps the tensor's id, so the executor (which keys state by id)
+  reads and writes the very same storage, and the memory analysis counts it
+  once. Only rules whose output keeps the flat element order may use it.
+  """
+  shape = tuple(int(d) for d in shape)
+  if shape == tuple(tensor.shape):
+    return tensor
+  if int(np.prod(shape, dtype=np.int64)) != tensor.size:
+    raise ValueError(f"alias: {tensor.shape} has {tensor.size} elements, not {shape}")
+  value = None if tensor.value is None else np.asarray(tensor.value).reshape(shape)
+  return dataclasses.replace(tensor, shape=shape, value=value)
+
+
+def _is_identity(source: np.ndarray) -> bool:
+  n = source.size
+  if n == 0:
+    return True
+  if source[0] != 0 or source[-1] != n - 1:
+    return False
+  return bool(np.array_equal(source, np.arange(n, dtype=source.dtype)))
+
+
+def _uniform_value(tensor: P.Tensor):
+  """The single value of a constant tensor whose elements are all equal."""
+  if tensor.category != "constants" or tensor.value is None or tensor.size == 0:
+    return None
+  value = np.asarray(tensor.value, tensor.dtype).reshape(-1)
+  if value.size > 1:
+    # Compare bytes so that NaN == NaN and -0.0 != 0.0, as a fill would.
+    raw = value.view(np.uint8).reshape(value.size, value.itemsize)
+    if not (raw == raw[0]).all():
+      return None
+  return value[0]
+
+
+def exchange_plan(target, source_tiles: np.ndarray, source: np.ndarray,
+                  dst_tile: np.ndarray, itemsize: int, one_to_one: bool = False):
+  """Exchange bytes of a static copy, with multicasts, and what each tile gets.
+
+  Args:
+    target: the IPU target.
+    source_tiles: ``[S]`` tile of every source element.
+    source: ``[M]`` source element of every copied output element.
+    dst_tile: ``[M]`` tile of every copied output element.
+    itemsize: bytes per element.
+    one_to_one: the caller knows no source element is copied twice (a
+      permutation, slice...), which skips the deduplication.
+
+  Returns:
+    ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
+    moves) and ``[num_tiles]`` elements each tile receives. A tile receives
+    a source element once however many of its output elements copy it; a
+    tile sends each element once however many tiles need it; an element
+    crosses the IPU-Links once per destination IPU. For one-to-one copies
+    this equals :func:`~ipu_jax.lowering.exchange.movement_cost`.
+  """
+  num_tiles = target.num_tiles
+  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
+  source_tiles = np.asarray(source_tiles)
+  src_tile = source_tiles[source]
+  moved = src_tile != dst_tile
+  if not moved.any():
+    return None, np.zeros(num_tiles, np.int64)
+  link = np.zeros(n_ipus, np.int64)
+  if one_to_one:
+    from_tile, dst = src_tile[moved], dst_tile[moved]
+    received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
+    bytes_out = np.bincount(from_tile, minlength=num_tiles)[:num_tiles]
+    if n_ipus > 1:
+      src_ipu, dst_ipu = from_tile // per_ipu, dst // per_ipu
+      link = np.bincount(src_ipu[src_ipu != dst_ipu], minlength=n_ipus)[:n_ipus]
+    return ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
+                        link.astype(np.int64) * itemsize), received
+  src, dst = source[moved], dst_tile[moved]
+  # Deduplicate (source, destination tile) pairs, only among sources used
+  # more than once, so copies of distinct elements never pay for a sort.
+  uses = np.bincount(src, minlength=source_tiles.size)
+  repeated = uses[src] > 1
+  if repeated.any():
+    key = src[repeated].astype(np.int64) * num_tiles + dst[repeated]
+    # Runs of one element on one tile are common: drop them before sorting.
+    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
+    key.sort()
+    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
+    src = np.concatenate([src[~repeated], (key // num_tiles).astype(src.dtype)])
+    dst = np.concatenate([dst[~repeated], key % num_tiles])
+  received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
+  sent = np.zeros(source_tiles.size, bool)
+  sent[src] = True
+  bytes_out = np.bincount(source_tiles[sent], minlength=num_tiles)[:num_tiles]
+  if n_ipus > 1:
+    src_ipu, dst_ipu = source_tiles[src] // per_ipu, dst // per_ipu
+    crossing = src_ipu != dst_ipu
+    if crossing.any():
+      marks = np.zeros((source_tiles.size, n_ipus), bool)
+      marks[src[crossing], dst_ipu[crossing]] = True
+      per_source = marks.sum(axis=1)
+      link = np.bincount(source_tiles // per_ipu, weights=per_source,
+                         minlength=n_ipus)[:n_ipus].astype(np.int64)
+  cost = ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
+                      link * itemsize)
+  return cost, received
+
+
+def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Callable,
+         fill=None, name: str = "", one_to_one: bool = False) -> list:
+  """Lower a static data movement into one superstep; returns the outputs.
+
+  Args:
+    ctx: the lowering context.
+    operands: tensors whose flattened elements, concatenated, are the
+      sources the indices refer to.
+    outputs: ``[(shape, dtype, source_index)]``: ``source_index`` is the
+      ``[size]`` source of each output element, ``-1`` for ``fill``.
+    logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
+      same movement on logical arrays (run in "batched" mode).
+    fill: the constant that ``-1`` elements take.
+    name: step name (default: the primitive).
+    one_to_one: no operand element is copied twice (see
+      :func:`exchange_plan`).
+
+  A lone output whose map is the identity on a lone operand is returned as
+  an :func:`alias` (no step).
+  """
+  target = ctx.target
+  outputs = [(tuple(int(d) for d in s), np.dtype(d), np.asarray(i).reshape(-1))
+             for s, d, i in outputs]
+  if (len(operands) == 1 and len(outputs) == 1 and outputs[0][2].size == operands[0].size
+      and outputs[0][1] == operands[0].dtype and _is_identity(outputs[0][2])):
+    return [alias(operands[0], outputs[0][0])]
+
+  # The same tensor read twice (concatenate(x, x)) is one source in memory.
+  unique, position = [], {}
+  for t in operands:
+    position.setdefault(t.id, len(unique))
+    if position[t.id] == len(unique):
+      unique.append(t)
+  remap = None
+  if len(unique) != len(operands):
+    unique_offsets = np.cumsum([0] + [t.size for t in unique])
+    remap = np.concatenate([np.arange(t.size) + unique_offsets[position[t.id]]
+                            for t in operands] + [np.zeros(0, np.int64)])
+  source_tiles = (np.concatenate([t.mapping.element_tile for t in unique])
+                  if unique else np.zeros(0, np.int64))
+  num_sources = int(source_tiles.size)
+
+  results, gathers = [], []
+  all_src, all_dst, fill_dst = [], [], []
+  for shape, dtype, index in outputs:
+    out = ctx.new_tensor(shape, dtype, _output_mapping(ctx, operands, shape, dtype))
+    results.append(out)
+    if index.size != out.size:
+      raise ValueError(f"{ctx.op}: {index.size} source indices for {shape}")
+    if out.size == 0:
+      gathers.append(None)
+      continue
+    if remap is not None:
+      index = np.where(index >= 0, remap[np.maximum(index, 0)], -1)
+    dst_tile = out.mapping.element_tile
+    real = index >= 0
+    if real.all():  # the common case: skip the masked copies
+      all_src.append(index)
+      all_dst.append(dst_tile)
+      gathers.append(index)
+      continue
+    all_src.append(index[real])
+    all_dst.append(dst_tile[real])
+    fill_dst.append(dst_tile[~real])
+    gathers.append(np.where(real, index, num_sources).astype(_index_dtype(num_sources + 1)))
+  if not any(g is not None for g in gathers):
+    return results  # all outputs empty: nothing to run
+
+  itemsize = results[0].itemsize
+  num_tiles = target.num_tiles
+  src = np.concatenate(all_src) if len(all_src) != 1 else all_src[0]
+  dst = np.concatenate(all_dst) if len(all_dst) != 1 else all_dst[0]
+  cost, received = exchange_plan(target, source_tiles, src, dst, itemsize,
+                                 one_to_one=one_to_one and remap is None)
+  # Elements not written straight by the exchange are copied on their tile.
+  copies = np.bincount(dst, minlength=num_tiles)[:num_tiles] - received
+  fills = np.bincount(np.concatenate(fill_dst + [np.zeros(0, np.int64)]),
+                      minlength=num_tiles)[:num_tiles]
+  compute = (estimators.copy_cycles(target, copies, itemsize)
+             + estimators.fill_cycles(target, fills, itemsize))
+  codelets = tuple(c for c, n in (("Copy", copies.sum()), ("Fill", fills.sum())) if n)
+  fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
+  mode = ctx.options.executor_mode
+
+  def fn(*storages):
+    if mode == "per_tile":
+      # The static exchange: gather every output element from its source.
+      flat = jnp.concatenate(
+          [to_flat(s, t.mapping).astype(results[0].dtype) for s, t in zip(storages, unique)]
+          + [jnp.full((1,), fill_value, results[0].dtype)])
+      return tuple(jnp.zeros(out.storage_shape, out.dtype) if g is None
+                   else to_storage(flat[g], out.mapping)
+                   for out, g in zip(results, gathers))
+    logical_in = {t.id: logical(s, t) for s, t in zip(storages, unique)}
+    value = logical_fn(*[logical_in[t.id].reshape(t.shape) for t in operands])
+    if not isinstance(value, (tuple, list)):
+      value = (value,)
+    return tuple(storage(v, out) for v, out in zip(value, results))
+
+  ctx.emit(P.Superstep(
+      name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
+      compute_cycles=compute if compute.any() else None, exchange=cost,
+      vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
+  return results
+
+
+def _bind(primitive, params):
+  def fn(*args):
+    return primitive.bind(*args, **params)
+  return fn
+
+
+def _no_dynamic_shapes(dynamic):
+  if dynamic:
+    raise NotImplementedError("dynamic shapes are not supported; every dimension must be static")
+
+
+# -- shape-only: aliases -----------------------------------------------------
+
+
+@register_lowering(lax.reshape_p)
+def _reshape(ctx, x, *dynamic, new_sizes, dimensions=None, **params):
+  _no_dynamic_shapes(dynamic)
+  shape, _ = _out_aval(ctx)
+  if dimensions is not None and tuple(dimensions) != tuple(range(len(x.shape))):
+    # Old-style reshape with a transpose first.
+    x = _transpose_tensor(ctx, x, tuple(dimensions))
+  return [alias(x, shape)]
+
+
+@register_lowering(lax.squeeze_p)
+def _squeeze(ctx, x, *, dimensions):
+  del dimensions
+  return [alias(x, _out_aval(ctx)[0])]
+
+
+expand_dims_p = getattr(lax, "expand_dims_p", None)
+if expand_dims_p is not None:  # only some JAX versions have one
+  @register_lowering(expand_dims_p)
+  def _expand_dims(ctx, x, **params):
+    del params
+    return [alias(x, _out_aval(ctx)[0])]
+
+
+# -- movements ---------------------------------------------------------------
+
+
+@register_lowering(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(ctx, x, *dynamic, shape, broadcast_dimensions, **params):
+  _no_dynamic_shapes(dynamic)
+  shape, dtype = _out_aval(ctx)
+  size = int(np.prod(shape, dtype=np.int64))
+  if size == x.size:  # only size-1 axes added: same flat order
+    return [alias(x, shape)]
+  full = dict(params, shape=shape, broadcast_dimensions=broadcast_dimensions)
+  value = _uniform_value(x)
+  if value is not None:
+    # A constant everywhere (jnp.zeros, jnp.full): fill vertices, no exchange.
+    return move(ctx, [], [(shape, dtype, np.full(size, -1, np.int8))],
+                lambda: jnp.full(shape, value, dtype), fill=value, name="fill")
+  expanded = [1] * len(shape)
+  for axis, out_axis in enumerate(broadcast_dimensions):
+    expanded[out_axis] = x.shape[axis]
+  index = np.broadcast_to(_flat_indices(x.shape).reshape(expanded), shape)
+  return move(ctx, [x], [(shape, dtype, index)], _bind(lax.broadcast_in_dim_p, full))
+
+
+def _transpose_tensor(ctx, x, permutation):
+  shape = tuple(x.shape[p] for p in permutation)
+  index = _flat_indices(x.shape).transpose(permutation)
+  return move(ctx, [x], [(shape, x.dtype, index)],
+              _bind(lax.transpose_p, {"permutation": tuple(permutation)}),
+              name="transpose", one_to_one=True)[0]
+
+
+@register_lowering(lax.transpose_p)
+def _transpose(ctx, x, *, permutation):
+  return [_transpose_tensor(ctx, x, tuple(int(p) for p in permutation))]
+
+
+@register_lowering(lax.rev_p)
+def _rev(ctx, x, *, dimensions):
+  shape, dtype = _out_aval(ctx)
+  index = np.flip(_flat_indices(x.shape), axis=tuple(dimensions)) if dimensions \
+      else _flat_indices(x.shape)
+  return move(ctx, [x], [(shape, dtype, index)],
+              _bind(lax.rev_p, {"dimensions": dimensions}), one_to_one=True)
+
+
+@register_lowering(lax.slice_p)
+def _slice(ctx, x, *, start_indices, limit_indices, strides):
+  shape, dtype = _out_aval(ctx)
+  steps = strides or (1,) * len(x.shape)
+  window = tuple(slice(int(s), int(l), int(st))
+                 for s, l, st in zip(start_indices, limit_indices, steps))
+  index = _flat_indices(x.shape)[window]
+  params = {"start_indices": start_indices, "limit_indices": limit_indices,
+            "strides": strides}
+  return move(ctx, [x], [(shape, dtype, index)], _bind(lax.slice_p, params),
+              one_to_one=True)
+
+
+@register_lowering(lax.concatenate_p)
+def _concatenate(ctx, *operands, dimension):
+  shape, dtype = _out_aval(ctx)
+  total = int(sum(t.size for t in operands))
+  offsets = np.cumsum([0] + [t.size for t in operands])
+  index = np.concatenate([_flat_indices(t.shape, int(o), total)
+                          for t, o in zip(operands, offsets)], axis=dimension)
+  return move(ctx, list(operands), [(shape, dtype, index)],
+              _bind(lax.concatenate_p, {"dimension": dimension}), one_to_one=True)
+
+
+def _pad_windows(in_size: int, lo: int, hi: int, interior: int):
+  """(input slice, output slice) of the elements a pad keeps on one axis."""
+  stride = interior + 1
+  out_size = lo + hi + in_size + max(in_size - 1, 0) * interior
+  if in_size == 0 or out_size <= 0:
+    return slice(0, 0), slice(0, 0)
+  # First kept input element: the first whose position lo + i * stride >= 0.
+  first = (-lo + stride - 1) // stride if lo < 0 else 0
+  last = min(in_size - 1, (out_size - 1 - lo) // stride)
+  if last < first:
+    return slice(0, 0), slice(0, 0)
+  return (slice(first, last + 1),
+          slice(lo + first * stride, lo + last * stride + 1, stride))
+
+
+@register_lowering(lax.pad_p)
+def _pad(ctx, x, pad_value, *, padding_config):
+  shape, dtype = _out_aval(ctx)
+  config = tuple(tuple(int(v) for v in c) for c in padding_config)
+  windows = [_pad_windows(n, lo, hi, k) for n, (lo, hi, k) in zip(x.shape, config)]
+  constant = _uniform_value(pad_value)
+  # A constant pad value is filled in place; a computed one is a source
+  # element (index x.size) multicast to the tiles that hold padding.
+  pad_index = -1 if constant is not None else x.size
+  index = np.full(shape, pad_index, _index_dtype(x.size + 1))
+  if x.size and index.size:
+    index[tuple(w for _, w in windows)] = _flat_indices(x.shape)[tuple(w for w, _ in windows)]
+  params = {"padding_config": config}
+  if constant is not None:
+    return move(ctx, [x], [(shape, dtype, index)],
+                lambda v: lax.pad_p.bind(v, jnp.asarray(constant, dtype), **params),
+                fill=constant, one_to_one=True)
+  return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
+
+
+split_p = getattr(lax, "split_p", None)
+if split_p is not None:
+  @register_lowering(split_p)
+  def _split(ctx, x, *, sizes, axis):
+    index = _flat_indices(x.shape)
+    cuts = np.cumsum([int(s) for s in sizes])[:-1]
+    pieces = np.split(index, cuts, axis=axis)
+    outputs = [(piece.shape, x.dtype, piece) for piece in pieces]
+    return move(ctx, [x], outputs,
+                _bind(split_p, {"sizes": tuple(sizes), "axis": axis}), one_to_one=True)
+
+
+# -- constants from nothing --------------------------------------------------
+
+
+@register_lowering(lax.iota_p)
+def _iota(ctx, *dynamic, dtype, shape, dimension, **params):
+  _no_dynamic_shapes(dynamic)
+  shape, dtype = _out_aval(ctx)
+  out = ctx.new_tensor(shape, dtype)
+  if out.size == 0:
+    return [out]
+  target = ctx.target
+  elements = out.mapping.elements_per_tile(target.num_tiles)
+  mapping = out.mapping
+  stride = int(np.prod(shape[dimension + 1:], dtype=np.int64))
+  extent = int(shape[dimension])
+  n = out.size
+  mode = ctx.options.executor_mode
+  full = dict(params, dtype=dtype, shape=shape, dimension=dimension)
+
+  def fn():
+    if mode == "per_tile" and mapping.is_linear:
+      rows, row_size = mapping.storage_shape
+      index_dtype = jnp.int32 if n < 2**31 - 1 else jnp.int64
+
+      def tile(row):
+        # Each tile computes its own elements' coordinate along `dimension`.
+        flat = row * mapping.chunk + jnp.arange(row_size, dtype=index_dtype)
+        value = lax.convert_element_type((flat // stride) % extent, dtype)
+        return jnp.where(flat < n, value, jnp.zeros((), dtype))
+
+      return (jax.vmap(tile)(jnp.arange(rows, dtype=index_dtype)),)
+    return (storage(lax.iota_p.bind(**full), out),)
+
+  ctx.emit(P.Superstep(
+      name="iota", op=ctx.op, reads=(), writes=(out,), fn=fn,
+      compute_cycles=estimators.fill_cycles(target, elements, out.itemsize),
+      vertices=worker_vertices(ctx, elements), codelets=("Iota",)))
+  return [out]

@@ -1,0 +1,306 @@
+"""The Poplar tutorials rebuilt on ipu_jax.graph, with their exact outputs."""
+
+import contextlib
+import io
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import numpy as np
+
+import ipu_jax
+from ipu_jax import graph as g
+from ipu_jax import poplibs
+
+
+def _target(tiles=4):
+  return ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=tiles)
+
+
+def _run_capturing(engine, index=0):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    engine.run(index)
+  return out.getvalue()
+
+
+class Tutorial1Test(chex.TestCase):
+  """tut1: variables, constants, copies, host streams, host reads."""
+
+  def test_tut1(self):
+    gr = g.Graph(_target())
+    v1 = gr.add_variable("float32", (4,), "v1")
+    v2 = gr.add_variable("float32", (4,), "v2")
+    for i in range(4):
+      gr.set_tile_mapping(v1[i], i)
+      gr.set_tile_mapping(v2[i], i)
+    v3 = gr.add_variable("float32", (4, 4), "v3")
+    v4 = gr.add_variable("int32", (10,), "v4")
+    gr.set_tile_mapping(v3, 0)
+    gr.set_tile_mapping(v4, 0)
+    c1 = gr.add_constant("float32", (4,), [1.0, 1.5, 2.0, 2.5], "c1")
+    gr.set_tile_mapping(c1, 0)
+    in_stream = gr.add_host_to_device_fifo("v4-input-stream", "int32", 10)
+    prog = g.Sequence([
+        g.Copy(c1, v1),
+        g.PrintTensor("v1-debug", v1),
+        g.Copy(v1, v2),
+        g.PrintTensor("v2-debug", v2),
+        g.Copy(v1[0:3], v3[1, 1:4]),
+        g.Copy(in_stream, v4),
+        g.PrintTensor("v4-0", v4),
+        g.Copy(in_stream, v4),
+        g.PrintTensor("v4-1", v4),
+    ])
+    engine = g.Engine(gr, [prog])
+    engine.connect_stream("v4-input-stream", np.arange(30, dtype=np.int32))
+    engine.write_tensor(v3, np.zeros((4, 4), np.float32))
+    printed = _run_capturing(engine)
+    self.assertIn("v1-debug: [1.0000000 1.5000000 2.0000000 2.5000000]", printed)
+    self.assertIn("v2-debug: [1.0000000 1.5000000 2.0000000 2.5000000]", printed)
+    self.assertIn("v4-0: [0 1 2 3 4 5 6 7 8 9]", printed)
+    self.assertIn("v4-1: [10 11 12 13 14 15 16 17 18 19]", printed)
+    np.testing.assert_array_equal(
+        engine.read_tensor(v3),
+        np.array([[0, 0, 0, 0], [0, 1, 1.5, 2], [0, 0, 0, 0], [0, 0, 0, 0]], np.float32))
+    # The next run continues around the circular host buffer.
+    printed = _run_capturing(engine)
+    self.assertIn("v4-0: [20 21 22 23 24 25 26 27 28 29]", printed)
+    self.assertIn("v4-1: [0 1 2 3 4 5 6 7 8 9]", printed)
+
+
+class Tutorial2Test(chex.TestCase):
+  """tut2: popops add on 2x2 tensors spread over tiles, with a transpose."""
+
+  def test_tut2(self):
+    gr = g.Graph(_target())
+    v1 = gr.add_variable("float32", (2, 2), "v1")
+    v2 = gr.add_variable("float32", (2, 2), "v2")
+    for i in range(2):
+      for j in range(2):
+        gr.set_tile_mapping(v1[i, j], i * 2 + j)
+        gr.set_tile_mapping(v2[i, j], j * 2 + i)
+    c1 = gr.add_constant("float32", (4,), [1.0, 1.5, 2.0, 2.5], "c1")
+    c2 = gr.add_constant("float32", (4,), [4.0, 3.0, 2.0, 1.0], "c2")
+    gr.set_tile_mapping(c1, 0)
+    gr.set_tile_mapping(c2, 0)
+    prog = g.Sequence([g.Copy(c1, v1.flatten()), g.Copy(c2, v2.flatten())])
+    v3 = poplibs.add(gr, v1, v2, prog, "Add")
+    v4 = poplibs.add(gr, v3, v2, prog, "Add2")
+    v5 = poplibs.add(gr, v1, v2.transpose(), prog, "Add3")
+    engine = g.Engine(gr, [prog])
+    engine.run(0)
+    np.testing.assert_array_equal(engine.read_tensor(v3), [[5, 4.5], [4, 3.5]])
+    np.testing.assert_array_equal(engine.read_tensor(v4), [[9, 7.5], [6, 4.5]])
+    np.testing.assert_array_equal(engine.read_tensor(v5), [[5, 3.5], [5, 3.5]])
+    # v2 is mapped transposed to v1, so the adds must exchange operands.
+    add_steps = [s for s in engine.profile.steps if s.name == "Add"]
+    self.assertGreater(int(add_steps[0].exchange_bytes_in.sum()), 0)
+
+
+class Tutorial3Test(chex.TestCase):
+  """tut3: a custom SumVertex on 4 tiles with a perf estimate of 20."""
+
+  def test_tut3(self):
+    gr = g.Graph(_target())
+    v1 = gr.add_variable("float32", (4,), "v1")
+    v2 = gr.add_variable("float32", (4,), "v2")
+    for i in range(4):
+      gr.set_tile_mapping(v1[i], i)
+      gr.set_tile_mapping(v2[i], i)
+    c1 = gr.add_constant("float32", (4,), [1.0, 1.5, 2.0, 2.5], "c1")
+    gr.set_tile_mapping(c1, 0)
+
+    @g.codelet(inputs=("in_",), outputs=("out",))
+    def sum_vertex(in_):
+      return in_.sum()
+
+    cs = gr.add_compute_set("computeSet")
+    for i in range(4):
+      vertex = gr.add_vertex(cs, sum_vertex, tile=i, in_=v1[i:], out=v2[i])
+      gr.set_perf_estimate(vertex, 20)
+    prog = g.Sequence([g.Copy(c1, v1), g.Execute(cs), g.PrintTensor("v2", v2)])
+    engine = g.Engine(gr, [prog])
+    printed = _run_capturing(engine)
+    np.testing.assert_array_equal(engine.read_tensor(v2), [7, 6, 4.5, 2.5])
+    self.assertIn("v2: [7.0000000 6.0000000 4.5000000 2.5000000]", printed)
+    step = [s for s in engine.profile.steps if s.name == "computeSet"][0]
+    # One vertex of 20 cycles per tile: busiest context x 6 contexts + supervisor.
+    t = _target()
+    expected = 20 * t.worker_contexts + t.supervisor_overhead_cycles
+    np.testing.assert_array_equal(step.compute_cycles[:4], [expected] * 4)
+
+
+class Tutorial4Test(chex.TestCase):
+  """tut4: chained matmuls 900x600 . 600x300 . 300x200 with a summary."""
+
+  def test_tut4(self):
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    gr = g.Graph(target)
+    rng = np.random.default_rng(0)
+    a = gr.add_variable("float32", (900, 600), "a")
+    b = gr.add_variable("float32", (600, 300), "b")
+    c = gr.add_variable("float32", (300, 200), "c")
+    for t in (a, b, c):
+      gr.map_tensor_linearly(t)
+    prog = g.Sequence()
+    ab = poplibs.matmul(gr, a, b, prog, "ab")
+    abc = poplibs.matmul(gr, ab, c, prog, "abc")
+    engine = g.Engine(gr, [prog])
+    av, bv, cv = (rng.standard_normal(s).astype(np.float32)
+                  for s in ((900, 600), (600, 300), (300, 200)))
+    engine.write_tensor(a, av)
+    engine.write_tensor(b, bv)
+    engine.write_tensor(c, cv)
+    engine.run(0)
+    expected = (av.astype(np.float64) @ bv @ cv)
+    chex.assert_trees_all_close(engine.read_tensor(abc), expected.astype(np.float32),
+                                rtol=2e-4, atol=2e-3)
+    report = engine.report()
+    summary = report.summary()
+    for field in ("Memory", "Compute", "Exchange", "Sync", "Tiles used", "Estimated time"):
+      self.assertIn(field, summary)
+    self.assertGreater(report.total_cycles, 0)
+    self.assertGreater(report.profile.tiles_used, 1000)
+    flops = 2 * (900 * 600 * 300 + 900 * 300 * 200)
+    self.assertEqual(report.total_flops, flops)
+
+
+class Tutorial5Test(chex.TestCase):
+  """tut5: matrix-vector product, one dot-product vertex per row."""
+
+  def test_tut5(self):
+    rows, cols = 40, 50
+    gr = g.Graph(_target(16))
+    matrix = gr.add_variable("float32", (rows, cols), "matrix")
+    vector = gr.add_variable("float32", (cols,), "vector")
+    result = gr.add_variable("float32", (rows,), "result")
+    tiles = gr.target.num_tiles
+    for r in range(rows):
+      gr.set_tile_mapping(matrix[r], r % tiles)
+      gr.set_tile_mapping(result[r], r % tiles)
+    gr.map_tensor_linearly(vector)
+
+    @g.codelet(inputs=("a", "b"), outputs=("out",),
+               cycles=lambda a, b, out: 10 + a.size)
+    def dot_product(a, b):
+      return (a * b).sum()
+
+    cs = gr.add_compute_set("mat_vec")
+    for r in range(rows):
+      gr.add_vertex(cs, dot_product, tile=r % tiles, a=matrix[r], b=vector, out=result[r])
+    engine = g.Engine(gr, [g.Execute(cs)])
+    rng = np.random.default_rng(1)
+    m = rng.standard_normal((rows, cols)).astype(np.float32)
+    v = rng.standard_normal(cols).astype(np.float32)
+    engine.write_tensor(matrix, m)
+    engine.write_tensor(vector, v)
+    engine.run(0)
+    ok = np.allclose(engine.read_tensor(result), m @ v, rtol=1e-5, atol=1e-5)
+    self.assertEqual("Multiplication result OK" if ok else "Multiplication result WRONG",
+                     "Multiplication result OK")
+    # The vector is spread linearly, so every tile receives most of it.
+    step = engine.profile.steps[0]
+    self.assertGreater(int(step.exchange_bytes_in.sum()), 0)
+
+
+class GraphApiTest(chex.TestCase):
+
+  def test_full_target_one_vertex_per_tile(self):
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    gr = g.Graph(target)
+    n = target.num_tiles
+    x = gr.add_variable("float32", (n, 8), "x")
+    y = gr.add_variable("float32", (n,), "y")
+    # Row i and y[i] on tile i, set with one vectorised mapping per tensor.
+    gr.map_tensor_linearly(x, min_elements_per_tile=8, grain_size=8)
+    gr.map_tensor_linearly(y, min_elements_per_tile=1, grain_size=1)
+
+    @g.codelet(inputs=("row",), outputs=("total",), cycles=lambda row, total: 4 * row.size)
+    def row_sum(row):
+      return row.sum()
+
+    cs = gr.add_compute_set("rows")
+    for t in range(n):
+      gr.add_vertex(cs, row_sum, tile=t, row=x[t], total=y[t])
+    engine = g.Engine(gr, [g.Execute(cs)])
+    values = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
+    engine.write_tensor(x, values)
+    engine.run(0)
+    np.testing.assert_array_equal(engine.read_tensor(y), values.sum(1))
+    step = engine.profile.steps[0]
+    self.assertEqual(int((step.compute_cycles > 0).sum()), n)
+    self.assertEqual(int(step.exchange_bytes_in.sum()), 0)
+    self.assertEqual(engine.profile.memory.peak.shape, (n,))
+    self.assertTrue((engine.profile.memory.peak > 0).all())
+
+  def test_views(self):
+    gr = g.Graph(_target())
+    v = gr.add_variable("float32", (2, 3), "v")
+    gr.map_tensor_linearly(v)
+    engine = g.Engine(gr, [g.Sequence()])
+    engine.write_tensor(v, np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(engine.read_tensor(v.transpose()), np.arange(6).reshape(2, 3).T)
+    np.testing.assert_array_equal(engine.read_tensor(v.reshape(3, 2)[2]), [4, 5])
+    np.testing.assert_array_equal(engine.read_tensor(g.concatenate([v[0], v[1]])), np.arange(6))
+    np.testing.assert_array_equal(engine.read_tensor(v.slice(1, 3, dim=1)), [[1, 2], [4, 5]])
+
+  def test_control_programs(self):
+    gr = g.Graph(_target())
+    counter = gr.add_variable("int32", (), "counter")
+    limit = gr.add_constant("int32", (), 5, "limit")
+    flag = gr.add_variable("bool", (), "flag")
+    for t in (counter, limit, flag):
+      gr.set_tile_mapping(t, 0)
+    one = gr.add_constant("int32", (), 1, "one")
+    gr.set_tile_mapping(one, 1)
+
+    @g.codelet(inputs=("step",), inouts=("x",), cycles=5)
+    def increment(step, x):
+      return x + step
+
+    @g.codelet(inputs=("x", "limit"), outputs=("flag",), cycles=5)
+    def less(x, limit):
+      return x < limit
+
+    inc = gr.add_compute_set("inc")
+    gr.add_vertex(inc, increment, tile=0, step=one, x=counter)
+    check = gr.add_compute_set("check")
+    gr.add_vertex(check, less, tile=0, x=counter, limit=limit, flag=flag)
+    loop = g.RepeatWhileTrue(g.Execute(check), flag, g.Execute(inc))
+    repeat = g.Repeat(3, g.Execute(inc))
+    branch = g.If(flag, g.Execute(inc), g.Sequence([g.Execute(inc), g.Execute(inc)]))
+    switch = g.Switch(counter, [(9, g.Execute(inc)), (10, g.Repeat(4, g.Execute(inc)))])
+    engine = g.Engine(gr, [loop, repeat, branch, switch])
+    engine.run(0)
+    self.assertEqual(int(engine.read_tensor(counter)), 5)
+    engine.run(1)
+    self.assertEqual(int(engine.read_tensor(counter)), 8)
+    engine.run(2)  # flag is False (5 < 5 failed): the else branch adds 2
+    self.assertEqual(int(engine.read_tensor(counter)), 10)
+    engine.run(3)
+    self.assertEqual(int(engine.read_tensor(counter)), 14)
+    repeat_step = [s for s in engine.profiles[1].steps if s.name == "inc"][0]
+    self.assertEqual(repeat_step.executions, 3)
+
+  def test_unmapped_tensor_is_an_error(self):
+    gr = g.Graph(_target())
+    gr.add_variable("float32", (4,), "lonely")
+    with self.assertRaisesRegex(ValueError, "lonely.*tile mapping"):
+      g.Engine(gr, [g.Sequence()])
+
+  def test_device_to_host_stream(self):
+    gr = g.Graph(_target())
+    v = gr.add_constant("float32", (3,), [1, 2, 3], "v")
+    gr.map_tensor_linearly(v)
+    out = gr.add_device_to_host_fifo("out", "float32", 3)
+    engine = g.Engine(gr, [g.Copy(v, out)])
+    host = np.zeros(6, np.float32)
+    engine.connect_stream("out", host)
+    engine.run(0)
+    engine.run(0)
+    np.testing.assert_array_equal(host, [1, 2, 3, 1, 2, 3])
+
+
+if __name__ == "__main__":
+  absltest.main()
