@@ -52,7 +52,7 @@ def _aval(shape, dtype, like=None):
   """A ShapedArray of ``shape``/``dtype`` carrying ``like``'s mesh typing."""
   if like is not None and tuple(like.shape) == tuple(shape):
     return like.update(dtype=np.dtype(dtype), weak_type=False)
-  return jcore.ShapedArray(tuple(shape), np.dtype(dtype))
+  return jax.core.ShapedArray(tuple(shape), np.dtype(dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -350,7 +350,7 @@ _make_collective(cross_replica_mean_p, "mean")
 
 def _replica_index_abstract_eval(*, axis_name):
   del axis_name
-  return jcore.ShapedArray((), np.dtype(np.int32))
+  return jax.core.ShapedArray((), np.dtype(np.int32))
 
 
 def _replica_index_batch(axis_data, vals, dims, *, axis_name):

@@ -45,8 +45,8 @@ from ipu_jax.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div"]
 
-# At most this many split counts per dimension enter the search.
-_MAX_CANDIDATES_PER_DIM = 40
+# About this many grids are evaluated per plan (a few milliseconds of NumPy).
+_SEARCH_BUDGET = 150_000
 
 
 def ceil_div(a, b):
@@ -133,33 +133,41 @@ def _divisors(d: int) -> list:
   return sorted(set(small + [d // i for i in small]))
 
 
-def split_candidates(d: int, limit: int, aligned_only: bool = False) -> np.ndarray:
+def split_candidates(d: int, limit: int, budget: int = 64,
+                     aligned_only: bool = False) -> np.ndarray:
   """Split counts worth trying for a dimension of size ``d``.
 
-  Powers of two, the divisors of ``d`` and ``d`` itself, capped at ``limit``;
-  counts giving the same block size are merged into the smallest grid that
-  reaches it (``ceil(d / ceil(d / g))``), since they cost the same.
+  Every count from 1 to ``limit`` is merged into the smallest grid giving the
+  same block size (``ceil(d / ceil(d / g))``; those cost the same). When more
+  than ``budget`` remain, the divisors of ``d`` (no ragged blocks) and the
+  powers of two are kept first and the rest are sampled log-spaced.
 
   Args:
     d: dimension size.
     limit: the most blocks wanted (usually the tile count).
+    budget: the most counts returned.
     aligned_only: only divisors of ``d`` (every block the same size).
   """
   limit = max(1, min(int(d), int(limit)))
   if d <= 1:
     return np.array([1], np.int64)
-  divisors = [g for g in _divisors(d) if g <= limit]
-  values = set(divisors)
-  if not aligned_only:
-    values |= {1 << p for p in range(limit.bit_length()) if (1 << p) <= limit}
-    values.add(limit)
-    values = {ceil_div(d, ceil_div(d, g)) for g in values}
-  values = np.array(sorted(values), np.int64)
-  if values.size > _MAX_CANDIDATES_PER_DIM:
-    # Keep a log-spaced subset (always the ends).
-    pick = np.unique(np.round(np.geomspace(1, values.size, _MAX_CANDIDATES_PER_DIM)).astype(int) - 1)
-    values = values[pick]
-  return values
+  if aligned_only:
+    values = np.array([g for g in _divisors(d) if g <= limit], np.int64)
+  else:
+    g = np.arange(1, limit + 1, dtype=np.int64)
+    values = np.unique(ceil_div(d, ceil_div(d, g)))
+  if values.size <= budget:
+    return values
+  preferred = {g for g in _divisors(d) if g <= limit}
+  preferred |= {1 << p for p in range(limit.bit_length()) if (1 << p) <= limit}
+  preferred = {int(ceil_div(d, ceil_div(d, g))) for g in preferred} | {int(values[-1])}
+  preferred = np.array(sorted(preferred), np.int64)
+  if preferred.size >= budget:
+    pick = np.unique(np.round(np.geomspace(1, preferred.size, budget)).astype(int) - 1)
+    return preferred[pick]
+  rest = np.setdiff1d(values, preferred)
+  pick = np.unique(np.round(np.geomspace(1, rest.size, budget - preferred.size)).astype(int) - 1)
+  return np.union1d(preferred, rest[pick])
 
 
 def grid_product(lists: Sequence[np.ndarray], limit: int) -> list:
@@ -242,7 +250,10 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
     return MatmulPlan(b, m, n, k, dtype, partials_dtype, (1, 1, 1, 1),
                       (max(b, 0), max(m, 0), max(n, 0), max(k, 0)), 0.0, 0.0, 0.0,
                       0.0, 0, 0, 0, memory_limit, True, 0)
-  lists = [split_candidates(d, limit) for d in (b, m, n, k)]
+  active = sum(d > 1 for d in (b, m, n, k))
+  # About _SEARCH_BUDGET grids in all, spread over the dimensions that split.
+  budget = max(8, int(_SEARCH_BUDGET ** (1.0 / max(active, 1))))
+  lists = [split_candidates(d, limit, budget) for d in (b, m, n, k)]
   gb, gm, gn, gk = grid_product(lists, limit)
   # Every tile of a reduce group must get at least one output element.
   keep = gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
