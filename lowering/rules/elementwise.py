@@ -66,3 +66,20 @@ for _name in _UNARY + _BINARY + _OTHER:
   _prim = _find_primitive(_name)
   if _prim is not None:
     register_lowering(_prim, _make_rule(_prim))
+
+
+def _bitcast_convert_type(ctx, operand, *, new_dtype):
+  """Reinterpret bits; elementwise when the widths match, else rows split."""
+  import numpy as np
+  from ipu_jax.lowering.builders import partitioned
+  if np.dtype(new_dtype).itemsize == operand.itemsize:
+    return elementwise(ctx, lambda x: lax.bitcast_convert_type(x, new_dtype), [operand])
+  if not operand.shape:
+    raise NotImplementedError("bitcast_convert_type of a scalar to a different width")
+  out = ctx.out_avals[0]
+  return partitioned(ctx, lambda x: lax.bitcast_convert_type(x, new_dtype), [operand],
+                     [(out.shape, out.dtype)], split_axes=[0], out_axis=0,
+                     flops=0, name="bitcast_convert_type")
+
+
+register_lowering(lax.bitcast_convert_type_p, _bitcast_convert_type)

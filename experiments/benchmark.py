@@ -1,0 +1,267 @@
+r"""Benchmark runner: emulated IPU against plain ``jax.jit`` on the same host.
+
+For each workload and tile count it measures, in one run:
+
+* wall time per step of ``ipu_jax.jit(f)`` and of ``jax.jit(f)`` (median of
+  ``--repeats`` runs after warm-up) and their ratio;
+* lowering plus compile time of the emulated program;
+* peak host memory (each case runs in its own subprocess, so peaks are its own);
+* the emulated IPU's own estimate (cycles, seconds) from the report.
+
+Usage::
+
+    python -m experiments.benchmark --workloads=matmul,mlp,cnn,transformer,fit \
+        --tiles=16,1472 --json_out=reports/benchmark.json
+
+JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
+``"host"`` object (platform, cpu count, python/jax versions) and ``"results"``:
+a list of objects with keys ``workload``, ``tiles``, ``plain_ms``,
+``emulated_ms``, ``ratio``, ``lower_compile_s``, ``peak_host_mib``,
+``ipu_cycles``, ``ipu_seconds``, ``supersteps``, ``error`` (null when fine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_WORKLOADS = flags.DEFINE_list(
+    "workloads", ["matmul", "mlp", "cnn", "transformer", "fit"],
+    "Workloads: matmul (1024^3 f32), mlp, cnn, transformer (training steps), "
+    "fit (one fit epoch of the digits MLP).")
+_TILES = flags.DEFINE_list("tiles", ["16", "1472"], "Tiles per IPU to measure at (ipu2).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).")
+_JSON_OUT = flags.DEFINE_string("json_out", "reports/benchmark.json", "Where to write JSON.")
+_ISOLATE = flags.DEFINE_bool("isolate", True, "Run each case in its own subprocess.")
+_CASE = flags.DEFINE_string("case", None, "Internal: run one case 'workload:tiles' and print JSON.")
+_EXECUTOR = flags.DEFINE_enum("executor", "batched", ["batched", "per_tile"], "Executor mode.")
+
+SCHEMA = {"schema": "ipu-jax-benchmark", "version": 1}
+
+
+def _block(tree):
+  import jax
+  return jax.tree_util.tree_map(lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)
+
+
+def _median_ms(fn, args, repeats):
+  _block(fn(*args))  # warm-up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    _block(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def _step_workload(name):
+  import jax
+  import jax.numpy as jnp
+  if name == "matmul":
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(k1, (1024, 1024), jnp.float32)
+    b = jax.random.normal(k2, (1024, 1024), jnp.float32)
+    return (lambda x, y: x @ y), (a, b)
+  from experiments import models
+  return models.workload(name)
+
+
+def _config(tiles):
+  import ipu_jax
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.version = "ipu2"
+  cfg.device.tiles_per_ipu = tiles
+  cfg.executor.mode = _EXECUTOR.value
+  return cfg
+
+
+def _target(tiles):
+  """ipu2 with ``tiles`` tiles and the full chip's total SRAM.
+
+  The same work must fit at every tile count so emulation speeds compare;
+  fewer tiles therefore get proportionally more SRAM each (a what-if target).
+  """
+  import ipu_jax
+  full = ipu_jax.IPUTarget.preset("ipu2")
+  target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=tiles)
+  return target.replace(bytes_per_tile=full.bytes_per_tile * full.tiles_per_ipu // tiles)
+
+
+def _run_step_case(name, tiles, repeats):
+  import jax
+  import ipu_jax
+  fn, args = _step_workload(name)
+  plain = jax.jit(fn)
+  emulated = ipu_jax.jit(fn, config=_config(tiles), target=_target(tiles))
+  start = time.perf_counter()
+  lowered = emulated.lower(*args)
+  _block(emulated(*args))
+  lower_compile = time.perf_counter() - start
+  plain_ms = _median_ms(plain, args, repeats)
+  emulated_ms = _median_ms(emulated, args, repeats)
+  report = lowered.report
+  return dict(plain_ms=plain_ms, emulated_ms=emulated_ms, ratio=emulated_ms / plain_ms,
+              lower_compile_s=lower_compile, ipu_cycles=report.total_cycles,
+              ipu_seconds=report.estimated_seconds, supersteps=len(report.profile.steps))
+
+
+def _run_fit_case(tiles, repeats):
+  """One epoch of the digits MLP with ipu_jax.keras against plain optax."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+  import ipu_jax
+  from ipu_jax import keras
+  from sklearn.datasets import load_digits
+
+  digits = load_digits()
+  x = (digits.data / 16.0).astype(np.float32)
+  y = digits.target.astype(np.int32)
+  batch, steps_per_execution = 32, 8
+  usable = len(x) // (batch * steps_per_execution) * batch * steps_per_execution
+  x, y = x[:usable], y[:usable]
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(64, 128, rngs=rngs)
+      self.l2 = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, v):
+      return self.l2(nnx.relu(self.l1(v)))
+
+  cfg = _config(tiles)
+  with ipu_jax.IPUStrategy(cfg).scope():
+    model = keras.Model(Net(nnx.Rngs(0)))
+    model.compile(optimizer=optax.sgd(0.1), loss="sparse_categorical_crossentropy",
+                  steps_per_execution=steps_per_execution)
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # lowers, compiles, runs
+    lower_compile = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+      times.append((time.perf_counter() - start) * 1e3)
+    report = model.report
+
+  # Plain optax: the same epoch as a jitted scan over the same batches.
+  net = Net(nnx.Rngs(0))
+  graphdef, params = nnx.split(net, nnx.Param)
+  opt = optax.sgd(0.1)
+
+  def loss_fn(p, xb, yb):
+    logits = nnx.merge(graphdef, p)(xb)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+  @jax.jit
+  def epoch(p, s, xs, ys):
+    def body(carry, batch_xy):
+      p, s = carry
+      g = jax.grad(loss_fn)(p, *batch_xy)
+      u, s = opt.update(g, s, p)
+      return (optax.apply_updates(p, u), s), None
+    (p, s), _ = jax.lax.scan(body, (p, s), batch_xy)
+    return p, s
+
+  batch_xy = (jnp.asarray(x).reshape(-1, batch, 64), jnp.asarray(y).reshape(-1, batch))
+  state = (params, opt.init(params))
+  plain_ms = _median_ms(lambda p, s: epoch(p, s, *batch_xy), state, repeats)
+  emulated_ms = statistics.median(times)
+  return dict(plain_ms=plain_ms, emulated_ms=emulated_ms, ratio=emulated_ms / plain_ms,
+              lower_compile_s=lower_compile,
+              ipu_cycles=getattr(report, "total_cycles", None),
+              ipu_seconds=getattr(report, "estimated_seconds", None),
+              supersteps=len(report.profile.steps) if report is not None else None)
+
+
+def run_case(name, tiles, repeats):
+  try:
+    if name == "fit":
+      result = _run_fit_case(tiles, repeats)
+    else:
+      result = _run_step_case(name, tiles, repeats)
+    result["error"] = None
+  except Exception as e:  # a failing case is recorded, the run goes on
+    result = dict(plain_ms=None, emulated_ms=None, ratio=None, lower_compile_s=None,
+                  ipu_cycles=None, ipu_seconds=None, supersteps=None,
+                  error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+  # ru_maxrss is in KiB on Linux.
+  result["peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  return dict(workload=name, tiles=tiles, **result)
+
+
+def _subprocess_case(name, tiles):
+  cmd = [sys.executable, "-m", "experiments.benchmark", f"--case={name}:{tiles}",
+         f"--repeats={_REPEATS.value}", f"--executor={_EXECUTOR.value}"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  return dict(workload=name, tiles=tiles, error=f"subprocess failed: {proc.stderr[-500:]}")
+
+
+def _host():
+  import jax
+  return dict(platform=platform.platform(), processor=platform.processor(),
+              cpu_count=os.cpu_count(), python=platform.python_version(),
+              jax=jax.__version__, executor=_EXECUTOR.value)
+
+
+def _table(results):
+  header = (f"{'workload':<12} {'tiles':>6} {'plain ms':>10} {'emulated ms':>12} "
+            f"{'ratio':>7} {'lower+compile s':>16} {'peak MiB':>9} {'IPU est. ms':>12}")
+  lines = [header, "-" * len(header)]
+  for r in results:
+    if r.get("error"):
+      lines.append(f"{r['workload']:<12} {r['tiles']:>6}  ERROR {r['error']}")
+      continue
+    ipu_ms = (r["ipu_seconds"] or 0) * 1e3
+    lines.append(
+        f"{r['workload']:<12} {r['tiles']:>6} {r['plain_ms']:>10.2f} {r['emulated_ms']:>12.2f} "
+        f"{r['ratio']:>7.2f} {r['lower_compile_s']:>16.2f} {r['peak_host_mib']:>9.0f} {ipu_ms:>12.4f}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if _CASE.value:
+    name, tiles = _CASE.value.split(":")
+    print(json.dumps(run_case(name, int(tiles), _REPEATS.value)))
+    return
+  results = []
+  for name in _WORKLOADS.value:
+    for tiles in (int(t) for t in _TILES.value):
+      print(f"running {name} at {tiles} tiles ...", flush=True)
+      result = (_subprocess_case(name, tiles) if _ISOLATE.value
+                else run_case(name, tiles, _REPEATS.value))
+      results.append(result)
+  print(_table(results))
+  by_key = {(r["workload"], r["tiles"]): r for r in results}
+  tiles = sorted(int(t) for t in _TILES.value)
+  if len(tiles) >= 2:
+    print(f"\n{tiles[-1]}-tile / {tiles[0]}-tile emulated time:")
+    for name in _WORKLOADS.value:
+      small, big = by_key.get((name, tiles[0])), by_key.get((name, tiles[-1]))
+      if small and big and small.get("emulated_ms") and big.get("emulated_ms"):
+        print(f"  {name:<12} {big['emulated_ms'] / small['emulated_ms']:.2f}x")
+  if _JSON_OUT.value:
+    os.makedirs(os.path.dirname(_JSON_OUT.value) or ".", exist_ok=True)
+    with open(_JSON_OUT.value, "w") as f:
+      json.dump(dict(SCHEMA, host=_host(), results=results), f, indent=2)
+    print(f"\nwrote {_JSON_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
