@@ -74,9 +74,6 @@ class Lowered:
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
-    for t in outputs:
-      if t.category == "temporaries":
-        t.category = "variables"  # results are streamed back: allocated to the end
     self.profile = profile_program(self.program, target, persistent=inputs + self.constants,
                                    live_to_end=outputs, name=name)
     from ipu_jax.report import Report, maybe_auto_save

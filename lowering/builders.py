@@ -116,6 +116,16 @@ def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
   return ctx.linear_mapping(shape, dtype)
 
 
+def _expand_size_one_axes(ctx, t: P.Tensor, shape, size) -> P.Tensor:
+  """Broadcast an operand with size-1 axes (``f32[1,128]`` with ``f32[4,128]``)."""
+  if tuple(t.shape) == tuple(shape) or t.size == 1:
+    return t
+  if len(t.shape) != len(shape) or any(a not in (1, b) for a, b in zip(t.shape, shape)):
+    raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not broadcast to {shape}")
+  from ipu_jax.lowering.rules.shape import broadcast_to  # rules import builders
+  return broadcast_to(ctx, t, shape)
+
+
 def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
                 name: str = "", cost_op: str = "", flops_per_element: int = 1) -> list:
   """Lower an elementwise operation; returns the output tensors.
@@ -133,6 +143,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
     out_avals = [(a.shape, a.dtype) for a in ctx.out_avals]
   shape, dtype = tuple(out_avals[0][0]), np.dtype(out_avals[0][1])
   size = int(np.prod(shape, dtype=np.int64))
+  operands = [_expand_size_one_axes(ctx, t, shape, size) for t in operands]
   mapping = _output_mapping(ctx, operands, shape, dtype)
   outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
   target = ctx.target

@@ -76,16 +76,34 @@ def movement_cost(target: IPUTarget, src_tile: np.ndarray, dst_tile: np.ndarray,
   ids, src, dst = element_id[moved], src_tile[moved], dst_tile[moved]
   t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
   bytes_in = np.bincount(dst, minlength=t)[:t] * itemsize
-  _, first_send = np.unique(ids, return_index=True)
+  first_send = _first_occurrences(ids)
   bytes_out = np.bincount(src[first_send], minlength=t)[:t] * itemsize
   # A multicast crosses the IPU-Links once per destination IPU.
   src_ipu, dst_ipu = src // per_ipu, dst // per_ipu
   crossing = src_ipu != dst_ipu
-  _, first_cross = np.unique(ids[crossing] * n_ipus + dst_ipu[crossing],
-                             return_index=True)
+  first_cross = _first_occurrences(ids[crossing] * n_ipus + dst_ipu[crossing])
   link = np.bincount(src_ipu[crossing][first_cross], minlength=n_ipus)[:n_ipus]
   return ExchangeCost(bytes_in.astype(np.int64), bytes_out.astype(np.int64),
                       (link * itemsize).astype(np.int64))
+
+
+def _first_occurrences(keys: np.ndarray) -> np.ndarray:
+  """Positions of the first occurrence of each distinct key.
+
+  O(n) with a mark array when the keys are dense (the usual case: element
+  indices), falling back to a sort for sparse keys.
+  """
+  if keys.size == 0:
+    return np.zeros(0, np.int64)
+  low, high = int(keys.min()), int(keys.max())
+  span = high - low + 1
+  if span > 4 * keys.size + 1024:
+    return np.unique(keys, return_index=True)[1]
+  first = np.full(span, keys.size, np.int64)
+  # Writing positions in reverse leaves each key's first position in place.
+  positions = np.arange(keys.size - 1, -1, -1)
+  first[keys[::-1] - low] = positions
+  return np.sort(first[first < keys.size])
 
 
 def exchange_cycles(target: IPUTarget, cost: ExchangeCost | None) -> float:

@@ -211,22 +211,21 @@ def _emit(ctx, name, reads, writes, fn, compute=None, exchange=None,
       scratch_bytes=scratch))
 
 
-def _lookup(ctx, prim, params, table, indices, other_reads, out, num_lookups,
-            codelet, static_source=None, per_tile=None):
+def _lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
+            static_source=None, per_tile=None):
   """Emit a served lookup: indices broadcast, table tiles serve, results move.
 
   Args:
     table: the operand looked up.
-    indices: index tensors broadcast to the table's tiles.
-    other_reads: further tensors the primitive reads (in bind order after
-      ``table``, ``indices`` come first in ``reads``).
+    indices: index tensors broadcast to the table's tiles (the primitive
+      binds ``table, *indices``).
     out: the result tensor.
     num_lookups: index tuples each table tile scans.
     static_source: flat source element per result element when the indices
       are compile-time constants (exact, pure exchange), else ``None``.
   """
   target = ctx.target
-  reads = [table] + list(indices) + list(other_reads)
+  reads = [table] + list(indices)
   fn = _bind_fn(prim, params, reads, [out], per_tile)
   if static_source is not None:
     _emit(ctx, f"{ctx.op}/static", reads, [out], fn,
@@ -385,6 +384,18 @@ def _rows_scatter_per_tile(name, op_storage, mapping, rows, valid, updates, row_
   return lax.map(tile, (op_storage, starts[:num], counts[:num]), batch_size=block)
 
 
+def _rows_in_range(idx, num_rows):
+  """Row indices clamped to ``[0, num_rows)`` (int32) and whether in range.
+
+  Compares in the indices' own type, so unsigned and narrow types work.
+  """
+  hi = min(num_rows - 1, int(np.iinfo(idx.dtype).max))
+  hi = np.asarray(hi, idx.dtype)
+  zero = np.asarray(0, idx.dtype)
+  valid = (idx >= zero) & (idx <= hi)
+  return jnp.clip(idx, zero, hi).astype(jnp.int32), valid
+
+
 def _rows_form_gather(operand, indices, dnums, slice_sizes) -> bool:
   """Whether a gather takes whole rows of the leading axis (an embedding)."""
   batch = len(indices.shape) - 1
@@ -430,7 +441,7 @@ def _dynamic_slice(ctx, operand, *indices, slice_sizes):
     static = _static_sources(
         lambda ids: lax.dynamic_slice(ids, [jnp.asarray(s) for s in starts], slice_sizes),
         operand.shape)
-  _lookup(ctx, lax.dynamic_slice_p, params, operand, indices, (), out,
+  _lookup(ctx, lax.dynamic_slice_p, params, operand, indices, out,
           num_lookups=1, codelet="popops::DynamicSlice", static_source=static)
   return [out]
 
@@ -508,15 +519,13 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
     batch_shape = tuple(indices.shape[:-1])
 
     def per_tile(args, storages):
-      idx = args[1].reshape(-1)
-      valid = (idx >= 0) & (idx <= num_rows - 1)
-      rows = jnp.clip(idx, 0, num_rows - 1)
+      rows, valid = _rows_in_range(args[1].reshape(-1), num_rows)
       served = _rows_gather_per_tile(storages[0], mapping, rows, row_len, out.dtype)
       if mode == _Mode.FILL_OR_DROP:
         served = jnp.where(valid[:, None], served, jnp.asarray(fill, out.dtype))
       return served.reshape(batch_shape + tuple(operand.shape[1:]))
 
-  _lookup(ctx, lax.gather_p, params, operand, [indices], (), out, num_lookups,
+  _lookup(ctx, lax.gather_p, params, operand, [indices], out, num_lookups,
           codelet="popops::MultiSlice", static_source=static, per_tile=per_tile)
   return [out]
 
@@ -547,11 +556,9 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
       row_len = int(np.prod(operand.shape[1:], dtype=np.int64))
 
       def per_tile(args, storages):
-        idx = args[1].reshape(-1)
+        rows, valid = _rows_in_range(args[1].reshape(-1), num_rows)
         if clip:
-          idx = jnp.clip(idx, 0, num_rows - 1)
-        valid = (idx >= 0) & (idx <= num_rows - 1)
-        rows = jnp.clip(idx, 0, num_rows - 1)
+          valid = jnp.ones_like(valid)
         new = _rows_scatter_per_tile(name, storages[0], mapping, rows, valid,
                                      args[2], row_len)
         return builders.logical(new, operand)
@@ -625,6 +632,10 @@ class _RowPlan:
 
   def mapping(self, shape=None, first_tile_only=False) -> TileMapping:
     shape = self.shape if shape is None else tuple(shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    if self.rows == 1 and not first_tile_only:
+      # One row (a 1-D array): consecutive chunks on consecutive tiles.
+      return TileMapping.blocks(size, self.m, self.target.num_tiles, self.start)
     row, pos = _row_coords(shape, self.axis)
     chunk = row * self.p if first_tile_only else row * self.p + pos // self.m
     return TileMapping.from_element_tiles((self.start + chunk) % self.target.num_tiles)
@@ -661,9 +672,55 @@ def _tiles_per_row(ctx, n, row_bytes):
   return p
 
 
+def _linear_movement_cost(target, src: TileMapping, dst: TileMapping) -> ExchangeCost:
+  """Bytes (one per element) moved between two linear mappings.
+
+  Both are runs of consecutive elements per tile, so the elements split into
+  at most ``rows(src) + rows(dst)`` segments with one source and one
+  destination tile each; no per-element work.
+  """
+  n = src.num_elements
+  src_bounds = np.minimum(np.arange(src.num_rows + 1, dtype=np.int64) * src.chunk, n)
+  dst_bounds = np.minimum(np.arange(dst.num_rows + 1, dtype=np.int64) * dst.chunk, n)
+  bounds = np.union1d(src_bounds, dst_bounds)
+  first, length = bounds[:-1], np.diff(bounds)
+  src_tile = src.tiles[np.minimum(first // src.chunk, src.num_rows - 1)]
+  dst_tile = dst.tiles[np.minimum(first // dst.chunk, dst.num_rows - 1)]
+  moved = np.where(src_tile != dst_tile, length, 0)
+  t = target.num_tiles
+  bytes_in = np.bincount(dst_tile, weights=moved, minlength=t)[:t]
+  bytes_out = np.bincount(src_tile, weights=moved, minlength=t)[:t]
+  crossing = target.ipu_of_tile(src_tile) != target.ipu_of_tile(dst_tile)
+  link = np.bincount(target.ipu_of_tile(src_tile), weights=moved * crossing,
+                     minlength=target.num_ipus)[:target.num_ipus]
+  return ExchangeCost(bytes_in.astype(np.int64), bytes_out.astype(np.int64),
+                      link.astype(np.int64))
+
+
 def _relayout_cost(ctx, operands, mapping):
-  costs = [movement_cost(ctx.target, t.mapping.element_tile, mapping.element_tile, t.itemsize)
-           for t in operands if not t.mapping.same_as(mapping)]
+  """Exchange that brings ``operands`` into ``mapping``.
+
+  Operands laid out alike move alike: their cost is computed once per layout
+  (for one byte per element) and scaled by their total item size.
+  """
+  groups = []  # [(source mapping, bytes per element)]
+  for t in operands:
+    if t.mapping.same_as(mapping):
+      continue
+    for i, (m, nbytes) in enumerate(groups):
+      if m.same_as(t.mapping):
+        groups[i] = (m, nbytes + t.itemsize)
+        break
+    else:
+      groups.append((t.mapping, t.itemsize))
+  costs = []
+  for m, nbytes in groups:
+    if m.is_linear and mapping.is_linear:
+      c = _linear_movement_cost(ctx.target, m, mapping)
+    else:
+      c = movement_cost(ctx.target, m.element_tile, mapping.element_tile, 1)
+    costs.append(ExchangeCost(c.bytes_in * nbytes, c.bytes_out * nbytes,
+                              c.link_bytes_out * nbytes))
   return builders.add_costs(*costs)
 
 
@@ -699,7 +756,7 @@ def _sort(ctx, *operands, dimension, is_stable, num_keys):
   plan = _RowPlan(ctx, shape, dimension, _tiles_per_row(ctx, n, 2 * n * element_bytes))
   mapping = plan.mapping()
   outs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
-  local = plan.per_tile(plan.chunk_elems * np.array([_log2(m) for m in plan.chunk_elems]))
+  local = plan.per_tile(plan.chunk_elems * np.ceil(np.log2(np.maximum(plan.chunk_elems, 1))))
   _emit(ctx, "sort", operands, outs, _bind_fn(lax.sort_p, params, operands, outs),
         compute=_item_cycles(ctx, local, compare_cycles),
         exchange=_relayout_cost(ctx, operands, mapping),
@@ -756,7 +813,7 @@ def _top_k_like(ctx, prim, params, operand, axis, k):
   vertices = builders.worker_vertices(ctx, plan.per_tile(np.ones_like(plan.chunk_elems)))
   if plan.p == 1:
     _emit(ctx, prim.name, [operand], outs, _bind_fn(prim, params, [operand], outs),
-          compute=local_cycles, exchange=_relayout_cost(ctx, [operand], out_mapping),
+          compute=local_cycles, exchange=_relayout_cost(ctx, [operand], plan.mapping()),
           vertices=vertices, codelet=codelet)
     return outs
   # Each tile selects the top k of its chunk, then the row's first tile merges

@@ -13,8 +13,10 @@ elements.
   storage serves the new shape: the rule returns an *alias*, a Tensor with
   the new shape that shares the operand's id, mapping and storage. No
   superstep, no sync, no memory: like a Poplar view (``Tensor::reshape``).
-* Everything else materialises a new, linearly mapped tensor in one
-  superstep. Its exchange sends each element whose destination tile differs
+* Everything else materialises a new tensor in one superstep. The result
+  takes the mapping of a linearly mapped operand of its size (a transpose
+  stays on its operand's tiles), else a linear mapping that starts on its
+  largest operand's first tile. The exchange sends each element whose destination tile differs
   from its source tile; an element needed several times on one tile (a
   broadcast) crosses the exchange once per destination tile and is then
   replicated on the tile. The compute phase runs ``Copy`` vertices for the
@@ -44,10 +46,11 @@ from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, to_flat, to_storage
+from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
-__all__ = ["alias", "move", "exchange_plan"]
+__all__ = ["alias", "move", "exchange_plan", "broadcast_in_dim", "broadcast_to"]
 
 
 # -- helpers -----------------------------------------------------------------
@@ -59,13 +62,32 @@ def _index_dtype(n: int):
 
 
 def _flat_indices(shape, offset: int = 0, total: Optional[int] = None) -> np.ndarray:
+  """``offset + arange`` in ``shape``: the flat index of every element.
+
+  Applying a primitive's NumPy twin to it gives each output element's source.
+  """
   size = int(np.prod(shape, dtype=np.int64))
   dtype = _index_dtype(max(size + offset, total or 0))
   return np.arange(offset, offset + size, dtype=dtype).reshape(shape)
 
 
-def _out_aval(ctx, i: int = 0):
+def _key_shape(ctx, i: int = 0) -> tuple:
+  """Trailing key-data axes of a PRNG key result (``()`` for other dtypes)."""
   aval = ctx.out_avals[i]
+  if is_key_dtype(aval.dtype):
+    return tuple(int(d) for d in aval.dtype._impl.key_shape)  # pylint: disable=protected-access
+  return ()
+
+
+def _out_aval(ctx, i: int = 0):
+  """``(shape, dtype)`` of result ``i`` as held in tile memory.
+
+  PRNG key arrays are held as their ``uint32`` key data, with the key's
+  axes last, so movements of keys move whole keys.
+  """
+  aval = ctx.out_avals[i]
+  if is_key_dtype(aval.dtype):
+    return tuple(int(d) for d in aval.shape) + _key_shape(ctx, i), np.dtype(np.uint32)
   return tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
 
 
@@ -348,24 +370,59 @@ if expand_dims_p is not None:  # only some JAX versions have one
 # -- movements ---------------------------------------------------------------
 
 
-@register_lowering(lax.broadcast_in_dim_p)
-def _broadcast_in_dim(ctx, x, *dynamic, shape, broadcast_dimensions, **params):
-  _no_dynamic_shapes(dynamic)
-  shape, dtype = _out_aval(ctx)
+def broadcast_in_dim(ctx, x: P.Tensor, shape, broadcast_dimensions,
+                     params=None) -> P.Tensor:
+  """``x`` broadcast to ``shape`` as ``lax.broadcast_in_dim`` does.
+
+  For other rules too (an elementwise operand with size-1 axes, say): returns
+  an alias when only size-1 axes are added, a fill when ``x`` is a constant
+  with a single value, otherwise one multicast superstep.
+
+  Args:
+    ctx: the lowering context.
+    x: the operand (its tile-memory shape).
+    shape: the result's shape.
+    broadcast_dimensions: the result axis of each axis of ``x``.
+    params: extra primitive params (``sharding``) for the logical function.
+  """
+  shape = tuple(int(d) for d in shape)
+  broadcast_dimensions = tuple(int(d) for d in broadcast_dimensions)
+  dtype = x.dtype
   size = int(np.prod(shape, dtype=np.int64))
-  if size == x.size:  # only size-1 axes added: same flat order
-    return [alias(x, shape)]
-  full = dict(params, shape=shape, broadcast_dimensions=broadcast_dimensions)
+  if size == x.size and list(broadcast_dimensions) == sorted(broadcast_dimensions):
+    return alias(x, shape)  # only size-1 axes added: the same flat order
+  full = dict(params or {}, shape=shape, broadcast_dimensions=broadcast_dimensions)
+  full.setdefault("sharding", None)
   value = _uniform_value(x)
   if value is not None:
     # A constant everywhere (jnp.zeros, jnp.full): fill vertices, no exchange.
     return move(ctx, [], [(shape, dtype, np.full(size, -1, np.int8))],
-                lambda: jnp.full(shape, value, dtype), fill=value, name="fill")
+                lambda: jnp.full(shape, value, dtype), fill=value, name="fill")[0]
   expanded = [1] * len(shape)
   for axis, out_axis in enumerate(broadcast_dimensions):
     expanded[out_axis] = x.shape[axis]
   index = np.broadcast_to(_flat_indices(x.shape).reshape(expanded), shape)
-  return move(ctx, [x], [(shape, dtype, index)], _bind(lax.broadcast_in_dim_p, full))
+  return move(ctx, [x], [(shape, dtype, index)],
+              _bind(lax.broadcast_in_dim_p, full), name="broadcast_in_dim")[0]
+
+
+def broadcast_to(ctx, x: P.Tensor, shape) -> P.Tensor:
+  """``x`` broadcast to ``shape`` by NumPy's rules (see :func:`broadcast_in_dim`)."""
+  shape = tuple(int(d) for d in shape)
+  lead = len(shape) - len(x.shape)
+  if lead < 0 or any(d != 1 and d != s for d, s in zip(x.shape, shape[lead:])):
+    raise ValueError(f"cannot broadcast {x.shape} to {shape}")
+  return broadcast_in_dim(ctx, x, shape, tuple(range(lead, len(shape))))
+
+
+@register_lowering(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(ctx, x, *dynamic, shape, broadcast_dimensions, **params):
+  _no_dynamic_shapes(dynamic)
+  # Key arrays carry their key-data axes last, untouched by the broadcast.
+  key_axes = len(_key_shape(ctx))
+  broadcast_dimensions = tuple(int(d) for d in broadcast_dimensions) + tuple(
+      range(len(shape), len(shape) + key_axes))
+  return [broadcast_in_dim(ctx, x, _out_aval(ctx)[0], broadcast_dimensions, params)]
 
 
 def _transpose_tensor(ctx, x, permutation):
@@ -378,7 +435,9 @@ def _transpose_tensor(ctx, x, permutation):
 
 @register_lowering(lax.transpose_p)
 def _transpose(ctx, x, *, permutation):
-  return [_transpose_tensor(ctx, x, tuple(int(p) for p in permutation))]
+  n = len(permutation)
+  permutation = tuple(int(p) for p in permutation) + tuple(range(n, n + len(_key_shape(ctx))))
+  return [_transpose_tensor(ctx, x, permutation)]
 
 
 @register_lowering(lax.rev_p)
@@ -393,6 +452,10 @@ def _rev(ctx, x, *, dimensions):
 @register_lowering(lax.slice_p)
 def _slice(ctx, x, *, start_indices, limit_indices, strides):
   shape, dtype = _out_aval(ctx)
+  key_shape = _key_shape(ctx)
+  start_indices = tuple(start_indices) + (0,) * len(key_shape)
+  limit_indices = tuple(limit_indices) + key_shape
+  strides = None if strides is None else tuple(strides) + (1,) * len(key_shape)
   steps = strides or (1,) * len(x.shape)
   window = tuple(slice(int(s), int(l), int(st))
                  for s, l, st in zip(start_indices, limit_indices, steps))
@@ -406,6 +469,8 @@ def _slice(ctx, x, *, start_indices, limit_indices, strides):
 @register_lowering(lax.concatenate_p)
 def _concatenate(ctx, *operands, dimension):
   shape, dtype = _out_aval(ctx)
+  # Empty operands hold nothing to move; concatenate(x, empty) is then x.
+  operands = [t for t in operands if t.size] or list(operands[:1])
   total = int(sum(t.size for t in operands))
   offsets = np.cumsum([0] + [t.size for t in operands])
   index = np.concatenate([_flat_indices(t.shape, int(o), total)
@@ -431,6 +496,8 @@ def _pad_windows(in_size: int, lo: int, hi: int, interior: int):
 
 @register_lowering(lax.pad_p)
 def _pad(ctx, x, pad_value, *, padding_config):
+  if _key_shape(ctx):
+    raise NotImplementedError("padding an array of PRNG keys")
   shape, dtype = _out_aval(ctx)
   config = tuple(tuple(int(v) for v in c) for c in padding_config)
   windows = [_pad_windows(n, lo, hi, k) for n, (lo, hi, k) in zip(x.shape, config)]
@@ -442,6 +509,8 @@ def _pad(ctx, x, pad_value, *, padding_config):
   if x.size and index.size:
     index[tuple(w for _, w in windows)] = _flat_indices(x.shape)[tuple(w for w, _ in windows)]
   params = {"padding_config": config}
+  if constant is None and not (index == pad_index).any():
+    constant = 0  # only cropping: the pad value is never used
   if constant is not None:
     return move(ctx, [x], [(shape, dtype, index)],
                 lambda v: lax.pad_p.bind(v, jnp.asarray(constant, dtype), **params),

@@ -1,0 +1,387 @@
+"""Tests of the data-dependent indexing rules (lowering/rules/indexing.py).
+
+Every case compares ``ipu_jax.jit`` with ``jax.jit`` on random inputs; a few
+check what a user sees in the report (exchange, cycles) and that the
+``"per_tile"`` executor serves an embedding lookup tile by tile.
+"""
+
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
+from ipu_jax.lowering.registry import get_lowering
+from ipu_jax.lowering.rules import indexing
+
+_TARGET = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
+
+
+def _random(rng, shape, dtype):
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.asarray(rng.integers(-50, 50, shape), dtype)
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _per_tile_config():
+  cfg = ipu_jax.IPUConfig()
+  cfg.executor.mode = "per_tile"
+  return cfg
+
+
+def _step_profiles(fn, *args, target=_TARGET):
+  return ipu_jax.jit(fn, target=target).lower(*args).profile.steps
+
+
+class IndexingTest(chex.TestCase, parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.rng = np.random.default_rng(0)
+
+  def _needs(self, *names):
+    """The test relies on other families' rules: they must be registered."""
+    missing = [n for n in names if get_lowering(n) is None]
+    self.assertEqual(missing, [], f"lowering rules missing for {missing}")
+
+  def _check(self, fn, *args, target=_TARGET, config=None, exact=True):
+    got = ipu_jax.jit(fn, target=target, config=config)(*args)
+    want = jax.jit(fn)(*args)
+    jax.tree_util.tree_map(lambda g, w: self.assertEqual(g.dtype, w.dtype), got, want)
+    if exact:
+      chex.assert_trees_all_equal(got, want)
+    else:
+      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    return got
+
+  # -- dynamic_slice / dynamic_update_slice ----------------------------------
+
+  @parameterized.product(dtype=["f32", "bf16", "i32"],
+                         starts=[(1, 2), (-3, 7), (100, -100), (5, 5)])
+  def test_dynamic_slice_traced_indices(self, dtype, starts):
+    x = _random(self.rng, (7, 9), _DTYPES[dtype])
+    fn = lambda x, i, j: lax.dynamic_slice(x, (i, j), (3, 4))
+    self._check(fn, x, jnp.int32(starts[0]), jnp.int32(starts[1]))
+
+  def test_dynamic_slice_constant_indices_is_exact_movement(self):
+    x = _random(self.rng, (33, 17), jnp.float32)
+    fn = lambda x: lax.dynamic_slice(x, (30, 2), (5, 3))  # clamps to row 28
+    self._check(fn, x)
+    (step,) = [s for s in _step_profiles(fn, x) if s.op == "dynamic_slice"]
+    self.assertTrue(step.name.endswith("/static"))
+    self.assertEqual(step.exchange_bytes_in.sum(), step.exchange_bytes_out.sum())
+
+  @parameterized.product(dtype=["f32", "bf16", "i32"], starts=[(2, 3), (-1, 100), (6, 0)])
+  def test_dynamic_update_slice(self, dtype, starts):
+    x = _random(self.rng, (7, 11), _DTYPES[dtype])
+    u = _random(self.rng, (3, 4), _DTYPES[dtype])
+    fn = lambda x, u, i, j: lax.dynamic_update_slice(x, u, (i, j))
+    self._check(fn, x, u, jnp.int32(starts[0]), jnp.int32(starts[1]))
+
+  def test_dynamic_update_slice_constant_indices(self):
+    x = _random(self.rng, (40, 9), jnp.float32)
+    u = _random(self.rng, (2, 9), jnp.float32)
+    fn = lambda x, u: lax.dynamic_update_slice(x, u, (39, 0))
+    self._check(fn, x, u)
+
+  def test_dynamic_index_in_scan(self):
+    self._needs("scan", "broadcast_in_dim", "squeeze")
+    xs = _random(self.rng, (10, 5), jnp.float32)
+
+    def fn(xs):
+      def body(c, i):
+        return c + lax.dynamic_index_in_dim(xs, i, keepdims=False), None
+      return lax.scan(body, jnp.zeros(5), jnp.arange(10))[0]
+
+    self._check(fn, xs, exact=False)
+
+  # -- gather -----------------------------------------------------------------
+
+  @parameterized.product(dtype=["f32", "bf16", "i32"])
+  def test_embedding_lookup(self, dtype):
+    self._needs("broadcast_in_dim")
+    table = _random(self.rng, (257, 33), _DTYPES[dtype])
+    ids = jnp.asarray(self.rng.integers(-257, 257, (5, 7)), jnp.int32)
+    self._check(lambda t, i: t[i], table, ids)
+
+  def test_embedding_lookup_out_of_range_clamps(self):
+    self._needs("broadcast_in_dim")
+    table = _random(self.rng, (257, 33), jnp.float32)
+    ids = jnp.asarray([[0, 256, 300, -900, 5]], jnp.int32)
+    self._check(lambda t, i: t[i], table, ids)
+
+  def test_gather_leading_axis_direct(self):
+    # The embedding gather built by hand: needs no other family's rules.
+    table = _random(self.rng, (257, 33), jnp.float32)
+    ids = jnp.asarray(self.rng.integers(-10, 270, (5, 7, 1)), jnp.int32)
+    dnums = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    for mode in ("clip", "fill", "promise_in_bounds"):
+      fn = lambda t, i, mode=mode: lax.gather(t, i, dnums, (1, 33), mode=mode)
+      self._check(fn, table, ids)
+      self._check(fn, table, ids, config=_per_tile_config())
+
+  @parameterized.product(dtype=["f32", "i32"])
+  def test_take_fill_mode(self, dtype):
+    self._needs("broadcast_in_dim", "jit")
+    table = _random(self.rng, (31, 6), _DTYPES[dtype])
+    ids = jnp.asarray([[0, 30, 31, -1, -40, 7]], jnp.int32)
+    fn = lambda t, i: jnp.take(t, i, axis=0, mode="fill", fill_value=-7)
+    self._check(fn, table, ids)
+    fn_default = lambda t, i: jnp.take(t, i, axis=0, mode="fill")
+    self._check(fn_default, table, ids)
+    self._check(fn_default, table, ids, config=_per_tile_config())
+
+  def test_take_along_axis(self):
+    self._needs("reshape", "jit")
+    x = _random(self.rng, (6, 9), jnp.float32)
+    idx = jnp.asarray(self.rng.integers(0, 9, (6, 4)), jnp.int32)
+    self._check(lambda x, i: jnp.take_along_axis(x, i, axis=1), x, idx)
+    self._check(lambda x, i: jnp.take_along_axis(x, i, axis=1), x, idx,
+                config=_per_tile_config())
+
+  def test_column_gather(self):
+    self._needs("broadcast_in_dim")
+    x = _random(self.rng, (13, 9), jnp.float32)
+    idx = jnp.asarray([8, 0, 3, 3, -2], jnp.int32)
+    self._check(lambda x, i: x[:, i], x, idx)
+
+  def test_gather_2d_index_vector(self):
+    # x[i, j] with two index arrays: a 2-element index vector per lookup.
+    self._needs("broadcast_in_dim", "concatenate")
+    x = _random(self.rng, (11, 7, 3), jnp.float32)
+    i = jnp.asarray(self.rng.integers(0, 11, (4,)), jnp.int32)
+    j = jnp.asarray(self.rng.integers(0, 7, (4,)), jnp.int32)
+    self._check(lambda x, i, j: x[i, j], x, i, j)
+
+  def test_gather_constant_indices(self):
+    x = _random(self.rng, (20, 5), jnp.float32)
+    indices = np.array([[3], [19], [0], [25]], np.int32)
+    dnums = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    fn = lambda x: lax.gather(x, indices, dnums, (1, 5), mode="fill", fill_value=0.5)
+    self._check(fn, x)
+    names = [s.name for s in _step_profiles(fn, x)]
+    self.assertIn("gather/static", names)
+
+  def test_gather_size_zero(self):
+    table = _random(self.rng, (9, 4), jnp.float32)
+    ids = jnp.zeros((0, 1), jnp.int32)
+    dnums = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    fn = lambda t, i: lax.gather(t, i, dnums, (1, 4), mode="clip")
+    self.assertEqual(self._check(fn, table, ids).shape, (0, 4))
+
+  def test_gather_report_charges_index_broadcast_and_results(self):
+    table = _random(self.rng, (257, 33), jnp.float32)
+    ids = jnp.asarray(self.rng.integers(0, 257, (5, 7, 1)), jnp.int32)
+    dnums = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    fn = lambda t, i: lax.gather(t, i, dnums, (1, 33), mode="clip")
+    lowered = ipu_jax.jit(fn, target=_TARGET).lower(table, ids)
+    (step,) = [s for s in lowered.profile.steps if s.op == "gather"]
+    # Every table tile (all 16) receives the 140 index bytes it does not hold.
+    self.assertGreater(step.exchange_bytes_in.sum(), 0)
+    self.assertTrue(np.all(step.compute_cycles > 0))
+    result_bytes = 5 * 7 * 33 * 4
+    self.assertLessEqual(step.exchange_bytes_in.sum(), result_bytes + 16 * ids.nbytes)
+    self.assertGreater(lowered.report.total_cycles, 0)
+
+  # -- scatter ----------------------------------------------------------------
+
+  @parameterized.product(dtype=["f32", "i32"])
+  def test_scatter_add_duplicate_indices(self, dtype):
+    self._needs("broadcast_in_dim")
+    x = _random(self.rng, (23, 9), _DTYPES[dtype])
+    idx = jnp.asarray([3, 3, 22, 0, 3, -1, 22], jnp.int32)
+    upd = _random(self.rng, (7, 9), _DTYPES[dtype])
+    self._check(lambda x, i, u: x.at[i].add(u), x, idx, upd, exact=False)
+
+  @parameterized.parameters("set", "max", "min", "mul")
+  def test_scatter_ops(self, op):
+    self._needs("broadcast_in_dim")
+    x = _random(self.rng, (17, 5), jnp.float32)
+    idx = jnp.asarray([4, 16, 0, 4, 30], jnp.int32)  # 30 is dropped
+    upd = _random(self.rng, (5, 5), jnp.float32)
+    fn = lambda x, i, u: getattr(x.at[i], {"mul": "multiply"}.get(op, op))(u)
+    self._check(fn, x, idx, upd, exact=False)
+
+  @parameterized.parameters("add", "set", "max", "mul")
+  def test_scatter_direct_per_tile(self, op):
+    x = _random(self.rng, (41, 7), jnp.float32)
+    idx = jnp.asarray([[3], [3], [40], [0], [41], [-2], [17]], jnp.int32)
+    upd = _random(self.rng, (7, 7), jnp.float32)
+    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                        scatter_dims_to_operand_dims=(0,))
+    scatter = {"add": lax.scatter_add, "set": lax.scatter, "max": lax.scatter_max,
+               "mul": lax.scatter_mul}[op]
+    with mock.patch.object(indexing, "_rows_scatter_per_tile",
+                           wraps=indexing._rows_scatter_per_tile) as spy:
+      for mode in ("fill", "clip", "promise_in_bounds"):
+        fn = lambda x, i, u, mode=mode: scatter(x, i, u, dnums, mode=mode)
+        self._check(fn, x, idx, upd, exact=False)
+        self._check(fn, x, idx, upd, exact=False, config=_per_tile_config())
+    self.assertEqual(spy.call_count, 3)  # once per per_tile program
+
+  def test_scatter_empty_updates(self):
+    x = _random(self.rng, (6, 3), jnp.float32)
+    idx = jnp.zeros((0, 1), jnp.int32)
+    upd = jnp.zeros((0, 3), jnp.float32)
+    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                        scatter_dims_to_operand_dims=(0,))
+    self._check(lambda x, i, u: lax.scatter_add(x, i, u, dnums), x, idx, upd)
+
+  def test_embedding_gradient(self):
+    self._needs("broadcast_in_dim", "reduce_sum", "mul")
+    table = _random(self.rng, (257, 33), jnp.float32)
+    ids = jnp.asarray(self.rng.integers(0, 257, (5, 7)), jnp.int32)
+    ids = ids.at[0, :3].set(11)  # repeated ids accumulate
+    w = _random(self.rng, (5, 7, 33), jnp.float32)
+    loss = lambda t, i, w: jnp.sum(t[i] * w)
+    self._check(jax.grad(loss), table, ids, w, exact=False)
+
+  def test_take_along_axis_gradient(self):
+    self._needs("reshape", "jit", "reduce_sum", "broadcast_in_dim")
+    x = _random(self.rng, (6, 9), jnp.float32)
+    idx = jnp.asarray(self.rng.integers(0, 9, (6, 4)), jnp.int32)
+    fn = jax.grad(lambda x, i: jnp.take_along_axis(x, i, axis=1).sum())
+    self._check(fn, x, idx, exact=False)
+
+  # -- sort / top_k -----------------------------------------------------------
+
+  @parameterized.product(dtype=["f32", "bf16", "i32"])
+  def test_argsort_last_axis(self, dtype):
+    self._needs("iota", "jit")
+    x = _random(self.rng, (7, 13), _DTYPES[dtype])
+    self._check(lambda x: jnp.argsort(x, axis=-1), x)
+
+  def test_sort_first_axis(self):
+    self._needs("jit")
+    x = _random(self.rng, (13, 7), jnp.float32)
+    self._check(lambda x: jnp.sort(x, axis=0), x)
+    self._check(lambda x: jnp.sort(x, axis=0), x, config=_per_tile_config())
+
+  def test_sort_direct(self):
+    x = _random(self.rng, (5, 3, 11), jnp.float32)
+    for dim in (0, 1, 2):
+      self._check(lambda x, dim=dim: lax.sort(x, dimension=dim), x)
+
+  def test_multi_operand_sort(self):
+    keys1 = jnp.asarray(self.rng.integers(0, 3, (6, 17)), jnp.int32)
+    keys2 = _random(self.rng, (6, 17), jnp.float32)
+    vals = _random(self.rng, (6, 17), jnp.bfloat16)
+    fn = lambda a, b, c: lax.sort((a, b, c), num_keys=2, is_stable=True)
+    self._check(fn, keys1, keys2, vals)
+    fn1 = lambda a, b, c: lax.sort((a, b, c), num_keys=1, is_stable=True)
+    self._check(fn1, keys1, keys2, vals, config=_per_tile_config())
+
+  def test_sort_1d_and_long_rows(self):
+    x = _random(self.rng, (301,), jnp.float32)
+    self._check(lambda x: lax.sort(x), x)
+    # Rows too long for one tile: chunks on 8 tiles per row, bitonic merges.
+    keys = _random(self.rng, (3, 20011), jnp.float32)
+    vals = jnp.asarray(self.rng.integers(0, 1000, (3, 20011)), jnp.int32)
+    fn = lambda k, v: lax.sort((k, v), num_keys=1)
+    self._check(fn, keys, vals)
+    steps = _step_profiles(fn, keys, vals)
+    merges = [s for s in steps if s.name.startswith("sort/merge")]
+    self.assertLen(merges, 6)  # log2(8) * (log2(8) + 1) / 2
+    self.assertTrue(all(s.exchange_bytes_in.sum() > 0 for s in merges))
+
+  def test_sort_size_zero(self):
+    x = jnp.zeros((0, 5), jnp.float32)
+    self._check(lambda x: lax.sort(x, dimension=1), x)
+
+  @parameterized.parameters(1, 3, 13)
+  def test_top_k(self, k):
+    x = _random(self.rng, (4, 5, 13), jnp.float32)
+    self._check(lambda x: lax.top_k(x, k), x)
+
+  def test_top_k_1d_and_long_row(self):
+    x = _random(self.rng, (37,), jnp.float32)
+    self._check(lambda x: lax.top_k(x, 5), x)
+    x = _random(self.rng, (2, 30001), jnp.float32)
+    self._check(lambda x: lax.top_k(x, 7), x)
+    names = [s.name for s in _step_profiles(lambda x: lax.top_k(x, 7), x)]
+    self.assertIn("top_k/merge", names)
+
+  def test_top_k_int_and_bf16(self):
+    for dtype in (jnp.int32, jnp.bfloat16):
+      x = _random(self.rng, (9, 21), dtype)
+      self._check(lambda x: lax.top_k(x, 4), x)
+
+  def test_approx_max_k(self):
+    x = _random(self.rng, (6, 40), jnp.float32)
+    self._check(lambda x: lax.approx_max_k(x, 3), x)
+    self._check(lambda x: lax.approx_min_k(x, 2), x)
+
+  # -- targets and executor modes ---------------------------------------------
+
+  def test_two_ipus_charge_links(self):
+    target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
+    table = _random(self.rng, (300, 16), jnp.float32)
+    ids = jnp.asarray(self.rng.integers(0, 300, (12, 1)), jnp.int32)
+    dnums = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    fn = lambda t, i: lax.gather(t, i, dnums, (1, 16), mode="clip")
+    self._check(fn, table, ids, target=target)
+    (step,) = [s for s in _step_profiles(fn, table, ids, target=target) if s.op == "gather"]
+    self.assertGreater(step.ipu_link_bytes, 0)
+
+  def test_per_tile_gather_narrow_unsigned_indices(self):
+    table = _random(self.rng, (300, 5), jnp.float32)
+    ids = jnp.asarray(self.rng.integers(0, 256, (9, 1)), jnp.uint8)
+    dnums = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                       start_index_map=(0,))
+    for mode in ("clip", "fill"):
+      fn = lambda t, i, mode=mode: lax.gather(t, i, dnums, (1, 5), mode=mode)
+      self._check(fn, table, ids, config=_per_tile_config())
+    small = _random(self.rng, (7, 5), jnp.bfloat16)
+    fn = lambda t, i: lax.gather(t, i, dnums, (1, 5), mode="fill")
+    self._check(fn, small, ids, config=_per_tile_config())
+
+
+  def test_full_ipu2_embedding_and_scatter(self):
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    table = _random(self.rng, (1000, 64), jnp.float32)
+    ids = jnp.asarray(self.rng.integers(0, 1000, (8, 9, 1)), jnp.int32)
+    upd = _random(self.rng, (8, 9, 64), jnp.float32)
+    gd = lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0,),
+                                    start_index_map=(0,))
+    sd = lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0,),
+                                     scatter_dims_to_operand_dims=(0,))
+
+    def fn(t, i, u):
+      rows = lax.gather(t, i, gd, (1, 64), mode="clip")
+      return rows, lax.scatter_add(t, i, u, sd)
+
+    self._check(fn, table, ids, upd, target=target, exact=False)
+    lowered = ipu_jax.jit(fn, target=target).lower(table, ids, upd)
+    (step,) = [s for s in lowered.profile.steps if s.op == "gather"]
+    self.assertGreater(int((step.compute_cycles > 0).sum()), 100)
+
+  def test_per_tile_embedding_lookup_is_exact_and_served_per_tile(self):
+    self._needs("broadcast_in_dim")
+    table = _random(self.rng, (257, 33), jnp.float32)
+    table = table.at[3, 4].set(-0.0).at[5, 0].set(jnp.inf).at[9, 1].set(jnp.nan)
+    ids = jnp.asarray(self.rng.integers(-257, 257, (5, 7)), jnp.int32)
+    ids = ids.at[0, :3].set(jnp.asarray([3, 5, 9]))
+    fn = lambda t, i: t[i]
+    with mock.patch.object(indexing, "_rows_gather_per_tile",
+                           wraps=indexing._rows_gather_per_tile) as spy:
+      got = ipu_jax.jit(fn, target=_TARGET, config=_per_tile_config())(table, ids)
+    self.assertEqual(spy.call_count, 1)
+    want = jax.jit(fn)(table, ids)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+
+
+if __name__ == "__main__":
+  absltest.main()
