@@ -8,6 +8,7 @@ from ipu_jax.config import (IPUConfig, LoweringOptions, default_config,
 from ipu_jax.errors import LoweringError, OutOfMemoryError
 from ipu_jax.jit import IPUFunction, Lowered, jit
 from ipu_jax.lowering.registry import register_lowering
+from ipu_jax import ops
 from ipu_jax.report import Report, SavedReport, compare_reports, load_report
 from ipu_jax.target import IPUTarget
 
@@ -17,5 +18,5 @@ __all__ = [
     "IPUConfig", "IPUFunction", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "compare_reports", "default_config", "get_default_config", "jit",
-    "load_report", "register_lowering",
+    "load_report", "ops", "register_lowering",
 ]

@@ -140,6 +140,18 @@ class Lowered:
     return len(self.profile.steps)
 
 
+def _bound_replicas():
+  """Size of the replica axis when traced under it (vmap/shard_map), else None.
+
+  Part of the cache key: a program lowered under the axis costs its
+  collectives for that many replicas.
+  """
+  try:
+    return jax.lax.axis_size("replicas")
+  except NameError:
+    return None
+
+
 class IPUFunction:
   """The callable :func:`jit` returns."""
 
@@ -176,7 +188,7 @@ class IPUFunction:
     flat, in_tree = jax.tree_util.tree_flatten(dynamic)
     avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
                    getattr(x, "weak_type", False)) for x in flat)
-    key = (in_tree, avals, static, target, options, replicas)
+    key = (in_tree, avals, static, target, options, replicas, _bound_replicas())
     lowered = self._cache.get(key)
     if lowered is None:
       name = getattr(self.fn, "__name__", "fn")

@@ -35,6 +35,14 @@ from jax.interpreters import ad, batching, mlir
 
 from ipu_jax.kernels.codelet import Codelet
 
+try:
+  # Equations made here report the user's line, not this file's (as for
+  # jax's own wrappers), in reports and lowering errors.
+  from jax._src import source_info_util
+  source_info_util.register_exclusion(__file__)
+except (ImportError, AttributeError):  # pragma: no cover
+  pass
+
 __all__ = [
     "tile_map", "cross_replica_sum", "cross_replica_mean", "replica_index",
     "matmul", "stochastic_round", "print_tensor", "format_tensor",
@@ -53,6 +61,21 @@ def _aval(shape, dtype, like=None):
   if like is not None and tuple(like.shape) == tuple(shape):
     return like.update(dtype=np.dtype(dtype), weak_type=False)
   return jax.core.ShapedArray(tuple(shape), np.dtype(dtype))
+
+
+def _compiled(impl: Callable) -> Callable:
+  """An eager impl that runs ``impl`` compiled (as jax's primitives do).
+
+  Eager calls then cost one cached XLA dispatch instead of one per ``jnp``
+  op; the parameters are hashable, so they are static arguments.
+  """
+  cached = functools.lru_cache(maxsize=256)(
+      lambda items: jax.jit(functools.partial(impl, **dict(items))))
+
+  def eager(*args, **params):
+    return cached(tuple(sorted(params.items())))(*args)
+
+  return eager
 
 
 # ---------------------------------------------------------------------------
@@ -76,7 +99,7 @@ class _BatchedCodelet(Codelet):
   size: int = 1
 
 
-def _flat_fn(codelet: Codelet) -> Callable:
+def codelet_body(codelet: Codelet) -> Callable:
   """The codelet's body returning a flat tuple of arrays."""
   def fn(*args):
     return tuple(jax.tree_util.tree_leaves(codelet.fn(*args)))
@@ -85,7 +108,7 @@ def _flat_fn(codelet: Codelet) -> Callable:
 
 @functools.lru_cache(maxsize=1024)
 def _batched_codelet(codelet: Codelet, in_axes: tuple, size: int) -> Codelet:
-  inner = jax.vmap(_flat_fn(codelet), in_axes=in_axes)
+  inner = jax.vmap(codelet_body(codelet), in_axes=in_axes)
   return _BatchedCodelet(name=codelet.name, fn=inner, inputs=codelet.inputs,
                          outputs=codelet.outputs, inouts=codelet.inouts,
                          cycles=None, flops=None, base=codelet, in_axes=in_axes,
@@ -141,13 +164,13 @@ def codelet_flops(codelet: Codelet, in_specs, out_specs) -> int:
 
 def _tile_map_impl(*args, codelet, tiles):
   del tiles
-  return list(jax.vmap(_flat_fn(codelet))(*args))
+  return list(jax.vmap(codelet_body(codelet))(*args))
 
 
 def _tile_map_abstract_eval(*avals, codelet, tiles):
   del tiles
   specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-  outs = jax.eval_shape(jax.vmap(_flat_fn(codelet)), *specs)
+  outs = jax.eval_shape(jax.vmap(codelet_body(codelet)), *specs)
   like = avals[0] if avals else None
   return [_aval(o.shape, o.dtype, like) for o in outs]
 
@@ -157,7 +180,7 @@ def _tile_map_jvp(primals, tangents, *, codelet, tiles):
   tangents = [ad.instantiate_zeros(t) for t in tangents]
   # The tangent is the JVP of the vmapped body: plain JAX ops, linear in the
   # tangents, so reverse mode can transpose it.
-  _, out_tangents = jax.jvp(jax.vmap(_flat_fn(codelet)), tuple(primals), tuple(tangents))
+  _, out_tangents = jax.jvp(jax.vmap(codelet_body(codelet)), tuple(primals), tuple(tangents))
   return outs, list(out_tangents)
 
 
@@ -178,7 +201,7 @@ def _tile_map_batch(args, dims, *, codelet, tiles):
   return outs, [1] * len(outs)
 
 
-tile_map_p.def_impl(_tile_map_impl)
+tile_map_p.def_impl(_compiled(_tile_map_impl))
 tile_map_p.def_abstract_eval(_tile_map_abstract_eval)
 ad.primitive_jvps[tile_map_p] = _tile_map_jvp
 batching.primitive_batchers[tile_map_p] = _tile_map_batch
@@ -298,6 +321,16 @@ def replica_index_value(axis_name):
   return lax.axis_index(axis_name).astype(jnp.int32)
 
 
+def _typeof(x):
+  return jax.typeof(x)
+
+
+def _varying(aval) -> frozenset:
+  """Axes an aval varies over (shard_map's check_vma typing; empty otherwise)."""
+  mat = getattr(aval, "mat", None)
+  return frozenset(getattr(mat, "varying", None) or ())
+
+
 def _collective_abstract_eval(x, *, axis_name):
   # Under shard_map with check_vma the result no longer varies over the axis.
   mat = getattr(x, "mat", None)
@@ -314,7 +347,16 @@ def _make_collective(prim, kind):
     return apply_collective(kind, x, axis_name)
 
   def transpose(ct, x, *, axis_name):
-    del x
+    lost = _varying(x.aval) - _varying(_typeof(ct))
+    lost &= frozenset(_axes(axis_name))
+    if lost:
+      # shard_map with check_vma: the op took a varying value to an invariant
+      # one, so (as for jax's psum_invariant) the transpose broadcasts the
+      # invariant cotangent back to every replica.
+      ct = lax.pcast(ct, tuple(lost), to="varying")
+      if kind == "mean":
+        ct = ct / lax.axis_size(axis_name)
+      return (ct,)
     # As jax's psum: the transpose of an all-reduce is an all-reduce.
     return (prim.bind(ct, axis_name=axis_name),)
 
@@ -337,7 +379,7 @@ def _make_collective(prim, kind):
       out = prim.bind(out, axis_name=rest if len(rest) > 1 else rest[0])
     return out, not_mapped
 
-  prim.def_impl(impl)
+  prim.def_impl(_compiled(impl))
   prim.def_abstract_eval(_collective_abstract_eval)
   ad.deflinear2(prim, transpose)
   batching.fancy_primitive_batchers[prim] = batch
@@ -361,7 +403,7 @@ def _replica_index_batch(axis_data, vals, dims, *, axis_name):
   return lax.iota(np.int32, axis_data.size), 0
 
 
-replica_index_p.def_impl(lambda *, axis_name: replica_index_value(axis_name))
+replica_index_p.def_impl(_compiled(lambda *, axis_name: replica_index_value(axis_name)))
 replica_index_p.def_abstract_eval(_replica_index_abstract_eval)
 batching.fancy_primitive_batchers[replica_index_p] = _replica_index_batch
 mlir.register_lowering(replica_index_p, mlir.lower_fun(
@@ -504,7 +546,7 @@ def _matmul_batch(args, dims, **params):
   return matmul_p.bind(a, b, **params), 0
 
 
-matmul_p.def_impl(_matmul_impl)
+matmul_p.def_impl(_compiled(_matmul_impl))
 matmul_p.def_abstract_eval(_matmul_abstract_eval)
 ad.defbilinear(matmul_p, _matmul_transpose_lhs, _matmul_transpose_rhs)
 batching.primitive_batchers[matmul_p] = _matmul_batch
@@ -681,7 +723,7 @@ def _stochastic_round_batch(args, dims, *, dtype, impl):
   return stochastic_round_p.bind(x, key, dtype=dtype, impl=impl), 0
 
 
-stochastic_round_p.def_impl(_stochastic_round_impl)
+stochastic_round_p.def_impl(_compiled(_stochastic_round_impl))
 stochastic_round_p.def_abstract_eval(_stochastic_round_abstract_eval)
 ad.primitive_jvps[stochastic_round_p] = _stochastic_round_jvp
 batching.primitive_batchers[stochastic_round_p] = _stochastic_round_batch
@@ -756,7 +798,7 @@ def _print_tensor_batch(args, dims, *, title):
   return print_tensor_p.bind(x, title=title), d
 
 
-print_tensor_p.def_impl(_print_tensor_impl)
+print_tensor_p.def_impl(_compiled(_print_tensor_impl))
 print_tensor_p.def_effectful_abstract_eval(_print_tensor_abstract_eval)
 ad.primitive_jvps[print_tensor_p] = _print_tensor_jvp
 batching.primitive_batchers[print_tensor_p] = _print_tensor_batch
