@@ -76,6 +76,9 @@ class LoweringContext:
     finally:
       self._program_stack.pop()
       self._local_stack.pop()
+      # Made inside a nested body means made inside every enclosing body.
+      if self._local_stack:
+        self._local_stack[-1].update(local_ids)
 
   @contextlib.contextmanager
   def at(self, op: str, source: str):

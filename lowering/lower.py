@@ -65,9 +65,10 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
     if rule is None:
       raise _unsupported(eqn)
     operands = [read(v) for v in eqn.invars]
-    saved_avals = getattr(ctx, "out_avals", None)
+    saved_avals = getattr(ctx, "out_avals", None), getattr(ctx, "in_avals", None)
     with ctx.at(eqn.primitive.name, source_of(eqn)):
       ctx.out_avals = [v.aval for v in eqn.outvars]
+      ctx.in_avals = [v.aval for v in eqn.invars]
       try:
         outputs = rule(ctx, *operands, **eqn.params)
       except LoweringError:
@@ -77,7 +78,7 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
             f"Primitive '{eqn.primitive.name}' (operands: {_describe(eqn.invars)}) at "
             f"{source_of(eqn) or 'an unknown source line'} is not supported: {e}") from e
       finally:
-        ctx.out_avals = saved_avals
+        ctx.out_avals, ctx.in_avals = saved_avals
     if len(outputs) != len(eqn.outvars):
       raise LoweringError(f"rule for {eqn.primitive.name} returned {len(outputs)} results, "
                           f"expected {len(eqn.outvars)}")

@@ -40,14 +40,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import add_costs, broadcast_cost, worker_vertices
+from ipu_jax.lowering.builders import add_costs, broadcast_cost
 from ipu_jax.lowering.exchange import (ExchangeCost, relayout, relayout_cost,
                                        to_flat, to_storage)
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, lower_jaxpr
@@ -72,8 +71,16 @@ def physical_aval(aval):
   return tuple(aval.shape), np.dtype(aval.dtype)
 
 
+def _note_keys(jaxpr, tensors) -> None:
+  """Record the PRNG impl of key-typed inputs of ``jaxpr`` (see random.py)."""
+  from ipu_jax.lowering.rules.random import note_key_avals
+  inner = getattr(jaxpr, "jaxpr", jaxpr)
+  note_key_avals([v.aval for v in inner.invars], tensors)
+
+
 def _lower_any(ctx, jaxpr, args) -> list:
   """Lower a ``ClosedJaxpr`` or an open ``Jaxpr`` (no constvars) inline."""
+  _note_keys(jaxpr, args)
   if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
     return lower_closed_jaxpr(ctx, jaxpr, list(args))
   if jaxpr.constvars:
@@ -132,7 +139,9 @@ def copy_step(ctx, dsts: Sequence[P.Tensor], srcs: Sequence[P.Tensor],
   source already is the destination are left out. Returns ``None`` when
   nothing needs copying. The step is not emitted.
   """
-  pairs = [(d, s) for d, s in zip(dsts, srcs) if d is not s and d.size > 0]
+  # A source with the destination's id is the destination (or a reshaped
+  # alias of it, sharing its storage): nothing to copy.
+  pairs = [(d, s) for d, s in zip(dsts, srcs) if d.id != s.id and d.size > 0]
   if not pairs:
     return None
   for d, s in pairs:
@@ -163,6 +172,19 @@ def _carry_tensor(ctx, init: P.Tensor, name: str) -> P.Tensor:
   """A loop-carried tensor for ``init``: mapped like it unless it is a constant."""
   mapping = init.mapping if init.category != "constants" and init.size else None
   return ctx.new_tensor(init.shape, init.dtype, mapping, name=name)
+
+
+def _slice_mapping(stacked: P.Tensor, carries) -> Optional[TileMapping]:
+  """Where a scan body's row of ``stacked`` lives.
+
+  Next to a carry of the same shape when there is one (``carry + x`` then
+  needs no exchange inside the body); else linear (``None``).
+  """
+  shape = tuple(stacked.shape[1:])
+  for c in carries:
+    if tuple(c.shape) == shape and c.itemsize == stacked.itemsize and c.size:
+      return c.mapping
+  return None
 
 
 def _scalar(storage_array):
@@ -228,21 +250,32 @@ def _dynamic_rows_cost(ctx, stacked: P.Tensor, piece: P.Tensor, to_piece: bool,
   src = smap.element_tile.reshape(length, size)
   dst = pmap.element_tile
   moved = src != dst[None, :]
-  it = np.broadcast_to(np.arange(length)[:, None], (length, size))
+  it = np.arange(length, dtype=np.int64)[:, None]
 
   def busiest_per_tile(rows, num_rows, tiles, mask):
     """Max over iterations of elements per row (mask selects elements)."""
-    key = (it * num_rows + rows)[mask]
+    key = it * num_rows + rows
+    if mask is not None:
+      key = key[mask]
+    key = key.reshape(-1)
     out = np.zeros(t, np.int64)
     if key.size == 0:
       return out
-    keys, counts = np.unique(key, return_counts=True)
-    per_row = np.zeros(num_rows, np.int64)
-    np.maximum.at(per_row, keys % num_rows, counts)
+    if length * num_rows <= 8 * key.size + 4096:
+      per_row = np.bincount(key, minlength=length * num_rows).reshape(length, num_rows).max(axis=0)
+    else:
+      if bool(np.all(key[1:] >= key[:-1])):
+        # Linear mappings list each iteration's rows in order: count runs.
+        starts = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+        keys, counts = key[starts], np.diff(np.append(starts, key.size))
+      else:
+        keys, counts = np.unique(key, return_counts=True)
+      per_row = np.zeros(num_rows, np.int64)
+      np.maximum.at(per_row, keys % num_rows, counts)
     np.add.at(out, tiles, per_row)
     return out
 
-  piece_rows = np.broadcast_to(pmap.element_row[None, :], (length, size))
+  piece_rows = pmap.element_row[None, :]
   stacked_rows = smap.element_row.reshape(length, size)
   piece_side = busiest_per_tile(piece_rows, pmap.num_rows, pmap.tiles, moved) * piece.itemsize
   stacked_side = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles, moved) * piece.itemsize
@@ -262,8 +295,7 @@ def _dynamic_rows_cost(ctx, stacked: P.Tensor, piece: P.Tensor, to_piece: bool,
       link = (-(-totals // length) * piece.itemsize).astype(np.int64)
   cost = ExchangeCost(bytes_in.astype(np.int64), bytes_out.astype(np.int64), link)
   # The tiles holding the stacked tensor copy their part of the row.
-  copied = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles,
-                            np.ones_like(moved))
+  copied = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles, None)
   cycles = estimators.copy_cycles(target, copied, piece.itemsize)
   # Every tile holding the stacked tensor checks the index, even when idle.
   holders = np.zeros(t, bool)
@@ -346,7 +378,8 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
 
   with ctx.sub_program() as (body, local_ids):
     # 1. This iteration's rows of xs.
-    slices = [ctx.new_tensor(x.shape[1:], x.dtype, name="scan/x") for x in xs]
+    slices = [ctx.new_tensor(x.shape[1:], x.dtype, _slice_mapping(x, carries), name="scan/x")
+              for x in xs]
     moves = [(x, s) for x, s in zip(xs, slices) if s.size]
     if moves:
       costs, cycles = [], np.zeros(target.num_tiles)
@@ -369,6 +402,8 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
           codelets=("DynamicSlice",)))
 
     # 2. The body.
+    _note_keys(jaxpr, consts + inits + xs)
+    _note_keys(jaxpr, consts + carries + slices)
     outs = lower_closed_jaxpr(ctx, jaxpr, consts + carries + slices)
     new_carries, ys = outs[:num_carry], outs[num_carry:]
 
@@ -417,6 +452,9 @@ def _while_rule(ctx, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_ncons
   body_consts = list(operands[cond_nconsts:cond_nconsts + body_nconsts])
   inits = list(operands[cond_nconsts + body_nconsts:])
   carries = [_carry_tensor(ctx, x, "while/carry") for x in inits]
+  _note_keys(body_jaxpr, body_consts + inits)
+  _note_keys(body_jaxpr, body_consts + carries)
+  _note_keys(cond_jaxpr, cond_consts + carries)
   _emit_copies(ctx, carries, inits, "while/init")
   with ctx.sub_program() as (condition, cond_locals):
     predicate, = lower_closed_jaxpr(ctx, cond_jaxpr, cond_consts + carries)
@@ -444,6 +482,7 @@ def _cond_rule(ctx, index, *operands, branches, **params):
     i = int(np.asarray(index.value).reshape(()))
     i = i if 0 <= i < len(branches) else len(branches) - 1
     return lower_closed_jaxpr(ctx, branches[i], operands)
+  _note_keys(branches[0], operands)
   sequences, outputs, local_ids = [], [], set()
   for branch in branches:
     with ctx.sub_program() as (seq, locals_):

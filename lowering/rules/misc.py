@@ -11,6 +11,8 @@ Tile plan:
 * ``platform_index`` (``lax.platform_dependent``) is resolved at compile time
   to the branch of the platform the emulator runs on, so the numbers equal
   those of ``jax.jit`` on that platform.
+* ``empty`` / ``empty2`` (uninitialised buffers, e.g. the residual
+  placeholders of a differentiated ``cond``) allocate and write nothing.
 * ``debug_callback`` / ``debug_print`` run as a step that reads the operands
   (as the IPU streams them to the host) and binds the primitive with the
   user's parameters, so ordering (``ordered=True``) and formatting are JAX's.
@@ -54,6 +56,21 @@ def _platform_index(ctx, *, platforms, **params):
   return [ctx.constant(np.int32(index))]
 
 
+def _empty(ctx, **params):
+  """An uninitialised buffer (``lax.empty``, grad residual placeholders).
+
+  It costs nothing on the IPU: memory is allocated, nothing is written. The
+  executor reads never-written storage as zeros, which is what XLA gives on
+  CPU for these buffers.
+  """
+  del params
+  from ipu_jax.lowering.rules.control import physical_aval
+  shape, dtype = physical_aval(ctx.out_avals[0])
+  if int(np.prod(shape, dtype=np.int64)) <= 1:
+    return [ctx.constant(np.zeros(shape, dtype))]
+  return [ctx.new_tensor(shape, dtype, name="empty")]
+
+
 def _host_callback_rule(primitive):
   """A step that hands the operands to the host and runs the callback."""
 
@@ -65,8 +82,8 @@ def _host_callback_rule(primitive):
       primitive.bind(*args, **params)
       return ()
 
-    # Reading to the host costs the tensors' bytes over the host link; the
-    # step itself moves nothing between tiles.
+    # The host reads the operands where they lie; nothing moves between
+    # tiles, so the step costs only its sync.
     ctx.emit(P.Superstep(name=primitive.name, op=ctx.op, reads=tensors, writes=(),
                          fn=fn))
     return [ctx.new_tensor(a.shape, a.dtype) for a in ctx.out_avals]
@@ -94,6 +111,12 @@ def _register():
   prim = getattr(cf, "platform_index_p", None)
   if prim is not None:
     register_lowering(prim, _platform_index)
+  from jax._src.lax import lax as lax_internal
+  from ipu_jax.lowering.registry import registered_primitives
+  for name in ("empty_p", "empty2_p"):
+    prim = getattr(lax_internal, name, None)
+    if prim is not None and prim.name not in registered_primitives():
+      register_lowering(prim, _empty)
   for name in ("debug_callback_p", "debug_print_p"):
     prim = getattr(debugging, name, None)
     if prim is not None:

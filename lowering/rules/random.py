@@ -18,7 +18,7 @@ numbers are exactly those of ``jax.jit``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +33,7 @@ from ipu_jax.lowering.registry import register_lowering, registered_primitives
 
 from jax._src.random import prng
 
-__all__ = ["key_impl_of"]
+__all__ = ["key_impl_of", "note_key_avals"]
 
 # The key implementation of tensors made by these rules, by tensor id (an
 # alias made by a reshape keeps the id, so it keeps its impl too).
@@ -71,6 +71,18 @@ def key_impl_of(ctx, tensor: P.Tensor, operand_index: int = 0):
     if shape[len(shape) - len(ks):] == ks:
       return impl
   raise NotImplementedError(f"cannot tell the PRNG implementation of key data {shape}")
+
+
+def note_key_avals(avals, tensors) -> None:
+  """Remember the PRNG impl of every key-typed ``aval``'s tensor.
+
+  Rules that lower a nested jaxpr (calls, loops, branches) see its input
+  avals; recording the key impls there lets ``random_bits`` on those
+  tensors use the right implementation.
+  """
+  for aval, tensor in zip(avals, tensors):
+    if is_key_dtype(getattr(aval, "dtype", None)) and tensor is not None:
+      _KEY_IMPLS.setdefault(tensor.id, aval.dtype._impl)  # pylint: disable=protected-access
 
 
 def _record(tensor: P.Tensor, impl) -> P.Tensor:
@@ -194,7 +206,6 @@ def _random_fold_in(ctx, keys, msgs):
   kw = int(np.prod(ks, dtype=np.int64))
   key_batch = tuple(keys.shape[:len(keys.shape) - len(ks)])
   out_batch = tuple(ctx.out_avals[0].shape)
-  n = int(np.prod(out_batch, dtype=np.int64))
 
   def index_in(batch_shape):
     """Which key / message each result key is folded from (broadcasting)."""
@@ -211,7 +222,6 @@ def _random_fold_in(ctx, keys, msgs):
       [keys, msgs], [_key_members(1, kw)[0][None, :] + key_of[:, None] * kw,
                      msg_of[:, None]],
       out_batch + ks, np.uint32, kw)
-  del n
   return [_record(out, impl)]
 
 
