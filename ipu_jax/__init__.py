@@ -10,13 +10,22 @@ from ipu_jax.jit import IPUFunction, Lowered, jit
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
 from ipu_jax.report import Report, SavedReport, compare_reports, load_report
+from ipu_jax.strategy import IPUStrategy
 from ipu_jax.target import IPUTarget
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+  # ipu_jax.keras pulls in Flax; load it on first use only.
+  if name == "keras":
+    import importlib
+    return importlib.import_module("ipu_jax.keras")
+  raise AttributeError(f"module 'ipu_jax' has no attribute {name!r}")
+
 __all__ = [
-    "IPUConfig", "IPUFunction", "IPUTarget", "Lowered", "LoweringError",
+    "IPUConfig", "IPUFunction", "IPUStrategy", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "compare_reports", "default_config", "get_default_config", "jit",
-    "load_report", "ops", "register_lowering",
+    "keras", "load_report", "ops", "register_lowering",
 ]

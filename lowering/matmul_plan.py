@@ -22,9 +22,12 @@ The cost of a candidate, per tile (the busiest, whose blocks are full):
 
 Temporary memory per tile is the two operand blocks plus the partial block
 (and, in the reduce stage, the received partials plus the output piece); a plan
-must fit in ``available_memory_proportion`` of the tile's SRAM. When nothing
-fits the plan with the least temporary memory is returned (``fits=False``),
-and the program's out-of-memory check reports the tile.
+must fit in ``available_memory_proportion`` of the tile's SRAM. When no grid
+fits, the product is split into serial passes along M or N (poplin's serial
+splits): each pass is a smaller product with its own exchange and compute, so
+the temporaries shrink and the cycles grow. When even that does not fit, the
+plan with the least temporary memory is returned (``fits=False``) and the
+program's out-of-memory check reports the tile.
 
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
@@ -78,6 +81,10 @@ class MatmulPlan:
     memory_limit: ``available_memory_proportion * bytes_per_tile``.
     fits: whether ``temp_bytes <= memory_limit``.
     candidates: how many grids were evaluated.
+    serial: passes the product is done in (1 unless no single-pass plan fits
+      in memory); each pass computes ``1/serial`` of the ``serial_axis``
+      (``"m"`` or ``"n"``) with the grid and blocks above, so the cycle
+      fields are totals over the passes and the byte fields are per pass.
   """
 
   b: int
@@ -98,6 +105,8 @@ class MatmulPlan:
   memory_limit: int
   fits: bool
   candidates: int = 0
+  serial: int = 1
+  serial_axis: str = "n"
 
   @property
   def num_tiles(self) -> int:
@@ -115,7 +124,8 @@ class MatmulPlan:
     """A short name, e.g. ``grid b1.m8.n8.k16 blocks 1x128x128x64``."""
     gb, gm, gn, gk = self.grid
     bb, bm, bn, bk = self.block
-    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}"
+    serial = f" serial {self.serial_axis}x{self.serial}" if self.serial > 1 else ""
+    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}{serial}"
 
   def describe(self) -> str:
     """A one-paragraph account of the plan, for reports and logs."""
@@ -232,12 +242,42 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
     max_tiles: use at most this many tiles (default: all of the target).
 
   Returns:
-    The cheapest :class:`MatmulPlan` that fits, else the one with the least
-    temporary memory per tile.
+    The cheapest :class:`MatmulPlan` that fits, in one pass when one fits,
+    else in the fewest serial passes found to fit; when nothing fits, the one
+    with the least temporary memory per tile.
   """
   return _plan_cached(target, int(b), int(m), int(n), int(k), np.dtype(dtype).name,
                       np.dtype(partials_dtype).name, float(available_memory_proportion),
                       target.num_tiles if max_tiles is None else int(max_tiles))
+
+
+# Serial splits tried when no single-pass plan fits (poplin's serial splits).
+_SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _search(target, b, m, n, k, itemsize, p_itemsize, limit, budget_total,
+            serial_axis=None, last=0):
+  """Candidate grids for one pass of ``[b, m, k] x [b, k, n]`` and their costs.
+
+  With serial passes, the last pass (``last`` long along ``serial_axis``) must
+  still fill the first block, so that tile storage has the width of a full
+  tile's pieces.
+  """
+  active = sum(d > 1 for d in (b, m, n, k))
+  budget = max(4, int(budget_total ** (1.0 / max(active, 1))))
+  lists = [split_candidates(d, limit, budget) for d in (b, m, n, k)]
+  gb, gm, gn, gk = grid_product(lists, limit)
+  # Every tile of a reduce group must get at least one output element.
+  keep = gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
+  if serial_axis == "m":
+    keep &= ceil_div(m, gm) <= last
+  elif serial_axis == "n":
+    keep &= ceil_div(n, gn) <= last
+  gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
+  costs = _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk)
+  costs["grid"] = (gb, gm, gn, gk)
+  costs["tiles"] = gb * gm * gn * gk
+  return costs
 
 
 @functools.lru_cache(maxsize=1024)
@@ -250,32 +290,48 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
     return MatmulPlan(b, m, n, k, dtype, partials_dtype, (1, 1, 1, 1),
                       (max(b, 0), max(m, 0), max(n, 0), max(k, 0)), 0.0, 0.0, 0.0,
                       0.0, 0, 0, 0, memory_limit, True, 0)
-  active = sum(d > 1 for d in (b, m, n, k))
-  # About _SEARCH_BUDGET grids in all, spread over the dimensions that split.
-  budget = max(8, int(_SEARCH_BUDGET ** (1.0 / max(active, 1))))
-  lists = [split_candidates(d, limit, budget) for d in (b, m, n, k)]
-  gb, gm, gn, gk = grid_product(lists, limit)
-  # Every tile of a reduce group must get at least one output element.
-  keep = gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
-  gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
-  costs = _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk)
-  tiles = gb * gm * gn * gk
-  fits = costs["temp"] <= memory_limit
-  if fits.any():
-    # Cheapest; ties go to less memory, then fewer tiles.
-    order = np.lexsort((tiles, costs["temp"], np.where(fits, costs["cycles"], np.inf)))
-  else:
-    order = np.lexsort((tiles, costs["cycles"], costs["temp"]))
-  i = int(order[0])
+  # One pass if any grid fits; else split M or N into serial passes that each
+  # fit (each pass re-exchanges its operand blocks: more cycles, less memory).
+  options = [(1, "n", _search(target, b, m, n, k, itemsize, p_itemsize, limit, _SEARCH_BUDGET))]
+  if not (options[0][2]["temp"] <= memory_limit).any():
+    tried = set()
+    for count in _SERIAL_COUNTS:
+      for axis, size in (("n", n), ("m", m)):
+        # Passes of equal length; a count giving the same length is the same plan.
+        count_ = int(ceil_div(size, ceil_div(size, count)))
+        if count_ > 1 and (axis, count_) not in tried:
+          tried.add((axis, count_))
+          length = int(ceil_div(size, count_))
+          pm, pn = (length, n) if axis == "m" else (m, length)
+          options.append((count_, axis, _search(target, b, pm, pn, k, itemsize, p_itemsize,
+                                                limit, _SEARCH_BUDGET // 8, axis,
+                                                size - (count_ - 1) * length)))
+      if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
+        break
+  best = None
+  for count, axis, costs in options:
+    cycles = costs["cycles"] * count
+    fits = costs["temp"] <= memory_limit
+    if fits.any():
+      order = np.lexsort((costs["tiles"], costs["temp"], np.where(fits, cycles, np.inf)))
+      key = (0, float(cycles[order[0]]), float(costs["temp"][order[0]]))
+    else:
+      order = np.lexsort((costs["tiles"], cycles, costs["temp"]))
+      key = (1, float(costs["temp"][order[0]]), float(cycles[order[0]]))
+    if best is None or key < best[0]:
+      best = (key, count, axis, costs, int(order[0]))
+  (fits_key, _, _), count, axis, costs, i = best
+  gb, gm, gn, gk = costs["grid"]
   block = tuple(int(x[i]) for x in costs["block"])
   return MatmulPlan(
       b=b, m=m, n=n, k=k, dtype=dtype, partials_dtype=partials_dtype,
       grid=(int(gb[i]), int(gm[i]), int(gn[i]), int(gk[i])), block=block,
-      compute_cycles=float(costs["compute"][i]),
-      exchange_cycles=float(costs["exchange"][i]),
-      reduce_cycles=float(costs["reduce"][i]),
-      sync_cycles=float(target.sync_cycles_internal),
+      compute_cycles=count * float(costs["compute"][i]),
+      exchange_cycles=count * float(costs["exchange"][i]),
+      reduce_cycles=count * float(costs["reduce"][i]),
+      sync_cycles=count * float(target.sync_cycles_internal),
       exchange_bytes=int(costs["exchange_bytes"][i]),
       reduce_bytes=int(costs["reduce_bytes"][i]),
       temp_bytes=int(costs["temp"][i]), memory_limit=memory_limit,
-      fits=bool(fits[i]), candidates=int(gb.size))
+      fits=fits_key == 0, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
+      serial=count, serial_axis=axis)

@@ -224,6 +224,12 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
     computed = _steps(lambda x: lax.pad(x, x[0, 0], [(0, 0, 0), (0, 2, 0)]), x)
     self.assertLess(_bytes_moved(constant), _bytes_moved(computed))
 
+  @parameterized.parameters((0, jnp.float32), (1, jnp.int32), (2, jnp.bfloat16), (-1, jnp.bool_))
+  def test_stack(self, axis, dtype):
+    a, b, c = (_random((7, 3), dtype, seed=i) for i in range(3))
+    _check(lambda a, b, c: jnp.stack([a, b, c], axis=axis), a, b, c)
+    _check(lambda s: jnp.stack([s, s * 2 if dtype != jnp.bool_ else s]), jnp.asarray(3, dtype))
+
   def test_concatenate_operands_with_general_mappings(self):
     """Three operands, each laid out differently (linear, one tile, scattered)."""
     rng = np.random.RandomState(3)

@@ -14,7 +14,7 @@ sparse, categorical or binary accuracy), ``"sparse_categorical_accuracy"``,
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import jax
 import jax.numpy as jnp

@@ -39,28 +39,16 @@ REPLICA_AXIS = "replicas"
 REPLICATED, SHARDED, SUMMED, GATHERED = "replicated", "sharded", "summed", "gathered"
 
 
-def _ops():
-  try:
-    from ipu_jax import ops  # noqa: WPS433  (the custom primitives)
-    return ops
-  except ImportError:  # pragma: no cover  (before ipu_jax.ops exists)
-    return None
-
-
 def cross_replica_sum(tree):
   """Sum of ``tree`` over the replicas (the IPU's cross-replica all-reduce)."""
-  ops = _ops()
-  fn = ops.cross_replica_sum if ops is not None else (
-      lambda x: jax.lax.psum(x, REPLICA_AXIS))
-  return jax.tree.map(fn, tree)
+  from ipu_jax import ops
+  return jax.tree.map(lambda x: ops.cross_replica_sum(x, REPLICA_AXIS), tree)
 
 
 def cross_replica_mean(tree):
   """Mean of ``tree`` over the replicas."""
-  ops = _ops()
-  fn = ops.cross_replica_mean if ops is not None else (
-      lambda x: jax.lax.pmean(x, REPLICA_AXIS))
-  return jax.tree.map(fn, tree)
+  from ipu_jax import ops
+  return jax.tree.map(lambda x: ops.cross_replica_mean(x, REPLICA_AXIS), tree)
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int,
@@ -231,7 +219,8 @@ class Replication:
     if self.mode == "vmap":
       mapped = jax.vmap(lambda *a: list(fn(*a)),
                         in_axes=[0 if k == SHARDED else None for k in in_kinds],
-                        out_axes=0, axis_name=REPLICA_AXIS)
+                        out_axes=0, axis_name=REPLICA_AXIS,
+                        axis_size=self.local_replicas)
 
       def vmapped(*args):
         outs = mapped(*args)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lax import lax as lax_internal
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
@@ -477,6 +478,24 @@ def _concatenate(ctx, *operands, dimension):
                           for t, o in zip(operands, offsets)], axis=dimension)
   return move(ctx, list(operands), [(shape, dtype, index)],
               _bind(lax.concatenate_p, {"dimension": dimension}), one_to_one=True)
+
+
+_stack_p = getattr(lax_internal, "stack_p", None)
+
+
+def _stack(ctx, *operands, axis):
+  """``jnp.stack``: operands gain an axis of size 1 and are concatenated."""
+  shape, dtype = _out_aval(ctx)
+  total = int(sum(t.size for t in operands))
+  offsets = np.cumsum([0] + [t.size for t in operands])
+  index = np.stack([_flat_indices(t.shape, int(o), total)
+                    for t, o in zip(operands, offsets)], axis=axis)
+  return move(ctx, list(operands), [(shape, dtype, index)],
+              _bind(_stack_p, {"axis": axis}), one_to_one=True)
+
+
+if _stack_p is not None:
+  register_lowering(_stack_p, _stack)
 
 
 def _pad_windows(in_size: int, lo: int, hi: int, interior: int):

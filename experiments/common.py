@@ -1,0 +1,203 @@
+"""Flags and plumbing shared by the experiment runners.
+
+Every runner takes the same flags (absl)::
+
+  --target ipu1|ipu2|bow          IPU generation (default ipu2)
+  --tiles_per_ipu N               tiles per IPU; 0 = the chip's (1,472 on ipu2)
+  --ipus_per_replica N            IPUs each replica spans
+  --replicas N                    data-parallel replicas (of this process)
+  --accumulation_steps G          gradient accumulation steps per replica
+  --reduction sum|mean            accumulation and replica reduction
+  --steps_per_execution S         on-device loop length; 0 = the least
+                                  multiple of G x R that is >= 8
+  --epochs, --learning_rate, --batch_size (micro-batch per replica), --seed
+  --report_dir DIR                where the final report is written
+  --data_dir DIR                  real data (else the runner's default)
+  --emulate / --noemulate         emulate the IPU (default) or run plain JAX
+  --coordinator_address host:port, --num_processes N, --process_id I
+                                  join a multi-process run (jax.distributed
+                                  with gloo CPU collectives); --replicas then
+                                  counts this process's replicas
+
+A runner module defines ``DEFAULTS`` (its epochs, learning rate, batch size,
+report directory) and ``run(settings)``; :func:`settings_from_flags` fills a
+:class:`Settings` from the flags, each flag left unset taking the runner's
+default, so tests can call ``run`` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Optional
+
+from absl import flags, logging
+
+FLAGS = flags.FLAGS
+
+
+def _define(define, name, default, help_text, **kwargs):
+  if name in FLAGS:
+    return
+  if "enum_values" in kwargs:
+    define(name, default, kwargs.pop("enum_values"), help_text, **kwargs)
+  else:
+    define(name, default, help_text, **kwargs)
+
+
+_define(flags.DEFINE_enum, "target", "ipu2", "IPU generation to emulate.",
+        enum_values=["ipu1", "ipu2", "bow"])
+_define(flags.DEFINE_integer, "tiles_per_ipu", 0, "Tiles per IPU; 0 = every tile of the chip.")
+_define(flags.DEFINE_integer, "ipus_per_replica", 1, "IPUs each replica spans.")
+_define(flags.DEFINE_integer, "replicas", 1, "Data-parallel replicas (in this process).")
+_define(flags.DEFINE_integer, "accumulation_steps", 1,
+        "Gradient accumulation steps per replica (G).")
+_define(flags.DEFINE_enum, "reduction", "mean",
+        "How accumulated and replicated gradients are combined.",
+        enum_values=["sum", "mean"])
+_define(flags.DEFINE_integer, "steps_per_execution", 0,
+        "Steps per execution (a multiple of G x R); 0 = the least multiple >= 8.")
+_define(flags.DEFINE_integer, "epochs", None, "Epochs (default: the runner's).")
+_define(flags.DEFINE_float, "learning_rate", None, "Learning rate (default: the runner's).")
+_define(flags.DEFINE_integer, "batch_size", None,
+        "Micro-batch per replica (default: the runner's).")
+_define(flags.DEFINE_integer, "seed", 0, "Random seed.")
+_define(flags.DEFINE_string, "report_dir", None,
+        "Directory for the final report (default: reports/<runner>).")
+_define(flags.DEFINE_string, "data_dir", None, "Directory of real data (runner-specific).")
+_define(flags.DEFINE_boolean, "emulate", True,
+        "Run on the emulated IPU; --noemulate runs the same loop with plain jax.jit.")
+_define(flags.DEFINE_integer, "verbose", 2, "0 silent, 1 progress bar, 2 a line per epoch.")
+_define(flags.DEFINE_string, "coordinator_address", None,
+        "host:port of process 0 of a multi-process run.")
+_define(flags.DEFINE_integer, "num_processes", 1, "Processes in a multi-process run.")
+_define(flags.DEFINE_integer, "process_id", 0, "This process's index in a multi-process run.")
+_define(flags.DEFINE_integer, "num_samples", 0,
+        "Samples of synthetic data to generate (runner-specific default when 0).")
+
+
+@dataclasses.dataclass
+class Settings:
+  """What a runner needs; :func:`settings_from_flags` or set by hand."""
+
+  target: str = "ipu2"
+  tiles_per_ipu: int = 0
+  ipus_per_replica: int = 1
+  replicas: int = 1
+  accumulation_steps: int = 1
+  reduction: str = "mean"
+  steps_per_execution: int = 0
+  epochs: int = 1
+  learning_rate: float = 1e-3
+  batch_size: int = 32
+  seed: int = 0
+  report_dir: Optional[str] = None
+  data_dir: Optional[str] = None
+  emulate: bool = True
+  verbose: int = 2
+  coordinator_address: Optional[str] = None
+  num_processes: int = 1
+  process_id: int = 0
+  num_samples: int = 0
+
+  @property
+  def resolved_steps_per_execution(self) -> int:
+    unit = self.accumulation_steps * self.replicas * max(self.num_processes, 1)
+    if self.steps_per_execution:
+      return self.steps_per_execution
+    return unit * max(1, -(-8 // unit))
+
+
+def settings_from_flags(defaults: dict) -> Settings:
+  """Settings from the parsed flags; unset flags take ``defaults``."""
+  values = {}
+  for field in dataclasses.fields(Settings):
+    name = field.name
+    value = FLAGS[name].value
+    if value is None or (not FLAGS[name].present and name in defaults):
+      value = defaults.get(name, field.default)
+    values[name] = value
+  return Settings(**values)
+
+
+def setup_devices(settings: Settings) -> None:
+  """Joins a distributed run, or exposes one CPU device per replica.
+
+  Must run before anything touches a JAX backend.
+  """
+  import jax
+  if settings.num_processes > 1:
+    if not settings.coordinator_address:
+      raise ValueError("--num_processes > 1 needs --coordinator_address host:port.")
+    from ipu_jax.keras.replication import initialize_distributed
+    initialize_distributed(settings.coordinator_address, settings.num_processes,
+                           settings.process_id, local_device_count=settings.replicas)
+    logging.info("joined %d processes as process %d", settings.num_processes,
+                 settings.process_id)
+  elif settings.replicas > 1:
+    try:
+      jax.config.update("jax_num_cpu_devices", max(settings.replicas, 1))
+    except Exception as e:  # the backend is already up: replicas are vmapped
+      logging.info("could not set the CPU device count (%s); replicas will be vmapped", e)
+
+
+def make_config(settings: Settings):
+  """The IPUConfig the settings describe."""
+  import ipu_jax
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.version = settings.target
+  cfg.device.tiles_per_ipu = settings.tiles_per_ipu
+  cfg.auto_select_ipus = settings.ipus_per_replica
+  cfg.replication_factor = settings.replicas
+  cfg.training.gradient_accumulation_steps = settings.accumulation_steps
+  cfg.training.gradient_accumulation_reduction = settings.reduction
+  cfg.training.replica_reduction = settings.reduction
+  if settings.seed is not None:
+    cfg.random_seed = settings.seed
+  return cfg
+
+
+def describe(settings: Settings, cfg, name: str) -> str:
+  target = cfg.to_target()
+  return (f"{name}: {target.name}, {target.num_ipus} IPU(s) x {target.tiles_per_ipu:,} "
+          f"tiles per replica, {settings.replicas} replica(s) x "
+          f"{max(settings.num_processes, 1)} process(es), G={settings.accumulation_steps} "
+          f"({settings.reduction}), S={settings.resolved_steps_per_execution}, "
+          f"micro-batch {settings.batch_size}, lr {settings.learning_rate}, "
+          f"{settings.epochs} epoch(s), {'emulated' if settings.emulate else 'plain JAX'}")
+
+
+def finish(model, settings: Settings, results: dict, name: str) -> dict:
+  """Prints the final report summary and writes it to ``report_dir``."""
+  import jax
+  report = getattr(model, "train_report", None) or model.report
+  report_dir = settings.report_dir or os.path.join("reports", name)
+  if report is not None:
+    print(report.summary())
+    if jax.process_index() == 0:
+      report.save(report_dir)
+      print(f"report written to {report_dir}")
+    results["report_dir"] = report_dir
+    results["estimated_seconds_per_execution"] = report.estimated_seconds
+    results["tiles_used"] = report.tiles_used
+  print(" - ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}"
+                   for k, v in results.items()))
+  return results
+
+
+def ensure_importable():
+  """Lets ``python experiments/<runner>.py`` import the ``experiments`` package."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+
+
+class Timer:
+  def __enter__(self):
+    self.start = time.perf_counter()
+    return self
+
+  def __exit__(self, *exc):
+    self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,517 @@
+"""``conv_general_dilated``: convolutions planned over tiles, run on the AMP.
+
+Tile plan. The output is cut into a grid of blocks, one per tile, along its
+batch axis (``gn``), its feature axis (``gc``) and each spatial axis (``gs``).
+Tile ``(in, ic, is...)`` receives
+
+* the input it needs: its batch rows (from every batch group its features
+  use), the input channels of the feature groups its features belong to, and
+  along each spatial axis the positions under its window: ``[i*b*s, i*b*s +
+  (b-1)*s + (k-1)*d]`` of the padded, lhs-dilated input, i.e. its own rows
+  plus the halo the kernel reaches (``b`` block, ``s`` stride, ``d`` rhs
+  dilation, ``k`` kernel size);
+* the kernel slice of its output features (multicast to every tile with the
+  same ``ic``),
+
+and computes its output block on the AMP unit: the cycles are the block's MACs
+at the AMP rate (``estimators.matmul_cycles``), as the IPU runs convolutions on
+the AMP. The grid is chosen by the cycle model (compute + exchange + sync)
+among split counts for each axis, so that the per-tile temporaries (input
+window, kernel slice and output block in the partials type) fit in
+``convolutions.available_memory_proportion`` of the tile's SRAM (more, smaller
+blocks when they do not; the least-memory grid when nothing fits). Input
+channels are not split (no partial sums across tiles). Feature splits of
+grouped convolutions are aligned to the groups, so every tile runs the same
+convolution. Every form ``jax.grad`` emits is covered: the input gradient (lhs
+dilation, flipped kernel, possibly negative padding) and the weight gradient
+(swapped dimension numbers, ``batch_group_count`` for grouped and depthwise
+convolutions).
+
+Exchange is counted exactly per tile from ranges (no per-destination index
+arrays): every input element knows, per axis, the contiguous range of blocks
+whose windows cover it and the feature blocks that read its channel; a tile
+receives what it needs less what it already holds, and a tile sends each
+element once if anyone else needs it (multicast). A window is a contiguous
+range, so with strides or dilations larger than the kernel reach it counts a
+few positions that are never read. IPU-Link bytes across IPUs are an upper
+bound.
+
+Execution. ``"batched"`` mode runs one ``lax.conv_general_dilated`` with the
+equation's own parameters on the logical arrays (the numbers of ``jax.jit``)
+and writes the result into the output blocks. ``"per_tile"`` mode cuts the
+input into the per-tile windows with pad / reshape / slice (no gathers) and
+the kernel into feature blocks, and vmaps the block convolution over the grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import add_costs, logical
+from ipu_jax.lowering.matmul_plan import ceil_div, grid_product, split_candidates
+from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.rules.dot import (block_grid_mapping, blocked_storage, canonical_tiles,
+                                        edge_sizes, fill_zeros, grid_exchange_cost, grid_tiles,
+                                        partials_dtype)
+
+__all__ = ["ConvPlan", "ConvGeometry", "plan_conv", "conv_geometry"]
+
+_SEARCH_BUDGET = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+  """A convolution in canonical terms (batch, feature, spatial...).
+
+  Attributes:
+    n: input batch; n_out: output batch (``n / batch_group_count``).
+    c: input features; i: kernel input features (``c / feature_group_count``,
+      or ``c`` with batch groups); o: output features.
+    in_spatial, k_spatial, out_spatial: spatial sizes.
+    strides, padding, lhs_dilation, rhs_dilation: per spatial axis.
+    fgc, bgc: feature and batch group counts.
+    itemsize, acc_itemsize: operand and partials bytes.
+  """
+
+  n: int
+  n_out: int
+  c: int
+  i: int
+  o: int
+  in_spatial: tuple
+  k_spatial: tuple
+  out_spatial: tuple
+  strides: tuple
+  padding: tuple
+  lhs_dilation: tuple
+  rhs_dilation: tuple
+  fgc: int
+  bgc: int
+  itemsize: int
+  acc_itemsize: int
+
+  @property
+  def groups(self) -> int:
+    return max(self.fgc, self.bgc)
+
+  @property
+  def group_size(self) -> int:
+    """Output features per group."""
+    return self.o // self.groups
+
+  @property
+  def kernel_elements(self) -> int:
+    return int(np.prod(self.k_spatial, dtype=np.int64))
+
+  def reach(self, axis: int) -> int:
+    """Span of the kernel along spatial ``axis`` in padded-dilated positions."""
+    return (self.k_spatial[axis] - 1) * self.rhs_dilation[axis] + 1
+
+  def block_ranges(self, axis: int, grid: int, block: int) -> tuple:
+    """For each input position along spatial ``axis``, the blocks reading it.
+
+    Block ``i``'s window covers padded-dilated positions ``[i*block*s,
+    i*block*s + (rows_i - 1)*s + reach - 1]``; the blocks covering a position
+    form a contiguous range ``[lo, hi)`` (empty for positions no one reads).
+    """
+    s, reach = self.strides[axis], self.reach(axis)
+    rows = edge_sizes(self.out_spatial[axis], grid, block)
+    start = np.arange(grid) * block * s
+    end = start + (rows - 1) * s + reach - 1
+    p = self.padding[axis][0] + np.arange(self.in_spatial[axis]) * self.lhs_dilation[axis]
+    lo = np.searchsorted(end, p, side="left")
+    hi = np.searchsorted(start, p, side="right")
+    return lo, np.maximum(hi, lo)
+
+  def group_block_ranges(self, gc: int, bc: int) -> tuple:
+    """For each group, the feature blocks that hold its output features."""
+    g = np.arange(self.groups)
+    lo = (g * self.group_size) // bc
+    hi = ceil_div((g + 1) * self.group_size, bc)
+    return lo, np.minimum(hi, gc)
+
+
+def _covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
+  """``[grid]`` how many items each block needs, given per-item ``[lo, hi)``."""
+  diff = np.zeros(grid + 1, np.int64)
+  np.add.at(diff, np.minimum(lo, grid), 1)
+  np.add.at(diff, np.minimum(hi, grid), -1)
+  return np.cumsum(diff)[:grid]
+
+
+def conv_geometry(lhs_shape, rhs_shape, out_shape, dn, window_strides, padding,
+                  lhs_dilation, rhs_dilation, fgc, bgc, itemsize, acc_itemsize) -> ConvGeometry:
+  lhs_spec, rhs_spec, out_spec = dn
+  nsp = len(lhs_spec) - 2
+  return ConvGeometry(
+      n=int(lhs_shape[lhs_spec[0]]), n_out=int(out_shape[out_spec[0]]),
+      c=int(lhs_shape[lhs_spec[1]]), i=int(rhs_shape[rhs_spec[1]]),
+      o=int(rhs_shape[rhs_spec[0]]),
+      in_spatial=tuple(int(lhs_shape[d]) for d in lhs_spec[2:]),
+      k_spatial=tuple(int(rhs_shape[d]) for d in rhs_spec[2:]),
+      out_spatial=tuple(int(out_shape[d]) for d in out_spec[2:]),
+      strides=tuple(int(x) for x in (window_strides or (1,) * nsp)),
+      padding=tuple((int(lo), int(hi)) for lo, hi in padding),
+      lhs_dilation=tuple(int(x) for x in (lhs_dilation or (1,) * nsp)),
+      rhs_dilation=tuple(int(x) for x in (rhs_dilation or (1,) * nsp)),
+      fgc=int(fgc), bgc=int(bgc), itemsize=int(itemsize), acc_itemsize=int(acc_itemsize))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvPlan:
+  """How a convolution's output is cut over tiles.
+
+  Attributes:
+    grid: ``(gn, gc, gs0, gs1, ...)`` blocks along output batch, features and
+      each spatial axis.
+    block: ``(bn, bc, bs0, ...)`` full block sizes.
+    compute_cycles, exchange_cycles, sync_cycles: estimates for the busiest
+      tile.
+    exchange_bytes: bytes the busiest tile receives (nothing assumed in place).
+    temp_bytes: per-tile temporaries: input window + kernel slice + output
+      block in the partials type.
+    memory_limit: ``available_memory_proportion * bytes_per_tile``.
+    fits: ``temp_bytes <= memory_limit``.
+    candidates: grids evaluated.
+  """
+
+  grid: tuple
+  block: tuple
+  compute_cycles: float
+  exchange_cycles: float
+  sync_cycles: float
+  exchange_bytes: int
+  temp_bytes: int
+  memory_limit: int
+  fits: bool
+  candidates: int = 0
+
+  @property
+  def num_tiles(self) -> int:
+    return int(np.prod(self.grid))
+
+  @property
+  def cycles(self) -> float:
+    return self.sync_cycles + self.exchange_cycles + self.compute_cycles
+
+  @property
+  def label(self) -> str:
+    """E.g. ``grid n8.c2.s4x4 blocks 1x16x8x8``."""
+    spatial = "x".join(str(g) for g in self.grid[2:]) or "-"
+    return (f"grid n{self.grid[0]}.c{self.grid[1]}.s{spatial} blocks "
+            f"{'x'.join(str(b) for b in self.block)}")
+
+
+def _feature_candidates(geo: ConvGeometry, limit: int, budget: int) -> np.ndarray:
+  """Feature split counts; grouped convolutions need group-aligned blocks."""
+  if geo.groups == 1:
+    return split_candidates(geo.o, limit, budget)
+  g, size = geo.groups, geo.group_size
+  # Blocks of whole groups (bc = size * t, t | g) or within a group (bc | size).
+  counts = {g // t for t in range(1, g + 1) if g % t == 0}
+  counts |= {g * (size // d) for d in range(1, size + 1) if size % d == 0}
+  counts = np.array(sorted(c for c in counts if c <= limit), np.int64)
+  if counts.size > budget:
+    pick = np.unique(np.round(np.geomspace(1, counts.size, budget)).astype(int) - 1)
+    counts = counts[pick]
+  return counts if counts.size else np.array([1], np.int64)
+
+
+def plan_conv(target, geo: ConvGeometry, available_memory_proportion: float) -> ConvPlan:
+  """Choose the output grid of a convolution (cached)."""
+  return _plan_conv_cached(target, geo, float(available_memory_proportion))
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_conv_cached(target, geo: ConvGeometry, proportion: float) -> ConvPlan:
+  limit = target.num_tiles
+  memory_limit = int(proportion * target.bytes_per_tile)
+  nsp = len(geo.out_spatial)
+  dims = (geo.n_out, geo.o) + geo.out_spatial
+  active = sum(d > 1 for d in dims)
+  budget = max(4, int(_SEARCH_BUDGET ** (1.0 / max(active, 1))))
+  lists = ([split_candidates(geo.n_out, limit, budget), _feature_candidates(geo, limit, budget)]
+           + [split_candidates(d, limit, budget) for d in geo.out_spatial])
+  grid = grid_product(lists, limit)
+  block = [ceil_div(d, g) for d, g in zip(dims, grid)]
+  bn, bc = block[0], block[1]
+  out_block = np.ones_like(bn)
+  for b in block:
+    out_block = out_block * b
+  macs = out_block * geo.i * geo.kernel_elements
+  compute = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_block)
+  # Input window of a full block (the planner's estimate; exchange is exact).
+  size = geo.group_size
+  groups_in_block = np.where(bc >= size, bc // size, 1)
+  batch = bn * (groups_in_block if geo.bgc > 1 else 1)
+  channels = geo.i * groups_in_block if geo.fgc > 1 else geo.c
+  window = batch * channels
+  for d in range(nsp):
+    span = (block[2 + d] - 1) * geo.strides[d] + geo.reach(d)
+    lo, hi = geo.block_ranges(d, 1, geo.out_spatial[d])
+    read = int((hi > lo).sum())  # positions read at all
+    window = window * np.minimum(read, ceil_div(span, geo.lhs_dilation[d]))
+  in_bytes = window * geo.itemsize
+  k_bytes = bc * geo.i * geo.kernel_elements * geo.itemsize
+  exchange_bytes = in_bytes + k_bytes
+  exchange = np.where(exchange_bytes > 0, exchange_bytes / target.exchange_bytes_per_cycle
+                      + target.exchange_latency_cycles, 0.0)
+  temp = exchange_bytes + out_block * geo.acc_itemsize
+  cycles = exchange + compute
+  tiles = np.ones_like(bn)
+  for g in grid:
+    tiles = tiles * g
+  fits = temp <= memory_limit
+  if fits.any():
+    order = np.lexsort((tiles, temp, np.where(fits, cycles, np.inf)))
+  else:
+    order = np.lexsort((tiles, cycles, temp))
+  j = int(order[0])
+  return ConvPlan(
+      grid=tuple(int(g[j]) for g in grid), block=tuple(int(b[j]) for b in block),
+      compute_cycles=float(compute[j]), exchange_cycles=float(exchange[j]),
+      sync_cycles=float(target.sync_cycles_internal), exchange_bytes=int(exchange_bytes[j]),
+      temp_bytes=int(temp[j]), memory_limit=memory_limit, fits=bool(fits[j]),
+      candidates=int(grid[0].size))
+
+
+def _normalise_dn(dimension_numbers, ndim):
+  if dimension_numbers is None:
+    spec = tuple(range(ndim))
+    return spec, spec, spec
+  if hasattr(dimension_numbers, "lhs_spec"):
+    return (tuple(dimension_numbers.lhs_spec), tuple(dimension_numbers.rhs_spec),
+            tuple(dimension_numbers.out_spec))
+  return tuple(tuple(s) for s in dimension_numbers)
+
+
+def _inverse(perm):
+  return tuple(int(i) for i in np.argsort(perm))
+
+
+@register_lowering(lax.conv_general_dilated_p)
+def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strides, padding,
+                              lhs_dilation, rhs_dilation, dimension_numbers,
+                              feature_group_count, batch_group_count, precision=None,
+                              preferred_element_type=None, **unused):
+  """Lower ``conv_general_dilated`` to a planned grid of block convolutions."""
+  del unused, preferred_element_type  # the result type is in ctx.out_avals
+  out_aval = ctx.out_avals[0]
+  out_shape, out_dtype = tuple(out_aval.shape), np.dtype(out_aval.dtype)
+  ndim = len(lhs.shape)
+  dn = _normalise_dn(dimension_numbers, ndim)
+  lhs_spec, rhs_spec, out_spec = dn
+  nsp = ndim - 2
+  if int(np.prod(out_shape, dtype=np.int64)) == 0:
+    return [ctx.new_tensor(out_shape, out_dtype)]
+  if lhs.size == 0 or rhs.size == 0:
+    return [fill_zeros(ctx, out_shape, out_dtype, f"{ctx.op}/zeros")]
+  if feature_group_count > 1 and batch_group_count > 1:
+    raise NotImplementedError("feature_group_count and batch_group_count both > 1")
+
+  target, options = ctx.target, ctx.options
+  in_dtype = lhs.dtype if lhs.itemsize >= rhs.itemsize else rhs.dtype
+  acc = partials_dtype(in_dtype, out_dtype, options.partials_type)
+  geo = conv_geometry(lhs.shape, rhs.shape, out_shape, dn, window_strides, padding,
+                      lhs_dilation, rhs_dilation, feature_group_count, batch_group_count,
+                      np.dtype(in_dtype).itemsize, acc.itemsize)
+  plan = plan_conv(target, geo, options.conv_available_memory_proportion)
+  grid, block = plan.grid, plan.block
+  gn, gc, bn, bc = grid[0], grid[1], block[0], block[1]
+  g_all = plan.num_tiles
+
+  # The grid in the output's own axis order (its storage rows are row-major
+  # over it): every axis is cut.
+  out_grids, out_blocks = [1] * len(out_shape), list(out_shape)
+  for canon, axis in enumerate(out_spec):
+    out_grids[axis], out_blocks[axis] = grid[canon], block[canon]
+  tiles = grid_tiles(ctx, g_all)
+  out = ctx.new_tensor(out_shape, out_dtype,
+                       block_grid_mapping(out_shape, out_grids, out_blocks, tiles))
+
+  # Grid coordinates of every grid index, per canonical output axis.
+  coords = np.unravel_index(np.arange(g_all), tuple(out_grids))
+  canon_coords = [coords[axis] for axis in out_spec]
+  c_n, c_c = canon_coords[0], canon_coords[1]
+
+  # -- exchange: input (lhs) -------------------------------------------------
+  # Canonical lhs view: [batch groups, batch, feature groups, channels, spatial...].
+  g_lo, g_hi = geo.group_block_ranges(gc, bc)
+  lhs_canon = (geo.bgc, geo.n // geo.bgc, geo.fgc, geo.c // geo.fgc) + geo.in_spatial
+  n_lo = np.arange(geo.n_out) // bn
+  needs = [None] * len(out_shape)
+  needs[out_spec[0]] = (1, n_lo, n_lo + 1)
+  if geo.bgc > 1:
+    needs[out_spec[1]] = (0, g_lo, g_hi)
+  elif geo.fgc > 1:
+    needs[out_spec[1]] = (2, g_lo, g_hi)
+  # Batch rows / channels per feature block: the groups whose features it holds.
+  groups_of_block = _covering(g_lo, g_hi, gc)
+  lhs_elements = edge_sizes(geo.n_out, gn, bn)[c_n]
+  if geo.bgc > 1:
+    lhs_elements = lhs_elements * groups_of_block[c_c]
+  lhs_elements = lhs_elements * ((geo.c // geo.fgc) * groups_of_block[c_c] if geo.fgc > 1
+                                 else geo.c)
+  for d in range(nsp):
+    lo, hi = geo.block_ranges(d, grid[2 + d], block[2 + d])
+    needs[out_spec[2 + d]] = (4 + d, lo, hi)
+    lhs_elements = lhs_elements * _covering(lo, hi, grid[2 + d])[canon_coords[2 + d]]
+  lhs_cost, lhs_local = grid_exchange_cost(
+      target, canonical_tiles(lhs, tuple(lhs_spec), lhs_canon), lhs.itemsize, out_grids, tiles,
+      needs, lhs_elements)
+
+  # -- exchange: kernel (rhs) ------------------------------------------------
+  o_lo = np.arange(geo.o) // bc
+  k_needs = [None] * len(out_shape)
+  k_needs[out_spec[1]] = (0, o_lo, o_lo + 1)
+  rest_k = geo.i * geo.kernel_elements
+  rhs_elements = edge_sizes(geo.o, gc, bc)[c_c] * rest_k
+  rhs_cost, rhs_local = grid_exchange_cost(
+      target, canonical_tiles(rhs, tuple(rhs_spec), (geo.o, rest_k)), rhs.itemsize, out_grids,
+      tiles, k_needs, rhs_elements)
+  exchange = add_costs(lhs_cost, rhs_cost)
+
+  # -- compute -----------------------------------------------------------------
+  out_elements = np.ones(g_all, np.int64)
+  for canon, size in enumerate((geo.n_out, geo.o) + geo.out_spatial):
+    out_elements = out_elements * edge_sizes(size, grid[canon], block[canon])[canon_coords[canon]]
+  macs = out_elements * geo.i * geo.kernel_elements
+  num_tiles = target.num_tiles
+  compute = np.zeros(num_tiles)
+  compute[tiles] = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements)
+  scratch = np.zeros(num_tiles, np.int64)
+  # Local parts of the window and kernel slice are copied into place; the
+  # received parts are exchange buffers; partials when wider than the result.
+  scratch[tiles] = lhs_local * lhs.itemsize + rhs_local * rhs.itemsize
+  if acc != out_dtype:
+    scratch[tiles] += out_elements * acc.itemsize
+  vertices = np.zeros(num_tiles, np.int64)
+  vertices[tiles] = np.where(macs > 0, target.worker_contexts, 0)
+  flops = int(2 * macs.sum()) if jnp.issubdtype(out_dtype, jnp.inexact) else 0
+
+  mode = options.executor_mode
+  dn_obj = lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec)
+
+  def step(x_st, w_st):
+    x, w = logical(x_st, lhs), logical(w_st, rhs)
+    if mode == "per_tile":
+      y = _per_tile_conv(x, w, geo, dn, plan, acc, precision, in_dtype)
+    else:
+      y = lax.conv_general_dilated(
+          x, w, geo.strides, geo.padding, geo.lhs_dilation, geo.rhs_dilation,
+          dimension_numbers=dn_obj, feature_group_count=feature_group_count,
+          batch_group_count=batch_group_count, precision=precision,
+          preferred_element_type=acc)
+    return (blocked_storage(y.astype(out_dtype), out_grids, out_blocks),)
+
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
+      compute_cycles=compute, exchange=exchange, vertices=vertices,
+      codelets=(f"ConvPartial<{np.dtype(in_dtype).name},{acc.name}>",), flops=flops,
+      scratch_bytes=scratch))
+  return [out]
+
+
+def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, in_dtype):
+  """The convolution as a vmapped block convolution over the tile grid.
+
+  Returns the logical result (in the output's layout), in ``acc``.
+  """
+  lhs_spec, rhs_spec, out_spec = dn
+  nsp = len(lhs_spec) - 2
+  grid, block = plan.grid, plan.block
+  gn, gc, bn, bc = grid[0], grid[1], block[0], block[1]
+  common = jnp.promote_types(x.dtype, w.dtype)
+  x, w = x.astype(common), w.astype(common)
+  # Canonical lhs [bgc, n_out, fgc, i_per_group, spatial...], batch padded.
+  x = jnp.transpose(x, lhs_spec)
+  x = x.reshape((geo.bgc, geo.n_out, geo.fgc, geo.c // geo.fgc) + geo.in_spatial)
+  x = jnp.pad(x, [(0, 0), (0, gn * bn - geo.n_out)] + [(0, 0)] * (2 + nsp))
+  x = x.reshape((geo.bgc, gn, bn, geo.fgc, geo.c // geo.fgc) + geo.in_spatial)
+  # Pick each feature block's groups: x becomes [gn, gcx, B, C, spatial...]
+  # with gcx = gc (blocks read different inputs) or 1 (all read the same).
+  size, groups = geo.group_size, geo.groups
+  if groups > 1:
+    axis = 0 if geo.bgc > 1 else 3
+    x = jnp.moveaxis(x, axis, 0)  # [groups, <the four other axes>, spatial...]
+    if bc >= size:
+      tb = bc // size
+      x = x.reshape((gc, tb) + x.shape[1:])
+    else:
+      tb = 1
+      x = jnp.broadcast_to(x[:, None], (groups, gc // groups) + x.shape[1:])
+      x = x.reshape((gc, 1) + x.shape[2:])
+    if geo.bgc > 1:
+      # [gc, tb, gn, bn, fgc=1, i, sp...] -> [gn, gc, tb*bn, c, sp...]
+      x = jnp.transpose(x, (2, 0, 1, 3, 4, 5) + tuple(range(6, 6 + nsp)))
+      x = x.reshape((gn, gc, tb * bn, geo.c) + geo.in_spatial)
+    else:
+      # [gc, tb, bgc=1, gn, bn, i, sp...] -> [gn, gc, bn, tb*i, sp...]
+      x = jnp.transpose(x, (3, 0, 2, 4, 1, 5) + tuple(range(6, 6 + nsp)))
+      x = x.reshape((gn, gc, bn, tb * (geo.c // geo.fgc)) + geo.in_spatial)
+    gcx = gc
+    block_fgc = tb if geo.fgc > 1 else 1
+    block_bgc = tb if geo.bgc > 1 else 1
+  else:
+    gcx = 1
+    x = x.reshape((gn, 1, bn, geo.c) + geo.in_spatial)
+    block_fgc = block_bgc = 1
+  # Cut every spatial axis into its blocks' windows (padding and lhs dilation
+  # applied here, so the block convolutions need neither).
+  for d in range(nsp):
+    g, b = grid[2 + d], block[2 + d]
+    s, reach = geo.strides[d], geo.reach(d)
+    window, stride = (b - 1) * s + reach, b * s
+    chunks = ceil_div(window, stride)
+    needed = (g - 1 + chunks) * stride
+    lo, hi = geo.padding[d]
+    length = lo + (geo.in_spatial[d] - 1) * geo.lhs_dilation[d] + 1 + hi
+    axis = d + 4 + d  # d grid axes already prepended
+    config = [(0, 0, 0)] * x.ndim
+    config[axis] = (lo, hi + max(0, needed - length), geo.lhs_dilation[d] - 1)
+    x = lax.pad(x, jnp.zeros((), x.dtype), config)
+    x = jnp.moveaxis(x, axis, 0)
+    parts = [x[j * stride:j * stride + g * stride].reshape((g, stride) + x.shape[1:])
+             for j in range(chunks)]
+    x = (jnp.concatenate(parts, axis=1) if chunks > 1 else parts[0])[:, :window]
+    x = jnp.moveaxis(x, 1, axis + 1)  # [g, ..., window in place of the axis]
+  # x: [g_{nsp-1}, ..., g_0, gn, gcx, B, C, W_0, ...] -> [gn, g_0, ..., gcx, B, C, W...]
+  order = (nsp,) + tuple(range(nsp - 1, -1, -1)) + tuple(range(nsp + 1, x.ndim))
+  x = jnp.transpose(x, order)
+  if gcx == 1:
+    x = jnp.squeeze(x, axis=1 + nsp)
+  # Kernel: canonical [o, i, k...] cut into feature blocks [gc, bc, i, k...].
+  w = jnp.transpose(w, rhs_spec)
+  w = jnp.pad(w, [(0, gc * bc - geo.o)] + [(0, 0)] * (w.ndim - 1))
+  w = w.reshape((gc, bc) + w.shape[1:])
+  canon = tuple(range(nsp + 2))
+  block_dn = lax.ConvDimensionNumbers(canon, canon, canon)
+  block_precision = lax.Precision.HIGHEST if np.dtype(in_dtype) == np.float32 else precision
+
+  def tile_conv(xb, wb):
+    return lax.conv_general_dilated(
+        xb, wb, geo.strides, [(0, 0)] * nsp, (1,) * nsp, geo.rhs_dilation,
+        dimension_numbers=block_dn, feature_group_count=block_fgc,
+        batch_group_count=block_bgc, precision=block_precision, preferred_element_type=acc)
+
+  fn = jax.vmap(tile_conv, in_axes=(0 if gcx > 1 else None, 0))  # over feature blocks
+  for _ in range(nsp + 1):  # spatial blocks (innermost first), then batch blocks
+    fn = jax.vmap(fn, in_axes=(0, None))
+  y = fn(x, w)  # [gn, g_0.., gc, bn, bc, b_0..]
+  # -> [gn, bn, gc, bc, g_0, b_0, ...] -> canonical [n, o, spatial...]
+  k = nsp + 2
+  order = [0, k, 1 + nsp, k + 1]
+  for d in range(nsp):
+    order += [1 + d, k + 2 + d]
+  y = jnp.transpose(y, order)
+  y = y.reshape(tuple(g * b for g, b in zip(grid, block)))
+  y = y[tuple(slice(0, n) for n in (geo.n_out, geo.o) + geo.out_spatial)]
+  return jnp.transpose(y, _inverse(out_spec))

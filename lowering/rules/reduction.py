@@ -1,0 +1,1015 @@
+"""Reductions and cumulative (scan) primitives.
+
+Reductions (``reduce_sum``, ``reduce_max``, ``reduce_min``, ``reduce_prod``,
+``reduce_and``, ``reduce_or``, ``reduce_xor``, ``argmax``, ``argmin`` and the
+generic ``reduce`` with a jaxpr computation) follow the plan of poplibs'
+``popops::reduce``, in two compute sets:
+
+1. **Partials.** Every tile that holds input elements reduces its own
+   elements, grouped by the output element they belong to, into one partial
+   per (tile, output element) pair. Nothing of the (large) input moves.
+2. **Final.** The partials are exchanged to the tile of their output element
+   and reduced there.
+
+The output element of every input element is static (the ravelled index of
+its non-reduced coordinates), so the grouping, the exchange and the cycles
+are planned exactly with vectorised NumPy. The output is placed either on the
+tile that holds the first input element of each output ("owner computes",
+free for reductions over axes held whole by a tile), linearly like
+``mapTensorLinearly``, or spread a grain per tile (when each output has many
+partials), whichever gives the cheapest second stage. When stage 1 would reduce
+nothing (every tile holds at most one element per output) the input itself is
+exchanged; when stage 2 would only copy local partials it is skipped.
+
+``argmax``/``argmin`` carry (value, index) pairs through both stages; ties go
+to the smallest index and NaN wins, as in ``jax.lax.argmax``. The generic
+``reduce`` assumes, as XLA does, that its computation is associative and
+commutative and that the init values are its identity.
+
+Cumulative ops (``cumsum``, ``cumprod``, ``cummax``, ``cummin``,
+``cumlogsumexp``) see the tensor as independent lines along the scanned axis
+and are planned as *pieces*: the run of a line held by one tile. Compute set
+1 scans every piece on its tile and publishes the piece's total; when a line
+spans several tiles, compute set 2 multicasts each total to the later pieces
+of its line, which fold the combination of the totals before them into their
+elements. Two layouts are costed and the cheaper taken: scanning where the
+data already is (no input exchange; best when lines lie along the tile
+chunks, e.g. the last axis, or a 1-D tensor cut over tiles), or first moving
+whole lines onto tiles (several lines per tile, or for few long lines, each
+line cut into chunks on consecutive tiles) when the scanned axis runs across
+tiles.
+
+Executor modes: ``"batched"`` computes the result with the primitive itself on
+the logical array (so reductions equal ``jax.jit``'s, up to XLA's summation
+order) and passes it through the planned steps; ``"per_tile"`` genuinely runs
+the plan: each tile's storage is rearranged by a static gather into
+``[groups, members]`` and reduced with the primitive along the last axis.
+Both modes have the same steps, exchanges, cycles and memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lax import control_flow as lax_control_flow
+from jax._src.lax import lax as lax_internal
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
+                                       relayout_to, storage, worker_vertices)
+from ipu_jax.lowering.exchange import (ExchangeCost, exchange_cycles, relayout,
+                                       relayout_cost)
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.registry import register_lowering
+
+__all__ = ["unicast_cost", "mapping_from_tiles", "identity_of", "monoid_of_jaxpr"]
+
+_INDEX_PAD = np.iinfo(np.int32).max
+
+
+# -- small helpers -------------------------------------------------------------
+
+
+def identity_of(kind: str, dtype) -> np.ndarray:
+  """The identity element of the monoid ``kind`` for ``dtype``."""
+  dtype = np.dtype(dtype)
+  if kind in ("add", "or", "xor"):
+    return np.zeros((), dtype)
+  if kind == "mul":
+    return np.ones((), dtype)
+  if kind == "max":
+    return np.asarray(lax_internal._get_max_identity(dtype), dtype)
+  if kind == "min":
+    return np.asarray(lax_internal._get_min_identity(dtype), dtype)
+  if kind == "and":
+    return np.invert(np.zeros((), dtype))
+  if kind == "logaddexp":
+    return np.asarray(-np.inf, dtype)
+  raise ValueError(f"no identity for {kind}")
+
+
+_MONOID_PRIMS = {"add": "add", "mul": "mul", "max": "max", "min": "min",
+                 "and": "and", "or": "or", "xor": "xor"}
+
+
+def monoid_of_jaxpr(jaxpr) -> Optional[str]:
+  """``"add"``, ``"max"``... when ``jaxpr`` is one such op on its two inputs."""
+  inner = getattr(jaxpr, "jaxpr", jaxpr)
+  if len(inner.eqns) != 1 or len(inner.invars) != 2 or len(inner.outvars) != 1:
+    return None
+  eqn = inner.eqns[0]
+  kind = _MONOID_PRIMS.get(eqn.primitive.name)
+  if kind is None or set(map(id, eqn.invars)) != set(map(id, inner.invars)):
+    return None
+  if inner.outvars[0] is not eqn.outvars[0]:
+    return None
+  return kind
+
+
+def unicast_cost(target, src_tile: np.ndarray, dst_tile: np.ndarray,
+                 itemsize: int) -> Optional[ExchangeCost]:
+  """Bytes moved when every element goes from ``src_tile`` to one ``dst_tile``.
+
+  Each element has a single destination (no multicast), so this is
+  :func:`~ipu_jax.lowering.exchange.movement_cost` without its de-duplication
+  sort (fast for millions of partials).
+  """
+  src_tile = np.asarray(src_tile, np.int64).reshape(-1)
+  dst_tile = np.asarray(dst_tile, np.int64).reshape(-1)
+  moved = src_tile != dst_tile
+  if not moved.any():
+    return None
+  t = target.num_tiles
+  src, dst = src_tile[moved], dst_tile[moved]
+  bytes_in = np.bincount(dst, minlength=t)[:t].astype(np.int64) * itemsize
+  bytes_out = np.bincount(src, minlength=t)[:t].astype(np.int64) * itemsize
+  src_ipu, dst_ipu = src // target.tiles_per_ipu, dst // target.tiles_per_ipu
+  crossing = src_ipu != dst_ipu
+  link = np.bincount(src_ipu[crossing], minlength=target.num_ipus)[:target.num_ipus]
+  return ExchangeCost(bytes_in, bytes_out, link.astype(np.int64) * itemsize)
+
+
+def mapping_from_tiles(element_tile: np.ndarray) -> TileMapping:
+  """``TileMapping.from_element_tiles`` (kept separate for future speed-ups)."""
+  return TileMapping.from_element_tiles(element_tile)
+
+
+def _rows_mapping(num: int, row_tiles: np.ndarray, row_of: np.ndarray,
+                  offset: np.ndarray, per_row: np.ndarray) -> TileMapping:
+  """A mapping whose element ``i`` sits in row ``row_of[i]`` at ``offset[i]``.
+
+  ``row_of`` must be non-decreasing and every row non-empty; rows are on
+  ``row_tiles`` (unique). Built directly (no sort).
+  """
+  per_row = np.asarray(per_row, np.int64)
+  chunk = int(per_row[0])
+  if np.all(per_row[:-1] == chunk) and per_row[-1] <= chunk:
+    return TileMapping(num, row_tiles, per_row, chunk=chunk)
+  return TileMapping(num, row_tiles, per_row, element_row=row_of,
+                     element_offset=offset)
+
+
+def _gather(flat, index: np.ndarray, fill):
+  """``flat[index]`` where ``index == flat.size`` takes ``fill``."""
+  ext = jnp.concatenate([flat, jnp.reshape(jnp.asarray(fill, flat.dtype), (1,))])
+  return ext[index]
+
+
+# -- reduction specs ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Spec:
+  """How one reduction is carried through the two stages.
+
+  Attributes:
+    kind: the monoid's name (``"add"``, ``"max"``, ``"argmax"``...), for
+      reports.
+    comp_dtypes: dtype of each partial component.
+    identities: ``fn(init_values) -> [identity per component]``.
+    combine: ``combine(components [..., K], identities) -> components [...]``:
+      reduces the last axis (the members of a group) on one tile.
+    batched: ``batched(*logical_inputs, init_values) -> outputs``: the whole
+      reduction with the primitive itself.
+    out_components: the component each output is.
+    index_axis: for argmax/argmin, the reduced axis whose coordinate forms an
+      extra, static, last component.
+    cycles_per_vector: vector ops per input vector in the vertex.
+    flop_kind: whether combines count as FLOPs.
+  """
+
+  kind: str
+  comp_dtypes: tuple
+  identities: Callable
+  combine: Callable
+  batched: Callable
+  out_components: tuple
+  index_axis: Optional[int] = None
+  cycles_per_vector: int = 1
+  flop_kind: bool = True
+
+
+def _monoid_spec(prim, params, dtype, kind):
+  def combine(comps, _ids):
+    x, = comps
+    return (prim.bind(x, **{**params, "axes": (x.ndim - 1,)}),)
+
+  def batched(x, _inits):
+    return (prim.bind(x, **params),)
+
+  identity = identity_of(kind, dtype)
+  return _Spec(kind=kind, comp_dtypes=(np.dtype(dtype),),
+               identities=lambda _inits: [identity], combine=combine,
+               batched=batched, out_components=(0,),
+               flop_kind=np.issubdtype(np.dtype(dtype), np.inexact))
+
+
+def _arg_combine(is_max):
+  reduce = jnp.max if is_max else jnp.min
+
+  def combine(comps, _ids):
+    v, i = comps
+    best = reduce(v, axis=-1)
+    candidate = v == best[..., None]
+    if jnp.issubdtype(v.dtype, jnp.inexact):
+      # NaN beats everything (and ties between NaNs go to the first index),
+      # as jax.lax.argmax/argmin's comparator does.
+      nan = jnp.isnan(v)
+      candidate = candidate | (nan & jnp.any(nan, axis=-1, keepdims=True))
+    index = jnp.min(jnp.where(candidate, i, jnp.asarray(_INDEX_PAD, i.dtype)), axis=-1)
+    return best, index
+  return combine
+
+
+def _arg_spec(prim, params, dtype, is_max):
+  axis, = params["axes"]
+  index_dtype = np.dtype(params["index_dtype"])
+  value_identity = identity_of("max" if is_max else "min", dtype)
+
+  def batched(x, _inits):
+    return (prim.bind(x, **params),)
+
+  return _Spec(kind="argmax" if is_max else "argmin",
+               comp_dtypes=(np.dtype(dtype), index_dtype),
+               identities=lambda _inits: [value_identity,
+                                          np.asarray(min(_INDEX_PAD, np.iinfo(index_dtype).max),
+                                                     index_dtype)],
+               combine=_arg_combine(is_max), batched=batched,
+               out_components=(1,), index_axis=axis, cycles_per_vector=2,
+               flop_kind=False)
+
+
+def _generic_spec(params, dtypes, num):
+  jaxpr = params["jaxpr"]
+  kind = monoid_of_jaxpr(jaxpr) or "reduce"
+  eqns = len(getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+  def combine(comps, ids):
+    last = comps[0].ndim - 1
+    return tuple(lax_internal.reduce_p.bind(
+        *comps, *[jnp.asarray(i, c.dtype) for i, c in zip(ids, comps)],
+        computation=params["computation"], jaxpr=jaxpr, dimensions=(last,)))
+
+  def batched(*args):
+    xs, inits = args[:-1], args[-1]
+    return tuple(lax_internal.reduce_p.bind(
+        *xs, *[jnp.asarray(i, x.dtype) for i, x in zip(inits, xs)], **params))
+
+  return _Spec(kind=kind, comp_dtypes=tuple(np.dtype(d) for d in dtypes),
+               identities=lambda inits: list(inits), combine=combine,
+               batched=batched, out_components=tuple(range(num)),
+               cycles_per_vector=max(1, eqns),
+               flop_kind=all(np.issubdtype(np.dtype(d), np.inexact) for d in dtypes))
+
+
+# -- planning ---------------------------------------------------------------------
+
+
+def _reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector):
+  if cycles_per_vector == 1:
+    return estimators.reduce_cycles(target, elements, itemsize, outputs)
+  cycles = estimators.worker_split_cycles(target, elements, cycles_per_vector, itemsize)
+  w = target.worker_contexts
+  return cycles + np.where(np.asarray(elements) > 0, w * 2 * -(-np.asarray(outputs) // w), 0)
+
+
+@dataclasses.dataclass
+class _Groups:
+  """Stage 1: a tensor's storage slots grouped by (row, output element).
+
+  Attributes:
+    num: partials (groups).
+    row: ``[num]`` storage row (tile) of each partial, non-decreasing.
+    key: ``[num]`` output element of each partial.
+    local: ``[num]`` position of the partial within its row.
+    per_row: ``[rows]`` partials per row.
+    dense: ``[rows, width, depth]`` storage slot of every member of every
+      partial (``rows * row_size`` marks padding).
+    first_slot: ``[num]`` storage slot of each partial's first member.
+    reshape_only: ``dense`` is the storage itself, reshaped.
+    valid: ``[rows * row_size]`` slots that hold elements.
+  """
+
+  num: int
+  row: np.ndarray
+  key: np.ndarray
+  local: np.ndarray
+  per_row: np.ndarray
+  dense: np.ndarray
+  first_slot: np.ndarray
+  reshape_only: bool
+  valid: np.ndarray
+
+
+def _group_slots(mapping: TileMapping, element_key: np.ndarray, num_keys: int) -> _Groups:
+  """Group the storage slots of ``mapping`` by (row, ``element_key``).
+
+  Members of a group keep the order of their slots (flat element order).
+  """
+  rows, row_size = mapping.storage_shape
+  total = rows * row_size
+  n = mapping.num_elements
+  slots = np.arange(n, dtype=np.int64) if mapping.is_linear else mapping.storage_position
+  composite = (slots // max(row_size, 1)) * num_keys + element_key
+  if n < 2 or bool(np.all(composite[1:] >= composite[:-1])):
+    order = np.arange(n, dtype=np.int64)
+  else:
+    order = np.argsort(composite, kind="stable")
+  keys = composite[order]
+  slot = slots[order]
+  new = np.ones(n, bool)
+  new[1:] = keys[1:] != keys[:-1]
+  starts = np.flatnonzero(new)
+  gid = np.cumsum(new) - 1
+  rank = np.arange(n) - starts[gid]
+  group_key = keys[starts]
+  group_row = group_key // num_keys
+  per_row = np.bincount(group_row, minlength=rows)
+  row_start = np.cumsum(per_row) - per_row
+  local = np.arange(starts.size) - row_start[group_row]
+  width = int(per_row.max())
+  depth = int(rank[-1] if n == 1 else rank.max()) + 1
+  position = ((group_row * width + local)[gid]) * depth + rank
+  reshape_only = width * depth == row_size and bool(np.array_equal(position, slot))
+  dense = np.full(rows * width * depth, total, np.int64)
+  dense[position] = slot
+  valid = np.zeros(total, bool)
+  valid[slots] = True
+  return _Groups(num=int(starts.size), row=group_row, key=group_key % num_keys,
+                 local=local, per_row=per_row, dense=dense.reshape(rows, width, depth),
+                 first_slot=slot[starts], reshape_only=reshape_only, valid=valid)
+
+
+def _stage2_cost(ctx, mapping, part_tile, part_key, itemsize, value_itemsize, cpv):
+  target = ctx.target
+  dst = mapping.element_tile[part_key]
+  cost = unicast_cost(target, part_tile, dst, itemsize)
+  received = np.bincount(dst, minlength=target.num_tiles)[:target.num_tiles]
+  cycles = _reduce_cycles(target, received, value_itemsize,
+                          mapping.elements_per_tile(target.num_tiles), cpv)
+  return cost, cycles, received, exchange_cycles(target, cost) + float(cycles.max(initial=0))
+
+
+def _plan_final(mapping, part_key, part_slot, num_out, sentinel) -> tuple:
+  rows, row_size = mapping.storage_shape
+  order = np.argsort(part_key, kind="stable")
+  counts = np.bincount(part_key, minlength=num_out)
+  start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  rank = np.empty(part_key.size, np.int64)
+  rank[order] = np.arange(part_key.size) - start[part_key[order]]
+  c = int(counts.max())
+  pos = mapping.storage_position[part_key]
+  dense = np.full(rows * row_size * c, sentinel, np.int64)
+  dense[pos * c + rank] = part_slot
+  first = part_slot[order[start]]
+  return dense.reshape(rows, row_size, c), first
+
+
+def _peek_linear(ctx, shape, dtype, min_bytes_per_tile: int = 128) -> tuple:
+  """The mapping ``ctx.linear_mapping`` would give, without advancing it."""
+  size = int(np.prod(shape, dtype=np.int64))
+  num_tiles = ctx.target.num_tiles
+  mapping = TileMapping.linear(size, num_tiles, np.dtype(dtype).itemsize,
+                               min_bytes_per_tile=min_bytes_per_tile)
+  rotates = 0 < mapping.num_rows < num_tiles
+  if rotates:
+    mapping = TileMapping.blocks(size, mapping.chunk, num_tiles, ctx._next_start_tile)
+  return mapping, rotates
+
+
+def _claim_linear(ctx, mapping, rotates):
+  if rotates:
+    ctx._next_start_tile = (ctx._next_start_tile + mapping.num_rows) % ctx.target.num_tiles
+
+
+# -- the reduction lowering -------------------------------------------------------
+
+
+def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
+                     inits: Sequence[P.Tensor] = ()) -> list:
+  """Lower a reduction of ``data`` over ``axes`` in two compute sets."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  mode = ctx.options.executor_mode
+  axes = tuple(sorted(int(a) % max(len(data[0].shape), 1) for a in axes))
+  shape = tuple(data[0].shape)
+  out_avals = [(tuple(a.shape), np.dtype(a.dtype)) for a in ctx.out_avals]
+  out_shape = out_avals[0][0]
+  out_size = int(np.prod(out_shape, dtype=np.int64))
+  n = data[0].size
+  # Init values: constants are baked into the vertices, others are read.
+  init_reads = [t for t in inits if not (t.category == "constants" and t.value is not None)]
+  init_kinds = [("const", np.asarray(t.value).reshape(())) if t not in init_reads
+                else ("read", t) for t in inits]
+
+  def init_values(init_storages):
+    it = iter(init_storages)
+    return [info if kind == "const" else next(it).reshape(-1)[0]
+            for kind, info in init_kinds]
+
+  if out_size == 0 or n == 0:
+    outputs = [ctx.new_tensor(s, d) for s, d in out_avals]
+    if out_size == 0:
+      ctx.emit(P.Superstep(name=f"{ctx.op}/empty", op=ctx.op, reads=(), writes=tuple(outputs),
+                           fn=lambda: tuple(jnp.zeros(o.storage_shape, o.dtype)
+                                            for o in outputs)))
+      return outputs
+    # Reducing empty axes: every output is the identity (init value).
+    def fill_fn(*init_storages):
+      ids = spec.identities(init_values(init_storages))
+      return tuple(jnp.full(o.storage_shape, ids[c], o.dtype)
+                   for o, c in zip(outputs, spec.out_components))
+    elements = sum(o.mapping.elements_per_tile(num_tiles) for o in outputs)
+    ctx.emit(P.Superstep(
+        name=f"{ctx.op}/fill", op=ctx.op, reads=tuple(init_reads), writes=tuple(outputs),
+        fn=fill_fn, compute_cycles=estimators.fill_cycles(target, elements, outputs[0].itemsize),
+        vertices=worker_vertices(ctx, elements), codelets=("Fill",)))
+    return outputs
+
+  # Multi-operand reductions need every operand laid out like the first.
+  data = [data[0]] + [relayout_to(ctx, t, data[0].mapping) for t in data[1:]]
+  in_map = data[0].mapping
+  rows, row_size = in_map.storage_shape
+  total = rows * row_size
+
+  # Output element of every input element (flat order), and of each output
+  # the flat index of its first input element.
+  kept_shape = tuple(1 if a in axes else d for a, d in enumerate(shape))
+  element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
+                                shape).reshape(-1)
+  first_index = np.arange(n, dtype=np.int64).reshape(shape)[
+      tuple(slice(0, 1) if a in axes else slice(None) for a in range(len(shape)))].reshape(-1)
+  groups = _group_slots(in_map, element_key, out_size)
+  comp_dtypes = spec.comp_dtypes
+  itemsize = sum(d.itemsize for d in comp_dtypes)
+  value_itemsize = comp_dtypes[0].itemsize
+  cpv = spec.cycles_per_vector
+  skip_stage1 = groups.num == n
+
+  # Static index component (argmax/argmin): coordinate along the axis.
+  slot_index = None
+  if spec.index_axis is not None:
+    idx_dtype = comp_dtypes[-1]
+    coord = np.broadcast_to(
+        np.arange(shape[spec.index_axis], dtype=np.int64).reshape(
+            [-1 if a == spec.index_axis else 1 for a in range(len(shape))]), shape).reshape(-1)
+    slot_index = np.zeros(total + 1, np.int64)
+    slot_index[in_map.storage_position] = coord
+    slot_index[total] = min(_INDEX_PAD, np.iinfo(idx_dtype).max)
+    slot_index = slot_index.astype(idx_dtype)
+
+  part_tile = in_map.tiles[groups.row]
+  width = groups.dense.shape[1]
+  if skip_stage1:
+    part_slot = groups.first_slot
+    part_total = total
+  else:
+    part_slot = groups.row * width + groups.local
+    part_total = rows * width
+
+  # Output placement: on the tile of each output's first element ("owner
+  # computes"), linear like mapTensorLinearly, or spread one grain per tile
+  # (many partials per output), whichever makes stage 2 cheapest.
+  owner = mapping_from_tiles(in_map.element_tile[first_index])
+  candidates = [(owner, False)]
+  candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
+  if candidates[-1][0].num_rows < num_tiles:
+    candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1], min_bytes_per_tile=1))
+  best = None
+  for cand, rotates in candidates:
+    cost, cycles, received, score = _stage2_cost(ctx, cand, part_tile, groups.key,
+                                                 itemsize, value_itemsize, cpv)
+    if best is None or score < best[-1]:
+      best = (cand, rotates, cost, cycles, received, score)
+  out_map, rotates, cost2, cycles2, received2, _ = best
+  _claim_linear(ctx, out_map, rotates)
+  skip_stage2 = (not skip_stage1 and groups.num == out_size
+                 and np.array_equal(groups.key, np.arange(out_size))
+                 and cost2 is None and out_map.same_as(
+                     _rows_mapping(groups.num, in_map.tiles, groups.row, groups.local,
+                                   groups.per_row)))
+
+  outputs = None
+  partials = []
+  if not skip_stage1:
+    part_map = _rows_mapping(groups.num, in_map.tiles, groups.row, groups.local,
+                             groups.per_row)
+    for c, dtype in enumerate(comp_dtypes):
+      if skip_stage2 and c in spec.out_components:
+        k = spec.out_components.index(c)
+        t = ctx.new_tensor(out_shape, out_avals[k][1], part_map, name=f"{ctx.op}")
+      else:
+        t = ctx.new_tensor((groups.num,), dtype, part_map, name=f"{ctx.op}/partials")
+      partials.append(t)
+    assert part_map.storage_shape == (rows, width)
+    _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
+                   out_size, mode)
+    if skip_stage2:
+      return [partials[c] for c in spec.out_components]
+
+  final_dense, final_first = _plan_final(out_map, groups.key, part_slot, out_size, part_total)
+  outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
+  sources = list(data) if skip_stage1 else partials
+  _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
+              final_first, part_total, skip_stage1, slot_index, in_map, cost2, cycles2,
+              received2, mode, out_size, groups)
+  return outputs
+
+
+def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
+                   out_size, mode):
+  """Compute set 1: every tile reduces its own elements per output element."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  in_map = data[0].mapping
+  rows, row_size = in_map.storage_shape
+  total = rows * row_size
+  dense = groups.dense
+  _, width, depth = dense.shape
+  index_dense = None
+  if slot_index is not None:
+    index_dense = slot_index[dense]
+  valid_dense = groups.valid.reshape(rows, width, depth) if groups.reshape_only else None
+  dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
+  # Batched mode: the result is computed whole, then placed in each output's
+  # first partial slot (the other slots hold the identity).
+  out_src = np.full(rows * width, out_size, np.int64)
+  part_slot = groups.row * width + groups.local
+  first_of_out = np.full(out_size, -1, np.int64)
+  # First partial of each output in partial order: first occurrence of its key.
+  order = np.argsort(groups.key, kind="stable")
+  counts = np.bincount(groups.key, minlength=out_size)
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  first_of_out = part_slot[order[starts]]
+  out_src[first_of_out] = np.arange(out_size)
+  n_data = len(data)
+
+  def fn(*storages):
+    xs, init_storages = storages[:n_data], storages[n_data:]
+    ids = spec.identities(init_values(init_storages))
+    if mode == "per_tile":
+      comps = []
+      for x, ident in zip(xs, ids):
+        if groups.reshape_only:
+          d = x.reshape(rows, width, depth)
+          if not groups.valid.all():
+            d = jnp.where(valid_dense, d, jnp.asarray(ident, d.dtype))
+        else:
+          d = _gather(x.reshape(-1), dense32, ident)
+        comps.append(d)
+      if index_dense is not None:
+        comps.append(jnp.asarray(index_dense))
+      # One vertex per tile: vmap the group reduction over the tile axis.
+      reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
+      return tuple(r.astype(p.dtype).reshape(p.storage_shape)
+                   for r, p in zip(reduced, partials))
+    results = spec.batched(*[logical(x, t) for x, t in zip(xs, data)],
+                           init_values(init_storages))
+    out = []
+    for c, p in enumerate(partials):
+      if c in spec.out_components:
+        value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
+        out.append(_gather(value, out_src, ids[c]).reshape(p.storage_shape))
+      else:
+        out.append(jnp.full(p.storage_shape, ids[c], p.dtype))
+    return tuple(out)
+
+  elements = in_map.elements_per_tile(num_tiles)
+  per_tile = np.zeros(num_tiles, np.int64)
+  np.add.at(per_tile, in_map.tiles, groups.per_row)
+  cycles = _reduce_cycles(target, elements, spec.comp_dtypes[0].itemsize, per_tile,
+                          spec.cycles_per_vector)
+  flops = (data[0].size - groups.num) * len(data) if spec.flop_kind else 0
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/partials", op=ctx.op, reads=tuple(data) + tuple(init_reads),
+      writes=tuple(partials), fn=fn, compute_cycles=cycles,
+      exchange=_init_cost(ctx, init_reads, in_map.tiles),
+      vertices=worker_vertices(ctx, per_tile), codelets=(f"Reduce<{spec.kind}>",),
+      flops=int(flops)))
+
+
+def _init_cost(ctx, init_reads, tiles):
+  return add_costs(*[broadcast_cost(ctx, t, tiles) for t in init_reads])
+
+
+def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
+                final_first, part_total, skip_stage1, slot_index, in_map, cost, cycles,
+                received, mode, out_size, groups):
+  """Compute set 2: partials exchanged to the output's tiles and reduced."""
+  target = ctx.target
+  out_map = outputs[0].mapping
+  o_rows, o_size, depth = final_dense.shape
+  dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
+  index_dense = slot_index[final_dense] if (skip_stage1 and slot_index is not None) else None
+  n_src = len(sources)
+
+  def fn(*storages):
+    srcs, init_storages = storages[:n_src], storages[n_src:]
+    ids = spec.identities(init_values(init_storages))
+    if mode == "per_tile":
+      comps = [_gather(s.reshape(-1), dense32, ident) for s, ident in zip(srcs, ids)]
+      if index_dense is not None:
+        comps.append(jnp.asarray(index_dense))
+      reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
+      return tuple(reduced[c].astype(o.dtype).reshape(o.storage_shape)
+                   for c, o in zip(spec.out_components, outputs))
+    if skip_stage1:
+      results = spec.batched(*[logical(x, t) for x, t in zip(srcs, data)],
+                             init_values(init_storages))
+      return tuple(storage(r, o) for r, o in zip(results, outputs))
+    return tuple(storage(srcs[c].reshape(-1)[final_first], o)
+                 for c, o in zip(spec.out_components, outputs))
+
+  flops = (groups.num - out_size) * len(data) if spec.flop_kind else 0
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/final" if not skip_stage1 else ctx.op, op=ctx.op,
+      reads=tuple(sources) + tuple(init_reads), writes=tuple(outputs), fn=fn,
+      compute_cycles=cycles,
+      exchange=_add(cost, _init_cost(ctx, init_reads, out_map.tiles)),
+      vertices=worker_vertices(ctx, out_map.elements_per_tile(target.num_tiles)),
+      codelets=(f"Reduce<{spec.kind}>",), flops=int(flops)))
+
+
+def _add(a, b):
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return a + b
+
+
+# -- rules ------------------------------------------------------------------------------
+
+
+_MONOIDS = {
+    "reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max",
+    "reduce_min": "min", "reduce_and": "and", "reduce_or": "or",
+    "reduce_xor": "xor",
+}
+
+
+def _make_monoid_rule(prim, kind):
+  def rule(ctx, x, **params):
+    spec = _monoid_spec(prim, params, x.dtype, kind)
+    return _lower_reduction(ctx, spec, [x], params["axes"])
+  return rule
+
+
+for _name, _kind in _MONOIDS.items():
+  _prim = getattr(lax_internal, f"{_name}_p", None)
+  if _prim is not None:
+    register_lowering(_prim, _make_monoid_rule(_prim, _kind))
+
+
+def _make_arg_rule(prim, is_max):
+  def rule(ctx, x, **params):
+    if len(params["axes"]) != 1:
+      raise NotImplementedError(f"{prim.name} over {len(params['axes'])} axes")
+    spec = _arg_spec(prim, params, x.dtype, is_max)
+    return _lower_reduction(ctx, spec, [x], params["axes"])
+  return rule
+
+
+register_lowering(lax_internal.argmax_p, _make_arg_rule(lax_internal.argmax_p, True))
+register_lowering(lax_internal.argmin_p, _make_arg_rule(lax_internal.argmin_p, False))
+
+
+@register_lowering(lax_internal.reduce_p)
+def _reduce_rule(ctx, *operands, computation, jaxpr, dimensions):
+  """``lax.reduce`` with a jaxpr computation (assumed associative/commutative)."""
+  num = len(operands) // 2
+  xs, inits = operands[:num], operands[num:]
+  if getattr(jaxpr, "consts", ()):
+    raise NotImplementedError("reduce computations that close over constants")
+  params = dict(computation=computation, jaxpr=jaxpr, dimensions=dimensions)
+  spec = _generic_spec(params, [x.dtype for x in xs], num)
+  return _lower_reduction(ctx, spec, list(xs), dimensions, inits)
+
+
+# -- cumulative reductions -------------------------------------------------------------------
+
+_CUMULATIVE = {
+    "cumsum": ("add", jnp.add, 1),
+    "cumprod": ("mul", jnp.multiply, 1),
+    "cummax": ("max", jnp.maximum, 1),
+    "cummin": ("min", jnp.minimum, 1),
+    "cumlogsumexp": ("logaddexp", jnp.logaddexp, 10),
+}
+
+
+@dataclasses.dataclass
+class _ScanPlan:
+  """A scan over a mapping's pieces: (tile, line) runs of consecutive elements.
+
+  Attributes:
+    mapping: where the scanned tensor (and the result) lives.
+    groups: the pieces (:class:`_Groups` keyed by line).
+    piece_slot: ``[pieces]`` slot of each piece in ``[rows, width]`` storage.
+    count: ``[pieces]`` elements in each piece.
+    q: ``[pieces]`` position of each piece along its line (ascending k).
+    before: ``[pieces]`` pieces that precede it in scan order.
+    max_pieces: most pieces of one line.
+    scan_cycles, fold_cycles: ``[num_tiles]`` cycles of the two compute sets.
+    fold_cost: the exchange of totals (``None`` when no line is split).
+    score: estimated cycles of the whole plan (with ``relayout_cost``).
+    relayout_cost: exchange bringing the input into ``mapping``.
+  """
+
+  mapping: TileMapping
+  groups: _Groups
+  piece_slot: np.ndarray
+  count: np.ndarray
+  q: np.ndarray
+  before: np.ndarray
+  max_pieces: int
+  scan_cycles: np.ndarray
+  fold_cycles: Optional[np.ndarray]
+  fold_cost: Optional[ExchangeCost]
+  relayout_cost: Optional[ExchangeCost]
+  score: float
+
+
+def _plan_scan(ctx, mapping, line_key, k_coord, lines, reverse, itemsize, cost,
+               relayout_cost_=None) -> Optional[_ScanPlan]:
+  """Plan a scan of lines held as in ``mapping``; ``None`` if a tile's run of
+  a line is not contiguous (then the in-place plan does not apply)."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  groups = _group_slots(mapping, line_key, lines)
+  if relayout_cost_ is None and 2 * groups.num > mapping.num_elements and 2 * lines < line_key.size:
+    # Runs of under two elements: folding would send every element the
+    # totals of all earlier runs of its line, far more than moving the lines.
+    return None
+  rows, row_size = mapping.storage_shape
+  total = rows * row_size
+  _, width, depth = groups.dense.shape
+  slots = np.arange(mapping.num_elements) if mapping.is_linear else mapping.storage_position
+  slot_k = np.zeros(total + 1, np.int64)
+  slot_k[slots] = k_coord
+  k_dense = slot_k[groups.dense]
+  valid = groups.dense < total
+  if not np.all(~valid | (k_dense - k_dense[..., :1] == np.arange(depth))):
+    return None
+  num = groups.num
+  piece_slot = groups.row * width + groups.local
+  count = valid.sum(axis=-1).reshape(-1)[piece_slot]
+  line = groups.key
+  order = np.argsort(line * (int(k_coord.max(initial=0)) + 1) + slot_k[groups.first_slot],
+                     kind="stable")
+  line_count = np.bincount(line, minlength=lines)
+  line_start = np.cumsum(line_count) - line_count
+  q = np.empty(num, np.int64)
+  q[order] = np.arange(num) - line_start[line[order]]
+  before = q if not reverse else line_count[line] - 1 - q
+  after = line_count[line] - 1 - before
+  tiles = mapping.tiles[groups.row]
+  elements = mapping.elements_per_tile(num_tiles)
+  # A worker scans sequentially (one element per cycle, more for
+  # logaddexp), so each element counts as one vector.
+  scan_cycles = estimators.worker_split_cycles(target, elements, cost,
+                                               target.vector_width_bytes)
+  score = exchange_cycles(target, relayout_cost_) + float(scan_cycles.max(initial=0))
+  fold_cycles = fold_cost = None
+  max_pieces = int(line_count.max(initial=0))
+  if max_pieces > 1:
+    # Each piece receives the totals of the pieces before it in its line; a
+    # total is sent once (multicast) and crosses to each other IPU once.
+    def tile_bytes(weights, length=num_tiles, where=tiles):
+      return np.bincount(where, weights=weights, minlength=length).astype(np.int64) * itemsize
+
+    bytes_in = tile_bytes(before)
+    bytes_out = tile_bytes(after > 0)
+    link = np.zeros(target.num_ipus, np.int64)
+    if target.num_ipus > 1:
+      ipu = tiles // target.tiles_per_ipu
+      last = np.full(lines * target.num_ipus, -1, np.int64)
+      np.maximum.at(last, line * target.num_ipus + ipu, before)
+      last = last.reshape(lines, target.num_ipus)[line]
+      crossings = ((last > before[:, None])
+                   & (np.arange(target.num_ipus)[None, :] != ipu[:, None])).sum(axis=1)
+      link = tile_bytes(crossings, target.num_ipus, ipu)
+    fold_cost = ExchangeCost(bytes_in, bytes_out, link)
+    fold_elements = np.bincount(tiles, weights=np.where(before > 0, count, 0),
+                                minlength=num_tiles).astype(np.int64)
+    received = np.bincount(tiles, weights=before, minlength=num_tiles)
+    fold_cycles = estimators.worker_split_cycles(target, fold_elements, cost, itemsize)
+    fold_cycles = fold_cycles + np.where(fold_elements > 0, received, 0)
+    # The fold is a second superstep: its sync, exchange and compute.
+    score += (target.sync_cycles_internal + exchange_cycles(target, fold_cost)
+              + float(fold_cycles.max(initial=0)))
+  return _ScanPlan(mapping=mapping, groups=groups, piece_slot=piece_slot, count=count, q=q,
+                   before=before, max_pieces=max_pieces, scan_cycles=scan_cycles,
+                   fold_cycles=fold_cycles, fold_cost=fold_cost,
+                   relayout_cost=relayout_cost_, score=score)
+
+
+def _lines_mapping(ctx, shape, axis, itemsize):
+  """Whole lines per tile, or (few lines) each line cut into chunks.
+
+  Returns ``(mapping, rotates)``; ``rotates`` says whether claiming it moves
+  the context's next start tile.
+  """
+  num_tiles = ctx.target.num_tiles
+  size = int(np.prod(shape, dtype=np.int64))
+  n = shape[axis]
+  lines = size // n
+  grain = max(1, 8 // itemsize)
+  min_elements = max(grain, -(-128 // itemsize))
+  chunks = 1
+  if lines < num_tiles and n > min_elements:
+    chunks = min(num_tiles // lines, -(-n // min_elements))
+  if chunks > 1:
+    seg = -(-n // chunks)
+    chunks = -(-n // seg)
+    per_row_lines = 1
+  else:
+    chunks, seg = 1, n
+    per_row_lines = max(-(-lines // num_tiles), min(lines, -(-min_elements // n)))
+  num_rows = -(-lines // per_row_lines) * chunks
+  rotates = num_rows < num_tiles
+  start = ctx._next_start_tile if rotates else 0
+  row_tiles = (start + np.arange(num_rows)) % num_tiles
+  flat_lk = np.moveaxis(np.arange(size, dtype=np.int64).reshape(shape), axis, -1).reshape(lines, n)
+  row_lk = ((np.arange(lines, dtype=np.int64)[:, None] // per_row_lines) * chunks
+            + np.arange(n, dtype=np.int64)[None, :] // seg)
+  element_row = np.empty(size, np.int64)
+  element_row[flat_lk.reshape(-1)] = row_lk.reshape(-1)
+  counts = np.bincount(element_row, minlength=num_rows)
+  chunk = int(counts[0])
+  if np.array_equal(element_row, np.arange(size) // chunk):
+    return TileMapping(size, row_tiles, counts, chunk=chunk), rotates
+  # Elements keep flat order within their row.
+  order = np.argsort(element_row, kind="stable")
+  offset = np.empty(size, np.int64)
+  offset[order] = np.arange(size) - np.repeat(np.cumsum(counts) - counts, counts)
+  return TileMapping(size, row_tiles, counts, element_row=element_row,
+                     element_offset=offset), rotates
+
+
+def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
+  """A scan along ``axis``, in place or on whole/chunked lines per tile."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  mode = ctx.options.executor_mode
+  shape, dtype = tuple(x.shape), x.dtype
+  size = x.size
+  if size == 0:
+    out = ctx.new_tensor(shape, dtype)
+    ctx.emit(P.Superstep(name=ctx.op, op=ctx.op, reads=(), writes=(out,),
+                         fn=lambda: (jnp.zeros(out.storage_shape, dtype),)))
+    return [out]
+  axis = axis % len(shape)
+  n = shape[axis]
+  lines = size // n
+  itemsize = dtype.itemsize
+  kept_shape = tuple(1 if a == axis else d for a, d in enumerate(shape))
+  line_key = np.broadcast_to(np.arange(lines, dtype=np.int64).reshape(kept_shape),
+                             shape).reshape(-1)
+  k_coord = np.broadcast_to(np.arange(n, dtype=np.int64).reshape(
+      [-1 if a == axis else 1 for a in range(len(shape))]), shape).reshape(-1)
+  # Candidate 1: scan where the data is (each tile scans its runs of each
+  # line, then folds in the totals of the runs before it on other tiles).
+  stride = int(np.prod(shape[axis + 1:], dtype=np.int64))
+  plan = None
+  if not (x.mapping.is_linear and n > 1 and stride >= x.mapping.chunk):
+    # (With a linear mapping whose chunks are shorter than the line's
+    # stride, no tile holds two elements of a line: nothing to scan in place.)
+    plan = _plan_scan(ctx, x.mapping, line_key, k_coord, lines, reverse, itemsize, cost)
+  rotates = False
+  if plan is None or plan.max_pieces > 1:
+    # Candidate 2: first move whole lines (or, for few lines, chunks of a
+    # line on consecutive tiles) onto tiles.
+    lines_map, lines_rotates = _lines_mapping(ctx, shape, axis, itemsize)
+    moved = _plan_scan(ctx, lines_map, line_key, k_coord, lines, reverse, itemsize, cost,
+                       relayout_cost(target, x.mapping, lines_map, itemsize))
+    if plan is None or moved.score < plan.score:
+      plan, rotates = moved, lines_rotates
+  if rotates:
+    ctx._next_start_tile = (ctx._next_start_tile + plan.mapping.num_rows) % num_tiles
+  return _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan, mode)
+
+
+def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode):
+  """The steps of a scan plan: scan pieces (+ totals), fold earlier totals."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  dtype, itemsize = x.dtype, x.itemsize
+  mapping, groups = plan.mapping, plan.groups
+  rows, row_size = mapping.storage_shape
+  total = rows * row_size
+  _, width, depth = groups.dense.shape
+  identity = identity_of(kind, dtype)
+  dense32 = groups.dense.astype(np.int32)
+  valid = groups.dense < total
+  inverse = np.full(total, valid.size, np.int64)
+  inverse[groups.dense[valid]] = np.flatnonzero(valid.reshape(-1))
+  inverse32 = inverse.astype(np.int32)
+  fold = plan.max_pieces > 1
+  out = ctx.new_tensor(x.shape, dtype, mapping)
+  elements = mapping.elements_per_tile(num_tiles)
+  flops = x.size if np.issubdtype(dtype, np.inexact) else 0
+
+  def to_dense(st):
+    if groups.reshape_only:
+      d = st.reshape(rows, width, depth)
+      return d if groups.valid.all() else jnp.where(valid, d, jnp.asarray(identity, dtype))
+    return _gather(st.reshape(-1), dense32, identity)
+
+  def to_rows(d):
+    if groups.reshape_only:
+      return d.reshape(rows, row_size)
+    return _gather(d.reshape(-1), inverse32, 0).reshape(rows, row_size)
+
+  def scan_pieces(st):
+    return jax.vmap(lambda r: prim.bind(r, axis=1, reverse=reverse))(to_dense(st))
+
+  if not fold:
+    def fn(xs):
+      if mode == "per_tile":
+        return (to_rows(scan_pieces(relayout(xs, x.mapping, mapping))),)
+      return (storage(prim.bind(logical(xs, x), axis=axis, reverse=reverse), out),)
+
+    ctx.emit(P.Superstep(
+        name=ctx.op, op=ctx.op, reads=(x,), writes=(out,), fn=fn,
+        compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
+        vertices=worker_vertices(ctx, elements), codelets=(f"Scan<{kind}>",), flops=flops))
+    return [out]
+
+  local = ctx.new_tensor(x.shape, dtype, mapping, name=f"{ctx.op}/local")
+  totals_map = _rows_mapping(groups.num, mapping.tiles, groups.row, groups.local,
+                             groups.per_row)
+  totals = ctx.new_tensor((groups.num,), dtype, totals_map, name=f"{ctx.op}/totals")
+  # Where each piece's total sits in its scanned run.
+  total_at = np.zeros(rows * width, np.int64)
+  total_at[plan.piece_slot] = plan.count - 1 if not reverse else 0
+  total_at = total_at.reshape(rows, width, 1)
+
+  def stage1(xs):
+    if mode == "per_tile":
+      scanned = scan_pieces(relayout(xs, x.mapping, mapping))
+      tot = jnp.take_along_axis(scanned, jnp.asarray(total_at), axis=2)[..., 0]
+      return to_rows(scanned), tot
+    full = prim.bind(logical(xs, x), axis=axis, reverse=reverse)
+    return storage(full, local), jnp.full(totals.storage_shape, identity, dtype)
+
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/pieces", op=ctx.op, reads=(x,), writes=(local, totals), fn=stage1,
+      compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
+      vertices=worker_vertices(ctx, elements), codelets=(f"Scan<{kind}>",), flops=flops))
+
+  # Totals of each line's pieces in a [lines, max_pieces] table (k order).
+  lines = int(groups.key.max()) + 1
+  table = np.full(lines * plan.max_pieces, rows * width, np.int64)
+  table[groups.key * plan.max_pieces + plan.q] = plan.piece_slot
+  table = table.reshape(lines, plan.max_pieces).astype(np.int32)
+  offset_at = np.full(rows * width, lines * plan.max_pieces, np.int64)
+  offset_at[plan.piece_slot] = groups.key * plan.max_pieces + plan.q
+  offset_at = offset_at.reshape(rows, width).astype(np.int32)
+  first = np.ones(rows * width, bool)
+  first[plan.piece_slot] = plan.before == 0
+  first = first.reshape(rows, width, 1)
+
+  def stage2(local_st, totals_st):
+    if mode != "per_tile":
+      return (local_st,)
+    tab = _gather(totals_st.reshape(-1), table, identity)
+    inclusive = prim.bind(tab, axis=1, reverse=reverse)
+    fill = jnp.full((lines, 1), identity, dtype)
+    if reverse:
+      exclusive = jnp.concatenate([inclusive[:, 1:], fill], axis=1)
+    else:
+      exclusive = jnp.concatenate([fill, inclusive[:, :-1]], axis=1)
+    offsets = _gather(exclusive.reshape(-1), offset_at, identity)
+    d = to_dense(local_st)
+    folded = jax.vmap(lambda o, r, f: jnp.where(f, r, combine(o[:, None], r)))(
+        offsets, d, jnp.asarray(first))
+    return (to_rows(folded),)
+
+  fold_elements = np.bincount(mapping.tiles[groups.row],
+                              weights=np.where(plan.before > 0, plan.count, 0),
+                              minlength=num_tiles).astype(np.int64)
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/fold", op=ctx.op, reads=(local, totals), writes=(out,), fn=stage2,
+      compute_cycles=plan.fold_cycles, exchange=plan.fold_cost,
+      vertices=worker_vertices(ctx, fold_elements), codelets=(f"ScanFold<{kind}>",),
+      flops=int(fold_elements.sum()) if np.issubdtype(dtype, np.inexact) else 0))
+  return [out]
+
+
+def _make_cumulative_rule(prim, kind, combine, cost):
+  def rule(ctx, x, *, axis, reverse):
+    return _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse)
+  return rule
+
+
+for _name, (_kind, _combine, _cost) in _CUMULATIVE.items():
+  _prim = getattr(lax_control_flow, f"{_name}_p", None)
+  if _prim is None:
+    from jax._src.lax.control_flow import loops as _loops
+    _prim = getattr(_loops, f"{_name}_p")
+  register_lowering(_prim, _make_cumulative_rule(_prim, _kind, _combine, _cost))

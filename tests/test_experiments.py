@@ -1,0 +1,118 @@
+"""The experiment runners: they train, print progress and the report, and save it."""
+
+import gzip
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the runners live in the repository, not in the package
+  sys.path.insert(0, ROOT)
+
+from experiments import cifar_cnn, common, mnist, transformer  # noqa: E402
+
+
+def _settings(tmp_path, **changes):
+  values = dict(tiles_per_ipu=16, epochs=1, batch_size=16, learning_rate=3e-3,
+                report_dir=str(tmp_path / "report"), verbose=2)
+  values.update(changes)
+  return common.Settings(**values)
+
+
+def test_mnist_runner_trains_and_writes_its_report(tmp_path, capsys):
+  results = mnist.run(_settings(tmp_path, epochs=3, batch_size=32))
+  out = capsys.readouterr().out
+  assert results["test_accuracy"] >= 0.85, results
+  assert results["host_round_trips"] == results["executions"] > 0
+  assert "Epoch 3/3" in out and "samples/s emulated" in out
+  assert "Host round trips:" in out          # the report summary was printed
+  with open(tmp_path / "report" / "report.json") as f:
+    report = json.load(f)
+  assert report["target"]["num_tiles"] == 16
+  assert report["totals"]["host_round_trips"] == 1
+
+
+def test_mnist_script_with_replicas_and_accumulation(tmp_path):
+  report_dir = tmp_path / "mnist"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "mnist.py"), "--tiles_per_ipu=16",
+       "--epochs=1", "--replicas=2", "--accumulation_steps=2", f"--report_dir={report_dir}"],
+      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "2 replica(s)" in proc.stdout and "G=2" in proc.stdout and "S=8" in proc.stdout
+  assert "Epoch 1/1" in proc.stdout and "test_accuracy" in proc.stdout
+  assert "IPU-Link traffic" in proc.stdout   # the all-reduce crosses IPU-Links
+  assert (report_dir / "report.json").exists()
+
+
+def _write_idx(path, array):
+  array = np.asarray(array, np.uint8)
+  header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
+      ">" + "I" * array.ndim, *array.shape)
+  with gzip.open(path, "wb") as f:
+    f.write(header + array.tobytes())
+
+
+def test_mnist_reads_idx_files(tmp_path):
+  rng = np.random.default_rng(0)
+  for prefix, n in (("train", 20), ("t10k", 10)):
+    _write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+    _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", rng.integers(0, 10, n))
+  (x_train, y_train), (x_test, y_test) = mnist.load_data(str(tmp_path))
+  assert x_train.shape == (20, 784) and x_test.shape == (10, 784)
+  assert x_train.dtype == np.float32 and 0 <= x_train.min() and x_train.max() <= 1
+  assert y_train.shape == (20,) and y_test.dtype == np.int32
+
+
+def test_cifar_reads_pickle_batches(tmp_path):
+  rng = np.random.default_rng(0)
+  for name, n in (("data_batch_1", 6), ("data_batch_2", 4), ("test_batch", 5)):
+    with open(tmp_path / name, "wb") as f:
+      pickle.dump({b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                   b"labels": list(rng.integers(0, 10, n))}, f)
+  (x_train, y_train), (x_test, y_test) = cifar_cnn.load_data(str(tmp_path))
+  assert x_train.shape == (10, 32, 32, 3) and x_test.shape == (5, 32, 32, 3)
+  assert y_train.shape == (10,)
+
+
+def test_cifar_cnn_runner(tmp_path, capsys):
+  results = cifar_cnn.run(_settings(tmp_path, tiles_per_ipu=0, num_samples=32,
+                                    batch_size=4, steps_per_execution=8))
+  out = capsys.readouterr().out
+  assert results["executions"] == 1
+  assert "conv1/kernel" in out and "dense1/kernel" in out
+  assert (tmp_path / "report" / "report.json").exists()
+  assert np.isfinite(results["test_loss"])
+
+
+def test_transformer_runner(tmp_path, capsys):
+  results = transformer.run(_settings(tmp_path, tiles_per_ipu=0, num_samples=128,
+                                      batch_size=8), task="reverse")
+  out = capsys.readouterr().out
+  assert "task: reverse" in out
+  assert results["executions"] == 2
+  assert (tmp_path / "report" / "report.json").exists()
+  x, y = transformer.make_data(4, "shift")
+  np.testing.assert_array_equal(y[:, 1:], x[:, :-1])
+  x, y = transformer.make_data(4, "reverse")
+  np.testing.assert_array_equal(y, x[:, ::-1])
+
+
+def test_settings_and_flags():
+  s = common.Settings(replicas=4, accumulation_steps=4)
+  assert s.resolved_steps_per_execution == 16
+  s = common.Settings(replicas=2, accumulation_steps=1)
+  assert s.resolved_steps_per_execution == 8
+  cfg = common.make_config(common.Settings(target="bow", tiles_per_ipu=32, replicas=2,
+                                           reduction="sum"))
+  assert cfg.to_target().name == "bow" and cfg.to_target().num_tiles == 32
+  assert cfg.replication_factor == 2 and cfg.training.replica_reduction == "sum"
+  defaults = common.settings_from_flags(mnist.DEFAULTS)
+  assert defaults.epochs == mnist.DEFAULTS["epochs"]
+  assert defaults.target == "ipu2"

@@ -1,0 +1,248 @@
+"""Tests of the convolution lowering (lowering/rules/convolution.py).
+
+Every ``conv_general_dilated`` (forward, and the input- and weight-gradient
+forms ``jax.grad`` emits) must give what ``jax.jit`` gives in both executor
+modes; the tests also check the exchange bytes against a brute-force count
+and how the available memory proportion shapes the plan.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+import ipu_jax
+from ipu_jax.lowering.rules.convolution import conv_geometry, plan_conv
+
+_SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+_FULL = ipu_jax.IPUTarget.preset("ipu2")
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _config(mode="batched", conv_amp=None):
+  cfg = ipu_jax.IPUConfig()
+  cfg.executor.mode = mode
+  if conv_amp is not None:
+    cfg.convolutions.available_memory_proportion = conv_amp
+  return cfg
+
+
+def _random(shape, dtype=jnp.float32, seed=0):
+  return jnp.asarray(np.random.RandomState(seed).randn(*shape), dtype)
+
+
+def _conv(strides=(1, 1), padding="SAME", lhs_dilation=None, rhs_dilation=None, dn=_NHWC,
+          fgc=1, bgc=1, preferred=None):
+  def fn(x, w):
+    return lax.conv_general_dilated(x, w, strides, padding, lhs_dilation, rhs_dilation, dn,
+                                    fgc, bgc, preferred_element_type=preferred)
+  return fn
+
+
+def _check(fn, *args, target=_SMALL, modes=("batched", "per_tile"), tol=1e-5):
+  """``fn`` on the IPU (each executor mode) against jax.jit (tolerance scaled
+  by the largest result, as sums in another order round differently)."""
+  want = jax.jit(fn)(*args)
+  as64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+  scale = max([1.0] + [float(np.abs(x).max(initial=0)) for x in jax.tree.leaves(as64(want))])
+  for mode in modes:
+    got = ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    chex.assert_trees_all_close(as64(got), as64(want), rtol=tol, atol=tol * scale)
+  return want
+
+
+def _conv_steps(lowered):
+  return [s for s in lowered.report.profile.steps if s.op == "conv_general_dilated"]
+
+
+def _grad_convs(fn, x, w):
+  """The conv equations of ``fn``'s vjp (input and weight gradients)."""
+  jaxpr = jax.make_jaxpr(lambda x, w, g: jax.vjp(fn, x, w)[1](g))(x, w, fn(x, w))
+  return [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+
+
+class ConvForwardTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("same_3x3", dict(), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("valid_3x3", dict(padding="VALID"), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("stride_2", dict(strides=(2, 2)), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("dilation_2", dict(rhs_dilation=(2, 2)), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("groups_4", dict(fgc=4), (2, 9, 9, 8), (3, 3, 2, 12)),
+      ("depthwise", dict(fgc=4), (2, 9, 9, 4), (3, 3, 1, 4)),
+      ("depthwise_multiplier", dict(fgc=4), (2, 7, 7, 4), (3, 3, 1, 8)),
+      ("1x1", dict(), (2, 9, 9, 4), (1, 1, 4, 6)),
+      ("odd_spatial", dict(strides=(2, 1)), (3, 11, 7, 5), (3, 2, 5, 7)),
+      ("lhs_dilation", dict(lhs_dilation=(2, 2), padding=((1, 2), (2, 1))), (2, 5, 6, 3),
+       (3, 3, 3, 4)),
+      ("negative_padding", dict(padding=((2, 1), (-1, 3))), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("batch_groups", dict(bgc=2, padding="VALID"), (4, 6, 6, 3), (3, 3, 3, 4)),
+      ("nchw", dict(dn=("NCHW", "OIHW", "NCHW")), (3, 5, 11, 7), (6, 5, 3, 2)),
+      ("conv1d", dict(strides=(2,), padding="SAME", dn=("NWC", "WIO", "NWC")), (2, 17, 3),
+       (5, 3, 4)),
+      ("conv3d", dict(strides=(1, 2, 1), padding="SAME", dn=("NDHWC", "DHWIO", "NDHWC")),
+       (1, 5, 6, 4, 2), (3, 3, 2, 2, 3)),
+  )
+  def test_matches_jax(self, kwargs, x_shape, w_shape):
+    _check(_conv(**kwargs), _random(x_shape, seed=1), _random(w_shape, seed=2))
+
+  @parameterized.named_parameters(("f16", jnp.float16, 2e-2), ("bf16", jnp.bfloat16, 5e-2))
+  def test_half_precision(self, dtype, tol):
+    _check(_conv(), _random((2, 8, 8, 4), dtype, 3), _random((3, 3, 4, 8), dtype, 4), tol=tol)
+
+  def test_preferred_element_type_f32_from_bf16(self):
+    x, w = _random((2, 8, 8, 4), jnp.bfloat16, 5), _random((3, 3, 4, 8), jnp.bfloat16, 6)
+    got = _check(_conv(preferred=jnp.float32), x, w)
+    self.assertEqual(got.dtype, jnp.float32)
+
+  def test_zero_size(self):
+    _check(_conv(), jnp.ones((0, 5, 5, 3)), jnp.ones((3, 3, 3, 4)))
+    got = _check(_conv(), jnp.ones((2, 5, 5, 0)), jnp.ones((3, 3, 0, 4)))
+    chex.assert_trees_all_equal(got, jnp.zeros((2, 5, 5, 4)))
+
+  def test_one_conv_on_full_target(self):
+    x, w = _random((8, 32, 32, 32), seed=7), _random((3, 3, 32, 64), seed=8)
+    _check(_conv(), x, w, target=_FULL)
+    lowered = ipu_jax.jit(_conv(), target=_FULL).lower(x, w)
+    step = _conv_steps(lowered)[0]
+    self.assertGreater(np.count_nonzero(step.compute_cycles), 1000)
+    macs = 8 * 32 * 32 * 64 * 9 * 32
+    self.assertGreaterEqual(step.compute_phase_cycles, 2 * macs / (32 * _FULL.num_tiles))
+    self.assertEqual(step.flops, 2 * macs)
+
+
+class ConvGradientTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("same", dict(), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("valid_stride_2", dict(strides=(2, 2), padding="VALID"), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("stride_2_same_even", dict(strides=(2, 2)), (2, 10, 10, 3), (3, 3, 3, 5)),
+      ("dilation_2", dict(rhs_dilation=(2, 2)), (2, 9, 9, 4), (3, 3, 4, 8)),
+      ("groups", dict(fgc=4), (2, 9, 9, 8), (3, 3, 2, 12)),
+      ("depthwise", dict(fgc=4), (2, 9, 9, 4), (3, 3, 1, 4)),
+  )
+  def test_lowered_gradient_convs_match(self, kwargs, x_shape, w_shape):
+    eqns = _grad_convs(_conv(**kwargs), _random(x_shape), _random(w_shape))
+    self.assertLen(eqns, 3)  # the forward conv, then the two gradients
+    for i, eqn in enumerate(eqns):
+      args = [_random(v.aval.shape, seed=10 + i + j) for j, v in enumerate(eqn.invars)]
+      _check(lambda a, b, eqn=eqn: eqn.primitive.bind(a, b, **eqn.params), *args)
+    # The input gradient dilates (strided forward) or the weight gradient
+    # uses batch groups (grouped forward): both forms are exercised.
+    params = [e.params for e in eqns]
+    if kwargs.get("fgc", 1) > 1:
+      self.assertTrue(any(p["batch_group_count"] > 1 for p in params))
+    if kwargs.get("strides", (1, 1)) != (1, 1):
+      self.assertTrue(any(p["lhs_dilation"] != (1, 1) for p in params))
+
+  @parameterized.named_parameters(("plain", dict()), ("depthwise", dict(fgc=4)))
+  def test_grad_wrt_input_and_kernel(self, kwargs):
+    x = _random((2, 8, 8, 4), seed=20)
+    w = _random((3, 3, 1 if kwargs else 4, 8), seed=21)
+    loss = lambda x, w: jnp.sum(jnp.tanh(_conv(**kwargs)(x, w)))
+    _check(jax.grad(loss, argnums=(0, 1)), x, w)
+
+  def test_keras_cnn_conv_shapes_forward_and_grad(self):
+    # Conv2D(32, 3x3) on 32x32x3 then Conv2D(64, 3x3), as in the Keras-on-IPU
+    # CNN, on a 16-tile target (a small batch so activations fit).
+    x = _random((4, 32, 32, 3), seed=30)
+    w1, w2 = _random((3, 3, 3, 32), seed=31) * 0.3, _random((3, 3, 32, 64), seed=32) * 0.1
+
+    def loss(params, x):
+      w1, w2 = params
+      h = jax.nn.relu(_conv()(x, w1))
+      h = jax.nn.relu(_conv()(h, w2))
+      return jnp.sum(h * h) / h.size
+
+    _check(lambda p, x: (loss(p, x), jax.grad(loss)(p, x)), (w1, w2), x, modes=("batched",))
+    _check(jax.grad(loss), (w1, w2), x, modes=("per_tile",))
+    lowered = ipu_jax.jit(jax.grad(loss), target=_SMALL).lower((w1, w2), x)
+    self.assertGreaterEqual(len(_conv_steps(lowered)), 4)
+
+
+class ConvAccountingTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("same", _conv(), (2, 9, 9, 4), (3, 3, 4, 8), _SMALL),
+      ("valid_odd", _conv(padding="VALID"), (2, 9, 7, 4), (3, 3, 4, 8), _SMALL),
+      ("groups", _conv(fgc=4), (2, 9, 9, 4), (3, 3, 1, 8), _SMALL),
+      ("batch_groups", _conv(bgc=2, padding="VALID"), (4, 6, 6, 3), (3, 3, 3, 4), _SMALL),
+      ("nchw", _conv(dn=("NCHW", "OIHW", "NCHW")), (3, 5, 11, 7), (6, 5, 3, 2), _SMALL),
+      ("two_ipus", _conv(), (2, 9, 9, 4), (3, 3, 4, 8),
+       ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)),
+  )
+  def test_exchange_matches_brute_force(self, fn, x_shape, w_shape, target):
+    # Stride 1, no dilation: every input position in a block's window is read,
+    # so the elements a block needs are where d(block)/d(input) is non-zero.
+    x, w = jnp.abs(_random(x_shape, seed=40)) + 1, jnp.abs(_random(w_shape, seed=41)) + 1
+    lowered = ipu_jax.jit(fn, target=target).lower(x, w)
+    step = _conv_steps(lowered)[0]
+    lhs, rhs = lowered.inputs
+    out = lowered.outputs[0]
+    _, vjp = jax.vjp(fn, x, w)
+    rows = out.mapping.element_row
+    bytes_in = np.zeros(target.num_tiles, np.int64)
+    needed_by = {}
+    for r, tile in enumerate(out.mapping.tiles):
+      grads = vjp(jnp.asarray((rows == r).reshape(out.shape), jnp.float32))
+      for tensor, grad in zip((lhs, rhs), grads):
+        ids = np.nonzero(np.asarray(grad).ravel())[0]
+        bytes_in[tile] += 4 * int((tensor.mapping.element_tile[ids] != tile).sum())
+        for e in ids:
+          needed_by.setdefault((tensor.id, int(e)), set()).add(int(tile))
+    bytes_out = np.zeros(target.num_tiles, np.int64)
+    for (tid, e), dst in needed_by.items():
+      src = int((lhs if tid == lhs.id else rhs).mapping.element_tile[e])
+      bytes_out[src] += 4 * bool(dst - {src})
+    np.testing.assert_array_equal(step.exchange_bytes_in, bytes_in)
+    np.testing.assert_array_equal(step.exchange_bytes_out, bytes_out)
+
+  def test_nothing_moves_on_one_tile(self):
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=1)
+    lowered = ipu_jax.jit(_conv(), target=target).lower(jnp.ones((2, 6, 6, 3)),
+                                                          jnp.ones((3, 3, 3, 4)))
+    self.assertEqual(int(_conv_steps(lowered)[0].exchange_bytes_in.sum()), 0)
+    self.assertGreater(lowered.report.total_cycles, 0)
+
+  def test_lower_memory_proportion_gives_less_memory_not_fewer_cycles(self):
+    # 8 x 112x112x32 -> 512 features, 3x3: the fastest grid needs more memory
+    # per tile than a slower one.
+    geo = conv_geometry((8, 112, 112, 32), (3, 3, 32, 512), (8, 112, 112, 512),
+                        ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)),
+                        (1, 1), (1, 1), 1, 1, 4, 4)
+    plans = [plan_conv(_FULL, geo, amp) for amp in (0.6, 0.3, 0.1, 0.03)]
+    self.assertTrue(plans[0].fits)
+    self.assertNotEqual(plans[0].label, plans[-1].label)
+    for high, low in zip(plans, plans[1:]):
+      self.assertLessEqual(low.temp_bytes, high.temp_bytes)
+      self.assertGreaterEqual(low.cycles, high.cycles)
+    self.assertGreater(plans[0].num_tiles, 1000)
+
+  def test_spatial_axes_are_split_for_a_single_image(self):
+    geo = conv_geometry((1, 224, 224, 64), (3, 3, 64, 64), (1, 224, 224, 64),
+                        ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)),
+                        (1, 1), (1, 1), 1, 1, 4, 4)
+    plan = plan_conv(_FULL, geo, 0.6)
+    self.assertTrue(plan.fits)
+    self.assertGreater(plan.num_tiles, 1000)
+    self.assertGreater(plan.grid[2] * plan.grid[3], 64)
+
+  def test_memory_proportion_reaches_the_lowering(self):
+    x, w = jnp.ones((32, 8, 8, 32)), jnp.ones((3, 3, 32, 512))
+    geo = conv_geometry(x.shape, w.shape, (32, 8, 8, 512), ((0, 3, 1, 2), (3, 2, 0, 1),
+                        (0, 3, 1, 2)), (1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1), 1, 1, 4, 4)
+    plans = {}
+    for amp in (0.6, 0.03):
+      lowered = ipu_jax.jit(_conv(), target=_FULL, config=_config(conv_amp=amp)).lower(x, w)
+      plans[amp] = plan_conv(_FULL, geo, amp)
+      self.assertIn(plans[amp].label, _conv_steps(lowered)[0].name)
+    self.assertNotEqual(plans[0.6].label, plans[0.03].label)
+    self.assertLess(plans[0.03].temp_bytes, plans[0.6].temp_bytes)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,225 @@
+"""Tests of the reduction and cumulative lowering rules (lowering/rules/reduction.py)."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
+
+_T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+_MODES = ("batched", "per_tile")
+
+
+def _config(mode):
+  cfg = ipu_jax.IPUConfig()
+  cfg.executor.mode = mode
+  return cfg
+
+
+def _run(fn, *args, mode="batched", target=_T16):
+  return ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
+
+
+def _assert_matches(test, fn, *args, rtol=1e-5, atol=1e-6, exact=False, modes=_MODES,
+                    target=_T16):
+  """``fn`` on the emulated IPU equals ``jax.jit(fn)`` in every executor mode.
+
+  ``fn`` may return ``{"close": ..., "exact": ...}`` to compare part of its
+  results to a tolerance and part exactly.
+  """
+  del test
+  want = jax.jit(fn)(*args)
+  for mode in modes:
+    got = _run(fn, *args, mode=mode, target=target)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    if isinstance(want, dict) and set(want) == {"close", "exact"}:
+      chex.assert_trees_all_close(got["close"], want["close"], rtol=rtol, atol=atol)
+      jax.tree.map(np.testing.assert_array_equal, got["exact"], want["exact"])
+    elif exact:
+      jax.tree.map(np.testing.assert_array_equal, got, want)
+    else:
+      chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)
+
+
+def _exchange_bytes(lowered):
+  return sum(int(s.exchange_bytes_in.sum()) for s in lowered.profile.steps)
+
+
+class MonoidReductionTest(parameterized.TestCase):
+
+  @parameterized.parameters((0, 1, 2), (1,), (0, 2), (2,), ())
+  def test_f32_sum_max_min_prod(self, *axes):
+    x = np.random.default_rng(0).standard_normal((37, 19, 3)).astype(np.float32)
+
+    def fn(x):
+      return {"close": (lax.reduce_sum(x, axes), lax.reduce_prod(1.0 + 0.05 * x, axes)),
+              "exact": (lax.reduce_max(x, axes), lax.reduce_min(x, axes))}
+
+    _assert_matches(self, fn, x)
+
+  @parameterized.parameters(jnp.float16, jnp.bfloat16)
+  def test_half_sums(self, dtype):
+    x = jnp.asarray(np.random.default_rng(1).uniform(0, 1, (64, 33)), dtype)
+    _assert_matches(self, lambda x: {"close": (jnp.sum(x, 0), jnp.sum(x, 1), jnp.sum(x)),
+                                     "exact": (jnp.max(x, 0), jnp.min(x))},
+                    x, rtol=3e-2, atol=5e-2)
+
+  def test_int32(self):
+    x = np.random.default_rng(2).integers(-50, 50, (23, 17), dtype=np.int32)
+    _assert_matches(self, lambda x: (jnp.sum(x, 0), jnp.sum(x), jnp.max(x, 1), jnp.min(x),
+                                     lax.reduce_prod(x % 3 - 1, (1,)),
+                                     lax.reduce_xor(x, (0,)), lax.reduce_and(x, (1,)),
+                                     lax.reduce_or(x, (0, 1))), x, exact=True)
+
+  @parameterized.parameters((0,), (1,), (0, 1))
+  def test_bool(self, *axes):
+    x = np.random.default_rng(3).random((33, 7)) > 0.3
+    _assert_matches(self, lambda x: (lax.reduce_and(x, axes), lax.reduce_or(x, axes),
+                                     lax.reduce_xor(x, axes), jnp.all(x), jnp.any(x)),
+                    x, exact=True)
+
+  def test_scalars(self):
+    x = np.float32(2.5)
+    _assert_matches(self, lambda x: (jnp.sum(x), jnp.max(x), lax.reduce_sum(x, ())), x)
+    v = np.arange(1, 6, dtype=np.float32)
+    _assert_matches(self, lambda v: (jnp.sum(v), jnp.prod(v), jnp.max(v)), v)
+
+  def test_size_zero(self):
+    empty_rows = np.zeros((0, 5), np.float32)
+    empty_cols = np.zeros((3, 0), np.float32)
+    _assert_matches(self, lambda x: (jnp.sum(x, 0), lax.reduce_max(x, (0,)), jnp.prod(x, 0),
+                                     jnp.sum(x), jnp.sum(x, 1)), empty_rows, exact=True)
+    _assert_matches(self, lambda x: (jnp.sum(x, 1), lax.reduce_min(x, (1,)), jnp.sum(x, 0)),
+                    empty_cols, exact=True)
+    _assert_matches(self, jnp.sum, np.zeros((0,), np.float32), exact=True)
+
+  def test_keepdims_and_mean(self):
+    x = np.random.default_rng(4).standard_normal((6, 10, 5)).astype(np.float32)
+    _assert_matches(self, lambda x: (jnp.sum(x, 1, keepdims=True),
+                                     jnp.max(x, (0, 2), keepdims=True), jnp.mean(x, -1)), x)
+
+  def test_grad(self):
+    x = np.random.default_rng(5).standard_normal((12, 40)).astype(np.float32)
+    fn = jax.grad(lambda x: (jnp.sum(x * x, axis=1) * jnp.prod(1 + 0.01 * x, axis=1)).mean())
+    _assert_matches(self, fn, x, modes=("batched",))
+
+  def test_generic_reduce(self):
+    x = np.random.default_rng(6).standard_normal((9, 30, 4)).astype(np.float32)
+    idx = np.broadcast_to(np.arange(30, dtype=np.int32)[None, :, None], x.shape)
+
+    def pick_max(a, b):  # variadic (value, index), not a known monoid
+      take_a = (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+      return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
+
+    def fn(x, idx):
+      total = lax.reduce(x, 0.0, lambda a, b: a + b, (1,))
+      best = lax.reduce((x, idx), (-jnp.inf, np.int32(2**31 - 1)), pick_max, (1,))
+      return total, best
+
+    _assert_matches(self, fn, x, idx)
+
+
+class ArgReductionTest(parameterized.TestCase):
+
+  @parameterized.parameters(0, 1, 2)
+  def test_ties_and_nans(self, axis):
+    rng = np.random.default_rng(7)
+    ints = rng.integers(0, 3, (37, 19, 3)).astype(np.float32)  # many ties
+    nans = rng.standard_normal((37, 19, 3)).astype(np.float32)
+    nans[rng.random(nans.shape) < 0.05] = np.nan
+    fn = lambda a, b: [(lax.argmax(x, axis, jnp.int32), lax.argmin(x, axis, jnp.int32))
+                       for x in (a, b)]
+    _assert_matches(self, fn, ints, nans, exact=True)
+
+  def test_int_and_flat(self):
+    x = np.random.default_rng(8).integers(-3, 3, (50, 11), dtype=np.int32)
+    _assert_matches(self, lambda x: (jnp.argmax(x, 0), jnp.argmin(x, 1), jnp.argmax(x)), x,
+                    exact=True)
+
+
+class CumulativeTest(parameterized.TestCase):
+
+  @parameterized.product(axis=(0, 1, 2), reverse=(False, True))
+  def test_all_ops_each_axis(self, axis, reverse):
+    x = np.random.default_rng(9).standard_normal((37, 19, 3)).astype(np.float32)
+
+    def fn(x):
+      return {"close": (lax.cumsum(x, axis, reverse), lax.cumprod(1 + 0.05 * x, axis, reverse),
+                        lax.cumlogsumexp(x, axis, reverse)),
+              "exact": (lax.cummax(x, axis, reverse), lax.cummin(x, axis, reverse))}
+
+    _assert_matches(self, fn, x, rtol=1e-5, atol=1e-5)
+
+  def test_long_line_split_over_tiles(self):
+    x = np.random.default_rng(10).standard_normal((5000,)).astype(np.float32)
+    fn = lambda x: (lax.cumsum(x, 0), lax.cumsum(x, 0, reverse=True), lax.cummax(x, 0))
+    _assert_matches(self, fn, x, rtol=1e-4, atol=1e-4)
+    lowered = ipu_jax.jit(lambda x: lax.cumsum(x, 0), target=_T16).lower(x)
+    names = [s.name for s in lowered.profile.steps]
+    # Scanned in place: each tile scans its chunk, then folds the totals of
+    # the chunks before it; only totals move.
+    self.assertEqual(names, ["cumsum/pieces", "cumsum/fold"])
+    self.assertEqual(int(lowered.profile.steps[0].exchange_bytes_in.sum()), 0)
+    self.assertLess(_exchange_bytes(lowered), 16 * 16 * 4)
+
+  def test_general_input_mapping(self):
+    # A transposed input is not linearly mapped: runs of a line on a tile
+    # need not be contiguous, so the scan may move whole lines first.
+    x = np.random.default_rng(14).standard_normal((40, 24)).astype(np.float32)
+    fn = lambda x: {"close": (lax.cumsum(x.T, 1), jnp.sum(x.T, 0), jnp.sum(x.T, 1)),
+                    "exact": (jnp.argmax(x.T, 1), lax.cummin(x.T, 0, reverse=True))}
+    _assert_matches(self, fn, x)
+
+  def test_int_and_jnp_cumsum(self):
+    x = np.random.default_rng(11).integers(-5, 5, (8, 130), dtype=np.int32)
+    _assert_matches(self, lambda x: (jnp.cumsum(x, 1), lax.cummax(x, 0, reverse=True)), x,
+                    exact=True)
+
+  def test_size_zero(self):
+    _assert_matches(self, lambda x: lax.cumsum(x, 1), np.zeros((3, 0), np.float32), exact=True)
+
+
+class PlanTest(parameterized.TestCase):
+
+  def test_full_ipu2(self):
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    x = np.random.default_rng(12).standard_normal((1024, 300)).astype(np.float32)
+    fn = lambda x: (jnp.sum(x, 0), jnp.sum(x, 1), jnp.max(x), jnp.argmax(x, 0))
+    _assert_matches(self, fn, x, rtol=1e-5, atol=1e-4, target=target)
+    _assert_matches(self, lambda x: lax.cumsum(x, 1), x, rtol=1e-5, atol=1e-4,
+                    modes=("per_tile",), target=target)
+
+  def test_scalar_sum_exchanges_only_partials(self):
+    x = np.random.default_rng(13).standard_normal((16 * 256,)).astype(np.float32)
+    lowered = ipu_jax.jit(jnp.sum, target=_T16).lower(x)
+    steps = lowered.profile.steps
+    self.assertEqual([s.name for s in steps], ["reduce_sum/partials", "reduce_sum/final"])
+    # Stage 1 reduces in place; stage 2 moves one partial from each of the
+    # 15 other tiles.
+    self.assertEqual(int(steps[0].exchange_bytes_in.sum()), 0)
+    self.assertEqual(_exchange_bytes(lowered), 15 * 4)
+    self.assertLess(_exchange_bytes(lowered), x.nbytes / 100)
+    self.assertEqual(int((steps[0].compute_cycles > 0).sum()), 16)
+    self.assertGreater(lowered.report.total_cycles, 0)
+
+  def test_reduce_over_rows_held_whole_needs_no_exchange(self):
+    x = np.zeros((256, 64), np.float32)  # 16 rows per tile on 16 tiles
+    lowered = ipu_jax.jit(lambda x: jnp.sum(x, 1), target=_T16).lower(x)
+    self.assertEqual(_exchange_bytes(lowered), 0)
+    self.assertLen(lowered.profile.steps, 1)
+
+  def test_column_sum_spreads_outputs(self):
+    x = np.zeros((64, 1024), np.float32)
+    lowered = ipu_jax.jit(lambda x: jnp.sum(x, 0), target=_T16).lower(x)
+    final = lowered.profile.steps[-1]
+    # Every tile holds 4 rows, so stage 1 leaves one partial per column per
+    # tile; the 1,024 outputs are spread so no tile receives them all.
+    self.assertLess(int(final.exchange_bytes_in.max()), 64 * 1024)
+
+
+if __name__ == "__main__":
+  absltest.main()

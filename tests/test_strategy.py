@@ -1,0 +1,110 @@
+"""IPUStrategy: scope() installs the config; run() executes on the emulated IPU."""
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import ipu_jax
+from ipu_jax import config as config_lib
+from ipu_jax.strategy import IPUStrategy, get_strategy
+
+
+def small_config(**changes):
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = 16
+  for name, value in changes.items():
+    setattr(cfg, name, value)
+  return cfg
+
+
+class StrategyTest(chex.TestCase):
+
+  def test_scope_installs_and_restores_config(self):
+    cfg = small_config()
+    strategy = IPUStrategy(cfg)
+    self.assertIsNone(get_strategy())
+    with strategy.scope() as active:
+      self.assertIs(active, strategy)
+      self.assertIs(get_strategy(), strategy)
+      self.assertIs(config_lib.get_default_config(), cfg)
+      inner_cfg = small_config()
+      inner_cfg.device.tiles_per_ipu = 8
+      with IPUStrategy(inner_cfg).scope():
+        self.assertIs(config_lib.get_default_config(), inner_cfg)
+      self.assertIs(config_lib.get_default_config(), cfg)
+    self.assertIsNone(get_strategy())
+    self.assertIsNot(config_lib.get_default_config(), cfg)
+
+  def test_scope_restores_after_exception(self):
+    cfg = small_config()
+    with self.assertRaises(RuntimeError):
+      with IPUStrategy(cfg).scope():
+        raise RuntimeError("boom")
+    self.assertIsNone(get_strategy())
+    self.assertIsNot(config_lib.get_default_config(), cfg)
+
+  def test_jit_inside_scope_uses_the_config(self):
+    cfg = small_config()
+    cfg.device.version = "ipu1"
+    f = ipu_jax.jit(lambda x: x * 2.0 + 1.0)
+    x = jnp.arange(40, dtype=jnp.float32)
+    with IPUStrategy(cfg).scope():
+      lowered = f.lower(x)
+      np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x * 2.0 + 1.0))
+    self.assertEqual(lowered.target.num_tiles, 16)
+    self.assertEqual(lowered.target.name, "ipu1")
+
+  def test_run_matches_jax(self):
+    strategy = IPUStrategy(small_config())
+
+    def fn(x, y, scale=1.0):
+      return {"sum": jnp.tanh(x) + y * scale, "diff": x - y}
+
+    x = jnp.linspace(-2, 2, 37, dtype=jnp.float32)
+    y = jnp.ones((37,), jnp.float32)
+    out = strategy.run(fn, args=(x, y), kwargs={"scale": jnp.float32(3.0)})
+    expected = fn(x, y, 3.0)
+    chex.assert_trees_all_close(out, expected, rtol=1e-6)
+    self.assertIsNotNone(strategy.last_report)
+    self.assertEqual(strategy.last_report.target.num_tiles, 16)
+    self.assertGreater(strategy.last_report.total_cycles, 0)
+    # The program is cached: a second run lowers nothing new.
+    strategy.run(fn, args=(x, y), kwargs={"scale": jnp.float32(2.0)})
+    self.assertEqual(strategy._function(fn).cache_size, 1)
+
+  def test_run_replicated(self):
+    from ipu_jax import ops
+    strategy = IPUStrategy(small_config(replication_factor=2))
+    self.assertEqual(strategy.num_replicas_in_sync, 2)
+
+    def fn(x):
+      return x * 2.0, ops.cross_replica_sum(x)
+
+    x = jnp.arange(8, dtype=jnp.float32)
+    doubled, summed = strategy.run(fn, args=(x,))
+    self.assertEqual(doubled.shape, (2, 8))
+    np.testing.assert_allclose(np.asarray(doubled[1]), np.asarray(x * 2.0))
+    np.testing.assert_allclose(np.asarray(summed[0]), np.asarray(x * 2.0))
+    np.testing.assert_allclose(np.asarray(strategy.reduce("sum", doubled)),
+                               np.asarray(x * 4.0))
+    np.testing.assert_allclose(np.asarray(strategy.reduce("mean", doubled)),
+                               np.asarray(x * 2.0))
+
+  def test_bad_configs(self):
+    with self.assertRaises(TypeError):
+      IPUStrategy({"replication_factor": 2})
+    cfg = ipu_jax.IPUConfig()
+    cfg.device.tiles_per_ipu = 5000  # more than the chip has: refused when the target is made
+    with self.assertRaisesRegex(ValueError, "tiles_per_ipu"):
+      IPUStrategy(cfg)
+    with self.assertRaisesRegex(AttributeError, "replication_factor"):
+      cfg.replication_factr = 2
+    with self.assertRaises(ValueError):
+      cfg.device.tiles_per_ipu = -1
+    with self.assertRaises(ValueError):
+      IPUStrategy().reduce("max", jnp.ones(2))
+
+
+if __name__ == "__main__":
+  absltest.main()
