@@ -48,7 +48,8 @@ class Lowered:
   """
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
-               target: IPUTarget, options, replication_factor: int = 1):
+               target: IPUTarget, options, replication_factor: int = 1,
+               arg_names: Sequence[str] = ()):
     self.target = target
     self.options = options
     closed, out_shape = jax.make_jaxpr(
@@ -63,11 +64,10 @@ class Lowered:
     self._in_avals = [v.aval for v in closed.jaxpr.invars]
     inputs = []
     for i, aval in enumerate(self._in_avals):
-      if is_key_dtype(aval.dtype):
-        tensor = ctx.new_tensor(_key_data_shape(aval), np.uint32, name=f"arg{i}",
-                                category="variables")
-      else:
-        tensor = ctx.new_tensor(aval.shape, aval.dtype, name=f"arg{i}", category="variables")
+      arg_name = arg_names[i] if i < len(arg_names) else f"arg{i}"
+      shape, dtype = ((_key_data_shape(aval), np.uint32) if is_key_dtype(aval.dtype)
+                      else (aval.shape, aval.dtype))
+      tensor = ctx.new_tensor(shape, dtype, name=arg_name, category="variables")
       inputs.append(tensor)
     with ctx.at("argument", ""):
       outputs = lower_closed_jaxpr(ctx, closed, inputs)
@@ -185,15 +185,18 @@ class IPUFunction:
     """Lower (or fetch from the cache) the program for these arguments."""
     target, options, replicas = self._settings()
     static, dynamic, call = self._split(args)
-    flat, in_tree = jax.tree_util.tree_flatten(dynamic)
+    with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dynamic)
+    flat = [leaf for _, leaf in with_paths]
     avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
                    getattr(x, "weak_type", False)) for x in flat)
     key = (in_tree, avals, static, target, options, replicas, _bound_replicas())
     lowered = self._cache.get(key)
     if lowered is None:
       name = getattr(self.fn, "__name__", "fn")
+      # Arguments are named by their pytree path: "args[0]['Dense_0']['kernel']".
+      arg_names = [f"args{jax.tree_util.keystr(path)}" for path, _ in with_paths]
       lowered = Lowered(lambda *dyn: call(*dyn), flat, in_tree, name, target, options,
-                        replication_factor=replicas)
+                        replication_factor=replicas, arg_names=arg_names)
       self._cache[key] = lowered
     return lowered
 
