@@ -9,8 +9,6 @@ once; this module turns one into a pure optax training step (forward,
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import optax
 from flax import nnx

@@ -24,8 +24,7 @@ graph's elements), exactly as Poplar's tensor expressions do.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from typing import Any, Callable, Optional, Sequence as SequenceT
+from typing import Any, Optional, Sequence as SequenceT
 
 import jax
 import jax.numpy as jnp

@@ -15,14 +15,13 @@ function. Programs are cached by argument shapes, dtypes and static values.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import config as config_lib
-from ipu_jax.lowering import program as P
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage

@@ -142,6 +142,8 @@ def to_storage(flat, mapping: TileMapping):
     if pad:
       flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
     return flat.reshape(rows, size)
+  if mapping.grid is not None:
+    return mapping.grid.to_storage(flat.reshape(mapping.grid.shape))
   source = _general_storage_source(id(mapping), mapping)
   padded = jnp.concatenate([flat, jnp.zeros((1,), flat.dtype)])
   return padded[source].reshape(rows, size)
@@ -151,6 +153,8 @@ def to_flat(storage, mapping: TileMapping):
   """``[rows, row_size]`` tile storage -> flat logical array."""
   if mapping.num_elements == 0:
     return jnp.zeros((0,), storage.dtype)
+  if mapping.grid is not None:
+    return mapping.grid.to_logical(storage).reshape(-1)
   flat = storage.reshape(-1)
   if mapping.is_linear:
     return flat[:mapping.num_elements]

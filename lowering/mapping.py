@@ -12,12 +12,13 @@ is a pad + reshape of the flat array, so moving between them needs no gather.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["TileMapping", "linear_chunk"]
+__all__ = ["BlockGrid", "TileMapping", "linear_chunk"]
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
@@ -37,6 +38,87 @@ def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
   return max(per_tile, -(-min_elements // grain) * grain, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockGrid:
+  """A regular block layout: the array cut into a grid of blocks, one per tile.
+
+  Axis ``a`` is cut into ``grids[a]`` blocks of ``blocks[a]`` elements (edge
+  blocks padded); block ``(i0, i1, ...)`` in row-major order is split into
+  ``pieces`` equal runs, one storage row each. ``serial = (axis, count)``
+  first cuts ``axis`` into ``count`` passes whose storage sits side by side.
+  Both directions are pad / reshape / transpose / slice, which XLA fuses:
+  no gathers.
+  """
+
+  shape: tuple
+  grids: tuple
+  blocks: tuple
+  pieces: int = 1
+  serial: tuple = (None, 1)
+
+  @property
+  def _passes(self):
+    axis, count = self.serial
+    return (axis, count) if axis is not None and count > 1 else (None, 1)
+
+  def to_storage(self, x):
+    """Logical array of ``shape`` -> ``[rows, row_size]`` storage."""
+    import jax
+    import jax.numpy as jnp
+    axis, count = self._passes
+    if axis is not None:
+      length = -(-x.shape[axis] // count)
+      pad = [(0, 0)] * x.ndim
+      pad[axis] = (0, count * length - x.shape[axis])
+      x = jnp.moveaxis(jnp.pad(x, pad), axis, 0)
+      x = jnp.moveaxis(x.reshape((count, length) + x.shape[1:]), 1, axis + 1)
+      inner = dataclasses.replace(self, shape=x.shape[1:], serial=(None, 1))
+      per_pass = jax.vmap(inner.to_storage)(x)
+      return jnp.transpose(per_pass, (1, 0, 2)).reshape(per_pass.shape[1], -1)
+    ndim = x.ndim
+    pad = [(0, int(g) * int(b) - int(d)) for g, b, d in zip(self.grids, self.blocks, x.shape)]
+    if any(hi for _, hi in pad):
+      x = jnp.pad(x, pad)
+    x = x.reshape([v for g, b in zip(self.grids, self.blocks) for v in (int(g), int(b))])
+    x = jnp.transpose(x, [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)])
+    num_blocks, block_elements = self._counts()
+    x = x.reshape(num_blocks, block_elements)
+    if self.pieces > 1:
+      piece = -(-block_elements // self.pieces)
+      if piece * self.pieces != block_elements:
+        x = jnp.pad(x, ((0, 0), (0, piece * self.pieces - block_elements)))
+      x = x.reshape(num_blocks * self.pieces, piece)
+    return x
+
+  def to_logical(self, storage):
+    """``[rows, row_size]`` storage -> logical array of ``shape``."""
+    import jax
+    import jax.numpy as jnp
+    axis, count = self._passes
+    if axis is not None:
+      length = -(-self.shape[axis] // count)
+      pass_shape = self.shape[:axis] + (length,) + self.shape[axis + 1:]
+      inner = dataclasses.replace(self, shape=pass_shape, serial=(None, 1))
+      rows = storage.shape[0]
+      per_pass = jnp.transpose(storage.reshape(rows, count, -1), (1, 0, 2))
+      x = jax.vmap(inner.to_logical)(per_pass)           # [count, *pass_shape]
+      x = jnp.moveaxis(x, 0, axis)                        # [.., count, length, ..]
+      x = x.reshape(self.shape[:axis] + (count * length,) + self.shape[axis + 1:])
+      return jax.lax.slice_in_dim(x, 0, self.shape[axis], axis=axis)
+    ndim = len(self.shape)
+    num_blocks, block_elements = self._counts()
+    x = storage.reshape(num_blocks, -1)[:, :block_elements]
+    x = x.reshape(tuple(int(g) for g in self.grids) + tuple(int(b) for b in self.blocks))
+    forward = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
+    x = jnp.transpose(x, np.argsort(forward))
+    x = x.reshape([int(g) * int(b) for g, b in zip(self.grids, self.blocks)])
+    return x[tuple(slice(0, int(d)) for d in self.shape)]
+
+  def _counts(self):
+    return (int(np.prod(self.grids, dtype=np.int64)),
+            int(np.prod(self.blocks, dtype=np.int64)))
+
+
 class TileMapping:
   """Which tile holds each element of a flattened tensor, and its storage.
 
@@ -48,18 +130,24 @@ class TileMapping:
     counts: ``[rows]`` elements in each row.
     chunk: for linear mappings, the elements per row (row ``r`` holds elements
       ``[r * chunk, (r + 1) * chunk)``); ``None`` for general mappings.
+    grid: for general mappings that are a regular :class:`BlockGrid`, that
+      grid (storage conversions are then reshapes, not gathers).
   """
 
   def __init__(self, num_elements: int, tiles: np.ndarray, counts: np.ndarray,
                chunk: Optional[int] = None,
                element_row: Optional[np.ndarray] = None,
-               element_offset: Optional[np.ndarray] = None):
+               element_offset: Optional[np.ndarray] = None,
+               grid: Optional[BlockGrid] = None):
     self.num_elements = int(num_elements)
     self.tiles = np.asarray(tiles, dtype=np.int64)
     self.counts = np.asarray(counts, dtype=np.int64)
     self.chunk = chunk
     self._element_row = element_row
     self._element_offset = element_offset
+    # A general mapping with a regular block structure: storage conversions
+    # use its reshapes instead of gathers.
+    self.grid = grid
 
   # -- constructors ---------------------------------------------------------
 

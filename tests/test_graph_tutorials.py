@@ -4,7 +4,6 @@ import contextlib
 import io
 
 from absl.testing import absltest
-from absl.testing import parameterized
 import chex
 import numpy as np
 

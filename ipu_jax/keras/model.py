@@ -34,8 +34,6 @@ What one call of the device does (DESIGN section 5):
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,7 +48,10 @@ from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import losses as losses_lib
 from ipu_jax.keras import metrics as metrics_lib
 from ipu_jax.keras.adapters import flatten_paths, make_adapter
+from ipu_jax.keras.data import ArrayData, host_dtype, is_array_like, num_samples, split_batch
 from ipu_jax.keras.progress import ProgbarLogger
+from ipu_jax.keras.weights import (atomic_write, flat_saveable, restore_flat,
+                                   restore_nested, to_saveable)
 from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, SUMMED, Replication,
                                        cross_replica_mean, cross_replica_sum)
 
@@ -89,10 +90,6 @@ def _active_config():
   return config_lib._DEFAULT_CONFIG.get()  # noqa: SLF001  (same package)
 
 
-def _is_key(x) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _vector(scalars):
   """A float32 vector of scalars (concatenate, which every lowering knows)."""
   return jnp.concatenate([jnp.reshape(jnp.asarray(s, jnp.float32), (1,)) for s in scalars])
@@ -100,142 +97,6 @@ def _vector(scalars):
 
 def _abstract(tree):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-
-
-def _host_dtype(array: np.ndarray) -> np.ndarray:
-  array = np.asarray(array)
-  if array.dtype == np.float64:
-    return array.astype(np.float32)
-  if array.dtype == np.int64 or array.dtype == np.uint64:
-    return array.astype(np.int32)
-  if array.dtype == np.bool_:
-    return array.astype(np.int32)
-  return array
-
-
-def _num_samples(x) -> int:
-  leaves = jax.tree.leaves(x)
-  if not leaves:
-    raise ValueError("x holds no arrays.")
-  n = {np.shape(leaf)[0] for leaf in leaves}
-  if len(n) != 1:
-    raise ValueError(f"every array in x needs the same number of samples; got {sorted(n)}.")
-  return n.pop()
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-  """Writes ``data`` to ``path`` via a temporary file and ``os.replace``."""
-  path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=directory)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
-# ---------------------------------------------------------------------------
-# Serialisation helpers: nested dicts of NumPy arrays with string keys.
-# ---------------------------------------------------------------------------
-
-
-def _to_saveable(tree):
-  if isinstance(tree, dict):
-    return {str(k): _to_saveable(v) for k, v in tree.items()}
-  if _is_key(tree):
-    return np.asarray(jax.random.key_data(tree))
-  return np.asarray(tree)
-
-
-def _restore_nested(template, saved, where="weights"):
-  if isinstance(template, dict):
-    if not isinstance(saved, dict):
-      raise ValueError(f"checkpoint {where}: expected a dict, found {type(saved).__name__}.")
-    missing = [str(k) for k in template if str(k) not in saved]
-    if missing:
-      raise ValueError(f"checkpoint {where} lacks {missing}; it was saved from a "
-                       "different model.")
-    return {k: _restore_nested(v, saved[str(k)], f"{where}/{k}") for k, v in template.items()}
-  value = np.asarray(saved)
-  if _is_key(template):
-    return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(template))
-  if tuple(value.shape) != tuple(np.shape(template)):
-    raise ValueError(f"checkpoint {where} has shape {value.shape}; the model's is "
-                     f"{np.shape(template)}.")
-  return jnp.asarray(value, dtype=template.dtype)
-
-
-def _flat_saveable(tree) -> dict:
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path): _to_saveable(leaf) for path, leaf in leaves}
-
-
-def _restore_flat(template, saved: dict, where: str):
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-  values = []
-  for path, leaf in leaves:
-    key = jax.tree_util.keystr(path)
-    if key not in saved:
-      raise ValueError(f"checkpoint {where} lacks {key}; it was saved with a different "
-                       "optimizer or model.")
-    values.append(_restore_nested(leaf, saved[key], f"{where}{key}"))
-  return jax.tree_util.tree_unflatten(treedef, values)
-
-
-# ---------------------------------------------------------------------------
-# Data.
-# ---------------------------------------------------------------------------
-
-
-class _ArrayData:
-  """``x`` (array or pytree of arrays) and ``y`` arrays held on the host."""
-
-  def __init__(self, x, y, batch_size):
-    self.x = jax.tree.map(_host_dtype, x)
-    self.y = None if y is None else _host_dtype(y)
-    self.n = _num_samples(self.x)
-    if self.y is not None and len(self.y) != self.n:
-      raise ValueError(f"x has {self.n} samples and y has {len(self.y)}.")
-    self.batch_size = int(batch_size)
-
-  def take(self, index):
-    x = jax.tree.map(lambda a: a[index], self.x)
-    y = None if self.y is None else self.y[index]
-    return x, y
-
-
-def _is_array_like(x) -> bool:
-  leaves = jax.tree.leaves(x)
-  return bool(leaves) and all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                              for leaf in leaves) and not _looks_iterable_of_batches(x)
-
-
-def _looks_iterable_of_batches(x) -> bool:
-  if isinstance(x, (np.ndarray, jax.Array, dict)):
-    return False
-  if isinstance(x, (list, tuple)):
-    return bool(x) and isinstance(x[0], (tuple, list)) and len(x[0]) == 2
-  return hasattr(x, "__iter__") or hasattr(x, "__next__")
-
-
-def _split_batch(item):
-  if isinstance(item, dict) and "x" in item:
-    return item["x"], item.get("y")
-  if isinstance(item, (tuple, list)) and len(item) == 2:
-    return item[0], item[1]
-  raise ValueError("a dataset for ipu_jax.keras.Model must yield (x, y) pairs or "
-                   f"dicts with 'x' and 'y'; got {type(item).__name__}.")
-
-
-def _stack(items):
-  return jax.tree.map(lambda *a: np.stack([_host_dtype(v) for v in a]), *items)
 
 
 class _Metrics:
@@ -471,17 +332,17 @@ class Model:
 
   def get_weights(self) -> dict:
     """``{"params": ..., "state": ...}`` as nested dicts of NumPy arrays."""
-    return {"params": _to_saveable(self._adapter.to_pure(self.params)),
-            "state": _to_saveable(self._adapter.to_pure(self.state))}
+    return {"params": to_saveable(self._adapter.to_pure(self.params)),
+            "state": to_saveable(self._adapter.to_pure(self.state))}
 
   def set_weights(self, weights: dict):
     """Sets weights as :meth:`get_weights` gives them."""
     params_t = self._adapter.to_pure(self.params)
     state_t = self._adapter.to_pure(self.state)
-    self._params = self._adapter.from_pure(self.params, _restore_nested(
+    self._params = self._adapter.from_pure(self.params, restore_nested(
         params_t, weights["params"], "params"))
     if "state" in weights and jax.tree.leaves(state_t):
-      self._state = self._adapter.from_pure(self.state, _restore_nested(
+      self._state = self._adapter.from_pure(self.state, restore_nested(
           state_t, weights["state"], "state"))
     self._sync_module()
 
@@ -512,16 +373,16 @@ class Model:
         "format": _FORMAT, "version": _FORMAT_VERSION,
         "epoch": -1 if epoch is None else int(epoch),
         **self.get_weights(),
-        "rng_state": _flat_saveable(self._local(self._rng_state)),
+        "rng_state": flat_saveable(self._local(self._rng_state)),
     }
     if include_optimizer and self._compiled:
       payload["optimizer"] = {
-          "opt_state": _flat_saveable(self.opt_state),
+          "opt_state": flat_saveable(self.opt_state),
           "step": np.asarray(self.step, np.int64),
       }
     data = flax.serialization.msgpack_serialize(payload)
     if jax.process_index() == 0:
-      _atomic_write(path, data)
+      atomic_write(path, data)
     return path
 
   def load_weights(self, path: str) -> Optional[int]:
@@ -543,7 +404,7 @@ class Model:
     self.set_weights(payload)
     saved_rng = payload.get("rng_state") or {}
     if saved_rng and jax.tree.leaves(self._rng_state):
-      self._rng_state = _restore_flat(self._local(self._rng_state), saved_rng, "rng_state")
+      self._rng_state = restore_flat(self._local(self._rng_state), saved_rng, "rng_state")
     if "optimizer" in payload:
       if self._compiled:
         self._restore_optimizer(payload["optimizer"])
@@ -554,7 +415,7 @@ class Model:
     return self.checkpoint_epoch
 
   def _restore_optimizer(self, saved):
-    self._opt_state = _restore_flat(self.opt_state, saved["opt_state"], "opt_state")
+    self._opt_state = restore_flat(self.opt_state, saved["opt_state"], "opt_state")
     self._step = jnp.asarray(int(np.asarray(saved["step"])), jnp.int32)
 
   # -- the programs -------------------------------------------------------------------
@@ -625,7 +486,6 @@ class Model:
     R = self.num_replicas
     method = self.gradient_accumulation_reduction
     replica_reduction = self.replica_reduction
-    U = self.steps_per_execution // (G * R)
     key = ("train", G, method, R, jax.tree.map(lambda a: (a.shape, str(a.dtype)), (xs, ys)))
     adapter, optimizer, metric_fns = self._adapter, self.optimizer, self.metrics
     needs_rng = adapter.needs_rng
@@ -899,10 +759,10 @@ class Model:
     S = self.steps_per_execution
     if x is None:
       raise ValueError("fit needs data: x and y arrays, or x an iterable of (x, y) batches.")
-    if y is not None or _is_array_like(x):
+    if y is not None or is_array_like(x):
       if y is None:
         raise ValueError("fit with an array x needs labels y.")
-      data = _ArrayData(x, y, 32 if batch_size is None else batch_size)
+      data = ArrayData(x, y, 32 if batch_size is None else batch_size)
       if data.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}.")
       executions = self._executions(data, steps_per_epoch)
@@ -928,8 +788,8 @@ class Model:
       stream["it"] = it
     else:
       peek = next(iter(x))
-    px, py = _split_batch(peek)
-    b = _num_samples(px)
+    px, py = split_batch(peek)
+    b = num_samples(px)
     if batch_size is not None and batch_size != b:
       raise ValueError(f"batch_size={batch_size} but the dataset yields batches of {b}.")
     executions = None if steps_per_epoch is None else int(steps_per_epoch) // S
@@ -956,40 +816,40 @@ class Model:
             item = next(it)
           except StopIteration:
             break
-        bx, by = _split_batch(item)
-        if _num_samples(bx) != b:
+        bx, by = split_batch(item)
+        if num_samples(bx) != b:
           break  # a short last batch: dropped, as drop_remainder does
         group.append((bx, by))
         if len(group) == S:
-          xs = jax.tree.map(lambda *a: np.concatenate([_host_dtype(v) for v in a]),
+          xs = jax.tree.map(lambda *a: np.concatenate([host_dtype(v) for v in a]),
                             *[g[0] for g in group])
-          ys = np.concatenate([_host_dtype(g[1]) for g in group])
+          ys = np.concatenate([host_dtype(g[1]) for g in group])
           group = []
           count += 1
           yield xs, ys
 
-    example = (jax.tree.map(lambda a: np.repeat(_host_dtype(a)[:1], S * b, axis=0), px),
-               np.repeat(_host_dtype(py)[:1], S * b, axis=0))
+    example = (jax.tree.map(lambda a: np.repeat(host_dtype(a)[:1], S * b, axis=0), px),
+               np.repeat(host_dtype(py)[:1], S * b, axis=0))
     return {"batch_size": b, "executions": executions, "batches": batches,
             "example": example}
 
   # -- evaluate and predict ---------------------------------------------------------
 
   def _eval_arrays(self, x, y, batch_size, steps):
-    if y is None and not _is_array_like(x):
+    if y is None and not is_array_like(x):
       items = []
       for i, item in enumerate(x):
         if steps is not None and i >= steps:
           break
-        items.append(_split_batch(item))
+        items.append(split_batch(item))
       if not items:
         raise ValueError("the dataset is empty.")
-      b = _num_samples(items[0][0])
-      x = jax.tree.map(lambda *a: np.concatenate([_host_dtype(v) for v in a]),
+      b = num_samples(items[0][0])
+      x = jax.tree.map(lambda *a: np.concatenate([host_dtype(v) for v in a]),
                        *[i[0] for i in items])
-      y = None if items[0][1] is None else np.concatenate([_host_dtype(i[1]) for i in items])
+      y = None if items[0][1] is None else np.concatenate([host_dtype(i[1]) for i in items])
       batch_size = batch_size or b
-    return _ArrayData(x, y, 32 if batch_size is None else batch_size)
+    return ArrayData(x, y, 32 if batch_size is None else batch_size)
 
   def _padded_executions(self, data):
     """Executions (padded to whole ones) and the per-execution sample count."""
@@ -999,7 +859,7 @@ class Model:
     return executions, chunk
 
   def _evaluate(self, x, y, batch_size, cb, verbose, steps=None):
-    if isinstance(x, tuple) and y is None and len(x) == 2 and _is_array_like(x[0]):
+    if isinstance(x, tuple) and y is None and len(x) == 2 and is_array_like(x[0]):
       x, y = x
     data = self._eval_arrays(x, y, batch_size, steps)
     if data.y is None:
@@ -1050,9 +910,9 @@ class Model:
               callbacks: Optional[Sequence] = None, steps: Optional[int] = None) -> np.ndarray:
     """The model's outputs for every sample of ``x``, as NumPy."""
     self._require_compiled()
-    if not _is_array_like(x):
+    if not is_array_like(x):
       x = self._eval_arrays(x, None, batch_size, steps).x
-    data = _ArrayData(x, None, 32 if batch_size is None else batch_size)
+    data = ArrayData(x, None, 32 if batch_size is None else batch_size)
     self._eval_batch_size = data.batch_size
     executions, chunk = self._padded_executions(data)
     R = self.num_replicas

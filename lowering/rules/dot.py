@@ -59,7 +59,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
-from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 from ipu_jax.lowering.matmul_plan import ceil_div, plan_matmul
 from ipu_jax.lowering.registry import register_lowering
 
@@ -146,41 +146,15 @@ def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
   if counts[-1] > 0 and np.all(counts[:-1] == row_size):
     if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
       return TileMapping(n, tiles, counts, chunk=row_size)
-  return TileMapping(n, tiles, counts, element_row=row, element_offset=offset)
+  grid = BlockGrid(shape, tuple(int(g) for g in grids), tuple(int(b) for b in blocks),
+                   int(pieces), tuple(serial))
+  return TileMapping(n, tiles, counts, element_row=row, element_offset=offset, grid=grid)
 
 
 def blocked_storage(x, grids: Sequence[int], blocks: Sequence[int], pieces: int = 1,
                     serial: tuple = (None, 1)):
   """Logical array -> storage of :func:`block_grid_mapping` (pad/reshape/transpose)."""
-  serial_axis, count = serial
-  if serial_axis is not None and count > 1:
-    length = ceil_div(x.shape[serial_axis], count)
-    pad = [(0, 0)] * x.ndim
-    pad[serial_axis] = (0, count * length - x.shape[serial_axis])
-    x = jnp.pad(x, pad)
-    x = jnp.moveaxis(x, serial_axis, 0)
-    x = x.reshape((count, length) + x.shape[1:])
-    x = jnp.moveaxis(x, 1, serial_axis + 1)
-    per_pass = jax.vmap(lambda v: blocked_storage(v, grids, blocks, pieces))(x)
-    return jnp.transpose(per_pass, (1, 0, 2)).reshape(per_pass.shape[1], -1)
-  ndim = x.ndim
-  pad = [(0, int(g) * int(b) - int(d)) for g, b, d in zip(grids, blocks, x.shape)]
-  if any(hi for _, hi in pad):
-    x = jnp.pad(x, pad)
-  split = []
-  for g, b in zip(grids, blocks):
-    split += [int(g), int(b)]
-  x = x.reshape(split)
-  order = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
-  num_blocks = int(np.prod(grids, dtype=np.int64))
-  block_elements = int(np.prod(blocks, dtype=np.int64))
-  x = jnp.transpose(x, order).reshape(num_blocks, block_elements)
-  if pieces > 1:
-    piece = ceil_div(block_elements, pieces)
-    if piece * pieces != block_elements:
-      x = jnp.pad(x, ((0, 0), (0, piece * pieces - block_elements)))
-    x = x.reshape(num_blocks * pieces, piece)
-  return x
+  return BlockGrid(tuple(x.shape), tuple(grids), tuple(blocks), pieces, serial).to_storage(x)
 
 
 def canonical_tiles(tensor: P.Tensor, perm: Sequence[int], canon_shape: Sequence[int]):

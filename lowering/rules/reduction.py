@@ -898,7 +898,7 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
   """The steps of a scan plan: scan pieces (+ totals), fold earlier totals."""
   target = ctx.target
   num_tiles = target.num_tiles
-  dtype, itemsize = x.dtype, x.itemsize
+  dtype = x.dtype
   mapping, groups = plan.mapping, plan.groups
   rows, row_size = mapping.storage_shape
   total = rows * row_size

@@ -1,0 +1,84 @@
+"""Weights on disk: flat dicts of NumPy arrays, written atomically.
+
+``Model.save_weights`` and the checkpoint callback write through
+:func:`atomic_write` (a temporary file, then ``os.replace``), so a run killed
+at any moment leaves either the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["atomic_write", "flat_saveable", "is_key", "restore_flat", "restore_nested",
+           "to_saveable"]
+
+
+def is_key(x) -> bool:
+  """Whether ``x`` is a typed JAX PRNG key array."""
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+  """Writes ``data`` to ``path`` via a temporary file and ``os.replace``."""
+  path = os.fspath(path)
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=directory)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def to_saveable(tree):
+  if isinstance(tree, dict):
+    return {str(k): to_saveable(v) for k, v in tree.items()}
+  if is_key(tree):
+    return np.asarray(jax.random.key_data(tree))
+  return np.asarray(tree)
+
+
+def restore_nested(template, saved, where="weights"):
+  if isinstance(template, dict):
+    if not isinstance(saved, dict):
+      raise ValueError(f"checkpoint {where}: expected a dict, found {type(saved).__name__}.")
+    missing = [str(k) for k in template if str(k) not in saved]
+    if missing:
+      raise ValueError(f"checkpoint {where} lacks {missing}; it was saved from a "
+                       "different model.")
+    return {k: restore_nested(v, saved[str(k)], f"{where}/{k}") for k, v in template.items()}
+  value = np.asarray(saved)
+  if is_key(template):
+    return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(template))
+  if tuple(value.shape) != tuple(np.shape(template)):
+    raise ValueError(f"checkpoint {where} has shape {value.shape}; the model's is "
+                     f"{np.shape(template)}.")
+  return jnp.asarray(value, dtype=template.dtype)
+
+
+def flat_saveable(tree) -> dict:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(path): to_saveable(leaf) for path, leaf in leaves}
+
+
+def restore_flat(template, saved: dict, where: str):
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+  values = []
+  for path, leaf in leaves:
+    key = jax.tree_util.keystr(path)
+    if key not in saved:
+      raise ValueError(f"checkpoint {where} lacks {key}; it was saved with a different "
+                       "optimizer or model.")
+    values.append(restore_nested(leaf, saved[key], f"{where}{key}"))
+  return jax.tree_util.tree_unflatten(treedef, values)
