@@ -55,6 +55,7 @@ class BlockGrid:
   blocks: tuple
   pieces: int = 1
   serial: tuple = (None, 1)
+  rows: Optional[int] = None  # storage rows when trailing blocks are empty and unstored
 
   @property
   def _passes(self):
@@ -63,6 +64,18 @@ class BlockGrid:
 
   def to_storage(self, x):
     """Logical array of ``shape`` -> ``[rows, row_size]`` storage."""
+    storage = self._to_storage(x)
+    return storage if self.rows is None else storage[:self.rows]
+
+  def to_logical(self, storage):
+    """``[rows, row_size]`` storage -> logical array of ``shape``."""
+    full = self._counts()[0] * self.pieces
+    if self.rows is not None and self.rows < full:
+      import jax.numpy as jnp
+      storage = jnp.pad(storage, ((0, full - self.rows), (0, 0)))
+    return self._to_logical(storage)
+
+  def _to_storage(self, x):
     import jax
     import jax.numpy as jnp
     axis, count = self._passes
@@ -72,7 +85,7 @@ class BlockGrid:
       pad[axis] = (0, count * length - x.shape[axis])
       x = jnp.moveaxis(jnp.pad(x, pad), axis, 0)
       x = jnp.moveaxis(x.reshape((count, length) + x.shape[1:]), 1, axis + 1)
-      inner = dataclasses.replace(self, shape=x.shape[1:], serial=(None, 1))
+      inner = dataclasses.replace(self, shape=x.shape[1:], serial=(None, 1), rows=None)
       per_pass = jax.vmap(inner.to_storage)(x)
       return jnp.transpose(per_pass, (1, 0, 2)).reshape(per_pass.shape[1], -1)
     ndim = x.ndim
@@ -90,15 +103,14 @@ class BlockGrid:
       x = x.reshape(num_blocks * self.pieces, piece)
     return x
 
-  def to_logical(self, storage):
-    """``[rows, row_size]`` storage -> logical array of ``shape``."""
+  def _to_logical(self, storage):
     import jax
     import jax.numpy as jnp
     axis, count = self._passes
     if axis is not None:
       length = -(-self.shape[axis] // count)
       pass_shape = self.shape[:axis] + (length,) + self.shape[axis + 1:]
-      inner = dataclasses.replace(self, shape=pass_shape, serial=(None, 1))
+      inner = dataclasses.replace(self, shape=pass_shape, serial=(None, 1), rows=None)
       rows = storage.shape[0]
       per_pass = jnp.transpose(storage.reshape(rows, count, -1), (1, 0, 2))
       x = jax.vmap(inner.to_logical)(per_pass)           # [count, *pass_shape]

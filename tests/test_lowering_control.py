@@ -78,6 +78,22 @@ _clipped_sin.defvjp(_clipped_sin_fwd, _clipped_sin_bwd)
 
 class ControlTest(chex.TestCase, parameterized.TestCase):
 
+  @parameterized.parameters("batched", "per_tile")
+  def test_scan_carry_changes_layout_in_the_body(self, mode):
+    # The carry starts linearly mapped; the body's result is a matmul's
+    # block-grid layout, so the end-of-iteration copy must relayout it while
+    # the initial copy must not.
+    x0 = jax.random.normal(jax.random.key(0), (37, 29))
+    w = jax.random.normal(jax.random.key(1), (29, 29)) * 0.2
+
+    def f(x0, w):
+      return lax.scan(lambda c, _: (jnp.tanh(c @ w), c.sum()), x0, None, length=3)
+
+    cfg = ipu_jax.IPUConfig()
+    cfg.executor.mode = mode
+    chex.assert_trees_all_close(_run(f, x0, w, config=cfg), jax.jit(f)(x0, w), rtol=1e-5,
+                                atol=1e-6)
+
   def assert_same(self, fn, *args, target=_T16, config=None, exact=True):
     got = _run(fn, *args, target=target, config=config)
     want = jax.jit(fn)(*args)

@@ -38,6 +38,7 @@ not carry them between iterations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import jax.numpy as jnp
@@ -331,6 +332,11 @@ def _write_row(stacked_storage, mapping, positions, row, size, value):
 # -- scan ---------------------------------------------------------------------
 
 
+def _with_zero_counter(copy_fn, counter_shape, *storages):
+  """The init copies, then a zeroed loop counter."""
+  return tuple(copy_fn(*storages)) + (jnp.zeros(counter_shape, jnp.int32),)
+
+
 def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
                unroll=1, **params):
   del unroll, params  # unrolling does not change the tile program's numbers
@@ -364,8 +370,8 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
         compute_cycles=fill, vertices=(counter_tiles > 0).astype(np.int64),
         codelets=("Fill<int>",)))
   else:
-    copy_fn = init.fn
-    init.fn = lambda *s: tuple(copy_fn(*s)) + (jnp.zeros(counter_shape, jnp.int32),)
+    # Bind the copy now: a later ``copy_fn`` in this function must not leak in.
+    init.fn = functools.partial(_with_zero_counter, init.fn, counter_shape)
     init.writes = init.writes + (counter,)
     init.compute_cycles = fill
     init.vertices = (counter_tiles > 0).astype(np.int64)

@@ -146,8 +146,14 @@ def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
   if counts[-1] > 0 and np.all(counts[:-1] == row_size):
     if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
       return TileMapping(n, tiles, counts, chunk=row_size)
+  # Blocks past the last tile given are empty (the grid over-covers an
+  # axis): they have no storage row.
+  stored = int(tiles.size)
+  if stored < rows and counts[stored:].any():
+    raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
+  counts = counts[:stored]
   grid = BlockGrid(shape, tuple(int(g) for g in grids), tuple(int(b) for b in blocks),
-                   int(pieces), tuple(serial))
+                   int(pieces), tuple(serial), rows=stored if stored < rows else None)
   return TileMapping(n, tiles, counts, element_row=row, element_offset=offset, grid=grid)
 
 
