@@ -62,7 +62,6 @@ class _Base:
     self.value = value
     self.element_tile = np.full(self.size, -1, np.int64)
     self.offset = graph._next_offset(self)
-    self.ir: Optional[P.Tensor] = None
 
 
 class Tensor:
@@ -372,14 +371,15 @@ class Graph:
 class _Lowerer:
   """Turns graph programs into the tile IR, building steps for compute sets."""
 
-  def __init__(self, graph: Graph):
+  def __init__(self, graph: Graph, ir: list):
     self.graph = graph
+    self.ir = ir  # this engine's IR tensor of each graph base tensor
     self.target = graph.target
     self.streams = {}
     self.cache = {}
 
   def base_ir(self, b: int) -> P.Tensor:
-    return self.graph._bases[b].ir
+    return self.ir[b]
 
   def split(self, index: np.ndarray):
     """``(base numbers, local indices)`` of global element indices."""
@@ -396,7 +396,7 @@ class _Lowerer:
     b = int(self.graph._base_of(flat[:1])[0])
     base = self.graph._bases[b]
     if flat.size == base.size and np.array_equal(flat, base.offset + np.arange(base.size)):
-      return base.ir
+      return self.ir[b]
     return None
 
   # programs
@@ -553,6 +553,7 @@ class _Lowerer:
     written_bases = sorted(all_written_bases)
     reads = [self.base_ir(b) for b in read_bases]
     writes = [self.base_ir(b) for b in written_bases]
+    write_mappings = [t.mapping for t in writes]
     by_dtype = {}
     for b in read_bases:
       by_dtype.setdefault(self.graph._bases[b].dtype, []).append(b)
@@ -598,7 +599,7 @@ class _Lowerer:
             sel = np.nonzero(bases == b)[0]
             tensor = graph._bases[int(b)]
             new_flats[int(b)] = new_flats[int(b)].at[local[sel]].set(value[sel].astype(tensor.dtype))
-      return tuple(to_storage(new_flats[b], graph._bases[b].ir.mapping) for b in written_bases)
+      return tuple(to_storage(new_flats[b], m) for b, m in zip(written_bases, write_mappings))
 
     vt = np.concatenate(vertex_tiles) if vertex_tiles else np.zeros(0, np.int64)
     vc = np.concatenate(vertex_cycles) if vertex_cycles else np.zeros(0)
@@ -607,6 +608,10 @@ class _Lowerer:
     exchange = None
     if src_tiles:
       st, dt, ids, isz = (np.concatenate(x) for x in (src_tiles, dst_tiles, element_ids, itemsizes))
+      # Vertices on one tile share what it receives: an element moves to a
+      # tile once however many of its vertices read it.
+      _, once = np.unique(np.stack([ids, dt]), axis=1, return_index=True)
+      st, dt, ids, isz = st[once], dt[once], ids[once], isz[once]
       exchange = ExchangeCost.zeros(target)
       for size in np.unique(isz):
         sel = isz == size
@@ -655,13 +660,16 @@ class Engine:
         n = int((base.element_tile < 0).sum())
         raise ValueError(f"tensor {base.name!r} has {n} element(s) without a tile mapping; "
                          "call set_tile_mapping or map_tensor_linearly")
-      base.ir = P.Tensor(base.name, base.shape, base.dtype,
+    # This engine's own IR tensors: mappings are frozen now, so changing the
+    # graph afterwards (or building another engine on it) cannot affect it.
+    self._ir = [P.Tensor(base.name, base.shape, base.dtype,
                          TileMapping.from_element_tiles(base.element_tile),
                          category=base.category, value=base.value, op="graph")
-    lowerer = _Lowerer(graph)
+                for base in graph._bases]
+    lowerer = _Lowerer(graph, self._ir)
     self._programs = [lowerer.lower(p) for p in programs]
     self._streams = lowerer.streams
-    self._persistent = [b.ir for b in graph._bases]
+    self._persistent = list(self._ir)
     self.profiles = [profile_program(p, self.target, persistent=self._persistent,
                                      name=f"{name}[{i}]")
                      for i, p in enumerate(self._programs)]
@@ -673,8 +681,7 @@ class Engine:
       check_memory(profile, allow_out_of_memory=allow_out_of_memory,
                    report=_make_report(profile), what=profile.name)
     self._state = {}
-    for base in graph._bases:
-      t = base.ir
+    for t in self._ir:
       if t.value is not None:
         self._state[t.id] = to_storage(jnp.asarray(t.value.reshape(-1)), t.mapping)
       else:
@@ -696,7 +703,7 @@ class Engine:
 
   def _function(self, index: int):
     if index not in self._functions:
-      tensors = {b.ir.id: b.ir for b in self.graph._bases}
+      tensors = {t.id: t for t in self._ir}
       for program in [self._programs[index]]:
         for node, _, _ in P.iter_steps(program):
           for t in (list(node.reads) + list(node.writes) if isinstance(node, P.Superstep)
@@ -725,8 +732,8 @@ class Engine:
         buffer.reshape(-1)[...] = np.asarray(self._state[f"stream:{name}:buffer"])
 
   def _flat(self, b: int):
-    base = self.graph._bases[b]
-    return np.asarray(to_flat(self._state[base.ir.id], base.ir.mapping))
+    tensor = self._ir[b]
+    return np.asarray(to_flat(self._state[tensor.id], tensor.mapping))
 
   def read_tensor(self, tensor: Tensor) -> np.ndarray:
     """The current value of a view, as a NumPy array."""
@@ -747,7 +754,8 @@ class Engine:
       sel = bases == b
       flat = self._flat(int(b)).copy()
       flat[flat_index[sel] - base.offset] = values[sel]
-      self._state[base.ir.id] = to_storage(jnp.asarray(flat), base.ir.mapping)
+      ir = self._ir[int(b)]
+      self._state[ir.id] = to_storage(jnp.asarray(flat), ir.mapping)
 
   def report(self, index: int = 0):
     """The :class:`ipu_jax.Report` of program ``index``."""

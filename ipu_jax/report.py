@@ -73,7 +73,8 @@ Files written by :meth:`Report.save`:
         "exchange_cycles", "sync_cycles": float,
         "executions": int, "flops": int,
         "exchange_bytes_in", "exchange_bytes_out": int,   # summed over tiles
-        "ipu_link_bytes", "host_bytes": int
+        "ipu_link_bytes", "host_bytes": int,
+        "temporary_bytes_peak": int      # the step's working memory, busiest tile
       }],
       "tensors": [{
         "name", "dtype", "category", "op", "source": str, "shape": [int],
@@ -171,6 +172,7 @@ class _StepTable:
   bytes_out: np.ndarray
   ipu_link_bytes: np.ndarray
   host_bytes: np.ndarray
+  temporary_peak: np.ndarray   # the step's own working memory, busiest tile
 
   def __len__(self) -> int:
     return len(self.names)
@@ -268,6 +270,9 @@ def _steps_from_profile(profile: ProgramProfile) -> _StepTable:
       ipu_link_bytes=np.asarray([int(s.ipu_link_bytes) for s in steps],
                                 np.int64),
       host_bytes=np.asarray([int(s.host_bytes) for s in steps], np.int64),
+      temporary_peak=np.asarray(
+          [int(np.max(s.temporary_bytes)) if getattr(s, "temporary_bytes", None) is not None
+           and np.size(s.temporary_bytes) else 0 for s in steps], np.int64),
   )
 
 
@@ -379,6 +384,7 @@ def _steps_to_json(steps: _StepTable) -> list:
       "exchange_bytes_out": int(steps.bytes_out[i]),
       "ipu_link_bytes": int(steps.ipu_link_bytes[i]),
       "host_bytes": int(steps.host_bytes[i]),
+      "temporary_bytes_peak": int(steps.temporary_peak[i]),
   } for i in range(len(steps))]
 
 
@@ -408,6 +414,7 @@ def _steps_from_json(rows: list, num_ipus: int) -> _StepTable:
       bytes_out=column("exchange_bytes_out", np.int64),
       ipu_link_bytes=column("ipu_link_bytes", np.int64),
       host_bytes=column("host_bytes", np.int64),
+      temporary_peak=column("temporary_bytes_peak", np.int64),
   )
 
 
@@ -683,6 +690,18 @@ class _ReportBase:
       row["cycles"] = row["compute"] + row["exchange"] + row["sync"]
     return sorted(groups.values(), key=lambda r: -r["cycles"])
 
+  def temporary_memory_by_op(self) -> dict:
+    """Op name -> the most working memory any of its steps needs on a tile.
+
+    A step's working memory is its scratch (operand blocks, partial sums)
+    plus its exchange buffers: what ``available_memory_proportion`` bounds.
+    """
+    steps = self._data.steps
+    peaks = collections.defaultdict(int)
+    for i in range(len(steps)):
+      peaks[steps.ops[i]] = max(peaks[steps.ops[i]], int(steps.temporary_peak[i]))
+    return dict(peaks)
+
   def cycles_by_op(self) -> dict:
     """Op name -> cycles x executions, summed over every source line."""
     totals = collections.defaultdict(float)
@@ -712,6 +731,7 @@ class _ReportBase:
         self._summary_memory(),
         self._summary_cycles(),
         self._summary_top_ops(top),
+        self._summary_top_working_memory(top),
         self._summary_top_tensors(top),
     ]
     if self.over_limit_tiles.size:
@@ -854,6 +874,17 @@ class _ReportBase:
     return [title] + _table(
         ["Operation", "Source", "Steps", "Executions", "Cycles", "% total"],
         body, right=(False, False, True, True, True, True))
+
+  def _summary_top_working_memory(self, top: int) -> list:
+    peaks = sorted(self.temporary_memory_by_op().items(), key=lambda kv: -kv[1])
+    peaks = [(op, b) for op, b in peaks if b > 0]
+    title = (f"Top operations by working memory per tile ({min(top, len(peaks))} of "
+             f"{len(peaks)}):")
+    if not peaks:
+      return [title, "  (none)"]
+    body = [[op, f"{b:,}", _pct(b, self.tile_limit)] for op, b in peaks[:top]]
+    return [title] + _table(["Operation", "Peak bytes", "% of tile"], body,
+                            right=(False, True, True))
 
   def _summary_top_tensors(self, top: int) -> list:
     tensors = self.largest_tensors(top)
@@ -1398,6 +1429,14 @@ def compare_reports(a, b, top: int = 20) -> str:
             "", "", "", ""]]
   rows += [_compare_row("  " + op, ops_a.get(op, 0.0), ops_b.get(op, 0.0))
            for op in ops[:top]]
+  mem_a, mem_b = a.temporary_memory_by_op(), b.temporary_memory_by_op()
+  mem_ops = sorted((op for op in set(mem_a) | set(mem_b)
+                    if mem_a.get(op, 0) or mem_b.get(op, 0)),
+                   key=lambda op: -max(mem_a.get(op, 0), mem_b.get(op, 0)))
+  rows += [[f"Working memory per tile by operation, bytes ({min(top, len(mem_ops))} "
+            f"of {len(mem_ops)})", "", "", "", ""]]
+  rows += [_compare_row("  " + op, mem_a.get(op, 0), mem_b.get(op, 0))
+           for op in mem_ops[:top]]
   title = [f"Comparing A = {a.name} ({a.target.name}, {a.target.num_ipus} "
            f"IPU(s), {a.target.num_tiles:,} tiles) with B = {b.name} "
            f"({b.target.name}, {b.target.num_ipus} IPU(s), "

@@ -48,13 +48,14 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
     link = 0 if ex is None else int(ex.link_bytes_out.sum())
     touched = np.nonzero((compute > 0) | (bytes_in > 0) | (bytes_out > 0))[0]
     vertices = node.vertices if node.vertices is not None else (compute > 0).astype(np.int64)
+    temporary = bytes_in if node.scratch_bytes is None else bytes_in + node.scratch_bytes
     return StepProfile(
         name=node.name, op=node.op, source=node.source, compute_cycles=compute,
         exchange_bytes_in=bytes_in, exchange_bytes_out=bytes_out,
         exchange_cycles=exchange_cycles(target, ex),
         sync_cycles=_sync_cycles(target, touched, link > 0),
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
-        executions=executions)
+        executions=executions, temporary_bytes=np.asarray(temporary, np.int64))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)

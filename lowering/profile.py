@@ -45,6 +45,9 @@ class StepProfile:
     executions: times the step runs per program run (``Repeat`` multiplies it;
       loops of unknown trip count count once).
     host_bytes: bytes moved over the host link (streams), 0 otherwise.
+    temporary_bytes: ``[num_tiles]`` memory the step itself needs while it
+      runs (its scratch: operand blocks, partials; and its exchange
+      buffers). What ``available_memory_proportion`` limits.
   """
 
   name: str
@@ -60,6 +63,7 @@ class StepProfile:
   vertices: Optional[np.ndarray] = None
   executions: int = 1
   host_bytes: int = 0
+  temporary_bytes: Optional[np.ndarray] = None
 
   @property
   def compute_phase_cycles(self) -> float:

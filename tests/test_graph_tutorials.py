@@ -288,6 +288,40 @@ class GraphApiTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "lonely.*tile mapping"):
       g.Engine(gr, [g.Sequence()])
 
+  def test_engines_are_independent_of_later_graph_changes(self):
+    gr = g.Graph(_target())
+    u = gr.add_variable("float32", (8,), "u")
+    gr.map_tensor_linearly(u, min_elements_per_tile=2, grain_size=2)
+    inc = g.codelet(inouts=("x",), cycles=1, name="inc")(lambda x: x + 1)
+    cs = gr.add_compute_set("inc")
+    gr.add_vertex(cs, inc, tile=0, x=u)
+    first = g.Engine(gr, [g.Execute(cs)])
+    first.write_tensor(u, np.arange(8))
+    # Remap u and build a second engine on the same graph.
+    for i in range(8):
+      gr.set_tile_mapping(u[i], (7 - i) // 2)
+    second = g.Engine(gr, [g.Execute(cs)])
+    first.run(0)
+    np.testing.assert_array_equal(first.read_tensor(u), np.arange(8) + 1)
+    second.write_tensor(u, np.zeros(8))
+    second.run(0)
+    np.testing.assert_array_equal(second.read_tensor(u), np.ones(8))
+    np.testing.assert_array_equal(first.read_tensor(u), np.arange(8) + 1)
+
+  def test_vertices_on_one_tile_share_received_data(self):
+    gr = g.Graph(_target())
+    a = gr.add_variable("float32", (4,), "a")
+    out = gr.add_variable("float32", (4,), "out")
+    gr.set_tile_mapping(a, 1)
+    gr.set_tile_mapping(out, 0)
+    total = g.codelet(inputs=("x",), outputs=("y",), cycles=1, name="total")(lambda x: x.sum())
+    cs = gr.add_compute_set("sums")
+    for i in range(4):
+      gr.add_vertex(cs, total, tile=0, x=a, y=out[i])
+    step = g.Engine(gr, [g.Execute(cs)]).profile.steps[0]
+    self.assertEqual(int(step.exchange_bytes_in[0]), 16)
+    self.assertEqual(int(step.exchange_bytes_out[1]), 16)
+
   def test_device_to_host_stream(self):
     gr = g.Graph(_target())
     v = gr.add_constant("float32", (3,), [1, 2, 3], "v")

@@ -477,7 +477,8 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
                                           chunk=block),
                               name=f"{ctx.op}/partials")
 
-    def matmul_step(a_st, b_st, *out_st, index=index, start=start, stop=stop):
+    def matmul_step(a_st, b_st, *out_st, index=index, start=start, stop=stop,
+                    partials=partials):
       # Batched mode does the whole product in the first pass, written straight
       # into the result (its partials are never read, so XLA drops them).
       if mode == "per_tile":

@@ -1,0 +1,130 @@
+"""Reports of real programs: the tut4 matmul chain and the CNN training step.
+
+Checks every output a user reads: the summary's fields, report.json,
+trace.json (Trace Event format), the PNG plots, and comparisons.
+"""
+
+import json
+import os
+
+from absl.testing import absltest
+import chex
+import jax
+import numpy as np
+
+import ipu_jax
+from ipu_jax import graph as g
+from ipu_jax import poplibs
+from experiments import models
+
+_SUMMARY_FIELDS = (
+    "Target", "Tiles used", "Memory", "Peak tile", "Worst tiles", "Always-live",
+    "Not-always-live", "Variables", "Constants", "Temporaries", "Exchange buffers",
+    "Vertex state", "Code", "Compute sets", "Supersteps", "Compute", "Exchange", "Sync",
+    "Estimated time", "FLOPs", "Fraction of peak", "Top operations by cycles",
+    "Top operations by working memory", "Top tensors by memory")
+
+
+def _tut4_report():
+  gr = g.Graph(ipu_jax.IPUTarget.preset("ipu2"))
+  a = gr.add_variable("float32", (900, 600), "a")
+  b = gr.add_variable("float32", (600, 300), "b")
+  c = gr.add_variable("float32", (300, 200), "c")
+  for t in (a, b, c):
+    gr.map_tensor_linearly(t)
+  prog = g.Sequence()
+  poplibs.matmul(gr, poplibs.matmul(gr, a, b, prog, "ab"), c, prog, "abc")
+  return g.Engine(gr, [prog]).report()
+
+
+def _cnn_step_report(proportion, tiles=0):
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = tiles
+  cfg.matmuls.available_memory_proportion = proportion
+  cfg.convolutions.available_memory_proportion = proportion
+  step, args = models.workload("cnn", batch=8)
+  return ipu_jax.jit(step, config=cfg).lower(*args).report
+
+
+class ProgramReportTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.reports = {"tut4": _tut4_report(), "cnn": _cnn_step_report(0.6)}
+
+  def _check_files(self, report, directory):
+    written = report.save(directory)
+    names = {os.path.basename(p) for p in written}
+    for name in ("report.json", "trace.json", "memory_per_tile.png", "cycles_heatmap.png",
+                 "live_memory.png"):
+      self.assertIn(name, names)
+    for png in ("memory_per_tile.png", "cycles_heatmap.png", "live_memory.png"):
+      with open(os.path.join(directory, png), "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+    with open(os.path.join(directory, "report.json")) as f:
+      document = json.load(f)
+    self.assertEqual(document["schema"], "ipu-jax-report")
+    with open(os.path.join(directory, "trace.json")) as f:
+      trace = json.load(f)
+    events = trace["traceEvents"]
+    self.assertNotEmpty(events)
+    for event in events:
+      for key in ("ph", "ts", "pid", "tid"):
+        self.assertIn(key, event)
+      if event["ph"] == "X":
+        self.assertGreaterEqual(event["dur"], 0)
+    phases = {e["name"] for e in events if e["ph"] == "M"}
+    self.assertIn("process_name", phases)
+    loaded = ipu_jax.load_report(directory)
+    self.assertEqual(loaded.summary(), report.summary())
+
+  def test_tut4_report_carries_every_field(self):
+    report = self.reports["tut4"]
+    summary = report.summary()
+    for field in _SUMMARY_FIELDS:
+      self.assertIn(field, summary)
+    self.assertIn("ab", summary)  # operations attributed to their compute sets
+    self.assertEqual(report.total_flops, 2 * (900 * 600 * 300 + 900 * 300 * 200))
+    self._check_files(report, self.create_tempdir().full_path)
+
+  def test_cnn_step_report_carries_every_field(self):
+    report = self.reports["cnn"]
+    summary = report.summary()
+    for field in _SUMMARY_FIELDS:
+      self.assertIn(field, summary)
+    for op in ("conv_general_dilated", "dot_general", "reduce_window_max"):
+      self.assertIn(op, summary)
+    self.assertIn("cifar_cnn.py", summary)  # source lines of the user's code
+    self.assertGreater(report.flops_fraction_of_peak, 0)
+    self._check_files(report, self.create_tempdir().full_path)
+
+  def test_memory_proportion_changes_temporaries_and_cycles(self):
+    # On 64 tiles the dense layer's weights are 73 KB per tile, more than
+    # 10% of a tile's SRAM: the planner must work in smaller pieces.
+    high, low = _cnn_step_report(0.6, tiles=64), _cnn_step_report(0.1, tiles=64)
+    working = lambda r: r.temporary_memory_by_op()["dot_general"]  # noqa: E731
+    self.assertLess(working(low), working(high))
+    self.assertLessEqual(working(low), 0.1 * low.tile_limit)
+    self.assertGreater(low.total_cycles, high.total_cycles)
+    table = ipu_jax.compare_reports(high, low)
+    self.assertIn("Working memory per tile by operation", table)
+    self.assertIn("dot_general", table)
+    self.assertIn("Temporaries", table)
+
+  def test_out_of_memory_report_marks_tiles(self):
+    cfg = ipu_jax.IPUConfig()
+    cfg.memory.allow_out_of_memory = True
+    tiny = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=2)
+    report = ipu_jax.jit(lambda x: x * 2, target=tiny, config=cfg).lower(
+        jax.numpy.ones(400_000)).report
+    self.assertNotEmpty(report.over_limit_tiles)
+    directory = self.create_tempdir().full_path
+    report.save(directory)
+    with open(os.path.join(directory, "report.json")) as f:
+      document = json.load(f)
+    self.assertNotEmpty(np.atleast_1d(document["memory"]["over_limit_tiles"]))
+
+
+if __name__ == "__main__":
+  absltest.main()
