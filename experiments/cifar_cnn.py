@@ -119,35 +119,13 @@ def make_model(seed: int = 0, image_shape=IMAGE_SHAPE, classes: int = CLASSES):
 
 def run(settings: common.Settings) -> dict:
   common.setup_devices(settings)
-  import optax
-  import ipu_jax.keras
-  from ipu_jax.strategy import IPUStrategy
-
   (x_train, y_train), (x_test, y_test) = load_data(settings.data_dir, settings.num_samples,
                                                    settings.seed)
-  cfg = common.make_config(settings)
-  print(common.describe(settings, cfg, NAME))
   print(f"data: {len(x_train)} training and {len(x_test)} test images of shape "
         f"{x_train.shape[1:]}" + ("" if settings.data_dir else " (synthetic)"))
-  with IPUStrategy(cfg).scope():
-    model = ipu_jax.keras.Model(make_model(settings.seed, x_train.shape[1:]),
-                                seed=settings.seed, name="cnn")
-    model.compile(optimizer=optax.adam(settings.learning_rate),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-                  steps_per_execution=settings.resolved_steps_per_execution,
-                  emulate=settings.emulate)
-    model.summary()
-    with common.Timer() as timer:
-      history = model.fit(x_train, y_train, batch_size=settings.batch_size,
-                          epochs=settings.epochs, verbose=settings.verbose)
-    test = model.evaluate(x_test, y_test, batch_size=settings.batch_size, verbose=0)
-  results = {
-      "test_loss": test["loss"], "test_accuracy": test["accuracy"],
-      "train_accuracy": history.history["accuracy"][-1],
-      "executions": history.executions, "host_round_trips": history.host_round_trips,
-      "fit_seconds": timer.seconds,
-  }
-  return common.finish(model, settings, results, NAME)
+  return common.train_and_evaluate(
+      settings, make_model(settings.seed, x_train.shape[1:]),
+      (x_train, y_train), (x_test, y_test), NAME, model_name="cnn")
 
 
 def main(argv):

@@ -169,6 +169,51 @@ def describe(settings: Settings, cfg, name: str) -> str:
           f"{settings.epochs} epoch(s), {'emulated' if settings.emulate else 'plain JAX'}")
 
 
+def train_and_evaluate(settings: Settings, module, train, test, name: str,
+                       model_name: str) -> dict:
+  """The runners' shared body: fit ``module`` on the emulated IPU, evaluate, report.
+
+  Builds the config from the flags, opens an ``IPUStrategy`` scope, compiles a
+  Keras-like model (adam, sparse categorical cross-entropy, accuracy), fits,
+  evaluates on ``test``, prints the report and saves it.
+
+  Args:
+    settings: the parsed flags.
+    module: a Flax module (NNX, or linen with a sample input in the model).
+    train, test: ``(x, y)`` pairs of host arrays.
+    name: the runner's name (report folder, log lines).
+    model_name: the model's name in summaries.
+
+  Returns:
+    The results: test loss and accuracy, training accuracy, executions, host
+    round trips, fit seconds, report directory and the emulated timing.
+  """
+  import optax
+  import ipu_jax.keras
+  from ipu_jax.strategy import IPUStrategy
+
+  cfg = make_config(settings)
+  print(describe(settings, cfg, name))
+  with IPUStrategy(cfg).scope():
+    model = ipu_jax.keras.Model(module, seed=settings.seed, name=model_name)
+    model.compile(optimizer=optax.adam(settings.learning_rate),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  steps_per_execution=settings.resolved_steps_per_execution,
+                  emulate=settings.emulate)
+    model.summary()
+    with Timer() as timer:
+      history = model.fit(*train, batch_size=settings.batch_size,
+                          epochs=settings.epochs, verbose=settings.verbose)
+    evaluation = model.evaluate(*test, batch_size=settings.batch_size, verbose=0)
+  results = {
+      "test_loss": evaluation["loss"], "test_accuracy": evaluation["accuracy"],
+      "train_accuracy": history.history["accuracy"][-1],
+      "executions": history.executions, "host_round_trips": history.host_round_trips,
+      "fit_seconds": timer.seconds,
+  }
+  return finish(model, settings, results, name)
+
+
 def finish(model, settings: Settings, results: dict, name: str) -> dict:
   """Prints the final report summary and writes it to ``report_dir``."""
   import jax

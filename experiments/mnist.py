@@ -95,35 +95,12 @@ def make_model(in_features: int, hidden: int = 128, classes: int = 10, seed: int
 def run(settings: common.Settings) -> dict:
   """Trains and evaluates; returns the results (accuracy, report directory...)."""
   common.setup_devices(settings)
-  import optax
-  import ipu_jax
-  import ipu_jax.keras
-  from ipu_jax.strategy import IPUStrategy
-
   (x_train, y_train), (x_test, y_test) = load_data(settings.data_dir, settings.seed)
-  cfg = common.make_config(settings)
-  print(common.describe(settings, cfg, NAME))
   print(f"data: {len(x_train)} training and {len(x_test)} test images of "
         f"{x_train.shape[1]} pixels")
-  with IPUStrategy(cfg).scope():
-    model = ipu_jax.keras.Model(make_model(x_train.shape[1], seed=settings.seed),
-                                seed=settings.seed, name="mlp")
-    model.compile(optimizer=optax.adam(settings.learning_rate),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-                  steps_per_execution=settings.resolved_steps_per_execution,
-                  emulate=settings.emulate)
-    model.summary()
-    with common.Timer() as timer:
-      history = model.fit(x_train, y_train, batch_size=settings.batch_size,
-                          epochs=settings.epochs, verbose=settings.verbose)
-    test = model.evaluate(x_test, y_test, batch_size=settings.batch_size, verbose=0)
-  results = {
-      "test_loss": test["loss"], "test_accuracy": test["accuracy"],
-      "train_accuracy": history.history["accuracy"][-1],
-      "executions": history.executions, "host_round_trips": history.host_round_trips,
-      "fit_seconds": timer.seconds,
-  }
-  return common.finish(model, settings, results, NAME)
+  return common.train_and_evaluate(
+      settings, make_model(x_train.shape[1], seed=settings.seed),
+      (x_train, y_train), (x_test, y_test), NAME, model_name="mlp")
 
 
 def main(argv):

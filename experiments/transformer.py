@@ -89,36 +89,15 @@ def make_model(seed: int = 0, vocab: int = VOCAB, width: int = WIDTH, heads: int
 
 def run(settings: common.Settings, task: str = None) -> dict:
   common.setup_devices(settings)
-  import optax
-  import ipu_jax.keras
-  from ipu_jax.strategy import IPUStrategy
-
   task = task or flags.FLAGS["task"].value or "shift"
   n = settings.num_samples or 2048
   x_train, y_train = make_data(n, task, seed=settings.seed)
   x_test, y_test = make_data(max(n // 8, 64), task, seed=settings.seed + 1)
-  cfg = common.make_config(settings)
-  print(common.describe(settings, cfg, NAME))
   print(f"task: {task}, {n} training sequences of {SEQ} tokens (vocabulary {VOCAB})")
-  with IPUStrategy(cfg).scope():
-    model = ipu_jax.keras.Model(make_model(settings.seed), seed=settings.seed,
-                                name="encoder")
-    model.compile(optimizer=optax.adam(settings.learning_rate),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-                  steps_per_execution=settings.resolved_steps_per_execution,
-                  emulate=settings.emulate)
-    model.summary()
-    with common.Timer() as timer:
-      history = model.fit(x_train, y_train, batch_size=settings.batch_size,
-                          epochs=settings.epochs, verbose=settings.verbose)
-    test = model.evaluate(x_test, y_test, batch_size=settings.batch_size, verbose=0)
-  results = {
-      "test_loss": test["loss"], "test_token_accuracy": test["accuracy"],
-      "train_token_accuracy": history.history["accuracy"][-1],
-      "executions": history.executions, "host_round_trips": history.host_round_trips,
-      "fit_seconds": timer.seconds,
-  }
-  return common.finish(model, settings, results, NAME)
+  # Accuracies are per token.
+  return common.train_and_evaluate(
+      settings, make_model(settings.seed), (x_train, y_train), (x_test, y_test), NAME,
+      model_name="encoder")
 
 
 def main(argv):

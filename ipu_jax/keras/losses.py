@@ -48,7 +48,7 @@ class Loss:
   accuracy = "accuracy"
 
   def __call__(self, y_true, y_pred) -> jax.Array:
-    raise NotImplementedError
+    raise NotImplementedError(f"{type(self).__name__} must define __call__(y_true, y_pred)")
 
   def __repr__(self):
     return f"{type(self).__name__}()"
