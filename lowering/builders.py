@@ -270,9 +270,7 @@ def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
   min_rows = max(1, -(-64 // max(row_elements, 1)))
   per_tile = max(min_rows, -(-rows // num_tiles)) if rows else 1
   groups = -(-rows // per_tile) if rows else 0
-  start = ctx._next_start_tile
-  if groups < num_tiles:
-    ctx._next_start_tile = (start + groups) % num_tiles
+  start = ctx.claim_tiles(groups)
   tiles = (start + np.arange(groups)) % num_tiles
   outputs = []
   for shape, dtype in out_avals:

@@ -49,8 +49,14 @@ class LoweringContext:
   def program(self) -> P.Sequence:
     return self._program_stack[0]
 
-  def emit(self, node) -> None:
-    """Append a step or control program to the current sequence."""
+  def emit(self, node, into: "P.Sequence | None" = None) -> None:
+    """Append a step or control program to the current sequence.
+
+    Args:
+      node: the step or control program.
+      into: append to this (already closed) sequence instead, e.g. the end of
+        a branch body whose result copies are known only after lowering it.
+    """
     if isinstance(node, P.Superstep):
       if not node.source:
         node.source = self.source
@@ -58,7 +64,7 @@ class LoweringContext:
         node.op = self.op
       for tensor in node.reads + node.writes:
         self.tensors.setdefault(tensor.id, tensor)
-    self._program_stack[-1].add(node)
+    (self._program_stack[-1] if into is None else into).add(node)
 
   @contextlib.contextmanager
   def sub_program(self):
@@ -92,6 +98,23 @@ class LoweringContext:
 
   # -- tensors ------------------------------------------------------------
 
+  @property
+  def next_start_tile(self) -> int:
+    """Where the next small tensor will start (see :meth:`claim_tiles`)."""
+    return self._next_start_tile
+
+  def claim_tiles(self, count: int) -> int:
+    """Start tile for something spanning ``count`` consecutive tiles.
+
+    Anything smaller than the whole chip starts where the previous one ended,
+    so many small tensors and grids spread over the tiles instead of all
+    landing on tile 0. Returns the start tile.
+    """
+    start = self._next_start_tile
+    if 0 < count < self.target.num_tiles:
+      self._next_start_tile = (start + count) % self.target.num_tiles
+    return start
+
   def linear_mapping(self, shape, dtype, max_tiles: Optional[int] = None) -> TileMapping:
     """A linear mapping, starting where the last small tensor ended.
 
@@ -103,8 +126,7 @@ class LoweringContext:
     mapping = TileMapping.linear(size, num_tiles, np.dtype(dtype).itemsize,
                                  max_tiles=max_tiles)
     if 0 < mapping.num_rows < num_tiles:
-      start = self._next_start_tile
-      self._next_start_tile = (start + mapping.num_rows) % num_tiles
+      start = self.claim_tiles(mapping.num_rows)
       mapping = TileMapping.blocks(size, mapping.chunk, num_tiles, start)
     return mapping
 

@@ -120,17 +120,6 @@ def _make_branching(index, branches, local_ids=()):
   return P.Switch(index, cases, branches[-1], **kwargs)
 
 
-def _append(ctx, seq: P.Sequence, step: P.Superstep) -> None:
-  """Add ``step`` to an already closed sub-program, stamped like ``ctx.emit``."""
-  if not step.source:
-    step.source = ctx.source
-  if not step.op:
-    step.op = ctx.op
-  for tensor in step.reads + step.writes:
-    ctx.tensors.setdefault(tensor.id, tensor)
-  seq.add(step)
-
-
 def copy_step(ctx, dsts: Sequence[P.Tensor], srcs: Sequence[P.Tensor],
               name: str = "copy") -> Optional[P.Superstep]:
   """One step copying every ``srcs[i]`` into ``dsts[i]`` in parallel.
@@ -502,7 +491,7 @@ def _cond_rule(ctx, index, *operands, branches, **params):
   for seq, outs in zip(sequences, outputs):
     step = copy_step(ctx, results, outs, "cond/result")
     if step is not None:
-      _append(ctx, seq, step)
+      ctx.emit(step, into=seq)
   ctx.emit(_make_branching(index, sequences, local_ids))
   return results
 

@@ -77,9 +77,7 @@ def grid_tiles(ctx, count: int) -> np.ndarray:
   do not all pile onto tile 0 (as ``LoweringContext.linear_mapping`` does).
   """
   num_tiles = ctx.target.num_tiles
-  start = ctx._next_start_tile if count < num_tiles else 0
-  if 0 < count < num_tiles:
-    ctx._next_start_tile = (start + count) % num_tiles
+  start = ctx.claim_tiles(count) if count < num_tiles else 0
   return (start + np.arange(count, dtype=np.int64)) % num_tiles
 
 

@@ -620,9 +620,7 @@ class _RowPlan:
     self.m = -(-self.n // self.p)
     num_tiles = self.target.num_tiles
     used = min(self.rows * self.p, num_tiles)
-    self.start = ctx._next_start_tile
-    if used < num_tiles:
-      ctx._next_start_tile = (self.start + used) % num_tiles
+    self.start = ctx.claim_tiles(used)
     chunk_ids = np.arange(self.rows * self.p, dtype=np.int64)
     self.chunk_tile = (self.start + chunk_ids) % num_tiles
     self.chunk_pos = chunk_ids % self.p

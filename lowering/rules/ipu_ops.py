@@ -363,9 +363,7 @@ def _matmul_rule(ctx, a, b, *, available_memory_proportion, partials_type):
   gb, gm, gn, gk = plan.grid
   bb, bm, bn, bk = plan.block
   num = gb * gm * gn * gk
-  start = ctx._next_start_tile  # pylint: disable=protected-access
-  if num < target.num_tiles:
-    ctx._next_start_tile = (start + num) % target.num_tiles  # pylint: disable=protected-access
+  start = ctx.claim_tiles(num)
   phys = (start + np.arange(num, dtype=np.int64)) % target.num_tiles
   grid_of_tile = np.full(target.num_tiles, -1, np.int64)
   grid_of_tile[phys] = np.arange(num)

@@ -378,13 +378,13 @@ def _peek_linear(ctx, shape, dtype, min_bytes_per_tile: int = 128) -> tuple:
                                min_bytes_per_tile=min_bytes_per_tile)
   rotates = 0 < mapping.num_rows < num_tiles
   if rotates:
-    mapping = TileMapping.blocks(size, mapping.chunk, num_tiles, ctx._next_start_tile)
+    mapping = TileMapping.blocks(size, mapping.chunk, num_tiles, ctx.next_start_tile)
   return mapping, rotates
 
 
 def _claim_linear(ctx, mapping, rotates):
   if rotates:
-    ctx._next_start_tile = (ctx._next_start_tile + mapping.num_rows) % ctx.target.num_tiles
+    ctx.claim_tiles(mapping.num_rows)
 
 
 # -- the reduction lowering -------------------------------------------------------
@@ -832,7 +832,7 @@ def _lines_mapping(ctx, shape, axis, itemsize):
     per_row_lines = max(-(-lines // num_tiles), min(lines, -(-min_elements // n)))
   num_rows = -(-lines // per_row_lines) * chunks
   rotates = num_rows < num_tiles
-  start = ctx._next_start_tile if rotates else 0
+  start = ctx.next_start_tile if rotates else 0
   row_tiles = (start + np.arange(num_rows)) % num_tiles
   flat_lk = np.moveaxis(np.arange(size, dtype=np.int64).reshape(shape), axis, -1).reshape(lines, n)
   row_lk = ((np.arange(lines, dtype=np.int64)[:, None] // per_row_lines) * chunks
@@ -854,7 +854,6 @@ def _lines_mapping(ctx, shape, axis, itemsize):
 def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
   """A scan along ``axis``, in place or on whole/chunked lines per tile."""
   target = ctx.target
-  num_tiles = target.num_tiles
   mode = ctx.options.executor_mode
   shape, dtype = tuple(x.shape), x.dtype
   size = x.size
@@ -890,7 +889,7 @@ def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
     if plan is None or moved.score < plan.score:
       plan, rotates = moved, lines_rotates
   if rotates:
-    ctx._next_start_tile = (ctx._next_start_tile + plan.mapping.num_rows) % num_tiles
+    ctx.claim_tiles(plan.mapping.num_rows)
   return _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan, mode)
 
 

@@ -57,8 +57,7 @@ def split_axis(shape, window_dimensions, window_strides, padding,
 def _single_tile(ctx, fn, operands, out_avals, work, itemsize, codelet):
   """Pool on one tile (no axis can be split without halos)."""
   target = ctx.target
-  tile = ctx._next_start_tile
-  ctx._next_start_tile = (tile + 1) % target.num_tiles
+  tile = ctx.claim_tiles(1)
   outputs = []
   for shape, dtype in out_avals:
     size = int(np.prod(shape, dtype=np.int64))
