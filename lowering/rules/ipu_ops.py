@@ -46,6 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import ops
+from ipu_jax.ops.collectives import apply_collective, replica_count, replica_index_value
+from ipu_jax.ops.stochastic_round import random_bits_for, round_with_bits
+from ipu_jax.ops.tile_map import codelet_body, codelet_cycles, codelet_flops
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
@@ -100,10 +103,10 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
   in_specs = [jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in args]
   out_specs = [jax.ShapeDtypeStruct(o.shape[1:], o.dtype) for o in outs]
   n = tiles_arr.size
-  cycles = ops.codelet_cycles(codelet, in_specs, out_specs)
+  cycles = codelet_cycles(codelet, in_specs, out_specs)
   compute = estimators.vertex_cycles_per_tile(target, tiles_arr, np.full(n, cycles, np.float64))
   vertices = np.bincount(tiles_arr, minlength=target.num_tiles)[:target.num_tiles]
-  body = ops.codelet_body(codelet)
+  body = codelet_body(codelet)
 
   def fn(*storages):
     # Exchange: every slice to its tile; compute: one vertex per tile, i.e.
@@ -116,7 +119,7 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
   ctx.emit(P.Superstep(
       name=f"tile_map<{codelet.name}>", op=ctx.op, reads=tuple(args), writes=tuple(outs),
       fn=fn, compute_cycles=compute if n else None, exchange=cost, vertices=vertices,
-      codelets=(codelet.name,), flops=ops.codelet_flops(codelet, in_specs, out_specs) * n))
+      codelets=(codelet.name,), flops=codelet_flops(codelet, in_specs, out_specs) * n))
   return outs
 
 
@@ -127,7 +130,7 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
 
 def replication_factor(ctx, axis_name) -> int:
   """Replicas the all-reduce spans (see the module docstring)."""
-  bound = ops.replica_count(axis_name)
+  bound = replica_count(axis_name)
   if bound is not None:
     return max(1, bound)
   return max(1, int(getattr(ctx, "replication_factor", 1) or 1))
@@ -165,7 +168,7 @@ def _make_collective_rule(kind):
 
     def fn(xs):
       # Zero padding of the storage stays zero under sum and mean.
-      return (ops.apply_collective(kind, xs, axis_name),)
+      return (apply_collective(kind, xs, axis_name),)
 
     elements = x.mapping.elements_per_tile(ctx.target.num_tiles)
     ctx.emit(P.Superstep(
@@ -188,7 +191,7 @@ def _replica_index_rule(ctx, *, axis_name):
   elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
 
   def fn():
-    return (storage(ops.replica_index_value(axis_name), out),)
+    return (storage(replica_index_value(axis_name), out),)
 
   ctx.emit(P.Superstep(
       name="replica_index", op=ctx.op, reads=(), writes=(out,), fn=fn,
@@ -629,8 +632,8 @@ def _stochastic_round_rule(ctx, x, key, *, dtype, impl):
     keys = logical(k_s, key)
     # Bits of the logical array, laid out like x: each tile's vertex draws
     # the bits of the elements it holds.
-    bits = to_storage(ops.random_bits_for(keys, x.shape, impl).reshape(-1), x.mapping)
-    return (ops.round_with_bits(x_s, bits, dtype),)
+    bits = to_storage(random_bits_for(keys, x.shape, impl).reshape(-1), x.mapping)
+    return (round_with_bits(x_s, bits, dtype),)
 
   ctx.emit(P.Superstep(
       name="stochastic_round", op=ctx.op, reads=(x, key), writes=(out,), fn=fn,

@@ -1,0 +1,46 @@
+"""IPU custom primitives: what Poplar and TessellateIPU offer beyond ``lax``.
+
+Each op is a ``jax.extend.core.Primitive`` defined the way ``jax/_src/lax``
+defines its own: an impl (the reference semantics, plain JAX), an abstract
+eval, a JVP, a transpose where the op is linear, a batching rule and an MLIR
+lowering (``mlir.lower_fun`` of the impl), so a function that uses them runs
+under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` without the emulator. The
+tile lowerings (how each op runs on tiles and what it costs) live in
+``ipu_jax/lowering/rules/ipu_ops.py``.
+
+* :func:`tile_map`: run a codelet once per tile on chosen tiles (TessellateIPU's
+  ``tile_map``).
+* :func:`cross_replica_sum`, :func:`cross_replica_mean`, :func:`replica_index`:
+  the data-parallel collectives (``lax.psum`` / ``pmean`` / ``axis_index`` over
+  the replica axis when it is bound, else a single replica).
+* :func:`matmul`: ``jnp.matmul`` with poplin's per-op planning options.
+* :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
+  stochastic rounding mode does it (unbiased).
+* :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
+"""
+
+import os as _os
+
+try:
+  # Equations made by these ops report the user's line, not this package's
+  # (as for jax's own wrappers), in reports and lowering errors.
+  from jax._src import source_info_util as _source_info_util
+  _source_info_util.register_exclusion(_os.path.dirname(__file__))
+except (ImportError, AttributeError):  # pragma: no cover
+  pass
+
+from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_replica_mean_p,
+                                     cross_replica_sum, cross_replica_sum_p, replica_index,
+                                     replica_index_p)
+from ipu_jax.ops.matmul import matmul, matmul_p
+from ipu_jax.ops.print_tensor import format_tensor, print_tensor, print_tensor_p
+from ipu_jax.ops.stochastic_round import stochastic_round, stochastic_round_p
+from ipu_jax.ops.tile_map import tile_map, tile_map_p
+
+__all__ = [
+    "tile_map", "cross_replica_sum", "cross_replica_mean", "replica_index",
+    "matmul", "stochastic_round", "print_tensor", "format_tensor",
+    "tile_map_p", "cross_replica_sum_p", "cross_replica_mean_p",
+    "replica_index_p", "matmul_p", "stochastic_round_p", "print_tensor_p",
+    "REPLICA_AXIS",
+]

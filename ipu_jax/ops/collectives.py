@@ -1,0 +1,213 @@
+"""The data-parallel collectives over the replica axis.
+
+``cross_replica_sum`` / ``cross_replica_mean`` / ``replica_index`` are
+``lax.psum`` / ``pmean`` / ``axis_index`` over the replica axis when it is
+bound (vmap, shard_map, pmap), else a single replica.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from ipu_jax.ops._common import _compiled, not_mapped
+
+REPLICA_AXIS = "replicas"
+
+
+cross_replica_sum_p = jcore.Primitive("cross_replica_sum")
+cross_replica_mean_p = jcore.Primitive("cross_replica_mean")
+replica_index_p = jcore.Primitive("replica_index")
+
+
+def _axes(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_is_bound(axis_name) -> bool:
+  """Whether every name in ``axis_name`` is bound by an enclosing transform.
+
+  A name is bound inside ``vmap(..., axis_name=...)``, ``shard_map`` or
+  ``pmap`` (while tracing, and while lowering their bodies). JAX raises
+  ``NameError('unbound axis name: ...')`` from a collective over a name that
+  is not bound; that is the test.
+  """
+  try:
+    lax.axis_size(axis_name)
+  except NameError:
+    return False
+  return True
+
+
+def replica_count(axis_name) -> Optional[int]:
+  """The static size of the bound replica axis, or ``None`` if unbound/unknown."""
+  try:
+    size = lax.axis_size(axis_name)
+  except NameError:
+    return None
+  try:
+    return int(size)
+  except Exception:  # a traced size (inside shard_map lowering)
+    return None
+
+
+def apply_collective(kind: str, x, axis_name):
+  """``psum``/``pmean`` of ``x`` over ``axis_name`` if bound, else ``x``.
+
+  Used by the impls here and by the tile program's collective steps, which
+  run inside the replica ``vmap``/``shard_map`` of the training layer.
+  """
+  if not axis_is_bound(axis_name):
+    return x
+  if kind == "sum":
+    return lax.psum(x, axis_name)
+  return lax.pmean(x, axis_name)
+
+
+def replica_index_value(axis_name):
+  """``lax.axis_index(axis_name)`` if bound, else 0 (one replica)."""
+  if not axis_is_bound(axis_name):
+    return jnp.zeros((), jnp.int32)
+  return lax.axis_index(axis_name).astype(jnp.int32)
+
+
+def _typeof(x):
+  return jax.typeof(x)
+
+
+def _varying(aval) -> frozenset:
+  """Axes an aval varies over (shard_map's check_vma typing; empty otherwise)."""
+  mat = getattr(aval, "mat", None)
+  return frozenset(getattr(mat, "varying", None) or ())
+
+
+def _collective_abstract_eval(x, *, axis_name):
+  # Under shard_map with check_vma the result no longer varies over the axis.
+  mat = getattr(x, "mat", None)
+  varying = getattr(mat, "varying", None)
+  if varying:
+    keep = frozenset(a for a in varying if a not in _axes(axis_name))
+    if keep != varying:
+      return x.update(manual_axis_type=mat.update(varying=keep))
+  return x
+
+
+def _make_collective(prim, kind):
+  def impl(x, *, axis_name):
+    return apply_collective(kind, x, axis_name)
+
+  def transpose(ct, x, *, axis_name):
+    lost = _varying(x.aval) - _varying(_typeof(ct))
+    lost &= frozenset(_axes(axis_name))
+    if lost:
+      # shard_map with check_vma: the op took a varying value to an invariant
+      # one, so (as for jax's psum_invariant) the transpose broadcasts the
+      # invariant cotangent back to every replica.
+      ct = lax.pcast(ct, tuple(lost), to="varying")
+      if kind == "mean":
+        ct = ct / lax.axis_size(axis_name)
+      return (ct,)
+    # As jax's psum: the transpose of an all-reduce is an all-reduce.
+    return (prim.bind(ct, axis_name=axis_name),)
+
+  def batch(axis_data, vals, dims, *, axis_name):
+    (x,), (d,) = vals, dims
+    axes = _axes(axis_name)
+    if axis_data.name not in axes:
+      if d is not_mapped:
+        return prim.bind(x, axis_name=axis_name), not_mapped
+      return prim.bind(x, axis_name=axis_name), d
+    # The vmapped axis is a replica axis: reduce over it (and over any other
+    # named replica axes with the primitive).
+    rest = tuple(a for a in axes if a != axis_data.name)
+    if d is not_mapped:
+      out = x * axis_data.size if kind == "sum" else x
+    else:
+      out = jnp.sum(x, axis=d) if kind == "sum" else jnp.mean(x, axis=d)
+      out = out.astype(x.dtype)
+    if rest:
+      out = prim.bind(out, axis_name=rest if len(rest) > 1 else rest[0])
+    return out, not_mapped
+
+  prim.def_impl(_compiled(impl))
+  prim.def_abstract_eval(_collective_abstract_eval)
+  ad.deflinear2(prim, transpose)
+  batching.fancy_primitive_batchers[prim] = batch
+  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+
+
+_make_collective(cross_replica_sum_p, "sum")
+_make_collective(cross_replica_mean_p, "mean")
+
+
+def _replica_index_abstract_eval(*, axis_name):
+  del axis_name
+  return jax.core.ShapedArray((), np.dtype(np.int32))
+
+
+def _replica_index_batch(axis_data, vals, dims, *, axis_name):
+  del vals, dims
+  axes = _axes(axis_name)
+  if axis_data.name not in axes:
+    return replica_index_p.bind(axis_name=axis_name), not_mapped
+  return lax.iota(np.int32, axis_data.size), 0
+
+
+replica_index_p.def_impl(_compiled(lambda *, axis_name: replica_index_value(axis_name)))
+replica_index_p.def_abstract_eval(_replica_index_abstract_eval)
+batching.fancy_primitive_batchers[replica_index_p] = _replica_index_batch
+mlir.register_lowering(replica_index_p, mlir.lower_fun(
+    lambda *, axis_name: replica_index_value(axis_name), multiple_results=False))
+
+
+def _check_collective_operand(x, what):
+  x = jnp.asarray(x)
+  if not (jnp.issubdtype(x.dtype, jnp.number)):
+    raise TypeError(f"{what} needs a numeric array, got {x.dtype}.")
+  return x
+
+
+def cross_replica_sum(x, axis_name=REPLICA_AXIS):
+  """Sum ``x`` over the replicas (Poplar's ``crossReplicaSum``).
+
+  Inside ``jax.vmap(..., axis_name=axis_name)``, ``shard_map`` or ``pmap``
+  over ``axis_name`` this is ``lax.psum(x, axis_name)``; outside any of them
+  there is a single replica and it is the identity. On tiles it is costed as
+  a ring all-reduce over the IPU-Links.
+
+  Args:
+    x: an array (a pytree of arrays is summed leaf by leaf).
+    axis_name: the replica axis name (or a tuple of names).
+  """
+  def one(leaf):
+    leaf = _check_collective_operand(leaf, "cross_replica_sum")
+    if leaf.dtype == jnp.bool_:
+      raise TypeError("cross_replica_sum of booleans: cast to an integer type first.")
+    return cross_replica_sum_p.bind(leaf, axis_name=axis_name)
+  return jax.tree_util.tree_map(one, x)
+
+
+def cross_replica_mean(x, axis_name=REPLICA_AXIS):
+  """Mean of ``x`` over the replicas (``lax.pmean``; identity for one replica).
+
+  Args:
+    x: a floating point array (or pytree of them).
+    axis_name: the replica axis name (or a tuple of names).
+  """
+  def one(leaf):
+    leaf = _check_collective_operand(leaf, "cross_replica_mean")
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise TypeError(f"cross_replica_mean needs a floating point array, got {leaf.dtype}.")
+    return cross_replica_mean_p.bind(leaf, axis_name=axis_name)
+  return jax.tree_util.tree_map(one, x)
+
+
+def replica_index(axis_name=REPLICA_AXIS):
+  """This replica's index (int32 scalar): ``lax.axis_index``, or 0 unreplicated."""
+  return replica_index_p.bind(axis_name=axis_name)

@@ -1,0 +1,143 @@
+"""``matmul``: ``jnp.matmul`` with poplin's per-op planning options."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from ipu_jax.ops._common import HALF_DTYPES, _aval, _compiled, not_mapped
+
+
+matmul_p = jcore.Primitive("ipu_matmul")
+
+def _batch_shape(a_shape, b_shape):
+  return tuple(np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])))
+
+
+def _matmul_impl(a, b, *, available_memory_proportion, partials_type):
+  del available_memory_proportion
+  out_dtype = a.dtype
+  if np.dtype(out_dtype) in HALF_DTYPES:
+    acc = jnp.float16 if partials_type == "float16" else jnp.float32
+    return jnp.matmul(a, b, preferred_element_type=acc).astype(out_dtype)
+  return jnp.matmul(a, b)
+
+
+def _matmul_abstract_eval(a, b, *, available_memory_proportion, partials_type):
+  del available_memory_proportion, partials_type
+  if a.ndim < 2 or b.ndim < 2:
+    raise TypeError(f"ipu_matmul needs operands of rank >= 2, got {a.shape} and {b.shape}.")
+  if a.shape[-1] != b.shape[-2]:
+    raise TypeError(f"ipu_matmul: contracting dimensions differ: {a.shape} @ {b.shape}.")
+  if a.dtype != b.dtype:
+    raise TypeError(f"ipu_matmul: operand dtypes differ: {a.dtype} and {b.dtype}.")
+  shape = _batch_shape(a.shape, b.shape) + (a.shape[-2], b.shape[-1])
+  return _aval(shape, a.dtype, a)
+
+
+def _sum_to_shape(x, shape):
+  """Sum the leading/broadcast axes of ``x`` so it has ``shape``."""
+  shape = tuple(shape)
+  extra = x.ndim - len(shape)
+  if extra:
+    x = jnp.sum(x, axis=tuple(range(extra)))
+  axes = tuple(i for i, (s, t) in enumerate(zip(x.shape, shape)) if t == 1 and s != 1)
+  if axes:
+    x = jnp.sum(x, axis=axes, keepdims=True)
+  return x
+
+
+def _mT(x):
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _matmul_transpose_lhs(ct, a, b, **params):
+  shape = a.aval.shape
+  return _sum_to_shape(matmul_p.bind(ct, _mT(b), **params), shape).astype(a.aval.dtype)
+
+
+def _matmul_transpose_rhs(ct, a, b, **params):
+  shape = b.aval.shape
+  return _sum_to_shape(matmul_p.bind(_mT(a), ct, **params), shape).astype(b.aval.dtype)
+
+
+def _matmul_batch(args, dims, **params):
+  a, b = args
+  da, db = dims
+  if da is not not_mapped and db is not_mapped and b.ndim == 2:
+    # x @ W with W shared: fold the batch into the rows (one larger GEMM).
+    a = jnp.moveaxis(a, da, 0)
+    size = a.shape[0]
+    rows = a.reshape((-1, a.shape[-1]))
+    out = matmul_p.bind(rows, b, **params)
+    return out.reshape(a.shape[:-1] + (b.shape[-1],)), 0
+  if da is not_mapped and db is not not_mapped and a.ndim == 2:
+    # A @ x with A shared: fold the batch into the columns.
+    b = jnp.moveaxis(b, db, -2)                       # [..., K, B, N]
+    k, size, n = b.shape[-3], b.shape[-2], b.shape[-1]
+    cols = b.reshape(b.shape[:-3] + (k, size * n))
+    out = matmul_p.bind(a, cols, **params)            # [..., M, B*N]
+    out = out.reshape(out.shape[:-1] + (size, n))
+    return out, out.ndim - 2
+  # General: the batch becomes a leading batch dimension of both operands
+  # (size 1 for an unbatched operand; matmul broadcasts batch dimensions).
+  a = jnp.moveaxis(a, da, 0) if da is not not_mapped else a[None]
+  b = jnp.moveaxis(b, db, 0) if db is not not_mapped else b[None]
+  # Align ranks so the new axis is the leading batch axis of both.
+  rank = max(a.ndim, b.ndim)
+  a = a.reshape(a.shape[:1] + (1,) * (rank - a.ndim) + a.shape[1:])
+  b = b.reshape(b.shape[:1] + (1,) * (rank - b.ndim) + b.shape[1:])
+  return matmul_p.bind(a, b, **params), 0
+
+
+matmul_p.def_impl(_compiled(_matmul_impl))
+matmul_p.def_abstract_eval(_matmul_abstract_eval)
+ad.defbilinear(matmul_p, _matmul_transpose_lhs, _matmul_transpose_rhs)
+batching.primitive_batchers[matmul_p] = _matmul_batch
+mlir.register_lowering(matmul_p, mlir.lower_fun(_matmul_impl, multiple_results=False))
+
+
+def matmul(a, b, available_memory_proportion: Optional[float] = None,
+           partials_type: Optional[str] = None):
+  """``jnp.matmul(a, b)`` with poplin's per-op planning options.
+
+  Args:
+    a, b: arrays; 1-D operands are promoted as ``jnp.matmul`` does and batch
+      dimensions broadcast.
+    available_memory_proportion: overrides ``matmuls.available_memory_proportion``
+      for this op's plan: the fraction of tile memory its temporaries may use.
+    partials_type: overrides ``matmuls.partials_type`` (``"float32"`` or
+      ``"float16"``): the accumulation type for half-precision operands.
+  """
+  if available_memory_proportion is not None:
+    amp = float(available_memory_proportion)
+    if not 0 < amp <= 1:
+      raise ValueError(f"available_memory_proportion must be in (0, 1], got {amp}.")
+    available_memory_proportion = amp
+  if partials_type is not None:
+    partials_type = np.dtype(partials_type).name
+    if partials_type not in ("float32", "float16"):
+      raise ValueError(f"partials_type must be 'float32' or 'float16', got {partials_type!r}.")
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  if a.ndim == 0 or b.ndim == 0:
+    raise ValueError("matmul: operands must have at least one dimension.")
+  dtype = jnp.promote_types(a.dtype, b.dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    dtype = jnp.dtype(dtype)
+  a, b = a.astype(dtype), b.astype(dtype)
+  squeeze = []
+  if a.ndim == 1:
+    a = a[None, :]
+    squeeze.append(-2)
+  if b.ndim == 1:
+    b = b[:, None]
+    squeeze.append(-1)
+  out = matmul_p.bind(a, b, available_memory_proportion=available_memory_proportion,
+                      partials_type=partials_type)
+  if squeeze:
+    out = jnp.squeeze(out, axis=tuple(squeeze))
+  return out

@@ -1,0 +1,173 @@
+"""``stochastic_round``: fp32 -> fp16/bf16 rounding the IPU's (unbiased) way."""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from ipu_jax.ops._common import HALF_DTYPES, _aval, _compiled, not_mapped
+
+
+stochastic_round_p = jcore.Primitive("stochastic_round")
+
+
+def _key_impl_name(key) -> Tuple[Any, str]:
+  """(key operand, PRNG impl name) for a typed key or raw uint32 key data."""
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key, str(jax.random.key_impl(key))
+  key = jnp.asarray(key)
+  if key.dtype != jnp.uint32:
+    raise TypeError(f"stochastic_round: key must be a PRNG key, got {key.dtype}.")
+  return key, str(jax.config.jax_default_prng_impl)
+
+
+def _typed_keys(key, impl: str):
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  return jax.random.wrap_key_data(key, impl=impl)
+
+
+def random_bits_for(key, shape, impl: str):
+  """uint32 random bits of ``shape``: ``jax.random.bits`` of each key.
+
+  ``key`` is a typed key array (or its raw data) of shape ``K``; each key
+  draws the bits of its block ``x[k]`` of an ``x`` of shape ``K + rest``.
+  """
+  keys = _typed_keys(key, impl)
+  kshape = tuple(keys.shape)
+  rest = tuple(shape)[len(kshape):]
+  if not kshape:
+    return jax.random.bits(keys, rest, jnp.uint32)
+  flat = keys.reshape(-1)
+  bits = jax.vmap(lambda k: jax.random.bits(k, rest, jnp.uint32))(flat)
+  return bits.reshape(tuple(shape))
+
+
+def round_with_bits(x, bits, dtype):
+  """Stochastically round fp32 ``x`` to ``dtype`` using uint32 ``bits``.
+
+  bfloat16 keeps the top 16 bits of a float32, so the IPU's method is exact
+  here: add a uniform 16-bit integer to the float32 bit pattern and truncate
+  the low 16 bits. The carry into the kept bits happens with probability
+  (low 16 bits) / 2^16, i.e. the distance to the lower neighbour over the
+  spacing: E[round(x)] = x, for subnormals too (sign-magnitude: the magnitude
+  rounds away from zero with that probability).
+
+  float16 has its own exponent range, so the two neighbours lo <= x <= hi are
+  found with round-to-nearest and ``nextafter``; the result is hi when a
+  uniform u in [0, 1) (24 random bits) is below (x - lo) / (hi - lo). That
+  fraction is exact in float32 and a multiple of 2^-24 for |x| >= 2^-38, so
+  P(hi) equals it exactly (below that, fp16 rounds to 0 or 2^-24 with a bias
+  under 2^-24 of the spacing).
+
+  Non-finite inputs and magnitudes beyond the largest finite value of
+  ``dtype`` are rounded to nearest, as a plain cast would.
+  """
+  dtype = np.dtype(dtype)
+  x = x.astype(jnp.float32)
+  nearest = x.astype(dtype)
+  finfo = jnp.finfo(dtype)
+  special = ~jnp.isfinite(x) | (jnp.abs(x) > jnp.float32(finfo.max))
+  if dtype == np.dtype(jnp.bfloat16):
+    raw = lax.bitcast_convert_type(x, jnp.uint32)
+    summed = raw + (bits >> 16)
+    rounded = lax.bitcast_convert_type((summed >> 16).astype(jnp.uint16), jnp.bfloat16)
+  elif dtype == np.dtype(jnp.float16):
+    near32 = nearest.astype(jnp.float32)
+    below = near32 <= x
+    lo = jnp.where(below, nearest, jnp.nextafter(nearest, jnp.float16(-jnp.inf)))
+    hi = jnp.where(below, jnp.nextafter(nearest, jnp.float16(jnp.inf)), nearest)
+    lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
+    frac = (x - lo32) / (hi32 - lo32)
+    u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    rounded = jnp.where(u < frac, hi, lo)
+    rounded = jnp.where(near32 == x, nearest, rounded)
+  else:
+    raise TypeError(f"stochastic_round to {dtype} is not supported (float16 or bfloat16).")
+  return jnp.where(special, nearest, rounded)
+
+
+def _stochastic_round_impl(x, key, *, dtype, impl):
+  bits = random_bits_for(key, x.shape, impl)
+  return round_with_bits(x, bits, dtype)
+
+
+def _key_batch_shape(key_aval):
+  if jax.dtypes.issubdtype(key_aval.dtype, jax.dtypes.prng_key):
+    return tuple(key_aval.shape)
+  return tuple(key_aval.shape[:-1])
+
+
+def _stochastic_round_abstract_eval(x, key, *, dtype, impl):
+  del impl
+  if x.dtype != np.dtype(np.float32):
+    raise TypeError(f"stochastic_round takes float32 input, got {x.dtype}.")
+  kb = _key_batch_shape(key)
+  if tuple(x.shape[:len(kb)]) != kb:
+    raise TypeError(f"stochastic_round: key batch shape {kb} does not prefix {x.shape}.")
+  return _aval(x.shape, dtype, x)
+
+
+def _stochastic_round_jvp(primals, tangents, *, dtype, impl):
+  x, key = primals
+  tx, _ = tangents
+  out = stochastic_round_p.bind(x, key, dtype=dtype, impl=impl)
+  # Straight-through: d round(x) / dx = 1.
+  if type(tx) is ad.Zero:
+    return out, ad.Zero.from_primal_value(out)
+  return out, tx.astype(dtype)
+
+
+def _stochastic_round_batch(args, dims, *, dtype, impl):
+  x, key = args
+  dx, dk = dims
+  size = x.shape[dx] if dx is not not_mapped else (
+      key.shape[dk] if dk is not not_mapped else 1)
+  x = jnp.moveaxis(x, dx, 0) if dx is not not_mapped else jnp.broadcast_to(x, (size,) + x.shape)
+  if dk is not not_mapped:
+    key = jnp.moveaxis(key, dk, 0)
+  else:
+    # Every batch member draws the same bits, as the unbatched op would.
+    key = jnp.broadcast_to(key, (size,) + key.shape)
+  return stochastic_round_p.bind(x, key, dtype=dtype, impl=impl), 0
+
+
+stochastic_round_p.def_impl(_compiled(_stochastic_round_impl))
+stochastic_round_p.def_abstract_eval(_stochastic_round_abstract_eval)
+ad.primitive_jvps[stochastic_round_p] = _stochastic_round_jvp
+batching.primitive_batchers[stochastic_round_p] = _stochastic_round_batch
+mlir.register_lowering(stochastic_round_p, mlir.lower_fun(_stochastic_round_impl,
+                                                          multiple_results=False))
+
+
+def stochastic_round(x, dtype, key):
+  """Round float32 ``x`` to ``dtype`` stochastically, as the IPU can.
+
+  Each element becomes one of its two neighbouring ``dtype`` values, the
+  upper with probability proportional to the distance from the lower, so the
+  rounding is unbiased: ``E[stochastic_round(x)] == x``. Infinities, NaNs and
+  values beyond the largest finite ``dtype`` value round to nearest. The
+  gradient is straight-through (the derivative is 1, cast to ``dtype``).
+
+  Args:
+    x: a float32 array.
+    dtype: ``jnp.float16`` or ``jnp.bfloat16``.
+    key: a PRNG key (typed, or raw ``uint32`` key data); the same key gives
+      the same result. The bits are ``jax.random.bits(key, x.shape)``.
+  """
+  dtype = np.dtype(dtype)
+  if dtype not in HALF_DTYPES:
+    raise ValueError(f"stochastic_round: dtype must be float16 or bfloat16, got {dtype}.")
+  x = jnp.asarray(x)
+  if x.dtype != jnp.float32:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"stochastic_round takes a floating point array, got {x.dtype}.")
+    x = x.astype(jnp.float32)
+  key, impl = _key_impl_name(key)
+  return stochastic_round_p.bind(x, key, dtype=dtype, impl=impl)
