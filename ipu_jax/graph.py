@@ -348,8 +348,6 @@ class Graph:
     compute_set.vertices.append(vertex)
     return vertex
 
-  connect = None  # Poplar's connect() is add_vertex's keyword arguments
-
   def set_perf_estimate(self, vertex: Vertex, cycles: int) -> None:
     vertex.perf_estimate = int(cycles)
 

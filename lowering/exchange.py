@@ -9,7 +9,6 @@ arrays, or a pad/reshape when both layouts are linear (XLA fuses those).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +17,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
 __all__ = ["ExchangeCost", "movement_cost", "to_storage", "to_flat",
-           "relayout", "relayout_cost", "exchange_cycles", "NO_EXCHANGE"]
+           "relayout", "relayout_cost", "exchange_cycles"]
 
 
 @dataclasses.dataclass
@@ -49,9 +48,6 @@ class ExchangeCost:
   @property
   def total_bytes(self) -> int:
     return int(self.bytes_in.sum())
-
-
-NO_EXCHANGE = None  # a step without exchange passes None
 
 
 def movement_cost(target: IPUTarget, src_tile: np.ndarray, dst_tile: np.ndarray,
@@ -123,15 +119,6 @@ def exchange_cycles(target: IPUTarget, cost: ExchangeCost | None) -> float:
 # -- storage conversions (JAX, traced inside the executor) -------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _general_storage_source(mapping_id: int, mapping: TileMapping):
-  """For each storage slot, the flat element it holds (N = padding)."""
-  rows, size = mapping.storage_shape
-  source = np.full(rows * size, mapping.num_elements, np.int64)
-  source[mapping.storage_position] = np.arange(mapping.num_elements)
-  return source
-
-
 def to_storage(flat, mapping: TileMapping):
   """Flat logical array -> ``[rows, row_size]`` tile storage."""
   rows, size = mapping.storage_shape
@@ -144,7 +131,7 @@ def to_storage(flat, mapping: TileMapping):
     return flat.reshape(rows, size)
   if mapping.grid is not None:
     return mapping.grid.to_storage(flat.reshape(mapping.grid.shape))
-  source = _general_storage_source(id(mapping), mapping)
+  source = mapping.storage_source
   padded = jnp.concatenate([flat, jnp.zeros((1,), flat.dtype)])
   return padded[source].reshape(rows, size)
 

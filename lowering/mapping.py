@@ -269,6 +269,14 @@ class TileMapping:
       return np.arange(self.num_elements, dtype=np.int64)
     return self.element_row * self.row_size + self.element_offset
 
+  @functools.cached_property
+  def storage_source(self) -> np.ndarray:
+    """For each storage slot, the flat element it holds (``num_elements`` = padding)."""
+    rows, size = self.storage_shape
+    source = np.full(rows * size, self.num_elements, np.int64)
+    source[self.storage_position] = np.arange(self.num_elements)
+    return source
+
   def elements_per_tile(self, num_tiles: int) -> np.ndarray:
     """``[num_tiles]`` elements held by each tile."""
     out = np.zeros(num_tiles, np.int64)

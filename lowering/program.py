@@ -276,7 +276,7 @@ def program_writes(program, memo=None) -> frozenset:
   return _key_sets(program, {} if memo is None else memo)[1]
 
 
-def iter_steps(program, executions: int = 1, loop_depth: int = 0):
+def iter_steps(program, executions: int = 1):
   """Yield ``(node, executions, loop_path)`` for every leaf in program order.
 
   ``loop_path`` is a tuple of the enclosing loop nodes, so liveness can keep
