@@ -8,8 +8,9 @@ cost. The common shapes of work:
   tensor into another mapping.
 * :func:`elementwise`: a compute set of elementwise vertices over the output's
   tiles, operands exchanged onto the output's mapping first.
-* :func:`movement`: a pure data movement (transpose, slice, broadcast...):
-  every output element's source is known statically, so the exchange is exact.
+* Pure data movement (transpose, slice, broadcast...) lives with its rules:
+  ``lowering.rules.shape.move`` (every output element's source is known
+  statically, so the exchange is exact).
 * :func:`partitioned`: an operation whose output is cut along one axis into
   per-tile pieces, each computed on its tile from the inputs it needs.
 """
@@ -28,7 +29,7 @@ from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["assign", "relayout_to", "elementwise", "movement", "partitioned",
+__all__ = ["assign", "relayout_to", "elementwise", "partitioned",
            "logical", "storage", "broadcast_cost", "add_costs",
            "worker_vertices"]
 
@@ -190,52 +191,6 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
       vertices=worker_vertices(ctx, elements), codelets=(f"elementwise<{op}>",),
       flops=flops))
   return outputs
-
-
-def movement(ctx, operands: Sequence[P.Tensor], shape, dtype, source_index: np.ndarray,
-             logical_fn: Callable, name: str = "", fill_value=None) -> P.Tensor:
-  """Lower a pure data movement; every output element copies one input element.
-
-  Args:
-    operands: the input tensors.
-    shape, dtype: the result.
-    source_index: ``[size]`` index of each output element in the concatenation
-      of the operands' flattened elements; ``-1`` for elements that take
-      ``fill_value`` (padding) instead.
-    logical_fn: ``logical_fn(*logical_operands) -> logical result``: the same
-      movement done with ``jax.numpy``/``lax`` on logical arrays, which XLA
-      fuses into reshapes and slices; its result must equal the static gather
-      described by ``source_index`` (tests check both).
-    fill_value: value of ``-1`` elements.
-  """
-  shape = tuple(int(d) for d in shape)
-  out = ctx.new_tensor(shape, dtype)
-  target = ctx.target
-  source_index = np.asarray(source_index, np.int64).reshape(-1)
-  if out.size:
-    element_tiles = np.concatenate([t.mapping.element_tile for t in operands]) \
-        if operands else np.zeros(0, np.int64)
-    real = source_index >= 0
-    cost = movement_cost(target, element_tiles[source_index[real]],
-                         out.mapping.element_tile[real], out.itemsize,
-                         element_id=source_index[real])
-  else:
-    cost = None
-  mode = ctx.options.executor_mode
-
-  def fn(*storages):
-    if mode == "per_tile" and out.size:
-      flat = jnp.concatenate([to_flat(s, t.mapping).astype(out.dtype)
-                              for s, t in zip(storages, operands)] + [
-          jnp.full((1,), 0 if fill_value is None else fill_value, out.dtype)])
-      index = np.where(source_index >= 0, source_index, flat.shape[0] - 1)
-      return (to_storage(flat[index], out.mapping),)
-    args = [logical(s, t) for s, t in zip(storages, operands)]
-    return (storage(logical_fn(*args), out),)
-
-  ctx.emit(P.Superstep(name=name or ctx.op, op=ctx.op, reads=tuple(operands), writes=(out,),
-                       fn=fn, exchange=cost))
-  return out
 
 
 def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,

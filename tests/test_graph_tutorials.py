@@ -322,6 +322,48 @@ class GraphApiTest(chex.TestCase):
     self.assertEqual(int(step.exchange_bytes_in[0]), 16)
     self.assertEqual(int(step.exchange_bytes_out[1]), 16)
 
+  def test_builtin_codelets(self):
+    from ipu_jax.kernels import library
+    gr = g.Graph(_target())
+    x = gr.add_variable("float32", (8,), "x")
+    y = gr.add_constant("float32", (8,), np.arange(8), "y")
+    scale = gr.add_constant("float32", (), 0.5, "scale")
+    rows = gr.add_variable("float32", (2, 4), "rows")
+    partials = gr.add_variable("float32", (2,), "partials")
+    total = gr.add_variable("float32", (), "total")
+    dot = gr.add_variable("float32", (), "dot")
+    neg = gr.add_variable("float32", (8,), "neg")
+    copied = gr.add_variable("float32", (8,), "copied")
+    seven = gr.add_constant("float32", (), 7.0, "seven")
+    for t in (x, y, scale, rows, partials, total, dot, neg, copied, seven):
+      gr.set_tile_mapping(t, 0)
+    fill = gr.add_compute_set("fill")
+    gr.add_vertex(fill, library.fill, tile=0, value=seven, x=x)
+    axpy = gr.add_compute_set("axpy")
+    gr.add_vertex(axpy, library.scaled_add, tile=0, y=y, scale=scale, x=x)
+    work = gr.add_compute_set("work")
+    gr.add_vertex(work, library.copy, tile=0, x=x, y=copied)
+    gr.add_vertex(work, library.unary("neg"), tile=0, x=y, y=neg)
+    gr.add_vertex(work, library.dot_product, tile=0, a=x, b=y, out=dot)
+    gr.add_vertex(work, library.partial_reduce, tile=0, x=x.reshape(2, 4), partials=partials)
+    final = gr.add_compute_set("final")
+    gr.add_vertex(final, library.final_reduce, tile=0, partials=partials, out=total)
+    engine = g.Engine(gr, [g.Sequence([g.Execute(fill), g.Execute(axpy), g.Execute(work),
+                                       g.Execute(final)])])
+    engine.run(0)
+    expected = 7.0 + 0.5 * np.arange(8)
+    np.testing.assert_array_equal(engine.read_tensor(x), expected)
+    np.testing.assert_array_equal(engine.read_tensor(copied), expected)
+    np.testing.assert_array_equal(engine.read_tensor(neg), -np.arange(8))
+    np.testing.assert_allclose(engine.read_tensor(dot), expected @ np.arange(8), rtol=1e-6)
+    np.testing.assert_allclose(engine.read_tensor(partials), expected.reshape(2, 4).sum(1))
+    np.testing.assert_allclose(engine.read_tensor(total), expected.sum(), rtol=1e-6)
+    steps = {s.name: s for s in engine.profile.steps}
+    for name in ("fill", "axpy", "work", "final"):
+      self.assertGreater(steps[name].compute_cycles[0], 0)
+    # Four vertices in "work" share the tile's six workers: it costs the most.
+    self.assertGreater(steps["work"].compute_cycles[0], steps["fill"].compute_cycles[0])
+
   def test_device_to_host_stream(self):
     gr = g.Graph(_target())
     v = gr.add_constant("float32", (3,), [1, 2, 3], "v")
