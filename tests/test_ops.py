@@ -234,7 +234,10 @@ class MatmulTest(parameterized.TestCase):
     fn = lambda a, b: ops.matmul(a, b, available_memory_proportion=0.05)
     for mode in ("batched", "per_tile"):
       f = ipu(fn, mode=mode)
-      chex.assert_trees_all_close(f(a, b), a @ b, rtol=1e-5, atol=1e-4)
+      # Split K sums 4,096 products in another order than XLA's dot: the
+      # difference is bounded by ~K * eps * max|a_k b_k| (about 1e-3 here),
+      # and an output near cancellation shows it in full.
+      chex.assert_trees_all_close(f(a, b), a @ b, rtol=1e-5, atol=1e-3)
     names = [s.name for s in f.lower(a, b).profile.steps]
     self.assertTrue(names[-1].endswith("reduce"), names)
 
