@@ -13,6 +13,7 @@ import chex
 import numpy as np
 
 from ipu_jax import report as report_lib
+from ipu_jax.report import plots as plots_lib
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
 from ipu_jax.lowering.profile import MemoryProfile
 from ipu_jax.lowering.profile import ProgramProfile
@@ -343,7 +344,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
 
   def test_memory_plot_has_limit_line(self):
     report = report_lib.Report(_make_profile())
-    figure = report_lib._memory_figure(report._data)
+    figure = plots_lib.memory_figure(report._data)
     limit = report.target.bytes_per_tile
     lines = [line for line in figure.axes[0].lines
              if np.allclose(line.get_ydata(), limit)]
@@ -353,7 +354,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
   def test_heatmap_bins_large_programs(self):
     cycles = np.ones((1000, 1472))
     executions = np.ones(1000, np.int64)
-    image, step_starts, tile_starts = report_lib._binned_cycles(cycles,
+    image, step_starts, tile_starts = plots_lib.binned_cycles(cycles,
                                                                 executions)
     self.assertLessEqual(image.shape[1], 400)
     self.assertLessEqual(image.shape[0], 512)
@@ -361,7 +362,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(image.sum(axis=1)[0], 1000)  # steps are summed
 
   def test_missing_matplotlib_writes_a_note(self):
-    with mock.patch.object(report_lib, "_load_matplotlib", return_value=None):
+    with mock.patch.object(plots_lib, "load_matplotlib", return_value=None):
       files = report_lib.Report(_make_profile()).save(self.directory)
     names = sorted(os.path.basename(f) for f in files)
     self.assertEqual(names,
