@@ -7,11 +7,12 @@ or from a saved ``report.json`` (:func:`data_from_json`); both give the same
 comparison) reads. Per-tile arrays are reduced here once, with NumPy over
 whole ``[steps, tiles]`` arrays, so no view loops over tiles.
 
-``report.json`` schema, version 1 (all bytes are integers, cycles floats)::
+``report.json`` schema, version 2 (all bytes are integers, cycles floats;
+version 2 added the keys marked ``v2``, version 1 files still load)::
 
     {
       "schema": "ipu-jax-report",
-      "version": 1,
+      "version": 2,
       "name": str,                       # ProgramProfile.name
       "target": {                        # every IPUTarget field, plus:
         "name": str, "num_ipus": int, "tiles_per_ipu": int,
@@ -34,7 +35,9 @@ whole ``[steps, tiles]`` arrays, so no view loops over tiles.
         "peak": [int] * num_tiles,
         "over_limit_tiles": [int],
         "largest_tensors_on_peak_tile": [
-          {"name", "category", "bytes", "op", "source"}]
+          {"name", "category", "bytes", "op", "source"}],
+        "peak_step": [int] * num_tiles   # v2: step of each tile's peak of
+                                         # not-always-live bytes, -1 if none
       },
       "live_over_program": [int] * num_steps,   # bytes live on the device
       "steps": [{                        # in program order
@@ -47,12 +50,16 @@ whole ``[steps, tiles]`` arrays, so no view loops over tiles.
         "executions": int, "flops": int,
         "exchange_bytes_in", "exchange_bytes_out": int,   # summed over tiles
         "ipu_link_bytes", "host_bytes": int,
-        "temporary_bytes_peak": int      # the step's working memory, busiest tile
+        "temporary_bytes_peak": int,     # the step's working memory, busiest tile
+        "compute_cycles_tiles": [[int, int, float]]  # v2: runs of busy tiles
+                                         # [first_tile, count, cycles]
       }],
       "tensors": [{
         "name", "dtype", "category", "op", "source": str, "shape": [int],
         "total_bytes": int, "tiles": int,  # number of tiles holding a part
-        "max_bytes_per_tile": int, "live_from", "live_to": int
+        "max_bytes_per_tile": int, "live_from", "live_to": int,
+        "placement": [[int, int, int]]   # v2: [first_tile, count, bytes per
+                                         # tile], runs in tile order
       }]
     }
 
@@ -69,11 +76,12 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import ProgramProfile
 from ipu_jax.target import IPUTarget
 
 SCHEMA = "ipu-jax-report"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 REPORT_FILE = "report.json"
 TRACE_FILE = "trace.json"
@@ -136,6 +144,8 @@ class ReportData:
   steps: StepTable
   tensors: list             # list of dicts, as in report.json
   peak_tile_tensors: list   # list of dicts, as in report.json
+  peak_step: np.ndarray     # [num_tiles] step of each tile's peak, -1 unknown
+  tile_cycles: Optional[np.ndarray] = None  # [num_steps, num_tiles] or None
 
 
 def int_array(values, size: Optional[int] = None) -> np.ndarray:
@@ -211,9 +221,90 @@ def _steps_from_profile(profile: ProgramProfile) -> StepTable:
   )
 
 
+def tile_runs(tiles, values) -> list:
+  """Run-length encodes per-tile values: ``[[first_tile, count, value]]``.
+
+  Tensors and compute sets are mapped to intervals of tiles holding equal
+  amounts, so a 1,472-tile placement is usually one or a few runs.
+
+  Args:
+    tiles: tile ids (any order, no repeats).
+    values: the value on each of ``tiles``; zeros are kept.
+
+  Returns:
+    Runs of consecutive tiles with equal values, in tile order; ``value`` is
+    an int when every value is integral, else a float.
+  """
+  tiles = np.asarray(tiles, np.int64).ravel()
+  values = np.asarray(values, np.float64).ravel()
+  if not tiles.size:
+    return []
+  order = np.argsort(tiles, kind="stable")
+  tiles, values = tiles[order], values[order]
+  starts = np.flatnonzero(np.r_[True, (np.diff(tiles) != 1)
+                                | (values[1:] != values[:-1])])
+  counts = np.diff(np.r_[starts, tiles.size])
+  firsts, run_values = tiles[starts].tolist(), values[starts]
+  if np.all(run_values == np.rint(run_values)):
+    run_values = run_values.astype(np.int64)
+  return [list(run) for run in zip(firsts, counts.tolist(),
+                                   run_values.tolist())]
+
+
+def expand_runs(runs: Iterable, num_tiles: int) -> np.ndarray:
+  """The ``[num_tiles]`` array that :func:`tile_runs` encoded (0 elsewhere)."""
+  runs = np.asarray(list(runs), np.float64).reshape(-1, 3)
+  out = np.zeros(num_tiles)
+  if not runs.size:
+    return out
+  counts = runs[:, 1].astype(np.int64)
+  # Each run's tiles are first + 0..count-1: one repeat and one arange.
+  offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts,
+                                                counts)
+  tiles = np.repeat(runs[:, 0].astype(np.int64), counts) + offsets
+  keep = (tiles >= 0) & (tiles < num_tiles)
+  out[tiles[keep]] = np.repeat(runs[:, 2], counts)[keep]
+  return out
+
+
+def _peak_steps(profile: ProgramProfile) -> np.ndarray:
+  """The superstep at which each tile's not-always-live memory peaks.
+
+  Rebuilds what the memory model sums per tile and step -- temporaries over
+  their live range plus each step's own scratch and exchange buffers -- with
+  one difference array over ``[steps, tiles]``.
+  """
+  n, steps = profile.target.num_tiles, profile.steps
+  if not steps:
+    return np.full(n, -1, np.int64)
+  live = np.stack([per_tile(s.temporary_bytes if s.temporary_bytes is not None
+                            else s.exchange_bytes_in, n) for s in steps])
+  ranged = [t for t in profile.tensors
+            if t.category not in ALWAYS_LIVE_CATEGORIES
+            and np.asarray(t.tiles).size]
+  if ranged:
+    lengths = [np.asarray(t.tiles).size for t in ranged]
+    tiles = np.concatenate([np.asarray(t.tiles, np.int64).ravel()
+                            for t in ranged])
+    nbytes = np.concatenate([np.asarray(t.bytes_on_tile, np.float64).ravel()
+                             for t in ranged])
+    first = np.repeat([min(max(t.live_from, 0), len(steps) - 1)
+                       for t in ranged], lengths)
+    last = np.repeat([min(max(t.live_to, 0), len(steps) - 1)
+                      for t in ranged], lengths)
+    delta = np.zeros((len(steps) + 1, n))
+    np.add.at(delta, (first, tiles), nbytes)
+    np.add.at(delta, (last + 1, tiles), -nbytes)
+    live += np.cumsum(delta[:-1], axis=0)
+  peak_step = live.argmax(axis=0).astype(np.int64)
+  peak_step[live.max(axis=0) <= 0] = -1
+  return peak_step
+
+
 def _tensor_row(tensor) -> dict:
   on_tile = np.asarray(tensor.bytes_on_tile)
   return {
+      "placement": tile_runs(tensor.tiles, on_tile),
       "name": str(tensor.name),
       "shape": [int(d) for d in tensor.shape],
       "dtype": str(tensor.dtype),
@@ -281,6 +372,10 @@ def data_from_profile(profile: ProgramProfile) -> ReportData:
       steps=_steps_from_profile(profile),
       tensors=tensors,
       peak_tile_tensors=tensors_on_tile(profile.tensors, worst_tile),
+      peak_step=_peak_steps(profile),
+      tile_cycles=(np.stack([per_tile(s.compute_cycles, n)
+                             for s in profile.steps])
+                   if profile.steps else np.zeros((0, n))),
   )
 
 
@@ -300,8 +395,10 @@ def _target_from_json(fields: dict) -> IPUTarget:
   return IPUTarget(**{k: v for k, v in fields.items() if k in known})
 
 
-def steps_to_json(steps: StepTable) -> list:
-  return [{
+def steps_to_json(steps: StepTable,
+                  tile_cycles: Optional[np.ndarray] = None) -> list:
+  """The ``steps`` rows of report.json (with per-tile cycle runs if known)."""
+  rows = [{
       "name": steps.names[i],
       "op": steps.ops[i],
       "source": steps.sources[i],
@@ -321,6 +418,11 @@ def steps_to_json(steps: StepTable) -> list:
       "host_bytes": int(steps.host_bytes[i]),
       "temporary_bytes_peak": int(steps.temporary_peak[i]),
   } for i in range(len(steps))]
+  if tile_cycles is not None and len(tile_cycles) == len(rows):
+    for row, cycles in zip(rows, tile_cycles):
+      busy = np.flatnonzero(cycles)
+      row["compute_cycles_tiles"] = tile_runs(busy, cycles[busy])
+  return rows
 
 
 def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
@@ -372,7 +474,19 @@ def data_from_json(document: dict) -> ReportData:
       steps=_steps_from_json(document.get("steps", []), target.num_ipus),
       tensors=list(document.get("tensors", [])),
       peak_tile_tensors=list(memory.get("largest_tensors_on_peak_tile", [])),
+      peak_step=int_array(memory.get("peak_step", [-1] * n), n),
+      tile_cycles=_tile_cycles_from_json(document.get("steps", []), n),
   )
+
+
+def _tile_cycles_from_json(rows: list, num_tiles: int) -> Optional[np.ndarray]:
+  """``[steps, tiles]`` compute cycles, or None if a step lacks its runs."""
+  if any("compute_cycles_tiles" not in row for row in rows):
+    return None
+  if not rows:
+    return np.zeros((0, num_tiles))
+  return np.stack([expand_runs(row["compute_cycles_tiles"], num_tiles)
+                   for row in rows])
 
 
 def check_schema(document: Any, origin: str) -> None:

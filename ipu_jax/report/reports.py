@@ -15,12 +15,12 @@ from __future__ import annotations
 import collections
 import json
 import os
-from typing import Optional
 
 import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.report import html as html_lib
 from ipu_jax.report.data import REPORT_FILE
 from ipu_jax.report.data import SCHEMA
 from ipu_jax.report.data import SCHEMA_VERSION
@@ -29,7 +29,6 @@ from ipu_jax.report.data import ReportData
 from ipu_jax.report.data import check_schema
 from ipu_jax.report.data import data_from_json
 from ipu_jax.report.data import data_from_profile
-from ipu_jax.report.data import per_tile
 from ipu_jax.report.data import report_json_path
 from ipu_jax.report.data import steps_to_json
 from ipu_jax.report.data import target_to_json
@@ -254,9 +253,10 @@ class _ReportBase(SummaryMixin):
             "peak": peak.tolist(),
             "over_limit_tiles": self.over_limit_tiles.tolist(),
             "largest_tensors_on_peak_tile": list(data.peak_tile_tensors),
+            "peak_step": data.peak_step.tolist(),
         },
         "live_over_program": data.live.tolist(),
-        "steps": steps_to_json(data.steps),
+        "steps": steps_to_json(data.steps, data.tile_cycles),
         "tensors": list(data.tensors),
     }
 
@@ -266,28 +266,30 @@ class _ReportBase(SummaryMixin):
             "otherData": {"program": self.name, "target": self.target.name,
                           "clock_hz": self.target.clock_hz}}
 
-  def _tile_cycles(self) -> Optional[np.ndarray]:
-    """``[num_steps, num_tiles]`` compute cycles, if the report has them."""
-    return None
-
-  def save(self, directory: str | os.PathLike, plots: bool = True) -> list:
-    """Writes report.json, trace.json and the plots into ``directory``.
+  def save(self, directory: str | os.PathLike, plots: bool = True,
+           html: bool = True) -> list:
+    """Writes report.json, trace.json, report.html and the plots.
 
     Args:
       directory: created if missing; existing files of the same names are
         replaced.
       plots: set False to skip the PNGs.
+      html: set False to skip report.html (the interactive view).
 
     Returns:
-      The paths written.
+      The paths written. Without matplotlib / plotly, ``PLOTS_MISSING.txt`` /
+      ``HTML_MISSING.txt`` take the place of the PNGs / the HTML and say how
+      to install them.
     """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     written = [write_json(os.path.join(directory, REPORT_FILE),
-                           self.to_dict(), indent=1),
+                          self.to_dict(), indent=1),
                write_json(os.path.join(directory, TRACE_FILE), self.trace())]
+    if html:
+      written.append(html_lib.write_report_html(self, directory))
     if plots:
-      written += write_plots(self._data, self._tile_cycles(), directory)
+      written += write_plots(self._data, self._data.tile_cycles, directory)
     return written
 
 
@@ -319,13 +321,6 @@ class Report(_ReportBase):
       self._cached = data_from_profile(self.profile)
     return self._cached
 
-  def _tile_cycles(self) -> Optional[np.ndarray]:
-    n = self.target.num_tiles
-    steps = self.profile.steps
-    if not steps:
-      return np.zeros((0, n))
-    return np.stack([per_tile(s.compute_cycles, n) for s in steps])
-
   @staticmethod
   def load(path_or_dir: str | os.PathLike) -> "SavedReport":
     """Reads a saved report (its directory or its report.json)."""
@@ -335,8 +330,10 @@ class Report(_ReportBase):
 class SavedReport(_ReportBase):
   """A report read back from ``report.json``.
 
-  It offers everything a :class:`Report` does except the per-tile cycles of
-  each step (so a re-save has no cycles heatmap).
+  It offers everything a :class:`Report` does. Reports saved before
+  version 2 lack the per-tile cycles of each step and the tensors' tile
+  placement, so their re-save has no cycles heatmap and their HTML view no
+  tensors per tile.
 
   Attributes:
     document: the parsed report.json.
