@@ -51,7 +51,7 @@ from ipu_jax.report.formatting import ordered_categories
 
 __all__ = ["HTML_FILE", "HTML_MISSING_FILE", "plotly_js", "report_payload",
            "report_html", "comparison_html", "write_report_html",
-           "write_comparison_html"]
+           "write_comparison_html", "write_page"]
 
 HTML_FILE = "report.html"
 HTML_MISSING_FILE = "HTML_MISSING.txt"
@@ -227,7 +227,9 @@ def comparison_html(a, b) -> str:
   return _page(title, _asset("compare.html"), payload, _asset("compare.js"))
 
 
-def _write(path: str, text: str) -> str:
+def write_page(text: str, path) -> str:
+  """Writes an HTML page to ``path``; returns the path."""
+  path = os.fspath(path)
   with open(path, "w", encoding="utf-8") as f:
     f.write(text)
   return path
@@ -242,8 +244,8 @@ def write_report_html(report, directory: str) -> str:
   try:
     page = report_html(report)
   except ImportError:
-    return _write(os.path.join(directory, HTML_MISSING_FILE), _MISSING_NOTE)
-  return _write(os.path.join(directory, HTML_FILE), page)
+    return write_page(_MISSING_NOTE, os.path.join(directory, HTML_MISSING_FILE))
+  return write_page(page, os.path.join(directory, HTML_FILE))
 
 
 def write_comparison_html(a, b, path: str) -> str:
@@ -252,4 +254,4 @@ def write_comparison_html(a, b, path: str) -> str:
   Raises:
     ImportError: plotly is not installed.
   """
-  return _write(os.fspath(path), comparison_html(a, b))
+  return write_page(comparison_html(a, b), path)
