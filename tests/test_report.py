@@ -189,7 +189,7 @@ class ReportNumbersTest(chex.TestCase, parameterized.TestCase):
     with tempfile.TemporaryDirectory() as directory:
       files = report.save(directory)
       loaded = report_lib.Report.load(directory)
-    self.assertLen(files, 5)
+    self.assertLen(files, 6)   # report.json, trace.json, report.html, 3 PNGs
     self.assertEqual(loaded.summary(), report.summary())
 
 
@@ -244,7 +244,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     files = report_lib.Report(_make_profile()).save(out)
     names = sorted(os.path.basename(f) for f in files)
     self.assertEqual(names, sorted([
-        "report.json", "trace.json", "memory_per_tile.png",
+        "report.json", "trace.json", "report.html", "memory_per_tile.png",
         "cycles_heatmap.png", "live_memory.png"]))
     for path in files:
       self.assertTrue(os.path.isfile(path), path)
@@ -256,7 +256,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     with open(os.path.join(self.directory, "report.json")) as f:
       document = json.load(f)
     self.assertEqual(document["schema"], "ipu-jax-report")
-    self.assertEqual(document["version"], 1)
+    self.assertEqual(document["version"], report_lib.SCHEMA_VERSION)
     self.assertEqual(document["target"]["num_ipus"], num_ipus)
     self.assertLen(document["steps"], 3)
     self.assertLen(document["tensors"], 3)
@@ -281,6 +281,45 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(loaded.live_over_program,
                                     report.live_over_program)
       self.assertEqual(loaded.summary(), report.summary())
+
+  def test_version_2_keeps_placement_tile_cycles_and_peak_steps(self):
+    profile = _make_profile()
+    report = report_lib.Report(profile)
+    report.save(self.directory, plots=False, html=False)
+    with open(os.path.join(self.directory, "report.json")) as f:
+      document = json.load(f)
+    for tensor, row in zip(profile.tensors, document["tensors"]):
+      on_tile = np.zeros(profile.target.num_tiles)
+      for first, count, nbytes in row["placement"]:
+        on_tile[first:first + count] = nbytes
+      expected = np.zeros(profile.target.num_tiles)
+      expected[tensor.tiles] = tensor.bytes_on_tile
+      np.testing.assert_array_equal(on_tile, expected)
+    # The tile over its limit peaks at the step where its temporaries and
+    # exchange buffers are largest.
+    peak_step = document["memory"]["peak_step"]
+    self.assertLen(peak_step, profile.target.num_tiles)
+    self.assertTrue(all(-1 <= s < len(profile.steps) for s in peak_step))
+    loaded = report_lib.Report.load(self.directory)
+    files = loaded.save(os.path.join(self.directory, "again"), html=False)
+    self.assertIn("cycles_heatmap.png", [os.path.basename(f) for f in files])
+    np.testing.assert_array_equal(loaded._data.tile_cycles,
+                                  report._data.tile_cycles)
+
+  def test_version_1_report_still_loads(self):
+    report = report_lib.Report(_make_profile())
+    document = report.to_dict()
+    document["version"] = 1
+    for tensor in document["tensors"]:
+      del tensor["placement"]
+    for step in document["steps"]:
+      del step["compute_cycles_tiles"]
+    del document["memory"]["peak_step"]
+    loaded = report_lib.SavedReport(document)
+    self.assertEqual(loaded.summary(), report.summary())
+    files = loaded.save(self.directory, html=False)
+    self.assertNotIn("cycles_heatmap.png",
+                     [os.path.basename(f) for f in files])
 
   def test_load_rejects_other_files(self):
     path = os.path.join(self.directory, "report.json")
@@ -351,6 +390,35 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     self.assertLen(lines, 1)
     self.assertIn("SRAM limit", lines[0].get_label())
 
+  def test_memory_axis_scales_to_a_program_far_below_the_limit(self):
+    report = report_lib.Report(_make_profile(over_limit=False))
+    peak = int(report.memory_per_tile.max())
+    limit = report.target.bytes_per_tile
+    self.assertLess(peak, limit / 4)
+    axes = plots_lib.memory_figure(report._data).axes[0]
+    bottom, top = axes.get_ylim()
+    self.assertEqual(bottom, 0)
+    self.assertGreaterEqual(top, peak)
+    self.assertLess(top, 1.5 * peak)          # the bars fill the plot
+    self.assertEmpty([line for line in axes.lines
+                      if np.allclose(line.get_ydata(), limit)])
+    notes = [text.get_text() for text in axes.texts]
+    self.assertTrue(any(f"SRAM limit {limit // 1024:,} KiB" in note
+                        and "off the axis" in note for note in notes), notes)
+
+  @parameterized.parameters(1, 2)
+  def test_every_plot_title_names_the_program_and_target(self, num_ipus):
+    report = report_lib.Report(_make_profile(num_ipus=num_ipus, name="mlp"))
+    data = report._data
+    figures = [plots_lib.memory_figure(data),
+               plots_lib.cycles_heatmap_figure(data, data.tile_cycles),
+               plots_lib.live_memory_figure(data)]
+    for figure in figures:
+      title = figure.axes[0].get_title()
+      self.assertTrue(title.startswith("mlp: "), title)
+      self.assertIn(f"ipu2, {f'{num_ipus} IPUs, ' if num_ipus > 1 else ''}"
+                    f"{16 * num_ipus} tiles", title)
+
   def test_heatmap_bins_large_programs(self):
     cycles = np.ones((1000, 1472))
     executions = np.ones(1000, np.int64)
@@ -363,7 +431,8 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
 
   def test_missing_matplotlib_writes_a_note(self):
     with mock.patch.object(plots_lib, "load_matplotlib", return_value=None):
-      files = report_lib.Report(_make_profile()).save(self.directory)
+      files = report_lib.Report(_make_profile()).save(self.directory,
+                                                      html=False)
     names = sorted(os.path.basename(f) for f in files)
     self.assertEqual(names,
                      ["PLOTS_MISSING.txt", "report.json", "trace.json"])

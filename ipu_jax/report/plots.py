@@ -90,6 +90,11 @@ def _binary_axis(axis, top: float, unit: str, scale: int) -> None:
       ticker.FuncFormatter(lambda v, _: f"{v / scale:,.4g} {unit}"))
 
 
+def _target_label(target: IPUTarget) -> str:
+  ipus = f"{target.num_ipus} IPUs, " if target.num_ipus > 1 else ""
+  return f"{target.name}, {ipus}{target.num_tiles:,} tiles"
+
+
 def _mark_ipus(ax, target: IPUTarget, tiles_on_y: bool = False) -> None:
   """Dotted lines between the tiles of neighbouring IPUs."""
   draw = ax.axhline if tiles_on_y else ax.axvline
@@ -125,25 +130,35 @@ def memory_figure(data: ReportData, figure_class=None):
     # Thousands of bars are slow to draw; step areas look the same.
     ax.stackplot(tiles, *layers, labels=labels, colors=colours, step="mid")
   limit = data.tile_limit
-  ax.axhline(limit, color="red", ls="--", lw=1.5,
-             label=f"SRAM limit ({limit:,} B per tile)")
-  ax.annotate(f"SRAM limit {limit / 1024:,.0f} KiB", xy=(1.0, limit),
-              xycoords=("axes fraction", "data"), xytext=(-4, 3),
-              textcoords="offset points", ha="right", va="bottom",
-              color="red", fontsize=9)
+  highest = int(data.peak.max()) if data.peak.size else 0
+  # The axis follows the data: a program using 1 % of the SRAM must not be
+  # drawn as a flat line under a 624 KiB limit. The limit is drawn when it
+  # is in range and always named.
+  top = max(highest, 1) * 1.15
+  if limit <= top:
+    ax.axhline(limit, color="red", ls="--", lw=1.5,
+               label=f"SRAM limit ({limit:,} B per tile)")
+    ax.annotate(f"SRAM limit {limit / 1024:,.0f} KiB", xy=(1.0, limit),
+                xycoords=("axes fraction", "data"), xytext=(-4, 3),
+                textcoords="offset points", ha="right", va="bottom",
+                color="red", fontsize=9)
+  else:
+    ax.annotate(f"SRAM limit {limit / 1024:,.0f} KiB per tile (off the "
+                f"axis): the peak tile uses {100 * highest / limit:.1f}%",
+                xy=(1.0, 1.0), xycoords="axes fraction", xytext=(-4, -4),
+                textcoords="offset points", ha="right", va="top",
+                color="red", fontsize=9)
   over = np.nonzero(data.peak > limit)[0]
   if over.size:
     ax.scatter(over, data.peak[over], marker="v", color="red", zorder=3,
                label=f"{over.size} tile(s) over the limit")
   _mark_ipus(ax, data.target)
   ax.set_xlim(-0.5, max(tiles.size, 1) - 0.5)
-  top = max(limit, int(data.peak.max()) if data.peak.size else 0) * 1.1
   ax.set_ylim(0, top)
   _binary_axis(ax.yaxis, top, "KiB", 1 << 10)
   ax.set_xlabel("tile")
   ax.set_ylabel("bytes at the tile's peak")
-  ax.set_title(f"{data.name}: memory per tile ({data.target.name}, "
-               f"{data.target.num_tiles:,} tiles)")
+  ax.set_title(f"{data.name}: memory per tile ({_target_label(data.target)})")
   ax.legend(loc="upper left", fontsize=8, ncols=2)
   return fig
 
@@ -180,6 +195,8 @@ def cycles_heatmap_figure(data: ReportData, tile_cycles: np.ndarray,
   steps, tiles = tile_cycles.shape
   if steps == 0 or tiles == 0:
     ax.text(0.5, 0.5, "no supersteps", ha="center", va="center")
+    ax.set_title(f"{data.name}: compute cycles per tile and superstep "
+                 f"({_target_label(data.target)})")
     return fig
   image, step_starts, tile_starts = binned_cycles(tile_cycles,
                                                    data.steps.executions)
@@ -200,7 +217,8 @@ def cycles_heatmap_figure(data: ReportData, tile_cycles: np.ndarray,
     binned.append(f"{len(tile_starts)} bins of tiles (busiest tile)")
   ax.set_xlabel("superstep" + (f" — {', '.join(binned)}" if binned else ""))
   ax.set_ylabel("tile")
-  ax.set_title(f"{data.name}: compute cycles per tile and superstep")
+  ax.set_title(f"{data.name}: compute cycles per tile and superstep "
+               f"({_target_label(data.target)})")
   return fig
 
 
@@ -212,6 +230,8 @@ def live_memory_figure(data: ReportData, figure_class=None):
   live = data.live
   if live.size == 0:
     ax.text(0.5, 0.5, "no liveness information", ha="center", va="center")
+    ax.set_title(f"{data.name}: live memory over the program "
+                 f"({_target_label(data.target)})")
     return fig
   steps = np.arange(live.size)
   ax.step(steps, live, where="mid", color="#1f77b4")
@@ -232,6 +252,7 @@ def live_memory_figure(data: ReportData, figure_class=None):
   ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
   ax.set_xlabel("superstep")
   ax.set_ylabel("bytes live on the device")
-  ax.set_title(f"{data.name}: live memory over the program")
+  ax.set_title(f"{data.name}: live memory over the program "
+               f"({_target_label(data.target)})")
   ax.legend(loc="upper left", fontsize=8)
   return fig
