@@ -289,6 +289,42 @@ class ComparisonPageTest(_BrowserTestCase):
     self._screenshot("compare.png")
 
 
+class MainJobPageTest(_BrowserTestCase):
+  """The README's main job, run as a user runs it, then its page opened."""
+
+  def test_main_job_starts_quietly_and_its_page_shows_its_numbers(self):
+    root = self.create_tempdir().full_path
+    report_dir = os.path.join(root, "mnist")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.mnist", "--tiles_per_ipu=16",
+         "--epochs=1", "--verbose=2", f"--report_dir={report_dir}"],
+        cwd=repository, env=env, capture_output=True, text=True,
+        timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    for probe in ("Unable to initialize backend", "libtpu", "CUDA"):
+      self.assertNotIn(probe, proc.stdout + proc.stderr)
+    with open(os.path.join(report_dir, "report.json")) as f:
+      document = json.load(f)
+    self._open(os.path.join(report_dir, "report.html"))
+    totals = document["totals"]
+    cards = self._text("cards")
+    self.assertIn(f"{totals['cycles']:,.0f}", cards)
+    self.assertIn(f"tile {totals['peak_tile']}: "
+                  f"{totals['peak_tile_bytes']:,} B", cards)
+    # The three views drew the report's own numbers.
+    drawn = self.driver.execute_script(
+        """const get = (id) => document.getElementById(id).data;
+        return [get('tile-map')[0].z.flat().filter((v) => v !== null),
+                get('liveness-chart')[0].y,
+                get('execution-chart').length];""")
+    self.assertEqual(sorted(drawn[0]), sorted(document["memory"]["peak"]))
+    self.assertLen(drawn[1], len(document["steps"]))
+    self.assertEqual(drawn[2], 3)  # sync, exchange, compute of one IPU lane
+    self._screenshot("mnist.png")
+
+
 class WithoutBrowserTest(chex.TestCase):
   """What needs no browser: the page's file and its fallbacks."""
 
