@@ -13,6 +13,7 @@ import chex
 import numpy as np
 
 from ipu_jax import report as report_lib
+from ipu_jax.report import html as html_lib
 from ipu_jax.report import plots as plots_lib
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
 from ipu_jax.lowering.profile import MemoryProfile
@@ -491,6 +492,27 @@ class CommandLineTest(chex.TestCase):
     self.assertIn("dot_general", result.stdout)
     self.assertRegex(result.stdout,
                      r"dot_general\s+1,200\s+3,200\s+\+2,000\s+\+166\.7%")
+    # A package with __main__: no "found in sys.modules" RuntimeWarning.
+    self.assertNotIn("RuntimeWarning", result.stderr)
+
+  def test_html_pages(self):
+    if html_lib.plotly_js() is None:
+      self.skipTest("plotly is not installed (pip install ipu-jax[plots])")
+    root = self.create_tempdir().full_path
+    first, second = os.path.join(root, "a"), os.path.join(root, "b")
+    report_lib.Report(_make_profile(name="first")).save(first, plots=False,
+                                                         html=False)
+    report_lib.Report(_make_profile(name="second", scale=3.0)).save(
+        second, plots=False, html=False)
+    for reports, marker in (((first,), '"name":"first"'),
+                            ((first, second), '"b":{"name":"second"')):
+      out = os.path.join(root, "page.html")
+      result = _run_cli(*reports, "--html", out)
+      self.assertEqual(result.returncode, 0, result.stderr)
+      self.assertIn(f"wrote {out}", result.stdout)
+      with open(out, encoding="utf-8") as f:
+        page = f.read()
+      self.assertIn(marker, page)
 
   def test_missing_report_fails_cleanly(self):
     result = _run_cli(os.path.join(self.create_tempdir().full_path, "none"))
