@@ -19,6 +19,16 @@ From a shell::
     python -m ipu_jax.report reports/before reports/mlp   # prints what changed
     python -m ipu_jax.report reports/before reports/mlp --html diff.html
 
+Files written by :meth:`Report.save`:
+
+* ``report.json`` -- everything needed to print, compare or draw the report
+  again (schema in :mod:`~ipu_jax.report.data`);
+* ``report.html`` -- the interactive view, one self-contained file (needs
+  ``pip install ipu-jax[plots]``; otherwise ``HTML_MISSING.txt`` says so);
+* ``trace.json`` -- Chrome Trace Event Format, for https://ui.perfetto.dev;
+* ``memory_per_tile.png``, ``cycles_heatmap.png``, ``live_memory.png`` --
+  with matplotlib; otherwise ``PLOTS_MISSING.txt``.
+
 One concern per module:
 
 * :mod:`~ipu_jax.report.data` -- the numbers every view reads, and the

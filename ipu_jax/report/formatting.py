@@ -26,7 +26,6 @@ CATEGORY_COLOURS = {
 }
 
 
-
 def fmt_bytes(n: float) -> str:
   n = int(n)
   for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
