@@ -149,6 +149,11 @@ function showTile(tile) {
 // Liveness.
 // ---------------------------------------------------------------------------
 
+// Superstep axes tick whole steps (plotly would put ticks at 0.5 for a few).
+function integerTicks() {
+  return NUM_STEPS <= 20 ? {tick0: 0, dtick: 1} : {};
+}
+
 function renderLiveness() {
   const live = REPORT.liveness.not_always_live;
   const div = document.getElementById("liveness-chart");
@@ -161,7 +166,7 @@ function renderLiveness() {
     title: {x: 0.01, xanchor: "left", text: `Not-always-live bytes per superstep (always-live: ${fmtBytes(REPORT.liveness.always_live_bytes)})`,
             font: {size: 13}},
     height: 380, margin: {l: 80, r: 10, t: 40, b: 40}, bargap: 0,
-    xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.12}},
+    xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.12}, ...integerTicks()},
     yaxis: {title: {text: "bytes"}, tickformat: ",d", fixedrange: true}, hovermode: "x",
   };
   return Plotly.newPlot(div, [trace], layout, PLOT_CONFIG).then(() => {
@@ -204,7 +209,7 @@ function renderExecution() {
     margin: {l: 80, r: 10, t: 40, b: 40},
     title: {x: 0.01, xanchor: "left", text: "Cycles per superstep × executions", font: {size: 13}},
     legend: {orientation: "h", y: 1.02, yanchor: "bottom", x: 1, xanchor: "right"},
-    xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.08}},
+    xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.08}, ...integerTicks()},
   };
   const phases = [["sync", "#7f7f7f"], ["exchange", "#2ca02c"], ["compute", "#1f77b4"]];
   for (let ipu = 0; ipu < lanes; ipu++) {
