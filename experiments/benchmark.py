@@ -236,6 +236,8 @@ def _table(results):
 
 def main(argv):
   del argv
+  from experiments import common  # pylint: disable=g-import-not-at-top
+  common.quiet_backend_probe()
   if _CASE.value:
     name, tiles = _CASE.value.split(":")
     print(json.dumps(run_case(name, int(tiles), _REPEATS.value)))

@@ -122,12 +122,39 @@ def settings_from_flags(defaults: dict) -> Settings:
   return Settings(**values)
 
 
+# Packages through which JAX finds a TPU or GPU; with none installed there is
+# nothing to probe for.
+_ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin",
+                        "jax_rocm6_plugin", "jax_rocm7_plugin")
+
+
+def quiet_backend_probe() -> None:
+  """Pins JAX to the CPU when no accelerator plugin is installed.
+
+  Otherwise JAX's first call probes for a TPU and a GPU and logs "Unable to
+  initialize backend 'tpu'" on every CPU-only machine, as the first lines of
+  every run. ``JAX_PLATFORMS`` (or ``jax_platforms``), when set, wins. Must
+  run before anything touches a JAX backend.
+  """
+  import importlib.metadata
+  import importlib.util
+  import jax
+  if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+    return
+  if any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS):
+    return
+  if list(importlib.metadata.entry_points(group="jax_plugins")):
+    return
+  jax.config.update("jax_platforms", "cpu")
+
+
 def setup_devices(settings: Settings) -> None:
   """Joins a distributed run, or exposes one CPU device per replica.
 
   Must run before anything touches a JAX backend.
   """
   import jax
+  quiet_backend_probe()
   if settings.num_processes > 1:
     if not settings.coordinator_address:
       raise ValueError("--num_processes > 1 needs --coordinator_address host:port.")

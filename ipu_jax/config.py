@@ -305,13 +305,18 @@ class _MemoryOptions(_Group):
 
 
 class _ReportOptions(_Group):
-  """Where compilation reports go."""
+  """Where compilation reports go, and whether slow compiles show progress."""
 
   directory = _Option(
       _OPTIONAL_PATH, None,
       "Directory where a report of every compiled program is saved. None "
       f"saves none, unless the {REPORT_DIR_ENV} environment variable names a "
       "directory.")
+  progress = _Option(
+      _BOOL, True,
+      "Show the progress of compiles that take over 2 s (tracing, lowering "
+      "n/N equations, planning, memory check, compiling); False silences it "
+      "like verbose=0.")
 
 
 class _TrainingOptions(_Group):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax import compile_progress
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
@@ -48,9 +49,11 @@ class Lowered:
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
                target: IPUTarget, options, replication_factor: int = 1,
-               arg_names: Sequence[str] = ()):
+               arg_names: Sequence[str] = (), progress=None):
+    progress = progress or compile_progress.CompileProgress(name, verbose=0)
     self.target = target
     self.options = options
+    progress.stage("tracing")
     closed, out_shape = jax.make_jaxpr(
         lambda *flat: fn(*jax.tree_util.tree_unflatten(in_tree, flat)),
         return_shape=True)(*args_flat)
@@ -68,20 +71,24 @@ class Lowered:
                       else (aval.shape, aval.dtype))
       tensor = ctx.new_tensor(shape, dtype, name=arg_name, category="variables")
       inputs.append(tensor)
+    progress.stage("lowering")
     with ctx.at("argument", ""):
-      outputs = lower_closed_jaxpr(ctx, closed, inputs)
+      outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
+    progress.stage("planning")
     self.profile = profile_program(self.program, target, persistent=inputs + self.constants,
                                    live_to_end=outputs, name=name)
     from ipu_jax.report import Report, maybe_auto_save
     self.report = Report(self.profile)
     if options.report_directory:
       maybe_auto_save(self.report, options.report_directory)
+    progress.stage("memory check")
     check_memory(self.profile, allow_out_of_memory=options.allow_out_of_memory,
                  report=self.report, what=f"'{name}'")
     self.out_of_memory = bool(self.profile.memory.over_limit_tiles.size)
+    progress.stage("building the executor")
     self._function = self._build(ctx)
     self._constant_values = [to_storage(jnp.asarray(c.value).reshape(-1), c.mapping)
                              for c in self.constants]
@@ -155,8 +162,10 @@ class IPUFunction:
   """The callable :func:`jit` returns."""
 
   def __init__(self, fn: Callable, target: Optional[IPUTarget], config,
-               static_argnums: Sequence[int], donate_argnums: Sequence[int]):
+               static_argnums: Sequence[int], donate_argnums: Sequence[int],
+               verbose: Optional[int] = None):
     self.fn = fn
+    self.verbose = verbose
     self._target = target
     self._config = config
     self.static_argnums = tuple(sorted(static_argnums))
@@ -194,8 +203,10 @@ class IPUFunction:
       name = getattr(self.fn, "__name__", "fn")
       # Arguments are named by their pytree path: "args[0]['Dense_0']['kernel']".
       arg_names = [f"args{jax.tree_util.keystr(path)}" for path, _ in with_paths]
-      lowered = Lowered(lambda *dyn: call(*dyn), flat, in_tree, name, target, options,
-                        replication_factor=replicas, arg_names=arg_names)
+      with self._progress(name) as progress:
+        lowered = Lowered(lambda *dyn: call(*dyn), flat, in_tree, name, target, options,
+                          replication_factor=replicas, arg_names=arg_names,
+                          progress=progress)
       self._cache[key] = lowered
     return lowered
 
@@ -203,7 +214,21 @@ class IPUFunction:
     lowered = self.lower(*args)
     _, dynamic, _ = self._split(args)
     flat, _ = jax.tree_util.tree_flatten(dynamic)
-    return lowered(*flat)
+    if getattr(lowered, "_has_run", False):
+      return lowered(*flat)
+    with self._progress(getattr(self.fn, "__name__", "fn")) as progress:
+      progress.stage("compiling (XLA)")
+      result = lowered(*flat)
+    lowered._has_run = True
+    return result
+
+  def _progress(self, name: str) -> compile_progress.CompileProgress:
+    """The progress display of a compile (shown only when it is slow)."""
+    verbose = self.verbose
+    config = self._config if self._config is not None else config_lib.get_default_config()
+    if verbose is None and not config.report.progress:
+      verbose = 0
+    return compile_progress.CompileProgress(name, verbose=verbose)
 
   @property
   def cache_size(self) -> int:
@@ -211,7 +236,8 @@ class IPUFunction:
 
 
 def jit(fn: Callable = None, *, target: Optional[IPUTarget] = None, config=None,
-        static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = ()):
+        static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
+        verbose: Optional[int] = None):
   """Compile ``fn`` into a tile program for the emulated IPU.
 
   Args:
@@ -221,6 +247,9 @@ def jit(fn: Callable = None, *, target: Optional[IPUTarget] = None, config=None,
       scope's, or a default config.
     static_argnums: positional arguments treated as compile-time constants.
     donate_argnums: accepted for API parity with ``jax.jit``.
+    verbose: 0 never shows compile progress; 1 shows it when tracing,
+      lowering, planning and compiling take over 2 s; None (default) follows
+      ``config.report.progress`` and :func:`ipu_jax.compile_progress.verbosity`.
 
   Returns:
     An :class:`IPUFunction`: call it like ``fn``; ``.lower(*args)`` gives the
@@ -230,5 +259,6 @@ def jit(fn: Callable = None, *, target: Optional[IPUTarget] = None, config=None,
     static_argnums = (static_argnums,)
   if fn is None:
     return functools.partial(jit, target=target, config=config,
-                             static_argnums=static_argnums, donate_argnums=donate_argnums)
-  return IPUFunction(fn, target, config, static_argnums, donate_argnums)
+                             static_argnums=static_argnums, donate_argnums=donate_argnums,
+                             verbose=verbose)
+  return IPUFunction(fn, target, config, static_argnums, donate_argnums, verbose)

@@ -40,7 +40,7 @@ def _unsupported(eqn) -> LoweringError:
       f"ipu_jax.lowering.register_lowering({eqn.primitive.name}_p, rule).")
 
 
-def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
+def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
   """Lower ``jaxpr`` into ``ctx``'s program; returns the output tensors.
 
   Args:
@@ -48,6 +48,8 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
     jaxpr: a ``jax.extend.core.Jaxpr``.
     consts: tensors for ``jaxpr.constvars``.
     args: tensors for ``jaxpr.invars``.
+    progress: optional ``progress(done, total)``, called after each
+      equation of this jaxpr (not of the jaxprs nested in it).
   """
   env = {}
 
@@ -60,7 +62,9 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
     env[v] = t
   for v, t in zip(jaxpr.invars, args):
     env[v] = t
-  for eqn in jaxpr.eqns:
+  for index, eqn in enumerate(jaxpr.eqns):
+    if progress is not None:
+      progress(index, len(jaxpr.eqns))
     rule = get_lowering(eqn.primitive)
     if rule is None:
       raise _unsupported(eqn)
@@ -90,10 +94,12 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
             f"{t.dtype}{list(t.shape)}, expected {v.aval.str_short()}")
       if not isinstance(v, jcore.DropVar):
         env[v] = t
+  if progress is not None:
+    progress(len(jaxpr.eqns), len(jaxpr.eqns))
   return [read(v) for v in jaxpr.outvars]
 
 
-def lower_closed_jaxpr(ctx, closed_jaxpr, args) -> list:
+def lower_closed_jaxpr(ctx, closed_jaxpr, args, progress=None) -> list:
   """Lower a ``ClosedJaxpr``: its consts become constant tensors."""
   consts = [ctx.constant(np.asarray(c)) for c in closed_jaxpr.consts]
-  return lower_jaxpr(ctx, closed_jaxpr.jaxpr, consts, args)
+  return lower_jaxpr(ctx, closed_jaxpr.jaxpr, consts, args, progress=progress)

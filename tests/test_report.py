@@ -13,6 +13,8 @@ import chex
 import numpy as np
 
 from ipu_jax import report as report_lib
+from ipu_jax.report import html as html_lib
+from ipu_jax.report import plots as plots_lib
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
 from ipu_jax.lowering.profile import MemoryProfile
 from ipu_jax.lowering.profile import ProgramProfile
@@ -188,7 +190,7 @@ class ReportNumbersTest(chex.TestCase, parameterized.TestCase):
     with tempfile.TemporaryDirectory() as directory:
       files = report.save(directory)
       loaded = report_lib.Report.load(directory)
-    self.assertLen(files, 5)
+    self.assertLen(files, 6)   # report.json, trace.json, report.html, 3 PNGs
     self.assertEqual(loaded.summary(), report.summary())
 
 
@@ -243,7 +245,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     files = report_lib.Report(_make_profile()).save(out)
     names = sorted(os.path.basename(f) for f in files)
     self.assertEqual(names, sorted([
-        "report.json", "trace.json", "memory_per_tile.png",
+        "report.json", "trace.json", "report.html", "memory_per_tile.png",
         "cycles_heatmap.png", "live_memory.png"]))
     for path in files:
       self.assertTrue(os.path.isfile(path), path)
@@ -255,7 +257,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     with open(os.path.join(self.directory, "report.json")) as f:
       document = json.load(f)
     self.assertEqual(document["schema"], "ipu-jax-report")
-    self.assertEqual(document["version"], 1)
+    self.assertEqual(document["version"], report_lib.SCHEMA_VERSION)
     self.assertEqual(document["target"]["num_ipus"], num_ipus)
     self.assertLen(document["steps"], 3)
     self.assertLen(document["tensors"], 3)
@@ -280,6 +282,45 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(loaded.live_over_program,
                                     report.live_over_program)
       self.assertEqual(loaded.summary(), report.summary())
+
+  def test_version_2_keeps_placement_tile_cycles_and_peak_steps(self):
+    profile = _make_profile()
+    report = report_lib.Report(profile)
+    report.save(self.directory, plots=False, html=False)
+    with open(os.path.join(self.directory, "report.json")) as f:
+      document = json.load(f)
+    for tensor, row in zip(profile.tensors, document["tensors"]):
+      on_tile = np.zeros(profile.target.num_tiles)
+      for first, count, nbytes in row["placement"]:
+        on_tile[first:first + count] = nbytes
+      expected = np.zeros(profile.target.num_tiles)
+      expected[tensor.tiles] = tensor.bytes_on_tile
+      np.testing.assert_array_equal(on_tile, expected)
+    # The tile over its limit peaks at the step where its temporaries and
+    # exchange buffers are largest.
+    peak_step = document["memory"]["peak_step"]
+    self.assertLen(peak_step, profile.target.num_tiles)
+    self.assertTrue(all(-1 <= s < len(profile.steps) for s in peak_step))
+    loaded = report_lib.Report.load(self.directory)
+    files = loaded.save(os.path.join(self.directory, "again"), html=False)
+    self.assertIn("cycles_heatmap.png", [os.path.basename(f) for f in files])
+    np.testing.assert_array_equal(loaded._data.tile_cycles,
+                                  report._data.tile_cycles)
+
+  def test_version_1_report_still_loads(self):
+    report = report_lib.Report(_make_profile())
+    document = report.to_dict()
+    document["version"] = 1
+    for tensor in document["tensors"]:
+      del tensor["placement"]
+    for step in document["steps"]:
+      del step["compute_cycles_tiles"]
+    del document["memory"]["peak_step"]
+    loaded = report_lib.SavedReport(document)
+    self.assertEqual(loaded.summary(), report.summary())
+    files = loaded.save(self.directory, html=False)
+    self.assertNotIn("cycles_heatmap.png",
+                     [os.path.basename(f) for f in files])
 
   def test_load_rejects_other_files(self):
     path = os.path.join(self.directory, "report.json")
@@ -343,17 +384,46 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
 
   def test_memory_plot_has_limit_line(self):
     report = report_lib.Report(_make_profile())
-    figure = report_lib._memory_figure(report._data)
+    figure = plots_lib.memory_figure(report._data)
     limit = report.target.bytes_per_tile
     lines = [line for line in figure.axes[0].lines
              if np.allclose(line.get_ydata(), limit)]
     self.assertLen(lines, 1)
     self.assertIn("SRAM limit", lines[0].get_label())
 
+  def test_memory_axis_scales_to_a_program_far_below_the_limit(self):
+    report = report_lib.Report(_make_profile(over_limit=False))
+    peak = int(report.memory_per_tile.max())
+    limit = report.target.bytes_per_tile
+    self.assertLess(peak, limit / 4)
+    axes = plots_lib.memory_figure(report._data).axes[0]
+    bottom, top = axes.get_ylim()
+    self.assertEqual(bottom, 0)
+    self.assertGreaterEqual(top, peak)
+    self.assertLess(top, 1.5 * peak)          # the bars fill the plot
+    self.assertEmpty([line for line in axes.lines
+                      if np.allclose(line.get_ydata(), limit)])
+    notes = [text.get_text() for text in axes.texts]
+    self.assertTrue(any(f"SRAM limit {limit // 1024:,} KiB" in note
+                        and "off the axis" in note for note in notes), notes)
+
+  @parameterized.parameters(1, 2)
+  def test_every_plot_title_names_the_program_and_target(self, num_ipus):
+    report = report_lib.Report(_make_profile(num_ipus=num_ipus, name="mlp"))
+    data = report._data
+    figures = [plots_lib.memory_figure(data),
+               plots_lib.cycles_heatmap_figure(data, data.tile_cycles),
+               plots_lib.live_memory_figure(data)]
+    for figure in figures:
+      title = figure.axes[0].get_title()
+      self.assertTrue(title.startswith("mlp: "), title)
+      self.assertIn(f"ipu2, {f'{num_ipus} IPUs, ' if num_ipus > 1 else ''}"
+                    f"{16 * num_ipus} tiles", title)
+
   def test_heatmap_bins_large_programs(self):
     cycles = np.ones((1000, 1472))
     executions = np.ones(1000, np.int64)
-    image, step_starts, tile_starts = report_lib._binned_cycles(cycles,
+    image, step_starts, tile_starts = plots_lib.binned_cycles(cycles,
                                                                 executions)
     self.assertLessEqual(image.shape[1], 400)
     self.assertLessEqual(image.shape[0], 512)
@@ -361,8 +431,9 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(image.sum(axis=1)[0], 1000)  # steps are summed
 
   def test_missing_matplotlib_writes_a_note(self):
-    with mock.patch.object(report_lib, "_load_matplotlib", return_value=None):
-      files = report_lib.Report(_make_profile()).save(self.directory)
+    with mock.patch.object(plots_lib, "load_matplotlib", return_value=None):
+      files = report_lib.Report(_make_profile()).save(self.directory,
+                                                      html=False)
     names = sorted(os.path.basename(f) for f in files)
     self.assertEqual(names,
                      ["PLOTS_MISSING.txt", "report.json", "trace.json"])
@@ -421,6 +492,27 @@ class CommandLineTest(chex.TestCase):
     self.assertIn("dot_general", result.stdout)
     self.assertRegex(result.stdout,
                      r"dot_general\s+1,200\s+3,200\s+\+2,000\s+\+166\.7%")
+    # A package with __main__: no "found in sys.modules" RuntimeWarning.
+    self.assertNotIn("RuntimeWarning", result.stderr)
+
+  def test_html_pages(self):
+    if html_lib.plotly_js() is None:
+      self.skipTest("plotly is not installed (pip install ipu-jax[plots])")
+    root = self.create_tempdir().full_path
+    first, second = os.path.join(root, "a"), os.path.join(root, "b")
+    report_lib.Report(_make_profile(name="first")).save(first, plots=False,
+                                                         html=False)
+    report_lib.Report(_make_profile(name="second", scale=3.0)).save(
+        second, plots=False, html=False)
+    for reports, marker in (((first,), '"name":"first"'),
+                            ((first, second), '"b":{"name":"second"')):
+      out = os.path.join(root, "page.html")
+      result = _run_cli(*reports, "--html", out)
+      self.assertEqual(result.returncode, 0, result.stderr)
+      self.assertIn(f"wrote {out}", result.stdout)
+      with open(out, encoding="utf-8") as f:
+        page = f.read()
+      self.assertIn(marker, page)
 
   def test_missing_report_fails_cleanly(self):
     result = _run_cli(os.path.join(self.create_tempdir().full_path, "none"))

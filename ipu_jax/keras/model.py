@@ -449,7 +449,8 @@ class Model:
       in_kinds += [kind] * len(jax.tree.leaves(a))
     lowered = None
     if self.emulate:
-      ipu_fn = ipu_jax.jit(execution, config=self._lowering_config())
+      ipu_fn = ipu_jax.jit(execution, config=self._lowering_config(),
+                           verbose=getattr(self, "_compile_verbose", None))
       lowered = ipu_fn.lower(*per_replica_args)
       out_tree = lowered.out_tree
       program = lowered.apply
@@ -688,6 +689,7 @@ class Model:
       raise ValueError(f"need 0 <= initial_epoch <= epochs; got initial_epoch="
                        f"{initial_epoch}, epochs={epochs}.")
     verbose = 1 if verbose == "auto" else int(verbose)
+    self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
     U = S // (G * R)
     source = self._train_source(x, y, batch_size, steps_per_epoch)
     self._batch_size = source["batch_size"]
@@ -902,6 +904,7 @@ class Model:
     """
     self._require_compiled()
     verbose = 1 if verbose == "auto" else int(verbose)
+    self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
     logs = self._evaluate(x, y, batch_size, cb, verbose, steps)
     return logs if return_dict else list(logs.values())

@@ -6,7 +6,9 @@ terminal (``verbose=1``); one summary line per epoch when it is not, or with
 ``verbose=2``. The emulated throughput is the samples of one execution over
 the report's estimated seconds for it (cycles at the target's clock), so it
 says how fast the IPU would train, independent of how fast the host
-emulates it.
+emulates it. Before the first epoch, a slow compile of the training program
+shows its own progress (:mod:`ipu_jax.compile_progress`, same bar), which
+``verbose=0`` silences too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from ipu_jax.compile_progress import progress_bar
 from ipu_jax.keras.callbacks import Callback
 
 __all__ = ["ProgbarLogger", "format_logs", "format_rate"]
@@ -104,15 +107,11 @@ class ProgbarLogger(Callback):
   def _line(self, step, logs) -> str:
     steps = self.params.get("steps") or step or 1
     step = step or 0
-    done = int(self.width * min(step, steps) / steps)
-    if done >= self.width:
-      bar = "=" * self.width
-    else:
-      bar = ("=" * (done - 1) + ">" if done else "").ljust(self.width, ".")
     wall = time.perf_counter() - self._start
     digits = len(str(steps))
     rate = (self._samples / self._emulated_seconds) if self._emulated_seconds else None
-    text = (f"{step:>{digits}}/{steps} [{bar}] - {wall:.2f}s host - "
+    text = (f"{step:>{digits}}/{steps} {progress_bar(step, steps, self.width)} - "
+            f"{wall:.2f}s host - "
             f"{format_rate(rate)} samples/s emulated")
     metrics = format_logs(logs, skip=_INTERNAL)
     return text + (" - " + metrics if metrics else "")

@@ -1,0 +1,513 @@
+"""The data a report shows, and ``report.json``: its schema and (de)serialisation.
+
+A report's numbers come either from a live
+:class:`~ipu_jax.lowering.profile.ProgramProfile` (:func:`data_from_profile`)
+or from a saved ``report.json`` (:func:`data_from_json`); both give the same
+:class:`ReportData`, which every view (summary, trace, plots, HTML,
+comparison) reads. Per-tile arrays are reduced here once, with NumPy over
+whole ``[steps, tiles]`` arrays, so no view loops over tiles.
+
+``report.json`` schema, version 2 (all bytes are integers, cycles floats;
+version 2 added the keys marked ``v2``, version 1 files still load)::
+
+    {
+      "schema": "ipu-jax-report",
+      "version": 2,
+      "name": str,                       # ProgramProfile.name
+      "target": {                        # every IPUTarget field, plus:
+        "name": str, "num_ipus": int, "tiles_per_ipu": int,
+        "bytes_per_tile": int, "clock_hz": float, ...,
+        "num_tiles": int
+      },
+      "totals": {                        # derived, for readers of the file
+        "cycles", "compute_cycles", "exchange_cycles", "sync_cycles": float,
+        "estimated_seconds": float, "flops": float, "flops_dtype": str,
+        "peak_flops_per_second": float, "flops_fraction_of_peak": float,
+        "tiles_used": int, "num_supersteps": int,
+        "num_supersteps_executed": int, "num_compute_sets": int,
+        "host_round_trips": int, "memory_bytes": int,
+        "peak_tile": int, "peak_tile_bytes": int
+      },
+      "memory": {
+        "tile_limit": int,               # SRAM per tile
+        "always_live_categories": [str],
+        "categories": {category: [int] * num_tiles},  # at each tile's peak
+        "peak": [int] * num_tiles,
+        "over_limit_tiles": [int],
+        "largest_tensors_on_peak_tile": [
+          {"name", "category", "bytes", "op", "source"}],
+        "peak_step": [int] * num_tiles   # v2: step of each tile's peak of
+                                         # not-always-live bytes, -1 if none
+      },
+      "live_over_program": [int] * num_steps,   # bytes live on the device
+      "steps": [{                        # in program order
+        "name", "op", "source": str,
+        "compute_cycles_max", "compute_cycles_mean": float,
+        "compute_cycles_per_ipu": [float] * num_ipus,  # slowest tile per IPU
+        "ipus": [int],                   # IPUs taking part
+        "tiles_busy": int, "vertices": int,
+        "exchange_cycles", "sync_cycles": float,
+        "executions": int, "flops": int,
+        "exchange_bytes_in", "exchange_bytes_out": int,   # summed over tiles
+        "ipu_link_bytes", "host_bytes": int,
+        "temporary_bytes_peak": int,     # the step's working memory, busiest tile
+        "compute_cycles_tiles": [[int, int, float]]  # v2: runs of busy tiles
+                                         # [first_tile, count, cycles]
+      }],
+      "tensors": [{
+        "name", "dtype", "category", "op", "source": str, "shape": [int],
+        "total_bytes": int, "tiles": int,  # number of tiles holding a part
+        "max_bytes_per_tile": int, "live_from", "live_to": int,
+        "placement": [[int, int, int]]   # v2: [first_tile, count, bytes per
+                                         # tile], runs in tile order
+      }]
+    }
+
+Readers must check ``schema`` and ``version``; later versions only add keys.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
+from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.target import IPUTarget
+
+SCHEMA = "ipu-jax-report"
+SCHEMA_VERSION = 2
+
+REPORT_FILE = "report.json"
+TRACE_FILE = "trace.json"
+MEMORY_PLOT_FILE = "memory_per_tile.png"
+HEATMAP_PLOT_FILE = "cycles_heatmap.png"
+LIVE_PLOT_FILE = "live_memory.png"
+PLOTS_MISSING_FILE = "PLOTS_MISSING.txt"
+# ----------------------------------------------------------------------------
+# The data a report shows, independent of where it came from.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepTable:
+  """Per-step columns (one entry per superstep, in program order)."""
+
+  names: list
+  ops: list
+  sources: list
+  compute_max: np.ndarray
+  compute_mean: np.ndarray
+  compute_per_ipu: np.ndarray  # [num_steps, num_ipus]
+  ipus: list                   # list of lists of IPU indices
+  tiles_busy: np.ndarray
+  vertices: np.ndarray
+  exchange: np.ndarray
+  sync: np.ndarray
+  executions: np.ndarray
+  flops: np.ndarray
+  bytes_in: np.ndarray
+  bytes_out: np.ndarray
+  ipu_link_bytes: np.ndarray
+  host_bytes: np.ndarray
+  temporary_peak: np.ndarray   # the step's own working memory, busiest tile
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  @property
+  def cycles_per_execution(self) -> np.ndarray:
+    return self.sync + self.exchange + self.compute_max
+
+  @property
+  def weighted_cycles(self) -> np.ndarray:
+    return self.cycles_per_execution * self.executions
+
+
+@dataclasses.dataclass
+class ReportData:
+  """Everything summary, compare, trace and plots need."""
+
+  name: str
+  target: IPUTarget
+  host_round_trips: int
+  flops_dtype: str
+  categories: dict          # category -> [num_tiles] int64
+  peak: np.ndarray          # [num_tiles] int64
+  tile_limit: int
+  live: np.ndarray          # [num_steps] int64
+  steps: StepTable
+  tensors: list             # list of dicts, as in report.json
+  peak_tile_tensors: list   # list of dicts, as in report.json
+  peak_step: np.ndarray     # [num_tiles] step of each tile's peak, -1 unknown
+  tile_cycles: Optional[np.ndarray] = None  # [num_steps, num_tiles] or None
+
+
+def int_array(values, size: Optional[int] = None) -> np.ndarray:
+  array = np.asarray(values if values is not None else [], dtype=np.float64)
+  array = np.rint(array).astype(np.int64)
+  if size is not None and array.size != size:
+    # A malformed entry must not stop the rest of the report from rendering.
+    fixed = np.zeros(size, np.int64)
+    fixed[:min(size, array.size)] = array.ravel()[:size]
+    return fixed
+  return array
+
+
+def _step_ipus(step, active_row, target: IPUTarget) -> list:
+  """The IPUs a step runs on: its own ``ipu`` if set, else the busy ones."""
+  ipu = getattr(step, "ipu", None)
+  if ipu is not None and 0 <= int(ipu) < target.num_ipus:
+    return [int(ipu)]
+  busy = np.nonzero(active_row)[0].tolist()
+  return busy or list(range(target.num_ipus))
+
+
+def per_tile(values, num_tiles: int) -> np.ndarray:
+  array = np.asarray(values if values is not None else np.zeros(num_tiles),
+                     dtype=np.float64).ravel()
+  if array.size == num_tiles:
+    return array
+  fixed = np.zeros(num_tiles)
+  fixed[:min(num_tiles, array.size)] = array[:num_tiles]
+  return fixed
+
+
+def _steps_from_profile(profile: ProgramProfile) -> StepTable:
+  """Reduces the per-tile step arrays of a profile to per-step columns."""
+  target = profile.target
+  n, num_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
+  steps = profile.steps
+  cycles = np.stack([per_tile(s.compute_cycles, n) for s in steps]) \
+      if steps else np.zeros((0, n))
+  bytes_in = np.stack([per_tile(s.exchange_bytes_in, n) for s in steps]) \
+      if steps else np.zeros((0, n))
+  bytes_out = np.stack([per_tile(s.exchange_bytes_out, n) for s in steps]) \
+      if steps else np.zeros((0, n))
+  per_ipu_cycles = cycles.reshape(len(steps), num_ipus, per_ipu).max(axis=2) \
+      if steps else np.zeros((0, num_ipus))
+  active = (cycles + bytes_in + bytes_out).reshape(
+      len(steps), num_ipus, per_ipu).max(axis=2) > 0
+  vertices = [int(np.sum(s.vertices)) if s.vertices is not None else 0
+              for s in steps]
+  return StepTable(
+      names=[str(s.name) for s in steps],
+      ops=[str(s.op) for s in steps],
+      sources=[str(s.source or "") for s in steps],
+      compute_max=cycles.max(axis=1) if steps else np.zeros(0),
+      compute_mean=cycles.mean(axis=1) if steps else np.zeros(0),
+      compute_per_ipu=per_ipu_cycles,
+      ipus=[_step_ipus(s, active[i], target)
+            for i, s in enumerate(steps)],
+      tiles_busy=np.count_nonzero(cycles, axis=1).astype(np.int64),
+      vertices=np.asarray(vertices, np.int64),
+      exchange=np.asarray([float(s.exchange_cycles) for s in steps]),
+      sync=np.asarray([float(s.sync_cycles) for s in steps]),
+      executions=np.asarray([int(s.executions) for s in steps], np.int64),
+      flops=np.asarray([int(s.flops) for s in steps], np.int64),
+      bytes_in=int_array(bytes_in.sum(axis=1)),
+      bytes_out=int_array(bytes_out.sum(axis=1)),
+      ipu_link_bytes=np.asarray([int(s.ipu_link_bytes) for s in steps],
+                                np.int64),
+      host_bytes=np.asarray([int(s.host_bytes) for s in steps], np.int64),
+      temporary_peak=np.asarray(
+          [int(np.max(s.temporary_bytes)) if getattr(s, "temporary_bytes", None) is not None
+           and np.size(s.temporary_bytes) else 0 for s in steps], np.int64),
+  )
+
+
+def tile_runs(tiles, values) -> list:
+  """Run-length encodes per-tile values: ``[[first_tile, count, value]]``.
+
+  Tensors and compute sets are mapped to intervals of tiles holding equal
+  amounts, so a 1,472-tile placement is usually one or a few runs.
+
+  Args:
+    tiles: tile ids (any order, no repeats).
+    values: the value on each of ``tiles``; zeros are kept.
+
+  Returns:
+    Runs of consecutive tiles with equal values, in tile order; ``value`` is
+    an int when every value is integral, else a float.
+  """
+  tiles = np.asarray(tiles, np.int64).ravel()
+  values = np.asarray(values, np.float64).ravel()
+  if not tiles.size:
+    return []
+  order = np.argsort(tiles, kind="stable")
+  tiles, values = tiles[order], values[order]
+  starts = np.flatnonzero(np.r_[True, (np.diff(tiles) != 1)
+                                | (values[1:] != values[:-1])])
+  counts = np.diff(np.r_[starts, tiles.size])
+  firsts, run_values = tiles[starts].tolist(), values[starts]
+  if np.all(run_values == np.rint(run_values)):
+    run_values = run_values.astype(np.int64)
+  return [list(run) for run in zip(firsts, counts.tolist(),
+                                   run_values.tolist())]
+
+
+def expand_runs(runs: Iterable, num_tiles: int) -> np.ndarray:
+  """The ``[num_tiles]`` array that :func:`tile_runs` encoded (0 elsewhere)."""
+  runs = np.asarray(list(runs), np.float64).reshape(-1, 3)
+  out = np.zeros(num_tiles)
+  if not runs.size:
+    return out
+  counts = runs[:, 1].astype(np.int64)
+  # Each run's tiles are first + 0..count-1: one repeat and one arange.
+  offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts,
+                                                counts)
+  tiles = np.repeat(runs[:, 0].astype(np.int64), counts) + offsets
+  keep = (tiles >= 0) & (tiles < num_tiles)
+  out[tiles[keep]] = np.repeat(runs[:, 2], counts)[keep]
+  return out
+
+
+def _peak_steps(profile: ProgramProfile) -> np.ndarray:
+  """The superstep at which each tile's not-always-live memory peaks.
+
+  Rebuilds what the memory model sums per tile and step -- temporaries over
+  their live range plus each step's own scratch and exchange buffers -- with
+  one difference array over ``[steps, tiles]``.
+  """
+  n, steps = profile.target.num_tiles, profile.steps
+  if not steps:
+    return np.full(n, -1, np.int64)
+  live = np.stack([per_tile(s.temporary_bytes if s.temporary_bytes is not None
+                            else s.exchange_bytes_in, n) for s in steps])
+  ranged = [t for t in profile.tensors
+            if t.category not in ALWAYS_LIVE_CATEGORIES
+            and np.asarray(t.tiles).size]
+  if ranged:
+    lengths = [np.asarray(t.tiles).size for t in ranged]
+    tiles = np.concatenate([np.asarray(t.tiles, np.int64).ravel()
+                            for t in ranged])
+    nbytes = np.concatenate([np.asarray(t.bytes_on_tile, np.float64).ravel()
+                             for t in ranged])
+    first = np.repeat([min(max(t.live_from, 0), len(steps) - 1)
+                       for t in ranged], lengths)
+    last = np.repeat([min(max(t.live_to, 0), len(steps) - 1)
+                      for t in ranged], lengths)
+    delta = np.zeros((len(steps) + 1, n))
+    np.add.at(delta, (first, tiles), nbytes)
+    np.add.at(delta, (last + 1, tiles), -nbytes)
+    live += np.cumsum(delta[:-1], axis=0)
+  peak_step = live.argmax(axis=0).astype(np.int64)
+  peak_step[live.max(axis=0) <= 0] = -1
+  return peak_step
+
+
+def _tensor_row(tensor) -> dict:
+  on_tile = np.asarray(tensor.bytes_on_tile)
+  return {
+      "placement": tile_runs(tensor.tiles, on_tile),
+      "name": str(tensor.name),
+      "shape": [int(d) for d in tensor.shape],
+      "dtype": str(tensor.dtype),
+      "category": str(tensor.category),
+      "total_bytes": int(on_tile.sum()),
+      "tiles": int(np.asarray(tensor.tiles).size),
+      "max_bytes_per_tile": int(on_tile.max()) if on_tile.size else 0,
+      "op": str(tensor.op or ""),
+      "source": str(tensor.source or ""),
+      "live_from": int(tensor.live_from),
+      "live_to": int(tensor.live_to),
+  }
+
+
+def tensors_on_tile(tensors: Iterable, tile: int, limit: int = 10) -> list:
+  """The largest tensors holding bytes on ``tile``, largest first."""
+  rows = []
+  for tensor in tensors:
+    held = np.asarray(tensor.bytes_on_tile)[np.asarray(tensor.tiles) == tile]
+    if held.size and held.sum() > 0:
+      rows.append({"name": str(tensor.name), "category": str(tensor.category),
+                   "bytes": int(held.sum()), "op": str(tensor.op or ""),
+                   "source": str(tensor.source or "")})
+  rows.sort(key=lambda row: -row["bytes"])
+  return rows[:limit]
+
+
+def _flops_dtype(profile: ProgramProfile) -> str:
+  """The dtype whose peak FLOPS the program is measured against.
+
+  The profile contract carries no dtype for FLOPs; a cost model may add
+  ``ProgramProfile.flops_dtype`` or ``StepProfile.flops_dtype`` and it is
+  honoured (the dtype of the majority of FLOPs wins). Otherwise fp32.
+  """
+  declared = getattr(profile, "flops_dtype", None)
+  if declared:
+    return str(np.dtype(declared))
+  by_dtype = collections.Counter()
+  for step in profile.steps:
+    dtype = getattr(step, "flops_dtype", None)
+    if dtype:
+      by_dtype[str(np.dtype(dtype))] += step.flops * step.executions
+  if by_dtype:
+    return by_dtype.most_common(1)[0][0]
+  return "float32"
+
+
+def data_from_profile(profile: ProgramProfile) -> ReportData:
+  target = profile.target
+  n = target.num_tiles
+  memory = profile.memory
+  categories = {c: int_array(v, n) for c, v in memory.by_category.items()}
+  peak = int_array(memory.peak, n)
+  worst_tile = int(np.argmax(peak)) if peak.size else 0
+  tensors = [_tensor_row(t) for t in profile.tensors]
+  return ReportData(
+      name=str(profile.name),
+      target=target,
+      host_round_trips=int(profile.host_round_trips),
+      flops_dtype=_flops_dtype(profile),
+      categories=categories,
+      peak=peak,
+      tile_limit=int(memory.tile_limit),
+      live=int_array(memory.live_over_program),
+      steps=_steps_from_profile(profile),
+      tensors=tensors,
+      peak_tile_tensors=tensors_on_tile(profile.tensors, worst_tile),
+      peak_step=_peak_steps(profile),
+      tile_cycles=(np.stack([per_tile(s.compute_cycles, n)
+                             for s in profile.steps])
+                   if profile.steps else np.zeros((0, n))),
+  )
+
+
+# ----------------------------------------------------------------------------
+# report.json (de)serialisation.
+# ----------------------------------------------------------------------------
+
+
+def target_to_json(target: IPUTarget) -> dict:
+  fields = dataclasses.asdict(target)
+  fields["num_tiles"] = target.num_tiles
+  return fields
+
+
+def _target_from_json(fields: dict) -> IPUTarget:
+  known = {f.name for f in dataclasses.fields(IPUTarget)}
+  return IPUTarget(**{k: v for k, v in fields.items() if k in known})
+
+
+def steps_to_json(steps: StepTable,
+                  tile_cycles: Optional[np.ndarray] = None) -> list:
+  """The ``steps`` rows of report.json (with per-tile cycle runs if known)."""
+  rows = [{
+      "name": steps.names[i],
+      "op": steps.ops[i],
+      "source": steps.sources[i],
+      "compute_cycles_max": float(steps.compute_max[i]),
+      "compute_cycles_mean": float(steps.compute_mean[i]),
+      "compute_cycles_per_ipu": steps.compute_per_ipu[i].astype(float).tolist(),
+      "ipus": list(steps.ipus[i]),
+      "tiles_busy": int(steps.tiles_busy[i]),
+      "vertices": int(steps.vertices[i]),
+      "exchange_cycles": float(steps.exchange[i]),
+      "sync_cycles": float(steps.sync[i]),
+      "executions": int(steps.executions[i]),
+      "flops": int(steps.flops[i]),
+      "exchange_bytes_in": int(steps.bytes_in[i]),
+      "exchange_bytes_out": int(steps.bytes_out[i]),
+      "ipu_link_bytes": int(steps.ipu_link_bytes[i]),
+      "host_bytes": int(steps.host_bytes[i]),
+      "temporary_bytes_peak": int(steps.temporary_peak[i]),
+  } for i in range(len(steps))]
+  if tile_cycles is not None and len(tile_cycles) == len(rows):
+    for row, cycles in zip(rows, tile_cycles):
+      busy = np.flatnonzero(cycles)
+      row["compute_cycles_tiles"] = tile_runs(busy, cycles[busy])
+  return rows
+
+
+def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
+  def column(key, dtype=np.float64, default=0):
+    return np.asarray([row.get(key, default) for row in rows], dtype=dtype)
+
+  per_ipu = np.zeros((len(rows), num_ipus))
+  for i, row in enumerate(rows):
+    values = row.get("compute_cycles_per_ipu") or [row["compute_cycles_max"]]
+    per_ipu[i, :min(num_ipus, len(values))] = values[:num_ipus]
+  return StepTable(
+      names=[str(row.get("name", "")) for row in rows],
+      ops=[str(row.get("op", "")) for row in rows],
+      sources=[str(row.get("source", "")) for row in rows],
+      compute_max=column("compute_cycles_max"),
+      compute_mean=column("compute_cycles_mean"),
+      compute_per_ipu=per_ipu,
+      ipus=[list(row.get("ipus", range(num_ipus))) for row in rows],
+      tiles_busy=column("tiles_busy", np.int64),
+      vertices=column("vertices", np.int64),
+      exchange=column("exchange_cycles"),
+      sync=column("sync_cycles"),
+      executions=column("executions", np.int64, 1),
+      flops=column("flops", np.int64),
+      bytes_in=column("exchange_bytes_in", np.int64),
+      bytes_out=column("exchange_bytes_out", np.int64),
+      ipu_link_bytes=column("ipu_link_bytes", np.int64),
+      host_bytes=column("host_bytes", np.int64),
+      temporary_peak=column("temporary_bytes_peak", np.int64),
+  )
+
+
+def data_from_json(document: dict) -> ReportData:
+  target = _target_from_json(document["target"])
+  memory = document["memory"]
+  n = target.num_tiles
+  return ReportData(
+      name=str(document.get("name", "program")),
+      target=target,
+      host_round_trips=int(document.get("totals", {}).get(
+          "host_round_trips", 1)),
+      flops_dtype=str(document.get("totals", {}).get("flops_dtype",
+                                                     "float32")),
+      categories={c: int_array(v, n)
+                  for c, v in memory["categories"].items()},
+      peak=int_array(memory["peak"], n),
+      tile_limit=int(memory["tile_limit"]),
+      live=int_array(document.get("live_over_program", [])),
+      steps=_steps_from_json(document.get("steps", []), target.num_ipus),
+      tensors=list(document.get("tensors", [])),
+      peak_tile_tensors=list(memory.get("largest_tensors_on_peak_tile", [])),
+      peak_step=int_array(memory.get("peak_step", [-1] * n), n),
+      tile_cycles=_tile_cycles_from_json(document.get("steps", []), n),
+  )
+
+
+def _tile_cycles_from_json(rows: list, num_tiles: int) -> Optional[np.ndarray]:
+  """``[steps, tiles]`` compute cycles, or None if a step lacks its runs."""
+  if any("compute_cycles_tiles" not in row for row in rows):
+    return None
+  if not rows:
+    return np.zeros((0, num_tiles))
+  return np.stack([expand_runs(row["compute_cycles_tiles"], num_tiles)
+                   for row in rows])
+
+
+def check_schema(document: Any, origin: str) -> None:
+  if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+    raise ValueError(f"{origin} is not an ipu-jax report: expected "
+                     f'"schema": "{SCHEMA}".')
+  version = document.get("version")
+  if not isinstance(version, int) or version < 1:
+    raise ValueError(f"{origin} has an invalid report version {version!r}.")
+  if version > SCHEMA_VERSION:
+    raise ValueError(
+        f"{origin} is report version {version}; this ipu-jax reads versions "
+        f"up to {SCHEMA_VERSION}. Upgrade ipu-jax to read it.")
+
+
+def report_json_path(path_or_dir: str | os.PathLike) -> str:
+  path = os.fspath(path_or_dir)
+  return os.path.join(path, REPORT_FILE) if os.path.isdir(path) else path
+
+def write_json(path: str, document: dict, indent: Optional[int] = None) -> str:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(document, f, indent=indent)
+  return path
+

@@ -1,0 +1,257 @@
+"""``report.html``: the interactive view of a report, and the comparison page.
+
+What PopVision Graph Analyser shows, in one self-contained HTML file that
+opens from disk with no server and no network:
+
+* **Memory**: a map of every tile of every IPU (colour = bytes at the tile's
+  peak). Hovering a tile shows its bytes; clicking it lists what lives on it
+  by category (tensors with their bytes on that tile, vertex state, code,
+  exchange buffers), the superstep of its peak and its bytes against the
+  SRAM limit.
+* **Liveness**: not-always-live bytes on the device at every superstep
+  (drag to zoom, range slider below); clicking a superstep lists the tensors
+  live there.
+* **Execution**: cycles per superstep split into compute / exchange / sync,
+  one lane per IPU; clicking a superstep shows its tile balance (compute
+  cycles of every tile) and details; the operations table sorts by any
+  column (cycles, working memory, FLOPs, source line...).
+
+:func:`comparison_html` writes the page of two reports side by side
+(``python -m ipu_jax.report A B --html out.html``), with changes highlighted.
+
+The charts are plotly.js, embedded from the ``plotly`` pip package's own
+bundled ``plotly.min.js`` (an optional dependency: ``pip install
+ipu-jax[plots]``); without it :meth:`Report.save` writes ``HTML_MISSING.txt``
+instead. The page's own script (``assets/report.js``) only turns the report's
+numbers into plotly figures, tables and panels.
+
+The numbers travel as one JSON document (:func:`report_payload`) in a
+``<script type="application/json">`` tag; per-tile arrays of tensors and
+compute sets are run-length encoded over tiles (``[first, count, value]``),
+so a 1,472-tile program stays a few hundred kilobytes of data.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import importlib.util
+import json
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
+from ipu_jax.report.data import tile_runs
+from ipu_jax.report.formatting import CATEGORY_COLOURS
+from ipu_jax.report.formatting import category_label
+from ipu_jax.report.formatting import ordered_categories
+
+__all__ = ["HTML_FILE", "HTML_MISSING_FILE", "plotly_js", "report_payload",
+           "report_html", "comparison_html", "write_report_html",
+           "write_comparison_html", "write_page"]
+
+HTML_FILE = "report.html"
+HTML_MISSING_FILE = "HTML_MISSING.txt"
+
+_ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+
+_MISSING_NOTE = (
+    "The interactive report (report.html) needs plotly, whose pip package "
+    "bundles the plotly.js the page embeds; it is not installed.\n"
+    "Install it with\n\n    pip install ipu-jax[plots]\n\nor\n\n"
+    "    pip install plotly\n\nthen save the report again, or run\n\n"
+    "    python -m ipu_jax.report REPORT_DIR --html REPORT_DIR/report.html\n")
+
+
+@functools.lru_cache(maxsize=1)
+def plotly_js() -> Optional[str]:
+  """The text of the plotly.min.js bundled with the plotly pip package.
+
+  Found without importing plotly (its Python side is not needed and slow to
+  import).
+
+  Returns:
+    The script, or None when plotly is not installed.
+  """
+  spec = importlib.util.find_spec("plotly")
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  for folder in spec.submodule_search_locations:
+    path = os.path.join(folder, "package_data", "plotly.min.js")
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        return f.read()
+  return None
+
+
+def _asset(name: str) -> str:
+  with open(os.path.join(_ASSETS, name), encoding="utf-8") as f:
+    return f.read()
+
+
+def _tile_grid(tiles_per_ipu: int) -> dict:
+  """Columns x rows of one IPU's tile map: about 4:1, like the die's tiles."""
+  columns = max(1, min(tiles_per_ipu, math.ceil(math.sqrt(4 * tiles_per_ipu))))
+  return {"columns": columns, "rows": math.ceil(tiles_per_ipu / columns)}
+
+
+def _operations(report) -> list:
+  """``cycles_by_operation`` rows with each (op, source)'s working memory."""
+  steps = report._data.steps  # pylint: disable=protected-access
+  memory = {}
+  for op, source, peak in zip(steps.ops, steps.sources, steps.temporary_peak):
+    memory[(op, source)] = max(memory.get((op, source), 0), int(peak))
+  rows = report.cycles_by_operation()
+  for row in rows:
+    row["memory"] = memory.get((row["op"], row["source"]), 0)
+  return rows
+
+
+def report_payload(report) -> dict:
+  """Everything the HTML view draws, as one JSON-serialisable document.
+
+  Args:
+    report: a :class:`~ipu_jax.report.Report` or
+      :class:`~ipu_jax.report.SavedReport`.
+
+  Returns:
+    A dict: ``name``, ``target``, ``totals`` (as in report.json), ``grid``
+    (tile map layout), ``memory`` (per-tile arrays, categories, peak step),
+    ``liveness`` (not-always-live bytes per step), ``steps`` (columns),
+    ``tile_cycles`` (per step, runs of busy tiles; None if unknown),
+    ``tensors`` and ``operations``.
+  """
+  data = report._data  # pylint: disable=protected-access
+  steps, target = data.steps, data.target
+  categories = ordered_categories(data.categories)
+  always_live = int(sum(int(data.categories[c].sum()) for c in categories
+                        if c in ALWAYS_LIVE_CATEGORIES))
+  tile_cycles = None
+  if data.tile_cycles is not None:
+    tile_cycles = []
+    for cycles in data.tile_cycles:
+      busy = np.flatnonzero(cycles)
+      tile_cycles.append(tile_runs(busy, cycles[busy]))
+  tensors = [{key: tensor.get(key) for key in
+              ("name", "shape", "dtype", "category", "total_bytes", "op",
+               "source", "live_from", "live_to", "placement")}
+             for tensor in data.tensors]
+  return {
+      "name": data.name,
+      "target": {"name": target.name, "num_ipus": target.num_ipus,
+                 "tiles_per_ipu": target.tiles_per_ipu,
+                 "num_tiles": target.num_tiles,
+                 "bytes_per_tile": target.bytes_per_tile,
+                 "clock_hz": target.clock_hz},
+      "totals": report.to_dict()["totals"],
+      "grid": _tile_grid(target.tiles_per_ipu),
+      "memory": {
+          "tile_limit": data.tile_limit,
+          "peak": data.peak.tolist(),
+          "peak_step": data.peak_step.tolist(),
+          "categories": [{"key": c, "label": category_label(c),
+                          "colour": CATEGORY_COLOURS.get(c, "#17becf"),
+                          "always_live": c in ALWAYS_LIVE_CATEGORIES,
+                          "bytes": data.categories[c].tolist()}
+                         for c in categories],
+      },
+      "liveness": {
+          "always_live_bytes": always_live,
+          "not_always_live": np.maximum(data.live - always_live, 0).tolist(),
+      },
+      "steps": {
+          "name": steps.names, "op": steps.ops, "source": steps.sources,
+          "compute": steps.compute_max.tolist(),
+          "compute_mean": steps.compute_mean.tolist(),
+          "compute_per_ipu": steps.compute_per_ipu.tolist(),
+          "ipus": [list(map(int, ipus)) for ipus in steps.ipus],
+          "exchange": steps.exchange.tolist(), "sync": steps.sync.tolist(),
+          "executions": steps.executions.tolist(),
+          "flops": steps.flops.tolist(),
+          "tiles_busy": steps.tiles_busy.tolist(),
+          "vertices": steps.vertices.tolist(),
+          "bytes_in": steps.bytes_in.tolist(),
+          "bytes_out": steps.bytes_out.tolist(),
+          "ipu_link_bytes": steps.ipu_link_bytes.tolist(),
+          "working_memory": steps.temporary_peak.tolist(),
+      },
+      "tile_cycles": tile_cycles,
+      "tensors": tensors,
+      "operations": _operations(report),
+  }
+
+
+def _json_for_script(document) -> str:
+  # "</" would end the <script> element early; JSON allows "<\/" instead.
+  return json.dumps(document, separators=(",", ":")).replace("</", "<\\/")
+
+
+def _page(title: str, body: str, payload: dict, script: str) -> str:
+  plotly = plotly_js()
+  if plotly is None:
+    raise ImportError(_MISSING_NOTE)
+  return (
+      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+      f"<title>{html.escape(title)}</title>\n"
+      f"<style>\n{_asset('report.css')}\n</style>\n"
+      f"<script>{plotly}</script>\n</head>\n<body>\n{body}\n"
+      "<script type=\"application/json\" id=\"report-data\">"
+      f"{_json_for_script(payload)}</script>\n"
+      f"<script>\n{_asset('common.js')}\n{script}\n</script>\n"
+      "</body>\n</html>\n")
+
+
+def report_html(report) -> str:
+  """The self-contained HTML page of one report.
+
+  Raises:
+    ImportError: plotly is not installed (the message says how to get it).
+  """
+  title = (f"{report.name} on {report.target.name} "
+           f"({report.target.num_tiles:,} tiles) — ipu-jax report")
+  return _page(title, _asset("report.html"), report_payload(report),
+               _asset("report.js"))
+
+
+def comparison_html(a, b) -> str:
+  """The self-contained HTML page comparing report ``a`` with report ``b``.
+
+  Raises:
+    ImportError: plotly is not installed.
+  """
+  title = f"{a.name} vs {b.name} — ipu-jax report comparison"
+  payload = {"a": report_payload(a), "b": report_payload(b)}
+  return _page(title, _asset("compare.html"), payload, _asset("compare.js"))
+
+
+def write_page(text: str, path) -> str:
+  """Writes an HTML page to ``path``; returns the path."""
+  path = os.fspath(path)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+  return path
+
+
+def write_report_html(report, directory: str) -> str:
+  """Writes ``report.html`` into ``directory`` (or ``HTML_MISSING.txt``).
+
+  Returns:
+    The path written.
+  """
+  try:
+    page = report_html(report)
+  except ImportError:
+    return write_page(_MISSING_NOTE, os.path.join(directory, HTML_MISSING_FILE))
+  return write_page(page, os.path.join(directory, HTML_FILE))
+
+
+def write_comparison_html(a, b, path: str) -> str:
+  """Writes the comparison page of reports ``a`` and ``b`` to ``path``.
+
+  Raises:
+    ImportError: plotly is not installed.
+  """
+  return write_page(comparison_html(a, b), path)

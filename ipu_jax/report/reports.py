@@ -1,0 +1,371 @@
+"""The report classes: :class:`Report` (live) and :class:`SavedReport` (loaded).
+
+Both read a :class:`~ipu_jax.report.data.ReportData` and offer the same
+numbers (cycles by phase, FLOPs, memory per tile, aggregates by operation),
+the text summary, ``report.json``, the trace and :meth:`save`, which writes
+every file of a report into one directory::
+
+    report = Report(profile)
+    report.save("reports/mlp")   # report.json, trace.json, report.html, PNGs
+    again = Report.load("reports/mlp")
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import numpy as np
+
+from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
+from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.report import html as html_lib
+from ipu_jax.report.data import REPORT_FILE
+from ipu_jax.report.data import SCHEMA
+from ipu_jax.report.data import SCHEMA_VERSION
+from ipu_jax.report.data import TRACE_FILE
+from ipu_jax.report.data import ReportData
+from ipu_jax.report.data import check_schema
+from ipu_jax.report.data import data_from_json
+from ipu_jax.report.data import data_from_profile
+from ipu_jax.report.data import report_json_path
+from ipu_jax.report.data import steps_to_json
+from ipu_jax.report.data import target_to_json
+from ipu_jax.report.data import write_json
+from ipu_jax.report.plots import write_plots
+from ipu_jax.report.summary import SummaryMixin
+from ipu_jax.report.trace import trace_events
+from ipu_jax.target import IPUTarget
+
+__all__ = ["Report", "SavedReport", "load_report", "as_report"]
+
+class _ReportBase(SummaryMixin):
+  """What live and loaded reports share: numbers, summary, trace, save."""
+
+  _data: ReportData
+
+  # -- identity ---------------------------------------------------------------
+
+  @property
+  def name(self) -> str:
+    """The program's name (``ProgramProfile.name``)."""
+    return self._data.name
+
+  @property
+  def target(self) -> IPUTarget:
+    return self._data.target
+
+  # -- cycles -----------------------------------------------------------------
+
+  def _weighted(self, column: np.ndarray) -> float:
+    return float(np.sum(column * self._data.steps.executions))
+
+  @property
+  def compute_cycles(self) -> float:
+    """Compute-phase cycles (slowest tile), summed over executed steps."""
+    return self._weighted(self._data.steps.compute_max)
+
+  @property
+  def exchange_cycles(self) -> float:
+    return self._weighted(self._data.steps.exchange)
+
+  @property
+  def sync_cycles(self) -> float:
+    return self._weighted(self._data.steps.sync)
+
+  @property
+  def total_cycles(self) -> float:
+    return self.compute_cycles + self.exchange_cycles + self.sync_cycles
+
+  @property
+  def estimated_seconds(self) -> float:
+    """Time of one program run at the target's tile clock."""
+    return self.target.cycles_to_seconds(self.total_cycles)
+
+  # -- FLOPs ------------------------------------------------------------------
+
+  @property
+  def total_flops(self) -> float:
+    return self._weighted(self._data.steps.flops)
+
+  @property
+  def flops_dtype(self) -> str:
+    """The dtype whose peak the FLOPs are measured against (fp32 default)."""
+    return self._data.flops_dtype
+
+  @property
+  def peak_flops_per_second(self) -> float:
+    """Peak FLOP/s of the whole system in `flops_dtype`."""
+    target = self.target
+    return (target.num_tiles * target.flops_per_cycle(self.flops_dtype)
+            * target.clock_hz)
+
+  @property
+  def flops_fraction_of_peak(self) -> float:
+    """Achieved FLOP/s over the system's peak (0 for an empty program)."""
+    seconds = self.estimated_seconds
+    if seconds <= 0:
+      return 0.0
+    return self.total_flops / (seconds * self.peak_flops_per_second)
+
+  # -- structure --------------------------------------------------------------
+
+  @property
+  def num_supersteps(self) -> int:
+    """Supersteps in the program (each counted once)."""
+    return len(self._data.steps)
+
+  @property
+  def num_supersteps_executed(self) -> int:
+    """Supersteps run by one program run (``Repeat`` counts every trip)."""
+    return int(np.sum(self._data.steps.executions))
+
+  @property
+  def num_compute_sets(self) -> int:
+    """Supersteps with a compute phase (some tile computes or has vertices)."""
+    steps = self._data.steps
+    return int(np.count_nonzero((steps.tiles_busy > 0) | (steps.vertices > 0)))
+
+  @property
+  def host_round_trips(self) -> int:
+    return self._data.host_round_trips
+
+  # -- memory -----------------------------------------------------------------
+
+  @property
+  def memory_per_tile(self) -> np.ndarray:
+    """``[num_tiles]`` peak bytes on each tile."""
+    return self._data.peak
+
+  @property
+  def memory_by_category(self) -> dict:
+    """Category -> ``[num_tiles]`` bytes at each tile's peak."""
+    return dict(self._data.categories)
+
+  @property
+  def tile_limit(self) -> int:
+    return self._data.tile_limit
+
+  @property
+  def tiles_used(self) -> int:
+    """Tiles that hold any bytes."""
+    return int(np.count_nonzero(self._data.peak))
+
+  @property
+  def over_limit_tiles(self) -> np.ndarray:
+    """Tiles whose peak exceeds their SRAM, in tile order."""
+    return np.nonzero(self._data.peak > self._data.tile_limit)[0]
+
+  @property
+  def live_over_program(self) -> np.ndarray:
+    """``[num_steps]`` bytes live on the device at each step."""
+    return self._data.live
+
+  # -- aggregates -------------------------------------------------------------
+
+  def cycles_by_operation(self) -> list:
+    """Steps aggregated by (op, source), most cycles first.
+
+    Returns:
+      A list of dicts with keys ``op``, ``source``, ``steps``, ``executions``,
+      ``cycles`` (cycles x executions), ``compute``, ``exchange``, ``sync``
+      and ``flops``.
+    """
+    steps = self._data.steps
+    groups = {}
+    for i in range(len(steps)):
+      key = (steps.ops[i], steps.sources[i])
+      row = groups.setdefault(key, {
+          "op": key[0], "source": key[1], "steps": 0, "executions": 0,
+          "cycles": 0.0, "compute": 0.0, "exchange": 0.0, "sync": 0.0,
+          "flops": 0})
+      executions = int(steps.executions[i])
+      row["steps"] += 1
+      row["executions"] += executions
+      row["compute"] += float(steps.compute_max[i]) * executions
+      row["exchange"] += float(steps.exchange[i]) * executions
+      row["sync"] += float(steps.sync[i]) * executions
+      row["flops"] += int(steps.flops[i]) * executions
+    for row in groups.values():
+      row["cycles"] = row["compute"] + row["exchange"] + row["sync"]
+    return sorted(groups.values(), key=lambda r: -r["cycles"])
+
+  def temporary_memory_by_op(self) -> dict:
+    """Op name -> the most working memory any of its steps needs on a tile.
+
+    A step's working memory is its scratch (operand blocks, partial sums)
+    plus its exchange buffers: what ``available_memory_proportion`` bounds.
+    """
+    steps = self._data.steps
+    peaks = collections.defaultdict(int)
+    for i in range(len(steps)):
+      peaks[steps.ops[i]] = max(peaks[steps.ops[i]], int(steps.temporary_peak[i]))
+    return dict(peaks)
+
+  def cycles_by_op(self) -> dict:
+    """Op name -> cycles x executions, summed over every source line."""
+    totals = collections.defaultdict(float)
+    for row in self.cycles_by_operation():
+      totals[row["op"]] += row["cycles"]
+    return dict(totals)
+
+  def largest_tensors(self, count: int = 10) -> list:
+    """The ``count`` tensors with the most bytes (dicts as in report.json)."""
+    return sorted(self._data.tensors,
+                  key=lambda t: -t["total_bytes"])[:count]
+
+  # -- serialisation ----------------------------------------------------------
+
+  def to_dict(self) -> dict:
+    """The ``report.json`` document (see the module docstring)."""
+    data = self._data
+    peak = data.peak
+    worst = int(np.argmax(peak)) if peak.size else 0
+    return {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "name": data.name,
+        "target": target_to_json(data.target),
+        "totals": {
+            "cycles": self.total_cycles,
+            "compute_cycles": self.compute_cycles,
+            "exchange_cycles": self.exchange_cycles,
+            "sync_cycles": self.sync_cycles,
+            "estimated_seconds": self.estimated_seconds,
+            "flops": self.total_flops,
+            "flops_dtype": self.flops_dtype,
+            "peak_flops_per_second": self.peak_flops_per_second,
+            "flops_fraction_of_peak": self.flops_fraction_of_peak,
+            "tiles_used": self.tiles_used,
+            "num_supersteps": self.num_supersteps,
+            "num_supersteps_executed": self.num_supersteps_executed,
+            "num_compute_sets": self.num_compute_sets,
+            "host_round_trips": self.host_round_trips,
+            "memory_bytes": int(peak.sum()),
+            "peak_tile": worst,
+            "peak_tile_bytes": int(peak[worst]) if peak.size else 0,
+        },
+        "memory": {
+            "tile_limit": data.tile_limit,
+            "always_live_categories": list(ALWAYS_LIVE_CATEGORIES),
+            "categories": {c: v.tolist() for c, v in data.categories.items()},
+            "peak": peak.tolist(),
+            "over_limit_tiles": self.over_limit_tiles.tolist(),
+            "largest_tensors_on_peak_tile": list(data.peak_tile_tensors),
+            "peak_step": data.peak_step.tolist(),
+        },
+        "live_over_program": data.live.tolist(),
+        "steps": steps_to_json(data.steps, data.tile_cycles),
+        "tensors": list(data.tensors),
+    }
+
+  def trace(self) -> dict:
+    """The Chrome Trace Event Format document written to ``trace.json``."""
+    return {"traceEvents": trace_events(self._data), "displayTimeUnit": "ns",
+            "otherData": {"program": self.name, "target": self.target.name,
+                          "clock_hz": self.target.clock_hz}}
+
+  def save(self, directory: str | os.PathLike, plots: bool = True,
+           html: bool = True) -> list:
+    """Writes report.json, trace.json, report.html and the plots.
+
+    Args:
+      directory: created if missing; existing files of the same names are
+        replaced.
+      plots: set False to skip the PNGs.
+      html: set False to skip report.html (the interactive view).
+
+    Returns:
+      The paths written. Without matplotlib / plotly, ``PLOTS_MISSING.txt`` /
+      ``HTML_MISSING.txt`` take the place of the PNGs / the HTML and say how
+      to install them.
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    written = [write_json(os.path.join(directory, REPORT_FILE),
+                          self.to_dict(), indent=1),
+               write_json(os.path.join(directory, TRACE_FILE), self.trace())]
+    if html:
+      written.append(html_lib.write_report_html(self, directory))
+    if plots:
+      written += write_plots(self._data, self._data.tile_cycles, directory)
+    return written
+
+
+class Report(_ReportBase):
+  """The report of a compiled program: memory per tile, cycles, trace.
+
+  Attributes:
+    profile: the :class:`~ipu_jax.lowering.profile.ProgramProfile` it shows.
+
+  Example::
+
+    report = Report(profile)
+    report.total_cycles, report.memory_per_tile.max()
+    print(report)                  # the summary
+    report.save("/tmp/my-report")  # report.json, trace.json, PNGs
+  """
+
+  def __init__(self, profile: ProgramProfile):
+    if not isinstance(profile, ProgramProfile):
+      raise TypeError(
+          f"Report expects a ProgramProfile, got {type(profile).__name__}.")
+    self.profile = profile
+    self._cached = None
+
+  @property
+  def _data(self) -> ReportData:
+    # Built on first use: compiling must stay cheap when nobody reads reports.
+    if self._cached is None:
+      self._cached = data_from_profile(self.profile)
+    return self._cached
+
+  @staticmethod
+  def load(path_or_dir: str | os.PathLike) -> "SavedReport":
+    """Reads a saved report (its directory or its report.json)."""
+    return load_report(path_or_dir)
+
+
+class SavedReport(_ReportBase):
+  """A report read back from ``report.json``.
+
+  It offers everything a :class:`Report` does. Reports saved before
+  version 2 lack the per-tile cycles of each step and the tensors' tile
+  placement, so their re-save has no cycles heatmap and their HTML view no
+  tensors per tile.
+
+  Attributes:
+    document: the parsed report.json.
+    path: where it was read from ('' if built from a dict).
+  """
+
+  def __init__(self, document: dict, path: str = ""):
+    check_schema(document, path or "report document")
+    self.document = document
+    self.path = path
+    self._data = data_from_json(document)
+
+
+def load_report(path_or_dir: str | os.PathLike) -> SavedReport:
+  """Reads ``report.json`` from a file or a report directory.
+
+  Raises:
+    FileNotFoundError: no report there.
+    ValueError: the file is not an ipu-jax report or is of a newer version.
+  """
+  path = report_json_path(path_or_dir)
+  with open(path, encoding="utf-8") as f:
+    document = json.load(f)
+  return SavedReport(document, path)
+
+
+def as_report(report) -> _ReportBase:
+  if isinstance(report, _ReportBase):
+    return report
+  if isinstance(report, ProgramProfile):
+    return Report(report)
+  if isinstance(report, (str, os.PathLike)):
+    return load_report(report)
+  raise TypeError(f"Expected a Report, SavedReport, ProgramProfile or path, "
+                  f"got {type(report).__name__}.")

@@ -1,0 +1,247 @@
+"""The text summary of a report, laid out like Poplar's profile summary.
+
+:class:`SummaryMixin` gives every report class ``summary()``: target,
+program structure, memory by category (always-live vs not-always-live, on the
+peak tile), cycles by phase, FLOPs against the target's peak, the top
+operations by cycles and by working memory, the largest tensors, and an
+out-of-memory section listing the tiles over their SRAM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
+from ipu_jax.lowering.profile import MEMORY_CATEGORIES
+from ipu_jax.report.formatting import category_label
+from ipu_jax.report.formatting import fmt_bytes
+from ipu_jax.report.formatting import fmt_flops
+from ipu_jax.report.formatting import fmt_int
+from ipu_jax.report.formatting import fmt_seconds
+from ipu_jax.report.formatting import ordered_categories
+from ipu_jax.report.formatting import pct
+from ipu_jax.report.formatting import short_source
+from ipu_jax.report.formatting import text_table
+from ipu_jax.report.formatting import tile_name
+
+__all__ = ["SummaryMixin"]
+
+
+class SummaryMixin:
+  """``summary()`` and its sections, over the numbers of a report class."""
+
+
+  def summary(self, top: int = 10) -> str:
+    """A Poplar-style profile summary.
+
+    Args:
+      top: how many operations and tensors to list.
+
+    Returns:
+      Multi-line text.
+    """
+    sections = [
+        self._summary_target(),
+        self._summary_program(),
+        self._summary_memory(),
+        self._summary_cycles(),
+        self._summary_top_ops(top),
+        self._summary_top_working_memory(top),
+        self._summary_top_tensors(top),
+    ]
+    if self.over_limit_tiles.size:
+      sections.append(self._summary_out_of_memory())
+    return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
+
+  def __str__(self) -> str:
+    return self.summary()
+
+  def __repr__(self) -> str:
+    return (f"{type(self).__name__}(name={self.name!r}, "
+            f"target={self.target.name!r}, cycles={self.total_cycles:,.0f}, "
+            f"tiles_used={self.tiles_used})")
+
+  def _summary_target(self) -> list:
+    t = self.target
+    return [
+        "Target:",
+        f"  Name:                  {t.name}",
+        f"  Number of IPUs:        {t.num_ipus}",
+        f"  Tiles per IPU:         {t.tiles_per_ipu:,}",
+        f"  Total tiles:           {t.num_tiles:,}",
+        f"  Memory per tile:       {fmt_bytes(t.bytes_per_tile)}",
+        f"  Total memory:          {fmt_bytes(t.total_memory_bytes)}",
+        f"  Clock:                 {t.clock_hz / 1e9:.3f} GHz",
+    ]
+
+  def _summary_program(self) -> list:
+    steps = self._data.steps
+    lines = [
+        f"Program: {self.name}",
+        f"  Tiles used:            {self.tiles_used:,} / "
+        f"{self.target.num_tiles:,} "
+        f"({pct(self.tiles_used, self.target.num_tiles)})",
+        f"  Compute sets:          {self.num_compute_sets:,}",
+        f"  Supersteps:            {self.num_supersteps:,} "
+        f"({self.num_supersteps_executed:,} executed per run)",
+        f"  Host round trips:      {self.host_round_trips:,}",
+    ]
+    link = int(np.sum(steps.ipu_link_bytes * steps.executions))
+    host = int(np.sum(steps.host_bytes * steps.executions))
+    if link:
+      lines.append(f"  IPU-Link traffic:      {fmt_bytes(link)}")
+    if host:
+      lines.append(f"  Host traffic:          {fmt_bytes(host)}")
+    return lines
+
+  def _summary_memory(self) -> list:
+    data, target = self._data, self.target
+    peak = data.peak
+    total = int(peak.sum())
+    lines = ["Memory:",
+             f"  Total over device:     {fmt_bytes(total)} of "
+             f"{fmt_bytes(target.total_memory_bytes)} "
+             f"({pct(total, target.total_memory_bytes)})"]
+    if peak.size:
+      worst = int(np.argmax(peak))
+      used = peak[peak > 0]
+      lines += [
+          f"  Peak tile:             {tile_name(worst, target)}: "
+          f"{fmt_bytes(peak[worst])} of {fmt_bytes(data.tile_limit)} "
+          f"({pct(peak[worst], data.tile_limit)})",
+          f"  Mean per tile:         {fmt_bytes(peak.mean())} "
+          f"(over used tiles: {fmt_bytes(used.mean() if used.size else 0)})",
+          "  Worst tiles:           " + ", ".join(
+              f"{tile_name(int(t), target)}: {int(peak[t]):,} B"
+              for t in np.argsort(-peak, kind="stable")[:5]),
+      ]
+    lines += ["", "  By category (bytes at each tile's peak):"]
+    lines += self._category_table()
+    return lines
+
+  def _category_table(self) -> list:
+    data = self._data
+    worst = int(np.argmax(data.peak)) if data.peak.size else 0
+    ordered = ordered_categories(data.categories)
+    groups = (
+        ("Always-live", [c for c in ordered if c in ALWAYS_LIVE_CATEGORIES]),
+        ("Not-always-live", [c for c in ordered if c in MEMORY_CATEGORIES
+                             and c not in ALWAYS_LIVE_CATEGORIES]),
+        ("Other", [c for c in ordered if c not in MEMORY_CATEGORIES]),
+    )
+    rows = []
+    for title, categories in groups:
+      if not categories:
+        continue
+      stacked = sum(data.categories[c] for c in categories)
+      rows.append(self._category_row(title, stacked, worst))
+      rows += [self._category_row("  " + category_label(c),
+                                  data.categories[c], worst)
+               for c in categories]
+    rows.append(self._category_row("Total (peak)", data.peak, worst))
+    return text_table(["Category", "Total", "Max tile", "Mean tile",
+                   "On peak tile"], rows, indent="    ",
+                  right=(False, True, True, True, True))
+
+  @staticmethod
+  def _category_row(label: str, per_tile: np.ndarray, worst: int) -> list:
+    per_tile = np.asarray(per_tile)
+    if not per_tile.size:
+      return [label, "0", "0", "0", "0"]
+    return [label, f"{int(per_tile.sum()):,}", f"{int(per_tile.max()):,}",
+            f"{per_tile.mean():,.0f}", f"{int(per_tile[worst]):,}"]
+
+  def _summary_cycles(self) -> list:
+    total = self.total_cycles
+    fraction = self.flops_fraction_of_peak
+    seconds = self.estimated_seconds
+    achieved = self.total_flops / seconds if seconds > 0 else 0.0
+    return [
+        "Cycles:",
+        f"  Compute:               {fmt_int(self.compute_cycles):>16} "
+        f"({pct(self.compute_cycles, total)})",
+        f"  Exchange:              {fmt_int(self.exchange_cycles):>16} "
+        f"({pct(self.exchange_cycles, total)})",
+        f"  Sync:                  {fmt_int(self.sync_cycles):>16} "
+        f"({pct(self.sync_cycles, total)})",
+        f"  Total:                 {fmt_int(total):>16}",
+        f"  Estimated time:        {fmt_seconds(seconds)} at "
+        f"{self.target.clock_hz / 1e9:.3f} GHz",
+        "",
+        "FLOPs:",
+        f"  Total:                 {fmt_flops(self.total_flops)}FLOP "
+        f"({self.total_flops:,.0f})",
+        f"  Achieved:              {fmt_flops(achieved)}FLOP/s",
+        f"  Peak:                  {fmt_flops(self.peak_flops_per_second)}"
+        f"FLOP/s ({self.flops_dtype})",
+        f"  Fraction of peak:      {100.0 * fraction:.2f}%",
+    ]
+
+  def _summary_top_ops(self, top: int) -> list:
+    rows = self.cycles_by_operation()
+    total = self.total_cycles
+    body = [[r["op"], short_source(r["source"]), str(r["steps"]),
+             f"{r['executions']:,}", fmt_int(r["cycles"]),
+             pct(r["cycles"], total)] for r in rows[:top]]
+    title = f"Top operations by cycles ({min(top, len(rows))} of {len(rows)}):"
+    if not body:
+      return [title, "  (no supersteps)"]
+    return [title] + text_table(
+        ["Operation", "Source", "Steps", "Executions", "Cycles", "% total"],
+        body, right=(False, False, True, True, True, True))
+
+  def _summary_top_working_memory(self, top: int) -> list:
+    peaks = sorted(self.temporary_memory_by_op().items(), key=lambda kv: -kv[1])
+    peaks = [(op, b) for op, b in peaks if b > 0]
+    title = (f"Top operations by working memory per tile ({min(top, len(peaks))} of "
+             f"{len(peaks)}):")
+    if not peaks:
+      return [title, "  (none)"]
+    body = [[op, f"{b:,}", pct(b, self.tile_limit)] for op, b in peaks[:top]]
+    return [title] + text_table(["Operation", "Peak bytes", "% of tile"], body,
+                            right=(False, True, True))
+
+  def _summary_top_tensors(self, top: int) -> list:
+    tensors = self.largest_tensors(top)
+    title = (f"Top tensors by memory ({len(tensors)} of "
+             f"{len(self._data.tensors)}):")
+    if not tensors:
+      return [title, "  (no tensors)"]
+    body = [[t["name"], "x".join(str(d) for d in t["shape"]) or "()",
+             t["dtype"], category_label(t["category"]),
+             f"{t['total_bytes']:,}", str(t["tiles"]), t["op"] or "?",
+             short_source(t["source"])] for t in tensors]
+    return [title] + text_table(
+        ["Tensor", "Shape", "Dtype", "Category", "Bytes", "Tiles", "Op",
+         "Source"], body, right=(False, False, False, False, True, True))
+
+  def _summary_out_of_memory(self, limit: int = 20) -> list:
+    data, target = self._data, self.target
+    over = self.over_limit_tiles
+    order = over[np.argsort(-data.peak[over], kind="stable")]
+    lines = [
+        "!" * 72,
+        f"OUT OF MEMORY: {len(over)} tile(s) over the limit of "
+        f"{fmt_bytes(data.tile_limit)} per tile",
+        "!" * 72,
+    ]
+    body = [[tile_name(int(t), target), f"{int(data.peak[t]):,}",
+             f"{int(data.peak[t]) - data.tile_limit:,}",
+             pct(data.peak[t], data.tile_limit)] for t in order[:limit]]
+    lines += text_table(["Tile", "Bytes needed", "Over by", "% of SRAM"], body,
+                    right=(False, True, True, True))
+    if len(order) > limit:
+      lines.append(f"  ... and {len(order) - limit} more tiles over the limit")
+    if data.peak_tile_tensors:
+      worst = tile_name(int(order[0]), target)
+      lines += ["", f"  Largest tensors on {worst}:"]
+      lines += text_table(
+          ["Tensor", "Category", "Bytes", "Op", "Source"],
+          [[t["name"], category_label(t["category"]), f"{t['bytes']:,}",
+            t["op"] or "?", short_source(t["source"])]
+           for t in data.peak_tile_tensors], indent="    ",
+          right=(False, False, True))
+    lines += ["", "  What might help: spread large tensors over more tiles, "
+              "lower availableMemoryProportion, recompute activations, "
+              "or use more IPUs."]
+    return lines
