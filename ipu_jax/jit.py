@@ -15,7 +15,9 @@ function. Programs are cached by argument shapes, dtypes and static values.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+import inspect
+import operator
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr
-from ipu_jax.target import IPUTarget
+from ipu_jax.target import PRESETS, IPUTarget
 
 __all__ = ["jit", "IPUFunction", "Lowered"]
 
@@ -52,11 +54,15 @@ class Lowered:
                arg_names: Sequence[str] = (), progress=None):
     progress = progress or compile_progress.CompileProgress(name, verbose=0)
     self.target = target
+    # ``in_tree`` is the tree of the dynamic (args, kwargs) a caller passes.
+    self._user_tree = in_tree
     self.options = options
+    def flat_fn(*flat):
+      args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+      return fn(*args, **kwargs)
+
     progress.stage("tracing")
-    closed, out_shape = jax.make_jaxpr(
-        lambda *flat: fn(*jax.tree_util.tree_unflatten(in_tree, flat)),
-        return_shape=True)(*args_flat)
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
     self.jaxpr = closed
     self.out_tree = jax.tree_util.tree_structure(out_shape)
     ctx = LoweringContext(target, options)
@@ -126,9 +132,29 @@ class Lowered:
       raise RuntimeError("this program was lowered with allow_out_of_memory and a tile is "
                          "over its SRAM; it cannot run (read .report)")
 
-  def __call__(self, *args_flat):
+  def __call__(self, *args, **kwargs):
+    """Run the program on the arguments it was lowered for.
+
+    Takes the function's dynamic arguments (static ones left out), as
+    ``jax.stages.Compiled`` does, and checks their tree structure, shapes and
+    dtypes against the lowering before anything runs.
+
+    Raises:
+      TypeError: an argument is missing, extra, or of another shape or dtype,
+        naming it.
+    """
+    with_paths, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    if tree != self._user_tree:
+      raise TypeError(_tree_mismatch(self._user_tree, tree))
+    flat = [leaf for _, leaf in with_paths]
+    names = [_argument_name(path) for path, _ in with_paths]
+    check_arguments(self._in_avals, flat, names)
+    return self.call_flat(flat)
+
+  def call_flat(self, flat_args: Sequence[Any]):
+    """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
-    flat = self._function(list(args_flat), self._constant_values)
+    flat = self._function(list(flat_args), self._constant_values)
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
 
   def apply(self, *args_flat):
@@ -146,6 +172,55 @@ class Lowered:
     return len(self.profile.steps)
 
 
+def _argument_name(path) -> str:
+  """``args[0]['w']`` / ``kwargs['x']`` for a path into ``(args, kwargs)``."""
+  first, *rest = path
+  base = "args" if getattr(first, "idx", 0) == 0 else "kwargs"
+  return base + jax.tree_util.keystr(tuple(rest))
+
+
+def _tree_mismatch(expected, given) -> str:
+  (exp_args, exp_kwargs) = jax.tree_util.tree_unflatten(expected, [0] * expected.num_leaves)
+  (got_args, got_kwargs) = jax.tree_util.tree_unflatten(given, [0] * given.num_leaves)
+  if len(got_args) != len(exp_args):
+    what = (f"{len(got_args)} positional arguments where it was lowered for "
+            f"{len(exp_args)}")
+  elif set(got_kwargs) != set(exp_kwargs):
+    what = (f"keyword arguments {sorted(got_kwargs)} where it was lowered for "
+            f"{sorted(exp_kwargs)}")
+  else:
+    what = f"arguments structured as {given} where it was lowered for {expected}"
+  return (f"Lowered program called with {what}. Call it with the dynamic arguments given "
+          f"to .lower() (static arguments left out), or lower it again for the new ones.")
+
+
+def _describe_aval(aval) -> str:
+  return aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
+
+
+def check_arguments(expected_avals: Sequence[Any], values: Sequence[Any],
+                    names: Sequence[str]) -> None:
+  """Raise ``TypeError`` unless ``values`` have the shapes and dtypes expected.
+
+  Weak types are not compared, as ``jax.stages.Compiled`` does not compare
+  them: a Python scalar may stand for a 0-d array of its dtype.
+  """
+  errors = []
+  for aval, value, name in zip(expected_avals, values, names):
+    try:
+      got = jax.typeof(value)
+    except TypeError:
+      errors.append(f"{name} is a {type(value).__name__}, not an array: it was lowered as "
+                    f"{_describe_aval(aval)}")
+      continue
+    if tuple(got.shape) != tuple(aval.shape) or got.dtype != aval.dtype:
+      errors.append(f"{name} was lowered as {_describe_aval(aval)} and is now "
+                    f"{_describe_aval(got)}")
+  if errors:
+    raise TypeError("Arguments differ from those the program was lowered for:\n  "
+                    + "\n  ".join(errors))
+
+
 def _bound_replicas():
   """Size of the replica axis when traced under it (vmap/shard_map), else None.
 
@@ -158,41 +233,157 @@ def _bound_replicas():
     return None
 
 
+def _index_tuple(value, what: str) -> tuple:
+  """``value`` (an int or a sequence of ints) as a tuple of ints."""
+  items = (value,) if isinstance(value, int) else value
+  try:
+    items = tuple(items)
+  except TypeError:
+    raise TypeError(f"ipu_jax.jit {what} must be an int or a sequence of ints, got "
+                    f"{value!r}") from None
+  for i in items:
+    if isinstance(i, bool) or not isinstance(i, int):
+      raise TypeError(f"ipu_jax.jit {what} must be an int or a sequence of ints, got "
+                      f"{value!r}")
+  return items
+
+
+def _name_tuple(value, what: str) -> tuple:
+  items = (value,) if isinstance(value, str) else value
+  try:
+    items = tuple(items)
+  except TypeError:
+    raise TypeError(f"ipu_jax.jit {what} must be a str or a sequence of str, got "
+                    f"{value!r}") from None
+  for name in items:
+    if not isinstance(name, str):
+      raise TypeError(f"ipu_jax.jit {what} must be a str or a sequence of str, got "
+                      f"{value!r}")
+  return items
+
+
+def _positional_parameters(fn):
+  """Names of ``fn``'s positional parameters, and whether it takes ``*args``.
+
+  ``None`` when ``fn`` has no inspectable signature (then arguments are
+  checked at the call).
+  """
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+  names, varargs, varkw = [], False, False
+  for p in signature.parameters.values():
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      names.append(p.name)
+    elif p.kind == p.VAR_POSITIONAL:
+      varargs = True
+    elif p.kind == p.VAR_KEYWORD:
+      varkw = True
+  keyword_only = [p.name for p in signature.parameters.values() if p.kind == p.KEYWORD_ONLY]
+  return names, varargs, varkw, keyword_only
+
+
+def _resolve_target(target) -> Optional[IPUTarget]:
+  if target is None or isinstance(target, IPUTarget):
+    return target
+  if isinstance(target, str):
+    return IPUTarget.preset(target)  # an unknown name raises, listing the presets
+  raise TypeError(f"ipu_jax.jit target must be an ipu_jax.IPUTarget or a preset name "
+                  f"(one of {sorted(PRESETS)}), got {type(target).__name__}: {target!r}")
+
+
+def _copy_metadata(wrapper, fn) -> None:
+  """Name ``wrapper`` after ``fn`` without copying ``fn``'s ``__dict__``.
+
+  ``functools.update_wrapper`` would copy the wrapped object's attributes
+  (``lower``, ``trace``, ... of ``jax.jit``/``nnx.jit``/``jax.pmap``
+  functions), which would shadow this object's own methods.
+  """
+  inner = fn.func if isinstance(fn, functools.partial) else fn
+  for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+    value = getattr(inner, attr, None)
+    if isinstance(value, str):
+      setattr(wrapper, attr, value)
+  if not isinstance(getattr(inner, "__name__", None), str):
+    wrapper.__name__ = type(inner).__name__
+  wrapper.__wrapped__ = fn
+
+
 class IPUFunction:
   """The callable :func:`jit` returns."""
 
   def __init__(self, fn: Callable, target: Optional[IPUTarget], config,
-               static_argnums: Sequence[int], donate_argnums: Sequence[int],
+               static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
+               donate_argnums: Sequence[int] = (), donate_argnames: Sequence[str] = (),
+               positional_names: Optional[Sequence[str]] = None,
                verbose: Optional[int] = None):
     self.fn = fn
     self.verbose = verbose
+    # Names of fn's positional parameters when its signature is known: a
+    # static position not passed positionally may come by keyword or default.
+    self._positional_names = positional_names
     self._target = target
     self._config = config
-    self.static_argnums = tuple(sorted(static_argnums))
+    self.static_argnums = tuple(sorted(set(static_argnums)))
+    self.static_argnames = tuple(static_argnames)
     self.donate_argnums = tuple(donate_argnums)
+    self.donate_argnames = tuple(donate_argnames)
     self._cache = {}
-    functools.update_wrapper(self, fn)
+    _copy_metadata(self, fn)
+
+  def __get__(self, instance, owner=None):
+    # Decorating a method binds ``self`` like a plain function would.
+    if instance is None:
+      return self
+    return functools.partial(self, instance)
 
   def _settings(self):
     config = self._config if self._config is not None else config_lib.get_default_config()
     target = self._target if self._target is not None else config.to_target()
     return target, config.lowering_options(), config.replication_factor
 
-  def _split(self, args):
-    static = tuple(args[i] for i in self.static_argnums if i < len(args))
-    dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
+  def _split(self, args, kwargs):
+    """Static values, dynamic (args, kwargs), and ``fn`` of the dynamic ones."""
+    num_args = len(args)
+    static_nums = set()
+    for i in self.static_argnums:
+      j = i + num_args if i < 0 else i
+      if self._positional_names is not None and num_args <= j < len(self._positional_names):
+        continue  # passed by keyword (static by name) or left at its default
+      if not 0 <= j < num_args:
+        raise ValueError(
+            f"jitted function '{self.__name__}' has static_argnums={self.static_argnums}, "
+            f"but was called with only {num_args} positional arguments.")
+      static_nums.add(j)
+    static_names = [k for k in self.static_argnames if k in kwargs]
+    static = []
+    for key in sorted(static_nums) + static_names:
+      value = args[key] if isinstance(key, int) else kwargs[key]
+      try:
+        hash(value)
+      except TypeError:
+        where = f"argument {key}" if isinstance(key, int) else f"argument '{key}'"
+        raise ValueError(
+            f"Non-hashable static {where} of '{self.__name__}': {type(value).__name__} "
+            f"{value!r}. Static arguments must be hashable (use a tuple for a list), "
+            f"or pass it as a dynamic (array) argument.") from None
+      static.append((key, type(value), value))
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_nums)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+    static_kwargs = {k: kwargs[k] for k in static_names}
 
-    def call(*dyn):
+    def call(*dyn, **dyn_kw):
       it = iter(dyn)
-      full = [args[i] if i in self.static_argnums else next(it) for i in range(len(args))]
-      return self.fn(*full)
+      full = [args[i] if i in static_nums else next(it) for i in range(num_args)]
+      return self.fn(*full, **dyn_kw, **static_kwargs)
 
-    return static, dynamic, call
+    return tuple(static), (dyn_args, dyn_kwargs), call
 
-  def lower(self, *args) -> Lowered:
+  def lower(self, *args, **kwargs) -> Lowered:
     """Lower (or fetch from the cache) the program for these arguments."""
     target, options, replicas = self._settings()
-    static, dynamic, call = self._split(args)
+    static, dynamic, call = self._split(args, kwargs)
     with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dynamic)
     flat = [leaf for _, leaf in with_paths]
     avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
@@ -200,53 +391,61 @@ class IPUFunction:
     key = (in_tree, avals, static, target, options, replicas, _bound_replicas())
     lowered = self._cache.get(key)
     if lowered is None:
-      name = getattr(self.fn, "__name__", "fn")
       # Arguments are named by their pytree path: "args[0]['Dense_0']['kernel']".
-      arg_names = [f"args{jax.tree_util.keystr(path)}" for path, _ in with_paths]
-      with self._progress(name) as progress:
-        lowered = Lowered(lambda *dyn: call(*dyn), flat, in_tree, name, target, options,
+      arg_names = [_argument_name(path) for path, _ in with_paths]
+      with self._progress() as progress:
+        lowered = Lowered(call, flat, in_tree, self.__name__, target, options,
                           replication_factor=replicas, arg_names=arg_names,
                           progress=progress)
       self._cache[key] = lowered
     return lowered
 
-  def __call__(self, *args):
-    lowered = self.lower(*args)
-    _, dynamic, _ = self._split(args)
-    flat, _ = jax.tree_util.tree_flatten(dynamic)
+  def __call__(self, *args, **kwargs):
+    lowered = self.lower(*args, **kwargs)
+    _, dynamic, _ = self._split(args, kwargs)
+    flat = jax.tree_util.tree_leaves(dynamic)
     if getattr(lowered, "_has_run", False):
-      return lowered(*flat)
-    with self._progress(getattr(self.fn, "__name__", "fn")) as progress:
+      return lowered.call_flat(flat)
+    with self._progress() as progress:
       progress.stage("compiling (XLA)")
-      result = lowered(*flat)
+      result = lowered.call_flat(flat)
     lowered._has_run = True
     return result
 
-  def _progress(self, name: str) -> compile_progress.CompileProgress:
+  def _progress(self) -> compile_progress.CompileProgress:
     """The progress display of a compile (shown only when it is slow)."""
     verbose = self.verbose
     config = self._config if self._config is not None else config_lib.get_default_config()
     if verbose is None and not config.report.progress:
       verbose = 0
-    return compile_progress.CompileProgress(name, verbose=verbose)
+    return compile_progress.CompileProgress(self.__name__, verbose=verbose)
 
   @property
   def cache_size(self) -> int:
     return len(self._cache)
 
 
-def jit(fn: Callable = None, *, target: Optional[IPUTarget] = None, config=None,
-        static_argnums: Sequence[int] = (), donate_argnums: Sequence[int] = (),
+def jit(fn: Callable = None, *, target=None, config=None,
+        static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+        donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = (),
         verbose: Optional[int] = None):
   """Compile ``fn`` into a tile program for the emulated IPU.
 
   Args:
-    fn: a JAX-traceable function (pytrees in, pytrees out).
-    target: the :class:`IPUTarget`; default: the config's (``ipu2``).
+    fn: a JAX-traceable callable (a function, ``functools.partial``, bound
+      method, callable object, or another transform's result such as
+      ``jax.jit(f)``); pytrees in, pytrees out.
+    target: an :class:`IPUTarget` or a preset name (``"ipu2"``); default: the
+      config's (``ipu2``).
     config: an :class:`ipu_jax.IPUConfig`; default: the active strategy
       scope's, or a default config.
-    static_argnums: positional arguments treated as compile-time constants.
-    donate_argnums: accepted for API parity with ``jax.jit``.
+    static_argnums: positional arguments treated as compile-time constants
+      (hashable); an int or a sequence of ints, negative counting from the end.
+    static_argnames: keyword arguments treated as compile-time constants.
+    donate_argnums: checked like ``jax.jit``'s and otherwise without effect:
+      the IPU allocates all tile memory statically, so there is nothing to
+      reuse.
+    donate_argnames: likewise, by name.
     verbose: 0 never shows compile progress; 1 shows it when tracing,
       lowering, planning and compiling take over 2 s; None (default) follows
       ``config.report.progress`` and :func:`ipu_jax.compile_progress.verbosity`.
@@ -254,11 +453,60 @@ def jit(fn: Callable = None, *, target: Optional[IPUTarget] = None, config=None,
   Returns:
     An :class:`IPUFunction`: call it like ``fn``; ``.lower(*args)`` gives the
     :class:`Lowered` program with its ``.report``.
+
+  Raises:
+    TypeError: ``fn`` is not callable, or an argument has the wrong type.
+    ValueError: a static or donated argument index or name ``fn`` does not
+      have, or an unknown target preset.
+
+  Example:
+
+  >>> import jax.numpy as jnp, ipu_jax
+  >>> f = ipu_jax.jit(lambda x, n: x * n, target="ipu2", static_argnums=1)
+  >>> f(jnp.arange(3.0), 2)
+  Array([0., 2., 4.], dtype=float32)
   """
-  if isinstance(static_argnums, int):
-    static_argnums = (static_argnums,)
+  static_argnums = _index_tuple(static_argnums, "static_argnums")
+  donate_argnums = _index_tuple(donate_argnums, "donate_argnums")
+  static_argnames = _name_tuple(static_argnames, "static_argnames")
+  donate_argnames = _name_tuple(donate_argnames, "donate_argnames")
+  target = _resolve_target(target)
+  if config is not None and not isinstance(config, config_lib.IPUConfig):
+    raise TypeError(f"ipu_jax.jit config must be an ipu_jax.IPUConfig, got "
+                    f"{type(config).__name__}: {config!r}")
   if fn is None:
     return functools.partial(jit, target=target, config=config,
-                             static_argnums=static_argnums, donate_argnums=donate_argnums,
+                             static_argnums=static_argnums, static_argnames=static_argnames,
+                             donate_argnums=donate_argnums, donate_argnames=donate_argnames,
                              verbose=verbose)
-  return IPUFunction(fn, target, config, static_argnums, donate_argnums, verbose)
+  if not callable(fn):
+    raise TypeError(f"ipu_jax.jit expects a callable, got {type(fn).__name__}: {fn!r}")
+  params = _positional_parameters(fn)
+  positional_names = None
+  if params is not None:
+    names, varargs, varkw, keyword_only = params
+    if not varargs:
+      positional_names = tuple(names)
+      for what, nums in (("static_argnums", static_argnums), ("donate_argnums", donate_argnums)):
+        bad = [i for i in nums if not -len(names) <= i < len(names)]
+        if bad:
+          raise ValueError(
+              f"ipu_jax.jit: {what}={nums} but '{getattr(fn, '__name__', fn)}' takes "
+              f"{len(names)} positional arguments ({', '.join(names) or 'none'}).")
+      # Static by position means static by name too, and the other way round.
+      static_argnames = tuple(dict.fromkeys(
+          static_argnames + tuple(names[i] for i in static_argnums)))
+      static_argnums = tuple(sorted(set(
+          tuple(i % len(names) for i in static_argnums)
+          + tuple(names.index(n) for n in static_argnames if n in names))))
+    if not varkw:
+      known = set(names) | set(keyword_only)
+      for what, given in (("static_argnames", static_argnames),
+                          ("donate_argnames", donate_argnames)):
+        bad = [n for n in given if n not in known]
+        if bad:
+          raise ValueError(
+              f"ipu_jax.jit: {what} {bad} are not parameters of "
+              f"'{getattr(fn, '__name__', fn)}' (its parameters: {sorted(known)}).")
+  return IPUFunction(fn, target, config, static_argnums, static_argnames,
+                     donate_argnums, donate_argnames, positional_names, verbose)

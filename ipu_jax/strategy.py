@@ -122,8 +122,7 @@ class IPUStrategy:
     lowered = ipu_fn.lower(args, kwargs)
     self.last_report = lowered.report
     if replicas == 1:
-      flat = jax.tree_util.tree_leaves([args, kwargs])
-      return lowered(*flat)
+      return lowered(args, kwargs)
     from ipu_jax.keras.replication import GATHERED, REPLICATED, Replication
     rep = self._replications.get(self.config.replication_factor)
     if rep is None:

@@ -31,8 +31,8 @@ def _describe(values) -> str:
   return ", ".join(f"{getattr(v.aval, 'str_short', lambda: str(v.aval))()}" for v in values)
 
 
-def _unsupported(eqn) -> LoweringError:
-  source = source_of(eqn) or "an unknown source line"
+def _unsupported(eqn, source: str) -> LoweringError:
+  source = source or "an unknown source line"
   return LoweringError(
       f"No tile lowering for primitive '{eqn.primitive.name}' "
       f"(operands: {_describe(eqn.invars) or 'none'}; results: {_describe(eqn.outvars)}) "
@@ -65,12 +65,15 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
   for index, eqn in enumerate(jaxpr.eqns):
     if progress is not None:
       progress(index, len(jaxpr.eqns))
+    # Equations inside JAX's own jitted helpers (jnp.linalg, searchsorted, ...)
+    # carry no user frame: they belong to the user line of the enclosing call.
+    source = source_of(eqn) or ctx.source
     rule = get_lowering(eqn.primitive)
     if rule is None:
-      raise _unsupported(eqn)
+      raise _unsupported(eqn, source)
     operands = [read(v) for v in eqn.invars]
     saved_avals = getattr(ctx, "out_avals", None), getattr(ctx, "in_avals", None)
-    with ctx.at(eqn.primitive.name, source_of(eqn)):
+    with ctx.at(eqn.primitive.name, source):
       ctx.out_avals = [v.aval for v in eqn.outvars]
       ctx.in_avals = [v.aval for v in eqn.invars]
       try:
@@ -80,7 +83,7 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
       except NotImplementedError as e:
         raise LoweringError(
             f"Primitive '{eqn.primitive.name}' (operands: {_describe(eqn.invars)}) at "
-            f"{source_of(eqn) or 'an unknown source line'} is not supported: {e}") from e
+            f"{source or 'an unknown source line'} is not supported: {e}") from e
       finally:
         ctx.out_avals, ctx.in_avals = saved_avals
     if len(outputs) != len(eqn.outvars):
@@ -90,7 +93,7 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
       if not is_key_dtype(v.aval.dtype) and (tuple(t.shape) != tuple(v.aval.shape)
                                              or np.dtype(t.dtype) != np.dtype(v.aval.dtype)):
         raise LoweringError(
-            f"rule for {eqn.primitive.name} at {source_of(eqn)} produced "
+            f"rule for {eqn.primitive.name} at {source} produced "
             f"{t.dtype}{list(t.shape)}, expected {v.aval.str_short()}")
       if not isinstance(v, jcore.DropVar):
         env[v] = t
