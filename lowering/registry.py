@@ -1,7 +1,9 @@
 """The rule table: one lowering rule per JAX primitive.
 
-Registered the way ``jax.interpreters.mlir.register_lowering`` registers MLIR
-lowerings::
+Rules are keyed by the ``Primitive`` object itself, as
+``jax.interpreters.mlir.register_lowering`` keys MLIR lowerings, so a user's
+primitive that happens to share a name with a built-in (``"add"``) has a rule
+of its own::
 
     from ipu_jax.lowering import register_lowering
 
@@ -12,54 +14,66 @@ lowerings::
 A rule receives the :class:`~ipu_jax.lowering.context.LoweringContext`, one
 :class:`~ipu_jax.lowering.program.Tensor` per operand and the equation's
 params, and returns a list of output tensors (one per output of the
-equation).
+equation). The built-in rules are registered when ``ipu_jax.lowering`` is
+imported.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+from jax.extend import core as jcore
+
 __all__ = ["register_lowering", "get_lowering", "registered_primitives"]
 
 _RULES: dict = {}
 
 
-def _key(primitive) -> str:
-  return primitive if isinstance(primitive, str) else primitive.name
+def _check_primitive(primitive) -> None:
+  if not isinstance(primitive, jcore.Primitive):
+    raise TypeError(
+        f"register_lowering takes a jax.extend.core.Primitive (e.g. jax.lax.add_p or "
+        f"your own Primitive object), got {type(primitive).__name__}: {primitive!r}")
 
 
-def register_lowering(primitive, rule: Optional[Callable] = None):
+def register_lowering(primitive, rule: Optional[Callable] = None, *, override: bool = False):
   """Register ``rule`` as the tile lowering of ``primitive``.
 
   Args:
-    primitive: a ``jax.extend.core.Primitive`` (or its name).
+    primitive: a ``jax.extend.core.Primitive``.
     rule: ``rule(ctx, *tensors, **params) -> list[Tensor]``. When omitted,
       returns a decorator.
+    override: replace a rule ``primitive`` already has (otherwise that is an
+      error, so two rules never silently compete).
+
+  Returns:
+    ``rule`` (or the decorator).
+
+  Raises:
+    TypeError: ``primitive`` is not a ``Primitive``.
+    ValueError: ``primitive`` already has a rule and ``override`` is False.
   """
-  if rule is None:
-    def decorator(fn):
-      _RULES[_key(primitive)] = fn
-      return fn
-    return decorator
-  _RULES[_key(primitive)] = rule
-  return rule
+  _check_primitive(primitive)
+
+  def register(fn):
+    existing = _RULES.get(primitive)
+    if existing is not None and existing is not fn and not override:
+      where = getattr(existing, "__module__", "?")
+      raise ValueError(
+          f"Primitive '{primitive.name}' already has a tile lowering "
+          f"({where}.{getattr(existing, '__qualname__', existing)}); pass override=True to "
+          f"replace it.")
+    _RULES[primitive] = fn
+    return fn
+
+  return register if rule is None else register(rule)
 
 
 def get_lowering(primitive) -> Optional[Callable]:
-  _load_builtin_rules()
-  return _RULES.get(_key(primitive))
+  """The rule registered for ``primitive`` (a ``Primitive``), or None."""
+  return _RULES.get(primitive)
 
 
 def registered_primitives() -> list:
-  _load_builtin_rules()
-  return sorted(_RULES)
-
-
-_loaded = False
-
-
-def _load_builtin_rules():
-  global _loaded
-  if not _loaded:
-    _loaded = True
-    from ipu_jax.lowering import rules  # noqa: F401  (registers on import)
+  """Every primitive with a tile lowering, sorted by name."""
+  return sorted(_RULES, key=lambda p: p.name)

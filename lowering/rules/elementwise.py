@@ -21,7 +21,7 @@ _UNARY = [
     "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
     "abs", "not", "erf", "erfc", "erf_inv", "lgamma", "digamma", "square",
     "integer_pow", "convert_element_type", "reduce_precision", "imag", "real",
-    "population_count", "clz", "copy", "copy_p", "bessel_i0e", "bessel_i1e",
+    "population_count", "clz", "copy", "bessel_i0e", "bessel_i1e",
 ]
 _BINARY = [
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
@@ -45,7 +45,7 @@ def _find_primitive(name):
   if prim is None and name == "add_any":
     from jax._src.ad_util import add_jaxvals_p
     return add_jaxvals_p
-  if prim is None and name in ("copy", "copy_p"):
+  if prim is None and name == "copy":
     from jax._src.lax.lax import copy_p
     return copy_p
   return prim

@@ -29,7 +29,7 @@ from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
                                        logical, storage, worker_vertices)
 from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.lower import is_key_dtype
-from ipu_jax.lowering.registry import register_lowering, registered_primitives
+from ipu_jax.lowering.registry import register_lowering
 
 from jax._src.random import prng
 
@@ -316,10 +316,6 @@ def _register():
   for prim, rule in rules:
     if prim is not None:
       register_lowering(prim, rule)
-  # Registered only if no earlier family (elementwise, shape) provides it.
-  if "bitcast_convert_type" not in registered_primitives():
-    from jax import lax
-    register_lowering(lax.bitcast_convert_type_p, _bitcast_convert_type)
 
 
 _register()
