@@ -162,7 +162,9 @@ class IPUFunction:
     self.static_argnums = tuple(sorted(static_argnums))
     self.donate_argnums = tuple(donate_argnums)
     self._cache = {}
-    functools.update_wrapper(self, fn)
+    # Name and docstring only: a wrapped transform's attributes (pmap's
+    # ``lower``, ``trace``...) must not shadow this class's methods.
+    functools.update_wrapper(self, fn, updated=())
 
   def _settings(self):
     config = self._config if self._config is not None else config_lib.get_default_config()

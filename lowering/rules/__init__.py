@@ -7,7 +7,7 @@ import importlib
 
 _FAMILIES = (
     "elementwise", "shape", "reduction", "dot", "convolution", "window",
-    "indexing", "control", "random", "misc", "ipu_ops",
+    "indexing", "control", "random", "misc", "ipu_ops", "parallel",
 )
 
 for _family in _FAMILIES:
