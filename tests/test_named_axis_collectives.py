@@ -277,6 +277,7 @@ def _worker(out_path):
       "name": step.name, "link_bytes": int(step.ipu_link_bytes),
       "exchange_cycles": float(step.exchange_cycles),
       "bytes_in_max": int(step.exchange_bytes_in.max()),
+      "bytes_in_total": int(step.exchange_bytes_in.sum()),
       "shard_bytes": 8 * 5 * 4, "tiles_used": int((step.exchange_bytes_in > 0).sum()),
       "steps": [s.name for s in lowered.profile.steps]}
 
@@ -361,8 +362,8 @@ class FourDevicesTest(absltest.TestCase):
     target = _target()
     expected = ring_exchange_cycles(target, r["bytes_in_max"], r["link_bytes"])
     self.assertAlmostEqual(r["exchange_cycles"], expected, places=6)
-    self.assertAlmostEqual(r["bytes_in_max"] * r["tiles_used"],
-                           1.5 * r["shard_bytes"], delta=r["tiles_used"])
+    # Each tile receives 1.5x the bytes it holds (rounded up per tile).
+    self.assertBetween(r["bytes_in_total"] - 1.5 * r["shard_bytes"], 0, r["tiles_used"])
     # The body is one replica's: entered by slicing, left by an all-gather.
     self.assertEqual(r["steps"][0], "shard_map/slice")
     self.assertEqual(r["steps"][-1], "shard_map/all_gather x4")
