@@ -64,7 +64,6 @@ unset) and their step is the identity on one replica's data.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
 
 import numpy as np
 from jax import lax
@@ -77,8 +76,8 @@ from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
-from ipu_jax.lowering.lower import lower_closed_jaxpr, lower_jaxpr, source_of
 from ipu_jax.lowering.registry import get_lowering, register_lowering
+from ipu_jax.lowering.rules.control import _lower_any as lower_inline
 from ipu_jax.ops.collectives import apply_collective, replica_count, replica_index_value
 
 __all__ = ["collective_cost", "all_reduce_cost", "replication_factor", "named_axis_size"]
@@ -398,10 +397,12 @@ def _all_to_all_rule(ctx, x, *, axis_name, split_axis, concat_axis, axis_index_g
   aval = ctx.out_avals[0]
   out = ctx.new_tensor(aval.shape, aval.dtype, name="all_to_all")
   # Each replica keeps 1/R of its data and sends the rest, one block to each
-  # other replica; the kept block is rearranged on the IPU.
+  # other replica; the kept block (split block r -> concat block r) moves on
+  # the IPU.
   exchange, _ = collective_cost(ctx, x, _one_phase(replicas))
-  exchange = add_costs(exchange, _move_cost(ctx, x, None, out, None)
-                       if x.size == out.size else None)
+  kept = _block_positions(x.shape, _own_block(x.shape, split_axis, replicas, tiled))
+  placed = _block_positions(out.shape, _own_block(out.shape, concat_axis, replicas, tiled))
+  exchange = add_costs(exchange, _move_cost(ctx, x, kept, out, placed))
 
   def fn(v):
     return lax.all_to_all(v, axis_name, split_axis, concat_axis, tiled=tiled)
@@ -558,14 +559,6 @@ def _leave(ctx, s: P.Tensor, spec, shape, sizes: dict, local_ids: set) -> P.Tens
   return out
 
 
-def _lower_body(ctx, jaxpr, args) -> list:
-  from ipu_jax.lowering.rules.control import _note_keys  # the key-impl bookkeeping
-  _note_keys(jaxpr, args)
-  if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
-    return lower_closed_jaxpr(ctx, jaxpr, list(args))
-  return lower_jaxpr(ctx, jaxpr, [], list(args))
-
-
 def _shard_map_rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, **params):
   sizes = {str(name): int(size) for name, size in dict(mesh.shape).items()}
   manual = params.get("manual_axes", params.get("newly_manual_axes"))
@@ -583,7 +576,7 @@ def _shard_map_rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, **params):
   with ctx.sub_program() as (body, local_ids), _binding(ctx, dict(axes)):
     shards = [_enter(ctx, g, spec, shape, sizes)
               for g, spec, shape in zip(args, in_specs, in_shapes)]
-    results = _lower_body(ctx, jaxpr, shards)
+    results = lower_inline(ctx, jaxpr, shards)
     outs = [_leave(ctx, s, spec, shape, sizes, local_ids)
             for s, spec, shape in zip(results, out_specs, out_shapes)]
     local = frozenset(local_ids)
