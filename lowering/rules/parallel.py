@@ -50,9 +50,13 @@ Tile plans and costs
   adds; plus the move of the replica's reduced block into its result),
   ``all_to_all`` of the input bytes; ``ppermute`` and ``pbroadcast`` send
   every byte once.
-* Leaving: an output sharded over mesh axes is all-gathered over them (one
-  ring phase of the global bytes, as above); a replicated output (spec
-  without those axes) is the body's tensor itself, replica 0's copy.
+* Leaving: an output sharded over mesh axes stays on its replicas, one block
+  each (pmap's outputs stay on their devices): the step costs placing the
+  replica's block in the global array's layout on its own IPU, and no link
+  traffic; the executor stacks the blocks (an ``all_gather``) only to hand the
+  host the global value. A replicated output (spec without those axes) is the
+  body's tensor itself, replica 0's copy. So the IPU-Link traffic of a
+  ``pmap`` step is that of the collectives the user wrote.
 * ``axis_index`` / ``replica_index``: one vertex writes the index into a
   scalar.
 
@@ -531,7 +535,7 @@ def _enter(ctx, g: P.Tensor, spec, shape, sizes: dict) -> P.Tensor:
 
 
 def _leave(ctx, s: P.Tensor, spec, shape, sizes: dict, local_ids: set) -> P.Tensor:
-  """The global value of the body output ``s`` (all-gathered if split)."""
+  """The global value of the body output ``s`` (its blocks stacked if split)."""
   dims = _spec_dims(spec, len(shape))
   shape = tuple(shape) + tuple(s.shape[len(shape):])
   if not any(dims) or shape == tuple(s.shape):
@@ -539,12 +543,13 @@ def _leave(ctx, s: P.Tensor, spec, shape, sizes: dict, local_ids: set) -> P.Tens
     # replica 0's copy leaves the region.
     local_ids.discard(s.id)
     return s
-  out = ctx.new_tensor(shape, s.dtype, name=f"{s.name}/gathered")
+  out = ctx.new_tensor(shape, s.dtype, name=f"{s.name}/blocks")
   local_ids.discard(out.id)
   replicas = int(np.prod([sizes[n] for names in dims for n in names], dtype=np.int64))
-  exchange, _ = collective_cost(ctx, out, _one_phase(replicas))
-  own = _block_positions(out.shape, s.shape)
-  exchange = add_costs(exchange, _move_cost(ctx, s, None, out, own))
+  # Each replica keeps its block (as pmap's outputs stay on their devices):
+  # the cost is placing the block in the global layout on its own IPU. The
+  # executor all-gathers the blocks only to hand the host the global value.
+  exchange = _move_cost(ctx, s, None, out, _block_positions(out.shape, s.shape))
 
   def fn(ss):
     value = logical(ss, s)
@@ -554,7 +559,7 @@ def _leave(ctx, s: P.Tensor, spec, shape, sizes: dict, local_ids: set) -> P.Tens
                                axis=d, tiled=True)
     return (storage(value, out),)
 
-  ctx.emit(P.Superstep(name=f"shard_map/all_gather x{replicas}", op=ctx.op, reads=(s,),
+  ctx.emit(P.Superstep(name=f"shard_map/blocks x{replicas}", op=ctx.op, reads=(s,),
                        writes=(out,), fn=fn, exchange=exchange))
   return out
 
