@@ -202,6 +202,15 @@ class OneDeviceTest(parameterized.TestCase):
     lowered = ipu(f).lower(x)
     self.assertEqual(sum(s.ipu_link_bytes for s in lowered.profile.steps), 0)
 
+  @parameterized.named_parameters(
+      ("scalar", (1,), "float32"), ("empty", (1, 0), "float32"),
+      ("bfloat16", (1, 3, 5), "bfloat16"), ("int32", (1, 7), "int32"))
+  def test_pmap_shapes_and_dtypes(self, shape, dtype):
+    f = jax.pmap(lambda v: (lax.psum(v, "i"), lax.pmax(v, "i"), lax.all_gather(v, "i"),
+                            lax.axis_index("i")), axis_name="i")
+    x = data(13, shape, jnp.dtype(dtype))
+    chex.assert_trees_all_close(ipu(f)(x), f(x), rtol=1e-5)
+
   @parameterized.parameters(True, False)
   def test_shard_map(self, check_vma):
     from jax.sharding import Mesh, PartitionSpec as P
