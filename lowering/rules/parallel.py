@@ -25,7 +25,12 @@ What a named axis means on the emulated IPU
   by ``lax.axis_size`` while lowering; collectives over it are replica
   collectives too.
 
-A collective over a name that is none of these raises ``LoweringError``.
+Meshes of several axes are lowered (the replicas are the mesh's points, a
+collective over a tuple of names spans the product of their sizes). A
+collective over a name that is none of these, a ``shard_map`` that leaves
+mesh axes of size > 1 automatic (``axis_names=`` a subset) and
+``axis_index_groups`` raise ``LoweringError`` naming the primitive, its
+operands and the source line.
 
 Tile plans and costs
 --------------------
@@ -36,8 +41,9 @@ Tile plans and costs
   spec's axes) into a linearly mapped per-shard tensor; the exchange is the
   on-IPU movement of replica 0's shard (every replica does the same on its own
   IPU). An unsharded input is used in place.
-* Inside: one replica's steps, costed once (the replicas run side by side),
-  and memory per tile is one replica's, as the replicated training reports.
+* Inside: one replica's steps, costed once (the replicas run side by side);
+  memory per tile is one replica's body tensors (plus the global arrays
+  around the region), as the replicated training reports one replica.
 * Collectives over replica axes (``psum``, ``pmean`` as ``psum`` and a divide,
   ``pmax``, ``pmin``, ``psum_invariant``, ``cross_replica_sum/mean``) are a
   ring all-reduce over the IPU-Links (:func:`all_reduce_cost`): the tensor
