@@ -264,7 +264,8 @@ def _worker(out_path):
             lax.all_gather(v, "i", axis=1, tiled=True), v * lax.axis_index("i"),
             lax.ppermute(v, "i", [(0, 1), (1, 2), (2, 3), (3, 0)]),
             lax.psum_scatter(v, "i", tiled=True), lax.all_to_all(v, "i", 0, 0, tiled=True),
-            jax.vmap(lambda r: lax.psum(r, ("i", "b")), axis_name="b")(v))
+            jax.vmap(lambda r: lax.psum(r, ("i", "b")), axis_name="b")(v),
+            ipu_jax.ops.cross_replica_mean(v, "i"))
 
   pmapped = jax.pmap(body, axis_name="i")
   x = data(0, (4, 8, 5))
@@ -273,11 +274,17 @@ def _worker(out_path):
   # The all-reduce of a pmapped psum: a ring over 4 replicas.
   lowered = ipu(jax.pmap(lambda v: lax.psum(v, "i"), axis_name="i")).lower(x)
   step = next(s for s in lowered.profile.steps if s.name.startswith("all_reduce"))
+  # The IPU op's all-reduce over a pmap axis is costed the same.
+  ipu_op = ipu(jax.pmap(lambda v: ipu_jax.ops.cross_replica_sum(v, "i"), axis_name="i"))
+  ipu_op_step = next(s for s in ipu_op.lower(x).profile.steps
+                     if s.name.startswith("all_reduce"))
   report["all_reduce"] = {
       "name": step.name, "link_bytes": int(step.ipu_link_bytes),
       "exchange_cycles": float(step.exchange_cycles),
       "bytes_in_max": int(step.exchange_bytes_in.max()),
       "bytes_in_total": int(step.exchange_bytes_in.sum()),
+      "ipu_op_link_bytes": int(ipu_op_step.ipu_link_bytes),
+      "ipu_op_exchange_cycles": float(ipu_op_step.exchange_cycles),
       "shard_bytes": 8 * 5 * 4, "tiles_used": int((step.exchange_bytes_in > 0).sum()),
       "steps": [s.name for s in lowered.profile.steps],
       "summary": lowered.report.summary()}
@@ -378,6 +385,8 @@ class FourDevicesTest(absltest.TestCase):
     target = _target()
     expected = ring_exchange_cycles(target, r["bytes_in_max"], r["link_bytes"])
     self.assertAlmostEqual(r["exchange_cycles"], expected, places=6)
+    self.assertEqual(r["ipu_op_link_bytes"], r["link_bytes"])
+    self.assertEqual(r["ipu_op_exchange_cycles"], r["exchange_cycles"])
     # Each tile receives 1.5x the bytes it holds (rounded up per tile).
     self.assertBetween(r["bytes_in_total"] - 1.5 * r["shard_bytes"], 0, r["tiles_used"])
     # The body is one replica's: entered by slicing, left by an all-gather.
