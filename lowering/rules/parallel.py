@@ -282,9 +282,8 @@ def _make_reduce_rule(kind: str, reduce_prim):
     outs = []
     for x, aval in zip(xs, ctx.out_avals):
       if positional:
-        reduced_shape = tuple(d for i, d in enumerate(x.shape) if i not in positional)
-        x = _reduce_positional(ctx, reduce_prim, x, positional,
-                               aval.update(shape=reduced_shape))
+        # The result's aval is the reduced one (named axes keep the shape).
+        x = _reduce_positional(ctx, reduce_prim, x, positional, aval)
       if names:
         x = _emit_all_reduce(ctx, x, names, kind)
       outs.append(x)
