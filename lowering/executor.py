@@ -4,8 +4,9 @@ State is a set of tile-storage arrays (``[rows, row_size]``, the leading axis
 is the tile) keyed by tensor id, plus host-stream buffers and cursors keyed by
 strings. A :class:`~ipu_jax.lowering.program.Superstep` maps storages to
 storages; control programs become ``lax.fori_loop`` (Repeat),
-``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If) and ``lax.switch``
-(Switch). Nothing here loops over tiles in Python: a step's function does its
+``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If), ``lax.switch``
+(Switch) and ``vmap`` over named replica axes (Replicated, so the collectives
+of its steps reach across replicas). Nothing here loops over tiles in Python: a step's function does its
 work on whole storage arrays.
 """
 
@@ -83,6 +84,8 @@ def _run(program, state: dict, env: _Env) -> dict:
     return _if(program, state, env)
   if isinstance(program, P.Switch):
     return _switch(program, state, env)
+  if isinstance(program, P.Replicated):
+    return _replicated(program, state, env)
   raise TypeError(f"not a tile program: {program!r}")
 
 
@@ -161,6 +164,25 @@ def _switch(program: P.Switch, state, env):
     index = jnp.where(control == value, jnp.int32(i), index)
   carried = jax.lax.switch(index, branches, _carry(state, env, keys))
   return _with(state, keys, carried)
+
+
+def _replicated(program: P.Replicated, state, env):
+  keys = env.writes(program.body, program.local_ids)
+  axes = tuple(program.axes)
+
+  def replica(*_indices):
+    return _carry(_run(program.body, state, env), env, keys)
+
+  # One vmap per mesh axis (the outermost is the first), each binding its
+  # name; the dummy index arguments give every vmap its axis to map.
+  fn = replica
+  for k in reversed(range(len(axes))):
+    name, size = axes[k]
+    in_axes = tuple(0 if j == k else None for j in range(len(axes)))
+    fn = jax.vmap(fn, in_axes=in_axes, axis_name=name, axis_size=size)
+  carried = fn(*[jnp.arange(size) for _, size in axes])
+  first = (0,) * len(axes)
+  return _with(state, keys, [value[first] for value in carried])
 
 
 def _stream_copy(program: P.StreamCopy, state, env):

@@ -22,7 +22,7 @@ from ipu_jax.lowering.mapping import TileMapping
 
 __all__ = [
     "Tensor", "Superstep", "Sequence", "Repeat", "RepeatWhileTrue", "If",
-    "Switch", "HostStream", "StreamCopy", "PrintTensor", "Program",
+    "Switch", "Replicated", "HostStream", "StreamCopy", "PrintTensor", "Program",
     "program_reads", "program_writes", "iter_steps",
 ]
 
@@ -176,6 +176,26 @@ class Switch:
 
 
 @dataclasses.dataclass(eq=False)
+class Replicated:
+  """Run ``body`` once on each replica of a mesh (a ``shard_map``/``pmap`` body).
+
+  ``axes`` is ``((name, size), ...)``: the replicas are the points of that
+  mesh, and collectives in the body over those names reach across them. The
+  body is one replica's program on the target's tiles (every replica runs the
+  same one on its own IPUs), so it is costed once. Tensors the body writes
+  that are not in ``local_ids`` come out of the region equal on every replica;
+  replica 0's are kept.
+  """
+  body: object
+  axes: tuple
+  local_ids: frozenset = frozenset()
+
+  @property
+  def num_replicas(self) -> int:
+    return int(np.prod([size for _, size in self.axes], dtype=np.int64))
+
+
+@dataclasses.dataclass(eq=False)
 class HostStream:
   """A FIFO between host memory and the device.
 
@@ -219,7 +239,7 @@ Program = object  # any of the classes above
 def _children(program) -> SequenceT:
   if isinstance(program, Sequence):
     return program.programs
-  if isinstance(program, Repeat):
+  if isinstance(program, (Repeat, Replicated)):
     return [program.body]
   if isinstance(program, RepeatWhileTrue):
     return [program.condition, program.body]
@@ -295,6 +315,9 @@ def _iter(program, executions, loops):
       yield from _iter(p, executions, loops)
   elif isinstance(program, Repeat):
     yield from _iter(program.body, executions * program.count, loops + (program,))
+  elif isinstance(program, Replicated):
+    # The replicas run side by side on their own IPUs: one replica's steps.
+    yield from _iter(program.body, executions, loops)
   elif isinstance(program, RepeatWhileTrue):
     inner = loops + (program,)
     yield from _iter(program.condition, executions, inner)

@@ -16,7 +16,7 @@ from ipu_jax import ops
 from ipu_jax.graph import codelet
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import movement_cost
-from ipu_jax.lowering.rules import ipu_ops as rules
+from ipu_jax.lowering.rules import parallel as rules
 
 T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 AXIS = "replicas"

@@ -6,7 +6,8 @@ eval, a JVP, a transpose where the op is linear, a batching rule and an MLIR
 lowering (``mlir.lower_fun`` of the impl), so a function that uses them runs
 under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` without the emulator. The
 tile lowerings (how each op runs on tiles and what it costs) live in
-``ipu_jax/lowering/rules/ipu_ops.py``.
+``ipu_jax/lowering/rules/ipu_ops.py``, the collectives' with the named-axis
+collectives in ``ipu_jax/lowering/rules/parallel.py``.
 
 * :func:`tile_map`: run a codelet once per tile on chosen tiles (TessellateIPU's
   ``tile_map``).

@@ -4,4 +4,4 @@ Importing this package registers every rule (``ipu_jax.lowering`` imports it).
 """
 
 from ipu_jax.lowering.rules import (control, convolution, dot, elementwise, indexing,  # noqa: F401
-                                    ipu_ops, misc, random, reduction, shape, window)
+                                    ipu_ops, misc, parallel, random, reduction, shape, window)

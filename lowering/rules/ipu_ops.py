@@ -7,17 +7,8 @@ Tile plans:
   runs one vertex of the user's codelet, costed by the codelet's estimator
   (vertices on one tile share its workers as in the graph API); results stay
   one slice per tile.
-* ``cross_replica_sum`` / ``cross_replica_mean``: a ring all-reduce over the
-  IPU-Links. The tensor stays where it is; with ``R`` replicas each tile sends
-  and receives ``2 (R - 1) / R`` of its bytes (reduce-scatter then
-  all-gather), each IPU as many over its links, and each tile adds the
-  ``(R - 1) / R`` share of its elements it reduces. The step's function
-  applies ``lax.psum``/``pmean`` itself, so the program computes the real
-  all-reduce when it runs inside the replica ``vmap``/``shard_map`` of the
-  training layer (and is the identity for one replica). ``R`` is the replica
-  axis size when the axis is bound while lowering, else
-  ``ctx.replication_factor`` (1 if the context has none).
-* ``replica_index``: one vertex writes the index into a scalar.
+* ``cross_replica_sum`` / ``cross_replica_mean`` / ``replica_index``: with the
+  named-axis collectives, in :mod:`ipu_jax.lowering.rules.parallel`.
 * ``ipu_matmul``: planned by ``lowering/matmul_plan.plan_matmul`` with the
   op's own ``available_memory_proportion``/``partials_type`` (poplin's per-op
   options) over the context's: a ``gb x gm x gn x gk`` grid of blocks, one per
@@ -46,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import ops
-from ipu_jax.ops.collectives import apply_collective, replica_count, replica_index_value
 from ipu_jax.ops.stochastic_round import random_bits_for, round_with_bits
 from ipu_jax.ops.tile_map import codelet_body, codelet_cycles, codelet_flops
 from ipu_jax.kernels import estimators
@@ -121,83 +111,6 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
       fn=fn, compute_cycles=compute if n else None, exchange=cost, vertices=vertices,
       codelets=(codelet.name,), flops=codelet_flops(codelet, in_specs, out_specs) * n))
   return outs
-
-
-# ---------------------------------------------------------------------------
-# Cross-replica collectives
-# ---------------------------------------------------------------------------
-
-
-def replication_factor(ctx, axis_name) -> int:
-  """Replicas the all-reduce spans (see the module docstring)."""
-  bound = replica_count(axis_name)
-  if bound is not None:
-    return max(1, bound)
-  return max(1, int(getattr(ctx, "replication_factor", 1) or 1))
-
-
-def all_reduce_cost(ctx, tensor: P.Tensor, replicas: int):
-  """(exchange, compute) of a ring all-reduce of ``tensor`` over ``replicas``.
-
-  Each tile sends and receives ``2 (R - 1) / R`` of its bytes; each IPU the
-  same share of the bytes it holds, over its IPU-Links (a target with fewer
-  IPUs than the replica spans keeps the replica's IPUs: the tensor's IPUs).
-  The reduce-scatter half adds ``(R - 1) / R`` of each tile's elements.
-  """
-  target = ctx.target
-  if replicas <= 1 or tensor.size == 0:
-    return None, None
-  share = 2.0 * (replicas - 1) / replicas
-  on_tile = tensor.mapping.bytes_per_tile(target.num_tiles, tensor.itemsize)
-  tile_bytes = np.ceil(on_tile * share).astype(np.int64)
-  ipu = np.arange(target.num_tiles) // target.tiles_per_ipu
-  on_ipu = np.bincount(ipu, weights=on_tile, minlength=target.num_ipus)[:target.num_ipus]
-  link = np.ceil(on_ipu * share).astype(np.int64)
-  exchange = ExchangeCost(tile_bytes, tile_bytes.copy(), link)
-  elements = tensor.mapping.elements_per_tile(target.num_tiles)
-  adds = -(-elements * (replicas - 1) // replicas)
-  compute = estimators.elementwise_cycles(target, adds, "add", tensor.itemsize)
-  return exchange, compute
-
-
-def _make_collective_rule(kind):
-  def rule(ctx, x, *, axis_name):
-    out = ctx.like(x, name=f"cross_replica_{kind}")
-    replicas = replication_factor(ctx, axis_name)
-    exchange, compute = all_reduce_cost(ctx, x, replicas)
-
-    def fn(xs):
-      # Zero padding of the storage stays zero under sum and mean.
-      return (apply_collective(kind, xs, axis_name),)
-
-    elements = x.mapping.elements_per_tile(ctx.target.num_tiles)
-    ctx.emit(P.Superstep(
-        name=f"all_reduce<{kind}>x{replicas}", op=ctx.op, reads=(x,), writes=(out,), fn=fn,
-        compute_cycles=compute, exchange=exchange,
-        vertices=worker_vertices(ctx, elements) if compute is not None else None,
-        codelets=("popops::ReduceAdd",) if compute is not None else (),
-        flops=int(x.size * (replicas - 1)) if np.issubdtype(x.dtype, np.inexact) else 0))
-    return [out]
-  return rule
-
-
-register_lowering(ops.cross_replica_sum_p, _make_collective_rule("sum"))
-register_lowering(ops.cross_replica_mean_p, _make_collective_rule("mean"))
-
-
-@register_lowering(ops.replica_index_p)
-def _replica_index_rule(ctx, *, axis_name):
-  out = ctx.new_tensor((), np.int32, name="replica_index")
-  elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
-
-  def fn():
-    return (storage(replica_index_value(axis_name), out),)
-
-  ctx.emit(P.Superstep(
-      name="replica_index", op=ctx.op, reads=(), writes=(out,), fn=fn,
-      compute_cycles=estimators.fill_cycles(ctx.target, elements, 4),
-      vertices=(elements > 0).astype(np.int64), codelets=("ReplicaIndex",)))
-  return [out]
 
 
 # ---------------------------------------------------------------------------
