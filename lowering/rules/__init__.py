@@ -8,6 +8,7 @@ import importlib
 _FAMILIES = (
     "elementwise", "shape", "reduction", "dot", "convolution", "window",
     "indexing", "control", "random", "misc", "ipu_ops",
+    "linalg", "fft",
 )
 
 for _family in _FAMILIES:
