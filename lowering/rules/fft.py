@@ -22,6 +22,10 @@ then IRFFT along the last axis. A single line larger than a tile's memory
 lands on one tile and fails the memory check with an
 :class:`~ipu_jax.OutOfMemoryError`; splitting one line over tiles (a
 four-step FFT) is out of scope.
+
+The gradients of transforms, and complex linear algebra, need the complex
+elementwise primitives ``conj`` and ``complex``; unless the elementwise family
+already lowers them, they are registered here as elementwise compute sets.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import linalg as K
+from ipu_jax.lowering.builders import elementwise
 from ipu_jax.lowering.problems import solve_problems
-from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.registry import register_lowering, registered_primitives
 
 __all__ = []
 
@@ -104,3 +109,20 @@ def _fft(ctx, x, *, fft_type, fft_lengths):
   for axis in reversed(axes):
     y = _one_axis(ctx, y, axis, fft_type, y.shape[axis], out_dtype)
   return [y]
+
+
+def _register_complex_elementwise():
+  from jax._src.lax import lax as lax_internal
+  known = set(registered_primitives())
+  for name in ("conj", "complex"):
+    primitive = getattr(lax_internal, f"{name}_p")
+    if primitive.name in known:
+      continue
+
+    def rule(ctx, *operands, _primitive=primitive, **params):
+      return elementwise(ctx, lambda *xs: _primitive.bind(*xs, **params), operands)
+
+    register_lowering(primitive, rule)
+
+
+_register_complex_elementwise()

@@ -108,6 +108,13 @@ def _rule(primitive, spec: LinalgSpec):
     bind = spec.host_params(params) if spec.host_params else params
 
     def fn(*xs):
+      if batch_ndim == 0:
+        # One problem: the vertex runs the user's unbatched primitive (some,
+        # like cholesky_update, take no batch axes).
+        results = primitive.bind(*[x[0] for x in xs], **bind)
+        if primitive.multiple_results:
+          return [r[None] for r in results]
+        return results[None]
       return primitive.bind(*xs, **bind)
 
     axes = tuple(range(batch_ndim))
