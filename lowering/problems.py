@@ -31,7 +31,7 @@ tiles, each on its own local batch. Both give the same numbers.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ import numpy as np
 from ipu_jax.kernels import linalg as linalg_kernels
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical, storage, worker_vertices
-from ipu_jax.lowering.exchange import movement_cost
+from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 
 __all__ = ["solve_problems", "problem_of_elements"]
@@ -73,6 +73,49 @@ def _from_problem_major(y, shape, batch_axes):
   moved = tuple(shape[a] for a in batch_axes) + tuple(shape[a] for a in core)
   y = y.reshape(moved)
   return jnp.transpose(y, np.argsort(batch_axes + tuple(core)))
+
+
+def _runs_cost(target, src: TileMapping, dst: TileMapping, itemsize: int) -> ExchangeCost:
+  """Bytes moved between two linear mappings, by runs of elements.
+
+  Both mappings hold consecutive runs of the flat tensor per tile, so the
+  elements split into at most ``rows(src) + rows(dst)`` runs that each have
+  one source and one destination tile: no per-element work.
+  """
+  n = src.num_elements
+  bounds = np.union1d(np.minimum(np.arange(src.num_rows + 1, dtype=np.int64) * src.chunk, n),
+                      np.minimum(np.arange(dst.num_rows + 1, dtype=np.int64) * dst.chunk, n))
+  first, length = bounds[:-1], np.diff(bounds)
+  src_tile = src.tiles[np.minimum(first // src.chunk, src.num_rows - 1)]
+  dst_tile = dst.tiles[np.minimum(first // dst.chunk, dst.num_rows - 1)]
+  moved = np.where(src_tile != dst_tile, length, 0) * itemsize
+  t, per_ipu = target.num_tiles, target.tiles_per_ipu
+  crossing = (src_tile // per_ipu) != (dst_tile // per_ipu)
+  return ExchangeCost(
+      np.bincount(dst_tile, weights=moved, minlength=t)[:t].astype(np.int64),
+      np.bincount(src_tile, weights=moved, minlength=t)[:t].astype(np.int64),
+      np.bincount(src_tile // per_ipu, weights=moved * crossing,
+                  minlength=target.num_ipus)[:target.num_ipus].astype(np.int64))
+
+
+def _problem_mapping(shape, axes, per_tile, group_tile, start, num_tiles) -> TileMapping:
+  """Where a tensor's elements go: the tile of their problem."""
+  size = int(np.prod(shape, dtype=np.int64))
+  if tuple(axes) == tuple(range(len(axes))):
+    # Leading batch axes: each group of problems is one run of the flat
+    # tensor, so the mapping is linear (planned by runs, not elements).
+    per_problem = int(np.prod(shape[len(axes):], dtype=np.int64))
+    return TileMapping.blocks(size, per_tile * per_problem, num_tiles, start)
+  return TileMapping.from_element_tiles(group_tile[problem_of_elements(shape, axes) // per_tile])
+
+
+def _move_cost(target, tensor, mapping):
+  if tensor.mapping.same_as(mapping):
+    return None
+  if tensor.mapping.is_linear and mapping.is_linear:
+    return _runs_cost(target, tensor.mapping, mapping, tensor.itemsize)
+  return movement_cost(target, tensor.mapping.element_tile, mapping.element_tile,
+                       tensor.itemsize)
 
 
 def _start_tile(ctx, operands, groups) -> int:
@@ -126,15 +169,12 @@ def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
     if int(np.prod(shape, dtype=np.int64)) == 0:
       outputs.append(ctx.new_tensor(shape, dtype))
       continue
-    element_tile = group_tile[problem_of_elements(shape, axes) // per_tile]
-    outputs.append(ctx.new_tensor(shape, dtype, TileMapping.from_element_tiles(element_tile)))
+    outputs.append(ctx.new_tensor(shape, dtype, _problem_mapping(
+        shape, axes, per_tile, group_tile, start, num_tiles)))
 
-  costs = []
-  for t, axes in zip(operands, batch_axes):
-    if t.size == 0:
-      continue
-    dst = group_tile[problem_of_elements(t.shape, axes) // per_tile]
-    costs.append(movement_cost(target, t.mapping.element_tile, dst, t.itemsize))
+  costs = [_move_cost(target, t, _problem_mapping(t.shape, axes, per_tile, group_tile,
+                                                  start, num_tiles))
+           for t, axes in zip(operands, batch_axes) if t.size]
 
   problems_on_tile = np.zeros(num_tiles, np.int64)
   counts = np.full(groups, per_tile, np.int64)
