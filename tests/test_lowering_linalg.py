@@ -197,7 +197,7 @@ class LinalgTest(chex.TestCase, parameterized.TestCase):
         message = str(caught.exception)
         self.assertIn(f"'{primitive}'", message)
         self.assertIn(detail, message)
-        self.assertIn("test_lowering_linalg.py:", message)
+        self.assertIn(f"test_lowering_linalg.py:{fn.__code__.co_firstlineno}", message)
 
   def test_jacobi_algorithms_run_as_costed(self):
     a = _positive_definite(self.rng, (3,), 5, np.float32)
@@ -227,6 +227,16 @@ class LinalgTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(int((step.compute_cycles > 0).sum()), 14)
     self.assertEqual(step.flops, round(40 * 4 ** 3 / 3))
     self.assertEqual(sorted(step.vertices[step.vertices > 0].tolist()), [1] + [3] * 13)
+
+  def test_full_chip_one_problem_per_tile(self):
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    a = jax.ShapeDtypeStruct((1472, 16, 16), jnp.float32)
+    steps = ipu_jax.jit(lax.linalg.qr, target=target).lower(a).profile.steps
+    (step,) = [s for s in steps if s.op == "qr"]
+    self.assertTrue((step.vertices == 1).all())
+    self.assertTrue((step.compute_cycles == step.compute_cycles[0]).all())
+    # Each tile holds a working copy of its matrix while it runs.
+    self.assertTrue((step.temporary_bytes >= 16 * 16 * 4).all())
 
   def test_factor_stays_on_its_tiles(self):
     a = _well_conditioned(self.rng, (32,), 6, np.float32)

@@ -49,6 +49,7 @@ import numpy as np
 from jax._src.lax import linalg as lax_linalg
 
 from ipu_jax.kernels import linalg as K
+from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.problems import solve_problems
 from ipu_jax.lowering.registry import register_lowering
 
@@ -72,6 +73,8 @@ class LinalgSpec:
       the IPU lowering (and XLA on CPU) cannot run.
     host_params: ``host_params(params) -> params`` the vertex body binds.
     codelet: vertex type name for reports.
+    float_operands: positions of the operands that must be float32/complex64
+      (pivots and permutations are int32).
   """
 
   core_ndim: int
@@ -270,13 +273,12 @@ SPECS = {
 def _custom_linear_solve(ctx, *operands, const_lengths, jaxprs, **params):
   """The value of a linear solve: its ``solve`` jaxpr, lowered in place."""
   del params
-  from ipu_jax.lowering.rules.control import _lower_any  # pylint: disable=protected-access
   counts = [const_lengths.matvec, const_lengths.vecmat, const_lengths.solve,
             const_lengths.transpose_solve]
   offsets = np.cumsum([0] + counts)
   solve_consts = operands[offsets[2]:offsets[3]]
   b = operands[offsets[4]:]
-  return _lower_any(ctx, jaxprs.solve, list(solve_consts) + list(b))
+  return lower_closed_jaxpr(ctx, jaxprs.solve, list(solve_consts) + list(b))
 
 
 def _register():
