@@ -130,7 +130,8 @@ def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
                    *, batch_axes: Sequence[Sequence[int]],
                    out_batch_axes: Sequence[Sequence[int]],
                    flops: float, steps: int = 1, workspace_bytes: int = 0,
-                   codelet: str = "", name: str = "") -> list:
+                   with_problem_index: bool = False, codelet: str = "",
+                   name: str = "") -> list:
   """Lower independent problems into one superstep; returns the results.
 
   Args:
@@ -146,6 +147,8 @@ def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
     steps: sequential steps of one problem.
     workspace_bytes: scratch bytes one problem needs besides its operands
       and results.
+    with_problem_index: pass ``fn`` the ``[P]`` int32 index of every problem
+      first (a tile knows which problems it holds; nothing is exchanged).
     codelet: vertex type name for the report.
     name: step name (default: the primitive).
   """
@@ -186,6 +189,8 @@ def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
   def run(*storages):
     args = [_problem_major(logical(s, t), axes, num_problems)
             for s, t, axes in zip(storages, operands, batch_axes)]
+    if with_problem_index:
+      args.insert(0, jnp.arange(num_problems, dtype=jnp.int32))
     if mode == "per_tile" and groups > 1:
       results = _per_tile(fn, args, per_tile, groups, num_problems)
     else:
