@@ -122,7 +122,8 @@ def _start_tile(ctx, operands, groups) -> int:
   """First tile: where the largest computed operand starts, else a fresh one."""
   live = [t for t in operands if t.size and t.category != "constants"]
   if live:
-    return int(max(live, key=lambda t: t.size).mapping.element_tile[0])
+    # Storage rows are in order of first element, so row 0 holds element 0.
+    return int(max(live, key=lambda t: t.size).mapping.tiles[0])
   return ctx.claim_tiles(groups)
 
 

@@ -101,6 +101,10 @@ class FftTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual([s.name for s in _fft_steps(jnp.fft.fft2, few)],
                      ["fft/fft/axis2", "fft/fft/axis1"])
     self.assertEqual([s.name for s in _fft_steps(jnp.fft.fft2, many)], ["fft/fft"])
+    # Many planes too large for a tile: passes again.
+    large = jax.ShapeDtypeStruct((16, 128, 128), jnp.complex64)
+    self.assertEqual([s.name for s in _fft_steps(jnp.fft.fft2, large)],
+                     ["fft/fft/axis2", "fft/fft/axis1"])
     # The passes spread the 3 planes' 12 or 18 lines over more tiles.
     passes = _fft_steps(jnp.fft.fft2, few)
     self.assertTrue(all((s.compute_cycles > 0).sum() > 3 for s in passes))

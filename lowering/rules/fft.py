@@ -12,7 +12,7 @@ real input or output) at the tile's fp32 rate shared by its workers, with
 
 A multi-dimensional transform (``fft2``, ``fftn``, ``rfftn``...) runs as one
 step on whole planes when there are at least as many planes as tiles (every
-tile busy, no extra exchange). Otherwise it runs as successive 1-D passes,
+tile busy, no extra exchange) and a plane takes at most a quarter of a tile. Otherwise it runs as successive 1-D passes,
 one per transformed axis: each pass treats every other axis as batch, so its
 lines spread over up to ``size / n`` tiles and the exchange between passes
 is the transpose that brings the next axis's lines together on tiles. Real
@@ -185,7 +185,10 @@ def _fft(ctx, x, *, fft_type, fft_lengths):
   planes = int(np.prod(x.shape[:ndim - k], dtype=np.int64))
   if k == 1:
     return [_one_axis(ctx, x, axes[0], fft_type, lengths[0], out_dtype)]
-  if planes >= ctx.target.num_tiles:
+  plane_bytes = (int(np.prod(x.shape[ndim - k:], dtype=np.int64)) * x.itemsize
+                 + int(np.prod(out_shape[ndim - k:], dtype=np.int64)) * out_dtype.itemsize)
+  if (planes >= ctx.target.num_tiles
+      and plane_bytes <= ctx.target.bytes_per_tile // _LINE_BUDGET_FRACTION):
     return [_transform(ctx, x, axes, fft_type, lengths, out_shape, out_dtype)]
 
   if fft_type == lax.FftType.RFFT:
