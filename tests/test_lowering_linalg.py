@@ -179,6 +179,17 @@ class LinalgTest(chex.TestCase, parameterized.TestCase):
 
     self._check(all_grads, a, rtol=1e-4, atol=1e-4)
 
+  def test_inside_scan_and_vmap(self):
+    a = _random(self.rng, (4, 3, 5, 5), np.float32)
+
+    def fn(a):
+      def body(total, x):
+        factor = jnp.linalg.cholesky(x @ jnp.swapaxes(x, -1, -2) + 5 * jnp.eye(5))
+        return total + jnp.sum(factor), factor
+      return lax.scan(body, 0.0, a), jax.vmap(lambda x: jnp.linalg.qr(x)[1])(a)
+
+    self._check(fn, a)
+
   # -- errors ---------------------------------------------------------------
 
   def test_unsupported_modes_name_primitive_and_line(self):
