@@ -26,8 +26,9 @@ of a tile's memory is split over tiles as a four-step FFT (see
 ``n1`` (with the twiddle factors applied on their tiles), then a pass of
 ``n1`` rows of length ``n2`` placed straight into the transposed result. A
 long RFFT is the complex transform of its real line, keeping the first
-``n // 2 + 1`` bins. Lines that do not split (a prime length, a long IRFFT)
-land on one tile; if they do not fit, the memory check raises
+``n // 2 + 1`` bins; a long IRFFT is the real part of the complex inverse of
+the Hermitian extension of its bins. Lines that do not split (a prime
+length) land on one tile; if they do not fit, the memory check raises
 :class:`~ipu_jax.OutOfMemoryError` naming the tile.
 
 The gradients of transforms, and complex linear algebra, need the complex
@@ -90,6 +91,8 @@ def _one_axis(ctx, x, axis, fft_type, length, out_dtype):
   if split is not None:
     if fft_type == lax.FftType.RFFT:
       return _real_four_step(ctx, x, length, out_dtype, *split)
+    if fft_type == lax.FftType.IRFFT:
+      return _inverse_real_four_step(ctx, x, length, out_dtype, *split)
     return _four_step(ctx, x, fft_type, *split)
   shape = list(x.shape)
   if fft_type == lax.FftType.RFFT:
@@ -102,11 +105,10 @@ def _one_axis(ctx, x, axis, fft_type, length, out_dtype):
 def _four_step_split(ctx, x, axis, fft_type, length, out_dtype):
   """``(n1, n2)`` when a line along ``axis`` is too long for one tile, else None.
 
-  Only complex FFT/IFFT and RFFT along the last axis split; ``n1`` is the
-  largest divisor of ``length`` not above its square root (a prime length
-  does not split).
+  Only lines along the last axis split; ``n1`` is the largest divisor of
+  ``length`` not above its square root (a prime length does not split).
   """
-  if axis != len(x.shape) - 1 or fft_type == lax.FftType.IRFFT:
+  if axis != len(x.shape) - 1:
     return None
   line_bytes = length * (x.itemsize + np.dtype(out_dtype).itemsize)
   if line_bytes <= ctx.target.bytes_per_tile // _LINE_BUDGET_FRACTION:
@@ -167,6 +169,40 @@ def _real_four_step(ctx, x, length, out_dtype, n1, n2):
   index = np.arange(full.size, dtype=np.int64).reshape(full.shape)[..., :bins]
   return move(ctx, [full], [(shape, out_dtype, index)], lambda v: v[..., :bins],
               name="fft/rfft/bins", one_to_one=True)[0]
+
+
+def _inverse_real_four_step(ctx, x, length, out_dtype, n1, n2):
+  """A long IRFFT: the real part of the complex inverse of the full spectrum.
+
+  The ``n // 2 + 1`` bins are extended to the Hermitian spectrum of ``n``
+  bins (bin ``k > n / 2`` is ``conj(X[n - k])``): a static gather, then
+  chunks of ``n1`` bins conjugate their upper half on their tiles. The
+  imaginary parts of the DC and Nyquist bins only add an imaginary part to
+  the inverse, which the real part drops, as IRFFT ignores them.
+  """
+  batch = tuple(x.shape[:-1])
+  nb, bins, n = len(batch), x.shape[-1], length
+  lines = int(np.prod(batch, dtype=np.int64))
+  k = np.arange(n, dtype=np.int64)
+  mirror = np.minimum(k, n - k)
+  index = (np.arange(lines, dtype=np.int64)[:, None] * bins + mirror[None, :])
+  extended = move(ctx, [x], [(batch + (n,), x.dtype, index.reshape(batch + (n,)))],
+                  lambda v: v[..., mirror], name="fft/irfft/extend")[0]
+  chunks = alias(extended, batch + (n2, n1))
+  chunk_axes = tuple(range(nb + 1))
+
+  def conjugate_upper_half(chunk_index, chunk):
+    bin_of = (chunk_index % n2)[:, None] * n1 + jnp.arange(n1, dtype=jnp.int32)[None, :]
+    return jnp.where(bin_of > n // 2, jnp.conj(chunk), chunk)
+
+  (hermitian,) = solve_problems(
+      ctx, conjugate_upper_half, [chunks], [(chunks.shape, x.dtype)],
+      batch_axes=[chunk_axes], out_batch_axes=[chunk_axes], flops=float(n1),
+      with_problem_index=True, codelet="Conjugate", name="fft/irfft/conjugate")
+  full = _four_step(ctx, alias(hermitian, batch + (n,)), lax.FftType.IFFT, n1, n2)
+  return elementwise(ctx, lambda v: jnp.real(v).astype(out_dtype), [full],
+                     out_avals=[(full.shape, out_dtype)], name="fft/irfft/real",
+                     cost_op="real")[0]
 
 
 @register_lowering(lax.fft_p)
