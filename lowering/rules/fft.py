@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-import jax.numpy as jnp
 
 from ipu_jax.kernels import linalg as K
 from ipu_jax.lowering.builders import elementwise
