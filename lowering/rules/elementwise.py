@@ -20,7 +20,7 @@ _UNARY = [
     "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos",
     "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
     "abs", "not", "erf", "erfc", "erf_inv", "lgamma", "digamma", "square",
-    "integer_pow", "convert_element_type", "reduce_precision", "imag", "real",
+    "integer_pow", "convert_element_type", "reduce_precision", "imag", "real", "conj",
     "population_count", "clz", "copy", "bessel_i0e", "bessel_i1e",
 ]
 _BINARY = [
