@@ -31,9 +31,8 @@ the Hermitian extension of its bins. Lines that do not split (a prime
 length) land on one tile; if they do not fit, the memory check raises
 :class:`~ipu_jax.OutOfMemoryError` naming the tile.
 
-The gradients of transforms, and complex linear algebra, need the complex
-elementwise primitives ``conj`` and ``complex``; unless the elementwise family
-already lowers them, they are registered here as elementwise compute sets.
+The gradients of transforms, and complex linear algebra, use the complex
+elementwise primitives ``conj`` and ``complex`` of the elementwise family.
 """
 
 from __future__ import annotations
