@@ -46,7 +46,8 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.target import IPUTarget
 
-__all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div"]
+__all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
+           "partials_dtype", "tree_fanins"]
 
 # About this many grids are evaluated per plan (a few milliseconds of NumPy).
 _SEARCH_BUDGET = 150_000
@@ -55,6 +56,51 @@ _SEARCH_BUDGET = 150_000
 def ceil_div(a, b):
   """``ceil(a / b)`` for non-negative integers (works on arrays)."""
   return -(-a // b)
+
+
+def operand_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
+  """The type a product of ``lhs_dtype`` and ``rhs_dtype`` is costed in.
+
+  The wider operand sets the AMP rate and the bytes moved (a narrower one is
+  converted on the tile). A complex or float64 operand makes the product
+  complex or float64 (a real operand of a complex product is costed as
+  complex with a zero imaginary part, as the emulation would promote it).
+  """
+  lhs_dtype, rhs_dtype = np.dtype(lhs_dtype), np.dtype(rhs_dtype)
+  if any(d.kind == "c" or (d.kind == "f" and d.itemsize >= 8) for d in (lhs_dtype, rhs_dtype)):
+    return np.dtype(np.promote_types(lhs_dtype, rhs_dtype))
+  return lhs_dtype if lhs_dtype.itemsize >= rhs_dtype.itemsize else rhs_dtype
+
+
+def partials_dtype(in_dtype, out_dtype, option: str) -> np.dtype:
+  """The partial-sum type of a matmul or convolution: the one rule.
+
+  * Integer and boolean results accumulate in the result type.
+  * Complex results accumulate in the result type (complex64 or complex128):
+    both halves are kept (the IPU has no complex unit; the cost is that of
+    real MACs, see ``estimators.COMPLEX_REAL_MACS``).
+  * float64 results accumulate in float64 (emulated in software, see
+    ``estimators.FLOAT64_FP32_OPS_PER_MAC``).
+  * Other floats accumulate in float32, except that ``option == "float16"``
+    (``matmuls.partials_type`` or the op's own ``partials_type``) gives half
+    partials to 2-byte float operands with a 2-byte result, as poplin never
+    accumulates in a narrower type than the data. Half partials keep the
+    operands' format (bf16 data gets bf16 partials: fp16 ones would overflow
+    past 65504 where the data does not).
+
+  Args:
+    in_dtype: the operand type (see :func:`operand_dtype`).
+    out_dtype: the result type.
+    option: ``"float32"`` or ``"float16"``.
+  """
+  in_dtype, out_dtype = np.dtype(in_dtype), np.dtype(out_dtype)
+  if out_dtype.kind in "biu":
+    return out_dtype
+  if out_dtype.kind == "c" or out_dtype.itemsize >= 8:
+    return out_dtype
+  if option == "float16" and in_dtype.itemsize <= 2 and out_dtype.itemsize <= 2:
+    return in_dtype if in_dtype.kind == "f" or in_dtype.name == "bfloat16" else np.dtype(np.float16)
+  return np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +131,11 @@ class MatmulPlan:
       in memory); each pass computes ``1/serial`` of the ``serial_axis``
       (``"m"`` or ``"n"``) with the grid and blocks above, so the cycle
       fields are totals over the passes and the byte fields are per pass.
+    reduce_fanins: empty when the ``gk`` partials of a block are
+      reduce-scattered (every tile of the group sums a piece); else the
+      fan-in of each stage of a tree reduction, used when a block has fewer
+      elements than ``gk`` (a long contraction with a tiny result: poplin's
+      multi-stage reduction). The result then lies on the group's first tile.
   """
 
   b: int
@@ -107,6 +158,7 @@ class MatmulPlan:
   candidates: int = 0
   serial: int = 1
   serial_axis: str = "n"
+  reduce_fanins: tuple = ()
 
   @property
   def num_tiles(self) -> int:
@@ -125,7 +177,9 @@ class MatmulPlan:
     gb, gm, gn, gk = self.grid
     bb, bm, bn, bk = self.block
     serial = f" serial {self.serial_axis}x{self.serial}" if self.serial > 1 else ""
-    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}{serial}"
+    tree = (f" tree {'x'.join(str(f) for f in self.reduce_fanins)}"
+            if self.reduce_fanins else "")
+    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}{serial}{tree}"
 
   def describe(self) -> str:
     """A one-paragraph account of the plan, for reports and logs."""
@@ -201,12 +255,64 @@ def _exchange_cycles(target: IPUTarget, nbytes: np.ndarray) -> np.ndarray:
                   + target.exchange_latency_cycles, 0.0)
 
 
-def _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk):
-  """Per-candidate costs (arrays over candidates)."""
+def tree_fanins(gk: int, stages: int) -> tuple:
+  """Fan-in of each stage of a tree reduction of ``gk`` partials in ``stages``.
+
+  Every stage but the last sums groups of ``f = ceil(gk ** (1/stages))``
+  partials (fewer stages when ``f`` already covers ``gk``).
+  """
+  f = max(2, int(np.ceil(gk ** (1.0 / stages))))
+  while f ** stages < gk:
+    f += 1
+  fanins, count = [], int(gk)
+  while count > 1:
+    fanins.append(min(f, count))
+    count = ceil_div(count, f)
+  return tuple(fanins)
+
+
+# Stages a tree reduction may take (each costs a sync).
+_TREE_STAGES = (1, 2, 3)
+
+
+def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
+  """Cycles and largest received bytes of a tree reduction (arrays over candidates).
+
+  Stage ``s`` sums groups of ``f`` partial blocks on the tile of the group's
+  first: that tile receives ``f - 1`` blocks, adds them, and holds the sum
+  for the next stage (the last writes the result).
+  """
+  gk = np.asarray(gk, np.int64)
+  f = np.maximum(2, np.ceil(gk ** (1.0 / stages)).astype(np.int64))
+  f = np.where(f ** stages < gk, f + 1, f)
+  count = gk.copy()
+  cycles = np.zeros(gk.shape, np.float64)
+  received = np.zeros(gk.shape, np.int64)
+  for _ in range(stages):
+    members = np.minimum(f, count)
+    active = count > 1
+    nbytes = (members - 1) * out_block * p_itemsize
+    stage = (target.sync_cycles_internal + _exchange_cycles(target, nbytes)
+             + estimators.reduce_cycles(target, members * out_block, p_itemsize,
+                                        outputs=out_block))
+    cycles += np.where(active, stage, 0.0)
+    received = np.maximum(received, np.where(active, nbytes, 0))
+    count = ceil_div(count, f)
+  return cycles, received
+
+
+def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk):
+  """Per-candidate costs (arrays over candidates).
+
+  A reduce group with fewer output elements than tiles (``gk`` above the
+  block's elements: a long contraction with a tiny result) cannot
+  reduce-scatter; it sums its partials in a tree (``tree_stages`` > 0).
+  """
+  itemsize = dtype.itemsize
   bb, bm, bn, bk = (ceil_div(b, gb), ceil_div(m, gm), ceil_div(n, gn), ceil_div(k, gk))
   macs = bb * bm * bn * bk
   out_block = bb * bm * bn
-  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block)
+  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block, dtype=dtype)
   a_bytes = bb * bm * bk * itemsize
   b_bytes = bb * bk * bn * itemsize
   partial_bytes = out_block * p_itemsize
@@ -218,13 +324,28 @@ def _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk):
       gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
   reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
                     + reduce_compute, 0.0)
-  stage1 = a_bytes + b_bytes + partial_bytes
   stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
+  tree_stages = np.zeros(gk.shape, np.int64)
+  deep = gk > out_block
+  if deep.any():
+    best_cycles = np.full(gk.shape, np.inf)
+    best_bytes = np.zeros(gk.shape, np.int64)
+    for stages in _TREE_STAGES:
+      cycles, received = _tree_reduce_cost(target, gk, out_block, p_itemsize, stages)
+      better = deep & (cycles < best_cycles)
+      tree_stages = np.where(better, stages, tree_stages)
+      best_cycles = np.where(better, cycles, best_cycles)
+      best_bytes = np.where(better, received, best_bytes)
+    reduce = np.where(deep, best_cycles, reduce)
+    reduce_bytes = np.where(deep, best_bytes, reduce_bytes)
+    # The summing tile holds its partials, those received and the sum.
+    stage2 = np.where(deep, 2 * partial_bytes + best_bytes, stage2)
+  stage1 = a_bytes + b_bytes + partial_bytes
   temp = np.maximum(stage1, stage2)
   cycles = target.sync_cycles_internal + exchange + compute + reduce
   return dict(block=(bb, bm, bn, bk), compute=compute, exchange=exchange,
               reduce=reduce, exchange_bytes=exchange_bytes, reduce_bytes=reduce_bytes,
-              temp=temp, cycles=cycles)
+              temp=temp, cycles=cycles, tree_stages=tree_stages)
 
 
 def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
@@ -255,26 +376,29 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
 _SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def _search(target, b, m, n, k, itemsize, p_itemsize, limit, budget_total,
+def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
             serial_axis=None, last=0):
   """Candidate grids for one pass of ``[b, m, k] x [b, k, n]`` and their costs.
 
   With serial passes, the last pass (``last`` long along ``serial_axis``) must
   still fill the first block, so that tile storage has the width of a full
-  tile's pieces.
+  tile's pieces; and a reduce group must have an output element per tile (no
+  tree reductions: those are for results too small to need passes). The
+  result may hold no candidate at all (on a target of a tile or two).
   """
   active = sum(d > 1 for d in (b, m, n, k))
   budget = max(4, int(budget_total ** (1.0 / max(active, 1))))
   lists = [split_candidates(d, limit, budget) for d in (b, m, n, k)]
   gb, gm, gn, gk = grid_product(lists, limit)
-  # Every tile of a reduce group must get at least one output element.
-  keep = gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
+  keep = np.ones(gk.shape, bool)
+  if serial_axis is not None:
+    keep &= gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
   if serial_axis == "m":
     keep &= ceil_div(m, gm) <= last
   elif serial_axis == "n":
     keep &= ceil_div(n, gn) <= last
   gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
-  costs = _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk)
+  costs = _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk)
   costs["grid"] = (gb, gm, gn, gk)
   costs["tiles"] = gb * gm * gn * gk
   return costs
@@ -282,7 +406,7 @@ def _search(target, b, m, n, k, itemsize, p_itemsize, limit, budget_total,
 
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles):
-  itemsize = np.dtype(dtype).itemsize
+  operand = np.dtype(dtype)
   p_itemsize = np.dtype(partials_dtype).itemsize
   limit = max(1, min(max_tiles, target.num_tiles))
   memory_limit = int(proportion * target.bytes_per_tile)
@@ -292,7 +416,7 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
                       0.0, 0, 0, 0, memory_limit, True, 0)
   # One pass if any grid fits; else split M or N into serial passes that each
   # fit (each pass re-exchanges its operand blocks: more cycles, less memory).
-  options = [(1, "n", _search(target, b, m, n, k, itemsize, p_itemsize, limit, _SEARCH_BUDGET))]
+  options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET))]
   if not (options[0][2]["temp"] <= memory_limit).any():
     tried = set()
     for count in _SERIAL_COUNTS:
@@ -303,13 +427,15 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
           tried.add((axis, count_))
           length = int(ceil_div(size, count_))
           pm, pn = (length, n) if axis == "m" else (m, length)
-          options.append((count_, axis, _search(target, b, pm, pn, k, itemsize, p_itemsize,
+          options.append((count_, axis, _search(target, b, pm, pn, k, operand, p_itemsize,
                                                 limit, _SEARCH_BUDGET // 8, axis,
                                                 size - (count_ - 1) * length)))
       if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
         break
   best = None
   for count, axis, costs in options:
+    if costs["cycles"].size == 0:
+      continue
     cycles = costs["cycles"] * count
     fits = costs["temp"] <= memory_limit
     if fits.any():
@@ -334,4 +460,6 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       reduce_bytes=int(costs["reduce_bytes"][i]),
       temp_bytes=int(costs["temp"][i]), memory_limit=memory_limit,
       fits=fits_key == 0, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
-      serial=count, serial_axis=axis)
+      serial=count, serial_axis=axis,
+      reduce_fanins=(tree_fanins(int(gk[i]), int(costs["tree_stages"][i]))
+                     if costs["tree_stages"][i] else ()))

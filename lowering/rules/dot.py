@@ -60,7 +60,8 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import BlockGrid, TileMapping
-from ipu_jax.lowering.matmul_plan import ceil_div, plan_matmul
+from ipu_jax.lowering.matmul_plan import (ceil_div, operand_dtype, partials_dtype,
+                                          plan_matmul)
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["block_grid_mapping", "blocked_storage", "grid_exchange_cost",
@@ -264,21 +265,6 @@ def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Seque
   return ExchangeCost(bytes_in, bytes_out, link), local_count
 
 
-def partials_dtype(in_dtype, out_dtype, option: str) -> np.dtype:
-  """The partial-sum type: ``matmuls.partials_type`` where it applies.
-
-  Integers accumulate in the result type. Half partials apply only to 2-byte
-  float inputs with a 2-byte result (as in poplin, partials are never narrower
-  than the data), and keep the input's format (fp16 or bf16).
-  """
-  in_dtype, out_dtype = np.dtype(in_dtype), np.dtype(out_dtype)
-  if not jnp.issubdtype(out_dtype, jnp.inexact):
-    return out_dtype
-  if option == "float16" and in_dtype.itemsize <= 2 and out_dtype.itemsize <= 2:
-    return in_dtype if jnp.issubdtype(in_dtype, jnp.floating) else np.dtype(np.float16)
-  return np.dtype(np.float32)
-
-
 def _is_float(dtype) -> bool:
   return bool(jnp.issubdtype(np.dtype(dtype), jnp.inexact))
 
@@ -325,9 +311,11 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
     return [fill_zeros(ctx, out_shape, out_dtype, f"{ctx.op}/zeros")]
 
   target, options = ctx.target, ctx.options
-  in_dtype = lhs.dtype if lhs.itemsize >= rhs.itemsize else rhs.dtype
+  in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
   acc = partials_dtype(in_dtype, out_dtype, options.partials_type)
   plan = plan_matmul(target, b, m, n, k, in_dtype, acc, options.available_memory_proportion)
+  note = estimators.mac_cost_note(in_dtype)
+  notes = (note,) if note else ()
   gb, gm, gn, gk = plan.grid
   bb, bm, bn, bk = plan.block
   passes = plan.serial
@@ -337,8 +325,12 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
   g_all = g_out * gk
   tiles = grid_tiles(ctx, g_all)
   serial = (serial_axis, passes)
-  out_mapping = block_grid_mapping((b, m, n), (gb, gm, gn), (bb, bm, bn), tiles, pieces=gk,
-                                   serial=serial)
+  # A tree reduction leaves each output block whole on its group's first
+  # tile; a reduce-scatter leaves 1/gk of it on each tile of the group.
+  out_pieces = 1 if plan.reduce_fanins else gk
+  out_tiles = tiles.reshape(g_out, gk)[:, 0] if plan.reduce_fanins else tiles
+  out_mapping = block_grid_mapping((b, m, n), (gb, gm, gn), (bb, bm, bn), out_tiles,
+                                   pieces=out_pieces, serial=serial)
   out = ctx.new_tensor(out_shape, out_dtype, out_mapping)
   lhs_perm, rhs_perm = lb + lf + lc, rb + rc + rf
   lhs_src = canonical_tiles(lhs, lhs_perm, (b, m, k))
@@ -404,7 +396,9 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
     return x.reshape(g_out, gk, gk, piece).sum(axis=1).reshape(g_all, piece)
 
   # Result elements per tile and pass (a pass's pieces sit side by side).
-  if passes == 1:
+  if plan.reduce_fanins:
+    pass_counts = None
+  elif passes == 1:
     pass_counts = out_mapping.counts[:, None]
   else:
     pass_of = out_mapping.element_offset // piece
@@ -439,7 +433,7 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
     macs = rb_ * rm_ * rn_ * rk_
     compute = np.zeros(num_tiles)
     compute[tiles] = estimators.matmul_cycles(target, macs, np.dtype(in_dtype).itemsize,
-                                              outputs=rb_ * rm_ * rn_)
+                                              outputs=rb_ * rm_ * rn_, dtype=in_dtype)
     # Local elements of the blocks are copied into the AMP's block layout; the
     # received ones sit in the exchange buffers (counted by the analysis).
     scratch = np.zeros(num_tiles, np.int64)
@@ -467,7 +461,8 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
       ctx.emit(P.Superstep(
           name=f"{ctx.op}/matmul {label}{pass_name}", op=ctx.op, reads=(lhs, rhs) + result_in,
           writes=(out,), fn=step, compute_cycles=compute, exchange=_add(a_cost, b_cost),
-          vertices=vertices, codelets=(codelet,), flops=flops, scratch_bytes=scratch))
+          vertices=vertices, codelets=(codelet,), flops=flops, scratch_bytes=scratch,
+          notes=notes))
       continue
 
     partials = ctx.new_tensor((g_all, block), acc,
@@ -485,14 +480,18 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
       if index == 0:
         return (jnp.zeros(partials.storage_shape, acc),
                 blocked_storage(full_product(a_st, b_st), (gb, gm, gn), (bb, bm, bn),
-                                pieces=gk, serial=serial))
+                                pieces=out_pieces, serial=serial))
       return jnp.zeros(partials.storage_shape, acc), out_st[0]
 
     ctx.emit(P.Superstep(
         name=f"{ctx.op}/matmul {label}{pass_name}", op=ctx.op, reads=(lhs, rhs) + result_in,
         writes=(partials, out), fn=matmul_step, compute_cycles=compute,
         exchange=_add(a_cost, b_cost), vertices=vertices, codelets=(codelet,), flops=flops,
-        scratch_bytes=scratch))
+        scratch_bytes=scratch, notes=notes))
+
+    if plan.reduce_fanins:
+      _emit_tree_reduce(ctx, partials, out, plan, tiles, rb_ * rm_ * rn_, mode)
+      continue
 
     # Reduce-scatter of the partials: each tile sums its piece of the block.
     counts = pass_counts[:, index]  # [g_all] result elements each tile reduces
@@ -526,6 +525,91 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
         codelets=(f"ReduceAdd<{acc.name},{out_dtype.name}>",),
         flops=int((gk - 1) * counts.sum()) if _is_float(out_dtype) else 0))
   return [out]
+
+
+def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.ndarray,
+                      block_elements: np.ndarray, mode: str) -> None:
+  """Sum each output block's ``gk`` partial blocks in a tree of supersteps.
+
+  For a block with fewer elements than ``gk`` (a long contraction with a tiny
+  result) a reduce-scatter would leave tiles idle and pile ``gk - 1`` partials
+  on one: instead stage ``s`` sums groups of ``plan.reduce_fanins[s]``
+  partials on the tile of each group's first (which keeps its own partial
+  in place and receives the others), until one sum per block is left, on the
+  group's first tile, where the result lies.
+
+  Args:
+    partials: ``[g_all, block]`` partial blocks, row ``g * gk + j`` on
+      ``tiles[g * gk + j]``.
+    out: the result (block-grid mapping on the groups' first tiles).
+    plan: the matmul plan.
+    tiles: ``[g_all]`` tile of each grid index.
+    block_elements: ``[g_all]`` elements of the output block of each grid tile.
+    mode: the executor mode.
+  """
+  target = ctx.target
+  gb, gm, gn, gk = plan.grid
+  g_out = gb * gm * gn
+  block = partials.shape[1]
+  acc, out_dtype = partials.dtype, out.dtype
+  p_size = acc.itemsize
+  num_tiles = target.num_tiles
+  elements = block_elements.reshape(g_out, gk)[:, 0]  # [g_out]
+  group_tiles = tiles.reshape(g_out, gk)
+  level, count, stride = partials, gk, 1  # partial j of a group is on k-tile j * stride
+  for stage, fanin in enumerate(plan.reduce_fanins):
+    new_count = ceil_div(count, fanin)
+    last = new_count == 1
+    holders = group_tiles[:, ::stride][:, :count]                  # [g_out, count]
+    members = np.minimum(fanin, count - np.arange(new_count) * fanin)  # [new_count]
+    receivers = holders[:, ::fanin]                                 # [g_out, new_count]
+    sends = (np.arange(count) % fanin) != 0                         # [count]
+    bytes_in = np.zeros(num_tiles, np.int64)
+    bytes_out = np.zeros(num_tiles, np.int64)
+    np.add.at(bytes_in, receivers, (members[None, :] - 1) * elements[:, None] * p_size)
+    senders = holders[:, sends]
+    np.add.at(bytes_out, senders, np.broadcast_to(elements[:, None] * p_size, senders.shape))
+    link = np.zeros(target.num_ipus, np.int64)
+    if target.num_ipus > 1:
+      per = target.tiles_per_ipu
+      dest = np.repeat(receivers, fanin, axis=1)[:, :count][:, sends]
+      crossing = (senders // per) != (dest // per)
+      np.add.at(link, (senders // per)[crossing],
+                np.broadcast_to(elements[:, None] * p_size, senders.shape)[crossing])
+    summed = np.zeros(num_tiles, np.int64)
+    np.add.at(summed, receivers, members[None, :] * elements[:, None])
+    outputs = np.zeros(num_tiles, np.int64)
+    np.add.at(outputs, receivers, np.broadcast_to(elements[:, None], receivers.shape))
+    compute = estimators.reduce_cycles(target, summed, p_size, outputs=outputs)
+    if last:
+      result = out
+    else:
+      rows = g_out * new_count
+      result = ctx.new_tensor((rows, block), acc,
+                              TileMapping(rows * block, receivers.reshape(-1),
+                                          np.full(rows, block, np.int64), chunk=block),
+                              name=f"{ctx.op}/partials{stage + 1}")
+
+    def step(level_st, *out_st, count=count, new_count=new_count, fanin=fanin, last=last,
+             result=result):
+      if mode != "per_tile":
+        # Batched mode wrote the result in the matmul step.
+        return (out_st[0],) if last else (jnp.zeros(result.storage_shape, acc),)
+      x = level_st.reshape(g_out, count, block)
+      x = jnp.pad(x, ((0, 0), (0, new_count * fanin - count), (0, 0)))
+      x = x.reshape(g_out, new_count, fanin, block).sum(axis=2)
+      if last:
+        return (x.astype(out_dtype).reshape(out.storage_shape),)
+      return (x.reshape(result.storage_shape),)
+
+    ctx.emit(P.Superstep(
+        name=f"{ctx.op}/reduce {plan.label} stage {stage + 1}/{len(plan.reduce_fanins)}",
+        op=ctx.op, reads=(level,) + ((out,) if last else ()), writes=(result,), fn=step,
+        compute_cycles=compute, exchange=ExchangeCost(bytes_in, bytes_out, link),
+        vertices=worker_vertices(ctx, outputs),
+        codelets=(f"ReduceAdd<{acc.name},{(out_dtype if last else acc).name}>",),
+        flops=int(((members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))
+    level, count, stride = result, new_count, stride * fanin
 
 
 def _add(x: Optional[ExchangeCost], y: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
