@@ -19,6 +19,18 @@ The cost of a candidate, per tile (the busiest, whose blocks are full):
   report may show slightly less exchange than the plan;
 * reduce, when ``gk > 1``: a second superstep (sync, exchange of ``gk - 1``
   pieces of ``1/gk`` of the block in the partials type, a reduce vertex).
+  A block with fewer elements than ``gk`` cannot be reduce-scattered (a dot
+  of two long vectors has one output element but may want all tiles for its
+  contraction): its partials are summed in a tree of 1 to 3 stages, each a
+  superstep in which a tile receives and adds ``fan-in - 1`` partial blocks
+  (poplin's multi-stage reduction); the stage count with the fewest cycles
+  is kept (``MatmulPlan.reduce_fanins``).
+
+MACs are costed by type (``estimators.matmul_cycles``): the IPU has neither a
+complex nor a float64 unit, so a complex MAC is four real ones and a float64
+MAC the software emulation (see ``kernels/estimators.py``). The operand and
+partials types of every matmul and convolution come from
+:func:`operand_dtype` and :func:`partials_dtype` here (one rule).
 
 Temporary memory per tile is the two operand blocks plus the partial block
 (and, in the reduce stage, the received partials plus the output piece); a plan
@@ -27,12 +39,19 @@ fits, the product is split into serial passes along M or N (poplin's serial
 splits): each pass is a smaller product with its own exchange and compute, so
 the temporaries shrink and the cycles grow. When even that does not fit, the
 plan with the least temporary memory is returned (``fits=False``) and the
-program's out-of-memory check reports the tile.
+program's out-of-memory check reports the tile (on a target of a tile or two
+the serial searches may find no grid at all; the single pass always has one).
 
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
 size they give) is combined into a grid of candidates evaluated as NumPy
 arrays. Plans are cached by shapes, dtypes, target and proportion.
+
+The module also holds the tile-grid helpers the matmul and convolution rules
+share: the mapping and storage of an array cut into blocks, one per tile
+(:func:`block_grid_mapping`, :func:`blocked_storage`), and the exact bytes
+to give each grid tile the operand elements its block needs
+(:func:`grid_exchange_cost`).
 """
 
 from __future__ import annotations
@@ -44,10 +63,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 from ipu_jax.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
-           "partials_dtype", "tree_fanins"]
+           "partials_dtype", "tree_fanins", "block_grid_mapping", "blocked_storage",
+           "canonical_tiles", "grid_exchange_cost", "grid_tiles", "edge_sizes"]
 
 # About this many grids are evaluated per plan (a few milliseconds of NumPy).
 _SEARCH_BUDGET = 150_000
@@ -463,3 +485,200 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       serial=count, serial_axis=axis,
       reduce_fanins=(tree_fanins(int(gk[i]), int(costs["tree_stages"][i]))
                      if costs["tree_stages"][i] else ()))
+
+
+# -- tile-grid helpers (shared by the matmul and convolution rules) ----------
+
+
+def grid_tiles(ctx, count: int) -> np.ndarray:
+  """Tiles for a grid of ``count`` blocks, rotating the start for small grids.
+
+  Small grids start where the last small tensor ended, so many small products
+  do not all pile onto tile 0 (as ``LoweringContext.linear_mapping`` does).
+  """
+  num_tiles = ctx.target.num_tiles
+  start = ctx.claim_tiles(count) if count < num_tiles else 0
+  return (start + np.arange(count, dtype=np.int64)) % num_tiles
+
+
+def edge_sizes(size: int, grid: int, block: int) -> np.ndarray:
+  """``[grid]`` elements in each block of a dimension (the last may be short)."""
+  return np.clip(size - np.arange(grid, dtype=np.int64) * block, 0, block)
+
+
+def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
+                       blocks: Sequence[int], tiles: np.ndarray,
+                       pieces: int = 1, serial: tuple = (None, 1)) -> TileMapping:
+  """The mapping of an array cut into a grid of blocks, one block per tile.
+
+  Axis ``a`` is cut into ``grids[a]`` blocks of ``blocks[a]``; block ``(i0, i1,
+  ...)`` (row-major) is split into ``pieces`` equal runs of its row-major
+  elements, each on its own tile: row ``r = block_index * pieces + piece`` of the
+  storage lives on ``tiles[r]``. Edge blocks are stored padded to the full block
+  size, so storage is ``[rows, ceil(block_elements / pieces)]`` and
+  :func:`blocked_storage` builds it with pad / reshape / transpose only.
+
+  ``serial = (axis, count)`` first cuts ``axis`` into ``count`` equal passes
+  (the last may be short); the grid then applies within each pass, and every
+  tile holds one piece per pass, side by side (row size ``count * piece``).
+
+  Returns:
+    A linear mapping when the rows are consecutive runs of the flattened array,
+    else a general one.
+  """
+  shape = tuple(int(d) for d in shape)
+  n = int(np.prod(shape, dtype=np.int64))
+  num_blocks = int(np.prod(grids, dtype=np.int64))
+  rows = num_blocks * pieces
+  tiles = np.asarray(tiles, np.int64)[:rows]
+  block_elements = int(np.prod(blocks, dtype=np.int64))
+  piece = ceil_div(block_elements, pieces)
+  serial_axis, count = serial
+  if n == 0:
+    return TileMapping(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
+  ndim = len(shape)
+  row = np.zeros((1,) * ndim, np.int64)
+  offset = np.zeros((1,) * ndim, np.int64)
+  passes = np.zeros((1,) * ndim, np.int64)
+  g_stride = b_stride = 1
+  for a in reversed(range(ndim)):
+    idx = np.arange(shape[a], dtype=np.int64).reshape([-1 if i == a else 1 for i in range(ndim)])
+    if a == serial_axis and count > 1:
+      length = ceil_div(shape[a], count)
+      passes = passes + idx // length
+      idx = idx % length
+    row = row + (idx // blocks[a]) * g_stride
+    offset = offset + (idx % blocks[a]) * b_stride
+    g_stride *= int(grids[a])
+    b_stride *= int(blocks[a])
+  row = np.broadcast_to(row, shape).reshape(-1)
+  offset = np.broadcast_to(offset, shape).reshape(-1)
+  if pieces > 1:
+    row = row * pieces + offset // piece
+    offset = offset % piece
+  row_size = piece
+  if count > 1:
+    offset = np.broadcast_to(passes, shape).reshape(-1) * piece + offset
+    row_size = count * piece
+  counts = np.bincount(row, minlength=rows)[:rows].astype(np.int64)
+  if counts[-1] > 0 and np.all(counts[:-1] == row_size):
+    if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
+      return TileMapping(n, tiles, counts, chunk=row_size)
+  # Blocks past the last tile given are empty (the grid over-covers an
+  # axis): they have no storage row.
+  stored = int(tiles.size)
+  if stored < rows and counts[stored:].any():
+    raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
+  counts = counts[:stored]
+  grid = BlockGrid(shape, tuple(int(g) for g in grids), tuple(int(b) for b in blocks),
+                   int(pieces), tuple(serial), rows=stored if stored < rows else None)
+  return TileMapping(n, tiles, counts, element_row=row, element_offset=offset, grid=grid)
+
+
+def blocked_storage(x, grids: Sequence[int], blocks: Sequence[int], pieces: int = 1,
+                    serial: tuple = (None, 1)):
+  """Logical array -> storage of :func:`block_grid_mapping` (pad/reshape/transpose)."""
+  return BlockGrid(tuple(x.shape), tuple(grids), tuple(blocks), pieces, serial).to_storage(x)
+
+
+def canonical_tiles(tensor: P.Tensor, perm: Sequence[int], canon_shape: Sequence[int]):
+  """The tile of every element of ``tensor``, in a canonical view of it.
+
+  The view is ``transpose(perm)`` then ``reshape(canon_shape)``, as used by
+  :func:`grid_exchange_cost`.
+  """
+  src = tensor.mapping.element_tile.astype(np.intp, copy=False).reshape(tensor.shape)
+  return np.transpose(src, perm).reshape(tuple(int(d) for d in canon_shape))
+
+
+def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Sequence[int],
+                       tiles: np.ndarray, needs: Sequence, block_elements: np.ndarray,
+                       masks: Sequence = ()) -> tuple:
+  """Bytes moved to give every grid tile the part of an operand it needs.
+
+  The operand is seen in a canonical layout: ``src`` holds the tile of each of
+  its elements there (see :func:`canonical_tiles`; a slice of it for a part of
+  the operand). For grid axis ``a``, ``needs[a]`` is ``None`` (an element is
+  needed by every block along that axis) or ``(canon_axis, lo, hi)``: an
+  element whose coordinate along ``canon_axis`` is ``c`` is needed by blocks
+  ``lo[c] <= i_a < hi[c]``. ``masks`` are ``(canon_axis, bool table)``:
+  elements no tile needs. So the set of tiles needing an element is a product
+  of ranges, and no per-(element, destination) array is built.
+
+  Args:
+    target: the IPU target.
+    src: tile of every operand element, in the canonical layout.
+    itemsize: bytes per element.
+    grid_shape: blocks along each grid axis; grid index is row-major.
+    tiles: ``[G]`` tile of each grid index.
+    needs: per grid axis, ``None`` or ``(canon_axis, lo, hi)``.
+    block_elements: ``[G]`` elements each grid tile needs (consistent with
+      ``needs``, computed analytically by the caller).
+    masks: ``(canon_axis, needed)`` tables.
+
+  Returns:
+    ``(ExchangeCost, local)``: the cost, and ``[G]`` elements each grid tile
+    needs that it already holds.
+  """
+  t = target.num_tiles
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  if src.size == 0 or g_count == 0:
+    return None, np.zeros(g_count, np.int64)
+  canon_shape = src.shape
+  ndim = len(canon_shape)
+  coords = np.unravel_index(np.arange(g_count), tuple(grid_shape))
+  strides = [int(np.prod(grid_shape[a + 1:], dtype=np.int64)) for a in range(len(grid_shape))]
+
+  def along(axis, table):
+    return np.asarray(table).reshape([-1 if i == axis else 1 for i in range(ndim)])
+
+  def per_tile(values, fill):
+    """A [num_tiles] table of a per-grid-index value (``fill`` off the grid)."""
+    table = np.full(t, fill, np.int64)
+    table[tiles] = values
+    return table
+
+  # Axes where an element needs one block fold into one key, compared with
+  # the key of the tile that holds it; ranges (halos) are checked per axis.
+  key_needed = np.zeros((1,) * ndim, np.int64)
+  key_have = np.zeros(g_count, np.int64)
+  ranges = []
+  count = np.ones((1,) * ndim, np.int64)
+  for a, need in enumerate(needs):
+    if need is None:
+      count = count * int(grid_shape[a])
+      continue
+    axis, lo, hi = need
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    width = np.maximum(hi - lo, 0)
+    count = count * along(axis, width)
+    if np.all(width <= 1):
+      key_needed = key_needed + along(axis, lo * strides[a])
+      key_have += coords[a] * strides[a]
+    else:
+      ranges.append((per_tile(coords[a], -1), along(axis, lo), along(axis, hi)))
+  for axis, needed in masks:
+    count = count * along(axis, np.asarray(needed, np.int64))
+  # Tiles outside the grid hold nothing anyone needs locally.
+  local = per_tile(key_have, -1)[src] == key_needed
+  for coord_of_tile, lo, hi in ranges:
+    j = coord_of_tile[src]
+    local &= (j >= lo) & (j < hi)
+  local &= count > 0
+  sent = np.broadcast_to(count, canon_shape) > local
+  # Flat boolean selection is much faster in NumPy than an n-d mask.
+  src_flat = src.ravel()
+  sent_src = src_flat[sent.ravel()]
+  bytes_out = np.bincount(sent_src, minlength=t)[:t].astype(np.int64) * itemsize
+  local_count = np.bincount(src_flat[local.ravel()], minlength=t)[:t][tiles].astype(np.int64)
+  bytes_in = np.zeros(t, np.int64)
+  np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local_count) * itemsize)
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1 and sent_src.size:
+    # Upper bound: every element sent leaves for every other IPU the grid spans.
+    spanned = np.unique(np.asarray(tiles) // target.tiles_per_ipu)
+    sent_per_ipu = np.bincount(sent_src // target.tiles_per_ipu,
+                               minlength=target.num_ipus)[:target.num_ipus]
+    others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
+    link = (sent_per_ipu * others * itemsize).astype(np.int64)
+  return ExchangeCost(bytes_in, bytes_out, link), local_count

@@ -41,6 +41,16 @@ equation's own parameters on the logical arrays (the numbers of ``jax.jit``)
 and writes the result into the output blocks. ``"per_tile"`` mode cuts the
 input into the per-tile windows with pad / reshape / slice (no gathers) and
 the kernel into feature blocks, and vmaps the block convolution over the grid.
+A window's holes (lhs dilation) and padding are explicit zeros there; where
+the reference backend never reads them (lhs-dilated, unit strides and rhs
+dilation, no groups: it runs an input-gradient kernel), the block runs one
+1x1 convolution per kernel tap and masks the output rows whose tap reads no
+input element, so a non-finite kernel tap meeting only holes stays out of
+the sum (``0 * inf`` would be ``nan``).
+
+Types and MAC costs follow the matmul rules (``matmul_plan.partials_dtype``,
+``estimators.matmul_cycles``): complex and float64 convolutions are computed
+exactly and costed as their emulation, with a note on the step.
 """
 
 from __future__ import annotations
@@ -56,11 +66,12 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical
-from ipu_jax.lowering.matmul_plan import (ceil_div, grid_product, operand_dtype, partials_dtype,
+from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
+                                          ceil_div, edge_sizes, grid_exchange_cost, grid_product,
+                                          grid_tiles, operand_dtype, partials_dtype,
                                           split_candidates)
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.dot import (block_grid_mapping, blocked_storage, canonical_tiles,
-                                        edge_sizes, fill_zeros, grid_exchange_cost, grid_tiles)
+from ipu_jax.lowering.rules.dot import fill_zeros
 
 __all__ = ["ConvPlan", "ConvGeometry", "plan_conv", "conv_geometry"]
 

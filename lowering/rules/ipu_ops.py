@@ -27,7 +27,10 @@ Tile plans:
   partial sums and each of the ``gk`` tiles of a block reduces ``1/gk`` of it.
   When no single pass fits in memory the planner splits M or N into serial
   passes that reuse the grid (and the partials buffer); each pass writes its
-  slice of the result. Exchange bytes are exact (elements already on a destination tile do not
+  slice of the result. Partials follow ``matmul_plan.partials_dtype`` (the
+  rule ``dot_general`` uses). A grid whose reduce groups outnumber the
+  block's elements (a long contraction with a tiny result) is still
+  reduce-scattered: the tiles past the block's elements only send. Exchange bytes are exact (elements already on a destination tile do not
   move; a multicast leaves its tile once) and computed per block, in NumPy.
 * ``stochastic_round``: elementwise on the input's tiles; the key is
   multicast to them; each tile draws the random bits for its elements (a
