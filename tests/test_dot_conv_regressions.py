@@ -263,19 +263,22 @@ class DtypeMatrixTest(chex.TestCase, parameterized.TestCase):
     out_dtype = jax.eval_shape(fn, *args).dtype.name
     _check(fn, *args, rtol=_TOL.get(out_dtype, 0))
 
-  def test_one_partials_rule_for_dot_and_ipu_matmul(self):
-    # bf16 operands with half partials keep bf16 partials in both lowerings.
+  @parameterized.named_parameters(("float32", "float32", "float32"),
+                                  ("float16", "float16", "bfloat16"))
+  def test_one_partials_rule_for_dot_and_ipu_matmul(self, option, want_partials):
+    # bf16 operands: fp32 partials by default, half (bf16) ones on request,
+    # in dot_general and ipu_jax.ops.matmul alike.
     a, b = _random((12, 2000), jnp.bfloat16, 27), _random((2000, 10), jnp.bfloat16, 28)
-    cfg = _config(partials_type="float16")
+    cfg = _config(partials_type=option)
     for fn, name in ((jnp.matmul, "dot_general/partials"),
                      (ipu_jax.ops.matmul, "matmul/partials")):
       report = ipu_jax.jit(fn, target=_SMALL, config=cfg).lower(a, b).report
       partials = [t for t in report.profile.tensors if t.name == name]
       self.assertNotEmpty(partials, name)
-      self.assertEqual(partials[0].dtype, "bfloat16", name)
+      self.assertEqual(partials[0].dtype, want_partials, name)
     chex.assert_trees_all_close(
         ipu_jax.jit(ipu_jax.ops.matmul, target=_SMALL, config=cfg)(a, b).astype(jnp.float32),
-        jax.jit(lambda a, b: ipu_jax.ops.matmul(a, b, partials_type="float16"))(a, b).astype(
+        jax.jit(lambda a, b: ipu_jax.ops.matmul(a, b, partials_type=option))(a, b).astype(
             jnp.float32), rtol=2e-2, atol=0.5)
 
 
