@@ -323,12 +323,13 @@ def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
   return cycles, received
 
 
-def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk):
+def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce=True):
   """Per-candidate costs (arrays over candidates).
 
   A reduce group with fewer output elements than tiles (``gk`` above the
-  block's elements: a long contraction with a tiny result) cannot
-  reduce-scatter; it sums its partials in a tree (``tree_stages`` > 0).
+  block's elements: a long contraction with a tiny result) sums its partials
+  in a tree (``tree_stages`` > 0) when ``tree_reduce``; else it is costed as
+  a reduce-scatter whose first tiles each receive ``gk - 1`` elements.
   """
   itemsize = dtype.itemsize
   bb, bm, bn, bk = (ceil_div(b, gb), ceil_div(m, gm), ceil_div(n, gn), ceil_div(k, gk))
@@ -348,7 +349,7 @@ def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk):
                     + reduce_compute, 0.0)
   stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
   tree_stages = np.zeros(gk.shape, np.int64)
-  deep = gk > out_block
+  deep = (gk > out_block) & tree_reduce
   if deep.any():
     best_cycles = np.full(gk.shape, np.inf)
     best_bytes = np.zeros(gk.shape, np.int64)
@@ -372,7 +373,7 @@ def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk):
 
 def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
                 partials_dtype=np.float32, available_memory_proportion: float = 0.6,
-                max_tiles: Optional[int] = None) -> MatmulPlan:
+                max_tiles: Optional[int] = None, tree_reduce: bool = True) -> MatmulPlan:
   """Choose how a ``[b, m, k] x [b, k, n]`` product is cut over tiles.
 
   Args:
@@ -383,6 +384,9 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
     available_memory_proportion: fraction of a tile's SRAM the plan's
       temporaries may use.
     max_tiles: use at most this many tiles (default: all of the target).
+    tree_reduce: whether the lowering sums a reduce group with fewer output
+      elements than tiles in a tree (``dot_general``); else such groups are
+      costed as the reduce-scatter the lowering then emits.
 
   Returns:
     The cheapest :class:`MatmulPlan` that fits, in one pass when one fits,
@@ -391,7 +395,8 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
   """
   return _plan_cached(target, int(b), int(m), int(n), int(k), np.dtype(dtype).name,
                       np.dtype(partials_dtype).name, float(available_memory_proportion),
-                      target.num_tiles if max_tiles is None else int(max_tiles))
+                      target.num_tiles if max_tiles is None else int(max_tiles),
+                      bool(tree_reduce))
 
 
 # Serial splits tried when no single-pass plan fits (poplin's serial splits).
@@ -399,7 +404,7 @@ _SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
-            serial_axis=None, last=0):
+            serial_axis=None, last=0, tree_reduce=True):
   """Candidate grids for one pass of ``[b, m, k] x [b, k, n]`` and their costs.
 
   With serial passes, the last pass (``last`` long along ``serial_axis``) must
@@ -420,14 +425,15 @@ def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
   elif serial_axis == "n":
     keep &= ceil_div(n, gn) <= last
   gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
-  costs = _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk)
+  costs = _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce)
   costs["grid"] = (gb, gm, gn, gk)
   costs["tiles"] = gb * gm * gn * gk
   return costs
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles):
+def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
+                 tree_reduce):
   operand = np.dtype(dtype)
   p_itemsize = np.dtype(partials_dtype).itemsize
   limit = max(1, min(max_tiles, target.num_tiles))
@@ -438,7 +444,8 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
                       0.0, 0, 0, 0, memory_limit, True, 0)
   # One pass if any grid fits; else split M or N into serial passes that each
   # fit (each pass re-exchanges its operand blocks: more cycles, less memory).
-  options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET))]
+  options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
+                              tree_reduce=tree_reduce))]
   if not (options[0][2]["temp"] <= memory_limit).any():
     tried = set()
     for count in _SERIAL_COUNTS:

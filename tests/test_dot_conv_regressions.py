@@ -346,8 +346,12 @@ class TinyOutputSplitKTest(chex.TestCase, parameterized.TestCase):
     self.assertGreater(sum(s.ipu_link_bytes for s in steps[1:]), 0)
 
   def test_ipu_matmul_splits_k_too(self):
+    # ipu_jax.ops.matmul reduce-scatters such groups (planned as it emits).
     a, b = _random((1, 5000), seed=39), _random((5000, 1), seed=40)
     _check(ipu_jax.ops.matmul, a, b, rtol=1e-5)
+    names = [s.name for s in _steps(ipu_jax.ops.matmul, a, b)]
+    self.assertRegex(names[0], r"\.k(1[0-9]|[2-9])\b")
+    self.assertTrue(names[-1].endswith("reduce"), names)
 
 
 if __name__ == "__main__":

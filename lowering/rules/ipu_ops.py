@@ -220,12 +220,10 @@ class _Plan:
 
 
 def _plan(ctx, b, m, n, k, dtype, pdtype, proportion) -> _Plan:
-  # A plan whose reduce groups have more tiles than output elements (a
-  # tree reduction in dot_general) is reduce-scattered here: the tiles past
-  # the block's elements only send, and the exchange is costed as emitted.
-  p = plan_matmul(ctx.target, b, m, n, k, dtype, pdtype, proportion)
-  label = p.label.split(" tree ")[0]
-  return _Plan(tuple(p.grid), tuple(p.block), label, int(p.serial), str(p.serial_axis))
+  # Reduce groups with more tiles than output elements are reduce-scattered
+  # here (the tiles past the block's elements only send): planned as such.
+  p = plan_matmul(ctx.target, b, m, n, k, dtype, pdtype, proportion, tree_reduce=False)
+  return _Plan(tuple(p.grid), tuple(p.block), p.label, int(p.serial), str(p.serial_axis))
 
 
 def _extents(d: int, g: int, blk: int) -> np.ndarray:
