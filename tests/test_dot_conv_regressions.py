@@ -152,6 +152,22 @@ class PerTileConvolutionHolesTest(chex.TestCase, parameterized.TestCase):
     # Finite inputs: the same numbers in both modes.
     _check(fn, x, _random(w.shape, seed=10))
 
+  @parameterized.named_parameters(
+      ("1d", (2, 3, 9), (4, 3, 3), [(1, 2)], (3,)),
+      # 3-D: the reference zero-fills the holes (0 * inf = nan), and so must we.
+      ("3d", (1, 2, 4, 3, 5), (2, 2, 2, 3, 2), [(1, 0), (0, 1), (2, 2)], (2, 1, 3)),
+  )
+  def test_non_finite_taps_other_ranks(self, x_shape, w_shape, padding, lhs_dilation):
+    fn = _conv(window_strides=(1,) * len(lhs_dilation), padding=padding,
+               lhs_dilation=lhs_dilation)
+    x = _random(x_shape, seed=41)
+    w = np.array(_random(w_shape, seed=42))
+    w.flat[0] = np.inf
+    want = np.asarray(jax.jit(fn)(x, jnp.asarray(w)))
+    got = np.asarray(ipu_jax.jit(fn, target=_SMALL, config=_config("per_tile"))(x, jnp.asarray(w)))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
   def test_transposed_convolution_gradient(self):
     # The input gradient of a strided convolution is lhs-dilated.
     x, w = _random((1, 2, 7, 6), seed=11), _random((3, 2, 3, 3), seed=12)

@@ -42,8 +42,8 @@ and writes the result into the output blocks. ``"per_tile"`` mode cuts the
 input into the per-tile windows with pad / reshape / slice (no gathers) and
 the kernel into feature blocks, and vmaps the block convolution over the grid.
 A window's holes (lhs dilation) and padding are explicit zeros there; where
-the reference backend never reads them (lhs-dilated, unit strides and rhs
-dilation, no groups: it runs an input-gradient kernel), the block runs one
+the reference backend never reads them (1-D or 2-D, lhs-dilated, unit
+strides and rhs dilation, no groups: it runs an input-gradient kernel), the block runs one
 1x1 convolution per kernel tap and masks the output rows whose tap reads no
 input element, so a non-finite kernel tap meeting only holes stays out of
 the sum (``0 * inf`` would be ``nan``).
@@ -515,14 +515,15 @@ def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, 
   block_dn = lax.ConvDimensionNumbers(canon, canon, canon)
   block_precision = lax.Precision.HIGHEST if np.dtype(in_dtype) == np.float32 else precision
 
-  # The reference backend (XLA on CPU) runs an lhs-dilated convolution with
-  # unit strides and rhs dilation and no groups as an input-gradient kernel that never
-  # reads holes or padding (a non-finite tap meeting only those stays out of
-  # the sum), and every other convolution on explicitly zero-filled input
-  # (0 * inf = nan). Per-tile blocks do the same: in the first case each tap
-  # is a 1x1 block convolution masked where it reads no input element.
+  # The reference backend (XLA on CPU) runs a 1-D or 2-D lhs-dilated
+  # convolution with unit strides and rhs dilation and no groups as an
+  # input-gradient kernel that never reads holes or padding (a non-finite tap
+  # meeting only those stays out of the sum), and every other convolution on
+  # explicitly zero-filled input (0 * inf = nan). Per-tile blocks do the
+  # same: in the first case each tap is a 1x1 block convolution masked where
+  # it reads no input element.
   skip_holes = (any(d > 1 for d in geo.lhs_dilation) and all(v == 1 for v in geo.strides)
-                and all(v == 1 for v in geo.rhs_dilation) and geo.groups == 1)
+                and all(v == 1 for v in geo.rhs_dilation) and geo.groups == 1 and nsp <= 2)
   masks = _tap_masks(geo, grid, block) if skip_holes else [None] * nsp
 
   def tile_conv(xb, wb, *tile_masks):
