@@ -22,6 +22,7 @@ __all__ = [
     "worker_split_cycles", "elementwise_cycles", "reduce_cycles",
     "matmul_cycles", "copy_cycles", "fill_cycles", "scaled_add_cycles",
     "dot_product_cycles", "vertex_cycles_per_tile", "ELEMENTWISE_COST",
+    "COMPLEX_REAL_MACS", "FLOAT64_FP32_OPS_PER_MAC", "mac_cost_note",
 ]
 
 # Cycles per vector of elements for elementwise ops, by primitive name.
@@ -91,15 +92,62 @@ def dot_product_cycles(target, length, itemsize, vertices):
   return np.where(vertices > 0, w * per_worker * one + target.supervisor_overhead_cycles, 0).astype(np.float64)
 
 
-def matmul_cycles(target, macs, itemsize, outputs=None):
+# The IPU has no complex unit: a complex multiply-accumulate is four real
+# ones on the AMP (re = ar*br - ai*bi, im = ar*bi + ai*br: four real block
+# products whose results are the ones XLA computes). Gauss' three-multiply
+# trick would save a quarter of the MACs but adds block additions and changes
+# the rounding, so it is not what is modelled.
+COMPLEX_REAL_MACS = 4
+
+# Nor has it a float64 unit: a float64 MAC would be emulated in software
+# (double-float arithmetic: error-free TwoProd with an FMA, the two cross
+# terms, a TwoSum into the accumulator and a renormalisation: about 20 fp32
+# vector operations). Those run on the workers' vector units, not the AMP, at
+# ``vector_width_bytes / 4`` fp32 operations per cycle per tile (the six
+# workers issue in turn, each a 64-bit vector). On an IPU2 that is 10 cycles
+# per float64 MAC against 1/16 of a cycle per fp32 MAC on the AMP: 160x.
+FLOAT64_FP32_OPS_PER_MAC = 20
+
+
+def mac_cost_note(dtype) -> str:
+  """How a product in ``dtype`` is costed when it is not native ('' if it is)."""
+  dtype = np.dtype(dtype)
+  notes = []
+  if dtype.kind == "c":
+    notes.append(f"complex MAC costed as {COMPLEX_REAL_MACS} real MACs")
+    dtype = np.dtype(f"f{dtype.itemsize // 2}")
+  if dtype.kind == "f" and dtype.itemsize >= 8:
+    notes.append(f"float64 emulated in software: {FLOAT64_FP32_OPS_PER_MAC} fp32 vector "
+                 "ops per MAC")
+  return "; ".join(notes)
+
+
+def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None):
   """A tile's matmul block: ``macs`` multiply-accumulates at the AMP rate.
 
   fp16/bf16 operands run at the fp16 rate, others at the fp32 rate. The AMP
-  unit is driven by all workers together, so the rate is per tile.
+  unit is driven by all workers together, so the rate is per tile. With
+  ``dtype`` given, it sets the rate instead of ``itemsize``: complex MACs
+  count as :data:`COMPLEX_REAL_MACS` real ones, and float64 ones run as the
+  software emulation described at :data:`FLOAT64_FP32_OPS_PER_MAC`.
   """
   macs = np.asarray(macs, np.float64)
-  flops_per_cycle = target.fp16_flops_per_cycle if itemsize <= 2 else target.fp32_flops_per_cycle
-  cycles = np.ceil(2.0 * macs / flops_per_cycle)
+  real_macs = macs
+  emulated = False
+  if dtype is not None:
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+      real_macs = macs * COMPLEX_REAL_MACS
+      dtype = np.dtype(f"f{dtype.itemsize // 2}")
+    itemsize = dtype.itemsize
+    emulated = dtype.kind == "f" and dtype.itemsize >= 8
+  if emulated:
+    fp32_ops_per_cycle = max(1, target.vector_width_bytes // 4)
+    cycles = np.ceil(real_macs * FLOAT64_FP32_OPS_PER_MAC / fp32_ops_per_cycle)
+  else:
+    flops_per_cycle = (target.fp16_flops_per_cycle if itemsize <= 2
+                       else target.fp32_flops_per_cycle)
+    cycles = np.ceil(2.0 * real_macs / flops_per_cycle)
   if outputs is not None:
     cycles = cycles + np.asarray(outputs) / max(1, target.vector_width_bytes // 4)
   overhead = target.worker_contexts * WORKER_OVERHEAD * 4 + target.supervisor_overhead_cycles

@@ -55,7 +55,8 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         exchange_cycles=exchange_cycles(target, ex),
         sync_cycles=_sync_cycles(target, touched, link > 0),
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
-        executions=executions, temporary_bytes=np.asarray(temporary, np.int64))
+        executions=executions, temporary_bytes=np.asarray(temporary, np.int64),
+        notes=tuple(node.notes))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)

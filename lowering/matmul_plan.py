@@ -19,6 +19,18 @@ The cost of a candidate, per tile (the busiest, whose blocks are full):
   report may show slightly less exchange than the plan;
 * reduce, when ``gk > 1``: a second superstep (sync, exchange of ``gk - 1``
   pieces of ``1/gk`` of the block in the partials type, a reduce vertex).
+  A block with fewer elements than ``gk`` cannot be reduce-scattered (a dot
+  of two long vectors has one output element but may want all tiles for its
+  contraction): its partials are summed in a tree of 1 to 3 stages, each a
+  superstep in which a tile receives and adds ``fan-in - 1`` partial blocks
+  (poplin's multi-stage reduction); the stage count with the fewest cycles
+  is kept (``MatmulPlan.reduce_fanins``).
+
+MACs are costed by type (``estimators.matmul_cycles``): the IPU has neither a
+complex nor a float64 unit, so a complex MAC is four real ones and a float64
+MAC the software emulation (see ``kernels/estimators.py``). The operand and
+partials types of every matmul and convolution come from
+:func:`operand_dtype` and :func:`partials_dtype` here (one rule).
 
 Temporary memory per tile is the two operand blocks plus the partial block
 (and, in the reduce stage, the received partials plus the output piece); a plan
@@ -27,12 +39,19 @@ fits, the product is split into serial passes along M or N (poplin's serial
 splits): each pass is a smaller product with its own exchange and compute, so
 the temporaries shrink and the cycles grow. When even that does not fit, the
 plan with the least temporary memory is returned (``fits=False``) and the
-program's out-of-memory check reports the tile.
+program's out-of-memory check reports the tile (on a target of a tile or two
+the serial searches may find no grid at all; the single pass always has one).
 
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
 size they give) is combined into a grid of candidates evaluated as NumPy
 arrays. Plans are cached by shapes, dtypes, target and proportion.
+
+The module also holds the tile-grid helpers the matmul and convolution rules
+share: the mapping and storage of an array cut into blocks, one per tile
+(:func:`block_grid_mapping`, :func:`blocked_storage`), and the exact bytes
+to give each grid tile the operand elements its block needs
+(:func:`grid_exchange_cost`).
 """
 
 from __future__ import annotations
@@ -44,9 +63,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 from ipu_jax.target import IPUTarget
 
-__all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div"]
+__all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
+           "partials_dtype", "tree_fanins", "block_grid_mapping", "blocked_storage",
+           "canonical_tiles", "grid_exchange_cost", "grid_tiles", "edge_sizes"]
 
 # About this many grids are evaluated per plan (a few milliseconds of NumPy).
 _SEARCH_BUDGET = 150_000
@@ -55,6 +78,51 @@ _SEARCH_BUDGET = 150_000
 def ceil_div(a, b):
   """``ceil(a / b)`` for non-negative integers (works on arrays)."""
   return -(-a // b)
+
+
+def operand_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
+  """The type a product of ``lhs_dtype`` and ``rhs_dtype`` is costed in.
+
+  The wider operand sets the AMP rate and the bytes moved (a narrower one is
+  converted on the tile). A complex or float64 operand makes the product
+  complex or float64 (a real operand of a complex product is costed as
+  complex with a zero imaginary part, as the emulation would promote it).
+  """
+  lhs_dtype, rhs_dtype = np.dtype(lhs_dtype), np.dtype(rhs_dtype)
+  if any(d.kind == "c" or (d.kind == "f" and d.itemsize >= 8) for d in (lhs_dtype, rhs_dtype)):
+    return np.dtype(np.promote_types(lhs_dtype, rhs_dtype))
+  return lhs_dtype if lhs_dtype.itemsize >= rhs_dtype.itemsize else rhs_dtype
+
+
+def partials_dtype(in_dtype, out_dtype, option: str) -> np.dtype:
+  """The partial-sum type of a matmul or convolution: the one rule.
+
+  * Integer and boolean results accumulate in the result type.
+  * Complex results accumulate in the result type (complex64 or complex128):
+    both halves are kept (the IPU has no complex unit; the cost is that of
+    real MACs, see ``estimators.COMPLEX_REAL_MACS``).
+  * float64 results accumulate in float64 (emulated in software, see
+    ``estimators.FLOAT64_FP32_OPS_PER_MAC``).
+  * Other floats accumulate in float32, except that ``option == "float16"``
+    (``matmuls.partials_type`` or the op's own ``partials_type``) gives half
+    partials to 2-byte float operands with a 2-byte result, as poplin never
+    accumulates in a narrower type than the data. Half partials keep the
+    operands' format (bf16 data gets bf16 partials: fp16 ones would overflow
+    past 65504 where the data does not).
+
+  Args:
+    in_dtype: the operand type (see :func:`operand_dtype`).
+    out_dtype: the result type.
+    option: ``"float32"`` or ``"float16"``.
+  """
+  in_dtype, out_dtype = np.dtype(in_dtype), np.dtype(out_dtype)
+  if out_dtype.kind in "biu":
+    return out_dtype
+  if out_dtype.kind == "c" or out_dtype.itemsize >= 8:
+    return out_dtype
+  if option == "float16" and in_dtype.itemsize <= 2 and out_dtype.itemsize <= 2:
+    return in_dtype if in_dtype.kind == "f" or in_dtype.name == "bfloat16" else np.dtype(np.float16)
+  return np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +153,11 @@ class MatmulPlan:
       in memory); each pass computes ``1/serial`` of the ``serial_axis``
       (``"m"`` or ``"n"``) with the grid and blocks above, so the cycle
       fields are totals over the passes and the byte fields are per pass.
+    reduce_fanins: empty when the ``gk`` partials of a block are
+      reduce-scattered (every tile of the group sums a piece); else the
+      fan-in of each stage of a tree reduction, used when a block has fewer
+      elements than ``gk`` (a long contraction with a tiny result: poplin's
+      multi-stage reduction). The result then lies on the group's first tile.
   """
 
   b: int
@@ -107,6 +180,7 @@ class MatmulPlan:
   candidates: int = 0
   serial: int = 1
   serial_axis: str = "n"
+  reduce_fanins: tuple = ()
 
   @property
   def num_tiles(self) -> int:
@@ -125,7 +199,9 @@ class MatmulPlan:
     gb, gm, gn, gk = self.grid
     bb, bm, bn, bk = self.block
     serial = f" serial {self.serial_axis}x{self.serial}" if self.serial > 1 else ""
-    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}{serial}"
+    tree = (f" tree {'x'.join(str(f) for f in self.reduce_fanins)}"
+            if self.reduce_fanins else "")
+    return f"grid b{gb}.m{gm}.n{gn}.k{gk} blocks {bb}x{bm}x{bn}x{bk}{serial}{tree}"
 
   def describe(self) -> str:
     """A one-paragraph account of the plan, for reports and logs."""
@@ -201,12 +277,65 @@ def _exchange_cycles(target: IPUTarget, nbytes: np.ndarray) -> np.ndarray:
                   + target.exchange_latency_cycles, 0.0)
 
 
-def _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk):
-  """Per-candidate costs (arrays over candidates)."""
+def tree_fanins(gk: int, stages: int) -> tuple:
+  """Fan-in of each stage of a tree reduction of ``gk`` partials in ``stages``.
+
+  Every stage but the last sums groups of ``f = ceil(gk ** (1/stages))``
+  partials (fewer stages when ``f`` already covers ``gk``).
+  """
+  f = max(2, int(np.ceil(gk ** (1.0 / stages))))
+  while f ** stages < gk:
+    f += 1
+  fanins, count = [], int(gk)
+  while count > 1:
+    fanins.append(min(f, count))
+    count = ceil_div(count, f)
+  return tuple(fanins)
+
+
+# Stages a tree reduction may take (each costs a sync).
+_TREE_STAGES = (1, 2, 3)
+
+
+def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
+  """Cycles and largest received bytes of a tree reduction (arrays over candidates).
+
+  Stage ``s`` sums groups of ``f`` partial blocks on the tile of the group's
+  first: that tile receives ``f - 1`` blocks, adds them, and holds the sum
+  for the next stage (the last writes the result).
+  """
+  gk = np.asarray(gk, np.int64)
+  f = np.maximum(2, np.ceil(gk ** (1.0 / stages)).astype(np.int64))
+  f = np.where(f ** stages < gk, f + 1, f)
+  count = gk.copy()
+  cycles = np.zeros(gk.shape, np.float64)
+  received = np.zeros(gk.shape, np.int64)
+  for _ in range(stages):
+    members = np.minimum(f, count)
+    active = count > 1
+    nbytes = (members - 1) * out_block * p_itemsize
+    stage = (target.sync_cycles_internal + _exchange_cycles(target, nbytes)
+             + estimators.reduce_cycles(target, members * out_block, p_itemsize,
+                                        outputs=out_block))
+    cycles += np.where(active, stage, 0.0)
+    received = np.maximum(received, np.where(active, nbytes, 0))
+    count = ceil_div(count, f)
+  return cycles, received
+
+
+def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce=True):
+  """Per-candidate costs (arrays over candidates).
+
+  A reduce group with fewer output elements than tiles (``gk`` above the
+  block's elements: a long contraction with a tiny result) sums its partials
+  in a tree (``tree_stages`` > 0) when ``tree_reduce``; else it is costed as
+  a reduce-scatter whose first tiles each receive ``gk - 1`` elements.
+  """
+  itemsize = dtype.itemsize
   bb, bm, bn, bk = (ceil_div(b, gb), ceil_div(m, gm), ceil_div(n, gn), ceil_div(k, gk))
   macs = bb * bm * bn * bk
   out_block = bb * bm * bn
-  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block)
+  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block, dtype=dtype)
   a_bytes = bb * bm * bk * itemsize
   b_bytes = bb * bk * bn * itemsize
   partial_bytes = out_block * p_itemsize
@@ -218,18 +347,33 @@ def _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk):
       gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
   reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
                     + reduce_compute, 0.0)
-  stage1 = a_bytes + b_bytes + partial_bytes
   stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
+  tree_stages = np.zeros(gk.shape, np.int64)
+  deep = (gk > out_block) & tree_reduce
+  if deep.any():
+    best_cycles = np.full(gk.shape, np.inf)
+    best_bytes = np.zeros(gk.shape, np.int64)
+    for stages in _TREE_STAGES:
+      cycles, received = _tree_reduce_cost(target, gk, out_block, p_itemsize, stages)
+      better = deep & (cycles < best_cycles)
+      tree_stages = np.where(better, stages, tree_stages)
+      best_cycles = np.where(better, cycles, best_cycles)
+      best_bytes = np.where(better, received, best_bytes)
+    reduce = np.where(deep, best_cycles, reduce)
+    reduce_bytes = np.where(deep, best_bytes, reduce_bytes)
+    # The summing tile holds its partials, those received and the sum.
+    stage2 = np.where(deep, 2 * partial_bytes + best_bytes, stage2)
+  stage1 = a_bytes + b_bytes + partial_bytes
   temp = np.maximum(stage1, stage2)
   cycles = target.sync_cycles_internal + exchange + compute + reduce
   return dict(block=(bb, bm, bn, bk), compute=compute, exchange=exchange,
               reduce=reduce, exchange_bytes=exchange_bytes, reduce_bytes=reduce_bytes,
-              temp=temp, cycles=cycles)
+              temp=temp, cycles=cycles, tree_stages=tree_stages)
 
 
 def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
                 partials_dtype=np.float32, available_memory_proportion: float = 0.6,
-                max_tiles: Optional[int] = None) -> MatmulPlan:
+                max_tiles: Optional[int] = None, tree_reduce: bool = True) -> MatmulPlan:
   """Choose how a ``[b, m, k] x [b, k, n]`` product is cut over tiles.
 
   Args:
@@ -240,6 +384,9 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
     available_memory_proportion: fraction of a tile's SRAM the plan's
       temporaries may use.
     max_tiles: use at most this many tiles (default: all of the target).
+    tree_reduce: whether the lowering sums a reduce group with fewer output
+      elements than tiles in a tree (``dot_general``); else such groups are
+      costed as the reduce-scatter the lowering then emits.
 
   Returns:
     The cheapest :class:`MatmulPlan` that fits, in one pass when one fits,
@@ -248,41 +395,46 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
   """
   return _plan_cached(target, int(b), int(m), int(n), int(k), np.dtype(dtype).name,
                       np.dtype(partials_dtype).name, float(available_memory_proportion),
-                      target.num_tiles if max_tiles is None else int(max_tiles))
+                      target.num_tiles if max_tiles is None else int(max_tiles),
+                      bool(tree_reduce))
 
 
 # Serial splits tried when no single-pass plan fits (poplin's serial splits).
 _SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def _search(target, b, m, n, k, itemsize, p_itemsize, limit, budget_total,
-            serial_axis=None, last=0):
+def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
+            serial_axis=None, last=0, tree_reduce=True):
   """Candidate grids for one pass of ``[b, m, k] x [b, k, n]`` and their costs.
 
   With serial passes, the last pass (``last`` long along ``serial_axis``) must
   still fill the first block, so that tile storage has the width of a full
-  tile's pieces.
+  tile's pieces; and a reduce group must have an output element per tile (no
+  tree reductions: those are for results too small to need passes). The
+  result may hold no candidate at all (on a target of a tile or two).
   """
   active = sum(d > 1 for d in (b, m, n, k))
   budget = max(4, int(budget_total ** (1.0 / max(active, 1))))
   lists = [split_candidates(d, limit, budget) for d in (b, m, n, k)]
   gb, gm, gn, gk = grid_product(lists, limit)
-  # Every tile of a reduce group must get at least one output element.
-  keep = gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
+  keep = np.ones(gk.shape, bool)
+  if serial_axis is not None:
+    keep &= gk <= ceil_div(b, gb) * ceil_div(m, gm) * ceil_div(n, gn)
   if serial_axis == "m":
     keep &= ceil_div(m, gm) <= last
   elif serial_axis == "n":
     keep &= ceil_div(n, gn) <= last
   gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
-  costs = _evaluate(target, b, m, n, k, itemsize, p_itemsize, gb, gm, gn, gk)
+  costs = _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce)
   costs["grid"] = (gb, gm, gn, gk)
   costs["tiles"] = gb * gm * gn * gk
   return costs
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles):
-  itemsize = np.dtype(dtype).itemsize
+def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
+                 tree_reduce):
+  operand = np.dtype(dtype)
   p_itemsize = np.dtype(partials_dtype).itemsize
   limit = max(1, min(max_tiles, target.num_tiles))
   memory_limit = int(proportion * target.bytes_per_tile)
@@ -292,7 +444,8 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
                       0.0, 0, 0, 0, memory_limit, True, 0)
   # One pass if any grid fits; else split M or N into serial passes that each
   # fit (each pass re-exchanges its operand blocks: more cycles, less memory).
-  options = [(1, "n", _search(target, b, m, n, k, itemsize, p_itemsize, limit, _SEARCH_BUDGET))]
+  options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
+                              tree_reduce=tree_reduce))]
   if not (options[0][2]["temp"] <= memory_limit).any():
     tried = set()
     for count in _SERIAL_COUNTS:
@@ -303,13 +456,15 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
           tried.add((axis, count_))
           length = int(ceil_div(size, count_))
           pm, pn = (length, n) if axis == "m" else (m, length)
-          options.append((count_, axis, _search(target, b, pm, pn, k, itemsize, p_itemsize,
+          options.append((count_, axis, _search(target, b, pm, pn, k, operand, p_itemsize,
                                                 limit, _SEARCH_BUDGET // 8, axis,
                                                 size - (count_ - 1) * length)))
       if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
         break
   best = None
   for count, axis, costs in options:
+    if costs["cycles"].size == 0:
+      continue
     cycles = costs["cycles"] * count
     fits = costs["temp"] <= memory_limit
     if fits.any():
@@ -334,4 +489,203 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       reduce_bytes=int(costs["reduce_bytes"][i]),
       temp_bytes=int(costs["temp"][i]), memory_limit=memory_limit,
       fits=fits_key == 0, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
-      serial=count, serial_axis=axis)
+      serial=count, serial_axis=axis,
+      reduce_fanins=(tree_fanins(int(gk[i]), int(costs["tree_stages"][i]))
+                     if costs["tree_stages"][i] else ()))
+
+
+# -- tile-grid helpers (shared by the matmul and convolution rules) ----------
+
+
+def grid_tiles(ctx, count: int) -> np.ndarray:
+  """Tiles for a grid of ``count`` blocks, rotating the start for small grids.
+
+  Small grids start where the last small tensor ended, so many small products
+  do not all pile onto tile 0 (as ``LoweringContext.linear_mapping`` does).
+  """
+  num_tiles = ctx.target.num_tiles
+  start = ctx.claim_tiles(count) if count < num_tiles else 0
+  return (start + np.arange(count, dtype=np.int64)) % num_tiles
+
+
+def edge_sizes(size: int, grid: int, block: int) -> np.ndarray:
+  """``[grid]`` elements in each block of a dimension (the last may be short)."""
+  return np.clip(size - np.arange(grid, dtype=np.int64) * block, 0, block)
+
+
+def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
+                       blocks: Sequence[int], tiles: np.ndarray,
+                       pieces: int = 1, serial: tuple = (None, 1)) -> TileMapping:
+  """The mapping of an array cut into a grid of blocks, one block per tile.
+
+  Axis ``a`` is cut into ``grids[a]`` blocks of ``blocks[a]``; block ``(i0, i1,
+  ...)`` (row-major) is split into ``pieces`` equal runs of its row-major
+  elements, each on its own tile: row ``r = block_index * pieces + piece`` of the
+  storage lives on ``tiles[r]``. Edge blocks are stored padded to the full block
+  size, so storage is ``[rows, ceil(block_elements / pieces)]`` and
+  :func:`blocked_storage` builds it with pad / reshape / transpose only.
+
+  ``serial = (axis, count)`` first cuts ``axis`` into ``count`` equal passes
+  (the last may be short); the grid then applies within each pass, and every
+  tile holds one piece per pass, side by side (row size ``count * piece``).
+
+  Returns:
+    A linear mapping when the rows are consecutive runs of the flattened array,
+    else a general one.
+  """
+  shape = tuple(int(d) for d in shape)
+  n = int(np.prod(shape, dtype=np.int64))
+  num_blocks = int(np.prod(grids, dtype=np.int64))
+  rows = num_blocks * pieces
+  tiles = np.asarray(tiles, np.int64)[:rows]
+  block_elements = int(np.prod(blocks, dtype=np.int64))
+  piece = ceil_div(block_elements, pieces)
+  serial_axis, count = serial
+  if n == 0:
+    return TileMapping(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
+  ndim = len(shape)
+  row = np.zeros((1,) * ndim, np.int64)
+  offset = np.zeros((1,) * ndim, np.int64)
+  passes = np.zeros((1,) * ndim, np.int64)
+  g_stride = b_stride = 1
+  for a in reversed(range(ndim)):
+    idx = np.arange(shape[a], dtype=np.int64).reshape([-1 if i == a else 1 for i in range(ndim)])
+    if a == serial_axis and count > 1:
+      length = ceil_div(shape[a], count)
+      passes = passes + idx // length
+      idx = idx % length
+    row = row + (idx // blocks[a]) * g_stride
+    offset = offset + (idx % blocks[a]) * b_stride
+    g_stride *= int(grids[a])
+    b_stride *= int(blocks[a])
+  row = np.broadcast_to(row, shape).reshape(-1)
+  offset = np.broadcast_to(offset, shape).reshape(-1)
+  if pieces > 1:
+    row = row * pieces + offset // piece
+    offset = offset % piece
+  row_size = piece
+  if count > 1:
+    offset = np.broadcast_to(passes, shape).reshape(-1) * piece + offset
+    row_size = count * piece
+  counts = np.bincount(row, minlength=rows)[:rows].astype(np.int64)
+  if counts[-1] > 0 and np.all(counts[:-1] == row_size):
+    if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
+      return TileMapping(n, tiles, counts, chunk=row_size)
+  # Blocks past the last tile given are empty (the grid over-covers an
+  # axis): they have no storage row.
+  stored = int(tiles.size)
+  if stored < rows and counts[stored:].any():
+    raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
+  counts = counts[:stored]
+  grid = BlockGrid(shape, tuple(int(g) for g in grids), tuple(int(b) for b in blocks),
+                   int(pieces), tuple(serial), rows=stored if stored < rows else None)
+  return TileMapping(n, tiles, counts, element_row=row, element_offset=offset, grid=grid)
+
+
+def blocked_storage(x, grids: Sequence[int], blocks: Sequence[int], pieces: int = 1,
+                    serial: tuple = (None, 1)):
+  """Logical array -> storage of :func:`block_grid_mapping` (pad/reshape/transpose)."""
+  return BlockGrid(tuple(x.shape), tuple(grids), tuple(blocks), pieces, serial).to_storage(x)
+
+
+def canonical_tiles(tensor: P.Tensor, perm: Sequence[int], canon_shape: Sequence[int]):
+  """The tile of every element of ``tensor``, in a canonical view of it.
+
+  The view is ``transpose(perm)`` then ``reshape(canon_shape)``, as used by
+  :func:`grid_exchange_cost`.
+  """
+  src = tensor.mapping.element_tile.astype(np.intp, copy=False).reshape(tensor.shape)
+  return np.transpose(src, perm).reshape(tuple(int(d) for d in canon_shape))
+
+
+def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Sequence[int],
+                       tiles: np.ndarray, needs: Sequence, block_elements: np.ndarray,
+                       masks: Sequence = ()) -> tuple:
+  """Bytes moved to give every grid tile the part of an operand it needs.
+
+  The operand is seen in a canonical layout: ``src`` holds the tile of each of
+  its elements there (see :func:`canonical_tiles`; a slice of it for a part of
+  the operand). For grid axis ``a``, ``needs[a]`` is ``None`` (an element is
+  needed by every block along that axis) or ``(canon_axis, lo, hi)``: an
+  element whose coordinate along ``canon_axis`` is ``c`` is needed by blocks
+  ``lo[c] <= i_a < hi[c]``. ``masks`` are ``(canon_axis, bool table)``:
+  elements no tile needs. So the set of tiles needing an element is a product
+  of ranges, and no per-(element, destination) array is built.
+
+  Args:
+    target: the IPU target.
+    src: tile of every operand element, in the canonical layout.
+    itemsize: bytes per element.
+    grid_shape: blocks along each grid axis; grid index is row-major.
+    tiles: ``[G]`` tile of each grid index.
+    needs: per grid axis, ``None`` or ``(canon_axis, lo, hi)``.
+    block_elements: ``[G]`` elements each grid tile needs (consistent with
+      ``needs``, computed analytically by the caller).
+    masks: ``(canon_axis, needed)`` tables.
+
+  Returns:
+    ``(ExchangeCost, local)``: the cost, and ``[G]`` elements each grid tile
+    needs that it already holds.
+  """
+  t = target.num_tiles
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  if src.size == 0 or g_count == 0:
+    return None, np.zeros(g_count, np.int64)
+  canon_shape = src.shape
+  ndim = len(canon_shape)
+  coords = np.unravel_index(np.arange(g_count), tuple(grid_shape))
+  strides = [int(np.prod(grid_shape[a + 1:], dtype=np.int64)) for a in range(len(grid_shape))]
+
+  def along(axis, table):
+    return np.asarray(table).reshape([-1 if i == axis else 1 for i in range(ndim)])
+
+  def per_tile(values, fill):
+    """A [num_tiles] table of a per-grid-index value (``fill`` off the grid)."""
+    table = np.full(t, fill, np.int64)
+    table[tiles] = values
+    return table
+
+  # Axes where an element needs one block fold into one key, compared with
+  # the key of the tile that holds it; ranges (halos) are checked per axis.
+  key_needed = np.zeros((1,) * ndim, np.int64)
+  key_have = np.zeros(g_count, np.int64)
+  ranges = []
+  count = np.ones((1,) * ndim, np.int64)
+  for a, need in enumerate(needs):
+    if need is None:
+      count = count * int(grid_shape[a])
+      continue
+    axis, lo, hi = need
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    width = np.maximum(hi - lo, 0)
+    count = count * along(axis, width)
+    if np.all(width <= 1):
+      key_needed = key_needed + along(axis, lo * strides[a])
+      key_have += coords[a] * strides[a]
+    else:
+      ranges.append((per_tile(coords[a], -1), along(axis, lo), along(axis, hi)))
+  for axis, needed in masks:
+    count = count * along(axis, np.asarray(needed, np.int64))
+  # Tiles outside the grid hold nothing anyone needs locally.
+  local = per_tile(key_have, -1)[src] == key_needed
+  for coord_of_tile, lo, hi in ranges:
+    j = coord_of_tile[src]
+    local &= (j >= lo) & (j < hi)
+  local &= count > 0
+  sent = np.broadcast_to(count, canon_shape) > local
+  # Flat boolean selection is much faster in NumPy than an n-d mask.
+  src_flat = src.ravel()
+  sent_src = src_flat[sent.ravel()]
+  bytes_out = np.bincount(sent_src, minlength=t)[:t].astype(np.int64) * itemsize
+  local_count = np.bincount(src_flat[local.ravel()], minlength=t)[:t][tiles].astype(np.int64)
+  bytes_in = np.zeros(t, np.int64)
+  np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local_count) * itemsize)
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1 and sent_src.size:
+    # Upper bound: every element sent leaves for every other IPU the grid spans.
+    spanned = np.unique(np.asarray(tiles) // target.tiles_per_ipu)
+    sent_per_ipu = np.bincount(sent_src // target.tiles_per_ipu,
+                               minlength=target.num_ipus)[:target.num_ipus]
+    others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
+    link = (sent_per_ipu * others * itemsize).astype(np.int64)
+  return ExchangeCost(bytes_in, bytes_out, link), local_count

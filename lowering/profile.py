@@ -48,6 +48,8 @@ class StepProfile:
     temporary_bytes: ``[num_tiles]`` memory the step itself needs while it
       runs (its scratch: operand blocks, partials; and its exchange
       buffers). What ``available_memory_proportion`` limits.
+    notes: remarks from the lowering about how the step is costed (e.g.
+      ``"float64 emulated in software: ..."``).
   """
 
   name: str
@@ -64,6 +66,7 @@ class StepProfile:
   executions: int = 1
   host_bytes: int = 0
   temporary_bytes: Optional[np.ndarray] = None
+  notes: tuple = ()
 
   @property
   def compute_phase_cycles(self) -> float:

@@ -101,6 +101,8 @@ class Superstep:
     flops: floating point operations.
     scratch_bytes: ``[num_tiles]`` temporary bytes live only during the step.
     source: the user's ``file:line``.
+    notes: remarks the report shows with the step, e.g. that its cost is
+      that of a software emulation (float64 or complex products).
   """
 
   name: str
@@ -115,6 +117,7 @@ class Superstep:
   flops: int = 0
   scratch_bytes: Optional[np.ndarray] = None
   source: str = ""
+  notes: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)

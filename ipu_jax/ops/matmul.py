@@ -9,7 +9,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from ipu_jax.ops._common import HALF_DTYPES, _aval, _compiled, not_mapped
+from ipu_jax.lowering.matmul_plan import partials_dtype
+from ipu_jax.ops._common import _aval, _compiled, not_mapped
 
 
 matmul_p = jcore.Primitive("ipu_matmul")
@@ -21,10 +22,9 @@ def _batch_shape(a_shape, b_shape):
 def _matmul_impl(a, b, *, available_memory_proportion, partials_type):
   del available_memory_proportion
   out_dtype = a.dtype
-  if np.dtype(out_dtype) in HALF_DTYPES:
-    acc = jnp.float16 if partials_type == "float16" else jnp.float32
-    return jnp.matmul(a, b, preferred_element_type=acc).astype(out_dtype)
-  return jnp.matmul(a, b)
+  # The partials rule the tile lowering uses (one rule for every matmul).
+  acc = partials_dtype(out_dtype, out_dtype, partials_type or "float32")
+  return jnp.matmul(a, b, preferred_element_type=acc).astype(out_dtype)
 
 
 def _matmul_abstract_eval(a, b, *, available_memory_proportion, partials_type):

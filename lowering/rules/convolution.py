@@ -41,6 +41,16 @@ equation's own parameters on the logical arrays (the numbers of ``jax.jit``)
 and writes the result into the output blocks. ``"per_tile"`` mode cuts the
 input into the per-tile windows with pad / reshape / slice (no gathers) and
 the kernel into feature blocks, and vmaps the block convolution over the grid.
+A window's holes (lhs dilation) and padding are explicit zeros there; where
+the reference backend never reads them (1-D or 2-D, lhs-dilated, unit
+strides and rhs dilation, no groups: it runs an input-gradient kernel), the block runs one
+1x1 convolution per kernel tap and masks the output rows whose tap reads no
+input element, so a non-finite kernel tap meeting only holes stays out of
+the sum (``0 * inf`` would be ``nan``).
+
+Types and MAC costs follow the matmul rules (``matmul_plan.partials_dtype``,
+``estimators.matmul_cycles``): complex and float64 convolutions are computed
+exactly and costed as their emulation, with a note on the step.
 """
 
 from __future__ import annotations
@@ -56,11 +66,12 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical
-from ipu_jax.lowering.matmul_plan import ceil_div, grid_product, split_candidates
+from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
+                                          ceil_div, edge_sizes, grid_exchange_cost, grid_product,
+                                          grid_tiles, operand_dtype, partials_dtype,
+                                          split_candidates)
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.dot import (block_grid_mapping, blocked_storage, canonical_tiles,
-                                        edge_sizes, fill_zeros, grid_exchange_cost, grid_tiles,
-                                        partials_dtype)
+from ipu_jax.lowering.rules.dot import fill_zeros
 
 __all__ = ["ConvPlan", "ConvGeometry", "plan_conv", "conv_geometry"]
 
@@ -79,6 +90,8 @@ class ConvGeometry:
     strides, padding, lhs_dilation, rhs_dilation: per spatial axis.
     fgc, bgc: feature and batch group counts.
     itemsize, acc_itemsize: operand and partials bytes.
+    dtype: operand dtype name (sets the MAC rate: complex and float64
+      products are costed as their emulation).
   """
 
   n: int
@@ -97,6 +110,7 @@ class ConvGeometry:
   bgc: int
   itemsize: int
   acc_itemsize: int
+  dtype: str = "float32"
 
   @property
   def groups(self) -> int:
@@ -148,7 +162,8 @@ def _covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
 
 
 def conv_geometry(lhs_shape, rhs_shape, out_shape, dn, window_strides, padding,
-                  lhs_dilation, rhs_dilation, fgc, bgc, itemsize, acc_itemsize) -> ConvGeometry:
+                  lhs_dilation, rhs_dilation, fgc, bgc, itemsize, acc_itemsize,
+                  dtype="float32") -> ConvGeometry:
   lhs_spec, rhs_spec, out_spec = dn
   nsp = len(lhs_spec) - 2
   return ConvGeometry(
@@ -162,7 +177,8 @@ def conv_geometry(lhs_shape, rhs_shape, out_shape, dn, window_strides, padding,
       padding=tuple((int(lo), int(hi)) for lo, hi in padding),
       lhs_dilation=tuple(int(x) for x in (lhs_dilation or (1,) * nsp)),
       rhs_dilation=tuple(int(x) for x in (rhs_dilation or (1,) * nsp)),
-      fgc=int(fgc), bgc=int(bgc), itemsize=int(itemsize), acc_itemsize=int(acc_itemsize))
+      fgc=int(fgc), bgc=int(bgc), itemsize=int(itemsize), acc_itemsize=int(acc_itemsize),
+      dtype=np.dtype(dtype).name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +263,8 @@ def _plan_conv_cached(target, geo: ConvGeometry, proportion: float) -> ConvPlan:
   for b in block:
     out_block = out_block * b
   macs = out_block * geo.i * geo.kernel_elements
-  compute = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_block)
+  compute = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_block,
+                                     dtype=geo.dtype)
   # Input window of a full block (the planner's estimate; exchange is exact).
   size = geo.group_size
   groups_in_block = np.where(bc >= size, bc // size, 1)
@@ -318,12 +335,13 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
     raise NotImplementedError("feature_group_count and batch_group_count both > 1")
 
   target, options = ctx.target, ctx.options
-  in_dtype = lhs.dtype if lhs.itemsize >= rhs.itemsize else rhs.dtype
+  in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
   acc = partials_dtype(in_dtype, out_dtype, options.partials_type)
   geo = conv_geometry(lhs.shape, rhs.shape, out_shape, dn, window_strides, padding,
                       lhs_dilation, rhs_dilation, feature_group_count, batch_group_count,
-                      np.dtype(in_dtype).itemsize, acc.itemsize)
+                      np.dtype(in_dtype).itemsize, acc.itemsize, in_dtype.name)
   plan = plan_conv(target, geo, options.conv_available_memory_proportion)
+  note = estimators.mac_cost_note(in_dtype)
   grid, block = plan.grid, plan.block
   gn, gc, bn, bc = grid[0], grid[1], block[0], block[1]
   g_all = plan.num_tiles
@@ -386,7 +404,8 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   macs = out_elements * geo.i * geo.kernel_elements
   num_tiles = target.num_tiles
   compute = np.zeros(num_tiles)
-  compute[tiles] = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements)
+  compute[tiles] = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements,
+                                            dtype=geo.dtype)
   scratch = np.zeros(num_tiles, np.int64)
   # Local parts of the window and kernel slice are copied into place; the
   # received parts are exchange buffers; partials when wider than the result.
@@ -416,7 +435,7 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
       name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
       compute_cycles=compute, exchange=exchange, vertices=vertices,
       codelets=(f"ConvPartial<{np.dtype(in_dtype).name},{acc.name}>",), flops=flops,
-      scratch_bytes=scratch))
+      scratch_bytes=scratch, notes=(note,) if note else ()))
   return [out]
 
 
@@ -496,16 +515,47 @@ def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, 
   block_dn = lax.ConvDimensionNumbers(canon, canon, canon)
   block_precision = lax.Precision.HIGHEST if np.dtype(in_dtype) == np.float32 else precision
 
-  def tile_conv(xb, wb):
-    return lax.conv_general_dilated(
-        xb, wb, geo.strides, [(0, 0)] * nsp, (1,) * nsp, geo.rhs_dilation,
-        dimension_numbers=block_dn, feature_group_count=block_fgc,
-        batch_group_count=block_bgc, precision=block_precision, preferred_element_type=acc)
+  # The reference backend (XLA on CPU) runs a 1-D or 2-D lhs-dilated
+  # convolution with unit strides and rhs dilation and no groups as an
+  # input-gradient kernel that never reads holes or padding (a non-finite tap
+  # meeting only those stays out of the sum), and every other convolution on
+  # explicitly zero-filled input (0 * inf = nan). Per-tile blocks do the
+  # same: in the first case each tap is a 1x1 block convolution masked where
+  # it reads no input element.
+  skip_holes = (any(d > 1 for d in geo.lhs_dilation) and all(v == 1 for v in geo.strides)
+                and all(v == 1 for v in geo.rhs_dilation) and geo.groups == 1 and nsp <= 2)
+  masks = _tap_masks(geo, grid, block) if skip_holes else [None] * nsp
 
-  fn = jax.vmap(tile_conv, in_axes=(0 if gcx > 1 else None, 0))  # over feature blocks
-  for _ in range(nsp + 1):  # spatial blocks (innermost first), then batch blocks
-    fn = jax.vmap(fn, in_axes=(0, None))
-  y = fn(x, w)  # [gn, g_0.., gc, bn, bc, b_0..]
+  def tile_conv(xb, wb, *tile_masks):
+    if not skip_holes:
+      return lax.conv_general_dilated(
+          xb, wb, geo.strides, [(0, 0)] * nsp, (1,) * nsp, geo.rhs_dilation,
+          dimension_numbers=block_dn, feature_group_count=block_fgc,
+          batch_group_count=block_bgc, precision=block_precision, preferred_element_type=acc)
+    total = None
+    for taps in np.ndindex(*geo.k_spatial):
+      window = tuple(slice(t, t + b) for t, b in zip(taps, block[2:]))
+      kernel = tuple(slice(t, t + 1) for t in taps)
+      y = lax.conv_general_dilated(
+          xb[(slice(None), slice(None)) + window], wb[(slice(None), slice(None)) + kernel],
+          (1,) * nsp, [(0, 0)] * nsp, dimension_numbers=block_dn,
+          feature_group_count=block_fgc, batch_group_count=block_bgc,
+          precision=block_precision, preferred_element_type=acc)
+      reads_input = functools.reduce(
+          jnp.logical_and, [m[:, t].reshape([-1 if a == d else 1 for a in range(nsp)])
+                            for d, (m, t) in enumerate(zip(tile_masks, taps))])
+      y = jnp.where(reads_input, y, jnp.zeros((), y.dtype))
+      total = y if total is None else total + y
+    return total
+
+  # vmaps over feature blocks, then spatial blocks (innermost first), then
+  # batch blocks; a spatial axis's masks follow its blocks.
+  fn = jax.vmap(tile_conv, in_axes=(0 if gcx > 1 else None, 0) + (None,) * nsp)
+  for level in range(nsp + 1):
+    axis = nsp - 1 - level
+    fn = jax.vmap(fn, in_axes=(0, None) + tuple(0 if d == axis and skip_holes else None
+                                                 for d in range(nsp)))
+  y = fn(x, w, *masks)  # [gn, g_0.., gc, bn, bc, b_0..]
   # -> [gn, bn, gc, bc, g_0, b_0, ...] -> canonical [n, o, spatial...]
   k = nsp + 2
   order = [0, k, 1 + nsp, k + 1]
@@ -515,3 +565,18 @@ def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, 
   y = y.reshape(tuple(g * b for g, b in zip(grid, block)))
   y = y[tuple(slice(0, n) for n in (geo.n_out, geo.o) + geo.out_spatial)]
   return jnp.transpose(y, _inverse(out_spec))
+
+
+def _tap_masks(geo: ConvGeometry, grid, block) -> list:
+  """Per spatial axis, ``[g, b, k]``: whether tap ``k`` of output row ``r`` of
+  block ``i`` reads an input element (not a hole of the lhs dilation nor
+  padding), for unit strides and rhs dilation."""
+  masks = []
+  for d in range(len(geo.out_spatial)):
+    g, b, k = grid[2 + d], block[2 + d], geo.k_spatial[d]
+    dilation = geo.lhs_dilation[d]
+    position = (np.arange(g)[:, None, None] * b + np.arange(b)[None, :, None]
+                + np.arange(k)[None, None, :] - geo.padding[d][0])
+    masks.append(jnp.asarray((position >= 0) & (position <= (geo.in_spatial[d] - 1) * dilation)
+                             & (position % dilation == 0)))
+  return masks

@@ -18,7 +18,10 @@ Tile plans:
   partial sums and each of the ``gk`` tiles of a block reduces ``1/gk`` of it.
   When no single pass fits in memory the planner splits M or N into serial
   passes that reuse the grid (and the partials buffer); each pass writes its
-  slice of the result. Exchange bytes are exact (elements already on a destination tile do not
+  slice of the result. Partials follow ``matmul_plan.partials_dtype`` (the
+  rule ``dot_general`` uses). A grid whose reduce groups outnumber the
+  block's elements (a long contraction with a tiny result) is still
+  reduce-scattered: the tiles past the block's elements only send. Exchange bytes are exact (elements already on a destination tile do not
   move; a multicast leaves its tile once) and computed per block, in NumPy.
 * ``stochastic_round``: elementwise on the input's tiles; the key is
   multicast to them; each tile draws the random bits for its elements (a
@@ -48,10 +51,7 @@ from ipu_jax.lowering.exchange import (ExchangeCost, relayout, relayout_cost,
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
-try:  # the shared matmul planner (written alongside the dot rules)
-  from ipu_jax.lowering.matmul_plan import plan_matmul
-except ImportError:  # pragma: no cover - only before the planner exists
-  plan_matmul = None
+from ipu_jax.lowering.matmul_plan import partials_dtype, plan_matmul
 
 # Cycles per vector for stochastic rounding: the cast plus one 32-bit random
 # draw per element (two per 2 x float32 vector).
@@ -120,7 +120,7 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Grid and blocks of a matmul (``plan_matmul``'s, or a fallback).
+  """Grid and blocks of a matmul (``plan_matmul``'s).
 
   ``serial`` passes each compute ``1/serial`` of ``serial_axis`` (``"m"`` or
   ``"n"``) with the same grid, when no single pass fits in memory.
@@ -132,16 +132,11 @@ class _Plan:
   serial_axis: str = "n"
 
 
-def _plan(ctx, b, m, n, k, dtype, partials_dtype, proportion) -> _Plan:
-  if plan_matmul is not None:
-    p = plan_matmul(ctx.target, b, m, n, k, dtype, partials_dtype, proportion)
-    return _Plan(tuple(p.grid), tuple(p.block), p.label, int(getattr(p, "serial", 1)),
-                 str(getattr(p, "serial_axis", "n") or "n"))
-  # Without the planner: rows of the result over the tiles.
-  gm = max(1, min(m, ctx.target.num_tiles))
-  bm = -(-m // gm)
-  gm = -(-m // bm)
-  return _Plan((1, gm, 1, 1), (b, bm, n, k), f"rows m{gm}")
+def _plan(ctx, b, m, n, k, dtype, pdtype, proportion) -> _Plan:
+  # Reduce groups with more tiles than output elements are reduce-scattered
+  # here (the tiles past the block's elements only send): planned as such.
+  p = plan_matmul(ctx.target, b, m, n, k, dtype, pdtype, proportion, tree_reduce=False)
+  return _Plan(tuple(p.grid), tuple(p.block), p.label, int(p.serial), str(p.serial_axis))
 
 
 def _extents(d: int, g: int, blk: int) -> np.ndarray:
@@ -229,15 +224,6 @@ def _operand_exchange(ctx, tensor: P.Tensor, canon_index: np.ndarray, duplicates
   return ExchangeCost(bytes_in, bytes_out, link)
 
 
-def _partials_dtype(ctx, out_dtype, partials_type) -> np.dtype:
-  if np.issubdtype(out_dtype, np.floating) and out_dtype.itemsize <= 2:
-    ptype = partials_type or ctx.options.partials_type
-    return np.dtype(jnp.float16) if ptype == "float16" else np.dtype(np.float32)
-  if np.issubdtype(out_dtype, np.floating):
-    return np.dtype(np.float32)
-  return out_dtype
-
-
 @dataclasses.dataclass
 class _Pass:
   """One serial pass: rows ``[lo_m, hi_m)`` and columns ``[lo_n, hi_n)``."""
@@ -262,7 +248,9 @@ def _matmul_rule(ctx, a, b, *, available_memory_proportion, partials_type):
   itemsize = out_dtype.itemsize
   proportion = (available_memory_proportion if available_memory_proportion is not None
                 else ctx.options.available_memory_proportion)
-  pdtype = _partials_dtype(ctx, out_dtype, partials_type)
+  # The one partials rule of every matmul (lowering/matmul_plan.py); the
+  # op's own partials_type overrides the configured one.
+  pdtype = partials_dtype(out_dtype, out_dtype, partials_type or ctx.options.partials_type)
   if _size(out_shape) == 0:
     return [ctx.new_tensor(out_shape, out_dtype)]
   if k == 0:
@@ -378,7 +366,9 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
   macs = eb * em * en * ek
   compute = np.zeros(target.num_tiles, np.float64)
   np.add.at(compute, phys, estimators.matmul_cycles(target, macs, itemsize,
-                                                    outputs=eb * em * en))
+                                                    outputs=eb * em * en, dtype=out_dtype))
+  note = estimators.mac_cost_note(out_dtype)
+  notes = (note,) if note else ()
   vertices = np.zeros(target.num_tiles, np.int64)
   np.add.at(vertices, phys, np.where(macs > 0, np.minimum(target.worker_contexts, em), 0))
   flops = 2 * bt * pm * pn * k
@@ -418,7 +408,7 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
     ctx.emit(P.Superstep(
         name=name, op=ctx.op, reads=(a, b) + carry, writes=(out,), fn=fn,
         compute_cycles=compute, exchange=add_costs(a_cost, b_cost), vertices=vertices,
-        codelets=("poplin::MatMulBlock",), flops=flops))
+        codelets=("poplin::MatMulBlock",), flops=flops, notes=notes))
     return
 
   chunk = bb * bm * bn
@@ -431,7 +421,7 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
   ctx.emit(P.Superstep(
       name=f"{name}/partials", op=ctx.op, reads=(a, b), writes=(partials,),
       fn=partial_fn, compute_cycles=compute, exchange=add_costs(a_cost, b_cost),
-      vertices=vertices, codelets=("poplin::MatMulBlock",), flops=flops))
+      vertices=vertices, codelets=("poplin::MatMulBlock",), flops=flops, notes=notes))
 
   # Reduce: element `pos` of an output block is reduced on the block's tile
   # pos mod gk (each of the gk tiles reduces 1/gk of the block).
@@ -481,9 +471,7 @@ def _reduce_exchange(ctx, count, block_elems, gk, phys, p_itemsize) -> ExchangeC
 
 
 def _product(x, y, pdtype):
-  if np.issubdtype(x.dtype, np.floating) and np.dtype(x.dtype).itemsize <= 2:
-    return jnp.matmul(x, y, preferred_element_type=pdtype)
-  return jnp.matmul(x, y)
+  return jnp.matmul(x, y, preferred_element_type=pdtype)
 
 
 def _tile_products(x, y, batch, geometry, pdtype, per_tile: bool):
