@@ -230,6 +230,14 @@ class Float64Test(chex.TestCase, parameterized.TestCase):
                   op="conv_general_dilated")
     self.assertIn("float64 emulated in software", " ".join(conv[0].notes))
 
+  def test_report_summary_and_json_carry_the_note(self):
+    a = _random((9, 9), jnp.float64, 21)
+    report = ipu_jax.jit(jnp.matmul, target=_SMALL).lower(a, a).report
+    self.assertRegex(report.summary(), r"Cost notes:\n  float64 emulated in software")
+    directory = self.create_tempdir().full_path
+    report.save(directory, html=False)
+    self.assertIn("float64 emulated in software", ipu_jax.load_report(directory).summary())
+
 
 _DTYPE_CASES = (
     ("f32", jnp.float32, jnp.float32, None),

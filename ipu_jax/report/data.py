@@ -116,6 +116,7 @@ class StepTable:
   ipu_link_bytes: np.ndarray
   host_bytes: np.ndarray
   temporary_peak: np.ndarray   # the step's own working memory, busiest tile
+  notes: list = dataclasses.field(default_factory=list)  # per step: how it is costed
 
   def __len__(self) -> int:
     return len(self.names)
@@ -218,6 +219,7 @@ def _steps_from_profile(profile: ProgramProfile) -> StepTable:
       temporary_peak=np.asarray(
           [int(np.max(s.temporary_bytes)) if getattr(s, "temporary_bytes", None) is not None
            and np.size(s.temporary_bytes) else 0 for s in steps], np.int64),
+      notes=[list(getattr(s, "notes", ()) or ()) for s in steps],
   )
 
 
@@ -417,6 +419,7 @@ def steps_to_json(steps: StepTable,
       "ipu_link_bytes": int(steps.ipu_link_bytes[i]),
       "host_bytes": int(steps.host_bytes[i]),
       "temporary_bytes_peak": int(steps.temporary_peak[i]),
+      "notes": list(steps.notes[i]) if i < len(steps.notes) else [],
   } for i in range(len(steps))]
   if tile_cycles is not None and len(tile_cycles) == len(rows):
     for row, cycles in zip(rows, tile_cycles):
@@ -452,6 +455,7 @@ def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
       ipu_link_bytes=column("ipu_link_bytes", np.int64),
       host_bytes=column("host_bytes", np.int64),
       temporary_peak=column("temporary_bytes_peak", np.int64),
+      notes=[list(row.get("notes", [])) for row in rows],
   )
 
 

@@ -49,6 +49,9 @@ class SummaryMixin:
         self._summary_top_working_memory(top),
         self._summary_top_tensors(top),
     ]
+    notes = self._summary_notes()
+    if notes:
+      sections.append(notes)
     if self.over_limit_tiles.size:
       sections.append(self._summary_out_of_memory())
     return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
@@ -214,6 +217,21 @@ class SummaryMixin:
     return [title] + text_table(
         ["Tensor", "Shape", "Dtype", "Category", "Bytes", "Tiles", "Op",
          "Source"], body, right=(False, False, False, False, True, True))
+
+  def _summary_notes(self) -> list:
+    """Steps whose cost the lowering qualified (e.g. emulated float64)."""
+    steps = self._data.steps
+    counts = {}
+    for i, notes in enumerate(steps.notes):
+      for note in notes:
+        entry = counts.setdefault(note, [0, steps.sources[i] or steps.names[i]])
+        entry[0] += 1
+    if not counts:
+      return []
+    lines = ["Cost notes:"]
+    for note, (count, where) in counts.items():
+      lines.append(f"  {note} ({count} step{'s' if count != 1 else ''}, first at {where})")
+    return lines
 
   def _summary_out_of_memory(self, limit: int = 20) -> list:
     data, target = self._data, self.target
