@@ -541,7 +541,7 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
   if static is None:
     replicated = small_table.ReplicatedGather(ctx, operand, indices, out.shape)
     served = _served_lookup_cost(ctx, operand, [indices], out.mapping, out.itemsize)
-    if (small_table.plan_seconds(ctx.target, replicated.costs)
+    if replicated.feasible and (small_table.plan_seconds(ctx.target, replicated.costs)
         < small_table.plan_seconds(ctx.target, [served])):
       out = ctx.new_tensor(aval.shape, aval.dtype,
                            replicated.out_mapping(dimension_numbers.offset_dims))

@@ -14,6 +14,12 @@ key of a batch to its results' tiles. Compute is costed as an elementwise
 threefry per 32-bit word generated. The vertex body re-wraps the key data
 with the key's implementation and binds the JAX primitive itself, so the
 numbers are exactly those of ``jax.jit``.
+
+``random_gamma`` (``jax.random.gamma`` / ``loggamma`` / ``beta`` /
+``dirichlet``) makes each sample on the tile of its ``alpha``: the keys (one,
+or one per leading index under ``vmap``) are multicast to their samples'
+tiles, and each tile runs the rejection sampler for the samples it holds,
+costed as one expected Marsaglia-Tsang attempt per sample.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ Tile plan of a scatter (**partial tables**):
    table element's partial value comes with the position of its last writer.
 2. *reduce*: the partial tables are combined, elementwise, by a tree of fan-in
    ``F``: each stage sends every partial to the first tile of its set of
-   ``F`` (``F * table`` bytes in per receiving tile). One stage (all
-   partials straight to the table's tiles) or two (``F = ceil(sqrt(G))``)
-   are costed and the cheaper chosen.
+   ``F`` (``F * table`` bytes in per receiving tile). Trees with ``F = G``
+   (all ``G`` partials straight to the table's tiles), ``F = ceil(sqrt(G))``
+   (two stages) and the widest ``F`` whose receive buffers fit an eighth of
+   a tile are costed; the cheapest that fits is chosen.
 3. *apply*: the table's tiles receive their slice of the last partials and
    combine it with the operand in place (``operand + sum``, ``operand * prod``,
    ``min``, ``max``, ``operand - sum`` for ``scatter_sub``; an overwrite takes
@@ -91,6 +92,20 @@ def _index_movement(target, indices: P.Tensor, tuple_tile: np.ndarray):
   cost = movement_cost(target, indices.mapping.element_tile, np.repeat(tuple_tile, k),
                        indices.itemsize)
   return cost if cost.total_bytes else None
+
+
+def _tree(count: int, fan_in: int) -> tuple:
+  """Fan-ins of a reduction tree over ``count`` partials, ending at the table.
+
+  Stages of ``fan_in`` run while more than ``fan_in`` partials remain; the
+  last entry is the number of partials the table's tiles combine.
+  """
+  fan_in = max(2, int(fan_in))
+  stages = []
+  while count > fan_in:
+    stages.append(fan_in)
+    count = -(-count // fan_in)
+  return tuple(stages) + (count,)
 
 
 def _sets_cost(target, member_tiles, set_tiles, nbytes) -> ExchangeCost:
@@ -166,7 +181,7 @@ class ScatterPartials:
 
   @classmethod
   def plan(cls, ctx, name, operand, indices, updates, dnums, update_jaxpr):
-    """The cheaper partial-tables plan (one or two reduce stages), or None."""
+    """The cheapest partial-tables plan over a few reduction trees, or None."""
     if name not in _COMBINERS or (name == "scatter" and update_jaxpr is not None):
       return None
     if _identity(name, operand.dtype) is None or not indices.shape:
@@ -183,11 +198,17 @@ class ScatterPartials:
     tuple_of_update = np.broadcast_to(np.expand_dims(ordinal, window), updates.shape)
     update_tile = tuple_tile[tuple_of_update.reshape(-1)]
     groups = np.unique(tuple_tile).size
-    options = [(groups,)]
-    if groups > 3:
-      options.append((int(math.ceil(math.sqrt(groups))), groups))
+    # Fan-ins: all partials straight to the table, a two-stage tree, and the
+    # widest tree whose receive buffers fit the budget.
+    widest = max(2, (target.bytes_per_tile // _PARTIAL_BUDGET_FRACTION) // max(table_bytes, 1))
+    options = {_tree(groups, f) for f in (groups, int(math.ceil(math.sqrt(groups))), widest)}
     plans = [cls(ctx, name, operand, indices, updates, dnums, tuple_tile, update_tile,
-                 fan_ins) for fan_ins in options]
+                 fan_ins) for fan_ins in sorted(options)]
+    budget = target.bytes_per_tile // _PARTIAL_BUDGET_FRACTION
+    plans = [p for p in plans
+             if max(int(c.bytes_in.max(initial=0)) for c in p.costs if c is not None) <= budget]
+    if not plans:
+      return None
     return min(plans, key=lambda p: plan_seconds(target, p.costs))
 
   # -- costs -----------------------------------------------------------------
@@ -390,6 +411,8 @@ class ReplicatedGather:
     self.out_shape = tuple(out_shape)
     self.tuple_tile = _tuple_tiles(indices)
     target = ctx.target
+    # A replica must fit comfortably beside what the tile already holds.
+    self.feasible = table.nbytes <= target.bytes_per_tile // _PARTIAL_BUDGET_FRACTION
     self.costs = [builders.add_costs(
         builders.broadcast_cost(ctx, table, np.unique(self.tuple_tile)),
         _index_movement(target, indices, self.tuple_tile))]
