@@ -384,5 +384,126 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
                                   np.asarray(want).view(np.uint32))
 
 
+class ManyIndicesSmallTableTest(chex.TestCase, parameterized.TestCase):
+  """Many indices into a small table: partial tables and replicated tables.
+
+  Sending every index to the table's one tile used to run the tile out of
+  memory; the partial-tables scatter and the replicated-table gather keep the
+  traffic on the tiles that hold the indices.
+  """
+
+  def setUp(self):
+    super().setUp()
+    self.rng = np.random.default_rng(1)
+    # 3001 indices over 16 tiles, some out of range on both sides.
+    self.idx = jnp.asarray(self.rng.integers(-2, 9, 3001), jnp.int32)
+    self.upd = jnp.asarray(self.rng.standard_normal(3001), jnp.float32)
+
+  def _check(self, fn, *args, exact, target=_TARGET):
+    got = ipu_jax.jit(fn, target=target)(*args)
+    want = jax.jit(fn)(*args)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    if exact:
+      chex.assert_trees_all_equal(got, want)
+    else:
+      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    return ipu_jax.jit(fn, target=target).lower(*args)
+
+  def _step_names(self, lowered, op):
+    return [s.name for s in lowered.profile.steps if s.op == op]
+
+  @parameterized.product(
+      op=["add", "set", "min", "max", "multiply"],
+      dtype=["f32", "i32", "bf16"],
+      mode=["drop", "clip", "promise_in_bounds"])
+  def test_scatter_into_small_table(self, op, dtype, mode):
+    dtype = _DTYPES[dtype]
+    idx = jnp.clip(self.idx, 0, 6) if mode == "promise_in_bounds" else self.idx
+    signs = jnp.where(self.upd > 0, 1, -1)
+    if op == "multiply":  # products of ~430 factors per element stay finite
+      upd = 1 + self.upd * 1e-3 if dtype == jnp.float32 else signs
+    elif op == "add" and dtype != jnp.float32:
+      # Partial sums of +-1 stay below 256: exact in bfloat16 in any order.
+      upd = signs
+    else:
+      upd = self.upd * 3
+    upd = upd.astype(dtype)
+
+    def fn(i, u):
+      table = jnp.arange(7, dtype=dtype) - 3
+      return getattr(table.at[i], op)(u, mode=mode)
+
+    lowered = self._check(fn, idx, upd, exact=dtype != jnp.float32 or op in ("set", "min", "max"))
+    prim = {"add": "scatter-add", "set": "scatter", "min": "scatter-min",
+            "max": "scatter-max", "multiply": "scatter-mul"}[op]
+    names = self._step_names(lowered, prim)
+    self.assertEqual(names[0], f"{prim}/partials")
+    self.assertEqual(names[-1], f"{prim}/apply")
+
+  def test_overwrite_keeps_the_last_duplicate(self):
+    idx = jnp.asarray(self.rng.integers(0, 5, 2999), jnp.int32)
+    values = jnp.arange(2999, dtype=jnp.float32)
+    fn = lambda i, v: jnp.full(5, -1.0).at[i].set(v)
+    self._check(fn, idx, values, exact=True)
+    got = np.asarray(ipu_jax.jit(fn, target=_TARGET)(idx, values))
+    last = [max(np.flatnonzero(np.asarray(idx) == k), default=-1) for k in range(5)]
+    np.testing.assert_array_equal(got, np.asarray(last, np.float32))
+
+  def test_scatter_windows_and_multi_dimensional_indices(self):
+    idx, upd = self.idx, self.upd
+    rows = lambda i, u: jnp.zeros((7, 3)).at[i].add(jnp.stack([u, 2 * u, -u], 1), mode="drop")
+    self._check(rows, idx, upd, exact=False)
+    rows_set = lambda i, u: jnp.ones((7, 3), jnp.bfloat16).at[i].set(
+        jnp.stack([u, 2 * u, -u], 1).astype(jnp.bfloat16), mode="clip")
+    self._check(rows_set, idx, upd, exact=True)
+    grid = lambda i, u: jnp.zeros((4, 3)).at[i % 4, i % 3].add(u)
+    self._check(grid, idx, upd, exact=False)
+    narrow = lambda i, u: jnp.zeros(7, jnp.uint8).at[i.astype(jnp.uint8)].add(
+        (u * 100).astype(jnp.uint8), mode="drop")
+    self._check(narrow, idx, upd, exact=True)
+    sub = lambda i, u: lax.scatter_sub(
+        jnp.ones(7), jnp.clip(i, 0, 6)[:, None], u,
+        lax.ScatterDimensionNumbers((), (0,), (0,)))
+    self._check(sub, idx, upd, exact=False)
+
+  @parameterized.parameters("drop", "clip", "fill")
+  def test_gather_from_small_table(self, mode):
+    idx = self.idx
+    take = lambda i: jnp.arange(7.0).at[i].get(mode=mode, fill_value=-1.0)
+    lowered = self._check(take, idx, exact=True)
+    self.assertEqual(self._step_names(lowered, "gather"), ["gather/replicated"])
+    rows = lambda i: (jnp.arange(21, dtype=jnp.int32).reshape(7, 3)).at[i].get(mode=mode)
+    self._check(rows, idx, exact=True)
+    along = lambda i: jnp.take_along_axis(
+        jnp.arange(14.0).reshape(2, 7), jnp.clip(i[:3000], 0, 6).reshape(2, 1500), axis=1)
+    self._check(along, idx, exact=True)
+
+  def test_large_table_few_indices_keeps_the_served_plan(self):
+    table = _random(self.rng, (2000, 33), jnp.float32)
+    idx = jnp.asarray(self.rng.integers(0, 2000, 7), jnp.int32)
+    upd = _random(self.rng, (7, 33), jnp.float32)
+    lowered = self._check(lambda t, i, u: t.at[i].add(u), table, idx, upd, exact=False)
+    self.assertEqual(self._step_names(lowered, "scatter-add"), ["scatter-add"])
+    lowered = self._check(lambda t, i: t[i], table, idx, exact=True)
+    self.assertEqual(self._step_names(lowered, "gather"), ["gather"])
+
+  def test_full_ipu2_many_indices_fit_far_below_sram(self):
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    idx = jnp.asarray(self.rng.integers(0, 5, 100_000), jnp.int32)
+    x = jnp.asarray(self.rng.standard_normal(100_000), jnp.float32)
+    cases = [
+        (lambda i: jnp.zeros(5).at[i].add(1.0), idx, "scatter-add"),
+        (lambda i: jnp.bincount(i, length=5), idx, "scatter-add"),
+        (lambda x: jnp.nonzero(x > 0, size=7)[0], x, "scatter-add"),
+        (lambda i: jnp.arange(5.0)[i], idx, "gather"),
+    ]
+    for fn, arg, op in cases:
+      lowered = self._check(fn, arg, exact=True, target=target)  # sums of ones: exact
+      self.assertLess(int(lowered.profile.memory.peak.max()), target.bytes_per_tile // 32)
+      steps = [s for s in lowered.profile.steps if s.op == op]
+      # No tile receives more than a few kilobytes in any of the plan's steps.
+      self.assertLess(max(int(s.exchange_bytes_in.max()) for s in steps), 4096)
+
+
 if __name__ == "__main__":
   absltest.main()

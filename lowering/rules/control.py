@@ -24,6 +24,13 @@ Tile plan:
 * **while** becomes ``RepeatWhileTrue(condition, predicate, body)``: the
   condition jaxpr is lowered into the condition program (its boolean output is
   the predicate), the body into the body program, ending with the carry copy.
+  A *batched* predicate (``vmap`` of a data-dependent ``while_loop``, e.g.
+  ``jnp.gcd`` under ``vmap``) is one flag per lane: the condition program ORs
+  the lanes (each tile its own, then the per-tile flags on one tile) into the
+  loop's predicate, and the body ends with a select step instead of the copy:
+  lanes whose flag was true take the body's values, lanes already done keep
+  theirs, so the loop runs until every lane is done with finished lanes
+  frozen, as XLA's lowering does.
 * **cond** becomes ``If`` (two branches) or ``Switch`` (more) on the index: each
   branch is lowered in its own sub-program and ends by copying its results into
   result tensors shared by all branches (mapped like branch 0's results, so
@@ -48,8 +55,8 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, broadcast_cost
-from ipu_jax.lowering.exchange import (ExchangeCost, relayout, relayout_cost,
-                                       to_flat, to_storage)
+from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
+                                       relayout_cost, to_flat, to_storage)
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, lower_jaxpr
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
@@ -451,17 +458,102 @@ def _while_rule(ctx, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_ncons
   _note_keys(body_jaxpr, body_consts + carries)
   _note_keys(cond_jaxpr, cond_consts + carries)
   _emit_copies(ctx, carries, inits, "while/init")
+  batched = bool(cond_jaxpr.out_avals[0].shape)
   with ctx.sub_program() as (condition, cond_locals):
-    predicate, = lower_closed_jaxpr(ctx, cond_jaxpr, cond_consts + carries)
-    if predicate.size != 1:
-      raise NotImplementedError("a while condition must be a scalar")
+    lanes, = lower_closed_jaxpr(ctx, cond_jaxpr, cond_consts + carries)
+    predicate = _any_lane(ctx, lanes) if batched else lanes
   with ctx.sub_program() as (body, body_locals):
     outs = lower_closed_jaxpr(ctx, body_jaxpr, body_consts + carries)
-    _emit_copies(ctx, carries, outs, "while/copy")
-  # The predicate is read after the loop's last condition: keep it carried.
+    if batched:
+      _emit_lane_select(ctx, carries, outs, lanes)
+    else:
+      _emit_copies(ctx, carries, outs, "while/copy")
+  # The predicate is read after the loop's last condition, and a batched
+  # body reads the lanes' predicate: keep them carried.
   cond_locals.discard(predicate.id)
+  cond_locals.discard(lanes.id)
   ctx.emit(_make_while(condition, predicate, body, cond_locals | body_locals))
   return carries
+
+
+def _any_lane(ctx, lanes: P.Tensor) -> P.Tensor:
+  """The loop's scalar predicate: whether any lane of a batched one is true.
+
+  A two-stage OR reduction: each tile ORs the lanes it holds, then the
+  partial flags (one byte per tile) are gathered onto the predicate's tile.
+  """
+  target = ctx.target
+  predicate = ctx.new_tensor((), np.bool_, name="while/any")
+  held = lanes.mapping.elements_per_tile(target.num_tiles)
+  partial_tiles = np.flatnonzero(held)
+  dst = int(predicate.mapping.tiles[0])
+  exchange = movement_cost(target, partial_tiles,
+                           np.full(partial_tiles.size, dst, np.int64), 1)
+  compute = estimators.reduce_cycles(target, held, 1)
+  compute[dst] += estimators.reduce_cycles(
+      target, np.array([partial_tiles.size]), 1)[0]
+
+  def fn(lanes_storage):
+    return (to_storage(jnp.any(to_flat(lanes_storage, lanes.mapping)).reshape(1),
+                       predicate.mapping),)
+
+  ctx.emit(P.Superstep(name="while/any", op=ctx.op, reads=(lanes,), writes=(predicate,),
+                       fn=fn, compute_cycles=compute,
+                       exchange=exchange if exchange.total_bytes else None,
+                       vertices=np.minimum(held, 1) + (np.arange(target.num_tiles) == dst),
+                       codelets=("ReduceOr",)))
+  return predicate
+
+
+def _emit_lane_select(ctx, carries, outs, lanes: P.Tensor) -> None:
+  """Carries of a batched while: lanes still running take the body's values.
+
+  A lane whose predicate was false before this iteration keeps its carry
+  (it finished, so it stays frozen) as XLA's lowering of a batched predicate
+  does. ``lanes`` has a prefix of every carry's shape; each carry element
+  needs its lane's flag, multicast to the carry's tiles, and the body's value,
+  exchanged into the carry's layout; each tile then runs ``Select`` vertices.
+  """
+  target = ctx.target
+  pairs = [(c, o) for c, o in zip(carries, outs) if c.size]
+  if not pairs:
+    return
+  costs, elements = [], np.zeros(target.num_tiles, np.int64)
+  for carry, out in pairs:
+    if tuple(carry.shape[:len(lanes.shape)]) != tuple(lanes.shape):
+      raise NotImplementedError(
+          f"while: batched predicate {lanes.shape} is not a prefix of carry {carry.shape}")
+    lane_of = np.arange(carry.size, dtype=np.int64) // (carry.size // max(lanes.size, 1))
+    # A flag arrives once on each tile that holds elements of its lane.
+    needs = np.unique(lane_of * target.num_tiles + carry.mapping.element_tile)
+    lane, dst = needs // target.num_tiles, needs % target.num_tiles
+    costs.append(movement_cost(target, lanes.mapping.element_tile[lane], dst, 1,
+                               element_id=lane))
+    costs.append(relayout_cost(target, out.mapping, carry.mapping, out.itemsize))
+    elements += carry.mapping.elements_per_tile(target.num_tiles)
+  carry_maps = [c.mapping for c, _ in pairs]
+  out_maps = [o.mapping for _, o in pairs]
+  shapes = [c.shape for c, _ in pairs]
+  dtypes = [c.dtype for c, _ in pairs]
+
+  def fn(lanes_storage, *storages):
+    flags = to_flat(lanes_storage, lanes.mapping).reshape(lanes.shape)
+    olds, news = storages[:len(pairs)], storages[len(pairs):]
+    result = []
+    for old, new, cm, om, shape, dtype in zip(olds, news, carry_maps, out_maps, shapes, dtypes):
+      old_value = to_flat(old, cm).reshape(shape)
+      new_value = to_flat(relayout(new, om, cm), cm).reshape(shape).astype(dtype)
+      mask = flags.reshape(flags.shape + (1,) * (len(shape) - flags.ndim))
+      result.append(to_storage(jnp.where(mask, new_value, old_value).reshape(-1), cm))
+    return tuple(result)
+
+  ctx.emit(P.Superstep(
+      name="while/select", op=ctx.op,
+      reads=(lanes,) + tuple(c for c, _ in pairs) + tuple(o for _, o in pairs),
+      writes=tuple(c for c, _ in pairs), fn=fn,
+      compute_cycles=estimators.elementwise_cycles(target, elements, "select_n", 4),
+      exchange=add_costs(*costs), vertices=np.minimum(elements, target.worker_contexts),
+      codelets=("Select",)))
 
 
 # -- cond ---------------------------------------------------------------------

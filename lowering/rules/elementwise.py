@@ -9,10 +9,15 @@ those of XLA.
 
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 from jax._src.lax import special as lax_special
 
-from ipu_jax.lowering.builders import elementwise
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import elementwise, logical, storage, worker_vertices
+from ipu_jax.lowering.exchange import movement_cost
+from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
 _UNARY = [
@@ -28,11 +33,15 @@ _BINARY = [
     "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
     "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "igamma", "igammac", "random_gamma_grad", "polygamma", "zeta",
+    # Total-order comparisons (NaNs and signed zeros ordered; searchsorted).
+    "eq_to", "lt_to", "le_to",
+    # ``lax.complex(re, im)`` and ``lax.mulhi`` (high half of an integer product).
+    "complex", "mulhi",
 ]
 _OTHER = ["select_n", "clamp", "add_any"]
 
 _FLOPS = {"logistic": 4, "tanh": 4, "erf": 8, "erf_inv": 12, "exp": 2, "log": 2,
-          "pow": 8, "div": 1, "rsqrt": 2, "sqrt": 2}
+          "pow": 8, "div": 1, "rsqrt": 2, "sqrt": 2, "complex": 0}
 
 
 def _find_primitive(name):
@@ -69,17 +78,48 @@ for _name in _UNARY + _BINARY + _OTHER:
 
 
 def _bitcast_convert_type(ctx, operand, *, new_dtype):
-  """Reinterpret bits; elementwise when the widths match, else rows split."""
-  import numpy as np
-  from ipu_jax.lowering.builders import partitioned
-  if np.dtype(new_dtype).itemsize == operand.itemsize:
+  """Reinterpret bits, keeping every byte on the tile that holds it.
+
+  Equal widths are elementwise. A narrowing bitcast (``f32 -> u8[..., 4]``)
+  maps the ``r`` pieces of an element to that element's tile, so nothing
+  moves; a widening one (``u16[..., 2] -> u32``) maps each result to the tile
+  of its first piece, and only pieces held elsewhere (a group cut by a tile
+  boundary) cross the exchange. Each tile then copies its bytes into the new
+  tensor.
+  """
+  new_dtype = np.dtype(new_dtype)
+  if new_dtype.itemsize == operand.itemsize:
     return elementwise(ctx, lambda x: lax.bitcast_convert_type(x, new_dtype), [operand])
-  if not operand.shape:
-    raise NotImplementedError("bitcast_convert_type of a scalar to a different width")
-  out = ctx.out_avals[0]
-  return partitioned(ctx, lambda x: lax.bitcast_convert_type(x, new_dtype), [operand],
-                     [(out.shape, out.dtype)], split_axes=[0], out_axis=0,
-                     flops=0, name="bitcast_convert_type")
+  aval = ctx.out_avals[0]
+  target = ctx.target
+  if new_dtype.itemsize < operand.itemsize:
+    ratio = operand.itemsize // new_dtype.itemsize
+    out_tile = np.repeat(operand.mapping.element_tile, ratio)
+    exchange = None
+  else:
+    ratio = new_dtype.itemsize // operand.itemsize
+    out_tile = operand.mapping.element_tile[::ratio]
+    piece_dst = np.repeat(out_tile, ratio)
+    exchange = movement_cost(target, operand.mapping.element_tile, piece_dst,
+                             operand.itemsize)
+    if not exchange.total_bytes:
+      exchange = None
+  mapping = (TileMapping.from_element_tiles(out_tile) if out_tile.size
+             else ctx.linear_mapping(aval.shape, new_dtype))
+  out = ctx.new_tensor(aval.shape, new_dtype, mapping)
+  if out.size == 0:
+    return [out]
+
+  def fn(x):
+    value = lax.bitcast_convert_type(logical(x, operand), new_dtype)
+    return (storage(value, out),)
+
+  held = operand.mapping.bytes_per_tile(target.num_tiles, operand.itemsize)
+  ctx.emit(P.Superstep(
+      name="bitcast_convert_type", op=ctx.op, reads=(operand,), writes=(out,), fn=fn,
+      compute_cycles=estimators.copy_cycles(target, held, 1), exchange=exchange,
+      vertices=worker_vertices(ctx, held), codelets=("Copy",)))
+  return [out]
 
 
 register_lowering(lax.bitcast_convert_type_p, _bitcast_convert_type)

@@ -69,6 +69,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.rules import small_table
 
 _Mode = lax.GatherScatterMode
 
@@ -233,16 +234,12 @@ def _lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
     return
   share = _table_share(ctx, table)
   active = share > 0
-  costs = [builders.broadcast_cost(ctx, t, table.mapping.tiles)
-           for t in indices if not _is_constant(t)]
-  if table.size:
-    costs.append(_spread_cost(ctx, out.mapping.elements_per_tile(target.num_tiles),
-                              share, out.itemsize, fixed_receives=True))
   hits = np.ceil(share * out.size - 1e-9)
   compute = _serve_cycles(ctx, active, num_lookups, hits, out.itemsize)
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
   _emit(ctx, ctx.op, reads, [out], fn, compute=compute,
-        exchange=builders.add_costs(*costs), vertices=vertices, codelet=codelet,
+        exchange=_served_lookup_cost(ctx, table, indices, out.mapping, out.itemsize),
+        vertices=vertices, codelet=codelet,
         scratch=(hits * out.itemsize).astype(np.int64))
 
 
@@ -270,17 +267,33 @@ def _update(ctx, prim, params, reads, operand, indices, updates, out, num_lookup
     return
   share = _table_share(ctx, operand)
   active = share > 0
-  costs = [builders.broadcast_cost(ctx, t, operand.mapping.tiles)
-           for t in indices if not _is_constant(t)]
-  costs.append(_spread_cost(ctx, updates.mapping.elements_per_tile(target.num_tiles),
-                            share, updates.itemsize, fixed_receives=False))
   hits = np.ceil(share * updates.size - 1e-9)
   compute = _serve_cycles(ctx, active, num_lookups, hits, out.itemsize,
                           cycles_per_vector)
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
   _emit(ctx, ctx.op, reads, [out], fn, compute=compute,
-        exchange=builders.add_costs(*costs), vertices=vertices, codelet=codelet,
-        flops=flops)
+        exchange=_served_update_cost(ctx, operand, indices, updates), vertices=vertices,
+        codelet=codelet, flops=flops)
+
+
+def _served_update_cost(ctx, operand, indices, updates):
+  """Exchange of a served update: indices broadcast, updates to the table."""
+  costs = [builders.broadcast_cost(ctx, t, operand.mapping.tiles)
+           for t in indices if not _is_constant(t)]
+  costs.append(_spread_cost(ctx, updates.mapping.elements_per_tile(ctx.target.num_tiles),
+                            _table_share(ctx, operand), updates.itemsize,
+                            fixed_receives=False))
+  return builders.add_costs(*costs)
+
+
+def _served_lookup_cost(ctx, table, indices, out_mapping, itemsize):
+  """Exchange of a served lookup: indices broadcast, results from the table."""
+  costs = [builders.broadcast_cost(ctx, t, table.mapping.tiles)
+           for t in indices if not _is_constant(t)]
+  if table.size:
+    costs.append(_spread_cost(ctx, out_mapping.elements_per_tile(ctx.target.num_tiles),
+                              _table_share(ctx, table), itemsize, fixed_receives=True))
+  return builders.add_costs(*costs)
 
 
 def _copy_of(ctx, operand: P.Tensor) -> list:
@@ -525,6 +538,16 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
         served = jnp.where(valid[:, None], served, jnp.asarray(fill, out.dtype))
       return served.reshape(batch_shape + tuple(operand.shape[1:]))
 
+  if static is None:
+    replicated = small_table.ReplicatedGather(ctx, operand, indices, out.shape)
+    served = _served_lookup_cost(ctx, operand, [indices], out.mapping, out.itemsize)
+    if replicated.feasible and (small_table.plan_seconds(ctx.target, replicated.costs)
+        < small_table.plan_seconds(ctx.target, [served])):
+      out = ctx.new_tensor(aval.shape, aval.dtype,
+                           replicated.out_mapping(dimension_numbers.offset_dims))
+      replicated.emit(_bind_fn(lax.gather_p, params, [operand, indices], [out]), out,
+                      codelet="popops::MultiSlice")
+      return [out]
   _lookup(ctx, lax.gather_p, params, operand, [indices], out, num_lookups,
           codelet="popops::MultiSlice", static_source=static, per_tile=per_tile)
   return [out]
@@ -563,6 +586,14 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
                                      args[2], row_len)
         return builders.logical(new, operand)
 
+    partials = small_table.ScatterPartials.plan(
+        ctx, name, operand, indices, updates, dimension_numbers, update_jaxpr)
+    if partials is not None and (
+        small_table.plan_seconds(ctx.target, partials.costs)
+        < small_table.plan_seconds(
+            ctx.target, [_served_update_cost(ctx, operand, [indices], updates)])):
+      partials.emit(params, out)
+      return [out]
     flops = updates.size if counts_flops and np.issubdtype(updates.dtype, np.inexact) else 0
     _update(ctx, prim, params, [operand, indices, updates], operand, [indices],
             updates, out, num_lookups,

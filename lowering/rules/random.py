@@ -14,6 +14,12 @@ key of a batch to its results' tiles. Compute is costed as an elementwise
 threefry per 32-bit word generated. The vertex body re-wraps the key data
 with the key's implementation and binds the JAX primitive itself, so the
 numbers are exactly those of ``jax.jit``.
+
+``random_gamma`` (``jax.random.gamma`` / ``loggamma`` / ``beta`` /
+``dirichlet``) makes each sample on the tile of its ``alpha``: the keys (one,
+or one per leading index under ``vmap``) are multicast to their samples'
+tiles, and each tile runs the rejection sampler for the samples it holds,
+costed as one expected Marsaglia-Tsang attempt per sample.
 """
 
 from __future__ import annotations
@@ -288,15 +294,51 @@ def _iota_2x32_shape(ctx, *, shape):
   return [hi, lo]
 
 
-def _bitcast_convert_type(ctx, x, *, new_dtype):
-  """Fallback bitcast for equal widths (``random.uniform`` needs it)."""
-  new_dtype = np.dtype(new_dtype)
-  if new_dtype.itemsize != x.itemsize:
-    raise NotImplementedError(
-        f"bitcast from {x.dtype} to {new_dtype} changes the element width")
-  from jax import lax
-  return elementwise(ctx, lambda a: lax.bitcast_convert_type(a, new_dtype), [x],
-                     cost_op="copy", flops_per_element=0)
+# Cycles per vector of samples of one Marsaglia-Tsang attempt of
+# ``random_gamma``: two normals and a uniform from threefry words (about four
+# 40-cycle words), a log, a cube and a compare. An attempt is accepted with
+# probability above 0.95 for every alpha, so one attempt is the expected cost.
+_GAMMA_CYCLES_PER_VECTOR = 4 * 40 + 20
+
+
+def _random_gamma(ctx, keys, alpha, *, log_space):
+  """Gamma samples made on the tiles of ``alpha``, each from its key.
+
+  ``keys`` has a prefix of ``alpha``'s shape (one key for all samples, or one
+  per leading index under ``vmap``): each key's words are multicast to the
+  tiles that hold the samples made from it. The sampler is a rejection loop
+  per element; its cost is one (expected) attempt.
+  """
+  from jax._src.random import core as random_core
+  impl = key_impl_of(ctx, keys)
+  ks = tuple(impl.key_shape)
+  kw = int(np.prod(ks, dtype=np.int64))
+  num_keys = int(np.prod(keys.shape[:len(keys.shape) - len(ks)], dtype=np.int64))
+  mapping = alpha.mapping if alpha.category != "constants" and alpha.size else None
+  out = ctx.new_tensor(alpha.shape, alpha.dtype, mapping, name="random_gamma")
+  if out.size == 0:
+    return [out]
+  target = ctx.target
+  costs = [_fanout_cost(ctx, keys, _key_members(num_keys, kw), out,
+                        out.size // max(num_keys, 1))]
+  if mapping is None:
+    costs.append(movement_cost(target, alpha.mapping.element_tile,
+                               out.mapping.element_tile, alpha.itemsize))
+  elements = out.mapping.elements_per_tile(target.num_tiles)
+
+  def step(key_data, alpha_storage):
+    value = random_core.random_gamma_p.bind(
+        _wrap(logical(key_data, keys), impl), logical(alpha_storage, alpha),
+        log_space=log_space)
+    return (storage(value, out),)
+
+  ctx.emit(P.Superstep(
+      name="random_gamma", op=ctx.op, reads=(keys, alpha), writes=(out,), fn=step,
+      compute_cycles=estimators.worker_split_cycles(
+          target, elements, _GAMMA_CYCLES_PER_VECTOR, out.itemsize),
+      exchange=add_costs(*costs), vertices=worker_vertices(ctx, elements),
+      codelets=("RandomGamma",), flops=out.size * 20))
+  return [out]
 
 
 def _register():
@@ -310,6 +352,7 @@ def _register():
       (prng.random_wrap_p, _random_wrap),
       (prng.random_unwrap_p, _random_unwrap),
       (getattr(random_core, "random_clone_p", None), _random_clone),
+      (getattr(random_core, "random_gamma_p", None), _random_gamma),
       (getattr(threefry, "threefry2x32_p", None), _threefry2x32),
       (getattr(prng, "iota_2x32_shape_p", None), _iota_2x32_shape),
   ]

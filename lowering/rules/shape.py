@@ -498,6 +498,48 @@ if _stack_p is not None:
   register_lowering(_stack_p, _stack)
 
 
+_unstack_p = getattr(lax_internal, "unstack_p", None)
+
+
+def _unstack(ctx, x, *, axis):
+  """``unstack`` (the transpose of ``jnp.stack``): one result per row of ``axis``.
+
+  All results come out of one superstep; each result element copies its
+  operand element, so a result whose elements already sit on the right
+  tiles costs only on-tile copies.
+  """
+  index = _flat_indices(x.shape)
+  outputs = []
+  for i in range(len(ctx.out_avals)):
+    shape, dtype = _out_aval(ctx, i)
+    outputs.append((shape, dtype, np.take(index, i, axis=axis)))
+  return move(ctx, [x], outputs, _bind(_unstack_p, {"axis": axis}), one_to_one=True)
+
+
+if _unstack_p is not None:
+  register_lowering(_unstack_p, _unstack)
+
+
+_tile_p = getattr(lax_internal, "tile_p", None)
+
+
+def _tile(ctx, x, *, reps):
+  """``jnp.tile``: the operand repeated ``reps`` times along each axis.
+
+  Each copy of an element on a tile other than its own crosses the exchange
+  once per destination tile (a multicast); copies on the same tile are
+  replicated by ``Copy`` vertices.
+  """
+  shape, dtype = _out_aval(ctx)
+  key_reps = (1,) * len(_key_shape(ctx))
+  index = np.tile(_flat_indices(x.shape), tuple(int(r) for r in reps) + key_reps)
+  return move(ctx, [x], [(shape, dtype, index)], _bind(_tile_p, {"reps": tuple(reps)}))
+
+
+if _tile_p is not None:
+  register_lowering(_tile_p, _tile)
+
+
 def _pad_windows(in_size: int, lo: int, hi: int, interior: int):
   """(input slice, output slice) of the elements a pad keeps on one axis."""
   stride = interior + 1
