@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 
 from ipu_jax.jit import Lowered, jit as ipu_jit
+from ipu_jax.nnx_scopes import module_scopes
 
 __all__ = ["nnx_jit", "NNXFunction", "has_graph_nodes", "reject_graph_nodes"]
 
@@ -108,7 +109,8 @@ class NNXFunction:
       leaves = [next(node_it) if i in positions else next(other_it)
                 for i in range(treedef.num_leaves)]
       args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-      out = fn(*args, **kwargs)
+      with module_scopes(*nodes):  # reports name operations by module path
+        out = fn(*args, **kwargs)
       returned = _graph_node_paths(out)
       if returned:
         raise TypeError(

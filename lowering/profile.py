@@ -141,7 +141,12 @@ class MemoryProfile:
 
 @dataclasses.dataclass
 class ProgramProfile:
-  """Everything the emulator knows about what a program would cost."""
+  """Everything the emulator knows about what a program would cost.
+
+  ``run_setup`` (a :class:`~ipu_jax.lowering.run_setup.RunSetup`, or None)
+  says how the program is run (replicas, accumulation, batch sizes,
+  precision); the Keras-like ``Model`` sets it on the programs it compiles.
+  """
 
   target: IPUTarget
   steps: list
@@ -149,6 +154,7 @@ class ProgramProfile:
   memory: MemoryProfile
   name: str = "program"
   host_round_trips: int = 1
+  run_setup: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

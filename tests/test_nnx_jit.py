@@ -45,7 +45,7 @@ class CNN(nnx.Module):
 
 
 model = CNN(rngs=nnx.Rngs(0))
-optimizer = nnx.Optimizer(model, optax.adamw(0.005, 0.9), wrt=nnx.Param)
+optimizer = nnx.Optimizer(model, optax.adamw(0.02, 0.9), wrt=nnx.Param)
 metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
 
 
@@ -73,7 +73,7 @@ def eval_step(model, metrics, batch):
 rng = np.random.default_rng(0)
 templates = rng.normal(size=(10, 10, 10, 1)).astype(np.float32)
 labels = rng.integers(0, 10, 32 * 4).astype(np.int32)
-images = templates[labels] + 0.5 * rng.normal(size=(labels.size, 10, 10, 1)).astype(np.float32)
+images = templates[labels] + 0.3 * rng.normal(size=(labels.size, 10, 10, 1)).astype(np.float32)
 batches = [{"image": images[i:i + 32], "label": labels[i:i + 32]}
            for i in range(0, labels.size, 32)]
 
