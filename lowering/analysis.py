@@ -55,7 +55,8 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         exchange_cycles=exchange_cycles(target, ex),
         sync_cycles=_sync_cycles(target, touched, link > 0),
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
-        executions=executions, temporary_bytes=np.asarray(temporary, np.int64))
+        executions=executions, temporary_bytes=np.asarray(temporary, np.int64),
+        scope=node.scope)
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
@@ -75,7 +76,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
       exchange_cycles=float(max(host_cycles, busiest) + target.exchange_latency_cycles) if total else 0.0,
       sync_cycles=float(target.sync_cycles_external),
       executions=executions, host_bytes=total,
-      vertices=np.zeros(t, np.int64))
+      vertices=np.zeros(t, np.int64), scope=tensor.scope)
 
 
 def _leaf_tensors(node):
@@ -164,7 +165,7 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
     profiles.append(TensorProfile(
         name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name,
         category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
-        source=tensor.source, live_from=lo, live_to=hi))
+        source=tensor.source, live_from=lo, live_to=hi, scope=tensor.scope))
 
   # Vertex state per vertex, and code once per vertex type per tile.
   code_tiles = {}

@@ -66,7 +66,7 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
       raise _unsupported(eqn)
     operands = [read(v) for v in eqn.invars]
     saved_avals = getattr(ctx, "out_avals", None), getattr(ctx, "in_avals", None)
-    with ctx.at(eqn.primitive.name, source_of(eqn)):
+    with ctx.at(eqn.primitive.name, source_of(eqn), eqn.source_info.name_stack):
       ctx.out_avals = [v.aval for v in eqn.outvars]
       ctx.in_avals = [v.aval for v in eqn.invars]
       try:

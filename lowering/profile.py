@@ -48,6 +48,8 @@ class StepProfile:
     temporary_bytes: ``[num_tiles]`` memory the step itself needs while it
       runs (its scratch: operand blocks, partials; and its exchange
       buffers). What ``available_memory_proportion`` limits.
+    scope: the module path (name stack) of the operation, e.g.
+      ``"Encoder/layers_0/attention"`` ('' outside any named scope).
   """
 
   name: str
@@ -64,6 +66,7 @@ class StepProfile:
   executions: int = 1
   host_bytes: int = 0
   temporary_bytes: Optional[np.ndarray] = None
+  scope: str = ""
 
   @property
   def compute_phase_cycles(self) -> float:
@@ -90,6 +93,7 @@ class TensorProfile:
     op: the operation that produced it; source: its ``file:line``.
     live_from, live_to: first and last step index (into
       `ProgramProfile.steps`) where it is live (temporaries only).
+    scope: the module path (name stack) of the operation that made it.
   """
 
   name: str
@@ -102,6 +106,7 @@ class TensorProfile:
   source: str = ""
   live_from: int = 0
   live_to: int = 0
+  scope: str = ""
 
   @property
   def total_bytes(self) -> int:

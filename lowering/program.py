@@ -43,6 +43,7 @@ class Tensor:
     value: initial value of constants (a NumPy array), else ``None``.
     op: the operation that produced it (for reports).
     source: the user's ``file:line`` (for reports).
+    scope: the module path (name stack) of the operation (for reports).
   """
 
   name: str
@@ -53,6 +54,7 @@ class Tensor:
   value: Optional[np.ndarray] = None
   op: str = ""
   source: str = ""
+  scope: str = ""
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
 
   def __post_init__(self):
@@ -101,6 +103,7 @@ class Superstep:
     flops: floating point operations.
     scratch_bytes: ``[num_tiles]`` temporary bytes live only during the step.
     source: the user's ``file:line``.
+    scope: the module path (name stack), e.g. ``"Encoder/layers_0/attention"``.
   """
 
   name: str
@@ -115,6 +118,7 @@ class Superstep:
   flops: int = 0
   scratch_bytes: Optional[np.ndarray] = None
   source: str = ""
+  scope: str = ""
 
 
 @dataclasses.dataclass(eq=False)
