@@ -14,11 +14,41 @@ __all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
 
 
 def source_of(eqn) -> str:
-  """The user's ``file:line`` an equation came from ('' if unknown)."""
-  frame = source_info_util.user_frame(eqn.source_info.traceback)
-  if frame is None:
+  """The user's ``file:line`` an equation came from ('' if unknown).
+
+  The innermost frame outside JAX and outside the libraries a model is built
+  with (Flax, optax, chex, NumPy, ipu-jax itself): for a Flax layer, the line
+  of the user's model that called it, not a line of ``flax/nnx/nn/linear.py``.
+  When every frame is library code, the innermost non-JAX frame.
+  """
+  traceback = eqn.source_info.traceback
+  if traceback is None:
     return ""
-  return f"{frame.file_name}:{frame.start_line}"
+  global _LIBRARY_ROOTS
+  if _LIBRARY_ROOTS is None:
+    _LIBRARY_ROOTS = _library_roots()
+  first = None
+  for frame in source_info_util.user_frames(traceback):
+    first = first or frame
+    if not frame.file_name.startswith(_LIBRARY_ROOTS):
+      return f"{frame.file_name}:{frame.start_line}"
+  return "" if first is None else f"{first.file_name}:{first.start_line}"
+
+
+_LIBRARY_ROOTS = None
+_LIBRARIES = ("flax", "optax", "chex", "numpy", "ipu_jax", "ipu_jax.lowering", "ipu_jax.kernels")
+
+
+def _library_roots() -> tuple:
+  import importlib.util
+  import os
+  roots = []
+  for name in _LIBRARIES:
+    spec = importlib.util.find_spec(name)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+      roots.append(os.path.join(os.path.realpath(location), ""))
+      roots.append(os.path.join(os.path.abspath(location), ""))
+  return tuple(dict.fromkeys(roots))
 
 
 def is_key_dtype(dtype) -> bool:
