@@ -25,7 +25,7 @@ def _range_text(y) -> str:
 
 def _check_sparse(y, pred_shape, loss_name):
   classes = pred_shape[-1]
-  expected = tuple(pred_shape[:-1])
+  expected = tuple(pred_shape[1:-1])
   shape = tuple(y.shape[1:])
   if shape == expected + (1,):
     shape = expected
