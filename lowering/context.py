@@ -42,6 +42,9 @@ class LoweringContext:
     self.op = ""
     self.source = ""
     self.scope = ""
+    # Ids of the current equation's operands that nothing reads afterwards
+    # (None: the top level, before any equation).
+    self.dying_ids: Optional[frozenset] = None
     self.tensors: dict = {}
     self.constants: list = []
     self._program_stack = [P.Sequence()]
@@ -85,9 +88,12 @@ class LoweringContext:
     local_ids = set()
     self._program_stack.append(seq)
     self._local_stack.append(local_ids)
+    # A body runs again: nothing from outside it dies inside it.
+    saved_dying, self.dying_ids = self.dying_ids, frozenset()
     try:
       yield seq, local_ids
     finally:
+      self.dying_ids = saved_dying
       self._program_stack.pop()
       self._local_stack.pop()
       # Made inside a nested body means made inside every enclosing body.
@@ -113,6 +119,25 @@ class LoweringContext:
       yield
     finally:
       self.op, self.source, self.scope = saved
+
+  @contextlib.contextmanager
+  def dying(self, tensor_ids):
+    """Mark ``tensor_ids`` as read by nothing after the equation being lowered."""
+    saved, self.dying_ids = self.dying_ids, frozenset(tensor_ids)
+    try:
+      yield
+    finally:
+      self.dying_ids = saved
+
+  def updatable_in_place(self, tensor: P.Tensor) -> bool:
+    """Whether a rule may write its result into ``tensor``'s memory.
+
+    True for a program variable (an argument, always live) that no later
+    operation reads: a loop carrying it updates it in place, as Poplar
+    programs update their variables, instead of holding a second copy.
+    """
+    return (tensor.category == "variables" and tensor.size > 0
+            and self.dying_ids is not None and tensor.id in self.dying_ids)
 
   # -- tensors ------------------------------------------------------------
 

@@ -86,17 +86,21 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
       return ctx.constant(np.asarray(v.val, dtype=v.aval.dtype))
     return env[v]
 
+  uses = _TensorLastUses(jaxpr, ctx.dying_ids)
   for v, t in zip(jaxpr.constvars, consts):
     env[v] = t
+    uses.bind(v, t)
   for v, t in zip(jaxpr.invars, args):
     env[v] = t
-  for eqn in jaxpr.eqns:
+    uses.bind(v, t)
+  for index, eqn in enumerate(jaxpr.eqns):
     rule = get_lowering(eqn.primitive)
     if rule is None:
       raise _unsupported(eqn)
     operands = [read(v) for v in eqn.invars]
     saved_avals = getattr(ctx, "out_avals", None), getattr(ctx, "in_avals", None)
-    with ctx.at(eqn.primitive.name, source_of(eqn), eqn.source_info.name_stack):
+    with ctx.at(eqn.primitive.name, source_of(eqn), eqn.source_info.name_stack), \
+        ctx.dying(uses.dying_at(index, operands)):
       ctx.out_avals = [v.aval for v in eqn.outvars]
       ctx.in_avals = [v.aval for v in eqn.invars]
       try:
@@ -120,7 +124,51 @@ def lower_jaxpr(ctx, jaxpr, consts, args) -> list:
             f"{t.dtype}{list(t.shape)}, expected {v.aval.str_short()}")
       if not isinstance(v, jcore.DropVar):
         env[v] = t
+        uses.bind(v, t)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _last_uses(jaxpr) -> dict:
+  """Variable -> index of the last equation reading it (outputs: past the end)."""
+  last = {}
+  for index, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        last[v] = index
+  for v in jaxpr.outvars:
+    if not isinstance(v, jcore.Literal):
+      last[v] = len(jaxpr.eqns)
+  return last
+
+
+class _TensorLastUses:
+  """When each tensor is last read, over every variable bound to it.
+
+  Shape rules return aliases (tensors sharing an id), so a tensor dies only
+  when none of its variables is read later. An alias made after an equation
+  reads a variable after it, so the variables bound so far decide. A rule
+  may update a dying operand in place (a loop carries a variable in its own
+  memory).
+  """
+
+  def __init__(self, jaxpr, inherited):
+    self._last = _last_uses(jaxpr)
+    self._by_id = {}
+    self._end = len(jaxpr.eqns)
+    self._constvars = set(jaxpr.constvars)
+    self._invars = set(jaxpr.invars)
+    self._inherited = inherited  # ids dying in the enclosing equation; None: top level
+
+  def bind(self, v, tensor):
+    last = self._last.get(v, -1)
+    if v in self._constvars or (v in self._invars and self._inherited is not None
+                                and tensor.id not in self._inherited):
+      last = self._end  # lives beyond this jaxpr
+    self._by_id[tensor.id] = max(self._by_id.get(tensor.id, -1), last)
+
+  def dying_at(self, index, tensors) -> list:
+    ids = [t.id for t in tensors]
+    return [i for i in dict.fromkeys(ids) if ids.count(i) == 1 and self._by_id.get(i) == index]
 
 
 def lower_closed_jaxpr(ctx, closed_jaxpr, args) -> list:
