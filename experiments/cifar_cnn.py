@@ -13,11 +13,10 @@ pattern of coloured blobs, under noise. ``--num_samples`` sets how many.
 The training step needs about 18 MB always live (5 MB of weights, 10 MB of
 Adam state, 1.6 MB of input batches for 8 steps) plus one step's temporaries,
 whose largest is the second convolution's working memory: it fits 128 tiles
-(peak tile 585 KB of 624 KB), not 64. Examples (``tests/test_experiments_help.py``
-runs each)::
+(peak tile 585 KB of 624 KB), not 64. Example (``tests/test_experiments_help.py``
+runs it)::
 
     python -m experiments.cifar_cnn --tiles_per_ipu 128 --epochs 2
-    python experiments/cifar_cnn.py --tiles_per_ipu 256 --epochs 1
 """
 
 from __future__ import annotations

@@ -240,6 +240,41 @@ class ReportsTest(chex.TestCase):
       by_scope(lowered.profile, depth="2")
 
 
+def _nbytes(tree) -> int:
+  return sum(np.size(leaf) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)
+             if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+
+
+class FitMemoryTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(("steps", 1), ("accumulation", 2))
+  def test_carried_variables_are_counted_once(self, accumulation):
+    x, y = data()
+    with IPUStrategy(small_config()).scope():
+      model = ipu_jax.keras.Model(TinyMLP(nnx.Rngs(0), features=6, hidden=64), seed=0)
+      model.compile(optimizer=optax.adam(1e-3), loss="sparse_categorical_crossentropy",
+                    steps_per_execution=4)
+      model.set_gradient_accumulation_options(
+          gradient_accumulation_steps_per_replica=accumulation)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    profile = model.reports["train"].profile
+    memory = profile.memory
+    weights = _nbytes(model.params) + _nbytes(model.opt_state)
+    batches = 4 * 8 * (6 * 4 + 4)  # S micro-batches of b samples: x float32[6], y int32
+    scalars = 4 + 2 * 4 + 4  # step counter, dropout key data, replica id
+    # Always live: exactly the weights, optimizer state and this execution's inputs.
+    self.assertEqual(int(memory.by_category["variables"].sum()), weights + batches + scalars)
+    # No second copy of a weight carried through the on-device loops: the only
+    # weight-shaped loop carries are the gradient accumulators (G > 1).
+    param_shapes = [tuple(np.shape(v)) for v in jax.tree.leaves(model.params)]
+    carried = [tuple(t.shape) for t in profile.tensors
+               if t.name == "scan/carry" and tuple(t.shape) in param_shapes]
+    self.assertCountEqual(carried, param_shapes if accumulation > 1 else [])
+    # What is not always live is one step's needs (gradients, updates, activations,
+    # the accumulator): at most a few times the weights, whatever S and G are.
+    self.assertLess(float(memory.not_always_live.sum()), 6 * weights + 4 * batches)
+
+
 class SubmodulesTest(absltest.TestCase):
 
   def test_documented_submodules_are_attributes(self):

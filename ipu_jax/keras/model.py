@@ -12,7 +12,12 @@
       model.set_gradient_accumulation_options(
           gradient_accumulation_steps_per_replica=2, reduction_method="mean")
       history = model.fit(x, y, batch_size=32, epochs=3)
-    print(model.report.summary())
+    print(model.report.summary())          # the training program's report
+    model.reports["eval"]                  # one per compiled program: train, eval, predict
+
+Before the first step ``fit`` and ``evaluate`` check the labels against the
+loss and the model's output (``validate_inputs=False`` skips it); data may be
+arrays, pytrees of arrays, Python lists, JAX arrays or an iterable of batches.
 
 What one call of the device does (DESIGN section 5):
 
