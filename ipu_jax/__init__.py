@@ -7,6 +7,7 @@ from ipu_jax.config import (IPUConfig, LoweringOptions, default_config,
                             get_default_config)
 from ipu_jax.errors import LoweringError, OutOfMemoryError
 from ipu_jax.jit import IPUFunction, Lowered, jit
+from ipu_jax.nnx_jit import NNXFunction, nnx_jit
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
 from ipu_jax.report import Report, SavedReport, compare_reports, load_report
@@ -16,16 +17,26 @@ from ipu_jax.target import IPUTarget
 __version__ = "0.1.0"
 
 
+# Documented submodules that are not imported above; each is loaded on first
+# attribute access (ipu_jax.keras pulls in Flax and optax, so it is not loaded
+# up front), so ``import ipu_jax; ipu_jax.graph.Graph(...)`` works.
+_LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering")
+
+
 def __getattr__(name):
-  # ipu_jax.keras pulls in Flax; load it on first use only.
-  if name == "keras":
+  if name in _LAZY_SUBMODULES:
     import importlib
-    return importlib.import_module("ipu_jax.keras")
+    return importlib.import_module(f"ipu_jax.{name}")
   raise AttributeError(f"module 'ipu_jax' has no attribute {name!r}")
 
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
 __all__ = [
-    "IPUConfig", "IPUFunction", "IPUStrategy", "IPUTarget", "Lowered", "LoweringError",
+    "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "compare_reports", "default_config", "get_default_config", "jit",
-    "keras", "load_report", "ops", "register_lowering",
+    "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "poplibs",
+    "register_lowering",
 ]

@@ -5,8 +5,12 @@ the program. Produces a :class:`~ipu_jax.lowering.profile.ProgramProfile`.
 
 Memory is allocated statically, as Poplar does: variables, constants, vertex
 state and code are always live; temporaries are live from the first step that
-touches them to the last (a value touched inside a loop lives for the whole
-loop), and exchange buffers and per-step scratch only during their step.
+touches them to the last, and exchange buffers and per-step scratch only
+during their step. A value touched inside a loop lives for the whole loop,
+unless it is local to that loop (made in its body, written before it is read
+in every iteration): then its memory is reused between iterations and it
+lives only from its first to its last step within the body. A training loop
+thus holds one step's temporaries, not every step's.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         sync_cycles=_sync_cycles(target, touched, link > 0),
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
         executions=executions, temporary_bytes=np.asarray(temporary, np.int64),
-        notes=tuple(node.notes))
+        notes=tuple(node.notes),
+        scope=node.scope)
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
@@ -76,7 +81,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
       exchange_cycles=float(max(host_cycles, busiest) + target.exchange_latency_cycles) if total else 0.0,
       sync_cycles=float(target.sync_cycles_external),
       executions=executions, host_bytes=total,
-      vertices=np.zeros(t, np.int64))
+      vertices=np.zeros(t, np.int64), scope=tensor.scope)
 
 
 def _leaf_tensors(node):
@@ -118,7 +123,9 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
   n_steps = len(steps)
 
   # First and last step touching each tensor; a loop stretches both to
-  # cover the whole loop, since the value must survive every iteration.
+  # cover the whole loop, since the value must survive every iteration --
+  # unless the tensor is local to that loop (made and consumed in one
+  # iteration).
   tensors, first, last = {}, {}, {}
   loop_span = {}
   for i, (node, _, loops) in enumerate(leaves):
@@ -127,11 +134,12 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
       loop_span[id(loop)] = (min(lo, i), max(hi, i))
   control = {tensor.id for tensor in _control_tensors(program, [])}
   for i, (node, _, loops) in enumerate(leaves):
-    lo, hi = i, i
-    for loop in loops:
-      span = loop_span[id(loop)]
-      lo, hi = min(lo, span[0]), max(hi, span[1])
     for tensor in _leaf_tensors(node):
+      lo, hi = i, i
+      for loop in loops:
+        if tensor.id not in loop.local_ids:
+          span = loop_span[id(loop)]
+          lo, hi = min(lo, span[0]), max(hi, span[1])
       tensors[tensor.id] = tensor
       first[tensor.id] = min(first.get(tensor.id, lo), lo)
       last[tensor.id] = max(last.get(tensor.id, hi), hi)
@@ -165,7 +173,7 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
     profiles.append(TensorProfile(
         name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name,
         category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
-        source=tensor.source, live_from=lo, live_to=hi))
+        source=tensor.source, live_from=lo, live_to=hi, scope=tensor.scope))
 
   # Vertex state per vertex, and code once per vertex type per tile.
   code_tiles = {}

@@ -2,8 +2,9 @@
 
 One context lowers one jaxpr (and the jaxprs nested in it) into one tile
 program. It knows the target and options, spreads small tensors over tiles,
-and stamps every tensor and step with the JAX operation and user source line
-it came from, so reports and errors can point at the user's code.
+and stamps every tensor and step with the JAX operation, the user source line
+and the module path (name stack) it came from, so reports and errors can point
+at the user's code and group costs by layer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from ipu_jax.config import LoweringOptions
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.scopes import join_scopes, module_path
 from ipu_jax.target import IPUTarget
 
 __all__ = ["LoweringContext", "LoweringOptions"]
@@ -29,6 +31,9 @@ class LoweringContext:
     options: the :class:`LoweringOptions`.
     op: name of the primitive being lowered (stamped on tensors and steps).
     source: user ``file:line`` of the equation being lowered.
+    scope: module path of the equation being lowered (its name stack
+      without transformations, joined to the enclosing equations'), e.g.
+      ``"Encoder/layers_0/attention"``.
   """
 
   def __init__(self, target: IPUTarget, options=None):
@@ -36,6 +41,10 @@ class LoweringContext:
     self.options = options if options is not None else LoweringOptions()
     self.op = ""
     self.source = ""
+    self.scope = ""
+    # Ids of the current equation's operands that nothing reads afterwards
+    # (None: the top level, before any equation).
+    self.dying_ids: Optional[frozenset] = None
     self.tensors: dict = {}
     self.constants: list = []
     self._program_stack = [P.Sequence()]
@@ -62,6 +71,8 @@ class LoweringContext:
         node.source = self.source
       if not node.op:
         node.op = self.op
+      if not node.scope:
+        node.scope = self.scope
       for tensor in node.reads + node.writes:
         self.tensors.setdefault(tensor.id, tensor)
     (self._program_stack[-1] if into is None else into).add(node)
@@ -77,9 +88,12 @@ class LoweringContext:
     local_ids = set()
     self._program_stack.append(seq)
     self._local_stack.append(local_ids)
+    # A body runs again: nothing from outside it dies inside it.
+    saved_dying, self.dying_ids = self.dying_ids, frozenset()
     try:
       yield seq, local_ids
     finally:
+      self.dying_ids = saved_dying
       self._program_stack.pop()
       self._local_stack.pop()
       # Made inside a nested body means made inside every enclosing body.
@@ -87,14 +101,43 @@ class LoweringContext:
         self._local_stack[-1].update(local_ids)
 
   @contextlib.contextmanager
-  def at(self, op: str, source: str):
-    """Stamp what is created inside with ``op`` and ``source``."""
-    saved = self.op, self.source
+  def at(self, op: str, source: str, name_stack=None):
+    """Stamp what is created inside with ``op``, ``source`` and a module path.
+
+    Args:
+      op: the primitive's name.
+      source: the user's ``file:line``.
+      name_stack: the equation's ``source_info.name_stack``; it is relative
+        to the enclosing equation (a loop body's, a nested jit's), so it
+        extends the current scope. ``None`` keeps the current scope.
+    """
+    saved = self.op, self.source, self.scope
     self.op, self.source = op, source
+    if name_stack is not None:
+      self.scope = join_scopes(self.scope, module_path(name_stack))
     try:
       yield
     finally:
-      self.op, self.source = saved
+      self.op, self.source, self.scope = saved
+
+  @contextlib.contextmanager
+  def dying(self, tensor_ids):
+    """Mark ``tensor_ids`` as read by nothing after the equation being lowered."""
+    saved, self.dying_ids = self.dying_ids, frozenset(tensor_ids)
+    try:
+      yield
+    finally:
+      self.dying_ids = saved
+
+  def updatable_in_place(self, tensor: P.Tensor) -> bool:
+    """Whether a rule may write its result into ``tensor``'s memory.
+
+    True for a program variable (an argument, always live) that no later
+    operation reads: a loop carrying it updates it in place, as Poplar
+    programs update their variables, instead of holding a second copy.
+    """
+    return (tensor.category == "variables" and tensor.size > 0
+            and self.dying_ids is not None and tensor.id in self.dying_ids)
 
   # -- tensors ------------------------------------------------------------
 
@@ -137,7 +180,7 @@ class LoweringContext:
     if mapping is None:
       mapping = self.linear_mapping(shape, dtype)
     tensor = P.Tensor(name or self.op or "t", shape, np.dtype(dtype), mapping,
-                      category=category, op=self.op, source=self.source)
+                      category=category, op=self.op, source=self.source, scope=self.scope)
     self.tensors[tensor.id] = tensor
     if self._local_stack and category == "temporaries":
       self._local_stack[-1].add(tensor.id)
@@ -159,7 +202,7 @@ class LoweringContext:
     tensor = P.Tensor(name or "constant", value.shape, value.dtype,
                       self.linear_mapping(value.shape, value.dtype),
                       category="constants", value=value, op=self.op,
-                      source=self.source)
+                      source=self.source, scope=self.scope)
     self.tensors[tensor.id] = tensor
     self.constants.append(tensor)
     if key is not None:

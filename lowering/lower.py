@@ -14,11 +14,41 @@ __all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
 
 
 def source_of(eqn) -> str:
-  """The user's ``file:line`` an equation came from ('' if unknown)."""
-  frame = source_info_util.user_frame(eqn.source_info.traceback)
-  if frame is None:
+  """The user's ``file:line`` an equation came from ('' if unknown).
+
+  The innermost frame outside JAX and outside the libraries a model is built
+  with (Flax, optax, chex, NumPy, ipu-jax itself): for a Flax layer, the line
+  of the user's model that called it, not a line of ``flax/nnx/nn/linear.py``.
+  When every frame is library code, the innermost non-JAX frame.
+  """
+  traceback = eqn.source_info.traceback
+  if traceback is None:
     return ""
-  return f"{frame.file_name}:{frame.start_line}"
+  global _LIBRARY_ROOTS
+  if _LIBRARY_ROOTS is None:
+    _LIBRARY_ROOTS = _library_roots()
+  first = None
+  for frame in source_info_util.user_frames(traceback):
+    first = first or frame
+    if not frame.file_name.startswith(_LIBRARY_ROOTS):
+      return f"{frame.file_name}:{frame.start_line}"
+  return "" if first is None else f"{first.file_name}:{first.start_line}"
+
+
+_LIBRARY_ROOTS = None
+_LIBRARIES = ("flax", "optax", "chex", "numpy", "ipu_jax", "ipu_jax.lowering", "ipu_jax.kernels")
+
+
+def _library_roots() -> tuple:
+  import importlib.util
+  import os
+  roots = []
+  for name in _LIBRARIES:
+    spec = importlib.util.find_spec(name)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+      roots.append(os.path.join(os.path.realpath(location), ""))
+      roots.append(os.path.join(os.path.abspath(location), ""))
+  return tuple(dict.fromkeys(roots))
 
 
 def is_key_dtype(dtype) -> bool:
@@ -58,10 +88,13 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
       return ctx.constant(np.asarray(v.val, dtype=v.aval.dtype))
     return env[v]
 
+  uses = _TensorLastUses(jaxpr, ctx.dying_ids)
   for v, t in zip(jaxpr.constvars, consts):
     env[v] = t
+    uses.bind(v, t)
   for v, t in zip(jaxpr.invars, args):
     env[v] = t
+    uses.bind(v, t)
   for index, eqn in enumerate(jaxpr.eqns):
     if progress is not None:
       progress(index, len(jaxpr.eqns))
@@ -73,7 +106,8 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
       raise _unsupported(eqn, source)
     operands = [read(v) for v in eqn.invars]
     saved_avals = getattr(ctx, "out_avals", None), getattr(ctx, "in_avals", None)
-    with ctx.at(eqn.primitive.name, source):
+    with ctx.at(eqn.primitive.name, source, eqn.source_info.name_stack), \
+        ctx.dying(uses.dying_at(index, operands)):
       ctx.out_avals = [v.aval for v in eqn.outvars]
       ctx.in_avals = [v.aval for v in eqn.invars]
       try:
@@ -97,9 +131,53 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
             f"{t.dtype}{list(t.shape)}, expected {v.aval.str_short()}")
       if not isinstance(v, jcore.DropVar):
         env[v] = t
+        uses.bind(v, t)
   if progress is not None:
     progress(len(jaxpr.eqns), len(jaxpr.eqns))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _last_uses(jaxpr) -> dict:
+  """Variable -> index of the last equation reading it (outputs: past the end)."""
+  last = {}
+  for index, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        last[v] = index
+  for v in jaxpr.outvars:
+    if not isinstance(v, jcore.Literal):
+      last[v] = len(jaxpr.eqns)
+  return last
+
+
+class _TensorLastUses:
+  """When each tensor is last read, over every variable bound to it.
+
+  Shape rules return aliases (tensors sharing an id), so a tensor dies only
+  when none of its variables is read later. An alias made after an equation
+  reads a variable after it, so the variables bound so far decide. A rule
+  may update a dying operand in place (a loop carries a variable in its own
+  memory).
+  """
+
+  def __init__(self, jaxpr, inherited):
+    self._last = _last_uses(jaxpr)
+    self._by_id = {}
+    self._end = len(jaxpr.eqns)
+    self._constvars = set(jaxpr.constvars)
+    self._invars = set(jaxpr.invars)
+    self._inherited = inherited  # ids dying in the enclosing equation; None: top level
+
+  def bind(self, v, tensor):
+    last = self._last.get(v, -1)
+    if v in self._constvars or (v in self._invars and self._inherited is not None
+                                and tensor.id not in self._inherited):
+      last = self._end  # lives beyond this jaxpr
+    self._by_id[tensor.id] = max(self._by_id.get(tensor.id, -1), last)
+
+  def dying_at(self, index, tensors) -> list:
+    ids = [t.id for t in tensors]
+    return [i for i in dict.fromkeys(ids) if ids.count(i) == 1 and self._by_id.get(i) == index]
 
 
 def lower_closed_jaxpr(ctx, closed_jaxpr, args, progress=None) -> list:

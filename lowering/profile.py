@@ -50,6 +50,8 @@ class StepProfile:
       buffers). What ``available_memory_proportion`` limits.
     notes: remarks from the lowering about how the step is costed (e.g.
       ``"float64 emulated in software: ..."``).
+    scope: the module path (name stack) of the operation, e.g.
+      ``"Encoder/layers_0/attention"`` ('' outside any named scope).
   """
 
   name: str
@@ -67,6 +69,7 @@ class StepProfile:
   host_bytes: int = 0
   temporary_bytes: Optional[np.ndarray] = None
   notes: tuple = ()
+  scope: str = ""
 
   @property
   def compute_phase_cycles(self) -> float:
@@ -93,6 +96,7 @@ class TensorProfile:
     op: the operation that produced it; source: its ``file:line``.
     live_from, live_to: first and last step index (into
       `ProgramProfile.steps`) where it is live (temporaries only).
+    scope: the module path (name stack) of the operation that made it.
   """
 
   name: str
@@ -105,6 +109,7 @@ class TensorProfile:
   source: str = ""
   live_from: int = 0
   live_to: int = 0
+  scope: str = ""
 
   @property
   def total_bytes(self) -> int:
@@ -144,7 +149,12 @@ class MemoryProfile:
 
 @dataclasses.dataclass
 class ProgramProfile:
-  """Everything the emulator knows about what a program would cost."""
+  """Everything the emulator knows about what a program would cost.
+
+  ``run_setup`` (a :class:`~ipu_jax.lowering.run_setup.RunSetup`, or None)
+  says how the program is run (replicas, accumulation, batch sizes,
+  precision); the Keras-like ``Model`` sets it on the programs it compiles.
+  """
 
   target: IPUTarget
   steps: list
@@ -152,6 +162,7 @@ class ProgramProfile:
   memory: MemoryProfile
   name: str = "program"
   host_round_trips: int = 1
+  run_setup: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

@@ -43,6 +43,7 @@ class Tensor:
     value: initial value of constants (a NumPy array), else ``None``.
     op: the operation that produced it (for reports).
     source: the user's ``file:line`` (for reports).
+    scope: the module path (name stack) of the operation (for reports).
   """
 
   name: str
@@ -53,6 +54,7 @@ class Tensor:
   value: Optional[np.ndarray] = None
   op: str = ""
   source: str = ""
+  scope: str = ""
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
 
   def __post_init__(self):
@@ -103,6 +105,7 @@ class Superstep:
     source: the user's ``file:line``.
     notes: remarks the report shows with the step, e.g. that its cost is
       that of a software emulation (float64 or complex products).
+    scope: the module path (name stack), e.g. ``"Encoder/layers_0/attention"``.
   """
 
   name: str
@@ -118,6 +121,7 @@ class Superstep:
   scratch_bytes: Optional[np.ndarray] = None
   source: str = ""
   notes: tuple = ()
+  scope: str = ""
 
 
 @dataclasses.dataclass(eq=False)

@@ -23,6 +23,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from ipu_jax.nnx_scopes import module_scopes
+
 __all__ = ["make_adapter", "NNXAdapter", "LinenAdapter", "flatten_paths"]
 
 
@@ -80,7 +82,8 @@ class NNXAdapter:
     # the module mutates them, e.g. batch statistics).
     params, state, rng_state = jax.tree.map(lambda v: v, (params, state, rng_state))
     module = nnx.merge(self._graphdef[bool(training)], params, rng_state, state)
-    y = module(x)
+    with module_scopes(module):  # reports name operations by module path
+      y = module(x)
     _, _, _, new_state = nnx.split(module, nnx.Param, nnx.RngState, ...)
     return y, new_state
 

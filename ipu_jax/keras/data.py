@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-__all__ = ["ArrayData", "host_dtype", "is_array_like", "looks_iterable_of_batches",
+__all__ = ["ArrayData", "as_arrays", "host_dtype", "is_array_like", "looks_iterable_of_batches",
            "num_samples", "split_batch"]
 
 
@@ -23,6 +23,27 @@ def host_dtype(array: np.ndarray) -> np.ndarray:
   if array.dtype == np.bool_:
     return array.astype(np.int32)
   return array
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (bool, int, float, complex, np.generic))
+
+
+def _nested_numbers(value) -> bool:
+  if isinstance(value, (list, tuple)):
+    return bool(value) and all(_nested_numbers(v) for v in value)
+  return _is_number(value)
+
+
+def as_arrays(value):
+  """Python lists/tuples of numbers (at any nesting) become NumPy arrays, as in Keras.
+
+  Anything else (arrays, pytrees of arrays, iterables of batches) is returned
+  unchanged.
+  """
+  if isinstance(value, (list, tuple)) and _nested_numbers(value):
+    return np.asarray(value)
+  return value
 
 
 def num_samples(x) -> int:

@@ -12,7 +12,12 @@
       model.set_gradient_accumulation_options(
           gradient_accumulation_steps_per_replica=2, reduction_method="mean")
       history = model.fit(x, y, batch_size=32, epochs=3)
-    print(model.report.summary())
+    print(model.report.summary())          # the training program's report
+    model.reports["eval"]                  # one per compiled program: train, eval, predict
+
+Before the first step ``fit`` and ``evaluate`` check the labels against the
+loss and the model's output (``validate_inputs=False`` skips it); data may be
+arrays, pytrees of arrays, Python lists, JAX arrays or an iterable of batches.
 
 What one call of the device does (DESIGN section 5):
 
@@ -35,6 +40,7 @@ What one call of the device does (DESIGN section 5):
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -48,7 +54,9 @@ from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import losses as losses_lib
 from ipu_jax.keras import metrics as metrics_lib
 from ipu_jax.keras.adapters import flatten_paths, make_adapter
-from ipu_jax.keras.data import ArrayData, host_dtype, is_array_like, num_samples, split_batch
+from ipu_jax.keras.data import (ArrayData, as_arrays, host_dtype, is_array_like, num_samples,
+                                split_batch)
+from ipu_jax.keras.validation import check_labels
 from ipu_jax.keras.progress import ProgbarLogger
 from ipu_jax.keras.weights import (atomic_write, flat_saveable, restore_flat,
                                    restore_nested, to_saveable)
@@ -184,11 +192,55 @@ class Model:
     self.emulate = True
     self.stop_training = False
     self.history: Optional[callbacks_lib.History] = None
-    self.report = None
-    self.train_report = None
+    self.reports: dict = {}
+    self._last_program: Optional[str] = None
     self.checkpoint_epoch: Optional[int] = None
     self.executions = 0
     self._replication: Optional[Replication] = None
+
+  # -- reports --------------------------------------------------------------------
+
+  @property
+  def report(self):
+    """The training program's report once ``fit`` compiled it, else the last one's.
+
+    ``reports`` holds one per compiled program: ``"train"``, ``"eval"``,
+    ``"predict"``; each profile's ``run_setup`` says how it runs.
+    """
+    if "train" in self.reports:
+      return self.reports["train"]
+    return self.reports.get(self._last_program)
+
+  @property
+  def train_report(self):
+    """The training program's report (``None`` before ``fit``)."""
+    return self.reports.get("train")
+
+  def _run_setup(self, program: str, micro_batch: int):
+    from ipu_jax.lowering.run_setup import RunSetup
+    cfg = self._lowering_config()
+    target = cfg.to_target()
+    G = self.gradient_accumulation_steps if program == "train" else 1
+    R, S = self.num_replicas, self.steps_per_execution
+    dtypes = sorted({str(np.dtype(v.dtype)) for v in jax.tree.leaves(self.params)})
+    return RunSetup(
+        program=program, target=target.name, num_ipus=target.num_ipus,
+        tiles_per_ipu=target.tiles_per_ipu, replicas=R, gradient_accumulation_steps=G,
+        gradient_accumulation_reduction=self.gradient_accumulation_reduction,
+        replica_reduction=self.replica_reduction, steps_per_execution=S,
+        micro_batch=int(micro_batch), global_batch=int(micro_batch) * G * R,
+        weight_updates_per_execution=S // (G * R) if program == "train" else 0,
+        param_dtypes=tuple(dtypes), matmul_partials_type=cfg.matmuls.partials_type,
+        matmul_available_memory_proportion=cfg.matmuls.available_memory_proportion,
+        conv_available_memory_proportion=cfg.convolutions.available_memory_proportion)
+
+  def _record_report(self, program: str, lowered, micro_batch: int):
+    self._last_program = program
+    if lowered is None:
+      return
+    if lowered.profile.run_setup is None:
+      lowered.profile.run_setup = self._run_setup(program, micro_batch)
+    self.reports[program] = lowered.report
 
   # -- configuration --------------------------------------------------------------
 
@@ -656,7 +708,8 @@ class Model:
   def fit(self, x=None, y=None, batch_size: Optional[int] = None, epochs: int = 1,
           verbose="auto", callbacks: Optional[Sequence] = None, validation_data=None,
           shuffle: bool = True, initial_epoch: int = 0,
-          steps_per_epoch: Optional[int] = None, validation_batch_size: Optional[int] = None):
+          steps_per_epoch: Optional[int] = None, validation_batch_size: Optional[int] = None,
+          validate_inputs: bool = True):
     """Trains for ``epochs`` epochs; returns a :class:`~ipu_jax.keras.callbacks.History`.
 
     Args:
@@ -676,11 +729,15 @@ class Model:
       initial_epoch: the epoch to start at, to resume from a checkpoint.
       steps_per_epoch: micro-batch steps (over all replicas) per epoch;
         default: all full micro-batches. Steps that do not fill a whole
-        execution are left out.
+        execution are left out (with a warning saying how many).
+      validate_inputs: check the labels against the loss and the model's
+        output on the host before the first step (for an iterable, its
+        first batch); ``False`` skips the check.
 
     Raises:
-      ValueError: S not a multiple of G x R, or too little data -- before
-        training starts.
+      ValueError: S not a multiple of G x R, too little data, or labels that
+        do not fit the loss (one-hot for a sparse loss, out of range) --
+        before training starts.
     """
     self._require_compiled()
     G, R, S = self.gradient_accumulation_steps, self.num_replicas, self.steps_per_execution
@@ -691,8 +748,10 @@ class Model:
     verbose = 1 if verbose == "auto" else int(verbose)
     self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
     U = S // (G * R)
-    source = self._train_source(x, y, batch_size, steps_per_epoch)
+    source = self._train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch)
     self._batch_size = source["batch_size"]
+    if validate_inputs:
+      self._validate_labels(source["example"][0], source["labels"])
     executions_per_epoch = source["executions"]
 
     history = callbacks_lib.History()
@@ -733,8 +792,8 @@ class Model:
         self.executions += 1
         running.add(sums)
         logs = running.logs()
+        self._record_report("train", lowered, self._batch_size)
         if lowered is not None:
-          self.report = self.train_report = lowered.report
           logs["host_round_trips"] = lowered.report.host_round_trips
           logs["emulated_seconds"] = lowered.report.estimated_seconds
         logs["samples"] = samples_per_execution
@@ -745,7 +804,7 @@ class Model:
       epoch_logs = running.logs()
       if validation_data is not None and not self.stop_training:
         val = self._evaluate(validation_data, None, validation_batch_size or self._batch_size,
-                             cb, verbose=0)
+                             cb, verbose=0, validate_inputs=validate_inputs)
         epoch_logs.update({"val_" + k: v for k, v in val.items()})
       self._sync_module()
       cb.on_epoch_end(epoch, epoch_logs)
@@ -776,9 +835,16 @@ class Model:
         for e in range(executions):
           yield data.take(order[e * chunk:(e + 1) * chunk])
 
+      used = executions * chunk
+      if steps_per_epoch is None and used < data.n:
+        warnings.warn(
+            f"fit: {data.n - used} of {data.n} samples are left out of every epoch: an "
+            f"epoch runs whole executions of steps_per_execution x batch_size = {S} x "
+            f"{data.batch_size} = {chunk} samples ({executions} of them). Choose sizes "
+            "that divide the data to use every sample.", stacklevel=3)
       example = data.take(np.zeros(chunk, np.int64))
       return {"batch_size": data.batch_size, "executions": executions, "batches": batches,
-              "example": example}
+              "example": example, "labels": data.y}
 
     # An iterable of (x, y) micro-batches.
     iterator_once = iter(x) is x if hasattr(x, "__iter__") else True
@@ -833,7 +899,7 @@ class Model:
     example = (jax.tree.map(lambda a: np.repeat(host_dtype(a)[:1], S * b, axis=0), px),
                np.repeat(host_dtype(py)[:1], S * b, axis=0))
     return {"batch_size": b, "executions": executions, "batches": batches,
-            "example": example}
+            "example": example, "labels": host_dtype(py)}
 
   # -- evaluate and predict ---------------------------------------------------------
 
@@ -860,12 +926,25 @@ class Model:
     executions = -(-data.n // chunk)
     return executions, chunk
 
-  def _evaluate(self, x, y, batch_size, cb, verbose, steps=None):
+  def _validate_labels(self, x, y):
+    """Checks labels ``y`` against the loss and the output for ``x`` (nothing runs)."""
+    sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
+    adapter = self._adapter
+    out = jax.eval_shape(
+        lambda p, s, r, xb: adapter.apply(p, s, r, xb, False, None)[0],
+        self.params, self.state, self._local(self._rng_state), sample)
+    leaves = jax.tree.leaves(out)
+    if len(leaves) == 1:
+      check_labels(self.loss, y, leaves[0].shape)
+
+  def _evaluate(self, x, y, batch_size, cb, verbose, steps=None, validate_inputs=True):
     if isinstance(x, tuple) and y is None and len(x) == 2 and is_array_like(x[0]):
       x, y = x
-    data = self._eval_arrays(x, y, batch_size, steps)
+    data = self._eval_arrays(as_arrays(x), as_arrays(y), batch_size, steps)
     if data.y is None:
       raise ValueError("evaluate needs labels y.")
+    if validate_inputs:
+      self._validate_labels(data.x, data.y)
     self._eval_batch_size = data.batch_size
     executions, chunk = self._padded_executions(data)
     R = self.num_replicas
@@ -885,8 +964,7 @@ class Model:
       sums = run(self._params, self._state, self._rng_state,
                  rep.shard(xs), rep.shard(ys), rep.shard(ms))
       running.add(np.asarray(rep.fetch(sums)))
-      if lowered is not None:
-        self.report = lowered.report
+      self._record_report("eval", lowered, data.batch_size)
       cb.on_test_batch_end((e + 1) * self.steps_per_execution - 1, running.logs())
     logs = running.logs()
     cb.on_test_end(logs)
@@ -896,23 +974,25 @@ class Model:
 
   def evaluate(self, x=None, y=None, batch_size: Optional[int] = None, verbose="auto",
                callbacks: Optional[Sequence] = None, steps: Optional[int] = None,
-               return_dict: bool = True):
+               return_dict: bool = True, validate_inputs: bool = True):
     """Loss and metrics over the data, as a dict (``return_dict=False``: a list).
 
     The last execution is padded with masked samples, so every sample counts
-    exactly once.
+    exactly once. ``validate_inputs`` checks the labels against the loss and
+    the model's output first (``ValueError``); ``False`` skips it.
     """
     self._require_compiled()
     verbose = 1 if verbose == "auto" else int(verbose)
     self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
-    logs = self._evaluate(x, y, batch_size, cb, verbose, steps)
+    logs = self._evaluate(x, y, batch_size, cb, verbose, steps, validate_inputs)
     return logs if return_dict else list(logs.values())
 
   def predict(self, x, batch_size: Optional[int] = None, verbose=0,
               callbacks: Optional[Sequence] = None, steps: Optional[int] = None) -> np.ndarray:
     """The model's outputs for every sample of ``x``, as NumPy."""
     self._require_compiled()
+    x = as_arrays(x)
     if not is_array_like(x):
       x = self._eval_arrays(x, None, batch_size, steps).x
     data = ArrayData(x, None, 32 if batch_size is None else batch_size)
@@ -931,8 +1011,7 @@ class Model:
       xs = self._eval_layout(xb, K)
       run, lowered = self._predict_program(xs)
       ys = run(self._params, self._state, self._rng_state, rep.shard(xs))
-      if lowered is not None:
-        self.report = lowered.report
+      self._record_report("predict", lowered, data.batch_size)
 
       def unarrange(a):
         a = rep.fetch_gathered(a)  # [R, K, b, ...]

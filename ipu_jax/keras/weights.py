@@ -23,8 +23,19 @@ def is_key(x) -> bool:
   return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _umask() -> int:
+  # The only portable way to read the umask is to set it and put it back.
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
 def atomic_write(path: str, data: bytes) -> None:
-  """Writes ``data`` to ``path`` via a temporary file and ``os.replace``."""
+  """Writes ``data`` to ``path`` via a temporary file and ``os.replace``.
+
+  The file gets the mode ``open()`` would give it (0666 less the umask), not
+  the private 0600 of the temporary file.
+  """
   path = os.fspath(path)
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
@@ -33,6 +44,7 @@ def atomic_write(path: str, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
+      os.fchmod(f.fileno(), 0o666 & ~_umask())
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:

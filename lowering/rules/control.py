@@ -344,7 +344,10 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
   ys_avals = body_out_avals[num_carry:]
   target = ctx.target
 
-  carries = [_carry_tensor(ctx, x, "scan/carry") for x in inits]
+  # A variable no later operation reads is carried in its own memory (updated
+  # in place, as the weights in a training loop are), not in a copy.
+  carries = [x if ctx.updatable_in_place(x) else _carry_tensor(ctx, x, "scan/carry")
+             for x in inits]
   ys_stacked = []
   for aval in ys_avals:
     shape, dtype = physical_aval(aval)

@@ -1,0 +1,169 @@
+"""``ipu_jax.nnx_jit``: the emulated-IPU form of ``flax.nnx.jit``.
+
+A Flax NNX training step updates its arguments in place::
+
+    @ipu_jax.nnx_jit                      # was: @nnx.jit
+    def train_step(model, optimizer, batch):
+      loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+      optimizer.update(model, grads)      # mutates model and optimizer
+      return loss
+
+A tile program is a pure function of arrays, so (as ``nnx.jit`` does) the
+graph nodes among the arguments (modules, optimizers, metrics, ``Rngs``) are
+split into a graph definition and their state, the state goes through the tile
+program as ordinary arguments, the function runs on modules merged back from
+it inside the trace, and their new state comes out as extra results and is
+written back into the caller's objects. Plain ``ipu_jax.jit`` flattens a
+module into leaves and cannot write back; :func:`reject_graph_nodes` is the
+check that says so instead of dropping the update.
+
+What cannot be carried back raises ``TypeError`` while tracing, before any
+tile program runs: a function that changes a module's structure (adds or
+removes variables or submodules) or returns a graph node.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+
+from ipu_jax.jit import Lowered, jit as ipu_jit
+from ipu_jax.nnx_scopes import module_scopes
+
+__all__ = ["nnx_jit", "NNXFunction", "has_graph_nodes", "reject_graph_nodes"]
+
+
+def _is_graph_node(value) -> bool:
+  from flax import nnx
+  return nnx.graph.is_graph_node(value)
+
+
+def _graph_node_paths(tree) -> list:
+  """Pytree paths of the graph nodes in ``tree`` (not descending into them)."""
+  if "flax" not in __import__("sys").modules:
+    return []  # no NNX object can exist without Flax imported
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_graph_node)
+  return [jax.tree_util.keystr(path) for path, leaf in with_paths if _is_graph_node(leaf)]
+
+
+def has_graph_nodes(args: Sequence) -> bool:
+  """Whether any argument holds a Flax NNX graph node (module, optimizer...)."""
+  return bool(_graph_node_paths(tuple(args)))
+
+
+def reject_graph_nodes(args: Sequence, fn_name: str = "fn") -> None:
+  """Refuses NNX objects in a plain ``ipu_jax.jit`` call.
+
+  ``ipu_jax.jit`` sees a module's variables as input arrays only; an update
+  the function makes in place would be lost. The hook for
+  ``IPUFunction.__call__``.
+
+  Raises:
+    TypeError: naming the arguments that are graph nodes.
+  """
+  paths = _graph_node_paths(tuple(args))
+  if paths:
+    where = ", ".join(f"args{p}" for p in paths)
+    raise TypeError(
+        f"ipu_jax.jit({fn_name}) got Flax NNX objects ({where}); plain ipu_jax.jit "
+        "cannot write in-place updates of a module or optimizer back. Use "
+        "@ipu_jax.nnx_jit (the ipu-jax form of @nnx.jit) instead.")
+
+
+class NNXFunction:
+  """The callable :func:`nnx_jit` returns.
+
+  Attributes:
+    fn: the user's function.
+  """
+
+  def __init__(self, fn: Callable, **jit_kwargs):
+    self.fn = fn
+    self._jit_kwargs = jit_kwargs
+    self._functions: dict = {}
+    functools.update_wrapper(self, fn)
+
+  def _split(self, args, kwargs):
+    from flax import nnx
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_graph_node)
+    node_positions = tuple(i for i, leaf in enumerate(leaves) if _is_graph_node(leaf))
+    nodes = tuple(leaves[i] for i in node_positions)
+    others = [leaf for i, leaf in enumerate(leaves) if i not in node_positions]
+    graphdef, state = nnx.split(nodes)
+    return treedef, node_positions, nodes, graphdef, state, others
+
+  def _ipu_function(self, treedef, node_positions, graphdef):
+    key = (treedef, node_positions, graphdef)
+    function = self._functions.get(key)
+    if function is not None:
+      return function
+    from flax import nnx
+    fn, name = self.fn, getattr(self.fn, "__name__", "fn")
+
+    def pure(state, others):
+      nodes = nnx.merge(graphdef, state)
+      positions = set(node_positions)
+      node_it, other_it = iter(nodes), iter(others)
+      leaves = [next(node_it) if i in positions else next(other_it)
+                for i in range(treedef.num_leaves)]
+      args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+      with module_scopes(*nodes):  # reports name operations by module path
+        out = fn(*args, **kwargs)
+      returned = _graph_node_paths(out)
+      if returned:
+        raise TypeError(
+            f"ipu_jax.nnx_jit({name}) returned Flax NNX objects (result{returned[0]}); "
+            "a tile program returns arrays only. Update the module in place, or "
+            "return nnx.state(module).")
+      new_graphdef, new_state = nnx.split(nodes)
+      if new_graphdef != graphdef:
+        raise TypeError(
+            f"ipu_jax.nnx_jit({name}) changed the structure of its NNX arguments "
+            "(added or removed variables or submodules); only their values can be "
+            "carried back from the IPU. Create variables before the step.")
+      return out, new_state
+
+    pure.__name__ = name
+    function = ipu_jit(pure, **self._jit_kwargs)
+    self._functions[key] = function
+    return function
+
+  def lower(self, *args, **kwargs) -> Lowered:
+    """The :class:`ipu_jax.Lowered` program (and its ``.report``) for these arguments."""
+    treedef, positions, _, graphdef, state, others = self._split(args, kwargs)
+    return self._ipu_function(treedef, positions, graphdef).lower(state, others)
+
+  def __call__(self, *args, **kwargs):
+    from flax import nnx
+    treedef, positions, nodes, graphdef, state, others = self._split(args, kwargs)
+    out, new_state = self._ipu_function(treedef, positions, graphdef)(state, others)
+    nnx.update(nodes, new_state)
+    return out
+
+
+def nnx_jit(fn: Optional[Callable] = None, *, target=None, config=None) -> Any:
+  """Compile an NNX function for the emulated IPU, carrying in-place updates back.
+
+  The drop-in replacement of ``@nnx.jit``: modules, optimizers, metrics and
+  ``Rngs`` among the arguments (at any depth of the argument pytrees) are
+  split into state, run through the tile program and updated in place
+  afterwards, exactly as ``nnx.jit`` does for XLA.
+
+  Args:
+    fn: the function; positional and keyword arguments may be pytrees of
+      arrays and NNX objects.
+    target: the :class:`ipu_jax.IPUTarget` (default: the config's).
+    config: an :class:`ipu_jax.IPUConfig` (default: the strategy scope's).
+
+  Returns:
+    An :class:`NNXFunction`; ``.lower(*args)`` gives the program and report.
+
+  Raises:
+    TypeError: (when called) the function changes the structure of a module
+      or returns an NNX object; neither can be carried back.
+  """
+  if fn is None:
+    return functools.partial(nnx_jit, target=target, config=config)
+  return NNXFunction(fn, target=target, config=config)

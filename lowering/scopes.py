@@ -1,0 +1,161 @@
+"""Module paths: which layer of the user's model each cost belongs to.
+
+JAX records on every equation the ``jax.named_scope`` names it was traced
+under (``eqn.source_info.name_stack``); Flax linen opens one per module
+(``Model/Dense_0``), and ipu-jax opens one per NNX module
+(:mod:`ipu_jax.nnx_scopes`). A name stack is relative to the equation that
+holds the jaxpr (a loop body's equations extend the loop's), and it wraps
+scopes in transformations (``transpose(jvp(Model/Dense_0))``). The module
+path drops the transformations, so a layer's forward and backward pass count
+together, and the lowering joins it to the enclosing path.
+
+:func:`by_scope` groups a :class:`~ipu_jax.lowering.profile.ProgramProfile`'s
+cycles and memory by module path cut to a depth (NumPy grouping over the
+steps and tensors, no per-tile loops); :func:`costliest_scopes_table` is the
+text a summary prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["ScopeCost", "by_scope", "costliest_scopes_table", "join_scopes", "module_path",
+           "truncate", "NO_SCOPE"]
+
+NO_SCOPE = "(no scope)"
+
+
+def module_path(name_stack) -> str:
+  """The scope names of a ``source_info.name_stack``, joined by ``/``.
+
+  Transformations (``jvp``, ``transpose``, ``vmap``) are dropped: they say how
+  an operation was derived, not which module it belongs to.
+  """
+  stack = getattr(name_stack, "stack", None)
+  if stack is None:  # a plain string
+    return str(name_stack or "")
+  from jax._src import source_info_util
+  return "/".join(e.name for e in stack if isinstance(e, source_info_util.Scope) and e.name)
+
+
+def join_scopes(outer: str, inner: str) -> str:
+  """``outer/inner``, either of which may be empty."""
+  return f"{outer}/{inner}" if outer and inner else outer or inner
+
+
+def truncate(scope: str, depth: int) -> str:
+  """The first ``depth`` components of ``scope`` (all of them when ``depth`` <= 0)."""
+  if not scope:
+    return NO_SCOPE
+  parts = scope.split("/")
+  return "/".join(parts[:depth] if depth > 0 else parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeCost:
+  """What one module path (cut to a depth) costs in one program run.
+
+  Attributes:
+    scope: the module path, or ``"(no scope)"`` for operations outside any
+      named scope (the optimizer update of a training step, arguments).
+    cycles: cycles of its supersteps, times their executions.
+    cycle_share: ``cycles`` over the program's total.
+    steps: supersteps it runs (each counted once).
+    flops: floating point operations, times executions.
+    tensor_bytes: bytes of the tensors its operations create, over all
+      tiles (variables and constants included; temporaries counted once each,
+      though the program reuses their memory over time).
+    working_bytes: the most memory one of its steps needs on one tile while
+      it runs (the report's working memory).
+  """
+
+  scope: str
+  cycles: float
+  cycle_share: float
+  steps: int
+  flops: float
+  tensor_bytes: int
+  working_bytes: int
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _group(keys):
+  names, index = np.unique(np.asarray(keys, dtype=object).astype(str), return_inverse=True)
+  return names, index.reshape(-1)
+
+
+def by_scope(profile, depth: int = 2) -> list:
+  """Cycles and memory of ``profile`` grouped by module path cut to ``depth``.
+
+  Args:
+    profile: a :class:`~ipu_jax.lowering.profile.ProgramProfile`.
+    depth: path components kept (``Encoder/layers_0/attention`` at depth 2
+      counts under ``Encoder/layers_0``); 0 or less keeps whole paths.
+
+  Returns:
+    :class:`ScopeCost` rows, costliest in cycles first.
+
+  Raises:
+    TypeError: ``depth`` is not an int.
+  """
+  if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
+    raise TypeError(f"depth must be an int; got {depth!r}.")
+  steps, tensors = profile.steps, profile.tensors
+  step_keys = [truncate(s.scope, depth) for s in steps]
+  tensor_keys = [truncate(t.scope, depth) for t in tensors]
+  names, inverse = _group(step_keys + tensor_keys)
+  step_index, tensor_index = inverse[:len(steps)], inverse[len(steps):]
+  n = len(names)
+
+  executions = np.asarray([s.executions for s in steps], np.float64)
+  cycles = np.bincount(step_index, np.asarray([s.total_cycles for s in steps], np.float64)
+                       * executions, minlength=n) if steps else np.zeros(n)
+  flops = np.bincount(step_index, np.asarray([s.flops for s in steps], np.float64) * executions,
+                      minlength=n) if steps else np.zeros(n)
+  counts = np.bincount(step_index, minlength=n) if steps else np.zeros(n, np.int64)
+  working_per_step = np.asarray(
+      [0 if s.temporary_bytes is None or not s.temporary_bytes.size else s.temporary_bytes.max()
+       for s in steps], np.int64)
+  working = np.zeros(n, np.int64)
+  if steps:
+    np.maximum.at(working, step_index, working_per_step)
+  tensor_bytes = (np.bincount(tensor_index, np.asarray([t.total_bytes for t in tensors],
+                                                       np.float64), minlength=n)
+                  if tensors else np.zeros(n))
+  total = float(cycles.sum())
+  rows = [ScopeCost(scope=str(names[i]), cycles=float(cycles[i]),
+                    cycle_share=float(cycles[i] / total) if total else 0.0,
+                    steps=int(counts[i]), flops=float(flops[i]),
+                    tensor_bytes=int(tensor_bytes[i]), working_bytes=int(working[i]))
+          for i in range(n)]
+  rows.sort(key=lambda r: (-r.cycles, -r.tensor_bytes, r.scope))
+  return rows
+
+
+def costliest_scopes_table(profile, depth: int = 2, top: int = 5) -> str:
+  """The ``top`` costliest module paths by cycles and by memory, as text.
+
+  Args:
+    profile: a :class:`~ipu_jax.lowering.profile.ProgramProfile`.
+    depth: see :func:`by_scope`.
+    top: rows in each table.
+
+  Returns:
+    Two tables under one heading, ready for a report summary.
+  """
+  rows = by_scope(profile, depth)
+  width = max([len("Module path")] + [len(r.scope) for r in rows])
+  lines = [f"Costliest module paths (depth {depth})", "  by cycles:",
+           f"    {'Module path'.ljust(width)}  {'Cycles':>14}  {'Share':>6}  {'Steps':>6}"]
+  for r in rows[:top]:
+    lines.append(f"    {r.scope.ljust(width)}  {r.cycles:>14,.0f}  {r.cycle_share:>6.1%}  "
+                 f"{r.steps:>6,}")
+  lines += ["  by memory:",
+            f"    {'Module path'.ljust(width)}  {'Tensor bytes':>14}  {'Working B/tile':>14}"]
+  for r in sorted(rows, key=lambda r: (-r.tensor_bytes, -r.working_bytes, r.scope))[:top]:
+    lines.append(f"    {r.scope.ljust(width)}  {r.tensor_bytes:>14,}  {r.working_bytes:>14,}")
+  return "\n".join(lines)
