@@ -381,7 +381,14 @@ class IPUFunction:
     return tuple(static), (dyn_args, dyn_kwargs), call
 
   def lower(self, *args, **kwargs) -> Lowered:
-    """Lower (or fetch from the cache) the program for these arguments."""
+    """Lower (or fetch from the cache) the program for these arguments.
+
+    Raises:
+      TypeError: an argument is a Flax NNX module or optimizer, whose in-place
+        updates this function could not write back (use ``ipu_jax.nnx_jit``).
+    """
+    from ipu_jax.nnx_jit import reject_graph_nodes  # nnx_jit builds on this module
+    reject_graph_nodes(tuple(args) + tuple(kwargs.values()), self.__name__)
     target, options, replicas = self._settings()
     static, dynamic, call = self._split(args, kwargs)
     with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dynamic)

@@ -40,12 +40,22 @@ def _is_graph_node(value) -> bool:
   return nnx.graph.is_graph_node(value)
 
 
-def _graph_node_paths(tree) -> list:
+def _is_stateful_object(value) -> bool:
+  """A module or optimizer (whose updates go in place), not a lone Variable.
+
+  A Variable passed in a state pytree is data: its value is an input and any
+  new value comes back as an output, so plain ``ipu_jax.jit`` handles it.
+  """
+  from flax import nnx
+  return _is_graph_node(value) and not isinstance(value, nnx.Variable)
+
+
+def _graph_node_paths(tree, predicate=_is_graph_node) -> list:
   """Pytree paths of the graph nodes in ``tree`` (not descending into them)."""
   if "flax" not in __import__("sys").modules:
     return []  # no NNX object can exist without Flax imported
-  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_graph_node)
-  return [jax.tree_util.keystr(path) for path, leaf in with_paths if _is_graph_node(leaf)]
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=predicate)
+  return [jax.tree_util.keystr(path) for path, leaf in with_paths if predicate(leaf)]
 
 
 def has_graph_nodes(args: Sequence) -> bool:
@@ -63,7 +73,7 @@ def reject_graph_nodes(args: Sequence, fn_name: str = "fn") -> None:
   Raises:
     TypeError: naming the arguments that are graph nodes.
   """
-  paths = _graph_node_paths(tuple(args))
+  paths = _graph_node_paths(tuple(args), _is_stateful_object)
   if paths:
     where = ", ".join(f"args{p}" for p in paths)
     raise TypeError(

@@ -231,5 +231,20 @@ class SourceLinesTest(chex.TestCase):
     self.assertEqual(sources, {where})
 
 
+class NNXArgumentsTest(chex.TestCase):
+
+  def test_module_argument_points_to_nnx_jit(self):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    f = ipu_jax.jit(lambda m, x: m(x), target=_T16)
+    with self.assertRaisesRegex(TypeError, r"NNX objects \(args\[0\]\).*ipu_jax.nnx_jit"):
+      f(model, jnp.ones(3))
+
+  def test_variable_state_is_plain_data(self):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    f = ipu_jax.jit(lambda s, x: nnx.merge(graphdef, s)(x), target=_T16)
+    chex.assert_trees_all_close(f(state, jnp.ones(3)), model(jnp.ones(3)), rtol=1e-6)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -193,6 +193,14 @@ class ReportsTest(chex.TestCase):
     eval_setup = model.reports["eval"].profile.run_setup
     self.assertEqual((eval_setup.program, eval_setup.gradient_accumulation_steps,
                       eval_setup.micro_batch), ("eval", 1, 4))
+    # What a user reads: the summary and report.json say how it was run.
+    summary = model.reports["train"].summary()
+    self.assertTrue(summary.startswith("Run setup:\n  Program: train step"), summary[:200])
+    directory = self.create_tempdir().full_path
+    model.reports["train"].save(directory, plots=False, html=False)
+    saved = ipu_jax.load_report(directory)
+    self.assertEqual(saved.document["run_setup"]["global_batch"], 8)
+    self.assertIn("global_batch: 8", saved.summary())
 
   def test_training_report_groups_by_nnx_module_path(self):
     x, y = data()
@@ -214,6 +222,9 @@ class ReportsTest(chex.TestCase):
     table = costliest_scopes_table(profile, depth=2, top=5)
     self.assertIn("by cycles", table)
     self.assertIn("TinyMLP/hidden", table)
+    report = model.reports["train"]
+    self.assertEqual([r.scope for r in report.by_scope(2)], [r.scope for r in by_scope(profile, 2)])
+    self.assertIn("Costliest module paths (depth 2)", report.summary())
 
   def test_named_scopes_and_linen_paths_in_plain_jit(self):
     class Block(linen.Module):

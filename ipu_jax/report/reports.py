@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
+from ipu_jax.lowering import scopes
 from ipu_jax.lowering.profile import ProgramProfile
 from ipu_jax.report import html as html_lib
 from ipu_jax.report.data import REPORT_FILE
@@ -258,7 +259,12 @@ class _ReportBase(SummaryMixin):
         "live_over_program": data.live.tolist(),
         "steps": steps_to_json(data.steps, data.tile_cycles),
         "tensors": list(data.tensors),
+        "run_setup": self._run_setup_dict(),
     }
+
+  def _run_setup_dict(self):
+    """How the program is run (replicas, batches...), if its builder said."""
+    return getattr(self, "document", {}).get("run_setup")
 
   def trace(self) -> dict:
     """The Chrome Trace Event Format document written to ``trace.json``."""
@@ -313,6 +319,31 @@ class Report(_ReportBase):
           f"Report expects a ProgramProfile, got {type(profile).__name__}.")
     self.profile = profile
     self._cached = None
+
+  def by_scope(self, depth: int = 2) -> list:
+    """Cycles and memory grouped by module path (``jax.named_scope``, Flax).
+
+    Args:
+      depth: how many levels of the path to keep (``Model/block_0`` at 2).
+
+    Returns:
+      ``ScopeCost`` rows (``scope``, ``cycles``, ``cycle_share``, ``steps``,
+      ``flops``, ``tensor_bytes``, ``working_bytes``), costliest first.
+    """
+    return scopes.by_scope(self.profile, depth)
+
+  def _run_setup_dict(self):
+    setup = getattr(self.profile, "run_setup", None)
+    return None if setup is None else setup.as_dict()
+
+  def _summary_run_setup(self) -> list:
+    setup = getattr(self.profile, "run_setup", None)
+    return [] if setup is None else ["Run setup:"] + [f"  {line}" for line in setup.summary_lines()]
+
+  def _summary_scopes(self) -> list:
+    if not any(step.scope for step in self.profile.steps):
+      return []
+    return scopes.costliest_scopes_table(self.profile, depth=2, top=5).splitlines()
 
   @property
   def _data(self) -> ReportData:

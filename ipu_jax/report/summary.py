@@ -41,6 +41,7 @@ class SummaryMixin:
       Multi-line text.
     """
     sections = [
+        self._summary_run_setup(),
         self._summary_target(),
         self._summary_program(),
         self._summary_memory(),
@@ -48,7 +49,9 @@ class SummaryMixin:
         self._summary_top_ops(top),
         self._summary_top_working_memory(top),
         self._summary_top_tensors(top),
+        self._summary_scopes(),
     ]
+    sections = [section for section in sections if section]
     notes = self._summary_notes()
     if notes:
       sections.append(notes)
@@ -217,6 +220,16 @@ class SummaryMixin:
     return [title] + text_table(
         ["Tensor", "Shape", "Dtype", "Category", "Bytes", "Tiles", "Op",
          "Source"], body, right=(False, False, False, False, True, True))
+
+  def _summary_run_setup(self) -> list:
+    """How the program is run; only a live report's builder knows it."""
+    setup = self.document.get("run_setup") if hasattr(self, "document") else None
+    if not setup:
+      return []
+    return ["Run setup:"] + [f"  {k}: {v}" for k, v in setup.items()]
+
+  def _summary_scopes(self) -> list:
+    return []
 
   def _summary_notes(self) -> list:
     """Steps whose cost the lowering qualified (e.g. emulated float64)."""
