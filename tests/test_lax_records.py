@@ -1,0 +1,185 @@
+"""JAX's own ``lax`` operator records run through ``ipu_jax.jit`` (slow).
+
+JAX keeps a catalogue of operator test cases, one ``Harness`` per primitive
+and parameter combination (``jax._src.internal_test_util.test_harnesses``,
+5,594 records in JAX 0.10.2: every dtype, shape, dimension number and
+padding the jax2tf converters are tested on). Each record is run here through
+``ipu_jax.jit`` at 16 tiles and compared with ``jax.jit`` on the same
+inputs, and classified:
+
+* ``pass``: same results (float outputs within the tolerance of their dtype,
+  everything else exact);
+* ``unsupported``: ``ipu_jax.LoweringError`` before anything runs (the clear
+  error a user sees for a primitive or a parameter with no tile lowering);
+* ``wrong``: results differ from ``jax.jit``;
+* ``crash``: any other exception.
+
+Records ``jax.jit`` itself cannot run on this host (CPU limitations the
+record lists, or a reference that raises) are left out of the count.
+
+The full catalogue takes long on a 2-core host, so the slow test runs a
+stratified sample: up to ``_PER_GROUP`` records from every group (primitive),
+spread evenly over the group's list. The script mode prints the table the
+README's unsupported list comes from::
+
+    python tests/test_lax_records.py --summary            # the sample
+    python tests/test_lax_records.py --summary --all      # every record
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import numpy as np
+import pytest
+
+import ipu_jax
+
+_T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+_PER_GROUP = 6
+_PASS_FRACTION = 0.98
+
+# Relative and absolute tolerance per result dtype: JAX's test defaults for
+# floats widened to the accumulation-order differences a tile program has in
+# reductions, matmuls and convolutions (partials per tile, then a tree).
+_TOLERANCE = {
+    np.dtype("float32"): 1e-5,
+    np.dtype("float16"): 2e-3,
+    np.dtype(jax.numpy.bfloat16): 2e-2,
+    np.dtype("complex64"): 1e-5,
+}
+
+# Records whose failure is in a part another engineer is fixing now (the
+# reason says which); they are run and reported but do not fail the test.
+KNOWN_FAILURES: dict[str, str] = {}
+
+
+def _records(everything: bool = False):
+  """The harnesses to run: all of them, or the stratified sample."""
+  from jax._src.internal_test_util import test_harnesses
+  groups = collections.defaultdict(list)
+  for harness in test_harnesses.all_harnesses:
+    if harness.filter("cpu"):
+      groups[harness.group_name].append(harness)
+  chosen = []
+  for _, members in sorted(groups.items()):
+    if everything or len(members) <= _PER_GROUP:
+      chosen.extend(members)
+    else:
+      picks = np.unique(np.linspace(0, len(members) - 1, _PER_GROUP).round().astype(int))
+      chosen.extend(members[i] for i in picks)
+  return chosen
+
+
+def _leaves(tree):
+  out = []
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.extended):
+      leaf = jax.random.key_data(leaf)
+    out.append(np.asarray(leaf))
+  return out
+
+
+def _compare(got, want):
+  """None when ``got`` matches ``want``, else what differs."""
+  if jax.tree_util.tree_structure(got) != jax.tree_util.tree_structure(want):
+    return f"result structure {jax.tree_util.tree_structure(got)} != {jax.tree_util.tree_structure(want)}"
+  for g, w in zip(_leaves(got), _leaves(want)):
+    if g.shape != w.shape or g.dtype != w.dtype:
+      return f"result {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}"
+    tol = _TOLERANCE.get(w.dtype)
+    try:
+      if tol is None:
+        np.testing.assert_array_equal(g, w)
+      else:
+        np.testing.assert_allclose(g.astype(np.complex128 if w.dtype.kind == "c" else np.float64),
+                                   w.astype(np.complex128 if w.dtype.kind == "c" else np.float64),
+                                   rtol=tol, atol=tol, equal_nan=True)
+    except AssertionError as e:
+      return " ".join(str(e).split())[:300]
+  return None
+
+
+def classify(harness, seed: int = 0):
+  """Runs one record; returns ``(outcome, detail)``.
+
+  ``outcome`` is one of ``pass``, ``unsupported``, ``wrong``, ``crash`` or
+  ``reference_fails`` (``jax.jit`` cannot run it here).
+  """
+  args = harness.dyn_args_maker(np.random.RandomState(seed))
+  try:
+    want = jax.jit(harness.dyn_fun)(*args)
+    jax.block_until_ready(want)
+  except Exception as e:  # pylint: disable=broad-except
+    return "reference_fails", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  try:
+    got = ipu_jax.jit(harness.dyn_fun, target=_T16)(*args)
+    jax.block_until_ready(got)
+  except ipu_jax.LoweringError as e:
+    return "unsupported", str(e).splitlines()[0]
+  except Exception as e:  # pylint: disable=broad-except
+    return "crash", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+  difference = _compare(got, want)
+  return ("wrong", difference) if difference else ("pass", "")
+
+
+def run_records(everything: bool = False, stream=None):
+  """Classifies every chosen record; returns ``{fullname: (outcome, detail)}``."""
+  results = {}
+  for harness in _records(everything):
+    start = time.perf_counter()
+    results[harness.fullname] = classify(harness)
+    jax.clear_caches()
+    if stream is not None:
+      outcome, detail = results[harness.fullname]
+      print(f"{outcome:16s} {time.perf_counter() - start:6.2f}s {harness.fullname} {detail[:160]}",
+            file=stream, flush=True)
+  return results
+
+
+def summary_table(results) -> str:
+  """Counts per outcome, then every non-passing record grouped by primitive."""
+  counts = collections.Counter(outcome for outcome, _ in results.values())
+  counted = sum(n for outcome, n in counts.items() if outcome != "reference_fails")
+  lines = [f"{len(results)} records; {counted} counted (jax.jit runs them on this host)"]
+  for outcome in ("pass", "unsupported", "wrong", "crash", "reference_fails"):
+    share = f" ({100 * counts[outcome] / max(counted, 1):.1f} %)" if outcome != "reference_fails" else ""
+    lines.append(f"  {outcome:16s} {counts[outcome]:5d}{share}")
+  by_group = collections.defaultdict(list)
+  for name, (outcome, detail) in sorted(results.items()):
+    if outcome not in ("pass", "reference_fails"):
+      by_group[(outcome, name.split("_shape")[0].split("_dtypes")[0])].append((name, detail))
+  lines.append("")
+  lines.append("| outcome | record group | records | first message |")
+  lines.append("|---|---|---:|---|")
+  for (outcome, group), members in sorted(by_group.items()):
+    lines.append(f"| {outcome} | {group} | {len(members)} | {members[0][1][:140]} |")
+  return "\n".join(lines)
+
+
+@pytest.mark.slow
+class LaxRecordsTest(chex.TestCase, parameterized.TestCase):
+
+  def test_lax_records_pass_or_clearly_unsupported(self):
+    results = run_records()
+    counted = {k: v for k, v in results.items() if v[0] != "reference_fails"}
+    passed = sum(outcome == "pass" for outcome, _ in counted.values())
+    bad = {name: value for name, value in counted.items()
+           if value[0] in ("wrong", "crash") and name not in KNOWN_FAILURES}
+    self.assertEqual(bad, {}, msg=summary_table(results))
+    self.assertGreaterEqual(passed / len(counted), _PASS_FRACTION, msg=summary_table(results))
+
+
+if __name__ == "__main__":
+  if "--summary" in sys.argv:
+    jax.config.update("jax_enable_x64", False)
+    table = summary_table(run_records("--all" in sys.argv, stream=sys.stderr))
+    print(table)
+  else:
+    absltest.main()
