@@ -8,18 +8,19 @@ random bits; maybe followed by an elementwise tail, or under ``jax.vmap`` or
 ``jax.grad``). Each runs at 16 tiles in both executor modes (``batched`` and
 ``per_tile``) and is compared with ``jax.jit`` on the same inputs:
 
-* ``exact`` programs bit for bit (NaNs included). This includes programs XLA
-  rewrites (``x / 3`` becomes ``x * (1/3)``, ``a * b + c`` a fused
-  multiply-add, ``x / sqrt(y)`` ``x * rsqrt(y)``): the tile program is
-  compiled by XLA as one function too and gets the same rewrites, so the
-  ulp budget of elementwise programs is zero.
-* ``ulp`` programs, whose last operation divides by a broadcast operand or
-  a constant array, within 1 ulp: XLA rewrites ``x / broadcast(y)`` into
-  ``x * broadcast(1/y)`` and ``x / c`` into ``x * (1/c)`` (up to 1 ulp from
-  the quotient); the tile program broadcasts by an exchange, or keeps the
-  constant in tile memory, and divides. The only budget: measured over
-  1,000 to 4,000,000 values, every other XLA rewrite gives bits identical
-  to the tile program's.
+* ``exact`` programs bit for bit (NaNs included). This includes most
+  programs XLA rewrites (``a * b + c`` becomes a fused multiply-add,
+  ``x / 3`` ``x * (1/3)``): the tile program is compiled by XLA as one
+  function too and gets the same rewrites.
+* ``ulp`` programs, whose last operation divides by a broadcast operand, a
+  constant array or a square root, within 3 ulps: XLA rewrites
+  ``x / broadcast(y)`` into ``x * broadcast(1/y)``, ``x / c`` into
+  ``x * (1/c)`` (each up to 1 ulp from the quotient) and ``x / sqrt(y)``
+  into ``x * rsqrt(y)`` (up to 3 ulps); the tile program, where the pattern
+  is split by an exchange or a constant lives in tile memory, divides. The
+  only budget: every other XLA rewrite measured (fused multiply-add,
+  ``log(exp(x))``, ``exp(a) * exp(b)``, division by a literal) gives bits
+  identical to the tile program's, which XLA compiles as one function too.
 * ``rounding`` programs (sums, dots, convolutions, loops, gradients) within
   ``rtol = atol = 2e-5`` of the result's scale for float32 (float16 2e-3,
   bfloat16 2e-2): a different accumulation order, not different maths.
@@ -45,8 +46,9 @@ import program_generator
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _CI_SEEDS = range(16)
 _SLOW_SEEDS = range(16, 256)
-# Division by a broadcast or constant: XLA multiplies by the reciprocal.
-_ULP_BUDGET = 1
+# Division by a broadcast, a constant or a square root: XLA multiplies by
+# the reciprocal (1 ulp) or by rsqrt (3 ulps).
+_ULP_BUDGET = 3
 _RTOL = {np.dtype("float32"): 2e-5, np.dtype("float16"): 2e-3,
          np.dtype(jnp.bfloat16): 2e-2}
 
