@@ -55,9 +55,27 @@ _TOLERANCE = {
     np.dtype("complex64"): 1e-5,
 }
 
-# Records whose failure is in a part another engineer is fixing now (the
-# reason says which); they are run and reported but do not fail the test.
-KNOWN_FAILURES: dict[str, str] = {}
+# Record groups whose primitive has no tile lowering yet and is being added
+# by another engineer now (group -> who/why). Their records are run and
+# reported; they leave the pass fraction's denominator and must fail with the
+# clear unsupported error, nothing else.
+IN_PROGRESS_GROUPS: dict[str, str] = {
+    **{group: "linalg primitives (being added)" for group in (
+        "cholesky", "eig", "eigh", "lu", "qr", "svd", "triangular_solve",
+        "tridiagonal_solve", "custom_linear_solve")},
+    "fft": "fft (being added)",
+    "complex": "complex numbers (being added)",
+    "conj": "complex numbers (being added)",
+    "random_gamma": "random_gamma (being added)",
+}
+
+# Records with wrong numbers or a crash in code another engineer is changing
+# now (record fullname -> reason).
+KNOWN_FAILURES: dict[str, str] = {
+    "dot_general_different_dtypes_lhs_float32_4_3_rhs_complex64_3_6_dimensionnumbers_1_0_"
+    "enable_xla_False": "dot_general of float32 x complex64 drops the imaginary part "
+                        "(complex dot is being fixed)",
+}
 
 
 def _records(everything: bool = False):
@@ -129,37 +147,67 @@ def classify(harness, seed: int = 0):
   return ("wrong", difference) if difference else ("pass", "")
 
 
+def group_sizes():
+  """Records per group that run on CPU (the weights of the sample)."""
+  return collections.Counter(h.group_name for h in _records(everything=True))
+
+
 def run_records(everything: bool = False, stream=None):
-  """Classifies every chosen record; returns ``{fullname: (outcome, detail)}``."""
+  """Classifies every chosen record.
+
+  Returns:
+    ``{fullname: (group, outcome, detail)}``.
+  """
   results = {}
   for harness in _records(everything):
     start = time.perf_counter()
-    results[harness.fullname] = classify(harness)
+    results[harness.fullname] = (harness.group_name,) + classify(harness)
     jax.clear_caches()
     if stream is not None:
-      outcome, detail = results[harness.fullname]
+      _, outcome, detail = results[harness.fullname]
       print(f"{outcome:16s} {time.perf_counter() - start:6.2f}s {harness.fullname} {detail[:160]}",
             file=stream, flush=True)
   return results
 
 
+def estimated_pass_fraction(results, exclude=()) -> float:
+  """The catalogue's pass fraction estimated from a (stratified) sample.
+
+  Each group's pass fraction in the sample is weighted by the group's size
+  in the whole catalogue; with every record run this is the plain fraction.
+  """
+  sizes = group_sizes()
+  passed = collections.defaultdict(list)
+  for group, outcome, _ in results.values():
+    if outcome != "reference_fails" and group not in exclude:
+      passed[group].append(outcome == "pass")
+  total = sum(sizes[g] for g in passed)
+  return sum(sizes[g] * np.mean(v) for g, v in passed.items()) / max(total, 1)
+
+
 def summary_table(results) -> str:
-  """Counts per outcome, then every non-passing record grouped by primitive."""
-  counts = collections.Counter(outcome for outcome, _ in results.values())
+  """Counts per outcome, the estimated pass fraction, every failing group."""
+  counts = collections.Counter(outcome for _, outcome, _ in results.values())
   counted = sum(n for outcome, n in counts.items() if outcome != "reference_fails")
-  lines = [f"{len(results)} records; {counted} counted (jax.jit runs them on this host)"]
+  lines = [f"{len(results)} records run; {counted} counted (jax.jit runs them on this host)"]
   for outcome in ("pass", "unsupported", "wrong", "crash", "reference_fails"):
     share = f" ({100 * counts[outcome] / max(counted, 1):.1f} %)" if outcome != "reference_fails" else ""
     lines.append(f"  {outcome:16s} {counts[outcome]:5d}{share}")
+  lines.append(f"estimated pass fraction of all {sum(group_sizes().values())} records: "
+               f"{100 * estimated_pass_fraction(results):.1f} %; without the groups being "
+               f"added now: {100 * estimated_pass_fraction(results, IN_PROGRESS_GROUPS):.1f} %")
   by_group = collections.defaultdict(list)
-  for name, (outcome, detail) in sorted(results.items()):
+  for name, (group, outcome, detail) in sorted(results.items()):
     if outcome not in ("pass", "reference_fails"):
-      by_group[(outcome, name.split("_shape")[0].split("_dtypes")[0])].append((name, detail))
+      by_group[(outcome, group)].append((name, detail))
+  sizes = group_sizes()
   lines.append("")
-  lines.append("| outcome | record group | records | first message |")
+  lines.append("| outcome | group | failing / run (of all) | first message |")
   lines.append("|---|---|---:|---|")
   for (outcome, group), members in sorted(by_group.items()):
-    lines.append(f"| {outcome} | {group} | {len(members)} | {members[0][1][:140]} |")
+    run = sum(g == group for g, _, _ in results.values())
+    lines.append(f"| {outcome} | {group} | {len(members)} / {run} ({sizes[group]}) | "
+                 f"{members[0][1][:110]} |")
   return "\n".join(lines)
 
 
@@ -168,12 +216,16 @@ class LaxRecordsTest(chex.TestCase, parameterized.TestCase):
 
   def test_lax_records_pass_or_clearly_unsupported(self):
     results = run_records()
-    counted = {k: v for k, v in results.items() if v[0] != "reference_fails"}
-    passed = sum(outcome == "pass" for outcome, _ in counted.values())
-    bad = {name: value for name, value in counted.items()
-           if value[0] in ("wrong", "crash") and name not in KNOWN_FAILURES}
-    self.assertEqual(bad, {}, msg=summary_table(results))
-    self.assertGreaterEqual(passed / len(counted), _PASS_FRACTION, msg=summary_table(results))
+    table = summary_table(results)
+    bad = {name: detail for name, (group, outcome, detail) in results.items()
+           if outcome in ("wrong", "crash") and name not in KNOWN_FAILURES}
+    self.assertEqual(bad, {}, msg=table)
+    unclear = {name: outcome for name, (group, outcome, _) in results.items()
+               if group in IN_PROGRESS_GROUPS and outcome not in ("pass", "unsupported")
+               and name not in KNOWN_FAILURES}
+    self.assertEqual(unclear, {}, msg=table)
+    self.assertGreaterEqual(estimated_pass_fraction(results, IN_PROGRESS_GROUPS),
+                            _PASS_FRACTION, msg=table)
 
 
 if __name__ == "__main__":
