@@ -495,14 +495,8 @@ def _with_grad(case):
     out = _first_float_leaf(case.fn(first, *rest)).astype(jnp.float32)
     return jnp.sum(jnp.sin(out) * out)
 
-  make = case.make_args
-
-  def make_f32(r):
-    args = make(r)
-    return (np.asarray(args[0], np.float32),) + tuple(args[1:])
-
   return dataclasses.replace(case, desc=f"grad of ({case.desc})", fn=jax.grad(loss),
-                             make_args=make_f32, compare="rounding")
+                             compare="rounding")
 
 
 def _with_vmap(case, batch):
