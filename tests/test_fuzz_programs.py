@@ -105,26 +105,37 @@ def check_program(seed):
     assert_same_numbers(got, want, program.compare, what=f"{program.name} [{mode}]")
 
 
-class FuzzProgramsTest(chex.TestCase, parameterized.TestCase):
+def _run(test, seed):
+  if seed in KNOWN_FAILURES:
+    test.skipTest(f"known failure: {KNOWN_FAILURES[seed]}")
+  check_program(seed)
+  jax.clear_caches()
 
-  def _run(self, seed):
-    if seed in KNOWN_FAILURES:
-      self.skipTest(f"known failure: {KNOWN_FAILURES[seed]}")
-    check_program(seed)
-    jax.clear_caches()
+
+class FuzzProgramsTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.parameters(*_CI_SEEDS)
   def test_random_program(self, seed):
-    self._run(seed)
-
-  @pytest.mark.slow
-  @parameterized.parameters(*_SLOW_SEEDS)
-  def test_random_program_long(self, seed):
-    self._run(seed)
+    _run(self, seed)
 
   def test_generator_covers_every_family_in_ci(self):
     families = {program_generator.generate(s).family for s in _CI_SEEDS}
     self.assertEqual(families, set(program_generator.FAMILIES))
+
+  def test_generator_is_deterministic(self):
+    first, again = program_generator.generate(7), program_generator.generate(7)
+    self.assertEqual(first.name, again.name)
+    chex.assert_trees_all_equal(first.args, again.args)
+
+
+# The mark is on the class: pytest does not see marks on the methods absl's
+# parameterized generates.
+@pytest.mark.slow
+class FuzzProgramsLongTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.parameters(*_SLOW_SEEDS)
+  def test_random_program_long(self, seed):
+    _run(self, seed)
 
 
 if __name__ == "__main__":
