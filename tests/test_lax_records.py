@@ -63,23 +63,11 @@ _TOLERANCE = {
 # by another engineer now (group -> who/why). Their records are run and
 # reported; they leave the pass fraction's denominator and must fail with the
 # clear unsupported error, nothing else.
-IN_PROGRESS_GROUPS: dict[str, str] = {
-    **{group: "linalg primitives (being added)" for group in (
-        "cholesky", "eig", "eigh", "lu", "qr", "svd", "triangular_solve",
-        "tridiagonal_solve", "custom_linear_solve")},
-    "fft": "fft (being added)",
-    "complex": "complex numbers (being added)",
-    "conj": "complex numbers (being added)",
-    "random_gamma": "random_gamma (being added)",
-}
+IN_PROGRESS_GROUPS: dict[str, str] = {}
 
 # Records with wrong numbers or a crash in code another engineer is changing
 # now (record fullname -> reason).
-KNOWN_FAILURES: dict[str, str] = {
-    "dot_general_different_dtypes_lhs_float32_4_3_rhs_complex64_3_6_dimensionnumbers_1_0_"
-    "enable_xla_False": "dot_general of float32 x complex64 drops the imaginary part "
-                        "(complex dot is being fixed)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def _records(everything: bool = False):
