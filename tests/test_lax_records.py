@@ -59,14 +59,13 @@ _TOLERANCE = {
     np.dtype("complex64"): 1e-5,
 }
 
-# Record groups whose primitive has no tile lowering yet and is being added
-# by another engineer now (group -> who/why). Their records are run and
-# reported; they leave the pass fraction's denominator and must fail with the
-# clear unsupported error, nothing else.
+# Record groups left out of the pass fraction while their lowering is being
+# written (group -> why): their records still run and must fail with the clear
+# unsupported error, nothing else. None today.
 IN_PROGRESS_GROUPS: dict[str, str] = {}
 
-# Records with wrong numbers or a crash in code another engineer is changing
-# now (record fullname -> reason).
+# Records allowed wrong numbers or a crash, each with the reason and the fix
+# under way (record fullname -> reason). None today.
 KNOWN_FAILURES: dict[str, str] = {}
 
 

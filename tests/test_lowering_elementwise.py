@@ -124,6 +124,14 @@ class ElementwiseTest(chex.TestCase, parameterized.TestCase):
     i = _random((7, 13), np.int32) % 3
     _check(lambda i, x, y: lax.select_n(jnp.abs(i), x, y, x * y), i, x, y)
 
+  def test_special_functions_of_several_operands(self):
+    # Continued fractions XLA expands in place: the same expansion runs per tile.
+    a = _random((7, 13), np.float32, seed=2, low=0.5, high=4.0)
+    b = _random((7, 13), np.float32, seed=3, low=0.5, high=4.0)
+    x = _random((7, 13), np.float32, seed=4, low=0.0, high=1.0)
+    _check(lambda a, b, x: (lax.betainc(a, b, x), jax.scipy.special.betainc(a, 2.0, x)), a, b, x)
+    _check(lambda a, x: jax.grad(lambda a: jnp.sum(lax.igamma(a, x)))(a), a, x * 5)
+
   def test_bitcast(self):
     x = _random((37,), np.float32)
     _check(lambda v: (lax.bitcast_convert_type(v, jnp.int32),

@@ -32,16 +32,18 @@ _BINARY = [
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
     "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
     "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "igamma", "igammac", "random_gamma_grad", "polygamma", "zeta",
+    "igamma", "igammac", "igamma_grad_a", "random_gamma_grad", "polygamma", "zeta",
     # Total-order comparisons (NaNs and signed zeros ordered; searchsorted).
     "eq_to", "lt_to", "le_to",
     # ``lax.complex(re, im)`` and ``lax.mulhi`` (high half of an integer product).
     "complex", "mulhi",
 ]
-_OTHER = ["select_n", "clamp", "add_any"]
+_OTHER = ["select_n", "clamp", "add_any", "regularized_incomplete_beta"]
 
 _FLOPS = {"logistic": 4, "tanh": 4, "erf": 8, "erf_inv": 12, "exp": 2, "log": 2,
-          "pow": 8, "div": 1, "rsqrt": 2, "sqrt": 2, "complex": 0}
+          "pow": 8, "div": 1, "rsqrt": 2, "sqrt": 2, "complex": 0,
+          # Continued-fraction evaluations of a few dozen terms.
+          "regularized_incomplete_beta": 200, "igamma_grad_a": 200}
 
 
 def _find_primitive(name):
