@@ -29,7 +29,7 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
-from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr
+from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.target import PRESETS, IPUTarget
 
 __all__ = ["jit", "IPUFunction", "Lowered"]
@@ -51,7 +51,7 @@ class Lowered:
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
                target: IPUTarget, options, replication_factor: int = 1,
-               arg_names: Sequence[str] = (), progress=None):
+               arg_names: Sequence[str] = (), progress=None, call_site: str = ""):
     progress = progress or compile_progress.CompileProgress(name, verbose=0)
     self.target = target
     # ``in_tree`` is the tree of the dynamic (args, kwargs) a caller passes.
@@ -78,7 +78,7 @@ class Lowered:
       tensor = ctx.new_tensor(shape, dtype, name=arg_name, category="variables")
       inputs.append(tensor)
     progress.stage("lowering")
-    with ctx.at("argument", ""):
+    with ctx.at("argument", call_site):
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
@@ -402,6 +402,7 @@ class IPUFunction:
       arg_names = [_argument_name(path) for path, _ in with_paths]
       with self._progress() as progress:
         lowered = Lowered(call, flat, in_tree, self.__name__, target, options,
+                          call_site=user_call_site(),
                           replication_factor=replicas, arg_names=arg_names,
                           progress=progress)
       self._cache[key] = lowered

@@ -13,13 +13,14 @@ from ipu_jax.lowering.registry import get_lowering
 __all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
 
 
-def source_of(eqn) -> str:
+def source_of(eqn, library_fallback: bool = True) -> str:
   """The user's ``file:line`` an equation came from ('' if unknown).
 
   The innermost frame outside JAX and outside the libraries a model is built
   with (Flax, optax, chex, NumPy, ipu-jax itself): for a Flax layer, the line
   of the user's model that called it, not a line of ``flax/nnx/nn/linear.py``.
-  When every frame is library code, the innermost non-JAX frame.
+  When every frame is library code, the innermost non-JAX frame (or '' when
+  ``library_fallback`` is False).
   """
   traceback = eqn.source_info.traceback
   if traceback is None:
@@ -32,7 +33,38 @@ def source_of(eqn) -> str:
     first = first or frame
     if not frame.file_name.startswith(_LIBRARY_ROOTS):
       return f"{frame.file_name}:{frame.start_line}"
-  return "" if first is None else f"{first.file_name}:{first.start_line}"
+  if first is None or not library_fallback:
+    return ""
+  return f"{first.file_name}:{first.start_line}"
+
+
+def user_call_site() -> str:
+  """The ``file:line`` of the innermost caller outside JAX and the libraries.
+
+  JAX records an equation's traceback only from where tracing began, so an
+  equation of a wrapped transform (``ipu_jax.jit(jax.jit(f))``) or of a
+  library helper may hold no user frame at all: it then belongs to the line
+  that called ``ipu_jax.jit``'s function.
+  """
+  import sys
+  global _LIBRARY_ROOTS
+  if _LIBRARY_ROOTS is None:
+    _LIBRARY_ROOTS = _library_roots()
+  jax_roots = _jax_roots()
+  frame = sys._getframe(1)
+  while frame is not None:
+    name = frame.f_code.co_filename
+    if not name.startswith(_LIBRARY_ROOTS + jax_roots) and not name.startswith("<frozen"):
+      return f"{name}:{frame.f_lineno}"
+    frame = frame.f_back
+  return ""
+
+
+def _jax_roots() -> tuple:
+  import os
+  import jax
+  return tuple(os.path.join(os.path.dirname(os.path.realpath(p)), "")
+               for p in (jax.__file__,))
 
 
 _LIBRARY_ROOTS = None
@@ -100,7 +132,7 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
       progress(index, len(jaxpr.eqns))
     # Equations inside JAX's own jitted helpers (jnp.linalg, searchsorted, ...)
     # carry no user frame: they belong to the user line of the enclosing call.
-    source = source_of(eqn) or ctx.source
+    source = source_of(eqn, library_fallback=False) or ctx.source or source_of(eqn)
     rule = get_lowering(eqn.primitive)
     if rule is None:
       raise _unsupported(eqn, source)

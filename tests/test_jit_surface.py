@@ -231,6 +231,17 @@ class SourceLinesTest(chex.TestCase):
     self.assertEqual(sources, {where})
 
 
+class CallSiteTest(chex.TestCase):
+
+  def test_wrapped_transform_names_the_calling_line(self):
+    # The inner jax.jit's equations carry no frame of this file: they belong
+    # to the line that lowered the function.
+    f = ipu_jax.jit(jax.jit(jnp.tanh), target=_T16)
+    lowered = f.lower(jnp.ones(8))  # call-site-line
+    where = f"test_jit_surface.py:{_line_of('# call-site-line')}"
+    self.assertEqual({s.source.rsplit("/", 1)[-1] for s in lowered.profile.steps}, {where})
+
+
 class NNXArgumentsTest(chex.TestCase):
 
   def test_module_argument_points_to_nnx_jit(self):
