@@ -11,6 +11,9 @@ inputs, and classified:
   everything else exact);
 * ``unsupported``: ``ipu_jax.LoweringError`` before anything runs (the clear
   error a user sees for a primitive or a parameter with no tile lowering);
+* ``out_of_memory``: ``ipu_jax.OutOfMemoryError`` before anything runs, naming
+  the tile and the bytes (e.g. one matrix of a linear-algebra record larger
+  than a tile's SRAM, which real IPU programs cannot hold either);
 * ``wrong``: results differ from ``jax.jit``;
 * ``crash``: any other exception.
 
@@ -118,7 +121,7 @@ def _compare(got, want):
 def classify(harness, seed: int = 0):
   """Runs one record; returns ``(outcome, detail)``.
 
-  ``outcome`` is one of ``pass``, ``unsupported``, ``wrong``, ``crash`` or
+  ``outcome`` is one of ``pass``, ``unsupported``, ``out_of_memory``, ``wrong``, ``crash`` or
   ``reference_fails`` (``jax.jit`` cannot run it here).
   """
   args = harness.dyn_args_maker(np.random.RandomState(seed))
@@ -132,6 +135,8 @@ def classify(harness, seed: int = 0):
     jax.block_until_ready(got)
   except ipu_jax.LoweringError as e:
     return "unsupported", str(e).splitlines()[0]
+  except ipu_jax.OutOfMemoryError as e:
+    return "out_of_memory", str(e).splitlines()[0]
   except Exception as e:  # pylint: disable=broad-except
     return "crash", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
   difference = _compare(got, want)
@@ -181,12 +186,12 @@ def summary_table(results) -> str:
   counts = collections.Counter(outcome for _, outcome, _ in results.values())
   counted = sum(n for outcome, n in counts.items() if outcome != "reference_fails")
   lines = [f"{len(results)} records run; {counted} counted (jax.jit runs them on this host)"]
-  for outcome in ("pass", "unsupported", "wrong", "crash", "reference_fails"):
+  for outcome in ("pass", "unsupported", "out_of_memory", "wrong", "crash", "reference_fails"):
     share = f" ({100 * counts[outcome] / max(counted, 1):.1f} %)" if outcome != "reference_fails" else ""
     lines.append(f"  {outcome:16s} {counts[outcome]:5d}{share}")
   lines.append(f"estimated pass fraction of all {sum(group_sizes().values())} records: "
                f"{100 * estimated_pass_fraction(results):.1f} %; without the groups being "
-               f"added now: {100 * estimated_pass_fraction(results, IN_PROGRESS_GROUPS):.1f} %")
+               f"set aside: {100 * estimated_pass_fraction(results, IN_PROGRESS_GROUPS):.1f} %")
   by_group = collections.defaultdict(list)
   for name, (group, outcome, detail) in sorted(results.items()):
     if outcome not in ("pass", "reference_fails"):
