@@ -412,6 +412,18 @@ class ManyIndicesSmallTableTest(chex.TestCase, parameterized.TestCase):
   def _step_names(self, lowered, op):
     return [s.name for s in lowered.profile.steps if s.op == op]
 
+  def test_index_tuples_of_no_components(self):
+    # A whole-operand window (index_vector of length 0, as in the gradients of
+    # some training steps): no tuple has a tile of its own.
+    x, u = jnp.arange(5.0), jnp.ones(5)
+    none = jnp.zeros((0,), jnp.int32)
+    scatter_dims = lax.ScatterDimensionNumbers(
+        update_window_dims=(0,), inserted_window_dims=(), scatter_dims_to_operand_dims=())
+    gather_dims = lax.GatherDimensionNumbers(
+        offset_dims=(0,), collapsed_slice_dims=(), start_index_map=())
+    self._check(lambda x, u: lax.scatter_add(x, none, u, scatter_dims), x, u, exact=True)
+    self._check(lambda x: lax.gather(x, none, gather_dims, (5,)), x, exact=True)
+
   @parameterized.product(
       op=["add", "set", "min", "max", "multiply"],
       dtype=["f32", "i32", "bf16"],

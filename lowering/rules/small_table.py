@@ -184,7 +184,9 @@ class ScatterPartials:
     """The cheapest partial-tables plan over a few reduction trees, or None."""
     if name not in _COMBINERS or (name == "scatter" and update_jaxpr is not None):
       return None
-    if _identity(name, operand.dtype) is None or not indices.shape:
+    # Index tuples of no components (a whole-operand window) have no tile of
+    # their own: the served plan handles them.
+    if _identity(name, operand.dtype) is None or not indices.shape or indices.shape[-1] == 0:
       return None
     target = ctx.target
     table_bytes = operand.nbytes + (4 * operand.size if name == "scatter" else 0)
@@ -409,10 +411,15 @@ class ReplicatedGather:
   def __init__(self, ctx, table, indices, out_shape):
     self.ctx, self.table, self.indices = ctx, table, indices
     self.out_shape = tuple(out_shape)
-    self.tuple_tile = _tuple_tiles(indices)
     target = ctx.target
-    # A replica must fit comfortably beside what the tile already holds.
-    self.feasible = table.nbytes <= target.bytes_per_tile // _PARTIAL_BUDGET_FRACTION
+    # A replica must fit comfortably beside what the tile already holds, and
+    # index tuples need components to have a tile (see ScatterPartials.plan).
+    self.feasible = (table.nbytes <= target.bytes_per_tile // _PARTIAL_BUDGET_FRACTION
+                     and bool(indices.shape) and indices.shape[-1] > 0)
+    if not self.feasible:
+      self.tuple_tile, self.costs = np.zeros(0, np.int64), []
+      return
+    self.tuple_tile = _tuple_tiles(indices)
     self.costs = [builders.add_costs(
         builders.broadcast_cost(ctx, table, np.unique(self.tuple_tile)),
         _index_movement(target, indices, self.tuple_tile))]
