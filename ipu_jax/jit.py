@@ -233,32 +233,18 @@ def _bound_replicas():
     return None
 
 
-def _index_tuple(value, what: str) -> tuple:
-  """``value`` (an int or a sequence of ints) as a tuple of ints."""
-  items = (value,) if isinstance(value, int) else value
+def _tuple_of(value, kind: type, what: str) -> tuple:
+  """``value`` (one ``kind`` or a sequence of them) as a tuple, else TypeError."""
+  single = isinstance(value, kind) and not isinstance(value, bool)
+  items = (value,) if single else value
+  noun = {int: "an int or a sequence of ints", str: "a str or a sequence of str"}[kind]
   try:
     items = tuple(items)
   except TypeError:
-    raise TypeError(f"ipu_jax.jit {what} must be an int or a sequence of ints, got "
-                    f"{value!r}") from None
-  for i in items:
-    if isinstance(i, bool) or not isinstance(i, int):
-      raise TypeError(f"ipu_jax.jit {what} must be an int or a sequence of ints, got "
-                      f"{value!r}")
-  return items
-
-
-def _name_tuple(value, what: str) -> tuple:
-  items = (value,) if isinstance(value, str) else value
-  try:
-    items = tuple(items)
-  except TypeError:
-    raise TypeError(f"ipu_jax.jit {what} must be a str or a sequence of str, got "
-                    f"{value!r}") from None
-  for name in items:
-    if not isinstance(name, str):
-      raise TypeError(f"ipu_jax.jit {what} must be a str or a sequence of str, got "
-                      f"{value!r}")
+    raise TypeError(f"ipu_jax.jit {what} must be {noun}, got {value!r}") from None
+  if isinstance(value, str) and kind is not str or any(
+      isinstance(i, bool) or not isinstance(i, kind) for i in items):
+    raise TypeError(f"ipu_jax.jit {what} must be {noun}, got {value!r}")
   return items
 
 
@@ -474,10 +460,10 @@ def jit(fn: Callable = None, *, target=None, config=None,
   >>> f(jnp.arange(3.0), 2)
   Array([0., 2., 4.], dtype=float32)
   """
-  static_argnums = _index_tuple(static_argnums, "static_argnums")
-  donate_argnums = _index_tuple(donate_argnums, "donate_argnums")
-  static_argnames = _name_tuple(static_argnames, "static_argnames")
-  donate_argnames = _name_tuple(donate_argnames, "donate_argnames")
+  static_argnums = _tuple_of(static_argnums, int, "static_argnums")
+  donate_argnums = _tuple_of(donate_argnums, int, "donate_argnums")
+  static_argnames = _tuple_of(static_argnames, str, "static_argnames")
+  donate_argnames = _tuple_of(donate_argnames, str, "donate_argnames")
   target = _resolve_target(target)
   if config is not None and not isinstance(config, config_lib.IPUConfig):
     raise TypeError(f"ipu_jax.jit config must be an ipu_jax.IPUConfig, got "

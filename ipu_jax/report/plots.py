@@ -31,12 +31,9 @@ __all__ = ["write_plots", "memory_figure", "cycles_heatmap_figure",
            "MEMORY_PLOT_FILE", "HEATMAP_PLOT_FILE", "LIVE_PLOT_FILE",
            "PLOTS_MISSING_FILE"]
 
-REPORT_FILE = "report.json"
-TRACE_FILE = "trace.json"
-MEMORY_PLOT_FILE = "memory_per_tile.png"
-HEATMAP_PLOT_FILE = "cycles_heatmap.png"
-LIVE_PLOT_FILE = "live_memory.png"
-PLOTS_MISSING_FILE = "PLOTS_MISSING.txt"
+# The file names are the data model's (one name for one thing).
+from ipu_jax.report.data import (HEATMAP_PLOT_FILE, LIVE_PLOT_FILE,  # noqa: E402
+                                 MEMORY_PLOT_FILE, PLOTS_MISSING_FILE)
 
 # Past these sizes the heatmap averages bins of steps / tiles, so a program
 # of thousands of supersteps on 1,472 tiles still renders in well under a
