@@ -151,7 +151,8 @@ def _check_eigh(cores, params):
         f"EighImplementation.JACOBI")
 
 
-def _host_eigh(params):
+def _host_algorithm(params):
+  """Jacobi is the algorithm costed; the vertex computes with the host's default."""
   algorithm = params.get("algorithm")
   if algorithm is not None and algorithm.name == "JACOBI":
     return dict(params, algorithm=None)
@@ -170,13 +171,6 @@ def _check_svd(cores, params):
     raise NotImplementedError(
         f"algorithm={algorithm} is not supported; valid: None, SvdAlgorithm.DEFAULT, "
         f"SvdAlgorithm.QR, SvdAlgorithm.JACOBI, SvdAlgorithm.DIVIDE_AND_CONQUER")
-
-
-def _host_svd(params):
-  algorithm = params.get("algorithm")
-  if algorithm is not None and algorithm.name == "JACOBI":
-    return dict(params, algorithm=None)
-  return params
 
 
 # -- costs ---------------------------------------------------------------------
@@ -245,11 +239,11 @@ SPECS = {
     "eigh": LinalgSpec(
         2, lambda c, p: K.eigh_flops(c[0][-1]),
         lambda c, p: max(1, K.jacobi_sweeps(c[0][-1]) * max(c[0][-1] - 1, 1)),
-        "poplin::JacobiEigh", workspace=1, check=_check_eigh, host_params=_host_eigh),
+        "poplin::JacobiEigh", workspace=1, check=_check_eigh, host_params=_host_algorithm),
     "svd": LinalgSpec(
         2, lambda c, p: K.svd_flops(*c[0][-2:], compute_uv=p.get("compute_uv", True)),
         _svd_steps, "poplin::JacobiSVD", workspace=1, check=_check_svd,
-        host_params=_host_svd),
+        host_params=_host_algorithm),
     "eig": LinalgSpec(
         2, _eig_flops, lambda c, p: c[0][-1], "poplin::HessenbergQREig", workspace=1),
     "schur": LinalgSpec(
