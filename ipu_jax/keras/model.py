@@ -40,98 +40,35 @@ What one call of the device does (DESIGN section 5):
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ipu_jax import config as config_lib
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
+from ipu_jax.keras import loop
 from ipu_jax.keras import losses as losses_lib
 from ipu_jax.keras import metrics as metrics_lib
-from ipu_jax.keras.adapters import flatten_paths, make_adapter
-from ipu_jax.keras.data import (ArrayData, as_arrays, host_dtype, is_array_like, num_samples,
-                                split_batch)
-from ipu_jax.keras.validation import check_labels
+from ipu_jax.keras import programs
+from ipu_jax.keras.adapters import make_adapter
+from ipu_jax.keras.data import ArrayData, as_arrays, is_array_like
+from ipu_jax.keras.loop import check_steps_per_execution
 from ipu_jax.keras.progress import ProgbarLogger
-from ipu_jax.keras.weights import (atomic_write, flat_saveable, restore_flat,
-                                   restore_nested, to_saveable)
-from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, SUMMED, Replication,
-                                       cross_replica_mean, cross_replica_sum)
+from ipu_jax.keras.replication import Replication
+from ipu_jax.keras.summary import summary_text
+from ipu_jax.keras.validation import check_labels
+from ipu_jax.keras.weights import (flat_saveable, read_weights_file, restore_flat,
+                                   restore_nested, to_saveable, write_weights_file)
 
 __all__ = ["Model", "check_steps_per_execution"]
-
-_FORMAT = "ipu-jax-keras-weights"
-_FORMAT_VERSION = 1
-
-
-def check_steps_per_execution(steps_per_execution: int, accumulation_steps: int,
-                              replicas: int) -> None:
-  """Refuses an S that is not a multiple of G x R, as Keras on IPU does.
-
-  Raises:
-    ValueError: with the numbers and the nearest valid choices.
-  """
-  if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, (int, np.integer)):
-    raise TypeError(f"steps_per_execution must be an int; got {steps_per_execution!r}.")
-  if steps_per_execution < 1:
-    raise ValueError(f"steps_per_execution must be >= 1; got {steps_per_execution}.")
-  unit = accumulation_steps * replicas
-  if steps_per_execution % unit:
-    lower = max(unit, steps_per_execution - steps_per_execution % unit)
-    upper = lower + unit if lower < steps_per_execution else lower
-    raise ValueError(
-        f"steps_per_execution={steps_per_execution} must be a multiple of "
-        f"gradient_accumulation_steps_per_replica x replicas = "
-        f"{accumulation_steps} x {replicas} = {unit}: each execution runs "
-        f"steps_per_execution / replicas steps on every replica and updates the "
-        f"weights every {accumulation_steps} of them. Use steps_per_execution="
-        f"{lower}" + (f" or {upper}" if upper != lower else "") + ".")
 
 
 def _active_config():
   """The config of the innermost strategy scope / default_config, or None."""
   return config_lib._DEFAULT_CONFIG.get()  # noqa: SLF001  (same package)
-
-
-def _vector(scalars):
-  """A float32 vector of scalars (concatenate, which every lowering knows)."""
-  return jnp.concatenate([jnp.reshape(jnp.asarray(s, jnp.float32), (1,)) for s in scalars])
-
-
-def _abstract(tree):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-
-
-class _Metrics:
-  """Host-side running sums of loss and metrics over an epoch."""
-
-  def __init__(self, names):
-    self.names = list(names)
-    self.totals = np.zeros(len(self.names) + 2, np.float64)
-
-  def add(self, sums):
-    self.totals += np.asarray(sums, np.float64)
-
-  @property
-  def count(self) -> float:
-    return float(self.totals[-1])
-
-  def logs(self, prefix="") -> dict:
-    count = max(self.count, 1.0)
-    out = {prefix + "loss": float(self.totals[0] / count)}
-    for i, name in enumerate(self.names):
-      out[prefix + name] = float(self.totals[1 + i] / count)
-    return out
-
-
-# ---------------------------------------------------------------------------
-# The model.
-# ---------------------------------------------------------------------------
 
 
 class Model:
@@ -184,6 +121,7 @@ class Model:
     self._accumulation_steps: Optional[int] = None
     self._accumulation_reduction: Optional[str] = None
     self._programs: dict = {}
+    self._compile_verbose = None  # fit/evaluate(verbose=0) silence compile progress
     self.config: Optional[config_lib.IPUConfig] = None
     self.optimizer = None
     self.loss = None
@@ -217,22 +155,12 @@ class Model:
     return self.reports.get("train")
 
   def _run_setup(self, program: str, micro_batch: int):
-    from ipu_jax.lowering.run_setup import RunSetup
-    cfg = self._lowering_config()
-    target = cfg.to_target()
-    G = self.gradient_accumulation_steps if program == "train" else 1
-    R, S = self.num_replicas, self.steps_per_execution
-    dtypes = sorted({str(np.dtype(v.dtype)) for v in jax.tree.leaves(self.params)})
-    return RunSetup(
-        program=program, target=target.name, num_ipus=target.num_ipus,
-        tiles_per_ipu=target.tiles_per_ipu, replicas=R, gradient_accumulation_steps=G,
-        gradient_accumulation_reduction=self.gradient_accumulation_reduction,
-        replica_reduction=self.replica_reduction, steps_per_execution=S,
-        micro_batch=int(micro_batch), global_batch=int(micro_batch) * G * R,
-        weight_updates_per_execution=S // (G * R) if program == "train" else 0,
-        param_dtypes=tuple(dtypes), matmul_partials_type=cfg.matmuls.partials_type,
-        matmul_available_memory_proportion=cfg.matmuls.available_memory_proportion,
-        conv_available_memory_proportion=cfg.convolutions.available_memory_proportion)
+    return programs.run_setup(
+        program, self._lowering_config(), self.params, micro_batch=micro_batch,
+        replicas=self.num_replicas, accumulation_steps=self.gradient_accumulation_steps,
+        accumulation_reduction=self.gradient_accumulation_reduction,
+        replica_reduction=self.replica_reduction,
+        steps_per_execution=self.steps_per_execution)
 
   def _record_report(self, program: str, lowered, micro_batch: int):
     self._last_program = program
@@ -420,22 +348,13 @@ class Model:
     Returns:
       ``path``.
     """
-    import flax.serialization
-    payload = {
-        "format": _FORMAT, "version": _FORMAT_VERSION,
-        "epoch": -1 if epoch is None else int(epoch),
-        **self.get_weights(),
-        "rng_state": flat_saveable(self._local(self._rng_state)),
-    }
+    extra = {"rng_state": flat_saveable(self._local(self._rng_state))}
     if include_optimizer and self._compiled:
-      payload["optimizer"] = {
+      extra["optimizer"] = {
           "opt_state": flat_saveable(self.opt_state),
           "step": np.asarray(self.step, np.int64),
       }
-    data = flax.serialization.msgpack_serialize(payload)
-    if jax.process_index() == 0:
-      atomic_write(path, data)
-    return path
+    return write_weights_file(path, self.get_weights(), epoch=epoch, extra=extra)
 
   def load_weights(self, path: str) -> Optional[int]:
     """Reads a file of :meth:`save_weights` (or ``ModelCheckpoint``).
@@ -445,14 +364,7 @@ class Model:
     ``checkpoint_epoch``, the epochs the checkpoint had completed (``None``
     if it does not say), the ``initial_epoch`` to resume ``fit`` from.
     """
-    import flax.serialization
-    with open(path, "rb") as f:
-      payload = flax.serialization.msgpack_restore(f.read())
-    if payload.get("format") != _FORMAT:
-      raise ValueError(f"{path} is not an ipu_jax.keras weights file.")
-    if int(payload.get("version", 0)) > _FORMAT_VERSION:
-      raise ValueError(f"{path} has format version {payload['version']}; this "
-                       f"ipu-jax reads up to {_FORMAT_VERSION}.")
+    payload = read_weights_file(path)
     self.set_weights(payload)
     saved_rng = payload.get("rng_state") or {}
     if saved_rng and jax.tree.leaves(self._rng_state):
@@ -477,173 +389,41 @@ class Model:
     cfg.replication_factor = self.num_replicas  # the all-reduce spans every replica
     return cfg
 
-  def _build(self, key, execution, args, in_kinds_per_arg, out_kinds_fn, name):
-    """Lowers ``execution`` for one replica and wraps it for every replica.
-
-    Returns:
-      ``(run, lowered)``: ``run(*args)`` takes the arguments (sharded ones
-      with a leading axis of this process's replicas) and returns the output
-      pytree; ``lowered`` is the ``ipu_jax.Lowered`` (``None`` when not
-      emulating).
-    """
-    cached = self._programs.get(key)
-    if cached is not None:
-      return cached
-    import ipu_jax
-    execution.__name__ = name
-    per_replica_args = [
-        _abstract(a) if kind == REPLICATED else
-        jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), a)
-        for a, kind in zip(args, in_kinds_per_arg)]
-    flat_example, in_tree = jax.tree_util.tree_flatten(list(per_replica_args))
-    in_kinds = []
-    for a, kind in zip(args, in_kinds_per_arg):
-      in_kinds += [kind] * len(jax.tree.leaves(a))
-    lowered = None
-    if self.emulate:
-      ipu_fn = ipu_jax.jit(execution, config=self._lowering_config(),
-                           verbose=getattr(self, "_compile_verbose", None))
-      lowered = ipu_fn.lower(*per_replica_args)
-      out_tree = lowered.out_tree
-      program = lowered.apply
-    else:
-      out_tree = jax.tree_util.tree_structure(jax.eval_shape(execution, *per_replica_args))
-
-      def program(*flat):
-        return execution(*jax.tree_util.tree_unflatten(in_tree, flat))
-
-    out_kinds = out_kinds_fn(out_tree)
-
-    def per_replica(*flat):
-      return jax.tree_util.tree_leaves(program(*flat))
-
-    runner = self._replication.build(per_replica, in_kinds, out_kinds)
-
-    def run(*args_):
-      leaves = jax.tree_util.tree_leaves(list(args_))
-      return jax.tree_util.tree_unflatten(out_tree, runner(*leaves))
-
-    self._programs[key] = (run, lowered)
-    return run, lowered
-
-  def _per_sample_loss(self, y, y_pred):
-    values = jnp.asarray(self.loss(y, y_pred))
-    batch = jax.tree.leaves(y_pred)[0].shape[0]
-    if values.ndim == 0:  # a callable giving the batch mean
-      values = jnp.broadcast_to(values, (batch,))
-    return values.reshape(batch, -1).mean(axis=1) if values.ndim > 1 else values
+  def _program(self, key, execution, args, kinds, out_kinds):
+    """``(run, lowered)`` of an execution, built once per key (shapes, settings)."""
+    if key not in self._programs:
+      self._programs[key] = programs.build_program(
+          execution, args, kinds, out_kinds, replication=self._replication,
+          config=self._lowering_config(), emulate=self.emulate,
+          verbose=self._compile_verbose)
+    return self._programs[key]
 
   def _train_program(self, xs, ys):
     """The program of one training execution (U updates of G micro-batches)."""
-    G = self.gradient_accumulation_steps
-    R = self.num_replicas
+    G, R = self.gradient_accumulation_steps, self.num_replicas
     method = self.gradient_accumulation_reduction
-    replica_reduction = self.replica_reduction
-    key = ("train", G, method, R, jax.tree.map(lambda a: (a.shape, str(a.dtype)), (xs, ys)))
-    adapter, optimizer, metric_fns = self._adapter, self.optimizer, self.metrics
-    needs_rng = adapter.needs_rng
-    per_sample_loss = self._per_sample_loss
-
-    def execution(params, opt_state, state, rng_state, step, base_key, xs, ys, replica):
-      def micro(params, state, x, y, micro_step):
-        rng = (base_key, (micro_step, replica)) if needs_rng else None
-
-        def objective(p):
-          y_pred, new_state = adapter.apply(p, state, rng_state, x, True, rng)
-          per_sample = per_sample_loss(y, y_pred)
-          return jnp.mean(per_sample), (y_pred, new_state, per_sample)
-
-        (_, (y_pred, new_state, per_sample)), grads = jax.value_and_grad(
-            objective, has_aux=True)(params)
-        sums = [jnp.sum(per_sample)] + [jnp.sum(m(y, y_pred)) for m in metric_fns]
-        sums.append(jnp.asarray(per_sample.shape[0], jnp.float32))
-        return grads, new_state, _vector(sums)
-
-      def update(carry, batch):
-        params, opt_state, state, step = carry
-        xg, yg = batch
-        if G == 1:
-          grads, state, sums = micro(params, state, jax.tree.map(lambda a: a[0], xg),
-                                     yg[0], step)
-        else:
-          def accumulate(c, inp):
-            acc, state, sums = c
-            k, x, y = inp
-            grads, state, s = micro(params, state, x, y, step * G + k)
-            return (acc_lib.accumulate(acc, grads, k, method), state, sums + s), None
-
-          zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)
-          (acc, state, sums), _ = jax.lax.scan(
-              accumulate, (acc_lib.init(params), state, zeros),
-              (jnp.arange(G, dtype=jnp.int32), xg, yg))
-          grads = acc_lib.finalize(acc, G, method)
-        if R > 1:
-          grads = (cross_replica_mean(grads) if replica_reduction == "mean"
-                   else cross_replica_sum(grads))
-          if jax.tree.leaves(state):  # keep batch statistics equal on every replica
-            state = jax.tree.map(
-                lambda v: cross_replica_mean(v) if jnp.issubdtype(v.dtype, jnp.floating)
-                else v, state)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return (params, opt_state, state, step + 1), sums
-
-      (params, opt_state, state, step), sums = jax.lax.scan(
-          update, (params, opt_state, state, step), (xs, ys))
-      return params, opt_state, state, step, jnp.sum(sums, axis=0)
-
+    key = ("train", G, method, R, programs.shape_key((xs, ys)))
+    execution = programs.train_execution(
+        self._adapter, self.optimizer, self.loss, self.metrics, G, method, R,
+        self.replica_reduction)
     args = [self._params, self._opt_state, self._state, self._rng_state, self._step,
-            self._dropout_key, xs, ys, self._replica_ids()]
-    kinds = [REPLICATED] * 6 + [SHARDED] * 3
-
-    def out_kinds(out_tree):
-      n = out_tree.num_leaves
-      return [REPLICATED] * (n - 1) + [SUMMED]
-
-    return self._build(key, execution, args, kinds, out_kinds, "train_step")
+            self._dropout_key, xs, ys, self._replication.replica_ids]
+    return self._program(key, execution, args, programs.TRAIN_KINDS,
+                         programs.train_out_kinds)
 
   def _eval_program(self, xs, ys, mask):
-    key = ("eval", self.num_replicas,
-           jax.tree.map(lambda a: (a.shape, str(a.dtype)), (xs, ys, mask)))
-    adapter, metric_fns = self._adapter, self.metrics
-    per_sample_loss = self._per_sample_loss
-
-    def execution(params, state, rng_state, xs, ys, mask):
-      def body(sums, inp):
-        x, y, m = inp
-        y_pred, _ = adapter.apply(params, state, rng_state, x, False, None)
-        values = [per_sample_loss(y, y_pred)] + [mf(y, y_pred) for mf in metric_fns]
-        s = [jnp.sum(v.astype(jnp.float32) * m) for v in values] + [jnp.sum(m)]
-        return sums + _vector(s), None
-
-      zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)
-      sums, _ = jax.lax.scan(body, zeros, (xs, ys, mask))
-      return sums
-
+    key = ("eval", self.num_replicas, programs.shape_key((xs, ys, mask)))
+    execution = programs.eval_execution(self._adapter, self.loss, self.metrics)
     args = [self._params, self._state, self._rng_state, xs, ys, mask]
-    kinds = [REPLICATED] * 3 + [SHARDED] * 3
-    return self._build(key, execution, args, kinds,
-                       lambda tree: [SUMMED] * tree.num_leaves, "eval_step")
+    return self._program(key, execution, args, programs.EVAL_KINDS,
+                         programs.eval_out_kinds)
 
   def _predict_program(self, xs):
-    key = ("predict", self.num_replicas, jax.tree.map(lambda a: (a.shape, str(a.dtype)), xs))
-    adapter = self._adapter
-
-    def execution(params, state, rng_state, xs):
-      def body(carry, x):
-        y_pred, _ = adapter.apply(params, state, rng_state, x, False, None)
-        return carry, y_pred
-
-      _, ys = jax.lax.scan(body, jnp.zeros((), jnp.int32), xs)
-      return ys
-
+    key = ("predict", self.num_replicas, programs.shape_key(xs))
+    execution = programs.predict_execution(self._adapter)
     args = [self._params, self._state, self._rng_state, xs]
-    kinds = [REPLICATED] * 3 + [SHARDED]
-    return self._build(key, execution, args, kinds,
-                       lambda tree: [GATHERED] * tree.num_leaves, "predict_step")
-
-  def _replica_ids(self):
-    return self._replication.replica_ids
+    return self._program(key, execution, args, programs.PREDICT_KINDS,
+                         programs.predict_out_kinds)
 
   def _place(self):
     """Puts the training state on the replicas' devices (a no-op once there)."""
@@ -656,54 +436,7 @@ class Model:
     self._step = rep.replicate(jnp.asarray(self._step, jnp.int32))
     self._dropout_key = rep.replicate(self._dropout_key)
 
-  # -- data layout ----------------------------------------------------------------
-
-  def _layout(self, batch, updates: int, accumulation: int):
-    """``[S * b, ...]`` samples in order -> this process's ``[R_local, U, G, b, ...]``.
-
-    Update u takes the consecutive samples ``[u R G b, (u + 1) R G b)``;
-    within them replica r takes a block of ``G b``.
-    """
-    rep = self._replication
-    R, b = rep.num_replicas, self._batch_size
-
-    def arrange(a):
-      a = np.asarray(a)
-      a = a.reshape((updates, R, accumulation, b) + a.shape[1:])
-      a = np.swapaxes(a, 0, 1)
-      return a[rep.first_replica:rep.first_replica + rep.local_replicas]
-
-    return jax.tree.map(arrange, batch)
-
-  def _eval_layout(self, batch, steps_per_replica: int):
-    """``[S * b, ...]`` -> this process's ``[R_local, S / R, b, ...]``."""
-    rep = self._replication
-    R, b = rep.num_replicas, self._eval_batch_size
-
-    def arrange(a):
-      a = np.asarray(a)
-      a = a.reshape((steps_per_replica, R, b) + a.shape[1:])
-      a = np.swapaxes(a, 0, 1)
-      return a[rep.first_replica:rep.first_replica + rep.local_replicas]
-
-    return jax.tree.map(arrange, batch)
-
   # -- fit ------------------------------------------------------------------------------
-
-  def _executions(self, data, steps_per_epoch):
-    S, b = self.steps_per_execution, data.batch_size
-    steps = data.n // b if steps_per_epoch is None else int(steps_per_epoch)
-    if steps_per_epoch is not None and steps * b > data.n:
-      raise ValueError(f"steps_per_epoch={steps} needs {steps * b} samples of "
-                       f"batch_size={b}; x has {data.n}.")
-    executions = steps // S
-    if executions == 0:
-      raise ValueError(
-          f"one execution needs steps_per_execution x batch_size = {S} x {b} = {S * b} "
-          f"samples (batch_size is the micro-batch of each replica); the data has "
-          f"{data.n}" + (f" and steps_per_epoch={steps}" if steps_per_epoch else "") +
-          ". Use a smaller batch_size or steps_per_execution.")
-    return executions
 
   def fit(self, x=None, y=None, batch_size: Optional[int] = None, epochs: int = 1,
           verbose="auto", callbacks: Optional[Sequence] = None, validation_data=None,
@@ -748,11 +481,15 @@ class Model:
     verbose = 1 if verbose == "auto" else int(verbose)
     self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
     U = S // (G * R)
-    source = self._train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch)
-    self._batch_size = source["batch_size"]
+    source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch,
+                               S, self.seed)
+    b = source.batch_size
     if validate_inputs:
-      self._validate_labels(source["example"][0], source["labels"])
-    executions_per_epoch = source["executions"]
+      self._validate_labels(source.example[0], source.labels)
+    executions_per_epoch = source.executions
+
+    def layout(batch):
+      return loop.train_layout(batch, self._replication, b, U, G)
 
     history = callbacks_lib.History()
     cbs = list(callbacks or [])
@@ -762,48 +499,45 @@ class Model:
     cb = callbacks_lib.CallbackList(cbs, model=self, params={
         "epochs": epochs, "steps": None if executions_per_epoch is None
         else executions_per_epoch * S, "steps_per_execution": S, "verbose": verbose,
-        "batch_size": self._batch_size, "replicas": R, "gradient_accumulation_steps": G,
+        "batch_size": b, "replicas": R, "gradient_accumulation_steps": G,
         "executions_per_epoch": executions_per_epoch})
     self.stop_training = False
     self.history = history
     self._place()
     # Lower and compile now, so a program that cannot be lowered or does not
     # fit in tile memory fails before any callback or epoch starts.
-    example_x, example_y = source["example"]
-    self._train_program(self._layout(example_x, U, G), self._layout(example_y, U, G))
-    samples_per_execution = S * self._batch_size
+    self._train_program(*map(layout, source.example))
     cb.on_train_begin()
     logs: dict = {}
     for epoch in range(initial_epoch, epochs):
       cb.on_epoch_begin(epoch)
-      running = _Metrics([m.name for m in self.metrics])
-      for index, (xb, yb) in enumerate(source["batches"](epoch, shuffle)):
+      running = loop.RunningSums([m.name for m in self.metrics])
+      for index, (xb, yb) in enumerate(source.batches(epoch, shuffle)):
         cb.on_train_batch_begin(index * S)
-        xs = self._layout(xb, U, G)
-        ys = self._layout(yb, U, G)
+        xs, ys = layout(xb), layout(yb)
         run, lowered = self._train_program(xs, ys)
         start = time.perf_counter()
         rep = self._replication
         (self._params, self._opt_state, self._state, self._step, sums) = run(
             self._params, self._opt_state, self._state, self._rng_state, self._step,
-            self._dropout_key, rep.shard(xs), rep.shard(ys), rep.shard(self._replica_ids()))
+            self._dropout_key, rep.shard(xs), rep.shard(ys), rep.shard(rep.replica_ids))
         sums = np.asarray(rep.fetch(sums))
         host_seconds = time.perf_counter() - start
         self.executions += 1
         running.add(sums)
         logs = running.logs()
-        self._record_report("train", lowered, self._batch_size)
+        self._record_report("train", lowered, b)
         if lowered is not None:
           logs["host_round_trips"] = lowered.report.host_round_trips
           logs["emulated_seconds"] = lowered.report.estimated_seconds
-        logs["samples"] = samples_per_execution
+        logs["samples"] = S * b
         logs["host_seconds"] = host_seconds
         cb.on_train_batch_end((index + 1) * S - 1, logs)
         if self.stop_training:
           break
       epoch_logs = running.logs()
       if validation_data is not None and not self.stop_training:
-        val = self._evaluate(validation_data, None, validation_batch_size or self._batch_size,
+        val = self._evaluate(validation_data, None, validation_batch_size or b,
                              cb, verbose=0, validate_inputs=validate_inputs)
         epoch_logs.update({"val_" + k: v for k, v in val.items()})
       self._sync_module()
@@ -814,117 +548,6 @@ class Model:
     self._sync_module()
     cb.on_train_end(logs)
     return history
-
-  def _train_source(self, x, y, batch_size, steps_per_epoch):
-    """How fit draws the samples of each execution: ``[S * b, ...]`` in order."""
-    S = self.steps_per_execution
-    if x is None:
-      raise ValueError("fit needs data: x and y arrays, or x an iterable of (x, y) batches.")
-    if y is not None or is_array_like(x):
-      if y is None:
-        raise ValueError("fit with an array x needs labels y.")
-      data = ArrayData(x, y, 32 if batch_size is None else batch_size)
-      if data.batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1; got {batch_size}.")
-      executions = self._executions(data, steps_per_epoch)
-      chunk = S * data.batch_size
-
-      def batches(epoch, shuffle):
-        order = (np.random.default_rng([self.seed, epoch]).permutation(data.n) if shuffle
-                 else np.arange(data.n))
-        for e in range(executions):
-          yield data.take(order[e * chunk:(e + 1) * chunk])
-
-      used = executions * chunk
-      if steps_per_epoch is None and used < data.n:
-        warnings.warn(
-            f"fit: {data.n - used} of {data.n} samples are left out of every epoch: an "
-            f"epoch runs whole executions of steps_per_execution x batch_size = {S} x "
-            f"{data.batch_size} = {chunk} samples ({executions} of them). Choose sizes "
-            "that divide the data to use every sample.", stacklevel=3)
-      example = data.take(np.zeros(chunk, np.int64))
-      return {"batch_size": data.batch_size, "executions": executions, "batches": batches,
-              "example": example, "labels": data.y}
-
-    # An iterable of (x, y) micro-batches.
-    iterator_once = iter(x) is x if hasattr(x, "__iter__") else True
-    stream = {"it": None}
-    peek = None
-    if iterator_once:
-      it = x if hasattr(x, "__next__") else iter(x)
-      peek = next(it)
-      stream["it"] = it
-    else:
-      peek = next(iter(x))
-    px, py = split_batch(peek)
-    b = num_samples(px)
-    if batch_size is not None and batch_size != b:
-      raise ValueError(f"batch_size={batch_size} but the dataset yields batches of {b}.")
-    executions = None if steps_per_epoch is None else int(steps_per_epoch) // S
-    if executions == 0:
-      raise ValueError(f"steps_per_epoch={steps_per_epoch} is less than "
-                       f"steps_per_execution={S}.")
-    if iterator_once and executions is None:
-      raise ValueError("fit on an iterator needs steps_per_epoch (it cannot be "
-                       "re-read each epoch).")
-    pending = [peek] if iterator_once else []
-
-    def batches(epoch, shuffle):
-      if iterator_once:
-        it = stream["it"]
-      else:
-        it = iter(x)
-      count = 0
-      group = []
-      while executions is None or count < executions:
-        if pending:
-          item = pending.pop()
-        else:
-          try:
-            item = next(it)
-          except StopIteration:
-            break
-        bx, by = split_batch(item)
-        if num_samples(bx) != b:
-          break  # a short last batch: dropped, as drop_remainder does
-        group.append((bx, by))
-        if len(group) == S:
-          xs = jax.tree.map(lambda *a: np.concatenate([host_dtype(v) for v in a]),
-                            *[g[0] for g in group])
-          ys = np.concatenate([host_dtype(g[1]) for g in group])
-          group = []
-          count += 1
-          yield xs, ys
-
-    example = (jax.tree.map(lambda a: np.repeat(host_dtype(a)[:1], S * b, axis=0), px),
-               np.repeat(host_dtype(py)[:1], S * b, axis=0))
-    return {"batch_size": b, "executions": executions, "batches": batches,
-            "example": example, "labels": host_dtype(py)}
-
-  # -- evaluate and predict ---------------------------------------------------------
-
-  def _eval_arrays(self, x, y, batch_size, steps):
-    if y is None and not is_array_like(x):
-      items = []
-      for i, item in enumerate(x):
-        if steps is not None and i >= steps:
-          break
-        items.append(split_batch(item))
-      if not items:
-        raise ValueError("the dataset is empty.")
-      b = num_samples(items[0][0])
-      x = jax.tree.map(lambda *a: np.concatenate([host_dtype(v) for v in a]),
-                       *[i[0] for i in items])
-      y = None if items[0][1] is None else np.concatenate([host_dtype(i[1]) for i in items])
-      batch_size = batch_size or b
-    return ArrayData(x, y, 32 if batch_size is None else batch_size)
-
-  def _padded_executions(self, data):
-    """Executions (padded to whole ones) and the per-execution sample count."""
-    S, b = self.steps_per_execution, data.batch_size
-    chunk = S * b
-    executions = -(-data.n // chunk)
-    return executions, chunk
 
   def _validate_labels(self, x, y):
     """Checks labels ``y`` against the loss and the output for ``x`` (nothing runs)."""
@@ -940,32 +563,25 @@ class Model:
   def _evaluate(self, x, y, batch_size, cb, verbose, steps=None, validate_inputs=True):
     if isinstance(x, tuple) and y is None and len(x) == 2 and is_array_like(x[0]):
       x, y = x
-    data = self._eval_arrays(as_arrays(x), as_arrays(y), batch_size, steps)
+    data = loop.eval_data(as_arrays(x), as_arrays(y), batch_size, steps)
     if data.y is None:
       raise ValueError("evaluate needs labels y.")
     if validate_inputs:
       self._validate_labels(data.x, data.y)
-    self._eval_batch_size = data.batch_size
-    executions, chunk = self._padded_executions(data)
-    R = self.num_replicas
-    K = self.steps_per_execution // R
+    S, rep = self.steps_per_execution, self._replication
     self._place()
-    running = _Metrics([m.name for m in self.metrics])
+    running = loop.RunningSums([m.name for m in self.metrics])
     cb.on_test_begin()
-    rep = self._replication
-    for e in range(executions):
-      cb.on_test_batch_begin(e * self.steps_per_execution)
-      index = np.arange(e * chunk, (e + 1) * chunk)
-      mask = (index < data.n).astype(np.float32)
-      xb, yb = data.take(np.minimum(index, data.n - 1))
-      xs, ys = self._eval_layout(xb, K), self._eval_layout(yb, K)
-      ms = self._eval_layout(mask, K)
+    executions = 0
+    for e, (xs, ys, ms) in enumerate(loop.padded_batches(data, S, rep)):
+      cb.on_test_batch_begin(e * S)
       run, lowered = self._eval_program(xs, ys, ms)
       sums = run(self._params, self._state, self._rng_state,
                  rep.shard(xs), rep.shard(ys), rep.shard(ms))
       running.add(np.asarray(rep.fetch(sums)))
       self._record_report("eval", lowered, data.batch_size)
-      cb.on_test_batch_end((e + 1) * self.steps_per_execution - 1, running.logs())
+      cb.on_test_batch_end((e + 1) * S - 1, running.logs())
+      executions += 1
     logs = running.logs()
     cb.on_test_end(logs)
     if verbose:
@@ -994,35 +610,22 @@ class Model:
     self._require_compiled()
     x = as_arrays(x)
     if not is_array_like(x):
-      x = self._eval_arrays(x, None, batch_size, steps).x
+      x = loop.eval_data(x, None, batch_size, steps).x
     data = ArrayData(x, None, 32 if batch_size is None else batch_size)
-    self._eval_batch_size = data.batch_size
-    executions, chunk = self._padded_executions(data)
-    R = self.num_replicas
-    K = self.steps_per_execution // R
+    rep = self._replication
     self._place()
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
     cb.on_predict_begin()
-    rep = self._replication
     outputs = []
-    for e in range(executions):
-      index = np.minimum(np.arange(e * chunk, (e + 1) * chunk), data.n - 1)
-      xb, _ = data.take(index)
-      xs = self._eval_layout(xb, K)
+    for xs, _, _ in loop.padded_batches(data, self.steps_per_execution, rep):
       run, lowered = self._predict_program(xs)
       ys = run(self._params, self._state, self._rng_state, rep.shard(xs))
       self._record_report("predict", lowered, data.batch_size)
-
-      def unarrange(a):
-        a = rep.fetch_gathered(a)  # [R, K, b, ...]
-        a = np.swapaxes(a, 0, 1)
-        return a.reshape((-1,) + a.shape[3:])
-
-      outputs.append(jax.tree.map(unarrange, ys))
+      outputs.append(loop.gather_predictions(ys, rep))
     cb.on_predict_end()
     result = jax.tree.map(lambda *a: np.concatenate(a)[:data.n], *outputs)
     if verbose:
-      print(f"{executions} executions, {data.n} samples")
+      print(f"{len(outputs)} executions, {data.n} samples")
     return result
 
   def __call__(self, x, training: bool = False):
@@ -1038,44 +641,12 @@ class Model:
 
   def summary(self, print_fn: Optional[Callable[[str], Any]] = print) -> str:
     """A table of the variables and the IPU settings; printed and returned."""
-    rows = [(path, "x".join(map(str, np.shape(v))) or "scalar", str(v.dtype), np.size(v))
-            for path, v in flatten_paths(self.params)]
-    state_rows = [(path, "x".join(map(str, np.shape(v))) or "scalar", str(v.dtype), np.size(v))
-                  for path, v in flatten_paths(self.state)]
-    header = ("Variable", "Shape", "Dtype", "Params")
-    widths = [max([len(header[i])] + [len(str(r[i])) for r in rows + state_rows])
-              for i in range(4)]
-
-    def line(r):
-      return "  ".join(str(c).ljust(w) if i < 3 else f"{c:,}".rjust(w)
-                       for i, (c, w) in enumerate(zip(r, widths)))
-
-    total = sum(r[3] for r in rows)
-    nbytes = sum(np.size(v) * np.dtype(v.dtype).itemsize for v in jax.tree.leaves(self.params))
-    lines = [f'Model: "{self.name}" ({self._adapter.kind})',
-             "  ".join(h.ljust(w) for h, w in zip(header, widths)),
-             "-" * (sum(widths) + 6)]
-    lines += [line(r) for r in rows]
-    if state_rows:
-      lines.append("Non-trainable:")
-      lines += [line(r) for r in state_rows]
-    lines += ["-" * (sum(widths) + 6),
-              f"Trainable params: {total:,} ({nbytes:,} B)",
-              f"Non-trainable params: {sum(r[3] for r in state_rows):,}"]
     cfg = self.config or self._explicit_config or _active_config() or self._config_at_init
-    if cfg is not None:
-      target = cfg.to_target()
-      lines += [
-          f"IPU target: {target.name}, {target.num_ipus} IPU(s) x "
-          f"{target.tiles_per_ipu:,} tiles per replica",
-          f"Replicas: {self.num_replicas}, gradient accumulation: "
-          f"{self.gradient_accumulation_steps} ({self.gradient_accumulation_reduction}), "
-          f"steps per execution: {self.steps_per_execution}"]
-    if self.report is not None:
-      lines.append(f"Last execution: {self.report.total_cycles:,.0f} cycles "
-                   f"({self.report.estimated_seconds * 1e3:.3f} ms emulated), peak tile "
-                   f"memory {int(np.max(self.report.memory_per_tile)):,} B")
-    text = "\n".join(lines)
+    text = summary_text(
+        f'Model: "{self.name}" ({self._adapter.kind})', self.params, self.state, config=cfg,
+        replicas=self.num_replicas, accumulation_steps=self.gradient_accumulation_steps,
+        accumulation_reduction=self.gradient_accumulation_reduction,
+        steps_per_execution=self.steps_per_execution, report=self.report)
     if print_fn is not None:
       print_fn(text)
     return text

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["atomic_write", "flat_saveable", "is_key", "restore_flat", "restore_nested",
-           "to_saveable"]
+           "to_saveable", "write_weights_file", "read_weights_file"]
+
+_FORMAT = "ipu-jax-keras-weights"
+_FORMAT_VERSION = 1
 
 
 def is_key(x) -> bool:
@@ -94,3 +97,34 @@ def restore_flat(template, saved: dict, where: str):
                        "optimizer or model.")
     values.append(restore_nested(leaf, saved[key], f"{where}{key}"))
   return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def write_weights_file(path: str, weights: dict, *, epoch=None, extra=None) -> str:
+  """Writes ``weights`` (plus ``extra`` entries) as a Flax msgpack weights file.
+
+  Only process 0 writes in a multi-process run; the write is atomic.
+  """
+  import flax.serialization
+  payload = {"format": _FORMAT, "version": _FORMAT_VERSION,
+             "epoch": -1 if epoch is None else int(epoch), **weights, **(extra or {})}
+  data = flax.serialization.msgpack_serialize(payload)
+  if jax.process_index() == 0:
+    atomic_write(path, data)
+  return path
+
+
+def read_weights_file(path: str) -> dict:
+  """The payload of a file :func:`write_weights_file` wrote, format checked.
+
+  Raises:
+    ValueError: not a weights file, or one of a newer format version.
+  """
+  import flax.serialization
+  with open(path, "rb") as f:
+    payload = flax.serialization.msgpack_restore(f.read())
+  if payload.get("format") != _FORMAT:
+    raise ValueError(f"{path} is not an ipu_jax.keras weights file.")
+  if int(payload.get("version", 0)) > _FORMAT_VERSION:
+    raise ValueError(f"{path} has format version {payload['version']}; this "
+                     f"ipu-jax reads up to {_FORMAT_VERSION}.")
+  return payload
