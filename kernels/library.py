@@ -2,7 +2,8 @@
 
 These are the vertex types the lowering and `ipu_jax.poplibs` use: elementwise
 unary and binary ops, scaled add, partial and final reduce, dot product, a
-matmul block, copy and fill. Estimators see operand shapes and dtypes.
+matmul block, copy and fill. Estimators see operand shapes and dtypes; names
+come from :mod:`ipu_jax.kernels.vocabulary`, the same the lowering rules use.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.kernels.codelet import Codelet
 from ipu_jax.kernels.estimators import ELEMENTWISE_COST, WORKER_OVERHEAD
 from ipu_jax.target import IPUTarget
@@ -43,7 +45,7 @@ def unary(op: str) -> Codelet:
   """``y = op(x)`` elementwise."""
   fn = _UNARY[op]
   cost = ELEMENTWISE_COST.get(op, 1)
-  return Codelet(f"popops::{op}", fn, ("x",), ("y",),
+  return Codelet(vocab.vertex(vocab.ELEMENTWISE, op), fn, ("x",), ("y",),
                  cycles=lambda x, y: vector_cycles(x.size, x.dtype.itemsize, cost),
                  flops=lambda x, y: x.size)
 
@@ -53,30 +55,31 @@ def binary(op: str) -> Codelet:
   """``z = op(x, y)`` elementwise."""
   fn = _BINARY[op]
   cost = ELEMENTWISE_COST.get(op, 1)
-  return Codelet(f"popops::{op}", fn, ("x", "y"), ("z",),
+  return Codelet(vocab.vertex(vocab.ELEMENTWISE, op), fn, ("x", "y"), ("z",),
                  cycles=lambda x, y, z: vector_cycles(x.size, x.dtype.itemsize, cost),
                  flops=lambda x, y, z: x.size)
 
 
 # Fields: inputs (y, scale), then the in-out x; ``x += scale * y``.
 scaled_add = Codelet(
-    "popops::ScaledAdd", lambda y, scale, x: x + scale * y, ("y", "scale"), (),
+    vocab.SCALED_ADD, lambda y, scale, x: x + scale * y, ("y", "scale"), (),
     inouts=("x",),
     cycles=lambda y, scale, x: vector_cycles(x.size, x.dtype.itemsize, 2),
     flops=lambda y, scale, x: 2 * x.size)
 
 partial_reduce = Codelet(
-    "popops::ReducePartial", lambda x: jnp.sum(x, axis=-1), ("x",), ("partials",),
+    vocab.REDUCE_PARTIAL, lambda x: jnp.sum(x, axis=-1), ("x",), ("partials",),
     cycles=lambda x, p: vector_cycles(x.size, x.dtype.itemsize, 1) + 2 * p.size,
     flops=lambda x, p: x.size)
 
 final_reduce = Codelet(
-    "popops::Reduce", lambda partials: jnp.sum(partials, axis=0), ("partials",), ("out",),
+    vocab.vertex(vocab.REDUCE, "add"), lambda partials: jnp.sum(partials, axis=0),
+    ("partials",), ("out",),
     cycles=lambda p, o: vector_cycles(p.size, p.dtype.itemsize, 1) + 2 * o.size,
     flops=lambda p, o: p.size)
 
 dot_product = Codelet(
-    "poplin::Dot", lambda a, b: jnp.dot(a, b, precision="highest"), ("a", "b"), ("out",),
+    vocab.DOT, lambda a, b: jnp.dot(a, b, precision="highest"), ("a", "b"), ("out",),
     cycles=lambda a, b, o: vector_cycles(a.size, a.dtype.itemsize, 1) + 4,
     flops=lambda a, b, o: 2 * a.size)
 
@@ -92,14 +95,14 @@ def matmul_block(dtype) -> Codelet:
     # The AMP unit is shared by the workers: per-worker cycles = total / 6.
     return int(WORKER_OVERHEAD + -(-2 * macs // (rate * _DEFAULT.worker_contexts)))
 
-  return Codelet(f"poplin::MatMulBlock<{np.dtype(dtype).name}>",
+  return Codelet(vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(dtype)),
                  lambda a, b: jnp.matmul(a, b, precision="highest"), ("a", "b"), ("c",),
                  cycles=cycles, flops=lambda a, b, c: 2 * a.shape[0] * a.shape[1] * b.shape[1])
 
 
-copy = Codelet("popops::Copy", lambda x: x, ("x",), ("y",),
+copy = Codelet(vocab.COPY, lambda x: x, ("x",), ("y",),
                cycles=lambda x, y: vector_cycles(x.size, x.dtype.itemsize, 1))
 
-fill = Codelet("popops::Fill", lambda value, x: jnp.full_like(x, value), ("value",), (),
+fill = Codelet(vocab.FILL, lambda value, x: jnp.full_like(x, value), ("value",), (),
                inouts=("x",),
                cycles=lambda value, x: vector_cycles(x.size, x.dtype.itemsize, 1))

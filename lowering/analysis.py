@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ipu_jax.errors import OutOfMemoryError
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import exchange_cycles
 from ipu_jax.lowering.profile import (MemoryProfile, ProgramProfile,
@@ -175,14 +176,15 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
         category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
         source=tensor.source, live_from=lo, live_to=hi, scope=tensor.scope))
 
-  # Vertex state per vertex, and code once per vertex type per tile.
+  # Vertex state per vertex, and code once per vertex type per tile: keyed by
+  # the type's identity, so a type reached from several steps is charged once.
   code_tiles = {}
   for node, _, _ in leaves:
     if isinstance(node, P.Superstep) and node.compute_cycles is not None:
       vertices = node.vertices if node.vertices is not None else (node.compute_cycles > 0)
       by_category["vertex_state"] += np.asarray(vertices, np.float64) * target.vertex_state_bytes
       for codelet in (node.codelets or (node.op,)):
-        mask = code_tiles.setdefault(codelet, np.zeros(t, bool))
+        mask = code_tiles.setdefault(vocab.identity(codelet), np.zeros(t, bool))
         mask |= np.asarray(vertices) > 0
   for mask in code_tiles.values():
     by_category["code"] += mask * target.code_bytes_per_codelet

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
@@ -188,7 +189,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
       compute_cycles=compute, exchange=add_costs(*costs),
-      vertices=worker_vertices(ctx, elements), codelets=(f"elementwise<{op}>",),
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
       flops=flops))
   return outputs
 
@@ -284,7 +285,7 @@ def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
                        writes=tuple(outputs), fn=run, compute_cycles=compute,
                        exchange=add_costs(*costs),
                        vertices=worker_vertices(ctx, rows_on_tile),
-                       codelets=(codelet or f"{ctx.op}",), flops=int(flops)))
+                       codelets=(codelet or ctx.op,), flops=int(flops)))
   return outputs
 
 

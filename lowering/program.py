@@ -98,8 +98,8 @@ class Superstep:
       step with no compute (a pure exchange).
     exchange: bytes moved, or ``None``.
     vertices: ``[num_tiles]`` vertices per tile.
-    codelets: vertex type names run (code memory is charged once per type
-      per tile).
+    codelets: vertex types run: names from ``kernels/vocabulary.py`` (or
+      ``Codelet`` objects); code memory is charged once per type per tile.
     flops: floating point operations.
     scratch_bytes: ``[num_tiles]`` temporary bytes live only during the step.
     source: the user's ``file:line``.

@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, broadcast_cost
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
@@ -367,14 +368,14 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
         name="scan/init", op=ctx.op, reads=(), writes=(counter,),
         fn=lambda: (jnp.zeros(counter_shape, jnp.int32),),
         compute_cycles=fill, vertices=(counter_tiles > 0).astype(np.int64),
-        codelets=("Fill<int>",)))
+        codelets=(vocab.vertex(vocab.FILL, "int"),)))
   else:
     # Bind the copy now: a later ``copy_fn`` in this function must not leak in.
     init.fn = functools.partial(_with_zero_counter, init.fn, counter_shape)
     init.writes = init.writes + (counter,)
     init.compute_cycles = fill
     init.vertices = (counter_tiles > 0).astype(np.int64)
-    init.codelets = ("Fill<int>",)
+    init.codelets = init.codelets + (vocab.vertex(vocab.FILL, "int"),)
     ctx.emit(init)
 
   def row_of(counter_storage):
@@ -404,7 +405,7 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
           name="scan/slice", op=ctx.op, reads=(counter,) + tuple(x for x, _ in moves),
           writes=tuple(s for _, s in moves), fn=slice_fn, compute_cycles=cycles,
           exchange=add_costs(*costs), vertices=(cycles > 0).astype(np.int64),
-          codelets=("DynamicSlice",)))
+          codelets=(vocab.DYNAMIC_SLICE,)))
 
     # 2. The body.
     _note_keys(jaxpr, consts + inits + xs)
@@ -441,7 +442,7 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
         + tuple(copy_reads),
         writes=tuple(st for st, _ in y_pairs) + tuple(copy_writes) + (counter,),
         fn=update_fn, compute_cycles=cycles, exchange=add_costs(*costs),
-        vertices=(cycles > 0).astype(np.int64), codelets=("DynamicUpdateSlice", "Add<int>")))
+        vertices=(cycles > 0).astype(np.int64), codelets=(vocab.DYNAMIC_UPDATE_SLICE, vocab.vertex(vocab.ELEMENTWISE, "add"))))
 
   ctx.emit(make_repeat(length, body, local_ids))
   return carries + ys_stacked
@@ -504,7 +505,7 @@ def _any_lane(ctx, lanes: P.Tensor) -> P.Tensor:
                        fn=fn, compute_cycles=compute,
                        exchange=exchange if exchange.total_bytes else None,
                        vertices=np.minimum(held, 1) + (np.arange(target.num_tiles) == dst),
-                       codelets=("ReduceOr",)))
+                       codelets=(vocab.vertex(vocab.REDUCE, "or"),)))
   return predicate
 
 
@@ -556,7 +557,7 @@ def _emit_lane_select(ctx, carries, outs, lanes: P.Tensor) -> None:
       writes=tuple(c for c, _ in pairs), fn=fn,
       compute_cycles=estimators.elementwise_cycles(target, elements, "select_n", 4),
       exchange=add_costs(*costs), vertices=np.minimum(elements, target.worker_contexts),
-      codelets=("Select",)))
+      codelets=(vocab.SELECT,)))
 
 
 # -- cond ---------------------------------------------------------------------

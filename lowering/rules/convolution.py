@@ -64,6 +64,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical
 from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
@@ -434,7 +435,7 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
       compute_cycles=compute, exchange=exchange, vertices=vertices,
-      codelets=(f"ConvPartial<{np.dtype(in_dtype).name},{acc.name}>",), flops=flops,
+      codelets=(vocab.vertex(vocab.CONV_PARTIAL, np.dtype(in_dtype), acc),), flops=flops,
       scratch_bytes=scratch, notes=(note,) if note else ()))
   return [out]
 

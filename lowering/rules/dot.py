@@ -71,6 +71,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
@@ -97,7 +98,7 @@ def fill_zeros(ctx, shape, dtype, name: str) -> P.Tensor:
 
   ctx.emit(P.Superstep(name=name, op=ctx.op, reads=(), writes=(out,), fn=fn,
                        compute_cycles=estimators.fill_cycles(ctx.target, elements, out.itemsize),
-                       vertices=worker_vertices(ctx, elements), codelets=("Fill",)))
+                       vertices=worker_vertices(ctx, elements), codelets=(vocab.FILL,)))
   return out
 
 
@@ -161,7 +162,7 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
   dn = ((lc, rc), (lb, rb))
   block = bb * bm * bn
   piece = ceil_div(block, gk)
-  codelet = f"MatMulBlock<{np.dtype(in_dtype).name},{acc.name}>"
+  codelet = vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(in_dtype), acc)
   label = plan.label
 
   def blocks_of(size, block_size):
@@ -340,7 +341,7 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
         name=f"{ctx.op}/reduce {label}{pass_name}", op=ctx.op, reads=(partials, out),
         writes=(out,), fn=reduce_step, compute_cycles=reduce_compute,
         exchange=ExchangeCost(bytes_in, bytes_out, link), vertices=reduce_vertices,
-        codelets=(f"ReduceAdd<{acc.name},{out_dtype.name}>",),
+        codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype),),
         flops=int((gk - 1) * counts.sum()) if _is_float(out_dtype) else 0))
   return [out]
 
@@ -425,7 +426,7 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.nd
         op=ctx.op, reads=(level,) + ((out,) if last else ()), writes=(result,), fn=step,
         compute_cycles=compute, exchange=ExchangeCost(bytes_in, bytes_out, link),
         vertices=worker_vertices(ctx, outputs),
-        codelets=(f"ReduceAdd<{acc.name},{(out_dtype if last else acc).name}>",),
+        codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype if last else acc),),
         flops=int(((members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))
     level, count, stride = result, new_count, stride * fanin
 

@@ -14,6 +14,7 @@ from jax import lax
 from jax._src.lax import special as lax_special
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import elementwise, logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import movement_cost
@@ -120,7 +121,7 @@ def _bitcast_convert_type(ctx, operand, *, new_dtype):
   ctx.emit(P.Superstep(
       name="bitcast_convert_type", op=ctx.op, reads=(operand,), writes=(out,), fn=fn,
       compute_cycles=estimators.copy_cycles(target, held, 1), exchange=exchange,
-      vertices=worker_vertices(ctx, held), codelets=("Copy",)))
+      vertices=worker_vertices(ctx, held), codelets=(vocab.COPY,)))
   return [out]
 
 

@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import linalg as K
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.builders import elementwise
 from ipu_jax.lowering.problems import solve_problems
 from ipu_jax.lowering.registry import register_lowering
@@ -78,7 +79,7 @@ def _transform(ctx, x, axes, fft_type: lax.FftType, lengths, out_shape, out_dtyp
       ctx, fn, [x], [(out_shape, out_dtype)], batch_axes=[batch],
       out_batch_axes=[batch], flops=K.fft_flops(points, real),
       steps=max(1, math.ceil(math.log2(max(points, 1)))),
-      codelet=f"FFT<{fft_type.name}>",
+      codelet=vocab.vertex(vocab.FFT, fft_type),
       name=f"fft/{fft_type.name.lower()}" + (f"/axis{axes[0]}" if len(axes) == 1 else ""))
   return out
 
@@ -145,14 +146,14 @@ def _four_step(ctx, x, fft_type, n1, n2):
       ctx, columns, [grid], [(grid.shape, dtype)], batch_axes=[column_axes],
       out_batch_axes=[column_axes], flops=K.fft_flops(n1) + _TWIDDLE_FLOPS * n1,
       steps=max(1, math.ceil(math.log2(n1))), with_problem_index=True,
-      codelet=f"FFT<{fft_type.name}>", name=f"fft/{fft_type.name.lower()}/columns")
+      codelet=vocab.vertex(vocab.FFT, fft_type), name=f"fft/{fft_type.name.lower()}/columns")
   row_params = dict(fft_type=fft_type, fft_lengths=(n2,))
   (rows,) = solve_problems(
       ctx, lambda line: lax.fft_p.bind(line, **row_params), [twiddled],
       [(batch + (n2, n1), dtype)], batch_axes=[tuple(range(nb + 1))],
       out_batch_axes=[tuple(range(nb)) + (nb + 1,)], flops=K.fft_flops(n2),
       steps=max(1, math.ceil(math.log2(n2))),
-      codelet=f"FFT<{fft_type.name}>", name=f"fft/{fft_type.name.lower()}/rows")
+      codelet=vocab.vertex(vocab.FFT, fft_type), name=f"fft/{fft_type.name.lower()}/rows")
   return alias(rows, batch + (n,))
 
 
@@ -196,7 +197,7 @@ def _inverse_real_four_step(ctx, x, length, out_dtype, n1, n2):
   (hermitian,) = solve_problems(
       ctx, conjugate_upper_half, [chunks], [(chunks.shape, x.dtype)],
       batch_axes=[chunk_axes], out_batch_axes=[chunk_axes], flops=float(n1),
-      with_problem_index=True, codelet="Conjugate", name="fft/irfft/conjugate")
+      with_problem_index=True, codelet=vocab.vertex(vocab.ELEMENTWISE, "conj"), name="fft/irfft/conjugate")
   full = _four_step(ctx, alias(hermitian, batch + (n,)), lax.FftType.IFFT, n1, n2)
   return elementwise(ctx, lambda v: jnp.real(v).astype(out_dtype), [full],
                      out_avals=[(full.shape, out_dtype)], name="fft/irfft/real",

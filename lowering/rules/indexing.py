@@ -64,6 +64,7 @@ from jax import lax
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
@@ -455,7 +456,7 @@ def _dynamic_slice(ctx, operand, *indices, slice_sizes):
         lambda ids: lax.dynamic_slice(ids, [jnp.asarray(s) for s in starts], slice_sizes),
         operand.shape)
   _lookup(ctx, lax.dynamic_slice_p, params, operand, indices, out,
-          num_lookups=1, codelet="popops::DynamicSlice", static_source=static)
+          num_lookups=1, codelet=vocab.DYNAMIC_SLICE, static_source=static)
   return [out]
 
 
@@ -475,7 +476,7 @@ def _dynamic_update_slice(ctx, operand, update, *indices):
         operand.shape, update.shape)
   _update(ctx, lax.dynamic_update_slice_p, {}, [operand, update, *indices], operand,
           list(indices), update, out, num_lookups=1,
-          codelet="popops::DynamicUpdateSlice", static_source=static)
+          codelet=vocab.DYNAMIC_UPDATE_SLICE, static_source=static)
   return [out]
 
 
@@ -513,7 +514,7 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
     _emit(ctx, f"{ctx.op}/fill", [], [out],
           lambda: (builders.storage(jnp.full(out.shape, fill, out.dtype), out),),
           compute=estimators.fill_cycles(ctx.target, elements, out.itemsize),
-          vertices=builders.worker_vertices(ctx, elements), codelet="popops::Fill")
+          vertices=builders.worker_vertices(ctx, elements), codelet=vocab.FILL)
     return [out]
   num_lookups = int(np.prod(indices.shape[:-1], dtype=np.int64))
   static = None
@@ -546,10 +547,10 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
       out = ctx.new_tensor(aval.shape, aval.dtype,
                            replicated.out_mapping(dimension_numbers.offset_dims))
       replicated.emit(_bind_fn(lax.gather_p, params, [operand, indices], [out]), out,
-                      codelet="popops::MultiSlice")
+                      codelet=vocab.MULTI_SLICE)
       return [out]
   _lookup(ctx, lax.gather_p, params, operand, [indices], out, num_lookups,
-          codelet="popops::MultiSlice", static_source=static, per_tile=per_tile)
+          codelet=vocab.MULTI_SLICE, static_source=static, per_tile=per_tile)
   return [out]
 
 
@@ -605,14 +606,14 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
 
 
 _SCATTERS = [
-    (lax.scatter_p, "popops::MultiUpdate", 1.0, False),
-    (lax.scatter_add_p, "popops::MultiUpdateOp<add>", 2.0, True),
-    (lax.scatter_mul_p, "popops::MultiUpdateOp<mul>", 2.0, True),
-    (lax.scatter_min_p, "popops::MultiUpdateOp<min>", 2.0, True),
-    (lax.scatter_max_p, "popops::MultiUpdateOp<max>", 2.0, True),
+    (lax.scatter_p, vocab.MULTI_UPDATE, 1.0, False),
+    (lax.scatter_add_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "add"), 2.0, True),
+    (lax.scatter_mul_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "mul"), 2.0, True),
+    (lax.scatter_min_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "min"), 2.0, True),
+    (lax.scatter_max_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "max"), 2.0, True),
 ]
 if hasattr(lax, "scatter_sub_p"):
-  _SCATTERS.append((lax.scatter_sub_p, "popops::MultiUpdateOp<sub>", 2.0, True))
+  _SCATTERS.append((lax.scatter_sub_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "sub"), 2.0, True))
 
 for _prim, _codelet, _cycles, _flops in _SCATTERS:
   register_lowering(_prim, _scatter_rule(_prim, _codelet, _cycles, _flops))
@@ -781,7 +782,7 @@ def _sort(ctx, *operands, dimension, is_stable, num_keys):
           ctx, fn, operands, out_avals, [axis] * len(operands), out_axis=axis,
           cycles_per_tile_fn=lambda r: _item_cycles(
               ctx, r * rows_per_slice * flat_compares, compare_cycles),
-          codelet="Sort")
+          codelet=vocab.SORT)
   plan = _RowPlan(ctx, shape, dimension, _tiles_per_row(ctx, n, 2 * n * element_bytes))
   mapping = plan.mapping()
   outs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
@@ -790,7 +791,7 @@ def _sort(ctx, *operands, dimension, is_stable, num_keys):
         compute=_item_cycles(ctx, local, compare_cycles),
         exchange=_relayout_cost(ctx, operands, mapping),
         vertices=builders.worker_vertices(ctx, plan.per_tile(np.ones_like(plan.chunk_elems))),
-        codelet="Sort")
+        codelet=vocab.SORT)
   # Bitonic merges between the chunks of a row: the data is already sorted
   # by the step above; these steps carry the cost of the merges.
   levels = _log2(plan.p)
@@ -804,7 +805,7 @@ def _sort(ctx, *operands, dimension, is_stable, num_keys):
         costs[bit] = plan.merge_cost(bit, element_bytes)
       _emit(ctx, f"sort/merge{level}.{j}", outs, outs, lambda *xs: tuple(xs),
             compute=merge_compute, exchange=costs[bit], vertices=vertices,
-            codelet="SortMerge")
+            codelet=vocab.SORT_MERGE)
   return outs
 
 
@@ -820,7 +821,7 @@ def _top_k_like(ctx, prim, params, operand, axis, k):
   other_axes = [a for a in range(len(shape)) if a != axis]
   budget = ctx.target.bytes_per_tile // _ROW_BUDGET_FRACTION
   result_bytes = sum(np.dtype(d).itemsize for _, d in out_avals)
-  codelet = f"TopK<{prim.name}>"
+  codelet = vocab.vertex(vocab.TOP_K, prim.name)
 
   def fn(x):
     return prim.bind(x, **params)

@@ -43,6 +43,7 @@ from ipu_jax import ops
 from ipu_jax.ops.stochastic_round import random_bits_for, round_with_bits
 from ipu_jax.ops.tile_map import codelet_body, codelet_cycles, codelet_flops
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
                                        storage, worker_vertices)
@@ -260,7 +261,7 @@ def _matmul_rule(ctx, a, b, *, available_memory_proportion, partials_type):
         name="matmul/zeros", op=ctx.op, reads=(), writes=(out,),
         fn=lambda: (jnp.zeros(out.storage_shape, out_dtype),),
         compute_cycles=estimators.fill_cycles(target, elements, itemsize),
-        vertices=worker_vertices(ctx, elements), codelets=("popops::Fill",)))
+        vertices=worker_vertices(ctx, elements), codelets=(vocab.FILL,)))
     return [out]
 
   plan = _plan(ctx, bt, m, n, k, out_dtype, pdtype, proportion)
@@ -408,7 +409,7 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
     ctx.emit(P.Superstep(
         name=name, op=ctx.op, reads=(a, b) + carry, writes=(out,), fn=fn,
         compute_cycles=compute, exchange=add_costs(a_cost, b_cost), vertices=vertices,
-        codelets=("poplin::MatMulBlock",), flops=flops, notes=notes))
+        codelets=(vocab.MATMUL_BLOCK,), flops=flops, notes=notes))
     return
 
   chunk = bb * bm * bn
@@ -421,7 +422,7 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
   ctx.emit(P.Superstep(
       name=f"{name}/partials", op=ctx.op, reads=(a, b), writes=(partials,),
       fn=partial_fn, compute_cycles=compute, exchange=add_costs(a_cost, b_cost),
-      vertices=vertices, codelets=("poplin::MatMulBlock",), flops=flops, notes=notes))
+      vertices=vertices, codelets=(vocab.MATMUL_BLOCK,), flops=flops, notes=notes))
 
   # Reduce: element `pos` of an output block is reduced on the block's tile
   # pos mod gk (each of the gk tiles reduces 1/gk of the block).
@@ -442,7 +443,7 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
       name=f"{name}/reduce" if not whole else "matmul/reduce", op=ctx.op,
       reads=(partials,) + carry, writes=(out,), fn=reduce_fn,
       compute_cycles=reduce_compute, exchange=reduce_cost,
-      vertices=worker_vertices(ctx, reduced), codelets=("popops::Reduce",),
+      vertices=worker_vertices(ctx, reduced), codelets=(vocab.vertex(vocab.REDUCE, "add"),),
       flops=int(bt * pm * pn * (gk - 1))))
 
 
@@ -539,7 +540,7 @@ def _stochastic_round_rule(ctx, x, key, *, dtype, impl):
   ctx.emit(P.Superstep(
       name="stochastic_round", op=ctx.op, reads=(x, key), writes=(out,), fn=fn,
       compute_cycles=compute, exchange=broadcast_cost(ctx, key, x.mapping.tiles),
-      vertices=worker_vertices(ctx, elements), codelets=("popops::CastStochasticRound",),
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.CAST_STOCHASTIC_ROUND,),
       flops=int(x.size)))
   return [out]
 

@@ -222,7 +222,7 @@ SPECS = {
         2, lambda c, p: K.lu_flops(*c[0][-2:]), lambda c, p: min(c[0][-2:]), "poplin::LU"),
     "lu_pivots_to_permutation": LinalgSpec(
         1, lambda c, p: p["permutation_size"] + 2 * c[0][-1], lambda c, p: c[0][-1],
-        "LuPivotsToPermutation", float_operands=()),
+        "poplin::LuPivotsToPermutation", float_operands=()),
     "qr": LinalgSpec(
         2, _qr_flops, lambda c, p: min(c[0][-2:]), "poplin::HouseholderQR", workspace=1),
     "geqrf": LinalgSpec(

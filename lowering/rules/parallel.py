@@ -83,6 +83,7 @@ from jax._src.lax import parallel as lax_parallel
 from ipu_jax import ops
 from ipu_jax.errors import LoweringError
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
@@ -238,9 +239,9 @@ def _move_cost(ctx, src: P.Tensor, src_positions, dst: P.Tensor, dst_positions):
 # psum / pmax / pmin (positional and named axes) and psum_invariant
 # ---------------------------------------------------------------------------
 
-_COMBINE = {"sum": (lax.psum, "add", "popops::ReduceAdd"),
-            "max": (lax.pmax, "max", "popops::ReduceMax"),
-            "min": (lax.pmin, "min", "popops::ReduceMin")}
+_COMBINE = {"sum": (lax.psum, "add", vocab.vertex(vocab.REDUCE, "add")),
+            "max": (lax.pmax, "max", vocab.vertex(vocab.REDUCE, "max")),
+            "min": (lax.pmin, "min", vocab.vertex(vocab.REDUCE, "min"))}
 
 
 def _emit_all_reduce(ctx, x: P.Tensor, names: tuple, kind: str) -> P.Tensor:
@@ -319,7 +320,7 @@ def _axis_index_rule(ctx, *, axis_name):
   ctx.emit(P.Superstep(
       name="axis_index", op=ctx.op, reads=(), writes=(out,), fn=fn,
       compute_cycles=estimators.fill_cycles(ctx.target, elements, 4),
-      vertices=(elements > 0).astype(np.int64), codelets=("AxisIndex",)))
+      vertices=(elements > 0).astype(np.int64), codelets=(vocab.AXIS_INDEX,)))
   return [out]
 
 
@@ -461,7 +462,7 @@ def _make_cross_replica_rule(kind):
         name=f"all_reduce<{kind}>x{replicas}", op=ctx.op, reads=(x,), writes=(out,), fn=fn,
         compute_cycles=compute, exchange=exchange,
         vertices=worker_vertices(ctx, elements) if compute is not None else None,
-        codelets=("popops::ReduceAdd",) if compute is not None else (),
+        codelets=(vocab.vertex(vocab.REDUCE, "add"),) if compute is not None else (),
         flops=int(x.size * (replicas - 1)) if np.issubdtype(x.dtype, np.inexact) else 0))
     return [out]
   return rule
@@ -482,7 +483,7 @@ def _replica_index_rule(ctx, *, axis_name):
   ctx.emit(P.Superstep(
       name="replica_index", op=ctx.op, reads=(), writes=(out,), fn=fn,
       compute_cycles=estimators.fill_cycles(ctx.target, elements, 4),
-      vertices=(elements > 0).astype(np.int64), codelets=("ReplicaIndex",)))
+      vertices=(elements > 0).astype(np.int64), codelets=(vocab.REPLICA_INDEX,)))
   return [out]
 
 

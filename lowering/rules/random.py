@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
                                        logical, storage, worker_vertices)
@@ -168,7 +169,7 @@ def _emit_generator(ctx, name: str, fn, operands: Sequence[P.Tensor],
     ctx.emit(P.Superstep(name=name, op=ctx.op, reads=tensors, writes=(out,), fn=step,
                          compute_cycles=compute, exchange=cost,
                          vertices=worker_vertices(ctx, words),
-                         codelets=(f"{cost_op}",)))
+                         codelets=(vocab.vertex(vocab.RANDOM, cost_op),)))
   return out
 
 
@@ -290,7 +291,7 @@ def _iota_2x32_shape(ctx, *, shape):
   if hi.size:
     ctx.emit(P.Superstep(name="iota_2x32", op=ctx.op, reads=(), writes=(hi, lo), fn=step,
                          compute_cycles=2 * estimators.fill_cycles(target, elements, 4),
-                         vertices=worker_vertices(ctx, elements), codelets=("Iota<uint>",)))
+                         vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.IOTA, "uint"),)))
   return [hi, lo]
 
 
@@ -337,7 +338,7 @@ def _random_gamma(ctx, keys, alpha, *, log_space):
       compute_cycles=estimators.worker_split_cycles(
           target, elements, _GAMMA_CYCLES_PER_VECTOR, out.itemsize),
       exchange=add_costs(*costs), vertices=worker_vertices(ctx, elements),
-      codelets=("RandomGamma",), flops=out.size * 20))
+      codelets=(vocab.vertex(vocab.RANDOM, "gamma"),), flops=out.size * 20))
   return [out]
 
 

@@ -59,6 +59,7 @@ from jax._src.lax import control_flow as lax_control_flow
 from jax._src.lax import lax as lax_internal
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
                                        relayout_to, storage, worker_vertices)
@@ -428,7 +429,7 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     ctx.emit(P.Superstep(
         name=f"{ctx.op}/fill", op=ctx.op, reads=tuple(init_reads), writes=tuple(outputs),
         fn=fill_fn, compute_cycles=estimators.fill_cycles(target, elements, outputs[0].itemsize),
-        vertices=worker_vertices(ctx, elements), codelets=("Fill",)))
+        vertices=worker_vertices(ctx, elements), codelets=(vocab.FILL,)))
     return outputs
 
   # Multi-operand reductions need every operand laid out like the first.
@@ -589,7 +590,7 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
       name=f"{ctx.op}/partials", op=ctx.op, reads=tuple(data) + tuple(init_reads),
       writes=tuple(partials), fn=fn, compute_cycles=cycles,
       exchange=_init_cost(ctx, init_reads, in_map.tiles),
-      vertices=worker_vertices(ctx, per_tile), codelets=(f"Reduce<{spec.kind}>",),
+      vertices=worker_vertices(ctx, per_tile), codelets=(vocab.vertex(vocab.REDUCE, spec.kind),),
       flops=int(flops)))
 
 
@@ -632,7 +633,7 @@ def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, fina
       compute_cycles=cycles,
       exchange=_add(cost, _init_cost(ctx, init_reads, out_map.tiles)),
       vertices=worker_vertices(ctx, out_map.elements_per_tile(target.num_tiles)),
-      codelets=(f"Reduce<{spec.kind}>",), flops=int(flops)))
+      codelets=(vocab.vertex(vocab.REDUCE, spec.kind),), flops=int(flops)))
 
 
 def _add(a, b):
@@ -936,7 +937,7 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
     ctx.emit(P.Superstep(
         name=ctx.op, op=ctx.op, reads=(x,), writes=(out,), fn=fn,
         compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
-        vertices=worker_vertices(ctx, elements), codelets=(f"Scan<{kind}>",), flops=flops))
+        vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.SCAN, kind),), flops=flops))
     return [out]
 
   local = ctx.new_tensor(x.shape, dtype, mapping, name=f"{ctx.op}/local")
@@ -959,7 +960,7 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/pieces", op=ctx.op, reads=(x,), writes=(local, totals), fn=stage1,
       compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
-      vertices=worker_vertices(ctx, elements), codelets=(f"Scan<{kind}>",), flops=flops))
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.SCAN, kind),), flops=flops))
 
   # Totals of each line's pieces in a [lines, max_pieces] table (k order).
   lines = int(groups.key.max()) + 1
@@ -995,7 +996,7 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/fold", op=ctx.op, reads=(local, totals), writes=(out,), fn=stage2,
       compute_cycles=plan.fold_cycles, exchange=plan.fold_cost,
-      vertices=worker_vertices(ctx, fold_elements), codelets=(f"ScanFold<{kind}>",),
+      vertices=worker_vertices(ctx, fold_elements), codelets=(vocab.vertex(vocab.SCAN_FOLD, kind),),
       flops=int(fold_elements.sum()) if np.issubdtype(dtype, np.inexact) else 0))
   return [out]
 

@@ -44,6 +44,7 @@ from jax import lax
 from jax._src.lax import lax as lax_internal
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, to_flat, to_storage
@@ -304,7 +305,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
                       minlength=num_tiles)[:num_tiles]
   compute = (estimators.copy_cycles(target, copies, itemsize)
              + estimators.fill_cycles(target, fills, itemsize))
-  codelets = tuple(c for c, n in (("Copy", copies.sum()), ("Fill", fills.sum())) if n)
+  codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
   fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
   mode = ctx.options.executor_mode
 
@@ -627,5 +628,5 @@ def _iota(ctx, *dynamic, dtype, shape, dimension, **params):
   ctx.emit(P.Superstep(
       name="iota", op=ctx.op, reads=(), writes=(out,), fn=fn,
       compute_cycles=estimators.fill_cycles(target, elements, out.itemsize),
-      vertices=worker_vertices(ctx, elements), codelets=("Iota",)))
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.IOTA,)))
   return [out]

@@ -56,6 +56,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, movement_cost
@@ -331,7 +332,7 @@ class ScatterPartials:
         name=f"{ctx.op}/partials", op=ctx.op, reads=(indices, updates), writes=first,
         fn=partials_fn, compute_cycles=compute, exchange=self.costs[0],
         vertices=builders.worker_vertices(ctx, tuples_on_tile),
-        codelets=(f"popops::MultiUpdateOp<{name}>",),
+        codelets=(vocab.vertex(vocab.MULTI_UPDATE_OP, name),),
         flops=updates.size if jnp.issubdtype(operand.dtype, jnp.inexact) else 0))
 
     partials = first
@@ -369,7 +370,7 @@ class ScatterPartials:
         name=f"{ctx.op}/reduce", op=ctx.op, reads=tuple(partials), writes=tuple(reduced),
         fn=fn, compute_cycles=estimators.reduce_cycles(target, received, self.operand.itemsize),
         exchange=cost, vertices=builders.worker_vertices(ctx, received),
-        codelets=(f"popops::Reduce<{name}>",)))
+        codelets=(vocab.vertex(vocab.REDUCE, name),)))
     return reduced
 
   def _emit_apply(self, partials, out, cost):
@@ -402,7 +403,7 @@ class ScatterPartials:
         writes=(out,), fn=fn,
         compute_cycles=estimators.reduce_cycles(target, held * (count + 1), operand.itemsize),
         exchange=cost, vertices=builders.worker_vertices(ctx, held),
-        codelets=(f"popops::Reduce<{name}>",)))
+        codelets=(vocab.vertex(vocab.REDUCE, name),)))
 
 
 class ReplicatedGather:

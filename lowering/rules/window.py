@@ -29,6 +29,7 @@ import numpy as np
 from jax._src.lax import windowed_reductions as wr
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, partitioned, storage, worker_vertices
 from ipu_jax.lowering.exchange import movement_cost
@@ -95,7 +96,7 @@ def _lower_window(ctx, fn, operands: Sequence[P.Tensor], splittable: Sequence[bo
   itemsize = out_dtype.itemsize
   # The work runs over the windows: one per output of a pooling, one per
   # source element of select_and_scatter_add.
-  pooled = operands[0].size if codelet.startswith("SelectAndScatter") else out_size
+  pooled = operands[0].size if codelet.startswith(vocab.SELECT_AND_SCATTER) else out_size
   flops = pooled * window_elems if float_flops else 0
   if out_size == 0:
     outputs = [ctx.new_tensor(s, d) for s, d in out_avals]
@@ -129,7 +130,7 @@ def _make_monoid_rule(prim, kind):
                   window_dilation=window_dilation)
     axis = split_axis(x.shape, window_dimensions, window_strides, padding, base_dilation)
     return _lower_window(ctx, lambda a: prim.bind(a, **params), [x], [True], axis,
-                         int(np.prod(window_dimensions)), 1, f"Pool<{kind}>",
+                         int(np.prod(window_dimensions)), 1, vocab.vertex(vocab.POOL, kind),
                          _is_float(x.dtype))
   return rule
 
@@ -161,7 +162,7 @@ def _reduce_window_rule(ctx, *args, jaxpr, consts, window_dimensions, window_str
   axis = split_axis(xs[0].shape, window_dimensions, window_strides, padding, base_dilation)
   eqns = max(1, len(getattr(jaxpr, "eqns", ())))
   return _lower_window(ctx, fn, xs + read_inits, [True] * num + [False] * len(read_inits),
-                       axis, int(np.prod(window_dimensions)), eqns, "Pool<reduce>",
+                       axis, int(np.prod(window_dimensions)), eqns, vocab.vertex(vocab.POOL, "reduce"),
                        all(_is_float(x.dtype) for x in xs))
 
 
@@ -177,7 +178,7 @@ def _select_and_scatter_add_rule(ctx, source, operand, *, select_prim, window_di
     return wr.select_and_scatter_add_p.bind(s, o, **params)
 
   return _lower_window(ctx, fn, [source, operand], [True, True], axis,
-                       int(np.prod(window_dimensions)), 2, "SelectAndScatter<add>",
+                       int(np.prod(window_dimensions)), 2, vocab.vertex(vocab.SELECT_AND_SCATTER, "add"),
                        _is_float(source.dtype))
 
 
@@ -194,5 +195,5 @@ def _select_and_gather_add_rule(ctx, tangents, operand, *, select_prim, window_d
     return wr.select_and_gather_add_p.bind(t, o, **params)
 
   return _lower_window(ctx, fn, [tangents, operand], [True, True], axis,
-                       int(np.prod(window_dimensions)), 2, "SelectAndGather<add>",
+                       int(np.prod(window_dimensions)), 2, vocab.vertex(vocab.SELECT_AND_GATHER, "add"),
                        _is_float(tangents.dtype))

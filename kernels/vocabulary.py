@@ -1,0 +1,102 @@
+"""The codelet vocabulary: every built-in vertex type, named once.
+
+Lowering rules, builders, the built-in codelet library and the graph API name
+the vertex types a compute set runs with these constants, never with ad-hoc
+strings, so one vertex type has one name wherever it is reached from. Code
+memory (``lowering/analysis.py``) is charged once per distinct vertex type per
+tile, keyed by :func:`identity`; a type reached by two paths (say a fill from a
+reduction over an empty axis and one from a gather of an empty table) is
+charged once.
+
+Names follow poplibs' ``library::Vertex<template arguments>`` form. The
+library is the one that holds such vertices in poplibs (``popops``:
+elementwise, data movement, reductions, indexing and sorting; ``poplin``:
+matmuls, convolutions, linear algebra; ``poprand``: random numbers), or
+``ipu_jax`` for vertex types poplibs has no counterpart of (FFT, replica
+indices). Template instances are distinct vertex types with their own code,
+as on the IPU, where ``Fill<int>`` and ``Fill<float>`` are separate
+codelets: build them with :func:`vertex` (``vertex(FILL, "int")``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "vertex", "identity",
+    # popops: elementwise and data movement.
+    "ELEMENTWISE", "COPY", "FILL", "IOTA", "SELECT", "SCALED_ADD", "CAST_STOCHASTIC_ROUND",
+    # popops: reductions and scans.
+    "REDUCE", "REDUCE_PARTIAL", "SCAN", "SCAN_FOLD", "POOL", "SELECT_AND_SCATTER",
+    "SELECT_AND_GATHER",
+    # popops: indexing and sorting.
+    "DYNAMIC_SLICE", "DYNAMIC_UPDATE_SLICE", "MULTI_SLICE", "MULTI_UPDATE", "MULTI_UPDATE_OP",
+    "SORT", "SORT_MERGE", "TOP_K",
+    # poplin.
+    "DOT", "MATMUL_BLOCK", "REDUCE_ADD", "CONV_PARTIAL",
+    # poprand.
+    "RANDOM",
+    # ipu_jax.
+    "FFT", "AXIS_INDEX", "REPLICA_INDEX",
+]
+
+ELEMENTWISE = "popops::Elementwise"  # vertex(ELEMENTWISE, op), op a primitive name
+COPY = "popops::Copy"
+FILL = "popops::Fill"
+IOTA = "popops::Iota"
+SELECT = "popops::Select"
+SCALED_ADD = "popops::ScaledAdd"
+CAST_STOCHASTIC_ROUND = "popops::CastStochasticRound"
+
+REDUCE = "popops::Reduce"  # vertex(REDUCE, kind): add, max, min, or, argmax ...
+REDUCE_PARTIAL = "popops::ReducePartial"
+SCAN = "popops::Scan"
+SCAN_FOLD = "popops::ScanFold"
+POOL = "popops::Pool"
+SELECT_AND_SCATTER = "popops::SelectAndScatter"
+SELECT_AND_GATHER = "popops::SelectAndGather"
+
+DYNAMIC_SLICE = "popops::DynamicSlice"
+DYNAMIC_UPDATE_SLICE = "popops::DynamicUpdateSlice"
+MULTI_SLICE = "popops::MultiSlice"
+MULTI_UPDATE = "popops::MultiUpdate"
+MULTI_UPDATE_OP = "popops::MultiUpdateOp"  # vertex(MULTI_UPDATE_OP, "add") ...
+SORT = "popops::Sort"
+SORT_MERGE = "popops::SortMerge"
+TOP_K = "popops::TopK"
+
+DOT = "poplin::Dot"
+MATMUL_BLOCK = "poplin::MatMulBlock"  # vertex(MATMUL_BLOCK, in dtype, partials dtype)
+REDUCE_ADD = "poplin::ReduceAdd"      # a matmul's partials, vertex(REDUCE_ADD, acc, out)
+CONV_PARTIAL = "poplin::ConvPartial"
+
+RANDOM = "poprand::Random"  # vertex(RANDOM, generator)
+
+FFT = "ipu_jax::FFT"
+AXIS_INDEX = "ipu_jax::AxisIndex"
+REPLICA_INDEX = "ipu_jax::ReplicaIndex"
+
+
+def vertex(name: str, *template_args) -> str:
+  """A template instance: ``vertex(FILL, "int") == "popops::Fill<int>"``.
+
+  Arguments may be strings or anything with a ``name`` (NumPy dtypes, enums).
+  """
+  if not template_args:
+    return name
+  args = ",".join(getattr(a, "name", a) if not isinstance(a, str) else a
+                  for a in template_args)
+  return f"{name}<{args}>"
+
+
+def identity(codelet) -> str:
+  """The key code memory is charged by: a vertex type name or a ``Codelet``'s name.
+
+  Raises:
+    TypeError: for anything else, naming what was given.
+  """
+  if isinstance(codelet, str):
+    return codelet
+  name = getattr(codelet, "name", None)
+  if isinstance(name, str) and callable(getattr(codelet, "fn", None)):
+    return name
+  raise TypeError(f"a step's codelets must be vertex type names (kernels.vocabulary) or "
+                  f"Codelet objects; got {codelet!r}.")
