@@ -12,18 +12,16 @@ work on whole storage arrays.
 
 from __future__ import annotations
 
-import functools
-import sys
 from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ipu_jax.lowering import printing
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 
-__all__ = ["build_function", "format_tensor"]
+__all__ = ["build_function"]
 
 
 class _Env:
@@ -73,8 +71,7 @@ def _run(program, state: dict, env: _Env) -> dict:
   if isinstance(program, P.PrintTensor):
     tensor = program.tensor
     value = to_flat(env.get(state, tensor.id), tensor.mapping).reshape(tensor.shape)
-    jax.debug.callback(functools.partial(_print_tensor, program.title), value,
-                       ordered=True)
+    printing.print_tensor(program.title, value)
     return state
   if isinstance(program, P.Repeat):
     return _repeat(program, state, env)
@@ -202,30 +199,6 @@ def _stream_copy(program: P.StreamCopy, state, env):
     state[stream.buffer_key] = buffer.at[index].set(value.astype(buffer.dtype))
   state[stream.cursor_key] = ((cursor + n) % max(length, 1)).astype(cursor.dtype)
   return state
-
-
-def format_tensor(value: np.ndarray) -> str:
-  """Format like Poplar's PrintTensor: ``[1.0000000 1.5000000]``."""
-  value = np.asarray(value)
-  if value.ndim == 0:
-    return _format_scalar(value)
-  if value.ndim == 1:
-    return "[" + " ".join(_format_scalar(v) for v in value) + "]"
-  return "[" + ",\n ".join(format_tensor(v) for v in value) + "]"
-
-
-def _format_scalar(v) -> str:
-  v = np.asarray(v)
-  if np.issubdtype(v.dtype, np.floating):
-    return f"{float(v):.7f}"
-  if v.dtype == np.bool_:
-    return "true" if bool(v) else "false"
-  return str(int(v))
-
-
-def _print_tensor(title, value):
-  sys.stdout.write(f"{title}: {format_tensor(np.asarray(value))}\n")
-  sys.stdout.flush()
 
 
 def build_function(program, tensors: dict, input_keys: Iterable,

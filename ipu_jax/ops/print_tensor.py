@@ -2,34 +2,22 @@
 
 from __future__ import annotations
 
-import functools
-import sys
-
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from ipu_jax.lowering import printing
+from ipu_jax.lowering.printing import format_tensor
 from ipu_jax.ops._common import _compiled
 
+
+__all__ = ["print_tensor", "print_tensor_p", "format_tensor"]
 
 print_tensor_p = jcore.Primitive("print_tensor")
 
 
-def format_tensor(value) -> str:
-  """Poplar's PrintTensor format: ``[1.0000000 1.5000000]``."""
-  from ipu_jax.lowering.executor import format_tensor as fmt
-  return fmt(np.asarray(value))
-
-
-def _print_host(title, value):
-  sys.stdout.write(f"{title}: {format_tensor(value)}\n")
-  sys.stdout.flush()
-
-
 def _print_tensor_impl(x, *, title):
-  jax.debug.callback(functools.partial(_print_host, title), x, ordered=True)
+  printing.print_tensor(title, x)
   return x
 
 
@@ -62,7 +50,8 @@ def print_tensor(x, title: str = ""):
   """Print ``x`` on the host like Poplar's ``PrintTensor`` and return it.
 
   The line is ``"{title}: [1.0000000 1.5000000]"`` (see
-  :func:`format_tensor`); prints happen in program order. Under ``jax.grad``
+  :func:`format_tensor`, the one printer of ``lowering/printing.py`` that the
+  emulated IPU's ``PrintTensor`` uses too); prints happen in program order. Under ``jax.grad``
   only the primal value is printed.
   """
   return print_tensor_p.bind(jnp.asarray(x), title=str(title))
