@@ -19,6 +19,16 @@ Names follow Poplar in Python style. A tiny program (Poplar tutorial 3)::
 Tensors are views: indexing, slicing, reshaping, transposing and
 concatenating give new views of the same tile memory (index arrays into the
 graph's elements), exactly as Poplar's tensor expressions do.
+
+Programs are the tile program IR's own nodes (``lowering/program.py``):
+``Sequence``, ``Repeat``, ``RepeatWhileTrue``, ``If``, ``Switch`` and
+``PrintTensor`` are those classes, and a ``DataStream`` is a
+``HostStream``. Only two leaves need the graph, so they are defined here:
+:class:`Execute` (run a compute set) and :class:`Copy` (between views or
+streams). Building an :class:`Engine` freezes the tile mappings and resolves
+them: each compute set becomes one superstep (exchange in, vertices ``vmap``-ed
+over tiles), each copy a gather/scatter step, and each view a predicate,
+control or printed tensor names becomes a tensor of its own.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost, to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.mapping import TileMapping, linear_chunk
+from ipu_jax.report import Report
 from ipu_jax.target import IPUTarget
 
 __all__ = [
@@ -162,31 +173,20 @@ class ComputeSet:
   vertices: list = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(eq=False)
-class DataStream:
-  """A host FIFO (``graph.add_host_to_device_fifo`` / ``..._device_to_host_fifo``)."""
-  name: str
-  dtype: np.dtype
-  num_elements: int
-  to_device: bool
+# -- programs: the IR's control nodes, plus the two leaves that need a graph ---
 
-
-# -- programs (graph-level; the Engine turns them into the tile IR) -----------
-
-
-class Sequence:
-  def __init__(self, programs=(), *more):
-    if not isinstance(programs, (list, tuple)):
-      programs = (programs,)
-    self.programs = list(programs) + list(more)
-
-  def add(self, program):
-    self.programs.append(program)
-    return self
+Sequence = P.Sequence
+Repeat = P.Repeat
+RepeatWhileTrue = P.RepeatWhileTrue
+If = P.If
+Switch = P.Switch
+PrintTensor = P.PrintTensor
+DataStream = P.HostStream  # a host FIFO: graph.add_host_to_device_fifo / ..._device_to_host_fifo
 
 
 @dataclasses.dataclass(eq=False)
 class Execute:
+  """Run the vertices of a compute set (one superstep once the Engine is built)."""
   compute_set: ComputeSet
 
 
@@ -195,39 +195,6 @@ class Copy:
   """Copy ``src`` to ``dst``: tensor to tensor, stream to tensor or back."""
   src: Any
   dst: Any
-
-
-@dataclasses.dataclass(eq=False)
-class Repeat:
-  count: int
-  body: Any
-
-
-@dataclasses.dataclass(eq=False)
-class RepeatWhileTrue:
-  condition: Any
-  predicate: Tensor
-  body: Any
-
-
-@dataclasses.dataclass(eq=False)
-class If:
-  predicate: Tensor
-  then: Any
-  else_: Any = None
-
-
-@dataclasses.dataclass(eq=False)
-class Switch:
-  control: Tensor
-  cases: list
-  default: Any = None
-
-
-@dataclasses.dataclass(eq=False)
-class PrintTensor:
-  title: str
-  tensor: Tensor
 
 
 # -- the graph ----------------------------------------------------------------
@@ -399,37 +366,40 @@ class _Lowerer:
 
   # programs
   def lower(self, program):
-    if isinstance(program, Sequence):
-      return P.Sequence([self.lower(p) for p in program.programs])
+    """The program with its graph leaves and views resolved to IR steps and tensors."""
     if isinstance(program, (list, tuple)):
       return P.Sequence([self.lower(p) for p in program])
+    if isinstance(program, P.Sequence):
+      return P.Sequence([self.lower(p) for p in program.programs])
     if isinstance(program, Execute):
+      # A compute set executed twice is one step run twice.
       key = id(program.compute_set)
       if key not in self.cache:
         self.cache[key] = self.compute_set_step(program.compute_set)
       return self.cache[key]
     if isinstance(program, Copy):
       return self.copy(program.src, program.dst)
-    if isinstance(program, Repeat):
+    if isinstance(program, P.Repeat):
       return P.Repeat(int(program.count), self.lower(program.body))
-    if isinstance(program, RepeatWhileTrue):
+    if isinstance(program, P.RepeatWhileTrue):
       pred, prep = self.materialise(program.predicate, "predicate")
       return P.RepeatWhileTrue(P.Sequence([self.lower(program.condition), prep]),
                                pred, self.lower(program.body))
-    if isinstance(program, If):
+    if isinstance(program, P.If):
       pred, prep = self.materialise(program.predicate, "predicate")
       return P.Sequence([prep, P.If(pred, self.lower(program.then),
                                     None if program.else_ is None else self.lower(program.else_))])
-    if isinstance(program, Switch):
+    if isinstance(program, P.Switch):
       control, prep = self.materialise(program.control, "control")
       return P.Sequence([prep, P.Switch(control, [(int(v), self.lower(p)) for v, p in program.cases],
                                         None if program.default is None else self.lower(program.default))])
-    if isinstance(program, PrintTensor):
+    if isinstance(program, P.PrintTensor):
       tensor, prep = self.materialise(program.tensor, program.title)
       return P.Sequence([prep, P.PrintTensor(program.title, tensor)])
     if program is None:
       return P.Sequence()
-    raise TypeError(f"not a graph program: {program!r}")
+    raise TypeError(f"not a graph program: {program!r}; programs are Sequence, Execute, "
+                    "Copy, Repeat, RepeatWhileTrue, If, Switch and PrintTensor")
 
   def materialise(self, view: Tensor, name: str):
     """An IR tensor holding ``view``: the base itself or a copy of the view."""
@@ -462,8 +432,7 @@ class _Lowerer:
   def copy(self, src, dst):
     if isinstance(src, DataStream) or isinstance(dst, DataStream):
       stream, view = (src, dst) if isinstance(src, DataStream) else (dst, src)
-      ir_stream = self.streams.setdefault(stream.name, P.HostStream(
-          stream.name, stream.dtype, stream.num_elements, stream.to_device))
+      ir_stream = self.streams.setdefault(stream.name, stream)
       if view.num_elements() != stream.num_elements:
         raise ValueError(f"stream {stream.name} moves {stream.num_elements} elements "
                          f"but the tensor has {view.num_elements()}")
@@ -765,8 +734,4 @@ class Engine:
 
 
 def _make_report(profile):
-  try:
-    from ipu_jax.report import Report
-  except ImportError:  # the report module is optional for the core
-    return profile
   return Report(profile)
