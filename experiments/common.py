@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from typing import Optional
 
@@ -244,7 +243,7 @@ def train_and_evaluate(settings: Settings, module, train, test, name: str,
 def finish(model, settings: Settings, results: dict, name: str) -> dict:
   """Prints the final report summary and writes it to ``report_dir``."""
   import jax
-  report = getattr(model, "train_report", None) or model.report
+  report = model.train_report or model.report
   report_dir = settings.report_dir or os.path.join("reports", name)
   if report is not None:
     print(report.summary())
@@ -257,13 +256,6 @@ def finish(model, settings: Settings, results: dict, name: str) -> dict:
   print(" - ".join(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}"
                    for k, v in results.items()))
   return results
-
-
-def ensure_importable():
-  """Lets ``python experiments/<runner>.py`` import the ``experiments`` package."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  if root not in sys.path:
-    sys.path.insert(0, root)
 
 
 class Timer:

@@ -23,13 +23,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from ipu_jax.keras.weights import is_key
 from ipu_jax.nnx_scopes import module_scopes
 
 __all__ = ["make_adapter", "NNXAdapter", "LinenAdapter", "flatten_paths"]
-
-
-def _is_key(x) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _fold(key, counters):
@@ -77,7 +74,7 @@ class NNXAdapter:
     if rng is not None and self.needs_rng:
       _, counters = rng
       rng_state = jax.tree.map(
-          lambda leaf: _fold(leaf, counters) if _is_key(leaf) else leaf, rng_state)
+          lambda leaf: _fold(leaf, counters) if is_key(leaf) else leaf, rng_state)
     # Fresh Variable objects, owned by the current trace (merge reuses them and
     # the module mutates them, e.g. batch statistics).
     params, state, rng_state = jax.tree.map(lambda v: v, (params, state, rng_state))

@@ -68,10 +68,7 @@ def initialize_distributed(coordinator_address: str, num_processes: int,
   """
   if local_device_count:
     jax.config.update("jax_num_cpu_devices", int(local_device_count))
-  try:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  except Exception:  # pragma: no cover  (an older or newer JAX without it)
-    pass
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)
 
