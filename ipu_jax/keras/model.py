@@ -35,6 +35,12 @@ What one call of the device does (DESIGN section 5):
 * The samples of one update are consecutive in the (shuffled) data, so with
   mean reductions R replicas x G micro-batches of b samples train exactly as
   one replica with batch R G b does.
+
+This module is the public face only (its length is mostly the docstrings of
+the Keras API): the per-replica programs are built in
+:mod:`~ipu_jax.keras.programs`, the host data loop and layouts live in
+:mod:`~ipu_jax.keras.loop`, the weights file in :mod:`~ipu_jax.keras.weights`
+and the summary table in :mod:`~ipu_jax.keras.summary`.
 """
 
 from __future__ import annotations

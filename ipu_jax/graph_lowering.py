@@ -1,0 +1,313 @@
+"""How an ``ipu_jax.graph.Engine`` turns graph programs into the tile program IR.
+
+The control nodes are already the IR's (``lowering/program.py``); what needs
+the graph is resolved here, once the Engine has frozen the tile mappings:
+
+* ``Execute(cs)`` -> one superstep per compute set. Vertices are grouped by
+  codelet and field shapes; every element a vertex reads (writes) is moved to
+  (from) its tile, costed once per element and tile by ``movement_cost``; the
+  compute phase of a tile is its vertices' estimates spread over the worker
+  contexts (``vertex_cycles_per_tile``). The step's ``fn`` concatenates the
+  bases it reads into one flat buffer per dtype, gathers every field with
+  index arrays fixed now, ``vmap``-s each codelet over its vertices and
+  scatters the results back: no per-vertex Python at run time.
+* ``Copy`` between views -> a gather step into a temporary laid out like the
+  source, then a scatter step into the destination's elements; a copy from
+  or to a ``HostStream`` is a ``StreamCopy`` (through a landing tensor when
+  the view is not a whole base tensor).
+* A view used as a predicate, switch control or printed tensor that is not a
+  whole base tensor is first gathered into a temporary of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.kernels.estimators import vertex_cycles_per_tile
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.exchange import ExchangeCost, movement_cost, to_flat, to_storage
+from ipu_jax.lowering.mapping import TileMapping
+
+__all__ = ["GraphLeaf", "GraphLowerer"]
+
+
+class GraphLeaf:
+  """A program leaf that needs the graph: the lowerer resolves it with ``resolve``."""
+
+  def resolve(self, lowerer: "GraphLowerer"):
+    raise NotImplementedError
+
+
+class GraphLowerer:
+  """Turns graph programs into the tile IR, building steps for compute sets."""
+
+  def __init__(self, graph, ir: list):
+    self.graph = graph
+    self.ir = ir  # this engine's IR tensor of each graph base tensor
+    self.target = graph.target
+    self.streams = {}
+    self.cache = {}
+
+  def base_ir(self, b: int) -> P.Tensor:
+    return self.ir[b]
+
+  def split(self, index: np.ndarray):
+    """``(base numbers, local indices)`` of global element indices."""
+    flat = index.reshape(-1)
+    bases = self.graph._base_of(flat)
+    offsets = np.asarray(self.graph._offsets)[bases]
+    return bases, flat - offsets
+
+  def whole_base(self, view) -> Optional[P.Tensor]:
+    """The base tensor if the view is exactly it, in order."""
+    flat = view.index.reshape(-1)
+    if flat.size == 0:
+      return None
+    b = int(self.graph._base_of(flat[:1])[0])
+    base = self.graph._bases[b]
+    if flat.size == base.size and np.array_equal(flat, base.offset + np.arange(base.size)):
+      return self.ir[b]
+    return None
+
+  # programs
+  def lower(self, program):
+    """The program with its graph leaves and views resolved to IR steps and tensors."""
+    if isinstance(program, (list, tuple)):
+      return P.Sequence([self.lower(p) for p in program])
+    if isinstance(program, P.Sequence):
+      return P.Sequence([self.lower(p) for p in program.programs])
+    if isinstance(program, GraphLeaf):
+      return program.resolve(self)
+    if isinstance(program, P.Repeat):
+      return P.Repeat(int(program.count), self.lower(program.body))
+    if isinstance(program, P.RepeatWhileTrue):
+      pred, prep = self.materialise(program.predicate, "predicate")
+      return P.RepeatWhileTrue(P.Sequence([self.lower(program.condition), prep]),
+                               pred, self.lower(program.body))
+    if isinstance(program, P.If):
+      pred, prep = self.materialise(program.predicate, "predicate")
+      return P.Sequence([prep, P.If(pred, self.lower(program.then),
+                                    None if program.else_ is None else self.lower(program.else_))])
+    if isinstance(program, P.Switch):
+      control, prep = self.materialise(program.control, "control")
+      return P.Sequence([prep, P.Switch(control, [(int(v), self.lower(p)) for v, p in program.cases],
+                                        None if program.default is None else self.lower(program.default))])
+    if isinstance(program, P.PrintTensor):
+      tensor, prep = self.materialise(program.tensor, program.title)
+      return P.Sequence([prep, P.PrintTensor(program.title, tensor)])
+    if program is None:
+      return P.Sequence()
+    raise TypeError(f"not a graph program: {program!r}; programs are Sequence, Execute, "
+                    "Copy, Repeat, RepeatWhileTrue, If, Switch and PrintTensor")
+
+  def execute(self, cs) -> P.Superstep:
+    """The step of a compute set; one executed twice is one step run twice."""
+    if id(cs) not in self.cache:
+      self.cache[id(cs)] = self.compute_set_step(cs)
+    return self.cache[id(cs)]
+
+  def materialise(self, view, name: str):
+    """An IR tensor holding ``view``: the base itself or a copy of the view."""
+    whole = self.whole_base(view)
+    if whole is not None:
+      return whole, P.Sequence()
+    tiles = self.graph._element_tiles(view.index).reshape(-1)
+    temp = P.Tensor(f"{name}.view", view.shape, view.dtype,
+                    TileMapping.from_element_tiles(tiles), category="temporaries", op="view")
+    return temp, self.gather_step(view, temp, f"view {name}")
+
+  def gather_step(self, view, dst: P.Tensor, name: str) -> P.Superstep:
+    """Copy the elements of ``view`` into IR tensor ``dst``."""
+    bases, local = self.split(view.index)
+    used = np.unique(bases)
+    reads = [self.base_ir(b) for b in used]
+    starts = np.concatenate([[0], np.cumsum([t.size for t in reads])[:-1]]).astype(np.int64)
+    position = starts[np.searchsorted(used, bases)] + local
+    src_tiles = self.graph._element_tiles(view.index).reshape(-1)
+    cost = movement_cost(self.target, src_tiles, dst.mapping.element_tile,
+                         view.dtype.itemsize, element_id=view.index.reshape(-1))
+
+    def fn(*storages):
+      flat = jnp.concatenate([to_flat(s, t.mapping) for s, t in zip(storages, reads)])
+      return (to_storage(flat[position].astype(dst.dtype), dst.mapping),)
+
+    return P.Superstep(name=name, op="Copy", reads=tuple(reads), writes=(dst,), fn=fn,
+                       exchange=cost)
+
+  def copy(self, src, dst):
+    if isinstance(src, P.HostStream) or isinstance(dst, P.HostStream):
+      stream, view = (src, dst) if isinstance(src, P.HostStream) else (dst, src)
+      ir_stream = self.streams.setdefault(stream.name, stream)
+      if view.num_elements() != stream.num_elements:
+        raise ValueError(f"stream {stream.name} moves {stream.num_elements} elements "
+                         f"but the tensor has {view.num_elements()}")
+      whole = self.whole_base(view)
+      if stream.to_device:
+        if whole is not None:
+          return P.StreamCopy(ir_stream, whole)
+        tiles = self.graph._element_tiles(view.index).reshape(-1)
+        temp = P.Tensor(f"{stream.name}.landing", view.shape, view.dtype,
+                        TileMapping.from_element_tiles(tiles), op="StreamCopy")
+        return P.Sequence([P.StreamCopy(ir_stream, temp), self.scatter_step(temp, view)])
+      tensor, prep = self.materialise(view, stream.name)
+      return P.Sequence([prep, P.StreamCopy(ir_stream, tensor)])
+    if src.shape != dst.shape:
+      raise ValueError(f"Copy needs equal shapes, got {src.shape} and {dst.shape}")
+    temp, prep = self.materialise(src, "copy")
+    return P.Sequence([prep, self.scatter_step(temp, dst)])
+
+  def scatter_step(self, src: P.Tensor, view) -> P.Superstep:
+    """Write IR tensor ``src`` into the elements of ``view``."""
+    bases, local = self.split(view.index)
+    used = np.unique(bases)
+    targets = [self.base_ir(b) for b in used]
+    selections = [(np.nonzero(bases == b)[0], local[bases == b]) for b in used]
+    dst_tiles = self.graph._element_tiles(view.index).reshape(-1)
+    cost = movement_cost(self.target, src.mapping.element_tile, dst_tiles, src.itemsize)
+
+    def fn(src_storage, *storages):
+      values = to_flat(src_storage, src.mapping)
+      outs = []
+      for storage, tensor, (sel, idx) in zip(storages, targets, selections):
+        flat = to_flat(storage, tensor.mapping).at[idx].set(values[sel].astype(tensor.dtype))
+        outs.append(to_storage(flat, tensor.mapping))
+      return tuple(outs)
+
+    return P.Superstep(name=f"copy to {targets[0].name}", op="Copy",
+                       reads=(src,) + tuple(targets), writes=tuple(targets), fn=fn,
+                       exchange=cost)
+
+  def compute_set_step(self, cs) -> P.Superstep:
+    """One superstep for a compute set: exchange operands in, run vertices."""
+    target = self.target
+    groups = {}
+    for v in cs.vertices:
+      key = (v.codelet, tuple((f, v.connections[f].shape, v.connections[f].dtype)
+                              for f in v.codelet.fields))
+      groups.setdefault(key, []).append(v)
+    all_read_bases, all_written_bases = set(), set()
+    plans = []
+    src_tiles, dst_tiles, element_ids, itemsizes = [], [], [], []
+    vertex_tiles, vertex_cycles = [], []
+    flops = 0
+    for (cdl, fields), vertices in groups.items():
+      tiles = np.array([v.tile for v in vertices], np.int64)
+      stacked = {f: np.stack([v.connections[f].index for v in vertices]) for f in cdl.fields}
+      for f in cdl.fields:
+        bases, _ = self.split(stacked[f])
+        if f in cdl.written_fields:
+          all_written_bases.update(np.unique(bases).tolist())
+        if f in cdl.read_fields:
+          all_read_bases.update(np.unique(bases).tolist())
+        # Every element a vertex touches must reach its tile.
+        el_tiles = self.graph._element_tiles(stacked[f]).reshape(len(vertices), -1)
+        per_vertex = el_tiles.shape[1]
+        vt = np.repeat(tiles, per_vertex)
+        flat_ids = stacked[f].reshape(-1)
+        itemsize = fields[[x[0] for x in fields].index(f)][2].itemsize
+        if f in cdl.read_fields:
+          src_tiles.append(el_tiles.reshape(-1)); dst_tiles.append(vt)
+          element_ids.append(flat_ids); itemsizes.append(np.full(vt.size, itemsize))
+        if f in cdl.written_fields:
+          src_tiles.append(vt); dst_tiles.append(el_tiles.reshape(-1))
+          element_ids.append(flat_ids + (1 << 40)); itemsizes.append(np.full(vt.size, itemsize))
+      specs = [_Spec(shape, dtype) for _, shape, dtype in fields]
+      estimate = cdl.estimate(*specs)
+      per_vertex_cycles = np.array([v.perf_estimate if v.perf_estimate is not None else estimate
+                                    for v in vertices], np.float64)
+      vertex_tiles.append(tiles)
+      vertex_cycles.append(per_vertex_cycles)
+      if cdl.flops is not None:
+        flops += int(cdl.flops(*specs)) * len(vertices)
+      plans.append((cdl, stacked))
+
+    read_bases = sorted(all_read_bases | all_written_bases)
+    written_bases = sorted(all_written_bases)
+    reads = [self.base_ir(b) for b in read_bases]
+    writes = [self.base_ir(b) for b in written_bases]
+    write_mappings = [t.mapping for t in writes]
+    by_dtype = {}
+    for b in read_bases:
+      by_dtype.setdefault(self.graph._bases[b].dtype, []).append(b)
+    # Per dtype: one flat buffer of all the bases read, and each field's
+    # positions in it, fixed now.
+    layout = {}
+    for dtype, bs in by_dtype.items():
+      sizes = [self.graph._bases[b].size for b in bs]
+      starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+      layout[dtype] = (bs, dict(zip(bs, starts)))
+    # Each field's positions in its dtype's buffer, fixed at compile time.
+    base_start = {dtype: np.array([starts.get(b, 0) for b in range(len(self.graph._bases))],
+                                  np.int64)
+                  for dtype, (_, starts) in layout.items()}
+    gathers = []
+    for cdl, stacked in plans:
+      positions = {}
+      for f in cdl.fields:
+        bases, local = self.split(stacked[f])
+        dtype = self.graph._bases[int(bases[0])].dtype if bases.size else np.dtype("float32")
+        index = (base_start[dtype][bases] + local).reshape(stacked[f].shape)
+        positions[f] = (dtype, index, bases, local)
+      gathers.append(positions)
+    graph = self.graph
+
+    def fn(*storages):
+      flats = {b: to_flat(s, t.mapping) for b, s, t in zip(read_bases, storages, reads)}
+      buffers = {dtype: jnp.concatenate([flats[b] for b in bs]) if bs else jnp.zeros((0,), dtype)
+                 for dtype, (bs, _) in layout.items()}
+      new_flats = {b: flats[b] for b in written_bases}
+      for (cdl, stacked), positions in zip(plans, gathers):
+        operands = [buffers[positions[f][0]][positions[f][1]] for f in cdl.read_fields]
+        results = jax.vmap(cdl.fn)(*operands)
+        if not isinstance(results, (tuple, list)):
+          results = (results,)
+        if len(results) != len(cdl.written_fields):
+          raise ValueError(f"codelet {cdl.name} returned {len(results)} values for fields "
+                           f"{cdl.written_fields}")
+        for f, value in zip(cdl.written_fields, results):
+          _, _, bases, local = positions[f]
+          value = jnp.reshape(value, (-1,))
+          for b in np.unique(bases):
+            sel = np.nonzero(bases == b)[0]
+            tensor = graph._bases[int(b)]
+            new_flats[int(b)] = new_flats[int(b)].at[local[sel]].set(value[sel].astype(tensor.dtype))
+      return tuple(to_storage(new_flats[b], m) for b, m in zip(written_bases, write_mappings))
+
+    vt = np.concatenate(vertex_tiles) if vertex_tiles else np.zeros(0, np.int64)
+    vc = np.concatenate(vertex_cycles) if vertex_cycles else np.zeros(0)
+    compute = vertex_cycles_per_tile(target, vt, vc)
+    vertices = np.bincount(vt, minlength=target.num_tiles)[:target.num_tiles]
+    exchange = None
+    if src_tiles:
+      st, dt, ids, isz = (np.concatenate(x) for x in (src_tiles, dst_tiles, element_ids, itemsizes))
+      # Vertices on one tile share what it receives: an element moves to a
+      # tile once however many of its vertices read it.
+      _, once = np.unique(np.stack([ids, dt]), axis=1, return_index=True)
+      st, dt, ids, isz = st[once], dt[once], ids[once], isz[once]
+      exchange = ExchangeCost.zeros(target)
+      for size in np.unique(isz):
+        sel = isz == size
+        exchange = exchange + movement_cost(target, st[sel], dt[sel], int(size), element_id=ids[sel])
+    return P.Superstep(name=cs.name, op=f"Execute({cs.name})", reads=tuple(reads), writes=tuple(writes),
+                       fn=fn, compute_cycles=compute, exchange=exchange, vertices=vertices,
+                       codelets=tuple(sorted({c.name for c, _ in plans})), flops=flops)
+
+
+@dataclasses.dataclass
+class _Spec:
+  """Shape and dtype of a vertex field, given to cycle estimators."""
+  shape: tuple
+  dtype: np.dtype
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
