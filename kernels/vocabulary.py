@@ -82,7 +82,7 @@ def vertex(name: str, *template_args) -> str:
   """
   if not template_args:
     return name
-  args = ",".join(getattr(a, "name", a) if not isinstance(a, str) else a
+  args = ",".join(a if isinstance(a, str) else str(getattr(a, "name", a))
                   for a in template_args)
   return f"{name}<{args}>"
 
