@@ -260,9 +260,10 @@ class _DeviceOptions(_Group):
   """The emulated IPU chip."""
 
   version = _Option(
-      _one_of("ipu1", "ipu2", "bow"), "ipu2",
+      _one_of("ipu1", "ipu2", "bow", "ipu21"), "ipu2",
       "IPU generation to emulate: 'ipu1' (GC2, 1216 tiles x 256 KiB), 'ipu2' "
-      "(GC200, 1472 tiles x 624 KiB) or 'bow' (the GC200 die at 1.85 GHz).")
+      "(GC200, 1472 tiles x 624 KiB), 'bow' (the GC200 die at 1.85 GHz) or "
+      "'ipu21' (the C600's Mk2 IPU with FP8 units).")
   tiles_per_ipu = _Option(
       _integer(0), 0,
       "Tiles to use on each IPU; 0 means every tile of device.version. Fewer "
