@@ -66,7 +66,7 @@ class FP8CastTest(chex.TestCase, parameterized.TestCase):
                        target=self.target)(codes)
     np.testing.assert_array_equal(_bits(back), np.arange(256, dtype=np.uint8))
 
-  @parameterized.parameters((F143, -32), (F143, 5), (F152, 31), (F152, -7))
+  @parameterized.parameters((F143, -32), (F152, 31))
   def test_scaled_cast_matches_ml_dtypes_and_round_trips(self, fmt, scale):
     with np.errstate(over="ignore"):
       xs = _boundary_values(fmt) * np.float32(2.0 ** -scale)
@@ -105,7 +105,6 @@ class FP8MatmulTest(chex.TestCase, parameterized.TestCase):
   @parameterized.parameters(
       ("F143", "F143", (5, 7), (7, 3), 2, -1, jnp.float16),
       ("F152", "F143", (1, 33), (33, 1), 0, 4, jnp.float32),
-      ("F143", "F143", (2, 3, 9), (9, 6), -3, 3, jnp.float32),
       ("F152", "F152", (0, 4), (4, 5), 0, 0, jnp.float16))
   def test_matches_jax_jit_and_float64_reference(self, fa, fb, sa_shape, sb_shape, sa, sb, out):
     rng = np.random.default_rng(0)
