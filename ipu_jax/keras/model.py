@@ -52,6 +52,7 @@ from ipu_jax import config as config_lib
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import losses as losses_lib
+from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import metrics as metrics_lib
 from ipu_jax.keras.adapters import flatten_paths, make_adapter
 from ipu_jax.keras.data import (ArrayData, as_arrays, host_dtype, is_array_like, num_samples,
@@ -545,13 +546,16 @@ class Model:
     per_sample_loss = self._per_sample_loss
 
     def execution(params, opt_state, state, rng_state, step, base_key, xs, ys, replica):
-      def micro(params, state, x, y, micro_step):
+      def micro(params, state, x, y, micro_step, loss_scale=None):
         rng = (base_key, (micro_step, replica)) if needs_rng else None
 
         def objective(p):
           y_pred, new_state = adapter.apply(p, state, rng_state, x, True, rng)
           per_sample = per_sample_loss(y, y_pred)
-          return jnp.mean(per_sample), (y_pred, new_state, per_sample)
+          loss = jnp.mean(per_sample)
+          if loss_scale is not None:  # lowprec: loss scaling (keras/loss_scaling.py)
+            loss = loss * loss_scale.astype(loss.dtype)
+          return loss, (y_pred, new_state, per_sample)
 
         (_, (y_pred, new_state, per_sample)), grads = jax.value_and_grad(
             objective, has_aux=True)(params)
@@ -562,14 +566,15 @@ class Model:
       def update(carry, batch):
         params, opt_state, state, step = carry
         xg, yg = batch
+        scale = loss_scaling.loss_scale_of(opt_state)
         if G == 1:
           grads, state, sums = micro(params, state, jax.tree.map(lambda a: a[0], xg),
-                                     yg[0], step)
+                                     yg[0], step, scale)
         else:
           def accumulate(c, inp):
             acc, state, sums = c
             k, x, y = inp
-            grads, state, s = micro(params, state, x, y, step * G + k)
+            grads, state, s = micro(params, state, x, y, step * G + k, scale)
             return (acc_lib.accumulate(acc, grads, k, method), state, sums + s), None
 
           zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)
@@ -796,6 +801,7 @@ class Model:
         if lowered is not None:
           logs["host_round_trips"] = lowered.report.host_round_trips
           logs["emulated_seconds"] = lowered.report.estimated_seconds
+        logs.update(loss_scaling.scaling_logs(self._opt_state))  # lowprec
         logs["samples"] = samples_per_execution
         logs["host_seconds"] = host_seconds
         cb.on_train_batch_end((index + 1) * S - 1, logs)
