@@ -100,7 +100,7 @@ def run_variant(variant: str, data, steps: int, batch: int, lr: float, tiles: in
   import optax
   from flax import nnx
   import ipu_jax
-  from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry, scale_of_amax
+  from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
   from ipu_jax.keras.loss_scaling import LossScaleOptimizer, scaling_logs
 
   half = variant.startswith("fp16")

@@ -28,7 +28,7 @@ This module gives:
 from __future__ import annotations
 
 import functools
-from typing import Optional
+
 
 import jax
 import jax.numpy as jnp

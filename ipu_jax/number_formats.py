@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["FP8Format", "F143", "F152", "FP8_FORMATS", "LOG2_SCALE_RANGE",
-           "fp8_format", "check_log2_scale"]
+           "fp8_format", "is_fp8", "check_log2_scale"]
 
 # Poplar's QuarterMetadata scale is a signed 6-bit exponent.
 LOG2_SCALE_RANGE = (-32, 32)

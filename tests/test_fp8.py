@@ -4,7 +4,6 @@ matmul against jax.jit, and its cost on targets with and without FP8 units."""
 import chex
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from absl.testing import absltest, parameterized
 

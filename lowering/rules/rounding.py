@@ -12,7 +12,6 @@ See :mod:`ipu_jax.rounding`.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import estimators
