@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from flax import nnx
 
@@ -38,6 +39,7 @@ class FP8ScalingTest(chex.TestCase):
     got = ipu_jax.jit(fp8_dense, target=ipu_jax.IPUTarget.preset("ipu21", tiles_per_ipu=16))(x, k)
     chex.assert_trees_all_close(got, y, rtol=1e-5)
 
+  @pytest.mark.slow  # eager Flax init, nnx.jit and matplotlib: ~15-35 s on 2 shared cores
   def test_linear_wrapper_records_amax_history(self):
     lin = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
     f8 = fp8_linear_from(lin, history=3)
