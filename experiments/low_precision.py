@@ -34,13 +34,21 @@ if __package__ in (None, ""):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-flags.DEFINE_integer("steps", 60, "SGD steps per variant.")
-flags.DEFINE_integer("batch_size", 16, "Sequences per step.")
-flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate (small updates stall fp16 "
-                   "without stochastic rounding).")
-flags.DEFINE_integer("tiles_per_ipu", 64, "Tiles of the emulated ipu21.")
-flags.DEFINE_string("out_dir", "reports/low_precision", "Where the plots and JSON go.")
-flags.DEFINE_list("variants", "fp32,fp16,fp16+SR,fp8", "Variants to run.")
+
+def _define(define, name, default, help_text):
+  # The shared runner flags (experiments/common.py) may already be defined
+  # in this process; then theirs are used and None means this runner's default.
+  if name not in flags.FLAGS:
+    define(name, default, help_text)
+
+
+_define(flags.DEFINE_integer, "steps", 60, "SGD steps per variant.")
+_define(flags.DEFINE_integer, "batch_size", 16, "Sequences per step.")
+_define(flags.DEFINE_float, "learning_rate", 0.05,
+        "SGD learning rate (small updates stall fp16 without stochastic rounding).")
+_define(flags.DEFINE_integer, "tiles_per_ipu", 64, "Tiles of the emulated ipu21.")
+_define(flags.DEFINE_string, "out_dir", "reports/low_precision", "Where the plots and JSON go.")
+_define(flags.DEFINE_list, "variants", "fp32,fp16,fp16+SR,fp8", "Variants to run.")
 
 VOCAB, WIDTH, HEADS, SEQ = 64, 32, 4, 16
 VARIANTS = ("fp32", "fp16", "fp16+SR", "fp8")
@@ -188,11 +196,12 @@ def main(argv):
   for v in f.variants:
     if v not in VARIANTS:
       raise app.UsageError(f"--variants: unknown {v!r}; valid: {', '.join(VARIANTS)}")
-  data = make_data(max(f.steps * f.batch_size, 256))
+  batch, lr, tiles = f.batch_size or 16, f.learning_rate or 0.05, f.tiles_per_ipu or 64
+  data = make_data(max(f.steps * batch, 256))
   results = []
   for v in f.variants:
     print(f"-- {v}", flush=True)
-    results.append(run_variant(v, data, f.steps, f.batch_size, f.learning_rate, f.tiles_per_ipu))
+    results.append(run_variant(v, data, f.steps, batch, lr, tiles))
   print(f"\n| variant | loss (first) | loss (last 5) | cycles/step | peak bytes/tile |"
         f" loss scale | skipped |")
   print("|---|---|---|---|---|---|---|")
