@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 # Documented submodules that are not imported above; each is loaded on first
 # attribute access (ipu_jax.keras pulls in Flax and optax, so it is not loaded
 # up front), so ``import ipu_jax; ipu_jax.graph.Graph(...)`` works.
-_LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering")
+_LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering",
+                    # lowprec: number formats, FP behaviour, FP8 scaling
+                    "number_formats", "rounding", "fp8_scaling")
 
 
 def __getattr__(name):
@@ -38,5 +40,5 @@ __all__ = [
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "compare_reports", "default_config", "get_default_config", "jit",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "poplibs",
-    "register_lowering",
+    "register_lowering", "number_formats", "rounding", "fp8_scaling",
 ]

@@ -260,9 +260,10 @@ class _DeviceOptions(_Group):
   """The emulated IPU chip."""
 
   version = _Option(
-      _one_of("ipu1", "ipu2", "bow"), "ipu2",
+      _one_of("ipu1", "ipu2", "bow", "ipu21"), "ipu2",
       "IPU generation to emulate: 'ipu1' (GC2, 1216 tiles x 256 KiB), 'ipu2' "
-      "(GC200, 1472 tiles x 624 KiB) or 'bow' (the GC200 die at 1.85 GHz).")
+      "(GC200, 1472 tiles x 624 KiB), 'bow' (the GC200 die at 1.85 GHz) or "
+      "'ipu21' (the C600's Mk2 IPU with FP8 units).")
   tiles_per_ipu = _Option(
       _integer(0), 0,
       "Tiles to use on each IPU; 0 means every tile of device.version. Fewer "
@@ -349,6 +350,29 @@ class _ExecutorOptions(_Group):
       "differs.")
 
 
+# --- lowprec: floating-point behaviour (TF-IPU's floating_point_behaviour) ---
+class _FloatingPointOptions(_Group):
+  """How the chip rounds and overflows in reduced precision (ipu_jax/rounding.py)."""
+
+  esr = _Option(
+      _one_of("OFF", "ON", "REPLICA_IDENTICAL_ONLY"), "OFF",
+      "Stochastic rounding of every float32 -> float16/FP8 rounding the chip "
+      "does (casts, matmul and convolution results, elementwise results, so "
+      "weight updates): 'OFF' rounds to nearest (bit-exact with jax.jit), 'ON' "
+      "rounds stochastically with bits from each tile's xoroshiro128aox "
+      "generator (different on each replica), 'REPLICA_IDENTICAL_ONLY' only "
+      "values identical on all replicas, with equal bits on every replica "
+      "(TF-IPU's ESR modes; PopTorch's enableStochasticRounding is 'ON').")
+  seed = _Option(
+      _integer(0), 0,
+      "Seed of the tiles' hardware random generators (Poplar's setSeed); "
+      "the same seed gives the same stochastic roundings.")
+  nanoo = _Option(
+      _BOOL, True,
+      "Not-a-number on overflow: True lets float16 results overflow to "
+      "inf (and NaN), as jax.jit does; False saturates them to +-65504.")
+
+
 class IPUConfig(_Group):
   """Configuration of an emulated IPU system, like Graphcore's ``IPUConfig``.
 
@@ -378,6 +402,7 @@ class IPUConfig(_Group):
   report = _Section(_ReportOptions)
   training = _Section(_TrainingOptions)
   executor = _Section(_ExecutorOptions)
+  floating_point_behaviour = _Section(_FloatingPointOptions)  # lowprec
   random_seed = _Option(
       _integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "
@@ -456,6 +481,10 @@ _LOWERING_SOURCES = {
     "allow_out_of_memory": "memory.allow_out_of_memory",
     "report_directory": "report.directory",
     "executor_mode": "executor.mode",
+    # lowprec
+    "stochastic_rounding": "floating_point_behaviour.esr",
+    "rounding_seed": "floating_point_behaviour.seed",
+    "nanoo": "floating_point_behaviour.nanoo",
 }
 _OPTIONS_BY_PATH = dict(IPUConfig._leaf_paths())
 
@@ -480,6 +509,8 @@ class LoweringOptions:
     allow_out_of_memory: ``memory.allow_out_of_memory``.
     report_directory: ``report.directory``, else ``$IPU_JAX_REPORT_DIR``.
     executor_mode: ``executor.mode``.
+    stochastic_rounding, rounding_seed, nanoo:
+      ``floating_point_behaviour.esr``, ``.seed``, ``.nanoo``.
   """
 
   available_memory_proportion: float = _default("available_memory_proportion")
@@ -489,6 +520,10 @@ class LoweringOptions:
   allow_out_of_memory: bool = _default("allow_out_of_memory")
   report_directory: Optional[str] = _default("report_directory")
   executor_mode: str = _default("executor_mode")
+  # lowprec: floating_point_behaviour.{esr, seed, nanoo}
+  stochastic_rounding: str = _default("stochastic_rounding")
+  rounding_seed: int = _default("rounding_seed")
+  nanoo: bool = _default("nanoo")
 
   def __post_init__(self):
     for name, path in _LOWERING_SOURCES.items():

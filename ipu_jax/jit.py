@@ -30,6 +30,7 @@ from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
+from ipu_jax.rounding import apply_floating_point_behaviour
 from ipu_jax.target import PRESETS, IPUTarget
 
 __all__ = ["jit", "IPUFunction", "Lowered"]
@@ -63,6 +64,8 @@ class Lowered:
 
     progress.stage("tracing")
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
+    # lowprec: the chip's rounding (floating_point_behaviour); identity by default.
+    closed = apply_floating_point_behaviour(closed, options)
     self.jaxpr = closed
     self.out_tree = jax.tree_util.tree_structure(out_shape)
     ctx = LoweringContext(target, options)

@@ -46,6 +46,9 @@ class IPUTarget:
       tile (*estimate*).
     vertex_state_bytes: bytes of vertex state per vertex plus per connection
       (*estimate*).
+    fp8_flops_per_cycle: peak FP8 (F143/F152) FLOP per cycle per tile; 0 for
+      chips without FP8 AMP units, whose FP8 matmuls run (and are costed) at
+      the fp16 rate, as poplin's fallback widens them to half.
   """
 
   name: str = "ipu2"
@@ -66,6 +69,8 @@ class IPUTarget:
   host_link_bytes_per_second: float = 64e9
   code_bytes_per_codelet: int = 256
   vertex_state_bytes: int = 8
+  # lowprec: FP8 units (0 = none).
+  fp8_flops_per_cycle: int = 0
 
   def __post_init__(self):
     positive_ints = ("num_ipus", "tiles_per_ipu", "bytes_per_tile",
@@ -79,7 +84,8 @@ class IPUTarget:
             f"IPUTarget.{field} must be a positive integer, got {value!r}.")
     non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
                     "sync_cycles_external", "supervisor_overhead_cycles",
-                    "code_bytes_per_codelet", "vertex_state_bytes")
+                    "code_bytes_per_codelet", "vertex_state_bytes",
+                    "fp8_flops_per_cycle")
     for field in non_negative:
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -113,8 +119,15 @@ class IPUTarget:
   def flops_per_cycle(self, dtype) -> int:
     """Peak FLOP per cycle per tile for matmul-like work in ``dtype``."""
     import numpy as np
+    if self.has_fp8(dtype):
+      return self.fp8_flops_per_cycle
     itemsize = np.dtype(dtype).itemsize
     return self.fp16_flops_per_cycle if itemsize <= 2 else self.fp32_flops_per_cycle
+
+  def has_fp8(self, dtype) -> bool:
+    """Whether matmuls of ``dtype`` run on FP8 AMP units of this target."""
+    from ipu_jax.number_formats import is_fp8
+    return self.fp8_flops_per_cycle > 0 and is_fp8(dtype)
 
   def cycles_to_seconds(self, cycles: float) -> float:
     return float(cycles) / self.clock_hz
@@ -175,3 +188,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                 fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
                 host_link_bytes_per_second=64e9),
 }
+
+# --- lowprec: the Mk2 IPU with FP8 support -----------------------------------
+# C600 PCIe card (Graphcore C600 datasheet, docs.graphcore.ai/projects/
+# C600-datasheet): the GC200's 1,472 tiles and 900 MB, "Mk2 IPU with FP8
+# support", 185 W; 280 TFLOPS fp16 and 560 TFLOPS FP8 (Graphcore's C600
+# announcement, 2022). 280e12 / (1472 tiles x 128 FLOP/cycle) gives the clock,
+# 1.486 GHz; FP8 runs at twice the fp16 AMP rate. PCIe Gen4 x16 to the host
+# (~32 GB/s each way); IPU-Link figures as the GC200 (*estimate*).
+PRESETS["ipu21"] = dict(name="ipu21", tiles_per_ipu=1472, bytes_per_tile=638_976,
+                        worker_contexts=6, clock_hz=280e12 / (1472 * 128),
+                        fp16_flops_per_cycle=128, fp32_flops_per_cycle=32,
+                        fp8_flops_per_cycle=256, ipu_link_bytes_per_second=320e9,
+                        host_link_bytes_per_second=32e9)

@@ -147,6 +147,9 @@ def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None):
   else:
     flops_per_cycle = (target.fp16_flops_per_cycle if itemsize <= 2
                        else target.fp32_flops_per_cycle)
+    if dtype is not None and target.has_fp8(dtype):
+      # lowprec: FP8 operands on a target with FP8 AMP units (ipu21).
+      flops_per_cycle = target.fp8_flops_per_cycle
     cycles = np.ceil(2.0 * real_macs / flops_per_cycle)
   if outputs is not None:
     cycles = cycles + np.asarray(outputs) / max(1, target.vector_width_bytes // 4)

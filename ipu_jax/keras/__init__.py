@@ -15,6 +15,7 @@ gradient accumulation and replication.
 from ipu_jax.keras import accumulation, callbacks, losses, metrics, replication
 from ipu_jax.keras.callbacks import (Callback, EarlyStopping, History, LambdaCallback,
                                      ModelCheckpoint, TerminateOnNaN, latest_checkpoint)
+from ipu_jax.keras.loss_scaling import LossScaleOptimizer
 from ipu_jax.keras.model import Model, check_steps_per_execution
 from ipu_jax.keras.progress import ProgbarLogger
 from ipu_jax.keras.replication import Replication, initialize_distributed
@@ -23,5 +24,5 @@ __all__ = [
     "Model", "Callback", "History", "ModelCheckpoint", "LambdaCallback", "EarlyStopping",
     "TerminateOnNaN", "ProgbarLogger", "Replication", "latest_checkpoint",
     "initialize_distributed", "check_steps_per_execution", "accumulation", "callbacks",
-    "losses", "metrics", "replication",
+    "losses", "metrics", "replication", "LossScaleOptimizer",
 ]

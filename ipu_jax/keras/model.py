@@ -56,6 +56,7 @@ from ipu_jax import config as config_lib
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import loop
+from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import losses as losses_lib
 from ipu_jax.keras import metrics as metrics_lib
 from ipu_jax.keras import programs
@@ -536,6 +537,7 @@ class Model:
         if lowered is not None:
           logs["host_round_trips"] = lowered.report.host_round_trips
           logs["emulated_seconds"] = lowered.report.estimated_seconds
+        logs.update(loss_scaling.scaling_logs(self._opt_state))
         logs["samples"] = S * b
         logs["host_seconds"] = host_seconds
         cb.on_train_batch_end((index + 1) * S - 1, logs)

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from ipu_jax.keras import accumulation as acc_lib
+from ipu_jax.keras import loss_scaling
 from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, SUMMED, Replication,
                                        cross_replica_mean, cross_replica_sum)
 
@@ -91,14 +92,17 @@ def train_execution(adapter, optimizer, loss: Callable, metric_fns: Sequence,
   needs_rng = adapter.needs_rng
 
   def execution(params, opt_state, state, rng_state, step, base_key, xs, ys, replica):
-    def micro(params, state, x, y, micro_step):
+    def micro(params, state, x, y, micro_step, loss_scale):
       # Dropout keys differ per micro-batch and replica, and are reproducible.
       rng = (base_key, (micro_step, replica)) if needs_rng else None
 
       def objective(p):
         y_pred, new_state = adapter.apply(p, state, rng_state, x, True, rng)
         per_sample = per_sample_loss(loss, y, y_pred)
-        return jnp.mean(per_sample), (y_pred, new_state, per_sample)
+        objective_value = jnp.mean(per_sample)
+        if loss_scale is not None:  # the optimizer is a LossScaleOptimizer
+          objective_value = objective_value * loss_scale.astype(objective_value.dtype)
+        return objective_value, (y_pred, new_state, per_sample)
 
       (_, (y_pred, new_state, per_sample)), grads = jax.value_and_grad(
           objective, has_aux=True)(params)
@@ -109,14 +113,15 @@ def train_execution(adapter, optimizer, loss: Callable, metric_fns: Sequence,
     def update(carry, batch):
       params, opt_state, state, step = carry
       xg, yg = batch
+      scale = loss_scaling.loss_scale_of(opt_state)
       if G == 1:
         grads, state, sums = micro(params, state, jax.tree.map(lambda a: a[0], xg),
-                                   yg[0], step)
+                                   yg[0], step, scale)
       else:
         def accumulate(c, inp):
           acc, state, sums = c
           k, x, y = inp
-          grads, state, s = micro(params, state, x, y, step * G + k)
+          grads, state, s = micro(params, state, x, y, step * G + k, scale)
           return (acc_lib.accumulate(acc, grads, k, method), state, sums + s), None
 
         zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)

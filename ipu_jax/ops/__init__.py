@@ -18,6 +18,8 @@ collectives in ``ipu_jax/lowering/rules/parallel.py``.
 * :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
   stochastic rounding mode does it (unbiased).
 * :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
+* :func:`cast_to_fp8`, :func:`cast_from_fp8`, :func:`fp8_matmul`: the FP8
+  formats F143/F152 with power-of-two scales (``ops/fp8.py``).
 """
 
 import os as _os
@@ -33,6 +35,7 @@ except (ImportError, AttributeError):  # pragma: no cover
 from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_replica_mean_p,
                                      cross_replica_sum, cross_replica_sum_p, replica_index,
                                      replica_index_p)
+from ipu_jax.ops.fp8 import cast_from_fp8, cast_to_fp8, fp8_matmul
 from ipu_jax.ops.matmul import matmul, matmul_p
 from ipu_jax.ops.print_tensor import format_tensor, print_tensor, print_tensor_p
 from ipu_jax.ops.stochastic_round import stochastic_round, stochastic_round_p
@@ -43,5 +46,5 @@ __all__ = [
     "matmul", "stochastic_round", "print_tensor", "format_tensor",
     "tile_map_p", "cross_replica_sum_p", "cross_replica_mean_p",
     "replica_index_p", "matmul_p", "stochastic_round_p", "print_tensor_p",
-    "REPLICA_AXIS",
+    "REPLICA_AXIS", "cast_to_fp8", "cast_from_fp8", "fp8_matmul",
 ]

@@ -88,9 +88,39 @@ def round_with_bits(x, bits, dtype):
     u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
     rounded = jnp.where(u < frac, hi, lo)
     rounded = jnp.where(near32 == x, nearest, rounded)
+  elif dtype in _FP8_DTYPES:
+    rounded = _round_fp8_with_bits(x, nearest, bits, dtype)
   else:
-    raise TypeError(f"stochastic_round to {dtype} is not supported (float16 or bfloat16).")
+    raise TypeError(f"stochastic_round to {dtype} is not supported "
+                    "(float16, bfloat16, float8_e4m3fnuz or float8_e5m2fnuz).")
   return jnp.where(special, nearest, rounded)
+
+
+_FP8_DTYPES = (np.dtype(jnp.float8_e4m3fnuz), np.dtype(jnp.float8_e5m2fnuz))
+
+
+def _round_fp8_with_bits(x, nearest, bits, dtype):
+  """FP8 (fnuz) stochastic rounding on the codes of the magnitude.
+
+  Positive codes 0x00..0x7F are monotonic in value, so the neighbours of
+  ``|x|`` are the nearest code and the one next to it; the upper is chosen
+  with probability (|x| - lo) / (hi - lo) from 24 random bits. The sign is
+  put back except on zero (the formats have no negative zero: 0x80 is NaN).
+  """
+  mag = jnp.abs(x)
+  near = lax.bitcast_convert_type(mag.astype(dtype), jnp.uint8)
+  near32 = lax.bitcast_convert_type(near, dtype).astype(jnp.float32)
+  below = near32 <= mag
+  lo_code = jnp.where(below, near, near - 1)
+  hi_code = jnp.where(below, jnp.minimum(near + 1, 0x7F), near)
+  lo = lax.bitcast_convert_type(lo_code.astype(jnp.uint8), dtype).astype(jnp.float32)
+  hi = lax.bitcast_convert_type(hi_code.astype(jnp.uint8), dtype).astype(jnp.float32)
+  frac = (mag - lo) / jnp.where(hi > lo, hi - lo, 1)
+  u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+  code = jnp.where(near32 == mag, near, jnp.where(u < frac, hi_code, lo_code)).astype(jnp.uint8)
+  code = jnp.where((x < 0) & (code != 0), code | jnp.uint8(0x80), code)
+  del nearest
+  return lax.bitcast_convert_type(code, dtype)
 
 
 def _stochastic_round_impl(x, key, *, dtype, impl):
@@ -157,13 +187,15 @@ def stochastic_round(x, dtype, key):
 
   Args:
     x: a float32 array.
-    dtype: ``jnp.float16`` or ``jnp.bfloat16``.
+    dtype: ``jnp.float16``, ``jnp.bfloat16`` or an FP8 format
+      (``jnp.float8_e4m3fnuz``, ``jnp.float8_e5m2fnuz``).
     key: a PRNG key (typed, or raw ``uint32`` key data); the same key gives
       the same result. The bits are ``jax.random.bits(key, x.shape)``.
   """
   dtype = np.dtype(dtype)
-  if dtype not in HALF_DTYPES:
-    raise ValueError(f"stochastic_round: dtype must be float16 or bfloat16, got {dtype}.")
+  if dtype not in HALF_DTYPES + _FP8_DTYPES:
+    raise ValueError(f"stochastic_round: dtype must be float16, bfloat16, float8_e4m3fnuz "
+                     f"or float8_e5m2fnuz, got {dtype}.")
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
     if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -72,6 +72,7 @@ from jax import lax
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import half_partials
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
@@ -173,6 +174,10 @@ def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
   def full_product(a_st, b_st):
     """The whole product, [B, M, N] in the result type (batched mode)."""
     a, w = logical(a_st, lhs), logical(b_st, rhs)
+    if half_partials.applies(in_dtype, acc):  # lowprec: fp16 partials as arithmetic
+      return half_partials.planned_dot(
+          jnp.transpose(a, lhs_perm).reshape(b, m, k), jnp.transpose(w, rhs_perm).reshape(b, k, n),
+          gk, bk).astype(out_dtype)
     c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
     return c.astype(out_dtype).reshape(b, m, n)
 
