@@ -90,10 +90,10 @@ def _lower_any(ctx, jaxpr, args) -> list:
   """Lower a ``ClosedJaxpr`` or an open ``Jaxpr`` (no constvars) inline."""
   _note_keys(jaxpr, args)
   if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
-    return lower_closed_jaxpr(ctx, jaxpr, list(args))
+    return lower_closed_jaxpr(ctx.module, jaxpr, list(args))
   if jaxpr.constvars:
     raise NotImplementedError("an open jaxpr with constvars cannot be inlined")
-  return lower_jaxpr(ctx, jaxpr, [], list(args))
+  return lower_jaxpr(ctx.module, jaxpr, [], list(args))
 
 
 def _fields(cls) -> set:
@@ -409,7 +409,7 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
     # 2. The body.
     _note_keys(jaxpr, consts + inits + xs)
     _note_keys(jaxpr, consts + carries + slices)
-    outs = lower_closed_jaxpr(ctx, jaxpr, consts + carries + slices)
+    outs = lower_closed_jaxpr(ctx.module, jaxpr, consts + carries + slices)
     new_carries, ys = outs[:num_carry], outs[num_carry:]
 
     # 3. ys rows, carry copies and the counter increment in one step.
@@ -463,10 +463,10 @@ def _while_rule(ctx, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_ncons
   _emit_copies(ctx, carries, inits, "while/init")
   batched = bool(cond_jaxpr.out_avals[0].shape)
   with ctx.sub_program() as (condition, cond_locals):
-    lanes, = lower_closed_jaxpr(ctx, cond_jaxpr, cond_consts + carries)
+    lanes, = lower_closed_jaxpr(ctx.module, cond_jaxpr, cond_consts + carries)
     predicate = _any_lane(ctx, lanes) if batched else lanes
   with ctx.sub_program() as (body, body_locals):
-    outs = lower_closed_jaxpr(ctx, body_jaxpr, body_consts + carries)
+    outs = lower_closed_jaxpr(ctx.module, body_jaxpr, body_consts + carries)
     if batched:
       _emit_lane_select(ctx, carries, outs, lanes)
     else:
@@ -566,17 +566,17 @@ def _cond_rule(ctx, index, *operands, branches, **params):
   del params  # branches_platforms: the index already says which branch
   operands = list(operands)
   if len(branches) == 1:
-    return lower_closed_jaxpr(ctx, branches[0], operands)
+    return lower_closed_jaxpr(ctx.module, branches[0], operands)
   if index.category == "constants" and index.value is not None:
     # A static index picks its branch at compile time (XLA folds it too).
     i = int(np.asarray(index.value).reshape(()))
     i = i if 0 <= i < len(branches) else len(branches) - 1
-    return lower_closed_jaxpr(ctx, branches[i], operands)
+    return lower_closed_jaxpr(ctx.module, branches[i], operands)
   _note_keys(branches[0], operands)
   sequences, outputs, local_ids = [], [], set()
   for branch in branches:
     with ctx.sub_program() as (seq, locals_):
-      outputs.append(lower_closed_jaxpr(ctx, branch, operands))
+      outputs.append(lower_closed_jaxpr(ctx.module, branch, operands))
     sequences.append(seq)
     local_ids |= locals_
   results = []

@@ -272,7 +272,7 @@ def _custom_linear_solve(ctx, *operands, const_lengths, jaxprs, **params):
   offsets = np.cumsum([0] + counts)
   solve_consts = operands[offsets[2]:offsets[3]]
   b = operands[offsets[4]:]
-  return lower_closed_jaxpr(ctx, jaxprs.solve, list(solve_consts) + list(b))
+  return lower_closed_jaxpr(ctx.module, jaxprs.solve, list(solve_consts) + list(b))
 
 
 def _register():

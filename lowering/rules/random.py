@@ -55,12 +55,12 @@ def _default_impl():
 def key_impl_of(ctx, tensor: P.Tensor, operand_index: int = 0):
   """The PRNG implementation of the key data in ``tensor``.
 
-  Uses the equation's operand avals when the context provides them
-  (``ctx.in_avals``), else the impl recorded when the key was made here, else
-  the default implementation (or the only one whose key shape fits).
+  Uses the equation's operand aval (``ctx.in_avals``) when it is a key type,
+  else the impl recorded when the key was made here, else the default
+  implementation (or the only one whose key shape fits).
   """
-  in_avals = getattr(ctx, "in_avals", None)
-  if in_avals is not None and operand_index < len(in_avals):
+  in_avals = ctx.in_avals
+  if operand_index < len(in_avals):
     aval = in_avals[operand_index]
     if is_key_dtype(aval.dtype):
       return aval.dtype._impl  # pylint: disable=protected-access
