@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from ipu_jax.errors import LoweringError
+from ipu_jax.jax_compat import source_info_util
 from ipu_jax.lowering.context import LoweringContext, RuleContext
 from ipu_jax.lowering.registry import get_lowering
 

@@ -1,7 +1,7 @@
 """The raw numbers a compiled tile program yields: cycles and bytes per tile.
 
 `ProgramProfile` is the contract between the cost / memory models (which fill
-it in, in `lowering.cost` and `lowering.memory`) and the reports people read
+it in, in `lowering/analysis.py`) and the reports people read
 (`ipu_jax.report`, which only reads it). Arrays are NumPy, indexed by tile.
 """
 

@@ -12,6 +12,7 @@ from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 from ipu_jax.ops._common import _compiled
+from ipu_jax.jax_compat import debugging
 
 
 print_tensor_p = jcore.Primitive("print_tensor")
@@ -35,7 +36,6 @@ def _print_tensor_impl(x, *, title):
 
 def _print_tensor_abstract_eval(x, *, title):
   del title
-  from jax._src import debugging
   return x, {debugging.ordered_debug_effect}
 
 

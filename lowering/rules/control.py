@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ipu_jax.jax_compat import ad_checkpoint, control_flow, core, custom_derivatives, pjit
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, broadcast_cost
@@ -202,22 +203,17 @@ def _inline_rule(param_names):
 
 
 def _register_calls():
-  from jax._src import ad_checkpoint, core, custom_derivatives, pjit
-
   calls = [
-      (getattr(pjit, "jit_p", None), ("jaxpr",)),
-      (getattr(pjit, "pjit_p", None), ("jaxpr",)),
-      (getattr(core, "closed_call_p", None), ("call_jaxpr",)),
-      (getattr(core, "call_p", None), ("call_jaxpr",)),
-      (getattr(custom_derivatives, "custom_jvp_call_p", None), ("call_jaxpr",)),
-      (getattr(custom_derivatives, "custom_jvp_call_jaxpr_p", None), ("fun_jaxpr",)),
-      (getattr(custom_derivatives, "custom_vjp_call_p", None), ("call_jaxpr",)),
-      (getattr(custom_derivatives, "custom_vjp_call_jaxpr_p", None), ("fun_jaxpr", "call_jaxpr")),
-      (getattr(ad_checkpoint, "remat_p", None), ("jaxpr",)),
+      (pjit.jit_p, ("jaxpr",)),
+      (core.closed_call_p, ("call_jaxpr",)),
+      (core.call_p, ("call_jaxpr",)),
+      (custom_derivatives.custom_jvp_call_p, ("call_jaxpr",)),
+      (custom_derivatives.custom_jvp_call_jaxpr_p, ("fun_jaxpr",)),
+      (custom_derivatives.custom_vjp_call_p, ("call_jaxpr",)),
+      (ad_checkpoint.remat_p, ("jaxpr",)),
   ]
   for prim, names in calls:
-    if prim is not None:
-      register_lowering(prim, _inline_rule(names))
+    register_lowering(prim, _inline_rule(names))
 
 
 _register_calls()
@@ -592,7 +588,7 @@ def _cond_rule(ctx, index, *operands, branches, **params):
 
 
 def _register_control_flow():
-  from jax._src.lax import control_flow as cf
+  cf = control_flow
   register_lowering(cf.scan_p, _scan_rule)
   register_lowering(cf.while_p, _while_rule)
   register_lowering(cf.cond_p, _cond_rule)

@@ -75,10 +75,11 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax._src.lax import parallel as lax_parallel
 
 from ipu_jax import ops
+from ipu_jax.jax_compat import core as jax_core
+from ipu_jax.jax_compat import lax_parallel
+from ipu_jax.jax_compat import shard_map as shard_map_lib
 from ipu_jax.errors import LoweringError
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
@@ -342,8 +343,7 @@ def _gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_index_groups=N
 
 
 register_lowering(lax_parallel.all_gather_p, _gather_rule)
-if getattr(lax_parallel, "all_gather_invariant_p", None) is not None:
-  register_lowering(lax_parallel.all_gather_invariant_p, _gather_rule)
+register_lowering(lax_parallel.all_gather_invariant_p, _gather_rule)
 
 
 @register_lowering(lax_parallel.reduce_scatter_p)
@@ -565,9 +565,4 @@ def _shard_map_rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, **params):
   return outs
 
 
-def _register_shard_map():
-  from jax._src import shard_map as shard_map_lib
-  register_lowering(shard_map_lib.shard_map_p, _shard_map_rule)
-
-
-_register_shard_map()
+register_lowering(shard_map_lib.shard_map_p, _shard_map_rule)
