@@ -63,10 +63,11 @@ Execution. ``executor.mode = "per_tile"`` really cuts A and B into the
 per-tile blocks with pad / reshape / transpose / broadcast (no gathers) and
 vmaps a block matmul over the tile axis, then sums the partials; f32 uses
 ``Precision.HIGHEST``. ``"batched"`` (the default) computes the whole product
-as one ``lax.dot_general`` on the logical arrays with the partials type as
-``preferred_element_type`` (the numbers a per-tile plan gives, up to
-summation order) and writes it straight into the result's tile storage in
-the first step; the later steps (reduce, further passes) then have nothing
+on the logical arrays with the partials type as ``preferred_element_type``:
+one ``lax.dot_general``, or, with K split over tiles, one per K block and a
+sum of the partials (the numbers a per-tile plan gives, up to summation
+order), and writes it straight into the result's tile storage in the first
+step; the later steps (reduce, further passes) then have nothing
 left to do on the host, while their cost is still counted.
 """
 
@@ -191,10 +192,23 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     return lo, lo + 1
 
   def full_product(a_st, b_st):
-    """The whole product, [B, M, N] in the result type (batched mode)."""
+    """The whole product, [B, M, N] in the result type (batched mode).
+
+    With K split over ``gk`` tiles, one product per K block (batched over
+    the blocks) and a sum of the ``gk`` partials in the partials type: the
+    tiles' numbers, whatever order XLA would sum one long contraction in.
+    """
     a, w = logical(a_st, lhs), logical(b_st, rhs)
-    c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
-    return c.astype(out_dtype).reshape(b, m, n)
+    if gk == 1:
+      c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
+      return c.astype(out_dtype).reshape(b, m, n)
+    a = jnp.transpose(a, lhs_perm).reshape(b, m, k)
+    w = jnp.transpose(w, rhs_perm).reshape(b, k, n)
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, gk * bk - k))).reshape(b, m, gk, bk)
+    w = jnp.pad(w, ((0, 0), (0, gk * bk - k), (0, 0))).reshape(b, gk, bk, n)
+    c = lax.dot_general(a, w, (((3,), (2,)), ((0, 2), (0, 1))), precision=precision,
+                        preferred_element_type=acc)                   # [B, gk, M, N]
+    return jnp.sum(c, axis=1, dtype=acc).astype(out_dtype)
 
   def pass_blocks(a_st, b_st, start, stop):
     """Per-tile partial blocks ``[G, bb*bm*bn]`` of one pass (per_tile mode)."""
