@@ -14,9 +14,10 @@ Two classes, as JAX's own lowering has a ``ModuleContext`` and a per-equation
 * :class:`RuleContext`: what one equation's rule receives as its first
   argument: the module context, the primitive, the equation's input and
   output avals, its source line and name stack. It is slotted and immutable;
-  it forwards the module operations rules use (``emit``, ``new_tensor``,
-  ``like``, ``constant``, ``sub_program``, ``claim_tiles``, ...) so a rule
-  body reads ``ctx.new_tensor(...)`` whichever it holds. Nested jaxprs
+  it forwards the module state and operations rules use (``target``,
+  ``options``, ``emit``, ``new_tensor``, ``like``, ``constant``,
+  ``sub_program``, ``claim_tiles``, ...) so a rule body reads
+  ``ctx.new_tensor(...)`` whichever it holds. Nested jaxprs
   (control flow, ``pjit``, custom derivatives) are lowered into
   ``ctx.module``.
 """
@@ -270,6 +271,11 @@ class LoweringContext:
 ModuleContext = LoweringContext
 
 
+def _forward(name: str, doc: str) -> property:
+  """A read-only property of :class:`RuleContext`: the module's ``name``."""
+  return property(lambda self: getattr(self.module, name), doc=f"{doc} (``ctx.module.{name}``)")
+
+
 class RuleContext:
   """What a lowering rule receives: one equation and the module it lowers into.
 
@@ -318,73 +324,21 @@ class RuleContext:
             f"in_avals={list(self.in_avals)}, out_avals={list(self.out_avals)}, "
             f"source={self.source!r})")
 
-  # -- the module's state, read through ------------------------------------
+  # -- the module's state and operations, forwarded (declared, read-only) --
 
-  @property
-  def target(self) -> IPUTarget:
-    """The IPU target (the module's)."""
-    return self.module.target
-
-  @property
-  def options(self) -> LoweringOptions:
-    """The :class:`LoweringOptions` (the module's)."""
-    return self.module.options
-
-  @property
-  def replication_factor(self) -> int:
-    """Replicas of the program (the module's)."""
-    return self.module.replication_factor
-
-  @property
-  def mesh_axes(self) -> dict:
-    """Mesh axes in scope (the module's)."""
-    return self.module.mesh_axes
-
-  @property
-  def op(self) -> str:
-    """Name stamped on what is created now (the module's current op)."""
-    return self.module.op
-
-  @property
-  def next_start_tile(self) -> int:
-    """Where the next small tensor starts (the module's)."""
-    return self.module.next_start_tile
-
-  # -- the module's operations, forwarded ----------------------------------
-
-  def emit(self, node, into: "P.Sequence | None" = None) -> None:
-    """:meth:`LoweringContext.emit`."""
-    self.module.emit(node, into)
-
-  def sub_program(self):
-    """:meth:`LoweringContext.sub_program`."""
-    return self.module.sub_program()
-
-  def named_axes(self, axes: dict):
-    """:meth:`LoweringContext.named_axes`."""
-    return self.module.named_axes(axes)
-
-  def updatable_in_place(self, tensor: P.Tensor) -> bool:
-    """:meth:`LoweringContext.updatable_in_place`."""
-    return self.module.updatable_in_place(tensor)
-
-  def claim_tiles(self, count: int) -> int:
-    """:meth:`LoweringContext.claim_tiles`."""
-    return self.module.claim_tiles(count)
-
-  def linear_mapping(self, shape, dtype, max_tiles: Optional[int] = None) -> TileMapping:
-    """:meth:`LoweringContext.linear_mapping`."""
-    return self.module.linear_mapping(shape, dtype, max_tiles)
-
-  def new_tensor(self, shape, dtype, mapping: Optional[TileMapping] = None,
-                 name: str = "", category: str = "temporaries") -> P.Tensor:
-    """:meth:`LoweringContext.new_tensor`."""
-    return self.module.new_tensor(shape, dtype, mapping, name, category)
-
-  def like(self, tensor: P.Tensor, dtype=None, name: str = "") -> P.Tensor:
-    """:meth:`LoweringContext.like`."""
-    return self.module.like(tensor, dtype, name)
-
-  def constant(self, value, dtype=None, name: str = "") -> P.Tensor:
-    """:meth:`LoweringContext.constant`."""
-    return self.module.constant(value, dtype, name)
+  target = _forward("target", "The IPU target.")
+  options = _forward("options", "The :class:`LoweringOptions`.")
+  replication_factor = _forward("replication_factor", "Replicas of the program.")
+  mesh_axes = _forward("mesh_axes", "Mesh axes in scope: ``{name: size}``.")
+  op = _forward("op", "Name stamped on what is created now (the module's current op).")
+  next_start_tile = _forward("next_start_tile", "Where the next small tensor starts.")
+  emit = _forward("emit", ":meth:`LoweringContext.emit`.")
+  sub_program = _forward("sub_program", ":meth:`LoweringContext.sub_program`.")
+  named_axes = _forward("named_axes", ":meth:`LoweringContext.named_axes`.")
+  updatable_in_place = _forward("updatable_in_place",
+                                ":meth:`LoweringContext.updatable_in_place`.")
+  claim_tiles = _forward("claim_tiles", ":meth:`LoweringContext.claim_tiles`.")
+  linear_mapping = _forward("linear_mapping", ":meth:`LoweringContext.linear_mapping`.")
+  new_tensor = _forward("new_tensor", ":meth:`LoweringContext.new_tensor`.")
+  like = _forward("like", ":meth:`LoweringContext.like`.")
+  constant = _forward("constant", ":meth:`LoweringContext.constant`.")
