@@ -52,6 +52,10 @@ share: the mapping and storage of an array cut into blocks, one per tile
 (:func:`block_grid_mapping`, :func:`blocked_storage`), and the exact bytes
 to give each grid tile the operand elements its block needs
 (:func:`grid_exchange_cost`).
+
+(Longer than the ~600 lines a module usually keeps to: the planner and the
+grid helpers are one concept, the helpers cost and place exactly the blocks
+the plan chooses, and ``lowering/matmul_emit.py`` emits the supersteps.)
 """
 
 from __future__ import annotations
