@@ -68,9 +68,8 @@ class Lowered:
     closed = apply_floating_point_behaviour(closed, options)
     self.jaxpr = closed
     self.out_tree = jax.tree_util.tree_structure(out_shape)
-    ctx = LoweringContext(target, options)
-    # Collectives cost a ring all-reduce over this many replicas.
-    ctx.replication_factor = replication_factor
+    # Collectives cost a ring all-reduce over replication_factor replicas.
+    ctx = LoweringContext(target, options, replication_factor=replication_factor)
     self.replication_factor = replication_factor
     self._in_avals = [v.aval for v in closed.jaxpr.invars]
     inputs = []

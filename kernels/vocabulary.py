@@ -44,6 +44,7 @@ FILL = "popops::Fill"
 IOTA = "popops::Iota"
 SELECT = "popops::Select"
 SCALED_ADD = "popops::ScaledAdd"
+CAST = "popops::Cast"
 CAST_STOCHASTIC_ROUND = "popops::CastStochasticRound"
 
 REDUCE = "popops::Reduce"  # vertex(REDUCE, kind): add, max, min, or, argmax ...

@@ -1,16 +1,31 @@
-"""The lowering context: what a rule uses to create tensors and emit steps.
+"""The lowering contexts: what a rule uses to create tensors and emit steps.
 
-One context lowers one jaxpr (and the jaxprs nested in it) into one tile
-program. It knows the target and options, spreads small tensors over tiles,
-and stamps every tensor and step with the JAX operation, the user source line
-and the module path (name stack) it came from, so reports and errors can point
-at the user's code and group costs by layer.
+Two classes, as JAX's own lowering has a ``ModuleContext`` and a per-equation
+``LoweringRuleContext`` (``jax/_src/interpreters/mlir.py``):
+
+* :class:`LoweringContext` (also :data:`ModuleContext`): the state of one
+  lowering. One context lowers one jaxpr (and the jaxprs nested in it) into
+  one tile program. It knows the target, options and replication factor,
+  spreads small tensors over tiles, and stamps every tensor and step with the
+  JAX operation, the user source line and the module path (name stack) it
+  came from, so reports and errors can point at the user's code and group
+  costs by layer. Every attribute is set in its constructor or by one of its
+  own methods (``at``, ``dying``, ``sub_program``, ``named_axes``).
+* :class:`RuleContext`: what one equation's rule receives as its first
+  argument: the module context, the primitive, the equation's input and
+  output avals, its source line and name stack. It is slotted and immutable;
+  it forwards the module state and operations rules use (``target``,
+  ``options``, ``emit``, ``new_tensor``, ``like``, ``constant``,
+  ``sub_program``, ``claim_tiles``, ...) so a rule body reads
+  ``ctx.new_tensor(...)`` whichever it holds. Nested jaxprs
+  (control flow, ``pjit``, custom derivatives) are lowered into
+  ``ctx.module``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -20,7 +35,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.scopes import join_scopes, module_path
 from ipu_jax.target import IPUTarget
 
-__all__ = ["LoweringContext", "LoweringOptions"]
+__all__ = ["LoweringContext", "LoweringOptions", "ModuleContext", "RuleContext"]
 
 
 class LoweringContext:
@@ -29,21 +44,35 @@ class LoweringContext:
   Attributes:
     target: the IPU target.
     options: the :class:`LoweringOptions`.
+    replication_factor: replicas of the program (a ``cross_replica_*`` op
+      outside any named axis spans this many; collectives cost a ring over
+      them).
     op: name of the primitive being lowered (stamped on tensors and steps).
     source: user ``file:line`` of the equation being lowered.
     scope: module path of the equation being lowered (its name stack
       without transformations, joined to the enclosing equations'), e.g.
       ``"Encoder/layers_0/attention"``.
+    dying_ids: ids of the current equation's operands that nothing reads
+      afterwards (None at the top level, before any equation).
+    tensors: every tensor created or emitted, by id.
+    constants: the constant tensors (program inputs held on chip).
   """
 
-  def __init__(self, target: IPUTarget, options=None):
-    self.target = target
-    self.options = options if options is not None else LoweringOptions()
+  # Declared attributes only: nothing outside the class adds state to it.
+  __slots__ = ("_target", "_options", "_replication_factor", "op", "source", "scope",
+               "dying_ids", "tensors", "constants", "_program_stack", "_next_start_tile",
+               "_local_stack", "_constant_cache", "_mesh_axes")
+
+  def __init__(self, target: IPUTarget, options: Optional[LoweringOptions] = None,
+               replication_factor: int = 1):
+    if int(replication_factor) < 1:
+      raise ValueError(f"replication_factor must be >= 1, got {replication_factor}")
+    self._target = target
+    self._options = options if options is not None else LoweringOptions()
+    self._replication_factor = int(replication_factor)
     self.op = ""
     self.source = ""
     self.scope = ""
-    # Ids of the current equation's operands that nothing reads afterwards
-    # (None: the top level, before any equation).
     self.dying_ids: Optional[frozenset] = None
     self.tensors: dict = {}
     self.constants: list = []
@@ -51,6 +80,19 @@ class LoweringContext:
     self._next_start_tile = 0
     self._local_stack = []
     self._constant_cache = {}
+    self._mesh_axes: dict = {}
+
+  @property
+  def target(self) -> IPUTarget:
+    return self._target
+
+  @property
+  def options(self) -> LoweringOptions:
+    return self._options
+
+  @property
+  def replication_factor(self) -> int:
+    return self._replication_factor
 
   # -- the program --------------------------------------------------------
 
@@ -119,6 +161,21 @@ class LoweringContext:
       yield
     finally:
       self.op, self.source, self.scope = saved
+
+  @property
+  def mesh_axes(self) -> dict:
+    """Mesh axes of the ``shard_map``/``pmap`` bodies being lowered: ``{name: size}``."""
+    return dict(self._mesh_axes)
+
+  @contextlib.contextmanager
+  def named_axes(self, axes: dict):
+    """Bind mesh axes (``{name: size}``) while a replicated body is lowered."""
+    saved = self._mesh_axes
+    self._mesh_axes = {**saved, **axes}
+    try:
+      yield
+    finally:
+      self._mesh_axes = saved
 
   @contextlib.contextmanager
   def dying(self, tensor_ids):
@@ -208,3 +265,80 @@ class LoweringContext:
     if key is not None:
       self._constant_cache[key] = tensor
     return tensor
+
+
+#: The module-level context (JAX's name for it); the same class.
+ModuleContext = LoweringContext
+
+
+def _forward(name: str, doc: str) -> property:
+  """A read-only property of :class:`RuleContext`: the module's ``name``."""
+  return property(lambda self: getattr(self.module, name), doc=f"{doc} (``ctx.module.{name}``)")
+
+
+class RuleContext:
+  """What a lowering rule receives: one equation and the module it lowers into.
+
+  Built by :func:`~ipu_jax.lowering.lower.lower_jaxpr` for every equation
+  (JAX's ``LoweringRuleContext``). Immutable; :meth:`replace` makes a copy
+  with other avals, e.g. to call another primitive's rule for a part of the
+  work.
+
+  Attributes:
+    module: the :class:`LoweringContext` (lower nested jaxprs into it).
+    primitive: the equation's ``Primitive``.
+    in_avals: the avals of the equation's operands.
+    out_avals: the avals of its results.
+    source: the user's ``file:line`` of the equation ('' when unknown).
+    name_stack: the equation's ``source_info.name_stack`` (None when
+      unknown).
+  """
+
+  __slots__ = ("module", "primitive", "in_avals", "out_avals", "source", "name_stack")
+
+  def __init__(self, module: LoweringContext, primitive, in_avals: Sequence,
+               out_avals: Sequence, source: str = "", name_stack=None):
+    if not isinstance(module, LoweringContext):
+      raise TypeError(f"RuleContext needs the LoweringContext it lowers into, got "
+                      f"{type(module).__name__}")
+    for name, value in (("module", module), ("primitive", primitive),
+                        ("in_avals", tuple(in_avals)), ("out_avals", tuple(out_avals)),
+                        ("source", source), ("name_stack", name_stack)):
+      object.__setattr__(self, name, value)
+
+  def __setattr__(self, name, value):
+    raise AttributeError(f"RuleContext is immutable (tried to set {name!r}); use replace()")
+
+  def replace(self, **changes) -> "RuleContext":
+    """A copy with some fields changed (e.g. ``out_avals``)."""
+    fields = {name: getattr(self, name) for name in self.__slots__}
+    unknown = set(changes) - set(fields)
+    if unknown:
+      raise TypeError(f"RuleContext has no field(s) {sorted(unknown)}; fields: "
+                      f"{list(self.__slots__)}")
+    fields.update(changes)
+    return RuleContext(**fields)
+
+  def __repr__(self) -> str:
+    return (f"RuleContext({getattr(self.primitive, 'name', self.primitive)!r}, "
+            f"in_avals={list(self.in_avals)}, out_avals={list(self.out_avals)}, "
+            f"source={self.source!r})")
+
+  # -- the module's state and operations, forwarded (declared, read-only) --
+
+  target = _forward("target", "The IPU target.")
+  options = _forward("options", "The :class:`LoweringOptions`.")
+  replication_factor = _forward("replication_factor", "Replicas of the program.")
+  mesh_axes = _forward("mesh_axes", "Mesh axes in scope: ``{name: size}``.")
+  op = _forward("op", "Name stamped on what is created now (the module's current op).")
+  next_start_tile = _forward("next_start_tile", "Where the next small tensor starts.")
+  emit = _forward("emit", ":meth:`LoweringContext.emit`.")
+  sub_program = _forward("sub_program", ":meth:`LoweringContext.sub_program`.")
+  named_axes = _forward("named_axes", ":meth:`LoweringContext.named_axes`.")
+  updatable_in_place = _forward("updatable_in_place",
+                                ":meth:`LoweringContext.updatable_in_place`.")
+  claim_tiles = _forward("claim_tiles", ":meth:`LoweringContext.claim_tiles`.")
+  linear_mapping = _forward("linear_mapping", ":meth:`LoweringContext.linear_mapping`.")
+  new_tensor = _forward("new_tensor", ":meth:`LoweringContext.new_tensor`.")
+  like = _forward("like", ":meth:`LoweringContext.like`.")
+  constant = _forward("constant", ":meth:`LoweringContext.constant`.")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from ipu_jax.errors import LoweringError
+from ipu_jax.jax_compat import source_info_util
+from ipu_jax.lowering.context import LoweringContext, RuleContext
 from ipu_jax.lowering.registry import get_lowering
 
 __all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
@@ -102,17 +103,26 @@ def _unsupported(eqn, source: str) -> LoweringError:
       f"ipu_jax.lowering.register_lowering({eqn.primitive.name}_p, rule).")
 
 
-def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
+def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> list:
   """Lower ``jaxpr`` into ``ctx``'s program; returns the output tensors.
 
+  Every equation's rule is called as ``rule(rule_ctx, *operands, **params)``
+  with a :class:`~ipu_jax.lowering.context.RuleContext` for it.
+
   Args:
-    ctx: the :class:`~ipu_jax.lowering.context.LoweringContext`.
+    ctx: the :class:`~ipu_jax.lowering.context.LoweringContext` (a rule
+      lowering a nested jaxpr passes ``rule_ctx.module``).
     jaxpr: a ``jax.extend.core.Jaxpr``.
     consts: tensors for ``jaxpr.constvars``.
     args: tensors for ``jaxpr.invars``.
     progress: optional ``progress(done, total)``, called after each
       equation of this jaxpr (not of the jaxprs nested in it).
   """
+  if not isinstance(ctx, LoweringContext):
+    raise TypeError(
+        f"lower_jaxpr lowers into a LoweringContext, got {type(ctx).__name__}"
+        + (" (a rule lowers a nested jaxpr into ctx.module)"
+           if isinstance(ctx, RuleContext) else ""))
   env = {}
 
   def read(v):
@@ -137,21 +147,19 @@ def lower_jaxpr(ctx, jaxpr, consts, args, progress=None) -> list:
     if rule is None:
       raise _unsupported(eqn, source)
     operands = [read(v) for v in eqn.invars]
-    saved_avals = getattr(ctx, "out_avals", None), getattr(ctx, "in_avals", None)
-    with ctx.at(eqn.primitive.name, source, eqn.source_info.name_stack), \
+    name_stack = eqn.source_info.name_stack
+    rule_ctx = RuleContext(ctx, eqn.primitive, [v.aval for v in eqn.invars],
+                           [v.aval for v in eqn.outvars], source, name_stack)
+    with ctx.at(eqn.primitive.name, source, name_stack), \
         ctx.dying(uses.dying_at(index, operands)):
-      ctx.out_avals = [v.aval for v in eqn.outvars]
-      ctx.in_avals = [v.aval for v in eqn.invars]
       try:
-        outputs = rule(ctx, *operands, **eqn.params)
+        outputs = rule(rule_ctx, *operands, **eqn.params)
       except LoweringError:
         raise
       except NotImplementedError as e:
         raise LoweringError(
             f"Primitive '{eqn.primitive.name}' (operands: {_describe(eqn.invars)}) at "
             f"{source or 'an unknown source line'} is not supported: {e}") from e
-      finally:
-        ctx.out_avals, ctx.in_avals = saved_avals
     if len(outputs) != len(eqn.outvars):
       raise LoweringError(f"rule for {eqn.primitive.name} returned {len(outputs)} results, "
                           f"expected {len(eqn.outvars)}")
@@ -212,7 +220,7 @@ class _TensorLastUses:
     return [i for i in dict.fromkeys(ids) if ids.count(i) == 1 and self._by_id.get(i) == index]
 
 
-def lower_closed_jaxpr(ctx, closed_jaxpr, args, progress=None) -> list:
+def lower_closed_jaxpr(ctx: LoweringContext, closed_jaxpr, args, progress=None) -> list:
   """Lower a ``ClosedJaxpr``: its consts become constant tensors."""
   consts = [ctx.constant(np.asarray(c)) for c in closed_jaxpr.consts]
   return lower_jaxpr(ctx, closed_jaxpr.jaxpr, consts, args, progress=progress)

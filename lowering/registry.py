@@ -11,7 +11,8 @@ of its own::
     def _my_rule(ctx, *operands, **params):
       ...  # emit supersteps with ctx, return the output tensors
 
-A rule receives the :class:`~ipu_jax.lowering.context.LoweringContext`, one
+A rule receives a :class:`~ipu_jax.lowering.context.RuleContext` (the
+equation's primitive, avals, source line and the module context), one
 :class:`~ipu_jax.lowering.program.Tensor` per operand and the equation's
 params, and returns a list of output tensors (one per output of the
 equation). The built-in rules are registered when ``ipu_jax.lowering`` is

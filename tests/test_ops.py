@@ -203,8 +203,7 @@ class CollectiveTest(parameterized.TestCase):
 
   def test_replication_factor_from_context(self):
     target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=16)
-    ctx = LoweringContext(target)
-    ctx.replication_factor = 4
+    ctx = LoweringContext(target, replication_factor=4)
     x = ctx.new_tensor((64, 16), np.float32)
     self.assertEqual(rules.replication_factor(ctx, AXIS), 4)
     exchange, compute = rules.all_reduce_cost(ctx, x, 4)

@@ -6,8 +6,9 @@ eval, a JVP, a transpose where the op is linear, a batching rule and an MLIR
 lowering (``mlir.lower_fun`` of the impl), so a function that uses them runs
 under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` without the emulator. The
 tile lowerings (how each op runs on tiles and what it costs) live in
-``ipu_jax/lowering/rules/ipu_ops.py``, the collectives' with the named-axis
-collectives in ``ipu_jax/lowering/rules/parallel.py``.
+``ipu_jax/lowering/rules/``, one module per op (``tile_map.py``,
+``ipu_matmul.py``, ``stochastic_round.py``, ``print_tensor.py``), the
+collectives' with the named-axis collectives in ``parallel.py``.
 
 * :func:`tile_map`: run a codelet once per tile on chosen tiles (TessellateIPU's
   ``tile_map``).
@@ -24,13 +25,10 @@ collectives in ``ipu_jax/lowering/rules/parallel.py``.
 
 import os as _os
 
-try:
-  # Equations made by these ops report the user's line, not this package's
-  # (as for jax's own wrappers), in reports and lowering errors.
-  from jax._src import source_info_util as _source_info_util
-  _source_info_util.register_exclusion(_os.path.dirname(__file__))
-except (ImportError, AttributeError):  # pragma: no cover
-  pass
+# Equations made by these ops report the user's line, not this package's
+# (as for jax's own wrappers), in reports and lowering errors.
+from ipu_jax.jax_compat import source_info_util as _source_info_util
+_source_info_util.register_exclusion(_os.path.dirname(__file__))
 
 from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_replica_mean_p,
                                      cross_replica_sum, cross_replica_sum_p, replica_index,

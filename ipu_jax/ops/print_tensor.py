@@ -9,6 +9,7 @@ from jax.interpreters import ad, batching, mlir
 from ipu_jax.lowering import printing
 from ipu_jax.lowering.printing import format_tensor
 from ipu_jax.ops._common import _compiled
+from ipu_jax.jax_compat import debugging
 
 
 __all__ = ["print_tensor", "print_tensor_p", "format_tensor"]
@@ -23,7 +24,6 @@ def _print_tensor_impl(x, *, title):
 
 def _print_tensor_abstract_eval(x, *, title):
   del title
-  from jax._src import debugging
   return x, {debugging.ordered_debug_effect}
 
 

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ipu_jax.jax_compat import ad_checkpoint, control_flow, core, custom_derivatives, pjit
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -91,10 +92,10 @@ def _lower_any(ctx, jaxpr, args) -> list:
   """Lower a ``ClosedJaxpr`` or an open ``Jaxpr`` (no constvars) inline."""
   _note_keys(jaxpr, args)
   if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
-    return lower_closed_jaxpr(ctx, jaxpr, list(args))
+    return lower_closed_jaxpr(ctx.module, jaxpr, list(args))
   if jaxpr.constvars:
     raise NotImplementedError("an open jaxpr with constvars cannot be inlined")
-  return lower_jaxpr(ctx, jaxpr, [], list(args))
+  return lower_jaxpr(ctx.module, jaxpr, [], list(args))
 
 
 def _fields(cls) -> set:
@@ -203,22 +204,17 @@ def _inline_rule(param_names):
 
 
 def _register_calls():
-  from jax._src import ad_checkpoint, core, custom_derivatives, pjit
-
   calls = [
-      (getattr(pjit, "jit_p", None), ("jaxpr",)),
-      (getattr(pjit, "pjit_p", None), ("jaxpr",)),
-      (getattr(core, "closed_call_p", None), ("call_jaxpr",)),
-      (getattr(core, "call_p", None), ("call_jaxpr",)),
-      (getattr(custom_derivatives, "custom_jvp_call_p", None), ("call_jaxpr",)),
-      (getattr(custom_derivatives, "custom_jvp_call_jaxpr_p", None), ("fun_jaxpr",)),
-      (getattr(custom_derivatives, "custom_vjp_call_p", None), ("call_jaxpr",)),
-      (getattr(custom_derivatives, "custom_vjp_call_jaxpr_p", None), ("fun_jaxpr", "call_jaxpr")),
-      (getattr(ad_checkpoint, "remat_p", None), ("jaxpr",)),
+      (pjit.jit_p, ("jaxpr",)),
+      (core.closed_call_p, ("call_jaxpr",)),
+      (core.call_p, ("call_jaxpr",)),
+      (custom_derivatives.custom_jvp_call_p, ("call_jaxpr",)),
+      (custom_derivatives.custom_jvp_call_jaxpr_p, ("fun_jaxpr",)),
+      (custom_derivatives.custom_vjp_call_p, ("call_jaxpr",)),
+      (ad_checkpoint.remat_p, ("jaxpr",)),
   ]
   for prim, names in calls:
-    if prim is not None:
-      register_lowering(prim, _inline_rule(names))
+    register_lowering(prim, _inline_rule(names))
 
 
 _register_calls()
@@ -410,7 +406,7 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
     # 2. The body.
     _note_keys(jaxpr, consts + inits + xs)
     _note_keys(jaxpr, consts + carries + slices)
-    outs = lower_closed_jaxpr(ctx, jaxpr, consts + carries + slices)
+    outs = lower_closed_jaxpr(ctx.module, jaxpr, consts + carries + slices)
     new_carries, ys = outs[:num_carry], outs[num_carry:]
 
     # 3. ys rows, carry copies and the counter increment in one step.
@@ -464,10 +460,10 @@ def _while_rule(ctx, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_ncons
   _emit_copies(ctx, carries, inits, "while/init")
   batched = bool(cond_jaxpr.out_avals[0].shape)
   with ctx.sub_program() as (condition, cond_locals):
-    lanes, = lower_closed_jaxpr(ctx, cond_jaxpr, cond_consts + carries)
+    lanes, = lower_closed_jaxpr(ctx.module, cond_jaxpr, cond_consts + carries)
     predicate = _any_lane(ctx, lanes) if batched else lanes
   with ctx.sub_program() as (body, body_locals):
-    outs = lower_closed_jaxpr(ctx, body_jaxpr, body_consts + carries)
+    outs = lower_closed_jaxpr(ctx.module, body_jaxpr, body_consts + carries)
     if batched:
       _emit_lane_select(ctx, carries, outs, lanes)
     else:
@@ -567,17 +563,17 @@ def _cond_rule(ctx, index, *operands, branches, **params):
   del params  # branches_platforms: the index already says which branch
   operands = list(operands)
   if len(branches) == 1:
-    return lower_closed_jaxpr(ctx, branches[0], operands)
+    return lower_closed_jaxpr(ctx.module, branches[0], operands)
   if index.category == "constants" and index.value is not None:
     # A static index picks its branch at compile time (XLA folds it too).
     i = int(np.asarray(index.value).reshape(()))
     i = i if 0 <= i < len(branches) else len(branches) - 1
-    return lower_closed_jaxpr(ctx, branches[i], operands)
+    return lower_closed_jaxpr(ctx.module, branches[i], operands)
   _note_keys(branches[0], operands)
   sequences, outputs, local_ids = [], [], set()
   for branch in branches:
     with ctx.sub_program() as (seq, locals_):
-      outputs.append(lower_closed_jaxpr(ctx, branch, operands))
+      outputs.append(lower_closed_jaxpr(ctx.module, branch, operands))
     sequences.append(seq)
     local_ids |= locals_
   results = []
@@ -593,7 +589,7 @@ def _cond_rule(ctx, index, *operands, branches, **params):
 
 
 def _register_control_flow():
-  from jax._src.lax import control_flow as cf
+  cf = control_flow
   register_lowering(cf.scan_p, _scan_rule)
   register_lowering(cf.while_p, _while_rule)
   register_lowering(cf.cond_p, _cond_rule)

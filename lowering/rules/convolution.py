@@ -67,12 +67,12 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical
+from ipu_jax.lowering.matmul_emit import fill_zeros
 from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
                                           ceil_div, edge_sizes, grid_exchange_cost, grid_product,
                                           grid_tiles, operand_dtype, partials_dtype,
                                           split_candidates)
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.dot import fill_zeros
 
 __all__ = ["ConvPlan", "ConvGeometry", "plan_conv", "conv_geometry"]
 

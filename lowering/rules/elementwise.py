@@ -9,10 +9,11 @@ those of XLA.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax import lax
-from jax._src.lax import special as lax_special
 
+from ipu_jax.jax_compat import add_jaxvals_p, lax_internal, lax_special
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -33,7 +34,7 @@ _BINARY = [
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
     "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
     "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "igamma", "igammac", "igamma_grad_a", "random_gamma_grad", "polygamma", "zeta",
+    "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
     # Total-order comparisons (NaNs and signed zeros ordered; searchsorted).
     "eq_to", "lt_to", "le_to",
     # ``lax.complex(re, im)`` and ``lax.mulhi`` (high half of an integer product).
@@ -48,19 +49,15 @@ _FLOPS = {"logistic": 4, "tanh": 4, "erf": 8, "erf_inv": 12, "exp": 2, "log": 2,
 
 
 def _find_primitive(name):
-  for module in (lax, lax_special):
+  """The primitive called ``name`` (public ``lax`` first, then JAX's internals)."""
+  if name == "add_any":
+    return add_jaxvals_p
+  for module in (lax, lax_special, lax_internal):
     prim = getattr(module, f"{name}_p", None)
     if prim is not None:
       return prim
-  from jax._src.lax import lax as lax_internal
-  prim = getattr(lax_internal, f"{name}_p", None)
-  if prim is None and name == "add_any":
-    from jax._src.ad_util import add_jaxvals_p
-    return add_jaxvals_p
-  if prim is None and name == "copy":
-    from jax._src.lax.lax import copy_p
-    return copy_p
-  return prim
+  raise ImportError(f"JAX {jax.__version__} has no primitive '{name}_p' "
+                    f"(ipu_jax supports the JAX range pinned in setup.cfg)")
 
 
 def _make_rule(primitive):
@@ -76,8 +73,7 @@ def _make_rule(primitive):
 
 for _name in _UNARY + _BINARY + _OTHER:
   _prim = _find_primitive(_name)
-  if _prim is not None:
-    register_lowering(_prim, _make_rule(_prim))
+  register_lowering(_prim, _make_rule(_prim))
 
 
 def _bitcast_convert_type(ctx, operand, *, new_dtype):

@@ -46,8 +46,8 @@ import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
-from jax._src.lax import linalg as lax_linalg
 
+from ipu_jax.jax_compat import control_flow, lax_linalg
 from ipu_jax.kernels import linalg as K
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.problems import solve_problems
@@ -272,18 +272,14 @@ def _custom_linear_solve(ctx, *operands, const_lengths, jaxprs, **params):
   offsets = np.cumsum([0] + counts)
   solve_consts = operands[offsets[2]:offsets[3]]
   b = operands[offsets[4]:]
-  return lower_closed_jaxpr(ctx, jaxprs.solve, list(solve_consts) + list(b))
+  return lower_closed_jaxpr(ctx.module, jaxprs.solve, list(solve_consts) + list(b))
 
 
 def _register():
   for name, spec in SPECS.items():
-    primitive = getattr(lax_linalg, f"{name}_p", None)
-    if primitive is not None:
-      register_lowering(primitive, _rule(primitive, spec))
-  from jax._src.lax import control_flow as cf
-  primitive = getattr(cf, "linear_solve_p", None)
-  if primitive is not None:
-    register_lowering(primitive, _custom_linear_solve)
+    primitive = getattr(lax_linalg, f"{name}_p")
+    register_lowering(primitive, _rule(primitive, spec))
+  register_lowering(control_flow.linear_solve_p, _custom_linear_solve)
 
 
 _register()

@@ -24,6 +24,9 @@ import numpy as np
 
 import jax
 
+from ipu_jax.jax_compat import (ad_checkpoint, core, custom_derivatives, debugging, dispatch,
+                                pjit, lax_internal)
+from ipu_jax.jax_compat import control_flow as cf
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical
 from ipu_jax.lowering.registry import register_lowering
@@ -92,34 +95,23 @@ def _host_callback_rule(primitive):
 
 
 def _register():
-  from jax._src import ad_checkpoint, core, custom_derivatives, debugging, dispatch, pjit
-  from jax._src.lax import control_flow as cf
-
   identities = [
-      getattr(cf, "optimization_barrier_p", None),
-      getattr(pjit, "sharding_constraint_p", None),
-      getattr(pjit, "layout_constraint_p", None),
-      getattr(pjit, "reshard_p", None),
-      getattr(dispatch, "device_put_p", None),
-      getattr(custom_derivatives, "stop_gradient_p", None),
-      getattr(ad_checkpoint, "name_p", None),
-      getattr(core, "pvary_p", None),
+      cf.optimization_barrier_p,
+      pjit.sharding_constraint_p,
+      pjit.layout_constraint_p,
+      pjit.reshard_p,
+      dispatch.device_put_p,
+      custom_derivatives.stop_gradient_p,
+      ad_checkpoint.name_p,
+      core.pvary_p,
   ]
   for prim in identities:
-    if prim is not None:
-      register_lowering(prim, _identity)
-  prim = getattr(cf, "platform_index_p", None)
-  if prim is not None:
-    register_lowering(prim, _platform_index)
-  from jax._src.lax import lax as lax_internal
-  for name in ("empty_p", "empty2_p"):
-    prim = getattr(lax_internal, name, None)
-    if prim is not None:
-      register_lowering(prim, _empty)
-  for name in ("debug_callback_p", "debug_print_p"):
-    prim = getattr(debugging, name, None)
-    if prim is not None:
-      register_lowering(prim, _host_callback_rule(prim))
+    register_lowering(prim, _identity)
+  register_lowering(cf.platform_index_p, _platform_index)
+  for prim in (lax_internal.empty_p, lax_internal.empty2_p):
+    register_lowering(prim, _empty)
+  for prim in (debugging.debug_callback_p, debugging.debug_print_p):
+    register_lowering(prim, _host_callback_rule(prim))
 
 
 _register()

@@ -73,14 +73,13 @@ unset) and their step is the identity on one replica's data.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax._src.lax import parallel as lax_parallel
 
 from ipu_jax import ops
+from ipu_jax.jax_compat import core as jax_core
+from ipu_jax.jax_compat import lax_parallel
+from ipu_jax.jax_compat import shard_map as shard_map_lib
 from ipu_jax.errors import LoweringError
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
@@ -103,24 +102,8 @@ def _names(axis_name) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _mesh_axes(ctx) -> dict:
-  """Mesh axes of the shard_map bodies being lowered: ``{name: size}``."""
-  return getattr(ctx, "mesh_axes", None) or {}
-
-
-@contextlib.contextmanager
-def _binding(ctx, axes: dict):
-  saved = _mesh_axes(ctx)
-  ctx.mesh_axes = {**saved, **axes}
-  try:
-    yield
-  finally:
-    ctx.mesh_axes = saved
-
-
 def _operands_text(ctx) -> str:
-  avals = getattr(ctx, "in_avals", None) or []
-  return ", ".join(a.str_short() for a in avals) or "none"
+  return ", ".join(a.str_short() for a in ctx.in_avals) or "none"
 
 
 def named_axis_size(ctx, axis_name) -> int:
@@ -133,7 +116,7 @@ def named_axis_size(ctx, axis_name) -> int:
     LoweringError: a name that is neither, naming the primitive, operands,
       axis and source line.
   """
-  mesh = _mesh_axes(ctx)
+  mesh = ctx.mesh_axes
   size = 1
   for name in _names(axis_name):
     if name in mesh:
@@ -152,13 +135,13 @@ def named_axis_size(ctx, axis_name) -> int:
 
 def replication_factor(ctx, axis_name) -> int:
   """Replicas an IPU ``cross_replica_*`` op spans (see the module docstring)."""
-  mesh = _mesh_axes(ctx)
+  mesh = ctx.mesh_axes
   if all(name in mesh for name in _names(axis_name)):
     return named_axis_size(ctx, axis_name)
   bound = replica_count(axis_name)
   if bound is not None:
     return max(1, bound)
-  return max(1, int(getattr(ctx, "replication_factor", 1) or 1))
+  return ctx.replication_factor
 
 
 def _reject_groups(ctx, axis_index_groups) -> None:
@@ -267,12 +250,8 @@ def _emit_all_reduce(ctx, x: P.Tensor, names: tuple, kind: str) -> P.Tensor:
 
 def _reduce_positional(ctx, reduce_prim, x: P.Tensor, axes: tuple, out_aval) -> P.Tensor:
   """A vmapped axis's collective: the tile reduction over those dimensions."""
-  saved = ctx.out_avals
-  ctx.out_avals = [out_aval]
-  try:
-    return get_lowering(reduce_prim)(ctx, x, axes=axes, out_sharding=None)[0]
-  finally:
-    ctx.out_avals = saved
+  return get_lowering(reduce_prim)(ctx.replace(out_avals=[out_aval]), x, axes=axes,
+                                   out_sharding=None)[0]
 
 
 def _make_reduce_rule(kind: str, reduce_prim):
@@ -365,8 +344,7 @@ def _gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_index_groups=N
 
 
 register_lowering(lax_parallel.all_gather_p, _gather_rule)
-if getattr(lax_parallel, "all_gather_invariant_p", None) is not None:
-  register_lowering(lax_parallel.all_gather_invariant_p, _gather_rule)
+register_lowering(lax_parallel.all_gather_invariant_p, _gather_rule)
 
 
 @register_lowering(lax_parallel.reduce_scatter_p)
@@ -577,7 +555,7 @@ def _shard_map_rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, **params):
   inner = getattr(jaxpr, "jaxpr", jaxpr)
   in_shapes = [tuple(v.aval.shape) for v in inner.invars]
   out_shapes = [tuple(a.shape) for a in ctx.out_avals]
-  with ctx.sub_program() as (body, local_ids), _binding(ctx, dict(axes)):
+  with ctx.sub_program() as (body, local_ids), ctx.named_axes(dict(axes)):
     shards = [_enter(ctx, g, spec, shape, sizes)
               for g, spec, shape in zip(args, in_specs, in_shapes)]
     results = lower_inline(ctx, jaxpr, shards)
@@ -588,9 +566,4 @@ def _shard_map_rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, **params):
   return outs
 
 
-def _register_shard_map():
-  from jax._src import shard_map as shard_map_lib
-  register_lowering(shard_map_lib.shard_map_p, _shard_map_rule)
-
-
-_register_shard_map()
+register_lowering(shard_map_lib.shard_map_p, _shard_map_rule)

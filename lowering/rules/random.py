@@ -29,6 +29,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.jax_compat import config, prng, random_core, threefry2x32
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -38,8 +39,6 @@ from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.registry import register_lowering
 
-from jax._src.random import prng
-
 __all__ = ["key_impl_of", "note_key_avals"]
 
 # The key implementation of tensors made by these rules, by tensor id (an
@@ -48,7 +47,6 @@ _KEY_IMPLS: dict = {}
 
 
 def _default_impl():
-  from jax._src import config
   name = config.default_prng_impl.value
   return prng.prngs[name]
 
@@ -56,12 +54,12 @@ def _default_impl():
 def key_impl_of(ctx, tensor: P.Tensor, operand_index: int = 0):
   """The PRNG implementation of the key data in ``tensor``.
 
-  Uses the equation's operand avals when the context provides them
-  (``ctx.in_avals``), else the impl recorded when the key was made here, else
-  the default implementation (or the only one whose key shape fits).
+  Uses the equation's operand aval (``ctx.in_avals``) when it is a key type,
+  else the impl recorded when the key was made here, else the default
+  implementation (or the only one whose key shape fits).
   """
-  in_avals = getattr(ctx, "in_avals", None)
-  if in_avals is not None and operand_index < len(in_avals):
+  in_avals = ctx.in_avals
+  if operand_index < len(in_avals):
     aval = in_avals[operand_index]
     if is_key_dtype(aval.dtype):
       return aval.dtype._impl  # pylint: disable=protected-access
@@ -267,11 +265,9 @@ def _random_clone(ctx, keys):
 
 
 def _threefry2x32(ctx, *operands):
-  from jax._src.random.threefry2x32 import threefry2x32_p
-
   def body(*arrays):
     shape = next((a.shape for a in arrays if a.ndim), ())
-    return tuple(threefry2x32_p.bind(*[jnp.broadcast_to(a, shape) for a in arrays]))
+    return tuple(threefry2x32.threefry2x32_p.bind(*[jnp.broadcast_to(a, shape) for a in arrays]))
 
   return elementwise(ctx, body, list(operands), cost_op="threefry2x32",
                      flops_per_element=0)
@@ -310,7 +306,6 @@ def _random_gamma(ctx, keys, alpha, *, log_space):
   tiles that hold the samples made from it. The sampler is a rejection loop
   per element; its cost is one (expected) attempt.
   """
-  from jax._src.random import core as random_core
   impl = key_impl_of(ctx, keys)
   ks = tuple(impl.key_shape)
   kw = int(np.prod(ks, dtype=np.int64))
@@ -343,8 +338,6 @@ def _random_gamma(ctx, keys, alpha, *, log_space):
 
 
 def _register():
-  from jax._src.random import core as random_core
-  from jax._src.random import threefry2x32 as threefry
   rules = [
       (prng.random_seed_p, _random_seed),
       (prng.random_split_p, _random_split),
@@ -352,14 +345,13 @@ def _register():
       (prng.random_bits_p, _random_bits),
       (prng.random_wrap_p, _random_wrap),
       (prng.random_unwrap_p, _random_unwrap),
-      (getattr(random_core, "random_clone_p", None), _random_clone),
-      (getattr(random_core, "random_gamma_p", None), _random_gamma),
-      (getattr(threefry, "threefry2x32_p", None), _threefry2x32),
-      (getattr(prng, "iota_2x32_shape_p", None), _iota_2x32_shape),
+      (random_core.random_clone_p, _random_clone),
+      (random_core.random_gamma_p, _random_gamma),
+      (threefry2x32.threefry2x32_p, _threefry2x32),
+      (prng.iota_2x32_shape_p, _iota_2x32_shape),
   ]
   for prim, rule in rules:
-    if prim is not None:
-      register_lowering(prim, rule)
+    register_lowering(prim, rule)
 
 
 _register()

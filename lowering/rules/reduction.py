@@ -55,9 +55,8 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.lax import control_flow as lax_control_flow
-from jax._src.lax import lax as lax_internal
 
+from ipu_jax.jax_compat import control_flow_loops, lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -662,9 +661,8 @@ def _make_monoid_rule(prim, kind):
 
 
 for _name, _kind in _MONOIDS.items():
-  _prim = getattr(lax_internal, f"{_name}_p", None)
-  if _prim is not None:
-    register_lowering(_prim, _make_monoid_rule(_prim, _kind))
+  _prim = getattr(lax_internal, f"{_name}_p")
+  register_lowering(_prim, _make_monoid_rule(_prim, _kind))
 
 
 def _make_arg_rule(prim, is_max):
@@ -1008,8 +1006,5 @@ def _make_cumulative_rule(prim, kind, combine, cost):
 
 
 for _name, (_kind, _combine, _cost) in _CUMULATIVE.items():
-  _prim = getattr(lax_control_flow, f"{_name}_p", None)
-  if _prim is None:
-    from jax._src.lax.control_flow import loops as _loops
-    _prim = getattr(_loops, f"{_name}_p")
+  _prim = getattr(control_flow_loops, f"{_name}_p")
   register_lowering(_prim, _make_cumulative_rule(_prim, _kind, _combine, _cost))

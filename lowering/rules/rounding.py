@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import worker_vertices
 from ipu_jax.lowering.mapping import TileMapping
@@ -59,7 +60,7 @@ def _hw_round_rule(ctx, x, *, dtype, stochastic, saturate, replica_identical, se
         fn=lambda x_s: (_round_nearest(x_s, dtype, saturate),),
         compute_cycles=estimators.elementwise_cycles(target, elements, "convert_element_type",
                                                      x.itemsize),
-        vertices=worker_vertices(ctx, elements), codelets=("popops::Cast",),
+        vertices=worker_vertices(ctx, elements), codelets=(vocab.CAST,),
         flops=int(x.size)))
     return [out]
   state = prng_state(ctx, seed)
@@ -77,6 +78,6 @@ def _hw_round_rule(ctx, x, *, dtype, stochastic, saturate, replica_identical, se
       name="hw_round/stochastic", op=ctx.op, reads=(x, state), writes=(out, state), fn=fn,
       compute_cycles=estimators.worker_split_cycles(target, elements, _SR_CYCLES_PER_VECTOR,
                                                     x.itemsize),
-      vertices=worker_vertices(ctx, elements), codelets=("popops::CastStochasticRound",),
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.CAST_STOCHASTIC_ROUND,),
       flops=int(x.size)))
   return [out]

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lax import lax as lax_internal
 
+from ipu_jax.jax_compat import lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -361,14 +361,6 @@ def _squeeze(ctx, x, *, dimensions):
   return [alias(x, _out_aval(ctx)[0])]
 
 
-expand_dims_p = getattr(lax, "expand_dims_p", None)
-if expand_dims_p is not None:  # only some JAX versions have one
-  @register_lowering(expand_dims_p)
-  def _expand_dims(ctx, x, **params):
-    del params
-    return [alias(x, _out_aval(ctx)[0])]
-
-
 # -- movements ---------------------------------------------------------------
 
 
@@ -481,7 +473,7 @@ def _concatenate(ctx, *operands, dimension):
               _bind(lax.concatenate_p, {"dimension": dimension}), one_to_one=True)
 
 
-_stack_p = getattr(lax_internal, "stack_p", None)
+_stack_p = lax_internal.stack_p
 
 
 def _stack(ctx, *operands, axis):
@@ -495,11 +487,10 @@ def _stack(ctx, *operands, axis):
               _bind(_stack_p, {"axis": axis}), one_to_one=True)
 
 
-if _stack_p is not None:
-  register_lowering(_stack_p, _stack)
+register_lowering(_stack_p, _stack)
 
 
-_unstack_p = getattr(lax_internal, "unstack_p", None)
+_unstack_p = lax_internal.unstack_p
 
 
 def _unstack(ctx, x, *, axis):
@@ -517,11 +508,10 @@ def _unstack(ctx, x, *, axis):
   return move(ctx, [x], outputs, _bind(_unstack_p, {"axis": axis}), one_to_one=True)
 
 
-if _unstack_p is not None:
-  register_lowering(_unstack_p, _unstack)
+register_lowering(_unstack_p, _unstack)
 
 
-_tile_p = getattr(lax_internal, "tile_p", None)
+_tile_p = lax_internal.tile_p
 
 
 def _tile(ctx, x, *, reps):
@@ -537,8 +527,7 @@ def _tile(ctx, x, *, reps):
   return move(ctx, [x], [(shape, dtype, index)], _bind(_tile_p, {"reps": tuple(reps)}))
 
 
-if _tile_p is not None:
-  register_lowering(_tile_p, _tile)
+register_lowering(_tile_p, _tile)
 
 
 def _pad_windows(in_size: int, lo: int, hi: int, interior: int):
@@ -580,16 +569,17 @@ def _pad(ctx, x, pad_value, *, padding_config):
   return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
 
 
-split_p = getattr(lax, "split_p", None)
-if split_p is not None:
-  @register_lowering(split_p)
-  def _split(ctx, x, *, sizes, axis):
-    index = _flat_indices(x.shape)
-    cuts = np.cumsum([int(s) for s in sizes])[:-1]
-    pieces = np.split(index, cuts, axis=axis)
-    outputs = [(piece.shape, x.dtype, piece) for piece in pieces]
-    return move(ctx, [x], outputs,
-                _bind(split_p, {"sizes": tuple(sizes), "axis": axis}), one_to_one=True)
+split_p = lax.split_p
+
+
+@register_lowering(split_p)
+def _split(ctx, x, *, sizes, axis):
+  index = _flat_indices(x.shape)
+  cuts = np.cumsum([int(s) for s in sizes])[:-1]
+  pieces = np.split(index, cuts, axis=axis)
+  outputs = [(piece.shape, x.dtype, piece) for piece in pieces]
+  return move(ctx, [x], outputs,
+              _bind(split_p, {"sizes": tuple(sizes), "axis": axis}), one_to_one=True)
 
 
 # -- constants from nothing --------------------------------------------------

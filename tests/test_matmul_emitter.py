@@ -1,0 +1,73 @@
+"""One matmul emitter: ``ipu_jax.ops.matmul`` and ``jnp.dot``/``jnp.matmul`` agree.
+
+Both lower through ``lowering/matmul_emit.py``: with the same options (the
+op's own ``available_memory_proportion``/``partials_type``, the others'
+from the config) they give the same plan, the same supersteps and the same
+costs (cycles, exchange and IPU-Link bytes, memory per tile) and the same
+numbers. Shapes cover odd sizes, a tree-reduced long contraction, serial
+passes, a batched product, half operands with half partials, and two IPUs.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
+
+_ONE = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+_TWO = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
+
+
+def _report(fn, a, b, target, amp, partials):
+  cfg = ipu_jax.IPUConfig()
+  if amp is not None:
+    cfg.matmuls.available_memory_proportion = amp
+  if partials is not None:
+    cfg.matmuls.partials_type = partials
+  return ipu_jax.jit(fn, target=target, config=cfg).lower(a, b)
+
+
+def _step_costs(step):
+  """What a step costs, without its op's name (``dot_general/`` vs ``matmul/``)."""
+  return (step.name.split("/", 1)[1], step.compute_cycles, step.exchange_bytes_in,
+          step.exchange_bytes_out, step.exchange_cycles, step.sync_cycles,
+          step.ipu_link_bytes, step.flops, step.temporary_bytes)
+
+
+class OneEmitterTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("tiny", (3, 4), (4, 5), jnp.float32, None, None, _ONE, jnp.dot),
+      ("odd_amp", (33, 17), (17, 9), jnp.float32, 0.3, None, _ONE, jnp.dot),
+      ("tree_two_ipus", (1, 5000), (5000, 1), jnp.float32, None, None, _TWO, jnp.dot),
+      ("serial_passes", (64, 4096), (4096, 8), jnp.float32, 0.05, None, _ONE, jnp.dot),
+      ("bf16_half_partials", (12, 2000), (2000, 10), jnp.bfloat16, None, "float16", _TWO,
+       jnp.dot),
+      ("batched", (3, 7, 5), (3, 5, 6), jnp.float32, None, None, _ONE, jnp.matmul),
+      ("batch_rows", (2, 9, 13), (13, 4), jnp.float32, 0.2, None, _TWO, jnp.matmul),
+  )
+  def test_same_supersteps_and_costs(self, a_shape, b_shape, dtype, amp, partials, target,
+                                     reference):
+    rng = np.random.RandomState(0)
+    a = jnp.asarray(rng.randn(*a_shape), dtype)
+    b = jnp.asarray(rng.randn(*b_shape), dtype)
+    ref = _report(reference, a, b, target, amp, partials)
+    op = _report(lambda a, b: ipu_jax.ops.matmul(a, b, available_memory_proportion=amp,
+                                                  partials_type=partials),
+                 a, b, target, None, None)
+    ref_steps = [s for s in ref.profile.steps if s.op == "dot_general"]
+    op_steps = [s for s in op.profile.steps if s.op == "ipu_matmul"]
+    self.assertLen(op.profile.steps, len(op_steps))  # nothing but the matmul
+    self.assertLen(op_steps, len(ref_steps))
+    for got, want in zip(op_steps, ref_steps):
+      chex.assert_trees_all_equal(_step_costs(got), _step_costs(want))
+    np.testing.assert_array_equal(op.profile.memory.peak, ref.profile.memory.peak)
+    self.assertEqual(op.report.total_cycles, ref.report.total_cycles)
+    wide = lambda x: np.asarray(x, np.float32)
+    chex.assert_trees_all_close(wide(op(a, b)), wide(ref(a, b)), rtol=1e-6, atol=1e-6)
+
+
+if __name__ == "__main__":
+  absltest.main()
