@@ -25,7 +25,7 @@ Two classes, as JAX's own lowering has a ``ModuleContext`` and a per-equation
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class LoweringContext:
   # Declared attributes only: nothing outside the class adds state to it.
   __slots__ = ("_target", "_options", "_replication_factor", "op", "source", "scope",
                "dying_ids", "tensors", "constants", "_program_stack", "_next_start_tile",
-               "_local_stack", "_constant_cache", "_mesh_axes")
+               "_local_stack", "_constant_cache", "_mesh_axes", "_program_state")
 
   def __init__(self, target: IPUTarget, options: Optional[LoweringOptions] = None,
                replication_factor: int = 1):
@@ -80,6 +80,7 @@ class LoweringContext:
     self._next_start_tile = 0
     self._local_stack = []
     self._constant_cache = {}
+    self._program_state = {}
     self._mesh_axes: dict = {}
 
   @property
@@ -264,6 +265,19 @@ class LoweringContext:
     self.constants.append(tensor)
     if key is not None:
       self._constant_cache[key] = tensor
+    return tensor
+
+
+  def program_state(self, key, make: Callable[[], P.Tensor]) -> P.Tensor:
+    """A tensor that lives for the whole program, made by ``make()`` on first use.
+
+    For state that every equation of the program shares and updates, such as
+    the hardware random generators' per-tile state: one tensor per ``key``
+    for the whole lowering.
+    """
+    tensor = self._program_state.get(key)
+    if tensor is None:
+      tensor = self._program_state[key] = make()
     return tensor
 
 

@@ -25,25 +25,24 @@ from ipu_jax.kernels import xoroshiro
 
 # As ``stochastic_round``: the cast plus a 32-bit random draw per element.
 _SR_CYCLES_PER_VECTOR = 3
-_STATE_ATTR = "_hw_prng_state"
 
 
 def prng_state(ctx, seed: int) -> P.Tensor:
-  """The program's per-tile generator state (made on first use)."""
-  state = getattr(ctx, _STATE_ATTR, None)
-  if state is not None and state.value_seed == seed:
+  """The program's per-tile generator state (made on first use, one per seed)."""
+  module = ctx.module
+
+  def make():
+    n = module.target.num_tiles
+    value = xoroshiro.seed_states(seed, np.arange(n * WORKERS)).reshape(n, WORKERS, 4)
+    mapping = TileMapping.blocks(n * WORKERS * 4, WORKERS * 4, n, 0)
+    state = P.Tensor("hw_prng_state", value.shape, np.dtype(np.uint32), mapping,
+                     category="constants", value=value, op=ctx.op, source=ctx.source,
+                     scope=module.scope)
+    module.tensors[state.id] = state
+    module.constants.append(state)
     return state
-  n = ctx.target.num_tiles
-  value = xoroshiro.seed_states(seed, np.arange(n * WORKERS)).reshape(n, WORKERS, 4)
-  mapping = TileMapping.blocks(n * WORKERS * 4, WORKERS * 4, n, 0)
-  state = P.Tensor("hw_prng_state", value.shape, np.dtype(np.uint32), mapping,
-                   category="constants", value=value, op=ctx.op, source=ctx.source,
-                   scope=ctx.scope)
-  state.value_seed = seed
-  ctx.tensors[state.id] = state
-  ctx.constants.append(state)
-  setattr(ctx, _STATE_ATTR, state)
-  return state
+
+  return module.program_state(("hw_prng_state", int(seed)), make)
 
 
 @register_lowering(hw_round_p)
