@@ -12,6 +12,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.kernels.amp import amp_block_cycles
 from ipu_jax.kernels.codelet import Codelet
 from ipu_jax.kernels.estimators import ELEMENTWISE_COST, WORKER_OVERHEAD
 from ipu_jax.target import IPUTarget
@@ -83,18 +84,21 @@ dot_product = Codelet(
 
 @functools.lru_cache(maxsize=None)
 def matmul_block(dtype) -> Codelet:
-  """``c = a @ b`` for one tile's block, at the AMP rate for the dtype."""
+  """``c = a @ b`` for one tile's block on the AMP unit.
+
+  A supervisor vertex: its cycles are the shared AMP estimator's
+  (:func:`ipu_jax.kernels.amp.amp_block_cycles`), the same cycles the
+  ``dot_general`` rule charges for the same block.
+  """
   itemsize = np.dtype(dtype).itemsize
 
-  def cycles(a, b, c):
-    macs = a.shape[0] * a.shape[1] * b.shape[1]
-    rate = _DEFAULT.fp16_flops_per_cycle if itemsize <= 2 else _DEFAULT.fp32_flops_per_cycle
-    # The AMP unit is shared by the workers: per-worker cycles = total / 6.
-    return int(WORKER_OVERHEAD + -(-2 * macs // (rate * _DEFAULT.worker_contexts)))
+  def cycles(target, a, b, c):
+    return int(amp_block_cycles(target, a.shape[0], a.shape[1], b.shape[1], itemsize))
 
   return Codelet(f"poplin::MatMulBlock<{np.dtype(dtype).name}>",
                  lambda a, b: jnp.matmul(a, b, precision="highest"), ("a", "b"), ("c",),
-                 cycles=cycles, flops=lambda a, b, c: 2 * a.shape[0] * a.shape[1] * b.shape[1])
+                 cycles=cycles, flops=lambda a, b, c: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+                 supervisor=True)
 
 
 copy = Codelet("popops::Copy", lambda x: x, ("x",), ("y",),

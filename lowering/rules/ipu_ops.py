@@ -41,7 +41,7 @@ import numpy as np
 
 from ipu_jax import ops
 from ipu_jax.ops.stochastic_round import random_bits_for, round_with_bits
-from ipu_jax.ops.tile_map import codelet_body, codelet_cycles, codelet_flops
+from ipu_jax.ops.tile_map import codelet_body, codelet_cycles, codelet_flops, is_supervisor
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
@@ -93,8 +93,9 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
   in_specs = [jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in args]
   out_specs = [jax.ShapeDtypeStruct(o.shape[1:], o.dtype) for o in outs]
   n = tiles_arr.size
-  cycles = codelet_cycles(codelet, in_specs, out_specs)
-  compute = estimators.vertex_cycles_per_tile(target, tiles_arr, np.full(n, cycles, np.float64))
+  cycles = codelet_cycles(codelet, in_specs, out_specs, target)
+  compute = estimators.vertex_cycles_per_tile(target, tiles_arr, np.full(n, cycles, np.float64),
+                                              supervisor=np.full(n, is_supervisor(codelet)))
   vertices = np.bincount(tiles_arr, minlength=target.num_tiles)[:target.num_tiles]
   body = codelet_body(codelet)
 
