@@ -35,7 +35,7 @@ def _matmul_step_cycles(lowered, prefix):
   return float(steps[0].compute_cycles.max())
 
 
-class CostPathsTest(parameterized.TestCase, chex.TestCase):
+class CostPathsTest(chex.TestCase):
 
   @parameterized.parameters(
       ("bow", jnp.float16, 2048, 16, 16),   # the example, on 8 tiles

@@ -367,7 +367,8 @@ def _emit_pass(ctx, a, b, out, partials, ps, p, num_passes, name, geometry, batc
   macs = eb * em * en * ek
   compute = np.zeros(target.num_tiles, np.float64)
   np.add.at(compute, phys, estimators.matmul_cycles(target, macs, itemsize,
-                                                    outputs=eb * em * en, dtype=out_dtype))
+                                                    outputs=eb * em * en, dtype=out_dtype,
+                                                    k=ek, n=en, groups=eb))
   note = estimators.mac_cost_note(out_dtype)
   notes = (note,) if note else ()
   vertices = np.zeros(target.num_tiles, np.int64)
