@@ -57,7 +57,18 @@ def worker_split_cycles(target: IPUTarget, elements: np.ndarray,
   return np.where(elements > 0, cycles, 0).astype(np.float64)
 
 
-def elementwise_cycles(target, elements, op_name: str, itemsize: int):
+def elementwise_cycles(target, elements, op_name: str, itemsize: int, dtype=None):
+  """A tile's elementwise vertex: ``elements`` of ``op_name`` per tile.
+
+  With a floating ``dtype`` and an operation poplibs publishes figures for,
+  the cost is poplibs' (:mod:`ipu_jax.kernels.popops`); otherwise the generic
+  per-vector model with :data:`ELEMENTWISE_COST` (an estimate).
+  """
+  if dtype is not None:
+    from ipu_jax.kernels.popops import popops_elementwise_cycles
+    sourced = popops_elementwise_cycles(target, elements, op_name, dtype)
+    if sourced is not None:
+      return sourced
   cost = ELEMENTWISE_COST.get(op_name, DEFAULT_ELEMENTWISE_COST)
   return worker_split_cycles(target, elements, cost, itemsize)
 

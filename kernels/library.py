@@ -14,7 +14,7 @@ import numpy as np
 
 from ipu_jax.kernels.amp import amp_block_cycles
 from ipu_jax.kernels.codelet import Codelet
-from ipu_jax.kernels.estimators import ELEMENTWISE_COST, WORKER_OVERHEAD
+from ipu_jax.kernels.estimators import WORKER_OVERHEAD, elementwise_cycles
 from ipu_jax.target import IPUTarget
 
 __all__ = ["unary", "binary", "scaled_add", "partial_reduce", "final_reduce",
@@ -39,24 +39,30 @@ _BINARY = {
 }
 
 
+def _elementwise_tile_cycles(op: str):
+  """Tile cycles of a popops elementwise supervisor vertex: the lowering's estimator."""
+  def cycles(target, x, *rest):
+    return int(elementwise_cycles(target, np.array([x.size]), op, x.dtype.itemsize,
+                                  dtype=x.dtype)[0])
+  return cycles
+
+
 @functools.lru_cache(maxsize=None)
 def unary(op: str) -> Codelet:
-  """``y = op(x)`` elementwise."""
+  """``y = op(x)`` elementwise (a supervisor vertex, costed as the lowering costs it)."""
   fn = _UNARY[op]
-  cost = ELEMENTWISE_COST.get(op, 1)
   return Codelet(f"popops::{op}", fn, ("x",), ("y",),
-                 cycles=lambda x, y: vector_cycles(x.size, x.dtype.itemsize, cost),
-                 flops=lambda x, y: x.size)
+                 cycles=_elementwise_tile_cycles(op),
+                 flops=lambda x, y: x.size, supervisor=True)
 
 
 @functools.lru_cache(maxsize=None)
 def binary(op: str) -> Codelet:
-  """``z = op(x, y)`` elementwise."""
+  """``z = op(x, y)`` elementwise (a supervisor vertex, costed as the lowering costs it)."""
   fn = _BINARY[op]
-  cost = ELEMENTWISE_COST.get(op, 1)
   return Codelet(f"popops::{op}", fn, ("x", "y"), ("z",),
-                 cycles=lambda x, y, z: vector_cycles(x.size, x.dtype.itemsize, cost),
-                 flops=lambda x, y, z: x.size)
+                 cycles=_elementwise_tile_cycles(op),
+                 flops=lambda x, y, z: x.size, supervisor=True)
 
 
 # Fields: inputs (y, scale), then the in-out x; ``x += scale * y``.
