@@ -27,7 +27,9 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 
 # Bump when a change to an estimator or a preset figure changes cycle counts.
 # 2: one AMP estimator for every matmul path (poplin's 1x1 conv-partials
-#    structure); no per-output write term on top of the MACs.
+#    structure; no per-output write term on top of the MACs); fp16/fp32
+#    elementwise ops from popops' UnaryOp1D/BinaryOp1D estimators; the host
+#    link at PCIe 4.0 x16 per direction (31.5 GB/s, was 64 GB/s).
 COST_MODEL_VERSION = "2"
 
 

@@ -7,9 +7,13 @@ width); the phase lasts as long as the busiest worker, and workers issue
 round-robin, so a tile's cycles are the busiest worker's cycles times the
 number of contexts, plus the supervisor's launch overhead.
 
-The per-element costs follow the shape of poplibs' estimators (a fixed
-per-worker overhead plus a cost per vector of elements); absolute values are
-estimates.
+Sourced parts: matmul and convolution blocks use the AMP estimator in
+:mod:`ipu_jax.kernels.amp` (after poplin's ConvPartial1x1 estimator), and
+fp16/fp32 elementwise operations that poplibs publishes figures for use
+:mod:`ipu_jax.kernels.popops` (its UnaryOp1D / BinaryOp1D estimators). The
+rest (reductions, scaled add, copies, fills, other elementwise ops and types)
+follows the shape of poplibs' estimators (a fixed per-worker overhead plus a
+cost per vector of elements) with estimated constants.
 """
 
 from __future__ import annotations
