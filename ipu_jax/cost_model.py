@@ -71,14 +71,22 @@ FIGURE_SOURCES = {
 """Provenance of every preset figure (``num_ipus`` and ``name`` are not figures)."""
 
 
+def _figures() -> list:
+  """Every IPUTarget field that is a hardware figure."""
+  from ipu_jax.target import IPUTarget
+  return [f.name for f in dataclasses.fields(IPUTarget) if f.name not in ("name", "num_ipus")]
+
+
 def calibrated_figures() -> list:
   """Names of the figures backed by a datasheet or poplibs, sorted."""
-  return sorted(k for k, v in FIGURE_SOURCES.items() if v.kind != "estimate")
+  return sorted(k for k in _figures()
+                if k in FIGURE_SOURCES and FIGURE_SOURCES[k].kind != "estimate")
 
 
 def estimated_figures() -> list:
-  """Names of the figures that are estimates, sorted."""
-  return sorted(k for k, v in FIGURE_SOURCES.items() if v.kind == "estimate")
+  """Names of the figures that are estimates (or have no recorded source), sorted."""
+  return sorted(k for k in _figures()
+                if k not in FIGURE_SOURCES or FIGURE_SOURCES[k].kind == "estimate")
 
 
 def cost_model_json() -> dict:
