@@ -193,7 +193,7 @@ class GraphLowerer:
     all_read_bases, all_written_bases = set(), set()
     plans = []
     src_tiles, dst_tiles, element_ids, itemsizes = [], [], [], []
-    vertex_tiles, vertex_cycles = [], []
+    vertex_tiles, vertex_cycles, vertex_supervisor = [], [], []
     flops = 0
     for (cdl, fields), vertices in groups.items():
       tiles = np.array([v.tile for v in vertices], np.int64)
@@ -217,11 +217,12 @@ class GraphLowerer:
           src_tiles.append(vt); dst_tiles.append(el_tiles.reshape(-1))
           element_ids.append(flat_ids + (1 << 40)); itemsizes.append(np.full(vt.size, itemsize))
       specs = [_Spec(shape, dtype) for _, shape, dtype in fields]
-      estimate = cdl.estimate(*specs)
+      estimate = cdl.estimate(*specs, target=target)
       per_vertex_cycles = np.array([v.perf_estimate if v.perf_estimate is not None else estimate
                                     for v in vertices], np.float64)
       vertex_tiles.append(tiles)
       vertex_cycles.append(per_vertex_cycles)
+      vertex_supervisor.append(np.full(len(vertices), bool(cdl.supervisor)))
       if cdl.flops is not None:
         flops += int(cdl.flops(*specs)) * len(vertices)
       plans.append((cdl, stacked))
@@ -280,7 +281,9 @@ class GraphLowerer:
 
     vt = np.concatenate(vertex_tiles) if vertex_tiles else np.zeros(0, np.int64)
     vc = np.concatenate(vertex_cycles) if vertex_cycles else np.zeros(0)
-    compute = vertex_cycles_per_tile(target, vt, vc)
+    compute = vertex_cycles_per_tile(
+        target, vt, vc,
+        supervisor=np.concatenate(vertex_supervisor) if vertex_supervisor else None)
     vertices = np.bincount(vt, minlength=target.num_tiles)[:target.num_tiles]
     exchange = None
     if src_tiles:

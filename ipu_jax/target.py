@@ -6,10 +6,12 @@ Every figure the cost and memory models use lives here, so a what-if study is a
     t = IPUTarget.preset("ipu2")
     big = t.replace(bytes_per_tile=2 * t.bytes_per_tile)
 
-Sources for the presets: Graphcore datasheets (tiles, SRAM, clock, peak FLOPS),
-the IPUModel API (exchange bytes per cycle), "Dissecting the Graphcore IPU
-Architecture via Microbenchmarking" (Jia et al., 2019) for latencies. Figures
-marked *estimate* are round numbers in the measured range, not vendor values.
+Sources for the presets: Graphcore datasheets (tiles, SRAM, clock, peak FLOPS,
+all-to-all exchange and IPU-Link bandwidth), the PCIe 4.0 specification (host
+link), poplibs' published cycle estimators (supervisor overhead), "Dissecting
+the Graphcore IPU Architecture via Microbenchmarking" (Jia et al., 2019). The
+provenance of every figure is in :data:`ipu_jax.cost_model.FIGURE_SOURCES`;
+figures marked *estimate* have no published measurement behind them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import dataclasses
 from typing import Any
 
 __all__ = ["IPUTarget", "PRESETS"]
+
+
+# --- calibrated figures (issue 12; provenance in ipu_jax.cost_model) --------
+# PCIe 4.0 x16, one direction: 16 GT/s x 16 lanes x 128/130 / 8 bits.
+_PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
+# ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +47,10 @@ class IPUTarget:
     sync_cycles_internal: cost of a sync among the tiles of one IPU (*estimate*).
     sync_cycles_external: cost of a sync across IPUs (*estimate*).
     supervisor_overhead_cycles: per compute set per tile, launching workers
-      (*estimate*).
+      (poplibs' supervisor non-loop overhead).
     ipu_link_bytes_per_second: IPU-Link bandwidth per IPU (all links).
-    host_link_bytes_per_second: PCIe bandwidth between host and IPU.
+    host_link_bytes_per_second: host-link bandwidth in one direction (a
+      stream copy moves data one way): PCIe 4.0 x16, 31.5 GB/s.
     code_bytes_per_codelet: code size charged once per distinct codelet on a
       tile (*estimate*).
     vertex_state_bytes: bytes of vertex state per vertex plus per connection
@@ -66,7 +75,7 @@ class IPUTarget:
   sync_cycles_external: int = 1500
   supervisor_overhead_cycles: int = 50
   ipu_link_bytes_per_second: float = 320e9
-  host_link_bytes_per_second: float = 64e9
+  host_link_bytes_per_second: float = _PCIE4_X16
   code_bytes_per_codelet: int = 256
   vertex_state_bytes: int = 8
   # lowprec: FP8 units (0 = none).
@@ -176,17 +185,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ipu1": dict(name="ipu1", tiles_per_ipu=1216, bytes_per_tile=262_144,
                  worker_contexts=6, clock_hz=1.6e9, fp16_flops_per_cycle=64,
                  fp32_flops_per_cycle=16, ipu_link_bytes_per_second=320e9,
-                 host_link_bytes_per_second=64e9),
+                 host_link_bytes_per_second=_PCIE4_X16),
     # GC200: 1,472 tiles x 624 KiB (~900 MB), 250 TFLOPS fp16 at 1.33 GHz.
     "ipu2": dict(name="ipu2", tiles_per_ipu=1472, bytes_per_tile=638_976,
                  worker_contexts=6, clock_hz=1.33e9, fp16_flops_per_cycle=128,
                  fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                 host_link_bytes_per_second=64e9),
+                 host_link_bytes_per_second=_PCIE4_X16),
     # Bow: the GC200 die with wafer-on-wafer power delivery, 1.85 GHz.
     "bow": dict(name="bow", tiles_per_ipu=1472, bytes_per_tile=638_976,
                 worker_contexts=6, clock_hz=1.85e9, fp16_flops_per_cycle=128,
                 fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                host_link_bytes_per_second=64e9),
+                host_link_bytes_per_second=_PCIE4_X16),
 }
 
 # --- lowprec: the Mk2 IPU with FP8 support -----------------------------------

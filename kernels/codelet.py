@@ -34,6 +34,10 @@ class Codelet:
     cycles: ``cycles(*operand_specs) -> int``, cycles of one vertex on one
       worker; ``None`` means use the graph's ``set_perf_estimate`` or 0.
     flops: optional ``flops(*operand_specs) -> int`` for the report.
+    supervisor: a supervisor vertex (like poplin's AMP vertices) drives all
+      the tile's workers itself: its ``cycles(target, *operand_specs)``
+      returns the tile's cycles for the vertex, overheads included, and
+      supervisor vertices on a tile run one after another.
   """
 
   name: str
@@ -43,6 +47,7 @@ class Codelet:
   inouts: tuple = ()
   cycles: Optional[Callable] = None
   flops: Optional[Callable] = None
+  supervisor: bool = False
 
   @property
   def fields(self) -> tuple:
@@ -59,8 +64,14 @@ class Codelet:
   def __call__(self, *operands):
     return self.fn(*operands)
 
-  def estimate(self, *specs) -> int:
-    return 0 if self.cycles is None else int(self.cycles(*specs))
+  def estimate(self, *specs, target=None) -> int:
+    """Cycles of one vertex on ``specs`` (``target`` for supervisor vertices)."""
+    if self.cycles is None:
+      return 0
+    if self.supervisor:
+      from ipu_jax.target import IPUTarget
+      return int(self.cycles(target if target is not None else IPUTarget(), *specs))
+    return int(self.cycles(*specs))
 
 
 def codelet(inputs: Sequence[str] = (), outputs: Sequence[str] = (),

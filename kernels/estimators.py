@@ -7,9 +7,13 @@ width); the phase lasts as long as the busiest worker, and workers issue
 round-robin, so a tile's cycles are the busiest worker's cycles times the
 number of contexts, plus the supervisor's launch overhead.
 
-The per-element costs follow the shape of poplibs' estimators (a fixed
-per-worker overhead plus a cost per vector of elements); absolute values are
-estimates.
+Sourced parts: matmul and convolution blocks use the AMP estimator in
+:mod:`ipu_jax.kernels.amp` (after poplin's ConvPartial1x1 estimator), and
+fp16/fp32 elementwise operations that poplibs publishes figures for use
+:mod:`ipu_jax.kernels.popops` (its UnaryOp1D / BinaryOp1D estimators). The
+rest (reductions, scaled add, copies, fills, other elementwise ops and types)
+follows the shape of poplibs' estimators (a fixed per-worker overhead plus a
+cost per vector of elements) with estimated constants.
 """
 
 from __future__ import annotations
@@ -57,7 +61,18 @@ def worker_split_cycles(target: IPUTarget, elements: np.ndarray,
   return np.where(elements > 0, cycles, 0).astype(np.float64)
 
 
-def elementwise_cycles(target, elements, op_name: str, itemsize: int):
+def elementwise_cycles(target, elements, op_name: str, itemsize: int, dtype=None):
+  """A tile's elementwise vertex: ``elements`` of ``op_name`` per tile.
+
+  With a floating ``dtype`` and an operation poplibs publishes figures for,
+  the cost is poplibs' (:mod:`ipu_jax.kernels.popops`); otherwise the generic
+  per-vector model with :data:`ELEMENTWISE_COST` (an estimate).
+  """
+  if dtype is not None:
+    from ipu_jax.kernels.popops import popops_elementwise_cycles
+    sourced = popops_elementwise_cycles(target, elements, op_name, dtype)
+    if sourced is not None:
+      return sourced
   cost = ELEMENTWISE_COST.get(op_name, DEFAULT_ELEMENTWISE_COST)
   return worker_split_cycles(target, elements, cost, itemsize)
 
@@ -122,53 +137,73 @@ def mac_cost_note(dtype) -> str:
   return "; ".join(notes)
 
 
-def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None):
-  """A tile's matmul block: ``macs`` multiply-accumulates at the AMP rate.
+def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None, *, k=None, n=None,
+                  groups=None):
+  """A tile's matmul block on the AMP unit (:func:`ipu_jax.kernels.amp.amp_block_cycles`).
 
-  fp16/bf16 operands run at the fp16 rate, others at the fp32 rate. The AMP
-  unit is driven by all workers together, so the rate is per tile. With
+  The block is ``groups`` products ``[rows, k] x [k, n]`` with ``macs =
+  groups * rows * k * n`` and ``outputs = groups * rows * n``. Callers that
+  know only ``macs`` and ``outputs`` get ``k = macs / outputs`` and ``n`` one
+  full group of the AMP's output channels (exact when the block's ``n`` is a
+  multiple of it); giving ``n`` and ``groups`` makes the padding of narrow
+  blocks and the per-group overheads exact.
+
+  fp16/bf16 operands run at the fp16 rate, others at the fp32 rate. With
   ``dtype`` given, it sets the rate instead of ``itemsize``: complex MACs
-  count as :data:`COMPLEX_REAL_MACS` real ones, and float64 ones run as the
-  software emulation described at :data:`FLOAT64_FP32_OPS_PER_MAC`.
+  count as :data:`COMPLEX_REAL_MACS` real products, and float64 ones run as
+  the software emulation described at :data:`FLOAT64_FP32_OPS_PER_MAC`.
   """
+  from ipu_jax.kernels.amp import amp_block_cycles, amp_geometry
   macs = np.asarray(macs, np.float64)
-  real_macs = macs
+  products = 1
   emulated = False
   if dtype is not None:
     dtype = np.dtype(dtype)
     if dtype.kind == "c":
-      real_macs = macs * COMPLEX_REAL_MACS
+      products = COMPLEX_REAL_MACS
       dtype = np.dtype(f"f{dtype.itemsize // 2}")
     itemsize = dtype.itemsize
     emulated = dtype.kind == "f" and dtype.itemsize >= 8
   if emulated:
     fp32_ops_per_cycle = max(1, target.vector_width_bytes // 4)
-    cycles = np.ceil(real_macs * FLOAT64_FP32_OPS_PER_MAC / fp32_ops_per_cycle)
-  else:
-    flops_per_cycle = (target.fp16_flops_per_cycle if itemsize <= 2
-                       else target.fp32_flops_per_cycle)
-    if dtype is not None and target.has_fp8(dtype):
-      # lowprec: FP8 operands on a target with FP8 AMP units (ipu21).
-      flops_per_cycle = target.fp8_flops_per_cycle
-    cycles = np.ceil(2.0 * real_macs / flops_per_cycle)
-  if outputs is not None:
-    cycles = cycles + np.asarray(outputs) / max(1, target.vector_width_bytes // 4)
-  overhead = target.worker_contexts * WORKER_OVERHEAD * 4 + target.supervisor_overhead_cycles
-  return np.where(macs > 0, cycles + overhead, 0.0)
+    cycles = np.ceil(macs * products * FLOAT64_FP32_OPS_PER_MAC / fp32_ops_per_cycle)
+    overhead = target.worker_contexts * WORKER_OVERHEAD * 4 + target.supervisor_overhead_cycles
+    return np.where(macs > 0, cycles + overhead, 0.0)
+  fp8_speedup = 1
+  if dtype is not None and target.has_fp8(dtype):
+    # FP8 operands on FP8 AMP units (ipu21): each pass takes fp8_speedup times
+    # the fp16 input channels. Elsewhere FP8 runs as fp16 (poplin's fallback).
+    fp8_speedup = max(1, target.fp8_flops_per_cycle // target.fp16_flops_per_cycle)
+    itemsize = 2
+  geo = amp_geometry(target, itemsize)
+  if outputs is None:
+    outputs = np.ceil(macs / geo.in_chans)
+  outputs = np.maximum(np.asarray(outputs, np.float64), 1.0)
+  k = np.rint(macs / outputs) if k is None else np.asarray(k, np.float64)
+  k = np.ceil(k / fp8_speedup)
+  n = np.full(np.shape(macs), geo.conv_units) if n is None else np.asarray(n, np.float64)
+  groups = np.ones(np.shape(macs)) if groups is None else np.asarray(groups, np.float64)
+  rows = np.ceil(outputs / np.maximum(n * groups, 1.0))
+  cycles = products * amp_block_cycles(target, rows.astype(np.int64), k.astype(np.int64),
+                                       n.astype(np.int64), itemsize, groups.astype(np.int64))
+  return np.where(macs > 0, cycles, 0.0)
 
 
 def vertex_cycles_per_tile(target: IPUTarget, vertex_tiles: np.ndarray,
-                           vertex_cycles: np.ndarray) -> np.ndarray:
+                           vertex_cycles: np.ndarray, supervisor=None) -> np.ndarray:
   """Compute-phase cycles per tile for arbitrary vertices.
 
   Vertices on a tile are dealt to the worker contexts longest-first
   (round-robin over the sorted list); a tile costs its busiest context times
-  the number of contexts, plus the supervisor's overhead.
+  the number of contexts, plus the supervisor's overhead. Supervisor vertices
+  (``supervisor[v]``, e.g. the AMP matmul) already count the whole tile's
+  cycles and run one after another: their cycles add to the tile's.
 
   Args:
     target: the IPU target.
     vertex_tiles: ``[V]`` tile of each vertex.
     vertex_cycles: ``[V]`` cycles of each vertex.
+    supervisor: optional ``[V]`` bools, which vertices are supervisor vertices.
 
   Returns:
     ``[num_tiles]`` cycles.
@@ -179,6 +214,12 @@ def vertex_cycles_per_tile(target: IPUTarget, vertex_tiles: np.ndarray,
   if vertex_tiles.size == 0:
     return out
   vertex_cycles = np.asarray(vertex_cycles, np.float64)
+  if supervisor is not None:
+    supervisor = np.asarray(supervisor, bool)
+    np.add.at(out, vertex_tiles[supervisor], vertex_cycles[supervisor])
+    vertex_tiles, vertex_cycles = vertex_tiles[~supervisor], vertex_cycles[~supervisor]
+    if vertex_tiles.size == 0:
+      return out
   order = np.lexsort((-vertex_cycles, vertex_tiles))
   tiles_sorted = vertex_tiles[order]
   first = np.searchsorted(tiles_sorted, tiles_sorted, side="left")
@@ -187,5 +228,5 @@ def vertex_cycles_per_tile(target: IPUTarget, vertex_tiles: np.ndarray,
   np.add.at(context_cycles, (tiles_sorted, rank % w), vertex_cycles[order])
   busy = np.zeros(target.num_tiles, bool)
   busy[vertex_tiles] = True
-  out = context_cycles.max(axis=1) * w
-  return np.where(busy, out + target.supervisor_overhead_cycles, 0.0)
+  workers = context_cycles.max(axis=1) * w
+  return out + np.where(busy, workers + target.supervisor_overhead_cycles, 0.0)

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.kernels.amp import amp_block_cycles
 from ipu_jax.kernels.codelet import Codelet
-from ipu_jax.kernels.estimators import ELEMENTWISE_COST, WORKER_OVERHEAD
+from ipu_jax.kernels.estimators import WORKER_OVERHEAD, elementwise_cycles
 from ipu_jax.target import IPUTarget
 
 __all__ = ["unary", "binary", "scaled_add", "partial_reduce", "final_reduce",
@@ -40,24 +41,30 @@ _BINARY = {
 }
 
 
+def _elementwise_tile_cycles(op: str):
+  """Tile cycles of a popops elementwise supervisor vertex: the lowering's estimator."""
+  def cycles(target, x, *rest):
+    return int(elementwise_cycles(target, np.array([x.size]), op, x.dtype.itemsize,
+                                  dtype=x.dtype)[0])
+  return cycles
+
+
 @functools.lru_cache(maxsize=None)
 def unary(op: str) -> Codelet:
-  """``y = op(x)`` elementwise."""
+  """``y = op(x)`` elementwise (a supervisor vertex, costed as the lowering costs it)."""
   fn = _UNARY[op]
-  cost = ELEMENTWISE_COST.get(op, 1)
   return Codelet(vocab.vertex(vocab.ELEMENTWISE, op), fn, ("x",), ("y",),
-                 cycles=lambda x, y: vector_cycles(x.size, x.dtype.itemsize, cost),
-                 flops=lambda x, y: x.size)
+                 cycles=_elementwise_tile_cycles(op),
+                 flops=lambda x, y: x.size, supervisor=True)
 
 
 @functools.lru_cache(maxsize=None)
 def binary(op: str) -> Codelet:
-  """``z = op(x, y)`` elementwise."""
+  """``z = op(x, y)`` elementwise (a supervisor vertex, costed as the lowering costs it)."""
   fn = _BINARY[op]
-  cost = ELEMENTWISE_COST.get(op, 1)
   return Codelet(vocab.vertex(vocab.ELEMENTWISE, op), fn, ("x", "y"), ("z",),
-                 cycles=lambda x, y, z: vector_cycles(x.size, x.dtype.itemsize, cost),
-                 flops=lambda x, y, z: x.size)
+                 cycles=_elementwise_tile_cycles(op),
+                 flops=lambda x, y, z: x.size, supervisor=True)
 
 
 # Fields: inputs (y, scale), then the in-out x; ``x += scale * y``.
@@ -86,18 +93,21 @@ dot_product = Codelet(
 
 @functools.lru_cache(maxsize=None)
 def matmul_block(dtype) -> Codelet:
-  """``c = a @ b`` for one tile's block, at the AMP rate for the dtype."""
+  """``c = a @ b`` for one tile's block on the AMP unit.
+
+  A supervisor vertex: its cycles are the shared AMP estimator's
+  (:func:`ipu_jax.kernels.amp.amp_block_cycles`), the same cycles the
+  ``dot_general`` rule charges for the same block.
+  """
   itemsize = np.dtype(dtype).itemsize
 
-  def cycles(a, b, c):
-    macs = a.shape[0] * a.shape[1] * b.shape[1]
-    rate = _DEFAULT.fp16_flops_per_cycle if itemsize <= 2 else _DEFAULT.fp32_flops_per_cycle
-    # The AMP unit is shared by the workers: per-worker cycles = total / 6.
-    return int(WORKER_OVERHEAD + -(-2 * macs // (rate * _DEFAULT.worker_contexts)))
+  def cycles(target, a, b, c):
+    return int(amp_block_cycles(target, a.shape[0], a.shape[1], b.shape[1], itemsize))
 
   return Codelet(vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(dtype)),
                  lambda a, b: jnp.matmul(a, b, precision="highest"), ("a", "b"), ("c",),
-                 cycles=cycles, flops=lambda a, b, c: 2 * a.shape[0] * a.shape[1] * b.shape[1])
+                 cycles=cycles, flops=lambda a, b, c: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+                 supervisor=True)
 
 
 copy = Codelet(vocab.COPY, lambda x: x, ("x",), ("y",),

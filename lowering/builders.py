@@ -184,7 +184,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
 
   elements = mapping.elements_per_tile(target.num_tiles)
   op = cost_op or ctx.op
-  compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize)
+  compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,

@@ -292,7 +292,8 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     macs = rb_ * rm_ * rn_ * rk_
     compute = np.zeros(num_tiles)
     compute[tiles] = estimators.matmul_cycles(target, macs, np.dtype(in_dtype).itemsize,
-                                              outputs=rb_ * rm_ * rn_, dtype=in_dtype)
+                                              outputs=rb_ * rm_ * rn_, dtype=in_dtype,
+                                              k=rk_, n=rn_, groups=rb_)
     # Local elements of the blocks are copied into the AMP's block layout; the
     # received ones sit in the exchange buffers (counted by the analysis).
     scratch = np.zeros(num_tiles, np.int64)

@@ -339,7 +339,8 @@ def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce
   bb, bm, bn, bk = (ceil_div(b, gb), ceil_div(m, gm), ceil_div(n, gn), ceil_div(k, gk))
   macs = bb * bm * bn * bk
   out_block = bb * bm * bn
-  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block, dtype=dtype)
+  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block, dtype=dtype,
+                                     k=bk, n=bn, groups=bb)
   a_bytes = bb * bm * bk * itemsize
   b_bytes = bb * bk * bn * itemsize
   partial_bytes = out_block * p_itemsize

@@ -164,7 +164,9 @@ class DotGeneralTest(chex.TestCase, parameterized.TestCase):
     self.assertIn(plan.label, steps[0].name)
     ideal = 2 * 1024 ** 3 / (32 * 1472)
     self.assertGreaterEqual(steps[0].compute_phase_cycles, ideal)
-    self.assertLess(plan.compute_cycles, 1.3 * ideal)
+    # 1.4 (was 1.3) since the AMP estimator (issue 12) charges poplibs' per-pass
+    # worker entry and fp32 partials-zeroing cycles: ~74 % of peak on ~45-row blocks.
+    self.assertLess(plan.compute_cycles, 1.4 * ideal)
     reported = lowered.report.cycles_by_op()["dot_general"]
     # The report's exchange is exact; the plan assumes nothing is in place.
     self.assertAlmostEqual(reported / plan.cycles, 1.0, delta=0.05)

@@ -282,8 +282,12 @@ class MatmulTest(parameterized.TestCase):
     with self.assertRaises(ValueError):
       ops.matmul(a, b, available_memory_proportion=1.5)
 
-  @parameterized.parameters((30, 90, 20, 1), (20, 400, 30, 8))
-  def test_exchange_is_exact(self, m, k, n, splits):
+  # One plan without and one with a K split. The first shape changed with the
+  # AMP estimator (issue 12): it no longer charges 1 cycle per 2 outputs on top
+  # of the MACs, so K splits got relatively cheaper and [30x90]x[90x20] now
+  # splits K. How many ways K is split is the planner's choice, not asserted.
+  @parameterized.parameters((30, 12, 20, False), (20, 400, 30, True))
+  def test_exchange_is_exact(self, m, k, n, k_split):
     target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
     a, b = normal(1, (m, k)), normal(2, (k, n))
     lowered = ipu(ops.matmul, target=target).lower(a, b)
@@ -293,7 +297,7 @@ class MatmulTest(parameterized.TestCase):
     block = [int(v) for v in name.split("blocks ")[1].split("]")[0].split("x")]
     gb, gm, gn, gk = grid
     _, bm, bn, bk = block
-    self.assertEqual((gb, gk), (1, splits))
+    self.assertEqual((gb, gk > 1), (1, k_split))
     self.assertLen(steps, 1 if gk == 1 else 2)
     # Grid tile g of the plan holds storage row g of its result.
     phys = steps[0].writes[0].mapping.tiles

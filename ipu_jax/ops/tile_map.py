@@ -66,18 +66,26 @@ def _codelet_specs(codelet: Codelet, in_specs, out_specs) -> list:
   return list(in_specs) + list(out_specs)
 
 
-def codelet_cycles(codelet: Codelet, in_specs, out_specs) -> int:
+def is_supervisor(codelet: Codelet) -> bool:
+  """Whether ``codelet`` (or the codelet a batched one repeats) is a supervisor vertex."""
+  while isinstance(codelet, _BatchedCodelet):
+    codelet = codelet.base
+  return bool(codelet.supervisor)
+
+
+def codelet_cycles(codelet: Codelet, in_specs, out_specs, target=None) -> int:
   """Cycles of one vertex of ``codelet`` on per-tile operands ``in_specs``.
 
   A codelet without an estimator is costed as a streaming pass over its
   largest operand (one vector per cycle on one worker), so user code without
-  a perf estimate still takes time.
+  a perf estimate still takes time. Supervisor codelets are costed for
+  ``target`` (their cycles are the whole tile's).
   """
   if isinstance(codelet, _BatchedCodelet):
     ins, outs = _unbatch_specs(codelet, in_specs, out_specs)
-    return codelet.size * codelet_cycles(codelet.base, ins, outs)
+    return codelet.size * codelet_cycles(codelet.base, ins, outs, target)
   if codelet.cycles is not None:
-    return int(codelet.estimate(*_codelet_specs(codelet, in_specs, out_specs)))
+    return int(codelet.estimate(*_codelet_specs(codelet, in_specs, out_specs), target=target))
   from ipu_jax.kernels.library import vector_cycles
   specs = list(in_specs) + list(out_specs)
   largest = max(specs, key=lambda s: int(np.prod(s.shape, dtype=np.int64)), default=None)

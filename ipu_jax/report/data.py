@@ -19,6 +19,10 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "bytes_per_tile": int, "clock_hz": float, ...,
         "num_tiles": int
       },
+      "cost_model": {                    # optional: absent in older files
+        "version": str,                  # ipu_jax.cost_model.COST_MODEL_VERSION
+        "calibrated": [str], "estimates": [str]   # IPUTarget figure names
+      },
       "totals": {                        # derived, for readers of the file
         "cycles", "compute_cycles", "exchange_cycles", "sync_cycles": float,
         "estimated_seconds": float, "flops": float, "flops_dtype": str,
@@ -78,6 +82,7 @@ import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.cost_model import cost_model_json
 from ipu_jax.target import IPUTarget
 
 SCHEMA = "ipu-jax-report"
@@ -147,6 +152,9 @@ class ReportData:
   peak_tile_tensors: list   # list of dicts, as in report.json
   peak_step: np.ndarray     # [num_tiles] step of each tile's peak, -1 unknown
   tile_cycles: Optional[np.ndarray] = None  # [num_steps, num_tiles] or None
+  # Cost-model provenance (ipu_jax.cost_model.cost_model_json()); None for a
+  # report.json written before the cost model was versioned.
+  cost_model: Optional[dict] = None
 
 
 def int_array(values, size: Optional[int] = None) -> np.ndarray:
@@ -378,6 +386,7 @@ def data_from_profile(profile: ProgramProfile) -> ReportData:
       tile_cycles=(np.stack([per_tile(s.compute_cycles, n)
                              for s in profile.steps])
                    if profile.steps else np.zeros((0, n))),
+      cost_model=cost_model_json(),
   )
 
 
@@ -480,6 +489,7 @@ def data_from_json(document: dict) -> ReportData:
       peak_tile_tensors=list(memory.get("largest_tensors_on_peak_tile", [])),
       peak_step=int_array(memory.get("peak_step", [-1] * n), n),
       tile_cycles=_tile_cycles_from_json(document.get("steps", []), n),
+      cost_model=document.get("cost_model"),
   )
 
 

@@ -228,6 +228,7 @@ class _ReportBase(SummaryMixin):
         "version": SCHEMA_VERSION,
         "name": data.name,
         "target": target_to_json(data.target),
+        "cost_model": data.cost_model,
         "totals": {
             "cycles": self.total_cycles,
             "compute_cycles": self.compute_cycles,

@@ -46,6 +46,7 @@ class SummaryMixin:
         self._summary_program(),
         self._summary_memory(),
         self._summary_cycles(),
+        self._summary_cost_model(),
         self._summary_top_ops(top),
         self._summary_top_working_memory(top),
         self._summary_top_tensors(top),
@@ -181,6 +182,20 @@ class SummaryMixin:
         f"  Peak:                  {fmt_flops(self.peak_flops_per_second)}"
         f"FLOP/s ({self.flops_dtype})",
         f"  Fraction of peak:      {100.0 * fraction:.2f}%",
+    ]
+
+  def _summary_cost_model(self) -> list:
+    """Which figures behind the cycles are calibrated and which are estimates."""
+    model = self._data.cost_model
+    if not model:
+      return ["Cost model:", "  Version:               unknown (report written before "
+              "cost-model versions)"]
+    return [
+        "Cost model:",
+        f"  Version:               {model.get('version', 'unknown')}",
+        "  Calibrated figures:    " + ", ".join(model.get("calibrated", [])),
+        "  Estimates:             " + ", ".join(model.get("estimates", [])),
+        "  (sources: ipu_jax.cost_model.FIGURE_SOURCES; checks: experiments/calibration.py)",
     ]
 
   def _summary_top_ops(self, top: int) -> list:

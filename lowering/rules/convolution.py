@@ -265,7 +265,7 @@ def _plan_conv_cached(target, geo: ConvGeometry, proportion: float) -> ConvPlan:
     out_block = out_block * b
   macs = out_block * geo.i * geo.kernel_elements
   compute = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_block,
-                                     dtype=geo.dtype)
+                                     dtype=geo.dtype, n=bc)
   # Input window of a full block (the planner's estimate; exchange is exact).
   size = geo.group_size
   groups_in_block = np.where(bc >= size, bc // size, 1)
@@ -405,8 +405,9 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   macs = out_elements * geo.i * geo.kernel_elements
   num_tiles = target.num_tiles
   compute = np.zeros(num_tiles)
+  out_chans = edge_sizes(geo.o, grid[1], block[1])[canon_coords[1]]
   compute[tiles] = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements,
-                                            dtype=geo.dtype)
+                                            dtype=geo.dtype, n=out_chans)
   scratch = np.zeros(num_tiles, np.int64)
   # Local parts of the window and kernel slice are copied into place; the
   # received parts are exchange buffers; partials when wider than the result.

@@ -18,7 +18,8 @@ from ipu_jax.lowering.builders import add_costs, storage
 from ipu_jax.lowering.exchange import relayout, relayout_cost, to_flat
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.ops.tile_map import codelet_body, codelet_cycles, codelet_flops, tile_map_p
+from ipu_jax.ops.tile_map import (codelet_body, codelet_cycles, codelet_flops, is_supervisor,
+                                  tile_map_p)
 
 
 def _size(shape) -> int:
@@ -51,8 +52,9 @@ def _tile_map_rule(ctx, *args, codelet, tiles):
   in_specs = [jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in args]
   out_specs = [jax.ShapeDtypeStruct(o.shape[1:], o.dtype) for o in outs]
   n = tiles_arr.size
-  cycles = codelet_cycles(codelet, in_specs, out_specs)
-  compute = estimators.vertex_cycles_per_tile(target, tiles_arr, np.full(n, cycles, np.float64))
+  cycles = codelet_cycles(codelet, in_specs, out_specs, target)
+  compute = estimators.vertex_cycles_per_tile(target, tiles_arr, np.full(n, cycles, np.float64),
+                                              supervisor=np.full(n, is_supervisor(codelet)))
   vertices = np.bincount(tiles_arr, minlength=target.num_tiles)[:target.num_tiles]
   body = codelet_body(codelet)
 

@@ -1,0 +1,363 @@
+r"""Calibration: the cost model's estimates against published figures.
+
+Each case is a program run through ipu-jax on a named target, the figure it
+is compared with, that figure's source, and what kind of figure it is:
+
+* ``poplibs``: Graphcore's published cycle estimator for the vertex
+  (poplibs ``lib/poplin/PerformanceEstimation.hpp``, the ConvPartial1x1
+  AMP vertex poplin uses for matmuls), evaluated here in full (per-worker
+  partition, short-row cases, state retention, supervisor loops) as the
+  reference for the simplified, vectorised model in ``kernels/amp.py``;
+* ``datasheet``: a vendor figure (peak FLOPS, all-to-all exchange, link
+  bandwidths, the PCIe specification); peaks are upper bounds, so those
+  cases report the fraction of peak reached;
+* ``unavailable``: no published figure could be obtained; the case still
+  prints the estimate and says why it has nothing to compare with.
+
+A case passes when ``|estimate / reference - 1| <= --tolerance`` (15 %).
+
+Usage::
+
+    python -m experiments.calibration --json_out=experiments/results/calibration.json
+
+JSON (``"schema": "ipu-jax-calibration", "version": 1``): ``cost_model``
+(version), ``tolerance`` and ``cases``: objects with ``name``, ``target``,
+``program``, ``quantity``, ``unit``, ``estimate``, ``reference``,
+``error_pct`` (null without a reference), ``kind``, ``source``, ``passed``
+(null without a reference) and ``note``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional
+
+from absl import app
+from absl import flags
+
+_JSON_OUT = flags.DEFINE_string("json_out", "experiments/results/calibration.json",
+                                "Where to write the JSON results ('' for none).")
+_TOLERANCE = flags.DEFINE_float("tolerance", 0.15, "Relative error a case may have.")
+_CASES = flags.DEFINE_list("cases", [], "Run only cases whose name starts with one of these.")
+
+SCHEMA = {"schema": "ipu-jax-calibration", "version": 1}
+JIA = "Jia et al. 2019, Dissecting the Graphcore IPU Architecture via Microbenchmarking"
+POPLIBS = "poplibs' ConvPartial1x1 AMP estimator (lib/poplin/PerformanceEstimation.hpp)"
+
+
+@dataclasses.dataclass
+class Case:
+  name: str
+  target: str
+  program: str
+  quantity: str
+  unit: str
+  kind: str
+  source: str
+  run: Callable[[], tuple]      # -> (estimate, reference or None)
+  note: str = ""
+
+
+# ---------------------------------------------------------------------------
+# The poplibs reference: the published ConvPartial1x1 estimator, in full.
+# ---------------------------------------------------------------------------
+
+
+def _worker_rows(rows: int, workers: int) -> list:
+  base, extra = divmod(rows, workers)
+  return [base + (i < extra) for i in range(workers)]
+
+
+def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units: int,
+                              workers: int = 6) -> int:
+  """poplin's ConvPartial1x1 estimate of ``[rows, k] x [k, n]`` (fp32 partials).
+
+  The structure and constants follow poplibs' published estimator for the
+  AMP 1x1 convolution-partials vertex with float partials (input channel group
+  16 for half, 8 for float; output group = ``conv_units``).
+  """
+  in_chans = 16 if half else 8
+  in_groups = -(-k // in_chans)
+  out_groups = -(-n // conv_units)
+  common = True                     # float partials: the common code path
+  retention = (7, 3) if half else (0, 0)
+  zero_per_row = 8 if conv_units == 16 else 4
+
+  def worker(e, zeroing):
+    if e == 0:
+      return 0
+    if half:
+      table = {1: 31, 2: 40}
+      c = (table[e] + (1 if zeroing else 2)) if e < 3 else (
+          (37 if zeroing else 38) + (e - 3) * 4)
+    else:
+      if e == 1:
+        c = 47 + (2 + zero_per_row) * zeroing
+      elif e == 2:
+        c = 46 + (2 + zero_per_row * 2) * zeroing
+      else:
+        c = 46 + (2 + zero_per_row * e) * zeroing + (e - 3) * 8
+    return c - retention[0]
+
+  def inner(zeroing):
+    cycles = [workers * worker(e, zeroing) for e in _worker_rows(rows, workers)]
+    used = sum(e > 0 for e in _worker_rows(rows, workers))
+    low = 0 if used < workers else min(cycles)
+    return max(max(cycles), low + 14)
+
+  loads = conv_units * 32 // 16
+  c = int(common)
+  inner_z, inner_nz = inner(True), inner(False)
+  return (50 + workers * (retention[0] + retention[1] * (in_groups - 1))
+          + 12 + c
+          + (in_groups - 1) * (15 - c + 1 + out_groups * (19 + 6 + loads + inner_nz))
+          + (10 + 1 + out_groups * (19 - c + 7 + loads + inner_z)))
+
+
+# ---------------------------------------------------------------------------
+# Programs.
+# ---------------------------------------------------------------------------
+
+
+def _lower(fn, target, *args):
+  import ipu_jax
+  return ipu_jax.jit(fn, target=target, verbose=0).lower(*args)
+
+
+def _tile_matmul_case(preset, dtype_name, rows, k, n):
+  def run():
+    import jax.numpy as jnp
+    import ipu_jax
+    from ipu_jax.kernels.amp import amp_geometry
+    # One tile, so the planner cannot cut the block: the tile gets all of it.
+    target = ipu_jax.IPUTarget.preset(preset, tiles_per_ipu=1)
+    dtype = jnp.dtype(dtype_name)
+    a = jnp.ones((1, rows, k), dtype)
+    b = jnp.ones((1, k, n), dtype)
+    lowered = _lower(lambda a, b: jnp.einsum("tmk,tkn->tmn", a, b,
+                                             preferred_element_type=jnp.float32), target, a, b)
+    steps = [s for s in lowered.profile.steps if s.op == "dot_general"]
+    assert len(steps) == 1, "the block must be one pass for the comparison"
+    step = steps[0]
+    half = dtype.itemsize == 2
+    units = amp_geometry(target, dtype.itemsize).conv_units
+    return (float(step.compute_cycles.max()),
+            float(poplibs_amp_matmul_cycles(rows, k, n, half, units, target.worker_contexts)))
+  return Case(f"amp_matmul/{dtype_name}/{rows}x{k}x{n}", preset,
+              f"einsum of {rows}x{k} by {k}x{n} {dtype_name} on one tile, fp32 partials",
+              "compute cycles per tile", "cycles", "poplibs", POPLIBS, run)
+
+
+def _peak_case(preset, dtype_name, flops_attr, peak_text):
+  def run():
+    import jax.numpy as jnp
+    import ipu_jax
+    target = ipu_jax.IPUTarget.preset(preset, tiles_per_ipu=1)
+    # The largest blocks that fit one tile in a single pass.
+    rows, k, n = (384, 128, 128) if dtype_name == "float16" else (256, 128, 128)
+    dtype = jnp.dtype(dtype_name)
+    a = jnp.ones((1, rows, k), dtype)
+    b = jnp.ones((1, k, n), dtype)
+    lowered = _lower(lambda a, b: jnp.einsum("tmk,tkn->tmn", a, b,
+                                             preferred_element_type=jnp.float32), target, a, b)
+    # Serial passes (when one does not fit) are steps of their own: sum them.
+    cycles = sum(float(s.compute_cycles.max()) for s in lowered.profile.steps
+                 if s.op == "dot_general")
+    flops_per_cycle = 2 * rows * k * n / cycles
+    return flops_per_cycle, float(getattr(target, flops_attr))
+  return Case(f"tile_peak/{dtype_name}", preset,
+              "einsum of 384x128 (fp16) or 256x128 (fp32) by 128x128 on one tile",
+              "FLOP per cycle per tile", "FLOP/cycle", "datasheet", peak_text, run,
+              note="peak is an upper bound: a large block should come within the tolerance")
+
+
+def _chip_matmul_case():
+  def run():
+    import jax.numpy as jnp
+    import ipu_jax
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    size = 4096
+    a = jnp.ones((size, size), jnp.float16)
+    lowered = _lower(jnp.matmul, target, a, a)
+    seconds = lowered.report.estimated_seconds
+    return 2 * size ** 3 / seconds / 1e12, 250.0
+  return Case("chip_matmul/fp16/4096", "ipu2",
+              "jnp.matmul 4096^3 fp16 over 1,472 tiles (exchange, sync, reduction included)",
+              "TFLOP/s", "TFLOP/s", "datasheet", "GC200 datasheet: 250 TFLOPS fp16 peak", run,
+              note=("no published measured whole-chip matmul figure could be obtained here; "
+                    "the peak bounds it, and a static model cannot know how far a real "
+                    "compiled program falls below it"))
+
+
+def _exchange_case():
+  def run():
+    import jax.numpy as jnp
+    import numpy as np
+    import ipu_jax
+    from ipu_jax import ops
+    from ipu_jax.graph import codelet
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    tiles = target.num_tiles
+    per_tile = 16 * 1024
+    ident = codelet(inputs=("x",), outputs=("y",), cycles=1)(lambda x: x)
+    x = jnp.ones((tiles, per_tile // 4), jnp.float32)
+    # Slice i lives on tile i; sending it to tile (i + 1) moves every byte.
+    moved = list(np.roll(np.arange(tiles), 1))
+    lowered = _lower(lambda x: ops.tile_map(ident, x, tiles=moved), target, x)
+    step = next(s for s in lowered.profile.steps if s.name.startswith("tile_map"))
+    seconds = target.cycles_to_seconds(step.exchange_cycles)
+    return float(step.exchange_bytes_in.sum()) / seconds / 1e12, 8.0
+  return Case("exchange/all_tiles/16KiB", "ipu2",
+              "every tile sends 16 KiB to its neighbour (tile_map on rotated tiles)",
+              "aggregate exchange bandwidth", "TB/s", "datasheet",
+              "GC200 datasheet: 8 TB/s all-to-all IPU-Exchange", run)
+
+
+def _host_case():
+  def run():
+    import numpy as np
+    import ipu_jax
+    from ipu_jax import graph as g
+    target = ipu_jax.IPUTarget.preset("ipu1")
+    elements = 16 * 1024 * 1024
+    gr = g.Graph(target)
+    v = gr.add_variable("float32", (elements,), "v")
+    gr.map_tensor_linearly(v)
+    stream = gr.add_host_to_device_fifo("in", "float32", elements)
+    engine = g.Engine(gr, [g.Sequence([g.Copy(stream, v)])])
+    step = next(s for s in engine.profiles[0].steps if s.op == "StreamCopy")
+    seconds = target.cycles_to_seconds(step.total_cycles - step.sync_cycles)
+    return 4 * elements / seconds / 1e9, 16 * 16 * 128 / 130 / 8
+  return Case("host_to_device/64MiB", "ipu1",
+              "a 64 MiB host-to-device stream copy (graph API)",
+              "host-to-device bandwidth", "GB/s", "datasheet",
+              "PCIe 4.0 x16 (C2 card): 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s per direction",
+              run, note=("the specification's bandwidth, not a measurement: " + JIA +
+                         " measured the host link, but its figures could not be obtained here"))
+
+
+def _ipu_link_case():
+  def run():
+    import jax.numpy as jnp
+    import numpy as np
+    import ipu_jax
+    from ipu_jax import ops
+    from ipu_jax.graph import codelet
+    target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2)
+    per_ipu = target.tiles_per_ipu
+    ident = codelet(inputs=("x",), outputs=("y",), cycles=1)(lambda x: x)
+    # Every tile sends 4 KiB to its twin on the other IPU: the links, not the
+    # tiles' exchange ports, are the bottleneck.
+    x = jnp.ones((target.num_tiles, 4 * 1024 // 4), jnp.float32)
+    moved = list(np.roll(np.arange(target.num_tiles), per_ipu))
+    lowered = _lower(lambda x: ops.tile_map(ident, x, tiles=moved), target, x)
+    step = next(s for s in lowered.profile.steps if s.name.startswith("tile_map"))
+    seconds = target.cycles_to_seconds(step.exchange_cycles)
+    sent_per_ipu = float(step.ipu_link_bytes) / target.num_ipus
+    return sent_per_ipu / seconds / 1e9, 320.0
+  return Case("ipu_link/2_ipus/4KiB_per_tile", "ipu2 x2",
+              "each of 2x1,472 tiles sends 4 KiB to its twin on the other IPU",
+              "IPU-Link bandwidth per IPU, one direction", "GB/s", "datasheet",
+              "GC200 datasheet: 320 GB/s IPU-Links per IPU (80 lanes x 32 Gb/s)", run,
+              note=("the model adds link time to the on-chip exchange time of the same step "
+                    "(no overlap), so a link-bound transfer comes in a little under the link rate"))
+
+
+def _sync_case():
+  def run():
+    import jax.numpy as jnp
+    import ipu_jax
+    target = ipu_jax.IPUTarget.preset("ipu2")
+    lowered = _lower(lambda x: jnp.sin(x) * 2, target, jnp.ones((target.num_tiles,)))
+    syncs = [s.sync_cycles for s in lowered.profile.steps if s.sync_cycles > 0]
+    return target.cycles_to_seconds(syncs[0]) * 1e9, None
+  return Case("sync/on_chip", "ipu2", "one superstep of an elementwise op over 1,472 tiles",
+              "on-chip sync", "ns", "unavailable", JIA, run,
+              note=("no published on-chip sync latency could be obtained here; the figure "
+                    "(sync_cycles_internal) stays an estimate"))
+
+
+def _tutorial_case():
+  def run():
+    return None, None
+  return Case("poplar_tutorial_profile", "ipu2", "Poplar tutorial 4 (matmul) profile",
+              "compute set cycles", "cycles", "unavailable",
+              "Graphcore Poplar tutorials (tut4 / tut6 profile outputs)", run,
+              note=("the tutorials' profile outputs are not in the sources available to this "
+                    "project; tests/test_graph_tutorials.py checks their printed results only"))
+
+
+def all_cases() -> list:
+  cases = []
+  for rows in (48, 256, 1024):
+    cases.append(_tile_matmul_case("bow", "float16", rows, 64, 16))
+  cases.append(_tile_matmul_case("bow", "float16", 1000, 16, 48))
+  for rows in (64, 512):
+    cases.append(_tile_matmul_case("ipu2", "float32", rows, 32, 16))
+  cases.append(_peak_case("bow", "float16", "fp16_flops_per_cycle",
+                          "Bow datasheet: 350 TFLOPS fp16 = 128 FLOP/cycle/tile"))
+  cases.append(_peak_case("ipu2", "float32", "fp32_flops_per_cycle",
+                          "GC200 datasheet: 62.5 TFLOPS fp32 = 32 FLOP/cycle/tile"))
+  cases += [_chip_matmul_case(), _exchange_case(), _ipu_link_case(), _host_case(),
+            _sync_case(), _tutorial_case()]
+  return cases
+
+
+def run_case(case: Case, tolerance: float) -> dict:
+  estimate, reference = case.run()
+  error = passed = None
+  if estimate is not None and reference:
+    error = 100.0 * (estimate / reference - 1.0)
+    passed = abs(error) <= 100.0 * tolerance
+  return {
+      "name": case.name, "target": case.target, "program": case.program,
+      "quantity": case.quantity, "unit": case.unit, "estimate": estimate,
+      "reference": reference, "error_pct": error, "kind": case.kind,
+      "source": case.source, "passed": passed, "note": case.note,
+  }
+
+
+def _fmt(value: Optional[float]) -> str:
+  if value is None:
+    return "-"
+  return f"{value:,.1f}" if abs(value) < 1e5 else f"{value:,.0f}"
+
+
+def table(rows: list) -> str:
+  """The results as a Markdown table (the README's)."""
+  lines = ["| case | target | quantity | estimate | reference | error | kind | source |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    err = "-" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %"
+    lines.append(f"| {r['name']} | {r['target']} | {r['quantity']} ({r['unit']}) | "
+                 f"{_fmt(r['estimate'])} | {_fmt(r['reference'])} | {err} | {r['kind']} | "
+                 f"{r['source']} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  from ipu_jax.cost_model import COST_MODEL_VERSION
+  rows = []
+  for case in all_cases():
+    if _CASES.value and not any(case.name.startswith(p) for p in _CASES.value):
+      continue
+    rows.append(run_case(case, _TOLERANCE.value))
+    r = rows[-1]
+    status = {True: "ok", False: "OUTSIDE TOLERANCE", None: "no reference"}[r["passed"]]
+    print(f"{r['name']:32s} {_fmt(r['estimate']):>14} vs {_fmt(r['reference']):>14} "
+          f"{r['unit']:10s} {status}", flush=True)
+  print()
+  print(table(rows))
+  if _JSON_OUT.value:
+    os.makedirs(os.path.dirname(_JSON_OUT.value) or ".", exist_ok=True)
+    with open(_JSON_OUT.value, "w") as f:
+      json.dump({**SCHEMA, "cost_model": COST_MODEL_VERSION, "tolerance": _TOLERANCE.value,
+                 "cases": rows}, f, indent=1)
+    print(f"\nwrote {_JSON_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

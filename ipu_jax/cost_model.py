@@ -1,0 +1,98 @@
+"""Where each figure of the cost model comes from, and the model's version.
+
+Reports record :data:`COST_MODEL_VERSION` (so numbers from different versions
+are not compared unknowingly) and say which target figures are *calibrated*
+(checked against a published measurement or a vendor figure by
+``experiments/calibration.py``) and which are *estimates* (round numbers in a
+plausible range with no published measurement behind them).
+
+Kinds of provenance, strongest first:
+
+* ``datasheet``: a vendor figure (Graphcore datasheets, the PCIe
+  specification) used as given.
+* ``poplibs``: taken from Graphcore's published cycle estimators (poplibs,
+  ``lib/poplin/PerformanceEstimation.hpp`` and ``lib/popops``), which Graphcore
+  fits to hardware cycle counts.
+* ``estimate``: not backed by a published figure.
+
+``calibrated`` figures are the ``datasheet`` and ``poplibs`` ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_figures",
+           "estimated_figures", "cost_model_json"]
+
+# Bump when a change to an estimator or a preset figure changes cycle counts.
+# 2: one AMP estimator for every matmul path (poplin's 1x1 conv-partials
+#    structure; no per-output write term on top of the MACs); fp16/fp32
+#    elementwise ops from popops' UnaryOp1D/BinaryOp1D estimators; the host
+#    link at PCIe 4.0 x16 per direction (31.5 GB/s, was 64 GB/s).
+COST_MODEL_VERSION = "2"
+
+
+@dataclasses.dataclass(frozen=True)
+class FigureSource:
+  """The provenance of one :class:`~ipu_jax.target.IPUTarget` figure."""
+
+  kind: str          # "datasheet", "poplibs" or "estimate"
+  source: str        # where the value comes from
+
+
+_GC = "Graphcore datasheets (GC2 / GC200 / Bow IPU)"
+FIGURE_SOURCES = {
+    "tiles_per_ipu": FigureSource("datasheet", _GC),
+    "bytes_per_tile": FigureSource("datasheet", _GC),
+    "worker_contexts": FigureSource("datasheet", _GC + "; Jia et al. 2019, arXiv:1912.03413"),
+    "clock_hz": FigureSource("datasheet", _GC),
+    "fp16_flops_per_cycle": FigureSource(
+        "datasheet", "peak fp16 FLOPS / (tiles x clock): 124.5 T (GC2), 250 T (GC200), 350 T (Bow)"),
+    "fp32_flops_per_cycle": FigureSource(
+        "datasheet", "peak fp32 FLOPS / (tiles x clock): 31.1 T (GC2), 62.5 T (GC200)"),
+    "exchange_bytes_per_cycle": FigureSource(
+        "datasheet", "GC200 all-to-all exchange 8 TB/s = 1,472 tiles x 4 B x 1.33 GHz; "
+        "Poplar IPUModel exchangeBytesPerCycle"),
+    "supervisor_overhead_cycles": FigureSource(
+        "poplibs", "poplin ConvPartial1x1 estimator: supervisor non-loop overhead 50 cycles"),
+    "ipu_link_bytes_per_second": FigureSource("datasheet", "GC200: 320 GB/s IPU-Links per IPU"),
+    "host_link_bytes_per_second": FigureSource(
+        "datasheet", "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction"),
+    "vector_width_bytes": FigureSource(
+        "estimate", "64-bit loads per worker per cycle; poplibs' popops estimators use "
+        "64-bit vectors for most elementwise codelets"),
+    "exchange_latency_cycles": FigureSource("estimate", "no published per-exchange latency found"),
+    "sync_cycles_internal": FigureSource("estimate", "no published on-chip sync latency found"),
+    "sync_cycles_external": FigureSource("estimate", "no published IPU-to-IPU sync latency found"),
+    "code_bytes_per_codelet": FigureSource("estimate", "no published code sizes"),
+    "vertex_state_bytes": FigureSource("estimate", "no published vertex-state sizes"),
+}
+"""Provenance of every preset figure (``num_ipus`` and ``name`` are not figures)."""
+
+
+def _figures() -> list:
+  """Every IPUTarget field that is a hardware figure."""
+  from ipu_jax.target import IPUTarget
+  return [f.name for f in dataclasses.fields(IPUTarget) if f.name not in ("name", "num_ipus")]
+
+
+def calibrated_figures() -> list:
+  """Names of the figures backed by a datasheet or poplibs, sorted."""
+  return sorted(k for k in _figures()
+                if k in FIGURE_SOURCES and FIGURE_SOURCES[k].kind != "estimate")
+
+
+def estimated_figures() -> list:
+  """Names of the figures that are estimates (or have no recorded source), sorted."""
+  return sorted(k for k in _figures()
+                if k not in FIGURE_SOURCES or FIGURE_SOURCES[k].kind == "estimate")
+
+
+def cost_model_json() -> dict:
+  """The ``cost_model`` block of ``report.json``."""
+  return {
+      "version": COST_MODEL_VERSION,
+      "calibrated": calibrated_figures(),
+      "estimates": estimated_figures(),
+  }
