@@ -46,6 +46,10 @@ class IPUTarget:
       tile (*estimate*).
     vertex_state_bytes: bytes of vertex state per vertex plus per connection
       (*estimate*).
+    streaming_memory_bytes: Streaming Memory (IPU-Machine DDR) each IPU
+      addresses, holding remote buffers and offloaded state.
+    streaming_memory_bytes_per_second: bandwidth between one IPU's tiles and
+      its Streaming Memory, through the IPU-Machine's gateway (*estimate*).
   """
 
   name: str = "ipu2"
@@ -67,6 +71,19 @@ class IPUTarget:
   code_bytes_per_codelet: int = 256
   vertex_state_bytes: int = 8
 
+  # -- Streaming memory (issue 11; see lowering/remote.py) -----------------------------
+  # Each IPU's share of the IPU-Machine's DDR and the rate tiles reach it at
+  # through the gateway. Sources: the IPU-M2000 and Bow-2000 datasheets
+  # (256 GB of DDR4 Streaming Memory for 4 IPUs as shipped, i.e. 64 GiB-class
+  # per IPU; larger DIMMs reach about 112 GB per IPU, 448 GB per machine);
+  # each IPU reaches the gateway over PCIe Gen4 x8 (15.75 GB/s per direction
+  # at most), and Graphcore's "Memory and Performance Optimisation" guide says
+  # Streaming Memory is 3x to 20x slower than IPU-Links depending on the links
+  # used. 8 GB/s per IPU is an *estimate* in the 6-9 GB/s effective range that
+  # guide implies.
+  streaming_memory_bytes: int = 64_000_000_000
+  streaming_memory_bytes_per_second: float = 8e9
+
   def __post_init__(self):
     positive_ints = ("num_ipus", "tiles_per_ipu", "bytes_per_tile",
                      "worker_contexts", "fp16_flops_per_cycle",
@@ -80,13 +97,14 @@ class IPUTarget:
     non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
                     "sync_cycles_external", "supervisor_overhead_cycles",
                     "code_bytes_per_codelet", "vertex_state_bytes")
+    non_negative = non_negative + ("streaming_memory_bytes",)
     for field in non_negative:
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"IPUTarget.{field} must be a non-negative integer, got {value!r}.")
     for field in ("clock_hz", "ipu_link_bytes_per_second",
-                  "host_link_bytes_per_second"):
+                  "host_link_bytes_per_second", "streaming_memory_bytes_per_second"):
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(
@@ -105,6 +123,11 @@ class IPUTarget:
   def ipu_link_bytes_per_cycle(self) -> float:
     """IPU-Link bandwidth expressed in bytes per tile-clock cycle."""
     return self.ipu_link_bytes_per_second / self.clock_hz
+
+  @property
+  def streaming_bytes_per_cycle(self) -> float:
+    """Streaming-memory bandwidth of one IPU in bytes per tile-clock cycle."""
+    return self.streaming_memory_bytes_per_second / self.clock_hz
 
   def ipu_of_tile(self, tile):
     """The IPU index that holds ``tile`` (works on NumPy arrays too)."""
@@ -163,15 +186,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ipu1": dict(name="ipu1", tiles_per_ipu=1216, bytes_per_tile=262_144,
                  worker_contexts=6, clock_hz=1.6e9, fp16_flops_per_cycle=64,
                  fp32_flops_per_cycle=16, ipu_link_bytes_per_second=320e9,
-                 host_link_bytes_per_second=64e9),
+                 host_link_bytes_per_second=64e9,
+                 # C2 PCIe cards have no IPU-Machine DDR: no Streaming Memory.
+                 streaming_memory_bytes=0),
     # GC200: 1,472 tiles x 624 KiB (~900 MB), 250 TFLOPS fp16 at 1.33 GHz.
     "ipu2": dict(name="ipu2", tiles_per_ipu=1472, bytes_per_tile=638_976,
                  worker_contexts=6, clock_hz=1.33e9, fp16_flops_per_cycle=128,
                  fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                 host_link_bytes_per_second=64e9),
+                 host_link_bytes_per_second=64e9,
+                 # IPU-M2000: 256 GB DDR4 for 4 IPUs (datasheet).
+                 streaming_memory_bytes=64_000_000_000,
+                 streaming_memory_bytes_per_second=8e9),
     # Bow: the GC200 die with wafer-on-wafer power delivery, 1.85 GHz.
     "bow": dict(name="bow", tiles_per_ipu=1472, bytes_per_tile=638_976,
                 worker_contexts=6, clock_hz=1.85e9, fp16_flops_per_cycle=128,
                 fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                host_link_bytes_per_second=64e9),
+                host_link_bytes_per_second=64e9,
+                # Bow-2000: 256 GB DDR4 for 4 IPUs as shipped (datasheet;
+                # 128-256 GB configurations), same gateway links as the M2000.
+                streaming_memory_bytes=64_000_000_000,
+                streaming_memory_bytes_per_second=8e9),
 }
