@@ -60,6 +60,7 @@ from ipu_jax.keras.validation import check_labels
 from ipu_jax.keras.progress import ProgbarLogger
 from ipu_jax.keras.weights import (atomic_write, flat_saveable, restore_flat,
                                    restore_nested, to_saveable)
+from ipu_jax.keras import offload as offload_lib
 from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, SUMMED, Replication,
                                        cross_replica_mean, cross_replica_sum)
 
@@ -285,7 +286,9 @@ class Model:
     self.emulate = bool(emulate)
     self._replication = replication
     self._programs = {}
-    self._opt_state = optimizer.init(self._local(self._params))  # (re)compiling resets it
+    # (Re)compiling resets it; sharded over replicas with replicated tensor sharding.
+    self._opt_state = offload_lib.init_optimizer_state(optimizer, self._local(self._params),
+                                                       cfg, replication)
     self._step = 0
     self._compiled = True
     if self._pending_optimizer is not None:
@@ -477,7 +480,7 @@ class Model:
     cfg.replication_factor = self.num_replicas  # the all-reduce spans every replica
     return cfg
 
-  def _build(self, key, execution, args, in_kinds_per_arg, out_kinds_fn, name):
+  def _build(self, key, execution, args, in_kinds_per_arg, out_kinds_fn, name, jit_options=None):
     """Lowers ``execution`` for one replica and wraps it for every replica.
 
     Returns:
@@ -502,7 +505,7 @@ class Model:
     lowered = None
     if self.emulate:
       ipu_fn = ipu_jax.jit(execution, config=self._lowering_config(),
-                           verbose=getattr(self, "_compile_verbose", None))
+                           verbose=getattr(self, "_compile_verbose", None), **(jit_options or {}))
       lowered = ipu_fn.lower(*per_replica_args)
       out_tree = lowered.out_tree
       program = lowered.apply
@@ -543,6 +546,7 @@ class Model:
     adapter, optimizer, metric_fns = self._adapter, self.optimizer, self.metrics
     needs_rng = adapter.needs_rng
     per_sample_loss = self._per_sample_loss
+    sharded = offload_lib.shards_state(self.config, R)
 
     def execution(params, opt_state, state, rng_state, step, base_key, xs, ys, replica):
       def micro(params, state, x, y, micro_step):
@@ -577,15 +581,19 @@ class Model:
               accumulate, (acc_lib.init(params), state, zeros),
               (jnp.arange(G, dtype=jnp.int32), xg, yg))
           grads = acc_lib.finalize(acc, G, method)
-        if R > 1:
+        if R > 1 and not sharded:
           grads = (cross_replica_mean(grads) if replica_reduction == "mean"
                    else cross_replica_sum(grads))
           if jax.tree.leaves(state):  # keep batch statistics equal on every replica
             state = jax.tree.map(
                 lambda v: cross_replica_mean(v) if jnp.issubdtype(v.dtype, jnp.floating)
                 else v, state)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        if sharded:  # replicated tensor sharding: reduce-scatter, shard update, all-gather
+          params, opt_state = offload_lib.sharded_update(
+              optimizer, grads, opt_state, params, replica, R, replica_reduction)
+        else:
+          updates, opt_state = optimizer.update(grads, opt_state, params)
+          params = optax.apply_updates(params, updates)
         return (params, opt_state, state, step + 1), sums
 
       (params, opt_state, state, step), sums = jax.lax.scan(
@@ -595,12 +603,19 @@ class Model:
     args = [self._params, self._opt_state, self._state, self._rng_state, self._step,
             self._dropout_key, xs, ys, self._replica_ids()]
     kinds = [REPLICATED] * 6 + [SHARDED] * 3
+    if sharded:
+      kinds[1] = SHARDED
+    n_params, n_opt = len(jax.tree.leaves(self._params)), len(jax.tree.leaves(self._opt_state))
 
     def out_kinds(out_tree):
       n = out_tree.num_leaves
-      return [REPLICATED] * (n - 1) + [SUMMED]
+      kinds_out = [REPLICATED] * (n - 1) + [SUMMED]
+      if sharded:  # each replica's shard of the state comes back stacked
+        kinds_out[n_params:n_params + n_opt] = [GATHERED] * n_opt
+      return kinds_out
 
-    return self._build(key, execution, args, kinds, out_kinds, "train_step")
+    return self._build(key, execution, args, kinds, out_kinds, "train_step",
+                       offload_lib.jit_options(self.config))
 
   def _eval_program(self, xs, ys, mask):
     key = ("eval", self.num_replicas,
@@ -652,7 +667,7 @@ class Model:
     self._state = rep.replicate(self._state)
     self._rng_state = rep.replicate(self._rng_state)
     if self._opt_state is not None:
-      self._opt_state = rep.replicate(self._opt_state)
+      self._opt_state = offload_lib.place_optimizer_state(rep, self._opt_state, self.config)
     self._step = rep.replicate(jnp.asarray(self._step, jnp.int32))
     self._dropout_key = rep.replicate(self._dropout_key)
 
