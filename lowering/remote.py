@@ -9,9 +9,10 @@ from tile-mapped tensors at a row offset. Here:
   tile mapping. Its storage in the executor is ``[repeats, row_size]`` (host
   memory); it occupies no tile memory, so the memory model leaves it out and
   :func:`streaming_profile` accounts for it instead.
-* :class:`RemoteCopy` is a superstep that moves ``rows`` whole rows between a
-  buffer (from row ``offset``) and a tile tensor. Tile plan: each tile sends or
-  receives exactly the bytes of the tensor it holds, nothing is computed.
+* :class:`RemoteCopy` is a superstep of one or more transfers, each moving
+  ``rows`` whole rows between a buffer (from row ``offset``) and a tile tensor.
+  Tile plan: each tile sends or receives exactly the bytes of the tensors it
+  holds, nothing is computed.
   Cost: the busiest IPU's bytes at the streaming-memory bandwidth
   (``IPUTarget.streaming_memory_bytes_per_second``, all of one IPU's tiles
   share its gateway link), or the busiest tile's at the exchange rate if that
@@ -19,9 +20,11 @@ from tile-mapped tensors at a row offset. Here:
   since the gateway takes part in it (as host transfers do).
 
 The offload pass (:func:`offload_tensors`) moves chosen tile tensors of a
-lowered program into remote buffers: each is copied onto its tiles just
-before its first use and back just after its last, inside the innermost loop
-body that holds every use, so between uses it costs no tile memory.
+lowered program into remote buffers: inside the innermost loop body that
+holds every use of a tensor, the tensors sharing that body are copied onto
+their tiles in one step before the first use of any of them and back in one
+step after the last, so between uses they cost no tile memory and each
+direction pays one sync.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.profile import StepProfile
 from ipu_jax.target import IPUTarget
 
-__all__ = ["RemoteBuffer", "RemoteCopy", "remote_copy", "StreamingProfile",
+__all__ = ["RemoteBuffer", "RemoteCopy", "CopySpec", "remote_copy", "remote_copies", "StreamingProfile",
            "StreamingBuffer", "streaming_profile", "offload_tensors", "is_remote"]
 
 
@@ -79,31 +82,36 @@ class RemoteBuffer(P.Tensor):
             f"repeats={self.repeats})")
 
 
+@dataclasses.dataclass(frozen=True)
+class CopySpec:
+  """One buffer <-> tensor transfer of a :class:`RemoteCopy` step."""
+  buffer: RemoteBuffer
+  tensor: P.Tensor
+  offset: int
+  rows: int
+
+
 @dataclasses.dataclass(eq=False)
 class RemoteCopy(P.Superstep):
-  """A copy between a remote buffer and a tile tensor (its own superstep).
+  """Copies between remote buffers and tile tensors, in one superstep.
 
   Attributes (besides :class:`~ipu_jax.lowering.program.Superstep`'s):
-    buffer: the :class:`RemoteBuffer`.
-    tensor: the tile-mapped tensor.
-    to_remote: True copies the tensor into the buffer, False the other way.
-    offset: first buffer row copied.
-    rows: rows copied (``tensor.size == rows * buffer.row_size``).
+    copies: the transfers (:class:`CopySpec`), all in one direction; one
+      sync opens them and every IPU's share goes through its gateway link.
+    to_remote: True copies the tensors into the buffers, False the other way.
   """
 
-  buffer: Optional[RemoteBuffer] = None
-  tensor: Optional[P.Tensor] = None
+  copies: tuple = ()
   to_remote: bool = False
-  offset: int = 0
-  rows: int = 1
 
   def step_profile(self, target: IPUTarget, executions: int) -> StepProfile:
-    """Cycles and bytes of this copy (see the module docstring)."""
+    """Cycles and bytes of these copies (see the module docstring)."""
     t = target.num_tiles
     per_tile = np.zeros(t, np.int64)
-    mapping = self.tensor.mapping
-    if mapping is not None and mapping.num_elements:
-      np.add.at(per_tile, mapping.tiles, mapping.counts * self.tensor.itemsize)
+    for copy in self.copies:
+      mapping = copy.tensor.mapping
+      if mapping is not None and mapping.num_elements:
+        np.add.at(per_tile, mapping.tiles, mapping.counts * copy.tensor.itemsize)
     total = int(per_tile.sum())
     per_ipu = per_tile.reshape(target.num_ipus, target.tiles_per_ipu).sum(axis=1)
     gateway = per_ipu.max(initial=0) / target.streaming_bytes_per_cycle
@@ -148,34 +156,59 @@ def _check_copy(buffer: RemoteBuffer, tensor: P.Tensor, offset: int) -> int:
   return int(rows)
 
 
+def remote_copies(transfers, *, to_remote: bool, name: str = "", source: str = "",
+                  scope: str = "") -> RemoteCopy:
+  """One :class:`RemoteCopy` step for ``transfers`` (``(buffer, tensor, offset)``).
+
+  Raises:
+    ValueError: dtypes differ, a tensor is not whole rows, the rows at an
+      offset are beyond its buffer's ``repeats``, or one buffer is written
+      twice by the step.
+  """
+  specs = tuple(CopySpec(b, t, int(o), _check_copy(b, t, o)) for b, t, o in transfers)
+  buffers = list({c.buffer.id: c.buffer for c in specs}.values())
+  if to_remote and len(buffers) != len(specs):
+    raise ValueError("one remote-copy step writes a buffer twice; use two steps.")
+  tensors = list({c.tensor.id: c.tensor for c in specs}.values())
+  b_index = {b.id: i for i, b in enumerate(buffers)}
+  t_index = {t.id: i for i, t in enumerate(tensors)}
+  if to_remote:
+    def fn(*storages):
+      bufs, tens = list(storages[:len(buffers)]), storages[len(buffers):]
+      for c in specs:
+        i = b_index[c.buffer.id]
+        rows = to_flat(tens[t_index[c.tensor.id]], c.tensor.mapping).reshape(c.rows, -1)
+        bufs[i] = bufs[i].at[c.offset:c.offset + c.rows].set(rows.astype(bufs[i].dtype))
+      return tuple(bufs)
+    reads, writes = tuple(buffers) + tuple(tensors), tuple(buffers)
+  else:
+    if len(tensors) != len(specs):
+      raise ValueError("one remote-copy step writes a tensor twice; use two steps.")
+
+    def fn(*bufs):
+      return tuple(
+          to_storage(jnp.reshape(bufs[b_index[c.buffer.id]][c.offset:c.offset + c.rows], (-1,)),
+                     c.tensor.mapping) for c in specs)
+    reads, writes = tuple(buffers), tuple(c.tensor for c in specs)
+  names = ", ".join(dict.fromkeys(c.buffer.name for c in specs))
+  if len(specs) > 3:
+    names = f"{len(specs)} buffers"
+  label = name or (f"to streaming memory: {names}" if to_remote
+                   else f"from streaming memory: {names}")
+  first = specs[0].tensor if specs else None
+  return RemoteCopy(
+      name=label, op="RemoteCopy", reads=reads, writes=writes, fn=fn,
+      source=source or (first.source if first is not None else ""),
+      scope=scope or (first.scope if first is not None else ""),
+      copies=specs, to_remote=to_remote)
+
+
 def remote_copy(buffer: RemoteBuffer, tensor: P.Tensor, *, to_remote: bool,
                 offset: int = 0, name: str = "", source: str = "",
                 scope: str = "") -> RemoteCopy:
-  """A :class:`RemoteCopy` step, checked before anything runs.
-
-  Raises:
-    ValueError: dtypes differ, the tensor is not whole rows, or the rows at
-      ``offset`` are beyond the buffer's ``repeats``.
-  """
-  rows = _check_copy(buffer, tensor, offset)
-  mapping, row = tensor.mapping, buffer.row_size
-  start = int(offset)
-  if to_remote:
-    def fn(buffer_storage, tensor_storage):
-      rows_value = to_flat(tensor_storage, mapping).reshape(rows, row)
-      return (buffer_storage.at[start:start + rows].set(rows_value.astype(buffer_storage.dtype)),)
-    reads, writes = (buffer, tensor), (buffer,)
-  else:
-    def fn(buffer_storage):
-      flat = jnp.reshape(buffer_storage[start:start + rows], (-1,))
-      return (to_storage(flat, mapping),)
-    reads, writes = (buffer,), (tensor,)
-  label = name or (f"to streaming memory: {buffer.name}" if to_remote
-                   else f"from streaming memory: {buffer.name}")
-  return RemoteCopy(
-      name=label, op="RemoteCopy", reads=reads, writes=writes, fn=fn,
-      source=source or tensor.source, scope=scope or tensor.scope,
-      buffer=buffer, tensor=tensor, to_remote=to_remote, offset=start, rows=rows)
+  """A :class:`RemoteCopy` step of one tensor, checked before anything runs."""
+  return remote_copies([(buffer, tensor, offset)], to_remote=to_remote, name=name,
+                       source=source, scope=scope)
 
 
 # -- what streaming memory holds, and what moving it costs -----------------------------
@@ -242,9 +275,13 @@ def streaming_profile(target: IPUTarget, buffers: Sequence[RemoteBuffer], leaves
     moved += step.streaming_bytes * step.executions
     cycles += step.total_cycles * step.executions
     copies += step.executions
-    per_tile = step.exchange_bytes_in + step.exchange_bytes_out
-    per_ipu = per_tile.reshape(target.num_ipus, target.tiles_per_ipu).sum(axis=1)
-    share[node.buffer.id] = share.get(node.buffer.id, 0) + per_ipu
+    for copy in node.copies:
+      per_tile = np.zeros(target.num_tiles, np.int64)
+      mapping = copy.tensor.mapping
+      if mapping is not None and mapping.num_elements:
+        np.add.at(per_tile, mapping.tiles, mapping.counts * copy.tensor.itemsize)
+      per_ipu = per_tile.reshape(target.num_ipus, target.tiles_per_ipu).sum(axis=1)
+      share[copy.buffer.id] = share.get(copy.buffer.id, 0) + per_ipu
   rows, by_ipu = [], np.zeros(target.num_ipus, np.int64)
   for buffer in {b.id: b for b in buffers}.values():
     weights = np.asarray(share.get(buffer.id, np.eye(target.num_ipus)[0]), np.float64)
@@ -280,32 +317,24 @@ def _touching(programs, tensor_id, memo):
           if tensor_id in P.program_reads(child, memo) or tensor_id in P.program_writes(child, memo)]
 
 
-def _place(sequence: P.Sequence, tensor: P.Tensor, buffer: RemoteBuffer, copy_in: bool,
-           copy_out: bool, memo: dict) -> bool:
-  """Insert the copies of ``tensor`` around its uses in ``sequence``.
+def _where(sequence: P.Sequence, tensor: P.Tensor, memo: dict):
+  """``(sequence, first, last)`` holding every use of ``tensor``, innermost first.
 
-  Returns whether ``tensor`` is used at all.
+  When every use is in one loop body (or sub-sequence), that body: there the
+  tile copy lives only for the uses of one iteration, and the loop stops
+  carrying it. ``None`` when nothing uses the tensor.
   """
   where = _touching(sequence.programs, tensor.id, memo)
   if not where:
-    return False
+    return None
   if len(where) == 1:
     child = sequence.programs[where[0]]
-    # All uses in one loop body or sub-sequence: stream inside it, so the
-    # tile copy lives only for the uses of one iteration.
     body = child.body if isinstance(child, P.Repeat) else child
     if isinstance(body, P.Sequence):
       if isinstance(child, P.Repeat):
         child.local_ids = frozenset(child.local_ids) | {tensor.id}
-      memo.clear()
-      return _place(body, tensor, buffer, copy_in, copy_out, memo)
-  first, last = where[0], where[-1]
-  if copy_out:
-    sequence.programs.insert(last + 1, remote_copy(buffer, tensor, to_remote=True))
-  if copy_in:
-    sequence.programs.insert(first, remote_copy(buffer, tensor, to_remote=False))
-  memo.clear()
-  return True
+      return _where(body, tensor, memo)
+  return sequence, where[0], where[-1]
 
 
 def offload_tensors(program, pairs: Sequence[tuple]) -> P.Sequence:
@@ -320,14 +349,33 @@ def offload_tensors(program, pairs: Sequence[tuple]) -> P.Sequence:
       (an offloaded output). Offloaded inputs stop being always-live variables:
       on tiles they are temporaries, live only between the copies.
 
+  Tensors whose uses share a sequence are streamed together, as a weight
+  update loads all its state at once: one copy step (one sync) before the
+  first use of any of them, one after the last.
+
   Returns:
     The rewritten program (a Sequence).
   """
   if not isinstance(program, P.Sequence):
     program = P.Sequence(program)
   memo = {}
+  groups = {}  # id(sequence) -> [sequence, first, last, ins, outs]
   for tensor, buffer, copy_in, copy_out in pairs:
     if tensor.category == "variables":
       tensor.category = "temporaries"
-    _place(program, tensor, buffer, copy_in, copy_out, memo)
+    found = _where(program, tensor, memo)
+    if found is None:
+      continue
+    sequence, first, last = found
+    group = groups.setdefault(id(sequence), [sequence, first, last, [], []])
+    group[1], group[2] = min(group[1], first), max(group[2], last)
+    if copy_in:
+      group[3].append((buffer, tensor, 0))
+    if copy_out:
+      group[4].append((buffer, tensor, 0))
+  for sequence, first, last, ins, outs in groups.values():
+    if outs:
+      sequence.programs.insert(last + 1, remote_copies(outs, to_remote=True))
+    if ins:
+      sequence.programs.insert(first, remote_copies(ins, to_remote=False))
   return program
