@@ -1,7 +1,8 @@
 """Streaming memory: remote buffers, offloaded optimizer state, replicated tensor sharding.
 
-Small targets (4-16 tiles) and tiny models keep these fast; the two tests that
-train with several compiled programs each are marked ``slow``.
+Small targets (4-16 tiles) and tiny models keep these fast; the tests that
+train the Keras-like model (two or more compiled training programs each) are
+marked ``slow``: ``python -m pytest -m slow tests/test_streaming_memory.py``.
 """
 
 import json
@@ -224,6 +225,7 @@ def _config(tiles=16, replicas=1, offload=False, sharding=False):
   return cfg
 
 
+@pytest.mark.slow
 class KerasOffloadTest(chex.TestCase):
 
   def test_same_weights_and_always_live_falls_by_the_state(self):
