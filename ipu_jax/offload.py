@@ -24,7 +24,7 @@ import jax
 from ipu_jax.errors import LoweringError
 from ipu_jax.lowering import remote
 
-__all__ = ["MIN_OFFLOAD_BYTES", "offloaded_input_leaves", "offload_program"]
+__all__ = ["MIN_OFFLOAD_BYTES", "offloaded_input_leaves", "offload_program", "out_paths_of"]
 
 # TensorFlow-IPU offloads weight-update variables of at least 128 bytes
 # (its ``minimum_remote_tensor_size`` default).

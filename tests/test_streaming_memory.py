@@ -204,6 +204,35 @@ class JitOffloadTest(chex.TestCase):
       h.lower(params)
 
 
+class ShardedCollectivesTest(chex.TestCase):
+
+  def test_match_lax_and_are_costed_as_ring_phases(self):
+    replicas = 4
+
+    def f(v):
+      shard = ipu_jax.ops.cross_replica_reduce_scatter(v, replicas)
+      return ipu_jax.ops.cross_replica_all_gather(shard * 2.0, replicas)
+
+    def reference(v):
+      shard = jax.lax.psum_scatter(v, "replicas", scatter_dimension=0, tiled=True)
+      return jax.lax.all_gather(shard * 2.0, "replicas", axis=0, tiled=True)
+
+    x = jax.random.normal(jax.random.key(1), (replicas, 4 * 7))
+    expected = jax.vmap(reference, axis_name="replicas")(x)
+    chex.assert_trees_all_close(jax.vmap(f, axis_name="replicas")(x), expected, rtol=1e-6)
+    lowered = ipu_jax.jit(f, target=ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)).lower(x[0])
+    chex.assert_trees_all_close(jax.vmap(lowered.apply, axis_name="replicas")(x), expected,
+                                rtol=1e-6)
+    steps = {s.op: s for s in lowered.profile.steps}
+    scatter = steps["cross_replica_reduce_scatter"]
+    gather = steps["cross_replica_all_gather"]
+    # One ring phase each: (R - 1) / R of the vector's bytes over the links.
+    self.assertEqual(scatter.ipu_link_bytes, int(np.ceil(28 * 4 * 3 / 4)))
+    self.assertEqual(gather.ipu_link_bytes, int(np.ceil(28 * 4 * 3 / 4)))
+    with self.assertRaisesRegex(ValueError, "not a multiple of replicas=4"):
+      ipu_jax.ops.cross_replica_reduce_scatter(jnp.ones(6), 4)
+
+
 # -- the training layer ----------------------------------------------------------------
 
 
