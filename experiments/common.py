@@ -196,7 +196,7 @@ def describe(settings: Settings, cfg, name: str) -> str:
 
 
 def train_and_evaluate(settings: Settings, module, train, test, name: str,
-                       model_name: str) -> dict:
+                       model_name: str, configure=None) -> dict:
   """The runners' shared body: fit ``module`` on the emulated IPU, evaluate, report.
 
   Builds the config from the flags, opens an ``IPUStrategy`` scope, compiles a
@@ -209,6 +209,8 @@ def train_and_evaluate(settings: Settings, module, train, test, name: str,
     train, test: ``(x, y)`` pairs of host arrays.
     name: the runner's name (report folder, log lines).
     model_name: the model's name in summaries.
+    configure: optional ``configure(cfg)`` applying a runner's own flags to
+      the ``IPUConfig`` (e.g. the transformer's streaming-memory flags).
 
   Returns:
     The results: test loss and accuracy, training accuracy, executions, host
@@ -219,6 +221,8 @@ def train_and_evaluate(settings: Settings, module, train, test, name: str,
   from ipu_jax.strategy import IPUStrategy
 
   cfg = make_config(settings)
+  if configure is not None:
+    configure(cfg)
   print(describe(settings, cfg, name))
   with IPUStrategy(cfg).scope():
     model = ipu_jax.keras.Model(module, seed=settings.seed, name=model_name)

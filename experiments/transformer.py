@@ -13,6 +13,10 @@ The task (``--task``) is one it can learn only by attending across positions:
 ::
 
     python -m experiments.transformer --tiles_per_ipu 64 --epochs 3
+
+``--offload_optimizer_state`` keeps the Adam state in streaming memory and
+``--replicated_tensor_sharding`` (with ``--replicas``) shards it over the
+replicas; the report then has a "Streaming memory" section.
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ from experiments import common  # noqa: E402
 
 if "task" not in flags.FLAGS:
   flags.DEFINE_enum("task", "shift", ["shift", "reverse"], "The synthetic sequence task.")
+if "offload_optimizer_state" not in flags.FLAGS:
+  flags.DEFINE_boolean(
+      "offload_optimizer_state", False,
+      "Keep the Adam state in streaming memory (IPUConfig."
+      "streaming.offload_optimizer_state), streamed onto the tiles for each update.")
+  flags.DEFINE_boolean(
+      "replicated_tensor_sharding", False,
+      "With --replicas R > 1, each replica holds 1/R of the optimizer state: "
+      "reduce-scatter, sharded update, all-gather (IPUConfig."
+      "streaming.replicated_tensor_sharding).")
 
 NAME = "transformer"
 DEFAULTS = {"epochs": 4, "learning_rate": 3e-3, "batch_size": 16}
@@ -87,9 +101,22 @@ def make_model(seed: int = 0, vocab: int = VOCAB, width: int = WIDTH, heads: int
   return Encoder(nnx.Rngs(seed))
 
 
-def run(settings: common.Settings, task: str = None) -> dict:
+def streaming_options(offload: bool, sharding: bool):
+  """``configure(cfg)`` applying the streaming-memory flags to an IPUConfig."""
+  def configure(cfg):
+    cfg.streaming.offload_optimizer_state = bool(offload)
+    cfg.streaming.replicated_tensor_sharding = bool(sharding)
+  return configure
+
+
+def run(settings: common.Settings, task: str = None, offload_optimizer_state: bool = None,
+        replicated_tensor_sharding: bool = None) -> dict:
   common.setup_devices(settings)
   task = task or flags.FLAGS["task"].value or "shift"
+  if offload_optimizer_state is None:
+    offload_optimizer_state = bool(flags.FLAGS["offload_optimizer_state"].value)
+  if replicated_tensor_sharding is None:
+    replicated_tensor_sharding = bool(flags.FLAGS["replicated_tensor_sharding"].value)
   n = settings.num_samples or 2048
   x_train, y_train = make_data(n, task, seed=settings.seed)
   x_test, y_test = make_data(max(n // 8, 64), task, seed=settings.seed + 1)
@@ -97,7 +124,8 @@ def run(settings: common.Settings, task: str = None) -> dict:
   # Accuracies are per token.
   return common.train_and_evaluate(
       settings, make_model(settings.seed), (x_train, y_train), (x_test, y_test), NAME,
-      model_name="encoder")
+      model_name="encoder",
+      configure=streaming_options(offload_optimizer_state, replicated_tensor_sharding))
 
 
 def main(argv):

@@ -13,6 +13,7 @@ from ipu_jax import ops
 from ipu_jax.report import Report, SavedReport, compare_reports, load_report
 from ipu_jax.strategy import IPUStrategy
 from ipu_jax.target import IPUTarget
+from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
 
 __version__ = "0.1.0"
 
@@ -20,8 +21,7 @@ __version__ = "0.1.0"
 # Documented submodules that are not imported above; each is loaded on first
 # attribute access (ipu_jax.keras pulls in Flax and optax, so it is not loaded
 # up front), so ``import ipu_jax; ipu_jax.graph.Graph(...)`` works.
-_LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering",
-                    # lowprec: number formats, FP behaviour, FP8 scaling
+_LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering", "remote_buffers",
                     "number_formats", "rounding", "fp8_scaling")
 
 
@@ -40,5 +40,5 @@ __all__ = [
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "compare_reports", "default_config", "get_default_config", "jit",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "poplibs",
-    "register_lowering", "number_formats", "rounding", "fp8_scaling",
+    "register_lowering", "number_formats", "rounding", "fp8_scaling", "offload", "remote_buffers",
 ]

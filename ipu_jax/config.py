@@ -371,6 +371,27 @@ class _FloatingPointOptions(_Group):
       _BOOL, True,
       "Not-a-number on overflow: True lets float16 results overflow to "
       "inf (and NaN), as jax.jit does; False saturates them to +-65504.")
+# -- Streaming memory (issue 11: ipu_jax/keras/offload.py) ------------------------
+
+
+class _StreamingOptions(_Group):
+  """What the training layer keeps in streaming memory, and how replicas share it."""
+
+  offload_optimizer_state = _Option(
+      _BOOL, False,
+      "Keep the optimizer state in streaming memory (IPU-Machine DDR), streamed "
+      "onto the tiles for each weight update and back after it, as "
+      "TensorFlow-IPU's offload_weight_update_variables does. Numbers are "
+      "unchanged; tile memory falls by the state's bytes, the copies cost "
+      "cycles at the streaming-memory bandwidth.")
+  replicated_tensor_sharding = _Option(
+      _BOOL, False,
+      "With replication_factor R > 1, each replica holds 1/R of the optimizer "
+      "state: gradients are reduce-scattered, each replica updates its shard "
+      "of the weights, and the new weights are all-gathered (TensorFlow-IPU's "
+      "replicated_optimizer_state_sharding, PopTorch's "
+      "useReplicatedTensorSharding). The optimizer must act elementwise "
+      "(SGD, momentum, Adam, ...).")
 
 
 class IPUConfig(_Group):
@@ -402,7 +423,8 @@ class IPUConfig(_Group):
   report = _Section(_ReportOptions)
   training = _Section(_TrainingOptions)
   executor = _Section(_ExecutorOptions)
-  floating_point_behaviour = _Section(_FloatingPointOptions)  # lowprec
+  floating_point_behaviour = _Section(_FloatingPointOptions)
+  streaming = _Section(_StreamingOptions)
   random_seed = _Option(
       _integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "

@@ -195,11 +195,18 @@ class Execute(GraphLeaf):
 
 @dataclasses.dataclass(eq=False)
 class Copy(GraphLeaf):
-  """Copy ``src`` to ``dst``: tensor to tensor, stream to tensor or back."""
+  """Copy ``src`` to ``dst``: tensor to tensor, stream to tensor or back, or
+  a remote buffer to a tensor or back (``offset``: first buffer row)."""
   src: Any
   dst: Any
+  offset: Any = None
 
   def resolve(self, lowerer: GraphLowerer):
+    from ipu_jax import remote_buffers
+    if remote_buffers.is_handle(self.src) or remote_buffers.is_handle(self.dst):
+      return remote_buffers.lower_copy(lowerer, self.src, self.dst, self.offset)
+    if self.offset is not None:
+      raise ValueError("Copy offset is only for copies to or from a remote buffer.")
     return lowerer.copy(self.src, self.dst)
 
 
@@ -216,6 +223,7 @@ class Graph:
     self._size = 0
     self.compute_sets: list = []
     self.streams: dict = {}
+    self.remote_buffers: dict = {}  # name -> handle (ipu_jax.remote_buffers)
 
   def _next_offset(self, base: _Base) -> int:
     offset = self._size
@@ -325,6 +333,15 @@ class Graph:
     vertex.perf_estimate = int(cycles)
 
   # host streams
+  def add_remote_buffer(self, name: str, dtype, shape, repeats: int = 1):
+    """A buffer of ``repeats`` rows of ``shape`` in streaming memory.
+
+    Copy it to and from tile tensors with ``Copy(buffer, tensor, offset)`` /
+    ``Copy(tensor, buffer, offset)``; see :mod:`ipu_jax.remote_buffers`.
+    """
+    from ipu_jax import remote_buffers
+    return remote_buffers.add_remote_buffer(self, name, dtype, shape, repeats)
+
   def add_host_to_device_fifo(self, name: str, dtype, num_elements: int) -> DataStream:
     stream = DataStream(name, np.dtype(dtype), int(num_elements), True)
     self.streams[name] = stream
@@ -373,7 +390,9 @@ class Engine:
     lowerer = GraphLowerer(graph, self._ir)
     self._programs = [lowerer.lower(p) for p in programs]
     self._streams = lowerer.streams
-    self._persistent = list(self._ir)
+    from ipu_jax import remote_buffers
+    self._remote_buffers = remote_buffers.engine_buffers(graph, lowerer)
+    self._persistent = list(self._ir) + self._remote_buffers
     self.profiles = [profile_program(p, self.target, persistent=self._persistent,
                                      name=f"{name}[{i}]")
                      for i, p in enumerate(self._programs)]
@@ -390,6 +409,7 @@ class Engine:
         self._state[t.id] = to_storage(jnp.asarray(t.value.reshape(-1)), t.mapping)
       else:
         self._state[t.id] = jnp.zeros(t.storage_shape, t.dtype)
+    self._state.update(remote_buffers.initial_state(self._remote_buffers))
     self._host_buffers = {}
     self._functions = {}
 
@@ -440,7 +460,10 @@ class Engine:
     return np.asarray(to_flat(self._state[tensor.id], tensor.mapping))
 
   def read_tensor(self, tensor: Tensor) -> np.ndarray:
-    """The current value of a view, as a NumPy array."""
+    """The current value of a view (or of a remote buffer), as a NumPy array."""
+    from ipu_jax import remote_buffers
+    if remote_buffers.is_handle(tensor):
+      return remote_buffers.read_buffer(self, tensor)
     bases = self.graph._base_of(tensor.index.reshape(-1))
     out = np.empty(tensor.index.size, tensor.dtype)
     for b in np.unique(bases):
@@ -449,7 +472,10 @@ class Engine:
     return out.reshape(tensor.shape)
 
   def write_tensor(self, tensor: Tensor, values) -> None:
-    """Set a view's elements from host values."""
+    """Set a view's elements (or a remote buffer's rows) from host values."""
+    from ipu_jax import remote_buffers
+    if remote_buffers.is_handle(tensor):
+      return remote_buffers.write_buffer(self, tensor, values)
     values = np.broadcast_to(np.asarray(values, tensor.dtype), tensor.shape).reshape(-1)
     flat_index = tensor.index.reshape(-1)
     bases = self.graph._base_of(flat_index)

@@ -51,6 +51,7 @@ class GraphLowerer:
     self.ir = ir  # this engine's IR tensor of each graph base tensor
     self.target = graph.target
     self.streams = {}
+    self.remote_buffers = {}  # this engine's IR buffer of each graph remote buffer
     self.cache = {}
 
   def base_ir(self, b: int) -> P.Tensor:

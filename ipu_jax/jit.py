@@ -31,6 +31,7 @@ from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.rounding import apply_floating_point_behaviour
+from ipu_jax.lowering.remote import is_remote
 from ipu_jax.target import PRESETS, IPUTarget
 
 __all__ = ["jit", "IPUFunction", "Lowered"]
@@ -52,7 +53,8 @@ class Lowered:
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
                target: IPUTarget, options, replication_factor: int = 1,
-               arg_names: Sequence[str] = (), progress=None, call_site: str = ""):
+               arg_names: Sequence[str] = (), progress=None, call_site: str = "",
+               offload=None):
     progress = progress or compile_progress.CompileProgress(name, verbose=0)
     self.target = target
     # ``in_tree`` is the tree of the dynamic (args, kwargs) a caller passes.
@@ -84,6 +86,11 @@ class Lowered:
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
+    if offload is not None:  # leaves kept in streaming memory (ipu_jax/offload.py)
+      from ipu_jax import offload as offload_lib
+      self.program, inputs, outputs = offload_lib.offload_program(
+          ctx, inputs, outputs, offload[0], offload_lib.out_paths_of(out_shape),
+          offload[1], name)
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
     progress.stage("planning")
     self.profile = profile_program(self.program, target, persistent=inputs + self.constants,
@@ -116,11 +123,12 @@ class Lowered:
       for arg, aval, tensor in zip(flat_args, in_avals, inputs):
         if is_key_dtype(aval.dtype):
           arg = jax.random.key_data(arg)
-        storages.append(to_storage(jnp.reshape(arg, (-1,)).astype(tensor.dtype), tensor.mapping))
+        storages.append(_to_storage(jnp.reshape(arg, (-1,)).astype(tensor.dtype), tensor))
       results = inner(*storages, *constants)
       flat_out = []
       for value, aval, tensor in zip(results, out_avals, outputs):
-        value = to_flat(value, tensor.mapping).reshape(tensor.shape)
+        value = _to_flat(value, tensor).reshape(tensor.shape[1:] if is_remote(tensor)
+                                                else tensor.shape)
         if is_key_dtype(aval.dtype):
           value = jax.random.wrap_key_data(value, impl=aval.dtype._impl)
         flat_out.append(value)
@@ -172,6 +180,19 @@ class Lowered:
   @property
   def num_supersteps(self) -> int:
     return len(self.profile.steps)
+
+
+def _to_storage(flat, tensor):
+  """Storage of a program input; a remote buffer's is its rows (host memory)."""
+  if is_remote(tensor):
+    return jnp.reshape(flat, tensor.storage_shape)
+  return to_storage(flat, tensor.mapping)
+
+
+def _to_flat(storage, tensor):
+  if is_remote(tensor):
+    return jnp.reshape(storage, (-1,))
+  return to_flat(storage, tensor.mapping)
 
 
 def _argument_name(path) -> str:
@@ -305,8 +326,11 @@ class IPUFunction:
                static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = (),
                donate_argnums: Sequence[int] = (), donate_argnames: Sequence[str] = (),
                positional_names: Optional[Sequence[str]] = None,
-               verbose: Optional[int] = None):
+               verbose: Optional[int] = None, offload_argnums: Sequence[int] = (),
+               offload_outputs: Sequence[int] = ()):
     self.fn = fn
+    self.offload_argnums = tuple(offload_argnums)
+    self.offload_outputs = tuple(offload_outputs)
     self.verbose = verbose
     # Names of fn's positional parameters when its signature is known: a
     # static position not passed positionally may come by keyword or default.
@@ -383,7 +407,16 @@ class IPUFunction:
     flat = [leaf for _, leaf in with_paths]
     avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
                    getattr(x, "weak_type", False)) for x in flat)
-    key = (in_tree, avals, static, target, options, replicas, _bound_replicas())
+    offload = None
+    if self.offload_argnums or self.offload_outputs:
+      from ipu_jax import offload as offload_lib
+      num_args = len(args)
+      static_positions = {key for key, _, _ in static if isinstance(key, int)}
+      dyn_positions = [i for i in range(num_args) if i not in static_positions]
+      argnums = tuple(i % num_args if num_args else i for i in self.offload_argnums)
+      offload = (tuple(offload_lib.offloaded_input_leaves(with_paths, argnums, dyn_positions)),
+                 self.offload_outputs)
+    key = (in_tree, avals, static, target, options, replicas, _bound_replicas(), offload)
     lowered = self._cache.get(key)
     if lowered is None:
       # Arguments are named by their pytree path: "args[0]['Dense_0']['kernel']".
@@ -392,7 +425,7 @@ class IPUFunction:
         lowered = Lowered(call, flat, in_tree, self.__name__, target, options,
                           call_site=user_call_site(),
                           replication_factor=replicas, arg_names=arg_names,
-                          progress=progress)
+                          progress=progress, offload=offload)
       self._cache[key] = lowered
     return lowered
 
@@ -424,7 +457,8 @@ class IPUFunction:
 def jit(fn: Callable = None, *, target=None, config=None,
         static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
         donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = (),
-        verbose: Optional[int] = None):
+        verbose: Optional[int] = None, offload_argnums: int | Sequence[int] = (),
+        offload_outputs: int | Sequence[int] = ()):
   """Compile ``fn`` into a tile program for the emulated IPU.
 
   Args:
@@ -445,6 +479,12 @@ def jit(fn: Callable = None, *, target=None, config=None,
     verbose: 0 never shows compile progress; 1 shows it when tracing,
       lowering, planning and compiling take over 2 s; None (default) follows
       ``config.report.progress`` and :func:`ipu_jax.compile_progress.verbosity`.
+    offload_argnums: positional arguments whose leaves live in streaming
+      memory (e.g. optimizer state), streamed onto the tiles where they are
+      used (see ``ipu_jax/offload.py``).
+    offload_outputs: elements of the returned tuple written back to streaming
+      memory; the k-th pairs with the k-th of ``offload_argnums`` (same buffers,
+      an in-place update).
 
   Returns:
     An :class:`IPUFunction`: call it like ``fn``; ``.lower(*args)`` gives the
@@ -466,6 +506,12 @@ def jit(fn: Callable = None, *, target=None, config=None,
   donate_argnums = _tuple_of(donate_argnums, int, "donate_argnums")
   static_argnames = _tuple_of(static_argnames, str, "static_argnames")
   donate_argnames = _tuple_of(donate_argnames, str, "donate_argnames")
+  offload_argnums = _tuple_of(offload_argnums, int, "offload_argnums")
+  offload_outputs = _tuple_of(offload_outputs, int, "offload_outputs")
+  bad = [i for i in offload_outputs if i < 0]
+  if bad:
+    raise ValueError(f"ipu_jax.jit: offload_outputs={offload_outputs} must be >= 0 "
+                     "(elements of the returned tuple).")
   target = _resolve_target(target)
   if config is not None and not isinstance(config, config_lib.IPUConfig):
     raise TypeError(f"ipu_jax.jit config must be an ipu_jax.IPUConfig, got "
@@ -474,7 +520,8 @@ def jit(fn: Callable = None, *, target=None, config=None,
     return functools.partial(jit, target=target, config=config,
                              static_argnums=static_argnums, static_argnames=static_argnames,
                              donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-                             verbose=verbose)
+                             verbose=verbose, offload_argnums=offload_argnums,
+                             offload_outputs=offload_outputs)
   if not callable(fn):
     raise TypeError(f"ipu_jax.jit expects a callable, got {type(fn).__name__}: {fn!r}")
   params = _positional_parameters(fn)
@@ -483,7 +530,8 @@ def jit(fn: Callable = None, *, target=None, config=None,
     names, varargs, varkw, keyword_only = params
     if not varargs:
       positional_names = tuple(names)
-      for what, nums in (("static_argnums", static_argnums), ("donate_argnums", donate_argnums)):
+      for what, nums in (("static_argnums", static_argnums), ("donate_argnums", donate_argnums),
+                         ("offload_argnums", offload_argnums)):
         bad = [i for i in nums if not -len(names) <= i < len(names)]
         if bad:
           raise ValueError(
@@ -504,5 +552,10 @@ def jit(fn: Callable = None, *, target=None, config=None,
           raise ValueError(
               f"ipu_jax.jit: {what} {bad} are not parameters of "
               f"'{getattr(fn, '__name__', fn)}' (its parameters: {sorted(known)}).")
+  overlap = sorted(set(offload_argnums) & set(static_argnums))
+  if overlap:
+    raise ValueError(f"ipu_jax.jit: arguments {overlap} are both static and offloaded; "
+                     "a static argument is a compile-time constant with no memory.")
   return IPUFunction(fn, target, config, static_argnums, static_argnames,
-                     donate_argnums, donate_argnames, positional_names, verbose)
+                     donate_argnums, donate_argnames, positional_names, verbose,
+                     offload_argnums, offload_outputs)

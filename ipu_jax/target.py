@@ -58,6 +58,10 @@ class IPUTarget:
     fp8_flops_per_cycle: peak FP8 (F143/F152) FLOP per cycle per tile; 0 for
       chips without FP8 AMP units, whose FP8 matmuls run (and are costed) at
       the fp16 rate, as poplin's fallback widens them to half.
+    streaming_memory_bytes: Streaming Memory (IPU-Machine DDR) each IPU
+      addresses, holding remote buffers and offloaded state.
+    streaming_memory_bytes_per_second: bandwidth between one IPU's tiles and
+      its Streaming Memory, through the IPU-Machine's gateway (*estimate*).
   """
 
   name: str = "ipu2"
@@ -81,6 +85,19 @@ class IPUTarget:
   # lowprec: FP8 units (0 = none).
   fp8_flops_per_cycle: int = 0
 
+  # -- Streaming memory (issue 11; see lowering/remote.py) -----------------------------
+  # Each IPU's share of the IPU-Machine's DDR and the rate tiles reach it at
+  # through the gateway. Sources: the IPU-M2000 and Bow-2000 datasheets
+  # (256 GB of DDR4 Streaming Memory for 4 IPUs as shipped, i.e. 64 GiB-class
+  # per IPU; larger DIMMs reach about 112 GB per IPU, 448 GB per machine);
+  # each IPU reaches the gateway over PCIe Gen4 x8 (15.75 GB/s per direction
+  # at most), and Graphcore's "Memory and Performance Optimisation" guide says
+  # Streaming Memory is 3x to 20x slower than IPU-Links depending on the links
+  # used. 8 GB/s per IPU is an *estimate* in the 6-9 GB/s effective range that
+  # guide implies.
+  streaming_memory_bytes: int = 64_000_000_000
+  streaming_memory_bytes_per_second: float = 8e9
+
   def __post_init__(self):
     positive_ints = ("num_ipus", "tiles_per_ipu", "bytes_per_tile",
                      "worker_contexts", "fp16_flops_per_cycle",
@@ -94,14 +111,14 @@ class IPUTarget:
     non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
                     "sync_cycles_external", "supervisor_overhead_cycles",
                     "code_bytes_per_codelet", "vertex_state_bytes",
-                    "fp8_flops_per_cycle")
+                    "fp8_flops_per_cycle", "streaming_memory_bytes")
     for field in non_negative:
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"IPUTarget.{field} must be a non-negative integer, got {value!r}.")
     for field in ("clock_hz", "ipu_link_bytes_per_second",
-                  "host_link_bytes_per_second"):
+                  "host_link_bytes_per_second", "streaming_memory_bytes_per_second"):
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(
@@ -120,6 +137,11 @@ class IPUTarget:
   def ipu_link_bytes_per_cycle(self) -> float:
     """IPU-Link bandwidth expressed in bytes per tile-clock cycle."""
     return self.ipu_link_bytes_per_second / self.clock_hz
+
+  @property
+  def streaming_bytes_per_cycle(self) -> float:
+    """Streaming-memory bandwidth of one IPU in bytes per tile-clock cycle."""
+    return self.streaming_memory_bytes_per_second / self.clock_hz
 
   def ipu_of_tile(self, tile):
     """The IPU index that holds ``tile`` (works on NumPy arrays too)."""
@@ -185,17 +207,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ipu1": dict(name="ipu1", tiles_per_ipu=1216, bytes_per_tile=262_144,
                  worker_contexts=6, clock_hz=1.6e9, fp16_flops_per_cycle=64,
                  fp32_flops_per_cycle=16, ipu_link_bytes_per_second=320e9,
-                 host_link_bytes_per_second=_PCIE4_X16),
+                 host_link_bytes_per_second=_PCIE4_X16,
+                 # C2 PCIe cards have no IPU-Machine DDR: no Streaming Memory.
+                 streaming_memory_bytes=0),
     # GC200: 1,472 tiles x 624 KiB (~900 MB), 250 TFLOPS fp16 at 1.33 GHz.
     "ipu2": dict(name="ipu2", tiles_per_ipu=1472, bytes_per_tile=638_976,
                  worker_contexts=6, clock_hz=1.33e9, fp16_flops_per_cycle=128,
                  fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                 host_link_bytes_per_second=_PCIE4_X16),
+                 host_link_bytes_per_second=_PCIE4_X16,
+                 # IPU-M2000: 256 GB DDR4 for 4 IPUs (datasheet).
+                 streaming_memory_bytes=64_000_000_000,
+                 streaming_memory_bytes_per_second=8e9),
     # Bow: the GC200 die with wafer-on-wafer power delivery, 1.85 GHz.
     "bow": dict(name="bow", tiles_per_ipu=1472, bytes_per_tile=638_976,
                 worker_contexts=6, clock_hz=1.85e9, fp16_flops_per_cycle=128,
                 fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                host_link_bytes_per_second=_PCIE4_X16),
+                host_link_bytes_per_second=_PCIE4_X16,
+                # Bow-2000: 256 GB DDR4 for 4 IPUs as shipped (datasheet;
+                # 128-256 GB configurations), same gateway links as the M2000.
+                streaming_memory_bytes=64_000_000_000,
+                streaming_memory_bytes_per_second=8e9),
 }
 
 # --- lowprec: the Mk2 IPU with FP8 support -----------------------------------
@@ -204,9 +235,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 # support", 185 W; 280 TFLOPS fp16 and 560 TFLOPS FP8 (Graphcore's C600
 # announcement, 2022). 280e12 / (1472 tiles x 128 FLOP/cycle) gives the clock,
 # 1.486 GHz; FP8 runs at twice the fp16 AMP rate. PCIe Gen4 x16 to the host
-# (~32 GB/s each way); IPU-Link figures as the GC200 (*estimate*).
+# (one direction, as the other presets); IPU-Link figures as the GC200 (*estimate*).
 PRESETS["ipu21"] = dict(name="ipu21", tiles_per_ipu=1472, bytes_per_tile=638_976,
                         worker_contexts=6, clock_hz=280e12 / (1472 * 128),
                         fp16_flops_per_cycle=128, fp32_flops_per_cycle=32,
                         fp8_flops_per_cycle=256, ipu_link_bytes_per_second=320e9,
-                        host_link_bytes_per_second=32e9)
+                        host_link_bytes_per_second=_PCIE4_X16,
+                        # A PCIe card: no IPU-Machine DDR, so no Streaming Memory.
+                        streaming_memory_bytes=0)

@@ -21,6 +21,7 @@ from ipu_jax.errors import OutOfMemoryError
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import exchange_cycles
+from ipu_jax.lowering.remote import is_remote, streaming_profile
 from ipu_jax.lowering.profile import (MemoryProfile, ProgramProfile,
                                       StepProfile, TensorProfile)
 from ipu_jax.target import IPUTarget
@@ -43,6 +44,9 @@ def _sync_cycles(target, touched_tiles: np.ndarray, crosses: bool) -> float:
 
 
 def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
+  own = getattr(node, "step_profile", None)  # remote copies cost themselves
+  if own is not None:
+    return own(target, executions)
   t = target.num_tiles
   zeros = np.zeros(t, np.float64)
   if isinstance(node, P.Superstep):
@@ -155,6 +159,11 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
     first.setdefault(tensor.id, max(n_steps - 1, 0))
     last[tensor.id] = max(n_steps - 1, 0)
   del control
+  # Remote buffers hold no tile memory: streaming memory accounts for them.
+  remote_buffers = [tt for tt in tensors.values() if is_remote(tt)]
+  for buffer in remote_buffers:
+    del tensors[buffer.id]
+  streaming = streaming_profile(target, remote_buffers, leaves, steps)
 
   by_category = {c: np.zeros(t, np.float64) for c in
                  ("variables", "constants", "vertex_state", "code",
@@ -211,7 +220,7 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
       tile_limit=target.bytes_per_tile)
   return ProgramProfile(target=target, steps=steps, tensors=profiles,
                         memory=memory, name=name,
-                        host_round_trips=host_round_trips)
+                        host_round_trips=host_round_trips, streaming=streaming)
 
 
 def check_memory(profile: ProgramProfile, *, allow_out_of_memory: bool = False,

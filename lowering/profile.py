@@ -52,6 +52,8 @@ class StepProfile:
       ``"float64 emulated in software: ..."``).
     scope: the module path (name stack) of the operation, e.g.
       ``"Encoder/layers_0/attention"`` ('' outside any named scope).
+    streaming_bytes: bytes moved between tiles and streaming memory (remote
+      buffer copies, ``lowering/remote.py``), 0 otherwise.
   """
 
   name: str
@@ -70,6 +72,7 @@ class StepProfile:
   temporary_bytes: Optional[np.ndarray] = None
   notes: tuple = ()
   scope: str = ""
+  streaming_bytes: int = 0
 
   @property
   def compute_phase_cycles(self) -> float:
@@ -154,6 +157,9 @@ class ProgramProfile:
   ``run_setup`` (a :class:`~ipu_jax.lowering.run_setup.RunSetup`, or None)
   says how the program is run (replicas, accumulation, batch sizes,
   precision); the Keras-like ``Model`` sets it on the programs it compiles.
+  ``streaming`` (a :class:`~ipu_jax.lowering.remote.StreamingProfile`, or
+  None when the program uses no streaming memory) holds its remote buffers
+  and what copying them costs.
   """
 
   target: IPUTarget
@@ -163,6 +169,7 @@ class ProgramProfile:
   name: str = "program"
   host_round_trips: int = 1
   run_setup: Optional[object] = None
+  streaming: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

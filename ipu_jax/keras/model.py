@@ -59,6 +59,7 @@ from ipu_jax.keras import loop
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import losses as losses_lib
 from ipu_jax.keras import metrics as metrics_lib
+from ipu_jax.keras import offload as offload_lib
 from ipu_jax.keras import programs
 from ipu_jax.keras.adapters import make_adapter
 from ipu_jax.keras.data import ArrayData, as_arrays, is_array_like
@@ -220,7 +221,9 @@ class Model:
     self.emulate = bool(emulate)
     self._replication = replication
     self._programs = {}
-    self._opt_state = optimizer.init(self._local(self._params))  # (re)compiling resets it
+    # (Re)compiling resets it; sharded over replicas with replicated tensor sharding.
+    self._opt_state = offload_lib.init_optimizer_state(optimizer, self._local(self._params),
+                                                       cfg, replication)
     self._step = 0
     self._compiled = True
     if self._pending_optimizer is not None:
@@ -396,13 +399,13 @@ class Model:
     cfg.replication_factor = self.num_replicas  # the all-reduce spans every replica
     return cfg
 
-  def _program(self, key, execution, args, kinds, out_kinds):
+  def _program(self, key, execution, args, kinds, out_kinds, jit_options=None):
     """``(run, lowered)`` of an execution, built once per key (shapes, settings)."""
     if key not in self._programs:
       self._programs[key] = programs.build_program(
           execution, args, kinds, out_kinds, replication=self._replication,
           config=self._lowering_config(), emulate=self.emulate,
-          verbose=self._compile_verbose)
+          verbose=self._compile_verbose, jit_options=jit_options)
     return self._programs[key]
 
   def _train_program(self, xs, ys):
@@ -410,13 +413,17 @@ class Model:
     G, R = self.gradient_accumulation_steps, self.num_replicas
     method = self.gradient_accumulation_reduction
     key = ("train", G, method, R, programs.shape_key((xs, ys)))
+    sharded = offload_lib.shards_state(self.config, R)
     execution = programs.train_execution(
         self._adapter, self.optimizer, self.loss, self.metrics, G, method, R,
-        self.replica_reduction)
+        self.replica_reduction, sharded_state=sharded)
     args = [self._params, self._opt_state, self._state, self._rng_state, self._step,
             self._dropout_key, xs, ys, self._replication.replica_ids]
-    return self._program(key, execution, args, programs.TRAIN_KINDS,
-                         programs.train_out_kinds)
+    kinds, out_kinds = programs.TRAIN_KINDS, programs.train_out_kinds
+    if sharded:  # each replica holds (and returns) its shard of the optimizer state
+      kinds, out_kinds = programs.sharded_train_kinds(self._params, self._opt_state)
+    return self._program(key, execution, args, kinds, out_kinds,
+                         offload_lib.jit_options(self.config))
 
   def _eval_program(self, xs, ys, mask):
     key = ("eval", self.num_replicas, programs.shape_key((xs, ys, mask)))
@@ -439,7 +446,7 @@ class Model:
     self._state = rep.replicate(self._state)
     self._rng_state = rep.replicate(self._rng_state)
     if self._opt_state is not None:
-      self._opt_state = rep.replicate(self._opt_state)
+      self._opt_state = offload_lib.place_optimizer_state(rep, self._opt_state, self.config)
     self._step = rep.replicate(jnp.asarray(self._step, jnp.int32))
     self._dropout_key = rep.replicate(self._dropout_key)
 

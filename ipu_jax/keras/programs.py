@@ -29,12 +29,13 @@ import optax
 
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import loss_scaling
+from ipu_jax.keras import offload as offload_lib
 from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, SUMMED, Replication,
                                        cross_replica_mean, cross_replica_sum)
 
 __all__ = ["build_program", "train_execution", "eval_execution", "predict_execution",
            "per_sample_loss", "run_setup", "shape_key", "TRAIN_KINDS", "EVAL_KINDS",
-           "PREDICT_KINDS", "train_out_kinds", "eval_out_kinds", "predict_out_kinds"]
+           "PREDICT_KINDS", "sharded_train_kinds", "train_out_kinds", "eval_out_kinds", "predict_out_kinds"]
 
 # How each argument of an execution is placed on the replicas, in order.
 TRAIN_KINDS = (REPLICATED,) * 6 + (SHARDED,) * 3  # params, opt, state, rng, step, key | xs, ys, ids
@@ -45,6 +46,21 @@ PREDICT_KINDS = (REPLICATED,) * 3 + (SHARDED,)    # params, state, rng | xs
 def train_out_kinds(out_tree) -> list:
   """The new training state is replicated; the loss/metric sums are summed."""
   return [REPLICATED] * (out_tree.num_leaves - 1) + [SUMMED]
+
+
+def sharded_train_kinds(params, opt_state):
+  """Input kinds and output kinds of a training execution whose optimizer
+  state is sharded over the replicas (each replica's shard comes back stacked)."""
+  kinds = list(TRAIN_KINDS)
+  kinds[1] = SHARDED
+  n_params, n_opt = len(jax.tree.leaves(params)), len(jax.tree.leaves(opt_state))
+
+  def out_kinds(out_tree):
+    kinds_out = train_out_kinds(out_tree)
+    kinds_out[n_params:n_params + n_opt] = [GATHERED] * n_opt
+    return kinds_out
+
+  return tuple(kinds), out_kinds
 
 
 def eval_out_kinds(out_tree) -> list:
@@ -80,8 +96,14 @@ def per_sample_loss(loss: Callable, y, y_pred):
 
 def train_execution(adapter, optimizer, loss: Callable, metric_fns: Sequence,
                     accumulation_steps: int, accumulation_reduction: str,
-                    replicas: int, replica_reduction: str) -> Callable:
+                    replicas: int, replica_reduction: str, *,
+                    sharded_state: bool = False) -> Callable:
   """One training execution for one replica.
+
+  With ``sharded_state`` (replicated tensor sharding) each replica holds 1/R
+  of the optimizer state: gradients are reduce-scattered, each replica
+  updates its shard and the new weights are all-gathered
+  (:func:`ipu_jax.keras.offload.sharded_update`) instead of an all-reduce.
 
   Returns:
     ``execution(params, opt_state, state, rng_state, step, base_key, xs, ys,
@@ -129,15 +151,19 @@ def train_execution(adapter, optimizer, loss: Callable, metric_fns: Sequence,
             accumulate, (acc_lib.init(params), state, zeros),
             (jnp.arange(G, dtype=jnp.int32), xg, yg))
         grads = acc_lib.finalize(acc, G, method)
-      if R > 1:
+      if R > 1 and not sharded_state:
         grads = (cross_replica_mean(grads) if replica_reduction == "mean"
                  else cross_replica_sum(grads))
         if jax.tree.leaves(state):  # keep batch statistics equal on every replica
           state = jax.tree.map(
               lambda v: cross_replica_mean(v) if jnp.issubdtype(v.dtype, jnp.floating)
               else v, state)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      if sharded_state:
+        params, opt_state = offload_lib.sharded_update(
+            optimizer, grads, opt_state, params, replica, R, replica_reduction)
+      else:
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
       return (params, opt_state, state, step + 1), sums
 
     (params, opt_state, state, step), sums = jax.lax.scan(
@@ -184,7 +210,7 @@ def predict_execution(adapter) -> Callable:
 
 def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequence[str],
                   out_kinds_fn: Callable, *, replication: Replication, config,
-                  emulate: bool, verbose=None):
+                  emulate: bool, verbose=None, jit_options=None):
   """Lowers ``execution`` for one replica and wraps it for every replica.
 
   Args:
@@ -197,6 +223,8 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
     config: the ``IPUConfig`` to lower with (replication factor: all replicas).
     emulate: lower to the tile program (``False``: plain JAX, no report).
     verbose: compile progress (``0`` silences it; ``None``: the config's).
+    jit_options: more keyword arguments for ``ipu_jax.jit`` (e.g. which
+      arguments live in streaming memory).
 
   Returns:
     ``(run, lowered)``: ``run(*args)`` returns the output pytree;
@@ -213,7 +241,8 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
     in_kinds += [kind] * len(jax.tree.leaves(a))
   lowered = None
   if emulate:
-    lowered = ipu_jax.jit(execution, config=config, verbose=verbose).lower(*per_replica_args)
+    lowered = ipu_jax.jit(execution, config=config, verbose=verbose,
+                          **(jit_options or {})).lower(*per_replica_args)
     out_tree = lowered.out_tree
     program = lowered.apply
   else:

@@ -15,6 +15,9 @@ collectives' with the named-axis collectives in ``parallel.py``.
 * :func:`cross_replica_sum`, :func:`cross_replica_mean`, :func:`replica_index`:
   the data-parallel collectives (``lax.psum`` / ``pmean`` / ``axis_index`` over
   the replica axis when it is bound, else a single replica).
+* :func:`cross_replica_reduce_scatter`, :func:`cross_replica_all_gather`: the
+  two halves of an all-reduce, for replicated tensor sharding (rules in
+  ``lowering/rules/sharding.py``).
 * :func:`matmul`: ``jnp.matmul`` with poplin's per-op planning options.
 * :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
   stochastic rounding mode does it (unbiased).
@@ -35,6 +38,10 @@ from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_rep
                                      replica_index_p)
 from ipu_jax.ops.fp8 import cast_from_fp8, cast_to_fp8, fp8_matmul
 from ipu_jax.ops.matmul import matmul, matmul_p
+from ipu_jax.ops.sharded_collectives import (cross_replica_all_gather,
+                                             cross_replica_all_gather_p,
+                                             cross_replica_reduce_scatter,
+                                             cross_replica_reduce_scatter_p)
 from ipu_jax.ops.print_tensor import format_tensor, print_tensor, print_tensor_p
 from ipu_jax.ops.stochastic_round import stochastic_round, stochastic_round_p
 from ipu_jax.ops.tile_map import tile_map, tile_map_p
@@ -45,4 +52,6 @@ __all__ = [
     "tile_map_p", "cross_replica_sum_p", "cross_replica_mean_p",
     "replica_index_p", "matmul_p", "stochastic_round_p", "print_tensor_p",
     "REPLICA_AXIS", "cast_to_fp8", "cast_from_fp8", "fp8_matmul",
+    "cross_replica_reduce_scatter", "cross_replica_all_gather",
+    "cross_replica_reduce_scatter_p", "cross_replica_all_gather_p",
 ]

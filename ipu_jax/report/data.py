@@ -64,7 +64,9 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "max_bytes_per_tile": int, "live_from", "live_to": int,
         "placement": [[int, int, int]]   # v2: [first_tile, count, bytes per
                                          # tile], runs in tile order
-      }]
+      }],
+      "streaming": null | {...}          # added key: streaming memory and its
+                                         # copies (ipu_jax/report/streaming.py)
     }
 
 Readers must check ``schema`` and ``version``; later versions only add keys.

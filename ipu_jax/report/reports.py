@@ -21,6 +21,7 @@ import numpy as np
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering import scopes
 from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.report.streaming import streaming_to_json
 from ipu_jax.report import html as html_lib
 from ipu_jax.report.data import REPORT_FILE
 from ipu_jax.report.data import SCHEMA
@@ -261,11 +262,16 @@ class _ReportBase(SummaryMixin):
         "steps": steps_to_json(data.steps, data.tile_cycles),
         "tensors": list(data.tensors),
         "run_setup": self._run_setup_dict(),
+        "streaming": self._streaming_dict(),
     }
 
   def _run_setup_dict(self):
     """How the program is run (replicas, batches...), if its builder said."""
     return getattr(self, "document", {}).get("run_setup")
+
+  def _streaming_dict(self):
+    """Streaming memory and its copies (``ipu_jax/report/streaming.py``), or None."""
+    return getattr(self, "document", {}).get("streaming")
 
   def trace(self) -> dict:
     """The Chrome Trace Event Format document written to ``trace.json``."""
@@ -332,6 +338,9 @@ class Report(_ReportBase):
       ``flops``, ``tensor_bytes``, ``working_bytes``), costliest first.
     """
     return scopes.by_scope(self.profile, depth)
+
+  def _streaming_dict(self):
+    return streaming_to_json(self.profile)
 
   def _run_setup_dict(self):
     setup = getattr(self.profile, "run_setup", None)

@@ -23,6 +23,7 @@ from ipu_jax.report.formatting import pct
 from ipu_jax.report.formatting import short_source
 from ipu_jax.report.formatting import text_table
 from ipu_jax.report.formatting import tile_name
+from ipu_jax.report.streaming import streaming_section
 
 __all__ = ["SummaryMixin"]
 
@@ -45,6 +46,7 @@ class SummaryMixin:
         self._summary_target(),
         self._summary_program(),
         self._summary_memory(),
+        streaming_section(self._streaming_dict(), self.total_cycles, top),
         self._summary_cycles(),
         self._summary_cost_model(),
         self._summary_top_ops(top),

@@ -1,0 +1,123 @@
+"""Reduce-scatter and all-gather over the replicas, for replicated tensor sharding.
+
+``cross_replica_reduce_scatter(x, replicas)`` sums a ``[replicas * n]`` vector
+over the replicas and gives replica ``r`` elements ``[r * n, (r + 1) * n)``
+of the sum; ``cross_replica_all_gather(x, replicas)`` concatenates every
+replica's ``[n]`` vector in replica order. Inside the replica ``vmap`` /
+``shard_map`` they are ``lax.psum_scatter(..., tiled=True)`` and
+``lax.all_gather(..., tiled=True)``. Unlike ``lax``'s, they can be traced for
+one replica's program with no axis bound (the training layer lowers that
+program once): the replica count is a parameter, so shapes are known.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import batching, mlir
+
+from ipu_jax.ops._common import _compiled, not_mapped
+from ipu_jax.ops.collectives import REPLICA_AXIS, axis_is_bound
+
+__all__ = ["cross_replica_reduce_scatter", "cross_replica_all_gather",
+           "cross_replica_reduce_scatter_p", "cross_replica_all_gather_p"]
+
+cross_replica_reduce_scatter_p = jcore.Primitive("cross_replica_reduce_scatter")
+cross_replica_all_gather_p = jcore.Primitive("cross_replica_all_gather")
+
+
+def _unbound(name, axis_name, replicas):
+  raise NameError(
+      f"{name} over {replicas} replicas needs the replica axis {axis_name!r} bound "
+      "(run it inside the replicas' vmap/shard_map, as the training layer does).")
+
+
+def _scatter_impl(x, *, axis_name, replicas):
+  if replicas == 1:
+    return x
+  if not axis_is_bound(axis_name):
+    _unbound("cross_replica_reduce_scatter", axis_name, replicas)
+  return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+
+
+def _gather_impl(x, *, axis_name, replicas):
+  if replicas == 1:
+    return x
+  if not axis_is_bound(axis_name):
+    _unbound("cross_replica_all_gather", axis_name, replicas)
+  return lax.all_gather(x, axis_name, axis=0, tiled=True)
+
+
+def _scatter_abstract(x, *, axis_name, replicas):
+  del axis_name
+  return jax.core.ShapedArray((x.shape[0] // replicas,), x.dtype)
+
+
+def _gather_abstract(x, *, axis_name, replicas):
+  del axis_name
+  return jax.core.ShapedArray((x.shape[0] * replicas,), x.dtype)
+
+
+def _other_axis(prim, x, d, axis_name, replicas):
+  if d is not not_mapped:
+    raise NotImplementedError(
+        f"{prim.name} batched over an axis other than the replica axis {axis_name!r}")
+  return prim.bind(x, axis_name=axis_name, replicas=replicas), not_mapped
+
+
+def _scatter_batch(axis_data, vals, dims, *, axis_name, replicas):
+  (x,), (d,) = vals, dims
+  if axis_data.name != axis_name:
+    return _other_axis(cross_replica_reduce_scatter_p, x, d, axis_name, replicas)
+  # The vmapped axis is the replica axis: replica r gets block r of the sum.
+  total = x * axis_data.size if d is not_mapped else jnp.sum(x, axis=d).astype(x.dtype)
+  return jnp.reshape(total, (replicas, -1)), 0
+
+
+def _gather_batch(axis_data, vals, dims, *, axis_name, replicas):
+  (x,), (d,) = vals, dims
+  if axis_data.name != axis_name:
+    return _other_axis(cross_replica_all_gather_p, x, d, axis_name, replicas)
+  if d is not_mapped:
+    return jnp.tile(x, replicas), not_mapped
+  return jnp.reshape(jnp.moveaxis(x, d, 0), (-1,)), not_mapped
+
+
+for _prim, _impl, _abstract, _batch in (
+    (cross_replica_reduce_scatter_p, _scatter_impl, _scatter_abstract, _scatter_batch),
+    (cross_replica_all_gather_p, _gather_impl, _gather_abstract, _gather_batch)):
+  _prim.def_impl(_compiled(_impl))
+  _prim.def_abstract_eval(_abstract)
+  batching.fancy_primitive_batchers[_prim] = _batch
+  mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
+
+
+def _check(x, replicas, what):
+  x = jnp.asarray(x)
+  if x.ndim != 1:
+    raise ValueError(f"{what} takes a vector, got shape {x.shape}.")
+  if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or replicas < 1:
+    raise ValueError(f"{what}: replicas must be a positive int, got {replicas!r}.")
+  return x
+
+
+def cross_replica_reduce_scatter(x, replicas: int, axis_name=REPLICA_AXIS):
+  """Block ``r`` of the sum over replicas of ``x`` (``[replicas * n] -> [n]``).
+
+  Raises:
+    ValueError: ``x`` is not a vector of a multiple of ``replicas`` elements.
+  """
+  x = _check(x, replicas, "cross_replica_reduce_scatter")
+  if x.shape[0] % replicas:
+    raise ValueError(f"cross_replica_reduce_scatter: {x.shape[0]} elements are not a "
+                     f"multiple of replicas={replicas}; pad the vector first.")
+  return cross_replica_reduce_scatter_p.bind(x, axis_name=axis_name, replicas=int(replicas))
+
+
+def cross_replica_all_gather(x, replicas: int, axis_name=REPLICA_AXIS):
+  """Every replica's ``x`` concatenated in replica order (``[n] -> [replicas * n]``)."""
+  x = _check(x, replicas, "cross_replica_all_gather")
+  return cross_replica_all_gather_p.bind(x, axis_name=axis_name, replicas=int(replicas))
