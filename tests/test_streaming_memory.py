@@ -163,10 +163,13 @@ class JitOffloadTest(chex.TestCase):
     xs = jax.random.normal(jax.random.key(0), (3, 7, 21))
     on_chip = ipu_jax.jit(_train, target=target)
     offloaded = ipu_jax.jit(_train, target=target, offload_argnums=1, offload_outputs=1)
-    # Same numbers as jax.jit, as on-chip state gives (whole-program XLA
-    # fusions may round the last bit differently, on chip or offloaded).
-    chex.assert_trees_all_close(offloaded(params, state, xs), jax.jit(_train)(params, state, xs),
-                                rtol=1e-5, atol=1e-7)
+    # Offloading moves bytes, not arithmetic: the numbers on-chip state gives
+    # (whole-program XLA fusions may round the last bit differently).
+    result = offloaded(params, state, xs)
+    chex.assert_trees_all_close(result, on_chip(params, state, xs), rtol=1e-6, atol=1e-8)
+    # And jax.jit's to rounding: three Adam steps of matmuls whose K split sums
+    # its partials tile by tile, as the IPU does (not in XLA's order).
+    chex.assert_trees_all_close(result, jax.jit(_train)(params, state, xs), rtol=1e-4, atol=1e-6)
     lo, lf = on_chip.lower(params, state, xs), offloaded.lower(params, state, xs)
     state_bytes = _offloaded_bytes(state)
     self.assertEqual(_always_live_total(lo.profile) - _always_live_total(lf.profile),
