@@ -349,6 +349,24 @@ class _ExecutorOptions(_Group):
       "differs.")
 
 
+class _PipeliningOptions(_Group):
+  """How ipu_jax.pipelining.Pipeline runs a model split into stages."""
+
+  schedule = _Option(
+      _one_of("Grouped", "Interleaved", "Sequential"), "Grouped",
+      "Pipeline schedule (TF-IPU's PipelineSchedule): 'Grouped' (forward "
+      "passes grouped, then backward passes), 'Interleaved' (one pass per IPU "
+      "per slot, fewer activations stashed) or 'Sequential' (sharded: one "
+      "stage at a time). The number of micro-batches per step is "
+      "training.gradient_accumulation_steps.")
+  recomputation = _Option(
+      _BOOL, False,
+      "Recompute each stage's forward pass in its backward pass, stashing "
+      "only the stage's inputs and the values marked with "
+      "ipu_jax.ops.recomputation_checkpoint (TF-IPU's recomputation_mode "
+      "RecomputeThenBackpropagate).")
+
+
 class IPUConfig(_Group):
   """Configuration of an emulated IPU system, like Graphcore's ``IPUConfig``.
 
@@ -378,6 +396,7 @@ class IPUConfig(_Group):
   report = _Section(_ReportOptions)
   training = _Section(_TrainingOptions)
   executor = _Section(_ExecutorOptions)
+  pipelining = _Section(_PipeliningOptions)
   random_seed = _Option(
       _integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "

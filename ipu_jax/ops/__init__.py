@@ -18,6 +18,9 @@ collectives in ``ipu_jax/lowering/rules/parallel.py``.
 * :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
   stochastic rounding mode does it (unbiased).
 * :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
+* :func:`pipeline_stage`, :func:`recomputation_checkpoint`: pipeline stage
+  boundaries and values kept when stages are recomputed (see
+  :mod:`ipu_jax.pipelining`).
 """
 
 import os as _os
@@ -34,6 +37,8 @@ from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_rep
                                      cross_replica_sum, cross_replica_sum_p, replica_index,
                                      replica_index_p)
 from ipu_jax.ops.matmul import matmul, matmul_p
+from ipu_jax.ops.pipeline_stage import (RECOMPUTATION_CHECKPOINT, pipeline_stage,
+                                        pipeline_stage_p, recomputation_checkpoint)
 from ipu_jax.ops.print_tensor import format_tensor, print_tensor, print_tensor_p
 from ipu_jax.ops.stochastic_round import stochastic_round, stochastic_round_p
 from ipu_jax.ops.tile_map import tile_map, tile_map_p
@@ -43,5 +48,6 @@ __all__ = [
     "matmul", "stochastic_round", "print_tensor", "format_tensor",
     "tile_map_p", "cross_replica_sum_p", "cross_replica_mean_p",
     "replica_index_p", "matmul_p", "stochastic_round_p", "print_tensor_p",
-    "REPLICA_AXIS",
+    "REPLICA_AXIS", "pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
+    "RECOMPUTATION_CHECKPOINT",
 ]

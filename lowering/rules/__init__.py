@@ -5,4 +5,4 @@ Importing this package registers every rule (``ipu_jax.lowering`` imports it).
 
 from ipu_jax.lowering.rules import (control, convolution, dot, elementwise, fft,  # noqa: F401
                                     indexing, ipu_ops, linalg, misc, parallel, random,
-                                    reduction, shape, window)
+                                    pipeline, reduction, shape, window)
