@@ -80,7 +80,8 @@ class PipelineReport:
         "replication_factor": self.replicas, "recomputation": self.recomputation,
         "ipus": self.num_ipus * self.replicas, "total_cycles": tl.total_cycles,
         "seconds": self.target.cycles_to_seconds(tl.total_cycles),
-        "efficiency": self.efficiency, "ramp_up_cycles": tl.ramp_up_cycles,
+        "efficiency": self.efficiency, "rate_efficiency": tl.rate_efficiency,
+        "ramp_up_cycles": tl.ramp_up_cycles,
         "steady_cycles": tl.steady_cycles, "ramp_down_cycles": tl.ramp_down_cycles,
         "steady_slot_cycles": tl.steady_slot_cycles,
         "ipu_link_bytes_per_step": tl.link_bytes,
@@ -105,7 +106,8 @@ class PipelineReport:
         f"  step: {d['total_cycles']:,.0f} cycles ({d['seconds'] * 1e3:.3f} ms); ramp-up "
         f"{d['ramp_up_cycles']:,.0f}, steady {d['steady_cycles']:,.0f}, ramp-down "
         f"{d['ramp_down_cycles']:,.0f}",
-        f"  pipeline efficiency: {100 * self.efficiency:.1f} % of IPU time busy",
+        f"  pipeline efficiency: {100 * self.efficiency:.1f} % of IPU time busy; micro-batch "
+        f"rate {100 * d['rate_efficiency']:.1f} % of the steady state's",
         f"  over IPU-Links per step: {d['ipu_link_bytes_per_step']:,d} B",
         "  stage  IPU   forward  backward    update  stash(depth x B)  peak tile B   IPU total B",
     ]

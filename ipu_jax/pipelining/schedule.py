@@ -127,6 +127,17 @@ class Timeline:
   ramp_down_cycles: float
   steady_slot_cycles: float
   link_bytes: int
+  slot_cycles: float = 0.0
+  num_micro_batches: int = 0
+
+  @property
+  def rate_efficiency(self) -> float:
+    """The step's micro-batch rate over the steady state's (weight update excluded).
+
+    For balanced Grouped stages this is ``G / (G + N - 1)``.
+    """
+    return (self.num_micro_batches * self.steady_slot_cycles / self.slot_cycles
+            if self.slot_cycles else 0.0)
 
   @property
   def efficiency(self) -> float:
@@ -209,5 +220,6 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
       spans.append((ipu, "WU", "weight update", -1, start, weight_update[k]))
     busy[ipu] += weight_update[k]
     end = max(end, start + weight_update[k])
+  micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
   return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
-                  steady_slot, int(link))
+                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches)
