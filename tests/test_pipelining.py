@@ -53,8 +53,9 @@ def _data(stages=4, g=8, width=32, rows=16, seed=0):
 
 def _plain_gradients(loss, params, batches, count):
   acc = jax.tree_util.tree_map(jnp.zeros_like, params)
+  grad = jax.jit(jax.grad(loss))
   for m in range(count):
-    g = jax.jit(jax.grad(loss))(params, jax.tree_util.tree_map(lambda b: b[m], batches))
+    g = grad(params, jax.tree_util.tree_map(lambda b: b[m], batches))
     acc = jax.tree_util.tree_map(jnp.add, acc, g)
   return acc
 
@@ -118,14 +119,15 @@ class PipelinedTrainingTest(chex.TestCase):
           stages=cls.STAGES, g=cls.G, schedule_name=cls.SCHEDULE, recompute=recompute))
       state = pipe.init(cls.params, cls.batches)
       cls.pipes[recompute] = (pipe, pipe.step(cls.params, state, cls.batches))
+    cls.plain = _plain_gradients(_loss, cls.params, cls.batches, cls.G)
 
   @parameterized.parameters(False, True)
   def test_weights_equal_plain_accumulation(self, recompute):
     _, (new_params, _, loss) = self.pipes[recompute]
-    grads = _plain_gradients(_loss, self.params, self.batches, self.G)
+    grads = self.plain
     expected = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, self.params, grads)
     chex.assert_trees_all_close(new_params, expected, rtol=1e-5, atol=1e-6)
-    losses = [_loss(self.params, jax.tree_util.tree_map(lambda b: b[m], self.batches))
+    losses = [jax.jit(_loss)(self.params, jax.tree_util.tree_map(lambda b: b[m], self.batches))
               for m in range(self.G)]
     np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-5)
 
