@@ -168,6 +168,20 @@ class PipelinedTrainingTest(chex.TestCase):
     self.assertLess(recomputed.stages[0].peak_bytes.max(), plain.stages[0].peak_bytes.max())
     self.assertGreater(recomputed.report.total_cycles, plain.report.total_cycles)
 
+  def test_step_as_a_report_for_compare_reports(self):
+    plain, _ = self.pipes[False]
+    recomputed, _ = self.pipes[True]
+    a, b = plain.report.program_report, recomputed.report.program_report
+    self.assertAlmostEqual(a.total_cycles, plain.report.total_cycles, delta=1e-6 * a.total_cycles)
+    self.assertEqual(a.target.num_ipus, self.STAGES)
+    np.testing.assert_array_equal(a.memory_per_tile, plain.report.memory_per_tile())
+    stash_a = a.memory_by_category["stashed_activations"].sum()
+    self.assertLess(b.memory_by_category["stashed_activations"].sum(), stash_a)
+    self.assertGreater(b.total_cycles, a.total_cycles)
+    text = ipu_jax.compare_reports(a, b)
+    self.assertRegex(text, r"Stashed activations +[\d,]+ +[\d,]+ +-[\d,]+")
+    self.assertRegex(text, r"Total +[\d,]+ +[\d,]+ +\+[\d,]+")
+
   def test_report_summary(self):
     pipe, _ = self.pipes[False]
     summary = pipe.report.summary()

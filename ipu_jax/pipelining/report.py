@@ -33,6 +33,12 @@ class PipelineReport:
     self.stages = pipeline.stages
     self.timeline = pipeline.timeline
     self.num_ipus = pipeline.config.auto_select_ipus
+    from ipu_jax.pipelining.profile import pipeline_profile
+    from ipu_jax.report import Report
+    self.profile = pipeline_profile(pipeline)
+    #: The step as an ``ipu_jax.Report`` (one step per slot): its summary,
+    #: ``compare_reports``, HTML page and ``trace.json`` (one process per IPU).
+    self.program_report = Report(self.profile)
 
   @property
   def stage_reports(self) -> dict:
@@ -158,15 +164,18 @@ class PipelineReport:
     plt.close(fig)
     return path
 
-  def save(self, directory: str) -> str:
-    """Write pipeline.json, pipeline_trace.json and pipeline_schedule.png."""
+  def save(self, directory: str, plots: bool = True) -> str:
+    """Write pipeline.json, pipeline_trace.json, pipeline_schedule.png and,
+    from :attr:`program_report`, report.json, trace.json and report.html."""
     os.makedirs(directory, exist_ok=True)
+    self.program_report.save(directory, plots=plots)
     with open(os.path.join(directory, "pipeline.json"), "w") as f:
       json.dump(self.to_dict(), f, indent=1)
     with open(os.path.join(directory, "pipeline_trace.json"), "w") as f:
       json.dump({"traceEvents": self.trace_events(), "displayTimeUnit": "ns"}, f)
-    try:
-      self.plot(os.path.join(directory, "pipeline_schedule.png"))
-    except ImportError:  # matplotlib is the optional "plots" extra
-      pass
+    if plots:
+      try:
+        self.plot(os.path.join(directory, "pipeline_schedule.png"))
+      except ImportError:  # matplotlib is the optional "plots" extra
+        pass
     return directory
