@@ -220,15 +220,36 @@ del _FourStages
 
 class ShardedAndReplicatedTest(chex.TestCase):
 
-  def test_sequential_two_replicas(self):
-    params, batches = _data(stages=2, g=4, width=8, rows=4)
+  def test_nnx_model_in_stage_blocks_sequential_two_replicas(self):
+    from flax import nnx
+
+    class Model(nnx.Module):
+      def __init__(self, rngs):
+        self.first = nnx.Linear(8, 8, rngs=rngs)
+        self.second = nnx.Linear(8, 8, rngs=rngs)
+
+      def __call__(self, x):
+        with ipu_jax.pipelining.stage(0):
+          x = jnp.tanh(self.first(x))
+        with ipu_jax.pipelining.stage(1):
+          return self.second(x)
+
+    graphdef, state = nnx.split(Model(nnx.Rngs(0)))
+
+    def loss(state, batch):
+      return jnp.mean((nnx.merge(graphdef, state)(batch["x"]) - batch["y"]) ** 2)
+
+    _, batches = _data(stages=2, g=4, width=8, rows=4)
     cfg = _config(stages=2, g=2, schedule_name="Sequential", replicas=2)
-    pipe = Pipeline(_loss, config=cfg)
-    grads, _ = pipe.gradients(params, batches)
-    chex.assert_trees_all_close(grads, _plain_gradients(_loss, params, batches, 4),
+    pipe = Pipeline(loss, config=cfg)
+    grads, _ = pipe.gradients(state, batches)
+    chex.assert_trees_all_close(grads, _plain_gradients(loss, state, batches, 4),
                                 rtol=1e-5, atol=1e-6)
+    self.assertEqual([len(s.params) for s in pipe.staged.stages], [2, 2])
+    # Sharded: one IPU busy at a time, less the copies and syncs between them.
     self.assertAlmostEqual(pipe.report.efficiency, 0.5, delta=0.1)
     self.assertLess(pipe.report.efficiency, 0.5)
+    self.assertEqual([s.stash_depth for s in pipe.stages], [0, 0])
     kinds = {span[2] for span in pipe.timeline.spans}
     self.assertIn("all-reduce", kinds)
     self.assertEqual(pipe.report.to_dict()["ipus"], 4)
@@ -259,6 +280,16 @@ class ValidationTest(parameterized.TestCase):
   def test_more_stages_than_ipus(self):
     with self.assertRaisesRegex(PipelineError, "4 pipeline stages but each replica has only 2"):
       self._lower(_loss, _config(stages=2))
+
+  def test_stage_block_reading_a_later_stage(self):
+    def loss(params, batch):
+      with ipu_jax.pipelining.stage(1):
+        h = batch["x"] @ params[0]
+      with ipu_jax.pipelining.stage(0):
+        return jnp.sum(h @ params[1])
+    with self.assertRaisesRegex(PipelineError, r"inside pipelining.stage\(0\) reads values "
+                                "of stage 1"):
+      self._lower(loss, _config(stages=2), stages=2)
 
   def test_weight_on_two_stages(self):
     def loss(params, batch):

@@ -17,6 +17,8 @@ loss is computed by the last stage, and each weight is read by one stage only
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -27,7 +29,32 @@ from jax.extend import core as jcore
 from ipu_jax.lowering.lower import source_of
 from ipu_jax.ops.pipeline_stage import pipeline_stage_p
 
-__all__ = ["Stage", "StagedFunction", "PipelineError", "split_stages"]
+__all__ = ["Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
+
+# The named scope ``stage(k)`` opens; the innermost one on an equation wins.
+_SCOPE_PREFIX = "ipu_pipeline_stage_"
+_SCOPE = re.compile(rf"(?:^|/){_SCOPE_PREFIX}(\d+)(?=/|$)")
+
+
+def stage(k: int):
+  """``with stage(k):`` runs the operations traced inside on pipeline stage ``k``.
+
+  The context-manager form of :func:`ipu_jax.ops.pipeline_stage` (PopTorch's
+  ``BeginBlock``, TF-IPU's ``PipelineStage``), handy around Flax layers: it
+  opens a ``jax.named_scope``, so it needs no value to mark, and values made
+  inside cross to the next stage where a later block reads them.
+
+  Raises:
+    ValueError: ``k`` is not an int >= 0.
+  """
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+    raise ValueError(f"pipelining.stage: the stage must be an int >= 0; got {k!r}.")
+  return jax.named_scope(f"{_SCOPE_PREFIX}{int(k)}")
+
+
+def _scope_stage(eqn):
+  found = _SCOPE.findall(str(eqn.source_info.name_stack))
+  return int(found[-1]) if found else None
 
 
 class PipelineError(ValueError):
@@ -142,6 +169,18 @@ def _label(jaxpr, num_params: int, num_batch: int) -> list:
             f"pipeline_stage({k}) at {_where(eqn)} follows stage {before}: stage ids must "
             f"not skip a stage (expected pipeline_stage({before + 1})).")
       here = k
+    scoped = _scope_stage(eqn)
+    if scoped is not None and eqn.primitive is not pipeline_stage_p:
+      before = here if here is not None else 0
+      if scoped < before:
+        raise PipelineError(
+            f"An operation at {_where(eqn)} inside pipelining.stage({scoped}) reads values "
+            f"of stage {before}: stage ids must increase along the forward pass.")
+      if scoped > before + 1 and here is not None:
+        raise PipelineError(
+            f"pipelining.stage({scoped}) at {_where(eqn)} follows stage {before}: stage ids "
+            f"must not skip a stage (expected stage {before + 1}).")
+      here = scoped
     for v in eqn.outvars:
       label[v] = here
     stages.append(here)
