@@ -315,9 +315,11 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(PipelineError, "stack gradient_accumulation_steps x "
                                 r"replication_factor = 8 x 1 = 8 micro-batches"):
       self._lower(_loss, _config(g=8), g=4)
+    params, batches = _data(stages=4, g=24, width=4, rows=2)
+    pipe = Pipeline(_loss, optax.sgd(0.1), config=_config(g=8, replicas=2))
     with self.assertRaisesRegex(PipelineError, "steps_per_execution=12 must be a multiple of "
                                 "gradient_accumulation_steps x replication_factor = 8 x 2"):
-      ipu_jax.pipelining.check_steps_per_execution(12, 8, 2)
+      pipe.run(params, None, batches, steps_per_execution=12)
 
 
 if __name__ == "__main__":

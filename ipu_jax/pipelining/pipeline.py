@@ -360,6 +360,35 @@ class Pipeline:
     return (jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
             jnp.mean(jnp.stack(losses)))
 
+  def run(self, params, opt_state, batches, steps_per_execution: int):
+    """Run ``steps_per_execution`` micro-batches (over all replicas) as whole steps.
+
+    ``batches`` stacks the ``steps_per_execution`` micro-batches; each run of
+    ``G x R`` is one :meth:`step` (each replica's G contiguous), as the
+    Keras-on-IPU rule that ``steps_per_execution`` be a multiple of
+    ``G x R`` asks.
+
+    Returns:
+      ``(params, opt_state, losses)``: ``losses`` has one mean per step.
+
+    Raises:
+      PipelineError: ``steps_per_execution`` is not a multiple of ``G x R``
+        (checked before anything runs), or ``batches`` holds another count.
+    """
+    check_steps_per_execution(steps_per_execution, self.accumulation, self.replicas)
+    per_step = self.accumulation * self.replicas
+    leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
+    if leading != {steps_per_execution}:
+      raise PipelineError(
+          f"batches must stack steps_per_execution={steps_per_execution} micro-batches; got "
+          f"leading sizes {sorted(leading)}.")
+    losses = []
+    for start in range(0, steps_per_execution, per_step):
+      chunk = jax.tree_util.tree_map(lambda b: b[start:start + per_step], batches)
+      params, opt_state, loss = self.step(params, opt_state, chunk)
+      losses.append(loss)
+    return params, opt_state, jnp.stack(losses)
+
   def _run(self, flat_params, batches):
     g, r = self.accumulation, self.replicas
     staged = self.staged
