@@ -189,10 +189,11 @@ class Pipeline:
     minimum = schedule_lib.minimum_accumulation(self.schedule, num_stages)
     g = self.accumulation
     if g < minimum or g % minimum:
+      rule = {"Grouped": "2 x stages", "Interleaved": "the number of stages"}[self.schedule]
       raise PipelineError(
           f"training.gradient_accumulation_steps={g} does not suit the {self.schedule} "
-          f"schedule over {num_stages} stages: it must be a multiple of {minimum} and at "
-          f"least {minimum} ({'2 x stages' if self.schedule == 'Grouped' else 'stages' if self.schedule == 'Interleaved' else 'any'}).")
+          f"schedule over {num_stages} stages: it must be a multiple of {minimum} ({rule}) "
+          f"and at least {minimum}.")
     return [int(i) for i in mapping]
 
   def _stage_config(self):

@@ -17,6 +17,7 @@ import numpy as np
 
 from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
                                       StepProfile)
+from ipu_jax.pipelining import links
 from ipu_jax.target import IPUTarget
 
 __all__ = ["STASH_CATEGORY", "pipeline_profile"]
@@ -49,15 +50,12 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   num_ipus = pipeline.config.auto_select_ipus
   target = stage_target.replace(num_ipus=num_ipus)
   t, n = stage_target.tiles_per_ipu, target.num_tiles
-  tl = pipeline.timeline
   stages = pipeline.stages
   steps = []
   ipu_of = [s.ipu for s in stages]
   spans_by_kind = {}
-  for span in tl.spans:
+  for span in pipeline.timeline.spans:
     spans_by_kind.setdefault(span[2], []).append(span)
-  # Rebuild the slots from the schedule so each becomes one step.
-  from ipu_jax.pipelining import links
   sync = links.global_sync_cycles(stage_target, num_ipus)
   for index, slot in enumerate(pipeline._slots):
     compute = np.zeros(n)

@@ -73,6 +73,7 @@ class Stage:
     inputs: variables computed by earlier stages that it reads.
     outputs: variables it computes that later stages (or the loss) read.
     consts: the traced function's constants it reads (variable -> value).
+    param_vars, batch_vars: the traced variables of ``params`` and ``batch``.
   """
 
   index: int
@@ -82,13 +83,15 @@ class Stage:
   inputs: list
   outputs: list
   consts: dict
+  param_vars: list = dataclasses.field(default_factory=list)
+  batch_vars: list = dataclasses.field(default_factory=list)
 
   def __call__(self, params: Sequence[Any], batch: Sequence[Any],
                inputs: Sequence[Any]) -> list:
     """Evaluate the stage: flat weights, batch values and inputs in order."""
     env = dict(self.consts)
-    env.update(zip(self._param_vars, params))
-    env.update(zip(self._batch_vars, batch))
+    env.update(zip(self.param_vars, params))
+    env.update(zip(self.batch_vars, batch))
     env.update(zip(self.inputs, inputs))
 
     def read(v):
@@ -144,7 +147,7 @@ def _where(eqn) -> str:
   return source_of(eqn) or "an unknown source line"
 
 
-def _label(jaxpr, num_params: int, num_batch: int) -> list:
+def _label(jaxpr) -> list:
   """The stage of each equation (forward propagation, then unplaced ones)."""
   label = {}
   stages = []
@@ -233,7 +236,7 @@ def split_stages(fn: Callable, params, batch) -> StagedFunction:
                         f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
-  labels = _label(jaxpr, len(flat_params), len(flat_batch))
+  labels = _label(jaxpr)
   num_stages = max(labels, default=0) + 1
   param_vars = jaxpr.invars[:len(flat_params)]
   batch_vars = jaxpr.invars[len(flat_params):]
@@ -278,10 +281,9 @@ def split_stages(fn: Callable, params, batch) -> StagedFunction:
           consts_k[v] = consts[v]
         elif produced_by.get(v) != k and v not in inputs_k:
           inputs_k.append(v)
-    stage = Stage(k, eqns, sorted(params_k), sorted(batch_k), inputs_k, [], consts_k)
-    stage._param_vars = [param_vars[i] for i in stage.params]
-    stage._batch_vars = [batch_vars[i] for i in stage.batch]
-    stages.append(stage)
+    params_k, batch_k = sorted(params_k), sorted(batch_k)
+    stages.append(Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,
+                        [param_vars[i] for i in params_k], [batch_vars[i] for i in batch_k]))
   for stage in stages:
     if not stage.eqns:
       raise PipelineError(f"Pipeline stage {stage.index} has no operations.")
