@@ -22,7 +22,6 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
