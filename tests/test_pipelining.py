@@ -78,6 +78,47 @@ class StageMarkTest(chex.TestCase):
       pipeline_stage(jnp.ones(2), 0)
 
 
+class StageAssignmentTest(chex.TestCase):
+  """Stages by module path (Keras-on-IPU's set_pipeline_stage_assignment)."""
+
+  def setUp(self):
+    super().setUp()
+    import flax.linen as nn
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        for _ in range(3):
+          x = jnp.tanh(nn.Dense(5)(x))
+        return x
+
+    model = Model()
+    self.params = model.init(jax.random.key(0), jnp.ones((3, 5)))
+    self.batch = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5)), jnp.float32)
+    self.loss = lambda p, x: jnp.sum(model.apply(p, x) ** 2)
+
+  def test_stages_compute_the_loss(self):
+    staged = ipu_jax.pipelining.split_stages(self.loss, self.params, self.batch,
+                                             {"Dense_1": 1, "Dense_2": 2})
+    names = [[staged.param_names[i] for i in s.params] for s in staged.stages]
+    self.assertEqual([[n.split("'")[-2] for n in group] for group in names],
+                     [["bias", "kernel"]] * 3)
+    self.assertIn("Dense_2", names[2][0])
+    flat = jax.tree_util.tree_leaves(self.params)
+    values = {}
+    for s in staged.stages:
+      outs = s([flat[i] for i in s.params], [self.batch], [values[v] for v in s.inputs])
+      values.update(zip(s.outputs, outs))
+    np.testing.assert_allclose(values[staged.loss_var], self.loss(self.params, self.batch),
+                               rtol=1e-6)
+
+  def test_unknown_module_path(self):
+    with self.assertRaisesRegex(PipelineError, r"module path\(s\) \['Dense_9'\] that no "
+                                r"operation .* the module paths are: \['Model', "
+                                "'Model/Dense_0'"):
+      ipu_jax.pipelining.split_stages(self.loss, self.params, self.batch, {"Dense_9": 1})
+
+
 class ScheduleTest(parameterized.TestCase):
 
   @parameterized.parameters(2, 4)

@@ -137,6 +137,8 @@ class Pipeline:
       pipeline, ``device``, ``pipelining``, ``training`` and
       ``replication_factor``; default: the active default config.
     device_mapping: the IPU of each stage (default stage k on IPU k).
+    stage_assignment: ``{module path: stage}`` for models without marks
+      (see :func:`~ipu_jax.pipelining.split_stages`).
 
   Raises:
     PipelineError: bad stage marks, more stages than IPUs, a device mapping
@@ -144,11 +146,13 @@ class Pipeline:
   """
 
   def __init__(self, loss_fn: Callable, optimizer=None, *, config=None,
-               device_mapping: Optional[Sequence[int]] = None):
+               device_mapping: Optional[Sequence[int]] = None,
+               stage_assignment: Optional[dict] = None):
     self.loss_fn = loss_fn
     self.optimizer = optimizer
     self.config = (config if config is not None else config_lib.get_default_config()).copy()
     self.device_mapping = None if device_mapping is None else tuple(device_mapping)
+    self.stage_assignment = None if stage_assignment is None else dict(stage_assignment)
     self._lowered_key = None
     self.staged = None
     self.stages: list = []
@@ -226,7 +230,7 @@ class Pipeline:
                  for x in jax.tree_util.tree_leaves((params, micro))))
     if key == self._lowered_key:
       return self
-    staged = split_stages(self.loss_fn, params, micro)
+    staged = split_stages(self.loss_fn, params, micro, self.stage_assignment)
     mapping = self._check_settings(staged.num_stages)
     flat_params = jax.tree_util.tree_leaves(params)
     flat_micro = jax.tree_util.tree_leaves(micro)

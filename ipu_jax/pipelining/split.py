@@ -8,6 +8,10 @@ function of its own weights, the batch values it reads and the values that
 earlier stages send it; evaluating the stages in order gives the same
 numbers as the whole function, since they are the same equations.
 
+Batch values enter on stage 0, as a pipeline's infeed does: what is
+computed from them alone (a one-hot of the labels) runs there and travels
+with the activations.
+
 Rules checked here, before anything is compiled or run, each with the user's
 source line: stage ids increase along the forward pass and leave no gap, the
 loss is computed by the last stage, and each weight is read by one stage only
@@ -19,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from ipu_jax.lowering.lower import source_of
+from ipu_jax.lowering.scopes import module_path
 from ipu_jax.ops.pipeline_stage import pipeline_stage_p
 
 __all__ = ["Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
@@ -51,9 +56,34 @@ def stage(k: int):
   return jax.named_scope(f"{_SCOPE_PREFIX}{int(k)}")
 
 
-def _scope_stage(eqn):
+def _scope_stage(eqn, assignment, used):
+  """The stage a ``stage(k)`` block or the module-path assignment gives ``eqn``."""
   found = _SCOPE.findall(str(eqn.source_info.name_stack))
-  return int(found[-1]) if found else None
+  if found:
+    return int(found[-1]), f"inside pipelining.stage({int(found[-1])})"
+  if not assignment:
+    return None, ""
+  path = "/" + module_path(eqn.source_info.name_stack) + "/"
+  matches = [key for key in assignment if f"/{key.strip('/')}/" in path]
+  if not matches:
+    return None, ""
+  key = max(matches, key=len)  # the innermost module named wins
+  used.add(key)
+  return assignment[key], f"in module {key!r} (stage_assignment: stage {assignment[key]})"
+
+
+def _check_assignment(assignment) -> dict:
+  if assignment is None:
+    return {}
+  if not isinstance(assignment, Mapping):
+    raise PipelineError(f"stage_assignment must map module paths to stage ids, e.g. "
+                        f"{{'Dense_1': 1}}; got {type(assignment).__name__}.")
+  for key, k in assignment.items():
+    if not isinstance(key, str) or not key.strip("/"):
+      raise PipelineError(f"stage_assignment key {key!r} is not a module path.")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+      raise PipelineError(f"stage_assignment[{key!r}]={k!r}: stage ids are ints >= 0.")
+  return dict(assignment)
 
 
 class PipelineError(ValueError):
@@ -146,9 +176,14 @@ def _where(eqn) -> str:
   return source_of(eqn) or "an unknown source line"
 
 
-def _label(jaxpr) -> list:
-  """The stage of each equation (forward propagation, then unplaced ones)."""
-  label = {}
+def _label(jaxpr, num_params: int, assignment=None) -> list:
+  """The stage of each equation (forward propagation, then unplaced ones).
+
+  Batch values enter on stage 0 (as a pipeline's infeed does); weights and
+  constants have no stage of their own.
+  """
+  used = set()
+  label = {v: 0 for v in jaxpr.invars[num_params:]}
   stages = []
   for eqn in jaxpr.eqns:
     seen = [label[v] for v in eqn.invars
@@ -171,21 +206,28 @@ def _label(jaxpr) -> list:
             f"pipeline_stage({k}) at {_where(eqn)} follows stage {before}: stage ids must "
             f"not skip a stage (expected pipeline_stage({before + 1})).")
       here = k
-    scoped = _scope_stage(eqn)
+    scoped, how = _scope_stage(eqn, assignment, used)
     if scoped is not None and eqn.primitive is not pipeline_stage_p:
       before = here if here is not None else 0
       if scoped < before:
         raise PipelineError(
-            f"An operation at {_where(eqn)} inside pipelining.stage({scoped}) reads values "
-            f"of stage {before}: stage ids must increase along the forward pass.")
+            f"An operation at {_where(eqn)} {how} reads values of stage {before}: stage ids "
+            "must increase along the forward pass.")
       if scoped > before + 1 and here is not None:
         raise PipelineError(
-            f"pipelining.stage({scoped}) at {_where(eqn)} follows stage {before}: stage ids "
-            f"must not skip a stage (expected stage {before + 1}).")
+            f"An operation at {_where(eqn)} {how} follows stage {before}: stage ids must "
+            f"not skip a stage (expected stage {before + 1}).")
       here = scoped
     for v in eqn.outvars:
       label[v] = here
     stages.append(here)
+  unused = sorted(set(assignment or ()) - used)
+  if unused:
+    paths = sorted({module_path(e.source_info.name_stack) for e in jaxpr.eqns} - {""})
+    raise PipelineError(
+        f"stage_assignment names module path(s) {unused} that no operation of the loss "
+        f"function runs in; the module paths are: {paths[:20]}. (Flax linen names its "
+        "modules; wrap NNX calls in ipu_jax.nnx_scopes.module_scopes(model).)")
   # An equation of weights/constants only joins its first consumer's stage.
   consumers = {}
   for index, eqn in enumerate(jaxpr.eqns):
@@ -202,7 +244,7 @@ def _label(jaxpr) -> list:
   return stages
 
 
-def split_stages(fn: Callable, params, batch) -> StagedFunction:
+def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction:
   """Trace ``fn(params, batch) -> loss`` and split it at its stage marks.
 
   Args:
@@ -210,6 +252,10 @@ def split_stages(fn: Callable, params, batch) -> StagedFunction:
       stage.
     params: the weights (a pytree of arrays).
     batch: one micro-batch (a pytree of arrays).
+    assignment: optional ``{module path: stage}`` (Keras-on-IPU's
+      ``set_pipeline_stage_assignment``): operations traced inside a module
+      whose path contains the key (``"Dense_1"``, ``"Encoder/layers_2"``)
+      run on that stage; the longest matching key wins.
 
   Returns:
     The :class:`StagedFunction`.
@@ -235,7 +281,7 @@ def split_stages(fn: Callable, params, batch) -> StagedFunction:
                         f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
-  labels = _label(jaxpr)
+  labels = _label(jaxpr, len(flat_params), _check_assignment(assignment))
   num_stages = max(labels, default=0) + 1
   param_vars = jaxpr.invars[:len(flat_params)]
   batch_vars = jaxpr.invars[len(flat_params):]
