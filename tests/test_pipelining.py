@@ -105,12 +105,17 @@ class StageAssignmentTest(chex.TestCase):
                      [["bias", "kernel"]] * 3)
     self.assertIn("Dense_2", names[2][0])
     flat = jax.tree_util.tree_leaves(self.params)
-    values = {}
-    for s in staged.stages:
-      outs = s([flat[i] for i in s.params], [self.batch], [values[v] for v in s.inputs])
-      values.update(zip(s.outputs, outs))
-    np.testing.assert_allclose(values[staged.loss_var], self.loss(self.params, self.batch),
-                               rtol=1e-6)
+
+    @jax.jit
+    def staged_loss(flat, batch):
+      values = {}
+      for s in staged.stages:
+        outs = s([flat[i] for i in s.params], [batch], [values[v] for v in s.inputs])
+        values.update(zip(s.outputs, outs))
+      return values[staged.loss_var]
+
+    np.testing.assert_allclose(staged_loss(flat, self.batch),
+                               jax.jit(self.loss)(self.params, self.batch), rtol=1e-6)
 
   def test_unknown_module_path(self):
     with self.assertRaisesRegex(PipelineError, r"module path\(s\) \['Dense_9'\] that no "
@@ -294,6 +299,54 @@ class ShardedAndReplicatedTest(chex.TestCase):
     kinds = {span[2] for span in pipe.timeline.spans}
     self.assertIn("all-reduce", kinds)
     self.assertEqual(pipe.report.to_dict()["ipus"], 4)
+
+
+class KerasPipeliningTest(chex.TestCase):
+
+  @pytest.mark.slow
+  def test_fit_with_stage_assignment_equals_plain_accumulation(self):
+    from flax import nnx
+    from ipu_jax.keras import Model
+
+    class Net(nnx.Module):
+      def __init__(self, rngs):
+        self.first = nnx.Linear(6, 8, rngs=rngs)
+        self.second = nnx.Linear(8, 3, rngs=rngs)
+
+      def __call__(self, x):
+        return self.second(jnp.tanh(self.first(x)))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=40).astype(np.int32)
+    model = Model(Net(nnx.Rngs(0)), config=_config(stages=2, g=1))
+    model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy")
+    model.set_pipelining_options(schedule="Interleaved",
+                                 gradient_accumulation_steps_per_replica=4)
+    model.set_pipeline_stage_assignment({"second": 1})
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False)
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+
+    def loss(p, batch):
+      logits = nnx.merge(graphdef, p)(batch["x"])
+      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+
+    batches = {"x": x[:32].reshape(4, 8, 6), "y": y[:32].reshape(4, 8)}
+    grads = _plain_gradients(loss, params, batches, 4)
+    expected = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    chex.assert_trees_all_close(nnx.state(model.module, nnx.Param), expected,
+                                rtol=1e-5, atol=1e-6)
+    self.assertLen(history.history["loss"], 1)
+    self.assertEqual([len(s.params) for s in model.pipeline.staged.stages], [2, 2])
+    self.assertIs(model.reports["train"], model.pipeline.report.program_report)
+
+  def test_bad_options(self):
+    from ipu_jax.keras import pipelining
+    with self.assertRaisesRegex(ValueError, "schedule must be one of"):
+      pipelining.set_pipelining_options(object(), schedule="Groupd")
+    with self.assertRaisesRegex(ValueError, "non-empty dict of module path"):
+      pipelining.set_pipeline_stage_assignment(object(), [1])
 
 
 class ValidationTest(parameterized.TestCase):
