@@ -93,7 +93,7 @@ class StageAssignmentTest(chex.TestCase):
         return x
 
     model = Model()
-    self.params = model.init(jax.random.key(0), jnp.ones((3, 5)))
+    self.params = jax.jit(model.init)(jax.random.key(0), jnp.ones((3, 5)))
     self.batch = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5)), jnp.float32)
     self.loss = lambda p, x: jnp.sum(model.apply(p, x) ** 2)
 
