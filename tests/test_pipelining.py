@@ -81,8 +81,9 @@ class StageMarkTest(chex.TestCase):
 class StageAssignmentTest(chex.TestCase):
   """Stages by module path (Keras-on-IPU's set_pipeline_stage_assignment)."""
 
-  def setUp(self):
-    super().setUp()
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
     import flax.linen as nn
 
     class Model(nn.Module):
@@ -93,9 +94,9 @@ class StageAssignmentTest(chex.TestCase):
         return x
 
     model = Model()
-    self.params = jax.jit(model.init)(jax.random.key(0), jnp.ones((3, 5)))
-    self.batch = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5)), jnp.float32)
-    self.loss = lambda p, x: jnp.sum(model.apply(p, x) ** 2)
+    cls.params = jax.jit(model.init)(jax.random.key(0), jnp.ones((3, 5)))
+    cls.batch = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5)), jnp.float32)
+    cls.loss = staticmethod(lambda p, x: jnp.sum(model.apply(p, x) ** 2))
 
   def test_stages_compute_the_loss(self):
     staged = ipu_jax.pipelining.split_stages(self.loss, self.params, self.batch,
