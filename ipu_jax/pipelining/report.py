@@ -147,7 +147,7 @@ class PipelineReport:
     import matplotlib.pyplot as plt
     colours = {"forward": "#4c72b0", "backward": "#dd8452", "copy": "#999999",
                "sync": "#dddddd", "all-reduce": "#8172b3", "weight update": "#55a868"}
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * self.num_ipus))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * self.num_ipus))
     for ipu, name, kind, mb, start, cycles in self.timeline.spans:
       ax.broken_barh([(start, cycles)], (ipu - 0.4, 0.8), facecolors=colours[kind])
       if kind in ("forward", "backward") and cycles > 0.02 * self.total_cycles:
@@ -158,7 +158,8 @@ class PipelineReport:
     ax.set_title(f"{self.schedule} pipeline, G={self.accumulation}: "
                  f"{100 * self.efficiency:.1f} % busy")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=3)
+    ax.legend(handles, list(colours), loc="upper center", bbox_to_anchor=(0.5, -0.3),
+              fontsize=7, ncol=len(colours), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
