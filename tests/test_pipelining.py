@@ -118,6 +118,17 @@ class StageAssignmentTest(chex.TestCase):
     np.testing.assert_allclose(staged_loss(flat, self.batch),
                                jax.jit(self.loss)(self.params, self.batch), rtol=1e-6)
 
+  def test_skip_connection_goes_straight_to_its_reader(self):
+    def loss(params, batch):
+      skip = jnp.tanh(batch @ params[0])
+      h = pipeline_stage(skip, 1) @ params[1]
+      h = pipeline_stage(h, 2) @ params[2]
+      return jnp.sum(h + skip)
+    params = [jnp.ones((5, 5))] * 3
+    staged = ipu_jax.pipelining.split_stages(loss, params, self.batch)
+    self.assertEqual([staged.producer(v) for v in staged.stages[2].inputs], [1, 0])
+    self.assertLen(staged.stages[0].outputs, 1)
+
   def test_unknown_module_path(self):
     with self.assertRaisesRegex(PipelineError, r"module path\(s\) \['Dense_9'\] that no "
                                 r"operation .* the module paths are: \['Model', "

@@ -67,8 +67,9 @@ class StagePrograms:
     stash_bytes: ``[tiles_per_ipu]`` bytes of one micro-batch's stashed
       activations on each tile.
     stash_depth: activation sets waiting for their backward pass (schedule).
-    send_bytes: bytes sent to later stages per forward pass.
-    gradient_bytes: bytes of input gradients sent back per backward pass.
+    sends: stage -> bytes this stage's forward pass sends it (a skip
+      connection sends past the next stage, straight to its reader).
+    returns: stage -> bytes of input gradients the backward pass sends it.
     weight_bytes: bytes of the stage's weights (and so of its gradients).
   """
 
@@ -79,9 +80,19 @@ class StagePrograms:
   update: Any
   stash_bytes: np.ndarray
   stash_depth: int = 0
-  send_bytes: int = 0
-  gradient_bytes: int = 0
+  sends: dict = dataclasses.field(default_factory=dict)
+  returns: dict = dataclasses.field(default_factory=dict)
   weight_bytes: int = 0
+
+  @property
+  def send_bytes(self) -> int:
+    """Bytes sent to later stages per forward pass."""
+    return sum(self.sends.values())
+
+  @property
+  def gradient_bytes(self) -> int:
+    """Bytes of input gradients sent back per backward pass."""
+    return sum(self.returns.values())
 
   @property
   def peak_bytes(self) -> np.ndarray:
@@ -262,11 +273,17 @@ class Pipeline:
       num_out = len(outs)
       stashed = [num_out + i for i, v in enumerate(fwd.jaxpr.jaxpr.outvars[num_out:])
                  if not any(v is w for w in invars)]
+      returns = {}
+      for v, value in zip(stage.inputs, in_k):
+        source = staged.producer(v)
+        returns[source] = returns.get(source, 0) + _nbytes([value])
       stages.append(StagePrograms(
           index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
           update=update, stash_bytes=_per_tile(fwd, stashed, target.num_tiles),
-          send_bytes=_nbytes(outs) if stage.index < staged.num_stages - 1 else 0,
-          gradient_bytes=_nbytes(in_k), weight_bytes=_nbytes(p_k)))
+          returns=returns, weight_bytes=_nbytes(p_k)))
+    for stage, programs in zip(staged.stages, stages):
+      for source, nbytes in programs.returns.items():
+        stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes
     slots = schedule_lib.slots(self.schedule, staged.num_stages, self.accumulation)
     for stage, depth in zip(stages, schedule_lib.stash_depths(slots, staged.num_stages)):
       stage.stash_depth = depth
@@ -300,19 +317,29 @@ class Pipeline:
             bytes_available=limit, over_tiles=over + stage.ipu * self.target.tiles_per_ipu,
             report=stage.forward.report)
 
+  def copy_cycles(self, stage: int, kind: str) -> float:
+    """Cycles of the IPU-Link copies after a pass of ``stage``.
+
+    ``kind`` 'forward': its outputs to the stages that read them; 'backward':
+    its input gradients to the stages that made the inputs. Copies to
+    different IPUs use different links and run at once.
+    """
+    programs = self.stages[stage]
+    to = programs.sends if kind == "forward" else programs.returns
+    return max((links.copy_cycles(self.target, programs.ipu, self.stages[k].ipu, nbytes)
+                for k, nbytes in to.items()), default=0.0)
+
   def _simulate(self):
-    target, stages = self.target, self.stages
+    stages = self.stages
     ipus = [s.ipu for s in stages]
     num_ipus = self.config.auto_select_ipus
-    nxt = {s.index: stages[s.index + 1].ipu for s in stages[:-1]}
-    prv = {s.index: stages[s.index - 1].ipu for s in stages[1:]}
+    target = self.target
     return schedule_lib.simulate(
         self._slots, ipus,
         forward=[s.forward.profile.total_cycles for s in stages],
         backward=[s.backward.profile.total_cycles for s in stages],
-        copy_forward=lambda k: links.copy_cycles(target, ipus[k], nxt[k], stages[k].send_bytes),
-        copy_backward=lambda k: links.copy_cycles(target, ipus[k], prv[k],
-                                                  stages[k].gradient_bytes),
+        copy_forward=lambda k: self.copy_cycles(k, "forward"),
+        copy_backward=lambda k: self.copy_cycles(k, "backward"),
         sync=links.global_sync_cycles(target, num_ipus),
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
         all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)

@@ -52,7 +52,6 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   t, n = stage_target.tiles_per_ipu, target.num_tiles
   stages = pipeline.stages
   steps = []
-  ipu_of = [s.ipu for s in stages]
   spans_by_kind = {}
   for span in pipeline.timeline.spans:
     spans_by_kind.setdefault(span[2], []).append(span)
@@ -66,13 +65,8 @@ def pipeline_profile(pipeline) -> ProgramProfile:
       compute[s.ipu * t:(s.ipu + 1) * t] += program.profile.total_cycles
       flops += int(program.profile.total_flops)
       names.append(f"{p.kind[0].upper()}{p.stage}.{p.micro_batch}")
-      if p.kind == "forward" and p.stage < len(stages) - 1:
-        link_bytes += s.send_bytes
-        copies.append(links.copy_cycles(stage_target, s.ipu, ipu_of[p.stage + 1], s.send_bytes))
-      if p.kind == "backward" and p.stage > 0:
-        link_bytes += s.gradient_bytes
-        copies.append(links.copy_cycles(stage_target, s.ipu, ipu_of[p.stage - 1],
-                                        s.gradient_bytes))
+      link_bytes += s.send_bytes if p.kind == "forward" else s.gradient_bytes
+      copies.append(pipeline.copy_cycles(p.stage, p.kind))
     steps.append(StepProfile(
         name=f"slot {index}: " + " ".join(names), op="pipeline slot", source="",
         compute_cycles=compute, exchange_bytes_in=np.zeros(n, np.int64),

@@ -156,9 +156,10 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     schedule_slots: from :func:`slots`.
     ipus: the IPU of each stage.
     forward, backward: cycles of each stage's forward / backward pass.
-    copy_forward: ``copy_forward(k)`` cycles to send stage k's outputs on.
+    copy_forward: ``copy_forward(k)`` cycles to send stage k's outputs on
+      (0 when it sends nothing).
     copy_backward: ``copy_backward(k)`` cycles to send stage k's input
-      gradients back.
+      gradients back (0 when it has no inputs from other stages).
     sync: cycles of the sync that ends each slot.
     weight_update: cycles of each stage's weight update.
     all_reduce: cycles of each stage's gradient all-reduce over replicas.
@@ -180,10 +181,10 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
       spans.append((ipu, f"{p.kind[0].upper()}{p.micro_batch}", p.kind, p.micro_batch,
                     now + work[ipu], cycles))
       work[ipu] += cycles
-      if p.kind == "forward" and p.stage < num_stages - 1:
+      if p.kind == "forward":
         copies.append(copy_forward(p.stage))
         link += link_bytes_forward[p.stage]
-      if p.kind == "backward" and p.stage > 0:
+      else:
         copies.append(copy_backward(p.stage))
         link += link_bytes_backward[p.stage]
     busy += work
