@@ -1,21 +1,10 @@
 """``Pipeline``: train a model split into stages, each stage on its own IPU.
 
 The loss function is split at its ``pipeline_stage`` marks
-(:mod:`~ipu_jax.pipelining.split`). Each stage gets three tile programs, all
-lowered for one IPU of ``device.tiles_per_ipu`` tiles, so its tensors live
-only on that IPU's tiles:
-
-* forward: the stage's pass on one micro-batch; it returns the values later
-  stages read and the activations its backward pass needs (JAX's VJP
-  residuals: exactly what the stage stashes). With
-  ``pipelining.recomputation`` the stage is wrapped in ``jax.checkpoint``
-  saving only ``recomputation_checkpoint`` values, so it stashes its inputs
-  and those; ``jax.checkpoint`` / ``nnx.remat`` regions the user wrote inside
-  a stage shrink the stash the same way.
-* backward: the stashed activations and the gradient of the stage's outputs
-  in, the gradient of its inputs out (to the previous IPU), its weight
-  gradients added to the accumulator it holds.
-* weight update: the optimizer on the stage's own weights and state.
+(:mod:`~ipu_jax.pipelining.split`). Each stage gets three tile programs --
+forward, backward and weight update (:mod:`~ipu_jax.pipelining.stage_programs`)
+-- all lowered for one IPU of ``device.tiles_per_ipu`` tiles, so its tensors
+live only on that IPU's tiles.
 
 A step runs these programs in the schedule's order (every stage accumulates
 its micro-batches in order 0..G-1, so the numbers equal plain gradient
@@ -30,8 +19,7 @@ stage's gradients are all-reduced over its R copies before its update.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +27,8 @@ import numpy as np
 
 from ipu_jax import config as config_lib
 from ipu_jax.errors import OutOfMemoryError
-from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
-from ipu_jax.pipelining import links, schedule as schedule_lib
+from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
+from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
 
 __all__ = ["Pipeline", "StagePrograms", "check_steps_per_execution"]
@@ -54,69 +42,6 @@ def check_steps_per_execution(steps_per_execution: int, accumulation: int,
         f"steps_per_execution={steps_per_execution} must be a multiple of "
         f"gradient_accumulation_steps x replication_factor = {accumulation} x {replicas} = "
         f"{accumulation * replicas}: each execution runs whole pipeline steps.")
-
-
-@dataclasses.dataclass
-class StagePrograms:
-  """The lowered programs of one stage and what they cost.
-
-  Attributes:
-    index, ipu: the stage and the IPU (within one replica) it runs on.
-    forward, backward, update: the :class:`ipu_jax.Lowered` programs
-      (``update`` is None without an optimizer).
-    stash_bytes: ``[tiles_per_ipu]`` bytes of one micro-batch's stashed
-      activations on each tile.
-    stash_depth: activation sets waiting for their backward pass (schedule).
-    sends: stage -> bytes this stage's forward pass sends it (a skip
-      connection sends past the next stage, straight to its reader).
-    returns: stage -> bytes of input gradients the backward pass sends it.
-    weight_bytes: bytes of the stage's weights (and so of its gradients).
-  """
-
-  index: int
-  ipu: int
-  forward: Any
-  backward: Any
-  update: Any
-  stash_bytes: np.ndarray
-  stash_depth: int = 0
-  sends: dict = dataclasses.field(default_factory=dict)
-  returns: dict = dataclasses.field(default_factory=dict)
-  weight_bytes: int = 0
-
-  @property
-  def send_bytes(self) -> int:
-    """Bytes sent to later stages per forward pass."""
-    return sum(self.sends.values())
-
-  @property
-  def gradient_bytes(self) -> int:
-    """Bytes of input gradients sent back per backward pass."""
-    return sum(self.returns.values())
-
-  @property
-  def peak_bytes(self) -> np.ndarray:
-    """``[tiles_per_ipu]`` peak bytes: the largest program plus the stash."""
-    programs = [self.forward, self.backward] + ([self.update] if self.update else [])
-    peak = np.max([p.profile.memory.peak for p in programs], axis=0)
-    return peak + self.stash_depth * self.stash_bytes
-
-
-def _nbytes(values) -> int:
-  return int(sum(np.prod(np.shape(v), dtype=np.int64) * np.dtype(v.dtype).itemsize
-                 for v in values))
-
-
-def _per_tile(lowered, output_indices, num_tiles: int) -> np.ndarray:
-  out = np.zeros(num_tiles, np.int64)
-  seen = set()
-  for i in output_indices:
-    tensor = lowered.outputs[i]
-    if tensor.id in seen or tensor.mapping is None or tensor.mapping.num_elements == 0:
-      continue
-    seen.add(tensor.id)
-    np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
-  return out
 
 
 class Pipeline:
@@ -255,7 +180,7 @@ class Pipeline:
       p_k = [flat_params[i] for i in stage.params]
       b_k = [flat_micro[i] for i in stage.batch]
       in_k = [values[v] for v in stage.inputs]
-      forward, backward = _stage_functions(stage, recompute)
+      forward, backward = stage_programs.stage_functions(stage, recompute)
       fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
       outs, vjp = jax.eval_shape(forward, p_k, b_k, in_k)
       for v, o in zip(stage.outputs, outs):
@@ -267,7 +192,7 @@ class Pipeline:
       update = None
       if self.optimizer is not None:
         state = self.optimizer.init(p_k)
-        update = jit(_update_function(self.optimizer), config=cfg).lower(p_k, state, acc)
+        update = jit(stage_programs.update_function(self.optimizer), config=cfg).lower(p_k, state, acc)
       # Residuals that are the stage's own weights stay where they are.
       invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
       num_out = len(outs)
@@ -276,11 +201,11 @@ class Pipeline:
       returns = {}
       for v, value in zip(stage.inputs, in_k):
         source = staged.producer(v)
-        returns[source] = returns.get(source, 0) + _nbytes([value])
-      stages.append(StagePrograms(
+        returns[source] = returns.get(source, 0) + stage_programs.nbytes([value])
+      stages.append(stage_programs.StagePrograms(
           index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
-          update=update, stash_bytes=_per_tile(fwd, stashed, target.num_tiles),
-          returns=returns, weight_bytes=_nbytes(p_k)))
+          update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
+          returns=returns, weight_bytes=stage_programs.nbytes(p_k)))
     for stage, programs in zip(staged.stages, stages):
       for source, nbytes in programs.returns.items():
         stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes
@@ -475,40 +400,3 @@ class Pipeline:
           for v, c in zip(stage.inputs, in_cts):
             cts[(v, m)] = c if (v, m) not in cts else cts[(v, m)] + c
     return acc, [losses[m] for m in sorted(losses)]
-
-
-def _stage_functions(stage, recompute: bool):
-  """The forward and backward functions of one stage (lowered by ipu_jax.jit)."""
-
-  # The VJP's tree holds the traced backward jaxpr, which differs from trace
-  # to trace: the programs pass its leaves (the residuals), and the backward
-  # pass rebuilds it with the structure of the latest forward trace.
-  vjp_tree = []
-
-  def forward(p_k, b_k, in_k):
-    def body(p, i):
-      return stage(p, b_k, i)
-    if recompute:
-      body = jax.checkpoint(
-          body, policy=jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
-    outs, vjp = jax.vjp(body, p_k, in_k)
-    leaves, tree = jax.tree_util.tree_flatten(vjp)
-    vjp_tree[:] = [tree]
-    return outs, leaves
-
-  def backward(residuals, cts, acc):
-    vjp = jax.tree_util.tree_unflatten(vjp_tree[0], residuals)
-    d_params, d_inputs = vjp(cts)
-    return [a + d for a, d in zip(acc, d_params)], d_inputs
-
-  return forward, backward
-
-
-def _update_function(optimizer):
-  import optax
-
-  def update(p_k, state, g_k):
-    updates, state = optimizer.update(g_k, state, p_k)
-    return optax.apply_updates(p_k, updates), state
-
-  return update
