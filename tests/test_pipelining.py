@@ -32,14 +32,17 @@ def _config(stages=4, g=8, schedule_name="Grouped", recompute=False, replicas=1,
 
 def _loss(params, batch):
   """A stack of equal layers, one stage each; the recomputation checkpoint
-  keeps the middle activation of each layer."""
+  keeps the middle activation of each layer. An integer value made on stage 0
+  crosses to the last stage (it carries no gradient)."""
+  shift = jnp.argmax(batch["x"], axis=-1)
   h = batch["x"]
   for k, w in enumerate(params):
     if k:
       h = pipeline_stage(h, k)
     h = recomputation_checkpoint(jnp.tanh(h @ w))
     h = jnp.tanh(h @ w.T)
-  return jnp.mean((h - batch["y"]) ** 2)
+  picked = jnp.take_along_axis(h, shift[:, None], axis=1)
+  return jnp.mean((h - batch["y"]) ** 2) + 0.01 * jnp.mean(picked)
 
 
 def _data(stages=4, g=8, width=32, rows=16, seed=0):
@@ -214,8 +217,15 @@ class PipelinedTrainingTest(chex.TestCase):
       # form on balanced stages is ScheduleTest's).
       closed = g / (g + n - 1)
       self.assertAlmostEqual(pipe.timeline.rate_efficiency, closed, delta=0.1 * closed)
-    # Activations forward and gradients back, per micro-batch and boundary.
-    self.assertEqual(pipe.timeline.link_bytes, g * (n - 1) * 2 * 16 * 32 * 4)
+    # Activations forward and gradients back, per micro-batch and boundary;
+    # the integer indices made on stage 0 go to the last stage, forward only.
+    activations = 16 * 32 * 4
+    last = pipe.staged.stages[-1]
+    ints = [v for v in last.inputs if not np.issubdtype(v.aval.dtype, np.inexact)]
+    self.assertNotEmpty(ints)
+    self.assertEqual(sum(s.gradient_bytes for s in pipe.stages), (n - 1) * activations)
+    int_bytes = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in ints)
+    self.assertEqual(pipe.timeline.link_bytes, g * (2 * (n - 1) * activations + int_bytes))
 
   def test_recomputation_trades_memory_for_cycles(self):
     plain, _ = self.pipes[False]

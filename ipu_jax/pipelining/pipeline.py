@@ -175,7 +175,7 @@ class Pipeline:
     recompute = self.config.pipelining.recomputation
     from ipu_jax.jit import jit
     values = {}
-    stages = []
+    stages, all_reads = [], []
     for stage in staged.stages:
       p_k = [flat_params[i] for i in stage.params]
       b_k = [flat_micro[i] for i in stage.batch]
@@ -186,7 +186,7 @@ class Pipeline:
       for v, o in zip(stage.outputs, outs):
         values[v] = jnp.zeros(o.shape, o.dtype)
       vjp_zeros = [jnp.zeros(s.shape, s.dtype) for s in vjp]
-      cts = [jnp.zeros(o.shape, o.dtype) for o in outs]
+      cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
       acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
       bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
       update = None
@@ -198,16 +198,19 @@ class Pipeline:
       num_out = len(outs)
       stashed = [num_out + i for i, v in enumerate(fwd.jaxpr.jaxpr.outvars[num_out:])
                  if not any(v is w for w in invars)]
-      returns = {}
+      returns, reads = {}, {}
       for v, value in zip(stage.inputs, in_k):
         source = staged.producer(v)
-        returns[source] = returns.get(source, 0) + stage_programs.nbytes([value])
+        reads[source] = reads.get(source, 0) + stage_programs.nbytes([value])
+        if stage_programs.differentiable(value):
+          returns[source] = returns.get(source, 0) + stage_programs.nbytes([value])
+      all_reads.append(reads)
       stages.append(stage_programs.StagePrograms(
           index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
           update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
           returns=returns, weight_bytes=stage_programs.nbytes(p_k)))
-    for stage, programs in zip(staged.stages, stages):
-      for source, nbytes in programs.returns.items():
+    for stage, reads in zip(staged.stages, all_reads):
+      for source, nbytes in reads.items():
         stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes
     slots = schedule_lib.slots(self.schedule, staged.num_stages, self.accumulation)
     for stage, depth in zip(stages, schedule_lib.stash_depths(slots, staged.num_stages)):
@@ -388,15 +391,14 @@ class Pipeline:
             losses[m] = outs[-1]
         else:
           out_cts = []
-          for v in stage.outputs:
+          for v in filter(stage_programs.differentiable, stage.outputs):
             if p.stage == last and v is staged.loss_var:
               out_cts.append(jnp.ones((), values[(v, m)].dtype))
             else:
-              out_cts.append(cts.pop((v, m), None))
-          out_cts = [jnp.zeros_like(values[(v, m)]) if c is None else c
-                     for v, c in zip(stage.outputs, out_cts)]
+              c = cts.pop((v, m), None)
+              out_cts.append(jnp.zeros_like(values[(v, m)]) if c is None else c)
           acc[p.stage], in_cts = programs.backward(stash.pop((p.stage, m)), out_cts,
                                                    acc[p.stage])
-          for v, c in zip(stage.inputs, in_cts):
+          for v, c in zip(filter(stage_programs.differentiable, stage.inputs), in_cts):
             cts[(v, m)] = c if (v, m) not in cts else cts[(v, m)] + c
     return acc, [losses[m] for m in sorted(losses)]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
 
-__all__ = ["StagePrograms", "stage_functions", "update_function", "nbytes", "per_tile_bytes"]
+__all__ = ["StagePrograms", "differentiable", "stage_functions", "update_function", "nbytes", "per_tile_bytes"]
 
 
 @dataclasses.dataclass
@@ -97,22 +97,41 @@ def stage_functions(stage, recompute: bool):
   vjp_tree = []
 
   def forward(p_k, b_k, in_k):
+    # Integer values (token ids, labels) cross stages but carry no gradient.
+    mask = [differentiable(x) for x in in_k]
+    fixed = [x for x, d in zip(in_k, mask) if not d]
+
     def body(p, i):
-      return stage(p, b_k, i)
+      it, fx = iter(i), iter(fixed)
+      outs = stage(p, b_k, [next(it) if d else next(fx) for d in mask])
+      return ([o for o in outs if differentiable(o)],
+              [o for o in outs if not differentiable(o)])
+
     if recompute:
       body = jax.checkpoint(
           body, policy=jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
-    outs, vjp = jax.vjp(body, p_k, in_k)
+    float_outs, vjp, int_outs = jax.vjp(
+        body, p_k, [x for x, d in zip(in_k, mask) if d], has_aux=True)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
     vjp_tree[:] = [tree]
+    shapes = jax.eval_shape(lambda: stage(p_k, b_k, in_k))
+    it_f, it_i = iter(float_outs), iter(int_outs)
+    outs = [next(it_f) if differentiable(o) else next(it_i) for o in shapes]
     return outs, leaves
 
   def backward(residuals, cts, acc):
+    """``cts``: of the differentiable outputs; returns those inputs' gradients."""
     vjp = jax.tree_util.tree_unflatten(vjp_tree[0], residuals)
     d_params, d_inputs = vjp(cts)
     return [a + d for a, d in zip(acc, d_params)], d_inputs
 
   return forward, backward
+
+
+def differentiable(x) -> bool:
+  """Whether ``x`` (an array, aval or variable) has a gradient: inexact dtypes."""
+  dtype = getattr(getattr(x, "aval", x), "dtype", None)
+  return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
 def update_function(optimizer):
