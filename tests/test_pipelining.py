@@ -212,11 +212,13 @@ class PipelinedTrainingTest(chex.TestCase):
     self.assertGreater(memory[0]["stash_bytes"], 0)
     self.assertEqual(memory[n - 1]["stash_bytes"], 0)
     if self.SCHEDULE == "Grouped":
-      # The last stage also computes the loss and the first no input
-      # gradient, so the stages are only nearly balanced (the exact closed
-      # form on balanced stages is ScheduleTest's).
+      # The first stage computes no input gradient and the last also the
+      # loss, so these stages are not balanced: the ramps cost less than
+      # steady slots of the slowest stage and the rate beats the balanced
+      # closed form (matched exactly on balanced costs in ScheduleTest),
+      # less the copies and syncs.
       closed = g / (g + n - 1)
-      self.assertAlmostEqual(pipe.timeline.rate_efficiency, closed, delta=0.1 * closed)
+      self.assertBetween(pipe.timeline.rate_efficiency, 0.95 * closed, 1.0)
     # Activations forward and gradients back, per micro-batch and boundary;
     # the integer indices made on stage 0 go to the last stage, forward only.
     activations = 16 * 32 * 4
