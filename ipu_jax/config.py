@@ -392,6 +392,22 @@ class _StreamingOptions(_Group):
       "replicated_optimizer_state_sharding, PopTorch's "
       "useReplicatedTensorSharding). The optimizer must act elementwise "
       "(SGD, momentum, Adam, ...).")
+class _PipeliningOptions(_Group):
+  """How ipu_jax.pipelining.Pipeline runs a model split into stages."""
+
+  schedule = _Option(
+      _one_of("Grouped", "Interleaved", "Sequential"), "Grouped",
+      "Pipeline schedule (TF-IPU's PipelineSchedule): 'Grouped' (forward "
+      "passes grouped, then backward passes), 'Interleaved' (one pass per IPU "
+      "per slot, fewer activations stashed) or 'Sequential' (sharded: one "
+      "stage at a time). The number of micro-batches per step is "
+      "training.gradient_accumulation_steps.")
+  recomputation = _Option(
+      _BOOL, False,
+      "Recompute each stage's forward pass in its backward pass, stashing "
+      "only the stage's inputs and the values marked with "
+      "ipu_jax.ops.recomputation_checkpoint (TF-IPU's recomputation_mode "
+      "RecomputeThenBackpropagate).")
 
 
 class IPUConfig(_Group):
@@ -425,6 +441,7 @@ class IPUConfig(_Group):
   executor = _Section(_ExecutorOptions)
   floating_point_behaviour = _Section(_FloatingPointOptions)
   streaming = _Section(_StreamingOptions)
+  pipelining = _Section(_PipeliningOptions)
   random_seed = _Option(
       _integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "

@@ -128,6 +128,8 @@ class Model:
     self._compiled = False
     self._accumulation_steps: Optional[int] = None
     self._accumulation_reduction: Optional[str] = None
+    # set_pipelining_options: the pipelining options (None: not pipelined).
+    self._pipelining: Optional[dict] = None
     self._programs: dict = {}
     self._compile_verbose = None  # fit/evaluate(verbose=0) silence compile progress
     self.config: Optional[config_lib.IPUConfig] = None
@@ -452,6 +454,16 @@ class Model:
 
   # -- fit ------------------------------------------------------------------------------
 
+  def set_pipelining_options(self, **options):
+    """Train pipelined over IPUs (see :mod:`ipu_jax.keras.pipelining`)."""
+    from ipu_jax.keras import pipelining
+    pipelining.set_pipelining_options(self, **options)
+
+  def set_pipeline_stage_assignment(self, assignment: dict):
+    """Place layers on pipeline stages by module path (``{"layers_1": 1}``)."""
+    from ipu_jax.keras import pipelining
+    pipelining.set_pipeline_stage_assignment(self, assignment)
+
   def fit(self, x=None, y=None, batch_size: Optional[int] = None, epochs: int = 1,
           verbose="auto", callbacks: Optional[Sequence] = None, validation_data=None,
           shuffle: bool = True, initial_epoch: int = 0,
@@ -487,6 +499,11 @@ class Model:
         before training starts.
     """
     self._require_compiled()
+    if self._pipelining:
+      from ipu_jax.keras import pipelining
+      return pipelining.fit(self, x, y, batch_size=batch_size, epochs=epochs,
+                            verbose=0 if verbose == "auto" else verbose, shuffle=shuffle,
+                            callbacks=callbacks, validation_data=validation_data)
     G, R, S = self.gradient_accumulation_steps, self.num_replicas, self.steps_per_execution
     check_steps_per_execution(S, G, R)
     if initial_epoch < 0 or epochs < initial_epoch:

@@ -24,6 +24,9 @@ collectives' with the named-axis collectives in ``parallel.py``.
 * :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
 * :func:`cast_to_fp8`, :func:`cast_from_fp8`, :func:`fp8_matmul`: the FP8
   formats F143/F152 with power-of-two scales (``ops/fp8.py``).
+* :func:`pipeline_stage`, :func:`recomputation_checkpoint`: pipeline stage
+  boundaries and values kept when stages are recomputed (see
+  :mod:`ipu_jax.pipelining`).
 """
 
 import os as _os
@@ -42,6 +45,8 @@ from ipu_jax.ops.sharded_collectives import (cross_replica_all_gather,
                                              cross_replica_all_gather_p,
                                              cross_replica_reduce_scatter,
                                              cross_replica_reduce_scatter_p)
+from ipu_jax.ops.pipeline_stage import (RECOMPUTATION_CHECKPOINT, pipeline_stage,
+                                        pipeline_stage_p, recomputation_checkpoint)
 from ipu_jax.ops.print_tensor import format_tensor, print_tensor, print_tensor_p
 from ipu_jax.ops.stochastic_round import stochastic_round, stochastic_round_p
 from ipu_jax.ops.tile_map import tile_map, tile_map_p
@@ -54,4 +59,6 @@ __all__ = [
     "REPLICA_AXIS", "cast_to_fp8", "cast_from_fp8", "fp8_matmul",
     "cross_replica_reduce_scatter", "cross_replica_all_gather",
     "cross_replica_reduce_scatter_p", "cross_replica_all_gather_p",
+    "pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
+    "RECOMPUTATION_CHECKPOINT",
 ]

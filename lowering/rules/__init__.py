@@ -4,6 +4,6 @@ Importing this package registers every rule (``ipu_jax.lowering`` imports it).
 """
 
 from ipu_jax.lowering.rules import (control, convolution, dot, elementwise, fft,  # noqa: F401
-                                    indexing, ipu_matmul, linalg, misc, parallel, print_tensor,
-                                    random, reduction, rounding, shape, sharding, stochastic_round,
-                                    tile_map, window)
+                                    indexing, ipu_matmul, linalg, misc, parallel, pipeline,
+                                    print_tensor, random, reduction, rounding, shape, sharding,
+                                    stochastic_round, tile_map, window)

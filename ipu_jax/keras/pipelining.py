@@ -1,0 +1,140 @@
+"""Keras-like pipelining: ``Model.set_pipelining_options`` and stage assignment.
+
+``model.set_pipeline_stage_assignment({"first": 0, "second": 1})`` places the
+model's layers on pipeline stages by module path (the names reports use:
+NNX attribute paths, linen module names), and
+``model.set_pipelining_options(schedule="Grouped", ...)`` makes ``fit`` train
+through an :class:`ipu_jax.pipelining.Pipeline`: each stage on its own IPU,
+``G`` micro-batches per weight update, the numbers of plain accumulation.
+
+What this ``fit`` supports (checked before anything runs): array data, the
+``History`` it returns, ``batch_size``, ``epochs``, ``shuffle`` and
+``verbose``; models without mutable state (batch statistics) or dropout
+randomness, and optimizers that update each weight from its own gradient.
+Validation data, callbacks and metrics are not run on a pipelined model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "fit"]
+
+_SCHEDULES = ("Grouped", "Interleaved", "Sequential")
+
+
+def set_pipelining_options(model, *, schedule: Optional[str] = None,
+                           gradient_accumulation_steps_per_replica: Optional[int] = None,
+                           recomputation: Optional[bool] = None, device_mapping=None) -> None:
+  """Store the pipelining options on ``model`` (see the module docstring).
+
+  Raises:
+    ValueError: an unknown schedule or a G below 1, naming the option.
+  """
+  if schedule is not None and schedule not in _SCHEDULES:
+    raise ValueError(f"set_pipelining_options: schedule must be one of {_SCHEDULES}; got "
+                     f"{schedule!r}.")
+  g = gradient_accumulation_steps_per_replica
+  if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+    raise ValueError("set_pipelining_options: gradient_accumulation_steps_per_replica must "
+                     f"be an int >= 1; got {g!r}.")
+  options = dict(model._pipelining or {})
+  options.update({k: v for k, v in dict(
+      schedule=schedule, accumulation=g, recomputation=recomputation,
+      device_mapping=None if device_mapping is None else tuple(device_mapping)).items()
+      if v is not None})
+  model._pipelining = options
+
+
+def set_pipeline_stage_assignment(model, assignment) -> None:
+  """Place layers on stages: ``{module path: stage}``; pipelining turns on."""
+  if not isinstance(assignment, dict) or not assignment:
+    raise ValueError("set_pipeline_stage_assignment expects a non-empty dict of module path "
+                     f"-> stage id, e.g. {{'layers_1': 1}}; got {assignment!r}.")
+  options = dict(model._pipelining or {})
+  options["assignment"] = dict(assignment)
+  model._pipelining = options
+
+
+def _pipeline(model):
+  from ipu_jax.pipelining import Pipeline
+  options = model._pipelining
+  adapter = model._adapter
+  if jax.tree_util.tree_leaves(model.state) or adapter.needs_rng:
+    raise NotImplementedError(
+        "A pipelined fit supports models without mutable state (batch statistics) or "
+        "dropout randomness; this model has "
+        + ("state" if jax.tree_util.tree_leaves(model.state) else "randomness") + ".")
+  cfg = model.config.copy()
+  cfg.training.gradient_accumulation_steps = options.get(
+      "accumulation", model.gradient_accumulation_steps)
+  cfg.training.gradient_accumulation_reduction = model.gradient_accumulation_reduction
+  cfg.training.replica_reduction = model.replica_reduction
+  if "schedule" in options:
+    cfg.pipelining.schedule = options["schedule"]
+  if "recomputation" in options:
+    cfg.pipelining.recomputation = options["recomputation"]
+  state, rng_state = model.state, model._rng_state
+  per_sample_loss = model._per_sample_loss
+
+  def loss(params, batch):
+    y_pred, _ = adapter.apply(params, state, rng_state, batch["x"], True, None)
+    return jnp.mean(per_sample_loss(batch["y"], y_pred))
+
+  return Pipeline(loss, model.optimizer, config=cfg,
+                  device_mapping=options.get("device_mapping"),
+                  stage_assignment=options.get("assignment"))
+
+
+def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bool = True,
+        callbacks=None, validation_data=None):
+  """Train ``model`` pipelined; returns a :class:`~ipu_jax.keras.callbacks.History`.
+
+  Each weight update takes ``G x R`` micro-batches of ``batch_size``; samples
+  that do not fill a whole update are left out of the epoch.
+  """
+  from ipu_jax.keras.callbacks import History
+  model._require_compiled()
+  if callbacks or validation_data is not None or model.metrics:
+    raise NotImplementedError("A pipelined fit runs no callbacks, validation data or "
+                              "metrics; leave them out (the loss is reported per epoch).")
+  pipe = _pipeline(model)
+  micro = int(batch_size or 32)
+  g, r = pipe.accumulation, pipe.replicas
+  x, y = np.asarray(x), np.asarray(y)
+  per_update = micro * g * r
+  updates = len(x) // per_update
+  if updates == 0:
+    raise ValueError(f"A pipelined step needs batch_size x G x R = {micro} x {g} x {r} = "
+                     f"{per_update} samples; got {len(x)}.")
+  params = model.params
+  history = History()
+  history.history = {"loss": []}
+  opt_state = None
+  for epoch in range(epochs):
+    order = (np.random.default_rng([model.seed, epoch]).permutation(len(x)) if shuffle
+             else np.arange(len(x)))
+    losses = []
+    for u in range(updates):
+      idx = order[u * per_update:(u + 1) * per_update]
+      batches = {"x": jnp.asarray(x[idx].reshape((g * r, micro) + x.shape[1:])),
+                 "y": jnp.asarray(y[idx].reshape((g * r, micro) + y.shape[1:]))}
+      if opt_state is None:
+        opt_state = pipe.init(params, batches)
+      params, opt_state, loss = pipe.step(params, opt_state, batches)
+      losses.append(float(loss))
+    history.history["loss"].append(float(np.mean(losses)))
+    history.epoch.append(epoch)
+    if verbose:
+      print(f"Epoch {epoch + 1}/{epochs} - loss: {history.history['loss'][-1]:.4f}")
+  model._params = model._replication.replicate(params) if (
+      model._replication is not None and hasattr(model._replication, "replicate")) else params
+  model._sync_module()
+  model._step += updates * epochs
+  model.pipeline = pipe
+  model.reports["train"] = pipe.report.program_report
+  return history

@@ -1,0 +1,19 @@
+"""Models across IPUs: stages on IPUs, sharded and pipelined execution.
+
+Mark stage boundaries with :func:`ipu_jax.ops.pipeline_stage` or put
+layers in ``with ipu_jax.pipelining.stage(k):`` blocks; a
+:class:`Pipeline` splits the loss function there, lowers each stage's
+forward, backward and weight-update programs onto its own IPU, runs steps in
+the schedule's order (``config.pipelining.schedule``: Grouped, Interleaved or
+Sequential) and costs them (:class:`PipelineReport`). See DESIGN.md
+section 10.
+"""
+
+from ipu_jax.pipelining.pipeline import Pipeline, StagePrograms, check_steps_per_execution
+from ipu_jax.pipelining.report import PipelineReport
+from ipu_jax.pipelining.schedule import SCHEDULES, minimum_accumulation, stash_depths
+from ipu_jax.pipelining.split import PipelineError, split_stages, stage
+
+__all__ = ["Pipeline", "PipelineError", "PipelineReport", "SCHEDULES", "StagePrograms",
+           "check_steps_per_execution", "minimum_accumulation", "split_stages",
+           "stage", "stash_depths"]

@@ -1,0 +1,404 @@
+"""``Pipeline``: train a model split into stages, each stage on its own IPU.
+
+The loss function is split at its ``pipeline_stage`` marks
+(:mod:`~ipu_jax.pipelining.split`). Each stage gets three tile programs --
+forward, backward and weight update (:mod:`~ipu_jax.pipelining.stage_programs`)
+-- all lowered for one IPU of ``device.tiles_per_ipu`` tiles, so its tensors
+live only on that IPU's tiles.
+
+A step runs these programs in the schedule's order (every stage accumulates
+its micro-batches in order 0..G-1, so the numbers equal plain gradient
+accumulation). Time and memory come from the programs' profiles: the step is
+laid out slot by slot (:mod:`~ipu_jax.pipelining.schedule`), values crossing
+stages are costed over IPU-Links and syncs across IPUs
+(:mod:`~ipu_jax.pipelining.links`), and each IPU's memory is its largest
+program plus the activation sets the schedule keeps waiting (stash depth).
+With ``replication_factor`` R, R copies of the pipeline use R x N IPUs; each
+stage's gradients are all-reduced over its R copies before its update.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax import config as config_lib
+from ipu_jax.errors import OutOfMemoryError
+from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
+from ipu_jax.pipelining.stage_programs import StagePrograms
+from ipu_jax.pipelining.split import PipelineError, split_stages
+
+__all__ = ["Pipeline", "StagePrograms", "check_steps_per_execution"]
+
+
+def check_steps_per_execution(steps_per_execution: int, accumulation: int,
+                              replicas: int) -> None:
+  """Raise unless ``steps_per_execution`` is a multiple of ``G x R``."""
+  if steps_per_execution % (accumulation * replicas):
+    raise PipelineError(
+        f"steps_per_execution={steps_per_execution} must be a multiple of "
+        f"gradient_accumulation_steps x replication_factor = {accumulation} x {replicas} = "
+        f"{accumulation * replicas}: each execution runs whole pipeline steps.")
+
+
+class Pipeline:
+  """A loss function pipelined over IPUs, one stage per IPU.
+
+  ::
+
+    def loss_fn(params, batch):
+      h = layer(params["l0"], batch["x"])
+      h = ipu_jax.ops.pipeline_stage(h, 1)       # stage 1 starts here
+      ...
+      return loss
+
+    pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.sgd(0.1), config=cfg)
+    params, opt_state, loss = pipe.step(params, opt_state, batches)
+    print(pipe.report.summary())
+
+  ``batches`` holds ``G x R`` micro-batches stacked on a leading axis (G =
+  ``training.gradient_accumulation_steps``, R = ``replication_factor``).
+
+  Args:
+    loss_fn: ``loss_fn(params, micro_batch) -> scalar``, with
+      :func:`ipu_jax.ops.pipeline_stage` marks.
+    optimizer: an optax ``GradientTransformation`` applied to each stage's
+      weights on its own IPU (so optimizers that mix weights across stages,
+      e.g. global-norm clipping, are not supported); None to only compute
+      gradients.
+    config: the :class:`ipu_jax.IPUConfig`: ``auto_select_ipus`` IPUs per
+      pipeline, ``device``, ``pipelining``, ``training`` and
+      ``replication_factor``; default: the active default config.
+    device_mapping: the IPU of each stage (default stage k on IPU k).
+    stage_assignment: ``{module path: stage}`` for models without marks
+      (see :func:`~ipu_jax.pipelining.split_stages`).
+
+  Raises:
+    PipelineError: bad stage marks, more stages than IPUs, a device mapping
+      out of range or repeated, or a G the schedule cannot run (when lowered).
+  """
+
+  def __init__(self, loss_fn: Callable, optimizer=None, *, config=None,
+               device_mapping: Optional[Sequence[int]] = None,
+               stage_assignment: Optional[dict] = None):
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.config = (config if config is not None else config_lib.get_default_config()).copy()
+    self.device_mapping = None if device_mapping is None else tuple(device_mapping)
+    self.stage_assignment = None if stage_assignment is None else dict(stage_assignment)
+    self._lowered_key = None
+    self.staged = None
+    self.stages: list = []
+    self.timeline = None
+
+  # -- settings -------------------------------------------------------------
+
+  @property
+  def schedule(self) -> str:
+    return self.config.pipelining.schedule
+
+  @property
+  def accumulation(self) -> int:
+    return self.config.training.gradient_accumulation_steps
+
+  @property
+  def replicas(self) -> int:
+    return self.config.replication_factor
+
+  def _check_settings(self, num_stages: int) -> list:
+    num_ipus = self.config.auto_select_ipus
+    if num_stages > num_ipus:
+      raise PipelineError(
+          f"The model has {num_stages} pipeline stages but each replica has only "
+          f"{num_ipus} IPUs (auto_select_ipus={num_ipus}); set auto_select_ipus >= "
+          f"{num_stages} or use fewer stages.")
+    mapping = list(self.device_mapping or range(num_stages))
+    if len(mapping) != num_stages:
+      raise PipelineError(f"device_mapping {tuple(mapping)} has {len(mapping)} entries for "
+                          f"{num_stages} stages; give one IPU per stage.")
+    for k, ipu in enumerate(mapping):
+      if isinstance(ipu, bool) or not isinstance(ipu, (int, np.integer)) or not 0 <= ipu < num_ipus:
+        raise PipelineError(f"device_mapping[{k}]={ipu!r} is out of range: IPUs are 0.."
+                            f"{num_ipus - 1} (auto_select_ipus={num_ipus}).")
+    if len(set(mapping)) != len(mapping):
+      raise PipelineError(f"device_mapping {tuple(mapping)} puts two stages on one IPU; "
+                          "each stage needs its own IPU.")
+    minimum = schedule_lib.minimum_accumulation(self.schedule, num_stages)
+    g = self.accumulation
+    if g < minimum or g % minimum:
+      rule = {"Grouped": "2 x stages", "Interleaved": "the number of stages"}[self.schedule]
+      raise PipelineError(
+          f"training.gradient_accumulation_steps={g} does not suit the {self.schedule} "
+          f"schedule over {num_stages} stages: it must be a multiple of {minimum} ({rule}) "
+          f"and at least {minimum}.")
+    return [int(i) for i in mapping]
+
+  def _stage_config(self):
+    cfg = self.config.copy()
+    cfg.auto_select_ipus = 1
+    cfg.replication_factor = 1
+    cfg.memory.allow_out_of_memory = True  # checked per IPU, stash included
+    return cfg
+
+  # -- lowering ---------------------------------------------------------------
+
+  def lower(self, params, batches, opt_state=None) -> "Pipeline":
+    """Split, lower and cost every stage for these shapes (cached).
+
+    Raises:
+      PipelineError: see the class.
+      OutOfMemoryError: an IPU's largest program plus its stash exceeds a
+        tile's memory; names the IPU, stage and tile.
+    """
+    micro = jax.tree_util.tree_map(lambda b: b[0], batches)
+    leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
+    expected = self.accumulation * self.replicas
+    if leading != {expected}:
+      raise PipelineError(
+          f"batches must stack gradient_accumulation_steps x replication_factor = "
+          f"{self.accumulation} x {self.replicas} = {expected} micro-batches on their leading "
+          f"axis; got leading sizes {sorted(leading)}.")
+    key = (jax.tree_util.tree_structure((params, micro)),
+           tuple((np.shape(x), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
+                 for x in jax.tree_util.tree_leaves((params, micro))))
+    if key == self._lowered_key:
+      return self
+    staged = split_stages(self.loss_fn, params, micro, self.stage_assignment)
+    mapping = self._check_settings(staged.num_stages)
+    flat_params = jax.tree_util.tree_leaves(params)
+    flat_micro = jax.tree_util.tree_leaves(micro)
+    cfg = self._stage_config()
+    target = cfg.to_target()
+    recompute = self.config.pipelining.recomputation
+    from ipu_jax.jit import jit
+    values = {}
+    stages, all_reads = [], []
+    for stage in staged.stages:
+      p_k = [flat_params[i] for i in stage.params]
+      b_k = [flat_micro[i] for i in stage.batch]
+      in_k = [values[v] for v in stage.inputs]
+      forward, backward = stage_programs.stage_functions(stage, recompute)
+      fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
+      outs, vjp = jax.eval_shape(forward, p_k, b_k, in_k)
+      for v, o in zip(stage.outputs, outs):
+        values[v] = jnp.zeros(o.shape, o.dtype)
+      vjp_zeros = [jnp.zeros(s.shape, s.dtype) for s in vjp]
+      cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
+      acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
+      bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
+      update = None
+      if self.optimizer is not None:
+        state = self.optimizer.init(p_k)
+        update = jit(stage_programs.update_function(self.optimizer), config=cfg).lower(p_k, state, acc)
+      # Residuals that are the stage's own weights stay where they are.
+      invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
+      num_out = len(outs)
+      stashed = [num_out + i for i, v in enumerate(fwd.jaxpr.jaxpr.outvars[num_out:])
+                 if not any(v is w for w in invars)]
+      returns, reads = {}, {}
+      for v, value in zip(stage.inputs, in_k):
+        source = staged.producer(v)
+        reads[source] = reads.get(source, 0) + stage_programs.nbytes([value])
+        if stage_programs.differentiable(value):
+          returns[source] = returns.get(source, 0) + stage_programs.nbytes([value])
+      all_reads.append(reads)
+      stages.append(stage_programs.StagePrograms(
+          index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
+          update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
+          returns=returns, weight_bytes=stage_programs.nbytes(p_k)))
+    for stage, reads in zip(staged.stages, all_reads):
+      for source, nbytes in reads.items():
+        stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes
+    slots = schedule_lib.slots(self.schedule, staged.num_stages, self.accumulation)
+    for stage, depth in zip(stages, schedule_lib.stash_depths(slots, staged.num_stages)):
+      stage.stash_depth = depth
+    self.staged, self.stages, self._slots = staged, stages, slots
+    self.target = target
+    self._check_memory()
+    self.timeline = self._simulate()
+    self._lowered_key = key
+    from ipu_jax.pipelining.report import PipelineReport
+    self.report = PipelineReport(self)
+    return self
+
+  def _check_memory(self) -> None:
+    if self.config.memory.allow_out_of_memory:
+      return
+    limit = self.target.bytes_per_tile
+    for stage in self.stages:
+      peak = stage.peak_bytes
+      over = np.nonzero(peak > limit)[0]
+      if over.size:
+        tile = int(over[np.argmax(peak[over])])
+        stash = int(stage.stash_depth * stage.stash_bytes[tile])
+        raise OutOfMemoryError(
+            f"Out of memory on IPU {stage.ipu} (pipeline stage {stage.index}), tile {tile}: "
+            f"it needs {int(peak[tile]):,d} bytes but has {limit:,d} ({over.size} tile(s) over). "
+            f"Stage programs' peak {int(peak[tile]) - stash:,d} B plus {stage.stash_depth} "
+            f"stashed activation set(s) of {int(stage.stash_bytes[tile]):,d} B "
+            f"({self.schedule} schedule). What may help: more stages (IPUs), "
+            "pipelining.recomputation=True, the Interleaved schedule, or more tiles.",
+            tile=stage.ipu * self.target.tiles_per_ipu + tile, bytes_needed=int(peak[tile]),
+            bytes_available=limit, over_tiles=over + stage.ipu * self.target.tiles_per_ipu,
+            report=stage.forward.report)
+
+  def copy_cycles(self, stage: int, kind: str) -> float:
+    """Cycles of the IPU-Link copies after a pass of ``stage``.
+
+    ``kind`` 'forward': its outputs to the stages that read them; 'backward':
+    its input gradients to the stages that made the inputs. Copies to
+    different IPUs use different links and run at once.
+    """
+    programs = self.stages[stage]
+    to = programs.sends if kind == "forward" else programs.returns
+    return max((links.copy_cycles(self.target, programs.ipu, self.stages[k].ipu, nbytes)
+                for k, nbytes in to.items()), default=0.0)
+
+  def _simulate(self):
+    stages = self.stages
+    ipus = [s.ipu for s in stages]
+    num_ipus = self.config.auto_select_ipus
+    target = self.target
+    return schedule_lib.simulate(
+        self._slots, ipus,
+        forward=[s.forward.profile.total_cycles for s in stages],
+        backward=[s.backward.profile.total_cycles for s in stages],
+        copy_forward=lambda k: self.copy_cycles(k, "forward"),
+        copy_backward=lambda k: self.copy_cycles(k, "backward"),
+        sync=links.global_sync_cycles(target, num_ipus),
+        weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
+        all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)
+                    for s in stages],
+        link_bytes_forward=[s.send_bytes for s in stages],
+        link_bytes_backward=[s.gradient_bytes for s in stages])
+
+  # -- running ----------------------------------------------------------------
+
+  def gradients(self, params, batches):
+    """Accumulated gradients (like ``params``) and the mean loss of a step.
+
+    The micro-batches are reduced as ``training.gradient_accumulation_reduction``
+    ('sum', or 'mean' / 'running_mean' as a mean) and the replicas as
+    ``training.replica_reduction``.
+    """
+    self.lower(params, batches)
+    flat_params = jax.tree_util.tree_leaves(params)
+    grads, losses = self._run(flat_params, batches)
+    return jax.tree_util.tree_unflatten(self.staged.param_tree, grads), jnp.mean(
+        jnp.stack(losses))
+
+  def init(self, params, batches):
+    """The optimizer state: one state per stage, on that stage's IPU."""
+    if self.optimizer is None:
+      raise PipelineError("Pipeline.init needs an optimizer; this pipeline has none.")
+    self.lower(params, batches)
+    flat = jax.tree_util.tree_leaves(params)
+    return [self.optimizer.init([flat[i] for i in s.params]) for s in self.staged.stages]
+
+  def step(self, params, opt_state, batches):
+    """One training step: G x R micro-batches, then each stage's update.
+
+    Returns:
+      ``(new_params, new_opt_state, mean loss)``.
+    """
+    if self.optimizer is None:
+      raise PipelineError("Pipeline.step needs an optimizer; use gradients() without one.")
+    self.lower(params, batches)
+    flat = list(jax.tree_util.tree_leaves(params))
+    grads, losses = self._run(flat, batches)
+    new_state = []
+    for stage, programs, state in zip(self.staged.stages, self.stages, opt_state):
+      p_k = [flat[i] for i in stage.params]
+      g_k = [grads[i] for i in stage.params]
+      p_k, state = programs.update(p_k, state, g_k)
+      for i, value in zip(stage.params, p_k):
+        flat[i] = value
+      new_state.append(state)
+    return (jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
+            jnp.mean(jnp.stack(losses)))
+
+  def run(self, params, opt_state, batches, steps_per_execution: int):
+    """Run ``steps_per_execution`` micro-batches (over all replicas) as whole steps.
+
+    ``batches`` stacks the ``steps_per_execution`` micro-batches; each run of
+    ``G x R`` is one :meth:`step` (each replica's G contiguous), as the
+    Keras-on-IPU rule that ``steps_per_execution`` be a multiple of
+    ``G x R`` asks.
+
+    Returns:
+      ``(params, opt_state, losses)``: ``losses`` has one mean per step.
+
+    Raises:
+      PipelineError: ``steps_per_execution`` is not a multiple of ``G x R``
+        (checked before anything runs), or ``batches`` holds another count.
+    """
+    check_steps_per_execution(steps_per_execution, self.accumulation, self.replicas)
+    per_step = self.accumulation * self.replicas
+    leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
+    if leading != {steps_per_execution}:
+      raise PipelineError(
+          f"batches must stack steps_per_execution={steps_per_execution} micro-batches; got "
+          f"leading sizes {sorted(leading)}.")
+    losses = []
+    for start in range(0, steps_per_execution, per_step):
+      chunk = jax.tree_util.tree_map(lambda b: b[start:start + per_step], batches)
+      params, opt_state, loss = self.step(params, opt_state, chunk)
+      losses.append(loss)
+    return params, opt_state, jnp.stack(losses)
+
+  def _run(self, flat_params, batches):
+    g, r = self.accumulation, self.replicas
+    staged = self.staged
+    flat_batches = jax.tree_util.tree_leaves(batches)
+    training = self.config.training
+    total = [None] * len(flat_params)
+    losses = []
+    for replica in range(r):
+      acc, replica_losses = self._run_replica(
+          flat_params, [b[replica * g:(replica + 1) * g] for b in flat_batches])
+      losses += replica_losses
+      scale = 1.0 if training.gradient_accumulation_reduction == "sum" else 1.0 / g
+      for stage in staged.stages:
+        for i, a in zip(stage.params, acc[stage.index]):
+          a = a * scale if scale != 1.0 else a
+          total[i] = a if total[i] is None else total[i] + a
+    if r > 1 and training.replica_reduction == "mean":
+      total = [t / r for t in total]
+    total = [jnp.zeros_like(p) if t is None else t for p, t in zip(flat_params, total)]
+    return total, losses
+
+  def _run_replica(self, flat_params, flat_batches):
+    staged, stages = self.staged, self.stages
+    last = staged.num_stages - 1
+    acc = [[jnp.zeros(np.shape(flat_params[i]), flat_params[i].dtype) for i in s.params]
+           for s in staged.stages]
+    values, stash, cts, losses = {}, {}, {}, {}
+    for slot in self._slots:
+      for p in slot:
+        stage, programs, m = staged.stages[p.stage], stages[p.stage], p.micro_batch
+        p_k = [flat_params[i] for i in stage.params]
+        if p.kind == "forward":
+          b_k = [flat_batches[i][m] for i in stage.batch]
+          in_k = [values[(v, m)] for v in stage.inputs]
+          outs, vjp = programs.forward(p_k, b_k, in_k)
+          for v, o in zip(stage.outputs, outs):
+            values[(v, m)] = o
+          stash[(p.stage, m)] = vjp
+          if p.stage == last:
+            losses[m] = outs[-1]
+        else:
+          out_cts = []
+          for v in filter(stage_programs.differentiable, stage.outputs):
+            if p.stage == last and v is staged.loss_var:
+              out_cts.append(jnp.ones((), values[(v, m)].dtype))
+            else:
+              c = cts.pop((v, m), None)
+              out_cts.append(jnp.zeros_like(values[(v, m)]) if c is None else c)
+          acc[p.stage], in_cts = programs.backward(stash.pop((p.stage, m)), out_cts,
+                                                   acc[p.stage])
+          for v, c in zip(filter(stage_programs.differentiable, stage.inputs), in_cts):
+            cts[(v, m)] = c if (v, m) not in cts else cts[(v, m)] + c
+    return acc, [losses[m] for m in sorted(losses)]

@@ -1,0 +1,94 @@
+"""A pipelined step as one ``ProgramProfile``, so the usual reports read it.
+
+Each time slot of the schedule becomes one step across the pipeline's IPUs:
+its sync is the cross-IPU sync, its exchange the longest IPU-Link copy, and
+each tile's compute the cycles its IPU spends on the slot's passes (a stage
+program's cycles, spread evenly over the IPU's tiles: the slot lasts as long
+as the busiest IPU). The gradient all-reduce over replicas and the weight
+updates close the step. Memory per tile is, on each IPU, the categories of
+the stage program that peaks highest on that tile plus the stashed
+activations (category ``stashed_activations``), so ``ipu_jax.Report``,
+``compare_reports`` and the HTML page show a pipeline like any program.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
+                                      StepProfile)
+from ipu_jax.pipelining import links
+from ipu_jax.target import IPUTarget
+
+__all__ = ["STASH_CATEGORY", "pipeline_profile"]
+
+STASH_CATEGORY = "stashed_activations"
+
+
+def _memory(pipeline, target: IPUTarget, num_steps: int) -> MemoryProfile:
+  t = target.tiles_per_ipu
+  cats = {c: np.zeros(target.num_tiles, np.int64) for c in MEMORY_CATEGORIES + (STASH_CATEGORY,)}
+  cols = np.arange(t)
+  for s in pipeline.stages:
+    programs = [p for p in (s.forward, s.backward, s.update) if p is not None]
+    peaks = np.stack([p.profile.memory.peak for p in programs])
+    chosen = peaks.argmax(axis=0)
+    window = slice(s.ipu * t, (s.ipu + 1) * t)
+    for c in MEMORY_CATEGORIES:
+      stack = np.stack([p.profile.memory.by_category[c] for p in programs])
+      cats[c][window] = stack[chosen, cols]
+    cats[STASH_CATEGORY][window] = s.stash_depth * s.stash_bytes
+  peak = sum(cats.values())
+  return MemoryProfile(by_category=cats, peak=peak,
+                       live_over_program=np.full(num_steps, float(peak.sum())),
+                       tile_limit=target.bytes_per_tile)
+
+
+def pipeline_profile(pipeline) -> ProgramProfile:
+  """The :class:`ProgramProfile` of one step of a lowered pipeline."""
+  stage_target = pipeline.target
+  num_ipus = pipeline.config.auto_select_ipus
+  target = stage_target.replace(num_ipus=num_ipus)
+  t, n = stage_target.tiles_per_ipu, target.num_tiles
+  stages = pipeline.stages
+  steps = []
+  spans_by_kind = {}
+  for span in pipeline.timeline.spans:
+    spans_by_kind.setdefault(span[2], []).append(span)
+  sync = links.global_sync_cycles(stage_target, num_ipus)
+  for index, slot in enumerate(pipeline._slots):
+    compute = np.zeros(n)
+    flops, link_bytes, copies, names = 0, 0, [0.0], []
+    for p in slot:
+      s = stages[p.stage]
+      program = s.forward if p.kind == "forward" else s.backward
+      compute[s.ipu * t:(s.ipu + 1) * t] += program.profile.total_cycles
+      flops += int(program.profile.total_flops)
+      names.append(f"{p.kind[0].upper()}{p.stage}.{p.micro_batch}")
+      link_bytes += s.send_bytes if p.kind == "forward" else s.gradient_bytes
+      copies.append(pipeline.copy_cycles(p.stage, p.kind))
+    steps.append(StepProfile(
+        name=f"slot {index}: " + " ".join(names), op="pipeline slot", source="",
+        compute_cycles=compute, exchange_bytes_in=np.zeros(n, np.int64),
+        exchange_bytes_out=np.zeros(n, np.int64), exchange_cycles=max(copies),
+        sync_cycles=sync, ipu_link_bytes=link_bytes, flops=flops,
+        vertices=(compute > 0).astype(np.int64), temporary_bytes=np.zeros(n, np.int64),
+        scope=""))
+  for kind in ("all-reduce", "weight update"):
+    compute = np.zeros(n)
+    flops = 0
+    for ipu, name, k, mb, start, cycles in spans_by_kind.get(kind, []):
+      compute[ipu * t:(ipu + 1) * t] += cycles
+    if kind == "weight update":
+      flops = int(sum(s.update.profile.total_flops for s in stages if s.update))
+    if compute.any():
+      steps.append(StepProfile(
+          name=kind, op=f"pipeline {kind}", source="", compute_cycles=compute,
+          exchange_bytes_in=np.zeros(n, np.int64), exchange_bytes_out=np.zeros(n, np.int64),
+          # Syncs of the all-reduce are in its cycles; the update needs none.
+          exchange_cycles=0.0, sync_cycles=0.0, flops=flops,
+          vertices=(compute > 0).astype(np.int64), temporary_bytes=np.zeros(n, np.int64)))
+  return ProgramProfile(target=target, steps=steps, tensors=[],
+                        memory=_memory(pipeline, target, len(steps)),
+                        name=f"pipeline ({pipeline.schedule}, G={pipeline.accumulation})",
+                        host_round_trips=1)

@@ -1,0 +1,182 @@
+"""What a pipelined step costs: per-IPU memory, per-stage cycles, the timeline.
+
+``PipelineReport`` reads a lowered :class:`~ipu_jax.pipelining.Pipeline`:
+each IPU's peak (its largest stage program plus the stash its schedule
+keeps), the cycles of each stage's forward, backward and update programs,
+what crosses the IPU-Links per step, the step's ramp-up / steady state /
+ramp-down and the pipeline efficiency (the fraction of IPU time busy).
+``save(directory)`` writes ``pipeline.json``, a ``pipeline_trace.json``
+(Chrome trace: one process per IPU, one span per pass of each micro-batch)
+and ``pipeline_schedule.png``; every stage program keeps its own
+``ipu_jax.Report`` (``stage_reports``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+__all__ = ["PipelineReport"]
+
+
+class PipelineReport:
+  """The report of a lowered pipeline (see the module docstring)."""
+
+  def __init__(self, pipeline):
+    self.schedule = pipeline.schedule
+    self.accumulation = pipeline.accumulation
+    self.replicas = pipeline.replicas
+    self.recomputation = pipeline.config.pipelining.recomputation
+    self.target = pipeline.target
+    self.stages = pipeline.stages
+    self.timeline = pipeline.timeline
+    self.num_ipus = pipeline.config.auto_select_ipus
+    from ipu_jax.pipelining.profile import pipeline_profile
+    from ipu_jax.report import Report
+    self.profile = pipeline_profile(pipeline)
+    #: The step as an ``ipu_jax.Report`` (one step per slot): its summary,
+    #: ``compare_reports``, HTML page and ``trace.json`` (one process per IPU).
+    self.program_report = Report(self.profile)
+
+  @property
+  def stage_reports(self) -> dict:
+    """``{"stage0/forward": Report, ...}`` for every stage program."""
+    out = {}
+    for s in self.stages:
+      for kind in ("forward", "backward", "update"):
+        program = getattr(s, kind)
+        if program is not None:
+          out[f"stage{s.index}/{kind}"] = program.report
+    return out
+
+  @property
+  def efficiency(self) -> float:
+    """Fraction of the pipeline's IPU time spent running passes and updates."""
+    return self.timeline.efficiency
+
+  @property
+  def total_cycles(self) -> float:
+    return self.timeline.total_cycles
+
+  def memory_per_ipu(self) -> dict:
+    """IPU -> peak bytes of its busiest tile, its total peak and its stash."""
+    out = {}
+    for s in self.stages:
+      peak = s.peak_bytes
+      out[s.ipu] = {"stage": s.index, "max_tile_bytes": int(peak.max()),
+                    "total_bytes": int(peak.sum()),
+                    "stash_bytes": int(s.stash_depth * s.stash_bytes.sum()),
+                    "stash_depth": s.stash_depth}
+    return out
+
+  def memory_per_tile(self) -> np.ndarray:
+    """``[pipeline IPUs x tiles_per_ipu]`` peak bytes, tiles numbered IPU-major."""
+    t = self.target.tiles_per_ipu
+    out = np.zeros(self.num_ipus * t, np.int64)
+    for s in self.stages:
+      out[s.ipu * t:(s.ipu + 1) * t] = s.peak_bytes
+    return out
+
+  def to_dict(self) -> dict:
+    tl = self.timeline
+    return {
+        "schedule": self.schedule, "gradient_accumulation_steps": self.accumulation,
+        "replication_factor": self.replicas, "recomputation": self.recomputation,
+        "ipus": self.num_ipus * self.replicas, "total_cycles": tl.total_cycles,
+        "seconds": self.target.cycles_to_seconds(tl.total_cycles),
+        "efficiency": self.efficiency, "rate_efficiency": tl.rate_efficiency,
+        "ramp_up_cycles": tl.ramp_up_cycles,
+        "steady_cycles": tl.steady_cycles, "ramp_down_cycles": tl.ramp_down_cycles,
+        "steady_slot_cycles": tl.steady_slot_cycles,
+        "ipu_link_bytes_per_step": tl.link_bytes,
+        "busy_cycles_per_ipu": [float(b) for b in tl.busy_cycles],
+        "stages": [{"stage": s.index, "ipu": s.ipu,
+                    "forward_cycles": s.forward.profile.total_cycles,
+                    "backward_cycles": s.backward.profile.total_cycles,
+                    "update_cycles": s.update.profile.total_cycles if s.update else 0.0,
+                    "send_bytes": s.send_bytes, "gradient_bytes": s.gradient_bytes,
+                    "weight_bytes": s.weight_bytes, "stash_depth": s.stash_depth,
+                    "stash_bytes_per_micro_batch": int(s.stash_bytes.sum()),
+                    "peak_max_tile_bytes": int(s.peak_bytes.max()),
+                    "peak_total_bytes": int(s.peak_bytes.sum())} for s in self.stages],
+    }
+
+  def summary(self) -> str:
+    d = self.to_dict()
+    lines = [
+        f"Pipeline: {len(self.stages)} stages, {self.schedule} schedule, G={self.accumulation}, "
+        f"{self.replicas} replica(s) = {d['ipus']} IPUs, recomputation "
+        f"{'on' if self.recomputation else 'off'}",
+        f"  step: {d['total_cycles']:,.0f} cycles ({d['seconds'] * 1e3:.3f} ms); ramp-up "
+        f"{d['ramp_up_cycles']:,.0f}, steady {d['steady_cycles']:,.0f}, ramp-down "
+        f"{d['ramp_down_cycles']:,.0f}",
+        f"  pipeline efficiency: {100 * self.efficiency:.1f} % of IPU time busy; micro-batch "
+        f"rate {100 * d['rate_efficiency']:.1f} % of the steady state's",
+        f"  over IPU-Links per step: {d['ipu_link_bytes_per_step']:,d} B",
+        "  stage  IPU   forward  backward    update  stash(depth x B)  peak tile B   IPU total B",
+    ]
+    for s in d["stages"]:
+      lines.append(
+          f"  {s['stage']:>5d} {s['ipu']:>4d} {s['forward_cycles']:>9,.0f} "
+          f"{s['backward_cycles']:>9,.0f} {s['update_cycles']:>9,.0f} "
+          f"{s['stash_depth']:>5d} x {s['stash_bytes_per_micro_batch']:>9,d} "
+          f"{s['peak_max_tile_bytes']:>12,d} {s['peak_total_bytes']:>13,d}")
+    return "\n".join(lines)
+
+  def trace_events(self) -> list:
+    """Chrome trace events: process = IPU, one span per pass / copy / update."""
+    us = 1e6 / self.target.clock_hz
+    events = []
+    for ipu in range(self.num_ipus):
+      events.append({"name": "process_name", "ph": "M", "ts": 0, "pid": ipu, "tid": 0,
+                     "args": {"name": f"IPU {ipu}"}})
+    stage_of = {s.ipu: s.index for s in self.stages}
+    for ipu, name, kind, mb, start, cycles in self.timeline.spans:
+      events.append({"name": name, "cat": kind, "ph": "X", "ts": start * us,
+                     "dur": cycles * us, "pid": int(ipu), "tid": 0,
+                     "args": {"stage": stage_of.get(ipu), "micro_batch": mb,
+                              "cycles": cycles}})
+    return events
+
+  def plot(self, path: str) -> str:
+    """Draw the schedule (one row per IPU) as a PNG at ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colours = {"forward": "#4c72b0", "backward": "#dd8452", "copy": "#999999",
+               "sync": "#dddddd", "all-reduce": "#8172b3", "weight update": "#55a868"}
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * self.num_ipus))
+    for ipu, name, kind, mb, start, cycles in self.timeline.spans:
+      ax.broken_barh([(start, cycles)], (ipu - 0.4, 0.8), facecolors=colours[kind])
+      if kind in ("forward", "backward") and cycles > 0.02 * self.total_cycles:
+        ax.text(start + cycles / 2, ipu, name, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(self.num_ipus), [f"IPU {i}" for i in range(self.num_ipus)])
+    ax.invert_yaxis()
+    ax.set_xlabel("cycles")
+    ax.set_title(f"{self.schedule} pipeline, G={self.accumulation}: "
+                 f"{100 * self.efficiency:.1f} % busy")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), loc="upper center", bbox_to_anchor=(0.5, -0.3),
+              fontsize=7, ncol=len(colours), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+  def save(self, directory: str, plots: bool = True) -> str:
+    """Write pipeline.json, pipeline_trace.json, pipeline_schedule.png and,
+    from :attr:`program_report`, report.json, trace.json and report.html."""
+    os.makedirs(directory, exist_ok=True)
+    self.program_report.save(directory, plots=plots)
+    with open(os.path.join(directory, "pipeline.json"), "w") as f:
+      json.dump(self.to_dict(), f, indent=1)
+    with open(os.path.join(directory, "pipeline_trace.json"), "w") as f:
+      json.dump({"traceEvents": self.trace_events(), "displayTimeUnit": "ns"}, f)
+    if plots:
+      try:
+        self.plot(os.path.join(directory, "pipeline_schedule.png"))
+      except ImportError:  # matplotlib is the optional "plots" extra
+        pass
+    return directory

@@ -1,0 +1,226 @@
+"""Pipeline schedules: which stage runs which micro-batch in each time slot.
+
+A step of ``G`` micro-batches over ``N`` stages (stage ``k`` on its own IPU)
+is a sequence of time slots. In a slot every IPU runs the passes the schedule
+gives it, then the values that cross stages go over the IPU-Links and all
+IPUs sync; a slot lasts as long as its busiest IPU plus its longest copy and
+the sync. After the last slot each IPU updates its own weights.
+
+* ``Grouped`` (TF-IPU's default): stage ``k`` runs the forward pass of
+  micro-batch ``m`` in slot ``k + m`` and its backward pass in slot
+  ``2N - 2 - k + m`` (the last stage runs both in one slot), so in the
+  steady state every IPU runs one forward and one backward pass per slot.
+  ``G + 2N - 2`` slots; with balanced stages the step takes
+  ``(G + N - 1)`` steady slots, an efficiency of ``G / (G + N - 1)``.
+* ``Interleaved``: one pass per IPU per slot, forward at ``k + 2m`` and
+  backward at ``2N - 1 - k + 2m``, alternating; a slot costs the larger of
+  a forward and a backward pass, but fewer activations wait.
+* ``Sequential`` (sharded execution): one pass at a time, micro-batch by
+  micro-batch; only one IPU is busy at any time.
+
+The stash depth of stage ``k`` (activation sets waiting for their backward
+pass when a forward pass starts) is measured on the schedule itself; it comes
+out as TF-IPU's ``2 (N - 1 - k)`` for Grouped, ``N - 1 - k`` for Interleaved
+and 0 for Sequential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["SCHEDULES", "Pass", "Slot", "slots", "stash_depths",
+           "minimum_accumulation", "Timeline", "simulate"]
+
+SCHEDULES = ("Grouped", "Interleaved", "Sequential")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  """One pass of one stage on one micro-batch ('forward' or 'backward')."""
+
+  stage: int
+  kind: str
+  micro_batch: int
+
+
+Slot = list  # of Pass, in the order an IPU runs them
+
+
+def minimum_accumulation(schedule: str, num_stages: int) -> int:
+  """The ``L`` that G must be a multiple of (and at least), as TF-IPU checks.
+
+  ``2N`` for Grouped training, ``N`` for Interleaved, 1 for Sequential.
+  """
+  return {"Grouped": 2 * num_stages, "Interleaved": num_stages, "Sequential": 1}[schedule]
+
+
+def slots(schedule: str, num_stages: int, accumulation: int) -> list:
+  """The passes of each time slot of one step."""
+  n, g = num_stages, accumulation
+  if schedule == "Sequential":
+    out = []
+    for m in range(g):
+      out += [[Pass(k, "forward", m)] for k in range(n)]
+      out += [[Pass(k, "backward", m)] for k in reversed(range(n))]
+    return out
+  if schedule == "Grouped":
+    fwd = lambda k, m: k + m
+    bwd = lambda k, m: 2 * n - 2 - k + m
+  elif schedule == "Interleaved":
+    fwd = lambda k, m: k + 2 * m
+    bwd = lambda k, m: 2 * n - 1 - k + 2 * m
+  else:
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}.")
+  count = bwd(0, g - 1) + 1
+  out = [[] for _ in range(count)]
+  for k in range(n):
+    for m in range(g):
+      out[fwd(k, m)].append(Pass(k, "forward", m))
+  for k in range(n):
+    for m in range(g):
+      out[bwd(k, m)].append(Pass(k, "backward", m))
+  return out
+
+
+def stash_depths(schedule_slots: list, num_stages: int) -> list:
+  """Per stage, the most activation sets waiting when a forward pass starts."""
+  fwd, bwd = {}, {}
+  for t, slot in enumerate(schedule_slots):
+    for p in slot:
+      (fwd if p.kind == "forward" else bwd)[(p.stage, p.micro_batch)] = t
+  depths = []
+  for k in range(num_stages):
+    starts = sorted((t, m) for (s, m), t in fwd.items() if s == k)
+    depth = 0
+    for t, m in starts:
+      waiting = sum(1 for (s, mm), tb in bwd.items()
+                    if s == k and mm < m and fwd[(k, mm)] < t and tb >= t)
+      depth = max(depth, waiting)
+    depths.append(depth)
+  return depths
+
+
+@dataclasses.dataclass
+class Timeline:
+  """The simulated step: spans per IPU and the totals reports show.
+
+  Attributes:
+    spans: ``(ipu, name, kind, micro_batch, start, cycles)``; kind is
+      'forward', 'backward', 'copy', 'sync', 'all-reduce' or 'weight update'.
+    total_cycles: the step, first slot to last weight update.
+    busy_cycles: ``[num_ipus]`` cycles each IPU spends running its passes
+      and weight update.
+    ramp_up_cycles, steady_cycles, ramp_down_cycles: the slots before every
+      stage is busy, while every stage is busy, and after.
+    steady_slot_cycles: the longest steady-state slot (the steady rate is one
+      micro-batch per such slot).
+    link_bytes: bytes over IPU-Links in the step.
+  """
+
+  spans: list
+  total_cycles: float
+  busy_cycles: np.ndarray
+  ramp_up_cycles: float
+  steady_cycles: float
+  ramp_down_cycles: float
+  steady_slot_cycles: float
+  link_bytes: int
+  slot_cycles: float = 0.0
+  num_micro_batches: int = 0
+
+  @property
+  def rate_efficiency(self) -> float:
+    """The step's micro-batch rate over the steady state's (weight update excluded).
+
+    For balanced Grouped stages this is ``G / (G + N - 1)``.
+    """
+    return (self.num_micro_batches * self.steady_slot_cycles / self.slot_cycles
+            if self.slot_cycles else 0.0)
+
+  @property
+  def efficiency(self) -> float:
+    """Fraction of the IPUs' time spent busy."""
+    total = self.total_cycles * len(self.busy_cycles)
+    return float(self.busy_cycles.sum() / total) if total else 0.0
+
+
+def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
+             copy_forward, copy_backward, sync: float, weight_update: list,
+             all_reduce: list, link_bytes_forward: list,
+             link_bytes_backward: list) -> Timeline:
+  """Lay the slots end to end and time them.
+
+  Args:
+    schedule_slots: from :func:`slots`.
+    ipus: the IPU of each stage.
+    forward, backward: cycles of each stage's forward / backward pass.
+    copy_forward: ``copy_forward(k)`` cycles to send stage k's outputs on
+      (0 when it sends nothing).
+    copy_backward: ``copy_backward(k)`` cycles to send stage k's input
+      gradients back (0 when it has no inputs from other stages).
+    sync: cycles of the sync that ends each slot.
+    weight_update: cycles of each stage's weight update.
+    all_reduce: cycles of each stage's gradient all-reduce over replicas.
+    link_bytes_forward, link_bytes_backward: bytes stage k sends per pass.
+  """
+  num_ipus = max(ipus) + 1
+  num_stages = len(ipus)
+  busy = np.zeros(num_ipus)
+  spans = []
+  now = 0.0
+  link = 0
+  slot_cycles, full = [], []
+  for slot in schedule_slots:
+    work = np.zeros(num_ipus)
+    copies = [0.0]
+    for p in slot:
+      ipu = ipus[p.stage]
+      cycles = forward[p.stage] if p.kind == "forward" else backward[p.stage]
+      spans.append((ipu, f"{p.kind[0].upper()}{p.micro_batch}", p.kind, p.micro_batch,
+                    now + work[ipu], cycles))
+      work[ipu] += cycles
+      if p.kind == "forward":
+        copies.append(copy_forward(p.stage))
+        link += link_bytes_forward[p.stage]
+      else:
+        copies.append(copy_backward(p.stage))
+        link += link_bytes_backward[p.stage]
+    busy += work
+    longest, copy = float(work.max()), max(copies)
+    for ipu in set(ipus[p.stage] for p in slot):
+      if copy:
+        spans.append((ipu, "copy", "copy", -1, now + longest, copy))
+      if sync:
+        spans.append((ipu, "sync", "sync", -1, now + longest + copy, sync))
+    duration = longest + copy + sync
+    slot_cycles.append(duration)
+    full.append(len({(p.stage, p.kind) for p in slot}) == len(slot) and
+                {p.stage for p in slot} == set(range(num_stages)))
+    now += duration
+  slot_cycles = np.asarray(slot_cycles)
+  full = np.asarray(full, bool)
+  steady = np.nonzero(full)[0]
+  if steady.size:
+    ramp_up = float(slot_cycles[:steady[0]].sum())
+    steady_total = float(slot_cycles[steady[0]:steady[-1] + 1].sum())
+    ramp_down = float(slot_cycles[steady[-1] + 1:].sum())
+    steady_slot = float(slot_cycles[steady].max())
+  else:
+    ramp_up, steady_total, ramp_down = 0.0, float(slot_cycles.sum()), 0.0
+    steady_slot = float(slot_cycles.max(initial=0.0))
+  end = now
+  for k in range(num_stages):
+    ipu = ipus[k]
+    start = now
+    if all_reduce[k]:
+      spans.append((ipu, "all-reduce", "all-reduce", -1, start, all_reduce[k]))
+      start += all_reduce[k]
+    if weight_update[k]:
+      spans.append((ipu, "WU", "weight update", -1, start, weight_update[k]))
+    busy[ipu] += weight_update[k]
+    end = max(end, start + weight_update[k])
+  micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
+  return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
+                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches)

@@ -1,0 +1,355 @@
+"""Split a loss function into pipeline stages at its ``pipeline_stage`` marks.
+
+The function is traced once; every equation gets the stage of the values it
+reads (a ``pipeline_stage(x, k)`` mark starts stage ``k``). Equations that
+read only weights, batch values or constants (a transposed weight, a mask)
+join the first stage that uses their result. Each stage then becomes a
+function of its own weights, the batch values it reads and the values that
+earlier stages send it; evaluating the stages in order gives the same
+numbers as the whole function, since they are the same equations.
+
+Batch values enter on stage 0, as a pipeline's infeed does: what is
+computed from them alone (a one-hot of the labels) runs there and travels
+with the activations.
+
+Rules checked here, before anything is compiled or run, each with the user's
+source line: stage ids increase along the forward pass and leave no gap, the
+loss is computed by the last stage, and each weight is read by one stage only
+(it lives on that stage's IPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from ipu_jax.lowering.lower import source_of
+from ipu_jax.lowering.scopes import module_path
+from ipu_jax.ops.pipeline_stage import pipeline_stage_p
+
+__all__ = ["Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
+
+# The named scope ``stage(k)`` opens; the innermost one on an equation wins.
+_SCOPE_PREFIX = "ipu_pipeline_stage_"
+_SCOPE = re.compile(rf"(?:^|/){_SCOPE_PREFIX}(\d+)(?=/|$)")
+
+
+def stage(k: int):
+  """``with stage(k):`` runs the operations traced inside on pipeline stage ``k``.
+
+  The context-manager form of :func:`ipu_jax.ops.pipeline_stage` (PopTorch's
+  ``BeginBlock``, TF-IPU's ``PipelineStage``), handy around Flax layers: it
+  opens a ``jax.named_scope``, so it needs no value to mark, and values made
+  inside cross to the next stage where a later block reads them.
+
+  Raises:
+    ValueError: ``k`` is not an int >= 0.
+  """
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+    raise ValueError(f"pipelining.stage: the stage must be an int >= 0; got {k!r}.")
+  return jax.named_scope(f"{_SCOPE_PREFIX}{int(k)}")
+
+
+def _scope_stage(eqn, assignment, used):
+  """The stage a ``stage(k)`` block or the module-path assignment gives ``eqn``."""
+  found = _SCOPE.findall(str(eqn.source_info.name_stack))
+  if found:
+    return int(found[-1]), f"inside pipelining.stage({int(found[-1])})"
+  if not assignment:
+    return None, ""
+  path = "/" + module_path(eqn.source_info.name_stack) + "/"
+  matches = [key for key in assignment if f"/{key.strip('/')}/" in path]
+  if not matches:
+    return None, ""
+  key = max(matches, key=len)  # the innermost module named wins
+  used.add(key)
+  return assignment[key], f"in module {key!r} (stage_assignment: stage {assignment[key]})"
+
+
+def _check_assignment(assignment) -> dict:
+  if assignment is None:
+    return {}
+  if not isinstance(assignment, Mapping):
+    raise PipelineError(f"stage_assignment must map module paths to stage ids, e.g. "
+                        f"{{'Dense_1': 1}}; got {type(assignment).__name__}.")
+  for key, k in assignment.items():
+    if not isinstance(key, str) or not key.strip("/"):
+      raise PipelineError(f"stage_assignment key {key!r} is not a module path.")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+      raise PipelineError(f"stage_assignment[{key!r}]={k!r}: stage ids are ints >= 0.")
+  return dict(assignment)
+
+
+class PipelineError(ValueError):
+  """A model or pipeline setting that cannot be pipelined as given."""
+
+
+@dataclasses.dataclass
+class Stage:
+  """One pipeline stage: its equations and what flows in and out.
+
+  Attributes:
+    index: the stage id.
+    eqns: the stage's equations, in program order.
+    params: indices (into the flat weights) of the weights it reads.
+    batch: indices (into the flat batch) of the batch values it reads.
+    inputs: variables computed by earlier stages that it reads.
+    outputs: variables it computes that later stages (or the loss) read.
+    consts: the traced function's constants it reads (variable -> value).
+    param_vars, batch_vars: the traced variables of ``params`` and ``batch``.
+  """
+
+  index: int
+  eqns: list
+  params: list
+  batch: list
+  inputs: list
+  outputs: list
+  consts: dict
+  param_vars: list = dataclasses.field(default_factory=list)
+  batch_vars: list = dataclasses.field(default_factory=list)
+
+  def __call__(self, params: Sequence[Any], batch: Sequence[Any],
+               inputs: Sequence[Any]) -> list:
+    """Evaluate the stage: flat weights, batch values and inputs in order."""
+    env = dict(self.consts)
+    env.update(zip(self.param_vars, params))
+    env.update(zip(self.batch_vars, batch))
+    env.update(zip(self.inputs, inputs))
+
+    def read(v):
+      return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in self.eqns:
+      if eqn.primitive is pipeline_stage_p:
+        env[eqn.outvars[0]] = read(eqn.invars[0])
+        continue
+      params_ = eqn.primitive.get_bind_params(eqn.params)
+      # Keep the user's line and module path on what is traced again.
+      with source_info_util.user_context(eqn.source_info.traceback,
+                                         name_stack=eqn.source_info.name_stack):
+        out = eqn.primitive.bind(*map(read, eqn.invars), **params_)
+      outs = out if eqn.primitive.multiple_results else [out]
+      for v, value in zip(eqn.outvars, outs):
+        if not isinstance(v, jcore.DropVar):
+          env[v] = value
+    return [read(v) for v in self.outputs]
+
+
+@dataclasses.dataclass
+class StagedFunction:
+  """A loss function split into stages.
+
+  Attributes:
+    stages: the stages in forward order.
+    param_tree, batch_tree: tree structures of the weights and of one
+      micro-batch.
+    param_names: a readable path for each flat weight.
+    loss_var: the variable holding the loss.
+  """
+
+  stages: list
+  param_tree: Any
+  batch_tree: Any
+  param_names: list
+  loss_var: Any
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def producer(self, var) -> int:
+    """The stage that computes ``var``."""
+    for stage in self.stages:
+      if var in stage.outputs:
+        return stage.index
+    raise KeyError(var)
+
+
+def _where(eqn) -> str:
+  return source_of(eqn) or "an unknown source line"
+
+
+def _label(jaxpr, num_params: int, assignment=None) -> list:
+  """The stage of each equation (forward propagation, then unplaced ones).
+
+  Batch values enter on stage 0 (as a pipeline's infeed does); weights and
+  constants have no stage of their own.
+  """
+  used = set()
+  label = {v: 0 for v in jaxpr.invars[num_params:]}
+  stages = []
+  for eqn in jaxpr.eqns:
+    seen = [label[v] for v in eqn.invars
+            if not isinstance(v, jcore.Literal) and label.get(v) is not None]
+    here = max(seen) if seen else None
+    if eqn.primitive is pipeline_stage_p:
+      if eqn.params["backward"]:
+        raise PipelineError(
+            f"The function given to the pipeline already takes gradients through a "
+            f"pipeline_stage mark (at {_where(eqn)}); give the pipeline the loss "
+            "function itself: it differentiates each stage where it runs.")
+      k = eqn.params["stage"]
+      before = here if here is not None else 0
+      if k <= before:
+        raise PipelineError(
+            f"pipeline_stage({k}) at {_where(eqn)} follows values of stage {before}: stage "
+            "ids must increase along the forward pass.")
+      if k > before + 1:
+        raise PipelineError(
+            f"pipeline_stage({k}) at {_where(eqn)} follows stage {before}: stage ids must "
+            f"not skip a stage (expected pipeline_stage({before + 1})).")
+      here = k
+    scoped, how = _scope_stage(eqn, assignment, used)
+    if scoped is not None and eqn.primitive is not pipeline_stage_p:
+      before = here if here is not None else 0
+      if scoped < before:
+        raise PipelineError(
+            f"An operation at {_where(eqn)} {how} reads values of stage {before}: stage ids "
+            "must increase along the forward pass.")
+      if scoped > before + 1 and here is not None:
+        raise PipelineError(
+            f"An operation at {_where(eqn)} {how} follows stage {before}: stage ids must "
+            f"not skip a stage (expected stage {before + 1}).")
+      here = scoped
+    for v in eqn.outvars:
+      label[v] = here
+    stages.append(here)
+  unused = sorted(set(assignment or ()) - used)
+  if unused:
+    paths = sorted({module_path(e.source_info.name_stack) for e in jaxpr.eqns} - {""})
+    raise PipelineError(
+        f"stage_assignment names module path(s) {unused} that no operation of the loss "
+        f"function runs in; the module paths are: {paths[:20]}. (Flax linen names its "
+        "modules; wrap NNX calls in ipu_jax.nnx_scopes.module_scopes(model).)")
+  # An equation of weights/constants only joins its first consumer's stage.
+  consumers = {}
+  for index, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        consumers.setdefault(v, []).append(index)
+  for index in range(len(jaxpr.eqns) - 1, -1, -1):
+    if stages[index] is None:
+      # A mark starting stage k takes its input from stage k - 1.
+      users = [stages[j] - (jaxpr.eqns[j].primitive is pipeline_stage_p)
+               for v in jaxpr.eqns[index].outvars
+               for j in consumers.get(v, []) if stages[j] is not None]
+      stages[index] = min(users) if users else 0
+  return stages
+
+
+def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction:
+  """Trace ``fn(params, batch) -> loss`` and split it at its stage marks.
+
+  Args:
+    fn: the loss function; the loss must be a scalar computed by the last
+      stage.
+    params: the weights (a pytree of arrays).
+    batch: one micro-batch (a pytree of arrays).
+    assignment: optional ``{module path: stage}`` (Keras-on-IPU's
+      ``set_pipeline_stage_assignment``): operations traced inside a module
+      whose path contains the key (``"Dense_1"``, ``"Encoder/layers_2"``)
+      run on that stage; the longest matching key wins.
+
+  Returns:
+    The :class:`StagedFunction`.
+
+  Raises:
+    PipelineError: stage marks that do not increase by one along the forward
+      pass, a loss not computed by the last stage, a weight read by two
+      stages, or a mark inside a nested ``jax.jit``.
+  """
+  with_paths, param_tree = jax.tree_util.tree_flatten_with_path(params)
+  flat_params = [leaf for _, leaf in with_paths]
+  param_names = [jax.tree_util.keystr(path) or "params" for path, _ in with_paths]
+  flat_batch, batch_tree = jax.tree_util.tree_flatten(batch)
+
+  def flat_fn(*flat):
+    p = jax.tree_util.tree_unflatten(param_tree, flat[:len(flat_params)])
+    b = jax.tree_util.tree_unflatten(batch_tree, flat[len(flat_params):])
+    return fn(p, b)
+
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
+  if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
+    raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
+                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
+  jaxpr = closed.jaxpr
+  _reject_nested_marks(jaxpr)
+  labels = _label(jaxpr, len(flat_params), _check_assignment(assignment))
+  num_stages = max(labels, default=0) + 1
+  param_vars = jaxpr.invars[:len(flat_params)]
+  batch_vars = jaxpr.invars[len(flat_params):]
+  consts = dict(zip(jaxpr.constvars, closed.consts))
+  produced_by = {}
+  for eqn, k in zip(jaxpr.eqns, labels):
+    for v in eqn.outvars:
+      produced_by[v] = k
+
+  loss_var = jaxpr.outvars[0]
+  if isinstance(loss_var, jcore.Literal) or loss_var not in produced_by:
+    raise PipelineError("The pipelined loss does not depend on any computation.")
+  if produced_by[loss_var] != num_stages - 1:
+    raise PipelineError(
+        f"The loss is computed on stage {produced_by[loss_var]}, but the last stage is "
+        f"{num_stages - 1}: the loss must be computed by the last stage.")
+
+  param_index = {v: i for i, v in enumerate(param_vars)}
+  batch_index = {v: i for i, v in enumerate(batch_vars)}
+  param_stage = {}
+  stages = []
+  for k in range(num_stages):
+    eqns = [e for e, lab in zip(jaxpr.eqns, labels) if lab == k]
+    params_k, batch_k, inputs_k, consts_k = [], [], [], {}
+    for eqn in eqns:
+      for v in eqn.invars:
+        if isinstance(v, jcore.Literal):
+          continue
+        if v in param_index:
+          other = param_stage.setdefault(v, (k, eqn))
+          if other[0] != k:
+            raise PipelineError(
+                f"Weight {param_names[param_index[v]]} is read by stage {other[0]} (at "
+                f"{_where(other[1])}) and by stage {k} (at {_where(eqn)}); each weight lives "
+                "on one stage's IPU. Pass the value across the stage boundary instead.")
+          if param_index[v] not in params_k:
+            params_k.append(param_index[v])
+        elif v in batch_index:
+          if batch_index[v] not in batch_k:
+            batch_k.append(batch_index[v])
+        elif v in consts:
+          consts_k[v] = consts[v]
+        elif produced_by.get(v) != k and v not in inputs_k:
+          inputs_k.append(v)
+    params_k, batch_k = sorted(params_k), sorted(batch_k)
+    stages.append(Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,
+                        [param_vars[i] for i in params_k], [batch_vars[i] for i in batch_k]))
+  for stage in stages:
+    if not stage.eqns:
+      raise PipelineError(f"Pipeline stage {stage.index} has no operations.")
+  # A value goes out of the stage that made it when a later stage reads it.
+  for stage in stages:
+    for v in stage.inputs:
+      source = stages[produced_by[v]]
+      if v not in source.outputs:
+        source.outputs.append(v)
+  stages[-1].outputs = [v for v in stages[-1].outputs if v is not loss_var] + [loss_var]
+  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var)
+
+
+def _reject_nested_marks(jaxpr) -> None:
+  from jax._src import core
+  for eqn in jaxpr.eqns:
+    for sub in core.jaxprs_in_params(eqn.params):
+      for inner in sub.eqns:
+        if inner.primitive is pipeline_stage_p:
+          raise PipelineError(
+              f"pipeline_stage at {_where(inner)} is inside '{eqn.primitive.name}' (a nested "
+              "jax.jit, loop or remat region): put stage marks at the top level of the loss "
+              "function.")
+      _reject_nested_marks(sub)
