@@ -349,6 +349,17 @@ class _ExecutorOptions(_Group):
       "differs.")
 
 
+class _FusionOptions(_Group):
+  """Which operations lowering fuses into one compute set."""
+
+  elementwise = _Option(
+      _BOOL, True,
+      "Fuse chains of elementwise operations on the same tile layout into "
+      "one compute set (one sync, one vertex per tile), as popops map "
+      "expressions and XLA fusion do; False gives every operation its own "
+      "superstep. Results are identical either way.")
+
+
 class IPUConfig(_Group):
   """Configuration of an emulated IPU system, like Graphcore's ``IPUConfig``.
 
@@ -378,6 +389,7 @@ class IPUConfig(_Group):
   report = _Section(_ReportOptions)
   training = _Section(_TrainingOptions)
   executor = _Section(_ExecutorOptions)
+  fusion = _Section(_FusionOptions)
   random_seed = _Option(
       _integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "
@@ -456,6 +468,7 @@ _LOWERING_SOURCES = {
     "allow_out_of_memory": "memory.allow_out_of_memory",
     "report_directory": "report.directory",
     "executor_mode": "executor.mode",
+    "fuse_elementwise": "fusion.elementwise",
 }
 _OPTIONS_BY_PATH = dict(IPUConfig._leaf_paths())
 
@@ -480,6 +493,7 @@ class LoweringOptions:
     allow_out_of_memory: ``memory.allow_out_of_memory``.
     report_directory: ``report.directory``, else ``$IPU_JAX_REPORT_DIR``.
     executor_mode: ``executor.mode``.
+    fuse_elementwise: ``fusion.elementwise``.
   """
 
   available_memory_proportion: float = _default("available_memory_proportion")
@@ -489,6 +503,7 @@ class LoweringOptions:
   allow_out_of_memory: bool = _default("allow_out_of_memory")
   report_directory: Optional[str] = _default("report_directory")
   executor_mode: str = _default("executor_mode")
+  fuse_elementwise: bool = _default("fuse_elementwise")
 
   def __post_init__(self):
     for name, path in _LOWERING_SOURCES.items():

@@ -29,6 +29,7 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
+from ipu_jax.lowering.fusion import fuse_elementwise
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.target import PRESETS, IPUTarget
 
@@ -82,6 +83,8 @@ class Lowered:
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
+    if options.fuse_elementwise:
+      self.program = fuse_elementwise(self.program, target, keep=outputs)
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
     progress.stage("planning")
     self.profile = profile_program(self.program, target, persistent=inputs + self.constants,

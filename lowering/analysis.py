@@ -61,7 +61,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
         executions=executions, temporary_bytes=np.asarray(temporary, np.int64),
         notes=tuple(node.notes),
-        scope=node.scope)
+        scope=node.scope, fused_ops=tuple(node.fused_ops))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)

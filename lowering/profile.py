@@ -52,6 +52,9 @@ class StepProfile:
       ``"float64 emulated in software: ..."``).
     scope: the module path (name stack) of the operation, e.g.
       ``"Encoder/layers_0/attention"`` ('' outside any named scope).
+    fused_ops: for a fused compute set, the
+      :class:`~ipu_jax.lowering.program.FusedOp` s it was made of (each
+      would otherwise have been its own superstep); empty otherwise.
   """
 
   name: str
@@ -70,6 +73,7 @@ class StepProfile:
   temporary_bytes: Optional[np.ndarray] = None
   notes: tuple = ()
   scope: str = ""
+  fused_ops: tuple = ()
 
   @property
   def compute_phase_cycles(self) -> float:

@@ -1,0 +1,332 @@
+"""Elementwise fusion: chains of elementwise steps on one layout become one step.
+
+The rules lower every elementwise equation to its own superstep (sync,
+exchange, one compute set). The real toolchain does not: popops map
+expressions and XLA's fusion in TensorFlow-IPU turn a chain such as
+``b2 * nu + (1 - b2) * g ** 2`` into one compute set whose vertex on each tile
+evaluates the whole expression over its elements. This pass does the same on
+the tile program, after lowering.
+
+Why here and not on the jaxpr: only after lowering is it known which
+equations became elementwise compute sets and on which layout (operands with
+size-1 axes are broadcast first, mappings follow operands, scalars may be
+baked into the vertex). The pass reads that from the steps themselves
+(:attr:`Superstep.elementwise`, set by ``builders.elementwise``) and needs no
+second copy of the lowering rules.
+
+Tile plan of a fused step: the same tiles and elements per tile as each of its
+members (they share one mapping), one vertex per worker on each tile as
+before. Its exchange brings every operand that comes from outside the group
+onto the layout before the compute phase (each such tensor once; operands
+made inside the group are already on the right tiles, so nothing moves for
+them). Its compute phase is the sum of the members' cycles less the fixed
+cost each extra member would have paid for its own compute set: the
+supervisor's launch and each worker's vertex overhead
+(``estimators.worker_split_cycles``' fixed part). One sync replaces one per
+member.
+
+Grouping: within each straight-line run of supersteps (control programs,
+stream copies and prints are barriers), steps are visited in program order;
+the dependencies between them (read-after-write, write-after-read,
+write-after-write on tensor ids) decide what may move. An elementwise step
+joins an open group on the same mapping when everything it depends on is
+already emitted or in that group; a step that depends on an open group closes
+(emits) it first. So independent work may be emitted before a group that is
+still growing, but never out of dependency order, and every value is computed
+by the same functions from the same inputs: the numbers do not change.
+
+Memory: a member's result that nothing outside the group reads (and that is
+not a program output, variable or constant) is never written to tile memory
+between supersteps; it lives only inside the fused step. Those values still
+count: the fused step's scratch is, per tile, the peak of such intermediates
+live at once within the chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Iterable
+
+import numpy as np
+
+from ipu_jax.kernels import estimators
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import add_costs
+from ipu_jax.target import IPUTarget
+
+__all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
+
+
+def vertex_overhead_cycles(target: IPUTarget) -> int:
+  """Fixed cycles of one elementwise compute set on a tile that has work.
+
+  The supervisor's launch plus each worker's vertex overhead: what a fused
+  chain pays once instead of once per member.
+  """
+  return target.worker_contexts * estimators.WORKER_OVERHEAD + target.supervisor_overhead_cycles
+
+
+def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
+  """``program`` with chains of elementwise steps fused (a new program tree).
+
+  Args:
+    program: the lowered control program; not modified.
+    target: the IPU target (for the per-compute-set overheads saved).
+    keep: tensors read after the program ends (its outputs): a step that
+      writes one keeps writing it.
+  """
+  reads = _read_counts(program)
+  for tensor in keep:
+    reads[tensor.id] = reads.get(tensor.id, 0) + (1 << 20)  # never internal
+  writes = _write_counts(program)
+  fuser = _Fuser(target, reads, writes)
+  return fuser.program(program)
+
+
+def _read_counts(program) -> dict:
+  counts = {}
+  for node, _, _ in P.iter_steps(program):
+    if isinstance(node, P.Superstep):
+      ids = [t.id for t in node.reads]
+    else:
+      ids = [node.tensor.id]
+    for i in ids:
+      counts[i] = counts.get(i, 0) + 1
+  for tensor in _predicates(program, []):
+    counts[tensor.id] = counts.get(tensor.id, 0) + (1 << 20)
+  return counts
+
+
+def _write_counts(program) -> dict:
+  counts = {}
+  for node, _, _ in P.iter_steps(program):
+    if isinstance(node, P.Superstep):
+      for t in node.writes:
+        counts[t.id] = counts.get(t.id, 0) + 1
+    elif isinstance(node, P.StreamCopy):
+      counts[node.tensor.id] = counts.get(node.tensor.id, 0) + 1
+  return counts
+
+
+def _predicates(program, out):
+  if isinstance(program, (P.RepeatWhileTrue, P.If)):
+    out.append(program.predicate)
+  if isinstance(program, P.Switch):
+    out.append(program.control)
+  for child in P._children(program):
+    _predicates(child, out)
+  return out
+
+
+class _Fuser:
+  """Rebuilds a program tree with its straight-line runs fused."""
+
+  def __init__(self, target, reads, writes):
+    self.target = target
+    self.reads = reads
+    self.writes = writes
+    self.overhead = vertex_overhead_cycles(target)
+
+  def program(self, node):
+    if node is None or isinstance(node, (P.Superstep, P.StreamCopy, P.PrintTensor)):
+      return node
+    if isinstance(node, P.Sequence):
+      return P.Sequence(self._sequence(node))
+    if isinstance(node, (P.Repeat, P.Replicated)):
+      return dataclasses.replace(node, body=self.program(node.body))
+    if isinstance(node, P.RepeatWhileTrue):
+      return dataclasses.replace(node, condition=self.program(node.condition),
+                                 body=self.program(node.body))
+    if isinstance(node, P.If):
+      return dataclasses.replace(node, then=self.program(node.then),
+                                 else_=self.program(node.else_))
+    if isinstance(node, P.Switch):
+      return dataclasses.replace(node, cases=[(v, self.program(p)) for v, p in node.cases],
+                                 default=self.program(node.default))
+    raise TypeError(f"not a tile program: {node!r}")
+
+  def _sequence(self, sequence) -> list:
+    out, run = [], []
+    for child in _flatten(sequence):
+      if isinstance(child, P.Superstep):
+        run.append(child)
+        continue
+      out.extend(self._run(run))
+      run = []
+      out.append(self.program(child))
+    out.extend(self._run(run))
+    return out
+
+  def _run(self, steps) -> list:
+    """Schedule a straight-line run of supersteps, fusing where allowed."""
+    if len(steps) < 2:
+      return list(steps)
+    preds = _dependencies(steps)
+    out = []
+    open_groups = []          # groups not yet emitted, in creation order
+    group_of = {}             # step index -> its group (a list of indices)
+
+    def close(group):
+      open_groups.remove(group)
+      out.append(self._fused([steps[i] for i in group]))
+      for i in group:
+        group_of[i] = None
+
+    for i, step in enumerate(steps):
+      pending = []
+      for p in preds[i]:
+        g = group_of.get(p)
+        if g is not None and not any(g is q for q in pending):
+          pending.append(g)
+      home = None
+      if step.elementwise is not None:
+        mapping = step.elementwise.mapping
+        # Prefer a group this step reads from (a chain), else the newest.
+        candidates = [g for g in reversed(open_groups)
+                      if steps[g[0]].elementwise.mapping.same_as(mapping)]
+        candidates.sort(key=lambda g: not any(g is q for q in pending))
+        home = candidates[0] if candidates else None
+      for g in [g for g in open_groups if any(g is q for q in pending) and g is not home]:
+        close(g)
+      if step.elementwise is None:
+        out.append(step)
+        continue
+      if home is None:
+        home = []
+        open_groups.append(home)
+      home.append(i)
+      group_of[i] = home
+    for g in list(open_groups):
+      close(g)
+    return out
+
+  def _fused(self, members) -> P.Superstep:
+    """One step doing ``members`` (in order) in one compute set."""
+    if len(members) == 1:
+      return members[0]
+    written_at = {}
+    external, exchanges = {}, {}
+    inside_reads = {}
+    for position, step in enumerate(members):
+      costs = step.elementwise.read_exchanges
+      for k, t in enumerate(step.reads):
+        if t.id in written_at:
+          inside_reads[t.id] = inside_reads.get(t.id, 0) + 1
+          continue
+        if t.id not in external:
+          external[t.id] = t
+          exchanges[t.id] = costs[k] if k < len(costs) else None
+      for t in step.writes:
+        written_at.setdefault(t.id, position)
+    # A result only the group reads lives inside the fused step.
+    categories = {t.id: t.category for s in members for t in s.writes}
+    internal = {i for i in written_at
+                if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
+                and self.reads.get(i, 0) == inside_reads.get(i, 0)}
+    kept = {}
+    for step in members:
+      for t in step.writes:
+        if t.id not in internal:
+          kept[t.id] = t
+    reads = tuple(external.values())
+    writes = tuple(kept.values())
+
+    def fn(*storages):
+      env = dict(zip((t.id for t in reads), storages))
+      for step in members:
+        values = step.fn(*[env[t.id] for t in step.reads])
+        for t, v in zip(step.writes, values):
+          env[t.id] = v.astype(t.dtype)  # as the executor stores it
+      return tuple(env[t.id] for t in writes)
+
+    compute = self._compute(members)
+    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in members)
+    notes = tuple(dict.fromkeys(n for s in members for n in s.notes))
+    first = members[0]
+    return P.Superstep(
+        name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
+        op="fusion", reads=reads, writes=writes, fn=fn, compute_cycles=compute,
+        exchange=add_costs(*exchanges.values()),
+        vertices=np.max([np.asarray(s.vertices) for s in members], axis=0),
+        codelets=("fused<" + ",".join(s.codelets[0] if s.codelets else s.op
+                                      for s in members) + ">",),
+        flops=int(sum(s.flops for s in members)),
+        scratch_bytes=self._scratch(members, internal),
+        source=first.source, notes=notes, scope=_common_scope(s.scope for s in members),
+        elementwise=P.ElementwiseWork(first.elementwise.mapping), fused_ops=ops)
+
+  def _compute(self, members) -> np.ndarray:
+    cycles = np.stack([np.asarray(s.compute_cycles, np.float64) for s in members])
+    busy = (cycles > 0).sum(axis=0)
+    # Each member after the first on a tile no longer pays a compute set's
+    # launch and vertex overheads.
+    saved = np.maximum(busy - 1, 0) * self.overhead
+    return np.maximum(cycles.sum(axis=0) - saved, cycles.max(axis=0))
+
+  def _scratch(self, members, internal) -> np.ndarray:
+    """Per tile: the peak bytes of intermediates live at once in the chain."""
+    t = self.target.num_tiles
+    n = len(members)
+    delta = np.zeros((n + 1, t), np.int64)
+    born, tensor_of, last = {}, {}, {}
+    for position, step in enumerate(members):
+      for x in step.reads:
+        if x.id in internal:
+          last[x.id] = position
+      for x in step.writes:
+        if x.id in internal and x.id not in born:
+          born[x.id], tensor_of[x.id] = position, x
+    for i, lo in born.items():
+      tensor = tensor_of[i]
+      mapping = tensor.mapping
+      hi = last.get(i, lo)
+      np.add.at(delta[lo], mapping.tiles, mapping.counts * tensor.itemsize)
+      np.add.at(delta[hi + 1], mapping.tiles, -mapping.counts * tensor.itemsize)
+    live = np.cumsum(delta[:-1], axis=0)
+    for position, step in enumerate(members):
+      if step.scratch_bytes is not None:
+        live[position] += np.asarray(step.scratch_bytes, np.int64)
+    return live.max(axis=0)
+
+
+def _flatten(sequence):
+  for child in sequence.programs:
+    if isinstance(child, P.Sequence):
+      yield from _flatten(child)
+    else:
+      yield child
+
+
+def _dependencies(steps) -> list:
+  """Per step, the indices of earlier steps it must follow (RAW, WAR, WAW)."""
+  preds = [set() for _ in steps]
+  last_writer, readers = {}, {}
+  for i, step in enumerate(steps):
+    for t in step.reads:
+      w = last_writer.get(t.id)
+      if w is not None:
+        preds[i].add(w)
+      readers.setdefault(t.id, []).append(i)
+    for t in step.writes:
+      w = last_writer.get(t.id)
+      if w is not None:
+        preds[i].add(w)
+      preds[i].update(r for r in readers.get(t.id, ()) if r != i)
+      last_writer[t.id] = i
+      readers[t.id] = []
+  return [sorted(p) for p in preds]
+
+
+def _common_scope(scopes) -> str:
+  parts = None
+  for scope in scopes:
+    pieces = scope.split("/") if scope else []
+    if parts is None:
+      parts = pieces
+      continue
+    n = 0
+    while n < min(len(parts), len(pieces)) and parts[n] == pieces[n]:
+      n += 1
+    parts = parts[:n]
+  return "/".join(parts or [])
