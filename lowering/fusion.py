@@ -252,7 +252,7 @@ class _Fuser:
         codelets=("fused<" + ",".join(s.codelets[0] if s.codelets else s.op
                                       for s in members) + ">",),
         flops=int(sum(s.flops for s in members)),
-        scratch_bytes=self._scratch(members, internal),
+        scratch_bytes=self._scratch(members, internal, reads),
         source=first.source, notes=notes, scope=_common_scope(s.scope for s in members),
         elementwise=P.ElementwiseWork(first.elementwise.mapping), fused_ops=ops)
 
@@ -264,30 +264,53 @@ class _Fuser:
     saved = np.maximum(busy - 1, 0) * self.overhead
     return np.maximum(cycles.sum(axis=0) - saved, cycles.max(axis=0))
 
-  def _scratch(self, members, internal) -> np.ndarray:
-    """Per tile: the peak bytes of intermediates live at once in the chain."""
-    t = self.target.num_tiles
+  def _scratch(self, members, internal, reads) -> np.ndarray:
+    """Per tile: the step's working memory beyond its operands and results.
+
+    Within the chain every value lives from the member that makes it to the
+    last member that reads it, as it would in separate steps. The memory
+    analysis already holds the step's operands and kept results for the
+    whole step, so the scratch is what the peak of that in-chain liveness
+    exceeds them by: chiefly the intermediates that never leave the step.
+    """
     n = len(members)
-    delta = np.zeros((n + 1, t), np.int64)
-    born, tensor_of, last = {}, {}, {}
+    delta = np.zeros((n + 1, self.target.num_tiles), np.int64)
+    baseline = np.zeros(self.target.num_tiles, np.int64)
+    first_read, last_read, born = {}, {}, {}
     for position, step in enumerate(members):
       for x in step.reads:
-        if x.id in internal:
-          last[x.id] = position
+        first_read.setdefault(x.id, position)
+        last_read[x.id] = position
       for x in step.writes:
-        if x.id in internal and x.id not in born:
-          born[x.id], tensor_of[x.id] = position, x
-    for i, lo in born.items():
-      tensor = tensor_of[i]
-      mapping = tensor.mapping
-      hi = last.get(i, lo)
-      np.add.at(delta[lo], mapping.tiles, mapping.counts * tensor.itemsize)
-      np.add.at(delta[hi + 1], mapping.tiles, -mapping.counts * tensor.itemsize)
-    live = np.cumsum(delta[:-1], axis=0)
+        born.setdefault(x.id, position)
+
+    def live(tensor, lo, hi, counted):
+      tiles, nbytes = tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize
+      np.add.at(delta[lo], tiles, nbytes)
+      np.add.at(delta[hi + 1], tiles, -nbytes)
+      if counted:
+        np.add.at(baseline, tiles, nbytes)
+
+    for tensor in reads:
+      if tensor.category == "temporaries" and tensor.id not in born:
+        inside = self.reads.get(tensor.id, 0) == sum(
+            1 for s in members for x in s.reads if x.id == tensor.id)
+        live(tensor, 0, last_read[tensor.id] if inside else n - 1, True)
+    seen = set()
+    for step in members:
+      for tensor in step.writes:
+        if tensor.id in seen:
+          continue
+        seen.add(tensor.id)
+        if tensor.id in internal:
+          live(tensor, born[tensor.id], max(last_read.get(tensor.id, 0), born[tensor.id]), False)
+        else:
+          live(tensor, born[tensor.id], n - 1, True)
+    in_chain = np.cumsum(delta[:-1], axis=0)
     for position, step in enumerate(members):
       if step.scratch_bytes is not None:
-        live[position] += np.asarray(step.scratch_bytes, np.int64)
-    return live.max(axis=0)
+        in_chain[position] += np.asarray(step.scratch_bytes, np.int64)
+    return np.maximum(in_chain.max(axis=0) - baseline, 0)
 
 
 def _flatten(sequence):
