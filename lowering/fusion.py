@@ -52,7 +52,8 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import add_costs
+from ipu_jax.lowering.builders import add_costs, broadcast_cost
+from ipu_jax.lowering.exchange import relayout_cost
 from ipu_jax.target import IPUTarget
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
@@ -162,54 +163,83 @@ class _Fuser:
     """Schedule a straight-line run of supersteps, fusing where allowed."""
     if len(steps) < 2:
       return list(steps)
+    works = [_work(step) for step in steps]
     preds = _dependencies(steps)
     out = []
     open_groups = []          # groups not yet emitted, in creation order
-    group_of = {}             # step index -> its group (a list of indices)
+    group_of = {}             # step index -> its open group
 
     def close(group):
       open_groups.remove(group)
-      out.append(self._fused([steps[i] for i in group]))
-      for i in group:
-        group_of[i] = None
+      out.append(self._fused(group.mapping,
+                             [(steps[i], works[i]) for i in sorted(group.members)]))
+      for i in group.members:
+        del group_of[i]
 
     for i, step in enumerate(steps):
       pending = []
       for p in preds[i]:
         g = group_of.get(p)
-        if g is not None and not any(g is q for q in pending):
+        if g is not None and g not in pending:
           pending.append(g)
+      work = works[i]
       home = None
-      if step.elementwise is not None:
-        mapping = step.elementwise.mapping
+      if work is not None:
         # Prefer a group this step reads from (a chain), else the newest.
-        candidates = [g for g in reversed(open_groups)
-                      if steps[g[0]].elementwise.mapping.same_as(mapping)]
-        candidates.sort(key=lambda g: not any(g is q for q in pending))
+        candidates = [g for g in reversed(open_groups) if g.mapping.same_as(work.mapping)]
+        candidates.sort(key=lambda g: g not in pending)
         home = candidates[0] if candidates else None
-      for g in [g for g in open_groups if any(g is q for q in pending) and g is not home]:
-        close(g)
-      if step.elementwise is None:
+        if home is None:
+          home = _Group(work.mapping)
+          open_groups.append(home)
+        home.members.append(i)
+        group_of[i] = home
+      for g in [g for g in open_groups if g in pending and g is not home]:
+        if home is not None and self._absorbable(g, home, steps, works):
+          # A producer on another layout whose results only this chain
+          # reads: its vertices move onto the chain's tiles.
+          open_groups.remove(g)
+          home.members.extend(g.members)
+          for j in g.members:
+            group_of[j] = home
+        else:
+          close(g)
+      if work is None:
         out.append(step)
-        continue
-      if home is None:
-        home = []
-        open_groups.append(home)
-      home.append(i)
-      group_of[i] = home
     for g in list(open_groups):
       close(g)
     return out
 
-  def _fused(self, members) -> P.Superstep:
-    """One step doing ``members`` (in order) in one compute set."""
+  def _absorbable(self, producer, consumer, steps, works) -> bool:
+    """Whether ``producer``'s steps can run inside ``consumer``'s compute set.
+
+    Every result of ``producer`` must be an intermediate that only the two
+    groups read (so no other layout of it is ever needed), of the
+    consumer's size, and every step's cost must be known on any layout.
+    """
+    if any(not works[j].cost_op for j in producer.members):
+      return False
+    inside = {}
+    for j in producer.members + consumer.members:
+      for t in steps[j].reads:
+        inside[t.id] = inside.get(t.id, 0) + 1
+    for j in producer.members:
+      for t in steps[j].writes:
+        if (t.category != "temporaries" or self.writes.get(t.id, 0) != 1
+            or self.reads.get(t.id, 0) != inside.get(t.id, 0)
+            or t.size != consumer.mapping.num_elements):
+          return False
+    return True
+
+  def _fused(self, mapping, members) -> P.Superstep:
+    """One step doing ``members`` (``(step, work)`` in order) in one compute set."""
     if len(members) == 1:
-      return members[0]
+      return members[0][0]
     written_at = {}
     external, exchanges = {}, {}
     inside_reads = {}
-    for position, step in enumerate(members):
-      costs = step.elementwise.read_exchanges
+    for position, (step, work) in enumerate(members):
+      costs = self._read_exchanges(step, work, mapping)
       for k, t in enumerate(step.reads):
         if t.id in written_at:
           inside_reads[t.id] = inside_reads.get(t.id, 0) + 1
@@ -220,51 +250,72 @@ class _Fuser:
       for t in step.writes:
         written_at.setdefault(t.id, position)
     # A result only the group reads lives inside the fused step.
-    categories = {t.id: t.category for s in members for t in s.writes}
+    categories = {t.id: t.category for s, _ in members for t in s.writes}
     internal = {i for i in written_at
                 if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
                 and self.reads.get(i, 0) == inside_reads.get(i, 0)}
     kept = {}
-    for step in members:
+    for step, _ in members:
       for t in step.writes:
         if t.id not in internal:
           kept[t.id] = t
     reads = tuple(external.values())
     writes = tuple(kept.values())
+    steps = [step for step, _ in members]
 
     def fn(*storages):
       env = dict(zip((t.id for t in reads), storages))
-      for step in members:
+      for step in steps:
         values = step.fn(*[env[t.id] for t in step.reads])
         for t, v in zip(step.writes, values):
           env[t.id] = v.astype(t.dtype)  # as the executor stores it
       return tuple(env[t.id] for t in writes)
 
-    compute = self._compute(members)
-    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in members)
-    notes = tuple(dict.fromkeys(n for s in members for n in s.notes))
-    first = members[0]
+    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in steps)
+    at_home = [s for s, w in members if _at_home(s, w, mapping)] or [steps[0]]
     return P.Superstep(
-        name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
-        op="fusion", reads=reads, writes=writes, fn=fn, compute_cycles=compute,
+        name="fused(" + "+".join(dict.fromkeys(s.name for s in steps)) + ")",
+        op="fusion", reads=reads, writes=writes, fn=fn,
+        compute_cycles=self._compute(mapping, members),
         exchange=add_costs(*exchanges.values()),
-        vertices=np.max([np.asarray(s.vertices) for s in members], axis=0),
+        vertices=np.max([np.asarray(s.vertices) for s in at_home], axis=0),
         codelets=("fused<" + ",".join(s.codelets[0] if s.codelets else s.op
-                                      for s in members) + ">",),
-        flops=int(sum(s.flops for s in members)),
-        scratch_bytes=self._scratch(members, internal, reads),
-        source=first.source, notes=notes, scope=_common_scope(s.scope for s in members),
-        elementwise=P.ElementwiseWork(first.elementwise.mapping), fused_ops=ops)
+                                      for s in steps) + ">",),
+        flops=int(sum(s.flops for s in steps)),
+        scratch_bytes=self._scratch(mapping, steps, internal, reads),
+        source=steps[0].source, notes=tuple(dict.fromkeys(n for s in steps for n in s.notes)),
+        scope=_common_scope(s.scope for s in steps),
+        elementwise=P.ElementwiseWork(mapping), fused_ops=ops)
 
-  def _compute(self, members) -> np.ndarray:
-    cycles = np.stack([np.asarray(s.compute_cycles, np.float64) for s in members])
+  def _read_exchanges(self, step, work, mapping) -> tuple:
+    """Per read of ``step``, the exchange bringing it onto ``mapping``."""
+    if _at_home(step, work, mapping):
+      return work.read_exchanges
+    shim = types.SimpleNamespace(target=self.target)
+    return tuple(broadcast_cost(shim, t, mapping.tiles) if t.size == 1
+                 else relayout_cost(self.target, t.mapping, mapping, t.itemsize)
+                 for t in step.reads)
+
+  def _compute(self, mapping, members) -> np.ndarray:
+    """Each member's cycles on ``mapping``, less the overheads fusion saves."""
+    elements = None
+    rows = []
+    for step, work in members:
+      if _at_home(step, work, mapping):
+        rows.append(np.asarray(step.compute_cycles, np.float64))
+        continue
+      if elements is None:
+        elements = mapping.elements_per_tile(self.target.num_tiles)
+      rows.append(np.asarray(estimators.elementwise_cycles(
+          self.target, elements, work.cost_op, work.itemsize), np.float64))
+    cycles = np.stack(rows)
     busy = (cycles > 0).sum(axis=0)
     # Each member after the first on a tile no longer pays a compute set's
     # launch and vertex overheads.
     saved = np.maximum(busy - 1, 0) * self.overhead
     return np.maximum(cycles.sum(axis=0) - saved, cycles.max(axis=0))
 
-  def _scratch(self, members, internal, reads) -> np.ndarray:
+  def _scratch(self, mapping, members, internal, reads) -> np.ndarray:
     """Per tile: the step's working memory beyond its operands and results.
 
     Within the chain every value lives from the member that makes it to the
@@ -285,7 +336,10 @@ class _Fuser:
         born.setdefault(x.id, position)
 
     def live(tensor, lo, hi, counted):
-      tiles, nbytes = tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize
+      # Intermediates live where the fused vertices run.
+      where = mapping if tensor.id in internal and tensor.size == mapping.num_elements \
+          else tensor.mapping
+      tiles, nbytes = where.tiles, where.counts * tensor.itemsize
       np.add.at(delta[lo], tiles, nbytes)
       np.add.at(delta[hi + 1], tiles, -nbytes)
       if counted:
@@ -311,6 +365,47 @@ class _Fuser:
       if step.scratch_bytes is not None:
         in_chain[position] += np.asarray(step.scratch_bytes, np.int64)
     return np.maximum(in_chain.max(axis=0) - baseline, 0)
+
+
+class _Group:
+  """Steps (indices into a run) that will be one compute set on ``mapping``."""
+
+  def __init__(self, mapping):
+    self.mapping = mapping
+    self.members = []
+
+  def __eq__(self, other):
+    return self is other
+
+  __hash__ = object.__hash__
+
+
+def _work(step):
+  """What fusion may do with ``step``: its :class:`ElementwiseWork`, or None.
+
+  Besides elementwise steps, a broadcast of a scalar (a ``fill`` of a
+  constant or a ``broadcast_in_dim`` of a one-element tensor) is elementwise
+  work: each result element is a copy of the one value.
+  """
+  if step.elementwise is not None:
+    return step.elementwise
+  if (step.name in ("fill", "broadcast_in_dim") and len(step.writes) == 1
+      and len(step.reads) <= 1 and all(t.size == 1 for t in step.reads)
+      and step.writes[0].size > 1 and step.compute_cycles is not None):
+    out = step.writes[0]
+    return P.ElementwiseWork(out.mapping, (step.exchange,) if step.reads else (),
+                             "copy", out.itemsize)
+  return None
+
+
+def _at_home(step, work, mapping) -> bool:
+  """Whether ``step``'s own costs hold in a compute set on ``mapping``.
+
+  Not so for a step moved from another layout, nor for a broadcast of a
+  scalar, which as a fused vertex reads the one value instead of receiving
+  every element.
+  """
+  return step.elementwise is work and work.mapping.same_as(mapping)
 
 
 def _flatten(sequence):

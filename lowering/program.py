@@ -89,10 +89,16 @@ class ElementwiseWork:
     mapping: the layout every vertex of the step works on (its results').
     read_exchanges: per entry of the step's ``reads``, the exchange that
       brings it onto ``mapping`` (``None``: already there).
+    cost_op: the elementwise estimator's key for the work per element
+      (``estimators.elementwise_cycles``), so the step can be costed on
+      another layout; ``""`` if it may not move.
+    itemsize: bytes per element of the result (for that estimate).
   """
 
   mapping: TileMapping
   read_exchanges: tuple = ()
+  cost_op: str = ""
+  itemsize: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
