@@ -235,18 +235,22 @@ class _Fuser:
     """One step doing ``members`` (``(step, work)`` in order) in one compute set."""
     if len(members) == 1:
       return members[0][0]
+    home = [_at_home(step, work, mapping) for step, work in members]
     written_at = {}
     external, exchanges = {}, {}
     inside_reads = {}
     for position, (step, work) in enumerate(members):
-      costs = self._read_exchanges(step, work, mapping)
       for k, t in enumerate(step.reads):
         if t.id in written_at:
           inside_reads[t.id] = inside_reads.get(t.id, 0) + 1
           continue
         if t.id not in external:
           external[t.id] = t
-          exchanges[t.id] = costs[k] if k < len(costs) else None
+          if home[position]:
+            costs = work.read_exchanges
+            exchanges[t.id] = costs[k] if k < len(costs) else None
+          else:
+            exchanges[t.id] = self._exchange_onto(t, mapping)
       for t in step.writes:
         written_at.setdefault(t.id, position)
     # A result only the group reads lives inside the fused step.
@@ -272,11 +276,11 @@ class _Fuser:
       return tuple(env[t.id] for t in writes)
 
     ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in steps)
-    at_home = [s for s, w in members if _at_home(s, w, mapping)] or [steps[0]]
+    at_home = [s for s, h in zip(steps, home) if h] or [steps[0]]
     return P.Superstep(
         name="fused(" + "+".join(dict.fromkeys(s.name for s in steps)) + ")",
         op="fusion", reads=reads, writes=writes, fn=fn,
-        compute_cycles=self._compute(mapping, members),
+        compute_cycles=self._compute(mapping, members, home),
         exchange=add_costs(*exchanges.values()),
         vertices=np.max([np.asarray(s.vertices) for s in at_home], axis=0),
         codelets=("fused<" + ",".join(s.codelets[0] if s.codelets else s.op
@@ -287,21 +291,18 @@ class _Fuser:
         scope=_common_scope(s.scope for s in steps),
         elementwise=P.ElementwiseWork(mapping), fused_ops=ops)
 
-  def _read_exchanges(self, step, work, mapping) -> tuple:
-    """Per read of ``step``, the exchange bringing it onto ``mapping``."""
-    if _at_home(step, work, mapping):
-      return work.read_exchanges
-    shim = types.SimpleNamespace(target=self.target)
-    return tuple(broadcast_cost(shim, t, mapping.tiles) if t.size == 1
-                 else relayout_cost(self.target, t.mapping, mapping, t.itemsize)
-                 for t in step.reads)
+  def _exchange_onto(self, tensor, mapping):
+    """The exchange bringing ``tensor`` to the vertices of ``mapping``."""
+    if tensor.size == 1:
+      return broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
+    return relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)
 
-  def _compute(self, mapping, members) -> np.ndarray:
+  def _compute(self, mapping, members, home) -> np.ndarray:
     """Each member's cycles on ``mapping``, less the overheads fusion saves."""
     elements = None
     rows = []
-    for step, work in members:
-      if _at_home(step, work, mapping):
+    for (step, work), at_home in zip(members, home):
+      if at_home:
         rows.append(np.asarray(step.compute_cycles, np.float64))
         continue
       if elements is None:
@@ -339,11 +340,11 @@ class _Fuser:
       # Intermediates live where the fused vertices run.
       where = mapping if tensor.id in internal and tensor.size == mapping.num_elements \
           else tensor.mapping
-      tiles, nbytes = where.tiles, where.counts * tensor.itemsize
-      np.add.at(delta[lo], tiles, nbytes)
-      np.add.at(delta[hi + 1], tiles, -nbytes)
+      tiles, nbytes = where.tiles, where.counts * tensor.itemsize  # tiles are unique
+      delta[lo, tiles] += nbytes
+      delta[hi + 1, tiles] -= nbytes
       if counted:
-        np.add.at(baseline, tiles, nbytes)
+        baseline[tiles] += nbytes
 
     for tensor in reads:
       if tensor.category == "temporaries" and tensor.id not in born:
