@@ -53,17 +53,16 @@ def _chain(x, y, s):
 
 
 def _assert_close_to_jax(got, want):
-  # XLA compiles a chain differently inside jax.jit than inside the
-  # emulator's program (it may contract a multiply and an add into one FMA),
-  # with or without fusion: a chain matches to an ulp, single ops bit for bit
-  # (tests/test_lowering_elementwise.py). Fusion itself changes nothing: the
-  # tests compare fused with unfused bit for bit.
+  # jax.jit may rewrite a chain where the tile program cannot (a division by
+  # a broadcast scalar becomes a multiply by its reciprocal: README, "What
+  # 'same numbers' means", within 3 ulps), with or without fusion. Fusion
+  # itself changes nothing: the tests compare fused with unfused bit for bit.
   def close(g, w):
     g, w = np.asarray(g), np.asarray(w)
     if np.issubdtype(g.dtype, np.floating) or g.dtype == jnp.bfloat16:
       eps = float(jnp.finfo(g.dtype).eps)
       np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32),
-                                 rtol=2 * eps, atol=2 * eps)
+                                 rtol=3 * eps, atol=3 * eps)
     else:
       np.testing.assert_array_equal(g, w)
   chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
