@@ -33,7 +33,15 @@ joins an open group on the same mapping when everything it depends on is
 already emitted or in that group; a step that depends on an open group closes
 (emits) it first. So independent work may be emitted before a group that is
 still growing, but never out of dependency order, and every value is computed
-by the same functions from the same inputs: the numbers do not change.
+by the same functions from the same inputs: the numbers do not change. (An
+optimizer's update, written leaf by leaf for each operation, thus becomes one
+compute set per parameter.)
+
+A producer on another layout joins its consumer's group when nothing else
+reads its results (``b1 * mu`` on the moment's layout feeding a chain on the
+gradient's): its vertices then run on the chain's tiles, costed there by the
+elementwise estimator, with its operands exchanged to them instead of its
+result. Scalar expressions stay on their own tile, as on the IPU.
 
 Memory: a member's result that nothing outside the group reads (and that is
 not a program output, variable or constant) is never written to tile memory
