@@ -136,6 +136,7 @@ class _Fuser:
     self.reads = reads
     self.writes = writes
     self.overhead = vertex_overhead_cycles(target)
+    self._exchanges = {}
 
   def program(self, node):
     if node is None or isinstance(node, (P.Superstep, P.StreamCopy, P.PrintTensor)):
@@ -194,7 +195,9 @@ class _Fuser:
       home = None
       if work is not None:
         # Prefer a group this step reads from (a chain), else the newest.
-        candidates = [g for g in reversed(open_groups) if g.mapping.same_as(work.mapping)]
+        size = work.mapping.num_elements
+        candidates = [g for g in reversed(open_groups)
+                      if g.mapping.num_elements == size and g.mapping.same_as(work.mapping)]
         candidates.sort(key=lambda g: g not in pending)
         home = candidates[0] if candidates else None
         if home is None:
@@ -235,7 +238,7 @@ class _Fuser:
       for t in steps[j].writes:
         if (t.category != "temporaries" or self.writes.get(t.id, 0) != 1
             or self.reads.get(t.id, 0) != inside.get(t.id, 0)
-            or t.size != consumer.mapping.num_elements):
+            or t.mapping.num_elements != consumer.mapping.num_elements):
           return False
     return True
 
@@ -301,9 +304,14 @@ class _Fuser:
 
   def _exchange_onto(self, tensor, mapping):
     """The exchange bringing ``tensor`` to the vertices of ``mapping``."""
-    if tensor.size == 1:
-      return broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
-    return relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)
+    key = (tensor.id, id(mapping))
+    if key not in self._exchanges:
+      if tensor.mapping.num_elements == 1:
+        cost = broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
+      else:
+        cost = relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)
+      self._exchanges[key] = (cost, mapping)  # keeps the mapping alive with its id
+    return self._exchanges[key][0]
 
   def _compute(self, mapping, members, home) -> np.ndarray:
     """Each member's cycles on ``mapping``, less the overheads fusion saves."""
@@ -333,6 +341,10 @@ class _Fuser:
     whole step, so the scratch is what the peak of that in-chain liveness
     exceeds them by: chiefly the intermediates that never leave the step.
     """
+    if not internal:
+      # Operands and results are already held for the whole step.
+      own = [np.asarray(s.scratch_bytes, np.int64) for s in members if s.scratch_bytes is not None]
+      return np.max(own, axis=0) if own else None
     n = len(members)
     delta = np.zeros((n + 1, self.target.num_tiles), np.int64)
     baseline = np.zeros(self.target.num_tiles, np.int64)
@@ -346,7 +358,7 @@ class _Fuser:
 
     def live(tensor, lo, hi, counted):
       # Intermediates live where the fused vertices run.
-      where = mapping if tensor.id in internal and tensor.size == mapping.num_elements \
+      where = mapping if tensor.id in internal and tensor.mapping.num_elements == mapping.num_elements \
           else tensor.mapping
       tiles, nbytes = where.tiles, where.counts * tensor.itemsize  # tiles are unique
       delta[lo, tiles] += nbytes
