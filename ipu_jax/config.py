@@ -350,7 +350,7 @@ class _ExecutorOptions(_Group):
       "differs.")
 
 
-# --- lowprec: floating-point behaviour (TF-IPU's floating_point_behaviour) ---
+# -- Floating-point behaviour (TF-IPU's floating_point_behaviour; ipu_jax/rounding.py) --
 class _FloatingPointOptions(_Group):
   """How the chip rounds and overflows in reduced precision (ipu_jax/rounding.py)."""
 
@@ -371,7 +371,9 @@ class _FloatingPointOptions(_Group):
       _BOOL, True,
       "Not-a-number on overflow: True lets float16 results overflow to "
       "inf (and NaN), as jax.jit does; False saturates them to +-65504.")
-# -- Streaming memory (issue 11: ipu_jax/keras/offload.py) ------------------------
+
+
+# -- Streaming memory (ipu_jax/keras/offload.py) ------------------------
 
 
 class _StreamingOptions(_Group):
@@ -392,6 +394,11 @@ class _StreamingOptions(_Group):
       "replicated_optimizer_state_sharding, PopTorch's "
       "useReplicatedTensorSharding). The optimizer must act elementwise "
       "(SGD, momentum, Adam, ...).")
+
+
+# -- Pipelining (ipu_jax/pipelining/) ----------------------------------------------
+
+
 class _PipeliningOptions(_Group):
   """How ipu_jax.pipelining.Pipeline runs a model split into stages."""
 
@@ -408,6 +415,20 @@ class _PipeliningOptions(_Group):
       "only the stage's inputs and the values marked with "
       "ipu_jax.ops.recomputation_checkpoint (TF-IPU's recomputation_mode "
       "RecomputeThenBackpropagate).")
+
+
+# -- Fusion (lowering/fusion.py) -----------------------------------------------------
+
+
+class _FusionOptions(_Group):
+  """Which operations lowering fuses into one compute set."""
+
+  elementwise = _Option(
+      _BOOL, True,
+      "Fuse chains of elementwise operations on the same tile layout into "
+      "one compute set (one sync, one vertex per tile), as popops map "
+      "expressions and XLA fusion do; False gives every operation its own "
+      "superstep. Results are identical either way.")
 
 
 class IPUConfig(_Group):
@@ -442,6 +463,7 @@ class IPUConfig(_Group):
   floating_point_behaviour = _Section(_FloatingPointOptions)
   streaming = _Section(_StreamingOptions)
   pipelining = _Section(_PipeliningOptions)
+  fusion = _Section(_FusionOptions)
   random_seed = _Option(
       _integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "
@@ -520,10 +542,10 @@ _LOWERING_SOURCES = {
     "allow_out_of_memory": "memory.allow_out_of_memory",
     "report_directory": "report.directory",
     "executor_mode": "executor.mode",
-    # lowprec
     "stochastic_rounding": "floating_point_behaviour.esr",
     "rounding_seed": "floating_point_behaviour.seed",
     "nanoo": "floating_point_behaviour.nanoo",
+    "fuse_elementwise": "fusion.elementwise",
 }
 _OPTIONS_BY_PATH = dict(IPUConfig._leaf_paths())
 
@@ -550,6 +572,7 @@ class LoweringOptions:
     executor_mode: ``executor.mode``.
     stochastic_rounding, rounding_seed, nanoo:
       ``floating_point_behaviour.esr``, ``.seed``, ``.nanoo``.
+    fuse_elementwise: ``fusion.elementwise``.
   """
 
   available_memory_proportion: float = _default("available_memory_proportion")
@@ -559,10 +582,10 @@ class LoweringOptions:
   allow_out_of_memory: bool = _default("allow_out_of_memory")
   report_directory: Optional[str] = _default("report_directory")
   executor_mode: str = _default("executor_mode")
-  # lowprec: floating_point_behaviour.{esr, seed, nanoo}
   stochastic_rounding: str = _default("stochastic_rounding")
   rounding_seed: int = _default("rounding_seed")
   nanoo: bool = _default("nanoo")
+  fuse_elementwise: bool = _default("fuse_elementwise")
 
   def __post_init__(self):
     for name, path in _LOWERING_SOURCES.items():

@@ -29,6 +29,7 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
+from ipu_jax.lowering.fusion import fuse_elementwise
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.rounding import apply_floating_point_behaviour
 from ipu_jax.lowering.remote import is_remote
@@ -66,7 +67,7 @@ class Lowered:
 
     progress.stage("tracing")
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
-    # lowprec: the chip's rounding (floating_point_behaviour); identity by default.
+    # The chip's rounding (floating_point_behaviour); identity by default.
     closed = apply_floating_point_behaviour(closed, options)
     self.jaxpr = closed
     self.out_tree = jax.tree_util.tree_structure(out_shape)
@@ -86,6 +87,8 @@ class Lowered:
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
+    if options.fuse_elementwise:
+      self.program = fuse_elementwise(self.program, target, keep=outputs)
     if offload is not None:  # leaves kept in streaming memory (ipu_jax/offload.py)
       from ipu_jax import offload as offload_lib
       self.program, inputs, outputs = offload_lib.offload_program(

@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["IPUTarget", "PRESETS"]
 
 
-# --- calibrated figures (issue 12; provenance in ipu_jax.cost_model) --------
+# --- calibrated figures (provenance in ipu_jax.cost_model) --------
 # PCIe 4.0 x16, one direction: 16 GT/s x 16 lanes x 128/130 / 8 bits.
 _PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
 # ----------------------------------------------------------------------------
@@ -82,10 +82,10 @@ class IPUTarget:
   host_link_bytes_per_second: float = _PCIE4_X16
   code_bytes_per_codelet: int = 256
   vertex_state_bytes: int = 8
-  # lowprec: FP8 units (0 = none).
+  # FP8 units (0 = none).
   fp8_flops_per_cycle: int = 0
 
-  # -- Streaming memory (issue 11; see lowering/remote.py) -----------------------------
+  # -- Streaming memory (see lowering/remote.py) -----------------------------
   # Each IPU's share of the IPU-Machine's DDR and the rate tiles reach it at
   # through the gateway. Sources: the IPU-M2000 and Bow-2000 datasheets
   # (256 GB of DDR4 Streaming Memory for 4 IPUs as shipped, i.e. 64 GiB-class
@@ -229,7 +229,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 streaming_memory_bytes_per_second=8e9),
 }
 
-# --- lowprec: the Mk2 IPU with FP8 support -----------------------------------
+# --- ipu21: the Mk2 IPU with FP8 support -----------------------------------
 # C600 PCIe card (Graphcore C600 datasheet, docs.graphcore.ai/projects/
 # C600-datasheet): the GC200's 1,472 tiles and 900 MB, "Mk2 IPU with FP8
 # support", 185 W; 280 TFLOPS fp16 and 560 TFLOPS FP8 (Graphcore's C600

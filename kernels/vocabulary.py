@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 ELEMENTWISE = "popops::Elementwise"  # vertex(ELEMENTWISE, op), op a primitive name
+MAP = "popops::Map"  # a fused chain, vertex(MAP, *its vertex types) (lowering/fusion.py)
 COPY = "popops::Copy"
 FILL = "popops::Fill"
 IOTA = "popops::Iota"

@@ -66,7 +66,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
         executions=executions, temporary_bytes=np.asarray(temporary, np.int64),
         notes=tuple(node.notes),
-        scope=node.scope)
+        scope=node.scope, fused_ops=tuple(node.fused_ops))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
@@ -242,6 +242,15 @@ def check_memory(profile: ProgramProfile, *, allow_out_of_memory: bool = False,
   lines = [f"  {b:>12,d} B  {tt.name} {tt.shape} {tt.dtype} ({tt.category}"
            f"{', ' + tt.op if tt.op else ''}{', ' + tt.source if tt.source else ''})"
            for b, tt in on_tile[:5]]
+  # A step's own working memory (a fused chain's intermediates, a matmul's
+  # partials) belongs to no tensor: name the step that needs the most.
+  working = [(int(s.temporary_bytes[worst]) - int(s.exchange_bytes_in[worst]), s)
+             for s in profile.steps if s.temporary_bytes is not None]
+  if working and max(working, key=lambda w: w[0])[0] > 0:
+    b, step = max(working, key=lambda w: w[0])
+    ops = ", ".join(f.op for f in step.fused_ops) or step.op
+    lines.append(f"  {b:>12,d} B  working memory of step {step.name} ({ops}"
+                 f"{', ' + step.source if step.source else ''})")
   categories = ", ".join(f"{k} {int(v[worst]):,d}" for k, v in memory.by_category.items() if v[worst])
   message = (
       f"Out of memory on tile {worst} of {what}: it needs {needed:,d} bytes but has "

@@ -190,7 +190,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
       compute_cycles=compute, exchange=add_costs(*costs),
       vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
-      flops=flops))
+      flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize)))
   return outputs
 
 

@@ -54,6 +54,9 @@ class StepProfile:
       ``"Encoder/layers_0/attention"`` ('' outside any named scope).
     streaming_bytes: bytes moved between tiles and streaming memory (remote
       buffer copies, ``lowering/remote.py``), 0 otherwise.
+    fused_ops: for a fused compute set, the
+      :class:`~ipu_jax.lowering.program.FusedOp` s it was made of (each
+      would otherwise have been its own superstep); empty otherwise.
   """
 
   name: str
@@ -73,6 +76,7 @@ class StepProfile:
   notes: tuple = ()
   scope: str = ""
   streaming_bytes: int = 0
+  fused_ops: tuple = ()
 
   @property
   def compute_phase_cycles(self) -> float:

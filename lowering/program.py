@@ -23,7 +23,7 @@ from ipu_jax.lowering.mapping import TileMapping
 __all__ = [
     "Tensor", "Superstep", "Sequence", "Repeat", "RepeatWhileTrue", "If",
     "Switch", "Replicated", "HostStream", "StreamCopy", "PrintTensor", "Program",
-    "program_reads", "program_writes", "iter_steps",
+    "program_reads", "program_writes", "iter_steps", "ElementwiseWork", "FusedOp",
 ]
 
 _ids = itertools.count()
@@ -82,6 +82,36 @@ class Tensor:
 
 
 @dataclasses.dataclass(eq=False)
+class ElementwiseWork:
+  """What the elementwise fusion pass needs to know of an elementwise step.
+
+  Attributes:
+    mapping: the layout every vertex of the step works on (its results').
+    read_exchanges: per entry of the step's ``reads``, the exchange that
+      brings it onto ``mapping`` (``None``: already there).
+    cost_op: the elementwise estimator's key for the work per element
+      (``estimators.elementwise_cycles``), so the step can be costed on
+      another layout; ``""`` if it may not move.
+    itemsize: bytes per element of the result (for that estimate).
+  """
+
+  mapping: TileMapping
+  read_exchanges: tuple = ()
+  cost_op: str = ""
+  itemsize: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOp:
+  """One operation folded into a fused compute set (for reports)."""
+
+  name: str
+  op: str
+  source: str = ""
+  scope: str = ""
+
+
+@dataclasses.dataclass(eq=False)
 class Superstep:
   """One BSP superstep: sync, exchange, compute.
 
@@ -106,6 +136,9 @@ class Superstep:
     notes: remarks the report shows with the step, e.g. that its cost is
       that of a software emulation (float64 or complex products).
     scope: the module path (name stack), e.g. ``"Encoder/layers_0/attention"``.
+    elementwise: set by elementwise steps, which the fusion pass
+      (``lowering/fusion.py``) may merge; ``None`` for other steps.
+    fused_ops: for a fused step, the operations it was made of.
   """
 
   name: str
@@ -122,6 +155,8 @@ class Superstep:
   source: str = ""
   notes: tuple = ()
   scope: str = ""
+  elementwise: Optional[ElementwiseWork] = None
+  fused_ops: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)

@@ -207,7 +207,11 @@ class ControlTest(chex.TestCase, parameterized.TestCase):
 
   def test_scan_report_counts_iterations(self):
     xs = jnp.arange(24.0).reshape(12, 2)
-    lowered = ipu_jax.jit(_cumsum_scan, target=_T16).lower(xs)
+    # Fusion off: this counts the body's steps one operation each (with
+    # fusion the add joins a fused compute set; tests/test_fusion.py).
+    cfg = ipu_jax.IPUConfig()
+    cfg.fusion.elementwise = False
+    lowered = ipu_jax.jit(_cumsum_scan, target=_T16, config=cfg).lower(xs)
     loops = [p for p in lowered.program.programs if isinstance(p, P.Repeat)]
     self.assertLen(loops, 1)
     self.assertEqual(loops[0].count, 12)

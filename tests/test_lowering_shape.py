@@ -50,8 +50,8 @@ def _check(fn, *args, target=_SMALL, mode="batched"):
   return got
 
 
-def _steps(fn, *args, target=_SMALL):
-  return ipu_jax.jit(fn, target=target).lower(*args).report.profile.steps
+def _steps(fn, *args, target=_SMALL, config=None):
+  return ipu_jax.jit(fn, target=target, config=config).lower(*args).report.profile.steps
 
 
 def _bytes_moved(steps):
@@ -195,7 +195,11 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
 
   def test_broadcast_is_a_multicast(self):
     s = jnp.float32(2.5)
-    steps = _steps(lambda s: jnp.broadcast_to(s, (100, 90)) * 1, s)
+    # Fusion off: this checks the broadcast rule's own step (fused, the
+    # broadcast becomes a scalar operand of the multiply's vertices).
+    unfused = ipu_jax.IPUConfig()
+    unfused.fusion.elementwise = False
+    steps = _steps(lambda s: jnp.broadcast_to(s, (100, 90)) * 1, s, config=unfused)
     bcast = [st for st in steps if st.op == "broadcast_in_dim"]
     self.assertLen(bcast, 1)
     # Every tile receives the scalar once and replicates it on the tile.

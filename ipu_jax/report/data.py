@@ -55,6 +55,8 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "exchange_bytes_in", "exchange_bytes_out": int,   # summed over tiles
         "ipu_link_bytes", "host_bytes": int,
         "temporary_bytes_peak": int,     # the step's working memory, busiest tile
+        "fused_ops": [[str, str]],      # [op, source] of each operation fused
+                                         # into this compute set ([] if none)
         "compute_cycles_tiles": [[int, int, float]]  # v2: runs of busy tiles
                                          # [first_tile, count, cycles]
       }],
@@ -124,6 +126,8 @@ class StepTable:
   host_bytes: np.ndarray
   temporary_peak: np.ndarray   # the step's own working memory, busiest tile
   notes: list = dataclasses.field(default_factory=list)  # per step: how it is costed
+  # per step: [[op, source], ...] of the operations fused into it ([] if none)
+  fused_ops: list = dataclasses.field(default_factory=list)
 
   def __len__(self) -> int:
     return len(self.names)
@@ -230,6 +234,7 @@ def _steps_from_profile(profile: ProgramProfile) -> StepTable:
           [int(np.max(s.temporary_bytes)) if getattr(s, "temporary_bytes", None) is not None
            and np.size(s.temporary_bytes) else 0 for s in steps], np.int64),
       notes=[list(getattr(s, "notes", ()) or ()) for s in steps],
+      fused_ops=[[[f.op, f.source] for f in getattr(s, "fused_ops", ())] for s in steps],
   )
 
 
@@ -431,6 +436,7 @@ def steps_to_json(steps: StepTable,
       "host_bytes": int(steps.host_bytes[i]),
       "temporary_bytes_peak": int(steps.temporary_peak[i]),
       "notes": list(steps.notes[i]) if i < len(steps.notes) else [],
+      "fused_ops": [list(f) for f in steps.fused_ops[i]] if i < len(steps.fused_ops) else [],
   } for i in range(len(steps))]
   if tile_cycles is not None and len(tile_cycles) == len(rows):
     for row, cycles in zip(rows, tile_cycles):
@@ -467,6 +473,7 @@ def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
       host_bytes=column("host_bytes", np.int64),
       temporary_peak=column("temporary_bytes_peak", np.int64),
       notes=[list(row.get("notes", [])) for row in rows],
+      fused_ops=[[list(f) for f in row.get("fused_ops", [])] for row in rows],
   )
 
 

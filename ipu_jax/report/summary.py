@@ -53,6 +53,7 @@ class SummaryMixin:
         self._summary_top_working_memory(top),
         self._summary_top_tensors(top),
         self._summary_scopes(),
+        self._summary_fusion(top),
     ]
     sections = [section for section in sections if section]
     notes = self._summary_notes()
@@ -95,6 +96,10 @@ class SummaryMixin:
         f"({self.num_supersteps_executed:,} executed per run)",
         f"  Host round trips:      {self.host_round_trips:,}",
     ]
+    fused = self._fusion_totals()
+    if fused[0]:
+      lines.append(f"  Fusion:                {fused[0]:,} elementwise ops fused into "
+                   f"{fused[1]:,} compute sets, {fused[2]:,} syncs saved per run")
     link = int(np.sum(steps.ipu_link_bytes * steps.executions))
     host = int(np.sum(steps.host_bytes * steps.executions))
     if link:
@@ -248,6 +253,35 @@ class SummaryMixin:
   def _summary_scopes(self) -> list:
     return []
 
+  def _fusion_totals(self) -> tuple:
+    """(operations fused, fused compute sets, syncs saved per run)."""
+    steps = self._data.steps
+    ops = sets = saved = 0
+    for i, members in enumerate(steps.fused_ops):
+      if members:
+        ops += len(members)
+        sets += 1
+        saved += (len(members) - 1) * int(steps.executions[i])
+    return ops, sets, saved
+
+  def _summary_fusion(self, top: int) -> list:
+    """Fused compute sets, most syncs saved first, with their member ops."""
+    steps = self._data.steps
+    rows = [(i, members) for i, members in enumerate(steps.fused_ops) if members]
+    if not rows:
+      return []
+    rows.sort(key=lambda r: -(len(r[1]) - 1) * int(steps.executions[r[0]]))
+    body = []
+    for i, members in rows[:top]:
+      sources = list(dict.fromkeys(short_source(src) for _, src in members if src))
+      body.append([str(i), str(len(members)), f"{(len(members) - 1) * int(steps.executions[i]):,}",
+                   _op_list([op for op, _ in members]), ", ".join(sources[:2])
+                   + (" ..." if len(sources) > 2 else "")])
+    lines = [f"Fused compute sets (top {min(top, len(rows))} of {len(rows)}, by syncs saved):"]
+    lines += text_table(["Step", "Ops", "Syncs saved", "Operations", "Source"], body,
+                        right=(True, True, True, False, False))
+    return lines
+
   def _summary_notes(self) -> list:
     """Steps whose cost the lowering qualified (e.g. emulated float64)."""
     steps = self._data.steps
@@ -293,3 +327,15 @@ class SummaryMixin:
               "lower availableMemoryProportion, recompute activations, "
               "or use more IPUs."]
     return lines
+
+
+def _op_list(ops, width: int = 60) -> str:
+  """``["mul", "mul", "add"]`` -> ``"mul x2, add"``, cut at ``width``."""
+  runs = []
+  for op in ops:
+    if runs and runs[-1][0] == op:
+      runs[-1][1] += 1
+    else:
+      runs.append([op, 1])
+  text = ", ".join(op if n == 1 else f"{op} x{n}" for op, n in runs)
+  return text if len(text) <= width else text[:width - 3].rstrip(", ") + "..."

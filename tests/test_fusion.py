@@ -1,0 +1,246 @@
+"""Elementwise fusion: fewer supersteps, the same numbers, honest costs."""
+
+import json
+import os
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ipu_jax
+from ipu_jax.lowering import fusion
+
+_T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+
+
+def _config(fuse: bool, mode: str = "batched") -> ipu_jax.IPUConfig:
+  cfg = ipu_jax.IPUConfig()
+  cfg.fusion.elementwise = fuse
+  cfg.executor.mode = mode
+  cfg.report.progress = False
+  return cfg
+
+
+def _lower(fn, *args, fuse=True, mode="batched", target=_T16):
+  f = ipu_jax.jit(fn, target=target, config=_config(fuse, mode))
+  return f, f.lower(*args)
+
+
+def _random(shape, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.integer):
+    return jnp.asarray(rng.integers(-20, 20, size=shape), dtype)
+  return jnp.asarray(rng.uniform(-2.0, 2.0, size=shape), dtype)
+
+
+def _assert_bit_equal(got, want):
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+  jax.tree_util.tree_map(
+      lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)), got, want)
+
+
+def _chain(x, y, s):
+  a = jnp.exp(x) * y + s
+  b = jnp.where(a > 0, a, 0.5 * a)
+  return b * x - jnp.tanh(y) / (s * s + 1.0)
+
+
+def _assert_close_to_jax(got, want):
+  # jax.jit may rewrite a chain where the tile program cannot (a division by
+  # a broadcast scalar becomes a multiply by its reciprocal: README, "What
+  # 'same numbers' means", within 3 ulps), with or without fusion. Fusion
+  # itself changes nothing: the tests compare fused with unfused bit for bit.
+  def close(g, w):
+    g, w = np.asarray(g), np.asarray(w)
+    if np.issubdtype(g.dtype, np.floating) or g.dtype == jnp.bfloat16:
+      eps = float(jnp.finfo(g.dtype).eps)
+      np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32),
+                                 rtol=3 * eps, atol=3 * eps)
+    else:
+      np.testing.assert_array_equal(g, w)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+  jax.tree_util.tree_map(close, got, want)
+
+
+def _fused_steps(profile):
+  return [s for s in profile.steps if s.fused_ops]
+
+
+class FusionTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("f32_odd", (37,), np.float32), ("f32_scalar", (), np.float32),
+      ("f32_empty", (0,), np.float32), ("bf16", (3, 1, 5), jnp.bfloat16))
+  def test_chain_matches_jax_jit_and_unfused_bit_for_bit(self, shape, dtype):
+    x, y = _random(shape, dtype), _random(shape, dtype, seed=1)
+    s = _random((), dtype, seed=2)
+    for mode in ("batched", "per_tile") if shape == (37,) else ("batched",):
+      fused, lowered = _lower(_chain, x, y, s, mode=mode)
+      plain, _ = _lower(_chain, x, y, s, fuse=False, mode=mode)
+      got = fused(x, y, s)
+      _assert_bit_equal(got, plain(x, y, s))
+      _assert_close_to_jax(got, jax.jit(_chain)(x, y, s))
+    if np.prod(shape) > 1:
+      # ``s * s + 1`` runs on the scalar's tile; the other ten ops are one
+      # compute set on the arrays' layout.
+      scalar, chain = lowered.report.profile.steps
+      self.assertEqual([f.op for f in scalar.fused_ops], ["mul", "add"])
+      self.assertLen(chain.fused_ops, 10)
+
+  def test_integer_and_mixed_dtype_chain(self):
+    x = _random((101,), np.int32)
+
+    def fn(x):
+      y = (x * 3 + 7) >> 1
+      return jnp.float32(0.25) * y.astype(np.float32) - jnp.sqrt(jnp.abs(x).astype(np.float32))
+
+    fused, lowered = _lower(fn, x)
+    _assert_bit_equal(fused(x), _lower(fn, x, fuse=False)[0](x))
+    _assert_close_to_jax(fused(x), jax.jit(fn)(x))
+    self.assertLen(lowered.report.profile.steps, 1)
+
+  def test_a_chain_is_one_superstep_listing_its_ops(self):
+    x, y = _random((515,), np.float32), _random((515,), np.float32, seed=1)
+    fn = lambda x, y: jnp.exp(x) * y + x  # noqa: E731
+    _, on = _lower(fn, x, y)
+    _, off = _lower(fn, x, y, fuse=False)
+    self.assertEqual([s.op for s in off.report.profile.steps], ["exp", "mul", "add"])
+    step, = on.report.profile.steps
+    self.assertEqual(step.op, "fusion")
+    self.assertEqual([f.op for f in step.fused_ops], ["exp", "mul", "add"])
+    self.assertTrue(all(f.source.endswith("test_fusion.py:" + f.source.split(":")[-1])
+                        for f in step.fused_ops))
+
+  def test_cycles_are_the_parts_less_the_overheads_saved(self):
+    x, y = _random((515,), np.float32), _random((515,), np.float32, seed=1)
+    fn = lambda x, y: jnp.exp(x) * y + x  # noqa: E731
+    on = _lower(fn, x, y)[1].report.profile
+    off = _lower(fn, x, y, fuse=False)[1].report.profile
+    parts = np.stack([s.compute_cycles for s in off.steps])
+    busy = parts[0] > 0
+    overhead = fusion.vertex_overhead_cycles(_T16)
+    self.assertGreater(parts[:, busy].min(), overhead)  # each part has work beyond it
+    expected = np.where(busy, parts.sum(axis=0) - 2 * overhead, 0)
+    np.testing.assert_array_equal(on.steps[0].compute_cycles, expected)
+    # Two syncs fewer; nothing was exchanged either way.
+    self.assertEqual(off.sync_cycles - on.sync_cycles, 2 * _T16.sync_cycles_internal)
+    self.assertEqual(on.exchange_cycles, 0)
+    self.assertLess(on.total_cycles, off.total_cycles)
+
+  def test_an_outside_operand_is_exchanged_once(self):
+    x, y = _random((13, 7), np.float32), _random((7, 13), np.float32, seed=1)
+
+    def fn(x, y):
+      t = x.T  # the chain's layout; y has another one
+      return (t * y + t) * y
+
+    f, lowered = _lower(fn, x, y)
+    _assert_bit_equal(f(x, y), _lower(fn, x, y, fuse=False)[0](x, y))
+    _assert_close_to_jax(f(x, y), jax.jit(fn)(x, y))
+    fused, = _fused_steps(lowered.report.profile)
+    # Read twice, y crosses the exchange once; no use of t moves at all.
+    self.assertGreater(int(fused.exchange_bytes_in.sum()), 0)
+    self.assertLessEqual(int(fused.exchange_bytes_in.sum()), y.size * 4)
+
+  def test_intermediates_live_only_inside_the_fused_step(self):
+    x = _random((1024,), np.float32)  # 64 elements, 256 bytes, per tile
+
+    def fn(x):
+      a, b = jnp.exp(x), jnp.sin(x)
+      return a * b + 1.0
+
+    on = _lower(fn, x)[1].report.profile
+    off = _lower(fn, x, fuse=False)[1].report.profile
+    self.assertEqual({t.op for t in on.tensors if t.category == "temporaries"}, {"add"})
+    # exp, sin and their product are live together for a moment: two
+    # intermediates beyond the result, per tile, still count.
+    step, = on.steps
+    np.testing.assert_array_equal(step.temporary_bytes, np.full(16, 2 * 256))
+    np.testing.assert_array_equal(on.memory.by_category["temporaries"],
+                                  off.memory.by_category["temporaries"])
+
+  def test_dependencies_through_other_operations_are_kept(self):
+    x = _random((333,), np.float32)
+
+    def fn(x):
+      y = x * 2.0 + 1.0
+      total = jnp.sum(y)          # a reduction needs all of y first
+      return jnp.exp(y - total), y * y
+
+    f, lowered = _lower(fn, x)
+    got = f(x)
+    _assert_bit_equal(got, _lower(fn, x, fuse=False)[0](x))
+    chex.assert_trees_all_close(got, jax.jit(fn)(x), rtol=1e-6)  # a sum: to rounding
+    ops = [s.op for s in lowered.report.profile.steps]
+    self.assertLess(ops.index("fusion"), max(i for i, op in enumerate(ops) if op == "reduce_sum"))
+
+  def test_loop_carries_update_in_place(self):
+    x, v = _random((129,), np.float32), _random((129,), np.float32, seed=1)
+
+    def fn(x, v):
+      def body(_, carry):
+        x, v = carry
+        v = 0.9 * v + 0.1 * jnp.cos(x)
+        return x - 0.5 * v, v
+      return lax.fori_loop(0, 5, body, (x, v))
+
+    f, lowered = _lower(fn, x, v)
+    _assert_bit_equal(f(x, v), _lower(fn, x, v, fuse=False)[0](x, v))
+    _assert_close_to_jax(f(x, v), jax.jit(fn)(x, v))
+    self.assertLen(_fused_steps(lowered.report.profile), 1)
+
+  def test_off_switch_gives_todays_program(self):
+    x, y = _random((37,), np.float32), _random((37,), np.float32, seed=1)
+    s = _random((), np.float32, seed=2)
+    _, off = _lower(_chain, x, y, s, fuse=False)
+    self.assertFalse(_fused_steps(off.report.profile))
+    self.assertNotIn("Fusion:", off.report.summary())
+    self.assertFalse(ipu_jax.IPUConfig().lowering_options().fuse_elementwise is False)
+    with self.assertRaisesRegex(TypeError, "fusion.elementwise must be a bool"):
+      ipu_jax.IPUConfig().fusion.elementwise = 1
+
+  def test_report_says_where_the_syncs_went(self):
+    x, y = _random((37,), np.float32), _random((37,), np.float32, seed=1)
+    s = _random((), np.float32, seed=2)
+    report = _lower(_chain, x, y, s)[1].report
+    fused = _fused_steps(report.profile)
+    ops = sum(len(f.fused_ops) for f in fused)
+    saved = sum(len(f.fused_ops) - 1 for f in fused)
+    text = report.summary()
+    self.assertIn(f"{ops} elementwise ops fused into {len(fused)} compute sets, "
+                  f"{saved} syncs saved per run", text)
+    self.assertIn("Fused compute sets", text)
+    with tempfile.TemporaryDirectory() as directory:
+      report.save(directory, plots=False, html=False)
+      with open(os.path.join(directory, "report.json")) as f:
+        rows = json.load(f)["steps"]
+      self.assertEqual([op for op, _ in rows[-1]["fused_ops"]][:2], ["exp", "mul"])
+      self.assertIn(f"{ops} elementwise ops fused into {len(fused)} compute sets",
+                    ipu_jax.load_report(directory).summary())
+
+  def test_training_step_has_at_most_half_the_supersteps(self):
+    from experiments import models
+    step, args = models.workload("mlp", batch=32)
+    on = _lower(step, *args)[1].report
+    off = _lower(step, *args, fuse=False)[1].report
+    self.assertLessEqual(2 * len(on.profile.steps), len(off.profile.steps))
+    self.assertLess(on.total_cycles, off.total_cycles)
+    self.assertLessEqual(on.profile.memory.peak.max(), off.profile.memory.peak.max())
+
+  @pytest.mark.slow
+  def test_training_step_numbers_are_unchanged(self):
+    # Compiling both whole training steps takes about a minute on 2 cores.
+    from experiments import models
+    step, args = models.workload("mlp", batch=32)
+    _assert_bit_equal(_lower(step, *args)[0](*args), _lower(step, *args, fuse=False)[0](*args))
+
+
+if __name__ == "__main__":
+  absltest.main()
