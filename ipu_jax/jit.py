@@ -87,13 +87,13 @@ class Lowered:
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
     self.program = ctx.program
-    if options.fuse_elementwise:
-      self.program = fuse_elementwise(self.program, target, keep=outputs)
     if offload is not None:  # leaves kept in streaming memory (ipu_jax/offload.py)
       from ipu_jax import offload as offload_lib
       self.program, inputs, outputs = offload_lib.offload_program(
           ctx, inputs, outputs, offload[0], offload_lib.out_paths_of(out_shape),
           offload[1], name)
+    if options.fuse_elementwise:
+      self.program = fuse_elementwise(self.program, target, keep=outputs)
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
     progress.stage("planning")
     self.profile = profile_program(self.program, target, persistent=inputs + self.constants,
