@@ -44,6 +44,12 @@ _JSON_OUT = flags.DEFINE_string("json_out", "reports/benchmark.json", "Where to 
 _ISOLATE = flags.DEFINE_bool("isolate", True, "Run each case in its own subprocess.")
 _CASE = flags.DEFINE_string("case", None, "Internal: run one case 'workload:tiles' and print JSON.")
 _EXECUTOR = flags.DEFINE_enum("executor", "batched", ["batched", "per_tile"], "Executor mode.")
+_SUITE = flags.DEFINE_enum(
+    "suite", "default", ["default", "scale"],
+    "default: --workloads at --tiles; scale: model-scale training steps "
+    "(experiments/scale_workloads.py), one subprocess per row.")
+_ROWS = flags.DEFINE_list("rows", None, "scale suite: rows to run (default: all).")
+_ROW_TIMEOUT = flags.DEFINE_integer("row_timeout", 1800, "scale suite: seconds per row.")
 
 SCHEMA = {"schema": "ipu-jax-benchmark", "version": 1}
 
@@ -185,6 +191,104 @@ def _run_fit_case(tiles, repeats):
               supersteps=len(report.profile.steps) if report is not None else None)
 
 
+def run_scale_case(name, repeats):
+  """One ``scale`` row: lower, compile, step times, all in this process."""
+  import jax
+  import ipu_jax
+  from experiments import scale_workloads
+  r = scale_workloads.row(name)
+  result = dict(workload=name, model=r.model, layers=r.layers, width=r.width, seq=r.seq,
+                batch=r.batch, vocab=r.vocab if r.model == "transformer" else None,
+                target=f"{r.target[0]}x{r.target[1]}")
+  try:
+    fn, args = scale_workloads.workload(r)
+    result["params"] = scale_workloads.num_params(args[0])
+    target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
+    cfg = ipu_jax.IPUConfig()
+    cfg.executor.mode = _EXECUTOR.value
+    emulated = ipu_jax.jit(fn, config=cfg, target=target, verbose=0)
+    start = time.perf_counter()
+    lowered = emulated.lower(*args)
+    result["lower_s"] = time.perf_counter() - start
+    result["equations"] = sum(1 for _ in _iter_eqns(lowered.jaxpr.jaxpr))
+    result["supersteps"] = len(lowered.report.profile.steps)
+    result["lower_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.perf_counter()
+    _block(emulated(*args))
+    result["compile_s"] = time.perf_counter() - start
+    result["ipu_seconds"] = lowered.report.estimated_seconds
+    result["emulated_ms"] = _median_ms(emulated, args, repeats)
+    result["plain_ms"] = _median_ms(jax.jit(fn), args, repeats)
+    result["ratio"] = result["emulated_ms"] / result["plain_ms"]
+    result["error"] = None
+  except Exception as e:  # a failing row is recorded, the suite goes on
+    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  result["peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  return result
+
+
+def _iter_eqns(jaxpr):
+  """Every equation, nested jaxprs (loops, conditionals, calls) included."""
+  import jax
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      yield from _iter_eqns(sub)
+
+
+def _subprocess_scale(name):
+  cmd = [sys.executable, "-m", "experiments.benchmark", f"--case=scale:{name}",
+         f"--repeats={_REPEATS.value}", f"--executor={_EXECUTOR.value}"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
+                          timeout=_ROW_TIMEOUT.value)
+  except subprocess.TimeoutExpired:
+    return dict(workload=name, error=f"timed out after {_ROW_TIMEOUT.value} s")
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  return dict(workload=name, error=f"subprocess failed: {proc.stderr[-500:]}")
+
+
+def _scale_table(results):
+  header = (f"| row | target | params | eqns | supersteps | lower s | compile s | peak RSS MiB "
+            f"| emulated ms | jax.jit ms | ratio |")
+  lines = [header, "|" + "---|" * 11]
+  for r in results:
+    if r.get("error") and r.get("lower_s") is None:
+      lines.append(f"| {r['workload']} | {r.get('target', '')} | | | | | | | | | ERROR {r['error']} |")
+      continue
+    def fmt(key, spec):
+      return format(r[key], spec) if r.get(key) is not None else "-"
+    lines.append(
+        f"| {r['workload']} | {r['target']} | {r['params'] / 1e6:.1f} M | {fmt('equations', ',d')} "
+        f"| {fmt('supersteps', ',d')} | {fmt('lower_s', '.1f')} | {fmt('compile_s', '.1f')} "
+        f"| {fmt('peak_host_mib', ',.0f')} | {fmt('emulated_ms', '.1f')} | {fmt('plain_ms', '.1f')} "
+        f"| {fmt('ratio', '.2f')} |" + (f" {r['error']}" if r.get("error") else ""))
+  return "\n".join(lines)
+
+
+def _main_scale():
+  from experiments import scale_workloads
+  names = _ROWS.value or [r.name for r in scale_workloads.ROWS]
+  results = []
+  for name in names:
+    scale_workloads.row(name)  # unknown names fail before anything runs
+  for name in names:
+    print(f"running {name} ...", flush=True)
+    results.append(_subprocess_scale(name) if _ISOLATE.value
+                   else run_scale_case(name, _REPEATS.value))
+    print(json.dumps(results[-1]), flush=True)
+  print(_scale_table(results))
+  out = _JSON_OUT.value
+  if out:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(dict(SCHEMA, suite="scale", host=_host(), results=results), f, indent=2)
+    print(f"\nwrote {out}")
+
+
 def run_case(name, tiles, repeats):
   try:
     if name == "fit":
@@ -240,7 +344,13 @@ def main(argv):
   common.quiet_backend_probe()
   if _CASE.value:
     name, tiles = _CASE.value.split(":")
-    print(json.dumps(run_case(name, int(tiles), _REPEATS.value)))
+    if name == "scale":
+      print(json.dumps(run_scale_case(tiles, _REPEATS.value)))
+    else:
+      print(json.dumps(run_case(name, int(tiles), _REPEATS.value)))
+    return
+  if _SUITE.value == "scale":
+    _main_scale()
     return
   results = []
   for name in _WORKLOADS.value:

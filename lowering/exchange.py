@@ -13,6 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
@@ -160,7 +161,20 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   """Bytes moved when a tensor goes from ``src`` to ``dst``."""
   if src.same_as(dst) or src.num_elements == 0:
     return None
-  return interval_movement_cost(target, src, dst, itemsize)
+  # Repeated layers relayout between the same layouts: cost them once.
+  key = (src.fingerprint, dst.fingerprint, int(itemsize), target)
+  return plan_cache.cached(_RELAYOUTS, key,
+                           lambda: _frozen(interval_movement_cost(target, src, dst, itemsize)))
+
+
+_RELAYOUTS = plan_cache.PlanCache("relayout costs")
+
+
+def _frozen(cost: ExchangeCost) -> ExchangeCost:
+  """``cost`` with read-only arrays: a cached cost is shared, never edited."""
+  for a in (cost.bytes_in, cost.bytes_out, cost.link_bytes_out):
+    a.setflags(write=False)
+  return cost
 
 
 def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,

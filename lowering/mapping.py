@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Optional
 
 import numpy as np
 
 __all__ = ["BlockGrid", "TileMapping", "linear_chunk"]
+
+_object_ids = itertools.count()
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
@@ -276,6 +279,25 @@ class TileMapping:
     source = np.full(rows * size, self.num_elements, np.int64)
     source[self.storage_position] = np.arange(self.num_elements)
     return source
+
+  @functools.cached_property
+  def fingerprint(self) -> tuple:
+    """A hashable identity of this layout, for plan caches.
+
+    Two mappings with equal fingerprints put every element in the same
+    storage slot on the same tile. Linear and block-grid mappings are keyed
+    by their closed form and their row tiles (``O(rows)``), so equal layouts
+    made by different equations (the same layer repeated) share plans;
+    irregular mappings get a key unique to the object.
+    """
+    tiles = self.tiles.tobytes()
+    if self.num_elements == 0:
+      return ("empty", self.num_rows)
+    if self.is_linear:
+      return ("linear", self.num_elements, int(self.chunk), tiles)
+    if self.grid is not None:
+      return ("grid", self.num_elements, self.grid, tiles)
+    return ("object", next(_object_ids))
 
   @functools.cached_property
   def intervals(self) -> tuple:

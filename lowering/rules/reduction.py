@@ -60,6 +60,7 @@ from jax._src.lax import lax as lax_internal
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
                                        relayout_to, storage, worker_vertices)
 from ipu_jax.lowering.exchange import (ExchangeCost, exchange_cycles, relayout,
@@ -306,6 +307,9 @@ class _Groups:
   valid: np.ndarray
 
 
+_GROUPS = plan_cache.PlanCache("reduction groups")
+
+
 def _group_slots(mapping: TileMapping, element_key: np.ndarray, num_keys: int) -> _Groups:
   """Group the storage slots of ``mapping`` by (row, ``element_key``).
 
@@ -440,11 +444,22 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # Output element of every input element (flat order), and of each output
   # the flat index of its first input element.
   kept_shape = tuple(1 if a in axes else d for a, d in enumerate(shape))
-  element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
-                                shape).reshape(-1)
   first_index = np.arange(n, dtype=np.int64).reshape(shape)[
       tuple(slice(0, 1) if a in axes else slice(None) for a in range(len(shape)))].reshape(-1)
-  groups = _group_slots(in_map, element_key, out_size)
+
+  def group():
+    element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
+                                  shape).reshape(-1)
+    groups = _group_slots(in_map, element_key, out_size)
+    for field in dataclasses.fields(groups):  # shared by every equation that hits
+      value = getattr(groups, field.name)
+      if isinstance(value, np.ndarray):
+        value.setflags(write=False)
+    return groups
+
+  # The grouping depends only on the layout, shape and axes: a repeated
+  # layer's reductions reuse it.
+  groups = plan_cache.cached(_GROUPS, (in_map.fingerprint, shape, axes), group)
   comp_dtypes = spec.comp_dtypes
   itemsize = sum(d.itemsize for d in comp_dtypes)
   value_itemsize = comp_dtypes[0].itemsize
