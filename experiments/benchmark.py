@@ -13,6 +13,16 @@ Usage::
     python -m experiments.benchmark --workloads=matmul,mlp,cnn,transformer,fit \
         --tiles=16,1472 --json_out=reports/benchmark.json
 
+The ``scale`` suite (``--suite=scale [--rows=enc-8x256,bert-base]``) runs the
+model-scale training steps of ``experiments/scale_workloads.py``, each row in
+its own subprocess (peak RSS is the row's own), and reports per row:
+equations (nested jaxprs included), supersteps, lowering time (trace, lower,
+profile), compile time (first call), peak RSS, and the emulated and plain
+``jax.jit`` step times measured in the same process, with their ratio::
+
+    python -m experiments.benchmark --suite=scale --repeats=5 \
+        --json_out=experiments/results/scale.json
+
 JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
 ``"host"`` object (platform, cpu count, python/jax versions) and ``"results"``:
 a list of objects with keys ``workload``, ``tiles``, ``plain_ms``,

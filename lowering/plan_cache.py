@@ -15,13 +15,16 @@ hold, so caching never holds more than ``max_bytes`` of host memory.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
-__all__ = ["PlanCache", "array_key", "cached"]
+__all__ = ["PlanCache", "array_key", "cached", "disabled"]
+
+_enabled = [True]
 
 
 def array_key(a) -> tuple:
@@ -86,8 +89,18 @@ class PlanCache:
     return len(self._table)
 
 
+@contextlib.contextmanager
+def disabled():
+  """Within this scope every plan is computed afresh (tests compare both)."""
+  _enabled.append(False)
+  try:
+    yield
+  finally:
+    _enabled.pop()
+
+
 def cached(cache: PlanCache, key: Hashable, compute: Callable[[], Any]) -> Any:
   """``cache.get_or_compute(key, compute)``; ``key=None`` skips the cache."""
-  if key is None:
+  if key is None or not _enabled[-1]:
     return compute()
   return cache.get_or_compute(key, compute)

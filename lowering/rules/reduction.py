@@ -308,6 +308,9 @@ class _Groups:
 
 
 _GROUPS = plan_cache.PlanCache("reduction groups")
+_OWNERS = plan_cache.PlanCache("reduction owner mappings")
+_STAGE2 = plan_cache.PlanCache("reduction stage-2 costs")
+_FINAL = plan_cache.PlanCache("reduction final plans")
 
 
 def _group_slots(mapping: TileMapping, element_key: np.ndarray, num_keys: int) -> _Groups:
@@ -490,15 +493,18 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # Output placement: on the tile of each output's first element ("owner
   # computes"), linear like mapTensorLinearly, or spread one grain per tile
   # (many partials per output), whichever makes stage 2 cheapest.
-  owner = mapping_from_tiles(in_map.element_tile[first_index])
+  plan_key = (in_map.fingerprint, shape, axes)
+  owner = plan_cache.cached(_OWNERS, plan_key,
+                            lambda: mapping_from_tiles(in_map.element_tile[first_index]))
   candidates = [(owner, False)]
   candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
   if candidates[-1][0].num_rows < num_tiles:
     candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1], min_bytes_per_tile=1))
   best = None
   for cand, rotates in candidates:
-    cost, cycles, received, score = _stage2_cost(ctx, cand, part_tile, groups.key,
-                                                 itemsize, value_itemsize, cpv)
+    cost, cycles, received, score = plan_cache.cached(
+        _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv) + plan_key,
+        lambda: _stage2_cost(ctx, cand, part_tile, groups.key, itemsize, value_itemsize, cpv))
     if best is None or score < best[-1]:
       best = (cand, rotates, cost, cycles, received, score)
   out_map, rotates, cost2, cycles2, received2, _ = best
@@ -527,7 +533,9 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
 
-  final_dense, final_first = _plan_final(out_map, groups.key, part_slot, out_size, part_total)
+  final_dense, final_first = plan_cache.cached(
+      _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
+      lambda: _plan_final(out_map, groups.key, part_slot, out_size, part_total))
   outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
   sources = list(data) if skip_stage1 else partials
   _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
