@@ -554,11 +554,18 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
   total = rows * row_size
   dense = groups.dense
   _, width, depth = dense.shape
+  by_slot = mode == "per_tile"
   index_dense = None
-  if slot_index is not None:
+  if by_slot and slot_index is not None:
     index_dense = slot_index[dense]
-  valid_dense = groups.valid.reshape(rows, width, depth) if groups.reshape_only else None
-  dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
+  # Only per-tile steps gather by slot: batched ones must not keep per-element
+  # index tables (or the shared ``groups``) alive in their closures.
+  reshape_only, all_valid = groups.reshape_only, bool(groups.valid.all())
+  valid_dense = (groups.valid.reshape(rows, width, depth)
+                 if by_slot and reshape_only else None)
+  dense32 = None
+  if by_slot:
+    dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
   out_src = np.full(rows * width, out_size, np.int64)
@@ -578,9 +585,9 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
     if mode == "per_tile":
       comps = []
       for x, ident in zip(xs, ids):
-        if groups.reshape_only:
+        if reshape_only:
           d = x.reshape(rows, width, depth)
-          if not groups.valid.all():
+          if not all_valid:
             d = jnp.where(valid_dense, d, jnp.asarray(ident, d.dtype))
         else:
           d = _gather(x.reshape(-1), dense32, ident)
@@ -627,8 +634,11 @@ def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, fina
   target = ctx.target
   out_map = outputs[0].mapping
   o_rows, o_size, depth = final_dense.shape
-  dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
-  index_dense = slot_index[final_dense] if (skip_stage1 and slot_index is not None) else None
+  dense32 = index_dense = None
+  if mode == "per_tile":  # batched steps do not gather by slot (see _emit_partials)
+    dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
+    index_dense = (slot_index[final_dense]
+                   if (skip_stage1 and slot_index is not None) else None)
   n_src = len(sources)
 
   def fn(*storages):

@@ -318,6 +318,10 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   codelets = tuple(c for c, n in (("Copy", copies.sum()), ("Fill", fills.sum())) if n)
   fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
   mode = ctx.options.executor_mode
+  if mode != "per_tile":
+    # Batched steps run ``logical_fn``: holding per-element gather indices in
+    # the step would only cost host memory (8 bytes per element per step).
+    gathers = [None if g is None else True for g in gathers]
 
   def fn(*storages):
     if mode == "per_tile":
