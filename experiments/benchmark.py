@@ -265,10 +265,10 @@ def run_scale_case(name, repeats):
 
 def _iter_eqns(jaxpr):
   """Every equation, nested jaxprs (loops, conditionals, calls) included."""
-  import jax
+  from jax.extend import core as jex_core
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jex_core.jaxprs_in_params(eqn.params):
       yield from _iter_eqns(sub)
 
 
