@@ -13,6 +13,16 @@ Usage::
     python -m experiments.benchmark --workloads=matmul,mlp,cnn,transformer,fit \
         --tiles=16,1472 --json_out=reports/benchmark.json
 
+The ``scale`` suite (``--suite=scale [--rows=enc-8x256,bert-base]``) runs the
+model-scale training steps of ``experiments/scale_workloads.py``, each row in
+its own subprocess (peak RSS is the row's own), and reports per row:
+equations (nested jaxprs included), supersteps, lowering time (trace, lower,
+profile), compile time (first call), peak RSS, and the emulated and plain
+``jax.jit`` step times measured in the same process, with their ratio::
+
+    python -m experiments.benchmark --suite=scale --repeats=5 \
+        --json_out=experiments/results/scale.json
+
 JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
 ``"host"`` object (platform, cpu count, python/jax versions) and ``"results"``:
 a list of objects with keys ``workload``, ``tiles``, ``plain_ms``,
@@ -44,6 +54,15 @@ _JSON_OUT = flags.DEFINE_string("json_out", "reports/benchmark.json", "Where to 
 _ISOLATE = flags.DEFINE_bool("isolate", True, "Run each case in its own subprocess.")
 _CASE = flags.DEFINE_string("case", None, "Internal: run one case 'workload:tiles' and print JSON.")
 _EXECUTOR = flags.DEFINE_enum("executor", "batched", ["batched", "per_tile"], "Executor mode.")
+_SUITE = flags.DEFINE_enum(
+    "suite", "default", ["default", "scale"],
+    "default: --workloads at --tiles; scale: model-scale training steps "
+    "(experiments/scale_workloads.py), one subprocess per row.")
+_ROWS = flags.DEFINE_list("rows", None, "scale suite: rows to run (default: all).")
+_ROW_TIMEOUT = flags.DEFINE_integer("row_timeout", 1800, "scale suite: seconds per row.")
+_MAX_RSS_GIB = flags.DEFINE_float(
+    "max_rss_gib", 10.0, "scale suite: a row whose resident memory passes this stops "
+    "(recorded as an error) so a shared machine is not exhausted.")
 
 SCHEMA = {"schema": "ipu-jax-benchmark", "version": 1}
 
@@ -185,6 +204,130 @@ def _run_fit_case(tiles, repeats):
               supersteps=len(report.profile.steps) if report is not None else None)
 
 
+def _rss_guard(name, limit_gib):
+  """Stop this process (with a JSON error row) if its RSS passes ``limit_gib``."""
+  import threading
+
+  def watch():
+    page = os.sysconf("SC_PAGE_SIZE")
+    while True:
+      with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * page
+      if rss > limit_gib * 2**30:
+        print(json.dumps(dict(workload=name, error=f"stopped: RSS over {limit_gib} GiB",
+                              peak_host_mib=rss / 2**20)), flush=True)
+        os._exit(3)
+      time.sleep(0.5)
+
+  threading.Thread(target=watch, daemon=True).start()
+
+
+def run_scale_case(name, repeats):
+  """One ``scale`` row: lower, compile, step times, all in this process."""
+  if os.path.exists("/proc/self/statm"):
+    _rss_guard(name, _MAX_RSS_GIB.value)
+  import jax
+  import ipu_jax
+  from experiments import scale_workloads
+  r = scale_workloads.row(name)
+  result = dict(workload=name, model=r.model, layers=r.layers, width=r.width, seq=r.seq,
+                batch=r.batch, vocab=r.vocab if r.model == "transformer" else None,
+                target=f"{r.target[0]}x{r.target[1]}")
+  try:
+    fn, args = scale_workloads.workload(r)
+    result["params"] = scale_workloads.num_params(args[0])
+    target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
+    cfg = ipu_jax.IPUConfig()
+    cfg.executor.mode = _EXECUTOR.value
+    emulated = ipu_jax.jit(fn, config=cfg, target=target, verbose=0)
+    # CPU seconds too: on a shared machine wall time includes waiting for a core.
+    start, cpu = time.perf_counter(), time.process_time()
+    lowered = emulated.lower(*args)
+    result["lower_s"] = time.perf_counter() - start
+    result["lower_cpu_s"] = time.process_time() - cpu
+    result["equations"] = sum(1 for _ in _iter_eqns(lowered.jaxpr.jaxpr))
+    result["supersteps"] = len(lowered.report.profile.steps)
+    result["lower_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start, cpu = time.perf_counter(), time.process_time()
+    _block(emulated(*args))
+    result["compile_s"] = time.perf_counter() - start
+    result["compile_cpu_s"] = time.process_time() - cpu
+    result["ipu_seconds"] = lowered.report.estimated_seconds
+    result["emulated_ms"] = _median_ms(emulated, args, repeats)
+    result["plain_ms"] = _median_ms(jax.jit(fn), args, repeats)
+    result["ratio"] = result["emulated_ms"] / result["plain_ms"]
+    result["error"] = None
+  except Exception as e:  # a failing row is recorded, the suite goes on
+    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  result["peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  return result
+
+
+def _iter_eqns(jaxpr):
+  """Every equation, nested jaxprs (loops, conditionals, calls) included."""
+  from jax.extend import core as jex_core
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      yield from _iter_eqns(sub)
+
+
+def _subprocess_scale(name):
+  cmd = [sys.executable, "-m", "experiments.benchmark", f"--case=scale:{name}",
+         f"--repeats={_REPEATS.value}", f"--executor={_EXECUTOR.value}",
+         f"--max_rss_gib={_MAX_RSS_GIB.value}"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
+                          timeout=_ROW_TIMEOUT.value)
+  except subprocess.TimeoutExpired:
+    return dict(workload=name, error=f"timed out after {_ROW_TIMEOUT.value} s")
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  return dict(workload=name, error=f"subprocess failed: {proc.stderr[-500:]}")
+
+
+def _scale_table(results):
+  header = (f"| row | target | params | eqns | supersteps | lower s (CPU s) "
+            f"| compile s (CPU s) | lower CPU ms/eqn | peak RSS MiB | emulated ms | jax.jit ms | ratio |")
+  lines = [header, "|" + "---|" * 12]
+  for r in results:
+    if r.get("error") and r.get("lower_s") is None:
+      lines.append(f"| {r['workload']} | {r.get('target', '')} | | | | | | | | | | ERROR {r['error']} |")
+      continue
+    def fmt(key, spec):
+      return format(r[key], spec) if r.get(key) is not None else "-"
+    lines.append(
+        f"| {r['workload']} | {r['target']} | {r['params'] / 1e6:.1f} M | {fmt('equations', ',d')} "
+        f"| {fmt('supersteps', ',d')} | {fmt('lower_s', '.1f')} ({fmt('lower_cpu_s', '.1f')}) "
+        f"| {fmt('compile_s', '.1f')} ({fmt('compile_cpu_s', '.1f')}) "
+        f"| {1e3 * (r.get('lower_cpu_s') or r['lower_s']) / r['equations'] if r.get('equations') else 0:.2f} "
+        f"| {fmt('peak_host_mib', ',.0f')} | {fmt('emulated_ms', '.1f')} | {fmt('plain_ms', '.1f')} "
+        f"| {fmt('ratio', '.2f')} |" + (f" {r['error']}" if r.get("error") else ""))
+  return "\n".join(lines)
+
+
+def _main_scale():
+  from experiments import scale_workloads
+  names = _ROWS.value or [r.name for r in scale_workloads.ROWS]
+  results = []
+  for name in names:
+    scale_workloads.row(name)  # unknown names fail before anything runs
+  for name in names:
+    print(f"running {name} ...", flush=True)
+    results.append(_subprocess_scale(name) if _ISOLATE.value
+                   else run_scale_case(name, _REPEATS.value))
+    print(json.dumps(results[-1]), flush=True)
+  print(_scale_table(results))
+  out = _JSON_OUT.value
+  if out:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(dict(SCHEMA, suite="scale", host=_host(), results=results), f, indent=2)
+    print(f"\nwrote {out}")
+
+
 def run_case(name, tiles, repeats):
   try:
     if name == "fit":
@@ -240,7 +383,13 @@ def main(argv):
   common.quiet_backend_probe()
   if _CASE.value:
     name, tiles = _CASE.value.split(":")
-    print(json.dumps(run_case(name, int(tiles), _REPEATS.value)))
+    if name == "scale":
+      print(json.dumps(run_scale_case(tiles, _REPEATS.value)))
+    else:
+      print(json.dumps(run_case(name, int(tiles), _REPEATS.value)))
+    return
+  if _SUITE.value == "scale":
+    _main_scale()
     return
   results = []
   for name in _WORKLOADS.value:

@@ -71,7 +71,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
   per_tile = np.zeros(t, np.int64)
-  np.add.at(per_tile, tiles, nbytes)
+  per_tile[tiles] += nbytes  # a mapping's rows are on distinct tiles
   to_device = isinstance(node, P.StreamCopy) and node.stream.to_device
   total = int(per_tile.sum())
   host_cycles = total / (target.host_link_bytes_per_second / target.clock_hz)
@@ -168,18 +168,23 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
   by_category = {c: np.zeros(t, np.float64) for c in
                  ("variables", "constants", "vertex_state", "code",
                   "temporaries", "exchange_buffers")}
-  temp_delta = np.zeros((n_steps + 1, t), np.float64)
+  # Liveness changes by step (bytes allocated at a tensor's first step, freed
+  # after its last); kept sparse so memory is O(tensors + tiles), not
+  # O(steps x tiles).
+  allocs = {}
   profiles = []
   for tensor in tensors.values():
     tiles, nbytes = _tensor_bytes(tensor, t)
     category = tensor.category
     if category in ("variables", "constants") or n_steps == 0:
-      np.add.at(by_category[category if category != "temporaries" else "variables"], tiles, nbytes)
+      # A mapping's rows are on distinct tiles: indexed adds are exact (and
+      # far faster than ``np.add.at``).
+      by_category[category if category != "temporaries" else "variables"][tiles] += nbytes
       lo, hi = 0, max(n_steps - 1, 0)
     else:
       lo, hi = first.get(tensor.id, 0), last.get(tensor.id, 0)
-      np.add.at(temp_delta[lo], tiles, nbytes)
-      np.add.at(temp_delta[hi + 1], tiles, -nbytes)
+      allocs.setdefault(lo, []).append((tiles, nbytes))
+      allocs.setdefault(hi + 1, []).append((tiles, -nbytes))
     profiles.append(TensorProfile(
         name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name,
         category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
@@ -200,17 +205,35 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
 
   always = sum(by_category[c] for c in ("variables", "constants", "vertex_state", "code"))
   if n_steps:
-    temporaries = np.cumsum(temp_delta[:-1], axis=0)
-    exchange = np.stack([s.exchange_bytes_in for s in steps]).astype(np.float64)
+    # One pass over the steps: the running temporaries, and per tile the
+    # step where live bytes peak (the first, as ``argmax`` would pick).
+    running = np.zeros(t, np.float64)
+    best = np.full(t, -np.inf)
+    peak_temp = np.zeros(t, np.float64)
+    peak_exchange = np.zeros(t, np.float64)
+    live_sums = np.zeros(n_steps, np.float64)
+    always_sum = always.sum()
     for i, (node, _, _) in enumerate(leaves):
+      changes = allocs.get(i)
+      if changes:
+        delta = np.zeros(t, np.float64)
+        for tiles, nbytes in changes:
+          delta[tiles] += nbytes
+        running = running + delta
+      temporaries = running
       if isinstance(node, P.Superstep) and node.scratch_bytes is not None:
-        temporaries[i] += node.scratch_bytes
-    live = temporaries + exchange
-    peak_step = live.argmax(axis=0)
-    cols = np.arange(t)
-    by_category["temporaries"] = temporaries[peak_step, cols]
-    by_category["exchange_buffers"] = exchange[peak_step, cols]
-    live_over_program = always.sum() + live.sum(axis=1)
+        temporaries = running + node.scratch_bytes
+      exchange = steps[i].exchange_bytes_in.astype(np.float64)
+      live = temporaries + exchange
+      live_sums[i] = live.sum()
+      higher = live > best
+      if higher.any():
+        best = np.where(higher, live, best)
+        peak_temp = np.where(higher, temporaries, peak_temp)
+        peak_exchange = np.where(higher, exchange, peak_exchange)
+    by_category["temporaries"] = peak_temp
+    by_category["exchange_buffers"] = peak_exchange
+    live_over_program = always_sum + live_sums
   else:
     live_over_program = np.zeros(0)
   peak = always + by_category["temporaries"] + by_category["exchange_buffers"]

@@ -13,10 +13,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
-__all__ = ["ExchangeCost", "movement_cost", "to_storage", "to_flat",
+__all__ = ["ExchangeCost", "movement_cost", "interval_movement_cost", "to_storage", "to_flat",
            "relayout", "relayout_cost", "exchange_cycles"]
 
 
@@ -160,4 +161,45 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   """Bytes moved when a tensor goes from ``src`` to ``dst``."""
   if src.same_as(dst) or src.num_elements == 0:
     return None
-  return movement_cost(target, src.element_tile, dst.element_tile, itemsize)
+  # Repeated layers relayout between the same layouts: cost them once.
+  key = (src.fingerprint, dst.fingerprint, int(itemsize), target)
+  return plan_cache.cached(_RELAYOUTS, key,
+                           lambda: _frozen(interval_movement_cost(target, src, dst, itemsize)))
+
+
+_RELAYOUTS = plan_cache.PlanCache("relayout costs")
+
+
+def _frozen(cost: ExchangeCost) -> ExchangeCost:
+  """``cost`` with read-only arrays: a cached cost is shared, never edited."""
+  for a in (cost.bytes_in, cost.bytes_out, cost.link_bytes_out):
+    a.setflags(write=False)
+  return cost
+
+
+def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
+                           itemsize: int) -> ExchangeCost:
+  """:func:`movement_cost` of every element from ``src`` to ``dst``, by intervals.
+
+  Each element moves at most once (no multicast), so the cost is a sum over
+  the pieces where a run of ``src`` overlaps a run of ``dst``: merging the
+  two sorted run lists takes time proportional to the runs, not elements.
+  """
+  s_starts, s_tiles = src.intervals
+  d_starts, d_tiles = dst.intervals
+  bounds = np.union1d(s_starts, d_starts)
+  lengths = np.diff(np.append(bounds, src.num_elements))
+  s = s_tiles[np.searchsorted(s_starts, bounds, side="right") - 1]
+  d = d_tiles[np.searchsorted(d_starts, bounds, side="right") - 1]
+  moved = s != d
+  s, d, lengths = s[moved], d[moved], lengths[moved]
+  t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
+  bytes_in = np.bincount(d, weights=lengths, minlength=t)[:t]
+  bytes_out = np.bincount(s, weights=lengths, minlength=t)[:t]
+  crossing = s // per_ipu != d // per_ipu
+  link = np.bincount(s[crossing] // per_ipu, weights=lengths[crossing],
+                     minlength=n_ipus)[:n_ipus]
+  # Weighted bincounts are float64: exact for any tensor below 2**53 bytes.
+  return ExchangeCost((bytes_in.astype(np.int64) * itemsize),
+                      (bytes_out.astype(np.int64) * itemsize),
+                      (link.astype(np.int64) * itemsize))

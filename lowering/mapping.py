@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Optional
 
 import numpy as np
 
 __all__ = ["BlockGrid", "TileMapping", "linear_chunk"]
+
+_object_ids = itertools.count()
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
@@ -277,10 +280,50 @@ class TileMapping:
     source[self.storage_position] = np.arange(self.num_elements)
     return source
 
+  @functools.cached_property
+  def fingerprint(self) -> tuple:
+    """A hashable identity of this layout, for plan caches.
+
+    Two mappings with equal fingerprints put every element in the same
+    storage slot on the same tile. Linear and block-grid mappings are keyed
+    by their closed form and their row tiles (``O(rows)``), so equal layouts
+    made by different equations (the same layer repeated) share plans;
+    irregular mappings get a key unique to the object.
+    """
+    tiles = self.tiles.tobytes()
+    if self.num_elements == 0:
+      return ("empty", self.num_rows)
+    if self.is_linear:
+      return ("linear", self.num_elements, int(self.chunk), tiles)
+    if self.grid is not None:
+      return ("grid", self.num_elements, self.grid, tiles)
+    return ("object", next(_object_ids))
+
+  @functools.cached_property
+  def intervals(self) -> tuple:
+    """``(starts, tiles)``: the flattened tensor as runs of one tile each.
+
+    Run ``i`` covers elements ``[starts[i], starts[i + 1])`` (the last ends at
+    ``num_elements``) and lives on ``tiles[i]``; neighbouring runs are on
+    different tiles. This is Poplar's per-tile interval list, ordered by
+    element. Linear mappings give one run per row without touching elements;
+    general mappings compress their per-element tiles once (then cached).
+    """
+    if self.num_elements == 0:
+      return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if self.is_linear:
+      starts = np.arange(self.num_rows, dtype=np.int64) * int(self.chunk)
+      return starts, self.tiles
+    element_tile = self.tiles[self._element_row]
+    change = np.flatnonzero(element_tile[1:] != element_tile[:-1]) + 1
+    starts = np.concatenate([np.zeros(1, np.int64), change.astype(np.int64)])
+    return starts, element_tile[starts]
+
   def elements_per_tile(self, num_tiles: int) -> np.ndarray:
     """``[num_tiles]`` elements held by each tile."""
     out = np.zeros(num_tiles, np.int64)
-    np.add.at(out, self.tiles, self.counts)
+    # Storage rows are on distinct tiles, so a plain indexed add is exact.
+    out[self.tiles] += self.counts
     return out
 
   def bytes_per_tile(self, num_tiles: int, itemsize: int) -> np.ndarray:

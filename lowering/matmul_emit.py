@@ -83,6 +83,7 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import half_partials
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
@@ -114,6 +115,19 @@ def fill_zeros(ctx, shape, dtype, name: str) -> P.Tensor:
 
 def _prod(values) -> int:
   return int(np.prod([int(v) for v in values], dtype=np.int64))
+
+
+_GRID_COSTS = plan_cache.PlanCache("matmul operand exchange")
+
+
+def _frozen_grid_cost(result):
+  """A cached ``(cost, local)`` pair, made read-only since it is shared."""
+  cost, local = result
+  arrays = [local] + ([] if cost is None else [cost.bytes_in, cost.bytes_out,
+                                               cost.link_bytes_out])
+  for a in arrays:
+    a.setflags(write=False)
+  return cost, local
 
 
 def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape: Sequence[int],
@@ -175,8 +189,6 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
                                    pieces=out_pieces, serial=serial)
   out = ctx.new_tensor(out_shape, out_dtype, out_mapping)
   lhs_perm, rhs_perm = lb + lf + lc, rb + rc + rf
-  lhs_src = canonical_tiles(lhs, lhs_perm, (b, m, k))
-  rhs_src = canonical_tiles(rhs, rhs_perm, (b, k, n))
   ib, im, in_, ik = np.unravel_index(np.arange(g_all), (gb, gm, gn, gk))
   num_tiles = target.num_tiles
   mode = options.executor_mode
@@ -276,18 +288,32 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     rb_, rm_, rn_, rk_ = (edge_sizes(b, gb, bb)[ib], edge_sizes(pm_, gm, bm)[im],
                           edge_sizes(pn_, gn, bn)[in_], edge_sizes(k, gk, bk)[ik])
     # A pass needs only its slice of the cut operand (tables index the slice).
+    # Costs depend only on the operand's layout and the grid: a repeated
+    # layer's matmuls look them up (see lowering/plan_cache.py).
+    grid_key = ((gb, gm, gn, gk), tiles.tobytes(), (b, bb, pm_, bm, pn_, bn, k, bk),
+                serial_axis, start, stop, target)
     if a_cost_all is None or serial_axis == 1:
-      a_src = lhs_src[:, start:stop] if serial_axis == 1 else lhs_src
-      a_cost_all = grid_exchange_cost(
-          target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles,
-          [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None, (2,) + blocks_of(k, bk)],
-          rb_ * rm_ * rk_)
+      def a_cost_fn(start=start, stop=stop, pm_=pm_, rb_=rb_, rm_=rm_, rk_=rk_):
+        lhs_src = canonical_tiles(lhs, lhs_perm, (b, m, k))
+        a_src = lhs_src[:, start:stop] if serial_axis == 1 else lhs_src
+        return _frozen_grid_cost(grid_exchange_cost(
+            target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles,
+            [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None, (2,) + blocks_of(k, bk)],
+            rb_ * rm_ * rk_))
+      a_cost_all = plan_cache.cached(
+          _GRID_COSTS, ("lhs", lhs.mapping.fingerprint, lhs.shape, lhs_perm, lhs.itemsize)
+          + grid_key, a_cost_fn)
     if b_cost_all is None or serial_axis == 2:
-      b_src = rhs_src[:, :, start:stop] if serial_axis == 2 else rhs_src
-      b_cost_all = grid_exchange_cost(
-          target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles,
-          [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn), (1,) + blocks_of(k, bk)],
-          rb_ * rk_ * rn_)
+      def b_cost_fn(start=start, stop=stop, pn_=pn_, rb_=rb_, rk_=rk_, rn_=rn_):
+        rhs_src = canonical_tiles(rhs, rhs_perm, (b, k, n))
+        b_src = rhs_src[:, :, start:stop] if serial_axis == 2 else rhs_src
+        return _frozen_grid_cost(grid_exchange_cost(
+            target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles,
+            [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn), (1,) + blocks_of(k, bk)],
+            rb_ * rk_ * rn_))
+      b_cost_all = plan_cache.cached(
+          _GRID_COSTS, ("rhs", rhs.mapping.fingerprint, rhs.shape, rhs_perm, rhs.itemsize)
+          + grid_key, b_cost_fn)
     (a_cost, a_local), (b_cost, b_local) = a_cost_all, b_cost_all
     macs = rb_ * rm_ * rn_ * rk_
     compute = np.zeros(num_tiles)

@@ -67,6 +67,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ipu_jax.kernels import estimators
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 from ipu_jax.target import IPUTarget
@@ -539,10 +540,23 @@ def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
     else a general one.
   """
   shape = tuple(int(d) for d in shape)
+  grids = tuple(int(g) for g in grids)
+  blocks = tuple(int(b) for b in blocks)
+  rows = int(np.prod(grids, dtype=np.int64)) * int(pieces)
+  tiles = np.asarray(tiles, np.int64)[:rows]
+  # Repeated layers ask for the same grids on the same tiles: plan once.
+  key = (shape, grids, blocks, tiles.tobytes(), int(pieces), tuple(serial))
+  return plan_cache.cached(_GRID_MAPPINGS, key, lambda: _block_grid_mapping(
+      shape, grids, blocks, tiles, int(pieces), tuple(serial)))
+
+
+_GRID_MAPPINGS = plan_cache.PlanCache("block_grid_mapping")
+
+
+def _block_grid_mapping(shape, grids, blocks, tiles, pieces, serial) -> TileMapping:
   n = int(np.prod(shape, dtype=np.int64))
   num_blocks = int(np.prod(grids, dtype=np.int64))
   rows = num_blocks * pieces
-  tiles = np.asarray(tiles, np.int64)[:rows]
   block_elements = int(np.prod(blocks, dtype=np.int64))
   piece = ceil_div(block_elements, pieces)
   serial_axis, count = serial

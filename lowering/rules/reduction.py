@@ -60,6 +60,7 @@ from ipu_jax.jax_compat import control_flow_loops, lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
                                        relayout_to, storage, worker_vertices)
 from ipu_jax.lowering.exchange import (ExchangeCost, exchange_cycles, relayout,
@@ -306,6 +307,12 @@ class _Groups:
   valid: np.ndarray
 
 
+_GROUPS = plan_cache.PlanCache("reduction groups")
+_OWNERS = plan_cache.PlanCache("reduction owner mappings")
+_STAGE2 = plan_cache.PlanCache("reduction stage-2 costs")
+_FINAL = plan_cache.PlanCache("reduction final plans")
+
+
 def _group_slots(mapping: TileMapping, element_key: np.ndarray, num_keys: int) -> _Groups:
   """Group the storage slots of ``mapping`` by (row, ``element_key``).
 
@@ -440,11 +447,22 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # Output element of every input element (flat order), and of each output
   # the flat index of its first input element.
   kept_shape = tuple(1 if a in axes else d for a, d in enumerate(shape))
-  element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
-                                shape).reshape(-1)
   first_index = np.arange(n, dtype=np.int64).reshape(shape)[
       tuple(slice(0, 1) if a in axes else slice(None) for a in range(len(shape)))].reshape(-1)
-  groups = _group_slots(in_map, element_key, out_size)
+
+  def group():
+    element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
+                                  shape).reshape(-1)
+    groups = _group_slots(in_map, element_key, out_size)
+    for field in dataclasses.fields(groups):  # shared by every equation that hits
+      value = getattr(groups, field.name)
+      if isinstance(value, np.ndarray):
+        value.setflags(write=False)
+    return groups
+
+  # The grouping depends only on the layout, shape and axes: a repeated
+  # layer's reductions reuse it.
+  groups = plan_cache.cached(_GROUPS, (in_map.fingerprint, shape, axes), group)
   comp_dtypes = spec.comp_dtypes
   itemsize = sum(d.itemsize for d in comp_dtypes)
   value_itemsize = comp_dtypes[0].itemsize
@@ -475,15 +493,18 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # Output placement: on the tile of each output's first element ("owner
   # computes"), linear like mapTensorLinearly, or spread one grain per tile
   # (many partials per output), whichever makes stage 2 cheapest.
-  owner = mapping_from_tiles(in_map.element_tile[first_index])
+  plan_key = (in_map.fingerprint, shape, axes)
+  owner = plan_cache.cached(_OWNERS, plan_key,
+                            lambda: mapping_from_tiles(in_map.element_tile[first_index]))
   candidates = [(owner, False)]
   candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
   if candidates[-1][0].num_rows < num_tiles:
     candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1], min_bytes_per_tile=1))
   best = None
   for cand, rotates in candidates:
-    cost, cycles, received, score = _stage2_cost(ctx, cand, part_tile, groups.key,
-                                                 itemsize, value_itemsize, cpv)
+    cost, cycles, received, score = plan_cache.cached(
+        _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv) + plan_key,
+        lambda: _stage2_cost(ctx, cand, part_tile, groups.key, itemsize, value_itemsize, cpv))
     if best is None or score < best[-1]:
       best = (cand, rotates, cost, cycles, received, score)
   out_map, rotates, cost2, cycles2, received2, _ = best
@@ -512,7 +533,9 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
 
-  final_dense, final_first = _plan_final(out_map, groups.key, part_slot, out_size, part_total)
+  final_dense, final_first = plan_cache.cached(
+      _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
+      lambda: _plan_final(out_map, groups.key, part_slot, out_size, part_total))
   outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
   sources = list(data) if skip_stage1 else partials
   _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
@@ -531,11 +554,18 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
   total = rows * row_size
   dense = groups.dense
   _, width, depth = dense.shape
+  by_slot = mode == "per_tile"
   index_dense = None
-  if slot_index is not None:
+  if by_slot and slot_index is not None:
     index_dense = slot_index[dense]
-  valid_dense = groups.valid.reshape(rows, width, depth) if groups.reshape_only else None
-  dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
+  # Only per-tile steps gather by slot: batched ones must not keep per-element
+  # index tables (or the shared ``groups``) alive in their closures.
+  reshape_only, all_valid = groups.reshape_only, bool(groups.valid.all())
+  valid_dense = (groups.valid.reshape(rows, width, depth)
+                 if by_slot and reshape_only else None)
+  dense32 = None
+  if by_slot:
+    dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
   out_src = np.full(rows * width, out_size, np.int64)
@@ -555,9 +585,9 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
     if mode == "per_tile":
       comps = []
       for x, ident in zip(xs, ids):
-        if groups.reshape_only:
+        if reshape_only:
           d = x.reshape(rows, width, depth)
-          if not groups.valid.all():
+          if not all_valid:
             d = jnp.where(valid_dense, d, jnp.asarray(ident, d.dtype))
         else:
           d = _gather(x.reshape(-1), dense32, ident)
@@ -604,8 +634,11 @@ def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, fina
   target = ctx.target
   out_map = outputs[0].mapping
   o_rows, o_size, depth = final_dense.shape
-  dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
-  index_dense = slot_index[final_dense] if (skip_stage1 and slot_index is not None) else None
+  dense32 = index_dense = None
+  if mode == "per_tile":  # batched steps do not gather by slot (see _emit_partials)
+    dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
+    index_dense = (slot_index[final_dense]
+                   if (skip_stage1 and slot_index is not None) else None)
   n_src = len(sources)
 
   def fn(*storages):

@@ -156,6 +156,18 @@ def _uniform_value(tensor: P.Tensor):
   return value[0]
 
 
+def _sorted_unique(key: np.ndarray) -> np.ndarray:
+  """``np.unique(key)``: a mark table when the keys are dense, else a sort."""
+  low, high = int(key.min()), int(key.max())
+  span = high - low + 1
+  if span <= 8 * key.size + (1 << 20):
+    marks = np.zeros(span, bool)
+    marks[key - low] = True
+    return np.flatnonzero(marks) + low
+  key = np.sort(key)
+  return key[np.concatenate([[True], key[1:] != key[:-1]])]
+
+
 def exchange_plan(target, source_tiles: np.ndarray, source: np.ndarray,
                   dst_tile: np.ndarray, itemsize: int, one_to_one: bool = False):
   """Exchange bytes of a static copy, with multicasts, and what each tile gets.
@@ -203,8 +215,7 @@ def exchange_plan(target, source_tiles: np.ndarray, source: np.ndarray,
     key = src[repeated].astype(np.int64) * num_tiles + dst[repeated]
     # Runs of one element on one tile are common: drop them before sorting.
     key = key[np.concatenate([[True], key[1:] != key[:-1]])]
-    key.sort()
-    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
+    key = _sorted_unique(key)
     src = np.concatenate([src[~repeated], (key // num_tiles).astype(src.dtype)])
     dst = np.concatenate([dst[~repeated], key % num_tiles])
   received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
@@ -308,6 +319,10 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
   fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
   mode = ctx.options.executor_mode
+  if mode != "per_tile":
+    # Batched steps run ``logical_fn``: holding per-element gather indices in
+    # the step would only cost host memory (8 bytes per element per step).
+    gathers = [None if g is None else True for g in gathers]
 
   def fn(*storages):
     if mode == "per_tile":

@@ -1,0 +1,106 @@
+"""Plan caching: results of pure planning functions, reused across equations.
+
+A transformer repeats the same layer: its equations see the same shapes and,
+for tensors that cover every tile, the same tile mappings. Planning work that
+depends only on those (grouping a reduction's slots, a block-grid mapping,
+the bytes a relayout moves) is computed once and looked up afterwards.
+
+Keys are built from :meth:`TileMapping.fingerprint` (a cheap, exact identity
+of a mapping's layout: ``O(rows)`` for linear and block-grid mappings, a
+per-object id for irregular ones) and plain shapes/params. Values are kept
+in a least-recently-used table bounded by the bytes of the NumPy arrays they
+hold, so caching never holds more than ``max_bytes`` of host memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+__all__ = ["PlanCache", "array_key", "cached", "disabled"]
+
+_enabled = [True]
+
+
+def array_key(a) -> tuple:
+  """An exact hashable key for a small NumPy array (shape, dtype, bytes)."""
+  a = np.ascontiguousarray(a)
+  return (a.shape, a.dtype.str, a.tobytes())
+
+
+def _nbytes(value, seen=None) -> int:
+  """Bytes of the NumPy arrays reachable from ``value`` (tuples, dataclasses)."""
+  if isinstance(value, np.ndarray):
+    return int(value.nbytes)
+  if isinstance(value, (tuple, list)):
+    return sum(_nbytes(v) for v in value)
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return sum(_nbytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+  if hasattr(value, "__dict__"):
+    return sum(_nbytes(v) for v in vars(value).values() if isinstance(v, np.ndarray))
+  return 0
+
+
+class PlanCache:
+  """A least-recently-used table bounded by the bytes its values hold."""
+
+  def __init__(self, name: str, max_bytes: int = 256 << 20, max_entries: int = 512):
+    self.name = name
+    self.max_bytes = max_bytes
+    self.max_entries = max_entries
+    self._table: "collections.OrderedDict[Hashable, tuple]" = collections.OrderedDict()
+    self._bytes = 0
+    self._lock = threading.Lock()
+    self.hits = 0
+    self.misses = 0
+
+  def get_or_compute(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+    with self._lock:
+      entry = self._table.get(key)
+      if entry is not None:
+        self._table.move_to_end(key)
+        self.hits += 1
+        return entry[0]
+    value = compute()
+    size = _nbytes(value)
+    with self._lock:
+      self.misses += 1
+      if size > self.max_bytes // 4:
+        return value  # too large to be worth holding
+      if key not in self._table:
+        self._table[key] = (value, size)
+        self._bytes += size
+      while self._table and (self._bytes > self.max_bytes or len(self._table) > self.max_entries):
+        _, (_, dropped) = self._table.popitem(last=False)
+        self._bytes -= dropped
+    return value
+
+  def clear(self) -> None:
+    with self._lock:
+      self._table.clear()
+      self._bytes = 0
+
+  def __len__(self):
+    return len(self._table)
+
+
+@contextlib.contextmanager
+def disabled():
+  """Within this scope every plan is computed afresh (tests compare both)."""
+  _enabled.append(False)
+  try:
+    yield
+  finally:
+    _enabled.pop()
+
+
+def cached(cache: PlanCache, key: Hashable, compute: Callable[[], Any]) -> Any:
+  """``cache.get_or_compute(key, compute)``; ``key=None`` skips the cache."""
+  if key is None or not _enabled[-1]:
+    return compute()
+  return cache.get_or_compute(key, compute)
