@@ -172,6 +172,9 @@ class ConvAccountingTest(chex.TestCase, parameterized.TestCase):
       ("groups", _conv(fgc=4), (2, 9, 9, 4), (3, 3, 1, 8), _SMALL),
       ("batch_groups", _conv(bgc=2, padding="VALID"), (4, 6, 6, 3), (3, 3, 3, 4), _SMALL),
       ("nchw", _conv(dn=("NCHW", "OIHW", "NCHW")), (3, 5, 11, 7), (6, 5, 3, 2), _SMALL),
+      # One image, 4x4 spatial blocks: edge blocks read only the kernel taps
+      # that meet input, not padding.
+      ("spatial_edges", _conv(), (1, 10, 7, 2), (4, 3, 2, 3), _SMALL),
       ("two_ipus", _conv(), (2, 9, 9, 4), (3, 3, 4, 8),
        ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)),
   )

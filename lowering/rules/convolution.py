@@ -11,7 +11,8 @@ Tile ``(in, ic, is...)`` receives
   plus the halo the kernel reaches (``b`` block, ``s`` stride, ``d`` rhs
   dilation, ``k`` kernel size);
 * the kernel slice of its output features (multicast to every tile with the
-  same ``ic``),
+  same ``ic``), less the taps that meet only padding in its window (edge
+  blocks),
 
 and computes its output block on the AMP unit: the cycles are the block's MACs
 at the AMP rate (``estimators.matmul_cycles``), as the IPU runs convolutions on
@@ -145,6 +146,28 @@ class ConvGeometry:
     lo = np.searchsorted(end, p, side="left")
     hi = np.searchsorted(start, p, side="right")
     return lo, np.maximum(hi, lo)
+
+  def tap_block_ranges(self, axis: int, grid: int, block: int) -> tuple:
+    """For each kernel tap along spatial ``axis``, the blocks that read it.
+
+    Block ``i`` needs tap ``k`` when some output row ``r`` of it reads an
+    input element with it: padded-dilated position ``r*s + k*d`` lies on the
+    input (not in padding, not in an lhs-dilation hole). Edge blocks whose
+    window runs into padding never read the outer taps, so those kernel
+    elements are not sent to them. The blocks form ``[lo, hi)``: exact
+    without lhs dilation (the rows reading a tap are contiguous); with holes
+    the range spans any block between two readers.
+    """
+    s, d = self.strides[axis], self.rhs_dilation[axis]
+    dil, pad, size = self.lhs_dilation[axis], self.padding[axis][0], self.in_spatial[axis]
+    out = self.out_spatial[axis]
+    p = (np.arange(out) * s)[None, :] + (np.arange(self.k_spatial[axis]) * d)[:, None] - pad
+    reads = (p >= 0) & (p <= (size - 1) * dil) & (p % dil == 0)  # [taps, rows]
+    block_of_row = np.arange(out) // block
+    first = np.where(reads.any(axis=1), block_of_row[np.argmax(reads, axis=1)], 0)
+    last = block_of_row[out - 1 - np.argmax(reads[:, ::-1], axis=1)]
+    hi = np.where(reads.any(axis=1), np.minimum(last + 1, grid), 0)
+    return first, hi
 
   def group_block_ranges(self, gc: int, bc: int) -> tuple:
     """For each group, the feature blocks that hold its output features."""
@@ -388,14 +411,19 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
       needs, lhs_elements)
 
   # -- exchange: kernel (rhs) ------------------------------------------------
+  # Canonical rhs view: [features, input channels, taps...]. A spatial block
+  # receives only the taps that meet input (not padding) in its window.
   o_lo = np.arange(geo.o) // bc
   k_needs = [None] * len(out_shape)
   k_needs[out_spec[1]] = (0, o_lo, o_lo + 1)
-  rest_k = geo.i * geo.kernel_elements
-  rhs_elements = edge_sizes(geo.o, gc, bc)[c_c] * rest_k
+  rhs_elements = edge_sizes(geo.o, gc, bc)[c_c] * geo.i
+  for d in range(nsp):
+    lo, hi = geo.tap_block_ranges(d, grid[2 + d], block[2 + d])
+    k_needs[out_spec[2 + d]] = (2 + d, lo, hi)
+    rhs_elements = rhs_elements * _covering(lo, hi, grid[2 + d])[canon_coords[2 + d]]
   rhs_cost, rhs_local = grid_exchange_cost(
-      target, canonical_tiles(rhs, tuple(rhs_spec), (geo.o, rest_k)), rhs.itemsize, out_grids,
-      tiles, k_needs, rhs_elements)
+      target, canonical_tiles(rhs, tuple(rhs_spec), (geo.o, geo.i) + geo.k_spatial),
+      rhs.itemsize, out_grids, tiles, k_needs, rhs_elements)
   exchange = add_costs(lhs_cost, rhs_cost)
 
   # -- compute -----------------------------------------------------------------
