@@ -8,7 +8,8 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.rules import dot, reduction
+from ipu_jax.lowering import matmul_emit
+from ipu_jax.lowering.rules import reduction
 
 
 def _layers(x, ws):
@@ -35,7 +36,7 @@ class PlanCacheTest(chex.TestCase):
 
   def _clear(self):
     for cache in (reduction._GROUPS, reduction._OWNERS, reduction._STAGE2, reduction._FINAL,
-                  dot._GRID_COSTS):
+                  matmul_emit._GRID_COSTS):
       cache.clear()
 
   def test_repeated_layers_hit_and_keep_costs(self):
