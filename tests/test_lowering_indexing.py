@@ -1,4 +1,4 @@
-"""Tests of the data-dependent indexing rules (lowering/rules: gather, scatter, dynamic_slice, sort).
+"""Tests of the data-dependent indexing rules (rules/gather, scatter, dynamic_slice, sort).
 
 Every case compares ``ipu_jax.jit`` with ``jax.jit`` on random inputs; a few
 check what a user sees in the report (exchange, cycles) and that the
