@@ -13,6 +13,11 @@ Each option is declared once, as an :class:`_Option` descriptor carrying its
 default, the values it accepts and its documentation. A misspelt name or a bad
 value fails where it is assigned and names the full dotted option, rather than
 being silently ignored when a program is compiled.
+
+(Longer than the ~600 lines a module usually keeps to: it is the one place
+every option is declared, so a user or reviewer reads the whole option tree,
+its defaults and its documentation in one file; most of its length is that
+per-option documentation, and the descriptor machinery at its top is small.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of the data-dependent indexing rules (lowering/rules/indexing.py).
+"""Tests of the data-dependent indexing rules (rules/gather, scatter, dynamic_slice, sort).
 
 Every case compares ``ipu_jax.jit`` with ``jax.jit`` on random inputs; a few
 check what a user sees in the report (exchange, cycles) and that the
@@ -17,7 +17,8 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import registered_primitives
-from ipu_jax.lowering.rules import indexing
+from ipu_jax.lowering.rules import gather as gather_rules
+from ipu_jax.lowering.rules import scatter as scatter_rules
 
 _TARGET = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
@@ -223,8 +224,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
                                         scatter_dims_to_operand_dims=(0,))
     scatter = {"add": lax.scatter_add, "set": lax.scatter, "max": lax.scatter_max,
                "mul": lax.scatter_mul}[op]
-    with mock.patch.object(indexing, "_rows_scatter_per_tile",
-                           wraps=indexing._rows_scatter_per_tile) as spy:
+    with mock.patch.object(scatter_rules, "_rows_scatter_per_tile",
+                           wraps=scatter_rules._rows_scatter_per_tile) as spy:
       for mode in ("fill", "clip", "promise_in_bounds"):
         fn = lambda x, i, u, mode=mode: scatter(x, i, u, dnums, mode=mode)
         self._check(fn, x, idx, upd, exact=False)
@@ -375,8 +376,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
     ids = jnp.asarray(self.rng.integers(-257, 257, (5, 7)), jnp.int32)
     ids = ids.at[0, :3].set(jnp.asarray([3, 5, 9]))
     fn = lambda t, i: t[i]
-    with mock.patch.object(indexing, "_rows_gather_per_tile",
-                           wraps=indexing._rows_gather_per_tile) as spy:
+    with mock.patch.object(gather_rules, "_rows_gather_per_tile",
+                           wraps=gather_rules._rows_gather_per_tile) as spy:
       got = ipu_jax.jit(fn, target=_TARGET, config=_per_tile_config())(table, ids)
     self.assertEqual(spy.call_count, 1)
     want = jax.jit(fn)(table, ids)

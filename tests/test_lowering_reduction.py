@@ -1,4 +1,4 @@
-"""Tests of the reduction and cumulative lowering rules (lowering/rules/reduction.py)."""
+"""Tests of the reduction and cumulative lowering rules (rules/reduction.py, cumulative.py)."""
 
 from absl.testing import absltest
 from absl.testing import parameterized

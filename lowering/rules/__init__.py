@@ -3,7 +3,8 @@
 Importing this package registers every rule (``ipu_jax.lowering`` imports it).
 """
 
-from ipu_jax.lowering.rules import (control, convolution, dot, elementwise, fft,  # noqa: F401
-                                    indexing, ipu_matmul, linalg, misc, parallel, pipeline,
-                                    print_tensor, random, reduction, rounding, shape, sharding,
+from ipu_jax.lowering.rules import (control, convolution, cumulative, dot,  # noqa: F401
+                                    dynamic_slice, elementwise, fft, gather, ipu_matmul,
+                                    linalg, misc, parallel, pipeline, print_tensor, random,
+                                    reduction, rounding, scatter, shape, sharding, sort,
                                     stochastic_round, tile_map, window)

@@ -52,6 +52,12 @@ the sum (``0 * inf`` would be ``nan``).
 Types and MAC costs follow the matmul rules (``matmul_plan.partials_dtype``,
 ``estimators.matmul_cycles``): complex and float64 convolutions are computed
 exactly and costed as their emulation, with a note on the step.
+
+(Longer than the ~600 lines a module usually keeps to: the geometry, the grid
+plan, the exact range-based exchange and the per-tile executor all work on
+the same :class:`ConvGeometry` and :class:`ConvPlan` of one primitive, and
+each uses the others' block arithmetic; split apart they would share every
+private helper.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,359 @@
+"""Cumulative (scan) primitives: ``cumsum``, ``cumprod``, ``cummax``, ``cummin``, ``cumlogsumexp``.
+
+Cumulative ops (``cumsum``, ``cumprod``, ``cummax``, ``cummin``,
+``cumlogsumexp``) see the tensor as independent lines along the scanned axis
+and are planned as *pieces*: the run of a line held by one tile. Compute set
+1 scans every piece on its tile and publishes the piece's total; when a line
+spans several tiles, compute set 2 multicasts each total to the later pieces
+of its line, which fold the combination of the totals before them into their
+elements. Two layouts are costed and the cheaper taken: scanning where the
+data already is (no input exchange; best when lines lie along the tile
+chunks, e.g. the last axis, or a 1-D tensor cut over tiles), or first moving
+whole lines onto tiles (several lines per tile, or for few long lines, each
+line cut into chunks on consecutive tiles) when the scanned axis runs across
+tiles.
+
+Executor modes: ``"batched"`` computes the result with the primitive itself on
+the logical array and passes it through the planned steps; ``"per_tile"``
+genuinely runs the plan: every piece is scanned on its tile and the totals of
+earlier pieces are folded in. Both modes have the same steps, exchanges,
+cycles and memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.jax_compat import control_flow_loops
+from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import logical, storage, worker_vertices
+from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, relayout, relayout_cost
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.rules.grouping import (Groups, gather_or_fill, group_slots,
+                                             identity_of, rows_mapping)
+
+
+_CUMULATIVE = {
+    "cumsum": ("add", jnp.add, 1),
+    "cumprod": ("mul", jnp.multiply, 1),
+    "cummax": ("max", jnp.maximum, 1),
+    "cummin": ("min", jnp.minimum, 1),
+    "cumlogsumexp": ("logaddexp", jnp.logaddexp, 10),
+}
+
+
+@dataclasses.dataclass
+class _ScanPlan:
+  """A scan over a mapping's pieces: (tile, line) runs of consecutive elements.
+
+  Attributes:
+    mapping: where the scanned tensor (and the result) lives.
+    groups: the pieces (:class:`Groups` keyed by line).
+    piece_slot: ``[pieces]`` slot of each piece in ``[rows, width]`` storage.
+    count: ``[pieces]`` elements in each piece.
+    q: ``[pieces]`` position of each piece along its line (ascending k).
+    before: ``[pieces]`` pieces that precede it in scan order.
+    max_pieces: most pieces of one line.
+    scan_cycles, fold_cycles: ``[num_tiles]`` cycles of the two compute sets.
+    fold_cost: the exchange of totals (``None`` when no line is split).
+    score: estimated cycles of the whole plan (with ``relayout_cost``).
+    relayout_cost: exchange bringing the input into ``mapping``.
+  """
+
+  mapping: TileMapping
+  groups: Groups
+  piece_slot: np.ndarray
+  count: np.ndarray
+  q: np.ndarray
+  before: np.ndarray
+  max_pieces: int
+  scan_cycles: np.ndarray
+  fold_cycles: Optional[np.ndarray]
+  fold_cost: Optional[ExchangeCost]
+  relayout_cost: Optional[ExchangeCost]
+  score: float
+
+
+def _plan_scan(ctx, mapping, line_key, k_coord, lines, reverse, itemsize, cost,
+               relayout_cost_=None) -> Optional[_ScanPlan]:
+  """Plan a scan of lines held as in ``mapping``; ``None`` if a tile's run of
+  a line is not contiguous (then the in-place plan does not apply)."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  groups = group_slots(mapping, line_key, lines)
+  if relayout_cost_ is None and 2 * groups.num > mapping.num_elements and 2 * lines < line_key.size:
+    # Runs of under two elements: folding would send every element the
+    # totals of all earlier runs of its line, far more than moving the lines.
+    return None
+  rows, row_size = mapping.storage_shape
+  total = rows * row_size
+  _, width, depth = groups.dense.shape
+  slots = np.arange(mapping.num_elements) if mapping.is_linear else mapping.storage_position
+  slot_k = np.zeros(total + 1, np.int64)
+  slot_k[slots] = k_coord
+  k_dense = slot_k[groups.dense]
+  valid = groups.dense < total
+  if not np.all(~valid | (k_dense - k_dense[..., :1] == np.arange(depth))):
+    return None
+  num = groups.num
+  piece_slot = groups.row * width + groups.local
+  count = valid.sum(axis=-1).reshape(-1)[piece_slot]
+  line = groups.key
+  order = np.argsort(line * (int(k_coord.max(initial=0)) + 1) + slot_k[groups.first_slot],
+                     kind="stable")
+  line_count = np.bincount(line, minlength=lines)
+  line_start = np.cumsum(line_count) - line_count
+  q = np.empty(num, np.int64)
+  q[order] = np.arange(num) - line_start[line[order]]
+  before = q if not reverse else line_count[line] - 1 - q
+  after = line_count[line] - 1 - before
+  tiles = mapping.tiles[groups.row]
+  elements = mapping.elements_per_tile(num_tiles)
+  # A worker scans sequentially (one element per cycle, more for
+  # logaddexp), so each element counts as one vector.
+  scan_cycles = estimators.worker_split_cycles(target, elements, cost,
+                                               target.vector_width_bytes)
+  score = exchange_cycles(target, relayout_cost_) + float(scan_cycles.max(initial=0))
+  fold_cycles = fold_cost = None
+  max_pieces = int(line_count.max(initial=0))
+  if max_pieces > 1:
+    # Each piece receives the totals of the pieces before it in its line; a
+    # total is sent once (multicast) and crosses to each other IPU once.
+    def tile_bytes(weights, length=num_tiles, where=tiles):
+      return np.bincount(where, weights=weights, minlength=length).astype(np.int64) * itemsize
+
+    bytes_in = tile_bytes(before)
+    bytes_out = tile_bytes(after > 0)
+    link = np.zeros(target.num_ipus, np.int64)
+    if target.num_ipus > 1:
+      ipu = tiles // target.tiles_per_ipu
+      last = np.full(lines * target.num_ipus, -1, np.int64)
+      np.maximum.at(last, line * target.num_ipus + ipu, before)
+      last = last.reshape(lines, target.num_ipus)[line]
+      crossings = ((last > before[:, None])
+                   & (np.arange(target.num_ipus)[None, :] != ipu[:, None])).sum(axis=1)
+      link = tile_bytes(crossings, target.num_ipus, ipu)
+    fold_cost = ExchangeCost(bytes_in, bytes_out, link)
+    fold_elements = np.bincount(tiles, weights=np.where(before > 0, count, 0),
+                                minlength=num_tiles).astype(np.int64)
+    received = np.bincount(tiles, weights=before, minlength=num_tiles)
+    fold_cycles = estimators.worker_split_cycles(target, fold_elements, cost, itemsize)
+    fold_cycles = fold_cycles + np.where(fold_elements > 0, received, 0)
+    # The fold is a second superstep: its sync, exchange and compute.
+    score += (target.sync_cycles_internal + exchange_cycles(target, fold_cost)
+              + float(fold_cycles.max(initial=0)))
+  return _ScanPlan(mapping=mapping, groups=groups, piece_slot=piece_slot, count=count, q=q,
+                   before=before, max_pieces=max_pieces, scan_cycles=scan_cycles,
+                   fold_cycles=fold_cycles, fold_cost=fold_cost,
+                   relayout_cost=relayout_cost_, score=score)
+
+
+def _lines_mapping(ctx, shape, axis, itemsize):
+  """Whole lines per tile, or (few lines) each line cut into chunks.
+
+  Returns ``(mapping, rotates)``; ``rotates`` says whether claiming it moves
+  the context's next start tile.
+  """
+  num_tiles = ctx.target.num_tiles
+  size = int(np.prod(shape, dtype=np.int64))
+  n = shape[axis]
+  lines = size // n
+  grain = max(1, 8 // itemsize)
+  min_elements = max(grain, -(-128 // itemsize))
+  chunks = 1
+  if lines < num_tiles and n > min_elements:
+    chunks = min(num_tiles // lines, -(-n // min_elements))
+  if chunks > 1:
+    seg = -(-n // chunks)
+    chunks = -(-n // seg)
+    per_row_lines = 1
+  else:
+    chunks, seg = 1, n
+    per_row_lines = max(-(-lines // num_tiles), min(lines, -(-min_elements // n)))
+  num_rows = -(-lines // per_row_lines) * chunks
+  rotates = num_rows < num_tiles
+  start = ctx.next_start_tile if rotates else 0
+  row_tiles = (start + np.arange(num_rows)) % num_tiles
+  flat_lk = np.moveaxis(np.arange(size, dtype=np.int64).reshape(shape), axis, -1).reshape(lines, n)
+  row_lk = ((np.arange(lines, dtype=np.int64)[:, None] // per_row_lines) * chunks
+            + np.arange(n, dtype=np.int64)[None, :] // seg)
+  element_row = np.empty(size, np.int64)
+  element_row[flat_lk.reshape(-1)] = row_lk.reshape(-1)
+  counts = np.bincount(element_row, minlength=num_rows)
+  chunk = int(counts[0])
+  if np.array_equal(element_row, np.arange(size) // chunk):
+    return TileMapping(size, row_tiles, counts, chunk=chunk), rotates
+  # Elements keep flat order within their row.
+  order = np.argsort(element_row, kind="stable")
+  offset = np.empty(size, np.int64)
+  offset[order] = np.arange(size) - np.repeat(np.cumsum(counts) - counts, counts)
+  return TileMapping(size, row_tiles, counts, element_row=element_row,
+                     element_offset=offset), rotates
+
+
+def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
+  """A scan along ``axis``, in place or on whole/chunked lines per tile."""
+  target = ctx.target
+  mode = ctx.options.executor_mode
+  shape, dtype = tuple(x.shape), x.dtype
+  size = x.size
+  if size == 0:
+    out = ctx.new_tensor(shape, dtype)
+    ctx.emit(P.Superstep(name=ctx.op, op=ctx.op, reads=(), writes=(out,),
+                         fn=lambda: (jnp.zeros(out.storage_shape, dtype),)))
+    return [out]
+  axis = axis % len(shape)
+  n = shape[axis]
+  lines = size // n
+  itemsize = dtype.itemsize
+  kept_shape = tuple(1 if a == axis else d for a, d in enumerate(shape))
+  line_key = np.broadcast_to(np.arange(lines, dtype=np.int64).reshape(kept_shape),
+                             shape).reshape(-1)
+  k_coord = np.broadcast_to(np.arange(n, dtype=np.int64).reshape(
+      [-1 if a == axis else 1 for a in range(len(shape))]), shape).reshape(-1)
+  # Candidate 1: scan where the data is (each tile scans its runs of each
+  # line, then folds in the totals of the runs before it on other tiles).
+  stride = int(np.prod(shape[axis + 1:], dtype=np.int64))
+  plan = None
+  if not (x.mapping.is_linear and n > 1 and stride >= x.mapping.chunk):
+    # (With a linear mapping whose chunks are shorter than the line's
+    # stride, no tile holds two elements of a line: nothing to scan in place.)
+    plan = _plan_scan(ctx, x.mapping, line_key, k_coord, lines, reverse, itemsize, cost)
+  rotates = False
+  if plan is None or plan.max_pieces > 1:
+    # Candidate 2: first move whole lines (or, for few lines, chunks of a
+    # line on consecutive tiles) onto tiles.
+    lines_map, lines_rotates = _lines_mapping(ctx, shape, axis, itemsize)
+    moved = _plan_scan(ctx, lines_map, line_key, k_coord, lines, reverse, itemsize, cost,
+                       relayout_cost(target, x.mapping, lines_map, itemsize))
+    if plan is None or moved.score < plan.score:
+      plan, rotates = moved, lines_rotates
+  if rotates:
+    ctx.claim_tiles(plan.mapping.num_rows)
+  return _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan, mode)
+
+
+def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode):
+  """The steps of a scan plan: scan pieces (+ totals), fold earlier totals."""
+  target = ctx.target
+  num_tiles = target.num_tiles
+  dtype = x.dtype
+  mapping, groups = plan.mapping, plan.groups
+  rows, row_size = mapping.storage_shape
+  total = rows * row_size
+  _, width, depth = groups.dense.shape
+  identity = identity_of(kind, dtype)
+  dense32 = groups.dense.astype(np.int32)
+  valid = groups.dense < total
+  inverse = np.full(total, valid.size, np.int64)
+  inverse[groups.dense[valid]] = np.flatnonzero(valid.reshape(-1))
+  inverse32 = inverse.astype(np.int32)
+  fold = plan.max_pieces > 1
+  out = ctx.new_tensor(x.shape, dtype, mapping)
+  elements = mapping.elements_per_tile(num_tiles)
+  flops = x.size if np.issubdtype(dtype, np.inexact) else 0
+
+  def to_dense(st):
+    if groups.reshape_only:
+      d = st.reshape(rows, width, depth)
+      return d if groups.valid.all() else jnp.where(valid, d, jnp.asarray(identity, dtype))
+    return gather_or_fill(st.reshape(-1), dense32, identity)
+
+  def to_rows(d):
+    if groups.reshape_only:
+      return d.reshape(rows, row_size)
+    return gather_or_fill(d.reshape(-1), inverse32, 0).reshape(rows, row_size)
+
+  def scan_pieces(st):
+    return jax.vmap(lambda r: prim.bind(r, axis=1, reverse=reverse))(to_dense(st))
+
+  if not fold:
+    def fn(xs):
+      if mode == "per_tile":
+        return (to_rows(scan_pieces(relayout(xs, x.mapping, mapping))),)
+      return (storage(prim.bind(logical(xs, x), axis=axis, reverse=reverse), out),)
+
+    ctx.emit(P.Superstep(
+        name=ctx.op, op=ctx.op, reads=(x,), writes=(out,), fn=fn,
+        compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
+        vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.SCAN, kind),), flops=flops))
+    return [out]
+
+  local = ctx.new_tensor(x.shape, dtype, mapping, name=f"{ctx.op}/local")
+  totals_map = rows_mapping(groups.num, mapping.tiles, groups.row, groups.local,
+                             groups.per_row)
+  totals = ctx.new_tensor((groups.num,), dtype, totals_map, name=f"{ctx.op}/totals")
+  # Where each piece's total sits in its scanned run.
+  total_at = np.zeros(rows * width, np.int64)
+  total_at[plan.piece_slot] = plan.count - 1 if not reverse else 0
+  total_at = total_at.reshape(rows, width, 1)
+
+  def stage1(xs):
+    if mode == "per_tile":
+      scanned = scan_pieces(relayout(xs, x.mapping, mapping))
+      tot = jnp.take_along_axis(scanned, jnp.asarray(total_at), axis=2)[..., 0]
+      return to_rows(scanned), tot
+    full = prim.bind(logical(xs, x), axis=axis, reverse=reverse)
+    return storage(full, local), jnp.full(totals.storage_shape, identity, dtype)
+
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/pieces", op=ctx.op, reads=(x,), writes=(local, totals), fn=stage1,
+      compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.SCAN, kind),), flops=flops))
+
+  # Totals of each line's pieces in a [lines, max_pieces] table (k order).
+  lines = int(groups.key.max()) + 1
+  table = np.full(lines * plan.max_pieces, rows * width, np.int64)
+  table[groups.key * plan.max_pieces + plan.q] = plan.piece_slot
+  table = table.reshape(lines, plan.max_pieces).astype(np.int32)
+  offset_at = np.full(rows * width, lines * plan.max_pieces, np.int64)
+  offset_at[plan.piece_slot] = groups.key * plan.max_pieces + plan.q
+  offset_at = offset_at.reshape(rows, width).astype(np.int32)
+  first = np.ones(rows * width, bool)
+  first[plan.piece_slot] = plan.before == 0
+  first = first.reshape(rows, width, 1)
+
+  def stage2(local_st, totals_st):
+    if mode != "per_tile":
+      return (local_st,)
+    tab = gather_or_fill(totals_st.reshape(-1), table, identity)
+    inclusive = prim.bind(tab, axis=1, reverse=reverse)
+    fill = jnp.full((lines, 1), identity, dtype)
+    if reverse:
+      exclusive = jnp.concatenate([inclusive[:, 1:], fill], axis=1)
+    else:
+      exclusive = jnp.concatenate([fill, inclusive[:, :-1]], axis=1)
+    offsets = gather_or_fill(exclusive.reshape(-1), offset_at, identity)
+    d = to_dense(local_st)
+    folded = jax.vmap(lambda o, r, f: jnp.where(f, r, combine(o[:, None], r)))(
+        offsets, d, jnp.asarray(first))
+    return (to_rows(folded),)
+
+  fold_elements = np.bincount(mapping.tiles[groups.row],
+                              weights=np.where(plan.before > 0, plan.count, 0),
+                              minlength=num_tiles).astype(np.int64)
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/fold", op=ctx.op, reads=(local, totals), writes=(out,), fn=stage2,
+      compute_cycles=plan.fold_cycles, exchange=plan.fold_cost,
+      vertices=worker_vertices(ctx, fold_elements), codelets=(vocab.vertex(vocab.SCAN_FOLD, kind),),
+      flops=int(fold_elements.sum()) if np.issubdtype(dtype, np.inexact) else 0))
+  return [out]
+
+
+def _make_cumulative_rule(prim, kind, combine, cost):
+  def rule(ctx, x, *, axis, reverse):
+    return _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse)
+  return rule
+
+
+for _name, (_kind, _combine, _cost) in _CUMULATIVE.items():
+  _prim = getattr(control_flow_loops, f"{_name}_p")
+  register_lowering(_prim, _make_cumulative_rule(_prim, _kind, _combine, _cost))
