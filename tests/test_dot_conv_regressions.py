@@ -18,6 +18,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.kernels import estimators
+import testing_utils
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _FULL = ipu_jax.IPUTarget.preset("ipu2")
@@ -33,29 +34,11 @@ def _config(mode="batched", partials_type=None):
 
 
 def _random(shape, dtype=jnp.float32, seed=0):
-  rng = np.random.RandomState(seed)
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.randint(-20, 20, size=shape), dtype)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.asarray(rng.randn(*shape) + 1j * rng.randn(*shape), dtype)
-  return jnp.asarray(rng.randn(*shape), dtype)
+  return testing_utils.random_array(shape, dtype, seed, int_bound=20)
 
 
-def _check(fn, *args, target=_SMALL, rtol=1e-5, modes=_MODES):
-  """``fn`` on the IPU in each executor mode against ``jax.jit``.
-
-  Sums in another order differ by rounding relative to the terms' size, so
-  the absolute tolerance scales with the largest result.
-  """
-  want = jax.jit(fn)(*args)
-  wide = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.complex128), tree)
-  scale = max([1.0] + [float(np.abs(x).max(initial=0)) for x in jax.tree.leaves(wide(want))])
-  for mode in modes:
-    got = ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    chex.assert_trees_all_close(wide(got), wide(want), rtol=rtol, atol=rtol * scale)
-  return want
+def _check(fn, *args, **kwargs):
+  return testing_utils.assert_sums_match_jit(fn, *args, **kwargs)
 
 
 def _steps(fn, *args, target=_SMALL, op=None, config=None):

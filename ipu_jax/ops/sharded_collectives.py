@@ -29,26 +29,28 @@ cross_replica_reduce_scatter_p = jcore.Primitive("cross_replica_reduce_scatter")
 cross_replica_all_gather_p = jcore.Primitive("cross_replica_all_gather")
 
 
-def _unbound(name, axis_name, replicas):
-  raise NameError(
-      f"{name} over {replicas} replicas needs the replica axis {axis_name!r} bound "
-      "(run it inside the replicas' vmap/shard_map, as the training layer does).")
+def _replica_impl(prim, collective):
+  """The implementation of ``prim``: ``collective(x, axis_name)`` across the
+  replicas, the identity for one replica."""
+
+  def impl(x, *, axis_name, replicas):
+    if replicas == 1:
+      return x
+    if not axis_is_bound(axis_name):
+      raise NameError(
+          f"{prim.name} over {replicas} replicas needs the replica axis {axis_name!r} "
+          "bound (run it inside the replicas' vmap/shard_map, as the training layer does).")
+    return collective(x, axis_name)
+
+  return impl
 
 
-def _scatter_impl(x, *, axis_name, replicas):
-  if replicas == 1:
-    return x
-  if not axis_is_bound(axis_name):
-    _unbound("cross_replica_reduce_scatter", axis_name, replicas)
-  return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-
-
-def _gather_impl(x, *, axis_name, replicas):
-  if replicas == 1:
-    return x
-  if not axis_is_bound(axis_name):
-    _unbound("cross_replica_all_gather", axis_name, replicas)
-  return lax.all_gather(x, axis_name, axis=0, tiled=True)
+_scatter_impl = _replica_impl(
+    cross_replica_reduce_scatter_p,
+    lambda x, axis_name: lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True))
+_gather_impl = _replica_impl(
+    cross_replica_all_gather_p,
+    lambda x, axis_name: lax.all_gather(x, axis_name, axis=0, tiled=True))
 
 
 def _scatter_abstract(x, *, axis_name, replicas):
