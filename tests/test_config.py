@@ -45,15 +45,19 @@ def _set(cfg, path, value):
   setattr(cfg, leaf, value)
 
 
-class IPUConfigTest(chex.TestCase, parameterized.TestCase):
+class _CleanEnvironmentTest(chex.TestCase, parameterized.TestCase):
+  """Runs each test without the report-directory variable, restoring the
+  environment after it: tests must not depend on the environment they run in."""
 
   def setUp(self):
     super().setUp()
-    # Tests must not depend on the environment they run in.
     patcher = mock.patch.dict(os.environ)
     patcher.start()
     self.addCleanup(patcher.stop)
     os.environ.pop(config_lib.REPORT_DIR_ENV, None)
+
+
+class IPUConfigTest(_CleanEnvironmentTest):
 
   @parameterized.parameters(*_DEFAULTS.items())
   def test_default(self, path, expected):
@@ -301,14 +305,7 @@ class IPUConfigTest(chex.TestCase, parameterized.TestCase):
     self.assertNotIn("executor", cfg.device.describe())
 
 
-class LoweringOptionsTest(chex.TestCase, parameterized.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    patcher = mock.patch.dict(os.environ)
-    patcher.start()
-    self.addCleanup(patcher.stop)
-    os.environ.pop(config_lib.REPORT_DIR_ENV, None)
+class LoweringOptionsTest(_CleanEnvironmentTest):
 
   def test_defaults_match_config(self):
     self.assertEqual(LoweringOptions(), IPUConfig().lowering_options())

@@ -26,11 +26,7 @@ _MODES = ("batched", "per_tile")
 
 
 def _config(mode="batched", partials_type=None):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  if partials_type is not None:
-    cfg.matmuls.partials_type = partials_type
-  return cfg
+  return testing_utils.executor_config(mode, matmuls={"partials_type": partials_type})
 
 
 def _random(shape, dtype=jnp.float32, seed=0):

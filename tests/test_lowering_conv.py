@@ -24,11 +24,8 @@ _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def _config(mode="batched", conv_amp=None):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  if conv_amp is not None:
-    cfg.convolutions.available_memory_proportion = conv_amp
-  return cfg
+  return testing_utils.executor_config(
+      mode, convolutions={"available_memory_proportion": conv_amp})
 
 
 _random = testing_utils.random_array

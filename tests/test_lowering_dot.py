@@ -26,11 +26,7 @@ _TOL = {jnp.float32: 1e-5, jnp.float16: 2e-2, jnp.bfloat16: 5e-2, jnp.int32: 0}
 
 
 def _config(mode="batched", **matmuls):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  for key, value in matmuls.items():
-    setattr(cfg.matmuls, key, value)
-  return cfg
+  return testing_utils.executor_config(mode, matmuls=matmuls)
 
 
 _random = testing_utils.random_array

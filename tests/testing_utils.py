@@ -17,10 +17,18 @@ T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 MODES = ("batched", "per_tile")
 
 
-def executor_config(mode="batched"):
-  """An ``IPUConfig`` that runs the executor in ``mode``."""
+def executor_config(mode="batched", **sections):
+  """An ``IPUConfig`` that runs the executor in ``mode``.
+
+  Each keyword names an option group and maps option names to values, e.g.
+  ``matmuls={"partials_type": "half"}``; ``None`` values keep the default.
+  """
   cfg = ipu_jax.IPUConfig()
   cfg.executor.mode = mode
+  for section, options in sections.items():
+    for option, value in options.items():
+      if value is not None:
+        setattr(getattr(cfg, section), option, value)
   return cfg
 
 
