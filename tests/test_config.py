@@ -59,6 +59,14 @@ class _CleanEnvironmentTest(chex.TestCase, parameterized.TestCase):
 
 class IPUConfigTest(_CleanEnvironmentTest):
 
+  def _assert_rejected(self, error, path, value):
+    """Setting ``path`` to ``value`` raises ``error`` naming the field and
+    leaves the default in place."""
+    cfg = IPUConfig()
+    with self.assertRaisesRegex(error, path.replace(".", r"\.")):
+      _set(cfg, path, value)
+    self.assertEqual(_get(cfg, path), _DEFAULTS[path])
+
   @parameterized.parameters(*_DEFAULTS.items())
   def test_default(self, path, expected):
     self.assertEqual(_get(IPUConfig(), path), expected)
@@ -137,10 +145,7 @@ class IPUConfigTest(_CleanEnvironmentTest):
       ("executor", "executor.mode", "sequential"),
   )
   def test_bad_value_raises_value_error_naming_field(self, path, value):
-    cfg = IPUConfig()
-    with self.assertRaisesRegex(ValueError, path.replace(".", r"\.")):
-      _set(cfg, path, value)
-    self.assertEqual(_get(cfg, path), _DEFAULTS[path])
+    self._assert_rejected(ValueError, path, value)
 
   def test_value_error_states_valid_values(self):
     with self.assertRaisesRegex(ValueError, "'ipu1', 'ipu2', 'bow'"):
@@ -164,10 +169,7 @@ class IPUConfigTest(_CleanEnvironmentTest):
       ("int_for_directory", "report.directory", 3),
   )
   def test_wrong_type_raises_type_error_naming_field(self, path, value):
-    cfg = IPUConfig()
-    with self.assertRaisesRegex(TypeError, path.replace(".", r"\.")):
-      _set(cfg, path, value)
-    self.assertEqual(_get(cfg, path), _DEFAULTS[path])
+    self._assert_rejected(TypeError, path, value)
 
   def test_int_accepted_for_float(self):
     cfg = IPUConfig()
