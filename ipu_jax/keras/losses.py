@@ -115,22 +115,27 @@ class BinaryCrossentropy(_PredictionLoss):
     return _per_sample_mean(losses)
 
 
-class MeanSquaredError(Loss):
+class _RegressionLoss(Loss):
+  """The per-sample mean of ``_penalty(y_pred - y_true)``, labels reshaped
+  to the predictions' shape; subclasses set ``_penalty``."""
+
+  _penalty: Callable
+
+  def __call__(self, y_true, y_pred):
+    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
+    return _per_sample_mean(self._penalty(y_pred - y_true))
+
+
+class MeanSquaredError(_RegressionLoss):
   name = "mean_squared_error"
   accuracy = "mse"
-
-  def __call__(self, y_true, y_pred):
-    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
-    return _per_sample_mean(jnp.square(y_pred - y_true))
+  _penalty = staticmethod(jnp.square)
 
 
-class MeanAbsoluteError(Loss):
+class MeanAbsoluteError(_RegressionLoss):
   name = "mean_absolute_error"
   accuracy = "mae"
-
-  def __call__(self, y_true, y_pred):
-    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
-    return _per_sample_mean(jnp.abs(y_pred - y_true))
+  _penalty = staticmethod(jnp.abs)
 
 
 LOSSES = {
