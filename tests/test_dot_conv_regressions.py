@@ -42,6 +42,17 @@ def _steps(fn, *args, target=_SMALL, op=None, config=None):
   return [s for s in steps if op is None or s.op == op]
 
 
+def _compute_cycles(steps):
+  return sum(s.compute_phase_cycles for s in steps)
+
+
+def _same_conv_notes(dtype):
+  """The profile notes of a small SAME convolution in ``dtype``."""
+  conv = _steps(_conv(window_strides=(1, 1), padding="SAME"), _random((1, 2, 6, 6), dtype),
+                _random((3, 2, 3, 3), dtype), op="conv_general_dilated")
+  return " ".join(conv[0].notes)
+
+
 def _conv(**kwargs):
   return lambda x, w: lax.conv_general_dilated(x, w, **kwargs)
 
@@ -81,13 +92,9 @@ class ComplexProductTest(chex.TestCase, parameterized.TestCase):
     self.assertIn(f"complex MAC costed as {estimators.COMPLEX_REAL_MACS} real MACs",
                   complex_[0].notes)
     self.assertEqual(real[0].notes, ())
-    ratio = (sum(s.compute_phase_cycles for s in complex_)
-             / sum(s.compute_phase_cycles for s in real))
+    ratio = _compute_cycles(complex_) / _compute_cycles(real)
     self.assertGreater(ratio, 3.0)
-    conv = _steps(_conv(window_strides=(1, 1), padding="SAME"),
-                  _random((1, 2, 6, 6), jnp.complex64), _random((3, 2, 3, 3), jnp.complex64),
-                  op="conv_general_dilated")
-    self.assertIn("complex MAC", " ".join(conv[0].notes))
+    self.assertIn("complex MAC", _same_conv_notes(jnp.complex64))
 
 
 class PerTileConvolutionHolesTest(chex.TestCase, parameterized.TestCase):
@@ -199,15 +206,11 @@ class Float64Test(chex.TestCase, parameterized.TestCase):
     double = _steps(jnp.matmul, a, b, op="dot_general")
     single = _steps(jnp.matmul, a.astype(jnp.float32), b.astype(jnp.float32), op="dot_general")
     self.assertIn("float64 emulated in software", " ".join(double[0].notes))
-    ratio = (sum(s.compute_phase_cycles for s in double)
-             / sum(s.compute_phase_cycles for s in single))
+    ratio = _compute_cycles(double) / _compute_cycles(single)
     # 20 fp32 vector ops per MAC at 2 per cycle against 16 MACs per cycle on
     # the AMP: ~160x the fp32 block compute (less the fixed overheads).
     self.assertGreater(ratio, 50)
-    conv = _steps(_conv(window_strides=(1, 1), padding="SAME"),
-                  _random((1, 2, 6, 6), jnp.float64), _random((3, 2, 3, 3), jnp.float64),
-                  op="conv_general_dilated")
-    self.assertIn("float64 emulated in software", " ".join(conv[0].notes))
+    self.assertIn("float64 emulated in software", _same_conv_notes(jnp.float64))
 
   def test_report_summary_and_json_carry_the_note(self):
     a = _random((9, 9), jnp.float64, 21)
