@@ -1,5 +1,6 @@
-"""Helpers shared by the lowering tests: inputs, executor configs and the
-comparison of an IPU run against ``jax.jit``.
+"""Helpers shared by the tests: inputs, executor configs, the comparison of
+an IPU run against ``jax.jit``, and the small models and graphs several
+files build.
 
 Each test file used to carry its own copy of these; one copy keeps the
 tolerance rules the same everywhere.
