@@ -131,10 +131,7 @@ def run(settings: common.Settings) -> dict:
       (x_train, y_train), (x_test, y_test), NAME, model_name="cnn")
 
 
-def main(argv):
-  del argv
-  run(common.settings_from_flags(DEFAULTS))
-
+main = common.main_for(run, DEFAULTS)
 
 if __name__ == "__main__":
   app.run(main)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import flags, logging
 
@@ -125,6 +125,17 @@ def settings_from_flags(defaults: dict) -> Settings:
 # nothing to probe for.
 _ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin",
                         "jax_rocm6_plugin", "jax_rocm7_plugin")
+
+
+def main_for(run: Callable[[Settings], dict], defaults: dict) -> Callable:
+  """The ``absl.app`` main of a runner: its flags read as ``Settings`` over
+  the runner's ``defaults``, then ``run``."""
+
+  def main(argv):
+    del argv
+    run(settings_from_flags(defaults))
+
+  return main
 
 
 def quiet_backend_probe() -> None:

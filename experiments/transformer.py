@@ -128,10 +128,7 @@ def run(settings: common.Settings, task: str = None, offload_optimizer_state: bo
       configure=streaming_options(offload_optimizer_state, replicated_tensor_sharding))
 
 
-def main(argv):
-  del argv
-  run(common.settings_from_flags(DEFAULTS))
-
+main = common.main_for(run, DEFAULTS)
 
 if __name__ == "__main__":
   app.run(main)

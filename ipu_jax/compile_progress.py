@@ -64,6 +64,13 @@ def _resolved_verbose(verbose: Optional[int]) -> int:
                                                               "False") else 1
 
 
+def is_interactive(stream) -> bool:
+  """Whether ``stream`` is a terminal, where progress redraws one line in
+  place (a file or pipe gets whole lines instead)."""
+  isatty = getattr(stream, "isatty", None)
+  return bool(isatty and isatty())
+
+
 def progress_bar(done: int, total: int, width: int = 30) -> str:
   """A Keras-style bar: ``[=====>......]``."""
   total = max(int(total), 1)
@@ -127,8 +134,7 @@ class CompileProgress:
 
   @property
   def _interactive(self) -> bool:
-    isatty = getattr(self._out, "isatty", None)
-    return bool(isatty and isatty())
+    return is_interactive(self._out)
 
   def __enter__(self) -> "CompileProgress":
     return self

@@ -55,11 +55,11 @@ import numpy as np
 from jax import lax
 from jax._src import core as jcore_src
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
 from ipu_jax.kernels import xoroshiro
 from ipu_jax.number_formats import is_fp8
-from ipu_jax.ops._common import _aval, _compiled
+from ipu_jax.ops._common import _aval, define_primitive
 from ipu_jax.ops.collectives import REPLICA_AXIS, replica_index_value
 from ipu_jax.ops.stochastic_round import round_with_bits
 
@@ -149,11 +149,8 @@ def _hw_round_batch(args, dims, **params):
   return hw_round_p.bind(args[0], **params), dims[0]
 
 
-hw_round_p.def_impl(_compiled(_hw_round_impl))
-hw_round_p.def_abstract_eval(_hw_round_abstract_eval)
-ad.primitive_jvps[hw_round_p] = _hw_round_jvp
-batching.primitive_batchers[hw_round_p] = _hw_round_batch
-mlir.register_lowering(hw_round_p, mlir.lower_fun(_hw_round_impl, multiple_results=False))
+define_primitive(hw_round_p, _hw_round_impl, _hw_round_abstract_eval, jvp=_hw_round_jvp,
+                 batch=_hw_round_batch)
 
 
 def hw_round(x, dtype, *, stochastic=True, saturate=False, replica_identical=False,

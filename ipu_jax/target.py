@@ -218,16 +218,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                  # IPU-M2000: 256 GB DDR4 for 4 IPUs (datasheet).
                  streaming_memory_bytes=64_000_000_000,
                  streaming_memory_bytes_per_second=8e9),
-    # Bow: the GC200 die with wafer-on-wafer power delivery, 1.85 GHz.
-    "bow": dict(name="bow", tiles_per_ipu=1472, bytes_per_tile=638_976,
-                worker_contexts=6, clock_hz=1.85e9, fp16_flops_per_cycle=128,
-                fp32_flops_per_cycle=32, ipu_link_bytes_per_second=320e9,
-                host_link_bytes_per_second=_PCIE4_X16,
-                # Bow-2000: 256 GB DDR4 for 4 IPUs as shipped (datasheet;
-                # 128-256 GB configurations), same gateway links as the M2000.
-                streaming_memory_bytes=64_000_000_000,
-                streaming_memory_bytes_per_second=8e9),
 }
+# Bow: the GC200 die with wafer-on-wafer power delivery, 1.85 GHz. The
+# Bow-2000 ships 256 GB DDR4 for 4 IPUs (datasheet; 128-256 GB configurations)
+# with the M2000's gateway links, so only the clock differs from "ipu2".
+PRESETS["bow"] = dict(PRESETS["ipu2"], name="bow", clock_hz=1.85e9)
 
 # --- ipu21: the Mk2 IPU with FP8 support -----------------------------------
 # C600 PCIe card (Graphcore C600 datasheet, docs.graphcore.ai/projects/

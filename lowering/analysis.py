@@ -97,17 +97,6 @@ def _leaf_tensors(node):
   return []
 
 
-def _control_tensors(program, out):
-  """Predicates of control programs, which are read by the control flow."""
-  if isinstance(program, (P.RepeatWhileTrue, P.If)):
-    out.append(program.predicate)
-  if isinstance(program, P.Switch):
-    out.append(program.control)
-  for child in P._children(program):
-    _control_tensors(child, out)
-  return out
-
-
 def profile_program(program, target: IPUTarget, *, persistent=(),
                     live_to_end=(), name: str = "program",
                     host_round_trips: int = 1) -> ProgramProfile:
@@ -137,7 +126,7 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
     for loop in loops:
       lo, hi = loop_span.get(id(loop), (i, i))
       loop_span[id(loop)] = (min(lo, i), max(hi, i))
-  control = {tensor.id for tensor in _control_tensors(program, [])}
+  control = {tensor.id for tensor in P.control_tensors(program)}
   for i, (node, _, loops) in enumerate(leaves):
     for tensor in _leaf_tensors(node):
       lo, hi = i, i
@@ -148,7 +137,7 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
       tensors[tensor.id] = tensor
       first[tensor.id] = min(first.get(tensor.id, lo), lo)
       last[tensor.id] = max(last.get(tensor.id, hi), hi)
-  for tensor in _control_tensors(program, []):
+  for tensor in P.control_tensors(program):
     tensors.setdefault(tensor.id, tensor)
     first.setdefault(tensor.id, 0)
     last[tensor.id] = max(last.get(tensor.id, 0), n_steps - 1)

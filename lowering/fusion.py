@@ -103,7 +103,7 @@ def _read_counts(program) -> dict:
       ids = [node.tensor.id]
     for i in ids:
       counts[i] = counts.get(i, 0) + 1
-  for tensor in _predicates(program, []):
+  for tensor in P.control_tensors(program):
     counts[tensor.id] = counts.get(tensor.id, 0) + (1 << 20)
   return counts
 
@@ -117,16 +117,6 @@ def _write_counts(program) -> dict:
     elif isinstance(node, P.StreamCopy):
       counts[node.tensor.id] = counts.get(node.tensor.id, 0) + 1
   return counts
-
-
-def _predicates(program, out):
-  if isinstance(program, (P.RepeatWhileTrue, P.If)):
-    out.append(program.predicate)
-  if isinstance(program, P.Switch):
-    out.append(program.control)
-  for child in P._children(program):
-    _predicates(child, out)
-  return out
 
 
 class _Fuser:

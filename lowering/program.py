@@ -292,6 +292,20 @@ def _children(program) -> SequenceT:
   return []
 
 
+def control_tensors(program) -> list:
+  """The tensors control programs read to choose a path (``RepeatWhileTrue``
+  and ``If`` predicates, ``Switch`` controls), nested ones included, in
+  program order."""
+  out = []
+  if isinstance(program, (RepeatWhileTrue, If)):
+    out.append(program.predicate)
+  if isinstance(program, Switch):
+    out.append(program.control)
+  for child in _children(program):
+    out.extend(control_tensors(child))
+  return out
+
+
 def _key_sets(program, memo):
   """(read keys, written keys) of a program; keys are tensor ids or strings."""
   if program is None:

@@ -45,15 +45,27 @@ def _set(cfg, path, value):
   setattr(cfg, leaf, value)
 
 
-class IPUConfigTest(chex.TestCase, parameterized.TestCase):
+class _CleanEnvironmentTest(chex.TestCase, parameterized.TestCase):
+  """Runs each test without the report-directory variable, restoring the
+  environment after it: tests must not depend on the environment they run in."""
 
   def setUp(self):
     super().setUp()
-    # Tests must not depend on the environment they run in.
     patcher = mock.patch.dict(os.environ)
     patcher.start()
     self.addCleanup(patcher.stop)
     os.environ.pop(config_lib.REPORT_DIR_ENV, None)
+
+
+class IPUConfigTest(_CleanEnvironmentTest):
+
+  def _assert_rejected(self, error, path, value):
+    """Setting ``path`` to ``value`` raises ``error`` naming the field and
+    leaves the default in place."""
+    cfg = IPUConfig()
+    with self.assertRaisesRegex(error, path.replace(".", r"\.")):
+      _set(cfg, path, value)
+    self.assertEqual(_get(cfg, path), _DEFAULTS[path])
 
   @parameterized.parameters(*_DEFAULTS.items())
   def test_default(self, path, expected):
@@ -133,10 +145,7 @@ class IPUConfigTest(chex.TestCase, parameterized.TestCase):
       ("executor", "executor.mode", "sequential"),
   )
   def test_bad_value_raises_value_error_naming_field(self, path, value):
-    cfg = IPUConfig()
-    with self.assertRaisesRegex(ValueError, path.replace(".", r"\.")):
-      _set(cfg, path, value)
-    self.assertEqual(_get(cfg, path), _DEFAULTS[path])
+    self._assert_rejected(ValueError, path, value)
 
   def test_value_error_states_valid_values(self):
     with self.assertRaisesRegex(ValueError, "'ipu1', 'ipu2', 'bow'"):
@@ -160,10 +169,7 @@ class IPUConfigTest(chex.TestCase, parameterized.TestCase):
       ("int_for_directory", "report.directory", 3),
   )
   def test_wrong_type_raises_type_error_naming_field(self, path, value):
-    cfg = IPUConfig()
-    with self.assertRaisesRegex(TypeError, path.replace(".", r"\.")):
-      _set(cfg, path, value)
-    self.assertEqual(_get(cfg, path), _DEFAULTS[path])
+    self._assert_rejected(TypeError, path, value)
 
   def test_int_accepted_for_float(self):
     cfg = IPUConfig()
@@ -301,14 +307,7 @@ class IPUConfigTest(chex.TestCase, parameterized.TestCase):
     self.assertNotIn("executor", cfg.device.describe())
 
 
-class LoweringOptionsTest(chex.TestCase, parameterized.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    patcher = mock.patch.dict(os.environ)
-    patcher.start()
-    self.addCleanup(patcher.stop)
-    os.environ.pop(config_lib.REPORT_DIR_ENV, None)
+class LoweringOptionsTest(_CleanEnvironmentTest):
 
   def test_defaults_match_config(self):
     self.assertEqual(LoweringOptions(), IPUConfig().lowering_options())

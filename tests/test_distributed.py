@@ -42,18 +42,9 @@ def _data(n):
 
 
 def _module():
-  import jax.numpy as jnp
   from flax import nnx
-
-  class TinyMLP(nnx.Module):
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(8, 16, rngs=rngs)
-      self.l2 = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-      return self.l2(jnp.tanh(self.l1(x)))
-
-  return TinyMLP(nnx.Rngs(0))
+  import testing_utils  # the worker imports JAX only after its flags are set
+  return testing_utils.TwoLayerMLP(rngs=nnx.Rngs(0))
 
 
 def _train(replicas, accumulation):

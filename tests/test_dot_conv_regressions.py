@@ -18,6 +18,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.kernels import estimators
+import testing_utils
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _FULL = ipu_jax.IPUTarget.preset("ipu2")
@@ -25,42 +26,31 @@ _MODES = ("batched", "per_tile")
 
 
 def _config(mode="batched", partials_type=None):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  if partials_type is not None:
-    cfg.matmuls.partials_type = partials_type
-  return cfg
+  return testing_utils.executor_config(mode, matmuls={"partials_type": partials_type})
 
 
 def _random(shape, dtype=jnp.float32, seed=0):
-  rng = np.random.RandomState(seed)
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.randint(-20, 20, size=shape), dtype)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.asarray(rng.randn(*shape) + 1j * rng.randn(*shape), dtype)
-  return jnp.asarray(rng.randn(*shape), dtype)
+  return testing_utils.random_array(shape, dtype, seed, int_bound=20)
 
 
-def _check(fn, *args, target=_SMALL, rtol=1e-5, modes=_MODES):
-  """``fn`` on the IPU in each executor mode against ``jax.jit``.
-
-  Sums in another order differ by rounding relative to the terms' size, so
-  the absolute tolerance scales with the largest result.
-  """
-  want = jax.jit(fn)(*args)
-  wide = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.complex128), tree)
-  scale = max([1.0] + [float(np.abs(x).max(initial=0)) for x in jax.tree.leaves(wide(want))])
-  for mode in modes:
-    got = ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    chex.assert_trees_all_close(wide(got), wide(want), rtol=rtol, atol=rtol * scale)
-  return want
+def _check(fn, *args, **kwargs):
+  return testing_utils.assert_sums_match_jit(fn, *args, **kwargs)
 
 
 def _steps(fn, *args, target=_SMALL, op=None, config=None):
   steps = ipu_jax.jit(fn, target=target, config=config).lower(*args).report.profile.steps
   return [s for s in steps if op is None or s.op == op]
+
+
+def _compute_cycles(steps):
+  return sum(s.compute_phase_cycles for s in steps)
+
+
+def _same_conv_notes(dtype):
+  """The profile notes of a small SAME convolution in ``dtype``."""
+  conv = _steps(_conv(window_strides=(1, 1), padding="SAME"), _random((1, 2, 6, 6), dtype),
+                _random((3, 2, 3, 3), dtype), op="conv_general_dilated")
+  return " ".join(conv[0].notes)
 
 
 def _conv(**kwargs):
@@ -102,13 +92,9 @@ class ComplexProductTest(chex.TestCase, parameterized.TestCase):
     self.assertIn(f"complex MAC costed as {estimators.COMPLEX_REAL_MACS} real MACs",
                   complex_[0].notes)
     self.assertEqual(real[0].notes, ())
-    ratio = (sum(s.compute_phase_cycles for s in complex_)
-             / sum(s.compute_phase_cycles for s in real))
+    ratio = _compute_cycles(complex_) / _compute_cycles(real)
     self.assertGreater(ratio, 3.0)
-    conv = _steps(_conv(window_strides=(1, 1), padding="SAME"),
-                  _random((1, 2, 6, 6), jnp.complex64), _random((3, 2, 3, 3), jnp.complex64),
-                  op="conv_general_dilated")
-    self.assertIn("complex MAC", " ".join(conv[0].notes))
+    self.assertIn("complex MAC", _same_conv_notes(jnp.complex64))
 
 
 class PerTileConvolutionHolesTest(chex.TestCase, parameterized.TestCase):
@@ -220,15 +206,11 @@ class Float64Test(chex.TestCase, parameterized.TestCase):
     double = _steps(jnp.matmul, a, b, op="dot_general")
     single = _steps(jnp.matmul, a.astype(jnp.float32), b.astype(jnp.float32), op="dot_general")
     self.assertIn("float64 emulated in software", " ".join(double[0].notes))
-    ratio = (sum(s.compute_phase_cycles for s in double)
-             / sum(s.compute_phase_cycles for s in single))
+    ratio = _compute_cycles(double) / _compute_cycles(single)
     # 20 fp32 vector ops per MAC at 2 per cycle against 16 MACs per cycle on
     # the AMP: ~160x the fp32 block compute (less the fixed overheads).
     self.assertGreater(ratio, 50)
-    conv = _steps(_conv(window_strides=(1, 1), padding="SAME"),
-                  _random((1, 2, 6, 6), jnp.float64), _random((3, 2, 3, 3), jnp.float64),
-                  op="conv_general_dilated")
-    self.assertIn("float64 emulated in software", " ".join(conv[0].notes))
+    self.assertIn("float64 emulated in software", _same_conv_notes(jnp.float64))
 
   def test_report_summary_and_json_carry_the_note(self):
     a = _random((9, 9), jnp.float64, 21)

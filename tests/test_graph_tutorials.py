@@ -10,6 +10,7 @@ import numpy as np
 import ipu_jax
 from ipu_jax import graph as g
 from ipu_jax import poplibs
+import testing_utils
 
 
 def _target(tiles=4):
@@ -28,11 +29,7 @@ class Tutorial1Test(chex.TestCase):
 
   def test_tut1(self):
     gr = g.Graph(_target())
-    v1 = gr.add_variable("float32", (4,), "v1")
-    v2 = gr.add_variable("float32", (4,), "v2")
-    for i in range(4):
-      gr.set_tile_mapping(v1[i], i)
-      gr.set_tile_mapping(v2[i], i)
+    v1, v2 = testing_utils.spread_vectors(gr, ("v1", "v2"))
     v3 = gr.add_variable("float32", (4, 4), "v3")
     v4 = gr.add_variable("int32", (10,), "v4")
     gr.set_tile_mapping(v3, 0)
@@ -102,11 +99,7 @@ class Tutorial3Test(chex.TestCase):
 
   def test_tut3(self):
     gr = g.Graph(_target())
-    v1 = gr.add_variable("float32", (4,), "v1")
-    v2 = gr.add_variable("float32", (4,), "v2")
-    for i in range(4):
-      gr.set_tile_mapping(v1[i], i)
-      gr.set_tile_mapping(v2[i], i)
+    v1, v2 = testing_utils.spread_vectors(gr, ("v1", "v2"))
     c1 = gr.add_constant("float32", (4,), [1.0, 1.5, 2.0, 2.5], "c1")
     gr.set_tile_mapping(c1, 0)
 
@@ -134,17 +127,9 @@ class Tutorial4Test(chex.TestCase):
   """tut4: chained matmuls 900x600 . 600x300 . 300x200 with a summary."""
 
   def test_tut4(self):
-    target = ipu_jax.IPUTarget.preset("ipu2")
-    gr = g.Graph(target)
+    gr, (a, b, c), prog, abc = testing_utils.chained_matmul_graph(
+        ipu_jax.IPUTarget.preset("ipu2"))
     rng = np.random.default_rng(0)
-    a = gr.add_variable("float32", (900, 600), "a")
-    b = gr.add_variable("float32", (600, 300), "b")
-    c = gr.add_variable("float32", (300, 200), "c")
-    for t in (a, b, c):
-      gr.map_tensor_linearly(t)
-    prog = g.Sequence()
-    ab = poplibs.matmul(gr, a, b, prog, "ab")
-    abc = poplibs.matmul(gr, ab, c, prog, "abc")
     engine = g.Engine(gr, [prog])
     av, bv, cv = (rng.standard_normal(s).astype(np.float32)
                   for s in ((900, 600), (600, 300), (300, 200)))

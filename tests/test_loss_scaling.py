@@ -13,6 +13,7 @@ from flax import nnx
 import ipu_jax
 from ipu_jax.keras import LossScaleOptimizer
 from ipu_jax.strategy import IPUStrategy
+import testing_utils
 
 
 class OptimizerTest(chex.TestCase):
@@ -47,16 +48,6 @@ class OptimizerTest(chex.TestCase):
       LossScaleOptimizer(optax.sgd(1.0), growth_steps=0)
 
 
-class Tiny(nnx.Module):
-
-  def __init__(self, rngs):
-    self.l1 = nnx.Linear(8, 16, rngs=rngs)
-    self.l2 = nnx.Linear(16, 4, rngs=rngs)
-
-  def __call__(self, x):
-    return self.l2(jnp.tanh(self.l1(x)))
-
-
 class ModelTest(chex.TestCase):
 
   @pytest.mark.slow  # one Keras training compile (~30 s on 2 shared cores)
@@ -67,7 +58,7 @@ class ModelTest(chex.TestCase):
     cfg = ipu_jax.IPUConfig()
     cfg.device.tiles_per_ipu = 16
     with IPUStrategy(cfg).scope():
-      model = ipu_jax.keras.Model(Tiny(nnx.Rngs(0)))
+      model = ipu_jax.keras.Model(testing_utils.TwoLayerMLP(rngs=nnx.Rngs(0)))
       model.compile(optimizer=LossScaleOptimizer(optax.sgd(0.1), 1024.0, dynamic=True),
                     loss="sparse_categorical_crossentropy", steps_per_execution=4)
     logs = []
@@ -77,7 +68,7 @@ class ModelTest(chex.TestCase):
     self.assertEqual((logs[-1]["skipped_steps"], logs[-1]["overflows"]), (0, 0))
 
     # Plain optax SGD on the unscaled loss: a power-of-two scale is exact.
-    graphdef, params = nnx.split(Tiny(nnx.Rngs(0)), nnx.Param)
+    graphdef, params = nnx.split(testing_utils.TwoLayerMLP(rngs=nnx.Rngs(0)), nnx.Param)
 
     @jax.jit
     def step(p, xb, yb):

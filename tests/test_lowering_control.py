@@ -18,6 +18,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import program as P
+import testing_utils
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 
@@ -97,11 +98,7 @@ class ControlTest(chex.TestCase, parameterized.TestCase):
   def assert_same(self, fn, *args, target=_T16, config=None, exact=True):
     got = _run(fn, *args, target=target, config=config)
     want = jax.jit(fn)(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if exact:
-      chex.assert_trees_all_equal(got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    testing_utils.assert_trees_match(got, want, exact, rtol=1e-5, atol=1e-6)
     return got
 
   # -- inlined calls ---------------------------------------------------------

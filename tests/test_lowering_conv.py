@@ -16,6 +16,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering.rules.convolution import conv_geometry, plan_conv
+import testing_utils
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _FULL = ipu_jax.IPUTarget.preset("ipu2")
@@ -23,15 +24,11 @@ _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def _config(mode="batched", conv_amp=None):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  if conv_amp is not None:
-    cfg.convolutions.available_memory_proportion = conv_amp
-  return cfg
+  return testing_utils.executor_config(
+      mode, convolutions={"available_memory_proportion": conv_amp})
 
 
-def _random(shape, dtype=jnp.float32, seed=0):
-  return jnp.asarray(np.random.RandomState(seed).randn(*shape), dtype)
+_random = testing_utils.random_array
 
 
 def _conv(strides=(1, 1), padding="SAME", lhs_dilation=None, rhs_dilation=None, dn=_NHWC,
@@ -42,17 +39,8 @@ def _conv(strides=(1, 1), padding="SAME", lhs_dilation=None, rhs_dilation=None, 
   return fn
 
 
-def _check(fn, *args, target=_SMALL, modes=("batched", "per_tile"), tol=1e-5):
-  """``fn`` on the IPU (each executor mode) against jax.jit (tolerance scaled
-  by the largest result, as sums in another order round differently)."""
-  want = jax.jit(fn)(*args)
-  as64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
-  scale = max([1.0] + [float(np.abs(x).max(initial=0)) for x in jax.tree.leaves(as64(want))])
-  for mode in modes:
-    got = ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    chex.assert_trees_all_close(as64(got), as64(want), rtol=tol, atol=tol * scale)
-  return want
+def _check(fn, *args, tol=1e-5, **kwargs):
+  return testing_utils.assert_sums_match_jit(fn, *args, rtol=tol, **kwargs)
 
 
 def _conv_steps(lowered):

@@ -18,6 +18,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering.matmul_plan import MatmulPlan, plan_matmul, split_candidates
+import testing_utils
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _FULL = ipu_jax.IPUTarget.preset("ipu2")
@@ -25,34 +26,14 @@ _TOL = {jnp.float32: 1e-5, jnp.float16: 2e-2, jnp.bfloat16: 5e-2, jnp.int32: 0}
 
 
 def _config(mode="batched", **matmuls):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  for key, value in matmuls.items():
-    setattr(cfg.matmuls, key, value)
-  return cfg
+  return testing_utils.executor_config(mode, matmuls=matmuls)
 
 
-def _random(shape, dtype=jnp.float32, seed=0):
-  rng = np.random.RandomState(seed)
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.randint(-50, 50, size=shape), dtype)
-  return jnp.asarray(rng.randn(*shape), dtype)
+_random = testing_utils.random_array
 
 
-def _check(fn, *args, target=_SMALL, modes=("batched", "per_tile"), tol=1e-5):
-  """``fn`` on the IPU (each executor mode) against jax.jit.
-
-  Sums in another order differ by rounding relative to the terms' size, so
-  the absolute tolerance scales with the largest result.
-  """
-  want = jax.jit(fn)(*args)
-  as64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
-  scale = max([1.0] + [float(np.abs(x).max(initial=0)) for x in jax.tree.leaves(as64(want))])
-  for mode in modes:
-    got = ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    chex.assert_trees_all_close(as64(got), as64(want), rtol=tol, atol=tol * scale)
-  return want
+def _check(fn, *args, tol=1e-5, **kwargs):
+  return testing_utils.assert_sums_match_jit(fn, *args, rtol=tol, **kwargs)
 
 
 def _dot_steps(lowered):

@@ -19,6 +19,7 @@ import ipu_jax
 from ipu_jax.lowering import registered_primitives
 from ipu_jax.lowering.rules import gather as gather_rules
 from ipu_jax.lowering.rules import scatter as scatter_rules
+import testing_utils
 
 _TARGET = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
@@ -403,11 +404,7 @@ class ManyIndicesSmallTableTest(chex.TestCase, parameterized.TestCase):
   def _check(self, fn, *args, exact, target=_TARGET):
     got = ipu_jax.jit(fn, target=target)(*args)
     want = jax.jit(fn)(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if exact:
-      chex.assert_trees_all_equal(got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    testing_utils.assert_trees_match(got, want, exact, rtol=1e-5, atol=1e-5)
     return ipu_jax.jit(fn, target=target).lower(*args)
 
   def _step_names(self, lowered, op):

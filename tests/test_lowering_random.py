@@ -16,6 +16,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.errors import LoweringError
+import testing_utils
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 
@@ -51,11 +52,7 @@ class RandomTest(chex.TestCase, parameterized.TestCase):
   def assert_same(self, fn, *args, target=_T16, config=None, exact=True):
     got = _key_data(ipu_jax.jit(fn, target=target, config=config)(*args))
     want = _key_data(jax.jit(fn)(*args))
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if exact:
-      chex.assert_trees_all_equal(got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+    testing_utils.assert_trees_match(got, want, exact, rtol=1e-6, atol=1e-6)
     return got
 
   @parameterized.parameters("key", "prngkey")

@@ -2,47 +2,27 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+import testing_utils
 
-_T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
-_MODES = ("batched", "per_tile")
-
-
-def _config(mode):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  return cfg
+_T16 = testing_utils.T16
+_MODES = testing_utils.MODES
+_config = testing_utils.executor_config
 
 
 def _run(fn, *args, mode="batched", target=_T16):
   return ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
 
 
-def _assert_matches(test, fn, *args, rtol=1e-5, atol=1e-6, exact=False, modes=_MODES,
-                    target=_T16):
-  """``fn`` on the emulated IPU equals ``jax.jit(fn)`` in every executor mode.
-
-  ``fn`` may return ``{"close": ..., "exact": ...}`` to compare part of its
-  results to a tolerance and part exactly.
-  """
+def _assert_matches(test, fn, *args, **kwargs):
+  """``fn`` on the emulated IPU equals ``jax.jit(fn)`` in every executor mode."""
   del test
-  want = jax.jit(fn)(*args)
-  for mode in modes:
-    got = _run(fn, *args, mode=mode, target=target)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if isinstance(want, dict) and set(want) == {"close", "exact"}:
-      chex.assert_trees_all_close(got["close"], want["close"], rtol=rtol, atol=atol)
-      jax.tree.map(np.testing.assert_array_equal, got["exact"], want["exact"])
-    elif exact:
-      jax.tree.map(np.testing.assert_array_equal, got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)
+  testing_utils.assert_matches_jit(fn, *args, **kwargs)
 
 
 def _exchange_bytes(lowered):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+import testing_utils
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 
@@ -65,11 +66,7 @@ class SurfaceTest(chex.TestCase, parameterized.TestCase):
     self.assertIn(primitive, traced, f"{primitive} is not in the traced program")
     got = ipu_jax.jit(fn, target=target)(*args)
     want = jax.jit(fn)(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if exact:
-      chex.assert_trees_all_equal(got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+    testing_utils.assert_trees_match(got, want, exact, rtol=1e-6, atol=1e-6)
     return got
 
   # -- unstack / tile -----------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import chex
 import flax.linen as nn
 import jax
 from jax import lax
@@ -10,34 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+import testing_utils
 
-_T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
-_MODES = ("batched", "per_tile")
-
-
-def _config(mode):
-  cfg = ipu_jax.IPUConfig()
-  cfg.executor.mode = mode
-  return cfg
-
-
-def _assert_matches(fn, *args, rtol=1e-5, atol=1e-6, exact=False, modes=_MODES, target=_T16):
-  """``fn`` on the emulated IPU equals ``jax.jit(fn)`` in every executor mode.
-
-  ``fn`` may return ``{"close": ..., "exact": ...}`` to compare part of its
-  results to a tolerance and part exactly.
-  """
-  want = jax.jit(fn)(*args)
-  for mode in modes:
-    got = ipu_jax.jit(fn, target=target, config=_config(mode))(*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if isinstance(want, dict) and set(want) == {"close", "exact"}:
-      chex.assert_trees_all_close(got["close"], want["close"], rtol=rtol, atol=atol)
-      jax.tree.map(np.testing.assert_array_equal, got["exact"], want["exact"])
-    elif exact:
-      jax.tree.map(np.testing.assert_array_equal, got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)
+_T16 = testing_utils.T16
+_assert_matches = testing_utils.assert_matches_jit
 
 
 def _images(shape=(4, 9, 9, 3), seed=0, dtype=np.float32):

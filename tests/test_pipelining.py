@@ -15,6 +15,7 @@ import pytest
 import ipu_jax
 from ipu_jax.ops import pipeline_stage, recomputation_checkpoint
 from ipu_jax.pipelining import Pipeline, PipelineError, schedule
+import testing_utils
 
 _TILES = 16
 
@@ -332,25 +333,17 @@ class KerasPipeliningTest(chex.TestCase):
     from flax import nnx
     from ipu_jax.keras import Model
 
-    class Net(nnx.Module):
-      def __init__(self, rngs):
-        self.first = nnx.Linear(6, 8, rngs=rngs)
-        self.second = nnx.Linear(8, 3, rngs=rngs)
-
-      def __call__(self, x):
-        return self.second(jnp.tanh(self.first(x)))
-
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 6)).astype(np.float32)
     y = rng.integers(0, 3, size=40).astype(np.int32)
-    model = Model(Net(nnx.Rngs(0)), config=_config(stages=2, g=1))
+    model = Model(testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0)), config=_config(stages=2, g=1))
     model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy")
     model.set_pipelining_options(schedule="Interleaved",
                                  gradient_accumulation_steps_per_replica=4)
     model.set_pipeline_stage_assignment({"second": 1})
     history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False)
 
-    graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+    graphdef, params = nnx.split(testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0)), nnx.Param)
 
     def loss(p, batch):
       logits = nnx.merge(graphdef, p)(batch["x"])

@@ -240,6 +240,14 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     super().setUp()
     self.directory = self.create_tempdir().full_path
 
+  def _save_and_read(self, num_ipus, filename):
+    """A report of ``num_ipus`` IPUs saved without plots, and its saved
+    JSON file ``filename``."""
+    report = report_lib.Report(_make_profile(num_ipus=num_ipus))
+    report.save(self.directory, plots=False)
+    with open(os.path.join(self.directory, filename)) as f:
+      return report, json.load(f)
+
   def test_writes_all_files(self):
     out = os.path.join(self.directory, "new", "report")
     files = report_lib.Report(_make_profile()).save(out)
@@ -252,10 +260,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.parameters(1, 2)
   def test_report_json_round_trip(self, num_ipus):
-    report = report_lib.Report(_make_profile(num_ipus=num_ipus))
-    report.save(self.directory, plots=False)
-    with open(os.path.join(self.directory, "report.json")) as f:
-      document = json.load(f)
+    report, document = self._save_and_read(num_ipus, "report.json")
     self.assertEqual(document["schema"], "ipu-jax-report")
     self.assertEqual(document["version"], report_lib.SCHEMA_VERSION)
     self.assertEqual(document["target"]["num_ipus"], num_ipus)
@@ -334,10 +339,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.parameters(1, 2)
   def test_trace_is_valid_chrome_trace(self, num_ipus):
-    report = report_lib.Report(_make_profile(num_ipus=num_ipus))
-    report.save(self.directory, plots=False)
-    with open(os.path.join(self.directory, "trace.json")) as f:
-      trace = json.load(f)
+    _, trace = self._save_and_read(num_ipus, "trace.json")
     self.assertEqual(trace["displayTimeUnit"], "ns")
     events = trace["traceEvents"]
     self.assertIsInstance(events, list)

@@ -14,8 +14,8 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax import graph as g
-from ipu_jax import poplibs
 from experiments import models
+import testing_utils
 
 _SUMMARY_FIELDS = (
     "Target", "Tiles used", "Memory", "Peak tile", "Worst tiles", "Always-live",
@@ -26,14 +26,7 @@ _SUMMARY_FIELDS = (
 
 
 def _tut4_report():
-  gr = g.Graph(ipu_jax.IPUTarget.preset("ipu2"))
-  a = gr.add_variable("float32", (900, 600), "a")
-  b = gr.add_variable("float32", (600, 300), "b")
-  c = gr.add_variable("float32", (300, 200), "c")
-  for t in (a, b, c):
-    gr.map_tensor_linearly(t)
-  prog = g.Sequence()
-  poplibs.matmul(gr, poplibs.matmul(gr, a, b, prog, "ab"), c, prog, "abc")
+  gr, _, prog, _ = testing_utils.chained_matmul_graph(ipu_jax.IPUTarget.preset("ipu2"))
   return g.Engine(gr, [prog]).report()
 
 

@@ -54,58 +54,54 @@ class Loss:
     return f"{type(self).__name__}()"
 
 
-class SparseCategoricalCrossentropy(Loss):
+class _PredictionLoss(Loss):
+  """A loss of predictions given as logits (``from_logits=True``, the
+  default) or as probabilities."""
+
+  def __init__(self, from_logits: bool = True):
+    self.from_logits = from_logits
+
+  def _log_probs(self, y_pred):
+    """Log-probabilities over the last axis (probabilities clipped away from 0)."""
+    if self.from_logits:
+      return jax.nn.log_softmax(y_pred, axis=-1)
+    return jnp.log(jnp.clip(y_pred, 1e-7, 1.0))
+
+  def __repr__(self):
+    return f"{type(self).__name__}(from_logits={self.from_logits})"
+
+
+class SparseCategoricalCrossentropy(_PredictionLoss):
   """Cross-entropy against integer class labels."""
 
   name = "sparse_categorical_crossentropy"
   accuracy = "sparse_categorical_accuracy"
 
-  def __init__(self, from_logits: bool = True):
-    self.from_logits = from_logits
-
   def __call__(self, y_true, y_pred):
     labels = jnp.asarray(y_true).astype(jnp.int32)
     if labels.ndim == y_pred.ndim:  # labels given as [b, 1]
       labels = labels[..., 0]
-    if self.from_logits:
-      log_probs = jax.nn.log_softmax(y_pred, axis=-1)
-    else:
-      log_probs = jnp.log(jnp.clip(y_pred, 1e-7, 1.0))
+    log_probs = self._log_probs(y_pred)
     one_hot = jax.nn.one_hot(labels, y_pred.shape[-1], dtype=log_probs.dtype)
     return _per_sample_mean(-jnp.sum(one_hot * log_probs, axis=-1))
 
-  def __repr__(self):
-    return f"SparseCategoricalCrossentropy(from_logits={self.from_logits})"
 
-
-class CategoricalCrossentropy(Loss):
+class CategoricalCrossentropy(_PredictionLoss):
   """Cross-entropy against one-hot (or soft) labels."""
 
   name = "categorical_crossentropy"
   accuracy = "categorical_accuracy"
 
-  def __init__(self, from_logits: bool = True):
-    self.from_logits = from_logits
-
   def __call__(self, y_true, y_pred):
-    if self.from_logits:
-      log_probs = jax.nn.log_softmax(y_pred, axis=-1)
-    else:
-      log_probs = jnp.log(jnp.clip(y_pred, 1e-7, 1.0))
+    log_probs = self._log_probs(y_pred)
     return _per_sample_mean(-jnp.sum(y_true.astype(log_probs.dtype) * log_probs, axis=-1))
 
-  def __repr__(self):
-    return f"CategoricalCrossentropy(from_logits={self.from_logits})"
 
-
-class BinaryCrossentropy(Loss):
+class BinaryCrossentropy(_PredictionLoss):
   """Binary cross-entropy, one logit (or probability) per label."""
 
   name = "binary_crossentropy"
   accuracy = "binary_accuracy"
-
-  def __init__(self, from_logits: bool = True):
-    self.from_logits = from_logits
 
   def __call__(self, y_true, y_pred):
     y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
@@ -118,26 +114,28 @@ class BinaryCrossentropy(Loss):
       losses = -(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p))
     return _per_sample_mean(losses)
 
-  def __repr__(self):
-    return f"BinaryCrossentropy(from_logits={self.from_logits})"
+
+class _RegressionLoss(Loss):
+  """The per-sample mean of ``_penalty(y_pred - y_true)``, labels reshaped
+  to the predictions' shape; subclasses set ``_penalty``."""
+
+  _penalty: Callable
+
+  def __call__(self, y_true, y_pred):
+    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
+    return _per_sample_mean(self._penalty(y_pred - y_true))
 
 
-class MeanSquaredError(Loss):
+class MeanSquaredError(_RegressionLoss):
   name = "mean_squared_error"
   accuracy = "mse"
-
-  def __call__(self, y_true, y_pred):
-    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
-    return _per_sample_mean(jnp.square(y_pred - y_true))
+  _penalty = staticmethod(jnp.square)
 
 
-class MeanAbsoluteError(Loss):
+class MeanAbsoluteError(_RegressionLoss):
   name = "mean_absolute_error"
   accuracy = "mae"
-
-  def __call__(self, y_true, y_pred):
-    y_true = jnp.reshape(y_true, y_pred.shape).astype(y_pred.dtype)
-    return _per_sample_mean(jnp.abs(y_pred - y_true))
+  _penalty = staticmethod(jnp.abs)
 
 
 LOSSES = {

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.keras import programs
+
 __all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "fit"]
 
 _SCHEDULES = ("Grouped", "Interleaved", "Sequential")
@@ -79,11 +81,11 @@ def _pipeline(model):
   if "recomputation" in options:
     cfg.pipelining.recomputation = options["recomputation"]
   state, rng_state = model.state, model._rng_state
-  per_sample_loss = model._per_sample_loss
+  loss_fn = model.loss
 
   def loss(params, batch):
     y_pred, _ = adapter.apply(params, state, rng_state, batch["x"], True, None)
-    return jnp.mean(per_sample_loss(batch["y"], y_pred))
+    return jnp.mean(programs.per_sample_loss(loss_fn, batch["y"], y_pred))
 
   return Pipeline(loss, model.optimizer, config=cfg,
                   device_mapping=options.get("device_mapping"),

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
-from ipu_jax.compile_progress import progress_bar
+from ipu_jax.compile_progress import is_interactive, progress_bar
 from ipu_jax.keras.callbacks import Callback
 
 __all__ = ["ProgbarLogger", "format_logs", "format_rate"]
@@ -75,8 +75,7 @@ class ProgbarLogger(Callback):
 
   @property
   def _interactive(self) -> bool:
-    isatty = getattr(self._out, "isatty", None)
-    return bool(isatty and isatty())
+    return is_interactive(self._out)
 
   def on_epoch_begin(self, epoch, logs=None):
     self._start = time.perf_counter()

@@ -8,6 +8,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad, batching, mlir
 
 
 # The reduced-precision float types (stochastic rounding targets, AMP inputs).
@@ -36,3 +37,28 @@ def _compiled(impl: Callable) -> Callable:
     return cached(tuple(sorted(params.items())))(*args)
 
   return eager
+
+
+def define_primitive(prim, impl: Callable, abstract_eval: Callable, *, jvp=None, batch=None,
+                     fancy_batch=None, effectful=False, multiple_results=False):
+  """Give ``prim`` its eager implementation, abstract evaluation, JVP and
+  batching rules, and its XLA lowering.
+
+  ``impl`` serves twice: compiled as the eager implementation, and as the
+  XLA lowering (``mlir.lower_fun``), so ``jax.jit`` off the IPU computes what
+  the IPU lowering must match. ``effectful`` marks an ``abstract_eval`` that
+  also returns effects; ``fancy_batch`` is a batching rule that receives the
+  vmapped axis's data first.
+  """
+  prim.def_impl(_compiled(impl))
+  if effectful:
+    prim.def_effectful_abstract_eval(abstract_eval)
+  else:
+    prim.def_abstract_eval(abstract_eval)
+  if jvp is not None:
+    ad.primitive_jvps[prim] = jvp
+  if batch is not None:
+    batching.primitive_batchers[prim] = batch
+  if fancy_batch is not None:
+    batching.fancy_primitive_batchers[prim] = fancy_batch
+  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=multiple_results))

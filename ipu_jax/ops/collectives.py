@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
-from ipu_jax.ops._common import _compiled, not_mapped
+from ipu_jax.ops._common import define_primitive, not_mapped
 
 REPLICA_AXIS = "replicas"
 
@@ -135,11 +135,8 @@ def _make_collective(prim, kind):
       out = prim.bind(out, axis_name=rest if len(rest) > 1 else rest[0])
     return out, not_mapped
 
-  prim.def_impl(_compiled(impl))
-  prim.def_abstract_eval(_collective_abstract_eval)
+  define_primitive(prim, impl, _collective_abstract_eval, fancy_batch=batch)
   ad.deflinear2(prim, transpose)
-  batching.fancy_primitive_batchers[prim] = batch
-  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
 
 
 _make_collective(cross_replica_sum_p, "sum")
@@ -159,11 +156,8 @@ def _replica_index_batch(axis_data, vals, dims, *, axis_name):
   return lax.iota(np.int32, axis_data.size), 0
 
 
-replica_index_p.def_impl(_compiled(lambda *, axis_name: replica_index_value(axis_name)))
-replica_index_p.def_abstract_eval(_replica_index_abstract_eval)
-batching.fancy_primitive_batchers[replica_index_p] = _replica_index_batch
-mlir.register_lowering(replica_index_p, mlir.lower_fun(
-    lambda *, axis_name: replica_index_value(axis_name), multiple_results=False))
+define_primitive(replica_index_p, lambda *, axis_name: replica_index_value(axis_name),
+                 _replica_index_abstract_eval, fancy_batch=_replica_index_batch)
 
 
 def _check_collective_operand(x, what):

@@ -7,10 +7,10 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
 from ipu_jax.lowering.matmul_plan import partials_dtype
-from ipu_jax.ops._common import _aval, _compiled, not_mapped
+from ipu_jax.ops._common import _aval, define_primitive, not_mapped
 
 
 matmul_p = jcore.Primitive("ipu_matmul")
@@ -94,11 +94,8 @@ def _matmul_batch(args, dims, **params):
   return matmul_p.bind(a, b, **params), 0
 
 
-matmul_p.def_impl(_compiled(_matmul_impl))
-matmul_p.def_abstract_eval(_matmul_abstract_eval)
+define_primitive(matmul_p, _matmul_impl, _matmul_abstract_eval, batch=_matmul_batch)
 ad.defbilinear(matmul_p, _matmul_transpose_lhs, _matmul_transpose_rhs)
-batching.primitive_batchers[matmul_p] = _matmul_batch
-mlir.register_lowering(matmul_p, mlir.lower_fun(_matmul_impl, multiple_results=False))
 
 
 def matmul(a, b, available_memory_proportion: Optional[float] = None,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
 
 from ipu_jax.lowering import printing
 from ipu_jax.lowering.printing import format_tensor
-from ipu_jax.ops._common import _compiled
+from ipu_jax.ops._common import define_primitive
 from ipu_jax.jax_compat import debugging
 
 
@@ -38,12 +37,8 @@ def _print_tensor_batch(args, dims, *, title):
   return print_tensor_p.bind(x, title=title), d
 
 
-print_tensor_p.def_impl(_compiled(_print_tensor_impl))
-print_tensor_p.def_effectful_abstract_eval(_print_tensor_abstract_eval)
-ad.primitive_jvps[print_tensor_p] = _print_tensor_jvp
-batching.primitive_batchers[print_tensor_p] = _print_tensor_batch
-mlir.register_lowering(print_tensor_p, mlir.lower_fun(_print_tensor_impl,
-                                                      multiple_results=False))
+define_primitive(print_tensor_p, _print_tensor_impl, _print_tensor_abstract_eval,
+                 jvp=_print_tensor_jvp, batch=_print_tensor_batch, effectful=True)
 
 
 def print_tensor(x, title: str = ""):

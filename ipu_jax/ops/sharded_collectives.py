@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.interpreters import batching, mlir
 
-from ipu_jax.ops._common import _compiled, not_mapped
+from ipu_jax.ops._common import define_primitive, not_mapped
 from ipu_jax.ops.collectives import REPLICA_AXIS, axis_is_bound
 
 __all__ = ["cross_replica_reduce_scatter", "cross_replica_all_gather",
@@ -29,26 +28,28 @@ cross_replica_reduce_scatter_p = jcore.Primitive("cross_replica_reduce_scatter")
 cross_replica_all_gather_p = jcore.Primitive("cross_replica_all_gather")
 
 
-def _unbound(name, axis_name, replicas):
-  raise NameError(
-      f"{name} over {replicas} replicas needs the replica axis {axis_name!r} bound "
-      "(run it inside the replicas' vmap/shard_map, as the training layer does).")
+def _replica_impl(prim, collective):
+  """The implementation of ``prim``: ``collective(x, axis_name)`` across the
+  replicas, the identity for one replica."""
+
+  def impl(x, *, axis_name, replicas):
+    if replicas == 1:
+      return x
+    if not axis_is_bound(axis_name):
+      raise NameError(
+          f"{prim.name} over {replicas} replicas needs the replica axis {axis_name!r} "
+          "bound (run it inside the replicas' vmap/shard_map, as the training layer does).")
+    return collective(x, axis_name)
+
+  return impl
 
 
-def _scatter_impl(x, *, axis_name, replicas):
-  if replicas == 1:
-    return x
-  if not axis_is_bound(axis_name):
-    _unbound("cross_replica_reduce_scatter", axis_name, replicas)
-  return lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-
-
-def _gather_impl(x, *, axis_name, replicas):
-  if replicas == 1:
-    return x
-  if not axis_is_bound(axis_name):
-    _unbound("cross_replica_all_gather", axis_name, replicas)
-  return lax.all_gather(x, axis_name, axis=0, tiled=True)
+_scatter_impl = _replica_impl(
+    cross_replica_reduce_scatter_p,
+    lambda x, axis_name: lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True))
+_gather_impl = _replica_impl(
+    cross_replica_all_gather_p,
+    lambda x, axis_name: lax.all_gather(x, axis_name, axis=0, tiled=True))
 
 
 def _scatter_abstract(x, *, axis_name, replicas):
@@ -86,13 +87,10 @@ def _gather_batch(axis_data, vals, dims, *, axis_name, replicas):
   return jnp.reshape(jnp.moveaxis(x, d, 0), (-1,)), not_mapped
 
 
-for _prim, _impl, _abstract, _batch in (
-    (cross_replica_reduce_scatter_p, _scatter_impl, _scatter_abstract, _scatter_batch),
-    (cross_replica_all_gather_p, _gather_impl, _gather_abstract, _gather_batch)):
-  _prim.def_impl(_compiled(_impl))
-  _prim.def_abstract_eval(_abstract)
-  batching.fancy_primitive_batchers[_prim] = _batch
-  mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
+define_primitive(cross_replica_reduce_scatter_p, _scatter_impl, _scatter_abstract,
+                 fancy_batch=_scatter_batch)
+define_primitive(cross_replica_all_gather_p, _gather_impl, _gather_abstract,
+                 fancy_batch=_gather_batch)
 
 
 def _check(x, replicas, what):

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
-from ipu_jax.ops._common import HALF_DTYPES, _aval, _compiled, not_mapped
+from ipu_jax.ops._common import HALF_DTYPES, _aval, define_primitive, not_mapped
 
 
 stochastic_round_p = jcore.Primitive("stochastic_round")
@@ -168,12 +168,8 @@ def _stochastic_round_batch(args, dims, *, dtype, impl):
   return stochastic_round_p.bind(x, key, dtype=dtype, impl=impl), 0
 
 
-stochastic_round_p.def_impl(_compiled(_stochastic_round_impl))
-stochastic_round_p.def_abstract_eval(_stochastic_round_abstract_eval)
-ad.primitive_jvps[stochastic_round_p] = _stochastic_round_jvp
-batching.primitive_batchers[stochastic_round_p] = _stochastic_round_batch
-mlir.register_lowering(stochastic_round_p, mlir.lower_fun(_stochastic_round_impl,
-                                                          multiple_results=False))
+define_primitive(stochastic_round_p, _stochastic_round_impl, _stochastic_round_abstract_eval,
+                 jvp=_stochastic_round_jvp, batch=_stochastic_round_batch)
 
 
 def stochastic_round(x, dtype, key):

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
 from ipu_jax.kernels.codelet import Codelet
 
-from ipu_jax.ops._common import _aval, _compiled, not_mapped
+from ipu_jax.ops._common import _aval, define_primitive, not_mapped
 
 
 tile_map_p = jcore.Primitive("tile_map")
@@ -144,11 +144,8 @@ def _tile_map_batch(args, dims, *, codelet, tiles):
   return outs, [1] * len(outs)
 
 
-tile_map_p.def_impl(_compiled(_tile_map_impl))
-tile_map_p.def_abstract_eval(_tile_map_abstract_eval)
-ad.primitive_jvps[tile_map_p] = _tile_map_jvp
-batching.primitive_batchers[tile_map_p] = _tile_map_batch
-mlir.register_lowering(tile_map_p, mlir.lower_fun(_tile_map_impl, multiple_results=True))
+define_primitive(tile_map_p, _tile_map_impl, _tile_map_abstract_eval, jvp=_tile_map_jvp,
+                 batch=_tile_map_batch, multiple_results=True)
 
 
 def tile_map(codelet, *args, tiles: Optional[Sequence[int]] = None):

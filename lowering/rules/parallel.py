@@ -392,32 +392,29 @@ def _all_to_all_rule(ctx, x, *, axis_name, split_axis, concat_axis, axis_index_g
   return [out]
 
 
+def _whole_copy(ctx, x, name, axis_name, moves, fn):
+  """A collective that sends each replica's whole ``x`` to another replica
+  (``moves``), or keeps it in place when no replica's data moves."""
+  replicas = named_axis_size(ctx, axis_name)
+  out = ctx.like(x, name=name)
+  exchange, _ = collective_cost(ctx, x, 1.0 if moves else 0.0)
+  _emit_collective(ctx, f"{name} x{replicas}", x, out, fn, exchange)
+  return [out]
+
+
 @register_lowering(lax_parallel.ppermute_p)
 def _ppermute_rule(ctx, x, *, axis_name, perm):
-  replicas = named_axis_size(ctx, axis_name)
-  out = ctx.like(x, name="ppermute")
-  moves = any(int(src) != int(dst) for src, dst in perm)
-  exchange, _ = collective_cost(ctx, x, 1.0 if moves else 0.0)
   perm = tuple((int(s), int(d)) for s, d in perm)
-
-  def fn(v):
-    return lax.ppermute(v, axis_name, perm)
-
-  _emit_collective(ctx, f"ppermute x{replicas}", x, out, fn, exchange)
-  return [out]
+  moves = any(src != dst for src, dst in perm)
+  return _whole_copy(ctx, x, "ppermute", axis_name, moves,
+                     lambda v: lax.ppermute(v, axis_name, perm))
 
 
 @register_lowering(lax_parallel.pbroadcast_p)
 def _pbroadcast_rule(ctx, x, *, axis_name, source):
-  replicas = named_axis_size(ctx, axis_name)
-  out = ctx.like(x, name="pbroadcast")
-  exchange, _ = collective_cost(ctx, x, 1.0 if replicas > 1 else 0.0)
-
-  def fn(v):
-    return lax.pbroadcast(v, axis_name, source)
-
-  _emit_collective(ctx, f"pbroadcast x{replicas}", x, out, fn, exchange)
-  return [out]
+  moves = named_axis_size(ctx, axis_name) > 1
+  return _whole_copy(ctx, x, "pbroadcast", axis_name, moves,
+                     lambda v: lax.pbroadcast(v, axis_name, source))
 
 
 # ---------------------------------------------------------------------------
