@@ -15,8 +15,8 @@ import numpy as np
 
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.indexing import (_copy_of, _is_constant, _lookup, _static_sources,
-                                             _update)
+from ipu_jax.lowering.rules.indexing import (
+    copy_of, is_constant, served_lookup, served_update, static_sources)
 
 
 @register_lowering(lax.dynamic_slice_p)
@@ -28,13 +28,13 @@ def _dynamic_slice(ctx, operand, *indices, slice_sizes):
   if out.size == 0:
     return [out]
   static = None
-  if all(_is_constant(t) for t in indices):
+  if all(is_constant(t) for t in indices):
     starts = [np.asarray(t.value).reshape(()) for t in indices]
-    static = _static_sources(
+    static = static_sources(
         lambda ids: lax.dynamic_slice(ids, [jnp.asarray(s) for s in starts], slice_sizes),
         operand.shape)
-  _lookup(ctx, lax.dynamic_slice_p, params, operand, indices, out,
-          num_lookups=1, codelet=vocab.DYNAMIC_SLICE, static_source=static)
+  served_lookup(ctx, lax.dynamic_slice_p, params, operand, indices, out,
+                num_lookups=1, codelet=vocab.DYNAMIC_SLICE, static_source=static)
   return [out]
 
 
@@ -44,15 +44,15 @@ def _dynamic_update_slice(ctx, operand, update, *indices):
   if operand.size == 0:
     return [ctx.like(operand)]
   if update.size == 0:
-    return _copy_of(ctx, operand)
+    return copy_of(ctx, operand)
   out = ctx.like(operand)
   static = None
-  if all(_is_constant(t) for t in indices):
+  if all(is_constant(t) for t in indices):
     starts = [np.asarray(t.value).reshape(()) for t in indices]
-    static = _static_sources(
+    static = static_sources(
         lambda a, b: lax.dynamic_update_slice(a, b, [jnp.asarray(s) for s in starts]),
         operand.shape, update.shape)
-  _update(ctx, lax.dynamic_update_slice_p, {}, [operand, update, *indices], operand,
-          list(indices), update, out, num_lookups=1,
-          codelet=vocab.DYNAMIC_UPDATE_SLICE, static_source=static)
+  served_update(ctx, lax.dynamic_update_slice_p, {}, [operand, update, *indices], operand,
+                list(indices), update, out, num_lookups=1,
+                codelet=vocab.DYNAMIC_UPDATE_SLICE, static_source=static)
   return [out]

@@ -25,9 +25,9 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules import small_table
-from ipu_jax.lowering.rules.indexing import (_Mode, _bind_fn, _bits_dtype, _emit, _is_constant,
-                                             _lookup, _pad_rows, _rows_in_range,
-                                             _served_lookup_cost, _static_sources, _tile_blocks)
+from ipu_jax.lowering.rules.indexing import (
+    GatherScatterMode, bind_fn, bits_dtype, emit_step, is_constant, pad_rows, rows_in_range,
+    served_lookup, served_lookup_cost, static_sources, tile_blocks)
 
 
 def _rows_gather_per_tile(table_storage, mapping, rows, row_len, dtype):
@@ -37,12 +37,12 @@ def _rows_gather_per_tile(table_storage, mapping, rows, row_len, dtype):
   those; the partial results are ORed bitwise (tiles that do not hold an
   element contribute zero bits), which is exact.
   """
-  bits = _bits_dtype(dtype)
+  bits = bits_dtype(dtype)
   chunk = mapping.row_size
   src = rows.astype(jnp.int32)[:, None] * row_len + jnp.arange(row_len, dtype=jnp.int32)
-  block, num_blocks, starts, counts = _tile_blocks(mapping, src.size)
+  block, num_blocks, starts, counts = tile_blocks(mapping, src.size)
   table_bits = lax.bitcast_convert_type(table_storage, bits)
-  table_bits = _pad_rows(table_bits, num_blocks * block).reshape(num_blocks, block, chunk)
+  table_bits = pad_rows(table_bits, num_blocks * block).reshape(num_blocks, block, chunk)
 
   def serve(row, start, count):
     local = src - start
@@ -69,7 +69,7 @@ def _rows_form_gather(operand, indices, dnums, slice_sizes) -> bool:
           and not tuple(dnums.operand_batching_dims)
           and tuple(slice_sizes) == (1,) + tuple(operand.shape[1:])
           and tuple(dnums.offset_dims) == tuple(range(batch, batch + len(operand.shape) - 1))
-          and operand.mapping.is_linear and _bits_dtype(operand.dtype) is not None
+          and operand.mapping.is_linear and bits_dtype(operand.dtype) is not None
           and np.issubdtype(indices.dtype, np.integer))
 
 
@@ -91,7 +91,7 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
   params = dict(dimension_numbers=dimension_numbers, slice_sizes=slice_sizes,
                 indices_are_sorted=indices_are_sorted, unique_indices=unique_indices,
                 mode=mode, fill_value=fill_value)
-  mode = _Mode.from_any(mode)
+  mode = GatherScatterMode.from_any(mode)
   aval = ctx.out_avals[0]
   out = ctx.new_tensor(aval.shape, aval.dtype)
   if out.size == 0:
@@ -101,17 +101,17 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
     # element is the fill value, written on its own tile.
     fill = _default_fill(out.dtype) if fill_value is None else fill_value
     elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
-    _emit(ctx, f"{ctx.op}/fill", [], [out],
-          lambda: (builders.storage(jnp.full(out.shape, fill, out.dtype), out),),
-          compute=estimators.fill_cycles(ctx.target, elements, out.itemsize),
-          vertices=builders.worker_vertices(ctx, elements), codelet=vocab.FILL)
+    emit_step(ctx, f"{ctx.op}/fill", [], [out],
+              lambda: (builders.storage(jnp.full(out.shape, fill, out.dtype), out),),
+              compute=estimators.fill_cycles(ctx.target, elements, out.itemsize),
+              vertices=builders.worker_vertices(ctx, elements), codelet=vocab.FILL)
     return [out]
   num_lookups = int(np.prod(indices.shape[:-1], dtype=np.int64))
   static = None
-  if _is_constant(indices):
+  if is_constant(indices):
     source_params = dict(params, fill_value=-1)
     index_value = np.asarray(indices.value)
-    static = _static_sources(
+    static = static_sources(
         lambda ids: lax.gather_p.bind(ids, jnp.asarray(index_value), **source_params),
         operand.shape)
   per_tile = None
@@ -123,22 +123,22 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
     batch_shape = tuple(indices.shape[:-1])
 
     def per_tile(args, storages):
-      rows, valid = _rows_in_range(args[1].reshape(-1), num_rows)
+      rows, valid = rows_in_range(args[1].reshape(-1), num_rows)
       served = _rows_gather_per_tile(storages[0], mapping, rows, row_len, out.dtype)
-      if mode == _Mode.FILL_OR_DROP:
+      if mode == GatherScatterMode.FILL_OR_DROP:
         served = jnp.where(valid[:, None], served, jnp.asarray(fill, out.dtype))
       return served.reshape(batch_shape + tuple(operand.shape[1:]))
 
   if static is None:
     replicated = small_table.ReplicatedGather(ctx, operand, indices, out.shape)
-    served = _served_lookup_cost(ctx, operand, [indices], out.mapping, out.itemsize)
+    served = served_lookup_cost(ctx, operand, [indices], out.mapping, out.itemsize)
     if replicated.feasible and (small_table.plan_seconds(ctx.target, replicated.costs)
         < small_table.plan_seconds(ctx.target, [served])):
       out = ctx.new_tensor(aval.shape, aval.dtype,
                            replicated.out_mapping(dimension_numbers.offset_dims))
-      replicated.emit(_bind_fn(lax.gather_p, params, [operand, indices], [out]), out,
+      replicated.emit(bind_fn(lax.gather_p, params, [operand, indices], [out]), out,
                       codelet=vocab.MULTI_SLICE)
       return [out]
-  _lookup(ctx, lax.gather_p, params, operand, [indices], out, num_lookups,
-          codelet=vocab.MULTI_SLICE, static_source=static, per_tile=per_tile)
+  served_lookup(ctx, lax.gather_p, params, operand, [indices], out, num_lookups,
+                codelet=vocab.MULTI_SLICE, static_source=static, per_tile=per_tile)
   return [out]

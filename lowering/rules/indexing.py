@@ -53,7 +53,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 
-_Mode = lax.GatherScatterMode
+GatherScatterMode = lax.GatherScatterMode  # re-exported for the gather and scatter rules
 
 # Cycles for a worker to load one index, compare it with its tile's range and
 # branch (popops' MultiSlice vertices do this per index).
@@ -66,7 +66,8 @@ _PER_TILE_BLOCK_ELEMENTS = 1 << 23
 # -- costs ------------------------------------------------------------------
 
 
-def _is_constant(t: P.Tensor) -> bool:
+def is_constant(t: P.Tensor) -> bool:
+  """Whether ``t`` is a compile-time constant (its movement is then static)."""
   return t.category == "constants" and t.value is not None
 
 
@@ -129,13 +130,13 @@ def _serve_cycles(ctx, active, num_indices, hits, itemsize, cycles_per_vector=1.
   return np.where(active, w * busiest + target.supervisor_overhead_cycles, 0.0)
 
 
-def _item_cycles(ctx, items, cycles_per_item):
+def item_cycles(ctx, items, cycles_per_item):
   """Cycles of scalar (not vectorised) work items split over the workers."""
   return estimators.worker_split_cycles(ctx.target, np.asarray(items, np.int64),
                                         cycles_per_item, ctx.target.vector_width_bytes)
 
 
-def _static_sources(fn, *shapes) -> np.ndarray:
+def static_sources(fn, *shapes) -> np.ndarray:
   """Flat source element of every result element of a static movement.
 
   ``fn`` is applied to arrays holding their own element ids (the operands'
@@ -162,7 +163,7 @@ def _static_cost(ctx, operands, out: P.Tensor, source: np.ndarray):
 # -- steps ------------------------------------------------------------------
 
 
-def _bind_fn(prim, params, reads, outs, per_tile=None):
+def bind_fn(prim, params, reads, outs, per_tile=None):
   """Step function: ``prim`` on the logical operands, results into storage.
 
   ``per_tile(*logical_operands, *storages)`` replaces the batched call in
@@ -180,8 +181,9 @@ def _bind_fn(prim, params, reads, outs, per_tile=None):
   return fn
 
 
-def _emit(ctx, name, reads, writes, fn, compute=None, exchange=None,
-          vertices=None, codelet="", flops=0, scratch=None):
+def emit_step(ctx, name, reads, writes, fn, compute=None, exchange=None,
+              vertices=None, codelet="", flops=0, scratch=None):
+  """Emit one indexing superstep of the equation being lowered."""
   ctx.emit(P.Superstep(
       name=name, op=ctx.op, reads=tuple(reads), writes=tuple(writes), fn=fn,
       compute_cycles=compute, exchange=exchange, vertices=vertices,
@@ -189,8 +191,8 @@ def _emit(ctx, name, reads, writes, fn, compute=None, exchange=None,
       scratch_bytes=scratch))
 
 
-def _lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
-            static_source=None, per_tile=None):
+def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
+                  static_source=None, per_tile=None):
   """Emit a served lookup: indices broadcast, table tiles serve, results move.
 
   Args:
@@ -204,25 +206,25 @@ def _lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
   """
   target = ctx.target
   reads = [table] + list(indices)
-  fn = _bind_fn(prim, params, reads, [out], per_tile)
+  fn = bind_fn(prim, params, reads, [out], per_tile)
   if static_source is not None:
-    _emit(ctx, f"{ctx.op}/static", reads, [out], fn,
-          exchange=_static_cost(ctx, [table], out, static_source))
+    emit_step(ctx, f"{ctx.op}/static", reads, [out], fn,
+              exchange=_static_cost(ctx, [table], out, static_source))
     return
   share = _table_share(ctx, table)
   active = share > 0
   hits = np.ceil(share * out.size - 1e-9)
   compute = _serve_cycles(ctx, active, num_lookups, hits, out.itemsize)
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
-  _emit(ctx, ctx.op, reads, [out], fn, compute=compute,
-        exchange=_served_lookup_cost(ctx, table, indices, out.mapping, out.itemsize),
-        vertices=vertices, codelet=codelet,
-        scratch=(hits * out.itemsize).astype(np.int64))
+  emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
+            exchange=served_lookup_cost(ctx, table, indices, out.mapping, out.itemsize),
+            vertices=vertices, codelet=codelet,
+            scratch=(hits * out.itemsize).astype(np.int64))
 
 
-def _update(ctx, prim, params, reads, operand, indices, updates, out, num_lookups,
-            codelet, cycles_per_vector=1.0, flops=0, static_source=None,
-            per_tile=None):
+def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_lookups,
+                  codelet, cycles_per_vector=1.0, flops=0, static_source=None,
+                  per_tile=None):
   """Emit an in-place update: indices broadcast, table tiles apply their hits.
 
   Args:
@@ -230,17 +232,17 @@ def _update(ctx, prim, params, reads, operand, indices, updates, out, num_lookup
     operand, indices, updates: their roles (``indices`` are broadcast).
   """
   target = ctx.target
-  fn = _bind_fn(prim, params, reads, [out], per_tile)
+  fn = bind_fn(prim, params, reads, [out], per_tile)
   if static_source is not None:
     # The operand stays put; each update element moves to its static place.
     cost = _static_cost(ctx, [operand, updates], out, static_source)
     from_update = static_source >= operand.size
     received = np.bincount(out.mapping.element_tile[from_update],
                            minlength=target.num_tiles)[:target.num_tiles]
-    _emit(ctx, f"{ctx.op}/static", reads, [out], fn,
-          compute=estimators.copy_cycles(target, received, out.itemsize),
-          exchange=cost, vertices=builders.worker_vertices(ctx, received),
-          codelet=codelet)
+    emit_step(ctx, f"{ctx.op}/static", reads, [out], fn,
+              compute=estimators.copy_cycles(target, received, out.itemsize),
+              exchange=cost, vertices=builders.worker_vertices(ctx, received),
+              codelet=codelet)
     return
   share = _table_share(ctx, operand)
   active = share > 0
@@ -248,32 +250,32 @@ def _update(ctx, prim, params, reads, operand, indices, updates, out, num_lookup
   compute = _serve_cycles(ctx, active, num_lookups, hits, out.itemsize,
                           cycles_per_vector)
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
-  _emit(ctx, ctx.op, reads, [out], fn, compute=compute,
-        exchange=_served_update_cost(ctx, operand, indices, updates), vertices=vertices,
-        codelet=codelet, flops=flops)
+  emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
+            exchange=served_update_cost(ctx, operand, indices, updates), vertices=vertices,
+            codelet=codelet, flops=flops)
 
 
-def _served_update_cost(ctx, operand, indices, updates):
+def served_update_cost(ctx, operand, indices, updates):
   """Exchange of a served update: indices broadcast, updates to the table."""
   costs = [builders.broadcast_cost(ctx, t, operand.mapping.tiles)
-           for t in indices if not _is_constant(t)]
+           for t in indices if not is_constant(t)]
   costs.append(_spread_cost(ctx, updates.mapping.elements_per_tile(ctx.target.num_tiles),
                             _table_share(ctx, operand), updates.itemsize,
                             fixed_receives=False))
   return builders.add_costs(*costs)
 
 
-def _served_lookup_cost(ctx, table, indices, out_mapping, itemsize):
+def served_lookup_cost(ctx, table, indices, out_mapping, itemsize):
   """Exchange of a served lookup: indices broadcast, results from the table."""
   costs = [builders.broadcast_cost(ctx, t, table.mapping.tiles)
-           for t in indices if not _is_constant(t)]
+           for t in indices if not is_constant(t)]
   if table.size:
     costs.append(_spread_cost(ctx, out_mapping.elements_per_tile(ctx.target.num_tiles),
                               _table_share(ctx, table), itemsize, fixed_receives=True))
   return builders.add_costs(*costs)
 
 
-def _copy_of(ctx, operand: P.Tensor) -> list:
+def copy_of(ctx, operand: P.Tensor) -> list:
   """The result of an update that changes nothing: a copy in place."""
   out = ctx.like(operand)
   if out.size:
@@ -284,7 +286,7 @@ def _copy_of(ctx, operand: P.Tensor) -> list:
 # -- per-tile emulation of whole-row lookups and updates -----------------------
 
 
-def _bits_dtype(dtype):
+def bits_dtype(dtype):
   """The unsigned type with ``dtype``'s bit pattern, or None."""
   dtype = np.dtype(dtype)
   if dtype == np.bool_ or dtype.kind == "c":
@@ -292,7 +294,7 @@ def _bits_dtype(dtype):
   return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(dtype.itemsize)
 
 
-def _tile_blocks(mapping: TileMapping, work_per_tile: int):
+def tile_blocks(mapping: TileMapping, work_per_tile: int):
   """Storage rows grouped into equal blocks of tiles, with starts and counts.
 
   Returns ``(block, num_blocks, starts, counts)``; padding tiles hold nothing.
@@ -307,12 +309,13 @@ def _tile_blocks(mapping: TileMapping, work_per_tile: int):
   return block, num_blocks, starts, counts
 
 
-def _pad_rows(storage_array, rows):
+def pad_rows(storage_array, rows):
+  """``storage_array`` with zero rows appended up to ``rows``."""
   pad = rows - storage_array.shape[0]
   return jnp.pad(storage_array, ((0, pad), (0, 0))) if pad else storage_array
 
 
-def _rows_in_range(idx, num_rows):
+def rows_in_range(idx, num_rows):
   """Row indices clamped to ``[0, num_rows)`` (int32) and whether in range.
 
   Compares in the indices' own type, so unsigned and narrow types work.

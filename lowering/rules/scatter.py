@@ -24,8 +24,8 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules import small_table
-from ipu_jax.lowering.rules.indexing import (_Mode, _copy_of, _rows_in_range, _served_update_cost,
-                                             _tile_blocks, _update)
+from ipu_jax.lowering.rules.indexing import (
+    GatherScatterMode, copy_of, rows_in_range, served_update, served_update_cost, tile_blocks)
 
 _COMBINE = {
     "scatter": lambda ref, pos, u: ref.at[pos].set(u, mode="drop"),
@@ -46,7 +46,7 @@ def _rows_scatter_per_tile(name, op_storage, mapping, rows, valid, updates, row_
   chunk = mapping.row_size
   dest = rows.astype(jnp.int32)[:, None] * row_len + jnp.arange(row_len, dtype=jnp.int32)
   upd = updates.reshape(dest.shape).reshape(-1)
-  block, _, starts, counts = _tile_blocks(mapping, dest.size)
+  block, _, starts, counts = tile_blocks(mapping, dest.size)
   combine = _COMBINE[name]
 
   def tile(args):
@@ -88,19 +88,19 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
     if operand.size == 0:
       return [ctx.like(operand)]
     if updates.size == 0:
-      return _copy_of(ctx, operand)
+      return copy_of(ctx, operand)
     out = ctx.like(operand)
     num_lookups = int(np.prod(indices.shape[:-1], dtype=np.int64))
     per_tile = None
     if (ctx.options.executor_mode == "per_tile" and name in _COMBINE
         and (name != "scatter" or update_jaxpr is None)
         and _rows_form_scatter(operand, indices, updates, dimension_numbers)):
-      clip = _Mode.from_any(mode) == _Mode.CLIP
+      clip = GatherScatterMode.from_any(mode) == GatherScatterMode.CLIP
       mapping, num_rows = operand.mapping, operand.shape[0]
       row_len = int(np.prod(operand.shape[1:], dtype=np.int64))
 
       def per_tile(args, storages):
-        rows, valid = _rows_in_range(args[1].reshape(-1), num_rows)
+        rows, valid = rows_in_range(args[1].reshape(-1), num_rows)
         if clip:
           valid = jnp.ones_like(valid)
         new = _rows_scatter_per_tile(name, storages[0], mapping, rows, valid,
@@ -112,14 +112,14 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
     if partials is not None and (
         small_table.plan_seconds(ctx.target, partials.costs)
         < small_table.plan_seconds(
-            ctx.target, [_served_update_cost(ctx, operand, [indices], updates)])):
+            ctx.target, [served_update_cost(ctx, operand, [indices], updates)])):
       partials.emit(params, out)
       return [out]
     flops = updates.size if counts_flops and np.issubdtype(updates.dtype, np.inexact) else 0
-    _update(ctx, prim, params, [operand, indices, updates], operand, [indices],
-            updates, out, num_lookups,
-            codelet=codelet, cycles_per_vector=cycles_per_vector, flops=flops,
-            per_tile=per_tile)
+    served_update(ctx, prim, params, [operand, indices, updates], operand, [indices],
+                  updates, out, num_lookups,
+                  codelet=codelet, cycles_per_vector=cycles_per_vector, flops=flops,
+                  per_tile=per_tile)
     return [out]
 
   return rule

@@ -26,7 +26,7 @@ from ipu_jax.lowering import builders
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.indexing import _bind_fn, _emit, _item_cycles
+from ipu_jax.lowering.rules.indexing import bind_fn, emit_step, item_cycles
 
 # Cycles per compare-exchange of a sort: compare the keys, move the operands.
 _SORT_COMPARE_CYCLES = 2
@@ -193,22 +193,22 @@ def _sort(ctx, *operands, dimension, is_stable, num_keys):
     if 2 * rows_per_slice * n * element_bytes <= budget:
       return builders.partitioned(
           ctx, fn, operands, out_avals, [axis] * len(operands), out_axis=axis,
-          cycles_per_tile_fn=lambda r: _item_cycles(
+          cycles_per_tile_fn=lambda r: item_cycles(
               ctx, r * rows_per_slice * flat_compares, compare_cycles),
           codelet=vocab.SORT)
   plan = _RowPlan(ctx, shape, dimension, _tiles_per_row(ctx, n, 2 * n * element_bytes))
   mapping = plan.mapping()
   outs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
   local = plan.per_tile(plan.chunk_elems * np.ceil(np.log2(np.maximum(plan.chunk_elems, 1))))
-  _emit(ctx, "sort", operands, outs, _bind_fn(lax.sort_p, params, operands, outs),
-        compute=_item_cycles(ctx, local, compare_cycles),
-        exchange=_relayout_cost(ctx, operands, mapping),
-        vertices=builders.worker_vertices(ctx, plan.per_tile(np.ones_like(plan.chunk_elems))),
-        codelet=vocab.SORT)
+  emit_step(ctx, "sort", operands, outs, bind_fn(lax.sort_p, params, operands, outs),
+            compute=item_cycles(ctx, local, compare_cycles),
+            exchange=_relayout_cost(ctx, operands, mapping),
+            vertices=builders.worker_vertices(ctx, plan.per_tile(np.ones_like(plan.chunk_elems))),
+            codelet=vocab.SORT)
   # Bitonic merges between the chunks of a row: the data is already sorted
   # by the step above; these steps carry the cost of the merges.
   levels = _log2(plan.p)
-  merge_compute = _item_cycles(ctx, plan.per_tile(2 * plan.chunk_elems), compare_cycles)
+  merge_compute = item_cycles(ctx, plan.per_tile(2 * plan.chunk_elems), compare_cycles)
   vertices = builders.worker_vertices(ctx, plan.per_tile(np.ones_like(plan.chunk_elems)))
   costs = {}
   for level in range(1, levels + 1):
@@ -216,9 +216,9 @@ def _sort(ctx, *operands, dimension, is_stable, num_keys):
       bit = 1 << j
       if bit not in costs:
         costs[bit] = plan.merge_cost(bit, element_bytes)
-      _emit(ctx, f"sort/merge{level}.{j}", outs, outs, lambda *xs: tuple(xs),
-            compute=merge_compute, exchange=costs[bit], vertices=vertices,
-            codelet=vocab.SORT_MERGE)
+      emit_step(ctx, f"sort/merge{level}.{j}", outs, outs, lambda *xs: tuple(xs),
+                compute=merge_compute, exchange=costs[bit], vertices=vertices,
+                codelet=vocab.SORT_MERGE)
   return outs
 
 
@@ -245,28 +245,28 @@ def _top_k_like(ctx, prim, params, operand, axis, k):
     if rows_per_slice * (n * operand.itemsize + k * result_bytes) <= budget:
       return builders.partitioned(
           ctx, fn, [operand], out_avals, [split], out_axis=split,
-          cycles_per_tile_fn=lambda r: _item_cycles(
+          cycles_per_tile_fn=lambda r: item_cycles(
               ctx, r * rows_per_slice * n * max(select, 1), _SORT_COMPARE_CYCLES + 1),
           codelet=codelet)
   plan = _RowPlan(ctx, shape, axis, _tiles_per_row(ctx, n, n * operand.itemsize))
   out_mapping = plan.mapping(out_avals[0][0], first_tile_only=True)
   outs = [ctx.new_tensor(s, d, out_mapping) for s, d in out_avals]
-  local_cycles = _item_cycles(ctx, plan.per_tile(plan.chunk_elems * max(select, 1)),
-                              _SORT_COMPARE_CYCLES + 1)
+  local_cycles = item_cycles(ctx, plan.per_tile(plan.chunk_elems * max(select, 1)),
+                             _SORT_COMPARE_CYCLES + 1)
   vertices = builders.worker_vertices(ctx, plan.per_tile(np.ones_like(plan.chunk_elems)))
   if plan.p == 1:
-    _emit(ctx, prim.name, [operand], outs, _bind_fn(prim, params, [operand], outs),
-          compute=local_cycles, exchange=_relayout_cost(ctx, [operand], plan.mapping()),
-          vertices=vertices, codelet=codelet)
+    emit_step(ctx, prim.name, [operand], outs, bind_fn(prim, params, [operand], outs),
+              compute=local_cycles, exchange=_relayout_cost(ctx, [operand], plan.mapping()),
+              vertices=vertices, codelet=codelet)
     return outs
   # Each tile selects the top k of its chunk, then the row's first tile merges
   # the candidates of its row.
   in_mapping = plan.mapping()
   spread = ctx.new_tensor(shape, operand.dtype, in_mapping, name=f"{prim.name}/chunks")
-  _emit(ctx, f"{prim.name}/local", [operand], [spread],
-        lambda s: (builders.storage(builders.logical(s, operand), spread),),
-        compute=local_cycles, exchange=_relayout_cost(ctx, [operand], in_mapping),
-        vertices=vertices, codelet=codelet)
+  emit_step(ctx, f"{prim.name}/local", [operand], [spread],
+            lambda s: (builders.storage(builders.logical(s, operand), spread),),
+            compute=local_cycles, exchange=_relayout_cost(ctx, [operand], in_mapping),
+            vertices=vertices, codelet=codelet)
   candidates = np.minimum(plan.chunk_elems, k)
   sent = np.where(plan.chunk_pos > 0, candidates, 0) * result_bytes
   first_tile = (plan.start + plan.chunk_row * plan.p) % ctx.target.num_tiles
@@ -276,9 +276,9 @@ def _top_k_like(ctx, prim, params, operand, axis, k):
                      minlength=ctx.target.num_ipus)
   merged = np.bincount(first_tile, weights=np.where(plan.chunk_pos == 0, 1, 0) *
                        plan.p * k, minlength=ctx.target.num_tiles)
-  _emit(ctx, f"{prim.name}/merge", [spread], outs, _bind_fn(prim, params, [spread], outs),
-        compute=_item_cycles(ctx, merged * max(select, 1), _SORT_COMPARE_CYCLES + 1),
-        exchange=ExchangeCost(received.astype(np.int64),
+  emit_step(ctx, f"{prim.name}/merge", [spread], outs, bind_fn(prim, params, [spread], outs),
+            compute=item_cycles(ctx, merged * max(select, 1), _SORT_COMPARE_CYCLES + 1),
+            exchange=ExchangeCost(received.astype(np.int64),
                               plan.per_tile(sent).astype(np.int64), link.astype(np.int64)),
         vertices=builders.worker_vertices(ctx, merged > 0), codelet=codelet)
   return outs
