@@ -76,9 +76,15 @@ def reference_training(batches, lr=1e-2, optimizer=None):
   return params
 
 
-def assert_params_close(actual, expected, rtol=RTOL, atol=0.0):
+def assert_params_close(actual, expected, rtol=RTOL, atol=None):
+  """Equal to rounding: sums taken in another order (a loop body compiled
+  differently) differ relative to the size of the terms, not of each result,
+  so by default the absolute tolerance is ``rtol`` of the leaf's largest
+  magnitude (README, "What same numbers means")."""
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+    e = np.asarray(e)
+    leaf_atol = rtol * float(np.abs(e).max(initial=0)) if atol is None else atol
+    np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=leaf_atol)
 
 
 def compiled_model(cfg, steps_per_execution=1, lr=1e-2, dropout=0.0, metrics=("accuracy",),
