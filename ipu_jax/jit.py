@@ -28,7 +28,9 @@ from ipu_jax import config as config_lib
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
+from ipu_jax.lowering import fp_exceptions
 from ipu_jax.lowering.executor import build_function
+from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.rounding import apply_floating_point_behaviour
@@ -123,8 +125,12 @@ class Lowered:
     keys_in = [t.id for t in self.inputs] + [t.id for t in self.constants]
     keys_out = [t.id for t in self.outputs]
     keys_state = [self.constants[i].id for i in self._device_state]
-    inner = build_function(self.program, tensors, keys_in, keys_out + keys_state).__wrapped__
-    num_out = len(keys_out)
+    # Trapped floating-point exceptions: the record is the last output.
+    self._traps = traps_from_options(self.options, self.program, self.profile.name)
+    keys_record = [fp_exceptions.RECORD_KEY] if self._traps else []
+    inner = build_function(self.program, tensors, keys_in, keys_out + keys_state + keys_record,
+                           traps=self._traps).__wrapped__
+    num_out, num_state = len(keys_out), len(keys_state)
     in_avals, out_avals = self._in_avals, self._out_avals
     inputs, outputs = self.inputs, self.outputs
 
@@ -135,7 +141,9 @@ class Lowered:
           arg = jax.random.key_data(arg)
         storages.append(_to_storage(jnp.reshape(arg, (-1,)).astype(tensor.dtype), tensor))
       results = inner(*storages, *constants)
-      results, device_state = results[:num_out], results[num_out:]
+      results, device_state, record = (results[:num_out],
+                                       results[num_out:num_out + num_state],
+                                       results[num_out + num_state:])
       flat_out = []
       for value, aval, tensor in zip(results, out_avals, outputs):
         value = _to_flat(value, tensor).reshape(tensor.shape[1:] if is_remote(tensor)
@@ -143,7 +151,7 @@ class Lowered:
         if is_key_dtype(aval.dtype):
           value = jax.random.wrap_key_data(value, impl=aval.dtype._impl)
         flat_out.append(value)
-      return flat_out, list(device_state)
+      return flat_out, list(device_state), (record[0] if record else None)
 
     self._pure = run
     return jax.jit(run)
@@ -175,7 +183,11 @@ class Lowered:
   def call_flat(self, flat_args: Sequence[Any]):
     """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
-    flat, device_state = self._function(list(flat_args), self._constant_values)
+    flat, device_state, record = self._function(list(flat_args), self._constant_values)
+    if record is not None:  # one read per run, only with exceptions trapped
+      error = self._traps.error(record)
+      if error is not None:
+        raise error
     for i, value in zip(self._device_state, device_state):
       self._constant_values[i] = value  # the next run continues from here
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
@@ -189,8 +201,17 @@ class Lowered:
     generators) as it is now and does not advance it.
     """
     self._check_runnable()
-    flat, _ = self._pure(list(args_flat), self._constant_values)
+    flat, _, record = self._pure(list(args_flat), self._constant_values)
+    if record is not None:
+      # Traced: the check runs on the host when the computation does; the
+      # runtime error it raises carries the FloatingPointException's message.
+      jax.debug.callback(self._raise_trapped, record)
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
+
+  def _raise_trapped(self, record):
+    error = self._traps.error(record)
+    if error is not None:
+      raise error
 
   def set_seed(self, seed: Optional[int] = None) -> None:
     """Reseed the tiles' hardware generators (Poplar's ``setSeed``).
