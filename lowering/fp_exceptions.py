@@ -34,6 +34,10 @@ when exceptions are trapped (:func:`run_fused`; the same arithmetic as the
 fused function), so the error names the operation itself; the superstep it
 names is the fused compute set of the report.
 
+A step's float *inputs* are the tensors it reads: a step reading none (a
+constant, an integer conversion) never raises, and a literal folded into a
+step's function (``x + jnp.inf``) is not seen as an input.
+
 Differences from the chip: the chip stops *at* the faulting compute set,
 while here the whole program runs and its results are discarded; with
 ``nanoo=False`` an fp16 result saturates to 65504 and is not reported as an
@@ -168,6 +172,10 @@ class Traps:
     fused = getattr(step, "fused_ops", ())
     ops = tuple(f.op for f in fused) if fused else (str(step.op),)
     code = jnp.int32(0)
+    if not any(_is_float(t.dtype) for t in step.reads):
+      # No float inputs: a constant or an integer conversion, not arithmetic
+      # on floats.
+      return record
     out_nan = self._any(step.writes, writes, jnp.isnan)
     if self.enabled["inv"]:
       in_nan = self._any(step.reads, reads, jnp.isnan)
