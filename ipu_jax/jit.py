@@ -188,8 +188,7 @@ class Lowered:
       error = self._traps.error(record)
       if error is not None:
         raise error
-    for i, value in zip(self._device_state, device_state):
-      self._constant_values[i] = value  # the next run continues from here
+    self.set_device_state(device_state)  # the next run continues from here
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
 
   def apply(self, *args_flat):
@@ -198,15 +197,51 @@ class Lowered:
     Use it inside ``jax.jit``, ``jax.vmap`` or ``jax.shard_map`` (replicas run
     the same program this way); ``__call__`` is the jitted form. Being a
     pure function, it reads the device state (the stochastic rounding
-    generators) as it is now and does not advance it.
+    generators) as it is now and does not advance it; use
+    :meth:`apply_with_state` to carry it.
+    """
+    return self.apply_with_state(self.device_state, *args_flat)[0]
+
+  def apply_with_state(self, device_state: Sequence[Any], *args_flat):
+    """:meth:`apply` with the device state passed in and returned.
+
+    Args:
+      device_state: as :attr:`device_state` gives it.
+      *args_flat: the flat arguments.
+
+    Returns:
+      ``(outputs, new device state)``; give the latter to
+      :meth:`set_device_state` (or the next call) to continue the generators.
     """
     self._check_runnable()
-    flat, _, record = self._pure(list(args_flat), self._constant_values)
+    device_state = list(device_state)
+    if len(device_state) != len(self._device_state):
+      raise ValueError(f"apply_with_state: expected {len(self._device_state)} device state "
+                       f"arrays (Lowered.device_state), got {len(device_state)}.")
+    constants = list(self._constant_values)
+    for i, value in zip(self._device_state, device_state):
+      constants[i] = value
+    flat, new_state, record = self._pure(list(args_flat), constants)
     if record is not None:
       # Traced: the check runs on the host when the computation does; the
       # runtime error it raises carries the FloatingPointException's message.
       jax.debug.callback(self._raise_trapped, record)
-    return jax.tree_util.tree_unflatten(self.out_tree, flat)
+    return jax.tree_util.tree_unflatten(self.out_tree, flat), list(new_state)
+
+  @property
+  def device_state(self) -> list:
+    """The state the program keeps on the device between runs (the tiles'
+    stochastic rounding generators), as tile storage arrays; may be empty."""
+    return [self._constant_values[i] for i in self._device_state]
+
+  def set_device_state(self, values: Sequence[Any]) -> None:
+    """Continue from ``values`` (as :meth:`apply_with_state` returns them)."""
+    values = list(values)
+    if len(values) != len(self._device_state):
+      raise ValueError(f"set_device_state: expected {len(self._device_state)} arrays, "
+                       f"got {len(values)}.")
+    for i, value in zip(self._device_state, values):
+      self._constant_values[i] = value
 
   def _raise_trapped(self, record):
     error = self._traps.error(record)

@@ -141,6 +141,33 @@ class StochasticRoundingConfigTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(out[0], out[1])
     self.assertTrue((calls[0] != calls[1]).any())
 
+  @parameterized.parameters("ON", "REPLICA_IDENTICAL_ONLY")
+  def test_training_layer_executions_continue_the_generators(self, esr):
+    # The Keras-like layer runs lowered steps on replicas (traced); the
+    # generator state still goes from one execution to the next.
+    from ipu_jax.keras.programs import build_program
+    from ipu_jax.keras.replication import GATHERED, REPLICATED, Replication
+
+    def update(w, g):
+      return w - jnp.float16(1e-4) * g
+    w = jnp.ones((512,), jnp.float16)
+    cfg = _config(esr)
+    cfg.replication_factor = 2
+    run, lowered = build_program(update, [w, w], [REPLICATED, REPLICATED],
+                                 lambda tree: [GATHERED] * tree.num_leaves,
+                                 replication=Replication(2), config=cfg, emulate=True,
+                                 verbose=0)
+    first, second = _u16(run(w, w)), _u16(run(w, w))
+    self.assertEqual(first.shape, (2, 512))
+    self.assertTrue((first[0] != second[0]).any())
+    if esr == "ON":
+      self.assertTrue((first[0] != first[1]).any())
+    else:
+      np.testing.assert_array_equal(first[0], first[1])
+      np.testing.assert_array_equal(second[0], second[1])
+    lowered.set_seed()
+    np.testing.assert_array_equal(_u16(run(w, w)), first)
+
   def test_replicas_bits_differ_with_on_and_agree_with_replica_identical_only(self):
     def update(w, g):
       return w - jnp.float16(1e-4) * g
