@@ -20,7 +20,7 @@ round trip per step:
     ``-inf``, fills, gathers, selects) never overflow;
 
 * the first trapped exception is kept in a small int32 record in the
-  executor's state -- ``(kind, superstep, loop iteration, replica)`` -- carried
+  executor's state -- ``(kind, step, loop iteration, replica)`` -- carried
   through ``Repeat`` / ``RepeatWhileTrue`` / ``If`` / ``Switch`` like any
   tensor the program writes, and merged over replicas (the first replica
   that raised);
@@ -59,7 +59,8 @@ __all__ = ["KINDS", "RECORD_KEY", "Traps", "traps_from_options", "fused_members"
 
 KINDS = ("inv", "div0", "oflo")
 #: The executor-state key of the record ``int32[4]``:
-#: ``(kind code (0: none, 1 + index in KINDS), superstep, iteration, replica)``.
+#: ``(kind code (0: none, 1 + index in KINDS), checked step (an index into
+#: Traps.steps), iteration, replica)``; -1: none.
 RECORD_KEY = "fp_exception_record"
 _NONE = -1
 
