@@ -38,10 +38,12 @@ A step's float *inputs* are the tensors it reads: a step reading none (a
 constant, an integer conversion) never raises, and a literal folded into a
 step's function (``x + jnp.inf``) is not seen as an input.
 
+With ``nanoo=False`` the chip's rounding to float16 saturates at 65504; its
+overflow (a finite float32 operand of magnitude 65520 or more, which rounds
+beyond 65504) is still reported as ``oflo``.
+
 Differences from the chip: the chip stops *at* the faulting compute set,
-while here the whole program runs and its results are discarded; with
-``nanoo=False`` an fp16 result saturates to 65504 and is not reported as an
-overflow.
+while here the whole program runs and its results are discarded.
 """
 
 from __future__ import annotations
@@ -78,9 +80,15 @@ DIVIDING_OPS = frozenset({"div", "rem", "log", "log1p", "rsqrt", "pow", "integer
 # other operations only move values or write identities.
 OVERFLOWING_OPS = DIVIDING_OPS | frozenset({
     "add", "add_any", "sub", "mul", "exp", "exp2", "expm1", "square", "sinh", "cosh", "tan",
-    "dot_general", "conv_general_dilated", "ipu_matmul", "fp8_matmul", "convert_element_type",
+    "dot_general", "conv_general_dilated", "ipu_matmul", "convert_element_type",
     "hw_round", "stochastic_round", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
-    "cumlogsumexp", "reduce_window_sum", "psum", "cross_replica_sum", "cross_replica_mean"})
+    "cumlogsumexp", "reduce_window_sum", "psum", "cross_replica_sum", "cross_replica_mean",
+    "cross_replica_reduce_scatter"})
+# The chip's rounding to float16 (``ipu_jax/rounding.py``): with ``nanoo=False``
+# it saturates, so its overflow is seen on its float32 operand instead.
+_ROUNDING_OPS = frozenset({"hw_round"})
+# float32 magnitudes that round (to nearest) beyond float16's 65504.
+_F16_OVERFLOW = 65520.0
 
 
 def _is_float(dtype) -> bool:
@@ -192,7 +200,12 @@ class Traps:
       if self.enabled["div0"]:
         code = jnp.where((code == 0) & div0, jnp.int32(2), code)
       if self.enabled["oflo"]:
-        code = jnp.where((code == 0) & new_inf & ~div0, jnp.int32(3), code)
+        overflow = new_inf & ~div0
+        if ops[0] in _ROUNDING_OPS and any(np.dtype(t.dtype) == np.float16
+                                           for t in step.writes):
+          overflow = overflow | self._any(
+              step.reads, reads, lambda v: jnp.isfinite(v) & (jnp.abs(v) >= _F16_OVERFLOW))
+        code = jnp.where((code == 0) & overflow, jnp.int32(3), code)
     it = jnp.int32(_NONE) if iteration is None else jnp.asarray(iteration, jnp.int32)
     new = jnp.stack([code, jnp.int32(index), it, jnp.int32(_NONE)])
     return jnp.where((record[0] == 0) & (code > 0), new, record)

@@ -116,6 +116,24 @@ class FloatingPointExceptionTest(chex.TestCase, parameterized.TestCase):
     got = ipu_jax.jit(model, config=_config())(x, x + 1.0)
     chex.assert_trees_all_close(got, jax.jit(model)(x, x + 1.0), rtol=1e-6)
 
+  def test_saturating_fp16_overflow_is_still_an_overflow(self):
+    # nanoo=False: the cast saturates at 65504 instead of inf, and traps.
+    cfg = _config()
+    cfg.floating_point_behaviour.nanoo = False
+    with self.assertRaises(ipu_jax.FloatingPointException) as caught:
+      ipu_jax.jit(_to_half, config=cfg)(self.x)
+    self.assertEqual((caught.exception.kind, caught.exception.source), ("oflo", _line(_to_half)))
+    cfg.floating_point_behaviour.oflo = False
+    out = np.asarray(ipu_jax.jit(_to_half, config=cfg)(self.x), np.float32)
+    self.assertEqual(out.max(), 65504.0)
+    # 65519 still rounds to 65504: no overflow.
+    small = ipu_jax.jit(lambda x: (x * 65519.0).astype(jnp.float16), config=_config())
+    self.assertEqual(float(small(jnp.ones((3,), jnp.float32))[0]), 65504.0)
+
+  def test_options_reach_the_lowering(self):
+    options = _config(inv=True, div0=False, oflo=True).lowering_options()
+    self.assertEqual((options.inv, options.div0, options.oflo), (True, False, True))
+
   def test_loop_iteration_is_named(self):
     def grow(x):
       return jax.lax.fori_loop(0, 12, lambda i, v: v * 1e4, x)
