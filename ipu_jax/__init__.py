@@ -5,7 +5,7 @@ The public API; see DESIGN.md section 9 and the README.
 
 from ipu_jax.config import (IPUConfig, LoweringOptions, default_config,
                             get_default_config)
-from ipu_jax.errors import LoweringError, OutOfMemoryError
+from ipu_jax.errors import FloatingPointException, LoweringError, OutOfMemoryError
 from ipu_jax.jit import IPUFunction, Lowered, jit
 from ipu_jax.nnx_jit import NNXFunction, nnx_jit
 from ipu_jax.lowering.registry import register_lowering
@@ -36,7 +36,8 @@ def __dir__():
   return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 __all__ = [
-    "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy", "IPUTarget", "Lowered", "LoweringError",
+    "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
+    "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "compare_reports", "default_config", "get_default_config", "jit",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",

@@ -357,7 +357,8 @@ class _ExecutorOptions(_Group):
 
 # -- Floating-point behaviour (TF-IPU's floating_point_behaviour; ipu_jax/rounding.py) --
 class _FloatingPointOptions(_Group):
-  """How the chip rounds and overflows in reduced precision (ipu_jax/rounding.py)."""
+  """How the chip rounds and overflows in reduced precision (ipu_jax/rounding.py),
+  and which floating-point exceptions stop a program (lowering/fp_exceptions.py)."""
 
   esr = _Option(
       _one_of("OFF", "ON", "REPLICA_IDENTICAL_ONLY"), "OFF",
@@ -376,6 +377,25 @@ class _FloatingPointOptions(_Group):
       _BOOL, True,
       "Not-a-number on overflow: True lets float16 results overflow to "
       "inf (and NaN), as jax.jit does; False saturates them to +-65504.")
+  inv = _Option(
+      _BOOL, False,
+      "Trap invalid operations (IEEE 754: 0/0, inf - inf, 0 * inf, sqrt or "
+      "log of a negative, ...): a compute step producing a NaN from non-NaN "
+      "inputs stops the program with ipu_jax.FloatingPointException naming "
+      "the operation, the source line and the step (Poplar's "
+      "FloatingPointBehaviour.inv; off by default, as in TF-IPU's IPUConfig).")
+  div0 = _Option(
+      _BOOL, False,
+      "Trap division by zero: an infinity produced from finite inputs by an "
+      "operation with a pole (x/0, log(0), rsqrt(0), ...) stops the program "
+      "with ipu_jax.FloatingPointException (Poplar's "
+      "FloatingPointBehaviour.div0; off by default).")
+  oflo = _Option(
+      _BOOL, False,
+      "Trap overflow: an infinity produced from finite inputs by arithmetic "
+      "(exp, sums, products, matmuls, float32 -> float16 casts beyond 65504) "
+      "stops the program with ipu_jax.FloatingPointException (Poplar's "
+      "FloatingPointBehaviour.oflo; off by default).")
 
 
 # -- Streaming memory (ipu_jax/keras/offload.py) ------------------------
@@ -550,6 +570,9 @@ _LOWERING_SOURCES = {
     "stochastic_rounding": "floating_point_behaviour.esr",
     "rounding_seed": "floating_point_behaviour.seed",
     "nanoo": "floating_point_behaviour.nanoo",
+    "inv": "floating_point_behaviour.inv",
+    "div0": "floating_point_behaviour.div0",
+    "oflo": "floating_point_behaviour.oflo",
     "fuse_elementwise": "fusion.elementwise",
 }
 _OPTIONS_BY_PATH = dict(IPUConfig._leaf_paths())
@@ -577,6 +600,8 @@ class LoweringOptions:
     executor_mode: ``executor.mode``.
     stochastic_rounding, rounding_seed, nanoo:
       ``floating_point_behaviour.esr``, ``.seed``, ``.nanoo``.
+    inv, div0, oflo: ``floating_point_behaviour.inv``, ``.div0``,
+      ``.oflo`` (exceptions the executor traps).
     fuse_elementwise: ``fusion.elementwise``.
   """
 
@@ -590,6 +615,9 @@ class LoweringOptions:
   stochastic_rounding: str = _default("stochastic_rounding")
   rounding_seed: int = _default("rounding_seed")
   nanoo: bool = _default("nanoo")
+  inv: bool = _default("inv")
+  div0: bool = _default("div0")
+  oflo: bool = _default("oflo")
   fuse_elementwise: bool = _default("fuse_elementwise")
 
   def __post_init__(self):

@@ -28,10 +28,13 @@ from ipu_jax import config as config_lib
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
+from ipu_jax.lowering import fp_exceptions
 from ipu_jax.lowering.executor import build_function
+from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.rounding import apply_floating_point_behaviour
+from ipu_jax.lowering.rules import rounding as rounding_rules
 from ipu_jax.lowering.remote import is_remote
 from ipu_jax.target import PRESETS, IPUTarget
 
@@ -95,6 +98,10 @@ class Lowered:
     if options.fuse_elementwise:
       self.program = fuse_elementwise(self.program, target, keep=outputs)
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
+    # Constants the program updates and the next run starts from (device
+    # state, as the tiles' generator registers): their constant indices.
+    prng = {id(t) for key, t in ctx.program_states.items() if key[0] == rounding_rules.PRNG_STATE}
+    self._device_state = [i for i, c in enumerate(self.constants) if id(c) in prng]
     progress.stage("planning")
     self.profile = profile_program(self.program, target, persistent=inputs + self.constants,
                                    live_to_end=outputs, name=name)
@@ -117,7 +124,13 @@ class Lowered:
       tensors[t.id] = t
     keys_in = [t.id for t in self.inputs] + [t.id for t in self.constants]
     keys_out = [t.id for t in self.outputs]
-    inner = build_function(self.program, tensors, keys_in, keys_out).__wrapped__
+    keys_state = [self.constants[i].id for i in self._device_state]
+    # Trapped floating-point exceptions: the record is the last output.
+    self._traps = traps_from_options(self.options, self.program, self.profile.name)
+    keys_record = [fp_exceptions.RECORD_KEY] if self._traps else []
+    inner = build_function(self.program, tensors, keys_in, keys_out + keys_state + keys_record,
+                           traps=self._traps).__wrapped__
+    num_out, num_state = len(keys_out), len(keys_state)
     in_avals, out_avals = self._in_avals, self._out_avals
     inputs, outputs = self.inputs, self.outputs
 
@@ -128,6 +141,9 @@ class Lowered:
           arg = jax.random.key_data(arg)
         storages.append(_to_storage(jnp.reshape(arg, (-1,)).astype(tensor.dtype), tensor))
       results = inner(*storages, *constants)
+      results, device_state, record = (results[:num_out],
+                                       results[num_out:num_out + num_state],
+                                       results[num_out + num_state:])
       flat_out = []
       for value, aval, tensor in zip(results, out_avals, outputs):
         value = _to_flat(value, tensor).reshape(tensor.shape[1:] if is_remote(tensor)
@@ -135,7 +151,7 @@ class Lowered:
         if is_key_dtype(aval.dtype):
           value = jax.random.wrap_key_data(value, impl=aval.dtype._impl)
         flat_out.append(value)
-      return flat_out
+      return flat_out, list(device_state), (record[0] if record else None)
 
     self._pure = run
     return jax.jit(run)
@@ -167,18 +183,99 @@ class Lowered:
   def call_flat(self, flat_args: Sequence[Any]):
     """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
-    flat = self._function(list(flat_args), self._constant_values)
+    flat, device_state, record = self._function(list(flat_args), self._constant_values)
+    if record is not None:  # one read per run, only with exceptions trapped
+      error = self._traps.error(record)
+      if error is not None:
+        raise error
+    self.set_device_state(device_state)  # the next run continues from here
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
 
   def apply(self, *args_flat):
     """Run the tile program as a traceable function of the flat arguments.
 
     Use it inside ``jax.jit``, ``jax.vmap`` or ``jax.shard_map`` (replicas run
-    the same program this way); ``__call__`` is the jitted form.
+    the same program this way); ``__call__`` is the jitted form. Being a
+    pure function, it reads the device state (the stochastic rounding
+    generators) as it is now and does not advance it; use
+    :meth:`apply_with_state` to carry it.
+    """
+    return self.apply_with_state(self.device_state, *args_flat)[0]
+
+  def apply_with_state(self, device_state: Sequence[Any], *args_flat):
+    """:meth:`apply` with the device state passed in and returned.
+
+    Args:
+      device_state: as :attr:`device_state` gives it.
+      *args_flat: the flat arguments.
+
+    Returns:
+      ``(outputs, new device state)``; give the latter to
+      :meth:`set_device_state` (or the next call) to continue the generators.
     """
     self._check_runnable()
-    flat = self._pure(list(args_flat), self._constant_values)
-    return jax.tree_util.tree_unflatten(self.out_tree, flat)
+    device_state = list(device_state)
+    if len(device_state) != len(self._device_state):
+      raise ValueError(f"apply_with_state: expected {len(self._device_state)} device state "
+                       f"arrays (Lowered.device_state), got {len(device_state)}.")
+    constants = list(self._constant_values)
+    for i, value in zip(self._device_state, device_state):
+      constants[i] = value
+    flat, new_state, record = self._pure(list(args_flat), constants)
+    if record is not None:
+      # Traced: the check runs on the host when the computation does; the
+      # runtime error it raises carries the FloatingPointException's message.
+      jax.debug.callback(self._raise_trapped, record)
+    return jax.tree_util.tree_unflatten(self.out_tree, flat), list(new_state)
+
+  @property
+  def device_state(self) -> list:
+    """The state the program keeps on the device between runs (the tiles'
+    stochastic rounding generators), as tile storage arrays; may be empty."""
+    return [self._constant_values[i] for i in self._device_state]
+
+  def set_device_state(self, values: Sequence[Any]) -> None:
+    """Continue from ``values`` (as :meth:`apply_with_state` returns them)."""
+    values = list(values)
+    if len(values) != len(self._device_state):
+      raise ValueError(f"set_device_state: expected {len(self._device_state)} arrays, "
+                       f"got {len(values)}.")
+    for i, value in zip(self._device_state, values):
+      self._constant_values[i] = value
+
+  def _raise_trapped(self, record):
+    error = self._traps.error(record)
+    if error is not None:
+      raise error
+
+  def set_seed(self, seed: Optional[int] = None) -> None:
+    """Reseed the tiles' hardware generators (Poplar's ``setSeed``).
+
+    The generators' state persists between runs of this program, as on the
+    chip: each run continues the random streams where the last one ended, so
+    two runs round differently. ``set_seed`` restarts them: the next run
+    draws the bits the first run after lowering drew with that seed.
+
+    Args:
+      seed: an int >= 0; None: ``floating_point_behaviour.seed`` of the
+        config this program was lowered with.
+
+    Raises:
+      TypeError / ValueError: ``seed`` is not an int >= 0.
+    """
+    if seed is None:
+      seed = self.options.rounding_seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+      raise TypeError(f"set_seed: seed must be an int >= 0 (as "
+                      f"floating_point_behaviour.seed); got {seed!r} of type "
+                      f"{type(seed).__name__}.")
+    if seed < 0:
+      raise ValueError(f"set_seed: seed must be an int >= 0 (as "
+                       f"floating_point_behaviour.seed); got {seed}.")
+    for i in self._device_state:
+      tensor = self.constants[i]
+      value = rounding_rules.prng_state_value(self.target.num_tiles, int(seed))
+      self._constant_values[i] = to_storage(jnp.asarray(value).reshape(-1), tensor.mapping)
 
   @property
   def num_supersteps(self) -> int:
@@ -455,6 +552,11 @@ class IPUFunction:
   @property
   def cache_size(self) -> int:
     return len(self._cache)
+
+  def set_seed(self, seed: Optional[int] = None) -> None:
+    """:meth:`Lowered.set_seed` on every program compiled so far."""
+    for lowered in self._cache.values():
+      lowered.set_seed(seed)
 
 
 def jit(fn: Callable = None, *, target=None, config=None,

@@ -21,7 +21,13 @@ rounding. With stochastic rounding on, its random bits come from the tiles'
 hardware generators: one xoroshiro128aox stream per (tile, worker) seeded from
 ``floating_point_behaviour.seed`` (``kernels/xoroshiro.py``), whose state
 persists through the program, so every rounding (in a loop too) draws fresh
-bits, and two runs with one seed give the same bits. With ``ON`` each replica
+bits, and two runs with one seed give the same bits. The state is the
+executable's device state, as on the chip, where the seed is set once and the
+generators advance: each call of a program compiled by ``ipu_jax.jit``
+continues the streams where the previous call left them (two training steps
+draw different bits), and ``Lowered.set_seed`` / ``IPUFunction.set_seed``
+restart them (a new compile starts from ``floating_point_behaviour.seed``,
+so a whole script is reproducible). With ``ON`` each replica
 perturbs its generators by its replica index; with
 ``REPLICA_IDENTICAL_ONLY`` only values that do not vary over the replica axis
 (shard_map's typing) round stochastically, with equal bits on all replicas,
@@ -40,9 +46,9 @@ per-tile tensor of the program (hardware registers on the chip).
 
 Known differences from the chip: a float16 sum computed in float32 is exact
 only when the operands' exponents differ by less than 14, so the stochastic
-rounding of far-apart sums sees the float32-rounded value; the state restarts
-from the seed at every run of a compiled program (Poplar keeps it between runs
-unless the seed is set again).
+rounding of far-apart sums sees the float32-rounded value; ``Lowered.apply``
+(the traceable form the training layer runs under replication) is pure, so it
+reads the generators' state without advancing it between calls.
 """
 
 from __future__ import annotations

@@ -280,6 +280,11 @@ class LoweringContext:
       tensor = self._program_state[key] = make()
     return tensor
 
+  @property
+  def program_states(self) -> dict:
+    """The tensors :meth:`program_state` made, by key (a copy)."""
+    return dict(self._program_state)
+
 
 #: The module-level context (JAX's name for it); the same class.
 ModuleContext = LoweringContext

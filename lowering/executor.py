@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 import jax
 import jax.numpy as jnp
 
+from ipu_jax.lowering import fp_exceptions
 from ipu_jax.lowering import printing
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
@@ -25,11 +26,20 @@ __all__ = ["build_function"]
 
 
 class _Env:
-  """What the interpreter needs besides the state: tensors by id, memo."""
+  """What the interpreter needs besides the state: tensors by id, memo.
 
-  def __init__(self, tensors: dict):
+  With floating-point exceptions trapped (``traps``), the state also carries
+  their record (``fp_exceptions.RECORD_KEY``), which every control program
+  carries like a tensor it writes; ``iteration`` is the innermost ``Repeat``'s
+  index while its body is traced.
+  """
+
+  def __init__(self, tensors: dict, traps=None):
     self.tensors = tensors
     self.memo = {}
+    self.traps = traps
+    self.iteration = None
+    self.extra_keys = frozenset({fp_exceptions.RECORD_KEY}) if traps else frozenset()
 
   def get(self, state: dict, key):
     value = state.get(key)
@@ -42,13 +52,16 @@ class _Env:
 
   def writes(self, program, local_ids=frozenset()):
     """State keys ``program`` writes, less those local to it (not carried)."""
-    return sorted(P.program_writes(program, self.memo) - frozenset(local_ids), key=str)
+    keys = P.program_writes(program, self.memo) - frozenset(local_ids)
+    return sorted(keys | self.extra_keys, key=str)
 
 
 def _run(program, state: dict, env: _Env) -> dict:
   if program is None:
     return state
   if isinstance(program, P.Superstep):
+    if env.traps is not None and fp_exceptions.fused_members(program):
+      return fp_exceptions.run_fused(program, state, env, _run)  # names the faulting op
     values = [env.get(state, t.id) for t in program.reads]
     outputs = program.fn(*values)
     if len(outputs) != len(program.writes):
@@ -61,6 +74,10 @@ def _run(program, state: dict, env: _Env) -> dict:
             f"step {program.name} produced storage {value.shape} for {tensor.name}, "
             f"expected {tensor.storage_shape}")
       state[tensor.id] = value.astype(tensor.dtype)
+    if env.traps is not None:
+      key = fp_exceptions.RECORD_KEY
+      state[key] = env.traps.check(program, values, [state[t.id] for t in program.writes],
+                                   state[key], env.iteration)
     return state
   if isinstance(program, P.Sequence):
     for child in program.programs:
@@ -101,8 +118,12 @@ def _repeat(program: P.Repeat, state, env):
   if program.count <= 0:
     return state
 
-  def body(_, carried):
-    inner = _run(program.body, _with(state, keys, carried), env)
+  def body(i, carried):
+    outer, env.iteration = env.iteration, i
+    try:
+      inner = _run(program.body, _with(state, keys, carried), env)
+    finally:
+      env.iteration = outer
     return _carry(inner, env, keys)
 
   carried = jax.lax.fori_loop(0, program.count, body, _carry(state, env, keys))
@@ -179,7 +200,9 @@ def _replicated(program: P.Replicated, state, env):
     fn = jax.vmap(fn, in_axes=in_axes, axis_name=name, axis_size=size)
   carried = fn(*[jnp.arange(size) for _, size in axes])
   first = (0,) * len(axes)
-  return _with(state, keys, [value[first] for value in carried])
+  return _with(state, keys, [fp_exceptions.Traps.merge_replicas(value)
+                             if k == fp_exceptions.RECORD_KEY else value[first]
+                             for k, value in zip(keys, carried)])
 
 
 def _stream_copy(program: P.StreamCopy, state, env):
@@ -202,7 +225,7 @@ def _stream_copy(program: P.StreamCopy, state, env):
 
 
 def build_function(program, tensors: dict, input_keys: Iterable,
-                   output_keys: Iterable, *, donate: bool = False) -> Callable:
+                   output_keys: Iterable, *, donate: bool = False, traps=None) -> Callable:
   """Compile ``program`` into one jitted function.
 
   Args:
@@ -212,16 +235,21 @@ def build_function(program, tensors: dict, input_keys: Iterable,
       order; keys the program reads but that are not inputs start as zeros.
     output_keys: state keys it returns, in order.
     donate: donate the input buffers (their storage is reused for outputs).
+    traps: a :class:`~ipu_jax.lowering.fp_exceptions.Traps` to record the
+      first trapped floating-point exception (``output_keys`` may then name
+      ``fp_exceptions.RECORD_KEY``), or None.
 
   Returns:
     ``fn(*inputs) -> tuple(outputs)``, jit-compiled.
   """
   input_keys = tuple(input_keys)
   output_keys = tuple(output_keys)
-  env = _Env(tensors)
+  env = _Env(tensors, traps)
 
   def run(*inputs):
     state = dict(zip(input_keys, inputs))
+    if traps is not None:
+      state[fp_exceptions.RECORD_KEY] = traps.initial_record()
     state = _run(program, state, env)
     return tuple(env.get(state, k) for k in output_keys)
 

@@ -277,7 +277,7 @@ class _Fuser:
           env[t.id] = v.astype(t.dtype)  # as the executor stores it
       return tuple(env[t.id] for t in writes)
 
-    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in steps)
+    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=s) for s in steps)
     at_home = [s for s, h in zip(steps, home) if h] or [steps[0]]
     return P.Superstep(
         name="fused(" + "+".join(dict.fromkeys(s.name for s in steps)) + ")",

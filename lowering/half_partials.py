@@ -10,10 +10,17 @@ end. The model here, used by the ``dot_general`` rule in place of one XLA dot:
    fp16 x fp16 product is exact in float32; the chain is summed in float32
    in order), and adds each chain's sum into the tile's fp16 partial, rounding
    to nearest every chain;
-2. the ``gk`` partials of an output block are then added in order, in fp16
-   (the partials type), rounding after each addition.
+2. the ``gk`` partials of an output block are then added in fp16 (the
+   partials type), rounding after each addition, in the order of the plan's
+   reduction: in order 0, 1, ..., gk - 1 when the tiles reduce-scatter the
+   block; stage by stage when the plan sums them in a tree
+   (``plan.reduce_fanins``: each stage adds groups of ``fanin`` consecutive
+   partials in order, the last group possibly shorter).
 
-:func:`numpy_model` is the same order in NumPy, for tests. The chain length is
+Both executor modes use these functions: ``"batched"`` computes the whole
+product with :func:`planned_dot`, ``"per_tile"`` cuts the per-tile blocks and
+calls :func:`tile_partials` on them, then :func:`add_in_order` in its reduce
+steps. :func:`numpy_model` is the same order in NumPy, for tests. The chain length is
 an *estimate* (the Mk2 AMP's internal accumulation depth is not public); the
 order of the two stages follows the plan (``lowering/matmul_plan.py``).
 """
@@ -24,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["AMP_CHAIN", "applies", "planned_dot", "numpy_model"]
+__all__ = ["AMP_CHAIN", "applies", "tile_partials", "add_in_order", "planned_dot",
+           "numpy_model"]
 
 AMP_CHAIN = 16
 
@@ -34,8 +42,12 @@ def applies(in_dtype, acc_dtype) -> bool:
   return np.dtype(in_dtype) == np.float16 and np.dtype(acc_dtype) == np.float16
 
 
-def _tile_partials(a, w, chain):
-  """``a [G, M, bk] @ w [G, bk, N]`` accumulated chain by chain into fp16: ``[G, M, N]``."""
+def tile_partials(a, w, chain: int = AMP_CHAIN):
+  """``a [G, M, bk] @ w [G, bk, N]`` accumulated chain by chain into fp16: ``[G, M, N]``.
+
+  One tile's AMP work for each of the ``G`` blocks: products summed in
+  float32 in chains of ``chain``, each chain added into the fp16 partial.
+  """
   g, m, bk = a.shape
   n = w.shape[-1]
   chunks = -(-bk // chain)
@@ -56,8 +68,51 @@ def _tile_partials(a, w, chain):
   return acc
 
 
-def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN):
+def add_in_order(parts, members=None):
+  """``parts[0] + parts[1] + ...`` in fp16, rounding after each addition.
+
+  Args:
+    parts: ``[count, ...]`` float16 partials.
+    members: optional count of valid partials, broadcastable to
+      ``parts.shape[1:]``; partials at or past it are skipped (not added as
+      zeros, which would turn a ``-0`` sum into ``+0``).
+
+  Returns:
+    ``parts.shape[1:]`` float16.
+  """
+  def add(carry, part):
+    total, j = carry
+    added = (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(jnp.float16)
+    if members is not None:
+      added = jnp.where(j < members, added, total)
+    return (added, j + 1), None
+
+  (total, _), _ = lax.scan(add, (parts[0].astype(jnp.float16), jnp.int32(1)), parts[1:])
+  return total
+
+
+def _reduce_stages(parts, fanins):
+  """The plan's reduction of ``parts [gk, ...]``: one stage per fan-in."""
+  for fanin in fanins:
+    count = parts.shape[0]
+    groups = -(-count // fanin)
+    members = np.minimum(fanin, count - np.arange(groups) * fanin)
+    pad = [(0, groups * fanin - count)] + [(0, 0)] * (parts.ndim - 1)
+    x = jnp.pad(parts, pad).reshape((groups, fanin) + parts.shape[1:])
+    x = jnp.moveaxis(x, 1, 0)                                    # [fanin, groups, ...]
+    parts = add_in_order(x, members.reshape((groups,) + (1,) * (parts.ndim - 1)))
+  return parts[0]
+
+
+def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()):
   """``a [B, M, K] @ w [B, K, N]`` with fp16 partials, split as the plan splits K.
+
+  Args:
+    a, w: the float16 operands.
+    gk, bk: the plan's contraction split: ``gk`` tiles of ``bk`` terms.
+    chain: the AMP's accumulation chain.
+    fanins: the plan's tree reduction (``plan.reduce_fanins``); empty: the
+      partials are added in order (a reduce-scatter).
 
   Returns ``[B, M, N]`` float16.
   """
@@ -66,17 +121,12 @@ def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN):
   pad = gk * bk - k
   a = jnp.pad(a, ((0, 0), (0, 0), (0, pad))).reshape(b, m, gk, bk).transpose(2, 0, 1, 3)
   w = jnp.pad(w, ((0, 0), (0, pad), (0, 0))).reshape(b, gk, bk, n).transpose(1, 0, 2, 3)
-  parts = _tile_partials(a.reshape(gk * b, m, bk), w.reshape(gk * b, bk, n), chain)
+  parts = tile_partials(a.reshape(gk * b, m, bk), w.reshape(gk * b, bk, n), chain)
   parts = parts.reshape(gk, b, m, n)
-
-  def add(total, p):
-    return (total.astype(jnp.float32) + p.astype(jnp.float32)).astype(jnp.float16), None
-
-  total, _ = lax.scan(add, parts[0], parts[1:])
-  return total
+  return _reduce_stages(parts, tuple(fanins) or (gk,))
 
 
-def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN) -> np.ndarray:
+def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()) -> np.ndarray:
   """The accumulation order of :func:`planned_dot` in NumPy, for ``a [M, K] @ w [K, N]``."""
   a, w = np.asarray(a, np.float16), np.asarray(w, np.float16)
   m, k = a.shape
@@ -94,7 +144,12 @@ def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN) -> np.ndarray:
           s = s + np.float32(0)
       acc = (acc.astype(np.float32) + s).astype(np.float16)
     partials.append(acc)
-  total = partials[0]
-  for p in partials[1:]:
-    total = (total.astype(np.float32) + p.astype(np.float32)).astype(np.float16)
-  return total
+  for fanin in tuple(fanins) or (gk,):
+    sums = []
+    for lo in range(0, len(partials), fanin):
+      total = partials[lo]
+      for p in partials[lo + 1:lo + fanin]:
+        total = (total.astype(np.float32) + p.astype(np.float32)).astype(np.float16)
+      sums.append(total)
+    partials = sums
+  return partials[0]

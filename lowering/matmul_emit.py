@@ -62,7 +62,10 @@ elements are copied into the AMP's block layout (the step's
 Execution. ``executor.mode = "per_tile"`` really cuts A and B into the
 per-tile blocks with pad / reshape / transpose / broadcast (no gathers) and
 vmaps a block matmul over the tile axis, then sums the partials; f32 uses
-``Precision.HIGHEST``. ``"batched"`` (the default) computes the whole product
+``Precision.HIGHEST``. With fp16 partials both modes do the arithmetic of
+:mod:`~ipu_jax.lowering.half_partials` (each tile's AMP chains, then the
+partials added in the plan's order, rounding each addition), so they agree
+bit for bit. ``"batched"`` (the default) computes the whole product
 on the logical arrays with the partials type as ``preferred_element_type``:
 one ``lax.dot_general``, or, with K split over tiles, one per K block and a
 sum of the partials (the numbers a per-tile plan gives, up to summation
@@ -198,6 +201,7 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
   block = bb * bm * bn
   piece = ceil_div(block, gk)
   codelet = vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(in_dtype), acc)
+  half = half_partials.applies(in_dtype, acc)  # fp16 partials change the arithmetic
   label = plan.label
 
   def blocks_of(size, block_size):
@@ -213,10 +217,11 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     tiles' numbers, whatever order XLA would sum one long contraction in.
     """
     a, w = logical(a_st, lhs), logical(b_st, rhs)
-    if half_partials.applies(in_dtype, acc):  # fp16 partials change the arithmetic
+    if half:
       return half_partials.planned_dot(
           jnp.transpose(a, lhs_perm).reshape(b, m, k),
-          jnp.transpose(w, rhs_perm).reshape(b, k, n), gk, bk).astype(out_dtype)
+          jnp.transpose(w, rhs_perm).reshape(b, k, n), gk, bk,
+          fanins=plan.reduce_fanins).astype(out_dtype)
     if gk == 1:
       c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
       return c.astype(out_dtype).reshape(b, m, n)
@@ -246,6 +251,10 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     w = w.reshape(gb, bb, gk, bk, gn, bn).transpose(0, 4, 2, 1, 3, 5)
     w = jnp.broadcast_to(w[:, None], (gb, gm, gn, gk, bb, bk, bn)).reshape(g_all, bb, bk, bn)
 
+    if half:  # fp16 partials: each tile's AMP chains, as the batched model
+      return half_partials.tile_partials(a.reshape(g_all * bb, bm, bk),
+                                         w.reshape(g_all * bb, bk, bn)).reshape(g_all, block)
+
     def block_matmul(x, y):
       return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))),
                              precision=per_tile_precision, preferred_element_type=acc)
@@ -264,7 +273,10 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     x = p_st.reshape(g_out, gk, block)
     if piece * gk != block:
       x = jnp.pad(x, ((0, 0), (0, 0), (0, piece * gk - block)))
-    return x.reshape(g_out, gk, gk, piece).sum(axis=1).reshape(g_all, piece)
+    x = x.reshape(g_out, gk, gk, piece)
+    if half:  # the partials added in order, rounding each addition
+      return half_partials.add_in_order(jnp.moveaxis(x, 1, 0)).reshape(g_all, piece)
+    return x.sum(axis=1).reshape(g_all, piece)
 
   # Result elements per tile and pass (a pass's pieces sit side by side).
   if plan.reduce_fanins:
@@ -478,13 +490,17 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.nd
                               name=f"{name}/partials{stage + 1}")
 
     def step(level_st, *out_st, count=count, new_count=new_count, fanin=fanin, last=last,
-             result=result):
+             result=result, members=members):
       if mode != "per_tile":
         # Batched mode wrote the result in the matmul step.
         return (out_st[0],) if last else (jnp.zeros(result.storage_shape, acc),)
       x = level_st.reshape(g_out, count, block)
       x = jnp.pad(x, ((0, 0), (0, new_count * fanin - count), (0, 0)))
-      x = x.reshape(g_out, new_count, fanin, block).sum(axis=2)
+      x = x.reshape(g_out, new_count, fanin, block)
+      if half_partials.applies(acc, acc):  # in order, rounding each addition
+        x = half_partials.add_in_order(jnp.moveaxis(x, 2, 0), members[None, :, None])
+      else:
+        x = x.sum(axis=2)
       if last:
         return (x.astype(out_dtype).reshape(out.storage_shape),)
       return (x.reshape(result.storage_shape),)

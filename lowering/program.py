@@ -103,12 +103,17 @@ class ElementwiseWork:
 
 @dataclasses.dataclass(frozen=True)
 class FusedOp:
-  """One operation folded into a fused compute set (for reports)."""
+  """One operation folded into a fused compute set (for reports).
+
+  ``step`` is the operation's own superstep, which the executor runs on its
+  own when it traps floating-point exceptions (to name the operation).
+  """
 
   name: str
   op: str
   source: str = ""
   scope: str = ""
+  step: Optional["Superstep"] = dataclasses.field(default=None, repr=False, compare=False)
 
 
 @dataclasses.dataclass(eq=False)

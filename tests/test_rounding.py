@@ -95,13 +95,78 @@ class StochasticRoundingConfigTest(chex.TestCase, parameterized.TestCase):
   def test_one_seed_gives_equal_bits_another_seed_other_bits(self):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(37, 29)), jnp.float32)
     f = lambda x: x.astype(jnp.float16) * jnp.float16(3)
-    run = ipu_jax.jit(f, config=_config(seed=5))
-    a, b = run(x), run(x)   # the generators restart from the seed each run
+    a = ipu_jax.jit(f, config=_config(seed=5))(x)
+    b = ipu_jax.jit(f, config=_config(seed=5))(x)   # a new program: from the seed
     c = ipu_jax.jit(f, config=_config(seed=6))(x)
     np.testing.assert_array_equal(_u16(a), _u16(b))
     self.assertTrue((_u16(a) != _u16(c)).any())
     chex.assert_trees_all_close(np.asarray(a, np.float32), np.asarray(f(x), np.float32),
                                 atol=0.01)
+
+  def test_generator_state_persists_across_calls_until_reseeded(self):
+    # As on the chip: the seed is set once and the streams advance, so two
+    # training steps of one compiled program draw different bits.
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(37, 29)), jnp.float32)
+    f = lambda x: x.astype(jnp.float16)
+    run = ipu_jax.jit(f, config=_config(seed=5))
+    first, second, third = _u16(run(x)), _u16(run(x)), _u16(run(x))
+    self.assertTrue((first != second).any())
+    self.assertTrue((second != third).any())
+    run.set_seed()                          # back to floating_point_behaviour.seed
+    np.testing.assert_array_equal(_u16(run(x)), first)
+    np.testing.assert_array_equal(_u16(run(x)), second)
+    lowered = run.lower(x)
+    lowered.set_seed(6)
+    np.testing.assert_array_equal(_u16(lowered(x)), _u16(ipu_jax.jit(f, config=_config(seed=6))(x)))
+    with self.assertRaisesRegex(ValueError, "seed must be an int >= 0"):
+      lowered.set_seed(-1)
+    with self.assertRaisesRegex(TypeError, "seed must be an int >= 0.*'1'"):
+      lowered.set_seed("1")
+
+  def test_replica_identical_only_stays_identical_across_calls(self):
+    # shard_map replicas inside the program: the persisted state is the
+    # replicas' common one, so every call keeps their roundings equal.
+    mesh = jax.sharding.AbstractMesh((2,), ("replicas",))
+    spec = jax.sharding.PartitionSpec
+
+    def update(w, g):
+      def body(w, g):
+        return (w - jnp.float16(1e-4) * g)[None]
+      return jax.shard_map(body, mesh=mesh, in_specs=(spec(), spec()),
+                           out_specs=spec("replicas"))(w, g)
+    w = jnp.ones((512,), jnp.float16)
+    run = ipu_jax.jit(update, config=_config("REPLICA_IDENTICAL_ONLY"))
+    calls = [_u16(run(w, w)) for _ in range(2)]
+    for out in calls:
+      np.testing.assert_array_equal(out[0], out[1])
+    self.assertTrue((calls[0] != calls[1]).any())
+
+  @parameterized.parameters("ON", "REPLICA_IDENTICAL_ONLY")
+  def test_training_layer_executions_continue_the_generators(self, esr):
+    # The Keras-like layer runs lowered steps on replicas (traced); the
+    # generator state still goes from one execution to the next.
+    from ipu_jax.keras.programs import build_program
+    from ipu_jax.keras.replication import GATHERED, REPLICATED, Replication
+
+    def update(w, g):
+      return w - jnp.float16(1e-4) * g
+    w = jnp.ones((512,), jnp.float16)
+    cfg = _config(esr)
+    cfg.replication_factor = 2
+    run, lowered = build_program(update, [w, w], [REPLICATED, REPLICATED],
+                                 lambda tree: [GATHERED] * tree.num_leaves,
+                                 replication=Replication(2), config=cfg, emulate=True,
+                                 verbose=0)
+    first, second = _u16(run(w, w)), _u16(run(w, w))
+    self.assertEqual(first.shape, (2, 512))
+    self.assertTrue((first[0] != second[0]).any())
+    if esr == "ON":
+      self.assertTrue((first[0] != first[1]).any())
+    else:
+      np.testing.assert_array_equal(first[0], first[1])
+      np.testing.assert_array_equal(second[0], second[1])
+    lowered.set_seed()
+    np.testing.assert_array_equal(_u16(run(w, w)), first)
 
   def test_replicas_bits_differ_with_on_and_agree_with_replica_identical_only(self):
     def update(w, g):

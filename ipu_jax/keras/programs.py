@@ -240,25 +240,40 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
   for a, kind in zip(args, in_kinds_per_arg):
     in_kinds += [kind] * len(jax.tree.leaves(a))
   lowered = None
+  num_state = 0
   if emulate:
     lowered = ipu_jax.jit(execution, config=config, verbose=verbose,
                           **(jit_options or {})).lower(*per_replica_args)
     out_tree = lowered.out_tree
-    program = lowered.apply
+    # The device state (stochastic rounding generators) goes in and out of
+    # every execution, so the next one continues it as the chip would.
+    num_state = len(lowered.device_state)
+
+    def program(*flat):
+      out, state = lowered.apply_with_state(flat[:num_state], *flat[num_state:])
+      return jax.tree_util.tree_leaves(out) + state
   else:
     out_tree = jax.tree_util.tree_structure(jax.eval_shape(execution, *per_replica_args))
 
     def program(*flat):
-      return execution(*jax.tree_util.tree_unflatten(in_tree, flat))
+      return jax.tree_util.tree_leaves(execution(*jax.tree_util.tree_unflatten(in_tree, flat)))
 
   def per_replica(*flat):
-    return jax.tree_util.tree_leaves(program(*flat))
+    return program(*flat)
 
-  runner = replication.build(per_replica, in_kinds, out_kinds_fn(out_tree))
+  # Replica 0's generator state carries on (with esr "ON" each replica
+  # perturbs it by its index when it draws).
+  runner = replication.build(per_replica, [REPLICATED] * num_state + in_kinds,
+                             list(out_kinds_fn(out_tree)) + [REPLICATED] * num_state)
 
   def run(*args_):
     leaves = jax.tree_util.tree_leaves(list(args_))
-    return jax.tree_util.tree_unflatten(out_tree, runner(*leaves))
+    state = replication.replicate(lowered.device_state) if num_state else []
+    outs = runner(*state, *leaves)
+    if num_state:
+      lowered.set_device_state(outs[len(outs) - num_state:])
+      outs = outs[:len(outs) - num_state]
+    return jax.tree_util.tree_unflatten(out_tree, outs)
 
   return run, lowered
 

@@ -9,6 +9,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad
 
+from ipu_jax.lowering import half_partials
 from ipu_jax.lowering.matmul_plan import partials_dtype
 from ipu_jax.ops._common import _aval, define_primitive, not_mapped
 
@@ -20,10 +21,21 @@ def _batch_shape(a_shape, b_shape):
 
 
 def _matmul_impl(a, b, *, available_memory_proportion, partials_type):
+  """Reference semantics outside the tile program (no plan): one tile's arithmetic."""
   del available_memory_proportion
   out_dtype = a.dtype
   # The partials rule the tile lowering uses (one rule for every matmul).
   acc = partials_dtype(out_dtype, out_dtype, partials_type or "float32")
+  if half_partials.applies(out_dtype, acc):
+    # fp16 partials: the AMP chains of one tile holding all of K (the tile
+    # program uses the same model with its plan's K split).
+    batch = _batch_shape(a.shape, b.shape)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = jnp.broadcast_to(a, batch + (m, k)).reshape(-1, m, k)
+    b3 = jnp.broadcast_to(b, batch + (k, n)).reshape(-1, k, n)
+    if k == 0:
+      return jnp.zeros(batch + (m, n), out_dtype)
+    return half_partials.planned_dot(a3, b3, 1, k).reshape(batch + (m, n))
   return jnp.matmul(a, b, preferred_element_type=acc).astype(out_dtype)
 
 

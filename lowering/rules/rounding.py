@@ -5,7 +5,9 @@ mapping. With stochastic rounding each tile rounds its elements with bits from
 its own six xoroshiro128aox streams (one per worker), whose state is a
 ``[tiles, 6, 4]`` uint32 tensor of the program: created once per program from
 the configured seed, read and advanced by every stochastic rounding, so each
-rounding, in loops too, draws new bits. Costed as a cast plus one random draw
+rounding, in loops too, draws new bits. ``ipu_jax.jit`` keeps its final value
+as the executable's device state: the next run starts where this one ended
+(``Lowered.set_seed`` resets it). Costed as a cast plus one random draw
 per element (the hardware produces 64 random bits per cycle per tile).
 See :mod:`ipu_jax.rounding`.
 """
@@ -27,13 +29,24 @@ from ipu_jax.kernels import xoroshiro
 _SR_CYCLES_PER_VECTOR = 3
 
 
+#: First element of the :meth:`LoweringContext.program_state` key of the
+#: generator state (the key is ``(PRNG_STATE, seed)``).
+PRNG_STATE = "hw_prng_state"
+
+
+def prng_state_value(num_tiles: int, seed: int) -> np.ndarray:
+  """``[num_tiles, WORKERS, 4]`` uint32: every generator as ``seed`` sets it."""
+  return xoroshiro.seed_states(seed, np.arange(num_tiles * WORKERS)).reshape(
+      num_tiles, WORKERS, 4)
+
+
 def prng_state(ctx, seed: int) -> P.Tensor:
   """The program's per-tile generator state (made on first use, one per seed)."""
   module = ctx.module
 
   def make():
     n = module.target.num_tiles
-    value = xoroshiro.seed_states(seed, np.arange(n * WORKERS)).reshape(n, WORKERS, 4)
+    value = prng_state_value(n, seed)
     mapping = TileMapping.blocks(n * WORKERS * 4, WORKERS * 4, n, 0)
     state = P.Tensor("hw_prng_state", value.shape, np.dtype(np.uint32), mapping,
                      category="constants", value=value, op=ctx.op, source=ctx.source,
@@ -42,7 +55,7 @@ def prng_state(ctx, seed: int) -> P.Tensor:
     module.constants.append(state)
     return state
 
-  return module.program_state(("hw_prng_state", int(seed)), make)
+  return module.program_state((PRNG_STATE, int(seed)), make)
 
 
 @register_lowering(hw_round_p)
