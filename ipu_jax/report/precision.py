@@ -313,6 +313,8 @@ def number_formats_figure(telemetry: NumberFormatTelemetry, title: str, figure_c
       ax.scatter(np.asarray(h.steps)[skipped], np.asarray(h.scale)[skipped], color="red",
                  marker="v", zorder=3, label=f"skipped ({h.skipped_steps[-1]} total)")
     ax.set_yscale("log", base=2)
+    from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale")
     ax.set_title("dynamic loss scale", fontsize=10)
