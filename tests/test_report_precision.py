@@ -53,11 +53,13 @@ class TelemetryTest(chex.TestCase):
     t = NumberFormatTelemetry()
     self.assertTrue(t.empty)
     self.assertIsNone(t.to_json())
+    self.assertIsNone(t.last_step)
     t.record_loss_scale(1, 2.0 ** 12, 0, 0)
     t.record_loss_scale(2, 2.0 ** 11, 1, 1)
     # A layer whose gradient telemetry was never differentiated has none.
     t.record_fp8(1, {"dense": _layer_fields(0.5, 3.0, 0.01), "head": _layer_fields(2.0, 1.0)})
     t.record_fp8(2, {"dense": _layer_fields(0.25, 3.0, 0.02), "head": _layer_fields(2.0, 1.0)})
+    self.assertEqual(t.last_step, 2)
     self.assertEqual(sorted(t.fp8), ["dense/grad", "dense/input", "dense/kernel", "head/input",
                                      "head/kernel"])
     grad = t.fp8["dense/grad"]

@@ -198,8 +198,7 @@ class Model:
     if "loss_scale" not in logs and not fp8:
       return
     step, telemetry = self.step, self.number_formats
-    recorded = telemetry.loss_scaling.steps + [s for t in telemetry.fp8.values() for s in t.steps]
-    if recorded and step <= max(recorded):
+    if telemetry.last_step is not None and step <= telemetry.last_step:
       telemetry = self.number_formats = NumberFormatTelemetry()
     if "loss_scale" in logs:
       telemetry.record_loss_scale(step, logs["loss_scale"], logs["skipped_steps"],

@@ -110,6 +110,12 @@ class NumberFormatTelemetry:
   def empty(self) -> bool:
     return not len(self.loss_scaling) and not self.fp8
 
+  @property
+  def last_step(self) -> Optional[int]:
+    """The latest step recorded (None before the first record)."""
+    last = [h.steps[-1] for h in (self.loss_scaling, *self.fp8.values()) if h.steps]
+    return max(last) if last else None
+
   # -- recording ------------------------------------------------------------------
 
   def record(self, step: int, *, model=None, opt_state=None, fp8=None) -> None:
