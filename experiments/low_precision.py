@@ -16,10 +16,11 @@ from the same initial weights run in four number formats, each compiled with
   per-tensor amax scales (``FP8Linear``: F143 forward, F152 gradients).
 
 fp32, fp16 and fp16+SR run a second time at ``--small_learning_rate``
-(0.002), where most SGD updates are below half an fp16 ulp of their weight:
+(0.002, for ``--small_steps``, 600), where most SGD updates are below half
+an fp16 ulp of their weight:
 round-to-nearest drops them (the weight never moves), stochastic rounding
 keeps them in expectation. Prints a table (final loss, the share of weights
-no update moved, cycles per step, peak memory per tile, loss scale), plots
+that end where they started, cycles per step, peak memory per tile, loss scale), plots
 the loss curves (one panel per learning rate) and the FP8 run's scale
 distributions (weights, activations, gradients; from its report), and saves
 every run's report with its number-format telemetry::
@@ -48,12 +49,14 @@ def _define(define, name, default, help_text):
     define(name, default, help_text)
 
 
-_define(flags.DEFINE_integer, "steps", 60, "SGD steps per variant and learning rate.")
+_define(flags.DEFINE_integer, "steps", 60, "SGD steps of every variant at --learning_rate.")
 _define(flags.DEFINE_integer, "batch_size", 16, "Sequences per step.")
 _define(flags.DEFINE_float, "learning_rate", 0.05, "SGD learning rate of every variant.")
 _define(flags.DEFINE_float, "small_learning_rate", 0.002,
         "A second run of fp32 / fp16 / fp16+SR at this learning rate, where most updates are "
         "below half an fp16 ulp of their weight (0 skips it).")
+_define(flags.DEFINE_integer, "small_steps", 600,
+        "SGD steps of the small-learning-rate run (its progress per step is small).")
 _define(flags.DEFINE_integer, "tiles_per_ipu", 64, "Tiles of the emulated ipu21.")
 _define(flags.DEFINE_string, "out_dir", "reports/low_precision",
         "Where the plots, JSON and each run's report go.")
@@ -114,18 +117,26 @@ def make_model(fp8: bool, seed: int = 0):
   return LM(nnx.Rngs(seed))
 
 
-def run_variant(variant: str, data, steps: int, batch: int, learning_rates, tiles: int,
-                out_dir: str) -> list:
-  """Trains ``variant`` from the same initial weights once per learning rate.
+def run_variant(variant: str, data, runs, batch: int, tiles: int, out_dir: str) -> list:
+  """Trains ``variant`` from the same initial weights once per ``(learning rate, steps)``.
 
   The learning rate is an argument of the compiled step, so one tile program
   serves every rate. Each run's report (with its number-format telemetry:
   the loss scale of the fp16 variants, every FP8 tensor's scale and amax,
   gradients included) is saved to ``out_dir/reports/<variant>-lr<rate>``.
 
+  Args:
+    variant: one of VARIANTS.
+    data: ``(inputs, targets)`` from :func:`make_data`; steps cycle through it.
+    runs: ``[(learning_rate, steps), ...]``.
+    batch: sequences per step.
+    tiles: tiles of the emulated ipu21.
+    out_dir: where the reports go.
+
   Returns:
-    One dict per learning rate: losses, cycles and memory per step, the
-    share of weights no update ever moved, the report path and telemetry.
+    One dict per run: losses, cycles and memory per step, the
+    share of weights that end where they started (``weights_unchanged``),
+    the report path and telemetry.
   """
   import jax
   import jax.numpy as jnp
@@ -172,14 +183,14 @@ def run_variant(variant: str, data, steps: int, batch: int, learning_rates, tile
     cfg.floating_point_behaviour.esr = "ON"
   xs, ys = data
   fn = ipu_jax.jit(step, config=cfg)
-  opt_state0 = optimizer(learning_rates[0]).init(params0)
+  opt_state0 = optimizer(runs[0][0]).init(params0)
   start = time.perf_counter()
   lowered = fn.lower(params0, probes0, stats0, opt_state0, xs[:batch], ys[:batch],
-                     np.float32(learning_rates[0]))
+                     np.float32(runs[0][0]))
   compile_s = time.perf_counter() - start
   report = lowered.report
   results = []
-  for lr in learning_rates:
+  for lr, steps in runs:
     params, probes, stats, opt_state = params0, probes0, stats0, opt_state0
     telemetry = ipu_jax.NumberFormatTelemetry()
     losses = []
@@ -212,8 +223,7 @@ def run_variant(variant: str, data, steps: int, batch: int, learning_rates, tile
   return results
 
 
-def _label(r) -> str:
-  return f"{r['variant']} (lr {r['learning_rate']:g})"
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
 def plot(results, out_dir):
@@ -224,10 +234,19 @@ def plot(results, out_dir):
   rates = sorted({r["learning_rate"] for r in results}, reverse=True)
   fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 3.8), squeeze=False)
   for ax, lr in zip(axes[0], rates):
-    for r in results:
-      if r["learning_rate"] == lr:
-        ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], lw=1.2,
-                label=f"{r['variant']} ({100 * r['weights_unchanged']:.0f}% weights never moved)")
+    for r, colour in zip([r for r in results if r["learning_rate"] == lr], COLOURS):
+      losses, label = np.asarray(r["losses"]), (f"{r['variant']} ({100 * r['weights_unchanged']:.0f}"
+                                                 "% of weights unchanged)")
+      steps = np.arange(1, len(losses) + 1)
+      if len(losses) > 100:
+        # Each step's batch loss is noisy against a slow trend: a thin line
+        # for the steps, the mean of the last 20 on top.
+        ax.plot(steps, losses, lw=0.5, alpha=0.3, color=colour)
+        window = np.ones(20) / 20
+        ax.plot(steps[19:], np.convolve(losses, window, mode="valid"), lw=1.5, color=colour,
+                label=label + ", mean of 20 steps")
+      else:
+        ax.plot(steps, losses, lw=1.2, color=colour, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"Tiny LM on ipu21, SGD lr {lr:g}")
@@ -250,17 +269,19 @@ def main(argv):
     raise app.UsageError(f"--small_learning_rate must be >= 0, got {f.small_learning_rate}")
   batch, lr, tiles = f.batch_size or 16, f.learning_rate or 0.05, f.tiles_per_ipu or 64
   small = 0.002 if f.small_learning_rate is None else f.small_learning_rate
+  small_steps = f.small_steps or 600
   data = make_data(max(f.steps * batch, 256))
   results = []
   for v in f.variants:
-    rates = [lr] + ([small] if small and v in SMALL_UPDATE_VARIANTS else [])
-    print(f"-- {v}: lr {', '.join(f'{r:g}' for r in rates)}", flush=True)
-    results += run_variant(v, data, f.steps, batch, rates, tiles, f.out_dir)
-  print("\n| variant | lr | loss (first) | loss (last 5) | weights never moved | cycles/step |"
+    runs = [(lr, f.steps)] + ([(small, small_steps)] if small and v in SMALL_UPDATE_VARIANTS
+                              else [])
+    print(f"-- {v}: " + ", ".join(f"{s} steps at lr {r:g}" for r, s in runs), flush=True)
+    results += run_variant(v, data, runs, batch, tiles, f.out_dir)
+  print("\n| variant | lr | steps | loss (first) | loss (last 5) | weights unchanged | cycles/step |"
         " peak bytes/tile | loss scale | skipped |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in sorted(results, key=lambda r: -r["learning_rate"]):
-    print(f"| {r['variant']} | {r['learning_rate']:g} | {r['losses'][0]:.3f} | "
+    print(f"| {r['variant']} | {r['learning_rate']:g} | {len(r['losses'])} | {r['losses'][0]:.3f} | "
           f"{r['final_loss']:.3f} | {100 * r['weights_unchanged']:.1f}% | "
           f"{r['cycles_per_step']:,.0f} | {r['peak_bytes_per_tile']:,} | "
           f"{r.get('loss_scale', '-')} | {r.get('skipped_steps', '-')} |")

@@ -108,9 +108,8 @@ def test_low_precision_fp16_drops_small_updates_and_saves_its_telemetry(tmp_path
   data = low_precision.make_data(64)
   # One compile serves both learning rates; 5e-4 x these gradients is below
   # half an fp16 ulp of most weights, so round to nearest leaves them.
-  big, small = low_precision.run_variant("fp16", data, steps=2, batch=4,
-                                         learning_rates=[0.05, 5e-4], tiles=16,
-                                         out_dir=str(tmp_path))
+  big, small = low_precision.run_variant("fp16", data, runs=[(0.05, 2), (5e-4, 2)], batch=4,
+                                         tiles=16, out_dir=str(tmp_path))
   assert (big["learning_rate"], small["learning_rate"]) == (0.05, 5e-4)
   assert small["weights_unchanged"] > 0.5 > big["weights_unchanged"]
   assert len(small["losses"]) == 2 and np.isfinite(small["final_loss"])
