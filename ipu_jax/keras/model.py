@@ -54,6 +54,7 @@ import numpy as np
 
 from ipu_jax import config as config_lib
 from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
+from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import loop
@@ -69,7 +70,6 @@ from ipu_jax.keras.progress import ProgbarLogger
 from ipu_jax.keras.replication import Replication
 from ipu_jax.keras.summary import summary_text
 from ipu_jax.keras.validation import check_labels
-from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.keras.weights import (flat_saveable, read_weights_file, restore_flat,
                                    restore_nested, to_saveable, write_weights_file)
 
