@@ -15,8 +15,15 @@ from the same initial weights run in four number formats, each compiled with
 * ``fp8``: float32 master weights, every dense layer's matmul in FP8 with
   per-tensor amax scales (``FP8Linear``: F143 forward, F152 gradients).
 
-Prints a table (final loss, cycles per step, peak memory per tile), plots the
-loss curves side by side and the FP8 scale distributions::
+fp32, fp16 and fp16+SR run a second time at ``--small_learning_rate``
+(0.002, for ``--small_steps``, 600), where most SGD updates are below half
+an fp16 ulp of their weight:
+round-to-nearest drops them (the weight never moves), stochastic rounding
+keeps them in expectation. Prints a table (final loss, the share of weights
+that end where they started, cycles per step, peak memory per tile, loss scale), plots
+the loss curves (one panel per learning rate) and the FP8 run's scale
+distributions (weights, activations, gradients; from its report), and saves
+every run's report with its number-format telemetry::
 
     python -m experiments.low_precision --steps 60 --out_dir reports/low_precision
 """
@@ -42,16 +49,24 @@ def _define(define, name, default, help_text):
     define(name, default, help_text)
 
 
-_define(flags.DEFINE_integer, "steps", 60, "SGD steps per variant.")
+_define(flags.DEFINE_integer, "steps", 60, "SGD steps of every variant at --learning_rate.")
 _define(flags.DEFINE_integer, "batch_size", 16, "Sequences per step.")
-_define(flags.DEFINE_float, "learning_rate", 0.05,
-        "SGD learning rate (small updates stall fp16 without stochastic rounding).")
+_define(flags.DEFINE_float, "learning_rate", 0.05, "SGD learning rate of every variant.")
+_define(flags.DEFINE_float, "small_learning_rate", 0.002,
+        "A second run of fp32 / fp16 / fp16+SR at this learning rate, where most updates are "
+        "below half an fp16 ulp of their weight (0 skips it).")
+_define(flags.DEFINE_integer, "small_steps", 600,
+        "SGD steps of the small-learning-rate run (its progress per step is small).")
 _define(flags.DEFINE_integer, "tiles_per_ipu", 64, "Tiles of the emulated ipu21.")
-_define(flags.DEFINE_string, "out_dir", "reports/low_precision", "Where the plots and JSON go.")
+_define(flags.DEFINE_string, "out_dir", "reports/low_precision",
+        "Where the plots, JSON and each run's report go.")
 _define(flags.DEFINE_list, "variants", "fp32,fp16,fp16+SR,fp8", "Variants to run.")
 
 VOCAB, WIDTH, HEADS, SEQ = 64, 32, 4, 16
 VARIANTS = ("fp32", "fp16", "fp16+SR", "fp8")
+# What the small-learning-rate run compares: round-to-nearest fp16 against
+# stochastic rounding, with fp32 as the reference.
+SMALL_UPDATE_VARIANTS = ("fp32", "fp16", "fp16+SR")
 
 
 def make_data(num: int, seed: int = 0):
@@ -102,40 +117,64 @@ def make_model(fp8: bool, seed: int = 0):
   return LM(nnx.Rngs(seed))
 
 
-def run_variant(variant: str, data, steps: int, batch: int, lr: float, tiles: int) -> dict:
+def run_variant(variant: str, data, runs, batch: int, tiles: int, out_dir: str) -> list:
+  """Trains ``variant`` from the same initial weights once per ``(learning rate, steps)``.
+
+  The learning rate is an argument of the compiled step, so one tile program
+  serves every rate. Each run's report (with its number-format telemetry:
+  the loss scale of the fp16 variants, every FP8 tensor's scale and amax,
+  gradients included) is saved to ``out_dir/reports/<variant>-lr<rate>``.
+
+  Args:
+    variant: one of VARIANTS.
+    data: ``(inputs, targets)`` from :func:`make_data`; steps cycle through it.
+    runs: ``[(learning_rate, steps), ...]``.
+    batch: sequences per step.
+    tiles: tiles of the emulated ipu21.
+    out_dir: where the reports go.
+
+  Returns:
+    One dict per run: losses, cycles and memory per step, the
+    share of weights that end where they started (``weights_unchanged``),
+    the report path and telemetry.
+  """
   import jax
   import jax.numpy as jnp
   import optax
   from flax import nnx
   import ipu_jax
-  from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
+  from ipu_jax.fp8_scaling import FP8GradAmax, FP8Stats, apply_gradient_telemetry
   from ipu_jax.keras.loss_scaling import LossScaleOptimizer, scaling_logs
 
   half = variant.startswith("fp16")
   model = make_model(fp8=variant == "fp8")
-  graphdef, params, stats = nnx.split(model, nnx.Param, ...)
+  graphdef, params0, probes0, stats0 = nnx.split(model, nnx.Param, FP8GradAmax, ...)
   if half:
-    params = jax.tree.map(lambda p: p.astype(jnp.float16), params)
-  opt = optax.sgd(lr)
-  if half:
-    opt = LossScaleOptimizer(opt, 2.0 ** 12, dynamic=True, growth_steps=20)
-  opt_state = opt.init(params)
+    params0 = jax.tree.map(lambda p: p.astype(jnp.float16), params0)
+  weights0 = [np.array(w) for w in jax.tree.leaves(params0)]
 
-  def step(params, stats, opt_state, x, y):
+  def optimizer(lr):
+    opt = optax.sgd(lr)
+    return LossScaleOptimizer(opt, 2.0 ** 12, dynamic=True, growth_steps=20) if half else opt
+
+  def step(params, probes, stats, opt_state, x, y, lr):
     scale = getattr(opt_state, "loss_scale", None)
+    # fp16 weights take fp16 updates: -lr * g rounds to fp16, then w + u does.
+    lr = lr.astype(jnp.float16) if half else lr
 
-    def loss_fn(p):
-      m = nnx.merge(graphdef, p, stats, copy=True)
+    def loss_fn(p, probes):
+      m = nnx.merge(graphdef, p, probes, stats, copy=True)
       logits = m(x).astype(jnp.float32)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       scaled = loss * scale if scale is not None else loss
       return scaled.astype(jnp.float16 if half else jnp.float32), (loss, nnx.state(m, FP8Stats))
 
-    (_, (loss, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
+    (_, (loss, new_stats)), (grads, probe_grads) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(params, probes)
+    updates, opt_state = optimizer(lr).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     stats = nnx.merge_state(stats, new_stats) if jax.tree.leaves(new_stats) else stats
-    return params, stats, opt_state, loss
+    return params, apply_gradient_telemetry(probes, probe_grads), stats, opt_state, loss
 
   cfg = ipu_jax.IPUConfig()
   cfg.device.version = "ipu21"
@@ -144,44 +183,74 @@ def run_variant(variant: str, data, steps: int, batch: int, lr: float, tiles: in
     cfg.floating_point_behaviour.esr = "ON"
   xs, ys = data
   fn = ipu_jax.jit(step, config=cfg)
+  opt_state0 = optimizer(runs[0][0]).init(params0)
   start = time.perf_counter()
-  lowered = fn.lower(params, stats, opt_state, xs[:batch], ys[:batch])
+  lowered = fn.lower(params0, probes0, stats0, opt_state0, xs[:batch], ys[:batch],
+                     np.float32(runs[0][0]))
   compile_s = time.perf_counter() - start
-  losses, scales = [], {"weights": [], "activations": []}
-  start = time.perf_counter()
-  for i in range(steps):
-    lo = (i * batch) % (len(xs) - batch)
-    params, stats, opt_state, loss = lowered(params, stats, opt_state,
-                                             xs[lo:lo + batch], ys[lo:lo + batch])
-    losses.append(float(loss))
-    if variant == "fp8":
-      nnx.update(model, stats)
-      for t in collect_telemetry(model).values():
-        scales["activations"].append(int(t["input_scale"]))
-        scales["weights"].append(int(t["weight_scale"]))
-  run_s = time.perf_counter() - start
   report = lowered.report
-  out = {"variant": variant, "losses": losses, "final_loss": float(np.mean(losses[-5:])),
-         "cycles_per_step": float(report.total_cycles),
-         "peak_bytes_per_tile": int(np.max(report.memory_per_tile)),
-         "compile_seconds": compile_s, "run_seconds": run_s}
-  out.update(scaling_logs(opt_state))
-  if variant == "fp8":
-    out["fp8_scales"] = scales
-  return out
+  results = []
+  for lr, steps in runs:
+    params, probes, stats, opt_state = params0, probes0, stats0, opt_state0
+    telemetry = ipu_jax.NumberFormatTelemetry()
+    losses = []
+    start = time.perf_counter()
+    for i in range(steps):
+      lo = (i * batch) % (len(xs) - batch)
+      params, probes, stats, opt_state, loss = lowered(
+          params, probes, stats, opt_state, xs[lo:lo + batch], ys[lo:lo + batch], np.float32(lr))
+      losses.append(float(loss))
+      if variant == "fp8":
+        nnx.update(model, probes, stats)
+        telemetry.record(i + 1, model=model)
+      telemetry.record(i + 1, opt_state=opt_state)
+    run_s = time.perf_counter() - start
+    unchanged = sum(int(np.sum(np.asarray(w) == w0))
+                    for w, w0 in zip(jax.tree.leaves(params), weights0))
+    report.number_formats = telemetry
+    report_dir = os.path.join(out_dir, "reports", f"{variant}-lr{lr:g}")
+    report.save(report_dir)
+    out = {"variant": variant, "learning_rate": lr, "losses": losses,
+           "final_loss": float(np.mean(losses[-5:])),
+           "loss_drop": float(np.mean(losses[:5]) - np.mean(losses[-5:])),
+           "weights_unchanged": unchanged / sum(w.size for w in weights0),
+           "cycles_per_step": float(report.total_cycles),
+           "peak_bytes_per_tile": int(np.max(report.memory_per_tile)),
+           "compile_seconds": compile_s, "run_seconds": run_s,
+           "report": report_dir, "number_formats": telemetry.to_json()}
+    out.update(scaling_logs(opt_state))
+    results.append(out)
+  return results
+
+
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
 def plot(results, out_dir):
+  """loss_curves.png: one panel per learning rate, the variants side by side."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  for r in results:
-    ax.plot(r["losses"], label=r["variant"])
-  ax.set_xlabel("step")
-  ax.set_ylabel("training loss")
-  ax.set_title("Tiny LM on ipu21: number formats")
-  ax.legend()
+  rates = sorted({r["learning_rate"] for r in results}, reverse=True)
+  fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 3.8), squeeze=False)
+  for ax, lr in zip(axes[0], rates):
+    for r, colour in zip([r for r in results if r["learning_rate"] == lr], COLOURS):
+      losses, label = np.asarray(r["losses"]), (f"{r['variant']} ({100 * r['weights_unchanged']:.0f}"
+                                                 "% of weights unchanged)")
+      steps = np.arange(1, len(losses) + 1)
+      if len(losses) > 100:
+        # Each step's batch loss is noisy against a slow trend: a thin line
+        # for the steps, the mean of the last 20 on top.
+        ax.plot(steps, losses, lw=0.5, alpha=0.3, color=colour)
+        window = np.ones(20) / 20
+        ax.plot(steps[19:], np.convolve(losses, window, mode="valid"), lw=1.5, color=colour,
+                label=label + ", mean of 20 steps")
+      else:
+        ax.plot(steps, losses, lw=1.2, color=colour, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"Tiny LM on ipu21, SGD lr {lr:g}")
+    ax.legend(fontsize=8)
   fig.tight_layout()
   path = os.path.join(out_dir, "loss_curves.png")
   fig.savefig(path, dpi=100)
@@ -196,27 +265,38 @@ def main(argv):
   for v in f.variants:
     if v not in VARIANTS:
       raise app.UsageError(f"--variants: unknown {v!r}; valid: {', '.join(VARIANTS)}")
+  if f.small_learning_rate is not None and f.small_learning_rate < 0:
+    raise app.UsageError(f"--small_learning_rate must be >= 0, got {f.small_learning_rate}")
   batch, lr, tiles = f.batch_size or 16, f.learning_rate or 0.05, f.tiles_per_ipu or 64
+  small = 0.002 if f.small_learning_rate is None else f.small_learning_rate
+  small_steps = f.small_steps or 600
   data = make_data(max(f.steps * batch, 256))
   results = []
   for v in f.variants:
-    print(f"-- {v}", flush=True)
-    results.append(run_variant(v, data, f.steps, batch, lr, tiles))
-  print(f"\n| variant | loss (first) | loss (last 5) | cycles/step | peak bytes/tile |"
-        f" loss scale | skipped |")
-  print("|---|---|---|---|---|---|---|")
-  for r in results:
-    print(f"| {r['variant']} | {r['losses'][0]:.3f} | {r['final_loss']:.3f} | "
+    runs = [(lr, f.steps)] + ([(small, small_steps)] if small and v in SMALL_UPDATE_VARIANTS
+                              else [])
+    print(f"-- {v}: " + ", ".join(f"{s} steps at lr {r:g}" for r, s in runs), flush=True)
+    results += run_variant(v, data, runs, batch, tiles, f.out_dir)
+  print("\n| variant | lr | steps | loss (first) | loss (last 5) | weights unchanged | cycles/step |"
+        " peak bytes/tile | loss scale | skipped |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for r in sorted(results, key=lambda r: -r["learning_rate"]):
+    print(f"| {r['variant']} | {r['learning_rate']:g} | {len(r['losses'])} | {r['losses'][0]:.3f} | "
+          f"{r['final_loss']:.3f} | {100 * r['weights_unchanged']:.1f}% | "
           f"{r['cycles_per_step']:,.0f} | {r['peak_bytes_per_tile']:,} | "
           f"{r.get('loss_scale', '-')} | {r.get('skipped_steps', '-')} |")
   paths = [plot(results, f.out_dir)]
-  fp8 = [r for r in results if "fp8_scales" in r]
+  fp8 = [r for r in results if r["variant"] == "fp8"]
   if fp8:
-    from ipu_jax.fp8_scaling import plot_scales
-    paths.append(plot_scales(fp8[0]["fp8_scales"], os.path.join(f.out_dir, "fp8_scales.png")))
+    # The report's own figure of the FP8 run: Perez et al.'s scale distributions.
+    from ipu_jax.report.precision import NUMBER_FORMATS_PLOT_FILE
+    import shutil
+    paths.append(shutil.copyfile(os.path.join(fp8[0]["report"], NUMBER_FORMATS_PLOT_FILE),
+                                 os.path.join(f.out_dir, "fp8_scales.png")))
   with open(os.path.join(f.out_dir, "results.json"), "w") as fh:
     json.dump(results, fh, indent=1)
-  print("wrote", ", ".join(paths))
+  print("wrote", ", ".join(paths), "and each run's report under",
+        os.path.join(f.out_dir, "reports"))
 
 
 if __name__ == "__main__":

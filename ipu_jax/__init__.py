@@ -10,7 +10,7 @@ from ipu_jax.jit import IPUFunction, Lowered, jit
 from ipu_jax.nnx_jit import NNXFunction, nnx_jit
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
-from ipu_jax.report import Report, SavedReport, compare_reports, load_report
+from ipu_jax.report import NumberFormatTelemetry, Report, SavedReport, compare_reports, load_report
 from ipu_jax.strategy import IPUStrategy
 from ipu_jax.target import IPUTarget
 from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
@@ -39,7 +39,7 @@ __all__ = [
     "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
     "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
-    "compare_reports", "default_config", "get_default_config", "jit",
+    "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",
     "register_lowering", "number_formats", "rounding", "fp8_scaling", "offload", "remote_buffers",
 ]

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the runners live in the repository, not in the package
   sys.path.insert(0, ROOT)
 
-from experiments import cifar_cnn, common, mnist, transformer  # noqa: E402
+from experiments import cifar_cnn, common, low_precision, mnist, transformer  # noqa: E402
 
 
 def _settings(tmp_path, **changes):
@@ -102,6 +102,24 @@ def test_transformer_runner(tmp_path, capsys):
   np.testing.assert_array_equal(y[:, 1:], x[:, :-1])
   x, y = transformer.make_data(4, "reverse")
   np.testing.assert_array_equal(y, x[:, ::-1])
+
+
+def test_low_precision_fp16_drops_small_updates_and_saves_its_telemetry(tmp_path):
+  data = low_precision.make_data(64)
+  # One compile serves both learning rates; 5e-4 x these gradients is below
+  # half an fp16 ulp of most weights, so round to nearest leaves them.
+  big, small = low_precision.run_variant("fp16", data, runs=[(0.05, 2), (5e-4, 2)], batch=4,
+                                         tiles=16, out_dir=str(tmp_path))
+  assert (big["learning_rate"], small["learning_rate"]) == (0.05, 5e-4)
+  assert small["weights_unchanged"] > 0.5 > big["weights_unchanged"]
+  assert len(small["losses"]) == 2 and np.isfinite(small["final_loss"])
+  for run in (big, small):
+    with open(os.path.join(run["report"], "report.json")) as f:
+      telemetry = json.load(f)["number_formats"]
+    assert telemetry == run["number_formats"]
+    assert telemetry["loss_scaling"]["steps"] == [1, 2]
+    assert telemetry["loss_scaling"]["scale"] == [4096.0, 4096.0]
+    assert os.path.exists(os.path.join(run["report"], "number_formats.png"))
 
 
 def test_settings_and_flags():

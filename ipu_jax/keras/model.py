@@ -53,6 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import config as config_lib
+from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
+from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import loop
@@ -141,6 +143,8 @@ class Model:
     self.stop_training = False
     self.history: Optional[callbacks_lib.History] = None
     self.reports: dict = {}
+    # Loss-scale and FP8-scale histories of fit, shared by every train report.
+    self.number_formats = NumberFormatTelemetry()
     self._last_program: Optional[str] = None
     self.checkpoint_epoch: Optional[int] = None
     self.executions = 0
@@ -179,6 +183,30 @@ class Model:
     if lowered.profile.run_setup is None:
       lowered.profile.run_setup = self._run_setup(program, micro_batch)
     self.reports[program] = lowered.report
+
+  def _record_number_formats(self, logs: dict, lowered):
+    """After an execution: the loss scale and FP8 layers' scales into the train report.
+
+    One record per execution (the scale inside the on-device loop is not
+    seen by the host), at the weight-update count so far. Restoring an
+    earlier step (``load_weights``) starts a new history.
+    """
+    fp8 = {}
+    if any(isinstance(leaf, FP8Stats) for leaf in jax.tree.leaves(
+        self.state, is_leaf=lambda x: isinstance(x, FP8Stats))):
+      fp8 = collect_telemetry(self.state)
+    if "loss_scale" not in logs and not fp8:
+      return
+    step, telemetry = self.step, self.number_formats
+    if telemetry.last_step is not None and step <= telemetry.last_step:
+      telemetry = self.number_formats = NumberFormatTelemetry()
+    if "loss_scale" in logs:
+      telemetry.record_loss_scale(step, logs["loss_scale"], logs["skipped_steps"],
+                                  logs["overflows"])
+    if fp8:
+      telemetry.record_fp8(step, fp8)
+    if lowered is not None:
+      lowered.report.number_formats = telemetry
 
   # -- configuration --------------------------------------------------------------
 
@@ -227,6 +255,7 @@ class Model:
     self._opt_state = offload_lib.init_optimizer_state(optimizer, self._local(self._params),
                                                        cfg, replication)
     self._step = 0
+    self.number_formats = NumberFormatTelemetry()
     self._compiled = True
     if self._pending_optimizer is not None:
       self._restore_optimizer(self._pending_optimizer)
@@ -562,6 +591,7 @@ class Model:
           logs["host_round_trips"] = lowered.report.host_round_trips
           logs["emulated_seconds"] = lowered.report.estimated_seconds
         logs.update(loss_scaling.scaling_logs(self._opt_state))
+        self._record_number_formats(logs, lowered)
         logs["samples"] = S * b
         logs["host_seconds"] = host_seconds
         cb.on_train_batch_end((index + 1) * S - 1, logs)

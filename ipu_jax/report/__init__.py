@@ -27,7 +27,8 @@ Files written by :meth:`Report.save`:
   ``pip install ipu-jax[plots]``; otherwise ``HTML_MISSING.txt`` says so);
 * ``trace.json`` -- Chrome Trace Event Format, for https://ui.perfetto.dev;
 * ``memory_per_tile.png``, ``cycles_heatmap.png``, ``live_memory.png`` --
-  with matplotlib; otherwise ``PLOTS_MISSING.txt``.
+  with matplotlib; otherwise ``PLOTS_MISSING.txt``; ``number_formats.png``
+  when loss-scale or FP8 telemetry was recorded.
 
 One concern per module:
 
@@ -37,6 +38,8 @@ One concern per module:
   :func:`load_report`, saving;
 * :mod:`~ipu_jax.report.summary` -- the text summary;
 * :mod:`~ipu_jax.report.trace` -- ``trace.json``;
+* :mod:`~ipu_jax.report.precision` -- loss-scale and FP8-scale telemetry
+  (:class:`NumberFormatTelemetry`) and its summary, plot and JSON;
 * :mod:`~ipu_jax.report.plots` -- the PNGs (matplotlib);
 * :mod:`~ipu_jax.report.html` -- ``report.html`` and the comparison page
   (plotly.js);
@@ -50,9 +53,10 @@ from ipu_jax.report.cli import main
 from ipu_jax.report.compare import compare_reports
 from ipu_jax.report.data import SCHEMA
 from ipu_jax.report.data import SCHEMA_VERSION
+from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.report.reports import Report
 from ipu_jax.report.reports import SavedReport
 from ipu_jax.report.reports import load_report
 
 __all__ = ["Report", "SavedReport", "compare_reports", "load_report",
-           "maybe_auto_save", "SCHEMA", "SCHEMA_VERSION", "main"]
+           "NumberFormatTelemetry", "maybe_auto_save", "SCHEMA", "SCHEMA_VERSION", "main"]

@@ -67,8 +67,10 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "placement": [[int, int, int]]   # v2: [first_tile, count, bytes per
                                          # tile], runs in tile order
       }],
-      "streaming": null | {...}          # added key: streaming memory and its
+      "streaming": null | {...},         # added key: streaming memory and its
                                          # copies (ipu_jax/report/streaming.py)
+      "number_formats": null | {...}     # added key: loss-scale and FP8-scale
+                                         # histories (ipu_jax/report/precision.py)
     }
 
 Readers must check ``schema`` and ``version``; later versions only add keys.

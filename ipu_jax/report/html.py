@@ -15,6 +15,8 @@ opens from disk with no server and no network:
   one lane per IPU; clicking a superstep shows its tile balance (compute
   cycles of every tile) and details; the operations table sorts by any
   column (cycles, working memory, FLOPs, source line...).
+* **Number formats** (only when telemetry was recorded): the FP8 log2
+  scales per tensor kind, the loss scale over steps, a table per tensor.
 
 :func:`comparison_html` writes the page of two reports side by side
 (``python -m ipu_jax.report A B --html out.html``), with changes highlighted.
@@ -122,9 +124,11 @@ def report_payload(report) -> dict:
     (tile map layout), ``memory`` (per-tile arrays, categories, peak step),
     ``liveness`` (not-always-live bytes per step), ``steps`` (columns),
     ``tile_cycles`` (per step, runs of busy tiles; None if unknown),
-    ``tensors`` and ``operations``.
+    ``tensors``, ``operations`` and ``number_formats`` (loss-scale and FP8
+    telemetry as in report.json, or None).
   """
   data = report._data  # pylint: disable=protected-access
+  document = report.to_dict()
   steps, target = data.steps, data.target
   categories = ordered_categories(data.categories)
   always_live = int(sum(int(data.categories[c].sum()) for c in categories
@@ -146,7 +150,7 @@ def report_payload(report) -> dict:
                  "num_tiles": target.num_tiles,
                  "bytes_per_tile": target.bytes_per_tile,
                  "clock_hz": target.clock_hz},
-      "totals": report.to_dict()["totals"],
+      "totals": document["totals"],
       "grid": _tile_grid(target.tiles_per_ipu),
       "memory": {
           "tile_limit": data.tile_limit,
@@ -181,6 +185,7 @@ def report_payload(report) -> dict:
       "tile_cycles": tile_cycles,
       "tensors": tensors,
       "operations": _operations(report),
+      "number_formats": document["number_formats"],
   }
 
 

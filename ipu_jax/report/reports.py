@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -35,7 +36,11 @@ from ipu_jax.report.data import report_json_path
 from ipu_jax.report.data import steps_to_json
 from ipu_jax.report.data import target_to_json
 from ipu_jax.report.data import write_json
+from ipu_jax.report.plots import load_matplotlib
 from ipu_jax.report.plots import write_plots
+from ipu_jax.report.precision import NUMBER_FORMATS_PLOT_FILE
+from ipu_jax.report.precision import NumberFormatTelemetry
+from ipu_jax.report.precision import number_formats_figure
 from ipu_jax.report.summary import SummaryMixin
 from ipu_jax.report.trace import trace_events
 from ipu_jax.target import IPUTarget
@@ -164,6 +169,53 @@ class _ReportBase(SummaryMixin):
     """``[num_steps]`` bytes live on the device at each step."""
     return self._data.live
 
+  # -- number formats -----------------------------------------------------------
+
+  _telemetry = None  # set by the number_formats setter or add_number_format_telemetry
+
+  @property
+  def number_formats(self) -> Optional[NumberFormatTelemetry]:
+    """Loss-scale and FP8-scale histories of the run (None if none recorded).
+
+    ``Model.fit`` records its :class:`~ipu_jax.keras.LossScaleOptimizer`'s
+    scale here; a user loop records with :meth:`add_number_format_telemetry`
+    or assigns a :class:`~ipu_jax.report.NumberFormatTelemetry`.
+    """
+    if self._telemetry is None and getattr(self, "document", {}).get("number_formats"):
+      self._telemetry = NumberFormatTelemetry.from_json(self.document["number_formats"])
+    return self._telemetry
+
+  @number_formats.setter
+  def number_formats(self, telemetry: Optional[NumberFormatTelemetry]) -> None:
+    if telemetry is not None and not isinstance(telemetry, NumberFormatTelemetry):
+      raise TypeError(f"number_formats must be a NumberFormatTelemetry or None, got "
+                      f"{type(telemetry).__name__}.")
+    self._telemetry = telemetry
+
+  def add_number_format_telemetry(self, step: int, *, model=None, opt_state=None,
+                                  fp8=None) -> NumberFormatTelemetry:
+    """Records one training step's number-format telemetry into this report.
+
+    Args:
+      step: the optimizer step (increasing).
+      model: an NNX model with :class:`~ipu_jax.fp8_scaling.FP8Linear`
+        layers (their amax and scales after the step).
+      opt_state: a :class:`~ipu_jax.keras.LossScaleOptimizer` state.
+      fp8: ``ipu_jax.fp8_scaling.collect_telemetry(model)``'s dict, instead
+        of ``model``.
+
+    Returns:
+      :attr:`number_formats`, created on first use.
+    """
+    if self.number_formats is None:
+      self._telemetry = NumberFormatTelemetry()
+    self._telemetry.record(step, model=model, opt_state=opt_state, fp8=fp8)
+    return self._telemetry
+
+  def _number_formats_dict(self) -> Optional[dict]:
+    telemetry = self.number_formats
+    return None if telemetry is None else telemetry.to_json()
+
   # -- aggregates -------------------------------------------------------------
 
   def cycles_by_operation(self) -> list:
@@ -263,6 +315,7 @@ class _ReportBase(SummaryMixin):
         "tensors": list(data.tensors),
         "run_setup": self._run_setup_dict(),
         "streaming": self._streaming_dict(),
+        "number_formats": self._number_formats_dict(),
     }
 
   def _run_setup_dict(self):
@@ -303,7 +356,18 @@ class _ReportBase(SummaryMixin):
       written.append(html_lib.write_report_html(self, directory))
     if plots:
       written += write_plots(self._data, self._data.tile_cycles, directory)
+      written += self._write_number_formats_plot(directory)
     return written
+
+  def _write_number_formats_plot(self, directory: str) -> list:
+    telemetry = self.number_formats
+    figure_class = load_matplotlib()
+    if telemetry is None or telemetry.empty or figure_class is None:
+      return []  # without matplotlib, write_plots already said how to get it
+    path = os.path.join(directory, NUMBER_FORMATS_PLOT_FILE)
+    title = f"{self.name}: number formats ({self.target.name})"
+    number_formats_figure(telemetry, title, figure_class).savefig(path, dpi=100)
+    return [path]
 
 
 class Report(_ReportBase):

@@ -308,12 +308,76 @@ function renderOperations() {
   makeSortable(wrap.querySelector("table"));
 }
 
+// ---------------------------------------------------------------------------
+// Number formats: FP8 scale distributions per kind, loss scale over steps.
+// ---------------------------------------------------------------------------
+
+const KIND_COLOURS = {weights: "#1f77b4", activations: "#ff7f0e", gradients: "#2ca02c"};
+
+function renderNumberFormats() {
+  const nf = REPORT.number_formats;
+  if (!nf) return Promise.resolve();
+  document.getElementById("number-formats").hidden = false;
+  document.getElementById("number-formats-link").hidden = false;
+  const plots = [];
+  const tensors = nf.fp8_tensors || [];
+  if (tensors.length) {
+    const byKind = {};
+    for (const t of tensors) (byKind[t.kind] = byKind[t.kind] || []).push(...t.log2_scale);
+    const data = Object.entries(byKind).map(([kind, scales]) => ({
+      type: "histogram", name: kind, x: scales, xbins: {size: 1}, opacity: 0.7,
+      marker: {color: KIND_COLOURS[kind]},
+      hovertemplate: `${kind}: log2 scale %{x}: %{y} tensor-steps<extra></extra>`}));
+    plots.push(Plotly.newPlot("fp8-scales-chart", data, {
+      title: {x: 0.01, xanchor: "left", text: "FP8 per-tensor log2 scales (tensors × steps)", font: {size: 13}},
+      barmode: "overlay", height: 360, margin: {l: 60, r: 10, t: 40, b: 40},
+      xaxis: {title: {text: "log2 scale"}, dtick: 1}, yaxis: {title: {text: "tensors × steps"}}}, PLOT_CONFIG));
+    const columns = [{label: "Tensor"}, {label: "Kind"}, {label: "Format"}, {label: "Steps", num: true},
+      {label: "First scale", num: true}, {label: "Last scale", num: true}, {label: "Min", num: true},
+      {label: "Max", num: true}, {label: "Last amax", num: true}];
+    const last = (a) => a[a.length - 1];
+    const rows = tensors.map((t) => [cell(escapeHtml(t.name), t.name), cell(t.kind), cell(t.format),
+      numCell(t.steps.length), numCell(t.log2_scale[0]), numCell(last(t.log2_scale)),
+      numCell(Math.min(...t.log2_scale)), numCell(Math.max(...t.log2_scale)),
+      numCell(last(t.amax), (v) => Number(v).toPrecision(3))]);
+    const wrap = document.getElementById("fp8-tensors-table");
+    wrap.innerHTML = tableHtml("fp8-tensors", columns, rows);
+    makeSortable(wrap.querySelector("table"));
+  } else {
+    document.getElementById("fp8-scales-chart").innerHTML = "<p class='hint'>No FP8 tensors recorded.</p>";
+  }
+  const ls = nf.loss_scaling;
+  if (ls) {
+    const data = [{type: "scatter", mode: "lines+markers", line: {shape: "hv", color: "#9467bd"},
+      name: "loss scale", x: ls.steps, y: ls.scale, customdata: ls.skipped_steps,
+      hovertemplate: "step %{x}: scale %{y:,}<br>%{customdata} skipped so far<extra></extra>"}];
+    const skipped = ls.steps.filter((_, i) => ls.skipped_steps[i] > (i ? ls.skipped_steps[i - 1] : 0));
+    if (skipped.length) {
+      data.push({type: "scatter", mode: "markers", name: "steps skipped", x: skipped,
+        y: skipped.map((s) => ls.scale[ls.steps.indexOf(s)]), marker: {color: "red", symbol: "triangle-down", size: 9}});
+    }
+    plots.push(Plotly.newPlot("loss-scale-chart", data, {
+      title: {x: 0.01, xanchor: "left", font: {size: 13},
+              text: `Loss scale (${fmtInt(last_(ls.skipped_steps))} skipped, ${fmtInt(last_(ls.overflows))} overflows)`},
+      height: 360, margin: {l: 70, r: 10, t: 40, b: 40}, showlegend: skipped.length > 0,
+      xaxis: {title: {text: "step"}}, yaxis: {title: {text: "loss scale"}, type: "log", exponentformat: "power"}},
+      PLOT_CONFIG));
+  } else {
+    document.getElementById("loss-scale-chart").innerHTML = "<p class='hint'>No loss scaling recorded.</p>";
+  }
+  return Promise.all(plots);
+}
+
+function last_(values) {
+  return values.length ? values[values.length - 1] : 0;
+}
+
 function main() {
   renderHeader();
   renderOperations();
   document.getElementById("show-peak-tile").addEventListener("click", () => showTile(REPORT.totals.peak_tile));
   document.getElementById("tile-input").addEventListener("change", (e) => showTile(Number(e.target.value)));
-  Promise.all([renderTileMap(), renderLiveness(), renderExecution()]).then(() => {
+  Promise.all([renderTileMap(), renderLiveness(), renderExecution(), renderNumberFormats()]).then(() => {
     if (NUM_STEPS) showStep(busiestStep());
     document.body.dataset.ready = "true";
   });
