@@ -12,19 +12,22 @@ The structure and constants follow poplibs'
   accumulator width (8 fp16 or 4 fp32 a loop, a loop costing as many cycles
   as 64-bit loads it needs), 1 cycle per element left over, 8 to sum the
   accumulators (5 more unless the output is fp32);
-* a worker with several outputs runs the ``DEFAULT`` specialisation: 59
-  cycles of entry and per-reduction setup, then per vector of outputs a
-  store (2 cycles per output-width element, 1 more for the accumulators) and
-  a pointer fetch (10), and per vector per accumulated input row 9 cycles
-  (a 64-bit-aligned accumulator load of 2 + 2 + loads, then 3); remainder
-  outputs (fewer than a vector) cost the same per power-of-two piece;
+* a worker with several outputs runs the ``STRIDED_REDUCE`` specialisation,
+  poplibs' vertex for partials laid out as rows of the outputs: 16 cycles of
+  entry and setup, then per group of outputs one 64-bit load wide (4 fp16 or
+  2 fp32, fewer when the tile's row of outputs is not a multiple) 3 cycles of loop, the group's completion and store (8 cycles for
+  fp16 partials, 5 otherwise), 3 more and 1 cycle per accumulated row after
+  the first. Contiguous row reductions (``ALL_REGIONS_CONTINUOUS``) cost
+  about the same per element, so the estimator does not need the layout;
+  the general ``DEFAULT`` vertex, used only for irregular regions, is dearer;
 * integer and other types have 1-element "vectors".
 
 The tile pays the busiest worker times the contexts plus the compute set's
 launch (``supervisor_overhead_cycles``), like the other worker vertices.
-Combining the workers' partial results when a tile has fewer outputs than
-workers is not costed (poplibs does it in its next reduction stage, at most
-``workers x outputs`` elements).
+When a tile has fewer outputs than workers, poplibs combines the workers'
+partial results in a second on-tile compute set (``Reduce_Second_Stage``):
+one worker per output reduces the ``workers`` partials, costed the same way
+(its sync is not: it stays inside the step).
 """
 
 from __future__ import annotations
@@ -54,23 +57,21 @@ def _single_input(n, acc, path, is_fp32):
   return cycles + (0 if is_fp32 else 5)
 
 
-def _default(outputs, rows, acc, path, out_width):
-  """One worker reducing ``rows`` input rows onto ``outputs`` contiguous outputs."""
-  def store(width):
-    return 2 * min(width, out_width) + 1
+def _strided(outputs, rows, acc, path, half, stride):
+  """One worker's ``STRIDED_REDUCE`` vertex: ``rows`` partial rows onto ``outputs``.
 
-  vectors, rem = outputs // acc, outputs % acc
-  load = 2 + 2 + acc // min(acc, path)
-  cycles = 7 + 26 + 16 + 6 + 2
-  cycles = cycles + vectors * (5 + store(acc) + 1 + 10) + vectors * rows * (load + 3)
-  bit = 1
-  while bit < acc:                       # remainder pieces: 1, 2, 4 ... elements
-    cycles = cycles + 2                  # the check for this piece
-    present = (rem & bit) > 0
-    loads = bit // min(bit, path)
-    cycles = cycles + np.where(present, 4 + store(bit) + 10 + rows * (2 + loads + 3), 0)
-    bit <<= 1
-  return cycles
+  ``stride`` is the length of a partial row (the tile's outputs): a group
+  must stay 64-bit aligned from row to row, so it is at most the largest
+  common divisor of the load width and the stride.
+  """
+  # 5 cycles entry/exit, 11 of loop setup; per group of outputs loaded in one
+  # cycle: 3 of loop, the result's completion and store (8 for fp16
+  # partials, 5 otherwise), 3 more and one cycle per accumulated row after
+  # the first.
+  per_loop = np.gcd(min(acc, path), stride)
+  post = 8 if half else 5
+  outer = 3 + post + 3 + (rows - 1)
+  return 5 + 11 + outer * -(-outputs // per_loop)
 
 
 def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:
@@ -94,15 +95,22 @@ def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:
   if outputs is None:
     worker_outputs = np.ones_like(elements)
     rows = -(-elements // w)
+    stride = worker_outputs
   else:
     outputs = np.maximum(np.asarray(outputs, np.int64), 1)
     # Outputs per worker; with fewer outputs than workers, the inputs are split.
     worker_outputs = np.where(outputs >= w, -(-outputs // w), outputs)
     rows = np.where(outputs >= w, -(-elements // outputs), -(-(-(-elements // w)) // outputs))
+    stride = outputs
   rows = np.maximum(rows, 1)
   is_fp32 = dtype.kind == "f" and dtype.itemsize == 4
   single = _single_input(rows, acc, path, is_fp32)
-  several = _default(worker_outputs, rows, acc, path, path)
+  several = _strided(worker_outputs, rows, acc, path, dtype.kind == "f" and dtype.itemsize == 2,
+                     stride)
   worker = np.where(worker_outputs == 1, single, several)
   cycles = w * worker + target.supervisor_overhead_cycles
+  if outputs is not None:
+    split = (outputs < w) & (elements > outputs)
+    second = w * _single_input(np.full_like(elements, w), acc, path, is_fp32)
+    cycles = cycles + np.where(split, second + target.supervisor_overhead_cycles, 0)
   return np.where(elements > 0, cycles, 0).astype(np.float64)
