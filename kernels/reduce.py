@@ -92,22 +92,28 @@ def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:
   dtype = np.dtype(dtype)
   acc = accumulator_width(dtype)
   path = max(1, int(target.vector_width_bytes) // dtype.itemsize)
+  half = dtype.kind == "f" and dtype.itemsize == 2
+  is_fp32 = dtype.kind == "f" and dtype.itemsize == 4
   if outputs is None:
-    worker_outputs = np.ones_like(elements)
-    rows = -(-elements // w)
-    stride = worker_outputs
+    stride = np.ones_like(elements)
+    shares = [(stride, -(-elements // w)), (stride, elements // w)]
   else:
     outputs = np.maximum(np.asarray(outputs, np.int64), 1)
-    # Outputs per worker; with fewer outputs than workers, the inputs are split.
-    worker_outputs = np.where(outputs >= w, -(-outputs // w), outputs)
-    rows = np.where(outputs >= w, -(-elements // outputs), -(-(-(-elements // w)) // outputs))
     stride = outputs
-  rows = np.maximum(rows, 1)
-  is_fp32 = dtype.kind == "f" and dtype.itemsize == 4
-  single = _single_input(rows, acc, path, is_fp32)
-  several = _strided(worker_outputs, rows, acc, path, dtype.kind == "f" and dtype.itemsize == 2,
-                     stride)
-  worker = np.where(worker_outputs == 1, single, several)
+    # Outputs per worker; with fewer outputs than workers, the inputs are
+    # split. Workers get the ceiling or the floor of an even share, and a
+    # smaller share can cost more (its remainder loop), so both are costed.
+    rows = -(-elements // outputs)
+    shares = [(np.where(outputs >= w, -(-outputs // w), outputs),
+               np.where(outputs >= w, rows, -(-(-(-elements // w)) // outputs))),
+              (np.where(outputs >= w, outputs // w, outputs),
+               np.where(outputs >= w, rows, (elements // w) // outputs))]
+  worker = np.zeros(elements.shape, np.int64)
+  for worker_outputs, rows in shares:
+    single = _single_input(rows, acc, path, is_fp32)
+    several = _strided(worker_outputs, np.maximum(rows, 1), acc, path, half, stride)
+    cycles = np.where(worker_outputs == 1, single, several)
+    worker = np.maximum(worker, np.where((worker_outputs > 0) & (rows > 0), cycles, 0))
   cycles = w * worker + target.supervisor_overhead_cycles
   if outputs is not None:
     split = (outputs < w) & (elements > outputs)
