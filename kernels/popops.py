@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["UNARY", "BINARY", "popops_elementwise_cycles", "cast_cycles", "fill_cycles",
-           "scaled_add_cycles", "dynamic_slice_cycles"]
+           "fill_vertex_cycles", "scaled_add_cycles", "dynamic_slice_cycles"]
 
 # (cycles per loop, natural vector width?, unroll factor) by op and width
 # (2: fp16, 4: fp32), after poplibs' unaryOpPerfInfo / binaryOpPerfInfo.
@@ -218,7 +218,7 @@ def cast_cycles(target, elements, src_dtype, dst_dtype) -> np.ndarray:
 # -- Fill -----------------------------------------------------------------------
 
 
-def _fill1d(target, n, itemsize):
+def fill_vertex_cycles(target, n, itemsize):
   """poplibs' ``Fill`` vertex (one worker) writing ``n`` elements of ``itemsize``."""
   n = np.asarray(n, np.int64)
   if itemsize == 8:
@@ -240,7 +240,7 @@ def fill_cycles(target, elements, itemsize) -> np.ndarray:
   """
   elements = np.asarray(elements, np.int64)
   w = target.worker_contexts
-  worker = _fill1d(target, _ceil_div(elements, w), int(itemsize))
+  worker = fill_vertex_cycles(target, _ceil_div(elements, w), int(itemsize))
   cycles = w * worker + target.supervisor_overhead_cycles
   return np.where(elements > 0, cycles, 0).astype(np.float64)
 

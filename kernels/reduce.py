@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["accumulator_width", "reduce_cycles"]
+__all__ = ["accumulator_width", "reduce_cycles", "reduce_vertex_cycles"]
 
 
 def accumulator_width(dtype) -> int:
@@ -72,6 +72,18 @@ def _strided(outputs, rows, acc, path, half, stride):
   post = 8 if half else 5
   outer = 3 + post + 3 + (rows - 1)
   return 5 + 11 + outer * -(-outputs // per_loop)
+
+
+def reduce_vertex_cycles(target, outputs: int, rows: int, dtype) -> int:
+  """One worker's reduce vertex: ``rows`` partials onto each of ``outputs`` outputs."""
+  dtype = np.dtype(dtype)
+  acc = accumulator_width(dtype)
+  path = max(1, int(target.vector_width_bytes) // dtype.itemsize)
+  rows = max(int(rows), 1)
+  if outputs <= 1:
+    return int(_single_input(rows, acc, path, dtype.kind == "f" and dtype.itemsize == 4))
+  return int(_strided(int(outputs), rows, acc, path, dtype.kind == "f" and dtype.itemsize == 2,
+                      int(outputs)))
 
 
 def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:

@@ -119,6 +119,22 @@ class OneCostPerWorkTest(chex.TestCase, parameterized.TestCase):
     self.assertTrue(np.all(step.compute_cycles[active] >= floor))
     np.testing.assert_array_equal(lowered(table, jnp.int32(5)), fn(table, jnp.int32(5)))
 
+  def test_graph_api_scaled_add_costs_the_same(self):
+    from ipu_jax import graph as g
+    from ipu_jax.kernels import library
+    gr = g.Graph(_T16)
+    x = gr.add_variable("float32", (600,), "x")
+    y = gr.add_constant("float32", (600,), np.ones(600), "y")
+    scale = gr.add_constant("float32", (), 0.5, "scale")
+    for t in (x, y, scale):
+      gr.set_tile_mapping(t, 3)
+    cs = gr.add_compute_set("axpy")
+    gr.add_vertex(cs, library.scaled_add, tile=3, y=y, scale=scale, x=x)
+    engine = g.Engine(gr, [g.Sequence([g.Execute(cs)])])
+    step = next(s for s in engine.profile.steps if s.name == "axpy")
+    self.assertEqual(step.compute_cycles[3],
+                     estimators.scaled_add_cycles(_T16, np.array([600]), 4)[0])
+
   def test_reduce_accumulator_widths(self):
     self.assertEqual(reduce_kernels.accumulator_width(np.float16), 8)
     self.assertEqual(reduce_kernels.accumulator_width(np.float32), 4)
