@@ -30,7 +30,8 @@ from ipu_jax.target import IPUTarget
 __all__ = [
     "worker_split_cycles", "elementwise_cycles", "reduce_cycles",
     "matmul_cycles", "copy_cycles", "fill_cycles", "scaled_add_cycles",
-    "dot_product_cycles", "dynamic_slice_cycles", "vertex_cycles_per_tile", "ELEMENTWISE_COST",
+    "dot_product_cycles", "dynamic_slice_cycles", "vertex_cycles_per_tile",
+    "ELEMENTWISE_COST",
     "COMPLEX_REAL_MACS", "FLOAT64_FP32_OPS_PER_MAC", "mac_cost_note",
 ]
 

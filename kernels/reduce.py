@@ -15,11 +15,12 @@ The structure and constants follow poplibs'
 * a worker with several outputs runs the ``STRIDED_REDUCE`` specialisation,
   poplibs' vertex for partials laid out as rows of the outputs: 16 cycles of
   entry and setup, then per group of outputs one 64-bit load wide (4 fp16 or
-  2 fp32, fewer when the tile's row of outputs is not a multiple) 3 cycles of loop, the group's completion and store (8 cycles for
-  fp16 partials, 5 otherwise), 3 more and 1 cycle per accumulated row after
-  the first. Contiguous row reductions (``ALL_REGIONS_CONTINUOUS``) cost
-  about the same per element, so the estimator does not need the layout;
-  the general ``DEFAULT`` vertex, used only for irregular regions, is dearer;
+  2 fp32; fewer when the tile's row of outputs is not a multiple of it)
+  3 cycles of loop, the group's completion and store (8 cycles for fp16
+  partials, 5 otherwise), 3 more and 1 cycle per accumulated row after the
+  first. Contiguous row reductions (``ALL_REGIONS_CONTINUOUS``) cost about
+  the same per element, so the estimator does not need the layout; the
+  general ``DEFAULT`` vertex, used only for irregular regions, is dearer;
 * integer and other types have 1-element "vectors".
 
 The tile pays the busiest worker times the contexts plus the compute set's
@@ -28,6 +29,10 @@ When a tile has fewer outputs than workers, poplibs combines the workers'
 partial results in a second on-tile compute set (``Reduce_Second_Stage``):
 one worker per output reduces the ``workers`` partials, costed the same way
 (its sync is not: it stays inside the step).
+
+The operation is not known here: every reduction is costed as ``add`` on the
+accumulators (poplibs' ``max``/``min`` vertices differ by a cycle or two per
+group of outputs).
 """
 
 from __future__ import annotations
