@@ -12,7 +12,7 @@ Kinds of provenance, strongest first:
   specification) used as given.
 * ``poplibs``: taken from Graphcore's published cycle estimators (poplibs,
   ``lib/poplin/PerformanceEstimation.hpp`` and ``lib/popops``), which Graphcore
-  fits to hardware cycle counts.
+  fits to hardware cycle counts, or from the figures poplibs' planners use.
 * ``estimate``: not backed by a published figure.
 
 ``calibrated`` figures are the ``datasheet`` and ``poplibs`` ones.
@@ -30,7 +30,12 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    structure; no per-output write term on top of the MACs); fp16/fp32
 #    elementwise ops from popops' UnaryOp1D/BinaryOp1D estimators; the host
 #    link at PCIe 4.0 x16 per direction (31.5 GB/s, was 64 GB/s).
-COST_MODEL_VERSION = "2"
+# 3: reductions, casts, fills, scaled adds and dynamic slices/updates from
+#    popops' Reduce, Cast1D, Fill, ScaledAddSupervisor and DynamicSlice1D
+#    estimators (kernels/reduce.py, kernels/popops.py); on-chip sync 90 cycles
+#    (was 150) and a fixed 100 cycles per exchange (was 30), poplibs' planner
+#    figures.
+COST_MODEL_VERSION = "3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +67,18 @@ FIGURE_SOURCES = {
     "vector_width_bytes": FigureSource(
         "estimate", "64-bit loads per worker per cycle; poplibs' popops estimators use "
         "64-bit vectors for most elementwise codelets"),
-    "exchange_latency_cycles": FigureSource("estimate", "no published per-exchange latency found"),
-    "sync_cycles_internal": FigureSource("estimate", "no published on-chip sync latency found"),
-    "sync_cycles_external": FigureSource("estimate", "no published IPU-to-IPU sync latency found"),
+    "exchange_latency_cycles": FigureSource(
+        "poplibs", "popnn CTC-loss planner (lib/popnn/CTCLossPlan.cpp): fixed 100 cycles per "
+        "exchange on top of bytes / exchangeBytesPerCycle (a planner constant, not a "
+        "measurement)"),
+    "sync_cycles_internal": FigureSource(
+        "poplibs", "popnn CTC-loss planner (lib/popnn/CTCLossPlan.cpp): ~90 cycles for the "
+        "sync before each exchange (a planner constant, not a measurement)"),
+    "sync_cycles_external": FigureSource(
+        "estimate", "covers host and streaming-memory syncs too, for which nothing is "
+        "published; IPU-to-IPU syncs alone are 15 ns per hop each way in poplibs' IPUModel "
+        "(lib/poplibs_test/Util.cpp, used by pipelining.links); Jia et al. 2019 "
+        "(arXiv:1912.03413) measured syncs on a GC2 but their tables could not be obtained"),
     "code_bytes_per_codelet": FigureSource("estimate", "no published code sizes"),
     "vertex_state_bytes": FigureSource("estimate", "no published vertex-state sizes"),
 }

@@ -8,7 +8,8 @@ Every figure the cost and memory models use lives here, so a what-if study is a
 
 Sources for the presets: Graphcore datasheets (tiles, SRAM, clock, peak FLOPS,
 all-to-all exchange and IPU-Link bandwidth), the PCIe 4.0 specification (host
-link), poplibs' published cycle estimators (supervisor overhead), "Dissecting
+link), poplibs' published cycle estimators (supervisor overhead) and
+planner figures (on-chip sync, fixed exchange cost), "Dissecting
 the Graphcore IPU Architecture via Microbenchmarking" (Jia et al., 2019). The
 provenance of every figure is in :data:`ipu_jax.cost_model.FIGURE_SOURCES`;
 figures marked *estimate* have no published measurement behind them.
@@ -25,6 +26,14 @@ __all__ = ["IPUTarget", "PRESETS"]
 # --- calibrated figures (provenance in ipu_jax.cost_model) --------
 # PCIe 4.0 x16, one direction: 16 GT/s x 16 lanes x 128/130 / 8 bits.
 _PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
+# Graphcore's own planning figures for an on-chip BSP step (poplibs, popnn's
+# CTC-loss planner, lib/popnn/CTCLossPlan.cpp): about 90 cycles for the sync
+# before each exchange and a fixed 100 cycles of overhead per exchange on
+# top of bytes / exchangeBytesPerCycle. Planner constants, not measurements:
+# Jia et al. (2019) measured sync and tile-to-tile latencies on a GC2, but
+# their tables could not be obtained for this project.
+_ONCHIP_SYNC_CYCLES = 90
+_EXCHANGE_FIXED_CYCLES = 100
 # ----------------------------------------------------------------------------
 
 
@@ -43,9 +52,14 @@ class IPUTarget:
     fp32_flops_per_cycle: peak fp32 FLOP per cycle per tile.
     vector_width_bytes: bytes a worker loads per cycle for elementwise work.
     exchange_bytes_per_cycle: bytes a tile sends or receives per cycle.
-    exchange_latency_cycles: fixed cost of an exchange phase (*estimate*).
-    sync_cycles_internal: cost of a sync among the tiles of one IPU (*estimate*).
-    sync_cycles_external: cost of a sync across IPUs (*estimate*).
+    exchange_latency_cycles: fixed cost of an exchange phase (poplibs'
+      planner figure, 100 cycles).
+    sync_cycles_internal: cost of a sync among the tiles of one IPU (poplibs'
+      planner figure, 90 cycles).
+    sync_cycles_external: cost of a sync across IPUs or with the host or
+      streaming memory (*estimate*: poplibs' IPUModel prices an IPU-to-IPU
+      sync at 15 ns per hop each way, see ``pipelining.links``, but nothing
+      published prices host and gateway syncs, which this figure also covers).
     supervisor_overhead_cycles: per compute set per tile, launching workers
       (poplibs' supervisor non-loop overhead).
     ipu_link_bytes_per_second: IPU-Link bandwidth per IPU (all links).
@@ -74,8 +88,8 @@ class IPUTarget:
   fp32_flops_per_cycle: int = 32
   vector_width_bytes: int = 8
   exchange_bytes_per_cycle: int = 4
-  exchange_latency_cycles: int = 30
-  sync_cycles_internal: int = 150
+  exchange_latency_cycles: int = _EXCHANGE_FIXED_CYCLES
+  sync_cycles_internal: int = _ONCHIP_SYNC_CYCLES
   sync_cycles_external: int = 1500
   supervisor_overhead_cycles: int = 50
   ipu_link_bytes_per_second: float = 320e9

@@ -8,24 +8,30 @@ round-robin, so a tile's cycles are the busiest worker's cycles times the
 number of contexts, plus the supervisor's launch overhead.
 
 Sourced parts: matmul and convolution blocks use the AMP estimator in
-:mod:`ipu_jax.kernels.amp` (after poplin's ConvPartial1x1 estimator), and
-fp16/fp32 elementwise operations that poplibs publishes figures for use
-:mod:`ipu_jax.kernels.popops` (its UnaryOp1D / BinaryOp1D estimators). The
-rest (reductions, scaled add, copies, fills, other elementwise ops and types)
-follows the shape of poplibs' estimators (a fixed per-worker overhead plus a
-cost per vector of elements) with estimated constants.
+:mod:`ipu_jax.kernels.amp` (after poplin's ConvPartial1x1 estimator);
+fp16/fp32 elementwise operations that poplibs publishes figures for, casts,
+fills, scaled adds and dynamic slices use :mod:`ipu_jax.kernels.popops`
+(popops' UnaryOp1D / BinaryOp1D, Cast1D, Fill, ScaledAddSupervisor and
+DynamicSlice1D estimators); reductions with one vector op per input vector
+use :mod:`ipu_jax.kernels.reduce` (popops' Reduce vertices). The rest
+(on-tile copies, other elementwise ops and types, multi-op reductions such as
+argmax) follows the shape of poplibs' estimators (a fixed per-worker overhead
+plus a cost per vector of elements) with estimated constants.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ipu_jax.kernels import popops
+from ipu_jax.kernels import reduce
 from ipu_jax.target import IPUTarget
 
 __all__ = [
     "worker_split_cycles", "elementwise_cycles", "reduce_cycles",
     "matmul_cycles", "copy_cycles", "fill_cycles", "scaled_add_cycles",
-    "dot_product_cycles", "vertex_cycles_per_tile", "ELEMENTWISE_COST",
+    "dot_product_cycles", "dynamic_slice_cycles", "vertex_cycles_per_tile",
+    "ELEMENTWISE_COST",
     "COMPLEX_REAL_MACS", "FLOAT64_FP32_OPS_PER_MAC", "mac_cost_note",
 ]
 
@@ -61,41 +67,72 @@ def worker_split_cycles(target: IPUTarget, elements: np.ndarray,
   return np.where(elements > 0, cycles, 0).astype(np.float64)
 
 
-def elementwise_cycles(target, elements, op_name: str, itemsize: int, dtype=None):
+def elementwise_cycles(target, elements, op_name: str, itemsize: int, dtype=None,
+                       in_dtype=None):
   """A tile's elementwise vertex: ``elements`` of ``op_name`` per tile.
 
   With a floating ``dtype`` and an operation poplibs publishes figures for,
-  the cost is poplibs' (:mod:`ipu_jax.kernels.popops`); otherwise the generic
-  per-vector model with :data:`ELEMENTWISE_COST` (an estimate).
+  the cost is poplibs' (:mod:`ipu_jax.kernels.popops`); a
+  ``convert_element_type`` from ``in_dtype`` to ``dtype`` is popops' Cast1D;
+  otherwise the generic per-vector model with :data:`ELEMENTWISE_COST` (an
+  estimate).
   """
+  if op_name == "convert_element_type" and dtype is not None and in_dtype is not None:
+    return popops.cast_cycles(target, elements, in_dtype, dtype)
   if dtype is not None:
-    from ipu_jax.kernels.popops import popops_elementwise_cycles
-    sourced = popops_elementwise_cycles(target, elements, op_name, dtype)
+    sourced = popops.popops_elementwise_cycles(target, elements, op_name, dtype)
     if sourced is not None:
       return sourced
   cost = ELEMENTWISE_COST.get(op_name, DEFAULT_ELEMENTWISE_COST)
   return worker_split_cycles(target, elements, cost, itemsize)
 
 
-def scaled_add_cycles(target, elements, itemsize):
-  return worker_split_cycles(target, elements, 2, itemsize)
+def _float_of(itemsize: int) -> np.dtype:
+  """The type a cost is read for when only the element size is known."""
+  return np.dtype({2: np.float16, 4: np.float32, 8: np.float64}.get(int(itemsize), np.uint8))
+
+
+def scaled_add_cycles(target, elements, itemsize, dtype=None):
+  """``A += k * B`` on ``elements`` per tile: popops' ScaledAddSupervisor."""
+  return popops.scaled_add_cycles(target, elements, _float_of(itemsize) if dtype is None else dtype)
 
 
 def copy_cycles(target, elements, itemsize):
+  """On-tile copies (an estimate: a 64-bit vector a cycle per worker).
+
+  Poplar's on-tile copy is not among poplibs' published estimators.
+  """
   return worker_split_cycles(target, elements, 1, itemsize, overhead=6)
 
 
 def fill_cycles(target, elements, itemsize):
-  return worker_split_cycles(target, elements, 1, itemsize, overhead=4)
+  """Filling ``elements`` per tile with a constant: popops' Fill vertex."""
+  return popops.fill_cycles(target, elements, itemsize)
 
 
-def reduce_cycles(target, elements, itemsize, outputs=None):
-  """Partial reductions: one vector op per vector of input, plus per output."""
-  cycles = worker_split_cycles(target, elements, 1, itemsize)
-  if outputs is not None:
-    cycles = cycles + np.where(np.asarray(elements) > 0,
-                               target.worker_contexts * 2 * -(-np.asarray(outputs) // target.worker_contexts), 0)
-  return cycles
+def reduce_cycles(target, elements, itemsize, outputs=None, cycles_per_vector=1, dtype=None):
+  """Partial reductions of ``elements`` inputs per tile onto ``outputs``.
+
+  With one vector op per input vector (add, mul, max, min, and, or), popops'
+  Reduce vertices (:func:`ipu_jax.kernels.reduce.reduce_cycles`, in the
+  partials type ``dtype``, by default the float type of ``itemsize``).
+  Reductions of several ops per vector (argmax, variadic ``reduce``) have no
+  poplibs vertex: ``cycles_per_vector`` per input vector split over the
+  workers plus 2 cycles per output (an estimate).
+  """
+  if cycles_per_vector == 1:
+    return reduce.reduce_cycles(target, elements, outputs,
+                                _float_of(itemsize) if dtype is None else dtype)
+  cycles = worker_split_cycles(target, elements, cycles_per_vector, itemsize)
+  if outputs is None:
+    return cycles
+  w = target.worker_contexts
+  return cycles + np.where(np.asarray(elements) > 0, w * 2 * -(-np.asarray(outputs) // w), 0)
+
+
+def dynamic_slice_cycles(target, elements, itemsize, num_slices=1):
+  """A tile's part of a dynamic slice or update: popops' DynamicSlice1D."""
+  return popops.dynamic_slice_cycles(target, elements, itemsize, num_slices)
 
 
 def dot_product_cycles(target, length, itemsize, vertices):

@@ -13,10 +13,12 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.kernels import popops
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.kernels.amp import amp_block_cycles
 from ipu_jax.kernels.codelet import Codelet
 from ipu_jax.kernels.estimators import WORKER_OVERHEAD, elementwise_cycles
+from ipu_jax.kernels.reduce import reduce_vertex_cycles
 from ipu_jax.target import IPUTarget
 
 __all__ = ["unary", "binary", "scaled_add", "partial_reduce", "final_reduce",
@@ -68,21 +70,26 @@ def binary(op: str) -> Codelet:
 
 
 # Fields: inputs (y, scale), then the in-out x; ``x += scale * y``.
+# popops' ScaledAddSupervisor: a supervisor vertex, costed by the same
+# estimator as the lowering's scaled adds.
 scaled_add = Codelet(
     vocab.SCALED_ADD, lambda y, scale, x: x + scale * y, ("y", "scale"), (),
     inouts=("x",),
-    cycles=lambda y, scale, x: vector_cycles(x.size, x.dtype.itemsize, 2),
-    flops=lambda y, scale, x: 2 * x.size)
+    cycles=lambda target, y, scale, x: int(popops.scaled_add_cycles(
+        target, np.array([x.size]), x.dtype, y.dtype)[0]),
+    flops=lambda y, scale, x: 2 * x.size, supervisor=True)
 
+# popops' Reduce vertices (worker vertices): the lowering's reduce estimator
+# for one vertex.
 partial_reduce = Codelet(
     vocab.REDUCE_PARTIAL, lambda x: jnp.sum(x, axis=-1), ("x",), ("partials",),
-    cycles=lambda x, p: vector_cycles(x.size, x.dtype.itemsize, 1) + 2 * p.size,
+    cycles=lambda x, p: reduce_vertex_cycles(_DEFAULT, p.size, x.size // max(p.size, 1), x.dtype),
     flops=lambda x, p: x.size)
 
 final_reduce = Codelet(
     vocab.vertex(vocab.REDUCE, "add"), lambda partials: jnp.sum(partials, axis=0),
     ("partials",), ("out",),
-    cycles=lambda p, o: vector_cycles(p.size, p.dtype.itemsize, 1) + 2 * o.size,
+    cycles=lambda p, o: reduce_vertex_cycles(_DEFAULT, o.size, p.size // max(o.size, 1), p.dtype),
     flops=lambda p, o: p.size)
 
 dot_product = Codelet(
@@ -113,6 +120,8 @@ def matmul_block(dtype) -> Codelet:
 copy = Codelet(vocab.COPY, lambda x: x, ("x",), ("y",),
                cycles=lambda x, y: vector_cycles(x.size, x.dtype.itemsize, 1))
 
+# popops' Fill (a worker vertex), as the lowering's fills.
 fill = Codelet(vocab.FILL, lambda value, x: jnp.full_like(x, value), ("value",), (),
                inouts=("x",),
-               cycles=lambda value, x: vector_cycles(x.size, x.dtype.itemsize, 1))
+               cycles=lambda value, x: int(popops.fill_vertex_cycles(
+                   _DEFAULT, x.size, x.dtype.itemsize)))

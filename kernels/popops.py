@@ -1,4 +1,15 @@
-"""Cycles of popops' elementwise vertices, from poplibs' published estimators.
+"""Cycles of popops' vertices, from poplibs' published estimators.
+
+Elementwise operations, casts, fills, scaled adds and dynamic slices follow
+the structure and constants of poplibs' cycle estimators
+(``lib/popops/popopsCycleEstimators.cpp`` and
+``lib/popops/PerformanceEstimation.cpp``); reductions are in
+:mod:`ipu_jax.kernels.reduce`. Each function takes ``[num_tiles]`` arrays of
+per-tile work and returns ``[num_tiles]`` float64 cycles (0 where a tile has
+no work).
+
+Elementwise (``UnaryOp1D`` / ``BinaryOp1D``)
+-------------------------------------------
 
 For the common unary and binary operations on fp16 and fp32, the cost of a
 tile follows the structure and per-operation figures of poplibs'
@@ -26,7 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["UNARY", "BINARY", "popops_elementwise_cycles"]
+__all__ = ["UNARY", "BINARY", "popops_elementwise_cycles", "cast_cycles", "fill_cycles",
+           "fill_vertex_cycles", "scaled_add_cycles", "dynamic_slice_cycles"]
 
 # (cycles per loop, natural vector width?, unroll factor) by op and width
 # (2: fp16, 4: fp32), after poplibs' unaryOpPerfInfo / binaryOpPerfInfo.
@@ -114,3 +126,196 @@ def popops_elementwise_cycles(target, elements, op_name: str, dtype):
     worker = start + _inner_binary(op_name, per_worker, entry, vector)
     cycles = w * worker + _SUPERVISOR
   return np.where(elements > 0, cycles, 0).astype(np.float64)
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def _ceil_div(a, b):
+  return -(-np.asarray(a, np.int64) // b)
+
+
+def _datapath_bytes(target) -> int:
+  # poplar's Target::getDataPathWidth is 64 bits: a worker loads one 64-bit
+  # word a cycle, the figure the presets call vector_width_bytes.
+  return int(target.vector_width_bytes)
+
+
+def _is_fp8(dtype) -> bool:
+  return np.dtype(dtype).name.startswith("float8")
+
+
+def _is_float(dtype) -> bool:
+  """fp16/bf16/fp32 (and FP8): the types the IPU's float pipeline converts."""
+  dtype = np.dtype(dtype)
+  return (dtype.kind == "f" and dtype.itemsize in (2, 4)) or _is_fp8(dtype) or \
+      dtype.name == "bfloat16"
+
+
+# -- Cast1D ---------------------------------------------------------------------
+
+
+def _atom_loop(n, atom, fill_drain, per_loop, rem1, rem2, rem3):
+  """poplibs' 8-bit cast loops: a pipelined loop over atoms, then 0-3 left over."""
+  atoms = n // atom
+  cycles = np.where(atoms > 0, fill_drain + (atoms - 1) * per_loop, 0)
+  rem = n % atom
+  tail = np.select([rem == 0, rem == 1, rem == 2, rem == 3], [2, rem1, rem2, rem3],
+                   rem1 * rem)
+  return cycles + tail
+
+
+def _cast_worker_cycles(target, n, src, dst):
+  """One worker's cast of ``n`` elements (poplibs' castWorkerCycles)."""
+  n = np.asarray(n, np.int64)
+  if dst.kind in "iu" and dst.itemsize == 8:
+    per_element = 4 + int(src.kind in "iu" and src.itemsize <= 4)
+    return 3 + n * per_element
+  src8, dst8 = src.itemsize == 1 and not _is_fp8(src), dst.itemsize == 1 and not _is_fp8(dst)
+  if src8 and dst.itemsize == 2 and _is_float(dst):          # char -> half
+    return 4 + _atom_loop(n, 4, 14, 9, 12, 14, 22)
+  if src.itemsize == 2 and _is_float(src) and dst8:          # half -> char (clamped)
+    return 4 + 4 + _atom_loop(n, 4, 19, 16, 14, 21, 29)
+  if _is_fp8(src) and dst8:
+    return 4 + _atom_loop(n, 8, 0, 28, 5, 5, 5)
+  if src8 and _is_fp8(dst):
+    return 4 + _atom_loop(n, 8, 0, 37, 7, 7, 7)
+  if _is_fp8(src) and _is_fp8(dst):
+    return 4 + _atom_loop(n, 8, 0, 13, 5, 5, 5)
+  path = _datapath_bytes(target)
+  load = max(1, path // src.itemsize)      # elements of one 64-bit load
+  store = max(1, path // dst.itemsize)     # elements of one 64-bit store
+  # Float <-> float conversions run on the auxiliary pipeline, two 64-bit
+  # reads and one 64-bit write a cycle; the others are C++ (one element a
+  # time, one cycle more): poplibs' own rough guess for them.
+  aux = _is_float(src) and _is_float(dst)
+  width = min(2 * load, store) if aux else 1
+  per_vector = max(width // min(width, load), width // min(width, store)) + int(not aux)
+  cycles = 19 + per_vector * (n // width)
+  rem = n % width
+  bit = 1
+  while bit < width:                       # remainder checks: ceil(log2(width)) bits
+    cycles = cycles + 1 + 2 * ((rem & bit) > 0)
+    bit <<= 1
+  return cycles
+
+
+def cast_cycles(target, elements, src_dtype, dst_dtype) -> np.ndarray:
+  """Tile cycles of popops' ``Cast1D`` vertex converting ``elements`` per tile.
+
+  The elements are split evenly over the worker contexts; each worker pays
+  poplibs' per-worker cast cycles plus 18, the supervisor 12
+  (``getCast1DCycleEstimate``). fp32 -> fp16 converts 4 elements per 2 cycles,
+  fp16 -> fp32 2 per cycle, integer conversions one element per 2 cycles.
+  """
+  elements = np.asarray(elements, np.int64)
+  w = target.worker_contexts
+  worker = _cast_worker_cycles(target, _ceil_div(elements, w), np.dtype(src_dtype),
+                               np.dtype(dst_dtype))
+  return np.where(elements > 0, 12 + w * (worker + 18), 0).astype(np.float64)
+
+
+# -- Fill -----------------------------------------------------------------------
+
+
+def fill_vertex_cycles(target, n, itemsize):
+  """poplibs' ``Fill`` vertex (one worker) writing ``n`` elements of ``itemsize``."""
+  n = np.asarray(n, np.int64)
+  if itemsize == 8:
+    return 5 + n
+  if itemsize == 1:
+    return np.where(n < 64, 28 + n // 4, 39 + n // 8)
+  width = _datapath_bytes(target) // itemsize
+  if itemsize == 2:
+    return np.select([n == 1, n == 2], [15, 21], 26 + n // width)
+  return 16 + n // width + 6 + (n % width == 1) + 1
+
+
+def fill_cycles(target, elements, itemsize) -> np.ndarray:
+  """Tile cycles of filling ``elements`` per tile with a constant (``popops::fill``/``zero``).
+
+  poplibs splits a tile's regions between its workers, one ``Fill`` vertex
+  each; the tile pays the busiest worker times the contexts plus the
+  compute set's launch (``supervisor_overhead_cycles``).
+  """
+  elements = np.asarray(elements, np.int64)
+  w = target.worker_contexts
+  worker = fill_vertex_cycles(target, _ceil_div(elements, w), int(itemsize))
+  cycles = w * worker + target.supervisor_overhead_cycles
+  return np.where(elements > 0, cycles, 0).astype(np.float64)
+
+
+# -- ScaledAddSupervisor ----------------------------------------------------------
+
+
+def scaled_add_cycles(target, elements, dtype, b_dtype=None) -> np.ndarray:
+  """Tile cycles of popops' ``ScaledAddSupervisor`` (``A += k * B``) on ``elements``.
+
+  After ``getScaledArithmeticSupervisorCycleEstimate`` for float data (not
+  memory-constrained): vectors of the natural width dealt evenly to the
+  workers (15 cycles of worker prologue, 6 of loop setup, 3 a vector), the
+  worker holding the remainder a few cycles more, and a supervisor part of
+  about 60 cycles. Integer data: poplibs' supervisor-only loop (26 cycles
+  per 3 elements).
+  """
+  dtype = np.dtype(dtype)
+  b_dtype = dtype if b_dtype is None else np.dtype(b_dtype)
+  elements = np.asarray(elements, np.int64)
+  w = target.worker_contexts
+  if dtype.kind in "iu":
+    cycles = 53 + 26 * (elements // 3) + np.where(elements % 3 == 0, 6, 6 + 26 * (elements % 3))
+    return np.where(elements > 0, cycles + 8 + 6, 0).astype(np.float64)
+  width = max(1, _datapath_bytes(target) // dtype.itemsize)
+  vectors, rem = elements // width, elements % width
+  per_worker, rem_vectors = vectors // w, vectors % w
+  supervisor = 21 + 11 + np.where(rem == 0, 7, 13) + 12 + 6
+  if dtype.itemsize == 2 and b_dtype.itemsize == 4:
+    # Half data with float B: 5 cycles a vector; the first workers take one
+    # remainder vector each, the next one the last elements.
+    def worker(nv):
+      return 16 + np.where(nv > 0, 9 + 5 * np.maximum(nv - 1, 0), 0) + 2 + 1
+    tail = 1 + np.where(rem > 0, 2 + 5 * (rem >= 2) + 2 + 6 * (rem % 2), 0)
+    busiest = np.maximum(np.where(rem_vectors > 0, worker(per_worker + 1), 0),
+                         worker(per_worker) + tail)
+  else:
+    # poplibs counts only the even share of vectors per worker here; the
+    # worker whose id equals the count of remainder vectors also does the
+    # last elements, so it is the busiest.
+    inner = 3 if dtype == b_dtype else 4
+    base = 15 + np.where(per_worker > 0, 6 + inner * np.maximum(per_worker - 1, 0), 0) + 2 + 1
+    if dtype.itemsize == 4:
+      tail = 1 + np.where(rem > 0, 8, 0)
+    else:
+      tail = 1 + np.where(rem > 0, 5 + np.where(rem >= 2, 7 + 6 * (rem == 3), 0), 0)
+    busiest = base + tail
+  cycles = supervisor + w * busiest
+  return np.where(elements > 0, cycles, 0).astype(np.float64)
+
+
+# -- DynamicSlice1D / DynamicUpdateSlice1D ------------------------------------------
+
+
+def dynamic_slice_cycles(target, elements, itemsize, num_slices=1) -> np.ndarray:
+  """Tile cycles of popops' ``DynamicSlice1D`` copying ``elements`` per tile.
+
+  ``elements`` is the tile's region of one slice (poplibs' ``regionSize``),
+  ``num_slices`` the slices copied (``numSubElements``). The supervisor pays
+  25 cycles; each worker copies its share of the region at 64 bits per
+  2 cycles, with 39 cycles of setup and 24 per slice (8-bit types: 76 and 72,
+  4 elements a vector) (``getDynamicSlice1DEstimate``). ``DynamicUpdateSlice1D``
+  has the same estimate.
+  """
+  elements = np.asarray(elements, np.int64)
+  w = target.worker_contexts
+  itemsize = int(itemsize)
+  wide = itemsize == 8
+  # 64-bit types move as twice as many 32-bit words.
+  per_worker = _ceil_div(elements * (2 if wide else 1), w)
+  width = 4 if itemsize == 1 else _datapath_bytes(target) // min(itemsize, 4)
+  copies = per_worker // width
+  if itemsize == 1:
+    worker = 76 + (72 + 2 * copies) * num_slices
+  else:
+    worker = 39 + (24 + 2 * copies) * num_slices
+  supervisor = 11 + 1 + 6 + 1 + 6
+  return np.where(elements > 0, supervisor + w * worker, 0).astype(np.float64)

@@ -184,7 +184,8 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
 
   elements = mapping.elements_per_tile(target.num_tiles)
   op = cost_op or ctx.op
-  compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype)
+  compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype,
+                                          in_dtype=operands[0].dtype if operands else None)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.indexing import (
@@ -34,7 +35,8 @@ def _dynamic_slice(ctx, operand, *indices, slice_sizes):
         lambda ids: lax.dynamic_slice(ids, [jnp.asarray(s) for s in starts], slice_sizes),
         operand.shape)
   served_lookup(ctx, lax.dynamic_slice_p, params, operand, indices, out,
-                num_lookups=1, codelet=vocab.DYNAMIC_SLICE, static_source=static)
+                num_lookups=1, codelet=vocab.DYNAMIC_SLICE, static_source=static,
+                estimator=estimators.dynamic_slice_cycles)
   return [out]
 
 
@@ -54,5 +56,6 @@ def _dynamic_update_slice(ctx, operand, update, *indices):
         operand.shape, update.shape)
   served_update(ctx, lax.dynamic_update_slice_p, {}, [operand, update, *indices], operand,
                 list(indices), update, out, num_lookups=1,
-                codelet=vocab.DYNAMIC_UPDATE_SLICE, static_source=static)
+                codelet=vocab.DYNAMIC_UPDATE_SLICE, static_source=static,
+                estimator=estimators.dynamic_slice_cycles)
   return [out]

@@ -192,7 +192,7 @@ def emit_step(ctx, name, reads, writes, fn, compute=None, exchange=None,
 
 
 def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
-                  static_source=None, per_tile=None):
+                  static_source=None, per_tile=None, estimator=None):
   """Emit a served lookup: indices broadcast, table tiles serve, results move.
 
   Args:
@@ -203,6 +203,8 @@ def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
     num_lookups: index tuples each table tile scans.
     static_source: flat source element per result element when the indices
       are compile-time constants (exact, pure exchange), else ``None``.
+    estimator: ``estimator(target, hits, itemsize)``, the compute cycles of
+      the table tiles' vertex (``None``: the generic served-lookup model).
   """
   target = ctx.target
   reads = [table] + list(indices)
@@ -214,7 +216,8 @@ def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
   share = _table_share(ctx, table)
   active = share > 0
   hits = np.ceil(share * out.size - 1e-9)
-  compute = _serve_cycles(ctx, active, num_lookups, hits, out.itemsize)
+  compute = (_serve_cycles(ctx, active, num_lookups, hits, out.itemsize) if estimator is None
+             else np.where(active, estimator(target, np.maximum(hits, 1), out.itemsize), 0.0))
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
   emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
             exchange=served_lookup_cost(ctx, table, indices, out.mapping, out.itemsize),
@@ -224,12 +227,13 @@ def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
 
 def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_lookups,
                   codelet, cycles_per_vector=1.0, flops=0, static_source=None,
-                  per_tile=None):
+                  per_tile=None, estimator=None):
   """Emit an in-place update: indices broadcast, table tiles apply their hits.
 
   Args:
     reads: the primitive's operands in bind order.
     operand, indices, updates: their roles (``indices`` are broadcast).
+    estimator: as for :func:`served_lookup`.
   """
   target = ctx.target
   fn = bind_fn(prim, params, reads, [out], per_tile)
@@ -247,8 +251,9 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
   share = _table_share(ctx, operand)
   active = share > 0
   hits = np.ceil(share * updates.size - 1e-9)
-  compute = _serve_cycles(ctx, active, num_lookups, hits, out.itemsize,
-                          cycles_per_vector)
+  compute = (_serve_cycles(ctx, active, num_lookups, hits, out.itemsize, cycles_per_vector)
+             if estimator is None
+             else np.where(active, estimator(target, np.maximum(hits, 1), out.itemsize), 0.0))
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
   emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
             exchange=served_update_cost(ctx, operand, indices, updates), vertices=vertices,

@@ -225,11 +225,7 @@ def _generic_spec(params, dtypes, num):
 
 
 def _reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector):
-  if cycles_per_vector == 1:
-    return estimators.reduce_cycles(target, elements, itemsize, outputs)
-  cycles = estimators.worker_split_cycles(target, elements, cycles_per_vector, itemsize)
-  w = target.worker_contexts
-  return cycles + np.where(np.asarray(elements) > 0, w * 2 * -(-np.asarray(outputs) // w), 0)
+  return estimators.reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector)
 
 
 

@@ -71,7 +71,7 @@ def _hw_round_rule(ctx, x, *, dtype, stochastic, saturate, replica_identical, se
         name="hw_round/nearest", op=ctx.op, reads=(x,), writes=(out,),
         fn=lambda x_s: (_round_nearest(x_s, dtype, saturate),),
         compute_cycles=estimators.elementwise_cycles(target, elements, "convert_element_type",
-                                                     x.itemsize),
+                                                     x.itemsize, dtype=dtype, in_dtype=x.dtype),
         vertices=worker_vertices(ctx, elements), codelets=(vocab.CAST,),
         flops=int(x.size)))
     return [out]
