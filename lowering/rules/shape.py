@@ -52,10 +52,12 @@ from ipu_jax.jax_compat import lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering import region_plan
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, to_flat, to_storage
 from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.region_plan import Box, BoxMap, row_major_strides
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["alias", "move", "exchange_plan", "broadcast_in_dim", "broadcast_to"]
@@ -67,16 +69,6 @@ __all__ = ["alias", "move", "exchange_plan", "broadcast_in_dim", "broadcast_to"]
 def _index_dtype(n: int):
   # int32 indices halve the memory traffic of planning; int64 beyond 2**31.
   return np.int32 if n < 2**31 - 1 else np.int64
-
-
-def _flat_indices(shape, offset: int = 0, total: Optional[int] = None) -> np.ndarray:
-  """``offset + arange`` in ``shape``: the flat index of every element.
-
-  Applying a primitive's NumPy twin to it gives each output element's source.
-  """
-  size = int(np.prod(shape, dtype=np.int64))
-  dtype = _index_dtype(max(size + offset, total or 0))
-  return np.arange(offset, offset + size, dtype=dtype).reshape(shape)
 
 
 def _key_shape(ctx, i: int = 0) -> tuple:
@@ -249,12 +241,14 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   Args:
     ctx: the lowering context.
     operands: tensors whose flattened elements, concatenated, are the
-      sources the indices refer to.
-    outputs: ``[(shape, dtype, source_index)]``: ``source_index`` is the
-      ``[size]`` source of each output element, ``-1`` for ``fill``.
+      sources the maps refer to.
+    outputs: ``[(shape, dtype, map)]``: ``map`` is a
+      :class:`~ipu_jax.lowering.region_plan.BoxMap` (planned by regions
+      when its rows are long) or the ``[size]`` source index of each output
+      element, ``-1`` for ``fill``.
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
       same movement on logical arrays (run in "batched" mode).
-    fill: the constant that ``-1`` elements take.
+    fill: the constant that unmapped (``-1``) elements take.
     name: step name (default: the primitive).
     one_to_one: no operand element is copied twice (see
       :func:`exchange_plan`).
@@ -263,11 +257,15 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   an :func:`alias` (no step).
   """
   target = ctx.target
-  outputs = [(tuple(int(d) for d in s), np.dtype(d), np.asarray(i).reshape(-1))
+  outputs = [(tuple(int(d) for d in s), np.dtype(d),
+              i if isinstance(i, BoxMap) else np.asarray(i).reshape(-1))
              for s, d, i in outputs]
-  if (len(operands) == 1 and len(outputs) == 1 and outputs[0][2].size == operands[0].size
-      and outputs[0][1] == operands[0].dtype and _is_identity(outputs[0][2])):
-    return [alias(operands[0], outputs[0][0])]
+  if len(operands) == 1 and len(outputs) == 1 and outputs[0][1] == operands[0].dtype:
+    shape, _, spec = outputs[0]
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == operands[0].size and (spec.is_identity(size) if isinstance(spec, BoxMap)
+                                     else _is_identity(spec)):
+      return [alias(operands[0], shape)]
 
   # The same tensor read twice (concatenate(x, x)) is one source in memory.
   unique, position = [], {}
@@ -275,22 +273,95 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     position.setdefault(t.id, len(unique))
     if position[t.id] == len(unique):
       unique.append(t)
+  num_sources = int(sum(t.size for t in unique))
+  results = []
+  for shape, dtype, spec in outputs:
+    out = ctx.new_tensor(shape, dtype, _output_mapping(ctx, operands, shape, dtype))
+    results.append(out)
+    if isinstance(spec, BoxMap):
+      spec.check(out.size, int(sum(t.size for t in operands)), ctx.op)
+    elif spec.size != out.size:
+      raise ValueError(f"{ctx.op}: {spec.size} source indices for {shape}")
+  if all(out.size == 0 for out in results):
+    return results  # all outputs empty: nothing to run
+
+  itemsize = results[0].itemsize
+  specs = [spec for _, _, spec in outputs]
+  plan = None
+  if len(unique) == len(operands) and all(isinstance(s, BoxMap) for s in specs):
+    plan = region_plan.plan_copies(target, [t.mapping for t in unique],
+                                   [(out.mapping, s) for out, s in zip(results, specs)],
+                                   itemsize)
+  gathers = None
+  if plan is None:
+    index_dtype = _index_dtype(num_sources + 1)
+    specs = [s.index(out.size, -1, index_dtype) if isinstance(s, BoxMap) else s
+             for out, s in zip(results, specs)]
+    plan, gathers = _element_plan(target, unique, operands, results, specs, itemsize,
+                                  one_to_one)
+  copies, fills = plan.copies, plan.fills
+  compute = (estimators.copy_cycles(target, copies, itemsize)
+             + estimators.fill_cycles(target, fills, itemsize))
+  codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
+  fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
+  mode = ctx.options.executor_mode
+  if mode != "per_tile":
+    # Batched steps run ``logical_fn``: holding per-element gather indices in
+    # the step would only cost host memory (8 bytes per element per step).
+    gathers = None
+  elif gathers is None:
+    # Region plans keep only their boxes; the gather is built when traced.
+    gathers = [spec for spec in specs]
+
+  def fn(*storages):
+    if mode == "per_tile":
+      # The static exchange: gather every output element from its source.
+      flat = jnp.concatenate(
+          [to_flat(s, t.mapping).astype(results[0].dtype) for s, t in zip(storages, unique)]
+          + [jnp.full((1,), fill_value, results[0].dtype)])
+      index = [_gather_index(g, out.size, num_sources) for g, out in zip(gathers, results)]
+      return tuple(jnp.zeros(out.storage_shape, out.dtype) if out.size == 0
+                   else to_storage(flat[g], out.mapping)
+                   for out, g in zip(results, index))
+    logical_in = {t.id: logical(s, t) for s, t in zip(storages, unique)}
+    value = logical_fn(*[logical_in[t.id].reshape(t.shape) for t in operands])
+    if not isinstance(value, (tuple, list)):
+      value = (value,)
+    return tuple(storage(v, out) for v, out in zip(value, results))
+
+  ctx.emit(P.Superstep(
+      name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
+      compute_cycles=compute if compute.any() else None, exchange=plan.exchange,
+      vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
+  return results
+
+
+def _gather_index(spec, size: int, num_sources: int) -> np.ndarray:
+  """Source of every output element, ``num_sources`` (the fill slot) for fill."""
+  if isinstance(spec, BoxMap):
+    return spec.index(size, num_sources, _index_dtype(num_sources + 1))
+  return spec
+
+
+def _element_plan(target, unique, operands, results, indices, itemsize, one_to_one):
+  """``(CopyPlan, gathers)`` of a movement planned element by element.
+
+  ``indices`` are the outputs' per-element sources over ``operands``
+  (``-1`` for fill); ``gathers`` index the unique operands' concatenation,
+  with ``num_sources`` for fill.
+  """
+  num_tiles = target.num_tiles
   remap = None
   if len(unique) != len(operands):
+    ids = [t.id for t in unique]
     unique_offsets = np.cumsum([0] + [t.size for t in unique])
-    remap = np.concatenate([np.arange(t.size) + unique_offsets[position[t.id]]
+    remap = np.concatenate([np.arange(t.size) + unique_offsets[ids.index(t.id)]
                             for t in operands] + [np.zeros(0, np.int64)])
   source_tiles = (np.concatenate([t.mapping.element_tile for t in unique])
                   if unique else np.zeros(0, np.int64))
   num_sources = int(source_tiles.size)
-
-  results, gathers = [], []
-  all_src, all_dst, fill_dst = [], [], []
-  for shape, dtype, index in outputs:
-    out = ctx.new_tensor(shape, dtype, _output_mapping(ctx, operands, shape, dtype))
-    results.append(out)
-    if index.size != out.size:
-      raise ValueError(f"{ctx.op}: {index.size} source indices for {shape}")
+  gathers, all_src, all_dst, fill_dst = [], [], [], []
+  for out, index in zip(results, indices):
     if out.size == 0:
       gathers.append(None)
       continue
@@ -307,11 +378,6 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     all_dst.append(dst_tile[real])
     fill_dst.append(dst_tile[~real])
     gathers.append(np.where(real, index, num_sources).astype(_index_dtype(num_sources + 1)))
-  if not any(g is not None for g in gathers):
-    return results  # all outputs empty: nothing to run
-
-  itemsize = results[0].itemsize
-  num_tiles = target.num_tiles
   src = np.concatenate(all_src) if len(all_src) != 1 else all_src[0]
   dst = np.concatenate(all_dst) if len(all_dst) != 1 else all_dst[0]
   cost, received = exchange_plan(target, source_tiles, src, dst, itemsize,
@@ -320,36 +386,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   copies = np.bincount(dst, minlength=num_tiles)[:num_tiles] - received
   fills = np.bincount(np.concatenate(fill_dst + [np.zeros(0, np.int64)]),
                       minlength=num_tiles)[:num_tiles]
-  compute = (estimators.copy_cycles(target, copies, itemsize)
-             + estimators.fill_cycles(target, fills, itemsize))
-  codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
-  fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
-  mode = ctx.options.executor_mode
-  if mode != "per_tile":
-    # Batched steps run ``logical_fn``: holding per-element gather indices in
-    # the step would only cost host memory (8 bytes per element per step).
-    gathers = [None if g is None else True for g in gathers]
-
-  def fn(*storages):
-    if mode == "per_tile":
-      # The static exchange: gather every output element from its source.
-      flat = jnp.concatenate(
-          [to_flat(s, t.mapping).astype(results[0].dtype) for s, t in zip(storages, unique)]
-          + [jnp.full((1,), fill_value, results[0].dtype)])
-      return tuple(jnp.zeros(out.storage_shape, out.dtype) if g is None
-                   else to_storage(flat[g], out.mapping)
-                   for out, g in zip(results, gathers))
-    logical_in = {t.id: logical(s, t) for s, t in zip(storages, unique)}
-    value = logical_fn(*[logical_in[t.id].reshape(t.shape) for t in operands])
-    if not isinstance(value, (tuple, list)):
-      value = (value,)
-    return tuple(storage(v, out) for v, out in zip(value, results))
-
-  ctx.emit(P.Superstep(
-      name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
-      compute_cycles=compute if compute.any() else None, exchange=cost,
-      vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
-  return results
+  return region_plan.CopyPlan(cost, received, copies, fills), gathers
 
 
 def _bind(primitive, params):
@@ -411,13 +448,16 @@ def broadcast_in_dim(ctx, x: P.Tensor, shape, broadcast_dimensions,
   value = _uniform_value(x)
   if value is not None:
     # A constant everywhere (jnp.zeros, jnp.full): fill vertices, no exchange.
-    return move(ctx, [], [(shape, dtype, np.full(size, -1, np.int8))],
+    return move(ctx, [], [(shape, dtype, BoxMap())],
                 lambda: jnp.full(shape, value, dtype), fill=value, name="fill")[0]
-  expanded = [1] * len(shape)
-  for axis, out_axis in enumerate(broadcast_dimensions):
-    expanded[out_axis] = x.shape[axis]
-  index = np.broadcast_to(_flat_indices(x.shape).reshape(expanded), shape)
-  return move(ctx, [x], [(shape, dtype, index)],
+  # A broadcast axis (new, or size 1 in ``x``) reads the same source: stride 0.
+  src_strides = [0] * len(shape)
+  for axis, (out_axis, stride) in enumerate(zip(broadcast_dimensions,
+                                                row_major_strides(x.shape))):
+    if x.shape[axis] == shape[out_axis]:
+      src_strides[out_axis] = stride
+  box = Box.make(shape, 0, row_major_strides(shape), 0, src_strides)
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
               _bind(lax.broadcast_in_dim_p, full), name="broadcast_in_dim")[0]
 
 
@@ -440,10 +480,26 @@ def _broadcast_in_dim(ctx, x, *dynamic, shape, broadcast_dimensions, **params):
   return [broadcast_in_dim(ctx, x, _out_aval(ctx)[0], broadcast_dimensions, params)]
 
 
+def _whole(shape, src_shape=None, src_offset: int = 0, src_strides=None) -> Box:
+  """A box covering all of an output of ``shape`` (row-major sources by default)."""
+  if src_strides is None:
+    src_strides = row_major_strides(src_shape or shape)
+  return Box.make(shape, 0, row_major_strides(shape), src_offset, src_strides)
+
+
+def _window(in_shape, starts, steps, out_shape) -> Box:
+  """The output of a strided window of an ``in_shape`` array (a slice)."""
+  in_strides = row_major_strides(in_shape)
+  offset = sum(int(b) * s for b, s in zip(starts, in_strides))
+  return _whole(out_shape, src_offset=offset,
+                src_strides=[s * int(k) for s, k in zip(in_strides, steps)])
+
+
 def _transpose_tensor(ctx, x, permutation):
   shape = tuple(x.shape[p] for p in permutation)
-  index = _flat_indices(x.shape).transpose(permutation)
-  return move(ctx, [x], [(shape, x.dtype, index)],
+  in_strides = row_major_strides(x.shape)
+  box = _whole(shape, src_strides=[in_strides[p] for p in permutation])
+  return move(ctx, [x], [(shape, x.dtype, BoxMap((box,)))],
               _bind(lax.transpose_p, {"permutation": tuple(permutation)}),
               name="transpose", one_to_one=True)[0]
 
@@ -458,9 +514,11 @@ def _transpose(ctx, x, *, permutation):
 @register_lowering(lax.rev_p)
 def _rev(ctx, x, *, dimensions):
   shape, dtype = _out_aval(ctx)
-  index = np.flip(_flat_indices(x.shape), axis=tuple(dimensions)) if dimensions \
-      else _flat_indices(x.shape)
-  return move(ctx, [x], [(shape, dtype, index)],
+  # Reversed axes start at their last element and step backwards.
+  flip = [a in set(int(d) for d in dimensions) for a in range(len(shape))]
+  box = _window(x.shape, [n - 1 if f else 0 for n, f in zip(x.shape, flip)],
+                [-1 if f else 1 for f in flip], shape)
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
               _bind(lax.rev_p, {"dimensions": dimensions}), one_to_one=True)
 
 
@@ -472,12 +530,10 @@ def _slice(ctx, x, *, start_indices, limit_indices, strides):
   limit_indices = tuple(limit_indices) + key_shape
   strides = None if strides is None else tuple(strides) + (1,) * len(key_shape)
   steps = strides or (1,) * len(x.shape)
-  window = tuple(slice(int(s), int(l), int(st))
-                 for s, l, st in zip(start_indices, limit_indices, steps))
-  index = _flat_indices(x.shape)[window]
+  box = _window(x.shape, start_indices, steps, shape)
   params = {"start_indices": start_indices, "limit_indices": limit_indices,
             "strides": strides}
-  return move(ctx, [x], [(shape, dtype, index)], _bind(lax.slice_p, params),
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))], _bind(lax.slice_p, params),
               one_to_one=True)
 
 
@@ -486,11 +542,14 @@ def _concatenate(ctx, *operands, dimension):
   shape, dtype = _out_aval(ctx)
   # Empty operands hold nothing to move; concatenate(x, empty) is then x.
   operands = [t for t in operands if t.size] or list(operands[:1])
-  total = int(sum(t.size for t in operands))
   offsets = np.cumsum([0] + [t.size for t in operands])
-  index = np.concatenate([_flat_indices(t.shape, int(o), total)
-                          for t, o in zip(operands, offsets)], axis=dimension)
-  return move(ctx, list(operands), [(shape, dtype, index)],
+  out_strides = row_major_strides(shape)
+  # Operand k fills its band of the concatenated axis.
+  bands = np.cumsum([0] + [t.shape[dimension] for t in operands])
+  boxes = [Box.make(t.shape, int(b) * out_strides[dimension], out_strides, int(o),
+                    row_major_strides(t.shape))
+           for t, b, o in zip(operands, bands, offsets)]
+  return move(ctx, list(operands), [(shape, dtype, BoxMap(tuple(boxes)))],
               _bind(lax.concatenate_p, {"dimension": dimension}), one_to_one=True)
 
 
@@ -500,11 +559,13 @@ _stack_p = lax_internal.stack_p
 def _stack(ctx, *operands, axis):
   """``jnp.stack``: operands gain an axis of size 1 and are concatenated."""
   shape, dtype = _out_aval(ctx)
-  total = int(sum(t.size for t in operands))
   offsets = np.cumsum([0] + [t.size for t in operands])
-  index = np.stack([_flat_indices(t.shape, int(o), total)
-                    for t, o in zip(operands, offsets)], axis=axis)
-  return move(ctx, list(operands), [(shape, dtype, index)],
+  out_strides = row_major_strides(shape)
+  # Operand k is row k of the new axis (a size-1 axis of its own).
+  boxes = [Box.make(np.insert(t.shape, axis, 1), k * out_strides[axis], out_strides, int(o),
+                    np.insert(row_major_strides(t.shape), axis, 0))
+           for k, (t, o) in enumerate(zip(operands, offsets))]
+  return move(ctx, list(operands), [(shape, dtype, BoxMap(tuple(boxes)))],
               _bind(_stack_p, {"axis": axis}), one_to_one=True)
 
 
@@ -521,11 +582,13 @@ def _unstack(ctx, x, *, axis):
   operand element, so a result whose elements already sit on the right
   tiles costs only on-tile copies.
   """
-  index = _flat_indices(x.shape)
+  in_strides = row_major_strides(x.shape)
   outputs = []
   for i in range(len(ctx.out_avals)):
     shape, dtype = _out_aval(ctx, i)
-    outputs.append((shape, dtype, np.take(index, i, axis=axis)))
+    box = _whole(shape, src_offset=i * in_strides[axis],
+                 src_strides=in_strides[:axis] + in_strides[axis + 1:])
+    outputs.append((shape, dtype, BoxMap((box,))))
   return move(ctx, [x], outputs, _bind(_unstack_p, {"axis": axis}), one_to_one=True)
 
 
@@ -544,8 +607,17 @@ def _tile(ctx, x, *, reps):
   """
   shape, dtype = _out_aval(ctx)
   key_reps = (1,) * len(_key_shape(ctx))
-  index = np.tile(_flat_indices(x.shape), tuple(int(r) for r in reps) + key_reps)
-  return move(ctx, [x], [(shape, dtype, index)], _bind(_tile_p, {"reps": tuple(reps)}))
+  all_reps = tuple(int(r) for r in reps) + key_reps
+  # np.tile's rule: ``reps`` longer than the operand's rank adds leading axes.
+  in_shape = (1,) * (len(all_reps) - len(x.shape)) + tuple(x.shape)
+  all_reps = (1,) * (len(in_shape) - len(all_reps)) + all_reps
+  out_strides, in_strides = row_major_strides(shape), row_major_strides(in_shape)
+  # Each axis splits into (copy, element): copies read the same sources.
+  box = Box.make([v for r, n in zip(all_reps, in_shape) for v in (r, n)], 0,
+                 [v for o, n in zip(out_strides, in_shape) for v in (o * n, o)], 0,
+                 [v for s in in_strides for v in (0, s)])
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
+              _bind(_tile_p, {"reps": tuple(reps)}))
 
 
 register_lowering(_tile_p, _tile)
@@ -574,19 +646,25 @@ def _pad(ctx, x, pad_value, *, padding_config):
   config = tuple(tuple(int(v) for v in c) for c in padding_config)
   windows = [_pad_windows(n, lo, hi, k) for n, (lo, hi, k) in zip(x.shape, config)]
   constant = _uniform_value(pad_value)
-  # A constant pad value is filled in place; a computed one is a source
-  # element (index x.size) multicast to the tiles that hold padding.
-  pad_index = -1 if constant is not None else x.size
-  index = np.full(shape, pad_index, _index_dtype(x.size + 1))
-  if x.size and index.size:
-    index[tuple(w for _, w in windows)] = _flat_indices(x.shape)[tuple(w for w, _ in windows)]
+  size = int(np.prod(shape, dtype=np.int64))
+  # The kept input window lands on a strided window of the output (an empty
+  # window makes an empty box: all padding).
+  out_strides, in_strides = row_major_strides(shape), row_major_strides(x.shape)
+  box = Box.make([w.stop - w.start for w, _ in windows],
+                 sum(o.start * s for (_, o), s in zip(windows, out_strides)),
+                 [(o.step or 1) * s for (_, o), s in zip(windows, out_strides)],
+                 sum(w.start * s for (w, _), s in zip(windows, in_strides)), in_strides)
   params = {"padding_config": config}
-  if constant is None and not (index == pad_index).any():
+  if constant is None and box.size == size:
     constant = 0  # only cropping: the pad value is never used
   if constant is not None:
-    return move(ctx, [x], [(shape, dtype, index)],
+    # A constant pad value is filled in place.
+    return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
                 lambda v: lax.pad_p.bind(v, jnp.asarray(constant, dtype), **params),
                 fill=constant, one_to_one=True)
+  # A computed one is a source element (index x.size) multicast to the tiles
+  # that hold padding.
+  index = BoxMap((box,)).index(size, x.size, _index_dtype(x.size + 1))
   return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
 
 
@@ -595,10 +673,13 @@ split_p = lax.split_p
 
 @register_lowering(split_p)
 def _split(ctx, x, *, sizes, axis):
-  index = _flat_indices(x.shape)
-  cuts = np.cumsum([int(s) for s in sizes])[:-1]
-  pieces = np.split(index, cuts, axis=axis)
-  outputs = [(piece.shape, x.dtype, piece) for piece in pieces]
+  starts = np.cumsum([0] + [int(s) for s in sizes])[:-1]
+  outputs = []
+  for begin, size in zip(starts, sizes):
+    shape = tuple(int(size) if a == axis else d for a, d in enumerate(x.shape))
+    corner = [int(begin) if a == axis else 0 for a in range(len(shape))]
+    outputs.append((shape, x.dtype, BoxMap((_window(x.shape, corner, [1] * len(shape),
+                                                    shape),))))
   return move(ctx, [x], outputs,
               _bind(split_p, {"sizes": tuple(sizes), "axis": axis}), one_to_one=True)
 
