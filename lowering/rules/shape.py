@@ -343,6 +343,17 @@ def _gather_index(spec, size: int, num_sources: int) -> np.ndarray:
   return spec
 
 
+def _element_tiles(mapping: TileMapping) -> np.ndarray:
+  """The tile of every element, from the mapping's runs.
+
+  Unlike ``TileMapping.element_tile`` this is not cached on the mapping
+  (8 bytes per element for the mapping's lifetime): a movement needs it only
+  while it is planned.
+  """
+  starts, tiles = mapping.intervals
+  return np.repeat(tiles, np.diff(np.append(starts, mapping.num_elements)))
+
+
 def _element_plan(target, unique, operands, results, indices, itemsize, one_to_one):
   """``(CopyPlan, gathers)`` of a movement planned element by element.
 
@@ -357,7 +368,7 @@ def _element_plan(target, unique, operands, results, indices, itemsize, one_to_o
     unique_offsets = np.cumsum([0] + [t.size for t in unique])
     remap = np.concatenate([np.arange(t.size) + unique_offsets[ids.index(t.id)]
                             for t in operands] + [np.zeros(0, np.int64)])
-  source_tiles = (np.concatenate([t.mapping.element_tile for t in unique])
+  source_tiles = (np.concatenate([_element_tiles(t.mapping) for t in unique])
                   if unique else np.zeros(0, np.int64))
   num_sources = int(source_tiles.size)
   gathers, all_src, all_dst, fill_dst = [], [], [], []
@@ -367,7 +378,7 @@ def _element_plan(target, unique, operands, results, indices, itemsize, one_to_o
       continue
     if remap is not None:
       index = np.where(index >= 0, remap[np.maximum(index, 0)], -1)
-    dst_tile = out.mapping.element_tile
+    dst_tile = _element_tiles(out.mapping)
     real = index >= 0
     if real.all():  # the common case: skip the masked copies
       all_src.append(index)
