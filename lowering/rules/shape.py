@@ -2,10 +2,15 @@
 
 Tile plan. Every primitive here copies elements without computing on them,
 so its plan is a static map: for each output element, the flat index of the
-input element it copies (or "fill" for padding and constants). The map is
-found by applying the NumPy twin of the primitive to an array of flat
-indices, which is vectorised and costs a few milliseconds for a million
-elements.
+input element it copies (or "fill" for padding and constants). Each rule
+describes its map in closed form, as boxes of the output whose elements copy
+affine positions of the source (:class:`~ipu_jax.lowering.copy_plan.BoxMap`:
+a broadcast axis has source stride 0, a transpose permutes strides, a slice
+offsets and scales them). :func:`move` plans the exchange from the boxes by
+regions (rows cut at tile-run boundaries, in time proportional to runs,
+``lowering/copy_plan.py``) and falls back to the per-element planner
+:func:`exchange_plan` only for maps with short runs (a transpose of the
+innermost axis); both give the same figures.
 
 * ``reshape``, ``squeeze`` (and ``broadcast_in_dim`` / ``transpose`` / ...
   whose map turns out to be the identity) change only the logical shape.
@@ -29,11 +34,12 @@ elements.
 
 In the executor, "batched" mode runs the primitive itself on logical arrays
 (XLA fuses it into reshapes and slices); "per_tile" mode performs the static
-gather the plan describes. Both give the same bits.
+gather the plan describes, its indices built from the boxes only when the
+step is traced (no step holds per-element arrays). Both give the same bits.
 
 (Longer than the ~600 lines a module usually keeps to: every rule here is the
 same static-map movement, so they share one planner, :func:`move` with its
-:func:`exchange_plan`, and each rule is only the few lines that build its
+region and element planners, and each rule is only the few lines that build its
 map; other rules reuse :func:`move`, :func:`alias` and :func:`broadcast_to`
 from here. Splitting the rules out would scatter one concept.)
 """
@@ -52,23 +58,19 @@ from ipu_jax.jax_compat import lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering import region_plan
+from ipu_jax.lowering import copy_plan
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
-from ipu_jax.lowering.exchange import ExchangeCost, to_flat, to_storage
+from ipu_jax.lowering.copy_plan import exchange_plan
+from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.region_plan import Box, BoxMap, row_major_strides
+from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["alias", "move", "exchange_plan", "broadcast_in_dim", "broadcast_to"]
 
 
 # -- helpers -----------------------------------------------------------------
-
-
-def _index_dtype(n: int):
-  # int32 indices halve the memory traffic of planning; int64 beyond 2**31.
-  return np.int32 if n < 2**31 - 1 else np.int64
 
 
 def _key_shape(ctx, i: int = 0) -> tuple:
@@ -154,86 +156,6 @@ def _uniform_value(tensor: P.Tensor):
   return value[0]
 
 
-def _sorted_unique(key: np.ndarray) -> np.ndarray:
-  """``np.unique(key)``: a mark table when the keys are dense, else a sort."""
-  low, high = int(key.min()), int(key.max())
-  span = high - low + 1
-  if span <= 8 * key.size + (1 << 20):
-    marks = np.zeros(span, bool)
-    marks[key - low] = True
-    return np.flatnonzero(marks) + low
-  key = np.sort(key)
-  return key[np.concatenate([[True], key[1:] != key[:-1]])]
-
-
-def exchange_plan(target, source_tiles: np.ndarray, source: np.ndarray,
-                  dst_tile: np.ndarray, itemsize: int, one_to_one: bool = False):
-  """Exchange bytes of a static copy, with multicasts, and what each tile gets.
-
-  Args:
-    target: the IPU target.
-    source_tiles: ``[S]`` tile of every source element.
-    source: ``[M]`` source element of every copied output element.
-    dst_tile: ``[M]`` tile of every copied output element.
-    itemsize: bytes per element.
-    one_to_one: the caller knows no source element is copied twice (a
-      permutation, slice...), which skips the deduplication.
-
-  Returns:
-    ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
-    moves) and ``[num_tiles]`` elements each tile receives. A tile receives
-    a source element once however many of its output elements copy it; a
-    tile sends each element once however many tiles need it; an element
-    crosses the IPU-Links once per destination IPU. For one-to-one copies
-    this equals :func:`~ipu_jax.lowering.exchange.movement_cost`.
-  """
-  num_tiles = target.num_tiles
-  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
-  source_tiles = np.asarray(source_tiles)
-  src_tile = source_tiles[source]
-  moved = src_tile != dst_tile
-  if not moved.any():
-    return None, np.zeros(num_tiles, np.int64)
-  link = np.zeros(n_ipus, np.int64)
-  if one_to_one:
-    from_tile, dst = src_tile[moved], dst_tile[moved]
-    received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
-    bytes_out = np.bincount(from_tile, minlength=num_tiles)[:num_tiles]
-    if n_ipus > 1:
-      src_ipu, dst_ipu = from_tile // per_ipu, dst // per_ipu
-      link = np.bincount(src_ipu[src_ipu != dst_ipu], minlength=n_ipus)[:n_ipus]
-    return ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
-                        link.astype(np.int64) * itemsize), received
-  src, dst = source[moved], dst_tile[moved]
-  # Deduplicate (source, destination tile) pairs, only among sources used
-  # more than once, so copies of distinct elements never pay for a sort.
-  uses = np.bincount(src, minlength=source_tiles.size)
-  repeated = uses[src] > 1
-  if repeated.any():
-    key = src[repeated].astype(np.int64) * num_tiles + dst[repeated]
-    # Runs of one element on one tile are common: drop them before sorting.
-    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
-    key = _sorted_unique(key)
-    src = np.concatenate([src[~repeated], (key // num_tiles).astype(src.dtype)])
-    dst = np.concatenate([dst[~repeated], key % num_tiles])
-  received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
-  sent = np.zeros(source_tiles.size, bool)
-  sent[src] = True
-  bytes_out = np.bincount(source_tiles[sent], minlength=num_tiles)[:num_tiles]
-  if n_ipus > 1:
-    src_ipu, dst_ipu = source_tiles[src] // per_ipu, dst // per_ipu
-    crossing = src_ipu != dst_ipu
-    if crossing.any():
-      marks = np.zeros((source_tiles.size, n_ipus), bool)
-      marks[src[crossing], dst_ipu[crossing]] = True
-      per_source = marks.sum(axis=1)
-      link = np.bincount(source_tiles // per_ipu, weights=per_source,
-                         minlength=n_ipus)[:n_ipus].astype(np.int64)
-  cost = ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
-                      link * itemsize)
-  return cost, received
-
-
 def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Callable,
          fill=None, name: str = "", one_to_one: bool = False) -> list:
   """Lower a static data movement into one superstep; returns the outputs.
@@ -243,7 +165,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     operands: tensors whose flattened elements, concatenated, are the
       sources the maps refer to.
     outputs: ``[(shape, dtype, map)]``: ``map`` is a
-      :class:`~ipu_jax.lowering.region_plan.BoxMap` (planned by regions
+      :class:`~ipu_jax.lowering.copy_plan.BoxMap` (planned by regions
       when its rows are long) or the ``[size]`` source index of each output
       element, ``-1`` for ``fill``.
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
@@ -289,16 +211,24 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   specs = [spec for _, _, spec in outputs]
   plan = None
   if len(unique) == len(operands) and all(isinstance(s, BoxMap) for s in specs):
-    plan = region_plan.plan_copies(target, [t.mapping for t in unique],
+    plan = copy_plan.plan_copies(target, [t.mapping for t in unique],
                                    [(out.mapping, s) for out, s in zip(results, specs)],
                                    itemsize)
   gathers = None
   if plan is None:
-    index_dtype = _index_dtype(num_sources + 1)
-    specs = [s.index(out.size, -1, index_dtype) if isinstance(s, BoxMap) else s
+    index_type = copy_plan.index_dtype(num_sources + 1)
+    specs = [s.index(out.size, -1, index_type) if isinstance(s, BoxMap) else s
              for out, s in zip(results, specs)]
-    plan, gathers = _element_plan(target, unique, operands, results, specs, itemsize,
-                                  one_to_one)
+    if len(unique) != len(operands):
+      # Point every source at the unique operand's elements.
+      ids = [t.id for t in unique]
+      starts = np.cumsum([0] + [t.size for t in unique])
+      remap = np.concatenate([np.arange(t.size) + starts[ids.index(t.id)] for t in operands])
+      specs = [np.where(i >= 0, remap[np.maximum(i, 0)], -1) for i in specs]
+      one_to_one = False
+    plan, gathers = copy_plan.plan_elements(
+        target, [t.mapping for t in unique],
+        [(out.mapping, s) for out, s in zip(results, specs)], itemsize, one_to_one)
   copies, fills = plan.copies, plan.fills
   compute = (estimators.copy_cycles(target, copies, itemsize)
              + estimators.fill_cycles(target, fills, itemsize))
@@ -339,65 +269,8 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
 def _gather_index(spec, size: int, num_sources: int) -> np.ndarray:
   """Source of every output element, ``num_sources`` (the fill slot) for fill."""
   if isinstance(spec, BoxMap):
-    return spec.index(size, num_sources, _index_dtype(num_sources + 1))
+    return spec.index(size, num_sources, copy_plan.index_dtype(num_sources + 1))
   return spec
-
-
-def _element_tiles(mapping: TileMapping) -> np.ndarray:
-  """The tile of every element, from the mapping's runs.
-
-  Unlike ``TileMapping.element_tile`` this is not cached on the mapping
-  (8 bytes per element for the mapping's lifetime): a movement needs it only
-  while it is planned.
-  """
-  starts, tiles = mapping.intervals
-  return np.repeat(tiles, np.diff(np.append(starts, mapping.num_elements)))
-
-
-def _element_plan(target, unique, operands, results, indices, itemsize, one_to_one):
-  """``(CopyPlan, gathers)`` of a movement planned element by element.
-
-  ``indices`` are the outputs' per-element sources over ``operands``
-  (``-1`` for fill); ``gathers`` index the unique operands' concatenation,
-  with ``num_sources`` for fill.
-  """
-  num_tiles = target.num_tiles
-  remap = None
-  if len(unique) != len(operands):
-    ids = [t.id for t in unique]
-    unique_offsets = np.cumsum([0] + [t.size for t in unique])
-    remap = np.concatenate([np.arange(t.size) + unique_offsets[ids.index(t.id)]
-                            for t in operands] + [np.zeros(0, np.int64)])
-  source_tiles = (np.concatenate([_element_tiles(t.mapping) for t in unique])
-                  if unique else np.zeros(0, np.int64))
-  num_sources = int(source_tiles.size)
-  gathers, all_src, all_dst, fill_dst = [], [], [], []
-  for out, index in zip(results, indices):
-    if out.size == 0:
-      gathers.append(None)
-      continue
-    if remap is not None:
-      index = np.where(index >= 0, remap[np.maximum(index, 0)], -1)
-    dst_tile = _element_tiles(out.mapping)
-    real = index >= 0
-    if real.all():  # the common case: skip the masked copies
-      all_src.append(index)
-      all_dst.append(dst_tile)
-      gathers.append(index)
-      continue
-    all_src.append(index[real])
-    all_dst.append(dst_tile[real])
-    fill_dst.append(dst_tile[~real])
-    gathers.append(np.where(real, index, num_sources).astype(_index_dtype(num_sources + 1)))
-  src = np.concatenate(all_src) if len(all_src) != 1 else all_src[0]
-  dst = np.concatenate(all_dst) if len(all_dst) != 1 else all_dst[0]
-  cost, received = exchange_plan(target, source_tiles, src, dst, itemsize,
-                                 one_to_one=one_to_one and remap is None)
-  # Elements not written straight by the exchange are copied on their tile.
-  copies = np.bincount(dst, minlength=num_tiles)[:num_tiles] - received
-  fills = np.bincount(np.concatenate(fill_dst + [np.zeros(0, np.int64)]),
-                      minlength=num_tiles)[:num_tiles]
-  return region_plan.CopyPlan(cost, received, copies, fills), gathers
 
 
 def _bind(primitive, params):
@@ -675,7 +548,7 @@ def _pad(ctx, x, pad_value, *, padding_config):
                 fill=constant, one_to_one=True)
   # A computed one is a source element (index x.size) multicast to the tiles
   # that hold padding.
-  index = BoxMap((box,)).index(size, x.size, _index_dtype(x.size + 1))
+  index = BoxMap((box,)).index(size, x.size, copy_plan.index_dtype(x.size + 1))
   return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
 
 

@@ -1,4 +1,4 @@
-"""Region plans of static copies (lowering/region_plan.py).
+"""Plans of static copies (lowering/copy_plan.py).
 
 A broadcast, transpose, slice... planned by regions must give exactly the
 figures the element-by-element planner gives (bytes in/out per tile with
@@ -16,10 +16,9 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering import region_plan
+from ipu_jax.lowering import copy_plan
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.region_plan import Box, BoxMap, row_major_strides
-from ipu_jax.lowering.rules import shape as shape_rules
+from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _T2X8 = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
@@ -28,19 +27,10 @@ _TARGETS = {"t16": _T16, "t2x8": _T2X8}
 
 def _element_figures(target, sources, outputs, itemsize):
   """The element planner's figures for the same copy (the reference)."""
-  source_tiles = np.concatenate([m.element_tile for m in sources])
-  src, dst, fill_dst = [], [], []
-  for mapping, boxmap in outputs:
-    index = boxmap.index(mapping.num_elements, -1, np.int64)
-    src.append(index[index >= 0])
-    dst.append(mapping.element_tile[index >= 0])
-    fill_dst.append(mapping.element_tile[index < 0])
-  src, dst = np.concatenate(src), np.concatenate(dst)
-  cost, received = shape_rules.exchange_plan(target, source_tiles, src, dst, itemsize)
-  t = target.num_tiles
-  copies = np.bincount(dst, minlength=t)[:t] - received
-  fills = np.bincount(np.concatenate(fill_dst), minlength=t)[:t]
-  return cost, received, copies, fills
+  plan, _ = copy_plan.plan_elements(
+      target, sources,
+      [(m, b.index(m.num_elements, -1, np.int64)) for m, b in outputs], itemsize)
+  return plan.exchange, plan.received, plan.copies, plan.fills
 
 
 def _mapping(kind, size, target, rng):
@@ -107,9 +97,9 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     out = _mapping(layouts[1], int(np.prod(shape)), target, rng)
     itemsize = int(rng.choice([1, 2, 4]))
     with plan_cache.disabled():
-      plan = region_plan.plan_copies(target, [source], [(out, BoxMap((box,)))], itemsize)
+      plan = copy_plan.plan_copies(target, [source], [(out, BoxMap((box,)))], itemsize)
     if plan is None:
-      self.assertGreater(box.num_rows() * region_plan.MIN_MEAN_ROW, out.num_elements)
+      self.assertGreater(box.num_rows() * copy_plan.MIN_MEAN_ROW, out.num_elements)
       return
     cost, received, copies, fills = _element_figures(target, [source], [(out, BoxMap((box,)))],
                                                      itemsize)
@@ -137,7 +127,7 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     second = (Box.make((8, 40), 0, (40, 1), 0, (40, 1)),)
     outputs = [(_mapping("linear", 9 * 44, target, rng), BoxMap(boxes)),
                (_mapping("blocks", 8 * 40, target, rng), BoxMap(second))]
-    plan = region_plan.plan_copies(target, [a, b], outputs, 4)
+    plan = copy_plan.plan_copies(target, [a, b], outputs, 4)
     cost, received, copies, fills = _element_figures(target, [a, b], outputs, 4)
     self.assertGreater(int(fills.sum()), 0)
     np.testing.assert_array_equal(plan.received, received)
@@ -151,7 +141,7 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     # A transpose of the innermost axis copies runs of one element.
     m = TileMapping.linear(64 * 48, 16, 4)
     box = Box.make((48, 64), 0, (64, 1), 0, (1, 48))
-    self.assertIsNone(region_plan.plan_copies(_T16, [m], [(m, BoxMap((box,)))], 4))
+    self.assertIsNone(copy_plan.plan_copies(_T16, [m], [(m, BoxMap((box,)))], 4))
 
   def test_a_box_outside_its_output_is_an_error(self):
     box = Box.make((4, 5), 3, (5, 1), 0, (5, 1))
@@ -161,7 +151,7 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
       Box.make((4, 5), 0, (5,), 0, (5, 1))
 
   def test_repeated_layers_reuse_plans(self):
-    region_plan._PLANS.clear()  # pylint: disable=protected-access
+    copy_plan._PLANS.clear()  # pylint: disable=protected-access
 
     def layers(x, b):
       for _ in range(3):
@@ -170,7 +160,7 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
 
     args = (jnp.ones((8, 12, 48)), jnp.ones((48,)))
     ipu_jax.jit(layers, target=_T16).lower(*args)
-    self.assertGreaterEqual(region_plan._PLANS.hits, 2)  # pylint: disable=protected-access
+    self.assertGreaterEqual(copy_plan._PLANS.hits, 2)  # pylint: disable=protected-access
 
 
 # Programs whose movements cross layouts (linear, reduction results, matmul
