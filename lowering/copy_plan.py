@@ -58,6 +58,18 @@ def row_major_strides(shape) -> tuple:
   return tuple(reversed(strides))
 
 
+def _positions(axes, offset: int, which: int) -> np.ndarray:
+  """``offset + sum(stride * i)`` over ``axes`` (row-major), flattened.
+
+  ``axes`` are ``(extent, out_stride, src_stride)``; ``which`` picks the
+  output (1) or source (2) stride.
+  """
+  value = np.full((), offset, np.int64)
+  for axis in axes:
+    value = value[..., None] + axis[which] * np.arange(axis[0], dtype=np.int64)
+  return value.reshape(-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Box:
   """Output elements of one box and the source elements they copy.
@@ -100,12 +112,12 @@ class Box:
         merged.append((e, o, s))
     return merged
 
-  def _grid(self, axes, offset: int, which: int) -> np.ndarray:
-    """``offset + sum(stride * i)`` over ``axes`` (row-major), flattened."""
-    value = np.full((), offset, np.int64)
-    for axis in axes:
-      value = (value[..., None] + axis[which] * np.arange(axis[0], dtype=np.int64))
-    return value.reshape(-1)
+  def _row_axes(self):
+    """``(outer axes, row length, source step)`` of :meth:`rows`."""
+    axes = self._axes()
+    if axes and axes[-1][1] == 1 and axes[-1][2] in (0, 1):
+      return axes[:-1], axes[-1][0], axes[-1][2]
+    return axes, 1, 1
 
   def rows(self):
     """``(out_starts, src_starts, length, src_step)``: runs of the box.
@@ -114,23 +126,13 @@ class Box:
     copying source ``src_starts[r] + src_step * k``; ``src_step`` is 0 or 1.
     A box whose innermost axis is not such a run gives rows of length 1.
     """
-    if self.size == 0:
-      empty = np.zeros(0, np.int64)
-      return empty, empty, 1, 1
-    axes = self._axes()
-    length, step = 1, 1
-    if axes and axes[-1][1] == 1 and axes[-1][2] in (0, 1):
-      length, step = axes[-1][0], axes[-1][2]
-      axes = axes[:-1]
-    return (self._grid(axes, self.out_offset, 1), self._grid(axes, self.src_offset, 2),
+    outer, length, step = self._row_axes()
+    return (_positions(outer, self.out_offset, 1), _positions(outer, self.src_offset, 2),
             length, step)
 
   def num_rows(self) -> int:
     """Rows :meth:`rows` gives, without building them."""
-    axes = self._axes()
-    if axes and axes[-1][1] == 1 and axes[-1][2] in (0, 1):
-      axes = axes[:-1]
-    return int(np.prod([a[0] for a in axes], dtype=np.int64))
+    return int(np.prod([a[0] for a in self._row_axes()[0]], dtype=np.int64))
 
   def bounds(self, which: int) -> tuple:
     """``(lowest, highest)`` output (``which=1``) or source (``2``) position."""
@@ -171,13 +173,8 @@ class BoxMap:
     """``[out_size]`` source of every output element, ``fill_index`` for fill."""
     index = np.full(out_size, fill_index, dtype)
     for box in self.boxes:
-      out = np.zeros((), np.int64)
-      src = np.zeros((), np.int64)
-      for e, o, s in zip(box.extents, box.out_strides, box.src_strides):
-        k = np.arange(e, dtype=np.int64)
-        out = out[..., None] + o * k
-        src = src[..., None] + s * k
-      index[out.reshape(-1) + box.out_offset] = src.reshape(-1) + box.src_offset
+      axes = box._axes()  # pylint: disable=protected-access
+      index[_positions(axes, box.out_offset, 1)] = _positions(axes, box.src_offset, 2)
     return index
 
   def is_identity(self, out_size: int) -> bool:

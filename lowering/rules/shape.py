@@ -47,7 +47,7 @@ from here. Splitting the rules out would scatter one concept.)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
