@@ -2,10 +2,15 @@
 
 Tile plan. Every primitive here copies elements without computing on them,
 so its plan is a static map: for each output element, the flat index of the
-input element it copies (or "fill" for padding and constants). The map is
-found by applying the NumPy twin of the primitive to an array of flat
-indices, which is vectorised and costs a few milliseconds for a million
-elements.
+input element it copies (or "fill" for padding and constants). Each rule
+describes its map in closed form, as boxes of the output whose elements copy
+affine positions of the source (:class:`~ipu_jax.lowering.copy_plan.BoxMap`:
+a broadcast axis has source stride 0, a transpose permutes strides, a slice
+offsets and scales them). :func:`move` plans the exchange from the boxes by
+regions (rows cut at tile-run boundaries, in time proportional to runs,
+``lowering/copy_plan.py``) and falls back to the per-element planner
+:func:`exchange_plan` only for maps with short runs (a transpose of the
+innermost axis); both give the same figures.
 
 * ``reshape``, ``squeeze`` (and ``broadcast_in_dim`` / ``transpose`` / ...
   whose map turns out to be the identity) change only the logical shape.
@@ -29,11 +34,12 @@ elements.
 
 In the executor, "batched" mode runs the primitive itself on logical arrays
 (XLA fuses it into reshapes and slices); "per_tile" mode performs the static
-gather the plan describes. Both give the same bits.
+gather the plan describes, its indices built from the boxes only when the
+step is traced (no step holds per-element arrays). Both give the same bits.
 
 (Longer than the ~600 lines a module usually keeps to: every rule here is the
 same static-map movement, so they share one planner, :func:`move` with its
-:func:`exchange_plan`, and each rule is only the few lines that build its
+region and element planners, and each rule is only the few lines that build its
 map; other rules reuse :func:`move`, :func:`alias` and :func:`broadcast_to`
 from here. Splitting the rules out would scatter one concept.)
 """
@@ -41,7 +47,7 @@ from here. Splitting the rules out would scatter one concept.)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,31 +58,19 @@ from ipu_jax.jax_compat import lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering import copy_plan
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
-from ipu_jax.lowering.exchange import ExchangeCost, to_flat, to_storage
+from ipu_jax.lowering.copy_plan import exchange_plan
+from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["alias", "move", "exchange_plan", "broadcast_in_dim", "broadcast_to"]
 
 
 # -- helpers -----------------------------------------------------------------
-
-
-def _index_dtype(n: int):
-  # int32 indices halve the memory traffic of planning; int64 beyond 2**31.
-  return np.int32 if n < 2**31 - 1 else np.int64
-
-
-def _flat_indices(shape, offset: int = 0, total: Optional[int] = None) -> np.ndarray:
-  """``offset + arange`` in ``shape``: the flat index of every element.
-
-  Applying a primitive's NumPy twin to it gives each output element's source.
-  """
-  size = int(np.prod(shape, dtype=np.int64))
-  dtype = _index_dtype(max(size + offset, total or 0))
-  return np.arange(offset, offset + size, dtype=dtype).reshape(shape)
 
 
 def _key_shape(ctx, i: int = 0) -> tuple:
@@ -162,86 +156,6 @@ def _uniform_value(tensor: P.Tensor):
   return value[0]
 
 
-def _sorted_unique(key: np.ndarray) -> np.ndarray:
-  """``np.unique(key)``: a mark table when the keys are dense, else a sort."""
-  low, high = int(key.min()), int(key.max())
-  span = high - low + 1
-  if span <= 8 * key.size + (1 << 20):
-    marks = np.zeros(span, bool)
-    marks[key - low] = True
-    return np.flatnonzero(marks) + low
-  key = np.sort(key)
-  return key[np.concatenate([[True], key[1:] != key[:-1]])]
-
-
-def exchange_plan(target, source_tiles: np.ndarray, source: np.ndarray,
-                  dst_tile: np.ndarray, itemsize: int, one_to_one: bool = False):
-  """Exchange bytes of a static copy, with multicasts, and what each tile gets.
-
-  Args:
-    target: the IPU target.
-    source_tiles: ``[S]`` tile of every source element.
-    source: ``[M]`` source element of every copied output element.
-    dst_tile: ``[M]`` tile of every copied output element.
-    itemsize: bytes per element.
-    one_to_one: the caller knows no source element is copied twice (a
-      permutation, slice...), which skips the deduplication.
-
-  Returns:
-    ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
-    moves) and ``[num_tiles]`` elements each tile receives. A tile receives
-    a source element once however many of its output elements copy it; a
-    tile sends each element once however many tiles need it; an element
-    crosses the IPU-Links once per destination IPU. For one-to-one copies
-    this equals :func:`~ipu_jax.lowering.exchange.movement_cost`.
-  """
-  num_tiles = target.num_tiles
-  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
-  source_tiles = np.asarray(source_tiles)
-  src_tile = source_tiles[source]
-  moved = src_tile != dst_tile
-  if not moved.any():
-    return None, np.zeros(num_tiles, np.int64)
-  link = np.zeros(n_ipus, np.int64)
-  if one_to_one:
-    from_tile, dst = src_tile[moved], dst_tile[moved]
-    received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
-    bytes_out = np.bincount(from_tile, minlength=num_tiles)[:num_tiles]
-    if n_ipus > 1:
-      src_ipu, dst_ipu = from_tile // per_ipu, dst // per_ipu
-      link = np.bincount(src_ipu[src_ipu != dst_ipu], minlength=n_ipus)[:n_ipus]
-    return ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
-                        link.astype(np.int64) * itemsize), received
-  src, dst = source[moved], dst_tile[moved]
-  # Deduplicate (source, destination tile) pairs, only among sources used
-  # more than once, so copies of distinct elements never pay for a sort.
-  uses = np.bincount(src, minlength=source_tiles.size)
-  repeated = uses[src] > 1
-  if repeated.any():
-    key = src[repeated].astype(np.int64) * num_tiles + dst[repeated]
-    # Runs of one element on one tile are common: drop them before sorting.
-    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
-    key = _sorted_unique(key)
-    src = np.concatenate([src[~repeated], (key // num_tiles).astype(src.dtype)])
-    dst = np.concatenate([dst[~repeated], key % num_tiles])
-  received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
-  sent = np.zeros(source_tiles.size, bool)
-  sent[src] = True
-  bytes_out = np.bincount(source_tiles[sent], minlength=num_tiles)[:num_tiles]
-  if n_ipus > 1:
-    src_ipu, dst_ipu = source_tiles[src] // per_ipu, dst // per_ipu
-    crossing = src_ipu != dst_ipu
-    if crossing.any():
-      marks = np.zeros((source_tiles.size, n_ipus), bool)
-      marks[src[crossing], dst_ipu[crossing]] = True
-      per_source = marks.sum(axis=1)
-      link = np.bincount(source_tiles // per_ipu, weights=per_source,
-                         minlength=n_ipus)[:n_ipus].astype(np.int64)
-  cost = ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
-                      link * itemsize)
-  return cost, received
-
-
 def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Callable,
          fill=None, name: str = "", one_to_one: bool = False) -> list:
   """Lower a static data movement into one superstep; returns the outputs.
@@ -249,12 +163,14 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   Args:
     ctx: the lowering context.
     operands: tensors whose flattened elements, concatenated, are the
-      sources the indices refer to.
-    outputs: ``[(shape, dtype, source_index)]``: ``source_index`` is the
-      ``[size]`` source of each output element, ``-1`` for ``fill``.
+      sources the maps refer to.
+    outputs: ``[(shape, dtype, map)]``: ``map`` is a
+      :class:`~ipu_jax.lowering.copy_plan.BoxMap` (planned by regions
+      when its rows are long) or the ``[size]`` source index of each output
+      element, ``-1`` for ``fill``.
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
       same movement on logical arrays (run in "batched" mode).
-    fill: the constant that ``-1`` elements take.
+    fill: the constant that unmapped (``-1``) elements take.
     name: step name (default: the primitive).
     one_to_one: no operand element is copied twice (see
       :func:`exchange_plan`).
@@ -263,11 +179,15 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   an :func:`alias` (no step).
   """
   target = ctx.target
-  outputs = [(tuple(int(d) for d in s), np.dtype(d), np.asarray(i).reshape(-1))
+  outputs = [(tuple(int(d) for d in s), np.dtype(d),
+              i if isinstance(i, BoxMap) else np.asarray(i).reshape(-1))
              for s, d, i in outputs]
-  if (len(operands) == 1 and len(outputs) == 1 and outputs[0][2].size == operands[0].size
-      and outputs[0][1] == operands[0].dtype and _is_identity(outputs[0][2])):
-    return [alias(operands[0], outputs[0][0])]
+  if len(operands) == 1 and len(outputs) == 1 and outputs[0][1] == operands[0].dtype:
+    shape, _, spec = outputs[0]
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == operands[0].size and (spec.is_identity(size) if isinstance(spec, BoxMap)
+                                     else _is_identity(spec)):
+      return [alias(operands[0], shape)]
 
   # The same tensor read twice (concatenate(x, x)) is one source in memory.
   unique, position = [], {}
@@ -275,51 +195,41 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     position.setdefault(t.id, len(unique))
     if position[t.id] == len(unique):
       unique.append(t)
-  remap = None
-  if len(unique) != len(operands):
-    unique_offsets = np.cumsum([0] + [t.size for t in unique])
-    remap = np.concatenate([np.arange(t.size) + unique_offsets[position[t.id]]
-                            for t in operands] + [np.zeros(0, np.int64)])
-  source_tiles = (np.concatenate([t.mapping.element_tile for t in unique])
-                  if unique else np.zeros(0, np.int64))
-  num_sources = int(source_tiles.size)
-
-  results, gathers = [], []
-  all_src, all_dst, fill_dst = [], [], []
-  for shape, dtype, index in outputs:
+  num_sources = int(sum(t.size for t in unique))
+  results = []
+  for shape, dtype, spec in outputs:
     out = ctx.new_tensor(shape, dtype, _output_mapping(ctx, operands, shape, dtype))
     results.append(out)
-    if index.size != out.size:
-      raise ValueError(f"{ctx.op}: {index.size} source indices for {shape}")
-    if out.size == 0:
-      gathers.append(None)
-      continue
-    if remap is not None:
-      index = np.where(index >= 0, remap[np.maximum(index, 0)], -1)
-    dst_tile = out.mapping.element_tile
-    real = index >= 0
-    if real.all():  # the common case: skip the masked copies
-      all_src.append(index)
-      all_dst.append(dst_tile)
-      gathers.append(index)
-      continue
-    all_src.append(index[real])
-    all_dst.append(dst_tile[real])
-    fill_dst.append(dst_tile[~real])
-    gathers.append(np.where(real, index, num_sources).astype(_index_dtype(num_sources + 1)))
-  if not any(g is not None for g in gathers):
+    if isinstance(spec, BoxMap):
+      spec.check(out.size, int(sum(t.size for t in operands)), ctx.op)
+    elif spec.size != out.size:
+      raise ValueError(f"{ctx.op}: {spec.size} source indices for {shape}")
+  if all(out.size == 0 for out in results):
     return results  # all outputs empty: nothing to run
 
   itemsize = results[0].itemsize
-  num_tiles = target.num_tiles
-  src = np.concatenate(all_src) if len(all_src) != 1 else all_src[0]
-  dst = np.concatenate(all_dst) if len(all_dst) != 1 else all_dst[0]
-  cost, received = exchange_plan(target, source_tiles, src, dst, itemsize,
-                                 one_to_one=one_to_one and remap is None)
-  # Elements not written straight by the exchange are copied on their tile.
-  copies = np.bincount(dst, minlength=num_tiles)[:num_tiles] - received
-  fills = np.bincount(np.concatenate(fill_dst + [np.zeros(0, np.int64)]),
-                      minlength=num_tiles)[:num_tiles]
+  specs = [spec for _, _, spec in outputs]
+  plan = None
+  if len(unique) == len(operands) and all(isinstance(s, BoxMap) for s in specs):
+    plan = copy_plan.plan_copies(target, [t.mapping for t in unique],
+                                   [(out.mapping, s) for out, s in zip(results, specs)],
+                                   itemsize)
+  gathers = None
+  if plan is None:
+    index_type = copy_plan.index_dtype(num_sources + 1)
+    specs = [s.index(out.size, -1, index_type) if isinstance(s, BoxMap) else s
+             for out, s in zip(results, specs)]
+    if len(unique) != len(operands):
+      # Point every source at the unique operand's elements.
+      ids = [t.id for t in unique]
+      starts = np.cumsum([0] + [t.size for t in unique])
+      remap = np.concatenate([np.arange(t.size) + starts[ids.index(t.id)] for t in operands])
+      specs = [np.where(i >= 0, remap[np.maximum(i, 0)], -1) for i in specs]
+      one_to_one = False
+    plan, gathers = copy_plan.plan_elements(
+        target, [t.mapping for t in unique],
+        [(out.mapping, s) for out, s in zip(results, specs)], itemsize, one_to_one)
+  copies, fills = plan.copies, plan.fills
   compute = (estimators.copy_cycles(target, copies, itemsize)
              + estimators.fill_cycles(target, fills, itemsize))
   codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
@@ -328,7 +238,10 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   if mode != "per_tile":
     # Batched steps run ``logical_fn``: holding per-element gather indices in
     # the step would only cost host memory (8 bytes per element per step).
-    gathers = [None if g is None else True for g in gathers]
+    gathers = None
+  elif gathers is None:
+    # Region plans keep only their boxes; the gather is built when traced.
+    gathers = [spec for spec in specs]
 
   def fn(*storages):
     if mode == "per_tile":
@@ -336,9 +249,10 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
       flat = jnp.concatenate(
           [to_flat(s, t.mapping).astype(results[0].dtype) for s, t in zip(storages, unique)]
           + [jnp.full((1,), fill_value, results[0].dtype)])
-      return tuple(jnp.zeros(out.storage_shape, out.dtype) if g is None
+      index = [_gather_index(g, out.size, num_sources) for g, out in zip(gathers, results)]
+      return tuple(jnp.zeros(out.storage_shape, out.dtype) if out.size == 0
                    else to_storage(flat[g], out.mapping)
-                   for out, g in zip(results, gathers))
+                   for out, g in zip(results, index))
     logical_in = {t.id: logical(s, t) for s, t in zip(storages, unique)}
     value = logical_fn(*[logical_in[t.id].reshape(t.shape) for t in operands])
     if not isinstance(value, (tuple, list)):
@@ -347,9 +261,16 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
 
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
-      compute_cycles=compute if compute.any() else None, exchange=cost,
+      compute_cycles=compute if compute.any() else None, exchange=plan.exchange,
       vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
   return results
+
+
+def _gather_index(spec, size: int, num_sources: int) -> np.ndarray:
+  """Source of every output element, ``num_sources`` (the fill slot) for fill."""
+  if isinstance(spec, BoxMap):
+    return spec.index(size, num_sources, copy_plan.index_dtype(num_sources + 1))
+  return spec
 
 
 def _bind(primitive, params):
@@ -411,13 +332,16 @@ def broadcast_in_dim(ctx, x: P.Tensor, shape, broadcast_dimensions,
   value = _uniform_value(x)
   if value is not None:
     # A constant everywhere (jnp.zeros, jnp.full): fill vertices, no exchange.
-    return move(ctx, [], [(shape, dtype, np.full(size, -1, np.int8))],
+    return move(ctx, [], [(shape, dtype, BoxMap())],
                 lambda: jnp.full(shape, value, dtype), fill=value, name="fill")[0]
-  expanded = [1] * len(shape)
-  for axis, out_axis in enumerate(broadcast_dimensions):
-    expanded[out_axis] = x.shape[axis]
-  index = np.broadcast_to(_flat_indices(x.shape).reshape(expanded), shape)
-  return move(ctx, [x], [(shape, dtype, index)],
+  # A broadcast axis (new, or size 1 in ``x``) reads the same source: stride 0.
+  src_strides = [0] * len(shape)
+  for axis, (out_axis, stride) in enumerate(zip(broadcast_dimensions,
+                                                row_major_strides(x.shape))):
+    if x.shape[axis] == shape[out_axis]:
+      src_strides[out_axis] = stride
+  box = Box.make(shape, 0, row_major_strides(shape), 0, src_strides)
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
               _bind(lax.broadcast_in_dim_p, full), name="broadcast_in_dim")[0]
 
 
@@ -440,10 +364,26 @@ def _broadcast_in_dim(ctx, x, *dynamic, shape, broadcast_dimensions, **params):
   return [broadcast_in_dim(ctx, x, _out_aval(ctx)[0], broadcast_dimensions, params)]
 
 
+def _whole(shape, src_shape=None, src_offset: int = 0, src_strides=None) -> Box:
+  """A box covering all of an output of ``shape`` (row-major sources by default)."""
+  if src_strides is None:
+    src_strides = row_major_strides(src_shape or shape)
+  return Box.make(shape, 0, row_major_strides(shape), src_offset, src_strides)
+
+
+def _window(in_shape, starts, steps, out_shape) -> Box:
+  """The output of a strided window of an ``in_shape`` array (a slice)."""
+  in_strides = row_major_strides(in_shape)
+  offset = sum(int(b) * s for b, s in zip(starts, in_strides))
+  return _whole(out_shape, src_offset=offset,
+                src_strides=[s * int(k) for s, k in zip(in_strides, steps)])
+
+
 def _transpose_tensor(ctx, x, permutation):
   shape = tuple(x.shape[p] for p in permutation)
-  index = _flat_indices(x.shape).transpose(permutation)
-  return move(ctx, [x], [(shape, x.dtype, index)],
+  in_strides = row_major_strides(x.shape)
+  box = _whole(shape, src_strides=[in_strides[p] for p in permutation])
+  return move(ctx, [x], [(shape, x.dtype, BoxMap((box,)))],
               _bind(lax.transpose_p, {"permutation": tuple(permutation)}),
               name="transpose", one_to_one=True)[0]
 
@@ -458,9 +398,11 @@ def _transpose(ctx, x, *, permutation):
 @register_lowering(lax.rev_p)
 def _rev(ctx, x, *, dimensions):
   shape, dtype = _out_aval(ctx)
-  index = np.flip(_flat_indices(x.shape), axis=tuple(dimensions)) if dimensions \
-      else _flat_indices(x.shape)
-  return move(ctx, [x], [(shape, dtype, index)],
+  # Reversed axes start at their last element and step backwards.
+  flip = [a in set(int(d) for d in dimensions) for a in range(len(shape))]
+  box = _window(x.shape, [n - 1 if f else 0 for n, f in zip(x.shape, flip)],
+                [-1 if f else 1 for f in flip], shape)
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
               _bind(lax.rev_p, {"dimensions": dimensions}), one_to_one=True)
 
 
@@ -472,12 +414,10 @@ def _slice(ctx, x, *, start_indices, limit_indices, strides):
   limit_indices = tuple(limit_indices) + key_shape
   strides = None if strides is None else tuple(strides) + (1,) * len(key_shape)
   steps = strides or (1,) * len(x.shape)
-  window = tuple(slice(int(s), int(l), int(st))
-                 for s, l, st in zip(start_indices, limit_indices, steps))
-  index = _flat_indices(x.shape)[window]
+  box = _window(x.shape, start_indices, steps, shape)
   params = {"start_indices": start_indices, "limit_indices": limit_indices,
             "strides": strides}
-  return move(ctx, [x], [(shape, dtype, index)], _bind(lax.slice_p, params),
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))], _bind(lax.slice_p, params),
               one_to_one=True)
 
 
@@ -486,11 +426,14 @@ def _concatenate(ctx, *operands, dimension):
   shape, dtype = _out_aval(ctx)
   # Empty operands hold nothing to move; concatenate(x, empty) is then x.
   operands = [t for t in operands if t.size] or list(operands[:1])
-  total = int(sum(t.size for t in operands))
   offsets = np.cumsum([0] + [t.size for t in operands])
-  index = np.concatenate([_flat_indices(t.shape, int(o), total)
-                          for t, o in zip(operands, offsets)], axis=dimension)
-  return move(ctx, list(operands), [(shape, dtype, index)],
+  out_strides = row_major_strides(shape)
+  # Operand k fills its band of the concatenated axis.
+  bands = np.cumsum([0] + [t.shape[dimension] for t in operands])
+  boxes = [Box.make(t.shape, int(b) * out_strides[dimension], out_strides, int(o),
+                    row_major_strides(t.shape))
+           for t, b, o in zip(operands, bands, offsets)]
+  return move(ctx, list(operands), [(shape, dtype, BoxMap(tuple(boxes)))],
               _bind(lax.concatenate_p, {"dimension": dimension}), one_to_one=True)
 
 
@@ -500,11 +443,13 @@ _stack_p = lax_internal.stack_p
 def _stack(ctx, *operands, axis):
   """``jnp.stack``: operands gain an axis of size 1 and are concatenated."""
   shape, dtype = _out_aval(ctx)
-  total = int(sum(t.size for t in operands))
   offsets = np.cumsum([0] + [t.size for t in operands])
-  index = np.stack([_flat_indices(t.shape, int(o), total)
-                    for t, o in zip(operands, offsets)], axis=axis)
-  return move(ctx, list(operands), [(shape, dtype, index)],
+  out_strides = row_major_strides(shape)
+  # Operand k is row k of the new axis (a size-1 axis of its own).
+  boxes = [Box.make(np.insert(t.shape, axis, 1), k * out_strides[axis], out_strides, int(o),
+                    np.insert(row_major_strides(t.shape), axis, 0))
+           for k, (t, o) in enumerate(zip(operands, offsets))]
+  return move(ctx, list(operands), [(shape, dtype, BoxMap(tuple(boxes)))],
               _bind(_stack_p, {"axis": axis}), one_to_one=True)
 
 
@@ -521,11 +466,13 @@ def _unstack(ctx, x, *, axis):
   operand element, so a result whose elements already sit on the right
   tiles costs only on-tile copies.
   """
-  index = _flat_indices(x.shape)
+  in_strides = row_major_strides(x.shape)
   outputs = []
   for i in range(len(ctx.out_avals)):
     shape, dtype = _out_aval(ctx, i)
-    outputs.append((shape, dtype, np.take(index, i, axis=axis)))
+    box = _whole(shape, src_offset=i * in_strides[axis],
+                 src_strides=in_strides[:axis] + in_strides[axis + 1:])
+    outputs.append((shape, dtype, BoxMap((box,))))
   return move(ctx, [x], outputs, _bind(_unstack_p, {"axis": axis}), one_to_one=True)
 
 
@@ -544,8 +491,17 @@ def _tile(ctx, x, *, reps):
   """
   shape, dtype = _out_aval(ctx)
   key_reps = (1,) * len(_key_shape(ctx))
-  index = np.tile(_flat_indices(x.shape), tuple(int(r) for r in reps) + key_reps)
-  return move(ctx, [x], [(shape, dtype, index)], _bind(_tile_p, {"reps": tuple(reps)}))
+  all_reps = tuple(int(r) for r in reps) + key_reps
+  # np.tile's rule: ``reps`` longer than the operand's rank adds leading axes.
+  in_shape = (1,) * (len(all_reps) - len(x.shape)) + tuple(x.shape)
+  all_reps = (1,) * (len(in_shape) - len(all_reps)) + all_reps
+  out_strides, in_strides = row_major_strides(shape), row_major_strides(in_shape)
+  # Each axis splits into (copy, element): copies read the same sources.
+  box = Box.make([v for r, n in zip(all_reps, in_shape) for v in (r, n)], 0,
+                 [v for o, n in zip(out_strides, in_shape) for v in (o * n, o)], 0,
+                 [v for s in in_strides for v in (0, s)])
+  return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
+              _bind(_tile_p, {"reps": tuple(reps)}))
 
 
 register_lowering(_tile_p, _tile)
@@ -574,19 +530,25 @@ def _pad(ctx, x, pad_value, *, padding_config):
   config = tuple(tuple(int(v) for v in c) for c in padding_config)
   windows = [_pad_windows(n, lo, hi, k) for n, (lo, hi, k) in zip(x.shape, config)]
   constant = _uniform_value(pad_value)
-  # A constant pad value is filled in place; a computed one is a source
-  # element (index x.size) multicast to the tiles that hold padding.
-  pad_index = -1 if constant is not None else x.size
-  index = np.full(shape, pad_index, _index_dtype(x.size + 1))
-  if x.size and index.size:
-    index[tuple(w for _, w in windows)] = _flat_indices(x.shape)[tuple(w for w, _ in windows)]
+  size = int(np.prod(shape, dtype=np.int64))
+  # The kept input window lands on a strided window of the output (an empty
+  # window makes an empty box: all padding).
+  out_strides, in_strides = row_major_strides(shape), row_major_strides(x.shape)
+  box = Box.make([w.stop - w.start for w, _ in windows],
+                 sum(o.start * s for (_, o), s in zip(windows, out_strides)),
+                 [(o.step or 1) * s for (_, o), s in zip(windows, out_strides)],
+                 sum(w.start * s for (w, _), s in zip(windows, in_strides)), in_strides)
   params = {"padding_config": config}
-  if constant is None and not (index == pad_index).any():
+  if constant is None and box.size == size:
     constant = 0  # only cropping: the pad value is never used
   if constant is not None:
-    return move(ctx, [x], [(shape, dtype, index)],
+    # A constant pad value is filled in place.
+    return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
                 lambda v: lax.pad_p.bind(v, jnp.asarray(constant, dtype), **params),
                 fill=constant, one_to_one=True)
+  # A computed one is a source element (index x.size) multicast to the tiles
+  # that hold padding.
+  index = BoxMap((box,)).index(size, x.size, copy_plan.index_dtype(x.size + 1))
   return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
 
 
@@ -595,10 +557,13 @@ split_p = lax.split_p
 
 @register_lowering(split_p)
 def _split(ctx, x, *, sizes, axis):
-  index = _flat_indices(x.shape)
-  cuts = np.cumsum([int(s) for s in sizes])[:-1]
-  pieces = np.split(index, cuts, axis=axis)
-  outputs = [(piece.shape, x.dtype, piece) for piece in pieces]
+  starts = np.cumsum([0] + [int(s) for s in sizes])[:-1]
+  outputs = []
+  for begin, size in zip(starts, sizes):
+    shape = tuple(int(size) if a == axis else d for a, d in enumerate(x.shape))
+    corner = [int(begin) if a == axis else 0 for a in range(len(shape))]
+    outputs.append((shape, x.dtype, BoxMap((_window(x.shape, corner, [1] * len(shape),
+                                                    shape),))))
   return move(ctx, [x], outputs,
               _bind(split_p, {"sizes": tuple(sizes), "axis": axis}), one_to_one=True)
 

@@ -1,0 +1,500 @@
+"""Planning static copies: the exchange and on-tile work of data movement.
+
+A data-movement primitive (broadcast, transpose, slice, concatenate, pad...)
+copies each output element from a source element known at compile time. Its
+map is described here by :class:`Box` es: an output box whose element ``i``
+(a multi-index) copies source element ``src_offset + sum(src_strides * i)``
+into output position ``out_offset + sum(out_strides * i)``; output elements
+in no box are filled with a constant.
+
+:func:`plan_copies` plans by regions, in time proportional to runs: it finds
+the same figures as the element-by-element planner :func:`plan_elements`
+(with :func:`exchange_plan`: bytes each tile receives and sends, multicasts
+deduplicated, IPU-Link bytes; copies and fills per tile) without an array
+per element. A box is cut into *rows* along its innermost axis when
+that axis is contiguous in the output and copies either a contiguous source
+run (stride 1) or one source element (stride 0, a broadcast); rows are cut
+where the destination mapping's tile runs and the sources' tile runs change,
+and the per-tile counts are unions of source intervals. A broadcast of a
+``[D]`` bias over ``[B, S, D]`` is ``B * S`` rows instead of ``B * S * D``
+elements. When a map has short rows (a transpose of the innermost axis) the
+caller falls back to the element planner. Both return a :class:`CopyPlan`.
+
+The same boxes also build the per-element gather indices the ``per_tile``
+executor mode needs, at trace time only, so no step holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ipu_jax.lowering import plan_cache
+from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.mapping import TileMapping
+
+__all__ = ["Box", "BoxMap", "CopyPlan", "plan_copies", "plan_elements", "exchange_plan",
+           "element_tiles", "index_dtype", "row_major_strides"]
+
+# A region plan is used when the rows are on average at least this long;
+# shorter rows cost more in NumPy bookkeeping than the element planner.
+MIN_MEAN_ROW = 8
+
+
+def index_dtype(n: int):
+  """The integer type of indices below ``n``."""
+  # int32 indices halve the memory traffic of planning; int64 beyond 2**31.
+  return np.int32 if n < 2**31 - 1 else np.int64
+
+
+def row_major_strides(shape) -> tuple:
+  """Flat-index stride of each axis of a row-major array of ``shape``."""
+  strides, step = [], 1
+  for d in reversed(tuple(int(d) for d in shape)):
+    strides.append(step)
+    step *= max(d, 1)
+  return tuple(reversed(strides))
+
+
+def _positions(axes, offset: int, which: int) -> np.ndarray:
+  """``offset + sum(stride * i)`` over ``axes`` (row-major), flattened.
+
+  ``axes`` are ``(extent, out_stride, src_stride)``; ``which`` picks the
+  output (1) or source (2) stride.
+  """
+  value = np.full((), offset, np.int64)
+  for axis in axes:
+    value = value[..., None] + axis[which] * np.arange(axis[0], dtype=np.int64)
+  return value.reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+  """Output elements of one box and the source elements they copy.
+
+  For every multi-index ``i`` with ``0 <= i[a] < extents[a]``, output element
+  ``out_offset + sum(out_strides[a] * i[a])`` copies source element
+  ``src_offset + sum(src_strides[a] * i[a])``. Strides may be zero (a
+  broadcast axis) or negative (a reversal).
+  """
+
+  extents: tuple
+  out_offset: int
+  out_strides: tuple
+  src_offset: int
+  src_strides: tuple
+
+  @classmethod
+  def make(cls, extents, out_offset, out_strides, src_offset, src_strides) -> "Box":
+    ints = lambda v: tuple(int(x) for x in v)
+    extents, out_strides, src_strides = ints(extents), ints(out_strides), ints(src_strides)
+    if not len(extents) == len(out_strides) == len(src_strides):
+      raise ValueError(f"Box: extents {extents}, out_strides {out_strides} and src_strides "
+                       f"{src_strides} must have one entry per axis")
+    return cls(extents, int(out_offset), out_strides, int(src_offset), src_strides)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.extents, dtype=np.int64))
+
+  def _axes(self) -> list:
+    """``[(extent, out_stride, src_stride)]`` with size-1 axes dropped and
+    neighbours that step together merged (longest rows, fewest of them)."""
+    merged = []
+    for e, o, s in zip(self.extents, self.out_strides, self.src_strides):
+      if e == 1:
+        continue
+      if merged and merged[-1][1] == o * e and merged[-1][2] == s * e:
+        merged[-1] = (merged[-1][0] * e, o, s)
+      else:
+        merged.append((e, o, s))
+    return merged
+
+  def _row_axes(self):
+    """``(outer axes, row length, source step)`` of :meth:`rows`."""
+    axes = self._axes()
+    if axes and axes[-1][1] == 1 and axes[-1][2] in (0, 1):
+      return axes[:-1], axes[-1][0], axes[-1][2]
+    return axes, 1, 1
+
+  def rows(self):
+    """``(out_starts, src_starts, length, src_step)``: runs of the box.
+
+    Row ``r`` is output positions ``[out_starts[r], out_starts[r] + length)``
+    copying source ``src_starts[r] + src_step * k``; ``src_step`` is 0 or 1.
+    A box whose innermost axis is not such a run gives rows of length 1.
+    """
+    outer, length, step = self._row_axes()
+    return (_positions(outer, self.out_offset, 1), _positions(outer, self.src_offset, 2),
+            length, step)
+
+  def num_rows(self) -> int:
+    """Rows :meth:`rows` gives, without building them."""
+    return int(np.prod([a[0] for a in self._row_axes()[0]], dtype=np.int64))
+
+  def bounds(self, which: int) -> tuple:
+    """``(lowest, highest)`` output (``which=1``) or source (``2``) position."""
+    offset = self.out_offset if which == 1 else self.src_offset
+    low = high = offset
+    for e, o, s in zip(self.extents, self.out_strides, self.src_strides):
+      stride = o if which == 1 else s
+      reach = stride * (e - 1)
+      low, high = low + min(reach, 0), high + max(reach, 0)
+    return low, high
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxMap:
+  """One output's map: its boxes (disjoint in the output); the rest is fill.
+
+  Hashable, so plans are cached by it (with the layouts' fingerprints).
+  """
+
+  boxes: tuple = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "boxes", tuple(b for b in self.boxes if b.size))
+
+  def check(self, out_size: int, num_sources: int, what: str) -> None:
+    """Raises ``ValueError`` when a box reaches outside the output or sources."""
+    for box in self.boxes:
+      lo, hi = box.bounds(1)
+      if lo < 0 or hi >= out_size:
+        raise ValueError(f"{what}: box {box} writes positions [{lo}, {hi}] outside an "
+                         f"output of {out_size} elements")
+      lo, hi = box.bounds(2)
+      if lo < 0 or hi >= num_sources:
+        raise ValueError(f"{what}: box {box} reads sources [{lo}, {hi}] outside "
+                         f"{num_sources} source elements")
+
+  def index(self, out_size: int, fill_index: int, dtype) -> np.ndarray:
+    """``[out_size]`` source of every output element, ``fill_index`` for fill."""
+    index = np.full(out_size, fill_index, dtype)
+    for box in self.boxes:
+      axes = box._axes()  # pylint: disable=protected-access
+      index[_positions(axes, box.out_offset, 1)] = _positions(axes, box.src_offset, 2)
+    return index
+
+  def is_identity(self, out_size: int) -> bool:
+    """Whether output element ``k`` copies source ``k`` for every ``k``."""
+    if len(self.boxes) != 1:
+      return out_size == 0 and not self.boxes
+    box = self.boxes[0]
+    axes = box._axes()  # pylint: disable=protected-access
+    if box.size != out_size or box.out_offset or box.src_offset:
+      return False
+    return not axes or (len(axes) == 1 and axes[0][1] == 1 and axes[0][2] == 1)
+
+  def num_rows(self) -> int:
+    return sum(b.num_rows() for b in self.boxes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+  """Figures of a static copy: exchange and per-tile on-tile work.
+
+  Attributes:
+    exchange: the :class:`ExchangeCost` (``None`` when nothing moves).
+    received: ``[num_tiles]`` source elements each tile receives (once per
+      tile however many of its outputs copy them).
+    copies: ``[num_tiles]`` output elements copied on their tile (kept, or
+      replicated after arriving).
+    fills: ``[num_tiles]`` output elements set to the fill constant.
+  """
+
+  exchange: Optional[ExchangeCost]
+  received: np.ndarray
+  copies: np.ndarray
+  fills: np.ndarray
+
+
+def _cut(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, total: int, budget: int):
+  """Cuts intervals ``[lo, hi)`` where runs starting at ``starts`` change.
+
+  Returns ``(parent, run, piece_lo, piece_hi)`` or ``None`` past ``budget``
+  pieces.
+  """
+  first = np.searchsorted(starts, lo, side="right") - 1
+  last = np.searchsorted(starts, hi - 1, side="right") - 1
+  count = last - first + 1
+  n = int(count.sum())
+  if n > budget:
+    return None
+  parent = np.repeat(np.arange(lo.size), count)
+  offsets = np.cumsum(count) - count
+  run = np.arange(n, dtype=np.int64) - np.repeat(offsets - first, count)
+  ends = np.append(starts[1:], total)
+  return (parent, run, np.maximum(lo[parent], starts[run]),
+          np.minimum(hi[parent], ends[run]))
+
+
+def _union_lengths(group: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_groups: int,
+                   span: int) -> np.ndarray:
+  """``[num_groups]`` length of the union of intervals ``[lo, hi)`` per group."""
+  if group.size == 0:
+    return np.zeros(num_groups, np.int64)
+  order = np.lexsort((lo, group))
+  base = group[order].astype(np.int64) * (span + 1)
+  start, end = base + lo[order], base + hi[order]
+  # Groups are sorted and separated by more than ``span``: a running maximum
+  # of interval ends never carries from one group into the next.
+  reached = np.maximum.accumulate(end)
+  before = np.concatenate([start[:1], reached[:-1]])
+  new = np.maximum(end - np.maximum(start, before), 0)
+  # Weighted bincounts are float64: exact below 2**53 elements.
+  return np.bincount(group[order], weights=new, minlength=num_groups)[:num_groups].astype(np.int64)
+
+
+def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
+                itemsize: int) -> Optional[CopyPlan]:
+  """The figures of a static copy from its boxes, or ``None`` if rows are short.
+
+  Args:
+    target: the IPU target.
+    sources: the source tensors' mappings; their flattened elements,
+      concatenated, are the source positions the boxes refer to.
+    outputs: ``[(mapping, BoxMap)]`` per output.
+    itemsize: bytes per element.
+
+  Returns:
+    A :class:`CopyPlan` equal, figure for figure, to the element planner's;
+    ``None`` when the map's rows are too short for regions to pay (then the
+    caller plans element by element).
+  """
+  key = _cache_key(target, sources, outputs, itemsize)
+  return plan_cache.cached(_PLANS, key,
+                           lambda: _plan(target, sources, outputs, itemsize))
+
+
+_PLANS = plan_cache.PlanCache("copy plans by regions")
+
+
+def _cache_key(target, sources, outputs, itemsize):
+  prints = [m.fingerprint for m in sources] + [m.fingerprint for m, _ in outputs]
+  if any(p[0] == "object" for p in prints):
+    return None  # an irregular layout is unique to its tensor: nothing to share
+  return (tuple(prints), tuple(b for _, b in outputs), int(itemsize), target)
+
+
+def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
+  num_tiles = target.num_tiles
+  total_out = sum(m.num_elements for m, _ in outputs)
+  rows = sum(b.num_rows() for _, b in outputs)
+  if rows * MIN_MEAN_ROW > max(total_out, 1):
+    return None
+  budget = max(4 * rows, total_out // MIN_MEAN_ROW) + 4 * num_tiles
+  # Sources: every mapping's runs, shifted to its place in the concatenation.
+  offsets = np.cumsum([0] + [m.num_elements for m in sources])
+  num_sources = int(offsets[-1])
+  runs = [(m.intervals[0] + o, m.intervals[1]) for m, o in zip(sources, offsets[:-1])
+          if m.num_elements]
+  s_starts = np.concatenate([r[0] for r in runs] + [np.zeros(0, np.int64)])
+  s_tiles = np.concatenate([r[1] for r in runs] + [np.zeros(0, np.int64)])
+
+  written = np.zeros(num_tiles, np.int64)
+  fills = np.zeros(num_tiles, np.int64)
+  pieces = []  # (dst tile, src tile, src lo, src hi)
+  for mapping, boxmap in outputs:
+    if mapping.num_elements == 0:
+      continue
+    on_tile = mapping.elements_per_tile(num_tiles)
+    parts = [b.rows() for b in boxmap.boxes]
+    if not parts:
+      fills += on_tile
+      continue
+    out_lo = np.concatenate([p[0] for p in parts])
+    src_lo = np.concatenate([p[1] for p in parts])
+    length = np.concatenate([np.full(p[0].size, p[2], np.int64) for p in parts])
+    step = np.concatenate([np.full(p[0].size, p[3], np.int64) for p in parts])
+    d_starts, d_tiles = mapping.intervals
+    cut = _cut(out_lo, out_lo + length, d_starts, mapping.num_elements, budget)
+    if cut is None:
+      return None
+    parent, run, lo, hi = cut
+    dst = d_tiles[run]
+    count = hi - lo
+    covered = np.bincount(dst, weights=count, minlength=num_tiles)[:num_tiles].astype(np.int64)
+    written += covered
+    fills += on_tile - covered
+    # Each piece's sources: a run (stride 1) or one element (stride 0).
+    first = src_lo[parent] + step[parent] * (lo - out_lo[parent])
+    last = first + np.where(step[parent] == 1, count, 1)
+    cut = _cut(first, last, s_starts, num_sources, budget)
+    if cut is None:
+      return None
+    owner, s_run, a, b = cut
+    pieces.append((dst[owner], s_tiles[s_run], a, b))
+  received = np.zeros(num_tiles, np.int64)
+  if not pieces:
+    return _frozen(CopyPlan(None, received, written, fills))
+  dst, src, a, b = (np.concatenate(p) for p in zip(*pieces))
+  moved = src != dst
+  if not moved.any():
+    return _frozen(CopyPlan(None, received, written, fills))
+  dst, src, a, b = dst[moved], src[moved], a[moved], b[moved]
+  received = _union_lengths(dst, a, b, num_tiles, num_sources)
+  sent = _union_lengths(src, a, b, num_tiles, num_sources)
+  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
+  link = np.zeros(n_ipus, np.int64)
+  if n_ipus > 1:
+    crossing = src // per_ipu != dst // per_ipu
+    group = (dst[crossing] // per_ipu) * num_tiles + src[crossing]
+    per_pair = _union_lengths(group, a[crossing], b[crossing], n_ipus * num_tiles, num_sources)
+    source_ipu = (np.arange(n_ipus * num_tiles) % num_tiles) // per_ipu
+    link = np.bincount(source_ipu, weights=per_pair, minlength=n_ipus)[:n_ipus].astype(np.int64)
+  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
+  return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+def _frozen(plan: CopyPlan) -> CopyPlan:
+  """``plan`` with read-only arrays: a cached plan is shared, never edited."""
+  arrays = [plan.received, plan.copies, plan.fills]
+  if plan.exchange is not None:
+    arrays += [plan.exchange.bytes_in, plan.exchange.bytes_out, plan.exchange.link_bytes_out]
+  for array in arrays:
+    array.setflags(write=False)
+  return plan
+
+
+# -- element by element: maps with short runs ------------------------------
+
+
+def element_tiles(mapping: TileMapping) -> np.ndarray:
+  """The tile of every element, from the mapping's runs.
+
+  Unlike ``TileMapping.element_tile`` this is not cached on the mapping
+  (8 bytes per element for the mapping's lifetime): a movement needs it only
+  while it is planned.
+  """
+  starts, tiles = mapping.intervals
+  return np.repeat(tiles, np.diff(np.append(starts, mapping.num_elements)))
+
+
+def plan_elements(target, sources: Sequence[TileMapping], outputs: Sequence, itemsize: int,
+                  one_to_one: bool = False):
+  """``(CopyPlan, gathers)`` of a static copy planned element by element.
+
+  Args:
+    target: the IPU target.
+    sources: the source tensors' mappings (their elements concatenated are
+      the source positions).
+    outputs: ``[(mapping, index)]``: ``index`` is the ``[size]`` source of
+      every output element, ``-1`` for fill.
+    itemsize: bytes per element.
+    one_to_one: no source element is copied twice (see :func:`exchange_plan`).
+
+  Returns:
+    The :class:`CopyPlan` and, per output, the gather indices into the
+    sources with ``num_sources`` (the fill slot) for fill (``None`` for an
+    empty output).
+  """
+  num_tiles = target.num_tiles
+  source_tiles = (np.concatenate([element_tiles(m) for m in sources])
+                  if sources else np.zeros(0, np.int64))
+  num_sources = int(source_tiles.size)
+  gathers, all_src, all_dst, fill_dst = [], [], [], []
+  for mapping, index in outputs:
+    if mapping.num_elements == 0:
+      gathers.append(None)
+      continue
+    dst_tile = element_tiles(mapping)
+    real = index >= 0
+    if real.all():  # the common case: skip the masked copies
+      all_src.append(index)
+      all_dst.append(dst_tile)
+      gathers.append(index)
+      continue
+    all_src.append(index[real])
+    all_dst.append(dst_tile[real])
+    fill_dst.append(dst_tile[~real])
+    gathers.append(np.where(real, index, num_sources).astype(index_dtype(num_sources + 1)))
+  src = np.concatenate(all_src) if len(all_src) != 1 else all_src[0]
+  dst = np.concatenate(all_dst) if len(all_dst) != 1 else all_dst[0]
+  cost, received = exchange_plan(target, source_tiles, src, dst, itemsize, one_to_one)
+  # Elements not written straight by the exchange are copied on their tile.
+  copies = np.bincount(dst, minlength=num_tiles)[:num_tiles] - received
+  fills = np.bincount(np.concatenate(fill_dst + [np.zeros(0, np.int64)]),
+                      minlength=num_tiles)[:num_tiles]
+  return CopyPlan(cost, received, copies, fills), gathers
+
+
+def _sorted_unique(key: np.ndarray) -> np.ndarray:
+  """``np.unique(key)``: a mark table when the keys are dense, else a sort."""
+  low, high = int(key.min()), int(key.max())
+  span = high - low + 1
+  if span <= 8 * key.size + (1 << 20):
+    marks = np.zeros(span, bool)
+    marks[key - low] = True
+    return np.flatnonzero(marks) + low
+  key = np.sort(key)
+  return key[np.concatenate([[True], key[1:] != key[:-1]])]
+
+
+def exchange_plan(target, source_tiles: np.ndarray, source: np.ndarray,
+                  dst_tile: np.ndarray, itemsize: int, one_to_one: bool = False):
+  """Exchange bytes of a static copy, with multicasts, and what each tile gets.
+
+  Args:
+    target: the IPU target.
+    source_tiles: ``[S]`` tile of every source element.
+    source: ``[M]`` source element of every copied output element.
+    dst_tile: ``[M]`` tile of every copied output element.
+    itemsize: bytes per element.
+    one_to_one: the caller knows no source element is copied twice (a
+      permutation, slice...), which skips the deduplication.
+
+  Returns:
+    ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
+    moves) and ``[num_tiles]`` elements each tile receives. A tile receives
+    a source element once however many of its output elements copy it; a
+    tile sends each element once however many tiles need it; an element
+    crosses the IPU-Links once per destination IPU. For one-to-one copies
+    this equals :func:`~ipu_jax.lowering.exchange.movement_cost`.
+  """
+  num_tiles = target.num_tiles
+  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
+  source_tiles = np.asarray(source_tiles)
+  src_tile = source_tiles[source]
+  moved = src_tile != dst_tile
+  if not moved.any():
+    return None, np.zeros(num_tiles, np.int64)
+  link = np.zeros(n_ipus, np.int64)
+  if one_to_one:
+    from_tile, dst = src_tile[moved], dst_tile[moved]
+    received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
+    bytes_out = np.bincount(from_tile, minlength=num_tiles)[:num_tiles]
+    if n_ipus > 1:
+      src_ipu, dst_ipu = from_tile // per_ipu, dst // per_ipu
+      link = np.bincount(src_ipu[src_ipu != dst_ipu], minlength=n_ipus)[:n_ipus]
+    return ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
+                        link.astype(np.int64) * itemsize), received
+  src, dst = source[moved], dst_tile[moved]
+  # Deduplicate (source, destination tile) pairs, only among sources used
+  # more than once, so copies of distinct elements never pay for a sort.
+  uses = np.bincount(src, minlength=source_tiles.size)
+  repeated = uses[src] > 1
+  if repeated.any():
+    key = src[repeated].astype(np.int64) * num_tiles + dst[repeated]
+    # Runs of one element on one tile are common: drop them before sorting.
+    key = key[np.concatenate([[True], key[1:] != key[:-1]])]
+    key = _sorted_unique(key)
+    src = np.concatenate([src[~repeated], (key // num_tiles).astype(src.dtype)])
+    dst = np.concatenate([dst[~repeated], key % num_tiles])
+  received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
+  sent = np.zeros(source_tiles.size, bool)
+  sent[src] = True
+  bytes_out = np.bincount(source_tiles[sent], minlength=num_tiles)[:num_tiles]
+  if n_ipus > 1:
+    src_ipu, dst_ipu = source_tiles[src] // per_ipu, dst // per_ipu
+    crossing = src_ipu != dst_ipu
+    if crossing.any():
+      marks = np.zeros((source_tiles.size, n_ipus), bool)
+      marks[src[crossing], dst_ipu[crossing]] = True
+      per_source = marks.sum(axis=1)
+      link = np.bincount(source_tiles // per_ipu, weights=per_source,
+                         minlength=n_ipus)[:n_ipus].astype(np.int64)
+  cost = ExchangeCost(received * itemsize, bytes_out.astype(np.int64) * itemsize,
+                      link * itemsize)
+  return cost, received
