@@ -203,30 +203,34 @@ _PROGRAMS = {"bias": (_bias, [(4, 12, 48), (48,)]), "rows": (_rows, [(4, 12, 48)
              "pieces": (_pieces, [(4, 12, 48)])}
 
 # (step, total cycles, bytes in, bytes out, busiest tile's bytes in) of every
-# movement step, recorded with the element planner (main before region
-# plans, commit 6dc10eb): region plans must not change a figure.
+# movement step. Bytes recorded with the element planner (main before region
+# plans, commit 6dc10eb): region plans must not change a figure. Cycles are
+# cost model 3's (on-chip sync 90, exchange latency 100, where 6dc10eb had
+# 150 and 30), and the matmul result of "from_matmul" lands on another layout
+# since the planner weighs the cheaper syncs (its broadcast moves 6,912 bytes
+# where it moved 8,064); both planners give these same figures on it.
 _BEFORE = {
-    "t16/bias": [("broadcast_in_dim", 380.0, 2880, 192, 192)],
-    "t16/rows": [("broadcast_in_dim", 308.0, 0, 0, 0)],
-    "t16/heads": [("transpose", 386.0, 6144, 6144, 384)],
-    "t16/from_matmul": [("broadcast_in_dim", 572.0, 8064, 8064, 576),
-                        ("transpose", 770.0, 25344, 25344, 1728)],
-    "t16/pieces": [("slice", 347.0, 480, 480, 60), ("slice", 310.0, 900, 900, 128),
-                   ("concatenate", 377.0, 1380, 1380, 120), ("pad", 601.0, 2584, 2584, 396),
-                   ("slice", 396.0, 448, 448, 128), ("tile", 320.0, 2128, 576, 144),
-                   ("rev", 324.0, 9216, 9216, 576), ("slice", 300.0, 64, 64, 64),
-                   ("slice", 300.0, 64, 64, 64), ("stack", 316.0, 256, 256, 128)],
-    "t2x8/bias": [("broadcast_in_dim", 1730.798, 2880, 192, 192)],
+    "t16/bias": [("broadcast_in_dim", 390.0, 2880, 192, 192)],
+    "t16/rows": [("broadcast_in_dim", 248.0, 0, 0, 0)],
+    "t16/heads": [("transpose", 396.0, 6144, 6144, 384)],
+    "t16/from_matmul": [("broadcast_in_dim", 546.0, 6912, 6912, 432),
+                        ("transpose", 780.0, 25344, 25344, 1728)],
+    "t16/pieces": [("slice", 357.0, 480, 480, 60), ("slice", 320.0, 900, 900, 128),
+                   ("concatenate", 387.0, 1380, 1380, 120), ("pad", 725.0, 2584, 2584, 396),
+                   ("slice", 406.0, 448, 448, 128), ("tile", 330.0, 2128, 576, 144),
+                   ("rev", 334.0, 9216, 9216, 576), ("slice", 310.0, 64, 64, 64),
+                   ("slice", 310.0, 64, 64, 64), ("stack", 326.0, 256, 256, 128)],
+    "t2x8/bias": [("broadcast_in_dim", 1800.798, 2880, 192, 192)],
     "t2x8/rows": [("broadcast_in_dim", 1658.0, 0, 0, 0)],
-    "t2x8/heads": [("transpose", 1736.0, 6144, 6144, 384)],
-    "t2x8/from_matmul": [("broadcast_in_dim", 1922.0, 8064, 8064, 576),
-                         ("transpose", 2139.152, 25344, 25344, 1728)],
-    "t2x8/pieces": [("slice", 1697.133, 480, 480, 60), ("slice", 1661.995, 900, 900, 128),
-                    ("concatenate", 1729.128, 1380, 1380, 120),
-                    ("pad", 1951.515375, 2584, 2584, 396), ("slice", 396.0, 448, 448, 128),
-                    ("tile", 1672.394, 2128, 576, 144), ("rev", 1693.152, 9216, 9216, 576),
-                    ("slice", 300.0, 64, 64, 64), ("slice", 300.0, 64, 64, 64),
-                    ("stack", 316.0, 256, 256, 128)],
+    "t2x8/heads": [("transpose", 1806.0, 6144, 6144, 384)],
+    "t2x8/from_matmul": [("broadcast_in_dim", 1956.0, 6912, 6912, 432),
+                         ("transpose", 2209.152, 25344, 25344, 1728)],
+    "t2x8/pieces": [("slice", 1767.133, 480, 480, 60), ("slice", 1731.995, 900, 900, 128),
+                    ("concatenate", 1799.128, 1380, 1380, 120),
+                    ("pad", 2135.515375, 2584, 2584, 396), ("slice", 406.0, 448, 448, 128),
+                    ("tile", 1742.394, 2128, 576, 144), ("rev", 1763.152, 9216, 9216, 576),
+                    ("slice", 310.0, 64, 64, 64), ("slice", 310.0, 64, 64, 64),
+                    ("stack", 326.0, 256, 256, 128)],
 }
 _MOVEMENTS = ("broadcast_in_dim", "transpose", "concatenate", "pad", "slice", "tile", "rev",
               "stack")
