@@ -57,8 +57,8 @@ from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.grouping import (gather_or_fill, group_slots, identity_of,
-                                             rows_mapping)
+from ipu_jax.lowering.rules.grouping import (elements_tiles, first_elements, gather_or_fill,
+                                             group_regions, identity_of, rows_mapping)
 
 __all__ = ["unicast_cost", "mapping_from_tiles", "identity_of", "monoid_of_jaxpr"]
 
@@ -233,7 +233,6 @@ def _reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector):
 
 
 
-_GROUPS = plan_cache.PlanCache("reduction groups")
 _OWNERS = plan_cache.PlanCache("reduction owner mappings")
 _STAGE2 = plan_cache.PlanCache("reduction stage-2 costs")
 _FINAL = plan_cache.PlanCache("reduction final plans")
@@ -251,7 +250,9 @@ def _stage2_cost(ctx, mapping, part_tile, part_key, itemsize, value_itemsize, cp
   return cost, cycles, received, exchange_cycles(target, cost) + float(cycles.max(initial=0))
 
 
-def _plan_final(mapping, part_key, part_slot, num_out, sentinel) -> tuple:
+def _final_slots(mapping, part_key, part_slot, num_out, sentinel) -> np.ndarray:
+  """``[rows, row_size, partials]``: the partials of every output element
+  (for steps that gather by slot)."""
   rows, row_size = mapping.storage_shape
   order = np.argsort(part_key, kind="stable")
   counts = np.bincount(part_key, minlength=num_out)
@@ -262,8 +263,7 @@ def _plan_final(mapping, part_key, part_slot, num_out, sentinel) -> tuple:
   pos = mapping.storage_position[part_key]
   dense = np.full(rows * row_size * c, sentinel, np.int64)
   dense[pos * c + rank] = part_slot
-  first = part_slot[order[start]]
-  return dense.reshape(rows, row_size, c), first
+  return dense.reshape(rows, row_size, c)
 
 
 def _peek_linear(ctx, shape, dtype, min_bytes_per_tile: int = 128) -> tuple:
@@ -333,25 +333,11 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   rows, row_size = in_map.storage_shape
   total = rows * row_size
 
-  # Output element of every input element (flat order), and of each output
-  # the flat index of its first input element.
-  kept_shape = tuple(1 if a in axes else d for a, d in enumerate(shape))
-  first_index = np.arange(n, dtype=np.int64).reshape(shape)[
-      tuple(slice(0, 1) if a in axes else slice(None) for a in range(len(shape)))].reshape(-1)
-
-  def group():
-    element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
-                                  shape).reshape(-1)
-    groups = group_slots(in_map, element_key, out_size)
-    for field in dataclasses.fields(groups):  # shared by every equation that hits
-      value = getattr(groups, field.name)
-      if isinstance(value, np.ndarray):
-        value.setflags(write=False)
-    return groups
-
-  # The grouping depends only on the layout, shape and axes: a repeated
-  # layer's reductions reuse it.
-  groups = plan_cache.cached(_GROUPS, (in_map.fingerprint, shape, axes), group)
+  # The grouping of each tile's elements by output element depends only on
+  # the layout, shape and axes (cached: a repeated layer reuses it).
+  groups = group_regions(in_map, shape, axes)
+  # The slot of every member: only steps that gather by slot need it.
+  slots = groups.slots(in_map) if mode == "per_tile" else None
   comp_dtypes = spec.comp_dtypes
   itemsize = sum(d.itemsize for d in comp_dtypes)
   value_itemsize = comp_dtypes[0].itemsize
@@ -360,7 +346,7 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
 
   # Static index component (argmax/argmin): coordinate along the axis.
   slot_index = None
-  if spec.index_axis is not None:
+  if spec.index_axis is not None and slots is not None:
     idx_dtype = comp_dtypes[-1]
     coord = np.broadcast_to(
         np.arange(shape[spec.index_axis], dtype=np.int64).reshape(
@@ -371,7 +357,7 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     slot_index = slot_index.astype(idx_dtype)
 
   part_tile = in_map.tiles[groups.row]
-  width = groups.dense.shape[1]
+  width = groups.width
   if skip_stage1:
     part_slot = groups.first_slot
     part_total = total
@@ -383,8 +369,9 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # computes"), linear like mapTensorLinearly, or spread one grain per tile
   # (many partials per output), whichever makes stage 2 cheapest.
   plan_key = (in_map.fingerprint, shape, axes)
-  owner = plan_cache.cached(_OWNERS, plan_key,
-                            lambda: mapping_from_tiles(in_map.element_tile[first_index]))
+  owner = plan_cache.cached(
+      _OWNERS, plan_key,
+      lambda: mapping_from_tiles(elements_tiles(in_map, first_elements(shape, axes))))
   candidates = [(owner, False)]
   candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
   if candidates[-1][0].num_rows < num_tiles:
@@ -417,14 +404,19 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
         t = ctx.new_tensor((groups.num,), dtype, part_map, name=f"{ctx.op}/partials")
       partials.append(t)
     assert part_map.storage_shape == (rows, width)
-    _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
-                   out_size, mode)
+    _emit_partials(ctx, spec, data, init_reads, init_values, groups, slots, slot_index,
+                   partials, out_size, mode)
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
 
-  final_dense, final_first = plan_cache.cached(
-      _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
-      lambda: _plan_final(out_map, groups.key, part_slot, out_size, part_total))
+  # Batched steps take each output from its first partial; per-tile steps
+  # gather all of them.
+  final_first = part_slot[groups.first_of_key]
+  final_dense = None
+  if mode == "per_tile":
+    final_dense = plan_cache.cached(
+        _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
+        lambda: _final_slots(out_map, groups.key, part_slot, out_size, part_total))
   outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
   sources = list(data) if skip_stage1 else partials
   _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
@@ -433,39 +425,33 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   return outputs
 
 
-def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
-                   out_size, mode):
+def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slots, slot_index,
+                   partials, out_size, mode):
   """Compute set 1: every tile reduces its own elements per output element."""
   target = ctx.target
   num_tiles = target.num_tiles
   in_map = data[0].mapping
   rows, row_size = in_map.storage_shape
   total = rows * row_size
-  dense = groups.dense
-  _, width, depth = dense.shape
+  width, depth = groups.width, groups.depth
   by_slot = mode == "per_tile"
-  index_dense = None
-  if by_slot and slot_index is not None:
-    index_dense = slot_index[dense]
   # Only per-tile steps gather by slot: batched ones must not keep per-element
   # index tables (or the shared ``groups``) alive in their closures.
-  reshape_only, all_valid = groups.reshape_only, bool(groups.valid.all())
-  valid_dense = (groups.valid.reshape(rows, width, depth)
-                 if by_slot and reshape_only else None)
-  dense32 = None
+  index_dense = dense32 = valid_dense = None
+  reshape_only = all_valid = False
   if by_slot:
+    dense = slots.dense
+    if slot_index is not None:
+      index_dense = slot_index[dense]
+    reshape_only, all_valid = slots.reshape_only, bool(slots.valid.all())
+    if reshape_only:
+      valid_dense = slots.valid.reshape(rows, width, depth)
     dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
   out_src = np.full(rows * width, out_size, np.int64)
   part_slot = groups.row * width + groups.local
-  first_of_out = np.full(out_size, -1, np.int64)
-  # First partial of each output in partial order: first occurrence of its key.
-  order = np.argsort(groups.key, kind="stable")
-  counts = np.bincount(groups.key, minlength=out_size)
-  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-  first_of_out = part_slot[order[starts]]
-  out_src[first_of_out] = np.arange(out_size)
+  out_src[part_slot[groups.first_of_key]] = np.arange(out_size)
   n_data = len(data)
 
   def fn(*storages):
@@ -522,7 +508,6 @@ def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, fina
   """Compute set 2: partials exchanged to the output's tiles and reduced."""
   target = ctx.target
   out_map = outputs[0].mapping
-  o_rows, o_size, depth = final_dense.shape
   dense32 = index_dense = None
   if mode == "per_tile":  # batched steps do not gather by slot (see _emit_partials)
     dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
