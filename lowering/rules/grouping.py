@@ -150,20 +150,14 @@ def _runs(mapping: TileMapping) -> _Runs:
     rows = np.arange(mapping.num_rows, dtype=np.int64)
     start = rows * int(mapping.chunk)
     return _Runs(start, np.minimum(start + int(mapping.chunk), n), rows, start)
-  starts, tiles = mapping.intervals
-  end = np.append(starts[1:], n)
-  row_of_tile = np.zeros(int(mapping.tiles.max(initial=0)) + 1, np.int64)
-  row_of_tile[mapping.tiles] = np.arange(mapping.num_rows)
-  row = row_of_tile[tiles]
-  # A row holds its elements in flat order: a run starts where the row's
-  # earlier runs end.
-  length = end - starts
-  order = np.argsort(row, kind="stable")
-  before = np.cumsum(length[order]) - length[order]
-  row_begin = np.cumsum(mapping.counts) - mapping.counts
-  offset = np.empty_like(starts)
-  offset[order] = before - row_begin[row[order]]
-  return _Runs(starts, end, row, row * mapping.row_size + offset)
+  # A general mapping's storage may have holes (a block grid's padded edge
+  # blocks) and rows that interleave runs (serial passes): a run ends where
+  # the next element is not in the next slot of the same row.
+  row = mapping.element_row
+  slot = row * mapping.row_size + mapping.element_offset
+  brk = np.flatnonzero((np.diff(slot) != 1) | (np.diff(row) != 0)) + 1
+  start = np.concatenate([np.zeros(min(n, 1), np.int64), brk])
+  return _Runs(start, np.append(start[1:], n), row[start], slot[start])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +259,8 @@ class Groups:
                     and bool(np.array_equal(position, slot)))
     dense = np.full(rows * self.width * self.depth, total, np.int64)
     dense[position] = slot
-    valid = (np.arange(row_size)[None, :] < mapping.counts[:, None]).reshape(-1)
+    valid = np.zeros(total, bool)
+    valid[slot] = True
     return Slots(dense.reshape(rows, self.width, self.depth), reshape_only, valid)
 
 
