@@ -222,6 +222,8 @@ class Groups:
     first_slot: ``[num]`` storage slot of each group's first member (flat
       order), or ``None`` when groups have several members that are not
       consecutive elements (then :meth:`slots` has them).
+    run_first: index of the first group of each *key run*: groups on one row
+      with consecutive keys (what a row's partials cover, as intervals).
   """
 
   shape: tuple
@@ -236,6 +238,12 @@ class Groups:
   depth: int
   first_of_key: np.ndarray
   first_slot: Optional[np.ndarray]
+  run_first: np.ndarray
+
+  def key_runs(self) -> tuple:
+    """``(row, first_key, length)`` of every key run."""
+    length = np.diff(np.append(self.run_first, self.num))
+    return self.row[self.run_first], self.key[self.run_first], length
 
   def slots(self, mapping: TileMapping) -> Slots:
     """The slot of every member (``mapping`` has the grouped layout)."""
@@ -311,10 +319,11 @@ def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
   local = np.arange(num, dtype=np.int64) - (np.cumsum(per_row) - per_row)[row]
   first_of_key = np.full(num_keys, num, np.int64)
   np.minimum.at(first_of_key, key, np.arange(num, dtype=np.int64))
+  run_first = np.flatnonzero(np.diff(row, prepend=-1) | (np.diff(key, prepend=-2) != 1))
   return Groups(shape=tuple(shape), axes=tuple(axes), num=num, row=row, key=key,
                 local=local, per_row=per_row, count=count,
                 width=int(per_row.max(initial=0)), depth=int(count.max(initial=0)),
-                first_of_key=first_of_key, first_slot=first_slot)
+                first_of_key=first_of_key, first_slot=first_slot, run_first=run_first)
 
 
 def group_regions(mapping: TileMapping, shape, axes) -> Groups:

@@ -86,27 +86,43 @@ def monoid_of_jaxpr(jaxpr) -> Optional[str]:
   return kind
 
 
-def unicast_cost(target, src_tile: np.ndarray, dst_tile: np.ndarray,
-                 itemsize: int) -> Optional[ExchangeCost]:
-  """Bytes moved when every element goes from ``src_tile`` to one ``dst_tile``.
+def unicast_cost(target, src_tile: np.ndarray, first: np.ndarray, length: np.ndarray,
+                 dst_mapping: TileMapping, itemsize: int) -> tuple:
+  """Bytes moved when runs of elements go to where ``dst_mapping`` holds them.
 
-  Each element has a single destination (no multicast), so this is
-  :func:`~ipu_jax.lowering.exchange.movement_cost` without its de-duplication
-  sort (fast for millions of partials).
+  Run ``i`` is elements ``[first[i], first[i] + length[i])`` of the
+  destination tensor, now on ``src_tile[i]``; each element has a single
+  destination (no multicast). The runs are cut at ``dst_mapping``'s intervals,
+  so the work is proportional to runs and intervals, not elements.
+
+  Returns:
+    ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
+    moves) and ``[num_tiles]`` elements arriving at or staying on each tile.
   """
-  src_tile = np.asarray(src_tile, np.int64).reshape(-1)
-  dst_tile = np.asarray(dst_tile, np.int64).reshape(-1)
-  moved = src_tile != dst_tile
-  if not moved.any():
-    return None
   t = target.num_tiles
-  src, dst = src_tile[moved], dst_tile[moved]
-  bytes_in = np.bincount(dst, minlength=t)[:t].astype(np.int64) * itemsize
-  bytes_out = np.bincount(src, minlength=t)[:t].astype(np.int64) * itemsize
+  starts, tiles = dst_mapping.intervals
+  ends = np.append(starts[1:], dst_mapping.num_elements)
+  stop = first + length
+  lo = np.searchsorted(starts, first, side="right") - 1
+  pieces = np.searchsorted(starts, stop - 1, side="right") - lo
+  run = np.repeat(np.arange(pieces.size), pieces)
+  interval = lo[run] + np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+  count = np.minimum(stop[run], ends[interval]) - np.maximum(first[run], starts[interval])
+  src, dst = np.asarray(src_tile, np.int64)[run], tiles[interval]
+
+  def per(where, weights, length_):
+    return np.bincount(where, weights=weights, minlength=length_)[:length_].astype(np.int64)
+
+  received = per(dst, count, t)
+  moved = src != dst
+  if not moved.any():
+    return None, received
+  src, dst, count = src[moved], dst[moved], count[moved]
   src_ipu, dst_ipu = src // target.tiles_per_ipu, dst // target.tiles_per_ipu
   crossing = src_ipu != dst_ipu
-  link = np.bincount(src_ipu[crossing], minlength=target.num_ipus)[:target.num_ipus]
-  return ExchangeCost(bytes_in, bytes_out, link.astype(np.int64) * itemsize)
+  link = per(src_ipu[crossing], count[crossing], target.num_ipus)
+  return ExchangeCost(per(dst, count, t) * itemsize, per(src, count, t) * itemsize,
+                      link * itemsize), received
 
 
 def mapping_from_tiles(element_tile: np.ndarray) -> TileMapping:
@@ -240,11 +256,9 @@ _FINAL = plan_cache.PlanCache("reduction final plans")
 
 
 
-def _stage2_cost(ctx, mapping, part_tile, part_key, itemsize, value_itemsize, cpv):
+def _stage2_cost(ctx, mapping, runs, itemsize, value_itemsize, cpv):
   target = ctx.target
-  dst = mapping.element_tile[part_key]
-  cost = unicast_cost(target, part_tile, dst, itemsize)
-  received = np.bincount(dst, minlength=target.num_tiles)[:target.num_tiles]
+  cost, received = unicast_cost(target, *runs, mapping, itemsize)
   cycles = _reduce_cycles(target, received, value_itemsize,
                           mapping.elements_per_tile(target.num_tiles), cpv)
   return cost, cycles, received, exchange_cycles(target, cost) + float(cycles.max(initial=0))
@@ -356,7 +370,6 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     slot_index[total] = min(_INDEX_PAD, np.iinfo(idx_dtype).max)
     slot_index = slot_index.astype(idx_dtype)
 
-  part_tile = in_map.tiles[groups.row]
   width = groups.width
   if skip_stage1:
     part_slot = groups.first_slot
@@ -376,11 +389,14 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
   if candidates[-1][0].num_rows < num_tiles:
     candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1], min_bytes_per_tile=1))
+  # Each tile's partials as runs of consecutive output elements.
+  run_row, run_key, run_length = groups.key_runs()
+  runs = (in_map.tiles[run_row], run_key, run_length)
   best = None
   for cand, rotates in candidates:
     cost, cycles, received, score = plan_cache.cached(
         _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv) + plan_key,
-        lambda: _stage2_cost(ctx, cand, part_tile, groups.key, itemsize, value_itemsize, cpv))
+        lambda: _stage2_cost(ctx, cand, runs, itemsize, value_itemsize, cpv))
     if best is None or score < best[-1]:
       best = (cand, rotates, cost, cycles, received, score)
   out_map, rotates, cost2, cycles2, received2, _ = best
