@@ -38,7 +38,7 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
 
 __all__ = ["GROUPS", "Groups", "Slots", "canonical_axes", "elements_tiles", "first_elements",
-           "group_regions", "identity_of", "rows_mapping", "gather_or_fill"]
+           "group_regions", "identity_of", "row_layout_key", "rows_mapping", "gather_or_fill"]
 
 GROUPS = plan_cache.PlanCache("slot groups")
 
@@ -326,13 +326,29 @@ def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
                 first_of_key=first_of_key, first_slot=first_slot, run_first=run_first)
 
 
+def row_layout_key(mapping: TileMapping) -> tuple:
+  """What the grouping depends on: the mapping's rows, not their tiles.
+
+  Linear and block-grid layouts are keyed by their closed form alone, so a
+  layout placed from another start tile (a repeated layer's tensors rotate
+  over the tiles) shares its grouping; other mappings by their fingerprint.
+  """
+  kind = mapping.fingerprint[0]
+  if kind == "linear":
+    return ("linear", mapping.num_elements, int(mapping.chunk))
+  if kind == "grid":
+    return ("grid", mapping.num_elements, mapping.grid)
+  return mapping.fingerprint
+
+
 def group_regions(mapping: TileMapping, shape, axes) -> Groups:
   """Group the elements of ``mapping`` (a tensor of ``shape``) by (row, key).
 
   The key of an element is the ravelled index of its coordinates on the axes
   not in ``axes`` (the output element of a reduction over ``axes``, the line
   of a scan along them). Members of a group keep flat element order. Cached
-  by layout, shape and axes: a repeated layer reuses the grouping.
+  by row layout (:func:`row_layout_key`), shape and axes: a repeated layer
+  reuses the grouping.
   """
   shape = tuple(int(d) for d in shape)
   axes = tuple(sorted(int(a) for a in axes))
@@ -345,4 +361,4 @@ def group_regions(mapping: TileMapping, shape, axes) -> Groups:
         value.setflags(write=False)
     return groups
 
-  return plan_cache.cached(GROUPS, (mapping.fingerprint, shape, axes), compute)
+  return plan_cache.cached(GROUPS, (row_layout_key(mapping), shape, axes), compute)
