@@ -8,14 +8,16 @@ tile can reduce or scan the last axis.
 
 The key of an element is the ravelled index of its coordinates on the axes
 that are *not* reduced, so the grouping is planned on regions rather than on
-elements: the mapping's runs (:attr:`TileMapping.intervals`) are cut into
-*segments* at the lines of the innermost (merged) axis. When that axis is
-reduced, a segment is one key's consecutive members; when it is kept, a
-segment covers a range of consecutive keys with one member each, and the
-members of a key on a tile are counted by interval arithmetic (a sweep over
-the segments' end points). Either way the work is proportional to segments
-and groups, not elements, and the result is keyed by the layout's
-fingerprint so a repeated layer reuses it (:data:`GROUPS`).
+elements: the mapping's runs (consecutive elements in consecutive slots of one
+storage row: one per row for linear mappings) are cut into *segments* at the
+lines of the innermost (merged) axis. When that axis is reduced, a segment is
+one key's consecutive members; when it is kept, a segment covers a range of
+consecutive keys with one member each, and the members of a key on a tile are
+counted by interval arithmetic (a sweep over the segments' end points). Either
+way the work is proportional to segments and groups, not elements. The result
+names rows, not tiles, and is cached by the layout's row structure, shape and
+axes (:data:`GROUPS`, :func:`row_layout_key`), so a repeated layer reuses it
+wherever its tensors are placed.
 
 The per-element table (the slot of every member, :meth:`Groups.slots`) is
 only needed by steps that gather by slot (the ``per_tile`` executor, the
@@ -37,7 +39,7 @@ from ipu_jax.jax_compat import lax_internal
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["GROUPS", "Groups", "Slots", "canonical_axes", "elements_tiles", "first_elements",
+__all__ = ["GROUPS", "Groups", "Slots", "elements_tiles", "first_elements",
            "group_regions", "identity_of", "row_layout_key", "rows_mapping", "gather_or_fill"]
 
 GROUPS = plan_cache.PlanCache("slot groups")
@@ -85,7 +87,7 @@ def gather_or_fill(flat, index: np.ndarray, fill):
 # -- regions ------------------------------------------------------------------------
 
 
-def canonical_axes(shape, axes) -> tuple:
+def _canonical_axes(shape, axes) -> tuple:
   """``shape`` as ``((size, kept), ...)``: size-1 axes dropped, neighbours of
   the same kind (reduced or kept) merged. Keys and flat order are unchanged."""
   axes = set(axes)
@@ -129,7 +131,7 @@ def first_elements(shape, axes) -> np.ndarray:
 
 
 def elements_tiles(mapping: TileMapping, index: np.ndarray) -> np.ndarray:
-  """Tile of the flat elements ``index``, from the mapping's runs."""
+  """Tile of the flat elements ``index``, from the mapping's intervals."""
   starts, tiles = mapping.intervals
   return tiles[np.searchsorted(starts, index, side="right") - 1]
 
@@ -145,6 +147,7 @@ class _Runs:
 
 
 def _runs(mapping: TileMapping) -> _Runs:
+  """Consecutive elements in consecutive slots of one row, in flat order."""
   n = mapping.num_elements
   if mapping.is_linear:
     rows = np.arange(mapping.num_rows, dtype=np.int64)
@@ -249,7 +252,7 @@ class Groups:
     """The slot of every member (``mapping`` has the grouped layout)."""
     rows, row_size = mapping.storage_shape
     total = rows * row_size
-    dims = canonical_axes(self.shape, self.axes)
+    dims = _canonical_axes(self.shape, self.axes)
     seg = _segments(mapping, dims)
     length = seg.end - seg.start
     within = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
@@ -259,7 +262,8 @@ class Groups:
     composite = np.repeat(seg.row, length) * num_keys + key
     gid = np.searchsorted(self.row * num_keys + self.key, composite)
     # Members keep flat order: rank = order of appearance within the group.
-    order = np.argsort(gid, kind="stable")
+    sorted_ = gid.size < 2 or bool(np.all(gid[1:] >= gid[:-1]))
+    order = np.arange(gid.size) if sorted_ else np.argsort(gid, kind="stable")
     rank = np.empty_like(gid)
     rank[order] = np.arange(gid.size) - np.repeat(np.cumsum(self.count) - self.count, self.count)
     position = (self.row[gid] * self.width + self.local[gid]) * self.depth + rank
@@ -273,7 +277,7 @@ class Groups:
 
 
 def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
-  dims = canonical_axes(shape, axes)
+  dims = _canonical_axes(shape, axes)
   num_keys = _num_keys(dims)
   seg = _segments(mapping, dims)
   length = seg.end - seg.start
