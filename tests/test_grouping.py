@@ -72,16 +72,17 @@ class GroupingMatchesJitTest(parameterized.TestCase):
         np.zeros((0, 4), np.float32))
 
 
-def _figures(fn, *shapes):
+def _figures(fn, *shapes, target=_T16):
+  """(steps, total cycles, bytes exchanged, peak tile bytes, bytes between IPUs)."""
   args = [testing_utils.random_array(s, seed=i) for i, s in enumerate(shapes)]
-  profile = ipu_jax.jit(fn, target=_T16).lower(*args).report.profile
+  profile = ipu_jax.jit(fn, target=target).lower(*args).report.profile
   return [len(profile.steps), float(profile.total_cycles),
           int(sum(int(s.exchange_bytes_in.sum()) for s in profile.steps)),
-          int(profile.memory.peak.max())]
+          int(profile.memory.peak.max()), sum(int(s.ipu_link_bytes) for s in profile.steps)]
 
 
 # (steps, total cycles, bytes exchanged, peak tile bytes) of each program on
-# 16 tiles, recorded with the element-wise grouping this module replaced.
+# 16 tiles, recorded with the element-wise grouping that regions replaced.
 _ELEMENTWISE_GROUPING_FIGURES = {
     "linear_sum_mid": (lambda x: jnp.sum(x, 1), [(37, 19, 3)], [2, 697.0, 180, 976]),
     "linear_sum_outer": (lambda x: jnp.sum(x, (0, 2)), [(37, 19, 3)], [2, 748.0, 1140, 1052]),
@@ -110,12 +111,28 @@ _ELEMENTWISE_GROUPING_FIGURES = {
 }
 
 
+# The same on two IPUs of 16 tiles, with the bytes crossing between IPUs.
+_T2 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16, num_ipus=2)
+_TWO_IPU_FIGURES = {
+    "cols_sum": (lambda x: jnp.sum(x, 0), [(600, 24)], [2, 3666.384, 2976, 2472, 1536]),
+    "matmul_sum0": (lambda x, w: jnp.sum(x @ w, 0), [(96, 48), (48, 80)],
+                    [3, 8890.747, 168896, 8864, 19392]),
+    "argmax_rows": (lambda x: jnp.argmax(x, 1), [(70, 300)], [2, 3972.03325, 248, 2996, 8]),
+    "cumsum_axis0": (lambda x: jnp.cumsum(x, 0), [(300, 20)], [1, 2282.767, 23248, 3420, 11968]),
+}
+
+
 class GroupingCostsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*[(name, name) for name in _ELEMENTWISE_GROUPING_FIGURES])
   def test_costs_equal_the_elementwise_grouping(self, name):
     fn, shapes, want = _ELEMENTWISE_GROUPING_FIGURES[name]
-    self.assertEqual(_figures(fn, *shapes), want)
+    self.assertEqual(_figures(fn, *shapes)[:4], want)
+
+  @parameterized.named_parameters(*[(name, name) for name in _TWO_IPU_FIGURES])
+  def test_two_ipu_costs_equal_the_elementwise_grouping(self, name):
+    fn, shapes, want = _TWO_IPU_FIGURES[name]
+    self.assertEqual(_figures(fn, *shapes, target=_T2), want)
 
   def test_repeated_reduction_reuses_the_grouping(self):
     # Two reductions of equal layouts (different tensors, small enough to be
