@@ -350,8 +350,6 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # The grouping of each tile's elements by output element depends only on
   # the layout, shape and axes (cached: a repeated layer reuses it).
   groups = group_regions(in_map, shape, axes)
-  # The slot of every member: only steps that gather by slot need it.
-  slots = groups.slots(in_map) if mode == "per_tile" else None
   comp_dtypes = spec.comp_dtypes
   itemsize = sum(d.itemsize for d in comp_dtypes)
   value_itemsize = comp_dtypes[0].itemsize
@@ -360,7 +358,7 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
 
   # Static index component (argmax/argmin): coordinate along the axis.
   slot_index = None
-  if spec.index_axis is not None and slots is not None:
+  if spec.index_axis is not None and mode == "per_tile":  # only per-tile steps gather it
     idx_dtype = comp_dtypes[-1]
     coord = np.broadcast_to(
         np.arange(shape[spec.index_axis], dtype=np.int64).reshape(
@@ -420,8 +418,8 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
         t = ctx.new_tensor((groups.num,), dtype, part_map, name=f"{ctx.op}/partials")
       partials.append(t)
     assert part_map.storage_shape == (rows, width)
-    _emit_partials(ctx, spec, data, init_reads, init_values, groups, slots, slot_index,
-                   partials, out_size, mode)
+    _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
+                   out_size, mode)
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
 
@@ -441,8 +439,8 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   return outputs
 
 
-def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slots, slot_index,
-                   partials, out_size, mode):
+def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
+                   out_size, mode):
   """Compute set 1: every tile reduces its own elements per output element."""
   target = ctx.target
   num_tiles = target.num_tiles
@@ -456,6 +454,9 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slots, slot
   index_dense = dense32 = valid_dense = None
   reshape_only = all_valid = False
   if by_slot:
+    # The slot of every member, built here (never cached): only per-tile
+    # steps gather by slot.
+    slots = groups.slots(in_map)
     dense = slots.dense
     if slot_index is not None:
       index_dense = slot_index[dense]
