@@ -9,6 +9,7 @@ import numpy as np
 import ipu_jax
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import matmul_emit
+from ipu_jax.lowering.rules import grouping
 from ipu_jax.lowering.rules import reduction
 
 
@@ -35,7 +36,7 @@ class PlanCacheTest(chex.TestCase):
     self.ws = jax.random.normal(k2, (3, 40, 40)) * 0.1
 
   def _clear(self):
-    for cache in (reduction._GROUPS, reduction._OWNERS, reduction._STAGE2, reduction._FINAL,
+    for cache in (grouping.GROUPS, reduction._OWNERS, reduction._STAGE2, reduction._FINAL,
                   matmul_emit._GRID_COSTS):
       cache.clear()
 
@@ -43,7 +44,7 @@ class PlanCacheTest(chex.TestCase):
     self._clear()
     fn = ipu_jax.jit(jax.grad(_layers), target=self.target)
     cold = fn.lower(self.x, self.ws)
-    self.assertGreater(reduction._GROUPS.hits, 0)  # layers 2 and 3 reuse layer 1's grouping
+    self.assertGreater(grouping.GROUPS.hits, 0)  # layers 2 and 3 reuse layer 1's grouping
     with plan_cache.disabled():
       fresh = ipu_jax.jit(jax.grad(_layers), target=self.target).lower(self.x, self.ws)
     self.assertEqual(_step_figures(cold), _step_figures(fresh))

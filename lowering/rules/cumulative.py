@@ -37,7 +37,7 @@ from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, relayout, relayout_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.grouping import (Groups, gather_or_fill, group_slots,
+from ipu_jax.lowering.rules.grouping import (Groups, Slots, gather_or_fill, group_regions,
                                              identity_of, rows_mapping)
 
 
@@ -57,6 +57,7 @@ class _ScanPlan:
   Attributes:
     mapping: where the scanned tensor (and the result) lives.
     groups: the pieces (:class:`Groups` keyed by line).
+    slots: the storage slot of every element of every piece.
     piece_slot: ``[pieces]`` slot of each piece in ``[rows, width]`` storage.
     count: ``[pieces]`` elements in each piece.
     q: ``[pieces]`` position of each piece along its line (ascending k).
@@ -70,6 +71,7 @@ class _ScanPlan:
 
   mapping: TileMapping
   groups: Groups
+  slots: Slots
   piece_slot: np.ndarray
   count: np.ndarray
   q: np.ndarray
@@ -82,32 +84,34 @@ class _ScanPlan:
   score: float
 
 
-def _plan_scan(ctx, mapping, line_key, k_coord, lines, reverse, itemsize, cost,
+def _plan_scan(ctx, mapping, shape, axis, k_coord, lines, reverse, itemsize, cost,
                relayout_cost_=None) -> Optional[_ScanPlan]:
   """Plan a scan of lines held as in ``mapping``; ``None`` if a tile's run of
   a line is not contiguous (then the in-place plan does not apply)."""
   target = ctx.target
   num_tiles = target.num_tiles
-  groups = group_slots(mapping, line_key, lines)
-  if relayout_cost_ is None and 2 * groups.num > mapping.num_elements and 2 * lines < line_key.size:
+  groups = group_regions(mapping, shape, (axis,))
+  if relayout_cost_ is None and 2 * groups.num > mapping.num_elements and 2 * lines < k_coord.size:
     # Runs of under two elements: folding would send every element the
     # totals of all earlier runs of its line, far more than moving the lines.
     return None
   rows, row_size = mapping.storage_shape
   total = rows * row_size
-  _, width, depth = groups.dense.shape
-  slots = np.arange(mapping.num_elements) if mapping.is_linear else mapping.storage_position
+  # Whether each piece is consecutive along the line needs every element.
+  slots = groups.slots(mapping)
+  width, depth = groups.width, groups.depth
   slot_k = np.zeros(total + 1, np.int64)
-  slot_k[slots] = k_coord
-  k_dense = slot_k[groups.dense]
-  valid = groups.dense < total
+  slot_k[mapping.storage_position] = k_coord
+  k_dense = slot_k[slots.dense]
+  valid = slots.dense < total
   if not np.all(~valid | (k_dense - k_dense[..., :1] == np.arange(depth))):
     return None
   num = groups.num
   piece_slot = groups.row * width + groups.local
   count = valid.sum(axis=-1).reshape(-1)[piece_slot]
   line = groups.key
-  order = np.argsort(line * (int(k_coord.max(initial=0)) + 1) + slot_k[groups.first_slot],
+  first_slot = slots.dense.reshape(rows * width, depth)[piece_slot, 0]
+  order = np.argsort(line * (int(k_coord.max(initial=0)) + 1) + slot_k[first_slot],
                      kind="stable")
   line_count = np.bincount(line, minlength=lines)
   line_start = np.cumsum(line_count) - line_count
@@ -150,7 +154,7 @@ def _plan_scan(ctx, mapping, line_key, k_coord, lines, reverse, itemsize, cost,
     # The fold is a second superstep: its sync, exchange and compute.
     score += (target.sync_cycles_internal + exchange_cycles(target, fold_cost)
               + float(fold_cycles.max(initial=0)))
-  return _ScanPlan(mapping=mapping, groups=groups, piece_slot=piece_slot, count=count, q=q,
+  return _ScanPlan(mapping=mapping, groups=groups, slots=slots, piece_slot=piece_slot, count=count, q=q,
                    before=before, max_pieces=max_pieces, scan_cycles=scan_cycles,
                    fold_cycles=fold_cycles, fold_cost=fold_cost,
                    relayout_cost=relayout_cost_, score=score)
@@ -214,9 +218,6 @@ def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
   n = shape[axis]
   lines = size // n
   itemsize = dtype.itemsize
-  kept_shape = tuple(1 if a == axis else d for a, d in enumerate(shape))
-  line_key = np.broadcast_to(np.arange(lines, dtype=np.int64).reshape(kept_shape),
-                             shape).reshape(-1)
   k_coord = np.broadcast_to(np.arange(n, dtype=np.int64).reshape(
       [-1 if a == axis else 1 for a in range(len(shape))]), shape).reshape(-1)
   # Candidate 1: scan where the data is (each tile scans its runs of each
@@ -226,13 +227,13 @@ def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
   if not (x.mapping.is_linear and n > 1 and stride >= x.mapping.chunk):
     # (With a linear mapping whose chunks are shorter than the line's
     # stride, no tile holds two elements of a line: nothing to scan in place.)
-    plan = _plan_scan(ctx, x.mapping, line_key, k_coord, lines, reverse, itemsize, cost)
+    plan = _plan_scan(ctx, x.mapping, shape, axis, k_coord, lines, reverse, itemsize, cost)
   rotates = False
   if plan is None or plan.max_pieces > 1:
     # Candidate 2: first move whole lines (or, for few lines, chunks of a
     # line on consecutive tiles) onto tiles.
     lines_map, lines_rotates = _lines_mapping(ctx, shape, axis, itemsize)
-    moved = _plan_scan(ctx, lines_map, line_key, k_coord, lines, reverse, itemsize, cost,
+    moved = _plan_scan(ctx, lines_map, shape, axis, k_coord, lines, reverse, itemsize, cost,
                        relayout_cost(target, x.mapping, lines_map, itemsize))
     if plan is None or moved.score < plan.score:
       plan, rotates = moved, lines_rotates
@@ -246,15 +247,15 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
   target = ctx.target
   num_tiles = target.num_tiles
   dtype = x.dtype
-  mapping, groups = plan.mapping, plan.groups
+  mapping, groups, slots = plan.mapping, plan.groups, plan.slots
   rows, row_size = mapping.storage_shape
   total = rows * row_size
-  _, width, depth = groups.dense.shape
+  width, depth = groups.width, groups.depth
   identity = identity_of(kind, dtype)
-  dense32 = groups.dense.astype(np.int32)
-  valid = groups.dense < total
+  dense32 = slots.dense.astype(np.int32)
+  valid = slots.dense < total
   inverse = np.full(total, valid.size, np.int64)
-  inverse[groups.dense[valid]] = np.flatnonzero(valid.reshape(-1))
+  inverse[slots.dense[valid]] = np.flatnonzero(valid.reshape(-1))
   inverse32 = inverse.astype(np.int32)
   fold = plan.max_pieces > 1
   out = ctx.new_tensor(x.shape, dtype, mapping)
@@ -262,13 +263,13 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
   flops = x.size if np.issubdtype(dtype, np.inexact) else 0
 
   def to_dense(st):
-    if groups.reshape_only:
+    if slots.reshape_only:
       d = st.reshape(rows, width, depth)
-      return d if groups.valid.all() else jnp.where(valid, d, jnp.asarray(identity, dtype))
+      return d if slots.valid.all() else jnp.where(valid, d, jnp.asarray(identity, dtype))
     return gather_or_fill(st.reshape(-1), dense32, identity)
 
   def to_rows(d):
-    if groups.reshape_only:
+    if slots.reshape_only:
       return d.reshape(rows, row_size)
     return gather_or_fill(d.reshape(-1), inverse32, 0).reshape(rows, row_size)
 

@@ -2,25 +2,47 @@
 
 Both two-stage plans (:mod:`~ipu_jax.lowering.rules.reduction` and
 :mod:`~ipu_jax.lowering.rules.cumulative`) start by grouping, on every tile,
-the storage slots of the elements that share a key (the output element of a
-reduction, the line of a scan) into a dense ``[rows, width, depth]`` table, so
-that one vertex per tile can reduce or scan the last axis. The grouping is
-static and computed once with vectorised NumPy; this module also holds the
-other helpers both plans use (monoid identities, a gather with a fill slot and
-mappings built directly from rows).
+the elements that share a key (the output element of a reduction, the line of
+a scan) into a dense ``[rows, width, depth]`` table, so that one vertex per
+tile can reduce or scan the last axis.
+
+The key of an element is the ravelled index of its coordinates on the axes
+that are *not* reduced, so the grouping is planned on regions rather than on
+elements: the mapping's runs (consecutive elements in consecutive slots of one
+storage row: one per row for linear mappings) are cut into *segments* at the
+lines of the innermost (merged) axis. When that axis is reduced, a segment is
+one key's consecutive members; when it is kept, a segment covers a range of
+consecutive keys with one member each, and the members of a key on a tile are
+counted by interval arithmetic (a sweep over the segments' end points). Either
+way the work is proportional to segments and groups, not elements. The result
+names rows, not tiles, and is cached by the layout's row structure, shape and
+axes (:data:`GROUPS`, :func:`row_layout_key`), so a repeated layer reuses it
+wherever its tensors are placed.
+
+The per-element table (the slot of every member, :meth:`Groups.slots`) is
+only needed by steps that gather by slot (the ``per_tile`` executor, the
+contiguity check of scans); it is built on demand and never cached.
+
+This module also holds the other helpers both plans use (monoid identities,
+a gather with a fill slot and mappings built directly from rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.jax_compat import lax_internal
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["Groups", "group_slots", "identity_of", "rows_mapping", "gather_or_fill"]
+__all__ = ["GROUPS", "Groups", "Slots", "elements_tiles", "first_elements",
+           "group_regions", "identity_of", "row_layout_key", "rows_mapping", "gather_or_fill"]
+
+GROUPS = plan_cache.PlanCache("slot groups")
 
 
 def identity_of(kind: str, dtype) -> np.ndarray:
@@ -39,7 +61,6 @@ def identity_of(kind: str, dtype) -> np.ndarray:
   if kind == "logaddexp":
     return np.asarray(-np.inf, dtype)
   raise ValueError(f"no identity for {kind}")
-
 
 
 def rows_mapping(num: int, row_tiles: np.ndarray, row_of: np.ndarray,
@@ -63,69 +84,285 @@ def gather_or_fill(flat, index: np.ndarray, fill):
   return ext[index]
 
 
-@dataclasses.dataclass
-class Groups:
-  """Stage 1: a tensor's storage slots grouped by (row, output element).
+# -- regions ------------------------------------------------------------------------
+
+
+def _canonical_axes(shape, axes) -> tuple:
+  """``shape`` as ``((size, kept), ...)``: size-1 axes dropped, neighbours of
+  the same kind (reduced or kept) merged. Keys and flat order are unchanged."""
+  axes = set(axes)
+  dims = []
+  for a, d in enumerate(shape):
+    if d == 1:
+      continue
+    kept = a not in axes
+    if dims and dims[-1][1] == kept:
+      dims[-1] = (dims[-1][0] * int(d), kept)
+    else:
+      dims.append((int(d), kept))
+  return tuple(dims) or ((1, True),)
+
+
+def _num_keys(dims) -> int:
+  return int(np.prod([d for d, kept in dims if kept], dtype=np.int64))
+
+
+def _line_keys(lines: np.ndarray, prefix) -> np.ndarray:
+  """Key (ravelled kept coordinates) of each line of the ``prefix`` axes."""
+  key = np.zeros(lines.shape, np.int64)
+  rem = lines
+  mult = 1
+  for size, kept in reversed(prefix):
+    rem, coord = np.divmod(rem, size)
+    if kept:
+      key += coord * mult
+      mult *= size
+  return key
+
+
+def first_elements(shape, axes) -> np.ndarray:
+  """Flat index of the first element of every key, in key order."""
+  strides = np.cumprod((1,) + tuple(int(d) for d in shape[::-1][:-1]))[::-1] if shape else ()
+  index = np.zeros((), np.int64)
+  for a, d in enumerate(shape):
+    if a not in axes:
+      index = index[..., None] + np.arange(int(d), dtype=np.int64) * int(strides[a])
+  return index.reshape(-1)
+
+
+def elements_tiles(mapping: TileMapping, index: np.ndarray) -> np.ndarray:
+  """Tile of the flat elements ``index``, from the mapping's intervals."""
+  starts, tiles = mapping.intervals
+  return tiles[np.searchsorted(starts, index, side="right") - 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+  """A mapping's runs: flat ``[start, end)`` on storage ``row`` from ``slot``."""
+
+  start: np.ndarray
+  end: np.ndarray
+  row: np.ndarray
+  slot: np.ndarray
+
+
+def _runs(mapping: TileMapping) -> _Runs:
+  """Consecutive elements in consecutive slots of one row, in flat order."""
+  n = mapping.num_elements
+  if mapping.is_linear:
+    rows = np.arange(mapping.num_rows, dtype=np.int64)
+    start = rows * int(mapping.chunk)
+    return _Runs(start, np.minimum(start + int(mapping.chunk), n), rows, start)
+  # A general mapping's storage may have holes (a block grid's padded edge
+  # blocks) and rows that interleave runs (serial passes): a run ends where
+  # the next element is not in the next slot of the same row.
+  row = mapping.element_row
+  slot = row * mapping.row_size + mapping.element_offset
+  brk = np.flatnonzero((np.diff(slot) != 1) | (np.diff(row) != 0)) + 1
+  start = np.concatenate([np.zeros(min(n, 1), np.int64), brk])
+  return _Runs(start, np.append(start[1:], n), row[start], slot[start])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+  """Runs cut at the innermost axis's lines: ``[start, end)`` on ``row``,
+  storage from ``slot``; ``key`` is the segment's key (reduced innermost axis)
+  or its first key (kept innermost axis, one key per element)."""
+
+  start: np.ndarray
+  end: np.ndarray
+  row: np.ndarray
+  slot: np.ndarray
+  key: np.ndarray
+
+
+def _segments(mapping: TileMapping, dims) -> _Segments:
+  runs = _runs(mapping)
+  inner, inner_kept = dims[-1]
+  first_line = runs.start // inner
+  count = (runs.end - 1) // inner - first_line + 1
+  run = np.repeat(np.arange(count.size), count)
+  line = first_line[run] + np.arange(run.size) - np.repeat(np.cumsum(count) - count, count)
+  start = np.maximum(runs.start[run], line * inner)
+  end = np.minimum(runs.end[run], (line + 1) * inner)
+  key = _line_keys(line, dims[:-1])
+  if inner_kept:
+    key = key * inner + (start - line * inner)
+  return _Segments(start, end, runs.row[run], runs.slot[run] + (start - runs.start[run]), key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """The per-element side of :class:`Groups` (built on demand, not cached).
 
   Attributes:
-    num: partials (groups).
-    row: ``[num]`` storage row (tile) of each partial, non-decreasing.
-    key: ``[num]`` output element of each partial.
-    local: ``[num]`` position of the partial within its row.
-    per_row: ``[rows]`` partials per row.
     dense: ``[rows, width, depth]`` storage slot of every member of every
-      partial (``rows * row_size`` marks padding).
-    first_slot: ``[num]`` storage slot of each partial's first member.
+      group (``rows * row_size`` marks padding).
     reshape_only: ``dense`` is the storage itself, reshaped.
     valid: ``[rows * row_size]`` slots that hold elements.
   """
 
+  dense: np.ndarray
+  reshape_only: bool
+  valid: np.ndarray
+
+
+@dataclasses.dataclass
+class Groups:
+  """A tensor's elements grouped by (storage row, key), per tile.
+
+  Attributes:
+    shape, axes: the grouped tensor's shape and the axes whose coordinates
+      do not enter the key.
+    num: groups.
+    row: ``[num]`` storage row (tile) of each group, non-decreasing.
+    key: ``[num]`` key of each group (ascending within a row).
+    local: ``[num]`` position of the group within its row.
+    per_row: ``[rows]`` groups per row.
+    count: ``[num]`` members of each group.
+    width, depth: most groups of a row, most members of a group.
+    first_of_key: ``[num_keys]`` index of the first group of every key.
+    first_slot: ``[num]`` storage slot of each group's first member (flat
+      order), or ``None`` when groups have several members that are not
+      consecutive elements (then :meth:`slots` has them).
+    run_first: index of the first group of each *key run*: groups on one row
+      with consecutive keys (what a row's partials cover, as intervals).
+  """
+
+  shape: tuple
+  axes: tuple
   num: int
   row: np.ndarray
   key: np.ndarray
   local: np.ndarray
   per_row: np.ndarray
-  dense: np.ndarray
-  first_slot: np.ndarray
-  reshape_only: bool
-  valid: np.ndarray
+  count: np.ndarray
+  width: int
+  depth: int
+  first_of_key: np.ndarray
+  first_slot: Optional[np.ndarray]
+  run_first: np.ndarray
+
+  def key_runs(self) -> tuple:
+    """``(row, first_key, length)`` of every key run."""
+    length = np.diff(np.append(self.run_first, self.num))
+    return self.row[self.run_first], self.key[self.run_first], length
+
+  def slots(self, mapping: TileMapping) -> Slots:
+    """The slot of every member (``mapping`` has the grouped layout)."""
+    rows, row_size = mapping.storage_shape
+    total = rows * row_size
+    dims = _canonical_axes(self.shape, self.axes)
+    seg = _segments(mapping, dims)
+    length = seg.end - seg.start
+    within = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    slot = np.repeat(seg.slot, length) + within
+    key = np.repeat(seg.key, length) + (within if dims[-1][1] else 0)
+    num_keys = _num_keys(dims)
+    composite = np.repeat(seg.row, length) * num_keys + key
+    gid = np.searchsorted(self.row * num_keys + self.key, composite)
+    # Members keep flat order: rank = order of appearance within the group.
+    sorted_ = gid.size < 2 or bool(np.all(gid[1:] >= gid[:-1]))
+    order = np.arange(gid.size) if sorted_ else np.argsort(gid, kind="stable")
+    rank = np.empty_like(gid)
+    rank[order] = np.arange(gid.size) - np.repeat(np.cumsum(self.count) - self.count, self.count)
+    position = (self.row[gid] * self.width + self.local[gid]) * self.depth + rank
+    reshape_only = (self.width * self.depth == row_size
+                    and bool(np.array_equal(position, slot)))
+    dense = np.full(rows * self.width * self.depth, total, np.int64)
+    dense[position] = slot
+    valid = np.zeros(total, bool)
+    valid[slot] = True
+    return Slots(dense.reshape(rows, self.width, self.depth), reshape_only, valid)
 
 
-
-def group_slots(mapping: TileMapping, element_key: np.ndarray, num_keys: int) -> Groups:
-  """Group the storage slots of ``mapping`` by (row, ``element_key``).
-
-  Members of a group keep the order of their slots (flat element order).
-  """
-  rows, row_size = mapping.storage_shape
-  total = rows * row_size
-  n = mapping.num_elements
-  slots = np.arange(n, dtype=np.int64) if mapping.is_linear else mapping.storage_position
-  composite = (slots // max(row_size, 1)) * num_keys + element_key
-  if n < 2 or bool(np.all(composite[1:] >= composite[:-1])):
-    order = np.arange(n, dtype=np.int64)
+def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
+  dims = _canonical_axes(shape, axes)
+  num_keys = _num_keys(dims)
+  seg = _segments(mapping, dims)
+  length = seg.end - seg.start
+  first_slot = None
+  if not dims[-1][1]:
+    # Reduced innermost axis: a segment is consecutive members of one key.
+    composite = seg.row * num_keys + seg.key
+    if composite.size > 1 and not bool(np.all(composite[1:] >= composite[:-1])):
+      order = np.argsort(composite, kind="stable")
+      composite, length, seg_slot = composite[order], length[order], seg.slot[order]
+    else:
+      seg_slot = seg.slot
+    new = np.ones(composite.size, bool)
+    new[1:] = composite[1:] != composite[:-1]
+    starts = np.flatnonzero(new)
+    group_composite = composite[starts]
+    count = np.add.reduceat(length, starts) if starts.size else length[:0]
+    first_slot = seg_slot[starts]
   else:
-    order = np.argsort(composite, kind="stable")
-  keys = composite[order]
-  slot = slots[order]
-  new = np.ones(n, bool)
-  new[1:] = keys[1:] != keys[:-1]
-  starts = np.flatnonzero(new)
-  gid = np.cumsum(new) - 1
-  rank = np.arange(n) - starts[gid]
-  group_key = keys[starts]
-  group_row = group_key // num_keys
-  per_row = np.bincount(group_row, minlength=rows)
-  row_start = np.cumsum(per_row) - per_row
-  local = np.arange(starts.size) - row_start[group_row]
-  width = int(per_row.max())
-  depth = int(rank[-1] if n == 1 else rank.max()) + 1
-  position = ((group_row * width + local)[gid]) * depth + rank
-  reshape_only = width * depth == row_size and bool(np.array_equal(position, slot))
-  dense = np.full(rows * width * depth, total, np.int64)
-  dense[position] = slot
-  valid = np.zeros(total, bool)
-  valid[slots] = True
-  return Groups(num=int(starts.size), row=group_row, key=group_key % num_keys,
-                 local=local, per_row=per_row, dense=dense.reshape(rows, width, depth),
-                 first_slot=slot[starts], reshape_only=reshape_only, valid=valid)
+    # Kept innermost axis: a segment covers consecutive keys, one member
+    # each; the members of a key on a row are the segments covering it.
+    lo = seg.row * num_keys + seg.key
+    events = np.concatenate([lo, lo + length])
+    delta = np.concatenate([np.ones_like(lo), -np.ones_like(lo)])
+    order = np.argsort(events, kind="stable")
+    events, cover = events[order], np.cumsum(delta[order])
+    span = np.diff(events)
+    keep = (cover[:-1] > 0) & (span > 0)
+    begin, span, cover = events[:-1][keep], span[keep], cover[:-1][keep]
+    offsets = np.cumsum(span) - span
+    group_composite = np.repeat(begin - offsets, span) + np.arange(int(span.sum()))
+    count = np.repeat(cover, span)
+    if bool(np.all(cover == 1)):
+      # Segments do not overlap: each key's one member is in one segment.
+      seg_order = np.argsort(lo, kind="stable")
+      within = np.arange(int(length.sum())) - np.repeat(
+          np.cumsum(length[seg_order]) - length[seg_order], length[seg_order])
+      first_slot = np.repeat(seg.slot[seg_order], length[seg_order]) + within
+  row = group_composite // num_keys
+  key = group_composite - row * num_keys
+  num = int(row.size)
+  per_row = np.bincount(row, minlength=mapping.num_rows).astype(np.int64)
+  local = np.arange(num, dtype=np.int64) - (np.cumsum(per_row) - per_row)[row]
+  first_of_key = np.full(num_keys, num, np.int64)
+  np.minimum.at(first_of_key, key, np.arange(num, dtype=np.int64))
+  run_first = np.flatnonzero(np.diff(row, prepend=-1) | (np.diff(key, prepend=-2) != 1))
+  return Groups(shape=tuple(shape), axes=tuple(axes), num=num, row=row, key=key,
+                local=local, per_row=per_row, count=count,
+                width=int(per_row.max(initial=0)), depth=int(count.max(initial=0)),
+                first_of_key=first_of_key, first_slot=first_slot, run_first=run_first)
+
+
+def row_layout_key(mapping: TileMapping) -> tuple:
+  """What the grouping depends on: the mapping's rows, not their tiles.
+
+  Linear and block-grid layouts are keyed by their closed form alone, so a
+  layout placed from another start tile (a repeated layer's tensors rotate
+  over the tiles) shares its grouping; other mappings by their fingerprint.
+  """
+  kind = mapping.fingerprint[0]
+  if kind == "linear":
+    return ("linear", mapping.num_elements, int(mapping.chunk))
+  if kind == "grid":
+    return ("grid", mapping.num_elements, mapping.grid)
+  return mapping.fingerprint
+
+
+def group_regions(mapping: TileMapping, shape, axes) -> Groups:
+  """Group the elements of ``mapping`` (a tensor of ``shape``) by (row, key).
+
+  The key of an element is the ravelled index of its coordinates on the axes
+  not in ``axes`` (the output element of a reduction over ``axes``, the line
+  of a scan along them). Members of a group keep flat element order. Cached
+  by row layout (:func:`row_layout_key`), shape and axes: a repeated layer
+  reuses the grouping.
+  """
+  shape = tuple(int(d) for d in shape)
+  axes = tuple(sorted(int(a) for a in axes))
+
+  def compute():
+    groups = _from_segments(mapping, shape, axes)
+    for field in dataclasses.fields(groups):  # shared by every equation that hits
+      value = getattr(groups, field.name)
+      if isinstance(value, np.ndarray):
+        value.setflags(write=False)
+    return groups
+
+  return plan_cache.cached(GROUPS, (row_layout_key(mapping), shape, axes), compute)

@@ -57,8 +57,8 @@ from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.grouping import (gather_or_fill, group_slots, identity_of,
-                                             rows_mapping)
+from ipu_jax.lowering.rules.grouping import (elements_tiles, first_elements, gather_or_fill,
+                                             group_regions, identity_of, rows_mapping)
 
 __all__ = ["unicast_cost", "mapping_from_tiles", "identity_of", "monoid_of_jaxpr"]
 
@@ -86,27 +86,43 @@ def monoid_of_jaxpr(jaxpr) -> Optional[str]:
   return kind
 
 
-def unicast_cost(target, src_tile: np.ndarray, dst_tile: np.ndarray,
-                 itemsize: int) -> Optional[ExchangeCost]:
-  """Bytes moved when every element goes from ``src_tile`` to one ``dst_tile``.
+def unicast_cost(target, src_tile: np.ndarray, first: np.ndarray, length: np.ndarray,
+                 dst_mapping: TileMapping, itemsize: int) -> tuple:
+  """Bytes moved when runs of elements go to where ``dst_mapping`` holds them.
 
-  Each element has a single destination (no multicast), so this is
-  :func:`~ipu_jax.lowering.exchange.movement_cost` without its de-duplication
-  sort (fast for millions of partials).
+  Run ``i`` is elements ``[first[i], first[i] + length[i])`` of the
+  destination tensor, now on ``src_tile[i]``; each element has a single
+  destination (no multicast). The runs are cut at ``dst_mapping``'s intervals,
+  so the work is proportional to runs and intervals, not elements.
+
+  Returns:
+    ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
+    moves) and ``[num_tiles]`` elements arriving at or staying on each tile.
   """
-  src_tile = np.asarray(src_tile, np.int64).reshape(-1)
-  dst_tile = np.asarray(dst_tile, np.int64).reshape(-1)
-  moved = src_tile != dst_tile
-  if not moved.any():
-    return None
   t = target.num_tiles
-  src, dst = src_tile[moved], dst_tile[moved]
-  bytes_in = np.bincount(dst, minlength=t)[:t].astype(np.int64) * itemsize
-  bytes_out = np.bincount(src, minlength=t)[:t].astype(np.int64) * itemsize
+  starts, tiles = dst_mapping.intervals
+  ends = np.append(starts[1:], dst_mapping.num_elements)
+  stop = first + length
+  lo = np.searchsorted(starts, first, side="right") - 1
+  pieces = np.searchsorted(starts, stop - 1, side="right") - lo
+  run = np.repeat(np.arange(pieces.size), pieces)
+  interval = lo[run] + np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+  count = np.minimum(stop[run], ends[interval]) - np.maximum(first[run], starts[interval])
+  src, dst = np.asarray(src_tile, np.int64)[run], tiles[interval]
+
+  def per(where, weights, length_):
+    return np.bincount(where, weights=weights, minlength=length_)[:length_].astype(np.int64)
+
+  received = per(dst, count, t)
+  moved = src != dst
+  if not moved.any():
+    return None, received
+  src, dst, count = src[moved], dst[moved], count[moved]
   src_ipu, dst_ipu = src // target.tiles_per_ipu, dst // target.tiles_per_ipu
   crossing = src_ipu != dst_ipu
-  link = np.bincount(src_ipu[crossing], minlength=target.num_ipus)[:target.num_ipus]
-  return ExchangeCost(bytes_in, bytes_out, link.astype(np.int64) * itemsize)
+  link = per(src_ipu[crossing], count[crossing], target.num_ipus)
+  return ExchangeCost(per(dst, count, t) * itemsize, per(src, count, t) * itemsize,
+                      link * itemsize), received
 
 
 def mapping_from_tiles(element_tile: np.ndarray) -> TileMapping:
@@ -229,7 +245,6 @@ def _reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector):
 
 
 
-_GROUPS = plan_cache.PlanCache("reduction groups")
 _OWNERS = plan_cache.PlanCache("reduction owner mappings")
 _STAGE2 = plan_cache.PlanCache("reduction stage-2 costs")
 _FINAL = plan_cache.PlanCache("reduction final plans")
@@ -237,17 +252,17 @@ _FINAL = plan_cache.PlanCache("reduction final plans")
 
 
 
-def _stage2_cost(ctx, mapping, part_tile, part_key, itemsize, value_itemsize, cpv):
+def _stage2_cost(ctx, mapping, runs, itemsize, value_itemsize, cpv):
   target = ctx.target
-  dst = mapping.element_tile[part_key]
-  cost = unicast_cost(target, part_tile, dst, itemsize)
-  received = np.bincount(dst, minlength=target.num_tiles)[:target.num_tiles]
+  cost, received = unicast_cost(target, *runs, mapping, itemsize)
   cycles = _reduce_cycles(target, received, value_itemsize,
                           mapping.elements_per_tile(target.num_tiles), cpv)
   return cost, cycles, received, exchange_cycles(target, cost) + float(cycles.max(initial=0))
 
 
-def _plan_final(mapping, part_key, part_slot, num_out, sentinel) -> tuple:
+def _final_slots(mapping, part_key, part_slot, num_out, sentinel) -> np.ndarray:
+  """``[rows, row_size, partials]``: the partials of every output element
+  (for steps that gather by slot)."""
   rows, row_size = mapping.storage_shape
   order = np.argsort(part_key, kind="stable")
   counts = np.bincount(part_key, minlength=num_out)
@@ -258,8 +273,7 @@ def _plan_final(mapping, part_key, part_slot, num_out, sentinel) -> tuple:
   pos = mapping.storage_position[part_key]
   dense = np.full(rows * row_size * c, sentinel, np.int64)
   dense[pos * c + rank] = part_slot
-  first = part_slot[order[start]]
-  return dense.reshape(rows, row_size, c), first
+  return dense.reshape(rows, row_size, c)
 
 
 def _peek_linear(ctx, shape, dtype, min_bytes_per_tile: int = 128) -> tuple:
@@ -329,25 +343,9 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   rows, row_size = in_map.storage_shape
   total = rows * row_size
 
-  # Output element of every input element (flat order), and of each output
-  # the flat index of its first input element.
-  kept_shape = tuple(1 if a in axes else d for a, d in enumerate(shape))
-  first_index = np.arange(n, dtype=np.int64).reshape(shape)[
-      tuple(slice(0, 1) if a in axes else slice(None) for a in range(len(shape)))].reshape(-1)
-
-  def group():
-    element_key = np.broadcast_to(np.arange(out_size, dtype=np.int64).reshape(kept_shape),
-                                  shape).reshape(-1)
-    groups = group_slots(in_map, element_key, out_size)
-    for field in dataclasses.fields(groups):  # shared by every equation that hits
-      value = getattr(groups, field.name)
-      if isinstance(value, np.ndarray):
-        value.setflags(write=False)
-    return groups
-
-  # The grouping depends only on the layout, shape and axes: a repeated
-  # layer's reductions reuse it.
-  groups = plan_cache.cached(_GROUPS, (in_map.fingerprint, shape, axes), group)
+  # The grouping of each tile's elements by output element depends only on
+  # the layout, shape and axes (cached: a repeated layer reuses it).
+  groups = group_regions(in_map, shape, axes)
   comp_dtypes = spec.comp_dtypes
   itemsize = sum(d.itemsize for d in comp_dtypes)
   value_itemsize = comp_dtypes[0].itemsize
@@ -356,7 +354,7 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
 
   # Static index component (argmax/argmin): coordinate along the axis.
   slot_index = None
-  if spec.index_axis is not None:
+  if spec.index_axis is not None and mode == "per_tile":  # only per-tile steps gather it
     idx_dtype = comp_dtypes[-1]
     coord = np.broadcast_to(
         np.arange(shape[spec.index_axis], dtype=np.int64).reshape(
@@ -366,8 +364,7 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     slot_index[total] = min(_INDEX_PAD, np.iinfo(idx_dtype).max)
     slot_index = slot_index.astype(idx_dtype)
 
-  part_tile = in_map.tiles[groups.row]
-  width = groups.dense.shape[1]
+  width = groups.width
   if skip_stage1:
     part_slot = groups.first_slot
     part_total = total
@@ -379,17 +376,21 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   # computes"), linear like mapTensorLinearly, or spread one grain per tile
   # (many partials per output), whichever makes stage 2 cheapest.
   plan_key = (in_map.fingerprint, shape, axes)
-  owner = plan_cache.cached(_OWNERS, plan_key,
-                            lambda: mapping_from_tiles(in_map.element_tile[first_index]))
+  owner = plan_cache.cached(
+      _OWNERS, plan_key,
+      lambda: mapping_from_tiles(elements_tiles(in_map, first_elements(shape, axes))))
   candidates = [(owner, False)]
   candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
   if candidates[-1][0].num_rows < num_tiles:
     candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1], min_bytes_per_tile=1))
+  # Each tile's partials as runs of consecutive output elements.
+  run_row, run_key, run_length = groups.key_runs()
+  runs = (in_map.tiles[run_row], run_key, run_length)
   best = None
   for cand, rotates in candidates:
     cost, cycles, received, score = plan_cache.cached(
         _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv) + plan_key,
-        lambda: _stage2_cost(ctx, cand, part_tile, groups.key, itemsize, value_itemsize, cpv))
+        lambda: _stage2_cost(ctx, cand, runs, itemsize, value_itemsize, cpv))
     if best is None or score < best[-1]:
       best = (cand, rotates, cost, cycles, received, score)
   out_map, rotates, cost2, cycles2, received2, _ = best
@@ -418,9 +419,14 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
 
-  final_dense, final_first = plan_cache.cached(
-      _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
-      lambda: _plan_final(out_map, groups.key, part_slot, out_size, part_total))
+  # Batched steps take each output from its first partial; per-tile steps
+  # gather all of them.
+  final_first = part_slot[groups.first_of_key]
+  final_dense = None
+  if mode == "per_tile":
+    final_dense = plan_cache.cached(
+        _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
+        lambda: _final_slots(out_map, groups.key, part_slot, out_size, part_total))
   outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
   sources = list(data) if skip_stage1 else partials
   _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
@@ -437,31 +443,28 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
   in_map = data[0].mapping
   rows, row_size = in_map.storage_shape
   total = rows * row_size
-  dense = groups.dense
-  _, width, depth = dense.shape
+  width, depth = groups.width, groups.depth
   by_slot = mode == "per_tile"
-  index_dense = None
-  if by_slot and slot_index is not None:
-    index_dense = slot_index[dense]
   # Only per-tile steps gather by slot: batched ones must not keep per-element
   # index tables (or the shared ``groups``) alive in their closures.
-  reshape_only, all_valid = groups.reshape_only, bool(groups.valid.all())
-  valid_dense = (groups.valid.reshape(rows, width, depth)
-                 if by_slot and reshape_only else None)
-  dense32 = None
+  index_dense = dense32 = valid_dense = None
+  reshape_only = all_valid = False
   if by_slot:
+    # The slot of every member, built here (never cached): only per-tile
+    # steps gather by slot.
+    slots = groups.slots(in_map)
+    dense = slots.dense
+    if slot_index is not None:
+      index_dense = slot_index[dense]
+    reshape_only, all_valid = slots.reshape_only, bool(slots.valid.all())
+    if reshape_only:
+      valid_dense = slots.valid.reshape(rows, width, depth)
     dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
   out_src = np.full(rows * width, out_size, np.int64)
   part_slot = groups.row * width + groups.local
-  first_of_out = np.full(out_size, -1, np.int64)
-  # First partial of each output in partial order: first occurrence of its key.
-  order = np.argsort(groups.key, kind="stable")
-  counts = np.bincount(groups.key, minlength=out_size)
-  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-  first_of_out = part_slot[order[starts]]
-  out_src[first_of_out] = np.arange(out_size)
+  out_src[part_slot[groups.first_of_key]] = np.arange(out_size)
   n_data = len(data)
 
   def fn(*storages):
@@ -518,7 +521,6 @@ def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, fina
   """Compute set 2: partials exchanged to the output's tiles and reduced."""
   target = ctx.target
   out_map = outputs[0].mapping
-  o_rows, o_size, depth = final_dense.shape
   dense32 = index_dense = None
   if mode == "per_tile":  # batched steps do not gather by slot (see _emit_partials)
     dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
