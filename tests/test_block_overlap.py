@@ -1,0 +1,129 @@
+"""Interval arithmetic of block overlaps: the same bytes as per-element counting."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import numpy as np
+
+import ipu_jax
+from ipu_jax.lowering import block_overlap
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.matmul_plan import (block_grid_mapping, canonical_tiles, edge_sizes,
+                                          grid_exchange_cost)
+
+_TARGET = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+
+
+def _mapping(kind, shape, rng, num_tiles=16):
+  n = int(np.prod(shape))
+  if kind == "linear":
+    return TileMapping.linear(n, num_tiles, 4, start_tile=int(rng.integers(num_tiles)),
+                              min_bytes_per_tile=16)
+  if kind == "grid":
+    grids = [int(rng.integers(1, min(d, 3) + 1)) for d in shape]
+    blocks = [-(-d // g) for d, g in zip(shape, grids)]
+    tiles = (int(rng.integers(num_tiles)) + np.arange(num_tiles)) % num_tiles
+    return block_grid_mapping(shape, grids, blocks, tiles[:int(np.prod(grids))])
+  return TileMapping.from_element_tiles(rng.integers(0, num_tiles, n))
+
+
+def _exact(tensor, perm, canon, window, grid, tiles, needs_axes, block, elements):
+  """The per-element reference: ``grid_exchange_cost`` on the canonical tiles."""
+  src = canonical_tiles(tensor, perm, canon)
+  src = src[tuple(slice(a, b) for a, b in window)]
+  needs = []
+  for cut in needs_axes:
+    if cut is None:
+      needs.append(None)
+      continue
+    v, size = cut
+    lo = np.arange(src.shape[v]) // size
+    needs.append((v, lo, lo + 1))
+  return grid_exchange_cost(_TARGET, src, tensor.itemsize, grid, tiles, needs, elements)
+
+
+class PrefixInBoxTest(chex.TestCase):
+
+  def test_counts_match_enumeration(self):
+    rng = np.random.default_rng(0)
+    shape = (3, 4, 5)
+    flat = np.arange(60)
+    digits = np.stack(np.unravel_index(flat, shape), axis=1)
+    for _ in range(30):
+      lo = rng.integers(0, 4, 3).clip(max=np.array(shape))
+      hi = lo + rng.integers(-1, 4, 3)
+      x = rng.integers(0, 61, 8)
+      inside = np.all((digits >= lo) & (digits < hi), axis=1)
+      want = [int(inside[:v].sum()) for v in x]
+      np.testing.assert_array_equal(block_overlap.prefix_in_box(x, shape, lo, hi), want)
+
+
+class RangeBoxesTest(parameterized.TestCase):
+
+  @parameterized.parameters((0, 24), (1, 5), (5, 19), (7, 8), (0, 4), (3, 3))
+  def test_boxes_cover_the_range_once(self, lo, hi):
+    sizes = (2, 3, 4)
+    covered = np.zeros(24, np.int64)
+    for box in block_overlap.range_boxes(lo, hi, sizes):
+      grid = np.zeros(sizes, np.int64)
+      grid[tuple(slice(a, b) for a, b in box)] = 1
+      covered += grid.reshape(-1)
+    np.testing.assert_array_equal(covered, (np.arange(24) >= lo) & (np.arange(24) < hi))
+
+
+class BlockExchangeCostTest(parameterized.TestCase):
+
+  @parameterized.product(
+      kind=("linear", "grid", "random"),
+      # (operand shape, (batch, free, contract) axes, grid, serial window,
+      #  whether every block is a box of the operand's axes)
+      case=(((6, 10), ((), (0,), (1,)), (1, 3, 2, 2), None, True),
+            ((10, 6), ((), (1,), (0,)), (1, 2, 3, 2), None, True),
+            ((2, 3, 8), ((), (0, 1), (2,)), (1, 2, 2, 2), (1, 5), True),
+            ((2, 3, 8), ((), (0, 1), (2,)), (1, 1, 2, 2), (2, 6), False),
+            ((2, 4, 3, 5), ((0, 1), (2,), (3,)), (4, 1, 2, 2), None, True),
+            ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (2, 2, 2, 1), None, True),
+            ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (3, 2, 1, 1), None, False)))
+  def test_same_bytes_as_per_element(self, kind, case):
+    shape, (batch, free, contract), grid, serial, boxes = case
+    rng = np.random.default_rng(abs(hash((kind, str(case)))) % 2 ** 32)
+    tensor = P.Tensor("x", shape, np.float32, _mapping(kind, shape, rng))
+    perm = batch + free + contract
+    canon = tuple(int(np.prod([shape[a] for a in g], dtype=np.int64))
+                  for g in (batch, free, contract))
+    window = [(0, d) for d in canon]
+    if serial is not None:
+      window[1] = serial
+    sizes = [b - a for a, b in window]
+    gb, gm, gn, gk = grid
+    blocks = [-(-s // g) for s, g in zip(sizes, (gb, gm, gk))]
+    cuts = [(0, blocks[0]), (1, blocks[1]), None, (2, blocks[2])]
+    tiles = (int(rng.integers(16)) + np.arange(gb * gm * gn * gk)) % 16
+    ib, im, _, ik = np.unravel_index(np.arange(tiles.size), grid)
+    elements = (edge_sizes(sizes[0], gb, blocks[0])[ib] * edge_sizes(sizes[1], gm, blocks[1])[im]
+                * edge_sizes(sizes[2], gk, blocks[2])[ik])
+    got = block_overlap.block_exchange_cost(_TARGET, tensor.mapping, shape, 4,
+                                            (batch, free, contract), window, grid, tiles,
+                                            cuts, elements)
+    want = _exact(tensor, perm, canon, window, grid, tiles, cuts, blocks, elements)
+    if not boxes:
+      self.assertIsNone(got)  # a block across a merged axis' boundary: not a box
+      return
+    self.assertIsNotNone(got)
+    (cost, local), (want_cost, want_local) = got, want
+    np.testing.assert_array_equal(local, want_local)
+    np.testing.assert_array_equal(cost.bytes_in, want_cost.bytes_in)
+    np.testing.assert_array_equal(cost.bytes_out, want_cost.bytes_out)
+    np.testing.assert_array_equal(cost.link_bytes_out, want_cost.link_bytes_out)
+
+  def test_several_ipus_fall_back(self):
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8, num_ipus=2)
+    mapping = TileMapping.linear(60, 16, 4, min_bytes_per_tile=16)
+    self.assertIsNone(block_overlap.block_exchange_cost(
+        target, mapping, (6, 10), 4, ((), (0,), (1,)), ((0, 1), (0, 6), (0, 10)),
+        (1, 2, 2, 1), np.arange(4), [(0, 1), (1, 3), None, (2, 10)], np.full(4, 30)))
+
+
+if __name__ == "__main__":
+  absltest.main()
