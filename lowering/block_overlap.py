@@ -23,7 +23,7 @@ import numpy as np
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["prefix_in_box", "range_boxes", "view_boxes", "block_exchange_cost"]
+__all__ = ["prefix_in_box", "merge_axes", "range_boxes", "view_boxes", "block_exchange_cost"]
 
 
 def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray,
@@ -40,27 +40,90 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray,
     ``[R]`` counts (int64).
   """
   x = np.asarray(x, np.int64)
-  lo = np.broadcast_to(np.asarray(lo, np.int64), x.shape + (len(shape),))
-  hi = np.broadcast_to(np.asarray(hi, np.int64), x.shape + (len(shape),))
-  # Only the part of the box inside the tensor counts.
-  lo = np.maximum(lo, 0)
-  hi = np.minimum(hi, np.asarray(shape, np.int64))
-  width = np.maximum(hi - lo, 0)
+  ndim = len(shape)
+  lo = np.broadcast_to(np.asarray(lo, np.int64), x.shape + (ndim,))
+  hi = np.broadcast_to(np.asarray(hi, np.int64), x.shape + (ndim,))
+  # Per axis, contiguous: only the part of the box inside the tensor counts.
+  los = [np.maximum(lo[..., a], 0) for a in range(ndim)]
+  widths = [np.maximum(np.minimum(hi[..., a], int(shape[a])) - los[a], 0) for a in range(ndim)]
   total = int(np.prod(shape, dtype=np.int64))
   # x == total has no digits: every index lies below it.
   whole = x >= total
   x = np.minimum(x, max(total - 1, 0))
+  inner = [None] * ndim  # box volume of the axes after a
+  volume = np.ones(x.shape, np.int64)
+  for a in reversed(range(ndim)):
+    inner[a] = volume
+    volume = volume * widths[a]
   count = np.zeros(x.shape, np.int64)
   inside = np.ones(x.shape, bool)
   stride = total
   for a, size in enumerate(shape):
     stride //= max(int(size), 1)
     digit = (x // stride) % max(int(size), 1)
-    inner = np.prod(width[..., a + 1:], axis=-1, dtype=np.int64)
-    below = np.clip(digit - lo[..., a], 0, width[..., a])
-    count += np.where(inside, below * inner, 0)
-    inside &= (digit >= lo[..., a]) & (digit < hi[..., a])
-  return np.where(whole, np.prod(width, axis=-1, dtype=np.int64), count)
+    offset = digit - los[a]
+    count += np.clip(offset, 0, widths[a]) * inner[a] * inside
+    inside &= (offset >= 0) & (offset < widths[a])
+  return np.where(whole, volume, count)
+
+
+def merge_axes(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple:
+  """The tensor with its axes merged where a view merges them, same flat order.
+
+  Size-one axes are dropped; neighbouring axes that are neighbours of one
+  group too (in its order) become one axis. A range along such a group is
+  then a range along one axis, a box whatever its bounds.
+
+  Returns:
+    ``(shape, groups)`` of the merged tensor.
+  """
+  shape = [int(d) for d in shape]
+  order = [[a for a in axes if shape[a] != 1] for axes in groups]
+  where = {a: (v, i) for v, axes in enumerate(order) for i, a in enumerate(axes)}
+  merged, first_of = [], []  # per merged axis: size, (group, position of its first axis)
+  previous = None
+  for a in range(len(shape)):
+    if shape[a] == 1:
+      continue
+    v, i = where[a]
+    if previous is not None and previous[0] == v and previous[1] == i - 1:
+      merged[-1] *= shape[a]
+    else:
+      merged.append(shape[a])
+      first_of.append((v, i))
+    previous = (v, i)
+  new_groups = [sorted((m for m, (v, _) in enumerate(first_of) if v == g),
+                       key=lambda m: first_of[m][1]) for g in range(len(groups))]
+  return tuple(merged), new_groups
+
+
+def range_boxes(lo: int, hi: int, sizes: Sequence[int]) -> list:
+  """A range ``[lo, hi)`` of a merged index as boxes of its axes (outer first).
+
+  Returns:
+    A list of boxes, each a list of ``(lo, hi)`` per axis: a partial head, a
+    run of whole inner blocks and a partial tail, recursively (at most
+    ``2 * len(sizes) - 1`` boxes).
+  """
+  if hi <= lo:
+    return []
+  if len(sizes) <= 1:
+    return [[(lo, hi)]] if sizes else [[]]
+  inner = int(np.prod(sizes[1:], dtype=np.int64))
+  first, last = lo // inner, (hi - 1) // inner
+  if first == last:
+    return [[(first, first + 1)] + box
+            for box in range_boxes(lo % inner, (hi - 1) % inner + 1, sizes[1:])]
+  boxes = []
+  if lo % inner:
+    boxes += [[(first, first + 1)] + box for box in range_boxes(lo % inner, inner, sizes[1:])]
+    first += 1
+  if hi // inner > first:
+    boxes.append([(first, hi // inner)] + [(0, int(s)) for s in sizes[1:]])
+  if hi % inner:
+    boxes += [[(hi // inner, hi // inner + 1)] + box
+              for box in range_boxes(0, hi % inner, sizes[1:])]
+  return boxes
 
 
 def _merged_ranges(lo: np.ndarray, hi: np.ndarray, sizes: Sequence[int]):
@@ -92,35 +155,6 @@ def _merged_ranges(lo: np.ndarray, hi: np.ndarray, sizes: Sequence[int]):
   if los:
     his[0] = np.where(empty, los[0], his[0])
   return los, his, ok
-
-
-def range_boxes(lo: int, hi: int, sizes: Sequence[int]) -> list:
-  """A range ``[lo, hi)`` of a merged index as boxes of its axes (outer first).
-
-  Returns:
-    A list of boxes, each a list of ``(lo, hi)`` per axis: a partial head, a
-    run of whole inner blocks and a partial tail, recursively (at most
-    ``2 * len(sizes) - 1`` boxes).
-  """
-  if hi <= lo:
-    return []
-  if len(sizes) <= 1:
-    return [[(lo, hi)]] if sizes else [[]]
-  inner = int(np.prod(sizes[1:], dtype=np.int64))
-  first, last = lo // inner, (hi - 1) // inner
-  if first == last:
-    return [[(first, first + 1)] + box
-            for box in range_boxes(lo % inner, (hi - 1) % inner + 1, sizes[1:])]
-  boxes = []
-  if lo % inner:
-    boxes += [[(first, first + 1)] + box for box in range_boxes(lo % inner, inner, sizes[1:])]
-    first += 1
-  if hi // inner > first:
-    boxes.append([(first, hi // inner)] + [(0, int(s)) for s in sizes[1:]])
-  if hi % inner:
-    boxes += [[(hi // inner, hi // inner + 1)] + box
-              for box in range_boxes(0, hi % inner, sizes[1:])]
-  return boxes
 
 
 def view_boxes(shape: Sequence[int], groups: Sequence[Sequence[int]],
@@ -171,7 +205,8 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     the tensor's axes, a target of several IPUs (the IPU-Link bytes follow
     each element's destinations), or grid tiles that repeat.
   """
-  shape = tuple(int(d) for d in shape)
+  # Ranges along merged axes are ranges of one axis once those are merged.
+  shape, groups = merge_axes(shape, groups)
   tiles = np.asarray(tiles, np.int64)
   t = target.num_tiles
   g_count = int(np.prod(grid_shape, dtype=np.int64))
@@ -203,9 +238,11 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   grid_of_tile[tiles] = np.arange(g_count)
   g = grid_of_tile[run_tiles]
   mine = g >= 0
-  g, s, e = g[mine], starts[mine], ends[mine]
-  inside = (prefix_in_box(e, shape, boxes[0][g], boxes[1][g])
-            - prefix_in_box(s, shape, boxes[0][g], boxes[1][g]))
+  g = g[mine]
+  both = np.concatenate([starts[mine], ends[mine]])
+  g2 = np.concatenate([g, g])
+  prefix = prefix_in_box(both, shape, boxes[0][g2], boxes[1][g2])
+  inside = prefix[g.size:] - prefix[:g.size]
   # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
   local = np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
   full = all(a == 0 and b == int(np.prod([shape[x] for x in axes], dtype=np.int64))

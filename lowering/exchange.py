@@ -177,6 +177,19 @@ def _frozen(cost: ExchangeCost) -> ExchangeCost:
   return cost
 
 
+def _merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """``np.union1d`` of two sorted, duplicate-free arrays in linear time.
+
+  A stable sort of two concatenated sorted runs is a merge (timsort finds
+  the runs), far cheaper than ``union1d``'s general sort.
+  """
+  merged = np.concatenate([a, b])
+  merged.sort(kind="stable")
+  keep = np.ones(merged.size, bool)
+  keep[1:] = merged[1:] != merged[:-1]
+  return merged[keep]
+
+
 def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
                            itemsize: int) -> ExchangeCost:
   """:func:`movement_cost` of every element from ``src`` to ``dst``, by intervals.
@@ -187,7 +200,7 @@ def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping
   """
   s_starts, s_tiles = src.intervals
   d_starts, d_tiles = dst.intervals
-  bounds = np.union1d(s_starts, d_starts)
+  bounds = _merge_sorted(s_starts, d_starts)
   lengths = np.diff(np.append(bounds, src.num_elements))
   s = s_tiles[np.searchsorted(s_starts, bounds, side="right") - 1]
   d = d_tiles[np.searchsorted(d_starts, bounds, side="right") - 1]

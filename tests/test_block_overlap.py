@@ -59,6 +59,18 @@ class PrefixInBoxTest(chex.TestCase):
       np.testing.assert_array_equal(block_overlap.prefix_in_box(x, shape, lo, hi), want)
 
 
+class MergeAxesTest(chex.TestCase):
+
+  def test_merges_neighbours_of_one_group(self):
+    shape, groups = block_overlap.merge_axes((2, 1, 3, 4, 5), ((), (0, 2), (3,), (1, 4)))
+    self.assertEqual(shape, (6, 4, 5))
+    self.assertEqual(groups, [[], [0], [1], [2]])
+    # Out of the group's order: kept apart, outer first in the group's order.
+    shape, groups = block_overlap.merge_axes((2, 3, 4), ((2, 0), (1,)))
+    self.assertEqual(shape, (2, 3, 4))
+    self.assertEqual(groups, [[2, 0], [1]])
+
+
 class RangeBoxesTest(parameterized.TestCase):
 
   @parameterized.parameters((0, 24), (1, 5), (5, 19), (7, 8), (0, 4), (3, 3))
@@ -81,7 +93,9 @@ class BlockExchangeCostTest(parameterized.TestCase):
       case=(((6, 10), ((), (0,), (1,)), (1, 3, 2, 2), None, True),
             ((10, 6), ((), (1,), (0,)), (1, 2, 3, 2), None, True),
             ((2, 3, 8), ((), (0, 1), (2,)), (1, 2, 2, 2), (1, 5), True),
-            ((2, 3, 8), ((), (0, 1), (2,)), (1, 1, 2, 2), (2, 6), False),
+            ((2, 3, 8), ((), (0, 1), (2,)), (1, 1, 2, 2), (2, 6), True),
+            ((3, 2, 4), ((1,), (0,), (2,)), (2, 2, 1, 2), None, True),
+            ((2, 3, 4, 5), ((3,), (0, 1), (2,)), (2, 2, 1, 3), (1, 6), True),
             ((2, 4, 3, 5), ((0, 1), (2,), (3,)), (4, 1, 2, 2), None, True),
             ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (2, 2, 2, 1), None, True),
             ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (3, 2, 1, 1), None, False)))
