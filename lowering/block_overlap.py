@@ -23,11 +23,11 @@ import numpy as np
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["prefix_in_box", "merge_axes", "range_boxes", "view_boxes", "block_exchange_cost"]
+__all__ = ["prefix_in_box", "merge_axes", "view_boxes", "block_exchange_cost"]
 
 
-def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray,
-                  hi: np.ndarray) -> np.ndarray:
+def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.ndarray,
+                  members: Optional[Sequence] = None) -> np.ndarray:
   """How many flat (row-major) indices below ``x`` lie in the box ``[lo, hi)``.
 
   Args:
@@ -35,17 +35,23 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray,
     shape: the tensor's shape.
     lo, hi: ``[R, ndim]`` (or ``[ndim]``) box bounds per axis; an empty
       range (``hi <= lo``) makes an empty box.
+    members: optionally, per axis, None or a cumulative table ``[size + 1]``
+      (``members[a][j]``: how many of the coordinates below ``j`` belong to a
+      set): only indices whose coordinates all belong count (a box within a
+      product of sets, e.g. the positions a strided window reads).
 
   Returns:
     ``[R]`` counts (int64).
   """
   x = np.asarray(x, np.int64)
   ndim = len(shape)
+  members = [None] * ndim if members is None else list(members)
   lo = np.broadcast_to(np.asarray(lo, np.int64), x.shape + (ndim,))
   hi = np.broadcast_to(np.asarray(hi, np.int64), x.shape + (ndim,))
   # Per axis, contiguous: only the part of the box inside the tensor counts.
-  los = [np.maximum(lo[..., a], 0) for a in range(ndim)]
-  widths = [np.maximum(np.minimum(hi[..., a], int(shape[a])) - los[a], 0) for a in range(ndim)]
+  los = [np.clip(lo[..., a], 0, int(shape[a])) for a in range(ndim)]
+  his = [np.clip(hi[..., a], los[a], int(shape[a])) for a in range(ndim)]
+  widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
   total = int(np.prod(shape, dtype=np.int64))
   # x == total has no digits: every index lies below it.
   whole = x >= total
@@ -61,9 +67,12 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray,
   for a, size in enumerate(shape):
     stride //= max(int(size), 1)
     digit = (x // stride) % max(int(size), 1)
-    offset = digit - los[a]
-    count += np.clip(offset, 0, widths[a]) * inner[a] * inside
-    inside &= (offset >= 0) & (offset < widths[a])
+    below = np.clip(digit, los[a], his[a])
+    cum = members[a]
+    count += (below - los[a] if cum is None else cum[below] - cum[los[a]]) * inner[a] * inside
+    inside &= (digit >= los[a]) & (digit < his[a])
+    if cum is not None:
+      inside &= cum[digit + 1] > cum[digit]
   return np.where(whole, volume, count)
 
 
@@ -95,35 +104,6 @@ def merge_axes(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple:
   new_groups = [sorted((m for m, (v, _) in enumerate(first_of) if v == g),
                        key=lambda m: first_of[m][1]) for g in range(len(groups))]
   return tuple(merged), new_groups
-
-
-def range_boxes(lo: int, hi: int, sizes: Sequence[int]) -> list:
-  """A range ``[lo, hi)`` of a merged index as boxes of its axes (outer first).
-
-  Returns:
-    A list of boxes, each a list of ``(lo, hi)`` per axis: a partial head, a
-    run of whole inner blocks and a partial tail, recursively (at most
-    ``2 * len(sizes) - 1`` boxes).
-  """
-  if hi <= lo:
-    return []
-  if len(sizes) <= 1:
-    return [[(lo, hi)]] if sizes else [[]]
-  inner = int(np.prod(sizes[1:], dtype=np.int64))
-  first, last = lo // inner, (hi - 1) // inner
-  if first == last:
-    return [[(first, first + 1)] + box
-            for box in range_boxes(lo % inner, (hi - 1) % inner + 1, sizes[1:])]
-  boxes = []
-  if lo % inner:
-    boxes += [[(first, first + 1)] + box for box in range_boxes(lo % inner, inner, sizes[1:])]
-    first += 1
-  if hi // inner > first:
-    boxes.append([(first, hi // inner)] + [(0, int(s)) for s in sizes[1:]])
-  if hi % inner:
-    boxes += [[(hi // inner, hi // inner + 1)] + box
-              for box in range_boxes(0, hi % inner, sizes[1:])]
-  return boxes
 
 
 def _merged_ranges(lo: np.ndarray, hi: np.ndarray, sizes: Sequence[int]):
@@ -184,54 +164,107 @@ def view_boxes(shape: Sequence[int], groups: Sequence[Sequence[int]],
   return box_lo, box_hi
 
 
-def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
-                        groups: Sequence[Sequence[int]], window: Sequence[tuple],
-                        grid_shape: Sequence[int], tiles: np.ndarray, cuts: Sequence,
-                        block_elements: np.ndarray) -> Optional[tuple]:
-  """``grid_exchange_cost`` of an operand cut into blocks, by intervals.
-
-  The operand is seen through a view whose axis ``v`` merges tensor axes
-  ``groups[v]``, of which the part ``window[v] = (start, stop)`` is taken (a
-  serial pass). Grid axis ``a`` either cuts view axis ``cuts[a] = (v,
-  block)``: view coordinate ``c`` (from ``start``) is needed by block ``c //
-  block`` only; or is None: every block along it needs the element. A grid
-  tile needs its box, receives what it does not hold, and a tile sends what
-  it holds once if any other tile needs it (multicast).
+def _needed_ranges(lo: np.ndarray, hi: np.ndarray, grid: int) -> Optional[tuple]:
+  """Per block ``i < grid``, the coordinates ``c`` with ``lo[c] <= i < hi[c]``.
 
   Returns:
-    ``(ExchangeCost, local)`` exactly as
-    :func:`~ipu_jax.lowering.matmul_plan.grid_exchange_cost` gives them, or
-    None when it cannot be had by intervals: a block that is not a box of
-    the tensor's axes, a target of several IPUs (the IPU-Link bytes follow
-    each element's destinations), or grid tiles that repeat.
+    ``(first, end)``, ``[grid]`` each, when every block's set is a range
+    ``[first, end)``; else None.
+  """
+  lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+  i = np.arange(grid, dtype=np.int64)
+  if lo.size * grid <= 1 << 22:
+    needed = (lo[None, :] <= i[:, None]) & (i[:, None] < hi[None, :])
+    any_ = needed.any(axis=1)
+    first = np.where(any_, np.argmax(needed, axis=1), 0)
+    end = np.where(any_, lo.size - np.argmax(needed[:, ::-1], axis=1), 0)
+    if not np.array_equal(needed.sum(axis=1), end - first):
+      return None
+    return first, end
+  if np.any(np.diff(lo) < 0) or np.any(np.diff(hi) < 0):
+    return None
+  # Monotone bounds: the blocks' sets are ranges, found by bisection.
+  first = np.searchsorted(hi, i, side="right")
+  end = np.searchsorted(lo, i, side="right")
+  return first, np.maximum(end, first)
+
+
+def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
+                        groups: Sequence[Sequence[int]], window: Sequence[tuple],
+                        grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
+                        block_elements: np.ndarray) -> Optional[tuple]:
+  """:func:`~ipu_jax.lowering.matmul_plan.grid_exchange_cost` by intervals.
+
+  The operand is seen through a view whose axis ``v`` merges tensor axes
+  ``groups[v]`` (outer first), of which the part ``window[v] = (start,
+  stop)`` is taken (a serial pass). ``needs`` are as ``grid_exchange_cost``
+  takes them, over view coordinates counted from ``start``: per grid axis,
+  None (every block along it needs the element) or ``(view_axis, lo, hi)``
+  (coordinate ``c`` is needed by blocks ``lo[c] <= i < hi[c]``, e.g. a
+  convolution's halo). A grid tile needs a box of the view, receives what it
+  does not hold, and a tile sends what it holds once if any other tile needs
+  it (multicast).
+
+  Returns:
+    ``(ExchangeCost, local)`` exactly as ``grid_exchange_cost`` gives them,
+    or None when intervals cannot give them: a block's set along an axis is
+    not a range, or not a box of the tensor's axes; a view axis merging
+    tensor axes that are not neighbours, cut by a window or read with gaps;
+    grid tiles that repeat; several IPUs where every element has one block
+    per axis (the IPU-Link bytes then follow each element's destinations).
   """
   # Ranges along merged axes are ranges of one axis once those are merged.
   shape, groups = merge_axes(shape, groups)
   tiles = np.asarray(tiles, np.int64)
   t = target.num_tiles
   g_count = int(np.prod(grid_shape, dtype=np.int64))
-  if target.num_ipus > 1 or np.unique(tiles).size != tiles.size:
+  if mapping.num_elements == 0 or g_count == 0 or np.unique(tiles).size != tiles.size:
     return None
   window = [(int(a), int(b)) for a, b in window]
-  if mapping.num_elements == 0 or g_count == 0:
-    return None
   if any(b <= a for a, b in window):
     return None, np.zeros(g_count, np.int64)
   coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
   lo = [np.full(g_count, a, np.int64) for a, _ in window]
   hi = [np.full(g_count, b, np.int64) for _, b in window]
-  shared = 1  # blocks needing every element (multicast destinations)
-  for a, cut in enumerate(cuts):
-    if cut is None:
+  widths = [None] * len(window)  # per view axis: blocks needing each coordinate
+  shared = 1  # blocks along the axes that need every element
+  for a, need in enumerate(needs):
+    if need is None:
       shared *= int(grid_shape[a])
       continue
-    v, block = cut
-    start, stop = window[v]
-    lo[v] = start + coords[a] * int(block)
-    hi[v] = np.minimum(lo[v] + int(block), stop)
+    v, need_lo, need_hi = need
+    ranges = _needed_ranges(need_lo, need_hi, int(grid_shape[a]))
+    if ranges is None or widths[v] is not None:
+      return None
+    widths[v] = np.maximum(np.asarray(need_hi, np.int64) - np.asarray(need_lo, np.int64), 0)
+    first, end = ranges
+    lo[v] = window[v][0] + first[coords[a]]
+    hi[v] = window[v][0] + end[coords[a]]
+  halo = any(w is not None and w.size and w.max() > 1 for w in widths)
+  if target.num_ipus > 1 and not halo:
+    return None
   boxes = view_boxes(shape, groups, lo, hi)
   if boxes is None:
     return None
+  # Elements needed by some block (``count >= 1``) and by exactly one
+  # (``count == 1``): per merged axis, cumulative tables of those sets.
+  some, one = [None] * len(shape), [None] * len(shape)
+  for v, ((start, stop), axes) in enumerate(zip(window, groups)):
+    width = widths[v]
+    if len(axes) != 1:
+      full = start == 0 and stop == int(np.prod([shape[x] for x in axes], dtype=np.int64))
+      if not full or (width is not None and np.any(width != 1)):
+        return None
+      continue
+    size = shape[axes[0]]
+    if width is None:
+      width = np.ones(stop - start, np.int64)
+    padded = np.zeros(size, np.int64)
+    padded[start:stop] = width
+    if start > 0 or stop < size or np.any(width == 0):
+      some[axes[0]] = np.concatenate([[0], np.cumsum(padded >= 1)])
+    if np.any(width != 1):
+      one[axes[0]] = np.concatenate([[0], np.cumsum(padded == 1)])
   starts, run_tiles = mapping.intervals
   ends = np.append(starts[1:], mapping.num_elements)
   grid_of_tile = np.full(t, -1, np.int64)
@@ -241,35 +274,36 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   g = g[mine]
   both = np.concatenate([starts[mine], ends[mine]])
   g2 = np.concatenate([g, g])
-  prefix = prefix_in_box(both, shape, boxes[0][g2], boxes[1][g2])
-  inside = prefix[g.size:] - prefix[:g.size]
-  # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
-  local = np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
-  full = all(a == 0 and b == int(np.prod([shape[x] for x in axes], dtype=np.int64))
-             for (a, b), axes in zip(window, groups))
-  if full:
-    held = mapping.elements_per_tile(t)
+
+  def on_own_tile(sets):
+    """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
+    prefix = prefix_in_box(both, shape, boxes[0][g2], boxes[1][g2], sets)
+    inside = prefix[g.size:] - prefix[:g.size]
+    # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
+    return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
+
+  local = on_own_tile(None)
+  if all(c is None for c in some):
+    needed = mapping.elements_per_tile(t)
   else:
-    # The part taken is a box along every view axis but (at most) a range of
-    # a merged one: a few boxes of the tensor's axes.
-    parts = [[]]
-    for (a, b), axes in zip(window, groups):
-      sub = range_boxes(a, b, [int(shape[x]) for x in axes])
-      parts = [p + list(zip(axes, box)) for p in parts for box in sub]
-    taken = np.zeros(starts.size, np.int64)
-    for part in parts:
-      part_lo = np.zeros(len(shape), np.int64)
-      part_hi = np.ones(len(shape), np.int64)
-      for axis, (a, b) in part:
-        part_lo[axis], part_hi[axis] = a, b
-      taken += (prefix_in_box(ends, shape, part_lo, part_hi)
-                - prefix_in_box(starts, shape, part_lo, part_hi))
-    held = np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
-  sent = held.copy()
+    prefix = prefix_in_box(np.concatenate([starts, ends]), shape, np.zeros(len(shape), np.int64),
+                           np.asarray(shape, np.int64), some)
+    taken = prefix[starts.size:] - prefix[:starts.size]
+    needed = np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
+  sent = needed.copy()
   if shared == 1:
-    # The one block needing an element is its holder's: nothing to send.
-    sent[tiles] -= local
+    # An element whose one block is its holder's is not sent.
+    sent[tiles] -= local if all(c is None for c in one) else on_own_tile(one)
   bytes_in = np.zeros(t, np.int64)
   np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local) * itemsize)
-  cost = ExchangeCost(bytes_in, sent * itemsize, np.zeros(target.num_ipus, np.int64))
-  return cost, local
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1 and sent.any():
+    # Halo ranges: as grid_exchange_cost, an upper bound (every element sent
+    # leaves for every other IPU the grid spans).
+    per = target.tiles_per_ipu
+    spanned = np.unique(tiles // per)
+    sent_per_ipu = np.bincount(np.arange(t) // per, weights=sent,
+                               minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
+    others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
+    link = (sent_per_ipu * others * itemsize).astype(np.int64)
+  return ExchangeCost(bytes_in, sent * itemsize, link), local

@@ -295,35 +295,35 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
                 serial_axis, start, stop, target)
     if a_cost_all is None or serial_axis == 1:
       def a_cost_fn(start=start, stop=stop, pm_=pm_, rb_=rb_, rm_=rm_, rk_=rk_):
+        needs = [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None,
+                 (2,) + blocks_of(k, bk)]
         window = ((0, b), (start, stop) if serial_axis == 1 else (0, m), (0, k))
         by_intervals = block_exchange_cost(
             target, lhs.mapping, lhs.shape, lhs.itemsize, (lb, lf, lc), window,
-            (gb, gm, gn, gk), tiles, [(0, bb), (1, bm), None, (2, bk)], rb_ * rm_ * rk_)
+            (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_)
         if by_intervals is not None:
           return _frozen_grid_cost(by_intervals)
         lhs_src = canonical_tiles(lhs, lhs_perm, (b, m, k))
         a_src = lhs_src[:, start:stop] if serial_axis == 1 else lhs_src
         return _frozen_grid_cost(grid_exchange_cost(
-            target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles,
-            [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None, (2,) + blocks_of(k, bk)],
-            rb_ * rm_ * rk_))
+            target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_))
       a_cost_all = plan_cache.cached(
           _GRID_COSTS, ("lhs", lhs.mapping.fingerprint, lhs.shape, lhs_perm, lhs.itemsize)
           + grid_key, a_cost_fn)
     if b_cost_all is None or serial_axis == 2:
       def b_cost_fn(start=start, stop=stop, pn_=pn_, rb_=rb_, rk_=rk_, rn_=rn_):
+        needs = [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn),
+                 (1,) + blocks_of(k, bk)]
         window = ((0, b), (0, k), (start, stop) if serial_axis == 2 else (0, n))
         by_intervals = block_exchange_cost(
             target, rhs.mapping, rhs.shape, rhs.itemsize, (rb, rc, rf), window,
-            (gb, gm, gn, gk), tiles, [(0, bb), None, (2, bn), (1, bk)], rb_ * rk_ * rn_)
+            (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_)
         if by_intervals is not None:
           return _frozen_grid_cost(by_intervals)
         rhs_src = canonical_tiles(rhs, rhs_perm, (b, k, n))
         b_src = rhs_src[:, :, start:stop] if serial_axis == 2 else rhs_src
         return _frozen_grid_cost(grid_exchange_cost(
-            target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles,
-            [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn), (1,) + blocks_of(k, bk)],
-            rb_ * rk_ * rn_))
+            target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_))
       b_cost_all = plan_cache.cached(
           _GRID_COSTS, ("rhs", rhs.mapping.fingerprint, rhs.shape, rhs_perm, rhs.itemsize)
           + grid_key, b_cost_fn)

@@ -21,26 +21,29 @@ def _mapping(kind, shape, rng, num_tiles=16):
     return TileMapping.linear(n, num_tiles, 4, start_tile=int(rng.integers(num_tiles)),
                               min_bytes_per_tile=16)
   if kind == "grid":
-    grids = [int(rng.integers(1, min(d, 3) + 1)) for d in shape]
+    grids, room = [], num_tiles
+    for d in shape:
+      grids.append(int(rng.integers(1, max(1, min(d, 3, room)) + 1)))
+      room //= grids[-1]
     blocks = [-(-d // g) for d, g in zip(shape, grids)]
     tiles = (int(rng.integers(num_tiles)) + np.arange(num_tiles)) % num_tiles
     return block_grid_mapping(shape, grids, blocks, tiles[:int(np.prod(grids))])
   return TileMapping.from_element_tiles(rng.integers(0, num_tiles, n))
 
 
-def _exact(tensor, perm, canon, window, grid, tiles, needs_axes, block, elements):
+def _exact(target, tensor, perm, canon, window, grid, tiles, needs, elements):
   """The per-element reference: ``grid_exchange_cost`` on the canonical tiles."""
   src = canonical_tiles(tensor, perm, canon)
   src = src[tuple(slice(a, b) for a, b in window)]
-  needs = []
-  for cut in needs_axes:
-    if cut is None:
-      needs.append(None)
-      continue
-    v, size = cut
-    lo = np.arange(src.shape[v]) // size
-    needs.append((v, lo, lo + 1))
-  return grid_exchange_cost(_TARGET, src, tensor.itemsize, grid, tiles, needs, elements)
+  return grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
+
+
+def _assert_same(got, want):
+  (cost, local), (want_cost, want_local) = got, want
+  np.testing.assert_array_equal(local, want_local)
+  np.testing.assert_array_equal(cost.bytes_in, want_cost.bytes_in)
+  np.testing.assert_array_equal(cost.bytes_out, want_cost.bytes_out)
+  np.testing.assert_array_equal(cost.link_bytes_out, want_cost.link_bytes_out)
 
 
 class PrefixInBoxTest(chex.TestCase):
@@ -57,6 +60,12 @@ class PrefixInBoxTest(chex.TestCase):
       inside = np.all((digits >= lo) & (digits < hi), axis=1)
       want = [int(inside[:v].sum()) for v in x]
       np.testing.assert_array_equal(block_overlap.prefix_in_box(x, shape, lo, hi), want)
+      # Within a product of sets (e.g. the rows a strided window reads).
+      sets = [rng.random(d) < 0.6 for d in shape]
+      cums = [np.concatenate([[0], np.cumsum(m)]) for m in sets]
+      member = np.all([m[digits[:, a]] for a, m in enumerate(sets)], axis=0)
+      want = [int((inside & member)[:v].sum()) for v in x]
+      np.testing.assert_array_equal(block_overlap.prefix_in_box(x, shape, lo, hi, cums), want)
 
 
 class MergeAxesTest(chex.TestCase):
@@ -69,19 +78,6 @@ class MergeAxesTest(chex.TestCase):
     shape, groups = block_overlap.merge_axes((2, 3, 4), ((2, 0), (1,)))
     self.assertEqual(shape, (2, 3, 4))
     self.assertEqual(groups, [[2, 0], [1]])
-
-
-class RangeBoxesTest(parameterized.TestCase):
-
-  @parameterized.parameters((0, 24), (1, 5), (5, 19), (7, 8), (0, 4), (3, 3))
-  def test_boxes_cover_the_range_once(self, lo, hi):
-    sizes = (2, 3, 4)
-    covered = np.zeros(24, np.int64)
-    for box in block_overlap.range_boxes(lo, hi, sizes):
-      grid = np.zeros(sizes, np.int64)
-      grid[tuple(slice(a, b) for a, b in box)] = 1
-      covered += grid.reshape(-1)
-    np.testing.assert_array_equal(covered, (np.arange(24) >= lo) & (np.arange(24) < hi))
 
 
 class BlockExchangeCostTest(parameterized.TestCase):
@@ -112,31 +108,71 @@ class BlockExchangeCostTest(parameterized.TestCase):
     sizes = [b - a for a, b in window]
     gb, gm, gn, gk = grid
     blocks = [-(-s // g) for s, g in zip(sizes, (gb, gm, gk))]
-    cuts = [(0, blocks[0]), (1, blocks[1]), None, (2, blocks[2])]
+    needs = [(v, np.arange(sizes[v]) // blocks[v], np.arange(sizes[v]) // blocks[v] + 1)
+             for v in range(3)]
+    needs = needs[:2] + [None] + needs[2:]
     tiles = (int(rng.integers(16)) + np.arange(gb * gm * gn * gk)) % 16
     ib, im, _, ik = np.unravel_index(np.arange(tiles.size), grid)
     elements = (edge_sizes(sizes[0], gb, blocks[0])[ib] * edge_sizes(sizes[1], gm, blocks[1])[im]
                 * edge_sizes(sizes[2], gk, blocks[2])[ik])
     got = block_overlap.block_exchange_cost(_TARGET, tensor.mapping, shape, 4,
                                             (batch, free, contract), window, grid, tiles,
-                                            cuts, elements)
-    want = _exact(tensor, perm, canon, window, grid, tiles, cuts, blocks, elements)
+                                            needs, elements)
+    want = _exact(_TARGET, tensor, perm, canon, window, grid, tiles, needs, elements)
     if not boxes:
       self.assertIsNone(got)  # a block across a merged axis' boundary: not a box
       return
     self.assertIsNotNone(got)
-    (cost, local), (want_cost, want_local) = got, want
-    np.testing.assert_array_equal(local, want_local)
-    np.testing.assert_array_equal(cost.bytes_in, want_cost.bytes_in)
-    np.testing.assert_array_equal(cost.bytes_out, want_cost.bytes_out)
-    np.testing.assert_array_equal(cost.link_bytes_out, want_cost.link_bytes_out)
+    _assert_same(got, want)
 
-  def test_several_ipus_fall_back(self):
+  @parameterized.product(kind=("linear", "grid", "random"), num_ipus=(1, 2),
+                         stride=(1, 2, 3))
+  def test_halos_same_bytes_as_per_element(self, kind, num_ipus, stride):
+    # A convolution's input: [N, C, H, W] read by a grid over (n, h, w) blocks of
+    # the output, 3x3 windows (halos) with stride and padding.
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16 // num_ipus, num_ipus=num_ipus)
+    rng = np.random.default_rng(stride + 10 * num_ipus + 100 * len(kind))
+    shape = (2, 3, 9, 7)
+    tensor = P.Tensor("x", shape, np.float32, _mapping(kind, shape, rng))
+    grid = (2, 2, 3)
+    needs = [(0, np.arange(2), np.arange(2) + 1)]
+    elements = np.ones(12, np.int64)
+    for axis, (size, g) in enumerate(zip(shape[2:], grid[1:])):
+      out = (size + 2 - 3) // stride + 1
+      block = -(-out // g)
+      start = np.arange(g) * block * stride - 1       # padded window starts
+      end = start + (np.minimum(block, out - np.arange(g) * block) - 1) * stride + 3
+      p = np.arange(size)
+      lo = np.searchsorted(end, p, side="right")
+      hi = np.searchsorted(start, p, side="right")
+      needs.append((2 + axis, lo, np.maximum(hi, lo)))
+    coords = np.unravel_index(np.arange(12), grid)
+    for (v, lo, hi), c in zip(needs, coords):
+      elements = elements * ((lo[:, None] <= c) & (c < hi[:, None])).sum(axis=0)
+    elements = elements * shape[1]
+    needs = [needs[0], None] + needs[1:]
+    grid = (2, 1) + grid[1:]
+    tiles = (int(rng.integers(16)) + np.arange(12)) % 16
+    got = block_overlap.block_exchange_cost(
+        target, tensor.mapping, shape, 4, ((0,), (1,), (2,), (3,)),
+        [(0, d) for d in shape], grid, tiles, needs, elements)
+    want = _exact(target, tensor, (0, 1, 2, 3), shape, [(0, d) for d in shape], grid, tiles,
+                  needs, elements)
+    if num_ipus > 1 and stride == 3:
+      # Windows that do not overlap: one block per element, and the IPU-Link
+      # bytes follow each element's destinations.
+      self.assertIsNone(got)
+      return
+    self.assertIsNotNone(got)
+    _assert_same(got, want)
+
+  def test_several_ipus_without_halos_fall_back(self):
     target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8, num_ipus=2)
     mapping = TileMapping.linear(60, 16, 4, min_bytes_per_tile=16)
+    lo = np.arange(6) // 3
     self.assertIsNone(block_overlap.block_exchange_cost(
         target, mapping, (6, 10), 4, ((), (0,), (1,)), ((0, 1), (0, 6), (0, 10)),
-        (1, 2, 2, 1), np.arange(4), [(0, 1), (1, 3), None, (2, 10)], np.full(4, 30)))
+        (1, 2, 2, 1), np.arange(4), [None, (1, lo, lo + 1), None, None], np.full(4, 30)))
 
 
 if __name__ == "__main__":
