@@ -110,14 +110,15 @@ def _merged_ranges(lo: np.ndarray, hi: np.ndarray, sizes: Sequence[int]):
   """Ranges along merged axes (outer first) as one range per axis, if a box.
 
   Returns:
-    ``(los, his, ok)``: per sub-axis ``[Q]`` bounds, and ``[Q]`` whether the
-    range is a box (``los``/``his`` are meaningless where it is not).
+    ``(los, his, ok, empty)``: per sub-axis ``[Q]`` bounds, ``[Q]`` whether
+    the range is a box (``los``/``his`` are meaningless where it is not), and
+    ``[Q]`` whether it is empty (with no sub-axes, only ``empty`` says so).
   """
   lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
   empty = hi <= lo
   # An empty range is the empty box on the outermost axis.
   lo, hi = np.where(empty, 0, lo), np.where(empty, 1, hi)
-  ok = np.ones(lo.shape, bool) if len(sizes) else ~empty
+  ok = np.ones(lo.shape, bool)
   los, his = [], []
   for i in range(len(sizes)):
     inner = int(np.prod(sizes[i + 1:], dtype=np.int64))
@@ -134,7 +135,7 @@ def _merged_ranges(lo: np.ndarray, hi: np.ndarray, sizes: Sequence[int]):
     lo, hi = np.where(one, lo % inner, 0), np.where(one, (hi - 1) % inner + 1, inner)
   if los:
     his[0] = np.where(empty, los[0], his[0])
-  return los, his, ok
+  return los, his, ok, empty
 
 
 def view_boxes(shape: Sequence[int], groups: Sequence[Sequence[int]],
@@ -154,13 +155,20 @@ def view_boxes(shape: Sequence[int], groups: Sequence[Sequence[int]],
   q = np.broadcast_shapes(*[np.shape(x) for x in list(lo) + list(hi)])
   box_lo = np.zeros(q + (len(shape),), np.int64)
   box_hi = np.ones(q + (len(shape),), np.int64)
+  void = np.zeros(q, bool)  # empty ranges of view axes with no tensor axis
   for axes, l, h in zip(groups, lo, hi):
-    los, his, ok = _merged_ranges(np.broadcast_to(l, q), np.broadcast_to(h, q),
-                                  [int(shape[a]) for a in axes])
+    los, his, ok, empty = _merged_ranges(np.broadcast_to(l, q), np.broadcast_to(h, q),
+                                         [int(shape[a]) for a in axes])
     if not ok.all():
       return None
+    if not axes:
+      void |= empty
     for a, sub_lo, sub_hi in zip(axes, los, his):
       box_lo[..., a], box_hi[..., a] = sub_lo, sub_hi
+  if void.any():
+    if not len(shape):
+      return None
+    box_hi[..., 0] = np.where(void, box_lo[..., 0], box_hi[..., 0])
   return box_lo, box_hi
 
 
@@ -247,14 +255,22 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   if boxes is None:
     return None
   # Elements needed by some block (``count >= 1``) and by exactly one
-  # (``count == 1``): per merged axis, cumulative tables of those sets.
+  # (``count == 1``): per merged axis, cumulative tables of those sets; a
+  # view axis of several (or no) merged axes must need all its coordinates
+  # alike, and then only says whether all or none are in each set.
   some, one = [None] * len(shape), [None] * len(shape)
+  some_all = one_all = True
   for v, ((start, stop), axes) in enumerate(zip(window, groups)):
     width = widths[v]
     if len(axes) != 1:
       full = start == 0 and stop == int(np.prod([shape[x] for x in axes], dtype=np.int64))
-      if not full or (width is not None and np.any(width != 1)):
+      if width is not None and (not full or np.any(width != width[0])):
         return None
+      if width is None and not full:
+        return None
+      w = 1 if width is None else int(width[0])
+      some_all &= w >= 1
+      one_all &= w == 1
       continue
     size = shape[axes[0]]
     if width is None:
@@ -283,7 +299,9 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
 
   local = on_own_tile(None)
-  if all(c is None for c in some):
+  if not some_all:
+    needed = np.zeros(t, np.int64)
+  elif all(c is None for c in some):
     needed = mapping.elements_per_tile(t)
   else:
     prefix = prefix_in_box(np.concatenate([starts, ends]), shape, np.zeros(len(shape), np.int64),
@@ -291,7 +309,7 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     taken = prefix[starts.size:] - prefix[:starts.size]
     needed = np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
   sent = needed.copy()
-  if shared == 1:
+  if shared == 1 and one_all:
     # An element whose one block is its holder's is not sent.
     sent[tiles] -= local if all(c is None for c in one) else on_own_tile(one)
   bytes_in = np.zeros(t, np.int64)

@@ -166,6 +166,26 @@ class BlockExchangeCostTest(parameterized.TestCase):
     self.assertIsNotNone(got)
     _assert_same(got, want)
 
+  @parameterized.parameters(0, 1, 3)
+  def test_size_one_axis_needed_by_several_blocks(self, width):
+    # A 1x1 kernel [1, 1, I, O]: its one tap is read by every spatial block
+    # (or, with width 0, by none).
+    rng = np.random.default_rng(width)
+    shape = (1, 1, 4, 6)
+    tensor = P.Tensor("w", shape, np.float32, _mapping("random", shape, rng))
+    grid = (2, 3)   # (output-feature blocks, spatial blocks)
+    o_lo = np.arange(6) // 3
+    needs = [(0, o_lo, o_lo + 1), (2, np.zeros(1, np.int64), np.full(1, width))]
+    elements = np.full(6, 3 * 4 * min(width, 1))
+    tiles = (5 + np.arange(6)) % 16
+    canon = (6, 4, 1)
+    got = block_overlap.block_exchange_cost(_TARGET, tensor.mapping, shape, 4,
+                                            ((3,), (2,), (0, 1)), [(0, d) for d in canon],
+                                            grid, tiles, needs, elements)
+    want = _exact(_TARGET, tensor, (3, 2, 0, 1), canon, [(0, d) for d in canon], grid, tiles,
+                  needs, elements)
+    _assert_same(got, want)
+
   def test_several_ipus_without_halos_fall_back(self):
     target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8, num_ipus=2)
     mapping = TileMapping.linear(60, 16, 4, min_bytes_per_tile=16)
