@@ -18,7 +18,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
 __all__ = ["ExchangeCost", "movement_cost", "interval_movement_cost", "to_storage", "to_flat",
-           "relayout", "relayout_cost", "exchange_cycles"]
+           "relayout", "relayout_cost", "shift_cost", "exchange_cycles"]
 
 
 @dataclasses.dataclass
@@ -161,13 +161,30 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   """Bytes moved when a tensor goes from ``src`` to ``dst``."""
   if src.same_as(dst) or src.num_elements == 0:
     return None
-  # Repeated layers relayout between the same layouts: cost them once.
-  key = (src.fingerprint, dst.fingerprint, int(itemsize), target)
-  return plan_cache.cached(_RELAYOUTS, key,
-                           lambda: _frozen(interval_movement_cost(target, src, dst, itemsize)))
+  # Repeated layers relayout between the same layouts, maybe moved along the
+  # tiles: cost them once (within one IPU only tile identities matter).
+  base = int(dst.tiles[0]) if target.num_ipus == 1 and dst.num_rows else 0
+  t = target.num_tiles
+  key = (src.relative_fingerprint(base, t), dst.relative_fingerprint(base, t), int(itemsize),
+         target)
+  relative = plan_cache.cached(_RELAYOUTS, key, lambda: _frozen(shift_cost(
+      interval_movement_cost(target, src, dst, itemsize), -base)))
+  return shift_cost(relative, base)
 
 
-_RELAYOUTS = plan_cache.PlanCache("relayout costs")
+def shift_cost(cost: ExchangeCost | None, tiles: int) -> ExchangeCost | None:
+  """``cost`` with every tile ``t``'s bytes moved to tile ``t + tiles`` (cyclically).
+
+  For costs within one IPU (no IPU-Link bytes), to reuse a cost found for a
+  layout moved along the tiles.
+  """
+  if cost is None or tiles == 0:
+    return cost
+  return ExchangeCost(np.roll(cost.bytes_in, tiles), np.roll(cost.bytes_out, tiles),
+                      cost.link_bytes_out)
+
+
+_RELAYOUTS = plan_cache.PlanCache("relayout costs", max_entries=4096)
 
 
 def _frozen(cost: ExchangeCost) -> ExchangeCost:

@@ -313,6 +313,21 @@ class TileMapping:
       return ("grid", self.num_elements, self.grid, tiles)
     return ("object", next(_object_ids))
 
+  def relative_fingerprint(self, base: int, num_tiles: int) -> tuple:
+    """:attr:`fingerprint` with tile ids counted from ``base`` (modulo ``num_tiles``).
+
+    A cost that only compares tile ids (which tile holds what, not where the
+    tile is: any exchange within one IPU) is the same for two layouts moved
+    by the same number of tiles, up to that shift. Keyed by this, a
+    repeated layer whose tensors all landed ``k`` tiles further along finds
+    the plans of the first.
+    """
+    kind = self.fingerprint
+    if kind[0] not in ("linear", "grid"):
+      # Keyed by the object: the shift is part of the key.
+      return kind + (("base", int(base)),)
+    return kind[:-1] + (((self.tiles - int(base)) % int(num_tiles)).tobytes(),)
+
   @functools.cached_property
   def intervals(self) -> tuple:
     """``(starts, tiles)``: the flattened tensor as runs of one tile each.
