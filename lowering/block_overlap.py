@@ -45,12 +45,19 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.nd
   """
   x = np.asarray(x, np.int64)
   ndim = len(shape)
-  members = [None] * ndim if members is None else list(members)
   lo = np.broadcast_to(np.asarray(lo, np.int64), x.shape + (ndim,))
   hi = np.broadcast_to(np.asarray(hi, np.int64), x.shape + (ndim,))
-  # Per axis, contiguous: only the part of the box inside the tensor counts.
-  los = [np.clip(lo[..., a], 0, int(shape[a])) for a in range(ndim)]
-  his = [np.clip(hi[..., a], los[a], int(shape[a])) for a in range(ndim)]
+  return _prefix(x, shape, [lo[..., a] for a in range(ndim)], [hi[..., a] for a in range(ndim)],
+                 members)
+
+
+def _prefix(x, shape, los, his, members=None) -> np.ndarray:
+  """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays)."""
+  ndim = len(shape)
+  members = [None] * ndim if members is None else list(members)
+  # Only the part of the box inside the tensor counts.
+  los = [np.clip(los[a], 0, int(shape[a])) for a in range(ndim)]
+  his = [np.clip(his[a], los[a], int(shape[a])) for a in range(ndim)]
   widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
   total = int(np.prod(shape, dtype=np.int64))
   # x == total has no digits: every index lies below it.
@@ -67,7 +74,7 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.nd
   for a, size in enumerate(shape):
     stride //= max(int(size), 1)
     digit = (x // stride) % max(int(size), 1)
-    below = np.clip(digit, los[a], his[a])
+    below = np.minimum(np.maximum(digit, los[a]), his[a])
     cum = members[a]
     count += (below - los[a] if cum is None else cum[below] - cum[los[a]]) * inner[a] * inside
     inside &= (digit >= los[a]) & (digit < his[a])
@@ -290,10 +297,13 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   g = g[mine]
   both = np.concatenate([starts[mine], ends[mine]])
   g2 = np.concatenate([g, g])
+  # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
+  run_lo = [np.ascontiguousarray(boxes[0][:, a])[g2] for a in range(len(shape))]
+  run_hi = [np.ascontiguousarray(boxes[1][:, a])[g2] for a in range(len(shape))]
 
   def on_own_tile(sets):
     """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
-    prefix = prefix_in_box(both, shape, boxes[0][g2], boxes[1][g2], sets)
+    prefix = _prefix(both, shape, run_lo, run_hi, sets)
     inside = prefix[g.size:] - prefix[:g.size]
     # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
     return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
