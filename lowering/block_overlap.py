@@ -204,6 +204,62 @@ def _needed_ranges(lo: np.ndarray, hi: np.ndarray, grid: int) -> Optional[tuple]
   return first, np.maximum(end, first)
 
 
+def _halo_link_bytes(target, tiles, sent, itemsize) -> np.ndarray:
+  """IPU-Link bytes with halos, as ``grid_exchange_cost`` bounds them.
+
+  Every element sent leaves for every other IPU the grid spans.
+  """
+  t, per = target.num_tiles, target.tiles_per_ipu
+  spanned = np.unique(tiles // per)
+  sent_per_ipu = np.bincount(np.arange(t) // per, weights=sent,
+                             minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
+  others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
+  return (sent_per_ipu * others * itemsize).astype(np.int64)
+
+
+# Most (IPU runs x blocks) prefix counts the exact IPU-Link bytes may take.
+_LINK_BUDGET = 1 << 22
+
+
+def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
+                itemsize) -> Optional[np.ndarray]:
+  """Exact IPU-Link bytes when every element has one block per needing axis.
+
+  An element is multicast to the grid tiles of its block (every block along
+  the axes needing all elements); it crosses once to each other IPU among
+  them. So IPU ``i`` sends, per block, its elements in the block times the
+  other IPUs the block's tiles span: one prefix count per (IPU run, block).
+  None when that is more than ``_LINK_BUDGET`` counts.
+  """
+  per, n_ipus = target.tiles_per_ipu, target.num_ipus
+  g_count = tiles.size
+  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
+  cut = [a for a, need in enumerate(needs) if need is not None]
+  key = (np.ravel_multi_index([coords[a] for a in cut], [int(grid_shape[a]) for a in cut])
+         if cut else np.zeros(g_count, np.int64))
+  # One grid index per block: the first along the axes needing everything.
+  first = np.all([coords[a] == 0 for a in range(len(grid_shape)) if needs[a] is None], axis=0)
+  rep = np.flatnonzero(first)
+  member = np.zeros((rep.size, n_ipus), bool)
+  member[key, tiles // per] = True
+  # The tensor as runs of one IPU each.
+  ipu = run_tiles // per
+  keep = np.ones(ipu.size, bool)
+  keep[1:] = ipu[1:] != ipu[:-1]
+  ipu_starts, ipu_of = starts[keep], ipu[keep]
+  ipu_ends = np.append(ipu_starts[1:], ends[-1])
+  if ipu_starts.size * rep.size > _LINK_BUDGET:
+    return None
+  r, k = np.meshgrid(np.arange(ipu_starts.size), np.arange(rep.size), indexing="ij")
+  r, k = r.ravel(), k.ravel()
+  lo = [np.ascontiguousarray(boxes[0][rep, a])[k] for a in range(len(shape))]
+  hi = [np.ascontiguousarray(boxes[1][rep, a])[k] for a in range(len(shape))]
+  inside = _prefix(ipu_ends[r], shape, lo, hi) - _prefix(ipu_starts[r], shape, lo, hi)
+  others = member.sum(axis=1)[k] - member[k, ipu_of[r]]
+  link = np.bincount(ipu_of[r], weights=inside * others, minlength=n_ipus)[:n_ipus]
+  return (link * itemsize).astype(np.int64)
+
+
 def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
                         groups: Sequence[Sequence[int]], window: Sequence[tuple],
                         grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
@@ -225,8 +281,9 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     or None when intervals cannot give them: a block's set along an axis is
     not a range, or not a box of the tensor's axes; a view axis merging
     tensor axes that are not neighbours, cut by a window or read with gaps;
-    grid tiles that repeat; several IPUs where every element has one block
-    per axis (the IPU-Link bytes then follow each element's destinations).
+    grid tiles that repeat; on several IPUs without halos, more IPU runs
+    times blocks than ``_LINK_BUDGET`` (the IPU-Link bytes follow each
+    block's destinations).
   """
   # Ranges along merged axes are ranges of one axis once those are merged.
   shape, groups = merge_axes(shape, groups)
@@ -256,8 +313,6 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     lo[v] = window[v][0] + first[coords[a]]
     hi[v] = window[v][0] + end[coords[a]]
   halo = any(w is not None and w.size and w.max() > 1 for w in widths)
-  if target.num_ipus > 1 and not halo:
-    return None
   boxes = view_boxes(shape, groups, lo, hi)
   if boxes is None:
     return None
@@ -326,12 +381,11 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local) * itemsize)
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus > 1 and sent.any():
-    # Halo ranges: as grid_exchange_cost, an upper bound (every element sent
-    # leaves for every other IPU the grid spans).
-    per = target.tiles_per_ipu
-    spanned = np.unique(tiles // per)
-    sent_per_ipu = np.bincount(np.arange(t) // per, weights=sent,
-                               minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
-    others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
-    link = (sent_per_ipu * others * itemsize).astype(np.int64)
+    if halo:
+      link = _halo_link_bytes(target, tiles, sent, itemsize)
+    else:
+      link = _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
+                         itemsize)
+      if link is None:
+        return None
   return ExchangeCost(bytes_in, sent * itemsize, link), local
