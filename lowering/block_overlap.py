@@ -9,9 +9,11 @@ a difference of two prefix counts, each closed-form in the digits of the
 run's ends, so overlapping every run with a box costs ``O(axes)`` NumPy work
 per run, whatever the number of elements.
 
-:func:`block_exchange_cost` uses that to give the matmul's operand exchange
-(:func:`ipu_jax.lowering.matmul_plan.grid_exchange_cost`) with the same bytes
-without a per-element array, for the layouts where every block is a box.
+:func:`block_exchange_cost` uses that to give the operand exchange of
+matmuls and convolutions (:func:`ipu_jax.lowering.matmul_plan.grid_exchange_cost`,
+halos included) with the same bytes without a per-element array, for the
+layouts where every block is a box; the callers keep the per-element path for
+the rest.
 """
 
 from __future__ import annotations
