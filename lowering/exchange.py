@@ -18,7 +18,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
 __all__ = ["ExchangeCost", "movement_cost", "interval_movement_cost", "to_storage", "to_flat",
-           "relayout", "relayout_cost", "exchange_cycles"]
+           "relayout", "relayout_cost", "shift_cost", "exchange_cycles"]
 
 
 @dataclasses.dataclass
@@ -161,13 +161,30 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   """Bytes moved when a tensor goes from ``src`` to ``dst``."""
   if src.same_as(dst) or src.num_elements == 0:
     return None
-  # Repeated layers relayout between the same layouts: cost them once.
-  key = (src.fingerprint, dst.fingerprint, int(itemsize), target)
-  return plan_cache.cached(_RELAYOUTS, key,
-                           lambda: _frozen(interval_movement_cost(target, src, dst, itemsize)))
+  # Repeated layers relayout between the same layouts, maybe moved along the
+  # tiles: cost them once (within one IPU only tile identities matter).
+  base = int(dst.tiles[0]) if target.num_ipus == 1 and dst.num_rows else 0
+  t = target.num_tiles
+  key = (src.relative_fingerprint(base, t), dst.relative_fingerprint(base, t), int(itemsize),
+         target)
+  relative = plan_cache.cached(_RELAYOUTS, key, lambda: _frozen(shift_cost(
+      interval_movement_cost(target, src, dst, itemsize), -base)))
+  return shift_cost(relative, base)
 
 
-_RELAYOUTS = plan_cache.PlanCache("relayout costs")
+def shift_cost(cost: ExchangeCost | None, tiles: int) -> ExchangeCost | None:
+  """``cost`` with every tile ``t``'s bytes moved to tile ``t + tiles`` (cyclically).
+
+  For costs within one IPU (no IPU-Link bytes), to reuse a cost found for a
+  layout moved along the tiles.
+  """
+  if cost is None or tiles == 0:
+    return cost
+  return ExchangeCost(np.roll(cost.bytes_in, tiles), np.roll(cost.bytes_out, tiles),
+                      cost.link_bytes_out)
+
+
+_RELAYOUTS = plan_cache.PlanCache("relayout costs", max_entries=4096)
 
 
 def _frozen(cost: ExchangeCost) -> ExchangeCost:
@@ -175,6 +192,19 @@ def _frozen(cost: ExchangeCost) -> ExchangeCost:
   for a in (cost.bytes_in, cost.bytes_out, cost.link_bytes_out):
     a.setflags(write=False)
   return cost
+
+
+def _merge_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """``np.union1d`` of two sorted, duplicate-free arrays in linear time.
+
+  A stable sort of two concatenated sorted runs is a merge (timsort finds
+  the runs), far cheaper than ``union1d``'s general sort.
+  """
+  merged = np.concatenate([a, b])
+  merged.sort(kind="stable")
+  keep = np.ones(merged.size, bool)
+  keep[1:] = merged[1:] != merged[:-1]
+  return merged[keep]
 
 
 def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
@@ -187,7 +217,7 @@ def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping
   """
   s_starts, s_tiles = src.intervals
   d_starts, d_tiles = dst.intervals
-  bounds = np.union1d(s_starts, d_starts)
+  bounds = _merge_sorted(s_starts, d_starts)
   lengths = np.diff(np.append(bounds, src.num_elements))
   s = s_tiles[np.searchsorted(s_starts, bounds, side="right") - 1]
   d = d_tiles[np.searchsorted(d_starts, bounds, side="right") - 1]

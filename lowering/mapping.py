@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["BlockGrid", "TileMapping", "linear_chunk"]
+__all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs"]
 
 _object_ids = itertools.count()
 
@@ -39,6 +39,13 @@ def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
   per_tile = -(-num_elements // tiles)
   per_tile = -(-per_tile // grain) * grain
   return max(per_tile, -(-min_elements // grain) * grain, 1)
+
+
+def row_runs(element_row: np.ndarray) -> tuple:
+  """``(starts, rows)``: runs of equal ``element_row`` along the flattened tensor."""
+  change = np.flatnonzero(element_row[1:] != element_row[:-1]) + 1
+  starts = np.concatenate([np.zeros(1, np.int64), change.astype(np.int64)])
+  return starts, element_row[starts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +154,19 @@ class TileMapping:
       ``[r * chunk, (r + 1) * chunk)``); ``None`` for general mappings.
     grid: for general mappings that are a regular :class:`BlockGrid`, that
       grid (storage conversions are then reshapes, not gathers).
+    row_runs: optionally, for general mappings, ``(starts, rows)``: the
+      flattened tensor as runs of one storage row each (run ``i`` starts at
+      ``starts[i]`` and lies in row ``rows[i]``). It does not depend on the
+      row tiles, so mappings of one layout on other tiles share it, and
+      :attr:`intervals` is then found without touching elements.
   """
 
   def __init__(self, num_elements: int, tiles: np.ndarray, counts: np.ndarray,
                chunk: Optional[int] = None,
                element_row: Optional[np.ndarray] = None,
                element_offset: Optional[np.ndarray] = None,
-               grid: Optional[BlockGrid] = None):
+               grid: Optional[BlockGrid] = None,
+               row_runs: Optional[tuple] = None):
     self.num_elements = int(num_elements)
     self.tiles = np.asarray(tiles, dtype=np.int64)
     self.counts = np.asarray(counts, dtype=np.int64)
@@ -163,6 +176,7 @@ class TileMapping:
     # A general mapping with a regular block structure: storage conversions
     # use its reshapes instead of gathers.
     self.grid = grid
+    self._row_runs = row_runs
 
   # -- constructors ---------------------------------------------------------
 
@@ -299,6 +313,21 @@ class TileMapping:
       return ("grid", self.num_elements, self.grid, tiles)
     return ("object", next(_object_ids))
 
+  def relative_fingerprint(self, base: int, num_tiles: int) -> tuple:
+    """:attr:`fingerprint` with tile ids counted from ``base`` (modulo ``num_tiles``).
+
+    A cost that only compares tile ids (which tile holds what, not where the
+    tile is: any exchange within one IPU) is the same for two layouts moved
+    by the same number of tiles, up to that shift. Keyed by this, a
+    repeated layer whose tensors all landed ``k`` tiles further along finds
+    the plans of the first.
+    """
+    kind = self.fingerprint
+    if kind[0] not in ("linear", "grid"):
+      # Keyed by the object: the shift is part of the key.
+      return kind + (("base", int(base)),)
+    return kind[:-1] + (((self.tiles - int(base)) % int(num_tiles)).tobytes(),)
+
   @functools.cached_property
   def intervals(self) -> tuple:
     """``(starts, tiles)``: the flattened tensor as runs of one tile each.
@@ -314,10 +343,14 @@ class TileMapping:
     if self.is_linear:
       starts = np.arange(self.num_rows, dtype=np.int64) * int(self.chunk)
       return starts, self.tiles
-    element_tile = self.tiles[self._element_row]
-    change = np.flatnonzero(element_tile[1:] != element_tile[:-1]) + 1
-    starts = np.concatenate([np.zeros(1, np.int64), change.astype(np.int64)])
-    return starts, element_tile[starts]
+    if self._row_runs is None:
+      self._row_runs = row_runs(self._element_row)
+    starts, rows = self._row_runs
+    tiles = self.tiles[rows]
+    # Row tiles are unique, but neighbouring runs on one tile still merge.
+    keep = np.ones(tiles.size, bool)
+    keep[1:] = tiles[1:] != tiles[:-1]
+    return starts[keep], tiles[keep]
 
   def elements_per_tile(self, num_tiles: int) -> np.ndarray:
     """``[num_tiles]`` elements held by each tile."""

@@ -88,8 +88,9 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import half_partials
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering.block_overlap import block_exchange_cost
 from ipu_jax.lowering.builders import logical, worker_vertices
-from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.exchange import ExchangeCost, shift_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
                                           ceil_div, edge_sizes, grid_exchange_cost, grid_tiles,
@@ -120,7 +121,7 @@ def _prod(values) -> int:
   return int(np.prod([int(v) for v in values], dtype=np.int64))
 
 
-_GRID_COSTS = plan_cache.PlanCache("matmul operand exchange")
+_GRID_COSTS = plan_cache.PlanCache("matmul operand exchange", max_entries=4096)
 
 
 def _frozen_grid_cost(result):
@@ -131,6 +132,27 @@ def _frozen_grid_cost(result):
   for a in arrays:
     a.setflags(write=False)
   return cost, local
+
+
+def _operand_cost(target, operand: P.Tensor, key: tuple, tiles: np.ndarray, compute):
+  """``compute()``'s ``(cost, local)`` of an operand's exchange, cached.
+
+  Within one IPU the bytes depend only on which tile holds what, so the key
+  counts tile ids from the grid's first tile: a repeated layer whose grid
+  and operand landed further along the tiles reuses the first layer's cost,
+  moved along by as many tiles.
+  """
+  t = target.num_tiles
+  base = int(tiles[0]) if target.num_ipus == 1 else 0
+  key = key + (operand.mapping.relative_fingerprint(base, t), operand.shape, operand.itemsize,
+               ((tiles - base) % t).tobytes(), target)
+
+  def relative():
+    cost, local = compute()
+    return _frozen_grid_cost((shift_cost(cost, -base), local))
+
+  cost, local = plan_cache.cached(_GRID_COSTS, key, relative)
+  return shift_cost(cost, base), local
 
 
 def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape: Sequence[int],
@@ -302,30 +324,37 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     # A pass needs only its slice of the cut operand (tables index the slice).
     # Costs depend only on the operand's layout and the grid: a repeated
     # layer's matmuls look them up (see lowering/plan_cache.py).
-    grid_key = ((gb, gm, gn, gk), tiles.tobytes(), (b, bb, pm_, bm, pn_, bn, k, bk),
-                serial_axis, start, stop, target)
+    grid_key = ((gb, gm, gn, gk), (b, bb, pm_, bm, pn_, bn, k, bk), serial_axis, start, stop)
     if a_cost_all is None or serial_axis == 1:
       def a_cost_fn(start=start, stop=stop, pm_=pm_, rb_=rb_, rm_=rm_, rk_=rk_):
+        needs = [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None,
+                 (2,) + blocks_of(k, bk)]
+        window = ((0, b), (start, stop) if serial_axis == 1 else (0, m), (0, k))
+        by_intervals = block_exchange_cost(
+            target, lhs.mapping, lhs.shape, lhs.itemsize, (lb, lf, lc), window,
+            (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_)
+        if by_intervals is not None:
+          return by_intervals
         lhs_src = canonical_tiles(lhs, lhs_perm, (b, m, k))
         a_src = lhs_src[:, start:stop] if serial_axis == 1 else lhs_src
-        return _frozen_grid_cost(grid_exchange_cost(
-            target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles,
-            [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None, (2,) + blocks_of(k, bk)],
-            rb_ * rm_ * rk_))
-      a_cost_all = plan_cache.cached(
-          _GRID_COSTS, ("lhs", lhs.mapping.fingerprint, lhs.shape, lhs_perm, lhs.itemsize)
-          + grid_key, a_cost_fn)
+        return grid_exchange_cost(
+            target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_)
+      a_cost_all = _operand_cost(target, lhs, ("lhs", lhs_perm) + grid_key, tiles, a_cost_fn)
     if b_cost_all is None or serial_axis == 2:
       def b_cost_fn(start=start, stop=stop, pn_=pn_, rb_=rb_, rk_=rk_, rn_=rn_):
+        needs = [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn),
+                 (1,) + blocks_of(k, bk)]
+        window = ((0, b), (0, k), (start, stop) if serial_axis == 2 else (0, n))
+        by_intervals = block_exchange_cost(
+            target, rhs.mapping, rhs.shape, rhs.itemsize, (rb, rc, rf), window,
+            (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_)
+        if by_intervals is not None:
+          return by_intervals
         rhs_src = canonical_tiles(rhs, rhs_perm, (b, k, n))
         b_src = rhs_src[:, :, start:stop] if serial_axis == 2 else rhs_src
-        return _frozen_grid_cost(grid_exchange_cost(
-            target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles,
-            [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn), (1,) + blocks_of(k, bk)],
-            rb_ * rk_ * rn_))
-      b_cost_all = plan_cache.cached(
-          _GRID_COSTS, ("rhs", rhs.mapping.fingerprint, rhs.shape, rhs_perm, rhs.itemsize)
-          + grid_key, b_cost_fn)
+        return grid_exchange_cost(
+            target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_)
+      b_cost_all = _operand_cost(target, rhs, ("rhs", rhs_perm) + grid_key, tiles, b_cost_fn)
     (a_cost, a_local), (b_cost, b_local) = a_cost_all, b_cost_all
     macs = rb_ * rm_ * rn_ * rk_
     compute = np.zeros(num_tiles)

@@ -69,7 +69,7 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.exchange import ExchangeCost
-from ipu_jax.lowering.mapping import BlockGrid, TileMapping
+from ipu_jax.lowering.mapping import BlockGrid, TileMapping, row_runs
 from ipu_jax.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
@@ -544,24 +544,47 @@ def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
   blocks = tuple(int(b) for b in blocks)
   rows = int(np.prod(grids, dtype=np.int64)) * int(pieces)
   tiles = np.asarray(tiles, np.int64)[:rows]
-  # Repeated layers ask for the same grids on the same tiles: plan once.
-  key = (shape, grids, blocks, tiles.tobytes(), int(pieces), tuple(serial))
-  return plan_cache.cached(_GRID_MAPPINGS, key, lambda: _block_grid_mapping(
-      shape, grids, blocks, tiles, int(pieces), tuple(serial)))
+  n = int(np.prod(shape, dtype=np.int64))
+  if n == 0:
+    return TileMapping(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
+  # Where each element goes does not depend on the tiles: repeated layers,
+  # whose grids land on other tiles, share one layout and differ in tiles only.
+  key = (shape, grids, blocks, int(pieces), tuple(serial), int(tiles.size))
+  layout = plan_cache.cached(_GRID_LAYOUTS, key, lambda: _block_grid_layout(
+      shape, grids, blocks, int(tiles.size), int(pieces), tuple(serial)))
+  if layout.chunk is not None:
+    return TileMapping(n, tiles, layout.counts, chunk=layout.chunk)
+  return TileMapping(n, tiles, layout.counts, element_row=layout.row,
+                     element_offset=layout.offset, grid=layout.grid, row_runs=layout.runs)
 
 
-_GRID_MAPPINGS = plan_cache.PlanCache("block_grid_mapping")
+@dataclasses.dataclass(frozen=True)
+class _GridLayout:
+  """The tile-independent part of a block-grid mapping (shared, read-only).
+
+  ``chunk`` is set when the rows are consecutive runs of the flattened array
+  (a linear mapping); else ``row``/``offset`` place every element and
+  ``runs`` are its runs of one row (see ``TileMapping.row_runs``).
+  """
+
+  counts: np.ndarray
+  chunk: Optional[int] = None
+  row: Optional[np.ndarray] = None
+  offset: Optional[np.ndarray] = None
+  grid: Optional[BlockGrid] = None
+  runs: Optional[tuple] = None
 
 
-def _block_grid_mapping(shape, grids, blocks, tiles, pieces, serial) -> TileMapping:
+_GRID_LAYOUTS = plan_cache.PlanCache("block_grid_mapping")
+
+
+def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLayout:
   n = int(np.prod(shape, dtype=np.int64))
   num_blocks = int(np.prod(grids, dtype=np.int64))
   rows = num_blocks * pieces
   block_elements = int(np.prod(blocks, dtype=np.int64))
   piece = ceil_div(block_elements, pieces)
   serial_axis, count = serial
-  if n == 0:
-    return TileMapping(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
   ndim = len(shape)
   row = np.zeros((1,) * ndim, np.int64)
   offset = np.zeros((1,) * ndim, np.int64)
@@ -589,16 +612,24 @@ def _block_grid_mapping(shape, grids, blocks, tiles, pieces, serial) -> TileMapp
   counts = np.bincount(row, minlength=rows)[:rows].astype(np.int64)
   if counts[-1] > 0 and np.all(counts[:-1] == row_size):
     if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
-      return TileMapping(n, tiles, counts, chunk=row_size)
+      return _GridLayout(_read_only(counts), chunk=row_size)
   # Blocks past the last tile given are empty (the grid over-covers an
   # axis): they have no storage row.
-  stored = int(tiles.size)
   if stored < rows and counts[stored:].any():
     raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
   counts = counts[:stored]
   grid = BlockGrid(shape, tuple(int(g) for g in grids), tuple(int(b) for b in blocks),
                    int(pieces), tuple(serial), rows=stored if stored < rows else None)
-  return TileMapping(n, tiles, counts, element_row=row, element_offset=offset, grid=grid)
+  runs = tuple(_read_only(a) for a in row_runs(row))
+  return _GridLayout(_read_only(counts), row=_read_only(row), offset=_read_only(offset),
+                     grid=grid, runs=runs)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+  """``a``, made read-only: cached layouts are shared by many mappings."""
+  a = np.ascontiguousarray(a)
+  a.setflags(write=False)
+  return a
 
 
 def blocked_storage(x, grids: Sequence[int], blocks: Sequence[int], pieces: int = 1,

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax.lowering import exchange
+from ipu_jax.lowering import matmul_plan
 from ipu_jax.lowering import plan_cache
+from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering import matmul_emit
 from ipu_jax.lowering.rules import grouping
 from ipu_jax.lowering.rules import reduction
@@ -64,6 +67,34 @@ class PlanCacheTest(chex.TestCase):
     self.assertLessEqual(len(cache), 5)
     cache.get_or_compute(9, lambda: None)
     self.assertEqual(cache.hits, 1)
+
+  def test_layouts_moved_along_the_tiles_share_relayout_costs(self):
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    exchange._RELAYOUTS.clear()
+    hits = exchange._RELAYOUTS.hits
+    costs = []
+    for shift in (0, 5, 11):
+      tiles = (shift + np.arange(12)) % 16
+      src = matmul_plan.block_grid_mapping((6, 20), (3, 4), (2, 5), tiles)
+      dst = TileMapping.linear(120, 16, 4, start_tile=(shift + 3) % 16, min_bytes_per_tile=16)
+      got = exchange.relayout_cost(target, src, dst, 4)
+      want = exchange.interval_movement_cost(target, src, dst, 4)
+      for a, b in ((got.bytes_in, want.bytes_in), (got.bytes_out, want.bytes_out),
+                   (got.link_bytes_out, want.link_bytes_out)):
+        np.testing.assert_array_equal(a, b)
+      costs.append(got)
+    # The moved layouts: shifted, not recounted.
+    self.assertEqual(exchange._RELAYOUTS.hits - hits, 2)
+    np.testing.assert_array_equal(costs[1].bytes_in, np.roll(costs[0].bytes_in, 5))
+
+  def test_grids_moved_along_the_tiles_share_one_layout(self):
+    a = matmul_plan.block_grid_mapping((7, 9), (2, 3), (4, 3), np.arange(6))
+    b = matmul_plan.block_grid_mapping((7, 9), (2, 3), (4, 3), (9 + np.arange(6)) % 16)
+    self.assertIs(a.element_row, b.element_row)  # one shared, read-only layout
+    self.assertFalse(a.element_row.flags.writeable)
+    np.testing.assert_array_equal(b.element_tile, ((9 + np.arange(6)) % 16)[a.element_row])
+    self.assertEqual(a.relative_fingerprint(0, 16), b.relative_fingerprint(9, 16))
+    self.assertNotEqual(a.fingerprint, b.fingerprint)
 
 
 if __name__ == "__main__":

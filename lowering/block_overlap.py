@@ -1,0 +1,393 @@
+"""Elements of a tile mapping inside blocks, by interval arithmetic.
+
+A :class:`TileMapping` is a list of runs of the flattened tensor, one tile
+each (:attr:`TileMapping.intervals`). A block of a grid laid over a *view* of
+the tensor (its axes merged into view axes, as ``dot_general`` operands are
+seen as ``[B, M, K]``) is, when it is aligned with the merged axes, a *box*: a
+range along every axis of the tensor. The elements of a run inside a box are
+a difference of two prefix counts, each closed-form in the digits of the
+run's ends, so overlapping every run with a box costs ``O(axes)`` NumPy work
+per run, whatever the number of elements.
+
+:func:`block_exchange_cost` uses that to give the operand exchange of
+matmuls and convolutions (:func:`ipu_jax.lowering.matmul_plan.grid_exchange_cost`,
+halos included) with the same bytes without a per-element array, for the
+layouts where every block is a box; the callers keep the per-element path for
+the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.mapping import TileMapping
+
+__all__ = ["prefix_in_box", "merge_axes", "view_boxes", "block_exchange_cost"]
+
+
+def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.ndarray,
+                  members: Optional[Sequence] = None) -> np.ndarray:
+  """How many flat (row-major) indices below ``x`` lie in the box ``[lo, hi)``.
+
+  Args:
+    x: ``[R]`` flat positions, ``0 <= x <= prod(shape)``.
+    shape: the tensor's shape.
+    lo, hi: ``[R, ndim]`` (or ``[ndim]``) box bounds per axis; an empty
+      range (``hi <= lo``) makes an empty box.
+    members: optionally, per axis, None or a cumulative table ``[size + 1]``
+      (``members[a][j]``: how many of the coordinates below ``j`` belong to a
+      set): only indices whose coordinates all belong count (a box within a
+      product of sets, e.g. the positions a strided window reads).
+
+  Returns:
+    ``[R]`` counts (int64).
+  """
+  x = np.asarray(x, np.int64)
+  ndim = len(shape)
+  lo = np.broadcast_to(np.asarray(lo, np.int64), x.shape + (ndim,))
+  hi = np.broadcast_to(np.asarray(hi, np.int64), x.shape + (ndim,))
+  return _prefix(x, shape, [lo[..., a] for a in range(ndim)], [hi[..., a] for a in range(ndim)],
+                 members)
+
+
+def _prefix(x, shape, los, his, members=None) -> np.ndarray:
+  """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays)."""
+  ndim = len(shape)
+  members = [None] * ndim if members is None else list(members)
+  # Only the part of the box inside the tensor counts.
+  los = [np.clip(los[a], 0, int(shape[a])) for a in range(ndim)]
+  his = [np.clip(his[a], los[a], int(shape[a])) for a in range(ndim)]
+  widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
+  total = int(np.prod(shape, dtype=np.int64))
+  # x == total has no digits: every index lies below it.
+  whole = x >= total
+  x = np.minimum(x, max(total - 1, 0))
+  inner = [None] * ndim  # box volume of the axes after a
+  volume = np.ones(x.shape, np.int64)
+  for a in reversed(range(ndim)):
+    inner[a] = volume
+    volume = volume * widths[a]
+  count = np.zeros(x.shape, np.int64)
+  inside = np.ones(x.shape, bool)
+  stride = total
+  for a, size in enumerate(shape):
+    stride //= max(int(size), 1)
+    digit = (x // stride) % max(int(size), 1)
+    below = np.minimum(np.maximum(digit, los[a]), his[a])
+    cum = members[a]
+    count += (below - los[a] if cum is None else cum[below] - cum[los[a]]) * inner[a] * inside
+    inside &= (digit >= los[a]) & (digit < his[a])
+    if cum is not None:
+      inside &= cum[digit + 1] > cum[digit]
+  return np.where(whole, volume, count)
+
+
+def merge_axes(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple:
+  """The tensor with its axes merged where a view merges them, same flat order.
+
+  Size-one axes are dropped; neighbouring axes that are neighbours of one
+  group too (in its order) become one axis. A range along such a group is
+  then a range along one axis, a box whatever its bounds.
+
+  Returns:
+    ``(shape, groups)`` of the merged tensor.
+  """
+  shape = [int(d) for d in shape]
+  order = [[a for a in axes if shape[a] != 1] for axes in groups]
+  where = {a: (v, i) for v, axes in enumerate(order) for i, a in enumerate(axes)}
+  merged, first_of = [], []  # per merged axis: size, (group, position of its first axis)
+  previous = None
+  for a in range(len(shape)):
+    if shape[a] == 1:
+      continue
+    v, i = where[a]
+    if previous is not None and previous[0] == v and previous[1] == i - 1:
+      merged[-1] *= shape[a]
+    else:
+      merged.append(shape[a])
+      first_of.append((v, i))
+    previous = (v, i)
+  new_groups = [sorted((m for m, (v, _) in enumerate(first_of) if v == g),
+                       key=lambda m: first_of[m][1]) for g in range(len(groups))]
+  return tuple(merged), new_groups
+
+
+def _merged_ranges(lo: np.ndarray, hi: np.ndarray, sizes: Sequence[int]):
+  """Ranges along merged axes (outer first) as one range per axis, if a box.
+
+  Returns:
+    ``(los, his, ok, empty)``: per sub-axis ``[Q]`` bounds, ``[Q]`` whether
+    the range is a box (``los``/``his`` are meaningless where it is not), and
+    ``[Q]`` whether it is empty (with no sub-axes, only ``empty`` says so).
+  """
+  lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+  empty = hi <= lo
+  # An empty range is the empty box on the outermost axis.
+  lo, hi = np.where(empty, 0, lo), np.where(empty, 1, hi)
+  ok = np.ones(lo.shape, bool)
+  los, his = [], []
+  for i in range(len(sizes)):
+    inner = int(np.prod(sizes[i + 1:], dtype=np.int64))
+    if inner == 1:
+      los.append(lo), his.append(hi)
+      lo, hi = np.zeros_like(lo), np.ones_like(hi)
+      continue
+    # Either within one outer index, or whole inner ranges.
+    one = lo // inner == (hi - 1) // inner
+    aligned = (lo % inner == 0) & (hi % inner == 0)
+    ok &= one | aligned
+    los.append(lo // inner)
+    his.append(np.where(one, lo // inner + 1, hi // inner))
+    lo, hi = np.where(one, lo % inner, 0), np.where(one, (hi - 1) % inner + 1, inner)
+  if los:
+    his[0] = np.where(empty, los[0], his[0])
+  return los, his, ok, empty
+
+
+def view_boxes(shape: Sequence[int], groups: Sequence[Sequence[int]],
+               lo: Sequence[np.ndarray], hi: Sequence[np.ndarray]) -> Optional[tuple]:
+  """Boxes in the tensor's axes of ranges along the axes of a merged view.
+
+  Args:
+    shape: the tensor's shape.
+    groups: per view axis, the tensor axes merged into it, outer first (every
+      tensor axis in exactly one group).
+    lo, hi: per view axis, ``[Q]`` ranges along its merged index.
+
+  Returns:
+    ``(lo, hi)``, ``[Q, ndim]`` bounds per tensor axis, or None when some
+    range is not a box of the tensor's axes.
+  """
+  q = np.broadcast_shapes(*[np.shape(x) for x in list(lo) + list(hi)])
+  box_lo = np.zeros(q + (len(shape),), np.int64)
+  box_hi = np.ones(q + (len(shape),), np.int64)
+  void = np.zeros(q, bool)  # empty ranges of view axes with no tensor axis
+  for axes, l, h in zip(groups, lo, hi):
+    los, his, ok, empty = _merged_ranges(np.broadcast_to(l, q), np.broadcast_to(h, q),
+                                         [int(shape[a]) for a in axes])
+    if not ok.all():
+      return None
+    if not axes:
+      void |= empty
+    for a, sub_lo, sub_hi in zip(axes, los, his):
+      box_lo[..., a], box_hi[..., a] = sub_lo, sub_hi
+  if void.any():
+    if not len(shape):
+      return None
+    box_hi[..., 0] = np.where(void, box_lo[..., 0], box_hi[..., 0])
+  return box_lo, box_hi
+
+
+def _needed_ranges(lo: np.ndarray, hi: np.ndarray, grid: int) -> Optional[tuple]:
+  """Per block ``i < grid``, the coordinates ``c`` with ``lo[c] <= i < hi[c]``.
+
+  Returns:
+    ``(first, end)``, ``[grid]`` each, when every block's set is a range
+    ``[first, end)``; else None.
+  """
+  lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+  i = np.arange(grid, dtype=np.int64)
+  if lo.size * grid <= 1 << 22:
+    needed = (lo[None, :] <= i[:, None]) & (i[:, None] < hi[None, :])
+    any_ = needed.any(axis=1)
+    first = np.where(any_, np.argmax(needed, axis=1), 0)
+    end = np.where(any_, lo.size - np.argmax(needed[:, ::-1], axis=1), 0)
+    if not np.array_equal(needed.sum(axis=1), end - first):
+      return None
+    return first, end
+  if np.any(np.diff(lo) < 0) or np.any(np.diff(hi) < 0):
+    return None
+  # Monotone bounds: the blocks' sets are ranges, found by bisection.
+  first = np.searchsorted(hi, i, side="right")
+  end = np.searchsorted(lo, i, side="right")
+  return first, np.maximum(end, first)
+
+
+def _halo_link_bytes(target, tiles, sent, itemsize) -> np.ndarray:
+  """IPU-Link bytes with halos, as ``grid_exchange_cost`` bounds them.
+
+  Every element sent leaves for every other IPU the grid spans.
+  """
+  t, per = target.num_tiles, target.tiles_per_ipu
+  spanned = np.unique(tiles // per)
+  sent_per_ipu = np.bincount(np.arange(t) // per, weights=sent,
+                             minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
+  others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
+  return (sent_per_ipu * others * itemsize).astype(np.int64)
+
+
+# Most (IPU runs x blocks) prefix counts the exact IPU-Link bytes may take.
+_LINK_BUDGET = 1 << 22
+
+
+def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
+                itemsize) -> Optional[np.ndarray]:
+  """Exact IPU-Link bytes when every element has one block per needing axis.
+
+  An element is multicast to the grid tiles of its block (every block along
+  the axes needing all elements); it crosses once to each other IPU among
+  them. So IPU ``i`` sends, per block, its elements in the block times the
+  other IPUs the block's tiles span: one prefix count per (IPU run, block).
+  None when that is more than ``_LINK_BUDGET`` counts.
+  """
+  per, n_ipus = target.tiles_per_ipu, target.num_ipus
+  g_count = tiles.size
+  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
+  cut = [a for a, need in enumerate(needs) if need is not None]
+  key = (np.ravel_multi_index([coords[a] for a in cut], [int(grid_shape[a]) for a in cut])
+         if cut else np.zeros(g_count, np.int64))
+  # One grid index per block: the first along the axes needing everything.
+  first = np.all([coords[a] == 0 for a in range(len(grid_shape)) if needs[a] is None], axis=0)
+  rep = np.flatnonzero(first)
+  member = np.zeros((rep.size, n_ipus), bool)
+  member[key, tiles // per] = True
+  # The tensor as runs of one IPU each.
+  ipu = run_tiles // per
+  keep = np.ones(ipu.size, bool)
+  keep[1:] = ipu[1:] != ipu[:-1]
+  ipu_starts, ipu_of = starts[keep], ipu[keep]
+  ipu_ends = np.append(ipu_starts[1:], ends[-1])
+  if ipu_starts.size * rep.size > _LINK_BUDGET:
+    return None
+  r, k = np.meshgrid(np.arange(ipu_starts.size), np.arange(rep.size), indexing="ij")
+  r, k = r.ravel(), k.ravel()
+  lo = [np.ascontiguousarray(boxes[0][rep, a])[k] for a in range(len(shape))]
+  hi = [np.ascontiguousarray(boxes[1][rep, a])[k] for a in range(len(shape))]
+  inside = _prefix(ipu_ends[r], shape, lo, hi) - _prefix(ipu_starts[r], shape, lo, hi)
+  others = member.sum(axis=1)[k] - member[k, ipu_of[r]]
+  link = np.bincount(ipu_of[r], weights=inside * others, minlength=n_ipus)[:n_ipus]
+  return (link * itemsize).astype(np.int64)
+
+
+def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
+                        groups: Sequence[Sequence[int]], window: Sequence[tuple],
+                        grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
+                        block_elements: np.ndarray) -> Optional[tuple]:
+  """:func:`~ipu_jax.lowering.matmul_plan.grid_exchange_cost` by intervals.
+
+  The operand is seen through a view whose axis ``v`` merges tensor axes
+  ``groups[v]`` (outer first), of which the part ``window[v] = (start,
+  stop)`` is taken (a serial pass). ``needs`` are as ``grid_exchange_cost``
+  takes them, over view coordinates counted from ``start``: per grid axis,
+  None (every block along it needs the element) or ``(view_axis, lo, hi)``
+  (coordinate ``c`` is needed by blocks ``lo[c] <= i < hi[c]``, e.g. a
+  convolution's halo). A grid tile needs a box of the view, receives what it
+  does not hold, and a tile sends what it holds once if any other tile needs
+  it (multicast).
+
+  Returns:
+    ``(ExchangeCost, local)`` exactly as ``grid_exchange_cost`` gives them,
+    or None when intervals cannot give them: a block's set along an axis is
+    not a range, or not a box of the tensor's axes; a view axis merging
+    tensor axes that are not neighbours, cut by a window or read with gaps;
+    grid tiles that repeat; on several IPUs without halos, more IPU runs
+    times blocks than ``_LINK_BUDGET`` (the IPU-Link bytes follow each
+    block's destinations).
+  """
+  # Ranges along merged axes are ranges of one axis once those are merged.
+  shape, groups = merge_axes(shape, groups)
+  tiles = np.asarray(tiles, np.int64)
+  t = target.num_tiles
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  if mapping.num_elements == 0 or g_count == 0 or np.unique(tiles).size != tiles.size:
+    return None
+  window = [(int(a), int(b)) for a, b in window]
+  if any(b <= a for a, b in window):
+    return None, np.zeros(g_count, np.int64)
+  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
+  lo = [np.full(g_count, a, np.int64) for a, _ in window]
+  hi = [np.full(g_count, b, np.int64) for _, b in window]
+  widths = [None] * len(window)  # per view axis: blocks needing each coordinate
+  shared = 1  # blocks along the axes that need every element
+  for a, need in enumerate(needs):
+    if need is None:
+      shared *= int(grid_shape[a])
+      continue
+    v, need_lo, need_hi = need
+    ranges = _needed_ranges(need_lo, need_hi, int(grid_shape[a]))
+    if ranges is None or widths[v] is not None:
+      return None
+    widths[v] = np.maximum(np.asarray(need_hi, np.int64) - np.asarray(need_lo, np.int64), 0)
+    first, end = ranges
+    lo[v] = window[v][0] + first[coords[a]]
+    hi[v] = window[v][0] + end[coords[a]]
+  halo = any(w is not None and w.size and w.max() > 1 for w in widths)
+  boxes = view_boxes(shape, groups, lo, hi)
+  if boxes is None:
+    return None
+  # Elements needed by some block (``count >= 1``) and by exactly one
+  # (``count == 1``): per merged axis, cumulative tables of those sets; a
+  # view axis of several (or no) merged axes must need all its coordinates
+  # alike, and then only says whether all or none are in each set.
+  some, one = [None] * len(shape), [None] * len(shape)
+  some_all = one_all = True
+  for v, ((start, stop), axes) in enumerate(zip(window, groups)):
+    width = widths[v]
+    if len(axes) != 1:
+      full = start == 0 and stop == int(np.prod([shape[x] for x in axes], dtype=np.int64))
+      if width is not None and (not full or np.any(width != width[0])):
+        return None
+      if width is None and not full:
+        return None
+      w = 1 if width is None else int(width[0])
+      some_all &= w >= 1
+      one_all &= w == 1
+      continue
+    size = shape[axes[0]]
+    if width is None:
+      width = np.ones(stop - start, np.int64)
+    padded = np.zeros(size, np.int64)
+    padded[start:stop] = width
+    if start > 0 or stop < size or np.any(width == 0):
+      some[axes[0]] = np.concatenate([[0], np.cumsum(padded >= 1)])
+    if np.any(width != 1):
+      one[axes[0]] = np.concatenate([[0], np.cumsum(padded == 1)])
+  starts, run_tiles = mapping.intervals
+  ends = np.append(starts[1:], mapping.num_elements)
+  grid_of_tile = np.full(t, -1, np.int64)
+  grid_of_tile[tiles] = np.arange(g_count)
+  g = grid_of_tile[run_tiles]
+  mine = g >= 0
+  g = g[mine]
+  both = np.concatenate([starts[mine], ends[mine]])
+  g2 = np.concatenate([g, g])
+  # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
+  run_lo = [np.ascontiguousarray(boxes[0][:, a])[g2] for a in range(len(shape))]
+  run_hi = [np.ascontiguousarray(boxes[1][:, a])[g2] for a in range(len(shape))]
+
+  def on_own_tile(sets):
+    """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
+    prefix = _prefix(both, shape, run_lo, run_hi, sets)
+    inside = prefix[g.size:] - prefix[:g.size]
+    # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
+    return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
+
+  local = on_own_tile(None)
+  if not some_all:
+    needed = np.zeros(t, np.int64)
+  elif all(c is None for c in some):
+    needed = mapping.elements_per_tile(t)
+  else:
+    prefix = prefix_in_box(np.concatenate([starts, ends]), shape, np.zeros(len(shape), np.int64),
+                           np.asarray(shape, np.int64), some)
+    taken = prefix[starts.size:] - prefix[:starts.size]
+    needed = np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
+  sent = needed.copy()
+  if shared == 1 and one_all:
+    # An element whose one block is its holder's is not sent.
+    sent[tiles] -= local if all(c is None for c in one) else on_own_tile(one)
+  bytes_in = np.zeros(t, np.int64)
+  np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local) * itemsize)
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1 and sent.any():
+    if halo:
+      link = _halo_link_bytes(target, tiles, sent, itemsize)
+    else:
+      link = _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
+                         itemsize)
+      if link is None:
+        return None
+  return ExchangeCost(bytes_in, sent * itemsize, link), local
