@@ -86,37 +86,111 @@ def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
     keep: tensors read after the program ends (its outputs): a step that
       writes one keeps writing it.
   """
-  reads = _read_counts(program)
+  reads, writes = {}, {}
+  _count_uses(program, reads, writes)
   for tensor in keep:
-    reads[tensor.id] = reads.get(tensor.id, 0) + (1 << 20)  # never internal
-  writes = _write_counts(program)
+    reads[tensor.id] = reads.get(tensor.id, 0) + _NEVER_INTERNAL
   fuser = _Fuser(target, reads, writes)
   return fuser.program(program)
 
 
-def _read_counts(program) -> dict:
-  counts = {}
-  for node, _, _ in P.iter_steps(program):
-    if isinstance(node, P.Superstep):
-      ids = [t.id for t in node.reads]
-    else:
-      ids = [node.tensor.id]
-    for i in ids:
-      counts[i] = counts.get(i, 0) + 1
-  for tensor in P.control_tensors(program):
-    counts[tensor.id] = counts.get(tensor.id, 0) + (1 << 20)
-  return counts
+# Added to a tensor's read count when something outside the supersteps reads
+# it (a control program's predicate, the program's caller): no group can
+# account for every read, so its writer keeps writing it.
+_NEVER_INTERNAL = 1 << 20
 
 
-def _write_counts(program) -> dict:
-  counts = {}
-  for node, _, _ in P.iter_steps(program):
-    if isinstance(node, P.Superstep):
-      for t in node.writes:
-        counts[t.id] = counts.get(t.id, 0) + 1
-    elif isinstance(node, P.StreamCopy):
-      counts[node.tensor.id] = counts.get(node.tensor.id, 0) + 1
-  return counts
+def _count_uses(node, reads: dict, writes: dict) -> None:
+  """Counts, per tensor id, the reads and writes of the whole program.
+
+  One walk of the tree: supersteps, stream copies and prints are leaves;
+  a control program's predicate or control tensor is read by the host's
+  choice of path, never by a compute set.
+  """
+  if node is None:
+    return
+  if isinstance(node, P.Superstep):
+    for t in node.reads:
+      reads[t.id] = reads.get(t.id, 0) + 1
+    for t in node.writes:
+      writes[t.id] = writes.get(t.id, 0) + 1
+    return
+  if isinstance(node, (P.StreamCopy, P.PrintTensor)):
+    i = node.tensor.id
+    reads[i] = reads.get(i, 0) + 1
+    if isinstance(node, P.StreamCopy):
+      writes[i] = writes.get(i, 0) + 1
+    return
+  if isinstance(node, P.Sequence):
+    for child in node.programs:
+      _count_uses(child, reads, writes)
+    return
+  if isinstance(node, (P.RepeatWhileTrue, P.If)):
+    reads[node.predicate.id] = reads.get(node.predicate.id, 0) + _NEVER_INTERNAL
+  elif isinstance(node, P.Switch):
+    reads[node.control.id] = reads.get(node.control.id, 0) + _NEVER_INTERNAL
+  if isinstance(node, (P.Repeat, P.Replicated)):
+    _count_uses(node.body, reads, writes)
+  elif isinstance(node, P.RepeatWhileTrue):
+    _count_uses(node.condition, reads, writes)
+    _count_uses(node.body, reads, writes)
+  elif isinstance(node, P.If):
+    _count_uses(node.then, reads, writes)
+    _count_uses(node.else_, reads, writes)
+  elif isinstance(node, P.Switch):
+    for _, case in node.cases:
+      _count_uses(case, reads, writes)
+    _count_uses(node.default, reads, writes)
+  else:
+    raise TypeError(f"not a tile program: {node!r}")
+
+
+class _Layouts:
+  """Numbers tile layouts so that equal layouts share one number.
+
+  Two mappings get the same number exactly when ``same_as`` holds (an
+  equivalence: both put every element in the same storage slot on the same
+  tile). Each mapping object is compared once, when first seen; grouping
+  then compares integers instead of tile arrays for every open group and
+  step. Per-tile element counts are kept per layout for the same reason.
+  """
+
+  def __init__(self, num_tiles: int):
+    self.num_tiles = num_tiles
+    self._by_object = {}      # id(mapping) -> (number, mapping); holds the mapping alive
+    self._by_key = {}         # closed-form fingerprint -> number
+    self._by_bucket = {}      # (size, storage shape, tiles) -> [(number, mapping)]
+    self._elements = {}       # number -> elements per tile
+
+  def number(self, mapping) -> int:
+    """The number of ``mapping``'s layout."""
+    seen = self._by_object.get(id(mapping))
+    if seen is not None:
+      return seen[0]
+    key = mapping.fingerprint
+    number = self._by_key.get(key) if key[0] != "object" else None
+    if number is None:
+      # Layouts equal only with the same size, storage shape and row tiles.
+      bucket = (mapping.num_elements, mapping.storage_shape, mapping.tiles.tobytes())
+      candidates = self._by_bucket.setdefault(bucket, [])
+      number = next((n for n, m in candidates if m.same_as(mapping)), None)
+      if number is None:
+        number = len(self._by_object)
+        candidates.append((number, mapping))
+      if key[0] != "object":
+        self._by_key[key] = number
+    self._by_object[id(mapping)] = (number, mapping)
+    return number
+
+  def elements_per_tile(self, mapping) -> np.ndarray:
+    """``[num_tiles]`` elements ``mapping`` puts on each tile (shared, read-only)."""
+    number = self.number(mapping)
+    elements = self._elements.get(number)
+    if elements is None:
+      elements = mapping.elements_per_tile(self.num_tiles)
+      elements.setflags(write=False)
+      self._elements[number] = elements
+    return elements
 
 
 class _Fuser:
@@ -127,6 +201,7 @@ class _Fuser:
     self.reads = reads
     self.writes = writes
     self.overhead = vertex_overhead_cycles(target)
+    self.layouts = _Layouts(target.num_tiles)
     self._exchanges = {}
 
   def program(self, node):
@@ -164,6 +239,8 @@ class _Fuser:
     if len(steps) < 2:
       return list(steps)
     works = [_work(step) for step in steps]
+    if sum(w is not None for w in works) < 2:
+      return list(steps)  # nothing to fuse with: the run as it was
     preds = _dependencies(steps)
     out = []
     open_groups = []          # groups not yet emitted, in creation order
@@ -171,8 +248,7 @@ class _Fuser:
 
     def close(group):
       open_groups.remove(group)
-      out.append(self._fused(group.mapping,
-                             [(steps[i], works[i]) for i in sorted(group.members)]))
+      out.append(self._fused(group, [(steps[i], works[i]) for i in sorted(group.members)]))
       for i in group.members:
         del group_of[i]
 
@@ -186,26 +262,30 @@ class _Fuser:
       home = None
       if work is not None:
         # Prefer a group this step reads from (a chain), else the newest.
-        size = work.mapping.num_elements
-        candidates = [g for g in reversed(open_groups)
-                      if g.mapping.num_elements == size and g.mapping.same_as(work.mapping)]
-        candidates.sort(key=lambda g: g not in pending)
-        home = candidates[0] if candidates else None
+        layout = self.layouts.number(work.mapping)
+        for g in reversed(open_groups):
+          if g.layout == layout:
+            if g in pending:
+              home = g
+              break
+            if home is None:
+              home = g
         if home is None:
-          home = _Group(work.mapping)
+          home = _Group(work.mapping, layout)
           open_groups.append(home)
         home.members.append(i)
         group_of[i] = home
-      for g in [g for g in open_groups if g in pending and g is not home]:
-        if home is not None and self._absorbable(g, home, steps, works):
-          # A producer on another layout whose results only this chain
-          # reads: its vertices move onto the chain's tiles.
-          open_groups.remove(g)
-          home.members.extend(g.members)
-          for j in g.members:
-            group_of[j] = home
-        else:
-          close(g)
+      if pending:
+        for g in [g for g in open_groups if g in pending and g is not home]:
+          if home is not None and self._absorbable(g, home, steps, works):
+            # A producer on another layout whose results only this chain
+            # reads: its vertices move onto the chain's tiles.
+            open_groups.remove(g)
+            home.members.extend(g.members)
+            for j in g.members:
+              group_of[j] = home
+          else:
+            close(g)
       if work is None:
         out.append(step)
     for g in list(open_groups):
@@ -233,33 +313,41 @@ class _Fuser:
           return False
     return True
 
-  def _fused(self, mapping, members) -> P.Superstep:
+  def _fused(self, group, members) -> P.Superstep:
     """One step doing ``members`` (``(step, work)`` in order) in one compute set."""
     if len(members) == 1:
       return members[0][0]
-    home = [_at_home(step, work, mapping) for step, work in members]
-    written_at = {}
-    external, exchanges = {}, {}
-    inside_reads = {}
+    mapping = group.mapping
+    home = [step.elementwise is work and self.layouts.number(work.mapping) == group.layout
+            for step, work in members]
+    written_at = {}           # tensor id -> position of the member writing it first
+    external, exchanges = {}, []
+    reads_after = {}          # reads within the group after the group wrote the tensor
+    reads_before = {}         # reads within the group before that (or of an operand)
+    last_read = {}            # position of the last member reading each tensor
     for position, (step, work) in enumerate(members):
       for k, t in enumerate(step.reads):
+        last_read[t.id] = position
         if t.id in written_at:
-          inside_reads[t.id] = inside_reads.get(t.id, 0) + 1
+          reads_after[t.id] = reads_after.get(t.id, 0) + 1
           continue
-        if t.id not in external:
-          external[t.id] = t
-          if home[position]:
-            costs = work.read_exchanges
-            exchanges[t.id] = costs[k] if k < len(costs) else None
-          else:
-            exchanges[t.id] = self._exchange_onto(t, mapping)
+        reads_before[t.id] = reads_before.get(t.id, 0) + 1
+        if t.id in external:
+          continue
+        external[t.id] = t
+        if home[position]:
+          costs = work.read_exchanges
+          exchanges.append(costs[k] if k < len(costs) else None)
+        else:
+          exchanges.append(self._exchange_onto(t, mapping))
       for t in step.writes:
         written_at.setdefault(t.id, position)
-    # A result only the group reads lives inside the fused step.
+    # A result only the group reads, after making it, lives inside the
+    # fused step.
     categories = {t.id: t.category for s, _ in members for t in s.writes}
     internal = {i for i in written_at
                 if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
-                and self.reads.get(i, 0) == inside_reads.get(i, 0)}
+                and self.reads.get(i, 0) == reads_after.get(i, 0)}
     kept = {}
     for step, _ in members:
       for t in step.writes:
@@ -268,62 +356,53 @@ class _Fuser:
     reads = tuple(external.values())
     writes = tuple(kept.values())
     steps = [step for step, _ in members]
-
-    def fn(*storages):
-      env = dict(zip((t.id for t in reads), storages))
-      for step in steps:
-        values = step.fn(*[env[t.id] for t in step.reads])
-        for t, v in zip(step.writes, values):
-          env[t.id] = v.astype(t.dtype)  # as the executor stores it
-      return tuple(env[t.id] for t in writes)
-
     ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in steps)
     at_home = [s for s, h in zip(steps, home) if h] or [steps[0]]
     return P.Superstep(
         name="fused(" + "+".join(dict.fromkeys(s.name for s in steps)) + ")",
-        op="fusion", reads=reads, writes=writes, fn=fn,
+        op="fusion", reads=reads, writes=writes, fn=_fused_fn(steps, reads, writes),
         compute_cycles=self._compute(mapping, members, home),
-        exchange=add_costs(*exchanges.values()),
+        exchange=add_costs(*exchanges),
         vertices=np.max([np.asarray(s.vertices) for s in at_home], axis=0),
         codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
                                             for s in steps)),),
         flops=int(sum(s.flops for s in steps)),
-        scratch_bytes=self._scratch(mapping, steps, internal, reads),
+        scratch_bytes=self._scratch(mapping, steps, internal, reads, written_at,
+                                    reads_before, last_read),
         source=steps[0].source, notes=tuple(dict.fromkeys(n for s in steps for n in s.notes)),
         scope=_common_scope(s.scope for s in steps),
         elementwise=P.ElementwiseWork(mapping), fused_ops=ops)
 
   def _exchange_onto(self, tensor, mapping):
     """The exchange bringing ``tensor`` to the vertices of ``mapping``."""
-    key = (tensor.id, id(mapping))
-    if key not in self._exchanges:
+    key = (tensor.id, self.layouts.number(mapping))
+    cost = self._exchanges.get(key, False)
+    if cost is False:
       if tensor.mapping.num_elements == 1:
         cost = broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
       else:
         cost = relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)
-      self._exchanges[key] = (cost, mapping)  # keeps the mapping alive with its id
-    return self._exchanges[key][0]
+      self._exchanges[key] = cost
+    return cost
 
   def _compute(self, mapping, members, home) -> np.ndarray:
     """Each member's cycles on ``mapping``, less the overheads fusion saves."""
-    elements = None
     rows = []
     for (step, work), at_home in zip(members, home):
       if at_home:
-        rows.append(np.asarray(step.compute_cycles, np.float64))
-        continue
-      if elements is None:
-        elements = mapping.elements_per_tile(self.target.num_tiles)
-      rows.append(np.asarray(estimators.elementwise_cycles(
-          self.target, elements, work.cost_op, work.itemsize), np.float64))
-    cycles = np.stack(rows)
-    busy = (cycles > 0).sum(axis=0)
+        rows.append(step.compute_cycles)
+      else:
+        rows.append(estimators.elementwise_cycles(
+            self.target, self.layouts.elements_per_tile(mapping), work.cost_op, work.itemsize))
+    cycles = np.array(rows, np.float64)
+    busy = np.count_nonzero(cycles > 0, axis=0)
     # Each member after the first on a tile no longer pays a compute set's
     # launch and vertex overheads.
     saved = np.maximum(busy - 1, 0) * self.overhead
     return np.maximum(cycles.sum(axis=0) - saved, cycles.max(axis=0))
 
-  def _scratch(self, mapping, members, internal, reads) -> np.ndarray:
+  def _scratch(self, mapping, members, internal, reads, born, operand_reads,
+               last_read) -> np.ndarray:
     """Per tile: the step's working memory beyond its operands and results.
 
     Within the chain every value lives from the member that makes it to the
@@ -331,36 +410,40 @@ class _Fuser:
     analysis already holds the step's operands and kept results for the
     whole step, so the scratch is what the peak of that in-chain liveness
     exceeds them by: chiefly the intermediates that never leave the step.
+
+    Every value's bytes on each tile are its itemsize times its layout's
+    elements per tile, so the liveness of all of them is one small matrix
+    (positions x layouts) of bytes per element, times the layouts' elements
+    per tile.
     """
+    own = [s.scratch_bytes for s in members if s.scratch_bytes is not None]
     if not internal:
       # Operands and results are already held for the whole step.
-      own = [np.asarray(s.scratch_bytes, np.int64) for s in members if s.scratch_bytes is not None]
-      return np.max(own, axis=0) if own else None
+      return np.max(np.array(own, np.int64), axis=0) if own else None
     n = len(members)
-    delta = np.zeros((n + 1, self.target.num_tiles), np.int64)
-    baseline = np.zeros(self.target.num_tiles, np.int64)
-    first_read, last_read, born = {}, {}, {}
-    for position, step in enumerate(members):
-      for x in step.reads:
-        first_read.setdefault(x.id, position)
-        last_read[x.id] = position
-      for x in step.writes:
-        born.setdefault(x.id, position)
+    columns = {}              # layout number -> column
+    layouts = []              # per column, its mapping
+    lo, hi, col, size, counted = [], [], [], [], []
 
-    def live(tensor, lo, hi, counted):
+    def live(tensor, first, last, held):
       # Intermediates live where the fused vertices run.
-      where = mapping if tensor.id in internal and tensor.mapping.num_elements == mapping.num_elements \
-          else tensor.mapping
-      tiles, nbytes = where.tiles, where.counts * tensor.itemsize  # tiles are unique
-      delta[lo, tiles] += nbytes
-      delta[hi + 1, tiles] -= nbytes
-      if counted:
-        baseline[tiles] += nbytes
+      where = mapping if tensor.id in internal and tensor.mapping.num_elements \
+          == mapping.num_elements else tensor.mapping
+      number = self.layouts.number(where)
+      c = columns.get(number)
+      if c is None:
+        c = columns[number] = len(layouts)
+        layouts.append(where)
+      lo.append(first)
+      hi.append(last + 1)
+      col.append(c)
+      size.append(tensor.itemsize)
+      counted.append(held)
 
     for tensor in reads:
       if tensor.category == "temporaries" and tensor.id not in born:
-        inside = self.reads.get(tensor.id, 0) == sum(
-            1 for s in members for x in s.reads if x.id == tensor.id)
+        # Read only here: it is free after the group's last read of it.
+        inside = self.reads.get(tensor.id, 0) == operand_reads[tensor.id]
         live(tensor, 0, last_read[tensor.id] if inside else n - 1, True)
     seen = set()
     for step in members:
@@ -368,22 +451,54 @@ class _Fuser:
         if tensor.id in seen:
           continue
         seen.add(tensor.id)
+        first = born[tensor.id]
         if tensor.id in internal:
-          live(tensor, born[tensor.id], max(last_read.get(tensor.id, 0), born[tensor.id]), False)
+          live(tensor, first, max(last_read.get(tensor.id, 0), first), False)
         else:
-          live(tensor, born[tensor.id], n - 1, True)
-    in_chain = np.cumsum(delta[:-1], axis=0)
+          live(tensor, first, n - 1, True)
+    elements = np.stack([self.layouts.elements_per_tile(m) for m in layouts])
+    col, size = np.asarray(col), np.asarray(size, np.int64)
+    weights = np.zeros((n + 1, len(layouts)), np.int64)
+    np.add.at(weights, (np.asarray(lo), col), size)
+    np.add.at(weights, (np.asarray(hi), col), -size)
+    in_chain = np.cumsum(weights[:-1], axis=0) @ elements
     for position, step in enumerate(members):
       if step.scratch_bytes is not None:
         in_chain[position] += np.asarray(step.scratch_bytes, np.int64)
+    baseline = np.bincount(col, weights=size * np.asarray(counted), minlength=len(layouts))
+    baseline = baseline.astype(np.int64) @ elements
     return np.maximum(in_chain.max(axis=0) - baseline, 0)
+
+
+def _fused_fn(steps, reads, writes):
+  """The fused step's function: its members' functions in order, on storages.
+
+  Each member's results are cast to their tensors' dtypes, as the executor
+  stores every step's results, so the numbers are those of the separate
+  steps bit for bit.
+  """
+  read_ids = tuple(t.id for t in reads)
+  plan = tuple((s.fn, tuple(t.id for t in s.reads), tuple((t.id, t.dtype) for t in s.writes))
+               for s in steps)
+  write_ids = tuple(t.id for t in writes)
+
+  def fn(*storages):
+    env = dict(zip(read_ids, storages))
+    for step_fn, ins, outs in plan:
+      values = step_fn(*[env[i] for i in ins])
+      for (i, dtype), v in zip(outs, values):
+        env[i] = v.astype(dtype)
+    return tuple(env[i] for i in write_ids)
+
+  return fn
 
 
 class _Group:
   """Steps (indices into a run) that will be one compute set on ``mapping``."""
 
-  def __init__(self, mapping):
+  def __init__(self, mapping, layout: int):
     self.mapping = mapping
+    self.layout = layout      # its number in the fuser's _Layouts
     self.members = []
 
   def __eq__(self, other):
@@ -408,16 +523,6 @@ def _work(step):
     return P.ElementwiseWork(out.mapping, (step.exchange,) if step.reads else (),
                              "copy", out.itemsize)
   return None
-
-
-def _at_home(step, work, mapping) -> bool:
-  """Whether ``step``'s own costs hold in a compute set on ``mapping``.
-
-  Not so for a step moved from another layout, nor for a broadcast of a
-  scalar, which as a fused vertex reads the one value instead of receiving
-  every element.
-  """
-  return step.elementwise is work and work.mapping.same_as(mapping)
 
 
 def _flatten(sequence):
