@@ -61,8 +61,8 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import add_costs, broadcast_cost
-from ipu_jax.lowering.exchange import relayout_cost
+from ipu_jax.lowering.builders import broadcast_cost
+from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
 from ipu_jax.target import IPUTarget
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
@@ -203,6 +203,7 @@ class _Fuser:
     self.overhead = vertex_overhead_cycles(target)
     self.layouts = _Layouts(target.num_tiles)
     self._exchanges = {}
+    self._moved_cycles = {}
 
   def program(self, node):
     if node is None or isinstance(node, (P.Superstep, P.StreamCopy, P.PrintTensor)):
@@ -241,23 +242,36 @@ class _Fuser:
     works = [_work(step) for step in steps]
     if sum(w is not None for w in works) < 2:
       return list(steps)  # nothing to fuse with: the run as it was
-    preds = _dependencies(steps)
-    out = []
+    out = []                  # steps, and groups where their fused steps go
     open_groups = []          # groups not yet emitted, in creation order
     group_of = {}             # step index -> its open group
+    # The dependencies between steps (read-after-write, write-after-read,
+    # write-after-write), found as the run is scanned.
+    last_writer, readers = {}, {}
 
     def close(group):
       open_groups.remove(group)
-      out.append(self._fused(group, [(steps[i], works[i]) for i in sorted(group.members)]))
+      group.members.sort()
+      out.append(group)
       for i in group.members:
         del group_of[i]
 
     for i, step in enumerate(steps):
-      pending = []
-      for p in preds[i]:
-        g = group_of.get(p)
-        if g is not None and g not in pending:
-          pending.append(g)
+      preds = set()
+      for t in step.reads:
+        w = last_writer.get(t.id)
+        if w is not None:
+          preds.add(w)
+        readers.setdefault(t.id, []).append(i)
+      for t in step.writes:
+        w = last_writer.get(t.id)
+        if w is not None:
+          preds.add(w)
+        preds.update(readers.get(t.id, ()))
+        last_writer[t.id] = i
+        readers[t.id] = []
+      preds.discard(i)
+      pending = {group_of[p] for p in preds if p in group_of}
       work = works[i]
       home = None
       if work is not None:
@@ -290,7 +304,8 @@ class _Fuser:
         out.append(step)
     for g in list(open_groups):
       close(g)
-    return out
+    fused = self._fuse_groups([g for g in out if isinstance(g, _Group)], steps, works)
+    return [fused[id(g)] if isinstance(g, _Group) else g for g in out]
 
   def _absorbable(self, producer, consumer, steps, works) -> bool:
     """Whether ``producer``'s steps can run inside ``consumer``'s compute set.
@@ -313,65 +328,116 @@ class _Fuser:
           return False
     return True
 
-  def _fused(self, group, members) -> P.Superstep:
-    """One step doing ``members`` (``(step, work)`` in order) in one compute set."""
-    if len(members) == 1:
-      return members[0][0]
+  def _fuse_groups(self, groups, steps, works) -> dict:
+    """The step of each group (by ``id``): its fused step, or its one step.
+
+    What is per tile (cycles, vertices, exchanged bytes) is computed for all
+    groups of the run at once, over their members' rows stacked into one
+    array and reduced per group, rather than a handful of small array
+    operations per group.
+    """
+    result = {}
+    plans = []
+    for group in groups:
+      if len(group.members) == 1:
+        result[id(group)] = steps[group.members[0]]
+      else:
+        plans.append(self._plan(group, [(steps[i], works[i]) for i in group.members]))
+    if not plans:
+      return result
+    overhead = self.overhead
+
+    def compute_cycles(cycles):  # [groups, members, tiles]
+      # Each member after the first on a tile no longer pays a compute
+      # set's launch and vertex overheads.
+      saved = np.maximum(np.count_nonzero(cycles > 0, axis=1) - 1, 0) * overhead
+      return np.maximum(cycles.sum(axis=1) - saved, cycles.max(axis=1))
+
+    compute = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
+    vertices = _per_group([p.vertices for p in plans], lambda v: v.max(axis=1))
+    exchanges = _exchange_per_group([p.exchanges for p in plans])
+    for k, plan in enumerate(plans):
+      members = [s for s, _ in plan.members]
+      result[id(plan.group)] = P.Superstep(
+          name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
+          op="fusion", reads=plan.reads, writes=plan.writes,
+          fn=_fused_fn(members, plan.reads, plan.writes),
+          compute_cycles=compute[k], exchange=exchanges[k], vertices=vertices[k],
+          codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
+                                              for s in members)),),
+          flops=int(sum(s.flops for s in members)),
+          scratch_bytes=self._scratch(plan),
+          source=members[0].source,
+          notes=tuple(dict.fromkeys(n for s in members for n in s.notes)),
+          scope=_common_scope(s.scope for s in members),
+          elementwise=P.ElementwiseWork(plan.group.mapping),
+          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in members))
+    return result
+
+  def _plan(self, group, members) -> "_Plan":
+    """What one fused step reads, writes, exchanges and keeps inside."""
     mapping = group.mapping
-    home = [step.elementwise is work and self.layouts.number(work.mapping) == group.layout
-            for step, work in members]
-    written_at = {}           # tensor id -> position of the member writing it first
-    external, exchanges = {}, []
+    plan = _Plan(group, members)
+    written_at = plan.born
+    external = {}
     reads_after = {}          # reads within the group after the group wrote the tensor
-    reads_before = {}         # reads within the group before that (or of an operand)
-    last_read = {}            # position of the last member reading each tensor
+    operand_reads = plan.operand_reads
+    last_read = plan.last_read
+    at_home = []
     for position, (step, work) in enumerate(members):
+      # A step's own costs hold unless it moved from another layout or is a
+      # broadcast of a scalar (as a fused vertex it reads the one value
+      # instead of receiving every element).
+      home = step.elementwise is work and self.layouts.number(work.mapping) == group.layout
+      if home:
+        plan.cycles.append(step.compute_cycles)
+        at_home.append(step.vertices)
+      else:
+        plan.cycles.append(self._cycles_on(mapping, work))
       for k, t in enumerate(step.reads):
         last_read[t.id] = position
         if t.id in written_at:
           reads_after[t.id] = reads_after.get(t.id, 0) + 1
           continue
-        reads_before[t.id] = reads_before.get(t.id, 0) + 1
+        operand_reads[t.id] = operand_reads.get(t.id, 0) + 1
         if t.id in external:
           continue
         external[t.id] = t
-        if home[position]:
+        if home:
           costs = work.read_exchanges
-          exchanges.append(costs[k] if k < len(costs) else None)
+          cost = costs[k] if k < len(costs) else None
         else:
-          exchanges.append(self._exchange_onto(t, mapping))
+          cost = self._exchange_onto(t, mapping)
+        if cost is not None:
+          plan.exchanges.append(cost)
       for t in step.writes:
         written_at.setdefault(t.id, position)
+    plan.vertices = at_home or [members[0][0].vertices]
     # A result only the group reads, after making it, lives inside the
     # fused step.
     categories = {t.id: t.category for s, _ in members for t in s.writes}
-    internal = {i for i in written_at
-                if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
-                and self.reads.get(i, 0) == reads_after.get(i, 0)}
+    internal = plan.internal
+    internal.update(i for i in written_at
+                    if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
+                    and self.reads.get(i, 0) == reads_after.get(i, 0))
     kept = {}
     for step, _ in members:
       for t in step.writes:
         if t.id not in internal:
           kept[t.id] = t
-    reads = tuple(external.values())
-    writes = tuple(kept.values())
-    steps = [step for step, _ in members]
-    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope) for s in steps)
-    at_home = [s for s, h in zip(steps, home) if h] or [steps[0]]
-    return P.Superstep(
-        name="fused(" + "+".join(dict.fromkeys(s.name for s in steps)) + ")",
-        op="fusion", reads=reads, writes=writes, fn=_fused_fn(steps, reads, writes),
-        compute_cycles=self._compute(mapping, members, home),
-        exchange=add_costs(*exchanges),
-        vertices=np.max([np.asarray(s.vertices) for s in at_home], axis=0),
-        codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
-                                            for s in steps)),),
-        flops=int(sum(s.flops for s in steps)),
-        scratch_bytes=self._scratch(mapping, steps, internal, reads, written_at,
-                                    reads_before, last_read),
-        source=steps[0].source, notes=tuple(dict.fromkeys(n for s in steps for n in s.notes)),
-        scope=_common_scope(s.scope for s in steps),
-        elementwise=P.ElementwiseWork(mapping), fused_ops=ops)
+    plan.reads = tuple(external.values())
+    plan.writes = tuple(kept.values())
+    return plan
+
+  def _cycles_on(self, mapping, work) -> np.ndarray:
+    """A moved member's cycles on ``mapping`` (by the elementwise estimator)."""
+    key = (self.layouts.number(mapping), work.cost_op, work.itemsize)
+    cycles = self._moved_cycles.get(key)
+    if cycles is None:
+      cycles = estimators.elementwise_cycles(
+          self.target, self.layouts.elements_per_tile(mapping), work.cost_op, work.itemsize)
+      self._moved_cycles[key] = cycles
+    return cycles
 
   def _exchange_onto(self, tensor, mapping):
     """The exchange bringing ``tensor`` to the vertices of ``mapping``."""
@@ -385,24 +451,7 @@ class _Fuser:
       self._exchanges[key] = cost
     return cost
 
-  def _compute(self, mapping, members, home) -> np.ndarray:
-    """Each member's cycles on ``mapping``, less the overheads fusion saves."""
-    rows = []
-    for (step, work), at_home in zip(members, home):
-      if at_home:
-        rows.append(step.compute_cycles)
-      else:
-        rows.append(estimators.elementwise_cycles(
-            self.target, self.layouts.elements_per_tile(mapping), work.cost_op, work.itemsize))
-    cycles = np.array(rows, np.float64)
-    busy = np.count_nonzero(cycles > 0, axis=0)
-    # Each member after the first on a tile no longer pays a compute set's
-    # launch and vertex overheads.
-    saved = np.maximum(busy - 1, 0) * self.overhead
-    return np.maximum(cycles.sum(axis=0) - saved, cycles.max(axis=0))
-
-  def _scratch(self, mapping, members, internal, reads, born, operand_reads,
-               last_read) -> np.ndarray:
+  def _scratch(self, plan) -> np.ndarray:
     """Per tile: the step's working memory beyond its operands and results.
 
     Within the chain every value lives from the member that makes it to the
@@ -411,21 +460,24 @@ class _Fuser:
     whole step, so the scratch is what the peak of that in-chain liveness
     exceeds them by: chiefly the intermediates that never leave the step.
 
-    Every value's bytes on each tile are its itemsize times its layout's
-    elements per tile, so the liveness of all of them is one small matrix
-    (positions x layouts) of bytes per element, times the layouts' elements
-    per tile.
+    A value's bytes on each tile are its itemsize times its layout's
+    elements per tile, so the liveness is kept as bytes per element for each
+    (position, layout) and turned into bytes per tile once.
     """
+    members = [s for s, _ in plan.members]
+    internal, born, last_read = plan.internal, plan.born, plan.last_read
     own = [s.scratch_bytes for s in members if s.scratch_bytes is not None]
     if not internal:
       # Operands and results are already held for the whole step.
       return np.max(np.array(own, np.int64), axis=0) if own else None
+    mapping = plan.group.mapping
     n = len(members)
     columns = {}              # layout number -> column
     layouts = []              # per column, its mapping
-    lo, hi, col, size, counted = [], [], [], [], []
+    change = [[] for _ in range(n + 1)]   # per position: (column, bytes per element)
+    held = []                 # per column: bytes per element held the whole step
 
-    def live(tensor, first, last, held):
+    def live(tensor, first, last, whole_step):
       # Intermediates live where the fused vertices run.
       where = mapping if tensor.id in internal and tensor.mapping.num_elements \
           == mapping.num_elements else tensor.mapping
@@ -434,16 +486,16 @@ class _Fuser:
       if c is None:
         c = columns[number] = len(layouts)
         layouts.append(where)
-      lo.append(first)
-      hi.append(last + 1)
-      col.append(c)
-      size.append(tensor.itemsize)
-      counted.append(held)
+        held.append(0)
+      change[first].append((c, tensor.itemsize))
+      change[last + 1].append((c, -tensor.itemsize))
+      if whole_step:
+        held[c] += tensor.itemsize
 
-    for tensor in reads:
+    for tensor in plan.reads:
       if tensor.category == "temporaries" and tensor.id not in born:
         # Read only here: it is free after the group's last read of it.
-        inside = self.reads.get(tensor.id, 0) == operand_reads[tensor.id]
+        inside = self.reads.get(tensor.id, 0) == plan.operand_reads[tensor.id]
         live(tensor, 0, last_read[tensor.id] if inside else n - 1, True)
     seen = set()
     for step in members:
@@ -456,18 +508,77 @@ class _Fuser:
           live(tensor, first, max(last_read.get(tensor.id, 0), first), False)
         else:
           live(tensor, first, n - 1, True)
-    elements = np.stack([self.layouts.elements_per_tile(m) for m in layouts])
-    col, size = np.asarray(col), np.asarray(size, np.int64)
-    weights = np.zeros((n + 1, len(layouts)), np.int64)
-    np.add.at(weights, (np.asarray(lo), col), size)
-    np.add.at(weights, (np.asarray(hi), col), -size)
-    in_chain = np.cumsum(weights[:-1], axis=0) @ elements
+    # Bytes per element live at each position, per layout.
+    now = [0] * len(layouts)
+    per_position = []
+    for position in range(n):
+      for c, nbytes in change[position]:
+        now[c] += nbytes
+      per_position.append(list(now))
+    elements = [self.layouts.elements_per_tile(m) for m in layouts]
+    if len(layouts) == 1 and not own:
+      # One layout: the peak over positions is the largest byte count per
+      # element, on every tile alike.
+      return np.maximum((max(row[0] for row in per_position) - held[0]) * elements[0], 0)
+    # Float products are exact here (integers far below 2**53) and take
+    # BLAS, which integer matrix products do not.
+    elements = np.array(elements, np.float64)
+    in_chain = (np.array(per_position, np.float64) @ elements).astype(np.int64)
     for position, step in enumerate(members):
       if step.scratch_bytes is not None:
         in_chain[position] += np.asarray(step.scratch_bytes, np.int64)
-    baseline = np.bincount(col, weights=size * np.asarray(counted), minlength=len(layouts))
-    baseline = baseline.astype(np.int64) @ elements
+    baseline = (np.array(held, np.float64) @ elements).astype(np.int64)
     return np.maximum(in_chain.max(axis=0) - baseline, 0)
+
+
+class _Plan:
+  """One group's fused step in the making (see ``_Fuser._plan``)."""
+
+  def __init__(self, group, members):
+    self.group = group
+    self.members = members    # (step, work) in program order
+    self.cycles = []          # per member, its compute cycles on the group's layout
+    self.vertices = []        # the vertices of members at home
+    self.exchanges = []       # exchanges of operands from outside the group
+    self.born = {}            # tensor id -> position of the member writing it first
+    self.operand_reads = {}   # reads of tensors before the group writes them
+    self.last_read = {}       # tensor id -> position of the last member reading it
+    self.internal = set()     # ids of results that live only inside the step
+    self.reads = ()
+    self.writes = ()
+
+
+def _per_group(rows_per_group, reduce, dtype=None) -> list:
+  """``reduce`` of each group's rows (``[num_tiles]`` arrays), for all groups.
+
+  Groups with as many rows are stacked into one ``[groups, rows, tiles]``
+  array and reduced over its middle axis together: a few array operations
+  per group size instead of per group, and each group's rows are combined
+  in their order, as a reduction of that group alone would.
+  """
+  out = [None] * len(rows_per_group)
+  by_count = {}
+  for g, rows in enumerate(rows_per_group):
+    by_count.setdefault(len(rows), []).append(g)
+  for count, groups in by_count.items():
+    stacked = np.array([row for g in groups for row in rows_per_group[g]], dtype)
+    reduced = reduce(stacked.reshape(len(groups), count, -1))
+    for j, g in enumerate(groups):
+      out[g] = reduced[j]
+  return out
+
+
+def _exchange_per_group(costs_per_group) -> list:
+  """Per group, the sum of its exchange costs (``None`` for none)."""
+  with_costs = [k for k, costs in enumerate(costs_per_group) if costs]
+  out = [None] * len(costs_per_group)
+  fields = ("bytes_in", "bytes_out", "link_bytes_out")
+  sums = [_per_group([[getattr(c, field) for c in costs_per_group[k]] for k in with_costs],
+                     lambda b: b.sum(axis=1))
+          for field in fields]
+  for j, k in enumerate(with_costs):
+    out[k] = ExchangeCost(sums[0][j], sums[1][j], sums[2][j])
+  return out
 
 
 def _fused_fn(steps, reads, writes):
@@ -531,26 +642,6 @@ def _flatten(sequence):
       yield from _flatten(child)
     else:
       yield child
-
-
-def _dependencies(steps) -> list:
-  """Per step, the indices of earlier steps it must follow (RAW, WAR, WAW)."""
-  preds = [set() for _ in steps]
-  last_writer, readers = {}, {}
-  for i, step in enumerate(steps):
-    for t in step.reads:
-      w = last_writer.get(t.id)
-      if w is not None:
-        preds[i].add(w)
-      readers.setdefault(t.id, []).append(i)
-    for t in step.writes:
-      w = last_writer.get(t.id)
-      if w is not None:
-        preds[i].add(w)
-      preds[i].update(r for r in readers.get(t.id, ()) if r != i)
-      last_writer[t.id] = i
-      readers[t.id] = []
-  return [sorted(p) for p in preds]
 
 
 def _common_scope(scopes) -> str:
