@@ -170,8 +170,7 @@ class _Layouts:
     key = mapping.fingerprint
     number = self._by_key.get(key) if key[0] != "object" else None
     if number is None:
-      # Layouts equal only with the same size, storage shape and row tiles.
-      bucket = (mapping.num_elements, mapping.storage_shape, mapping.tiles.tobytes())
+      bucket = _layout_bucket(mapping)
       candidates = self._by_bucket.setdefault(bucket, [])
       number = next((n for n, m in candidates if m.same_as(mapping)), None)
       if number is None:
@@ -191,6 +190,19 @@ class _Layouts:
       elements.setflags(write=False)
       self._elements[number] = elements
     return elements
+
+
+def _layout_bucket(mapping) -> tuple:
+  """What two layouts share if they are equal: size, storage shape, row
+  tiles and the storage slots of every ``n // 64``-th element (so unequal
+  layouts of the same shape on the same tiles rarely need comparing)."""
+  n = mapping.num_elements
+  step = max(1, n // 64)
+  if mapping.is_linear:
+    sample = np.arange(0, n, step, dtype=np.int64)  # its slots are the element order
+  else:
+    sample = mapping.storage_position[::step]
+  return n, mapping.storage_shape, mapping.tiles.tobytes(), sample.tobytes()
 
 
 class _Fuser:
