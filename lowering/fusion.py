@@ -415,7 +415,8 @@ class _Fuser:
       # A step's own costs hold unless it moved from another layout or is a
       # broadcast of a scalar (as a fused vertex it reads the one value
       # instead of receiving every element).
-      home = step.elementwise is work and self.layouts.number(work.mapping) == group.layout
+      home = step.elementwise is work and (work.mapping is mapping or
+                                           self.layouts.number(work.mapping) == group.layout)
       if home:
         plan.cycles.append(step.compute_cycles)
         at_home.append(step.vertices)
@@ -497,7 +498,7 @@ class _Fuser:
     if not internal:
       # Operands and results are already held for the whole step.
       return np.max(np.array(own, np.int64), axis=0) if own else None
-    mapping = plan.group.mapping
+    mapping, group_layout = plan.group.mapping, plan.group.layout
     n = len(members)
     columns = {}              # layout number -> column
     layouts = []              # per column, its mapping
@@ -508,7 +509,7 @@ class _Fuser:
       # Intermediates live where the fused vertices run.
       where = mapping if tensor.id in internal and tensor.mapping.num_elements \
           == mapping.num_elements else tensor.mapping
-      number = self.layouts.number(where)
+      number = group_layout if where is mapping else self.layouts.number(where)
       c = columns.get(number)
       if c is None:
         c = columns[number] = len(layouts)
