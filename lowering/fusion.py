@@ -174,7 +174,7 @@ class _Layouts:
     self.num_tiles = num_tiles
     self._by_object = {}      # id(mapping) -> (number, mapping); holds the mapping alive
     self._by_key = {}         # closed-form fingerprint -> number
-    self._by_bucket = {}      # (size, storage shape, tiles) -> [(number, mapping)]
+    self._by_bucket = {}      # _layout_bucket(mapping) -> [(number, mapping)]
     self._elements = {}       # number -> elements per tile
 
   def number(self, mapping) -> int:
@@ -182,8 +182,10 @@ class _Layouts:
     seen = self._by_object.get(id(mapping))
     if seen is not None:
       return seen[0]
+    # Linear and block-grid layouts with equal closed forms are equal.
     key = mapping.fingerprint
-    number = self._by_key.get(key) if key[0] != "object" else None
+    closed_form = key[0] in ("linear", "grid")
+    number = self._by_key.get(key) if closed_form else None
     if number is None:
       bucket = _layout_bucket(mapping)
       candidates = self._by_bucket.setdefault(bucket, [])
@@ -191,7 +193,7 @@ class _Layouts:
       if number is None:
         number = len(self._by_object)
         candidates.append((number, mapping))
-      if key[0] != "object":
+      if closed_form:
         self._by_key[key] = number
     self._by_object[id(mapping)] = (number, mapping)
     return number
