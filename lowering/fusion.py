@@ -48,6 +48,21 @@ not a program output, variable or constant) is never written to tile memory
 between supersteps; it lives only inside the fused step. Those values still
 count: the fused step's scratch is, per tile, the peak of such intermediates
 live at once within the chain.
+
+Host cost: the pass must cost less than the profiling of the steps it
+removes. It walks the program once to count reads and writes, numbers each
+layout once (compared by a sample of storage slots, then in full only when
+the sample agrees), so grouping compares integers; it finds dependencies in
+the same scan that groups. The per-tile figures of all fused steps of a run
+(cycles, vertices, exchanged bytes) are reduced together, groups of equal
+size stacked into one array, and the scratch liveness is kept as bytes per
+element per layout, turned into bytes per tile once per step.
+
+Execution: a fused step's function calls its members' functions in order
+on the storages (each result cast to its tensor's dtype, as the executor
+stores it), inside the one jitted program, so XLA sees the same operations
+as for the separate steps (the same HLO instructions, measured on the
+README's training steps) and the numbers are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -61,8 +76,8 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import add_costs, broadcast_cost
-from ipu_jax.lowering.exchange import relayout_cost
+from ipu_jax.lowering.builders import broadcast_cost
+from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
 from ipu_jax.target import IPUTarget
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
@@ -86,37 +101,125 @@ def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
     keep: tensors read after the program ends (its outputs): a step that
       writes one keeps writing it.
   """
-  reads = _read_counts(program)
+  reads, writes = {}, {}
+  _count_uses(program, reads, writes)
   for tensor in keep:
-    reads[tensor.id] = reads.get(tensor.id, 0) + (1 << 20)  # never internal
-  writes = _write_counts(program)
+    reads[tensor.id] = reads.get(tensor.id, 0) + _NEVER_INTERNAL
   fuser = _Fuser(target, reads, writes)
   return fuser.program(program)
 
 
-def _read_counts(program) -> dict:
-  counts = {}
-  for node, _, _ in P.iter_steps(program):
-    if isinstance(node, P.Superstep):
-      ids = [t.id for t in node.reads]
-    else:
-      ids = [node.tensor.id]
-    for i in ids:
-      counts[i] = counts.get(i, 0) + 1
-  for tensor in P.control_tensors(program):
-    counts[tensor.id] = counts.get(tensor.id, 0) + (1 << 20)
-  return counts
+# Added to a tensor's read count when something outside the supersteps reads
+# it (a control program's predicate, the program's caller): no group can
+# account for every read, so its writer keeps writing it.
+_NEVER_INTERNAL = 1 << 20
 
 
-def _write_counts(program) -> dict:
-  counts = {}
-  for node, _, _ in P.iter_steps(program):
-    if isinstance(node, P.Superstep):
-      for t in node.writes:
-        counts[t.id] = counts.get(t.id, 0) + 1
-    elif isinstance(node, P.StreamCopy):
-      counts[node.tensor.id] = counts.get(node.tensor.id, 0) + 1
-  return counts
+def _count_uses(node, reads: dict, writes: dict) -> None:
+  """Counts, per tensor id, the reads and writes of the whole program.
+
+  One walk of the tree: supersteps, stream copies and prints are leaves;
+  a control program's predicate or control tensor is read by the host's
+  choice of path, never by a compute set.
+  """
+  if node is None:
+    return
+  if isinstance(node, P.Superstep):
+    for t in node.reads:
+      reads[t.id] = reads.get(t.id, 0) + 1
+    for t in node.writes:
+      writes[t.id] = writes.get(t.id, 0) + 1
+    return
+  if isinstance(node, (P.StreamCopy, P.PrintTensor)):
+    i = node.tensor.id
+    reads[i] = reads.get(i, 0) + 1
+    if isinstance(node, P.StreamCopy):
+      writes[i] = writes.get(i, 0) + 1
+    return
+  if isinstance(node, P.Sequence):
+    for child in node.programs:
+      _count_uses(child, reads, writes)
+    return
+  if isinstance(node, (P.RepeatWhileTrue, P.If)):
+    reads[node.predicate.id] = reads.get(node.predicate.id, 0) + _NEVER_INTERNAL
+  elif isinstance(node, P.Switch):
+    reads[node.control.id] = reads.get(node.control.id, 0) + _NEVER_INTERNAL
+  if isinstance(node, (P.Repeat, P.Replicated)):
+    _count_uses(node.body, reads, writes)
+  elif isinstance(node, P.RepeatWhileTrue):
+    _count_uses(node.condition, reads, writes)
+    _count_uses(node.body, reads, writes)
+  elif isinstance(node, P.If):
+    _count_uses(node.then, reads, writes)
+    _count_uses(node.else_, reads, writes)
+  elif isinstance(node, P.Switch):
+    for _, case in node.cases:
+      _count_uses(case, reads, writes)
+    _count_uses(node.default, reads, writes)
+  else:
+    raise TypeError(f"not a tile program: {node!r}")
+
+
+class _Layouts:
+  """Numbers tile layouts so that equal layouts share one number.
+
+  Two mappings get the same number exactly when ``same_as`` holds (an
+  equivalence: both put every element in the same storage slot on the same
+  tile). Each mapping object is compared once, when first seen; grouping
+  then compares integers instead of tile arrays for every open group and
+  step. Per-tile element counts are kept per layout for the same reason.
+  """
+
+  def __init__(self, num_tiles: int):
+    self.num_tiles = num_tiles
+    self._by_object = {}      # id(mapping) -> (number, mapping); holds the mapping alive
+    self._by_key = {}         # closed-form fingerprint -> number
+    self._by_bucket = {}      # _layout_bucket(mapping) -> [(number, mapping)]
+    self._elements = {}       # number -> elements per tile
+
+  def number(self, mapping) -> int:
+    """The number of ``mapping``'s layout."""
+    seen = self._by_object.get(id(mapping))
+    if seen is not None:
+      return seen[0]
+    # Linear and block-grid layouts with equal closed forms are equal.
+    key = mapping.fingerprint
+    closed_form = key[0] in ("linear", "grid")
+    number = self._by_key.get(key) if closed_form else None
+    if number is None:
+      bucket = _layout_bucket(mapping)
+      candidates = self._by_bucket.setdefault(bucket, [])
+      number = next((n for n, m in candidates if m.same_as(mapping)), None)
+      if number is None:
+        number = len(self._by_object)
+        candidates.append((number, mapping))
+      if closed_form:
+        self._by_key[key] = number
+    self._by_object[id(mapping)] = (number, mapping)
+    return number
+
+  def elements_per_tile(self, mapping) -> np.ndarray:
+    """``[num_tiles]`` elements ``mapping`` puts on each tile (shared, read-only)."""
+    number = self.number(mapping)
+    elements = self._elements.get(number)
+    if elements is None:
+      elements = mapping.elements_per_tile(self.num_tiles)
+      elements.setflags(write=False)
+      self._elements[number] = elements
+    return elements
+
+
+def _layout_bucket(mapping) -> tuple:
+  """What two layouts share if they are equal: size, storage shape, row
+  tiles and the storage slots of every ``n // 64``-th element (so unequal
+  layouts of the same shape on the same tiles rarely need comparing)."""
+  n = mapping.num_elements
+  step = max(1, n // 64)
+  if mapping.is_linear:
+    sample = np.arange(0, n, step, dtype=np.int64)  # its slots are the element order
+  else:
+    sample = mapping.storage_position[::step]
+  return n, mapping.storage_shape, mapping.tiles.tobytes(), sample.tobytes()
 
 
 class _Fuser:
@@ -127,7 +230,9 @@ class _Fuser:
     self.reads = reads
     self.writes = writes
     self.overhead = vertex_overhead_cycles(target)
+    self.layouts = _Layouts(target.num_tiles)
     self._exchanges = {}
+    self._moved_cycles = {}
 
   def program(self, node):
     if node is None or isinstance(node, (P.Superstep, P.StreamCopy, P.PrintTensor)):
@@ -164,53 +269,72 @@ class _Fuser:
     if len(steps) < 2:
       return list(steps)
     works = [_work(step) for step in steps]
-    preds = _dependencies(steps)
-    out = []
+    if sum(w is not None for w in works) < 2:
+      return list(steps)  # nothing to fuse with: the run as it was
+    out = []                  # steps, and groups where their fused steps go
     open_groups = []          # groups not yet emitted, in creation order
     group_of = {}             # step index -> its open group
+    # The dependencies between steps (read-after-write, write-after-read,
+    # write-after-write), found as the run is scanned.
+    last_writer, readers = {}, {}
 
     def close(group):
       open_groups.remove(group)
-      out.append(self._fused(group.mapping,
-                             [(steps[i], works[i]) for i in sorted(group.members)]))
+      group.members.sort()
+      out.append(group)
       for i in group.members:
         del group_of[i]
 
     for i, step in enumerate(steps):
-      pending = []
-      for p in preds[i]:
-        g = group_of.get(p)
-        if g is not None and g not in pending:
-          pending.append(g)
+      preds = set()
+      for t in step.reads:
+        w = last_writer.get(t.id)
+        if w is not None:
+          preds.add(w)
+        readers.setdefault(t.id, []).append(i)
+      for t in step.writes:
+        w = last_writer.get(t.id)
+        if w is not None:
+          preds.add(w)
+        preds.update(readers.get(t.id, ()))
+        last_writer[t.id] = i
+        readers[t.id] = []
+      preds.discard(i)
+      pending = {group_of[p] for p in preds if p in group_of}
       work = works[i]
       home = None
       if work is not None:
         # Prefer a group this step reads from (a chain), else the newest.
-        size = work.mapping.num_elements
-        candidates = [g for g in reversed(open_groups)
-                      if g.mapping.num_elements == size and g.mapping.same_as(work.mapping)]
-        candidates.sort(key=lambda g: g not in pending)
-        home = candidates[0] if candidates else None
+        layout = self.layouts.number(work.mapping)
+        for g in reversed(open_groups):
+          if g.layout == layout:
+            if g in pending:
+              home = g
+              break
+            if home is None:
+              home = g
         if home is None:
-          home = _Group(work.mapping)
+          home = _Group(work.mapping, layout)
           open_groups.append(home)
         home.members.append(i)
         group_of[i] = home
-      for g in [g for g in open_groups if g in pending and g is not home]:
-        if home is not None and self._absorbable(g, home, steps, works):
-          # A producer on another layout whose results only this chain
-          # reads: its vertices move onto the chain's tiles.
-          open_groups.remove(g)
-          home.members.extend(g.members)
-          for j in g.members:
-            group_of[j] = home
-        else:
-          close(g)
+      if pending:
+        for g in [g for g in open_groups if g in pending and g is not home]:
+          if home is not None and self._absorbable(g, home, steps, works):
+            # A producer on another layout whose results only this chain
+            # reads: its vertices move onto the chain's tiles.
+            open_groups.remove(g)
+            home.members.extend(g.members)
+            for j in g.members:
+              group_of[j] = home
+          else:
+            close(g)
       if work is None:
         out.append(step)
     for g in list(open_groups):
       close(g)
-    return out
+    fused = self._fuse_groups([g for g in out if isinstance(g, _Group)], steps, works)
+    return [fused[id(g)] if isinstance(g, _Group) else g for g in out]
 
   def _absorbable(self, producer, consumer, steps, works) -> bool:
     """Whether ``producer``'s steps can run inside ``consumer``'s compute set.
@@ -233,97 +357,131 @@ class _Fuser:
           return False
     return True
 
-  def _fused(self, mapping, members) -> P.Superstep:
-    """One step doing ``members`` (``(step, work)`` in order) in one compute set."""
-    if len(members) == 1:
-      return members[0][0]
-    home = [_at_home(step, work, mapping) for step, work in members]
-    written_at = {}
-    external, exchanges = {}, {}
-    inside_reads = {}
+  def _fuse_groups(self, groups, steps, works) -> dict:
+    """The step of each group (by ``id``): its fused step, or its one step.
+
+    What is per tile (cycles, vertices, exchanged bytes) is computed for all
+    groups of the run at once, over their members' rows stacked into one
+    array and reduced per group, rather than a handful of small array
+    operations per group.
+    """
+    result = {}
+    plans = []
+    for group in groups:
+      if len(group.members) == 1:
+        result[id(group)] = steps[group.members[0]]
+      else:
+        plans.append(self._plan(group, [(steps[i], works[i]) for i in group.members]))
+    if not plans:
+      return result
+    overhead = self.overhead
+
+    def compute_cycles(cycles):  # [groups, members, tiles]
+      # Each member after the first on a tile no longer pays a compute
+      # set's launch and vertex overheads.
+      saved = np.maximum(np.count_nonzero(cycles > 0, axis=1) - 1, 0) * overhead
+      return np.maximum(cycles.sum(axis=1) - saved, cycles.max(axis=1))
+
+    compute = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
+    vertices = _per_group([p.vertices for p in plans], lambda v: v.max(axis=1))
+    exchanges = _exchange_per_group([p.exchanges for p in plans])
+    for k, plan in enumerate(plans):
+      members = [s for s, _ in plan.members]
+      result[id(plan.group)] = P.Superstep(
+          name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
+          op="fusion", reads=plan.reads, writes=plan.writes,
+          fn=_fused_fn(members, plan.reads, plan.writes),
+          compute_cycles=compute[k], exchange=exchanges[k], vertices=vertices[k],
+          codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
+                                              for s in members)),),
+          flops=int(sum(s.flops for s in members)),
+          scratch_bytes=self._scratch(plan),
+          source=members[0].source,
+          notes=tuple(dict.fromkeys(n for s in members for n in s.notes)),
+          scope=_common_scope(s.scope for s in members),
+          elementwise=P.ElementwiseWork(plan.group.mapping),
+          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=s) for s in members))
+    return result
+
+  def _plan(self, group, members) -> "_Plan":
+    """What one fused step reads, writes, exchanges and keeps inside."""
+    mapping = group.mapping
+    plan = _Plan(group, members)
+    written_at = plan.born
+    external = {}
+    reads_after = {}          # reads within the group after the group wrote the tensor
+    operand_reads = plan.operand_reads
+    last_read = plan.last_read
+    at_home = []
     for position, (step, work) in enumerate(members):
+      # A step's own costs hold unless it moved from another layout or is a
+      # broadcast of a scalar (as a fused vertex it reads the one value
+      # instead of receiving every element).
+      home = step.elementwise is work and (work.mapping is mapping or
+                                           self.layouts.number(work.mapping) == group.layout)
+      if home:
+        plan.cycles.append(step.compute_cycles)
+        at_home.append(step.vertices)
+      else:
+        plan.cycles.append(self._cycles_on(mapping, work))
       for k, t in enumerate(step.reads):
+        last_read[t.id] = position
         if t.id in written_at:
-          inside_reads[t.id] = inside_reads.get(t.id, 0) + 1
+          reads_after[t.id] = reads_after.get(t.id, 0) + 1
           continue
-        if t.id not in external:
-          external[t.id] = t
-          if home[position]:
-            costs = work.read_exchanges
-            exchanges[t.id] = costs[k] if k < len(costs) else None
-          else:
-            exchanges[t.id] = self._exchange_onto(t, mapping)
+        operand_reads[t.id] = operand_reads.get(t.id, 0) + 1
+        if t.id in external:
+          continue
+        external[t.id] = t
+        if home:
+          costs = work.read_exchanges
+          cost = costs[k] if k < len(costs) else None
+        else:
+          cost = self._exchange_onto(t, mapping)
+        if cost is not None:
+          plan.exchanges.append(cost)
       for t in step.writes:
         written_at.setdefault(t.id, position)
-    # A result only the group reads lives inside the fused step.
+    plan.vertices = at_home or [members[0][0].vertices]
+    # A result only the group reads, after making it, lives inside the
+    # fused step.
     categories = {t.id: t.category for s, _ in members for t in s.writes}
-    internal = {i for i in written_at
-                if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
-                and self.reads.get(i, 0) == inside_reads.get(i, 0)}
+    internal = plan.internal
+    internal.update(i for i in written_at
+                    if categories[i] == "temporaries" and self.writes.get(i, 0) == 1
+                    and self.reads.get(i, 0) == reads_after.get(i, 0))
     kept = {}
     for step, _ in members:
       for t in step.writes:
         if t.id not in internal:
           kept[t.id] = t
-    reads = tuple(external.values())
-    writes = tuple(kept.values())
-    steps = [step for step, _ in members]
+    plan.reads = tuple(external.values())
+    plan.writes = tuple(kept.values())
+    return plan
 
-    def fn(*storages):
-      env = dict(zip((t.id for t in reads), storages))
-      for step in steps:
-        values = step.fn(*[env[t.id] for t in step.reads])
-        for t, v in zip(step.writes, values):
-          env[t.id] = v.astype(t.dtype)  # as the executor stores it
-      return tuple(env[t.id] for t in writes)
-
-    ops = tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=s) for s in steps)
-    at_home = [s for s, h in zip(steps, home) if h] or [steps[0]]
-    return P.Superstep(
-        name="fused(" + "+".join(dict.fromkeys(s.name for s in steps)) + ")",
-        op="fusion", reads=reads, writes=writes, fn=fn,
-        compute_cycles=self._compute(mapping, members, home),
-        exchange=add_costs(*exchanges.values()),
-        vertices=np.max([np.asarray(s.vertices) for s in at_home], axis=0),
-        codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
-                                            for s in steps)),),
-        flops=int(sum(s.flops for s in steps)),
-        scratch_bytes=self._scratch(mapping, steps, internal, reads),
-        source=steps[0].source, notes=tuple(dict.fromkeys(n for s in steps for n in s.notes)),
-        scope=_common_scope(s.scope for s in steps),
-        elementwise=P.ElementwiseWork(mapping), fused_ops=ops)
+  def _cycles_on(self, mapping, work) -> np.ndarray:
+    """A moved member's cycles on ``mapping`` (by the elementwise estimator)."""
+    key = (self.layouts.number(mapping), work.cost_op, work.itemsize)
+    cycles = self._moved_cycles.get(key)
+    if cycles is None:
+      cycles = estimators.elementwise_cycles(
+          self.target, self.layouts.elements_per_tile(mapping), work.cost_op, work.itemsize)
+      self._moved_cycles[key] = cycles
+    return cycles
 
   def _exchange_onto(self, tensor, mapping):
     """The exchange bringing ``tensor`` to the vertices of ``mapping``."""
-    key = (tensor.id, id(mapping))
-    if key not in self._exchanges:
+    key = (tensor.id, self.layouts.number(mapping))
+    cost = self._exchanges.get(key, False)
+    if cost is False:
       if tensor.mapping.num_elements == 1:
         cost = broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
       else:
         cost = relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)
-      self._exchanges[key] = (cost, mapping)  # keeps the mapping alive with its id
-    return self._exchanges[key][0]
+      self._exchanges[key] = cost
+    return cost
 
-  def _compute(self, mapping, members, home) -> np.ndarray:
-    """Each member's cycles on ``mapping``, less the overheads fusion saves."""
-    elements = None
-    rows = []
-    for (step, work), at_home in zip(members, home):
-      if at_home:
-        rows.append(np.asarray(step.compute_cycles, np.float64))
-        continue
-      if elements is None:
-        elements = mapping.elements_per_tile(self.target.num_tiles)
-      rows.append(np.asarray(estimators.elementwise_cycles(
-          self.target, elements, work.cost_op, work.itemsize), np.float64))
-    cycles = np.stack(rows)
-    busy = (cycles > 0).sum(axis=0)
-    # Each member after the first on a tile no longer pays a compute set's
-    # launch and vertex overheads.
-    saved = np.maximum(busy - 1, 0) * self.overhead
-    return np.maximum(cycles.sum(axis=0) - saved, cycles.max(axis=0))
-
-  def _scratch(self, mapping, members, internal, reads) -> np.ndarray:
+  def _scratch(self, plan) -> np.ndarray:
     """Per tile: the step's working memory beyond its operands and results.
 
     Within the chain every value lives from the member that makes it to the
@@ -331,36 +489,43 @@ class _Fuser:
     analysis already holds the step's operands and kept results for the
     whole step, so the scratch is what the peak of that in-chain liveness
     exceeds them by: chiefly the intermediates that never leave the step.
+
+    A value's bytes on each tile are its itemsize times its layout's
+    elements per tile, so the liveness is kept as bytes per element for each
+    (position, layout) and turned into bytes per tile once.
     """
+    members = [s for s, _ in plan.members]
+    internal, born, last_read = plan.internal, plan.born, plan.last_read
+    own = [s.scratch_bytes for s in members if s.scratch_bytes is not None]
     if not internal:
       # Operands and results are already held for the whole step.
-      own = [np.asarray(s.scratch_bytes, np.int64) for s in members if s.scratch_bytes is not None]
-      return np.max(own, axis=0) if own else None
+      return np.max(np.array(own, np.int64), axis=0) if own else None
+    mapping, group_layout = plan.group.mapping, plan.group.layout
     n = len(members)
-    delta = np.zeros((n + 1, self.target.num_tiles), np.int64)
-    baseline = np.zeros(self.target.num_tiles, np.int64)
-    first_read, last_read, born = {}, {}, {}
-    for position, step in enumerate(members):
-      for x in step.reads:
-        first_read.setdefault(x.id, position)
-        last_read[x.id] = position
-      for x in step.writes:
-        born.setdefault(x.id, position)
+    columns = {}              # layout number -> column
+    layouts = []              # per column, its mapping
+    change = [[] for _ in range(n + 1)]   # per position: (column, bytes per element)
+    held = []                 # per column: bytes per element held the whole step
 
-    def live(tensor, lo, hi, counted):
+    def live(tensor, first, last, whole_step):
       # Intermediates live where the fused vertices run.
-      where = mapping if tensor.id in internal and tensor.mapping.num_elements == mapping.num_elements \
-          else tensor.mapping
-      tiles, nbytes = where.tiles, where.counts * tensor.itemsize  # tiles are unique
-      delta[lo, tiles] += nbytes
-      delta[hi + 1, tiles] -= nbytes
-      if counted:
-        baseline[tiles] += nbytes
+      where = mapping if tensor.id in internal and tensor.mapping.num_elements \
+          == mapping.num_elements else tensor.mapping
+      number = group_layout if where is mapping else self.layouts.number(where)
+      c = columns.get(number)
+      if c is None:
+        c = columns[number] = len(layouts)
+        layouts.append(where)
+        held.append(0)
+      change[first].append((c, tensor.itemsize))
+      change[last + 1].append((c, -tensor.itemsize))
+      if whole_step:
+        held[c] += tensor.itemsize
 
-    for tensor in reads:
+    for tensor in plan.reads:
       if tensor.category == "temporaries" and tensor.id not in born:
-        inside = self.reads.get(tensor.id, 0) == sum(
-            1 for s in members for x in s.reads if x.id == tensor.id)
+        # Read only here: it is free after the group's last read of it.
+        inside = self.reads.get(tensor.id, 0) == plan.operand_reads[tensor.id]
         live(tensor, 0, last_read[tensor.id] if inside else n - 1, True)
     seen = set()
     for step in members:
@@ -368,22 +533,113 @@ class _Fuser:
         if tensor.id in seen:
           continue
         seen.add(tensor.id)
+        first = born[tensor.id]
         if tensor.id in internal:
-          live(tensor, born[tensor.id], max(last_read.get(tensor.id, 0), born[tensor.id]), False)
+          live(tensor, first, max(last_read.get(tensor.id, 0), first), False)
         else:
-          live(tensor, born[tensor.id], n - 1, True)
-    in_chain = np.cumsum(delta[:-1], axis=0)
+          live(tensor, first, n - 1, True)
+    # Bytes per element live at each position, per layout.
+    now = [0] * len(layouts)
+    per_position = []
+    for position in range(n):
+      for c, nbytes in change[position]:
+        now[c] += nbytes
+      per_position.append(list(now))
+    elements = [self.layouts.elements_per_tile(m) for m in layouts]
+    if len(layouts) == 1 and not own:
+      # One layout: the peak over positions is the largest byte count per
+      # element, on every tile alike.
+      return np.maximum((max(row[0] for row in per_position) - held[0]) * elements[0], 0)
+    # Float products are exact here (integers far below 2**53) and take
+    # BLAS, which integer matrix products do not.
+    elements = np.array(elements, np.float64)
+    in_chain = (np.array(per_position, np.float64) @ elements).astype(np.int64)
     for position, step in enumerate(members):
       if step.scratch_bytes is not None:
         in_chain[position] += np.asarray(step.scratch_bytes, np.int64)
+    baseline = (np.array(held, np.float64) @ elements).astype(np.int64)
     return np.maximum(in_chain.max(axis=0) - baseline, 0)
+
+
+class _Plan:
+  """One group's fused step in the making (see ``_Fuser._plan``)."""
+
+  def __init__(self, group, members):
+    self.group = group
+    self.members = members    # (step, work) in program order
+    self.cycles = []          # per member, its compute cycles on the group's layout
+    self.vertices = []        # the vertices of members at home
+    self.exchanges = []       # exchanges of operands from outside the group
+    self.born = {}            # tensor id -> position of the member writing it first
+    self.operand_reads = {}   # reads of tensors before the group writes them
+    self.last_read = {}       # tensor id -> position of the last member reading it
+    self.internal = set()     # ids of results that live only inside the step
+    self.reads = ()
+    self.writes = ()
+
+
+def _per_group(rows_per_group, reduce, dtype=None) -> list:
+  """``reduce`` of each group's rows (``[num_tiles]`` arrays), for all groups.
+
+  Groups with as many rows are stacked into one ``[groups, rows, tiles]``
+  array and reduced over its middle axis together: a few array operations
+  per group size instead of per group, and each group's rows are combined
+  in their order, as a reduction of that group alone would.
+  """
+  out = [None] * len(rows_per_group)
+  by_count = {}
+  for g, rows in enumerate(rows_per_group):
+    by_count.setdefault(len(rows), []).append(g)
+  for count, groups in by_count.items():
+    stacked = np.array([row for g in groups for row in rows_per_group[g]], dtype)
+    reduced = reduce(stacked.reshape(len(groups), count, -1))
+    for j, g in enumerate(groups):
+      out[g] = reduced[j]
+  return out
+
+
+def _exchange_per_group(costs_per_group) -> list:
+  """Per group, the sum of its exchange costs (``None`` for none)."""
+  with_costs = [k for k, costs in enumerate(costs_per_group) if costs]
+  out = [None] * len(costs_per_group)
+  fields = ("bytes_in", "bytes_out", "link_bytes_out")
+  sums = [_per_group([[getattr(c, field) for c in costs_per_group[k]] for k in with_costs],
+                     lambda b: b.sum(axis=1))
+          for field in fields]
+  for j, k in enumerate(with_costs):
+    out[k] = ExchangeCost(sums[0][j], sums[1][j], sums[2][j])
+  return out
+
+
+def _fused_fn(steps, reads, writes):
+  """The fused step's function: its members' functions in order, on storages.
+
+  Each member's results are cast to their tensors' dtypes, as the executor
+  stores every step's results, so the numbers are those of the separate
+  steps bit for bit.
+  """
+  read_ids = tuple(t.id for t in reads)
+  plan = tuple((s.fn, tuple(t.id for t in s.reads), tuple((t.id, t.dtype) for t in s.writes))
+               for s in steps)
+  write_ids = tuple(t.id for t in writes)
+
+  def fn(*storages):
+    env = dict(zip(read_ids, storages))
+    for step_fn, ins, outs in plan:
+      values = step_fn(*[env[i] for i in ins])
+      for (i, dtype), v in zip(outs, values):
+        env[i] = v.astype(dtype)
+    return tuple(env[i] for i in write_ids)
+
+  return fn
 
 
 class _Group:
   """Steps (indices into a run) that will be one compute set on ``mapping``."""
 
-  def __init__(self, mapping):
+  def __init__(self, mapping, layout: int):
     self.mapping = mapping
+    self.layout = layout      # its number in the fuser's _Layouts
     self.members = []
 
   def __eq__(self, other):
@@ -410,42 +666,12 @@ def _work(step):
   return None
 
 
-def _at_home(step, work, mapping) -> bool:
-  """Whether ``step``'s own costs hold in a compute set on ``mapping``.
-
-  Not so for a step moved from another layout, nor for a broadcast of a
-  scalar, which as a fused vertex reads the one value instead of receiving
-  every element.
-  """
-  return step.elementwise is work and work.mapping.same_as(mapping)
-
-
 def _flatten(sequence):
   for child in sequence.programs:
     if isinstance(child, P.Sequence):
       yield from _flatten(child)
     else:
       yield child
-
-
-def _dependencies(steps) -> list:
-  """Per step, the indices of earlier steps it must follow (RAW, WAR, WAW)."""
-  preds = [set() for _ in steps]
-  last_writer, readers = {}, {}
-  for i, step in enumerate(steps):
-    for t in step.reads:
-      w = last_writer.get(t.id)
-      if w is not None:
-        preds[i].add(w)
-      readers.setdefault(t.id, []).append(i)
-    for t in step.writes:
-      w = last_writer.get(t.id)
-      if w is not None:
-        preds[i].add(w)
-      preds[i].update(r for r in readers.get(t.id, ()) if r != i)
-      last_writer[t.id] = i
-      readers[t.id] = []
-  return [sorted(p) for p in preds]
 
 
 def _common_scope(scopes) -> str:

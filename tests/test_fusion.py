@@ -134,6 +134,36 @@ class FusionTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(on.exchange_cycles, 0)
     self.assertLess(on.total_cycles, off.total_cycles)
 
+  def test_each_chain_of_a_run_costs_its_own_parts(self):
+    # Four independent chains, of 2, 3, 3 and 4 ops on four layouts, stay
+    # open together in one straight-line run and become four compute sets
+    # at its end; each costs its own members, no other chain's.
+    sizes, lengths = (16, 37, 515, 100), (2, 3, 3, 4)
+    args = [_random((n,), np.float32, seed=n) for n in sizes]
+
+    def fn(a, b, c, d):
+      return (jnp.exp(a) * 2.0,
+              jnp.sin(b) * b + 1.0,
+              jnp.tanh(c) - c * 0.5,
+              jnp.abs(d) * d + d - 3.0)
+
+    f, on = _lower(fn, *args)
+    off = _lower(fn, *args, fuse=False)[1].report.profile
+    _assert_bit_equal(f(*args), _lower(fn, *args, fuse=False)[0](*args))
+    fused = on.report.profile.steps
+    self.assertEqual([len(s.fused_ops) for s in fused], list(lengths))
+    overhead = fusion.vertex_overhead_cycles(_T16)
+    starts = np.cumsum((0,) + lengths)
+    for step, lo, hi in zip(fused, starts[:-1], starts[1:]):
+      parts = np.stack([s.compute_cycles for s in off.steps[lo:hi]])
+      self.assertEqual([f.op for f in step.fused_ops], [s.op for s in off.steps[lo:hi]])
+      busy = (parts > 0).sum(axis=0)
+      want = np.maximum(parts.sum(axis=0) - np.maximum(busy - 1, 0) * overhead,
+                        parts.max(axis=0))
+      np.testing.assert_array_equal(step.compute_cycles, want)
+      np.testing.assert_array_equal(step.vertices, off.steps[lo].vertices)
+      self.assertEqual(int(step.exchange_bytes_in.sum()), 0)
+
   def test_an_outside_operand_is_exchanged_once(self):
     x, y = _random((13, 7), np.float32), _random((7, 13), np.float32, seed=1)
 
