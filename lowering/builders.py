@@ -184,14 +184,16 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
 
   elements = mapping.elements_per_tile(target.num_tiles)
   op = cost_op or ctx.op
+  in_dtype = operands[0].dtype if operands else None
   compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype,
-                                          in_dtype=operands[0].dtype if operands else None)
+                                          in_dtype=in_dtype)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
       compute_cycles=compute, exchange=add_costs(*costs),
       vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
-      flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize)))
+      flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize, dtype,
+                                           in_dtype)))
   return outputs
 
 

@@ -461,11 +461,12 @@ class _Fuser:
 
   def _cycles_on(self, mapping, work) -> np.ndarray:
     """A moved member's cycles on ``mapping`` (by the elementwise estimator)."""
-    key = (self.layouts.number(mapping), work.cost_op, work.itemsize)
+    key = (self.layouts.number(mapping), work.cost_op, work.itemsize, work.dtype, work.in_dtype)
     cycles = self._moved_cycles.get(key)
     if cycles is None:
       cycles = estimators.elementwise_cycles(
-          self.target, self.layouts.elements_per_tile(mapping), work.cost_op, work.itemsize)
+          self.target, self.layouts.elements_per_tile(mapping), work.cost_op, work.itemsize,
+          dtype=work.dtype, in_dtype=work.in_dtype)
       self._moved_cycles[key] = cycles
     return cycles
 

@@ -93,12 +93,17 @@ class ElementwiseWork:
       (``estimators.elementwise_cycles``), so the step can be costed on
       another layout; ``""`` if it may not move.
     itemsize: bytes per element of the result (for that estimate).
+    dtype, in_dtype: the result's and the first operand's dtypes, so a step
+      costed on another layout pays what it pays at home (poplibs' figures
+      per type; a cast's cost depends on both).
   """
 
   mapping: TileMapping
   read_exchanges: tuple = ()
   cost_op: str = ""
   itemsize: int = 0
+  dtype: Optional[np.dtype] = None
+  in_dtype: Optional[np.dtype] = None
 
 
 @dataclasses.dataclass(frozen=True)

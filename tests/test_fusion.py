@@ -164,6 +164,24 @@ class FusionTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(step.vertices, off.steps[lo].vertices)
       self.assertEqual(int(step.exchange_bytes_in.sum()), 0)
 
+  def test_a_member_moved_onto_the_chain_costs_what_it_costs_at_home(self):
+    # exp(y) is computed on y's layout unfused; fused, it joins the product on
+    # x.T's layout (the same number of elements on each tile), where it must
+    # pay poplibs' float32 exp as it does at home, not a generic estimate.
+    x, y = _random((13, 7), np.float32), _random((7, 13), np.float32, seed=1)
+    fn = lambda x, y: x.T * jnp.exp(y)  # noqa: E731
+    f, lowered = _lower(fn, x, y)
+    off = _lower(fn, x, y, fuse=False)[1].report.profile
+    _assert_bit_equal(f(x, y), _lower(fn, x, y, fuse=False)[0](x, y))
+    fused, = _fused_steps(lowered.report.profile)
+    exp, mul = (next(s.compute_cycles for s in off.steps if s.op == op) for op in ("exp", "mul"))
+    # Unfused, exp ran on other tiles than mul, the same cycles on each.
+    self.assertEqual(len(set(exp[exp > 0])), 1)
+    self.assertFalse(np.any((exp > 0) & (mul > 0)))
+    overhead = fusion.vertex_overhead_cycles(_T16)
+    np.testing.assert_array_equal(fused.compute_cycles,
+                                  np.where(mul > 0, mul + exp.max() - overhead, 0))
+
   def test_an_outside_operand_is_exchanged_once(self):
     x, y = _random((13, 7), np.float32), _random((7, 13), np.float32, seed=1)
 
