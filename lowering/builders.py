@@ -191,7 +191,8 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
       compute_cycles=compute, exchange=add_costs(*costs),
       vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
-      flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize)))
+      flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize),
+      literals=tuple(info for kind, info in kinds if kind == "literal")))
   return outputs
 
 
