@@ -129,6 +129,7 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
     raise ValueError(f"A pipelined step needs batch_size x G x R = {micro} x {g} x {r} = "
                      f"{per_update} samples; got {len(x)}.")
   params = model.params
+  scaled = isinstance(jax.eval_shape(model.optimizer.init, params), loss_scaling.LossScaleState)
   history = History()
   history.history = {"loss": []}
   opt_state = None
@@ -140,13 +141,15 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
       idx = order[u * per_update:(u + 1) * per_update]
       batches = {"x": jnp.asarray(x[idx].reshape((g * r, micro) + x.shape[1:])),
                  "y": jnp.asarray(y[idx].reshape((g * r, micro) + y.shape[1:]))}
+      if scaled:  # a batch entry for the loss stage (there from the first lowering on)
+        batches[_LOSS_SCALE] = jnp.ones((g * r,), jnp.float32)
       if opt_state is None:
         opt_state = pipe.init(params, batches)
-      scale = loss_scaling.loss_scale_of(opt_state[0])
-      if scale is not None:
-        batches[_LOSS_SCALE] = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (g * r,))
+      if scaled:
+        scale = loss_scaling.loss_scale_of(opt_state[0])
+        batches[_LOSS_SCALE] = batches[_LOSS_SCALE] * scale
       new_params, new_state, loss = pipe.step(params, opt_state, batches)
-      if scale is not None:
+      if scaled:
         new_params, new_state = _one_skip_decision(params, opt_state, new_params, new_state)
         loss = loss / scale
       params, opt_state = new_params, new_state
