@@ -130,15 +130,43 @@ class IPUStrategy:
           self.config.replication_factor)
     flat, _ = jax.tree_util.tree_flatten([args, kwargs])
     out_tree = lowered.out_tree
+    # The device state (the stochastic rounding generators) goes in and out,
+    # so the next run continues the streams as a single-replica call does;
+    # replica 0's carries on (with esr "ON" each replica perturbs it by its
+    # index when it draws).
+    num_state = len(lowered.device_state)
 
     def per_replica(*leaves):
-      return jax.tree_util.tree_leaves(lowered.apply(*leaves))
+      out, state = lowered.apply_with_state(leaves[:num_state], *leaves[num_state:])
+      return jax.tree_util.tree_leaves(out) + list(state)
 
-    runner = rep.build(per_replica, [REPLICATED] * len(flat),
-                       [GATHERED] * out_tree.num_leaves)
-    outs = runner(*rep.replicate(flat))
+    runner = rep.build(per_replica, [REPLICATED] * (num_state + len(flat)),
+                       [GATHERED] * out_tree.num_leaves + [REPLICATED] * num_state)
+    outs = runner(*rep.replicate(lowered.device_state), *rep.replicate(flat))
+    if num_state:
+      lowered.set_device_state(outs[len(outs) - num_state:])
+      outs = outs[:len(outs) - num_state]
     outs = [rep.fetch_gathered(o) if rep.num_processes > 1 else o for o in outs]
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+  def set_seed(self, seed: Optional[int] = None) -> None:
+    """Reseeds the tiles' generators of every program :meth:`run` compiled.
+
+    Between runs the stochastic rounding generators continue where the last
+    run of that program ended, as on the chip; after ``set_seed`` the next
+    run of each draws the bits its first run drew with that seed
+    (:meth:`ipu_jax.Lowered.set_seed`, Poplar's ``setSeed``).
+
+    Args:
+      seed: an int >= 0; None: ``floating_point_behaviour.seed`` of the config
+        each program was compiled with.
+
+    Raises:
+      TypeError / ValueError: ``seed`` is not an int >= 0.
+    """
+    for cache in (*self._functions.values(), *self._strong.values()):
+      for ipu_fn in cache.values():
+        ipu_fn.set_seed(seed)
 
   def reduce(self, reduce_op: str, value, axis: Optional[int] = 0):
     """Combines per-replica values (a leading replica axis) by ``"sum"`` or ``"mean"``."""

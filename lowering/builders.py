@@ -193,7 +193,8 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
       compute_cycles=compute, exchange=add_costs(*costs),
       vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
       flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize, dtype,
-                                           in_dtype)))
+                                                 in_dtype),
+      literals=tuple(info for kind, info in kinds if kind == "literal")))
   return outputs
 
 

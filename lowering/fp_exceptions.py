@@ -34,9 +34,11 @@ when exceptions are trapped (:func:`run_fused`; the same arithmetic as the
 fused function), so the error names the operation itself; the superstep it
 names is the fused compute set of the report.
 
-A step's float *inputs* are the tensors it reads: a step reading none (a
-constant, an integer conversion) never raises, and a literal folded into a
-step's function (``x + jnp.inf``) is not seen as an input.
+A step's float *inputs* are the tensors it reads and the scalar literals
+folded into its function (``Superstep.literals``: ``x * jnp.inf`` reads ``x``
+and holds ``inf``, so an infinite result is no overflow and ``0 * inf`` is
+no invalid operation the step made up); a step with neither (a fill, an
+integer conversion) never raises.
 
 With ``nanoo=False`` the chip's rounding to float16 saturates at 65504; its
 overflow (a finite float32 operand of magnitude 65520 or more, which rounds
@@ -89,6 +91,10 @@ OVERFLOWING_OPS = DIVIDING_OPS | frozenset({
 _ROUNDING_OPS = frozenset({"hw_round"})
 # float32 magnitudes that round (to nearest) beyond float16's 65504.
 _F16_OVERFLOW = 65520.0
+
+
+def _is_zero(value):
+  return value == 0
 
 
 def _is_float(dtype) -> bool:
@@ -181,22 +187,27 @@ class Traps:
     fused = getattr(step, "fused_ops", ())
     ops = tuple(f.op for f in fused) if fused else (str(step.op),)
     code = jnp.int32(0)
-    if not any(_is_float(t.dtype) for t in step.reads):
-      # No float inputs: a constant or an integer conversion, not arithmetic
-      # on floats.
+    literals = [v for v in map(np.asarray, getattr(step, "literals", ())) if _is_float(v.dtype)]
+    if not literals and not any(_is_float(t.dtype) for t in step.reads):
+      # No float inputs: a fill or an integer conversion, not arithmetic on
+      # floats.
       return record
+
+    def any_input(np_predicate, jnp_predicate):
+      # Literals are known while tracing: their part is decided on the host.
+      if any(bool(np_predicate(v)) for v in literals):
+        return jnp.asarray(True)
+      return self._any(step.reads, reads, jnp_predicate)
+
     out_nan = self._any(step.writes, writes, jnp.isnan)
     if self.enabled["inv"]:
-      in_nan = self._any(step.reads, reads, jnp.isnan)
-      code = jnp.where(out_nan & ~in_nan, jnp.int32(1), code)
+      code = jnp.where(out_nan & ~any_input(np.isnan, jnp.isnan), jnp.int32(1), code)
     overflowing = any(op in OVERFLOWING_OPS for op in ops)
     if overflowing and (self.enabled["div0"] or self.enabled["oflo"]):
       new_inf = (self._any(step.writes, writes, jnp.isinf)
-                 & ~self._any(step.reads, reads, jnp.isinf)
-                 & ~self._any(step.reads, reads, jnp.isnan))
+                 & ~any_input(np.isinf, jnp.isinf) & ~any_input(np.isnan, jnp.isnan))
       dividing = any(op in DIVIDING_OPS for op in ops)
-      div0 = new_inf & (self._any(step.reads, reads, lambda v: v == 0) if dividing
-                        else jnp.asarray(False))
+      div0 = new_inf & (any_input(_is_zero, _is_zero) if dividing else jnp.asarray(False))
       if self.enabled["div0"]:
         code = jnp.where((code == 0) & div0, jnp.int32(2), code)
       if self.enabled["oflo"]:

@@ -149,6 +149,9 @@ class Superstep:
     elementwise: set by elementwise steps, which the fusion pass
       (``lowering/fusion.py``) may merge; ``None`` for other steps.
     fused_ops: for a fused step, the operations it was made of.
+    literals: the scalar constants folded into ``fn`` instead of read (an
+      elementwise step's ``x * jnp.inf``), as NumPy scalars; the
+      floating-point exception check counts them as inputs.
   """
 
   name: str
@@ -167,6 +170,7 @@ class Superstep:
   scope: str = ""
   elementwise: Optional[ElementwiseWork] = None
   fused_ops: tuple = ()
+  literals: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)

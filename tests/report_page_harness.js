@@ -1,4 +1,4 @@
-// Runs report.html's scripts under node with a stub DOM and Plotly.
+// Runs report.html's (or the comparison page's) scripts under node with a stub DOM and Plotly.
 const fs = require("fs");
 const html = fs.readFileSync(process.argv[2], "utf8");
 const data = html.match(/<script type="application\/json" id="report-data">([\s\S]*?)<\/script>/)[1];
@@ -20,6 +20,7 @@ new Function(page)();
 setTimeout(() => {
   const out = {ready: element("body").dataset.ready === "true", plots: plots.map((p) => ({div: p.div, traces: p.traces.map((t) => ({type: t.type, name: t.name, x: t.x, y: t.y})), title: p.layout.title && p.layout.title.text})),
     hidden: {section: element("number-formats").hidden, link: element("number-formats-link").hidden},
-    table: element("fp8-tensors-table").innerHTML};
+    table: element("fp8-tensors-table").innerHTML,
+    comparisonTable: element("number-formats-table").innerHTML};
   console.log(JSON.stringify(out));
 }, 50);

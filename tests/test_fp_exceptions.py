@@ -116,6 +116,33 @@ class FloatingPointExceptionTest(chex.TestCase, parameterized.TestCase):
     got = ipu_jax.jit(model, config=_config())(x, x + 1.0)
     chex.assert_trees_all_close(got, jax.jit(model)(x, x + 1.0), rtol=1e-6)
 
+  @parameterized.named_parameters(
+      ("times_inf", lambda x: x * jnp.inf),        # inf from an inf literal: no overflow
+      ("plus_inf", lambda x: x + jnp.inf),
+      ("divide_by_inf", lambda x: jnp.inf / (x + 3.0)),
+      ("select_nan", lambda x: jnp.where(x > 1.0, jnp.nan, x)),  # a NaN value, not a result
+      ("minus_nan", lambda x: x - jnp.nan),
+  )
+  def test_literal_operands_are_inputs(self, fn):
+    # The literal is folded into the step's function, not read: it still
+    # counts as an input, so what it carries is no exception of the step.
+    x = jnp.linspace(0.5, 1.5, 37, dtype=jnp.float32)
+    got = np.asarray(ipu_jax.jit(fn, config=_config())(x))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(fn)(x)))
+
+  @parameterized.named_parameters(
+      ("zero_times_inf", lambda x: x * jnp.inf, "inv", "mul"),   # x holds a 0: 0 * inf
+      ("inf_minus_inf", lambda x: jnp.exp(x * 100.0) - jnp.inf, "inv", "sub"),
+      ("divide_by_zero_literal", lambda x: (x + 1.0) / 0.0, "div0", "div"),
+      ("overflow_by_literal", lambda x: x * 3.0e38, "oflo", "mul"),
+  )
+  def test_literal_operands_still_trap_what_the_step_makes(self, fn, kind, op):
+    x = jnp.asarray([0.0, 2.0, 1.0], jnp.float32)
+    traps = dict(oflo=False) if kind == "inv" else {}
+    with self.assertRaises(ipu_jax.FloatingPointException) as caught:
+      ipu_jax.jit(fn, config=_config(**traps))(x)
+    self.assertEqual((caught.exception.kind, caught.exception.op), (kind, op))
+
   def test_saturating_fp16_overflow_is_still_an_overflow(self):
     # nanoo=False: the cast saturates at 65504 instead of inf, and traps.
     cfg = _config()

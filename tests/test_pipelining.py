@@ -358,6 +358,50 @@ class KerasPipeliningTest(chex.TestCase):
     self.assertEqual([len(s.params) for s in model.pipeline.staged.stages], [2, 2])
     self.assertIs(model.reports["train"], model.pipeline.report.program_report)
 
+  def test_fit_with_loss_scaling_records_what_plain_fit_records(self):
+    # The first step's inputs are huge (1e30, against a first kernel of
+    # ~1e-30): at the scale 2^40 the first stage's kernel gradient overflows
+    # and the second stage's does not. The step is skipped on every stage,
+    # the scale backs off (by 2^30), then training goes on; the weights, the
+    # losses and the number-format telemetry are plain fit's.
+    from flax import nnx
+    from ipu_jax.keras import LossScaleOptimizer, Model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 6)).astype(np.float32)
+    x[:16] *= 1e30
+    y = rng.integers(0, 3, size=48).astype(np.int32)
+    models = {}
+    for kind in ("plain", "pipelined"):
+      module = testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0))
+      module.first.kernel[...] = module.first.kernel[...] * 1e-30
+      model = Model(module, config=_config(stages=2 if kind == "pipelined" else 1, g=2))
+      model.compile(LossScaleOptimizer(optax.sgd(0.1), 2.0 ** 40, factor=2.0 ** 30),
+                    "sparse_categorical_crossentropy", steps_per_execution=2)
+      if kind == "pipelined":
+        model.set_pipelining_options(schedule="Interleaved",
+                                     gradient_accumulation_steps_per_replica=2)
+        model.set_pipeline_stage_assignment({"second": 1})
+      models[kind] = (model, model.fit(x, y, batch_size=8, epochs=1, shuffle=False))
+    (plain, plain_history), (piped, piped_history) = models["plain"], models["pipelined"]
+    self.assertEqual(piped.step, 3)
+    self.assertEqual(piped.step, plain.step)
+    chex.assert_trees_all_close(nnx.state(piped.module, nnx.Param),
+                                nnx.state(plain.module, nnx.Param), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(piped_history.history["loss"], plain_history.history["loss"],
+                               rtol=1e-5)
+    want = plain.number_formats.loss_scaling
+    got = piped.number_formats.loss_scaling
+    self.assertEqual(want.scale, [2.0 ** 10] * 3)         # skipped, backed off
+    self.assertEqual(want.skipped_steps, [1, 1, 1])
+    self.assertEqual(want.overflows, [1, 1, 1])
+    self.assertEqual(got, want)
+    report = piped.reports["train"]
+    self.assertIs(report.number_formats, piped.number_formats)
+    self.assertIn("Loss scale:", report.summary())
+    self.assertEqual(report.to_dict()["number_formats"]["loss_scaling"]["skipped_steps"],
+                     [1, 1, 1])
+
   def test_bad_options(self):
     from ipu_jax.keras import pipelining
     with self.assertRaisesRegex(ValueError, "schedule must be one of"):

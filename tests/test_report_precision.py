@@ -21,6 +21,9 @@ from ipu_jax.fp8_scaling import (FP8GradAmax, FP8Linear, FP8Stats, apply_gradien
                                  scale_of_amax)
 from ipu_jax.keras import LossScaleOptimizer
 from ipu_jax.report import NumberFormatTelemetry
+from ipu_jax.report import cli as report_cli
+from ipu_jax.report import html as report_html
+from ipu_jax.report.compare import comparison_to_dict
 from ipu_jax.strategy import IPUStrategy
 
 T16 = ipu_jax.IPUTarget.preset("ipu21", tiles_per_ipu=16)
@@ -221,6 +224,92 @@ class FitTest(chex.TestCase):
     np.testing.assert_allclose(t.fp8["a/input"].amax,
                                [np.abs(x[8:16]).max(), np.abs(x[24:32]).max()])
     self.assertIn("Loss scale:            2^8 at step 2 -> 2^10 at step 4", model.report.summary())
+
+
+class CompareTest(chex.TestCase):
+  """An fp16 run with dynamic loss scaling against an FP8 run: compare_reports,
+  its JSON and the comparison page show their number formats side by side."""
+
+  def setUp(self):
+    super().setUp()
+    x = jnp.ones((8, 8), jnp.float32)
+    self.fp16 = ipu_jax.jit(lambda x: (x.astype(jnp.float16) * 2).astype(jnp.float32),
+                            target=T16).lower(x).report
+    self.fp8 = ipu_jax.jit(lambda x: x * 3.0, target=T16).lower(x).report
+    loss = NumberFormatTelemetry()
+    for step, scale, skipped in ((1, 2.0 ** 15, 0), (2, 2.0 ** 14, 1), (3, 2.0 ** 14, 1)):
+      loss.record_loss_scale(step, scale, skipped, skipped)
+    fp8 = NumberFormatTelemetry()
+    for step in (1, 2):
+      fp8.record_fp8(step, {"a": _layer_fields(0.5 * step, 3.0, 1e-3),
+                            "b": _layer_fields(2.0, 100.0)})
+    self.fp16.number_formats, self.fp8.number_formats = loss, fp8
+
+  def test_text_lists_both_runs_number_formats(self):
+    text = ipu_jax.compare_reports(self.fp16, self.fp8)
+    section = text[text.index("Number formats"):]
+    self.assertRegex(section, r"Loss scale, first\s+2\^15\s+-\n")
+    self.assertRegex(section, r"Loss scale, last\s+2\^14\s+-\n")
+    self.assertRegex(section, r"Skipped steps\s+1\s+-\n")
+    weights = [scale_of_amax(v) for v in (0.5, 2.0, 1.0, 2.0)]
+    self.assertRegex(section, r"FP8 weights \(F143\) tensors\s+-\s+2\n")
+    self.assertRegex(section, rf"FP8 weights log2 scale, max\s+-\s+{max(weights)}\n")
+    self.assertRegex(section, r"FP8 gradients \(F152\) tensors\s+-\s+1\n")
+    # Both sides recorded a loss scale: the delta is in binades, the change a ratio.
+    both = NumberFormatTelemetry()
+    both.record_loss_scale(1, 2.0 ** 12, 0, 0)
+    self.fp8.number_formats.loss_scaling = both.loss_scaling
+    text = ipu_jax.compare_reports(self.fp16, self.fp8)
+    self.assertRegex(text, r"Loss scale, first\s+2\^15\s+2\^12\s+-3 binades\s+x0.125\n")
+    self.assertRegex(text, r"Skipped steps\s+1\s+0\s+-1\s+-100.0%\n")
+
+  def test_no_section_without_telemetry(self):
+    plain = ipu_jax.jit(lambda x: x + 1.0, target=T16).lower(jnp.ones(4)).report
+    self.assertNotIn("Number formats", ipu_jax.compare_reports(plain, plain))
+    self.assertIsNone(comparison_to_dict(plain, plain)["number_formats"])
+
+  def test_json_of_the_comparison_from_saved_reports(self):
+    directories = []
+    for report in (self.fp16, self.fp8):
+      directories.append(self.create_tempdir().full_path)
+      report.save(directories[-1], plots=False, html=False)
+    out = os.path.join(self.create_tempdir().full_path, "diff.json")
+    self.assertEqual(report_cli.main([*directories, "--json", out]), 0)
+    with open(out) as f:
+      document = json.load(f)
+    self.assertEqual(document, json.loads(json.dumps(comparison_to_dict(self.fp16, self.fp8))))
+    formats = document["number_formats"]
+    self.assertEqual(formats["loss_scaling"]["a"]["last_scale"], 2.0 ** 14)
+    self.assertEqual(formats["loss_scaling"]["a"]["overflows"], 1)
+    self.assertIsNone(formats["loss_scaling"]["b"])
+    self.assertEqual(set(formats["fp8"]), {"weights", "activations", "gradients"})
+    self.assertEqual(formats["fp8"]["activations"]["b"]["max_amax"], 100.0)
+    self.assertIsNone(formats["fp8"]["activations"]["a"])
+    totals = document["totals"]["cycles"]
+    self.assertEqual(totals["delta"], totals["b"] - totals["a"])
+
+  def test_comparison_page_draws_the_section(self):
+    node = shutil.which("node")
+    if node is None:
+      self.skipTest("node (nodejs) is not installed: the page's script cannot be run")
+    try:
+      page_text = report_html.comparison_html(self.fp16, self.fp8)
+    except ImportError:
+      self.skipTest("plotly is not installed, so the comparison page is not written")
+    page = os.path.join(self.create_tempdir().full_path, "diff.html")
+    report_html.write_page(page_text, page)
+    run = subprocess.run([node, _HARNESS, page], capture_output=True, text=True, timeout=60)
+    self.assertEqual(run.returncode, 0, run.stderr)
+    result = json.loads(run.stdout)
+    self.assertTrue(result["ready"])
+    self.assertEqual(result["hidden"], {"section": False, "link": False})
+    plots = {p["div"]: p for p in result["plots"]}
+    self.assertEqual([t["y"] for t in plots["loss-scale-chart"]["traces"]],
+                     [self.fp16.number_formats.loss_scaling.scale])
+    fp8_scales = [s for t in self.fp8.number_formats.fp8.values() for s in t.log2_scale]
+    self.assertEqual([t["x"] for t in plots["fp8-scales-chart"]["traces"]], [fp8_scales])
+    for label in ("Loss scale, first", "FP8 gradients (F152) tensors", "2^15"):
+      self.assertIn(label, result["comparisonTable"])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import chex
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
 import ipu_jax
 from ipu_jax import config as config_lib
@@ -18,7 +18,7 @@ def small_config(**changes):
   return cfg
 
 
-class StrategyTest(chex.TestCase):
+class StrategyTest(chex.TestCase, parameterized.TestCase):
 
   def test_scope_installs_and_restores_config(self):
     cfg = small_config()
@@ -90,6 +90,36 @@ class StrategyTest(chex.TestCase):
                                np.asarray(x * 4.0))
     np.testing.assert_allclose(np.asarray(strategy.reduce("mean", doubled)),
                                np.asarray(x * 2.0))
+
+  @parameterized.parameters(1, 2)
+  def test_run_continues_the_rounding_generators_until_reseeded(self, replicas):
+    # As a single compiled program on the chip: each run of strategy.run
+    # continues the stochastic rounding streams, and set_seed restarts them.
+    cfg = small_config(replication_factor=replicas)
+    cfg.floating_point_behaviour.esr = "ON"
+    cfg.floating_point_behaviour.seed = 3
+    strategy = IPUStrategy(cfg)
+
+    def update(w, g):
+      return w - jnp.float16(1e-4) * g   # below half an fp16 ulp of 1: SR decides
+
+    w = jnp.ones((512,), jnp.float16)
+    bits = lambda out: np.asarray(out).view(np.uint16)
+    first, second = bits(strategy.run(update, args=(w, w))), bits(strategy.run(update, args=(w, w)))
+    self.assertEqual(first.shape, (512,) if replicas == 1 else (replicas, 512))
+    self.assertTrue((first != second).any())
+    # One program, reused: the state lives with it.
+    self.assertEqual(strategy._function(update).cache_size, 1)
+    strategy.set_seed()                     # back to floating_point_behaviour.seed
+    np.testing.assert_array_equal(bits(strategy.run(update, args=(w, w))), first)
+    np.testing.assert_array_equal(bits(strategy.run(update, args=(w, w))), second)
+    strategy.set_seed(4)
+    other_cfg = cfg.copy()
+    other_cfg.floating_point_behaviour.seed = 4
+    fresh = IPUStrategy(other_cfg).run(update, args=(w, w))
+    np.testing.assert_array_equal(bits(strategy.run(update, args=(w, w))), bits(fresh))
+    with self.assertRaisesRegex(ValueError, "seed must be an int >= 0"):
+      strategy.set_seed(-1)
 
   def test_bad_configs(self):
     with self.assertRaises(TypeError):

@@ -184,12 +184,18 @@ class Model:
       lowered.profile.run_setup = self._run_setup(program, micro_batch)
     self.reports[program] = lowered.report
 
-  def _record_number_formats(self, logs: dict, lowered):
+  def _record_number_formats(self, logs: dict, report):
     """After an execution: the loss scale and FP8 layers' scales into the train report.
 
     One record per execution (the scale inside the on-device loop is not
     seen by the host), at the weight-update count so far. Restoring an
     earlier step (``load_weights``) starts a new history.
+
+    Args:
+      logs: the execution's logs (``loss_scale``, ``skipped_steps``,
+        ``overflows`` with loss scaling).
+      report: the train program's report (None when not emulating); the
+        pipelined ``fit`` passes its step's report.
     """
     fp8 = {}
     if any(isinstance(leaf, FP8Stats) for leaf in jax.tree.leaves(
@@ -205,8 +211,8 @@ class Model:
                                   logs["overflows"])
     if fp8:
       telemetry.record_fp8(step, fp8)
-    if lowered is not None:
-      lowered.report.number_formats = telemetry
+    if report is not None:
+      report.number_formats = telemetry
 
   # -- configuration --------------------------------------------------------------
 
@@ -591,7 +597,7 @@ class Model:
           logs["host_round_trips"] = lowered.report.host_round_trips
           logs["emulated_seconds"] = lowered.report.estimated_seconds
         logs.update(loss_scaling.scaling_logs(self._opt_state))
-        self._record_number_formats(logs, lowered)
+        self._record_number_formats(logs, lowered.report if lowered is not None else None)
         logs["samples"] = S * b
         logs["host_seconds"] = host_seconds
         cb.on_train_batch_end((index + 1) * S - 1, logs)

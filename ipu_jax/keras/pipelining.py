@@ -12,6 +12,15 @@ What this ``fit`` supports (checked before anything runs): array data, the
 ``verbose``; models without mutable state (batch statistics) or dropout
 randomness, and optimizers that update each weight from its own gradient.
 Validation data, callbacks and metrics are not run on a pipelined model.
+
+Loss scaling (:class:`~ipu_jax.keras.LossScaleOptimizer`) works as in plain
+``fit``: the loss stage multiplies the loss by the scale (it comes with each
+micro-batch), each stage's optimizer unscales its own gradients, and one
+decision holds for the whole model: when a stage's gradients overflow the
+step is skipped on every stage (weights and optimizer state as before it,
+the scale backed off everywhere). The scale, skipped steps and overflows go
+into ``Model.number_formats`` after every weight update, and so into the
+train report, as plain ``fit`` records them.
 """
 
 from __future__ import annotations
@@ -22,11 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import programs
 
 __all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "fit"]
 
 _SCHEDULES = ("Grouped", "Interleaved", "Sequential")
+# The batch entry carrying the loss scale to the loss stage (one per micro-batch).
+_LOSS_SCALE = "loss_scale"
 
 
 def set_pipelining_options(model, *, schedule: Optional[str] = None,
@@ -85,7 +97,10 @@ def _pipeline(model):
 
   def loss(params, batch):
     y_pred, _ = adapter.apply(params, state, rng_state, batch["x"], True, None)
-    return jnp.mean(programs.per_sample_loss(loss_fn, batch["y"], y_pred))
+    value = jnp.mean(programs.per_sample_loss(loss_fn, batch["y"], y_pred))
+    if _LOSS_SCALE in batch:  # gradients of the scaled loss, as plain fit takes them
+      value = value * batch[_LOSS_SCALE].astype(value.dtype)
+    return value
 
   return Pipeline(loss, model.optimizer, config=cfg,
                   device_mapping=options.get("device_mapping"),
@@ -114,6 +129,7 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
     raise ValueError(f"A pipelined step needs batch_size x G x R = {micro} x {g} x {r} = "
                      f"{per_update} samples; got {len(x)}.")
   params = model.params
+  scaled = isinstance(jax.eval_shape(model.optimizer.init, params), loss_scaling.LossScaleState)
   history = History()
   history.history = {"loss": []}
   opt_state = None
@@ -125,10 +141,22 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
       idx = order[u * per_update:(u + 1) * per_update]
       batches = {"x": jnp.asarray(x[idx].reshape((g * r, micro) + x.shape[1:])),
                  "y": jnp.asarray(y[idx].reshape((g * r, micro) + y.shape[1:]))}
+      if scaled:  # a batch entry for the loss stage (there from the first lowering on)
+        batches[_LOSS_SCALE] = jnp.ones((g * r,), jnp.float32)
       if opt_state is None:
         opt_state = pipe.init(params, batches)
-      params, opt_state, loss = pipe.step(params, opt_state, batches)
+      if scaled:
+        scale = loss_scaling.loss_scale_of(opt_state[0])
+        batches[_LOSS_SCALE] = batches[_LOSS_SCALE] * scale
+      new_params, new_state, loss = pipe.step(params, opt_state, batches)
+      if scaled:
+        new_params, new_state = _one_skip_decision(params, opt_state, new_params, new_state)
+        loss = loss / scale
+      params, opt_state = new_params, new_state
       losses.append(float(loss))
+      model._step += 1
+      logs = loss_scaling.scaling_logs(opt_state[0]) if opt_state else {}
+      model._record_number_formats(logs, pipe.report.program_report)
     history.history["loss"].append(float(np.mean(losses)))
     history.epoch.append(epoch)
     if verbose:
@@ -136,7 +164,25 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
   model._params = model._replication.replicate(params) if (
       model._replication is not None and hasattr(model._replication, "replicate")) else params
   model._sync_module()
-  model._step += updates * epochs
   model.pipeline = pipe
   model.reports["train"] = pipe.report.program_report
   return history
+
+
+def _one_skip_decision(params, opt_state, new_params, new_state):
+  """Skips the step on every stage when any stage's loss-scale optimizer did.
+
+  Each stage's :class:`~ipu_jax.keras.LossScaleOptimizer` sees only its own
+  gradients; the model's step is one decision (Keras semantics), so a skip
+  anywhere restores every stage's weights and inner state and gives all of
+  them the skipping stage's scale and counts.
+  """
+  skipped = [int(new.skipped_steps) > int(old.skipped_steps)
+             for old, new in zip(opt_state, new_state)]
+  if not any(skipped) or all(skipped):
+    return new_params, new_state
+  skipping = new_state[skipped.index(True)]
+  restored = [old._replace(loss_scale=skipping.loss_scale, good_steps=skipping.good_steps,
+                           skipped_steps=skipping.skipped_steps, overflows=skipping.overflows)
+              for old in opt_state]
+  return params, restored

@@ -16,10 +16,12 @@ from ipu_jax.report.formatting import fmt_int
 from ipu_jax.report.formatting import fmt_seconds
 from ipu_jax.report.formatting import ordered_categories
 from ipu_jax.report.formatting import text_table
+from ipu_jax.report.precision import number_formats_comparison
+from ipu_jax.report.precision import number_formats_comparison_rows
 from ipu_jax.report.reports import _ReportBase
 from ipu_jax.report.reports import as_report
 
-__all__ = ["compare_reports"]
+__all__ = ["compare_reports", "comparison_to_dict"]
 
 def _change(a: float, b: float) -> str:
   if a == b:
@@ -59,7 +61,8 @@ def compare_reports(a, b, top: int = 20) -> str:
   Returns:
     Multi-line text: memory by category (total over the device and on the
     peak tile), cycles by phase, estimated time, and cycles by operation, each
-    with the delta and % change.
+    with the delta and % change; then, when either report has number-format
+    telemetry (loss scale, FP8 per-tensor scales), both side by side.
   """
   a, b = as_report(a), as_report(b)
   header = ["", f"A: {a.name}", f"B: {b.name}", "Delta (B-A)", "Change"]
@@ -98,8 +101,33 @@ def compare_reports(a, b, top: int = 20) -> str:
             f"of {len(mem_ops)})", "", "", "", ""]]
   rows += [_compare_row("  " + op, mem_a.get(op, 0), mem_b.get(op, 0))
            for op in mem_ops[:top]]
+  rows += number_formats_comparison_rows(
+      number_formats_comparison(a.number_formats, b.number_formats))
   title = [f"Comparing A = {a.name} ({a.target.name}, {a.target.num_ipus} "
            f"IPU(s), {a.target.num_tiles:,} tiles) with B = {b.name} "
            f"({b.target.name}, {b.target.num_ipus} IPU(s), "
            f"{b.target.num_tiles:,} tiles)", ""]
   return "\n".join(title + text_table(header, rows, indent="", right=right)) + "\n"
+
+
+def comparison_to_dict(a, b) -> dict:
+  """The comparison as a JSON document (``python -m ipu_jax.report A B --json``).
+
+  Args:
+    a, b: as :func:`compare_reports` takes them.
+
+  Returns:
+    ``{"a": name, "b": name, "totals": {key: {"a", "b", "delta"}},
+    "number_formats": None | {...}}``: the totals of ``report.json`` side by
+    side, and the number formats as
+    :func:`~ipu_jax.report.precision.number_formats_comparison` gives them.
+  """
+  a, b = as_report(a), as_report(b)
+  totals_a, totals_b = a.to_dict()["totals"], b.to_dict()["totals"]
+  totals = {}
+  for key in totals_a:
+    va, vb = totals_a[key], totals_b.get(key)
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
+    totals[key] = {"a": va, "b": vb, "delta": vb - va if numeric else None}
+  return {"a": a.name, "b": b.name, "totals": totals,
+          "number_formats": number_formats_comparison(a.number_formats, b.number_formats)}

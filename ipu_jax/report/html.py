@@ -50,6 +50,8 @@ from ipu_jax.report.data import tile_runs
 from ipu_jax.report.formatting import CATEGORY_COLOURS
 from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import ordered_categories
+from ipu_jax.report.precision import number_formats_comparison
+from ipu_jax.report.precision import number_formats_comparison_rows
 
 __all__ = ["HTML_FILE", "HTML_MISSING_FILE", "plotly_js", "report_payload",
            "report_html", "comparison_html", "write_report_html",
@@ -229,6 +231,11 @@ def comparison_html(a, b) -> str:
   """
   title = f"{a.name} vs {b.name} — ipu-jax report comparison"
   payload = {"a": report_payload(a), "b": report_payload(b)}
+  # The number formats side by side, as the text comparison lists them (each
+  # side's own histories are in its payload, for the charts).
+  formats = number_formats_comparison(a.number_formats, b.number_formats)
+  payload["number_formats"] = None if formats is None else {
+      "comparison": formats, "rows": number_formats_comparison_rows(formats)}
   return _page(title, _asset("compare.html"), payload, _asset("compare.js"))
 
 

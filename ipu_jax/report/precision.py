@@ -42,7 +42,8 @@ import numpy as np
 from ipu_jax.report.formatting import fmt_int, text_table
 
 __all__ = ["NumberFormatTelemetry", "FP8TensorHistory", "LossScaleHistory", "FP8_KINDS",
-           "NUMBER_FORMATS_PLOT_FILE", "number_formats_figure", "number_formats_section"]
+           "NUMBER_FORMATS_PLOT_FILE", "number_formats_figure", "number_formats_section",
+           "number_formats_comparison", "number_formats_comparison_rows"]
 
 NUMBER_FORMATS_PLOT_FILE = "number_formats.png"
 
@@ -279,6 +280,137 @@ def number_formats_section(telemetry: Optional[NumberFormatTelemetry], top: int 
           str(max(t.log2_scale)), f"{t.amax[-1]:.3g}"] for t in moving],
         indent="    ", right=(False, False, True, True, True, True, True))
   return lines
+
+
+# ----------------------------------------------------------------------------
+# Two reports side by side (compare_reports, the comparison page).
+# ----------------------------------------------------------------------------
+
+
+def _loss_scaling_digest(telemetry) -> Optional[dict]:
+  h = telemetry.loss_scaling if telemetry is not None else None
+  if h is None or not len(h):
+    return None
+  return {"records": len(h), "first_step": h.steps[0], "last_step": h.steps[-1],
+          "first_scale": h.scale[0], "last_scale": h.scale[-1],
+          "min_scale": min(h.scale), "max_scale": max(h.scale),
+          "skipped_steps": h.skipped_steps[-1], "overflows": h.overflows[-1]}
+
+
+def _fp8_digest(telemetry, kind: str) -> Optional[dict]:
+  group = [t for t in (telemetry.fp8.values() if telemetry is not None else ())
+           if t.kind == kind]
+  if not group:
+    return None
+  scales = np.concatenate([np.asarray(t.log2_scale) for t in group])
+  amax = np.concatenate([np.asarray(t.amax) for t in group])
+  return {"format": group[0].format, "tensors": len(group),
+          "steps": len({s for t in group for s in t.steps}),
+          "min_log2_scale": int(scales.min()), "median_log2_scale": float(np.median(scales)),
+          "max_log2_scale": int(scales.max()),
+          "last_log2_scale_median": float(np.median([t.log2_scale[-1] for t in group])),
+          "max_amax": float(amax.max())}
+
+
+def number_formats_comparison(a: Optional[NumberFormatTelemetry],
+                              b: Optional[NumberFormatTelemetry]) -> Optional[dict]:
+  """Two runs' number formats side by side (e.g. fp16 + loss scaling vs FP8).
+
+  Args:
+    a, b: the telemetry of reports A and B (None or empty: nothing recorded).
+
+  Returns:
+    None when neither has telemetry, else ``{"loss_scaling": {"a": digest |
+    None, "b": ...}, "fp8": {kind: {"a": ..., "b": ...}}}`` (only the kinds
+    either recorded). A loss-scaling digest holds ``records``,
+    ``first_step``/``last_step``, ``first_scale``/``last_scale``,
+    ``min_scale``/``max_scale``, ``skipped_steps`` and ``overflows`` (the
+    counts at the last record); an FP8 digest holds ``format``,
+    ``tensors``, ``steps``, the ``min``/``median``/``max_log2_scale`` over
+    every tensor and step, ``last_log2_scale_median`` and ``max_amax``.
+  """
+  a = None if a is None or a.empty else a
+  b = None if b is None or b.empty else b
+  if a is None and b is None:
+    return None
+  fp8 = {}
+  for kind in FP8_KINDS:
+    pair = {"a": _fp8_digest(a, kind), "b": _fp8_digest(b, kind)}
+    if pair["a"] or pair["b"]:
+      fp8[kind] = pair
+  return {"loss_scaling": {"a": _loss_scaling_digest(a), "b": _loss_scaling_digest(b)},
+          "fp8": fp8}
+
+
+def _scale_delta(a: float, b: float) -> str:
+  """How many binades B's scale is above A's (loss scales are powers of two)."""
+  steps = float(np.log2(b) - np.log2(a))
+  return f"{steps:+g} binades" if steps else "0"
+
+
+def _scale_ratio(a: float, b: float) -> str:
+  return f"x{b / a:.4g}"
+
+
+def _difference(a: float, b: float) -> str:
+  return f"{b - a:+,.4g}"
+
+
+def _fmt_log2(value: float) -> str:
+  return f"{value:g}"
+
+
+def _no_change_column(a: float, b: float) -> str:
+  del a, b  # a difference of log2 scales is already relative
+  return ""
+
+
+def _percent(a: float, b: float) -> str:
+  if a == b:
+    return "0.0%"
+  return "new" if a == 0 else f"{100.0 * (b - a) / abs(a):+.1f}%"
+
+
+def number_formats_comparison_rows(comparison: Optional[dict]) -> list:
+  """Rows ``[label, A, B, delta, change]`` of :func:`number_formats_comparison`.
+
+  For :func:`~ipu_jax.report.compare_reports`' table; ``[]`` when neither
+  report has telemetry. A side that recorded nothing shows ``-``.
+  """
+  if comparison is None:
+    return []
+  rows = [["Number formats", "", "", "", ""]]
+
+  def row(label, a, b, fmt, delta=_difference, change=_percent):
+    both = a is not None and b is not None
+    rows.append(["  " + label, "-" if a is None else fmt(a), "-" if b is None else fmt(b),
+                 delta(a, b) if both else "", change(a, b) if both else ""])
+
+
+  def field(digest, key):
+    return None if digest is None else digest[key]
+
+  loss = comparison["loss_scaling"]
+  if loss["a"] or loss["b"]:
+    la, lb = loss["a"], loss["b"]
+    for what in ("first", "last", "min", "max"):
+      row(f"Loss scale, {what}", field(la, f"{what}_scale"), field(lb, f"{what}_scale"),
+          _fmt_scale, _scale_delta, _scale_ratio)
+    row("Loss scale records (steps)", field(la, "records"), field(lb, "records"), fmt_int)
+    row("Skipped steps", field(la, "skipped_steps"), field(lb, "skipped_steps"), fmt_int)
+    row("Overflows", field(la, "overflows"), field(lb, "overflows"), fmt_int)
+  for kind, pair in comparison["fp8"].items():
+    da, db = pair["a"], pair["b"]
+    fmt = (da or db)["format"]
+    row(f"FP8 {kind} ({fmt}) tensors", field(da, "tensors"), field(db, "tensors"), fmt_int)
+    for what, key in (("median", "median_log2_scale"), ("min", "min_log2_scale"),
+                      ("max", "max_log2_scale"), ("last (median)", "last_log2_scale_median")):
+      # log2 scales: the difference is in binades; a percentage means nothing.
+      row(f"FP8 {kind} log2 scale, {what}", field(da, key), field(db, key), _fmt_log2,
+          _difference, _no_change_column)
+    row(f"FP8 {kind} amax, max", field(da, "max_amax"), field(db, "max_amax"),
+        lambda v: f"{v:.4g}")
+  return rows
 
 
 # ----------------------------------------------------------------------------

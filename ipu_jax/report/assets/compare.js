@@ -133,5 +133,44 @@ function renderCycles() {
   });
 }
 
+// Loss scale and FP8 scales of A and B (the section shows when either has them).
+function renderNumberFormats() {
+  const nf = REPORT.number_formats;
+  if (!nf) return Promise.resolve();
+  document.getElementById("number-formats").hidden = false;
+  document.getElementById("number-formats-link").hidden = false;
+  const columns = [{label: ""}, {label: "A", num: true}, {label: "B", num: true},
+                   {label: "Delta (B−A)", num: true}, {label: "Change", num: true}];
+  const rows = nf.rows.map((row) => row.map((text) => cell(escapeHtml(text), text)));
+  document.getElementById("number-formats-table").innerHTML = tableHtml("number-formats", columns, rows);
+  const runs = [["A", A, "#1f77b4"], ["B", B, "#ff7f0e"]];
+  const plots = [];
+  const lossTraces = runs.filter(([, r]) => r.number_formats && r.number_formats.loss_scaling).map(
+    ([label, r, colour]) => ({type: "scatter", mode: "lines+markers", line: {shape: "hv", color: colour},
+      name: `${label}: ${r.name}`, x: r.number_formats.loss_scaling.steps, y: r.number_formats.loss_scaling.scale}));
+  if (lossTraces.length) {
+    plots.push(Plotly.newPlot("loss-scale-chart", lossTraces, {
+      title: {x: 0.01, xanchor: "left", text: "Loss scale", font: {size: 13}}, height: 360,
+      margin: {l: 70, r: 10, t: 40, b: 40}, xaxis: {title: {text: "step"}},
+      yaxis: {title: {text: "loss scale"}, type: "log", exponentformat: "power"}}, PLOT_CONFIG));
+  } else {
+    document.getElementById("loss-scale-chart").innerHTML = "<p class='hint'>No loss scaling recorded.</p>";
+  }
+  const fp8Traces = runs.filter(([, r]) => r.number_formats && (r.number_formats.fp8_tensors || []).length).map(
+    ([label, r, colour]) => ({type: "histogram", name: `${label}: ${r.name}`, opacity: 0.6, xbins: {size: 1},
+      marker: {color: colour}, x: r.number_formats.fp8_tensors.flatMap((t) => t.log2_scale)}));
+  if (fp8Traces.length) {
+    plots.push(Plotly.newPlot("fp8-scales-chart", fp8Traces, {
+      title: {x: 0.01, xanchor: "left", text: "FP8 per-tensor log2 scales (tensors × steps)", font: {size: 13}},
+      barmode: "overlay", height: 360, margin: {l: 60, r: 10, t: 40, b: 40},
+      xaxis: {title: {text: "log2 scale"}, dtick: 1}, yaxis: {title: {text: "tensors × steps"}}}, PLOT_CONFIG));
+  } else {
+    document.getElementById("fp8-scales-chart").innerHTML = "<p class='hint'>No FP8 tensors recorded.</p>";
+  }
+  return Promise.all(plots);
+}
+
 renderTotals();
-Promise.all([renderMemory(), renderCycles()]).then(() => { document.body.dataset.ready = "true"; });
+Promise.all([renderMemory(), renderCycles(), renderNumberFormats()]).then(() => {
+  document.body.dataset.ready = "true";
+});
