@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from ipu_jax.lowering import plan_cache
@@ -125,11 +126,13 @@ def to_storage(flat, mapping: TileMapping):
   rows, size = mapping.storage_shape
   if mapping.num_elements == 0:
     return jnp.zeros((rows, size), flat.dtype)
+  # lax, not jnp: these run for every step's operands while the executor
+  # traces, and jnp's shape and index handling was a fifth of that time.
   if mapping.is_linear:
     pad = rows * size - mapping.num_elements
     if pad:
-      flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
-    return flat.reshape(rows, size)
+      flat = lax.pad(flat, jnp.zeros((), flat.dtype), ((0, pad, 0),))
+    return lax.reshape(flat, (rows, size))
   if mapping.grid is not None:
     return mapping.grid.to_storage(flat.reshape(mapping.grid.shape))
   source = mapping.storage_source
@@ -143,9 +146,10 @@ def to_flat(storage, mapping: TileMapping):
     return jnp.zeros((0,), storage.dtype)
   if mapping.grid is not None:
     return mapping.grid.to_logical(storage).reshape(-1)
-  flat = storage.reshape(-1)
+  flat = lax.reshape(storage, (storage.size,))
   if mapping.is_linear:
-    return flat[:mapping.num_elements]
+    return flat if flat.shape[0] == mapping.num_elements else lax.slice(
+        flat, (0,), (mapping.num_elements,))
   return flat[mapping.storage_position]
 
 
