@@ -354,6 +354,9 @@ class TileMapping:
     if self.is_linear and other.is_linear:
       return (self.chunk == other.chunk or self.num_rows <= 1) and \
           np.array_equal(self.tiles, other.tiles) and self.storage_shape == other.storage_shape
+    if self.grid is not None and self.grid == other.grid:
+      # Equal grids put equal elements in equal rows: compare rows' tiles, not elements.
+      return np.array_equal(self.tiles, other.tiles)
     return (np.array_equal(self.tiles, other.tiles)
             and self.storage_shape == other.storage_shape
             and np.array_equal(self.storage_position, other.storage_position))

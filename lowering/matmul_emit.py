@@ -508,13 +508,14 @@ def _sum_partials(c):
   halves are whole-slice adds (vectorised, fused into one pass) and take
   ``log2(gk)`` steps to trace.
   """
+  odd = []  # a block left over at an odd count joins at the end (no copies)
   while c.shape[0] > 1:
     half = c.shape[0] // 2
-    pair = lax.slice_in_dim(c, 0, half) + lax.slice_in_dim(c, half, 2 * half)
     if c.shape[0] % 2:
-      pair = lax.concatenate([pair, lax.slice_in_dim(c, 2 * half, 2 * half + 1)], 0) \
-        if half > 1 else pair + lax.slice_in_dim(c, 2 * half, 2 * half + 1)
-    c = pair
+      odd.append(lax.slice_in_dim(c, 2 * half, 2 * half + 1))
+    c = lax.slice_in_dim(c, 0, half) + lax.slice_in_dim(c, half, 2 * half)
+  for extra in odd:
+    c = c + extra
   return lax.index_in_dim(c, 0, keepdims=False)
 
 
