@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.jax_compat import lax_internal
-from ipu_jax.lowering.exchange import take_or_fill
 from ipu_jax.lowering.mapping import TileMapping
 
 __all__ = ["Groups", "group_slots", "identity_of", "rows_mapping", "gather_or_fill"]
@@ -58,8 +58,9 @@ def rows_mapping(num: int, row_tiles: np.ndarray, row_of: np.ndarray,
 
 
 def gather_or_fill(flat, index: np.ndarray, fill):
-  """``flat[index]`` where ``index == flat.size`` takes ``fill`` (pads where regular)."""
-  return take_or_fill(flat, index, fill)
+  """``flat[index]`` where ``index == flat.size`` takes ``fill``."""
+  ext = jnp.concatenate([flat, jnp.reshape(jnp.asarray(fill, flat.dtype), (1,))])
+  return ext[index]
 
 
 @dataclasses.dataclass
