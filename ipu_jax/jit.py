@@ -199,9 +199,12 @@ def _to_flat(storage, tensor):
 
 
 def _cache_aval(x) -> tuple:
-  """``(shape, dtype, weak type)`` of an argument leaf, for the lowering cache."""
+  """``(shape, dtype name, weak type)`` of an argument leaf, for the lowering cache.
+
+  A NumPy array and a ``jax.Array`` of one shape and dtype give the same key.
+  """
   if isinstance(x, jax.Array):  # the common case, without NumPy's conversions
-    return x.shape, x.dtype, getattr(x, "weak_type", False)
+    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False)
   return (tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
           getattr(x, "weak_type", False))
 
