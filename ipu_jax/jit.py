@@ -295,6 +295,17 @@ def _to_flat(storage, tensor):
   return to_flat(storage, tensor.mapping)
 
 
+def _cache_aval(x) -> tuple:
+  """``(shape, dtype name, weak type)`` of an argument leaf, for the lowering cache.
+
+  A NumPy array and a ``jax.Array`` of one shape and dtype give the same key.
+  """
+  if isinstance(x, jax.Array):  # the common case, without NumPy's conversions
+    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False)
+  return (tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
+          getattr(x, "weak_type", False))
+
+
 def _argument_name(path) -> str:
   """``args[0]['w']`` / ``kwargs['x']`` for a path into ``(args, kwargs)``."""
   first, *rest = path
@@ -499,14 +510,17 @@ class IPUFunction:
       TypeError: an argument is a Flax NNX module or optimizer, whose in-place
         updates this function could not write back (use ``ipu_jax.nnx_jit``).
     """
+    return self._lower(args, kwargs)[0]
+
+  def _lower(self, args, kwargs):
+    """:meth:`lower`, and the flat dynamic arguments (one flattening for a call)."""
     from ipu_jax.nnx_jit import reject_graph_nodes  # nnx_jit builds on this module
     reject_graph_nodes(tuple(args) + tuple(kwargs.values()), self.__name__)
     target, options, replicas = self._settings()
     static, dynamic, call = self._split(args, kwargs)
     with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dynamic)
     flat = [leaf for _, leaf in with_paths]
-    avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
-                   getattr(x, "weak_type", False)) for x in flat)
+    avals = tuple(_cache_aval(x) for x in flat)
     offload = None
     if self.offload_argnums or self.offload_outputs:
       from ipu_jax import offload as offload_lib
@@ -527,12 +541,10 @@ class IPUFunction:
                           replication_factor=replicas, arg_names=arg_names,
                           progress=progress, offload=offload)
       self._cache[key] = lowered
-    return lowered
+    return lowered, flat
 
   def __call__(self, *args, **kwargs):
-    lowered = self.lower(*args, **kwargs)
-    _, dynamic, _ = self._split(args, kwargs)
-    flat = jax.tree_util.tree_leaves(dynamic)
+    lowered, flat = self._lower(args, kwargs)
     if getattr(lowered, "_has_run", False):
       return lowered.call_flat(flat)
     with self._progress() as progress:

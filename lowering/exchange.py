@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from ipu_jax.lowering import plan_cache
@@ -18,7 +19,8 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
 __all__ = ["ExchangeCost", "movement_cost", "interval_movement_cost", "to_storage", "to_flat",
-           "relayout", "relayout_cost", "shift_cost", "exchange_cycles"]
+           "relayout", "relayout_cost", "shift_cost", "exchange_cycles", "ordered_runs",
+           "take_or_fill"]
 
 
 @dataclasses.dataclass
@@ -125,16 +127,16 @@ def to_storage(flat, mapping: TileMapping):
   rows, size = mapping.storage_shape
   if mapping.num_elements == 0:
     return jnp.zeros((rows, size), flat.dtype)
+  # lax, not jnp: these run for every step's operands while the executor
+  # traces, and jnp's shape and index handling was a fifth of that time.
   if mapping.is_linear:
     pad = rows * size - mapping.num_elements
     if pad:
-      flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
-    return flat.reshape(rows, size)
+      flat = lax.pad(flat, jnp.zeros((), flat.dtype), ((0, pad, 0),))
+    return lax.reshape(flat, (rows, size))
   if mapping.grid is not None:
     return mapping.grid.to_storage(flat.reshape(mapping.grid.shape))
-  source = mapping.storage_source
-  padded = jnp.concatenate([flat, jnp.zeros((1,), flat.dtype)])
-  return padded[source].reshape(rows, size)
+  return take_or_fill(flat, mapping.storage_source, 0).reshape(rows, size)
 
 
 def to_flat(storage, mapping: TileMapping):
@@ -143,10 +145,65 @@ def to_flat(storage, mapping: TileMapping):
     return jnp.zeros((0,), storage.dtype)
   if mapping.grid is not None:
     return mapping.grid.to_logical(storage).reshape(-1)
-  flat = storage.reshape(-1)
+  flat = lax.reshape(storage, (storage.size,))
   if mapping.is_linear:
-    return flat[:mapping.num_elements]
+    return flat if flat.shape[0] == mapping.num_elements else lax.slice(
+        flat, (0,), (mapping.num_elements,))
   return flat[mapping.storage_position]
+
+
+def ordered_runs(index: np.ndarray, size: int):
+  """``index``'s pattern when ``flat[index]`` (``size`` = fill) is pads and a reshape.
+
+  That is when the taken elements are ``0 .. size - 1`` in order, in runs of
+  ``count`` slots every ``stride`` slots from ``start`` (the last run may be
+  shorter) with fills everywhere else: a block layout's rows, padded. The
+  check is vectorised, O(len(index)).
+
+  Returns:
+    ``(start, count, stride)``, or ``None`` for any other pattern.
+  """
+  index = np.asarray(index).reshape(-1)
+  taken = index < size
+  if size == 0 or int(taken.sum()) != size or not np.array_equal(
+      index[taken], np.arange(size, dtype=index.dtype)):
+    return None
+  edges = np.diff(taken.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+  starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+  lengths = ends - starts
+  count = int(lengths[0])
+  if starts.size == 1:
+    return int(starts[0]), count, count
+  stride = int(starts[1] - starts[0])
+  if (np.all(lengths[:-1] == count) and lengths[-1] <= count
+      and np.all(np.diff(starts) == stride)):
+    return int(starts[0]), count, stride
+  return None
+
+
+def take_or_fill(flat, index: np.ndarray, fill):
+  """``flat[index]``, where ``index == flat.size`` takes ``fill``, for a static ``index``.
+
+  Runs of consecutive elements laid out as padded rows (:func:`ordered_runs`)
+  are pads and a reshape, which XLA fuses into neighbouring work; anything
+  else is one gather.
+  """
+  index = np.asarray(index)
+  size = int(flat.shape[0])
+  fill = jnp.asarray(fill, flat.dtype)
+  runs = ordered_runs(index, size)
+  if runs is None:
+    ext = jnp.concatenate([flat, jnp.reshape(fill, (1,))])
+    return ext[index]
+  start, count, stride = runs
+  rows = -(-size // count)
+  x = lax.pad(flat, fill, ((0, rows * count - size, 0),))
+  x = lax.pad(lax.reshape(x, (rows, count)), fill, ((0, 0, 0), (0, stride - count, 0)))
+  x = lax.reshape(x, (rows * stride,))
+  total = int(index.size)
+  # Fills before the first run; after the last, up to the index's length.
+  x = lax.pad(x, fill, ((start, max(0, total - start - rows * stride), 0),))
+  return lax.reshape(lax.slice(x, (0,), (total,)), index.shape)
 
 
 def relayout(storage, src: TileMapping, dst: TileMapping):

@@ -56,7 +56,12 @@ class _Env:
     return sorted(keys | self.extra_keys, key=str)
 
 
-def _run(program, state: dict, env: _Env) -> dict:
+def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
+  """The state after ``program``; ``owned``: ``state`` is this call's to update in place.
+
+  A sequence copies the state once and its steps write into that copy:
+  copying it per step made tracing quadratic in the number of steps.
+  """
   if program is None:
     return state
   if isinstance(program, P.Superstep):
@@ -67,21 +72,24 @@ def _run(program, state: dict, env: _Env) -> dict:
     if len(outputs) != len(program.writes):
       raise RuntimeError(f"step {program.name} returned {len(outputs)} values, "
                          f"expected {len(program.writes)}")
-    state = dict(state)
+    if not owned:
+      state = dict(state)
     for tensor, value in zip(program.writes, outputs):
       if tuple(value.shape) != tensor.storage_shape:
         raise RuntimeError(
             f"step {program.name} produced storage {value.shape} for {tensor.name}, "
             f"expected {tensor.storage_shape}")
-      state[tensor.id] = value.astype(tensor.dtype)
+      state[tensor.id] = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
     if env.traps is not None:
       key = fp_exceptions.RECORD_KEY
       state[key] = env.traps.check(program, values, [state[t.id] for t in program.writes],
                                    state[key], env.iteration)
     return state
   if isinstance(program, P.Sequence):
+    state = state if owned else dict(state)
     for child in program.programs:
-      state = _run(child, state, env)
+      # Other nodes return a new dict (or this one unchanged): still ours.
+      state = _run(child, state, env, owned=True)
     return state
   if isinstance(program, P.StreamCopy):
     return _stream_copy(program, state, env)
@@ -250,7 +258,7 @@ def build_function(program, tensors: dict, input_keys: Iterable,
     state = dict(zip(input_keys, inputs))
     if traps is not None:
       state[fp_exceptions.RECORD_KEY] = traps.initial_record()
-    state = _run(program, state, env)
+    state = _run(program, state, env, owned=True)
     return tuple(env.get(state, k) for k in output_keys)
 
   donate_argnums = tuple(range(len(input_keys))) if donate else ()

@@ -75,14 +75,16 @@ class BlockGrid:
   def to_storage(self, x):
     """Logical array of ``shape`` -> ``[rows, row_size]`` storage."""
     storage = self._to_storage(x)
-    return storage if self.rows is None else storage[:self.rows]
+    if self.rows is None:
+      return storage
+    from jax import lax
+    return lax.slice_in_dim(storage, 0, self.rows, axis=0)
 
   def to_logical(self, storage):
     """``[rows, row_size]`` storage -> logical array of ``shape``."""
     full = self._counts()[0] * self.pieces
     if self.rows is not None and self.rows < full:
-      import jax.numpy as jnp
-      storage = jnp.pad(storage, ((0, full - self.rows), (0, 0)))
+      storage = _pad_high(storage, (full - self.rows, 0))
     return self._to_logical(storage)
 
   def _to_storage(self, x):
@@ -98,19 +100,19 @@ class BlockGrid:
       inner = dataclasses.replace(self, shape=x.shape[1:], serial=(None, 1), rows=None)
       per_pass = jax.vmap(inner.to_storage)(x)
       return jnp.transpose(per_pass, (1, 0, 2)).reshape(per_pass.shape[1], -1)
+    # lax with explicit shapes (not jnp): the executor traces these for every
+    # step's operands, and jnp's shape handling dominated that.
+    from jax import lax
     ndim = x.ndim
-    pad = [(0, int(g) * int(b) - int(d)) for g, b, d in zip(self.grids, self.blocks, x.shape)]
-    if any(hi for _, hi in pad):
-      x = jnp.pad(x, pad)
-    x = x.reshape([v for g, b in zip(self.grids, self.blocks) for v in (int(g), int(b))])
-    x = jnp.transpose(x, [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)])
+    x = _pad_high(x, [int(g) * int(b) - int(d) for g, b, d in zip(self.grids, self.blocks, x.shape)])
+    x = lax.reshape(x, tuple(v for g, b in zip(self.grids, self.blocks) for v in (int(g), int(b))))
+    x = lax.transpose(x, tuple([2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]))
     num_blocks, block_elements = self._counts()
-    x = x.reshape(num_blocks, block_elements)
+    x = lax.reshape(x, (num_blocks, block_elements))
     if self.pieces > 1:
       piece = -(-block_elements // self.pieces)
-      if piece * self.pieces != block_elements:
-        x = jnp.pad(x, ((0, 0), (0, piece * self.pieces - block_elements)))
-      x = x.reshape(num_blocks * self.pieces, piece)
+      x = _pad_high(x, (0, piece * self.pieces - block_elements))
+      x = lax.reshape(x, (num_blocks * self.pieces, piece))
     return x
 
   def _to_logical(self, storage):
@@ -127,18 +129,32 @@ class BlockGrid:
       x = jnp.moveaxis(x, 0, axis)                        # [.., count, length, ..]
       x = x.reshape(self.shape[:axis] + (count * length,) + self.shape[axis + 1:])
       return jax.lax.slice_in_dim(x, 0, self.shape[axis], axis=axis)
+    from jax import lax
     ndim = len(self.shape)
     num_blocks, block_elements = self._counts()
-    x = storage.reshape(num_blocks, -1)[:, :block_elements]
-    x = x.reshape(tuple(int(g) for g in self.grids) + tuple(int(b) for b in self.blocks))
+    x = lax.reshape(storage, (num_blocks, storage.size // num_blocks))
+    if x.shape[1] != block_elements:
+      x = lax.slice_in_dim(x, 0, block_elements, axis=1)
+    x = lax.reshape(x, tuple(int(g) for g in self.grids) + tuple(int(b) for b in self.blocks))
     forward = [2 * a for a in range(ndim)] + [2 * a + 1 for a in range(ndim)]
-    x = jnp.transpose(x, np.argsort(forward))
-    x = x.reshape([int(g) * int(b) for g, b in zip(self.grids, self.blocks)])
-    return x[tuple(slice(0, int(d)) for d in self.shape)]
+    x = lax.transpose(x, tuple(int(a) for a in np.argsort(forward)))
+    x = lax.reshape(x, tuple(int(g) * int(b) for g, b in zip(self.grids, self.blocks)))
+    if tuple(x.shape) != tuple(self.shape):
+      x = lax.slice(x, (0,) * ndim, tuple(int(d) for d in self.shape))
+    return x
 
   def _counts(self):
     return (int(np.prod(self.grids, dtype=np.int64)),
             int(np.prod(self.blocks, dtype=np.int64)))
+
+
+def _pad_high(x, highs):
+  """``x`` zero-padded at the end of each axis by ``highs`` (no-op when all 0)."""
+  if not any(highs):
+    return x
+  import jax.numpy as jnp
+  from jax import lax
+  return lax.pad(x, jnp.zeros((), x.dtype), tuple((0, int(h), 0) for h in highs))
 
 
 class TileMapping:
@@ -371,6 +387,9 @@ class TileMapping:
     if self.is_linear and other.is_linear:
       return (self.chunk == other.chunk or self.num_rows <= 1) and \
           np.array_equal(self.tiles, other.tiles) and self.storage_shape == other.storage_shape
+    if self.grid is not None and self.grid == other.grid:
+      # Equal grids put equal elements in equal rows: compare rows' tiles, not elements.
+      return np.array_equal(self.tiles, other.tiles)
     return (np.array_equal(self.tiles, other.tiles)
             and self.storage_shape == other.storage_shape
             and np.array_equal(self.storage_position, other.storage_position))

@@ -54,6 +54,8 @@ class JitTest(chex.TestCase, parameterized.TestCase):
     g(jnp.ones(4))
     g(jnp.ones(3, jnp.int32))
     self.assertEqual(g.cache_size, 3)
+    g(np.ones(3, np.float32))  # a NumPy array of a lowered shape and dtype reuses it
+    self.assertEqual(g.cache_size, 3)
 
   def test_lower_gives_program_and_report(self):
     lowered = ipu_jax.jit(lambda x: jnp.exp(x) * 2, target=_T16).lower(jnp.ones(100))

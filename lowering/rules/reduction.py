@@ -54,7 +54,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
                                        relayout_to, storage, worker_vertices)
-from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles
+from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, take_or_fill
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.grouping import (elements_tiles, first_elements, gather_or_fill,
@@ -492,7 +492,8 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
     for c, p in enumerate(partials):
       if c in spec.out_components:
         value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
-        out.append(gather_or_fill(value, out_src, ids[c]).reshape(p.storage_shape))
+        # Placing the results (no arithmetic follows): pads where the rows are regular.
+        out.append(take_or_fill(value, out_src, ids[c]).reshape(p.storage_shape))
       else:
         out.append(jnp.full(p.storage_shape, ids[c], p.dtype))
     return tuple(out)
