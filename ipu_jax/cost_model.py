@@ -35,12 +35,12 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    estimators (kernels/reduce.py, kernels/popops.py); on-chip sync 90 cycles
 #    (was 150) and a fixed 100 cycles per exchange (was 30), poplibs' planner
 #    figures.
-# 4: one cost for one sync: a multi-IPU program's cross-IPU supersteps pay
-#    poplibs' IPUModel global sync (``IPUTarget.ipu_sync_cycles``, 40 cycles
-#    for 2 IPUs at 1.33 GHz; was the 1,500-cycle external estimate), the
-#    figure pipelines pay too, now with IPUModel's whole-number hops (2 IPUs:
-#    1 hop, was 1.5); host and streaming-memory syncs keep the estimate as
-#    ``sync_cycles_host``; max/min/mul reductions follow poplibs' op-specific
+# 4: one cost for one sync: a multi-IPU program's cross-IPU supersteps and a
+#    pipeline's slots pay ``IPUTarget.ipu_sync_cycles``: the on-chip sync
+#    plus poplibs' IPUModel global sync signal with its whole-number hops
+#    (2 IPUs at 1.33 GHz: 90 + 40 = 130 cycles; programs paid the 1,500-cycle
+#    external estimate, pipelines 60 alone); host and streaming-memory syncs
+#    keep the estimate as ``sync_cycles_host``; max/min/mul reductions follow poplibs' op-specific
 #    Reduce estimates (no accumulators: 64-bit vectors, their own loop post).
 COST_MODEL_VERSION = "4"
 
@@ -84,7 +84,8 @@ FIGURE_SOURCES = {
     "ipu_sync_seconds_per_hop": FigureSource(
         "poplibs", "IPUModel set-up for multi-IPU systems (lib/poplibs_test/Util.cpp, "
         "setGlobalSyncLatency): 15 ns per hop each way, hops = 1 + (IPUs / 2) / 2 in whole "
-        "numbers; IPUTarget.ipu_sync_cycles, paid by cross-IPU supersteps and pipeline slots"),
+        "numbers; IPUTarget.ipu_sync_cycles adds it to the on-chip sync, for cross-IPU "
+        "supersteps and pipeline slots alike"),
     "sync_cycles_host": FigureSource(
         "estimate", "a sync with the host or streaming memory (stream copies, remote-buffer "
         "copies); neither poplibs, the Poplar/GCL documentation nor a published measurement "

@@ -167,18 +167,21 @@ class IPUTarget:
   def ipu_sync_cycles(self, num_ipus: int | None = None) -> float:
     """Cycles of one sync across ``num_ipus`` IPUs (default: all of them).
 
-    poplibs' IPUModel figure (``setGlobalSyncLatency``): the signal crosses
-    one hop within a card plus one per pair of cards, there and back:
+    The tiles of every IPU sync on chip (``sync_cycles_internal``, all IPUs
+    at once), then the sync signal goes between the IPUs and back: poplibs'
+    IPUModel figure (``setGlobalSyncLatency``),
     ``ceil(ipu_sync_seconds_per_hop * clock_hz * hops * 2)`` with
-    ``hops = 1 + (num_ipus // 2) // 2`` -- 40 cycles for 2 IPUs at 1.33 GHz.
-    A multi-IPU program's cross-IPU supersteps and a pipeline's slot
-    boundaries both pay it. 0 for one IPU.
+    ``hops = 1 + (num_ipus // 2) // 2`` -- 40 cycles for 2 IPUs at 1.33 GHz,
+    so 90 + 40 = 130 in all: a sync across IPUs never costs less than one
+    within an IPU. A multi-IPU program's cross-IPU supersteps and a
+    pipeline's slot boundaries both pay it. 0 for one IPU (no sync crosses).
     """
     n = self.num_ipus if num_ipus is None else int(num_ipus)
     if n <= 1:
       return 0.0
     hops = 1 + (n // 2) // 2
-    return float(math.ceil(self.ipu_sync_seconds_per_hop * self.clock_hz * hops * 2))
+    signal = math.ceil(self.ipu_sync_seconds_per_hop * self.clock_hz * hops * 2)
+    return float(self.sync_cycles_internal + signal)
 
   def ipu_of_tile(self, tile):
     """The IPU index that holds ``tile`` (works on NumPy arrays too)."""

@@ -131,9 +131,10 @@ _MAX_VERTEX = ("max reduces without accumulators: poplibs' max STRIDED_REDUCE co
 
 
 def _ipu_syncs(count):
-  return (count * (40.0 - 1500.0),
-          f"{count} sync(s) across the 2 IPUs cost IPUModel's 40 cycles, as a pipeline's do, "
-          "not the 1,500-cycle estimate that also priced host syncs (cost model 4)")
+  return (count * (90.0 + 40.0 - 1500.0),
+          f"{count} sync(s) across the 2 IPUs cost the on-chip 90 cycles plus IPUModel's 40, as "
+          "a pipeline's do, not the 1,500-cycle estimate that also priced host syncs "
+          "(cost model 4)")
 
 
 _COST_MODEL_4_CHANGES = {

@@ -255,12 +255,13 @@ class PipelinedTrainingTest(chex.TestCase):
 
   def test_slot_sync_is_the_sync_of_a_multi_ipu_program(self):
     # One work, one cost: the sync ending a pipeline slot and the sync of a
-    # superstep spanning the same IPUs in one program are the same IPU-to-IPU
-    # sync, IPUModel's ceil(15 ns x 1.33 GHz x hops x 2) with hops
-    # 1 + (IPUs / 2) / 2: 40 cycles for 2 IPUs, 80 for 4.
+    # superstep spanning the same IPUs in one program are the same sync: the
+    # on-chip sync (90) and IPUModel's signal between the IPUs,
+    # ceil(15 ns x 1.33 GHz x hops x 2) with hops 1 + (IPUs / 2) / 2: 40
+    # cycles for 2 IPUs, 80 for 4.
     pipe, _ = self.pipes[False]
     n = self.STAGES
-    expected = {2: 40.0, 4: 80.0}[n]
+    expected = 90.0 + {2: 40.0, 4: 80.0}[n]
     slots = [s for s in pipe.report.program_report.profile.steps if s.op == "pipeline slot"]
     self.assertNotEmpty(slots)
     self.assertEqual({s.sync_cycles for s in slots}, {expected})
