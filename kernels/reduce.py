@@ -35,12 +35,12 @@ The operation changes the cost the way poplibs' estimators say:
 * ``add`` runs on the accumulators (above);
 * ``max``, ``min`` and ``mul`` use no accumulators: their vectors are one
   64-bit load wide (4 fp16 or 2 fp32), so a single-output worker's loop
-  handles 4 fp16 / 2 fp32 inputs a cycle with a shorter remainder, and a
-  strided group's completion and store costs 7 (fp16 partials, 1 more than
-  ``add``'s 6 when the output is fp32; equal for an fp16 output) or 4 (fp32
-  partials, 1 less than ``add``'s 5). poplibs' table of fp16 store costs has
-  no ``mul`` row (its lookup yields 0, an omission); ``mul`` takes
-  ``max``/``min``'s figure, the other operations without accumulators;
+  handles 4 fp16 / 2 fp32 inputs a cycle with a shorter remainder; a
+  strided group's completion and store costs what ``add``'s does for fp16
+  partials (1 + 7 into fp16) and 2 + 2 instead of 3 + 2 for fp32 partials.
+  poplibs' table of fp16 store costs has no ``mul`` row (its lookup yields
+  0, an omission); ``mul`` takes ``max``/``min``'s figure, the other
+  operations without accumulators;
 * ``and``, ``or`` (poplibs' ``LOGICAL_AND``/``LOGICAL_OR``) have no assembly
   vertex: poplibs' C++ ``Reduce`` vertex costs 7 cycles of entry and exit, 24
   to load its two vector lists, 8 per output region, and per partials region
