@@ -126,18 +126,29 @@ def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units:
           + (10 + 1 + out_groups * (19 - c + 7 + loads + inner_z)))
 
 
-def _strided_reduce_vertex(outputs: int, partials: int, half: bool, stride: int) -> int:
-  """poplibs' STRIDED_REDUCE estimate (add, not update, output type = partials type)."""
+def _strided_reduce_vertex(outputs: int, partials: int, half: bool, stride: int,
+                           op: str = "add") -> int:
+  """poplibs' STRIDED_REDUCE estimate (not update, output type = partials type).
+
+  ``add`` uses the accumulators (8 fp16 / 4 fp32 a vector), ``max``/``min``/
+  ``mul`` 64-bit vectors (4 / 2); the completion and store of a group is
+  1 + 7 for fp16 partials (poplibs' table has no fp16 ``mul`` row; max/min's
+  figure is used) and (3 for add, else 2) + 2 for fp32.
+  """
+  accumulates = op == "add"
   cycles = 3 + 2 + 6 + 5
-  post = (1 + 7) if half else (3 + 2)
+  post = (1 + 7) if half else ((3 if accumulates else 2) + 2)
   outer = 3 + post + (3 + 1 * (partials - 1))
-  per_loop = math.gcd(min(8 if half else 4, 4 if half else 2), stride)
+  path = 4 if half else 2
+  width = (8 if half else 4) if accumulates else path
+  per_loop = math.gcd(min(width, path), stride)
   return cycles + outer * -(-outputs // per_loop)
 
 
-def _single_input_reduce_vertex(partials: int, half: bool) -> int:
-  """poplibs' SCALAR_OUTPUT_SINGLE_INPUT estimate (add, output type = partials type)."""
-  acc, path = (8, 4) if half else (4, 2)
+def _single_input_reduce_vertex(partials: int, half: bool, op: str = "add") -> int:
+  """poplibs' SCALAR_OUTPUT_SINGLE_INPUT estimate (output type = partials type)."""
+  path = 4 if half else 2
+  acc = ((8, 4) if half else (4, 2))[0] if op == "add" else path
   per_cycle = min(acc, path)
   loads = acc // per_cycle
   per_loop = max(loads, 1)
@@ -146,8 +157,9 @@ def _single_input_reduce_vertex(partials: int, half: bool) -> int:
   return cycles + (5 if half else 0)
 
 
-def poplibs_reduce_cycles(rows: int, outputs: int, half: bool, workers: int = 6) -> int:
-  """A tile reducing ``[rows, outputs]`` over its rows, poplibs' way.
+def poplibs_reduce_cycles(rows: int, outputs: int, half: bool, workers: int = 6,
+                          op: str = "add") -> int:
+  """A tile reducing ``[rows, outputs]`` over its rows with ``op``, poplibs' way.
 
   The outputs are dealt to the workers (one STRIDED_REDUCE vertex each, the
   row stride being ``outputs``); a single output is split by rows over the
@@ -156,13 +168,20 @@ def poplibs_reduce_cycles(rows: int, outputs: int, half: bool, workers: int = 6)
   the workers plus the launch overhead.
   """
   if outputs >= workers:
-    per_worker = [_strided_reduce_vertex(e, rows, half, outputs)
+    per_worker = [_strided_reduce_vertex(e, rows, half, outputs, op)
                   for e in _worker_rows(outputs, workers) if e]
     return workers * max(per_worker) + SUPERVISOR
   assert outputs == 1, "the reference covers column reductions and full reductions"
-  first = max(_single_input_reduce_vertex(e, half) for e in _worker_rows(rows, workers) if e)
-  second = _single_input_reduce_vertex(workers, half)
+  first = max(_single_input_reduce_vertex(e, half, op) for e in _worker_rows(rows, workers) if e)
+  second = _single_input_reduce_vertex(workers, half, op)
   return workers * first + SUPERVISOR + workers * second + SUPERVISOR
+
+
+def poplibs_ipu_sync_cycles(num_ipus: int, clock_hz: float) -> int:
+  """IPUModel's global sync (poplibs_test setGlobalSyncLatency): 15 ns per hop,
+  there and back, over one hop within a card plus one per pair of cards."""
+  hops = 1 + (num_ipus // 2) // 2
+  return math.ceil(15e-9 * clock_hz * hops * 2)
 
 
 # ---------------------------------------------------------------------------
@@ -199,22 +218,33 @@ def _tile_matmul_case(preset, dtype_name, rows, k, n):
               "compute cycles per tile", "cycles", "poplibs", POPLIBS, run)
 
 
-def _reduce_case(dtype_name, rows, outputs):
+# The jax.numpy reduction, its primitive and poplibs' operation.
+_REDUCERS = {"add": ("sum", "reduce_sum"), "max": ("max", "reduce_max"),
+             "min": ("min", "reduce_min"), "mul": ("prod", "reduce_prod")}
+
+
+def _reduce_case(dtype_name, rows, outputs, op="add"):
+  fn_name, primitive = _REDUCERS[op]
+
   def run():
     import jax.numpy as jnp
     import ipu_jax
     target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=1)
     dtype = jnp.dtype(dtype_name)
     shape = (rows, outputs) if outputs > 1 else (rows,)
-    lowered = _lower(lambda x: jnp.sum(x, axis=0, dtype=dtype), target, jnp.ones(shape, dtype))
-    steps = [s for s in lowered.profile.steps if s.op == "reduce_sum"]
+    reduce = getattr(jnp, fn_name)
+    # In the input's type (jnp.sum and jnp.prod would widen fp16 otherwise).
+    kwargs = {"dtype": dtype} if op in ("add", "mul") else {}
+    lowered = _lower(lambda x: reduce(x, axis=0, **kwargs), target, jnp.ones(shape, dtype))
+    steps = [s for s in lowered.profile.steps if s.op == primitive]
     assert len(steps) == 1, "one tile: the reduction is one step"
     return (float(steps[0].compute_cycles.max()),
             float(poplibs_reduce_cycles(rows, outputs, dtype.itemsize == 2,
-                                        target.worker_contexts)))
+                                        target.worker_contexts, op)))
   what = f"{rows}x{outputs}" if outputs > 1 else f"{rows}"
-  return Case(f"reduce/{dtype_name}/{what}", "ipu2",
-              f"jnp.sum over the rows of {dtype_name}[{what}] on one tile",
+  name = "reduce" if op == "add" else f"reduce_{op}"
+  return Case(f"{name}/{dtype_name}/{what}", "ipu2",
+              f"jnp.{fn_name} over the rows of {dtype_name}[{what}] on one tile",
               "compute cycles per tile", "cycles", "poplibs", POPLIBS_REDUCE, run)
 
 
@@ -347,6 +377,27 @@ def _sync_case():
                     "sync on a GC2, but their tables could not be obtained here"))
 
 
+def _ipu_sync_case():
+  def run():
+    import jax.numpy as jnp
+    import ipu_jax
+    target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2)
+    # A column sum spread over both IPUs: its partials cross between them.
+    x = jnp.ones((64, 4 * target.num_tiles), jnp.float32)
+    lowered = _lower(lambda x: jnp.sum(x, axis=0), target, x)
+    crossing = [s.sync_cycles for s in lowered.profile.steps if s.ipu_link_bytes > 0]
+    # The tiles sync on chip (the CTC planner's 90 cycles), then the signal
+    # crosses the IPUs (IPUModel).
+    return float(crossing[0]), float(90 + poplibs_ipu_sync_cycles(2, target.clock_hz))
+  return Case("sync/2_ipus", "ipu2 x2", "a superstep exchanging partials across 2 IPUs",
+              "sync across IPUs", "cycles", "poplibs",
+              "poplibs lib/poplibs_test/Util.cpp setGlobalSyncLatency (IPUModel): "
+              "ceil(15 ns x clock x hops x 2), hops = 1 + (IPUs / 2) / 2, after the on-chip "
+              "sync (" + CTC_PLANNER + ": ~90 cycles)", run,
+              note=("model figures, not measurements; pipelines pay the same sync between "
+                    "slots"))
+
+
 def _exchange_latency_case():
   def run():
     import jax.numpy as jnp
@@ -420,9 +471,11 @@ def all_cases() -> list:
                           "GC200 datasheet: 62.5 TFLOPS fp32 = 32 FLOP/cycle/tile"))
   cases += [_reduce_case("float32", 64, 100), _reduce_case("float16", 64, 96),
             _reduce_case("float32", 64, 99), _reduce_case("float32", 4096, 1),
-            _reduce_case("float16", 4096, 1)]
+            _reduce_case("float16", 4096, 1), _reduce_case("float32", 64, 100, "max"),
+            _reduce_case("float16", 64, 96, "max"), _reduce_case("float32", 4096, 1, "min"),
+            _reduce_case("float16", 4095, 1, "max"), _reduce_case("float32", 64, 99, "mul")]
   cases += [_chip_matmul_case(), _exchange_case(), _exchange_latency_case(), _congestion_case(),
-            _ipu_link_case(), _host_case(), _sync_case(), _tutorial_case()]
+            _ipu_link_case(), _host_case(), _sync_case(), _ipu_sync_case(), _tutorial_case()]
   return cases
 
 

@@ -35,7 +35,14 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    estimators (kernels/reduce.py, kernels/popops.py); on-chip sync 90 cycles
 #    (was 150) and a fixed 100 cycles per exchange (was 30), poplibs' planner
 #    figures.
-COST_MODEL_VERSION = "3"
+# 4: one cost for one sync: a multi-IPU program's cross-IPU supersteps and a
+#    pipeline's slots pay ``IPUTarget.ipu_sync_cycles``: the on-chip sync
+#    plus poplibs' IPUModel global sync signal with its whole-number hops
+#    (2 IPUs at 1.33 GHz: 90 + 40 = 130 cycles; programs paid the 1,500-cycle
+#    external estimate, pipelines 60 alone); host and streaming-memory syncs
+#    keep the estimate as ``sync_cycles_host``; max/min/mul reductions follow poplibs' op-specific
+#    Reduce estimates (no accumulators: 64-bit vectors, their own loop post).
+COST_MODEL_VERSION = "4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +81,16 @@ FIGURE_SOURCES = {
     "sync_cycles_internal": FigureSource(
         "poplibs", "popnn CTC-loss planner (lib/popnn/CTCLossPlan.cpp): ~90 cycles for the "
         "sync before each exchange (a planner constant, not a measurement)"),
-    "sync_cycles_external": FigureSource(
-        "estimate", "covers host and streaming-memory syncs too, for which nothing is "
-        "published; IPU-to-IPU syncs alone are 15 ns per hop each way in poplibs' IPUModel "
-        "(lib/poplibs_test/Util.cpp, used by pipelining.links); Jia et al. 2019 "
-        "(arXiv:1912.03413) measured syncs on a GC2 but their tables could not be obtained"),
+    "ipu_sync_seconds_per_hop": FigureSource(
+        "poplibs", "IPUModel set-up for multi-IPU systems (lib/poplibs_test/Util.cpp, "
+        "setGlobalSyncLatency): 15 ns per hop each way, hops = 1 + (IPUs / 2) / 2 in whole "
+        "numbers; IPUTarget.ipu_sync_cycles adds it to the on-chip sync, for cross-IPU "
+        "supersteps and pipeline slots alike"),
+    "sync_cycles_host": FigureSource(
+        "estimate", "a sync with the host or streaming memory (stream copies, remote-buffer "
+        "copies); neither poplibs, the Poplar/GCL documentation nor a published measurement "
+        "prices it; Jia et al. 2019 (arXiv:1912.03413) measured syncs on a GC2 but their "
+        "tables could not be obtained"),
     "code_bytes_per_codelet": FigureSource("estimate", "no published code sizes"),
     "vertex_state_bytes": FigureSource("estimate", "no published vertex-state sizes"),
 }

@@ -12,8 +12,8 @@
 
 A remote buffer lives in the Streaming Memory of the IPU-Machine, not on
 tiles: the engine holds it in host memory, it costs no tile memory, and each
-copy is its own superstep costed at the streaming-memory bandwidth plus an
-external sync (``lowering/remote.py``). A tensor copied to or from a buffer
+copy is its own superstep costed at the streaming-memory bandwidth plus a
+host sync (``lowering/remote.py``). A tensor copied to or from a buffer
 holds one or more whole rows (``element_shape``); ``offset`` is the first row.
 Every copy is checked when the engine is built, before anything runs: the
 dtype, whole rows, and ``offset + rows <= repeats``.

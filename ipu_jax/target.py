@@ -18,6 +18,7 @@ figures marked *estimate* have no published measurement behind them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 __all__ = ["IPUTarget", "PRESETS"]
@@ -34,6 +35,9 @@ _PCIE4_X16 = 16e9 * 16 * 128 / 130 / 8
 # their tables could not be obtained for this project.
 _ONCHIP_SYNC_CYCLES = 90
 _EXCHANGE_FIXED_CYCLES = 100
+# poplibs' IPUModel set-up for multi-IPU systems (lib/poplibs_test/Util.cpp,
+# setGlobalSyncLatency): a global sync signal takes 15 ns per hop each way.
+_IPU_SYNC_SECONDS_PER_HOP = 15e-9
 # ----------------------------------------------------------------------------
 
 
@@ -56,10 +60,12 @@ class IPUTarget:
       planner figure, 100 cycles).
     sync_cycles_internal: cost of a sync among the tiles of one IPU (poplibs'
       planner figure, 90 cycles).
-    sync_cycles_external: cost of a sync across IPUs or with the host or
-      streaming memory (*estimate*: poplibs' IPUModel prices an IPU-to-IPU
-      sync at 15 ns per hop each way, see ``pipelining.links``, but nothing
-      published prices host and gateway syncs, which this figure also covers).
+    ipu_sync_seconds_per_hop: latency of a sync signal across one hop
+      between IPUs, one way (poplibs' IPUModel, 15 ns); a sync spanning
+      several IPUs costs :meth:`ipu_sync_cycles`.
+    sync_cycles_host: cost of a sync with the host or streaming memory (a
+      stream copy, a remote-buffer copy) (*estimate*: nothing published
+      prices host and gateway syncs).
     supervisor_overhead_cycles: per compute set per tile, launching workers
       (poplibs' supervisor non-loop overhead).
     ipu_link_bytes_per_second: IPU-Link bandwidth per IPU (all links).
@@ -90,7 +96,8 @@ class IPUTarget:
   exchange_bytes_per_cycle: int = 4
   exchange_latency_cycles: int = _EXCHANGE_FIXED_CYCLES
   sync_cycles_internal: int = _ONCHIP_SYNC_CYCLES
-  sync_cycles_external: int = 1500
+  ipu_sync_seconds_per_hop: float = _IPU_SYNC_SECONDS_PER_HOP
+  sync_cycles_host: int = 1500
   supervisor_overhead_cycles: int = 50
   ipu_link_bytes_per_second: float = 320e9
   host_link_bytes_per_second: float = _PCIE4_X16
@@ -123,7 +130,7 @@ class IPUTarget:
         raise ValueError(
             f"IPUTarget.{field} must be a positive integer, got {value!r}.")
     non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
-                    "sync_cycles_external", "supervisor_overhead_cycles",
+                    "sync_cycles_host", "supervisor_overhead_cycles",
                     "code_bytes_per_codelet", "vertex_state_bytes",
                     "fp8_flops_per_cycle", "streaming_memory_bytes")
     for field in non_negative:
@@ -131,7 +138,7 @@ class IPUTarget:
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
             f"IPUTarget.{field} must be a non-negative integer, got {value!r}.")
-    for field in ("clock_hz", "ipu_link_bytes_per_second",
+    for field in ("clock_hz", "ipu_link_bytes_per_second", "ipu_sync_seconds_per_hop",
                   "host_link_bytes_per_second", "streaming_memory_bytes_per_second"):
       value = getattr(self, field)
       if not isinstance(value, (int, float)) or value <= 0:
@@ -156,6 +163,25 @@ class IPUTarget:
   def streaming_bytes_per_cycle(self) -> float:
     """Streaming-memory bandwidth of one IPU in bytes per tile-clock cycle."""
     return self.streaming_memory_bytes_per_second / self.clock_hz
+
+  def ipu_sync_cycles(self, num_ipus: int | None = None) -> float:
+    """Cycles of one sync across ``num_ipus`` IPUs (default: all of them).
+
+    The tiles of every IPU sync on chip (``sync_cycles_internal``, all IPUs
+    at once), then the sync signal goes between the IPUs and back: poplibs'
+    IPUModel figure (``setGlobalSyncLatency``),
+    ``ceil(ipu_sync_seconds_per_hop * clock_hz * hops * 2)`` with
+    ``hops = 1 + (num_ipus // 2) // 2`` -- 40 cycles for 2 IPUs at 1.33 GHz,
+    so 90 + 40 = 130 in all: a sync across IPUs never costs less than one
+    within an IPU. A multi-IPU program's cross-IPU supersteps and a
+    pipeline's slot boundaries both pay it. 0 for one IPU (no sync crosses).
+    """
+    n = self.num_ipus if num_ipus is None else int(num_ipus)
+    if n <= 1:
+      return 0.0
+    hops = 1 + (n // 2) // 2
+    signal = math.ceil(self.ipu_sync_seconds_per_hop * self.clock_hz * hops * 2)
+    return float(self.sync_cycles_internal + signal)
 
   def ipu_of_tile(self, tile):
     """The IPU index that holds ``tile`` (works on NumPy arrays too)."""

@@ -110,19 +110,21 @@ def fill_cycles(target, elements, itemsize):
   return popops.fill_cycles(target, elements, itemsize)
 
 
-def reduce_cycles(target, elements, itemsize, outputs=None, cycles_per_vector=1, dtype=None):
+def reduce_cycles(target, elements, itemsize, outputs=None, cycles_per_vector=1, dtype=None,
+                  op="add"):
   """Partial reductions of ``elements`` inputs per tile onto ``outputs``.
 
-  With one vector op per input vector (add, mul, max, min, and, or), popops'
-  Reduce vertices (:func:`ipu_jax.kernels.reduce.reduce_cycles`, in the
-  partials type ``dtype``, by default the float type of ``itemsize``).
+  With one vector op per input vector (``op``: add, mul, max, min, and, or,
+  xor), popops' Reduce vertices for that operation
+  (:func:`ipu_jax.kernels.reduce.reduce_cycles`, in the partials type
+  ``dtype``, by default the float type of ``itemsize``).
   Reductions of several ops per vector (argmax, variadic ``reduce``) have no
   poplibs vertex: ``cycles_per_vector`` per input vector split over the
   workers plus 2 cycles per output (an estimate).
   """
   if cycles_per_vector == 1:
     return reduce.reduce_cycles(target, elements, outputs,
-                                _float_of(itemsize) if dtype is None else dtype)
+                                _float_of(itemsize) if dtype is None else dtype, op)
   cycles = worker_split_cycles(target, elements, cycles_per_vector, itemsize)
   if outputs is None:
     return cycles

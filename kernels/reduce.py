@@ -30,16 +30,41 @@ partial results in a second on-tile compute set (``Reduce_Second_Stage``):
 one worker per output reduces the ``workers`` partials, costed the same way
 (its sync is not: it stays inside the step).
 
-The operation is not known here: every reduction is costed as ``add`` on the
-accumulators (poplibs' ``max``/``min`` vertices differ by a cycle or two per
-group of outputs).
+The operation changes the cost the way poplibs' estimators say:
+
+* ``add`` runs on the accumulators (above);
+* ``max``, ``min`` and ``mul`` use no accumulators: their vectors are one
+  64-bit load wide (4 fp16 or 2 fp32), so a single-output worker's loop
+  handles 4 fp16 / 2 fp32 inputs a cycle with a shorter remainder; a
+  strided group's completion and store costs what ``add``'s does for fp16
+  partials (1 + 7 into fp16) and 2 + 2 instead of 3 + 2 for fp32 partials.
+  poplibs' table of fp16 store costs has no ``mul`` row (its lookup yields
+  0, an omission); ``mul`` takes ``max``/``min``'s figure, the other
+  operations without accumulators;
+* ``and``, ``or`` (poplibs' ``LOGICAL_AND``/``LOGICAL_OR``) have no assembly
+  vertex: poplibs' C++ ``Reduce`` vertex costs 7 cycles of entry and exit, 24
+  to load its two vector lists, 8 per output region, and per partials region
+  22 plus 25 per element (24 of C++ overhead and the 1-cycle operation).
+  ``xor`` has no poplibs reduction; it is costed like ``and``/``or``, the
+  other bitwise combines.
+
+Figures are for a reduction whose output type is its partials type, not an
+update (poplibs' ``isUpdate``), as the lowering emits them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["accumulator_width", "reduce_cycles", "reduce_vertex_cycles"]
+__all__ = ["REDUCE_OPS", "accumulator_width", "op_vector_width", "reduce_cycles",
+           "reduce_vertex_cycles"]
+
+# Operations on accumulators, on 64-bit vectors, and in C++ vertices.
+_ACCUMULATING = ("add",)
+_VECTOR = ("max", "min", "mul")
+_LOGICAL = ("and", "or", "xor")
+REDUCE_OPS = _ACCUMULATING + _VECTOR + _LOGICAL
+"""The operations :func:`reduce_cycles` knows (``jax.lax`` monoid names)."""
 
 
 def accumulator_width(dtype) -> int:
@@ -52,8 +77,40 @@ def accumulator_width(dtype) -> int:
   return 1
 
 
+def op_vector_width(op: str, dtype, path: int) -> int:
+  """Elements one operation of ``op`` handles (poplibs' opVectorWidth).
+
+  ``path``: elements of ``dtype`` in one 64-bit load. Integer and other
+  non-float types have 1-element vectors.
+  """
+  dtype = np.dtype(dtype)
+  if op in _ACCUMULATING or dtype.kind != "f":
+    return accumulator_width(dtype)
+  return path
+
+
+def _check_op(op):
+  if op not in REDUCE_OPS:
+    raise ValueError(f"reduce op {op!r} has no cost: expected one of {REDUCE_OPS}.")
+
+
+def _strided_post(op, half):
+  """Cycles completing and storing one strided group (poplibs' cyclesLoopPost)."""
+  if half:  # inner loop completion + store: add, max and min alike to fp16
+    return 1 + 7
+  return (3 if op in _ACCUMULATING else 2) + 2
+
+
+def _logical(regions, elements):
+  """poplibs' C++ ``Reduce`` vertex: ``elements`` inputs in ``regions`` onto one output region."""
+  return 7 + 24 + 8 + regions * 22 + 25 * elements
+
+
 def _single_input(n, acc, path, is_fp32):
-  """One worker reducing ``n`` contiguous inputs to one output."""
+  """One worker reducing ``n`` contiguous inputs to one output.
+
+  ``acc``: the operation's vector width (:func:`op_vector_width`).
+  """
   per_cycle = min(acc, path)
   loads = acc // per_cycle
   per_loop = max(loads, 1)
@@ -62,36 +119,39 @@ def _single_input(n, acc, path, is_fp32):
   return cycles + (0 if is_fp32 else 5)
 
 
-def _strided(outputs, rows, acc, path, half, stride):
+def _strided(outputs, rows, acc, path, post, stride):
   """One worker's ``STRIDED_REDUCE`` vertex: ``rows`` partial rows onto ``outputs``.
 
-  ``stride`` is the length of a partial row (the tile's outputs): a group
-  must stay 64-bit aligned from row to row, so it is at most the largest
-  common divisor of the load width and the stride.
+  ``acc``: the operation's vector width; ``post``: a group's completion and
+  store (:func:`_strided_post`). ``stride`` is the length of a partial row
+  (the tile's outputs): a group must stay 64-bit aligned from row to row, so
+  it is at most the largest common divisor of the load width and the stride.
   """
   # 5 cycles entry/exit, 11 of loop setup; per group of outputs loaded in one
-  # cycle: 3 of loop, the result's completion and store (8 for fp16
-  # partials, 5 otherwise), 3 more and one cycle per accumulated row after
-  # the first.
+  # cycle: 3 of loop, the completion and store, 3 more and one cycle per
+  # accumulated row after the first.
   per_loop = np.gcd(min(acc, path), stride)
-  post = 8 if half else 5
   outer = 3 + post + 3 + (rows - 1)
   return 5 + 11 + outer * -(-outputs // per_loop)
 
 
-def reduce_vertex_cycles(target, outputs: int, rows: int, dtype) -> int:
-  """One worker's reduce vertex: ``rows`` partials onto each of ``outputs`` outputs."""
+def reduce_vertex_cycles(target, outputs: int, rows: int, dtype, op: str = "add") -> int:
+  """One worker's reduce vertex: ``rows`` partials of ``op`` onto each of ``outputs`` outputs."""
+  _check_op(op)
   dtype = np.dtype(dtype)
-  acc = accumulator_width(dtype)
   path = max(1, int(target.vector_width_bytes) // dtype.itemsize)
+  width = op_vector_width(op, dtype, path)
   rows = max(int(rows), 1)
+  outputs = int(outputs)
+  if op in _LOGICAL:
+    return int(_logical(1 if outputs <= 1 else rows, max(outputs, 1) * rows))
   if outputs <= 1:
-    return int(_single_input(rows, acc, path, dtype.kind == "f" and dtype.itemsize == 4))
-  return int(_strided(int(outputs), rows, acc, path, dtype.kind == "f" and dtype.itemsize == 2,
-                      int(outputs)))
+    return int(_single_input(rows, width, path, dtype.kind == "f" and dtype.itemsize == 4))
+  return int(_strided(outputs, rows, width, path,
+                      _strided_post(op, dtype.kind == "f" and dtype.itemsize == 2), outputs))
 
 
-def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:
+def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarray:
   """Tile cycles of popops' ``Reduce`` vertices: ``elements`` inputs onto ``outputs``.
 
   Args:
@@ -100,16 +160,19 @@ def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:
     outputs: ``[num_tiles]`` outputs each tile produces, or ``None``: each
       worker reduces its share of the inputs to one value.
     dtype: the partials' type (the type accumulated in).
+    op: the combining operation, one of :data:`REDUCE_OPS`.
 
   Returns:
     ``[num_tiles]`` float64 cycles (0 where a tile has no inputs).
   """
+  _check_op(op)
   elements = np.asarray(elements, np.int64)
   w = target.worker_contexts
   dtype = np.dtype(dtype)
-  acc = accumulator_width(dtype)
   path = max(1, int(target.vector_width_bytes) // dtype.itemsize)
-  half = dtype.kind == "f" and dtype.itemsize == 2
+  acc = op_vector_width(op, dtype, path)
+  post = _strided_post(op, dtype.kind == "f" and dtype.itemsize == 2)
+  logical = op in _LOGICAL
   is_fp32 = dtype.kind == "f" and dtype.itemsize == 4
   if outputs is None:
     stride = np.ones_like(elements)
@@ -127,13 +190,18 @@ def reduce_cycles(target, elements, outputs, dtype) -> np.ndarray:
                np.where(outputs >= w, rows, (elements // w) // outputs))]
   worker = np.zeros(elements.shape, np.int64)
   for worker_outputs, rows in shares:
-    single = _single_input(rows, acc, path, is_fp32)
-    several = _strided(worker_outputs, np.maximum(rows, 1), acc, path, half, stride)
-    cycles = np.where(worker_outputs == 1, single, several)
+    if logical:  # one partials region per row, one for a single output's inputs
+      cycles = _logical(np.where(worker_outputs == 1, 1, rows), worker_outputs * rows)
+    else:
+      single = _single_input(rows, acc, path, is_fp32)
+      several = _strided(worker_outputs, np.maximum(rows, 1), acc, path, post, stride)
+      cycles = np.where(worker_outputs == 1, single, several)
     worker = np.maximum(worker, np.where((worker_outputs > 0) & (rows > 0), cycles, 0))
   cycles = w * worker + target.supervisor_overhead_cycles
   if outputs is not None:
     split = (outputs < w) & (elements > outputs)
-    second = w * _single_input(np.full_like(elements, w), acc, path, is_fp32)
+    partials = np.full_like(elements, w)
+    second = w * (_logical(1, partials) if logical
+                  else _single_input(partials, acc, path, is_fp32))
     cycles = cycles + np.where(split, second + target.supervisor_overhead_cycles, 0)
   return np.where(elements > 0, cycles, 0).astype(np.float64)

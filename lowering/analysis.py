@@ -39,7 +39,7 @@ def _tensor_bytes(tensor: P.Tensor, num_tiles: int):
 def _sync_cycles(target, touched_tiles: np.ndarray, crosses: bool) -> float:
   if target.num_ipus > 1 and (crosses or (touched_tiles.size and
                               np.unique(touched_tiles // target.tiles_per_ipu).size > 1)):
-    return float(target.sync_cycles_external)
+    return target.ipu_sync_cycles()
   return float(target.sync_cycles_internal)
 
 
@@ -84,7 +84,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
       exchange_bytes_in=per_tile if to_device else np.zeros(t, np.int64),
       exchange_bytes_out=np.zeros(t, np.int64) if to_device else per_tile,
       exchange_cycles=float(max(host_cycles, busiest) + target.exchange_latency_cycles) if total else 0.0,
-      sync_cycles=float(target.sync_cycles_external),
+      sync_cycles=float(target.sync_cycles_host),
       executions=executions, host_bytes=total,
       vertices=np.zeros(t, np.int64), scope=tensor.scope)
 

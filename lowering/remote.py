@@ -16,8 +16,8 @@ from tile-mapped tensors at a row offset. Here:
   Cost: the busiest IPU's bytes at the streaming-memory bandwidth
   (``IPUTarget.streaming_memory_bytes_per_second``, all of one IPU's tiles
   share its gateway link), or the busiest tile's at the exchange rate if that
-  is slower, plus the exchange latency; the step opens with an external sync,
-  since the gateway takes part in it (as host transfers do).
+  is slower, plus the exchange latency; the step opens with a host sync
+  (``IPUTarget.sync_cycles_host``), since the gateway takes part in it (as host transfers do).
 
 The offload pass (:func:`offload_tensors`) moves chosen tile tensors of a
 lowered program into remote buffers: inside the innermost loop body that
@@ -123,7 +123,7 @@ class RemoteCopy(P.Superstep):
         compute_cycles=np.zeros(t, np.float64),
         exchange_bytes_in=zeros if self.to_remote else per_tile,
         exchange_bytes_out=per_tile if self.to_remote else zeros,
-        exchange_cycles=cycles, sync_cycles=float(target.sync_cycles_external),
+        exchange_cycles=cycles, sync_cycles=float(target.sync_cycles_host),
         executions=executions, vertices=zeros, streaming_bytes=total,
         scope=self.scope)
 

@@ -15,7 +15,10 @@ class CalibrationTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.parameters("reduce/float32/64x100", "reduce/float16/64x96",
                             "reduce/float32/64x99", "reduce/float32/4096",
-                            "reduce/float16/4096", "exchange/latency/4B", "sync/on_chip")
+                            "reduce/float16/4096", "reduce_max/float32/64x100",
+                            "reduce_max/float16/64x96", "reduce_min/float32/4096",
+                            "reduce_max/float16/4095", "reduce_mul/float32/64x99",
+                            "exchange/latency/4B", "sync/on_chip", "sync/2_ipus")
   def test_sourced_case_within_tolerance(self, name):
     row = calibration.run_case(_case(name), tolerance=0.15)
     self.assertTrue(row["passed"], row)

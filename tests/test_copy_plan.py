@@ -232,6 +232,21 @@ _BEFORE = {
                     ("slice", 310.0, 64, 64, 64), ("slice", 310.0, 64, 64, 64),
                     ("stack", 326.0, 256, 256, 128)],
 }
+# Cost model 4: a sync across IPUs is the on-chip 90 cycles plus IPUModel's
+# 40-cycle signal for 2 IPUs, no longer the 1,500-cycle external estimate.
+# On t2x8 the steps spanning both IPUs are those recorded above 1,500 cycles.
+_CROSS_IPU_SYNC_CHANGE = 90.0 + 40.0 - 1500.0
+
+
+def _expected(key):
+  """The recorded figures with cost model 4's cross-IPU syncs, and why they moved."""
+  if not key.startswith("t2x8/"):
+    return _BEFORE[key], "cost model 3 figures"
+  return ([(name, cycles + _CROSS_IPU_SYNC_CHANGE if cycles > 1500 else cycles, *rest)
+           for name, cycles, *rest in _BEFORE[key]],
+          "steps across the 2 IPUs sync in 90 + 40 cycles (cost model 4), not 1,500")
+
+
 _MOVEMENTS = ("broadcast_in_dim", "transpose", "concatenate", "pad", "slice", "tile", "rev",
               "stack")
 
@@ -256,7 +271,10 @@ class AcrossLayoutsTest(chex.TestCase, parameterized.TestCase):
     figures = [(s.name, float(s.total_cycles), int(s.exchange_bytes_in.sum()),
                 int(s.exchange_bytes_out.sum()), int(np.max(s.exchange_bytes_in)))
                for s in steps if s.name in _MOVEMENTS]
-    self.assertEqual(figures, _BEFORE[f"{target}/{program}"])
+    want, why = _expected(f"{target}/{program}")
+    self.assertEqual([f[:1] + f[2:] for f in figures], [w[:1] + w[2:] for w in want], msg=why)
+    np.testing.assert_allclose([f[1] for f in figures], [w[1] for w in want], rtol=1e-12,
+                               err_msg=why)
 
 
 if __name__ == "__main__":

@@ -120,14 +120,15 @@ class CostPathsTest(chex.TestCase):
     lowered = _jit(lambda x: jnp.sin(x) * 2, target).lower(jnp.ones((8,)))
     doc = lowered.report.to_dict()
     self.assertEqual(doc["cost_model"]["version"], cost_model.COST_MODEL_VERSION)
-    # Cost model 3: the on-chip sync is poplibs' planner figure (calibrated);
-    # syncs across IPUs and with the host stay an estimate.
-    self.assertIn("sync_cycles_external", doc["cost_model"]["estimates"])
+    # Cost model 4: the on-chip sync is poplibs' planner figure and the
+    # IPU-to-IPU sync IPUModel's (calibrated); the host sync stays an estimate.
+    self.assertIn("sync_cycles_host", doc["cost_model"]["estimates"])
+    self.assertIn("ipu_sync_seconds_per_hop", doc["cost_model"]["calibrated"])
     self.assertIn("sync_cycles_internal", doc["cost_model"]["calibrated"])
     self.assertIn("clock_hz", doc["cost_model"]["calibrated"])
     summary = lowered.report.summary()
     self.assertIn(f"Version:               {cost_model.COST_MODEL_VERSION}", summary)
-    self.assertRegex(summary, r"Estimates: .*sync_cycles_external")
+    self.assertRegex(summary, r"Estimates: .*sync_cycles_host")
     # Every figure is in exactly one list; one without a source counts as an estimate.
     import dataclasses
     figures = {f.name for f in dataclasses.fields(ipu_jax.IPUTarget)} - {"name", "num_ipus"}

@@ -124,17 +124,51 @@ _TWO_IPU_FIGURES = {
 }
 
 
+# Cost model 4 moved some of the cycles above (the grouping, bytes and
+# memory are unchanged): (cycles added, why).
+_MAX_VERTEX = ("max reduces without accumulators: poplibs' max STRIDED_REDUCE completes and "
+               "stores a group of 2 fp32 outputs in 4 cycles, add in 5 (cost model 4)")
+
+
+def _ipu_syncs(count):
+  return (count * (90.0 + 40.0 - 1500.0),
+          f"{count} sync(s) across the 2 IPUs cost the on-chip 90 cycles plus IPUModel's 40, as "
+          "a pipeline's do, not the 1,500-cycle estimate that also priced host syncs "
+          "(cost model 4)")
+
+
+_COST_MODEL_4_CHANGES = {
+    "linear_max_last": (-48.0, _MAX_VERTEX),
+    "matmul_max1": (-24.0, _MAX_VERTEX),
+    "two_ipu/cols_sum": _ipu_syncs(2),
+    "two_ipu/matmul_sum0": _ipu_syncs(3),
+    "two_ipu/argmax_rows": _ipu_syncs(2),
+    "two_ipu/cumsum_axis0": _ipu_syncs(1),
+}
+
+
+def _now(key, want):
+  """``want`` with cost model 4's change of cycles, and why it changed."""
+  delta, why = _COST_MODEL_4_CHANGES.get(key, (0.0, "cost model 3 figures"))
+  return [want[0], want[1] + delta] + list(want[2:]), why
+
+
 class GroupingCostsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*[(name, name) for name in _ELEMENTWISE_GROUPING_FIGURES])
   def test_costs_equal_the_elementwise_grouping(self, name):
     fn, shapes, want = _ELEMENTWISE_GROUPING_FIGURES[name]
-    self.assertEqual(_figures(fn, *shapes)[:4], want)
+    want, why = _now(name, want)
+    self.assertEqual(_figures(fn, *shapes)[:4], want, msg=why)
 
   @parameterized.named_parameters(*[(name, name) for name in _TWO_IPU_FIGURES])
   def test_two_ipu_costs_equal_the_elementwise_grouping(self, name):
     fn, shapes, want = _TWO_IPU_FIGURES[name]
-    self.assertEqual(_figures(fn, *shapes, target=_T2), want)
+    want, why = _now("two_ipu/" + name, want)
+    figures = _figures(fn, *shapes, target=_T2)
+    self.assertEqual(figures[0], want[0])
+    self.assertAlmostEqual(figures[1], want[1], places=6, msg=why)
+    self.assertEqual(figures[2:], want[2:], msg=why)
 
   def test_repeated_reduction_reuses_the_grouping(self):
     # Two reductions of equal layouts (different tensors, small enough to be

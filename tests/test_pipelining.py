@@ -253,6 +253,25 @@ class PipelinedTrainingTest(chex.TestCase):
     self.assertRegex(text, r"Stashed activations +[\d,]+ +[\d,]+ +-[\d,]+")
     self.assertRegex(text, r"Total +[\d,]+ +[\d,]+ +\+[\d,]+")
 
+  def test_slot_sync_is_the_sync_of_a_multi_ipu_program(self):
+    # One work, one cost: the sync ending a pipeline slot and the sync of a
+    # superstep spanning the same IPUs in one program are the same sync: the
+    # on-chip sync (90) and IPUModel's signal between the IPUs,
+    # ceil(15 ns x 1.33 GHz x hops x 2) with hops 1 + (IPUs / 2) / 2: 40
+    # cycles for 2 IPUs, 80 for 4.
+    pipe, _ = self.pipes[False]
+    n = self.STAGES
+    expected = 90.0 + {2: 40.0, 4: 80.0}[n]
+    slots = [s for s in pipe.report.program_report.profile.steps if s.op == "pipeline slot"]
+    self.assertNotEmpty(slots)
+    self.assertEqual({s.sync_cycles for s in slots}, {expected})
+    target = pipe.target.replace(num_ipus=n)
+    lowered = ipu_jax.jit(lambda x: jnp.sum(x, axis=0), target=target, verbose=0).lower(
+        jnp.ones((8 * n, 256), jnp.float32))
+    crossing = [s for s in lowered.profile.steps if s.ipu_link_bytes > 0]
+    self.assertNotEmpty(crossing)
+    self.assertEqual({s.sync_cycles for s in crossing}, {expected})
+
   def test_report_summary(self):
     pipe, _ = self.pipes[False]
     summary = pipe.report.summary()

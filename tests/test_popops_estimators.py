@@ -1,4 +1,4 @@
-"""poplibs-sourced estimators (cost model 3): reduce, cast, fill, scaled add, dynamic slice.
+"""poplibs-sourced estimators (cost models 3 and 4): reduce, cast, fill, scaled add, dynamic slice.
 
 Each expected figure is worked out by hand from poplibs' published estimator
 (the comment gives the sum), and the lowered programs are checked to pay
@@ -69,6 +69,39 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(estimators.reduce_cycles(_T16, np.array([480]), 4, np.array([60]))[0],
                      6 * 106 + 50)
 
+  def test_reduce_columns_fp32_max(self):
+    # Cost model 4: max has no accumulators; STRIDED_REDUCE completes and
+    # stores a group in 2 + 2 cycles (add: 3 + 2). 10 outputs per worker in 5
+    # loops of 3 + 4 + 3 + 7 = 17 cycles, 16 of setup: 101; tile 6 * 101 + 50.
+    for op in ("max", "min", "mul"):
+      self.assertEqual(reduce_kernels.reduce_cycles(_T16, np.array([480]), np.array([60]),
+                                                    np.float32, op)[0], 6 * 101 + 50)
+
+  def test_reduce_single_output_fp16_max_and_add(self):
+    # SCALAR_OUTPUT_SINGLE_INPUT, 1,000 fp16 over 6 workers (167 or 166).
+    # max: 4 a loop of 1 cycle: 9 + 167 // 4 + 5 + 167 % 4 + 3 + 5 = 66;
+    # add: 8 a loop of 2 cycles: 9 + 2 * 167 // 8 + 5 + 167 % 8 + 3 + 5 = 70.
+    one = np.array([1000])
+    self.assertEqual(reduce_kernels.reduce_cycles(_T16, one, None, np.float16, "max")[0],
+                     6 * 66 + 50)
+    self.assertEqual(reduce_kernels.reduce_cycles(_T16, one, None, np.float16, "add")[0],
+                     6 * 70 + 50)
+    # One worker's vertex alone, as the second on-tile stage uses it.
+    self.assertEqual(reduce_kernels.reduce_vertex_cycles(_T16, 1, 167, np.float16, "max"), 66)
+
+  def test_reduce_logical_and_is_poplibs_cpp_vertex(self):
+    # LOGICAL_AND has no assembly vertex: 7 + 24 + 8 + 22 per region + 25 per
+    # element. 1,000 bools, 167 per worker: 61 + 25 * 167 = 4,236.
+    self.assertEqual(reduce_kernels.reduce_cycles(_T16, np.array([1000]), None, np.bool_,
+                                                  "and")[0], 6 * 4236 + 50)
+    # A strided worker: 3 rows of 10 outputs, a region per row: 39 + 3 * 22 + 25 * 30.
+    self.assertEqual(reduce_kernels.reduce_vertex_cycles(_T16, 10, 3, np.bool_, "or"),
+                     39 + 66 + 750)
+
+  def test_reduce_unknown_op(self):
+    with self.assertRaisesRegex(ValueError, "reduce op 'argmax' has no cost"):
+      reduce_kernels.reduce_cycles(_T16, np.array([4]), None, np.float32, "argmax")
+
   def test_no_work_costs_nothing(self):
     zero = np.zeros(3, np.int64)
     for cycles in (popops.cast_cycles(_T16, zero, np.float32, np.float16),
@@ -79,7 +112,7 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(cycles, 0.0)
 
   def test_cost_model_version(self):
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "3")
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "4")
 
 
 class OneCostPerWorkTest(chex.TestCase, parameterized.TestCase):
@@ -94,6 +127,20 @@ class OneCostPerWorkTest(chex.TestCase, parameterized.TestCase):
     lowered = _lower(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), _T1, x)
     step = next(s for s in lowered.profile.steps if s.op == "reduce_sum")
     expected = calibration.poplibs_reduce_cycles(rows, outputs, np.dtype(dtype).itemsize == 2)
+    self.assertEqual(step.compute_cycles.max(), expected)
+
+  @parameterized.parameters(("max", "float32", 37, 99), ("min", "float16", 64, 96),
+                            ("max", "float16", 333, 1), ("prod", "float32", 1000, 1))
+  def test_max_min_prod_match_poplibs_reference(self, fn, dtype, rows, outputs):
+    # Each monoid costs its own Reduce vertex (cost model 4), not add's.
+    op = {"max": "max", "min": "min", "prod": "mul"}[fn]
+    shape = (rows, outputs) if outputs > 1 else (rows,)
+    x = jnp.ones(shape, dtype)
+    kwargs = {"dtype": x.dtype} if fn == "prod" else {}
+    lowered = _lower(lambda x: getattr(jnp, fn)(x, axis=0, **kwargs), _T1, x)
+    step = next(s for s in lowered.profile.steps if s.op == f"reduce_{fn}")
+    expected = calibration.poplibs_reduce_cycles(rows, outputs, np.dtype(dtype).itemsize == 2,
+                                                 op=op)
     self.assertEqual(step.compute_cycles.max(), expected)
 
   def test_sum_still_matches_jax(self):

@@ -99,7 +99,7 @@ class RemoteBufferTest(chex.TestCase):
     self.assertEqual(sum(s.streaming_bytes for s in copies), (10 + 10 + 5 + 5) * 4)
     t = gr.target
     for step in copies:
-      self.assertEqual(step.sync_cycles, t.sync_cycles_external)
+      self.assertEqual(step.sync_cycles, t.sync_cycles_host)
       self.assertGreaterEqual(step.exchange_cycles,
                               step.streaming_bytes / t.streaming_bytes_per_cycle)
     streaming = profile.streaming

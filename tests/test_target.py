@@ -37,7 +37,18 @@ class TargetTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(dataclasses.replace(t, clock_hz=2e9).clock_hz, 2e9)
     self.assertEqual(ipu_jax.IPUTarget.preset("bow", sync_cycles_internal=10).sync_cycles_internal, 10)
 
+  @parameterized.parameters(("ipu2", 2, 90 + 40), ("ipu2", 3, 90 + 40), ("ipu2", 4, 90 + 80),
+                            ("ipu2", 8, 90 + 120), ("bow", 2, 90 + 56), ("ipu1", 2, 90 + 48))
+  def test_ipu_sync_cycles(self, name, num_ipus, expected):
+    # The on-chip sync, then IPUModel's signal: ceil(15 ns x clock x hops x 2)
+    # with hops = 1 + (IPUs // 2) // 2 (2 IPUs at 1.33 GHz: ceil(39.9) = 40).
+    t = ipu_jax.IPUTarget.preset(name, num_ipus=num_ipus, tiles_per_ipu=16)
+    self.assertEqual(t.ipu_sync_cycles(), expected)
+    self.assertEqual(t.ipu_sync_cycles(1), 0.0)  # no sync crosses IPUs
+
   @parameterized.parameters(
+      (dict(ipu_sync_seconds_per_hop=0.0), "ipu_sync_seconds_per_hop"),
+      (dict(sync_cycles_host=-1), "sync_cycles_host"),
       (dict(tiles_per_ipu=0), "tiles_per_ipu"),
       (dict(bytes_per_tile=-1), "bytes_per_tile"),
       (dict(num_ipus=0), "num_ipus"),

@@ -6,18 +6,16 @@ direction at about 0.85 efficiency; the M2000 ladder gives each IPU 4 links
 to its paired IPU (IPUs 2i and 2i+1) and 2 links to each other neighbour, so
 a copy to the paired IPU moves ~58 GB/s and to another IPU ~29 GB/s -- a
 pipeline's inter-stage copy is not costed at the 320 GB/s aggregate. A sync
-across N IPUs costs about ``ceil(15 ns * clock * hops * 2)`` cycles with
-``hops = 1 + N / 4``.
+across IPUs costs :meth:`IPUTarget.ipu_sync_cycles` (IPUModel's figure), the
+same function a multi-IPU program's cross-IPU supersteps are costed with.
 """
 
 from __future__ import annotations
 
-import math
-
 from ipu_jax.target import IPUTarget
 
 __all__ = ["LINK_BYTES_PER_SECOND", "links_between", "link_bytes_per_second",
-           "copy_cycles", "global_sync_cycles", "all_reduce_cycles"]
+           "copy_cycles", "all_reduce_cycles"]
 
 # One IPU-Link, one direction, at the efficiency IPUModel assumes.
 LINK_BYTES_PER_SECOND = 128 * 2**30 / 8 * 0.85
@@ -45,14 +43,6 @@ def copy_cycles(target: IPUTarget, src: int, dst: int, nbytes: int) -> float:
   return seconds * target.clock_hz + hops * target.exchange_latency_cycles
 
 
-def global_sync_cycles(target: IPUTarget, num_ipus: int) -> float:
-  """A sync across ``num_ipus`` IPUs (IPUModel's estimate); 0 for one IPU."""
-  if num_ipus <= 1:
-    return 0.0
-  hops = 1 + num_ipus / 4
-  return float(math.ceil(15e-9 * target.clock_hz * hops * 2))
-
-
 def all_reduce_cycles(target: IPUTarget, replicas: int, nbytes: int) -> float:
   """A ring all-reduce of ``nbytes`` over ``replicas`` IPUs (one per replica).
 
@@ -63,5 +53,5 @@ def all_reduce_cycles(target: IPUTarget, replicas: int, nbytes: int) -> float:
     return 0.0
   steps = 2 * (replicas - 1)
   moved = nbytes * steps / replicas
-  per_step = target.exchange_latency_cycles + global_sync_cycles(target, replicas)
+  per_step = target.exchange_latency_cycles + target.ipu_sync_cycles(replicas)
   return moved / (2 * LINK_BYTES_PER_SECOND) * target.clock_hz + steps * per_step

@@ -268,7 +268,7 @@ class Pipeline:
         backward=[s.backward.profile.total_cycles for s in stages],
         copy_forward=lambda k: self.copy_cycles(k, "forward"),
         copy_backward=lambda k: self.copy_cycles(k, "backward"),
-        sync=links.global_sync_cycles(target, num_ipus),
+        sync=target.ipu_sync_cycles(num_ipus),
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
         all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)
                     for s in stages],

@@ -17,7 +17,6 @@ import numpy as np
 
 from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
                                       StepProfile)
-from ipu_jax.pipelining import links
 from ipu_jax.target import IPUTarget
 
 __all__ = ["STASH_CATEGORY", "pipeline_profile"]
@@ -55,7 +54,7 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   spans_by_kind = {}
   for span in pipeline.timeline.spans:
     spans_by_kind.setdefault(span[2], []).append(span)
-  sync = links.global_sync_cycles(stage_target, num_ipus)
+  sync = stage_target.ipu_sync_cycles(num_ipus)
   for index, slot in enumerate(pipeline._slots):
     compute = np.zeros(n)
     flops, link_bytes, copies, names = 0, 0, [0.0], []

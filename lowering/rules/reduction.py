@@ -49,6 +49,7 @@ import numpy as np
 
 from ipu_jax.jax_compat import lax_internal
 from ipu_jax.kernels import estimators
+from ipu_jax.kernels import reduce as reduce_kernels
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import plan_cache
@@ -240,8 +241,10 @@ def _generic_spec(params, dtypes, num):
 # -- planning ---------------------------------------------------------------------
 
 
-def _reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector):
-  return estimators.reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector)
+def _reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector, kind):
+  # Monoids cost their own Reduce vertex; multi-op reductions ignore ``kind``.
+  op = kind if kind in reduce_kernels.REDUCE_OPS else "add"
+  return estimators.reduce_cycles(target, elements, itemsize, outputs, cycles_per_vector, op=op)
 
 
 
@@ -252,11 +255,11 @@ _FINAL = plan_cache.PlanCache("reduction final plans")
 
 
 
-def _stage2_cost(ctx, mapping, runs, itemsize, value_itemsize, cpv):
+def _stage2_cost(ctx, mapping, runs, itemsize, value_itemsize, cpv, kind):
   target = ctx.target
   cost, received = unicast_cost(target, *runs, mapping, itemsize)
   cycles = _reduce_cycles(target, received, value_itemsize,
-                          mapping.elements_per_tile(target.num_tiles), cpv)
+                          mapping.elements_per_tile(target.num_tiles), cpv, kind)
   return cost, cycles, received, exchange_cycles(target, cost) + float(cycles.max(initial=0))
 
 
@@ -389,8 +392,8 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
   best = None
   for cand, rotates in candidates:
     cost, cycles, received, score = plan_cache.cached(
-        _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv) + plan_key,
-        lambda: _stage2_cost(ctx, cand, runs, itemsize, value_itemsize, cpv))
+        _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv, spec.kind) + plan_key,
+        lambda: _stage2_cost(ctx, cand, runs, itemsize, value_itemsize, cpv, spec.kind))
     if best is None or score < best[-1]:
       best = (cand, rotates, cost, cycles, received, score)
   out_map, rotates, cost2, cycles2, received2, _ = best
@@ -502,7 +505,7 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
   per_tile = np.zeros(num_tiles, np.int64)
   np.add.at(per_tile, in_map.tiles, groups.per_row)
   cycles = _reduce_cycles(target, elements, spec.comp_dtypes[0].itemsize, per_tile,
-                          spec.cycles_per_vector)
+                          spec.cycles_per_vector, spec.kind)
   flops = (data[0].size - groups.num) * len(data) if spec.flop_kind else 0
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/partials", op=ctx.op, reads=tuple(data) + tuple(init_reads),
