@@ -19,9 +19,12 @@ from typing import Optional
 
 import numpy as np
 
+from ipu_jax.lowering import plan_cache
+
 __all__ = ["BlockGrid", "TileMapping", "linear_chunk"]
 
 _object_ids = itertools.count()
+_ELEMENT_ARRAYS = plan_cache.PlanCache("element_arrays", max_bytes=1 << 30)
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
@@ -133,6 +136,39 @@ class BlockGrid:
     return (int(np.prod(self.grids, dtype=np.int64)),
             int(np.prod(self.blocks, dtype=np.int64)))
 
+  def element_layout(self) -> tuple:
+    """``(row, offset)``: the storage row and the place in it of every element.
+
+    The closed form of :meth:`to_storage` on the flattened elements (``[n]``
+    int64 each), so a mapping need not hold them.
+    """
+    shape = tuple(int(d) for d in self.shape)
+    ndim = len(shape)
+    axis_of_passes, count = self._passes
+    row = np.zeros((1,) * ndim, np.int64)
+    offset = np.zeros((1,) * ndim, np.int64)
+    passes = np.zeros((1,) * ndim, np.int64)
+    g_stride = b_stride = 1
+    for a in reversed(range(ndim)):
+      idx = np.arange(shape[a], dtype=np.int64).reshape([-1 if i == a else 1 for i in range(ndim)])
+      if a == axis_of_passes:
+        length = -(-shape[a] // count)
+        passes = passes + idx // length
+        idx = idx % length
+      row = row + (idx // int(self.blocks[a])) * g_stride
+      offset = offset + (idx % int(self.blocks[a])) * b_stride
+      g_stride *= int(self.grids[a])
+      b_stride *= int(self.blocks[a])
+    row = np.broadcast_to(row, shape).reshape(-1)
+    offset = np.broadcast_to(offset, shape).reshape(-1)
+    piece = -(-self._counts()[1] // self.pieces)
+    if self.pieces > 1:
+      row = row * self.pieces + offset // piece
+      offset = offset % piece
+    if count > 1:
+      offset = np.broadcast_to(passes, shape).reshape(-1) * piece + offset
+    return row, offset
+
 
 class TileMapping:
   """Which tile holds each element of a flattened tensor, and its storage.
@@ -158,11 +194,14 @@ class TileMapping:
     self.tiles = np.asarray(tiles, dtype=np.int64)
     self.counts = np.asarray(counts, dtype=np.int64)
     self.chunk = chunk
+    # A general mapping with a regular block structure: storage conversions
+    # use its reshapes instead of gathers, and its per-element layout is its
+    # closed form (BlockGrid.element_layout), so it is not held here.
+    self.grid = grid
+    if grid is not None:
+      element_row = element_offset = None
     self._element_row = element_row
     self._element_offset = element_offset
-    # A general mapping with a regular block structure: storage conversions
-    # use its reshapes instead of gathers.
-    self.grid = grid
 
   # -- constructors ---------------------------------------------------------
 
@@ -246,39 +285,66 @@ class TileMapping:
   def storage_shape(self) -> tuple:
     return (self.num_rows, self.row_size)
 
+  # Per-element arrays (8 bytes per element each) of linear and block-grid
+  # layouts are derived from their closed form and held in a bounded LRU
+  # keyed by the layout, not on the mapping: a model's tensors all stay alive
+  # to the end of lowering, and keeping these on every one of them was most
+  # of lowering's host memory at BERT size. Irregular mappings keep theirs
+  # (the layout is those arrays).
+
+  def _derived(self, name: str, compute):
+    if not self.is_linear and self.grid is None:
+      value = self._irregular_cache.get(name)
+      if value is None:
+        value = self._irregular_cache[name] = compute()
+      return value
+    return plan_cache.cached(_ELEMENT_ARRAYS, (self.fingerprint, name), compute)
+
   @functools.cached_property
+  def _irregular_cache(self) -> dict:
+    return {}
+
+  @property
   def element_row(self) -> np.ndarray:
+    """``[num_elements]`` storage row of each element."""
     if self.is_linear:
-      return np.arange(self.num_elements, dtype=np.int64) // self.chunk
+      return self._derived("row", lambda: np.arange(self.num_elements, dtype=np.int64) // self.chunk)
+    if self.grid is not None:
+      return self._derived("row", lambda: self.grid.element_layout()[0])
     return self._element_row
 
-  @functools.cached_property
+  @property
   def element_offset(self) -> np.ndarray:
+    """``[num_elements]`` place of each element within its storage row."""
     if self.is_linear:
-      return np.arange(self.num_elements, dtype=np.int64) % self.chunk
+      return self._derived("offset", lambda: np.arange(self.num_elements, dtype=np.int64) % self.chunk)
+    if self.grid is not None:
+      return self._derived("offset", lambda: self.grid.element_layout()[1])
     return self._element_offset
 
-  @functools.cached_property
+  @property
   def element_tile(self) -> np.ndarray:
     """``[num_elements]`` tile of each element."""
     if self.is_linear:
-      return np.repeat(self.tiles, self.counts)
-    return self.tiles[self.element_row]
+      return self._derived("tile", lambda: np.repeat(self.tiles, self.counts))
+    return self._derived("tile", lambda: self.tiles[self.element_row])
 
-  @functools.cached_property
+  @property
   def storage_position(self) -> np.ndarray:
     """``[num_elements]`` index of each element in the flattened storage."""
     if self.is_linear:
-      return np.arange(self.num_elements, dtype=np.int64)
-    return self.element_row * self.row_size + self.element_offset
+      return self._derived("position", lambda: np.arange(self.num_elements, dtype=np.int64))
+    return self._derived("position", lambda: self.element_row * self.row_size + self.element_offset)
 
-  @functools.cached_property
+  @property
   def storage_source(self) -> np.ndarray:
     """For each storage slot, the flat element it holds (``num_elements`` = padding)."""
-    rows, size = self.storage_shape
-    source = np.full(rows * size, self.num_elements, np.int64)
-    source[self.storage_position] = np.arange(self.num_elements)
-    return source
+    def compute():
+      rows, size = self.storage_shape
+      source = np.full(rows * size, self.num_elements, np.int64)
+      source[self.storage_position] = np.arange(self.num_elements)
+      return source
+    return self._derived("source", compute)
 
   @functools.cached_property
   def fingerprint(self) -> tuple:
@@ -314,7 +380,7 @@ class TileMapping:
     if self.is_linear:
       starts = np.arange(self.num_rows, dtype=np.int64) * int(self.chunk)
       return starts, self.tiles
-    element_tile = self.tiles[self._element_row]
+    element_tile = self.element_tile
     change = np.flatnonzero(element_tile[1:] != element_tile[:-1]) + 1
     starts = np.concatenate([np.zeros(1, np.int64), change.astype(np.int64)])
     return starts, element_tile[starts]
