@@ -24,7 +24,9 @@ from ipu_jax.lowering import plan_cache
 __all__ = ["BlockGrid", "TileMapping", "linear_chunk"]
 
 _object_ids = itertools.count()
-_ELEMENT_ARRAYS = plan_cache.PlanCache("element_arrays", max_bytes=1 << 30)
+# Small on purpose: deriving these arrays costs about what reading them does,
+# so a larger table bought no lowering time on the scale rows, only memory.
+_ELEMENT_ARRAYS = plan_cache.PlanCache("element_arrays", max_bytes=64 << 20)
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
