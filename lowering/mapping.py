@@ -19,9 +19,14 @@ from typing import Optional
 
 import numpy as np
 
+from ipu_jax.lowering import plan_cache
+
 __all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs"]
 
 _object_ids = itertools.count()
+# Small on purpose: deriving these arrays costs about what reading them does,
+# so a larger table bought no lowering time on the scale rows, only memory.
+_ELEMENT_ARRAYS = plan_cache.PlanCache("element_arrays", max_bytes=64 << 20)
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
@@ -147,6 +152,39 @@ class BlockGrid:
     return (int(np.prod(self.grids, dtype=np.int64)),
             int(np.prod(self.blocks, dtype=np.int64)))
 
+  def element_layout(self) -> tuple:
+    """``(row, offset)``: the storage row and the place in it of every element.
+
+    The closed form of :meth:`to_storage` on the flattened elements (``[n]``
+    int64 each), so a mapping need not hold them.
+    """
+    shape = tuple(int(d) for d in self.shape)
+    ndim = len(shape)
+    axis_of_passes, count = self._passes
+    row = np.zeros((1,) * ndim, np.int64)
+    offset = np.zeros((1,) * ndim, np.int64)
+    passes = np.zeros((1,) * ndim, np.int64)
+    g_stride = b_stride = 1
+    for a in reversed(range(ndim)):
+      idx = np.arange(shape[a], dtype=np.int64).reshape([-1 if i == a else 1 for i in range(ndim)])
+      if a == axis_of_passes:
+        length = -(-shape[a] // count)
+        passes = passes + idx // length
+        idx = idx % length
+      row = row + (idx // int(self.blocks[a])) * g_stride
+      offset = offset + (idx % int(self.blocks[a])) * b_stride
+      g_stride *= int(self.grids[a])
+      b_stride *= int(self.blocks[a])
+    row = np.broadcast_to(row, shape).reshape(-1)
+    offset = np.broadcast_to(offset, shape).reshape(-1)
+    piece = -(-self._counts()[1] // self.pieces)
+    if self.pieces > 1:
+      row = row * self.pieces + offset // piece
+      offset = offset % piece
+    if count > 1:
+      offset = np.broadcast_to(passes, shape).reshape(-1) * piece + offset
+    return row, offset
+
 
 def _pad_high(x, highs):
   """``x`` zero-padded at the end of each axis by ``highs`` (no-op when all 0)."""
@@ -187,11 +225,14 @@ class TileMapping:
     self.tiles = np.asarray(tiles, dtype=np.int64)
     self.counts = np.asarray(counts, dtype=np.int64)
     self.chunk = chunk
+    # A general mapping with a regular block structure: storage conversions
+    # use its reshapes instead of gathers, and its per-element layout is its
+    # closed form (BlockGrid.element_layout), so it is not held here.
+    self.grid = grid
+    if grid is not None:
+      element_row = element_offset = None
     self._element_row = element_row
     self._element_offset = element_offset
-    # A general mapping with a regular block structure: storage conversions
-    # use its reshapes instead of gathers.
-    self.grid = grid
     self._row_runs = row_runs
 
   # -- constructors ---------------------------------------------------------
@@ -276,39 +317,66 @@ class TileMapping:
   def storage_shape(self) -> tuple:
     return (self.num_rows, self.row_size)
 
+  # Per-element arrays (8 bytes per element each) of linear and block-grid
+  # layouts are derived from their closed form and held in a bounded LRU
+  # keyed by the layout, not on the mapping: a model's tensors all stay alive
+  # to the end of lowering, and keeping these on every one of them was most
+  # of lowering's host memory at BERT size. Irregular mappings keep theirs
+  # (the layout is those arrays).
+
+  def _derived(self, name: str, compute):
+    if not self.is_linear and self.grid is None:
+      value = self._irregular_cache.get(name)
+      if value is None:
+        value = self._irregular_cache[name] = compute()
+      return value
+    return plan_cache.cached(_ELEMENT_ARRAYS, (self.fingerprint, name), compute)
+
   @functools.cached_property
+  def _irregular_cache(self) -> dict:
+    return {}
+
+  @property
   def element_row(self) -> np.ndarray:
+    """``[num_elements]`` storage row of each element."""
     if self.is_linear:
-      return np.arange(self.num_elements, dtype=np.int64) // self.chunk
+      return self._derived("row", lambda: np.arange(self.num_elements, dtype=np.int64) // self.chunk)
+    if self.grid is not None:
+      return self._derived("row", lambda: self.grid.element_layout()[0])
     return self._element_row
 
-  @functools.cached_property
+  @property
   def element_offset(self) -> np.ndarray:
+    """``[num_elements]`` place of each element within its storage row."""
     if self.is_linear:
-      return np.arange(self.num_elements, dtype=np.int64) % self.chunk
+      return self._derived("offset", lambda: np.arange(self.num_elements, dtype=np.int64) % self.chunk)
+    if self.grid is not None:
+      return self._derived("offset", lambda: self.grid.element_layout()[1])
     return self._element_offset
 
-  @functools.cached_property
+  @property
   def element_tile(self) -> np.ndarray:
     """``[num_elements]`` tile of each element."""
     if self.is_linear:
-      return np.repeat(self.tiles, self.counts)
-    return self.tiles[self.element_row]
+      return self._derived("tile", lambda: np.repeat(self.tiles, self.counts))
+    return self._derived("tile", lambda: self.tiles[self.element_row])
 
-  @functools.cached_property
+  @property
   def storage_position(self) -> np.ndarray:
     """``[num_elements]`` index of each element in the flattened storage."""
     if self.is_linear:
-      return np.arange(self.num_elements, dtype=np.int64)
-    return self.element_row * self.row_size + self.element_offset
+      return self._derived("position", lambda: np.arange(self.num_elements, dtype=np.int64))
+    return self._derived("position", lambda: self.element_row * self.row_size + self.element_offset)
 
-  @functools.cached_property
+  @property
   def storage_source(self) -> np.ndarray:
     """For each storage slot, the flat element it holds (``num_elements`` = padding)."""
-    rows, size = self.storage_shape
-    source = np.full(rows * size, self.num_elements, np.int64)
-    source[self.storage_position] = np.arange(self.num_elements)
-    return source
+    def compute():
+      rows, size = self.storage_shape
+      source = np.full(rows * size, self.num_elements, np.int64)
+      source[self.storage_position] = np.arange(self.num_elements)
+      return source
+    return self._derived("source", compute)
 
   @functools.cached_property
   def fingerprint(self) -> tuple:
@@ -360,7 +428,7 @@ class TileMapping:
       starts = np.arange(self.num_rows, dtype=np.int64) * int(self.chunk)
       return starts, self.tiles
     if self._row_runs is None:
-      self._row_runs = row_runs(self._element_row)
+      self._row_runs = row_runs(self.element_row)
     starts, rows = self._row_runs
     tiles = self.tiles[rows]
     # Row tiles are unique, but neighbouring runs on one tile still merge.
