@@ -336,22 +336,39 @@ class TileMapping:
   def _irregular_cache(self) -> dict:
     return {}
 
+  def _layout_array(self, which: int) -> np.ndarray:
+    """Row (``which=0``) or offset (1) of every element of a regular layout.
+
+    These do not depend on the tiles, so they are keyed by the layout alone:
+    the same grid moved along the tiles (a transformer's next layer) shares
+    one read-only array.
+    """
+    if self.is_linear:
+      key = ("linear", self.num_elements, int(self.chunk), which)
+      compute = lambda: np.divmod(np.arange(self.num_elements, dtype=np.int64),  # noqa: E731
+                                  self.chunk)[which]
+    else:
+      key = ("grid", self.grid, which)
+      compute = lambda: self.grid.element_layout()[which]  # noqa: E731
+
+    def frozen():
+      value = np.ascontiguousarray(compute())
+      value.flags.writeable = False
+      return value
+    return plan_cache.cached(_ELEMENT_ARRAYS, key, frozen)
+
   @property
   def element_row(self) -> np.ndarray:
     """``[num_elements]`` storage row of each element."""
-    if self.is_linear:
-      return self._derived("row", lambda: np.arange(self.num_elements, dtype=np.int64) // self.chunk)
-    if self.grid is not None:
-      return self._derived("row", lambda: self.grid.element_layout()[0])
+    if self.is_linear or self.grid is not None:
+      return self._layout_array(0)
     return self._element_row
 
   @property
   def element_offset(self) -> np.ndarray:
     """``[num_elements]`` place of each element within its storage row."""
-    if self.is_linear:
-      return self._derived("offset", lambda: np.arange(self.num_elements, dtype=np.int64) % self.chunk)
-    if self.grid is not None:
-      return self._derived("offset", lambda: self.grid.element_layout()[1])
+    if self.is_linear or self.grid is not None:
+      return self._layout_array(1)
     return self._element_offset
 
   @property
