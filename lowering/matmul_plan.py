@@ -584,31 +584,12 @@ def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLay
   rows = num_blocks * pieces
   block_elements = int(np.prod(blocks, dtype=np.int64))
   piece = ceil_div(block_elements, pieces)
-  serial_axis, count = serial
-  ndim = len(shape)
-  row = np.zeros((1,) * ndim, np.int64)
-  offset = np.zeros((1,) * ndim, np.int64)
-  passes = np.zeros((1,) * ndim, np.int64)
-  g_stride = b_stride = 1
-  for a in reversed(range(ndim)):
-    idx = np.arange(shape[a], dtype=np.int64).reshape([-1 if i == a else 1 for i in range(ndim)])
-    if a == serial_axis and count > 1:
-      length = ceil_div(shape[a], count)
-      passes = passes + idx // length
-      idx = idx % length
-    row = row + (idx // blocks[a]) * g_stride
-    offset = offset + (idx % blocks[a]) * b_stride
-    g_stride *= int(grids[a])
-    b_stride *= int(blocks[a])
-  row = np.broadcast_to(row, shape).reshape(-1)
-  offset = np.broadcast_to(offset, shape).reshape(-1)
-  if pieces > 1:
-    row = row * pieces + offset // piece
-    offset = offset % piece
-  row_size = piece
-  if count > 1:
-    offset = np.broadcast_to(passes, shape).reshape(-1) * piece + offset
-    row_size = count * piece
+  _, count = serial
+  # The element placement is the grid's closed form (one formula, BlockGrid's).
+  row, offset = BlockGrid(tuple(int(d) for d in shape), tuple(int(g) for g in grids),
+                          tuple(int(b) for b in blocks), int(pieces),
+                          tuple(serial)).element_layout()
+  row_size = count * piece if count > 1 else piece
   counts = np.bincount(row, minlength=rows)[:rows].astype(np.int64)
   if counts[-1] > 0 and np.all(counts[:-1] == row_size):
     if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
