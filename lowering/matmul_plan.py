@@ -721,10 +721,13 @@ def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Seque
       member = np.zeros((g_count, target.num_ipus), bool)
       member[key_have, np.asarray(tiles) // per] = True
       key = np.broadcast_to(key_needed, canon_shape).ravel()[sent.ravel()]
-      sent_ipu = sent_src // per
-      others = member[key].sum(axis=1) - member[key, sent_ipu]
-      link = np.bincount(sent_ipu, weights=others, minlength=target.num_ipus)
-      link = (link[:target.num_ipus] * itemsize).astype(np.int64)
+      # Count elements per (key, sending IPU) pair, then weigh each pair by
+      # the other IPUs its key's blocks sit on: no per-element IPU table.
+      ipus = target.num_ipus
+      pairs = np.bincount(key * ipus + sent_src // per, minlength=g_count * ipus)
+      pairs = pairs[:g_count * ipus].reshape(g_count, ipus)
+      others = member.sum(axis=1, keepdims=True) - member
+      link = ((pairs * others).sum(axis=0) * itemsize).astype(np.int64)
     else:
       # Halo ranges: an upper bound, every element sent leaves for every
       # other IPU the grid spans.
