@@ -67,11 +67,11 @@ vmaps a block matmul over the tile axis, then sums the partials; f32 uses
 partials added in the plan's order, rounding each addition), so they agree
 bit for bit. ``"batched"`` (the default) computes the whole product
 on the logical arrays with the partials type as ``preferred_element_type``:
-one ``lax.dot_general``, or, with K split over tiles, one per K block and a
-sum of the partials (the numbers a per-tile plan gives, up to summation
-order), and writes it straight into the result's tile storage in the first
-step; the later steps (reduce, further passes) then have nothing
-left to do on the host, while their cost is still counted.
+one ``lax.dot_general`` whatever the K split (``jax.jit``'s numbers; the
+tiles' summation order of fp32 partials differs only in rounding), and
+writes it straight into the result's tile storage in the first step; the
+later steps (reduce, further passes) then have nothing left to do on the
+host, while their cost is still counted.
 """
 
 from __future__ import annotations
@@ -234,9 +234,15 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
   def full_product(a_st, b_st):
     """The whole product, [B, M, N] in the result type (batched mode).
 
-    With K split over ``gk`` tiles, one product per K block (batched over
-    the blocks) and a sum of the ``gk`` partials in the partials type: the
-    tiles' numbers, whatever order XLA would sum one long contraction in.
+    Whatever the K split, one ``lax.dot_general`` with the user's precision
+    and the partials type as ``preferred_element_type``: the numbers
+    ``jax.jit`` gives, to rounding. The tiles sum ``gk`` partials in their
+    own order; reproducing that order (one product per K block and a sum of
+    the partials) cost 5x a plain product on the whole chip and bought only
+    a different rounding of fp32 sums, so it is not done. fp16 partials are
+    the exception: rounding each partial and each addition to half precision
+    changes the result, so :mod:`half_partials` keeps the plan's order.
+    The per-tile accounting does not depend on this: it is the plan's.
     """
     a, w = logical(a_st, lhs), logical(b_st, rhs)
     if half:
@@ -244,17 +250,8 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
           jnp.transpose(a, lhs_perm).reshape(b, m, k),
           jnp.transpose(w, rhs_perm).reshape(b, k, n), gk, bk,
           fanins=plan.reduce_fanins).astype(out_dtype)
-    if gk == 1:
-      c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
-      return c.astype(out_dtype).reshape(b, m, n)
-    a = jnp.transpose(a, lhs_perm).reshape(b, m, k)
-    w = jnp.transpose(w, rhs_perm).reshape(b, k, n)
-    # The K blocks lead (a batch axis XLA's CPU products take without a copy).
-    a = jnp.pad(a, ((0, 0), (0, 0), (0, gk * bk - k))).reshape(b, m, gk, bk).transpose(2, 0, 1, 3)
-    w = jnp.pad(w, ((0, 0), (0, gk * bk - k), (0, 0))).reshape(b, gk, bk, n).transpose(1, 0, 2, 3)
-    c = lax.dot_general(a, w, (((3,), (2,)), ((0, 1), (0, 1))), precision=precision,
-                        preferred_element_type=acc)                   # [gk, B, M, N]
-    return _sum_partials(c).astype(out_dtype)
+    c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
+    return c.astype(out_dtype).reshape(b, m, n)
 
   def pass_blocks(a_st, b_st, start, stop):
     """Per-tile partial blocks ``[G, bb*bm*bn]`` of one pass (per_tile mode)."""
@@ -543,25 +540,6 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.nd
         codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype if last else acc),),
         flops=int(((members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))
     level, count, stride = result, new_count, stride * fanin
-
-
-def _sum_partials(c):
-  """The K blocks' partials ``[gk, B, M, N]`` summed over the blocks.
-
-  XLA's CPU backend reduces over an outer axis element by element (a
-  ``jnp.sum`` over the blocks took 30x the product itself). Pairwise sums of
-  halves are whole-slice adds (vectorised, fused into one pass) and take
-  ``log2(gk)`` steps to trace.
-  """
-  odd = []  # a block left over at an odd count joins at the end (no copies)
-  while c.shape[0] > 1:
-    half = c.shape[0] // 2
-    if c.shape[0] % 2:
-      odd.append(lax.slice_in_dim(c, 2 * half, 2 * half + 1))
-    c = lax.slice_in_dim(c, 0, half) + lax.slice_in_dim(c, half, 2 * half)
-  for extra in odd:
-    c = c + extra
-  return lax.index_in_dim(c, 0, keepdims=False)
 
 
 def _add(x: Optional[ExchangeCost], y: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
