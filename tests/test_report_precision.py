@@ -30,6 +30,17 @@ T16 = ipu_jax.IPUTarget.preset("ipu21", tiles_per_ipu=16)
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_page_harness.js")
 
 
+def _run_page(test, node, page) -> dict:
+  """Runs ``page``'s script under node, checks the number-format section and
+  its link are shown; returns what the harness read and its plots by div id."""
+  run = subprocess.run([node, _HARNESS, page], capture_output=True, text=True, timeout=60)
+  test.assertEqual(run.returncode, 0, run.stderr)
+  result = json.loads(run.stdout)
+  test.assertTrue(result["ready"])
+  test.assertEqual(result["hidden"], {"section": False, "link": False})
+  return result, {p["div"]: p for p in result["plots"]}
+
+
 class Net(nnx.Module):
   """Two FP8 dense layers: every tensor kind of the paper's figures."""
 
@@ -174,12 +185,7 @@ class ReportTest(parameterized.TestCase):
     page = os.path.join(directory, "report.html")
     if not os.path.exists(page):
       self.skipTest("plotly is not installed, so report.html is not written")
-    run = subprocess.run([node, _HARNESS, page], capture_output=True, text=True, timeout=60)
-    self.assertEqual(run.returncode, 0, run.stderr)
-    result = json.loads(run.stdout)
-    self.assertTrue(result["ready"])
-    self.assertEqual(result["hidden"], {"section": False, "link": False})
-    plots = {p["div"]: p for p in result["plots"]}
+    result, plots = _run_page(self, node, page)
     kinds = {t["name"]: t["x"] for t in plots["fp8-scales-chart"]["traces"]}
     self.assertEqual(kinds["gradients"], self.report.number_formats.scales_by_kind()["gradients"])
     self.assertEqual(plots["loss-scale-chart"]["traces"][0]["y"], self.scales)
@@ -298,12 +304,7 @@ class CompareTest(chex.TestCase):
       self.skipTest("plotly is not installed, so the comparison page is not written")
     page = os.path.join(self.create_tempdir().full_path, "diff.html")
     report_html.write_page(page_text, page)
-    run = subprocess.run([node, _HARNESS, page], capture_output=True, text=True, timeout=60)
-    self.assertEqual(run.returncode, 0, run.stderr)
-    result = json.loads(run.stdout)
-    self.assertTrue(result["ready"])
-    self.assertEqual(result["hidden"], {"section": False, "link": False})
-    plots = {p["div"]: p for p in result["plots"]}
+    result, plots = _run_page(self, node, page)
     self.assertEqual([t["y"] for t in plots["loss-scale-chart"]["traces"]],
                      [self.fp16.number_formats.loss_scaling.scale])
     fp8_scales = [s for t in self.fp8.number_formats.fp8.values() for s in t.log2_scale]
