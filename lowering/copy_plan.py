@@ -17,8 +17,12 @@ run (stride 1) or one source element (stride 0, a broadcast); rows are cut
 where the destination mapping's tile runs and the sources' tile runs change,
 and the per-tile counts are unions of source intervals. A broadcast of a
 ``[D]`` bias over ``[B, S, D]`` is ``B * S`` rows instead of ``B * S * D``
-elements. When a map has short rows (a transpose of the innermost axis) the
-caller falls back to the element planner. Both return a :class:`CopyPlan`.
+elements. A transpose that moves the innermost axis has rows of one element;
+it is planned on the tile of every element, transposed like the data (small
+integers, no index array, every source copied once), and cached by layout
+like the region plans. Other maps with short rows (strided slices of the
+innermost axis, reversals) fall back to the element planner. All return a
+:class:`CopyPlan`.
 
 The same boxes also build the per-element gather indices the ``per_tile``
 executor mode needs, at trace time only, so no step holds them.
@@ -260,8 +264,8 @@ def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
 
   Returns:
     A :class:`CopyPlan` equal, figure for figure, to the element planner's;
-    ``None`` when the map's rows are too short for regions to pay (then the
-    caller plans element by element).
+    ``None`` when the map's rows are too short for regions to pay and it is
+    not a transpose (then the caller plans element by element).
   """
   key = _cache_key(target, sources, outputs, itemsize)
   return plan_cache.cached(_PLANS, key,
@@ -283,7 +287,10 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
   total_out = sum(m.num_elements for m, _ in outputs)
   rows = sum(b.num_rows() for _, b in outputs)
   if rows * MIN_MEAN_ROW > max(total_out, 1):
-    return None
+    permutation = _permutation_box(sources, outputs)
+    if permutation is None:
+      return None
+    return _plan_permutation(target, sources[0], outputs[0][0], permutation, itemsize)
   budget = max(4 * rows, total_out // MIN_MEAN_ROW) + 4 * num_tiles
   # Sources: every mapping's runs, shifted to its place in the concatenation.
   offsets = np.cumsum([0] + [m.num_elements for m in sources])
@@ -344,6 +351,67 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
     per_pair = _union_lengths(group, a[crossing], b[crossing], n_ipus * num_tiles, num_sources)
     source_ipu = (np.arange(n_ipus * num_tiles) % num_tiles) // per_ipu
     link = np.bincount(source_ipu, weights=per_pair, minlength=n_ipus)[:n_ipus].astype(np.int64)
+  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
+  return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+def _permutation_box(sources, outputs) -> Optional[Box]:
+  """The lone box of a transpose (every source element copied once), else None.
+
+  A transpose is one source, one output of the same size, and one box over
+  the whole output in row-major order whose source strides are the row-major
+  strides of the source's axes in some order.
+  """
+  if len(sources) != 1 or len(outputs) != 1 or len(outputs[0][1].boxes) != 1:
+    return None
+  mapping, boxmap = outputs[0]
+  box = boxmap.boxes[0]
+  if (box.size != mapping.num_elements or box.size != sources[0].num_elements
+      or box.out_offset or box.src_offset):
+    return None
+  axes = [(e, o, s) for e, o, s in zip(box.extents, box.out_strides, box.src_strides) if e > 1]
+  extents = [e for e, _, _ in axes]
+  if [o for _, o, _ in axes] != list(row_major_strides(extents)):
+    return None
+  # Source axes sorted by falling stride must be a row-major layout.
+  by_stride = sorted(axes, key=lambda a: -a[2])
+  if [s for _, _, s in by_stride] != list(row_major_strides([e for e, _, _ in by_stride])):
+    return None
+  return box
+
+
+def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Box,
+                      itemsize: int) -> CopyPlan:
+  """The figures of a transpose from its tiles, transposed like the data.
+
+  A transpose that moves the innermost axis has rows of one element, so it is
+  planned on the ``[size]`` tile of every element instead: the source tiles,
+  viewed with the box's strides, are the tile each output element comes from.
+  Small tile ids (int16) keep that one transposed copy cheap; every source
+  element is copied once, so nothing needs deduplicating.
+  """
+  num_tiles = target.num_tiles
+  tile_type = np.int16 if num_tiles < 2**15 else np.int32
+  source_tiles = element_tiles(source).astype(tile_type)
+  step = source_tiles.itemsize
+  src = np.lib.stride_tricks.as_strided(
+      source_tiles, shape=box.extents, strides=[s * step for s in box.src_strides],
+      writeable=False).reshape(-1)
+  dst = element_tiles(mapping).astype(tile_type)
+  written = mapping.elements_per_tile(num_tiles).astype(np.int64)
+  fills = np.zeros(num_tiles, np.int64)
+  moved = src != dst
+  if not moved.any():
+    return _frozen(CopyPlan(None, np.zeros(num_tiles, np.int64), written, fills))
+  src, dst = src[moved], dst[moved]
+  received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
+  sent = np.bincount(src, minlength=num_tiles)[:num_tiles].astype(np.int64)
+  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
+  link = np.zeros(n_ipus, np.int64)
+  if n_ipus > 1:
+    src_ipu = src // per_ipu
+    crossing = src_ipu != dst // per_ipu
+    link = np.bincount(src_ipu[crossing], minlength=n_ipus)[:n_ipus].astype(np.int64)
   cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
   return _frozen(CopyPlan(cost, received, written - received, fills))
 

@@ -137,11 +137,46 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_array_equal(plan.exchange.bytes_out, cost.bytes_out)
     np.testing.assert_array_equal(plan.exchange.link_bytes_out, cost.link_bytes_out)
 
-  def test_short_rows_are_left_to_the_element_planner(self):
-    # A transpose of the innermost axis copies runs of one element.
+  @parameterized.product(seed=list(range(8)), target=sorted(_TARGETS),
+                         layouts=[("linear", "linear"), ("irregular", "blocks"),
+                                  ("blocks", "irregular")])
+  def test_innermost_transposes_are_planned_with_the_same_figures(self, seed, target, layouts):
+    # K^T and head splits: the innermost axis moves, so every row is one element.
+    target = _TARGETS[target]
+    rng = np.random.RandomState(100 + seed)
+    ndim = int(rng.randint(2, 5))
+    in_shape = tuple(int(rng.randint(1, 7)) for _ in range(ndim - 1)) + (int(rng.randint(2, 9)),)
+    perm = [int(p) for p in rng.permutation(ndim)]
+    while perm[-1] == ndim - 1:
+      perm = [int(p) for p in rng.permutation(ndim)]
+    strides = row_major_strides(in_shape)
+    shape = tuple(in_shape[p] for p in perm)
+    box = Box.make(shape, 0, row_major_strides(shape), 0, [strides[p] for p in perm])
+    size = int(np.prod(in_shape))
+    source, out = (_mapping(kind, size, target, rng) for kind in layouts)
+    outputs = [(out, BoxMap((box,)))]
+    itemsize = int(rng.choice([1, 2, 4]))
+    with plan_cache.disabled():
+      plan = copy_plan.plan_copies(target, [source], outputs, itemsize)
+    self.assertIsNotNone(plan)
+    cost, received, copies, fills = _element_figures(target, [source], outputs, itemsize)
+    np.testing.assert_array_equal(plan.received, received)
+    np.testing.assert_array_equal(plan.copies, copies)
+    np.testing.assert_array_equal(plan.fills, fills)
+    if cost is None:
+      self.assertIsNone(plan.exchange)
+      return
+    np.testing.assert_array_equal(plan.exchange.bytes_in, cost.bytes_in)
+    np.testing.assert_array_equal(plan.exchange.bytes_out, cost.bytes_out)
+    np.testing.assert_array_equal(plan.exchange.link_bytes_out, cost.link_bytes_out)
+
+  @parameterized.named_parameters(
+      ("strided_slice", Box.make((48, 32), 0, (32, 1), 0, (64, 2))),
+      ("reversal", Box.make((48, 64), 0, (64, 1), 63, (64, -1))))
+  def test_other_short_rows_are_left_to_the_element_planner(self, box):
     m = TileMapping.linear(64 * 48, 16, 4)
-    box = Box.make((48, 64), 0, (64, 1), 0, (1, 48))
-    self.assertIsNone(copy_plan.plan_copies(_T16, [m], [(m, BoxMap((box,)))], 4))
+    out = TileMapping.linear(box.size, 16, 4)
+    self.assertIsNone(copy_plan.plan_copies(_T16, [m], [(out, BoxMap((box,)))], 4))
 
   def test_a_box_outside_its_output_is_an_error(self):
     box = Box.make((4, 5), 3, (5, 1), 0, (5, 1))
