@@ -8,9 +8,11 @@ affine positions of the source (:class:`~ipu_jax.lowering.copy_plan.BoxMap`:
 a broadcast axis has source stride 0, a transpose permutes strides, a slice
 offsets and scales them). :func:`move` plans the exchange from the boxes by
 regions (rows cut at tile-run boundaries, in time proportional to runs,
-``lowering/copy_plan.py``) and falls back to the per-element planner
-:func:`exchange_plan` only for maps with short runs (a transpose of the
-innermost axis); both give the same figures.
+``lowering/copy_plan.py``; a transpose of the innermost axis, whose rows are
+single elements, from its tiles transposed like the data) and falls back to
+the per-element planner :func:`exchange_plan` only for other maps with short
+runs (a strided slice or reversal of the innermost axis); all give the same
+figures.
 
 * ``reshape``, ``squeeze`` (and ``broadcast_in_dim`` / ``transpose`` / ...
   whose map turns out to be the identity) change only the logical shape.
