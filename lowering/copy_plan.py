@@ -392,20 +392,26 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
   """
   num_tiles = target.num_tiles
   tile_type = np.int16 if num_tiles < 2**15 else np.int32
-  source_tiles = element_tiles(source).astype(tile_type)
+
+  def tiles_of(m: TileMapping) -> np.ndarray:
+    starts, tiles = m.intervals
+    return np.repeat(tiles.astype(tile_type), np.diff(np.append(starts, m.num_elements)))
+
+  source_tiles = tiles_of(source)
   step = source_tiles.itemsize
   src = np.lib.stride_tricks.as_strided(
       source_tiles, shape=box.extents, strides=[s * step for s in box.src_strides],
       writeable=False).reshape(-1)
-  dst = element_tiles(mapping).astype(tile_type)
+  dst = tiles_of(mapping)
   written = mapping.elements_per_tile(num_tiles).astype(np.int64)
   fills = np.zeros(num_tiles, np.int64)
-  moved = src != dst
-  if not moved.any():
-    return _frozen(CopyPlan(None, np.zeros(num_tiles, np.int64), written, fills))
-  src, dst = src[moved], dst[moved]
-  received = np.bincount(dst, minlength=num_tiles)[:num_tiles].astype(np.int64)
-  sent = np.bincount(src, minlength=num_tiles)[:num_tiles].astype(np.int64)
+  # Every element moves but those already on their tile; as every source
+  # element is copied once, counting those few gives both directions.
+  stays = np.bincount(dst[src == dst], minlength=num_tiles)[:num_tiles].astype(np.int64)
+  received = written - stays
+  if not received.any():
+    return _frozen(CopyPlan(None, received, written, fills))
+  sent = source.elements_per_tile(num_tiles).astype(np.int64) - stays
   n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
   link = np.zeros(n_ipus, np.int64)
   if n_ipus > 1:
