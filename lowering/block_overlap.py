@@ -18,6 +18,7 @@ the rest.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -219,8 +220,85 @@ def _halo_link_bytes(target, tiles, sent, itemsize) -> np.ndarray:
   return (sent_per_ipu * others * itemsize).astype(np.int64)
 
 
-# Most (IPU runs x blocks) prefix counts the exact IPU-Link bytes may take.
+# Most (IPUs x cells) counts the exact IPU-Link bytes may take.
 _LINK_BUDGET = 1 << 22
+
+
+def _cell_counts(shape, points, weights, owner, n_owners, cuts) -> np.ndarray:
+  """Signed prefix counts of flat positions, per owner, in every cell of a grid.
+
+  The cuts split each axis into intervals; a cell is one interval per axis.
+  Each point ``x`` adds ``weight`` times the number of flat indices below
+  ``x`` in the cell, to its owner's count of that cell. The prefix count
+  recurses on the axes: below ``x`` lie whole slabs of the cell before
+  ``x``'s digit along the outer axis, plus, when that digit is inside the
+  cell's interval, the prefix of the rest of ``x`` in the rest of the cell.
+  So per axis each point touches only the interval holding its digit (those
+  below take it whole, by a cumulative sum), ``O(points + owners x cells)``
+  work per axis, whatever the number of cells each point lies below.
+
+  Args:
+    shape: the tensor's shape (at least one axis).
+    points: ``[P]`` flat positions, ``0 <= x <= prod(shape)``.
+    weights: ``[P]`` int64 weights.
+    owner: ``[P]`` owner of each point, ``< n_owners``.
+    n_owners: how many owners.
+    cuts: per axis, sorted unique cut points from 0 to the axis size.
+
+  Returns:
+    ``[n_owners, *cells]`` int64 sums, ``cells[a] = len(cuts[a]) - 1``.
+  """
+  ndim = len(shape)
+  widths = [np.diff(c) for c in cuts]
+  cells = tuple(w.size for w in widths)
+  total = np.zeros((n_owners,) + cells, np.int64)
+  stride = int(np.prod(shape, dtype=np.int64))
+  prefix = np.zeros(points.shape, np.int64)  # cell index along the axes before a
+  outer = 1  # cells along the axes before a
+  for a in range(ndim):
+    size = int(shape[a])
+    stride //= max(size, 1)
+    digit = points // stride if a == 0 else (points // stride) % max(size, 1)
+    # Interval of the digit; the end of the tensor lies past the last one.
+    j = np.searchsorted(cuts[a], digit, side="right") - 1
+    n = cells[a]
+    slot = (owner * outer + prefix) * (n + 1) + np.minimum(j, n)
+    length = n_owners * outer * (n + 1)
+    # Points in interval j count (digit - start_j); those past it count it
+    # whole. Weighted bincounts are float64: exact below 2**53.
+    into = np.bincount(slot, weights=weights * (digit - cuts[a][np.minimum(j, n)]),
+                       minlength=length)[:length].reshape(n_owners, outer, n + 1)
+    past = np.bincount(slot, weights=weights, minlength=length)[:length].reshape(
+        n_owners, outer, n + 1)
+    past = np.cumsum(past[..., ::-1], axis=-1)[..., ::-1][..., 1:]
+    level = (into[..., :n] + past * widths[a]).astype(np.int64)
+    # Each of those counts a whole cross-section of the cells' inner axes.
+    inner = functools.reduce(np.multiply.outer, widths[a + 1:], np.int64(1))
+    total += level.reshape((n_owners,) + cells[:a + 1] + (1,) * (ndim - a - 1)) * inner
+    keep = j < n
+    points, weights, owner = points[keep], weights[keep], owner[keep]
+    prefix = prefix[keep] * n + j[keep]
+    outer *= n
+  return total
+
+
+def _box_sums(counts: np.ndarray, cuts, lo, hi) -> np.ndarray:
+  """``[owners, K]`` sums of per-cell counts over the cells of boxes ``[lo, hi)``."""
+  ndim = counts.ndim - 1
+  padded = counts
+  for a in range(ndim):
+    padded = np.cumsum(padded, axis=a + 1)
+    pad = [(0, 0)] * padded.ndim
+    pad[a + 1] = (1, 0)
+    padded = np.pad(padded, pad)
+  j_lo = [np.searchsorted(cuts[a], lo[a]) for a in range(ndim)]
+  j_hi = [np.searchsorted(cuts[a], hi[a]) for a in range(ndim)]
+  out = np.zeros((counts.shape[0], lo[0].size), np.int64)
+  for corner in range(1 << ndim):
+    index = tuple(j_hi[a] if corner >> a & 1 else j_lo[a] for a in range(ndim))
+    sign = -1 if (ndim - bin(corner).count("1")) % 2 else 1
+    out += sign * padded[(slice(None),) + index]
+  return out
 
 
 def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
@@ -230,8 +308,11 @@ def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, gri
   An element is multicast to the grid tiles of its block (every block along
   the axes needing all elements); it crosses once to each other IPU among
   them. So IPU ``i`` sends, per block, its elements in the block times the
-  other IPUs the block's tiles span: one prefix count per (IPU run, block).
-  None when that is more than ``_LINK_BUDGET`` counts.
+  other IPUs the block's tiles span. Each IPU's elements per block are its
+  counts per cell of the grid that the blocks' bounds cut the tensor into
+  (:func:`_cell_counts`, from the ends of its runs), summed over the block's
+  cells: work in IPU runs plus IPUs x cells, not runs x blocks. None when
+  IPUs x cells is more than ``_LINK_BUDGET``.
   """
   per, n_ipus = target.tiles_per_ipu, target.num_ipus
   g_count = tiles.size
@@ -250,16 +331,24 @@ def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, gri
   keep[1:] = ipu[1:] != ipu[:-1]
   ipu_starts, ipu_of = starts[keep], ipu[keep]
   ipu_ends = np.append(ipu_starts[1:], ends[-1])
-  if ipu_starts.size * rep.size > _LINK_BUDGET:
+  others = member.sum(axis=1)[None, :] - member.T  # [IPU, block]
+  if not len(shape):  # a scalar: one axis of one element, in every block
+    shape, boxes = (1,), (np.zeros((g_count, 1), np.int64), np.ones((g_count, 1), np.int64))
+  # Only the part of a box inside the tensor counts.
+  lo = [np.clip(np.ascontiguousarray(boxes[0][rep, a]), 0, int(shape[a]))
+        for a in range(len(shape))]
+  hi = [np.clip(np.ascontiguousarray(boxes[1][rep, a]), lo[a], int(shape[a]))
+        for a in range(len(shape))]
+  cuts = [np.unique(np.concatenate([[0, int(shape[a])], lo[a], hi[a]]))
+          for a in range(len(shape))]
+  cells = int(np.prod([c.size - 1 for c in cuts], dtype=np.int64))
+  if n_ipus * cells > _LINK_BUDGET:
     return None
-  r, k = np.meshgrid(np.arange(ipu_starts.size), np.arange(rep.size), indexing="ij")
-  r, k = r.ravel(), k.ravel()
-  lo = [np.ascontiguousarray(boxes[0][rep, a])[k] for a in range(len(shape))]
-  hi = [np.ascontiguousarray(boxes[1][rep, a])[k] for a in range(len(shape))]
-  inside = _prefix(ipu_ends[r], shape, lo, hi) - _prefix(ipu_starts[r], shape, lo, hi)
-  others = member.sum(axis=1)[k] - member[k, ipu_of[r]]
-  link = np.bincount(ipu_of[r], weights=inside * others, minlength=n_ipus)[:n_ipus]
-  return (link * itemsize).astype(np.int64)
+  points = np.concatenate([ipu_ends, ipu_starts]).astype(np.int64)
+  weights = np.concatenate([np.ones(ipu_ends.size, np.int64), -np.ones(ipu_starts.size, np.int64)])
+  counts = _cell_counts(shape, points, weights, np.concatenate([ipu_of, ipu_of]), n_ipus, cuts)
+  inside = _box_sums(counts, cuts, lo, hi)  # [IPU, block]
+  return ((inside * others).sum(axis=1) * itemsize).astype(np.int64)
 
 
 def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
@@ -283,16 +372,17 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     or None when intervals cannot give them: a block's set along an axis is
     not a range, or not a box of the tensor's axes; a view axis merging
     tensor axes that are not neighbours, cut by a window or read with gaps;
-    grid tiles that repeat; on several IPUs without halos, more IPU runs
-    times blocks than ``_LINK_BUDGET`` (the IPU-Link bytes follow each
-    block's destinations).
+    grid tiles that repeat; on several IPUs without halos, more IPUs
+    times cells of the blocks' grid than ``_LINK_BUDGET`` (the IPU-Link
+    bytes follow each block's destinations).
   """
   # Ranges along merged axes are ranges of one axis once those are merged.
   shape, groups = merge_axes(shape, groups)
   tiles = np.asarray(tiles, np.int64)
   t = target.num_tiles
   g_count = int(np.prod(grid_shape, dtype=np.int64))
-  if mapping.num_elements == 0 or g_count == 0 or np.unique(tiles).size != tiles.size:
+  # Grid tiles are tile indices: a bincount finds repeats without sorting.
+  if mapping.num_elements == 0 or g_count == 0 or np.bincount(tiles, minlength=t).max() > 1:
     return None
   window = [(int(a), int(b)) for a, b in window]
   if any(b <= a for a, b in window):

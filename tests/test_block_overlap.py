@@ -84,10 +84,11 @@ class BlockExchangeCostTest(parameterized.TestCase):
 
   @parameterized.product(
       kind=("linear", "grid", "random"),
-      num_ipus=(1, 2),
+      num_ipus=(1, 2, 4, 8),
       # (operand shape, (batch, free, contract) axes, grid, serial window,
       #  whether every block is a box of the operand's axes)
       case=(((6, 10), ((), (0,), (1,)), (1, 3, 2, 2), None, True),
+            ((1, 1), ((), (0,), (1,)), (1, 1, 5, 1), None, True),  # a scalar, multicast
             ((10, 6), ((), (1,), (0,)), (1, 2, 3, 2), None, True),
             ((2, 3, 8), ((), (0, 1), (2,)), (1, 2, 2, 2), (1, 5), True),
             ((2, 3, 8), ((), (0, 1), (2,)), (1, 1, 2, 2), (2, 6), True),
