@@ -82,6 +82,21 @@ def _random_movement(rng, in_shape):
                          [v for s in strides for v in (0, s)])
 
 
+def _assert_same_figures(plan, target, sources, outputs, itemsize):
+  """``plan`` gives the element planner's received, copies, fills and exchange."""
+  cost, received, copies, fills = _element_figures(target, sources, outputs, itemsize)
+  np.testing.assert_array_equal(plan.received, received)
+  np.testing.assert_array_equal(plan.copies, copies)
+  np.testing.assert_array_equal(plan.fills, fills)
+  if cost is None:
+    assert plan.exchange is None, plan.exchange
+    return fills
+  np.testing.assert_array_equal(plan.exchange.bytes_in, cost.bytes_in)
+  np.testing.assert_array_equal(plan.exchange.bytes_out, cost.bytes_out)
+  np.testing.assert_array_equal(plan.exchange.link_bytes_out, cost.link_bytes_out)
+  return fills
+
+
 class RegionPlanTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.product(seed=list(range(12)), target=sorted(_TARGETS),
@@ -101,17 +116,7 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     if plan is None:
       self.assertGreater(box.num_rows() * copy_plan.MIN_MEAN_ROW, out.num_elements)
       return
-    cost, received, copies, fills = _element_figures(target, [source], [(out, BoxMap((box,)))],
-                                                     itemsize)
-    np.testing.assert_array_equal(plan.received, received)
-    np.testing.assert_array_equal(plan.copies, copies)
-    np.testing.assert_array_equal(plan.fills, fills)
-    if cost is None:
-      self.assertIsNone(plan.exchange)
-      return
-    np.testing.assert_array_equal(plan.exchange.bytes_in, cost.bytes_in)
-    np.testing.assert_array_equal(plan.exchange.bytes_out, cost.bytes_out)
-    np.testing.assert_array_equal(plan.exchange.link_bytes_out, cost.link_bytes_out)
+    _assert_same_figures(plan, target, [source], [(out, BoxMap((box,)))], itemsize)
 
   def test_several_sources_and_outputs_with_fill(self):
     # A concatenation of two operands into a padded output, and a second
@@ -128,14 +133,9 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     outputs = [(_mapping("linear", 9 * 44, target, rng), BoxMap(boxes)),
                (_mapping("blocks", 8 * 40, target, rng), BoxMap(second))]
     plan = copy_plan.plan_copies(target, [a, b], outputs, 4)
-    cost, received, copies, fills = _element_figures(target, [a, b], outputs, 4)
+    self.assertIsNotNone(plan.exchange)
+    fills = _assert_same_figures(plan, target, [a, b], outputs, 4)
     self.assertGreater(int(fills.sum()), 0)
-    np.testing.assert_array_equal(plan.received, received)
-    np.testing.assert_array_equal(plan.copies, copies)
-    np.testing.assert_array_equal(plan.fills, fills)
-    np.testing.assert_array_equal(plan.exchange.bytes_in, cost.bytes_in)
-    np.testing.assert_array_equal(plan.exchange.bytes_out, cost.bytes_out)
-    np.testing.assert_array_equal(plan.exchange.link_bytes_out, cost.link_bytes_out)
 
   @parameterized.product(seed=list(range(8)), target=sorted(_TARGETS),
                          layouts=[("linear", "linear"), ("irregular", "blocks"),
@@ -159,16 +159,7 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     with plan_cache.disabled():
       plan = copy_plan.plan_copies(target, [source], outputs, itemsize)
     self.assertIsNotNone(plan)
-    cost, received, copies, fills = _element_figures(target, [source], outputs, itemsize)
-    np.testing.assert_array_equal(plan.received, received)
-    np.testing.assert_array_equal(plan.copies, copies)
-    np.testing.assert_array_equal(plan.fills, fills)
-    if cost is None:
-      self.assertIsNone(plan.exchange)
-      return
-    np.testing.assert_array_equal(plan.exchange.bytes_in, cost.bytes_in)
-    np.testing.assert_array_equal(plan.exchange.bytes_out, cost.bytes_out)
-    np.testing.assert_array_equal(plan.exchange.link_bytes_out, cost.link_bytes_out)
+    _assert_same_figures(plan, target, [source], outputs, itemsize)
 
   @parameterized.named_parameters(
       ("strided_slice", Box.make((48, 32), 0, (32, 1), 0, (64, 2))),
