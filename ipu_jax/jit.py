@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -185,9 +184,7 @@ class Lowered:
     self._check_runnable()
     flat, device_state, record = self._function(list(flat_args), self._constant_values)
     if record is not None:  # one read per run, only with exceptions trapped
-      error = self._traps.error(record)
-      if error is not None:
-        raise error
+      self._raise_trapped(record)
     self.set_device_state(device_state)  # the next run continues from here
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
 

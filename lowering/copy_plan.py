@@ -392,17 +392,12 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
   """
   num_tiles = target.num_tiles
   tile_type = np.int16 if num_tiles < 2**15 else np.int32
-
-  def tiles_of(m: TileMapping) -> np.ndarray:
-    starts, tiles = m.intervals
-    return np.repeat(tiles.astype(tile_type), np.diff(np.append(starts, m.num_elements)))
-
-  source_tiles = tiles_of(source)
+  source_tiles = element_tiles(source, tile_type)
   step = source_tiles.itemsize
   src = np.lib.stride_tricks.as_strided(
       source_tiles, shape=box.extents, strides=[s * step for s in box.src_strides],
       writeable=False).reshape(-1)
-  dst = tiles_of(mapping)
+  dst = element_tiles(mapping, tile_type)
   written = mapping.elements_per_tile(num_tiles).astype(np.int64)
   fills = np.zeros(num_tiles, np.int64)
   # Every element moves but those already on their tile; as every source
@@ -435,14 +430,16 @@ def _frozen(plan: CopyPlan) -> CopyPlan:
 # -- element by element: maps with short runs ------------------------------
 
 
-def element_tiles(mapping: TileMapping) -> np.ndarray:
-  """The tile of every element, from the mapping's runs.
+def element_tiles(mapping: TileMapping, dtype=None) -> np.ndarray:
+  """The tile of every element, from the mapping's runs (as ``dtype`` if given).
 
   Unlike ``TileMapping.element_tile`` this is not cached on the mapping
   (8 bytes per element for the mapping's lifetime): a movement needs it only
   while it is planned.
   """
   starts, tiles = mapping.intervals
+  if dtype is not None:
+    tiles = tiles.astype(dtype)
   return np.repeat(tiles, np.diff(np.append(starts, mapping.num_elements)))
 
 

@@ -12,6 +12,8 @@ work on whole storage arrays.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Iterable
 
 import jax
@@ -66,7 +68,9 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
     return state
   if isinstance(program, P.Superstep):
     if env.traps is not None and fp_exceptions.fused_members(program):
-      return fp_exceptions.run_fused(program, state, env, _run)  # names the faulting op
+      # Op by op, to name the faulting op; one copy of the state for all of them.
+      return fp_exceptions.run_fused(program, state if owned else dict(state), env,
+                                     functools.partial(_run, owned=True))
     values = [env.get(state, t.id) for t in program.reads]
     outputs = program.fn(*values)
     if len(outputs) != len(program.writes):

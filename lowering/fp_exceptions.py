@@ -155,9 +155,8 @@ class Traps:
       mask = None
       if mapping is not None and tuple(mapping.storage_shape) == tuple(shape) and \
           mapping.num_elements != int(np.prod(shape)):
-        flat = np.zeros(int(np.prod(shape)), bool)
-        flat[mapping.storage_position] = True
-        mask = flat.reshape(shape)
+        # Padding slots name no element (their source is num_elements).
+        mask = (mapping.storage_source < mapping.num_elements).reshape(shape)
       self._masks[key] = mask
     return self._masks[key]
 
@@ -261,9 +260,10 @@ class Traps:
 
 def traps_from_options(options, program=None, program_name: str = "") -> Optional[Traps]:
   """The :class:`Traps` ``options`` (``LoweringOptions``) ask for, or None."""
-  traps = Traps(getattr(options, "inv", False), getattr(options, "div0", False),
-                getattr(options, "oflo", False), program, program_name)
-  return traps if traps.any else None
+  flags = [bool(getattr(options, kind, False)) for kind in ("inv", "div0", "oflo")]
+  if not any(flags):
+    return None  # the default: no walk of the program to index its steps
+  return Traps(*flags, program, program_name)
 
 
 def fused_members(step) -> tuple:

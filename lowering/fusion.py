@@ -136,28 +136,13 @@ def _count_uses(node, reads: dict, writes: dict) -> None:
     if isinstance(node, P.StreamCopy):
       writes[i] = writes.get(i, 0) + 1
     return
-  if isinstance(node, P.Sequence):
-    for child in node.programs:
-      _count_uses(child, reads, writes)
-    return
   if isinstance(node, (P.RepeatWhileTrue, P.If)):
     reads[node.predicate.id] = reads.get(node.predicate.id, 0) + _NEVER_INTERNAL
   elif isinstance(node, P.Switch):
     reads[node.control.id] = reads.get(node.control.id, 0) + _NEVER_INTERNAL
-  if isinstance(node, (P.Repeat, P.Replicated)):
-    _count_uses(node.body, reads, writes)
-  elif isinstance(node, P.RepeatWhileTrue):
-    _count_uses(node.condition, reads, writes)
-    _count_uses(node.body, reads, writes)
-  elif isinstance(node, P.If):
-    _count_uses(node.then, reads, writes)
-    _count_uses(node.else_, reads, writes)
-  elif isinstance(node, P.Switch):
-    for _, case in node.cases:
-      _count_uses(case, reads, writes)
-    _count_uses(node.default, reads, writes)
-  else:
-    raise TypeError(f"not a tile program: {node!r}")
+  # Other nodes are checked when the fuser walks the same tree.
+  for child in P.children(node):
+    _count_uses(child, reads, writes)
 
 
 class _Layouts:

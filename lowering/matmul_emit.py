@@ -88,13 +88,12 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import half_partials
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.block_overlap import block_exchange_cost
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, shift_cost
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
-                                          ceil_div, edge_sizes, grid_exchange_cost, grid_tiles,
-                                          operand_dtype, partials_dtype, plan_matmul)
+from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
+                                          edge_sizes, grid_tiles, operand_dtype,
+                                          operand_exchange_cost, partials_dtype, plan_matmul)
 
 __all__ = ["emit_matmul", "fill_zeros"]
 
@@ -328,30 +327,16 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
         needs = [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None,
                  (2,) + blocks_of(k, bk)]
         window = ((0, b), (start, stop) if serial_axis == 1 else (0, m), (0, k))
-        by_intervals = block_exchange_cost(
-            target, lhs.mapping, lhs.shape, lhs.itemsize, (lb, lf, lc), window,
-            (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_)
-        if by_intervals is not None:
-          return by_intervals
-        lhs_src = canonical_tiles(lhs, lhs_perm, (b, m, k))
-        a_src = lhs_src[:, start:stop] if serial_axis == 1 else lhs_src
-        return grid_exchange_cost(
-            target, a_src, lhs.itemsize, (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_)
+        return operand_exchange_cost(target, lhs, lhs_perm, (b, m, k), (lb, lf, lc),
+                                     (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_, window)
       a_cost_all = _operand_cost(target, lhs, ("lhs", lhs_perm) + grid_key, tiles, a_cost_fn)
     if b_cost_all is None or serial_axis == 2:
       def b_cost_fn(start=start, stop=stop, pn_=pn_, rb_=rb_, rk_=rk_, rn_=rn_):
         needs = [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn),
                  (1,) + blocks_of(k, bk)]
         window = ((0, b), (0, k), (start, stop) if serial_axis == 2 else (0, n))
-        by_intervals = block_exchange_cost(
-            target, rhs.mapping, rhs.shape, rhs.itemsize, (rb, rc, rf), window,
-            (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_)
-        if by_intervals is not None:
-          return by_intervals
-        rhs_src = canonical_tiles(rhs, rhs_perm, (b, k, n))
-        b_src = rhs_src[:, :, start:stop] if serial_axis == 2 else rhs_src
-        return grid_exchange_cost(
-            target, b_src, rhs.itemsize, (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_)
+        return operand_exchange_cost(target, rhs, rhs_perm, (b, k, n), (rb, rc, rf),
+                                     (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_, window)
       b_cost_all = _operand_cost(target, rhs, ("rhs", rhs_perm) + grid_key, tiles, b_cost_fn)
     (a_cost, a_local), (b_cost, b_local) = a_cost_all, b_cost_all
     macs = rb_ * rm_ * rn_ * rk_

@@ -68,6 +68,7 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
+from ipu_jax.lowering.block_overlap import block_exchange_cost
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import BlockGrid, TileMapping, row_runs
 from ipu_jax.target import IPUTarget
@@ -554,8 +555,7 @@ def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
       shape, grids, blocks, int(tiles.size), int(pieces), tuple(serial)))
   if layout.chunk is not None:
     return TileMapping(n, tiles, layout.counts, chunk=layout.chunk)
-  return TileMapping(n, tiles, layout.counts, element_row=layout.row,
-                     element_offset=layout.offset, grid=layout.grid, row_runs=layout.runs)
+  return TileMapping(n, tiles, layout.counts, grid=layout.grid, row_runs=layout.runs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,14 +563,13 @@ class _GridLayout:
   """The tile-independent part of a block-grid mapping (shared, read-only).
 
   ``chunk`` is set when the rows are consecutive runs of the flattened array
-  (a linear mapping); else ``row``/``offset`` place every element and
-  ``runs`` are its runs of one row (see ``TileMapping.row_runs``).
+  (a linear mapping); else ``grid`` places every element (its closed form,
+  derived on demand by the mapping) and ``runs`` are the runs of one row
+  (see ``TileMapping.row_runs``).
   """
 
   counts: np.ndarray
   chunk: Optional[int] = None
-  row: Optional[np.ndarray] = None
-  offset: Optional[np.ndarray] = None
   grid: Optional[BlockGrid] = None
   runs: Optional[tuple] = None
 
@@ -585,10 +584,11 @@ def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLay
   block_elements = int(np.prod(blocks, dtype=np.int64))
   piece = ceil_div(block_elements, pieces)
   _, count = serial
+  grid = BlockGrid(tuple(int(d) for d in shape), tuple(int(g) for g in grids),
+                   tuple(int(b) for b in blocks), int(pieces), tuple(serial),
+                   rows=stored if stored < rows else None)
   # The element placement is the grid's closed form (one formula, BlockGrid's).
-  row, offset = BlockGrid(tuple(int(d) for d in shape), tuple(int(g) for g in grids),
-                          tuple(int(b) for b in blocks), int(pieces),
-                          tuple(serial)).element_layout()
+  row, offset = grid.element_layout()
   row_size = count * piece if count > 1 else piece
   counts = np.bincount(row, minlength=rows)[:rows].astype(np.int64)
   if counts[-1] > 0 and np.all(counts[:-1] == row_size):
@@ -599,11 +599,8 @@ def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLay
   if stored < rows and counts[stored:].any():
     raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
   counts = counts[:stored]
-  grid = BlockGrid(shape, tuple(int(g) for g in grids), tuple(int(b) for b in blocks),
-                   int(pieces), tuple(serial), rows=stored if stored < rows else None)
   runs = tuple(_read_only(a) for a in row_runs(row))
-  return _GridLayout(_read_only(counts), row=_read_only(row), offset=_read_only(offset),
-                     grid=grid, runs=runs)
+  return _GridLayout(_read_only(counts), grid=grid, runs=runs)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -627,6 +624,27 @@ def canonical_tiles(tensor: P.Tensor, perm: Sequence[int], canon_shape: Sequence
   """
   src = tensor.mapping.element_tile.astype(np.intp, copy=False).reshape(tensor.shape)
   return np.transpose(src, perm).reshape(tuple(int(d) for d in canon_shape))
+
+
+def operand_exchange_cost(target, tensor, perm, canon_shape, groups, grid, tiles, needs,
+                          elements, window=None) -> tuple:
+  """:func:`grid_exchange_cost` of an operand seen as ``canon_shape`` (axes ``perm`` first).
+
+  By intervals of its mapping where the view allows
+  (:func:`~ipu_jax.lowering.block_overlap.block_exchange_cost`; ``groups``:
+  the tensor axes of each canonical axis, or None), else per element.
+  ``window``: the ``(start, stop)`` taken of each canonical axis (a serial
+  pass's slice); default the whole axis.
+  """
+  if window is None:
+    window = [(0, int(d)) for d in canon_shape]
+  if groups is not None:
+    by_intervals = block_exchange_cost(target, tensor.mapping, tensor.shape, tensor.itemsize,
+                                       groups, window, grid, tiles, needs, elements)
+    if by_intervals is not None:
+      return by_intervals
+  src = canonical_tiles(tensor, perm, canon_shape)[tuple(slice(a, b) for a, b in window)]
+  return grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
 
 
 def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Sequence[int],

@@ -23,7 +23,7 @@ from ipu_jax.lowering.mapping import TileMapping
 __all__ = [
     "Tensor", "Superstep", "Sequence", "Repeat", "RepeatWhileTrue", "If",
     "Switch", "Replicated", "HostStream", "StreamCopy", "PrintTensor", "Program",
-    "program_reads", "program_writes", "iter_steps", "ElementwiseWork", "FusedOp",
+    "program_reads", "program_writes", "iter_steps", "children", "ElementwiseWork", "FusedOp",
 ]
 
 _ids = itertools.count()
@@ -292,7 +292,8 @@ class PrintTensor:
 Program = object  # any of the classes above
 
 
-def _children(program) -> SequenceT:
+def children(program) -> SequenceT:
+  """The programs a control program runs (none for a leaf)."""
   if isinstance(program, Sequence):
     return program.programs
   if isinstance(program, (Repeat, Replicated)):
@@ -315,7 +316,7 @@ def control_tensors(program) -> list:
     out.append(program.predicate)
   if isinstance(program, Switch):
     out.append(program.control)
-  for child in _children(program):
+  for child in children(program):
     out.extend(control_tensors(child))
   return out
 
@@ -349,7 +350,7 @@ def _key_sets(program, memo):
       reads.add(program.predicate.id)
     elif isinstance(program, Switch):
       reads.add(program.control.id)
-    for child in _children(program):
+    for child in children(program):
       r, w = _key_sets(child, memo)
       reads |= r
       writes |= w
@@ -393,7 +394,7 @@ def _iter(program, executions, loops):
     yield from _iter(program.condition, executions, inner)
     yield from _iter(program.body, executions, inner)
   elif isinstance(program, (If, Switch)):
-    for child in _children(program):
+    for child in children(program):
       yield from _iter(child, executions, loops)
   else:
     raise TypeError(f"not a tile program: {program!r}")

@@ -258,12 +258,9 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
     def program(*flat):
       return jax.tree_util.tree_leaves(execution(*jax.tree_util.tree_unflatten(in_tree, flat)))
 
-  def per_replica(*flat):
-    return program(*flat)
-
   # Replica 0's generator state carries on (with esr "ON" each replica
   # perturbs it by its index when it draws).
-  runner = replication.build(per_replica, [REPLICATED] * num_state + in_kinds,
+  runner = replication.build(program, [REPLICATED] * num_state + in_kinds,
                              list(out_kinds_fn(out_tree)) + [REPLICATED] * num_state)
 
   def run(*args_):

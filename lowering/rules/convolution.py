@@ -73,13 +73,11 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.block_overlap import block_exchange_cost
 from ipu_jax.lowering.builders import add_costs, logical
 from ipu_jax.lowering.matmul_emit import fill_zeros
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, canonical_tiles,
-                                          ceil_div, edge_sizes, grid_exchange_cost, grid_product,
-                                          grid_tiles, operand_dtype, partials_dtype,
-                                          split_candidates)
+from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
+                                          edge_sizes, grid_product, grid_tiles, operand_dtype,
+                                          operand_exchange_cost, partials_dtype, split_candidates)
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["ConvPlan", "ConvGeometry", "plan_conv", "conv_geometry"]
@@ -182,23 +180,6 @@ class ConvGeometry:
     lo = (g * self.group_size) // bc
     hi = ceil_div((g + 1) * self.group_size, bc)
     return lo, np.minimum(hi, gc)
-
-
-def _operand_exchange(target, tensor, spec, canon_shape, groups, grid, tiles, needs,
-                      elements) -> tuple:
-  """``grid_exchange_cost`` of an operand seen as ``canon_shape`` (axes ``spec`` first).
-
-  By intervals of its mapping where the view allows (``groups``: the
-  tensor axes of each canonical axis, or None), else per element.
-  """
-  if groups is not None:
-    by_intervals = block_exchange_cost(target, tensor.mapping, tensor.shape, tensor.itemsize,
-                                       groups, [(0, int(d)) for d in canon_shape], grid, tiles,
-                                       needs, elements)
-    if by_intervals is not None:
-      return by_intervals
-  return grid_exchange_cost(target, canonical_tiles(tensor, spec, canon_shape), tensor.itemsize,
-                            grid, tiles, needs, elements)
 
 
 def _covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
@@ -433,8 +414,8 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   # Grouped convolutions split the batch or feature axis: not a plain view.
   lhs_groups = (((), (lhs_spec[0],), (), (lhs_spec[1],)) + tuple((a,) for a in lhs_spec[2:])
                 if geo.bgc == 1 and geo.fgc == 1 else None)
-  lhs_cost, lhs_local = _operand_exchange(target, lhs, tuple(lhs_spec), lhs_canon, lhs_groups,
-                                          out_grids, tiles, needs, lhs_elements)
+  lhs_cost, lhs_local = operand_exchange_cost(target, lhs, tuple(lhs_spec), lhs_canon, lhs_groups,
+                                              out_grids, tiles, needs, lhs_elements)
 
   # -- exchange: kernel (rhs) ------------------------------------------------
   # Canonical rhs view: [features, input channels, taps...]. A spatial block
@@ -447,7 +428,7 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
     lo, hi = geo.tap_block_ranges(d, grid[2 + d], block[2 + d])
     k_needs[out_spec[2 + d]] = (2 + d, lo, hi)
     rhs_elements = rhs_elements * _covering(lo, hi, grid[2 + d])[canon_coords[2 + d]]
-  rhs_cost, rhs_local = _operand_exchange(
+  rhs_cost, rhs_local = operand_exchange_cost(
       target, rhs, tuple(rhs_spec), (geo.o, geo.i) + geo.k_spatial,
       tuple((a,) for a in rhs_spec), out_grids, tiles, k_needs, rhs_elements)
   exchange = add_costs(lhs_cost, rhs_cost)

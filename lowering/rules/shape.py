@@ -223,9 +223,8 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
              for out, s in zip(results, specs)]
     if len(unique) != len(operands):
       # Point every source at the unique operand's elements.
-      ids = [t.id for t in unique]
       starts = np.cumsum([0] + [t.size for t in unique])
-      remap = np.concatenate([np.arange(t.size) + starts[ids.index(t.id)] for t in operands])
+      remap = np.concatenate([np.arange(t.size) + starts[position[t.id]] for t in operands])
       specs = [np.where(i >= 0, remap[np.maximum(i, 0)], -1) for i in specs]
       one_to_one = False
     plan, gathers = copy_plan.plan_elements(
@@ -243,7 +242,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     gathers = None
   elif gathers is None:
     # Region plans keep only their boxes; the gather is built when traced.
-    gathers = [spec for spec in specs]
+    gathers = specs
 
   def fn(*storages):
     if mode == "per_tile":
