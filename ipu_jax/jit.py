@@ -28,6 +28,8 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering import fp_exceptions
+from ipu_jax.lowering import host_memory
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
@@ -38,6 +40,12 @@ from ipu_jax.lowering.remote import is_remote
 from ipu_jax.target import PRESETS, IPUTarget
 
 __all__ = ["jit", "IPUFunction", "Lowered"]
+
+
+# Lowerings whose per-tile cost arrays total at least this many entries hand
+# the heap they freed back to the system (a few milliseconds; small programs
+# free too little to be worth it).
+_TRIM_AFTER_TILE_STEPS = 1 << 22
 
 
 def _key_data_shape(aval):
@@ -58,7 +66,19 @@ class Lowered:
                target: IPUTarget, options, replication_factor: int = 1,
                arg_names: Sequence[str] = (), progress=None, call_site: str = "",
                offload=None):
+    # Plans shared between this program's equations are dropped once it is
+    # lowered (the tables would otherwise hold most of a gigabyte at BERT size).
     progress = progress or compile_progress.CompileProgress(name, verbose=0)
+    with plan_cache.lowering_session():
+      ctx = self._lower(fn, args_flat, in_tree, target, options, replication_factor,
+                        arg_names, progress, call_site, offload, name)
+    self._plan(ctx, name, progress)
+    if len(self.profile.steps) * target.num_tiles >= _TRIM_AFTER_TILE_STEPS:
+      host_memory.release_free_memory()
+
+  def _lower(self, fn, args_flat, in_tree, target, options, replication_factor,
+             arg_names, progress, call_site, offload, name) -> LoweringContext:
+    """Trace, lower every equation, offload and fuse: ``self.program``."""
     self.target = target
     # ``in_tree`` is the tree of the dynamic (args, kwargs) a caller passes.
     self._user_tree = in_tree
@@ -88,22 +108,32 @@ class Lowered:
     with ctx.at("argument", call_site):
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
     self._out_avals = [v.aval for v in closed.jaxpr.outvars]
-    self.program = ctx.program
+    # Detached, so the unfused tree is freed once fusion has rewritten it.
+    self.program = ctx.detach_program()
     if offload is not None:  # leaves kept in streaming memory (ipu_jax/offload.py)
       from ipu_jax import offload as offload_lib
       self.program, inputs, outputs = offload_lib.offload_program(
-          ctx, inputs, outputs, offload[0], offload_lib.out_paths_of(out_shape),
+          self.program, inputs, outputs, offload[0], offload_lib.out_paths_of(out_shape),
           offload[1], name)
     if options.fuse_elementwise:
-      self.program = fuse_elementwise(self.program, target, keep=outputs)
+      # Fused members keep their own steps only to be run one by one when
+      # exceptions are trapped (to name the faulting op).
+      self.program = fuse_elementwise(self.program, target, keep=outputs,
+                                      member_steps=fp_exceptions.traps_requested(options))
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
     # Constants the program updates and the next run starts from (device
     # state, as the tiles' generator registers): their constant indices.
     prng = {id(t) for key, t in ctx.program_states.items() if key[0] == rounding_rules.PRNG_STATE}
     self._device_state = [i for i, c in enumerate(self.constants) if id(c) in prng]
+    return ctx
+
+  def _plan(self, ctx: LoweringContext, name: str, progress) -> None:
+    """Cost and memory analysis, the report, the memory check and the executor."""
+    target, options = self.target, self.options
     progress.stage("planning")
-    self.profile = profile_program(self.program, target, persistent=inputs + self.constants,
-                                   live_to_end=outputs, name=name)
+    self.profile = profile_program(self.program, target,
+                                   persistent=self.inputs + self.constants,
+                                   live_to_end=self.outputs, name=name)
     from ipu_jax.report import Report, maybe_auto_save
     self.report = Report(self.profile)
     if options.report_directory:

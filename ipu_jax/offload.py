@@ -62,12 +62,12 @@ def offloaded_input_leaves(with_paths, argnums: Sequence[int], dyn_positions: Se
   return picked
 
 
-def offload_program(ctx, inputs: list, outputs: list, in_leaves, out_paths,
+def offload_program(program, inputs: list, outputs: list, in_leaves, out_paths,
                     out_groups: Sequence[int], name: str):
   """Rewrite the lowered program so the chosen leaves live in streaming memory.
 
   Args:
-    ctx: the lowering context (its program is rewritten in place).
+    program: the lowered program.
     inputs, outputs: the program's flat input / output tensors.
     in_leaves: :func:`offloaded_input_leaves`.
     out_paths: pytree paths of the flat outputs.
@@ -76,7 +76,8 @@ def offload_program(ctx, inputs: list, outputs: list, in_leaves, out_paths,
     name: the function's name, for errors.
 
   Returns:
-    ``(inputs, outputs)`` with remote buffers in place of the offloaded tile
+    ``(program, inputs, outputs)``: the rewritten program, and the flat
+    inputs and outputs with remote buffers in place of the offloaded tile
     tensors.
 
   Raises:
@@ -148,7 +149,7 @@ def offload_program(ctx, inputs: list, outputs: list, in_leaves, out_paths,
           f"ipu_jax.jit('{name}'): argument leaf {tensor.name!r} is offloaded to "
           "streaming memory but also returned as an on-tile output; offload that "
           "output too (offload_outputs) or do not offload the argument.")
-  program = remote.offload_tensors(ctx.program, [tuple(p) for p in plans.values()])
+  program = remote.offload_tensors(program, [tuple(p) for p in plans.values()])
   for i, buffer in new_inputs.items():
     inputs[i] = buffer
   for j, buffer in new_outputs.items():

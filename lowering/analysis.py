@@ -15,6 +15,8 @@ thus holds one step's temporaries, not every step's.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ipu_jax.errors import OutOfMemoryError
@@ -36,6 +38,14 @@ def _tensor_bytes(tensor: P.Tensor, num_tiles: int):
   return mapping.tiles, mapping.counts * tensor.itemsize
 
 
+@functools.lru_cache(maxsize=16)
+def _zeros(num_tiles: int, dtype) -> np.ndarray:
+  """A shared read-only ``[num_tiles]`` zeros (steps without compute or exchange)."""
+  zeros = np.zeros(num_tiles, dtype)
+  zeros.flags.writeable = False
+  return zeros
+
+
 def _sync_cycles(target, touched_tiles: np.ndarray, crosses: bool) -> float:
   if target.num_ipus > 1 and (crosses or (touched_tiles.size and
                               np.unique(touched_tiles // target.tiles_per_ipu).size > 1)):
@@ -48,23 +58,25 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
   if own is not None:
     return own(target, executions)
   t = target.num_tiles
-  zeros = np.zeros(t, np.float64)
   if isinstance(node, P.Superstep):
-    compute = zeros if node.compute_cycles is None else np.asarray(node.compute_cycles, np.float64)
+    # The step's own arrays (held in their narrowest exact dtype, see
+    # Superstep), shared rather than copied: one set per step, not two.
+    compute = _zeros(t, np.float32) if node.compute_cycles is None else node.compute_cycles
     ex = node.exchange
-    bytes_in = np.zeros(t, np.int64) if ex is None else ex.bytes_in
-    bytes_out = np.zeros(t, np.int64) if ex is None else ex.bytes_out
+    bytes_in = _zeros(t, np.int32) if ex is None else ex.bytes_in
+    bytes_out = _zeros(t, np.int32) if ex is None else ex.bytes_out
     link = 0 if ex is None else int(ex.link_bytes_out.sum())
     touched = np.nonzero((compute > 0) | (bytes_in > 0) | (bytes_out > 0))[0]
-    vertices = node.vertices if node.vertices is not None else (compute > 0).astype(np.int64)
-    temporary = bytes_in if node.scratch_bytes is None else bytes_in + node.scratch_bytes
+    vertices = node.vertices if node.vertices is not None else (compute > 0).astype(np.int32)
+    temporary = bytes_in if node.scratch_bytes is None else P.narrowed(
+        bytes_in.astype(np.int64) + node.scratch_bytes)
     return StepProfile(
         name=node.name, op=node.op, source=node.source, compute_cycles=compute,
         exchange_bytes_in=bytes_in, exchange_bytes_out=bytes_out,
         exchange_cycles=exchange_cycles(target, ex),
         sync_cycles=_sync_cycles(target, touched, link > 0),
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
-        executions=executions, temporary_bytes=np.asarray(temporary, np.int64),
+        executions=executions, temporary_bytes=temporary,
         notes=tuple(node.notes),
         scope=node.scope, fused_ops=tuple(node.fused_ops))
   # Host transfers: stream copies and printed tensors cross the host link.
@@ -162,8 +174,18 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
   # O(steps x tiles).
   allocs = {}
   profiles = []
+  # Tensors of one layout share their bytes-per-tile array (thousands of
+  # tensors, a handful of layouts at BERT size).
+  shared_bytes = {}
   for tensor in tensors.values():
     tiles, nbytes = _tensor_bytes(tensor, t)
+    if tensor.mapping is not None:
+      key = (id(tensor.mapping.counts), tensor.itemsize)
+      if key not in shared_bytes:
+        nbytes = P.narrowed(nbytes)
+        nbytes.flags.writeable = False
+        shared_bytes[key] = nbytes
+      nbytes = shared_bytes[key]
     category = tensor.category
     if category in ("variables", "constants") or n_steps == 0:
       # A mapping's rows are on distinct tiles: indexed adds are exact (and

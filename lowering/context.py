@@ -101,6 +101,15 @@ class LoweringContext:
   def program(self) -> P.Sequence:
     return self._program_stack[0]
 
+  def detach_program(self) -> P.Sequence:
+    """The program so far; the context lets go of it and starts an empty one.
+
+    Callers that rewrite the finished program (fusion builds a new tree)
+    detach it first, so the original can be freed once rewritten.
+    """
+    program, self._program_stack = self._program_stack[0], [P.Sequence()]
+    return program
+
   def emit(self, node, into: "P.Sequence | None" = None) -> None:
     """Append a step or control program to the current sequence.
 

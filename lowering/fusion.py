@@ -78,6 +78,7 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
+from ipu_jax.lowering.mapping import tiles_key
 from ipu_jax.target import IPUTarget
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
@@ -92,7 +93,8 @@ def vertex_overhead_cycles(target: IPUTarget) -> int:
   return target.worker_contexts * estimators.WORKER_OVERHEAD + target.supervisor_overhead_cycles
 
 
-def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
+def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = (),
+                     member_steps: bool = True):
   """``program`` with chains of elementwise steps fused (a new program tree).
 
   Args:
@@ -100,12 +102,16 @@ def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
     target: the IPU target (for the per-compute-set overheads saved).
     keep: tensors read after the program ends (its outputs): a step that
       writes one keeps writing it.
+    member_steps: keep each fused operation's own superstep on its
+      :class:`~ipu_jax.lowering.program.FusedOp` (needed only to run the
+      members one by one when floating-point exceptions are trapped; at
+      BERT size they held a gigabyte of per-tile arrays).
   """
   reads, writes = {}, {}
   _count_uses(program, reads, writes)
   for tensor in keep:
     reads[tensor.id] = reads.get(tensor.id, 0) + _NEVER_INTERNAL
-  fuser = _Fuser(target, reads, writes)
+  fuser = _Fuser(target, reads, writes, member_steps)
   return fuser.program(program)
 
 
@@ -204,14 +210,15 @@ def _layout_bucket(mapping) -> tuple:
     sample = np.arange(0, n, step, dtype=np.int64)  # its slots are the element order
   else:
     sample = mapping.storage_position[::step]
-  return n, mapping.storage_shape, mapping.tiles.tobytes(), sample.tobytes()
+  return n, mapping.storage_shape, tiles_key(mapping.tiles), sample.tobytes()
 
 
 class _Fuser:
   """Rebuilds a program tree with its straight-line runs fused."""
 
-  def __init__(self, target, reads, writes):
+  def __init__(self, target, reads, writes, member_steps=True):
     self.target = target
+    self.member_steps = member_steps
     self.reads = reads
     self.writes = writes
     self.overhead = vertex_overhead_cycles(target)
@@ -385,7 +392,9 @@ class _Fuser:
           notes=tuple(dict.fromkeys(n for s in members for n in s.notes)),
           scope=_common_scope(s.scope for s in members),
           elementwise=P.ElementwiseWork(plan.group.mapping),
-          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=s) for s in members))
+          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope,
+                                    step=s if self.member_steps else None)
+                          for s in members))
     return result
 
   def _plan(self, group, members) -> "_Plan":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 from typing import Optional
 
@@ -21,12 +22,35 @@ import numpy as np
 
 from ipu_jax.lowering import plan_cache
 
-__all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs"]
+__all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs", "tiles_key"]
 
 _object_ids = itertools.count()
 # Small on purpose: deriving these arrays costs about what reading them does,
 # so a larger table bought no lowering time on the scale rows, only memory.
 _ELEMENT_ARRAYS = plan_cache.PlanCache("element_arrays", max_bytes=64 << 20)
+# Row arrays (tiles, counts, run starts) of linear mappings, shared read-only:
+# a model has thousands of tensors laid out alike, and each holding its own
+# copies was a large part of a lowered BERT-base program's host memory.
+_ROW_ARRAYS = plan_cache.PlanCache("linear row arrays", max_bytes=64 << 20, max_entries=4096)
+
+
+def _shared_rows(key: tuple, compute) -> np.ndarray:
+  def frozen():
+    value = np.ascontiguousarray(compute(), dtype=np.int64)
+    value.flags.writeable = False
+    return value
+  return plan_cache.cached(_ROW_ARRAYS, key, frozen)
+
+
+def tiles_key(tiles: np.ndarray) -> tuple:
+  """A short exact-enough key for a row-tile array (its length and a 128-bit hash).
+
+  Plan-cache keys hold this, not the array's bytes: a key per mapping of
+  8 bytes per row (11,776 rows on 8 IPUs) held by thousands of cache entries
+  and mappings was hundreds of megabytes.
+  """
+  tiles = np.ascontiguousarray(tiles, dtype=np.int64)
+  return (tiles.size, hashlib.blake2b(tiles.view(np.uint8), digest_size=16).digest())
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,
@@ -256,11 +280,17 @@ class TileMapping:
     rows = -(-num_elements // chunk) if num_elements else 0
     if rows > num_tiles:
       raise ValueError(f"{rows} chunks of {chunk} do not fit on {num_tiles} tiles")
-    tiles = (start_tile + np.arange(rows)) % num_tiles
-    counts = np.full(rows, chunk, np.int64)
-    if rows:
-      counts[-1] = num_elements - chunk * (rows - 1)
-    return cls(num_elements, tiles, counts, chunk=chunk)
+    tiles = _shared_rows(("tiles", rows, start_tile % max(num_tiles, 1), num_tiles),
+                         lambda: (start_tile + np.arange(rows)) % num_tiles)
+    last = num_elements - chunk * (rows - 1) if rows else 0
+
+    def counts():
+      value = np.full(rows, chunk, np.int64)
+      if rows:
+        value[-1] = last
+      return value
+    return cls(num_elements, tiles, _shared_rows(("counts", rows, chunk, last), counts),
+               chunk=chunk)
 
   @classmethod
   def single(cls, num_elements: int, tile: int) -> "TileMapping":
@@ -400,12 +430,13 @@ class TileMapping:
     """A hashable identity of this layout, for plan caches.
 
     Two mappings with equal fingerprints put every element in the same
-    storage slot on the same tile. Linear and block-grid mappings are keyed
+    storage slot on the same tile (row tiles are compared by a 128-bit hash,
+    :func:`tiles_key`). Linear and block-grid mappings are keyed
     by their closed form and their row tiles (``O(rows)``), so equal layouts
     made by different equations (the same layer repeated) share plans;
     irregular mappings get a key unique to the object.
     """
-    tiles = self.tiles.tobytes()
+    tiles = tiles_key(self.tiles)
     if self.num_elements == 0:
       return ("empty", self.num_rows)
     if self.is_linear:
@@ -427,9 +458,9 @@ class TileMapping:
     if kind[0] not in ("linear", "grid"):
       # Keyed by the object: the shift is part of the key.
       return kind + (("base", int(base)),)
-    return kind[:-1] + (((self.tiles - int(base)) % int(num_tiles)).tobytes(),)
+    return kind[:-1] + (tiles_key((self.tiles - int(base)) % int(num_tiles)),)
 
-  @functools.cached_property
+  @property
   def intervals(self) -> tuple:
     """``(starts, tiles)``: the flattened tensor as runs of one tile each.
 
@@ -442,8 +473,16 @@ class TileMapping:
     if self.num_elements == 0:
       return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if self.is_linear:
-      starts = np.arange(self.num_rows, dtype=np.int64) * int(self.chunk)
+      chunk = int(self.chunk)
+      starts = _shared_rows(("starts", self.num_rows, chunk),
+                            lambda: np.arange(self.num_rows, dtype=np.int64) * chunk)
       return starts, self.tiles
+    # Derived on demand and held in the bounded layout table (block grids) or
+    # on the mapping (irregular ones): kept on every block-grid mapping they
+    # were a tenth of a lowered BERT-base program's host memory.
+    return self._derived("intervals", self._compute_intervals)
+
+  def _compute_intervals(self) -> tuple:
     if self._row_runs is None:
       self._row_runs = row_runs(self.element_row)
     starts, rows = self._row_runs

@@ -90,7 +90,7 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, shift_cost
-from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.mapping import TileMapping, tiles_key
 from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
                                           edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul)
@@ -144,7 +144,7 @@ def _operand_cost(target, operand: P.Tensor, key: tuple, tiles: np.ndarray, comp
   t = target.num_tiles
   base = int(tiles[0]) if target.num_ipus == 1 else 0
   key = key + (operand.mapping.relative_fingerprint(base, t), operand.shape, operand.itemsize,
-               ((tiles - base) % t).tobytes(), target)
+               tiles_key((tiles - base) % t), target)
 
   def relative():
     cost, local = compute()

@@ -18,13 +18,17 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
-__all__ = ["PlanCache", "array_key", "cached", "disabled"]
+__all__ = ["PlanCache", "array_key", "cached", "disabled", "lowering_session"]
 
 _enabled = [True]
+_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+_sessions = [0]
+_sessions_lock = threading.Lock()
 
 
 def array_key(a) -> tuple:
@@ -49,7 +53,7 @@ def _nbytes(value, seen=None) -> int:
 class PlanCache:
   """A least-recently-used table bounded by the bytes its values hold."""
 
-  def __init__(self, name: str, max_bytes: int = 256 << 20, max_entries: int = 512):
+  def __init__(self, name: str, max_bytes: int = 64 << 20, max_entries: int = 512):
     self.name = name
     self.max_bytes = max_bytes
     self.max_entries = max_entries
@@ -58,6 +62,7 @@ class PlanCache:
     self._lock = threading.Lock()
     self.hits = 0
     self.misses = 0
+    _CACHES.add(self)
 
   def get_or_compute(self, key: Hashable, compute: Callable[[], Any]) -> Any:
     with self._lock:
@@ -97,6 +102,28 @@ def disabled():
     yield
   finally:
     _enabled.pop()
+
+
+@contextlib.contextmanager
+def lowering_session():
+  """Plans are shared within this scope and dropped when the outermost one ends.
+
+  A program's equations reuse each other's plans; once it is lowered they
+  are dead weight (up to ``max_bytes`` per table, most of a gigabyte at
+  BERT size), so the lowering of one program is one session. Sessions nest:
+  a program lowered inside another's lowering shares its tables.
+  """
+  with _sessions_lock:
+    _sessions[0] += 1
+  try:
+    yield
+  finally:
+    with _sessions_lock:
+      _sessions[0] -= 1
+      last = _sessions[0] == 0
+    if last:
+      for cache in list(_CACHES):
+        cache.clear()
 
 
 def cached(cache: PlanCache, key: Hashable, compute: Callable[[], Any]) -> Any:

@@ -210,4 +210,4 @@ class ProgramProfile:
     """``[num_steps, num_tiles]`` compute cycles per step and tile."""
     if not self.steps:
       return np.zeros((0, self.target.num_tiles))
-    return np.stack([s.compute_cycles for s in self.steps])
+    return np.stack([s.compute_cycles for s in self.steps], dtype=np.float64)

@@ -111,7 +111,8 @@ class FusedOp:
   """One operation folded into a fused compute set (for reports).
 
   ``step`` is the operation's own superstep, which the executor runs on its
-  own when it traps floating-point exceptions (to name the operation).
+  own when it traps floating-point exceptions (to name the operation); it
+  is kept only when the lowering options trap exceptions, None otherwise.
   """
 
   name: str
@@ -171,6 +172,45 @@ class Superstep:
   elementwise: Optional[ElementwiseWork] = None
   fused_ops: tuple = ()
   literals: tuple = ()
+
+  def __post_init__(self):
+    # A program holds several [num_tiles] arrays per superstep (11,776
+    # entries on 8 IPUs, thousands of steps at BERT size): they are kept in
+    # the narrowest dtype that holds every value exactly, so each figure
+    # read back is the one computed.
+    self.compute_cycles = narrowed(self.compute_cycles)
+    self.vertices = narrowed(self.vertices)
+    self.scratch_bytes = narrowed(self.scratch_bytes)
+    ex = self.exchange
+    if ex is not None:
+      bytes_in, bytes_out = narrowed(ex.bytes_in), narrowed(ex.bytes_out)
+      if bytes_in is not ex.bytes_in or bytes_out is not ex.bytes_out:
+        self.exchange = ExchangeCost(bytes_in, bytes_out, ex.link_bytes_out)
+
+
+_NARROW = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32)}
+
+
+def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:
+  """``values`` as float32 / int32 when that holds each value exactly, else unchanged.
+
+  >>> narrowed(np.array([3.0, 1.5])).dtype
+  dtype('float32')
+  >>> narrowed(np.array([0.1])).dtype
+  dtype('float64')
+  """
+  if values is None or not isinstance(values, np.ndarray):
+    return values
+  narrow = _NARROW.get(values.dtype)
+  if narrow is None or values.size == 0:
+    return values
+  if narrow.kind == "i":
+    info = np.iinfo(narrow)
+    if values.min() < info.min or values.max() > info.max:
+      return values
+    return values.astype(narrow)
+  candidate = values.astype(narrow)
+  return candidate if np.array_equal(candidate, values) else values
 
 
 @dataclasses.dataclass(eq=False)
