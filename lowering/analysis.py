@@ -92,7 +92,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
           else f"print {node.title}")
   op = "StreamCopy" if isinstance(node, P.StreamCopy) else "PrintTensor"
   return StepProfile(
-      name=name, op=op, source=tensor.source, compute_cycles=zeros,
+      name=name, op=op, source=tensor.source, compute_cycles=np.zeros(t, np.float64),
       exchange_bytes_in=per_tile if to_device else np.zeros(t, np.int64),
       exchange_bytes_out=np.zeros(t, np.int64) if to_device else per_tile,
       exchange_cycles=float(max(host_cycles, busiest) + target.exchange_latency_cycles) if total else 0.0,
