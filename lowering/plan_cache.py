@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-__all__ = ["PlanCache", "array_key", "cached", "disabled", "lowering_session"]
+__all__ = ["PlanCache", "array_key", "cached", "disabled", "held_bytes", "lowering_session"]
 
 _enabled = [True]
 _CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
@@ -102,6 +102,11 @@ def disabled():
     yield
   finally:
     _enabled.pop()
+
+
+def held_bytes() -> int:
+  """Bytes of NumPy arrays held by every plan table now (0 between lowerings)."""
+  return sum(cache._bytes for cache in list(_CACHES))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,94 @@
+"""Host memory a lowered program holds: per-tile figures, plans and fused members."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
+from ipu_jax.lowering import plan_cache
+
+
+def _mlp_loss(params, x):
+  for w in params:
+    x = jnp.tanh(x @ w) * 0.5 + x
+  return jnp.mean(x * x)
+
+
+def _step(params, x):
+  grads = jax.grad(_mlp_loss)(params, x)
+  return [w - 0.1 * g for w, g in zip(params, grads)]
+
+
+def _held_array_bytes(root) -> int:
+  """Bytes of the distinct NumPy arrays reachable from ``root`` (objects, containers)."""
+  seen, total, stack = set(), 0, [root]
+  while stack:
+    obj = stack.pop()
+    if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, type)):
+      continue
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+      base = obj if obj.base is None else obj.base
+      if id(base) not in seen or base is obj:
+        seen.add(id(base))
+        total += getattr(base, "nbytes", 0)
+      continue
+    if isinstance(obj, dict):
+      stack.extend(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+      stack.extend(obj)
+    elif not callable(obj) or hasattr(obj, "__dataclass_fields__"):
+      stack.extend(getattr(obj, "__dict__", {}).values())
+      stack.extend(getattr(obj, s) for s in getattr(type(obj), "__slots__", ())
+                   if hasattr(obj, s))
+  return total
+
+
+class HostMemoryTest(chex.TestCase, parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    k1, k2 = jax.random.split(jax.random.key(0))
+    self.params = list(jax.random.normal(k1, (3, 48, 48)) * 0.1)
+    self.x = jax.random.normal(k2, (20, 48))
+
+  def test_plan_tables_are_empty_after_lowering(self):
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    fn = ipu_jax.jit(_step, target=target)
+    fn.lower(self.params, self.x)
+    self.assertEqual(plan_cache.held_bytes(), 0)
+    chex.assert_trees_all_close(fn(self.params, self.x), jax.jit(_step)(self.params, self.x),
+                                rtol=1e-5, atol=1e-6)
+
+  def test_per_tile_figures_cost_a_few_bytes_per_tile_and_step(self):
+    # 2 Bow IPUs: 2,944 tiles, so the per-tile arrays dominate what the
+    # program and its profile hold. Each superstep keeps its compute
+    # cycles, vertices, exchange bytes (in and out) and working memory per
+    # tile, once, in 4-byte words (20 bytes), plus the tensors' per-row
+    # layouts; 8-byte words or a second copy in the profile were over 40.
+    target = ipu_jax.IPUTarget.preset("bow", num_ipus=2)
+    lowered = ipu_jax.jit(_step, target=target).lower(self.params, self.x)
+    held = _held_array_bytes((lowered.program, lowered.profile))
+    per_tile_step = held / (len(lowered.profile.steps) * target.num_tiles)
+    self.assertLess(per_tile_step, 30, f"{held} bytes held for {len(lowered.profile.steps)} "
+                    f"steps on {target.num_tiles} tiles")
+
+  @parameterized.parameters(False, True)
+  def test_fused_members_keep_their_steps_only_when_exceptions_are_trapped(self, trap):
+    config = ipu_jax.IPUConfig()
+    config.floating_point_behaviour.inv = trap
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    fn = ipu_jax.jit(lambda x: jnp.sqrt(jnp.tanh(x) + 1.5) - x, target=target,
+                     config=config)
+    lowered = fn.lower(self.x)
+    members = [f for s in lowered.profile.steps for f in s.fused_ops]
+    self.assertNotEmpty(members)
+    self.assertEqual([f.step is not None for f in members], [trap] * len(members))
+    chex.assert_trees_all_close(fn(self.x), jnp.sqrt(jnp.tanh(self.x) + 1.5) - self.x)
+
+
+if __name__ == "__main__":
+  absltest.main()
