@@ -65,6 +65,7 @@ class IPUStrategy:
     self._functions: "weakref.WeakKeyDictionary|dict" = weakref.WeakKeyDictionary()
     self._strong: dict = {}
     self._replications: dict = {}
+    self._runners: dict = {}
 
   def __repr__(self):
     return f"IPUStrategy({self.config!r})"
@@ -135,13 +136,19 @@ class IPUStrategy:
     # replica 0's carries on (with esr "ON" each replica perturbs it by its
     # index when it draws).
     num_state = len(lowered.device_state)
+    # One jitted runner per program and replication: building it per call
+    # traced and compiled the replicated step again on every run. The runner
+    # holds ``lowered``, so its id stays unique while the entry lives.
+    key = (id(lowered), self.config.replication_factor)
+    runner = self._runners.get(key)
+    if runner is None:
+      def per_replica(*leaves):
+        out, state = lowered.apply_with_state(leaves[:num_state], *leaves[num_state:])
+        return jax.tree_util.tree_leaves(out) + list(state)
 
-    def per_replica(*leaves):
-      out, state = lowered.apply_with_state(leaves[:num_state], *leaves[num_state:])
-      return jax.tree_util.tree_leaves(out) + list(state)
-
-    runner = rep.build(per_replica, [REPLICATED] * (num_state + len(flat)),
-                       [GATHERED] * out_tree.num_leaves + [REPLICATED] * num_state)
+      runner = self._runners[key] = rep.build(
+          per_replica, [REPLICATED] * (num_state + len(flat)),
+          [GATHERED] * out_tree.num_leaves + [REPLICATED] * num_state)
     outs = runner(*rep.replicate(lowered.device_state), *rep.replicate(flat))
     if num_state:
       lowered.set_device_state(outs[len(outs) - num_state:])

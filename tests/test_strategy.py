@@ -1,5 +1,7 @@
 """IPUStrategy: scope() installs the config; run() executes on the emulated IPU."""
 
+from unittest import mock
+
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,21 @@ class StrategyTest(chex.TestCase, parameterized.TestCase):
                                np.asarray(x * 4.0))
     np.testing.assert_allclose(np.asarray(strategy.reduce("mean", doubled)),
                                np.asarray(x * 2.0))
+
+  def test_run_replicated_compiles_its_runner_once(self):
+    from ipu_jax.keras import replication
+    strategy = IPUStrategy(small_config(replication_factor=2))
+
+    def fn(v):
+      return v * 2.0
+
+    build = replication.Replication.build
+    with mock.patch.object(replication.Replication, "build", autospec=True,
+                           side_effect=build) as counted:
+      runs = [strategy.run(fn, args=(jnp.arange(8.0) + k,)) for k in range(3)]
+    self.assertEqual(counted.call_count, 1)
+    for k, out in enumerate(runs):
+      np.testing.assert_allclose(np.asarray(out), np.tile((np.arange(8.0) + k) * 2.0, (2, 1)))
 
   @parameterized.parameters(1, 2)
   def test_run_continues_the_rounding_generators_until_reseeded(self, replicas):
