@@ -116,10 +116,7 @@ class Lowered:
           self.program, inputs, outputs, offload[0], offload_lib.out_paths_of(out_shape),
           offload[1], name)
     if options.fuse_elementwise:
-      # Fused members keep their own steps only to be run one by one when
-      # exceptions are trapped (to name the faulting op).
-      self.program = fuse_elementwise(self.program, target, keep=outputs,
-                                      member_steps=fp_exceptions.traps_requested(options))
+      self.program = fuse_elementwise(self.program, target, keep=outputs)
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
     # Constants the program updates and the next run starts from (device
     # state, as the tiles' generator registers): their constant indices.

@@ -59,7 +59,7 @@ import numpy as np
 from ipu_jax.errors import FloatingPointException
 from ipu_jax.lowering import program as P
 
-__all__ = ["KINDS", "RECORD_KEY", "Traps", "traps_from_options", "traps_requested", "fused_members", "run_fused"]
+__all__ = ["KINDS", "RECORD_KEY", "Traps", "traps_from_options", "fused_members", "run_fused"]
 
 KINDS = ("inv", "div0", "oflo")
 #: The executor-state key of the record ``int32[4]``:
@@ -256,11 +256,6 @@ class Traps:
                                   step_index=info.index, step_name=info.name,
                                   iteration=iteration if iteration >= 0 else None,
                                   replica=replica if replica >= 0 else None)
-
-
-def traps_requested(options) -> bool:
-  """Whether ``options`` (``LoweringOptions``) trap any floating-point exception."""
-  return any(bool(getattr(options, kind, False)) for kind in ("inv", "div0", "oflo"))
 
 
 def traps_from_options(options, program=None, program_name: str = "") -> Optional[Traps]:

@@ -93,8 +93,7 @@ def vertex_overhead_cycles(target: IPUTarget) -> int:
   return target.worker_contexts * estimators.WORKER_OVERHEAD + target.supervisor_overhead_cycles
 
 
-def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = (),
-                     member_steps: bool = True):
+def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
   """``program`` with chains of elementwise steps fused (a new program tree).
 
   Args:
@@ -102,16 +101,12 @@ def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = (),
     target: the IPU target (for the per-compute-set overheads saved).
     keep: tensors read after the program ends (its outputs): a step that
       writes one keeps writing it.
-    member_steps: keep each fused operation's own superstep on its
-      :class:`~ipu_jax.lowering.program.FusedOp` (needed only to run the
-      members one by one when floating-point exceptions are trapped; at
-      BERT size they held a gigabyte of per-tile arrays).
   """
   reads, writes = {}, {}
   _count_uses(program, reads, writes)
   for tensor in keep:
     reads[tensor.id] = reads.get(tensor.id, 0) + _NEVER_INTERNAL
-  fuser = _Fuser(target, reads, writes, member_steps)
+  fuser = _Fuser(target, reads, writes)
   return fuser.program(program)
 
 
@@ -216,9 +211,8 @@ def _layout_bucket(mapping) -> tuple:
 class _Fuser:
   """Rebuilds a program tree with its straight-line runs fused."""
 
-  def __init__(self, target, reads, writes, member_steps=True):
+  def __init__(self, target, reads, writes):
     self.target = target
-    self.member_steps = member_steps
     self.reads = reads
     self.writes = writes
     self.overhead = vertex_overhead_cycles(target)
@@ -392,8 +386,7 @@ class _Fuser:
           notes=tuple(dict.fromkeys(n for s in members for n in s.notes)),
           scope=_common_scope(s.scope for s in members),
           elementwise=P.ElementwiseWork(plan.group.mapping),
-          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope,
-                                    step=s if self.member_steps else None)
+          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=_without_figures(s))
                           for s in members))
     return result
 
@@ -571,6 +564,18 @@ class _Plan:
     self.internal = set()     # ids of results that live only inside the step
     self.reads = ()
     self.writes = ()
+
+
+def _without_figures(step: P.Superstep) -> P.Superstep:
+  """``step`` as a fused member keeps it: what runs, not what it costs.
+
+  The executor runs members one by one (to name an op that traps a
+  floating-point exception) or by their logical forms; the fused step holds
+  the figures. Members keeping their per-tile arrays held a gigabyte at
+  BERT size.
+  """
+  return dataclasses.replace(step, compute_cycles=None, exchange=None, vertices=None,
+                             scratch_bytes=None, elementwise=None)
 
 
 def _per_group(rows_per_group, reduce, dtype=None) -> list:

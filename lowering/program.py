@@ -110,9 +110,9 @@ class ElementwiseWork:
 class FusedOp:
   """One operation folded into a fused compute set (for reports).
 
-  ``step`` is the operation's own superstep, which the executor runs on its
-  own when it traps floating-point exceptions (to name the operation); it
-  is kept only when the lowering options trap exceptions, None otherwise.
+  ``step`` is the operation's own superstep without its figures (those are
+  the fused step's): what the executor runs on its own when it traps
+  floating-point exceptions (to name the operation).
   """
 
   name: str
