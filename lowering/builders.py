@@ -25,6 +25,7 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
@@ -181,6 +182,20 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
       result = (result,)
     rows_shape = mapping.storage_shape
     return tuple(jnp.broadcast_to(r, rows_shape) for r in result)
+
+  def logical_fn(*flats):
+    # Elementwise: the same arithmetic on the operands' element order.
+    it = iter(flats)
+    args = [jnp.asarray(info) if kind == "literal"
+            else next(it)[0] if kind == "scalar" else next(it)
+            for kind, info in kinds]
+    result = fn(*args)
+    if not isinstance(result, (tuple, list)):
+      result = (result,)
+    return tuple(jnp.broadcast_to(r, (size,)) for r in result)
+
+  if ctx.options.executor_mode != "per_tile":
+    logical_form.attach(step_fn, logical_fn)
 
   elements = mapping.elements_per_tile(target.num_tiles)
   op = cost_op or ctx.op

@@ -61,6 +61,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import copy_plan
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.copy_plan import exchange_plan
 from ipu_jax.lowering.exchange import to_flat, to_storage
@@ -259,6 +260,15 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     if not isinstance(value, (tuple, list)):
       value = (value,)
     return tuple(storage(v, out) for v, out in zip(value, results))
+
+  def flat_fn(*flats):
+    value = logical_fn(*[flats[position[t.id]].reshape(t.shape) for t in operands])
+    if not isinstance(value, (tuple, list)):
+      value = (value,)
+    return tuple(jnp.reshape(v, (-1,)) for v in value)
+
+  if mode != "per_tile":
+    logical_form.attach(fn, flat_fn)
 
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
