@@ -183,16 +183,16 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
     rows_shape = mapping.storage_shape
     return tuple(jnp.broadcast_to(r, rows_shape) for r in result)
 
-  def logical_fn(*flats):
-    # Elementwise: the same arithmetic on the operands' element order.
-    it = iter(flats)
+  def logical_fn(*arrays):
+    # Elementwise: the same arithmetic on the logical arrays.
+    it = iter(arrays)
     args = [jnp.asarray(info) if kind == "literal"
-            else next(it)[0] if kind == "scalar" else next(it)
+            else next(it).reshape(-1)[0] if kind == "scalar" else next(it)
             for kind, info in kinds]
     result = fn(*args)
     if not isinstance(result, (tuple, list)):
       result = (result,)
-    return tuple(jnp.broadcast_to(r, (size,)) for r in result)
+    return tuple(jnp.broadcast_to(r, shape) for r in result)
 
   if ctx.options.executor_mode != "per_tile":
     logical_form.attach(step_fn, logical_fn)

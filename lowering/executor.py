@@ -29,10 +29,10 @@ __all__ = ["build_function"]
 
 
 class _Logical:
-  """A tensor's value held in the state as its flat logical array, not its storage.
+  """A tensor's value held in the state as its logical array, not its storage.
 
-  Between steps every tile-mapped tensor is kept in element order and
-  converted to storage (pad / reshape / transpose, or a gather for an
+  Between steps every tile-mapped tensor is kept as an array of its shape
+  and converted to storage (pad / reshape / transpose, or a gather for an
   irregular layout) only where a step reads it through its storage
   function. Steps with a logical form (:mod:`~ipu_jax.lowering.logical_form`)
   read and write these arrays directly, and a storage function's
@@ -44,10 +44,10 @@ class _Logical:
   :func:`~ipu_jax.lowering.exchange.to_storage` fills it.
   """
 
-  __slots__ = ("flat", "mapping")
+  __slots__ = ("value", "mapping")
 
-  def __init__(self, flat, mapping):
-    self.flat, self.mapping = flat, mapping
+  def __init__(self, value, mapping):
+    self.value, self.mapping = value, mapping
 
 
 def _holds_logical(tensor) -> bool:
@@ -75,7 +75,7 @@ class _Env:
     """``key``'s value; a tensor's in its tile storage."""
     value = state.get(key)
     if isinstance(value, _Logical):
-      return to_storage(value.flat, value.mapping)
+      return to_storage(value.value.reshape(-1), value.mapping)
     if value is not None:
       return value
     tensor = self.tensors[key]
@@ -83,14 +83,15 @@ class _Env:
     # as uninitialised tile memory would be undefined.
     return jnp.zeros(tensor.storage_shape, tensor.dtype)
 
-  def get_flat(self, state: dict, tensor):
-    """``tensor``'s value as a flat logical array."""
+  def get_logical(self, state: dict, tensor):
+    """``tensor``'s value as its logical array (of its shape)."""
     value = state.get(tensor.id)
     if isinstance(value, _Logical):
-      return value.flat
+      # An alias (rules/shape.py) shares the id with another shape.
+      return value.value.reshape(tensor.shape)
     if value is None:
-      return jnp.zeros((tensor.size,), tensor.dtype)
-    return to_flat(value, tensor.mapping)
+      return jnp.zeros(tensor.shape, tensor.dtype)
+    return to_flat(value, tensor.mapping).reshape(tensor.shape)
 
   def writes(self, program, local_ids=frozenset()):
     """State keys ``program`` writes, less those local to it (not carried)."""
@@ -140,7 +141,7 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
       # Kept logical where the conversion is pads and transposes XLA cancels
       # with a reader's; an irregular layout's is a gather, done on demand.
       mapping = tensor.mapping
-      state[tensor.id] = (_Logical(to_flat(value, mapping), mapping)
+      state[tensor.id] = (_Logical(to_flat(value, mapping).reshape(tensor.shape), mapping)
                           if mapping is not None and (mapping.is_linear or mapping.grid is not None)
                           else value)
     if env.traps is not None:
@@ -179,14 +180,14 @@ def _writes_logical(step) -> bool:
 
 def _run_logical(step: P.Superstep, state: dict, env) -> dict:
   """Run ``step``'s logical form on its reads' logical arrays, into ``state`` (owned)."""
-  outputs = logical_form.of(step.fn)(*[env.get_flat(state, t) for t in step.reads])
+  outputs = logical_form.of(step.fn)(*[env.get_logical(state, t) for t in step.reads])
   if len(outputs) != len(step.writes):
     raise RuntimeError(f"step {step.name} returned {len(outputs)} values, "
                        f"expected {len(step.writes)}")
   for tensor, value in zip(step.writes, outputs):
-    if tuple(value.shape) != (tensor.size,):
+    if tuple(value.shape) != tuple(tensor.shape):
       raise RuntimeError(f"step {step.name} produced {value.shape} for {tensor.name}, "
-                         f"expected ({tensor.size},)")
+                         f"expected {tensor.shape}")
     value = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
     state[tensor.id] = _Logical(value, tensor.mapping)
   return state

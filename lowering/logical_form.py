@@ -4,8 +4,8 @@ A superstep's ``fn`` maps its reads' tile storages (``[rows, row_size]``) to
 its writes' storages. Many steps (elementwise ops, data movements, batched
 matmuls and reductions) compute the same values on the tensors' logical
 arrays, whatever their layouts: a step's function may carry that form,
-``logical_fn(*flat_reads) -> flat_writes`` (each array flat, in element
-order, of its tensor's size). The executor keeps tensors logical between
+``logical_fn(*read_arrays) -> write_arrays`` (each array of its tensor's
+shape). The executor keeps tensors logical between
 steps (:mod:`~ipu_jax.lowering.executor`) and runs the logical form when a
 step has one, so XLA sees the program's arithmetic on the same arrays
 ``jax.jit`` would, with no conversion to and from tile storage around each
@@ -30,9 +30,11 @@ def attach(fn: Callable, logical_fn: Callable) -> Callable:
 
   Args:
     fn: ``fn(*storages) -> tuple of storages``.
-    logical_fn: ``logical_fn(*flat_arrays) -> tuple of flat arrays``, one per
-      write, equal to ``to_flat`` of ``fn``'s results on every element
-      (results may be of another dtype: the executor casts, as for ``fn``).
+    logical_fn: ``logical_fn(*arrays) -> tuple of arrays``: takes the reads'
+      logical arrays (each of its tensor's shape) and returns one per write,
+      of its tensor's shape, equal to ``to_flat`` of ``fn``'s result on every
+      element (results may be of another dtype: the executor casts, as for
+      ``fn``).
   """
   setattr(fn, _ATTRIBUTE, logical_fn)
   return fn

@@ -261,14 +261,14 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
       value = (value,)
     return tuple(storage(v, out) for v, out in zip(value, results))
 
-  def flat_fn(*flats):
-    value = logical_fn(*[flats[position[t.id]].reshape(t.shape) for t in operands])
+  def on_logical(*arrays):
+    value = logical_fn(*[arrays[position[t.id]].reshape(t.shape) for t in operands])
     if not isinstance(value, (tuple, list)):
       value = (value,)
-    return tuple(jnp.reshape(v, (-1,)) for v in value)
+    return tuple(jnp.reshape(v, out.shape) for v, out in zip(value, results))
 
   if mode != "per_tile":
-    logical_form.attach(fn, flat_fn)
+    logical_form.attach(fn, on_logical)
 
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
