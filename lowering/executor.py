@@ -138,12 +138,9 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
             f"expected {tensor.storage_shape}")
       value = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
       written.append(value)
-      # Kept logical where the conversion is pads and transposes XLA cancels
-      # with a reader's; an irregular layout's is a gather, done on demand.
-      mapping = tensor.mapping
-      state[tensor.id] = (_Logical(to_flat(value, mapping).reshape(tensor.shape), mapping)
-                          if mapping is not None and (mapping.is_linear or mapping.grid is not None)
-                          else value)
+      state[tensor.id] = (_Logical(to_flat(value, tensor.mapping).reshape(tensor.shape),
+                                   tensor.mapping)
+                          if _keeps_logical(tensor, program) else value)
     if env.traps is not None:
       key = fp_exceptions.RECORD_KEY
       state[key] = env.traps.check(program, values, written, state[key], env.iteration)
@@ -172,6 +169,20 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
   if isinstance(program, P.Replicated):
     return _replicated(program, state, env)
   raise TypeError(f"not a tile program: {program!r}")
+
+
+def _keeps_logical(tensor, step) -> bool:
+  """Whether a storage function's result is kept logical (see :class:`_Logical`).
+
+  Where the conversion is pads and transposes that XLA cancels with a
+  reader's; an irregular layout's is a gather, done on demand. A tensor the
+  step also reads is updated in place (a matmul's serial passes each write
+  part of the result): converting it at every update would chain layout
+  round trips XLA does not cancel.
+  """
+  mapping = tensor.mapping
+  return (mapping is not None and (mapping.is_linear or mapping.grid is not None)
+          and all(t.id != tensor.id for t in step.reads))
 
 
 def _writes_logical(step) -> bool:
