@@ -1,9 +1,13 @@
 """The executor: a whole tile program becomes one jit-compiled JAX function.
 
-State is a set of tile-storage arrays (``[rows, row_size]``, the leading axis
-is the tile) keyed by tensor id, plus host-stream buffers and cursors keyed by
-strings. A :class:`~ipu_jax.lowering.program.Superstep` maps storages to
-storages; control programs become ``lax.fori_loop`` (Repeat),
+State holds each tensor's value keyed by tensor id, plus host-stream buffers
+and cursors keyed by strings. A :class:`~ipu_jax.lowering.program.Superstep`
+maps tile storages (``[rows, row_size]``, the leading axis is the tile) to
+storages; between steps a tensor is kept as its logical array (:class:`_Logical`)
+and a step with a logical form (:mod:`~ipu_jax.lowering.logical_form`) runs
+on logical arrays, so XLA compiles the arithmetic of ``jax.jit``'s program
+rather than round trips through tile storage. Control programs carry tile
+storages and become ``lax.fori_loop`` (Repeat),
 ``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If), ``lax.switch``
 (Switch) and ``vmap`` over named replica axes (Replicated, so the collectives
 of its steps reach across replicas). Nothing here loops over tiles in Python: a step's function does its
