@@ -71,7 +71,9 @@ one ``lax.dot_general`` whatever the K split (``jax.jit``'s numbers; the
 tiles' summation order of fp32 partials differs only in rounding), and
 writes it straight into the result's tile storage in the first step; the
 later steps (reduce, further passes) then have nothing left to do on the
-host, while their cost is still counted.
+host, while their cost is still counted. Batched steps also carry that
+product as their logical form (:mod:`~ipu_jax.lowering.logical_form`), which
+the executor runs on the operands' logical arrays.
 """
 
 from __future__ import annotations
