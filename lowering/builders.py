@@ -136,7 +136,9 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   Args:
     ctx: the lowering context.
     fn: ``fn(*operand_arrays) -> array or tuple``; applied to whole tile
-      storages (elementwise, so the tile axis is just another axis).
+      storages (elementwise, so the tile axis is just another axis), and in
+      batched mode, as the step's logical form
+      (:mod:`~ipu_jax.lowering.logical_form`), to the logical arrays.
     operands: tensors of the result's shape, or scalars (broadcast).
     out_avals: ``[(shape, dtype)]`` of the results (default: ``ctx.out_avals``).
     name: step name; cost_op: estimator key (default: the primitive).

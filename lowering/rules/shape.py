@@ -172,7 +172,8 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
       when its rows are long) or the ``[size]`` source index of each output
       element, ``-1`` for ``fill``.
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
-      same movement on logical arrays (run in "batched" mode).
+      same movement on logical arrays (run in "batched" mode; there it is
+      also the step's logical form, :mod:`~ipu_jax.lowering.logical_form`).
     fill: the constant that unmapped (``-1``) elements take.
     name: step name (default: the primitive).
     one_to_one: no operand element is copied twice (see
