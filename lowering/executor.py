@@ -54,11 +54,6 @@ class _Logical:
     self.value, self.mapping = value, mapping
 
 
-def _holds_logical(tensor) -> bool:
-  """Whether ``tensor``'s value is kept logical between steps (all but remote buffers)."""
-  return tensor.mapping is not None
-
-
 class _Env:
   """What the interpreter needs besides the state: tensors by id, memo.
 
@@ -190,7 +185,8 @@ def _keeps_logical(tensor, step) -> bool:
 
 
 def _writes_logical(step) -> bool:
-  return all(_holds_logical(t) for t in step.writes)
+  """Whether every result of ``step`` can be held logical (a remote buffer has no mapping)."""
+  return all(t.mapping is not None for t in step.writes)
 
 
 def _run_logical(step: P.Superstep, state: dict, env) -> dict:
