@@ -25,6 +25,7 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
@@ -135,7 +136,9 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   Args:
     ctx: the lowering context.
     fn: ``fn(*operand_arrays) -> array or tuple``; applied to whole tile
-      storages (elementwise, so the tile axis is just another axis).
+      storages (elementwise, so the tile axis is just another axis), and in
+      batched mode, as the step's logical form
+      (:mod:`~ipu_jax.lowering.logical_form`), to the logical arrays.
     operands: tensors of the result's shape, or scalars (broadcast).
     out_avals: ``[(shape, dtype)]`` of the results (default: ``ctx.out_avals``).
     name: step name; cost_op: estimator key (default: the primitive).
@@ -181,6 +184,20 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
       result = (result,)
     rows_shape = mapping.storage_shape
     return tuple(jnp.broadcast_to(r, rows_shape) for r in result)
+
+  def logical_fn(*arrays):
+    # Elementwise: the same arithmetic on the logical arrays.
+    it = iter(arrays)
+    args = [jnp.asarray(info) if kind == "literal"
+            else next(it).reshape(-1)[0] if kind == "scalar" else next(it)
+            for kind, info in kinds]
+    result = fn(*args)
+    if not isinstance(result, (tuple, list)):
+      result = (result,)
+    return tuple(jnp.broadcast_to(r, shape) for r in result)
+
+  if ctx.options.executor_mode != "per_tile":
+    logical_form.attach(step_fn, logical_fn)
 
   elements = mapping.elements_per_tile(target.num_tiles)
   op = cost_op or ctx.op

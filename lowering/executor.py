@@ -1,9 +1,13 @@
 """The executor: a whole tile program becomes one jit-compiled JAX function.
 
-State is a set of tile-storage arrays (``[rows, row_size]``, the leading axis
-is the tile) keyed by tensor id, plus host-stream buffers and cursors keyed by
-strings. A :class:`~ipu_jax.lowering.program.Superstep` maps storages to
-storages; control programs become ``lax.fori_loop`` (Repeat),
+State holds each tensor's value keyed by tensor id, plus host-stream buffers
+and cursors keyed by strings. A :class:`~ipu_jax.lowering.program.Superstep`
+maps tile storages (``[rows, row_size]``, the leading axis is the tile) to
+storages; between steps a tensor is kept as its logical array (:class:`_Logical`)
+and a step with a logical form (:mod:`~ipu_jax.lowering.logical_form`) runs
+on logical arrays, so XLA compiles the arithmetic of ``jax.jit``'s program
+rather than round trips through tile storage. Control programs carry tile
+storages and become ``lax.fori_loop`` (Repeat),
 ``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If), ``lax.switch``
 (Switch) and ``vmap`` over named replica axes (Replicated, so the collectives
 of its steps reach across replicas). Nothing here loops over tiles in Python: a step's function does its
@@ -20,11 +24,34 @@ import jax
 import jax.numpy as jnp
 
 from ipu_jax.lowering import fp_exceptions
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import printing
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 
 __all__ = ["build_function"]
+
+
+class _Logical:
+  """A tensor's value held in the state as its logical array, not its storage.
+
+  Between steps every tile-mapped tensor is kept as an array of its shape
+  and converted to storage (pad / reshape / transpose, or a gather for an
+  irregular layout) only where a step reads it through its storage
+  function. Steps with a logical form (:mod:`~ipu_jax.lowering.logical_form`)
+  read and write these arrays directly, and a storage function's
+  ``to_flat`` of an operand undoes the conversion (XLA cancels the pair),
+  so what XLA materialises between fusions is what ``jax.jit`` would: no
+  padded copies in tile storage, no relayouts to and from it around every
+  matmul and reduction. Only the representation changes: the storage's
+  padding (slots holding no element) reads as zeros, as
+  :func:`~ipu_jax.lowering.exchange.to_storage` fills it.
+  """
+
+  __slots__ = ("value", "mapping")
+
+  def __init__(self, value, mapping):
+    self.value, self.mapping = value, mapping
 
 
 class _Env:
@@ -44,13 +71,26 @@ class _Env:
     self.extra_keys = frozenset({fp_exceptions.RECORD_KEY}) if traps else frozenset()
 
   def get(self, state: dict, key):
+    """``key``'s value; a tensor's in its tile storage."""
     value = state.get(key)
+    if isinstance(value, _Logical):
+      return to_storage(value.value.reshape(-1), value.mapping)
     if value is not None:
       return value
     tensor = self.tensors[key]
     # A temporary not yet written (e.g. first use in a loop carry) is zeros,
     # as uninitialised tile memory would be undefined.
     return jnp.zeros(tensor.storage_shape, tensor.dtype)
+
+  def get_logical(self, state: dict, tensor):
+    """``tensor``'s value as its logical array (of its shape)."""
+    value = state.get(tensor.id)
+    if isinstance(value, _Logical):
+      # An alias (rules/shape.py) shares the id with another shape.
+      return value.value.reshape(tensor.shape)
+    if value is None:
+      return jnp.zeros(tensor.shape, tensor.dtype)
+    return to_flat(value, tensor.mapping).reshape(tensor.shape)
 
   def writes(self, program, local_ids=frozenset()):
     """State keys ``program`` writes, less those local to it (not carried)."""
@@ -71,6 +111,17 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
       # Op by op, to name the faulting op; one copy of the state for all of them.
       return fp_exceptions.run_fused(program, state if owned else dict(state), env,
                                      functools.partial(_run, owned=True))
+    if env.traps is None:
+      members = fp_exceptions.fused_members(program)
+      if members and all(logical_form.of(m.fn) and _writes_logical(m) for m in members):
+        # The fused function is its members' functions in order: run their
+        # logical forms so XLA fuses the arithmetic on logical arrays.
+        state = state if owned else dict(state)
+        for member in members:
+          state = _run_logical(member, state, env)
+        return state
+      if logical_form.of(program.fn) and _writes_logical(program):
+        return _run_logical(program, state if owned else dict(state), env)
     values = [env.get(state, t.id) for t in program.reads]
     outputs = program.fn(*values)
     if len(outputs) != len(program.writes):
@@ -78,16 +129,20 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
                          f"expected {len(program.writes)}")
     if not owned:
       state = dict(state)
+    written = []
     for tensor, value in zip(program.writes, outputs):
       if tuple(value.shape) != tensor.storage_shape:
         raise RuntimeError(
             f"step {program.name} produced storage {value.shape} for {tensor.name}, "
             f"expected {tensor.storage_shape}")
-      state[tensor.id] = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
+      value = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
+      written.append(value)
+      state[tensor.id] = (_Logical(to_flat(value, tensor.mapping).reshape(tensor.shape),
+                                   tensor.mapping)
+                          if _keeps_logical(tensor, program) else value)
     if env.traps is not None:
       key = fp_exceptions.RECORD_KEY
-      state[key] = env.traps.check(program, values, [state[t.id] for t in program.writes],
-                                   state[key], env.iteration)
+      state[key] = env.traps.check(program, values, written, state[key], env.iteration)
     return state
   if isinstance(program, P.Sequence):
     state = state if owned else dict(state)
@@ -113,6 +168,40 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
   if isinstance(program, P.Replicated):
     return _replicated(program, state, env)
   raise TypeError(f"not a tile program: {program!r}")
+
+
+def _keeps_logical(tensor, step) -> bool:
+  """Whether a storage function's result is kept logical (see :class:`_Logical`).
+
+  Where the conversion is pads and transposes that XLA cancels with a
+  reader's; an irregular layout's is a gather, done on demand. A tensor the
+  step also reads is updated in place (a matmul's serial passes each write
+  part of the result): converting it at every update would chain layout
+  round trips XLA does not cancel.
+  """
+  mapping = tensor.mapping
+  return (mapping is not None and (mapping.is_linear or mapping.grid is not None)
+          and all(t.id != tensor.id for t in step.reads))
+
+
+def _writes_logical(step) -> bool:
+  """Whether every result of ``step`` can be held logical (a remote buffer has no mapping)."""
+  return all(t.mapping is not None for t in step.writes)
+
+
+def _run_logical(step: P.Superstep, state: dict, env) -> dict:
+  """Run ``step``'s logical form on its reads' logical arrays, into ``state`` (owned)."""
+  outputs = logical_form.of(step.fn)(*[env.get_logical(state, t) for t in step.reads])
+  if len(outputs) != len(step.writes):
+    raise RuntimeError(f"step {step.name} returned {len(outputs)} values, "
+                       f"expected {len(step.writes)}")
+  for tensor, value in zip(step.writes, outputs):
+    if tuple(value.shape) != tuple(tensor.shape):
+      raise RuntimeError(f"step {step.name} produced {value.shape} for {tensor.name}, "
+                         f"expected {tensor.shape}")
+    value = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
+    state[tensor.id] = _Logical(value, tensor.mapping)
+  return state
 
 
 def _carry(state, env, keys):

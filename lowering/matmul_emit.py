@@ -71,7 +71,9 @@ one ``lax.dot_general`` whatever the K split (``jax.jit``'s numbers; the
 tiles' summation order of fp32 partials differs only in rounding), and
 writes it straight into the result's tile storage in the first step; the
 later steps (reduce, further passes) then have nothing left to do on the
-host, while their cost is still counted.
+host, while their cost is still counted. Batched steps also carry that
+product as their logical form (:mod:`~ipu_jax.lowering.logical_form`), which
+the executor runs on the operands' logical arrays.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import half_partials
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
@@ -243,14 +246,17 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     changes the result, so :mod:`half_partials` keeps the plan's order.
     The per-tile accounting does not depend on this: it is the plan's.
     """
-    a, w = logical(a_st, lhs), logical(b_st, rhs)
+    return logical_product(logical(a_st, lhs), logical(b_st, rhs)).reshape(b, m, n)
+
+  def logical_product(a, w):
+    """:func:`full_product` of the operands' logical arrays, in the result's shape."""
     if half:
       return half_partials.planned_dot(
           jnp.transpose(a, lhs_perm).reshape(b, m, k),
           jnp.transpose(w, rhs_perm).reshape(b, k, n), gk, bk,
-          fanins=plan.reduce_fanins).astype(out_dtype)
+          fanins=plan.reduce_fanins).astype(out_dtype).reshape(out_shape)
     c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
-    return c.astype(out_dtype).reshape(b, m, n)
+    return c.astype(out_dtype).reshape(out_shape)
 
   def pass_blocks(a_st, b_st, start, stop):
     """Per-tile partial blocks ``[G, bb*bm*bn]`` of one pass (per_tile mode)."""
@@ -368,6 +374,11 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
                                   serial=serial),)
         return (out_st[0],)
 
+      def logical_step(a, w, *prior, index=index):
+        return (logical_product(a, w),) if index == 0 else (prior[0],)
+
+      if mode != "per_tile":
+        logical_form.attach(step, logical_step)
       ctx.emit(P.Superstep(
           name=f"{name}/matmul {label}{pass_name}", op=ctx.op, reads=(lhs, rhs) + result_in,
           writes=(out,), fn=step, compute_cycles=compute, exchange=_add(a_cost, b_cost),
@@ -393,6 +404,13 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
                                 pieces=out_pieces, serial=serial))
       return jnp.zeros(partials.storage_shape, acc), out_st[0]
 
+    def logical_matmul_step(a, w, *prior, index=index, partials=partials):
+      # Batched: the whole product in the first pass; the partials are never read.
+      return (jnp.zeros(partials.shape, acc),
+              logical_product(a, w) if index == 0 else prior[0])
+
+    if mode != "per_tile":
+      logical_form.attach(matmul_step, logical_matmul_step)
     ctx.emit(P.Superstep(
         name=f"{name}/matmul {label}{pass_name}", op=ctx.op, reads=(lhs, rhs) + result_in,
         writes=(partials, out), fn=matmul_step, compute_cycles=compute,
@@ -428,6 +446,8 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
         return (out_st,)
       return (put(out_st, index, reduce_pieces(p_st)),)
 
+    if mode != "per_tile":  # the matmul step wrote the result
+      logical_form.attach(reduce_step, lambda p, out: (out,))
     ctx.emit(P.Superstep(
         name=f"{name}/{label}{pass_name} reduce", op=ctx.op, reads=(partials, out),
         writes=(out,), fn=reduce_step, compute_cycles=reduce_compute,
@@ -517,6 +537,9 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.nd
         return (x.astype(out_dtype).reshape(out.storage_shape),)
       return (x.reshape(result.storage_shape),)
 
+    if mode != "per_tile":  # the matmul step wrote the result
+      logical_form.attach(step, lambda level, *out, last=last, result=result: (
+          out[0],) if last else (jnp.zeros(result.shape, acc),))
     ctx.emit(P.Superstep(
         name=f"{name}/{plan.label} stage {stage + 1}/{len(plan.reduce_fanins)} reduce",
         op=ctx.op, reads=(level,) + ((out,) if last else ()), writes=(result,), fn=step,

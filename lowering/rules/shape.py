@@ -61,6 +61,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import copy_plan
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.copy_plan import exchange_plan
 from ipu_jax.lowering.exchange import to_flat, to_storage
@@ -171,7 +172,8 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
       when its rows are long) or the ``[size]`` source index of each output
       element, ``-1`` for ``fill``.
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
-      same movement on logical arrays (run in "batched" mode).
+      same movement on logical arrays (run in "batched" mode; there it is
+      also the step's logical form, :mod:`~ipu_jax.lowering.logical_form`).
     fill: the constant that unmapped (``-1``) elements take.
     name: step name (default: the primitive).
     one_to_one: no operand element is copied twice (see
@@ -259,6 +261,15 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     if not isinstance(value, (tuple, list)):
       value = (value,)
     return tuple(storage(v, out) for v, out in zip(value, results))
+
+  def on_logical(*arrays):
+    value = logical_fn(*[arrays[position[t.id]].reshape(t.shape) for t in operands])
+    if not isinstance(value, (tuple, list)):
+      value = (value,)
+    return tuple(jnp.reshape(v, out.shape) for v, out in zip(value, results))
+
+  if mode != "per_tile":
+    logical_form.attach(fn, on_logical)
 
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
