@@ -204,13 +204,10 @@ def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:
   narrow = _NARROW.get(values.dtype)
   if narrow is None or values.size == 0:
     return values
-  if narrow.kind == "i":
-    info = np.iinfo(narrow)
-    if values.min() < info.min or values.max() > info.max:
-      return values
-    return values.astype(narrow)
+  # Cast, then check every value came through (one pass each, no copies
+  # kept when it did not).
   candidate = values.astype(narrow)
-  return candidate if np.array_equal(candidate, values) else values
+  return candidate if (candidate == values).all() else values
 
 
 @dataclasses.dataclass(eq=False)
