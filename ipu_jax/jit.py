@@ -324,10 +324,10 @@ def _cache_aval(x) -> tuple:
 
   A NumPy array and a ``jax.Array`` of one shape and dtype give the same key.
   """
-  if isinstance(x, jax.Array):  # the common case, without NumPy's conversions
-    return tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False)
-  return (tuple(np.shape(x)), str(jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype),
-          getattr(x, "weak_type", False))
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None:  # arrays (jax and NumPy), NumPy scalars: no conversions
+    return tuple(x.shape), dtype, getattr(x, "weak_type", False)
+  return tuple(np.shape(x)), np.dtype(jnp.result_type(x)), False
 
 
 def _argument_name(path) -> str:
