@@ -31,11 +31,14 @@ JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
 ``"host"`` object (platform, cpu count, python/jax versions) and ``"results"``:
 a list of objects with keys ``workload``, ``tiles``, ``plain_ms``,
 ``emulated_ms``, ``ratio``, ``lower_compile_s``, ``peak_host_mib``,
-``ipu_cycles``, ``ipu_seconds``, ``supersteps``, ``error`` (null when fine).
+``ipu_cycles``, ``ipu_seconds``, ``supersteps``, ``error`` (null when fine);
+scale rows also record ``figures_sha1`` (:func:`figures_sha1`: equal figures
+give equal fingerprints, so a speed change can show it changed none).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -252,6 +255,7 @@ def run_scale_case(name, repeats):
     result["equations"] = sum(1 for _ in _iter_eqns(lowered.jaxpr.jaxpr))
     result["supersteps"] = len(lowered.report.profile.steps)
     result["lower_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["figures_sha1"] = figures_sha1(lowered.report.profile)
     start, cpu = time.perf_counter(), time.process_time()
     _block(emulated(*args))
     result["compile_s"] = time.perf_counter() - start
@@ -271,6 +275,18 @@ def run_scale_case(name, repeats):
     result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
   result["peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   return result
+
+
+def figures_sha1(profile) -> str:
+  """A fingerprint of a program's figures: every step's cycles and exchange bytes per tile,
+  and every tile's peak memory (equal when a change leaves them all unchanged)."""
+  import numpy as np
+  digest = hashlib.sha1()
+  for step in profile.steps:
+    digest.update(np.float64(step.total_cycles).tobytes())
+    digest.update(np.asarray(step.exchange_bytes_in, np.int64).tobytes())
+  digest.update(np.asarray(profile.memory.peak, np.int64).tobytes())
+  return digest.hexdigest()[:16]
 
 
 def _iter_eqns(jaxpr):
