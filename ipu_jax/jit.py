@@ -66,9 +66,9 @@ class Lowered:
                target: IPUTarget, options, replication_factor: int = 1,
                arg_names: Sequence[str] = (), progress=None, call_site: str = "",
                offload=None):
+    progress = progress or compile_progress.CompileProgress(name, verbose=0)
     # Plans shared between this program's equations are dropped once it is
     # lowered (the tables would otherwise hold most of a gigabyte at BERT size).
-    progress = progress or compile_progress.CompileProgress(name, verbose=0)
     with plan_cache.lowering_session():
       ctx = self._lower(fn, args_flat, in_tree, target, options, replication_factor,
                         arg_names, progress, call_site, offload, name)

@@ -9,7 +9,9 @@ Keys are built from :meth:`TileMapping.fingerprint` (a cheap, exact identity
 of a mapping's layout: ``O(rows)`` for linear and block-grid mappings, a
 per-object id for irregular ones) and plain shapes/params. Values are kept
 in a least-recently-used table bounded by the bytes of the NumPy arrays they
-hold, so caching never holds more than ``max_bytes`` of host memory.
+hold, so caching never holds more than ``max_bytes`` of host memory, and only
+while a program is lowered: the tables are emptied when the outermost
+:func:`lowering_session` ends.
 """
 
 from __future__ import annotations
