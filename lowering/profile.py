@@ -2,7 +2,11 @@
 
 `ProgramProfile` is the contract between the cost and memory analysis (which
 fills it in, in `lowering/analysis.py`) and the reports people read
-(`ipu_jax.report`, which only reads it). Arrays are NumPy, indexed by tile.
+(`ipu_jax.report`, which only reads it). Arrays are NumPy, indexed by tile,
+read-only in spirit and often shared (a step's arrays are the lowered
+step's own; steps without compute share one zeros): per-tile figures are held
+in the narrowest dtype that is exact for them (float32 cycles, int32 counts
+and bytes where every value fits), so sum or scale them in float64 / int64.
 """
 
 from __future__ import annotations
