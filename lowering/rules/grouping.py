@@ -147,20 +147,14 @@ class _Runs:
 
 
 def _runs(mapping: TileMapping) -> _Runs:
-  """Consecutive elements in consecutive slots of one row, in flat order."""
-  n = mapping.num_elements
-  if mapping.is_linear:
-    rows = np.arange(mapping.num_rows, dtype=np.int64)
-    start = rows * int(mapping.chunk)
-    return _Runs(start, np.minimum(start + int(mapping.chunk), n), rows, start)
-  # A general mapping's storage may have holes (a block grid's padded edge
-  # blocks) and rows that interleave runs (serial passes): a run ends where
-  # the next element is not in the next slot of the same row.
-  row = mapping.element_row
-  slot = row * mapping.row_size + mapping.element_offset
-  brk = np.flatnonzero((np.diff(slot) != 1) | (np.diff(row) != 0)) + 1
-  start = np.concatenate([np.zeros(min(n, 1), np.int64), brk])
-  return _Runs(start, np.append(start[1:], n), row[start], slot[start])
+  """Consecutive elements in consecutive slots of one row, in flat order.
+
+  A general mapping's storage may have holes (a block grid's padded edge
+  blocks) and rows that interleave runs (serial passes); the mapping finds
+  its runs on regions (:attr:`TileMapping.runs`), not elements.
+  """
+  start, length, row, offset = mapping.runs
+  return _Runs(start, start + length, row, row * mapping.row_size + offset)
 
 
 @dataclasses.dataclass(frozen=True)
