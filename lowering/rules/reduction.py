@@ -368,12 +368,17 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     slot_index = slot_index.astype(idx_dtype)
 
   width = groups.width
-  if skip_stage1:
-    part_slot = groups.first_slot
-    part_total = total
-  else:
-    part_slot = groups.row * width + groups.local
-    part_total = rows * width
+  part_total = total if skip_stage1 else rows * width
+
+  def part_slots(index=None):
+    """Slot of the partials ``index`` (all by default): a skipped stage 1
+    leaves each output's one element in place."""
+    if index is None:
+      return groups.first_slot if skip_stage1 else groups.row * width + groups.local
+    if skip_stage1:
+      return groups.first_slot_of(index)
+    row, _, local = groups.at(index)
+    return row * width + local
 
   # Output placement: on the tile of each output's first element ("owner
   # computes"), linear like mapTensorLinearly, or spread one grain per tile
@@ -424,12 +429,12 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
 
   # Batched steps take each output from its first partial; per-tile steps
   # gather all of them.
-  final_first = part_slot[groups.first_of_key]
+  final_first = part_slots(groups.first_of_key)
   final_dense = None
   if mode == "per_tile":
     final_dense = plan_cache.cached(
         _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
-        lambda: _final_slots(out_map, groups.key, part_slot, out_size, part_total))
+        lambda: _final_slots(out_map, groups.key, part_slots(), out_size, part_total))
   outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
   sources = list(data) if skip_stage1 else partials
   _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
@@ -466,8 +471,8 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
   out_src = np.full(rows * width, out_size, np.int64)
-  part_slot = groups.row * width + groups.local
-  out_src[part_slot[groups.first_of_key]] = np.arange(out_size)
+  row, _, local = groups.at(groups.first_of_key)
+  out_src[row * width + local] = np.arange(out_size)
   n_data = len(data)
 
   def fn(*storages):
