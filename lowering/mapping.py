@@ -21,7 +21,7 @@ import numpy as np
 
 from ipu_jax.lowering import plan_cache
 
-__all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs", "tiles_key"]
+__all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs", "spread_runs", "tiles_key"]
 
 _object_ids = itertools.count()
 # Small on purpose: deriving these arrays costs about what reading them does,
@@ -77,6 +77,21 @@ def row_runs(element_row: np.ndarray) -> tuple:
   change = np.flatnonzero(element_row[1:] != element_row[:-1]) + 1
   starts = np.concatenate([np.zeros(1, np.int64), change.astype(np.int64)])
   return starts, element_row[starts]
+
+
+def spread_runs(values: np.ndarray, starts: np.ndarray, num: int) -> np.ndarray:
+  """``values[i]`` on ``[starts[i], starts[i + 1])`` (the last to ``num``).
+
+  ``starts`` is strictly increasing from 0. What ``np.repeat`` by the run
+  lengths gives, by a cumulative sum of the steps: several times faster on
+  the millions of elements of a vocabulary-sized tensor.
+  """
+  out = np.zeros(num, np.int64)
+  if num:
+    out[0] = values[0]
+    out[starts[1:]] = np.diff(values)
+    np.cumsum(out, out=out)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,13 +463,26 @@ class TileMapping:
                                   self.chunk)[which]
     else:
       key = ("grid", self.grid, which)
-      compute = lambda: self.grid.element_layout()[which]  # noqa: E731
+      compute = lambda: self._from_runs(which)  # noqa: E731
 
     def frozen():
       value = np.ascontiguousarray(compute())
       value.flags.writeable = False
       return value
     return plan_cache.cached(_ELEMENT_ARRAYS, key, frozen)
+
+  def _from_runs(self, which: int) -> np.ndarray:
+    """Row (``which=0``), offset (1) or storage position (2) of every
+    element, spread from :attr:`runs` (cheaper than the closed form per
+    element: a few passes, whatever the rank)."""
+    start, _, row, offset = self.runs
+    n = self.num_elements
+    if which == 0:
+      return spread_runs(row, start, n)
+    value = offset if which == 1 else row * self.row_size + offset
+    value = spread_runs(value - start, start, n)
+    value += np.arange(n, dtype=np.int64)
+    return value
 
   @property
   def runs(self) -> tuple:
@@ -509,6 +537,9 @@ class TileMapping:
     """``[num_elements]`` tile of each element."""
     if self.is_linear:
       return self._derived("tile", lambda: np.repeat(self.tiles, self.counts))
+    if self.grid is not None:
+      return self._derived("tile", lambda: spread_runs(self.tiles[self.runs[2]], self.runs[0],
+                                                      self.num_elements))
     return self._derived("tile", lambda: self.tiles[self.element_row])
 
   @property
@@ -516,6 +547,8 @@ class TileMapping:
     """``[num_elements]`` index of each element in the flattened storage."""
     if self.is_linear:
       return self._derived("position", lambda: np.arange(self.num_elements, dtype=np.int64))
+    if self.grid is not None:
+      return self._derived("position", lambda: self._from_runs(2))
     return self._derived("position", lambda: self.element_row * self.row_size + self.element_offset)
 
   @property

@@ -38,7 +38,7 @@ import numpy as np
 
 from ipu_jax.jax_compat import lax_internal
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.mapping import TileMapping, spread_runs
 
 __all__ = ["GROUPS", "Groups", "Slots", "elements_tiles", "first_elements",
            "group_regions", "identity_of", "row_layout_key", "rows_mapping", "gather_or_fill"]
@@ -246,7 +246,7 @@ class Groups:
   slot_runs: Optional[tuple]
 
   def _per_group(self, values: np.ndarray) -> np.ndarray:
-    value = _spread(values, self.span_first, self.num)
+    value = spread_runs(values, self.span_first, self.num)
     value.flags.writeable = False  # shared by every equation that hits the cache
     return value
 
@@ -258,7 +258,7 @@ class Groups:
   @functools.cached_property
   def key(self) -> np.ndarray:
     """``[num]`` key of each group (ascending within a row)."""
-    value = _spread(self.span_key - self.span_first, self.span_first, self.num)
+    value = spread_runs(self.span_key - self.span_first, self.span_first, self.num)
     value += np.arange(self.num, dtype=np.int64)
     value.flags.writeable = False
     return value
@@ -272,7 +272,7 @@ class Groups:
   def local(self) -> np.ndarray:
     """``[num]`` position of the group within its row."""
     row_first = np.cumsum(self.per_row) - self.per_row
-    value = np.arange(self.num, dtype=np.int64) - _spread(
+    value = np.arange(self.num, dtype=np.int64) - spread_runs(
         row_first[self.span_row], self.span_first, self.num)
     value.flags.writeable = False
     return value
@@ -284,7 +284,7 @@ class Groups:
     if self.slot_runs is None:
       return None
     first, slot = self.slot_runs
-    value = _spread(slot - first, first, self.num)
+    value = spread_runs(slot - first, first, self.num)
     value += np.arange(self.num, dtype=np.int64)
     value.flags.writeable = False
     return value
@@ -336,21 +336,6 @@ class Groups:
     valid = np.zeros(total, bool)
     valid[slot] = True
     return Slots(dense.reshape(rows, self.width, self.depth), reshape_only, valid)
-
-
-def _spread(values: np.ndarray, starts: np.ndarray, num: int) -> np.ndarray:
-  """``values[s]`` on ``[starts[s], starts[s + 1])``, for ``num`` places.
-
-  ``starts`` is strictly increasing from 0. Same as ``np.repeat`` by the
-  lengths, by a cumulative sum of the steps (several times faster on the
-  millions of groups of a vocabulary-sized reduction).
-  """
-  out = np.zeros(num, np.int64)
-  if num:
-    out[0] = values[0]
-    out[starts[1:]] = np.diff(values)
-    np.cumsum(out, out=out)
-  return out
 
 
 def _first_cover(lo: np.ndarray, hi: np.ndarray, size: int) -> np.ndarray:
