@@ -13,6 +13,8 @@ import numpy as np
 from ipu_jax.lowering.mapping import BlockGrid, TileMapping, spread_runs
 from ipu_jax.lowering.matmul_plan import block_grid_mapping
 from ipu_jax.lowering.rules.grouping import group_regions
+from ipu_jax.lowering.rules.reduction import unicast_cost
+from ipu_jax.target import IPUTarget
 
 
 def _random_grid(rng, shape=None):
@@ -157,6 +159,46 @@ class SpansTest(parameterized.TestCase):
     np.testing.assert_array_equal(first, np.arange(30522))
     for lazy in ("row", "key", "local", "count", "first_slot"):
       self.assertNotIn(lazy, vars(groups))
+
+
+class UnicastCostTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 2, 4)
+  def test_counted_on_runs_equals_element_by_element(self, num_ipus):
+    target = IPUTarget.preset("ipu2", num_ipus=num_ipus, tiles_per_ipu=8)
+    rng = np.random.default_rng(num_ipus)
+    moved_some = False
+    for _ in range(150):
+      n = int(rng.integers(1, 50))
+      tiles = rng.integers(0, target.num_tiles, n)
+      dst = (TileMapping.from_element_tiles(np.repeat(tiles, 3)[:n]) if rng.random() < 0.5
+             else TileMapping.blocks(n, int(rng.integers(-(-n // target.num_tiles), n + 1)),
+                                     target.num_tiles, int(rng.integers(0, 16))))
+      runs = int(rng.integers(1, 10))
+      first = rng.integers(0, n, runs)
+      length = np.array([int(rng.integers(1, n - f + 1)) for f in first])
+      src = np.where(rng.random(runs) < 0.3, dst.element_tile[first],
+                     rng.integers(0, target.num_tiles, runs))
+      cost, received = unicast_cost(target, src, first, length, dst, 4)
+      # Element by element: every element of every run goes to its tile.
+      element = np.concatenate([np.arange(f, f + k) for f, k in zip(first, length)])
+      from_tile = np.repeat(src, length)
+      to_tile = dst.element_tile[element]
+      t = target.num_tiles
+      np.testing.assert_array_equal(received, np.bincount(to_tile, minlength=t))
+      moves = from_tile != to_tile
+      if not moves.any():
+        self.assertIsNone(cost)
+        continue
+      moved_some = True
+      np.testing.assert_array_equal(cost.bytes_in, 4 * np.bincount(to_tile[moves], minlength=t))
+      np.testing.assert_array_equal(cost.bytes_out,
+                                    4 * np.bincount(from_tile[moves], minlength=t))
+      ipu_from, ipu_to = from_tile // 8, to_tile // 8
+      crossing = ipu_from != ipu_to
+      np.testing.assert_array_equal(
+          cost.link_bytes_out, 4 * np.bincount(ipu_from[crossing], minlength=num_ipus))
+    self.assertTrue(moved_some)
 
 
 if __name__ == "__main__":
