@@ -392,12 +392,19 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
   """
   num_tiles = target.num_tiles
   tile_type = np.int16 if num_tiles < 2**15 else np.int32
-  source_tiles = element_tiles(source, tile_type)
-  step = source_tiles.itemsize
-  src = np.lib.stride_tricks.as_strided(
-      source_tiles, shape=box.extents, strides=[s * step for s in box.src_strides],
-      writeable=False).reshape(-1)
-  dst = element_tiles(mapping, tile_type)
+  src_starts, src_tiles = source.intervals
+  src_lengths = np.diff(np.append(src_starts, source.num_elements))
+
+  def in_output_order(flat):
+    """Per source element -> per output element (one transposed copy)."""
+    return np.lib.stride_tricks.as_strided(
+        flat, shape=box.extents, strides=[s * flat.itemsize for s in box.src_strides],
+        writeable=False).reshape(-1)
+
+  src = in_output_order(np.repeat(src_tiles.astype(tile_type), src_lengths))
+  dst_starts, dst_tiles = mapping.intervals
+  dst_lengths = np.diff(np.append(dst_starts, mapping.num_elements))
+  dst = np.repeat(dst_tiles.astype(tile_type), dst_lengths)
   written = mapping.elements_per_tile(num_tiles).astype(np.int64)
   fills = np.zeros(num_tiles, np.int64)
   # Every element moves but those already on their tile; as every source
@@ -406,13 +413,22 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
   received = written - stays
   if not received.any():
     return _frozen(CopyPlan(None, received, written, fills))
-  sent = source.elements_per_tile(num_tiles).astype(np.int64) - stays
+  held = source.elements_per_tile(num_tiles).astype(np.int64)
+  sent = held - stays
   n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
   link = np.zeros(n_ipus, np.int64)
   if n_ipus > 1:
-    src_ipu = src // per_ipu
-    crossing = src_ipu != dst // per_ipu
-    link = np.bincount(src_ipu[crossing], minlength=n_ipus)[:n_ipus].astype(np.int64)
+    # What leaves an IPU is all it holds but what stays on it. Both sides'
+    # IPUs are spread from their runs (no division or widening per element),
+    # and the destination's is constant on its runs, so what stays on an
+    # IPU is counted per run.
+    ipu_of = (np.arange(num_tiles) // per_ipu).astype(np.int8 if n_ipus < 128 else np.int32)
+    src_ipu = in_output_order(np.repeat(ipu_of[src_tiles], src_lengths))
+    on_ipu = np.flatnonzero(src_ipu == np.repeat(ipu_of[dst_tiles], dst_lengths))
+    per_run = np.diff(np.searchsorted(on_ipu, np.append(dst_starts, mapping.num_elements)))
+    same = np.bincount(ipu_of[dst_tiles], weights=per_run, minlength=n_ipus)
+    from_ipu = np.add.reduceat(held, np.arange(0, num_tiles, per_ipu))
+    link = from_ipu - same[:n_ipus].astype(np.int64)
   cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
   return _frozen(CopyPlan(cost, received, written - received, fills))
 

@@ -70,7 +70,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.block_overlap import block_exchange_cost
 from ipu_jax.lowering.exchange import ExchangeCost
-from ipu_jax.lowering.mapping import BlockGrid, TileMapping, row_runs
+from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 from ipu_jax.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
@@ -578,7 +578,6 @@ _GRID_LAYOUTS = plan_cache.PlanCache("block_grid_mapping")
 
 
 def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLayout:
-  n = int(np.prod(shape, dtype=np.int64))
   num_blocks = int(np.prod(grids, dtype=np.int64))
   rows = num_blocks * pieces
   block_elements = int(np.prod(blocks, dtype=np.int64))
@@ -587,19 +586,25 @@ def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLay
   grid = BlockGrid(tuple(int(d) for d in shape), tuple(int(g) for g in grids),
                    tuple(int(b) for b in blocks), int(pieces), tuple(serial),
                    rows=stored if stored < rows else None)
-  # The element placement is the grid's closed form (one formula, BlockGrid's).
-  row, offset = grid.element_layout()
+  # The placement is the grid's closed form (one formula, BlockGrid's), taken
+  # on its runs: a vocabulary-sized operand has millions of elements but
+  # thousands of runs.
+  start, length, row, offset = grid.runs()
   row_size = count * piece if count > 1 else piece
-  counts = np.bincount(row, minlength=rows)[:rows].astype(np.int64)
+  counts = np.bincount(row, weights=length, minlength=rows)[:rows].astype(np.int64)
   if counts[-1] > 0 and np.all(counts[:-1] == row_size):
-    if np.array_equal(row * row_size + offset, np.arange(n, dtype=np.int64)):
+    # Within a run both the flat index and the storage place go up by one.
+    if np.array_equal(row * row_size + offset, start):
       return _GridLayout(_read_only(counts), chunk=row_size)
   # Blocks past the last tile given are empty (the grid over-covers an
   # axis): they have no storage row.
   if stored < rows and counts[stored:].any():
     raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
   counts = counts[:stored]
-  runs = tuple(_read_only(a) for a in row_runs(row))
+  # Runs of one row (TileMapping.row_runs): neighbouring runs on one row merge.
+  new = np.ones(row.size, bool)
+  new[1:] = row[1:] != row[:-1]
+  runs = tuple(_read_only(a) for a in (start[new], row[new]))
   return _GridLayout(_read_only(counts), grid=grid, runs=runs)
 
 

@@ -30,6 +30,7 @@ a gather with a fill slot and mappings built directly from rows).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ import numpy as np
 
 from ipu_jax.jax_compat import lax_internal
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.mapping import TileMapping, spread_runs
 
 __all__ = ["GROUPS", "Groups", "Slots", "elements_tiles", "first_elements",
            "group_regions", "identity_of", "row_layout_key", "rows_mapping", "gather_or_fill"]
@@ -147,20 +148,14 @@ class _Runs:
 
 
 def _runs(mapping: TileMapping) -> _Runs:
-  """Consecutive elements in consecutive slots of one row, in flat order."""
-  n = mapping.num_elements
-  if mapping.is_linear:
-    rows = np.arange(mapping.num_rows, dtype=np.int64)
-    start = rows * int(mapping.chunk)
-    return _Runs(start, np.minimum(start + int(mapping.chunk), n), rows, start)
-  # A general mapping's storage may have holes (a block grid's padded edge
-  # blocks) and rows that interleave runs (serial passes): a run ends where
-  # the next element is not in the next slot of the same row.
-  row = mapping.element_row
-  slot = row * mapping.row_size + mapping.element_offset
-  brk = np.flatnonzero((np.diff(slot) != 1) | (np.diff(row) != 0)) + 1
-  start = np.concatenate([np.zeros(min(n, 1), np.int64), brk])
-  return _Runs(start, np.append(start[1:], n), row[start], slot[start])
+  """Consecutive elements in consecutive slots of one row, in flat order.
+
+  A general mapping's storage may have holes (a block grid's padded edge
+  blocks) and rows that interleave runs (serial passes); the mapping finds
+  its runs on regions (:attr:`TileMapping.runs`), not elements.
+  """
+  start, length, row, offset = mapping.runs
+  return _Runs(start, start + length, row, row * mapping.row_size + offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,42 +206,109 @@ class Slots:
 class Groups:
   """A tensor's elements grouped by (storage row, key), per tile.
 
+  Groups are held as *spans*: consecutive groups on one row with consecutive
+  keys and one member count each (a vocabulary-sized reduction has millions
+  of groups in thousands of spans). The per-group arrays (:attr:`row`,
+  :attr:`key`, :attr:`local`, :attr:`count`, :attr:`first_slot`) are spread
+  from them on first use; :meth:`at`, :meth:`first_slot_of` and
+  :meth:`key_runs` answer for a few groups without them.
+
   Attributes:
     shape, axes: the grouped tensor's shape and the axes whose coordinates
       do not enter the key.
     num: groups.
-    row: ``[num]`` storage row (tile) of each group, non-decreasing.
-    key: ``[num]`` key of each group (ascending within a row).
-    local: ``[num]`` position of the group within its row.
     per_row: ``[rows]`` groups per row.
-    count: ``[num]`` members of each group.
     width, depth: most groups of a row, most members of a group.
     first_of_key: ``[num_keys]`` index of the first group of every key.
-    first_slot: ``[num]`` storage slot of each group's first member (flat
-      order), or ``None`` when groups have several members that are not
-      consecutive elements (then :meth:`slots` has them).
     run_first: index of the first group of each *key run*: groups on one row
       with consecutive keys (what a row's partials cover, as intervals).
+    span_first, span_row, span_key, span_count: ``[spans]`` the first group
+      of each span, its row, its first key and the members of each of its
+      groups (spans in group order).
+    slot_runs: ``(first_group, slot)``: groups whose first members are
+      consecutive storage slots from ``slot`` (group order), or ``None``
+      when groups have several members that are not consecutive elements
+      (then :meth:`slots` has them).
   """
 
   shape: tuple
   axes: tuple
   num: int
-  row: np.ndarray
-  key: np.ndarray
-  local: np.ndarray
   per_row: np.ndarray
-  count: np.ndarray
   width: int
   depth: int
   first_of_key: np.ndarray
-  first_slot: Optional[np.ndarray]
   run_first: np.ndarray
+  span_first: np.ndarray
+  span_row: np.ndarray
+  span_key: np.ndarray
+  span_count: np.ndarray
+  slot_runs: Optional[tuple]
+
+  def _per_group(self, values: np.ndarray) -> np.ndarray:
+    value = spread_runs(values, self.span_first, self.num)
+    value.flags.writeable = False  # shared by every equation that hits the cache
+    return value
+
+  @functools.cached_property
+  def row(self) -> np.ndarray:
+    """``[num]`` storage row (tile) of each group, non-decreasing."""
+    return self._per_group(self.span_row)
+
+  @functools.cached_property
+  def key(self) -> np.ndarray:
+    """``[num]`` key of each group (ascending within a row)."""
+    value = spread_runs(self.span_key - self.span_first, self.span_first, self.num)
+    value += np.arange(self.num, dtype=np.int64)
+    value.flags.writeable = False
+    return value
+
+  @functools.cached_property
+  def count(self) -> np.ndarray:
+    """``[num]`` members of each group."""
+    return self._per_group(self.span_count)
+
+  @functools.cached_property
+  def local(self) -> np.ndarray:
+    """``[num]`` position of the group within its row."""
+    row_first = np.cumsum(self.per_row) - self.per_row
+    value = np.arange(self.num, dtype=np.int64) - spread_runs(
+        row_first[self.span_row], self.span_first, self.num)
+    value.flags.writeable = False
+    return value
+
+  @functools.cached_property
+  def first_slot(self) -> Optional[np.ndarray]:
+    """``[num]`` storage slot of each group's first member (flat order), or
+    ``None`` (see :attr:`slot_runs`)."""
+    if self.slot_runs is None:
+      return None
+    first, slot = self.slot_runs
+    value = spread_runs(slot - first, first, self.num)
+    value += np.arange(self.num, dtype=np.int64)
+    value.flags.writeable = False
+    return value
+
+  def at(self, index: np.ndarray) -> tuple:
+    """``(row, key, local)`` of the groups ``index``, from the spans."""
+    index = np.asarray(index, np.int64)
+    span = np.searchsorted(self.span_first, index, side="right") - 1
+    row = self.span_row[span]
+    row_first = (np.cumsum(self.per_row) - self.per_row)[row]
+    return row, self.span_key[span] + (index - self.span_first[span]), index - row_first
+
+  def first_slot_of(self, index: np.ndarray) -> np.ndarray:
+    """:attr:`first_slot` of the groups ``index`` (needs :attr:`slot_runs`)."""
+    first, slot = self.slot_runs
+    index = np.asarray(index, np.int64)
+    run = np.searchsorted(first, index, side="right") - 1
+    return slot[run] + (index - first[run])
 
   def key_runs(self) -> tuple:
     """``(row, first_key, length)`` of every key run."""
     length = np.diff(np.append(self.run_first, self.num))
-    return self.row[self.run_first], self.key[self.run_first], length
+    row, key, _ = self.at(self.run_first)
+    return row, key, length
 
   def slots(self, mapping: TileMapping) -> Slots:
     """The slot of every member (``mapping`` has the grouped layout)."""
@@ -276,12 +338,46 @@ class Groups:
     return Slots(dense.reshape(rows, self.width, self.depth), reshape_only, valid)
 
 
+def _first_cover(lo: np.ndarray, hi: np.ndarray, size: int) -> np.ndarray:
+  """For every point of ``[0, size)``, the first interval ``[lo[i], hi[i])``
+  that holds it (``lo.size`` where none does).
+
+  A segment tree over the points: each interval marks the ``O(log size)``
+  nodes that tile it with its index (smallest wins), and every leaf takes the
+  smallest mark on its path from the root, in ``O(intervals * log size +
+  size)`` however long the intervals are.
+  """
+  num = int(lo.size)
+  leaves = 1 << max(0, int(size - 1).bit_length())
+  tree = np.full(2 * leaves, num, np.int64)
+  left, right = lo + leaves, hi + leaves
+  index = np.arange(num, dtype=np.int64)
+  while index.size:
+    take = ((left & 1) == 1) & (left < right)
+    np.minimum.at(tree, left[take], index[take])
+    left = left + take
+    take = ((right & 1) == 1) & (left < right)
+    right = right - take
+    np.minimum.at(tree, right[take], index[take])
+    left, right = left >> 1, right >> 1
+    live = left < right
+    left, right, index = left[live], right[live], index[live]
+  level = 1
+  while level < leaves:
+    parents = tree[level:2 * level]
+    children = tree[2 * level:4 * level].reshape(level, 2)
+    np.minimum(children, parents[:, None], out=children)
+    level *= 2
+  return tree[leaves:leaves + size]
+
+
 def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
   dims = _canonical_axes(shape, axes)
   num_keys = _num_keys(dims)
   seg = _segments(mapping, dims)
   length = seg.end - seg.start
-  first_slot = None
+  # Groups are found as spans (consecutive keys on one row, one member count
+  # each), in (row, key) order; nothing below is per group.
   if not dims[-1][1]:
     # Reduced innermost axis: a segment is consecutive members of one key.
     composite = seg.row * num_keys + seg.key
@@ -293,9 +389,10 @@ def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
     new = np.ones(composite.size, bool)
     new[1:] = composite[1:] != composite[:-1]
     starts = np.flatnonzero(new)
-    group_composite = composite[starts]
-    count = np.add.reduceat(length, starts) if starts.size else length[:0]
-    first_slot = seg_slot[starts]
+    begin = composite[starts]
+    span = np.ones(begin.size, np.int64)
+    cover = np.add.reduceat(length, starts) if starts.size else length[:0]
+    slot_runs = (np.arange(begin.size, dtype=np.int64), seg_slot[starts])
   else:
     # Kept innermost axis: a segment covers consecutive keys, one member
     # each; the members of a key on a row are the segments covering it.
@@ -307,27 +404,32 @@ def _from_segments(mapping: TileMapping, shape, axes) -> Groups:
     span = np.diff(events)
     keep = (cover[:-1] > 0) & (span > 0)
     begin, span, cover = events[:-1][keep], span[keep], cover[:-1][keep]
-    offsets = np.cumsum(span) - span
-    group_composite = np.repeat(begin - offsets, span) + np.arange(int(span.sum()))
-    count = np.repeat(cover, span)
+    slot_runs = None
     if bool(np.all(cover == 1)):
-      # Segments do not overlap: each key's one member is in one segment.
+      # Segments do not overlap: in key order, each is a run of groups
+      # whose one members are consecutive slots.
       seg_order = np.argsort(lo, kind="stable")
-      within = np.arange(int(length.sum())) - np.repeat(
-          np.cumsum(length[seg_order]) - length[seg_order], length[seg_order])
-      first_slot = np.repeat(seg.slot[seg_order], length[seg_order]) + within
-  row = group_composite // num_keys
-  key = group_composite - row * num_keys
-  num = int(row.size)
-  per_row = np.bincount(row, minlength=mapping.num_rows).astype(np.int64)
-  local = np.arange(num, dtype=np.int64) - (np.cumsum(per_row) - per_row)[row]
+      seg_length = length[seg_order]
+      slot_runs = (np.cumsum(seg_length) - seg_length, seg.slot[seg_order])
+  first = np.cumsum(span) - span
+  num = int(span.sum())
+  span_row = begin // num_keys
+  span_key = begin - span_row * num_keys
+  per_row = np.bincount(span_row, weights=span, minlength=mapping.num_rows).astype(np.int64)
+  # The first group of a key is in the first span (group order) that holds it.
+  span_of_key = _first_cover(span_key, span_key + span, num_keys)
+  covered = span_of_key < begin.size
   first_of_key = np.full(num_keys, num, np.int64)
-  np.minimum.at(first_of_key, key, np.arange(num, dtype=np.int64))
-  run_first = np.flatnonzero(np.diff(row, prepend=-1) | (np.diff(key, prepend=-2) != 1))
-  return Groups(shape=tuple(shape), axes=tuple(axes), num=num, row=row, key=key,
-                local=local, per_row=per_row, count=count,
-                width=int(per_row.max(initial=0)), depth=int(count.max(initial=0)),
-                first_of_key=first_of_key, first_slot=first_slot, run_first=run_first)
+  keys = np.flatnonzero(covered)
+  hit = span_of_key[covered]
+  first_of_key[covered] = first[hit] + keys - span_key[hit]
+  # A key run continues over spans on one row whose keys follow on.
+  new_run = np.ones(begin.size, bool)
+  new_run[1:] = (span_row[1:] != span_row[:-1]) | (begin[1:] != begin[:-1] + span[:-1])
+  return Groups(shape=tuple(shape), axes=tuple(axes), num=num, per_row=per_row,
+                width=int(per_row.max(initial=0)), depth=int(cover.max(initial=0)),
+                first_of_key=first_of_key, run_first=first[new_run], span_first=first,
+                span_row=span_row, span_key=span_key, span_count=cover, slot_runs=slot_runs)
 
 
 def row_layout_key(mapping: TileMapping) -> tuple:
@@ -361,8 +463,9 @@ def group_regions(mapping: TileMapping, shape, axes) -> Groups:
     groups = _from_segments(mapping, shape, axes)
     for field in dataclasses.fields(groups):  # shared by every equation that hits
       value = getattr(groups, field.name)
-      if isinstance(value, np.ndarray):
-        value.setflags(write=False)
+      for array in (value if isinstance(value, tuple) else (value,)):
+        if isinstance(array, np.ndarray):
+          array.setflags(write=False)
     return groups
 
   return plan_cache.cached(GROUPS, (row_layout_key(mapping), shape, axes), compute)

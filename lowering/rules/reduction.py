@@ -87,42 +87,79 @@ def monoid_of_jaxpr(jaxpr) -> Optional[str]:
   return kind
 
 
+def _covered(first: np.ndarray, stop: np.ndarray, x: np.ndarray) -> np.ndarray:
+  """Elements of the runs ``[first[i], stop[i])`` below each ``x`` (all runs summed)."""
+  first, stop = np.sort(first), np.sort(stop)
+  total = []
+  for ends in (first, stop):
+    below = np.searchsorted(ends, x, side="left")
+    sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(ends)])
+    total.append(x * below - sums[below])
+  return total[0] - total[1]
+
+
+def _overlap(group: np.ndarray, first: np.ndarray, stop: np.ndarray, interval_group: np.ndarray,
+             starts: np.ndarray, ends: np.ndarray, size: int) -> np.ndarray:
+  """Elements of each run ``[first[i], stop[i])`` in the intervals of its ``group[i]``.
+
+  Intervals of one group are disjoint. Each run end is looked up among the
+  intervals sorted by (group, start), against the running sum of their
+  lengths: ``O((runs + intervals) log intervals)``.
+  """
+  order = np.lexsort((starts, interval_group))
+  key = interval_group[order] * (size + 1) + starts[order]
+  begin, length = starts[order], ends[order] - starts[order]
+  through = np.cumsum(length)                       # lengths up to and with each
+
+  def below(x):
+    k = np.searchsorted(key, group * (size + 1) + x, side="right") - 1
+    valid = k >= 0
+    kk = np.maximum(k, 0)
+    valid &= interval_group[order][kk] == group
+    upto = np.where(k >= 0, through[kk], 0)
+    # In the group's interval that starts at or before x: its part past x is not below.
+    past = np.where(valid, length[kk] - np.minimum(x - begin[kk], length[kk]), 0)
+    return upto - past
+  return below(stop) - below(first)
+
+
 def unicast_cost(target, src_tile: np.ndarray, first: np.ndarray, length: np.ndarray,
                  dst_mapping: TileMapping, itemsize: int) -> tuple:
   """Bytes moved when runs of elements go to where ``dst_mapping`` holds them.
 
   Run ``i`` is elements ``[first[i], first[i] + length[i])`` of the
   destination tensor, now on ``src_tile[i]``; each element has a single
-  destination (no multicast). The runs are cut at ``dst_mapping``'s intervals,
-  so the work is proportional to runs and intervals, not elements.
+  destination (no multicast). Counted on runs and intervals, not on their
+  pieces: what each destination interval receives is the runs' coverage of
+  it, what stays is each run's overlap with its own tile's intervals, what
+  crosses IPUs each run's part outside its IPU's intervals.
 
   Returns:
     ``(cost, received)``: the :class:`ExchangeCost` (``None`` when nothing
     moves) and ``[num_tiles]`` elements arriving at or staying on each tile.
   """
   t = target.num_tiles
+  n = dst_mapping.num_elements
   starts, tiles = dst_mapping.intervals
-  ends = np.append(starts[1:], dst_mapping.num_elements)
-  stop = first + length
-  lo = np.searchsorted(starts, first, side="right") - 1
-  pieces = np.searchsorted(starts, stop - 1, side="right") - lo
-  run = np.repeat(np.arange(pieces.size), pieces)
-  interval = lo[run] + np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-  count = np.minimum(stop[run], ends[interval]) - np.maximum(first[run], starts[interval])
-  src, dst = np.asarray(src_tile, np.int64)[run], tiles[interval]
+  ends = np.append(starts[1:], n)
+  first = np.asarray(first, np.int64)
+  stop = first + np.asarray(length, np.int64)
+  src = np.asarray(src_tile, np.int64)
 
   def per(where, weights, length_):
     return np.bincount(where, weights=weights, minlength=length_)[:length_].astype(np.int64)
 
-  received = per(dst, count, t)
-  moved = src != dst
+  received = per(tiles, _covered(first, stop, ends) - _covered(first, stop, starts), t)
+  stay = _overlap(src, first, stop, tiles, starts, ends, n)
+  moved = (stop - first) - stay
   if not moved.any():
     return None, received
-  src, dst, count = src[moved], dst[moved], count[moved]
-  src_ipu, dst_ipu = src // target.tiles_per_ipu, dst // target.tiles_per_ipu
-  crossing = src_ipu != dst_ipu
-  link = per(src_ipu[crossing], count[crossing], target.num_ipus)
-  return ExchangeCost(per(dst, count, t) * itemsize, per(src, count, t) * itemsize,
+  staying = per(src, stay, t)
+  per_ipu = target.tiles_per_ipu
+  crossing = (stop - first) - _overlap(src // per_ipu, first, stop, tiles // per_ipu,
+                                       starts, ends, n)
+  link = per(src // per_ipu, crossing, target.num_ipus)
+  return ExchangeCost((received - staying) * itemsize, per(src, moved, t) * itemsize,
                       link * itemsize), received
 
 
@@ -368,12 +405,17 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
     slot_index = slot_index.astype(idx_dtype)
 
   width = groups.width
-  if skip_stage1:
-    part_slot = groups.first_slot
-    part_total = total
-  else:
-    part_slot = groups.row * width + groups.local
-    part_total = rows * width
+  part_total = total if skip_stage1 else rows * width
+
+  def part_slots(index=None):
+    """Slot of the partials ``index`` (all by default): a skipped stage 1
+    leaves each output's one element in place."""
+    if index is None:
+      return groups.first_slot if skip_stage1 else groups.row * width + groups.local
+    if skip_stage1:
+      return groups.first_slot_of(index)
+    row, _, local = groups.at(index)
+    return row * width + local
 
   # Output placement: on the tile of each output's first element ("owner
   # computes"), linear like mapTensorLinearly, or spread one grain per tile
@@ -424,12 +466,12 @@ def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
 
   # Batched steps take each output from its first partial; per-tile steps
   # gather all of them.
-  final_first = part_slot[groups.first_of_key]
+  final_first = part_slots(groups.first_of_key)
   final_dense = None
   if mode == "per_tile":
     final_dense = plan_cache.cached(
         _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
-        lambda: _final_slots(out_map, groups.key, part_slot, out_size, part_total))
+        lambda: _final_slots(out_map, groups.key, part_slots(), out_size, part_total))
   outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
   sources = list(data) if skip_stage1 else partials
   _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
@@ -466,8 +508,8 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
   out_src = np.full(rows * width, out_size, np.int64)
-  part_slot = groups.row * width + groups.local
-  out_src[part_slot[groups.first_of_key]] = np.arange(out_size)
+  row, _, local = groups.at(groups.first_of_key)
+  out_src[row * width + local] = np.arange(out_size)
   n_data = len(data)
 
   def fn(*storages):
