@@ -201,10 +201,7 @@ def _layout_bucket(mapping) -> tuple:
   layouts of the same shape on the same tiles rarely need comparing)."""
   n = mapping.num_elements
   step = max(1, n // 64)
-  if mapping.is_linear:
-    sample = np.arange(0, n, step, dtype=np.int64)  # its slots are the element order
-  else:
-    sample = mapping.storage_position[::step]
+  sample = mapping.positions_of(np.arange(0, n, step, dtype=np.int64))
   return n, mapping.storage_shape, tiles_key(mapping.tiles), sample.tobytes()
 
 

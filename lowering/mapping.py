@@ -551,6 +551,22 @@ class TileMapping:
       return self._derived("position", lambda: self._from_runs(2))
     return self._derived("position", lambda: self.element_row * self.row_size + self.element_offset)
 
+  def positions_of(self, elements: np.ndarray) -> np.ndarray:
+    """:attr:`storage_position` of the given flat ``elements`` only.
+
+    Found on the mapping's runs (a binary search each) for linear and
+    block-grid layouts: a sample of a large tensor's places costs the
+    sample, not the tensor.
+    """
+    elements = np.asarray(elements, np.int64)
+    if self.is_linear:
+      return elements
+    if self.grid is None:
+      return self.storage_position[elements]
+    start, _, row, offset = self.runs
+    run = np.searchsorted(start, elements, side="right") - 1
+    return row[run] * self.row_size + offset[run] + (elements - start[run])
+
   @property
   def storage_source(self) -> np.ndarray:
     """For each storage slot, the flat element it holds (``num_elements`` = padding)."""

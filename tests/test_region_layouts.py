@@ -87,6 +87,8 @@ class RunsTest(parameterized.TestCase):
       np.testing.assert_array_equal(offset, mapping.element_offset)
       np.testing.assert_array_equal(mapping.storage_position, row * mapping.row_size + offset)
       np.testing.assert_array_equal(mapping.element_tile, mapping.tiles[row])
+      some = rng.integers(0, n, 5)
+      np.testing.assert_array_equal(mapping.positions_of(some), mapping.storage_position[some])
       if mapping.grid is not None:
         want_row, want_offset = mapping.grid.element_layout()
         np.testing.assert_array_equal(row, want_row)
