@@ -266,8 +266,11 @@ def run_scale_case(name, repeats):
     result["ipu_seconds"] = lowered.report.estimated_seconds
     result["emulated_ms"] = _median_ms(emulated, args, repeats)
     plain = jax.jit(fn).lower(*args).compile()
-    # What XLA says plain jax.jit's step needs: arguments, outputs, temporaries.
-    result["plain_xla_peak_mib"] = plain.memory_analysis().peak_memory_in_bytes / 2**20
+    # What XLA says plain jax.jit's step needs: arguments, outputs, temporaries
+    # (None where the backend does not say).
+    analysis = plain.memory_analysis()
+    result["plain_xla_peak_mib"] = (analysis.peak_memory_in_bytes / 2**20
+                                    if analysis is not None else None)
     result["plain_ms"] = _median_ms(plain, args, repeats)
     result["ratio"] = result["emulated_ms"] / result["plain_ms"]
     result["error"] = None
@@ -278,8 +281,8 @@ def run_scale_case(name, repeats):
 
 
 def figures_sha1(profile) -> str:
-  """A fingerprint of a program's figures: every step's cycles and exchange bytes per tile,
-  and every tile's peak memory (equal when a change leaves them all unchanged)."""
+  """A fingerprint of a program's figures: every step's total cycles and the bytes each tile
+  receives in it, and every tile's peak memory (equal when a change leaves them unchanged)."""
   import numpy as np
   digest = hashlib.sha1()
   for step in profile.steps:
@@ -316,8 +319,8 @@ def _subprocess_scale(name):
 
 def _scale_table(results):
   header = (f"| row | target | params | eqns | supersteps | lower s (CPU s) "
-            f"| compile s (CPU s) | lower CPU ms/eqn | RSS after lowering MiB "
-            f"| peak RSS MiB: lower + compile + 1 step (whole row) | jax.jit step needs MiB "
+            f"| compile s (CPU s) | lower CPU ms/eqn | peak RSS after lowering MiB "
+            "| peak RSS MiB: lower + compile + 1 step (whole row) | jax.jit step needs MiB "
             f"| emulated ms | jax.jit ms | ratio |")
   lines = [header, "|" + "---|" * 14]
   for r in results:

@@ -72,7 +72,7 @@ class Lowered:
     with plan_cache.lowering_session():
       ctx = self._lower(fn, args_flat, in_tree, target, options, replication_factor,
                         arg_names, progress, call_site, offload, name)
-    self._plan(ctx, name, progress)
+      self._plan(ctx, name, progress)
     if len(self.profile.steps) * target.num_tiles >= _TRIM_AFTER_TILE_STEPS:
       host_memory.release_free_memory()
 

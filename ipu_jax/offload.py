@@ -67,7 +67,7 @@ def offload_program(program, inputs: list, outputs: list, in_leaves, out_paths,
   """Rewrite the lowered program so the chosen leaves live in streaming memory.
 
   Args:
-    program: the lowered program.
+    program: the lowered program (its sequences are rewritten in place).
     inputs, outputs: the program's flat input / output tensors.
     in_leaves: :func:`offloaded_input_leaves`.
     out_paths: pytree paths of the flat outputs.

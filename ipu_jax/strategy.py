@@ -65,7 +65,9 @@ class IPUStrategy:
     self._functions: "weakref.WeakKeyDictionary|dict" = weakref.WeakKeyDictionary()
     self._strong: dict = {}
     self._replications: dict = {}
-    self._runners: dict = {}
+    # Jitted replicated runners by program, under the IPUFunction that holds
+    # the program: they go when the function does.
+    self._runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
   def __repr__(self):
     return f"IPUStrategy({self.config!r})"
@@ -139,14 +141,15 @@ class IPUStrategy:
     # One jitted runner per program and replication: building it per call
     # traced and compiled the replicated step again on every run. The runner
     # holds ``lowered``, so its id stays unique while the entry lives.
+    runners = self._runners.setdefault(ipu_fn, {})
     key = (id(lowered), self.config.replication_factor)
-    runner = self._runners.get(key)
+    runner = runners.get(key)
     if runner is None:
       def per_replica(*leaves):
         out, state = lowered.apply_with_state(leaves[:num_state], *leaves[num_state:])
         return jax.tree_util.tree_leaves(out) + list(state)
 
-      runner = self._runners[key] = rep.build(
+      runner = runners[key] = rep.build(
           per_replica, [REPLICATED] * (num_state + len(flat)),
           [GATHERED] * out_tree.num_leaves + [REPLICATED] * num_state)
     outs = runner(*rep.replicate(lowered.device_state), *rep.replicate(flat))

@@ -67,7 +67,9 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
     bytes_out = _zeros(t, np.int32) if ex is None else ex.bytes_out
     link = 0 if ex is None else int(ex.link_bytes_out.sum())
     touched = np.nonzero((compute > 0) | (bytes_in > 0) | (bytes_out > 0))[0]
-    vertices = node.vertices if node.vertices is not None else (compute > 0).astype(np.int32)
+    vertices = (node.vertices if node.vertices is not None
+                else _zeros(t, np.int32) if node.compute_cycles is None
+                else (compute > 0).astype(np.int32))
     temporary = bytes_in if node.scratch_bytes is None else P.narrowed(
         bytes_in.astype(np.int64) + node.scratch_bytes)
     return StepProfile(

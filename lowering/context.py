@@ -107,6 +107,8 @@ class LoweringContext:
     Callers that rewrite the finished program (fusion builds a new tree)
     detach it first, so the original can be freed once rewritten.
     """
+    if len(self._program_stack) != 1:
+      raise RuntimeError("detach_program() inside a sub_program(): the program is not finished")
     program, self._program_stack = self._program_stack[0], [P.Sequence()]
     return program
 

@@ -35,10 +35,11 @@ __all__ = ["build_function"]
 class _Logical:
   """A tensor's value held in the state as its logical array, not its storage.
 
-  Between steps every tile-mapped tensor is kept as an array of its shape
-  and converted to storage (pad / reshape / transpose, or a gather for an
-  irregular layout) only where a step reads it through its storage
-  function. Steps with a logical form (:mod:`~ipu_jax.lowering.logical_form`)
+  Between steps a tensor on a linear or block-grid layout is kept as an
+  array of its shape and converted to storage (pads, reshapes, transposes)
+  only where a step reads it through its storage function; tensors on
+  irregular layouts, tensors a step updates in place, and those carried
+  through control programs stay in storage. Steps with a logical form (:mod:`~ipu_jax.lowering.logical_form`)
   read and write these arrays directly, and a storage function's
   ``to_flat`` of an operand undoes the conversion (XLA cancels the pair),
   so what XLA materialises between fusions is what ``jax.jit`` would: no

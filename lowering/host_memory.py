@@ -21,13 +21,18 @@ __all__ = ["release_free_memory"]
 def _malloc_trim():
   name = ctypes.util.find_library("c")
   try:
-    return ctypes.CDLL(name).malloc_trim if name else None
+    trim = ctypes.CDLL(name).malloc_trim if name else None
   except (OSError, AttributeError):  # not glibc
     return None
+  if trim is not None:
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+  return trim
 
 
 def release_free_memory() -> bool:
-  """Return the free pages of the C heap to the system; whether it could.
+  """Return the free pages of the C heap to the system; whether it could try.
+
+  (glibc's own answer, whether any page went back, is not what callers need.)
 
   >>> isinstance(release_free_memory(), bool)
   True

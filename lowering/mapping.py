@@ -582,8 +582,8 @@ class TileMapping:
     """A hashable identity of this layout, for plan caches.
 
     Two mappings with equal fingerprints put every element in the same
-    storage slot on the same tile (row tiles are compared by
-    :func:`tiles_key`, a 64-bit hash). Linear and block-grid mappings are keyed
+    storage slot on the same tile, but for a chance collision of
+    :func:`tiles_key` (row tiles as a 64-bit hash; odds about 2**-64 a pair). Linear and block-grid mappings are keyed
     by their closed form and their row tiles (``O(rows)``), so equal layouts
     made by different equations (the same layer repeated) share plans;
     irregular mappings get a key unique to the object.

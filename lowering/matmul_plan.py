@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
@@ -71,6 +71,9 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.block_overlap import block_exchange_cost
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import BlockGrid, TileMapping
+
+if TYPE_CHECKING:  # program imports this module's users; only the annotation needs it
+  from ipu_jax.lowering import program as P
 from ipu_jax.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",

@@ -9,9 +9,12 @@ Keys are built from :meth:`TileMapping.fingerprint` (a cheap, exact identity
 of a mapping's layout: ``O(rows)`` for linear and block-grid mappings, a
 per-object id for irregular ones) and plain shapes/params. Values are kept
 in a least-recently-used table bounded by the bytes of the NumPy arrays they
-hold, so caching never holds more than ``max_bytes`` of host memory, and only
-while a program is lowered: the tables are emptied when the outermost
-:func:`lowering_session` ends.
+hold, so caching never holds more than ``max_bytes`` of host memory per table,
+and mostly while a program is lowered: the tables are emptied when the
+outermost :func:`lowering_session` ends (a first call's tracing may derive a
+few layout arrays again). Row tiles enter keys as :func:`~ipu_jax.lowering.mapping.tiles_key`,
+a 64-bit hash with the length and ends: two layouts share a key by chance
+with odds of about 2**-64 a pair.
 """
 
 from __future__ import annotations
@@ -87,6 +90,12 @@ class PlanCache:
         self._bytes -= dropped
     return value
 
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the NumPy arrays the table's values held when stored."""
+    with self._lock:
+      return self._bytes
+
   def clear(self) -> None:
     with self._lock:
       self._table.clear()
@@ -107,8 +116,8 @@ def disabled():
 
 
 def held_bytes() -> int:
-  """Bytes of NumPy arrays held by every plan table now (0 between lowerings)."""
-  return sum(cache._bytes for cache in list(_CACHES))
+  """Bytes of NumPy arrays held by every plan table now (0 right after a lowering)."""
+  return sum(cache.nbytes for cache in list(_CACHES))
 
 
 @contextlib.contextmanager

@@ -105,14 +105,19 @@ class ElementwiseWork:
   dtype: Optional[np.dtype] = None
   in_dtype: Optional[np.dtype] = None
 
+  def __post_init__(self):
+    # Held for the whole lowering, like a step's own figures (Superstep).
+    self.read_exchanges = tuple(map(narrowed_cost, self.read_exchanges))
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedOp:
   """One operation folded into a fused compute set (for reports).
 
   ``step`` is the operation's own superstep without its figures (those are
-  the fused step's): what the executor runs on its own when it traps
-  floating-point exceptions (to name the operation).
+  the fused step's): what the executor runs, by its logical form in the
+  batched mode, or on its own when it traps floating-point exceptions (to
+  name the operation). The report reads the other fields.
   """
 
   name: str
@@ -181,14 +186,20 @@ class Superstep:
     self.compute_cycles = narrowed(self.compute_cycles)
     self.vertices = narrowed(self.vertices)
     self.scratch_bytes = narrowed(self.scratch_bytes)
-    ex = self.exchange
-    if ex is not None:
-      bytes_in, bytes_out = narrowed(ex.bytes_in), narrowed(ex.bytes_out)
-      if bytes_in is not ex.bytes_in or bytes_out is not ex.bytes_out:
-        self.exchange = ExchangeCost(bytes_in, bytes_out, ex.link_bytes_out)
+    self.exchange = narrowed_cost(self.exchange)
 
 
 _NARROW = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32)}
+
+
+def narrowed_cost(cost: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
+  """``cost`` with its per-tile bytes :func:`narrowed` (a new object; ``cost`` may be shared)."""
+  if cost is None:
+    return None
+  bytes_in, bytes_out = narrowed(cost.bytes_in), narrowed(cost.bytes_out)
+  if bytes_in is cost.bytes_in and bytes_out is cost.bytes_out:
+    return cost
+  return ExchangeCost(bytes_in, bytes_out, cost.link_bytes_out)
 
 
 def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -199,7 +210,7 @@ def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:
   >>> narrowed(np.array([0.1])).dtype
   dtype('float64')
   """
-  if values is None or not isinstance(values, np.ndarray):
+  if not isinstance(values, np.ndarray):
     return values
   narrow = _NARROW.get(values.dtype)
   if narrow is None or values.size == 0:
