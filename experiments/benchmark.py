@@ -318,10 +318,10 @@ def _subprocess_scale(name):
 
 
 def _scale_table(results):
-  header = (f"| row | target | params | eqns | supersteps | lower s (CPU s) "
-            f"| compile s (CPU s) | lower CPU ms/eqn | peak RSS after lowering MiB "
+  header = ("| row | target | params | eqns | supersteps | lower s (CPU s) "
+            "| compile s (CPU s) | lower CPU ms/eqn | peak RSS after lowering MiB "
             "| peak RSS MiB: lower + compile + 1 step (whole row) | jax.jit step needs MiB "
-            f"| emulated ms | jax.jit ms | ratio |")
+            "| emulated ms | jax.jit ms | ratio |")
   lines = [header, "|" + "---|" * 14]
   for r in results:
     if r.get("error") and r.get("lower_s") is None:
