@@ -155,7 +155,7 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
     return _stream_copy(program, state, env)
   if isinstance(program, P.PrintTensor):
     tensor = program.tensor
-    value = to_flat(env.get(state, tensor.id), tensor.mapping).reshape(tensor.shape)
+    value = env.get_logical(state, tensor)
     printing.print_tensor(program.title, value)
     return state
   if isinstance(program, P.Repeat):
@@ -233,8 +233,7 @@ def _repeat(program: P.Repeat, state, env):
 
 
 def _scalar_true(state, env, tensor):
-  value = to_flat(env.get(state, tensor.id), tensor.mapping)
-  return value.reshape(()) != 0
+  return env.get_logical(state, tensor).reshape(()) != 0
 
 
 def _repeat_while(program: P.RepeatWhileTrue, state, env):
@@ -278,7 +277,7 @@ def _if(program: P.If, state, env):
 def _switch(program: P.Switch, state, env):
   bodies = [p for _, p in program.cases] + [program.default]
   keys, branches = _branches(bodies, state, env, program.local_ids)
-  control = to_flat(env.get(state, program.control.id), program.control.mapping).reshape(())
+  control = env.get_logical(state, program.control).reshape(())
   index = jnp.int32(len(program.cases))
   for i, (value, _) in reversed(list(enumerate(program.cases))):
     index = jnp.where(control == value, jnp.int32(i), index)
@@ -320,7 +319,7 @@ def _stream_copy(program: P.StreamCopy, state, env):
     chunk = buffer[index].astype(tensor.dtype)
     state[tensor.id] = to_storage(chunk, tensor.mapping)
   else:
-    value = to_flat(env.get(state, tensor.id), tensor.mapping)
+    value = env.get_logical(state, tensor).reshape(-1)
     state[stream.buffer_key] = buffer.at[index].set(value.astype(buffer.dtype))
   state[stream.cursor_key] = ((cursor + n) % max(length, 1)).astype(cursor.dtype)
   return state
