@@ -500,7 +500,7 @@ def _fmt(value: Optional[float]) -> str:
 
 
 def table(rows: list) -> str:
-  """The results as a Markdown table (the README's)."""
+  """The results as a Markdown table (the one in docs/calibration.md)."""
   lines = ["| case | target | quantity | estimate | reference | error | kind | source |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:

@@ -1,6 +1,7 @@
 """ipu-jax: a functional emulator of the Graphcore IPU, written in JAX.
 
-The public API; see DESIGN.md section 9 and the README.
+The public API. README.md is the user's guide; the details (the tile program,
+training semantics, hardware facts and their sources) are in docs/.
 """
 
 from ipu_jax.config import (IPUConfig, LoweringOptions, default_config,

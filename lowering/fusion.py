@@ -62,7 +62,7 @@ Execution: a fused step's function calls its members' functions in order
 on the storages (each result cast to its tensor's dtype, as the executor
 stores it), inside the one jitted program, so XLA sees the same operations
 as for the separate steps (the same HLO instructions, measured on the
-README's training steps) and the numbers are the same bit for bit.
+training steps of docs/fusion.md) and the numbers are the same bit for bit.
 """
 
 from __future__ import annotations

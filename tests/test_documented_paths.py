@@ -1,14 +1,18 @@
-"""Every import path and source file the documentation names exists.
+"""Every import path, source file and docs page the documentation names exists.
 
-Scans the README, WORKSPACE.md and every docstring and string literal of the
-package (``ipu_jax/``, ``lowering/``, ``kernels/``, ``experiments/``) for
-``from ipu_jax... import name`` lines, dotted ``ipu_jax.x.y`` references and
-``.py`` paths, and checks that each imports, resolves or exists, so a renamed
-module or a moved function cannot leave the docs or an error message
-pointing nowhere.
+Scans the README, WORKSPACE.md, the pages of ``docs/`` and every docstring and
+string literal of the package (``ipu_jax/``, ``lowering/``, ``kernels/``,
+``experiments/``) for ``from ipu_jax... import name`` lines, dotted
+``ipu_jax.x.y`` references and ``.py`` paths, and checks that each imports,
+resolves or exists, so a renamed module or a moved function cannot leave the
+docs or an error message pointing nowhere. References to ``docs/`` pages (with
+a ``#section``) from the code, and the Markdown links between the documents,
+must reach an existing file and heading; and nothing may cite a file that is
+not in the repository (the design notes the code once cited lived outside it).
 """
 
 import ast
+import glob
 import importlib
 import os
 import re
@@ -18,13 +22,20 @@ from absl.testing import parameterized
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGES = ("ipu_jax", "lowering", "kernels", "experiments")
-_DOCS = ("README.md", "WORKSPACE.md")
+_DOCS = ("README.md", "WORKSPACE.md") + tuple(
+    os.path.relpath(p, _ROOT) for p in sorted(glob.glob(os.path.join(_ROOT, "docs", "*.md"))))
 # ipu_jax.lowering and ipu_jax.kernels are installed from these folders.
 _FOLDERS = {"ipu_jax/lowering/": "lowering/", "ipu_jax/kernels/": "kernels/"}
 
 _FROM_IMPORT = re.compile(r"from\s+(ipu_jax(?:\.\w+)*)\s+import\s+\(?([\w ,]+)")
 _DOTTED = re.compile(r"(?<![\w./])(ipu_jax(?:\.\w+)+)")
 _PATH = re.compile(r"(?<![\w./])((?:ipu_jax|lowering|kernels|experiments|tests)/[\w/]+\.py)\b")
+# "docs/page.md" or "docs/page.md#section" as the code and the README cite them.
+_DOCS_PAGE = re.compile(r"(?<![\w./])(docs/[\w-]+\.md)(?:#([\w-]+))?")
+# Markdown links: [text](target), targets relative to the document.
+_MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# Files outside the repository that code or docs once cited.
+_OUTSIDE = re.compile("DESIGN" r"(?:\.md| section)|\.\./shared/|/work/")
 
 
 def _texts():
@@ -43,6 +54,43 @@ def _texts():
         for node in ast.walk(tree):
           if isinstance(node, ast.Constant) and isinstance(node.value, str):
             yield f"{os.path.relpath(path, _ROOT)}:{node.lineno}", node.value
+
+
+def _anchors(path: str) -> set:
+  """GitHub's anchors of a Markdown file's headings."""
+  anchors, seen = set(), {}
+  in_code = False
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.startswith("```"):
+        in_code = not in_code
+      if in_code or not line.startswith("#"):
+        continue
+      slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+      count = seen.get(slug, 0)
+      seen[slug] = count + 1
+      anchors.add(slug if count == 0 else f"{slug}-{count}")
+  return anchors
+
+
+def _missing_target(path: str, anchor) -> str:
+  """Why ``path#anchor`` (relative to the root) reaches nothing, or ''."""
+  full = os.path.join(_ROOT, path)
+  if not os.path.exists(full):
+    return "no such file"
+  if anchor and anchor not in _anchors(full):
+    return f"no heading with anchor #{anchor}"
+  return ""
+
+
+def _source_files():
+  """Every Python file of the package and the tests, but this one."""
+  for package in _PACKAGES + ("tests",):
+    for folder, _, files in os.walk(os.path.join(_ROOT, package)):
+      for name in sorted(files):
+        path = os.path.join(folder, name)
+        if name.endswith(".py") and path != os.path.abspath(__file__):
+          yield path
 
 
 def _references():
@@ -114,6 +162,43 @@ class DocumentedPathsTest(parameterized.TestCase):
       if not os.path.exists(os.path.join(_ROOT, local)):
         broken.append(f"{where}: {path}")
     self.assertEmpty(broken, "\n".join(broken))
+
+
+  def test_docs_pages_cited(self):
+    cited, broken = 0, []
+    for where, text in _texts():
+      for page, anchor in _DOCS_PAGE.findall(text):
+        cited += 1
+        why = _missing_target(page, anchor)
+        if why:
+          broken.append(f"{where}: {page}{'#' + anchor if anchor else ''} ({why})")
+    self.assertGreater(cited, 5)
+    self.assertEmpty(broken, "\n".join(broken))
+
+  def test_markdown_links(self):
+    broken = []
+    for name in _DOCS:
+      with open(os.path.join(_ROOT, name), encoding="utf-8") as f:
+        text = f.read()
+      for target in _MD_LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+          continue  # a web address
+        path, _, anchor = target.partition("#")
+        path = os.path.normpath(os.path.join(os.path.dirname(name), path)) if path else name
+        why = _missing_target(path, anchor)
+        if why:
+          broken.append(f"{name}: ({target}) {why}")
+    self.assertEmpty(broken, "\n".join(broken))
+
+  def test_nothing_cites_files_outside_the_repository(self):
+    found = []
+    paths = [os.path.join(_ROOT, name) for name in _DOCS] + list(_source_files())
+    for path in paths:
+      with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+          if _OUTSIDE.search(line):
+            found.append(f"{os.path.relpath(path, _ROOT)}:{number}: {line.strip()}")
+    self.assertEmpty(found, "\n".join(found))
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def _chain(x, y, s):
 
 def _assert_close_to_jax(got, want):
   # jax.jit may rewrite a chain where the tile program cannot (a division by
-  # a broadcast scalar becomes a multiply by its reciprocal: README, "What
-  # 'same numbers' means", within 3 ulps), with or without fusion. Fusion
+  # a broadcast scalar becomes a multiply by its reciprocal, within 3 ulps:
+  # docs/tile_program.md#what-same-numbers-means), with or without fusion. Fusion
   # itself changes nothing: the tests compare fused with unfused bit for bit.
   def close(g, w):
     g, w = np.asarray(g), np.asarray(w)

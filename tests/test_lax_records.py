@@ -27,7 +27,8 @@ about 18 minutes on the shared 2-core host). The catalogue's pass fraction is
 estimated by weighting each group's sample by the group's size. The test
 asserts no wrong numbers and no crashes (but ``KNOWN_FAILURES``) and an
 estimated pass fraction of at least 98 % without ``IN_PROGRESS_GROUPS``. The
-script mode prints the table the README's unsupported list comes from::
+script mode prints the table the unsupported list of docs/tile_program.md
+comes from::
 
     python tests/test_lax_records.py --summary            # the sample
     python tests/test_lax_records.py --summary --all      # every record

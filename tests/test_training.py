@@ -80,7 +80,7 @@ def assert_params_close(actual, expected, rtol=RTOL, atol=None):
   """Equal to rounding: sums taken in another order (a loop body compiled
   differently) differ relative to the size of the terms, not of each result,
   so by default the absolute tolerance is ``rtol`` of the leaf's largest
-  magnitude (README, "What same numbers means")."""
+  magnitude (docs/tile_program.md#what-same-numbers-means)."""
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     e = np.asarray(e)
     leaf_atol = rtol * float(np.abs(e).max(initial=0)) if atol is None else atol

@@ -19,7 +19,7 @@ Before the first step ``fit`` and ``evaluate`` check the labels against the
 loss and the model's output (``validate_inputs=False`` skips it); data may be
 arrays, pytrees of arrays, Python lists, JAX arrays or an iterable of batches.
 
-What one call of the device does (DESIGN section 5):
+What one call of the device does (docs/training.md#what-one-call-of-the-device-does):
 
 * ``batch_size`` is the micro-batch of one replica.
 * ``steps_per_execution`` S counts micro-batch steps over all replicas: one

@@ -5,8 +5,8 @@ layers in ``with ipu_jax.pipelining.stage(k):`` blocks; a
 :class:`Pipeline` splits the loss function there, lowers each stage's
 forward, backward and weight-update programs onto its own IPU, runs steps in
 the schedule's order (``config.pipelining.schedule``: Grouped, Interleaved or
-Sequential) and costs them (:class:`PipelineReport`). See DESIGN.md
-section 10.
+Sequential) and costs them (:class:`PipelineReport`). What users of Graphcore's frameworks expect of
+sharding, pipelining and recomputation, with sources: docs/multi_ipu.md.
 """
 
 from ipu_jax.pipelining.pipeline import Pipeline, StagePrograms, check_steps_per_execution

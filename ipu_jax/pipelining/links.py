@@ -1,7 +1,8 @@
 """What crossing IPUs costs: IPU-Link copies and syncs across IPUs.
 
-Facts (DESIGN.md section 10, from Graphcore's IPUModel in the open-source
-poplibs and the IPU-M2000 datasheet): one IPU-Link moves 128 Gibit/s per
+Facts (docs/hardware.md#between-ipus-ipu-links-the-m2000-ladder-and-syncs:
+Graphcore's multi-IPU IPUModel set-up in the open-source poplibs,
+lib/poplibs_test/Util.cpp, and the IPU-M2000 datasheet): one IPU-Link moves 128 Gibit/s per
 direction at about 0.85 efficiency; the M2000 ladder gives each IPU 4 links
 to its paired IPU (IPUs 2i and 2i+1) and 2 links to each other neighbour, so
 a copy to the paired IPU moves ~58 GB/s and to another IPU ~29 GB/s -- a
