@@ -75,6 +75,7 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import fused_cost
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
@@ -216,6 +217,7 @@ class _Fuser:
     self.layouts = _Layouts(target.num_tiles)
     self._exchanges = {}
     self._moved_cycles = {}
+    self._expressions = {}
 
   def program(self, node):
     if node is None or isinstance(node, (P.Superstep, P.StreamCopy, P.PrintTensor)):
@@ -365,27 +367,44 @@ class _Fuser:
       saved = np.maximum(np.count_nonzero(cycles > 0, axis=1) - 1, 0) * overhead
       return np.maximum(cycles.sum(axis=1) - saved, cycles.max(axis=1))
 
-    compute = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
+    sequential = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
     vertices = _per_group([p.vertices for p in plans], lambda v: v.max(axis=1))
     exchanges = _exchange_per_group([p.exchanges for p in plans])
     for k, plan in enumerate(plans):
       members = [s for s, _ in plan.members]
+      as_one, vertex = self._expression_cycles(plan)
+      # The cheaper of one vertex for the chain and its members' vertices in turn.
+      compute = np.minimum(sequential[k], as_one)
+      notes = tuple(dict.fromkeys([n for s in members for n in s.notes]
+                                  + ([vertex] if vertex else [])))
       result[id(plan.group)] = P.Superstep(
           name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
           op="fusion", reads=plan.reads, writes=plan.writes,
           fn=_fused_fn(members, plan.reads, plan.writes),
-          compute_cycles=compute[k], exchange=exchanges[k], vertices=vertices[k],
+          compute_cycles=compute, exchange=exchanges[k], vertices=vertices[k],
           codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
                                               for s in members)),),
           flops=int(sum(s.flops for s in members)),
           scratch_bytes=self._scratch(plan),
           source=members[0].source,
-          notes=tuple(dict.fromkeys(n for s in members for n in s.notes)),
+          notes=notes,
           scope=_common_scope(s.scope for s in members),
           elementwise=P.ElementwiseWork(plan.group.mapping),
           fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=_without_figures(s))
                           for s in members))
     return result
+
+  def _expression_cycles(self, plan) -> tuple:
+    """The chain run as one vertex (``fused_cost.expression_cycles``), cached
+    by layout and expression: a model's repeated layers share it."""
+    expression = fused_cost.describe(plan.members, plan.born, {t.id for t in plan.writes})
+    key = (plan.group.layout, expression)
+    found = self._expressions.get(key)
+    if found is None:
+      found = fused_cost.expression_cycles(
+          self.target, self.layouts.elements_per_tile(plan.group.mapping), expression)
+      self._expressions[key] = found
+    return found
 
   def _plan(self, group, members) -> "_Plan":
     """What one fused step reads, writes, exchanges and keeps inside."""
