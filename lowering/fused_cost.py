@@ -47,7 +47,7 @@ from ipu_jax.kernels import popops
 __all__ = ["MapExpression", "describe", "expression_cycles", "SCALED_VERTEX_NOTE"]
 
 # The note a fused step gets when a scaled-arithmetic vertex is its cost.
-SCALED_VERTEX_NOTE = "costed as popops' {vertex}<{dtype}> (ScaledAdd family)"
+SCALED_VERTEX_NOTE = "costed as popops' {vertex}<{dtype}>"
 
 
 @dataclasses.dataclass(frozen=True)
