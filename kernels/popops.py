@@ -31,6 +31,18 @@ tile follows the structure and per-operation figures of poplibs'
 Operations or types not in the table keep the generic model of
 ``estimators.worker_split_cycles``; :func:`popops_elementwise_cycles` returns
 ``None`` for them.
+
+Fused elementwise chains
+------------------------
+
+:func:`scaled_arithmetic_cycles` is poplibs' ScaledAdd / ScaledSubtract /
+aXPlusbY / aXMinusbY supervisor estimate; :func:`map_expression_cycles` the
+loop of a generated map codelet (``lib/popops/ExpressionGenerator.cpp``), fed
+by :func:`map_member_element_cycles` (the tables above without the loads and
+stores) and :func:`elementwise_overheads` (their fixed parts).
+``lowering/fused_cost.py`` recognises the patterns and composes a chain's cost;
+each figure's source is in ``ipu_jax.cost_model.FIGURE_SOURCES``
+(``kernels.popops.*``).
 """
 
 from __future__ import annotations
