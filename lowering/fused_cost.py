@@ -44,7 +44,7 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popops
 
-__all__ = ["MapExpression", "describe", "expression_cycles", "SCALED_VERTEX_NOTE"]
+__all__ = ["MapExpression", "describe", "expression_cycles", "cheapest", "SCALED_VERTEX_NOTE"]
 
 # The note a fused step gets when a scaled-arithmetic vertex is its cost.
 SCALED_VERTEX_NOTE = "costed as popops' {vertex}<{dtype}>"
@@ -114,9 +114,9 @@ def describe(members, born: dict, kept_ids) -> MapExpression:
     vector_inputs = sum(i is not None for i in inputs)
     ops.append((op, dtype, in_dtype, vector_inputs))
     nodes.append((op, tuple(inputs), tuple(t.id for t in step.writes), dtype, in_dtype))
-  stores = tuple(t.itemsize for step, _ in members for t in step.writes if t.id in kept_ids)
-  return MapExpression(tuple(ops), tuple(loads.values()), stores, bool(vectorised), itemsize,
-                       _scaled_pattern(nodes, kept_ids))
+  stores = {t.id: t.itemsize for step, _ in members for t in step.writes if t.id in kept_ids}
+  return MapExpression(tuple(ops), tuple(loads.values()), tuple(stores.values()),
+                       bool(vectorised), itemsize, _scaled_pattern(nodes, kept_ids))
 
 
 def _scaled_pattern(nodes, kept_ids) -> Optional[tuple]:
@@ -155,11 +155,11 @@ def _is_scaling(node, dtype) -> bool:
 
 
 def expression_cycles(target, elements, expression: MapExpression) -> tuple:
-  """``(cycles, vertex)``: ``[num_tiles]`` cycles of the cheaper way PopLibs
-  runs ``expression`` as one vertex, and the scaled-arithmetic vertex's name
-  when that is it on the tile with the most elements (else ``None``).
+  """``(map, scaled)``: ``[num_tiles]`` cycles of ``expression`` as one map
+  codelet, and as its scaled-arithmetic vertex (``None`` when it is not one).
 
-  The members' own vertices one after another are the caller's third way.
+  The members' own vertices one after another are the caller's third way
+  (:func:`cheapest`).
   """
   natural = max(1, target.vector_width_bytes // max(1, expression.itemsize))
   width = natural if expression.vectorised else 1
@@ -167,19 +167,31 @@ def expression_cycles(target, elements, expression: MapExpression) -> tuple:
             for op, dtype, _, n in expression.ops)
   words = lambda nbytes: -(-width * nbytes // target.vector_width_bytes)  # noqa: E731
   memory = sum(words(b) for b in expression.loads) + sum(words(b) for b in expression.stores)
-  per_vector = (int(np.ceil(alu)) + memory // popops.MAP_WORDS_PER_CYCLE
+  per_vector = (int(np.ceil(alu)) + -(-memory // popops.MAP_WORDS_PER_CYCLE)
                 + popops.MAP_LOOP_CYCLES)
+  # A chain of scalar broadcasts alone pays a copy's overheads.
   fixed = [estimators.elementwise_overheads(target, op, dtype, in_dtype)
-           for op, dtype, in_dtype, _ in expression.ops] or [(0, 0)]
-  cycles = popops.map_expression_cycles(target, elements, per_vector, width,
+           for op, dtype, in_dtype, _ in expression.ops] or [
+               estimators.elementwise_overheads(target, "copy", np.uint8)]
+  as_map = popops.map_expression_cycles(target, elements, per_vector, width,
                                         max(f[0] for f in fixed), max(f[1] for f in fixed))
   if expression.scaled is None:
-    return cycles, None
+    return as_map, None
   operation, dtype = expression.scaled
-  scaled = estimators.scaled_arithmetic_cycles(target, elements, dtype, operation)
+  return as_map, estimators.scaled_arithmetic_cycles(target, elements, dtype, operation)
+
+
+def cheapest(sequential, as_map, scaled, expression: MapExpression, elements) -> tuple:
+  """``(cycles, note)``: per tile the cheapest of the members in turn
+  (``sequential``), the map codelet and the scaled-arithmetic vertex; the
+  note names the vertex when it is the cost of the tile with the most
+  elements (``None`` otherwise)."""
+  cycles = np.minimum(sequential, as_map)
+  if scaled is None:
+    return cycles, None
   busiest = int(np.argmax(elements))
-  vertex = None
+  note = None
   if scaled[busiest] < cycles[busiest]:
-    vertex = SCALED_VERTEX_NOTE.format(vertex=popops.SCALED_VERTICES[operation],
-                                       dtype=dtype.name)
-  return np.minimum(cycles, scaled), vertex
+    operation, dtype = expression.scaled
+    note = SCALED_VERTEX_NOTE.format(vertex=popops.SCALED_VERTICES[operation], dtype=dtype.name)
+  return np.minimum(cycles, scaled), note

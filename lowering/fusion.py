@@ -19,10 +19,13 @@ members (they share one mapping), one vertex per worker on each tile as
 before. Its exchange brings every operand that comes from outside the group
 onto the layout before the compute phase (each such tensor once; operands
 made inside the group are already on the right tiles, so nothing moves for
-them). Its compute phase is the sum of the members' cycles less the fixed
-cost each extra member would have paid for its own compute set: the
-supervisor's launch and each worker's vertex overhead
-(``estimators.worker_split_cycles``' fixed part). One sync replaces one per
+them). Its compute phase is, per tile, the cheapest way PopLibs runs the
+chain (``lowering/fused_cost.py``): one generated map codelet for the whole
+expression, popops' ScaledAdd-family vertex where the chain is that pattern,
+or the members' vertices in turn, the sum of their cycles less the fixed
+cost each extra member would have paid for its own compute set (the
+supervisor's launch and each worker's vertex overhead,
+``estimators.worker_split_cycles``' fixed part). One sync replaces one per
 member.
 
 Grouping: within each straight-line run of supersteps (control programs,
@@ -372,9 +375,7 @@ class _Fuser:
     exchanges = _exchange_per_group([p.exchanges for p in plans])
     for k, plan in enumerate(plans):
       members = [s for s, _ in plan.members]
-      as_one, vertex = self._expression_cycles(plan)
-      # The cheaper of one vertex for the chain and its members' vertices in turn.
-      compute = np.minimum(sequential[k], as_one)
+      compute, vertex = self._compute_cycles(plan, sequential[k])
       notes = tuple(dict.fromkeys([n for s in members for n in s.notes]
                                   + ([vertex] if vertex else [])))
       result[id(plan.group)] = P.Superstep(
@@ -394,17 +395,19 @@ class _Fuser:
                           for s in members))
     return result
 
-  def _expression_cycles(self, plan) -> tuple:
-    """The chain run as one vertex (``fused_cost.expression_cycles``), cached
-    by layout and expression: a model's repeated layers share it."""
+  def _compute_cycles(self, plan, sequential) -> tuple:
+    """``(cycles, note)`` of the fused step: the cheapest way to run the chain
+    (``fused_cost.cheapest``), given its members' cost in turn. Its costs as
+    one vertex are cached by layout and expression (a model's repeated
+    layers share them)."""
     expression = fused_cost.describe(plan.members, plan.born, {t.id for t in plan.writes})
+    elements = self.layouts.elements_per_tile(plan.group.mapping)
     key = (plan.group.layout, expression)
-    found = self._expressions.get(key)
-    if found is None:
-      found = fused_cost.expression_cycles(
-          self.target, self.layouts.elements_per_tile(plan.group.mapping), expression)
-      self._expressions[key] = found
-    return found
+    as_one = self._expressions.get(key)
+    if as_one is None:
+      as_one = self._expressions[key] = fused_cost.expression_cycles(self.target, elements,
+                                                                     expression)
+    return fused_cost.cheapest(sequential, *as_one, expression, elements)
 
   def _plan(self, group, members) -> "_Plan":
     """What one fused step reads, writes, exchanges and keeps inside."""
