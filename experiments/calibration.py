@@ -177,6 +177,53 @@ def poplibs_reduce_cycles(rows: int, outputs: int, half: bool, workers: int = 6,
   return workers * first + SUPERVISOR + workers * second + SUPERVISOR
 
 
+def poplibs_scaled_arithmetic_cycles(elements: int, half: bool, operation: str = "add",
+                                     workers: int = 6) -> int:
+  """poplibs' getScaledArithmeticSupervisorCycleEstimate, worker by worker.
+
+  Half or float ``A`` and ``B`` of one type, ``ONE_PTR`` operands, not
+  memory-constrained; ``operation``: add (ScaledAdd), subtract
+  (ScaledSubtract), axplusby, axminusby.
+  """
+  width = 4 if half else 2
+  vectors, rem = divmod(elements, width)
+  per_worker, rem_vectors = divmod(vectors, workers)
+  supervisor = 21 + 11 + (7 if rem == 0 else 13) + 12 + 6
+  supervisor += {"add": 0, "subtract": 7, "axplusby": 12, "axminusby": 0}[operation]
+  float_axby = not half and operation in ("axplusby", "axminusby")
+  busiest = 0
+  for wid in range(workers):
+    # poplibs gives every worker the even share (``remainingVectors < 0`` is
+    # never true), so the remainder vectors are not counted.
+    cycles = 16 if float_axby else 15
+    if per_worker:
+      cycles += 6 + 3 * (per_worker - 1)
+    if not float_axby:
+      cycles += 2
+    if wid == rem_vectors:
+      cycles += 1
+      if rem:
+        if float_axby:
+          cycles += 5
+        elif not half:
+          cycles += 8
+        else:
+          cycles += 5 + (7 if rem >= 2 else 0) + (6 if rem == 3 else 0)
+    busiest = max(busiest, cycles + 1)
+  return supervisor + workers * busiest
+
+
+def poplibs_map_codelet_estimate(elements: int, vector_inputs: int, fused_ops: int,
+                                 half: bool, workers: int = 6) -> int:
+  """The perf estimate popops sets on a generated map MultiVertex
+  (lib/popops/ExpressionGenerator.cpp, ``executeCodelet``): 20, plus per
+  input ``(n / vector + n mod vector) x fused ops``, rounded up to a multiple
+  of the workers."""
+  width = 4 if half else 2
+  estimate = 20 + vector_inputs * (elements // width + elements % width) * fused_ops
+  return -(-estimate // workers) * workers
+
+
 def poplibs_ipu_sync_cycles(num_ipus: int, clock_hz: float) -> int:
   """IPUModel's global sync (poplibs_test setGlobalSyncLatency): 15 ns per hop,
   there and back, over one hop within a card plus one per pair of cards."""
@@ -246,6 +293,73 @@ def _reduce_case(dtype_name, rows, outputs, op="add"):
   return Case(f"{name}/{dtype_name}/{what}", "ipu2",
               f"jnp.{fn_name} over the rows of {dtype_name}[{what}] on one tile",
               "compute cycles per tile", "cycles", "poplibs", POPLIBS_REDUCE, run)
+
+
+POPLIBS_SCALED = ("poplibs' getScaledArithmeticSupervisorCycleEstimate (lib/popops/"
+                  "PerformanceEstimation.cpp: ScaledAdd / ScaledSubtract / aXPlusbY / aXMinusbY "
+                  "supervisor vertices)")
+# What each scaled-arithmetic case lowers: ``a`` and ``b`` arrays, ``s`` a scalar argument.
+_SCALED_PROGRAMS = {
+    "add": ("a + 0.5 * b", lambda a, b, s: a + 0.5 * b),
+    "subtract": ("a - s * b", lambda a, b, s: a - s * b),
+    "axplusby": ("0.9 * a + s * b", lambda a, b, s: 0.9 * a + s * b),
+    "axminusby": ("0.9 * a - s * b", lambda a, b, s: 0.9 * a - s * b),
+}
+
+
+def _fused_compute_cycles(fn, dtype_name, n):
+  """The program's compute cycles on a one-tile ipu2, as its report gives them."""
+  import jax.numpy as jnp
+  import ipu_jax
+  target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=1)
+  dtype = jnp.dtype(dtype_name)
+  args = (jnp.ones((n,), dtype), jnp.ones((n,), dtype), jnp.ones((), dtype))
+  return float(_lower(fn, target, *args).profile.compute_cycles)
+
+
+def _scaled_case(operation, dtype_name, n):
+  text, fn = _SCALED_PROGRAMS[operation]
+
+  def run():
+    return (_fused_compute_cycles(fn, dtype_name, n),
+            float(poplibs_scaled_arithmetic_cycles(n, dtype_name == "float16", operation)))
+  name = {"add": "scaled_add", "subtract": "scaled_subtract"}.get(operation, operation)
+  return Case(f"{name}/{dtype_name}/{n}", "ipu2",
+              f"{text} on {dtype_name}[{n}], one tile (a fused chain, cost model 5)",
+              "compute cycles per tile", "cycles", "poplibs", POPLIBS_SCALED, run,
+              note="cost model 4 priced the product and the sum apart (a + 0.5 * b, float32: "
+                   "464 cycles at 64 elements, 1,796 at 512)")
+
+
+def _scaled_slope_case():
+  def run():
+    _, fn = _SCALED_PROGRAMS["add"]
+    low, high = (_fused_compute_cycles(fn, "float32", n) for n in (64, 512))
+    # poplibs: 3 cycles a 2-float vector per worker, the 6 workers in turn.
+    return (high - low) / (512 - 64), 3 * 6 / (2 * 6)
+  return Case("scaled_add/float32/slope", "ipu2",
+              "a + 0.5 * b on float32[64] and [512], one tile",
+              "compute cycles per element", "cycles/element", "poplibs", POPLIBS_SCALED, run,
+              note="cost model 4: 2.97 cycles per element (mul and add priced apart)")
+
+
+def _map_case():
+  def run():
+    import jax.numpy as jnp
+    n = 512
+    fn = lambda a, b, s: jnp.exp(a) * b + a  # noqa: E731
+    return (_fused_compute_cycles(fn, "float32", n),
+            float(poplibs_map_codelet_estimate(n, 2, 3, half=False)))
+  return Case("fused_map/float32/512", "ipu2", "exp(a) * b + a on float32[512], one tile",
+              "compute cycles per tile", "cycles", "poplibs",
+              "popops' perf estimate for generated map codelets (lib/popops/"
+              "ExpressionGenerator.cpp executeCodelet: 20 + inputs x vectors x fused ops)", run,
+              note=("OUTSIDE the tolerance, and explained: poplibs sets that estimate on code it "
+                    "generates without a cycle model (one cycle per fused op per input vector, "
+                    "6 cycles a vector here, less than popops' own exp vertex alone); the model "
+                    "here counts each member's ALU cycles from popops' tables (exp 4 a vector), "
+                    "the loads, the store and the loop: 10 a vector. Cost model 4 priced the "
+                    "three ops apart: 3,440 cycles"))
 
 
 def _peak_case(preset, dtype_name, flops_attr, peak_text):
@@ -474,6 +588,10 @@ def all_cases() -> list:
             _reduce_case("float16", 4096, 1), _reduce_case("float32", 64, 100, "max"),
             _reduce_case("float16", 64, 96, "max"), _reduce_case("float32", 4096, 1, "min"),
             _reduce_case("float16", 4095, 1, "max"), _reduce_case("float32", 64, 99, "mul")]
+  cases += [_scaled_case("add", "float32", 64), _scaled_case("add", "float32", 512),
+            _scaled_case("add", "float16", 515), _scaled_case("subtract", "float32", 515),
+            _scaled_case("axplusby", "float32", 515), _scaled_case("axminusby", "float16", 333),
+            _scaled_slope_case(), _map_case()]
   cases += [_chip_matmul_case(), _exchange_case(), _exchange_latency_case(), _congestion_case(),
             _ipu_link_case(), _host_case(), _sync_case(), _ipu_sync_case(), _tutorial_case()]
   return cases

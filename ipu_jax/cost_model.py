@@ -42,7 +42,13 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    external estimate, pipelines 60 alone); host and streaming-memory syncs
 #    keep the estimate as ``sync_cycles_host``; max/min/mul reductions follow poplibs' op-specific
 #    Reduce estimates (no accumulators: 64-bit vectors, their own loop post).
-COST_MODEL_VERSION = "4"
+# 5: a fused elementwise compute set pays the cheapest, per tile, of one
+#    map-expression codelet (each input loaded and each result stored once
+#    per vector, the members' ALU cycles, the fixed overheads once), popops'
+#    ScaledAdd / ScaledSubtract / aXPlusbY / aXMinusbY vertex where the chain
+#    is that pattern, and its members' vertices in turn (version 4's only
+#    figure); lowering/fused_cost.py.
+COST_MODEL_VERSION = "5"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +100,33 @@ FIGURE_SOURCES = {
     "code_bytes_per_codelet": FigureSource("estimate", "no published code sizes"),
     "vertex_state_bytes": FigureSource("estimate", "no published vertex-state sizes"),
 }
-"""Provenance of every preset figure (``num_ipus`` and ``name`` are not figures)."""
+"""Provenance of every preset figure (``num_ipus`` and ``name`` are not figures), and
+of the kernel figures named ``kernels.<module>.<NAME>`` (not target fields: the
+report's calibrated / estimated lists hold target figures only)."""
+
+_POPOPS = "poplibs lib/popops/"
+FIGURE_SOURCES.update({
+    "kernels.popops.scaled_arithmetic_cycles": FigureSource(
+        "poplibs", _POPOPS + "PerformanceEstimation.cpp getScaledArithmeticSupervisorCycleEstimate "
+        "(ScaledAdd/ScaledSubtract/aXPlusbY/aXMinusbY supervisor vertices, ONE_PTR operands, "
+        "not memory-constrained): 3 cycles a 64-bit vector per worker"),
+    "kernels.popops.map_expression_cycles": FigureSource(
+        "poplibs", _POPOPS + "ExpressionGenerator.cpp: the generated map MultiVertex loads each "
+        "non-scalar input and stores the result once per vector (half4 / float2; scalar when a "
+        "value is not half/float/bool, is cast, or a unary op has no vector form), workers take "
+        "vectors in turn, the last one the remainder"),
+    "kernels.popops.map_member_element_cycles": FigureSource(
+        "poplibs", _POPOPS + "popopsCycleEstimators.cpp unaryOpPerfInfo / binaryOpPerfInfo, less "
+        "the loads and stores of unrolled entries (one cycle per 64-bit word, an estimate)"),
+    "kernels.popops.elementwise_overheads": FigureSource(
+        "poplibs", _POPOPS + "popopsCycleEstimators.cpp UnaryOp1D / BinaryOp1D worker entry and "
+        "supervisor cycles, Cast1D's; paid once by a fused chain (the largest of its members')"),
+    "kernels.popops.MAP_LOOP_CYCLES": FigureSource(
+        "estimate", "one brnzdec per vector for the generated loop's count and branch"),
+    "kernels.popops.MAP_WORDS_PER_CYCLE": FigureSource(
+        "estimate", "one 64-bit load or store a cycle per worker (poplar's 64-bit data path); "
+        "no co-issue with the ALU assumed for generated C++ codelets"),
+})
 
 
 def _figures() -> list:

@@ -30,6 +30,7 @@ from ipu_jax.target import IPUTarget
 __all__ = [
     "worker_split_cycles", "elementwise_cycles", "reduce_cycles",
     "matmul_cycles", "copy_cycles", "fill_cycles", "scaled_add_cycles",
+    "scaled_arithmetic_cycles", "map_member_element_cycles", "elementwise_overheads",
     "dot_product_cycles", "dynamic_slice_cycles", "vertex_cycles_per_tile",
     "ELEMENTWISE_COST",
     "COMPLEX_REAL_MACS", "FLOAT64_FP32_OPS_PER_MAC", "mac_cost_note",
@@ -95,6 +96,40 @@ def _float_of(itemsize: int) -> np.dtype:
 def scaled_add_cycles(target, elements, itemsize, dtype=None):
   """``A += k * B`` on ``elements`` per tile: popops' ScaledAddSupervisor."""
   return popops.scaled_add_cycles(target, elements, _float_of(itemsize) if dtype is None else dtype)
+
+
+def scaled_arithmetic_cycles(target, elements, dtype, operation: str):
+  """``A + b * B`` and its family on ``elements`` per tile: popops' scaled-arithmetic
+  supervisor vertices (:func:`ipu_jax.kernels.popops.scaled_arithmetic_cycles`)."""
+  return popops.scaled_arithmetic_cycles(target, elements, dtype, operation)
+
+
+def map_member_element_cycles(target, op_name: str, dtype, vector_inputs: int) -> float:
+  """ALU cycles per element of one member of a fused map expression.
+
+  popops' figure without the loads and stores
+  (:func:`ipu_jax.kernels.popops.map_member_element_cycles`); for operations
+  poplibs has no figure for, the generic model's cycles per vector
+  (:data:`ELEMENTWISE_COST`) over the elements of a vector (an estimate).
+  """
+  sourced = popops.map_member_element_cycles(target, op_name, dtype, vector_inputs)
+  if sourced is not None:
+    return sourced
+  per_vector = max(1, target.vector_width_bytes // max(1, np.dtype(dtype).itemsize))
+  return ELEMENTWISE_COST.get(op_name, DEFAULT_ELEMENTWISE_COST) / per_vector
+
+
+def elementwise_overheads(target, op_name: str, dtype, in_dtype=None) -> tuple:
+  """``(per worker, per tile)`` fixed cycles of ``op_name``'s elementwise vertex.
+
+  popops' figures where it has them
+  (:func:`ipu_jax.kernels.popops.elementwise_overheads`), else the generic
+  model's (:data:`WORKER_OVERHEAD` and the compute set's launch).
+  """
+  sourced = popops.elementwise_overheads(target, op_name, dtype, in_dtype)
+  if sourced is not None:
+    return sourced
+  return WORKER_OVERHEAD, target.supervisor_overhead_cycles
 
 
 def copy_cycles(target, elements, itemsize):

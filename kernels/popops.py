@@ -31,6 +31,18 @@ tile follows the structure and per-operation figures of poplibs'
 Operations or types not in the table keep the generic model of
 ``estimators.worker_split_cycles``; :func:`popops_elementwise_cycles` returns
 ``None`` for them.
+
+Fused elementwise chains
+------------------------
+
+:func:`scaled_arithmetic_cycles` is poplibs' ScaledAdd / ScaledSubtract /
+aXPlusbY / aXMinusbY supervisor estimate; :func:`map_expression_cycles` the
+loop of a generated map codelet (``lib/popops/ExpressionGenerator.cpp``), fed
+by :func:`map_member_element_cycles` (the tables above without the loads and
+stores) and :func:`elementwise_overheads` (their fixed parts).
+``lowering/fused_cost.py`` recognises the patterns and composes a chain's cost;
+each figure's source is in ``ipu_jax.cost_model.FIGURE_SOURCES``
+(``kernels.popops.*``).
 """
 
 from __future__ import annotations
@@ -38,7 +50,9 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["UNARY", "BINARY", "popops_elementwise_cycles", "cast_cycles", "fill_cycles",
-           "fill_vertex_cycles", "scaled_add_cycles", "dynamic_slice_cycles"]
+           "fill_vertex_cycles", "scaled_add_cycles", "scaled_arithmetic_cycles",
+           "SCALED_OPERATIONS", "map_expression_cycles", "map_member_element_cycles",
+           "map_vectorisable", "elementwise_overheads", "dynamic_slice_cycles"]
 
 # (cycles per loop, natural vector width?, unroll factor) by op and width
 # (2: fp16, 4: fp32), after poplibs' unaryOpPerfInfo / binaryOpPerfInfo.
@@ -245,38 +259,76 @@ def fill_cycles(target, elements, itemsize) -> np.ndarray:
   return np.where(elements > 0, cycles, 0).astype(np.float64)
 
 
-# -- ScaledAddSupervisor ----------------------------------------------------------
+# -- ScaledAddSupervisor and its family ------------------------------------------
+
+# The operations of poplibs' scaled-arithmetic supervisor vertices
+# (``ScaledArithmeticOp``): ScaledAdd ``A + b * B``, ScaledSubtract
+# ``A - b * B``, aXPlusbY ``a * A + b * B`` and aXMinusbY ``a * A - b * B``.
+SCALED_OPERATIONS = ("add", "subtract", "axplusby", "axminusby")
+SCALED_VERTICES = {"add": "ScaledAddSupervisor", "subtract": "ScaledSubtractSupervisor",
+                   "axplusby": "aXPlusbYSupervisor", "axminusby": "aXMinusbYSupervisor"}
 
 
 def scaled_add_cycles(target, elements, dtype, b_dtype=None) -> np.ndarray:
   """Tile cycles of popops' ``ScaledAddSupervisor`` (``A += k * B``) on ``elements``.
 
-  After ``getScaledArithmeticSupervisorCycleEstimate`` for float data (not
-  memory-constrained): vectors of the natural width dealt evenly to the
-  workers (15 cycles of worker prologue, 6 of loop setup, 3 a vector), the
-  worker holding the remainder a few cycles more, and a supervisor part of
-  about 60 cycles. Integer data: poplibs' supervisor-only loop (26 cycles
-  per 3 elements).
+  :func:`scaled_arithmetic_cycles` with ``operation="add"``.
   """
+  return scaled_arithmetic_cycles(target, elements, dtype, "add", b_dtype)
+
+
+def scaled_arithmetic_cycles(target, elements, dtype, operation: str = "add",
+                             b_dtype=None) -> np.ndarray:
+  """Tile cycles of popops' scaled-arithmetic supervisor vertex on ``elements``.
+
+  After ``getScaledArithmeticSupervisorCycleEstimate`` (poplibs
+  ``lib/popops/PerformanceEstimation.cpp``) for float data, not
+  memory-constrained, with ``ONE_PTR`` operands (no pointer unpacking):
+  vectors of the natural width dealt evenly to the workers (15 cycles of
+  worker prologue, 6 of loop setup, 3 a vector: 1.5 cycles per float32
+  element and 0.75 per float16 one on a tile), the worker holding the
+  remainder a few cycles more, and a supervisor part of about 60 cycles
+  (``subtract`` 7 more, ``axplusby`` 12 more). Float aXPlusbY / aXMinusbY
+  workers have their own prologue (16) and remainder (5). Integer data
+  (``add``/``subtract`` only): poplibs' supervisor-only loop (26 cycles per
+  3 elements).
+
+  Args:
+    target: the IPU target (worker contexts, vector width).
+    elements: ``[num_tiles]`` elements of ``A`` per tile.
+    dtype: ``A``'s type; ``b_dtype``: ``B``'s (default ``dtype``).
+    operation: one of :data:`SCALED_OPERATIONS`.
+  """
+  if operation not in SCALED_OPERATIONS:
+    raise ValueError(f"scaled arithmetic operation {operation!r}: expected one of "
+                     f"{SCALED_OPERATIONS}")
   dtype = np.dtype(dtype)
   b_dtype = dtype if b_dtype is None else np.dtype(b_dtype)
   elements = np.asarray(elements, np.int64)
   w = target.worker_contexts
   if dtype.kind in "iu":
     cycles = 53 + 26 * (elements // 3) + np.where(elements % 3 == 0, 6, 6 + 26 * (elements % 3))
-    return np.where(elements > 0, cycles + 8 + 6, 0).astype(np.float64)
+    cycles = cycles + 8 + 6 + int(operation == "subtract")
+    return np.where(elements > 0, cycles, 0).astype(np.float64)
   width = max(1, _datapath_bytes(target) // dtype.itemsize)
   vectors, rem = elements // width, elements % width
   per_worker, rem_vectors = vectors // w, vectors % w
   supervisor = 21 + 11 + np.where(rem == 0, 7, 13) + 12 + 6
+  supervisor = supervisor + {"add": 0, "subtract": 7, "axplusby": 12, "axminusby": 0}[operation]
   if dtype.itemsize == 2 and b_dtype.itemsize == 4:
     # Half data with float B: 5 cycles a vector; the first workers take one
     # remainder vector each, the next one the last elements.
+    supervisor = supervisor + int(operation == "subtract")
     def worker(nv):
       return 16 + np.where(nv > 0, 9 + 5 * np.maximum(nv - 1, 0), 0) + 2 + 1
     tail = 1 + np.where(rem > 0, 2 + 5 * (rem >= 2) + 2 + 6 * (rem % 2), 0)
     busiest = np.maximum(np.where(rem_vectors > 0, worker(per_worker + 1), 0),
                          worker(per_worker) + tail)
+  elif dtype.itemsize == 4 and operation in ("axplusby", "axminusby"):
+    # Float aX + bY: prologue 16, 3 a vector, no remainder-worker check; the
+    # worker holding the last float 5 more.
+    base = 16 + np.where(per_worker > 0, 6 + 3 * np.maximum(per_worker - 1, 0), 0) + 1
+    busiest = base + 1 + np.where(rem > 0, 5, 0)
   else:
     # poplibs counts only the even share of vectors per worker here; the
     # worker whose id equals the count of remainder vectors also does the
@@ -289,6 +341,109 @@ def scaled_add_cycles(target, elements, dtype, b_dtype=None) -> np.ndarray:
       tail = 1 + np.where(rem > 0, 5 + np.where(rem >= 2, 7 + 6 * (rem == 3), 0), 0)
     busiest = base + tail
   cycles = supervisor + w * busiest
+  return np.where(elements > 0, cycles, 0).astype(np.float64)
+
+
+# -- Map expressions (fused elementwise codelets) -----------------------------------
+
+# popops' generated map codelets vectorise only when every value is half,
+# float or bool, no operand is cast, and every unary operation has a vector
+# form (``typeSupportsVectorization``, ``supportsVectorization`` in
+# lib/popops/ExpressionGenerator.cpp and ExprOpUtil.cpp). The unary operations
+# with no vector form, by JAX primitive name:
+MAP_SCALAR_ONLY_OPS = frozenset({
+    "cbrt", "erf", "erfc", "erf_inv", "is_finite", "not", "clz", "population_count",
+    "sign", "convert_element_type", "reduce_precision", "lgamma", "digamma", "igamma",
+    "bessel_i0e", "bessel_i1e", "random_bits", "threefry2x32", "nextafter",
+    "shift_left", "shift_right_logical", "shift_right_arithmetic"})
+# One cycle a vector for the generated loop's count-and-branch (an estimate:
+# ``while (loopCount) { loopCount--; ... }`` compiles to one ``brnzdec``).
+MAP_LOOP_CYCLES = 1
+# One 64-bit load or store a cycle per worker (poplar's data-path width).
+MAP_WORDS_PER_CYCLE = 1
+
+
+def map_vectorisable(dtype) -> bool:
+  """Whether a value of ``dtype`` lets a map codelet vectorise (half/float/bool)."""
+  dtype = np.dtype(dtype)
+  return (dtype.kind == "f" and dtype.itemsize in (2, 4)) or dtype.kind == "b"
+
+
+def map_member_element_cycles(target, op_name: str, dtype, vector_inputs: int):
+  """ALU cycles per element of ``op_name`` inside a map codelet, or ``None``.
+
+  From popops' UnaryOp1D / BinaryOp1D tables, without the loads and stores
+  the map codelet counts once for the whole expression: a natural-width
+  entry's table cycles are the operation alone (the estimator adds the
+  load/store/loop overhead apart); an unrolled entry's cycles cover its own
+  loads of each input and its store of each group, which are taken off
+  (one cycle per 64-bit word, at least one cycle left per group); an
+  element-at-a-time entry is its cycles per element. ``None`` where poplibs
+  has no figure (the caller's generic figure applies).
+  """
+  dtype = np.dtype(dtype)
+  if dtype.kind != "f" or dtype.itemsize not in (2, 4):
+    return None
+  table = UNARY if op_name in UNARY else BINARY if op_name in BINARY else None
+  if table is None:
+    return None
+  cycles, natural, unroll = table[op_name][dtype.itemsize]
+  if natural:
+    return cycles / max(1, _datapath_bytes(target) // dtype.itemsize)
+  if unroll > 0:
+    words = -(-unroll * dtype.itemsize // _datapath_bytes(target))
+    return max(1, cycles - (vector_inputs + 1) * words) / unroll
+  return float(cycles)
+
+
+def elementwise_overheads(target, op_name: str, dtype, in_dtype=None):
+  """``(per worker, per tile)`` fixed cycles of ``op_name``'s own vertex, or ``None``.
+
+  The parts of popops' estimators that do not grow with the elements: the
+  UnaryOp1D / BinaryOp1D worker entry (unary 17, ``exp`` 33; binary 29 for
+  float, 26 otherwise) and supervisor (11, unary 9 more); Cast1D's 18 per
+  worker and 12 per tile. ``None`` where popops has no figure.
+  """
+  dtype = np.dtype(dtype)
+  if op_name == "convert_element_type" and in_dtype is not None:
+    return 18, 12
+  if dtype.kind != "f" or dtype.itemsize not in (2, 4):
+    return None
+  if op_name in UNARY:
+    return (33 if op_name == "exp" else 17), _SUPERVISOR + _UNARY_SUPERVISOR_EXTRA
+  if op_name in BINARY:
+    return (29 if dtype.itemsize == 4 else 26), _SUPERVISOR
+  return None
+
+
+def map_expression_cycles(target, elements, vector_cycles, width: int, worker_overhead,
+                          supervisor_overhead) -> np.ndarray:
+  """Tile cycles of a generated map codelet evaluating a fused expression.
+
+  popops' expression generator (lib/popops/ExpressionGenerator.cpp) emits a
+  MultiVertex whose workers take vectors of ``width`` elements in turn
+  (worker ``i`` the vectors ``i, i + workers, ...``); each vector loads every
+  input that is not a single value once, evaluates the expression in
+  registers and stores the result once; the last worker then does the
+  elements short of a whole vector one at a time, at the same cycles each.
+
+  Args:
+    target: the IPU target (worker contexts).
+    elements: ``[num_tiles]`` elements per tile.
+    vector_cycles: one worker's cycles for one vector (ALU of every member,
+      loads, stores, loop).
+    width: elements per vector (1 where the codelet does not vectorise).
+    worker_overhead, supervisor_overhead: the fixed cycles, paid once.
+
+  Returns:
+    ``[num_tiles]`` float64 cycles (0 where a tile has no elements).
+  """
+  elements = np.asarray(elements, np.int64)
+  w = target.worker_contexts
+  vectors, rem = elements // width, elements % width
+  first = -(-vectors // w) * vector_cycles
+  last = (vectors // w + rem) * vector_cycles
+  cycles = w * (worker_overhead + np.maximum(first, last)) + supervisor_overhead
   return np.where(elements > 0, cycles, 0).astype(np.float64)
 
 

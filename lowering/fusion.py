@@ -19,10 +19,13 @@ members (they share one mapping), one vertex per worker on each tile as
 before. Its exchange brings every operand that comes from outside the group
 onto the layout before the compute phase (each such tensor once; operands
 made inside the group are already on the right tiles, so nothing moves for
-them). Its compute phase is the sum of the members' cycles less the fixed
-cost each extra member would have paid for its own compute set: the
-supervisor's launch and each worker's vertex overhead
-(``estimators.worker_split_cycles``' fixed part). One sync replaces one per
+them). Its compute phase is, per tile, the cheapest way PopLibs runs the
+chain (``lowering/fused_cost.py``): one generated map codelet for the whole
+expression, popops' ScaledAdd-family vertex where the chain is that pattern,
+or the members' vertices in turn, the sum of their cycles less the fixed
+cost each extra member would have paid for its own compute set (the
+supervisor's launch and each worker's vertex overhead,
+``estimators.worker_split_cycles``' fixed part). One sync replaces one per
 member.
 
 Grouping: within each straight-line run of supersteps (control programs,
@@ -75,6 +78,7 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import fused_cost
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
@@ -216,6 +220,7 @@ class _Fuser:
     self.layouts = _Layouts(target.num_tiles)
     self._exchanges = {}
     self._moved_cycles = {}
+    self._expressions = {}
 
   def program(self, node):
     if node is None or isinstance(node, (P.Superstep, P.StreamCopy, P.PrintTensor)):
@@ -365,27 +370,44 @@ class _Fuser:
       saved = np.maximum(np.count_nonzero(cycles > 0, axis=1) - 1, 0) * overhead
       return np.maximum(cycles.sum(axis=1) - saved, cycles.max(axis=1))
 
-    compute = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
+    sequential = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
     vertices = _per_group([p.vertices for p in plans], lambda v: v.max(axis=1))
     exchanges = _exchange_per_group([p.exchanges for p in plans])
     for k, plan in enumerate(plans):
       members = [s for s, _ in plan.members]
+      compute, vertex = self._compute_cycles(plan, sequential[k])
+      notes = tuple(dict.fromkeys([n for s in members for n in s.notes]
+                                  + ([vertex] if vertex else [])))
       result[id(plan.group)] = P.Superstep(
           name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
           op="fusion", reads=plan.reads, writes=plan.writes,
           fn=_fused_fn(members, plan.reads, plan.writes),
-          compute_cycles=compute[k], exchange=exchanges[k], vertices=vertices[k],
+          compute_cycles=compute, exchange=exchanges[k], vertices=vertices[k],
           codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
                                               for s in members)),),
           flops=int(sum(s.flops for s in members)),
           scratch_bytes=self._scratch(plan),
           source=members[0].source,
-          notes=tuple(dict.fromkeys(n for s in members for n in s.notes)),
+          notes=notes,
           scope=_common_scope(s.scope for s in members),
           elementwise=P.ElementwiseWork(plan.group.mapping),
           fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=_without_figures(s))
                           for s in members))
     return result
+
+  def _compute_cycles(self, plan, sequential) -> tuple:
+    """``(cycles, note)`` of the fused step: the cheapest way to run the chain
+    (``fused_cost.cheapest``), given its members' cost in turn. Its costs as
+    one vertex are cached by layout and expression (a model's repeated
+    layers share them)."""
+    expression = fused_cost.describe(plan.members, plan.born, {t.id for t in plan.writes})
+    elements = self.layouts.elements_per_tile(plan.group.mapping)
+    key = (plan.group.layout, expression)
+    as_one = self._expressions.get(key)
+    if as_one is None:
+      as_one = self._expressions[key] = fused_cost.expression_cycles(self.target, elements,
+                                                                     expression)
+    return fused_cost.cheapest(sequential, *as_one, expression, elements)
 
   def _plan(self, group, members) -> "_Plan":
     """What one fused step reads, writes, exchanges and keeps inside."""

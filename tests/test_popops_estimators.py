@@ -112,7 +112,74 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(cycles, 0.0)
 
   def test_cost_model_version(self):
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "4")
+    # 5: fused elementwise chains as map expressions / scaled-arithmetic vertices.
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "5")
+
+  def test_scaled_arithmetic_family(self):
+    # 1,200 fp32: 600 vectors, 100 per worker, no remainder.
+    one = np.array([1200])
+    # ScaledSubtract: ScaledAdd's 57 + 6 * 322 and 7 more in the supervisor.
+    self.assertEqual(popops.scaled_arithmetic_cycles(_T16, one, np.float32, "subtract")[0],
+                     64 + 6 * 322)
+    # Float aXPlusbY: supervisor 57 + 12; worker 16 + 6 + 3 * 99 + 1 + 1 = 321.
+    self.assertEqual(popops.scaled_arithmetic_cycles(_T16, one, np.float32, "axplusby")[0],
+                     69 + 6 * 321)
+    # aXMinusbY: the same worker, no extra supervisor cycles.
+    self.assertEqual(popops.scaled_arithmetic_cycles(_T16, one, np.float32, "axminusby")[0],
+                     57 + 6 * 321)
+    # Half aXPlusbY, 1,203 elements: 300 vectors (50 per worker), 3 left:
+    # worker 15 + 6 + 3 * 49 + 2 + 1 + 1 + 5 + 7 + 6 = 190; supervisor
+    # 21 + 11 + 13 + 12 + 6 + 12 = 75.
+    self.assertEqual(popops.scaled_arithmetic_cycles(_T16, np.array([1203]), np.float16,
+                                                     "axplusby")[0], 75 + 6 * 190)
+    with self.assertRaisesRegex(ValueError, "'mul'.*expected one of"):
+      popops.scaled_arithmetic_cycles(_T16, one, np.float32, "mul")
+
+  @parameterized.parameters(("add", np.float32, 2, 0.5), ("mul", np.float16, 2, 0.25),
+                            ("exp", np.float32, 1, 2.0), ("div", np.float32, 2, 3.5),
+                            ("max", np.float32, 2, 0.5), ("exp", np.float16, 1, 0.5),
+                            ("abs", np.float32, 1, 1.0), ("sin", np.float32, 1, None))
+  def test_map_member_cycles(self, op, dtype, inputs, expected):
+    # Natural-width ops: the table's cycles per vector (add 1 per 2 floats);
+    # unrolled ones less their own loads and store, one cycle per 64-bit
+    # word: exp f32 (6 - 2) / 2, div f32 (10 - 3) / 2, max f32 max(3 - 3, 1) / 2,
+    # exp f16 (4 - 2) / 4; per-element ones as they are (abs 1).
+    self.assertEqual(popops.map_member_element_cycles(_T16, op, dtype, inputs), expected)
+    # No poplibs figure: the generic model's 6 cycles a vector, per element.
+    self.assertEqual(estimators.map_member_element_cycles(_T16, "sin", np.float32, 1), 3.0)
+
+  def test_map_expression_cycles(self):
+    # 100 floats in vectors of 2 at 7 cycles: 50 vectors, 9 for workers 0-1,
+    # 8 for the others; 101: the last worker (8 vectors) also does the odd
+    # element, still under 9; 97: 48 vectors, 8 each, and the odd one makes
+    # the last worker the busiest.
+    self.assertEqual(popops.map_expression_cycles(_T16, np.array([100]), 7, 2, 29, 11)[0],
+                     6 * (29 + 9 * 7) + 11)
+    self.assertEqual(popops.map_expression_cycles(_T16, np.array([101]), 7, 2, 29, 11)[0],
+                     6 * (29 + 9 * 7) + 11)
+    self.assertEqual(popops.map_expression_cycles(_T16, np.array([97]), 7, 2, 29, 11)[0],
+                     6 * (29 + 9 * 7) + 11)
+    self.assertEqual(popops.map_expression_cycles(_T16, np.array([96]), 7, 2, 29, 11)[0],
+                     6 * (29 + 8 * 7) + 11)
+    np.testing.assert_array_equal(popops.map_expression_cycles(_T16, np.zeros(2, int), 7, 2,
+                                                               29, 11), 0.0)
+
+  def test_map_vectorisation_and_overheads(self):
+    self.assertTrue(popops.map_vectorisable(np.float16))
+    self.assertTrue(popops.map_vectorisable(np.bool_))
+    self.assertFalse(popops.map_vectorisable(np.int32))
+    self.assertIn("convert_element_type", popops.MAP_SCALAR_ONLY_OPS)
+    self.assertEqual(popops.elementwise_overheads(_T16, "add", np.float32), (29, 11))
+    self.assertEqual(popops.elementwise_overheads(_T16, "exp", np.float16), (33, 20))
+    self.assertEqual(estimators.elementwise_overheads(_T16, "sin", np.float32), (12, 50))
+
+  def test_kernel_figures_have_sources(self):
+    for name in ("scaled_arithmetic_cycles", "map_expression_cycles",
+                 "map_member_element_cycles", "elementwise_overheads", "MAP_LOOP_CYCLES",
+                 "MAP_WORDS_PER_CYCLE"):
+      self.assertTrue(hasattr(popops, name), name)
+      source = cost_model.FIGURE_SOURCES["kernels.popops." + name]
+      self.assertIn(source.kind, ("poplibs", "estimate"))
 
 
 class OneCostPerWorkTest(chex.TestCase, parameterized.TestCase):
