@@ -22,110 +22,7 @@ def _config():
   return cfg
 
 
-class VocabularyTest(parameterized.TestCase):
-
-  def test_names_are_distinct_and_namespaced(self):
-    names = [getattr(vocab, n) for n in vocab.__all__ if n.isupper()]
-    self.assertLen(set(names), len(names))
-    for name in names:
-      self.assertRegex(name, r"^(popops|poplin|poprand|ipu_jax)::[A-Z][A-Za-z0-9]*$")
-
-  @parameterized.parameters(
-      ((vocab.FILL,), "popops::Fill"),
-      ((vocab.FILL, "int"), "popops::Fill<int>"),
-      ((vocab.MATMUL_BLOCK, np.dtype(np.float16), np.dtype(np.float32)),
-       "poplin::MatMulBlock<float16,float32>"),
-  )
-  def test_vertex_instances(self, args, expected):
-    self.assertEqual(vocab.vertex(*args), expected)
-
-  def test_identity_of_library_codelet_is_its_vocabulary_name(self):
-    self.assertEqual(vocab.identity(library.fill), vocab.FILL)
-    self.assertEqual(vocab.identity(library.copy), vocab.COPY)
-    self.assertEqual(vocab.identity(library.binary("add")),
-                     vocab.vertex(vocab.ELEMENTWISE, "add"))
-
-  def test_identity_refuses_other_objects(self):
-    with self.assertRaisesRegex(TypeError, "vertex type names"):
-      vocab.identity(3)
-
-  def test_built_in_code_names_codelets_only_through_the_vocabulary(self):
-    # Any vertex type name spelled out in the package is a second spelling
-    # waiting to happen (and, spelled differently, code memory charged twice).
-    sources = {str(path.relative_to(_ROOT)): path.read_text()
-               for folder in _SCANNED for path in sorted((_ROOT / folder).rglob("*.py"))
-               if path != _ROOT / "kernels" / "vocabulary.py"}
-    self.assertGreater(len(sources), 50)
-    self.assertEqual(codelet_name_bypasses(sources), [])
-
-  @parameterized.named_parameters(
-      ("keyword", """
-def rule(ctx):
-  ctx.emit(P.Superstep(name="x", codelets=("popops::Exp",)))
-"""),
-      ("keyword_without_library", """
-def rule(ctx):
-  ctx.emit(P.Superstep(name="x", codelets=(vocab.COPY, f"exp<{ctx.op}>")))
-"""),
-      ("template_name", """
-CODE = vocab.vertex("popops::Fill", "int")
-"""),
-      ("positional_into_a_helper", """
-def _emit(ctx, x, out, fn, compute=None, codelet=None):
-  pass
-
-def rule(ctx, x, out):
-  _emit(ctx, x, out, None, 3, "ReduceAdd")
-"""),
-      ("positional_into_a_method", """
-class Plan:
-  def emit(self, fn, out, codelet):
-    pass
-
-def rule(plan, out):
-  plan.emit(None, out, "Gather")
-"""),
-      ("positional_into_a_dataclass", """
-@dataclasses.dataclass(frozen=True)
-class Spec:
-  core_ndim: int
-  codelet: str
-
-SPECS = {lax_linalg.lu_p: Spec(2, "LU")}
-"""),
-      ("codelet_object", """
-fill = Codelet("Fill", lambda x: x, ("x",), ("y",))
-"""),
-      ("parameter_default", """
-def emit(ctx, codelet="poplin::Dot"):
-  pass
-"""),
-      ("spelled_in_a_table", """
-_COMBINE = {"sum": (lax.psum, "add", "popops::ReduceAdd")}
-"""),
-  )
-  def test_a_bypass_is_found(self, source):
-    found = codelet_name_bypasses({"fake.py": source})
-    self.assertLen(found, 1, found)
-    self.assertStartsWith(found[0], "fake.py:")
-
-  def test_vocabulary_names_and_their_templates_are_not_bypasses(self):
-    source = """
-\"\"\"Adds what arrives (``popops::ReduceAdd`` in poplibs' words).\"\"\"
-
-def _emit(ctx, x, codelet=""):
-  \"\"\"Docstrings may say ``poplin::ReduceAdd``.\"\"\"
-
-def rule(ctx, x, kind):
-  _emit(ctx, x, vocab.vertex(vocab.REDUCE_ADD, "float32", x.dtype))
-  _emit(ctx, x, codelet=_TABLE["sum"])
-  ctx.emit(P.Superstep(name="add", codelets=(vocab.vertex(vocab.REDUCE, kind),)))
-  fill = Codelet(vocab.FILL, lambda x: x, ("x",), ("y",))
-"""
-    self.assertEqual(codelet_name_bypasses({"fake.py": source}), [])
-
-
-# Where the built-in vertex types are named (user codelets live elsewhere).
+# Where the built-in vertex types are named: rules, builders, kernels, the graph API.
 _SCANNED = ("lowering", "kernels", "ipu_jax")
 # Parameters that take vertex type names, wherever they are declared.
 _NAME_PARAMS = frozenset({"codelet", "codelets"})
@@ -239,7 +136,110 @@ def codelet_name_bypasses(sources: dict) -> list:
   return [f"{path}:{line}" for path, line in sorted(found)]
 
 
-class CodeMemoryTest(chex.TestCase):
+class VocabularyTest(parameterized.TestCase):
+
+  def test_names_are_distinct_and_namespaced(self):
+    names = [getattr(vocab, n) for n in vocab.__all__ if n.isupper()]
+    self.assertLen(set(names), len(names))
+    for name in names:
+      self.assertRegex(name, r"^(popops|poplin|poprand|ipu_jax)::[A-Z][A-Za-z0-9]*$")
+
+  @parameterized.parameters(
+      ((vocab.FILL,), "popops::Fill"),
+      ((vocab.FILL, "int"), "popops::Fill<int>"),
+      ((vocab.MATMUL_BLOCK, np.dtype(np.float16), np.dtype(np.float32)),
+       "poplin::MatMulBlock<float16,float32>"),
+  )
+  def test_vertex_instances(self, args, expected):
+    self.assertEqual(vocab.vertex(*args), expected)
+
+  def test_identity_of_library_codelet_is_its_vocabulary_name(self):
+    self.assertEqual(vocab.identity(library.fill), vocab.FILL)
+    self.assertEqual(vocab.identity(library.copy), vocab.COPY)
+    self.assertEqual(vocab.identity(library.binary("add")),
+                     vocab.vertex(vocab.ELEMENTWISE, "add"))
+
+  def test_identity_refuses_other_objects(self):
+    with self.assertRaisesRegex(TypeError, "vertex type names"):
+      vocab.identity(3)
+
+  def test_built_in_code_names_codelets_only_through_the_vocabulary(self):
+    # Any vertex type name spelled out in the package is a second spelling
+    # waiting to happen (and, spelled differently, code memory charged twice).
+    sources = {str(path.relative_to(_ROOT)): path.read_text()
+               for folder in _SCANNED for path in sorted((_ROOT / folder).rglob("*.py"))
+               if path != _ROOT / "kernels" / "vocabulary.py"}
+    self.assertGreater(len(sources), 50)
+    self.assertEqual(codelet_name_bypasses(sources), [])
+
+  @parameterized.named_parameters(
+      ("keyword", """
+def rule(ctx):
+  ctx.emit(P.Superstep(name="x", codelets=("popops::Exp",)))
+"""),
+      ("keyword_without_library", """
+def rule(ctx):
+  ctx.emit(P.Superstep(name="x", codelets=(vocab.COPY, f"exp<{ctx.op}>")))
+"""),
+      ("template_name", """
+CODE = vocab.vertex("popops::Fill", "int")
+"""),
+      ("positional_into_a_helper", """
+def _emit(ctx, x, out, fn, compute=None, codelet=None):
+  pass
+
+def rule(ctx, x, out):
+  _emit(ctx, x, out, None, 3, "ReduceAdd")
+"""),
+      ("positional_into_a_method", """
+class Plan:
+  def emit(self, fn, out, codelet):
+    pass
+
+def rule(plan, out):
+  plan.emit(None, out, "Gather")
+"""),
+      ("positional_into_a_dataclass", """
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  core_ndim: int
+  codelet: str
+
+SPECS = {lax_linalg.lu_p: Spec(2, "LU")}
+"""),
+      ("codelet_object", """
+fill = Codelet("Fill", lambda x: x, ("x",), ("y",))
+"""),
+      ("parameter_default", """
+def emit(ctx, codelet="poplin::Dot"):
+  pass
+"""),
+      ("spelled_in_a_table", """
+_COMBINE = {"sum": (lax.psum, "add", "popops::ReduceAdd")}
+"""),
+  )
+  def test_a_bypass_is_found(self, source):
+    found = codelet_name_bypasses({"fake.py": source})
+    self.assertLen(found, 1, found)
+    self.assertStartsWith(found[0], "fake.py:")
+
+  def test_vocabulary_names_and_their_templates_are_not_bypasses(self):
+    source = """
+\"\"\"Adds what arrives (``popops::ReduceAdd`` in poplibs' words).\"\"\"
+
+def _emit(ctx, x, codelet=""):
+  \"\"\"Docstrings may say ``poplin::ReduceAdd``.\"\"\"
+
+def rule(ctx, x, kind):
+  _emit(ctx, x, vocab.vertex(vocab.REDUCE_ADD, "float32", x.dtype))
+  _emit(ctx, x, codelet=_TABLE["sum"])
+  ctx.emit(P.Superstep(name="add", codelets=(vocab.vertex(vocab.REDUCE, kind),)))
+  fill = Codelet(vocab.FILL, lambda x: x, ("x",), ("y",))
+"""
+    self.assertEqual(codelet_name_bypasses({"fake.py": source}), [])
+
+
+class CodeMemoryTest(chex.TestCase, parameterized.TestCase):
 
   def test_a_codelet_reached_by_several_paths_is_charged_once(self):
     # Three rules fill a result: jnp.dot and ipu_jax.ops.matmul of an empty
@@ -259,6 +259,27 @@ class CodeMemoryTest(chex.TestCase):
     per_codelet = profile.target.code_bytes_per_codelet
     chex.assert_trees_all_equal(profile.memory.by_category["code"],
                                 per_codelet * (fill_steps_per_tile > 0))
+
+  @parameterized.parameters((np.float32, 0), (np.float16, 1))
+  def test_a_reduce_scatter_adds_with_the_matmul_partials_vertex(self, dtype, new_types):
+    # A reduce-scatter adds what arrives with the vertex a matmul adds its
+    # partials with (poplin::ReduceAdd<partials, out>): after a float32 matmul
+    # whose partials are added on every tile, it costs no code memory of its
+    # own; a float16 one adds float32 partials, another template instance.
+    def matmul(a, w):
+      return (a @ w).reshape(-1)
+
+    def then_reduce_scatter(a, w):
+      return ipu_jax.ops.cross_replica_reduce_scatter(matmul(a, w), 4)
+
+    a = np.ones((16, 2048), dtype)
+    w = np.ones((2048, 12), dtype)
+    profiles = [ipu_jax.jit(f, config=_config()).lower(a, w).profile
+                for f in (matmul, then_reduce_scatter)]
+    code = [np.asarray(p.memory.by_category["code"]) for p in profiles]
+    self.assertTrue(np.all(code[0] > 0))  # every tile adds partials
+    per_codelet = profiles[0].target.code_bytes_per_codelet
+    chex.assert_trees_all_equal(code[1] - code[0], np.full(16, new_types * per_codelet))
 
 
 if __name__ == "__main__":
