@@ -16,8 +16,9 @@ Names follow Poplar in Python style. A tiny program (Poplar tutorial 3)::
     eng = g.Engine(gr, [g.Sequence([g.Execute(cs)])])
     eng.write_tensor(v, [1, 2, 3, 4]); eng.run(0); eng.read_tensor(v)
 
-Tensors are views: indexing, slicing, reshaping, transposing and
-concatenating give new views of the same tile memory (index arrays into the
+Tensors (:class:`GraphTensor`, apart from the tile program's
+``ipu_jax.lowering.Tensor``) are views: indexing, slicing, reshaping,
+transposing and concatenating give new views of the same tile memory (index arrays into the
 graph's elements), exactly as Poplar's tensor expressions do.
 
 Programs are the tile program IR's own nodes (``lowering/program.py``):
@@ -51,7 +52,7 @@ from ipu_jax.report import Report
 from ipu_jax.target import IPUTarget
 
 __all__ = [
-    "Graph", "Tensor", "ComputeSet", "Vertex", "Engine", "codelet", "Codelet",
+    "Graph", "GraphTensor", "ComputeSet", "Vertex", "Engine", "codelet", "Codelet",
     "Sequence", "Execute", "Copy", "Repeat", "RepeatWhileTrue", "If", "Switch",
     "PrintTensor", "DataStream", "concatenate",
 ]
@@ -75,8 +76,12 @@ class _Base:
     self.offset = graph._next_offset(self)
 
 
-class Tensor:
+class GraphTensor:
   """A view of graph elements with a shape (Poplar's ``poplar::Tensor``).
+
+  Named apart from the tile program's ``ipu_jax.lowering.Tensor`` (what a
+  lowering rule reads and writes): a graph tensor is a view the engine
+  resolves into such tensors when it freezes the tile mappings.
 
   The view is an array of global element indices, so every view operation is
   a NumPy operation on that array and costs nothing on the device.
@@ -103,32 +108,32 @@ class Tensor:
     return self.shape[0]
 
   def __repr__(self):
-    return f"graph.Tensor(shape={self.shape}, dtype={self.dtype.name})"
+    return f"GraphTensor(shape={self.shape}, dtype={self.dtype.name})"
 
-  def _view(self, index) -> "Tensor":
-    return Tensor(self.graph, index, self.dtype)
+  def _view(self, index) -> "GraphTensor":
+    return GraphTensor(self.graph, index, self.dtype)
 
   # views (Poplar's tensor expressions)
-  def __getitem__(self, key) -> "Tensor":
+  def __getitem__(self, key) -> "GraphTensor":
     return self._view(self.index[key])
 
-  def index_(self, i: int) -> "Tensor":
+  def index_(self, i: int) -> "GraphTensor":
     return self._view(self.index[i])
 
-  def slice(self, begin: int, end: int, dim: int = 0) -> "Tensor":
+  def slice(self, begin: int, end: int, dim: int = 0) -> "GraphTensor":
     key = [slice(None)] * self.rank
     key[dim] = slice(begin, end)
     return self._view(self.index[tuple(key)])
 
-  def flatten(self) -> "Tensor":
+  def flatten(self) -> "GraphTensor":
     return self._view(self.index.reshape(-1))
 
-  def reshape(self, *shape) -> "Tensor":
+  def reshape(self, *shape) -> "GraphTensor":
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
       shape = tuple(shape[0])
     return self._view(self.index.reshape(shape))
 
-  def transpose(self, *perm) -> "Tensor":
+  def transpose(self, *perm) -> "GraphTensor":
     if len(perm) == 1 and isinstance(perm[0], (tuple, list)):
       perm = tuple(perm[0])
     return self._view(np.transpose(self.index, perm or None))
@@ -136,22 +141,23 @@ class Tensor:
   dimshuffle = transpose
 
   @property
-  def T(self) -> "Tensor":  # noqa: N802 - matches NumPy
+  def T(self) -> "GraphTensor":  # noqa: N802 - matches NumPy
     return self.transpose()
 
-  def broadcast(self, times: int, dim: int) -> "Tensor":
+  def broadcast(self, times: int, dim: int) -> "GraphTensor":
     return self._view(np.repeat(self.index, times, axis=dim))
 
-  def expand(self, dims: SequenceT[int]) -> "Tensor":
+  def expand(self, dims: SequenceT[int]) -> "GraphTensor":
     return self._view(np.expand_dims(self.index, tuple(dims)))
 
 
-def concatenate(tensors: SequenceT[Tensor], axis: int = 0) -> Tensor:
+def concatenate(tensors: SequenceT[GraphTensor], axis: int = 0) -> GraphTensor:
   """Join views along ``axis`` (Poplar's ``poplar::concat``)."""
   dtypes = {t.dtype for t in tensors}
   if len(dtypes) != 1:
     raise ValueError(f"concatenate needs one dtype, got {sorted(d.name for d in dtypes)}")
-  return Tensor(tensors[0].graph, np.concatenate([t.index for t in tensors], axis), tensors[0].dtype)
+  index = np.concatenate([t.index for t in tensors], axis)
+  return GraphTensor(tensors[0].graph, index, tensors[0].dtype)
 
 
 # -- vertices and compute sets ------------------------------------------------
@@ -232,21 +238,21 @@ class Graph:
     self._size += base.size
     return offset
 
-  def _new(self, dtype, shape, name, category, value=None) -> Tensor:
+  def _new(self, dtype, shape, name, category, value=None) -> GraphTensor:
     base = _Base(self, dtype, shape, name, category, value)
     index = base.offset + np.arange(base.size, dtype=np.int64).reshape(base.shape)
-    return Tensor(self, index, base.dtype)
+    return GraphTensor(self, index, base.dtype)
 
-  def add_variable(self, dtype, shape, name: str = "") -> Tensor:
+  def add_variable(self, dtype, shape, name: str = "") -> GraphTensor:
     """A new variable (uninitialised, zeros in the emulator)."""
     return self._new(dtype, shape, name or f"var{len(self._bases)}", "variables")
 
-  def add_constant(self, dtype, shape, value, name: str = "") -> Tensor:
+  def add_constant(self, dtype, shape, value, name: str = "") -> GraphTensor:
     """A constant; ``value`` broadcasts to ``shape``."""
     value = np.broadcast_to(np.asarray(value, dtype=np.dtype(dtype)), tuple(shape)).copy()
     return self._new(dtype, shape, name or f"const{len(self._bases)}", "constants", value)
 
-  def clone(self, tensor: Tensor, name: str = "") -> Tensor:
+  def clone(self, tensor: GraphTensor, name: str = "") -> GraphTensor:
     """A new variable shaped and mapped like ``tensor``."""
     out = self.add_variable(tensor.dtype, tensor.shape, name)
     tiles = self._element_tiles(tensor.index)
@@ -286,12 +292,12 @@ class Graph:
       raise ValueError(f"tile {tile} is out of range; the target has tiles 0..{self.target.num_tiles - 1}")
     self._set_tiles(what.index, int(tile))
 
-  def get_tile_mapping(self, tensor: Tensor) -> dict:
+  def get_tile_mapping(self, tensor: GraphTensor) -> dict:
     """``{tile: [flat element indices of the view]}`` for the view."""
     tiles = self._element_tiles(tensor.index).reshape(-1)
     return {int(t): np.nonzero(tiles == t)[0].tolist() for t in np.unique(tiles)}
 
-  def map_tensor_linearly(self, tensor: Tensor, min_elements_per_tile: int = 0,
+  def map_tensor_linearly(self, tensor: GraphTensor, min_elements_per_tile: int = 0,
                           grain_size: int = 0) -> None:
     """Spread the view over tiles in equal chunks (``mapTensorLinearly``)."""
     n = tensor.num_elements()
@@ -323,8 +329,8 @@ class Graph:
     if not 0 <= tile < self.target.num_tiles:
       raise ValueError(f"tile {tile} is out of range; the target has tiles 0..{self.target.num_tiles - 1}")
     for field, value in connections.items():
-      if not isinstance(value, Tensor):
-        raise TypeError(f"vertex {codelet_.name}: field {field!r} must be a graph Tensor")
+      if not isinstance(value, GraphTensor):
+        raise TypeError(f"vertex {codelet_.name}: field {field!r} must be a GraphTensor")
     vertex = Vertex(codelet_, int(tile), dict(connections))
     compute_set.vertices.append(vertex)
     return vertex
@@ -459,7 +465,7 @@ class Engine:
     tensor = self._ir[b]
     return np.asarray(to_flat(self._state[tensor.id], tensor.mapping))
 
-  def read_tensor(self, tensor: Tensor) -> np.ndarray:
+  def read_tensor(self, tensor: GraphTensor) -> np.ndarray:
     """The current value of a view (or of a remote buffer), as a NumPy array."""
     from ipu_jax import remote_buffers
     if remote_buffers.is_handle(tensor):
@@ -471,7 +477,7 @@ class Engine:
       out[sel] = self._flat(int(b))[tensor.index.reshape(-1)[sel] - self.graph._bases[b].offset]
     return out.reshape(tensor.shape)
 
-  def write_tensor(self, tensor: Tensor, values) -> None:
+  def write_tensor(self, tensor: GraphTensor, values) -> None:
     """Set a view's elements (or a remote buffer's rows) from host values."""
     from ipu_jax import remote_buffers
     if remote_buffers.is_handle(tensor):

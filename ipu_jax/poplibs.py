@@ -20,7 +20,7 @@ __all__ = ["add", "sub", "mul", "map_elementwise", "matmul"]
 
 
 def map_elementwise(graph: g.Graph, codelet, inputs, prog: g.Sequence,
-                    name: str = "") -> g.Tensor:
+                    name: str = "") -> g.GraphTensor:
   """Apply an elementwise codelet; the result is mapped like ``inputs[0]``.
 
   One vertex per tile holding output elements, each reading the matching
@@ -62,8 +62,8 @@ def mul(graph, a, b, prog, name: str = "mul"):
   return map_elementwise(graph, library.binary("mul"), [a, b], prog, name)
 
 
-def matmul(graph: g.Graph, a: g.Tensor, b: g.Tensor, prog: g.Sequence,
-           name: str = "matmul") -> g.Tensor:
+def matmul(graph: g.Graph, a: g.GraphTensor, b: g.GraphTensor, prog: g.Sequence,
+           name: str = "matmul") -> g.GraphTensor:
   """``a @ b`` for 2-D ``a [M, K]`` and ``b [K, N]`` (poplin::matMul).
 
   The output is cut into a grid of blocks, one per tile, chosen so the blocks

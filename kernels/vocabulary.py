@@ -23,7 +23,8 @@ from __future__ import annotations
 __all__ = [
     "vertex", "identity",
     # popops: elementwise and data movement.
-    "ELEMENTWISE", "COPY", "FILL", "IOTA", "SELECT", "SCALED_ADD", "CAST_STOCHASTIC_ROUND",
+    "ELEMENTWISE", "MAP", "COPY", "FILL", "IOTA", "SELECT", "SCALED_ADD", "CAST",
+    "CAST_STOCHASTIC_ROUND",
     # popops: reductions and scans.
     "REDUCE", "REDUCE_PARTIAL", "SCAN", "SCAN_FOLD", "POOL", "SELECT_AND_SCATTER",
     "SELECT_AND_GATHER",
@@ -32,6 +33,11 @@ __all__ = [
     "SORT", "SORT_MERGE", "TOP_K",
     # poplin.
     "DOT", "MATMUL_BLOCK", "REDUCE_ADD", "CONV_PARTIAL",
+    # poplin: dense linear algebra, one vertex per problem.
+    "CHOLESKY", "CHOLESKY_UPDATE", "TRIANGULAR_SOLVE", "LU", "LU_PIVOTS_TO_PERMUTATION",
+    "HOUSEHOLDER_QR", "GEQRF", "GEQP3", "HOUSEHOLDER_PRODUCT", "ORMQR", "JACOBI_EIGH",
+    "JACOBI_SVD", "HESSENBERG_QR_EIG", "SCHUR", "HESSENBERG", "TRIDIAGONAL", "TRIDIAGONAL_SOLVE",
+    "SYMMETRIC_PRODUCT",
     # poprand.
     "RANDOM",
     # ipu_jax.
@@ -67,8 +73,29 @@ TOP_K = "popops::TopK"
 
 DOT = "poplin::Dot"
 MATMUL_BLOCK = "poplin::MatMulBlock"  # vertex(MATMUL_BLOCK, in dtype, partials dtype)
-REDUCE_ADD = "poplin::ReduceAdd"      # a matmul's partials, vertex(REDUCE_ADD, acc, out)
+# vertex(REDUCE_ADD, acc, out): adds a matmul's partials, and what a reduce-scatter receives.
+REDUCE_ADD = "poplin::ReduceAdd"
 CONV_PARTIAL = "poplin::ConvPartial"
+
+# Dense linear algebra (lowering/rules/linalg.py): the algorithm each problem's vertex runs.
+CHOLESKY = "poplin::Cholesky"
+CHOLESKY_UPDATE = "poplin::CholeskyUpdate"
+TRIANGULAR_SOLVE = "poplin::TriangularSolve"
+LU = "poplin::LU"
+LU_PIVOTS_TO_PERMUTATION = "poplin::LuPivotsToPermutation"
+HOUSEHOLDER_QR = "poplin::HouseholderQR"
+GEQRF = "poplin::Geqrf"
+GEQP3 = "poplin::Geqp3"
+HOUSEHOLDER_PRODUCT = "poplin::HouseholderProduct"
+ORMQR = "poplin::Ormqr"
+JACOBI_EIGH = "poplin::JacobiEigh"
+JACOBI_SVD = "poplin::JacobiSVD"
+HESSENBERG_QR_EIG = "poplin::HessenbergQREig"
+SCHUR = "poplin::Schur"
+HESSENBERG = "poplin::Hessenberg"
+TRIDIAGONAL = "poplin::Tridiagonal"
+TRIDIAGONAL_SOLVE = "poplin::TridiagonalSolve"
+SYMMETRIC_PRODUCT = "poplin::SymmetricProduct"
 
 RANDOM = "poprand::Random"  # vertex(RANDOM, generator)
 

@@ -229,6 +229,18 @@ class GraphApiTest(chex.TestCase):
     np.testing.assert_array_equal(engine.read_tensor(g.concatenate([v[0], v[1]])), np.arange(6))
     np.testing.assert_array_equal(engine.read_tensor(v.slice(1, 3, dim=1)), [[1, 2], [4, 5]])
 
+  def test_graph_tensors_are_named_apart_from_tile_program_tensors(self):
+    # One meaning per name: a view of graph elements is a GraphTensor; a
+    # `Tensor` is the tile program's (ipu_jax.lowering.Tensor), what rules use.
+    gr = g.Graph(_target())
+    v = gr.add_variable("float32", (2, 3), "v")
+    for view in (v, v[1], v.transpose(), g.concatenate([v, v])):
+      self.assertIsInstance(view, g.GraphTensor)
+    self.assertNotIn("Tensor", g.__all__)
+    self.assertFalse(hasattr(g, "Tensor"))
+    self.assertIsNot(g.GraphTensor, ipu_jax.lowering.Tensor)
+    self.assertEqual(repr(v[0]), "GraphTensor(shape=(3,), dtype=float32)")
+
   def test_control_programs(self):
     gr = g.Graph(_target())
     counter = gr.add_variable("int32", (), "counter")

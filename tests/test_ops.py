@@ -145,6 +145,20 @@ class CollectiveTest(parameterized.TestCase):
     idx = jax.vmap(lambda x: ops.replica_index(), axis_name=AXIS)(xs)
     chex.assert_trees_all_equal(idx, jnp.arange(4, dtype=jnp.int32))
 
+  def test_one_meaning_per_name(self):
+    # The training layer's all-reduces are these ops (one meaning, arrays or
+    # pytrees), over the same replica axis.
+    from ipu_jax.keras import replication
+    self.assertIs(replication.cross_replica_sum, ops.cross_replica_sum)
+    self.assertIs(replication.cross_replica_mean, ops.cross_replica_mean)
+    self.assertEqual(replication.REPLICA_AXIS, ops.REPLICA_AXIS)
+    tree = {"w": normal(0, (4, 3)), "b": [normal(1, (4,))]}
+    for op, ref in ((ops.cross_replica_sum, lambda x: lax.psum(x, AXIS)),
+                    (ops.cross_replica_mean, lambda x: lax.pmean(x, AXIS))):
+      got = jax.vmap(op, axis_name=AXIS)(tree)
+      chex.assert_trees_all_close(got, jax.vmap(ref, axis_name=AXIS)(tree), rtol=1e-6)
+      chex.assert_trees_all_close(jax.vmap(lambda t: op(t, AXIS), axis_name=AXIS)(tree), got)
+
   def test_grad_under_vmap(self):
     xs = normal(0, (4, 3))
     for op, ref in ((ops.cross_replica_sum, lambda x: lax.psum(x, AXIS)),

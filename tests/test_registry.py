@@ -1,6 +1,8 @@
 """The rule registry: keyed by the Primitive object, strict, with a public face."""
 
+import ast
 import importlib
+import pathlib
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -16,6 +18,23 @@ from ipu_jax import lowering
 from ipu_jax.lowering import builders
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def primitive_lookups_by_name(sources: dict) -> list:
+  """``path:line`` of every ``getattr(module, name)`` whose name is spelled like a
+  primitive's (``f"{name}_p"`` or ``"exp_p"``): rule tables name the ``Primitive``
+  objects themselves, so a table cannot drift from what it registers."""
+  found = []
+  for path, text in sources.items():
+    for node in ast.walk(ast.parse(text)):
+      if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr")
+          and len(node.args) >= 2):
+        name = node.args[1]
+        tail = name.values[-1] if isinstance(name, ast.JoinedStr) and name.values else name
+        if isinstance(tail, ast.Constant) and str(tail.value).endswith("_p"):
+          found.append(f"{path}:{node.lineno}")
+  return found
 
 
 def _primitive(name, impl):
@@ -59,6 +78,13 @@ class RegistryTest(chex.TestCase, parameterized.TestCase):
   def test_a_name_is_not_a_primitive(self):
     with self.assertRaisesRegex(TypeError, "takes a jax.extend.core.Primitive"):
       lowering.register_lowering("add", lambda ctx, x, y: [x])
+
+  def test_rule_tables_name_primitives_not_strings(self):
+    sources = {str(p.relative_to(_ROOT)): p.read_text()
+               for p in sorted((_ROOT / "lowering").rglob("*.py"))}
+    self.assertEqual(primitive_lookups_by_name(sources), [])
+    fake = 'for _name in ("cumsum",):\n  _prim = getattr(loops, f"{_name}_p")\n'
+    self.assertEqual(primitive_lookups_by_name({"fake.py": fake}), ["fake.py:2"])
 
   def test_builtin_rules_are_registered_on_import(self):
     names = {p.name for p in lowering.registered_primitives()}

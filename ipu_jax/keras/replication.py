@@ -27,28 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+# One meaning per name: the replica axis and its all-reduces are the IPU ops'
+# (arrays or pytrees, over ``REPLICA_AXIS`` unless told otherwise).
+from ipu_jax.ops.collectives import REPLICA_AXIS, cross_replica_mean, cross_replica_sum
+
 __all__ = ["REPLICA_AXIS", "Replication", "cross_replica_sum", "cross_replica_mean",
            "initialize_distributed"]
-
-REPLICA_AXIS = "replicas"
 
 # Input kinds: "replicated" (the same on every replica) or "sharded" (a
 # leading replica axis). Output kinds: "replicated" (equal on every replica,
 # replica 0's is returned), "summed" (added over replicas) or "gathered"
 # (stacked along a leading replica axis).
 REPLICATED, SHARDED, SUMMED, GATHERED = "replicated", "sharded", "summed", "gathered"
-
-
-def cross_replica_sum(tree):
-  """Sum of ``tree`` over the replicas (the IPU's cross-replica all-reduce)."""
-  from ipu_jax import ops
-  return jax.tree.map(lambda x: ops.cross_replica_sum(x, REPLICA_AXIS), tree)
-
-
-def cross_replica_mean(tree):
-  """Mean of ``tree`` over the replicas."""
-  from ipu_jax import ops
-  return jax.tree.map(lambda x: ops.cross_replica_mean(x, REPLICA_AXIS), tree)
 
 
 def initialize_distributed(coordinator_address: str, num_processes: int,

@@ -42,11 +42,11 @@ from ipu_jax.lowering.rules.grouping import (Groups, Slots, gather_or_fill, grou
 
 
 _CUMULATIVE = {
-    "cumsum": ("add", jnp.add, 1),
-    "cumprod": ("mul", jnp.multiply, 1),
-    "cummax": ("max", jnp.maximum, 1),
-    "cummin": ("min", jnp.minimum, 1),
-    "cumlogsumexp": ("logaddexp", jnp.logaddexp, 10),
+    control_flow_loops.cumsum_p: ("add", jnp.add, 1),
+    control_flow_loops.cumprod_p: ("mul", jnp.multiply, 1),
+    control_flow_loops.cummax_p: ("max", jnp.maximum, 1),
+    control_flow_loops.cummin_p: ("min", jnp.minimum, 1),
+    control_flow_loops.cumlogsumexp_p: ("logaddexp", jnp.logaddexp, 10),
 }
 
 
@@ -355,6 +355,5 @@ def _make_cumulative_rule(prim, kind, combine, cost):
   return rule
 
 
-for _name, (_kind, _combine, _cost) in _CUMULATIVE.items():
-  _prim = getattr(control_flow_loops, f"{_name}_p")
+for _prim, (_kind, _combine, _cost) in _CUMULATIVE.items():
   register_lowering(_prim, _make_cumulative_rule(_prim, _kind, _combine, _cost))

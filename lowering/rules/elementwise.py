@@ -9,11 +9,10 @@ those of XLA.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from jax import lax
 
-from ipu_jax.jax_compat import add_jaxvals_p, lax_internal, lax_special
+from ipu_jax.jax_compat import add_jaxvals_p
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -22,57 +21,51 @@ from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
-_UNARY = [
-    "neg", "sign", "floor", "ceil", "round", "is_finite", "exp", "exp2", "log",
-    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos",
-    "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt",
-    "abs", "not", "erf", "erfc", "erf_inv", "lgamma", "digamma", "square",
-    "integer_pow", "convert_element_type", "reduce_precision", "imag", "real", "conj",
-    "population_count", "clz", "copy", "bessel_i0e", "bessel_i1e",
-]
-_BINARY = [
-    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "atan2",
-    "nextafter", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge",
-    "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
+# Rules are keyed by the ``Primitive`` objects themselves (a primitive of the
+# same name from elsewhere is not one of these).
+_UNARY = (
+    lax.neg_p, lax.sign_p, lax.floor_p, lax.ceil_p, lax.round_p, lax.is_finite_p, lax.exp_p,
+    lax.exp2_p, lax.log_p, lax.log1p_p, lax.expm1_p, lax.tanh_p, lax.logistic_p, lax.sin_p,
+    lax.cos_p, lax.tan_p, lax.asin_p, lax.acos_p, lax.atan_p, lax.sinh_p, lax.cosh_p,
+    lax.asinh_p, lax.acosh_p, lax.atanh_p, lax.sqrt_p, lax.rsqrt_p, lax.cbrt_p, lax.abs_p,
+    lax.not_p, lax.erf_p, lax.erfc_p, lax.erf_inv_p, lax.lgamma_p, lax.digamma_p, lax.square_p,
+    lax.integer_pow_p, lax.convert_element_type_p, lax.reduce_precision_p, lax.imag_p,
+    lax.real_p, lax.conj_p, lax.population_count_p, lax.clz_p, lax.copy_p, lax.bessel_i0e_p,
+    lax.bessel_i1e_p,
+)
+_BINARY = (
+    lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.rem_p, lax.pow_p, lax.max_p, lax.min_p,
+    lax.atan2_p, lax.nextafter_p, lax.and_p, lax.or_p, lax.xor_p, lax.eq_p, lax.ne_p, lax.lt_p,
+    lax.le_p, lax.gt_p, lax.ge_p, lax.shift_left_p, lax.shift_right_logical_p,
+    lax.shift_right_arithmetic_p, lax.igamma_p, lax.igammac_p, lax.igamma_grad_a_p,
+    lax.polygamma_p, lax.zeta_p,
     # Total-order comparisons (NaNs and signed zeros ordered; searchsorted).
-    "eq_to", "lt_to", "le_to",
+    lax.eq_to_p, lax.lt_to_p, lax.le_to_p,
     # ``lax.complex(re, im)`` and ``lax.mulhi`` (high half of an integer product).
-    "complex", "mulhi",
-]
-_OTHER = ["select_n", "clamp", "add_any", "regularized_incomplete_beta"]
+    lax.complex_p, lax.mulhi_p,
+)
+# ``add_any`` (``add_jaxvals_p``) is the sum of cotangents JAX's autodiff adds.
+_OTHER = (lax.select_n_p, lax.clamp_p, add_jaxvals_p, lax.regularized_incomplete_beta_p)
 
-_FLOPS = {"logistic": 4, "tanh": 4, "erf": 8, "erf_inv": 12, "exp": 2, "log": 2,
-          "pow": 8, "div": 1, "rsqrt": 2, "sqrt": 2, "complex": 0,
+_FLOPS = {lax.logistic_p: 4, lax.tanh_p: 4, lax.erf_p: 8, lax.erf_inv_p: 12, lax.exp_p: 2,
+          lax.log_p: 2, lax.pow_p: 8, lax.div_p: 1, lax.rsqrt_p: 2, lax.sqrt_p: 2,
+          lax.complex_p: 0,
           # Continued-fraction evaluations of a few dozen terms.
-          "regularized_incomplete_beta": 200, "igamma_grad_a": 200}
-
-
-def _find_primitive(name):
-  """The primitive called ``name`` (public ``lax`` first, then JAX's internals)."""
-  if name == "add_any":
-    return add_jaxvals_p
-  for module in (lax, lax_special, lax_internal):
-    prim = getattr(module, f"{name}_p", None)
-    if prim is not None:
-      return prim
-  raise ImportError(f"JAX {jax.__version__} has no primitive '{name}_p' "
-                    f"(ipu_jax supports the JAX range pinned in setup.cfg)")
+          lax.regularized_incomplete_beta_p: 200, lax.igamma_grad_a_p: 200}
 
 
 def _make_rule(primitive):
   def rule(ctx, *operands, **params):
     def body(*arrays):
-      if primitive.name == "add_any":
+      if primitive is add_jaxvals_p:
         return arrays[0] + arrays[1]
       return primitive.bind(*arrays, **params)
     return elementwise(ctx, body, operands,
-                       flops_per_element=_FLOPS.get(primitive.name, 1))
+                       flops_per_element=_FLOPS.get(primitive, 1))
   return rule
 
 
-for _name in _UNARY + _BINARY + _OTHER:
-  _prim = _find_primitive(_name)
+for _prim in _UNARY + _BINARY + _OTHER:
   register_lowering(_prim, _make_rule(_prim))
 
 

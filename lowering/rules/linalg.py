@@ -49,6 +49,7 @@ import numpy as np
 
 from ipu_jax.jax_compat import control_flow, lax_linalg
 from ipu_jax.kernels import linalg as K
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.problems import solve_problems
 from ipu_jax.lowering.registry import register_lowering
@@ -209,58 +210,58 @@ def _ormqr_flops(cores, params):
 
 
 SPECS = {
-    "cholesky": LinalgSpec(
+    lax_linalg.cholesky_p: LinalgSpec(
         2, lambda c, p: K.cholesky_flops(c[0][-1]), lambda c, p: c[0][-1],
-        "poplin::Cholesky"),
-    "cholesky_update": LinalgSpec(
+        vocab.CHOLESKY),
+    lax_linalg.cholesky_update_p: LinalgSpec(
         2, lambda c, p: 6.0 * c[0][-1] ** 2, lambda c, p: c[0][-1],
-        "poplin::CholeskyUpdate", float_operands=(0, 1)),
-    "triangular_solve": LinalgSpec(
-        2, _tri_solve_flops, lambda c, p: c[0][-1], "poplin::TriangularSolve",
+        vocab.CHOLESKY_UPDATE, float_operands=(0, 1)),
+    lax_linalg.triangular_solve_p: LinalgSpec(
+        2, _tri_solve_flops, lambda c, p: c[0][-1], vocab.TRIANGULAR_SOLVE,
         float_operands=(0, 1)),
-    "lu": LinalgSpec(
-        2, lambda c, p: K.lu_flops(*c[0][-2:]), lambda c, p: min(c[0][-2:]), "poplin::LU"),
-    "lu_pivots_to_permutation": LinalgSpec(
+    lax_linalg.lu_p: LinalgSpec(
+        2, lambda c, p: K.lu_flops(*c[0][-2:]), lambda c, p: min(c[0][-2:]), vocab.LU),
+    lax_linalg.lu_pivots_to_permutation_p: LinalgSpec(
         1, lambda c, p: p["permutation_size"] + 2 * c[0][-1], lambda c, p: c[0][-1],
-        "poplin::LuPivotsToPermutation", float_operands=()),
-    "qr": LinalgSpec(
-        2, _qr_flops, lambda c, p: min(c[0][-2:]), "poplin::HouseholderQR", workspace=1),
-    "geqrf": LinalgSpec(
+        vocab.LU_PIVOTS_TO_PERMUTATION, float_operands=()),
+    lax_linalg.qr_p: LinalgSpec(
+        2, _qr_flops, lambda c, p: min(c[0][-2:]), vocab.HOUSEHOLDER_QR, workspace=1),
+    lax_linalg.geqrf_p: LinalgSpec(
         2, lambda c, p: K.qr_flops(*c[0][-2:]), lambda c, p: min(c[0][-2:]),
-        "poplin::Geqrf"),
-    "geqp3": LinalgSpec(
+        vocab.GEQRF),
+    lax_linalg.geqp3_p: LinalgSpec(
         2, lambda c, p: K.qr_flops(*c[0][-2:]) + 4.0 * c[0][-2] * c[0][-1],
-        lambda c, p: min(c[0][-2:]), "poplin::Geqp3"),
-    "householder_product": LinalgSpec(
+        lambda c, p: min(c[0][-2:]), vocab.GEQP3),
+    lax_linalg.householder_product_p: LinalgSpec(
         2, lambda c, p: K.form_q_flops(c[0][-2], c[0][-1], c[1][-1]),
-        lambda c, p: c[1][-1], "poplin::HouseholderProduct", float_operands=(0, 1)),
-    "ormqr": LinalgSpec(
-        2, _ormqr_flops, lambda c, p: c[1][-1], "poplin::Ormqr", float_operands=(0, 1, 2)),
-    "eigh": LinalgSpec(
+        lambda c, p: c[1][-1], vocab.HOUSEHOLDER_PRODUCT, float_operands=(0, 1)),
+    lax_linalg.ormqr_p: LinalgSpec(
+        2, _ormqr_flops, lambda c, p: c[1][-1], vocab.ORMQR, float_operands=(0, 1, 2)),
+    lax_linalg.eigh_p: LinalgSpec(
         2, lambda c, p: K.eigh_flops(c[0][-1]),
         lambda c, p: max(1, K.jacobi_sweeps(c[0][-1]) * max(c[0][-1] - 1, 1)),
-        "poplin::JacobiEigh", workspace=1, check=_check_eigh, host_params=_host_algorithm),
-    "svd": LinalgSpec(
+        vocab.JACOBI_EIGH, workspace=1, check=_check_eigh, host_params=_host_algorithm),
+    lax_linalg.svd_p: LinalgSpec(
         2, lambda c, p: K.svd_flops(*c[0][-2:], compute_uv=p.get("compute_uv", True)),
-        _svd_steps, "poplin::JacobiSVD", workspace=1, check=_check_svd,
+        _svd_steps, vocab.JACOBI_SVD, workspace=1, check=_check_svd,
         host_params=_host_algorithm),
-    "eig": LinalgSpec(
-        2, _eig_flops, lambda c, p: c[0][-1], "poplin::HessenbergQREig", workspace=1),
-    "schur": LinalgSpec(
+    lax_linalg.eig_p: LinalgSpec(
+        2, _eig_flops, lambda c, p: c[0][-1], vocab.HESSENBERG_QR_EIG, workspace=1),
+    lax_linalg.schur_p: LinalgSpec(
         2, lambda c, p: K.schur_flops(c[0][-1], p.get("compute_schur_vectors", True)),
-        lambda c, p: c[0][-1], "poplin::Schur", workspace=1),
-    "hessenberg": LinalgSpec(
+        lambda c, p: c[0][-1], vocab.SCHUR, workspace=1),
+    lax_linalg.hessenberg_p: LinalgSpec(
         2, lambda c, p: K.hessenberg_flops(c[0][-1]), lambda c, p: c[0][-1],
-        "poplin::Hessenberg"),
-    "tridiagonal": LinalgSpec(
+        vocab.HESSENBERG),
+    lax_linalg.tridiagonal_p: LinalgSpec(
         2, lambda c, p: K.tridiagonal_flops(c[0][-1]), lambda c, p: c[0][-1],
-        "poplin::Tridiagonal"),
-    "tridiagonal_solve": LinalgSpec(
+        vocab.TRIDIAGONAL),
+    lax_linalg.tridiagonal_solve_p: LinalgSpec(
         1, lambda c, p: 3.0 * c[0][-1] + 5.0 * c[3][-2] * c[3][-1], lambda c, p: c[0][-1],
-        "poplin::TridiagonalSolve", float_operands=(0, 1, 2, 3)),
-    "symmetric_product": LinalgSpec(
+        vocab.TRIDIAGONAL_SOLVE, float_operands=(0, 1, 2, 3)),
+    lax_linalg.symmetric_product_p: LinalgSpec(
         2, lambda c, p: float(c[0][-2]) ** 2 * c[0][-1] + 2.0 * c[1][-1] ** 2,
-        lambda c, p: 1, "poplin::SymmetricProduct", float_operands=(0, 1)),
+        lambda c, p: 1, vocab.SYMMETRIC_PRODUCT, float_operands=(0, 1)),
 }
 
 
@@ -276,8 +277,7 @@ def _custom_linear_solve(ctx, *operands, const_lengths, jaxprs, **params):
 
 
 def _register():
-  for name, spec in SPECS.items():
-    primitive = getattr(lax_linalg, f"{name}_p")
+  for primitive, spec in SPECS.items():
     register_lowering(primitive, _rule(primitive, spec))
   register_lowering(control_flow.linear_solve_p, _custom_linear_solve)
 

@@ -365,8 +365,9 @@ def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_index_gro
   def fn(v):
     return lax.psum_scatter(v, axis_name, scatter_dimension=dim, tiled=tiled)
 
+  # What arrives is added by the vertex that adds a matmul's partials.
   _emit_collective(ctx, f"reduce_scatter x{replicas}", x, out, fn, exchange, compute,
-                   "popops::ReduceAdd")
+                   vocab.vertex(vocab.REDUCE_ADD, x.dtype, x.dtype))
   return [out]
 
 

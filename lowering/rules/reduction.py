@@ -613,9 +613,10 @@ def _add(a, b):
 
 
 _MONOIDS = {
-    "reduce_sum": "add", "reduce_prod": "mul", "reduce_max": "max",
-    "reduce_min": "min", "reduce_and": "and", "reduce_or": "or",
-    "reduce_xor": "xor",
+    lax_internal.reduce_sum_p: "add", lax_internal.reduce_prod_p: "mul",
+    lax_internal.reduce_max_p: "max", lax_internal.reduce_min_p: "min",
+    lax_internal.reduce_and_p: "and", lax_internal.reduce_or_p: "or",
+    lax_internal.reduce_xor_p: "xor",
 }
 
 
@@ -626,8 +627,7 @@ def _make_monoid_rule(prim, kind):
   return rule
 
 
-for _name, _kind in _MONOIDS.items():
-  _prim = getattr(lax_internal, f"{_name}_p")
+for _prim, _kind in _MONOIDS.items():
   register_lowering(_prim, _make_monoid_rule(_prim, _kind))
 
 

@@ -125,15 +125,14 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
   return rule
 
 
-_SCATTERS = [
+_SCATTERS = (
     (lax.scatter_p, vocab.MULTI_UPDATE, 1.0, False),
     (lax.scatter_add_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "add"), 2.0, True),
     (lax.scatter_mul_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "mul"), 2.0, True),
     (lax.scatter_min_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "min"), 2.0, True),
     (lax.scatter_max_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "max"), 2.0, True),
-]
-if hasattr(lax, "scatter_sub_p"):
-  _SCATTERS.append((lax.scatter_sub_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "sub"), 2.0, True))
+    (lax.scatter_sub_p, vocab.vertex(vocab.MULTI_UPDATE_OP, "sub"), 2.0, True),
+)
 
 for _prim, _codelet, _cycles, _flops in _SCATTERS:
   register_lowering(_prim, _scatter_rule(_prim, _codelet, _cycles, _flops))

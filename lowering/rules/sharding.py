@@ -6,8 +6,9 @@ are the two phases of a ring all-reduce, costed apart (see
 
 * **reduce-scatter** of a ``[R * n]`` vector: every tile sends and receives
   ``(R - 1) / R`` of the bytes it holds over the IPU-Links and adds what it
-  receives (``popops::ReduceAdd``); the replica's reduced block then moves to
-  the ``[n]`` result's tiles (an on-IPU exchange).
+  receives (``poplin::ReduceAdd``, the vertex that adds a matmul's partials:
+  a tile running both holds its code once); the replica's reduced block then
+  moves to the ``[n]`` result's tiles (an on-IPU exchange).
 * **all-gather** of an ``[n]`` vector into ``[R * n]``: the replica's own block
   is copied on its IPU, the other ``R - 1`` blocks arrive over the links:
   ``(R - 1) / R`` of the gathered bytes per tile.
@@ -19,6 +20,7 @@ memory and update work, not link traffic.
 from __future__ import annotations
 
 from ipu_jax import ops
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.builders import add_costs
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.parallel import (_block_positions, _emit_collective,
@@ -39,7 +41,7 @@ def _reduce_scatter_rule(ctx, x, *, axis_name, replicas):
     return _scatter_impl(v, axis_name=axis_name, replicas=replicas)
 
   _emit_collective(ctx, f"reduce_scatter x{replicas}", x, out, fn, exchange, compute,
-                   "popops::ReduceAdd")
+                   vocab.vertex(vocab.REDUCE_ADD, x.dtype, x.dtype))
   return [out]
 
 

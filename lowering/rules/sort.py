@@ -290,11 +290,9 @@ def _top_k(ctx, operand, *, k, **params):
   return _top_k_like(ctx, lax.top_k_p, dict(params, k=k), operand, axis, k)
 
 
-if hasattr(lax, "approx_top_k_p"):
-
-  @register_lowering(lax.approx_top_k_p)
-  def _approx_top_k(ctx, operand, *, k, reduction_dimension, **params):
-    axis = reduction_dimension % len(operand.shape)
-    return _top_k_like(ctx, lax.approx_top_k_p,
-                       dict(params, k=k, reduction_dimension=reduction_dimension),
-                       operand, axis, ctx.out_avals[0].shape[axis])
+@register_lowering(lax.approx_top_k_p)
+def _approx_top_k(ctx, operand, *, k, reduction_dimension, **params):
+  axis = reduction_dimension % len(operand.shape)
+  return _top_k_like(ctx, lax.approx_top_k_p,
+                     dict(params, k=k, reduction_dimension=reduction_dimension),
+                     operand, axis, ctx.out_avals[0].shape[axis])
