@@ -631,7 +631,7 @@ def table(rows: list) -> str:
 
 def main(argv):
   del argv
-  from ipu_jax.cost_model import COST_MODEL_VERSION
+  from ipu_jax.kernels.cost_model import COST_MODEL_VERSION
   rows = []
   for case in all_cases():
     if _CASES.value and not any(case.name.startswith(p) for p in _CASES.value):

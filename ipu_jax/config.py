@@ -33,7 +33,9 @@ import os
 import textwrap
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from ipu_jax.target import PRESETS, IPUTarget
+from ipu_jax.kernels.target import PRESETS, IPUTarget
+from ipu_jax.lowering.options import (BOOL, LOWERING_KINDS, OPTIONAL_PATH, PROPORTION,
+                                      LoweringOptions, OptionKind, integer, one_of)
 
 __all__ = [
     "IPUConfig",
@@ -48,64 +50,17 @@ __all__ = [
 REPORT_DIR_ENV = "IPU_JAX_REPORT_DIR"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Kind:
-  """The values an option accepts.
-
-  Attributes:
-    description: the accepted values in words, quoted in error messages.
-    types: accepted Python types. ``bool`` passes only when listed itself:
-      ``True`` is an ``int`` to Python but hardly ever meant as one.
-    is_valid: range check, applied once the type is right.
-    convert: turns an accepted value into its stored form.
-    allow_none: whether ``None`` is accepted.
-  """
-
-  description: str
-  types: tuple[type, ...]
-  is_valid: Callable[[Any], bool] = lambda value: True
-  convert: Callable[[Any], Any] = lambda value: value
-  allow_none: bool = False
-
-  def check(self, name: str, value: Any) -> Any:
-    """Returns ``value`` in stored form, or raises an error naming ``name``."""
-    if value is None and self.allow_none:
-      return None
-    if ((isinstance(value, bool) and bool not in self.types) or
-        not isinstance(value, self.types)):
-      raise TypeError(f"{name} must be {self.description}; got {value!r} of "
-                      f"type {type(value).__name__}.")
-    if not self.is_valid(value):
-      raise ValueError(f"{name} must be {self.description}; got {value!r}.")
-    return self.convert(value)
-
-
-def _one_of(*choices: str) -> _Kind:
-  return _Kind("one of " + ", ".join(map(repr, choices)), (str,),
-               lambda value: value in choices)
-
-
-def _integer(minimum: Optional[int] = None, allow_none: bool = False) -> _Kind:
-  description = "an int" if minimum is None else f"an int >= {minimum}"
-  if allow_none:
-    description += " or None"
-  return _Kind(description, (numbers.Integral,),
-               lambda value: minimum is None or value >= minimum, int,
-               allow_none)
-
-
-# `0 < value` is False for NaN, so NaN is rejected too.
-_PROPORTION = _Kind("a number in (0, 1]", (numbers.Real,),
-                    lambda value: 0 < value <= 1, float)
-_BOOL = _Kind("a bool", (bool,))
-_OPTIONAL_PATH = _Kind("a str (or path) or None", (str, os.PathLike),
-                       convert=os.fspath, allow_none=True)
+# The checked kinds of value are the lowering's (ipu_jax.lowering.options),
+# so an option the lowering reads is checked the same way in both places.
+def _lowering_option(field: str, doc: str) -> "_Option":
+  """An option the lowering reads: its kind and default are LoweringOptions'."""
+  return _Option(LOWERING_KINDS[field], LoweringOptions.default(field), doc)
 
 
 class _Option:
   """A data descriptor declaring one option: what it accepts, default, doc."""
 
-  def __init__(self, kind: _Kind, default: Any, doc: str):
+  def __init__(self, kind: OptionKind, default: Any, doc: str):
     self.kind = kind
     self.default = default
     self.__doc__ = doc
@@ -265,12 +220,12 @@ class _DeviceOptions(_Group):
   """The emulated IPU chip."""
 
   version = _Option(
-      _one_of("ipu1", "ipu2", "bow", "ipu21"), "ipu2",
+      one_of("ipu1", "ipu2", "bow", "ipu21"), "ipu2",
       "IPU generation to emulate: 'ipu1' (GC2, 1216 tiles x 256 KiB), 'ipu2' "
       "(GC200, 1472 tiles x 624 KiB), 'bow' (the GC200 die at 1.85 GHz) or "
       "'ipu21' (the C600's Mk2 IPU with FP8 units).")
   tiles_per_ipu = _Option(
-      _integer(0), 0,
+      integer(0), 0,
       "Tiles to use on each IPU; 0 means every tile of device.version. Fewer "
       "tiles make small tests and studies fast. The chip's limit is checked by "
       "to_target(), since device.version may be set afterwards.")
@@ -279,13 +234,13 @@ class _DeviceOptions(_Group):
 class _MatmulOptions(_Group):
   """How matrix multiplications are planned."""
 
-  available_memory_proportion = _Option(
-      _PROPORTION, 0.6,
+  available_memory_proportion = _lowering_option(
+      "available_memory_proportion",
       "Fraction of each tile's memory a matmul may use for temporaries "
       "(Poplar's availableMemoryProportion); lower values trade cycles for "
       "memory.")
-  partials_type = _Option(
-      _one_of("float32", "float16"), "float32",
+  partials_type = _lowering_option(
+      "partials_type",
       "Type of matmul partial sums: 'float32' is more accurate, 'float16' "
       "halves their memory for half-precision inputs.")
 
@@ -293,8 +248,8 @@ class _MatmulOptions(_Group):
 class _ConvolutionOptions(_Group):
   """How convolutions are planned."""
 
-  available_memory_proportion = _Option(
-      _PROPORTION, 0.6,
+  available_memory_proportion = _lowering_option(
+      "conv_available_memory_proportion",
       "Fraction of each tile's memory a convolution may use for temporaries "
       "(Poplar's availableMemoryProportion); lower values trade cycles for "
       "memory.")
@@ -303,8 +258,8 @@ class _ConvolutionOptions(_Group):
 class _MemoryOptions(_Group):
   """What to do when tiles run out of memory."""
 
-  allow_out_of_memory = _Option(
-      _BOOL, False,
+  allow_out_of_memory = _lowering_option(
+      "allow_out_of_memory",
       "Lower programs whose tiles exceed their memory instead of raising "
       "OutOfMemoryError, so their report can still be read (Poplar's "
       "debug.allowOutOfMemory).")
@@ -313,13 +268,13 @@ class _MemoryOptions(_Group):
 class _ReportOptions(_Group):
   """Where compilation reports go, and whether slow compiles show progress."""
 
-  directory = _Option(
-      _OPTIONAL_PATH, None,
+  directory = _lowering_option(
+      "report_directory",
       "Directory where a report of every compiled program is saved. None "
       f"saves none, unless the {REPORT_DIR_ENV} environment variable names a "
       "directory.")
   progress = _Option(
-      _BOOL, True,
+      BOOL, True,
       "Show the progress of compiles that take over 2 s (tracing, lowering "
       "n/N equations, planning, memory check, compiling); False silences it "
       "like verbose=0.")
@@ -329,17 +284,17 @@ class _TrainingOptions(_Group):
   """How gradients are accumulated and reduced when training."""
 
   gradient_accumulation_reduction = _Option(
-      _one_of("sum", "mean", "running_mean"), "sum",
+      one_of("sum", "mean", "running_mean"), "sum",
       "How the gradients of accumulated micro-batches are combined: 'sum' "
       "(the Keras-on-IPU default), 'mean' (what optax.MultiSteps gives) or "
       "'running_mean' (a mean kept while accumulating, which stays in range "
       "in float16).")
   replica_reduction = _Option(
-      _one_of("sum", "mean"), "sum",
+      one_of("sum", "mean"), "sum",
       "How gradients are combined across replicas: 'sum' of the per-replica "
       "gradients (Keras on IPU) or their 'mean' (PopTorch).")
   gradient_accumulation_steps = _Option(
-      _integer(1), 1,
+      integer(1), 1,
       "Micro-batches whose gradients are accumulated before each weight "
       "update.")
 
@@ -347,8 +302,8 @@ class _TrainingOptions(_Group):
 class _ExecutorOptions(_Group):
   """How the emulator runs programs on the host."""
 
-  mode = _Option(
-      _one_of("batched", "per_tile"), "batched",
+  mode = _lowering_option(
+      "executor_mode",
       "How identical per-tile vertices are arranged on the host: 'batched' "
       "runs them as fewer, larger operations, 'per_tile' one tile at a time. "
       "Results and per-tile accounting are identical; only host speed "
@@ -360,8 +315,8 @@ class _FloatingPointOptions(_Group):
   """How the chip rounds and overflows in reduced precision (ipu_jax/rounding.py),
   and which floating-point exceptions stop a program (lowering/fp_exceptions.py)."""
 
-  esr = _Option(
-      _one_of("OFF", "ON", "REPLICA_IDENTICAL_ONLY"), "OFF",
+  esr = _lowering_option(
+      "stochastic_rounding",
       "Stochastic rounding of every float32 -> float16/FP8 rounding the chip "
       "does (casts, matmul and convolution results, elementwise results, so "
       "weight updates): 'OFF' rounds to nearest (bit-exact with jax.jit), 'ON' "
@@ -369,29 +324,29 @@ class _FloatingPointOptions(_Group):
       "generator (different on each replica), 'REPLICA_IDENTICAL_ONLY' only "
       "values identical on all replicas, with equal bits on every replica "
       "(TF-IPU's ESR modes; PopTorch's enableStochasticRounding is 'ON').")
-  seed = _Option(
-      _integer(0), 0,
+  seed = _lowering_option(
+      "rounding_seed",
       "Seed of the tiles' hardware random generators (Poplar's setSeed); "
       "the same seed gives the same stochastic roundings.")
-  nanoo = _Option(
-      _BOOL, True,
+  nanoo = _lowering_option(
+      "nanoo",
       "Not-a-number on overflow: True lets float16 results overflow to "
       "inf (and NaN), as jax.jit does; False saturates them to +-65504.")
-  inv = _Option(
-      _BOOL, False,
+  inv = _lowering_option(
+      "inv",
       "Trap invalid operations (IEEE 754: 0/0, inf - inf, 0 * inf, sqrt or "
       "log of a negative, ...): a compute step producing a NaN from non-NaN "
       "inputs stops the program with ipu_jax.FloatingPointException naming "
       "the operation, the source line and the step (Poplar's "
       "FloatingPointBehaviour.inv; off by default, as in TF-IPU's IPUConfig).")
-  div0 = _Option(
-      _BOOL, False,
+  div0 = _lowering_option(
+      "div0",
       "Trap division by zero: an infinity produced from finite inputs by an "
       "operation with a pole (x/0, log(0), rsqrt(0), ...) stops the program "
       "with ipu_jax.FloatingPointException (Poplar's "
       "FloatingPointBehaviour.div0; off by default).")
-  oflo = _Option(
-      _BOOL, False,
+  oflo = _lowering_option(
+      "oflo",
       "Trap overflow: an infinity produced from finite inputs by arithmetic "
       "(exp, sums, products, matmuls, float32 -> float16 casts beyond 65504) "
       "stops the program with ipu_jax.FloatingPointException (Poplar's "
@@ -405,14 +360,14 @@ class _StreamingOptions(_Group):
   """What the training layer keeps in streaming memory, and how replicas share it."""
 
   offload_optimizer_state = _Option(
-      _BOOL, False,
+      BOOL, False,
       "Keep the optimizer state in streaming memory (IPU-Machine DDR), streamed "
       "onto the tiles for each weight update and back after it, as "
       "TensorFlow-IPU's offload_weight_update_variables does. Numbers are "
       "unchanged; tile memory falls by the state's bytes, the copies cost "
       "cycles at the streaming-memory bandwidth.")
   replicated_tensor_sharding = _Option(
-      _BOOL, False,
+      BOOL, False,
       "With replication_factor R > 1, each replica holds 1/R of the optimizer "
       "state: gradients are reduce-scattered, each replica updates its shard "
       "of the weights, and the new weights are all-gathered (TensorFlow-IPU's "
@@ -428,14 +383,14 @@ class _PipeliningOptions(_Group):
   """How ipu_jax.pipelining.Pipeline runs a model split into stages."""
 
   schedule = _Option(
-      _one_of("Grouped", "Interleaved", "Sequential"), "Grouped",
+      one_of("Grouped", "Interleaved", "Sequential"), "Grouped",
       "Pipeline schedule (TF-IPU's PipelineSchedule): 'Grouped' (forward "
       "passes grouped, then backward passes), 'Interleaved' (one pass per IPU "
       "per slot, fewer activations stashed) or 'Sequential' (sharded: one "
       "stage at a time). The number of micro-batches per step is "
       "training.gradient_accumulation_steps.")
   recomputation = _Option(
-      _BOOL, False,
+      BOOL, False,
       "Recompute each stage's forward pass in its backward pass, stashing "
       "only the stage's inputs and the values marked with "
       "ipu_jax.ops.recomputation_checkpoint (TF-IPU's recomputation_mode "
@@ -448,8 +403,8 @@ class _PipeliningOptions(_Group):
 class _FusionOptions(_Group):
   """Which operations lowering fuses into one compute set."""
 
-  elementwise = _Option(
-      _BOOL, True,
+  elementwise = _lowering_option(
+      "fuse_elementwise",
       "Fuse chains of elementwise operations on the same tile layout into "
       "one compute set (one sync, one vertex per tile), as popops map "
       "expressions and XLA fusion do; False gives every operation its own "
@@ -473,10 +428,10 @@ class IPUConfig(_Group):
 
   device = _Section(_DeviceOptions)
   auto_select_ipus = _Option(
-      _integer(1), 1,
+      integer(1), 1,
       "IPUs each replica spans; the target has this many IPUs.")
   replication_factor = _Option(
-      _integer(1), 1,
+      integer(1), 1,
       "Data-parallel replicas of the program, each on its own "
       "auto_select_ipus IPUs.")
   matmuls = _Section(_MatmulOptions)
@@ -490,7 +445,7 @@ class IPUConfig(_Group):
   pipelining = _Section(_PipeliningOptions)
   fusion = _Section(_FusionOptions)
   random_seed = _Option(
-      _integer(allow_none=True), None,
+      integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "
       "reproducible runs; None fixes no seed.")
 
@@ -575,56 +530,6 @@ _LOWERING_SOURCES = {
     "oflo": "floating_point_behaviour.oflo",
     "fuse_elementwise": "fusion.elementwise",
 }
-_OPTIONS_BY_PATH = dict(IPUConfig._leaf_paths())
-
-
-def _default(field: str) -> Any:
-  return _OPTIONS_BY_PATH[_LOWERING_SOURCES[field]].default
-
-
-@dataclasses.dataclass(frozen=True)
-class LoweringOptions:
-  """What lowering needs from an :class:`IPUConfig`; a hashable cache key.
-
-  Defaults equal those of ``IPUConfig`` (without the environment fallback), so
-  ``LoweringOptions()`` is usable on its own. Values are checked like the
-  options they come from.
-
-  Attributes:
-    available_memory_proportion: ``matmuls.available_memory_proportion``.
-    conv_available_memory_proportion:
-      ``convolutions.available_memory_proportion``.
-    partials_type: ``matmuls.partials_type``.
-    allow_out_of_memory: ``memory.allow_out_of_memory``.
-    report_directory: ``report.directory``, else ``$IPU_JAX_REPORT_DIR``.
-    executor_mode: ``executor.mode``.
-    stochastic_rounding, rounding_seed, nanoo:
-      ``floating_point_behaviour.esr``, ``.seed``, ``.nanoo``.
-    inv, div0, oflo: ``floating_point_behaviour.inv``, ``.div0``,
-      ``.oflo`` (exceptions the executor traps).
-    fuse_elementwise: ``fusion.elementwise``.
-  """
-
-  available_memory_proportion: float = _default("available_memory_proportion")
-  conv_available_memory_proportion: float = _default(
-      "conv_available_memory_proportion")
-  partials_type: str = _default("partials_type")
-  allow_out_of_memory: bool = _default("allow_out_of_memory")
-  report_directory: Optional[str] = _default("report_directory")
-  executor_mode: str = _default("executor_mode")
-  stochastic_rounding: str = _default("stochastic_rounding")
-  rounding_seed: int = _default("rounding_seed")
-  nanoo: bool = _default("nanoo")
-  inv: bool = _default("inv")
-  div0: bool = _default("div0")
-  oflo: bool = _default("oflo")
-  fuse_elementwise: bool = _default("fuse_elementwise")
-
-  def __post_init__(self):
-    for name, path in _LOWERING_SOURCES.items():
-      value = _OPTIONS_BY_PATH[path].kind.check(f"LoweringOptions.{name}",
-                                                getattr(self, name))
-      object.__setattr__(self, name, value)
 
 
 _DEFAULT_CONFIG: contextvars.ContextVar[Optional[IPUConfig]] = (

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.number_formats import F143, F152, fp8_format
+from ipu_jax.kernels.number_formats import F143, F152, fp8_format
 from ipu_jax.ops.fp8 import cast_to_fp8, fp8_matmul
 
 __all__ = ["amax_log2_scale", "fp8_dense", "FP8Linear", "FP8Stats", "FP8GradAmax",

@@ -49,7 +49,7 @@ from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.mapping import TileMapping, linear_chunk
 from ipu_jax.report import Report
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = [
     "Graph", "GraphTensor", "ComputeSet", "Vertex", "Engine", "codelet", "Codelet",

@@ -35,9 +35,9 @@ from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
 from ipu_jax.rounding import apply_floating_point_behaviour
-from ipu_jax.lowering.rules import rounding as rounding_rules
+from ipu_jax.rounding import PRNG_STATE, prng_state_value
 from ipu_jax.lowering.remote import is_remote
-from ipu_jax.target import PRESETS, IPUTarget
+from ipu_jax.kernels.target import PRESETS, IPUTarget
 
 __all__ = ["jit", "IPUFunction", "Lowered"]
 
@@ -120,7 +120,7 @@ class Lowered:
     self.inputs, self.outputs, self.constants = inputs, outputs, list(ctx.constants)
     # Constants the program updates and the next run starts from (device
     # state, as the tiles' generator registers): their constant indices.
-    prng = {id(t) for key, t in ctx.program_states.items() if key[0] == rounding_rules.PRNG_STATE}
+    prng = {id(t) for key, t in ctx.program_states.items() if key[0] == PRNG_STATE}
     self._device_state = [i for i, c in enumerate(self.constants) if id(c) in prng]
     return ctx
 
@@ -298,7 +298,7 @@ class Lowered:
                        f"floating_point_behaviour.seed); got {seed}.")
     for i in self._device_state:
       tensor = self.constants[i]
-      value = rounding_rules.prng_state_value(self.target.num_tiles, int(seed))
+      value = prng_state_value(self.target.num_tiles, int(seed))
       self._constant_values[i] = to_storage(jnp.asarray(value).reshape(-1), tensor.mapping)
 
   @property

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import jax
 
-from ipu_jax.errors import LoweringError
+from ipu_jax.lowering.errors import LoweringError
 from ipu_jax.lowering import remote
 
 __all__ = ["MIN_OFFLOAD_BYTES", "offloaded_input_leaves", "offload_program", "out_paths_of"]

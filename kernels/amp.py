@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["AmpGeometry", "amp_geometry", "amp_block_cycles"]
 

@@ -69,7 +69,7 @@ class Codelet:
     if self.cycles is None:
       return 0
     if self.supervisor:
-      from ipu_jax.target import IPUTarget
+      from ipu_jax.kernels.target import IPUTarget
       return int(self.cycles(target if target is not None else IPUTarget(), *specs))
     return int(self.cycles(*specs))
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ipu_jax.kernels import popops
 from ipu_jax.kernels import reduce
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = [
     "worker_split_cycles", "elementwise_cycles", "reduce_cycles",

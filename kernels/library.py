@@ -19,7 +19,7 @@ from ipu_jax.kernels.amp import amp_block_cycles
 from ipu_jax.kernels.codelet import Codelet
 from ipu_jax.kernels.estimators import WORKER_OVERHEAD, elementwise_cycles
 from ipu_jax.kernels.reduce import reduce_vertex_cycles
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["unary", "binary", "scaled_add", "partial_reduce", "final_reduce",
            "dot_product", "matmul_block", "copy", "fill", "vector_cycles"]

@@ -52,7 +52,7 @@ import math
 import numpy as np
 
 from ipu_jax.kernels.estimators import WORKER_OVERHEAD
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = [
     "problem_cycles", "complex_factor", "cholesky_flops",

@@ -19,14 +19,14 @@ import functools
 
 import numpy as np
 
-from ipu_jax.errors import OutOfMemoryError
+from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import exchange_cycles
 from ipu_jax.lowering.remote import is_remote, streaming_profile
 from ipu_jax.lowering.profile import (MemoryProfile, ProgramProfile,
                                       StepProfile, TensorProfile)
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["profile_program", "check_memory"]
 

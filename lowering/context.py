@@ -29,11 +29,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ipu_jax.config import LoweringOptions
+from ipu_jax.lowering.options import LoweringOptions
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.scopes import join_scopes, module_path
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["LoweringContext", "LoweringOptions", "ModuleContext", "RuleContext"]
 

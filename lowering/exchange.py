@@ -16,7 +16,7 @@ import numpy as np
 
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["ExchangeCost", "movement_cost", "interval_movement_cost", "to_storage", "to_flat",
            "relayout", "relayout_cost", "shift_cost", "exchange_cycles", "ordered_runs",

@@ -56,7 +56,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.errors import FloatingPointException
+from ipu_jax.lowering.errors import FloatingPointException
 from ipu_jax.lowering import program as P
 
 __all__ = ["KINDS", "RECORD_KEY", "Traps", "traps_from_options", "fused_members", "run_fused"]

@@ -83,7 +83,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
 from ipu_jax.lowering.mapping import tiles_key
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
 

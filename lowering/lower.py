@@ -6,8 +6,8 @@ import numpy as np
 
 from jax.extend import core as jcore
 
-from ipu_jax.errors import LoweringError
-from ipu_jax.jax_compat import source_info_util
+from ipu_jax.lowering.errors import LoweringError
+from ipu_jax.lowering.jax_compat import source_info_util
 from ipu_jax.lowering.context import LoweringContext, RuleContext
 from ipu_jax.lowering.registry import get_lowering
 

@@ -74,7 +74,7 @@ from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 
 if TYPE_CHECKING:  # program imports this module's users; only the annotation needs it
   from ipu_jax.lowering import program as P
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
            "partials_dtype", "tree_fanins", "block_grid_mapping", "blocked_storage",

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["StepProfile", "TensorProfile", "MemoryProfile", "ProgramProfile",
            "MEMORY_CATEGORIES", "ALWAYS_LIVE_CATEGORIES"]

@@ -35,11 +35,11 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.errors import LoweringError
+from ipu_jax.lowering.errors import LoweringError
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.profile import StepProfile
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["RemoteBuffer", "RemoteCopy", "CopySpec", "remote_copy", "remote_copies", "StreamingProfile",
            "StreamingBuffer", "streaming_profile", "offload_tensors", "is_remote"]

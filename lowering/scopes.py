@@ -36,7 +36,7 @@ def module_path(name_stack) -> str:
   stack = getattr(name_stack, "stack", None)
   if stack is None:  # a plain string
     return str(name_stack or "")
-  from ipu_jax.jax_compat import source_info_util
+  from ipu_jax.lowering.jax_compat import source_info_util
   return "/".join(e.name for e in stack if isinstance(e, source_info_util.Scope) and e.name)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
-from ipu_jax import cost_model
+from ipu_jax.kernels import cost_model
 from ipu_jax import graph as g
 from ipu_jax import ops
 from ipu_jax import poplibs

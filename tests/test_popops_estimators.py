@@ -15,7 +15,7 @@ import numpy as np
 
 import ipu_jax
 from experiments import calibration
-from ipu_jax import cost_model
+from ipu_jax.kernels import cost_model
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popops
 from ipu_jax.kernels import reduce as reduce_kernels

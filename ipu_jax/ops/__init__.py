@@ -33,7 +33,7 @@ import os as _os
 
 # Equations made by these ops report the user's line, not this package's
 # (as for jax's own wrappers), in reports and lowering errors.
-from ipu_jax.jax_compat import source_info_util as _source_info_util
+from ipu_jax.lowering.jax_compat import source_info_util as _source_info_util
 _source_info_util.register_exclusion(_os.path.dirname(__file__))
 
 from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_replica_mean_p,

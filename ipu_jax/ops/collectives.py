@@ -16,65 +16,19 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad
 
-from ipu_jax.ops._common import define_primitive, not_mapped
-
-REPLICA_AXIS = "replicas"
-
+from ipu_jax.lowering.replica_axis import (REPLICA_AXIS, apply_collective, axis_is_bound, axis_names,
+                                           replica_count, replica_index_value)
+from ipu_jax.kernels import estimators
+from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import storage, worker_vertices
+from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.rules.parallel import all_reduce_cost, replication_factor
+from ipu_jax.ops.primitive import define_primitive, not_mapped
 
 cross_replica_sum_p = jcore.Primitive("cross_replica_sum")
 cross_replica_mean_p = jcore.Primitive("cross_replica_mean")
 replica_index_p = jcore.Primitive("replica_index")
-
-
-def _axes(axis_name) -> tuple:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def axis_is_bound(axis_name) -> bool:
-  """Whether every name in ``axis_name`` is bound by an enclosing transform.
-
-  A name is bound inside ``vmap(..., axis_name=...)``, ``shard_map`` or
-  ``pmap`` (while tracing, and while lowering their bodies). JAX raises
-  ``NameError('unbound axis name: ...')`` from a collective over a name that
-  is not bound; that is the test.
-  """
-  try:
-    lax.axis_size(axis_name)
-  except NameError:
-    return False
-  return True
-
-
-def replica_count(axis_name) -> Optional[int]:
-  """The static size of the bound replica axis, or ``None`` if unbound/unknown."""
-  try:
-    size = lax.axis_size(axis_name)
-  except NameError:
-    return None
-  try:
-    return int(size)
-  except Exception:  # a traced size (inside shard_map lowering)
-    return None
-
-
-def apply_collective(kind: str, x, axis_name):
-  """``psum``/``pmean`` of ``x`` over ``axis_name`` if bound, else ``x``.
-
-  Used by the impls here and by the tile program's collective steps, which
-  run inside the replica ``vmap``/``shard_map`` of the training layer.
-  """
-  if not axis_is_bound(axis_name):
-    return x
-  if kind == "sum":
-    return lax.psum(x, axis_name)
-  return lax.pmean(x, axis_name)
-
-
-def replica_index_value(axis_name):
-  """``lax.axis_index(axis_name)`` if bound, else 0 (one replica)."""
-  if not axis_is_bound(axis_name):
-    return jnp.zeros((), jnp.int32)
-  return lax.axis_index(axis_name).astype(jnp.int32)
 
 
 def _typeof(x):
@@ -92,7 +46,7 @@ def _collective_abstract_eval(x, *, axis_name):
   mat = getattr(x, "mat", None)
   varying = getattr(mat, "varying", None)
   if varying:
-    keep = frozenset(a for a in varying if a not in _axes(axis_name))
+    keep = frozenset(a for a in varying if a not in axis_names(axis_name))
     if keep != varying:
       return x.update(manual_axis_type=mat.update(varying=keep))
   return x
@@ -104,7 +58,7 @@ def _make_collective(prim, kind):
 
   def transpose(ct, x, *, axis_name):
     lost = _varying(x.aval) - _varying(_typeof(ct))
-    lost &= frozenset(_axes(axis_name))
+    lost &= frozenset(axis_names(axis_name))
     if lost:
       # shard_map with check_vma: the op took a varying value to an invariant
       # one, so (as for jax's psum_invariant) the transpose broadcasts the
@@ -118,7 +72,7 @@ def _make_collective(prim, kind):
 
   def batch(axis_data, vals, dims, *, axis_name):
     (x,), (d,) = vals, dims
-    axes = _axes(axis_name)
+    axes = axis_names(axis_name)
     if axis_data.name not in axes:
       if d is not_mapped:
         return prim.bind(x, axis_name=axis_name), not_mapped
@@ -150,7 +104,7 @@ def _replica_index_abstract_eval(*, axis_name):
 
 def _replica_index_batch(axis_data, vals, dims, *, axis_name):
   del vals, dims
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
   if axis_data.name not in axes:
     return replica_index_p.bind(axis_name=axis_name), not_mapped
   return lax.iota(np.int32, axis_data.size), 0
@@ -205,3 +159,50 @@ def cross_replica_mean(x, axis_name=REPLICA_AXIS):
 def replica_index(axis_name=REPLICA_AXIS):
   """This replica's index (int32 scalar): ``lax.axis_index``, or 0 unreplicated."""
   return replica_index_p.bind(axis_name=axis_name)
+
+
+# ---------------------------------------------------------------------------
+# Tile rules. cross_replica_sum/mean: an all-reduce over the IPU-Links
+# (ipu_jax.lowering.rules.parallel's ring model) with the sum on the tiles;
+# replica_index: one vertex writes the index.
+# ---------------------------------------------------------------------------
+
+
+def _make_cross_replica_rule(kind):
+  def rule(ctx, x, *, axis_name):
+    out = ctx.like(x, name=f"cross_replica_{kind}")
+    replicas = replication_factor(ctx, axis_name)
+    exchange, compute = all_reduce_cost(ctx, x, replicas)
+
+    def fn(xs):
+      # Zero padding of the storage stays zero under sum and mean.
+      return (apply_collective(kind, xs, axis_name),)
+
+    elements = x.mapping.elements_per_tile(ctx.target.num_tiles)
+    ctx.emit(P.Superstep(
+        name=f"all_reduce<{kind}>x{replicas}", op=ctx.op, reads=(x,), writes=(out,), fn=fn,
+        compute_cycles=compute, exchange=exchange,
+        vertices=worker_vertices(ctx, elements) if compute is not None else None,
+        codelets=(vocab.vertex(vocab.REDUCE, "add"),) if compute is not None else (),
+        flops=int(x.size * (replicas - 1)) if np.issubdtype(x.dtype, np.inexact) else 0))
+    return [out]
+  return rule
+
+
+register_lowering(cross_replica_sum_p, _make_cross_replica_rule("sum"))
+register_lowering(cross_replica_mean_p, _make_cross_replica_rule("mean"))
+
+
+@register_lowering(replica_index_p)
+def _replica_index_rule(ctx, *, axis_name):
+  out = ctx.new_tensor((), np.int32, name="replica_index")
+  elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
+
+  def fn():
+    return (storage(replica_index_value(axis_name), out),)
+
+  ctx.emit(P.Superstep(
+      name="replica_index", op=ctx.op, reads=(), writes=(out,), fn=fn,
+      compute_cycles=estimators.fill_cycles(ctx.target, elements, 4),
+      vertices=(elements > 0).astype(np.int64), codelets=(vocab.REPLICA_INDEX,)))
+  return [out]

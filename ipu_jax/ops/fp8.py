@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ipu_jax.number_formats import check_log2_scale, fp8_format, is_fp8
+from ipu_jax.kernels.number_formats import check_log2_scale, fp8_format, is_fp8
 
 __all__ = ["cast_to_fp8", "cast_from_fp8", "fp8_matmul", "pow2"]
 

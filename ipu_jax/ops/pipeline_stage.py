@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
+from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
            "RECOMPUTATION_CHECKPOINT"]
@@ -103,3 +104,19 @@ def recomputation_checkpoint(x):
   from jax.ad_checkpoint import checkpoint_name
   return jax.tree_util.tree_map(
       lambda leaf: checkpoint_name(jnp.asarray(leaf), RECOMPUTATION_CHECKPOINT), x)
+
+
+# ---------------------------------------------------------------------------
+# The tile rule
+# ---------------------------------------------------------------------------
+# Tile rule of ``pipeline_stage`` in a single program: an identity.
+#
+# Inside one ``ipu_jax.jit`` program every tile of every IPU is one pool, so a
+# stage boundary moves nothing; :mod:`ipu_jax.pipelining` is what gives each
+# stage its own IPU (it splits the function at these boundaries first).
+
+
+@register_lowering(pipeline_stage_p)
+def _pipeline_stage_rule(ctx, x, *, stage, backward):
+  del ctx, stage, backward
+  return [x]

@@ -7,8 +7,10 @@ from jax.extend import core as jcore
 
 from ipu_jax.lowering import printing
 from ipu_jax.lowering.printing import format_tensor
-from ipu_jax.ops._common import define_primitive
-from ipu_jax.jax_compat import debugging
+from ipu_jax.ops.primitive import define_primitive
+from ipu_jax.lowering.jax_compat import debugging
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.registry import register_lowering
 
 
 __all__ = ["print_tensor", "print_tensor_p", "format_tensor"]
@@ -50,3 +52,19 @@ def print_tensor(x, title: str = ""):
   only the primal value is printed.
   """
   return print_tensor_p.bind(jnp.asarray(x), title=str(title))
+
+
+# ---------------------------------------------------------------------------
+# The tile rule
+# ---------------------------------------------------------------------------
+# Tile lowering of :func:`ipu_jax.ops.print_tensor`.
+#
+# Tile plan: a ``PrintTensor`` program node (the tensor streams to the host,
+# which prints it); the result is the operand's tensor itself (nothing moves on
+# chip).
+
+
+@register_lowering(print_tensor_p)
+def _print_tensor_rule(ctx, x, *, title):
+  ctx.emit(P.PrintTensor(title, x))
+  return [x]

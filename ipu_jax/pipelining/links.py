@@ -13,7 +13,7 @@ same function a multi-IPU program's cross-IPU supersteps are costed with.
 
 from __future__ import annotations
 
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["LINK_BYTES_PER_SECOND", "links_between", "link_bytes_per_second",
            "copy_cycles", "all_reduce_cycles"]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import config as config_lib
-from ipu_jax.errors import OutOfMemoryError
+from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages

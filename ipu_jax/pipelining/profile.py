@@ -17,7 +17,7 @@ import numpy as np
 
 from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
                                       StepProfile)
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["STASH_CATEGORY", "pipeline_profile"]
 

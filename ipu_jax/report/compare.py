@@ -18,7 +18,7 @@ from ipu_jax.report.formatting import ordered_categories
 from ipu_jax.report.formatting import text_table
 from ipu_jax.report.precision import number_formats_comparison
 from ipu_jax.report.precision import number_formats_comparison_rows
-from ipu_jax.report.reports import _ReportBase
+from ipu_jax.report.reports import ReportBase
 from ipu_jax.report.reports import as_report
 
 __all__ = ["compare_reports", "comparison_to_dict"]
@@ -35,7 +35,7 @@ def _compare_row(label: str, a: float, b: float) -> list:
   return [label, fmt_int(a), fmt_int(b), f"{b - a:+,.0f}", _change(a, b)]
 
 
-def _memory_rows(a: _ReportBase, b: _ReportBase, reduce) -> list:
+def _memory_rows(a: ReportBase, b: ReportBase, reduce) -> list:
   cats_a, cats_b = a.memory_by_category, b.memory_by_category
   names = ordered_categories({**cats_a, **cats_b})
 

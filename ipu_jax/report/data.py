@@ -20,7 +20,7 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "num_tiles": int
       },
       "cost_model": {                    # optional: absent in older files
-        "version": str,                  # ipu_jax.cost_model.COST_MODEL_VERSION
+        "version": str,                  # ipu_jax.kernels.cost_model.COST_MODEL_VERSION
         "calibrated": [str], "estimates": [str]   # IPUTarget figure names
       },
       "totals": {                        # derived, for readers of the file
@@ -88,8 +88,8 @@ import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import ProgramProfile
-from ipu_jax.cost_model import cost_model_json
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.cost_model import cost_model_json
+from ipu_jax.kernels.target import IPUTarget
 
 SCHEMA = "ipu-jax-report"
 SCHEMA_VERSION = 2
@@ -160,7 +160,7 @@ class ReportData:
   peak_tile_tensors: list   # list of dicts, as in report.json
   peak_step: np.ndarray     # [num_tiles] step of each tile's peak, -1 unknown
   tile_cycles: Optional[np.ndarray] = None  # [num_steps, num_tiles] or None
-  # Cost-model provenance (ipu_jax.cost_model.cost_model_json()); None for a
+  # Cost-model provenance (ipu_jax.kernels.cost_model.cost_model_json()); None for a
   # report.json written before the cost model was versioned.
   cost_model: Optional[dict] = None
 

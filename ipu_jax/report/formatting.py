@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 CATEGORY_LABELS = {
     "variables": "Variables",

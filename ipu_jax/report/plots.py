@@ -24,7 +24,7 @@ from ipu_jax.report.formatting import CATEGORY_COLOURS
 from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import fmt_bytes
 from ipu_jax.report.formatting import ordered_categories
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["write_plots", "memory_figure", "cycles_heatmap_figure",
            "live_memory_figure", "binned_cycles", "load_matplotlib",

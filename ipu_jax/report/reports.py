@@ -43,11 +43,11 @@ from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.report.precision import number_formats_figure
 from ipu_jax.report.summary import SummaryMixin
 from ipu_jax.report.trace import trace_events
-from ipu_jax.target import IPUTarget
+from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["Report", "SavedReport", "load_report", "as_report"]
 
-class _ReportBase(SummaryMixin):
+class ReportBase(SummaryMixin):
   """What live and loaded reports share: numbers, summary, trace, save."""
 
   _data: ReportData
@@ -370,7 +370,7 @@ class _ReportBase(SummaryMixin):
     return [path]
 
 
-class Report(_ReportBase):
+class Report(ReportBase):
   """The report of a compiled program: memory per tile, cycles, trace.
 
   Attributes:
@@ -432,7 +432,7 @@ class Report(_ReportBase):
     return load_report(path_or_dir)
 
 
-class SavedReport(_ReportBase):
+class SavedReport(ReportBase):
   """A report read back from ``report.json``.
 
   It offers everything a :class:`Report` does. Reports saved before
@@ -465,8 +465,8 @@ def load_report(path_or_dir: str | os.PathLike) -> SavedReport:
   return SavedReport(document, path)
 
 
-def as_report(report) -> _ReportBase:
-  if isinstance(report, _ReportBase):
+def as_report(report) -> ReportBase:
+  if isinstance(report, ReportBase):
     return report
   if isinstance(report, ProgramProfile):
     return Report(report)

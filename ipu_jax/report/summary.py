@@ -204,7 +204,7 @@ class SummaryMixin:
         f"  Version:               {model.get('version', 'unknown')}",
         "  Calibrated figures:    " + ", ".join(model.get("calibrated", [])),
         "  Estimates:             " + ", ".join(model.get("estimates", [])),
-        "  (sources: ipu_jax.cost_model.FIGURE_SOURCES; checks: experiments/calibration.py)",
+        "  (sources: ipu_jax.kernels.cost_model.FIGURE_SOURCES; checks: experiments/calibration.py)",
     ]
 
   def _summary_top_ops(self, top: int) -> list:

@@ -4,7 +4,6 @@ Importing this package registers every rule (``ipu_jax.lowering`` imports it).
 """
 
 from ipu_jax.lowering.rules import (control, convolution, cumulative, dot,  # noqa: F401
-                                    dynamic_slice, elementwise, fft, gather, ipu_matmul,
-                                    linalg, misc, parallel, pipeline, print_tensor, random,
-                                    reduction, rounding, scatter, shape, sharding, sort,
-                                    stochastic_round, tile_map, window)
+                                    dynamic_slice, elementwise, fft, gather,
+                                    linalg, misc, parallel, random,
+                                    reduction, scatter, shape, sort, window)

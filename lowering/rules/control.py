@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ipu_jax.jax_compat import ad_checkpoint, control_flow, core, custom_derivatives, pjit
+from ipu_jax.lowering.jax_compat import ad_checkpoint, control_flow, core, custom_derivatives, pjit
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -88,7 +88,7 @@ def _note_keys(jaxpr, tensors) -> None:
   note_key_avals([v.aval for v in inner.invars], tensors)
 
 
-def _lower_any(ctx, jaxpr, args) -> list:
+def lower_inline(ctx, jaxpr, args) -> list:
   """Lower a ``ClosedJaxpr`` or an open ``Jaxpr`` (no constvars) inline."""
   _note_keys(jaxpr, args)
   if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
@@ -198,7 +198,7 @@ def _inline_rule(param_names):
     for name in param_names:
       jaxpr = params.get(name)
       if jaxpr is not None:
-        return _lower_any(ctx, jaxpr, operands)
+        return lower_inline(ctx, jaxpr, operands)
     raise NotImplementedError(f"no inner jaxpr among {param_names}")
   return rule
 

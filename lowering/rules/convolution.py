@@ -343,6 +343,128 @@ def _inverse(perm):
   return tuple(int(i) for i in np.argsort(perm))
 
 
+@dataclasses.dataclass(frozen=True)
+class _OutputGrid:
+  """The plan's grid in the output's own axis order, and where its blocks live.
+
+  Attributes:
+    grids, blocks: blocks along each output axis and their full sizes (the
+      output's storage rows are row-major over this grid).
+    tiles: the tile of every grid index.
+    coords: per canonical axis (batch, features, spatial...), the block
+      coordinate of every grid index.
+  """
+
+  grids: tuple
+  blocks: tuple
+  tiles: np.ndarray
+  coords: tuple
+
+
+def _output_grid(ctx, out_shape, out_spec, plan: ConvPlan) -> _OutputGrid:
+  grids, blocks = [1] * len(out_shape), list(out_shape)
+  for canon, axis in enumerate(out_spec):
+    grids[axis], blocks[axis] = plan.grid[canon], plan.block[canon]
+  coords = np.unravel_index(np.arange(plan.num_tiles), tuple(grids))
+  return _OutputGrid(tuple(grids), tuple(blocks), grid_tiles(ctx, plan.num_tiles),
+                     tuple(coords[axis] for axis in out_spec))
+
+
+def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
+                  out: _OutputGrid):
+  """(cost, elements held locally per block) of bringing every block its input window.
+
+  Canonical lhs view: [batch groups, batch, feature groups, channels, spatial...].
+  """
+  lhs_spec, _, out_spec = dn
+  grid, block = plan.grid, plan.block
+  gc, bn, bc = grid[1], block[0], block[1]
+  c_n, c_c = out.coords[0], out.coords[1]
+  g_lo, g_hi = geo.group_block_ranges(gc, bc)
+  lhs_canon = (geo.bgc, geo.n // geo.bgc, geo.fgc, geo.c // geo.fgc) + geo.in_spatial
+  n_lo = np.arange(geo.n_out) // bn
+  needs = [None] * len(out.grids)
+  needs[out_spec[0]] = (1, n_lo, n_lo + 1)
+  if geo.bgc > 1:
+    needs[out_spec[1]] = (0, g_lo, g_hi)
+  elif geo.fgc > 1:
+    needs[out_spec[1]] = (2, g_lo, g_hi)
+  # Batch rows / channels per feature block: the groups whose features it holds.
+  groups_of_block = _covering(g_lo, g_hi, gc)
+  elements = edge_sizes(geo.n_out, grid[0], bn)[c_n]
+  if geo.bgc > 1:
+    elements = elements * groups_of_block[c_c]
+  elements = elements * ((geo.c // geo.fgc) * groups_of_block[c_c] if geo.fgc > 1 else geo.c)
+  for d in range(len(geo.out_spatial)):
+    lo, hi = geo.block_ranges(d, grid[2 + d], block[2 + d])
+    needs[out_spec[2 + d]] = (4 + d, lo, hi)
+    elements = elements * _covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
+  # Grouped convolutions split the batch or feature axis: not a plain view.
+  groups = (((), (lhs_spec[0],), (), (lhs_spec[1],)) + tuple((a,) for a in lhs_spec[2:])
+            if geo.bgc == 1 and geo.fgc == 1 else None)
+  return operand_exchange_cost(target, lhs, tuple(lhs_spec), lhs_canon, groups,
+                               out.grids, out.tiles, needs, elements)
+
+
+def _rhs_exchange(target, rhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
+                  out: _OutputGrid):
+  """(cost, elements held locally per block) of bringing every block its kernel slice.
+
+  Canonical rhs view: [features, input channels, taps...]. A spatial block
+  receives only the taps that meet input (not padding) in its window.
+  """
+  _, rhs_spec, out_spec = dn
+  grid, block = plan.grid, plan.block
+  o_lo = np.arange(geo.o) // block[1]
+  needs = [None] * len(out.grids)
+  needs[out_spec[1]] = (0, o_lo, o_lo + 1)
+  elements = edge_sizes(geo.o, grid[1], block[1])[out.coords[1]] * geo.i
+  for d in range(len(geo.out_spatial)):
+    lo, hi = geo.tap_block_ranges(d, grid[2 + d], block[2 + d])
+    needs[out_spec[2 + d]] = (2 + d, lo, hi)
+    elements = elements * _covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
+  return operand_exchange_cost(target, rhs, tuple(rhs_spec), (geo.o, geo.i) + geo.k_spatial,
+                               tuple((a,) for a in rhs_spec), out.grids, out.tiles, needs,
+                               elements)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockWork:
+  """Per-tile figures of the block convolutions (arrays over all tiles)."""
+
+  compute: np.ndarray
+  scratch: np.ndarray
+  vertices: np.ndarray
+  flops: int
+
+
+def _block_work(target, geo: ConvGeometry, plan: ConvPlan, out: _OutputGrid, local_bytes,
+                acc, out_dtype) -> _BlockWork:
+  """The AMP cycles, temporaries and vertices of every tile's block convolution.
+
+  ``local_bytes``: per block, the bytes of its window and kernel slice it holds
+  itself (copied into place; the received parts are exchange buffers).
+  """
+  out_elements = np.ones(plan.num_tiles, np.int64)
+  for canon, size in enumerate((geo.n_out, geo.o) + geo.out_spatial):
+    out_elements = out_elements * edge_sizes(size, plan.grid[canon],
+                                              plan.block[canon])[out.coords[canon]]
+  macs = out_elements * geo.i * geo.kernel_elements
+  compute = np.zeros(target.num_tiles)
+  out_chans = edge_sizes(geo.o, plan.grid[1], plan.block[1])[out.coords[1]]
+  compute[out.tiles] = estimators.matmul_cycles(target, macs, geo.itemsize,
+                                                outputs=out_elements, dtype=geo.dtype,
+                                                n=out_chans)
+  scratch = np.zeros(target.num_tiles, np.int64)
+  scratch[out.tiles] = local_bytes
+  if acc != out_dtype:   # partials wider than the result
+    scratch[out.tiles] += out_elements * acc.itemsize
+  vertices = np.zeros(target.num_tiles, np.int64)
+  vertices[out.tiles] = np.where(macs > 0, target.worker_contexts, 0)
+  flops = int(2 * macs.sum()) if jnp.issubdtype(out_dtype, jnp.inexact) else 0
+  return _BlockWork(compute, scratch, vertices, flops)
+
+
 @register_lowering(lax.conv_general_dilated_p)
 def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strides, padding,
                               lhs_dilation, rhs_dilation, dimension_numbers,
@@ -352,10 +474,7 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   del unused, preferred_element_type  # the result type is in ctx.out_avals
   out_aval = ctx.out_avals[0]
   out_shape, out_dtype = tuple(out_aval.shape), np.dtype(out_aval.dtype)
-  ndim = len(lhs.shape)
-  dn = _normalise_dn(dimension_numbers, ndim)
-  lhs_spec, rhs_spec, out_spec = dn
-  nsp = ndim - 2
+  dn = _normalise_dn(dimension_numbers, len(lhs.shape))
   if int(np.prod(out_shape, dtype=np.int64)) == 0:
     return [ctx.new_tensor(out_shape, out_dtype)]
   if lhs.size == 0 or rhs.size == 0:
@@ -370,91 +489,29 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
                       lhs_dilation, rhs_dilation, feature_group_count, batch_group_count,
                       np.dtype(in_dtype).itemsize, acc.itemsize, in_dtype.name)
   plan = plan_conv(target, geo, options.conv_available_memory_proportion)
-  note = estimators.mac_cost_note(in_dtype)
-  grid, block = plan.grid, plan.block
-  gn, gc, bn, bc = grid[0], grid[1], block[0], block[1]
-  g_all = plan.num_tiles
-
-  # The grid in the output's own axis order (its storage rows are row-major
-  # over it): every axis is cut.
-  out_grids, out_blocks = [1] * len(out_shape), list(out_shape)
-  for canon, axis in enumerate(out_spec):
-    out_grids[axis], out_blocks[axis] = grid[canon], block[canon]
-  tiles = grid_tiles(ctx, g_all)
+  grid = _output_grid(ctx, out_shape, dn[2], plan)
   out = ctx.new_tensor(out_shape, out_dtype,
-                       block_grid_mapping(out_shape, out_grids, out_blocks, tiles))
+                       block_grid_mapping(out_shape, grid.grids, grid.blocks, grid.tiles))
+  lhs_cost, lhs_local = _lhs_exchange(target, lhs, geo, plan, dn, grid)
+  rhs_cost, rhs_local = _rhs_exchange(target, rhs, geo, plan, dn, grid)
+  work = _block_work(target, geo, plan, grid,
+                     lhs_local * lhs.itemsize + rhs_local * rhs.itemsize, acc, out_dtype)
+  step = _conv_step(lhs, rhs, out, grid, geo, dn, plan, acc, precision, in_dtype,
+                    options.executor_mode)
+  note = estimators.mac_cost_note(in_dtype)
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
+      compute_cycles=work.compute, exchange=add_costs(lhs_cost, rhs_cost),
+      vertices=work.vertices,
+      codelets=(vocab.vertex(vocab.CONV_PARTIAL, np.dtype(in_dtype), acc),), flops=work.flops,
+      scratch_bytes=work.scratch, notes=(note,) if note else ()))
+  return [out]
 
-  # Grid coordinates of every grid index, per canonical output axis.
-  coords = np.unravel_index(np.arange(g_all), tuple(out_grids))
-  canon_coords = [coords[axis] for axis in out_spec]
-  c_n, c_c = canon_coords[0], canon_coords[1]
 
-  # -- exchange: input (lhs) -------------------------------------------------
-  # Canonical lhs view: [batch groups, batch, feature groups, channels, spatial...].
-  g_lo, g_hi = geo.group_block_ranges(gc, bc)
-  lhs_canon = (geo.bgc, geo.n // geo.bgc, geo.fgc, geo.c // geo.fgc) + geo.in_spatial
-  n_lo = np.arange(geo.n_out) // bn
-  needs = [None] * len(out_shape)
-  needs[out_spec[0]] = (1, n_lo, n_lo + 1)
-  if geo.bgc > 1:
-    needs[out_spec[1]] = (0, g_lo, g_hi)
-  elif geo.fgc > 1:
-    needs[out_spec[1]] = (2, g_lo, g_hi)
-  # Batch rows / channels per feature block: the groups whose features it holds.
-  groups_of_block = _covering(g_lo, g_hi, gc)
-  lhs_elements = edge_sizes(geo.n_out, gn, bn)[c_n]
-  if geo.bgc > 1:
-    lhs_elements = lhs_elements * groups_of_block[c_c]
-  lhs_elements = lhs_elements * ((geo.c // geo.fgc) * groups_of_block[c_c] if geo.fgc > 1
-                                 else geo.c)
-  for d in range(nsp):
-    lo, hi = geo.block_ranges(d, grid[2 + d], block[2 + d])
-    needs[out_spec[2 + d]] = (4 + d, lo, hi)
-    lhs_elements = lhs_elements * _covering(lo, hi, grid[2 + d])[canon_coords[2 + d]]
-  # Grouped convolutions split the batch or feature axis: not a plain view.
-  lhs_groups = (((), (lhs_spec[0],), (), (lhs_spec[1],)) + tuple((a,) for a in lhs_spec[2:])
-                if geo.bgc == 1 and geo.fgc == 1 else None)
-  lhs_cost, lhs_local = operand_exchange_cost(target, lhs, tuple(lhs_spec), lhs_canon, lhs_groups,
-                                              out_grids, tiles, needs, lhs_elements)
-
-  # -- exchange: kernel (rhs) ------------------------------------------------
-  # Canonical rhs view: [features, input channels, taps...]. A spatial block
-  # receives only the taps that meet input (not padding) in its window.
-  o_lo = np.arange(geo.o) // bc
-  k_needs = [None] * len(out_shape)
-  k_needs[out_spec[1]] = (0, o_lo, o_lo + 1)
-  rhs_elements = edge_sizes(geo.o, gc, bc)[c_c] * geo.i
-  for d in range(nsp):
-    lo, hi = geo.tap_block_ranges(d, grid[2 + d], block[2 + d])
-    k_needs[out_spec[2 + d]] = (2 + d, lo, hi)
-    rhs_elements = rhs_elements * _covering(lo, hi, grid[2 + d])[canon_coords[2 + d]]
-  rhs_cost, rhs_local = operand_exchange_cost(
-      target, rhs, tuple(rhs_spec), (geo.o, geo.i) + geo.k_spatial,
-      tuple((a,) for a in rhs_spec), out_grids, tiles, k_needs, rhs_elements)
-  exchange = add_costs(lhs_cost, rhs_cost)
-
-  # -- compute -----------------------------------------------------------------
-  out_elements = np.ones(g_all, np.int64)
-  for canon, size in enumerate((geo.n_out, geo.o) + geo.out_spatial):
-    out_elements = out_elements * edge_sizes(size, grid[canon], block[canon])[canon_coords[canon]]
-  macs = out_elements * geo.i * geo.kernel_elements
-  num_tiles = target.num_tiles
-  compute = np.zeros(num_tiles)
-  out_chans = edge_sizes(geo.o, grid[1], block[1])[canon_coords[1]]
-  compute[tiles] = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements,
-                                            dtype=geo.dtype, n=out_chans)
-  scratch = np.zeros(num_tiles, np.int64)
-  # Local parts of the window and kernel slice are copied into place; the
-  # received parts are exchange buffers; partials when wider than the result.
-  scratch[tiles] = lhs_local * lhs.itemsize + rhs_local * rhs.itemsize
-  if acc != out_dtype:
-    scratch[tiles] += out_elements * acc.itemsize
-  vertices = np.zeros(num_tiles, np.int64)
-  vertices[tiles] = np.where(macs > 0, target.worker_contexts, 0)
-  flops = int(2 * macs.sum()) if jnp.issubdtype(out_dtype, jnp.inexact) else 0
-
-  mode = options.executor_mode
-  dn_obj = lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec)
+def _conv_step(lhs, rhs, out, grid: _OutputGrid, geo: ConvGeometry, dn, plan: ConvPlan, acc,
+               precision, in_dtype, mode: str):
+  """The step's function: the whole convolution (batched) or its blocks (per_tile)."""
+  dn_obj = lax.ConvDimensionNumbers(*dn)
 
   def step(x_st, w_st):
     x, w = logical(x_st, lhs), logical(w_st, rhs)
@@ -463,67 +520,68 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
     else:
       y = lax.conv_general_dilated(
           x, w, geo.strides, geo.padding, geo.lhs_dilation, geo.rhs_dilation,
-          dimension_numbers=dn_obj, feature_group_count=feature_group_count,
-          batch_group_count=batch_group_count, precision=precision,
-          preferred_element_type=acc)
-    return (blocked_storage(y.astype(out_dtype), out_grids, out_blocks),)
+          dimension_numbers=dn_obj, feature_group_count=geo.fgc,
+          batch_group_count=geo.bgc, precision=precision, preferred_element_type=acc)
+    return (blocked_storage(y.astype(out.dtype), grid.grids, grid.blocks),)
 
-  ctx.emit(P.Superstep(
-      name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
-      compute_cycles=compute, exchange=exchange, vertices=vertices,
-      codelets=(vocab.vertex(vocab.CONV_PARTIAL, np.dtype(in_dtype), acc),), flops=flops,
-      scratch_bytes=scratch, notes=(note,) if note else ()))
-  return [out]
+  return step
 
 
-def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, in_dtype):
-  """The convolution as a vmapped block convolution over the tile grid.
+@dataclasses.dataclass(frozen=True)
+class _InputBlocks:
+  """The input cut for the block convolutions.
 
-  Returns the logical result (in the output's layout), in ``acc``.
+  Attributes:
+    x: ``[gn, gcx, B, C, spatial...]``.
+    gcx: ``gc`` when feature blocks read different inputs (grouped), else 1.
+    feature_groups, batch_groups: the group counts of each block convolution.
   """
-  lhs_spec, rhs_spec, out_spec = dn
+
+  x: jax.Array
+  gcx: int
+  feature_groups: int
+  batch_groups: int
+
+
+def _input_blocks(x, geo: ConvGeometry, lhs_spec, plan: ConvPlan) -> _InputBlocks:
+  """Canonical lhs ``[bgc, n_out, fgc, i_per_group, spatial...]``, batch padded,
+  with each feature block's groups picked out."""
   nsp = len(lhs_spec) - 2
-  grid, block = plan.grid, plan.block
-  gn, gc, bn, bc = grid[0], grid[1], block[0], block[1]
-  common = jnp.promote_types(x.dtype, w.dtype)
-  x, w = x.astype(common), w.astype(common)
-  # Canonical lhs [bgc, n_out, fgc, i_per_group, spatial...], batch padded.
+  gn, gc, bn, bc = plan.grid[0], plan.grid[1], plan.block[0], plan.block[1]
   x = jnp.transpose(x, lhs_spec)
   x = x.reshape((geo.bgc, geo.n_out, geo.fgc, geo.c // geo.fgc) + geo.in_spatial)
   x = jnp.pad(x, [(0, 0), (0, gn * bn - geo.n_out)] + [(0, 0)] * (2 + nsp))
   x = x.reshape((geo.bgc, gn, bn, geo.fgc, geo.c // geo.fgc) + geo.in_spatial)
-  # Pick each feature block's groups: x becomes [gn, gcx, B, C, spatial...]
-  # with gcx = gc (blocks read different inputs) or 1 (all read the same).
+  if geo.groups == 1:
+    return _InputBlocks(x.reshape((gn, 1, bn, geo.c) + geo.in_spatial), 1, 1, 1)
   size, groups = geo.group_size, geo.groups
-  if groups > 1:
-    axis = 0 if geo.bgc > 1 else 3
-    x = jnp.moveaxis(x, axis, 0)  # [groups, <the four other axes>, spatial...]
-    if bc >= size:
-      tb = bc // size
-      x = x.reshape((gc, tb) + x.shape[1:])
-    else:
-      tb = 1
-      x = jnp.broadcast_to(x[:, None], (groups, gc // groups) + x.shape[1:])
-      x = x.reshape((gc, 1) + x.shape[2:])
-    if geo.bgc > 1:
-      # [gc, tb, gn, bn, fgc=1, i, sp...] -> [gn, gc, tb*bn, c, sp...]
-      x = jnp.transpose(x, (2, 0, 1, 3, 4, 5) + tuple(range(6, 6 + nsp)))
-      x = x.reshape((gn, gc, tb * bn, geo.c) + geo.in_spatial)
-    else:
-      # [gc, tb, bgc=1, gn, bn, i, sp...] -> [gn, gc, bn, tb*i, sp...]
-      x = jnp.transpose(x, (3, 0, 2, 4, 1, 5) + tuple(range(6, 6 + nsp)))
-      x = x.reshape((gn, gc, bn, tb * (geo.c // geo.fgc)) + geo.in_spatial)
-    gcx = gc
-    block_fgc = tb if geo.fgc > 1 else 1
-    block_bgc = tb if geo.bgc > 1 else 1
+  x = jnp.moveaxis(x, 0 if geo.bgc > 1 else 3, 0)  # [groups, <four other axes>, spatial...]
+  if bc >= size:
+    tb = bc // size
+    x = x.reshape((gc, tb) + x.shape[1:])
   else:
-    gcx = 1
-    x = x.reshape((gn, 1, bn, geo.c) + geo.in_spatial)
-    block_fgc = block_bgc = 1
-  # Cut every spatial axis into its blocks' windows (padding and lhs dilation
-  # applied here, so the block convolutions need neither).
+    tb = 1
+    x = jnp.broadcast_to(x[:, None], (groups, gc // groups) + x.shape[1:])
+    x = x.reshape((gc, 1) + x.shape[2:])
+  spatial = tuple(range(6, 6 + nsp))
+  if geo.bgc > 1:
+    # [gc, tb, gn, bn, fgc=1, i, sp...] -> [gn, gc, tb*bn, c, sp...]
+    x = jnp.transpose(x, (2, 0, 1, 3, 4, 5) + spatial)
+    x = x.reshape((gn, gc, tb * bn, geo.c) + geo.in_spatial)
+  else:
+    # [gc, tb, bgc=1, gn, bn, i, sp...] -> [gn, gc, bn, tb*i, sp...]
+    x = jnp.transpose(x, (3, 0, 2, 4, 1, 5) + spatial)
+    x = x.reshape((gn, gc, bn, tb * (geo.c // geo.fgc)) + geo.in_spatial)
+  return _InputBlocks(x, gc, tb if geo.fgc > 1 else 1, tb if geo.bgc > 1 else 1)
+
+
+def _spatial_windows(x, geo: ConvGeometry, plan: ConvPlan):
+  """Cuts every spatial axis of ``[gn, gcx, B, C, spatial...]`` into its blocks'
+  windows: ``[gn, g_0, ..., gcx, B, C, W_0, ...]``. Padding and lhs dilation
+  are applied here, so the block convolutions need neither."""
+  nsp = len(geo.out_spatial)
   for d in range(nsp):
-    g, b = grid[2 + d], block[2 + d]
+    g, b = plan.grid[2 + d], plan.block[2 + d]
     s, reach = geo.strides[d], geo.reach(d)
     window, stride = (b - 1) * s + reach, b * s
     chunks = ceil_div(window, stride)
@@ -539,45 +597,60 @@ def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, 
              for j in range(chunks)]
     x = (jnp.concatenate(parts, axis=1) if chunks > 1 else parts[0])[:, :window]
     x = jnp.moveaxis(x, 1, axis + 1)  # [g, ..., window in place of the axis]
-  # x: [g_{nsp-1}, ..., g_0, gn, gcx, B, C, W_0, ...] -> [gn, g_0, ..., gcx, B, C, W...]
+  # [g_{nsp-1}, ..., g_0, gn, gcx, B, C, W_0, ...] -> [gn, g_0, ..., gcx, B, C, W...]
   order = (nsp,) + tuple(range(nsp - 1, -1, -1)) + tuple(range(nsp + 1, x.ndim))
-  x = jnp.transpose(x, order)
-  if gcx == 1:
-    x = jnp.squeeze(x, axis=1 + nsp)
-  # Kernel: canonical [o, i, k...] cut into feature blocks [gc, bc, i, k...].
+  return jnp.transpose(x, order)
+
+
+def _kernel_blocks(w, geo: ConvGeometry, rhs_spec, plan: ConvPlan):
+  """Canonical kernel ``[o, i, k...]`` cut into feature blocks ``[gc, bc, i, k...]``."""
+  gc, bc = plan.grid[1], plan.block[1]
   w = jnp.transpose(w, rhs_spec)
   w = jnp.pad(w, [(0, gc * bc - geo.o)] + [(0, 0)] * (w.ndim - 1))
-  w = w.reshape((gc, bc) + w.shape[1:])
+  return w.reshape((gc, bc) + w.shape[1:])
+
+
+def _skips_holes(geo: ConvGeometry) -> bool:
+  """Whether the reference backend never reads the lhs dilation's holes.
+
+  XLA on CPU runs a 1-D or 2-D lhs-dilated convolution with unit strides and
+  rhs dilation and no groups as an input-gradient kernel that never reads
+  holes or padding (a non-finite tap meeting only those stays out of the
+  sum), and every other convolution on explicitly zero-filled input
+  (0 * inf = nan). Per-tile blocks do the same.
+  """
+  return (any(d > 1 for d in geo.lhs_dilation) and all(v == 1 for v in geo.strides)
+          and all(v == 1 for v in geo.rhs_dilation) and geo.groups == 1
+          and len(geo.out_spatial) <= 2)
+
+
+def _block_conv(geo: ConvGeometry, plan: ConvPlan, blocks: _InputBlocks, acc, precision,
+                in_dtype):
+  """One tile's block convolution ``(xb, wb, *tap_masks) -> output block``.
+
+  Where the reference skips holes (:func:`_skips_holes`), each tap is a 1x1
+  block convolution masked where it reads no input element.
+  """
+  nsp = len(geo.out_spatial)
   canon = tuple(range(nsp + 2))
   block_dn = lax.ConvDimensionNumbers(canon, canon, canon)
   block_precision = lax.Precision.HIGHEST if np.dtype(in_dtype) == np.float32 else precision
+  groups = dict(feature_group_count=blocks.feature_groups,
+                batch_group_count=blocks.batch_groups, precision=block_precision,
+                preferred_element_type=acc)
+  if not _skips_holes(geo):
+    return lambda xb, wb: lax.conv_general_dilated(
+        xb, wb, geo.strides, [(0, 0)] * nsp, (1,) * nsp, geo.rhs_dilation,
+        dimension_numbers=block_dn, **groups)
 
-  # The reference backend (XLA on CPU) runs a 1-D or 2-D lhs-dilated
-  # convolution with unit strides and rhs dilation and no groups as an
-  # input-gradient kernel that never reads holes or padding (a non-finite tap
-  # meeting only those stays out of the sum), and every other convolution on
-  # explicitly zero-filled input (0 * inf = nan). Per-tile blocks do the
-  # same: in the first case each tap is a 1x1 block convolution masked where
-  # it reads no input element.
-  skip_holes = (any(d > 1 for d in geo.lhs_dilation) and all(v == 1 for v in geo.strides)
-                and all(v == 1 for v in geo.rhs_dilation) and geo.groups == 1 and nsp <= 2)
-  masks = _tap_masks(geo, grid, block) if skip_holes else [None] * nsp
-
-  def tile_conv(xb, wb, *tile_masks):
-    if not skip_holes:
-      return lax.conv_general_dilated(
-          xb, wb, geo.strides, [(0, 0)] * nsp, (1,) * nsp, geo.rhs_dilation,
-          dimension_numbers=block_dn, feature_group_count=block_fgc,
-          batch_group_count=block_bgc, precision=block_precision, preferred_element_type=acc)
+  def masked_taps(xb, wb, *tile_masks):
     total = None
     for taps in np.ndindex(*geo.k_spatial):
-      window = tuple(slice(t, t + b) for t, b in zip(taps, block[2:]))
+      window = tuple(slice(t, t + b) for t, b in zip(taps, plan.block[2:]))
       kernel = tuple(slice(t, t + 1) for t in taps)
       y = lax.conv_general_dilated(
           xb[(slice(None), slice(None)) + window], wb[(slice(None), slice(None)) + kernel],
-          (1,) * nsp, [(0, 0)] * nsp, dimension_numbers=block_dn,
-          feature_group_count=block_fgc, batch_group_count=block_bgc,
-          precision=block_precision, preferred_element_type=acc)
+          (1,) * nsp, [(0, 0)] * nsp, dimension_numbers=block_dn, **groups)
       reads_input = functools.reduce(
           jnp.logical_and, [m[:, t].reshape([-1 if a == d else 1 for a in range(nsp)])
                             for d, (m, t) in enumerate(zip(tile_masks, taps))])
@@ -585,21 +658,40 @@ def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, 
       total = y if total is None else total + y
     return total
 
+  return masked_taps
+
+
+def _per_tile_conv(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision, in_dtype):
+  """The convolution as a vmapped block convolution over the tile grid.
+
+  Returns the logical result (in the output's layout), in ``acc``.
+  """
+  lhs_spec, rhs_spec, out_spec = dn
+  nsp = len(lhs_spec) - 2
+  common = jnp.promote_types(x.dtype, w.dtype)
+  blocks = _input_blocks(x.astype(common), geo, lhs_spec, plan)
+  xw = _spatial_windows(blocks.x, geo, plan)
+  if blocks.gcx == 1:
+    xw = jnp.squeeze(xw, axis=1 + nsp)
+  w = _kernel_blocks(w.astype(common), geo, rhs_spec, plan)
+  skip = _skips_holes(geo)
+  masks = _tap_masks(geo, plan.grid, plan.block) if skip else []
   # vmaps over feature blocks, then spatial blocks (innermost first), then
   # batch blocks; a spatial axis's masks follow its blocks.
-  fn = jax.vmap(tile_conv, in_axes=(0 if gcx > 1 else None, 0) + (None,) * nsp)
+  fn = jax.vmap(_block_conv(geo, plan, blocks, acc, precision, in_dtype),
+                in_axes=(0 if blocks.gcx > 1 else None, 0) + (None,) * len(masks))
   for level in range(nsp + 1):
     axis = nsp - 1 - level
-    fn = jax.vmap(fn, in_axes=(0, None) + tuple(0 if d == axis and skip_holes else None
-                                                 for d in range(nsp)))
-  y = fn(x, w, *masks)  # [gn, g_0.., gc, bn, bc, b_0..]
+    fn = jax.vmap(fn, in_axes=(0, None) + tuple(0 if d == axis else None
+                                                 for d in range(len(masks))))
+  y = fn(xw, w, *masks)  # [gn, g_0.., gc, bn, bc, b_0..]
   # -> [gn, bn, gc, bc, g_0, b_0, ...] -> canonical [n, o, spatial...]
   k = nsp + 2
   order = [0, k, 1 + nsp, k + 1]
   for d in range(nsp):
     order += [1 + d, k + 2 + d]
   y = jnp.transpose(y, order)
-  y = y.reshape(tuple(g * b for g, b in zip(grid, block)))
+  y = y.reshape(tuple(g * b for g, b in zip(plan.grid, plan.block)))
   y = y[tuple(slice(0, n) for n in (geo.n_out, geo.o) + geo.out_spatial)]
   return jnp.transpose(y, _inverse(out_spec))
 

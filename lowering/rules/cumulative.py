@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.jax_compat import control_flow_loops
+from ipu_jax.lowering.jax_compat import control_flow_loops
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P

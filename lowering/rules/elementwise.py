@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
-from ipu_jax.jax_compat import add_jaxvals_p
+from ipu_jax.lowering.jax_compat import add_jaxvals_p
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P

@@ -36,7 +36,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.jax_compat import lax_internal
+from ipu_jax.lowering.jax_compat import lax_internal
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping, spread_runs
 

@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ipu_jax.jax_compat import control_flow, lax_linalg
+from ipu_jax.lowering.jax_compat import control_flow, lax_linalg
 from ipu_jax.kernels import linalg as K
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.lower import lower_closed_jaxpr

@@ -24,9 +24,9 @@ import numpy as np
 
 import jax
 
-from ipu_jax.jax_compat import (ad_checkpoint, core, custom_derivatives, debugging, dispatch,
+from ipu_jax.lowering.jax_compat import (ad_checkpoint, core, custom_derivatives, debugging, dispatch,
                                 pjit, lax_internal)
-from ipu_jax.jax_compat import control_flow as cf
+from ipu_jax.lowering.jax_compat import control_flow as cf
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical
 from ipu_jax.lowering.registry import register_lowering

@@ -76,21 +76,21 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
-from ipu_jax import ops
-from ipu_jax.jax_compat import core as jax_core
-from ipu_jax.jax_compat import lax_parallel
-from ipu_jax.jax_compat import shard_map as shard_map_lib
-from ipu_jax.errors import LoweringError
+from ipu_jax.lowering.jax_compat import core as jax_core
+from ipu_jax.lowering.jax_compat import lax_parallel
+from ipu_jax.lowering.jax_compat import shard_map as shard_map_lib
+from ipu_jax.lowering.errors import LoweringError
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.registry import get_lowering, register_lowering
-from ipu_jax.lowering.rules.control import _lower_any as lower_inline
-from ipu_jax.ops.collectives import apply_collective, replica_count, replica_index_value
+from ipu_jax.lowering.rules.control import lower_inline
+from ipu_jax.lowering.replica_axis import replica_count
 
-__all__ = ["collective_cost", "all_reduce_cost", "replication_factor", "named_axis_size"]
+__all__ = ["all_reduce_cost", "block_positions", "collective_cost", "emit_collective", "move_cost",
+           "named_axis_size", "one_phase", "replication_factor"]
 
 
 # ---------------------------------------------------------------------------
@@ -197,17 +197,17 @@ def all_reduce_cost(ctx, tensor: P.Tensor, replicas: int, op_name: str = "add"):
   return collective_cost(ctx, tensor, 2.0 * (replicas - 1) / replicas, replicas, op_name)
 
 
-def _one_phase(replicas: int) -> float:
+def one_phase(replicas: int) -> float:
   return (replicas - 1) / replicas if replicas > 1 else 0.0
 
 
-def _block_positions(shape, block_shape) -> np.ndarray:
+def block_positions(shape, block_shape) -> np.ndarray:
   """Flat positions (in ``shape``) of the leading block of ``block_shape``."""
   index = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
   return index[tuple(slice(0, b) for b in block_shape)].reshape(-1)
 
 
-def _move_cost(ctx, src: P.Tensor, src_positions, dst: P.Tensor, dst_positions):
+def move_cost(ctx, src: P.Tensor, src_positions, dst: P.Tensor, dst_positions):
   """On-IPU exchange of elements ``src[src_positions] -> dst[dst_positions]``."""
   if src.size == 0 or dst.size == 0:
     return None
@@ -303,7 +303,7 @@ def _axis_index_rule(ctx, *, axis_name):
   return [out]
 
 
-def _emit_collective(ctx, name, x, out, fn, exchange, compute=None, codelet=None):
+def emit_collective(ctx, name, x, out, fn, exchange, compute=None, codelet=None):
   elements = x.mapping.elements_per_tile(ctx.target.num_tiles)
   ctx.emit(P.Superstep(
       name=name, op=ctx.op, reads=(x,), writes=(out,),
@@ -332,14 +332,14 @@ def _gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_index_groups=N
   dim = all_gather_dimension
   # The replica's own block is copied on its IPU; the rest arrives over the
   # links: one ring phase of the gathered bytes.
-  own = _block_positions(out.shape, _own_block(out.shape, dim, replicas, tiled))
-  exchange, _ = collective_cost(ctx, out, _one_phase(replicas))
-  exchange = add_costs(exchange, _move_cost(ctx, x, None, out, own))
+  own = block_positions(out.shape, _own_block(out.shape, dim, replicas, tiled))
+  exchange, _ = collective_cost(ctx, out, one_phase(replicas))
+  exchange = add_costs(exchange, move_cost(ctx, x, None, out, own))
 
   def fn(v):
     return lax.all_gather(v, axis_name, axis=dim, tiled=tiled)
 
-  _emit_collective(ctx, f"all_gather x{replicas}", x, out, fn, exchange)
+  emit_collective(ctx, f"all_gather x{replicas}", x, out, fn, exchange)
   return [out]
 
 
@@ -357,17 +357,17 @@ def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_index_gro
   dim = scatter_dimension
   # Ring reduce-scatter (one phase of the input's bytes, with the adds);
   # the replica's reduced block then moves into its result.
-  exchange, compute = collective_cost(ctx, x, _one_phase(replicas), replicas)
+  exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas)
   block = _own_block(x.shape, dim, replicas, tiled)
-  own = _block_positions(x.shape, block)
-  exchange = add_costs(exchange, _move_cost(ctx, x, own, out, None))
+  own = block_positions(x.shape, block)
+  exchange = add_costs(exchange, move_cost(ctx, x, own, out, None))
 
   def fn(v):
     return lax.psum_scatter(v, axis_name, scatter_dimension=dim, tiled=tiled)
 
   # What arrives is added by the vertex that adds a matmul's partials.
-  _emit_collective(ctx, f"reduce_scatter x{replicas}", x, out, fn, exchange, compute,
-                   vocab.vertex(vocab.REDUCE_ADD, x.dtype, x.dtype))
+  emit_collective(ctx, f"reduce_scatter x{replicas}", x, out, fn, exchange, compute,
+                  vocab.vertex(vocab.REDUCE_ADD, x.dtype, x.dtype))
   return [out]
 
 
@@ -381,15 +381,15 @@ def _all_to_all_rule(ctx, x, *, axis_name, split_axis, concat_axis, axis_index_g
   # Each replica keeps 1/R of its data and sends the rest, one block to each
   # other replica; the kept block (split block r -> concat block r) moves on
   # the IPU.
-  exchange, _ = collective_cost(ctx, x, _one_phase(replicas))
-  kept = _block_positions(x.shape, _own_block(x.shape, split_axis, replicas, tiled))
-  placed = _block_positions(out.shape, _own_block(out.shape, concat_axis, replicas, tiled))
-  exchange = add_costs(exchange, _move_cost(ctx, x, kept, out, placed))
+  exchange, _ = collective_cost(ctx, x, one_phase(replicas))
+  kept = block_positions(x.shape, _own_block(x.shape, split_axis, replicas, tiled))
+  placed = block_positions(out.shape, _own_block(out.shape, concat_axis, replicas, tiled))
+  exchange = add_costs(exchange, move_cost(ctx, x, kept, out, placed))
 
   def fn(v):
     return lax.all_to_all(v, axis_name, split_axis, concat_axis, tiled=tiled)
 
-  _emit_collective(ctx, f"all_to_all x{replicas}", x, out, fn, exchange)
+  emit_collective(ctx, f"all_to_all x{replicas}", x, out, fn, exchange)
   return [out]
 
 
@@ -399,7 +399,7 @@ def _whole_copy(ctx, x, name, axis_name, moves, fn):
   replicas = named_axis_size(ctx, axis_name)
   out = ctx.like(x, name=name)
   exchange, _ = collective_cost(ctx, x, 1.0 if moves else 0.0)
-  _emit_collective(ctx, f"{name} x{replicas}", x, out, fn, exchange)
+  emit_collective(ctx, f"{name} x{replicas}", x, out, fn, exchange)
   return [out]
 
 
@@ -416,51 +416,6 @@ def _pbroadcast_rule(ctx, x, *, axis_name, source):
   moves = named_axis_size(ctx, axis_name) > 1
   return _whole_copy(ctx, x, "pbroadcast", axis_name, moves,
                      lambda v: lax.pbroadcast(v, axis_name, source))
-
-
-# ---------------------------------------------------------------------------
-# The IPU replica ops (ipu_jax.ops.cross_replica_sum / mean, replica_index)
-# ---------------------------------------------------------------------------
-
-
-def _make_cross_replica_rule(kind):
-  def rule(ctx, x, *, axis_name):
-    out = ctx.like(x, name=f"cross_replica_{kind}")
-    replicas = replication_factor(ctx, axis_name)
-    exchange, compute = all_reduce_cost(ctx, x, replicas)
-
-    def fn(xs):
-      # Zero padding of the storage stays zero under sum and mean.
-      return (apply_collective(kind, xs, axis_name),)
-
-    elements = x.mapping.elements_per_tile(ctx.target.num_tiles)
-    ctx.emit(P.Superstep(
-        name=f"all_reduce<{kind}>x{replicas}", op=ctx.op, reads=(x,), writes=(out,), fn=fn,
-        compute_cycles=compute, exchange=exchange,
-        vertices=worker_vertices(ctx, elements) if compute is not None else None,
-        codelets=(vocab.vertex(vocab.REDUCE, "add"),) if compute is not None else (),
-        flops=int(x.size * (replicas - 1)) if np.issubdtype(x.dtype, np.inexact) else 0))
-    return [out]
-  return rule
-
-
-register_lowering(ops.cross_replica_sum_p, _make_cross_replica_rule("sum"))
-register_lowering(ops.cross_replica_mean_p, _make_cross_replica_rule("mean"))
-
-
-@register_lowering(ops.replica_index_p)
-def _replica_index_rule(ctx, *, axis_name):
-  out = ctx.new_tensor((), np.int32, name="replica_index")
-  elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
-
-  def fn():
-    return (storage(replica_index_value(axis_name), out),)
-
-  ctx.emit(P.Superstep(
-      name="replica_index", op=ctx.op, reads=(), writes=(out,), fn=fn,
-      compute_cycles=estimators.fill_cycles(ctx.target, elements, 4),
-      vertices=(elements > 0).astype(np.int64), codelets=(vocab.REPLICA_INDEX,)))
-  return [out]
 
 
 # ---------------------------------------------------------------------------
@@ -493,8 +448,8 @@ def _enter(ctx, g: P.Tensor, spec, shape, sizes: dict) -> P.Tensor:
   if not any(dims) or shape == tuple(g.shape):
     return g  # unsplit (or split over axes of size 1): used in place
   shard = ctx.new_tensor(shape, g.dtype, name=f"{g.name}/shard")
-  own = _block_positions(g.shape, shape)
-  exchange = _move_cost(ctx, g, own, shard, None)
+  own = block_positions(g.shape, shape)
+  exchange = move_cost(ctx, g, own, shard, None)
 
   def fn(gs):
     value = logical(gs, g)
@@ -524,7 +479,7 @@ def _leave(ctx, s: P.Tensor, spec, shape, sizes: dict, local_ids: set) -> P.Tens
   # Each replica keeps its block (as pmap's outputs stay on their devices):
   # the cost is placing the block in the global layout on its own IPU. The
   # executor all-gathers the blocks only to hand the host the global value.
-  exchange = _move_cost(ctx, s, None, out, _block_positions(out.shape, s.shape))
+  exchange = move_cost(ctx, s, None, out, block_positions(out.shape, s.shape))
 
   def fn(ss):
     value = logical(ss, s)

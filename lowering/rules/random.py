@@ -29,7 +29,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.jax_compat import config, prng, random_core, threefry2x32
+from ipu_jax.lowering.jax_compat import config, prng, random_core, threefry2x32
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.jax_compat import lax_internal
+from ipu_jax.lowering.jax_compat import lax_internal
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import reduce as reduce_kernels
 from ipu_jax.kernels import vocabulary as vocab

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.jax_compat import windowed_reductions as wr
+from ipu_jax.lowering.jax_compat import windowed_reductions as wr
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P

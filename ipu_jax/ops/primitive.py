@@ -1,4 +1,4 @@
-"""Helpers shared by the IPU custom primitives."""
+"""Defining an IPU custom primitive: its impl, abstract eval, batching and lowering to XLA."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 not_mapped = None  # jax marks an unbatched operand with a None batch dim
 
 
-def _aval(shape, dtype, like=None):
+def shaped_like(shape, dtype, like=None):
   """A ShapedArray of ``shape``/``dtype`` carrying ``like``'s mesh typing."""
   if like is not None and tuple(like.shape) == tuple(shape):
     return like.update(dtype=np.dtype(dtype), weak_type=False)

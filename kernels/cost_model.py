@@ -53,7 +53,7 @@ COST_MODEL_VERSION = "5"
 
 @dataclasses.dataclass(frozen=True)
 class FigureSource:
-  """The provenance of one :class:`~ipu_jax.target.IPUTarget` figure."""
+  """The provenance of one :class:`~ipu_jax.kernels.target.IPUTarget` figure."""
 
   kind: str          # "datasheet", "poplibs" or "estimate"
   source: str        # where the value comes from
@@ -131,7 +131,7 @@ FIGURE_SOURCES.update({
 
 def _figures() -> list:
   """Every IPUTarget field that is a hardware figure."""
-  from ipu_jax.target import IPUTarget
+  from ipu_jax.kernels.target import IPUTarget
   return [f.name for f in dataclasses.fields(IPUTarget) if f.name not in ("name", "num_ipus")]
 
 

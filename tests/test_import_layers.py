@@ -1,0 +1,200 @@
+"""The three floors import only downward: ipu_jax -> lowering -> kernels.
+
+``kernels/`` (targets, cost figures, number formats) is the bottom floor,
+``lowering/`` (jaxpr -> tile program, JAX's own primitives, the executor) the
+middle, and ``ipu_jax/`` (the user's API and each custom IPU op with its tile
+rule) the top. The folders are installed as ``ipu_jax.kernels`` and
+``ipu_jax.lowering`` through ``setup.cfg``'s ``package_dir``, which import-graph
+tools such as import-linter do not follow (they would see ``lowering/`` as
+loose files), so this test reads the source itself, with the remap resolved
+from ``setup.cfg``. Every import counts, also those inside functions. A second
+rule: no module imports another module's private name (``from m import _x``),
+and no private module (``_common``) is imported from outside its package.
+"""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import dataclasses
+import functools
+import pathlib
+from typing import Optional
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Lower number, lower floor. A module's floor is that of the longest prefix.
+FLOORS = {"ipu_jax.kernels": 0, "ipu_jax.lowering": 1, "ipu_jax": 2}
+FLOOR_NAMES = {0: "kernels", 1: "lowering", 2: "ipu_jax"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+  """One import that breaks the contract."""
+
+  path: str        # the importing file, relative to the repository
+  line: int
+  importer: str    # the importing module
+  imported: str    # the module (or module.name) imported
+  why: str
+
+  def __str__(self):
+    return f"{self.path}:{self.line}: {self.importer} imports {self.imported} ({self.why})"
+
+
+def package_dirs(repo: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Package name -> folder, from setup.cfg's packages and package_dir."""
+  cfg = configparser.ConfigParser()
+  cfg.read(repo / "setup.cfg")
+  remap = {}
+  for line in cfg["options"].get("package_dir", "").strip().splitlines():
+    name, _, folder = (part.strip() for part in line.partition("="))
+    remap[name] = folder
+  dirs = {}
+  for package in cfg["options"]["packages"].split():
+    base = max((p for p in remap if package == p or package.startswith(p + ".")),
+               key=len, default=None)
+    if base is None:
+      dirs[package] = repo / package.replace(".", "/")
+    else:
+      rest = package[len(base):].lstrip(".").replace(".", "/")
+      dirs[package] = repo / remap[base] / rest
+  return dirs
+
+
+def modules(repo: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Every installed module name -> its source file."""
+  found = {}
+  for package, folder in package_dirs(repo).items():
+    for path in sorted(folder.glob("*.py")):
+      name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+      found[name] = path
+  return found
+
+
+def floor_of(module: str):
+  """The floor number of a project module, or None outside the project."""
+  best = max((p for p in FLOORS if module == p or module.startswith(p + ".")),
+             key=len, default=None)
+  return None if best is None else FLOORS[best]
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool):
+  """(line, module, name or None) of every import, relative ones resolved."""
+  package = module if is_package else module.rpartition(".")[0]
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        yield node.lineno, alias.name, None
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parts = package.split(".")
+        parts = parts[:len(parts) - node.level + 1]
+        base = ".".join(parts + ([node.module] if node.module else []))
+      for alias in node.names:
+        yield node.lineno, base, alias.name
+
+
+def _private_module_outside(imported: str, importer: str) -> bool:
+  """Whether ``imported`` is a private module of a package ``importer`` is not in."""
+  parts = imported.split(".")
+  for i, part in enumerate(parts):
+    if part.startswith("_") and not part.startswith("__"):
+      owner = ".".join(parts[:i])
+      return not (importer == owner or importer.startswith(owner + "."))
+  return False
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(source: str, filename: str) -> ast.AST:
+  return ast.parse(source, filename)
+
+
+def check(repo: pathlib.Path, edits: Optional[dict[str, str]] = None) -> list[Violation]:
+  """Every import in the project's library that breaks the contract.
+
+  Args:
+    repo: the repository root (holding setup.cfg).
+    edits: source text to use instead of a file's, by path relative to
+      ``repo`` (to show that a deliberate break is caught); a path that is
+      not a file yet adds a module.
+  """
+  edits = edits or {}
+  known = modules(repo)
+  for rel in edits:
+    path = repo / rel
+    if path not in known.values():
+      package = next(p for p, d in package_dirs(repo).items() if d == path.parent)
+      known[f"{package}.{path.stem}"] = path
+  found = []
+  for module, path in known.items():
+    floor = floor_of(module)
+    rel = str(path.relative_to(repo))
+    source = edits[rel] if rel in edits else path.read_text()
+    tree = _parse(source, str(path))
+    for line, target, name in _imports(tree, module, path.stem == "__init__"):
+      full = f"{target}.{name}" if name else target
+      # `from pkg import mod` imports the module pkg.mod.
+      imported = full if full in known else target
+      target_floor = floor_of(imported)
+      if target_floor is None:
+        continue
+      if target_floor > floor:
+        found.append(Violation(rel, line, module, imported,
+                               f"{FLOOR_NAMES[floor]} may not import the "
+                               f"{FLOOR_NAMES[target_floor]} floor above it"))
+      if (name and imported == target and name.startswith("_")
+          and not name.startswith("__") and target != module):
+        found.append(Violation(rel, line, module, full,
+                               "a private name of another module"))
+      elif _private_module_outside(imported, module):
+        found.append(Violation(rel, line, module, imported,
+                               "a private module of another package"))
+  return found
+
+
+class ImportLayersTest(chex.TestCase, parameterized.TestCase):
+
+  def test_the_library_keeps_the_contract(self):
+    violations = check(_REPO)
+    self.assertEmpty(violations, "\n".join(map(str, violations)))
+
+  def test_the_remap_is_resolved(self):
+    found = modules(_REPO)
+    self.assertEqual(found["ipu_jax.lowering.executor"], _REPO / "lowering" / "executor.py")
+    self.assertEqual(found["ipu_jax.kernels.target"], _REPO / "kernels" / "target.py")
+    self.assertEqual(found["ipu_jax.lowering.rules.dot"], _REPO / "lowering" / "rules" / "dot.py")
+    self.assertEqual(found["ipu_jax.jit"], _REPO / "ipu_jax" / "jit.py")
+
+  @parameterized.named_parameters(
+      ("kernels_imports_lowering", "kernels/estimators.py",
+       "from ipu_jax.lowering import program\n", "lowering floor above it"),
+      ("kernels_imports_ipu_jax_in_a_function", "kernels/amp.py",
+       "def f():\n  from ipu_jax import config\n  return config\n", "ipu_jax floor above it"),
+      ("lowering_imports_ipu_jax", "lowering/rules/dot.py",
+       "import ipu_jax.ops.matmul\n", "ipu_jax floor above it"),
+      ("lowering_relative_import_upward", "lowering/mapping.py",
+       "from .. import jit\n", "ipu_jax floor above it"),
+      ("private_name", "ipu_jax/jit.py",
+       "from ipu_jax.lowering.rules.control import _lower_any\n", "private name"),
+      ("private_module", "ipu_jax/keras/model.py",
+       "from ipu_jax.report import _figures\n", "private module"),
+  )
+  def test_a_deliberate_break_is_caught(self, path, code, why):
+    # A private module of the report package, for the private-module case.
+    private = {"ipu_jax/report/_figures.py": "X = 1\n"}
+    self.assertEmpty(check(_REPO, private))
+    edits = {**private, path: (_REPO / path).read_text() + "\n" + code}
+    violations = check(_REPO, edits)
+    self.assertLen(violations, 1, "\n".join(map(str, violations)))
+    self.assertEqual(violations[0].path, path)
+    self.assertIn(why, str(violations[0]))
+
+
+if __name__ == "__main__":
+  absltest.main()
