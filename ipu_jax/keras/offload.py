@@ -3,7 +3,7 @@
 Two ``IPUConfig.streaming`` options change how the Keras-like ``Model`` trains:
 
 * ``offload_optimizer_state``: the training program is lowered with the
-  optimizer state (argument 1 and output 1 of the execution) in streaming
+  optimizer state (the execution's ``opt_state`` argument and output) in streaming
   memory (``ipu_jax.jit(..., offload_argnums=1, offload_outputs=1)``, see
   ``ipu_jax/offload.py``): each leaf is streamed onto its tiles just before the
   weight update reads it and back right after, as TensorFlow-IPU's
@@ -48,11 +48,18 @@ def shards_state(config, num_replicas: int) -> bool:
   return bool(config.streaming.replicated_tensor_sharding) and num_replicas > 1
 
 
-def jit_options(config) -> dict:
-  """``ipu_jax.jit`` arguments of the training execution (state is argument 1)."""
+def jit_options(config, argnum: int, output: int) -> dict:
+  """``ipu_jax.jit`` arguments of the training execution.
+
+  Args:
+    config: the ``IPUConfig``.
+    argnum: the position of the optimizer state among the execution's
+      arguments; ``output``: among its outputs (both taken from the
+      :class:`~ipu_jax.keras.train_state.TrainState` fields by name).
+  """
   if not offloads_state(config):
     return {}
-  return {"offload_argnums": (1,), "offload_outputs": (1,)}
+  return {"offload_argnums": (argnum,), "offload_outputs": (output,)}
 
 
 def shard_length(size: int, replicas: int) -> int:
