@@ -37,10 +37,17 @@ What one call of the device does (DESIGN section 5):
   one replica with batch R G b does.
 
 This module is the public face only (its length is mostly the docstrings of
-the Keras API): the per-replica programs are built in
-:mod:`~ipu_jax.keras.programs`, the host data loop and layouts live in
-:mod:`~ipu_jax.keras.loop`, the weights file in :mod:`~ipu_jax.keras.weights`
-and the summary table in :mod:`~ipu_jax.keras.summary`.
+the Keras API): the training state is one named pytree
+(:class:`~ipu_jax.keras.train_state.TrainState`, each field's replica
+placement in its metadata), the per-replica programs are built in
+:mod:`~ipu_jax.keras.programs`, the host data loop, layouts and ``fit``'s plan
+(``FitPlan``) live in :mod:`~ipu_jax.keras.loop`, the weights file in
+:mod:`~ipu_jax.keras.weights` and the summary table in
+:mod:`~ipu_jax.keras.summary`. A training loop other than ``fit`` (the
+pipelined one, :mod:`~ipu_jax.keras.pipelining`) uses the public
+training-loop interface: ``train_state`` (read and assign), ``adapter``,
+``pipelining_options``, ``compiled``, ``record_number_formats`` and
+``reports``.
 """
 
 from __future__ import annotations

@@ -35,8 +35,7 @@ from ipu_jax import ops
 from ipu_jax.keras.replication import REPLICA_AXIS
 
 __all__ = ["offloads_state", "shards_state", "jit_options", "shard_length",
-           "shard_params", "init_optimizer_state", "place_optimizer_state",
-           "sharded_update"]
+           "shard_params", "init_optimizer_state", "sharded_update"]
 
 
 def offloads_state(config) -> bool:
@@ -93,11 +92,8 @@ def init_optimizer_state(optimizer, params, config, replication):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *shards)
 
 
-def place_optimizer_state(replication, opt_state, config):
-  """Puts the state on the replicas: sharded state one row per replica."""
-  if shards_state(config, replication.num_replicas):
-    return replication.shard(opt_state)
-  return replication.replicate(opt_state)
+# Placing the state on the replicas (sharded with replicated tensor sharding)
+# is TrainState.place's: the optimizer state's field says where it lives.
 
 
 def sharded_update(optimizer, grads, opt_state, params, replica, replicas: int,

@@ -8,8 +8,9 @@ replica with :class:`~ipu_jax.keras.replication.Replication`.
 * train: ``lax.scan`` over the U weight updates of the execution (lowered to a
   ``Repeat``); each update scans over its G micro-batches, accumulates the
   gradients (:mod:`ipu_jax.keras.accumulation`), all-reduces them over the R
-  replicas and applies the optimizer. Returns the new training state and the
-  summed loss/metric values ``[loss, metrics..., count]``.
+  replicas and applies the optimizer (``TrainState.apply_gradients``). Returns
+  the trained fields of the state and the summed loss/metric values
+  ``[loss, metrics..., count]``.
 * eval: ``lax.scan`` over the micro-batches summing masked loss and metrics
   (padding samples have mask 0, so every sample counts once).
 * predict: ``lax.scan`` over the micro-batches stacking the outputs.
