@@ -31,7 +31,6 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import loss_scaling
