@@ -6,6 +6,7 @@ digits MLP on the full 1,472-tile ipu2.
 
 import io
 import os
+import warnings
 
 import chex
 import jax
@@ -313,6 +314,16 @@ class BadConfigTest(absltest.TestCase):
       ipu_jax.keras.Model(linen.Dense(3))
     with self.assertRaises(TypeError):
       ipu_jax.keras.Model(lambda x: x)
+
+  def test_left_out_samples_warning_points_at_the_fit_call(self):
+    x, y = toy_data(50)
+    model = compiled_model(small_config(), steps_per_execution=4)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    left_out = [w for w in caught if "left out of every epoch" in str(w.message)]
+    self.assertLen(left_out, 1)
+    self.assertEqual(left_out[0].filename, __file__)  # the user's line, not the library's
 
 
 # ---------------------------------------------------------------------------

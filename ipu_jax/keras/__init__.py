@@ -19,10 +19,11 @@ from ipu_jax.keras.loss_scaling import LossScaleOptimizer
 from ipu_jax.keras.model import Model, check_steps_per_execution
 from ipu_jax.keras.progress import ProgbarLogger
 from ipu_jax.keras.replication import Replication, initialize_distributed
+from ipu_jax.keras.train_state import TrainState
 
 __all__ = [
     "Model", "Callback", "History", "ModelCheckpoint", "LambdaCallback", "EarlyStopping",
     "TerminateOnNaN", "ProgbarLogger", "Replication", "latest_checkpoint",
     "initialize_distributed", "check_steps_per_execution", "accumulation", "callbacks",
-    "losses", "metrics", "replication", "LossScaleOptimizer",
+    "losses", "metrics", "replication", "LossScaleOptimizer", "TrainState",
 ]

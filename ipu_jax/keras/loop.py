@@ -30,7 +30,7 @@ from ipu_jax.keras.replication import Replication
 
 __all__ = ["check_steps_per_execution", "RunningSums", "TrainSource", "train_source",
            "eval_data", "padded_executions", "padded_batches", "train_layout", "eval_layout",
-           "gather_predictions"]
+           "gather_predictions", "FitPlan"]
 
 _DEFAULT_BATCH = 32
 
@@ -135,11 +135,12 @@ def _array_source(x, y, batch_size, steps_per_epoch, S, seed) -> TrainSource:
 
   used = executions * chunk
   if steps_per_epoch is None and used < data.n:
+    # At the user's fit call: here <- train_source <- Model._fit_plan <- Model.fit.
     warnings.warn(
         f"fit: {data.n - used} of {data.n} samples are left out of every epoch: an "
         f"epoch runs whole executions of steps_per_execution x batch_size = {S} x "
         f"{data.batch_size} = {chunk} samples ({executions} of them). Choose sizes "
-        "that divide the data to use every sample.", stacklevel=4)
+        "that divide the data to use every sample.", stacklevel=5)
   example = data.take(np.zeros(chunk, np.int64))
   return TrainSource(data.batch_size, executions, batches, example, data.y)
 
@@ -282,3 +283,54 @@ def gather_predictions(outputs, replication: Replication):
     return a.reshape((-1,) + a.shape[3:])
 
   return jax.tree.map(unarrange, outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+  """How one ``fit`` call runs: the sizes of an execution, the data, the options.
+
+  Attributes:
+    accumulation: G, micro-batches per replica per weight update.
+    replicas: R, replicas in the whole run.
+    steps_per_execution: S, micro-batch steps (all replicas) per execution.
+    source: the training data (:func:`train_source`).
+    replication: the replicas' placement.
+    verbose: 0, 1 or 2.
+    shuffle: reshuffle array data each epoch.
+    validation_data: evaluated after each epoch (``None``: none).
+    validation_batch_size: its micro-batch (``None``: the training one).
+    validate_inputs: check labels before the first step (and validation's).
+  """
+  accumulation: int
+  replicas: int
+  steps_per_execution: int
+  source: TrainSource
+  replication: Replication
+  verbose: int
+  shuffle: bool = True
+  validation_data: object = None
+  validation_batch_size: Optional[int] = None
+  validate_inputs: bool = True
+
+  @property
+  def updates(self) -> int:
+    """U, weight updates per execution."""
+    return self.steps_per_execution // (self.accumulation * self.replicas)
+
+  @property
+  def batch_size(self) -> int:
+    return self.source.batch_size
+
+  def layout(self, batch):
+    """An execution's samples as ``[R_local, U, G, b, ...]`` (:func:`train_layout`)."""
+    return train_layout(batch, self.replication, self.batch_size, self.updates,
+                        self.accumulation)
+
+  def callback_params(self, epochs: int) -> dict:
+    """The ``params`` the callbacks see (Keras's, and the IPU's sizes)."""
+    S, executions = self.steps_per_execution, self.source.executions
+    return {"epochs": epochs, "steps": None if executions is None else executions * S,
+            "steps_per_execution": S, "verbose": self.verbose,
+            "batch_size": self.batch_size, "replicas": self.replicas,
+            "gradient_accumulation_steps": self.accumulation,
+            "executions_per_epoch": executions}

@@ -37,10 +37,17 @@ What one call of the device does (docs/training.md#what-one-call-of-the-device-d
   one replica with batch R G b does.
 
 This module is the public face only (its length is mostly the docstrings of
-the Keras API): the per-replica programs are built in
-:mod:`~ipu_jax.keras.programs`, the host data loop and layouts live in
-:mod:`~ipu_jax.keras.loop`, the weights file in :mod:`~ipu_jax.keras.weights`
-and the summary table in :mod:`~ipu_jax.keras.summary`.
+the Keras API): the training state is one named pytree
+(:class:`~ipu_jax.keras.train_state.TrainState`, each field's replica
+placement in its metadata), the per-replica programs are built in
+:mod:`~ipu_jax.keras.programs`, the host data loop, layouts and ``fit``'s plan
+(``FitPlan``) live in :mod:`~ipu_jax.keras.loop`, the weights file in
+:mod:`~ipu_jax.keras.weights` and the summary table in
+:mod:`~ipu_jax.keras.summary`. A training loop other than ``fit`` (the
+pipelined one, :mod:`~ipu_jax.keras.pipelining`) uses the public
+training-loop interface: ``train_state`` (read and assign), ``adapter``,
+``pipelining_options``, ``compiled``, ``record_number_formats`` and
+``reports``.
 """
 
 from __future__ import annotations
@@ -67,13 +74,16 @@ from ipu_jax.keras.adapters import make_adapter
 from ipu_jax.keras.data import ArrayData, as_arrays, is_array_like
 from ipu_jax.keras.loop import check_steps_per_execution
 from ipu_jax.keras.progress import ProgbarLogger
-from ipu_jax.keras.replication import Replication
+from ipu_jax.keras.replication import GATHERED, SUMMED, Replication
 from ipu_jax.keras.summary import summary_text
+from ipu_jax.keras.train_state import FIELDS, INFERENCE_FIELDS, TRAINED_FIELDS, TrainState
 from ipu_jax.keras.validation import check_labels
 from ipu_jax.keras.weights import (flat_saveable, read_weights_file, restore_flat,
                                    restore_nested, to_saveable, write_weights_file)
 
 __all__ = ["Model", "check_steps_per_execution"]
+
+NOT_COMPILED = "call model.compile(optimizer=..., loss=...) first."
 
 
 def _active_config():
@@ -114,18 +124,18 @@ class Model:
       seed = known.random_seed if known is not None and known.random_seed is not None else 0
     self.seed = int(seed)
     self._base_key = jax.random.key(self.seed)
-    init_key, self._dropout_key = jax.random.split(self._base_key)
+    init_key, dropout_key = jax.random.split(self._base_key)
     self._adapter = make_adapter(module, sample_input=sample_input, input_shape=input_shape,
                                  input_dtype=input_dtype, key=init_key,
                                  train_kwargs=train_kwargs, eval_kwargs=eval_kwargs,
                                  init_kwargs=init_kwargs, rng_collections=rng_collections)
     self.module = module
     self.name = name or self._adapter.name
-    self._params = self._adapter.params
-    self._state = self._adapter.state
-    self._rng_state = self._adapter.rng_state
-    self._opt_state = None
-    self._step = 0
+    # Every replica's training state, by name (the optimizer state comes at compile).
+    self._train_state = TrainState(
+        params=self._adapter.params, opt_state=None, state=self._adapter.state,
+        rng_state=self._adapter.rng_state, step=jnp.zeros((), jnp.int32),
+        dropout_key=dropout_key)
     self._pending_optimizer = None
     self._compiled = False
     self._accumulation_steps: Optional[int] = None
@@ -149,6 +159,8 @@ class Model:
     self.checkpoint_epoch: Optional[int] = None
     self.executions = 0
     self._replication: Optional[Replication] = None
+    # The Pipeline of the last pipelined fit (keras/pipelining.py sets it).
+    self.pipeline = None
 
   # -- reports --------------------------------------------------------------------
 
@@ -184,7 +196,7 @@ class Model:
       lowered.profile.run_setup = self._run_setup(program, micro_batch)
     self.reports[program] = lowered.report
 
-  def _record_number_formats(self, logs: dict, report):
+  def record_number_formats(self, logs: dict, report):
     """After an execution: the loss scale and FP8 layers' scales into the train report.
 
     One record per execution (the scale inside the on-device loop is not
@@ -258,9 +270,9 @@ class Model:
     self._replication = replication
     self._programs = {}
     # (Re)compiling resets it; sharded over replicas with replicated tensor sharding.
-    self._opt_state = offload_lib.init_optimizer_state(optimizer, self._local(self._params),
-                                                       cfg, replication)
-    self._step = 0
+    self._train_state = self._train_state.replace(
+        opt_state=offload_lib.init_optimizer_state(optimizer, self.params, cfg, replication),
+        step=jnp.zeros((), jnp.int32))
     self.number_formats = NumberFormatTelemetry()
     self._compiled = True
     if self._pending_optimizer is not None:
@@ -327,9 +339,14 @@ class Model:
   def replication(self) -> Optional[Replication]:
     return self._replication
 
+  @property
+  def compiled(self) -> bool:
+    """Whether ``compile`` was called (as Keras's ``Model.compiled``)."""
+    return self._compiled
+
   def _require_compiled(self):
     if not self._compiled:
-      raise RuntimeError("call model.compile(optimizer=..., loss=...) first.")
+      raise RuntimeError(NOT_COMPILED)
 
   # -- variables ----------------------------------------------------------------
 
@@ -341,21 +358,21 @@ class Model:
   @property
   def params(self):
     """The trained parameters (an ``nnx.State`` or a linen params dict)."""
-    return self._local(self._params)
+    return self._local(self._train_state.params)
 
   @property
   def state(self):
     """Non-trainable variables (batch statistics, ...)."""
-    return self._local(self._state)
+    return self._local(self._train_state.state)
 
   @property
   def opt_state(self):
-    return self._local(self._opt_state)
+    return self._local(self._train_state.opt_state)
 
   @property
   def step(self) -> int:
     """Weight updates made so far."""
-    return int(np.asarray(self._local(self._step)))
+    return int(np.asarray(self._local(self._train_state.step)))
 
   def get_weights(self) -> dict:
     """``{"params": ..., "state": ...}`` as nested dicts of NumPy arrays."""
@@ -366,15 +383,16 @@ class Model:
     """Sets weights as :meth:`get_weights` gives them."""
     params_t = self._adapter.to_pure(self.params)
     state_t = self._adapter.to_pure(self.state)
-    self._params = self._adapter.from_pure(self.params, restore_nested(
-        params_t, weights["params"], "params"))
+    ts = self._train_state.replace(params=self._adapter.from_pure(self.params, restore_nested(
+        params_t, weights["params"], "params")))
     if "state" in weights and jax.tree.leaves(state_t):
-      self._state = self._adapter.from_pure(self.state, restore_nested(
-          state_t, weights["state"], "state"))
+      ts = ts.replace(state=self._adapter.from_pure(self.state, restore_nested(
+          state_t, weights["state"], "state")))
+    self._train_state = ts
     self._sync_module()
 
   def _sync_module(self):
-    self._adapter.sync(self.params, self.state, self._rng_state)
+    self._adapter.sync(self.params, self.state, self._train_state.rng_state)
 
   # -- saving -------------------------------------------------------------------
 
@@ -395,7 +413,7 @@ class Model:
     Returns:
       ``path``.
     """
-    extra = {"rng_state": flat_saveable(self._local(self._rng_state))}
+    extra = {"rng_state": flat_saveable(self._local(self._train_state.rng_state))}
     if include_optimizer and self._compiled:
       extra["optimizer"] = {
           "opt_state": flat_saveable(self.opt_state),
@@ -414,8 +432,9 @@ class Model:
     payload = read_weights_file(path)
     self.set_weights(payload)
     saved_rng = payload.get("rng_state") or {}
-    if saved_rng and jax.tree.leaves(self._rng_state):
-      self._rng_state = restore_flat(self._local(self._rng_state), saved_rng, "rng_state")
+    if saved_rng and jax.tree.leaves(self._train_state.rng_state):
+      self._train_state = self._train_state.replace(rng_state=restore_flat(
+          self._local(self._train_state.rng_state), saved_rng, "rng_state"))
     if "optimizer" in payload:
       if self._compiled:
         self._restore_optimizer(payload["optimizer"])
@@ -426,8 +445,9 @@ class Model:
     return self.checkpoint_epoch
 
   def _restore_optimizer(self, saved):
-    self._opt_state = restore_flat(self.opt_state, saved["opt_state"], "opt_state")
-    self._step = jnp.asarray(int(np.asarray(saved["step"])), jnp.int32)
+    self._train_state = self._train_state.replace(
+        opt_state=restore_flat(self.opt_state, saved["opt_state"], "opt_state"),
+        step=jnp.asarray(int(np.asarray(saved["step"])), jnp.int32))
 
   # -- the programs -------------------------------------------------------------------
 
@@ -436,68 +456,90 @@ class Model:
     cfg.replication_factor = self.num_replicas  # the all-reduce spans every replica
     return cfg
 
-  def _program(self, key, execution, args, kinds, out_kinds, jit_options=None):
-    """``(run, lowered)`` of an execution, built once per key (shapes, settings)."""
+  def _shards_optimizer_state(self) -> bool:
+    return offload_lib.shards_state(self.config, self.num_replicas)
+
+  def _program(self, key, execution, data, **fields) -> programs.StateProgram:
+    """The compiled execution of the training state and ``data``, built once per key."""
     if key not in self._programs:
-      self._programs[key] = programs.build_program(
-          execution, args, kinds, out_kinds, replication=self._replication,
-          config=self._lowering_config(), emulate=self.emulate,
-          verbose=self._compile_verbose, jit_options=jit_options)
+      self._programs[key] = programs.build_state_program(
+          execution, self._train_state, data,
+          sharded_optimizer_state=self._shards_optimizer_state(),
+          replication=self._replication, config=self._lowering_config(),
+          emulate=self.emulate, verbose=self._compile_verbose, **fields)
     return self._programs[key]
 
-  def _train_program(self, xs, ys):
+  def _train_program(self, xs, ys) -> programs.StateProgram:
     """The program of one training execution (U updates of G micro-batches)."""
     G, R = self.gradient_accumulation_steps, self.num_replicas
     method = self.gradient_accumulation_reduction
     key = ("train", G, method, R, programs.shape_key((xs, ys)))
-    sharded = offload_lib.shards_state(self.config, R)
-    execution = programs.train_execution(
+    execution = programs.train_execution(programs.TrainStep(
         self._adapter, self.optimizer, self.loss, self.metrics, G, method, R,
-        self.replica_reduction, sharded_state=sharded)
-    args = [self._params, self._opt_state, self._state, self._rng_state, self._step,
-            self._dropout_key, xs, ys, self._replication.replica_ids]
-    kinds, out_kinds = programs.TRAIN_KINDS, programs.train_out_kinds
-    if sharded:  # each replica holds (and returns) its shard of the optimizer state
-      kinds, out_kinds = programs.sharded_train_kinds(self._params, self._opt_state)
-    return self._program(key, execution, args, kinds, out_kinds,
-                         offload_lib.jit_options(self.config))
+        self.replica_reduction, sharded_state=self._shards_optimizer_state()))
+    return self._program(key, execution, [xs, ys, self._replication.replica_ids],
+                         in_fields=FIELDS, out_fields=TRAINED_FIELDS, result_kind=SUMMED)
 
-  def _eval_program(self, xs, ys, mask):
+  def _eval_program(self, xs, ys, mask) -> programs.StateProgram:
     key = ("eval", self.num_replicas, programs.shape_key((xs, ys, mask)))
     execution = programs.eval_execution(self._adapter, self.loss, self.metrics)
-    args = [self._params, self._state, self._rng_state, xs, ys, mask]
-    return self._program(key, execution, args, programs.EVAL_KINDS,
-                         programs.eval_out_kinds)
+    return self._program(key, execution, [xs, ys, mask], in_fields=INFERENCE_FIELDS,
+                         out_fields=(), result_kind=SUMMED)
 
-  def _predict_program(self, xs):
+  def _predict_program(self, xs) -> programs.StateProgram:
     key = ("predict", self.num_replicas, programs.shape_key(xs))
     execution = programs.predict_execution(self._adapter)
-    args = [self._params, self._state, self._rng_state, xs]
-    return self._program(key, execution, args, programs.PREDICT_KINDS,
-                         programs.predict_out_kinds)
+    return self._program(key, execution, [xs], in_fields=INFERENCE_FIELDS, out_fields=(),
+                         result_kind=GATHERED)
 
   def _place(self):
     """Puts the training state on the replicas' devices (a no-op once there)."""
-    rep = self._replication
-    self._params = rep.replicate(self._params)
-    self._state = rep.replicate(self._state)
-    self._rng_state = rep.replicate(self._rng_state)
-    if self._opt_state is not None:
-      self._opt_state = offload_lib.place_optimizer_state(rep, self._opt_state, self.config)
-    self._step = rep.replicate(jnp.asarray(self._step, jnp.int32))
-    self._dropout_key = rep.replicate(self._dropout_key)
+    self._train_state = self._train_state.place(self._replication,
+                                                self._shards_optimizer_state())
 
   # -- fit ------------------------------------------------------------------------------
 
   def set_pipelining_options(self, **options):
     """Train pipelined over IPUs (see :mod:`ipu_jax.keras.pipelining`)."""
     from ipu_jax.keras import pipelining
-    pipelining.set_pipelining_options(self, **options)
+    self._pipelining = pipelining.merged_options(self._pipelining, **options)
 
   def set_pipeline_stage_assignment(self, assignment: dict):
     """Place layers on pipeline stages by module path (``{"layers_1": 1}``)."""
     from ipu_jax.keras import pipelining
-    pipelining.set_pipeline_stage_assignment(self, assignment)
+    self._pipelining = pipelining.merged_assignment(self._pipelining, assignment)
+
+  # -- what a training loop uses: plain fit and keras/pipelining.py's fit ------------
+  #
+  # A loop reads the compiled settings (config, optimizer, loss, metrics, seed,
+  # the accumulation properties), the module adapter and the training state;
+  # it writes back the new state (``train_state``), records number formats per
+  # execution (``record_number_formats``) and puts its report in ``reports``.
+
+  @property
+  def pipelining_options(self) -> Optional[dict]:
+    """The options of ``set_pipelining_options`` / ``set_pipeline_stage_assignment``
+    (``None``: ``fit`` is not pipelined); a copy."""
+    return None if self._pipelining is None else dict(self._pipelining)
+
+  @property
+  def adapter(self):
+    """The module's adapter (:mod:`ipu_jax.keras.adapters`): ``apply``, ``needs_rng``, ..."""
+    return self._adapter
+
+  @property
+  def train_state(self) -> TrainState:
+    """The training state (:class:`~ipu_jax.keras.train_state.TrainState`), as
+    arrays of this process; assigning one also writes it into the module."""
+    return self._train_state.local(self._replication)
+
+  @train_state.setter
+  def train_state(self, value: TrainState):
+    if not isinstance(value, TrainState):
+      raise TypeError(f"train_state must be an ipu_jax.keras.TrainState; got "
+                      f"{type(value).__name__}.")
+    self._train_state = value.replace(step=jnp.asarray(value.step, jnp.int32))
+    self._sync_module()
 
   def fit(self, x=None, y=None, batch_size: Optional[int] = None, epochs: int = 1,
           verbose="auto", callbacks: Optional[Sequence] = None, validation_data=None,
@@ -539,6 +581,32 @@ class Model:
       return pipelining.fit(self, x, y, batch_size=batch_size, epochs=epochs,
                             verbose=0 if verbose == "auto" else verbose, shuffle=shuffle,
                             callbacks=callbacks, validation_data=validation_data)
+    plan = self._fit_plan(x, y, batch_size, epochs, verbose, initial_epoch, steps_per_epoch,
+                          shuffle, validation_data, validation_batch_size, validate_inputs)
+    if validate_inputs:
+      self._validate_labels(plan.source.example[0], plan.source.labels)
+    history = callbacks_lib.History()
+    cb = self._fit_callbacks(plan, callbacks, epochs, history)
+    self.stop_training = False
+    self.history = history
+    self._place()
+    # Lower and compile now, so a program that cannot be lowered or does not
+    # fit in tile memory fails before any callback or epoch starts.
+    self._train_program(*map(plan.layout, plan.source.example))
+    cb.on_train_begin()
+    logs: dict = {}
+    for epoch in range(initial_epoch, epochs):
+      logs = self._fit_epoch(plan, cb, epoch)
+      if self.stop_training:
+        break
+    self._sync_module()
+    cb.on_train_end(logs)
+    return history
+
+  def _fit_plan(self, x, y, batch_size, epochs, verbose, initial_epoch, steps_per_epoch,
+                shuffle, validation_data, validation_batch_size,
+                validate_inputs) -> loop.FitPlan:
+    """Checks ``fit``'s sizes and options (before anything runs) into a plan."""
     G, R, S = self.gradient_accumulation_steps, self.num_replicas, self.steps_per_execution
     check_steps_per_execution(S, G, R)
     if initial_epoch < 0 or epochs < initial_epoch:
@@ -546,76 +614,67 @@ class Model:
                        f"{initial_epoch}, epochs={epochs}.")
     verbose = 1 if verbose == "auto" else int(verbose)
     self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
-    U = S // (G * R)
     source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch,
                                S, self.seed)
-    b = source.batch_size
-    if validate_inputs:
-      self._validate_labels(source.example[0], source.labels)
-    executions_per_epoch = source.executions
+    return loop.FitPlan(G, R, S, source, self._replication, verbose, shuffle=shuffle,
+                        validation_data=validation_data,
+                        validation_batch_size=validation_batch_size,
+                        validate_inputs=validate_inputs)
 
-    def layout(batch):
-      return loop.train_layout(batch, self._replication, b, U, G)
-
-    history = callbacks_lib.History()
+  def _fit_callbacks(self, plan: loop.FitPlan, callbacks, epochs: int,
+                     history) -> callbacks_lib.CallbackList:
+    """The user's callbacks, then the progress bar (if verbose) and ``history``."""
     cbs = list(callbacks or [])
-    if verbose:
-      cbs.append(ProgbarLogger(verbose=verbose))
+    if plan.verbose:
+      cbs.append(ProgbarLogger(verbose=plan.verbose))
     cbs.append(history)
-    cb = callbacks_lib.CallbackList(cbs, model=self, params={
-        "epochs": epochs, "steps": None if executions_per_epoch is None
-        else executions_per_epoch * S, "steps_per_execution": S, "verbose": verbose,
-        "batch_size": b, "replicas": R, "gradient_accumulation_steps": G,
-        "executions_per_epoch": executions_per_epoch})
-    self.stop_training = False
-    self.history = history
-    self._place()
-    # Lower and compile now, so a program that cannot be lowered or does not
-    # fit in tile memory fails before any callback or epoch starts.
-    self._train_program(*map(layout, source.example))
-    cb.on_train_begin()
-    logs: dict = {}
-    for epoch in range(initial_epoch, epochs):
-      cb.on_epoch_begin(epoch)
-      running = loop.RunningSums([m.name for m in self.metrics])
-      for index, (xb, yb) in enumerate(source.batches(epoch, shuffle)):
-        cb.on_train_batch_begin(index * S)
-        xs, ys = layout(xb), layout(yb)
-        run, lowered = self._train_program(xs, ys)
-        start = time.perf_counter()
-        rep = self._replication
-        (self._params, self._opt_state, self._state, self._step, sums) = run(
-            self._params, self._opt_state, self._state, self._rng_state, self._step,
-            self._dropout_key, rep.shard(xs), rep.shard(ys), rep.shard(rep.replica_ids))
-        sums = np.asarray(rep.fetch(sums))
-        host_seconds = time.perf_counter() - start
-        self.executions += 1
-        running.add(sums)
-        logs = running.logs()
-        self._record_report("train", lowered, b)
-        if lowered is not None:
-          logs["host_round_trips"] = lowered.report.host_round_trips
-          logs["emulated_seconds"] = lowered.report.estimated_seconds
-        logs.update(loss_scaling.scaling_logs(self._opt_state))
-        self._record_number_formats(logs, lowered.report if lowered is not None else None)
-        logs["samples"] = S * b
-        logs["host_seconds"] = host_seconds
-        cb.on_train_batch_end((index + 1) * S - 1, logs)
-        if self.stop_training:
-          break
-      epoch_logs = running.logs()
-      if validation_data is not None and not self.stop_training:
-        val = self._evaluate(validation_data, None, validation_batch_size or b,
-                             cb, verbose=0, validate_inputs=validate_inputs)
-        epoch_logs.update({"val_" + k: v for k, v in val.items()})
-      self._sync_module()
-      cb.on_epoch_end(epoch, epoch_logs)
-      logs = epoch_logs
+    return callbacks_lib.CallbackList(cbs, model=self, params=plan.callback_params(epochs))
+
+  def _fit_epoch(self, plan: loop.FitPlan, cb, epoch: int) -> dict:
+    """One epoch of ``fit`` (and its validation); returns the epoch's logs."""
+    S = plan.steps_per_execution
+    cb.on_epoch_begin(epoch)
+    running = loop.RunningSums([m.name for m in self.metrics])
+    for index, (xb, yb) in enumerate(plan.source.batches(epoch, plan.shuffle)):
+      cb.on_train_batch_begin(index * S)
+      logs = self._train_execution(plan, xb, yb, running)
+      cb.on_train_batch_end((index + 1) * S - 1, logs)
       if self.stop_training:
         break
+    epoch_logs = running.logs()
+    if plan.validation_data is not None and not self.stop_training:
+      val = self._evaluate(plan.validation_data, None,
+                           plan.validation_batch_size or plan.batch_size, cb, verbose=0,
+                           validate_inputs=plan.validate_inputs)
+      epoch_logs.update({"val_" + k: v for k, v in val.items()})
     self._sync_module()
-    cb.on_train_end(logs)
-    return history
+    cb.on_epoch_end(epoch, epoch_logs)
+    return epoch_logs
+
+  def _train_execution(self, plan: loop.FitPlan, xb, yb, running: loop.RunningSums) -> dict:
+    """Runs one execution of the training program on ``(xb, yb)``; returns its logs."""
+    xs, ys = plan.layout(xb), plan.layout(yb)
+    program = self._train_program(xs, ys)
+    start = time.perf_counter()
+    rep = self._replication
+    trained, sums = program(self._train_state, rep.shard(xs), rep.shard(ys),
+                            rep.shard(rep.replica_ids))
+    self._train_state = self._train_state.merge(trained)
+    sums = np.asarray(rep.fetch(sums))
+    host_seconds = time.perf_counter() - start
+    self.executions += 1
+    running.add(sums)
+    logs = running.logs()
+    lowered = program.lowered
+    self._record_report("train", lowered, plan.batch_size)
+    if lowered is not None:
+      logs["host_round_trips"] = lowered.report.host_round_trips
+      logs["emulated_seconds"] = lowered.report.estimated_seconds
+    logs.update(loss_scaling.scaling_logs(self._train_state.opt_state))
+    self.record_number_formats(logs, lowered.report if lowered is not None else None)
+    logs["samples"] = plan.steps_per_execution * plan.batch_size
+    logs["host_seconds"] = host_seconds
+    return logs
 
   def _validate_labels(self, x, y):
     """Checks labels ``y`` against the loss and the output for ``x`` (nothing runs)."""
@@ -623,7 +682,7 @@ class Model:
     adapter = self._adapter
     out = jax.eval_shape(
         lambda p, s, r, xb: adapter.apply(p, s, r, xb, False, None)[0],
-        self.params, self.state, self._local(self._rng_state), sample)
+        self.params, self.state, self._local(self._train_state.rng_state), sample)
     leaves = jax.tree.leaves(out)
     if len(leaves) == 1:
       check_labels(self.loss, y, leaves[0].shape)
@@ -643,11 +702,10 @@ class Model:
     executions = 0
     for e, (xs, ys, ms) in enumerate(loop.padded_batches(data, S, rep)):
       cb.on_test_batch_begin(e * S)
-      run, lowered = self._eval_program(xs, ys, ms)
-      sums = run(self._params, self._state, self._rng_state,
-                 rep.shard(xs), rep.shard(ys), rep.shard(ms))
+      program = self._eval_program(xs, ys, ms)
+      _, sums = program(self._train_state, rep.shard(xs), rep.shard(ys), rep.shard(ms))
       running.add(np.asarray(rep.fetch(sums)))
-      self._record_report("eval", lowered, data.batch_size)
+      self._record_report("eval", program.lowered, data.batch_size)
       cb.on_test_batch_end((e + 1) * S - 1, running.logs())
       executions += 1
     logs = running.logs()
@@ -686,9 +744,9 @@ class Model:
     cb.on_predict_begin()
     outputs = []
     for xs, _, _ in loop.padded_batches(data, self.steps_per_execution, rep):
-      run, lowered = self._predict_program(xs)
-      ys = run(self._params, self._state, self._rng_state, rep.shard(xs))
-      self._record_report("predict", lowered, data.batch_size)
+      program = self._predict_program(xs)
+      _, ys = program(self._train_state, rep.shard(xs))
+      self._record_report("predict", program.lowered, data.batch_size)
       outputs.append(loop.gather_predictions(ys, rep))
     cb.on_predict_end()
     result = jax.tree.map(lambda *a: np.concatenate(a)[:data.n], *outputs)
@@ -698,8 +756,8 @@ class Model:
 
   def __call__(self, x, training: bool = False):
     """The module applied to ``x`` with the current weights (plain JAX)."""
-    y, _ = self._adapter.apply(self.params, self.state, self._local(self._rng_state),
-                               x, training, None)
+    y, _ = self._adapter.apply(self.params, self.state,
+                               self._local(self._train_state.rng_state), x, training, None)
     return y
 
   # -- summary --------------------------------------------------------------------------

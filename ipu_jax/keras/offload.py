@@ -3,7 +3,7 @@
 Two ``IPUConfig.streaming`` options change how the Keras-like ``Model`` trains:
 
 * ``offload_optimizer_state``: the training program is lowered with the
-  optimizer state (argument 1 and output 1 of the execution) in streaming
+  optimizer state (the execution's ``opt_state`` argument and output) in streaming
   memory (``ipu_jax.jit(..., offload_argnums=1, offload_outputs=1)``, see
   ``ipu_jax/offload.py``): each leaf is streamed onto its tiles just before the
   weight update reads it and back right after, as TensorFlow-IPU's
@@ -35,8 +35,7 @@ from ipu_jax import ops
 from ipu_jax.keras.replication import REPLICA_AXIS
 
 __all__ = ["offloads_state", "shards_state", "jit_options", "shard_length",
-           "shard_params", "init_optimizer_state", "place_optimizer_state",
-           "sharded_update"]
+           "shard_params", "init_optimizer_state", "sharded_update"]
 
 
 def offloads_state(config) -> bool:
@@ -48,11 +47,18 @@ def shards_state(config, num_replicas: int) -> bool:
   return bool(config.streaming.replicated_tensor_sharding) and num_replicas > 1
 
 
-def jit_options(config) -> dict:
-  """``ipu_jax.jit`` arguments of the training execution (state is argument 1)."""
+def jit_options(config, argnum: int, output: int) -> dict:
+  """``ipu_jax.jit`` arguments of the training execution.
+
+  Args:
+    config: the ``IPUConfig``.
+    argnum: the position of the optimizer state among the execution's
+      arguments; ``output``: among its outputs (both taken from the
+      :class:`~ipu_jax.keras.train_state.TrainState` fields by name).
+  """
   if not offloads_state(config):
     return {}
-  return {"offload_argnums": (1,), "offload_outputs": (1,)}
+  return {"offload_argnums": (argnum,), "offload_outputs": (output,)}
 
 
 def shard_length(size: int, replicas: int) -> int:
@@ -86,11 +92,8 @@ def init_optimizer_state(optimizer, params, config, replication):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *shards)
 
 
-def place_optimizer_state(replication, opt_state, config):
-  """Puts the state on the replicas: sharded state one row per replica."""
-  if shards_state(config, replication.num_replicas):
-    return replication.shard(opt_state)
-  return replication.replicate(opt_state)
+# Placing the state on the replicas (sharded with replicated tensor sharding)
+# is TrainState.place's: the optimizer state's field says where it lives.
 
 
 def sharded_update(optimizer, grads, opt_state, params, replica, replicas: int,

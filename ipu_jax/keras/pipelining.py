@@ -25,6 +25,7 @@ train report, as plain ``fit`` records them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -34,17 +35,18 @@ import numpy as np
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import programs
 
-__all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "fit"]
+__all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "merged_options",
+           "merged_assignment", "fit"]
 
 _SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 # The batch entry carrying the loss scale to the loss stage (one per micro-batch).
 _LOSS_SCALE = "loss_scale"
 
 
-def set_pipelining_options(model, *, schedule: Optional[str] = None,
-                           gradient_accumulation_steps_per_replica: Optional[int] = None,
-                           recomputation: Optional[bool] = None, device_mapping=None) -> None:
-  """Store the pipelining options on ``model`` (see the module docstring).
+def merged_options(current: Optional[dict], *, schedule: Optional[str] = None,
+                   gradient_accumulation_steps_per_replica: Optional[int] = None,
+                   recomputation: Optional[bool] = None, device_mapping=None) -> dict:
+  """``current`` pipelining options with these set (those not ``None``).
 
   Raises:
     ValueError: an unknown schedule or a G below 1, naming the option.
@@ -56,33 +58,42 @@ def set_pipelining_options(model, *, schedule: Optional[str] = None,
   if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
     raise ValueError("set_pipelining_options: gradient_accumulation_steps_per_replica must "
                      f"be an int >= 1; got {g!r}.")
-  options = dict(model._pipelining or {})
+  options = dict(current or {})
   options.update({k: v for k, v in dict(
       schedule=schedule, accumulation=g, recomputation=recomputation,
       device_mapping=None if device_mapping is None else tuple(device_mapping)).items()
       if v is not None})
-  model._pipelining = options
+  return options
+
+
+def merged_assignment(current: Optional[dict], assignment) -> dict:
+  """``current`` pipelining options with the stage assignment ``{module path: stage}``."""
+  if not isinstance(assignment, dict) or not assignment:
+    raise ValueError("set_pipeline_stage_assignment expects a non-empty dict of module path "
+                     f"-> stage id, e.g. {{'layers_1': 1}}; got {assignment!r}.")
+  options = dict(current or {})
+  options["assignment"] = dict(assignment)
+  return options
+
+
+def set_pipelining_options(model, **options) -> None:
+  """``model.set_pipelining_options(**options)`` (see the module docstring).
+
+  Raises:
+    ValueError: an unknown schedule or a G below 1, naming the option.
+  """
+  merged_options(None, **options)  # bad options raise before the model is touched
+  model.set_pipelining_options(**options)
 
 
 def set_pipeline_stage_assignment(model, assignment) -> None:
   """Place layers on stages: ``{module path: stage}``; pipelining turns on."""
-  if not isinstance(assignment, dict) or not assignment:
-    raise ValueError("set_pipeline_stage_assignment expects a non-empty dict of module path "
-                     f"-> stage id, e.g. {{'layers_1': 1}}; got {assignment!r}.")
-  options = dict(model._pipelining or {})
-  options["assignment"] = dict(assignment)
-  model._pipelining = options
+  merged_assignment(None, assignment)
+  model.set_pipeline_stage_assignment(assignment)
 
 
-def _pipeline(model):
-  from ipu_jax.pipelining import Pipeline
-  options = model._pipelining
-  adapter = model._adapter
-  if jax.tree_util.tree_leaves(model.state) or adapter.needs_rng:
-    raise NotImplementedError(
-        "A pipelined fit supports models without mutable state (batch statistics) or "
-        "dropout randomness; this model has "
-        + ("state" if jax.tree_util.tree_leaves(model.state) else "randomness") + ".")
+def _pipeline_config(model, options: dict):
+  """The model's config with the pipelined fit's accumulation and schedule."""
   cfg = model.config.copy()
   cfg.training.gradient_accumulation_steps = options.get(
       "accumulation", model.gradient_accumulation_steps)
@@ -92,7 +103,20 @@ def _pipeline(model):
     cfg.pipelining.schedule = options["schedule"]
   if "recomputation" in options:
     cfg.pipelining.recomputation = options["recomputation"]
-  state, rng_state = model.state, model._rng_state
+  return cfg
+
+
+def _pipeline(model):
+  from ipu_jax.pipelining import Pipeline
+  options = model.pipelining_options
+  adapter = model.adapter
+  if jax.tree_util.tree_leaves(model.state) or adapter.needs_rng:
+    raise NotImplementedError(
+        "A pipelined fit supports models without mutable state (batch statistics) or "
+        "dropout randomness; this model has "
+        + ("state" if jax.tree_util.tree_leaves(model.state) else "randomness") + ".")
+  cfg = _pipeline_config(model, options)
+  state, rng_state = model.state, model.train_state.rng_state
   loss_fn = model.loss
 
   def loss(params, batch):
@@ -107,15 +131,68 @@ def _pipeline(model):
                   stage_assignment=options.get("assignment"))
 
 
+@dataclasses.dataclass
+class _Trainer:
+  """The pipelined fit's state between updates: the pipeline, the data and sizes."""
+  model: object
+  pipe: object
+  x: np.ndarray
+  y: np.ndarray
+  micro: int
+  scaled: bool  # the optimizer is a LossScaleOptimizer
+  opt_state: object = None
+
+  @property
+  def rows(self) -> int:
+    """Micro-batches per weight update: G x R."""
+    return self.pipe.accumulation * self.pipe.replicas
+
+  def batches(self, idx) -> dict:
+    """The micro-batches of one update: samples ``idx`` as ``[G R, b, ...]``."""
+    g_r, micro, x, y = self.rows, self.micro, self.x, self.y
+    batches = {"x": jnp.asarray(x[idx].reshape((g_r, micro) + x.shape[1:])),
+               "y": jnp.asarray(y[idx].reshape((g_r, micro) + y.shape[1:]))}
+    if self.scaled:  # a batch entry for the loss stage (there from the first lowering on)
+      batches[_LOSS_SCALE] = jnp.ones((g_r,), jnp.float32)
+    return batches
+
+  def update(self, idx) -> float:
+    """One weight update on samples ``idx``; returns its loss.
+
+    The model's training state (weights, step) and number formats follow
+    every update.
+    """
+    model = self.model
+    params = model.params
+    batches = self.batches(idx)
+    if self.opt_state is None:
+      self.opt_state = self.pipe.init(params, batches)
+    if self.scaled:
+      scale = loss_scaling.loss_scale_of(self.opt_state[0])
+      batches[_LOSS_SCALE] = batches[_LOSS_SCALE] * scale
+    new_params, new_state, loss = self.pipe.step(params, self.opt_state, batches)
+    if self.scaled:
+      new_params, new_state = _one_skip_decision(params, self.opt_state, new_params, new_state)
+      loss = loss / scale
+    self.opt_state = new_state
+    model.train_state = model.train_state.replace(params=new_params, step=model.step + 1)
+    logs = loss_scaling.scaling_logs(new_state[0]) if new_state else {}
+    model.record_number_formats(logs, self.pipe.report.program_report)
+    return float(loss)
+
+
 def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bool = True,
         callbacks=None, validation_data=None):
   """Train ``model`` pipelined; returns a :class:`~ipu_jax.keras.callbacks.History`.
 
   Each weight update takes ``G x R`` micro-batches of ``batch_size``; samples
-  that do not fill a whole update are left out of the epoch.
+  that do not fill a whole update are left out of the epoch. It uses only the
+  ``Model``'s public surface (the training-loop interface in ``model.py``).
   """
   from ipu_jax.keras.callbacks import History
-  model._require_compiled()
+  from ipu_jax.keras.model import NOT_COMPILED
+  if not model.compiled:
+    raise RuntimeError(NOT_COMPILED)
   if callbacks or validation_data is not None or model.metrics:
     raise NotImplementedError("A pipelined fit runs no callbacks, validation data or "
                               "metrics; leave them out (the loss is reported per epoch).")
@@ -128,42 +205,21 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
   if updates == 0:
     raise ValueError(f"A pipelined step needs batch_size x G x R = {micro} x {g} x {r} = "
                      f"{per_update} samples; got {len(x)}.")
-  params = model.params
-  scaled = isinstance(jax.eval_shape(model.optimizer.init, params), loss_scaling.LossScaleState)
+  scaled = isinstance(jax.eval_shape(model.optimizer.init, model.params),
+                      loss_scaling.LossScaleState)
+  trainer = _Trainer(model, pipe, x, y, micro, scaled)
   history = History()
   history.history = {"loss": []}
-  opt_state = None
   for epoch in range(epochs):
     order = (np.random.default_rng([model.seed, epoch]).permutation(len(x)) if shuffle
              else np.arange(len(x)))
     losses = []
     for u in range(updates):
-      idx = order[u * per_update:(u + 1) * per_update]
-      batches = {"x": jnp.asarray(x[idx].reshape((g * r, micro) + x.shape[1:])),
-                 "y": jnp.asarray(y[idx].reshape((g * r, micro) + y.shape[1:]))}
-      if scaled:  # a batch entry for the loss stage (there from the first lowering on)
-        batches[_LOSS_SCALE] = jnp.ones((g * r,), jnp.float32)
-      if opt_state is None:
-        opt_state = pipe.init(params, batches)
-      if scaled:
-        scale = loss_scaling.loss_scale_of(opt_state[0])
-        batches[_LOSS_SCALE] = batches[_LOSS_SCALE] * scale
-      new_params, new_state, loss = pipe.step(params, opt_state, batches)
-      if scaled:
-        new_params, new_state = _one_skip_decision(params, opt_state, new_params, new_state)
-        loss = loss / scale
-      params, opt_state = new_params, new_state
-      losses.append(float(loss))
-      model._step += 1
-      logs = loss_scaling.scaling_logs(opt_state[0]) if opt_state else {}
-      model._record_number_formats(logs, pipe.report.program_report)
+      losses.append(trainer.update(order[u * per_update:(u + 1) * per_update]))
     history.history["loss"].append(float(np.mean(losses)))
     history.epoch.append(epoch)
     if verbose:
       print(f"Epoch {epoch + 1}/{epochs} - loss: {history.history['loss'][-1]:.4f}")
-  model._params = model._replication.replicate(params) if (
-      model._replication is not None and hasattr(model._replication, "replicate")) else params
-  model._sync_module()
   model.pipeline = pipe
   model.reports["train"] = pipe.report.program_report
   return history

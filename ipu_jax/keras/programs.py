@@ -8,67 +8,40 @@ replica with :class:`~ipu_jax.keras.replication.Replication`.
 * train: ``lax.scan`` over the U weight updates of the execution (lowered to a
   ``Repeat``); each update scans over its G micro-batches, accumulates the
   gradients (:mod:`ipu_jax.keras.accumulation`), all-reduces them over the R
-  replicas and applies the optimizer. Returns the new training state and the
-  summed loss/metric values ``[loss, metrics..., count]``.
+  replicas and applies the optimizer (``TrainState.apply_gradients``). Returns
+  the trained fields of the state and the summed loss/metric values
+  ``[loss, metrics..., count]``.
 * eval: ``lax.scan`` over the micro-batches summing masked loss and metrics
   (padding samples have mask 0, so every sample counts once).
 * predict: ``lax.scan`` over the micro-batches stacking the outputs.
 
-Arguments are either the same on every replica (``REPLICATED``: weights,
-optimizer state) or split over them (``SHARDED``: data, replica ids).
+An execution takes the :class:`~ipu_jax.keras.train_state.TrainState` by
+name and its data; :func:`build_state_program` places each field as the state
+says (``REPLICATED``: the same on every replica; ``SHARDED``: split over
+them, as the data and replica ids are) and lowers it with the fields as
+positional arguments.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import offload as offload_lib
-from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, SUMMED, Replication,
+from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, Replication,
                                        cross_replica_mean, cross_replica_sum)
+from ipu_jax.keras.train_state import TRAINED_FIELDS, TrainState
 
-__all__ = ["build_program", "train_execution", "eval_execution", "predict_execution",
-           "per_sample_loss", "run_setup", "shape_key", "TRAIN_KINDS", "EVAL_KINDS",
-           "PREDICT_KINDS", "sharded_train_kinds", "train_out_kinds", "eval_out_kinds", "predict_out_kinds"]
-
-# How each argument of an execution is placed on the replicas, in order.
-TRAIN_KINDS = (REPLICATED,) * 6 + (SHARDED,) * 3  # params, opt, state, rng, step, key | xs, ys, ids
-EVAL_KINDS = (REPLICATED,) * 3 + (SHARDED,) * 3   # params, state, rng | xs, ys, mask
-PREDICT_KINDS = (REPLICATED,) * 3 + (SHARDED,)    # params, state, rng | xs
-
-
-def train_out_kinds(out_tree) -> list:
-  """The new training state is replicated; the loss/metric sums are summed."""
-  return [REPLICATED] * (out_tree.num_leaves - 1) + [SUMMED]
-
-
-def sharded_train_kinds(params, opt_state):
-  """Input kinds and output kinds of a training execution whose optimizer
-  state is sharded over the replicas (each replica's shard comes back stacked)."""
-  kinds = list(TRAIN_KINDS)
-  kinds[1] = SHARDED
-  n_params, n_opt = len(jax.tree.leaves(params)), len(jax.tree.leaves(opt_state))
-
-  def out_kinds(out_tree):
-    kinds_out = train_out_kinds(out_tree)
-    kinds_out[n_params:n_params + n_opt] = [GATHERED] * n_opt
-    return kinds_out
-
-  return tuple(kinds), out_kinds
-
-
-def eval_out_kinds(out_tree) -> list:
-  return [SUMMED] * out_tree.num_leaves
-
-
-def predict_out_kinds(out_tree) -> list:
-  return [GATHERED] * out_tree.num_leaves
+__all__ = ["build_program", "build_state_program", "StateProgram", "TrainStep",
+           "train_execution", "eval_execution", "predict_execution", "per_sample_loss",
+           "run_setup", "shape_key"]
 
 
 def shape_key(tree):
@@ -94,118 +67,256 @@ def per_sample_loss(loss: Callable, y, y_pred):
   return values.reshape(batch, -1).mean(axis=1) if values.ndim > 1 else values
 
 
-def train_execution(adapter, optimizer, loss: Callable, metric_fns: Sequence,
-                    accumulation_steps: int, accumulation_reduction: str,
-                    replicas: int, replica_reduction: str, *,
-                    sharded_state: bool = False) -> Callable:
+# -- train ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """What one training execution does, for one replica.
+
+  Attributes:
+    adapter: the module adapter (:mod:`ipu_jax.keras.adapters`).
+    optimizer: the optax transformation.
+    loss: ``loss(y_true, y_pred)``.
+    metric_fns: the compiled metrics.
+    accumulation_steps: G, micro-batches per weight update.
+    accumulation_reduction: ``"sum"``, ``"mean"`` or ``"running_mean"``.
+    replicas: R.
+    replica_reduction: ``"sum"`` or ``"mean"`` over the replicas.
+    sharded_state: replicated tensor sharding: each replica holds 1/R of the
+      optimizer state; gradients are reduce-scattered, each replica updates
+      its shard and the new weights are all-gathered
+      (:func:`ipu_jax.keras.offload.sharded_update`) instead of an all-reduce.
+  """
+  adapter: Any
+  optimizer: Any
+  loss: Callable
+  metric_fns: Sequence
+  accumulation_steps: int
+  accumulation_reduction: str
+  replicas: int
+  replica_reduction: str
+  sharded_state: bool = False
+
+
+def _micro_gradients(plan: TrainStep, fixed: TrainState, params, state, x, y, micro_step,
+                     replica, loss_scale):
+  """Gradients, new module state and ``[loss, metrics..., count]`` sums of one micro-batch."""
+  # Dropout keys differ per micro-batch and replica, and are reproducible.
+  rng = (fixed.dropout_key, (micro_step, replica)) if plan.adapter.needs_rng else None
+
+  def objective(p):
+    y_pred, new_state = plan.adapter.apply(p, state, fixed.rng_state, x, True, rng)
+    per_sample = per_sample_loss(plan.loss, y, y_pred)
+    objective_value = jnp.mean(per_sample)
+    if loss_scale is not None:  # the optimizer is a LossScaleOptimizer
+      objective_value = objective_value * loss_scale.astype(objective_value.dtype)
+    return objective_value, (y_pred, new_state, per_sample)
+
+  (_, (y_pred, new_state, per_sample)), grads = jax.value_and_grad(
+      objective, has_aux=True)(params)
+  sums = [jnp.sum(per_sample)] + [jnp.sum(m(y, y_pred)) for m in plan.metric_fns]
+  sums.append(jnp.asarray(per_sample.shape[0], jnp.float32))
+  return grads, new_state, _vector(sums)
+
+
+def _accumulated_gradients(plan: TrainStep, fixed: TrainState, carry: TrainState, xg, yg,
+                           replica, loss_scale):
+  """The reduced gradients of the G micro-batches of one update (``lax.scan`` over them)."""
+  G, method = plan.accumulation_steps, plan.accumulation_reduction
+  params, step = carry.params, carry.step
+  if G == 1:
+    return _micro_gradients(plan, fixed, params, carry.state,
+                            jax.tree.map(lambda a: a[0], xg), yg[0], step, replica, loss_scale)
+
+  def accumulate(c, inp):
+    acc, state, sums = c
+    k, x, y = inp
+    grads, state, s = _micro_gradients(plan, fixed, params, state, x, y, step * G + k, replica,
+                                       loss_scale)
+    return (acc_lib.accumulate(acc, grads, k, method), state, sums + s), None
+
+  zeros = jnp.zeros((len(plan.metric_fns) + 2,), jnp.float32)
+  (acc, state, sums), _ = jax.lax.scan(
+      accumulate, (acc_lib.init(params), carry.state, zeros),
+      (jnp.arange(G, dtype=jnp.int32), xg, yg))
+  return acc_lib.finalize(acc, G, method), state, sums
+
+
+def _reduce_over_replicas(plan: TrainStep, grads, state):
+  """Gradients all-reduced over the replicas; batch statistics averaged."""
+  grads = (cross_replica_mean(grads) if plan.replica_reduction == "mean"
+           else cross_replica_sum(grads))
+  if jax.tree.leaves(state):  # keep batch statistics equal on every replica
+    state = jax.tree.map(
+        lambda v: cross_replica_mean(v) if jnp.issubdtype(v.dtype, jnp.floating) else v,
+        state)
+  return grads, state
+
+
+def _weight_update(plan: TrainStep, fixed: TrainState, replica, carry: TrainState, batch):
+  """One weight update (the body of the loop over updates): the new trained fields."""
+  xg, yg = batch
+  scale = loss_scaling.loss_scale_of(carry.opt_state)
+  grads, state, sums = _accumulated_gradients(plan, fixed, carry, xg, yg, replica, scale)
+  if plan.replicas > 1 and not plan.sharded_state:
+    grads, state = _reduce_over_replicas(plan, grads, state)
+  if plan.sharded_state:
+    params, opt_state = offload_lib.sharded_update(
+        plan.optimizer, grads, carry.opt_state, carry.params, replica, plan.replicas,
+        plan.replica_reduction)
+    carry = carry.replace(params=params, opt_state=opt_state, state=state,
+                          step=carry.step + 1)
+  else:
+    carry = carry.apply_gradients(grads, plan.optimizer, state=state)
+  return carry, sums
+
+
+def train_execution(plan: TrainStep) -> Callable:
   """One training execution for one replica.
 
-  With ``sharded_state`` (replicated tensor sharding) each replica holds 1/R
-  of the optimizer state: gradients are reduce-scattered, each replica
-  updates its shard and the new weights are all-gathered
-  (:func:`ipu_jax.keras.offload.sharded_update`) instead of an all-reduce.
-
   Returns:
-    ``execution(params, opt_state, state, rng_state, step, base_key, xs, ys,
-    replica)`` with ``xs``/``ys`` laid out ``[U, G, b, ...]``; it returns
-    ``(params, opt_state, state, step, sums)``.
+    ``execution(train_state, xs, ys, replica)`` with ``xs``/``ys`` laid out
+    ``[U, G, b, ...]``; it returns ``(new, sums)``: ``new`` holds the trained
+    fields of the :class:`TrainState` (the others ``None``), ``sums`` the
+    summed ``[loss, metrics..., count]``.
   """
-  G, R, method = accumulation_steps, replicas, accumulation_reduction
-  needs_rng = adapter.needs_rng
 
-  def execution(params, opt_state, state, rng_state, step, base_key, xs, ys, replica):
-    def micro(params, state, x, y, micro_step, loss_scale):
-      # Dropout keys differ per micro-batch and replica, and are reproducible.
-      rng = (base_key, (micro_step, replica)) if needs_rng else None
-
-      def objective(p):
-        y_pred, new_state = adapter.apply(p, state, rng_state, x, True, rng)
-        per_sample = per_sample_loss(loss, y, y_pred)
-        objective_value = jnp.mean(per_sample)
-        if loss_scale is not None:  # the optimizer is a LossScaleOptimizer
-          objective_value = objective_value * loss_scale.astype(objective_value.dtype)
-        return objective_value, (y_pred, new_state, per_sample)
-
-      (_, (y_pred, new_state, per_sample)), grads = jax.value_and_grad(
-          objective, has_aux=True)(params)
-      sums = [jnp.sum(per_sample)] + [jnp.sum(m(y, y_pred)) for m in metric_fns]
-      sums.append(jnp.asarray(per_sample.shape[0], jnp.float32))
-      return grads, new_state, _vector(sums)
-
-    def update(carry, batch):
-      params, opt_state, state, step = carry
-      xg, yg = batch
-      scale = loss_scaling.loss_scale_of(opt_state)
-      if G == 1:
-        grads, state, sums = micro(params, state, jax.tree.map(lambda a: a[0], xg),
-                                   yg[0], step, scale)
-      else:
-        def accumulate(c, inp):
-          acc, state, sums = c
-          k, x, y = inp
-          grads, state, s = micro(params, state, x, y, step * G + k, scale)
-          return (acc_lib.accumulate(acc, grads, k, method), state, sums + s), None
-
-        zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)
-        (acc, state, sums), _ = jax.lax.scan(
-            accumulate, (acc_lib.init(params), state, zeros),
-            (jnp.arange(G, dtype=jnp.int32), xg, yg))
-        grads = acc_lib.finalize(acc, G, method)
-      if R > 1 and not sharded_state:
-        grads = (cross_replica_mean(grads) if replica_reduction == "mean"
-                 else cross_replica_sum(grads))
-        if jax.tree.leaves(state):  # keep batch statistics equal on every replica
-          state = jax.tree.map(
-              lambda v: cross_replica_mean(v) if jnp.issubdtype(v.dtype, jnp.floating)
-              else v, state)
-      if sharded_state:
-        params, opt_state = offload_lib.sharded_update(
-            optimizer, grads, opt_state, params, replica, R, replica_reduction)
-      else:
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-      return (params, opt_state, state, step + 1), sums
-
-    (params, opt_state, state, step), sums = jax.lax.scan(
-        update, (params, opt_state, state, step), (xs, ys))
-    return params, opt_state, state, step, jnp.sum(sums, axis=0)
+  def execution(train_state: TrainState, xs, ys, replica):
+    # The loop carries only the fields training changes; the others are read.
+    update = functools.partial(_weight_update, plan, train_state, replica)
+    carry, sums = jax.lax.scan(update, train_state.only(TRAINED_FIELDS), (xs, ys))
+    return carry, jnp.sum(sums, axis=0)
 
   execution.__name__ = "train_step"
   return execution
 
 
-def eval_execution(adapter, loss: Callable, metric_fns: Sequence) -> Callable:
-  """``execution(params, state, rng_state, xs, ys, mask) -> [loss, metrics..., count]`` sums."""
+# -- eval and predict ---------------------------------------------------------------
 
-  def execution(params, state, rng_state, xs, ys, mask):
+
+def eval_execution(adapter, loss: Callable, metric_fns: Sequence) -> Callable:
+  """``execution(train_state, xs, ys, mask) -> (None, [loss, metrics..., count] sums)``."""
+
+  def execution(ts: TrainState, xs, ys, mask):
     def body(sums, inp):
       x, y, m = inp
-      y_pred, _ = adapter.apply(params, state, rng_state, x, False, None)
+      y_pred, _ = adapter.apply(ts.params, ts.state, ts.rng_state, x, False, None)
       values = [per_sample_loss(loss, y, y_pred)] + [mf(y, y_pred) for mf in metric_fns]
       s = [jnp.sum(v.astype(jnp.float32) * m) for v in values] + [jnp.sum(m)]
       return sums + _vector(s), None
 
     zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)
     sums, _ = jax.lax.scan(body, zeros, (xs, ys, mask))
-    return sums
+    return None, sums
 
   execution.__name__ = "eval_step"
   return execution
 
 
 def predict_execution(adapter) -> Callable:
-  """``execution(params, state, rng_state, xs) -> outputs`` stacked per micro-batch."""
+  """``execution(train_state, xs) -> (None, outputs)`` stacked per micro-batch."""
 
-  def execution(params, state, rng_state, xs):
+  def execution(ts: TrainState, xs):
     def body(carry, x):
-      y_pred, _ = adapter.apply(params, state, rng_state, x, False, None)
+      y_pred, _ = adapter.apply(ts.params, ts.state, ts.rng_state, x, False, None)
       return carry, y_pred
 
     _, ys = jax.lax.scan(body, jnp.zeros((), jnp.int32), xs)
-    return ys
+    return None, ys
 
   execution.__name__ = "predict_step"
   return execution
+
+
+# -- programs of the training state ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StateProgram:
+  """A compiled execution of the :class:`TrainState` and data, on every replica.
+
+  The lowered function takes the state's ``in_fields`` as its leading
+  positional arguments (so its report names them ``args[0]``, ... in that
+  order, and streaming memory addresses the optimizer state by its position)
+  and returns the ``out_fields`` and then the result, as a flat tuple.
+
+  Attributes:
+    run: the replicated runner of :func:`build_program`.
+    lowered: the ``ipu_jax.Lowered`` (``None`` when not emulating).
+    in_fields: the state's fields the execution reads, in order.
+    out_fields: the state's fields it returns, in order.
+  """
+  run: Callable
+  lowered: Any
+  in_fields: tuple
+  out_fields: tuple
+
+  def __call__(self, train_state: TrainState, *data):
+    """``(new, result)``: ``new`` a TrainState holding ``out_fields`` (the rest ``None``)."""
+    outs = self.run(*train_state.values(self.in_fields), *data)
+    if not self.out_fields:
+      return TrainState(), outs
+    return TrainState(**dict(zip(self.out_fields, outs))), outs[len(self.out_fields)]
+
+
+def _positional(execution: Callable, in_fields: tuple, out_fields: tuple) -> Callable:
+  """``execution(train_state, *data)`` as a function of flat positional arguments."""
+
+  def positional(*args):
+    ts = TrainState(**dict(zip(in_fields, args[:len(in_fields)])))
+    new, result = execution(ts, *args[len(in_fields):])
+    if not out_fields:
+      return result
+    return tuple(new.values(out_fields)) + (result,)
+
+  positional.__name__ = execution.__name__
+  return positional
+
+
+def _out_kinds(out_fields: tuple, placements: dict, result_kind: str) -> Callable:
+  """Output kinds per leaf: a sharded field comes back gathered, a replicated one as is."""
+  as_output = {REPLICATED: REPLICATED, SHARDED: GATHERED}
+
+  def kinds(out_tree) -> list:
+    if not out_fields:
+      return [result_kind] * out_tree.num_leaves
+    parts = jax.tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    out = []
+    for name, part in zip(out_fields, parts):
+      out += [as_output[placements[name]]] * len(jax.tree.leaves(part))
+    return out + [result_kind] * len(jax.tree.leaves(parts[len(out_fields)]))
+
+  return kinds
+
+
+def build_state_program(execution: Callable, train_state: TrainState, data: Sequence, *,
+                        in_fields: tuple, out_fields: tuple, result_kind: str,
+                        sharded_optimizer_state: bool = False, **build_options) -> StateProgram:
+  """Lowers ``execution(train_state, *data) -> (new, result)`` for every replica.
+
+  Args:
+    execution: a ``*_execution`` function.
+    train_state: the example state (fields placed on the replicas).
+    data: example data arguments, each with a leading axis of this process's
+      replicas.
+    in_fields / out_fields: the state's fields the execution reads / returns.
+    result_kind: how the result comes back (``SUMMED`` or ``GATHERED``).
+    sharded_optimizer_state: the optimizer state is sharded over replicas.
+    **build_options: the keyword arguments of :func:`build_program`; with
+      ``IPUConfig.streaming.offload_optimizer_state`` a program that reads and
+      returns the optimizer state keeps it in streaming memory.
+  """
+  placements = TrainState.placements(sharded_optimizer_state)
+  args = train_state.values(in_fields) + list(data)
+  kinds = [placements[name] for name in in_fields] + [SHARDED] * len(data)
+  if "opt_state" in in_fields and "opt_state" in out_fields:
+    build_options["jit_options"] = offload_lib.jit_options(
+        build_options["config"], in_fields.index("opt_state"), out_fields.index("opt_state"))
+  run, lowered = build_program(_positional(execution, in_fields, out_fields), args, kinds,
+                               _out_kinds(out_fields, placements, result_kind),
+                               **build_options)
+  return StateProgram(run, lowered, tuple(in_fields), tuple(out_fields))
 
 
 def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequence[str],

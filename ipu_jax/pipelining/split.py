@@ -268,67 +268,17 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
   with_paths, param_tree = jax.tree_util.tree_flatten_with_path(params)
   flat_params = [leaf for _, leaf in with_paths]
   param_names = [jax.tree_util.keystr(path) or "params" for path, _ in with_paths]
-  flat_batch, batch_tree = jax.tree_util.tree_flatten(batch)
-
-  def flat_fn(*flat):
-    p = jax.tree_util.tree_unflatten(param_tree, flat[:len(flat_params)])
-    b = jax.tree_util.tree_unflatten(batch_tree, flat[len(flat_params):])
-    return fn(p, b)
-
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
-  if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
-    raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
-                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
+  closed, batch_tree = _trace(fn, param_tree, flat_params, batch)
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
   labels = _label(jaxpr, len(flat_params), _check_assignment(assignment))
   num_stages = max(labels, default=0) + 1
-  param_vars = jaxpr.invars[:len(flat_params)]
-  batch_vars = jaxpr.invars[len(flat_params):]
-  consts = dict(zip(jaxpr.constvars, closed.consts))
-  produced_by = {}
-  for eqn, k in zip(jaxpr.eqns, labels):
-    for v in eqn.outvars:
-      produced_by[v] = k
-
+  produced_by = {v: k for eqn, k in zip(jaxpr.eqns, labels) for v in eqn.outvars}
   loss_var = jaxpr.outvars[0]
-  if isinstance(loss_var, jcore.Literal) or loss_var not in produced_by:
-    raise PipelineError("The pipelined loss does not depend on any computation.")
-  if produced_by[loss_var] != num_stages - 1:
-    raise PipelineError(
-        f"The loss is computed on stage {produced_by[loss_var]}, but the last stage is "
-        f"{num_stages - 1}: the loss must be computed by the last stage.")
-
-  param_index = {v: i for i, v in enumerate(param_vars)}
-  batch_index = {v: i for i, v in enumerate(batch_vars)}
-  param_stage = {}
-  stages = []
-  for k in range(num_stages):
-    eqns = [e for e, lab in zip(jaxpr.eqns, labels) if lab == k]
-    params_k, batch_k, inputs_k, consts_k = [], [], [], {}
-    for eqn in eqns:
-      for v in eqn.invars:
-        if isinstance(v, jcore.Literal):
-          continue
-        if v in param_index:
-          other = param_stage.setdefault(v, (k, eqn))
-          if other[0] != k:
-            raise PipelineError(
-                f"Weight {param_names[param_index[v]]} is read by stage {other[0]} (at "
-                f"{_where(other[1])}) and by stage {k} (at {_where(eqn)}); each weight lives "
-                "on one stage's IPU. Pass the value across the stage boundary instead.")
-          if param_index[v] not in params_k:
-            params_k.append(param_index[v])
-        elif v in batch_index:
-          if batch_index[v] not in batch_k:
-            batch_k.append(batch_index[v])
-        elif v in consts:
-          consts_k[v] = consts[v]
-        elif produced_by.get(v) != k and v not in inputs_k:
-          inputs_k.append(v)
-    params_k, batch_k = sorted(params_k), sorted(batch_k)
-    stages.append(Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,
-                        [param_vars[i] for i in params_k], [batch_vars[i] for i in batch_k]))
+  _check_loss_stage(loss_var, produced_by, num_stages)
+  traced = _Traced(jaxpr, labels, len(flat_params), param_names,
+                   dict(zip(jaxpr.constvars, closed.consts)), produced_by)
+  stages = [traced.stage(k) for k in range(num_stages)]
   for stage in stages:
     if not stage.eqns:
       raise PipelineError(f"Pipeline stage {stage.index} has no operations.")
@@ -340,6 +290,90 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
         source.outputs.append(v)
   stages[-1].outputs = [v for v in stages[-1].outputs if v is not loss_var] + [loss_var]
   return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var)
+
+
+def _trace(fn: Callable, param_tree, flat_params: list, batch):
+  """``fn(params, batch)`` traced on flat weights then flat batch values.
+
+  Returns:
+    ``(closed jaxpr, batch treedef)``.
+
+  Raises:
+    PipelineError: the loss is not a scalar.
+  """
+  flat_batch, batch_tree = jax.tree_util.tree_flatten(batch)
+
+  def flat_fn(*flat):
+    p = jax.tree_util.tree_unflatten(param_tree, flat[:len(flat_params)])
+    b = jax.tree_util.tree_unflatten(batch_tree, flat[len(flat_params):])
+    return fn(p, b)
+
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
+  if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
+    raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
+                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
+  return closed, batch_tree
+
+
+def _check_loss_stage(loss_var, produced_by: dict, num_stages: int) -> None:
+  """The loss must be computed, and by the last stage."""
+  if isinstance(loss_var, jcore.Literal) or loss_var not in produced_by:
+    raise PipelineError("The pipelined loss does not depend on any computation.")
+  if produced_by[loss_var] != num_stages - 1:
+    raise PipelineError(
+        f"The loss is computed on stage {produced_by[loss_var]}, but the last stage is "
+        f"{num_stages - 1}: the loss must be computed by the last stage.")
+
+
+class _Traced:
+  """The traced loss with its equations' stage labels; builds the stages in order.
+
+  ``param_stage`` remembers which stage (and equation) first read each weight,
+  so a second stage reading it is refused; build the stages in index order.
+  """
+
+  def __init__(self, jaxpr, labels, num_params: int, param_names, consts, produced_by):
+    self.jaxpr, self.labels, self.param_names = jaxpr, labels, param_names
+    self.consts, self.produced_by = consts, produced_by
+    self.param_vars = jaxpr.invars[:num_params]
+    self.batch_vars = jaxpr.invars[num_params:]
+    self.param_index = {v: i for i, v in enumerate(self.param_vars)}
+    self.batch_index = {v: i for i, v in enumerate(self.batch_vars)}
+    self.param_stage = {}
+
+  def stage(self, k: int) -> Stage:
+    """Stage ``k``: its equations and the weights, batch values, constants and
+    earlier stages' values they read."""
+    eqns = [e for e, lab in zip(self.jaxpr.eqns, self.labels) if lab == k]
+    params_k, batch_k, inputs_k, consts_k = [], [], [], {}
+    for eqn in eqns:
+      for v in eqn.invars:
+        if isinstance(v, jcore.Literal):
+          continue
+        if v in self.param_index:
+          self._claim_weight(v, k, eqn)
+          if self.param_index[v] not in params_k:
+            params_k.append(self.param_index[v])
+        elif v in self.batch_index:
+          if self.batch_index[v] not in batch_k:
+            batch_k.append(self.batch_index[v])
+        elif v in self.consts:
+          consts_k[v] = self.consts[v]
+        elif self.produced_by.get(v) != k and v not in inputs_k:
+          inputs_k.append(v)
+    params_k, batch_k = sorted(params_k), sorted(batch_k)
+    return Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,
+                 [self.param_vars[i] for i in params_k],
+                 [self.batch_vars[i] for i in batch_k])
+
+  def _claim_weight(self, v, k: int, eqn) -> None:
+    """Weight ``v`` is read by stage ``k``; refused if another stage reads it."""
+    other = self.param_stage.setdefault(v, (k, eqn))
+    if other[0] != k:
+      raise PipelineError(
+          f"Weight {self.param_names[self.param_index[v]]} is read by stage {other[0]} (at "
+          f"{_where(other[1])}) and by stage {k} (at {_where(eqn)}); each weight lives "
+          "on one stage's IPU. Pass the value across the stage boundary instead.")
 
 
 def _reject_nested_marks(jaxpr) -> None:
