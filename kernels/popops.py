@@ -41,7 +41,7 @@ loop of a generated map codelet (``lib/popops/ExpressionGenerator.cpp``), fed
 by :func:`map_member_element_cycles` (the tables above without the loads and
 stores) and :func:`elementwise_overheads` (their fixed parts).
 ``lowering/fused_cost.py`` recognises the patterns and composes a chain's cost;
-each figure's source is in ``ipu_jax.cost_model.FIGURE_SOURCES``
+each figure's source is in ``ipu_jax.kernels.cost_model.FIGURE_SOURCES``
 (``kernels.popops.*``).
 """
 

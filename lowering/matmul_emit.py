@@ -2,7 +2,7 @@
 
 Used by every product of the lowering: ``dot_general``
 (:mod:`ipu_jax.lowering.rules.dot`) and ``ipu_jax.ops.matmul``
-(:mod:`ipu_jax.lowering.rules.ipu_matmul`, with the op's own
+(:mod:`ipu_jax.ops.matmul`, with the op's own
 ``available_memory_proportion`` and ``partials_type`` passed as parameters).
 Convolutions share the planner's grid helpers and the partials rule
 (``lowering/matmul_plan.py``) and :func:`fill_zeros`.

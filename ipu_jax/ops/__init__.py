@@ -16,8 +16,7 @@ collectives' with the named-axis collectives in ``parallel.py``.
   the data-parallel collectives (``lax.psum`` / ``pmean`` / ``axis_index`` over
   the replica axis when it is bound, else a single replica).
 * :func:`cross_replica_reduce_scatter`, :func:`cross_replica_all_gather`: the
-  two halves of an all-reduce, for replicated tensor sharding (rules in
-  ``lowering/rules/sharding.py``).
+  two halves of an all-reduce, for replicated tensor sharding.
 * :func:`matmul`: ``jnp.matmul`` with poplin's per-op planning options.
 * :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
   stochastic rounding mode does it (unbiased).
