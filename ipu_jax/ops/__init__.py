@@ -4,11 +4,11 @@ Each op is a ``jax.extend.core.Primitive`` defined the way ``jax/_src/lax``
 defines its own: an impl (the reference semantics, plain JAX), an abstract
 eval, a JVP, a transpose where the op is linear, a batching rule and an MLIR
 lowering (``mlir.lower_fun`` of the impl), so a function that uses them runs
-under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` without the emulator. The
-tile lowerings (how each op runs on tiles and what it costs) live in
-``ipu_jax/lowering/rules/``, one module per op (``tile_map.py``,
-``ipu_matmul.py``, ``stochastic_round.py``, ``print_tensor.py``), the
-collectives' with the named-axis collectives in ``parallel.py``.
+under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` without the emulator. Each
+op's tile rule (how it runs on tiles and what it costs) sits in the op's own
+module, below its primitive, as ``jax/_src/lax/lax.py`` keeps a primitive and
+its rules together; the rules build on the lowering's public helpers (the
+collectives' ring costs are ``ipu_jax.lowering.rules.parallel``'s).
 
 * :func:`tile_map`: run a codelet once per tile on chosen tiles (TessellateIPU's
   ``tile_map``).
