@@ -61,8 +61,8 @@ from jax._src.random import prng
 from jax._src.random import threefry2x32
 
 __all__ = [
-    "ad_checkpoint", "ad_internal", "add_jaxvals_p", "config", "control_flow", "control_flow_loops", "core",
-    "custom_derivatives", "debugging", "dispatch", "lax_internal", "lax_linalg", "lax_parallel",
-    "lax_special", "partial_eval", "pjit", "prng", "random_core", "shard_map", "source_info_util",
-    "threefry2x32", "windowed_reductions",
+    "ad_checkpoint", "ad_internal", "add_jaxvals_p", "config", "control_flow",
+    "control_flow_loops", "core", "custom_derivatives", "debugging", "dispatch", "lax_internal",
+    "lax_linalg", "lax_parallel", "lax_special", "partial_eval", "pjit", "prng", "random_core",
+    "shard_map", "source_info_util", "threefry2x32", "windowed_reductions",
 ]

@@ -69,6 +69,15 @@ class DeadCode:
             "by_primitive": {str(k): int(v) for k, v in self.by_primitive.items()}}
 
   @classmethod
+  def total(cls, parts) -> "DeadCode":
+    """The sum of several programs' :class:`DeadCode` (a pipeline's stages)."""
+    counts = collections.Counter()
+    for part in parts:
+      counts.update(part.by_primitive)
+    return cls(sum(counts.values()),
+               dict(sorted(counts.items(), key=lambda item: (-item[1], item[0]))))
+
+  @classmethod
   def from_dict(cls, document: dict) -> "DeadCode":
     """Inverse of :meth:`as_dict`."""
     return cls(int(document.get("equations_removed", 0)),
@@ -92,8 +101,7 @@ def eliminate_dead_code(closed_jaxpr):
   removed = before - after
   if not sum(removed.values()):
     return closed_jaxpr, DeadCode()
-  by_primitive = dict(sorted(removed.items(), key=lambda item: (-item[1], item[0])))
-  return pruned, DeadCode(sum(removed.values()), by_primitive)
+  return pruned, DeadCode.total([DeadCode(0, removed)])
 
 
 class _Pruner:

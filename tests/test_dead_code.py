@@ -273,6 +273,41 @@ class SignatureKeptTest(chex.TestCase):
                                 rtol=1e-5, atol=1e-5)
 
 
+class PipelineDeadCodeTest(chex.TestCase):
+
+  def test_dead_work_in_a_stage(self):
+    from ipu_jax.ops import pipeline_stage
+    import optax
+
+    def loss(params, batch, dead):
+      h = jnp.tanh(batch["x"] @ params[0])
+      h = pipeline_stage(h, 1)
+      if dead:
+        _ = h @ h.T @ h
+      h = jnp.tanh(h @ params[1])
+      return jnp.mean((h - batch["y"]) ** 2)
+
+    cfg = ipu_jax.IPUConfig()
+    cfg.device.tiles_per_ipu = 16
+    cfg.auto_select_ipus = 2
+    cfg.training.gradient_accumulation_steps = 4
+    params = [random_array((7, 7), seed=10) * 0.3, random_array((7, 7), seed=11) * 0.3]
+    batches = {"x": random_array((4, 5, 7), seed=12), "y": random_array((4, 5, 7), seed=13)}
+    results = {}
+    for dead in (True, False):
+      pipe = ipu_jax.pipelining.Pipeline(lambda p, b, d=dead: loss(p, b, d), optax.sgd(0.1),
+                                         config=cfg)
+      state = pipe.init(params, batches)
+      new_params, _, value = pipe.step(params, state, batches)
+      results[dead] = (jax.tree.map(np.asarray, new_params), np.asarray(value), pipe.report)
+    chex.assert_trees_all_close(results[True][:2], results[False][:2], rtol=1e-6, atol=1e-7)
+    dead_report, clean_report = results[True][2], results[False][2]
+    self.assertEqual(dead_report.total_cycles, clean_report.total_cycles)
+    removed = dead_report.program_report.dead_code
+    self.assertGreaterEqual(removed.by_primitive.get("dot_general", 0), 2)
+    self.assertEqual(clean_report.program_report.dead_code, DeadCode())
+
+
 class DeadCodeReportTest(chex.TestCase):
 
   def test_counted_in_summary_json_and_saved_report(self):

@@ -324,8 +324,9 @@ class _ReportBase(SummaryMixin):
   def dead_code(self) -> Optional[DeadCode]:
     """What dead-code elimination removed before lowering, or None.
 
-    None for programs not lowered from a jaxpr (the graph API, pipeline
-    steps) and for reports saved before it was recorded.
+    None for programs not lowered from a jaxpr (the graph API) and for
+    reports saved before it was recorded; a pipeline's counts its stage
+    programs' together.
     """
     document = self._dead_code_dict()
     return None if document is None else DeadCode.from_dict(document)
