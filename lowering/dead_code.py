@@ -20,7 +20,11 @@ What stays, whether or not its results are used:
   are untouched. Only equations go.
 
 Removable effects (JAX's ``dceable_effects``: reads of references, named
-axes of collectives) do not keep an equation alive, as under ``jax.jit``.
+axes of collectives) do not keep an equation alive, as under ``jax.jit``;
+nor does ``jax.pure_callback``, which declares none (``jax.jit`` drops an
+unused one too). A dead ``ipu_jax.ops.stochastic_round`` goes as well and
+draws no bits from the tiles' generators (the ``floating_point_behaviour``
+rewrite runs after this pass, on the live conversions only).
 
 Two passes:
 

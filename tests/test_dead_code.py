@@ -235,6 +235,33 @@ class EffectsKeptTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(seen, [1.0, 5.0, 9.0] * 2)  # the IPU's run, then jax.jit's
 
 
+  def test_io_callback_is_kept(self):
+    # An I/O effect stays, unused result or not (so it is refused: no tile
+    # rule for io_callback), where a pure callback's unused call goes.
+    from jax.experimental import io_callback
+    x = jnp.arange(3.0)
+
+    def fn(x):
+      _ = io_callback(lambda v: v, jax.ShapeDtypeStruct((3,), jnp.float32), x)
+      return x + 1
+
+    with self.assertRaisesRegex(ipu_jax.LoweringError, "io_callback"):
+      _lower(fn, x)
+
+  def test_unused_pure_callback_is_removed(self):
+    x, calls = jnp.arange(3.0), []
+
+    def fn(x):
+      _ = jax.pure_callback(lambda v: calls.append(1) or v,
+                            jax.ShapeDtypeStruct((3,), jnp.float32), x)
+      return x + 1
+
+    lowered = _lower(fn, x)
+    self.assertEqual(lowered.dead_code, DeadCode(1, {"pure_callback": 1}))
+    np.testing.assert_array_equal(np.asarray(lowered(x)), np.asarray(jax.jit(fn)(x)))
+    self.assertEqual(calls, [])  # jax.jit does not call it either
+
+
 class SignatureKeptTest(chex.TestCase):
 
   def test_unused_inputs_and_passed_through_outputs(self):
