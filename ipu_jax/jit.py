@@ -26,6 +26,7 @@ from ipu_jax import compile_progress
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
+from ipu_jax.lowering.dead_code import eliminate_dead_code
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering import fp_exceptions
 from ipu_jax.lowering import host_memory
@@ -60,6 +61,9 @@ class Lowered:
     profile: the :class:`~ipu_jax.lowering.profile.ProgramProfile`.
     report: the :class:`ipu_jax.Report` (cycles, memory per tile, ...).
     target: the IPU target.
+    jaxpr: the ``ClosedJaxpr`` lowered (dead code removed, rounding applied).
+    dead_code: the :class:`~ipu_jax.lowering.dead_code.DeadCode` removed
+      before lowering (also ``profile.dead_code`` and the report's).
   """
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
@@ -89,6 +93,9 @@ class Lowered:
 
     progress.stage("tracing")
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
+    # What no output or effect needs is dropped, as jax.jit's XLA drops it:
+    # same inputs and outputs, fewer equations (lowering/dead_code.py).
+    closed, self.dead_code = eliminate_dead_code(closed)
     # The chip's rounding (floating_point_behaviour); identity by default.
     closed = apply_floating_point_behaviour(closed, options)
     self.jaxpr = closed
@@ -131,6 +138,7 @@ class Lowered:
     self.profile = profile_program(self.program, target,
                                    persistent=self.inputs + self.constants,
                                    live_to_end=self.outputs, name=name)
+    self.profile.dead_code = self.dead_code
     from ipu_jax.report import Report, maybe_auto_save
     self.report = Report(self.profile)
     if options.report_directory:

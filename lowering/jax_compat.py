@@ -29,6 +29,11 @@ What is reached, and why:
 * ``random.prng``, ``random.core``, ``random.threefry2x32``, ``config``: the
   PRNG key primitives, key implementations and the default implementation.
 * ``shard_map``: ``shard_map_p`` (lowered as IPU replicas).
+* ``interpreters.partial_eval`` (``partial_eval``): ``dce_jaxpr``, JAX's
+  dead-code elimination with its rules for calls, loops, branches and custom
+  derivatives (``lowering/dead_code.py``); no public spelling.
+* ``interpreters.ad`` (``ad_internal``): ``custom_lin_p``, the tangent
+  ``jax.jvp`` leaves through a ``custom_vjp`` (refused by name when live).
 """
 
 # pylint: disable=unused-import
@@ -42,6 +47,8 @@ from jax._src import pjit
 from jax._src import shard_map
 from jax._src import source_info_util
 from jax._src.ad_util import add_jaxvals_p
+from jax._src.interpreters import ad as ad_internal
+from jax._src.interpreters import partial_eval
 from jax._src.lax import control_flow
 from jax._src.lax import lax as lax_internal
 from jax._src.lax import linalg as lax_linalg
@@ -54,8 +61,8 @@ from jax._src.random import prng
 from jax._src.random import threefry2x32
 
 __all__ = [
-    "ad_checkpoint", "add_jaxvals_p", "config", "control_flow", "control_flow_loops", "core",
-    "custom_derivatives", "debugging", "dispatch", "lax_internal", "lax_linalg", "lax_parallel",
-    "lax_special", "pjit", "prng", "random_core", "shard_map", "source_info_util",
-    "threefry2x32", "windowed_reductions",
+    "ad_checkpoint", "ad_internal", "add_jaxvals_p", "config", "control_flow",
+    "control_flow_loops", "core", "custom_derivatives", "debugging", "dispatch", "lax_internal",
+    "lax_linalg", "lax_parallel", "lax_special", "partial_eval", "pjit", "prng", "random_core",
+    "shard_map", "source_info_util", "threefry2x32", "windowed_reductions",
 ]

@@ -167,7 +167,9 @@ class ProgramProfile:
   precision); the Keras-like ``Model`` sets it on the programs it compiles.
   ``streaming`` (a :class:`~ipu_jax.lowering.remote.StreamingProfile`, or
   None when the program uses no streaming memory) holds its remote buffers
-  and what copying them costs.
+  and what copying them costs. ``dead_code`` (a
+  :class:`~ipu_jax.lowering.dead_code.DeadCode`, or None for a program not
+  lowered from a jaxpr) says what dead-code elimination removed first.
   """
 
   target: IPUTarget
@@ -178,6 +180,7 @@ class ProgramProfile:
   host_round_trips: int = 1
   run_setup: Optional[object] = None
   streaming: Optional[object] = None
+  dead_code: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

@@ -6,7 +6,11 @@ picks one of the operation families below, then random shapes (odd sizes that
 do not divide the tile count, scalars, empty axes), dtypes and parameters
 (axes, strides, padding, dilation, groups, index modes), and then maybe one
 transformation on top: a tail of elementwise operations on the result,
-``jax.vmap`` over a new leading axis or ``jax.grad`` of a scalar loss.
+``jax.vmap`` over a new leading axis or ``jax.grad`` of a scalar loss. Half
+the programs then compute values they drop (``_with_dead_code``: a dot, an
+elementwise tail, a loop, a JVP through a ``custom_vjp``; at the top level or
+in a jitted helper), drawn from a stream of their own so the rest of the
+seed's program is unchanged.
 
 Comparison classes (``Program.compare``):
 
@@ -71,6 +75,7 @@ class Program:
   args: tuple
   compare: str
   family: str
+  dead_code: tuple = ()  # kinds of dead code added (``_with_dead_code``)
 
 
 @dataclasses.dataclass
@@ -510,6 +515,54 @@ def _with_vmap(case, batch):
                              fn=jax.vmap(case.fn), make_args=make)
 
 
+# ------------------------------------------------------------------ dead code
+
+
+@jax.custom_vjp
+def _custom_sin(x):
+  return jnp.sin(x)
+
+
+_custom_sin.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda cos, g: (cos * g,))
+
+
+def _dead_value(kind, x, out):
+  """A value of ``kind`` computed from an argument ``x`` and the result ``out``."""
+  v = jnp.ravel(x)[:64].astype(jnp.float32)
+  if kind == "dot":
+    return jnp.dot(v, v) + jnp.outer(v, v)
+  if kind == "tail":
+    return jnp.tanh(jnp.asarray(out, jnp.float32)) * 3 + 1
+  if kind == "loop":
+    return lax.fori_loop(0, 3, lambda i, a: a * 2 + jnp.sin(a), v)
+  # JVP through a custom_vjp: a custom_lin, which only a dead one may be.
+  return jax.jvp(_custom_sin, (v,), (jnp.ones_like(v),))
+
+
+def _with_dead_code(case, rng):
+  """Values computed and dropped (``jax.jit`` never runs them): at the top
+  level or inside a jitted helper whose output is unused. Results unchanged."""
+  kinds = tuple(str(k) for k in rng.choice(["dot", "tail", "loop", "custom_lin"],
+                                           size=int(rng.integers(1, 3)), replace=False))
+  nested = bool(rng.random() < 0.4)
+
+  def dead(args, out):
+    first = _first_float_leaf(args) if any(
+        jnp.issubdtype(jnp.result_type(a), jnp.floating) for a in args) else args[0]
+    leaf = jax.tree_util.tree_leaves(out)[0]
+    return [_dead_value(kind, first, leaf) for kind in kinds]
+
+  def with_dead(*args):
+    out = case.fn(*args)
+    return out, dead(args, out)
+
+  def fn(*args):
+    return (jax.jit(with_dead) if nested else with_dead)(*args)[0]
+
+  where = " in a jitted helper" if nested else ""
+  return dataclasses.replace(case, desc=f"{case.desc} + dead {list(kinds)}{where}", fn=fn), kinds
+
+
 def generate(seed: int, families: Sequence[str] | None = None) -> Program:
   """The random program of ``seed`` (deterministic)."""
   rng = np.random.default_rng(seed)
@@ -523,5 +576,10 @@ def generate(seed: int, families: Sequence[str] | None = None) -> Program:
     case = _with_grad(case)
   elif transform < 0.45 and family not in ("random",):
     case = _with_vmap(case, int(rng.choice([1, 3])))
+  # Its own stream, so adding dead code leaves every other choice of the seed as it was.
+  dead_rng, kinds = np.random.default_rng((seed, 0xDEAD)), ()
+  if dead_rng.random() < 0.5:
+    case, kinds = _with_dead_code(case, dead_rng)
   args = case.make_args(rng)
-  return Program(f"seed {seed}: {case.desc}", case.fn, tuple(args), case.compare, family)
+  return Program(f"seed {seed}: {case.desc}", case.fn, tuple(args), case.compare, family,
+                 kinds)

@@ -5,7 +5,8 @@
 scatter, einsum/dot, convolutions with strides, padding, dilations and
 groups, pooling, cumulative ops, sorts and top_k, scan/while/cond/switch,
 random bits; maybe followed by an elementwise tail, or under ``jax.vmap`` or
-``jax.grad``). Each runs at 16 tiles in both executor modes (``batched`` and
+``jax.grad``; maybe with dead code beside it, which must be removed before
+lowering: counted in ``Lowered.dead_code``, never refused). Each runs at 16 tiles in both executor modes (``batched`` and
 ``per_tile``) and is compared with ``jax.jit`` on the same inputs:
 
 * ``exact`` programs bit for bit (NaNs included). This includes most
@@ -101,8 +102,12 @@ def check_program(seed):
   program = program_generator.generate(seed)
   want = jax.jit(program.fn)(*program.args)
   for mode in ("batched", "per_tile"):
-    got = ipu_jax.jit(program.fn, target=_T16, config=_config(mode))(*program.args)
+    lowered = ipu_jax.jit(program.fn, target=_T16, config=_config(mode)).lower(*program.args)
+    got = lowered(*program.args)
     assert_same_numbers(got, want, program.compare, what=f"{program.name} [{mode}]")
+    # Each kind of dead code added is at least one equation not lowered.
+    assert lowered.dead_code.equations >= len(program.dead_code), (
+        f"{program.name}: {lowered.dead_code} removed")
 
 
 def _run(test, seed):

@@ -9,12 +9,14 @@ updates close the step. Memory per tile is, on each IPU, the categories of
 the stage program that peaks highest on that tile plus the stashed
 activations (category ``stashed_activations``), so ``ipu_jax.Report``,
 ``compare_reports`` and the HTML page show a pipeline like any program.
+Its dead code is what was removed from all its stage programs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ipu_jax.lowering.dead_code import DeadCode
 from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
                                       StepProfile)
 from ipu_jax.kernels.target import IPUTarget
@@ -90,4 +92,7 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   return ProgramProfile(target=target, steps=steps, tensors=[],
                         memory=_memory(pipeline, target, len(steps)),
                         name=f"pipeline ({pipeline.schedule}, G={pipeline.accumulation})",
-                        host_round_trips=1)
+                        host_round_trips=1,
+                        dead_code=DeadCode.total(
+                            program.dead_code for s in stages
+                            for program in (s.forward, s.backward, s.update) if program))

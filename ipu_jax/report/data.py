@@ -69,8 +69,12 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
       }],
       "streaming": null | {...},         # added key: streaming memory and its
                                          # copies (ipu_jax/report/streaming.py)
-      "number_formats": null | {...}     # added key: loss-scale and FP8-scale
+      "number_formats": null | {...},    # added key: loss-scale and FP8-scale
                                          # histories (ipu_jax/report/precision.py)
+      "dead_code": null | {              # added key: removed before lowering
+        "equations_removed": int,        # nested jaxprs' equations included
+        "by_primitive": {str: int}       # (lowering/dead_code.py); null when
+      }                                  # not lowered from a jaxpr
     }
 
 Readers must check ``schema`` and ``version``; later versions only add keys.

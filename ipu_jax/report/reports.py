@@ -21,6 +21,7 @@ import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering import scopes
+from ipu_jax.lowering.dead_code import DeadCode
 from ipu_jax.lowering.profile import ProgramProfile
 from ipu_jax.report.streaming import streaming_to_json
 from ipu_jax.report import html as html_lib
@@ -316,7 +317,23 @@ class ReportBase(SummaryMixin):
         "run_setup": self._run_setup_dict(),
         "streaming": self._streaming_dict(),
         "number_formats": self._number_formats_dict(),
+        "dead_code": self._dead_code_dict(),
     }
+
+  @property
+  def dead_code(self) -> Optional[DeadCode]:
+    """What dead-code elimination removed before lowering, or None.
+
+    None for programs not lowered from a jaxpr (the graph API) and for
+    reports saved before it was recorded; a pipeline's counts its stage
+    programs' together.
+    """
+    document = self._dead_code_dict()
+    return None if document is None else DeadCode.from_dict(document)
+
+  def _dead_code_dict(self) -> Optional[dict]:
+    """The ``"dead_code"`` entry of report.json, or None."""
+    return getattr(self, "document", {}).get("dead_code")
 
   def _run_setup_dict(self):
     """How the program is run (replicas, batches...), if its builder said."""
@@ -405,6 +422,10 @@ class Report(ReportBase):
 
   def _streaming_dict(self):
     return streaming_to_json(self.profile)
+
+  def _dead_code_dict(self):
+    dead_code = getattr(self.profile, "dead_code", None)
+    return None if dead_code is None else dead_code.as_dict()
 
   def _run_setup_dict(self):
     setup = getattr(self.profile, "run_setup", None)

@@ -102,6 +102,10 @@ class SummaryMixin:
     if fused[0]:
       lines.append(f"  Fusion:                {fused[0]:,} elementwise ops fused into "
                    f"{fused[1]:,} compute sets, {fused[2]:,} syncs saved per run")
+    dead = self._dead_code_dict()
+    if dead and dead["equations_removed"]:
+      lines.append(f"  Dead code removed:     {dead['equations_removed']:,} equations "
+                   f"({_counts_list(dead['by_primitive'])}), not lowered")
     link = int(np.sum(steps.ipu_link_bytes * steps.executions))
     host = int(np.sum(steps.host_bytes * steps.executions))
     if link:
@@ -329,6 +333,12 @@ class SummaryMixin:
               "lower availableMemoryProportion, recompute activations, "
               "or use more IPUs."]
     return lines
+
+
+def _counts_list(counts: dict, width: int = 60) -> str:
+  """``{"dot_general": 2, "add": 1}`` -> ``"dot_general x2, add"``, cut at ``width``."""
+  text = ", ".join(op if n == 1 else f"{op} x{n}" for op, n in counts.items())
+  return text if len(text) <= width else text[:width - 3].rstrip(", ") + "..."
 
 
 def _op_list(ops, width: int = 60) -> str:

@@ -4,7 +4,9 @@ Tile plan:
 
 * **Inlined calls** (``jit``, ``closed_call``, ``call``, ``custom_jvp_call``,
   ``custom_vjp_call``, ``remat``): the inner jaxpr is lowered in place on the
-  operand tensors, as XLA inlines calls; nothing is copied.
+  operand tensors, as XLA inlines calls; nothing is copied. A live
+  ``custom_lin`` (``jax.jvp`` through a ``custom_vjp``) is refused with
+  ``jax.jit``'s reason; a dead one never reaches lowering.
 * **scan** becomes ``Repeat(length, body)``. Before the loop, the carries are
   copied into loop-carried tensors (one exchange step) and an iteration counter
   (an int32 scalar on one tile) is zeroed. Each iteration runs
@@ -52,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ipu_jax.lowering.jax_compat import ad_checkpoint, control_flow, core, custom_derivatives, pjit
+from ipu_jax.lowering.jax_compat import (ad_checkpoint, ad_internal, control_flow, core,
+                                         custom_derivatives, pjit)
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
@@ -218,6 +221,21 @@ def _register_calls():
 
 
 _register_calls()
+
+
+def _custom_lin(ctx, *operands, **params):
+  """A live ``custom_lin``: the tangent of ``jax.jvp`` through a ``custom_vjp``.
+
+  ``jax.jit`` refuses it (a ``custom_vjp`` has no forward mode); a dead one
+  never gets here (``lowering/dead_code.py`` removes it first).
+  """
+  del ctx, operands, params
+  raise NotImplementedError(
+      "can't apply forward-mode autodiff (jvp) to a custom_vjp function, as jax.jit says; "
+      "use its VJP (jax.grad, jax.vjp), or define the function with jax.custom_jvp")
+
+
+register_lowering(ad_internal.custom_lin_p, _custom_lin)
 
 
 # -- dynamic rows (scan xs / ys) ----------------------------------------------
