@@ -46,6 +46,13 @@ ELEMENTWISE_COST = {
     "digamma": 20, "igamma": 30, "rsqrt": 3, "sqrt": 3, "cbrt": 6, "pow": 8,
     "div": 3, "rem": 6, "integer_pow": 2, "threefry2x32": 40,
     "random_bits": 40, "nextafter": 4, "is_finite": 1,
+    # Estimate, scaled from threefry2x32's: Threefry2x32-20 is 20 rounds of
+    # add / rotate (two shifts and an or) / xor, about 100 integer
+    # instructions per two words; Philox4x32-10 is 10 rounds of two 32x32
+    # multiplies (the high half built from 16-bit partial products, about 9
+    # instructions each), two xors and a key bump, about 240 instructions per
+    # four words, so 1.2x threefry's per two words.
+    "philox4x32": 48,
 }
 DEFAULT_ELEMENTWISE_COST = 1
 WORKER_OVERHEAD = 12

@@ -66,7 +66,10 @@ vmaps a block matmul over the tile axis, then sums the partials; f32 uses
 :mod:`~ipu_jax.lowering.half_partials` (each tile's AMP chains, then the
 partials added in the plan's order, rounding each addition), so they agree
 bit for bit. ``"batched"`` (the default) computes the whole product
-on the logical arrays with the partials type as ``preferred_element_type``:
+on the logical arrays with the partials type as ``preferred_element_type``
+(2-byte float operands widened to float32 partials first, exactly: XLA:CPU
+cannot run some bf16 x bf16 -> f32 dots, see
+:func:`~ipu_jax.lowering.matmul_plan.widen_to_partials`):
 one ``lax.dot_general`` whatever the K split (``jax.jit``'s numbers; the
 tiles' summation order of fp32 partials differs only in rounding), and
 writes it straight into the result's tile storage in the first step; the
@@ -96,7 +99,8 @@ from ipu_jax.lowering.exchange import ExchangeCost, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
 from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
                                           edge_sizes, grid_tiles, operand_dtype,
-                                          operand_exchange_cost, partials_dtype, plan_matmul)
+                                          operand_exchange_cost, partials_dtype, plan_matmul,
+                                          widen_to_partials)
 
 __all__ = ["emit_matmul", "fill_zeros"]
 
@@ -255,7 +259,8 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
           jnp.transpose(a, lhs_perm).reshape(b, m, k),
           jnp.transpose(w, rhs_perm).reshape(b, k, n), gk, bk,
           fanins=plan.reduce_fanins).astype(out_dtype).reshape(out_shape)
-    c = lax.dot_general(a, w, dn, precision=precision, preferred_element_type=acc)
+    c = lax.dot_general(widen_to_partials(a, acc), widen_to_partials(w, acc), dn,
+                        precision=precision, preferred_element_type=acc)
     return c.astype(out_dtype).reshape(out_shape)
 
   def pass_blocks(a_st, b_st, start, stop):
@@ -281,6 +286,7 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
                                          w.reshape(g_all * bb, bk, bn)).reshape(g_all, block)
 
     def block_matmul(x, y):
+      x, y = widen_to_partials(x, acc), widen_to_partials(y, acc)
       return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))),
                              precision=per_tile_precision, preferred_element_type=acc)
 

@@ -64,6 +64,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import estimators
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # program imports this module's users; only the annotation ne
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
-           "partials_dtype", "tree_fanins", "block_grid_mapping", "blocked_storage",
+           "partials_dtype", "widen_to_partials", "tree_fanins", "block_grid_mapping", "blocked_storage",
            "canonical_tiles", "grid_exchange_cost", "grid_tiles", "edge_sizes"]
 
 # About this many grids are evaluated per plan (a few milliseconds of NumPy).
@@ -132,6 +133,26 @@ def partials_dtype(in_dtype, out_dtype, option: str) -> np.dtype:
   if option == "float16" and in_dtype.itemsize <= 2 and out_dtype.itemsize <= 2:
     return in_dtype if in_dtype.kind == "f" or in_dtype.name == "bfloat16" else np.dtype(np.float16)
   return np.dtype(np.float32)
+
+
+def widen_to_partials(x, acc):
+  """``x`` in the partials type ``acc`` when it is a narrower float (exact).
+
+  The executor multiplies in the partials type. Handing XLA:CPU narrow
+  operands with a wider ``preferred_element_type`` is not always runnable: a
+  bfloat16 x bfloat16 -> float32 ``dot_general`` whose batch dimensions are
+  not leading fails at execution (``DotThunk``: "Unsupported element type"),
+  though ``jax.jit`` runs the same dot with a bfloat16 result by computing
+  it in float32. Widening first is that computation: converting a 2-byte (or
+  FP8) float to float32 is exact, and so is the product of two of them, so
+  only the order of the float32 sums can differ. Other operands (integers,
+  float32, complex, half partials) are returned unchanged.
+  """
+  acc = np.dtype(acc)
+  dtype = np.dtype(x.dtype)
+  if acc == np.float32 and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    return x.astype(acc)
+  return x
 
 
 @dataclasses.dataclass(frozen=True)

@@ -339,6 +339,46 @@ def _dots(rng):
                "rounding")
 
 
+def _half_batched_dots(rng):
+  """A bfloat16 (sometimes float16) ``dot_general`` laid out as attention's
+  gradients are: batch dims not all leading.
+
+  The lhs is ``[batch..., contract, free]`` (a transposed lhs, as the
+  backward pass's products are), the rhs's axes are in a random order with a
+  batch dim out of place (the batch dims' order differs from the lhs's, or a
+  batch dim comes later). This is the pairing XLA:CPU
+  cannot run as a bfloat16 x bfloat16 -> float32 product once a batch element
+  has more than about a hundred multiply-adds (``jax.jit`` runs it with a
+  bfloat16 result), so the sizes are kept above that, but for an occasional
+  empty free dim. Other layouts of such products are the einsum family's.
+  """
+  dtype = np.dtype(jnp.float16 if rng.random() < 0.25 else jnp.bfloat16)
+  nb = int(rng.integers(1, 3))
+  batch = [int(rng.choice((2, 3))) for _ in range(nb)]
+  free = [int(rng.choice((7, 13, 16))) for _ in range(2)]
+  if rng.random() < 0.05:
+    free[int(rng.integers(2))] = 0
+  contract = int(rng.choice((8, 13, 16)))
+  bs = [("b", i) for i in range(nb)]
+  size_of = {**dict(zip(bs, batch)), "c": contract, "f": free[0], "g": free[1]}
+  lhs_order = bs + ["c", "f"]
+  rhs_axes = bs + ["c", "g"]
+  rhs_order = rhs_axes
+  while rhs_order[:nb] == bs:
+    rhs_order = [rhs_axes[i] for i in rng.permutation(len(rhs_axes))]
+  dn = (((nb,), (rhs_order.index("c"),)),
+        (tuple(lhs_order.index(b) for b in bs), tuple(rhs_order.index(b) for b in bs)))
+  # jax.jit cannot run bf16 x bf16 -> f32 with such batch dims: not offered.
+  preferred = [None, dtype] + ([np.dtype(np.float32)] if dtype == np.float16 else [])
+  pet = preferred[int(rng.integers(len(preferred)))]
+  lhs_shape = tuple(size_of[a] for a in lhs_order)
+  rhs_shape = tuple(size_of[a] for a in rhs_order)
+  fn = lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=pet)
+  return _Case(f"dot_general {dtype.name} {lhs_shape} x {rhs_shape} {dn} -> {pet}", fn,
+               lambda r: (_array(r, lhs_shape, dtype), _array(r, rhs_shape, dtype)),
+               "rounding")
+
+
 def _convolutions(rng):
   groups = int(rng.choice([1, 1, 2, 3]))
   batch = int(rng.choice([1, 2, 3]))
@@ -467,7 +507,7 @@ FAMILIES: dict[str, Callable[[np.random.Generator], _Case]] = {
     "elementwise": _elementwise, "integer": _integer_ops, "casts": _casts,
     "reductions": _reductions, "shape": _shape_ops, "gather_scatter": _gather_scatter,
     "dot": _dots, "conv": _convolutions, "pooling": _pooling, "scans_sorts": _scans_sorts,
-    "control": _control, "random": _random_bits,
+    "control": _control, "random": _random_bits, "half_batched_dot": _half_batched_dots,
 }
 
 

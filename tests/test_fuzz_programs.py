@@ -2,7 +2,8 @@
 
 ``program_generator.generate(seed)`` builds one random program per seed
 (elementwise chains, integer ops, casts, reductions, shape ops, gather and
-scatter, einsum/dot, convolutions with strides, padding, dilations and
+scatter, einsum/dot, bfloat16/float16 dot_general with batch dimensions
+that are not leading, convolutions with strides, padding, dilations and
 groups, pooling, cumulative ops, sorts and top_k, scan/while/cond/switch,
 random bits; maybe followed by an elementwise tail, or under ``jax.vmap`` or
 ``jax.grad``; maybe with dead code beside it, which must be removed before
@@ -45,8 +46,8 @@ import ipu_jax
 import program_generator
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
-_CI_SEEDS = range(24)
-_SLOW_SEEDS = range(24, 264)
+_CI_SEEDS = range(2 * len(program_generator.FAMILIES))  # every family twice
+_SLOW_SEEDS = range(len(_CI_SEEDS), len(_CI_SEEDS) + 240)
 # Division by a broadcast, a constant or a square root: XLA multiplies by
 # the reciprocal (1 ulp) or by rsqrt (3 ulps).
 _ULP_BUDGET = 3

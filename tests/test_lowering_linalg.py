@@ -2,7 +2,8 @@
 
 Every case compares ``ipu_jax.jit`` with ``jax.jit`` on random inputs over
 batch shapes that do not divide the tile count, single matrices, 1x1 and
-empty batches, float32 and complex64, in both executor modes; then gradients,
+empty batches, float32 and complex64, in both executor modes (float16 and
+bfloat16 where jax.jit runs them, bit for bit); then gradients,
 clear errors for unsupported modes, the out-of-memory check for a matrix that
 does not fit a tile, and what the report says about placement and cost.
 """
@@ -198,6 +199,44 @@ class LinalgTest(chex.TestCase, parameterized.TestCase):
       return lax.scan(body, 0.0, a), jax.vmap(lambda x: jnp.linalg.qr(x)[1])(a)
 
     self._check(fn, a)
+
+  @parameterized.product(
+      dtype=(jnp.float16, jnp.bfloat16),
+      shape=(((17,), 6, "batched"), ((2, 3), 4, "per_tile"), ((), 5, "per_tile"),
+             ((0,), 3, "batched"), ((), 130, "batched")))
+  def test_half_precision_triangular_solve(self, dtype, shape):
+    # jax.jit runs it in the operands' type (XLA expands the solve; n = 130
+    # takes its blocked path): the same bits.
+    batch, n, mode = shape
+    a = _triangular(self.rng, batch, n, np.float32).astype(dtype)
+    b = _random(self.rng, batch + (n, 3), np.float32).astype(dtype)
+    bt = _random(self.rng, batch + (2, n), np.float32).astype(dtype)
+
+    def fn(a, b, bt):
+      return (lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
+              lax.linalg.triangular_solve(a, bt, left_side=False, lower=True, transpose_a=True,
+                                          unit_diagonal=True),
+              jsl.solve_triangular(jnp.swapaxes(a, -1, -2), b, lower=False))
+
+    got = ipu_jax.jit(fn, target=_T16, config=_config(mode))(a, b, bt)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, jax.jit(fn)(a, b, bt))
+
+  @parameterized.parameters(jnp.float16, jnp.bfloat16)
+  def test_half_precision_update_product_and_gradient(self, dtype):
+    a = _triangular(self.rng, (3,), 4, np.float32).astype(dtype)
+    b = _random(self.rng, (3, 4, 2), np.float32).astype(dtype)
+    r = np.swapaxes(np.linalg.cholesky(_positive_definite(self.rng, (), 4, np.float32)), 0, 1)
+
+    def fn(a, b, r):
+      return {
+          "cholesky_update": lax.linalg.cholesky_update(r.astype(dtype), b[0, :, 0]),
+          "symmetric_product": lax.linalg.symmetric_product(b, a),
+          "solve_grad": jax.grad(lambda b: jnp.sum(
+              jsl.solve_triangular(a, b, lower=True).astype(jnp.float32) ** 2))(b),
+      }
+
+    got = ipu_jax.jit(fn, target=_T16)(a, b, r)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, jax.jit(fn)(a, b, r))
 
   # -- errors ---------------------------------------------------------------
 

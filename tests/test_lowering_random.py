@@ -196,5 +196,104 @@ class RandomTest(chex.TestCase, parameterized.TestCase):
     self.assert_same(lambda c: threefry_2x32(keypair, c), jnp.arange(10, dtype=jnp.uint32))
 
 
+_ALGORITHMS = {"default": lax.RandomAlgorithm.RNG_DEFAULT,
+               "philox": lax.RandomAlgorithm.RNG_PHILOX,
+               "threefry": lax.RandomAlgorithm.RNG_THREE_FRY}
+_RBG_SHAPES = ((), (0,), (37,), (3, 5, 7), (1000,))
+
+
+def _chained_bits(algorithm, dtype):
+  """Bits of every ``_RBG_SHAPES`` shape, each drawn with the key the last
+  draw returned, and the last key."""
+  def fn(key):
+    out = []
+    for shape in _RBG_SHAPES:
+      key, bits = lax.rng_bit_generator(key, shape, dtype, algorithm)
+      out.append(bits)
+    return key, out
+  return fn
+
+
+class RngBitGeneratorTest(chex.TestCase, parameterized.TestCase):
+  """``lax.rng_bit_generator`` gives ``jax.jit``'s bits and new keys."""
+
+  def assert_same(self, fn, *args, mode="batched", target=_T16):
+    got = ipu_jax.jit(fn, target=target, config=testing_utils.executor_config(mode))(*args)
+    want = jax.jit(fn)(*args)
+    testing_utils.assert_trees_match(got, want, exact=True)
+
+  @parameterized.product(algorithm=tuple(_ALGORITHMS), dtype=(jnp.uint8, jnp.uint16, jnp.uint32),
+                         mode=testing_utils.MODES)
+  def test_matches_jit(self, algorithm, dtype, mode):
+    key = jnp.array([7, 0xDEADBEEF, 0xFFFFFFFE, 3], jnp.uint32)  # a counter about to carry
+    self.assert_same(_chained_bits(_ALGORITHMS[algorithm], dtype), key, mode=mode)
+
+  @parameterized.parameters(*_ALGORITHMS)
+  def test_uint64(self, algorithm):
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+      self.assert_same(_chained_bits(_ALGORITHMS[algorithm], jnp.uint64),
+                       jnp.array([1, 2, 3, 4], jnp.uint32))
+    finally:
+      jax.config.update("jax_enable_x64", previous)
+
+  def test_key_made_inside(self):
+    # A constant key, and one computed from a traced seed.
+    def fn(seed):
+      _, a = lax.rng_bit_generator(jnp.array([1, 2, 3, 4], jnp.uint32), (5, 3))
+      key, b = lax.rng_bit_generator(jnp.full((4,), seed, jnp.uint32), (9,), jnp.uint8)
+      return a, b, key
+    self.assert_same(fn, jnp.uint32(12))
+
+  def test_in_a_loop(self):
+    # The key carried through a scan, as a stateful generator is used.
+    def fn(key):
+      return lax.scan(lambda k, _: lax.rng_bit_generator(k, (6,)), key, None, length=4)
+    for mode in testing_utils.MODES:
+      self.assert_same(fn, jnp.array([5, 6, 7, 8], jnp.uint32), mode=mode)
+
+  def test_full_chip(self):
+    self.assert_same(_chained_bits(_ALGORITHMS["default"], jnp.uint32),
+                     jnp.array([1, 2, 3, 4], jnp.uint32), target=ipu_jax.IPUTarget.preset("ipu2"))
+
+  @parameterized.parameters("rbg", "unsafe_rbg")
+  def test_rbg_default_implementation(self, impl):
+    # jax.random under jax_default_prng_impl: PRNGKey's random_bits calls
+    # rng_bit_generator.
+    previous = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", impl)
+    try:
+      self.assert_same(lambda s: (jax.random.uniform(jax.random.PRNGKey(s), (7, 3)),
+                                  jax.random.bits(jax.random.split(jax.random.PRNGKey(s))[1],
+                                                  (5,), jnp.uint8)), jnp.uint32(4))
+    finally:
+      jax.config.update("jax_default_prng_impl", previous)
+
+  def test_cost(self):
+    n = 16 * 1000
+    key = jnp.array([1, 2, 3, 4], jnp.uint32)
+
+    def step_of(algorithm, dtype=jnp.uint32):
+      lowered = ipu_jax.jit(lambda k: lax.rng_bit_generator(k, (n,), dtype, algorithm),
+                            target=_T16).lower(key)
+      steps = [s for s in lowered.profile.steps if s.op == "rng_bit_generator"]
+      self.assertLen(steps, 1)
+      return steps[0]
+
+    philox = step_of(lax.RandomAlgorithm.RNG_DEFAULT)
+    # The bits cover every tile; each runs Philox blocks on its share.
+    self.assertEqual(int((philox.compute_cycles > 0).sum()), 16)
+    # The 16-byte key is multicast: every tile but the key's own receives it;
+    # the new key is written where the key lies.
+    self.assertEqual(int(philox.exchange_bytes_in.sum()), 15 * 16)
+    self.assertEqual(int(philox.exchange_bytes_out.sum()), 16)
+    threefry = step_of(lax.RandomAlgorithm.RNG_THREE_FRY)
+    self.assertGreater(philox.compute_cycles.max(), threefry.compute_cycles.max())
+    # A quarter of the words for uint8 bits.
+    narrow = step_of(lax.RandomAlgorithm.RNG_DEFAULT, jnp.uint8)
+    self.assertLess(narrow.compute_cycles.max(), philox.compute_cycles.max() / 2)
+
+
 if __name__ == "__main__":
   absltest.main()

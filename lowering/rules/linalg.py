@@ -32,8 +32,14 @@ tile-parallel Jacobi sweep) are out of scope here.
 algorithm costed) and computed by the host's default routine (eigenvectors
 and singular vectors may differ from a Jacobi solver's in sign); modes that
 ``jax.jit`` on CPU rejects too (QDWH and polar algorithms, a partial
-``subset_by_index``, half-precision operands) raise a
-:class:`~ipu_jax.LoweringError` naming the primitive and the user's line.
+``subset_by_index``, half-precision operands of the LAPACK-backed
+primitives) raise a :class:`~ipu_jax.LoweringError` naming the primitive and
+the user's line. ``triangular_solve``, ``cholesky_update`` and
+``symmetric_product`` take float16 and bfloat16 as ``jax.jit`` does (XLA
+expands the solve in the operands' type; the vertex binds the same
+primitive, so the bits are ``jax.jit``'s); they are costed at the fp32 rate
+(the substitution is scalar work, which the IPU does at the same rate in
+either width).
 
 ``custom_linear_solve`` lowers its ``solve`` jaxpr in place (its value; the
 other jaxprs only define its derivatives, which JAX has already expanded into
@@ -57,6 +63,11 @@ from ipu_jax.lowering.registry import register_lowering
 __all__ = ["LinalgSpec", "SPECS"]
 
 _SUPPORTED_DTYPES = ("float32", "float64", "complex64", "complex128")
+# 2-byte floats: jax.jit on CPU runs the primitives XLA expands itself
+# (triangular_solve) or JAX writes as lax operations (cholesky_update,
+# symmetric_product) in the operands' own type; the LAPACK-backed ones have
+# no such routine and jax.jit refuses them too.
+_HALF_DTYPES = ("float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +87,8 @@ class LinalgSpec:
     codelet: vertex type name for reports.
     float_operands: positions of the operands that must be float32/complex64
       (pivots and permutations are int32).
+    half: float16 and bfloat16 operands are accepted too (computed in their
+      own type, as ``jax.jit`` computes them).
   """
 
   core_ndim: int
@@ -86,23 +99,26 @@ class LinalgSpec:
   check: Optional[Callable] = None
   host_params: Optional[Callable] = None
   float_operands: tuple = (0,)
+  half: bool = False
 
 
-def _check_dtypes(ctx, operands, positions):
-  for i in positions:
+def _check_dtypes(ctx, operands, spec: LinalgSpec):
+  supported = _SUPPORTED_DTYPES + (_HALF_DTYPES if spec.half else ())
+  for i in spec.float_operands:
     if i >= len(operands):
       continue
     dtype = np.dtype(operands[i].dtype)
-    if dtype.name not in _SUPPORTED_DTYPES:
+    if dtype.name not in supported:
       raise NotImplementedError(
-          f"operand {i} has dtype {dtype.name}; {ctx.op} runs on float32 or complex64 "
-          f"(float64/complex128 with jax_enable_x64), as on XLA's CPU backend. Cast it, "
-          f"e.g. x.astype(jnp.float32)")
+          f"operand {i} has dtype {dtype.name}; {ctx.op} runs on "
+          f"{', '.join(supported)} (the 64-bit types with jax_enable_x64), as jax.jit "
+          f"does on CPU (LAPACK has no {dtype.name} routine for it). Cast it, e.g. "
+          f"x.astype(jnp.float32)")
 
 
 def _rule(primitive, spec: LinalgSpec):
   def rule(ctx, *operands, **params):
-    _check_dtypes(ctx, operands, spec.float_operands)
+    _check_dtypes(ctx, operands, spec)
     batch_ndim = len(operands[0].shape) - spec.core_ndim
     cores = [tuple(t.shape[batch_ndim:]) for t in operands]
     if spec.check is not None:
@@ -215,10 +231,10 @@ SPECS = {
         vocab.CHOLESKY),
     lax_linalg.cholesky_update_p: LinalgSpec(
         2, lambda c, p: 6.0 * c[0][-1] ** 2, lambda c, p: c[0][-1],
-        vocab.CHOLESKY_UPDATE, float_operands=(0, 1)),
+        vocab.CHOLESKY_UPDATE, float_operands=(0, 1), half=True),
     lax_linalg.triangular_solve_p: LinalgSpec(
         2, _tri_solve_flops, lambda c, p: c[0][-1], vocab.TRIANGULAR_SOLVE,
-        float_operands=(0, 1)),
+        float_operands=(0, 1), half=True),
     lax_linalg.lu_p: LinalgSpec(
         2, lambda c, p: K.lu_flops(*c[0][-2:]), lambda c, p: min(c[0][-2:]), vocab.LU),
     lax_linalg.lu_pivots_to_permutation_p: LinalgSpec(
@@ -261,7 +277,7 @@ SPECS = {
         vocab.TRIDIAGONAL_SOLVE, float_operands=(0, 1, 2, 3)),
     lax_linalg.symmetric_product_p: LinalgSpec(
         2, lambda c, p: float(c[0][-2]) ** 2 * c[0][-1] + 2.0 * c[1][-1] ** 2,
-        lambda c, p: 1, vocab.SYMMETRIC_PRODUCT, float_operands=(0, 1)),
+        lambda c, p: 1, vocab.SYMMETRIC_PRODUCT, float_operands=(0, 1), half=True),
 }
 
 

@@ -1,4 +1,5 @@
-"""Random numbers: PRNG keys, ``random_bits``, ``split``, ``fold_in``, threefry.
+"""Random numbers: PRNG keys, ``random_bits``, ``split``, ``fold_in``, threefry,
+``rng_bit_generator``.
 
 PRNG key arrays (the extended dtype ``key<impl>``) are held in tile memory as
 their ``uint32`` key data: shape ``keys.shape + impl.key_shape``. Wrapping and
@@ -15,6 +16,17 @@ threefry per 32-bit word generated. The vertex body re-wraps the key data
 with the key's implementation and binds the JAX primitive itself, so the
 numbers are exactly those of ``jax.jit``.
 
+``rng_bit_generator`` (``lax.rng_bit_generator``: XLA's stateless
+generator, which JAX's ``rbg`` and ``unsafe_rbg`` PRNG implementations call
+inside their ``random_bits``) has the same plan: the ``uint32[4]`` key is
+multicast to the tiles of the linearly mapped bits, each tile runs the
+algorithm's counter-based blocks for the words it holds (Philox4x32-10 for
+``RNG_DEFAULT`` and ``RNG_PHILOX``, as XLA:CPU expands the default, and
+Threefry2x32-20 for ``RNG_THREE_FRY``; a block's counter is the key's
+counter plus the block's position), and the tile holding the key writes the
+new key (the counter advanced past the blocks used) in place. The vertex body
+binds the primitive itself, so the bits and the new key are ``jax.jit``'s.
+
 ``random_gamma`` (``jax.random.gamma`` / ``loggamma`` / ``beta`` /
 ``dirichlet``) makes each sample on the tile of its ``alpha``: the keys (one,
 or one per leading index under ``vmap``) are multicast to their samples'
@@ -28,6 +40,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ipu_jax.lowering.jax_compat import config, prng, random_core, threefry2x32
 from ipu_jax.kernels import estimators
@@ -291,6 +304,58 @@ def _iota_2x32_shape(ctx, *, shape):
   return [hi, lo]
 
 
+# ``rng_bit_generator``'s algorithms: the cost op of a 32-bit word (see
+# ``estimators.ELEMENTWISE_COST``). XLA:CPU expands RNG_DEFAULT as Philox.
+_RBG_COST_OPS = {
+    lax.RandomAlgorithm.RNG_DEFAULT: "philox4x32",
+    lax.RandomAlgorithm.RNG_PHILOX: "philox4x32",
+    lax.RandomAlgorithm.RNG_THREE_FRY: "threefry2x32",
+}
+
+
+def _rng_bit_generator(ctx, key, *, shape, dtype, algorithm, **unused):
+  """``lax.rng_bit_generator``: ``(new_key, bits)``, both ``jax.jit``'s.
+
+  The bits are mapped linearly and made on their tiles from the key,
+  multicast to them; the new key is written where the key lies (a constant
+  key's on the default mapping).
+  """
+  del unused  # out_sharding: one IPU program has no sharding of its own
+  dtype, shape = np.dtype(dtype), tuple(int(d) for d in shape)
+  cost_op = _RBG_COST_OPS.get(algorithm)
+  if cost_op is None:
+    raise NotImplementedError(f"rng_bit_generator: algorithm {algorithm} (known: "
+                              f"{', '.join(a.name for a in _RBG_COST_OPS)})")
+  target = ctx.target
+  key_mapping = key.mapping if key.category != "constants" else None
+  new_key = ctx.new_tensor(key.shape, key.dtype, key_mapping, name="rng_bit_generator/key")
+  bits = ctx.new_tensor(shape, dtype, name="rng_bit_generator")
+  # 32-bit words per tile: the algorithm's blocks cover the result's bytes.
+  words = np.ceil(bits.mapping.elements_per_tile(target.num_tiles) * dtype.itemsize / 4)
+  words = words.astype(np.int64)
+  compute = estimators.elementwise_cycles(target, words, cost_op, 4)
+  # The new key: the counter advanced, on the key's tiles (a few adds).
+  key_words = new_key.mapping.elements_per_tile(target.num_tiles)
+  compute = compute + estimators.elementwise_cycles(target, key_words, "add", 4)
+  cost = _fanout_cost(ctx, key, _key_members(1, key.size), bits, max(bits.size, 1))
+  if key_mapping is None:
+    cost = add_costs(cost, movement_cost(target, key.mapping.element_tile,
+                                         new_key.mapping.element_tile, key.itemsize))
+
+  def step(key_storage):
+    made_key, made_bits = lax.rng_bit_generator_p.bind(
+        logical(key_storage, key), shape=shape, dtype=dtype, algorithm=algorithm,
+        out_sharding=None)
+    return storage(made_key, new_key), storage(made_bits, bits)
+
+  ctx.emit(P.Superstep(
+      name=f"rng_bit_generator {algorithm.name}", op=ctx.op, reads=(key,),
+      writes=(new_key, bits), fn=step, compute_cycles=compute, exchange=cost,
+      vertices=worker_vertices(ctx, words + key_words),
+      codelets=(vocab.vertex(vocab.RANDOM, cost_op),)))
+  return [new_key, bits]
+
+
 # Cycles per vector of samples of one Marsaglia-Tsang attempt of
 # ``random_gamma``: two normals and a uniform from threefry words (about four
 # 40-cycle words), a log, a cube and a compare. An attempt is accepted with
@@ -349,6 +414,7 @@ def _register():
       (random_core.random_gamma_p, _random_gamma),
       (threefry2x32.threefry2x32_p, _threefry2x32),
       (prng.iota_2x32_shape_p, _iota_2x32_shape),
+      (lax.rng_bit_generator_p, _rng_bit_generator),
   ]
   for prim, rule in rules:
     register_lowering(prim, rule)
