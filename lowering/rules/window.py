@@ -19,9 +19,12 @@ A 0-d or empty operand is pooled on one tile.
 
 Execution: ``"batched"`` runs the primitive on the logical arrays;
 ``"per_tile"`` cuts each operand into the boxes' input windows (padding and
-base dilation made explicit with the reduction's identity, which is what the
-primitive pads with) and vmaps the primitive over the boxes with no padding.
-Both give the numbers ``jax.jit`` gives.
+base dilation made explicit) and vmaps the primitive over the boxes with no
+padding. The primitives skip padding and holes; the explicit ones are the
+reduction's identity (max, min, sum; the selections pad with the value they
+never prefer over an earlier one), and a generic computation, which has no
+identity, reduces a validity mask alongside and skips them. Both modes give
+the numbers ``jax.jit`` gives.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -68,6 +72,9 @@ class WindowedOp:
     float_flops: whether its work counts as FLOPs.
     scatter: ``select_and_scatter_add``: operands ``(source, operand)``, the
       result has the operand's shape.
+    masked: ``box_fn`` takes, after the windows, a boolean window marking
+      the input elements (not padding or dilation holes), for a computation
+      with no identity to pad with.
   """
 
   geo: W.WindowGeometry
@@ -79,6 +86,7 @@ class WindowedOp:
   codelet: str
   float_flops: bool
   scatter: bool = False
+  masked: bool = False
 
 
 def _is_float(dtype) -> bool:
@@ -260,8 +268,12 @@ def _per_tile(op: WindowedOp, plan: W.WindowPlan, arrays) -> tuple:
     return (_scatter_per_tile(op, plan, *arrays),)
   geo, nd = op.geo, op.geo.ndim
   extras = arrays[op.windowed:]
+  windowed, fills = list(arrays[:op.windowed]), list(op.fills(*extras))
+  if op.masked:
+    windowed.append(jnp.ones(geo.in_shape, bool))
+    fills.append(False)
   boxes = []
-  for x, fill in zip(arrays[:op.windowed], op.fills(*extras)):
+  for x, fill in zip(windowed, fills):
     fill = jnp.asarray(fill, x.dtype)
     # Padding and base dilation as explicit identity elements.
     x = lax.pad(x, fill, [(lo, hi, b - 1) for (lo, hi), b in zip(geo.padding, geo.base_dilation)])
@@ -349,15 +361,37 @@ def _reduce_window_rule(ctx, *args, jaxpr, consts, window_dimensions, window_str
     return tuple(wr.reduce_window_p.bind(*arrays[:num], *init_values(arrays[num:]),
                                          padding=padding, base_dilation=base_dilation, **params))
 
+  combine = _skipping_holes(jaxpr, consts, num)
+
   def box_fn(*arrays):
-    return tuple(wr.reduce_window_p.bind(*arrays[:num], *init_values(arrays[num:]),
-                                         **_unpadded(geo), **params))
+    # The primitive skips padding and dilation holes (it does not reduce the
+    # init value into them), so the box's explicit ones are masked out.
+    boxes, mask = arrays[:num], arrays[num]
+    inits = tuple(init_values(arrays[num + 1:])) + (np.bool_(True),)
+    return lax.reduce_window(tuple(boxes) + (mask,), inits, combine, window_dimensions,
+                             window_strides, ((0, 0),) * geo.ndim,
+                             window_dilation=window_dilation)[:num]
 
   eqns = max(1, len(getattr(jaxpr, "eqns", ())))
   op = WindowedOp(geo=geo, fn=fn, box_fn=box_fn, fills=lambda *e: init_values(e), windowed=num,
                   cost=eqns, codelet=vocab.vertex(vocab.POOL, "reduce"),
-                  float_flops=all(_is_float(x.dtype) for x in xs))
+                  float_flops=all(_is_float(x.dtype) for x in xs), masked=True)
   return _lower(ctx, op, xs + read_inits)
+
+
+def _skipping_holes(jaxpr, consts, num: int) -> Callable:
+  """A reduce-window computation over ``(values..., valid)`` that skips invalid ones."""
+  computation = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, consts))
+
+  def combine(a, b):
+    a_values, a_valid, b_values, b_valid = a[:num], a[num], b[:num], b[num]
+    out = computation(*a_values, *b_values)
+    both = a_valid & b_valid
+    values = tuple(jnp.where(both, o, jnp.where(a_valid, x, y))
+                   for o, x, y in zip(out, a_values, b_values))
+    return values + (a_valid | b_valid,)
+
+  return combine
 
 
 @register_lowering(wr.select_and_scatter_add_p)
