@@ -80,7 +80,7 @@ __all__ = ["WindowGeometry", "WindowWork", "WindowPlan", "window_geometry", "pla
 _SEARCH_BUDGET = 100_000
 
 # Grids whose exact exchange the rule compares (the best estimates).
-SHORTLIST = 8
+SHORTLIST = 4
 
 # Smallest output box worth a tile (as ``builders.partitioned`` cuts rows).
 MIN_BLOCK_OUTPUTS = 64

@@ -141,11 +141,8 @@ def _single_tile(ctx, op: WindowedOp, operands, out_avals):
 def _exchange(ctx, op: WindowedOp, plan: W.WindowPlan, operands, tiles):
   """Exact bytes moved: each box's input windows, by ranges; extras multicast."""
   target, geo = ctx.target, op.geo
-  if op.scatter:
-    (src_needs, src_n), (op_needs, op_n) = W.scatter_needs(geo, plan)
-    needs = [(src_needs, src_n), (op_needs, op_n)]
-  else:
-    needs = [W.pool_needs(geo, plan)] * op.windowed
+  needs = (list(W.scatter_needs(geo, plan)) if op.scatter
+           else [W.pool_needs(geo, plan)] * op.windowed)
   costs = []
   for t, (need, elements) in zip(operands[:op.windowed], needs):
     if t.size:
@@ -158,6 +155,19 @@ def _exchange(ctx, op: WindowedOp, plan: W.WindowPlan, operands, tiles):
   return add_costs(*costs)
 
 
+def _work(op: WindowedOp, windowed, out_avals) -> W.WindowWork:
+  """What the planner costs per box for ``op`` (its key in the plan cache)."""
+  itemsize = out_avals[0][1].itemsize
+  if op.scatter:
+    source, operand = windowed
+    return W.WindowWork(scatter=True, cost=op.cost, itemsize=itemsize,
+                        in_bytes=operand.itemsize, out_bytes=itemsize,
+                        source_bytes=source.itemsize)
+  return W.WindowWork(scatter=False, cost=op.cost, itemsize=itemsize,
+                      in_bytes=sum(t.itemsize for t in windowed),
+                      out_bytes=sum(d.itemsize for _, d in out_avals))
+
+
 def _choose(ctx, op: WindowedOp, plans, operands) -> tuple:
   """The shortlisted plan with the fewest cycles given where the operands are.
 
@@ -166,17 +176,20 @@ def _choose(ctx, op: WindowedOp, plans, operands) -> tuple:
     windows each box computes.
   """
   target = ctx.target
+  itemsize = np.dtype(ctx.out_avals[0].dtype).itemsize
   best = None
   for plan in plans:
+    windows = W.block_work(op.geo, plan, op.scatter)
+    work = windows * op.geo.window_elements * op.cost
+    cycles = float(estimators.worker_split_cycles(target, work, 1, itemsize).max(initial=0))
+    if best is not None and cycles >= best[0]:
+      continue  # its compute alone is no better: skip costing its exchange
     count = plan.num_tiles
     # The tiles grid_tiles will give (peeked, not claimed).
     start = ctx.next_start_tile if count < target.num_tiles else 0
     tiles = (start + np.arange(count, dtype=np.int64)) % target.num_tiles
     exchange = _exchange(ctx, op, plan, operands, tiles)
-    windows = W.block_work(op.geo, plan, op.scatter)
-    work = windows * op.geo.window_elements * op.cost
-    compute = estimators.worker_split_cycles(target, work, 1, np.dtype(ctx.out_avals[0].dtype).itemsize)
-    cycles = float(compute.max(initial=0)) + exchange_cycles(target, exchange)
+    cycles += exchange_cycles(target, exchange)
     if best is None or cycles < best[0]:
       best = (cycles, plan, exchange, windows)
   return best[1:]
@@ -196,15 +209,8 @@ def _lower(ctx, op: WindowedOp, operands: Sequence[P.Tensor]) -> list:
     return _single_tile(ctx, op, operands, out_avals)
   target, geo = ctx.target, op.geo
   itemsize = out_avals[0][1].itemsize
-  if op.scatter:
-    work = W.WindowWork(scatter=True, cost=op.cost, itemsize=itemsize,
-                        in_bytes=windowed[1].itemsize, out_bytes=itemsize,
-                        source_bytes=windowed[0].itemsize)
-  else:
-    work = W.WindowWork(scatter=False, cost=op.cost, itemsize=itemsize,
-                        in_bytes=sum(t.itemsize for t in windowed),
-                        out_bytes=sum(d.itemsize for _, d in out_avals))
-  plan, exchange, windows = _choose(ctx, op, W.plan_window(target, geo, work), operands)
+  plans = W.plan_window(target, geo, _work(op, windowed, out_avals))
+  plan, exchange, windows = _choose(ctx, op, plans, operands)
   tiles = grid_tiles(ctx, plan.num_tiles)
   outputs = [ctx.new_tensor(s, d, block_grid_mapping(s, plan.grid, plan.block, tiles))
              for s, d in out_avals]
