@@ -65,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -116,11 +116,6 @@ class WindowGeometry:
   def reach(self, a: int) -> int:
     """Span of a window along axis ``a`` in padded, base-dilated positions."""
     return (self.window[a] - 1) * self.window_dilation[a] + 1
-
-  def halo_free(self, a: int) -> bool:
-    """Whether axis ``a`` splits without halos (the window does not touch it)."""
-    return (self.window[a] == 1 and self.strides[a] == 1 and self.base_dilation[a] == 1
-            and tuple(self.padding[a]) == (0, 0))
 
   def readers(self, a: int) -> tuple:
     """For each input coordinate along axis ``a``, the first and last window reading it.

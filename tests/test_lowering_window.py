@@ -311,7 +311,7 @@ def _boxes(step, shape):
     yield [np.arange(i * b, min((i + 1) * b, d)) for i, b, d in zip(index, block, shape)]
 
 
-def _bytes_in(tensor, box_tile, needed_axes, itemsize, num_tiles, into):
+def _bytes_in(tensor, box_tile, needed_axes, itemsize, into):
   """Add what the tile needs of ``tensor`` (a product of per-axis index sets) and lacks."""
   needed = np.zeros(tensor.shape, bool)
   needed[np.ix_(*needed_axes)] = True
@@ -387,7 +387,7 @@ class PlanTest(parameterized.TestCase):
     self.assertGreater(len(boxes), 1)
     for box in boxes:
       needed = [np.flatnonzero(r[rows].any(axis=0)) for r, rows in zip(reads, box)]
-      _bytes_in(operand, out_tiles[tuple(rows[0] for rows in box)], needed, 4, 16, want)
+      _bytes_in(operand, out_tiles[tuple(rows[0] for rows in box)], needed, 4, want)
     np.testing.assert_array_equal(step.exchange.bytes_in, want)
 
   @parameterized.named_parameters(
@@ -415,9 +415,9 @@ class PlanTest(parameterized.TestCase):
     for box in boxes:
       touching = [np.flatnonzero(r[:, rows].any(axis=1)) for r, rows in zip(reads, box)]
       tile = out_tiles[tuple(rows[0] for rows in box)]
-      _bytes_in(source, tile, touching, 4, 16, want)
+      _bytes_in(source, tile, touching, 4, want)
       read = [np.flatnonzero(r[windows].any(axis=0)) for r, windows in zip(reads, touching)]
-      _bytes_in(operand, tile, read, 4, 16, want)
+      _bytes_in(operand, tile, read, 4, want)
     np.testing.assert_array_equal(step.exchange.bytes_in, want)
 
 
