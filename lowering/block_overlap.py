@@ -321,7 +321,10 @@ def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, gri
   key = (np.ravel_multi_index([coords[a] for a in cut], [int(grid_shape[a]) for a in cut])
          if cut else np.zeros(g_count, np.int64))
   # One grid index per block: the first along the axes needing everything.
-  first = np.all([coords[a] == 0 for a in range(len(grid_shape)) if needs[a] is None], axis=0)
+  shared = [coords[a] == 0 for a in range(len(grid_shape)) if needs[a] is None]
+  # With no such axis every grid index is its own block (np.all of nothing is
+  # one True, not one per index).
+  first = np.all(shared, axis=0) if shared else np.ones(g_count, bool)
   rep = np.flatnonzero(first)
   member = np.zeros((rep.size, n_ipus), bool)
   member[key, tiles // per] = True

@@ -249,6 +249,16 @@ class BlockGrid:
       return np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
     if 0 in shape:
       return empty, empty, empty, empty
+    axis_of_passes, count = self._passes
+    ones = [a for a, d in enumerate(shape) if d == 1 and a != axis_of_passes]
+    if ones and len(ones) < len(shape):
+      # Size-one axes place nothing (one block of one element), but a trailing
+      # one would make every element a line of its own ([1, H, W, 1] pooling).
+      keep = [a for a in range(len(shape)) if a not in ones]
+      serial = (None, 1) if axis_of_passes is None else (keep.index(axis_of_passes), count)
+      return dataclasses.replace(
+          self, shape=tuple(shape[a] for a in keep), grids=tuple(self.grids[a] for a in keep),
+          blocks=tuple(self.blocks[a] for a in keep), serial=serial).runs()
     ndim = len(shape)
     last = shape[-1]
     block = int(self.blocks[-1])

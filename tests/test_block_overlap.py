@@ -184,5 +184,26 @@ class BlockExchangeCostTest(parameterized.TestCase):
                   needs, elements)
     _assert_same(got, want)
 
+  @parameterized.parameters("linear", "grid", "random")
+  def test_every_axis_cut_without_halos_on_two_ipus(self, kind):
+    # Pooling boxes with stride = window: every grid axis says which block
+    # reads each coordinate (no axis where all blocks need it), no halo.
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8, num_ipus=2)
+    rng = np.random.default_rng(len(kind))
+    shape = (12, 10)
+    tensor = P.Tensor("x", shape, np.float32, _mapping(kind, shape, rng))
+    grid = (3, 2)
+    needs = [(0, np.arange(12) // 4, np.arange(12) // 4 + 1),
+             (1, np.arange(10) // 5, np.arange(10) // 5 + 1)]
+    elements = np.full(6, 20, np.int64)
+    tiles = (int(rng.integers(16)) + np.arange(6)) % 16
+    window = [(0, d) for d in shape]
+    got = block_overlap.block_exchange_cost(target, tensor.mapping, shape, 4, ((0,), (1,)),
+                                            window, grid, tiles, needs, elements)
+    want = _exact(target, tensor, (0, 1), shape, window, grid, tiles, needs, elements)
+    self.assertIsNotNone(got)
+    _assert_same(got, want)
+
+
 if __name__ == "__main__":
   absltest.main()
