@@ -361,8 +361,12 @@ def _emit_scan_init(ctx, carries, inits, counter: P.Tensor) -> None:
   ctx.emit(init)
 
 
-def _rows_costs(ctx, pairs, to_piece: bool, counter: P.Tensor, cycles, costs):
-  """Add each ``(stacked, piece)`` pair's dynamic-row cost to ``cycles``/``costs``."""
+def _rows_costs(ctx, pairs, to_piece: bool, counter: P.Tensor, cycles):
+  """``(cycles, exchange costs)`` of moving the rows of ``(stacked, piece)`` pairs.
+
+  Each pair's compute cycles are added to ``cycles`` in turn.
+  """
+  costs = []
   for stacked, piece in pairs:
     cost, cy = _dynamic_rows_cost(ctx, stacked, piece, to_piece, counter)
     costs.append(cost)
@@ -381,6 +385,7 @@ class _RowRead:
 
 
 def _slice_rows(length, reverse, reads, counter_storage, *stacked):
+  """The slice step's function: row ``i`` of every stacked tensor, in its slice's layout."""
   row = _scan_row(counter_storage, length, reverse)
   return tuple(to_storage(_read_row(st, r.mapping, r.positions, row, r.size), r.slice_mapping)
                for st, r in zip(stacked, reads))
@@ -391,7 +396,7 @@ def _emit_scan_slice(ctx, xs, slices, counter: P.Tensor, length: int, reverse: b
   moves = [(x, s) for x, s in zip(xs, slices) if s.size]
   if not moves:
     return
-  cycles, costs = _rows_costs(ctx, moves, True, counter, np.zeros(ctx.target.num_tiles), [])
+  cycles, costs = _rows_costs(ctx, moves, True, counter, np.zeros(ctx.target.num_tiles))
   reads = tuple(_RowRead(x.mapping, _row_positions(x.mapping, length, s.size), s.size,
                          s.mapping) for x, s in moves)
   ctx.emit(P.Superstep(
@@ -426,10 +431,9 @@ def _emit_scan_update(ctx, ys_stacked, ys, carries, new_carries, counter: P.Tens
   y_pairs = [(st, y) for st, y in zip(ys_stacked, ys) if y.size]
   copies = copy_step(ctx, carries, new_carries)
   counter_tiles = counter.mapping.elements_per_tile(target.num_tiles)
-  cycles, costs = _rows_costs(
-      ctx, y_pairs, False, counter,
-      estimators.elementwise_cycles(target, counter_tiles, "add", 4),
-      [copies.exchange if copies is not None else None])
+  cycles, row_costs = _rows_costs(
+      ctx, y_pairs, False, counter, estimators.elementwise_cycles(target, counter_tiles, "add", 4))
+  costs = [copies.exchange if copies is not None else None] + row_costs
   y_plans = tuple((y.mapping, y.size) for _, y in y_pairs)
   copy_fn = copies.fn if copies is not None else _no_copies
   copy_reads = copies.reads if copies is not None else ()
