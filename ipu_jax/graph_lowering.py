@@ -22,6 +22,7 @@ the graph is resolved here, once the Engine has frozen the tile mappings:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -185,121 +186,215 @@ class GraphLowerer:
 
   def compute_set_step(self, cs) -> P.Superstep:
     """One superstep for a compute set: exchange operands in, run vertices."""
-    target = self.target
-    groups = {}
-    for v in cs.vertices:
-      key = (v.codelet, tuple((f, v.connections[f].shape, v.connections[f].dtype)
-                              for f in v.codelet.fields))
-      groups.setdefault(key, []).append(v)
-    all_read_bases, all_written_bases = set(), set()
-    plans = []
-    src_tiles, dst_tiles, element_ids, itemsizes = [], [], [], []
-    vertex_tiles, vertex_cycles, vertex_supervisor = [], [], []
-    flops = 0
-    for (cdl, fields), vertices in groups.items():
-      tiles = np.array([v.tile for v in vertices], np.int64)
-      stacked = {f: np.stack([v.connections[f].index for v in vertices]) for f in cdl.fields}
-      for f in cdl.fields:
-        bases, _ = self.split(stacked[f])
-        if f in cdl.written_fields:
-          all_written_bases.update(np.unique(bases).tolist())
-        if f in cdl.read_fields:
-          all_read_bases.update(np.unique(bases).tolist())
-        # Every element a vertex touches must reach its tile.
-        el_tiles = self.graph._element_tiles(stacked[f]).reshape(len(vertices), -1)
-        per_vertex = el_tiles.shape[1]
-        vt = np.repeat(tiles, per_vertex)
-        flat_ids = stacked[f].reshape(-1)
-        itemsize = fields[[x[0] for x in fields].index(f)][2].itemsize
-        if f in cdl.read_fields:
-          src_tiles.append(el_tiles.reshape(-1)); dst_tiles.append(vt)
-          element_ids.append(flat_ids); itemsizes.append(np.full(vt.size, itemsize))
-        if f in cdl.written_fields:
-          src_tiles.append(vt); dst_tiles.append(el_tiles.reshape(-1))
-          element_ids.append(flat_ids + (1 << 40)); itemsizes.append(np.full(vt.size, itemsize))
-      specs = [_Spec(shape, dtype) for _, shape, dtype in fields]
-      estimate = cdl.estimate(*specs, target=target)
-      per_vertex_cycles = np.array([v.perf_estimate if v.perf_estimate is not None else estimate
-                                    for v in vertices], np.float64)
-      vertex_tiles.append(tiles)
-      vertex_cycles.append(per_vertex_cycles)
-      vertex_supervisor.append(np.full(len(vertices), bool(cdl.supervisor)))
-      if cdl.flops is not None:
-        flops += int(cdl.flops(*specs)) * len(vertices)
-      plans.append((cdl, stacked))
+    groups = [_vertex_group(self, cdl, fields, vertices)
+              for (cdl, fields), vertices in _group_vertices(cs).items()]
+    written = set().union(*(g.written_bases for g in groups))
+    read_bases = sorted(set().union(*(g.read_bases for g in groups)) | written)
+    written_bases = sorted(written)
+    layout = _flat_layout(self.graph, read_bases)
+    run = _ComputeSetRun(
+        graph=self.graph, read_bases=tuple(read_bases),
+        read_mappings=tuple(self.base_ir(b).mapping for b in read_bases),
+        written_bases=tuple(written_bases),
+        write_mappings=tuple(self.base_ir(b).mapping for b in written_bases),
+        layout=layout,
+        codelets=tuple((g.codelet, _field_positions(self, g, layout)) for g in groups))
+    compute, vertices = _compute_set_cycles(self.target, groups)
+    return P.Superstep(
+        name=cs.name, op=f"Execute({cs.name})",
+        reads=tuple(self.base_ir(b) for b in read_bases),
+        writes=tuple(self.base_ir(b) for b in written_bases),
+        fn=functools.partial(_run_compute_set, run), compute_cycles=compute,
+        exchange=_compute_set_exchange(self.target, groups), vertices=vertices,
+        codelets=tuple(sorted({g.codelet.name for g in groups})),
+        flops=sum(g.flops for g in groups))
 
-    read_bases = sorted(all_read_bases | all_written_bases)
-    written_bases = sorted(all_written_bases)
-    reads = [self.base_ir(b) for b in read_bases]
-    writes = [self.base_ir(b) for b in written_bases]
-    write_mappings = [t.mapping for t in writes]
-    by_dtype = {}
-    for b in read_bases:
-      by_dtype.setdefault(self.graph._bases[b].dtype, []).append(b)
-    # Per dtype: one flat buffer of all the bases read, and each field's
-    # positions in it, fixed now.
-    layout = {}
-    for dtype, bs in by_dtype.items():
-      sizes = [self.graph._bases[b].size for b in bs]
-      starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-      layout[dtype] = (bs, dict(zip(bs, starts)))
-    # Each field's positions in its dtype's buffer, fixed at compile time.
-    base_start = {dtype: np.array([starts.get(b, 0) for b in range(len(self.graph._bases))],
-                                  np.int64)
-                  for dtype, (_, starts) in layout.items()}
-    gathers = []
-    for cdl, stacked in plans:
-      positions = {}
-      for f in cdl.fields:
-        bases, local = self.split(stacked[f])
-        dtype = self.graph._bases[int(bases[0])].dtype if bases.size else np.dtype("float32")
-        index = (base_start[dtype][bases] + local).reshape(stacked[f].shape)
-        positions[f] = (dtype, index, bases, local)
-      gathers.append(positions)
-    graph = self.graph
 
-    def fn(*storages):
-      flats = {b: to_flat(s, t.mapping) for b, s, t in zip(read_bases, storages, reads)}
-      buffers = {dtype: jnp.concatenate([flats[b] for b in bs]) if bs else jnp.zeros((0,), dtype)
-                 for dtype, (bs, _) in layout.items()}
-      new_flats = {b: flats[b] for b in written_bases}
-      for (cdl, stacked), positions in zip(plans, gathers):
-        operands = [buffers[positions[f][0]][positions[f][1]] for f in cdl.read_fields]
-        results = jax.vmap(cdl.fn)(*operands)
-        if not isinstance(results, (tuple, list)):
-          results = (results,)
-        if len(results) != len(cdl.written_fields):
-          raise ValueError(f"codelet {cdl.name} returned {len(results)} values for fields "
-                           f"{cdl.written_fields}")
-        for f, value in zip(cdl.written_fields, results):
-          _, _, bases, local = positions[f]
-          value = jnp.reshape(value, (-1,))
-          for b in np.unique(bases):
-            sel = np.nonzero(bases == b)[0]
-            tensor = graph._bases[int(b)]
-            new_flats[int(b)] = new_flats[int(b)].at[local[sel]].set(value[sel].astype(tensor.dtype))
-      return tuple(to_storage(new_flats[b], m) for b, m in zip(written_bases, write_mappings))
+# -- compute sets ---------------------------------------------------------------
 
-    vt = np.concatenate(vertex_tiles) if vertex_tiles else np.zeros(0, np.int64)
-    vc = np.concatenate(vertex_cycles) if vertex_cycles else np.zeros(0)
-    compute = vertex_cycles_per_tile(
-        target, vt, vc,
-        supervisor=np.concatenate(vertex_supervisor) if vertex_supervisor else None)
-    vertices = np.bincount(vt, minlength=target.num_tiles)[:target.num_tiles]
-    exchange = None
-    if src_tiles:
-      st, dt, ids, isz = (np.concatenate(x) for x in (src_tiles, dst_tiles, element_ids, itemsizes))
-      # Vertices on one tile share what it receives: an element moves to a
-      # tile once however many of its vertices read it.
-      _, once = np.unique(np.stack([ids, dt]), axis=1, return_index=True)
-      st, dt, ids, isz = st[once], dt[once], ids[once], isz[once]
-      exchange = ExchangeCost.zeros(target)
-      for size in np.unique(isz):
-        sel = isz == size
-        exchange = exchange + movement_cost(target, st[sel], dt[sel], int(size), element_id=ids[sel])
-    return P.Superstep(name=cs.name, op=f"Execute({cs.name})", reads=tuple(reads), writes=tuple(writes),
-                       fn=fn, compute_cycles=compute, exchange=exchange, vertices=vertices,
-                       codelets=tuple(sorted({c.name for c, _ in plans})), flops=flops)
+
+@dataclasses.dataclass(frozen=True)
+class _VertexGroup:
+  """The vertices of one compute set sharing a codelet and field shapes.
+
+  Attributes:
+    codelet: their codelet.
+    stacked: field -> ``[vertices, *field shape]`` global element indices.
+    tiles, cycles, supervisor: per vertex, its tile, its cycle estimate and
+      whether it is a supervisor vertex.
+    flops: of all the group's vertices.
+    read_bases, written_bases: base tensor numbers the fields read / write.
+    moves: ``(source tiles, destination tiles, element ids, itemsizes)`` of
+      every element a vertex reads (to its tile) or writes (from its tile),
+      written elements with ids offset by ``2 ** 40``.
+  """
+
+  codelet: object
+  stacked: dict
+  tiles: np.ndarray
+  cycles: np.ndarray
+  supervisor: np.ndarray
+  flops: int
+  read_bases: frozenset
+  written_bases: frozenset
+  moves: tuple
+
+
+def _group_vertices(cs) -> dict:
+  """``(codelet, ((field, shape, dtype), ...)) -> [vertices]``, in first-seen order."""
+  groups = {}
+  for v in cs.vertices:
+    key = (v.codelet, tuple((f, v.connections[f].shape, v.connections[f].dtype)
+                            for f in v.codelet.fields))
+    groups.setdefault(key, []).append(v)
+  return groups
+
+
+def _field_moves(lowerer, cdl, fields, stacked, tiles):
+  """``(read bases, written bases, moves)`` of a group's fields (see _VertexGroup)."""
+  read, written, moves = set(), set(), []
+  itemsizes = {f: dtype.itemsize for f, _, dtype in fields}
+  for f in cdl.fields:
+    bases, _ = lowerer.split(stacked[f])
+    if f in cdl.written_fields:
+      written.update(np.unique(bases).tolist())
+    if f in cdl.read_fields:
+      read.update(np.unique(bases).tolist())
+    # Every element a vertex touches must reach its tile.
+    el_tiles = lowerer.graph._element_tiles(stacked[f]).reshape(len(tiles), -1)
+    vt = np.repeat(tiles, el_tiles.shape[1])
+    flat_ids = stacked[f].reshape(-1)
+    sizes = np.full(vt.size, itemsizes[f])
+    if f in cdl.read_fields:
+      moves.append((el_tiles.reshape(-1), vt, flat_ids, sizes))
+    if f in cdl.written_fields:
+      moves.append((vt, el_tiles.reshape(-1), flat_ids + (1 << 40), sizes))
+  return frozenset(read), frozenset(written), tuple(moves)
+
+
+def _vertex_group(lowerer, cdl, fields, vertices) -> _VertexGroup:
+  tiles = np.array([v.tile for v in vertices], np.int64)
+  stacked = {f: np.stack([v.connections[f].index for v in vertices]) for f in cdl.fields}
+  read, written, moves = _field_moves(lowerer, cdl, fields, stacked, tiles)
+  specs = [_Spec(shape, dtype) for _, shape, dtype in fields]
+  estimate = cdl.estimate(*specs, target=lowerer.target)
+  cycles = np.array([v.perf_estimate if v.perf_estimate is not None else estimate
+                     for v in vertices], np.float64)
+  flops = int(cdl.flops(*specs)) * len(vertices) if cdl.flops is not None else 0
+  return _VertexGroup(cdl, stacked, tiles, cycles, np.full(len(vertices), bool(cdl.supervisor)),
+                      flops, read, written, moves)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatLayout:
+  """Per dtype, one flat buffer of all the bases a compute set reads.
+
+  Attributes:
+    bases: dtype -> the base numbers concatenated into its buffer, in order.
+    base_start: dtype -> ``[num bases]`` start of each base in its buffer
+      (0 for bases not in it).
+  """
+
+  bases: dict
+  base_start: dict
+
+
+def _flat_layout(graph, read_bases) -> _FlatLayout:
+  by_dtype = {}
+  for b in read_bases:
+    by_dtype.setdefault(graph._bases[b].dtype, []).append(b)
+  base_start = {}
+  for dtype, bs in by_dtype.items():
+    sizes = [graph._bases[b].size for b in bs]
+    starts = dict(zip(bs, np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)))
+    base_start[dtype] = np.array([starts.get(b, 0) for b in range(len(graph._bases))], np.int64)
+  return _FlatLayout(by_dtype, base_start)
+
+
+def _field_positions(lowerer, group: _VertexGroup, layout: _FlatLayout) -> dict:
+  """Field -> ``(dtype, positions in its dtype's buffer, bases, local indices)``."""
+  positions = {}
+  for f in group.codelet.fields:
+    stacked = group.stacked[f]
+    bases, local = lowerer.split(stacked)
+    dtype = lowerer.graph._bases[int(bases[0])].dtype if bases.size else np.dtype("float32")
+    index = (layout.base_start[dtype][bases] + local).reshape(stacked.shape)
+    positions[f] = (dtype, index, bases, local)
+  return positions
+
+
+@dataclasses.dataclass(frozen=True)
+class _ComputeSetRun:
+  """What a compute set's step runs: every codelet ``vmap``-ed over its vertices.
+
+  Attributes:
+    codelets: ``(codelet, field positions)`` per vertex group
+      (:func:`_field_positions`).
+  """
+
+  graph: object
+  read_bases: tuple
+  read_mappings: tuple
+  written_bases: tuple
+  write_mappings: tuple
+  layout: _FlatLayout
+  codelets: tuple
+
+
+def _run_codelet(cdl, positions, buffers):
+  """The codelet on every vertex of its group: one value per written field."""
+  operands = [buffers[positions[f][0]][positions[f][1]] for f in cdl.read_fields]
+  results = jax.vmap(cdl.fn)(*operands)
+  if not isinstance(results, (tuple, list)):
+    results = (results,)
+  if len(results) != len(cdl.written_fields):
+    raise ValueError(f"codelet {cdl.name} returned {len(results)} values for fields "
+                     f"{cdl.written_fields}")
+  return results
+
+
+def _run_compute_set(run: _ComputeSetRun, *storages):
+  """The step's function: gather the fields, run the codelets, scatter the results."""
+  flats = {b: to_flat(s, m) for b, s, m in zip(run.read_bases, storages, run.read_mappings)}
+  buffers = {dtype: jnp.concatenate([flats[b] for b in bs]) if bs else jnp.zeros((0,), dtype)
+             for dtype, bs in run.layout.bases.items()}
+  new_flats = {b: flats[b] for b in run.written_bases}
+  for cdl, positions in run.codelets:
+    for f, value in zip(cdl.written_fields, _run_codelet(cdl, positions, buffers)):
+      _, _, bases, local = positions[f]
+      value = jnp.reshape(value, (-1,))
+      for b in np.unique(bases):
+        sel = np.nonzero(bases == b)[0]
+        tensor = run.graph._bases[int(b)]
+        new_flats[int(b)] = new_flats[int(b)].at[local[sel]].set(value[sel].astype(tensor.dtype))
+  return tuple(to_storage(new_flats[b], m) for b, m in zip(run.written_bases, run.write_mappings))
+
+
+def _compute_set_cycles(target, groups):
+  """``(compute cycles, vertices)`` per tile: estimates spread over the workers."""
+  vt = np.concatenate([g.tiles for g in groups]) if groups else np.zeros(0, np.int64)
+  vc = np.concatenate([g.cycles for g in groups]) if groups else np.zeros(0)
+  compute = vertex_cycles_per_tile(
+      target, vt, vc,
+      supervisor=np.concatenate([g.supervisor for g in groups]) if groups else None)
+  return compute, np.bincount(vt, minlength=target.num_tiles)[:target.num_tiles]
+
+
+def _compute_set_exchange(target, groups) -> Optional[ExchangeCost]:
+  """Every element to (from) the tiles of the vertices reading (writing) it."""
+  moves = [m for g in groups for m in g.moves]
+  if not moves:
+    return None
+  st, dt, ids, isz = (np.concatenate(x) for x in zip(*moves))
+  # Vertices on one tile share what it receives: an element moves to a
+  # tile once however many of its vertices read it.
+  _, once = np.unique(np.stack([ids, dt]), axis=1, return_index=True)
+  st, dt, ids, isz = st[once], dt[once], ids[once], isz[once]
+  exchange = ExchangeCost.zeros(target)
+  for size in np.unique(isz):
+    sel = isz == size
+    exchange = exchange + movement_cost(target, st[sel], dt[sel], int(size), element_id=ids[sel])
+  return exchange
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ As in TensorFlow-IPU, only what is worth streaming is offloaded: leaves below
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -62,6 +63,94 @@ def offloaded_input_leaves(with_paths, argnums: Sequence[int], dyn_positions: Se
   return picked
 
 
+@dataclasses.dataclass
+class _OffloadPlan:
+  """What is offloaded, built group by group.
+
+  Attributes:
+    tensors: tensor id -> ``[tensor, buffer, copy_in, copy_out]``, the
+      entries :func:`ipu_jax.lowering.remote.offload_tensors` takes.
+    new_inputs, new_outputs: flat input / output position -> its remote buffer.
+  """
+
+  tensors: dict = dataclasses.field(default_factory=dict)
+  new_inputs: dict = dataclasses.field(default_factory=dict)
+  new_outputs: dict = dataclasses.field(default_factory=dict)
+
+
+def _buffer_for(tensor, label):
+  return remote.RemoteBuffer(name=label, shape=(1,) + tuple(tensor.shape),
+                             dtype=tensor.dtype, source=tensor.source, scope=tensor.scope)
+
+
+def _check_outputs_returned(out_paths, out_groups, name) -> None:
+  returned = {_top_index(p) for p in out_paths}
+  missing = [pos for pos in out_groups if pos not in returned]
+  if missing:
+    raise LoweringError(
+        f"ipu_jax.jit('{name}'): offload_outputs={tuple(out_groups)} but the function "
+        f"returns no output {missing[0]} (it returns {len(returned)} top-level "
+        "element(s)).")
+
+
+def _leaves_by_group(in_leaves, out_paths, out_groups):
+  """``(inputs, outputs)``: per pairing group, its flat leaf positions in order."""
+  out_rank = {pos: k for k, pos in enumerate(out_groups)}
+  in_by_group, out_by_group = {}, {}
+  for i, group in in_leaves:
+    in_by_group.setdefault(group, []).append(i)
+  for j, path in enumerate(out_paths):
+    group = out_rank.get(_top_index(path))
+    if group is not None:
+      out_by_group.setdefault(group, []).append(j)
+  return in_by_group, out_by_group
+
+
+def _offload_arguments(plan: _OffloadPlan, inputs, outputs, ins, outs, paired: bool) -> None:
+  """Stream the group's argument leaves in; when paired, their new values out."""
+  for k, i in enumerate(ins):
+    tensor = inputs[i]
+    if tensor.nbytes < MIN_OFFLOAD_BYTES:
+      continue
+    entry = plan.tensors.setdefault(
+        tensor.id, [tensor, _buffer_for(tensor, tensor.name), False, False])
+    entry[2] = True
+    plan.new_inputs[i] = entry[1]
+    if not paired:
+      continue
+    j = outs[k]
+    out = outputs[j]
+    if out.id == tensor.id:
+      entry[3] = True
+    elif out.category in ("constants",) or out.id in {t.id for t in inputs}:
+      continue  # returned unchanged or a constant: nothing to write back
+    elif out.id in plan.tensors:
+      continue
+    else:
+      plan.tensors[out.id] = [out, entry[1], False, True]
+    plan.new_outputs[j] = entry[1]
+
+
+def _offload_unpaired_outputs(plan: _OffloadPlan, outputs, outs) -> None:
+  """Outputs with no matching argument: each gets a buffer of its own."""
+  for j in outs:
+    out = outputs[j]
+    if out.nbytes < MIN_OFFLOAD_BYTES or out.id in plan.tensors or out.category == "constants":
+      continue
+    plan.tensors[out.id] = [out, _buffer_for(out, f"output {j}"), False, True]
+    plan.new_outputs[j] = plan.tensors[out.id][1]
+
+
+def _check_not_on_tile(plan: _OffloadPlan, outputs, name) -> None:
+  on_tile_outputs = {t.id for j, t in enumerate(outputs) if j not in plan.new_outputs}
+  for tensor, _, copy_in, _ in plan.tensors.values():
+    if copy_in and tensor.id in on_tile_outputs:
+      raise LoweringError(
+          f"ipu_jax.jit('{name}'): argument leaf {tensor.name!r} is offloaded to "
+          "streaming memory but also returned as an on-tile output; offload that "
+          "output too (offload_outputs) or do not offload the argument.")
+
+
 def offload_program(program, inputs: list, outputs: list, in_leaves, out_paths,
                     out_groups: Sequence[int], name: str):
   """Rewrite the lowered program so the chosen leaves live in streaming memory.
@@ -86,73 +175,23 @@ def offload_program(program, inputs: list, outputs: list, in_leaves, out_paths,
   """
   outputs = list(outputs)
   inputs = list(inputs)
-  out_rank = {pos: k for k, pos in enumerate(out_groups)}
-  returned = {_top_index(p) for p in out_paths}
-  missing = [pos for pos in out_groups if pos not in returned]
-  if missing:
-    raise LoweringError(
-        f"ipu_jax.jit('{name}'): offload_outputs={tuple(out_groups)} but the function "
-        f"returns no output {missing[0]} (it returns {len(returned)} top-level "
-        "element(s)).")
-  # Leaves of the k-th offloaded argument, in order; likewise outputs.
-  in_by_group, out_by_group = {}, {}
-  for i, group in in_leaves:
-    in_by_group.setdefault(group, []).append(i)
-  for j, path in enumerate(out_paths):
-    group = out_rank.get(_top_index(path))
-    if group is not None:
-      out_by_group.setdefault(group, []).append(j)
-
-  plans = {}  # tensor id -> [tensor, buffer, copy_in, copy_out]
-  new_inputs, new_outputs = {}, {}
-
-  def buffer_for(tensor, label):
-    return remote.RemoteBuffer(name=label, shape=(1,) + tuple(tensor.shape),
-                               dtype=tensor.dtype, source=tensor.source, scope=tensor.scope)
-
+  _check_outputs_returned(out_paths, out_groups, name)
+  in_by_group, out_by_group = _leaves_by_group(in_leaves, out_paths, out_groups)
+  plan = _OffloadPlan()
   for group in sorted(set(in_by_group) | set(out_by_group)):
     ins, outs = in_by_group.get(group, []), out_by_group.get(group, [])
+    # An argument pairs leaf by leaf with an output of the same structure.
     paired = len(ins) == len(outs) and all(
         inputs[i].shape == outputs[j].shape and inputs[i].dtype == outputs[j].dtype
         for i, j in zip(ins, outs))
-    for k, i in enumerate(ins):
-      tensor = inputs[i]
-      if tensor.nbytes < MIN_OFFLOAD_BYTES:
-        continue
-      plan = plans.setdefault(tensor.id, [tensor, buffer_for(tensor, tensor.name), False, False])
-      plan[2] = True
-      new_inputs[i] = plan[1]
-      if paired:
-        j = outs[k]
-        out = outputs[j]
-        if out.id == tensor.id:
-          plan[3] = True
-        elif out.category in ("constants",) or out.id in {t.id for t in inputs}:
-          continue  # returned unchanged or a constant: nothing to write back
-        else:
-          if out.id in plans:
-            continue
-          plans[out.id] = [out, plan[1], False, True]
-        new_outputs[j] = plan[1]
+    _offload_arguments(plan, inputs, outputs, ins, outs, paired)
     if not paired:
-      for j in outs:
-        out = outputs[j]
-        if out.nbytes < MIN_OFFLOAD_BYTES or out.id in plans or out.category == "constants":
-          continue
-        plans[out.id] = [out, buffer_for(out, f"output {j}"), False, True]
-        new_outputs[j] = plans[out.id][1]
-
-  on_tile_outputs = {t.id for j, t in enumerate(outputs) if j not in new_outputs}
-  for tensor, _, copy_in, _ in plans.values():
-    if copy_in and tensor.id in on_tile_outputs:
-      raise LoweringError(
-          f"ipu_jax.jit('{name}'): argument leaf {tensor.name!r} is offloaded to "
-          "streaming memory but also returned as an on-tile output; offload that "
-          "output too (offload_outputs) or do not offload the argument.")
-  program = remote.offload_tensors(program, [tuple(p) for p in plans.values()])
-  for i, buffer in new_inputs.items():
+      _offload_unpaired_outputs(plan, outputs, outs)
+  _check_not_on_tile(plan, outputs, name)
+  program = remote.offload_tensors(program, [tuple(p) for p in plan.tensors.values()])
+  for i, buffer in plan.new_inputs.items():
     inputs[i] = buffer
-  for j, buffer in new_outputs.items():
+  for j, buffer in plan.new_outputs.items():
     outputs[j] = buffer
   return program, inputs, outputs
 

@@ -31,6 +31,8 @@ tiles, each on its own local batch. Both give the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -127,6 +129,71 @@ def _start_tile(ctx, operands, groups) -> int:
   return ctx.claim_tiles(groups)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Problems cut into consecutive groups of ``per_tile``, group ``g`` on ``group_tile[g]``."""
+
+  num_problems: int
+  per_tile: int
+  groups: int
+  start: int
+  group_tile: np.ndarray
+  num_tiles: int
+
+  def mapping(self, shape, axes) -> TileMapping:
+    """Where a tensor with these batch axes lives."""
+    return _problem_mapping(shape, axes, self.per_tile, self.group_tile, self.start,
+                            self.num_tiles)
+
+  def problems_on_tile(self) -> np.ndarray:
+    """``[num_tiles]`` problems each tile solves."""
+    on_tile = np.zeros(self.num_tiles, np.int64)
+    counts = np.full(self.groups, self.per_tile, np.int64)
+    counts[-1] = self.num_problems - self.per_tile * (self.groups - 1)
+    np.add.at(on_tile, self.group_tile, counts)
+    return on_tile
+
+
+def _place(ctx, operands, num_problems: int) -> _Placement:
+  num_tiles = ctx.target.num_tiles
+  per_tile = -(-num_problems // num_tiles)
+  groups = -(-num_problems // per_tile)
+  start = _start_tile(ctx, operands, groups)
+  group_tile = (start + np.arange(groups, dtype=np.int64)) % num_tiles
+  return _Placement(num_problems, per_tile, groups, start, group_tile, num_tiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProblemRun:
+  """What the step runs: the caller's ``fn`` on problem-major operands."""
+
+  fn: Callable
+  operands: tuple
+  batch_axes: tuple
+  outputs: tuple
+  out_batch_axes: tuple
+  with_problem_index: bool
+  per_tile_mode: bool   # executor mode "per_tile": vmap over the tiles' groups
+  placement: _Placement
+
+
+def _run_problems(run: _ProblemRun, *storages):
+  """The step's function: operands to problem-major, ``fn``, results back."""
+  place = run.placement
+  args = [_problem_major(logical(s, t), axes, place.num_problems)
+          for s, t, axes in zip(storages, run.operands, run.batch_axes)]
+  if run.with_problem_index:
+    args.insert(0, jnp.arange(place.num_problems, dtype=jnp.int32))
+  if run.per_tile_mode and place.groups > 1:
+    results = _per_tile(run.fn, args, place.per_tile, place.groups, place.num_problems)
+  else:
+    results = run.fn(*args)
+  if not isinstance(results, (tuple, list)):
+    results = (results,)
+  return tuple(storage(_from_problem_major(r, o.shape, axes), o)
+               for r, o, axes in zip(results, run.outputs, run.out_batch_axes))
+
+
 def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
                    *, batch_axes: Sequence[Sequence[int]],
                    out_batch_axes: Sequence[Sequence[int]],
@@ -153,58 +220,27 @@ def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
     codelet: vertex type name for the report.
     name: step name (default: the primitive).
   """
-  target = ctx.target
-  num_tiles = target.num_tiles
   out_avals = [(tuple(int(d) for d in s), np.dtype(d)) for s, d in out_avals]
-  batch_axes = [tuple(int(a) for a in axes) for axes in batch_axes]
-  out_batch_axes = [tuple(int(a) for a in axes) for axes in out_batch_axes]
+  batch_axes = tuple(tuple(int(a) for a in axes) for axes in batch_axes)
+  out_batch_axes = tuple(tuple(int(a) for a in axes) for axes in out_batch_axes)
   shape0, axes0 = out_avals[0][0], out_batch_axes[0]
   num_problems = int(np.prod([shape0[a] for a in axes0], dtype=np.int64))
   if num_problems == 0 or all(int(np.prod(s, dtype=np.int64)) == 0 for s, _ in out_avals):
     return [ctx.new_tensor(s, d) for s, d in out_avals]
-
-  per_tile = -(-num_problems // num_tiles)
-  groups = -(-num_problems // per_tile)
-  start = _start_tile(ctx, operands, groups)
-  group_tile = (start + np.arange(groups, dtype=np.int64)) % num_tiles
-
-  outputs = []
-  for (shape, dtype), axes in zip(out_avals, out_batch_axes):
-    if int(np.prod(shape, dtype=np.int64)) == 0:
-      outputs.append(ctx.new_tensor(shape, dtype))
-      continue
-    outputs.append(ctx.new_tensor(shape, dtype, _problem_mapping(
-        shape, axes, per_tile, group_tile, start, num_tiles)))
-
-  costs = [_move_cost(target, t, _problem_mapping(t.shape, axes, per_tile, group_tile,
-                                                  start, num_tiles))
+  place = _place(ctx, operands, num_problems)
+  outputs = [ctx.new_tensor(shape, dtype) if int(np.prod(shape, dtype=np.int64)) == 0
+             else ctx.new_tensor(shape, dtype, place.mapping(shape, axes))
+             for (shape, dtype), axes in zip(out_avals, out_batch_axes)]
+  costs = [_move_cost(ctx.target, t, place.mapping(t.shape, axes))
            for t, axes in zip(operands, batch_axes) if t.size]
-
-  problems_on_tile = np.zeros(num_tiles, np.int64)
-  counts = np.full(groups, per_tile, np.int64)
-  counts[-1] = num_problems - per_tile * (groups - 1)
-  np.add.at(problems_on_tile, group_tile, counts)
-  compute = linalg_kernels.problem_cycles(target, problems_on_tile, flops, steps)
-  mode = ctx.options.executor_mode
-
-  def run(*storages):
-    args = [_problem_major(logical(s, t), axes, num_problems)
-            for s, t, axes in zip(storages, operands, batch_axes)]
-    if with_problem_index:
-      args.insert(0, jnp.arange(num_problems, dtype=jnp.int32))
-    if mode == "per_tile" and groups > 1:
-      results = _per_tile(fn, args, per_tile, groups, num_problems)
-    else:
-      results = fn(*args)
-    if not isinstance(results, (tuple, list)):
-      results = (results,)
-    return tuple(storage(_from_problem_major(r, o.shape, axes), o)
-                 for r, o, axes in zip(results, outputs, out_batch_axes))
-
+  problems_on_tile = place.problems_on_tile()
+  run = _ProblemRun(fn, tuple(operands), batch_axes, tuple(outputs), out_batch_axes,
+                    with_problem_index, ctx.options.executor_mode == "per_tile", place)
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=tuple(operands), writes=tuple(outputs),
-      fn=run, compute_cycles=compute, exchange=add_costs(*costs),
-      vertices=worker_vertices(ctx, problems_on_tile),
+      fn=functools.partial(_run_problems, run),
+      compute_cycles=linalg_kernels.problem_cycles(ctx.target, problems_on_tile, flops, steps),
+      exchange=add_costs(*costs), vertices=worker_vertices(ctx, problems_on_tile),
       codelets=(codelet or ctx.op,), flops=int(round(flops * num_problems)),
       scratch_bytes=problems_on_tile * int(workspace_bytes)))
   return outputs

@@ -348,6 +348,125 @@ def _with_zero_counter(copy_fn, counter_shape, *storages):
   return tuple(copy_fn(*storages)) + (jnp.zeros(counter_shape, jnp.int32),)
 
 
+def _scan_row(counter_storage, length: int, reverse: bool):
+  """The stacked row iteration ``counter_storage`` works on."""
+  i = _scalar(counter_storage)
+  return (length - 1 - i) if reverse else i
+
+
+def _emit_scan_init(ctx, carries, inits, counter: P.Tensor) -> None:
+  """The carries' init copies and the counter's zeroing, as one step.
+
+  The counter is zeroed by a one-element fill vertex on its tile.
+  """
+  target = ctx.target
+  counter_tiles = counter.mapping.elements_per_tile(target.num_tiles)
+  fill = estimators.fill_cycles(target, counter_tiles, 4)
+  counter_shape = counter.storage_shape
+  init = copy_step(ctx, carries, inits, "scan/init")
+  if init is None:
+    ctx.emit(P.Superstep(
+        name="scan/init", op=ctx.op, reads=(), writes=(counter,),
+        fn=lambda: (jnp.zeros(counter_shape, jnp.int32),),
+        compute_cycles=fill, vertices=(counter_tiles > 0).astype(np.int64),
+        codelets=(vocab.vertex(vocab.FILL, "int"),)))
+    return
+  init.fn = functools.partial(_with_zero_counter, init.fn, counter_shape)
+  init.writes = init.writes + (counter,)
+  init.compute_cycles = fill
+  init.vertices = (counter_tiles > 0).astype(np.int64)
+  init.codelets = init.codelets + (vocab.vertex(vocab.FILL, "int"),)
+  ctx.emit(init)
+
+
+def _rows_costs(ctx, pairs, to_piece: bool, counter: P.Tensor, cycles):
+  """``(cycles, exchange costs)`` of moving the rows of ``(stacked, piece)`` pairs.
+
+  Each pair's compute cycles are added to ``cycles`` in turn.
+  """
+  costs = []
+  for stacked, piece in pairs:
+    cost, cy = _dynamic_rows_cost(ctx, stacked, piece, to_piece, counter)
+    costs.append(cost)
+    cycles = cycles + cy
+  return cycles, costs
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowRead:
+  """How the slice step reads one row of a stacked ``xs`` into its slice."""
+
+  mapping: TileMapping          # the stacked tensor's
+  positions: Optional[np.ndarray]   # see _row_positions
+  size: int                     # elements per row
+  slice_mapping: TileMapping
+
+
+def _slice_rows(length, reverse, reads, counter_storage, *stacked):
+  """The slice step's function: row ``i`` of every stacked tensor, in its slice's layout."""
+  row = _scan_row(counter_storage, length, reverse)
+  return tuple(to_storage(_read_row(st, r.mapping, r.positions, row, r.size), r.slice_mapping)
+               for st, r in zip(stacked, reads))
+
+
+def _emit_scan_slice(ctx, xs, slices, counter: P.Tensor, length: int, reverse: bool) -> None:
+  """Step 1 of an iteration: row ``i`` of every ``xs`` into its body slice."""
+  moves = [(x, s) for x, s in zip(xs, slices) if s.size]
+  if not moves:
+    return
+  cycles, costs = _rows_costs(ctx, moves, True, counter, np.zeros(ctx.target.num_tiles))
+  reads = tuple(_RowRead(x.mapping, _row_positions(x.mapping, length, s.size), s.size,
+                         s.mapping) for x, s in moves)
+  ctx.emit(P.Superstep(
+      name="scan/slice", op=ctx.op, reads=(counter,) + tuple(x for x, _ in moves),
+      writes=tuple(s for _, s in moves),
+      fn=functools.partial(_slice_rows, length, reverse, reads), compute_cycles=cycles,
+      exchange=add_costs(*costs), vertices=(cycles > 0).astype(np.int64),
+      codelets=(vocab.DYNAMIC_SLICE,)))
+
+
+def _update_rows(length, reverse, y_plans, copy_fn, counter_storage, *rest):
+  """The ys rows written at row ``i``, the carry copies, the counter incremented."""
+  n_y = len(y_plans)
+  stacked, values, copy_in = rest[:n_y], rest[n_y:2 * n_y], rest[2 * n_y:]
+  row = _scan_row(counter_storage, length, reverse)
+  new_stacked = tuple(_write_row(st, None, None, row, n, to_flat(v, m))
+                      for st, v, (m, n) in zip(stacked, values, y_plans))
+  return new_stacked + tuple(copy_fn(*copy_in)) + (counter_storage + 1,)
+
+
+def _no_copies():
+  return ()
+
+
+def _emit_scan_update(ctx, ys_stacked, ys, carries, new_carries, counter: P.Tensor,
+                      length: int, reverse: bool) -> None:
+  """Step 3 of an iteration: ys rows, carry copies and the counter increment.
+
+  The stacked ys are new (linear) tensors, so their rows are plain slices.
+  """
+  target = ctx.target
+  y_pairs = [(st, y) for st, y in zip(ys_stacked, ys) if y.size]
+  copies = copy_step(ctx, carries, new_carries)
+  counter_tiles = counter.mapping.elements_per_tile(target.num_tiles)
+  cycles, row_costs = _rows_costs(
+      ctx, y_pairs, False, counter, estimators.elementwise_cycles(target, counter_tiles, "add", 4))
+  costs = [copies.exchange if copies is not None else None] + row_costs
+  y_plans = tuple((y.mapping, y.size) for _, y in y_pairs)
+  copy_fn = copies.fn if copies is not None else _no_copies
+  copy_reads = copies.reads if copies is not None else ()
+  copy_writes = copies.writes if copies is not None else ()
+  ctx.emit(P.Superstep(
+      name="scan/update", op=ctx.op,
+      reads=(counter,) + tuple(st for st, _ in y_pairs) + tuple(y for _, y in y_pairs)
+      + tuple(copy_reads),
+      writes=tuple(st for st, _ in y_pairs) + tuple(copy_writes) + (counter,),
+      fn=functools.partial(_update_rows, length, reverse, y_plans, copy_fn),
+      compute_cycles=cycles, exchange=add_costs(*costs),
+      vertices=(cycles > 0).astype(np.int64),
+      codelets=(vocab.DYNAMIC_UPDATE_SLICE, vocab.vertex(vocab.ELEMENTWISE, "add"))))
+
+
 def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
                unroll=1, **params):
   del unroll, params  # unrolling does not change the tile program's numbers
@@ -355,16 +474,12 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
   consts = list(operands[:num_consts])
   inits = list(operands[num_consts:num_consts + num_carry])
   xs = list(operands[num_consts + num_carry:])
-  body_out_avals = jaxpr.out_avals
-  ys_avals = body_out_avals[num_carry:]
-  target = ctx.target
-
   # A variable no later operation reads is carried in its own memory (updated
   # in place, as the weights in a training loop are), not in a copy.
   carries = [x if ctx.updatable_in_place(x) else _carry_tensor(ctx, x, "scan/carry")
              for x in inits]
   ys_stacked = []
-  for aval in ys_avals:
+  for aval in jaxpr.out_avals[num_carry:]:
     shape, dtype = physical_aval(aval)
     ys_stacked.append(ctx.new_tensor((length,) + shape, dtype, name="scan/ys"))
   if length == 0:
@@ -372,92 +487,16 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
     return carries + ys_stacked
 
   counter = ctx.new_tensor((), np.int32, name="scan/counter")
-  init = copy_step(ctx, carries, inits, "scan/init")
-  # The counter is zeroed by a one-element fill vertex on its tile.
-  counter_tiles = counter.mapping.elements_per_tile(target.num_tiles)
-  fill = estimators.fill_cycles(target, counter_tiles, 4)
-  counter_shape = counter.storage_shape
-  if init is None:
-    ctx.emit(P.Superstep(
-        name="scan/init", op=ctx.op, reads=(), writes=(counter,),
-        fn=lambda: (jnp.zeros(counter_shape, jnp.int32),),
-        compute_cycles=fill, vertices=(counter_tiles > 0).astype(np.int64),
-        codelets=(vocab.vertex(vocab.FILL, "int"),)))
-  else:
-    # Bind the copy now: a later ``copy_fn`` in this function must not leak in.
-    init.fn = functools.partial(_with_zero_counter, init.fn, counter_shape)
-    init.writes = init.writes + (counter,)
-    init.compute_cycles = fill
-    init.vertices = (counter_tiles > 0).astype(np.int64)
-    init.codelets = init.codelets + (vocab.vertex(vocab.FILL, "int"),)
-    ctx.emit(init)
-
-  def row_of(counter_storage):
-    i = _scalar(counter_storage)
-    return (length - 1 - i) if reverse else i
-
+  _emit_scan_init(ctx, carries, inits, counter)
   with ctx.sub_program() as (body, local_ids):
-    # 1. This iteration's rows of xs.
     slices = [ctx.new_tensor(x.shape[1:], x.dtype, _slice_mapping(x, carries), name="scan/x")
               for x in xs]
-    moves = [(x, s) for x, s in zip(xs, slices) if s.size]
-    if moves:
-      costs, cycles = [], np.zeros(target.num_tiles)
-      for x, s in moves:
-        c, cy = _dynamic_rows_cost(ctx, x, s, True, counter)
-        costs.append(c)
-        cycles = cycles + cy
-      plans = [(x.mapping, _row_positions(x.mapping, length, s.size), s.size, s.mapping)
-               for x, s in moves]
-
-      def slice_fn(counter_storage, *stacked):
-        row = row_of(counter_storage)
-        return tuple(to_storage(_read_row(st, m, pos, row, n), sm)
-                     for st, (m, pos, n, sm) in zip(stacked, plans))
-
-      ctx.emit(P.Superstep(
-          name="scan/slice", op=ctx.op, reads=(counter,) + tuple(x for x, _ in moves),
-          writes=tuple(s for _, s in moves), fn=slice_fn, compute_cycles=cycles,
-          exchange=add_costs(*costs), vertices=(cycles > 0).astype(np.int64),
-          codelets=(vocab.DYNAMIC_SLICE,)))
-
-    # 2. The body.
+    _emit_scan_slice(ctx, xs, slices, counter, length, reverse)
     _note_keys(jaxpr, consts + inits + xs)
     _note_keys(jaxpr, consts + carries + slices)
     outs = lower_closed_jaxpr(ctx.module, jaxpr, consts + carries + slices)
-    new_carries, ys = outs[:num_carry], outs[num_carry:]
-
-    # 3. ys rows, carry copies and the counter increment in one step.
-    y_pairs = [(st, y) for st, y in zip(ys_stacked, ys) if y.size]
-    copies = copy_step(ctx, carries, new_carries)
-    costs = [copies.exchange if copies is not None else None]
-    cycles = estimators.elementwise_cycles(target, counter_tiles, "add", 4)
-    for st, y in y_pairs:
-      c, cy = _dynamic_rows_cost(ctx, st, y, False, counter)
-      costs.append(c)
-      cycles = cycles + cy
-    y_plans = [(y.mapping, y.size) for _, y in y_pairs]
-    n_y = len(y_pairs)
-    copy_fn = copies.fn if copies is not None else (lambda: ())
-    copy_reads = copies.reads if copies is not None else ()
-    copy_writes = copies.writes if copies is not None else ()
-
-    def update_fn(counter_storage, *rest):
-      stacked, values, copy_in = rest[:n_y], rest[n_y:2 * n_y], rest[2 * n_y:]
-      row = row_of(counter_storage)
-      new_stacked = tuple(
-          _write_row(st, None, None, row, n, to_flat(v, m))
-          for st, v, (m, n) in zip(stacked, values, y_plans))
-      return new_stacked + tuple(copy_fn(*copy_in)) + (counter_storage + 1,)
-
-    ctx.emit(P.Superstep(
-        name="scan/update", op=ctx.op,
-        reads=(counter,) + tuple(st for st, _ in y_pairs) + tuple(y for _, y in y_pairs)
-        + tuple(copy_reads),
-        writes=tuple(st for st, _ in y_pairs) + tuple(copy_writes) + (counter,),
-        fn=update_fn, compute_cycles=cycles, exchange=add_costs(*costs),
-        vertices=(cycles > 0).astype(np.int64), codelets=(vocab.DYNAMIC_UPDATE_SLICE, vocab.vertex(vocab.ELEMENTWISE, "add"))))
-
+    _emit_scan_update(ctx, ys_stacked, outs[num_carry:], carries, outs[:num_carry], counter,
+                      length, reverse)
   ctx.emit(make_repeat(length, body, local_ids))
   return carries + ys_stacked
 

@@ -23,6 +23,7 @@ cycles and memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -242,110 +243,197 @@ def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
   return _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan, mode)
 
 
-def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode):
-  """The steps of a scan plan: scan pieces (+ totals), fold earlier totals."""
-  target = ctx.target
-  num_tiles = target.num_tiles
-  dtype = x.dtype
-  mapping, groups, slots = plan.mapping, plan.groups, plan.slots
-  rows, row_size = mapping.storage_shape
+@dataclasses.dataclass(frozen=True)
+class _ScanRun:
+  """What the executor needs to run a scan plan's steps (per-tile mode).
+
+  The plan's storage ``[rows, row_size]`` is viewed as pieces
+  ``[rows, width, depth]`` (each piece one tile's run of one line, padded
+  with the operation's identity).
+
+  Attributes:
+    prim, combine, axis, reverse, mode: the primitive, its combining
+      function, its parameters and the executor mode.
+    x: the operand (read in its own mapping, relaid into ``mapping``).
+    mapping: where the plan scans.
+    slots: the plan's slots (dense view of storage).
+    valid: ``[rows, width, depth]`` which dense slots hold an element.
+    dense32, inverse32: storage -> dense and dense -> storage gathers.
+    identity: the operation's identity in the operand's dtype.
+    pieces_shape: ``(rows, width, depth)``.
+  """
+
+  prim: object
+  combine: object
+  axis: int
+  reverse: bool
+  mode: str
+  x: P.Tensor
+  mapping: TileMapping
+  slots: Slots
+  valid: np.ndarray
+  dense32: np.ndarray
+  inverse32: np.ndarray
+  identity: object
+  pieces_shape: tuple
+
+  @property
+  def dtype(self):
+    return self.x.dtype
+
+
+def _scan_run(prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode) -> _ScanRun:
+  slots = plan.slots
+  rows, row_size = plan.mapping.storage_shape
   total = rows * row_size
-  width, depth = groups.width, groups.depth
-  identity = identity_of(kind, dtype)
-  dense32 = slots.dense.astype(np.int32)
   valid = slots.dense < total
   inverse = np.full(total, valid.size, np.int64)
   inverse[slots.dense[valid]] = np.flatnonzero(valid.reshape(-1))
-  inverse32 = inverse.astype(np.int32)
-  fold = plan.max_pieces > 1
-  out = ctx.new_tensor(x.shape, dtype, mapping)
-  elements = mapping.elements_per_tile(num_tiles)
-  flops = x.size if np.issubdtype(dtype, np.inexact) else 0
+  return _ScanRun(prim, combine, axis, reverse, mode, x, plan.mapping, slots, valid,
+                  slots.dense.astype(np.int32), inverse.astype(np.int32),
+                  identity_of(kind, x.dtype), (rows, plan.groups.width, plan.groups.depth))
 
-  def to_dense(st):
-    if slots.reshape_only:
-      d = st.reshape(rows, width, depth)
-      return d if slots.valid.all() else jnp.where(valid, d, jnp.asarray(identity, dtype))
-    return gather_or_fill(st.reshape(-1), dense32, identity)
 
-  def to_rows(d):
-    if slots.reshape_only:
-      return d.reshape(rows, row_size)
-    return gather_or_fill(d.reshape(-1), inverse32, 0).reshape(rows, row_size)
+def _to_dense(run: _ScanRun, st):
+  """Storage -> ``[rows, width, depth]`` pieces (gaps hold the identity)."""
+  if run.slots.reshape_only:
+    d = st.reshape(run.pieces_shape)
+    return (d if run.slots.valid.all()
+            else jnp.where(run.valid, d, jnp.asarray(run.identity, run.dtype)))
+  return gather_or_fill(st.reshape(-1), run.dense32, run.identity)
 
-  def scan_pieces(st):
-    return jax.vmap(lambda r: prim.bind(r, axis=1, reverse=reverse))(to_dense(st))
 
-  if not fold:
-    def fn(xs):
-      if mode == "per_tile":
-        return (to_rows(scan_pieces(relayout(xs, x.mapping, mapping))),)
-      return (storage(prim.bind(logical(xs, x), axis=axis, reverse=reverse), out),)
+def _to_rows(run: _ScanRun, d):
+  """``[rows, width, depth]`` pieces -> storage."""
+  shape = run.mapping.storage_shape
+  if run.slots.reshape_only:
+    return d.reshape(shape)
+  return gather_or_fill(d.reshape(-1), run.inverse32, 0).reshape(shape)
 
-    ctx.emit(P.Superstep(
-        name=ctx.op, op=ctx.op, reads=(x,), writes=(out,), fn=fn,
-        compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
-        vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.SCAN, kind),), flops=flops))
-    return [out]
 
-  local = ctx.new_tensor(x.shape, dtype, mapping, name=f"{ctx.op}/local")
-  totals_map = rows_mapping(groups.num, mapping.tiles, groups.row, groups.local,
-                             groups.per_row)
-  totals = ctx.new_tensor((groups.num,), dtype, totals_map, name=f"{ctx.op}/totals")
-  # Where each piece's total sits in its scanned run.
-  total_at = np.zeros(rows * width, np.int64)
-  total_at[plan.piece_slot] = plan.count - 1 if not reverse else 0
-  total_at = total_at.reshape(rows, width, 1)
+def _scan_pieces(run: _ScanRun, xs):
+  """Every piece scanned on its tile (the operand relaid into the plan first)."""
+  dense = _to_dense(run, relayout(xs, run.x.mapping, run.mapping))
+  return jax.vmap(lambda r: run.prim.bind(r, axis=1, reverse=run.reverse))(dense)
 
-  def stage1(xs):
-    if mode == "per_tile":
-      scanned = scan_pieces(relayout(xs, x.mapping, mapping))
-      tot = jnp.take_along_axis(scanned, jnp.asarray(total_at), axis=2)[..., 0]
-      return to_rows(scanned), tot
-    full = prim.bind(logical(xs, x), axis=axis, reverse=reverse)
-    return storage(full, local), jnp.full(totals.storage_shape, identity, dtype)
 
-  ctx.emit(P.Superstep(
-      name=f"{ctx.op}/pieces", op=ctx.op, reads=(x,), writes=(local, totals), fn=stage1,
-      compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
-      vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.SCAN, kind),), flops=flops))
+def _scan_logical(run: _ScanRun, xs):
+  return run.prim.bind(logical(xs, run.x), axis=run.axis, reverse=run.reverse)
 
-  # Totals of each line's pieces in a [lines, max_pieces] table (k order).
+
+def _scan_whole(run: _ScanRun, out: P.Tensor, xs):
+  """The step of a plan whose lines are each on one tile."""
+  if run.mode == "per_tile":
+    return (_to_rows(run, _scan_pieces(run, xs)),)
+  return (storage(_scan_logical(run, xs), out),)
+
+
+def _scan_with_totals(run: _ScanRun, local: P.Tensor, totals: P.Tensor, total_at, xs):
+  """Step 1 of a folded plan: scanned pieces and each piece's total."""
+  if run.mode == "per_tile":
+    scanned = _scan_pieces(run, xs)
+    tot = jnp.take_along_axis(scanned, jnp.asarray(total_at), axis=2)[..., 0]
+    return _to_rows(run, scanned), tot
+  return (storage(_scan_logical(run, xs), local),
+          jnp.full(totals.storage_shape, run.identity, run.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FoldTables:
+  """Where step 2 finds the totals each piece folds in.
+
+  Attributes:
+    lines: lines of the tensor.
+    table: ``[lines, max_pieces]`` slot of each line's pieces' totals (k order).
+    offset_at: ``[rows, width]`` entry of each piece in ``table``.
+    first: ``[rows, width, 1]`` whether a piece comes first in scan order.
+  """
+
+  lines: int
+  table: np.ndarray
+  offset_at: np.ndarray
+  first: np.ndarray
+
+
+def _fold_tables(plan: _ScanPlan) -> _FoldTables:
+  groups, m = plan.groups, plan.max_pieces
+  rows, width = plan.mapping.storage_shape[0], groups.width
   lines = int(groups.key.max()) + 1
-  table = np.full(lines * plan.max_pieces, rows * width, np.int64)
-  table[groups.key * plan.max_pieces + plan.q] = plan.piece_slot
-  table = table.reshape(lines, plan.max_pieces).astype(np.int32)
-  offset_at = np.full(rows * width, lines * plan.max_pieces, np.int64)
-  offset_at[plan.piece_slot] = groups.key * plan.max_pieces + plan.q
-  offset_at = offset_at.reshape(rows, width).astype(np.int32)
+  table = np.full(lines * m, rows * width, np.int64)
+  table[groups.key * m + plan.q] = plan.piece_slot
+  offset_at = np.full(rows * width, lines * m, np.int64)
+  offset_at[plan.piece_slot] = groups.key * m + plan.q
   first = np.ones(rows * width, bool)
   first[plan.piece_slot] = plan.before == 0
-  first = first.reshape(rows, width, 1)
+  return _FoldTables(lines, table.reshape(lines, m).astype(np.int32),
+                     offset_at.reshape(rows, width).astype(np.int32),
+                     first.reshape(rows, width, 1))
 
-  def stage2(local_st, totals_st):
-    if mode != "per_tile":
-      return (local_st,)
-    tab = gather_or_fill(totals_st.reshape(-1), table, identity)
-    inclusive = prim.bind(tab, axis=1, reverse=reverse)
-    fill = jnp.full((lines, 1), identity, dtype)
-    if reverse:
-      exclusive = jnp.concatenate([inclusive[:, 1:], fill], axis=1)
-    else:
-      exclusive = jnp.concatenate([fill, inclusive[:, :-1]], axis=1)
-    offsets = gather_or_fill(exclusive.reshape(-1), offset_at, identity)
-    d = to_dense(local_st)
-    folded = jax.vmap(lambda o, r, f: jnp.where(f, r, combine(o[:, None], r)))(
-        offsets, d, jnp.asarray(first))
-    return (to_rows(folded),)
 
-  fold_elements = np.bincount(mapping.tiles[groups.row],
+def _fold_totals(run: _ScanRun, tables: _FoldTables, local_st, totals_st):
+  """Step 2: every piece folds in the combined totals of the pieces before it."""
+  if run.mode != "per_tile":
+    return (local_st,)
+  tab = gather_or_fill(totals_st.reshape(-1), tables.table, run.identity)
+  inclusive = run.prim.bind(tab, axis=1, reverse=run.reverse)
+  fill = jnp.full((tables.lines, 1), run.identity, run.dtype)
+  if run.reverse:
+    exclusive = jnp.concatenate([inclusive[:, 1:], fill], axis=1)
+  else:
+    exclusive = jnp.concatenate([fill, inclusive[:, :-1]], axis=1)
+  offsets = gather_or_fill(exclusive.reshape(-1), tables.offset_at, run.identity)
+  folded = jax.vmap(lambda o, r, f: jnp.where(f, r, run.combine(o[:, None], r)))(
+      offsets, _to_dense(run, local_st), jnp.asarray(tables.first))
+  return (_to_rows(run, folded),)
+
+
+def _emit_fold(ctx, run: _ScanRun, plan: _ScanPlan, kind, local, totals, out) -> None:
+  """The fold step (compute set 2) of a plan whose lines span tiles."""
+  groups = plan.groups
+  fold_elements = np.bincount(plan.mapping.tiles[groups.row],
                               weights=np.where(plan.before > 0, plan.count, 0),
-                              minlength=num_tiles).astype(np.int64)
+                              minlength=ctx.target.num_tiles).astype(np.int64)
   ctx.emit(P.Superstep(
-      name=f"{ctx.op}/fold", op=ctx.op, reads=(local, totals), writes=(out,), fn=stage2,
+      name=f"{ctx.op}/fold", op=ctx.op, reads=(local, totals), writes=(out,),
+      fn=functools.partial(_fold_totals, run, _fold_tables(plan)),
       compute_cycles=plan.fold_cycles, exchange=plan.fold_cost,
-      vertices=worker_vertices(ctx, fold_elements), codelets=(vocab.vertex(vocab.SCAN_FOLD, kind),),
-      flops=int(fold_elements.sum()) if np.issubdtype(dtype, np.inexact) else 0))
+      vertices=worker_vertices(ctx, fold_elements),
+      codelets=(vocab.vertex(vocab.SCAN_FOLD, kind),),
+      flops=int(fold_elements.sum()) if np.issubdtype(run.dtype, np.inexact) else 0))
+
+
+def _scan_step(ctx, run: _ScanRun, plan: _ScanPlan, kind, name, writes, fn) -> P.Superstep:
+  """The step of compute set 1: every piece scanned on its tile."""
+  x = run.x
+  return P.Superstep(
+      name=name, op=ctx.op, reads=(x,), writes=writes, fn=fn,
+      compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
+      vertices=worker_vertices(ctx, plan.mapping.elements_per_tile(ctx.target.num_tiles)),
+      codelets=(vocab.vertex(vocab.SCAN, kind),),
+      flops=x.size if np.issubdtype(x.dtype, np.inexact) else 0)
+
+
+def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode):
+  """The steps of a scan plan: scan pieces (+ totals), fold earlier totals."""
+  run = _scan_run(prim, kind, combine, x, axis, reverse, plan, mode)
+  mapping, groups = plan.mapping, plan.groups
+  out = ctx.new_tensor(x.shape, x.dtype, mapping)
+  if plan.max_pieces <= 1:
+    ctx.emit(_scan_step(ctx, run, plan, kind, ctx.op, (out,),
+                        functools.partial(_scan_whole, run, out)))
+    return [out]
+  local = ctx.new_tensor(x.shape, x.dtype, mapping, name=f"{ctx.op}/local")
+  totals_map = rows_mapping(groups.num, mapping.tiles, groups.row, groups.local,
+                            groups.per_row)
+  totals = ctx.new_tensor((groups.num,), x.dtype, totals_map, name=f"{ctx.op}/totals")
+  # Where each piece's total sits in its scanned run.
+  rows = mapping.storage_shape[0]
+  total_at = np.zeros(rows * groups.width, np.int64)
+  total_at[plan.piece_slot] = plan.count - 1 if not reverse else 0
+  total_at = total_at.reshape(rows, groups.width, 1)
+  ctx.emit(_scan_step(ctx, run, plan, kind, f"{ctx.op}/pieces", (local, totals),
+                      functools.partial(_scan_with_totals, run, local, totals, total_at)))
+  _emit_fold(ctx, run, plan, kind, local, totals, out)
   return [out]
 
 

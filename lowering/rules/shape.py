@@ -49,6 +49,7 @@ from here. Splitting the rules out would scatter one concept.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -159,6 +160,124 @@ def _uniform_value(tensor: P.Tensor):
   return value[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _MoveIO:
+  """The tensors of one movement step.
+
+  Attributes:
+    operands: as the rule passed them (one tensor may appear twice).
+    unique: the step's reads, each tensor once (``concatenate(x, x)`` reads
+      one source in memory).
+    position: tensor id -> its index in ``unique``.
+    results: the step's writes.
+    logical_fn: the movement on logical arrays (see :func:`move`).
+  """
+
+  operands: tuple
+  unique: tuple
+  position: dict
+  results: tuple
+  logical_fn: Callable
+
+  @property
+  def num_sources(self) -> int:
+    return int(sum(t.size for t in self.unique))
+
+
+def _normalise_outputs(outputs) -> list:
+  return [(tuple(int(d) for d in s), np.dtype(d),
+           i if isinstance(i, BoxMap) else np.asarray(i).reshape(-1))
+          for s, d, i in outputs]
+
+
+def _identity_alias(operands, outputs):
+  """The alias a lone identity movement returns, else None."""
+  if not (len(operands) == 1 and len(outputs) == 1 and outputs[0][1] == operands[0].dtype):
+    return None
+  shape, _, spec = outputs[0]
+  size = int(np.prod(shape, dtype=np.int64))
+  if size == operands[0].size and (spec.is_identity(size) if isinstance(spec, BoxMap)
+                                   else _is_identity(spec)):
+    return alias(operands[0], shape)
+  return None
+
+
+def _move_io(ctx, operands, outputs, logical_fn) -> _MoveIO:
+  """The step's reads and its new result tensors, with the maps checked."""
+  unique, position = [], {}
+  for t in operands:
+    position.setdefault(t.id, len(unique))
+    if position[t.id] == len(unique):
+      unique.append(t)
+  results = []
+  for shape, dtype, spec in outputs:
+    out = ctx.new_tensor(shape, dtype, _output_mapping(ctx, operands, shape, dtype))
+    results.append(out)
+    if isinstance(spec, BoxMap):
+      spec.check(out.size, int(sum(t.size for t in operands)), ctx.op)
+    elif spec.size != out.size:
+      raise ValueError(f"{ctx.op}: {spec.size} source indices for {shape}")
+  return _MoveIO(tuple(operands), tuple(unique), position, tuple(results), logical_fn)
+
+
+def _plan_move(target, io: _MoveIO, specs, one_to_one: bool):
+  """``(copy plan, per-element gathers or None, specs)`` of the movement.
+
+  By regions when every map is a box map over distinct operands; else by
+  elements, the maps expanded to source indices (into ``io.unique``).
+  """
+  itemsize = io.results[0].itemsize
+  if len(io.unique) == len(io.operands) and all(isinstance(s, BoxMap) for s in specs):
+    plan = copy_plan.plan_copies(target, [t.mapping for t in io.unique],
+                                 [(out.mapping, s) for out, s in zip(io.results, specs)],
+                                 itemsize)
+    if plan is not None:
+      return plan, None, specs
+  index_type = copy_plan.index_dtype(io.num_sources + 1)
+  specs = [s.index(out.size, -1, index_type) if isinstance(s, BoxMap) else s
+           for out, s in zip(io.results, specs)]
+  if len(io.unique) != len(io.operands):
+    # Point every source at the unique operand's elements.
+    starts = np.cumsum([0] + [t.size for t in io.unique])
+    remap = np.concatenate([np.arange(t.size) + starts[io.position[t.id]] for t in io.operands])
+    specs = [np.where(i >= 0, remap[np.maximum(i, 0)], -1) for i in specs]
+    one_to_one = False
+  plan, gathers = copy_plan.plan_elements(
+      target, [t.mapping for t in io.unique],
+      [(out.mapping, s) for out, s in zip(io.results, specs)], itemsize, one_to_one)
+  return plan, gathers, specs
+
+
+def _per_tile_move(io: _MoveIO, gathers, fill_value, *storages):
+  """The static exchange: every output element gathered from its source."""
+  dtype = io.results[0].dtype
+  flat = jnp.concatenate(
+      [to_flat(s, t.mapping).astype(dtype) for s, t in zip(storages, io.unique)]
+      + [jnp.full((1,), fill_value, dtype)])
+  index = [_gather_index(g, out.size, io.num_sources) for g, out in zip(gathers, io.results)]
+  return tuple(jnp.zeros(out.storage_shape, out.dtype) if out.size == 0
+               else to_storage(flat[g], out.mapping)
+               for out, g in zip(io.results, index))
+
+
+def _as_tuple(value) -> tuple:
+  return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _batched_move(io: _MoveIO, *storages):
+  """``logical_fn`` on the operands' logical arrays, back into storage."""
+  logical_in = {t.id: logical(s, t) for s, t in zip(storages, io.unique)}
+  value = _as_tuple(io.logical_fn(*[logical_in[t.id].reshape(t.shape) for t in io.operands]))
+  return tuple(storage(v, out) for v, out in zip(value, io.results))
+
+
+def _logical_move(io: _MoveIO, *arrays):
+  """The step's logical form (arrays of the reads, one per unique operand)."""
+  value = _as_tuple(io.logical_fn(*[arrays[io.position[t.id]].reshape(t.shape)
+                                    for t in io.operands]))
+  return tuple(jnp.reshape(v, out.shape) for v, out in zip(value, io.results))
+
+
 def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Callable,
          fill=None, name: str = "", one_to_one: bool = False) -> list:
   """Lower a static data movement into one superstep; returns the outputs.
@@ -183,99 +302,34 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   an :func:`alias` (no step).
   """
   target = ctx.target
-  outputs = [(tuple(int(d) for d in s), np.dtype(d),
-              i if isinstance(i, BoxMap) else np.asarray(i).reshape(-1))
-             for s, d, i in outputs]
-  if len(operands) == 1 and len(outputs) == 1 and outputs[0][1] == operands[0].dtype:
-    shape, _, spec = outputs[0]
-    size = int(np.prod(shape, dtype=np.int64))
-    if size == operands[0].size and (spec.is_identity(size) if isinstance(spec, BoxMap)
-                                     else _is_identity(spec)):
-      return [alias(operands[0], shape)]
-
-  # The same tensor read twice (concatenate(x, x)) is one source in memory.
-  unique, position = [], {}
-  for t in operands:
-    position.setdefault(t.id, len(unique))
-    if position[t.id] == len(unique):
-      unique.append(t)
-  num_sources = int(sum(t.size for t in unique))
-  results = []
-  for shape, dtype, spec in outputs:
-    out = ctx.new_tensor(shape, dtype, _output_mapping(ctx, operands, shape, dtype))
-    results.append(out)
-    if isinstance(spec, BoxMap):
-      spec.check(out.size, int(sum(t.size for t in operands)), ctx.op)
-    elif spec.size != out.size:
-      raise ValueError(f"{ctx.op}: {spec.size} source indices for {shape}")
-  if all(out.size == 0 for out in results):
-    return results  # all outputs empty: nothing to run
-
-  itemsize = results[0].itemsize
-  specs = [spec for _, _, spec in outputs]
-  plan = None
-  if len(unique) == len(operands) and all(isinstance(s, BoxMap) for s in specs):
-    plan = copy_plan.plan_copies(target, [t.mapping for t in unique],
-                                   [(out.mapping, s) for out, s in zip(results, specs)],
-                                   itemsize)
-  gathers = None
-  if plan is None:
-    index_type = copy_plan.index_dtype(num_sources + 1)
-    specs = [s.index(out.size, -1, index_type) if isinstance(s, BoxMap) else s
-             for out, s in zip(results, specs)]
-    if len(unique) != len(operands):
-      # Point every source at the unique operand's elements.
-      starts = np.cumsum([0] + [t.size for t in unique])
-      remap = np.concatenate([np.arange(t.size) + starts[position[t.id]] for t in operands])
-      specs = [np.where(i >= 0, remap[np.maximum(i, 0)], -1) for i in specs]
-      one_to_one = False
-    plan, gathers = copy_plan.plan_elements(
-        target, [t.mapping for t in unique],
-        [(out.mapping, s) for out, s in zip(results, specs)], itemsize, one_to_one)
+  outputs = _normalise_outputs(outputs)
+  same = _identity_alias(operands, outputs)
+  if same is not None:
+    return [same]
+  io = _move_io(ctx, operands, outputs, logical_fn)
+  if all(out.size == 0 for out in io.results):
+    return list(io.results)  # all outputs empty: nothing to run
+  plan, gathers, specs = _plan_move(target, io, [spec for _, _, spec in outputs], one_to_one)
+  itemsize = io.results[0].itemsize
   copies, fills = plan.copies, plan.fills
   compute = (estimators.copy_cycles(target, copies, itemsize)
              + estimators.fill_cycles(target, fills, itemsize))
   codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
-  fill_value = np.asarray(0 if fill is None else fill).astype(results[0].dtype)
-  mode = ctx.options.executor_mode
-  if mode != "per_tile":
+  fill_value = np.asarray(0 if fill is None else fill).astype(io.results[0].dtype)
+  if ctx.options.executor_mode == "per_tile":
+    # Region plans keep only their boxes; the gather is built when traced.
+    fn = functools.partial(_per_tile_move, io, specs if gathers is None else gathers,
+                           fill_value)
+  else:
     # Batched steps run ``logical_fn``: holding per-element gather indices in
     # the step would only cost host memory (8 bytes per element per step).
-    gathers = None
-  elif gathers is None:
-    # Region plans keep only their boxes; the gather is built when traced.
-    gathers = specs
-
-  def fn(*storages):
-    if mode == "per_tile":
-      # The static exchange: gather every output element from its source.
-      flat = jnp.concatenate(
-          [to_flat(s, t.mapping).astype(results[0].dtype) for s, t in zip(storages, unique)]
-          + [jnp.full((1,), fill_value, results[0].dtype)])
-      index = [_gather_index(g, out.size, num_sources) for g, out in zip(gathers, results)]
-      return tuple(jnp.zeros(out.storage_shape, out.dtype) if out.size == 0
-                   else to_storage(flat[g], out.mapping)
-                   for out, g in zip(results, index))
-    logical_in = {t.id: logical(s, t) for s, t in zip(storages, unique)}
-    value = logical_fn(*[logical_in[t.id].reshape(t.shape) for t in operands])
-    if not isinstance(value, (tuple, list)):
-      value = (value,)
-    return tuple(storage(v, out) for v, out in zip(value, results))
-
-  def on_logical(*arrays):
-    value = logical_fn(*[arrays[position[t.id]].reshape(t.shape) for t in operands])
-    if not isinstance(value, (tuple, list)):
-      value = (value,)
-    return tuple(jnp.reshape(v, out.shape) for v, out in zip(value, results))
-
-  if mode != "per_tile":
-    logical_form.attach(fn, on_logical)
-
+    fn = logical_form.attach(functools.partial(_batched_move, io),
+                             functools.partial(_logical_move, io))
   ctx.emit(P.Superstep(
-      name=name or ctx.op, op=ctx.op, reads=tuple(unique), writes=tuple(results), fn=fn,
+      name=name or ctx.op, op=ctx.op, reads=io.unique, writes=io.results, fn=fn,
       compute_cycles=compute if compute.any() else None, exchange=plan.exchange,
       vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
-  return results
+  return list(io.results)
 
 
 def _gather_index(spec, size: int, num_sources: int) -> np.ndarray:
