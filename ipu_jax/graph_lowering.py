@@ -188,6 +188,9 @@ class GraphLowerer:
     """One superstep for a compute set: exchange operands in, run vertices."""
     groups = [_vertex_group(self, cdl, fields, vertices)
               for (cdl, fields), vertices in _group_vertices(cs).items()]
+    # Costed first, so the moves' arrays are freed before the step's own are made.
+    exchange = _compute_set_exchange(self.target, groups)
+    groups = [dataclasses.replace(g, moves=()) for g in groups]
     written = set().union(*(g.written_bases for g in groups))
     read_bases = sorted(set().union(*(g.read_bases for g in groups)) | written)
     written_bases = sorted(written)
@@ -205,7 +208,7 @@ class GraphLowerer:
         reads=tuple(self.base_ir(b) for b in read_bases),
         writes=tuple(self.base_ir(b) for b in written_bases),
         fn=functools.partial(_run_compute_set, run), compute_cycles=compute,
-        exchange=_compute_set_exchange(self.target, groups), vertices=vertices,
+        exchange=exchange, vertices=vertices,
         codelets=tuple(sorted({g.codelet.name for g in groups})),
         flops=sum(g.flops for g in groups))
 
@@ -224,9 +227,8 @@ class _VertexGroup:
       whether it is a supervisor vertex.
     flops: of all the group's vertices.
     read_bases, written_bases: base tensor numbers the fields read / write.
-    moves: ``(source tiles, destination tiles, element ids, itemsizes)`` of
-      every element a vertex reads (to its tile) or writes (from its tile),
-      written elements with ids offset by ``2 ** 40``.
+    moves: per field, a :class:`_Moves` of every element a vertex reads (to
+      its tile) or writes (from its tile).
   """
 
   codelet: object
@@ -250,25 +252,52 @@ def _group_vertices(cs) -> dict:
   return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class _Moves:
+  """The elements one field of a vertex group moves to or from its vertices' tiles.
+
+  Attributes:
+    src, dst: ``[M]`` int32 tiles each element leaves and reaches.
+    ids: ``[M]`` global element ids (int64).
+    itemsize: bytes per element.
+    key: ``(written, bases)``: whether the field is written, and the base
+      tensors its elements belong to; fields whose keys share a base can move
+      the same element and are costed together.
+  """
+
+  src: np.ndarray
+  dst: np.ndarray
+  ids: np.ndarray
+  itemsize: int
+  key: tuple
+
+
 def _field_moves(lowerer, cdl, fields, stacked, tiles):
   """``(read bases, written bases, moves)`` of a group's fields (see _VertexGroup)."""
   read, written, moves = set(), set(), []
   itemsizes = {f: dtype.itemsize for f, _, dtype in fields}
   for f in cdl.fields:
-    bases, _ = lowerer.split(stacked[f])
+    # The bases the field touches: counted, not sorted (fields can be long).
+    present = np.bincount(lowerer.graph._base_of(stacked[f].reshape(-1)),
+                          minlength=len(lowerer.graph._bases))
+    field_bases = frozenset(np.flatnonzero(present).tolist())
     if f in cdl.written_fields:
-      written.update(np.unique(bases).tolist())
+      written.update(field_bases)
     if f in cdl.read_fields:
-      read.update(np.unique(bases).tolist())
-    # Every element a vertex touches must reach its tile.
-    el_tiles = lowerer.graph._element_tiles(stacked[f]).reshape(len(tiles), -1)
-    vt = np.repeat(tiles, el_tiles.shape[1])
-    flat_ids = stacked[f].reshape(-1)
-    sizes = np.full(vt.size, itemsizes[f])
+      read.update(field_bases)
+    # Every element a vertex touches must reach its tile (int32 tiles: these
+    # arrays are as long as the field over all vertices).
+    el_tiles = lowerer.graph._element_tiles(stacked[f]).astype(np.int32).reshape(-1)
+    vt = np.repeat(tiles.astype(np.int32), el_tiles.size // max(len(tiles), 1))
+    ids = stacked[f].reshape(-1)
     if f in cdl.read_fields:
-      moves.append((el_tiles.reshape(-1), vt, flat_ids, sizes))
+      # A read element already on its vertex's tile moves nothing, and every
+      # other read of it by that tile is on the tile too: drop them here.
+      away = np.flatnonzero(el_tiles != vt)
+      moves.append(_Moves(el_tiles[away], vt[away], ids[away], itemsizes[f],
+                          (False, field_bases)))
     if f in cdl.written_fields:
-      moves.append((vt, el_tiles.reshape(-1), flat_ids + (1 << 40), sizes))
+      moves.append(_Moves(vt, el_tiles, ids, itemsizes[f], (True, field_bases)))
   return frozenset(read), frozenset(written), tuple(moves)
 
 
@@ -311,15 +340,40 @@ def _flat_layout(graph, read_bases) -> _FlatLayout:
   return _FlatLayout(by_dtype, base_start)
 
 
+@dataclasses.dataclass(frozen=True)
+class _FieldPositions:
+  """Where one field of a vertex group lives, as its step reads or writes it.
+
+  Attributes:
+    dtype: the field's dtype (its buffer in :class:`_FlatLayout`).
+    index: read fields: ``[vertices, *field shape]`` positions in that buffer
+      (int32 when they fit), else None.
+    scatter: written fields: ``((base, positions in the flattened field
+      values, indices in the base), ...)`` per base written, else ``()``.
+  """
+
+  dtype: np.dtype
+  index: Optional[np.ndarray]
+  scatter: tuple
+
+
 def _field_positions(lowerer, group: _VertexGroup, layout: _FlatLayout) -> dict:
-  """Field -> ``(dtype, positions in its dtype's buffer, bases, local indices)``."""
+  """Field -> its :class:`_FieldPositions` (only what the step will use is kept)."""
   positions = {}
-  for f in group.codelet.fields:
+  cdl = group.codelet
+  for f in cdl.fields:
     stacked = group.stacked[f]
     bases, local = lowerer.split(stacked)
     dtype = lowerer.graph._bases[int(bases[0])].dtype if bases.size else np.dtype("float32")
-    index = (layout.base_start[dtype][bases] + local).reshape(stacked.shape)
-    positions[f] = (dtype, index, bases, local)
+    index = scatter = None
+    if f in cdl.read_fields:
+      index = (layout.base_start[dtype][bases] + local).reshape(stacked.shape)
+      if index.size and index.max() < np.iinfo(np.int32).max:
+        index = index.astype(np.int32)
+    if f in cdl.written_fields:
+      scatter = tuple((int(b), sel, local[sel])
+                      for b in np.unique(bases) for sel in [np.nonzero(bases == b)[0]])
+    positions[f] = _FieldPositions(dtype, index, scatter or ())
   return positions
 
 
@@ -343,7 +397,7 @@ class _ComputeSetRun:
 
 def _run_codelet(cdl, positions, buffers):
   """The codelet on every vertex of its group: one value per written field."""
-  operands = [buffers[positions[f][0]][positions[f][1]] for f in cdl.read_fields]
+  operands = [buffers[positions[f].dtype][positions[f].index] for f in cdl.read_fields]
   results = jax.vmap(cdl.fn)(*operands)
   if not isinstance(results, (tuple, list)):
     results = (results,)
@@ -361,12 +415,10 @@ def _run_compute_set(run: _ComputeSetRun, *storages):
   new_flats = {b: flats[b] for b in run.written_bases}
   for cdl, positions in run.codelets:
     for f, value in zip(cdl.written_fields, _run_codelet(cdl, positions, buffers)):
-      _, _, bases, local = positions[f]
       value = jnp.reshape(value, (-1,))
-      for b in np.unique(bases):
-        sel = np.nonzero(bases == b)[0]
-        tensor = run.graph._bases[int(b)]
-        new_flats[int(b)] = new_flats[int(b)].at[local[sel]].set(value[sel].astype(tensor.dtype))
+      for b, sel, local in positions[f].scatter:
+        tensor = run.graph._bases[b]
+        new_flats[b] = new_flats[b].at[local].set(value[sel].astype(tensor.dtype))
   return tuple(to_storage(new_flats[b], m) for b, m in zip(run.written_bases, run.write_mappings))
 
 
@@ -381,20 +433,45 @@ def _compute_set_cycles(target, groups):
 
 
 def _compute_set_exchange(target, groups) -> Optional[ExchangeCost]:
-  """Every element to (from) the tiles of the vertices reading (writing) it."""
+  """Every element to (from) the tiles of the vertices reading (writing) it.
+
+  Vertices on one tile share what it receives: an element moves to a tile
+  once however many of its vertices read it. Fields that touch no common base
+  move disjoint elements, whose costs add up, so each set of fields sharing
+  bases is costed on its own (what keeps the arrays of a large compute set
+  from being held all at once).
+  """
   moves = [m for g in groups for m in g.moves]
-  if not moves:
-    return None
-  st, dt, ids, isz = (np.concatenate(x) for x in zip(*moves))
-  # Vertices on one tile share what it receives: an element moves to a
-  # tile once however many of its vertices read it.
-  _, once = np.unique(np.stack([ids, dt]), axis=1, return_index=True)
-  st, dt, ids, isz = st[once], dt[once], ids[once], isz[once]
+  if not any(m.ids.size for m in moves):
+    return None if not moves else ExchangeCost.zeros(target)
   exchange = ExchangeCost.zeros(target)
-  for size in np.unique(isz):
-    sel = isz == size
-    exchange = exchange + movement_cost(target, st[sel], dt[sel], int(size), element_id=ids[sel])
+  for part in _sharing_bases(moves):
+    for size in sorted({m.itemsize for m in part}):
+      exchange = exchange + _moves_cost(target, [m for m in part if m.itemsize == size], size)
   return exchange
+
+
+def _sharing_bases(moves) -> list:
+  """``moves`` in groups whose elements may coincide (the same direction and a
+  common base, transitively), each in the order of ``moves``; the groups'
+  element sets are disjoint."""
+  groups = []
+  for i, m in enumerate(moves):
+    joined = [g for g in groups
+              if any(moves[j].key[0] == m.key[0] and moves[j].key[1] & m.key[1] for j in g)]
+    groups = [g for g in groups if not any(g is j for j in joined)]
+    groups.append(sorted([i] + [j for g in joined for j in g]))
+  return [[moves[j] for j in g] for g in groups]
+
+
+def _moves_cost(target, moves, itemsize: int) -> ExchangeCost:
+  """The exchange of ``moves`` (one itemsize), each (element, tile) pair once."""
+  src = np.concatenate([m.src for m in moves])
+  dst = np.concatenate([m.dst for m in moves])
+  ids = np.concatenate([m.ids for m in moves])
+  # One (element, destination) pair once, first occurrence kept, in (id, tile) order.
+  _, once = np.unique(ids * np.int64(target.num_tiles) + dst, return_index=True)
+  return movement_cost(target, src[once], dst[once], itemsize, element_id=ids[once])
 
 
 @dataclasses.dataclass
