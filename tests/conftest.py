@@ -29,3 +29,90 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid.split("tests/")[-1] in _LONG_RUNS:
       item.add_marker(pytest.mark.slow)
+
+
+# Host memory of the suite. A new user's first run may be on a small machine,
+# so each test process's peak resident set is measured (the kernel's own
+# high-water mark, ru_maxrss) and held to a budget. Every process records the
+# tests during which its high-water mark rose; under pytest-xdist the workers
+# hand their records to the controller (workeroutput), which prints them and
+# fails the run when a process went over the budget.
+_RSS_BUDGET_ENV = "IPU_JAX_TEST_RSS_BUDGET_GB"
+_RSS_BUDGET_GB = 4.0
+_RSS_SHOWN = 8
+
+
+def _peak_rss_bytes():
+  import resource
+  import sys
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return peak if sys.platform == "darwin" else peak * 1024  # Linux: KiB
+
+
+class _RssRecorder:
+  """Peak RSS of this process and the tests that raised it."""
+
+  def __init__(self):
+    self.rises = []          # (nodeid, peak after the test, rise during it)
+    self.peak = _peak_rss_bytes()
+
+  def after(self, nodeid):
+    peak = _peak_rss_bytes()
+    if peak > self.peak:
+      self.rises.append((nodeid, peak, peak - self.peak))
+      self.peak = peak
+
+  def record(self):
+    largest = sorted(self.rises, key=lambda r: -r[2])[:_RSS_SHOWN]
+    return {"peak": self.peak, "largest_rises": largest}
+
+
+_RECORDER = _RssRecorder()
+_PROCESS_RECORDS = {}
+
+
+def _rss_budget_bytes():
+  import os
+  return float(os.environ.get(_RSS_BUDGET_ENV, _RSS_BUDGET_GB)) * 1e9
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  del location
+  _RECORDER.after(nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del exitstatus
+  workeroutput = getattr(session.config, "workeroutput", None)
+  if workeroutput is not None:     # an xdist worker: hand the record over
+    import json
+    workeroutput["ipu_jax_rss"] = json.dumps(_RECORDER.record())
+  elif not _PROCESS_RECORDS:       # no workers: this process ran the tests
+    _PROCESS_RECORDS["main"] = _RECORDER.record()
+  if any(r["peak"] > _rss_budget_bytes() for r in _PROCESS_RECORDS.values()):
+    session.exitstatus = 1
+
+
+def pytest_testnodedown(node, error):
+  del error
+  import json
+  record = getattr(node, "workeroutput", {}).get("ipu_jax_rss")
+  if record is not None:
+    _PROCESS_RECORDS[node.gateway.id] = json.loads(record)
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _PROCESS_RECORDS:
+    return
+  budget = _rss_budget_bytes()
+  write = terminalreporter.write_line
+  terminalreporter.section("peak RSS per test process")
+  for name, record in sorted(_PROCESS_RECORDS.items()):
+    verdict = "over the budget" if record["peak"] > budget else "within"
+    write(f"{name}: {record['peak'] / 1e9:.2f} GB ({verdict} {budget / 1e9:.1f} GB, "
+          f"{_RSS_BUDGET_ENV})")
+    for nodeid, peak, rise in record["largest_rises"]:
+      write(f"    +{rise / 1e9:.2f} GB to {peak / 1e9:.2f} GB  {nodeid}")
+  if any(r["peak"] > budget for r in _PROCESS_RECORDS.values()):
+    write(f"A test process went over {budget / 1e9:.1f} GB of peak RSS: the run fails "
+          "(the tests above raised it most).", red=True, bold=True)
