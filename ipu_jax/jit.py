@@ -14,6 +14,7 @@ function. Programs are cached by argument shapes, dtypes and static values.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, Optional, Sequence
@@ -603,6 +604,101 @@ class IPUFunction:
       lowered.set_seed(seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ArgumentOptions:
+  """:func:`jit`'s argument options, checked and as tuples.
+
+  ``positional_names`` is set once they are checked against ``fn``'s
+  signature (when it is known and takes no ``*args``).
+  """
+
+  static_argnums: tuple
+  static_argnames: tuple
+  donate_argnums: tuple
+  donate_argnames: tuple
+  offload_argnums: tuple
+  offload_outputs: tuple
+  positional_names: Optional[tuple] = None
+
+
+def _argument_options(static_argnums, static_argnames, donate_argnums, donate_argnames,
+                      offload_argnums, offload_outputs) -> _ArgumentOptions:
+  """The options as tuples (TypeError for a wrong type, ValueError for a
+  negative ``offload_outputs``)."""
+  static_argnums = _tuple_of(static_argnums, int, "static_argnums")
+  donate_argnums = _tuple_of(donate_argnums, int, "donate_argnums")
+  static_argnames = _tuple_of(static_argnames, str, "static_argnames")
+  donate_argnames = _tuple_of(donate_argnames, str, "donate_argnames")
+  offload_argnums = _tuple_of(offload_argnums, int, "offload_argnums")
+  offload_outputs = _tuple_of(offload_outputs, int, "offload_outputs")
+  bad = [i for i in offload_outputs if i < 0]
+  if bad:
+    raise ValueError(f"ipu_jax.jit: offload_outputs={offload_outputs} must be >= 0 "
+                     "(elements of the returned tuple).")
+  return _ArgumentOptions(static_argnums, static_argnames, donate_argnums, donate_argnames,
+                          offload_argnums, offload_outputs)
+
+
+def _check_config(config) -> None:
+  if config is not None and not isinstance(config, config_lib.IPUConfig):
+    raise TypeError(f"ipu_jax.jit config must be an ipu_jax.IPUConfig, got "
+                    f"{type(config).__name__}: {config!r}")
+
+
+def _check_positions(fn, names, options: _ArgumentOptions) -> None:
+  """ValueError for an argument index ``fn`` (taking ``names``, no ``*args``) lacks."""
+  for what, nums in (("static_argnums", options.static_argnums),
+                     ("donate_argnums", options.donate_argnums),
+                     ("offload_argnums", options.offload_argnums)):
+    bad = [i for i in nums if not -len(names) <= i < len(names)]
+    if bad:
+      raise ValueError(
+          f"ipu_jax.jit: {what}={nums} but '{getattr(fn, '__name__', fn)}' takes "
+          f"{len(names)} positional arguments ({', '.join(names) or 'none'}).")
+
+
+def _check_names(fn, known, options: _ArgumentOptions) -> None:
+  """ValueError for an argument name not among ``known`` (``fn`` takes no ``**kwargs``)."""
+  for what, given in (("static_argnames", options.static_argnames),
+                      ("donate_argnames", options.donate_argnames)):
+    bad = [n for n in given if n not in known]
+    if bad:
+      raise ValueError(
+          f"ipu_jax.jit: {what} {bad} are not parameters of "
+          f"'{getattr(fn, '__name__', fn)}' (its parameters: {sorted(known)}).")
+
+
+def _against_signature(fn, options: _ArgumentOptions) -> _ArgumentOptions:
+  """``options`` checked against ``fn``'s signature (when it has one).
+
+  Static by position means static by name too, and the other way round.
+  """
+  params = _positional_parameters(fn)
+  if params is None:
+    return options
+  names, varargs, varkw, keyword_only = params
+  if not varargs:
+    _check_positions(fn, names, options)
+    static_argnames = tuple(dict.fromkeys(
+        options.static_argnames + tuple(names[i] for i in options.static_argnums)))
+    static_argnums = tuple(sorted(set(
+        tuple(i % len(names) for i in options.static_argnums)
+        + tuple(names.index(n) for n in static_argnames if n in names))))
+    options = dataclasses.replace(options, positional_names=tuple(names),
+                                  static_argnums=static_argnums,
+                                  static_argnames=static_argnames)
+  if not varkw:
+    _check_names(fn, set(names) | set(keyword_only), options)
+  return options
+
+
+def _check_overlap(options: _ArgumentOptions) -> None:
+  overlap = sorted(set(options.offload_argnums) & set(options.static_argnums))
+  if overlap:
+    raise ValueError(f"ipu_jax.jit: arguments {overlap} are both static and offloaded; "
+                     "a static argument is a compile-time constant with no memory.")
+
+
 def jit(fn: Callable = None, *, target=None, config=None,
         static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
         donate_argnums: int | Sequence[int] = (), donate_argnames: str | Sequence[str] = (),
@@ -651,60 +747,23 @@ def jit(fn: Callable = None, *, target=None, config=None,
   >>> f(jnp.arange(3.0), 2)
   Array([0., 2., 4.], dtype=float32)
   """
-  static_argnums = _tuple_of(static_argnums, int, "static_argnums")
-  donate_argnums = _tuple_of(donate_argnums, int, "donate_argnums")
-  static_argnames = _tuple_of(static_argnames, str, "static_argnames")
-  donate_argnames = _tuple_of(donate_argnames, str, "donate_argnames")
-  offload_argnums = _tuple_of(offload_argnums, int, "offload_argnums")
-  offload_outputs = _tuple_of(offload_outputs, int, "offload_outputs")
-  bad = [i for i in offload_outputs if i < 0]
-  if bad:
-    raise ValueError(f"ipu_jax.jit: offload_outputs={offload_outputs} must be >= 0 "
-                     "(elements of the returned tuple).")
+  options = _argument_options(static_argnums, static_argnames, donate_argnums,
+                              donate_argnames, offload_argnums, offload_outputs)
   target = _resolve_target(target)
-  if config is not None and not isinstance(config, config_lib.IPUConfig):
-    raise TypeError(f"ipu_jax.jit config must be an ipu_jax.IPUConfig, got "
-                    f"{type(config).__name__}: {config!r}")
+  _check_config(config)
   if fn is None:
     return functools.partial(jit, target=target, config=config,
-                             static_argnums=static_argnums, static_argnames=static_argnames,
-                             donate_argnums=donate_argnums, donate_argnames=donate_argnames,
-                             verbose=verbose, offload_argnums=offload_argnums,
-                             offload_outputs=offload_outputs)
+                             static_argnums=options.static_argnums,
+                             static_argnames=options.static_argnames,
+                             donate_argnums=options.donate_argnums,
+                             donate_argnames=options.donate_argnames,
+                             verbose=verbose, offload_argnums=options.offload_argnums,
+                             offload_outputs=options.offload_outputs)
   if not callable(fn):
     raise TypeError(f"ipu_jax.jit expects a callable, got {type(fn).__name__}: {fn!r}")
-  params = _positional_parameters(fn)
-  positional_names = None
-  if params is not None:
-    names, varargs, varkw, keyword_only = params
-    if not varargs:
-      positional_names = tuple(names)
-      for what, nums in (("static_argnums", static_argnums), ("donate_argnums", donate_argnums),
-                         ("offload_argnums", offload_argnums)):
-        bad = [i for i in nums if not -len(names) <= i < len(names)]
-        if bad:
-          raise ValueError(
-              f"ipu_jax.jit: {what}={nums} but '{getattr(fn, '__name__', fn)}' takes "
-              f"{len(names)} positional arguments ({', '.join(names) or 'none'}).")
-      # Static by position means static by name too, and the other way round.
-      static_argnames = tuple(dict.fromkeys(
-          static_argnames + tuple(names[i] for i in static_argnums)))
-      static_argnums = tuple(sorted(set(
-          tuple(i % len(names) for i in static_argnums)
-          + tuple(names.index(n) for n in static_argnames if n in names))))
-    if not varkw:
-      known = set(names) | set(keyword_only)
-      for what, given in (("static_argnames", static_argnames),
-                          ("donate_argnames", donate_argnames)):
-        bad = [n for n in given if n not in known]
-        if bad:
-          raise ValueError(
-              f"ipu_jax.jit: {what} {bad} are not parameters of "
-              f"'{getattr(fn, '__name__', fn)}' (its parameters: {sorted(known)}).")
-  overlap = sorted(set(offload_argnums) & set(static_argnums))
-  if overlap:
-    raise ValueError(f"ipu_jax.jit: arguments {overlap} are both static and offloaded; "
-                     "a static argument is a compile-time constant with no memory.")
-  return IPUFunction(fn, target, config, static_argnums, static_argnames,
-                     donate_argnums, donate_argnames, positional_names, verbose,
-                     offload_argnums, offload_outputs)
+  options = _against_signature(fn, options)
+  _check_overlap(options)
+  return IPUFunction(fn, target, config, options.static_argnums, options.static_argnames,
+                     options.donate_argnums, options.donate_argnames,
+                     options.positional_names, verbose, options.offload_argnums,
+                     options.offload_outputs)

@@ -15,6 +15,7 @@ thus holds one step's temporaries, not every step's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -24,8 +25,9 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import exchange_cycles
 from ipu_jax.lowering.remote import is_remote, streaming_profile
-from ipu_jax.lowering.profile import (MemoryProfile, ProgramProfile,
-                                      StepProfile, TensorProfile)
+from ipu_jax.lowering.profile import (ALWAYS_LIVE_CATEGORIES, MEMORY_CATEGORIES,
+                                      MemoryProfile, ProgramProfile, StepProfile,
+                                      TensorProfile)
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["profile_program", "check_memory"]
@@ -111,36 +113,68 @@ def _leaf_tensors(node):
   return []
 
 
-def profile_program(program, target: IPUTarget, *, persistent=(),
-                    live_to_end=(), name: str = "program",
-                    host_round_trips: int = 1) -> ProgramProfile:
-  """Cycles and per-tile memory of ``program``.
+# -- profile_program: a planned pass ------------------------------------------
+#
+# Lifetimes (first/last step of each tensor) -> placement (static bytes by
+# category, and the sparse liveness changes of temporaries) -> vertex state and
+# code -> one pass over the steps for each tile's peak -> the profile.
 
-  Args:
-    program: the control program.
-    target: the IPU target.
-    persistent: tensors allocated for the whole program even if the program
-      never touches them (graph variables and constants).
-    live_to_end: temporaries that must survive to the end (outputs).
-    name: the program's name in reports.
-    host_round_trips: host calls per execution of the program.
+
+@dataclasses.dataclass(frozen=True)
+class _Lifetimes:
+  """Every tensor the program holds, and the steps it is live over.
+
+  Attributes:
+    tensors: tensor id -> tensor, in first-seen order (tile memory only:
+      remote buffers are split off into ``remote_buffers``).
+    first: tensor id -> first step it is live at.
+    last: tensor id -> last step it is live at.
+    remote_buffers: remote buffers, which streaming memory accounts for.
   """
-  t = target.num_tiles
-  leaves = list(P.iter_steps(program))
-  steps = [_step_profile(target, node, ex) for node, ex, _ in leaves]
-  n_steps = len(steps)
 
-  # First and last step touching each tensor; a loop stretches both to
-  # cover the whole loop, since the value must survive every iteration --
-  # unless the tensor is local to that loop (made and consumed in one
-  # iteration).
-  tensors, first, last = {}, {}, {}
+  tensors: dict
+  first: dict
+  last: dict
+  remote_buffers: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where the tensors' bytes go.
+
+  Attributes:
+    static: ``[num_tiles]`` bytes of variables and of constants (always live).
+    allocs: step -> ``[(tiles, bytes)]`` liveness changes of temporaries:
+      allocated at a tensor's first step, freed after its last. Sparse, so
+      memory is O(tensors + tiles), not O(steps x tiles).
+    profiles: one :class:`TensorProfile` per tensor.
+  """
+
+  static: dict
+  allocs: dict
+  profiles: list
+
+
+def _loop_spans(leaves) -> dict:
+  """``id(loop) -> (first step, last step)`` of every loop the leaves are in."""
   loop_span = {}
-  for i, (node, _, loops) in enumerate(leaves):
+  for i, (_, _, loops) in enumerate(leaves):
     for loop in loops:
       lo, hi = loop_span.get(id(loop), (i, i))
       loop_span[id(loop)] = (min(lo, i), max(hi, i))
-  control = {tensor.id for tensor in P.control_tensors(program)}
+  return loop_span
+
+
+def _lifetimes(program, leaves, persistent, live_to_end) -> _Lifetimes:
+  """First and last step touching each tensor.
+
+  A loop stretches both to cover the whole loop, since the value must survive
+  every iteration -- unless the tensor is local to that loop (made and
+  consumed in one iteration).
+  """
+  n_steps = len(leaves)
+  loop_span = _loop_spans(leaves)
+  tensors, first, last = {}, {}, {}
   for i, (node, _, loops) in enumerate(leaves):
     for tensor in _leaf_tensors(node):
       lo, hi = i, i
@@ -161,26 +195,22 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
     tensors.setdefault(tensor.id, tensor)
     first.setdefault(tensor.id, max(n_steps - 1, 0))
     last[tensor.id] = max(n_steps - 1, 0)
-  del control
   # Remote buffers hold no tile memory: streaming memory accounts for them.
   remote_buffers = [tt for tt in tensors.values() if is_remote(tt)]
   for buffer in remote_buffers:
     del tensors[buffer.id]
-  streaming = streaming_profile(target, remote_buffers, leaves, steps)
+  return _Lifetimes(tensors, first, last, remote_buffers)
 
-  by_category = {c: np.zeros(t, np.float64) for c in
-                 ("variables", "constants", "vertex_state", "code",
-                  "temporaries", "exchange_buffers")}
-  # Liveness changes by step (bytes allocated at a tensor's first step, freed
-  # after its last); kept sparse so memory is O(tensors + tiles), not
-  # O(steps x tiles).
-  allocs = {}
-  profiles = []
+
+def _place_tensors(lifetimes: _Lifetimes, n_steps: int, num_tiles: int) -> _Placement:
+  """Static bytes by category, temporaries' liveness changes, tensor profiles."""
+  static = {c: np.zeros(num_tiles, np.float64) for c in ("variables", "constants")}
+  allocs, profiles = {}, []
   # Tensors of one layout share their bytes-per-tile array (thousands of
   # tensors, a handful of layouts at BERT size).
   shared_bytes = {}
-  for tensor in tensors.values():
-    tiles, nbytes = _tensor_bytes(tensor, t)
+  for tensor in lifetimes.tensors.values():
+    tiles, nbytes = _tensor_bytes(tensor, num_tiles)
     if tensor.mapping is not None:
       key = (id(tensor.mapping.counts), tensor.itemsize)
       if key not in shared_bytes:
@@ -192,69 +222,111 @@ def profile_program(program, target: IPUTarget, *, persistent=(),
     if category in ("variables", "constants") or n_steps == 0:
       # A mapping's rows are on distinct tiles: indexed adds are exact (and
       # far faster than ``np.add.at``).
-      by_category[category if category != "temporaries" else "variables"][tiles] += nbytes
+      static[category if category != "temporaries" else "variables"][tiles] += nbytes
       lo, hi = 0, max(n_steps - 1, 0)
     else:
-      lo, hi = first.get(tensor.id, 0), last.get(tensor.id, 0)
+      lo, hi = lifetimes.first.get(tensor.id, 0), lifetimes.last.get(tensor.id, 0)
       allocs.setdefault(lo, []).append((tiles, nbytes))
       allocs.setdefault(hi + 1, []).append((tiles, -nbytes))
     profiles.append(TensorProfile(
         name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name,
         category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
         source=tensor.source, live_from=lo, live_to=hi, scope=tensor.scope))
+  return _Placement(static, allocs, profiles)
 
-  # Vertex state per vertex, and code once per vertex type per tile: keyed by
-  # the type's identity, so a type reached from several steps is charged once.
+
+def _vertex_state_and_code(target: IPUTarget, leaves) -> tuple:
+  """``[num_tiles]`` bytes of vertex state and of code.
+
+  Vertex state per vertex, and code once per vertex type per tile: keyed by
+  the type's identity, so a type reached from several steps is charged once.
+  """
+  t = target.num_tiles
+  vertex_state = np.zeros(t, np.float64)
+  code = np.zeros(t, np.float64)
   code_tiles = {}
   for node, _, _ in leaves:
     if isinstance(node, P.Superstep) and node.compute_cycles is not None:
       vertices = node.vertices if node.vertices is not None else (node.compute_cycles > 0)
-      by_category["vertex_state"] += np.asarray(vertices, np.float64) * target.vertex_state_bytes
+      vertex_state += np.asarray(vertices, np.float64) * target.vertex_state_bytes
       for codelet in (node.codelets or (node.op,)):
         mask = code_tiles.setdefault(vocab.identity(codelet), np.zeros(t, bool))
         mask |= np.asarray(vertices) > 0
   for mask in code_tiles.values():
-    by_category["code"] += mask * target.code_bytes_per_codelet
+    code += mask * target.code_bytes_per_codelet
+  return vertex_state, code
 
-  always = sum(by_category[c] for c in ("variables", "constants", "vertex_state", "code"))
+
+def _peak_live(leaves, steps, allocs, num_tiles: int) -> tuple:
+  """``(temporaries, exchange buffers, live sums)`` at each tile's peak.
+
+  One pass over the steps: the running temporaries, and per tile the step
+  where live bytes peak (the first, as ``argmax`` would pick); ``live sums``
+  are the live bytes (all tiles) of each step.
+  """
+  running = np.zeros(num_tiles, np.float64)
+  best = np.full(num_tiles, -np.inf)
+  peak_temp = np.zeros(num_tiles, np.float64)
+  peak_exchange = np.zeros(num_tiles, np.float64)
+  live_sums = np.zeros(len(leaves), np.float64)
+  for i, (node, _, _) in enumerate(leaves):
+    changes = allocs.get(i)
+    if changes:
+      delta = np.zeros(num_tiles, np.float64)
+      for tiles, nbytes in changes:
+        delta[tiles] += nbytes
+      running = running + delta
+    temporaries = running
+    if isinstance(node, P.Superstep) and node.scratch_bytes is not None:
+      temporaries = running + node.scratch_bytes
+    exchange = steps[i].exchange_bytes_in.astype(np.float64)
+    live = temporaries + exchange
+    live_sums[i] = live.sum()
+    higher = live > best
+    if higher.any():
+      best = np.where(higher, live, best)
+      peak_temp = np.where(higher, temporaries, peak_temp)
+      peak_exchange = np.where(higher, exchange, peak_exchange)
+  return peak_temp, peak_exchange, live_sums
+
+
+def profile_program(program, target: IPUTarget, *, persistent=(),
+                    live_to_end=(), name: str = "program",
+                    host_round_trips: int = 1) -> ProgramProfile:
+  """Cycles and per-tile memory of ``program``.
+
+  Args:
+    program: the control program.
+    target: the IPU target.
+    persistent: tensors allocated for the whole program even if the program
+      never touches them (graph variables and constants).
+    live_to_end: temporaries that must survive to the end (outputs).
+    name: the program's name in reports.
+    host_round_trips: host calls per execution of the program.
+  """
+  t = target.num_tiles
+  leaves = list(P.iter_steps(program))
+  steps = [_step_profile(target, node, ex) for node, ex, _ in leaves]
+  n_steps = len(steps)
+  lifetimes = _lifetimes(program, leaves, persistent, live_to_end)
+  streaming = streaming_profile(target, lifetimes.remote_buffers, leaves, steps)
+  placement = _place_tensors(lifetimes, n_steps, t)
+  vertex_state, code = _vertex_state_and_code(target, leaves)
+  by_category = dict(placement.static, vertex_state=vertex_state, code=code)
+  always = sum(by_category[c] for c in ALWAYS_LIVE_CATEGORIES)
   if n_steps:
-    # One pass over the steps: the running temporaries, and per tile the
-    # step where live bytes peak (the first, as ``argmax`` would pick).
-    running = np.zeros(t, np.float64)
-    best = np.full(t, -np.inf)
-    peak_temp = np.zeros(t, np.float64)
-    peak_exchange = np.zeros(t, np.float64)
-    live_sums = np.zeros(n_steps, np.float64)
-    always_sum = always.sum()
-    for i, (node, _, _) in enumerate(leaves):
-      changes = allocs.get(i)
-      if changes:
-        delta = np.zeros(t, np.float64)
-        for tiles, nbytes in changes:
-          delta[tiles] += nbytes
-        running = running + delta
-      temporaries = running
-      if isinstance(node, P.Superstep) and node.scratch_bytes is not None:
-        temporaries = running + node.scratch_bytes
-      exchange = steps[i].exchange_bytes_in.astype(np.float64)
-      live = temporaries + exchange
-      live_sums[i] = live.sum()
-      higher = live > best
-      if higher.any():
-        best = np.where(higher, live, best)
-        peak_temp = np.where(higher, temporaries, peak_temp)
-        peak_exchange = np.where(higher, exchange, peak_exchange)
-    by_category["temporaries"] = peak_temp
-    by_category["exchange_buffers"] = peak_exchange
-    live_over_program = always_sum + live_sums
+    temporaries, exchange, live_sums = _peak_live(leaves, steps, placement.allocs, t)
+    live_over_program = always.sum() + live_sums
   else:
+    temporaries, exchange = np.zeros(t, np.float64), np.zeros(t, np.float64)
     live_over_program = np.zeros(0)
-  peak = always + by_category["temporaries"] + by_category["exchange_buffers"]
+  by_category.update(temporaries=temporaries, exchange_buffers=exchange)
+  peak = always + temporaries + exchange
   memory = MemoryProfile(
-      by_category={k: v.astype(np.int64) for k, v in by_category.items()},
+      by_category={k: by_category[k].astype(np.int64) for k in MEMORY_CATEGORIES},
       peak=peak.astype(np.int64), live_over_program=live_over_program,
       tile_limit=target.bytes_per_tile)
-  return ProgramProfile(target=target, steps=steps, tensors=profiles,
+  return ProgramProfile(target=target, steps=steps, tensors=placement.profiles,
                         memory=memory, name=name,
                         host_round_trips=host_round_trips, streaming=streaming)
 

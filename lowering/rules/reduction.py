@@ -41,6 +41,7 @@ Both modes have the same steps, exchanges, cycles and memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -334,215 +335,342 @@ def _claim_linear(ctx, mapping, rotates):
 
 
 # -- the reduction lowering -------------------------------------------------------
+#
+# A planned pass: the inits and the input grouping (_Plan), the output placement
+# and its stage-2 cost (_Stage2), then the two compute sets. The steps' functions
+# close over small tables only, never the plan: batched steps must not keep
+# per-element index tables (or the shared ``groups``) alive.
 
 
-def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
-                     inits: Sequence[P.Tensor] = ()) -> list:
-  """Lower a reduction of ``data`` over ``axes`` in two compute sets."""
-  target = ctx.target
-  num_tiles = target.num_tiles
-  mode = ctx.options.executor_mode
-  axes = tuple(sorted(int(a) % max(len(data[0].shape), 1) for a in axes))
-  shape = tuple(data[0].shape)
-  out_avals = [(tuple(a.shape), np.dtype(a.dtype)) for a in ctx.out_avals]
-  out_shape = out_avals[0][0]
-  out_size = int(np.prod(out_shape, dtype=np.int64))
-  n = data[0].size
-  # Init values: constants are baked into the vertices, others are read.
-  init_reads = [t for t in inits if not (t.category == "constants" and t.value is not None)]
-  init_kinds = [("const", np.asarray(t.value).reshape(())) if t not in init_reads
-                else ("read", t) for t in inits]
+@dataclasses.dataclass(frozen=True)
+class _Inits:
+  """A reduction's init values: constants are baked into the vertices, others are read.
 
-  def init_values(init_storages):
+  Attributes:
+    reads: the init tensors the steps read.
+    kinds: per init, ``("const", value)`` or ``("read", tensor)``.
+  """
+
+  reads: tuple
+  kinds: tuple
+
+  @classmethod
+  def of(cls, inits: Sequence[P.Tensor]) -> "_Inits":
+    reads = [t for t in inits if not (t.category == "constants" and t.value is not None)]
+    kinds = [("const", np.asarray(t.value).reshape(())) if t not in reads
+             else ("read", t) for t in inits]
+    return cls(tuple(reads), tuple(kinds))
+
+  def values(self, init_storages) -> list:
+    """The init values, from the storages of :attr:`reads` (in order)."""
     it = iter(init_storages)
     return [info if kind == "const" else next(it).reshape(-1)[0]
-            for kind, info in init_kinds]
+            for kind, info in self.kinds]
 
-  if out_size == 0 or n == 0:
-    outputs = [ctx.new_tensor(s, d) for s, d in out_avals]
-    if out_size == 0:
-      ctx.emit(P.Superstep(name=f"{ctx.op}/empty", op=ctx.op, reads=(), writes=tuple(outputs),
-                           fn=lambda: tuple(jnp.zeros(o.storage_shape, o.dtype)
-                                            for o in outputs)))
-      return outputs
-    # Reducing empty axes: every output is the identity (init value).
-    def fill_fn(*init_storages):
-      ids = spec.identities(init_values(init_storages))
-      return tuple(jnp.full(o.storage_shape, ids[c], o.dtype)
-                   for o, c in zip(outputs, spec.out_components))
-    elements = sum(o.mapping.elements_per_tile(num_tiles) for o in outputs)
-    ctx.emit(P.Superstep(
-        name=f"{ctx.op}/fill", op=ctx.op, reads=tuple(init_reads), writes=tuple(outputs),
-        fn=fill_fn, compute_cycles=estimators.fill_cycles(target, elements, outputs[0].itemsize),
-        vertices=worker_vertices(ctx, elements), codelets=(vocab.FILL,)))
-    return outputs
 
-  # Multi-operand reductions need every operand laid out like the first.
-  data = [data[0]] + [relayout_to(ctx, t, data[0].mapping) for t in data[1:]]
-  in_map = data[0].mapping
-  rows, row_size = in_map.storage_shape
-  total = rows * row_size
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A non-empty reduction of ``data`` over ``axes``, grouped by output element.
 
-  # The grouping of each tile's elements by output element depends only on
-  # the layout, shape and axes (cached: a repeated layer reuses it).
-  groups = group_regions(in_map, shape, axes)
-  comp_dtypes = spec.comp_dtypes
-  itemsize = sum(d.itemsize for d in comp_dtypes)
-  value_itemsize = comp_dtypes[0].itemsize
-  cpv = spec.cycles_per_vector
-  skip_stage1 = groups.num == n
+  Attributes:
+    spec: how the values are carried through the stages.
+    data: the operands, every one laid out like the first.
+    inits: the init values.
+    shape: the operands' shape; axes: the reduced axes, sorted.
+    groups: each tile's elements grouped by output element (see
+      :func:`~ipu_jax.lowering.rules.grouping.group_regions`).
+    out_avals: ``(shape, dtype)`` of each output; out_size: elements per output.
+    mode: the executor mode.
+    slot_index: argmax/argmin in per-tile mode: the reduced-axis coordinate of
+      every storage slot (and a pad slot), else None.
+    skip_stage1: every tile holds at most one element per output: stage 1
+      would reduce nothing, so the input itself is exchanged.
+  """
 
-  # Static index component (argmax/argmin): coordinate along the axis.
-  slot_index = None
-  if spec.index_axis is not None and mode == "per_tile":  # only per-tile steps gather it
-    idx_dtype = comp_dtypes[-1]
-    coord = np.broadcast_to(
-        np.arange(shape[spec.index_axis], dtype=np.int64).reshape(
-            [-1 if a == spec.index_axis else 1 for a in range(len(shape))]), shape).reshape(-1)
-    slot_index = np.zeros(total + 1, np.int64)
-    slot_index[in_map.storage_position] = coord
-    slot_index[total] = min(_INDEX_PAD, np.iinfo(idx_dtype).max)
-    slot_index = slot_index.astype(idx_dtype)
+  spec: _Spec
+  data: tuple
+  inits: _Inits
+  shape: tuple
+  axes: tuple
+  groups: object
+  out_avals: tuple
+  out_size: int
+  mode: str
+  slot_index: Optional[np.ndarray]
+  skip_stage1: bool
 
-  width = groups.width
-  part_total = total if skip_stage1 else rows * width
+  @property
+  def in_map(self) -> TileMapping:
+    return self.data[0].mapping
 
-  def part_slots(index=None):
+  @property
+  def key(self) -> tuple:
+    """What the grouping and placement depend on (for the plan caches)."""
+    return (self.in_map.fingerprint, self.shape, self.axes)
+
+  @property
+  def part_total(self) -> int:
+    """Slots of the partials (the input's slots when stage 1 is skipped)."""
+    rows, row_size = self.in_map.storage_shape
+    return rows * row_size if self.skip_stage1 else rows * self.groups.width
+
+  def part_slots(self, index=None) -> np.ndarray:
     """Slot of the partials ``index`` (all by default): a skipped stage 1
     leaves each output's one element in place."""
+    groups, width = self.groups, self.groups.width
     if index is None:
-      return groups.first_slot if skip_stage1 else groups.row * width + groups.local
-    if skip_stage1:
+      return groups.first_slot if self.skip_stage1 else groups.row * width + groups.local
+    if self.skip_stage1:
       return groups.first_slot_of(index)
     row, _, local = groups.at(index)
     return row * width + local
 
-  # Output placement: on the tile of each output's first element ("owner
-  # computes"), linear like mapTensorLinearly, or spread one grain per tile
-  # (many partials per output), whichever makes stage 2 cheapest.
-  plan_key = (in_map.fingerprint, shape, axes)
+  def part_mapping(self) -> TileMapping:
+    """The partials' mapping: one per (tile, output element), rows as the input's."""
+    groups = self.groups
+    return rows_mapping(groups.num, self.in_map.tiles, groups.row, groups.local,
+                        groups.per_row)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage2:
+  """The outputs' placement and the cost of stage 2 (partials to outputs).
+
+  Attributes:
+    out_map: the outputs' mapping; rotates: whether it claims tiles (see
+      :func:`_peek_linear`).
+    cost: the partials' exchange (None when nothing moves); cycles: the
+      final reduce's per tile; received: partials arriving or staying per tile.
+  """
+
+  out_map: TileMapping
+  rotates: bool
+  cost: Optional[ExchangeCost]
+  cycles: np.ndarray
+  received: np.ndarray
+
+
+def _emit_empty(ctx, spec: _Spec, inits: _Inits, out_avals, out_size: int) -> list:
+  """Outputs of a reduction with no outputs, or over empty axes (the identity)."""
+  num_tiles = ctx.target.num_tiles
+  outputs = [ctx.new_tensor(s, d) for s, d in out_avals]
+  if out_size == 0:
+    ctx.emit(P.Superstep(name=f"{ctx.op}/empty", op=ctx.op, reads=(), writes=tuple(outputs),
+                         fn=lambda: tuple(jnp.zeros(o.storage_shape, o.dtype)
+                                          for o in outputs)))
+    return outputs
+
+  def fill_fn(*init_storages):
+    ids = spec.identities(inits.values(init_storages))
+    return tuple(jnp.full(o.storage_shape, ids[c], o.dtype)
+                 for o, c in zip(outputs, spec.out_components))
+  elements = sum(o.mapping.elements_per_tile(num_tiles) for o in outputs)
+  ctx.emit(P.Superstep(
+      name=f"{ctx.op}/fill", op=ctx.op, reads=tuple(inits.reads), writes=tuple(outputs),
+      fn=fill_fn, compute_cycles=estimators.fill_cycles(ctx.target, elements,
+                                                        outputs[0].itemsize),
+      vertices=worker_vertices(ctx, elements), codelets=(vocab.FILL,)))
+  return outputs
+
+
+def _index_slots(spec: _Spec, in_map: TileMapping, shape) -> np.ndarray:
+  """argmax/argmin's static index component: the coordinate along the reduced
+  axis of every storage slot, and the pad index in one extra last slot."""
+  rows, row_size = in_map.storage_shape
+  total = rows * row_size
+  idx_dtype = spec.comp_dtypes[-1]
+  coord = np.broadcast_to(
+      np.arange(shape[spec.index_axis], dtype=np.int64).reshape(
+          [-1 if a == spec.index_axis else 1 for a in range(len(shape))]), shape).reshape(-1)
+  slot_index = np.zeros(total + 1, np.int64)
+  slot_index[in_map.storage_position] = coord
+  slot_index[total] = min(_INDEX_PAD, np.iinfo(idx_dtype).max)
+  return slot_index.astype(idx_dtype)
+
+
+def _plan(ctx, spec: _Spec, data, axes, inits: _Inits, out_avals, out_size: int) -> _Plan:
+  """Relayout the operands and group the input by output element."""
+  shape = tuple(data[0].shape)
+  n = data[0].size
+  # Multi-operand reductions need every operand laid out like the first.
+  data = [data[0]] + [relayout_to(ctx, t, data[0].mapping) for t in data[1:]]
+  in_map = data[0].mapping
+  # The grouping of each tile's elements by output element depends only on
+  # the layout, shape and axes (cached: a repeated layer reuses it).
+  groups = group_regions(in_map, shape, axes)
+  mode = ctx.options.executor_mode
+  slot_index = None
+  if spec.index_axis is not None and mode == "per_tile":  # only per-tile steps gather it
+    slot_index = _index_slots(spec, in_map, shape)
+  return _Plan(spec=spec, data=tuple(data), inits=inits, shape=shape, axes=axes,
+               groups=groups, out_avals=tuple(out_avals), out_size=out_size, mode=mode,
+               slot_index=slot_index, skip_stage1=groups.num == n)
+
+
+def _place_outputs(ctx, plan: _Plan) -> _Stage2:
+  """Output placement: on the tile of each output's first element ("owner
+  computes"), linear like mapTensorLinearly, or spread one grain per tile
+  (many partials per output), whichever makes stage 2 cheapest."""
+  target, num_tiles = ctx.target, ctx.target.num_tiles
+  spec, in_map, groups = plan.spec, plan.in_map, plan.groups
+  out_shape, out_dtype = plan.out_avals[0]
+  itemsize = sum(d.itemsize for d in spec.comp_dtypes)
+  value_itemsize = spec.comp_dtypes[0].itemsize
+  cpv = spec.cycles_per_vector
   owner = plan_cache.cached(
-      _OWNERS, plan_key,
-      lambda: mapping_from_tiles(elements_tiles(in_map, first_elements(shape, axes))))
+      _OWNERS, plan.key,
+      lambda: mapping_from_tiles(elements_tiles(in_map, first_elements(plan.shape, plan.axes))))
   candidates = [(owner, False)]
-  candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1]))
+  candidates.append(_peek_linear(ctx, out_shape, out_dtype))
   if candidates[-1][0].num_rows < num_tiles:
-    candidates.append(_peek_linear(ctx, out_shape, out_avals[0][1], min_bytes_per_tile=1))
+    candidates.append(_peek_linear(ctx, out_shape, out_dtype, min_bytes_per_tile=1))
   # Each tile's partials as runs of consecutive output elements.
   run_row, run_key, run_length = groups.key_runs()
   runs = (in_map.tiles[run_row], run_key, run_length)
   best = None
   for cand, rotates in candidates:
     cost, cycles, received, score = plan_cache.cached(
-        _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv, spec.kind) + plan_key,
+        _STAGE2, (cand.fingerprint, target, itemsize, value_itemsize, cpv, spec.kind) + plan.key,
         lambda: _stage2_cost(ctx, cand, runs, itemsize, value_itemsize, cpv, spec.kind))
     if best is None or score < best[-1]:
       best = (cand, rotates, cost, cycles, received, score)
-  out_map, rotates, cost2, cycles2, received2, _ = best
-  _claim_linear(ctx, out_map, rotates)
-  skip_stage2 = (not skip_stage1 and groups.num == out_size
-                 and np.array_equal(groups.key, np.arange(out_size))
-                 and cost2 is None and out_map.same_as(
-                     rows_mapping(groups.num, in_map.tiles, groups.row, groups.local,
-                                   groups.per_row)))
+  return _Stage2(*best[:-1])
 
-  outputs = None
+
+def _skips_stage2(plan: _Plan, stage2: _Stage2) -> bool:
+  """Whether stage 2 would only copy local partials: they are the outputs."""
+  groups, out_size = plan.groups, plan.out_size
+  return (not plan.skip_stage1 and groups.num == out_size
+          and np.array_equal(groups.key, np.arange(out_size))
+          and stage2.cost is None and stage2.out_map.same_as(plan.part_mapping()))
+
+
+def _new_partials(ctx, plan: _Plan, are_outputs: bool) -> list:
+  """The partials, one tensor per component; the outputs' own when ``are_outputs``."""
+  spec, groups = plan.spec, plan.groups
+  part_map = plan.part_mapping()
   partials = []
-  if not skip_stage1:
-    part_map = rows_mapping(groups.num, in_map.tiles, groups.row, groups.local,
-                             groups.per_row)
-    for c, dtype in enumerate(comp_dtypes):
-      if skip_stage2 and c in spec.out_components:
-        k = spec.out_components.index(c)
-        t = ctx.new_tensor(out_shape, out_avals[k][1], part_map, name=f"{ctx.op}")
-      else:
-        t = ctx.new_tensor((groups.num,), dtype, part_map, name=f"{ctx.op}/partials")
-      partials.append(t)
-    assert part_map.storage_shape == (rows, width)
-    _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
-                   out_size, mode)
+  for c, dtype in enumerate(spec.comp_dtypes):
+    if are_outputs and c in spec.out_components:
+      k = spec.out_components.index(c)
+      t = ctx.new_tensor(plan.out_avals[0][0], plan.out_avals[k][1], part_map,
+                         name=f"{ctx.op}")
+    else:
+      t = ctx.new_tensor((groups.num,), dtype, part_map, name=f"{ctx.op}/partials")
+    partials.append(t)
+  assert part_map.storage_shape == (plan.in_map.storage_shape[0], groups.width)
+  return partials
+
+
+def _lower_reduction(ctx, spec: _Spec, data: Sequence[P.Tensor], axes,
+                     inits: Sequence[P.Tensor] = ()) -> list:
+  """Lower a reduction of ``data`` over ``axes`` in two compute sets."""
+  axes = tuple(sorted(int(a) % max(len(data[0].shape), 1) for a in axes))
+  out_avals = [(tuple(a.shape), np.dtype(a.dtype)) for a in ctx.out_avals]
+  out_size = int(np.prod(out_avals[0][0], dtype=np.int64))
+  init_plan = _Inits.of(inits)
+  if out_size == 0 or data[0].size == 0:
+    return _emit_empty(ctx, spec, init_plan, out_avals, out_size)
+  plan = _plan(ctx, spec, data, axes, init_plan, out_avals, out_size)
+  stage2 = _place_outputs(ctx, plan)
+  _claim_linear(ctx, stage2.out_map, stage2.rotates)
+  skip_stage2 = _skips_stage2(plan, stage2)
+  partials = []
+  if not plan.skip_stage1:
+    partials = _new_partials(ctx, plan, skip_stage2)
+    _emit_partials(ctx, plan, partials)
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
-
-  # Batched steps take each output from its first partial; per-tile steps
-  # gather all of them.
-  final_first = part_slots(groups.first_of_key)
-  final_dense = None
-  if mode == "per_tile":
-    final_dense = plan_cache.cached(
-        _FINAL, (out_map.fingerprint, skip_stage1) + plan_key,
-        lambda: _final_slots(out_map, groups.key, part_slots(), out_size, part_total))
-  outputs = [ctx.new_tensor(s, d, out_map) for s, d in out_avals]
-  sources = list(data) if skip_stage1 else partials
-  _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
-              final_first, part_total, skip_stage1, slot_index, in_map, cost2, cycles2,
-              received2, mode, out_size, groups)
+  outputs = [ctx.new_tensor(s, d, stage2.out_map) for s, d in out_avals]
+  _emit_final(ctx, plan, stage2, partials, outputs)
   return outputs
 
 
-def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index, partials,
-                   out_size, mode):
+@dataclasses.dataclass(frozen=True)
+class _MemberGather:
+  """How a per-tile partials step lays each tile's members out as ``[rows, width, depth]``.
+
+  Attributes:
+    shape: ``(rows, width, depth)``.
+    reshape_only: the storage already is that array (pads where ``valid`` is False).
+    valid: when reshape_only and some slots are pads, the mask of members.
+    dense: when not reshape_only, the storage slot of every member (int32 when
+      it fits; the pad slot past the end).
+    index: argmax/argmin: the index component of every member.
+  """
+
+  shape: tuple
+  reshape_only: bool
+  valid: Optional[np.ndarray]
+  dense: Optional[np.ndarray]
+  index: Optional[np.ndarray]
+
+
+def _member_gather(plan: _Plan) -> _MemberGather:
+  """The slot of every member, built here (never cached): only per-tile steps
+  gather by slot."""
+  in_map, groups = plan.in_map, plan.groups
+  rows, row_size = in_map.storage_shape
+  shape = (rows, groups.width, groups.depth)
+  slots = groups.slots(in_map)
+  index = plan.slot_index[slots.dense] if plan.slot_index is not None else None
+  if slots.reshape_only:
+    valid = None if bool(slots.valid.all()) else slots.valid.reshape(shape)
+    return _MemberGather(shape, True, valid, None, index)
+  dense = slots.dense.astype(np.int32) if rows * row_size < 2**31 - 1 else slots.dense
+  return _MemberGather(shape, False, None, dense, index)
+
+
+def _gathered_members(gather: _MemberGather, xs, ids) -> list:
+  """Each component as ``[rows, width, depth]`` (pads hold the identity)."""
+  comps = []
+  for x, ident in zip(xs, ids):
+    if gather.reshape_only:
+      d = x.reshape(gather.shape)
+      if gather.valid is not None:
+        d = jnp.where(gather.valid, d, jnp.asarray(ident, d.dtype))
+    else:
+      d = gather_or_fill(x.reshape(-1), gather.dense, ident)
+    comps.append(d)
+  if gather.index is not None:
+    comps.append(jnp.asarray(gather.index))
+  return comps
+
+
+def _partials_values(spec, inits, data, partials, gather, out_src, *storages):
+  """Stage 1's step function: per tile (``gather``) or batched (``out_src``)."""
+  xs, init_storages = storages[:len(data)], storages[len(data):]
+  ids = spec.identities(inits.values(init_storages))
+  if gather is not None:
+    # One vertex per tile: vmap the group reduction over the tile axis.
+    reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*_gathered_members(gather, xs, ids))
+    return tuple(r.astype(p.dtype).reshape(p.storage_shape)
+                 for r, p in zip(reduced, partials))
+  results = spec.batched(*[logical(x, t) for x, t in zip(xs, data)],
+                         inits.values(init_storages))
+  out = []
+  for c, p in enumerate(partials):
+    if c in spec.out_components:
+      value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
+      # Placing the results (no arithmetic follows): pads where the rows are regular.
+      out.append(take_or_fill(value, out_src, ids[c]).reshape(p.storage_shape))
+    else:
+      out.append(jnp.full(p.storage_shape, ids[c], p.dtype))
+  return tuple(out)
+
+
+def _emit_partials(ctx, plan: _Plan, partials) -> None:
   """Compute set 1: every tile reduces its own elements per output element."""
   target = ctx.target
   num_tiles = target.num_tiles
-  in_map = data[0].mapping
-  rows, row_size = in_map.storage_shape
-  total = rows * row_size
-  width, depth = groups.width, groups.depth
-  by_slot = mode == "per_tile"
-  # Only per-tile steps gather by slot: batched ones must not keep per-element
-  # index tables (or the shared ``groups``) alive in their closures.
-  index_dense = dense32 = valid_dense = None
-  reshape_only = all_valid = False
-  if by_slot:
-    # The slot of every member, built here (never cached): only per-tile
-    # steps gather by slot.
-    slots = groups.slots(in_map)
-    dense = slots.dense
-    if slot_index is not None:
-      index_dense = slot_index[dense]
-    reshape_only, all_valid = slots.reshape_only, bool(slots.valid.all())
-    if reshape_only:
-      valid_dense = slots.valid.reshape(rows, width, depth)
-    dense32 = dense.astype(np.int32) if total < 2**31 - 1 else dense
+  spec, data, groups, in_map = plan.spec, plan.data, plan.groups, plan.in_map
+  gather = _member_gather(plan) if plan.mode == "per_tile" else None
   # Batched mode: the result is computed whole, then placed in each output's
   # first partial slot (the other slots hold the identity).
-  out_src = np.full(rows * width, out_size, np.int64)
+  width = groups.width
+  out_src = np.full(in_map.storage_shape[0] * width, plan.out_size, np.int64)
   row, _, local = groups.at(groups.first_of_key)
-  out_src[row * width + local] = np.arange(out_size)
-  n_data = len(data)
-
-  def fn(*storages):
-    xs, init_storages = storages[:n_data], storages[n_data:]
-    ids = spec.identities(init_values(init_storages))
-    if mode == "per_tile":
-      comps = []
-      for x, ident in zip(xs, ids):
-        if reshape_only:
-          d = x.reshape(rows, width, depth)
-          if not all_valid:
-            d = jnp.where(valid_dense, d, jnp.asarray(ident, d.dtype))
-        else:
-          d = gather_or_fill(x.reshape(-1), dense32, ident)
-        comps.append(d)
-      if index_dense is not None:
-        comps.append(jnp.asarray(index_dense))
-      # One vertex per tile: vmap the group reduction over the tile axis.
-      reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
-      return tuple(r.astype(p.dtype).reshape(p.storage_shape)
-                   for r, p in zip(reduced, partials))
-    results = spec.batched(*[logical(x, t) for x, t in zip(xs, data)],
-                           init_values(init_storages))
-    out = []
-    for c, p in enumerate(partials):
-      if c in spec.out_components:
-        value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
-        # Placing the results (no arithmetic follows): pads where the rows are regular.
-        out.append(take_or_fill(value, out_src, ids[c]).reshape(p.storage_shape))
-      else:
-        out.append(jnp.full(p.storage_shape, ids[c], p.dtype))
-    return tuple(out)
-
+  out_src[row * width + local] = np.arange(plan.out_size)
   elements = in_map.elements_per_tile(num_tiles)
   per_tile = np.zeros(num_tiles, np.int64)
   np.add.at(per_tile, in_map.tiles, groups.per_row)
@@ -550,9 +678,11 @@ def _emit_partials(ctx, spec, data, init_reads, init_values, groups, slot_index,
                           spec.cycles_per_vector, spec.kind)
   flops = (data[0].size - groups.num) * len(data) if spec.flop_kind else 0
   ctx.emit(P.Superstep(
-      name=f"{ctx.op}/partials", op=ctx.op, reads=tuple(data) + tuple(init_reads),
-      writes=tuple(partials), fn=fn, compute_cycles=cycles,
-      exchange=_init_cost(ctx, init_reads, in_map.tiles),
+      name=f"{ctx.op}/partials", op=ctx.op, reads=tuple(data) + tuple(plan.inits.reads),
+      writes=tuple(partials),
+      fn=functools.partial(_partials_values, spec, plan.inits, data, tuple(partials), gather,
+                           out_src),
+      compute_cycles=cycles, exchange=_init_cost(ctx, plan.inits.reads, in_map.tiles),
       vertices=worker_vertices(ctx, per_tile), codelets=(vocab.vertex(vocab.REDUCE, spec.kind),),
       flops=int(flops)))
 
@@ -561,43 +691,52 @@ def _init_cost(ctx, init_reads, tiles):
   return add_costs(*[broadcast_cost(ctx, t, tiles) for t in init_reads])
 
 
-def _emit_final(ctx, spec, sources, data, init_reads, init_values, outputs, final_dense,
-                final_first, part_total, skip_stage1, slot_index, in_map, cost, cycles,
-                received, mode, out_size, groups):
-  """Compute set 2: partials exchanged to the output's tiles and reduced."""
-  target = ctx.target
-  out_map = outputs[0].mapping
-  dense32 = index_dense = None
-  if mode == "per_tile":  # batched steps do not gather by slot (see _emit_partials)
-    dense32 = final_dense.astype(np.int32) if part_total < 2**31 - 1 else final_dense
-    index_dense = (slot_index[final_dense]
-                   if (skip_stage1 and slot_index is not None) else None)
-  n_src = len(sources)
-
-  def fn(*storages):
-    srcs, init_storages = storages[:n_src], storages[n_src:]
-    ids = spec.identities(init_values(init_storages))
-    if mode == "per_tile":
-      comps = [gather_or_fill(s.reshape(-1), dense32, ident) for s, ident in zip(srcs, ids)]
-      if index_dense is not None:
-        comps.append(jnp.asarray(index_dense))
-      reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
-      return tuple(reduced[c].astype(o.dtype).reshape(o.storage_shape)
-                   for c, o in zip(spec.out_components, outputs))
-    if skip_stage1:
-      results = spec.batched(*[logical(x, t) for x, t in zip(srcs, data)],
-                             init_values(init_storages))
-      return tuple(storage(r, o) for r, o in zip(results, outputs))
-    return tuple(storage(srcs[c].reshape(-1)[final_first], o)
+def _final_values(spec, inits, data, outputs, dense, index, first, skip_stage1, *storages):
+  """Stage 2's step function: per tile (``dense``) or batched (``first``)."""
+  n_src = len(storages) - len(inits.reads)
+  srcs, init_storages = storages[:n_src], storages[n_src:]
+  ids = spec.identities(inits.values(init_storages))
+  if dense is not None:
+    comps = [gather_or_fill(s.reshape(-1), dense, ident) for s, ident in zip(srcs, ids)]
+    if index is not None:
+      comps.append(jnp.asarray(index))
+    reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
+    return tuple(reduced[c].astype(o.dtype).reshape(o.storage_shape)
                  for c, o in zip(spec.out_components, outputs))
+  if skip_stage1:
+    results = spec.batched(*[logical(x, t) for x, t in zip(srcs, data)],
+                           inits.values(init_storages))
+    return tuple(storage(r, o) for r, o in zip(results, outputs))
+  return tuple(storage(srcs[c].reshape(-1)[first], o)
+               for c, o in zip(spec.out_components, outputs))
 
-  flops = (groups.num - out_size) * len(data) if spec.flop_kind else 0
+
+def _emit_final(ctx, plan: _Plan, stage2: _Stage2, partials, outputs) -> None:
+  """Compute set 2: partials exchanged to the output's tiles and reduced."""
+  spec, groups, skip_stage1 = plan.spec, plan.groups, plan.skip_stage1
+  out_map = stage2.out_map
+  # Batched steps take each output from its first partial; per-tile steps
+  # gather all of them (batched ones do not gather by slot, see _emit_partials).
+  first = plan.part_slots(groups.first_of_key)
+  dense = index = None
+  if plan.mode == "per_tile":
+    final_dense = plan_cache.cached(
+        _FINAL, (out_map.fingerprint, skip_stage1) + plan.key,
+        lambda: _final_slots(out_map, groups.key, plan.part_slots(), plan.out_size,
+                             plan.part_total))
+    dense = final_dense.astype(np.int32) if plan.part_total < 2**31 - 1 else final_dense
+    index = (plan.slot_index[final_dense]
+             if (skip_stage1 and plan.slot_index is not None) else None)
+  sources = list(plan.data) if skip_stage1 else partials
+  flops = (groups.num - plan.out_size) * len(plan.data) if spec.flop_kind else 0
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/final" if not skip_stage1 else ctx.op, op=ctx.op,
-      reads=tuple(sources) + tuple(init_reads), writes=tuple(outputs), fn=fn,
-      compute_cycles=cycles,
-      exchange=_add(cost, _init_cost(ctx, init_reads, out_map.tiles)),
-      vertices=worker_vertices(ctx, out_map.elements_per_tile(target.num_tiles)),
+      reads=tuple(sources) + tuple(plan.inits.reads), writes=tuple(outputs),
+      fn=functools.partial(_final_values, spec, plan.inits, plan.data, tuple(outputs), dense,
+                           index, first, skip_stage1),
+      compute_cycles=stage2.cycles,
+      exchange=_add(stage2.cost, _init_cost(ctx, plan.inits.reads, out_map.tiles)),
+      vertices=worker_vertices(ctx, out_map.elements_per_tile(ctx.target.num_tiles)),
       codelets=(vocab.vertex(vocab.REDUCE, spec.kind),), flops=int(flops)))
 
 
