@@ -42,6 +42,20 @@ _RSS_BUDGET_GB = 4.0
 _RSS_SHOWN = 8
 
 
+def pytest_runtest_teardown(item, nextitem):
+  """After a test file's last test, its compiled programs are let go.
+
+  JAX keeps every compiled executable of a process in its caches; the next
+  file does not run them again, so clearing them keeps a test process's
+  memory to the file it is running.
+  """
+  if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+    import gc
+    import jax
+    jax.clear_caches()
+    gc.collect()
+
+
 def _peak_rss_bytes():
   import resource
   import sys
@@ -112,6 +126,8 @@ def pytest_terminal_summary(terminalreporter):
     write(f"{name}: {record['peak'] / 1e9:.2f} GB ({verdict} {budget / 1e9:.1f} GB, "
           f"{_RSS_BUDGET_ENV})")
     for nodeid, peak, rise in record["largest_rises"]:
+      if rise < 1e7:   # under 10 MB: noise
+        continue
       write(f"    +{rise / 1e9:.2f} GB to {peak / 1e9:.2f} GB  {nodeid}")
   if any(r["peak"] > budget for r in _PROCESS_RECORDS.values()):
     write(f"A test process went over {budget / 1e9:.1f} GB of peak RSS: the run fails "
