@@ -77,12 +77,55 @@ if TYPE_CHECKING:  # program imports this module's users; only the annotation ne
   from ipu_jax.lowering import program as P
 from ipu_jax.kernels.target import IPUTarget
 
-__all__ = ["MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "operand_dtype",
+__all__ = ["GridPlan", "MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "covering",
+           "operand_dtype",
            "partials_dtype", "widen_to_partials", "tree_fanins", "block_grid_mapping", "blocked_storage",
            "canonical_tiles", "grid_exchange_cost", "grid_tiles", "edge_sizes"]
 
 # About this many grids are evaluated per plan (a few milliseconds of NumPy).
 _SEARCH_BUDGET = 150_000
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPlan:
+  """An output cut into a grid of blocks, one per tile (convolutions, pooling).
+
+  Attributes:
+    grid: blocks along each axis.
+    block: full block size along each axis.
+    compute_cycles, exchange_cycles, sync_cycles: estimates for the busiest
+      tile.
+    exchange_bytes: bytes the busiest tile receives (nothing assumed in place).
+    temp_bytes: the busiest tile's temporaries.
+    fits: ``temp_bytes`` within the tile memory the plan may use.
+    candidates: grids evaluated.
+  """
+
+  grid: tuple
+  block: tuple
+  compute_cycles: float
+  exchange_cycles: float
+  sync_cycles: float
+  exchange_bytes: int
+  temp_bytes: int
+  fits: bool
+  candidates: int = 0
+
+  @property
+  def num_tiles(self) -> int:
+    return int(np.prod(self.grid, dtype=np.int64))
+
+  @property
+  def cycles(self) -> float:
+    return self.sync_cycles + self.exchange_cycles + self.compute_cycles
+
+
+def covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
+  """``[grid]`` how many items each block needs, given per-item block ranges ``[lo, hi)``."""
+  diff = np.zeros(grid + 1, np.int64)
+  np.add.at(diff, np.minimum(lo, grid), 1)
+  np.add.at(diff, np.minimum(hi, grid), -1)
+  return np.cumsum(diff)[:grid]
 
 
 def ceil_div(a, b):

@@ -70,7 +70,8 @@ from typing import Sequence
 import numpy as np
 
 from ipu_jax.kernels import estimators
-from ipu_jax.lowering.matmul_plan import ceil_div, edge_sizes, grid_product, split_candidates
+from ipu_jax.lowering.matmul_plan import (GridPlan, ceil_div, covering, edge_sizes,
+                                          grid_product, split_candidates)
 
 __all__ = ["WindowGeometry", "WindowWork", "WindowPlan", "window_geometry", "plan_window",
            "pool_needs", "scatter_needs", "block_work", "pool_cuts", "scatter_cuts",
@@ -198,38 +199,13 @@ class WindowWork:
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowPlan:
-  """How a windowed reduction's result is cut over tiles.
+class WindowPlan(GridPlan):
+  """How a windowed reduction's result is cut over tiles (a :class:`GridPlan`).
 
-  Attributes:
-    grid: boxes along each axis of the result (the operand's axes for
-      ``select_and_scatter_add``, which has the operand's shape).
-    block: full box size along each axis.
-    compute_cycles, exchange_cycles, sync_cycles: estimates for the busiest
-      tile.
-    exchange_bytes: bytes the busiest tile receives (nothing assumed in place).
-    temp_bytes: its input box plus output box.
-    fits: ``temp_bytes`` within the tile's memory.
-    candidates: grids evaluated.
+  ``grid`` has boxes along each axis of the result (the operand's axes for
+  ``select_and_scatter_add``, which has the operand's shape); the
+  temporaries are a box's input plus its output.
   """
-
-  grid: tuple
-  block: tuple
-  compute_cycles: float
-  exchange_cycles: float
-  sync_cycles: float
-  exchange_bytes: int
-  temp_bytes: int
-  fits: bool
-  candidates: int = 0
-
-  @property
-  def num_tiles(self) -> int:
-    return int(np.prod(self.grid, dtype=np.int64))
-
-  @property
-  def cycles(self) -> float:
-    return self.sync_cycles + self.exchange_cycles + self.compute_cycles
 
   @property
   def label(self) -> str:
@@ -310,14 +286,6 @@ def _plan_cached(target, geo: WindowGeometry, work: WindowWork, count: int) -> t
 # -- exact needs of each box, by ranges ----------------------------------------
 
 
-def _covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
-  """``[grid]`` how many coordinates each box needs, given per-coordinate ``[lo, hi)``."""
-  diff = np.zeros(grid + 1, np.int64)
-  np.add.at(diff, np.minimum(lo, grid), 1)
-  np.add.at(diff, np.minimum(hi, grid), -1)
-  return np.cumsum(diff)[:grid]
-
-
 def _box_ranges(first: np.ndarray, last: np.ndarray, block: int) -> tuple:
   """Boxes ``[lo, hi)`` of ``block`` rows holding rows ``first..last`` (empty if none)."""
   some = first <= last
@@ -347,7 +315,7 @@ def pool_needs(geo: WindowGeometry, plan: WindowPlan) -> tuple:
   for a in range(geo.ndim):
     lo, hi = _box_ranges(*geo.readers(a), plan.block[a])
     needs.append((a, lo, hi))
-    counts.append(_covering(lo, hi, plan.grid[a]))
+    counts.append(covering(lo, hi, plan.grid[a]))
   return needs, _product_over_grid(counts, plan.grid)
 
 
@@ -368,7 +336,7 @@ def scatter_needs(geo: WindowGeometry, plan: WindowPlan) -> tuple:
     start, end = geo.window_extent(a)
     lo, hi = _box_ranges(start, end, block)
     src_needs.append((a, lo, hi))
-    src_counts.append(_covering(lo, hi, grid))
+    src_counts.append(covering(lo, hi, grid))
     # An element's boxes run from its first reader's first row to its last
     # reader's last row (the planner only runs this with windows to read).
     first, last = geo.readers(a)
@@ -376,7 +344,7 @@ def scatter_needs(geo: WindowGeometry, plan: WindowPlan) -> tuple:
     lo, hi = _box_ranges(np.where(some, start[np.where(some, first, 0)], 1),
                          np.where(some, end[np.where(some, last, 0)], 0), block)
     op_needs.append((a, lo, hi))
-    op_counts.append(_covering(lo, hi, grid))
+    op_counts.append(covering(lo, hi, grid))
   return ((src_needs, _product_over_grid(src_counts, plan.grid)),
           (op_needs, _product_over_grid(op_counts, plan.grid)))
 

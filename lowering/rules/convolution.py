@@ -75,7 +75,8 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical
 from ipu_jax.lowering.matmul_emit import fill_zeros
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
+from ipu_jax.lowering.matmul_plan import (GridPlan, block_grid_mapping, blocked_storage,
+                                          ceil_div, covering,
                                           edge_sizes, grid_product, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, split_candidates)
 from ipu_jax.lowering.registry import register_lowering
@@ -182,14 +183,6 @@ class ConvGeometry:
     return lo, np.minimum(hi, gc)
 
 
-def _covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
-  """``[grid]`` how many items each block needs, given per-item ``[lo, hi)``."""
-  diff = np.zeros(grid + 1, np.int64)
-  np.add.at(diff, np.minimum(lo, grid), 1)
-  np.add.at(diff, np.minimum(hi, grid), -1)
-  return np.cumsum(diff)[:grid]
-
-
 def conv_geometry(lhs_shape, rhs_shape, out_shape, dn, window_strides, padding,
                   lhs_dilation, rhs_dilation, fgc, bgc, itemsize, acc_itemsize,
                   dtype="float32") -> ConvGeometry:
@@ -211,41 +204,19 @@ def conv_geometry(lhs_shape, rhs_shape, out_shape, dn, window_strides, padding,
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvPlan:
-  """How a convolution's output is cut over tiles.
+class ConvPlan(GridPlan):
+  """How a convolution's output is cut over tiles (a :class:`GridPlan`).
+
+  ``grid`` is ``(gn, gc, gs0, gs1, ...)``: blocks along output batch,
+  features and each spatial axis; ``block`` ``(bn, bc, bs0, ...)``; the
+  temporaries are the input window, kernel slice and output block in the
+  partials type, and they fit when within ``memory_limit``.
 
   Attributes:
-    grid: ``(gn, gc, gs0, gs1, ...)`` blocks along output batch, features and
-      each spatial axis.
-    block: ``(bn, bc, bs0, ...)`` full block sizes.
-    compute_cycles, exchange_cycles, sync_cycles: estimates for the busiest
-      tile.
-    exchange_bytes: bytes the busiest tile receives (nothing assumed in place).
-    temp_bytes: per-tile temporaries: input window + kernel slice + output
-      block in the partials type.
     memory_limit: ``available_memory_proportion * bytes_per_tile``.
-    fits: ``temp_bytes <= memory_limit``.
-    candidates: grids evaluated.
   """
 
-  grid: tuple
-  block: tuple
-  compute_cycles: float
-  exchange_cycles: float
-  sync_cycles: float
-  exchange_bytes: int
-  temp_bytes: int
-  memory_limit: int
-  fits: bool
-  candidates: int = 0
-
-  @property
-  def num_tiles(self) -> int:
-    return int(np.prod(self.grid))
-
-  @property
-  def cycles(self) -> float:
-    return self.sync_cycles + self.exchange_cycles + self.compute_cycles
+  memory_limit: int = 0
 
   @property
   def label(self) -> str:
@@ -390,7 +361,7 @@ def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   elif geo.fgc > 1:
     needs[out_spec[1]] = (2, g_lo, g_hi)
   # Batch rows / channels per feature block: the groups whose features it holds.
-  groups_of_block = _covering(g_lo, g_hi, gc)
+  groups_of_block = covering(g_lo, g_hi, gc)
   elements = edge_sizes(geo.n_out, grid[0], bn)[c_n]
   if geo.bgc > 1:
     elements = elements * groups_of_block[c_c]
@@ -398,7 +369,7 @@ def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   for d in range(len(geo.out_spatial)):
     lo, hi = geo.block_ranges(d, grid[2 + d], block[2 + d])
     needs[out_spec[2 + d]] = (4 + d, lo, hi)
-    elements = elements * _covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
+    elements = elements * covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
   # Grouped convolutions split the batch or feature axis: not a plain view.
   groups = (((), (lhs_spec[0],), (), (lhs_spec[1],)) + tuple((a,) for a in lhs_spec[2:])
             if geo.bgc == 1 and geo.fgc == 1 else None)
@@ -422,7 +393,7 @@ def _rhs_exchange(target, rhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   for d in range(len(geo.out_spatial)):
     lo, hi = geo.tap_block_ranges(d, grid[2 + d], block[2 + d])
     needs[out_spec[2 + d]] = (2 + d, lo, hi)
-    elements = elements * _covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
+    elements = elements * covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
   return operand_exchange_cost(target, rhs, tuple(rhs_spec), (geo.o, geo.i) + geo.k_spatial,
                                tuple((a,) for a in rhs_spec), out.grids, out.tiles, needs,
                                elements)
