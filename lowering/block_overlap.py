@@ -55,35 +55,52 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.nd
 
 
 def _prefix(x, shape, los, his, members=None) -> np.ndarray:
-  """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays)."""
+  """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays).
+
+  Below ``x`` lie, per axis ``a``, the whole slabs of the box before ``x``'s
+  digit along ``a`` (when ``x``'s digits before ``a`` all lie in the box).
+  The digits come from one ``unravel_index``, and the first axis's terms
+  need no mask: on a grid laid over many tiles these arrays have one entry
+  per run end, tens of thousands of them.
+  """
   ndim = len(shape)
+  x = np.asarray(x, np.int64)
+  if ndim == 0:  # one element: below x when x >= 1
+    return (x >= 1).astype(np.int64)
   members = [None] * ndim if members is None else list(members)
+  sizes = [int(s) for s in shape]
   # Only the part of the box inside the tensor counts.
-  los = [np.clip(los[a], 0, int(shape[a])) for a in range(ndim)]
-  his = [np.clip(his[a], los[a], int(shape[a])) for a in range(ndim)]
+  los = [np.clip(los[a], 0, sizes[a]) for a in range(ndim)]
+  his = [np.clip(his[a], los[a], sizes[a]) for a in range(ndim)]
   widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
-  total = int(np.prod(shape, dtype=np.int64))
-  # x == total has no digits: every index lies below it.
-  whole = x >= total
-  x = np.minimum(x, max(total - 1, 0))
-  inner = [None] * ndim  # box volume of the axes after a
-  volume = np.ones(x.shape, np.int64)
+  inner = [None] * ndim  # box volume of the axes after a (None: no axes)
+  volume = None
   for a in reversed(range(ndim)):
     inner[a] = volume
-    volume = volume * widths[a]
-  count = np.zeros(x.shape, np.int64)
-  inside = np.ones(x.shape, bool)
-  stride = total
-  for a, size in enumerate(shape):
-    stride //= max(int(size), 1)
-    digit = (x // stride) % max(int(size), 1)
-    below = np.minimum(np.maximum(digit, los[a]), his[a])
-    cum = members[a]
-    count += (below - los[a] if cum is None else cum[below] - cum[los[a]]) * inner[a] * inside
-    inside &= (digit >= los[a]) & (digit < his[a])
-    if cum is not None:
-      inside &= cum[digit + 1] > cum[digit]
-  return np.where(whole, volume, count)
+    volume = widths[a] if volume is None else volume * widths[a]
+  volume = np.broadcast_to(np.asarray(volume, np.int64), x.shape)
+  total = int(np.prod(sizes, dtype=np.int64))
+  if total == 0:
+    return np.zeros(x.shape, np.int64)
+  # x == total has no digits: every index lies below it.
+  whole = x >= total
+  digits = np.unravel_index(np.minimum(x, total - 1), sizes)
+  count = inside = None
+  for a in range(ndim):
+    digit, lo, hi, cum = digits[a], los[a], his[a], members[a]
+    below = np.minimum(np.maximum(digit, lo), hi)
+    term = below - lo if cum is None else cum[below] - cum[lo]
+    if inner[a] is not None:
+      term = term * inner[a]
+    if inside is not None:
+      term = term * inside
+    count = term if count is None else count + term
+    if a + 1 < ndim:
+      now = (digit >= lo) & (digit < hi)
+      if cum is not None:
+        now &= cum[digit + 1] > cum[digit]
+      inside = now if inside is None else inside & now
+  return np.where(whole, volume, count).astype(np.int64, copy=False)
 
 
 def merge_axes(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple:
