@@ -54,14 +54,16 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.nd
                  members)
 
 
-def _prefix(x, shape, los, his, members=None) -> np.ndarray:
+def _prefix(x, shape, los, his, members=None, clipped: bool = False) -> np.ndarray:
   """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays).
 
   Below ``x`` lie, per axis ``a``, the whole slabs of the box before ``x``'s
   digit along ``a`` (when ``x``'s digits before ``a`` all lie in the box).
   The digits come from one ``unravel_index``, and the first axis's terms
   need no mask: on a grid laid over many tiles these arrays have one entry
-  per run end, tens of thousands of them.
+  per run end, tens of thousands of them. ``clipped``: the bounds already
+  lie inside the tensor, ``0 <= lo <= hi <= size`` (the caller clipped the
+  boxes once, not every run's copy of them).
   """
   ndim = len(shape)
   x = np.asarray(x, np.int64)
@@ -69,9 +71,8 @@ def _prefix(x, shape, los, his, members=None) -> np.ndarray:
     return (x >= 1).astype(np.int64)
   members = [None] * ndim if members is None else list(members)
   sizes = [int(s) for s in shape]
-  # Only the part of the box inside the tensor counts.
-  los = [np.clip(los[a], 0, sizes[a]) for a in range(ndim)]
-  his = [np.clip(his[a], los[a], sizes[a]) for a in range(ndim)]
+  if not clipped:  # only the part of the box inside the tensor counts
+    los, his = _clipped(los, his, sizes)
   widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
   inner = [None] * ndim  # box volume of the axes after a (None: no axes)
   volume = None
@@ -101,6 +102,13 @@ def _prefix(x, shape, los, his, members=None) -> np.ndarray:
         now &= cum[digit + 1] > cum[digit]
       inside = now if inside is None else inside & now
   return np.where(whole, volume, count).astype(np.int64, copy=False)
+
+
+def _clipped(los, his, sizes) -> tuple:
+  """Per-axis box bounds cut to the tensor: ``0 <= lo <= hi <= size``."""
+  los = [np.clip(lo, 0, int(size)) for lo, size in zip(los, sizes)]
+  his = [np.clip(hi, lo, int(size)) for lo, hi, size in zip(los, his, sizes)]
+  return los, his
 
 
 def merge_axes(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple:
@@ -462,12 +470,15 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   both = np.concatenate([starts[mine], ends[mine]])
   g2 = np.concatenate([g, g])
   # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
-  run_lo = [np.ascontiguousarray(boxes[0][:, a])[g2] for a in range(len(shape))]
-  run_hi = [np.ascontiguousarray(boxes[1][:, a])[g2] for a in range(len(shape))]
+  # (Clipped to the tensor per box here, not per run end in _prefix.)
+  box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
+                            [boxes[1][:, a] for a in range(len(shape))], shape)
+  run_lo = [lo[g2] for lo in box_lo]
+  run_hi = [hi[g2] for hi in box_hi]
 
   def on_own_tile(sets):
     """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
-    prefix = _prefix(both, shape, run_lo, run_hi, sets)
+    prefix = _prefix(both, shape, run_lo, run_hi, sets, clipped=True)
     inside = prefix[g.size:] - prefix[:g.size]
     # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
     return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
