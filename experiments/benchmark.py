@@ -239,13 +239,15 @@ def run_scale_case(name, repeats):
   r = scale_workloads.row(name)
   result = dict(workload=name, model=r.model, layers=r.layers, width=r.width, seq=r.seq,
                 batch=r.batch, vocab=r.vocab if r.model == "transformer" else None,
-                target=f"{r.target[0]}x{r.target[1]}")
+                target=f"{r.target[0]}x{r.target[1]}"
+                + (f" x{r.replicas} replicas" if r.replicas > 1 else ""))
   try:
     fn, args = scale_workloads.workload(r)
     result["params"] = scale_workloads.num_params(args[0])
     target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
     cfg = ipu_jax.IPUConfig()
     cfg.executor.mode = _EXECUTOR.value
+    cfg.replication_factor = r.replicas  # ipu_jax.jit lowers and runs one replica
     emulated = ipu_jax.jit(fn, config=cfg, target=target, verbose=0)
     # CPU seconds too: on a shared machine wall time includes waiting for a core.
     start, cpu = time.perf_counter(), time.process_time()

@@ -16,12 +16,15 @@ from flax import nnx
 __all__ = ["make_train_step", "workload"]
 
 
-def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation):
+def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation,
+                    reduce_grads=None):
   """``(step, params)`` for ``model``.
 
   ``step(params, opt_state, x, y, rng) -> (params, opt_state, loss)``; ``rng``
   reseeds the model's random streams (dropout), so the step is pure.
-  ``step.loss_fn(params, x, y, rng)`` is the loss alone.
+  ``step.loss_fn(params, x, y, rng)`` is the loss alone. ``reduce_grads``
+  (e.g. ``ipu_jax.ops.cross_replica_mean`` for a replicated step), if given,
+  is applied to the gradients before the update.
   """
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
 
@@ -34,6 +37,8 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation):
 
   def step(params, opt_state, x, y, rng):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y, rng)
+    if reduce_grads is not None:
+      grads = reduce_grads(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

@@ -30,7 +30,11 @@ class ScaleRow:
     layers, width, heads, seq, vocab: transformer geometry.
     batch: micro-batch.
     image: input side for the CNN.
-    target: ``(preset, num_ipus)`` of the emulated system.
+    target: ``(preset, num_ipus)`` of the emulated system (of one replica).
+    replicas: replicas of the step (data parallel, ``replication_factor``):
+      each replica runs the step on its own ``target`` and the gradients are
+      averaged across them (``ipu_jax.ops.cross_replica_mean``, an all-reduce
+      over the IPU-Links), so ``replicas x num_ipus`` IPUs in all.
   """
 
   name: str
@@ -43,6 +47,7 @@ class ScaleRow:
   vocab: int = 256
   image: int = 0
   target: tuple = ("ipu2", 1)
+  replicas: int = 1
 
 
 ROWS = (
@@ -59,6 +64,16 @@ ROWS = (
     ScaleRow("bert-2layers", "transformer", batch=2, layers=2, width=768, heads=12, seq=128,
              vocab=30522, target=("bow", 8)),
     ScaleRow("resnet18-64", "resnet18", batch=4, image=64),
+    # The 8-layer step on four Bow IPUs (one program over their 5,888 tiles):
+    # lowering time against the IPU count, the work being enc-8x256's.
+    ScaleRow("enc-8x256-bow4", "transformer", batch=8, layers=8, width=256, seq=128,
+             target=("bow", 4)),
+    # Lowering time per equation, one IPU against sixteen: the same step on one
+    # Bow IPU, and replicated over 16 (one IPU each, gradients all-reduced).
+    ScaleRow("enc-4x128-bow1", "transformer", batch=8, layers=4, width=128, seq=64,
+             target=("bow", 1)),
+    ScaleRow("enc-4x128-bow1x16", "transformer", batch=8, layers=4, width=128, seq=64,
+             target=("bow", 1), replicas=16),
 )
 
 
@@ -136,7 +151,11 @@ def workload(r: ScaleRow, seed: int = 0):
   else:
     raise ValueError(f"unknown model {r.model!r}; valid: 'transformer', 'resnet18'")
   optimizer = optax.adam(1e-3)
-  step, params = models.make_train_step(model, optimizer)
+  reduce_grads = None
+  if r.replicas > 1:
+    from ipu_jax.ops import cross_replica_mean
+    reduce_grads = cross_replica_mean
+  step, params = models.make_train_step(model, optimizer, reduce_grads=reduce_grads)
   return step, (params, optimizer.init(params), x, y, k_drop)
 
 

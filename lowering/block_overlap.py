@@ -54,36 +54,61 @@ def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.nd
                  members)
 
 
-def _prefix(x, shape, los, his, members=None) -> np.ndarray:
-  """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays)."""
+def _prefix(x, shape, los, his, members=None, clipped: bool = False) -> np.ndarray:
+  """:func:`prefix_in_box` with the bounds given per axis (``[R]`` arrays).
+
+  Below ``x`` lie, per axis ``a``, the whole slabs of the box before ``x``'s
+  digit along ``a`` (when ``x``'s digits before ``a`` all lie in the box).
+  The digits come from one ``unravel_index``, and the first axis's terms
+  need no mask: on a grid laid over many tiles these arrays have one entry
+  per run end, tens of thousands of them. ``clipped``: the bounds already
+  lie inside the tensor, ``0 <= lo <= hi <= size`` (the caller clipped the
+  boxes once, not every run's copy of them).
+  """
   ndim = len(shape)
+  x = np.asarray(x, np.int64)
+  if ndim == 0:  # one element: below x when x >= 1
+    return (x >= 1).astype(np.int64)
   members = [None] * ndim if members is None else list(members)
-  # Only the part of the box inside the tensor counts.
-  los = [np.clip(los[a], 0, int(shape[a])) for a in range(ndim)]
-  his = [np.clip(his[a], los[a], int(shape[a])) for a in range(ndim)]
+  sizes = [int(s) for s in shape]
+  if not clipped:  # only the part of the box inside the tensor counts
+    los, his = _clipped(los, his, sizes)
   widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
-  total = int(np.prod(shape, dtype=np.int64))
-  # x == total has no digits: every index lies below it.
-  whole = x >= total
-  x = np.minimum(x, max(total - 1, 0))
-  inner = [None] * ndim  # box volume of the axes after a
-  volume = np.ones(x.shape, np.int64)
+  inner = [None] * ndim  # box volume of the axes after a (None: no axes)
+  volume = None
   for a in reversed(range(ndim)):
     inner[a] = volume
-    volume = volume * widths[a]
-  count = np.zeros(x.shape, np.int64)
-  inside = np.ones(x.shape, bool)
-  stride = total
-  for a, size in enumerate(shape):
-    stride //= max(int(size), 1)
-    digit = (x // stride) % max(int(size), 1)
-    below = np.minimum(np.maximum(digit, los[a]), his[a])
-    cum = members[a]
-    count += (below - los[a] if cum is None else cum[below] - cum[los[a]]) * inner[a] * inside
-    inside &= (digit >= los[a]) & (digit < his[a])
-    if cum is not None:
-      inside &= cum[digit + 1] > cum[digit]
-  return np.where(whole, volume, count)
+    volume = widths[a] if volume is None else volume * widths[a]
+  volume = np.broadcast_to(np.asarray(volume, np.int64), x.shape)
+  total = int(np.prod(sizes, dtype=np.int64))
+  if total == 0:
+    return np.zeros(x.shape, np.int64)
+  # x == total has no digits: every index lies below it.
+  whole = x >= total
+  digits = np.unravel_index(np.minimum(x, total - 1), sizes)
+  count = inside = None
+  for a in range(ndim):
+    digit, lo, hi, cum = digits[a], los[a], his[a], members[a]
+    below = np.minimum(np.maximum(digit, lo), hi)
+    term = below - lo if cum is None else cum[below] - cum[lo]
+    if inner[a] is not None:
+      term = term * inner[a]
+    if inside is not None:
+      term = term * inside
+    count = term if count is None else count + term
+    if a + 1 < ndim:
+      now = (digit >= lo) & (digit < hi)
+      if cum is not None:
+        now &= cum[digit + 1] > cum[digit]
+      inside = now if inside is None else inside & now
+  return np.where(whole, volume, count).astype(np.int64, copy=False)
+
+
+def _clipped(los, his, sizes) -> tuple:
+  """Per-axis box bounds cut to the tensor: ``0 <= lo <= hi <= size``."""
+  los = [np.clip(lo, 0, int(size)) for lo, size in zip(los, sizes)]
+  his = [np.clip(hi, lo, int(size)) for lo, hi, size in zip(los, his, sizes)]
+  return los, his
 
 
 def merge_axes(shape: Sequence[int], groups: Sequence[Sequence[int]]) -> tuple:
@@ -448,12 +473,15 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   both = np.concatenate([starts[mine], ends[mine]])
   g2 = np.concatenate([g, g])
   # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
-  run_lo = [np.ascontiguousarray(boxes[0][:, a])[g2] for a in range(len(shape))]
-  run_hi = [np.ascontiguousarray(boxes[1][:, a])[g2] for a in range(len(shape))]
+  # (Clipped to the tensor per box here, not per run end in _prefix.)
+  box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
+                            [boxes[1][:, a] for a in range(len(shape))], shape)
+  run_lo = [lo[g2] for lo in box_lo]
+  run_hi = [hi[g2] for hi in box_hi]
 
   def on_own_tile(sets):
     """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
-    prefix = _prefix(both, shape, run_lo, run_hi, sets)
+    prefix = _prefix(both, shape, run_lo, run_hi, sets, clipped=True)
     inside = prefix[g.size:] - prefix[:g.size]
     # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
     return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)

@@ -26,12 +26,13 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import logical_form
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["assign", "relayout_to", "elementwise", "partitioned",
+__all__ = ["assign", "relayout_to", "elementwise", "elementwise_figures", "partitioned",
            "logical", "storage", "broadcast_cost", "add_costs",
            "worker_vertices"]
 
@@ -104,6 +105,45 @@ def broadcast_cost(ctx, tensor: P.Tensor, dst_tiles: np.ndarray) -> Optional[Exc
     for ipu in range(target.num_ipus):
       link[ipu] = int(on_ipu[ipu]) * int((ipu_of_dst != ipu).sum())
   return ExchangeCost(bytes_in, bytes_out.astype(np.int64), link)
+
+
+_ELEMENTWISE_FIGURES = plan_cache.PlanCache("elementwise figures", max_entries=4096)
+
+
+def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) -> tuple:
+  """``(compute_cycles, vertices)`` per tile of an elementwise step on ``mapping``.
+
+  They depend only on the elements each tile holds, tile by tile, so one
+  layout moved along the tiles (a small tensor placed where the last one
+  ended, the same layer on another IPU) has them moved by as many tiles:
+  they are computed once per layout counted from its first tile, kept
+  narrowed and read-only, and rolled into place (on several IPUs,
+  recomputing ``[num_tiles]`` figures for every equation was a large part
+  of lowering).
+  """
+  dtype = np.dtype(dtype)
+  t = target.num_tiles
+  base = int(mapping.tiles[0]) if mapping.num_rows else 0
+
+  def compute():
+    elements = np.roll(mapping.elements_per_tile(t), -base)
+    cycles = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype,
+                                           in_dtype=in_dtype)
+    vertices = np.minimum(elements, target.worker_contexts)
+    return tuple(_frozen(P.narrowed(a)) for a in (cycles, vertices))
+
+  # Types as dtype objects, not ``.str``: bfloat16 and the FP8 types share ``<V2``/``<V1``.
+  in_key = None if in_dtype is None else np.dtype(in_dtype)
+  key = (mapping.relative_fingerprint(base, t), op, dtype, in_key, target)
+  cycles, vertices = plan_cache.cached(_ELEMENTWISE_FIGURES, key, compute)
+  if base == 0:
+    return cycles, vertices
+  return tuple(_frozen(np.roll(a, base)) for a in (cycles, vertices))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+  a.setflags(write=False)
+  return a
 
 
 def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
@@ -199,16 +239,14 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   if ctx.options.executor_mode != "per_tile":
     logical_form.attach(step_fn, logical_fn)
 
-  elements = mapping.elements_per_tile(target.num_tiles)
   op = cost_op or ctx.op
   in_dtype = operands[0].dtype if operands else None
-  compute = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype,
-                                          in_dtype=in_dtype)
+  compute, vertices = elementwise_figures(target, mapping, op, dtype, in_dtype)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
       compute_cycles=compute, exchange=add_costs(*costs),
-      vertices=worker_vertices(ctx, elements), codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
+      vertices=vertices, codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
       flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize, dtype,
                                                  in_dtype),
       literals=tuple(info for kind, info in kinds if kind == "literal")))

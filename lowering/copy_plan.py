@@ -239,9 +239,17 @@ def _union_lengths(group: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_groups
   """``[num_groups]`` length of the union of intervals ``[lo, hi)`` per group."""
   if group.size == 0:
     return np.zeros(num_groups, np.int64)
-  order = np.lexsort((lo, group))
-  base = group[order].astype(np.int64) * (span + 1)
-  start, end = base + lo[order], base + hi[order]
+  if num_groups * (span + 1) < 1 << 62:
+    # One sort of (group, start) packed into one key: half the work of a
+    # two-key lexsort, on copies with tens of thousands of pieces.
+    key = group.astype(np.int64) * (span + 1) + lo
+    order = np.argsort(key, kind="stable")
+    start = key[order]
+    end = start + (hi - lo)[order]
+  else:
+    order = np.lexsort((lo, group))
+    base = group[order].astype(np.int64) * (span + 1)
+    start, end = base + lo[order], base + hi[order]
   # Groups are sorted and separated by more than ``span``: a running maximum
   # of interval ends never carries from one group into the next.
   reached = np.maximum.accumulate(end)

@@ -19,7 +19,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["ExchangeCost", "movement_cost", "interval_movement_cost", "to_storage", "to_flat",
-           "relayout", "relayout_cost", "shift_cost", "exchange_cycles", "ordered_runs",
+           "relayout", "relayout_cost", "interval_link_bytes", "relative_base", "shift_cost", "exchange_cycles", "ordered_runs",
            "take_or_fill"]
 
 
@@ -219,26 +219,98 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   if src.same_as(dst) or src.num_elements == 0:
     return None
   # Repeated layers relayout between the same layouts, maybe moved along the
-  # tiles: cost them once (within one IPU only tile identities matter).
-  base = int(dst.tiles[0]) if target.num_ipus == 1 and dst.num_rows else 0
+  # tiles: the bytes each tile sends and receives only compare tile
+  # identities, so they are costed once, counted from the destination's
+  # first tile, and moved into place. The IPU-Link bytes do depend on where
+  # the IPUs' boundaries fall: on several IPUs they are counted afresh, on
+  # runs of whole IPUs (a few per tensor, not one per tile).
+  base = int(dst.tiles[0]) if dst.num_rows else 0
   t = target.num_tiles
   key = (src.relative_fingerprint(base, t), dst.relative_fingerprint(base, t), int(itemsize),
          target)
   relative = plan_cache.cached(_RELAYOUTS, key, lambda: _frozen(shift_cost(
-      interval_movement_cost(target, src, dst, itemsize), -base)))
-  return shift_cost(relative, base)
+      _tile_bytes(interval_movement_cost(target, src, dst, itemsize)), -base)))
+  moved = shift_cost(relative, base)
+  if target.num_ipus == 1:
+    return moved
+  return ExchangeCost(moved.bytes_in, moved.bytes_out,
+                      interval_link_bytes(target, src, dst, itemsize))
 
 
-def shift_cost(cost: ExchangeCost | None, tiles: int) -> ExchangeCost | None:
+def _tile_bytes(cost: ExchangeCost) -> ExchangeCost:
+  """``cost`` without its IPU-Link bytes (zeros: they are not moved with the tiles)."""
+  return ExchangeCost(cost.bytes_in, cost.bytes_out, np.zeros_like(cost.link_bytes_out))
+
+
+def _ipu_runs(mapping: TileMapping, tiles_per_ipu: int) -> tuple:
+  """``(starts, ipus)``: the flattened tensor as runs of one IPU each."""
+  starts, tiles = mapping.intervals
+  ipus = tiles // tiles_per_ipu
+  keep = np.ones(ipus.size, bool)
+  keep[1:] = ipus[1:] != ipus[:-1]
+  return starts[keep], ipus[keep]
+
+
+def interval_link_bytes(target: IPUTarget, src: TileMapping, dst: TileMapping,
+                        itemsize: int) -> np.ndarray:
+  """``[num_ipus]`` IPU-Link bytes of :func:`interval_movement_cost`, on runs of whole IPUs.
+
+  An element crosses a link when the IPU holding it in ``src`` is not the one
+  holding it in ``dst``: the overlaps of the two tensors' IPU runs give the
+  same sums as their tile runs, in time proportional to the IPU runs.
+  """
+  per, n_ipus = target.tiles_per_ipu, target.num_ipus
+  s_starts, s_ipus = _ipu_runs(src, per)
+  d_starts, d_ipus = _ipu_runs(dst, per)
+  bounds = _merge_sorted(s_starts, d_starts)
+  lengths = np.diff(np.append(bounds, src.num_elements))
+  s = s_ipus[np.searchsorted(s_starts, bounds, side="right") - 1]
+  d = d_ipus[np.searchsorted(d_starts, bounds, side="right") - 1]
+  crossing = s != d
+  link = np.bincount(s[crossing], weights=lengths[crossing], minlength=n_ipus)[:n_ipus]
+  return link.astype(np.int64) * itemsize
+
+
+def relative_base(target: IPUTarget, tile: int) -> int:
+  """Where costs of layouts moved along the tiles are counted from, for ``tile``.
+
+  On one IPU, ``tile`` itself: an exchange's bytes per tile only compare tile
+  identities, so a layout moved by ``k`` tiles costs the same, moved by ``k``.
+  On several IPUs, the first tile of ``tile``'s IPU: a move by whole IPUs
+  keeps which tiles share an IPU, so the IPU-Link bytes move along with the
+  tiles (a layer on IPU 3 costs what the same layer on IPU 0 does, three
+  IPUs along), while any other move could change which bytes cross a link.
+  """
+  tile = int(tile)
+  if target.num_ipus == 1:
+    return tile
+  per = target.tiles_per_ipu
+  return tile - tile % per
+
+
+def shift_cost(cost: ExchangeCost | None, tiles: int,
+               tiles_per_ipu: int | None = None) -> ExchangeCost | None:
   """``cost`` with every tile ``t``'s bytes moved to tile ``t + tiles`` (cyclically).
 
-  For costs within one IPU (no IPU-Link bytes), to reuse a cost found for a
-  layout moved along the tiles.
+  To reuse a cost found for a layout moved along the tiles (see
+  :func:`relative_base`). With several IPUs the move must be by whole IPUs
+  (``tiles_per_ipu`` given): IPU ``i``'s IPU-Link bytes then move to IPU
+  ``i + tiles // tiles_per_ipu``.
+
+  Raises:
+    ValueError: a cost with IPU-Link bytes moved by a number of tiles that
+      is not a multiple of ``tiles_per_ipu`` (a cost without any may move
+      by any number of tiles).
   """
   if cost is None or tiles == 0:
     return cost
-  return ExchangeCost(np.roll(cost.bytes_in, tiles), np.roll(cost.bytes_out, tiles),
-                      cost.link_bytes_out)
+  link = cost.link_bytes_out
+  if link.size > 1 and link.any():
+    if not tiles_per_ipu or tiles % tiles_per_ipu:
+      raise ValueError(f"shift_cost: a cost over {link.size} IPUs moved by {tiles} tiles, "
+                       f"not a multiple of tiles_per_ipu={tiles_per_ipu}")
+    link = np.roll(link, tiles // tiles_per_ipu)
+  return ExchangeCost(np.roll(cost.bytes_in, tiles), np.roll(cost.bytes_out, tiles), link)
 
 
 _RELAYOUTS = plan_cache.PlanCache("relayout costs", max_entries=4096)

@@ -95,7 +95,7 @@ from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
-from ipu_jax.lowering.exchange import ExchangeCost, shift_cost
+from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
 from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
                                           edge_sizes, grid_tiles, operand_dtype,
@@ -143,22 +143,23 @@ def _frozen_grid_cost(result):
 def _operand_cost(target, operand: P.Tensor, key: tuple, tiles: np.ndarray, compute):
   """``compute()``'s ``(cost, local)`` of an operand's exchange, cached.
 
-  Within one IPU the bytes depend only on which tile holds what, so the key
-  counts tile ids from the grid's first tile: a repeated layer whose grid
-  and operand landed further along the tiles reuses the first layer's cost,
-  moved along by as many tiles.
+  The bytes depend only on which tile holds what (and, on several IPUs,
+  which IPU), so the key counts tile ids from the grid's first tile (its
+  IPU's first tile on several IPUs: :func:`~ipu_jax.lowering.exchange.relative_base`):
+  a repeated layer whose grid and operand landed further along the tiles, or
+  on another IPU, reuses the first layer's cost, moved along by as many tiles.
   """
-  t = target.num_tiles
-  base = int(tiles[0]) if target.num_ipus == 1 else 0
+  t, per = target.num_tiles, target.tiles_per_ipu
+  base = relative_base(target, tiles[0])
   key = key + (operand.mapping.relative_fingerprint(base, t), operand.shape, operand.itemsize,
                tiles_key((tiles - base) % t), target)
 
   def relative():
     cost, local = compute()
-    return _frozen_grid_cost((shift_cost(cost, -base), local))
+    return _frozen_grid_cost((shift_cost(cost, -base, per), local))
 
   cost, local = plan_cache.cached(_GRID_COSTS, key, relative)
-  return shift_cost(cost, base), local
+  return shift_cost(cost, base, per), local
 
 
 def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape: Sequence[int],

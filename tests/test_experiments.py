@@ -134,3 +134,26 @@ def test_settings_and_flags():
   defaults = common.settings_from_flags(mnist.DEFAULTS)
   assert defaults.epochs == mnist.DEFAULTS["epochs"]
   assert defaults.target == "ipu2"
+
+
+def test_replicated_scale_row_all_reduces_its_gradients():
+  # A scale row with replicas lowers one replica's step whose gradients are
+  # averaged over the replicas (an all-reduce step per gradient), and runs as
+  # one replica: the numbers of the plain step (a mean of one replica).
+  import jax
+  import ipu_jax
+  from experiments import scale_workloads
+  row = scale_workloads.ScaleRow("tiny-x2", "transformer", batch=2, layers=1, width=32, heads=2,
+                                 seq=16, vocab=64, replicas=2)
+  fn, args = scale_workloads.workload(row)
+  cfg = ipu_jax.IPUConfig()
+  cfg.replication_factor = row.replicas
+  emulated = ipu_jax.jit(fn, config=cfg, target=ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16),
+                         verbose=0)
+  names = [s.name for s in emulated.lower(*args).report.profile.steps]
+  assert sum(n.startswith("all_reduce<mean>x2") for n in names) == len(jax.tree.leaves(args[0]))
+  params, _, loss = emulated(*args)
+  want_params, _, want_loss = jax.jit(fn)(*args)
+  np.testing.assert_allclose(np.asarray(loss), np.asarray(want_loss), rtol=1e-4)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)

@@ -1,14 +1,18 @@
 """Plan caching: repeated layers reuse plans, with unchanged costs and results."""
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax.lowering import builders
 from ipu_jax.lowering import exchange
 from ipu_jax.lowering import matmul_plan
+from ipu_jax.lowering import program as P
+from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering import matmul_emit
@@ -29,7 +33,17 @@ def _step_figures(lowered):
            s.exchange_bytes_out.tolist()) for s in lowered.report.profile.steps]
 
 
-class PlanCacheTest(chex.TestCase):
+# Four IPUs of 16 tiles: layers can land on another IPU, and IPU-Link bytes count.
+_FOUR_IPUS = ipu_jax.IPUTarget.preset("ipu2", num_ipus=4, tiles_per_ipu=16)
+
+
+def _assert_costs_equal(got, want):
+  for a, b in ((got.bytes_in, want.bytes_in), (got.bytes_out, want.bytes_out),
+               (got.link_bytes_out, want.link_bytes_out)):
+    np.testing.assert_array_equal(a, b)
+
+
+class PlanCacheTest(chex.TestCase, parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
@@ -43,18 +57,113 @@ class PlanCacheTest(chex.TestCase):
                   matmul_emit._GRID_COSTS):
       cache.clear()
 
-  def test_repeated_layers_hit_and_keep_costs(self):
+  @parameterized.parameters(1, 4)
+  def test_repeated_layers_hit_and_keep_costs(self, num_ipus):
     self._clear()
-    fn = ipu_jax.jit(jax.grad(_layers), target=self.target)
+    target = self.target if num_ipus == 1 else _FOUR_IPUS
+    fn = ipu_jax.jit(jax.grad(_layers), target=target)
     cold = fn.lower(self.x, self.ws)
     self.assertGreater(grouping.GROUPS.hits, 0)  # layers 2 and 3 reuse layer 1's grouping
     with plan_cache.disabled():
-      fresh = ipu_jax.jit(jax.grad(_layers), target=self.target).lower(self.x, self.ws)
+      fresh = ipu_jax.jit(jax.grad(_layers), target=target).lower(self.x, self.ws)
     self.assertEqual(_step_figures(cold), _step_figures(fresh))
     np.testing.assert_array_equal(cold.report.profile.memory.peak,
                                   fresh.report.profile.memory.peak)
-    chex.assert_trees_all_close(fn(self.x, self.ws), jax.jit(jax.grad(_layers))(self.x, self.ws),
+    chex.assert_trees_all_close(np.asarray(fn(self.x, self.ws)),
+                                np.asarray(jax.jit(jax.grad(_layers))(self.x, self.ws)),
                                 rtol=1e-5, atol=1e-5)
+
+  def test_layouts_on_another_ipu_share_relayout_costs(self):
+    # A grid -> linear relayout on IPU 0, the same moved to IPUs 3 and 2
+    # (wrapping), then moved by 5 tiles (across an IPU boundary): the bytes
+    # per tile are looked up each time, the IPU-Link bytes are counted for
+    # the layout's own IPUs, and every cost is the one computed afresh.
+    target = _FOUR_IPUS
+    exchange._RELAYOUTS.clear()
+    hits = exchange._RELAYOUTS.hits
+    costs = []
+    for shift in (0, 48, 32, 5):
+      tiles = (shift + np.arange(20)) % 64
+      src = matmul_plan.block_grid_mapping((10, 20), (5, 4), (2, 5), tiles)
+      dst = TileMapping.linear(200, 64, 4, start_tile=(shift + 12) % 64, min_bytes_per_tile=32)
+      got = exchange.relayout_cost(target, src, dst, 4)
+      _assert_costs_equal(got, exchange.interval_movement_cost(target, src, dst, 4))
+      costs.append(got)
+    self.assertEqual(exchange._RELAYOUTS.hits - hits, 3)
+    self.assertGreater(costs[0].link_bytes_out.sum(), 0)  # the layout crosses IPUs 0 -> 1
+    np.testing.assert_array_equal(costs[1].link_bytes_out, np.roll(costs[0].link_bytes_out, 3))
+    np.testing.assert_array_equal(costs[1].bytes_in, np.roll(costs[0].bytes_in, 48))
+
+  def test_link_bytes_on_ipu_runs_match_per_element_counts(self):
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+      n = int(rng.integers(1, 300))
+      src = TileMapping.from_element_tiles(rng.integers(0, 64, n))
+      dst = TileMapping.linear(n, 64, 4, start_tile=int(rng.integers(0, 64)),
+                               min_bytes_per_tile=int(rng.integers(4, 64)))
+      want = exchange.movement_cost(_FOUR_IPUS, src.element_tile, dst.element_tile, 2)
+      np.testing.assert_array_equal(exchange.interval_link_bytes(_FOUR_IPUS, src, dst, 2),
+                                    want.link_bytes_out)
+
+  def test_shift_cost_moves_link_bytes_by_whole_ipus_only(self):
+    cost = exchange.ExchangeCost(np.arange(64), np.arange(64) * 2, np.array([1, 2, 3, 4]))
+    moved = exchange.shift_cost(cost, 32, 16)
+    np.testing.assert_array_equal(moved.link_bytes_out, [3, 4, 1, 2])
+    np.testing.assert_array_equal(moved.bytes_in, np.roll(np.arange(64), 32))
+    with self.assertRaisesRegex(ValueError, "tiles_per_ipu=16"):
+      exchange.shift_cost(cost, 5, 16)
+    without_links = exchange.ExchangeCost(cost.bytes_in, cost.bytes_out, np.zeros(4, np.int64))
+    np.testing.assert_array_equal(exchange.shift_cost(without_links, 5).bytes_out,
+                                  np.roll(cost.bytes_out, 5))
+    self.assertEqual(exchange.relative_base(_FOUR_IPUS, 53), 48)
+    self.assertEqual(exchange.relative_base(self.target, 13), 13)
+
+  def test_matmul_operand_on_another_ipu_hits_ipu_zeros_plan(self):
+    # One operand exchange (a linear [24, 40] lhs into a 2 x 4 x 2 grid) with
+    # operand and grid on IPU 0, then both on IPU 3: the second is IPU 0's
+    # cost moved three IPUs along, equal to costing it afresh.
+    target = _FOUR_IPUS
+    matmul_emit._GRID_COSTS.clear()
+    results = []
+    for ipu in (0, 3):
+      tiles = ipu * 16 + np.arange(16)
+      lhs = P.Tensor("lhs", (24, 40), np.float32,
+                     TileMapping.linear(960, 64, 4, start_tile=ipu * 16 + 8, max_tiles=24))
+      # Per grid axis (b, m, n, k): the blocks needing each canonical coordinate.
+      needs = [(0, np.zeros(1, np.int64), np.ones(1, np.int64)),
+               (1, np.arange(24) // 12, np.arange(24) // 12 + 1), None,
+               (2, np.arange(40) // 20, np.arange(40) // 20 + 1)]
+
+      def compute(lhs=lhs, tiles=tiles, needs=needs):
+        return matmul_plan.operand_exchange_cost(
+            target, lhs, (0, 1), (1, 24, 40), ((), (0,), (1,)), (1, 2, 4, 2), tiles, needs,
+            np.full(16, 12 * 20))
+      hits = matmul_emit._GRID_COSTS.hits
+      got, local = matmul_emit._operand_cost(target, lhs, ("lhs",), tiles, compute)
+      want, want_local = compute()
+      _assert_costs_equal(got, want)
+      np.testing.assert_array_equal(local, want_local)
+      results.append((got, matmul_emit._GRID_COSTS.hits - hits))
+    self.assertEqual([h for _, h in results], [0, 1])
+    self.assertGreater(results[0][0].link_bytes_out.sum(), 0)  # the operand spans IPUs 0 and 1
+    np.testing.assert_array_equal(results[1][0].link_bytes_out,
+                                  np.roll(results[0][0].link_bytes_out, 3))
+
+  @parameterized.parameters(("exp", np.float32, None), ("convert_element_type", np.float16,
+                                                         np.float32), ("atan2", np.float32, None))
+  def test_elementwise_figures_of_moved_layouts_are_shared(self, op, dtype, in_dtype):
+    builders._ELEMENTWISE_FIGURES.clear()
+    target = _FOUR_IPUS
+    hits = builders._ELEMENTWISE_FIGURES.hits
+    for start in (0, 21, 50):  # the same small layout placed further along (and wrapping)
+      mapping = TileMapping.linear(700, 64, 4, start_tile=start, min_bytes_per_tile=64)
+      cycles, vertices = builders.elementwise_figures(target, mapping, op, dtype, in_dtype)
+      elements = mapping.elements_per_tile(64)
+      np.testing.assert_array_equal(cycles, estimators.elementwise_cycles(
+          target, elements, op, np.dtype(dtype).itemsize, dtype=dtype, in_dtype=in_dtype))
+      np.testing.assert_array_equal(vertices, np.minimum(elements, target.worker_contexts))
+      self.assertFalse(cycles.flags.writeable)
+    self.assertEqual(builders._ELEMENTWISE_FIGURES.hits - hits, 2)
 
   def test_cache_is_bounded_by_bytes(self):
     cache = plan_cache.PlanCache("test", max_bytes=4000)

@@ -150,16 +150,27 @@ def unicast_cost(target, src_tile: np.ndarray, first: np.ndarray, length: np.nda
   def per(where, weights, length_):
     return np.bincount(where, weights=weights, minlength=length_)[:length_].astype(np.int64)
 
-  received = per(tiles, _covered(first, stop, ends) - _covered(first, stop, starts), t)
+  # Coverage below every interval's end and start, from one sort of the runs.
+  covered = _covered(first, stop, np.concatenate([ends, starts]))
+  received = per(tiles, covered[:ends.size] - covered[ends.size:], t)
   stay = _overlap(src, first, stop, tiles, starts, ends, n)
   moved = (stop - first) - stay
   if not moved.any():
     return None, received
   staying = per(src, stay, t)
   per_ipu = target.tiles_per_ipu
-  crossing = (stop - first) - _overlap(src // per_ipu, first, stop, tiles // per_ipu,
-                                       starts, ends, n)
-  link = per(src // per_ipu, crossing, target.num_ipus)
+  link = np.zeros(target.num_ipus, np.int64)  # one IPU: nothing crosses a link
+  if target.num_ipus > 1:
+    # What stays on its IPU: overlaps with the IPU's runs of intervals (a few
+    # per tensor, not one per tile).
+    ipus = tiles // per_ipu
+    keep = np.ones(ipus.size, bool)
+    keep[1:] = ipus[1:] != ipus[:-1]
+    ipu_starts = starts[keep]
+    ipu_ends = np.append(ipu_starts[1:], n)
+    crossing = (stop - first) - _overlap(src // per_ipu, first, stop, ipus[keep], ipu_starts,
+                                         ipu_ends, n)
+    link = per(src // per_ipu, crossing, target.num_ipus)
   return ExchangeCost((received - staying) * itemsize, per(src, moved, t) * itemsize,
                       link * itemsize), received
 
