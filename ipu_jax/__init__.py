@@ -6,14 +6,14 @@ training semantics, hardware facts and their sources) are in docs/.
 
 from ipu_jax.config import (IPUConfig, LoweringOptions, default_config,
                             get_default_config)
-from ipu_jax.lowering.errors import FloatingPointException, LoweringError, OutOfMemoryError
+from ipu_jax.errors import FloatingPointException, LoweringError, OutOfMemoryError
 from ipu_jax.jit import IPUFunction, Lowered, jit
 from ipu_jax.nnx_jit import NNXFunction, nnx_jit
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
 from ipu_jax.report import NumberFormatTelemetry, Report, SavedReport, compare_reports, load_report
 from ipu_jax.strategy import IPUStrategy
-from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.target import IPUTarget
 from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
 
 __version__ = "0.1.0"
