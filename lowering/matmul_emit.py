@@ -77,6 +77,15 @@ later steps (reduce, further passes) then have nothing left to do on the
 host, while their cost is still counted. Batched steps also carry that
 product as their logical form (:mod:`~ipu_jax.lowering.logical_form`), which
 the executor runs on the operands' logical arrays.
+
+Code. :func:`emit_matmul` is a short driver: :func:`_make_plan` canonicalises
+the product (:class:`_Product`), plans it and creates the result (a frozen
+:class:`_Plan`); then, per pass, :func:`_pass` gives the pass's block sizes,
+:func:`_operand_costs` and :func:`_block_work` its figures, and the
+``_emit_*`` helpers its supersteps. The steps' arithmetic
+(:func:`_full_product`, :func:`_pass_blocks`, :func:`_reduce_pieces`,
+:func:`_tree_sum`) is module-level and reads the plan; the step functions
+themselves are short closures over it.
 """
 
 from __future__ import annotations
@@ -99,8 +108,8 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
-                                          edge_sizes, grid_tiles, operand_dtype,
+from ipu_jax.lowering.matmul_plan import (MatmulPlan, block_grid_mapping, blocked_storage,
+                                          ceil_div, edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul,
                                           widen_to_partials)
 
@@ -232,7 +241,7 @@ class _Plan:
   rhs: P.Tensor
   out: P.Tensor
   out_mapping: TileMapping
-  plan: object
+  plan: MatmulPlan
   tiles: np.ndarray
   in_dtype: np.dtype
   acc: np.dtype
@@ -708,7 +717,7 @@ def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
     return (_put(p, out_st, index, _reduce_pieces(p, p_st)),)
 
   if mode != "per_tile":  # the matmul step wrote the result
-    logical_form.attach(reduce_step, lambda p, out: (out,))
+    logical_form.attach(reduce_step, lambda partial_blocks, result: (result,))
   ctx.emit(P.Superstep(
       name=f"{p.name}/{p.plan.label}{ps.suffix} reduce", op=ctx.op, reads=(partials, out),
       writes=(out,), fn=reduce_step, compute_cycles=reduce_compute,
@@ -788,7 +797,7 @@ def _tree_sum(level_st, stage: _TreeStage, g_out: int, block: int, acc):
   return x.sum(axis=2)
 
 
-def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.ndarray,
+def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan: MatmulPlan, tiles: np.ndarray,
                       block_elements: np.ndarray, mode: str, name: str) -> None:
   """Sum each output block's ``gk`` partial blocks in a tree of supersteps.
 
