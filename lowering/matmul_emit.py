@@ -77,10 +77,21 @@ later steps (reduce, further passes) then have nothing left to do on the
 host, while their cost is still counted. Batched steps also carry that
 product as their logical form (:mod:`~ipu_jax.lowering.logical_form`), which
 the executor runs on the operands' logical arrays.
+
+Code. :func:`emit_matmul` is a short driver: :func:`_make_plan` canonicalises
+the product (:class:`_Product`), plans it and creates the result (a frozen
+:class:`_Plan`); then, per pass, :func:`_pass` gives the pass's block sizes,
+:func:`_operand_costs` and :func:`_block_work` its figures, and the
+``_emit_*`` helpers its supersteps. The steps' arithmetic
+(:func:`_full_product`, :func:`_pass_blocks`, :func:`_reduce_pieces`,
+:func:`_tree_sum`) is module-level and reads the plan; the step functions
+themselves are short closures over it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -97,8 +108,8 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, ceil_div,
-                                          edge_sizes, grid_tiles, operand_dtype,
+from ipu_jax.lowering.matmul_plan import (MatmulPlan, block_grid_mapping, blocked_storage,
+                                          ceil_div, edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul,
                                           widen_to_partials)
 
@@ -162,6 +173,169 @@ def _operand_cost(target, operand: P.Tensor, key: tuple, tiles: np.ndarray, comp
   return shift_cost(cost, base, per), local
 
 
+@dataclasses.dataclass(frozen=True)
+class _Product:
+  """A ``dot_general`` canonicalised to ``[B, M, K] x [B, K, N]``.
+
+  Attributes:
+    lhs_dims: the lhs axes ``(batch, free, contracting)``.
+    rhs_dims: the rhs axes ``(batch, contracting, free)``.
+    b, m, n, k: the canonical sizes.
+  """
+  lhs_dims: tuple
+  rhs_dims: tuple
+  b: int
+  m: int
+  n: int
+  k: int
+
+  @property
+  def lhs_perm(self) -> tuple:
+    """The lhs transposed to ``[B, M, K]`` order."""
+    return sum(self.lhs_dims, ())
+
+  @property
+  def rhs_perm(self) -> tuple:
+    """The rhs transposed to ``[B, K, N]`` order."""
+    return sum(self.rhs_dims, ())
+
+  @property
+  def dimension_numbers(self) -> tuple:
+    (lb, _, lc), (rb, rc, _) = self.lhs_dims, self.rhs_dims
+    return ((lc, rc), (lb, rb))
+
+
+def _canonical(lhs_shape, rhs_shape, dimension_numbers) -> _Product:
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = (tuple(int(a) for a in x) for x in (lc, rc, lb, rb))
+  lf = tuple(a for a in range(len(lhs_shape)) if a not in lc and a not in lb)
+  rf = tuple(a for a in range(len(rhs_shape)) if a not in rc and a not in rb)
+  return _Product((lb, lf, lc), (rb, rc, rf), b=_prod(lhs_shape[a] for a in lb),
+                  m=_prod(lhs_shape[a] for a in lf), n=_prod(rhs_shape[a] for a in rf),
+                  k=_prod(lhs_shape[a] for a in lc))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything the steps of one planned matmul share.
+
+  Attributes:
+    prod: the canonical product.
+    lhs, rhs, out: the operands and the result.
+    out_mapping: the result's block-grid mapping.
+    plan: the :class:`~ipu_jax.lowering.matmul_plan.MatmulPlan`.
+    tiles: ``[g_all]`` tile of each grid index ``(ib, im, in, ik)``.
+    in_dtype, acc: the operands' costed type and the partials type.
+    precision: ``dot_general``'s precision.
+    mode: the executor mode.
+    notes: the matmul step's notes (float64 emulation).
+    serial_axis: 1 (M) or 2 (N) when the plan has several passes, else None.
+    length: the cut axis's elements per pass (0 with one pass).
+    out_pieces: pieces each output block is cut into (1 after a tree reduction).
+    pass_counts: ``[g_all, passes]`` result elements each tile reduces per
+      pass (a reduce-scatter), or None.
+    name: prefix of the steps' and tensors' names.
+  """
+  prod: _Product
+  lhs: P.Tensor
+  rhs: P.Tensor
+  out: P.Tensor
+  out_mapping: TileMapping
+  plan: MatmulPlan
+  tiles: np.ndarray
+  in_dtype: np.dtype
+  acc: np.dtype
+  precision: object
+  mode: str
+  notes: tuple
+  serial_axis: Optional[int]
+  length: int
+  out_pieces: int
+  pass_counts: Optional[np.ndarray]
+  name: str
+
+  @property
+  def passes(self) -> int:
+    return self.plan.serial
+
+  @property
+  def serial(self) -> tuple:
+    return (self.serial_axis, self.passes)
+
+  @property
+  def g_out(self) -> int:
+    gb, gm, gn, _ = self.plan.grid
+    return gb * gm * gn
+
+  @property
+  def g_all(self) -> int:
+    return self.g_out * self.plan.grid[3]
+
+  @property
+  def block(self) -> int:
+    """Elements of a full output block."""
+    bb, bm, bn, _ = self.plan.block
+    return bb * bm * bn
+
+  @property
+  def piece(self) -> int:
+    """Elements of an output block each tile of a reduce-scatter sums."""
+    return ceil_div(self.block, self.plan.grid[3])
+
+  @property
+  def out_dtype(self) -> np.dtype:
+    return self.out.dtype
+
+  @property
+  def half(self) -> bool:
+    """fp16 partials change the arithmetic (:mod:`half_partials`)."""
+    return half_partials.applies(self.in_dtype, self.acc)
+
+
+def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out_dtype,
+               precision, available_memory_proportion, partials_type, name) -> _Plan:
+  """Plan the product, claim its grid's tiles and create the result."""
+  options = ctx.options
+  if available_memory_proportion is None:
+    available_memory_proportion = options.available_memory_proportion
+  b, m, n, k = prod.b, prod.m, prod.n, prod.k
+  in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
+  acc = partials_dtype(in_dtype, out_dtype, partials_type or options.partials_type)
+  plan = plan_matmul(ctx.target, b, m, n, k, in_dtype, acc, available_memory_proportion)
+  note = estimators.mac_cost_note(in_dtype)
+  gb, gm, gn, gk = plan.grid
+  bb, bm, bn, _ = plan.block
+  passes = plan.serial
+  serial_axis = (2 if plan.serial_axis == "n" else 1) if passes > 1 else None
+  length = ceil_div((b, m, n)[serial_axis], passes) if passes > 1 else 0
+  g_out = gb * gm * gn
+  tiles = grid_tiles(ctx, g_out * gk)
+  # A tree reduction leaves each output block whole on its group's first
+  # tile; a reduce-scatter leaves 1/gk of it on each tile of the group.
+  out_pieces = 1 if plan.reduce_fanins else gk
+  out_tiles = tiles.reshape(g_out, gk)[:, 0] if plan.reduce_fanins else tiles
+  out_mapping = block_grid_mapping((b, m, n), (gb, gm, gn), (bb, bm, bn), out_tiles,
+                                   pieces=out_pieces, serial=(serial_axis, passes))
+  out = ctx.new_tensor(out_shape, out_dtype, out_mapping)
+  p = _Plan(prod=prod, lhs=lhs, rhs=rhs, out=out, out_mapping=out_mapping, plan=plan, tiles=tiles,
+            in_dtype=in_dtype, acc=acc, precision=precision, mode=options.executor_mode,
+            notes=(note,) if note else (), serial_axis=serial_axis, length=length,
+            out_pieces=out_pieces, pass_counts=None, name=name)
+  return dataclasses.replace(p, pass_counts=_pass_counts(p))
+
+
+def _pass_counts(p: _Plan) -> Optional[np.ndarray]:
+  """Result elements per tile and pass (a pass's pieces sit side by side)."""
+  if p.plan.reduce_fanins:
+    return None
+  if p.passes == 1:
+    return p.out_mapping.counts[:, None]
+  g_all, passes = p.g_all, p.passes
+  pass_of = p.out_mapping.element_offset // p.piece
+  return np.bincount(p.out_mapping.element_row * passes + pass_of,
+                     minlength=g_all * passes)[:g_all * passes].reshape(g_all, passes)
+
+
 def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape: Sequence[int],
                 out_dtype, *, precision=None, available_memory_proportion: Optional[float] = None,
                 partials_type: Optional[str] = None, name: Optional[str] = None) -> P.Tensor:
@@ -183,288 +357,447 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
   """
   out_shape, out_dtype = tuple(int(d) for d in out_shape), np.dtype(out_dtype)
   name = name or ctx.op
-  (lc, rc), (lb, rb) = dimension_numbers
-  lc, rc, lb, rb = (tuple(int(a) for a in x) for x in (lc, rc, lb, rb))
-  lf = tuple(a for a in range(len(lhs.shape)) if a not in lc and a not in lb)
-  rf = tuple(a for a in range(len(rhs.shape)) if a not in rc and a not in rb)
-  b = _prod(lhs.shape[a] for a in lb)
-  m = _prod(lhs.shape[a] for a in lf)
-  k = _prod(lhs.shape[a] for a in lc)
-  n = _prod(rhs.shape[a] for a in rf)
-  if b * m * n == 0:
+  prod = _canonical(lhs.shape, rhs.shape, dimension_numbers)
+  if prod.b * prod.m * prod.n == 0:
     return ctx.new_tensor(out_shape, out_dtype)
-  if k == 0:
+  if prod.k == 0:
     return fill_zeros(ctx, out_shape, out_dtype, f"{name}/zeros")
-
-  target, options = ctx.target, ctx.options
-  if available_memory_proportion is None:
-    available_memory_proportion = options.available_memory_proportion
-  in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
-  acc = partials_dtype(in_dtype, out_dtype, partials_type or options.partials_type)
-  plan = plan_matmul(target, b, m, n, k, in_dtype, acc, available_memory_proportion)
-  note = estimators.mac_cost_note(in_dtype)
-  notes = (note,) if note else ()
-  gb, gm, gn, gk = plan.grid
-  bb, bm, bn, bk = plan.block
-  passes = plan.serial
-  serial_axis = (2 if plan.serial_axis == "n" else 1) if passes > 1 else None
-  length = ceil_div((b, m, n)[serial_axis], passes) if passes > 1 else 0
-  g_out = gb * gm * gn
-  g_all = g_out * gk
-  tiles = grid_tiles(ctx, g_all)
-  serial = (serial_axis, passes)
-  # A tree reduction leaves each output block whole on its group's first
-  # tile; a reduce-scatter leaves 1/gk of it on each tile of the group.
-  out_pieces = 1 if plan.reduce_fanins else gk
-  out_tiles = tiles.reshape(g_out, gk)[:, 0] if plan.reduce_fanins else tiles
-  out_mapping = block_grid_mapping((b, m, n), (gb, gm, gn), (bb, bm, bn), out_tiles,
-                                   pieces=out_pieces, serial=serial)
-  out = ctx.new_tensor(out_shape, out_dtype, out_mapping)
-  lhs_perm, rhs_perm = lb + lf + lc, rb + rc + rf
-  ib, im, in_, ik = np.unravel_index(np.arange(g_all), (gb, gm, gn, gk))
-  num_tiles = target.num_tiles
-  mode = options.executor_mode
-  per_tile_precision = (lax.Precision.HIGHEST
-                        if np.dtype(in_dtype) == np.float32 else precision)
-  dn = ((lc, rc), (lb, rb))
-  block = bb * bm * bn
-  piece = ceil_div(block, gk)
-  codelet = vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(in_dtype), acc)
-  half = half_partials.applies(in_dtype, acc)  # fp16 partials change the arithmetic
-  label = plan.label
-
-  def blocks_of(size, block_size):
-    """Per position along a dimension: the one block needing it, ``[lo, lo + 1)``."""
-    lo = np.arange(size, dtype=np.int64) // block_size
-    return lo, lo + 1
-
-  def full_product(a_st, b_st):
-    """The whole product, [B, M, N] in the result type (batched mode).
-
-    Whatever the K split, one ``lax.dot_general`` with the user's precision
-    and the partials type as ``preferred_element_type``: the numbers
-    ``jax.jit`` gives, to rounding. The tiles sum ``gk`` partials in their
-    own order; reproducing that order (one product per K block and a sum of
-    the partials) cost 5x a plain product on the whole chip and bought only
-    a different rounding of fp32 sums, so it is not done. fp16 partials are
-    the exception: rounding each partial and each addition to half precision
-    changes the result, so :mod:`half_partials` keeps the plan's order.
-    The per-tile accounting does not depend on this: it is the plan's.
-    """
-    return logical_product(logical(a_st, lhs), logical(b_st, rhs)).reshape(b, m, n)
-
-  def logical_product(a, w):
-    """:func:`full_product` of the operands' logical arrays, in the result's shape."""
-    if half:
-      return half_partials.planned_dot(
-          jnp.transpose(a, lhs_perm).reshape(b, m, k),
-          jnp.transpose(w, rhs_perm).reshape(b, k, n), gk, bk,
-          fanins=plan.reduce_fanins).astype(out_dtype).reshape(out_shape)
-    c = lax.dot_general(widen_to_partials(a, acc), widen_to_partials(w, acc), dn,
-                        precision=precision, preferred_element_type=acc)
-    return c.astype(out_dtype).reshape(out_shape)
-
-  def pass_blocks(a_st, b_st, start, stop):
-    """Per-tile partial blocks ``[G, bb*bm*bn]`` of one pass (per_tile mode)."""
-    a = jnp.transpose(logical(a_st, lhs), lhs_perm).reshape(b, m, k)
-    w = jnp.transpose(logical(b_st, rhs), rhs_perm).reshape(b, k, n)
-    common = jnp.promote_types(a.dtype, w.dtype)
-    a, w = a.astype(common), w.astype(common)
-    if serial_axis == 1:
-      a = a[:, start:stop]
-    elif serial_axis == 2:
-      w = w[:, :, start:stop]
-    pb, pm, pk, pn = a.shape[0], a.shape[1], a.shape[2], w.shape[2]
-    a = jnp.pad(a, ((0, gb * bb - pb), (0, gm * bm - pm), (0, gk * bk - pk)))
-    a = a.reshape(gb, bb, gm, bm, gk, bk).transpose(0, 2, 4, 1, 3, 5)
-    a = jnp.broadcast_to(a[:, :, None], (gb, gm, gn, gk, bb, bm, bk)).reshape(g_all, bb, bm, bk)
-    w = jnp.pad(w, ((0, gb * bb - pb), (0, gk * bk - pk), (0, gn * bn - pn)))
-    w = w.reshape(gb, bb, gk, bk, gn, bn).transpose(0, 4, 2, 1, 3, 5)
-    w = jnp.broadcast_to(w[:, None], (gb, gm, gn, gk, bb, bk, bn)).reshape(g_all, bb, bk, bn)
-
-    if half:  # fp16 partials: each tile's AMP chains, as the batched model
-      return half_partials.tile_partials(a.reshape(g_all * bb, bm, bk),
-                                         w.reshape(g_all * bb, bk, bn)).reshape(g_all, block)
-
-    def block_matmul(x, y):
-      x, y = widen_to_partials(x, acc), widen_to_partials(y, acc)
-      return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))),
-                             precision=per_tile_precision, preferred_element_type=acc)
-
-    return jax.vmap(block_matmul)(a, w).reshape(g_all, block)
-
-  def put(out_st, index, value):
-    """Write one pass's pieces into the result storage."""
-    if passes == 1:
-      return value.astype(out_dtype)
-    rows = out_st.shape[0]
-    return out_st.reshape(rows, passes, -1).at[:, index].set(value.astype(out_dtype)).reshape(
-        rows, -1)
-
-  def reduce_pieces(p_st):
-    x = p_st.reshape(g_out, gk, block)
-    if piece * gk != block:
-      x = jnp.pad(x, ((0, 0), (0, 0), (0, piece * gk - block)))
-    x = x.reshape(g_out, gk, gk, piece)
-    if half:  # the partials added in order, rounding each addition
-      return half_partials.add_in_order(jnp.moveaxis(x, 1, 0)).reshape(g_all, piece)
-    return x.sum(axis=1).reshape(g_all, piece)
-
-  # Result elements per tile and pass (a pass's pieces sit side by side).
-  if plan.reduce_fanins:
-    pass_counts = None
-  elif passes == 1:
-    pass_counts = out_mapping.counts[:, None]
-  else:
-    pass_of = out_mapping.element_offset // piece
-    pass_counts = np.bincount(out_mapping.element_row * passes + pass_of,
-                              minlength=g_all * passes)[:g_all * passes].reshape(g_all, passes)
-
+  p = _make_plan(ctx, lhs, rhs, prod, out_shape, out_dtype, precision,
+                 available_memory_proportion, partials_type, name)
+  gk = p.plan.grid[3]
   # The operand that is not cut into passes is exchanged the same way in
   # every pass: cost it once.
-  a_cost_all = b_cost_all = None
-  for index in range(passes):
-    start = index * length if passes > 1 else 0
-    stop = min(start + length, (b, m, n)[serial_axis]) if passes > 1 else None
-    pm_ = (stop - start) if serial_axis == 1 else m
-    pn_ = (stop - start) if serial_axis == 2 else n
-    # Block sizes of every grid tile (edge blocks are short).
-    rb_, rm_, rn_, rk_ = (edge_sizes(b, gb, bb)[ib], edge_sizes(pm_, gm, bm)[im],
-                          edge_sizes(pn_, gn, bn)[in_], edge_sizes(k, gk, bk)[ik])
-    # A pass needs only its slice of the cut operand (tables index the slice).
-    # Costs depend only on the operand's layout and the grid: a repeated
-    # layer's matmuls look them up (see lowering/plan_cache.py).
-    grid_key = ((gb, gm, gn, gk), (b, bb, pm_, bm, pn_, bn, k, bk), serial_axis, start, stop)
-    if a_cost_all is None or serial_axis == 1:
-      def a_cost_fn(start=start, stop=stop, pm_=pm_, rb_=rb_, rm_=rm_, rk_=rk_):
-        needs = [(0,) + blocks_of(b, bb), (1,) + blocks_of(pm_, bm), None,
-                 (2,) + blocks_of(k, bk)]
-        window = ((0, b), (start, stop) if serial_axis == 1 else (0, m), (0, k))
-        return operand_exchange_cost(target, lhs, lhs_perm, (b, m, k), (lb, lf, lc),
-                                     (gb, gm, gn, gk), tiles, needs, rb_ * rm_ * rk_, window)
-      a_cost_all = _operand_cost(target, lhs, ("lhs", lhs_perm) + grid_key, tiles, a_cost_fn)
-    if b_cost_all is None or serial_axis == 2:
-      def b_cost_fn(start=start, stop=stop, pn_=pn_, rb_=rb_, rk_=rk_, rn_=rn_):
-        needs = [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(pn_, bn),
-                 (1,) + blocks_of(k, bk)]
-        window = ((0, b), (0, k), (start, stop) if serial_axis == 2 else (0, n))
-        return operand_exchange_cost(target, rhs, rhs_perm, (b, k, n), (rb, rc, rf),
-                                     (gb, gm, gn, gk), tiles, needs, rb_ * rk_ * rn_, window)
-      b_cost_all = _operand_cost(target, rhs, ("rhs", rhs_perm) + grid_key, tiles, b_cost_fn)
-    (a_cost, a_local), (b_cost, b_local) = a_cost_all, b_cost_all
-    macs = rb_ * rm_ * rn_ * rk_
-    compute = np.zeros(num_tiles)
-    compute[tiles] = estimators.matmul_cycles(target, macs, np.dtype(in_dtype).itemsize,
-                                              outputs=rb_ * rm_ * rn_, dtype=in_dtype,
-                                              k=rk_, n=rn_, groups=rb_)
-    # Local elements of the blocks are copied into the AMP's block layout; the
-    # received ones sit in the exchange buffers (counted by the analysis).
-    scratch = np.zeros(num_tiles, np.int64)
-    scratch[tiles] = a_local * lhs.itemsize + b_local * rhs.itemsize
-    if gk == 1 and acc != out_dtype:
-      scratch[tiles] += rb_ * rm_ * rn_ * acc.itemsize
-    vertices = np.zeros(num_tiles, np.int64)
-    vertices[tiles] = np.where(macs > 0, target.worker_contexts, 0)
-    flops = int(2 * macs.sum()) if _is_float(out_dtype) else 0
-    pass_name = f" pass {index + 1}/{passes}" if passes > 1 else ""
-    # A pass writes part of the result, so it also reads it (except a single pass).
-    result_in = (out,) if passes > 1 else ()
-
+  costs = (None, None)
+  for index in range(p.passes):
+    ps = _pass(p, index)
+    costs = _operand_costs(ctx.target, p, ps, costs)
+    (a_cost, a_local), (b_cost, b_local) = costs
+    work = _block_work(ctx.target, p, ps, a_local, b_local)
+    exchange = _add(a_cost, b_cost)
     if gk == 1:
-      def step(a_st, b_st, *out_st, index=index, start=start, stop=stop):
-        if mode == "per_tile":
-          prior = out_st[0] if out_st else None
-          return (put(prior, index, pass_blocks(a_st, b_st, start, stop)),)
-        if index == 0:
-          # Batched: the whole product at once; later passes have nothing to do.
-          return (blocked_storage(full_product(a_st, b_st), (gb, gm, gn), (bb, bm, bn),
-                                  serial=serial),)
-        return (out_st[0],)
-
-      def logical_step(a, w, *prior, index=index):
-        return (logical_product(a, w),) if index == 0 else (prior[0],)
-
-      if mode != "per_tile":
-        logical_form.attach(step, logical_step)
-      ctx.emit(P.Superstep(
-          name=f"{name}/matmul {label}{pass_name}", op=ctx.op, reads=(lhs, rhs) + result_in,
-          writes=(out,), fn=step, compute_cycles=compute, exchange=_add(a_cost, b_cost),
-          vertices=vertices, codelets=(codelet,), flops=flops, scratch_bytes=scratch,
-          notes=notes))
+      _emit_whole_blocks(ctx, p, ps, work, exchange)
       continue
+    partials = _emit_partial_blocks(ctx, p, ps, work, exchange)
+    if p.plan.reduce_fanins:
+      _emit_tree_reduce(ctx, partials, p.out, p.plan, p.tiles, ps.outputs, p.mode, p.name)
+    else:
+      _emit_reduce_scatter(ctx, p, ps, partials)
+  return p.out
 
-    partials = ctx.new_tensor((g_all, block), acc,
-                              TileMapping(g_all * block, tiles, np.full(g_all, block, np.int64),
-                                          chunk=block),
-                              name=f"{name}/partials")
 
-    def matmul_step(a_st, b_st, *out_st, index=index, start=start, stop=stop,
-                    partials=partials):
-      # Batched mode does the whole product in the first pass, written straight
-      # into the result (its partials are never read, so XLA drops them).
-      if mode == "per_tile":
-        prior = out_st[0] if out_st else jnp.zeros(out.storage_shape, out_dtype)
-        return pass_blocks(a_st, b_st, start, stop), prior
-      if index == 0:
-        return (jnp.zeros(partials.storage_shape, acc),
-                blocked_storage(full_product(a_st, b_st), (gb, gm, gn), (bb, bm, bn),
-                                pieces=out_pieces, serial=serial))
-      return jnp.zeros(partials.storage_shape, acc), out_st[0]
+# --- Arithmetic (the steps' functions) -------------------------------------------------------
 
-    def logical_matmul_step(a, w, *prior, index=index, partials=partials):
-      # Batched: the whole product in the first pass; the partials are never read.
-      return (jnp.zeros(partials.shape, acc),
-              logical_product(a, w) if index == 0 else prior[0])
 
+def _full_product(p: _Plan, a_st, b_st):
+  """The whole product, [B, M, N] in the result type (batched mode).
+
+  Whatever the K split, one ``lax.dot_general`` with the user's precision
+  and the partials type as ``preferred_element_type``: the numbers
+  ``jax.jit`` gives, to rounding. The tiles sum ``gk`` partials in their
+  own order; reproducing that order (one product per K block and a sum of
+  the partials) cost 5x a plain product on the whole chip and bought only
+  a different rounding of fp32 sums, so it is not done. fp16 partials are
+  the exception: rounding each partial and each addition to half precision
+  changes the result, so :mod:`half_partials` keeps the plan's order.
+  The per-tile accounting does not depend on this: it is the plan's.
+  """
+  prod = p.prod
+  return _logical_product(p, logical(a_st, p.lhs), logical(b_st, p.rhs)).reshape(
+      prod.b, prod.m, prod.n)
+
+
+def _logical_product(p: _Plan, a, w):
+  """:func:`_full_product` of the operands' logical arrays, in the result's shape."""
+  prod, acc = p.prod, p.acc
+  if p.half:
+    return half_partials.planned_dot(
+        jnp.transpose(a, prod.lhs_perm).reshape(prod.b, prod.m, prod.k),
+        jnp.transpose(w, prod.rhs_perm).reshape(prod.b, prod.k, prod.n), p.plan.grid[3],
+        p.plan.block[3], fanins=p.plan.reduce_fanins).astype(p.out_dtype).reshape(p.out.shape)
+  c = lax.dot_general(widen_to_partials(a, acc), widen_to_partials(w, acc),
+                      prod.dimension_numbers, precision=p.precision, preferred_element_type=acc)
+  return c.astype(p.out_dtype).reshape(p.out.shape)
+
+
+def _tile_blocks(p: _Plan, a_st, b_st, start, stop):
+  """Each grid tile's A and B blocks of one pass, ``[G, bb, bm, bk]`` and ``[G, bb, bk, bn]``.
+
+  Pad / reshape / transpose / broadcast of the logical operands, no gathers.
+  """
+  prod = p.prod
+  gb, gm, gn, gk = p.plan.grid
+  bb, bm, bn, bk = p.plan.block
+  g_all = p.g_all
+  a = jnp.transpose(logical(a_st, p.lhs), prod.lhs_perm).reshape(prod.b, prod.m, prod.k)
+  w = jnp.transpose(logical(b_st, p.rhs), prod.rhs_perm).reshape(prod.b, prod.k, prod.n)
+  common = jnp.promote_types(a.dtype, w.dtype)
+  a, w = a.astype(common), w.astype(common)
+  if p.serial_axis == 1:
+    a = a[:, start:stop]
+  elif p.serial_axis == 2:
+    w = w[:, :, start:stop]
+  pb, pm, pk, pn = a.shape[0], a.shape[1], a.shape[2], w.shape[2]
+  a = jnp.pad(a, ((0, gb * bb - pb), (0, gm * bm - pm), (0, gk * bk - pk)))
+  a = a.reshape(gb, bb, gm, bm, gk, bk).transpose(0, 2, 4, 1, 3, 5)
+  a = jnp.broadcast_to(a[:, :, None], (gb, gm, gn, gk, bb, bm, bk)).reshape(g_all, bb, bm, bk)
+  w = jnp.pad(w, ((0, gb * bb - pb), (0, gk * bk - pk), (0, gn * bn - pn)))
+  w = w.reshape(gb, bb, gk, bk, gn, bn).transpose(0, 4, 2, 1, 3, 5)
+  w = jnp.broadcast_to(w[:, None], (gb, gm, gn, gk, bb, bk, bn)).reshape(g_all, bb, bk, bn)
+  return a, w
+
+
+def _pass_blocks(p: _Plan, a_st, b_st, start, stop):
+  """Per-tile partial blocks ``[G, bb*bm*bn]`` of one pass (per_tile mode)."""
+  a, w = _tile_blocks(p, a_st, b_st, start, stop)
+  bb, bm, bn, bk = p.plan.block
+  g_all, acc = p.g_all, p.acc
+  if p.half:  # fp16 partials: each tile's AMP chains, as the batched model
+    return half_partials.tile_partials(a.reshape(g_all * bb, bm, bk),
+                                       w.reshape(g_all * bb, bk, bn)).reshape(g_all, p.block)
+  # f32 blocks use HIGHEST: the per-tile arithmetic is the AMP's, not XLA:CPU's default.
+  precision = lax.Precision.HIGHEST if np.dtype(p.in_dtype) == np.float32 else p.precision
+
+  def block_matmul(x, y):
+    x, y = widen_to_partials(x, acc), widen_to_partials(y, acc)
+    return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))),
+                           precision=precision, preferred_element_type=acc)
+
+  return jax.vmap(block_matmul)(a, w).reshape(g_all, p.block)
+
+
+def _batched_storage(p: _Plan, a_st, b_st, **pieces):
+  """The whole product (batched mode) in the result's tile storage."""
+  gb, gm, gn, _ = p.plan.grid
+  bb, bm, bn, _ = p.plan.block
+  return blocked_storage(_full_product(p, a_st, b_st), (gb, gm, gn), (bb, bm, bn), **pieces,
+                         serial=p.serial)
+
+
+def _put(p: _Plan, out_st, index, value):
+  """Write one pass's pieces into the result storage."""
+  if p.passes == 1:
+    return value.astype(p.out_dtype)
+  rows = out_st.shape[0]
+  return out_st.reshape(rows, p.passes, -1).at[:, index].set(value.astype(p.out_dtype)).reshape(
+      rows, -1)
+
+
+def _reduce_pieces(p: _Plan, p_st):
+  """Each tile's sum of its piece of the block's ``gk`` partials (per_tile mode)."""
+  gk, g_out, block, piece = p.plan.grid[3], p.g_out, p.block, p.piece
+  x = p_st.reshape(g_out, gk, block)
+  if piece * gk != block:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, piece * gk - block)))
+  x = x.reshape(g_out, gk, gk, piece)
+  if p.half:  # the partials added in order, rounding each addition
+    return half_partials.add_in_order(jnp.moveaxis(x, 1, 0)).reshape(p.g_all, piece)
+  return x.sum(axis=1).reshape(p.g_all, piece)
+
+
+# --- One pass: costs ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+  """One serial pass: its slice of the cut axis and every grid tile's block sizes.
+
+  Attributes:
+    index: the pass.
+    start, stop: its slice of the cut axis (0 and None with one pass).
+    pm, pn: the rows and columns of the result it computes.
+    rb, rm, rn, rk: ``[g_all]`` block sizes of every grid tile (edge blocks
+      are short).
+    suffix: the steps' name suffix (``" pass i/n"``, or empty).
+  """
+  index: int
+  start: int
+  stop: Optional[int]
+  pm: int
+  pn: int
+  rb: np.ndarray
+  rm: np.ndarray
+  rn: np.ndarray
+  rk: np.ndarray
+  suffix: str
+
+  @property
+  def outputs(self) -> np.ndarray:
+    """``[g_all]`` elements of each grid tile's output block."""
+    return self.rb * self.rm * self.rn
+
+
+def _pass(p: _Plan, index: int) -> _Pass:
+  prod, passes, axis = p.prod, p.passes, p.serial_axis
+  b, m, n, k = prod.b, prod.m, prod.n, prod.k
+  gb, gm, gn, gk = p.plan.grid
+  bb, bm, bn, bk = p.plan.block
+  start = index * p.length if passes > 1 else 0
+  stop = min(start + p.length, (b, m, n)[axis]) if passes > 1 else None
+  pm = (stop - start) if axis == 1 else m
+  pn = (stop - start) if axis == 2 else n
+  ib, im, in_, ik = np.unravel_index(np.arange(p.g_all), (gb, gm, gn, gk))
+  return _Pass(index, start, stop, pm, pn, edge_sizes(b, gb, bb)[ib], edge_sizes(pm, gm, bm)[im],
+               edge_sizes(pn, gn, bn)[in_], edge_sizes(k, gk, bk)[ik],
+               f" pass {index + 1}/{passes}" if passes > 1 else "")
+
+
+def _blocks_of(size, block_size):
+  """Per position along a dimension: the one block needing it, ``[lo, lo + 1)``."""
+  lo = np.arange(size, dtype=np.int64) // block_size
+  return lo, lo + 1
+
+
+def _lhs_exchange(target, p: _Plan, ps: _Pass):
+  """``(cost, local)`` of bringing every grid tile its A blocks of a pass."""
+  prod, (bb, bm, _, bk) = p.prod, p.plan.block
+  b, m, k = prod.b, prod.m, prod.k
+  needs = [(0,) + _blocks_of(b, bb), (1,) + _blocks_of(ps.pm, bm), None,
+           (2,) + _blocks_of(k, bk)]
+  window = ((0, b), (ps.start, ps.stop) if p.serial_axis == 1 else (0, m), (0, k))
+  return operand_exchange_cost(target, p.lhs, prod.lhs_perm, (b, m, k), prod.lhs_dims,
+                               tuple(p.plan.grid), p.tiles, needs, ps.rb * ps.rm * ps.rk, window)
+
+
+def _rhs_exchange(target, p: _Plan, ps: _Pass):
+  """``(cost, local)`` of bringing every grid tile its B blocks of a pass."""
+  prod, (bb, _, bn, bk) = p.prod, p.plan.block
+  b, n, k = prod.b, prod.n, prod.k
+  needs = [(0,) + _blocks_of(b, bb), None, (2,) + _blocks_of(ps.pn, bn),
+           (1,) + _blocks_of(k, bk)]
+  window = ((0, b), (0, k), (ps.start, ps.stop) if p.serial_axis == 2 else (0, n))
+  return operand_exchange_cost(target, p.rhs, prod.rhs_perm, (b, k, n), prod.rhs_dims,
+                               tuple(p.plan.grid), p.tiles, needs, ps.rb * ps.rk * ps.rn, window)
+
+
+def _operand_costs(target, p: _Plan, ps: _Pass, previous: tuple) -> tuple:
+  """The pass's ``((a_cost, a_local), (b_cost, b_local))``.
+
+  An operand not cut into passes keeps ``previous``'s (costed in the first
+  pass). A pass needs only its slice of the cut operand (tables index the
+  slice). Costs depend only on the operand's layout and the grid: a repeated
+  layer's matmuls look them up (see lowering/plan_cache.py).
+  """
+  prod, (gb, gm, gn, gk), (bb, bm, bn, bk) = p.prod, p.plan.grid, p.plan.block
+  a_all, b_all = previous
+  grid_key = ((gb, gm, gn, gk), (prod.b, bb, ps.pm, bm, ps.pn, bn, prod.k, bk), p.serial_axis,
+              ps.start, ps.stop)
+  if a_all is None or p.serial_axis == 1:
+    a_all = _operand_cost(target, p.lhs, ("lhs", prod.lhs_perm) + grid_key, p.tiles,
+                          functools.partial(_lhs_exchange, target, p, ps))
+  if b_all is None or p.serial_axis == 2:
+    b_all = _operand_cost(target, p.rhs, ("rhs", prod.rhs_perm) + grid_key, p.tiles,
+                          functools.partial(_rhs_exchange, target, p, ps))
+  return a_all, b_all
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockWork:
+  """Per-tile figures of a pass's block-matmul step (``[num_tiles]`` arrays)."""
+  compute: np.ndarray
+  scratch: np.ndarray
+  vertices: np.ndarray
+  flops: int
+
+
+def _block_work(target, p: _Plan, ps: _Pass, a_local, b_local) -> _BlockWork:
+  num_tiles, tiles, acc = target.num_tiles, p.tiles, p.acc
+  macs = ps.rb * ps.rm * ps.rn * ps.rk
+  compute = np.zeros(num_tiles)
+  compute[tiles] = estimators.matmul_cycles(target, macs, np.dtype(p.in_dtype).itemsize,
+                                            outputs=ps.rb * ps.rm * ps.rn, dtype=p.in_dtype,
+                                            k=ps.rk, n=ps.rn, groups=ps.rb)
+  # Local elements of the blocks are copied into the AMP's block layout; the
+  # received ones sit in the exchange buffers (counted by the analysis).
+  scratch = np.zeros(num_tiles, np.int64)
+  scratch[tiles] = a_local * p.lhs.itemsize + b_local * p.rhs.itemsize
+  if p.plan.grid[3] == 1 and acc != p.out_dtype:
+    scratch[tiles] += ps.rb * ps.rm * ps.rn * acc.itemsize
+  vertices = np.zeros(num_tiles, np.int64)
+  vertices[tiles] = np.where(macs > 0, target.worker_contexts, 0)
+  flops = int(2 * macs.sum()) if _is_float(p.out_dtype) else 0
+  return _BlockWork(compute, scratch, vertices, flops)
+
+
+# --- One pass: emission ---------------------------------------------------------------------
+
+
+def _matmul_step(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange, writes, fn):
+  """The pass's block-matmul superstep (a pass also reads the result it adds to)."""
+  result_in = (p.out,) if p.passes > 1 else ()  # a single pass writes it whole
+  return P.Superstep(
+      name=f"{p.name}/matmul {p.plan.label}{ps.suffix}", op=ctx.op,
+      reads=(p.lhs, p.rhs) + result_in, writes=writes, fn=fn, compute_cycles=work.compute,
+      exchange=exchange, vertices=work.vertices,
+      codelets=(vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(p.in_dtype), p.acc),),
+      flops=work.flops, scratch_bytes=work.scratch, notes=p.notes)
+
+
+def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> None:
+  """``gk == 1``: each tile's product block is its piece of the result."""
+  mode, index = p.mode, ps.index
+
+  def step(a_st, b_st, *out_st):
+    if mode == "per_tile":
+      prior = out_st[0] if out_st else None
+      return (_put(p, prior, index, _pass_blocks(p, a_st, b_st, ps.start, ps.stop)),)
+    if index == 0:
+      # Batched: the whole product at once; later passes have nothing to do.
+      return (_batched_storage(p, a_st, b_st),)
+    return (out_st[0],)
+
+  def logical_step(a, w, *prior):
+    return (_logical_product(p, a, w),) if index == 0 else (prior[0],)
+
+  if mode != "per_tile":
+    logical_form.attach(step, logical_step)
+  ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (p.out,), step))
+
+
+def _emit_partial_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> P.Tensor:
+  """``gk > 1``: each tile's product block is a partial block; returns the partials."""
+  g_all, block, acc, out, mode, index = p.g_all, p.block, p.acc, p.out, p.mode, ps.index
+  partials = ctx.new_tensor((g_all, block), acc,
+                            TileMapping(g_all * block, p.tiles, np.full(g_all, block, np.int64),
+                                        chunk=block),
+                            name=f"{p.name}/partials")
+
+  def step(a_st, b_st, *out_st):
+    # Batched mode does the whole product in the first pass, written straight
+    # into the result (its partials are never read, so XLA drops them).
+    if mode == "per_tile":
+      prior = out_st[0] if out_st else jnp.zeros(out.storage_shape, out.dtype)
+      return _pass_blocks(p, a_st, b_st, ps.start, ps.stop), prior
+    if index == 0:
+      return (jnp.zeros(partials.storage_shape, acc),
+              _batched_storage(p, a_st, b_st, pieces=p.out_pieces))
+    return jnp.zeros(partials.storage_shape, acc), out_st[0]
+
+  def logical_step(a, w, *prior):
+    # Batched: the whole product in the first pass; the partials are never read.
+    return (jnp.zeros(partials.shape, acc),
+            _logical_product(p, a, w) if index == 0 else prior[0])
+
+  if mode != "per_tile":
+    logical_form.attach(step, logical_step)
+  ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (partials, out), step))
+  return partials
+
+
+def _scatter_exchange(target, tiles: np.ndarray, group: np.ndarray, p_size: int) -> ExchangeCost:
+  """Bytes of a reduce-scatter: tile ``j`` of a group gets ``group[:, j]`` from each other."""
+  g_out, gk = group.shape
+  bytes_in = np.zeros(target.num_tiles, np.int64)
+  bytes_out = np.zeros(target.num_tiles, np.int64)
+  bytes_in[tiles] = ((gk - 1) * group).reshape(-1) * p_size
+  bytes_out[tiles] = (group.sum(axis=1, keepdims=True) - group).reshape(-1) * p_size
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1:
+    ipu = (tiles // target.tiles_per_ipu).reshape(g_out, gk)
+    crossing = ipu[:, :, None] != ipu[:, None, :]  # [group, src, dst]
+    sent = (crossing * group[:, None, :]).sum(axis=2) * p_size  # [group, src]
+    link = np.bincount(ipu.reshape(-1), weights=sent.reshape(-1),
+                       minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
+  return ExchangeCost(bytes_in, bytes_out, link)
+
+
+def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
+  """Reduce-scatter of the partials: each tile sums its piece of the block."""
+  target, tiles, gk, acc, out, mode, index = (ctx.target, p.tiles, p.plan.grid[3], p.acc, p.out,
+                                              p.mode, ps.index)
+  counts = p.pass_counts[:, index]  # [g_all] result elements each tile reduces
+  p_size = acc.itemsize
+  reduce_compute = np.zeros(target.num_tiles)
+  reduce_compute[tiles] = estimators.reduce_cycles(target, gk * counts, p_size, outputs=counts)
+  reduce_vertices = np.zeros(target.num_tiles, np.int64)
+  reduce_vertices[tiles] = worker_vertices(ctx, counts)
+
+  def reduce_step(p_st, out_st):
     if mode != "per_tile":
-      logical_form.attach(matmul_step, logical_matmul_step)
-    ctx.emit(P.Superstep(
-        name=f"{name}/matmul {label}{pass_name}", op=ctx.op, reads=(lhs, rhs) + result_in,
-        writes=(partials, out), fn=matmul_step, compute_cycles=compute,
-        exchange=_add(a_cost, b_cost), vertices=vertices, codelets=(codelet,), flops=flops,
-        scratch_bytes=scratch, notes=notes))
+      return (out_st,)
+    return (_put(p, out_st, index, _reduce_pieces(p, p_st)),)
 
-    if plan.reduce_fanins:
-      _emit_tree_reduce(ctx, partials, out, plan, tiles, rb_ * rm_ * rn_, mode, name)
-      continue
-
-    # Reduce-scatter of the partials: each tile sums its piece of the block.
-    counts = pass_counts[:, index]  # [g_all] result elements each tile reduces
-    group = counts.reshape(g_out, gk)
-    p_size = acc.itemsize
-    bytes_in = np.zeros(num_tiles, np.int64)
-    bytes_out = np.zeros(num_tiles, np.int64)
-    bytes_in[tiles] = ((gk - 1) * group).reshape(-1) * p_size
-    bytes_out[tiles] = (group.sum(axis=1, keepdims=True) - group).reshape(-1) * p_size
-    link = np.zeros(target.num_ipus, np.int64)
-    if target.num_ipus > 1:
-      ipu = (tiles // target.tiles_per_ipu).reshape(g_out, gk)
-      crossing = ipu[:, :, None] != ipu[:, None, :]  # [group, src, dst]
-      sent = (crossing * group[:, None, :]).sum(axis=2) * p_size  # [group, src]
-      link = np.bincount(ipu.reshape(-1), weights=sent.reshape(-1),
-                         minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
-    reduce_compute = np.zeros(num_tiles)
-    reduce_compute[tiles] = estimators.reduce_cycles(target, gk * counts, p_size, outputs=counts)
-    reduce_vertices = np.zeros(num_tiles, np.int64)
-    reduce_vertices[tiles] = worker_vertices(ctx, counts)
-
-    def reduce_step(p_st, out_st, index=index):
-      if mode != "per_tile":
-        return (out_st,)
-      return (put(out_st, index, reduce_pieces(p_st)),)
-
-    if mode != "per_tile":  # the matmul step wrote the result
-      logical_form.attach(reduce_step, lambda p, out: (out,))
-    ctx.emit(P.Superstep(
-        name=f"{name}/{label}{pass_name} reduce", op=ctx.op, reads=(partials, out),
-        writes=(out,), fn=reduce_step, compute_cycles=reduce_compute,
-        exchange=ExchangeCost(bytes_in, bytes_out, link), vertices=reduce_vertices,
-        codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype),),
-        flops=int((gk - 1) * counts.sum()) if _is_float(out_dtype) else 0))
-  return out
+  if mode != "per_tile":  # the matmul step wrote the result
+    logical_form.attach(reduce_step, lambda partial_blocks, result: (result,))
+  ctx.emit(P.Superstep(
+      name=f"{p.name}/{p.plan.label}{ps.suffix} reduce", op=ctx.op, reads=(partials, out),
+      writes=(out,), fn=reduce_step, compute_cycles=reduce_compute,
+      exchange=_scatter_exchange(target, tiles, counts.reshape(p.g_out, gk), p_size),
+      vertices=reduce_vertices, codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out.dtype),),
+      flops=int((gk - 1) * counts.sum()) if _is_float(out.dtype) else 0))
 
 
-def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.ndarray,
+# --- Tree reduction -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _TreeStage:
+  """One stage of a tree reduction: groups of ``fanin`` partials summed on their first tile.
+
+  Attributes:
+    count, new_count: partials per output block before and after the stage.
+    fanin: partials a group sums.
+    members: ``[new_count]`` partials in each group (the last may be short).
+    receivers: ``[g_out, new_count]`` the tile summing each group.
+    exchange: the stage's bytes.
+    compute: ``[num_tiles]`` cycles.
+    outputs: ``[num_tiles]`` elements each tile writes.
+  """
+  count: int
+  new_count: int
+  fanin: int
+  members: np.ndarray
+  receivers: np.ndarray
+  exchange: ExchangeCost
+  compute: np.ndarray
+  outputs: np.ndarray
+
+  @property
+  def last(self) -> bool:
+    return self.new_count == 1
+
+
+def _tree_stage(target, group_tiles: np.ndarray, elements: np.ndarray, p_size: int, count: int,
+                stride: int, fanin: int) -> _TreeStage:
+  """A stage's costs; partial ``j`` of group ``g`` is on ``group_tiles[g, j * stride]``."""
+  num_tiles = target.num_tiles
+  new_count = ceil_div(count, fanin)
+  holders = group_tiles[:, ::stride][:, :count]                  # [g_out, count]
+  members = np.minimum(fanin, count - np.arange(new_count) * fanin)  # [new_count]
+  receivers = holders[:, ::fanin]                                 # [g_out, new_count]
+  sends = (np.arange(count) % fanin) != 0                         # [count]
+  bytes_in = np.zeros(num_tiles, np.int64)
+  bytes_out = np.zeros(num_tiles, np.int64)
+  np.add.at(bytes_in, receivers, (members[None, :] - 1) * elements[:, None] * p_size)
+  senders = holders[:, sends]
+  np.add.at(bytes_out, senders, np.broadcast_to(elements[:, None] * p_size, senders.shape))
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus > 1:
+    per = target.tiles_per_ipu
+    dest = np.repeat(receivers, fanin, axis=1)[:, :count][:, sends]
+    crossing = (senders // per) != (dest // per)
+    np.add.at(link, (senders // per)[crossing],
+              np.broadcast_to(elements[:, None] * p_size, senders.shape)[crossing])
+  summed = np.zeros(num_tiles, np.int64)
+  np.add.at(summed, receivers, members[None, :] * elements[:, None])
+  outputs = np.zeros(num_tiles, np.int64)
+  np.add.at(outputs, receivers, np.broadcast_to(elements[:, None], receivers.shape))
+  compute = estimators.reduce_cycles(target, summed, p_size, outputs=outputs)
+  return _TreeStage(count, new_count, fanin, members, receivers,
+                    ExchangeCost(bytes_in, bytes_out, link), compute, outputs)
+
+
+def _tree_sum(level_st, stage: _TreeStage, g_out: int, block: int, acc):
+  """Each group's sum of its ``fanin`` partial blocks (per_tile mode)."""
+  count, new_count, fanin = stage.count, stage.new_count, stage.fanin
+  x = level_st.reshape(g_out, count, block)
+  x = jnp.pad(x, ((0, 0), (0, new_count * fanin - count), (0, 0)))
+  x = x.reshape(g_out, new_count, fanin, block)
+  if half_partials.applies(acc, acc):  # in order, rounding each addition
+    return half_partials.add_in_order(jnp.moveaxis(x, 2, 0), stage.members[None, :, None])
+  return x.sum(axis=2)
+
+
+def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan: MatmulPlan, tiles: np.ndarray,
                       block_elements: np.ndarray, mode: str, name: str) -> None:
   """Sum each output block's ``gk`` partial blocks in a tree of supersteps.
 
@@ -485,76 +818,52 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan, tiles: np.nd
     mode: the executor mode.
     name: prefix of the steps' and tensors' names.
   """
-  target = ctx.target
   gb, gm, gn, gk = plan.grid
   g_out = gb * gm * gn
-  block = partials.shape[1]
-  acc, out_dtype = partials.dtype, out.dtype
-  p_size = acc.itemsize
-  num_tiles = target.num_tiles
+  acc = partials.dtype
   elements = block_elements.reshape(g_out, gk)[:, 0]  # [g_out]
   group_tiles = tiles.reshape(g_out, gk)
   level, count, stride = partials, gk, 1  # partial j of a group is on k-tile j * stride
-  for stage, fanin in enumerate(plan.reduce_fanins):
-    new_count = ceil_div(count, fanin)
-    last = new_count == 1
-    holders = group_tiles[:, ::stride][:, :count]                  # [g_out, count]
-    members = np.minimum(fanin, count - np.arange(new_count) * fanin)  # [new_count]
-    receivers = holders[:, ::fanin]                                 # [g_out, new_count]
-    sends = (np.arange(count) % fanin) != 0                         # [count]
-    bytes_in = np.zeros(num_tiles, np.int64)
-    bytes_out = np.zeros(num_tiles, np.int64)
-    np.add.at(bytes_in, receivers, (members[None, :] - 1) * elements[:, None] * p_size)
-    senders = holders[:, sends]
-    np.add.at(bytes_out, senders, np.broadcast_to(elements[:, None] * p_size, senders.shape))
-    link = np.zeros(target.num_ipus, np.int64)
-    if target.num_ipus > 1:
-      per = target.tiles_per_ipu
-      dest = np.repeat(receivers, fanin, axis=1)[:, :count][:, sends]
-      crossing = (senders // per) != (dest // per)
-      np.add.at(link, (senders // per)[crossing],
-                np.broadcast_to(elements[:, None] * p_size, senders.shape)[crossing])
-    summed = np.zeros(num_tiles, np.int64)
-    np.add.at(summed, receivers, members[None, :] * elements[:, None])
-    outputs = np.zeros(num_tiles, np.int64)
-    np.add.at(outputs, receivers, np.broadcast_to(elements[:, None], receivers.shape))
-    compute = estimators.reduce_cycles(target, summed, p_size, outputs=outputs)
+  for index, fanin in enumerate(plan.reduce_fanins):
+    stage = _tree_stage(ctx.target, group_tiles, elements, acc.itemsize, count, stride, fanin)
+    label = f"{plan.label} stage {index + 1}/{len(plan.reduce_fanins)}"
+    result = _emit_tree_stage(ctx, stage, level, out, label, index, elements, mode, name)
+    level, count, stride = result, stage.new_count, stride * fanin
+
+
+def _emit_tree_stage(ctx, stage: _TreeStage, level: P.Tensor, out: P.Tensor, label: str,
+                     index: int, elements: np.ndarray, mode: str, name: str) -> P.Tensor:
+  """Emit one stage's superstep; returns its result (``out`` at the last stage)."""
+  g_out, block = stage.receivers.shape[0], level.shape[1]
+  acc, out_dtype, last = level.dtype, out.dtype, stage.last
+  if last:
+    result = out
+  else:
+    rows = g_out * stage.new_count
+    result = ctx.new_tensor((rows, block), acc,
+                            TileMapping(rows * block, stage.receivers.reshape(-1),
+                                        np.full(rows, block, np.int64), chunk=block),
+                            name=f"{name}/partials{index + 1}")
+
+  def step(level_st, *out_st):
+    if mode != "per_tile":
+      # Batched mode wrote the result in the matmul step.
+      return (out_st[0],) if last else (jnp.zeros(result.storage_shape, acc),)
+    x = _tree_sum(level_st, stage, g_out, block, acc)
     if last:
-      result = out
-    else:
-      rows = g_out * new_count
-      result = ctx.new_tensor((rows, block), acc,
-                              TileMapping(rows * block, receivers.reshape(-1),
-                                          np.full(rows, block, np.int64), chunk=block),
-                              name=f"{name}/partials{stage + 1}")
+      return (x.astype(out_dtype).reshape(out.storage_shape),)
+    return (x.reshape(result.storage_shape),)
 
-    def step(level_st, *out_st, count=count, new_count=new_count, fanin=fanin, last=last,
-             result=result, members=members):
-      if mode != "per_tile":
-        # Batched mode wrote the result in the matmul step.
-        return (out_st[0],) if last else (jnp.zeros(result.storage_shape, acc),)
-      x = level_st.reshape(g_out, count, block)
-      x = jnp.pad(x, ((0, 0), (0, new_count * fanin - count), (0, 0)))
-      x = x.reshape(g_out, new_count, fanin, block)
-      if half_partials.applies(acc, acc):  # in order, rounding each addition
-        x = half_partials.add_in_order(jnp.moveaxis(x, 2, 0), members[None, :, None])
-      else:
-        x = x.sum(axis=2)
-      if last:
-        return (x.astype(out_dtype).reshape(out.storage_shape),)
-      return (x.reshape(result.storage_shape),)
-
-    if mode != "per_tile":  # the matmul step wrote the result
-      logical_form.attach(step, lambda level, *out, last=last, result=result: (
-          out[0],) if last else (jnp.zeros(result.shape, acc),))
-    ctx.emit(P.Superstep(
-        name=f"{name}/{plan.label} stage {stage + 1}/{len(plan.reduce_fanins)} reduce",
-        op=ctx.op, reads=(level,) + ((out,) if last else ()), writes=(result,), fn=step,
-        compute_cycles=compute, exchange=ExchangeCost(bytes_in, bytes_out, link),
-        vertices=worker_vertices(ctx, outputs),
-        codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype if last else acc),),
-        flops=int(((members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))
-    level, count, stride = result, new_count, stride * fanin
+  if mode != "per_tile":  # the matmul step wrote the result
+    logical_form.attach(step, lambda level, *out, last=last, result=result: (
+        out[0],) if last else (jnp.zeros(result.shape, acc),))
+  ctx.emit(P.Superstep(
+      name=f"{name}/{label} reduce", op=ctx.op, reads=(level,) + ((out,) if last else ()),
+      writes=(result,), fn=step, compute_cycles=stage.compute, exchange=stage.exchange,
+      vertices=worker_vertices(ctx, stage.outputs),
+      codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype if last else acc),),
+      flops=int(((stage.members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))
+  return result
 
 
 def _add(x: Optional[ExchangeCost], y: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
