@@ -13,7 +13,11 @@ per run, whatever the number of elements.
 matmuls and convolutions (:func:`ipu_jax.lowering.matmul_plan.grid_exchange_cost`,
 halos included) with the same bytes without a per-element array, for the
 layouts where every block is a box; the callers keep the per-element path for
-the rest.
+the rest. It runs in steps: each block's range per view axis
+(:class:`_BlockRanges`), those ranges as boxes of the tensor
+(:func:`view_boxes`), the elements some block and exactly one block need
+(:class:`_NeededSets`), each grid tile's runs with its box
+(:class:`_GridRuns`), then the bytes in, out and over the IPU-Links.
 """
 
 from __future__ import annotations
@@ -386,9 +390,8 @@ class _BlockRanges:
 
   Attributes:
     lo, hi: per view axis, ``[G]`` bounds (in the view, window offset added).
-    widths: per view axis, None (every block needs each coordinate along
-      the grid axes that cut it: none do) or ``[n]`` how many blocks need
-      each coordinate.
+    widths: per view axis, None (no grid axis cuts it) or ``[n]`` how many
+      blocks along the grid axis cutting it need each coordinate.
     shared: blocks along the grid axes that need every element.
     halo: some coordinate is needed by more than one block along an axis.
   """

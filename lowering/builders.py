@@ -13,6 +13,10 @@ cost. The common shapes of work:
   statically, so the exchange is exact).
 * :func:`partitioned`: an operation whose output is cut along one axis into
   per-tile pieces, each computed on its tile from the inputs it needs.
+
+Each builder is a short driver: a plan (:class:`_ElementwiseOperands`,
+:class:`_Partition`), module-level helpers for the storage and the cost, and
+a step function bound to the plan with ``functools.partial``.
 """
 
 from __future__ import annotations
