@@ -13,11 +13,16 @@ per run, whatever the number of elements.
 matmuls and convolutions (:func:`ipu_jax.lowering.matmul_plan.grid_exchange_cost`,
 halos included) with the same bytes without a per-element array, for the
 layouts where every block is a box; the callers keep the per-element path for
-the rest.
+the rest. It runs in steps: each block's range per view axis
+(:class:`_BlockRanges`), those ranges as boxes of the tensor
+(:func:`view_boxes`), the elements some block and exactly one block need
+(:class:`_NeededSets`), each grid tile's runs with its box
+(:class:`_GridRuns`), then the bytes in, out and over the IPU-Links.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -379,6 +384,164 @@ def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, gri
   return ((inside * others).sum(axis=1) * itemsize).astype(np.int64)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BlockRanges:
+  """Per view axis, the range of coordinates each grid block needs.
+
+  Attributes:
+    lo, hi: per view axis, ``[G]`` bounds (in the view, window offset added).
+    widths: per view axis, None (no grid axis cuts it) or ``[n]`` how many
+      blocks along the grid axis cutting it need each coordinate.
+    shared: blocks along the grid axes that need every element.
+    halo: some coordinate is needed by more than one block along an axis.
+  """
+
+  lo: tuple
+  hi: tuple
+  widths: tuple
+  shared: int
+  halo: bool
+
+
+def _block_ranges(window, grid_shape, needs) -> Optional[_BlockRanges]:
+  """The view ranges of every block, or None when a block's set is not a range."""
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
+  lo = [np.full(g_count, a, np.int64) for a, _ in window]
+  hi = [np.full(g_count, b, np.int64) for _, b in window]
+  widths = [None] * len(window)  # per view axis: blocks needing each coordinate
+  shared = 1  # blocks along the axes that need every element
+  for a, need in enumerate(needs):
+    if need is None:
+      shared *= int(grid_shape[a])
+      continue
+    v, need_lo, need_hi = need
+    ranges = _needed_ranges(need_lo, need_hi, int(grid_shape[a]))
+    if ranges is None or widths[v] is not None:
+      return None
+    widths[v] = np.maximum(np.asarray(need_hi, np.int64) - np.asarray(need_lo, np.int64), 0)
+    first, end = ranges
+    lo[v] = window[v][0] + first[coords[a]]
+    hi[v] = window[v][0] + end[coords[a]]
+  halo = any(w is not None and w.size and w.max() > 1 for w in widths)
+  return _BlockRanges(tuple(lo), tuple(hi), tuple(widths), shared, halo)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NeededSets:
+  """The elements some block needs, and those exactly one block needs.
+
+  Attributes:
+    some, one: per merged axis, None (every coordinate is in the set) or a
+      cumulative table of the coordinates in it (as ``members`` of
+      :func:`prefix_in_box`).
+    some_all, one_all: whether the view axes of several (or no) merged
+      axes, which need all their coordinates alike, are in each set.
+  """
+
+  some: tuple
+  one: tuple
+  some_all: bool
+  one_all: bool
+
+
+def _needed_sets(shape, groups, window, widths) -> Optional[_NeededSets]:
+  """Elements needed by some block (``count >= 1``) and by exactly one (``count == 1``).
+
+  None when a view axis of several (or no) merged axes does not need all
+  its coordinates alike (cut by the window or read with gaps).
+  """
+  some, one = [None] * len(shape), [None] * len(shape)
+  some_all = one_all = True
+  for v, ((start, stop), axes) in enumerate(zip(window, groups)):
+    width = widths[v]
+    if len(axes) != 1:
+      full = start == 0 and stop == int(np.prod([shape[x] for x in axes], dtype=np.int64))
+      if width is not None and (not full or np.any(width != width[0])):
+        return None
+      if width is None and not full:
+        return None
+      w = 1 if width is None else int(width[0])
+      some_all &= w >= 1
+      one_all &= w == 1
+      continue
+    size = shape[axes[0]]
+    if width is None:
+      width = np.ones(stop - start, np.int64)
+    padded = np.zeros(size, np.int64)
+    padded[start:stop] = width
+    if start > 0 or stop < size or np.any(width == 0):
+      some[axes[0]] = np.concatenate([[0], np.cumsum(padded >= 1)])
+    if np.any(width != 1):
+      one[axes[0]] = np.concatenate([[0], np.cumsum(padded == 1)])
+  return _NeededSets(tuple(some), tuple(one), some_all, one_all)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GridRuns:
+  """The runs of the mapping that lie on grid tiles, with their tile's box.
+
+  Attributes:
+    shape: the (merged) tensor's shape.
+    g_count: grid tiles.
+    g: ``[R]`` grid index of each such run.
+    both: ``[2R]`` their starts then their ends.
+    run_lo, run_hi: per axis, ``[2R]`` the box of each entry of ``both``'s
+      tile, clipped to the tensor.
+  """
+
+  shape: tuple
+  g_count: int
+  g: np.ndarray
+  both: np.ndarray
+  run_lo: list
+  run_hi: list
+
+
+def _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes) -> _GridRuns:
+  """The runs on grid tiles and their boxes (``boxes``: ``[G, ndim]`` bounds)."""
+  g_count = tiles.size
+  grid_of_tile = np.full(t, -1, np.int64)
+  grid_of_tile[tiles] = np.arange(g_count)
+  g = grid_of_tile[run_tiles]
+  mine = g >= 0
+  g = g[mine]
+  both = np.concatenate([starts[mine], ends[mine]])
+  g2 = np.concatenate([g, g])
+  # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
+  # (Clipped to the tensor per box here, not per run end in _prefix.)
+  box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
+                            [boxes[1][:, a] for a in range(len(shape))], shape)
+  run_lo = [lo[g2] for lo in box_lo]
+  run_hi = [hi[g2] for hi in box_hi]
+  return _GridRuns(shape, g_count, g, both, run_lo, run_hi)
+
+
+def _on_own_tile(runs: _GridRuns, sets) -> np.ndarray:
+  """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
+  prefix = _prefix(runs.both, runs.shape, runs.run_lo, runs.run_hi, sets, clipped=True)
+  inside = prefix[runs.g.size:] - prefix[:runs.g.size]
+  # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
+  return np.bincount(runs.g, weights=inside,
+                     minlength=runs.g_count)[:runs.g_count].astype(np.int64)
+
+
+def _needed_per_tile(t, mapping: TileMapping, starts, ends, run_tiles, shape,
+                     sets: _NeededSets) -> np.ndarray:
+  """``[t]`` elements each tile holds that some block needs (each sent once).
+
+  ``starts``, ``ends``, ``run_tiles``: ``mapping``'s runs.
+  """
+  if not sets.some_all:
+    return np.zeros(t, np.int64)
+  if all(c is None for c in sets.some):
+    return mapping.elements_per_tile(t)
+  prefix = prefix_in_box(np.concatenate([starts, ends]), shape, np.zeros(len(shape), np.int64),
+                         np.asarray(shape, np.int64), sets.some)
+  taken = prefix[starts.size:] - prefix[:starts.size]
+  return np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
+
+
 def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
                         groups: Sequence[Sequence[int]], window: Sequence[tuple],
                         grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
@@ -415,96 +578,28 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   window = [(int(a), int(b)) for a, b in window]
   if any(b <= a for a, b in window):
     return None, np.zeros(g_count, np.int64)
-  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
-  lo = [np.full(g_count, a, np.int64) for a, _ in window]
-  hi = [np.full(g_count, b, np.int64) for _, b in window]
-  widths = [None] * len(window)  # per view axis: blocks needing each coordinate
-  shared = 1  # blocks along the axes that need every element
-  for a, need in enumerate(needs):
-    if need is None:
-      shared *= int(grid_shape[a])
-      continue
-    v, need_lo, need_hi = need
-    ranges = _needed_ranges(need_lo, need_hi, int(grid_shape[a]))
-    if ranges is None or widths[v] is not None:
-      return None
-    widths[v] = np.maximum(np.asarray(need_hi, np.int64) - np.asarray(need_lo, np.int64), 0)
-    first, end = ranges
-    lo[v] = window[v][0] + first[coords[a]]
-    hi[v] = window[v][0] + end[coords[a]]
-  halo = any(w is not None and w.size and w.max() > 1 for w in widths)
-  boxes = view_boxes(shape, groups, lo, hi)
+  ranges = _block_ranges(window, grid_shape, needs)
+  if ranges is None:
+    return None
+  boxes = view_boxes(shape, groups, ranges.lo, ranges.hi)
   if boxes is None:
     return None
-  # Elements needed by some block (``count >= 1``) and by exactly one
-  # (``count == 1``): per merged axis, cumulative tables of those sets; a
-  # view axis of several (or no) merged axes must need all its coordinates
-  # alike, and then only says whether all or none are in each set.
-  some, one = [None] * len(shape), [None] * len(shape)
-  some_all = one_all = True
-  for v, ((start, stop), axes) in enumerate(zip(window, groups)):
-    width = widths[v]
-    if len(axes) != 1:
-      full = start == 0 and stop == int(np.prod([shape[x] for x in axes], dtype=np.int64))
-      if width is not None and (not full or np.any(width != width[0])):
-        return None
-      if width is None and not full:
-        return None
-      w = 1 if width is None else int(width[0])
-      some_all &= w >= 1
-      one_all &= w == 1
-      continue
-    size = shape[axes[0]]
-    if width is None:
-      width = np.ones(stop - start, np.int64)
-    padded = np.zeros(size, np.int64)
-    padded[start:stop] = width
-    if start > 0 or stop < size or np.any(width == 0):
-      some[axes[0]] = np.concatenate([[0], np.cumsum(padded >= 1)])
-    if np.any(width != 1):
-      one[axes[0]] = np.concatenate([[0], np.cumsum(padded == 1)])
+  sets = _needed_sets(shape, groups, window, ranges.widths)
+  if sets is None:
+    return None
   starts, run_tiles = mapping.intervals
   ends = np.append(starts[1:], mapping.num_elements)
-  grid_of_tile = np.full(t, -1, np.int64)
-  grid_of_tile[tiles] = np.arange(g_count)
-  g = grid_of_tile[run_tiles]
-  mine = g >= 0
-  g = g[mine]
-  both = np.concatenate([starts[mine], ends[mine]])
-  g2 = np.concatenate([g, g])
-  # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
-  # (Clipped to the tensor per box here, not per run end in _prefix.)
-  box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
-                            [boxes[1][:, a] for a in range(len(shape))], shape)
-  run_lo = [lo[g2] for lo in box_lo]
-  run_hi = [hi[g2] for hi in box_hi]
-
-  def on_own_tile(sets):
-    """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
-    prefix = _prefix(both, shape, run_lo, run_hi, sets, clipped=True)
-    inside = prefix[g.size:] - prefix[:g.size]
-    # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
-    return np.bincount(g, weights=inside, minlength=g_count)[:g_count].astype(np.int64)
-
-  local = on_own_tile(None)
-  if not some_all:
-    needed = np.zeros(t, np.int64)
-  elif all(c is None for c in some):
-    needed = mapping.elements_per_tile(t)
-  else:
-    prefix = prefix_in_box(np.concatenate([starts, ends]), shape, np.zeros(len(shape), np.int64),
-                           np.asarray(shape, np.int64), some)
-    taken = prefix[starts.size:] - prefix[:starts.size]
-    needed = np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
-  sent = needed.copy()
-  if shared == 1 and one_all:
+  runs = _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes)
+  local = _on_own_tile(runs, None)
+  sent = _needed_per_tile(t, mapping, starts, ends, run_tiles, shape, sets).copy()
+  if ranges.shared == 1 and sets.one_all:
     # An element whose one block is its holder's is not sent.
-    sent[tiles] -= local if all(c is None for c in one) else on_own_tile(one)
+    sent[tiles] -= local if all(c is None for c in sets.one) else _on_own_tile(runs, sets.one)
   bytes_in = np.zeros(t, np.int64)
   np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local) * itemsize)
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus > 1 and sent.any():
-    if halo:
+    if ranges.halo:
       link = _halo_link_bytes(target, tiles, sent, itemsize)
     else:
       link = _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,

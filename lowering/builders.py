@@ -13,10 +13,16 @@ cost. The common shapes of work:
   statically, so the exchange is exact).
 * :func:`partitioned`: an operation whose output is cut along one axis into
   per-tile pieces, each computed on its tile from the inputs it needs.
+
+Each builder is a short driver: a plan (:class:`_ElementwiseOperands`,
+:class:`_Partition`), module-level helpers for the storage and the cost, and
+a step function bound to the plan with ``functools.partial``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -169,6 +175,76 @@ def _expand_size_one_axes(ctx, t: P.Tensor, shape, size) -> P.Tensor:
   return broadcast_to(ctx, t, shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ElementwiseOperands:
+  """How each operand of an elementwise step reaches the output's tiles.
+
+  Attributes:
+    reads: the tensors the step reads, in order (literals are not read).
+    kinds: per operand, ``("same", mapping)`` (a full-size operand, moved
+      onto the output's mapping), ``("scalar", mapping)`` (one element,
+      multicast to every tile) or ``("literal", value)`` (a constant scalar
+      folded into the step).
+    costs: the exchange of each read operand (None where nothing moves).
+  """
+
+  reads: tuple
+  kinds: tuple
+  costs: tuple
+
+
+def _elementwise_operands(ctx, operands, shape, size, mapping) -> _ElementwiseOperands:
+  """Classify the operands of a result of ``shape`` on ``mapping`` and cost their exchange."""
+  target = ctx.target
+  all_tiles = mapping.tiles
+  reads, kinds, costs = [], [], []
+  for t in operands:
+    if t.size == size and tuple(t.shape) == shape and size != 1:
+      reads.append(t)
+      kinds.append(("same", t.mapping))
+      costs.append(relayout_cost(target, t.mapping, mapping, t.itemsize))
+    elif t.size == 1:
+      if t.category == "constants" and t.value is not None:
+        kinds.append(("literal", np.asarray(t.value).reshape(())))
+      else:
+        reads.append(t)
+        kinds.append(("scalar", t.mapping))
+        costs.append(broadcast_cost(ctx, t, all_tiles))
+    else:
+      raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not match result {shape}")
+  return _ElementwiseOperands(tuple(reads), tuple(kinds), tuple(costs))
+
+
+def _elementwise_storages(fn, kinds, mapping, *storages):
+  """An elementwise step's function: ``fn`` on whole tile storages."""
+  it = iter(storages)
+  args = []
+  for kind, info in kinds:
+    if kind == "literal":
+      args.append(jnp.asarray(info))
+    elif kind == "scalar":
+      args.append(next(it).reshape(-1)[0])
+    else:
+      args.append(relayout(next(it), info, mapping))
+  result = fn(*args)
+  if not isinstance(result, (tuple, list)):
+    result = (result,)
+  rows_shape = mapping.storage_shape
+  return tuple(jnp.broadcast_to(r, rows_shape) for r in result)
+
+
+def _elementwise_logical(fn, kinds, shape, *arrays):
+  """An elementwise step's logical form: the same arithmetic on the logical arrays."""
+  it = iter(arrays)
+  args = [jnp.asarray(info) if kind == "literal"
+          else next(it).reshape(-1)[0] if kind == "scalar" else next(it)
+          for kind, info in kinds]
+  result = fn(*args)
+  if not isinstance(result, (tuple, list)):
+    result = (result,)
+  return tuple(jnp.broadcast_to(r, shape) for r in result)
+
+
 def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
                 name: str = "", cost_op: str = "", flops_per_element: int = 1) -> list:
   """Lower an elementwise operation; returns the output tensors.
@@ -191,66 +267,122 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   operands = [_expand_size_one_axes(ctx, t, shape, size) for t in operands]
   mapping = _output_mapping(ctx, operands, shape, dtype)
   outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
-  target = ctx.target
-  all_tiles = mapping.tiles
-  reads, kinds, costs = [], [], []
-  for t in operands:
-    if t.size == size and tuple(t.shape) == shape and size != 1:
-      reads.append(t)
-      kinds.append(("same", t.mapping))
-      costs.append(relayout_cost(target, t.mapping, mapping, t.itemsize))
-    elif t.size == 1:
-      if t.category == "constants" and t.value is not None:
-        kinds.append(("literal", np.asarray(t.value).reshape(())))
-      else:
-        reads.append(t)
-        kinds.append(("scalar", t.mapping))
-        costs.append(broadcast_cost(ctx, t, all_tiles))
-    else:
-      raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not match result {shape}")
-
-  def step_fn(*storages):
-    it = iter(storages)
-    args = []
-    for kind, info in kinds:
-      if kind == "literal":
-        args.append(jnp.asarray(info))
-      elif kind == "scalar":
-        args.append(next(it).reshape(-1)[0])
-      else:
-        args.append(relayout(next(it), info, mapping))
-    result = fn(*args)
-    if not isinstance(result, (tuple, list)):
-      result = (result,)
-    rows_shape = mapping.storage_shape
-    return tuple(jnp.broadcast_to(r, rows_shape) for r in result)
-
-  def logical_fn(*arrays):
-    # Elementwise: the same arithmetic on the logical arrays.
-    it = iter(arrays)
-    args = [jnp.asarray(info) if kind == "literal"
-            else next(it).reshape(-1)[0] if kind == "scalar" else next(it)
-            for kind, info in kinds]
-    result = fn(*args)
-    if not isinstance(result, (tuple, list)):
-      result = (result,)
-    return tuple(jnp.broadcast_to(r, shape) for r in result)
-
+  ins = _elementwise_operands(ctx, operands, shape, size, mapping)
+  step_fn = functools.partial(_elementwise_storages, fn, ins.kinds, mapping)
+  logical_fn = functools.partial(_elementwise_logical, fn, ins.kinds, shape)
   if ctx.options.executor_mode != "per_tile":
     logical_form.attach(step_fn, logical_fn)
 
   op = cost_op or ctx.op
   in_dtype = operands[0].dtype if operands else None
-  compute, vertices = elementwise_figures(target, mapping, op, dtype, in_dtype)
+  compute, vertices = elementwise_figures(ctx.target, mapping, op, dtype, in_dtype)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   ctx.emit(P.Superstep(
-      name=name or op, op=ctx.op, reads=tuple(reads), writes=tuple(outputs), fn=step_fn,
-      compute_cycles=compute, exchange=add_costs(*costs),
+      name=name or op, op=ctx.op, reads=ins.reads, writes=tuple(outputs), fn=step_fn,
+      compute_cycles=compute, exchange=add_costs(*ins.costs),
       vertices=vertices, codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
-      flops=flops, elementwise=P.ElementwiseWork(mapping, tuple(costs), op, dtype.itemsize, dtype,
+      flops=flops, elementwise=P.ElementwiseWork(mapping, ins.costs, op, dtype.itemsize, dtype,
                                                  in_dtype),
-      literals=tuple(info for kind, info in kinds if kind == "literal")))
+      literals=tuple(info for kind, info in ins.kinds if kind == "literal")))
   return outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Partition:
+  """How :func:`partitioned` cuts the results' ``out_axis`` over tiles.
+
+  Attributes:
+    rows: the results' length along ``out_axis``.
+    per_tile: rows per tile (the last tile may hold fewer).
+    groups: tiles that hold rows, ``ceil(rows / per_tile)``.
+    tiles: ``[groups]`` the tile of each row block.
+  """
+
+  rows: int
+  per_tile: int
+  groups: int
+  tiles: np.ndarray
+
+  def rows_on_tile(self, num_tiles: int) -> np.ndarray:
+    """``[num_tiles]`` rows each tile holds."""
+    rows_on_tile = np.zeros(num_tiles, np.int64)
+    if self.groups:
+      counts = np.full(self.groups, self.per_tile, np.int64)
+      counts[-1] = self.rows - self.per_tile * (self.groups - 1)
+      np.add.at(rows_on_tile, self.tiles, counts)
+    return rows_on_tile
+
+
+def _partition(ctx, first_shape, out_axis: int) -> _Partition:
+  """Cut ``first_shape``'s ``out_axis`` into row blocks and claim a tile for each."""
+  num_tiles = ctx.target.num_tiles
+  rows = first_shape[out_axis] if first_shape else 1
+  # Enough rows per tile that a tile holds at least a few hundred bytes.
+  row_elements = max(1, int(np.prod(first_shape, dtype=np.int64)) // max(rows, 1))
+  min_rows = max(1, -(-64 // max(row_elements, 1)))
+  per_tile = max(min_rows, -(-rows // num_tiles)) if rows else 1
+  groups = -(-rows // per_tile) if rows else 0
+  start = ctx.claim_tiles(groups)
+  tiles = (start + np.arange(groups)) % num_tiles
+  return _Partition(rows, per_tile, groups, tiles)
+
+
+def _partitioned_outputs(ctx, part: _Partition, out_avals, out_axis: int) -> list:
+  """The results, each cut along ``out_axis`` into the partition's row blocks."""
+  outputs = []
+  for shape, dtype in out_avals:
+    size = int(np.prod(shape, dtype=np.int64))
+    if size == 0 or not shape:
+      mapping = ctx.linear_mapping(shape, dtype)
+    else:
+      group = (np.arange(shape[out_axis]) // part.per_tile)
+      element_group = np.broadcast_to(
+          group.reshape([-1 if a == out_axis else 1 for a in range(len(shape))]), shape)
+      mapping = TileMapping.from_element_tiles(part.tiles[element_group.reshape(-1)])
+    outputs.append(ctx.new_tensor(shape, dtype, mapping))
+  return outputs
+
+
+def _partitioned_exchange(ctx, part: _Partition, operands, split_axes) -> list:
+  """Per operand: split ones go row block to tile; whole ones multicast."""
+  costs = []
+  for t, axis in zip(operands, split_axes):
+    if t.size == 0:
+      continue
+    if axis is None or part.groups == 0:
+      costs.append(broadcast_cost(ctx, t, part.tiles))
+    else:
+      group = np.arange(t.shape[axis]) // part.per_tile
+      element_group = np.broadcast_to(
+          group.reshape([-1 if a == axis else 1 for a in range(len(t.shape))]),
+          t.shape).reshape(-1)
+      dst = part.tiles[np.minimum(element_group, max(part.groups - 1, 0))]
+      costs.append(movement_cost(ctx.target, t.mapping.element_tile, dst, t.itemsize))
+  return costs
+
+
+def _partitioned_cycles(target, part: _Partition, rows_on_tile, flops, itemsize) -> np.ndarray:
+  """Compute cycles per tile: ``flops`` spread over tiles in proportion to their rows."""
+  share = rows_on_tile / max(part.rows, 1)
+  rate = target.fp16_flops_per_cycle if itemsize <= 2 else target.fp32_flops_per_cycle
+  # Non-matmul work runs on the workers at about a vector per cycle.
+  rate = min(rate, max(1, target.vector_width_bytes // itemsize) * target.worker_contexts)
+  return np.where(rows_on_tile > 0,
+                  np.ceil(flops * share / rate) + target.worker_contexts * estimators.WORKER_OVERHEAD
+                  + target.supervisor_overhead_cycles, 0.0)
+
+
+def _partitioned_run(fn, operands, outputs, split_axes, out_axis, part: _Partition, mode,
+                     *storages):
+  """A partitioned step's function: ``fn`` once on the whole arrays, or per tile."""
+  args = [logical(s, t) for s, t in zip(storages, operands)]
+  if mode == "per_tile" and part.groups > 1:
+    result = _per_tile(fn, args, split_axes, out_axis, part.per_tile, part.groups, part.rows)
+  else:
+    result = fn(*args)
+  if not isinstance(result, (tuple, list)):
+    result = (result,)
+  return tuple(storage(r, o) for r, o in zip(result, outputs))
 
 
 def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
@@ -276,70 +408,19 @@ def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
     flops: total FLOPs; spread over tiles in proportion to their rows.
     cycles_per_tile_fn: ``f(rows_per_tile [num_tiles]) -> cycles`` override.
   """
-  target = ctx.target
   shapes = [tuple(int(d) for d in s) for s, _ in out_avals]
-  rows = shapes[0][out_axis] if shapes[0] else 1
-  num_tiles = target.num_tiles
-  # Enough rows per tile that a tile holds at least a few hundred bytes.
-  row_elements = max(1, int(np.prod(shapes[0], dtype=np.int64)) // max(rows, 1))
-  min_rows = max(1, -(-64 // max(row_elements, 1)))
-  per_tile = max(min_rows, -(-rows // num_tiles)) if rows else 1
-  groups = -(-rows // per_tile) if rows else 0
-  start = ctx.claim_tiles(groups)
-  tiles = (start + np.arange(groups)) % num_tiles
-  outputs = []
-  for shape, dtype in out_avals:
-    size = int(np.prod(shape, dtype=np.int64))
-    if size == 0 or not shape:
-      mapping = ctx.linear_mapping(shape, dtype)
-    else:
-      group = (np.arange(shape[out_axis]) // per_tile)
-      element_group = np.broadcast_to(
-          group.reshape([-1 if a == out_axis else 1 for a in range(len(shape))]), shape)
-      mapping = TileMapping.from_element_tiles(tiles[element_group.reshape(-1)])
-    outputs.append(ctx.new_tensor(shape, dtype, mapping))
-  # Exchange: split operands go row-block to tile; whole operands multicast.
-  costs = []
-  for t, axis in zip(operands, split_axes):
-    if t.size == 0:
-      continue
-    if axis is None or groups == 0:
-      costs.append(broadcast_cost(ctx, t, tiles))
-    else:
-      group = np.arange(t.shape[axis]) // per_tile
-      element_group = np.broadcast_to(
-          group.reshape([-1 if a == axis else 1 for a in range(len(t.shape))]),
-          t.shape).reshape(-1)
-      dst = tiles[np.minimum(element_group, max(groups - 1, 0))]
-      costs.append(movement_cost(target, t.mapping.element_tile, dst, t.itemsize))
-  rows_on_tile = np.zeros(num_tiles, np.int64)
-  if groups:
-    counts = np.full(groups, per_tile, np.int64)
-    counts[-1] = rows - per_tile * (groups - 1)
-    np.add.at(rows_on_tile, tiles, counts)
+  part = _partition(ctx, shapes[0], out_axis)
+  outputs = _partitioned_outputs(ctx, part, out_avals, out_axis)
+  costs = _partitioned_exchange(ctx, part, operands, split_axes)
+  rows_on_tile = part.rows_on_tile(ctx.target.num_tiles)
   if cycles_per_tile_fn is not None:
     compute = np.asarray(cycles_per_tile_fn(rows_on_tile), np.float64)
   else:
-    share = rows_on_tile / max(rows, 1)
-    itemsize = np.dtype(out_avals[0][1]).itemsize
-    rate = target.fp16_flops_per_cycle if itemsize <= 2 else target.fp32_flops_per_cycle
-    # Non-matmul work runs on the workers at about a vector per cycle.
-    rate = min(rate, max(1, target.vector_width_bytes // itemsize) * target.worker_contexts)
-    compute = np.where(rows_on_tile > 0,
-                       np.ceil(flops * share / rate) + target.worker_contexts * estimators.WORKER_OVERHEAD
-                       + target.supervisor_overhead_cycles, 0.0)
+    compute = _partitioned_cycles(ctx.target, part, rows_on_tile, flops,
+                                  np.dtype(out_avals[0][1]).itemsize)
   mode = ctx.options.executor_mode
-
-  def run(*storages):
-    args = [logical(s, t) for s, t in zip(storages, operands)]
-    if mode == "per_tile" and groups > 1:
-      result = _per_tile(fn, args, split_axes, out_axis, per_tile, groups, rows)
-    else:
-      result = fn(*args)
-    if not isinstance(result, (tuple, list)):
-      result = (result,)
-    return tuple(storage(r, o) for r, o in zip(result, outputs))
-
+  run = functools.partial(_partitioned_run, fn, tuple(operands), tuple(outputs),
+                          tuple(split_axes), out_axis, part, mode)
   ctx.emit(P.Superstep(name=name or ctx.op, op=ctx.op, reads=tuple(operands),
                        writes=tuple(outputs), fn=run, compute_cycles=compute,
                        exchange=add_costs(*costs),

@@ -719,6 +719,95 @@ def operand_exchange_cost(target, tensor, perm, canon_shape, groups, grid, tiles
   return grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
 
 
+def _along(axis: int, table, ndim: int) -> np.ndarray:
+  """``table`` shaped to broadcast along canonical axis ``axis`` of ``ndim``."""
+  return np.asarray(table).reshape([-1 if i == axis else 1 for i in range(ndim)])
+
+
+def _on_tiles(num_tiles: int, tiles: np.ndarray, values, fill: int) -> np.ndarray:
+  """A ``[num_tiles]`` table of a per-grid-index value (``fill`` off the grid)."""
+  table = np.full(num_tiles, fill, np.int64)
+  table[tiles] = values
+  return table
+
+
+@dataclasses.dataclass(frozen=True)
+class _GridNeeds:
+  """Which grid tiles need each operand element, in the canonical layout.
+
+  Axes where an element needs one block fold into one key, compared with the
+  key of the tile that holds it; ranges (halos) are checked per axis.
+
+  Attributes:
+    key_needed: the key of the block each element needs (broadcasts to the
+      canonical shape).
+    key_have: ``[G]`` each grid index's key.
+    ranges: per grid axis with halos, ``(coordinate of each tile [num_tiles]
+      (-1 off the grid), lo, hi)``, ``lo``/``hi`` along the canonical axis.
+    count: how many blocks need each element (broadcasts to the canonical shape).
+  """
+
+  key_needed: np.ndarray
+  key_have: np.ndarray
+  ranges: tuple
+  count: np.ndarray
+
+
+def _grid_needs(num_tiles, ndim, grid_shape, tiles, needs, masks) -> _GridNeeds:
+  """The keys, ranges and counts of :func:`grid_exchange_cost`'s ``needs`` and ``masks``."""
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  coords = np.unravel_index(np.arange(g_count), tuple(grid_shape))
+  strides = [int(np.prod(grid_shape[a + 1:], dtype=np.int64)) for a in range(len(grid_shape))]
+  key_needed = np.zeros((1,) * ndim, np.int64)
+  key_have = np.zeros(g_count, np.int64)
+  ranges = []
+  count = np.ones((1,) * ndim, np.int64)
+  for a, need in enumerate(needs):
+    if need is None:
+      count = count * int(grid_shape[a])
+      continue
+    axis, lo, hi = need
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    width = np.maximum(hi - lo, 0)
+    count = count * _along(axis, width, ndim)
+    if np.all(width <= 1):
+      key_needed = key_needed + _along(axis, lo * strides[a], ndim)
+      key_have += coords[a] * strides[a]
+    else:
+      ranges.append((_on_tiles(num_tiles, tiles, coords[a], -1), _along(axis, lo, ndim),
+                     _along(axis, hi, ndim)))
+  for axis, needed in masks:
+    count = count * _along(axis, np.asarray(needed, np.int64), ndim)
+  return _GridNeeds(key_needed, key_have, tuple(ranges), count)
+
+
+def _grid_link_bytes(target, src, tiles, grid: _GridNeeds, sent, sent_src,
+                     itemsize: int) -> np.ndarray:
+  """``[num_ipus]`` IPU-Link bytes of the elements sent (``sent``, from tiles ``sent_src``)."""
+  per = target.tiles_per_ipu
+  if not grid.ranges:
+    # Exact: an element's destinations are the grid tiles sharing its key
+    # (every block along the other axes); a multicast crosses once to each
+    # other IPU among them.
+    g_count = grid.key_have.size
+    member = np.zeros((g_count, target.num_ipus), bool)
+    member[grid.key_have, np.asarray(tiles) // per] = True
+    key = np.broadcast_to(grid.key_needed, src.shape).ravel()[sent.ravel()]
+    # Count elements per (key, sending IPU) pair, then weigh each pair by
+    # the other IPUs its key's blocks sit on: no per-element IPU table.
+    ipus = target.num_ipus
+    pairs = np.bincount(key * ipus + sent_src // per, minlength=g_count * ipus)
+    pairs = pairs[:g_count * ipus].reshape(g_count, ipus)
+    others = member.sum(axis=1, keepdims=True) - member
+    return ((pairs * others).sum(axis=0) * itemsize).astype(np.int64)
+  # Halo ranges: an upper bound, every element sent leaves for every
+  # other IPU the grid spans.
+  spanned = np.unique(np.asarray(tiles) // per)
+  sent_per_ipu = np.bincount(sent_src // per, minlength=target.num_ipus)[:target.num_ipus]
+  others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
+  return (sent_per_ipu * others * itemsize).astype(np.int64)
+
+
 def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Sequence[int],
                        tiles: np.ndarray, needs: Sequence, block_elements: np.ndarray,
                        masks: Sequence = ()) -> tuple:
@@ -752,48 +841,14 @@ def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Seque
   g_count = int(np.prod(grid_shape, dtype=np.int64))
   if src.size == 0 or g_count == 0:
     return None, np.zeros(g_count, np.int64)
-  canon_shape = src.shape
-  ndim = len(canon_shape)
-  coords = np.unravel_index(np.arange(g_count), tuple(grid_shape))
-  strides = [int(np.prod(grid_shape[a + 1:], dtype=np.int64)) for a in range(len(grid_shape))]
-
-  def along(axis, table):
-    return np.asarray(table).reshape([-1 if i == axis else 1 for i in range(ndim)])
-
-  def per_tile(values, fill):
-    """A [num_tiles] table of a per-grid-index value (``fill`` off the grid)."""
-    table = np.full(t, fill, np.int64)
-    table[tiles] = values
-    return table
-
-  # Axes where an element needs one block fold into one key, compared with
-  # the key of the tile that holds it; ranges (halos) are checked per axis.
-  key_needed = np.zeros((1,) * ndim, np.int64)
-  key_have = np.zeros(g_count, np.int64)
-  ranges = []
-  count = np.ones((1,) * ndim, np.int64)
-  for a, need in enumerate(needs):
-    if need is None:
-      count = count * int(grid_shape[a])
-      continue
-    axis, lo, hi = need
-    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    width = np.maximum(hi - lo, 0)
-    count = count * along(axis, width)
-    if np.all(width <= 1):
-      key_needed = key_needed + along(axis, lo * strides[a])
-      key_have += coords[a] * strides[a]
-    else:
-      ranges.append((per_tile(coords[a], -1), along(axis, lo), along(axis, hi)))
-  for axis, needed in masks:
-    count = count * along(axis, np.asarray(needed, np.int64))
+  grid = _grid_needs(t, src.ndim, grid_shape, tiles, needs, masks)
   # Tiles outside the grid hold nothing anyone needs locally.
-  local = per_tile(key_have, -1)[src] == key_needed
-  for coord_of_tile, lo, hi in ranges:
+  local = _on_tiles(t, tiles, grid.key_have, -1)[src] == grid.key_needed
+  for coord_of_tile, lo, hi in grid.ranges:
     j = coord_of_tile[src]
     local &= (j >= lo) & (j < hi)
-  local &= count > 0
-  sent = np.broadcast_to(count, canon_shape) > local
+  local &= grid.count > 0
+  sent = np.broadcast_to(grid.count, src.shape) > local
   # Flat boolean selection is much faster in NumPy than an n-d mask.
   src_flat = src.ravel()
   sent_src = src_flat[sent.ravel()]
@@ -803,26 +858,5 @@ def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Seque
   np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local_count) * itemsize)
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus > 1 and sent_src.size:
-    per = target.tiles_per_ipu
-    if not ranges:
-      # Exact: an element's destinations are the grid tiles sharing its key
-      # (every block along the other axes); a multicast crosses once to each
-      # other IPU among them.
-      member = np.zeros((g_count, target.num_ipus), bool)
-      member[key_have, np.asarray(tiles) // per] = True
-      key = np.broadcast_to(key_needed, canon_shape).ravel()[sent.ravel()]
-      # Count elements per (key, sending IPU) pair, then weigh each pair by
-      # the other IPUs its key's blocks sit on: no per-element IPU table.
-      ipus = target.num_ipus
-      pairs = np.bincount(key * ipus + sent_src // per, minlength=g_count * ipus)
-      pairs = pairs[:g_count * ipus].reshape(g_count, ipus)
-      others = member.sum(axis=1, keepdims=True) - member
-      link = ((pairs * others).sum(axis=0) * itemsize).astype(np.int64)
-    else:
-      # Halo ranges: an upper bound, every element sent leaves for every
-      # other IPU the grid spans.
-      spanned = np.unique(np.asarray(tiles) // per)
-      sent_per_ipu = np.bincount(sent_src // per, minlength=target.num_ipus)[:target.num_ipus]
-      others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
-      link = (sent_per_ipu * others * itemsize).astype(np.int64)
+    link = _grid_link_bytes(target, src, tiles, grid, sent, sent_src, itemsize)
   return ExchangeCost(bytes_in, bytes_out, link), local_count
