@@ -62,7 +62,6 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import copy_plan
-from ipu_jax.lowering import logical_form
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.copy_plan import exchange_plan
 from ipu_jax.lowering.exchange import to_flat, to_storage
@@ -248,13 +247,36 @@ def _plan_move(target, io: _MoveIO, specs, one_to_one: bool):
   return plan, gathers, specs
 
 
-def _per_tile_move(io: _MoveIO, gathers, fill_value, *storages):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _MoveGathers:
+  """What a movement's per-tile exchange gathers from.
+
+  A plan by regions gathers by the rule's boxes; a plan by elements is
+  planned again when traced: keeping the rule's maps instead of the planned
+  per-element gathers costs the step no host memory per element.
+  """
+
+  target: object
+  specs: tuple
+  one_to_one: bool
+  by_regions: bool
+
+  def gathers(self, io: _MoveIO) -> list:
+    """Per output, a BoxMap or the ``[size]`` source of each element."""
+    if self.by_regions:
+      return list(self.specs)
+    _, gathers, specs = _plan_move(self.target, io, list(self.specs), self.one_to_one)
+    return specs if gathers is None else gathers
+
+
+def _per_tile_move(io: _MoveIO, plan: _MoveGathers, fill_value, *storages):
   """The static exchange: every output element gathered from its source."""
   dtype = io.results[0].dtype
   flat = jnp.concatenate(
       [to_flat(s, t.mapping).astype(dtype) for s, t in zip(storages, io.unique)]
       + [jnp.full((1,), fill_value, dtype)])
-  index = [_gather_index(g, out.size, io.num_sources) for g, out in zip(gathers, io.results)]
+  index = [_gather_index(g, out.size, io.num_sources)
+           for g, out in zip(plan.gathers(io), io.results)]
   return tuple(jnp.zeros(out.storage_shape, out.dtype) if out.size == 0
                else to_storage(flat[g], out.mapping)
                for out, g in zip(io.results, index))
@@ -262,13 +284,6 @@ def _per_tile_move(io: _MoveIO, gathers, fill_value, *storages):
 
 def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _batched_move(io: _MoveIO, *storages):
-  """``logical_fn`` on the operands' logical arrays, back into storage."""
-  logical_in = {t.id: logical(s, t) for s, t in zip(storages, io.unique)}
-  value = _as_tuple(io.logical_fn(*[logical_in[t.id].reshape(t.shape) for t in io.operands]))
-  return tuple(storage(v, out) for v, out in zip(value, io.results))
 
 
 def _logical_move(io: _MoveIO, *arrays):
@@ -291,8 +306,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
       when its rows are long) or the ``[size]`` source index of each output
       element, ``-1`` for ``fill``.
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
-      same movement on logical arrays (run in "batched" mode; there it is
-      also the step's logical form, :mod:`~ipu_jax.lowering.logical_form`).
+      same movement on logical arrays (the step's ``logical`` form).
     fill: the constant that unmapped (``-1``) elements take.
     name: step name (default: the primitive).
     one_to_one: no operand element is copied twice (see
@@ -309,26 +323,25 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   io = _move_io(ctx, operands, outputs, logical_fn)
   if all(out.size == 0 for out in io.results):
     return list(io.results)  # all outputs empty: nothing to run
-  plan, gathers, specs = _plan_move(target, io, [spec for _, _, spec in outputs], one_to_one)
+  specs_in = [spec for _, _, spec in outputs]
+  plan, gathers, _ = _plan_move(target, io, specs_in, one_to_one)
   itemsize = io.results[0].itemsize
   copies, fills = plan.copies, plan.fills
   compute = (estimators.copy_cycles(target, copies, itemsize)
              + estimators.fill_cycles(target, fills, itemsize))
   codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
   fill_value = np.asarray(0 if fill is None else fill).astype(io.results[0].dtype)
-  if ctx.options.executor_mode == "per_tile":
-    # Region plans keep only their boxes; the gather is built when traced.
-    fn = functools.partial(_per_tile_move, io, specs if gathers is None else gathers,
-                           fill_value)
-  else:
-    # Batched steps run ``logical_fn``: holding per-element gather indices in
-    # the step would only cost host memory (8 bytes per element per step).
-    fn = logical_form.attach(functools.partial(_batched_move, io),
-                             functools.partial(_logical_move, io))
+  # Neither form holds per-element tables: the per-tile exchange keeps the
+  # rule's maps (boxes, for region plans) and finds its gathers when traced;
+  # the logical form is ``logical_fn``.
+  fn = functools.partial(_per_tile_move, io, _MoveGathers(target, tuple(specs_in), one_to_one,
+                                                    gathers is None),
+                         fill_value)
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=io.unique, writes=io.results, fn=fn,
       compute_cycles=compute if compute.any() else None, exchange=plan.exchange,
-      vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
+      vertices=worker_vertices(ctx, copies + fills), codelets=codelets,
+      logical=functools.partial(_logical_move, io)))
   return list(io.results)
 
 
@@ -650,11 +663,13 @@ def _iota(ctx, *dynamic, dtype, shape, dimension, **params):
   stride = int(np.prod(shape[dimension + 1:], dtype=np.int64))
   extent = int(shape[dimension])
   n = out.size
-  mode = ctx.options.executor_mode
   full = dict(params, dtype=dtype, shape=shape, dimension=dimension)
 
+  def logical_fn():
+    return (lax.iota_p.bind(**full),)
+
   def fn():
-    if mode == "per_tile" and mapping.is_linear:
+    if mapping.is_linear:
       rows, row_size = mapping.storage_shape
       index_dtype = jnp.int32 if n < 2**31 - 1 else jnp.int64
 
@@ -668,7 +683,7 @@ def _iota(ctx, *dynamic, dtype, shape, dimension, **params):
     return (storage(lax.iota_p.bind(**full), out),)
 
   ctx.emit(P.Superstep(
-      name="iota", op=ctx.op, reads=(), writes=(out,), fn=fn,
+      name="iota", op=ctx.op, reads=(), writes=(out,), fn=fn, logical=logical_fn,
       compute_cycles=estimators.fill_cycles(target, elements, out.itemsize),
       vertices=worker_vertices(ctx, elements), codelets=(vocab.IOTA,)))
   return [out]
