@@ -62,7 +62,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import copy_plan
-from ipu_jax.lowering.builders import logical, storage, worker_vertices
+from ipu_jax.lowering.builders import storage, worker_vertices
 from ipu_jax.lowering.copy_plan import exchange_plan
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.lower import is_key_dtype
