@@ -184,9 +184,21 @@ class _MoveIO:
 
 
 def _normalise_outputs(outputs) -> list:
-  return [(tuple(int(d) for d in s), np.dtype(d),
-           i if isinstance(i, BoxMap) else np.asarray(i).reshape(-1))
-          for s, d, i in outputs]
+  return [(tuple(int(d) for d in s), np.dtype(d), _realised(i)) for s, d, i in outputs]
+
+
+def _realised(spec):
+  """A map as planned: a BoxMap, or the ``[size]`` source index array (built
+  by the map's function when given one)."""
+  if isinstance(spec, BoxMap):
+    return spec
+  return np.asarray(spec() if callable(spec) else spec).reshape(-1)
+
+
+def _kept(spec):
+  """What a step keeps of a map: boxes or the function that builds the
+  index, not an index array the rule built (a host table per element)."""
+  return spec if isinstance(spec, BoxMap) or callable(spec) else _realised(spec)
 
 
 def _identity_alias(operands, outputs):
@@ -263,9 +275,10 @@ class _MoveGathers:
 
   def gathers(self, io: _MoveIO) -> list:
     """Per output, a BoxMap or the ``[size]`` source of each element."""
+    specs = [_realised(spec) for spec in self.specs]
     if self.by_regions:
-      return list(self.specs)
-    _, gathers, specs = _plan_move(self.target, io, list(self.specs), self.one_to_one)
+      return specs
+    _, gathers, specs = _plan_move(self.target, io, specs, self.one_to_one)
     return specs if gathers is None else gathers
 
 
@@ -304,7 +317,8 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     outputs: ``[(shape, dtype, map)]``: ``map`` is a
       :class:`~ipu_jax.lowering.copy_plan.BoxMap` (planned by regions
       when its rows are long) or the ``[size]`` source index of each output
-      element, ``-1`` for ``fill``.
+      element, ``-1`` for ``fill`` (or a function that returns it: the step
+      then keeps the function, not a table per element).
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
       same movement on logical arrays (the step's ``logical`` form).
     fill: the constant that unmapped (``-1``) elements take.
@@ -316,6 +330,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   an :func:`alias` (no step).
   """
   target = ctx.target
+  kept = [_kept(spec) for _, _, spec in outputs]
   outputs = _normalise_outputs(outputs)
   same = _identity_alias(operands, outputs)
   if same is not None:
@@ -334,7 +349,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   # Neither form holds per-element tables: the per-tile exchange keeps the
   # rule's maps (boxes, for region plans) and finds its gathers when traced;
   # the logical form is ``logical_fn``.
-  fn = functools.partial(_per_tile_move, io, _MoveGathers(target, tuple(specs_in), one_to_one,
+  fn = functools.partial(_per_tile_move, io, _MoveGathers(target, tuple(kept), one_to_one,
                                                     gathers is None),
                          fill_value)
   ctx.emit(P.Superstep(
@@ -627,7 +642,8 @@ def _pad(ctx, x, pad_value, *, padding_config):
                 fill=constant, one_to_one=True)
   # A computed one is a source element (index x.size) multicast to the tiles
   # that hold padding.
-  index = BoxMap((box,)).index(size, x.size, copy_plan.index_dtype(x.size + 1))
+  index = functools.partial(BoxMap((box,)).index, size, x.size,
+                            copy_plan.index_dtype(x.size + 1))
   return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
 
 
