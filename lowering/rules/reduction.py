@@ -56,7 +56,7 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.builders import add_costs, broadcast_cost, relayout_to, worker_vertices
-from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles
+from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, take_or_fill
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.grouping import (elements_tiles, first_elements, gather_or_fill,
@@ -669,20 +669,30 @@ def _partials_per_tile(spec, inits, partials, tables: _PerTilePlan, *storages):
   return tuple(r.astype(p.dtype).reshape(p.storage_shape) for r, p in zip(reduced, partials))
 
 
-def _partials_logical(spec, inits, num_data: int, first_of_key, partials, *arrays):
+def _partials_logical(spec, inits, num_data: int, out_of_group, partials, *arrays):
   """Stage 1's logical form: the whole reduction by the primitive, each
-  output element in its first group's partial, the identity in the others."""
+  output element in its first group's partial (``out_of_group``: its
+  output, ``out_size`` for the other groups, which hold the identity)."""
   ids = spec.identities(inits.values(arrays[num_data:]))
   results = spec.batched(*arrays[:num_data], inits.values(arrays[num_data:]))
   out = []
   for c, p in enumerate(partials):
-    filled = jnp.full((p.size,), ids[c], p.dtype)
     if c in spec.out_components:
       value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
       # Placing the results (no arithmetic follows).
-      filled = filled.at[first_of_key].set(value)
-    out.append(filled.reshape(p.shape))
+      out.append(take_or_fill(value, out_of_group, ids[c]).reshape(p.shape))
+    else:
+      out.append(jnp.full(p.shape, ids[c], p.dtype))
   return tuple(out)
+
+
+def _out_of_group(groups, out_size: int) -> np.ndarray:
+  """The output whose first group each group is, ``out_size`` for none (one
+  entry per group: what the logical form keeps)."""
+  dtype = np.int32 if out_size < 2**31 - 1 else np.int64
+  out = np.full(groups.num, out_size, dtype)
+  out[groups.first_of_key] = np.arange(out_size, dtype=dtype)
+  return out
 
 
 def _emit_partials(ctx, plan: _Plan, partials) -> None:
@@ -705,7 +715,7 @@ def _emit_partials(ctx, plan: _Plan, partials) -> None:
       vertices=worker_vertices(ctx, per_tile), codelets=(vocab.vertex(vocab.REDUCE, spec.kind),),
       flops=int(flops),
       logical=functools.partial(_partials_logical, spec, plan.inits, len(data),
-                                groups.first_of_key, tuple(partials))))
+                                _out_of_group(groups, plan.out_size), tuple(partials))))
 
 
 def _init_cost(ctx, init_reads, tiles):
