@@ -146,9 +146,13 @@ class Superstep:
       ``logical(*read_arrays) -> tuple of write_arrays``, each array of its
       tensor's shape, equal on every element to ``to_flat`` of ``fn``'s
       result (results may be of another dtype: the executor casts, as for
-      ``fn``). Many steps (elementwise ops, data movements, matmuls,
-      convolutions, reductions, windows, scans) compute their values on the
-      logical arrays whatever the layouts. The ``"batched"`` executor keeps
+      ``fn``), except on tensors that only the logical forms of the same
+      operation's later steps read (a reduction's partials, a scan's
+      pieces: the forms carry the whole result through them, so the two
+      forms agree on the operation's results). Many steps (elementwise
+      ops, data movements, matmuls, convolutions, reductions, windows,
+      scans) compute their values on the logical arrays whatever the
+      layouts. The ``"batched"`` executor keeps
       tensors logical between steps and runs this form, so XLA sees the
       program's arithmetic on the arrays ``jax.jit`` would, with no
       conversion to and from tile storage around each step (pads of short
@@ -156,8 +160,10 @@ class Superstep:
       check storages (floating-point traps) it runs this form between them.
       Only the host-side representation changes: every cycle, byte and
       memory figure is the step's as lowered. The rule builds both forms;
-      the executor chooses (``lowering/executor.py``). The form must not
-      hold per-element tables (host memory is bounded per step).
+      the executor chooses (``lowering/executor.py``), the same for every
+      step of a program. Neither form may hold a table per element that
+      the step did not need before (host memory is bounded per step): a
+      per-tile ``fn`` builds such gathers when traced.
     compute_cycles: ``[num_tiles]`` compute-phase cycles, or ``None`` for a
       step with no compute (a pure exchange).
     exchange: bytes moved, or ``None``.
