@@ -35,7 +35,7 @@ from ipu_jax.lowering import printing
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 
-__all__ = ["build_function", "MODES", "logical_form_of"]
+__all__ = ["build_function", "MODES"]
 
 MODES = ("batched", "per_tile")
 
@@ -104,7 +104,7 @@ class _Env:
       return jnp.zeros(tensor.shape, tensor.dtype)
     return to_flat(value, tensor.mapping).reshape(tensor.shape)
 
-  def writes(self, program, local_ids=frozenset()):
+  def writes(self, program: P.Program, local_ids=frozenset()):
     """State keys ``program`` writes, less those local to it (not carried)."""
     keys = P.program_writes(program, self.memo) - frozenset(local_ids)
     return sorted(keys | self.extra_keys, key=str)
@@ -153,34 +153,18 @@ def _step(step: P.Superstep, state: dict, env: _Env, owned: bool) -> dict:
     # Op by op, to name the faulting op; one copy of the state for all of them.
     return fp_exceptions.run_fused(step, state if owned else dict(state), env,
                                    functools.partial(_run, owned=True))
-  if env.batched and members:
-    if env.traps is None and all(logical_form_of(m) and _writes_logical(m) for m in members):
-      # The fused function is its members' functions in order: run their
-      # logical forms so XLA fuses the arithmetic on logical arrays.
-      state = state if owned else dict(state)
-      for member in members:
-        state = _run_logical(member, state, env)
-      return state
-    if any(m.logical is not None for m in members):
-      # The fused ``fn`` is the members' per-tile functions: run each member
-      # by the form this mode chooses for it, as the fused step would.
-      state = state if owned else dict(state)
-      for member in members:
-        state = _step(member, state, env, owned=True)
-      return state
-  if env.batched and env.traps is None and logical_form_of(step) and _writes_logical(step):
+  if (env.batched and members and logical_form.of_step(step) is None
+      and any(m.logical is not None for m in members)):
+    # The fused ``fn`` is the members' per-tile functions and some member
+    # has no logical form (so the fused step has none): run each member by
+    # the form this mode chooses for it.
+    state = state if owned else dict(state)
+    for member in members:
+      state = _step(member, state, env, owned=True)
+    return state
+  if env.batched and env.traps is None and logical_form.of_step(step) and _writes_logical(step):
     return _run_logical(step, state if owned else dict(state), env)
   return _run_storage(step, _storage_function(step, env), state, env, owned)
-
-
-def logical_form_of(step: P.Superstep):
-  """``step``'s form on logical arrays, or None.
-
-  The ``logical`` field; a step's function may also carry the form as an
-  attribute (``logical_form.attach``, the older way, which the rules that
-  still use it attach in ``"batched"`` mode only).
-  """
-  return step.logical if step.logical is not None else logical_form.of(step.fn)
 
 
 def _storage_function(step: P.Superstep, env: _Env):
@@ -248,7 +232,7 @@ def _writes_logical(step) -> bool:
 
 def _run_logical(step: P.Superstep, state: dict, env) -> dict:
   """Run ``step``'s logical form on its reads' logical arrays, into ``state`` (owned)."""
-  outputs = logical_form_of(step)(*[env.get_logical(state, t) for t in step.reads])
+  outputs = logical_form.of_step(step)(*[env.get_logical(state, t) for t in step.reads])
   if len(outputs) != len(step.writes):
     raise RuntimeError(f"step {step.name} returned {len(outputs)} values, "
                        f"expected {len(step.writes)}")

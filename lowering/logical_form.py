@@ -4,16 +4,16 @@ A step's form on logical arrays is the declared field
 :attr:`~ipu_jax.lowering.program.Superstep.logical` (its docstring says what
 the form is and when the executor runs it). Steps built by
 ``lowering/builders.py`` (elementwise) and ``lowering/matmul_emit.py`` still
-attach it to their ``fn`` here, in ``"batched"`` mode only;
-:func:`~ipu_jax.lowering.executor.logical_form_of` reads both. This module
-goes once they set the field.
+attach it to their ``fn`` here, in ``"batched"`` mode only; :func:`of_step`
+reads both. This module goes once they set the field (``of_step(s)`` is then
+``s.logical``).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-__all__ = ["attach", "of"]
+__all__ = ["attach", "of", "of_step"]
 
 _ATTRIBUTE = "logical_form"
 
@@ -32,3 +32,8 @@ def attach(fn: Callable, logical_fn: Callable) -> Callable:
 def of(fn: Callable) -> Optional[Callable]:
   """``fn``'s logical form, or None when it has none."""
   return getattr(fn, _ATTRIBUTE, None)
+
+
+def of_step(step) -> Optional[Callable]:
+  """A superstep's logical form: its ``logical`` field, else one attached to its ``fn``."""
+  return step.logical if step.logical is not None else of(step.fn)

@@ -397,7 +397,7 @@ def control_tensors(program: Program) -> list:
   return out
 
 
-def _key_sets(program, memo):
+def _key_sets(program: Optional[Program], memo):
   """(read keys, written keys) of a program; keys are tensor ids or strings."""
   if program is None:
     return frozenset(), frozenset()
@@ -452,7 +452,7 @@ def iter_steps(program: Program, executions: int = 1):
   yield from _iter(program, executions, ())
 
 
-def _iter(program, executions, loops):
+def _iter(program: Optional[Program], executions, loops):
   if program is None:
     return
   if isinstance(program, (Superstep, StreamCopy, PrintTensor)):

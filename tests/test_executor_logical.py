@@ -16,7 +16,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import fp_exceptions
-from ipu_jax.lowering import executor
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from experiments import scale_workloads
@@ -69,7 +69,7 @@ class LogicalFormTest(chex.TestCase, parameterized.TestCase):
     checked = set()
     rng = np.random.default_rng(0)
     for step in _steps(lowered.program):
-      form = executor.logical_form_of(step)
+      form = logical_form.of_step(step)
       if form is None or _carries_through(step):
         continue
       values = [jnp.asarray(rng.standard_normal(t.shape).astype(t.dtype)) for t in step.reads]
