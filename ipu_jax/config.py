@@ -304,10 +304,10 @@ class _ExecutorOptions(_Group):
 
   mode = _lowering_option(
       "executor_mode",
-      "How identical per-tile vertices are arranged on the host: 'batched' "
-      "runs them as fewer, larger operations, 'per_tile' one tile at a time. "
-      "Results and per-tile accounting are identical; only host speed "
-      "differs.")
+      "Which form of each superstep the host runs: 'batched' its form on "
+      "logical arrays (the arithmetic jax.jit would run, as fewer, larger "
+      "operations), 'per_tile' what the tiles do, vertex by vertex. Results "
+      "and per-tile accounting are identical; only host speed differs.")
 
 
 # -- Floating-point behaviour (TF-IPU's floating_point_behaviour; ipu_jax/rounding.py) --

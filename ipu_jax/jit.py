@@ -164,7 +164,7 @@ class Lowered:
     self._traps = traps_from_options(self.options, self.program, self.profile.name)
     keys_record = [fp_exceptions.RECORD_KEY] if self._traps else []
     inner = build_function(self.program, tensors, keys_in, keys_out + keys_state + keys_record,
-                           traps=self._traps).__wrapped__
+                           traps=self._traps, mode=self.options.executor_mode).__wrapped__
     num_out, num_state = len(keys_out), len(keys_state)
     in_avals, out_avals = self._in_avals, self._out_avals
     inputs, outputs = self.inputs, self.outputs

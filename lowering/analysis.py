@@ -165,7 +165,7 @@ def _loop_spans(leaves) -> dict:
   return loop_span
 
 
-def _lifetimes(program, leaves, persistent, live_to_end) -> _Lifetimes:
+def _lifetimes(program: P.Program, leaves, persistent, live_to_end) -> _Lifetimes:
   """First and last step touching each tensor.
 
   A loop stretches both to cover the whole loop, since the value must survive
@@ -290,7 +290,7 @@ def _peak_live(leaves, steps, allocs, num_tiles: int) -> tuple:
   return peak_temp, peak_exchange, live_sums
 
 
-def profile_program(program, target: IPUTarget, *, persistent=(),
+def profile_program(program: P.Program, target: IPUTarget, *, persistent=(),
                     live_to_end=(), name: str = "program",
                     host_round_trips: int = 1) -> ProgramProfile:
   """Cycles and per-tile memory of ``program``.

@@ -2,12 +2,18 @@
 
 State holds each tensor's value keyed by tensor id, plus host-stream buffers
 and cursors keyed by strings. A :class:`~ipu_jax.lowering.program.Superstep`
-maps tile storages (``[rows, row_size]``, the leading axis is the tile) to
-storages; between steps a tensor is kept as its logical array (:class:`_Logical`)
-and a step with a logical form (:mod:`~ipu_jax.lowering.logical_form`) runs
-on logical arrays, so XLA compiles the arithmetic of ``jax.jit``'s program
-rather than round trips through tile storage. Control programs carry tile
-storages and become ``lax.fori_loop`` (Repeat),
+carries two forms of its work, and the executor, not the rule, chooses:
+
+- ``"per_tile"`` mode runs every step's ``fn``, what the tiles do, on tile
+  storages (``[rows, row_size]``, the leading axis is the tile).
+- ``"batched"`` mode (the default) keeps a tensor as its logical array
+  between steps (:class:`_Logical`) and runs a step's ``logical`` form on
+  logical arrays, so XLA compiles the arithmetic of ``jax.jit``'s program
+  rather than round trips through tile storage. With floating-point traps,
+  which check every step's storages, it runs that form between the storages
+  (:func:`_logical_on_storage`); a step with no logical form runs ``fn``.
+
+Control programs carry tile storages and become ``lax.fori_loop`` (Repeat),
 ``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If), ``lax.switch``
 (Switch) and ``vmap`` over named replica axes (Replicated, so the collectives
 of its steps reach across replicas). Nothing here loops over tiles in Python: a step's function does its
@@ -29,7 +35,9 @@ from ipu_jax.lowering import printing
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 
-__all__ = ["build_function"]
+__all__ = ["build_function", "MODES"]
+
+MODES = ("batched", "per_tile")
 
 
 class _Logical:
@@ -39,8 +47,8 @@ class _Logical:
   array of its shape and converted to storage (pads, reshapes, transposes)
   only where a step reads it through its storage function; tensors on
   irregular layouts, tensors a step updates in place, and those carried
-  through control programs stay in storage. Steps with a logical form (:mod:`~ipu_jax.lowering.logical_form`)
-  read and write these arrays directly, and a storage function's
+  through control programs stay in storage. Steps with a logical form
+  (``Superstep.logical``) read and write these arrays directly, and a storage function's
   ``to_flat`` of an operand undoes the conversion (XLA cancels the pair),
   so what XLA materialises between fusions is what ``jax.jit`` would: no
   padded copies in tile storage, no relayouts to and from it around every
@@ -61,11 +69,14 @@ class _Env:
   With floating-point exceptions trapped (``traps``), the state also carries
   their record (``fp_exceptions.RECORD_KEY``), which every control program
   carries like a tensor it writes; ``iteration`` is the innermost ``Repeat``'s
-  index while its body is traced.
+  index while its body is traced. ``batched``: the mode runs logical forms.
   """
 
-  def __init__(self, tensors: dict, traps=None):
+  def __init__(self, tensors: dict, traps=None, mode: str = "batched"):
+    if mode not in MODES:
+      raise ValueError(f"executor mode {mode!r}: expected one of {MODES}")
     self.tensors = tensors
+    self.batched = mode == "batched"
     self.memo = {}
     self.traps = traps
     self.iteration = None
@@ -93,13 +104,13 @@ class _Env:
       return jnp.zeros(tensor.shape, tensor.dtype)
     return to_flat(value, tensor.mapping).reshape(tensor.shape)
 
-  def writes(self, program, local_ids=frozenset()):
+  def writes(self, program: P.Program, local_ids=frozenset()):
     """State keys ``program`` writes, less those local to it (not carried)."""
     keys = P.program_writes(program, self.memo) - frozenset(local_ids)
     return sorted(keys | self.extra_keys, key=str)
 
 
-def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
+def _run(program: P.Program, state: dict, env: _Env, owned: bool = False) -> dict:
   """The state after ``program``; ``owned``: ``state`` is this call's to update in place.
 
   A sequence copies the state once and its steps write into that copy:
@@ -108,43 +119,7 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
   if program is None:
     return state
   if isinstance(program, P.Superstep):
-    if env.traps is not None and fp_exceptions.fused_members(program):
-      # Op by op, to name the faulting op; one copy of the state for all of them.
-      return fp_exceptions.run_fused(program, state if owned else dict(state), env,
-                                     functools.partial(_run, owned=True))
-    if env.traps is None:
-      members = fp_exceptions.fused_members(program)
-      if members and all(logical_form.of(m.fn) and _writes_logical(m) for m in members):
-        # The fused function is its members' functions in order: run their
-        # logical forms so XLA fuses the arithmetic on logical arrays.
-        state = state if owned else dict(state)
-        for member in members:
-          state = _run_logical(member, state, env)
-        return state
-      if logical_form.of(program.fn) and _writes_logical(program):
-        return _run_logical(program, state if owned else dict(state), env)
-    values = [env.get(state, t.id) for t in program.reads]
-    outputs = program.fn(*values)
-    if len(outputs) != len(program.writes):
-      raise RuntimeError(f"step {program.name} returned {len(outputs)} values, "
-                         f"expected {len(program.writes)}")
-    if not owned:
-      state = dict(state)
-    written = []
-    for tensor, value in zip(program.writes, outputs):
-      if tuple(value.shape) != tensor.storage_shape:
-        raise RuntimeError(
-            f"step {program.name} produced storage {value.shape} for {tensor.name}, "
-            f"expected {tensor.storage_shape}")
-      value = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
-      written.append(value)
-      state[tensor.id] = (_Logical(to_flat(value, tensor.mapping).reshape(tensor.shape),
-                                   tensor.mapping)
-                          if _keeps_logical(tensor, program) else value)
-    if env.traps is not None:
-      key = fp_exceptions.RECORD_KEY
-      state[key] = env.traps.check(program, values, written, state[key], env.iteration)
-    return state
+    return _step(program, state, env, owned)
   if isinstance(program, P.Sequence):
     state = state if owned else dict(state)
     for child in program.programs:
@@ -171,6 +146,71 @@ def _run(program, state: dict, env: _Env, owned: bool = False) -> dict:
   raise TypeError(f"not a tile program: {program!r}")
 
 
+def _step(step: P.Superstep, state: dict, env: _Env, owned: bool) -> dict:
+  """Run one superstep by the form the mode chooses (see the module docstring)."""
+  members = fp_exceptions.fused_members(step)
+  if env.traps is not None and members:
+    # Op by op, to name the faulting op; one copy of the state for all of them.
+    return fp_exceptions.run_fused(step, state if owned else dict(state), env,
+                                   functools.partial(_run, owned=True))
+  if (env.batched and members and logical_form.of_step(step) is None
+      and any(m.logical is not None for m in members)):
+    # The fused ``fn`` is the members' per-tile functions and some member
+    # has no logical form (so the fused step has none): run each member by
+    # the form this mode chooses for it.
+    state = state if owned else dict(state)
+    for member in members:
+      state = _step(member, state, env, owned=True)
+    return state
+  if env.batched and env.traps is None and logical_form.of_step(step) and _writes_logical(step):
+    return _run_logical(step, state if owned else dict(state), env)
+  return _run_storage(step, _storage_function(step, env), state, env, owned)
+
+
+def _storage_function(step: P.Superstep, env: _Env):
+  """The function a step runs on storages: in ``"batched"`` mode its logical
+  form between storages where it has one (the values the logical path
+  computes), else ``fn``."""
+  if (env.batched and step.logical is not None
+      and all(t.mapping is not None for t in step.reads + step.writes)):
+    return functools.partial(_logical_on_storage, step)
+  return step.fn
+
+
+def _logical_on_storage(step: P.Superstep, *storages):
+  """``step.logical`` on its reads' storages, its results back into storage."""
+  arrays = [to_flat(s, t.mapping).reshape(t.shape) for s, t in zip(storages, step.reads)]
+  outputs = step.logical(*arrays)
+  return tuple(to_storage(jnp.reshape(v, (-1,)).astype(t.dtype), t.mapping)
+               for v, t in zip(outputs, step.writes))
+
+
+def _run_storage(step: P.Superstep, function, state: dict, env: _Env, owned: bool) -> dict:
+  """Run ``function`` (``step``'s, on storages) and store its results."""
+  values = [env.get(state, t.id) for t in step.reads]
+  outputs = function(*values)
+  if len(outputs) != len(step.writes):
+    raise RuntimeError(f"step {step.name} returned {len(outputs)} values, "
+                       f"expected {len(step.writes)}")
+  if not owned:
+    state = dict(state)
+  written = []
+  for tensor, value in zip(step.writes, outputs):
+    if tuple(value.shape) != tensor.storage_shape:
+      raise RuntimeError(
+          f"step {step.name} produced storage {value.shape} for {tensor.name}, "
+          f"expected {tensor.storage_shape}")
+    value = value if value.dtype == tensor.dtype else value.astype(tensor.dtype)
+    written.append(value)
+    state[tensor.id] = (_Logical(to_flat(value, tensor.mapping).reshape(tensor.shape),
+                                 tensor.mapping)
+                        if _keeps_logical(tensor, step) else value)
+  if env.traps is not None:
+    key = fp_exceptions.RECORD_KEY
+    state[key] = env.traps.check(step, values, written, state[key], env.iteration)
+  return state
+
+
 def _keeps_logical(tensor, step) -> bool:
   """Whether a storage function's result is kept logical (see :class:`_Logical`).
 
@@ -192,7 +232,7 @@ def _writes_logical(step) -> bool:
 
 def _run_logical(step: P.Superstep, state: dict, env) -> dict:
   """Run ``step``'s logical form on its reads' logical arrays, into ``state`` (owned)."""
-  outputs = logical_form.of(step.fn)(*[env.get_logical(state, t) for t in step.reads])
+  outputs = logical_form.of_step(step)(*[env.get_logical(state, t) for t in step.reads])
   if len(outputs) != len(step.writes):
     raise RuntimeError(f"step {step.name} returned {len(outputs)} values, "
                        f"expected {len(step.writes)}")
@@ -325,8 +365,9 @@ def _stream_copy(program: P.StreamCopy, state, env):
   return state
 
 
-def build_function(program, tensors: dict, input_keys: Iterable,
-                   output_keys: Iterable, *, donate: bool = False, traps=None) -> Callable:
+def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
+                   output_keys: Iterable, *, donate: bool = False, traps=None,
+                   mode: str = "batched") -> Callable:
   """Compile ``program`` into one jitted function.
 
   Args:
@@ -339,13 +380,15 @@ def build_function(program, tensors: dict, input_keys: Iterable,
     traps: a :class:`~ipu_jax.lowering.fp_exceptions.Traps` to record the
       first trapped floating-point exception (``output_keys`` may then name
       ``fp_exceptions.RECORD_KEY``), or None.
+    mode: ``"batched"`` (steps' logical forms) or ``"per_tile"`` (their
+      ``fn``s); see the module docstring.
 
   Returns:
     ``fn(*inputs) -> tuple(outputs)``, jit-compiled.
   """
   input_keys = tuple(input_keys)
   output_keys = tuple(output_keys)
-  env = _Env(tensors, traps)
+  env = _Env(tensors, traps, mode)
 
   def run(*inputs):
     state = dict(zip(input_keys, inputs))

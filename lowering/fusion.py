@@ -74,11 +74,13 @@ import dataclasses
 import types
 from typing import Iterable
 
+import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import fused_cost
+from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
@@ -97,7 +99,8 @@ def vertex_overhead_cycles(target: IPUTarget) -> int:
   return target.worker_contexts * estimators.WORKER_OVERHEAD + target.supervisor_overhead_cycles
 
 
-def fuse_elementwise(program, target: IPUTarget, keep: Iterable[P.Tensor] = ()):
+def fuse_elementwise(program: P.Program, target: IPUTarget,
+                     keep: Iterable[P.Tensor] = ()) -> P.Program:
   """``program`` with chains of elementwise steps fused (a new program tree).
 
   Args:
@@ -382,6 +385,7 @@ class _Fuser:
           name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
           op="fusion", reads=plan.reads, writes=plan.writes,
           fn=_fused_fn(members, plan.reads, plan.writes),
+          logical=_fused_logical(members, plan.reads, plan.writes),
           compute_cycles=compute, exchange=exchanges[k], vertices=vertices[k],
           codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
                                               for s in members)),),
@@ -651,6 +655,34 @@ def _fused_fn(steps, reads, writes):
     return tuple(env[i] for i in write_ids)
 
   return fn
+
+
+def _fused_logical(steps, reads, writes):
+  """The fused step's logical form: its members' forms in order, or None
+  when one has none (the executor then runs each member by its own form).
+
+  Each member's results are cast to their tensors' dtypes and shapes, as the
+  executor stores every step's results.
+  """
+  forms = [logical_form.of_step(s) for s in steps]
+  if not all(forms):
+    return None
+  plan = tuple((form, tuple((t.id, t.shape) for t in s.reads),
+                tuple((t.id, t.dtype, t.shape) for t in s.writes))
+               for form, s in zip(forms, steps))
+  read_ids = tuple(t.id for t in reads)
+  write_ids = tuple(t.id for t in writes)
+
+  def form(*arrays):
+    env = dict(zip(read_ids, arrays))
+    for member_form, ins, outs in plan:
+      values = member_form(*[env[i].reshape(shape) for i, shape in ins])
+      for (i, dtype, shape), v in zip(outs, values):
+        v = jnp.reshape(v, shape)
+        env[i] = v if v.dtype == dtype else v.astype(dtype)
+    return tuple(env[i] for i in write_ids)
+
+  return form
 
 
 class _Group:

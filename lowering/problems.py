@@ -23,8 +23,9 @@ normal memory check with an :class:`~ipu_jax.OutOfMemoryError` naming the
 tile; splitting one problem over several tiles is the caller's business (an
 FFT does it as passes along one axis at a time).
 
-Executor modes: ``"batched"`` runs the caller's function once on all the
-problems (XLA's batched kernels); ``"per_tile"`` reshapes the problems into
+Execution: the step's logical form runs the caller's function once on all
+the problems (XLA's batched kernels; the ``"batched"`` executor runs it); its
+``fn`` (the ``"per_tile"`` executor's) reshapes the problems into
 ``[tiles, problems per tile, ...]`` and ``vmap``s the function over the
 tiles, each on its own local batch. Both give the same numbers.
 """
@@ -173,25 +174,36 @@ class _ProblemRun:
   outputs: tuple
   out_batch_axes: tuple
   with_problem_index: bool
-  per_tile_mode: bool   # executor mode "per_tile": vmap over the tiles' groups
   placement: _Placement
 
 
-def _run_problems(run: _ProblemRun, *storages):
-  """The step's function: operands to problem-major, ``fn``, results back."""
+def _solve(run: _ProblemRun, arrays, per_tile: bool) -> tuple:
+  """The results' logical arrays: ``fn`` on all problems at once, or
+  (``per_tile``) ``vmap``-ed over the tiles' local batches."""
   place = run.placement
-  args = [_problem_major(logical(s, t), axes, place.num_problems)
-          for s, t, axes in zip(storages, run.operands, run.batch_axes)]
+  args = [_problem_major(x, axes, place.num_problems)
+          for x, axes in zip(arrays, run.batch_axes)]
   if run.with_problem_index:
     args.insert(0, jnp.arange(place.num_problems, dtype=jnp.int32))
-  if run.per_tile_mode and place.groups > 1:
+  if per_tile and place.groups > 1:
     results = _per_tile(run.fn, args, place.per_tile, place.groups, place.num_problems)
   else:
     results = run.fn(*args)
   if not isinstance(results, (tuple, list)):
     results = (results,)
-  return tuple(storage(_from_problem_major(r, o.shape, axes), o)
+  return tuple(_from_problem_major(r, o.shape, axes)
                for r, o, axes in zip(results, run.outputs, run.out_batch_axes))
+
+
+def _run_problems(run: _ProblemRun, *storages):
+  """The step's ``fn``: each tile solves its own problems, on storages."""
+  arrays = [logical(s, t) for s, t in zip(storages, run.operands)]
+  return tuple(storage(r, o) for r, o in zip(_solve(run, arrays, True), run.outputs))
+
+
+def _problems_logical(run: _ProblemRun, *arrays):
+  """The step's logical form: all problems at once."""
+  return _solve(run, arrays, False)
 
 
 def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
@@ -235,14 +247,15 @@ def solve_problems(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
            for t, axes in zip(operands, batch_axes) if t.size]
   problems_on_tile = place.problems_on_tile()
   run = _ProblemRun(fn, tuple(operands), batch_axes, tuple(outputs), out_batch_axes,
-                    with_problem_index, ctx.options.executor_mode == "per_tile", place)
+                    with_problem_index, place)
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=tuple(operands), writes=tuple(outputs),
       fn=functools.partial(_run_problems, run),
       compute_cycles=linalg_kernels.problem_cycles(ctx.target, problems_on_tile, flops, steps),
       exchange=add_costs(*costs), vertices=worker_vertices(ctx, problems_on_tile),
       codelets=(codelet or ctx.op,), flops=int(round(flops * num_problems)),
-      scratch_bytes=problems_on_tile * int(workspace_bytes)))
+      scratch_bytes=problems_on_tile * int(workspace_bytes),
+      logical=functools.partial(_problems_logical, run)))
   return outputs
 
 

@@ -4,16 +4,18 @@ This mirrors Poplar's model. A :class:`Tensor` is a logical array plus its
 :class:`~ipu_jax.lowering.mapping.TileMapping`. A :class:`Superstep` is one
 BSP step: sync, then the exchange that brings every vertex's operands onto its
 tile, then a compute phase of vertices running on their tiles; its ``fn`` does
-the exchange and the ``vmap``-ed compute on tile storage arrays and its cost
-fields say what the real chip would spend. Control programs (Sequence, Repeat,
-RepeatWhileTrue, If, Switch, host stream copies, PrintTensor) arrange steps.
+the exchange and the ``vmap``-ed compute on tile storage arrays, its optional
+``logical`` the same values on logical arrays, and its cost fields say what
+the real chip would spend. Control programs (Sequence, Repeat,
+RepeatWhileTrue, If, Switch, Replicated, host stream copies, PrintTensor)
+arrange steps; :data:`Program` is the union of all these node types.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Optional, Sequence as SequenceT
+from typing import Callable, Optional, Sequence as SequenceT, Union
 
 import numpy as np
 
@@ -137,9 +139,31 @@ class Superstep:
     reads: tensors whose storage ``fn`` takes, in order.
     writes: tensors whose new storage ``fn`` returns, in order. A step that
       writes only part of a tensor also lists it in ``reads``.
-    fn: ``fn(*read_storages) -> tuple of write_storages``; does the exchange
-      (static gathers / reshapes) and the compute (codelets ``vmap``-ed over
-      the tile axis).
+    fn: ``fn(*read_storages) -> tuple of write_storages``: what the tiles
+      do, the exchange (static gathers / reshapes) and the compute (codelets
+      ``vmap``-ed over the tile axis). The ``"per_tile"`` executor runs it.
+    logical: the step's form on logical arrays, or ``None``:
+      ``logical(*read_arrays) -> tuple of write_arrays``, each array of its
+      tensor's shape, equal on every element to ``to_flat`` of ``fn``'s
+      result (results may be of another dtype: the executor casts, as for
+      ``fn``), except on tensors that only the logical forms of the same
+      operation's later steps read (a reduction's partials, a scan's
+      pieces: the forms carry the whole result through them, so the two
+      forms agree on the operation's results). Many steps (elementwise
+      ops, data movements, matmuls, convolutions, reductions, windows,
+      scans) compute their values on the logical arrays whatever the
+      layouts. The ``"batched"`` executor keeps
+      tensors logical between steps and runs this form, so XLA sees the
+      program's arithmetic on the arrays ``jax.jit`` would, with no
+      conversion to and from tile storage around each step (pads of short
+      rows, block transposes, gathers of irregular layouts); where it must
+      check storages (floating-point traps) it runs this form between them.
+      Only the host-side representation changes: every cycle, byte and
+      memory figure is the step's as lowered. The rule builds both forms;
+      the executor chooses (``lowering/executor.py``), the same for every
+      step of a program. Neither form may hold a table per element that
+      the step did not need before (host memory is bounded per step): a
+      per-tile ``fn`` builds such gathers when traced.
     compute_cycles: ``[num_tiles]`` compute-phase cycles, or ``None`` for a
       step with no compute (a pure exchange).
     exchange: bytes moved, or ``None``.
@@ -177,6 +201,7 @@ class Superstep:
   elementwise: Optional[ElementwiseWork] = None
   fused_ops: tuple = ()
   literals: tuple = ()
+  logical: Optional[Callable] = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
     # A program holds several [num_tiles] arrays per superstep (11,776
@@ -244,7 +269,7 @@ class Repeat:
   body (written before read each time); the executor does not carry them.
   """
   count: int
-  body: object
+  body: "Program"
   local_ids: frozenset = frozenset()
 
 
@@ -255,9 +280,9 @@ class RepeatWhileTrue:
   ``condition`` is the program that computes ``predicate``; it runs before
   the first iteration and after every body.
   """
-  condition: object
+  condition: "Program"
   predicate: Tensor
-  body: object
+  body: "Program"
   local_ids: frozenset = frozenset()
 
 
@@ -265,8 +290,8 @@ class RepeatWhileTrue:
 class If:
   """Run ``then`` when the scalar ``predicate`` is non-zero, else ``else_``."""
   predicate: Tensor
-  then: object
-  else_: object = None
+  then: "Program"
+  else_: Optional["Program"] = None
   local_ids: frozenset = frozenset()
 
 
@@ -274,8 +299,8 @@ class If:
 class Switch:
   """Run the case whose value equals the scalar ``control``, else ``default``."""
   control: Tensor
-  cases: list
-  default: object = None
+  cases: list  # [(value, Program)]
+  default: Optional["Program"] = None
   local_ids: frozenset = frozenset()
 
 
@@ -290,7 +315,7 @@ class Replicated:
   that are not in ``local_ids`` come out of the region equal on every replica;
   replica 0's are kept.
   """
-  body: object
+  body: "Program"
   axes: tuple
   local_ids: frozenset = frozenset()
 
@@ -337,10 +362,13 @@ class PrintTensor:
   tensor: Tensor
 
 
-Program = object  # any of the classes above
+# A tile program: a step (a ``remote.RemoteCopy`` is one) or a control
+# program over programs.
+Program = Union[Superstep, Sequence, Repeat, RepeatWhileTrue, If, Switch, Replicated,
+                StreamCopy, PrintTensor]
 
 
-def children(program) -> SequenceT:
+def children(program: Program) -> SequenceT[Program]:
   """The programs a control program runs (none for a leaf)."""
   if isinstance(program, Sequence):
     return program.programs
@@ -355,7 +383,7 @@ def children(program) -> SequenceT:
   return []
 
 
-def control_tensors(program) -> list:
+def control_tensors(program: Program) -> list:
   """The tensors control programs read to choose a path (``RepeatWhileTrue``
   and ``If`` predicates, ``Switch`` controls), nested ones included, in
   program order."""
@@ -369,7 +397,7 @@ def control_tensors(program) -> list:
   return out
 
 
-def _key_sets(program, memo):
+def _key_sets(program: Optional[Program], memo):
   """(read keys, written keys) of a program; keys are tensor ids or strings."""
   if program is None:
     return frozenset(), frozenset()
@@ -407,15 +435,15 @@ def _key_sets(program, memo):
   return result
 
 
-def program_reads(program, memo=None) -> frozenset:
+def program_reads(program: Program, memo=None) -> frozenset:
   return _key_sets(program, {} if memo is None else memo)[0]
 
 
-def program_writes(program, memo=None) -> frozenset:
+def program_writes(program: Program, memo=None) -> frozenset:
   return _key_sets(program, {} if memo is None else memo)[1]
 
 
-def iter_steps(program, executions: int = 1):
+def iter_steps(program: Program, executions: int = 1):
   """Yield ``(node, executions, loop_path)`` for every leaf in program order.
 
   ``loop_path`` is a tuple of the enclosing loop nodes, so liveness can keep
@@ -424,7 +452,7 @@ def iter_steps(program, executions: int = 1):
   yield from _iter(program, executions, ())
 
 
-def _iter(program, executions, loops):
+def _iter(program: Optional[Program], executions, loops):
   if program is None:
     return
   if isinstance(program, (Superstep, StreamCopy, PrintTensor)):

@@ -337,7 +337,7 @@ def _where(sequence: P.Sequence, tensor: P.Tensor, memo: dict):
   return sequence, where[0], where[-1]
 
 
-def offload_tensors(program, pairs: Sequence[tuple]) -> P.Sequence:
+def offload_tensors(program: P.Program, pairs: Sequence[tuple]) -> P.Sequence:
   """Move tile tensors of ``program`` into remote buffers.
 
   Args:

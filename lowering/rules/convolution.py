@@ -37,10 +37,10 @@ range, so with strides or dilations larger than the kernel reach it counts a
 few positions that are never read. IPU-Link bytes across IPUs are an upper
 bound.
 
-Execution. ``"batched"`` mode runs one ``lax.conv_general_dilated`` with the
-equation's own parameters on the logical arrays (the numbers of ``jax.jit``)
-and writes the result into the output blocks. ``"per_tile"`` mode cuts the
-input into the per-tile windows with pad / reshape / slice (no gathers) and
+Execution. The step's logical form is one ``lax.conv_general_dilated`` with
+the equation's own parameters on the logical arrays (the numbers of
+``jax.jit``; the ``"batched"`` executor runs it). Its ``fn``, which the
+``"per_tile"`` executor runs, cuts the input into the per-tile windows with pad / reshape / slice (no gathers) and
 the kernel into feature blocks, and vmaps the block convolution over the grid.
 A window's holes (lhs dilation) and padding are explicit zeros there; where
 the reference backend never reads them (1-D or 2-D, lhs-dilated, unit
@@ -467,35 +467,35 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   rhs_cost, rhs_local = _rhs_exchange(target, rhs, geo, plan, dn, grid)
   work = _block_work(target, geo, plan, grid,
                      lhs_local * lhs.itemsize + rhs_local * rhs.itemsize, acc, out_dtype)
-  step = _conv_step(lhs, rhs, out, grid, geo, dn, plan, acc, precision, in_dtype,
-                    options.executor_mode)
+  step, logical_step = _conv_step(lhs, rhs, out, grid, geo, dn, plan, acc, precision, in_dtype)
   note = estimators.mac_cost_note(in_dtype)
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
       compute_cycles=work.compute, exchange=add_costs(lhs_cost, rhs_cost),
       vertices=work.vertices,
       codelets=(vocab.vertex(vocab.CONV_PARTIAL, np.dtype(in_dtype), acc),), flops=work.flops,
-      scratch_bytes=work.scratch, notes=(note,) if note else ()))
+      scratch_bytes=work.scratch, notes=(note,) if note else (), logical=logical_step))
   return [out]
 
 
 def _conv_step(lhs, rhs, out, grid: _OutputGrid, geo: ConvGeometry, dn, plan: ConvPlan, acc,
-               precision, in_dtype, mode: str):
-  """The step's function: the whole convolution (batched) or its blocks (per_tile)."""
+               precision, in_dtype):
+  """``(fn, logical)``: the step's blocks on tile storage, and the whole
+  convolution on the logical operands."""
   dn_obj = lax.ConvDimensionNumbers(*dn)
 
   def step(x_st, w_st):
     x, w = logical(x_st, lhs), logical(w_st, rhs)
-    if mode == "per_tile":
-      y = _per_tile_conv(x, w, geo, dn, plan, acc, precision, in_dtype)
-    else:
-      y = lax.conv_general_dilated(
-          x, w, geo.strides, geo.padding, geo.lhs_dilation, geo.rhs_dilation,
-          dimension_numbers=dn_obj, feature_group_count=geo.fgc,
-          batch_group_count=geo.bgc, precision=precision, preferred_element_type=acc)
+    y = _per_tile_conv(x, w, geo, dn, plan, acc, precision, in_dtype)
     return (blocked_storage(y.astype(out.dtype), grid.grids, grid.blocks),)
 
-  return step
+  def logical_step(x, w):
+    return (lax.conv_general_dilated(
+        x, w, geo.strides, geo.padding, geo.lhs_dilation, geo.rhs_dilation,
+        dimension_numbers=dn_obj, feature_group_count=geo.fgc,
+        batch_group_count=geo.bgc, precision=precision, preferred_element_type=acc),)
+
+  return step, logical_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,11 +13,12 @@ whole lines onto tiles (several lines per tile, or for few long lines, each
 line cut into chunks on consecutive tiles) when the scanned axis runs across
 tiles.
 
-Executor modes: ``"batched"`` computes the result with the primitive itself on
-the logical array and passes it through the planned steps; ``"per_tile"``
+Execution: each step's logical form computes the result with the primitive
+itself on the logical array and passes it through the planned steps (the
+``"batched"`` executor runs it); its ``fn`` (the ``"per_tile"`` executor's)
 genuinely runs the plan: every piece is scanned on its tile and the totals of
-earlier pieces are folded in. Both modes have the same steps, exchanges,
-cycles and memory.
+earlier pieces are folded in. Both have the same steps, exchanges, cycles
+and memory.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ipu_jax.lowering.jax_compat import control_flow_loops
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import logical, storage, worker_vertices
+from ipu_jax.lowering.builders import worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, relayout, relayout_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
@@ -207,7 +208,6 @@ def _lines_mapping(ctx, shape, axis, itemsize):
 def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
   """A scan along ``axis``, in place or on whole/chunked lines per tile."""
   target = ctx.target
-  mode = ctx.options.executor_mode
   shape, dtype = tuple(x.shape), x.dtype
   size = x.size
   if size == 0:
@@ -240,20 +240,20 @@ def _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse):
       plan, rotates = moved, lines_rotates
   if rotates:
     ctx.claim_tiles(plan.mapping.num_rows)
-  return _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan, mode)
+  return _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ScanRun:
-  """What the executor needs to run a scan plan's steps (per-tile mode).
+  """What a scan plan's steps need to run (their per-tile ``fn``).
 
   The plan's storage ``[rows, row_size]`` is viewed as pieces
   ``[rows, width, depth]`` (each piece one tile's run of one line, padded
   with the operation's identity).
 
   Attributes:
-    prim, combine, axis, reverse, mode: the primitive, its combining
-      function, its parameters and the executor mode.
+    prim, combine, axis, reverse: the primitive, its combining
+      function and its parameters.
     x: the operand (read in its own mapping, relaid into ``mapping``).
     mapping: where the plan scans.
     slots: the plan's slots (dense view of storage).
@@ -267,7 +267,6 @@ class _ScanRun:
   combine: object
   axis: int
   reverse: bool
-  mode: str
   x: P.Tensor
   mapping: TileMapping
   slots: Slots
@@ -282,14 +281,14 @@ class _ScanRun:
     return self.x.dtype
 
 
-def _scan_run(prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode) -> _ScanRun:
+def _scan_run(prim, kind, combine, x, axis, reverse, plan: _ScanPlan) -> _ScanRun:
   slots = plan.slots
   rows, row_size = plan.mapping.storage_shape
   total = rows * row_size
   valid = slots.dense < total
   inverse = np.full(total, valid.size, np.int64)
   inverse[slots.dense[valid]] = np.flatnonzero(valid.reshape(-1))
-  return _ScanRun(prim, combine, axis, reverse, mode, x, plan.mapping, slots, valid,
+  return _ScanRun(prim, combine, axis, reverse, x, plan.mapping, slots, valid,
                   slots.dense.astype(np.int32), inverse.astype(np.int32),
                   identity_of(kind, x.dtype), (rows, plan.groups.width, plan.groups.depth))
 
@@ -317,25 +316,27 @@ def _scan_pieces(run: _ScanRun, xs):
   return jax.vmap(lambda r: run.prim.bind(r, axis=1, reverse=run.reverse))(dense)
 
 
-def _scan_logical(run: _ScanRun, xs):
-  return run.prim.bind(logical(xs, run.x), axis=run.axis, reverse=run.reverse)
+def _scan_logical(run: _ScanRun, x):
+  """The scan's logical form: the primitive on the logical operand."""
+  return (run.prim.bind(x, axis=run.axis, reverse=run.reverse),)
 
 
-def _scan_whole(run: _ScanRun, out: P.Tensor, xs):
+def _scan_whole(run: _ScanRun, xs):
   """The step of a plan whose lines are each on one tile."""
-  if run.mode == "per_tile":
-    return (_to_rows(run, _scan_pieces(run, xs)),)
-  return (storage(_scan_logical(run, xs), out),)
+  return (_to_rows(run, _scan_pieces(run, xs)),)
 
 
-def _scan_with_totals(run: _ScanRun, local: P.Tensor, totals: P.Tensor, total_at, xs):
+def _scan_with_totals(run: _ScanRun, total_at, xs):
   """Step 1 of a folded plan: scanned pieces and each piece's total."""
-  if run.mode == "per_tile":
-    scanned = _scan_pieces(run, xs)
-    tot = jnp.take_along_axis(scanned, jnp.asarray(total_at), axis=2)[..., 0]
-    return _to_rows(run, scanned), tot
-  return (storage(_scan_logical(run, xs), local),
-          jnp.full(totals.storage_shape, run.identity, run.dtype))
+  scanned = _scan_pieces(run, xs)
+  tot = jnp.take_along_axis(scanned, jnp.asarray(total_at), axis=2)[..., 0]
+  return _to_rows(run, scanned), tot
+
+
+def _scan_with_totals_logical(run: _ScanRun, num_totals: int, x):
+  """Step 1's logical form: the whole scan, the totals left at the identity
+  (step 2's logical form then passes the scan through)."""
+  return (_scan_logical(run, x)[0], jnp.full((num_totals,), run.identity, run.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,8 +373,6 @@ def _fold_tables(plan: _ScanPlan) -> _FoldTables:
 
 def _fold_totals(run: _ScanRun, tables: _FoldTables, local_st, totals_st):
   """Step 2: every piece folds in the combined totals of the pieces before it."""
-  if run.mode != "per_tile":
-    return (local_st,)
   tab = gather_or_fill(totals_st.reshape(-1), tables.table, run.identity)
   inclusive = run.prim.bind(tab, axis=1, reverse=run.reverse)
   fill = jnp.full((tables.lines, 1), run.identity, run.dtype)
@@ -385,6 +384,12 @@ def _fold_totals(run: _ScanRun, tables: _FoldTables, local_st, totals_st):
   folded = jax.vmap(lambda o, r, f: jnp.where(f, r, run.combine(o[:, None], r)))(
       offsets, _to_dense(run, local_st), jnp.asarray(tables.first))
   return (_to_rows(run, folded),)
+
+
+def _fold_logical(local, totals):
+  """Step 2's logical form: step 1's already holds the whole scan."""
+  del totals
+  return (local,)
 
 
 def _emit_fold(ctx, run: _ScanRun, plan: _ScanPlan, kind, local, totals, out) -> None:
@@ -399,10 +404,12 @@ def _emit_fold(ctx, run: _ScanRun, plan: _ScanPlan, kind, local, totals, out) ->
       compute_cycles=plan.fold_cycles, exchange=plan.fold_cost,
       vertices=worker_vertices(ctx, fold_elements),
       codelets=(vocab.vertex(vocab.SCAN_FOLD, kind),),
-      flops=int(fold_elements.sum()) if np.issubdtype(run.dtype, np.inexact) else 0))
+      flops=int(fold_elements.sum()) if np.issubdtype(run.dtype, np.inexact) else 0,
+      logical=_fold_logical))
 
 
-def _scan_step(ctx, run: _ScanRun, plan: _ScanPlan, kind, name, writes, fn) -> P.Superstep:
+def _scan_step(ctx, run: _ScanRun, plan: _ScanPlan, kind, name, writes, fn,
+               logical_fn) -> P.Superstep:
   """The step of compute set 1: every piece scanned on its tile."""
   x = run.x
   return P.Superstep(
@@ -410,17 +417,18 @@ def _scan_step(ctx, run: _ScanRun, plan: _ScanPlan, kind, name, writes, fn) -> P
       compute_cycles=plan.scan_cycles, exchange=plan.relayout_cost,
       vertices=worker_vertices(ctx, plan.mapping.elements_per_tile(ctx.target.num_tiles)),
       codelets=(vocab.vertex(vocab.SCAN, kind),),
-      flops=x.size if np.issubdtype(x.dtype, np.inexact) else 0)
+      flops=x.size if np.issubdtype(x.dtype, np.inexact) else 0, logical=logical_fn)
 
 
-def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode):
+def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan):
   """The steps of a scan plan: scan pieces (+ totals), fold earlier totals."""
-  run = _scan_run(prim, kind, combine, x, axis, reverse, plan, mode)
+  run = _scan_run(prim, kind, combine, x, axis, reverse, plan)
   mapping, groups = plan.mapping, plan.groups
   out = ctx.new_tensor(x.shape, x.dtype, mapping)
   if plan.max_pieces <= 1:
     ctx.emit(_scan_step(ctx, run, plan, kind, ctx.op, (out,),
-                        functools.partial(_scan_whole, run, out)))
+                        functools.partial(_scan_whole, run),
+                        functools.partial(_scan_logical, run)))
     return [out]
   local = ctx.new_tensor(x.shape, x.dtype, mapping, name=f"{ctx.op}/local")
   totals_map = rows_mapping(groups.num, mapping.tiles, groups.row, groups.local,
@@ -432,7 +440,8 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan, mode
   total_at[plan.piece_slot] = plan.count - 1 if not reverse else 0
   total_at = total_at.reshape(rows, groups.width, 1)
   ctx.emit(_scan_step(ctx, run, plan, kind, f"{ctx.op}/pieces", (local, totals),
-                      functools.partial(_scan_with_totals, run, local, totals, total_at)))
+                      functools.partial(_scan_with_totals, run, total_at),
+                      functools.partial(_scan_with_totals_logical, run, groups.num)))
   _emit_fold(ctx, run, plan, kind, local, totals, out)
   return [out]
 

@@ -37,6 +37,7 @@ elementwise primitives ``conj`` and ``complex`` of the elementwise family.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -157,6 +158,20 @@ def _four_step(ctx, x, fft_type, n1, n2):
   return alias(rows, batch + (n,))
 
 
+def _leading_bins(shape, bins: int) -> np.ndarray:
+  """Source of each of the first ``bins`` bins of every line of ``shape``
+  (built when needed: a step keeps no table per element)."""
+  return np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(
+      shape)[..., :bins].reshape(-1)
+
+
+def _mirrored_bins(lines: int, bins: int, n: int) -> np.ndarray:
+  """Source bin of each of the ``n`` bins of the Hermitian spectrum, per line."""
+  k = np.arange(n, dtype=np.int64)
+  return (np.arange(lines, dtype=np.int64)[:, None] * bins
+          + np.minimum(k, n - k)[None, :]).reshape(-1)
+
+
 def _real_four_step(ctx, x, length, out_dtype, n1, n2):
   """A long RFFT: the complex four-step transform, keeping ``n // 2 + 1`` bins."""
   as_complex = elementwise(ctx, lambda v: v.astype(out_dtype), [x],
@@ -165,7 +180,7 @@ def _real_four_step(ctx, x, length, out_dtype, n1, n2):
   full = _four_step(ctx, as_complex, lax.FftType.FFT, n1, n2)
   bins = length // 2 + 1
   shape = tuple(x.shape[:-1]) + (bins,)
-  index = np.arange(full.size, dtype=np.int64).reshape(full.shape)[..., :bins]
+  index = functools.partial(_leading_bins, full.shape, bins)
   return move(ctx, [full], [(shape, out_dtype, index)], lambda v: v[..., :bins],
               name="fft/rfft/bins", one_to_one=True)[0]
 
@@ -184,8 +199,8 @@ def _inverse_real_four_step(ctx, x, length, out_dtype, n1, n2):
   lines = int(np.prod(batch, dtype=np.int64))
   k = np.arange(n, dtype=np.int64)
   mirror = np.minimum(k, n - k)
-  index = (np.arange(lines, dtype=np.int64)[:, None] * bins + mirror[None, :])
-  extended = move(ctx, [x], [(batch + (n,), x.dtype, index.reshape(batch + (n,)))],
+  extended = move(ctx, [x], [(batch + (n,), x.dtype,
+                              functools.partial(_mirrored_bins, lines, bins, n))],
                   lambda v: v[..., mirror], name="fft/irfft/extend")[0]
   chunks = alias(extended, batch + (n2, n1))
   chunk_axes = tuple(range(nb + 1))

@@ -8,9 +8,10 @@ Every ``GatherDimensionNumbers`` form and the modes clip / fill /
 promise_in_bounds are lowered with the served plan of
 :mod:`~ipu_jax.lowering.rules.indexing`. When many indices read a small table,
 :mod:`~ipu_jax.lowering.rules.small_table`'s replicated-table gather is taken
-instead if its estimated time is lower. In ``"per_tile"`` executor mode a
-gather of whole rows along the table's leading axis (an embedding lookup) is
-emulated tile by tile (:func:`_rows_gather_per_tile`).
+instead if its estimated time is lower. A served gather of whole rows along
+the table's leading axis (an embedding lookup) is emulated tile by tile
+(:func:`_rows_gather_per_tile`) in its step's ``fn``, which the
+``"per_tile"`` executor runs; its logical form is the primitive.
 """
 
 from __future__ import annotations
@@ -115,8 +116,7 @@ def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
         lambda ids: lax.gather_p.bind(ids, jnp.asarray(index_value), **source_params),
         operand.shape)
   per_tile = None
-  if (ctx.options.executor_mode == "per_tile"
-      and _rows_form_gather(operand, indices, dimension_numbers, slice_sizes)):
+  if _rows_form_gather(operand, indices, dimension_numbers, slice_sizes):
     fill = _default_fill(out.dtype) if fill_value is None else fill_value
     mapping, num_rows = operand.mapping, operand.shape[0]
     row_len = int(np.prod(operand.shape[1:], dtype=np.int64))

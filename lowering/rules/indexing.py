@@ -166,8 +166,8 @@ def _static_cost(ctx, operands, out: P.Tensor, source: np.ndarray):
 def bind_fn(prim, params, reads, outs, per_tile=None):
   """Step function: ``prim`` on the logical operands, results into storage.
 
-  ``per_tile(*logical_operands, *storages)`` replaces the batched call in
-  ``"per_tile"`` executor mode when given.
+  ``per_tile(logical_operands, storages)``, when given, replaces the call:
+  what the tiles do (the step's logical form is then :func:`bind_logical`).
   """
   def fn(*storages):
     args = [builders.logical(s, t) for s, t in zip(storages, reads)]
@@ -181,14 +181,22 @@ def bind_fn(prim, params, reads, outs, per_tile=None):
   return fn
 
 
+def bind_logical(prim, params):
+  """A step's logical form: ``prim`` on the logical operands."""
+  def form(*arrays):
+    results = prim.bind(*arrays, **params)
+    return tuple(results) if isinstance(results, (tuple, list)) else (results,)
+  return form
+
+
 def emit_step(ctx, name, reads, writes, fn, compute=None, exchange=None,
-              vertices=None, codelet="", flops=0, scratch=None):
+              vertices=None, codelet="", flops=0, scratch=None, logical=None):
   """Emit one indexing superstep of the equation being lowered."""
   ctx.emit(P.Superstep(
       name=name, op=ctx.op, reads=tuple(reads), writes=tuple(writes), fn=fn,
       compute_cycles=compute, exchange=exchange, vertices=vertices,
       codelets=(codelet,) if codelet else (), flops=int(flops),
-      scratch_bytes=scratch))
+      scratch_bytes=scratch, logical=logical))
 
 
 def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
@@ -205,13 +213,15 @@ def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
       are compile-time constants (exact, pure exchange), else ``None``.
     estimator: ``estimator(target, hits, itemsize)``, the compute cycles of
       the table tiles' vertex (``None``: the generic served-lookup model).
+    per_tile: the tiles' lookup (see :func:`bind_fn`), or None.
   """
   target = ctx.target
   reads = [table] + list(indices)
   fn = bind_fn(prim, params, reads, [out], per_tile)
+  logical = None if per_tile is None else bind_logical(prim, params)
   if static_source is not None:
     emit_step(ctx, f"{ctx.op}/static", reads, [out], fn,
-              exchange=_static_cost(ctx, [table], out, static_source))
+              exchange=_static_cost(ctx, [table], out, static_source), logical=logical)
     return
   share = _table_share(ctx, table)
   active = share > 0
@@ -222,7 +232,7 @@ def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
   emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
             exchange=served_lookup_cost(ctx, table, indices, out.mapping, out.itemsize),
             vertices=vertices, codelet=codelet,
-            scratch=(hits * out.itemsize).astype(np.int64))
+            scratch=(hits * out.itemsize).astype(np.int64), logical=logical)
 
 
 def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_lookups,
@@ -233,10 +243,11 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
   Args:
     reads: the primitive's operands in bind order.
     operand, indices, updates: their roles (``indices`` are broadcast).
-    estimator: as for :func:`served_lookup`.
+    estimator, per_tile: as for :func:`served_lookup`.
   """
   target = ctx.target
   fn = bind_fn(prim, params, reads, [out], per_tile)
+  logical = None if per_tile is None else bind_logical(prim, params)
   if static_source is not None:
     # The operand stays put; each update element moves to its static place.
     cost = _static_cost(ctx, [operand, updates], out, static_source)
@@ -246,7 +257,7 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
     emit_step(ctx, f"{ctx.op}/static", reads, [out], fn,
               compute=estimators.copy_cycles(target, received, out.itemsize),
               exchange=cost, vertices=builders.worker_vertices(ctx, received),
-              codelet=codelet)
+              codelet=codelet, logical=logical)
     return
   share = _table_share(ctx, operand)
   active = share > 0
@@ -257,7 +268,7 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
   emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
             exchange=served_update_cost(ctx, operand, indices, updates), vertices=vertices,
-            codelet=codelet, flops=flops)
+            codelet=codelet, flops=flops, logical=logical)
 
 
 def served_update_cost(ctx, operand, indices, updates):

@@ -30,12 +30,13 @@ The per-tile grouping both stages start from lives in
 :mod:`~ipu_jax.lowering.rules.grouping` (shared with the scans of
 :mod:`~ipu_jax.lowering.rules.cumulative`).
 
-Executor modes: ``"batched"`` computes the result with the primitive itself on
-the logical array (so reductions equal ``jax.jit``'s, up to XLA's summation
-order) and passes it through the planned steps; ``"per_tile"`` genuinely runs
+Execution: each step's logical form computes the result with the primitive
+itself on the logical array (so reductions equal ``jax.jit``'s, up to XLA's
+summation order) and passes it through the planned steps (the ``"batched"``
+executor runs it); its ``fn`` (the ``"per_tile"`` executor's) genuinely runs
 the plan: each tile's storage is rearranged by a static gather into
 ``[groups, members]`` and reduced with the primitive along the last axis.
-Both modes have the same steps, exchanges, cycles and memory.
+Both have the same steps, exchanges, cycles and memory.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ from ipu_jax.kernels import reduce as reduce_kernels
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical,
-                                       relayout_to, storage, worker_vertices)
+from ipu_jax.lowering.builders import add_costs, broadcast_cost, relayout_to, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, take_or_fill
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
@@ -349,8 +349,10 @@ def _claim_linear(ctx, mapping, rotates):
 #
 # A planned pass: the inits and the input grouping (_Plan), the output placement
 # and its stage-2 cost (_Stage2), then the two compute sets. The steps' functions
-# close over small tables only, never the plan: batched steps must not keep
-# per-element index tables (or the shared ``groups``) alive.
+# close over small tables only, never the plan: a step must not keep
+# per-element index tables (or the shared ``groups``) alive. The logical forms
+# keep one index per output; the per-tile functions build their gathers when
+# traced (_PerTilePlan).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,9 +393,9 @@ class _Plan:
     groups: each tile's elements grouped by output element (see
       :func:`~ipu_jax.lowering.rules.grouping.group_regions`).
     out_avals: ``(shape, dtype)`` of each output; out_size: elements per output.
-    mode: the executor mode.
-    slot_index: argmax/argmin in per-tile mode: the reduced-axis coordinate of
-      every storage slot (and a pad slot), else None.
+    slot_index: argmax/argmin, where the per-tile functions are traced: the
+      reduced-axis coordinate of every storage slot (and a pad slot), else
+      None.
     skip_stage1: every tile holds at most one element per output: stage 1
       would reduce nothing, so the input itself is exchanged.
   """
@@ -406,7 +408,6 @@ class _Plan:
   groups: object
   out_avals: tuple
   out_size: int
-  mode: str
   slot_index: Optional[np.ndarray]
   skip_stage1: bool
 
@@ -509,13 +510,34 @@ def _plan(ctx, spec: _Spec, data, axes, inits: _Inits, out_avals, out_size: int)
   # The grouping of each tile's elements by output element depends only on
   # the layout, shape and axes (cached: a repeated layer reuses it).
   groups = group_regions(in_map, shape, axes)
-  mode = ctx.options.executor_mode
-  slot_index = None
-  if spec.index_axis is not None and mode == "per_tile":  # only per-tile steps gather it
-    slot_index = _index_slots(spec, in_map, shape)
   return _Plan(spec=spec, data=tuple(data), inits=inits, shape=shape, axes=axes,
-               groups=groups, out_avals=tuple(out_avals), out_size=out_size, mode=mode,
-               slot_index=slot_index, skip_stage1=groups.num == n)
+               groups=groups, out_avals=tuple(out_avals), out_size=out_size,
+               slot_index=None, skip_stage1=groups.num == n)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PerTilePlan:
+  """What the per-tile functions build their gathers from when traced.
+
+  The plan without its grouping and index tables (a step keeps neither): the
+  grouping comes back from ``group_regions``'s cache, argmax/argmin's slot
+  coordinates are computed again.
+  """
+
+  light: _Plan
+  out_map: Optional[TileMapping] = None
+
+  @classmethod
+  def of(cls, plan: _Plan, out_map: Optional[TileMapping] = None) -> "_PerTilePlan":
+    return cls(dataclasses.replace(plan, groups=None, slot_index=None), out_map)
+
+  def plan(self) -> _Plan:
+    light = self.light
+    slot_index = (_index_slots(light.spec, light.in_map, light.shape)
+                  if light.spec.index_axis is not None else None)
+    return dataclasses.replace(light, groups=group_regions(light.in_map, light.shape,
+                                                           light.axes),
+                               slot_index=slot_index)
 
 
 def _place_outputs(ctx, plan: _Plan) -> _Stage2:
@@ -648,26 +670,40 @@ def _gathered_members(gather: _MemberGather, xs, ids) -> list:
   return comps
 
 
-def _partials_values(spec, inits, data, partials, gather, out_src, *storages):
-  """Stage 1's step function: per tile (``gather``) or batched (``out_src``)."""
-  xs, init_storages = storages[:len(data)], storages[len(data):]
+def _partials_per_tile(spec, inits, partials, tables: _PerTilePlan, *storages):
+  """Stage 1's ``fn``: every tile reduces its members of each group (one vertex per tile)."""
+  gather = _member_gather(tables.plan())
+  n_src = len(storages) - len(inits.reads)
+  xs, init_storages = storages[:n_src], storages[n_src:]
   ids = spec.identities(inits.values(init_storages))
-  if gather is not None:
-    # One vertex per tile: vmap the group reduction over the tile axis.
-    reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*_gathered_members(gather, xs, ids))
-    return tuple(r.astype(p.dtype).reshape(p.storage_shape)
-                 for r, p in zip(reduced, partials))
-  results = spec.batched(*[logical(x, t) for x, t in zip(xs, data)],
-                         inits.values(init_storages))
+  reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*_gathered_members(gather, xs, ids))
+  return tuple(r.astype(p.dtype).reshape(p.storage_shape) for r, p in zip(reduced, partials))
+
+
+def _partials_logical(spec, inits, num_data: int, out_of_group, partials, *arrays):
+  """Stage 1's logical form: the whole reduction by the primitive, each
+  output element in its first group's partial (``out_of_group``: its
+  output, ``out_size`` for the other groups, which hold the identity)."""
+  ids = spec.identities(inits.values(arrays[num_data:]))
+  results = spec.batched(*arrays[:num_data], inits.values(arrays[num_data:]))
   out = []
   for c, p in enumerate(partials):
     if c in spec.out_components:
       value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
-      # Placing the results (no arithmetic follows): pads where the rows are regular.
-      out.append(take_or_fill(value, out_src, ids[c]).reshape(p.storage_shape))
+      # Placing the results (no arithmetic follows).
+      out.append(take_or_fill(value, out_of_group, ids[c]).reshape(p.shape))
     else:
-      out.append(jnp.full(p.storage_shape, ids[c], p.dtype))
+      out.append(jnp.full(p.shape, ids[c], p.dtype))
   return tuple(out)
+
+
+def _out_of_group(groups, out_size: int) -> np.ndarray:
+  """The output whose first group each group is, ``out_size`` for none (one
+  entry per group: what the logical form keeps)."""
+  dtype = np.int32 if out_size < 2**31 - 1 else np.int64
+  out = np.full(groups.num, out_size, dtype)
+  out[groups.first_of_key] = np.arange(out_size, dtype=dtype)
+  return out
 
 
 def _emit_partials(ctx, plan: _Plan, partials) -> None:
@@ -675,13 +711,6 @@ def _emit_partials(ctx, plan: _Plan, partials) -> None:
   target = ctx.target
   num_tiles = target.num_tiles
   spec, data, groups, in_map = plan.spec, plan.data, plan.groups, plan.in_map
-  gather = _member_gather(plan) if plan.mode == "per_tile" else None
-  # Batched mode: the result is computed whole, then placed in each output's
-  # first partial slot (the other slots hold the identity).
-  width = groups.width
-  out_src = np.full(in_map.storage_shape[0] * width, plan.out_size, np.int64)
-  row, _, local = groups.at(groups.first_of_key)
-  out_src[row * width + local] = np.arange(plan.out_size)
   elements = in_map.elements_per_tile(num_tiles)
   per_tile = np.zeros(num_tiles, np.int64)
   np.add.at(per_tile, in_map.tiles, groups.per_row)
@@ -691,34 +720,50 @@ def _emit_partials(ctx, plan: _Plan, partials) -> None:
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/partials", op=ctx.op, reads=tuple(data) + tuple(plan.inits.reads),
       writes=tuple(partials),
-      fn=functools.partial(_partials_values, spec, plan.inits, data, tuple(partials), gather,
-                           out_src),
+      fn=functools.partial(_partials_per_tile, spec, plan.inits, tuple(partials),
+                           _PerTilePlan.of(plan)),
       compute_cycles=cycles, exchange=_init_cost(ctx, plan.inits.reads, in_map.tiles),
       vertices=worker_vertices(ctx, per_tile), codelets=(vocab.vertex(vocab.REDUCE, spec.kind),),
-      flops=int(flops)))
+      flops=int(flops),
+      logical=functools.partial(_partials_logical, spec, plan.inits, len(data),
+                                _out_of_group(groups, plan.out_size), tuple(partials))))
 
 
 def _init_cost(ctx, init_reads, tiles):
   return add_costs(*[broadcast_cost(ctx, t, tiles) for t in init_reads])
 
 
-def _final_values(spec, inits, data, outputs, dense, index, first, skip_stage1, *storages):
-  """Stage 2's step function: per tile (``dense``) or batched (``first``)."""
+def _final_per_tile(spec, inits, outputs, tables: _PerTilePlan, *storages):
+  """Stage 2's ``fn``: each output's tile gathers its partials and reduces them."""
+  plan, out_map = tables.plan(), tables.out_map
+  groups, skip_stage1 = plan.groups, plan.skip_stage1
+  final_dense = plan_cache.cached(
+      _FINAL, (out_map.fingerprint, skip_stage1) + plan.key,
+      lambda: _final_slots(out_map, groups.key, plan.part_slots(), plan.out_size,
+                           plan.part_total))
+  dense = final_dense.astype(np.int32) if plan.part_total < 2**31 - 1 else final_dense
+  index = (plan.slot_index[final_dense]
+           if (skip_stage1 and plan.slot_index is not None) else None)
   n_src = len(storages) - len(inits.reads)
   srcs, init_storages = storages[:n_src], storages[n_src:]
   ids = spec.identities(inits.values(init_storages))
-  if dense is not None:
-    comps = [gather_or_fill(s.reshape(-1), dense, ident) for s, ident in zip(srcs, ids)]
-    if index is not None:
-      comps.append(jnp.asarray(index))
-    reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
-    return tuple(reduced[c].astype(o.dtype).reshape(o.storage_shape)
-                 for c, o in zip(spec.out_components, outputs))
+  comps = [gather_or_fill(s.reshape(-1), dense, ident) for s, ident in zip(srcs, ids)]
+  if index is not None:
+    comps.append(jnp.asarray(index))
+  reduced = jax.vmap(lambda *c: spec.combine(c, ids))(*comps)
+  return tuple(reduced[c].astype(o.dtype).reshape(o.storage_shape)
+               for c, o in zip(spec.out_components, outputs))
+
+
+def _final_logical(spec, inits, first_of_key, skip_stage1, outputs, *arrays):
+  """Stage 2's logical form: each output from its first partial (stage 1's
+  form holds the result there), or the whole reduction when stage 1 is skipped."""
+  n_src = len(arrays) - len(inits.reads)
+  srcs, init_values = arrays[:n_src], inits.values(arrays[n_src:])
   if skip_stage1:
-    results = spec.batched(*[logical(x, t) for x, t in zip(srcs, data)],
-                           inits.values(init_storages))
-    return tuple(storage(r, o) for r, o in zip(results, outputs))
-  return tuple(storage(srcs[c].reshape(-1)[first], o)
+    return tuple(jnp.reshape(r, o.shape) for r, o in zip(spec.batched(*srcs, init_values),
+                                                          outputs))
+  return tuple(srcs[c].reshape(-1)[first_of_key].reshape(o.shape)
                for c, o in zip(spec.out_components, outputs))
 
 
@@ -726,29 +771,19 @@ def _emit_final(ctx, plan: _Plan, stage2: _Stage2, partials, outputs) -> None:
   """Compute set 2: partials exchanged to the output's tiles and reduced."""
   spec, groups, skip_stage1 = plan.spec, plan.groups, plan.skip_stage1
   out_map = stage2.out_map
-  # Batched steps take each output from its first partial; per-tile steps
-  # gather all of them (batched ones do not gather by slot, see _emit_partials).
-  first = plan.part_slots(groups.first_of_key)
-  dense = index = None
-  if plan.mode == "per_tile":
-    final_dense = plan_cache.cached(
-        _FINAL, (out_map.fingerprint, skip_stage1) + plan.key,
-        lambda: _final_slots(out_map, groups.key, plan.part_slots(), plan.out_size,
-                             plan.part_total))
-    dense = final_dense.astype(np.int32) if plan.part_total < 2**31 - 1 else final_dense
-    index = (plan.slot_index[final_dense]
-             if (skip_stage1 and plan.slot_index is not None) else None)
   sources = list(plan.data) if skip_stage1 else partials
   flops = (groups.num - plan.out_size) * len(plan.data) if spec.flop_kind else 0
   ctx.emit(P.Superstep(
       name=f"{ctx.op}/final" if not skip_stage1 else ctx.op, op=ctx.op,
       reads=tuple(sources) + tuple(plan.inits.reads), writes=tuple(outputs),
-      fn=functools.partial(_final_values, spec, plan.inits, plan.data, tuple(outputs), dense,
-                           index, first, skip_stage1),
+      fn=functools.partial(_final_per_tile, spec, plan.inits, tuple(outputs),
+                           _PerTilePlan.of(plan, out_map)),
       compute_cycles=stage2.cycles,
       exchange=_add(stage2.cost, _init_cost(ctx, plan.inits.reads, out_map.tiles)),
       vertices=worker_vertices(ctx, out_map.elements_per_tile(ctx.target.num_tiles)),
-      codelets=(vocab.vertex(vocab.REDUCE, spec.kind),), flops=int(flops)))
+      codelets=(vocab.vertex(vocab.REDUCE, spec.kind),), flops=int(flops),
+      logical=functools.partial(_final_logical, spec, plan.inits, groups.first_of_key,
+                                skip_stage1, tuple(outputs))))
 
 
 def _add(a, b):

@@ -10,8 +10,9 @@
 The served plan is that of :mod:`~ipu_jax.lowering.rules.indexing`; when many
 updates go to a small table, :mod:`~ipu_jax.lowering.rules.small_table`'s
 partial-table scatter (reduced in a tree) is taken instead if its estimated
-time is lower. In ``"per_tile"`` executor mode a scatter of whole rows is
-emulated tile by tile (:func:`_rows_scatter_per_tile`).
+time is lower. A served scatter of whole rows is emulated tile by tile
+(:func:`_rows_scatter_per_tile`) in its step's ``fn``, which the
+``"per_tile"`` executor runs; its logical form is the primitive.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
     out = ctx.like(operand)
     num_lookups = int(np.prod(indices.shape[:-1], dtype=np.int64))
     per_tile = None
-    if (ctx.options.executor_mode == "per_tile" and name in _COMBINE
+    if (name in _COMBINE
         and (name != "scatter" or update_jaxpr is None)
         and _rows_form_scatter(operand, indices, updates, dimension_numbers)):
       clip = GatherScatterMode.from_any(mode) == GatherScatterMode.CLIP

@@ -62,8 +62,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import copy_plan
-from ipu_jax.lowering import logical_form
-from ipu_jax.lowering.builders import logical, storage, worker_vertices
+from ipu_jax.lowering.builders import storage, worker_vertices
 from ipu_jax.lowering.copy_plan import exchange_plan
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering.lower import is_key_dtype
@@ -185,9 +184,21 @@ class _MoveIO:
 
 
 def _normalise_outputs(outputs) -> list:
-  return [(tuple(int(d) for d in s), np.dtype(d),
-           i if isinstance(i, BoxMap) else np.asarray(i).reshape(-1))
-          for s, d, i in outputs]
+  return [(tuple(int(d) for d in s), np.dtype(d), _realised(i)) for s, d, i in outputs]
+
+
+def _realised(spec):
+  """A map as planned: a BoxMap, or the ``[size]`` source index array (built
+  by the map's function when given one)."""
+  if isinstance(spec, BoxMap):
+    return spec
+  return np.asarray(spec() if callable(spec) else spec).reshape(-1)
+
+
+def _kept(spec):
+  """What a step keeps of a map: boxes or the function that builds the
+  index, not an index array the rule built (a host table per element)."""
+  return spec if isinstance(spec, BoxMap) or callable(spec) else _realised(spec)
 
 
 def _identity_alias(operands, outputs):
@@ -248,13 +259,37 @@ def _plan_move(target, io: _MoveIO, specs, one_to_one: bool):
   return plan, gathers, specs
 
 
-def _per_tile_move(io: _MoveIO, gathers, fill_value, *storages):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _MoveGathers:
+  """What a movement's per-tile exchange gathers from.
+
+  A plan by regions gathers by the rule's boxes; a plan by elements is
+  planned again when traced: keeping the rule's maps instead of the planned
+  per-element gathers costs the step no host memory per element.
+  """
+
+  target: object
+  specs: tuple
+  one_to_one: bool
+  by_regions: bool
+
+  def gathers(self, io: _MoveIO) -> list:
+    """Per output, a BoxMap or the ``[size]`` source of each element."""
+    specs = [_realised(spec) for spec in self.specs]
+    if self.by_regions:
+      return specs
+    _, gathers, specs = _plan_move(self.target, io, specs, self.one_to_one)
+    return specs if gathers is None else gathers
+
+
+def _per_tile_move(io: _MoveIO, plan: _MoveGathers, fill_value, *storages):
   """The static exchange: every output element gathered from its source."""
   dtype = io.results[0].dtype
   flat = jnp.concatenate(
       [to_flat(s, t.mapping).astype(dtype) for s, t in zip(storages, io.unique)]
       + [jnp.full((1,), fill_value, dtype)])
-  index = [_gather_index(g, out.size, io.num_sources) for g, out in zip(gathers, io.results)]
+  index = [_gather_index(g, out.size, io.num_sources)
+           for g, out in zip(plan.gathers(io), io.results)]
   return tuple(jnp.zeros(out.storage_shape, out.dtype) if out.size == 0
                else to_storage(flat[g], out.mapping)
                for out, g in zip(io.results, index))
@@ -262,13 +297,6 @@ def _per_tile_move(io: _MoveIO, gathers, fill_value, *storages):
 
 def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _batched_move(io: _MoveIO, *storages):
-  """``logical_fn`` on the operands' logical arrays, back into storage."""
-  logical_in = {t.id: logical(s, t) for s, t in zip(storages, io.unique)}
-  value = _as_tuple(io.logical_fn(*[logical_in[t.id].reshape(t.shape) for t in io.operands]))
-  return tuple(storage(v, out) for v, out in zip(value, io.results))
 
 
 def _logical_move(io: _MoveIO, *arrays):
@@ -289,10 +317,10 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
     outputs: ``[(shape, dtype, map)]``: ``map`` is a
       :class:`~ipu_jax.lowering.copy_plan.BoxMap` (planned by regions
       when its rows are long) or the ``[size]`` source index of each output
-      element, ``-1`` for ``fill``.
+      element, ``-1`` for ``fill`` (or a function that returns it: the step
+      then keeps the function, not a table per element).
     logical_fn: ``logical_fn(*logical_operands) -> result or tuple``, the
-      same movement on logical arrays (run in "batched" mode; there it is
-      also the step's logical form, :mod:`~ipu_jax.lowering.logical_form`).
+      same movement on logical arrays (the step's ``logical`` form).
     fill: the constant that unmapped (``-1``) elements take.
     name: step name (default: the primitive).
     one_to_one: no operand element is copied twice (see
@@ -302,6 +330,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   an :func:`alias` (no step).
   """
   target = ctx.target
+  kept = [_kept(spec) for _, _, spec in outputs]
   outputs = _normalise_outputs(outputs)
   same = _identity_alias(operands, outputs)
   if same is not None:
@@ -309,26 +338,25 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   io = _move_io(ctx, operands, outputs, logical_fn)
   if all(out.size == 0 for out in io.results):
     return list(io.results)  # all outputs empty: nothing to run
-  plan, gathers, specs = _plan_move(target, io, [spec for _, _, spec in outputs], one_to_one)
+  specs_in = [spec for _, _, spec in outputs]
+  plan, gathers, _ = _plan_move(target, io, specs_in, one_to_one)
   itemsize = io.results[0].itemsize
   copies, fills = plan.copies, plan.fills
   compute = (estimators.copy_cycles(target, copies, itemsize)
              + estimators.fill_cycles(target, fills, itemsize))
   codelets = tuple(c for c, n in ((vocab.COPY, copies.sum()), (vocab.FILL, fills.sum())) if n)
   fill_value = np.asarray(0 if fill is None else fill).astype(io.results[0].dtype)
-  if ctx.options.executor_mode == "per_tile":
-    # Region plans keep only their boxes; the gather is built when traced.
-    fn = functools.partial(_per_tile_move, io, specs if gathers is None else gathers,
-                           fill_value)
-  else:
-    # Batched steps run ``logical_fn``: holding per-element gather indices in
-    # the step would only cost host memory (8 bytes per element per step).
-    fn = logical_form.attach(functools.partial(_batched_move, io),
-                             functools.partial(_logical_move, io))
+  # Neither form holds per-element tables: the per-tile exchange keeps the
+  # rule's maps (boxes, for region plans) and finds its gathers when traced;
+  # the logical form is ``logical_fn``.
+  fn = functools.partial(_per_tile_move, io, _MoveGathers(target, tuple(kept), one_to_one,
+                                                    gathers is None),
+                         fill_value)
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=io.unique, writes=io.results, fn=fn,
       compute_cycles=compute if compute.any() else None, exchange=plan.exchange,
-      vertices=worker_vertices(ctx, copies + fills), codelets=codelets))
+      vertices=worker_vertices(ctx, copies + fills), codelets=codelets,
+      logical=functools.partial(_logical_move, io)))
   return list(io.results)
 
 
@@ -614,7 +642,8 @@ def _pad(ctx, x, pad_value, *, padding_config):
                 fill=constant, one_to_one=True)
   # A computed one is a source element (index x.size) multicast to the tiles
   # that hold padding.
-  index = BoxMap((box,)).index(size, x.size, copy_plan.index_dtype(x.size + 1))
+  index = functools.partial(BoxMap((box,)).index, size, x.size,
+                            copy_plan.index_dtype(x.size + 1))
   return move(ctx, [x, pad_value], [(shape, dtype, index)], _bind(lax.pad_p, params))
 
 
@@ -650,11 +679,13 @@ def _iota(ctx, *dynamic, dtype, shape, dimension, **params):
   stride = int(np.prod(shape[dimension + 1:], dtype=np.int64))
   extent = int(shape[dimension])
   n = out.size
-  mode = ctx.options.executor_mode
   full = dict(params, dtype=dtype, shape=shape, dimension=dimension)
 
+  def logical_fn():
+    return (lax.iota_p.bind(**full),)
+
   def fn():
-    if mode == "per_tile" and mapping.is_linear:
+    if mapping.is_linear:
       rows, row_size = mapping.storage_shape
       index_dtype = jnp.int32 if n < 2**31 - 1 else jnp.int64
 
@@ -668,7 +699,7 @@ def _iota(ctx, *dynamic, dtype, shape, dimension, **params):
     return (storage(lax.iota_p.bind(**full), out),)
 
   ctx.emit(P.Superstep(
-      name="iota", op=ctx.op, reads=(), writes=(out,), fn=fn,
+      name="iota", op=ctx.op, reads=(), writes=(out,), fn=fn, logical=logical_fn,
       compute_cycles=estimators.fill_cycles(target, elements, out.itemsize),
       vertices=worker_vertices(ctx, elements), codelets=(vocab.IOTA,)))
   return [out]

@@ -17,19 +17,21 @@ worker. ``select_and_scatter_add`` cuts its operand-shaped result the same
 way; a tile receives the windows touching its box and the operand they read.
 A 0-d or empty operand is pooled on one tile.
 
-Execution: ``"batched"`` runs the primitive on the logical arrays;
-``"per_tile"`` cuts each operand into the boxes' input windows (padding and
+Execution: the step's logical form is the primitive on the logical arrays
+(the ``"batched"`` executor runs it); its ``fn`` (the ``"per_tile"``
+executor's) cuts each operand into the boxes' input windows (padding and
 base dilation made explicit) and vmaps the primitive over the boxes with no
 padding. The primitives skip padding and holes; the explicit ones are the
 reduction's identity (max, min, sum; the selections pad with the value they
 never prefer over an earlier one), and a generic computation, which has no
-identity, reduces a validity mask alongside and skips them. Both modes give
+identity, reduces a validity mask alongside and skips them. Both forms give
 the numbers ``jax.jit`` gives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -216,15 +218,9 @@ def _lower(ctx, op: WindowedOp, operands: Sequence[P.Tensor]) -> list:
              for s, d in out_avals]
   elements = np.zeros(target.num_tiles, np.int64)
   elements[tiles] = windows * geo.window_elements * op.cost
-  mode = ctx.options.executor_mode
 
   def run(*storages):
-    arrays = [logical(s, t) for s, t in zip(storages, operands)]
-    if mode == "per_tile":
-      results = _per_tile(op, plan, arrays)
-    else:
-      results = op.fn(*arrays)
-      results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+    results = _per_tile(op, plan, [logical(s, t) for s, t in zip(storages, operands)])
     return tuple(blocked_storage(r.astype(o.dtype), plan.grid, plan.block)
                  for r, o in zip(results, outputs))
 
@@ -233,8 +229,15 @@ def _lower(ctx, op: WindowedOp, operands: Sequence[P.Tensor]) -> list:
       fn=run, compute_cycles=estimators.worker_split_cycles(target, elements, 1, itemsize),
       exchange=exchange,
       vertices=worker_vertices(ctx, elements), codelets=(op.codelet,),
-      flops=int(windows.sum()) * geo.window_elements if op.float_flops else 0))
+      flops=int(windows.sum()) * geo.window_elements if op.float_flops else 0,
+      logical=functools.partial(_whole, op)))
   return outputs
+
+
+def _whole(op, *arrays) -> tuple:
+  """The step's logical form: the primitive on the logical operands."""
+  results = op.fn(*arrays)
+  return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
 
 # -- per-tile execution ------------------------------------------------------------
