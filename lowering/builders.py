@@ -31,7 +31,6 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
-from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
@@ -252,9 +251,8 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   Args:
     ctx: the lowering context.
     fn: ``fn(*operand_arrays) -> array or tuple``; applied to whole tile
-      storages (elementwise, so the tile axis is just another axis), and in
-      batched mode, as the step's logical form
-      (:mod:`~ipu_jax.lowering.logical_form`), to the logical arrays.
+      storages (elementwise, so the tile axis is just another axis), and, as
+      the step's logical form (``Superstep.logical``), to the logical arrays.
     operands: tensors of the result's shape, or scalars (broadcast).
     out_avals: ``[(shape, dtype)]`` of the results (default: ``ctx.out_avals``).
     name: step name; cost_op: estimator key (default: the primitive).
@@ -270,8 +268,6 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   ins = _elementwise_operands(ctx, operands, shape, size, mapping)
   step_fn = functools.partial(_elementwise_storages, fn, ins.kinds, mapping)
   logical_fn = functools.partial(_elementwise_logical, fn, ins.kinds, shape)
-  if ctx.options.executor_mode != "per_tile":
-    logical_form.attach(step_fn, logical_fn)
 
   op = cost_op or ctx.op
   in_dtype = operands[0].dtype if operands else None
@@ -279,7 +275,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=ins.reads, writes=tuple(outputs), fn=step_fn,
-      compute_cycles=compute, exchange=add_costs(*ins.costs),
+      logical=logical_fn, compute_cycles=compute, exchange=add_costs(*ins.costs),
       vertices=vertices, codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
       flops=flops, elementwise=P.ElementwiseWork(mapping, ins.costs, op, dtype.itemsize, dtype,
                                                  in_dtype),
@@ -372,17 +368,23 @@ def _partitioned_cycles(target, part: _Partition, rows_on_tile, flops, itemsize)
                   + target.supervisor_overhead_cycles, 0.0)
 
 
-def _partitioned_run(fn, operands, outputs, split_axes, out_axis, part: _Partition, mode,
-                     *storages):
-  """A partitioned step's function: ``fn`` once on the whole arrays, or per tile."""
+def _partitioned_run(fn, operands, outputs, split_axes, out_axis, part: _Partition, *storages):
+  """A partitioned step's function: ``fn`` on each tile's rows (vmapped over the tiles)."""
   args = [logical(s, t) for s, t in zip(storages, operands)]
-  if mode == "per_tile" and part.groups > 1:
+  if part.groups > 1:
     result = _per_tile(fn, args, split_axes, out_axis, part.per_tile, part.groups, part.rows)
   else:
     result = fn(*args)
   if not isinstance(result, (tuple, list)):
     result = (result,)
   return tuple(storage(r, o) for r, o in zip(result, outputs))
+
+
+def _partitioned_logical(fn, *arrays):
+  """A partitioned step's logical form: ``fn`` once on the whole arrays (the rows
+  are independent, so the numbers are those of the per-tile runs)."""
+  result = fn(*arrays)
+  return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
 def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
@@ -395,9 +397,9 @@ def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
   Operand ``i`` is cut the same way along ``split_axes[i]`` (its piece is
   exchanged to the tile), or, where ``split_axes[i]`` is ``None``, sent whole
   to every tile that works (a multicast). Each tile then runs ``fn`` on its
-  pieces. Because the split is along independent rows, running ``fn`` once on
-  the whole arrays gives the same numbers as running it per tile; the
-  ``"per_tile"`` executor mode vmaps it over the tiles instead.
+  pieces (the step's ``fn`` vmaps it over the tiles). Because the split is
+  along independent rows, running ``fn`` once on the whole arrays gives the
+  same numbers: that is the step's logical form.
 
   Args:
     fn: ``fn(*logical_operands) -> result or tuple`` on logical arrays.
@@ -418,11 +420,12 @@ def partitioned(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals,
   else:
     compute = _partitioned_cycles(ctx.target, part, rows_on_tile, flops,
                                   np.dtype(out_avals[0][1]).itemsize)
-  mode = ctx.options.executor_mode
   run = functools.partial(_partitioned_run, fn, tuple(operands), tuple(outputs),
-                          tuple(split_axes), out_axis, part, mode)
+                          tuple(split_axes), out_axis, part)
   ctx.emit(P.Superstep(name=name or ctx.op, op=ctx.op, reads=tuple(operands),
-                       writes=tuple(outputs), fn=run, compute_cycles=compute,
+                       writes=tuple(outputs), fn=run,
+                       logical=functools.partial(_partitioned_logical, fn),
+                       compute_cycles=compute,
                        exchange=add_costs(*costs),
                        vertices=worker_vertices(ctx, rows_on_tile),
                        codelets=(codelet or ctx.op,), flops=int(flops)))

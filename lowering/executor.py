@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from ipu_jax.lowering import fp_exceptions
-from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import printing
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
@@ -153,7 +152,7 @@ def _step(step: P.Superstep, state: dict, env: _Env, owned: bool) -> dict:
     # Op by op, to name the faulting op; one copy of the state for all of them.
     return fp_exceptions.run_fused(step, state if owned else dict(state), env,
                                    functools.partial(_run, owned=True))
-  if (env.batched and members and logical_form.of_step(step) is None
+  if (env.batched and members and step.logical is None
       and any(m.logical is not None for m in members)):
     # The fused ``fn`` is the members' per-tile functions and some member
     # has no logical form (so the fused step has none): run each member by
@@ -162,7 +161,7 @@ def _step(step: P.Superstep, state: dict, env: _Env, owned: bool) -> dict:
     for member in members:
       state = _step(member, state, env, owned=True)
     return state
-  if env.batched and env.traps is None and logical_form.of_step(step) and _writes_logical(step):
+  if env.batched and env.traps is None and step.logical and _writes_logical(step):
     return _run_logical(step, state if owned else dict(state), env)
   return _run_storage(step, _storage_function(step, env), state, env, owned)
 
@@ -232,7 +231,7 @@ def _writes_logical(step) -> bool:
 
 def _run_logical(step: P.Superstep, state: dict, env) -> dict:
   """Run ``step``'s logical form on its reads' logical arrays, into ``state`` (owned)."""
-  outputs = logical_form.of_step(step)(*[env.get_logical(state, t) for t in step.reads])
+  outputs = step.logical(*[env.get_logical(state, t) for t in step.reads])
   if len(outputs) != len(step.writes):
     raise RuntimeError(f"step {step.name} returned {len(outputs)} values, "
                        f"expected {len(step.writes)}")

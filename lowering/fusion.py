@@ -80,7 +80,6 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import fused_cost
-from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
@@ -664,7 +663,7 @@ def _fused_logical(steps, reads, writes):
   Each member's results are cast to their tensors' dtypes and shapes, as the
   executor stores every step's results.
   """
-  forms = [logical_form.of_step(s) for s in steps]
+  forms = [s.logical for s in steps]
   if not all(forms):
     return None
   plan = tuple((form, tuple((t.id, t.shape) for t in s.reads),

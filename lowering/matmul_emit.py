@@ -65,25 +65,24 @@ vmaps a block matmul over the tile axis, then sums the partials; f32 uses
 ``Precision.HIGHEST``. With fp16 partials both modes do the arithmetic of
 :mod:`~ipu_jax.lowering.half_partials` (each tile's AMP chains, then the
 partials added in the plan's order, rounding each addition), so they agree
-bit for bit. ``"batched"`` (the default) computes the whole product
-on the logical arrays with the partials type as ``preferred_element_type``
-(2-byte float operands widened to float32 partials first, exactly: XLA:CPU
-cannot run some bf16 x bf16 -> f32 dots, see
-:func:`~ipu_jax.lowering.matmul_plan.widen_to_partials`):
-one ``lax.dot_general`` whatever the K split (``jax.jit``'s numbers; the
-tiles' summation order of fp32 partials differs only in rounding), and
-writes it straight into the result's tile storage in the first step; the
-later steps (reduce, further passes) then have nothing left to do on the
-host, while their cost is still counted. Batched steps also carry that
-product as their logical form (:mod:`~ipu_jax.lowering.logical_form`), which
-the executor runs on the operands' logical arrays.
+bit for bit. That is each step's ``fn``. Each step also carries its
+logical form (``Superstep.logical``), which ``"batched"`` (the default) runs:
+the whole product on the logical arrays with the partials type as
+``preferred_element_type`` (2-byte float operands widened to float32 partials
+first, exactly: XLA:CPU cannot run some bf16 x bf16 -> f32 dots, see
+:func:`~ipu_jax.lowering.matmul_plan.widen_to_partials`): one
+``lax.dot_general`` whatever the K split (``jax.jit``'s numbers; the tiles'
+summation order of fp32 partials differs only in rounding), written into the
+result by the first step; the later steps' forms (reduce, further passes)
+have nothing left to do on the host, while their cost is still counted. The
+executor, not this module, chooses between the forms.
 
 Code. :func:`emit_matmul` is a short driver: :func:`_make_plan` canonicalises
 the product (:class:`_Product`), plans it and creates the result (a frozen
 :class:`_Plan`); then, per pass, :func:`_pass` gives the pass's block sizes,
 :func:`_operand_costs` and :func:`_block_work` its figures, and the
 ``_emit_*`` helpers its supersteps. The steps' arithmetic
-(:func:`_full_product`, :func:`_pass_blocks`, :func:`_reduce_pieces`,
+(:func:`_logical_product`, :func:`_pass_blocks`, :func:`_reduce_pieces`,
 :func:`_tree_sum`) is module-level and reads the plan; the step functions
 themselves are short closures over it.
 """
@@ -102,13 +101,12 @@ from jax import lax
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import half_partials
-from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
-from ipu_jax.lowering.matmul_plan import (MatmulPlan, block_grid_mapping, blocked_storage,
+from ipu_jax.lowering.matmul_plan import (MatmulPlan, block_grid_mapping,
                                           ceil_div, edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul,
                                           widen_to_partials)
@@ -227,7 +225,6 @@ class _Plan:
     tiles: ``[g_all]`` tile of each grid index ``(ib, im, in, ik)``.
     in_dtype, acc: the operands' costed type and the partials type.
     precision: ``dot_general``'s precision.
-    mode: the executor mode.
     notes: the matmul step's notes (float64 emulation).
     serial_axis: 1 (M) or 2 (N) when the plan has several passes, else None.
     length: the cut axis's elements per pass (0 with one pass).
@@ -246,7 +243,6 @@ class _Plan:
   in_dtype: np.dtype
   acc: np.dtype
   precision: object
-  mode: str
   notes: tuple
   serial_axis: Optional[int]
   length: int
@@ -318,7 +314,7 @@ def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out
                                    pieces=out_pieces, serial=(serial_axis, passes))
   out = ctx.new_tensor(out_shape, out_dtype, out_mapping)
   p = _Plan(prod=prod, lhs=lhs, rhs=rhs, out=out, out_mapping=out_mapping, plan=plan, tiles=tiles,
-            in_dtype=in_dtype, acc=acc, precision=precision, mode=options.executor_mode,
+            in_dtype=in_dtype, acc=acc, precision=precision,
             notes=(note,) if note else (), serial_axis=serial_axis, length=length,
             out_pieces=out_pieces, pass_counts=None, name=name)
   return dataclasses.replace(p, pass_counts=_pass_counts(p))
@@ -379,7 +375,7 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
       continue
     partials = _emit_partial_blocks(ctx, p, ps, work, exchange)
     if p.plan.reduce_fanins:
-      _emit_tree_reduce(ctx, partials, p.out, p.plan, p.tiles, ps.outputs, p.mode, p.name)
+      _emit_tree_reduce(ctx, partials, p.out, p.plan, p.tiles, ps.outputs, p.name)
     else:
       _emit_reduce_scatter(ctx, p, ps, partials)
   return p.out
@@ -388,8 +384,8 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
 # --- Arithmetic (the steps' functions) -------------------------------------------------------
 
 
-def _full_product(p: _Plan, a_st, b_st):
-  """The whole product, [B, M, N] in the result type (batched mode).
+def _logical_product(p: _Plan, a, w):
+  """The whole product of the logical operands, in the result's shape and type.
 
   Whatever the K split, one ``lax.dot_general`` with the user's precision
   and the partials type as ``preferred_element_type``: the numbers
@@ -401,13 +397,6 @@ def _full_product(p: _Plan, a_st, b_st):
   changes the result, so :mod:`half_partials` keeps the plan's order.
   The per-tile accounting does not depend on this: it is the plan's.
   """
-  prod = p.prod
-  return _logical_product(p, logical(a_st, p.lhs), logical(b_st, p.rhs)).reshape(
-      prod.b, prod.m, prod.n)
-
-
-def _logical_product(p: _Plan, a, w):
-  """:func:`_full_product` of the operands' logical arrays, in the result's shape."""
   prod, acc = p.prod, p.acc
   if p.half:
     return half_partials.planned_dot(
@@ -463,14 +452,6 @@ def _pass_blocks(p: _Plan, a_st, b_st, start, stop):
                            precision=precision, preferred_element_type=acc)
 
   return jax.vmap(block_matmul)(a, w).reshape(g_all, p.block)
-
-
-def _batched_storage(p: _Plan, a_st, b_st, **pieces):
-  """The whole product (batched mode) in the result's tile storage."""
-  gb, gm, gn, _ = p.plan.grid
-  bb, bm, bn, _ = p.plan.block
-  return blocked_storage(_full_product(p, a_st, b_st), (gb, gm, gn), (bb, bm, bn), **pieces,
-                         serial=p.serial)
 
 
 def _put(p: _Plan, out_st, index, value):
@@ -621,12 +602,13 @@ def _block_work(target, p: _Plan, ps: _Pass, a_local, b_local) -> _BlockWork:
 # --- One pass: emission ---------------------------------------------------------------------
 
 
-def _matmul_step(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange, writes, fn):
+def _matmul_step(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange, writes, fn, logical):
   """The pass's block-matmul superstep (a pass also reads the result it adds to)."""
   result_in = (p.out,) if p.passes > 1 else ()  # a single pass writes it whole
   return P.Superstep(
       name=f"{p.name}/matmul {p.plan.label}{ps.suffix}", op=ctx.op,
-      reads=(p.lhs, p.rhs) + result_in, writes=writes, fn=fn, compute_cycles=work.compute,
+      reads=(p.lhs, p.rhs) + result_in, writes=writes, fn=fn, logical=logical,
+      compute_cycles=work.compute,
       exchange=exchange, vertices=work.vertices,
       codelets=(vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(p.in_dtype), p.acc),),
       flops=work.flops, scratch_bytes=work.scratch, notes=p.notes)
@@ -634,52 +616,38 @@ def _matmul_step(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange, writes, f
 
 def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> None:
   """``gk == 1``: each tile's product block is its piece of the result."""
-  mode, index = p.mode, ps.index
+  index = ps.index
 
   def step(a_st, b_st, *out_st):
-    if mode == "per_tile":
-      prior = out_st[0] if out_st else None
-      return (_put(p, prior, index, _pass_blocks(p, a_st, b_st, ps.start, ps.stop)),)
-    if index == 0:
-      # Batched: the whole product at once; later passes have nothing to do.
-      return (_batched_storage(p, a_st, b_st),)
-    return (out_st[0],)
+    prior = out_st[0] if out_st else None
+    return (_put(p, prior, index, _pass_blocks(p, a_st, b_st, ps.start, ps.stop)),)
 
   def logical_step(a, w, *prior):
+    # The whole product at once; later passes have nothing to do.
     return (_logical_product(p, a, w),) if index == 0 else (prior[0],)
 
-  if mode != "per_tile":
-    logical_form.attach(step, logical_step)
-  ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (p.out,), step))
+  ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (p.out,), step, logical_step))
 
 
 def _emit_partial_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> P.Tensor:
   """``gk > 1``: each tile's product block is a partial block; returns the partials."""
-  g_all, block, acc, out, mode, index = p.g_all, p.block, p.acc, p.out, p.mode, ps.index
+  g_all, block, acc, out, index = p.g_all, p.block, p.acc, p.out, ps.index
   partials = ctx.new_tensor((g_all, block), acc,
                             TileMapping(g_all * block, p.tiles, np.full(g_all, block, np.int64),
                                         chunk=block),
                             name=f"{p.name}/partials")
 
   def step(a_st, b_st, *out_st):
-    # Batched mode does the whole product in the first pass, written straight
-    # into the result (its partials are never read, so XLA drops them).
-    if mode == "per_tile":
-      prior = out_st[0] if out_st else jnp.zeros(out.storage_shape, out.dtype)
-      return _pass_blocks(p, a_st, b_st, ps.start, ps.stop), prior
-    if index == 0:
-      return (jnp.zeros(partials.storage_shape, acc),
-              _batched_storage(p, a_st, b_st, pieces=p.out_pieces))
-    return jnp.zeros(partials.storage_shape, acc), out_st[0]
+    prior = out_st[0] if out_st else jnp.zeros(out.storage_shape, out.dtype)
+    return _pass_blocks(p, a_st, b_st, ps.start, ps.stop), prior
 
   def logical_step(a, w, *prior):
-    # Batched: the whole product in the first pass; the partials are never read.
+    # The whole product in the first pass, written straight into the result;
+    # the partials are never read (XLA drops them), nor are the reductions'.
     return (jnp.zeros(partials.shape, acc),
             _logical_product(p, a, w) if index == 0 else prior[0])
 
-  if mode != "per_tile":
-    logical_form.attach(step, logical_step)
-  ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (partials, out), step))
+  ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (partials, out), step, logical_step))
   return partials
 
 
@@ -702,8 +670,8 @@ def _scatter_exchange(target, tiles: np.ndarray, group: np.ndarray, p_size: int)
 
 def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
   """Reduce-scatter of the partials: each tile sums its piece of the block."""
-  target, tiles, gk, acc, out, mode, index = (ctx.target, p.tiles, p.plan.grid[3], p.acc, p.out,
-                                              p.mode, ps.index)
+  target, tiles, gk, acc, out, index = (ctx.target, p.tiles, p.plan.grid[3], p.acc, p.out,
+                                        ps.index)
   counts = p.pass_counts[:, index]  # [g_all] result elements each tile reduces
   p_size = acc.itemsize
   reduce_compute = np.zeros(target.num_tiles)
@@ -712,15 +680,13 @@ def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
   reduce_vertices[tiles] = worker_vertices(ctx, counts)
 
   def reduce_step(p_st, out_st):
-    if mode != "per_tile":
-      return (out_st,)
     return (_put(p, out_st, index, _reduce_pieces(p, p_st)),)
 
-  if mode != "per_tile":  # the matmul step wrote the result
-    logical_form.attach(reduce_step, lambda partial_blocks, result: (result,))
   ctx.emit(P.Superstep(
       name=f"{p.name}/{p.plan.label}{ps.suffix} reduce", op=ctx.op, reads=(partials, out),
-      writes=(out,), fn=reduce_step, compute_cycles=reduce_compute,
+      writes=(out,), fn=reduce_step,
+      # The matmul step's logical form wrote the result.
+      logical=lambda partial_blocks, result: (result,), compute_cycles=reduce_compute,
       exchange=_scatter_exchange(target, tiles, counts.reshape(p.g_out, gk), p_size),
       vertices=reduce_vertices, codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out.dtype),),
       flops=int((gk - 1) * counts.sum()) if _is_float(out.dtype) else 0))
@@ -798,7 +764,7 @@ def _tree_sum(level_st, stage: _TreeStage, g_out: int, block: int, acc):
 
 
 def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan: MatmulPlan, tiles: np.ndarray,
-                      block_elements: np.ndarray, mode: str, name: str) -> None:
+                      block_elements: np.ndarray, name: str) -> None:
   """Sum each output block's ``gk`` partial blocks in a tree of supersteps.
 
   For a block with fewer elements than ``gk`` (a long contraction with a tiny
@@ -815,7 +781,6 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan: MatmulPlan, 
     plan: the matmul plan.
     tiles: ``[g_all]`` tile of each grid index.
     block_elements: ``[g_all]`` elements of the output block of each grid tile.
-    mode: the executor mode.
     name: prefix of the steps' and tensors' names.
   """
   gb, gm, gn, gk = plan.grid
@@ -827,12 +792,12 @@ def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan: MatmulPlan, 
   for index, fanin in enumerate(plan.reduce_fanins):
     stage = _tree_stage(ctx.target, group_tiles, elements, acc.itemsize, count, stride, fanin)
     label = f"{plan.label} stage {index + 1}/{len(plan.reduce_fanins)}"
-    result = _emit_tree_stage(ctx, stage, level, out, label, index, elements, mode, name)
+    result = _emit_tree_stage(ctx, stage, level, out, label, index, elements, name)
     level, count, stride = result, stage.new_count, stride * fanin
 
 
 def _emit_tree_stage(ctx, stage: _TreeStage, level: P.Tensor, out: P.Tensor, label: str,
-                     index: int, elements: np.ndarray, mode: str, name: str) -> P.Tensor:
+                     index: int, elements: np.ndarray, name: str) -> P.Tensor:
   """Emit one stage's superstep; returns its result (``out`` at the last stage)."""
   g_out, block = stage.receivers.shape[0], level.shape[1]
   acc, out_dtype, last = level.dtype, out.dtype, stage.last
@@ -846,20 +811,19 @@ def _emit_tree_stage(ctx, stage: _TreeStage, level: P.Tensor, out: P.Tensor, lab
                             name=f"{name}/partials{index + 1}")
 
   def step(level_st, *out_st):
-    if mode != "per_tile":
-      # Batched mode wrote the result in the matmul step.
-      return (out_st[0],) if last else (jnp.zeros(result.storage_shape, acc),)
     x = _tree_sum(level_st, stage, g_out, block, acc)
     if last:
       return (x.astype(out_dtype).reshape(out.storage_shape),)
     return (x.reshape(result.storage_shape),)
 
-  if mode != "per_tile":  # the matmul step wrote the result
-    logical_form.attach(step, lambda level, *out, last=last, result=result: (
-        out[0],) if last else (jnp.zeros(result.shape, acc),))
+  def logical_step(level, *out):
+    # The matmul step's logical form wrote the result.
+    return (out[0],) if last else (jnp.zeros(result.shape, acc),)
+
   ctx.emit(P.Superstep(
       name=f"{name}/{label} reduce", op=ctx.op, reads=(level,) + ((out,) if last else ()),
-      writes=(result,), fn=step, compute_cycles=stage.compute, exchange=stage.exchange,
+      writes=(result,), fn=step, logical=logical_step, compute_cycles=stage.compute,
+      exchange=stage.exchange,
       vertices=worker_vertices(ctx, stage.outputs),
       codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype if last else acc),),
       flops=int(((stage.members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))

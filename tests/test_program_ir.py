@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
-from ipu_jax.lowering import logical_form
 from ipu_jax.lowering import fp_exceptions
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import remote
@@ -30,11 +29,6 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Where the mode may be named: its declaration, the user config, and the jit
 # that hands it to the executor.
 _MAY_NAME_THE_MODE = {"lowering/options.py", "ipu_jax/config.py", "ipu_jax/jit.py"}
-# Transitional: being converted on another branch (elementwise and
-# partitioned steps in builders.py, matmuls in matmul_emit.py still build
-# their batched form only in "batched" mode, through logical_form.attach).
-_NOT_YET_CONVERTED = {"lowering/builders.py", "lowering/matmul_emit.py"}
-
 
 def mode_readers(sources: dict) -> list:
   """``path:line`` of every read of ``executor_mode`` (an attribute, or the
@@ -53,7 +47,7 @@ def _sources() -> dict:
   for folder in ("lowering", "ipu_jax"):
     for path in sorted((_ROOT / folder).rglob("*.py")):
       rel = path.relative_to(_ROOT).as_posix()
-      if rel not in _MAY_NAME_THE_MODE | _NOT_YET_CONVERTED:
+      if rel not in _MAY_NAME_THE_MODE:
         out[rel] = path.read_text()
   return out
 
@@ -112,13 +106,10 @@ class ModeTest(chex.TestCase, parameterized.TestCase):
     names = {}
     for mode in ("batched", "per_tile"):
       lowered = ipu_jax.jit(_block, target=T16, config=executor_config(mode)).lower(*_args())
-      # (Fused steps aside: builders.py's elementwise members still attach
-      # their forms in "batched" mode only, see _NOT_YET_CONVERTED.)
-      names[mode] = sorted(s.name for s in _steps(lowered.program)
-                           if s.logical is not None and not fp_exceptions.fused_members(s))
+      names[mode] = sorted(s.name for s in _steps(lowered.program) if s.logical is not None)
     self.assertEqual(names["batched"], names["per_tile"])
     for kind in ("reduce_sum", "reduce_max", "cumsum", "gather", "pad", "argmax",
-                 "conv_general_dilated", "reduce_window_max"):
+                 "conv_general_dilated", "reduce_window_max", "dot_general", "tanh"):
       self.assertTrue(any(n.startswith(kind) for n in names["per_tile"]),
                       (kind, names["per_tile"]))
 
@@ -180,7 +171,7 @@ class TypedProgramTest(chex.TestCase):
     fused = [s for s in _steps(lowered.program) if fp_exceptions.fused_members(s)]
     self.assertTrue(fused)
     for step in fused:
-      self.assertTrue(all(logical_form.of_step(m) is not None
+      self.assertTrue(all(m.logical is not None
                           for m in fp_exceptions.fused_members(step)))
       # The fused step's own form is its members' forms in order.
       self.assertIsNotNone(step.logical)
