@@ -196,8 +196,9 @@ def _realised(spec):
 
 
 def _kept(spec):
-  """What a step keeps of a map: boxes or the function that builds the
-  index, not an index array the rule built (a host table per element)."""
+  """What a step's per-tile ``fn`` keeps of a map: boxes, or the function
+  that builds the index (an index array the rule passed, a host table per
+  element, is kept as given: rules pass functions)."""
   return spec if isinstance(spec, BoxMap) or callable(spec) else _realised(spec)
 
 
@@ -338,8 +339,7 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   io = _move_io(ctx, operands, outputs, logical_fn)
   if all(out.size == 0 for out in io.results):
     return list(io.results)  # all outputs empty: nothing to run
-  specs_in = [spec for _, _, spec in outputs]
-  plan, gathers, _ = _plan_move(target, io, specs_in, one_to_one)
+  plan, gathers, _ = _plan_move(target, io, [spec for _, _, spec in outputs], one_to_one)
   itemsize = io.results[0].itemsize
   copies, fills = plan.copies, plan.fills
   compute = (estimators.copy_cycles(target, copies, itemsize)
@@ -349,9 +349,8 @@ def move(ctx, operands: Sequence[P.Tensor], outputs: Sequence, logical_fn: Calla
   # Neither form holds per-element tables: the per-tile exchange keeps the
   # rule's maps (boxes, for region plans) and finds its gathers when traced;
   # the logical form is ``logical_fn``.
-  fn = functools.partial(_per_tile_move, io, _MoveGathers(target, tuple(kept), one_to_one,
-                                                    gathers is None),
-                         fill_value)
+  gathers_from = _MoveGathers(target, tuple(kept), one_to_one, by_regions=gathers is None)
+  fn = functools.partial(_per_tile_move, io, gathers_from, fill_value)
   ctx.emit(P.Superstep(
       name=name or ctx.op, op=ctx.op, reads=io.unique, writes=io.results, fn=fn,
       compute_cycles=compute if compute.any() else None, exchange=plan.exchange,
