@@ -35,7 +35,7 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
-from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.mapping import TileMapping, blocks_on_tiles
 
 __all__ = ["assign", "relayout_to", "elementwise", "elementwise_figures", "partitioned",
            "logical", "storage", "broadcast_cost", "add_costs",
@@ -301,12 +301,7 @@ class _Partition:
 
   def rows_on_tile(self, num_tiles: int) -> np.ndarray:
     """``[num_tiles]`` rows each tile holds."""
-    rows_on_tile = np.zeros(num_tiles, np.int64)
-    if self.groups:
-      counts = np.full(self.groups, self.per_tile, np.int64)
-      counts[-1] = self.rows - self.per_tile * (self.groups - 1)
-      np.add.at(rows_on_tile, self.tiles, counts)
-    return rows_on_tile
+    return blocks_on_tiles(num_tiles, self.tiles, self.rows, self.per_tile)
 
 
 def _partition(ctx, first_shape, out_axis: int) -> _Partition:

@@ -21,7 +21,8 @@ import numpy as np
 
 from ipu_jax.lowering import plan_cache
 
-__all__ = ["BlockGrid", "TileMapping", "linear_chunk", "row_runs", "spread_runs", "tiles_key"]
+__all__ = ["BlockGrid", "TileMapping", "blocks_on_tiles", "linear_chunk", "row_runs",
+           "spread_runs", "tiles_key"]
 
 _object_ids = itertools.count()
 # Small on purpose: deriving these arrays costs about what reading them does,
@@ -53,6 +54,17 @@ def tiles_key(tiles: np.ndarray) -> tuple:
   if tiles.size == 0:
     return (0,)
   return (tiles.size, int(tiles[0]), int(tiles[-1]), hash(tiles.tobytes()))
+
+
+def blocks_on_tiles(num_tiles: int, tiles: np.ndarray, items: int, per_block: int) -> np.ndarray:
+  """``[num_tiles]`` items each tile holds when ``items`` are cut into blocks of
+  ``per_block`` (the last one shorter), block ``g`` on ``tiles[g]``."""
+  on_tile = np.zeros(num_tiles, np.int64)
+  if len(tiles):
+    counts = np.full(len(tiles), per_block, np.int64)
+    counts[-1] = items - per_block * (len(tiles) - 1)
+    np.add.at(on_tile, tiles, counts)
+  return on_tile
 
 
 def linear_chunk(num_elements: int, num_tiles: int, itemsize: int,

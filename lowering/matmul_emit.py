@@ -106,7 +106,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
-from ipu_jax.lowering.matmul_plan import (MatmulPlan, block_grid_mapping,
+from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_grid_mapping, block_work,
                                           ceil_div, edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul,
                                           widen_to_partials)
@@ -571,38 +571,23 @@ def _operand_costs(target, p: _Plan, ps: _Pass, previous: tuple) -> tuple:
   return a_all, b_all
 
 
-@dataclasses.dataclass(frozen=True)
-class _BlockWork:
-  """Per-tile figures of a pass's block-matmul step (``[num_tiles]`` arrays)."""
-  compute: np.ndarray
-  scratch: np.ndarray
-  vertices: np.ndarray
-  flops: int
-
-
-def _block_work(target, p: _Plan, ps: _Pass, a_local, b_local) -> _BlockWork:
-  num_tiles, tiles, acc = target.num_tiles, p.tiles, p.acc
+def _block_work(target, p: _Plan, ps: _Pass, a_local, b_local) -> BlockWork:
   macs = ps.rb * ps.rm * ps.rn * ps.rk
-  compute = np.zeros(num_tiles)
-  compute[tiles] = estimators.matmul_cycles(target, macs, np.dtype(p.in_dtype).itemsize,
-                                            outputs=ps.rb * ps.rm * ps.rn, dtype=p.in_dtype,
-                                            k=ps.rk, n=ps.rn, groups=ps.rb)
+  cycles = estimators.matmul_cycles(target, macs, np.dtype(p.in_dtype).itemsize,
+                                    outputs=ps.rb * ps.rm * ps.rn, dtype=p.in_dtype,
+                                    k=ps.rk, n=ps.rn, groups=ps.rb)
   # Local elements of the blocks are copied into the AMP's block layout; the
   # received ones sit in the exchange buffers (counted by the analysis).
-  scratch = np.zeros(num_tiles, np.int64)
-  scratch[tiles] = a_local * p.lhs.itemsize + b_local * p.rhs.itemsize
-  if p.plan.grid[3] == 1 and acc != p.out_dtype:
-    scratch[tiles] += ps.rb * ps.rm * ps.rn * acc.itemsize
-  vertices = np.zeros(num_tiles, np.int64)
-  vertices[tiles] = np.where(macs > 0, target.worker_contexts, 0)
-  flops = int(2 * macs.sum()) if _is_float(p.out_dtype) else 0
-  return _BlockWork(compute, scratch, vertices, flops)
+  scratch = a_local * p.lhs.itemsize + b_local * p.rhs.itemsize
+  if p.plan.grid[3] == 1 and p.acc != p.out_dtype:
+    scratch = scratch + ps.rb * ps.rm * ps.rn * p.acc.itemsize
+  return block_work(target, p.tiles, macs, cycles, scratch, _is_float(p.out_dtype))
 
 
 # --- One pass: emission ---------------------------------------------------------------------
 
 
-def _matmul_step(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange, writes, fn, logical):
+def _matmul_step(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange, writes, fn, logical):
   """The pass's block-matmul superstep (a pass also reads the result it adds to)."""
   result_in = (p.out,) if p.passes > 1 else ()  # a single pass writes it whole
   return P.Superstep(
@@ -614,7 +599,7 @@ def _matmul_step(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange, writes, f
       flops=work.flops, scratch_bytes=work.scratch, notes=p.notes)
 
 
-def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> None:
+def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange) -> None:
   """``gk == 1``: each tile's product block is its piece of the result."""
   index = ps.index
 
@@ -629,7 +614,7 @@ def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> 
   ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (p.out,), step, logical_step))
 
 
-def _emit_partial_blocks(ctx, p: _Plan, ps: _Pass, work: _BlockWork, exchange) -> P.Tensor:
+def _emit_partial_blocks(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange) -> P.Tensor:
   """``gk > 1``: each tile's product block is a partial block; returns the partials."""
   g_all, block, acc, out, index = p.g_all, p.block, p.acc, p.out, ps.index
   partials = ctx.new_tensor((g_all, block), acc,

@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # program imports this module's users; only the annotation ne
   from ipu_jax.lowering import program as P
 from ipu_jax.kernels.target import IPUTarget
 
-__all__ = ["GridPlan", "MatmulPlan", "plan_matmul", "split_candidates", "ceil_div", "covering",
+__all__ = ["BlockWork", "GridPlan", "MatmulPlan", "block_work", "plan_matmul", "split_candidates", "ceil_div", "covering",
            "operand_dtype",
            "partials_dtype", "widen_to_partials", "tree_fanins", "block_grid_mapping", "blocked_storage",
            "canonical_tiles", "grid_exchange_cost", "grid_tiles", "edge_sizes"]
@@ -118,6 +118,34 @@ class GridPlan:
   @property
   def cycles(self) -> float:
     return self.sync_cycles + self.exchange_cycles + self.compute_cycles
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWork:
+  """Per-tile figures of a grid of AMP block products (``[num_tiles]`` arrays).
+
+  Attributes:
+    compute: cycles; scratch: temporary bytes; vertices: vertices per tile.
+    flops: of all the blocks (0 for integer products).
+  """
+
+  compute: np.ndarray
+  scratch: np.ndarray
+  vertices: np.ndarray
+  flops: int
+
+
+def block_work(target, tiles: np.ndarray, macs: np.ndarray, cycles: np.ndarray,
+               scratch_bytes: np.ndarray, is_float: bool) -> BlockWork:
+  """The figures of block products on ``tiles``: each tile's ``cycles`` and
+  ``scratch_bytes``, a worker vertex on each of its contexts where it has MACs."""
+  compute = np.zeros(target.num_tiles)
+  compute[tiles] = cycles
+  scratch = np.zeros(target.num_tiles, np.int64)
+  scratch[tiles] = scratch_bytes
+  vertices = np.zeros(target.num_tiles, np.int64)
+  vertices[tiles] = np.where(macs > 0, target.worker_contexts, 0)
+  return BlockWork(compute, scratch, vertices, int(2 * macs.sum()) if is_float else 0)
 
 
 def covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:

@@ -44,7 +44,7 @@ from ipu_jax.kernels import linalg as linalg_kernels
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
-from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.mapping import TileMapping, blocks_on_tiles
 
 __all__ = ["solve_problems", "problem_of_elements"]
 
@@ -148,11 +148,8 @@ class _Placement:
 
   def problems_on_tile(self) -> np.ndarray:
     """``[num_tiles]`` problems each tile solves."""
-    on_tile = np.zeros(self.num_tiles, np.int64)
-    counts = np.full(self.groups, self.per_tile, np.int64)
-    counts[-1] = self.num_problems - self.per_tile * (self.groups - 1)
-    np.add.at(on_tile, self.group_tile, counts)
-    return on_tile
+    return blocks_on_tiles(self.num_tiles, self.group_tile, self.num_problems,
+                           self.per_tile)
 
 
 def _place(ctx, operands, num_problems: int) -> _Placement:

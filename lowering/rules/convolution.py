@@ -75,9 +75,9 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical
 from ipu_jax.lowering.matmul_emit import fill_zeros
-from ipu_jax.lowering.matmul_plan import (GridPlan, block_grid_mapping, blocked_storage,
-                                          ceil_div, covering,
-                                          edge_sizes, grid_product, grid_tiles, operand_dtype,
+from ipu_jax.lowering.matmul_plan import (BlockWork, GridPlan, block_grid_mapping, block_work,
+                                          blocked_storage, ceil_div, covering, edge_sizes,
+                                          grid_product, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, split_candidates)
 from ipu_jax.lowering.registry import register_lowering
 
@@ -399,18 +399,8 @@ def _rhs_exchange(target, rhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
                                elements)
 
 
-@dataclasses.dataclass(frozen=True)
-class _BlockWork:
-  """Per-tile figures of the block convolutions (arrays over all tiles)."""
-
-  compute: np.ndarray
-  scratch: np.ndarray
-  vertices: np.ndarray
-  flops: int
-
-
 def _block_work(target, geo: ConvGeometry, plan: ConvPlan, out: _OutputGrid, local_bytes,
-                acc, out_dtype) -> _BlockWork:
+                acc, out_dtype) -> BlockWork:
   """The AMP cycles, temporaries and vertices of every tile's block convolution.
 
   ``local_bytes``: per block, the bytes of its window and kernel slice it holds
@@ -421,19 +411,14 @@ def _block_work(target, geo: ConvGeometry, plan: ConvPlan, out: _OutputGrid, loc
     out_elements = out_elements * edge_sizes(size, plan.grid[canon],
                                               plan.block[canon])[out.coords[canon]]
   macs = out_elements * geo.i * geo.kernel_elements
-  compute = np.zeros(target.num_tiles)
   out_chans = edge_sizes(geo.o, plan.grid[1], plan.block[1])[out.coords[1]]
-  compute[out.tiles] = estimators.matmul_cycles(target, macs, geo.itemsize,
-                                                outputs=out_elements, dtype=geo.dtype,
-                                                n=out_chans)
-  scratch = np.zeros(target.num_tiles, np.int64)
-  scratch[out.tiles] = local_bytes
+  cycles = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements,
+                                    dtype=geo.dtype, n=out_chans)
+  scratch = local_bytes
   if acc != out_dtype:   # partials wider than the result
-    scratch[out.tiles] += out_elements * acc.itemsize
-  vertices = np.zeros(target.num_tiles, np.int64)
-  vertices[out.tiles] = np.where(macs > 0, target.worker_contexts, 0)
-  flops = int(2 * macs.sum()) if jnp.issubdtype(out_dtype, jnp.inexact) else 0
-  return _BlockWork(compute, scratch, vertices, flops)
+    scratch = scratch + out_elements * acc.itemsize
+  return block_work(target, out.tiles, macs, cycles, scratch,
+                    bool(jnp.issubdtype(out_dtype, jnp.inexact)))
 
 
 @register_lowering(lax.conv_general_dilated_p)
