@@ -464,11 +464,30 @@ def _sharing_bases(moves) -> list:
   return [[moves[j] for j in g] for g in groups]
 
 
+# Elements costed at once: every figure of a move counts (element, tile)
+# pairs or elements once, so elements cut by id ranges add up exactly, and a
+# large compute set's dedup and cost need a bounded part of memory.
+_CHUNK_ELEMENTS = 1 << 22
+
+
 def _moves_cost(target, moves, itemsize: int) -> ExchangeCost:
   """The exchange of ``moves`` (one itemsize), each (element, tile) pair once."""
-  src = np.concatenate([m.src for m in moves])
-  dst = np.concatenate([m.dst for m in moves])
-  ids = np.concatenate([m.ids for m in moves])
+  def joined(field):
+    arrays = [getattr(m, field) for m in moves]
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+  src, dst, ids = joined("src"), joined("dst"), joined("ids")
+  if ids.size <= _CHUNK_ELEMENTS:
+    return _pairs_cost(target, src, dst, ids, itemsize)
+  edges = np.linspace(ids.min(), ids.max() + 1, -(-ids.size // _CHUNK_ELEMENTS) + 1)
+  exchange = ExchangeCost.zeros(target)
+  for lo, hi in zip(edges[:-1].astype(np.int64), edges[1:].astype(np.int64)):
+    part = np.flatnonzero((ids >= lo) & (ids < hi))
+    exchange = exchange + _pairs_cost(target, src[part], dst[part], ids[part], itemsize)
+  return exchange
+
+
+def _pairs_cost(target, src, dst, ids, itemsize: int) -> ExchangeCost:
   # One (element, destination) pair once, first occurrence kept, in (id, tile) order.
   _, once = np.unique(ids * np.int64(target.num_tiles) + dst, return_index=True)
   return movement_cost(target, src[once], dst[once], itemsize, element_id=ids[once])
