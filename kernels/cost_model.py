@@ -123,6 +123,10 @@ FIGURE_SOURCES.update({
         "supervisor cycles, Cast1D's; paid once by a fused chain (the largest of its members')"),
     "kernels.popops.MAP_LOOP_CYCLES": FigureSource(
         "estimate", "one brnzdec per vector for the generated loop's count and branch"),
+    "kernels.estimators.ELEMENTWISE_COST.philox4x32": FigureSource(
+        "estimate", "48 cycles a 32-bit word for lax.rng_bit_generator's Philox4x32-10: "
+        "threefry2x32's 40 scaled by instruction count (about 240 integer instructions per four "
+        "words against threefry's 100 per two); no published Philox vertex"),
     "kernels.popops.MAP_WORDS_PER_CYCLE": FigureSource(
         "estimate", "one 64-bit load or store a cycle per worker (poplar's 64-bit data path); "
         "no co-issue with the ALU assumed for generated C++ codelets"),

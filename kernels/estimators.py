@@ -46,7 +46,8 @@ ELEMENTWISE_COST = {
     "digamma": 20, "igamma": 30, "rsqrt": 3, "sqrt": 3, "cbrt": 6, "pow": 8,
     "div": 3, "rem": 6, "integer_pow": 2, "threefry2x32": 40,
     "random_bits": 40, "nextafter": 4, "is_finite": 1,
-    # Estimate, scaled from threefry2x32's: Threefry2x32-20 is 20 rounds of
+    # Estimate (kernels.cost_model.FIGURE_SOURCES), scaled from
+    # threefry2x32's: Threefry2x32-20 is 20 rounds of
     # add / rotate (two shifts and an or) / xor, about 100 integer
     # instructions per two words; Philox4x32-10 is 10 rounds of two 32x32
     # multiplies (the high half built from 16-bit partial products, about 9

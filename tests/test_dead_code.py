@@ -234,7 +234,6 @@ class EffectsKeptTest(chex.TestCase, parameterized.TestCase):
     self.check(fn, x, "", DeadCode(3, {"add": 1, "broadcast_in_dim": 1, "dot_general": 1}))
     self.assertEqual(seen, [1.0, 5.0, 9.0] * 2)  # the IPU's run, then jax.jit's
 
-
   def test_io_callback_is_kept(self):
     # An I/O effect stays, unused result or not (so it is refused: no tile
     # rule for io_callback), where a pure callback's unused call goes.

@@ -15,11 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
-from ipu_jax.lowering import fp_exceptions
-from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from experiments import scale_workloads
-from testing_utils import T16, executor_config, random_array
+from testing_utils import T16, executor_config, random_array, supersteps_with_members
 
 
 def _attention_block(x, w, b):
@@ -34,16 +32,6 @@ def _attention_block(x, w, b):
 def _args():
   return (random_array((24, 10), seed=1), random_array((10, 12), seed=2),
           random_array((12,), seed=3))
-
-
-def _steps(program):
-  """Every superstep, fused ones followed by their members."""
-  if isinstance(program, P.Superstep):
-    yield program
-    yield from fp_exceptions.fused_members(program)
-    return
-  for child in P.children(program):
-    yield from _steps(child)
 
 
 def _carries_through(step) -> bool:
@@ -67,7 +55,7 @@ class LogicalFormTest(chex.TestCase, parameterized.TestCase):
     lowered = ipu_jax.jit(_attention_block, target=T16).lower(*_args())
     checked = set()
     rng = np.random.default_rng(0)
-    for step in _steps(lowered.program):
+    for step in supersteps_with_members(lowered.program):
       form = step.logical
       if form is None or _carries_through(step):
         continue
@@ -98,7 +86,7 @@ class LogicalFormTest(chex.TestCase, parameterized.TestCase):
     # (tests/test_program_ir.py replaces the forms by failing ones).
     lowered = ipu_jax.jit(_attention_block, target=T16,
                           config=executor_config("per_tile")).lower(*_args())
-    self.assertTrue([s.name for s in _steps(lowered.program) if s.logical is not None])
+    self.assertTrue([s.name for s in supersteps_with_members(lowered.program) if s.logical is not None])
     chex.assert_trees_all_close(lowered(*_args()), jax.jit(_attention_block)(*_args()),
                                 rtol=1e-5, atol=1e-6)
 

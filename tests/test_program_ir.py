@@ -23,7 +23,7 @@ import ipu_jax
 from ipu_jax.lowering import fp_exceptions
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering import remote
-from testing_utils import T16, executor_config, random_array
+from testing_utils import T16, executor_config, random_array, supersteps_with_members
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Where the mode may be named: its declaration, the user config, and the jit
@@ -72,16 +72,6 @@ def _args():
           jnp.array([4, 0, 12, 3, 400], jnp.int32), random_array((512, 16), seed=3))
 
 
-def _steps(program):
-  """Every superstep, fused ones followed by their members."""
-  if isinstance(program, P.Superstep):
-    yield program
-    yield from fp_exceptions.fused_members(program)
-    return
-  for child in P.children(program):
-    yield from _steps(child)
-
-
 def _refuse(step):
   def form(*_):
     raise AssertionError(f"logical form of {step.name} ran")
@@ -106,7 +96,7 @@ class ModeTest(chex.TestCase, parameterized.TestCase):
     names = {}
     for mode in ("batched", "per_tile"):
       lowered = ipu_jax.jit(_block, target=T16, config=executor_config(mode)).lower(*_args())
-      names[mode] = sorted(s.name for s in _steps(lowered.program) if s.logical is not None)
+      names[mode] = sorted(s.name for s in supersteps_with_members(lowered.program) if s.logical is not None)
     self.assertEqual(names["batched"], names["per_tile"])
     for kind in ("reduce_sum", "reduce_max", "cumsum", "gather", "pad", "argmax",
                  "conv_general_dilated", "reduce_window_max", "dot_general", "tanh"):
@@ -119,7 +109,7 @@ class ModeTest(chex.TestCase, parameterized.TestCase):
     # never calls them, the batched one does.
     args = _args()
     lowered = ipu_jax.jit(_block, target=T16, config=executor_config(mode)).lower(*args)
-    for step in _steps(lowered.program):
+    for step in supersteps_with_members(lowered.program):
       if step.logical is not None:
         step.logical = _refuse(step)
     if mode == "batched":
@@ -168,7 +158,8 @@ class TypedProgramTest(chex.TestCase):
     # and the fused step carries them in its own.
     lowered = ipu_jax.jit(lambda x: jnp.tanh(x * 2.0 + 1.0).sum(), target=T16).lower(
         random_array((40,), seed=3))
-    fused = [s for s in _steps(lowered.program) if fp_exceptions.fused_members(s)]
+    fused = [s for s in supersteps_with_members(lowered.program)
+             if fp_exceptions.fused_members(s)]
     self.assertTrue(fused)
     for step in fused:
       self.assertTrue(all(m.logical is not None

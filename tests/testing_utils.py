@@ -136,3 +136,15 @@ class TwoLayerMLP(nnx.Module):
 
   def __call__(self, x):
     return self.second(jnp.tanh(self.first(x)))
+
+
+def supersteps_with_members(program):
+  """Every superstep of ``program``, fused ones followed by their members."""
+  from ipu_jax.lowering import fp_exceptions  # pylint: disable=import-outside-toplevel
+  from ipu_jax.lowering import program as P  # pylint: disable=import-outside-toplevel
+  if isinstance(program, P.Superstep):
+    yield program
+    yield from fp_exceptions.fused_members(program)
+    return
+  for child in P.children(program):
+    yield from supersteps_with_members(child)

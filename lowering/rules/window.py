@@ -127,13 +127,12 @@ def _single_tile(ctx, op: WindowedOp, operands, out_avals):
   cycles = estimators.worker_split_cycles(target, elements, 1, np.dtype(out_avals[0][1]).itemsize)
 
   def run(*storages):
-    result = op.fn(*[logical(s, t) for s, t in zip(storages, operands)])
-    if not isinstance(result, (tuple, list)):
-      result = (result,)
-    return tuple(storage(r, o) for r, o in zip(result, outputs))
+    results = _whole(op, *[logical(s, t) for s, t in zip(storages, operands)])
+    return tuple(storage(r, o) for r, o in zip(results, outputs))
 
   ctx.emit(P.Superstep(name=ctx.op, op=ctx.op, reads=tuple(operands), writes=tuple(outputs),
-                       fn=run, compute_cycles=cycles, exchange=cost,
+                       fn=run, logical=functools.partial(_whole, op),
+                       compute_cycles=cycles, exchange=cost,
                        vertices=worker_vertices(ctx, np.minimum(elements, 1)),
                        codelets=(op.codelet,),
                        flops=pooled * op.geo.window_elements if op.float_flops else 0))
