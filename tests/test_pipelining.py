@@ -155,8 +155,8 @@ class ScheduleTest(parameterized.TestCase):
   def test_balanced_efficiency_closed_forms(self, n, g):
     def run(name):
       return schedule.simulate(schedule.slots(name, n, g), list(range(n)), [1.0] * n,
-                               [2.0] * n, lambda k: 0.0, lambda k: 0.0, 0.0, [0.0] * n,
-                               [0.0] * n, [0] * n, [0] * n)
+                               [2.0] * n, [[]] * n, [[]] * n, 0.0, [0.0] * n,
+                               [0.0] * n, lambda copies: 0.0)
     self.assertAlmostEqual(run("Grouped").efficiency, g / (g + n - 1))
     self.assertAlmostEqual(run("Grouped").rate_efficiency, g / (g + n - 1))
     self.assertAlmostEqual(run("Sequential").efficiency, 1 / n)
@@ -233,9 +233,13 @@ class PipelinedTrainingTest(chex.TestCase):
   def test_recomputation_trades_memory_for_cycles(self):
     plain, _ = self.pipes[False]
     recomputed, _ = self.pipes[True]
-    for a, b in zip(plain.stages, recomputed.stages):
+    for a, b in zip(plain.stages[:-1], recomputed.stages[:-1]):
       self.assertLess(b.stash_bytes.sum(), a.stash_bytes.sum())
       self.assertGreater(b.backward.profile.total_cycles, a.backward.profile.total_cycles)
+    # TF-IPU never recomputes the last stage: the same programs either way.
+    a, b = plain.stages[-1], recomputed.stages[-1]
+    np.testing.assert_array_equal(b.stash_bytes, a.stash_bytes)
+    self.assertEqual(b.backward.profile.total_cycles, a.backward.profile.total_cycles)
     self.assertLess(recomputed.stages[0].peak_bytes.max(), plain.stages[0].peak_bytes.max())
     self.assertGreater(recomputed.report.total_cycles, plain.report.total_cycles)
 

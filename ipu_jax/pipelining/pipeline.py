@@ -19,6 +19,7 @@ stage's gradients are all-reduced over its R copies before its update.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -180,7 +181,9 @@ class Pipeline:
       p_k = [flat_params[i] for i in stage.params]
       b_k = [flat_micro[i] for i in stage.batch]
       in_k = [values[v] for v in stage.inputs]
-      forward, backward = stage_programs.stage_functions(stage, recompute)
+      # TF-IPU never recomputes the last stage (see stage_programs).
+      forward, backward = stage_programs.stage_functions(
+          stage, recompute and stage.index < staged.num_stages - 1)
       fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
       outs, vjp = jax.eval_shape(forward, p_k, b_k, in_k)
       for v, o in zip(stage.outputs, outs):
@@ -245,17 +248,20 @@ class Pipeline:
             bytes_available=limit, over_tiles=over + stage.ipu * self.target.tiles_per_ipu,
             report=stage.forward.report)
 
-  def copy_cycles(self, stage: int, kind: str) -> float:
-    """Cycles of the IPU-Link copies after a pass of ``stage``.
+  def copies(self, stage: int, kind: str) -> list:
+    """The ``(src_ipu, dst_ipu, nbytes)`` IPU-Link copies after a pass of ``stage``.
 
     ``kind`` 'forward': its outputs to the stages that read them; 'backward':
-    its input gradients to the stages that made the inputs. Copies to
-    different IPUs use different links and run at once.
+    its input gradients to the stages that made the inputs.
     """
     programs = self.stages[stage]
     to = programs.sends if kind == "forward" else programs.returns
-    return max((links.copy_cycles(self.target, programs.ipu, self.stages[k].ipu, nbytes)
-                for k, nbytes in to.items()), default=0.0)
+    return [(programs.ipu, self.stages[k].ipu, nbytes) for k, nbytes in to.items()]
+
+  def copy_cycles(self, stage: int, kind: str) -> float:
+    """Cycles of the copies after a pass of ``stage`` if no other pass sent
+    anything (copies sharing a link share its rate; see ``links``)."""
+    return links.slot_copy_cycles(self.target, self.copies(stage, kind))
 
   def _simulate(self):
     stages = self.stages
@@ -266,14 +272,13 @@ class Pipeline:
         self._slots, ipus,
         forward=[s.forward.profile.total_cycles for s in stages],
         backward=[s.backward.profile.total_cycles for s in stages],
-        copy_forward=lambda k: self.copy_cycles(k, "forward"),
-        copy_backward=lambda k: self.copy_cycles(k, "backward"),
+        copies_forward=[self.copies(k, "forward") for k in range(len(stages))],
+        copies_backward=[self.copies(k, "backward") for k in range(len(stages))],
         sync=target.ipu_sync_cycles(num_ipus),
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
         all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)
                     for s in stages],
-        link_bytes_forward=[s.send_bytes for s in stages],
-        link_bytes_backward=[s.gradient_bytes for s in stages])
+        copy_cost=functools.partial(links.slot_copy_cycles, target))
 
   # -- running ----------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """A pipelined step as one ``ProgramProfile``, so the usual reports read it.
 
 Each time slot of the schedule becomes one step across the pipeline's IPUs:
-its sync is the cross-IPU sync, its exchange the longest IPU-Link copy, and
+its sync is the cross-IPU sync, its exchange the slot's IPU-Link copies
+(costed together: copies sharing a link share its rate), and
 each tile's compute the cycles its IPU spends on the slot's passes (a stage
 program's cycles, spread evenly over the IPU's tiles: the slot lasts as long
 as the busiest IPU). The gradient all-reduce over replicas and the weight
@@ -59,19 +60,20 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   sync = stage_target.ipu_sync_cycles(num_ipus)
   for index, slot in enumerate(pipeline._slots):
     compute = np.zeros(n)
-    flops, link_bytes, copies, names = 0, 0, [0.0], []
+    flops, link_bytes, names = 0, 0, []
     for p in slot:
       s = stages[p.stage]
       program = s.forward if p.kind == "forward" else s.backward
       compute[s.ipu * t:(s.ipu + 1) * t] += program.profile.total_cycles
       flops += int(program.profile.total_flops)
       names.append(f"{p.kind[0].upper()}{p.stage}.{p.micro_batch}")
-      link_bytes += s.send_bytes if p.kind == "forward" else s.gradient_bytes
-      copies.append(pipeline.copy_cycles(p.stage, p.kind))
+      link_bytes += sum(nbytes for src, dst, nbytes in pipeline.copies(p.stage, p.kind)
+                        if src != dst)
     steps.append(StepProfile(
         name=f"slot {index}: " + " ".join(names), op="pipeline slot", source="",
         compute_cycles=compute, exchange_bytes_in=np.zeros(n, np.int64),
-        exchange_bytes_out=np.zeros(n, np.int64), exchange_cycles=max(copies),
+        exchange_bytes_out=np.zeros(n, np.int64),
+        exchange_cycles=pipeline.timeline.copy_cycles_per_slot[index],
         sync_cycles=sync, ipu_link_bytes=link_bytes, flops=flops,
         vertices=(compute > 0).astype(np.int64), temporary_bytes=np.zeros(n, np.int64),
         scope=""))

@@ -2,7 +2,9 @@
 
 ``PipelineReport`` reads a lowered :class:`~ipu_jax.pipelining.Pipeline`:
 each IPU's peak (its largest stage program plus the stash its schedule
-keeps), the cycles of each stage's forward, backward and update programs,
+keeps), the cycles of each stage's forward, backward and update programs
+and, of its backward, the cycles spent recomputing forward work
+(``recompute_cycles``; 0 for a stage not recomputed, the last one always),
 what crosses the IPU-Links per step, the step's ramp-up / steady state /
 ramp-down and the pipeline efficiency (the fraction of IPU time busy).
 ``save(directory)`` writes ``pipeline.json``, a ``pipeline_trace.json``
@@ -91,10 +93,12 @@ class PipelineReport:
         "steady_cycles": tl.steady_cycles, "ramp_down_cycles": tl.ramp_down_cycles,
         "steady_slot_cycles": tl.steady_slot_cycles,
         "ipu_link_bytes_per_step": tl.link_bytes,
+        "recompute_cycles_per_micro_batch": float(sum(s.recompute_cycles for s in self.stages)),
         "busy_cycles_per_ipu": [float(b) for b in tl.busy_cycles],
         "stages": [{"stage": s.index, "ipu": s.ipu,
                     "forward_cycles": s.forward.profile.total_cycles,
                     "backward_cycles": s.backward.profile.total_cycles,
+                    "recompute_cycles": s.recompute_cycles,
                     "update_cycles": s.update.profile.total_cycles if s.update else 0.0,
                     "send_bytes": s.send_bytes, "gradient_bytes": s.gradient_bytes,
                     "weight_bytes": s.weight_bytes, "stash_depth": s.stash_depth,
@@ -115,12 +119,16 @@ class PipelineReport:
         f"  pipeline efficiency: {100 * self.efficiency:.1f} % of IPU time busy; micro-batch "
         f"rate {100 * d['rate_efficiency']:.1f} % of the steady state's",
         f"  over IPU-Links per step: {d['ipu_link_bytes_per_step']:,d} B",
-        "  stage  IPU   forward  backward    update  stash(depth x B)  peak tile B   IPU total B",
+        f"  recomputation in backward passes: {d['recompute_cycles_per_micro_batch']:,.0f} "
+        "cycles per micro-batch (all stages)",
+        "  stage  IPU   forward  backward (recompute)    update  stash(depth x B)  peak tile B"
+        "   IPU total B",
     ]
     for s in d["stages"]:
       lines.append(
           f"  {s['stage']:>5d} {s['ipu']:>4d} {s['forward_cycles']:>9,.0f} "
-          f"{s['backward_cycles']:>9,.0f} {s['update_cycles']:>9,.0f} "
+          f"{s['backward_cycles']:>9,.0f} ({s['recompute_cycles']:>9,.0f}) "
+          f"{s['update_cycles']:>9,.0f} "
           f"{s['stash_depth']:>5d} x {s['stash_bytes_per_micro_batch']:>9,d} "
           f"{s['peak_max_tile_bytes']:>12,d} {s['peak_total_bytes']:>13,d}")
     return "\n".join(lines)

@@ -3,8 +3,10 @@
 A step of ``G`` micro-batches over ``N`` stages (stage ``k`` on its own IPU)
 is a sequence of time slots. In a slot every IPU runs the passes the schedule
 gives it, then the values that cross stages go over the IPU-Links and all
-IPUs sync; a slot lasts as long as its busiest IPU plus its longest copy and
-the sync. After the last slot each IPU updates its own weights.
+IPUs sync; a slot lasts as long as its busiest IPU plus its copies and the
+sync. The slot's copies are costed together (copies sharing an IPU-Link
+share its rate: :func:`ipu_jax.pipelining.links.slot_copy_cycles`). After the
+last slot each IPU updates its own weights.
 
 * ``Grouped`` (TF-IPU's default): stage ``k`` runs the forward pass of
   micro-batch ``m`` in slot ``k + m`` and its backward pass in slot
@@ -117,6 +119,7 @@ class Timeline:
     steady_slot_cycles: the longest steady-state slot (the steady rate is one
       micro-batch per such slot).
     link_bytes: bytes over IPU-Links in the step.
+    copy_cycles_per_slot: the IPU-Link copies of each slot, in cycles.
   """
 
   spans: list
@@ -129,6 +132,7 @@ class Timeline:
   link_bytes: int
   slot_cycles: float = 0.0
   num_micro_batches: int = 0
+  copy_cycles_per_slot: list = dataclasses.field(default_factory=list)
 
   @property
   def rate_efficiency(self) -> float:
@@ -147,23 +151,23 @@ class Timeline:
 
 
 def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
-             copy_forward, copy_backward, sync: float, weight_update: list,
-             all_reduce: list, link_bytes_forward: list,
-             link_bytes_backward: list) -> Timeline:
+             copies_forward: list, copies_backward: list, sync: float, weight_update: list,
+             all_reduce: list, copy_cost) -> Timeline:
   """Lay the slots end to end and time them.
 
   Args:
     schedule_slots: from :func:`slots`.
     ipus: the IPU of each stage.
     forward, backward: cycles of each stage's forward / backward pass.
-    copy_forward: ``copy_forward(k)`` cycles to send stage k's outputs on
-      (0 when it sends nothing).
-    copy_backward: ``copy_backward(k)`` cycles to send stage k's input
-      gradients back (0 when it has no inputs from other stages).
+    copies_forward: per stage, the ``(src_ipu, dst_ipu, nbytes)`` copies
+      after its forward pass (its outputs to the stages that read them).
+    copies_backward: per stage, the copies after its backward pass (its
+      input gradients back to the stages that made the inputs).
     sync: cycles of the sync that ends each slot.
     weight_update: cycles of each stage's weight update.
     all_reduce: cycles of each stage's gradient all-reduce over replicas.
-    link_bytes_forward, link_bytes_backward: bytes stage k sends per pass.
+    copy_cost: ``copy_cost(copies) -> cycles`` of all of one slot's copies
+      (e.g. ``functools.partial(links.slot_copy_cycles, target)``).
   """
   num_ipus = max(ipus) + 1
   num_stages = len(ipus)
@@ -171,24 +175,21 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
   spans = []
   now = 0.0
   link = 0
-  slot_cycles, full = [], []
+  slot_cycles, full, slot_copies = [], [], []
   for slot in schedule_slots:
     work = np.zeros(num_ipus)
-    copies = [0.0]
+    copies = []
     for p in slot:
       ipu = ipus[p.stage]
       cycles = forward[p.stage] if p.kind == "forward" else backward[p.stage]
       spans.append((ipu, f"{p.kind[0].upper()}{p.micro_batch}", p.kind, p.micro_batch,
                     now + work[ipu], cycles))
       work[ipu] += cycles
-      if p.kind == "forward":
-        copies.append(copy_forward(p.stage))
-        link += link_bytes_forward[p.stage]
-      else:
-        copies.append(copy_backward(p.stage))
-        link += link_bytes_backward[p.stage]
+      copies += (copies_forward if p.kind == "forward" else copies_backward)[p.stage]
+    link += sum(nbytes for src, dst, nbytes in copies if src != dst)
     busy += work
-    longest, copy = float(work.max()), max(copies)
+    longest, copy = float(work.max()), float(copy_cost(copies)) if copies else 0.0
+    slot_copies.append(copy)
     for ipu in set(ipus[p.stage] for p in slot):
       if copy:
         spans.append((ipu, "copy", "copy", -1, now + longest, copy))
@@ -223,4 +224,5 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     end = max(end, start + weight_update[k])
   micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
   return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
-                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches)
+                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches,
+                  slot_copies)

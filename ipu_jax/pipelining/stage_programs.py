@@ -2,14 +2,34 @@
 
 * forward: the stage's pass on one micro-batch; it returns the values later
   stages read and the activations its backward pass needs (JAX's VJP
-  residuals: exactly what the stage stashes). With recomputation the stage
-  is wrapped in ``jax.checkpoint`` saving only ``recomputation_checkpoint``
-  values, so it stashes its inputs and those; ``jax.checkpoint`` /
-  ``nnx.remat`` regions inside a stage shrink the stash the same way.
+  residuals: exactly what the stage stashes). With recomputation every stage
+  but the last is wrapped in ``jax.checkpoint`` saving only
+  ``recomputation_checkpoint`` values, so it stashes its inputs (from earlier
+  stages and the micro-batch) and those; ``jax.checkpoint`` / ``nnx.remat``
+  regions inside a stage shrink the stash the same way. The last stage is
+  never recomputed, as in TensorFlow-IPU, whose recomputation pass skips the
+  last forward stage: its forward and backward passes run back to back, so
+  its stash is never kept across slots (``PipelineRecomputation`` in
+  tensorflow/compiler/plugin/poplar/driver/passes/pipeline_recomputation.cc).
 * backward: the stashed activations and the gradient of the stage's outputs
   in, the gradient of its inputs out (to the stages that made them), its
-  weight gradients added to the accumulator it holds.
+  weight gradients added to the accumulator it holds. With recomputation it
+  first runs again the forward work its gradients need.
 * weight update: the optimizer on the stage's own weights and state.
+
+What recomputation costs (:func:`recompute_cycles`) is read off the lowered
+backward program, not estimated: when JAX transposes a ``jax.checkpoint``
+region it evaluates the region's non-linear part -- the forward equations
+and the derivative coefficients they feed, all that the forward pass would
+otherwise have stashed -- under the name scope ``rematted_computation``
+(``jax/_src/ad_checkpoint.py``), and the lowering keeps each equation's name
+scope on the supersteps it becomes. So the recompute cycles are the cycles
+of the backward's supersteps in that scope. A fused superstep (elementwise
+fusion may join a recomputed coefficient with a gradient product) counts
+for the share of its members' flops that are recomputed. This needs no
+second lowering, and it counts exactly the equations the backward program
+runs again, also those of ``jax.checkpoint`` regions the user wrote inside a
+stage.
 """
 
 from __future__ import annotations
@@ -22,7 +42,12 @@ import numpy as np
 
 from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
 
-__all__ = ["StagePrograms", "differentiable", "stage_functions", "update_function", "nbytes", "per_tile_bytes"]
+__all__ = ["StagePrograms", "differentiable", "stage_functions", "update_function", "nbytes",
+           "per_tile_bytes", "recompute_cycles", "RECOMPUTED_SCOPE"]
+
+# The name scope JAX gives the forward work a checkpointed region's transpose
+# runs again (jax/_src/ad_checkpoint.py, ``extend_name_stack``).
+RECOMPUTED_SCOPE = "rematted_computation"
 
 
 @dataclasses.dataclass
@@ -64,6 +89,12 @@ class StagePrograms:
     return sum(self.returns.values())
 
   @property
+  def recompute_cycles(self) -> float:
+    """Cycles the backward pass spends running forward work again (see
+    :func:`recompute_cycles`); 0 for a stage that is not recomputed."""
+    return recompute_cycles(self.backward.profile)
+
+  @property
   def peak_bytes(self) -> np.ndarray:
     """``[tiles_per_ipu]`` peak bytes: the largest program plus the stash."""
     programs = [self.forward, self.backward] + ([self.update] if self.update else [])
@@ -86,6 +117,38 @@ def per_tile_bytes(lowered, output_indices, num_tiles: int) -> np.ndarray:
     seen.add(tensor.id)
     np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
   return out
+
+
+def _recomputed(scope: str) -> bool:
+  return RECOMPUTED_SCOPE in scope.split("/")
+
+
+def _recomputed_share(step) -> float:
+  """The share of ``step``'s cycles that is recomputed forward work."""
+  if not step.fused_ops:
+    return 1.0 if _recomputed(step.scope) else 0.0
+  members = [(op.step.flops if op.step is not None else 0, _recomputed(op.scope))
+             for op in step.fused_ops]
+  flops = sum(f for f, _ in members)
+  if flops:
+    return sum(f for f, r in members if r) / flops
+  return sum(r for _, r in members) / len(members)
+
+
+def recompute_cycles(profile) -> float:
+  """Cycles of ``profile``'s supersteps that rerun checkpointed forward work.
+
+  Args:
+    profile: a backward program's ``ProgramProfile``.
+
+  Returns:
+    Per run of the program: the cycles (times executions) of the supersteps
+    lowered from equations in JAX's ``rematted_computation`` scope, a fused
+    step counting for the flops share of its members in that scope (see the
+    module docstring).
+  """
+  return float(sum(_recomputed_share(s) * s.total_cycles * s.executions
+                   for s in profile.steps))
 
 
 def stage_functions(stage, recompute: bool):
