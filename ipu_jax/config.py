@@ -394,7 +394,8 @@ class _PipeliningOptions(_Group):
       "Recompute each stage's forward pass in its backward pass, stashing "
       "only the stage's inputs and the values marked with "
       "ipu_jax.ops.recomputation_checkpoint (TF-IPU's recomputation_mode "
-      "RecomputeThenBackpropagate).")
+      "RecomputeThenBackpropagate). As in TF-IPU the last stage is not "
+      "recomputed: its forward and backward passes run back to back.")
 
 
 # -- Fusion (lowering/fusion.py) -----------------------------------------------------

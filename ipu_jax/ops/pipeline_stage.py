@@ -97,9 +97,10 @@ def pipeline_stage(x, stage: int):
 def recomputation_checkpoint(x):
   """Keep ``x`` for the backward pass when pipeline stages are recomputed.
 
-  With ``PipelineOptions(recomputation=True)`` a stage stashes only its
-  inputs and the values marked here; the rest of its forward pass runs again
-  in the backward pass. Without recomputation it is an identity.
+  With ``PipelineOptions(recomputation=True)`` a stage (every stage but the
+  last, as in TF-IPU) stashes only its inputs and the values marked here; the
+  rest of its forward pass runs again in the backward pass. Without
+  recomputation it is an identity.
   """
   from jax.ad_checkpoint import checkpoint_name
   return jax.tree_util.tree_map(
