@@ -188,7 +188,8 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
       copies += (copies_forward if p.kind == "forward" else copies_backward)[p.stage]
     link += sum(nbytes for src, dst, nbytes in copies if src != dst)
     busy += work
-    longest, copy = float(work.max()), float(copy_cost(copies)) if copies else 0.0
+    longest = float(work.max())
+    copy = float(copy_cost(copies)) if copies else 0.0
     slot_copies.append(copy)
     for ipu in set(ipus[p.stage] for p in slot):
       if copy:
