@@ -20,16 +20,19 @@
 What recomputation costs (:func:`recompute_cycles`) is read off the lowered
 backward program, not estimated: when JAX transposes a ``jax.checkpoint``
 region it evaluates the region's non-linear part -- the forward equations
-and the derivative coefficients they feed, all that the forward pass would
-otherwise have stashed -- under the name scope ``rematted_computation``
-(``jax/_src/ad_checkpoint.py``), and the lowering keeps each equation's name
-scope on the supersteps it becomes. So the recompute cycles are the cycles
-of the backward's supersteps in that scope. A fused superstep (elementwise
-fusion may join a recomputed coefficient with a gradient product) counts
-for the share of its members' flops that are recomputed. This needs no
-second lowering, and it counts exactly the equations the backward program
-runs again, also those of ``jax.checkpoint`` regions the user wrote inside a
-stage.
+and the derivative coefficients computed from them, which without the
+checkpoint the forward pass computes and stashes -- under the name scope
+``rematted_computation`` (``jax/_src/ad_checkpoint.py``), and the lowering
+keeps each equation's name scope on the supersteps it becomes. So the
+recompute cycles are the cycles of the backward's supersteps in that scope.
+A fused superstep (elementwise fusion may join a recomputed coefficient with
+a gradient product) counts for the share of its members' flops that are
+recomputed. This counts exactly the equations the backward program runs
+again, also those of ``jax.checkpoint`` regions the user wrote inside a
+stage. The other way, lowering the backward once more without recomputation
+and subtracting, would double the lowering work per stage and mix in
+whatever else differs between the two programs. (Should JAX rename the
+scope, the figure drops to 0, which tests/test_pipeline_costs.py catches.)
 """
 
 from __future__ import annotations
