@@ -202,6 +202,58 @@ class DeviceMappingTest(parameterized.TestCase):
       pipelining.set_pipelining_options(object(), device_mapping=3)
 
 
+class SharedIPUOutOfMemoryTest(parameterized.TestCase):
+
+  def test_stages_that_fit_alone_overflow_their_shared_ipu(self):
+    # Width 320 on 16 tiles of 256 KiB (ipu1): each stage's programs peak at
+    # ~231 KB a tile, so one stage per IPU fits; stages 0 and 2 on IPU 0 need
+    # one's largest program beside the other's weights and accumulators (~282 KB).
+    params, batches = _chain_data(3, 2, width=320)
+    fits = Pipeline(_chain_loss, optax.adam(0.1), config=_config(3, 2, "Sequential", "ipu1"))
+    fits.lower(params, batches)
+    limit = fits.target.bytes_per_tile
+    self.assertLess(max(int(s.peak_bytes.max()) for s in fits.stages), limit)
+    shared = Pipeline(_chain_loss, optax.adam(0.1), config=_config(2, 2, "Sequential", "ipu1"),
+                      device_mapping=[0, 1, 0])
+    with self.assertRaisesRegex(
+        OutOfMemoryError, r"Out of memory on IPU 0 \(pipeline stages 0, 2\), tile \d+: it needs "
+        rf"[\d,]+ bytes but has {limit:,d} .*stage [02]'s (forward|backward|update) program "
+        r"peaks at [\d,]+ B, the IPU's other stages hold [\d,]+ B of weights and accumulators"):
+      shared.lower(params, batches)
+
+
+class KerasDeviceMappingTest(chex.TestCase):
+
+  def test_fit_with_two_stages_on_one_ipu_equals_plain_accumulation(self):
+    from flax import nnx
+    import testing_utils
+    from ipu_jax.keras import Model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=32).astype(np.int32)
+    model = Model(testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0)), config=_config(1, 1))
+    model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy")
+    model.set_pipelining_options(schedule="Grouped", gradient_accumulation_steps_per_replica=4,
+                                 device_mapping=[0, 0])
+    model.set_pipeline_stage_assignment({"second": 1})
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False)
+
+    graphdef, params = nnx.split(testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0)),
+                                 nnx.Param)
+
+    def loss(p, batch):
+      logits = nnx.merge(graphdef, p)(batch["x"])
+      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+
+    batches = {"x": x.reshape(4, 8, 6), "y": y.reshape(4, 8)}
+    expected = _plain_steps(loss, optax.sgd(0.1), params, [batches])
+    chex.assert_trees_all_close(nnx.state(model.module, nnx.Param), expected,
+                                rtol=1e-5, atol=1e-6)
+    self.assertEqual([s.ipu for s in model.pipeline.stages], [0, 0])
+    self.assertEqual(model.pipeline.report.memory_per_ipu()[0]["stages"], [0, 1])
+
+
 class SharedIPUScheduleTest(parameterized.TestCase):
   """The simulated step with several stages on one IPU."""
 

@@ -244,8 +244,11 @@ class Pipeline:
             f"Out of memory on IPU {ipu} (pipeline stage{'s' * (len(memory.stages) > 1)} "
             f"{stages}), tile {tile}: it needs {int(peak[tile]):,d} bytes but has {limit:,d} "
             f"({over.size} tile(s) over): {memory.describe_tile(tile)} ({self.schedule} "
-            "schedule). What may help: more stages (IPUs), fewer stages per IPU, "
-            "pipelining.recomputation=True, the Interleaved schedule, or more tiles.",
+            "schedule). What may help: "
+            + ("fewer stages on this IPU, more IPUs, pipelining.recomputation=True, or more "
+               "tiles." if len(memory.stages) > 1 else
+               "more stages (IPUs), pipelining.recomputation=True, the Interleaved schedule, "
+               "or more tiles."),
             tile=ipu * t + tile, bytes_needed=int(peak[tile]),
             bytes_available=limit, over_tiles=over + ipu * t,
             report=memory.programs[memory.chosen[tile]][2].report)
