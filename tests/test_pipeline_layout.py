@@ -370,17 +370,20 @@ class SharedIPUMemoryAndReportTest(chex.TestCase):
     self.assertIn("(stages 0, 2)", json.dumps(names))
     self.assertRegex(pipe.report.summary(), r"\n +0  0, 2 +[\d,]+ +[\d,]+ +[\d,]+")
 
+
+class PipelineEfficiencyTest(chex.TestCase):
+
   def test_efficiency_same_on_other_ipus(self):
     # IPUs 2 and 3 are a pair of the ladder as 0 and 1 are, so copies cost the same.
     params, batches = _chain_data(2, 4)
-    efficiency = {}
-    for mapping in ((0, 1), (2, 3)):
-      pipe = Pipeline(_chain_loss, config=_config(4, 4), device_mapping=mapping)
-      pipe.lower(params, batches)
-      efficiency[mapping] = pipe.report.efficiency
-      self.assertEqual(pipe.report.ipus, list(mapping))
-    self.assertAlmostEqual(efficiency[(2, 3)], efficiency[(0, 1)], places=12)
-    self.assertGreater(efficiency[(0, 1)], 0.5)
+    pipes = {mapping: Pipeline(_chain_loss, config=_config(4, 4), device_mapping=mapping).lower(
+        params, batches) for mapping in ((0, 1), (2, 3))}
+    low, high = pipes[(0, 1)].report, pipes[(2, 3)].report
+    self.assertAlmostEqual(high.total_cycles, low.total_cycles, places=6)
+    self.assertAlmostEqual(high.efficiency, low.efficiency, places=12)
+    self.assertGreater(low.efficiency, 0.5)
+    self.assertEqual(high.to_dict()["efficiency"], high.efficiency)
+    self.assertEqual(high.ipus, [2, 3])
 
 
 if __name__ == "__main__":
