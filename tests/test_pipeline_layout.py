@@ -186,6 +186,13 @@ class DeviceMappingTest(parameterized.TestCase):
       Pipeline(_chain_loss, config=_config(4, 6), device_mapping=mapping).lower(
           params, batches)
 
+  @parameterized.parameters(3, "010")
+  def test_mapping_that_is_not_a_sequence_of_ipus(self, mapping):
+    params, batches = _chain_data(3, 6)
+    with self.assertRaisesRegex(PipelineError, "device_mapping must be a sequence with the IPU "
+                                f"of each stage, e.g. .*; got {mapping!r}"):
+      Pipeline(_chain_loss, config=_config(2, 6), device_mapping=mapping).lower(params, batches)
+
   def test_more_stages_than_ipus_without_mapping_suggests_one(self):
     params, batches = _chain_data(3, 6)
     with self.assertRaisesRegex(PipelineError, "3 pipeline stages but each replica has only 2 "
@@ -384,6 +391,23 @@ class PipelineEfficiencyTest(chex.TestCase):
     self.assertGreater(low.efficiency, 0.5)
     self.assertEqual(high.to_dict()["efficiency"], high.efficiency)
     self.assertEqual(high.ipus, [2, 3])
+
+
+class SameIPUValuesTest(chex.TestCase):
+
+  def test_values_between_stages_on_one_ipu_use_no_link(self):
+    # Stages 0 and 1 on IPU 0, stage 2 on IPU 1: only the boundary 1 -> 2
+    # crosses an IPU-Link (activations forward, their gradients back).
+    g = 6
+    params, batches = _chain_data(3, g)
+    pipe = Pipeline(_chain_loss, config=_config(2, g), device_mapping=[0, 0, 1])
+    pipe.lower(params, batches)
+    activations = 8 * 16 * 4
+    self.assertEqual(pipe.stages[0].send_bytes, activations)  # still sent, on chip
+    self.assertEqual(pipe.copy_cycles(0, "forward"), 0.0)
+    self.assertEqual(pipe.timeline.link_bytes, g * 2 * activations)
+    slots = [s for s in pipe.report.program_report.profile.steps if s.op == "pipeline slot"]
+    self.assertEqual(sum(s.ipu_link_bytes for s in slots), g * 2 * activations)
 
 
 if __name__ == "__main__":

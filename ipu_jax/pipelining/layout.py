@@ -35,7 +35,7 @@ import numpy as np
 from ipu_jax.pipelining.split import PipelineError
 
 __all__ = ["INTERLEAVED_SHARED_IPU", "IPUMemory", "check_mapping", "check_tied_weights",
-           "held_bytes", "ipu_memory"]
+           "held_bytes", "ipu_memory", "link_bytes"]
 
 # TF-IPU's reason for refusing an Interleaved pipeline with a repeated IPU.
 INTERLEAVED_SHARED_IPU = ("The Interleaved schedule does not currently support multiple "
@@ -70,6 +70,9 @@ def check_mapping(device_mapping: Optional[Sequence[int]], num_stages: int, num_
           f"{num_stages}, give a device_mapping that puts several stages on one IPU "
           "(Grouped or Sequential schedule), or use fewer stages.")
     return list(range(num_stages))
+  if isinstance(device_mapping, (str, bytes)) or not hasattr(device_mapping, "__len__"):
+    raise PipelineError(f"device_mapping must be a sequence with the IPU of each stage, e.g. "
+                        f"[0, 1, 2, 3, 0]; got {device_mapping!r}.")
   mapping = list(device_mapping)
   if len(mapping) != num_stages:
     raise PipelineError(f"device_mapping {tuple(mapping)} has {len(mapping)} entries for "
@@ -112,6 +115,18 @@ def check_tied_weights(staged, mapping: Sequence[int]) -> None:
           "stages lives on one IPU, so the stages reading it must be on the same IPU "
           f"(device_mapping {tuple(mapping)}). Map these stages to one IPU, or pass the "
           "value across the stage boundary instead.")
+
+
+def link_bytes(stages: Sequence, k: int, kind: str) -> int:
+  """Bytes a pass of stage ``k`` sends over IPU-Links: to stages on other IPUs.
+
+  ``kind`` 'forward': its outputs to their readers; 'backward': its input
+  gradients to the stages that made the inputs. Values for a stage on the
+  same IPU stay on its tiles.
+  """
+  source = stages[k]
+  to = source.sends if kind == "forward" else source.returns
+  return int(sum(nbytes for dst, nbytes in to.items() if stages[dst].ipu != source.ipu))
 
 
 def held_bytes(forward, backward, stage, num_tiles: int) -> np.ndarray:

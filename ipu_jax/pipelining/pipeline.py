@@ -99,7 +99,10 @@ class Pipeline:
     self.loss_fn = loss_fn
     self.optimizer = optimizer
     self.config = (config if config is not None else config_lib.get_default_config()).copy()
-    self.device_mapping = None if device_mapping is None else tuple(device_mapping)
+    # Any iterable of IPUs (a list, a NumPy array); anything else is refused when lowered.
+    self.device_mapping = (
+        tuple(device_mapping) if hasattr(device_mapping, "__iter__")
+        and not isinstance(device_mapping, (str, bytes)) else device_mapping)
     self.stage_assignment = None if stage_assignment is None else dict(stage_assignment)
     self._lowered_key = None
     self.staged = None
@@ -280,8 +283,9 @@ class Pipeline:
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
         all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)
                     for s in stages],
-        link_bytes_forward=[s.send_bytes for s in stages],
-        link_bytes_backward=[s.gradient_bytes for s in stages])
+        link_bytes_forward=[layout.link_bytes(stages, k, "forward") for k in range(len(stages))],
+        link_bytes_backward=[layout.link_bytes(stages, k, "backward")
+                             for k in range(len(stages))])
 
   # -- running ----------------------------------------------------------------
 

@@ -68,7 +68,7 @@ def pipeline_profile(pipeline) -> ProgramProfile:
       compute[s.ipu * t:(s.ipu + 1) * t] += program.profile.total_cycles
       flops += int(program.profile.total_flops)
       names.append(f"{p.kind[0].upper()}{p.stage}.{p.micro_batch}")
-      link_bytes += s.send_bytes if p.kind == "forward" else s.gradient_bytes
+      link_bytes += layout.link_bytes(stages, p.stage, p.kind)
       copies.append(pipeline.copy_cycles(p.stage, p.kind))
     steps.append(StepProfile(
         name=f"slot {index}: " + " ".join(names), op="pipeline slot", source="",

@@ -175,7 +175,8 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     sync: cycles of the sync that ends each slot.
     weight_update: cycles of each stage's weight update.
     all_reduce: cycles of each stage's gradient all-reduce over replicas.
-    link_bytes_forward, link_bytes_backward: bytes stage k sends per pass.
+    link_bytes_forward, link_bytes_backward: bytes stage k sends over
+      IPU-Links per pass (not what goes to a stage on its own IPU).
   """
   num_ipus = max(ipus) + 1
   num_stages = len(ipus)
