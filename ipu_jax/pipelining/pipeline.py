@@ -22,6 +22,7 @@ stashes). A weight read by several stages on one IPU (tied weights) lives
 once: its first reader owns it (update, optimizer state), the others add
 their gradient contributions into its accumulator; read across IPUs it is
 refused. The rules: :mod:`~ipu_jax.pipelining.layout`.
+
 With ``replication_factor`` R, R copies of the pipeline use R x N IPUs; each
 stage's gradients are all-reduced over its R copies before its update.
 """
@@ -363,7 +364,6 @@ class Pipeline:
 
   def _run(self, flat_params, batches):
     g, r = self.accumulation, self.replicas
-    staged = self.staged
     flat_batches = jax.tree_util.tree_leaves(batches)
     training = self.config.training
     total = [None] * len(flat_params)
