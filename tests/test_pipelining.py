@@ -473,8 +473,9 @@ class ValidationTest(parameterized.TestCase):
     def loss(params, batch):
       h = pipeline_stage(batch["x"] @ params[0], 1)
       return jnp.sum(h @ params[0])
-    with self.assertRaisesRegex(PipelineError, r"Weight \[0\] is read by stage 0 .* and by "
-                                "stage 1"):
+    with self.assertRaisesRegex(PipelineError, r"Weight params\[0\] is read by stage 0 "
+                                r"\(IPU 0, at .*test_pipelining.py:\d+\) and by stage 1 "
+                                r"\(IPU 1, at .*test_pipelining.py:\d+\)"):
       self._lower(loss, _config(stages=2), stages=2)
 
   @parameterized.parameters(("Grouped", 4, "multiple of 8"), ("Grouped", 12, "multiple of 8"),
@@ -484,10 +485,13 @@ class ValidationTest(parameterized.TestCase):
       self._lower(_loss, _config(g=g, schedule_name=name), g=g)
 
   def test_device_mapping(self):
-    with self.assertRaisesRegex(PipelineError, r"device_mapping\[1\]=7 is out of range"):
+    with self.assertRaisesRegex(PipelineError, r"device_mapping\[1\]=7 is out of range: "
+                                r"stage 1 .* valid range 0\.\.3 \(auto_select_ipus=4\)"):
       self._lower(_loss, _config(), device_mapping=(0, 7, 1, 2))
-    with self.assertRaisesRegex(PipelineError, "puts two stages on one IPU"):
-      self._lower(_loss, _config(), device_mapping=(0, 0, 1, 2))
+    with self.assertRaisesRegex(PipelineError, "Interleaved schedule does not currently support "
+                                "multiple pipeline stages on the same device.*stages 0, 1 on "
+                                "IPU 0"):
+      self._lower(_loss, _config(schedule_name="Interleaved"), device_mapping=(0, 0, 1, 2))
 
   def test_batches_and_steps_per_execution(self):
     with self.assertRaisesRegex(PipelineError, "stack gradient_accumulation_steps x "

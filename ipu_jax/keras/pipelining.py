@@ -6,6 +6,11 @@ NNX attribute paths, linen module names), and
 ``model.set_pipelining_options(schedule="Grouped", ...)`` makes ``fit`` train
 through an :class:`ipu_jax.pipelining.Pipeline`: each stage on its own IPU,
 ``G`` micro-batches per weight update, the numbers of plain accumulation.
+``set_pipelining_options(device_mapping=[0, 1, 0])`` places stage k on IPU
+``device_mapping[k]``; an IPU may take several stages (not with the
+Interleaved schedule), and a weight read by stages on one IPU is tied
+(updated once from the sum of their gradients); see
+:mod:`ipu_jax.pipelining.layout`.
 
 What this ``fit`` supports (checked before anything runs): array data, the
 ``History`` it returns, ``batch_size``, ``epochs``, ``shuffle`` and
@@ -49,8 +54,12 @@ def merged_options(current: Optional[dict], *, schedule: Optional[str] = None,
   """``current`` pipelining options with these set (those not ``None``).
 
   Raises:
-    ValueError: an unknown schedule or a G below 1, naming the option.
+    ValueError: an unknown schedule, a G below 1 or a device mapping that is
+      not a sequence of IPU numbers (ints >= 0), naming the option. (Whether
+      its IPUs exist and suit the schedule is checked when the pipeline is
+      built, against the config's ``auto_select_ipus``.)
   """
+  _check_device_mapping(device_mapping)
   if schedule is not None and schedule not in _SCHEDULES:
     raise ValueError(f"set_pipelining_options: schedule must be one of {_SCHEDULES}; got "
                      f"{schedule!r}.")
@@ -64,6 +73,18 @@ def merged_options(current: Optional[dict], *, schedule: Optional[str] = None,
       device_mapping=None if device_mapping is None else tuple(device_mapping)).items()
       if v is not None})
   return options
+
+
+def _check_device_mapping(device_mapping) -> None:
+  if device_mapping is None:
+    return
+  if isinstance(device_mapping, (str, bytes)) or not hasattr(device_mapping, "__len__"):
+    raise ValueError("set_pipelining_options: device_mapping must be a sequence with the IPU "
+                     f"of each pipeline stage, e.g. [0, 1, 2, 3, 0]; got {device_mapping!r}.")
+  for k, ipu in enumerate(device_mapping):
+    if isinstance(ipu, bool) or not isinstance(ipu, (int, np.integer)) or ipu < 0:
+      raise ValueError(f"set_pipelining_options: device_mapping[{k}]={ipu!r} is not an IPU "
+                       "number (an int >= 0).")
 
 
 def merged_assignment(current: Optional[dict], assignment) -> dict:
@@ -80,7 +101,8 @@ def set_pipelining_options(model, **options) -> None:
   """``model.set_pipelining_options(**options)`` (see the module docstring).
 
   Raises:
-    ValueError: an unknown schedule or a G below 1, naming the option.
+    ValueError: an unknown schedule, a G below 1 or a malformed device
+      mapping, naming the option.
   """
   merged_options(None, **options)  # bad options raise before the model is touched
   model.set_pipelining_options(**options)

@@ -3,7 +3,8 @@
 Mark stage boundaries with :func:`ipu_jax.ops.pipeline_stage` or put
 layers in ``with ipu_jax.pipelining.stage(k):`` blocks; a
 :class:`Pipeline` splits the loss function there, lowers each stage's
-forward, backward and weight-update programs onto its own IPU, runs steps in
+forward, backward and weight-update programs onto its IPU (``device_mapping``;
+an IPU may hold several stages, which may share tied weights), runs steps in
 the schedule's order (``config.pipelining.schedule``: Grouped, Interleaved or
 Sequential) and costs them (:class:`PipelineReport`). What users of Graphcore's frameworks expect of
 sharding, pipelining and recomputation, with sources: docs/multi_ipu.md.

@@ -1,4 +1,4 @@
-"""``Pipeline``: train a model split into stages, each stage on its own IPU.
+"""``Pipeline``: train a model split into stages placed on IPUs.
 
 The loss function is split at its ``pipeline_stage`` marks
 (:mod:`~ipu_jax.pipelining.split`). Each stage gets three tile programs --
@@ -13,6 +13,16 @@ laid out slot by slot (:mod:`~ipu_jax.pipelining.schedule`), values crossing
 stages are costed over IPU-Links and syncs across IPUs
 (:mod:`~ipu_jax.pipelining.links`), and each IPU's memory is its largest
 program plus the activation sets the schedule keeps waiting (stash depth).
+
+``device_mapping`` may put several stages on one IPU (``[0, 1, 2, 3, 0]``,
+Grouped and Sequential schedules): they run in the slots the schedule gives
+each, one after another within a slot, and share the IPU's tiles and memory
+(the largest of their programs, beside what the others hold, plus all their
+stashes). A weight read by several stages on one IPU (tied weights) lives
+once: its first reader owns it (update, optimizer state), the others add
+their gradient contributions into its accumulator; read across IPUs it is
+refused. The rules: :mod:`~ipu_jax.pipelining.layout`.
+
 With ``replication_factor`` R, R copies of the pipeline use R x N IPUs; each
 stage's gradients are all-reduced over its R copies before its update.
 """
@@ -28,7 +38,7 @@ import numpy as np
 
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.errors import OutOfMemoryError
-from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
+from ipu_jax.pipelining import layout, links, schedule as schedule_lib, stage_programs
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
 
@@ -46,7 +56,7 @@ def check_steps_per_execution(steps_per_execution: int, accumulation: int,
 
 
 class Pipeline:
-  """A loss function pipelined over IPUs, one stage per IPU.
+  """A loss function pipelined over IPUs, one or more stages per IPU.
 
   ::
 
@@ -66,20 +76,23 @@ class Pipeline:
   Args:
     loss_fn: ``loss_fn(params, micro_batch) -> scalar``, with
       :func:`ipu_jax.ops.pipeline_stage` marks.
-    optimizer: an optax ``GradientTransformation`` applied to each stage's
-      weights on its own IPU (so optimizers that mix weights across stages,
-      e.g. global-norm clipping, are not supported); None to only compute
-      gradients.
+    optimizer: an optax ``GradientTransformation`` applied to the weights
+      each stage owns, on its IPU (so optimizers that mix weights across
+      stages, e.g. global-norm clipping, are not supported); None to only
+      compute gradients.
     config: the :class:`ipu_jax.IPUConfig`: ``auto_select_ipus`` IPUs per
       pipeline, ``device``, ``pipelining``, ``training`` and
       ``replication_factor``; default: the active default config.
-    device_mapping: the IPU of each stage (default stage k on IPU k).
+    device_mapping: the IPU of each stage (default stage k on IPU k); an
+      IPU may hold several stages (not with the Interleaved schedule).
     stage_assignment: ``{module path: stage}`` for models without marks
       (see :func:`~ipu_jax.pipelining.split_stages`).
 
   Raises:
-    PipelineError: bad stage marks, more stages than IPUs, a device mapping
-      out of range or repeated, or a G the schedule cannot run (when lowered).
+    PipelineError: bad stage marks, more stages than IPUs without a device
+      mapping, a device mapping out of range (or repeating an IPU with the
+      Interleaved schedule), a weight read by stages on different IPUs, or
+      a G the schedule cannot run (when lowered).
   """
 
   def __init__(self, loss_fn: Callable, optimizer=None, *, config=None,
@@ -88,7 +101,10 @@ class Pipeline:
     self.loss_fn = loss_fn
     self.optimizer = optimizer
     self.config = (config if config is not None else config_lib.get_default_config()).copy()
-    self.device_mapping = None if device_mapping is None else tuple(device_mapping)
+    # Any iterable of IPUs (a list, a NumPy array); anything else is refused when lowered.
+    self.device_mapping = (
+        tuple(device_mapping) if hasattr(device_mapping, "__iter__")
+        and not isinstance(device_mapping, (str, bytes)) else device_mapping)
     self.stage_assignment = None if stage_assignment is None else dict(stage_assignment)
     self._lowered_key = None
     self.staged = None
@@ -110,23 +126,8 @@ class Pipeline:
     return self.config.replication_factor
 
   def _check_settings(self, num_stages: int) -> list:
-    num_ipus = self.config.auto_select_ipus
-    if num_stages > num_ipus:
-      raise PipelineError(
-          f"The model has {num_stages} pipeline stages but each replica has only "
-          f"{num_ipus} IPUs (auto_select_ipus={num_ipus}); set auto_select_ipus >= "
-          f"{num_stages} or use fewer stages.")
-    mapping = list(self.device_mapping or range(num_stages))
-    if len(mapping) != num_stages:
-      raise PipelineError(f"device_mapping {tuple(mapping)} has {len(mapping)} entries for "
-                          f"{num_stages} stages; give one IPU per stage.")
-    for k, ipu in enumerate(mapping):
-      if isinstance(ipu, bool) or not isinstance(ipu, (int, np.integer)) or not 0 <= ipu < num_ipus:
-        raise PipelineError(f"device_mapping[{k}]={ipu!r} is out of range: IPUs are 0.."
-                            f"{num_ipus - 1} (auto_select_ipus={num_ipus}).")
-    if len(set(mapping)) != len(mapping):
-      raise PipelineError(f"device_mapping {tuple(mapping)} puts two stages on one IPU; "
-                          "each stage needs its own IPU.")
+    mapping = layout.check_mapping(self.device_mapping, num_stages,
+                                   self.config.auto_select_ipus, self.schedule)
     minimum = schedule_lib.minimum_accumulation(self.schedule, num_stages)
     g = self.accumulation
     if g < minimum or g % minimum:
@@ -135,7 +136,7 @@ class Pipeline:
           f"training.gradient_accumulation_steps={g} does not suit the {self.schedule} "
           f"schedule over {num_stages} stages: it must be a multiple of {minimum} ({rule}) "
           f"and at least {minimum}.")
-    return [int(i) for i in mapping]
+    return mapping
 
   def _stage_config(self):
     cfg = self.config.copy()
@@ -169,6 +170,7 @@ class Pipeline:
       return self
     staged = split_stages(self.loss_fn, params, micro, self.stage_assignment)
     mapping = self._check_settings(staged.num_stages)
+    layout.check_tied_weights(staged, mapping)
     flat_params = jax.tree_util.tree_leaves(params)
     flat_micro = jax.tree_util.tree_leaves(micro)
     cfg = self._stage_config()
@@ -193,9 +195,13 @@ class Pipeline:
       acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
       bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
       update = None
+      # The stage updates the weights it owns (tied ones once, by their first reader).
+      o_k = [flat_params[i] for i in stage.owned]
       if self.optimizer is not None:
-        state = self.optimizer.init(p_k)
-        update = jit(stage_programs.update_function(self.optimizer), config=cfg).lower(p_k, state, acc)
+        state = self.optimizer.init(o_k)
+        acc_o = [jnp.zeros(np.shape(p), p.dtype) for p in o_k]
+        update = jit(stage_programs.update_function(self.optimizer), config=cfg).lower(
+            o_k, state, acc_o)
       # Residuals that are the stage's own weights stay where they are.
       invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
       num_out = len(outs)
@@ -211,7 +217,8 @@ class Pipeline:
       stages.append(stage_programs.StagePrograms(
           index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
           update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
-          returns=returns, weight_bytes=stage_programs.nbytes(p_k)))
+          returns=returns, weight_bytes=stage_programs.nbytes(o_k),
+          held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles)))
     for stage, reads in zip(staged.stages, all_reads):
       for source, nbytes in reads.items():
         stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes
@@ -228,25 +235,30 @@ class Pipeline:
     return self
 
   def _check_memory(self) -> None:
+    """Each IPU's peak (its stages' largest program, what the others hold,
+    all their stashes) against a tile's memory."""
     if self.config.memory.allow_out_of_memory:
       return
     limit = self.target.bytes_per_tile
-    for stage in self.stages:
-      peak = stage.peak_bytes
+    t = self.target.tiles_per_ipu
+    for ipu, memory in layout.ipu_memory(self.stages).items():
+      peak = memory.peak
       over = np.nonzero(peak > limit)[0]
       if over.size:
         tile = int(over[np.argmax(peak[over])])
-        stash = int(stage.stash_depth * stage.stash_bytes[tile])
+        stages = ", ".join(map(str, memory.stage_indices))
         raise OutOfMemoryError(
-            f"Out of memory on IPU {stage.ipu} (pipeline stage {stage.index}), tile {tile}: "
-            f"it needs {int(peak[tile]):,d} bytes but has {limit:,d} ({over.size} tile(s) over). "
-            f"Stage programs' peak {int(peak[tile]) - stash:,d} B plus {stage.stash_depth} "
-            f"stashed activation set(s) of {int(stage.stash_bytes[tile]):,d} B "
-            f"({self.schedule} schedule). What may help: more stages (IPUs), "
-            "pipelining.recomputation=True, the Interleaved schedule, or more tiles.",
-            tile=stage.ipu * self.target.tiles_per_ipu + tile, bytes_needed=int(peak[tile]),
-            bytes_available=limit, over_tiles=over + stage.ipu * self.target.tiles_per_ipu,
-            report=stage.forward.report)
+            f"Out of memory on IPU {ipu} (pipeline stage{'s' * (len(memory.stages) > 1)} "
+            f"{stages}), tile {tile}: it needs {int(peak[tile]):,d} bytes but has {limit:,d} "
+            f"({over.size} tile(s) over): {memory.describe_tile(tile)} ({self.schedule} "
+            "schedule). What may help: "
+            + ("fewer stages on this IPU, more IPUs, pipelining.recomputation=True, or more "
+               "tiles." if len(memory.stages) > 1 else
+               "more stages (IPUs), pipelining.recomputation=True, the Interleaved schedule, "
+               "or more tiles."),
+            tile=ipu * t + tile, bytes_needed=int(peak[tile]),
+            bytes_available=limit, over_tiles=over + ipu * t,
+            report=memory.programs[memory.chosen[tile]][2].report)
 
   def copies(self, stage: int, kind: str) -> list:
     """The ``(src_ipu, dst_ipu, nbytes)`` IPU-Link copies after a pass of ``stage``.
@@ -296,12 +308,12 @@ class Pipeline:
         jnp.stack(losses))
 
   def init(self, params, batches):
-    """The optimizer state: one state per stage, on that stage's IPU."""
+    """The optimizer state: one state per stage (of the weights it owns), on its IPU."""
     if self.optimizer is None:
       raise PipelineError("Pipeline.init needs an optimizer; this pipeline has none.")
     self.lower(params, batches)
     flat = jax.tree_util.tree_leaves(params)
-    return [self.optimizer.init([flat[i] for i in s.params]) for s in self.staged.stages]
+    return [self.optimizer.init([flat[i] for i in s.owned]) for s in self.staged.stages]
 
   def step(self, params, opt_state, batches):
     """One training step: G x R micro-batches, then each stage's update.
@@ -316,10 +328,10 @@ class Pipeline:
     grads, losses = self._run(flat, batches)
     new_state = []
     for stage, programs, state in zip(self.staged.stages, self.stages, opt_state):
-      p_k = [flat[i] for i in stage.params]
-      g_k = [grads[i] for i in stage.params]
+      p_k = [flat[i] for i in stage.owned]
+      g_k = [grads[i] for i in stage.owned]
       p_k, state = programs.update(p_k, state, g_k)
-      for i, value in zip(stage.params, p_k):
+      for i, value in zip(stage.owned, p_k):
         flat[i] = value
       new_state.append(state)
     return (jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
@@ -356,7 +368,6 @@ class Pipeline:
 
   def _run(self, flat_params, batches):
     g, r = self.accumulation, self.replicas
-    staged = self.staged
     flat_batches = jax.tree_util.tree_leaves(batches)
     training = self.config.training
     total = [None] * len(flat_params)
@@ -366,10 +377,9 @@ class Pipeline:
           flat_params, [b[replica * g:(replica + 1) * g] for b in flat_batches])
       losses += replica_losses
       scale = 1.0 if training.gradient_accumulation_reduction == "sum" else 1.0 / g
-      for stage in staged.stages:
-        for i, a in zip(stage.params, acc[stage.index]):
-          a = a * scale if scale != 1.0 else a
-          total[i] = a if total[i] is None else total[i] + a
+      for i, a in acc.items():
+        a = a * scale if scale != 1.0 else a
+        total[i] = a if total[i] is None else total[i] + a
     if r > 1 and training.replica_reduction == "mean":
       total = [t / r for t in total]
     total = [jnp.zeros_like(p) if t is None else t for p, t in zip(flat_params, total)]
@@ -378,8 +388,9 @@ class Pipeline:
   def _run_replica(self, flat_params, flat_batches):
     staged, stages = self.staged, self.stages
     last = staged.num_stages - 1
-    acc = [[jnp.zeros(np.shape(flat_params[i]), flat_params[i].dtype) for i in s.params]
-           for s in staged.stages]
+    # One accumulator per weight: a tied weight's readers all add into it.
+    acc = {i: jnp.zeros(np.shape(flat_params[i]), flat_params[i].dtype)
+           for s in staged.stages for i in s.params}
     values, stash, cts, losses = {}, {}, {}, {}
     for slot in self._slots:
       for p in slot:
@@ -402,8 +413,9 @@ class Pipeline:
             else:
               c = cts.pop((v, m), None)
               out_cts.append(jnp.zeros_like(values[(v, m)]) if c is None else c)
-          acc[p.stage], in_cts = programs.backward(stash.pop((p.stage, m)), out_cts,
-                                                   acc[p.stage])
+          new_acc, in_cts = programs.backward(stash.pop((p.stage, m)), out_cts,
+                                              [acc[i] for i in stage.params])
+          acc.update(zip(stage.params, new_acc))
           for v, c in zip(filter(stage_programs.differentiable, stage.inputs), in_cts):
             cts[(v, m)] = c if (v, m) not in cts else cts[(v, m)] + c
     return acc, [losses[m] for m in sorted(losses)]

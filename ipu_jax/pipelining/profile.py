@@ -7,8 +7,10 @@ each tile's compute the cycles its IPU spends on the slot's passes (a stage
 program's cycles, spread evenly over the IPU's tiles: the slot lasts as long
 as the busiest IPU). The gradient all-reduce over replicas and the weight
 updates close the step. Memory per tile is, on each IPU, the categories of
-the stage program that peaks highest on that tile plus the stashed
-activations (category ``stashed_activations``), so ``ipu_jax.Report``,
+the stage program that peaks highest on that tile, plus the weights and
+accumulators the IPU's other stages hold (as ``variables``) and every stashed
+activation set of its stages (category ``stashed_activations``;
+:mod:`~ipu_jax.pipelining.layout`), so ``ipu_jax.Report``,
 ``compare_reports`` and the HTML page show a pipeline like any program.
 Its dead code is what was removed from all its stage programs.
 """
@@ -21,6 +23,7 @@ from ipu_jax.lowering.dead_code import DeadCode
 from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
                                       StepProfile)
 from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.pipelining import layout
 
 __all__ = ["STASH_CATEGORY", "pipeline_profile"]
 
@@ -31,15 +34,14 @@ def _memory(pipeline, target: IPUTarget, num_steps: int) -> MemoryProfile:
   t = target.tiles_per_ipu
   cats = {c: np.zeros(target.num_tiles, np.int64) for c in MEMORY_CATEGORIES + (STASH_CATEGORY,)}
   cols = np.arange(t)
-  for s in pipeline.stages:
-    programs = [p for p in (s.forward, s.backward, s.update) if p is not None]
-    peaks = np.stack([p.profile.memory.peak for p in programs])
-    chosen = peaks.argmax(axis=0)
-    window = slice(s.ipu * t, (s.ipu + 1) * t)
+  for ipu, memory in layout.ipu_memory(pipeline.stages).items():
+    chosen = memory.chosen
+    window = slice(ipu * t, (ipu + 1) * t)
     for c in MEMORY_CATEGORIES:
-      stack = np.stack([p.profile.memory.by_category[c] for p in programs])
+      stack = np.stack([p.profile.memory.by_category[c] for _, _, p in memory.programs])
       cats[c][window] = stack[chosen, cols]
-    cats[STASH_CATEGORY][window] = s.stash_depth * s.stash_bytes
+    cats["variables"][window] += memory.others_held[chosen, cols]
+    cats[STASH_CATEGORY][window] = memory.stash
   peak = sum(cats.values())
   return MemoryProfile(by_category=cats, peak=peak,
                        live_over_program=np.full(num_steps, float(peak.sum())),
@@ -80,7 +82,8 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   for kind in ("all-reduce", "weight update"):
     compute = np.zeros(n)
     flops = 0
-    for ipu, name, k, mb, start, cycles in spans_by_kind.get(kind, []):
+    for span in spans_by_kind.get(kind, []):
+      ipu, cycles = span[0], span[5]
       compute[ipu * t:(ipu + 1) * t] += cycles
     if kind == "weight update":
       flops = int(sum(s.update.profile.total_flops for s in stages if s.update))

@@ -1,16 +1,16 @@
 """What a pipelined step costs: per-IPU memory, per-stage cycles, the timeline.
 
 ``PipelineReport`` reads a lowered :class:`~ipu_jax.pipelining.Pipeline`:
-each IPU's peak (its largest stage program plus the stash its schedule
-keeps), the cycles of each stage's forward, backward and update programs
-and, of its backward, the cycles spent recomputing forward work
-(``recompute_cycles``; 0 for a stage not recomputed, the last one always),
-what crosses the IPU-Links per step, the step's ramp-up / steady state /
-ramp-down and the pipeline efficiency (the fraction of IPU time busy).
-``save(directory)`` writes ``pipeline.json``, a ``pipeline_trace.json``
-(Chrome trace: one process per IPU, one span per pass of each micro-batch)
-and ``pipeline_schedule.png``; every stage program keeps its own
-``ipu_jax.Report`` (``stage_reports``).
+each IPU's peak (the largest program of its stages, beside what its other
+stages hold, plus every stash its stages keep; :mod:`~ipu_jax.pipelining.layout`),
+the cycles of each stage's forward, backward and update programs, what
+crosses the IPU-Links per step, the step's ramp-up / steady state /
+ramp-down and the pipeline efficiency (the fraction of the used IPUs' time
+busy). ``save(directory)`` writes ``pipeline.json``, a ``pipeline_trace.json``
+(Chrome trace: one process per IPU the pipeline uses, one span per pass of
+each micro-batch, named and tagged with its stage, so stages sharing an IPU
+show on its track) and ``pipeline_schedule.png``; every stage program keeps
+its own ``ipu_jax.Report`` (``stage_reports``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import os
 
 import numpy as np
+
+from ipu_jax.pipelining import layout
 
 __all__ = ["PipelineReport"]
 
@@ -35,6 +37,10 @@ class PipelineReport:
     self.stages = pipeline.stages
     self.timeline = pipeline.timeline
     self.num_ipus = pipeline.config.auto_select_ipus
+    #: The IPUs the pipeline uses (one trace track and schedule row each).
+    self.ipus = sorted({s.ipu for s in self.stages})
+    #: ``{ipu: layout.IPUMemory}``: each used IPU's memory and stages.
+    self.ipu_memory = layout.ipu_memory(self.stages)
     from ipu_jax.pipelining.profile import pipeline_profile
     from ipu_jax.report import Report
     self.profile = pipeline_profile(pipeline)
@@ -63,22 +69,22 @@ class PipelineReport:
     return self.timeline.total_cycles
 
   def memory_per_ipu(self) -> dict:
-    """IPU -> peak bytes of its busiest tile, its total peak and its stash."""
+    """Used IPU -> its stages, the peak bytes of its busiest tile, its total
+    peak, its stash (all its stages') and each stage's stash depth."""
     out = {}
-    for s in self.stages:
-      peak = s.peak_bytes
-      out[s.ipu] = {"stage": s.index, "max_tile_bytes": int(peak.max()),
-                    "total_bytes": int(peak.sum()),
-                    "stash_bytes": int(s.stash_depth * s.stash_bytes.sum()),
-                    "stash_depth": s.stash_depth}
+    for ipu, memory in self.ipu_memory.items():
+      peak = memory.peak
+      out[ipu] = {"stages": memory.stage_indices, "max_tile_bytes": int(peak.max()),
+                  "total_bytes": int(peak.sum()), "stash_bytes": int(memory.stash.sum()),
+                  "stash_depths": [s.stash_depth for s in memory.stages]}
     return out
 
   def memory_per_tile(self) -> np.ndarray:
     """``[pipeline IPUs x tiles_per_ipu]`` peak bytes, tiles numbered IPU-major."""
     t = self.target.tiles_per_ipu
     out = np.zeros(self.num_ipus * t, np.int64)
-    for s in self.stages:
-      out[s.ipu * t:(s.ipu + 1) * t] = s.peak_bytes
+    for ipu, memory in self.ipu_memory.items():
+      out[ipu * t:(ipu + 1) * t] = memory.peak
     return out
 
   def to_dict(self) -> dict:
@@ -95,6 +101,8 @@ class PipelineReport:
         "ipu_link_bytes_per_step": tl.link_bytes,
         "recompute_cycles_per_micro_batch": float(sum(s.recompute_cycles for s in self.stages)),
         "busy_cycles_per_ipu": [float(b) for b in tl.busy_cycles],
+        "ipus_used": list(self.ipus),
+        "memory_per_ipu": {str(ipu): m for ipu, m in self.memory_per_ipu().items()},
         "stages": [{"stage": s.index, "ipu": s.ipu,
                     "forward_cycles": s.forward.profile.total_cycles,
                     "backward_cycles": s.backward.profile.total_cycles,
@@ -131,21 +139,31 @@ class PipelineReport:
           f"{s['update_cycles']:>9,.0f} "
           f"{s['stash_depth']:>5d} x {s['stash_bytes_per_micro_batch']:>9,d} "
           f"{s['peak_max_tile_bytes']:>12,d} {s['peak_total_bytes']:>13,d}")
+    lines.append("    IPU  stages          peak tile B   IPU total B       stash B")
+    for ipu, m in self.memory_per_ipu().items():
+      stages = ", ".join(map(str, m["stages"]))
+      lines.append(f"  {ipu:>5d}  {stages:<14s} {m['max_tile_bytes']:>12,d} "
+                   f"{m['total_bytes']:>13,d} {m['stash_bytes']:>13,d}")
     return "\n".join(lines)
 
   def trace_events(self) -> list:
-    """Chrome trace events: process = IPU, one span per pass / copy / update."""
+    """Chrome trace events: process = used IPU, one span per pass / copy / update.
+
+    Spans of a stage are named and tagged with it (``"stage 4 F0"``), so the
+    stages sharing an IPU show on that IPU's one track.
+    """
     us = 1e6 / self.target.clock_hz
     events = []
-    for ipu in range(self.num_ipus):
+    for ipu in self.ipus:
+      stages = ", ".join(map(str, self.ipu_memory[ipu].stage_indices))
       events.append({"name": "process_name", "ph": "M", "ts": 0, "pid": ipu, "tid": 0,
-                     "args": {"name": f"IPU {ipu}"}})
-    stage_of = {s.ipu: s.index for s in self.stages}
-    for ipu, name, kind, mb, start, cycles in self.timeline.spans:
-      events.append({"name": name, "cat": kind, "ph": "X", "ts": start * us,
-                     "dur": cycles * us, "pid": int(ipu), "tid": 0,
-                     "args": {"stage": stage_of.get(ipu), "micro_batch": mb,
-                              "cycles": cycles}})
+                     "args": {"name": f"IPU {ipu} (stage{'s' * (',' in stages)} {stages})"}})
+    for span in self.timeline.spans:
+      ipu, name, kind, mb, start, cycles = span[:6]
+      stage = span[6] if len(span) > 6 else None
+      events.append({"name": name if stage is None else f"stage {stage} {name}", "cat": kind,
+                     "ph": "X", "ts": start * us, "dur": cycles * us, "pid": int(ipu),
+                     "tid": 0, "args": {"stage": stage, "micro_batch": mb, "cycles": cycles}})
     return events
 
   def plot(self, path: str) -> str:
@@ -155,12 +173,15 @@ class PipelineReport:
     import matplotlib.pyplot as plt
     colours = {"forward": "#4c72b0", "backward": "#dd8452", "copy": "#999999",
                "sync": "#dddddd", "all-reduce": "#8172b3", "weight update": "#55a868"}
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * self.num_ipus))
-    for ipu, name, kind, mb, start, cycles in self.timeline.spans:
-      ax.broken_barh([(start, cycles)], (ipu - 0.4, 0.8), facecolors=colours[kind])
+    row = {ipu: r for r, ipu in enumerate(self.ipus)}  # one row per used IPU
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(row)))
+    for span in self.timeline.spans:
+      ipu, name, kind, mb, start, cycles = span[:6]
+      ax.broken_barh([(start, cycles)], (row[ipu] - 0.4, 0.8), facecolors=colours[kind])
       if kind in ("forward", "backward") and cycles > 0.02 * self.total_cycles:
-        ax.text(start + cycles / 2, ipu, name, ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(self.num_ipus), [f"IPU {i}" for i in range(self.num_ipus)])
+        label = f"{span[6]}:{name}" if len(span) > 6 else name
+        ax.text(start + cycles / 2, row[ipu], label, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(row)), [f"IPU {i}" for i in self.ipus])
     ax.invert_yaxis()
     ax.set_xlabel("cycles")
     ax.set_title(f"{self.schedule} pipeline, G={self.accumulation}: "

@@ -1,12 +1,16 @@
 """Pipeline schedules: which stage runs which micro-batch in each time slot.
 
-A step of ``G`` micro-batches over ``N`` stages (stage ``k`` on its own IPU)
-is a sequence of time slots. In a slot every IPU runs the passes the schedule
-gives it, then the values that cross stages go over the IPU-Links and all
-IPUs sync; a slot lasts as long as its busiest IPU plus its copies and the
-sync. The slot's copies are costed together (copies sharing an IPU-Link
-share its rate: :func:`ipu_jax.pipelining.links.slot_copy_cycles`). After the
-last slot each IPU updates its own weights.
+A step of ``G`` micro-batches over ``N`` stages (stage ``k`` on IPU
+``ipus[k]``) is a sequence of time slots. In a slot every IPU runs the passes
+the schedule gives its stages -- one after another when several stages share
+the IPU (``device_mapping=[0, 1, 2, 3, 0]``), so their cycles add -- then
+the values that cross stages go over the IPU-Links and all IPUs sync; a slot
+lasts as long as its busiest IPU plus its copies and the sync. The slot's
+copies are costed together (copies sharing an IPU-Link share its rate:
+:func:`ipu_jax.pipelining.links.slot_copy_cycles`). After
+the last slot each IPU updates the weights its stages own. ``G`` counts
+stages, not IPUs: five stages on four IPUs need a Grouped ``G`` that is a
+multiple of 10, as TF-IPU asks.
 
 * ``Grouped`` (TF-IPU's default): stage ``k`` runs the forward pass of
   micro-batch ``m`` in slot ``k + m`` and its backward pass in slot
@@ -24,6 +28,10 @@ The stash depth of stage ``k`` (activation sets waiting for their backward
 pass when a forward pass starts) is measured on the schedule itself; it comes
 out as TF-IPU's ``2 (N - 1 - k)`` for Grouped, ``N - 1 - k`` for Interleaved
 and 0 for Sequential.
+
+The pipeline efficiency is the busy fraction of the IPUs the pipeline uses
+(``len(set(ipus))``), not of IPUs ``0 .. max(ipus)``: a pipeline on IPUs 1
+and 2 is as efficient as the same pipeline on IPUs 0 and 1.
 """
 
 from __future__ import annotations
@@ -109,17 +117,19 @@ class Timeline:
   """The simulated step: spans per IPU and the totals reports show.
 
   Attributes:
-    spans: ``(ipu, name, kind, micro_batch, start, cycles)``; kind is
-      'forward', 'backward', 'copy', 'sync', 'all-reduce' or 'weight update'.
+    spans: ``(ipu, name, kind, micro_batch, start, cycles[, stage])``; kind
+      is 'forward', 'backward', 'copy', 'sync', 'all-reduce' or 'weight
+      update'; passes, all-reduces and updates end with their stage.
     total_cycles: the step, first slot to last weight update.
-    busy_cycles: ``[num_ipus]`` cycles each IPU spends running its passes
-      and weight update.
+    busy_cycles: ``[max(ipus) + 1]`` cycles each IPU spends running its
+      passes and weight updates (indexed by IPU; unused IPUs stay 0).
     ramp_up_cycles, steady_cycles, ramp_down_cycles: the slots before every
       stage is busy, while every stage is busy, and after.
     steady_slot_cycles: the longest steady-state slot (the steady rate is one
       micro-batch per such slot).
     link_bytes: bytes over IPU-Links in the step.
     copy_cycles_per_slot: the IPU-Link copies of each slot, in cycles.
+    ipus: the IPUs the pipeline uses, ascending.
   """
 
   spans: list
@@ -133,6 +143,7 @@ class Timeline:
   slot_cycles: float = 0.0
   num_micro_batches: int = 0
   copy_cycles_per_slot: list = dataclasses.field(default_factory=list)
+  ipus: tuple = ()
 
   @property
   def rate_efficiency(self) -> float:
@@ -145,9 +156,10 @@ class Timeline:
 
   @property
   def efficiency(self) -> float:
-    """Fraction of the IPUs' time spent busy."""
-    total = self.total_cycles * len(self.busy_cycles)
-    return float(self.busy_cycles.sum() / total) if total else 0.0
+    """Fraction of the used IPUs' time spent busy."""
+    used = list(self.ipus) if self.ipus else list(range(len(self.busy_cycles)))
+    total = self.total_cycles * len(used)
+    return float(self.busy_cycles[used].sum() / total) if total else 0.0
 
 
 def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
@@ -157,7 +169,7 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
 
   Args:
     schedule_slots: from :func:`slots`.
-    ipus: the IPU of each stage.
+    ipus: the IPU of each stage (an IPU may run several stages).
     forward, backward: cycles of each stage's forward / backward pass.
     copies_forward: per stage, the ``(src_ipu, dst_ipu, nbytes)`` copies
       after its forward pass (its outputs to the stages that read them).
@@ -182,8 +194,9 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     for p in slot:
       ipu = ipus[p.stage]
       cycles = forward[p.stage] if p.kind == "forward" else backward[p.stage]
+      # Passes of stages sharing an IPU run one after another: their cycles add.
       spans.append((ipu, f"{p.kind[0].upper()}{p.micro_batch}", p.kind, p.micro_batch,
-                    now + work[ipu], cycles))
+                    now + work[ipu], cycles, p.stage))
       work[ipu] += cycles
       copies += (copies_forward if p.kind == "forward" else copies_backward)[p.stage]
     link += sum(nbytes for src, dst, nbytes in copies if src != dst)
@@ -213,17 +226,19 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     ramp_up, steady_total, ramp_down = 0.0, float(slot_cycles.sum()), 0.0
     steady_slot = float(slot_cycles.max(initial=0.0))
   end = now
+  free = {}  # IPU -> when it is free: stages sharing an IPU update one after another
   for k in range(num_stages):
     ipu = ipus[k]
-    start = now
+    start = free.get(ipu, now)
     if all_reduce[k]:
-      spans.append((ipu, "all-reduce", "all-reduce", -1, start, all_reduce[k]))
+      spans.append((ipu, "all-reduce", "all-reduce", -1, start, all_reduce[k], k))
       start += all_reduce[k]
     if weight_update[k]:
-      spans.append((ipu, "WU", "weight update", -1, start, weight_update[k]))
+      spans.append((ipu, "WU", "weight update", -1, start, weight_update[k], k))
     busy[ipu] += weight_update[k]
-    end = max(end, start + weight_update[k])
+    free[ipu] = start + weight_update[k]
+    end = max(end, free[ipu])
   micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
   return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
                   steady_slot, int(link), float(slot_cycles.sum()), micro_batches,
-                  slot_copies)
+                  slot_copies, tuple(sorted(set(ipus))))

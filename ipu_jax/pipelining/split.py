@@ -13,9 +13,16 @@ computed from them alone (a one-hot of the labels) runs there and travels
 with the activations.
 
 Rules checked here, before anything is compiled or run, each with the user's
-source line: stage ids increase along the forward pass and leave no gap, the
-loss is computed by the last stage, and each weight is read by one stage only
-(it lives on that stage's IPU).
+source line: stage ids increase along the forward pass and leave no gap, and
+the loss is computed by the last stage.
+
+A weight may be read by several stages (a tied embedding and output
+projection). Each weight has one owner, the first stage that reads it: the
+owner holds the weight, its gradient accumulator and optimizer state and
+updates it once; the other readers add their gradient contributions into the
+owner's accumulator (``Stage.owned``, ``StagedFunction.weight_reads``). The
+:class:`~ipu_jax.pipelining.Pipeline` allows this only when the readers sit
+on one IPU (:mod:`~ipu_jax.pipelining.layout`).
 """
 
 from __future__ import annotations
@@ -103,6 +110,9 @@ class Stage:
     outputs: variables it computes that later stages (or the loss) read.
     consts: the traced function's constants it reads (variable -> value).
     param_vars, batch_vars: the traced variables of ``params`` and ``batch``.
+    owned: indices of the weights it owns (it is their first reader): it
+      holds them and their optimizer state and runs their update; a subset
+      of ``params``.
   """
 
   index: int
@@ -114,6 +124,7 @@ class Stage:
   consts: dict
   param_vars: list = dataclasses.field(default_factory=list)
   batch_vars: list = dataclasses.field(default_factory=list)
+  owned: list = dataclasses.field(default_factory=list)
 
   def __call__(self, params: Sequence[Any], batch: Sequence[Any],
                inputs: Sequence[Any]) -> list:
@@ -152,6 +163,8 @@ class StagedFunction:
       micro-batch.
     param_names: a readable path for each flat weight.
     loss_var: the variable holding the loss.
+    weight_reads: flat weight index -> ``{stage: source line of its first
+      read there}``, for every weight some stage reads.
   """
 
   stages: list
@@ -159,6 +172,11 @@ class StagedFunction:
   batch_tree: Any
   param_names: list
   loss_var: Any
+  weight_reads: dict = dataclasses.field(default_factory=dict)
+
+  def owner(self, param: int) -> int:
+    """The stage that owns weight ``param``: the first stage reading it."""
+    return min(self.weight_reads[param])
 
   @property
   def num_stages(self) -> int:
@@ -262,8 +280,9 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
 
   Raises:
     PipelineError: stage marks that do not increase by one along the forward
-      pass, a loss not computed by the last stage, a weight read by two
-      stages, or a mark inside a nested ``jax.jit``.
+      pass, a loss not computed by the last stage, or a mark inside a nested
+      ``jax.jit``. (A weight read by several stages is allowed here; the
+      pipeline refuses it when those stages are on different IPUs.)
   """
   with_paths, param_tree = jax.tree_util.tree_flatten_with_path(params)
   flat_params = [leaf for _, leaf in with_paths]
@@ -289,7 +308,11 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
       if v not in source.outputs:
         source.outputs.append(v)
   stages[-1].outputs = [v for v in stages[-1].outputs if v is not loss_var] + [loss_var]
-  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var)
+  weight_reads = {traced.param_index[v]: {k: _where(eqn) for k, eqn in reads.items()}
+                  for v, reads in traced.param_reads.items()}
+  for stage in stages:
+    stage.owned = [i for i in stage.params if min(weight_reads[i]) == stage.index]
+  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var, weight_reads)
 
 
 def _trace(fn: Callable, param_tree, flat_params: list, batch):
@@ -328,8 +351,8 @@ def _check_loss_stage(loss_var, produced_by: dict, num_stages: int) -> None:
 class _Traced:
   """The traced loss with its equations' stage labels; builds the stages in order.
 
-  ``param_stage`` remembers which stage (and equation) first read each weight,
-  so a second stage reading it is refused; build the stages in index order.
+  ``param_reads`` remembers, per weight, the stages reading it and the
+  equation of each stage's first read (for ownership and error messages).
   """
 
   def __init__(self, jaxpr, labels, num_params: int, param_names, consts, produced_by):
@@ -339,7 +362,7 @@ class _Traced:
     self.batch_vars = jaxpr.invars[num_params:]
     self.param_index = {v: i for i, v in enumerate(self.param_vars)}
     self.batch_index = {v: i for i, v in enumerate(self.batch_vars)}
-    self.param_stage = {}
+    self.param_reads = {}
 
   def stage(self, k: int) -> Stage:
     """Stage ``k``: its equations and the weights, batch values, constants and
@@ -351,7 +374,7 @@ class _Traced:
         if isinstance(v, jcore.Literal):
           continue
         if v in self.param_index:
-          self._claim_weight(v, k, eqn)
+          self.param_reads.setdefault(v, {}).setdefault(k, eqn)
           if self.param_index[v] not in params_k:
             params_k.append(self.param_index[v])
         elif v in self.batch_index:
@@ -365,15 +388,6 @@ class _Traced:
     return Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,
                  [self.param_vars[i] for i in params_k],
                  [self.batch_vars[i] for i in batch_k])
-
-  def _claim_weight(self, v, k: int, eqn) -> None:
-    """Weight ``v`` is read by stage ``k``; refused if another stage reads it."""
-    other = self.param_stage.setdefault(v, (k, eqn))
-    if other[0] != k:
-      raise PipelineError(
-          f"Weight {self.param_names[self.param_index[v]]} is read by stage {other[0]} (at "
-          f"{_where(other[1])}) and by stage {k} (at {_where(eqn)}); each weight lives "
-          "on one stage's IPU. Pass the value across the stage boundary instead.")
 
 
 def _reject_nested_marks(jaxpr) -> None:

@@ -67,7 +67,11 @@ class StagePrograms:
     sends: stage -> bytes this stage's forward pass sends it (a skip
       connection sends past the next stage, straight to its reader).
     returns: stage -> bytes of input gradients the backward pass sends it.
-    weight_bytes: bytes of the stage's weights (and so of its gradients).
+    weight_bytes: bytes of the weights the stage owns and updates (and so
+      of their gradients).
+    held_bytes: ``[tiles_per_ipu]`` bytes of the weights it owns and their
+      gradient accumulators, held between its programs (what the other
+      stages on its IPU run beside; :mod:`~ipu_jax.pipelining.layout`).
   """
 
   index: int
@@ -80,6 +84,7 @@ class StagePrograms:
   sends: dict = dataclasses.field(default_factory=dict)
   returns: dict = dataclasses.field(default_factory=dict)
   weight_bytes: int = 0
+  held_bytes: Any = None
 
   @property
   def send_bytes(self) -> int:
@@ -99,7 +104,11 @@ class StagePrograms:
 
   @property
   def peak_bytes(self) -> np.ndarray:
-    """``[tiles_per_ipu]`` peak bytes: the largest program plus the stash."""
+    """``[tiles_per_ipu]`` this stage's peak bytes: its largest program plus its stash.
+
+    Stages sharing an IPU add up there: see
+    :func:`ipu_jax.pipelining.layout.ipu_memory`.
+    """
     programs = [self.forward, self.backward] + ([self.update] if self.update else [])
     peak = np.max([p.profile.memory.peak for p in programs], axis=0)
     return peak + self.stash_depth * self.stash_bytes
