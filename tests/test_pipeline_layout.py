@@ -268,8 +268,8 @@ class SharedIPUScheduleTest(parameterized.TestCase):
     n, g = 3, 6
     fwd, bwd = [1.0, 10.0, 4.0], [2.0, 20.0, 8.0]
     slots = schedule.slots("Grouped", n, g)
-    tl = schedule.simulate(slots, [0, 1, 0], fwd, bwd, lambda k: 0.0, lambda k: 0.0, 0.0,
-                           [3.0, 0.0, 5.0], [0.0] * n, [0] * n, [0] * n)
+    tl = schedule.simulate(slots, [0, 1, 0], fwd, bwd, [[]] * n, [[]] * n, 0.0,
+                           [3.0, 0.0, 5.0], [0.0] * n, lambda copies: 0.0)
     np.testing.assert_allclose(tl.busy_cycles, [g * (1 + 2 + 4 + 8) + 3 + 5, g * 30.0])
     # A slot holding passes of stages 0 and 2 runs them one after another on IPU 0.
     shared = 0
@@ -297,8 +297,8 @@ class SharedIPUScheduleTest(parameterized.TestCase):
 
     def run(ipus):
       return schedule.simulate(schedule.slots(name, n, g), ipus, [1.0] * n, [2.0] * n,
-                               lambda k: 0.0, lambda k: 0.0, 0.0, [0.0] * n, [0.0] * n,
-                               [0] * n, [0] * n)
+                               [[]] * n, [[]] * n, 0.0, [0.0] * n, [0.0] * n,
+                               lambda copies: 0.0)
 
     low, high = run([0, 1]), run([1, 2])
     self.assertAlmostEqual(high.efficiency, low.efficiency)
