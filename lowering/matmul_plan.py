@@ -475,7 +475,8 @@ def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce
 
 def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
                 partials_dtype=np.float32, available_memory_proportion: float = 0.6,
-                max_tiles: Optional[int] = None, tree_reduce: bool = True) -> MatmulPlan:
+                max_tiles: Optional[int] = None, tree_reduce: bool = True,
+                serial: Optional[tuple] = None) -> MatmulPlan:
   """Choose how a ``[b, m, k] x [b, k, n]`` product is cut over tiles.
 
   Args:
@@ -489,16 +490,25 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
     tree_reduce: whether the lowering sums a reduce group with fewer output
       elements than tiles in a tree (``dot_general``); else such groups are
       costed as the reduce-scatter the lowering then emits.
+    serial: ``(axis, count)`` with axis ``"m"`` or ``"n"``: do the product
+      in exactly ``count`` serial passes along that axis whatever fits (a
+      serialised matmul, :mod:`ipu_jax.ops.serialized_matmul`); None: passes
+      only when no single pass fits.
 
   Returns:
     The cheapest :class:`MatmulPlan` that fits, in one pass when one fits,
     else in the fewest serial passes found to fit; when nothing fits, the one
     with the least temporary memory per tile.
   """
+  if serial is not None:
+    axis, count = serial
+    if axis not in ("m", "n") or int(count) < 1:
+      raise ValueError(f"serial must be ('m' or 'n', count >= 1), got {serial!r}")
+    serial = (axis, int(count)) if int(count) > 1 else None
   return _plan_cached(target, int(b), int(m), int(n), int(k), np.dtype(dtype).name,
                       np.dtype(partials_dtype).name, float(available_memory_proportion),
                       target.num_tiles if max_tiles is None else int(max_tiles),
-                      bool(tree_reduce))
+                      bool(tree_reduce), serial)
 
 
 # Serial splits tried when no single-pass plan fits (poplin's serial splits).
@@ -533,9 +543,18 @@ def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
   return costs
 
 
+def _serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis, count, budget):
+  """``(count, axis, costs)`` of ``count`` equal passes along ``axis`` (the last may be short)."""
+  size = m if axis == "m" else n
+  length = int(ceil_div(size, count))
+  pm, pn = (length, n) if axis == "m" else (m, length)
+  return (count, axis, _search(target, b, pm, pn, k, operand, p_itemsize, limit, budget, axis,
+                               size - (count - 1) * length))
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
-                 tree_reduce):
+                 tree_reduce, serial=None):
   operand = np.dtype(dtype)
   p_itemsize = np.dtype(partials_dtype).itemsize
   limit = max(1, min(max_tiles, target.num_tiles))
@@ -546,9 +565,17 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
                       0.0, 0, 0, 0, memory_limit, True, 0)
   # One pass if any grid fits; else split M or N into serial passes that each
   # fit (each pass re-exchanges its operand blocks: more cycles, less memory).
-  options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
-                              tree_reduce=tree_reduce))]
-  if not (options[0][2]["temp"] <= memory_limit).any():
+  # A forced serialisation searches only its own passes.
+  options = []
+  if serial is not None:
+    options = [_serial_option(target, b, m, n, k, operand, p_itemsize, limit, serial[0],
+                              serial[1], _SEARCH_BUDGET)]
+    if options[0][2]["cycles"].size == 0:  # no grid for the passes (a tile or two)
+      options, serial = [], None
+  if not options:
+    options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
+                                tree_reduce=tree_reduce))]
+  if serial is None and not (options[0][2]["temp"] <= memory_limit).any():
     tried = set()
     for count in _SERIAL_COUNTS:
       for axis, size in (("n", n), ("m", m)):
@@ -556,11 +583,8 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
         count_ = int(ceil_div(size, ceil_div(size, count)))
         if count_ > 1 and (axis, count_) not in tried:
           tried.add((axis, count_))
-          length = int(ceil_div(size, count_))
-          pm, pn = (length, n) if axis == "m" else (m, length)
-          options.append((count_, axis, _search(target, b, pm, pn, k, operand, p_itemsize,
-                                                limit, _SEARCH_BUDGET // 8, axis,
-                                                size - (count_ - 1) * length)))
+          options.append(_serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis,
+                                        count_, _SEARCH_BUDGET // 8))
       if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
         break
   best = None
