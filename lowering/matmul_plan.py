@@ -552,6 +552,42 @@ def _serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis, count, 
                                size - (count - 1) * length))
 
 
+def _serial_budget(plain: MatmulPlan, count: int, temps: np.ndarray, memory_limit: int) -> int:
+  """The temporaries a forced serialisation's passes are chosen within.
+
+  A serialised product is asked for to cut the working memory about
+  ``count``-fold (TF-IPU and PopTorch document serialisation as trading
+  cycles for memory): its passes take the fastest grid within ``1/count`` of
+  what the unserialised plan holds per tile or, when no grid of a pass is
+  that small (block faces shrink as the two-thirds power of a tile's work),
+  within 10 % of the smallest a pass can hold; never above the available
+  memory proportion when anything fits it.
+  """
+  budget = max(plain.temp_bytes // count, int(1.1 * temps.min()))
+  return min(budget, memory_limit) if (temps <= memory_limit).any() else budget
+
+
+def _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, axis, factor,
+                   memory_limit) -> tuple:
+  """``(count, axis, costs)`` of a forced serialisation: ``factor`` pieces, each cut
+  again into as few equal passes as fit (poplin plans each piece as a matmul of
+  its own), or the factor alone when nothing fits; None when no grid exists."""
+  size = m if axis == "m" else n
+  first = None
+  for times in (1,) + _SERIAL_COUNTS:
+    count = factor * times
+    if count > size:
+      break
+    option = _serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis, count,
+                            _SEARCH_BUDGET if times == 1 else _SEARCH_BUDGET // 8)
+    if option[2]["cycles"].size == 0:
+      continue
+    first = first or option
+    if (option[2]["temp"] <= memory_limit).any():
+      return option
+  return first
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
                  tree_reduce, serial=None):
@@ -568,10 +604,12 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
   # A forced serialisation searches only its own passes.
   options = []
   if serial is not None:
-    options = [_serial_option(target, b, m, n, k, operand, p_itemsize, limit, serial[0],
-                              serial[1], _SEARCH_BUDGET)]
-    if options[0][2]["cycles"].size == 0:  # no grid for the passes (a tile or two)
-      options, serial = [], None
+    forced = _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, serial[0], serial[1],
+                            memory_limit)
+    if forced is None:  # no grid for the passes (a tile or two)
+      serial = None
+    else:
+      options = [forced]
   if not options:
     options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
                                 tree_reduce=tree_reduce))]
@@ -587,12 +625,17 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
                                         count_, _SEARCH_BUDGET // 8))
       if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
         break
+  choose_limit = memory_limit
+  if serial is not None:
+    plain = _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
+                         tree_reduce)
+    choose_limit = _serial_budget(plain, serial[1], options[0][2]["temp"], memory_limit)
   best = None
   for count, axis, costs in options:
     if costs["cycles"].size == 0:
       continue
     cycles = costs["cycles"] * count
-    fits = costs["temp"] <= memory_limit
+    fits = costs["temp"] <= choose_limit
     if fits.any():
       order = np.lexsort((costs["tiles"], costs["temp"], np.where(fits, cycles, np.inf)))
       key = (0, float(cycles[order[0]]), float(costs["temp"][order[0]]))
@@ -601,7 +644,7 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       key = (1, float(costs["temp"][order[0]]), float(cycles[order[0]]))
     if best is None or key < best[0]:
       best = (key, count, axis, costs, int(order[0]))
-  (fits_key, _, _), count, axis, costs, i = best
+  _, count, axis, costs, i = best
   gb, gm, gn, gk = costs["grid"]
   block = tuple(int(x[i]) for x in costs["block"])
   return MatmulPlan(
@@ -614,7 +657,7 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       exchange_bytes=int(costs["exchange_bytes"][i]),
       reduce_bytes=int(costs["reduce_bytes"][i]),
       temp_bytes=int(costs["temp"][i]), memory_limit=memory_limit,
-      fits=fits_key == 0, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
+      fits=int(costs["temp"][i]) <= memory_limit, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
       serial=count, serial_axis=axis,
       reduce_fanins=(tree_fanins(int(gk[i]), int(costs["tree_stages"][i]))
                      if costs["tree_stages"][i] else ()))
