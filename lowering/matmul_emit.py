@@ -106,6 +106,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
+from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_grid_mapping, block_work,
                                           ceil_div, edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul,
@@ -294,7 +295,9 @@ def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out
   """Plan the product, claim its grid's tiles and create the result."""
   options = ctx.options
   if available_memory_proportion is None:
-    available_memory_proportion = options.available_memory_proportion
+    # A plan may spread over every IPU of the program: the tightest of theirs.
+    available_memory_proportion = proportion_for(options.available_memory_proportion,
+                                                 range(ctx.target.num_ipus))
   b, m, n, k = prod.b, prod.m, prod.n, prod.k
   in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
   acc = partials_dtype(in_dtype, out_dtype, partials_type or options.partials_type)
