@@ -33,6 +33,8 @@ operands' K slices, in order, each added to the running sum (TF-IPU's
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -42,6 +44,8 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import ad
 
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.builders import elementwise
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
@@ -103,13 +107,18 @@ def _batch_shape(a_shape, b_shape):
   return tuple(np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])))
 
 
+def _k_piece(a, b, *, factor, index):
+  """Piece ``index`` of the K split: the product of the operands' K slices."""
+  size = a.shape[-1] // factor
+  return matmul(lax.slice_in_dim(a, index * size, (index + 1) * size, axis=a.ndim - 1),
+                lax.slice_in_dim(b, index * size, (index + 1) * size, axis=b.ndim - 2))
+
+
 def _k_pieces(a, b, factor):
   """The K split: ``factor`` products of K slices, summed in order in the result type."""
-  size = a.shape[-1] // factor
   total = None
   for i in range(factor):
-    piece = matmul(lax.slice_in_dim(a, i * size, (i + 1) * size, axis=a.ndim - 1),
-                   lax.slice_in_dim(b, i * size, (i + 1) * size, axis=b.ndim - 2))
+    piece = _k_piece(a, b, factor=factor, index=i)
     total = piece if total is None else total + piece
   return total
 
@@ -240,15 +249,36 @@ def serialized_matmul(a, b, factor: int, mode, *, name: Optional[str] = None):
 # planned over all the tiles for its slice, exchanges its operand blocks,
 # multiplies and (with a K split in its grid) reduces its partials, then
 # writes its slice of the one result, so its temporaries are a pass's. K
-# split: the pieces' jaxpr (K slices of both operands, ``factor`` planned
-# matmuls, each added to the running sum in the result type) lowered in
-# place; each piece is its own planned product, in program order.
+# split: each piece's jaxpr (K slices of both operands, a planned matmul)
+# lowered in place, then added to the running sum in the result type in a
+# compute set of its own (kept out of elementwise fusion, so no more than
+# the running sum and one piece's product are live at once).
+
+
+def _accumulate(ctx, total: P.Tensor, piece: P.Tensor) -> P.Tensor:
+  """``total + piece`` in a compute set of its own, right after the piece.
+
+  Poplar adds each piece in place as it comes; elementwise fusion would
+  instead gather the adds into one compute set after the last piece, keeping
+  every piece's product live at once, so the step is kept out of it.
+  """
+  with ctx.module.sub_program() as (body, _):
+    (out,) = elementwise(ctx, jnp.add, [total, piece], [(piece.shape, piece.dtype)],
+                         name="serialized_matmul/accumulate", cost_op="add")
+  for node in body.programs:
+    ctx.emit(dataclasses.replace(node, elementwise=None)
+             if isinstance(node, P.Superstep) else node)
+  return out
 
 
 def _k_split_rule(ctx, a, b, factor):
   avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (a, b)]
-  closed = jax.make_jaxpr(lambda x, y: _k_pieces(x, y, factor))(*avals)
-  return lower_closed_jaxpr(ctx.module, closed, [a, b])
+  total = None
+  for index in range(factor):
+    closed = jax.make_jaxpr(functools.partial(_k_piece, factor=factor, index=index))(*avals)
+    (piece,) = lower_closed_jaxpr(ctx.module, closed, [a, b])
+    total = piece if total is None else _accumulate(ctx, total, piece)
+  return [total]
 
 
 @register_lowering(serialized_matmul_p)
