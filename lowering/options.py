@@ -80,10 +80,22 @@ def _proportion_ok(value) -> bool:
           and 0 < value <= 1)
 
 
+def _ipu_key(key):
+  """An IPU number from an int or PopTorch's ``"IPU<k>"`` key; None if neither."""
+  if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+    return int(key) if key >= 0 else None
+  if isinstance(key, str) and key.startswith("IPU") and key[3:].isdigit():
+    return int(key[3:])
+  return None
+
+
 def _pairs_as_dict(value):
-  """The stored form of a dict (sorted ``(ipu, value)`` pairs) back as a dict."""
+  """A dict with its keys as IPU numbers; the stored form of a dict (sorted
+  ``(ipu, value)`` pairs) back as a dict."""
   if isinstance(value, tuple) and value and all(isinstance(v, tuple) for v in value):
     return dict(value)
+  if isinstance(value, Mapping):
+    return {(_ipu_key(k) if _ipu_key(k) is not None else k): v for k, v in value.items()}
   return value
 
 
@@ -93,7 +105,7 @@ def _per_ipu_ok(value) -> bool:
     return len(value) > 0 and all(_proportion_ok(v) for v in value)
   if isinstance(value, Mapping):
     return len(value) > 0 and all(
-        isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 0
+        isinstance(k, int) and not isinstance(k, bool) and k >= 0
         and _proportion_ok(v) for k, v in value.items())
   return _proportion_ok(value)
 
@@ -112,7 +124,8 @@ def _per_ipu_convert(value):
 # An available memory proportion for every IPU, or one per IPU of a replica.
 PER_IPU_PROPORTION = OptionKind(
     "a number in (0, 1], a non-empty list of such numbers (one per IPU of a replica) or a "
-    "dict {ipu: number in (0, 1]} (IPUs it leaves out get the default, 0.6)",
+    "dict {ipu: number in (0, 1]} with keys IPU numbers or PopTorch's 'IPU<k>' (IPUs it "
+    "leaves out get the default, 0.6)",
     (numbers.Real, list, tuple, Mapping), _per_ipu_ok, _per_ipu_convert)
 
 

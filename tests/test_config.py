@@ -422,6 +422,8 @@ class PerIPUProportionTest(_CleanEnvironmentTest):
     cfg = self._config({0: 0.15, 3: 0.3}, path=path)
     # IPUs the dict leaves out keep the default.
     self.assertEqual([_get(cfg.for_ipu(i), path) for i in range(4)], [0.15, 0.6, 0.6, 0.3])
+    # PopTorch's Options.setAvailableMemoryProportion keys.
+    self.assertEqual(self._config({"IPU0": 0.15, "IPU3": 0.3}, path=path), cfg)
     hash(cfg.lowering_options())  # still a cache key
     self.assertEqual(IPUConfig.from_dict(cfg.to_dict()), cfg)
 
@@ -443,7 +445,8 @@ class PerIPUProportionTest(_CleanEnvironmentTest):
 
   @parameterized.named_parameters(
       ("above_one", [0.2, 1.5]), ("zero", {0: 0.0}), ("negative_key", {-1: 0.2}),
-      ("bool_key", {True: 0.2}), ("empty", []), ("nan", [float("nan")]))
+      ("bool_key", {True: 0.2}), ("empty", []), ("nan", [float("nan")]),
+      ("bad_name", {"GPU0": 0.2}))
   def test_values_checked_where_assigned(self, value):
     cfg = IPUConfig()
     with self.assertRaisesRegex(ValueError, r"matmuls.available_memory_proportion must be a "
