@@ -57,6 +57,14 @@ class SerializedMatmulTest(parameterized.TestCase):
     chex.assert_trees_all_close(np.asarray(got), np.asarray(jnp.matmul(a, b)), rtol=1e-5,
                                 atol=1e-5)
 
+  @parameterized.parameters(
+      ("a_columns", (0, 4), (4, 6)), ("a_rows_b_columns", (4, 0), (0, 6)),
+      ("b_rows", (4, 4), (4, 0)), ("b_rows", (4, 0), (0, 6)))
+  def test_empty(self, mode, a_shape, b_shape):
+    a, b = jnp.ones(a_shape), jnp.ones(b_shape)
+    got = ipu_jax.jit(lambda x, y: serialized_matmul(x, y, 2, mode), target=T16)(a, b)
+    chex.assert_trees_all_equal(np.asarray(got), np.asarray(a @ b))
+
   @parameterized.parameters(jnp.float16, jnp.bfloat16)
   def test_half_types(self, dtype):
     a, b = random_array((4, 8), dtype, seed=3), random_array((8, 6), dtype, seed=4)
