@@ -92,8 +92,9 @@ def _ipu_key(key):
 def _pairs_as_dict(value):
   """A dict with its keys as IPU numbers; the stored form of a dict (sorted
   ``(ipu, value)`` pairs) back as a dict."""
-  if isinstance(value, tuple) and value and all(isinstance(v, tuple) for v in value):
-    return dict(value)
+  if (isinstance(value, (list, tuple)) and value
+      and all(isinstance(v, (list, tuple)) and len(v) == 2 for v in value)):
+    return dict((k, v) for k, v in value)  # also as JSON gives it back: lists
   if isinstance(value, Mapping):
     return {(_ipu_key(k) if _ipu_key(k) is not None else k): v for k, v in value.items()}
   return value
