@@ -356,10 +356,11 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     partials_type: ``"float32"`` or ``"float16"``; None: the configured
       ``matmuls.partials_type``. Either way :func:`partials_dtype` decides.
     name: prefix of the steps' and tensors' names (default: the op).
-    serial: ``(axis, count)``: exactly ``count`` serial passes along the
-      canonical ``"m"`` (the lhs free dims) or ``"n"`` (the rhs free dims),
-      whatever fits (:func:`~ipu_jax.lowering.matmul_plan.plan_matmul`'s
-      ``serial``); None: passes only when nothing else fits.
+    serial: ``(axis, count)``: ``count`` serial passes (or a multiple, when
+      a piece does not fit) along the canonical ``"m"`` (the lhs free dims)
+      or ``"n"`` (the rhs free dims)
+      (:func:`~ipu_jax.lowering.matmul_plan.plan_matmul`'s ``serial``); None:
+      passes only when nothing else fits.
   """
   out_shape, out_dtype = tuple(int(d) for d in out_shape), np.dtype(out_dtype)
   name = name or ctx.op

@@ -41,6 +41,8 @@ the temporaries shrink and the cycles grow. When even that does not fit, the
 plan with the least temporary memory is returned (``fits=False``) and the
 program's out-of-memory check reports the tile (on a target of a tile or two
 the serial searches may find no grid at all; the single pass always has one).
+A serialised matmul (``serial=``) asks for a number of passes whatever
+fits, its grid chosen to cut the temporaries (:func:`_serial_budget`).
 
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
@@ -491,9 +493,10 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
       elements than tiles in a tree (``dot_general``); else such groups are
       costed as the reduce-scatter the lowering then emits.
     serial: ``(axis, count)`` with axis ``"m"`` or ``"n"``: do the product
-      in exactly ``count`` serial passes along that axis whatever fits (a
-      serialised matmul, :mod:`ipu_jax.ops.serialized_matmul`); None: passes
-      only when no single pass fits.
+      in ``count`` serial passes along that axis (a serialised matmul,
+      :mod:`ipu_jax.ops.serialized_matmul`), each piece cut again into as few
+      equal passes as fit when it does not, the passes' grid chosen by
+      :func:`_serial_budget`; None: passes only when no single pass fits.
 
   Returns:
     The cheapest :class:`MatmulPlan` that fits, in one pass when one fits,

@@ -9,13 +9,9 @@ partials), at the price of the pieces' extra syncs, exchanges and, for the
 contraction, the partial sums (docs/serialization.md). The names, as TF-IPU's
 source slices its operands (``a`` is ``[..., M, K]``, ``b`` ``[..., K, N]``):
 
-==================  ======================  ============  =========================
-TF-IPU mode         PopTorch mode           split         pieces combined
-==================  ======================  ============  =========================
-``a_columns``       ``InputChannels``       M (a's rows)  side by side (rows)
-``a_rows_b_columns`` ``ReducingDim``        K             summed in the result type
-``b_rows``          ``OutputChannels``      N (b's cols)  side by side (columns)
-==================  ======================  ============  =========================
+* ``a_columns`` (PopTorch ``InputChannels``): M, a's rows; pieces side by side.
+* ``a_rows_b_columns`` (``ReducingDim``): K; pieces summed in the result type.
+* ``b_rows`` (``OutputChannels``): N, b's columns; pieces side by side.
 
 The gradient is serialised too, as TF-IPU's custom gradient does it: the
 products of the transpose are serialised on the same dimension of the
@@ -23,11 +19,11 @@ problem (``dA = dC @ B^T`` and ``dB = A^T @ dC``; a split of M in the forward
 product is a split of the contraction of ``dB``, and so on).
 
 The tile rule (below the primitive): M and N splits are one planned matmul
-in exactly ``factor`` serial passes
-(:func:`~ipu_jax.lowering.matmul_emit.emit_matmul`'s ``serial``: each pass
-plans, exchanges and multiplies its slice and writes its part of the
-result, poplin's serial split); a K split lowers ``factor`` matmuls of the
-operands' K slices, in order, each added to the running sum (TF-IPU's
+in ``factor`` serial passes (:func:`~ipu_jax.lowering.matmul_emit.emit_matmul`'s
+``serial``: each pass plans, exchanges and multiplies its slice and writes
+its part of the result, poplin's serial split; a piece that does not fit is
+cut into more passes); a K split lowers ``factor`` matmuls of the operands'
+K slices, in order, each added to the running sum as it comes (TF-IPU's
 ``result += inner_func(...)``).
 """
 
@@ -244,8 +240,10 @@ def serialized_matmul(a, b, factor: int, mode, *, name: Optional[str] = None):
 # Tile plan. M or N split: the one matmul emitter's plan
 # (:mod:`ipu_jax.lowering.matmul_emit`, as ``ipu_jax.ops.matmul``: operands
 # ``[*batch, M, K] x [K, N]`` are one product whose rows are the batch and M,
-# batched operands a batched product) forced into exactly ``factor`` serial
-# passes along the canonical M (a's free dimensions) or N: each pass is
+# batched operands a batched product) forced into ``factor`` serial passes
+# (or a multiple, when a piece does not fit) along the canonical M (a's free
+# dimensions) or N, within 1/factor of the plain plan's temporaries where a
+# grid is that small (lowering/matmul_plan.py, ``_serial_budget``): each pass is
 # planned over all the tiles for its slice, exchanges its operand blocks,
 # multiplies and (with a K split in its grid) reduces its partials, then
 # writes its slice of the one result, so its temporaries are a pass's. K
