@@ -191,6 +191,11 @@ class EmbeddingLookupTest(parameterized.TestCase):
     want = jax.grad(lambda t: jnp.sum(jnp.sin(t[ids])))(table)
     chex.assert_trees_all_close(np.asarray(ipu_jax.jit(jax.grad(fn), target=T16)(table)),
                                 np.asarray(want), rtol=1e-6)
+    # The pieces' gradients are concatenated into one table, not padded to
+    # the table's size and summed.
+    names = [e.primitive.name for e in jax.make_jaxpr(jax.grad(fn))(table).jaxpr.eqns]
+    self.assertIn("concatenate", names)
+    self.assertNotIn("pad", names)
 
   def test_one_gather_per_piece(self):
     table, ids = random_array((12, 4), seed=2), jnp.array([0, 11, 5], jnp.int32)

@@ -10,17 +10,16 @@ results are added, so each output row is exactly its table row (one piece
 contributes it, the others add zeros). PopTorch's BERT and DALL-E examples
 build the same thing by hand (``SerializedEmbedding``).
 
-There is no new primitive: the pieces are ordinary ``lax`` slices, gathers,
-selects and adds, so every executor, ``grad`` and ``vmap`` take them as they
+There is no new primitive: the pieces are ordinary ``lax`` ops (one split,
+gathers, selects and adds), so every executor, ``grad`` and ``vmap`` take them as they
 are, and the lowering plans each piece's gather as its own step (the
-slices of the table are copies here; in Poplar they are views:
+pieces of the table are copies here; in Poplar they are views:
 docs/serialization.md).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from ipu_jax.ops.serialized_matmul import check_factor
 
@@ -57,8 +56,9 @@ def embedding_lookup(table, ids, serialization_factor: int = 1):
     return jnp.take(table, ids, axis=0)
   size = vocab // factor
   total = None
-  for i in range(factor):
-    piece = lax.slice_in_dim(table, i * size, (i + 1) * size, axis=0)
+  # One split (not factor slices): its gradient is one concatenation of the
+  # pieces' gradients, where slices' would be factor zero-padded tables summed.
+  for i, piece in enumerate(jnp.split(table, factor, axis=0)):
     local = ids - i * size
     inside = (local >= 0) & (local < size)
     rows = jnp.take(piece, jnp.where(inside, local, 0), axis=0)
