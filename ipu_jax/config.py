@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ipu_jax.kernels.target import PRESETS, IPUTarget
 from ipu_jax.lowering.options import (BOOL, LOWERING_KINDS, OPTIONAL_PATH, PROPORTION,
-                                      LoweringOptions, OptionKind, integer, one_of)
+                                      LoweringOptions, OptionKind, check_per_ipu, integer,
+                                      one_of, proportion_for)
 
 __all__ = [
     "IPUConfig",
@@ -238,7 +239,9 @@ class _MatmulOptions(_Group):
       "available_memory_proportion",
       "Fraction of each tile's memory a matmul may use for temporaries "
       "(Poplar's availableMemoryProportion); lower values trade cycles for "
-      "memory.")
+      "memory. Per IPU: a list with one value per IPU of a replica, or a "
+      "dict {ipu: value}; a pipeline stage plans under its IPU's value, a "
+      "program over several IPUs under the smallest of theirs.")
   partials_type = _lowering_option(
       "partials_type",
       "Type of matmul partial sums: 'float32' is more accurate, 'float16' "
@@ -252,7 +255,7 @@ class _ConvolutionOptions(_Group):
       "conv_available_memory_proportion",
       "Fraction of each tile's memory a convolution may use for temporaries "
       "(Poplar's availableMemoryProportion); lower values trade cycles for "
-      "memory.")
+      "memory. Per IPU as matmuls.available_memory_proportion.")
 
 
 class _MemoryOptions(_Group):
@@ -510,8 +513,34 @@ class IPUConfig(_Group):
               for name, path in _LOWERING_SOURCES.items()}
     if values["report_directory"] is None:
       values["report_directory"] = os.environ.get(REPORT_DIR_ENV) or None
+    for name in _PER_IPU_FIELDS:
+      check_per_ipu(_LOWERING_SOURCES[name], values[name], self.auto_select_ipus)
     return LoweringOptions(**values)
 
+  def for_ipu(self, ipu: int) -> "IPUConfig":
+    """A copy whose per-IPU options hold IPU ``ipu``'s value as one number.
+
+    What a program lowered for that one IPU (a pipeline stage) plans under.
+
+    Raises:
+      ValueError: ``ipu`` is not an IPU of the replica, or a per-IPU
+        option does not suit ``auto_select_ipus``.
+    """
+    if not 0 <= int(ipu) < self.auto_select_ipus:
+      raise ValueError(f"IPUConfig.for_ipu: IPU {ipu} is not one of the replica's IPUs "
+                       f"0..{self.auto_select_ipus - 1}.")
+    cfg = self.copy()
+    for name in _PER_IPU_FIELDS:
+      path = _LOWERING_SOURCES[name]
+      value = functools.reduce(getattr, path.split("."), self)
+      check_per_ipu(path, value, self.auto_select_ipus)
+      group, option = path.split(".")
+      setattr(getattr(cfg, group), option, proportion_for(value, [ipu]))
+    return cfg
+
+
+# Options that may give one value per IPU of a replica.
+_PER_IPU_FIELDS = ("available_memory_proportion", "conv_available_memory_proportion")
 
 # Each LoweringOptions field and the IPUConfig option it comes from; the
 # option supplies its default and its check.

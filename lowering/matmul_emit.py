@@ -106,6 +106,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
 from ipu_jax.lowering.mapping import TileMapping, tiles_key
+from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_grid_mapping, block_work,
                                           ceil_div, edge_sizes, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, plan_matmul,
@@ -289,15 +290,19 @@ class _Plan:
 
 
 def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out_dtype,
-               precision, available_memory_proportion, partials_type, name) -> _Plan:
+               precision, available_memory_proportion, partials_type, name,
+               serial=None) -> _Plan:
   """Plan the product, claim its grid's tiles and create the result."""
   options = ctx.options
   if available_memory_proportion is None:
-    available_memory_proportion = options.available_memory_proportion
+    # A plan may spread over every IPU of the program: the tightest of theirs.
+    available_memory_proportion = proportion_for(options.available_memory_proportion,
+                                                 range(ctx.target.num_ipus))
   b, m, n, k = prod.b, prod.m, prod.n, prod.k
   in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
   acc = partials_dtype(in_dtype, out_dtype, partials_type or options.partials_type)
-  plan = plan_matmul(ctx.target, b, m, n, k, in_dtype, acc, available_memory_proportion)
+  plan = plan_matmul(ctx.target, b, m, n, k, in_dtype, acc, available_memory_proportion,
+                     serial=serial)
   note = estimators.mac_cost_note(in_dtype)
   gb, gm, gn, gk = plan.grid
   bb, bm, bn, _ = plan.block
@@ -334,7 +339,8 @@ def _pass_counts(p: _Plan) -> Optional[np.ndarray]:
 
 def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape: Sequence[int],
                 out_dtype, *, precision=None, available_memory_proportion: Optional[float] = None,
-                partials_type: Optional[str] = None, name: Optional[str] = None) -> P.Tensor:
+                partials_type: Optional[str] = None, name: Optional[str] = None,
+                serial: Optional[tuple] = None) -> P.Tensor:
   """Emit a planned block matmul (and its partials reduction); returns the result.
 
   Args:
@@ -350,6 +356,11 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     partials_type: ``"float32"`` or ``"float16"``; None: the configured
       ``matmuls.partials_type``. Either way :func:`partials_dtype` decides.
     name: prefix of the steps' and tensors' names (default: the op).
+    serial: ``(axis, count)``: ``count`` serial passes (or a multiple, when
+      a piece does not fit) along the canonical ``"m"`` (the lhs free dims)
+      or ``"n"`` (the rhs free dims)
+      (:func:`~ipu_jax.lowering.matmul_plan.plan_matmul`'s ``serial``); None:
+      passes only when nothing else fits.
   """
   out_shape, out_dtype = tuple(int(d) for d in out_shape), np.dtype(out_dtype)
   name = name or ctx.op
@@ -359,7 +370,7 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
   if prod.k == 0:
     return fill_zeros(ctx, out_shape, out_dtype, f"{name}/zeros")
   p = _make_plan(ctx, lhs, rhs, prod, out_shape, out_dtype, precision,
-                 available_memory_proportion, partials_type, name)
+                 available_memory_proportion, partials_type, name, serial)
   gk = p.plan.grid[3]
   # The operand that is not cut into passes is exchanged the same way in
   # every pass: cost it once.

@@ -41,6 +41,8 @@ the temporaries shrink and the cycles grow. When even that does not fit, the
 plan with the least temporary memory is returned (``fits=False``) and the
 program's out-of-memory check reports the tile (on a target of a tile or two
 the serial searches may find no grid at all; the single pass always has one).
+A serialised matmul (``serial=``) asks for a number of passes whatever
+fits, its grid chosen to cut the temporaries (:func:`_serial_budget`).
 
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
@@ -475,7 +477,8 @@ def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce
 
 def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
                 partials_dtype=np.float32, available_memory_proportion: float = 0.6,
-                max_tiles: Optional[int] = None, tree_reduce: bool = True) -> MatmulPlan:
+                max_tiles: Optional[int] = None, tree_reduce: bool = True,
+                serial: Optional[tuple] = None) -> MatmulPlan:
   """Choose how a ``[b, m, k] x [b, k, n]`` product is cut over tiles.
 
   Args:
@@ -489,16 +492,26 @@ def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
     tree_reduce: whether the lowering sums a reduce group with fewer output
       elements than tiles in a tree (``dot_general``); else such groups are
       costed as the reduce-scatter the lowering then emits.
+    serial: ``(axis, count)`` with axis ``"m"`` or ``"n"``: do the product
+      in ``count`` serial passes along that axis (a serialised matmul,
+      :mod:`ipu_jax.ops.serialized_matmul`), each piece cut again into as few
+      equal passes as fit when it does not, the passes' grid chosen by
+      :func:`_serial_budget`; None: passes only when no single pass fits.
 
   Returns:
     The cheapest :class:`MatmulPlan` that fits, in one pass when one fits,
     else in the fewest serial passes found to fit; when nothing fits, the one
     with the least temporary memory per tile.
   """
+  if serial is not None:
+    axis, count = serial
+    if axis not in ("m", "n") or int(count) < 1:
+      raise ValueError(f"serial must be ('m' or 'n', count >= 1), got {serial!r}")
+    serial = (axis, int(count)) if int(count) > 1 else None
   return _plan_cached(target, int(b), int(m), int(n), int(k), np.dtype(dtype).name,
                       np.dtype(partials_dtype).name, float(available_memory_proportion),
                       target.num_tiles if max_tiles is None else int(max_tiles),
-                      bool(tree_reduce))
+                      bool(tree_reduce), serial)
 
 
 # Serial splits tried when no single-pass plan fits (poplin's serial splits).
@@ -533,9 +546,54 @@ def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
   return costs
 
 
+def _serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis, count, budget):
+  """``(count, axis, costs)`` of ``count`` equal passes along ``axis`` (the last may be short)."""
+  size = m if axis == "m" else n
+  length = int(ceil_div(size, count))
+  pm, pn = (length, n) if axis == "m" else (m, length)
+  return (count, axis, _search(target, b, pm, pn, k, operand, p_itemsize, limit, budget, axis,
+                               size - (count - 1) * length))
+
+
+def _serial_budget(plain: MatmulPlan, count: int, temps: np.ndarray, memory_limit: int) -> int:
+  """The temporaries a forced serialisation's passes are chosen within.
+
+  A serialised product is asked for to cut the working memory about
+  ``count``-fold (TF-IPU and PopTorch document serialisation as trading
+  cycles for memory): its passes take the fastest grid within ``1/count`` of
+  what the unserialised plan holds per tile or, when no grid of a pass is
+  that small (block faces shrink as the two-thirds power of a tile's work),
+  within 10 % of the smallest a pass can hold; never above the available
+  memory proportion when anything fits it.
+  """
+  budget = max(plain.temp_bytes // count, int(1.1 * temps.min()))
+  return min(budget, memory_limit) if (temps <= memory_limit).any() else budget
+
+
+def _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, axis, factor,
+                   memory_limit) -> tuple:
+  """``(count, axis, costs)`` of a forced serialisation: ``factor`` pieces, each cut
+  again into as few equal passes as fit (poplin plans each piece as a matmul of
+  its own), or the factor alone when nothing fits; None when no grid exists."""
+  size = m if axis == "m" else n
+  first = None
+  for times in (1,) + _SERIAL_COUNTS:
+    count = factor * times
+    if count > size:
+      break
+    option = _serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis, count,
+                            _SEARCH_BUDGET if times == 1 else _SEARCH_BUDGET // 8)
+    if option[2]["cycles"].size == 0:
+      continue
+    first = first or option
+    if (option[2]["temp"] <= memory_limit).any():
+      return option
+  return first
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
-                 tree_reduce):
+                 tree_reduce, serial=None):
   operand = np.dtype(dtype)
   p_itemsize = np.dtype(partials_dtype).itemsize
   limit = max(1, min(max_tiles, target.num_tiles))
@@ -546,9 +604,19 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
                       0.0, 0, 0, 0, memory_limit, True, 0)
   # One pass if any grid fits; else split M or N into serial passes that each
   # fit (each pass re-exchanges its operand blocks: more cycles, less memory).
-  options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
-                              tree_reduce=tree_reduce))]
-  if not (options[0][2]["temp"] <= memory_limit).any():
+  # A forced serialisation searches only its own passes.
+  options = []
+  if serial is not None:
+    forced = _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, serial[0], serial[1],
+                            memory_limit)
+    if forced is None:  # no grid for the passes (a tile or two)
+      serial = None
+    else:
+      options = [forced]
+  if not options:
+    options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
+                                tree_reduce=tree_reduce))]
+  if serial is None and not (options[0][2]["temp"] <= memory_limit).any():
     tried = set()
     for count in _SERIAL_COUNTS:
       for axis, size in (("n", n), ("m", m)):
@@ -556,19 +624,21 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
         count_ = int(ceil_div(size, ceil_div(size, count)))
         if count_ > 1 and (axis, count_) not in tried:
           tried.add((axis, count_))
-          length = int(ceil_div(size, count_))
-          pm, pn = (length, n) if axis == "m" else (m, length)
-          options.append((count_, axis, _search(target, b, pm, pn, k, operand, p_itemsize,
-                                                limit, _SEARCH_BUDGET // 8, axis,
-                                                size - (count_ - 1) * length)))
+          options.append(_serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis,
+                                        count_, _SEARCH_BUDGET // 8))
       if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
         break
+  choose_limit = memory_limit
+  if serial is not None:
+    plain = _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
+                         tree_reduce)
+    choose_limit = _serial_budget(plain, serial[1], options[0][2]["temp"], memory_limit)
   best = None
   for count, axis, costs in options:
     if costs["cycles"].size == 0:
       continue
     cycles = costs["cycles"] * count
-    fits = costs["temp"] <= memory_limit
+    fits = costs["temp"] <= choose_limit
     if fits.any():
       order = np.lexsort((costs["tiles"], costs["temp"], np.where(fits, cycles, np.inf)))
       key = (0, float(cycles[order[0]]), float(costs["temp"][order[0]]))
@@ -577,7 +647,7 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       key = (1, float(costs["temp"][order[0]]), float(cycles[order[0]]))
     if best is None or key < best[0]:
       best = (key, count, axis, costs, int(order[0]))
-  (fits_key, _, _), count, axis, costs, i = best
+  _, count, axis, costs, i = best
   gb, gm, gn, gk = costs["grid"]
   block = tuple(int(x[i]) for x in costs["block"])
   return MatmulPlan(
@@ -590,7 +660,7 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       exchange_bytes=int(costs["exchange_bytes"][i]),
       reduce_bytes=int(costs["reduce_bytes"][i]),
       temp_bytes=int(costs["temp"][i]), memory_limit=memory_limit,
-      fits=fits_key == 0, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
+      fits=int(costs["temp"][i]) <= memory_limit, candidates=int(sum(c["grid"][0].size for _, _, c in options)),
       serial=count, serial_axis=axis,
       reduce_fanins=(tree_fanins(int(gk[i]), int(costs["tree_stages"][i]))
                      if costs["tree_stages"][i] else ()))

@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 __all__ = ["BOOL", "LOWERING_KINDS", "LoweringOptions", "OPTIONAL_PATH", "OptionKind",
-           "PROPORTION", "integer", "one_of"]
+           "PER_IPU_PROPORTION", "PROPORTION", "check_per_ipu", "integer", "is_per_ipu",
+           "one_of", "proportion_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,95 @@ def integer(minimum: Optional[int] = None, allow_none: bool = False) -> OptionKi
 PROPORTION = OptionKind("a number in (0, 1]", (numbers.Real,),
                         lambda value: 0 < value <= 1, float)
 BOOL = OptionKind("a bool", (bool,))
+
+
+def _proportion_ok(value) -> bool:
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and 0 < value <= 1)
+
+
+def _ipu_key(key):
+  """An IPU number from an int or PopTorch's ``"IPU<k>"`` key; None if neither."""
+  if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+    return int(key) if key >= 0 else None
+  if isinstance(key, str) and key.startswith("IPU") and key[3:].isdigit():
+    return int(key[3:])
+  return None
+
+
+def _pairs_as_dict(value):
+  """A dict with its keys as IPU numbers; the stored form of a dict (sorted
+  ``(ipu, value)`` pairs) back as a dict."""
+  if (isinstance(value, (list, tuple)) and value
+      and all(isinstance(v, (list, tuple)) and len(v) == 2 for v in value)):
+    return dict((k, v) for k, v in value)  # also as JSON gives it back: lists
+  if isinstance(value, Mapping):
+    return {(_ipu_key(k) if _ipu_key(k) is not None else k): v for k, v in value.items()}
+  return value
+
+
+def _per_ipu_ok(value) -> bool:
+  value = _pairs_as_dict(value)
+  if isinstance(value, (list, tuple)):
+    return len(value) > 0 and all(_proportion_ok(v) for v in value)
+  if isinstance(value, Mapping):
+    return len(value) > 0 and all(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 0
+        and _proportion_ok(v) for k, v in value.items())
+  return _proportion_ok(value)
+
+
+def _per_ipu_convert(value):
+  """A float; a tuple of floats (a list: one per IPU); or sorted ``(ipu, float)``
+  pairs (a dict)."""
+  value = _pairs_as_dict(value)
+  if isinstance(value, (list, tuple)):
+    return tuple(float(v) for v in value)
+  if isinstance(value, Mapping):
+    return tuple(sorted((int(k), float(v)) for k, v in value.items()))
+  return float(value)
+
+
+# An available memory proportion for every IPU, or one per IPU of a replica.
+PER_IPU_PROPORTION = OptionKind(
+    "a number in (0, 1], a non-empty list of such numbers (one per IPU of a replica) or a "
+    "dict {ipu: number in (0, 1]} with keys IPU numbers or PopTorch's 'IPU<k>' (IPUs it "
+    "leaves out get the default, 0.6)",
+    (numbers.Real, list, tuple, Mapping), _per_ipu_ok, _per_ipu_convert)
+
+
+def is_per_ipu(value) -> bool:
+  """Whether a stored proportion gives values per IPU (not one float)."""
+  return isinstance(value, tuple)
+
+
+def check_per_ipu(name: str, value, num_ipus: int) -> None:
+  """A per-IPU proportion must name the replica's IPUs: a list has one entry
+  per IPU, a dict's keys are IPUs ``0 .. num_ipus - 1``."""
+  if not is_per_ipu(value):
+    return
+  if value and isinstance(value[0], tuple):
+    bad = [ipu for ipu, _ in value if ipu >= num_ipus]
+    if bad:
+      raise ValueError(f"{name}: IPU {bad[0]} is out of range; a replica has IPUs 0.."
+                       f"{num_ipus - 1} (auto_select_ipus={num_ipus}); got {dict(value)!r}.")
+  elif len(value) != num_ipus:
+    raise ValueError(f"{name}: a list needs one value per IPU of a replica "
+                     f"(auto_select_ipus={num_ipus}), got {len(value)}: {list(value)!r}.")
+
+
+def proportion_for(value, ipus, default: float = 0.6) -> float:
+  """The proportion for a plan on ``ipus``: the smallest of theirs.
+
+  Every tile of a plan holds blocks of one size, so a plan spread over
+  several IPUs must fit the tightest of their budgets.
+  """
+  if not is_per_ipu(value):
+    return float(value)
+  if value and isinstance(value[0], tuple):
+    table = dict(value)
+    return min(table.get(int(i), default) for i in ipus)
+  return min(value[int(i)] for i in ipus)
 OPTIONAL_PATH = OptionKind("a str (or path) or None", (str, os.PathLike),
                            convert=os.fspath, allow_none=True)
 
@@ -84,9 +175,11 @@ class LoweringOptions:
   are checked on construction.
 
   Attributes:
-    available_memory_proportion: ``matmuls.available_memory_proportion``.
+    available_memory_proportion: ``matmuls.available_memory_proportion``:
+      a float, or per IPU (a tuple of floats, or sorted ``(ipu, float)``
+      pairs); :func:`proportion_for` gives a plan's.
     conv_available_memory_proportion:
-      ``convolutions.available_memory_proportion``.
+      ``convolutions.available_memory_proportion`` (the same forms).
     partials_type: ``matmuls.partials_type``.
     allow_out_of_memory: ``memory.allow_out_of_memory``.
     report_directory: ``report.directory``, else ``$IPU_JAX_REPORT_DIR``.
@@ -124,8 +217,8 @@ class LoweringOptions:
 
 # The kind of value each LoweringOptions field accepts.
 LOWERING_KINDS = {
-    "available_memory_proportion": PROPORTION,
-    "conv_available_memory_proportion": PROPORTION,
+    "available_memory_proportion": PER_IPU_PROPORTION,
+    "conv_available_memory_proportion": PER_IPU_PROPORTION,
     "partials_type": one_of("float32", "float16"),
     "allow_out_of_memory": BOOL,
     "report_directory": OPTIONAL_PATH,

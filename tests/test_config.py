@@ -405,5 +405,105 @@ class DefaultConfigTest(chex.TestCase):
         pass
 
 
+class PerIPUProportionTest(_CleanEnvironmentTest):
+  """``available_memory_proportion`` per IPU of a replica (a list or a dict)."""
+
+  def _config(self, value, ipus=4, path="matmuls.available_memory_proportion"):
+    cfg = IPUConfig()
+    cfg.auto_select_ipus = ipus
+    _set(cfg, path, value)
+    return cfg
+
+  @parameterized.parameters("matmuls.available_memory_proportion",
+                            "convolutions.available_memory_proportion")
+  def test_list_and_dict(self, path):
+    cfg = self._config([0.15, 0.25, 0.25, 0.3], path=path)
+    self.assertEqual([_get(cfg.for_ipu(i), path) for i in range(4)], [0.15, 0.25, 0.25, 0.3])
+    cfg = self._config({0: 0.15, 3: 0.3}, path=path)
+    # IPUs the dict leaves out keep the default.
+    self.assertEqual([_get(cfg.for_ipu(i), path) for i in range(4)], [0.15, 0.6, 0.6, 0.3])
+    # PopTorch's Options.setAvailableMemoryProportion keys.
+    self.assertEqual(self._config({"IPU0": 0.15, "IPU3": 0.3}, path=path), cfg)
+    hash(cfg.lowering_options())  # still a cache key
+    import json  # reports save the config as JSON: pairs come back as lists
+    self.assertEqual(IPUConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))), cfg)
+
+  @parameterized.named_parameters(
+      ("short_list", [0.1, 0.2], 4, ValueError,
+       r"matmuls.available_memory_proportion: a list needs one value per IPU of a replica "
+       r"\(auto_select_ipus=4\), got 2"),
+      ("ipu_out_of_range", {4: 0.2}, 4, ValueError,
+       r"matmuls.available_memory_proportion: IPU 4 is out of range; a replica has IPUs 0..3"),
+  )
+  def test_shape_checked_before_anything_runs(self, value, ipus, error, message):
+    cfg = self._config(value, ipus)
+    with self.assertRaisesRegex(error, message):
+      cfg.lowering_options()
+    import jax.numpy as jnp
+    import ipu_jax
+    with self.assertRaisesRegex(error, message):
+      ipu_jax.jit(lambda x: x @ x, config=cfg).lower(jnp.ones((4, 4)))
+
+  @parameterized.named_parameters(
+      ("above_one", [0.2, 1.5]), ("zero", {0: 0.0}), ("negative_key", {-1: 0.2}),
+      ("bool_key", {True: 0.2}), ("empty", []), ("nan", [float("nan")]),
+      ("bad_name", {"GPU0": 0.2}))
+  def test_values_checked_where_assigned(self, value):
+    cfg = IPUConfig()
+    with self.assertRaisesRegex(ValueError, r"matmuls.available_memory_proportion must be a "
+                                r"number in \(0, 1\], a non-empty list"):
+      cfg.matmuls.available_memory_proportion = value
+
+  def test_for_ipu_out_of_range(self):
+    with self.assertRaisesRegex(ValueError, "IPU 4 is not one of the replica's IPUs 0..3"):
+      self._config(0.3).for_ipu(4)
+
+  def test_program_over_several_ipus_plans_under_the_smallest(self):
+    import jax.numpy as jnp
+    import ipu_jax
+
+    def names(value):
+      cfg = self._config(value, ipus=2)
+      cfg.device.tiles_per_ipu = 16
+      lowered = ipu_jax.jit(lambda x, w: x @ w, config=cfg).lower(jnp.ones((64, 256)),
+                                                                  jnp.ones((256, 256)))
+      return [s.name for s in lowered.report.profile.steps]
+
+    self.assertEqual(names([0.6, 0.05]), names(0.05))
+    self.assertEqual(names({1: 0.05}), names(0.05))
+    self.assertNotEqual(names(0.05), names(0.6))
+
+  def test_pipeline_stage_plans_under_its_ipu(self):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import ipu_jax
+    from ipu_jax.lowering.matmul_plan import plan_matmul
+    from ipu_jax.ops import pipeline_stage
+    from ipu_jax.pipelining import Pipeline
+
+    def loss(params, batch):
+      h = jnp.tanh(batch["x"] @ params[0])
+      h = pipeline_stage(h, 1)
+      return jnp.mean(jnp.tanh(h @ params[1]) ** 2)
+
+    cfg = self._config([0.05, 0.6], ipus=2)
+    cfg.device.tiles_per_ipu = 16
+    cfg.training.gradient_accumulation_steps = 4
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(256, 256)) * 0.1, jnp.float32) for _ in range(2)]
+    batches = {"x": jnp.asarray(rng.normal(size=(4, 64, 256)), jnp.float32)}
+    pipe = Pipeline(loss, config=cfg, device_mapping=[1, 0]).lower(params, batches)
+    target = IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    for stage in pipe.stages:
+      amp = [0.05, 0.6][stage.ipu]
+      label = plan_matmul(target, 1, 64, 256, 256, np.float32, np.float32, amp).label
+      steps = [s.name for s in stage.forward.report.profile.steps if "/matmul " in s.name]
+      self.assertTrue(steps and all(label in n for n in steps), (stage.ipu, label, steps))
+    # The two IPUs' plans differ, so each stage's shows its own IPU's value.
+    self.assertNotEqual(*[plan_matmul(target, 1, 64, 256, 256, np.float32, np.float32, a).label
+                          for a in (0.05, 0.6)])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -18,6 +18,9 @@ collectives' ring costs are ``ipu_jax.lowering.rules.parallel``'s).
 * :func:`cross_replica_reduce_scatter`, :func:`cross_replica_all_gather`: the
   two halves of an all-reduce, for replicated tensor sharding.
 * :func:`matmul`: ``jnp.matmul`` with poplin's per-op planning options.
+* :func:`serialized_matmul`: a product done as ``factor`` smaller ones in
+  sequence (TF-IPU's ``serialized_matmul``, PopTorch's ``serializedMatMul``);
+  :func:`embedding_lookup` with TF-IPU's ``serialization_factor``.
 * :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
   stochastic rounding mode does it (unbiased).
 * :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
@@ -40,6 +43,8 @@ from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_rep
                                      replica_index_p)
 from ipu_jax.ops.fp8 import cast_from_fp8, cast_to_fp8, fp8_matmul
 from ipu_jax.ops.matmul import matmul, matmul_p
+from ipu_jax.ops.serialized_matmul import serialized_matmul, serialized_matmul_p
+from ipu_jax.ops.embedding import embedding_lookup
 from ipu_jax.ops.sharded_collectives import (cross_replica_all_gather,
                                              cross_replica_all_gather_p,
                                              cross_replica_reduce_scatter,
@@ -59,5 +64,5 @@ __all__ = [
     "cross_replica_reduce_scatter", "cross_replica_all_gather",
     "cross_replica_reduce_scatter_p", "cross_replica_all_gather_p",
     "pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
-    "RECOMPUTATION_CHECKPOINT",
+    "RECOMPUTATION_CHECKPOINT", "serialized_matmul", "serialized_matmul_p", "embedding_lookup",
 ]

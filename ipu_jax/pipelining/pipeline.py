@@ -138,8 +138,9 @@ class Pipeline:
           f"and at least {minimum}.")
     return mapping
 
-  def _stage_config(self):
-    cfg = self.config.copy()
+  def _stage_config(self, ipu: int = 0):
+    # The stage's IPU's per-IPU options (available memory proportions) as numbers.
+    cfg = self.config.for_ipu(ipu)
     cfg.auto_select_ipus = 1
     cfg.replication_factor = 1
     cfg.memory.allow_out_of_memory = True  # checked per IPU, stash included
@@ -180,6 +181,7 @@ class Pipeline:
     values = {}
     stages, all_reads = [], []
     for stage in staged.stages:
+      cfg = self._stage_config(mapping[stage.index])
       p_k = [flat_params[i] for i in stage.params]
       b_k = [flat_micro[i] for i in stage.batch]
       in_k = [values[v] for v in stage.inputs]

@@ -79,6 +79,7 @@ from ipu_jax.lowering.matmul_plan import (BlockWork, GridPlan, block_grid_mappin
                                           blocked_storage, ceil_div, covering, edge_sizes,
                                           grid_product, grid_tiles, operand_dtype,
                                           operand_exchange_cost, partials_dtype, split_candidates)
+from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["ConvPlan", "ConvGeometry", "plan_conv", "conv_geometry"]
@@ -444,7 +445,9 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
   geo = conv_geometry(lhs.shape, rhs.shape, out_shape, dn, window_strides, padding,
                       lhs_dilation, rhs_dilation, feature_group_count, batch_group_count,
                       np.dtype(in_dtype).itemsize, acc.itemsize, in_dtype.name)
-  plan = plan_conv(target, geo, options.conv_available_memory_proportion)
+  # A plan may spread over every IPU of the program: the tightest of theirs.
+  plan = plan_conv(target, geo, proportion_for(options.conv_available_memory_proportion,
+                                               range(target.num_ipus)))
   grid = _output_grid(ctx, out_shape, dn[2], plan)
   out = ctx.new_tensor(out_shape, out_dtype,
                        block_grid_mapping(out_shape, grid.grids, grid.blocks, grid.tiles))
