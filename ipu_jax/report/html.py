@@ -52,12 +52,16 @@ from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import ordered_categories
 from ipu_jax.report.precision import number_formats_comparison
 from ipu_jax.report.precision import number_formats_comparison_rows
+from ipu_jax.report.timeline import timeline
 
 __all__ = ["HTML_FILE", "HTML_MISSING_FILE", "plotly_js", "report_payload",
            "report_html", "comparison_html", "write_report_html",
            "write_comparison_html", "write_page"]
 
 HTML_FILE = "report.html"
+# Spans of the page's execution trace (trace.json lays out more): plotly
+# draws a few thousand bars per lane smoothly.
+HTML_MAX_SPANS = 4_000
 HTML_MISSING_FILE = "HTML_MISSING.txt"
 
 _ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -126,8 +130,13 @@ def report_payload(report) -> dict:
     (tile map layout), ``memory`` (per-tile arrays, categories, peak step),
     ``liveness`` (not-always-live bytes per step), ``steps`` (columns),
     ``tile_cycles`` (per step, runs of busy tiles; None if unknown),
-    ``tensors``, ``operations`` and ``number_formats`` (loss-scale and FP8
-    telemetry as in report.json, or None).
+    ``tensors``, ``operations``, ``number_formats`` (loss-scale and FP8
+    telemetry as in report.json, or None), ``program_tree`` (as
+    ``Report.program_tree()``), ``timeline`` (the steps on a time axis,
+    :mod:`~ipu_jax.report.timeline`), ``codelets`` (per vertex type) and
+    ``tile_exchange`` (per step, runs over tiles of bytes received, sent and
+    of scratch; None if unknown): the per-tile liveness and the exchange
+    heatmap are computed from these runs in the page, on demand.
   """
   data = report._data  # pylint: disable=protected-access
   document = report.to_dict()
@@ -183,11 +192,16 @@ def report_payload(report) -> dict:
           "bytes_out": steps.bytes_out.tolist(),
           "ipu_link_bytes": steps.ipu_link_bytes.tolist(),
           "working_memory": steps.temporary_peak.tolist(),
+          "codelets": [list(c) for c in steps.codelets] or [[] for _ in steps.names],
       },
       "tile_cycles": tile_cycles,
       "tensors": tensors,
       "operations": _operations(report),
       "number_formats": document["number_formats"],
+      "program_tree": document["program_tree"],
+      "timeline": timeline(data, max_spans=HTML_MAX_SPANS).as_dict(),
+      "codelets": document.get("codelets") or [],
+      "tile_exchange": data.tile_exchange,
   }
 
 
@@ -220,7 +234,7 @@ def report_html(report) -> str:
   title = (f"{report.name} on {report.target.name} "
            f"({report.target.num_tiles:,} tiles) — ipu-jax report")
   return _page(title, _asset("report.html"), report_payload(report),
-               _asset("report.js"))
+               _asset("views.js") + "\n" + _asset("report.js"))
 
 
 def comparison_html(a, b) -> str:
