@@ -615,8 +615,11 @@ def _control_from_json(tree: Optional[dict]) -> Optional[dict]:
   """The shape of a saved ``program_tree`` (its cycles are recomputed)."""
   if not isinstance(tree, dict):
     return None
-  shape = {k: tree[k] for k in ("kind", "first", "count", "iterations",
-                                "replicas", "branch") if k in tree}
+  span = tree.get("steps") or []
+  shape = {k: tree[k] for k in ("kind", "iterations", "replicas", "branch")
+           if k in tree}
+  shape["first"] = int(span[0]) if span else 0
+  shape["count"] = int(span[1]) - int(span[0]) + 1 if span else 0
   if "children" in tree:
     shape["children"] = [_control_from_json(c) for c in tree["children"]]
   return shape

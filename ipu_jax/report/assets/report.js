@@ -93,7 +93,10 @@ function renderTileMap() {
         layout.yaxis.ticktext.push(`${r === 0 && T.num_ipus > 1 ? `IPU ${ipu}: ` : ""}tile ${ipu * T.tiles_per_ipu + r * columns}`);
       }
     }
-    layout.xaxis = {showticklabels: true, title: {text: "+ column"}, showgrid: false, zeroline: false, dtick: 10, side: "top"};
+    layout.xaxis = {showticklabels: true, title: {text: "column (tile = the row's first tile + column)"},
+                    showgrid: false, zeroline: false, dtick: 10};
+    layout.margin.b = 60;
+    layout.legend.y = -0.12;
     layout.margin.l = 110;
   }
   const over = [];

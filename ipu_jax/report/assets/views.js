@@ -249,14 +249,15 @@ function renderExchanges() {
   const which = document.getElementById("exchange-direction").value;
   const nTiles = REPORT.target.num_tiles;
   const z = steps.map((i) => {
-    const row = new Array(nTiles).fill(0);
+    // Tiles moving nothing stay blank (null), apart from the ones moving a little.
+    const row = new Array(nTiles).fill(null);
     for (const [first, count, value] of TE[which === "sent" ? "bytes_out" : "bytes_in"][i]) {
       for (let k = 0; k < count; k++) row[first + k] = value;
     }
     return row;
   });
   const trace = {type: "heatmap", z: z, x: [...Array(nTiles).keys()], y: steps.map((i) => `${i}`),
-    customdata: steps.map((i) => new Array(nTiles).fill(stepLabel(i))), colorscale: "YlOrRd", reversescale: true,
+    customdata: steps.map((i) => new Array(nTiles).fill(stepLabel(i))), colorscale: "YlOrRd", reversescale: true, hoverongaps: false, zmin: 0,
     hovertemplate: `superstep %{y} (%{customdata})<br>tile %{x}: %{z:,} B ${which}<extra></extra>`,
     colorbar: {title: {text: `bytes ${which}`}, tickformat: ",d"}};
   const layout = {
