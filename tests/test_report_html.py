@@ -464,7 +464,64 @@ class MainJobPageTest(_BrowserTestCase):
     self.assertEqual(sorted(drawn[0]), sorted(document["memory"]["peak"]))
     self.assertLen(drawn[1], len(document["steps"]))
     self.assertEqual(drawn[2], 3)  # sync, exchange, compute of one IPU lane
+    self._check_main_job_views(document)
     self._screenshot("mnist.png")
+
+  def _check_main_job_views(self, document):
+    """The PopVision-like views of the main job's page (issue 31)."""
+    # The program tree lists the training loop with its repeat count: one
+    # trip per weight update of an execution, its steps the matmuls.
+    updates = document["run_setup"]["weight_updates_per_execution"]
+    loops = self.driver.find_elements(
+        By.CSS_SELECTOR, "#program-tree details[data-kind='repeat']")
+    self.assertLen(loops, 1)
+    loop = loops[0]
+    self.assertEqual(loop.get_attribute("data-iterations"), str(updates))
+    self.assertIn(f"repeat ×{updates}", loop.text)
+    first, last = (int(loop.get_attribute(k)) for k in ("data-first", "data-last"))
+    ops = [s["op"] for s in document["steps"][first:last + 1]]
+    self.assertGreaterEqual(ops.count("dot_general"), 6)  # 3 layers, fwd + bwd
+    # Opening the loop's run of steps lists them; clicking one shows it.
+    run = loop.find_element(By.CSS_SELECTOR, "details[data-kind='steps']")
+    run.find_element(By.TAG_NAME, "summary").click()
+    link = run.find_element(By.CSS_SELECTOR, f"a[data-step='{first + 1}']")
+    link.click()
+    self.assertEqual(self._text("step-heading"), f"Superstep {first + 1}")
+    # The trace: one lane per IPU on a cycle axis, the loop's later trips
+    # summarised, ending at the total.
+    trace = self.driver.execute_script(
+        """const gd = document.getElementById('trace-chart');
+        const phases = gd.data.filter((t) => ['sync', 'exchange', 'compute'].includes(t.name));
+        const loops = gd.data.find((t) => t.name.startsWith('loops'));
+        return [[...new Set(phases.map((t) => t.y).flat())], gd.layout.xaxis.title.text,
+                loops.hovertext, loops.x];""")
+    self.assertEqual(trace[0], ["IPU 0"])
+    self.assertEqual(trace[1], "cycles")
+    # The loop's span lasts as long as the program tree says the loop does.
+    tree_loop = [n for n in document["program_tree"]["children"]
+                 if n["kind"] == "repeat"][0]
+    span = trace[2].index(f"repeat ×{updates}")
+    self.assertAlmostEqual(trace[3][span], tree_loop["total_cycles"], places=3)
+    self.assertIn(f"{updates - 4} more iterations of repeat ×{updates}", trace[2])
+    # Choosing a tile shows its liveness curve, whose top is its peak.
+    tile = 5
+    self._choose_tile(tile)
+    WebDriverWait(self.driver, 10).until(
+        lambda d: d.find_element(By.ID, "tile-heading").text.startswith(
+            f"tile {tile}"))
+    self.assertEqual(max(self._drawn_tile_liveness()),
+                     document["memory"]["peak"][tile])
+    # The vertex table and the exchange heatmap.
+    self.assertLen(self.driver.find_elements(By.CSS_SELECTOR, "#codelets tbody tr"),
+                   len(document["codelets"]))
+    self.assertNotEmpty(document["codelets"])
+    heatmap = self.driver.execute_script(
+        "return document.getElementById('exchange-heatmap').data[0].type;")
+    self.assertEqual(heatmap, "heatmap")
+    # A detail panel keeps a whole file:line in view at 1400 px.
+    self.assertRegex(self._text("step-source"), r"\.py:\d+$")
+    self._assert_source_fits_its_panel("step-source", "step-panel")
+    self._assert_no_console_errors()
 
 
 class WithoutBrowserTest(chex.TestCase):

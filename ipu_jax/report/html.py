@@ -62,6 +62,9 @@ HTML_FILE = "report.html"
 # Spans of the page's execution trace (trace.json lays out more): plotly
 # draws a few thousand bars per lane smoothly.
 HTML_MAX_SPANS = 4_000
+# Runs of per-tile exchange and scratch bytes the page embeds (about 12 bytes
+# each: the main job's 3,800 take 45 KB); beyond this the page leaves them out.
+HTML_MAX_TILE_RUNS = 100_000
 HTML_MISSING_FILE = "HTML_MISSING.txt"
 
 _ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -201,8 +204,22 @@ def report_payload(report) -> dict:
       "program_tree": document["program_tree"],
       "timeline": timeline(data, max_spans=HTML_MAX_SPANS).as_dict(),
       "codelets": document.get("codelets") or [],
-      "tile_exchange": data.tile_exchange,
+      "tile_exchange": _bounded_tile_exchange(data.tile_exchange),
   }
+
+
+def _bounded_tile_exchange(tile_exchange: Optional[dict]) -> Optional[dict]:
+  """The per-step tile runs, or None when they would bloat the page.
+
+  Most steps hold equal bytes on runs of tiles (a few runs each); a program
+  of thousands of steps with irregular layouts could reach millions, which
+  report.json keeps but the page leaves out (its per-tile liveness then
+  shows tensors only, and it says so).
+  """
+  if tile_exchange is None:
+    return None
+  runs = sum(len(step) for column in tile_exchange.values() for step in column)
+  return tile_exchange if runs <= HTML_MAX_TILE_RUNS else None
 
 
 def _json_for_script(document) -> str:

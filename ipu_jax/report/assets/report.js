@@ -95,8 +95,9 @@ function renderTileMap() {
     }
     layout.xaxis = {showticklabels: true, title: {text: "column (tile = the row's first tile + column)"},
                     showgrid: false, zeroline: false, dtick: 10};
-    layout.margin.b = 60;
-    layout.legend.y = -0.12;
+    layout.margin.b = 90;
+    layout.height += 70;
+    layout.legend.y = -0.16;
     layout.margin.l = 110;
   }
   const over = [];
@@ -209,9 +210,10 @@ function renderLiveness() {
     customdata: steps.map((i) => stepLabel(i)),
     hovertemplate: "superstep %{x}: %{customdata}<br>%{y:,} B not always live<extra></extra>"};
   const layout = {
-    title: {x: 0.01, xanchor: "left", text: `Not-always-live bytes on the device per superstep, summed over tiles (always-live: ${fmtBytes(REPORT.liveness.always_live_bytes)})`,
-            font: {size: 13}},
-    height: 380, margin: {l: 80, r: 10, t: 40, b: 40}, bargap: 0,
+    title: {x: 0.01, xanchor: "left", font: {size: 13},
+            text: "Not-always-live bytes on the device (all tiles) per superstep" +
+                  `<br><sub>always-live bytes on top of these: ${fmtBytes(REPORT.liveness.always_live_bytes)}</sub>`},
+    height: 380, margin: {l: 80, r: 10, t: 55, b: 40}, bargap: 0,
     xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.12}, ...integerTicks()},
     yaxis: {title: {text: "bytes"}, tickformat: ",d", fixedrange: true}, hovermode: "x",
   };

@@ -197,6 +197,10 @@ function renderTileLiveness(tile) {
       {label: "Live"}, {label: "Source"}],
     atPeak.map(([t, bytes]) => [cell(escapeHtml(t.name), t.name), cell(escapeHtml(t.category)), numCell(bytes),
       cell(`${t.live_from}–${t.live_to}`, t.live_from), cell(`<span class="src">${escapeHtml(t.source)}</span>`, t.source)]));
+  if (!REPORT.tile_exchange) {
+    table.innerHTML += "<p class='hint'>This page leaves out the steps' own scratch and exchange buffers per tile " +
+      "(too many to embed, or a report saved before they were recorded): the curve shows tensors only.</p>";
+  }
   table.querySelectorAll("table").forEach(makeSortable);
   return Plotly.react(div, data, layout, PLOT_CONFIG);
 }
