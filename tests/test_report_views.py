@@ -232,5 +232,19 @@ class CodeletAndExchangeTest(chex.TestCase):
     self.assertEqual(loaded.codelets(), report.codelets())
 
 
+  def test_page_leaves_out_tile_runs_past_its_budget(self):
+    from unittest import mock
+    from ipu_jax.report import html as html_lib
+    report = _report()
+    payload = html_lib.report_payload(report)
+    runs = sum(len(step) for column in payload["tile_exchange"].values()
+               for step in column)
+    self.assertGreater(runs, 0)
+    with mock.patch.object(html_lib, "HTML_MAX_TILE_RUNS", runs - 1):
+      self.assertIsNone(html_lib.report_payload(report)["tile_exchange"])
+    with mock.patch.object(html_lib, "HTML_MAX_TILE_RUNS", runs):
+      self.assertIsNotNone(html_lib.report_payload(report)["tile_exchange"])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -57,9 +57,21 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "temporary_bytes_peak": int,     # the step's working memory, busiest tile
         "fused_ops": [[str, str]],      # [op, source] of each operation fused
                                          # into this compute set ([] if none)
-        "compute_cycles_tiles": [[int, int, float]]  # v2: runs of busy tiles
+        "compute_cycles_tiles": [[int, int, float]],  # v2: runs of busy tiles
                                          # [first_tile, count, cycles]
+        "codelets": [str],               # added: vertex types its compute set runs
+        "exchange_bytes_in_tiles",       # added: runs [first_tile, count, bytes]
+        "exchange_bytes_out_tiles",      # of bytes each tile receives / sends,
+        "scratch_bytes_tiles": [[int, int, int]]  # and of its scratch
       }],
+      "program_tree": {...},             # added: Report.program_tree() (the
+                                         # control program with cycles;
+                                         # ipu_jax/report/program_tree.py)
+      "codelets": [{                     # added: per vertex type
+        "codelet": str, "compute_sets", "executions", "tiles",
+        "code_bytes", "vertex_state_bytes": int,
+        "cycles": float, "vertices": float  # shared equally by the types
+      }],                                # of one compute set
       "tensors": [{
         "name", "dtype", "category", "op", "source": str, "shape": [int],
         "total_bytes": int, "tiles": int,  # number of tiles holding a part

@@ -3,18 +3,25 @@
 What PopVision Graph Analyser shows, in one self-contained HTML file that
 opens from disk with no server and no network:
 
+* **Program tree**: the control program -- loops with their repeat counts,
+  conditionals, runs of supersteps -- each node with its total and self
+  cycles; a run's steps open to their details.
 * **Memory**: a map of every tile of every IPU (colour = bytes at the tile's
-  peak). Hovering a tile shows its bytes; clicking it lists what lives on it
-  by category (tensors with their bytes on that tile, vertex state, code,
-  exchange buffers), the superstep of its peak and its bytes against the
-  SRAM limit.
+  peak; tile numbers in the cells or on the rows; the peak and the selected
+  tile marked). Clicking a tile lists what lives on it by category, and
+  draws its own liveness: its bytes at every superstep by category, with
+  the tensors live at its peak.
 * **Liveness**: not-always-live bytes on the device at every superstep
   (drag to zoom, range slider below); clicking a superstep lists the tensors
   live there.
-* **Execution**: cycles per superstep split into compute / exchange / sync,
-  one lane per IPU; clicking a superstep shows its tile balance (compute
-  cycles of every tile) and details; the operations table sorts by any
-  column (cycles, working memory, FLOPs, source line...).
+* **Execution**: the supersteps on a time axis (cycles), one lane per IPU,
+  each split into sync / exchange / compute, each loop's first trips drawn
+  and the rest summarised (:mod:`~ipu_jax.report.timeline`); below, cycles
+  per superstep by index. Clicking a superstep shows its tile balance and
+  details; the operations table sorts by any column.
+* **Vertex types** and **Exchanges**: cycles, vertices and code bytes per
+  codelet; per exchange its bytes sent, received and over IPU-Links, and a
+  heatmap of the bytes each tile sends (or receives).
 * **Number formats** (only when telemetry was recorded): the FP8 log2
   scales per tensor kind, the loss scale over steps, a table per tensor.
 
@@ -24,13 +31,15 @@ opens from disk with no server and no network:
 The charts are plotly.js, embedded from the ``plotly`` pip package's own
 bundled ``plotly.min.js`` (an optional dependency: ``pip install
 ipu-jax[plots]``); without it :meth:`Report.save` writes ``HTML_MISSING.txt``
-instead. The page's own script (``assets/report.js``) only turns the report's
-numbers into plotly figures, tables and panels.
+instead. The page's own scripts (``assets/report.js``, ``assets/views.js``)
+only turn the report's numbers into plotly figures, tables and panels.
 
 The numbers travel as one JSON document (:func:`report_payload`) in a
 ``<script type="application/json">`` tag; per-tile arrays of tensors and
-compute sets are run-length encoded over tiles (``[first, count, value]``),
-so a 1,472-tile program stays a few hundred kilobytes of data.
+compute sets, and each step's exchange and scratch bytes, are run-length
+encoded over tiles (``[first, count, value]``), so a 1,472-tile program stays
+a few hundred kilobytes of data; a tile's liveness and the exchange heatmap
+are expanded from those runs in the page when shown.
 """
 
 from __future__ import annotations
