@@ -232,6 +232,18 @@ class CodeletAndExchangeTest(chex.TestCase):
     self.assertEqual(loaded.codelets(), report.codelets())
 
 
+  def test_summary_names_both_memory_totals(self):
+    report = _report()
+    summary = report.summary()
+    live = report.live_over_program
+    step = int(np.argmax(live))
+    self.assertIn(f"Device peak:           {int(live[step]):,} B", summary)
+    self.assertIn(f"live on all tiles at superstep {step} ", summary)
+    total = int(report.memory_per_tile.sum())
+    self.assertRegex(summary, rf"Total over device: +{total:,} B.*: the sum of "
+                     r"each tile's own peak")
+    self.assertGreater(total, int(live[step]))
+
   def test_page_leaves_out_tile_runs_past_its_budget(self):
     from unittest import mock
     from ipu_jax.report import html as html_lib
