@@ -313,6 +313,11 @@ class ReportPageTest(_BrowserTestCase):
         const find = (name) => gd.data.find((t) => t.name === name).customdata[0];
         return [find('selected tile'), find('peak tile')];""")
     self.assertEqual(marked, [tile, document["totals"]["peak_tile"]])
+    # Every tile's number is written in its cell (16 tiles per IPU).
+    numbers = self.driver.execute_script(
+        """return Array.from(document.querySelectorAll('#tile-map .heatmaplayer text'))
+            .map((t) => t.textContent).filter((t) => t !== '');""")
+    self.assertEqual(sorted(int(n) for n in numbers), list(range(len(peak))))
     self._assert_no_console_errors()
 
   def test_vertex_table_and_exchange_heatmap(self):

@@ -68,9 +68,9 @@ __all__ = ["HTML_FILE", "HTML_MISSING_FILE", "plotly_js", "report_payload",
            "write_comparison_html", "write_page"]
 
 HTML_FILE = "report.html"
-# Spans of the page's execution trace (trace.json lays out more): plotly
-# draws a few thousand bars per lane smoothly.
-HTML_MAX_SPANS = 4_000
+# Bars of the page's execution trace, over all IPU lanes and phases (trace.json
+# lays out more): plotly draws about this many smoothly.
+HTML_MAX_BARS = 24_000
 # Runs of per-tile exchange and scratch bytes the page embeds (about 12 bytes
 # each: the main job's 3,800 take 45 KB); beyond this the page leaves them out.
 HTML_MAX_TILE_RUNS = 100_000
@@ -211,7 +211,8 @@ def report_payload(report) -> dict:
       "operations": _operations(report),
       "number_formats": document["number_formats"],
       "program_tree": document["program_tree"],
-      "timeline": timeline(data, max_spans=HTML_MAX_SPANS).as_dict(),
+      "timeline": timeline(
+          data, max_spans=max(200, HTML_MAX_BARS // (3 * target.num_ipus))).as_dict(),
       "codelets": document.get("codelets") or [],
       "tile_exchange": _bounded_tile_exchange(data.tile_exchange),
   }

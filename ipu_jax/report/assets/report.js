@@ -73,7 +73,11 @@ function renderTileMap() {
     hovertemplate: "tile %{customdata}<br>%{z:,} B at peak<extra></extra>",
     colorbar: {title: {text: "bytes"}, tickformat: ",d"},
   };
-  if (numbered) { trace.texttemplate = "%{customdata}"; trace.textfont = {size: 9, color: "#fff"}; }
+  if (numbered) {
+    // Heatmap text templates read `text`, not `customdata`.
+    const text = ids.map((row) => row.map((tile) => (tile === null ? "" : String(tile))));
+    Object.assign(trace, {text: text, texttemplate: "%{text}", textfont: {size: 9, color: "#fff"}});
+  }
   const layout = {
     title: {x: 0.01, xanchor: "left", text: `Bytes at each tile's peak (max ${fmtBytes(maxPeak)}; SRAM ${fmtBytes(M.tile_limit)} per tile)`,
             font: {size: 13}},
