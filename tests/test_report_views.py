@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax.lowering import program as P
+from ipu_jax.lowering.control_tree import control_tree
 from ipu_jax.report import trace as trace_lib
 from ipu_jax.report.data import expand_runs
 
@@ -52,6 +54,48 @@ def _nodes(node):
 def _weighted(report):
   steps = report._data.steps  # pylint: disable=protected-access
   return steps.weighted_cycles
+
+
+def _step(name):
+  return P.Superstep(name=name, op=name, reads=(), writes=(), fn=lambda: ())
+
+
+class ControlTreeTest(parameterized.TestCase):
+  """The shape the lowering records, on every kind of control program."""
+
+  def test_every_control_kind_over_contiguous_step_ranges(self):
+    program = P.Sequence(
+        _step("a"),
+        P.Sequence(_step("b"), _step("c")),  # merged into the parent
+        P.Repeat(3, P.Sequence(_step("d"), _step("e"))),
+        P.RepeatWhileTrue(_step("cond"), None, _step("body")),
+        P.Switch(None, [(0, _step("zero")), (2, P.Sequence(_step("t1"), _step("t2")))],
+                 _step("other")),
+        P.If(None, _step("then")),
+        P.Replicated(_step("r"), (("replica", 4),)))
+    tree = control_tree(program)
+    leaves = [node.name for node, _, _ in P.iter_steps(program)]
+    self.assertEqual(tree["count"], len(leaves))
+    kinds = [(n["kind"], n.get("branch"), n["first"], n["count"])
+             for n in tree["children"]]
+    self.assertEqual(kinds, [("steps", None, 0, 3), ("repeat", None, 3, 2),
+                             ("repeat_while", None, 5, 2), ("switch", None, 7, 4),
+                             ("if", None, 11, 1), ("replicated", None, 12, 1)])
+    repeat, loop, switch, cond, replicated = tree["children"][1:]
+    self.assertEqual(repeat["iterations"], 3)
+    self.assertEqual([c.get("branch") for c in loop["children"]],
+                     ["condition", "body"])
+    self.assertEqual([(c.get("branch"), c["kind"], c["first"], c["count"])
+                      for c in switch["children"]],
+                     [("case 0", "steps", 7, 1), ("case 2", "steps", 8, 2),
+                      ("default", "steps", 10, 1)])
+    self.assertEqual([c.get("branch") for c in cond["children"]], ["then"])
+    self.assertEqual(replicated["replicas"], 4)
+    self.assertEqual(leaves[3:5], ["d", "e"])
+
+  def test_rejects_what_is_not_a_program(self):
+    with self.assertRaisesRegex(TypeError, "not a tile program"):
+      control_tree(P.Sequence(object()))
 
 
 class ProgramTreeTest(parameterized.TestCase):
