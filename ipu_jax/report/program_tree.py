@@ -57,15 +57,10 @@ def _label(node: dict) -> str:
   return kind
 
 
-def _with_cycles(node: dict, weighted: np.ndarray, executions: np.ndarray,
-                 outer: int) -> dict:
+def _with_cycles(node: dict, weighted: np.ndarray, runs: int) -> dict:
+  """``node`` with its cycles; ``runs``: times it runs per program run."""
   first, count = int(node["first"]), int(node["count"])
   total = float(weighted[first:first + count].sum())
-  runs = outer
-  if node["kind"] == "repeat":
-    inner = outer * int(node["iterations"])
-  else:
-    inner = outer
   out = {"kind": node["kind"], "label": _label(node)}
   for key in ("branch", "iterations", "replicas"):
     if key in node:
@@ -75,8 +70,8 @@ def _with_cycles(node: dict, weighted: np.ndarray, executions: np.ndarray,
   if node["kind"] == "steps":
     out["self_cycles"] = total
     return out
-  children = [_with_cycles(c, weighted, executions, inner)
-              for c in node.get("children", [])]
+  inner = runs * int(node["iterations"]) if node["kind"] == "repeat" else runs
+  children = [_with_cycles(c, weighted, inner) for c in node.get("children", [])]
   out["self_cycles"] = float(sum(c["total_cycles"] for c in children
                                  if c["kind"] == "steps"))
   out["children"] = children
@@ -95,6 +90,6 @@ def program_tree(data: ReportData, root: Optional[dict] = None) -> dict:
   """
   steps = data.steps
   shape = root if root is not None else control_shape(data)
-  tree = _with_cycles(shape, steps.weighted_cycles, steps.executions, 1)
+  tree = _with_cycles(shape, steps.weighted_cycles, 1)
   tree["label"] = f"program {data.name}"
   return tree

@@ -224,6 +224,8 @@ function renderCodelets() {
   makeSortable(wrap.querySelector("table"));
 }
 
+const MAX_HEATMAP_ROWS = 400;
+
 function exchangeSteps() {
   const S_ = REPORT.steps, out = [];
   for (let i = 0; i < S_.name.length; i++) {
@@ -252,7 +254,15 @@ function renderExchanges() {
   }
   const which = document.getElementById("exchange-direction").value;
   const nTiles = REPORT.target.num_tiles;
-  const z = steps.map((i) => {
+  // Rows x tiles cells: past MAX_HEATMAP_ROWS exchanges, the ones moving the
+  // most bytes (in program order), as the title says.
+  let shown = steps;
+  if (steps.length > MAX_HEATMAP_ROWS) {
+    const heaviest = new Set([...steps].sort((a, b) => (S_.bytes_out[b] + S_.bytes_in[b]) -
+      (S_.bytes_out[a] + S_.bytes_in[a])).slice(0, MAX_HEATMAP_ROWS));
+    shown = steps.filter((i) => heaviest.has(i));
+  }
+  const z = shown.map((i) => {
     // Tiles moving nothing stay blank (null), apart from the ones moving a little.
     const row = new Array(nTiles).fill(null);
     for (const [first, count, value] of TE[which === "sent" ? "bytes_out" : "bytes_in"][i]) {
@@ -260,14 +270,15 @@ function renderExchanges() {
     }
     return row;
   });
-  const trace = {type: "heatmap", z: z, x: [...Array(nTiles).keys()], y: steps.map((i) => `${i}`),
-    customdata: steps.map((i) => new Array(nTiles).fill(stepLabel(i))), colorscale: "YlOrRd", reversescale: true, hoverongaps: false, zmin: 0,
-    hovertemplate: `superstep %{y} (%{customdata})<br>tile %{x}: %{z:,} B ${which}<extra></extra>`,
+  const trace = {type: "heatmap", z: z, x: [...Array(nTiles).keys()], y: shown.map((i) => `${i}`),
+    colorscale: "YlOrRd", reversescale: true, hoverongaps: false, zmin: 0,
+    hovertemplate: `superstep %{y}<br>tile %{x}: %{z:,} B ${which}<extra></extra>`,
     colorbar: {title: {text: `bytes ${which}`}, tickformat: ",d"}};
   const layout = {
     title: {x: 0.01, xanchor: "left", font: {size: 13},
-      text: `Bytes ${which} per tile in each exchange (${steps.length} exchanges)`},
-    height: Math.min(720, 160 + 14 * steps.length), margin: {l: 70, r: 10, t: 40, b: 50},
+      text: `Bytes ${which} per tile in each exchange (${shown.length < steps.length ?
+        `the ${shown.length} moving the most bytes of ` : ""}${steps.length} exchanges)`},
+    height: Math.min(720, 160 + 14 * shown.length), margin: {l: 70, r: 10, t: 40, b: 50},
     xaxis: {title: {text: "tile"}}, yaxis: {title: {text: "superstep"}, type: "category", autorange: "reversed"},
   };
   return Plotly.react(div, [trace], layout, PLOT_CONFIG).then(() => {
