@@ -35,7 +35,7 @@ class _Builder:
   def __init__(self):
     self.next_step = 0
 
-  def node(self, program, kind: str, parts, **extra) -> dict:
+  def node(self, kind: str, parts, **extra) -> dict:
     first = self.next_step
     children = []
     for branch, part in parts:
@@ -61,20 +61,20 @@ class _Builder:
 
   def _control(self, program) -> dict:
     if isinstance(program, P.Repeat):
-      return self.node(program, "repeat", [(None, program.body)],
+      return self.node("repeat", [(None, program.body)],
                        iterations=int(program.count))
     if isinstance(program, P.Replicated):
-      return self.node(program, "replicated", [(None, program.body)],
+      return self.node("replicated", [(None, program.body)],
                        replicas=int(program.num_replicas))
     if isinstance(program, P.RepeatWhileTrue):
-      return self.node(program, "repeat_while", [("condition", program.condition),
+      return self.node("repeat_while", [("condition", program.condition),
                                                  ("body", program.body)])
     if isinstance(program, P.If):
-      return self.node(program, "if", [("then", program.then),
+      return self.node("if", [("then", program.then),
                                        ("else", program.else_)])
     if isinstance(program, P.Switch):
       parts = [(f"case {value}", case) for value, case in program.cases]
-      return self.node(program, "switch", parts + [("default", program.default)])
+      return self.node("switch", parts + [("default", program.default)])
     raise TypeError(f"not a tile program: {program!r}")
 
   @staticmethod
