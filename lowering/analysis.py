@@ -23,6 +23,7 @@ import numpy as np
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering.control_tree import control_tree
 from ipu_jax.lowering.exchange import exchange_cycles
 from ipu_jax.lowering.remote import is_remote, streaming_profile
 from ipu_jax.lowering.profile import (ALWAYS_LIVE_CATEGORIES, MEMORY_CATEGORIES,
@@ -82,7 +83,8 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         ipu_link_bytes=link, flops=int(node.flops), vertices=vertices,
         executions=executions, temporary_bytes=temporary,
         notes=tuple(node.notes),
-        scope=node.scope, fused_ops=tuple(node.fused_ops))
+        scope=node.scope, fused_ops=tuple(node.fused_ops),
+        codelets=_codelet_names(node))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
@@ -103,6 +105,13 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
       sync_cycles=float(target.sync_cycles_host),
       executions=executions, host_bytes=total,
       vertices=np.zeros(t, np.int64), scope=tensor.scope)
+
+
+def _codelet_names(node: P.Superstep) -> tuple:
+  """The vertex types a step's compute set runs, as code memory counts them."""
+  if node.compute_cycles is None:
+    return ()
+  return tuple(dict.fromkeys(vocab.identity(c) for c in (node.codelets or (node.op,))))
 
 
 def _leaf_tensors(node):
@@ -328,7 +337,8 @@ def profile_program(program: P.Program, target: IPUTarget, *, persistent=(),
       tile_limit=target.bytes_per_tile)
   return ProgramProfile(target=target, steps=steps, tensors=placement.profiles,
                         memory=memory, name=name,
-                        host_round_trips=host_round_trips, streaming=streaming)
+                        host_round_trips=host_round_trips, streaming=streaming,
+                        control=control_tree(program))
 
 
 def check_memory(profile: ProgramProfile, *, allow_out_of_memory: bool = False,

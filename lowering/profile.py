@@ -61,6 +61,8 @@ class StepProfile:
     fused_ops: for a fused compute set, the
       :class:`~ipu_jax.lowering.program.FusedOp` s it was made of (each
       would otherwise have been its own superstep); empty otherwise.
+    codelets: the vertex types (codelet names) its compute set runs; empty
+      for a step without compute.
   """
 
   name: str
@@ -81,6 +83,7 @@ class StepProfile:
   scope: str = ""
   streaming_bytes: int = 0
   fused_ops: tuple = ()
+  codelets: tuple = ()
 
   @property
   def compute_phase_cycles(self) -> float:
@@ -167,7 +170,10 @@ class ProgramProfile:
   precision); the Keras-like ``Model`` sets it on the programs it compiles.
   ``streaming`` (a :class:`~ipu_jax.lowering.remote.StreamingProfile`, or
   None when the program uses no streaming memory) holds its remote buffers
-  and what copying them costs. ``dead_code`` (a
+  and what copying them costs. ``control`` (a dict, or None for a profile
+  not built from a control program) is the control program's shape over the
+  step indices (:func:`~ipu_jax.lowering.control_tree.control_tree`): loops
+  with their counts, branches. ``dead_code`` (a
   :class:`~ipu_jax.lowering.dead_code.DeadCode`, or None for a program not
   lowered from a jaxpr) says what dead-code elimination removed first.
   """
@@ -181,6 +187,7 @@ class ProgramProfile:
   run_setup: Optional[object] = None
   streaming: Optional[object] = None
   dead_code: Optional[object] = None
+  control: Optional[dict] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

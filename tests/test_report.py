@@ -350,14 +350,14 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     self.assertNotEmpty(spans)
     for span in spans:
       self.assertGreaterEqual(span["dur"], 0)
-      self.assertIn(span["tid"], (0, 1, 2))
+      self.assertIn(span["tid"], (0, 1, 2, 3))
     processes = {e["pid"]: e["args"]["name"] for e in events
                  if e["ph"] == "M" and e["name"] == "process_name"}
     self.assertEqual(processes, {i: f"IPU {i}" for i in range(num_ipus)})
     self.assertEqual({s["pid"] for s in spans}, set(range(num_ipus)))
     threads = {e["args"]["name"] for e in events
                if e["ph"] == "M" and e["name"] == "thread_name"}
-    self.assertEqual(threads, {"sync", "exchange", "compute"})
+    self.assertEqual(threads, {"sync", "exchange", "compute", "program"})
 
   def test_trace_spans_follow_bsp_order_and_scale_executions(self):
     report = report_lib.Report(_make_profile())

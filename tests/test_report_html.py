@@ -88,6 +88,7 @@ class _BrowserTestCase(chex.TestCase, parameterized.TestCase):
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
                  "--disable-dev-shm-usage", "--window-size=1400,3400"):
       options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     cls.driver = webdriver.Chrome(service=Service(_CHROMEDRIVER),
                                   options=options)
 
@@ -127,8 +128,50 @@ class _BrowserTestCase(chex.TestCase, parameterized.TestCase):
     ActionChains(self.driver).move_to_element_with_offset(
         div, int(round(offset[0])), int(round(offset[1]))).click().perform()
 
+  def _click_plot_at(self, div_id, x, category):
+    """Clicks the point (x, category) of a chart with a category y axis."""
+    div = self.driver.find_element(By.ID, div_id)
+    offset = self.driver.execute_script(
+        """const fl = document.getElementById(arguments[0])._fullLayout;
+        const r = document.getElementById(arguments[0]).getBoundingClientRect();
+        const ya = fl.yaxis;
+        return [fl.xaxis._offset + fl.xaxis.l2p(arguments[1]) - r.width / 2,
+                ya._offset + ya.l2p(ya.d2l(arguments[2])) - r.height / 2];""",
+        div_id, x, category)
+    ActionChains(self.driver).move_to_element_with_offset(
+        div, int(round(offset[0])), int(round(offset[1]))).click().perform()
+
   def _text(self, element_id):
     return self.driver.find_element(By.ID, element_id).text
+
+  def _assert_no_console_errors(self):
+    errors = [entry["message"] for entry in self.driver.get_log("browser")
+              if entry["level"] == "SEVERE"]
+    self.assertEmpty(errors)
+
+  def _choose_tile(self, tile):
+    box = self.driver.find_element(By.ID, "tile-input")
+    box.clear()
+    box.send_keys(str(tile))
+    box.send_keys("\t")  # the change event
+
+  def _drawn_tile_liveness(self):
+    """The chosen tile's stacked bytes per step, summed over the categories."""
+    return self.driver.execute_script(
+        """const traces = document.getElementById('tile-liveness-chart').data;
+        return traces[0].y.map((_, s) => traces.reduce((sum, t) => sum + t.y[s], 0));""")
+
+  def _assert_source_fits_its_panel(self, element_id, panel_id):
+    """The whole file:line is laid out inside the panel, with no sideways scroll."""
+    fits = self.driver.execute_script(
+        """const el = document.getElementById(arguments[0]);
+        const panel = document.getElementById(arguments[1]);
+        const a = el.getBoundingClientRect(), p = panel.getBoundingClientRect();
+        return [a.left >= p.left - 1, a.right <= p.right + 1,
+                panel.scrollWidth <= panel.clientWidth + 1, window.innerWidth];""",
+        element_id, panel_id)
+    self.assertEqual(fits[:3], [True, True, True])
+    self.assertEqual(fits[3], 1400)
 
 
 class ReportPageTest(_BrowserTestCase):
@@ -218,6 +261,110 @@ class ReportPageTest(_BrowserTestCase):
     self.assertIn(f"{row['flops']:,}", panel)
     self.assertIn(f"Tile balance of superstep {step}",
                   self._text("balance-chart"))
+
+  @parameterized.parameters(1, 2)
+  def test_trace_has_a_lane_per_ipu_on_a_cycle_axis(self, num_ipus):
+    document = self._document(num_ipus)
+    self._open(os.path.join(self.directories[num_ipus], "report.html"))
+    drawn = self.driver.execute_script(
+        """const gd = document.getElementById('trace-chart');
+        const phases = gd.data.filter((t) => ['sync', 'exchange', 'compute'].includes(t.name));
+        return [phases.map((t) => t.y).flat(),
+                Math.max(...phases.map((t) => t.x.map((x, i) => x + t.base[i])).flat()),
+                gd.layout.xaxis.title.text];""")
+    self.assertEqual(sorted(set(drawn[0])), [f"IPU {i}" for i in range(num_ipus)])
+    self.assertAlmostEqual(drawn[1], document["totals"]["cycles"], places=3)
+    self.assertEqual(drawn[2], "cycles")
+    steps = document["steps"]
+    # The last step ends at the last cycle: click its middle, see its details.
+    last = len(steps) - 1
+    row = steps[last]
+    length = (row["sync_cycles"] + row["exchange_cycles"]
+              + row["compute_cycles_max"]) * row["executions"]
+    middle = document["totals"]["cycles"] - length / 2
+    lane = row["ipus"][0]
+    self._click_plot_at("trace-chart", middle, f"IPU {lane}")
+    self.assertEqual(self._text("step-heading"), f"Superstep {last}")
+    self._assert_no_console_errors()
+
+  @parameterized.parameters(1, 2)
+  def test_choosing_a_tile_shows_its_liveness_up_to_its_peak(self, num_ipus):
+    document = self._document(num_ipus)
+    self._open(os.path.join(self.directories[num_ipus], "report.html"))
+    peak = document["memory"]["peak"]
+    # A tile that is not the peak tile, holding bytes.
+    tile = max((t for t in range(len(peak))
+                if t != document["totals"]["peak_tile"] and peak[t] > 0),
+               key=lambda t: (peak[t], t))
+    self._choose_tile(tile)
+    WebDriverWait(self.driver, 10).until(
+        lambda d: d.find_element(By.ID, "tile-heading").text.startswith(
+            f"tile {tile}"))
+    curve = self._drawn_tile_liveness()
+    self.assertLen(curve, len(document["steps"]))
+    # The curve is the memory model's own: its top is the tile's peak, at
+    # the step the report records.
+    self.assertEqual(max(curve), peak[tile])
+    self.assertEqual(int(np.argmax(curve)), document["memory"]["peak_step"][tile])
+    heading = self._text("tile-peak-heading")
+    self.assertIn(f"tile {tile}", heading)
+    marked = self.driver.execute_script(
+        """const gd = document.getElementById('tile-map');
+        const find = (name) => gd.data.find((t) => t.name === name).customdata[0];
+        return [find('selected tile'), find('peak tile')];""")
+    self.assertEqual(marked, [tile, document["totals"]["peak_tile"]])
+    # Every tile's number is written in its cell (16 tiles per IPU).
+    numbers = self.driver.execute_script(
+        """return Array.from(document.querySelectorAll('#tile-map .heatmaplayer text'))
+            .map((t) => t.textContent).filter((t) => t !== '');""")
+    self.assertEqual(sorted(int(n) for n in numbers), list(range(len(peak))))
+    self._assert_no_console_errors()
+
+  def test_vertex_table_and_exchange_heatmap(self):
+    document = self._document(2)
+    self._open(os.path.join(self.directories[2], "report.html"))
+    rows = self.driver.find_elements(By.CSS_SELECTOR, "#codelets tbody tr")
+    self.assertLen(rows, len(document["codelets"]))
+    self.assertSequenceAlmostEqual(
+        sorted(float(r.find_elements(By.TAG_NAME, "td")[3].get_attribute(
+            "data-value")) for r in rows),
+        sorted(r["cycles"] for r in document["codelets"]))
+    drawn = self.driver.execute_script(
+        """const t = document.getElementById('exchange-heatmap').data[0];
+        return [t.y, t.z.map((row) => row.reduce((a, b) => a + b, 0))];""")
+    exchanged = [i for i, s in enumerate(document["steps"])
+                 if s["exchange_bytes_in"] or s["exchange_bytes_out"]
+                 or s["ipu_link_bytes"]]
+    self.assertEqual(drawn[0], [str(i) for i in exchanged])
+    self.assertEqual(drawn[1], [document["steps"][i]["exchange_bytes_out"]
+                                for i in exchanged])
+    links = self.driver.find_elements(
+        By.CSS_SELECTOR, "#exchanges tbody tr td:nth-child(5)")
+    self.assertEqual(sum(int(c.get_attribute("data-value")) for c in links),
+                     sum(s["ipu_link_bytes"] for s in document["steps"]))
+    self._assert_no_console_errors()
+
+  def test_detail_panels_show_a_whole_file_line_at_1400px(self):
+    document = self._document(1)
+    self._open(os.path.join(self.directories[1], "report.html"))
+    step = max(range(len(document["steps"])),
+               key=lambda i: len(document["steps"][i]["source"]))
+    self.driver.execute_script("showStep(arguments[0]);", step)
+    source = document["steps"][step]["source"]
+    self.assertRegex(source, r":\d+$")
+    self.assertEqual(self._text("step-source"), source)
+    self._assert_source_fits_its_panel("step-source", "step-panel")
+
+  def test_section_anchors_land_below_the_sticky_header(self):
+    self._open(os.path.join(self.directories[1], "report.html"))
+    for section in ("vertices", "exchanges", "memory"):
+      self.driver.find_element(
+          By.CSS_SELECTOR, f"header nav a[href='#{section}']").click()
+      gap = self.driver.execute_script(
+          """const h = document.querySelector('header').getBoundingClientRect();
+          const s = document.querySelector('#' + arguments[0] + ' h2').getBoundingClientRect();
+          return s.top - h.bottom;""", section)
+      self.assertGreaterEqual(gap, 0, section)
 
   def test_operations_table_sorts_by_any_column(self):
     report = ipu_jax.Report.load(self.directories[1])
@@ -322,7 +469,64 @@ class MainJobPageTest(_BrowserTestCase):
     self.assertEqual(sorted(drawn[0]), sorted(document["memory"]["peak"]))
     self.assertLen(drawn[1], len(document["steps"]))
     self.assertEqual(drawn[2], 3)  # sync, exchange, compute of one IPU lane
+    self._check_main_job_views(document)
     self._screenshot("mnist.png")
+
+  def _check_main_job_views(self, document):
+    """The PopVision-like views of the main job's page (issue 31)."""
+    # The program tree lists the training loop with its repeat count: one
+    # trip per weight update of an execution, its steps the matmuls.
+    updates = document["run_setup"]["weight_updates_per_execution"]
+    loops = self.driver.find_elements(
+        By.CSS_SELECTOR, "#program-tree details[data-kind='repeat']")
+    self.assertLen(loops, 1)
+    loop = loops[0]
+    self.assertEqual(loop.get_attribute("data-iterations"), str(updates))
+    self.assertIn(f"repeat ×{updates}", loop.text)
+    first, last = (int(loop.get_attribute(k)) for k in ("data-first", "data-last"))
+    ops = [s["op"] for s in document["steps"][first:last + 1]]
+    self.assertGreaterEqual(ops.count("dot_general"), 6)  # 3 layers, fwd + bwd
+    # Opening the loop's run of steps lists them; clicking one shows it.
+    run = loop.find_element(By.CSS_SELECTOR, "details[data-kind='steps']")
+    run.find_element(By.TAG_NAME, "summary").click()
+    link = run.find_element(By.CSS_SELECTOR, f"a[data-step='{first + 1}']")
+    link.click()
+    self.assertEqual(self._text("step-heading"), f"Superstep {first + 1}")
+    # The trace: one lane per IPU on a cycle axis, the loop's later trips
+    # summarised, ending at the total.
+    trace = self.driver.execute_script(
+        """const gd = document.getElementById('trace-chart');
+        const phases = gd.data.filter((t) => ['sync', 'exchange', 'compute'].includes(t.name));
+        const loops = gd.data.find((t) => t.name.startsWith('loops'));
+        return [[...new Set(phases.map((t) => t.y).flat())], gd.layout.xaxis.title.text,
+                loops.hovertext, loops.x];""")
+    self.assertEqual(trace[0], ["IPU 0"])
+    self.assertEqual(trace[1], "cycles")
+    # The loop's span lasts as long as the program tree says the loop does.
+    tree_loop = [n for n in document["program_tree"]["children"]
+                 if n["kind"] == "repeat"][0]
+    span = trace[2].index(f"repeat ×{updates}")
+    self.assertAlmostEqual(trace[3][span], tree_loop["total_cycles"], places=3)
+    self.assertIn(f"{updates - 4} more iterations of repeat ×{updates}", trace[2])
+    # Choosing a tile shows its liveness curve, whose top is its peak.
+    tile = 5
+    self._choose_tile(tile)
+    WebDriverWait(self.driver, 10).until(
+        lambda d: d.find_element(By.ID, "tile-heading").text.startswith(
+            f"tile {tile}"))
+    self.assertEqual(max(self._drawn_tile_liveness()),
+                     document["memory"]["peak"][tile])
+    # The vertex table and the exchange heatmap.
+    self.assertLen(self.driver.find_elements(By.CSS_SELECTOR, "#codelets tbody tr"),
+                   len(document["codelets"]))
+    self.assertNotEmpty(document["codelets"])
+    heatmap = self.driver.execute_script(
+        "return document.getElementById('exchange-heatmap').data[0].type;")
+    self.assertEqual(heatmap, "heatmap")
+    # A detail panel keeps a whole file:line in view at 1400 px.
+    self.assertRegex(self._text("step-source"), r"\.py:\d+$")
+    self._assert_source_fits_its_panel("step-source", "step-panel")
+    self._assert_no_console_errors()
 
 
 class WithoutBrowserTest(chex.TestCase):

@@ -37,6 +37,8 @@ One concern per module:
 * :mod:`~ipu_jax.report.reports` -- :class:`Report`, :class:`SavedReport`,
   :func:`load_report`, saving;
 * :mod:`~ipu_jax.report.summary` -- the text summary;
+* :mod:`~ipu_jax.report.program_tree` -- the control program with cycles;
+* :mod:`~ipu_jax.report.timeline` -- the steps on a time axis, loops unrolled;
 * :mod:`~ipu_jax.report.trace` -- ``trace.json``;
 * :mod:`~ipu_jax.report.precision` -- loss-scale and FP8-scale telemetry
   (:class:`NumberFormatTelemetry`) and its summary, plot and JSON;

@@ -57,9 +57,21 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "temporary_bytes_peak": int,     # the step's working memory, busiest tile
         "fused_ops": [[str, str]],      # [op, source] of each operation fused
                                          # into this compute set ([] if none)
-        "compute_cycles_tiles": [[int, int, float]]  # v2: runs of busy tiles
+        "compute_cycles_tiles": [[int, int, float]],  # v2: runs of busy tiles
                                          # [first_tile, count, cycles]
+        "codelets": [str],               # added: vertex types its compute set runs
+        "exchange_bytes_in_tiles",       # added: runs [first_tile, count, bytes]
+        "exchange_bytes_out_tiles",      # of bytes each tile receives / sends,
+        "scratch_bytes_tiles": [[int, int, int]]  # and of its scratch
       }],
+      "program_tree": {...},             # added: Report.program_tree() (the
+                                         # control program with cycles;
+                                         # ipu_jax/report/program_tree.py)
+      "codelets": [{                     # added: per vertex type
+        "codelet": str, "compute_sets", "executions", "tiles",
+        "code_bytes", "vertex_state_bytes": int,
+        "cycles": float, "vertices": float  # shared equally by the types
+      }],                                # of one compute set
       "tensors": [{
         "name", "dtype", "category", "op", "source": str, "shape": [int],
         "total_bytes": int, "tiles": int,  # number of tiles holding a part
@@ -134,6 +146,8 @@ class StepTable:
   notes: list = dataclasses.field(default_factory=list)  # per step: how it is costed
   # per step: [[op, source], ...] of the operations fused into it ([] if none)
   fused_ops: list = dataclasses.field(default_factory=list)
+  # per step: the vertex types (codelets) its compute set runs
+  codelets: list = dataclasses.field(default_factory=list)
 
   def __len__(self) -> int:
     return len(self.names)
@@ -167,6 +181,14 @@ class ReportData:
   # Cost-model provenance (ipu_jax.kernels.cost_model.cost_model_json()); None for a
   # report.json written before the cost model was versioned.
   cost_model: Optional[dict] = None
+  # The control program's shape over the step indices
+  # (lowering/control_tree.py); None when unknown (then a flat sequence).
+  control: Optional[dict] = None
+  # Per step, runs over tiles ([[first, count, bytes]]) of the bytes each tile
+  # receives, sends, and holds as the step's scratch; None when unknown.
+  tile_exchange: Optional[dict] = None
+  # Per codelet: compute sets, cycles, vertices and code bytes (views.py).
+  codelet_table: Optional[list] = None
 
 
 def int_array(values, size: Optional[int] = None) -> np.ndarray:
@@ -241,7 +263,74 @@ def _steps_from_profile(profile: ProgramProfile) -> StepTable:
            and np.size(s.temporary_bytes) else 0 for s in steps], np.int64),
       notes=[list(getattr(s, "notes", ()) or ()) for s in steps],
       fused_ops=[[[f.op, f.source] for f in getattr(s, "fused_ops", ())] for s in steps],
+      codelets=[list(getattr(s, "codelets", ()) or ()) for s in steps],
   )
+
+
+def codelet_table(profile: ProgramProfile) -> list:
+  """Per vertex type (codelet): compute sets, cycles, vertices, code bytes.
+
+  Code is charged once per vertex type per tile (as the memory model does),
+  so ``code_bytes`` is exact. A compute set running several vertex types
+  has one compute phase: its cycles and vertices are shared equally among
+  its types (the cost model prices the phase, not each type), so the
+  ``cycles`` column adds up to the program's compute cycles.
+
+  Returns:
+    Rows ``{"codelet", "compute_sets", "executions", "cycles", "vertices",
+    "tiles", "code_bytes", "vertex_state_bytes"}``, most cycles first.
+  """
+  target = profile.target
+  n = target.num_tiles
+  rows, masks = {}, {}
+  for step in profile.steps:
+    names = list(getattr(step, "codelets", ()) or ())
+    if not names:
+      continue
+    vertices = (per_tile(step.vertices, n) if step.vertices is not None
+                else (per_tile(step.compute_cycles, n) > 0).astype(float))
+    share = 1.0 / len(names)
+    for name in names:
+      row = rows.setdefault(name, {"codelet": name, "compute_sets": 0,
+                                   "executions": 0, "cycles": 0.0,
+                                   "vertices": 0.0})
+      row["compute_sets"] += 1
+      row["executions"] += int(step.executions)
+      row["cycles"] += step.compute_phase_cycles * step.executions * share
+      row["vertices"] += float(vertices.sum()) * share
+      mask = masks.setdefault(name, np.zeros(n, bool))
+      mask |= vertices > 0
+  for name, row in rows.items():
+    # Shared vertices leave fractions (one vertex of two types: 0.5 each).
+    row["vertices"] = round(row["vertices"], 2)
+    row["tiles"] = int(masks[name].sum())
+    row["code_bytes"] = int(row["tiles"] * target.code_bytes_per_codelet)
+    row["vertex_state_bytes"] = int(row["vertices"] * target.vertex_state_bytes)
+  return sorted(rows.values(), key=lambda r: (-r["cycles"], r["codelet"]))
+
+
+def _busy_runs(values) -> list:
+  values = np.asarray(values)
+  busy = np.flatnonzero(values)
+  return tile_runs(busy, values[busy])
+
+
+def _tile_exchange(profile: ProgramProfile) -> dict:
+  """Per step, the runs over tiles of bytes received, sent and of scratch.
+
+  What the per-tile liveness and the exchange heatmap of report.html read;
+  runs keep them small (a step's tiles mostly hold equal amounts).
+  """
+  n = profile.target.num_tiles
+  received, sent, scratch = [], [], []
+  for step in profile.steps:
+    bytes_in = per_tile(step.exchange_bytes_in, n)
+    received.append(_busy_runs(bytes_in))
+    sent.append(_busy_runs(per_tile(step.exchange_bytes_out, n)))
+    own = (np.zeros(n) if step.temporary_bytes is None
+           else np.maximum(per_tile(step.temporary_bytes, n) - bytes_in, 0))
+    scratch.append(_busy_runs(own))
+  return {"bytes_in": received, "bytes_out": sent, "scratch": scratch}
 
 
 def tile_runs(tiles, values) -> list:
@@ -400,6 +489,9 @@ def data_from_profile(profile: ProgramProfile) -> ReportData:
                              for s in profile.steps])
                    if profile.steps else np.zeros((0, n))),
       cost_model=cost_model_json(),
+      control=getattr(profile, "control", None),
+      tile_exchange=_tile_exchange(profile),
+      codelet_table=codelet_table(profile),
   )
 
 
@@ -420,8 +512,9 @@ def _target_from_json(fields: dict) -> IPUTarget:
 
 
 def steps_to_json(steps: StepTable,
-                  tile_cycles: Optional[np.ndarray] = None) -> list:
-  """The ``steps`` rows of report.json (with per-tile cycle runs if known)."""
+                  tile_cycles: Optional[np.ndarray] = None,
+                  tile_exchange: Optional[dict] = None) -> list:
+  """The ``steps`` rows of report.json (with per-tile runs where known)."""
   rows = [{
       "name": steps.names[i],
       "op": steps.ops[i],
@@ -443,12 +536,30 @@ def steps_to_json(steps: StepTable,
       "temporary_bytes_peak": int(steps.temporary_peak[i]),
       "notes": list(steps.notes[i]) if i < len(steps.notes) else [],
       "fused_ops": [list(f) for f in steps.fused_ops[i]] if i < len(steps.fused_ops) else [],
+      "codelets": list(steps.codelets[i]) if i < len(steps.codelets) else [],
   } for i in range(len(steps))]
   if tile_cycles is not None and len(tile_cycles) == len(rows):
     for row, cycles in zip(rows, tile_cycles):
       busy = np.flatnonzero(cycles)
       row["compute_cycles_tiles"] = tile_runs(busy, cycles[busy])
+  if tile_exchange is not None and len(tile_exchange["bytes_in"]) == len(rows):
+    for key, column in _TILE_EXCHANGE_KEYS.items():
+      for row, runs in zip(rows, tile_exchange[column]):
+        row[key] = runs
   return rows
+
+
+# report.json step keys of ReportData.tile_exchange's columns.
+_TILE_EXCHANGE_KEYS = {"exchange_bytes_in_tiles": "bytes_in",
+                       "exchange_bytes_out_tiles": "bytes_out",
+                       "scratch_bytes_tiles": "scratch"}
+
+
+def _tile_exchange_from_json(rows: list) -> Optional[dict]:
+  if not rows or any(k not in row for row in rows for k in _TILE_EXCHANGE_KEYS):
+    return None
+  return {column: [row[key] for row in rows]
+          for key, column in _TILE_EXCHANGE_KEYS.items()}
 
 
 def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
@@ -480,6 +591,7 @@ def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
       temporary_peak=column("temporary_bytes_peak", np.int64),
       notes=[list(row.get("notes", [])) for row in rows],
       fused_ops=[[list(f) for f in row.get("fused_ops", [])] for row in rows],
+      codelets=[list(row.get("codelets", [])) for row in rows],
   )
 
 
@@ -505,7 +617,24 @@ def data_from_json(document: dict) -> ReportData:
       peak_step=int_array(memory.get("peak_step", [-1] * n), n),
       tile_cycles=_tile_cycles_from_json(document.get("steps", []), n),
       cost_model=document.get("cost_model"),
+      control=_control_from_json(document.get("program_tree")),
+      tile_exchange=_tile_exchange_from_json(document.get("steps", [])),
+      codelet_table=document.get("codelets"),
   )
+
+
+def _control_from_json(tree: Optional[dict]) -> Optional[dict]:
+  """The shape of a saved ``program_tree`` (its cycles are recomputed)."""
+  if not isinstance(tree, dict):
+    return None
+  span = tree.get("steps") or []
+  shape = {k: tree[k] for k in ("kind", "iterations", "replicas", "branch")
+           if k in tree}
+  shape["first"] = int(span[0]) if span else 0
+  shape["count"] = int(span[1]) - int(span[0]) + 1 if span else 0
+  if "children" in tree:
+    shape["children"] = [_control_from_json(c) for c in tree["children"]]
+  return shape
 
 
 def _tile_cycles_from_json(rows: list, num_tiles: int) -> Optional[np.ndarray]:

@@ -3,18 +3,25 @@
 What PopVision Graph Analyser shows, in one self-contained HTML file that
 opens from disk with no server and no network:
 
+* **Program tree**: the control program -- loops with their repeat counts,
+  conditionals, runs of supersteps -- each node with its total and self
+  cycles; a run's steps open to their details.
 * **Memory**: a map of every tile of every IPU (colour = bytes at the tile's
-  peak). Hovering a tile shows its bytes; clicking it lists what lives on it
-  by category (tensors with their bytes on that tile, vertex state, code,
-  exchange buffers), the superstep of its peak and its bytes against the
-  SRAM limit.
+  peak; tile numbers in the cells or on the rows; the peak and the selected
+  tile marked). Clicking a tile lists what lives on it by category, and
+  draws its own liveness: its bytes at every superstep by category, with
+  the tensors live at its peak.
 * **Liveness**: not-always-live bytes on the device at every superstep
   (drag to zoom, range slider below); clicking a superstep lists the tensors
   live there.
-* **Execution**: cycles per superstep split into compute / exchange / sync,
-  one lane per IPU; clicking a superstep shows its tile balance (compute
-  cycles of every tile) and details; the operations table sorts by any
-  column (cycles, working memory, FLOPs, source line...).
+* **Execution**: the supersteps on a time axis (cycles), one lane per IPU,
+  each split into sync / exchange / compute, each loop's first trips drawn
+  and the rest summarised (:mod:`~ipu_jax.report.timeline`); below, cycles
+  per superstep by index. Clicking a superstep shows its tile balance and
+  details; the operations table sorts by any column.
+* **Vertex types** and **Exchanges**: cycles, vertices and code bytes per
+  codelet; per exchange its bytes sent, received and over IPU-Links, and a
+  heatmap of the bytes each tile sends (or receives).
 * **Number formats** (only when telemetry was recorded): the FP8 log2
   scales per tensor kind, the loss scale over steps, a table per tensor.
 
@@ -24,13 +31,15 @@ opens from disk with no server and no network:
 The charts are plotly.js, embedded from the ``plotly`` pip package's own
 bundled ``plotly.min.js`` (an optional dependency: ``pip install
 ipu-jax[plots]``); without it :meth:`Report.save` writes ``HTML_MISSING.txt``
-instead. The page's own script (``assets/report.js``) only turns the report's
-numbers into plotly figures, tables and panels.
+instead. The page's own scripts (``assets/report.js``, ``assets/views.js``)
+only turn the report's numbers into plotly figures, tables and panels.
 
 The numbers travel as one JSON document (:func:`report_payload`) in a
 ``<script type="application/json">`` tag; per-tile arrays of tensors and
-compute sets are run-length encoded over tiles (``[first, count, value]``),
-so a 1,472-tile program stays a few hundred kilobytes of data.
+compute sets, and each step's exchange and scratch bytes, are run-length
+encoded over tiles (``[first, count, value]``), so a 1,472-tile program stays
+a few hundred kilobytes of data; a tile's liveness and the exchange heatmap
+are expanded from those runs in the page when shown.
 """
 
 from __future__ import annotations
@@ -52,12 +61,19 @@ from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import ordered_categories
 from ipu_jax.report.precision import number_formats_comparison
 from ipu_jax.report.precision import number_formats_comparison_rows
+from ipu_jax.report.timeline import timeline
 
 __all__ = ["HTML_FILE", "HTML_MISSING_FILE", "plotly_js", "report_payload",
            "report_html", "comparison_html", "write_report_html",
            "write_comparison_html", "write_page"]
 
 HTML_FILE = "report.html"
+# Bars of the page's execution trace, over all IPU lanes and phases (trace.json
+# lays out more): plotly draws about this many smoothly.
+HTML_MAX_BARS = 24_000
+# Runs of per-tile exchange and scratch bytes the page embeds (about 12 bytes
+# each: the main job's 3,800 take 45 KB); beyond this the page leaves them out.
+HTML_MAX_TILE_RUNS = 100_000
 HTML_MISSING_FILE = "HTML_MISSING.txt"
 
 _ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -126,8 +142,13 @@ def report_payload(report) -> dict:
     (tile map layout), ``memory`` (per-tile arrays, categories, peak step),
     ``liveness`` (not-always-live bytes per step), ``steps`` (columns),
     ``tile_cycles`` (per step, runs of busy tiles; None if unknown),
-    ``tensors``, ``operations`` and ``number_formats`` (loss-scale and FP8
-    telemetry as in report.json, or None).
+    ``tensors``, ``operations``, ``number_formats`` (loss-scale and FP8
+    telemetry as in report.json, or None), ``program_tree`` (as
+    ``Report.program_tree()``), ``timeline`` (the steps on a time axis,
+    :mod:`~ipu_jax.report.timeline`), ``codelets`` (per vertex type) and
+    ``tile_exchange`` (per step, runs over tiles of bytes received, sent and
+    of scratch; None if unknown): the per-tile liveness and the exchange
+    heatmap are computed from these runs in the page, on demand.
   """
   data = report._data  # pylint: disable=protected-access
   document = report.to_dict()
@@ -183,12 +204,32 @@ def report_payload(report) -> dict:
           "bytes_out": steps.bytes_out.tolist(),
           "ipu_link_bytes": steps.ipu_link_bytes.tolist(),
           "working_memory": steps.temporary_peak.tolist(),
+          "codelets": [list(c) for c in steps.codelets] or [[] for _ in steps.names],
       },
       "tile_cycles": tile_cycles,
       "tensors": tensors,
       "operations": _operations(report),
       "number_formats": document["number_formats"],
+      "program_tree": document["program_tree"],
+      "timeline": timeline(
+          data, max_spans=max(200, HTML_MAX_BARS // (3 * target.num_ipus))).as_dict(),
+      "codelets": document.get("codelets") or [],
+      "tile_exchange": _bounded_tile_exchange(data.tile_exchange),
   }
+
+
+def _bounded_tile_exchange(tile_exchange: Optional[dict]) -> Optional[dict]:
+  """The per-step tile runs, or None when they would bloat the page.
+
+  Most steps hold equal bytes on runs of tiles (a few runs each); a program
+  of thousands of steps with irregular layouts could reach millions, which
+  report.json keeps but the page leaves out (its per-tile liveness then
+  shows tensors only, and it says so).
+  """
+  if tile_exchange is None:
+    return None
+  runs = sum(len(step) for column in tile_exchange.values() for step in column)
+  return tile_exchange if runs <= HTML_MAX_TILE_RUNS else None
 
 
 def _json_for_script(document) -> str:
@@ -220,7 +261,7 @@ def report_html(report) -> str:
   title = (f"{report.name} on {report.target.name} "
            f"({report.target.num_tiles:,} tiles) — ipu-jax report")
   return _page(title, _asset("report.html"), report_payload(report),
-               _asset("report.js"))
+               _asset("views.js") + "\n" + _asset("report.js"))
 
 
 def comparison_html(a, b) -> str:

@@ -43,6 +43,10 @@ from ipu_jax.report.precision import NUMBER_FORMATS_PLOT_FILE
 from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.report.precision import number_formats_figure
 from ipu_jax.report.summary import SummaryMixin
+from ipu_jax.report.program_tree import program_tree
+from ipu_jax.report.timeline import UNROLL
+from ipu_jax.report.timeline import Timeline
+from ipu_jax.report.timeline import timeline
 from ipu_jax.report.trace import trace_events
 from ipu_jax.kernels.target import IPUTarget
 
@@ -312,7 +316,9 @@ class ReportBase(SummaryMixin):
             "peak_step": data.peak_step.tolist(),
         },
         "live_over_program": data.live.tolist(),
-        "steps": steps_to_json(data.steps, data.tile_cycles),
+        "steps": steps_to_json(data.steps, data.tile_cycles, data.tile_exchange),
+        "program_tree": self.program_tree(),
+        "codelets": data.codelet_table,
         "tensors": list(data.tensors),
         "run_setup": self._run_setup_dict(),
         "streaming": self._streaming_dict(),
@@ -342,6 +348,30 @@ class ReportBase(SummaryMixin):
   def _streaming_dict(self):
     """Streaming memory and its copies (``ipu_jax/report/streaming.py``), or None."""
     return getattr(self, "document", {}).get("streaming")
+
+  def program_tree(self) -> dict:
+    """The control program with each node's cycles (PopVision's program tree).
+
+    Returns:
+      The root node, JSON-serialisable: ``kind`` (``sequence``, ``repeat``,
+      ``repeat_while``, ``if``, ``switch``, ``replicated``, ``steps``),
+      ``label``, ``iterations`` (repeats), ``branch``, ``steps``
+      (``[first, last]`` superstep indices), ``executions``,
+      ``self_cycles``, ``total_cycles`` and ``children``; see
+      :mod:`ipu_jax.report.program_tree`.
+    """
+    return program_tree(self._data)
+
+  def timeline(self, unroll: int = UNROLL) -> Timeline:
+    """The supersteps at the cycle each starts, loops unrolled ``unroll`` trips.
+
+    See :mod:`ipu_jax.report.timeline`; ``trace.json`` draws it.
+    """
+    return timeline(self._data, unroll=unroll)
+
+  def codelets(self) -> list:
+    """Per vertex type: compute sets, cycles, vertices, code bytes (or [] if unknown)."""
+    return list(self._data.codelet_table or [])
 
   def trace(self) -> dict:
     """The Chrome Trace Event Format document written to ``trace.json``."""

@@ -121,7 +121,13 @@ class SummaryMixin:
     lines = ["Memory:",
              f"  Total over device:     {fmt_bytes(total)} of "
              f"{fmt_bytes(target.total_memory_bytes)} "
-             f"({pct(total, target.total_memory_bytes)})"]
+             f"({pct(total, target.total_memory_bytes)}): the sum of each "
+             f"tile's own peak"]
+    if data.live.size:
+      # The other reading of "device memory": all tiles at one moment.
+      step = int(np.argmax(data.live))
+      lines.append(f"  Device peak:           {fmt_bytes(int(data.live[step]))} live on "
+                   f"all tiles at superstep {step} (tiles peak at different steps)")
     if peak.size:
       worst = int(np.argmax(peak))
       used = peak[peak > 0]

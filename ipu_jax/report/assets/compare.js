@@ -57,9 +57,11 @@ function groupedBars(div, title, labels, valuesA, valuesB, yTitle) {
     {type: "bar", name: `B: ${B.name}`, x: labels, y: valuesB, marker: {color: "#ff7f0e"},
      text: deltas.map((d, i) => d ? `${d > 0 ? "+" : ""}${fmtInt(d)} (${change(valuesA[i], valuesB[i])})` : ""),
      textposition: "outside", hovertemplate: "%{x}: %{y:,}<br>%{text}<extra>B</extra>"},
-  ], {title: {x: 0.01, xanchor: "left", text: title, font: {size: 13}}, barmode: "group", height: 380,
-      margin: {l: 80, r: 10, t: 40, b: 80}, yaxis: {title: {text: yTitle}, tickformat: ",d"},
-      legend: {orientation: "h", y: 1.0, yanchor: "bottom", x: 1, xanchor: "right"}}, PLOT_CONFIG);
+  ], {title: {x: 0.01, xanchor: "left", text: title, font: {size: 13}}, barmode: "group", height: 440,
+      margin: {l: 80, r: 10, t: 40, b: 140}, yaxis: {title: {text: yTitle}, tickformat: ",d"},
+      xaxis: {automargin: true},
+      // Below the axis, clear of plotly's toolbar at the top right.
+      legend: {orientation: "h", y: 0, yref: "container", yanchor: "bottom", x: 0, xanchor: "left"}}, PLOT_CONFIG);
 }
 
 function renderMemory() {
@@ -70,15 +72,17 @@ function renderMemory() {
   ];
   const layout = {title: {x: 0.01, xanchor: "left", text: "Bytes at each tile's peak" +
                           (sameTiles ? ", and B − A per tile (bars: red grew, green shrank)" : ""), font: {size: 13}},
-                  height: 420, margin: {l: 80, r: 10, t: 40, b: 40}, hovermode: "x",
+                  height: 460, margin: {l: 80, r: 10, t: 40, b: 80}, hovermode: "x",
                   xaxis: {title: {text: "tile"}}, yaxis: {title: {text: "bytes"}, tickformat: ",d"},
-                  legend: {orientation: "h", y: 1.0, yanchor: "bottom", x: 1, xanchor: "right"}};
+                  legend: {orientation: "h", y: 0, yref: "container", yanchor: "bottom", x: 0, xanchor: "left"}};
   if (sameTiles) {
     const delta = A.memory.peak.map((a, i) => B.memory.peak[i] - a);
     traces.push({type: "bar", name: "B − A", y: delta, yaxis: "y2",
                  marker: {color: delta.map((d) => d > 0 ? "#d62728" : "#2ca02c")}});
     layout.yaxis.domain = [0.4, 1];
     layout.yaxis2 = {domain: [0, 0.32], title: {text: "B − A"}, tickformat: ",d"};
+    // Whole bytes only: a flat zero line would otherwise tick at ±0.5 shown as ±1.
+    if (delta.every((d) => d === 0)) Object.assign(layout.yaxis2, {range: [-1, 1], dtick: 1});
   }
   const labels = Array.from(new Set([...A.memory.categories, ...B.memory.categories].map((c) => c.label)));
   const totalsA = categoryTotals(A, sum), totalsB = categoryTotals(B, sum);
@@ -88,7 +92,7 @@ function renderMemory() {
   for (const c of B.memory.categories) onPeakB[c.label] = c.bytes[peakTileB];
   return Promise.all([
     Plotly.newPlot("memory-per-tile", traces, layout, PLOT_CONFIG),
-    groupedBars("memory-categories", "Memory by category, total over the device", labels,
+    groupedBars("memory-categories", "Memory by category, summed over tiles (each tile at its own peak)", labels,
                 labels.map((l) => totalsA[l] || 0), labels.map((l) => totalsB[l] || 0), "bytes"),
     groupedBars("memory-peak-tile", `Memory by category on the peak tile (A: tile ${peakTileA}, B: tile ${peakTileB})`,
                 labels, labels.map((l) => onPeakA[l] || 0), labels.map((l) => onPeakB[l] || 0), "bytes"),

@@ -30,9 +30,10 @@ function renderHeader() {
     ["Compute / exchange / sync", `${fmtPct(totals.compute_cycles, totals.cycles)} / ` +
       `${fmtPct(totals.exchange_cycles, totals.cycles)} / ${fmtPct(totals.sync_cycles, totals.cycles)}`],
     ["Estimated time", `${(totals.estimated_seconds * 1e6).toFixed(2)} µs`],
-    ["Peak tile", `${tileName(totals.peak_tile)}: ${fmtBytes(totals.peak_tile_bytes)}`],
+    ["Peak tile (bytes at its own peak)", `${tileName(totals.peak_tile)}: ${fmtBytes(totals.peak_tile_bytes)}`],
     ["SRAM per tile", fmtBytes(M.tile_limit)],
-    ["Memory over device", fmtBytes(totals.memory_bytes)],
+    ["Device peak (live at one superstep)", fmtBytes(Math.max(0, ...REPORT.liveness.not_always_live) + REPORT.liveness.always_live_bytes)],
+    ["Sum of tile peaks (each tile at its own peak)", fmtBytes(totals.memory_bytes)],
     ["Tiles used", `${fmtInt(totals.tiles_used)} / ${fmtInt(T.num_tiles)}`],
     ["Supersteps", `${fmtInt(totals.num_supersteps)} (${fmtInt(totals.num_supersteps_executed)} executed)`],
     ["FLOPs", fmtInt(totals.flops)],
@@ -64,12 +65,19 @@ function renderTileMap() {
     }
   }
   const maxPeak = Math.max(1, ...M.peak);
+  // Tile numbers: in each cell where they fit, else the first tile of each row.
+  const numbered = T.tiles_per_ipu <= 256;
   const trace = {
     type: "heatmap", z: z, customdata: ids, colorscale: "Viridis", zmin: 0, zmax: maxPeak,
     xgap: 1, ygap: 1, hoverongaps: false,
     hovertemplate: "tile %{customdata}<br>%{z:,} B at peak<extra></extra>",
     colorbar: {title: {text: "bytes"}, tickformat: ",d"},
   };
+  if (numbered) {
+    // Heatmap text templates read `text`, not `customdata`.
+    const text = ids.map((row) => row.map((tile) => (tile === null ? "" : String(tile))));
+    Object.assign(trace, {text: text, texttemplate: "%{text}", textfont: {size: 9, color: "#fff"}});
+  }
   const layout = {
     title: {x: 0.01, xanchor: "left", text: `Bytes at each tile's peak (max ${fmtBytes(maxPeak)}; SRAM ${fmtBytes(M.tile_limit)} per tile)`,
             font: {size: 13}},
@@ -78,7 +86,24 @@ function renderTileMap() {
     xaxis: {showticklabels: false, showgrid: false, zeroline: false},
     yaxis: {autorange: "reversed", tickvals: tickvals, ticktext: ticktext, showgrid: false, zeroline: false},
     hovermode: "closest",
+    legend: {orientation: "h", x: 0, xanchor: "left", y: -0.02, yanchor: "top"},
   };
+  if (!numbered) {
+    // Each row labelled with its first tile; columns with the offset in the row.
+    layout.yaxis.tickvals = [], layout.yaxis.ticktext = [];
+    for (let ipu = 0; ipu < T.num_ipus; ipu++) {
+      for (let r = 0; r < rows; r += Math.max(1, Math.ceil(rows / 10))) {
+        layout.yaxis.tickvals.push(ipu * (rows + 1) + r);
+        layout.yaxis.ticktext.push(`${r === 0 && T.num_ipus > 1 ? `IPU ${ipu}: ` : ""}tile ${ipu * T.tiles_per_ipu + r * columns}`);
+      }
+    }
+    layout.xaxis = {showticklabels: true, title: {text: "column (tile = the row's first tile + column)"},
+                    showgrid: false, zeroline: false, dtick: 10};
+    layout.margin.b = 90;
+    layout.height += 70;
+    layout.legend.y = -0.16;
+    layout.margin.l = 110;
+  }
   const over = [];
   M.peak.forEach((bytes, tile) => { if (bytes > M.tile_limit) over.push(tile); });
   const data = [trace];
@@ -90,6 +115,8 @@ function renderTileMap() {
       customdata: over, marker: {symbol: "x", color: "red", size: 8},
       hovertemplate: "tile %{customdata} over the limit<extra></extra>"});
   }
+  data.push(tileMarker("peak tile", REPORT.totals.peak_tile, "star", "#d62728"));
+  data.push(tileMarker("selected tile", -1, "square-open", "#ff00ff"));
   const div = document.getElementById("tile-map");
   return Plotly.newPlot(div, data, layout, PLOT_CONFIG).then(() => {
     div.on("plotly_click", (event) => {
@@ -99,8 +126,32 @@ function renderTileMap() {
   });
 }
 
+// A marker on one tile of the map (the peak tile, the selected tile).
+function tilePosition(tile) {
+  const {columns, rows} = REPORT.grid;
+  const local = tile % T.tiles_per_ipu;
+  return [local % columns, Math.floor(tile / T.tiles_per_ipu) * (rows + 1) + Math.floor(local / columns)];
+}
+
+function tileMarker(name, tile, symbol, colour) {
+  const [x, y] = tile >= 0 ? tilePosition(tile) : [null, null];
+  return {type: "scatter", mode: "markers", name: name, x: [x], y: [y], customdata: [tile],
+    marker: {symbol: symbol, color: colour, size: 12, line: {width: 2, color: colour}},
+    hovertemplate: `${name}: tile %{customdata}<extra></extra>`};
+}
+
+function markSelectedTile(tile) {
+  const div = document.getElementById("tile-map");
+  if (!div.data) return;
+  const index = div.data.findIndex((t) => t.name === "selected tile");
+  const [x, y] = tilePosition(tile);
+  Plotly.restyle(div, {x: [[x]], y: [[y]], customdata: [[tile]]}, [index]);
+}
+
 function showTile(tile) {
   if (!(tile >= 0 && tile < T.num_tiles)) return;
+  markSelectedTile(tile);
+  renderTileLiveness(tile);
   const peak = M.peak[tile];
   const step = M.peak_step[tile];
   const overLimit = peak > M.tile_limit;
@@ -108,7 +159,7 @@ function showTile(tile) {
     `<span>Peak bytes</span><span class="${overLimit ? "over" : ""}" id="tile-peak-bytes">${fmtBytes(peak)}</span>` +
     `<span>SRAM limit</span><span>${fmtBytes(M.tile_limit)} (${fmtPct(peak, M.tile_limit)} used)</span>` +
     `<span>Peak superstep</span><span>${step >= 0 ? `${step}: ${escapeHtml(stepLabel(step))}` +
-      (S.source[step] ? ` <small>${escapeHtml(S.source[step])}</small>` : "") : "always-live only"}</span></div>`;
+      (S.source[step] ? ` <small class="src">${escapeHtml(S.source[step])}</small>` : "") : "always-live only"}</span></div>`;
   html += "<h3>By category (at the tile's peak)</h3>" + tableHtml("tile-categories",
     [{label: "Category"}, {label: "Bytes", num: true}, {label: "% of SRAM", num: true}],
     M.categories.map((c) => [cell(escapeHtml(c.label) + (c.always_live ? "" : " <small>(not always live)</small>"), c.label),
@@ -136,7 +187,7 @@ function showTile(tile) {
         const atPeak = alwaysLive || (step >= t.live_from && step <= t.live_to);
         return [cell(`${escapeHtml(t.name)} <small>${escapeHtml(t.dtype)}[${t.shape.join(",")}]</small>`, t.name),
                 numCell(bytes), cell(alwaysLive ? "always" : `${t.live_from}–${t.live_to}`, t.live_from),
-                cell(atPeak ? "✓" : ""), cell(escapeHtml(t.op)), cell(`<small>${escapeHtml(t.source)}</small>`, t.source)];
+                cell(atPeak ? "✓" : ""), cell(escapeHtml(t.op)), cell(`<small class="src">${escapeHtml(t.source)}</small>`, t.source)];
       }));
   }
   const panel = document.getElementById("tile-panel");
@@ -163,9 +214,10 @@ function renderLiveness() {
     customdata: steps.map((i) => stepLabel(i)),
     hovertemplate: "superstep %{x}: %{customdata}<br>%{y:,} B not always live<extra></extra>"};
   const layout = {
-    title: {x: 0.01, xanchor: "left", text: `Not-always-live bytes per superstep (always-live: ${fmtBytes(REPORT.liveness.always_live_bytes)})`,
-            font: {size: 13}},
-    height: 380, margin: {l: 80, r: 10, t: 40, b: 40}, bargap: 0,
+    title: {x: 0.01, xanchor: "left", font: {size: 13},
+            text: "Not-always-live bytes on the device (all tiles) per superstep" +
+                  `<br><sub>always-live bytes on top of these: ${fmtBytes(REPORT.liveness.always_live_bytes)}</sub>`},
+    height: 380, margin: {l: 80, r: 10, t: 55, b: 40}, bargap: 0,
     xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.12}, ...integerTicks()},
     yaxis: {title: {text: "bytes"}, tickformat: ",d", fixedrange: true}, hovermode: "x",
   };
@@ -183,12 +235,12 @@ function showLive(step) {
   let html = `<h3 id="live-heading">Superstep ${step}: ${escapeHtml(stepLabel(step))}</h3><div class="key">` +
     `<span>Not always live</span><span>${fmtBytes(live[step])}</span>` +
     `<span>Step's working memory</span><span>${fmtBytes(S.working_memory[step])} on its busiest tile</span>` +
-    `<span>Source</span><span>${escapeHtml(S.source[step] || "?")}</span></div>`;
+    `<span>Source</span><span class="src">${escapeHtml(S.source[step] || "?")}</span></div>`;
   html += `<h3>Tensors live here (${rows.length})</h3>` + tableHtml("live-tensors",
     [{label: "Tensor"}, {label: "Bytes", num: true}, {label: "Live", num: true}, {label: "Op"}, {label: "Source"}],
     rows.map((t) => [cell(`${escapeHtml(t.name)} <small>${escapeHtml(t.dtype)}[${t.shape.join(",")}]</small>`, t.name),
                      numCell(t.total_bytes), cell(`${t.live_from}–${t.live_to}`, t.live_from),
-                     cell(escapeHtml(t.op)), cell(`<small>${escapeHtml(t.source)}</small>`, t.source)]));
+                     cell(escapeHtml(t.op)), cell(`<small class="src">${escapeHtml(t.source)}</small>`, t.source)]));
   const panel = document.getElementById("liveness-panel");
   panel.innerHTML = html;
   panel.querySelectorAll("table").forEach(makeSortable);
@@ -206,9 +258,9 @@ function renderExecution() {
   const gap = 0.04, height = (1 - gap * (lanes - 1)) / lanes;
   const data = [], layout = {
     height: 220 + 170 * lanes, barmode: "stack", bargap: 0, hovermode: "x",
-    margin: {l: 80, r: 10, t: 40, b: 40},
-    title: {x: 0.01, xanchor: "left", text: "Cycles per superstep × executions", font: {size: 13}},
-    legend: {orientation: "h", y: 1.02, yanchor: "bottom", x: 1, xanchor: "right"},
+    margin: {l: 80, r: 10, t: 40, b: 90},
+    title: {x: 0.01, xanchor: "left", text: "Cycles per superstep × executions (by superstep index; the trace above is on a time axis)", font: {size: 13}},
+    legend: {orientation: "h", x: 0, xanchor: "left", y: -0.12, yanchor: "top"},
     xaxis: {title: {text: "superstep"}, rangeslider: {thickness: 0.08}, ...integerTicks()},
   };
   const phases = [["sync", "#7f7f7f"], ["exchange", "#2ca02c"], ["compute", "#1f77b4"]];
@@ -264,8 +316,9 @@ function showStep(step) {
   const total = S.sync[step] + S.exchange[step] + S.compute[step];
   const balanceRatio = S.compute[step] ? S.compute_mean[step] / S.compute[step] : 1;
   const rows = [
-    ["Name", escapeHtml(stepLabel(step))], ["Operation", escapeHtml(S.op[step])],
-    ["Source", escapeHtml(S.source[step] || "?")], ["IPUs", S.ipus[step].join(", ")],
+    ["Name", `<span class="src">${escapeHtml(stepLabel(step))}</span>`], ["Operation", escapeHtml(S.op[step])],
+    ["Vertex types", `<span class="src">${escapeHtml((S.codelets[step] || []).join(", ") || "none")}</span>`],
+    ["Source", `<span class="src" id="step-source">${escapeHtml(S.source[step] || "?")}</span>`], ["IPUs", S.ipus[step].join(", ")],
     ["Executions", fmtInt(executions)],
     ["Cycles per execution", `${fmtInt(total)} (sync ${fmtInt(S.sync[step])}, exchange ${fmtInt(S.exchange[step])}, compute ${fmtInt(S.compute[step])})`],
     ["Compute, slowest / mean tile", `${fmtInt(S.compute[step])} / ${fmtInt(S.compute_mean[step])} (balance ${(100 * balanceRatio).toFixed(1)}%)`],
@@ -377,8 +430,9 @@ function main() {
   renderOperations();
   document.getElementById("show-peak-tile").addEventListener("click", () => showTile(REPORT.totals.peak_tile));
   document.getElementById("tile-input").addEventListener("change", (e) => showTile(Number(e.target.value)));
-  Promise.all([renderTileMap(), renderLiveness(), renderExecution(), renderNumberFormats()]).then(() => {
+  Promise.all([renderTileMap(), renderLiveness(), renderExecution(), renderNumberFormats(), renderViews()]).then(() => {
     if (NUM_STEPS) showStep(busiestStep());
+    showTile(REPORT.totals.peak_tile);
     document.body.dataset.ready = "true";
   });
 }
