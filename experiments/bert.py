@@ -129,12 +129,12 @@ class Embeddings(nnx.Module):
 
   def __call__(self, ids, token_types, deterministic: bool):
     if self.serialization > 1:
-      words = ipu_jax.ops.embedding_lookup(self.word.value, ids,
+      words = ipu_jax.ops.embedding_lookup(self.word[...], ids,
                                            serialization_factor=self.serialization)
     else:
-      words = jnp.take(self.word.value, ids, axis=0)
+      words = jnp.take(self.word[...], ids, axis=0)
     seq = ids.shape[-1]
-    h = words + self.position.value[:seq] + jnp.take(self.token_type.value, token_types, axis=0)
+    h = words + self.position[...][:seq] + jnp.take(self.token_type[...], token_types, axis=0)
     return self.dropout(self.norm(h), deterministic=deterministic)
 
 
@@ -196,7 +196,7 @@ class MaskedLMHead(nnx.Module):
                                              "output_channels")
     else:
       logits = h @ word_table.T
-    return logits + self.bias.value
+    return logits + self.bias[...]
 
 
 class Bert(nnx.Module):
@@ -224,7 +224,7 @@ class Bert(nnx.Module):
     h = self.encoder(h, mask_bias, deterministic)
     pooled = jnp.tanh(self.pooler(h[:, 0]))
     masked = jnp.take_along_axis(h, batch["masked_lm_positions"][..., None], axis=1)
-    mlm = self.mlm_head(masked, self.embeddings.word.value)
+    mlm = self.mlm_head(masked, self.embeddings.word[...])
     return mlm, self.nsp_head(pooled)
 
 

@@ -1,0 +1,123 @@
+"""BERT pre-training pipelined as Graphcore ran it, on a small BERT.
+
+Four encoder layers of width 128 (vocabulary 1,000, sequence 64) laid out as
+BERT-Large is: the embeddings and layer 0 on IPU 0, one layer on each of IPUs
+1-3, and the pooler and both heads back on IPU 0 with the MLM decoder tied to
+the word embedding (``device_mapping=[0, 1, 2, 3, 0]``); recomputation after
+every layer, the decoder serialised by 2, per-IPU matmul memory proportions,
+LAMB with its state offloaded and sharded over 2 replicas. After 3 steps the
+weights equal plain JAX gradient accumulation of the same micro-batches.
+"""
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import optax
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+import ipu_jax
+from experiments import bert
+from experiments import bert_pretraining
+
+_MODEL = bert.BertConfig(vocab_size=1000, hidden=128, layers=4, heads=4, ffn=512,
+                         max_positions=64, dropout=0.0, decoder_serialization=2)
+_MICRO_BATCH, _SEQ, _PREDICTIONS, _REPLICAS, _STEPS = 2, 64, 8, 2, 3
+
+
+def _config(schedule: str, g: int):
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = 16
+  cfg.auto_select_ipus = 4
+  cfg.replication_factor = _REPLICAS
+  cfg.training.gradient_accumulation_steps = g
+  cfg.training.gradient_accumulation_reduction = "mean"
+  cfg.training.replica_reduction = "mean"
+  cfg.pipelining.schedule = schedule
+  cfg.pipelining.recomputation = True
+  cfg.matmuls.available_memory_proportion = [0.15, 0.25, 0.25, 0.25]
+  cfg.streaming.offload_optimizer_state = True
+  cfg.streaming.replicated_tensor_sharding = True
+  return cfg
+
+
+def _data(g: int):
+  return [bert.synthetic_batches(_MODEL, g * _REPLICAS, _MICRO_BATCH, _SEQ, _PREDICTIONS,
+                                 seed=step) for step in range(_STEPS)]
+
+
+def _train(schedule: str, g: int):
+  loss_fn, params = bert.make_loss(bert.Bert(_MODEL, rngs=nnx.Rngs(0)))
+  assignment, mapping = bert.layout([1, 1, 1, 1])
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.lamb(1e-3), config=_config(schedule, g),
+                                     device_mapping=mapping, stage_assignment=assignment)
+  data = _data(g)
+  state = pipe.init(params, data[0])
+  trained = params
+  for batches in data:
+    trained, state, _ = pipe.step(trained, state, batches)
+  return pipe, loss_fn, params, trained, data
+
+
+class BertPipelineTest(chex.TestCase, parameterized.TestCase):
+
+  @parameterized.parameters(("Grouped", 10), ("Sequential", 8))
+  def test_weights_equal_plain_accumulation(self, schedule, g):
+    pipe, loss_fn, params, trained, data = _train(schedule, g)
+    expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, data)
+    chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, trained),
+                                jax.tree_util.tree_map(np.asarray, expected),
+                                rtol=1e-5, atol=1e-6)
+    report = pipe.report.to_dict()
+    stages = report["stages"]
+    # Five stages on four IPUs: the heads' stage shares IPU 0 with the embeddings.
+    self.assertEqual([s["ipu"] for s in stages], [0, 1, 2, 3, 0])
+    self.assertEqual(report["memory_per_ipu"]["0"]["stages"], [0, 4])
+    # TF-IPU never recomputes the last stage.
+    self.assertEqual(stages[-1]["recompute_cycles"], 0.0)
+    self.assertTrue(all(s["recompute_cycles"] > 0 for s in stages[:-1]))
+
+
+class BertLayoutTest(chex.TestCase, parameterized.TestCase):
+
+  def test_bert_large_layout(self):
+    assignment, mapping = bert.layout([3, 7, 7, 7])
+    self.assertEqual(mapping, [0, 1, 2, 3, 0])
+    self.assertEqual(assignment["layers_2"], 0)
+    self.assertEqual(assignment["layers_3"], 1)
+    self.assertEqual(assignment["layers_23"], 3)
+    self.assertEqual({assignment[k] for k in ("pooler", "mlm_head", "nsp_head")}, {4})
+
+  @parameterized.parameters([[]], [[1, 0, 2]], [[-1, 2]])
+  def test_bad_layout(self, layers_per_ipu):
+    with self.assertRaisesRegex(ValueError, "layers_per_ipu"):
+      bert.layout(layers_per_ipu)
+
+  def test_sizes(self):
+    large, base = bert.bert_large(), bert.bert_base()
+    self.assertEqual((large.layers, large.hidden, large.heads, large.ffn, large.vocab_size),
+                     (24, 1024, 16, 4096, 30522))
+    self.assertEqual((base.layers, base.hidden, base.heads, base.ffn), (12, 768, 12, 3072))
+    with self.assertRaisesRegex(ValueError, "BertConfig.heads"):
+      bert.BertConfig(hidden=100, heads=16)
+
+  def test_serialised_decoder_equals_plain(self):
+    """Loss and gradients with the decoder serialised by 2 equal the plain model's."""
+    cfg = ipu_jax.IPUConfig()
+    cfg.device.tiles_per_ipu = 64  # the whole model on one IPU
+    batch = jax.tree_util.tree_map(lambda b: b[0], _data(1)[0])
+    results = []
+    for factor in (1, 2):
+      model = bert.Bert(dataclasses.replace(_MODEL, layers=1, decoder_serialization=factor),
+                        rngs=nnx.Rngs(0))
+      loss_fn, params = bert.make_loss(model)
+      results.append(ipu_jax.jit(jax.value_and_grad(loss_fn), config=cfg)(params, batch))
+    chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, results[1]),
+                                jax.tree_util.tree_map(np.asarray, results[0]),
+                                rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+  absltest.main()
