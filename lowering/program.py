@@ -224,7 +224,7 @@ def narrowed_cost(cost: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
   bytes_in, bytes_out = narrowed(cost.bytes_in), narrowed(cost.bytes_out)
   if bytes_in is cost.bytes_in and bytes_out is cost.bytes_out:
     return cost
-  return ExchangeCost(bytes_in, bytes_out, cost.link_bytes_out)
+  return ExchangeCost(bytes_in, bytes_out, cost.link_bytes_out, cost.link_cycles)
 
 
 def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:
