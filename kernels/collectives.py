@@ -121,7 +121,7 @@ def transfer_cycles(target: IPUTarget, system: IPUSystem, transfers: Sequence) -
 def _check_group(system: IPUSystem, group) -> list:
   group = list(group)
   for ipu in group:
-    system._check("a group's IPU", ipu)
+    system.check_ipu("a group's IPU", ipu)
   if len(set(group)) != len(group):
     raise ValueError(f"A collective group names an IPU twice: {group}.")
   return group

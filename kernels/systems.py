@@ -140,7 +140,8 @@ class IPUSystem:
   def num_ipus(self) -> int:
     return self.ipus_per_pod * self.pods
 
-  def _check(self, name: str, ipu) -> int:
+  def check_ipu(self, name: str, ipu) -> int:
+    """``ipu`` as an int, or ``ValueError`` naming ``name`` and the valid range."""
     if not _is_int(ipu, 0) or ipu >= self.num_ipus:
       raise ValueError(f"{name} must be an IPU of the {self.name} system, an int in "
                        f"0..{self.num_ipus - 1}; got {ipu!r}.")
@@ -148,17 +149,17 @@ class IPUSystem:
 
   def machine_of(self, ipu: int) -> int:
     """The machine (numbered across the system) that holds ``ipu``."""
-    return self._check("ipu", ipu) // self.ipus_per_machine
+    return self.check_ipu("ipu", ipu) // self.ipus_per_machine
 
   def pod_of(self, ipu: int) -> int:
     """The POD that holds ``ipu``."""
-    return self._check("ipu", ipu) // self.ipus_per_pod
+    return self.check_ipu("ipu", ipu) // self.ipus_per_pod
 
   def link_class(self, a: int, b: int) -> str | None:
     """The class of link that joins IPUs ``a`` and ``b`` (``None``: same IPU):
     ``"ipu_link"`` inside a machine, ``"ipu_link_cable"`` between machines of
     a POD, ``"gw_link"`` between PODs."""
-    a, b = self._check("a", a), self._check("b", b)
+    a, b = self.check_ipu("a", a), self.check_ipu("b", b)
     if a == b:
       return None
     if self.pod_of(a) != self.pod_of(b):
@@ -206,7 +207,7 @@ class IPUSystem:
     next POD on the way (or through the switch straight to ``dst``'s
     machine), landing on the IPU in ``src``'s place, then on inside that POD.
     """
-    src, dst = self._check("src", src), self._check("dst", dst)
+    src, dst = self.check_ipu("src", src), self.check_ipu("dst", dst)
     hops, at = [], src
     while self.pod_of(at) != self.pod_of(dst):
       at = self._gw_hop(at, dst, hops)

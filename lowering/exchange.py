@@ -35,12 +35,15 @@ class ExchangeCost:
       collective over an ``IPUSystem``, ``kernels/collectives.py``): it
       replaces ``link_bytes_out`` at the target's flat IPU-Link rate.
       ``None``: the flat rate.
+    link_notes: how the link time was priced, for the report's notes (a
+      step's notes gain them).
   """
 
   bytes_in: np.ndarray
   bytes_out: np.ndarray
   link_bytes_out: np.ndarray
   link_cycles: float | None = None
+  link_notes: tuple = ()
 
   @classmethod
   def zeros(cls, target: IPUTarget) -> "ExchangeCost":
@@ -58,7 +61,8 @@ class ExchangeCost:
     return ExchangeCost(self.bytes_in + other.bytes_in,
                         self.bytes_out + other.bytes_out,
                         self.link_bytes_out + other.link_bytes_out,
-                        sum(c.link_cycles for c in priced) if priced else None)
+                        sum(c.link_cycles for c in priced) if priced else None,
+                        tuple(dict.fromkeys(self.link_notes + other.link_notes)))
 
   @property
   def total_bytes(self) -> int:

@@ -241,8 +241,34 @@ class LoweredCollectivesTest(chex.TestCase, parameterized.TestCase):
     self.assertAlmostEqual(step.exchange_cycles, expected, places=2)
     self.assertEqual(step.ipu_link_bytes, flat.ipu_link_bytes)
     self.assertNotAlmostEqual(step.exchange_cycles, flat.exchange_cycles, places=0)
+    self.assertIn(f"replica all-reduce priced over the {system} system's links "
+                  "(docs/systems.md#collectives)", step.notes)
+    self.assertFalse(any("system's links" in n for n in flat.notes))
     # One replica's numbers are unchanged.
     np.testing.assert_allclose(np.asarray(f(x)), np.asarray(x * 2.0))
+
+  def test_sharded_collectives_follow_the_system(self):
+    from ipu_jax.ops import cross_replica_all_gather, cross_replica_reduce_scatter
+    replicas, n = 16, 1024
+    cfg = ipu_jax.IPUConfig()
+    cfg.device.tiles_per_ipu = 16
+    cfg.replication_factor = replicas
+    cfg.system = "pod16"
+    target = cfg.to_target()
+
+    def step(v):
+      return cross_replica_all_gather(cross_replica_reduce_scatter(v, replicas) * 0.5, replicas)
+
+    lowered = ipu_jax.jit(step, config=cfg).lower(jnp.ones((replicas * n,), jnp.float32))
+    by_name = {s.name: s for s in lowered.profile.steps}
+    groups = C.replica_groups(target.system, replicas, 1)
+    for name, kind in ((f"reduce_scatter x{replicas}", C.reduce_scatter),
+                       (f"all_gather x{replicas}", C.all_gather)):
+      s = by_name[name]
+      busiest = max(s.exchange_bytes_in.max(), s.exchange_bytes_out.max())
+      expected = (busiest / target.exchange_bytes_per_cycle + target.exchange_latency_cycles
+                  + kind(target, groups, replicas * n * 4).cycles)
+      self.assertAlmostEqual(s.exchange_cycles, expected, places=2)
 
   def test_spanning_gw_links_costs_more(self):
     one_pod = self._step(self._lowered("pod64", 64)[1])

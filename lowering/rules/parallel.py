@@ -184,7 +184,10 @@ def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 
   on_ipu = np.bincount(ipu, weights=on_tile, minlength=target.num_ipus)[:target.num_ipus]
   link = np.ceil(on_ipu * share).astype(np.int64)
   link_cycles = system_link_cycles(target, kind, replicas or reduce_replicas, on_ipu)
-  exchange = ExchangeCost(tile_bytes, tile_bytes.copy(), link, link_cycles)
+  notes = () if link_cycles is None else (
+      f"replica {kind.replace('_', '-')} priced over the {target.system.name} system's links "
+      "(docs/systems.md#collectives)",)
+  exchange = ExchangeCost(tile_bytes, tile_bytes.copy(), link, link_cycles, notes)
   compute = None
   if reduce_replicas > 1:
     elements = tensor.mapping.elements_per_tile(target.num_tiles)
