@@ -16,7 +16,9 @@ import ipu_jax
 from ipu_jax.kernels import collectives as C
 from ipu_jax.kernels.systems import SYSTEM_PRESETS, LinkGroup, system_preset
 from ipu_jax.kernels.target import IPUTarget
-from ipu_jax.pipelining import links
+from ipu_jax.pipelining import Pipeline, links
+# The 3-stage tanh pipeline of the pipeline cost tests (one weight per stage).
+from test_pipeline_costs import _config, _data, _layers_loss
 
 LINK = 128 * 2**30 / 8 * 0.85     # one IPU-Link, one direction, bytes/s
 GW = 100e9 / 8                    # one GW-Link, one direction, bytes/s
@@ -270,10 +272,39 @@ class LoweredCollectivesTest(chex.TestCase, parameterized.TestCase):
                   + kind(target, groups, replicas * n * 4).cycles)
       self.assertAlmostEqual(s.exchange_cycles, expected, places=2)
 
+  def test_report_notes_and_saved_target_name_the_system(self):
+    _, lowered, _, _ = self._lowered("bow-pod16", 4)
+    self.assertIn("replica all-reduce priced over the bow-pod16 system's links",
+                  lowered.report.summary())
+    directory = self.create_tempdir().full_path
+    lowered.report.save(directory)
+    self.assertEqual(ipu_jax.load_report(directory).target.system.name, "bow-pod16")
+
   def test_spanning_gw_links_costs_more(self):
     one_pod = self._step(self._lowered("pod64", 64)[1])
     two_pods = self._step(self._lowered("pod128", 128)[1])
     self.assertGreater(two_pods.exchange_cycles, one_pod.exchange_cycles)
+
+
+class PipelineAllReduceTest(chex.TestCase, parameterized.TestCase):
+  """A pipeline's gradient all-reduce: stage on IPU i of 4, group of IPU i of every replica."""
+
+  @parameterized.parameters((None, 2), ("pod16", 2), ("pod16", 4), ("pod128", 32))
+  def test_stage_all_reduce_is_the_systems_ring(self, system, replicas):
+    params, batches = _data(3, 6 * replicas)
+    cfg = _config(4, 6)
+    cfg.replication_factor = replicas
+    cfg.system = system
+    pipe = Pipeline(_layers_loss, None, config=cfg, device_mapping=[0, 2, 1])
+    pipe.lower(params, batches)
+    spans = {s[0]: s[5] for s in pipe.timeline.spans if s[1] == "all-reduce"}
+    self.assertEqual(set(spans), {0, 1, 2})
+    for stage in pipe.stages:
+      group = [[r * 4 + stage.ipu for r in range(replicas)]]
+      expected = (links.all_reduce_cycles(pipe.target, replicas, stage.weight_bytes)
+                  if system is None
+                  else C.all_reduce(pipe.target, group, stage.weight_bytes).cycles)
+      self.assertAlmostEqual(spans[stage.ipu], expected, places=3)
 
 
 if __name__ == "__main__":
