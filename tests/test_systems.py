@@ -307,5 +307,43 @@ class PipelineAllReduceTest(chex.TestCase, parameterized.TestCase):
       self.assertAlmostEqual(spans[stage.ipu], expected, places=3)
 
 
+class KerasReplicatedFitTest(chex.TestCase):
+  """The Keras-like fit over 4 replicas with sharded optimizer state: the
+  gradient reduce-scatter and the all-gather are priced over the system."""
+
+  def _fit(self, system):
+    import optax
+    from flax import nnx
+    import ipu_jax.keras
+    from ipu_jax.strategy import IPUStrategy
+    from test_training import TinyMLP, toy_data
+    cfg = ipu_jax.IPUConfig()
+    cfg.device.tiles_per_ipu = 16
+    cfg.replication_factor = 4
+    cfg.training.replica_reduction = "mean"
+    cfg.streaming.offload_optimizer_state = True
+    cfg.streaming.replicated_tensor_sharding = True
+    cfg.system = system
+    x, y = toy_data(32, features=32, classes=128)
+    with IPUStrategy(cfg).scope():
+      model = ipu_jax.keras.Model(TinyMLP(nnx.Rngs(0), features=32, hidden=128, classes=128))
+      model.compile(optimizer=optax.adam(1e-2), loss="sparse_categorical_crossentropy",
+                    steps_per_execution=4)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    return model
+
+  def test_same_weights_collectives_priced_by_the_system(self):
+    flat, pod = self._fit(None), self._fit("pod128")
+    chex.assert_trees_all_close(pod.params, flat.params, rtol=1e-6, atol=1e-8)
+    steps = [s for s in pod.train_report.profile.steps
+             if s.op in ("cross_replica_reduce_scatter", "cross_replica_all_gather")]
+    self.assertNotEmpty(steps)
+    for s in steps:
+      self.assertTrue(any("system's links" in n for n in s.notes), s.name)
+    flat_ops, pod_ops = flat.train_report.cycles_by_op(), pod.train_report.cycles_by_op()
+    for op in ("cross_replica_reduce_scatter", "cross_replica_all_gather"):
+      self.assertNotAlmostEqual(flat_ops[op], pod_ops[op], places=0)
+
+
 if __name__ == "__main__":
   absltest.main()
