@@ -195,8 +195,8 @@ class RingCollectivesTest(chex.TestCase, parameterized.TestCase):
     t = _target("m2000")
     cost = C.broadcast(t, [[0, 1, 2, 3]], B)
     # The root sends B/4 to each member at once: to 1 over the pair (4 links),
-    # to 2 over the rail, to 3 across the rung (shared with nothing) then the
-    # rail 1 -> 3: the rails carry B/4 each; then an all-gather (3 steps).
+    # to 2 up rail (0, 2), to 3 over the rung's cross links then up rail
+    # (1, 3), two hops at 2 links: the slowest; then an all-gather (3 steps).
     scatter = B / 4 / (2 * LINK) * t.clock_hz + 2 * t.exchange_latency_cycles
     gather = 3 * (B / 4 / (2 * LINK) * t.clock_hz + t.exchange_latency_cycles)
     self.assertAlmostEqual(cost.cycles, scatter + gather + 4 * t.ipu_sync_cycles(4), places=3)
