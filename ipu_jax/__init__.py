@@ -13,7 +13,7 @@ from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
 from ipu_jax.report import NumberFormatTelemetry, Report, SavedReport, compare_reports, load_report
 from ipu_jax.strategy import IPUStrategy
-from ipu_jax.target import IPUTarget
+from ipu_jax.target import IPUSystem, IPUTarget
 from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
 
 __version__ = "0.1.0"
@@ -38,7 +38,7 @@ def __dir__():
 
 __all__ = [
     "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
-    "IPUTarget", "Lowered", "LoweringError",
+    "IPUSystem", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",
