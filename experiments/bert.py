@@ -1,0 +1,314 @@
+r"""BERT for pre-training, in Flax NNX, laid out over IPUs as Graphcore ran it.
+
+The model is the BERT of Devlin et al. (2019) as Graphcore's public
+pre-training examples build it:
+
+* ``embeddings``: word, position and token-type tables, summed, layer norm,
+  dropout;
+* ``encoder/layers_i``: post-norm layers of multi-head self-attention and a
+  GELU feed-forward block, a recomputation checkpoint on each layer's output
+  (``ipu_jax.ops.recomputation_checkpoint``: with pipelining recomputation on,
+  only these values wait for the backward pass);
+* ``pooler``: a tanh dense layer on the first ([CLS]) position;
+* ``mlm_head``: a dense + GELU + layer-norm transform of the masked positions
+  only (the examples gather the ``max_predictions`` masked positions before
+  the head, so the vocabulary projection runs on them alone), then the
+  decoder projection, **tied** to the word embedding (``h @ word.T + bias``),
+  optionally serialised (``decoder_serialization``: PopTorch's
+  ``serializedMatMul`` over output channels, TF-IPU's ``serialized_matmul``);
+* ``nsp_head``: next-sentence prediction, a dense layer on the pooled output.
+
+:func:`pretraining_loss` is the masked-LM cross entropy over the masked
+positions (weighted) plus the NSP cross entropy. :func:`layout` gives the
+``stage_assignment`` and ``device_mapping`` of a pipeline from the layers per
+IPU: the embeddings and the first layers on IPU 0, the remaining layers over
+the other IPUs, and the pooler and both heads back on **IPU 0** (so the tied
+decoder sits with the embedding it shares) -- BERT-Large's
+``layers_per_ipu = [3, 7, 7, 7]`` makes five stages on four IPUs,
+``device_mapping = [0, 1, 2, 3, 0]``.
+
+Sizes (``BertConfig``): BERT-Large 24 x 1024, 16 heads, FFN 4096, vocabulary
+30,522; BERT-Base 12 x 768, 12 heads, FFN 3072 (Devlin et al., Table 1 and
+the released checkpoints' ``bert_config.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import ipu_jax
+
+__all__ = ["BertConfig", "Bert", "bert_large", "bert_base", "pretraining_loss",
+           "make_loss", "layout", "synthetic_batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """BERT's sizes and the IPU-specific options of its layers.
+
+  Attributes:
+    vocab_size, hidden, layers, heads, ffn: the model's sizes.
+    max_positions: rows of the position table (the longest sequence).
+    type_vocab: rows of the token-type table.
+    dropout: dropout rate of embeddings, attention output and FFN output.
+    layer_norm_eps: BERT's 1e-12.
+    decoder_serialization: the MLM decoder projection's serialisation factor
+      over its output channels (the vocabulary); 1 = one matmul.
+    embedding_serialization: the word-embedding lookup's serialisation factor
+      (TF-IPU ``embedding_lookup(serialization_factor=)``).
+    dtype: the parameters' and activations' dtype.
+  """
+  vocab_size: int = 30522
+  hidden: int = 1024
+  layers: int = 24
+  heads: int = 16
+  ffn: int = 4096
+  max_positions: int = 512
+  type_vocab: int = 2
+  dropout: float = 0.1
+  layer_norm_eps: float = 1e-12
+  decoder_serialization: int = 1
+  embedding_serialization: int = 1
+  dtype: object = jnp.float32
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden", "layers", "heads", "ffn", "max_positions",
+                 "type_vocab", "decoder_serialization", "embedding_serialization"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"BertConfig.{name} must be an int >= 1; got {value!r}.")
+    if self.hidden % self.heads:
+      raise ValueError(f"BertConfig.hidden={self.hidden} must be a multiple of "
+                       f"BertConfig.heads={self.heads}.")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"BertConfig.dropout must be in [0, 1); got {self.dropout!r}.")
+
+
+def bert_large(**overrides) -> BertConfig:
+  """BERT-Large: 24 layers, width 1024, 16 heads, FFN 4096, vocabulary 30,522."""
+  return BertConfig(**overrides)
+
+
+def bert_base(**overrides) -> BertConfig:
+  """BERT-Base: 12 layers, width 768, 12 heads, FFN 3072, vocabulary 30,522."""
+  return dataclasses.replace(BertConfig(hidden=768, layers=12, heads=12, ffn=3072),
+                             **overrides)
+
+
+def _dense(din: int, dout: int, cfg: BertConfig, rngs: nnx.Rngs) -> nnx.Linear:
+  # BERT initialises every weight from a truncated normal of std 0.02.
+  init = jax.nn.initializers.truncated_normal(0.02)
+  return nnx.Linear(din, dout, kernel_init=init, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                    rngs=rngs)
+
+
+def _norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(cfg.hidden, epsilon=cfg.layer_norm_eps, dtype=cfg.dtype,
+                       param_dtype=cfg.dtype, rngs=rngs)
+
+
+class Embeddings(nnx.Module):
+  """Word + position + token-type embeddings, layer norm, dropout."""
+
+  def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+    init = jax.nn.initializers.truncated_normal(0.02)
+    table = lambda n: nnx.Param(init(rngs.params(), (n, cfg.hidden), cfg.dtype))
+    self.word = table(cfg.vocab_size)
+    self.position = table(cfg.max_positions)
+    self.token_type = table(cfg.type_vocab)
+    self.norm = _norm(cfg, rngs)
+    self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+    self.serialization = cfg.embedding_serialization
+
+  def __call__(self, ids, token_types, deterministic: bool):
+    if self.serialization > 1:
+      words = ipu_jax.ops.embedding_lookup(self.word.value, ids,
+                                           serialization_factor=self.serialization)
+    else:
+      words = jnp.take(self.word.value, ids, axis=0)
+    seq = ids.shape[-1]
+    h = words + self.position.value[:seq] + jnp.take(self.token_type.value, token_types, axis=0)
+    return self.dropout(self.norm(h), deterministic=deterministic)
+
+
+class EncoderLayer(nnx.Module):
+  """Post-norm self-attention and feed-forward block, BERT's layer."""
+
+  def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+    self.heads = cfg.heads
+    self.qkv = _dense(cfg.hidden, 3 * cfg.hidden, cfg, rngs)
+    self.attention_out = _dense(cfg.hidden, cfg.hidden, cfg, rngs)
+    self.attention_norm = _norm(cfg, rngs)
+    self.ffn_in = _dense(cfg.hidden, cfg.ffn, cfg, rngs)
+    self.ffn_out = _dense(cfg.ffn, cfg.hidden, cfg, rngs)
+    self.ffn_norm = _norm(cfg, rngs)
+    self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+  def _attention(self, h, mask_bias):
+    b, s, w = h.shape
+    q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
+    heads = lambda t: t.reshape(b, s, self.heads, w // self.heads).transpose(0, 2, 1, 3)
+    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(w // self.heads)
+    probs = jax.nn.softmax(scores + mask_bias, axis=-1)
+    return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
+
+  def __call__(self, h, mask_bias, deterministic: bool):
+    a = self.dropout(self.attention_out(self._attention(h, mask_bias)),
+                     deterministic=deterministic)
+    h = self.attention_norm(h + a)
+    f = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
+    h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
+    # Only these values wait for the backward pass when recomputation is on.
+    return ipu_jax.ops.recomputation_checkpoint(h)
+
+
+class Encoder(nnx.Module):
+  def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+    self.layers = nnx.List([EncoderLayer(cfg, rngs) for _ in range(cfg.layers)])
+
+  def __call__(self, h, mask_bias, deterministic: bool):
+    for layer in self.layers:
+      h = layer(h, mask_bias, deterministic)
+    return h
+
+
+class MaskedLMHead(nnx.Module):
+  """Transform of the masked positions and the decoder tied to the word table."""
+
+  def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+    self.transform = _dense(cfg.hidden, cfg.hidden, cfg, rngs)
+    self.norm = _norm(cfg, rngs)
+    self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.dtype))
+    self.serialization = cfg.decoder_serialization
+
+  def __call__(self, h, word_table):
+    h = self.norm(jax.nn.gelu(self.transform(h), approximate=True))
+    if self.serialization > 1:
+      # PopTorch serializedMatMul(OutputChannels): the vocabulary in pieces.
+      logits = ipu_jax.ops.serialized_matmul(h, word_table.T, self.serialization,
+                                             "output_channels")
+    else:
+      logits = h @ word_table.T
+    return logits + self.bias.value
+
+
+class Bert(nnx.Module):
+  """BERT with its pre-training heads: ``(mlm_logits, nsp_logits)``."""
+
+  def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embeddings = Embeddings(cfg, rngs)
+    self.encoder = Encoder(cfg, rngs)
+    self.pooler = _dense(cfg.hidden, cfg.hidden, cfg, rngs)
+    self.mlm_head = MaskedLMHead(cfg, rngs)
+    self.nsp_head = _dense(cfg.hidden, 2, cfg, rngs)
+
+  def __call__(self, batch: dict, deterministic: bool = True):
+    """Logits of the masked positions ``[B, P, V]`` and of NSP ``[B, 2]``.
+
+    Args:
+      batch: ``input_ids``, ``token_type_ids``, ``attention_mask`` ([B, S];
+        1 = attend), ``masked_lm_positions`` ([B, P]).
+      deterministic: no dropout (evaluation) when True.
+    """
+    h = self.embeddings(batch["input_ids"], batch["token_type_ids"], deterministic)
+    mask = batch["attention_mask"].astype(h.dtype)
+    mask_bias = ((1.0 - mask) * -10000.0)[:, None, None, :]
+    h = self.encoder(h, mask_bias, deterministic)
+    pooled = jnp.tanh(self.pooler(h[:, 0]))
+    masked = jnp.take_along_axis(h, batch["masked_lm_positions"][..., None], axis=1)
+    mlm = self.mlm_head(masked, self.embeddings.word.value)
+    return mlm, self.nsp_head(pooled)
+
+
+def pretraining_loss(mlm_logits, nsp_logits, batch: dict):
+  """Masked-LM cross entropy (weighted mean over masked positions) + NSP's."""
+  mlm = optax.softmax_cross_entropy_with_integer_labels(
+      mlm_logits.astype(jnp.float32), batch["masked_lm_ids"])
+  weights = batch["masked_lm_weights"].astype(jnp.float32)
+  mlm = jnp.sum(mlm * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  nsp = optax.softmax_cross_entropy_with_integer_labels(
+      nsp_logits.astype(jnp.float32), batch["next_sentence_labels"]).mean()
+  return mlm + nsp
+
+
+def make_loss(model: Bert, deterministic: bool = True):
+  """``(loss_fn, params)``: ``loss_fn(params, batch)`` for a Pipeline or jax.grad.
+
+  The model's calls open named scopes of their module paths
+  (``ipu_jax.nnx_scopes.module_scopes``), so a ``stage_assignment`` by module
+  path (:func:`layout`) places them on pipeline stages.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(params, batch):
+    module = nnx.merge(graphdef, params, rest)
+    with ipu_jax.nnx_scopes.module_scopes(module):
+      mlm, nsp = module(batch, deterministic)
+    return pretraining_loss(mlm, nsp, batch)
+
+  return loss_fn, params
+
+
+def layout(layers_per_ipu: Sequence[int]):
+  """``(stage_assignment, device_mapping)`` of BERT over ``len(layers_per_ipu)`` IPUs.
+
+  Stage k < N holds the encoder layers of IPU k (stage 0 also the
+  embeddings); stage N, back on IPU 0, holds the pooler and both heads, so the
+  tied decoder shares IPU 0 with the word embedding it reads.
+
+  Args:
+    layers_per_ipu: encoder layers on each IPU, e.g. ``[3, 7, 7, 7]``.
+
+  Raises:
+    ValueError: an entry below 0, or IPU 0 with no layers and embeddings only
+      is fine but a later IPU with none is not (its stage would be empty).
+  """
+  counts = [int(n) for n in layers_per_ipu]
+  if not counts or any(n < 0 for n in counts) or any(n == 0 for n in counts[1:]):
+    raise ValueError(f"layers_per_ipu must list >= 0 layers for IPU 0 and >= 1 for each "
+                     f"other IPU; got {list(layers_per_ipu)!r}.")
+  assignment = {"embeddings": 0}
+  first = 0
+  for ipu, n in enumerate(counts):
+    for i in range(first, first + n):
+      assignment[f"layers_{i}"] = ipu
+    first += n
+  heads_stage = len(counts)
+  assignment.update({"pooler": heads_stage, "mlm_head": heads_stage, "nsp_head": heads_stage})
+  return assignment, list(range(len(counts))) + [0]
+
+
+def synthetic_batches(cfg: BertConfig, num: int, micro_batch: int, seq: int,
+                      max_predictions: int, seed: int = 0) -> dict:
+  """``num`` stacked micro-batches of synthetic masked-LM data (numpy, int32).
+
+  Token ids are uniform over the vocabulary past the 4 special ids; the last
+  quarter of each sequence is padding (``attention_mask`` 0); masked positions
+  are distinct positions of the unpadded part, with weight 1 for all but the
+  last prediction of odd samples (so the weighted mean is exercised).
+  """
+  if max_predictions > seq:
+    raise ValueError(f"max_predictions={max_predictions} exceeds the sequence {seq}.")
+  rng = np.random.default_rng(seed)
+  shape = (num, micro_batch, seq)
+  ids = rng.integers(4, cfg.vocab_size, size=shape).astype(np.int32)
+  length = max(max_predictions, seq - seq // 4)
+  mask = (np.arange(seq) < length).astype(np.int32) * np.ones(shape, np.int32)
+  types = (np.arange(seq) >= length // 2).astype(np.int32) * mask
+  keys = rng.random((num, micro_batch, length))
+  positions = np.argsort(keys, axis=-1)[..., :max_predictions].astype(np.int32)
+  labels = np.take_along_axis(ids, positions, axis=-1)
+  weights = np.ones(positions.shape, np.float32)
+  weights[:, 1::2, -1] = 0.0
+  return {"input_ids": ids, "token_type_ids": types.astype(np.int32), "attention_mask": mask,
+          "masked_lm_positions": positions, "masked_lm_ids": labels.astype(np.int32),
+          "masked_lm_weights": weights,
+          "next_sentence_labels": rng.integers(0, 2, size=(num, micro_batch)).astype(np.int32)}
