@@ -38,6 +38,8 @@ __all__ = [
     "HOUSEHOLDER_QR", "GEQRF", "GEQP3", "HOUSEHOLDER_PRODUCT", "ORMQR", "JACOBI_EIGH",
     "JACOBI_SVD", "HESSENBERG_QR_EIG", "SCHUR", "HESSENBERG", "TRIDIAGONAL", "TRIDIAGONAL_SOLVE",
     "SYMMETRIC_PRODUCT",
+    # popsparse.
+    "SPARSE_DENSE_ELEMENTWISE", "SPARSE_DENSE_BLOCK",
     # poprand.
     "RANDOM",
     # ipu_jax.
@@ -96,6 +98,10 @@ HESSENBERG = "poplin::Hessenberg"
 TRIDIAGONAL = "poplin::Tridiagonal"
 TRIDIAGONAL_SOLVE = "poplin::TridiagonalSolve"
 SYMMETRIC_PRODUCT = "poplin::SymmetricProduct"
+
+# popsparse: vertex(SPARSE_DENSE_*, dtype, partials dtype).
+SPARSE_DENSE_ELEMENTWISE = "popsparse::SparseDenseMatMulElementWise"
+SPARSE_DENSE_BLOCK = "popsparse::SparseDenseMatMulBlock"
 
 RANDOM = "poprand::Random"  # vertex(RANDOM, generator)
 

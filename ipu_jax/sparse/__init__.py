@@ -1,0 +1,17 @@
+"""PopSparse on the emulated IPU: block-sparse formats and sparse matmuls.
+
+* :class:`BlockCSR`: a block-sparse matrix (CSR of ``bm x bk`` blocks, 1x1,
+  4x4, 8x8 or 16x16), a pytree whose pattern is static and whose values are
+  its leaf.
+* :func:`static_matmul`: sparse x dense or dense x sparse with the pattern
+  known when lowering (``popsparse::static_``).
+"""
+
+import os as _os
+
+from ipu_jax.lowering.jax_compat import source_info_util as _source_info_util
+_source_info_util.register_exclusion(_os.path.dirname(__file__))
+
+from ipu_jax.sparse.formats import BlockCSR, SparsityPattern
+
+__all__ = ["BlockCSR", "SparsityPattern"]
