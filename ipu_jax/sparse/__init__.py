@@ -15,3 +15,7 @@ _source_info_util.register_exclusion(_os.path.dirname(__file__))
 from ipu_jax.sparse.formats import BlockCSR, SparsityPattern
 
 __all__ = ["BlockCSR", "SparsityPattern"]
+from ipu_jax.sparse.static import static_matmul, static_sparse_matmul_p
+from ipu_jax.sparse import static_rule as _static_rule  # registers the tile rule
+
+__all__ += ["static_matmul", "static_sparse_matmul_p"]
