@@ -11,7 +11,8 @@ charged once.
 Names follow poplibs' ``library::Vertex<template arguments>`` form. The
 library is the one that holds such vertices in poplibs (``popops``:
 elementwise, data movement, reductions, indexing and sorting; ``poplin``:
-matmuls, convolutions, linear algebra; ``poprand``: random numbers), or
+matmuls, convolutions, linear algebra; ``popsparse``: sparse x dense
+products; ``poprand``: random numbers), or
 ``ipu_jax`` for vertex types poplibs has no counterpart of (FFT, replica
 indices). Template instances are distinct vertex types with their own code,
 as on the IPU, where ``Fill<int>`` and ``Fill<float>`` are separate

@@ -1,0 +1,287 @@
+"""Tests of ipu_jax.sparse: BlockCSR, static sparse matmuls and their tile plans."""
+
+import sys
+import os
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
+from ipu_jax.lowering import sparse_plan
+from ipu_jax.sparse import BlockCSR, static_matmul
+
+sys.path.insert(0, os.path.dirname(__file__))
+from testing_utils import MODES, T16, executor_config  # noqa: E402
+
+BOW = ipu_jax.IPUTarget.preset("bow")
+
+
+def _pattern(kind, grid, seed):
+  """A block mask of one of the acceptance list's kinds."""
+  rng = np.random.RandomState(seed)
+  rows, cols = grid
+  if kind == "random":
+    return rng.rand(rows, cols) < 0.4
+  if kind == "empty_rows":
+    mask = rng.rand(rows, cols) < 0.5
+    mask[::2] = False
+    return mask
+  if kind == "empty":
+    return np.zeros(grid, bool)
+  if kind == "one_block":
+    mask = np.zeros(grid, bool)
+    mask[rows - 1, cols // 2] = True
+    return mask
+  if kind == "full":
+    return np.ones(grid, bool)
+  raise ValueError(kind)
+
+
+def _sparse(shape, block, kind="random", seed=0, dtype=np.float32):
+  rng = np.random.RandomState(seed + 1)
+  dense = rng.randn(*shape).astype(dtype)
+  return BlockCSR.fromdense(dense, _pattern(kind, (shape[0] // block, shape[1] // block), seed),
+                            (block, block))
+
+
+def _dense(shape, seed=2, dtype=np.float32):
+  return np.random.RandomState(seed).randn(*shape).astype(dtype)
+
+
+def _run(fn, mode, *args, target=T16):
+  return jax.tree.map(np.asarray, ipu_jax.jit(fn, target=target,
+                                               config=executor_config(mode))(*args))
+
+
+def _steps(lowered):
+  out = []
+
+  def walk(p):
+    for child in getattr(p, "programs", ()):
+      walk(child)
+    if hasattr(p, "fn"):
+      out.append(p)
+  walk(lowered.program)
+  return out
+
+
+class BlockCSRTest(parameterized.TestCase):
+
+  def test_fromdense_and_todense(self):
+    dense = _dense((8, 12))
+    mask = np.array([[1, 0, 1], [0, 0, 1]], bool)
+    a = BlockCSR.fromdense(dense, mask, (4, 4))
+    self.assertEqual(a.nnz_blocks, 3)
+    np.testing.assert_array_equal(a.row_offsets, [0, 2, 3])
+    np.testing.assert_array_equal(a.col_indices, [0, 2, 2])
+    want = dense * np.kron(mask, np.ones((4, 4)))
+    np.testing.assert_array_equal(np.asarray(a.todense()), want)
+    np.testing.assert_array_equal(np.asarray(a.T.todense()), want.T)
+
+  def test_element_mask_and_default_mask(self):
+    dense = np.zeros((4, 6), np.float32)
+    dense[1, 4] = 3.0
+    a = BlockCSR.fromdense(dense)            # 1x1 blocks where the matrix is non-zero
+    self.assertEqual(a.nnz_blocks, 1)
+    b = BlockCSR.fromdense(dense, dense != 0, (1, 1))
+    np.testing.assert_array_equal(np.asarray(b.todense()), dense)
+
+  def test_from_coordinates_sorts(self):
+    values = np.arange(3 * 16, dtype=np.float32).reshape(3, 4, 4)
+    a = BlockCSR.from_coordinates([1, 0, 1], [2, 1, 0], values, (8, 12), (4, 4))
+    np.testing.assert_array_equal(a.row_offsets, [0, 1, 3])
+    np.testing.assert_array_equal(a.col_indices, [1, 0, 2])
+    dense = np.asarray(a.todense())
+    np.testing.assert_array_equal(dense[4:8, 8:12], values[0])
+    np.testing.assert_array_equal(dense[0:4, 4:8], values[1])
+
+  def test_pytree_through_jit_and_vmap(self):
+    a = _sparse((8, 16), 4)
+    doubled = jax.jit(lambda s: jax.tree.map(lambda v: 2 * v, s))(a)
+    self.assertIsInstance(doubled, BlockCSR)
+    self.assertEqual(doubled.pattern, a.pattern)
+    stacked = jnp.stack([a.values, 3 * a.values])
+    dense = jax.vmap(lambda v: BlockCSR(v, a.pattern, None, None).todense())(stacked)
+    np.testing.assert_allclose(np.asarray(dense[1]), 3 * np.asarray(a.todense()))
+
+  @parameterized.named_parameters(
+      ("block_does_not_divide", lambda: BlockCSR.fromdense(np.ones((6, 8)), None, (4, 4)),
+       "does not divide"),
+      ("unsupported_block", lambda: BlockCSR.fromdense(np.ones((6, 6)), None, (3, 3)),
+       "valid block shapes"),
+      ("column_out_of_range", lambda: BlockCSR(np.ones((1, 1, 1)), [0, 1], [5], (1, 4)),
+       "out of range"),
+      ("unsorted_columns", lambda: BlockCSR(np.ones((2, 1, 1)), [0, 2], [3, 1], (1, 4)),
+       "unsorted or repeated"),
+      ("bad_offsets", lambda: BlockCSR(np.ones((2, 1, 1)), [0, 3], [0, 1], (1, 4)),
+       "row_offsets"),
+      ("values_shape", lambda: BlockCSR(np.ones((2, 2, 2)), [0, 2], [0, 1], (1, 4)),
+       "values must be"),
+      ("repeated_coordinate",
+       lambda: BlockCSR.from_coordinates([0, 0], [1, 1], np.ones((2, 1, 1)), (2, 2)),
+       "given twice"),
+      ("coordinate_out_of_range",
+       lambda: BlockCSR.from_coordinates([0, 2], [1, 1], np.ones((2, 1, 1)), (2, 2)),
+       "out of range"),
+      ("mask_shape", lambda: BlockCSR.fromdense(np.ones((8, 8)), np.ones((3, 3)), (4, 4)),
+       "mask must be"),
+  )
+  def test_bad_input(self, build, message):
+    with self.assertRaisesRegex(ValueError, message):
+      build()
+
+  def test_traced_mask_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "concrete"):
+      jax.jit(lambda d: BlockCSR.fromdense(d, d > 0).values)(jnp.ones((4, 4)))
+
+
+class StaticMatmulTest(parameterized.TestCase):
+
+  @parameterized.product(
+      case=[("random", 4, (36, 24, 7)), ("empty_rows", 4, (32, 48, 5)),
+            ("empty", 4, (16, 16, 3)), ("one_block", 8, (24, 40, 9)),
+            ("full", 4, (20, 28, 6)), ("random", 1, (9, 13, 11)),
+            ("random", 16, (48, 32, 3)), ("random", 8, (64, 256, 40))],
+      side=["lhs", "rhs"],
+      mode=MODES)
+  def test_equals_dense(self, case, side, mode):
+    kind, block, (m, k, n) = case
+    a = _sparse((m, k), block, kind)
+    dense = _dense((k, n) if side == "lhs" else (n, m))
+    fn = ((lambda s, d: static_matmul(s, d)) if side == "lhs"
+          else (lambda s, d: static_matmul(d, s)))
+    got = _run(fn, mode, a, dense)
+    s = np.asarray(a.todense(), np.float64)
+    want = s @ dense if side == "lhs" else dense @ s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(got, np.asarray(jax.jit(fn)(a, dense)), rtol=1e-5, atol=1e-5)
+
+  @parameterized.product(side=["lhs", "rhs"], mode=MODES)
+  def test_grad_to_values_and_dense(self, side, mode):
+    a = _sparse((32, 48), 4, "empty_rows")
+    dense = _dense((48, 10) if side == "lhs" else (6, 32))
+    weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
+
+    def loss(values, d):
+      s = BlockCSR(values, a.pattern, None, None)
+      out = static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    def dense_loss(values, d):
+      s = BlockCSR(values, a.pattern, None, None).todense()
+      out = s @ d if side == "lhs" else d @ s
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
+    want = jax.grad(dense_loss, (0, 1))(a.values, dense)
+    self.assertEqual(got[0].shape, a.values.shape)  # a gradient per non-zero block only
+    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), rtol=1e-4, atol=1e-4)
+
+  @parameterized.product(batched=["dense", "values", "both"], side=["lhs", "rhs"])
+  def test_vmap(self, batched, side):
+    a = _sparse((16, 24), 4)
+    n, copies = 5, 3
+    dense = _dense((copies,) + ((24, n) if side == "lhs" else (n, 16)))
+    values = jnp.stack([a.values * (i + 1) for i in range(copies)])
+
+    def one(v, d):
+      s = BlockCSR(v, a.pattern, None, None)
+      return static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
+
+    axes = {"dense": (None, 0), "values": (0, None), "both": (0, 0)}[batched]
+    args = (a.values if axes[0] is None else values, dense[0] if axes[1] is None else dense)
+    got = _run(jax.vmap(one, axes), "per_tile", *args)
+    s = np.asarray(jax.vmap(lambda v: BlockCSR(v, a.pattern, None, None).todense())(values))
+    s = s[:1].repeat(copies, 0) if axes[0] is None else s
+    d = np.broadcast_to(dense[0], dense.shape) if axes[1] is None else dense
+    want = s @ d if side == "lhs" else d @ s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  def test_float16_rounds_float32_partials(self):
+    a = _sparse((32, 64), 8, dtype=np.float16)
+    dense = _dense((64, 12), dtype=np.float16)
+    got = _run(lambda s, d: static_matmul(s, d), "batched", a, dense)
+    self.assertEqual(got.dtype, np.float16)
+    exact = np.asarray(a.todense(), np.float32) @ dense.astype(np.float32)
+    np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
+                               atol=1e-3)
+
+  @parameterized.named_parameters(
+      ("dtype_mismatch", lambda a: static_matmul(a, np.ones((24, 3), np.float16)),
+       "dtypes differ"),
+      ("contraction", lambda a: static_matmul(a, np.ones((23, 3), np.float32)),
+       "contracting dimensions differ"),
+      ("both_sparse", lambda a: static_matmul(a, a), "exactly one operand"),
+      ("batched_dense", lambda a: static_matmul(a, np.ones((2, 24, 3), np.float32)),
+       "must be a matrix"),
+      ("memory_proportion", lambda a: static_matmul(a, np.ones((24, 3), np.float32), 1.5),
+       "available_memory_proportion"),
+  )
+  def test_bad_input(self, call, message):
+    with self.assertRaisesRegex(ValueError, message):
+      call(_sparse((16, 24), 4))
+
+
+class StaticPlanTest(parameterized.TestCase):
+
+  def test_memory_is_density_times_dense_plus_meta(self):
+    m = k = 256
+    block, density = 4, 1 / 16
+    rng = np.random.RandomState(0)
+    grid = (m // block, k // block)
+    mask = np.zeros(grid[0] * grid[1], bool)
+    mask[rng.choice(mask.size, int(mask.size * density), replace=False)] = True
+    a = BlockCSR.fromdense(_dense((m, k)), mask.reshape(grid), (block, block))
+    lowered = ipu_jax.jit(lambda s, d: static_matmul(s, d), target=T16).lower(a, _dense((k, 32)))
+    tensors = {t.name: t for t in lowered.profile.tensors}
+    meta = sum(t.total_bytes for t in lowered.profile.tensors if t.name == "sparse meta-info")
+    values = a.values.nbytes
+    dense_bytes = m * k * 4
+    self.assertEqual(values, dense_bytes * density)
+    self.assertGreater(meta, 0)
+    # Meta-information: a column word per block, row entries, headers; a few
+    # percent of the values for 4x4 float32 blocks.
+    self.assertLess(meta, 0.15 * values)
+    self.assertIn("sparse meta-info", tensors)
+
+  def test_costs_from_the_vertex_work(self):
+    a = _sparse((128, 256), 4)
+    lowered = ipu_jax.jit(lambda s, d: static_matmul(s, d), target=T16).lower(a, _dense((256, 64)))
+    products = [s for s in _steps(lowered) if "/products" in s.name]
+    self.assertLen(products, 1)
+    self.assertIn("popsparse::SparseDenseMatMulBlock", products[0].codelets[0])
+    self.assertGreater(float(np.max(products[0].compute_cycles)), 0)
+    self.assertIn("grid x", products[0].notes[0])
+
+  @parameterized.parameters("float16", "float32")
+  def test_speed_up_falls_with_density_and_blocks_pay(self, dtype):
+    def cycles(block, density):
+      nnz = int(density * (4096 // block) ** 2)
+      return sparse_plan.plan_static(BOW, 4096, 4096, 1024, block, nnz, dtype).cycles
+    for block in (1, 4, 16):
+      series = [cycles(block, d) for d in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4)]
+      self.assertEqual(series, sorted(series))
+    for density in (1 / 16, 1 / 4):
+      self.assertLess(cycles(16, density), cycles(4, density))
+      self.assertLess(cycles(4, density), cycles(1, density))
+
+  def test_plan_respects_memory_proportion(self):
+    def plan(proportion):
+      return sparse_plan.plan_static(BOW, 4096, 4096, 1024, 4, 16384, "float16",
+                                     available_memory_proportion=proportion)
+    loose, tight, too_tight = plan(0.6), plan(0.2), plan(0.05)
+    for p in (loose, tight):
+      self.assertTrue(p.fits)
+      self.assertLessEqual(p.temp_bytes, p.memory_limit)
+    # Less memory costs cycles; with none fitting the least-memory grid is kept, marked.
+    self.assertLess(tight.temp_bytes, loose.temp_bytes)
+    self.assertGreater(tight.cycles, loose.cycles)
+    self.assertFalse(too_tight.fits)
+    self.assertLessEqual(too_tight.temp_bytes, tight.temp_bytes)
+
+if __name__ == "__main__":
+  absltest.main()
