@@ -5,6 +5,10 @@
   its leaf.
 * :func:`static_matmul`: sparse x dense or dense x sparse with the pattern
   known when lowering (``popsparse::static_``).
+* :func:`dynamic_matmul`: sparse x dense with the pattern known only at run
+  time, up to ``max_non_zeros`` blocks (``popsparse::dynamic``): a
+  :class:`DynamicLayout` (:func:`dynamic_layout`) sizes the buckets,
+  :func:`encode` deals a pattern into them on the host.
 """
 
 import os as _os
@@ -19,3 +23,10 @@ from ipu_jax.sparse.static import static_matmul, static_sparse_matmul_p
 from ipu_jax.sparse import static_rule as _static_rule  # registers the tile rule
 
 __all__ += ["static_matmul", "static_sparse_matmul_p"]
+from ipu_jax.sparse.buckets import (BucketOverflowError, DynamicLayout, DynamicSparse,
+                                    dynamic_layout, encode)
+from ipu_jax.sparse.dynamic import dynamic_matmul, dynamic_sparse_matmul_p
+from ipu_jax.sparse import dynamic_rule as _dynamic_rule  # registers the tile rule
+
+__all__ += ["BucketOverflowError", "DynamicLayout", "DynamicSparse", "dynamic_layout", "encode",
+            "dynamic_matmul", "dynamic_sparse_matmul_p"]
