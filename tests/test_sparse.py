@@ -12,7 +12,8 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import sparse_plan
-from ipu_jax.sparse import BlockCSR, static_matmul
+from ipu_jax.sparse import (BlockCSR, BucketOverflowError, dynamic_layout, dynamic_matmul, encode,
+                            static_matmul)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from testing_utils import MODES, T16, executor_config  # noqa: E402
@@ -282,6 +283,142 @@ class StaticPlanTest(parameterized.TestCase):
     self.assertGreater(tight.cycles, loose.cycles)
     self.assertFalse(too_tight.fits)
     self.assertLessEqual(too_tight.temp_bytes, tight.temp_bytes)
+
+class DynamicMatmulTest(parameterized.TestCase):
+
+  @parameterized.product(
+      case=[("random", 4, (36, 24, 7)), ("empty_rows", 4, (32, 48, 70)),
+            ("empty", 4, (16, 16, 3)), ("one_block", 8, (24, 40, 9)),
+            ("full", 4, (20, 28, 6)), ("random", 1, (9, 13, 11)),
+            ("random", 16, (48, 32, 3))],
+      mode=MODES)
+  def test_equals_dense(self, case, mode):
+    kind, block, (m, k, n) = case
+    a = _sparse((m, k), block, kind)
+    dense = _dense((k, n))
+    total = (m // block) * (k // block)
+    layout = dynamic_layout(T16, (m, k), n, min(max(a.nnz_blocks, 1) + 3, total), block=block)
+    encoded = encode(a, layout)
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense(), np.float64) @ dense, rtol=1e-5,
+                               atol=1e-5)
+
+  def _skewed(self):
+    """Every block of the matrix's first X band: more than its cell's buckets hold."""
+    mask = np.zeros((8, 16), bool)
+    mask[0, :] = True
+    mask[1, :9] = True
+    mask[5, 3] = True
+    return BlockCSR.fromdense(_dense((32, 64)), mask, (4, 4))
+
+  @parameterized.parameters(*MODES)
+  def test_spilled_blocks_are_met_in_phase_two(self, mode):
+    a = self._skewed()
+    layout = dynamic_layout(T16, (32, 64), 200, 40, block=4)
+    encoded = encode(a, layout)
+    rx, cy, _ = layout.plan.band
+    px, py, pz = layout.grid
+    rows = np.asarray(encoded.meta[..., 0])
+    cols = np.asarray(encoded.meta[..., 1])
+    own_cell = (np.arange(px * py * pz) // pz)[:, None]
+    entry_cell = (rows // rx) * py + cols // cy
+    spilled = (rows >= 0) & (entry_cell != own_cell)
+    self.assertGreater(int(spilled.sum()), 0)             # the pattern did spill
+    self.assertEqual(layout.plan.phases, 2)
+    dense = _dense((64, 200))
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-4)
+
+  def test_overflow_is_an_error_with_the_counts(self):
+    a = self._skewed()
+    layout = dynamic_layout(T16, (32, 64), 200, 26, block=4, oversize=0.0)
+    with self.assertRaisesRegex(BucketOverflowError, r"Overflow in buckets: cell .* has 25 non-zero"):
+      encode(a, layout)
+    small = dynamic_layout(T16, (32, 64), 200, 10, block=4)
+    with self.assertRaisesRegex(BucketOverflowError, "26 non-zero blocks, more than "
+                                "max_non_zeros=10"):
+      encode(a, small)
+
+  def test_a_new_pattern_runs_the_same_program(self):
+    layout = dynamic_layout(T16, (32, 48), 20, 40, block=4)
+    first, second = _sparse((32, 48), 4, seed=1), _sparse((32, 48), 4, "empty_rows", seed=2)
+    dense = _dense((48, 20))
+    lowered = ipu_jax.jit(lambda e, d: dynamic_matmul(e, d), target=T16).lower(
+        encode(first, layout), dense)
+    for a in (first, second):
+      np.testing.assert_allclose(np.asarray(lowered(encode(a, layout), dense)),
+                                 np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-5)
+
+  @parameterized.parameters(*MODES)
+  def test_grad_to_values_and_dense(self, mode):
+    a = _sparse((32, 48), 4, "empty_rows")
+    layout = dynamic_layout(T16, (32, 48), 10, a.nnz_blocks + 4, block=4)
+    weights = _dense((32, 10), seed=5)
+
+    def loss(values, d):
+      out = dynamic_matmul(encode(BlockCSR(values, a.pattern, None, None), layout), d)
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    def dense_loss(values, d):
+      out = BlockCSR(values, a.pattern, None, None).todense() @ d
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    dense = _dense((48, 10))
+    got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
+    want = jax.grad(dense_loss, (0, 1))(a.values, dense)
+    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), rtol=1e-4, atol=1e-4)
+
+  def test_vmap_over_the_dense_operand(self):
+    a = _sparse((16, 24), 4)
+    layout = dynamic_layout(T16, (16, 24), 5, a.nnz_blocks, block=4)
+    dense = _dense((3, 24, 5))
+    got = _run(jax.vmap(lambda e, d: dynamic_matmul(e, d), (None, 0)), "per_tile",
+               encode(a, layout), dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-5)
+
+  def test_buckets_are_sized_for_max_non_zeros_and_oversize(self):
+    layout = dynamic_layout(BOW, (4096, 4096), 1024, 16384, block=4, oversize=0.3)
+    slots = layout.buckets * layout.bucket_blocks
+    self.assertGreaterEqual(slots, 1.3 * 16384)
+    self.assertLess(slots, 1.3 * 16384 + layout.buckets)
+    a = _sparse((64, 64), 4)
+    small = dynamic_layout(T16, (64, 64), 8, 120, block=4, oversize=0.5)
+    encoded = encode(a, small)
+    self.assertEqual(encoded.values.nbytes, small.buckets * small.bucket_blocks * 16 * 4)
+    self.assertGreaterEqual(small.buckets * small.bucket_blocks, 180)
+
+  def test_static_beats_dynamic(self):
+    for block in (1, 4, 16):
+      for density in (1 / 64, 1 / 16, 1 / 4):
+        nnz = int(density * (4096 // block) ** 2)
+        static = sparse_plan.plan_static(BOW, 4096, 4096, 1024, block, nnz, "float16")
+        dynamic = sparse_plan.plan_dynamic(BOW, 4096, 4096, 1024, block, nnz, "float16")
+        self.assertLess(static.cycles, dynamic.cycles)
+
+  @parameterized.named_parameters(
+      ("dtype_mismatch", lambda e: dynamic_matmul(e, np.ones((24, 5), np.float16)),
+       "dtypes differ"),
+      ("other_n", lambda e: dynamic_matmul(e, np.ones((24, 6), np.float32)), "N=5"),
+      ("contraction", lambda e: dynamic_matmul(e, np.ones((23, 5), np.float32)),
+       "contracting dimensions differ"),
+      ("no_target", lambda e: dynamic_matmul(_sparse((16, 24), 4), np.ones((24, 5)), 10),
+       "target="),
+      ("max_non_zeros", lambda e: dynamic_layout(T16, (16, 24), 5, 0, block=4),
+       "max_non_zeros must be"),
+  )
+  def test_bad_input(self, call, message):
+    layout = dynamic_layout(T16, (16, 24), 5, 20, block=4)
+    with self.assertRaisesRegex(ValueError, message):
+      call(encode(_sparse((16, 24), 4), layout))
+
+  def test_layout_for_another_target_is_refused(self):
+    a = _sparse((16, 24), 4)
+    layout = dynamic_layout(ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8), (16, 24), 5, 20,
+                            block=4)
+    with self.assertRaisesRegex(ipu_jax.LoweringError, "planned for 8 tiles"):
+      ipu_jax.jit(lambda e, d: dynamic_matmul(e, d), target=T16).lower(
+          encode(a, layout), _dense((24, 5)))
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -131,10 +131,11 @@ def _batch(args, dims, *, layout):
   values, meta, dense = args
   dv, dm, dd = dims
   if dv is not_mapped and dm is not_mapped:
-    # Shared buckets: the batch joins the dense operand's columns.
-    d = jnp.moveaxis(dense, dd, 1)
-    out = dynamic_sparse_matmul_p.bind(values, meta, d.reshape(d.shape[0], -1), layout=layout)
-    return out.reshape(out.shape[0], d.shape[1], d.shape[2]), 1
+    # Shared buckets: one product per batch element (the layout's Z split is
+    # planned for N dense columns, so the batch cannot join them).
+    d = jnp.moveaxis(dense, dd, 0)
+    return jnp.stack([dynamic_sparse_matmul_p.bind(values, meta, d[i], layout=layout)
+                      for i in range(d.shape[0])]), 0
   # Batched buckets: the reference arithmetic per batch element (lax ops).
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
   moved = [jnp.moveaxis(a, d, 0) if d is not not_mapped
