@@ -25,6 +25,10 @@ vertices) and the syncs; candidates whose temporaries exceed the available
 memory proportion of a tile are dropped (the least-memory one is kept if
 none fits). The lowering then costs the chosen grid on the real pattern.
 
+When no grid fits, a static product is split into serial passes over Z
+(each pass a grid over ``z / passes`` columns, passes of equal width, run one after another,
+cycles summed), the fewest passes that fit, as poplin serialises matmuls.
+
 **Dynamic sparsity** (:func:`plan_dynamic`): the pattern is not known, only
 ``max_non_zeros``. The same grid; every tile holds a *bucket* of
 ``ceil(max_nnz / tiles * (1 + oversize))`` blocks with their meta-information.
@@ -104,6 +108,12 @@ class SparsePlan:
   bucket_blocks: int = 0
   phases: int = 0
   spill_axis: str = ""
+  serial: int = 1
+
+  @property
+  def pass_z(self) -> int:
+    """Dense columns of one serial pass (the last may be narrower)."""
+    return -(-self.z // self.serial)
 
   @property
   def num_tiles(self) -> int:
@@ -123,8 +133,9 @@ class SparsePlan:
     px, py, pz = self.grid
     kind = (f"dynamic, buckets of {self.bucket_blocks} blocks, {self.phases} propagation "
             f"phase(s) of {pz} step(s)" if self.dynamic else "static")
+    serial = f" in {self.serial} serial passes over Z" if self.serial > 1 else ""
     return (f"sparse [{self.x}x{self.y}] x dense [{self.y}x{self.z}] {self.dtype} block "
-            f"{self.block} ({kind}): grid x{px}.y{py}.z{pz}; cycles {self.cycles:,.0f} = compute "
+            f"{self.block} ({kind}): grid x{px}.y{py}.z{pz}{serial}; cycles {self.cycles:,.0f} = compute "
             f"{self.compute_cycles:,.0f} + exchange {self.exchange_cycles:,.0f} + reduce "
             f"{self.reduce_cycles:,.0f} + sync {self.sync_cycles:,.0f}; temporaries "
             f"{self.temp_bytes:,d} B per tile of {self.memory_limit:,d} B"
@@ -259,8 +270,34 @@ def _choose(costs: dict, limit: int) -> int:
   return int(np.argmin(costs["temp"]))
 
 
+# Serial pass counts tried when no single-pass static grid fits.
+_SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
 def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
           oversize) -> SparsePlan:
+  plan = _plan_pass(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
+                    oversize)
+  if plan.fits or dynamic:
+    return plan
+  for count in _SERIAL_COUNTS:
+    # Equal passes only: each tile then holds one equal piece per pass.
+    if s.z % count:
+      continue
+    width = s.z // count
+    passed = _plan_pass(target, dataclasses.replace(s, z=width), dtype, partials_dtype, nnz,
+                        proportion, max_tiles, False, 0.0)
+    if passed.fits:
+      return dataclasses.replace(
+          passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
+          exchange_cycles=passed.exchange_cycles * count,
+          reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count,
+          candidates=passed.candidates + plan.candidates)
+  return plan
+
+
+def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
+               oversize) -> SparsePlan:
   limit = int(proportion * target.bytes_per_tile)
   tiles = max(1, min(int(max_tiles), target.num_tiles))
   px, py, pz = _candidates(target, s.xb, s.yb, s.z, tiles)

@@ -202,6 +202,23 @@ class StaticMatmulTest(parameterized.TestCase):
     want = s @ d if side == "lhs" else d @ s
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
+  @parameterized.product(side=["lhs", "rhs"], mode=MODES)
+  def test_serial_passes_when_no_grid_fits(self, side, mode):
+    a = _sparse((24, 40), 1)
+    n = 96
+    frame = a.pattern if side == "lhs" else a.pattern.transpose()[0]
+    plan = sparse_plan.plan_static(T16, frame.shape[0], frame.shape[1], n, 1, a.nnz_blocks,
+                                   np.float32, np.float32, 0.001)
+    self.assertGreater(plan.serial, 1)
+    self.assertTrue(plan.fits)
+    dense = _dense((40, n) if side == "lhs" else (n, 24))
+    fn = ((lambda s, d: static_matmul(s, d, 0.001)) if side == "lhs"
+          else (lambda s, d: static_matmul(d, s, 0.001)))
+    got = _run(fn, mode, a, dense)
+    s = np.asarray(a.todense(), np.float64)
+    np.testing.assert_allclose(got, s @ dense if side == "lhs" else dense @ s, rtol=1e-5,
+                               atol=1e-5)
+
   def test_float16_rounds_float32_partials(self):
     a = _sparse((32, 64), 8, dtype=np.float16)
     dense = _dense((64, 12), dtype=np.float16)
@@ -278,11 +295,16 @@ class StaticPlanTest(parameterized.TestCase):
     for p in (loose, tight):
       self.assertTrue(p.fits)
       self.assertLessEqual(p.temp_bytes, p.memory_limit)
-    # Less memory costs cycles; with none fitting the least-memory grid is kept, marked.
+    # Less memory costs cycles; when no one-pass grid fits, serial passes over Z.
     self.assertLess(tight.temp_bytes, loose.temp_bytes)
     self.assertGreater(tight.cycles, loose.cycles)
-    self.assertFalse(too_tight.fits)
-    self.assertLessEqual(too_tight.temp_bytes, tight.temp_bytes)
+    self.assertEqual((loose.serial, tight.serial), (1, 1))
+    self.assertGreater(too_tight.serial, 1)
+    self.assertTrue(too_tight.fits)
+    self.assertGreater(too_tight.cycles, tight.cycles)
+    nothing = sparse_plan.plan_static(BOW, 4096, 4096, 1024, 4, 16384, "float16",
+                                      available_memory_proportion=0.001)
+    self.assertFalse(nothing.fits)     # marked, the least-memory grid kept
 
 class DynamicMatmulTest(parameterized.TestCase):
 

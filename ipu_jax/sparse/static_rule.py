@@ -51,7 +51,8 @@ from ipu_jax.sparse import products
 from ipu_jax.sparse.formats import SparsityPattern
 from ipu_jax.sparse.static import static_sparse_matmul_p
 
-__all__ = ["SparseGrid", "sparse_grid", "emit_products", "emit_reduction"]
+__all__ = ["SparseGrid", "sparse_grid", "pass_windows", "emit_products", "emit_reduction",
+           "new_result", "result_mapping", "place_pass"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ def sparse_grid(ctx, plan: SparsePlan, rows: np.ndarray, cols: np.ndarray) -> Sp
   # Counts that leave no empty band (the planner's are merged so already).
   px = max(-(-xb // rx), 1)
   py = max(-(-(plan.y // b) // cy), 1)
-  pz = max(-(-plan.z // fz), 1)
+  pz = max(-(-plan.pass_z // fz), 1)
   tiles = grid_tiles(ctx, px * py * pz).reshape(px, py, pz)
   rows, cols = rows.astype(np.int64), cols.astype(np.int64)
   cell = (rows // rx) * py + cols // cy
@@ -99,8 +100,18 @@ def sparse_grid(ctx, plan: SparsePlan, rows: np.ndarray, cols: np.ndarray) -> Sp
   # Non-empty block rows per cell: distinct (cell, row) pairs.
   pairs = np.unique(cell * max(xb, 1) + rows)
   cell_rows = np.bincount(pairs // max(xb, 1), minlength=px * py).astype(np.int64)
-  return SparseGrid(plan, tiles, cell, cell_blocks, cell_rows, _edges(plan.z, pz, fz),
+  return SparseGrid(plan, tiles, cell, cell_blocks, cell_rows, _edges(plan.pass_z, pz, fz),
                     _edges(plan.x, px, rx * b))
+
+
+def pass_windows(plan: SparsePlan) -> list:
+  """``[(start, stop)]`` dense columns of each serial pass."""
+  width = plan.pass_z
+  return [(i * width, min(plan.z, (i + 1) * width)) for i in range(plan.serial)]
+
+
+def _z_cols(grid: SparseGrid, window) -> np.ndarray:
+  return _edges(window[1] - window[0], grid.shape[2], grid.plan.band[2])
 
 
 # -- placement ------------------------------------------------------------------
@@ -167,21 +178,24 @@ def meta_constant(ctx, grid: SparseGrid, rows: np.ndarray, cols: np.ndarray) -> 
 # -- costs --------------------------------------------------------------------
 
 
-def dense_exchange(ctx, grid: SparseGrid, dense: P.Tensor, side: str):
-  """Bytes bringing each tile ``D``'s rows of its Y band and columns of its Z range."""
+def dense_exchange(ctx, grid: SparseGrid, dense: P.Tensor, side: str, window=None):
+  """Bytes bringing each tile ``D``'s rows of its Y band and columns of its Z range
+  (within the pass's ``window`` of columns)."""
   px, py, pz = grid.shape
   rx, cy, fz = grid.plan.band
   b = grid.plan.block
   c, f = grid.plan.y, grid.plan.z
+  window = (0, f) if window is None else window
   y_of_row = np.arange(c) // (cy * b)
-  z_of_col = np.arange(f) // fz
+  z_of_col = np.arange(window[1] - window[0]) // fz
   needs = [None, (0, y_of_row, y_of_row + 1), (1, z_of_col, z_of_col + 1)]
   band_rows = _edges(c, py, cy * b)
-  elements = (band_rows[None, :, None] * grid.z_cols[None, None, :]
+  elements = (band_rows[None, :, None] * _z_cols(grid, window)[None, None, :]
               * np.ones((px, 1, 1), np.int64)).reshape(-1)
   perm, groups = ((0, 1), ((0,), (1,))) if side == "lhs" else ((1, 0), ((1,), (0,)))
   cost, _ = operand_exchange_cost(ctx.target, dense, perm, (c, f), groups, (px, py, pz),
-                                  grid.tiles.reshape(-1), needs, elements)
+                                  grid.tiles.reshape(-1), needs, elements,
+                                  window=[(0, c), tuple(window)])
   return cost
 
 
@@ -201,13 +215,14 @@ def block_copies(ctx, grid: SparseGrid, itemsize: int) -> ExchangeCost:
   return cost
 
 
-def product_cycles(ctx, grid: SparseGrid, itemsize: int, p_itemsize: int) -> np.ndarray:
+def product_cycles(ctx, grid: SparseGrid, itemsize: int, p_itemsize: int,
+                   z_cols=None) -> np.ndarray:
   """``[num_tiles]`` cycles of each tile's zeroing and sparse-dense vertex."""
   px, py, pz = grid.shape
   b = grid.plan.block
   blocks = np.repeat(grid.cell_blocks, pz)
   rows = np.repeat(grid.cell_rows, pz)
-  z = np.tile(grid.z_cols, px * py)
+  z = np.tile(grid.z_cols if z_cols is None else z_cols, px * py)
   partial = np.repeat(grid.x_rows, py * pz) * z
   cycles = (popsparse.sparse_product_cycles(ctx.target, blocks, rows, z, b, itemsize)
             + popsparse.zero_partials_cycles(ctx.target, partial, p_itemsize))
@@ -247,7 +262,7 @@ def _cells(grid: SparseGrid, rows: np.ndarray) -> _Cells:
 
 @dataclasses.dataclass(frozen=True)
 class _Product:
-  """What the products step computes (static: hashable parts only by identity)."""
+  """What one pass's products step computes."""
 
   grid: SparseGrid
   pattern: SparsityPattern      # the user's
@@ -256,11 +271,12 @@ class _Product:
   cells: _Cells
   values: P.Tensor
   dense: P.Tensor
-  out: P.Tensor                 # partials [py, R, F] or the result
+  out: P.Tensor                 # partials [py, R, w] or the result
+  window: tuple                 # the pass's dense columns (frame F)
 
 
 def _per_tile_partials(p: _Product, fv, dense_c):
-  """``[py, R, F]``: every cell's blocks on its own (padded list), then placed."""
+  """``[py, R, w]``: every cell's blocks on its own (padded list), then placed."""
   acc = products.accumulator(fv.dtype)
   b = p.grid.plan.block
   rx = p.grid.plan.band[0]
@@ -279,109 +295,153 @@ def _per_tile_partials(p: _Product, fv, dense_c):
 
 def _partials(p: _Product, values, dense, per_tile: bool):
   fv, _ = products.frame(values, p.pattern, p.side)
-  dense_c = products.frame_dense(dense, p.side)
+  dense_c = products.frame_dense(dense, p.side)[:, p.window[0]:p.window[1]]
   if per_tile:
     return _per_tile_partials(p, fv, dense_c)
   return products.band_partials(fv, p.frame, dense_c, p.grid.plan.band[1], p.grid.shape[1])
 
 
-def _finish(p: _Product, partials):
+def place_pass(side, out_shape, window, value, prior):
+  """The result with the pass's ``[R, w]`` frame ``value`` in its columns (zeros or
+  ``prior`` elsewhere)."""
+  value = products.unframe(value, side)
+  start, stop = window
+  full = stop - start == (out_shape[1] if side == "lhs" else out_shape[0])
+  if full:
+    return value
+  base = jnp.zeros(out_shape, value.dtype) if prior is None else prior
+  if side == "lhs":
+    return base.at[:, start:stop].set(value)
+  return base.at[start:stop, :].set(value)
+
+
+def _finish(p: _Product, partials, prior):
   """The step's written value: the partials, or (one band) the result."""
   if p.grid.shape[1] > 1:
     return partials
-  return products.unframe(partials[0], p.side).astype(p.out.dtype)
+  return place_pass(p.side, p.out.shape, p.window, partials[0].astype(p.out.dtype), prior)
 
 
-def _products_fn(p: _Product, values_st, dense_st, meta_st):
+def _products_fn(p: _Product, values_st, dense_st, meta_st, *prior_st):
   del meta_st  # the pattern is static: the step's blocks were listed when lowering
   partials = _partials(p, logical(values_st, p.values), logical(dense_st, p.dense), True)
-  return (storage(_finish(p, partials), p.out),)
+  prior = logical(prior_st[0], p.out) if prior_st else None
+  return (storage(_finish(p, partials, prior), p.out),)
 
 
-def _products_logical(p: _Product, values, dense, meta):
+def _products_logical(p: _Product, values, dense, meta, *prior):
   del meta
-  return (_finish(p, _partials(p, values, dense, False)),)
+  return (_finish(p, _partials(p, values, dense, False), prior[0] if prior else None),)
 
 
-def _result_mapping(grid: SparseGrid, side: str, pieces: int) -> TileMapping:
+def result_mapping(grid: SparseGrid, side: str, pieces: int) -> TileMapping:
+  """The result's layout: block ``(x, z)`` (each pass's) cut in ``pieces`` over its Y tiles."""
   px, py, pz = grid.shape
   rx, _, fz = grid.plan.band
   rows = rx * grid.plan.block
+  count = grid.plan.serial
   if side == "lhs":
     return block_grid_mapping((grid.plan.x, grid.plan.z), (px, pz), (rows, fz),
-                              grid.tiles.transpose(0, 2, 1).reshape(-1), pieces=pieces)
+                              grid.tiles.transpose(0, 2, 1).reshape(-1), pieces=pieces,
+                              serial=(1, count) if count > 1 else (None, 1))
   return block_grid_mapping((grid.plan.z, grid.plan.x), (pz, px), (fz, rows),
-                            grid.tiles.transpose(2, 0, 1).reshape(-1), pieces=pieces)
+                            grid.tiles.transpose(2, 0, 1).reshape(-1), pieces=pieces,
+                            serial=(0, count) if count > 1 else (None, 1))
+
+
+def new_result(ctx, grid: SparseGrid, side: str, out_dtype, name) -> P.Tensor:
+  """The result tensor, laid out for the plan's last step (products, or the reduction)."""
+  shape = (grid.plan.x, grid.plan.z) if side == "lhs" else (grid.plan.z, grid.plan.x)
+  return ctx.new_tensor(shape, out_dtype, result_mapping(grid, side, grid.shape[1]), name=name)
 
 
 def emit_products(ctx, grid: SparseGrid, pattern, frame, values, dense, meta, out_dtype,
-                  side, name) -> P.Tensor:
-  """The products superstep; returns the partials ``[py, R, F]`` or (``py == 1``) the result."""
+                  side, name, result: P.Tensor, window=None) -> P.Tensor:
+  """One pass's products superstep; returns its partials ``[py, R, w]``, or (``py == 1``)
+  ``result`` with the pass's columns written."""
   px, py, pz = grid.shape
   rx, _, fz = grid.plan.band
+  window = (0, grid.plan.z) if window is None else tuple(window)
   acc = products.accumulator(out_dtype)
+  prior = ()
   if py > 1:
-    mapping = block_grid_mapping((py, grid.plan.x, grid.plan.z), (py, px, pz),
+    width = window[1] - window[0]
+    mapping = block_grid_mapping((py, grid.plan.x, width), (py, px, pz),
                                  (1, rx * grid.plan.block, fz),
                                  grid.tiles.transpose(1, 0, 2).reshape(-1))
-    out = ctx.new_tensor((py, grid.plan.x, grid.plan.z), acc, mapping, name=f"{name} partials")
+    out = ctx.new_tensor((py, grid.plan.x, width), acc, mapping, name=f"{name} partials")
   else:
-    shape = (grid.plan.x, grid.plan.z) if side == "lhs" else (grid.plan.z, grid.plan.x)
-    out = ctx.new_tensor(shape, out_dtype, _result_mapping(grid, side, 1), name=name)
+    out = result
+    prior = (result,) if window[0] > 0 else ()
   itemsize = np.dtype(out_dtype).itemsize
-  exchange = dense_exchange(ctx, grid, dense, side) + block_copies(ctx, grid, itemsize)
+  z_cols = _z_cols(grid, window)
+  exchange = dense_exchange(ctx, grid, dense, side, window) + block_copies(ctx, grid, itemsize)
   blocks_on_tile = _on_tiles(ctx, grid, np.repeat(grid.cell_blocks, pz))
-  p = _Product(grid, pattern, frame, side, _cells(grid, frame.row_indices), values, dense, out)
+  p = _Product(grid, pattern, frame, side, _cells(grid, frame.row_indices), values, dense, out,
+               window)
   kind = vocab.SPARSE_DENSE_ELEMENTWISE if grid.plan.block == 1 else vocab.SPARSE_DENSE_BLOCK
+  suffix = f" pass {window[0] // grid.plan.pass_z + 1}/{grid.plan.serial}" if grid.plan.serial > 1 else ""
   ctx.emit(P.Superstep(
-      name=f"{name}/products x{px}.y{py}.z{pz}", op=ctx.op, reads=(values, dense, meta),
-      writes=(out,), fn=functools.partial(_products_fn, p),
-      logical=functools.partial(_products_logical, p),
-      compute_cycles=product_cycles(ctx, grid, itemsize, np.dtype(acc).itemsize),
+      name=f"{name}/products x{px}.y{py}.z{pz}{suffix}", op=ctx.op,
+      reads=(values, dense, meta) + prior, writes=(out,),
+      fn=functools.partial(_products_fn, p), logical=functools.partial(_products_logical, p),
+      compute_cycles=product_cycles(ctx, grid, itemsize, np.dtype(acc).itemsize, z_cols),
       exchange=exchange, vertices=worker_vertices(ctx, blocks_on_tile),
       codelets=(vocab.vertex(kind, np.dtype(out_dtype), acc),),
-      flops=2 * frame.nnz_blocks * grid.plan.block ** 2 * grid.plan.z,
+      flops=2 * frame.nnz_blocks * grid.plan.block ** 2 * (window[1] - window[0]),
       scratch_bytes=exchange.bytes_in, notes=(grid.plan.describe(),)))
   return out
 
 
-def _reduce_fn(side, partials_t, out_t, partials_st):
-  return (storage(_reduced(side, logical(partials_st, partials_t), out_t.dtype), out_t),)
+@dataclasses.dataclass(frozen=True)
+class _Reduction:
+  side: str
+  partials: P.Tensor
+  out: P.Tensor
+  window: tuple
 
 
-def _reduced(side, partials, dtype):
+def _reduced(r: _Reduction, partials, prior):
   total = partials[0]
   for band in range(1, partials.shape[0]):   # band by band, as the tiles add them
     total = total + partials[band]
-  return products.unframe(total, side).astype(dtype)
+  return place_pass(r.side, r.out.shape, r.window, total.astype(r.out.dtype), prior)
 
 
-def _reduce_logical(side, out_t, partials):
-  return (_reduced(side, partials, out_t.dtype),)
+def _reduce_fn(r: _Reduction, partials_st, *prior_st):
+  prior = logical(prior_st[0], r.out) if prior_st else None
+  return (storage(_reduced(r, logical(partials_st, r.partials), prior), r.out),)
 
 
-def emit_reduction(ctx, grid: SparseGrid, partials: P.Tensor, out_dtype, side, name) -> P.Tensor:
-  """Reduce-scatter the ``py`` partials of each region over its ``py`` tiles."""
+def _reduce_logical(r: _Reduction, partials, *prior):
+  return (_reduced(r, partials, prior[0] if prior else None),)
+
+
+def emit_reduction(ctx, grid: SparseGrid, partials: P.Tensor, out_dtype, side, name,
+                   result: P.Tensor = None, window=None) -> P.Tensor:
+  """Reduce-scatter a pass's ``py`` partials of each region over its ``py`` tiles, into
+  ``result`` (made here when None)."""
   px, py, pz = grid.shape
-  out_shape = (grid.plan.x, grid.plan.z) if side == "lhs" else (grid.plan.z, grid.plan.x)
-  out = ctx.new_tensor(out_shape, out_dtype, _result_mapping(grid, side, py), name=name)
-  t = ctx.target.num_tiles
-  piece = out.mapping.elements_per_tile(t)
-  region = np.repeat(grid.x_rows, pz)[:, None] * np.tile(grid.z_cols, px)[:, None]
+  out = new_result(ctx, grid, side, out_dtype, name) if result is None else result
+  window = (0, grid.plan.z) if window is None else tuple(window)
+  region = np.repeat(grid.x_rows, pz)[:, None] * np.tile(_z_cols(grid, window), px)[:, None]
   region = np.broadcast_to(region.reshape(px, 1, pz), (px, py, pz)).reshape(-1)
+  piece = -(-region // py)
   p_item = partials.itemsize
-  held = piece[grid.tiles.reshape(-1)]
-  exchange = ExchangeCost(piece * (py - 1) * p_item,
-                          _on_tiles(ctx, grid, (region - held) * p_item).astype(np.int64),
-                          np.zeros(ctx.target.num_ipus, np.int64))
+  received = _on_tiles(ctx, grid, piece * (py - 1) * p_item).astype(np.int64)
+  sent = _on_tiles(ctx, grid, np.maximum(region - piece, 0) * p_item).astype(np.int64)
+  exchange = ExchangeCost(received, sent, np.zeros(ctx.target.num_ipus, np.int64))
+  piece_on_tile = _on_tiles(ctx, grid, piece)
+  r = _Reduction(side, partials, out, window)
+  prior = (out,) if window[0] > 0 else ()
   ctx.emit(P.Superstep(
-      name=f"{name}/reduce x{py}", op=ctx.op, reads=(partials,), writes=(out,),
-      fn=functools.partial(_reduce_fn, side, partials, out),
-      logical=functools.partial(_reduce_logical, side, out),
-      compute_cycles=estimators.reduce_cycles(ctx.target, piece * py, p_item, outputs=piece),
-      exchange=exchange, vertices=worker_vertices(ctx, piece),
+      name=f"{name}/reduce x{py}", op=ctx.op, reads=(partials,) + prior, writes=(out,),
+      fn=functools.partial(_reduce_fn, r), logical=functools.partial(_reduce_logical, r),
+      compute_cycles=estimators.reduce_cycles(ctx.target, piece_on_tile * py, p_item,
+                                              outputs=piece_on_tile),
+      exchange=exchange, vertices=worker_vertices(ctx, piece_on_tile),
       codelets=(vocab.vertex(vocab.REDUCE_ADD, partials.dtype, np.dtype(out_dtype)),),
-      scratch_bytes=piece * (py - 1) * p_item))
+      scratch_bytes=received))
   return out
 
 
@@ -406,7 +466,10 @@ def _static_sparse_rule(ctx, values, dense, *, pattern, side, available_memory_p
                        name=f"{name}/place blocks")
   meta = meta_constant(ctx, grid, frame.row_indices.astype(np.int64),
                        frame.col_indices.astype(np.int64))
-  out = emit_products(ctx, grid, pattern, frame, placed, dense, meta, out_dtype, side, name)
-  if grid.shape[1] > 1:
-    out = emit_reduction(ctx, grid, out, out_dtype, side, name)
-  return [out]
+  result = new_result(ctx, grid, side, out_dtype, name)
+  for window in pass_windows(plan):
+    out = emit_products(ctx, grid, pattern, frame, placed, dense, meta, out_dtype, side, name,
+                        result, window)
+    if grid.shape[1] > 1:
+      emit_reduction(ctx, grid, out, out_dtype, side, name, result, window)
+  return [result]
