@@ -126,6 +126,7 @@ def plot(rows, path):
   import matplotlib.pyplot as plt
   dtypes = sorted({r["dtype"] for r in rows})
   fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
+  colours, markers = {1: "C0", 4: "C1", 16: "C2"}, {1024: "o", 2048: "s"}
   for ax, dtype in zip(axes[0], dtypes):
     for (n, block) in sorted({(r["n"], r["block"]) for r in rows}):
       for key, style in (("static_cycles", "-"), ("dynamic_cycles", "--")):
@@ -133,7 +134,7 @@ def plot(rows, path):
                if r["dtype"] == dtype and r["n"] == n and r["block"] == block]
         pts = [(d, s) for d, s in pts if s is not None]
         if pts:
-          ax.plot(*zip(*pts), style, marker="o",
+          ax.plot(*zip(*pts), style, color=colours.get(block), marker=markers.get(n, "o"),
                   label=f"{key.split('_')[0]} b{block} n{n}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)

@@ -1,7 +1,10 @@
 """Tests of ipu_jax.sparse: BlockCSR, static sparse matmuls and their tile plans."""
 
-import sys
+import json
 import os
+import subprocess
+import sys
+import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -440,6 +443,38 @@ class DynamicMatmulTest(parameterized.TestCase):
     with self.assertRaisesRegex(ipu_jax.LoweringError, "planned for 8 tiles"):
       ipu_jax.jit(lambda e, d: dynamic_matmul(e, d), target=T16).lower(
           encode(a, layout), _dense((24, 5)))
+
+
+class ExperimentTest(absltest.TestCase):
+
+  def test_runner_writes_the_table_rows_in_time(self):
+    out = os.path.join(self.create_tempdir().full_path, "popsparse.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "experiments.popsparse", f"--json_out={out}",
+                           "--plot="], cwd=root, capture_output=True, text=True, timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertLess(time.perf_counter() - started, 180)
+    self.assertIn("Where static sparse stops paying off", proc.stdout)
+    self.assertIn("lowered 1024:16:0.0625:float16", proc.stdout)
+    with open(out) as f:
+      rows = json.load(f)
+    self.assertLen(rows, 2 * 3 * 5 * 2)
+    keys = {"m", "k", "n", "block", "density", "dtype", "static_cycles", "dynamic_cycles",
+            "dense_cycles"}
+    for row in rows:
+      self.assertEqual(set(row), keys)
+    for n in (1024, 2048):
+      for dtype in ("float16", "float32"):
+        for block in (1, 4, 16):
+          series = [r for r in rows if (r["n"], r["dtype"], r["block"]) == (n, dtype, block)]
+          speedups = [r["dense_cycles"] / r["static_cycles"] for r in series]
+          self.assertEqual(speedups, sorted(speedups, reverse=True))   # falls with density
+    # Larger blocks pay off at higher densities: at 1/4, block 16 beats dense, 1x1 does not.
+    quarter = {r["block"]: r["dense_cycles"] / r["static_cycles"] for r in rows
+               if r["density"] == 0.25 and r["n"] == 1024 and r["dtype"] == "float16"}
+    self.assertGreater(quarter[16], 1)
+    self.assertLess(quarter[1], 1)
 
 
 if __name__ == "__main__":
