@@ -109,7 +109,7 @@ class BlockCSRTest(parameterized.TestCase):
     self.assertIsInstance(doubled, BlockCSR)
     self.assertEqual(doubled.pattern, a.pattern)
     stacked = jnp.stack([a.values, 3 * a.values])
-    dense = jax.vmap(lambda v: BlockCSR(v, a.pattern, None, None).todense())(stacked)
+    dense = jax.vmap(lambda v: BlockCSR.from_pattern(v, a.pattern).todense())(stacked)
     np.testing.assert_allclose(np.asarray(dense[1]), 3 * np.asarray(a.todense()))
 
   @parameterized.named_parameters(
@@ -171,12 +171,12 @@ class StaticMatmulTest(parameterized.TestCase):
     weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
 
     def loss(values, d):
-      s = BlockCSR(values, a.pattern, None, None)
+      s = BlockCSR.from_pattern(values, a.pattern)
       out = static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
       return jnp.sum(jnp.sin(0.1 * out) * weights)
 
     def dense_loss(values, d):
-      s = BlockCSR(values, a.pattern, None, None).todense()
+      s = BlockCSR.from_pattern(values, a.pattern).todense()
       out = s @ d if side == "lhs" else d @ s
       return jnp.sum(jnp.sin(0.1 * out) * weights)
 
@@ -193,13 +193,13 @@ class StaticMatmulTest(parameterized.TestCase):
     values = jnp.stack([a.values * (i + 1) for i in range(copies)])
 
     def one(v, d):
-      s = BlockCSR(v, a.pattern, None, None)
+      s = BlockCSR.from_pattern(v, a.pattern)
       return static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
 
     axes = {"dense": (None, 0), "values": (0, None), "both": (0, 0)}[batched]
     args = (a.values if axes[0] is None else values, dense[0] if axes[1] is None else dense)
     got = _run(jax.vmap(one, axes), "per_tile", *args)
-    s = np.asarray(jax.vmap(lambda v: BlockCSR(v, a.pattern, None, None).todense())(values))
+    s = np.asarray(jax.vmap(lambda v: BlockCSR.from_pattern(v, a.pattern).todense())(values))
     s = s[:1].repeat(copies, 0) if axes[0] is None else s
     d = np.broadcast_to(dense[0], dense.shape) if axes[1] is None else dense
     want = s @ d if side == "lhs" else d @ s
@@ -381,11 +381,11 @@ class DynamicMatmulTest(parameterized.TestCase):
     weights = _dense((32, 10), seed=5)
 
     def loss(values, d):
-      out = dynamic_matmul(encode(BlockCSR(values, a.pattern, None, None), layout), d)
+      out = dynamic_matmul(encode(BlockCSR.from_pattern(values, a.pattern), layout), d)
       return jnp.sum(jnp.sin(0.1 * out) * weights)
 
     def dense_loss(values, d):
-      out = BlockCSR(values, a.pattern, None, None).todense() @ d
+      out = BlockCSR.from_pattern(values, a.pattern).todense() @ d
       return jnp.sum(jnp.sin(0.1 * out) * weights)
 
     dense = _dense((48, 10))

@@ -150,15 +150,17 @@ class BlockCSR:
   """
 
   def __init__(self, values, row_offsets, col_indices, shape, block_shape=(1, 1)):
-    pattern = (row_offsets if isinstance(row_offsets, SparsityPattern)
-               else SparsityPattern(shape, block_shape, row_offsets, col_indices))
+    pattern = SparsityPattern(shape, block_shape, row_offsets, col_indices)
     self.pattern = pattern
-    self.values = values
-    if not isinstance(values, jax.core.Tracer) and hasattr(values, "shape"):
-      want = (pattern.nnz_blocks,) + pattern.block
-      if tuple(values.shape[-3:]) != want or len(values.shape) < 3:
-        raise ValueError(f"BlockCSR: values must be [nnz_blocks, bm, bk] = {list(want)}, got "
-                         f"{list(values.shape)}.")
+    self.values = _checked_values(values, pattern)
+
+  @classmethod
+  def from_pattern(cls, values, pattern: SparsityPattern) -> "BlockCSR":
+    """New values (``[..., nnz_blocks, bm, bk]``) in an existing pattern."""
+    if not isinstance(pattern, SparsityPattern):
+      raise ValueError(f"BlockCSR.from_pattern: pattern must be a SparsityPattern, got "
+                       f"{type(pattern).__name__}.")
+    return cls._from_pattern(_checked_values(values, pattern), pattern)
 
   @classmethod
   def _from_pattern(cls, values, pattern: SparsityPattern) -> "BlockCSR":
@@ -280,6 +282,15 @@ class BlockCSR:
   def __repr__(self):
     return (f"BlockCSR(shape={self.shape}, block_shape={self.block_shape}, "
             f"nnz_blocks={self.nnz_blocks}, dtype={getattr(self.values, 'dtype', None)})")
+
+
+def _checked_values(values, pattern: SparsityPattern):
+  want = (pattern.nnz_blocks,) + pattern.block
+  shape = tuple(getattr(values, "shape", np.shape(values)))
+  if len(shape) < 3 or shape[-3:] != want:
+    raise ValueError(f"BlockCSR: values must be [nnz_blocks, bm, bk] = {list(want)}, got "
+                     f"{list(shape)}.")
+  return values
 
 
 def _block_mask(mask, shape, grid, block) -> np.ndarray:

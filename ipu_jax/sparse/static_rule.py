@@ -20,6 +20,10 @@ is framed transposed), on a grid of ``px * py * pz`` tiles:
 3. **Reduction** (``py > 1``). The ``py`` partials of each ``(x, z)`` region
    are reduce-scattered over the region's ``py`` tiles: each sums one piece
    (``poplin::ReduceAdd``, popops' Reduce cost) and writes it as the result.
+4. **Serial passes.** When the plan splits Z into equal passes (no one-pass
+   grid fits the memory proportion), steps 2 and 3 repeat per pass on that
+   pass's dense columns, each writing its columns of the one result (laid
+   out pass by pass: every tile holds one piece per pass).
 
 Executor forms: ``per_tile`` runs every cell's own padded block list (the
 grid's work split) and sums partials band by band; the logical form sums all
