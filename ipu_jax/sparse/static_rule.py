@@ -157,20 +157,19 @@ def _cell_words(grid: SparseGrid, rows: np.ndarray, cols: np.ndarray) -> tuple:
 
 
 def meta_constant(ctx, grid: SparseGrid, rows: np.ndarray, cols: np.ndarray) -> P.Tensor:
-  """The meta-information as a program constant, each cell's copy on each of its ``pz`` tiles."""
+  """The meta-information as a program constant ``[G, L]``: row ``g`` on grid tile ``g``
+  holds its cell's words, padded to the longest cell's ``L`` (a linear layout, so no
+  per-element arrays however many blocks)."""
   words, cell = _cell_words(grid, rows, cols)
   px, py, pz = grid.shape
   length = np.bincount(cell, minlength=px * py)
+  longest = max(int(length.max(initial=0)), 1)
   start = np.concatenate([[0], np.cumsum(length)[:-1]])
-  # Layout (cell, z, word): segment (c, z) holds cell c's words.
-  seg_len = np.repeat(length, pz)
-  seg_cell = np.repeat(np.arange(px * py), pz)
-  seg_tile = grid.tiles.reshape(-1)
-  seg_of = np.repeat(np.arange(seg_len.size), seg_len)
-  seg_start = np.concatenate([[0], np.cumsum(seg_len)[:-1]])
-  offset = np.arange(seg_of.size) - seg_start[seg_of]
-  value = words[start[seg_cell[seg_of]] + offset]
-  mapping = TileMapping.from_element_tiles(seg_tile[seg_of])
+  padded = np.zeros((px * py, longest), np.uint16)
+  padded[cell, np.arange(cell.size) - start[cell]] = words
+  value = np.repeat(padded, pz, axis=0)          # grid order (x, y, z): z innermost
+  tiles = grid.tiles.reshape(-1)
+  mapping = TileMapping.blocks(value.size, longest, ctx.target.num_tiles, int(tiles[0]))
   module = ctx.module
   tensor = P.Tensor("sparse meta-info", value.shape, value.dtype, mapping, category="constants",
                     value=value, op=ctx.op, source=ctx.source, scope=module.scope)
