@@ -231,6 +231,14 @@ class StaticMatmulTest(parameterized.TestCase):
     np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
                                atol=1e-3)
 
+  @parameterized.parameters(((8, 8), (8, 0)), ((0, 8), (8, 3)))
+  def test_zero_sized(self, sparse_shape, dense_shape):
+    m, k = sparse_shape
+    a = BlockCSR.fromdense(np.ones(sparse_shape, np.float32), np.ones((m // 4, k // 4), bool),
+                           (4, 4))
+    got = _run(lambda s, d: static_matmul(s, d), "batched", a, np.ones(dense_shape, np.float32))
+    self.assertEqual(got.shape, (m, dense_shape[1]))
+
   @parameterized.named_parameters(
       ("dtype_mismatch", lambda a: static_matmul(a, np.ones((24, 3), np.float16)),
        "dtypes differ"),
@@ -327,6 +335,17 @@ class DynamicMatmulTest(parameterized.TestCase):
     got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
     np.testing.assert_allclose(got, np.asarray(a.todense(), np.float64) @ dense, rtol=1e-5,
                                atol=1e-5)
+
+  @parameterized.parameters(*MODES)
+  def test_float16_rounds_float32_partials(self, mode):
+    a = _sparse((32, 32), 8, dtype=np.float16)
+    dense = _dense((32, 12), dtype=np.float16)
+    layout = dynamic_layout(T16, (32, 32), 12, 16, block=8, dtype=np.float16)
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encode(a, layout), dense)
+    self.assertEqual(got.dtype, np.float16)
+    exact = np.asarray(a.todense(), np.float32) @ dense.astype(np.float32)
+    np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
+                               atol=1e-3)
 
   def _skewed(self):
     """Every block of the matrix's first X band: more than its cell's buckets hold."""
