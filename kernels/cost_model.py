@@ -159,6 +159,26 @@ FIGURE_SOURCES.update({
         "(IPUTarget.ipu_sync_cycles); a step over GW-Links adds a GW-Link latency each way"),
 })
 
+_POPSPARSE = "poplibs lib/popsparse/PerformanceEstimation.hpp "
+FIGURE_SOURCES.update({
+    "kernels.popsparse.block_product_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "sparseDenseBlockMultiply (float partials): per-block worker "
+        "overhead and cycles per Z column by block size and input type, 64-bit coefficient "
+        "loads and 3 + 12 cycles a block on the supervisor; Z split over workers as "
+        "FullyConnectedPlan.cpp's ForwardAMPBlock method does"),
+    "kernels.popsparse.element_product_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "sparseDenseElementwiseMultiply: 3 cycles per vector of 8 "
+        "halves / 4 floats of Z per non-zero, per-row and entry overheads"),
+    "kernels.popsparse.bucket_scan_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "supervisorCyclesWithBucketsNotForPN (32 a sub-group skipped) "
+        "and ...ForPN (47 + 46 for the sub-group found) of the same estimators"),
+    "kernels.popsparse.meta_info_words": FigureSource(
+        "estimate", "16-bit words: a 4-word tile header, 2 per non-empty block row, 1 per "
+        "non-zero block (after popsparse's meta-info layout; no published size formula)"),
+    "kernels.popsparse.zero_partials_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "zeroPartialsCycles: 10 cycles then 64-bit stores per worker"),
+})
+
 
 def _figures() -> list:
   """Every IPUTarget field that is a hardware figure."""
