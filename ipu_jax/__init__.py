@@ -13,7 +13,7 @@ from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
 from ipu_jax.report import NumberFormatTelemetry, Report, SavedReport, compare_reports, load_report
 from ipu_jax.strategy import IPUStrategy
-from ipu_jax.target import IPUTarget
+from ipu_jax.target import IPUSystem, IPUTarget
 from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
 
 __version__ = "0.1.0"
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 # attribute access (ipu_jax.keras pulls in Flax and optax, so it is not loaded
 # up front), so ``import ipu_jax; ipu_jax.graph.Graph(...)`` works.
 _LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering", "remote_buffers",
-                    "number_formats", "rounding", "fp8_scaling", "pipelining")
+                    "number_formats", "rounding", "fp8_scaling", "pipelining", "sparse")
 
 
 def __getattr__(name):
@@ -38,9 +38,10 @@ def __dir__():
 
 __all__ = [
     "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
-    "IPUTarget", "Lowered", "LoweringError",
+    "IPUSystem", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",
     "register_lowering", "number_formats", "rounding", "fp8_scaling", "offload", "remote_buffers",
+    "sparse",
 ]

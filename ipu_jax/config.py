@@ -33,6 +33,7 @@ import os
 import textwrap
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from ipu_jax.kernels.systems import SYSTEM_PRESETS, check_capacity, system_preset
 from ipu_jax.kernels.target import PRESETS, IPUTarget
 from ipu_jax.lowering.options import (BOOL, LOWERING_KINDS, OPTIONAL_PATH, PROPORTION,
                                       LoweringOptions, OptionKind, check_per_ipu, integer,
@@ -438,6 +439,15 @@ class IPUConfig(_Group):
       integer(1), 1,
       "Data-parallel replicas of the program, each on its own "
       "auto_select_ipus IPUs.")
+  system = _Option(
+      OptionKind("one of " + ", ".join(map(repr, sorted(SYSTEM_PRESETS))) + " or None", (str,),
+                 lambda value: value in SYSTEM_PRESETS, allow_none=True), None,
+      "The IPU system the replicas run on (docs/systems.md): 'm2000', 'pod16', "
+      "'pod64', 'pod128', 'bow-pod16', 'bow-pod64', 'bow-pod256', ... Collectives "
+      "between replicas are then priced over its links (IPU-Links inside a POD, "
+      "GW-Links between PODs) and its IPUs are the system's chip (device.version "
+      "may be left at its default or must name that chip). None: the flat "
+      "model, one IPU-Link rate for everything.")
   matmuls = _Section(_MatmulOptions)
   convolutions = _Section(_ConvolutionOptions)
   memory = _Section(_MemoryOptions)
@@ -489,11 +499,16 @@ class IPUConfig(_Group):
   def to_target(self) -> IPUTarget:
     """The :class:`IPUTarget` of one replica: ``auto_select_ipus`` IPUs.
 
+    With ``system`` set the target carries that :class:`IPUSystem` and its
+    IPUs are the system's chip.
+
     Raises:
       ValueError: ``device.tiles_per_ipu`` exceeds the tiles of
-        ``device.version``.
+        ``device.version``; ``device.version`` names another chip than the
+        system's; the system has fewer IPUs than ``replication_factor`` x
+        ``auto_select_ipus``.
     """
-    version, tiles = self.device.version, self.device.tiles_per_ipu
+    version, tiles = self._chip(), self.device.tiles_per_ipu
     available = PRESETS[version]["tiles_per_ipu"]
     if tiles > available:
       raise ValueError(
@@ -501,7 +516,22 @@ class IPUConfig(_Group):
           f"{version} IPU (device.version={version!r}); valid values are 0 "
           f"(every tile) or 1..{available}.")
     return IPUTarget.preset(version, num_ipus=self.auto_select_ipus,
-                            tiles_per_ipu=tiles or None)
+                            tiles_per_ipu=tiles or None, system=self.system)
+
+  def _chip(self) -> str:
+    """``device.version``, or the system's chip when a system is set."""
+    version = self.device.version
+    if self.system is None:
+      return version
+    system = system_preset(self.system)
+    default = type(self.device)._options["version"].default
+    if version not in (default, system.chip):
+      raise ValueError(
+          f"system={self.system!r} is made of {system.chip!r} IPUs ({system.machine}) but "
+          f"device.version={version!r}; set device.version={system.chip!r} or leave it at "
+          f"its default.")
+    check_capacity(system, self.replication_factor, self.auto_select_ipus)
+    return system.chip
 
   def lowering_options(self) -> LoweringOptions:
     """The options that change how programs are lowered, frozen and hashable.

@@ -100,7 +100,7 @@ FIGURE_SOURCES = {
     "code_bytes_per_codelet": FigureSource("estimate", "no published code sizes"),
     "vertex_state_bytes": FigureSource("estimate", "no published vertex-state sizes"),
 }
-"""Provenance of every preset figure (``num_ipus`` and ``name`` are not figures), and
+"""Provenance of every preset figure (``num_ipus``, ``name`` and ``system`` are not figures), and
 of the kernel figures named ``kernels.<module>.<NAME>`` (not target fields: the
 report's calibrated / estimated lists hold target figures only)."""
 
@@ -132,11 +132,58 @@ FIGURE_SOURCES.update({
         "no co-issue with the ALU assumed for generated C++ codelets"),
 })
 
+_SYS = "docs/systems.md; "
+FIGURE_SOURCES.update({
+    "kernels.systems.IPUSystem.ipu_link_bytes_per_second": FigureSource(
+        "poplibs", _SYS + "one IPU-Link, one direction: 128 Gibit/s at 0.85 efficiency (poplibs "
+        "lib/poplibs_test/Util.cpp addGlobalExchangeConstraints); the same for the IPU-Link "
+        "cables between machines (Bow-2000 datasheet: IPU-Link 512 Gbps a port = 2 links x "
+        "128 Gbps x 2 directions)"),
+    "kernels.systems.IPUSystem.gw_link_bytes_per_second": FigureSource(
+        "datasheet", _SYS + "IPU-M2000 and Bow-2000 datasheets: 2 x 100 Gbps GW-Links a "
+        "machine; 100 Gbps line rate a direction, no payload efficiency published"),
+    "kernels.systems.IPUSystem.gw_links_per_machine": FigureSource(
+        "datasheet", _SYS + "2 GW-Link ports on each IPU-M2000 / Bow-2000 front panel"),
+    "kernels.systems.IPUSystem.gw_latency_seconds": FigureSource(
+        "estimate", _SYS + "2 us a GW-Link hop (gateway to gateway over 100 GbE RoCE); "
+        "nothing published"),
+    "kernels.systems.IPUSystem.switch_latency_seconds": FigureSource(
+        "estimate", _SYS + "1 us through a GW-Link switch; nothing published"),
+    "kernels.systems.ladder_wraps_in_pod": FigureSource(
+        "estimate", _SYS + "a POD's IPU-Link ladder closes into rings (top machine cabled to "
+        "the bottom one), read from GCL's need for rings (Memory and Performance Optimisation "
+        "guide, section 7: replicas in powers of two for the ring structure); the cabling "
+        "itself is not quoted"),
+    "kernels.collectives.sync_per_ring_step": FigureSource(
+        "estimate", _SYS + "each ring step ends in a sync across the group's IPUs "
+        "(IPUTarget.ipu_sync_cycles); a step over GW-Links adds a GW-Link latency each way"),
+})
+
+_POPSPARSE = "poplibs lib/popsparse/PerformanceEstimation.hpp "
+FIGURE_SOURCES.update({
+    "kernels.popsparse.block_product_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "sparseDenseBlockMultiply (float partials): per-block worker "
+        "overhead and cycles per Z column by block size and input type, 64-bit coefficient "
+        "loads and 3 + 12 cycles a block on the supervisor; Z split over workers as "
+        "FullyConnectedPlan.cpp's ForwardAMPBlock method does"),
+    "kernels.popsparse.element_product_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "sparseDenseElementwiseMultiply: 3 cycles per vector of 8 "
+        "halves / 4 floats of Z per non-zero, per-row and entry overheads"),
+    "kernels.popsparse.bucket_scan_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "supervisorCyclesWithBucketsNotForPN (32 a sub-group skipped) "
+        "and ...ForPN (47 + 46 for the sub-group found) of the same estimators"),
+    "kernels.popsparse.meta_info_words": FigureSource(
+        "estimate", "16-bit words: a 4-word tile header, 2 per non-empty block row, 1 per "
+        "non-zero block (after popsparse's meta-info layout; no published size formula)"),
+    "kernels.popsparse.zero_partials_cycles": FigureSource(
+        "poplibs", _POPSPARSE + "zeroPartialsCycles: 10 cycles then 64-bit stores per worker"),
+})
+
 
 def _figures() -> list:
   """Every IPUTarget field that is a hardware figure."""
   from ipu_jax.kernels.target import IPUTarget
-  return [f.name for f in dataclasses.fields(IPUTarget) if f.name not in ("name", "num_ipus")]
+  return [f.name for f in dataclasses.fields(IPUTarget) if f.name not in ("name", "num_ipus", "system")]
 
 
 def calibrated_figures() -> list:

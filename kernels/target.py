@@ -82,6 +82,11 @@ class IPUTarget:
       addresses, holding remote buffers and offloaded state.
     streaming_memory_bytes_per_second: bandwidth between one IPU's tiles and
       its Streaming Memory, through the IPU-Machine's gateway (*estimate*).
+    system: the :class:`~ipu_jax.kernels.systems.IPUSystem` the IPUs are part
+      of (a preset name such as ``"pod16"`` is looked up), or ``None``: the
+      flat model (one IPU-Link rate for everything, the M2000 ladder for
+      pipelines). With a system, collectives between replicas are priced over
+      its links (:mod:`ipu_jax.kernels.collectives`).
   """
 
   name: str = "ipu2"
@@ -119,7 +124,11 @@ class IPUTarget:
   streaming_memory_bytes: int = 64_000_000_000
   streaming_memory_bytes_per_second: float = 8e9
 
+  # -- The system the IPUs are part of (docs/systems.md) -----------------------
+  system: Any = None
+
   def __post_init__(self):
+    self._check_system()
     positive_ints = ("num_ipus", "tiles_per_ipu", "bytes_per_tile",
                      "worker_contexts", "fp16_flops_per_cycle",
                      "fp32_flops_per_cycle", "vector_width_bytes",
@@ -144,6 +153,24 @@ class IPUTarget:
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(
             f"IPUTarget.{field} must be a positive number, got {value!r}.")
+
+  def _check_system(self) -> None:
+    if self.system is None:
+      return
+    from ipu_jax.kernels.systems import IPUSystem, system_preset
+    if isinstance(self.system, str):
+      object.__setattr__(self, "system", system_preset(self.system))
+    if not isinstance(self.system, IPUSystem):
+      raise ValueError(f"IPUTarget.system must be an IPUSystem, a system preset name or None, "
+                       f"got {self.system!r}.")
+    if self.name != self.system.chip:
+      raise ValueError(
+          f"IPUTarget.name={self.name!r} but the {self.system.name} system is made of "
+          f"{self.system.chip!r} IPUs ({self.system.machine}); use IPUTarget.preset("
+          f"{self.system.chip!r}, system={self.system.name!r}).")
+    if isinstance(self.num_ipus, int) and self.num_ipus > self.system.num_ipus:
+      raise ValueError(f"IPUTarget.num_ipus={self.num_ipus} exceeds the "
+                       f"{self.system.num_ipus} IPUs of the {self.system.name} system.")
 
   @property
   def num_tiles(self) -> int:

@@ -11,7 +11,8 @@ charged once.
 Names follow poplibs' ``library::Vertex<template arguments>`` form. The
 library is the one that holds such vertices in poplibs (``popops``:
 elementwise, data movement, reductions, indexing and sorting; ``poplin``:
-matmuls, convolutions, linear algebra; ``poprand``: random numbers), or
+matmuls, convolutions, linear algebra; ``popsparse``: sparse x dense
+products; ``poprand``: random numbers), or
 ``ipu_jax`` for vertex types poplibs has no counterpart of (FFT, replica
 indices). Template instances are distinct vertex types with their own code,
 as on the IPU, where ``Fill<int>`` and ``Fill<float>`` are separate
@@ -38,6 +39,8 @@ __all__ = [
     "HOUSEHOLDER_QR", "GEQRF", "GEQP3", "HOUSEHOLDER_PRODUCT", "ORMQR", "JACOBI_EIGH",
     "JACOBI_SVD", "HESSENBERG_QR_EIG", "SCHUR", "HESSENBERG", "TRIDIAGONAL", "TRIDIAGONAL_SOLVE",
     "SYMMETRIC_PRODUCT",
+    # popsparse.
+    "SPARSE_DENSE_ELEMENTWISE", "SPARSE_DENSE_BLOCK",
     # poprand.
     "RANDOM",
     # ipu_jax.
@@ -96,6 +99,10 @@ HESSENBERG = "poplin::Hessenberg"
 TRIDIAGONAL = "poplin::Tridiagonal"
 TRIDIAGONAL_SOLVE = "poplin::TridiagonalSolve"
 SYMMETRIC_PRODUCT = "poplin::SymmetricProduct"
+
+# popsparse: vertex(SPARSE_DENSE_*, dtype, partials dtype).
+SPARSE_DENSE_ELEMENTWISE = "popsparse::SparseDenseMatMulElementWise"
+SPARSE_DENSE_BLOCK = "popsparse::SparseDenseMatMulBlock"
 
 RANDOM = "poprand::Random"  # vertex(RANDOM, generator)
 

@@ -31,11 +31,19 @@ class ExchangeCost:
     bytes_in: ``[num_tiles]`` bytes received by each tile.
     bytes_out: ``[num_tiles]`` bytes sent by each tile.
     link_bytes_out: ``[num_ipus]`` bytes each IPU sends to other IPUs.
+    link_cycles: the links' time when a topology model priced it (a
+      collective over an ``IPUSystem``, ``kernels/collectives.py``): it
+      replaces ``link_bytes_out`` at the target's flat IPU-Link rate.
+      ``None``: the flat rate.
+    link_notes: how the link time was priced, for the report's notes (a
+      step's notes gain them).
   """
 
   bytes_in: np.ndarray
   bytes_out: np.ndarray
   link_bytes_out: np.ndarray
+  link_cycles: float | None = None
+  link_notes: tuple = ()
 
   @classmethod
   def zeros(cls, target: IPUTarget) -> "ExchangeCost":
@@ -44,9 +52,17 @@ class ExchangeCost:
                np.zeros(target.num_ipus, np.int64))
 
   def __add__(self, other: "ExchangeCost") -> "ExchangeCost":
+    priced = [c for c in (self, other) if c.link_cycles is not None]
+    unpriced = [c for c in (self, other) if c.link_cycles is None]
+    if priced and any(int(c.link_bytes_out.sum()) for c in unpriced):
+      # The sum's link time would mix a topology price with a flat one.
+      raise ValueError("Cannot add an exchange priced by topology (link_cycles) to one "
+                       "with IPU-Link bytes at the flat rate.")
     return ExchangeCost(self.bytes_in + other.bytes_in,
                         self.bytes_out + other.bytes_out,
-                        self.link_bytes_out + other.link_bytes_out)
+                        self.link_bytes_out + other.link_bytes_out,
+                        sum(c.link_cycles for c in priced) if priced else None,
+                        tuple(dict.fromkeys(self.link_notes + other.link_notes)))
 
   @property
   def total_bytes(self) -> int:
@@ -113,6 +129,8 @@ def exchange_cycles(target: IPUTarget, cost: ExchangeCost | None) -> float:
   if busiest == 0:
     return 0.0
   cycles = busiest / target.exchange_bytes_per_cycle + target.exchange_latency_cycles
+  if cost.link_cycles is not None:
+    return float(cycles + cost.link_cycles)
   link = int(cost.link_bytes_out.max(initial=0))
   if link:
     cycles += link / target.ipu_link_bytes_per_cycle

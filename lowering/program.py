@@ -212,6 +212,8 @@ class Superstep:
     self.vertices = narrowed(self.vertices)
     self.scratch_bytes = narrowed(self.scratch_bytes)
     self.exchange = narrowed_cost(self.exchange)
+    if self.exchange is not None and self.exchange.link_notes:
+      self.notes = tuple(dict.fromkeys(tuple(self.notes) + self.exchange.link_notes))
 
 
 _NARROW = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32)}
@@ -224,7 +226,8 @@ def narrowed_cost(cost: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
   bytes_in, bytes_out = narrowed(cost.bytes_in), narrowed(cost.bytes_out)
   if bytes_in is cost.bytes_in and bytes_out is cost.bytes_out:
     return cost
-  return ExchangeCost(bytes_in, bytes_out, cost.link_bytes_out)
+  return ExchangeCost(bytes_in, bytes_out, cost.link_bytes_out, cost.link_cycles,
+                      cost.link_notes)
 
 
 def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:

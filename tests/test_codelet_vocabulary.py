@@ -142,7 +142,7 @@ class VocabularyTest(parameterized.TestCase):
     names = [getattr(vocab, n) for n in vocab.__all__ if n.isupper()]
     self.assertLen(set(names), len(names))
     for name in names:
-      self.assertRegex(name, r"^(popops|poplin|poprand|ipu_jax)::[A-Z][A-Za-z0-9]*$")
+      self.assertRegex(name, r"^(popops|poplin|popsparse|poprand|ipu_jax)::[A-Z][A-Za-z0-9]*$")
 
   @parameterized.parameters(
       ((vocab.FILL,), "popops::Fill"),

@@ -152,7 +152,8 @@ def cross_replica_all_gather(x, replicas: int, axis_name=REPLICA_AXIS):
 def _reduce_scatter_rule(ctx, x, *, axis_name, replicas):
   n = x.size // replicas
   out = ctx.new_tensor((n,), x.dtype, name="reduce_scatter")
-  exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas)
+  exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas,
+                                      kind="reduce_scatter")
   # Costed for replica 0's block; every replica's is the same size.
   own = block_positions(x.shape, (n,))
   exchange = add_costs(exchange, move_cost(ctx, x, own, out, None))
@@ -169,7 +170,8 @@ def _reduce_scatter_rule(ctx, x, *, axis_name, replicas):
 def _all_gather_rule(ctx, x, *, axis_name, replicas):
   out = ctx.new_tensor((x.size * replicas,), x.dtype, name="all_gather")
   own = block_positions(out.shape, (x.size,))
-  exchange, _ = collective_cost(ctx, out, one_phase(replicas))
+  exchange, _ = collective_cost(ctx, out, one_phase(replicas), kind="all_gather",
+                                replicas=replicas)
   exchange = add_costs(exchange, move_cost(ctx, x, None, out, own))
 
   def fn(v):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import numbers
 from typing import NamedTuple, Sequence
 
+from ipu_jax.kernels import collectives
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["LINK_BYTES_PER_SECOND", "LINKS_PER_GROUP", "Link", "route", "links_between",
@@ -144,14 +145,23 @@ def copy_cycles(target: IPUTarget, src: int, dst: int, nbytes: int) -> float:
   return slot_copy_cycles(target, [(src, dst, nbytes)])
 
 
-def all_reduce_cycles(target: IPUTarget, replicas: int, nbytes: int) -> float:
+def all_reduce_cycles(target: IPUTarget, replicas: int, nbytes: int, ipu: int = 0,
+                      ipus_per_replica: int | None = None) -> float:
   """A ring all-reduce of ``nbytes`` over ``replicas`` IPUs (one per replica).
 
   Each IPU sends and receives ``2 (R - 1) / R`` of the data over the 2 links
   to its ring neighbour, in ``2 (R - 1)`` steps, each ending in a sync.
+  With ``target.system`` set, the all-reduce between IPU ``ipu`` of every
+  replica (each of ``ipus_per_replica`` IPUs, default ``target.num_ipus``)
+  is priced over the system's links instead
+  (:func:`ipu_jax.kernels.collectives.all_reduce`).
   """
   if replicas <= 1 or nbytes <= 0:
     return 0.0
+  if target.system is not None:
+    groups = collectives.replica_groups(target.system, replicas,
+                                        ipus_per_replica or target.num_ipus, [ipu])
+    return collectives.all_reduce(target, groups, nbytes).cycles
   steps = 2 * (replicas - 1)
   moved = nbytes * steps / replicas
   per_step = target.exchange_latency_cycles + target.ipu_sync_cycles(replicas)

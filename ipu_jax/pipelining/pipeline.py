@@ -290,8 +290,8 @@ class Pipeline:
         copies_backward=[self.copies(k, "backward") for k in range(len(stages))],
         sync=target.ipu_sync_cycles(num_ipus),
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
-        all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)
-                    for s in stages],
+        all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes, s.ipu,
+                                            num_ipus) for s in stages],
         copy_cost=functools.partial(links.slot_copy_cycles, target))
 
   # -- running ----------------------------------------------------------------

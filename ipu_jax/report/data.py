@@ -502,6 +502,8 @@ def data_from_profile(profile: ProgramProfile) -> ReportData:
 
 def target_to_json(target: IPUTarget) -> dict:
   fields = dataclasses.asdict(target)
+  # The system by name (a preset name reads back as the same system).
+  fields["system"] = None if target.system is None else target.system.name
   fields["num_tiles"] = target.num_tiles
   return fields
 

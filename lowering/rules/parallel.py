@@ -76,6 +76,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
+from ipu_jax.kernels import collectives
 from ipu_jax.lowering.jax_compat import core as jax_core
 from ipu_jax.lowering.jax_compat import lax_parallel
 from ipu_jax.lowering.jax_compat import shard_map as shard_map_lib
@@ -158,7 +159,7 @@ def _reject_groups(ctx, axis_index_groups) -> None:
 
 
 def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 0,
-                    op_name: str = "add"):
+                    op_name: str = "add", kind: str | None = None, replicas: int = 0):
   """(exchange, compute) of a collective moving ``share`` of ``tensor``'s bytes.
 
   Each tile sends and receives ``share`` of the bytes it holds of ``tensor``;
@@ -166,6 +167,11 @@ def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 
   target with fewer IPUs than the replicas keeps the replica's IPUs: the
   tensor's IPUs). With ``reduce_replicas = R`` each tile also combines
   (``op_name``) the ``(R - 1) / R`` share of its elements it reduces.
+
+  With ``kind`` (a :data:`ipu_jax.kernels.collectives.KINDS` name) over
+  ``replicas`` (default ``reduce_replicas``) and a target on an
+  ``IPUSystem``, the links' time is the system's price
+  (:func:`system_link_cycles`), not the flat rate.
 
   Returns ``(None, None)`` when nothing moves.
   """
@@ -177,13 +183,34 @@ def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 
   ipu = np.arange(target.num_tiles) // target.tiles_per_ipu
   on_ipu = np.bincount(ipu, weights=on_tile, minlength=target.num_ipus)[:target.num_ipus]
   link = np.ceil(on_ipu * share).astype(np.int64)
-  exchange = ExchangeCost(tile_bytes, tile_bytes.copy(), link)
+  link_cycles = system_link_cycles(target, kind, replicas or reduce_replicas, on_ipu)
+  notes = () if link_cycles is None else (
+      f"replica {kind.replace('_', '-')} priced over the {target.system.name} system's links "
+      "(docs/systems.md#collectives)",)
+  exchange = ExchangeCost(tile_bytes, tile_bytes.copy(), link, link_cycles, notes)
   compute = None
   if reduce_replicas > 1:
     elements = tensor.mapping.elements_per_tile(target.num_tiles)
     combined = -(-elements * (reduce_replicas - 1) // reduce_replicas)
     compute = estimators.elementwise_cycles(target, combined, op_name, tensor.itemsize)
   return exchange, compute
+
+
+def system_link_cycles(target, kind, replicas: int, on_ipu: np.ndarray):
+  """The links' time of collective ``kind`` over ``replicas`` replicas of
+  ``target``'s IPUs on ``target.system``, each IPU's group reducing the
+  ``on_ipu`` bytes it holds (``None``: no system, or no kind).
+
+  Replica ``r`` holds the system's IPUs ``r * num_ipus ...``; IPU ``j`` of
+  every replica forms one group, all groups at once
+  (:mod:`ipu_jax.kernels.collectives`).
+  """
+  if target.system is None or kind is None or replicas <= 1:
+    return None
+  ipus = [j for j in range(target.num_ipus) if on_ipu[j] > 0]
+  groups = collectives.replica_groups(target.system, replicas, target.num_ipus, ipus)
+  cost = collectives.collective(kind, target, groups, [float(on_ipu[j]) for j in ipus])
+  return cost.cycles
 
 
 def all_reduce_cost(ctx, tensor: P.Tensor, replicas: int, op_name: str = "add"):
@@ -194,7 +221,8 @@ def all_reduce_cost(ctx, tensor: P.Tensor, replicas: int, op_name: str = "add"):
   """
   if replicas <= 1:
     return None, None
-  return collective_cost(ctx, tensor, 2.0 * (replicas - 1) / replicas, replicas, op_name)
+  return collective_cost(ctx, tensor, 2.0 * (replicas - 1) / replicas, replicas, op_name,
+                         kind="all_reduce")
 
 
 def one_phase(replicas: int) -> float:
@@ -333,7 +361,8 @@ def _gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_index_groups=N
   # The replica's own block is copied on its IPU; the rest arrives over the
   # links: one ring phase of the gathered bytes.
   own = block_positions(out.shape, _own_block(out.shape, dim, replicas, tiled))
-  exchange, _ = collective_cost(ctx, out, one_phase(replicas))
+  exchange, _ = collective_cost(ctx, out, one_phase(replicas), kind="all_gather",
+                                replicas=replicas)
   exchange = add_costs(exchange, move_cost(ctx, x, None, out, own))
 
   def fn(v):
@@ -357,7 +386,8 @@ def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_index_gro
   dim = scatter_dimension
   # Ring reduce-scatter (one phase of the input's bytes, with the adds);
   # the replica's reduced block then moves into its result.
-  exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas)
+  exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas,
+                                      kind="reduce_scatter")
   block = _own_block(x.shape, dim, replicas, tiled)
   own = block_positions(x.shape, block)
   exchange = add_costs(exchange, move_cost(ctx, x, own, out, None))

@@ -1,0 +1,210 @@
+"""Dynamic sparsity's host side: bucket layouts and the encoding of a pattern.
+
+A :class:`DynamicLayout` fixes everything the compiled program depends on: the
+product's sizes, the block size, ``max_non_zeros`` (in blocks; elements for
+1x1 blocks), the oversize proportion and the plan
+(:func:`ipu_jax.lowering.sparse_plan.plan_dynamic`): a grid of ``px * py * pz``
+tiles, each holding a bucket of ``bucket_blocks`` entries. A pattern is
+*encoded* into buckets on the host (:func:`encode`, an ordinary NumPy
+function whose time is recorded as host time), so a new pattern with at most
+``max_non_zeros`` blocks runs the same program with no new lowering.
+
+Encoding (as PopSparse's host-side partitioner): each non-zero belongs to the
+*cell* ``(x, y)`` of its block row's X band and block column's Y band. A
+cell's non-zeros are dealt round-robin over the buckets of its ``pz`` tiles.
+What does not fit spills into the buckets of the neighbouring cell along the
+plan's spill axis (``(x, y + 1)``, or ``(x + 1, y)`` when ``py == 1``), after
+that cell's own non-zeros; the program's second propagation phase brings those
+buckets past the owning cell's tiles. A non-zero that fits nowhere is an
+:class:`BucketOverflowError` ("Overflow in buckets") with the counts — never
+a silently wrong product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.lowering.sparse_plan import DEFAULT_OVERSIZE, SparsePlan, plan_dynamic
+from ipu_jax.sparse.formats import BlockCSR
+
+__all__ = ["DynamicLayout", "DynamicSparse", "BucketOverflowError", "dynamic_layout", "encode"]
+
+
+class BucketOverflowError(ValueError):
+  """A pattern has more non-zeros than its buckets (with spills) can hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLayout:
+  """What a dynamic sparse program is compiled for (hashable: a primitive parameter).
+
+  Attributes:
+    shape: ``(M, K)`` of the sparse operand; block: the block size.
+    n: columns of the dense operand.
+    max_non_zeros: blocks the buckets are sized for.
+    oversize: extra bucket room over a uniform spread.
+    num_tiles: tiles of the target it was planned for.
+    plan: the :class:`SparsePlan` (grid, bucket size, phases).
+  """
+
+  shape: tuple
+  block: int
+  n: int
+  max_non_zeros: int
+  oversize: float
+  num_tiles: int
+  plan: SparsePlan
+
+  @property
+  def grid(self) -> tuple:
+    return self.plan.grid
+
+  @property
+  def buckets(self) -> int:
+    return self.plan.num_tiles
+
+  @property
+  def bucket_blocks(self) -> int:
+    return self.plan.bucket_blocks
+
+  @property
+  def cells(self) -> tuple:
+    """``(px, py)``."""
+    return self.plan.grid[:2]
+
+  def neighbour(self, cell: np.ndarray) -> np.ndarray:
+    """The cell each cell spills into (itself when the grid has no neighbour)."""
+    px, py = self.cells
+    x, y = cell // py, cell % py
+    if self.plan.spill_axis == "y":
+      return x * py + (y + 1) % py
+    if self.plan.spill_axis == "x":
+      return ((x + 1) % px) * py + y
+    return cell
+
+
+def dynamic_layout(target: IPUTarget, shape, n: int, max_non_zeros: int, *, block: int = 1,
+                   dtype=np.float32, oversize: float = DEFAULT_OVERSIZE,
+                   available_memory_proportion: float = 0.6) -> DynamicLayout:
+  """Plan buckets for a ``[M, K]`` sparse operand with at most ``max_non_zeros`` blocks.
+
+  Raises:
+    ValueError: ``max_non_zeros`` not positive, more than the matrix's
+      blocks, a negative oversize, or a block that does not divide the shape.
+  """
+  m, k = (int(d) for d in shape)
+  block = int(block)
+  if m % block or k % block:
+    raise ValueError(f"dynamic_layout: block {block} does not divide the shape {(m, k)}.")
+  total = (m // block) * (k // block)
+  if not 0 < int(max_non_zeros) <= max(total, 1):
+    raise ValueError(f"dynamic_layout: max_non_zeros must be in 1..{total} (blocks of the "
+                     f"matrix), got {max_non_zeros}.")
+  if max(m, k) // block > np.iinfo(np.int16).max:
+    raise ValueError(f"dynamic_layout: {max(m, k) // block} block rows or columns do not fit "
+                     f"the 16-bit meta-information words (at most {np.iinfo(np.int16).max}).")
+  if float(oversize) < 0:
+    raise ValueError(f"dynamic_layout: oversize must be >= 0, got {oversize}.")
+  dtype = np.dtype(dtype)
+  plan = plan_dynamic(target, m, k, int(n), block, int(max_non_zeros), dtype,
+                      np.float32, float(available_memory_proportion), float(oversize))
+  return DynamicLayout((m, k), block, int(n), int(max_non_zeros), float(oversize),
+                       target.num_tiles, plan)
+
+
+@jax.tree_util.register_pytree_node_class
+class DynamicSparse:
+  """A pattern encoded in buckets: ``values [buckets, bucket_blocks, b, b]``,
+  ``meta [buckets, bucket_blocks, 2]`` int16 (block row, block column; -1 empty).
+
+  Both arrays are pytree leaves (run-time data); the layout is static.
+  ``host_seconds`` is the encoding's host time (not carried through jit).
+  """
+
+  def __init__(self, values, meta, layout: DynamicLayout, host_seconds: float = 0.0):
+    self.values, self.meta, self.layout = values, meta, layout
+    self.host_seconds = host_seconds
+
+  def tree_flatten(self):
+    return (self.values, self.meta), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], children[1], layout)
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+  def __repr__(self):
+    return (f"DynamicSparse(shape={self.layout.shape}, block={self.layout.block}, buckets="
+            f"{self.layout.buckets} x {self.layout.bucket_blocks}, dtype={self.dtype})")
+
+
+def _slots(layout: DynamicLayout, cell: np.ndarray) -> tuple:
+  """``(bucket, slot)`` of every block, spilling overflow into the neighbour cell."""
+  px, py = layout.cells
+  pz, cap = layout.grid[2], layout.bucket_blocks
+  room = pz * cap
+  counts = np.bincount(cell, minlength=px * py)
+  order = np.argsort(cell, kind="stable")
+  start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  rank = np.empty(cell.size, np.int64)
+  rank[order] = np.arange(cell.size) - start[cell[order]]
+  home = rank < room
+  target_cell = np.where(home, cell, layout.neighbour(cell))
+  # A spilled block goes after the neighbour's own blocks.
+  position = np.where(home, rank, np.minimum(counts, room)[target_cell] + rank - room)
+  spill_room = room - np.minimum(counts, room)
+  overflow = ~home & ((target_cell == cell) | (rank - room >= spill_room[target_cell]))
+  if overflow.any():
+    c = int(cell[overflow][0])
+    nb = int(layout.neighbour(np.array([c]))[0])
+    free = int(spill_room[nb]) if nb != c else 0
+    raise BucketOverflowError(
+        f"Overflow in buckets: cell (x={c // py}, y={c % py}) has {int(counts[c])} non-zero "
+        f"blocks; its {pz} buckets hold {room} and the spill cell has {free} free; "
+        f"{int(overflow.sum())} block(s) do not fit (pattern: {cell.size} blocks, "
+        f"max_non_zeros={layout.max_non_zeros}, oversize={layout.oversize}). Raise "
+        f"max_non_zeros or oversize.")
+  grid_x, grid_y = target_cell // py, target_cell % py
+  bucket = (grid_x * py + grid_y) * pz + position % pz
+  return bucket, position // pz
+
+
+def encode(sparse: BlockCSR, layout: DynamicLayout) -> DynamicSparse:
+  """Deal ``sparse``'s non-zero blocks into ``layout``'s buckets (host side).
+
+  Raises:
+    ValueError: shape, block or count do not match the layout.
+    BucketOverflowError: the pattern does not fit the buckets.
+  """
+  started = time.perf_counter()
+  pattern = sparse.pattern
+  if tuple(pattern.shape) != tuple(layout.shape) or pattern.block[0] != layout.block:
+    raise ValueError(f"encode: the matrix {pattern.shape} with {pattern.block} blocks does not "
+                     f"match the layout's {layout.shape} with {layout.block}x{layout.block}.")
+  if pattern.nnz_blocks > layout.max_non_zeros:
+    raise BucketOverflowError(
+        f"Overflow in buckets: the pattern has {pattern.nnz_blocks} non-zero blocks, more "
+        f"than max_non_zeros={layout.max_non_zeros}.")
+  rx, cy, _ = layout.plan.band
+  _, py = layout.cells
+  rows = pattern.row_indices.astype(np.int64)
+  cols = pattern.col_indices.astype(np.int64)
+  bucket, slot = _slots(layout, (rows // rx) * py + cols // cy)
+  cap, b = layout.bucket_blocks, layout.block
+  index = np.full((layout.buckets, cap), -1, np.int64)
+  index[bucket, slot] = np.arange(rows.size)
+  meta = np.full((layout.buckets, cap, 2), -1, np.int16)
+  meta[bucket, slot, 0], meta[bucket, slot, 1] = rows, cols
+  values = sparse.values
+  padded = jnp.concatenate([values, jnp.zeros((1, b, b), values.dtype)])
+  bucketed = padded[np.where(index >= 0, index, rows.size)]
+  return DynamicSparse(bucketed, meta, layout, time.perf_counter() - started)

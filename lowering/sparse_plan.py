@@ -1,0 +1,342 @@
+"""Planning sparse x dense products over tiles, as PopSparse's planners do.
+
+Vocabulary (popsparse's): the product is ``out[X, Z] = S[X, Y] @ D[Y, Z]``,
+``S`` block-sparse with ``b x b`` blocks (``Xb = X / b`` block rows, ``Yb``
+block columns), ``D`` dense. A dense x sparse product is planned as its
+transpose (``out^T = S^T @ D^T``), so one planner serves both.
+
+**Partition.** A grid of ``px * py * pz`` tiles: ``X`` is cut into ``px``
+bands of whole block rows, ``Y`` into ``py`` bands of whole block columns and
+``Z`` into ``pz`` column ranges. Tile ``(x, y, z)`` holds the non-zero blocks
+of cell ``(x, y)``, receives ``D``'s rows of band ``y`` and columns of range
+``z``, and computes the partial ``out[x band, z range]`` of band ``y``. When
+``py > 1`` the ``py`` partials of each ``(x, z)`` are then reduce-scattered:
+each of the cell's ``py`` tiles sums one piece (``lib/popsparse``'s static
+and fully-connected planners have the same X/Y/Z partitions and a partials
+reduction across Y).
+
+**Choice.** As poplibs' planner does (``FullyConnectedPlan.cpp``), the grid
+is chosen on a *uniform* pattern of the same density: every cell holds
+``nnz * (rows / Xb) * (cols / Yb)`` blocks. Each candidate is costed from the
+vertex work (:mod:`ipu_jax.kernels.popsparse`: block AMP or element-wise
+products, zeroing partials), the exchange of ``D``'s slices and of the
+sparse blocks to the ``z > 0`` tiles, the reduction (``popops`` Reduce
+vertices) and the syncs; candidates whose temporaries exceed the available
+memory proportion of a tile are dropped (the least-memory one is kept if
+none fits). The lowering then costs the chosen grid on the real pattern.
+
+When no grid fits, a static product is split into serial passes over Z
+(each pass a grid over ``z / passes`` columns, passes of equal width, run one after another,
+cycles summed), the fewest passes that fit, as poplin serialises matmuls.
+
+**Dynamic sparsity** (:func:`plan_dynamic`): the pattern is not known, only
+``max_non_zeros``. The same grid; every tile holds a *bucket* of
+``ceil(max_nnz / tiles * (1 + oversize))`` blocks with their meta-information.
+A cell's non-zeros are dealt over the buckets of its ``pz`` tiles; the
+buckets rotate ``pz`` times along Z so each tile meets all of its cell's
+(propagation phase 1), then, when the grid has a neighbouring cell along Y
+(or X), once more after a shift by one cell, for the non-zeros that spilled
+into a neighbour's buckets (phase 2). Each step exchanges whole buckets (two
+buffers per tile) and scans them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from ipu_jax.kernels import estimators
+from ipu_jax.kernels import popsparse
+from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.lowering.matmul_plan import split_candidates
+
+__all__ = ["SparsePlan", "plan_static", "plan_dynamic", "bucket_capacity", "DEFAULT_OVERSIZE",
+           "reduce_piece_elements"]
+
+#: Extra bucket room over a uniform spread of ``max_non_zeros`` (popsparse's default).
+DEFAULT_OVERSIZE = 0.3
+# Bytes of a bucket entry's meta-information: its block row and column (16-bit words each).
+_ENTRY_META_WORDS = 2
+# Split counts tried per axis.
+_MAX_CANDIDATES = 32
+
+
+def _ceil(a, b):
+  return -(-np.asarray(a, np.int64) // np.maximum(np.asarray(b, np.int64), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePlan:
+  """How a sparse x dense product is cut over tiles (see the module docstring).
+
+  Attributes:
+    x, y, z: the product's sizes in elements (``S`` is ``[x, y]``, ``D`` ``[y, z]``).
+    block: the block size ``b``.
+    dtype, partials_dtype: operand and partials type names.
+    grid: ``(px, py, pz)``.
+    band: ``(block rows per X band, block columns per Y band, Z columns per range)``.
+    compute_cycles, exchange_cycles, reduce_cycles, sync_cycles: the estimate
+      on a uniform pattern (the lowering re-costs the real one).
+    temp_bytes: temporaries per tile; memory_limit: what the proportion allows.
+    fits: whether ``temp_bytes <= memory_limit``.
+    candidates: grids evaluated.
+    dynamic: buckets and propagation (dynamic sparsity) or a fixed pattern.
+    bucket_blocks: blocks a bucket holds (dynamic only).
+    phases: propagation phases (dynamic only): 1, or 2 with a spill phase.
+    spill_axis: ``"y"``, ``"x"`` or ``""``: where overflowing non-zeros go.
+  """
+
+  x: int
+  y: int
+  z: int
+  block: int
+  dtype: str
+  partials_dtype: str
+  grid: tuple
+  band: tuple
+  compute_cycles: float
+  exchange_cycles: float
+  reduce_cycles: float
+  sync_cycles: float
+  temp_bytes: int
+  memory_limit: int
+  fits: bool
+  candidates: int
+  dynamic: bool = False
+  bucket_blocks: int = 0
+  phases: int = 0
+  spill_axis: str = ""
+  serial: int = 1
+
+  @property
+  def pass_z(self) -> int:
+    """Dense columns of one serial pass (the last may be narrower)."""
+    return -(-self.z // self.serial)
+
+  @property
+  def num_tiles(self) -> int:
+    px, py, pz = self.grid
+    return px * py * pz
+
+  @property
+  def cycles(self) -> float:
+    return self.compute_cycles + self.exchange_cycles + self.reduce_cycles + self.sync_cycles
+
+  @property
+  def steps(self) -> int:
+    """Propagation steps (dynamic): ``pz`` per phase."""
+    return self.grid[2] * self.phases if self.dynamic else 1
+
+  def describe(self) -> str:
+    px, py, pz = self.grid
+    kind = (f"dynamic, buckets of {self.bucket_blocks} blocks, {self.phases} propagation "
+            f"phase(s) of {pz} step(s)" if self.dynamic else "static")
+    serial = f" in {self.serial} serial passes over Z" if self.serial > 1 else ""
+    return (f"sparse [{self.x}x{self.y}] x dense [{self.y}x{self.z}] {self.dtype} block "
+            f"{self.block} ({kind}): grid x{px}.y{py}.z{pz}{serial}; cycles {self.cycles:,.0f} = compute "
+            f"{self.compute_cycles:,.0f} + exchange {self.exchange_cycles:,.0f} + reduce "
+            f"{self.reduce_cycles:,.0f} + sync {self.sync_cycles:,.0f}; temporaries "
+            f"{self.temp_bytes:,d} B per tile of {self.memory_limit:,d} B"
+            f"{'' if self.fits else ' (does not fit)'}.")
+
+
+def _axis_candidates(extent: int, limit: int) -> np.ndarray:
+  """Split counts worth trying for an axis of ``extent`` units (the matmul planner's)."""
+  return split_candidates(max(int(extent), 1), max(int(limit), 1), budget=_MAX_CANDIDATES)
+
+
+def _candidates(target, xb, yb, z, max_tiles):
+  grids = np.meshgrid(_axis_candidates(xb, max_tiles), _axis_candidates(yb, max_tiles),
+                      _axis_candidates(z, max_tiles), indexing="ij")
+  px, py, pz = (g.reshape(-1) for g in grids)
+  keep = px * py * pz <= max_tiles
+  return px[keep], py[keep], pz[keep]
+
+
+def _exchange_cycles(target: IPUTarget, nbytes) -> np.ndarray:
+  nbytes = np.asarray(nbytes, np.float64)
+  return np.where(nbytes > 0, nbytes / target.exchange_bytes_per_cycle
+                  + target.exchange_latency_cycles, 0.0)
+
+
+def reduce_piece_elements(region_elements, py) -> np.ndarray:
+  """Elements of the largest piece when a region's ``py`` partials are reduce-scattered."""
+  return _ceil(region_elements, py)
+
+
+def _reduce_cost(target, region, py, p_itemsize, out_itemsize):
+  """Cycles and bytes per tile of reduce-scattering ``py`` partials of ``region`` elements."""
+  piece = reduce_piece_elements(region, py)
+  received = (py - 1) * piece * p_itemsize
+  cycles = (target.sync_cycles_internal + _exchange_cycles(target, received)
+            + estimators.reduce_cycles(target, py * piece, p_itemsize, outputs=piece))
+  cycles = np.where(py > 1, cycles, 0.0)
+  temp = np.where(py > 1, py * piece * p_itemsize + piece * out_itemsize, 0)
+  return cycles, temp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+  x: int
+  y: int
+  z: int
+  block: int
+  itemsize: int
+  p_itemsize: int
+
+  @property
+  def xb(self) -> int:
+    return self.x // self.block
+
+  @property
+  def yb(self) -> int:
+    return self.y // self.block
+
+
+def _bands(s: _Shape, px, py, pz):
+  rx, cy, fz = _ceil(s.xb, px), _ceil(s.yb, py), _ceil(s.z, pz)
+  return rx, cy, fz
+
+
+def _static_costs(target, s: _Shape, nnz: int, px, py, pz) -> dict:
+  """Per-candidate costs of a static plan on a uniform pattern of ``nnz`` blocks."""
+  rx, cy, fz = _bands(s, px, py, pz)
+  cells = max(s.xb * s.yb, 1)
+  blocks = _ceil(nnz * rx * cy, cells)
+  rows = np.minimum(rx, blocks)
+  b, item = s.block, s.itemsize
+  partial = rx * b * fz
+  compute = (popsparse.sparse_product_cycles(target, blocks, rows, fz, b, item)
+             + popsparse.zero_partials_cycles(target, partial, s.p_itemsize))
+  dense_in = cy * b * fz * item
+  block_bytes = blocks * b * b * item
+  exchange = _exchange_cycles(target, dense_in + np.where(pz > 1, block_bytes, 0))
+  reduce, reduce_temp = _reduce_cost(target, partial, py, s.p_itemsize, item)
+  meta = popsparse.meta_info_words(blocks, rows) * popsparse.META_WORD_BYTES
+  temp = np.maximum(dense_in + np.where(pz > 1, block_bytes, 0) + partial * s.p_itemsize + meta,
+                    reduce_temp)
+  return dict(compute=compute, exchange=exchange, reduce=reduce,
+              sync=np.full(px.shape, float(target.sync_cycles_internal)), temp=temp)
+
+
+def bucket_capacity(max_nnz: int, tiles: int, oversize: float) -> int:
+  """Blocks a bucket holds: a uniform spread of ``max_nnz`` over ``tiles`` plus the oversize."""
+  if max_nnz <= 0:
+    return 0
+  return int(np.ceil(max_nnz / tiles * (1.0 + oversize)))
+
+
+def _spill_axis(py, px):
+  return np.where(py > 1, 1, np.where(px > 1, 2, 0))
+
+
+def _dynamic_costs(target, s: _Shape, max_nnz: int, oversize: float, px, py, pz) -> dict:
+  """Per-candidate costs of a dynamic plan for ``max_nnz`` blocks."""
+  rx, cy, fz = _bands(s, px, py, pz)
+  tiles = px * py * pz
+  cap = np.ceil(max_nnz / tiles * (1.0 + oversize)).astype(np.int64)
+  b, item = s.block, s.itemsize
+  # A full bucket's share for this tile: a cell's non-zeros over its pz buckets.
+  per_step = _ceil(max_nnz * rx * cy, max(s.xb * s.yb, 1) * pz)
+  rows = np.minimum(rx, per_step)
+  phases = np.where(_spill_axis(py, px) > 0, 2, 1)
+  steps = pz * phases
+  bucket_bytes = cap * (b * b * item + _ENTRY_META_WORDS * popsparse.META_WORD_BYTES)
+  partial = rx * b * fz
+  # Phase 1 multiplies the cell's entries; the spill phase only scans (a uniform
+  # pattern spills nothing) but still moves and scans every bucket.
+  work = popsparse.sparse_product_cycles(target, per_step, rows, fz, b, item)
+  scan = popsparse.bucket_scan_cycles(1, 1)
+  skip = popsparse.bucket_scan_cycles(1, 0)
+  compute = (pz * (work + scan) + (phases - 1) * pz * skip
+             + popsparse.zero_partials_cycles(target, partial, s.p_itemsize))
+  dense_in = cy * b * fz * item
+  exchange = _exchange_cycles(target, dense_in) + (steps - 1) * _exchange_cycles(target,
+                                                                                 bucket_bytes)
+  reduce, reduce_temp = _reduce_cost(target, partial, py, s.p_itemsize, item)
+  temp = np.maximum(2 * bucket_bytes + dense_in + partial * s.p_itemsize, reduce_temp)
+  sync = steps * float(target.sync_cycles_internal)
+  return dict(compute=compute, exchange=exchange, reduce=reduce, sync=sync, temp=temp, cap=cap,
+              phases=phases)
+
+
+def _choose(costs: dict, limit: int) -> int:
+  total = costs["compute"] + costs["exchange"] + costs["reduce"] + costs["sync"]
+  fits = costs["temp"] <= limit
+  if fits.any():
+    return int(np.argmin(np.where(fits, total, np.inf)))
+  return int(np.argmin(costs["temp"]))
+
+
+# Serial pass counts tried when no single-pass static grid fits.
+_SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
+          oversize) -> SparsePlan:
+  plan = _plan_pass(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
+                    oversize)
+  if plan.fits or dynamic:
+    return plan
+  for count in _SERIAL_COUNTS:
+    # Equal passes only: each tile then holds one equal piece per pass.
+    if s.z % count:
+      continue
+    width = s.z // count
+    passed = _plan_pass(target, dataclasses.replace(s, z=width), dtype, partials_dtype, nnz,
+                        proportion, max_tiles, False, 0.0)
+    if passed.fits:
+      return dataclasses.replace(
+          passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
+          exchange_cycles=passed.exchange_cycles * count,
+          reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count,
+          candidates=passed.candidates + plan.candidates)
+  return plan
+
+
+def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
+               oversize) -> SparsePlan:
+  limit = int(proportion * target.bytes_per_tile)
+  tiles = max(1, min(int(max_tiles), target.num_tiles))
+  px, py, pz = _candidates(target, s.xb, s.yb, s.z, tiles)
+  if dynamic:
+    costs = _dynamic_costs(target, s, nnz, oversize, px, py, pz)
+  else:
+    costs = _static_costs(target, s, nnz, px, py, pz)
+  i = _choose(costs, limit)
+  grid = (int(px[i]), int(py[i]), int(pz[i]))
+  rx, cy, fz = (int(v) for v in _bands(s, *[np.int64(g) for g in grid]))
+  pick = {k: (v[i] if np.ndim(v) else v) for k, v in costs.items()}
+  spill = int(_spill_axis(np.int64(grid[1]), np.int64(grid[0])))
+  return SparsePlan(
+      s.x, s.y, s.z, s.block, np.dtype(dtype).name, np.dtype(partials_dtype).name, grid,
+      (rx, cy, fz), float(pick["compute"]), float(pick["exchange"]), float(pick["reduce"]),
+      float(pick["sync"]), int(pick["temp"]), limit, bool(pick["temp"] <= limit), int(px.size),
+      dynamic=dynamic, bucket_blocks=int(pick.get("cap", 0)), phases=int(pick.get("phases", 0)),
+      spill_axis=("", "y", "x")[spill] if dynamic else "")
+
+
+@functools.lru_cache(maxsize=256)
+def plan_static(target: IPUTarget, x: int, y: int, z: int, block: int, nnz_blocks: int,
+                dtype, partials_dtype=np.float32, available_memory_proportion: float = 0.6,
+                max_tiles: int | None = None) -> SparsePlan:
+  """The grid of a static sparse ``[x, y]`` (``nnz_blocks`` blocks of ``block``) times dense ``[y, z]``."""
+  s = _Shape(int(x), int(y), int(z), int(block), np.dtype(dtype).itemsize,
+             np.dtype(partials_dtype).itemsize)
+  return _plan(target, s, dtype, partials_dtype, int(nnz_blocks),
+               float(available_memory_proportion),
+               target.num_tiles if max_tiles is None else max_tiles, False, 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def plan_dynamic(target: IPUTarget, x: int, y: int, z: int, block: int, max_nnz_blocks: int,
+                 dtype, partials_dtype=np.float32, available_memory_proportion: float = 0.6,
+                 oversize: float = DEFAULT_OVERSIZE, max_tiles: int | None = None) -> SparsePlan:
+  """The grid and buckets of a dynamic sparse product of at most ``max_nnz_blocks`` blocks."""
+  s = _Shape(int(x), int(y), int(z), int(block), np.dtype(dtype).itemsize,
+             np.dtype(partials_dtype).itemsize)
+  return _plan(target, s, dtype, partials_dtype, int(max_nnz_blocks),
+               float(available_memory_proportion),
+               target.num_tiles if max_tiles is None else max_tiles, True, float(oversize))

@@ -1,0 +1,500 @@
+"""Tests of ipu_jax.sparse: BlockCSR, static sparse matmuls and their tile plans."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
+from ipu_jax.lowering import sparse_plan
+from ipu_jax.sparse import (BlockCSR, BucketOverflowError, dynamic_layout, dynamic_matmul, encode,
+                            static_matmul)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from testing_utils import MODES, T16, executor_config  # noqa: E402
+
+BOW = ipu_jax.IPUTarget.preset("bow")
+
+
+def _pattern(kind, grid, seed):
+  """A block mask of one of the acceptance list's kinds."""
+  rng = np.random.RandomState(seed)
+  rows, cols = grid
+  if kind == "random":
+    return rng.rand(rows, cols) < 0.4
+  if kind == "empty_rows":
+    mask = rng.rand(rows, cols) < 0.5
+    mask[::2] = False
+    return mask
+  if kind == "empty":
+    return np.zeros(grid, bool)
+  if kind == "one_block":
+    mask = np.zeros(grid, bool)
+    mask[rows - 1, cols // 2] = True
+    return mask
+  if kind == "full":
+    return np.ones(grid, bool)
+  raise ValueError(kind)
+
+
+def _sparse(shape, block, kind="random", seed=0, dtype=np.float32):
+  rng = np.random.RandomState(seed + 1)
+  dense = rng.randn(*shape).astype(dtype)
+  return BlockCSR.fromdense(dense, _pattern(kind, (shape[0] // block, shape[1] // block), seed),
+                            (block, block))
+
+
+def _dense(shape, seed=2, dtype=np.float32):
+  return np.random.RandomState(seed).randn(*shape).astype(dtype)
+
+
+def _run(fn, mode, *args, target=T16):
+  return jax.tree.map(np.asarray, ipu_jax.jit(fn, target=target,
+                                               config=executor_config(mode))(*args))
+
+
+def _steps(lowered):
+  out = []
+
+  def walk(p):
+    for child in getattr(p, "programs", ()):
+      walk(child)
+    if hasattr(p, "fn"):
+      out.append(p)
+  walk(lowered.program)
+  return out
+
+
+class BlockCSRTest(parameterized.TestCase):
+
+  def test_fromdense_and_todense(self):
+    dense = _dense((8, 12))
+    mask = np.array([[1, 0, 1], [0, 0, 1]], bool)
+    a = BlockCSR.fromdense(dense, mask, (4, 4))
+    self.assertEqual(a.nnz_blocks, 3)
+    np.testing.assert_array_equal(a.row_offsets, [0, 2, 3])
+    np.testing.assert_array_equal(a.col_indices, [0, 2, 2])
+    want = dense * np.kron(mask, np.ones((4, 4)))
+    np.testing.assert_array_equal(np.asarray(a.todense()), want)
+    np.testing.assert_array_equal(np.asarray(a.T.todense()), want.T)
+
+  def test_element_mask_and_default_mask(self):
+    dense = np.zeros((4, 6), np.float32)
+    dense[1, 4] = 3.0
+    a = BlockCSR.fromdense(dense)            # 1x1 blocks where the matrix is non-zero
+    self.assertEqual(a.nnz_blocks, 1)
+    b = BlockCSR.fromdense(dense, dense != 0, (1, 1))
+    np.testing.assert_array_equal(np.asarray(b.todense()), dense)
+
+  def test_from_coordinates_sorts(self):
+    values = np.arange(3 * 16, dtype=np.float32).reshape(3, 4, 4)
+    a = BlockCSR.from_coordinates([1, 0, 1], [2, 1, 0], values, (8, 12), (4, 4))
+    np.testing.assert_array_equal(a.row_offsets, [0, 1, 3])
+    np.testing.assert_array_equal(a.col_indices, [1, 0, 2])
+    dense = np.asarray(a.todense())
+    np.testing.assert_array_equal(dense[4:8, 8:12], values[0])
+    np.testing.assert_array_equal(dense[0:4, 4:8], values[1])
+
+  def test_pytree_through_jit_and_vmap(self):
+    a = _sparse((8, 16), 4)
+    doubled = jax.jit(lambda s: jax.tree.map(lambda v: 2 * v, s))(a)
+    self.assertIsInstance(doubled, BlockCSR)
+    self.assertEqual(doubled.pattern, a.pattern)
+    stacked = jnp.stack([a.values, 3 * a.values])
+    dense = jax.vmap(lambda v: BlockCSR.from_pattern(v, a.pattern).todense())(stacked)
+    np.testing.assert_allclose(np.asarray(dense[1]), 3 * np.asarray(a.todense()))
+
+  @parameterized.named_parameters(
+      ("block_does_not_divide", lambda: BlockCSR.fromdense(np.ones((6, 8)), None, (4, 4)),
+       "does not divide"),
+      ("unsupported_block", lambda: BlockCSR.fromdense(np.ones((6, 6)), None, (3, 3)),
+       "valid block shapes"),
+      ("column_out_of_range", lambda: BlockCSR(np.ones((1, 1, 1)), [0, 1], [5], (1, 4)),
+       "out of range"),
+      ("unsorted_columns", lambda: BlockCSR(np.ones((2, 1, 1)), [0, 2], [3, 1], (1, 4)),
+       "unsorted or repeated"),
+      ("bad_offsets", lambda: BlockCSR(np.ones((2, 1, 1)), [0, 3], [0, 1], (1, 4)),
+       "row_offsets"),
+      ("values_shape", lambda: BlockCSR(np.ones((2, 2, 2)), [0, 2], [0, 1], (1, 4)),
+       "values must be"),
+      ("repeated_coordinate",
+       lambda: BlockCSR.from_coordinates([0, 0], [1, 1], np.ones((2, 1, 1)), (2, 2)),
+       "given twice"),
+      ("coordinate_out_of_range",
+       lambda: BlockCSR.from_coordinates([0, 2], [1, 1], np.ones((2, 1, 1)), (2, 2)),
+       "out of range"),
+      ("mask_shape", lambda: BlockCSR.fromdense(np.ones((8, 8)), np.ones((3, 3)), (4, 4)),
+       "mask must be"),
+  )
+  def test_bad_input(self, build, message):
+    with self.assertRaisesRegex(ValueError, message):
+      build()
+
+  def test_traced_mask_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "concrete"):
+      jax.jit(lambda d: BlockCSR.fromdense(d, d > 0).values)(jnp.ones((4, 4)))
+
+
+class StaticMatmulTest(parameterized.TestCase):
+
+  @parameterized.product(
+      case=[("random", 4, (36, 24, 7)), ("empty_rows", 4, (32, 48, 5)),
+            ("empty", 4, (16, 16, 3)), ("one_block", 8, (24, 40, 9)),
+            ("full", 4, (20, 28, 6)), ("random", 1, (9, 13, 11)),
+            ("random", 16, (48, 32, 3)), ("random", 8, (64, 256, 40))],
+      side=["lhs", "rhs"],
+      mode=MODES)
+  def test_equals_dense(self, case, side, mode):
+    kind, block, (m, k, n) = case
+    a = _sparse((m, k), block, kind)
+    dense = _dense((k, n) if side == "lhs" else (n, m))
+    fn = ((lambda s, d: static_matmul(s, d)) if side == "lhs"
+          else (lambda s, d: static_matmul(d, s)))
+    got = _run(fn, mode, a, dense)
+    s = np.asarray(a.todense(), np.float64)
+    want = s @ dense if side == "lhs" else dense @ s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(got, np.asarray(jax.jit(fn)(a, dense)), rtol=1e-5, atol=1e-5)
+
+  @parameterized.product(side=["lhs", "rhs"], mode=MODES)
+  def test_grad_to_values_and_dense(self, side, mode):
+    a = _sparse((32, 48), 4, "empty_rows")
+    dense = _dense((48, 10) if side == "lhs" else (6, 32))
+    weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
+
+    def loss(values, d):
+      s = BlockCSR.from_pattern(values, a.pattern)
+      out = static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    def dense_loss(values, d):
+      s = BlockCSR.from_pattern(values, a.pattern).todense()
+      out = s @ d if side == "lhs" else d @ s
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
+    want = jax.grad(dense_loss, (0, 1))(a.values, dense)
+    self.assertEqual(got[0].shape, a.values.shape)  # a gradient per non-zero block only
+    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), rtol=1e-4, atol=1e-4)
+
+  @parameterized.product(batched=["dense", "values", "both"], side=["lhs", "rhs"])
+  def test_vmap(self, batched, side):
+    a = _sparse((16, 24), 4)
+    n, copies = 5, 3
+    dense = _dense((copies,) + ((24, n) if side == "lhs" else (n, 16)))
+    values = jnp.stack([a.values * (i + 1) for i in range(copies)])
+
+    def one(v, d):
+      s = BlockCSR.from_pattern(v, a.pattern)
+      return static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
+
+    axes = {"dense": (None, 0), "values": (0, None), "both": (0, 0)}[batched]
+    args = (a.values if axes[0] is None else values, dense[0] if axes[1] is None else dense)
+    got = _run(jax.vmap(one, axes), "per_tile", *args)
+    s = np.asarray(jax.vmap(lambda v: BlockCSR.from_pattern(v, a.pattern).todense())(values))
+    s = s[:1].repeat(copies, 0) if axes[0] is None else s
+    d = np.broadcast_to(dense[0], dense.shape) if axes[1] is None else dense
+    want = s @ d if side == "lhs" else d @ s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  @parameterized.product(side=["lhs", "rhs"], mode=MODES)
+  def test_serial_passes_when_no_grid_fits(self, side, mode):
+    a = _sparse((24, 40), 1)
+    n = 96
+    frame = a.pattern if side == "lhs" else a.pattern.transpose()[0]
+    plan = sparse_plan.plan_static(T16, frame.shape[0], frame.shape[1], n, 1, a.nnz_blocks,
+                                   np.float32, np.float32, 0.001)
+    self.assertGreater(plan.serial, 1)
+    self.assertTrue(plan.fits)
+    dense = _dense((40, n) if side == "lhs" else (n, 24))
+    fn = ((lambda s, d: static_matmul(s, d, 0.001)) if side == "lhs"
+          else (lambda s, d: static_matmul(d, s, 0.001)))
+    got = _run(fn, mode, a, dense)
+    s = np.asarray(a.todense(), np.float64)
+    np.testing.assert_allclose(got, s @ dense if side == "lhs" else dense @ s, rtol=1e-5,
+                               atol=1e-5)
+
+  def test_float16_rounds_float32_partials(self):
+    a = _sparse((32, 64), 8, dtype=np.float16)
+    dense = _dense((64, 12), dtype=np.float16)
+    got = _run(lambda s, d: static_matmul(s, d), "batched", a, dense)
+    self.assertEqual(got.dtype, np.float16)
+    exact = np.asarray(a.todense(), np.float32) @ dense.astype(np.float32)
+    np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
+                               atol=1e-3)
+
+  @parameterized.parameters(((8, 8), (8, 0)), ((0, 8), (8, 3)))
+  def test_zero_sized(self, sparse_shape, dense_shape):
+    m, k = sparse_shape
+    a = BlockCSR.fromdense(np.ones(sparse_shape, np.float32), np.ones((m // 4, k // 4), bool),
+                           (4, 4))
+    got = _run(lambda s, d: static_matmul(s, d), "batched", a, np.ones(dense_shape, np.float32))
+    self.assertEqual(got.shape, (m, dense_shape[1]))
+
+  @parameterized.named_parameters(
+      ("dtype_mismatch", lambda a: static_matmul(a, np.ones((24, 3), np.float16)),
+       "dtypes differ"),
+      ("contraction", lambda a: static_matmul(a, np.ones((23, 3), np.float32)),
+       "contracting dimensions differ"),
+      ("both_sparse", lambda a: static_matmul(a, a), "exactly one operand"),
+      ("batched_dense", lambda a: static_matmul(a, np.ones((2, 24, 3), np.float32)),
+       "must be a matrix"),
+      ("memory_proportion", lambda a: static_matmul(a, np.ones((24, 3), np.float32), 1.5),
+       "available_memory_proportion"),
+  )
+  def test_bad_input(self, call, message):
+    with self.assertRaisesRegex(ValueError, message):
+      call(_sparse((16, 24), 4))
+
+
+class StaticPlanTest(parameterized.TestCase):
+
+  def test_memory_is_density_times_dense_plus_meta(self):
+    m = k = 256
+    block, density = 4, 1 / 16
+    rng = np.random.RandomState(0)
+    grid = (m // block, k // block)
+    mask = np.zeros(grid[0] * grid[1], bool)
+    mask[rng.choice(mask.size, int(mask.size * density), replace=False)] = True
+    a = BlockCSR.fromdense(_dense((m, k)), mask.reshape(grid), (block, block))
+    lowered = ipu_jax.jit(lambda s, d: static_matmul(s, d), target=T16).lower(a, _dense((k, 32)))
+    tensors = {t.name: t for t in lowered.profile.tensors}
+    meta = sum(t.total_bytes for t in lowered.profile.tensors if t.name == "sparse meta-info")
+    values = a.values.nbytes
+    dense_bytes = m * k * 4
+    self.assertEqual(values, dense_bytes * density)
+    self.assertGreater(meta, 0)
+    # Meta-information: a column word per block, row entries, headers; a few
+    # percent of the values for 4x4 float32 blocks.
+    self.assertLess(meta, 0.15 * values)
+    self.assertIn("sparse meta-info", tensors)
+
+  def test_costs_from_the_vertex_work(self):
+    a = _sparse((128, 256), 4)
+    lowered = ipu_jax.jit(lambda s, d: static_matmul(s, d), target=T16).lower(a, _dense((256, 64)))
+    products = [s for s in _steps(lowered) if "/products" in s.name]
+    self.assertLen(products, 1)
+    self.assertIn("popsparse::SparseDenseMatMulBlock", products[0].codelets[0])
+    self.assertGreater(float(np.max(products[0].compute_cycles)), 0)
+    self.assertIn("grid x", products[0].notes[0])
+
+  @parameterized.parameters("float16", "float32")
+  def test_speed_up_falls_with_density_and_blocks_pay(self, dtype):
+    def cycles(block, density):
+      nnz = int(density * (4096 // block) ** 2)
+      return sparse_plan.plan_static(BOW, 4096, 4096, 1024, block, nnz, dtype).cycles
+    for block in (1, 4, 16):
+      series = [cycles(block, d) for d in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4)]
+      self.assertEqual(series, sorted(series))
+    for density in (1 / 16, 1 / 4):
+      self.assertLess(cycles(16, density), cycles(4, density))
+      self.assertLess(cycles(4, density), cycles(1, density))
+
+  def test_plan_respects_memory_proportion(self):
+    def plan(proportion):
+      return sparse_plan.plan_static(BOW, 4096, 4096, 1024, 4, 16384, "float16",
+                                     available_memory_proportion=proportion)
+    loose, tight, too_tight = plan(0.6), plan(0.2), plan(0.05)
+    for p in (loose, tight):
+      self.assertTrue(p.fits)
+      self.assertLessEqual(p.temp_bytes, p.memory_limit)
+    # Less memory costs cycles; when no one-pass grid fits, serial passes over Z.
+    self.assertLess(tight.temp_bytes, loose.temp_bytes)
+    self.assertGreater(tight.cycles, loose.cycles)
+    self.assertEqual((loose.serial, tight.serial), (1, 1))
+    self.assertGreater(too_tight.serial, 1)
+    self.assertTrue(too_tight.fits)
+    self.assertGreater(too_tight.cycles, tight.cycles)
+    nothing = sparse_plan.plan_static(BOW, 4096, 4096, 1024, 4, 16384, "float16",
+                                      available_memory_proportion=0.001)
+    self.assertFalse(nothing.fits)     # marked, the least-memory grid kept
+
+class DynamicMatmulTest(parameterized.TestCase):
+
+  @parameterized.product(
+      case=[("random", 4, (36, 24, 7)), ("empty_rows", 4, (32, 48, 70)),
+            ("empty", 4, (16, 16, 3)), ("one_block", 8, (24, 40, 9)),
+            ("full", 4, (20, 28, 6)), ("random", 1, (9, 13, 11)),
+            ("random", 16, (48, 32, 3))],
+      mode=MODES)
+  def test_equals_dense(self, case, mode):
+    kind, block, (m, k, n) = case
+    a = _sparse((m, k), block, kind)
+    dense = _dense((k, n))
+    total = (m // block) * (k // block)
+    layout = dynamic_layout(T16, (m, k), n, min(max(a.nnz_blocks, 1) + 3, total), block=block)
+    encoded = encode(a, layout)
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense(), np.float64) @ dense, rtol=1e-5,
+                               atol=1e-5)
+
+  @parameterized.parameters(*MODES)
+  def test_float16_rounds_float32_partials(self, mode):
+    a = _sparse((32, 32), 8, dtype=np.float16)
+    dense = _dense((32, 12), dtype=np.float16)
+    layout = dynamic_layout(T16, (32, 32), 12, 16, block=8, dtype=np.float16)
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encode(a, layout), dense)
+    self.assertEqual(got.dtype, np.float16)
+    exact = np.asarray(a.todense(), np.float32) @ dense.astype(np.float32)
+    np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
+                               atol=1e-3)
+
+  def _skewed(self):
+    """Every block of the matrix's first X band: more than its cell's buckets hold."""
+    mask = np.zeros((8, 16), bool)
+    mask[0, :] = True
+    mask[1, :9] = True
+    mask[5, 3] = True
+    return BlockCSR.fromdense(_dense((32, 64)), mask, (4, 4))
+
+  @parameterized.parameters(*MODES)
+  def test_spilled_blocks_are_met_in_phase_two(self, mode):
+    a = self._skewed()
+    layout = dynamic_layout(T16, (32, 64), 200, 40, block=4)
+    encoded = encode(a, layout)
+    rx, cy, _ = layout.plan.band
+    px, py, pz = layout.grid
+    rows = np.asarray(encoded.meta[..., 0])
+    cols = np.asarray(encoded.meta[..., 1])
+    own_cell = (np.arange(px * py * pz) // pz)[:, None]
+    entry_cell = (rows // rx) * py + cols // cy
+    spilled = (rows >= 0) & (entry_cell != own_cell)
+    self.assertGreater(int(spilled.sum()), 0)             # the pattern did spill
+    self.assertEqual(layout.plan.phases, 2)
+    dense = _dense((64, 200))
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-4)
+
+  def test_overflow_is_an_error_with_the_counts(self):
+    a = self._skewed()
+    layout = dynamic_layout(T16, (32, 64), 200, 26, block=4, oversize=0.0)
+    with self.assertRaisesRegex(BucketOverflowError, r"Overflow in buckets: cell .* has 25 non-zero"):
+      encode(a, layout)
+    small = dynamic_layout(T16, (32, 64), 200, 10, block=4)
+    with self.assertRaisesRegex(BucketOverflowError, "26 non-zero blocks, more than "
+                                "max_non_zeros=10"):
+      encode(a, small)
+
+  def test_a_new_pattern_runs_the_same_program(self):
+    layout = dynamic_layout(T16, (32, 48), 20, 40, block=4)
+    first, second = _sparse((32, 48), 4, seed=1), _sparse((32, 48), 4, "empty_rows", seed=2)
+    dense = _dense((48, 20))
+    lowered = ipu_jax.jit(lambda e, d: dynamic_matmul(e, d), target=T16).lower(
+        encode(first, layout), dense)
+    for a in (first, second):
+      np.testing.assert_allclose(np.asarray(lowered(encode(a, layout), dense)),
+                                 np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-5)
+
+  @parameterized.parameters(*MODES)
+  def test_grad_to_values_and_dense(self, mode):
+    a = _sparse((32, 48), 4, "empty_rows")
+    layout = dynamic_layout(T16, (32, 48), 10, a.nnz_blocks + 4, block=4)
+    weights = _dense((32, 10), seed=5)
+
+    def loss(values, d):
+      out = dynamic_matmul(encode(BlockCSR.from_pattern(values, a.pattern), layout), d)
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    def dense_loss(values, d):
+      out = BlockCSR.from_pattern(values, a.pattern).todense() @ d
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    dense = _dense((48, 10))
+    got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
+    want = jax.grad(dense_loss, (0, 1))(a.values, dense)
+    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), rtol=1e-4, atol=1e-4)
+
+  def test_vmap_over_the_dense_operand(self):
+    a = _sparse((16, 24), 4)
+    layout = dynamic_layout(T16, (16, 24), 5, a.nnz_blocks, block=4)
+    dense = _dense((3, 24, 5))
+    got = _run(jax.vmap(lambda e, d: dynamic_matmul(e, d), (None, 0)), "per_tile",
+               encode(a, layout), dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-5)
+
+  def test_buckets_are_sized_for_max_non_zeros_and_oversize(self):
+    layout = dynamic_layout(BOW, (4096, 4096), 1024, 16384, block=4, oversize=0.3)
+    slots = layout.buckets * layout.bucket_blocks
+    self.assertGreaterEqual(slots, 1.3 * 16384)
+    self.assertLess(slots, 1.3 * 16384 + layout.buckets)
+    a = _sparse((64, 64), 4)
+    small = dynamic_layout(T16, (64, 64), 8, 120, block=4, oversize=0.5)
+    encoded = encode(a, small)
+    self.assertEqual(encoded.values.nbytes, small.buckets * small.bucket_blocks * 16 * 4)
+    self.assertGreaterEqual(small.buckets * small.bucket_blocks, 180)
+
+  def test_static_beats_dynamic(self):
+    for block in (1, 4, 16):
+      for density in (1 / 64, 1 / 16, 1 / 4):
+        nnz = int(density * (4096 // block) ** 2)
+        static = sparse_plan.plan_static(BOW, 4096, 4096, 1024, block, nnz, "float16")
+        dynamic = sparse_plan.plan_dynamic(BOW, 4096, 4096, 1024, block, nnz, "float16")
+        self.assertLess(static.cycles, dynamic.cycles)
+
+  @parameterized.named_parameters(
+      ("dtype_mismatch", lambda e: dynamic_matmul(e, np.ones((24, 5), np.float16)),
+       "dtypes differ"),
+      ("other_n", lambda e: dynamic_matmul(e, np.ones((24, 6), np.float32)), "N=5"),
+      ("contraction", lambda e: dynamic_matmul(e, np.ones((23, 5), np.float32)),
+       "contracting dimensions differ"),
+      ("no_target", lambda e: dynamic_matmul(_sparse((16, 24), 4), np.ones((24, 5)), 10),
+       "target="),
+      ("max_non_zeros", lambda e: dynamic_layout(T16, (16, 24), 5, 0, block=4),
+       "max_non_zeros must be"),
+  )
+  def test_bad_input(self, call, message):
+    layout = dynamic_layout(T16, (16, 24), 5, 20, block=4)
+    with self.assertRaisesRegex(ValueError, message):
+      call(encode(_sparse((16, 24), 4), layout))
+
+  def test_layout_for_another_target_is_refused(self):
+    a = _sparse((16, 24), 4)
+    layout = dynamic_layout(ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8), (16, 24), 5, 20,
+                            block=4)
+    with self.assertRaisesRegex(ipu_jax.LoweringError, "planned for 8 tiles"):
+      ipu_jax.jit(lambda e, d: dynamic_matmul(e, d), target=T16).lower(
+          encode(a, layout), _dense((24, 5)))
+
+
+class ExperimentTest(absltest.TestCase):
+
+  def test_runner_writes_the_table_rows_in_time(self):
+    out = os.path.join(self.create_tempdir().full_path, "popsparse.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "experiments.popsparse", f"--json_out={out}",
+                           "--plot="], cwd=root, capture_output=True, text=True, timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertLess(time.perf_counter() - started, 180)
+    self.assertIn("Where static sparse stops paying off", proc.stdout)
+    self.assertIn("lowered 1024:16:0.0625:float16", proc.stdout)
+    with open(out) as f:
+      rows = json.load(f)
+    self.assertLen(rows, 2 * 3 * 5 * 2)
+    keys = {"m", "k", "n", "block", "density", "dtype", "static_cycles", "dynamic_cycles",
+            "dense_cycles"}
+    for row in rows:
+      self.assertEqual(set(row), keys)
+    for n in (1024, 2048):
+      for dtype in ("float16", "float32"):
+        for block in (1, 4, 16):
+          series = [r for r in rows if (r["n"], r["dtype"], r["block"]) == (n, dtype, block)]
+          speedups = [r["dense_cycles"] / r["static_cycles"] for r in series]
+          self.assertEqual(speedups, sorted(speedups, reverse=True))   # falls with density
+    # Larger blocks pay off at higher densities: at 1/4, block 16 beats dense, 1x1 does not.
+    quarter = {r["block"]: r["dense_cycles"] / r["static_cycles"] for r in rows
+               if r["density"] == 0.25 and r["n"] == 1024 and r["dtype"] == "float16"}
+    self.assertGreater(quarter[16], 1)
+    self.assertLess(quarter[1], 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
