@@ -12,6 +12,13 @@ Batch values enter on stage 0, as a pipeline's infeed does: what is
 computed from them alone (a one-hot of the labels) runs there and travels
 with the activations.
 
+Per-micro-batch values that are not infeed (a micro-batch's random key, the
+state a stage holds) are *free* batch values: they carry no stage, so what is
+computed from them alone (a key folded, random bits drawn) joins the first
+stage that uses it, and each stage reads its own copy. A loss function with
+auxiliary outputs (``has_aux``) returns them from the stages that compute
+them (:class:`AuxOutput`).
+
 Rules checked here, before anything is compiled or run, each with the user's
 source line: stage ids increase along the forward pass and leave no gap, the
 loss is computed by the last stage, and each weight is read by one stage only
@@ -33,7 +40,7 @@ from ipu_jax.lowering.lower import source_of
 from ipu_jax.lowering.scopes import module_path
 from ipu_jax.ops.pipeline_stage import pipeline_stage_p
 
-__all__ = ["Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
+__all__ = ["AuxOutput", "Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
 
 # The named scope ``stage(k)`` opens; the innermost one on an equation wins.
 _SCOPE_PREFIX = "ipu_pipeline_stage_"
@@ -152,6 +159,8 @@ class StagedFunction:
       micro-batch.
     param_names: a readable path for each flat weight.
     loss_var: the variable holding the loss.
+    aux: where each leaf of the auxiliary output comes from (``has_aux``).
+    aux_tree: the auxiliary output's tree structure (``None`` without aux).
   """
 
   stages: list
@@ -159,6 +168,8 @@ class StagedFunction:
   batch_tree: Any
   param_names: list
   loss_var: Any
+  aux: list = dataclasses.field(default_factory=list)
+  aux_tree: Any = None
 
   @property
   def num_stages(self) -> int:
@@ -172,18 +183,36 @@ class StagedFunction:
     raise KeyError(var)
 
 
+@dataclasses.dataclass(frozen=True)
+class AuxOutput:
+  """Where one leaf of the loss function's auxiliary output comes from.
+
+  Attributes:
+    kind: ``"stage"`` (a stage's forward pass computes it), ``"param"``,
+      ``"batch"`` (a flat weight or batch value passed through) or
+      ``"const"`` (a value the trace fixed).
+    where: the stage (for ``"stage"``), the flat index, or the value.
+    position: for ``"stage"``, its index among that stage's outputs.
+  """
+
+  kind: str
+  where: Any
+  position: int = -1
+
+
 def _where(eqn) -> str:
   return source_of(eqn) or "an unknown source line"
 
 
-def _label(jaxpr, num_params: int, assignment=None) -> list:
+def _label(jaxpr, num_params: int, assignment=None, free=()) -> list:
   """The stage of each equation (forward propagation, then unplaced ones).
 
-  Batch values enter on stage 0 (as a pipeline's infeed does); weights and
-  constants have no stage of their own.
+  Batch values enter on stage 0 (as a pipeline's infeed does); weights,
+  constants and the free batch values (flat indices ``free``) have no stage
+  of their own.
   """
-  used = set()
-  label = {v: 0 for v in jaxpr.invars[num_params:]}
+  used, free = set(), set(free)
+  label = {v: 0 for i, v in enumerate(jaxpr.invars[num_params:]) if i not in free}
   stages = []
   for eqn in jaxpr.eqns:
     seen = [label[v] for v in eqn.invars
@@ -244,7 +273,8 @@ def _label(jaxpr, num_params: int, assignment=None) -> list:
   return stages
 
 
-def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction:
+def split_stages(fn: Callable, params, batch, assignment=None, *, free=(),
+                 has_aux: bool = False) -> StagedFunction:
   """Trace ``fn(params, batch) -> loss`` and split it at its stage marks.
 
   Args:
@@ -256,6 +286,10 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
       ``set_pipeline_stage_assignment``): operations traced inside a module
       whose path contains the key (``"Dense_1"``, ``"Encoder/layers_2"``)
       run on that stage; the longest matching key wins.
+    free: flat indices of batch values that are not infeed (random keys,
+      stage-held state): each stage that needs them reads them itself.
+    has_aux: ``fn`` returns ``(loss, aux)``; each leaf of ``aux`` comes out
+      of the stage that computes it.
 
   Returns:
     The :class:`StagedFunction`.
@@ -268,10 +302,10 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
   with_paths, param_tree = jax.tree_util.tree_flatten_with_path(params)
   flat_params = [leaf for _, leaf in with_paths]
   param_names = [jax.tree_util.keystr(path) or "params" for path, _ in with_paths]
-  closed, batch_tree = _trace(fn, param_tree, flat_params, batch)
+  closed, batch_tree, aux_tree = _trace(fn, param_tree, flat_params, batch, has_aux)
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
-  labels = _label(jaxpr, len(flat_params), _check_assignment(assignment))
+  labels = _label(jaxpr, len(flat_params), _check_assignment(assignment), free)
   num_stages = max(labels, default=0) + 1
   produced_by = {v: k for eqn, k in zip(jaxpr.eqns, labels) for v in eqn.outvars}
   loss_var = jaxpr.outvars[0]
@@ -288,31 +322,64 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
       source = stages[produced_by[v]]
       if v not in source.outputs:
         source.outputs.append(v)
+  aux = [_aux_source(v, traced, stages) for v in jaxpr.outvars[1:]]
   stages[-1].outputs = [v for v in stages[-1].outputs if v is not loss_var] + [loss_var]
-  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var)
+  aux = [AuxOutput(a.kind, a.where, stages[a.where].outputs.index(v)) if a.kind == "stage" else a
+         for a, v in zip(aux, jaxpr.outvars[1:])]
+  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var, aux, aux_tree)
 
 
-def _trace(fn: Callable, param_tree, flat_params: list, batch):
+def _aux_source(v, traced: "_Traced", stages: list) -> AuxOutput:
+  """Where auxiliary output ``v`` comes from; a computed one becomes an output
+  of the stage that computes it (the host reads it after that forward pass)."""
+  if isinstance(v, jcore.Literal):
+    return AuxOutput("const", v.val)
+  if v in traced.produced_by:
+    source = stages[traced.produced_by[v]]
+    if v not in source.outputs:
+      source.outputs.append(v)
+    return AuxOutput("stage", source.index)
+  if v in traced.param_index:
+    return AuxOutput("param", traced.param_index[v])
+  if v in traced.batch_index:
+    return AuxOutput("batch", traced.batch_index[v])
+  return AuxOutput("const", traced.consts[v])
+
+
+def _trace(fn: Callable, param_tree, flat_params: list, batch, has_aux: bool = False):
   """``fn(params, batch)`` traced on flat weights then flat batch values.
 
+  With ``has_aux`` the traced function returns the loss, then the flat
+  leaves of ``aux``.
+
   Returns:
-    ``(closed jaxpr, batch treedef)``.
+    ``(closed jaxpr, batch treedef, aux treedef or None)``.
 
   Raises:
-    PipelineError: the loss is not a scalar.
+    PipelineError: the loss is not a scalar (or, with ``has_aux``, not a pair).
   """
   flat_batch, batch_tree = jax.tree_util.tree_flatten(batch)
 
   def flat_fn(*flat):
     p = jax.tree_util.tree_unflatten(param_tree, flat[:len(flat_params)])
     b = jax.tree_util.tree_unflatten(batch_tree, flat[len(flat_params):])
-    return fn(p, b)
+    out = fn(p, b)
+    if not has_aux:
+      return out
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise PipelineError("With has_aux=True the pipelined loss function must return "
+                          f"(loss, aux); it returned {type(out).__name__}.")
+    aux_leaves, aux_tree[:] = jax.tree_util.tree_flatten(out[1])[0], [
+        jax.tree_util.tree_structure(out[1])]
+    return (out[0], *aux_leaves)
 
+  aux_tree = []
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
-  if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
+  loss_shape = out_shape[0] if has_aux else out_shape
+  if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
     raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
-                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
-  return closed, batch_tree
+                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, loss_shape)}.")
+  return closed, batch_tree, (aux_tree[0] if has_aux else None)
 
 
 def _check_loss_stage(loss_var, produced_by: dict, num_stages: int) -> None:
