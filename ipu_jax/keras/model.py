@@ -580,7 +580,10 @@ class Model:
       from ipu_jax.keras import pipelining
       return pipelining.fit(self, x, y, batch_size=batch_size, epochs=epochs,
                             verbose=0 if verbose == "auto" else verbose, shuffle=shuffle,
-                            callbacks=callbacks, validation_data=validation_data)
+                            callbacks=callbacks, validation_data=validation_data,
+                            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                            validation_batch_size=validation_batch_size,
+                            validate_inputs=validate_inputs)
     plan = self._fit_plan(x, y, batch_size, epochs, verbose, initial_epoch, steps_per_epoch,
                           shuffle, validation_data, validation_batch_size, validate_inputs)
     if validate_inputs:
