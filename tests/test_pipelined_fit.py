@@ -21,7 +21,7 @@ import ipu_jax
 from ipu_jax.keras import Model, callbacks as callbacks_lib
 from ipu_jax.ops import pipeline_stage
 from ipu_jax.pipelining import Pipeline, PipelineError
-from ipu_jax.pipelining.micro_batches import micro_batch_key
+from ipu_jax.pipelining import micro_batch_key
 
 _TILES = 16
 
@@ -129,6 +129,38 @@ class PipelineStateTest(chex.TestCase):
     # The running mean is read and updated on stage 1 only.
     mean_index = len(jax.tree_util.tree_leaves(batches)) + 1
     self.assertEqual([mean_index in s.batch for s in pipe.staged.stages], [False, True, False])
+
+  def test_replicas_start_from_the_state_and_average_it(self):
+    # Two replicas: each runs its G micro-batches (keys r G + k) from the
+    # step's state; the new state is their mean, the integer count replica 0's.
+    def loss(params, batch, rng, state):
+      batch = dict(batch, x=_dropout(rng, batch["x"], 0.5))
+      return _loss_with_state(params, batch, state)
+
+    params, batches = _data(g=12)
+    state = {"mean": jnp.zeros((8,), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+    cfg = _config(3, g=6)
+    cfg.replication_factor = 2
+    cfg.training.replica_reduction = "mean"
+    pipe = Pipeline(loss, config=cfg, rng=True, has_aux=True, mutable=True)
+    key = jax.random.key(7)
+    grads, _, new_state, aux = pipe.gradients(params, batches, rng=key, state=state)
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    acc, finals, sums = jax.tree_util.tree_map(jnp.zeros_like, params), [], []
+    for r in range(2):
+      s = state
+      for k in range(6):
+        m = r * 6 + k
+        (_, (s, out)), g = grad(params, jax.tree_util.tree_map(lambda b: b[m], batches),
+                                micro_batch_key(key, m), s)
+        acc, sums = jax.tree_util.tree_map(jnp.add, acc, g), sums + [out]
+      finals.append(s)
+    chex.assert_trees_all_close(grads, jax.tree_util.tree_map(lambda a: a / 2, acc),
+                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(new_state["mean"], (finals[0]["mean"] + finals[1]["mean"]) / 2,
+                                rtol=1e-5, atol=1e-6)
+    self.assertEqual(int(new_state["count"]), 6)
+    chex.assert_trees_all_close(aux, jnp.stack(sums), rtol=1e-5, atol=1e-6)
 
   def test_state_read_on_two_stages_is_refused(self):
     def loss(params, batch, state):
