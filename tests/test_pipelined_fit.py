@@ -11,7 +11,7 @@ import tempfile
 
 from absl.testing import absltest, parameterized
 import chex
-from flax import nnx
+from flax import linen, nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,6 +200,18 @@ class Net(nnx.Module):
 _STAGES = {"second": 1, "third": 2}  # the norm reads stage 1 values: it runs there
 
 
+class LinenNet(linen.Module):
+  """Net's layers in linen: dropout by ``deterministic``, batch statistics in
+  the ``batch_stats`` collection."""
+
+  @linen.compact
+  def __call__(self, x, train: bool = False):
+    h = linen.Dropout(0.3, deterministic=not train)(jnp.tanh(linen.Dense(16)(x)))
+    h = linen.BatchNorm(use_running_average=not train, momentum=0.8)(linen.Dense(16)(h))
+    h = linen.Dropout(0.3, deterministic=not train)(jnp.tanh(h))
+    return linen.Dense(3)(h)
+
+
 def _keras_data(n=96, seed=0):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(n, 6)).astype(np.float32)
@@ -269,6 +281,28 @@ class KerasPipelinedFitTest(chex.TestCase):
     if batch_norm:  # the statistics moved away from their initial values
       self.assertGreater(float(jnp.max(jnp.abs(piped.module.norm.mean[...]))), 1e-3)
     self.assertEqual(piped.pipeline.staged.num_stages, 3)
+
+  def test_linen_dropout_and_batch_norm(self):
+    x, y = _keras_data()
+    models = []
+    for pipelined in (False, True):
+      model = Model(LinenNet(), input_shape=(4, 6), seed=3, config=_config(3 if pipelined else 1))
+      model.compile(optax.adam(1e-2), "sparse_categorical_crossentropy", metrics=["accuracy"],
+                    steps_per_execution=12)
+      if pipelined:
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=6)
+        model.set_pipeline_stage_assignment({"Dense_1": 1, "Dense_2": 2})
+      else:
+        model.set_gradient_accumulation_options(gradient_accumulation_steps_per_replica=6)
+      models.append((model, model.fit(x, y, batch_size=4, epochs=1, verbose=0)))
+    (plain, plain_history), (piped, piped_history) = models
+    self.assertTrue(piped.adapter.needs_rng)
+    chex.assert_trees_all_close(piped.params, plain.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(piped.state, plain.state, rtol=1e-5, atol=1e-6)
+    self.assertGreater(float(jnp.max(jnp.abs(
+        piped.state["batch_stats"]["BatchNorm_0"]["mean"]))), 1e-3)
+    for key, values in plain_history.history.items():
+      np.testing.assert_allclose(piped_history.history[key], values, rtol=1e-6, err_msg=key)
 
   def test_dropout_draws_new_masks_per_step_and_seed(self):
     x, y = _keras_data()
