@@ -234,8 +234,11 @@ class _Trainer:
 
     Micro-batch ``r G + k`` is replica r's k-th, as plain fit's layout gives it.
     """
-    shape = lambda a: jnp.asarray(np.asarray(a).reshape((self.rows, self.micro) + a.shape[1:]))
-    batches = {"x": jax.tree_util.tree_map(shape, x), "y": shape(y)}
+    def stack(a):
+      a = np.asarray(a)
+      return jnp.asarray(a.reshape((self.rows, self.micro) + a.shape[1:]))
+
+    batches = {"x": jax.tree_util.tree_map(stack, x), "y": stack(y)}
     if self.scaled:  # a batch entry for the loss stage (there from the first lowering on)
       batches[_LOSS_SCALE] = jnp.ones((self.rows,), jnp.float32)
     return batches
@@ -258,12 +261,21 @@ class _Trainer:
             "state": self.model.train_state.state if inputs.mutable else None}
 
   def prepare(self, x, y) -> None:
-    """Split, lower and cost the stages (and init the optimizer state) on one
-    update's samples, so a model that cannot be pipelined fails before any
-    callback runs."""
+    """Split, lower and cost the stages on one update's samples, so a model
+    that cannot be pipelined fails before any callback runs.
+
+    The stages' optimizer states are the last pipelined fit's when they have
+    the same layout (a second ``fit`` goes on as plain ``fit`` does), else new.
+    """
     per_update = self.rows * self.micro
     batches = self.batches(jax.tree_util.tree_map(lambda a: a[:per_update], x), y[:per_update])
-    self.opt_state = self.pipe.init(self.model.params, batches, **self.extra_inputs())
+    fresh = self.pipe.init(self.model.params, batches, **self.extra_inputs())
+    kept = self.model.pipeline_opt_state
+    same = kept is not None and (jax.tree_util.tree_structure(kept)
+                                 == jax.tree_util.tree_structure(fresh)) and all(
+        np.shape(a) == np.shape(b) for a, b in zip(jax.tree_util.tree_leaves(kept),
+                                                    jax.tree_util.tree_leaves(fresh)))
+    self.opt_state = kept if same else fresh
 
   def update(self, x, y) -> np.ndarray:
     """One weight update on ``G R b`` samples; returns their ``[loss, metrics..., count]`` sums.
@@ -284,7 +296,7 @@ class _Trainer:
     module_state = out[3] if pipe.inputs.mutable else ts.state
     if self.scaled:  # a skipped step keeps the weights; the module state moves on, as in plain fit
       new_params, new_opt = _one_skip_decision(params, self.opt_state, new_params, new_opt)
-    self.opt_state = new_opt
+    self.opt_state = model.pipeline_opt_state = new_opt
     model.train_state = ts.replace(params=new_params, state=module_state, step=model.step + 1)
     return np.asarray(jnp.sum(sums, axis=0), np.float64)
 
@@ -368,16 +380,7 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
   cb.on_train_begin()
   logs: dict = {}
   for epoch in range(initial_epoch, epochs):
-    cb.on_epoch_begin(epoch)
-    running = loop.RunningSums([m.name for m in model.metrics])
-    for index, (xb, yb) in enumerate(source.batches(epoch, shuffle)):
-      cb.on_train_batch_begin(index * s)
-      batch_logs = trainer.execution(xb, yb, s // (g * r), running)
-      model.pipeline, model.reports["train"] = pipe, pipe.report.program_report
-      cb.on_train_batch_end((index + 1) * s - 1, batch_logs)
-      if model.stop_training:
-        break
-    logs = running.logs()
+    logs = _fit_epoch(trainer, cb, source, epoch, shuffle)
     if validation_data is not None and not model.stop_training:
       logs.update(_validate(model, validation_data, validation_batch_size or source.batch_size,
                             cbs, validate_inputs))
@@ -386,6 +389,23 @@ def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bo
       break
   cb.on_train_end(logs)
   return history
+
+
+def _fit_epoch(trainer: _Trainer, cb, source, epoch: int, shuffle: bool) -> dict:
+  """One epoch's executions, with their batch hooks; returns the epoch's logs."""
+  from ipu_jax.keras import loop
+  model, pipe = trainer.model, trainer.pipe
+  s = model.steps_per_execution
+  cb.on_epoch_begin(epoch)
+  running = loop.RunningSums([m.name for m in model.metrics])
+  for index, (xb, yb) in enumerate(source.batches(epoch, shuffle)):
+    cb.on_train_batch_begin(index * s)
+    batch_logs = trainer.execution(xb, yb, s // trainer.rows, running)
+    model.pipeline, model.reports["train"] = pipe, pipe.report.program_report
+    cb.on_train_batch_end((index + 1) * s - 1, batch_logs)
+    if model.stop_training:
+      break
+  return running.logs()
 
 
 def _one_skip_decision(params, opt_state, new_params, new_state):
