@@ -262,8 +262,7 @@ def _fit(pipelined, *, rate=0.0, batch_norm=False, g=6, epochs=2, callbacks=(),
 
 class KerasPipelinedFitTest(chex.TestCase):
 
-  @parameterized.named_parameters(("dropout", 0.3, False), ("batch_norm", 0.0, True),
-                                  ("both", 0.3, True))
+  @parameterized.named_parameters(("dropout", 0.3, False), ("dropout_and_batch_norm", 0.3, True))
   def test_trains_what_plain_fit_trains(self, rate, batch_norm):
     plain, plain_history = _fit(False, rate=rate, batch_norm=batch_norm, g=6)
     piped, piped_history = _fit(True, rate=rate, batch_norm=batch_norm, g=6)

@@ -32,7 +32,7 @@ their mean (float leaves; other leaves: replica 0's), as the Keras-like
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,15 @@ class MicroBatchInputs:
           lambda s: jnp.broadcast_to(jnp.asarray(s)[None], (count,) + np.shape(s)), state)
     return (batches, rngs, states)
 
+  def start_step(self, staged, batches, rng, state, accumulation: int, replicas: int):
+    """``(packed micro-batches, the step's StepTaps)``; ``(batches, None)`` for a plain loss."""
+    if not self.extended:
+      return batches, None
+    packed = self.pack(batches, rng, state, accumulation * replicas)
+    micro = jax.tree_util.tree_map(lambda b: b[0], packed)
+    return packed, StepTaps(self, staged, micro, jax.tree_util.tree_leaves(packed),
+                            accumulation)
+
   def free(self, micro) -> tuple:
     """Flat indices of one packed micro-batch's key and state leaves (not infeed)."""
     if not self.extended:
@@ -234,6 +243,16 @@ class StepTaps:
       raise PipelineError("An auxiliary output of the pipelined loss is a weight passed "
                           "through unchanged; return values the stages compute.")
     return jnp.asarray(source.where)
+
+  @staticmethod
+  def extras(taps: "StepTaps | None") -> tuple:
+    """What a step returns after its loss: the new state (``mutable``), then
+    the aux (``has_aux``); nothing for a plain loss (``taps`` None)."""
+    if taps is None:
+      return ()
+    new_state, aux = taps.results()
+    return (((new_state,) if taps.spec.mutable else ())
+            + ((aux,) if taps.spec.has_aux else ()))
 
   def results(self) -> tuple:
     """``(new_state or None, aux stacked per micro-batch or None)``."""

@@ -303,27 +303,11 @@ class Pipeline:
     """
     self.lower(params, batches, rng=rng, state=state)
     flat_params = jax.tree_util.tree_leaves(params)
-    batches, taps = self._taps(batches, rng, state)
+    batches, taps = self.inputs.start_step(self.staged, batches, rng, state, self.accumulation,
+                                           self.replicas)
     grads, losses = self._run(flat_params, batches, taps)
     return (jax.tree_util.tree_unflatten(self.staged.param_tree, grads),
-            jnp.mean(jnp.stack(losses))) + self._extras(taps)
-
-  def _taps(self, batches, rng, state):
-    """The packed micro-batches and the step's :class:`StepTaps` (None: a plain loss)."""
-    if not self.inputs.extended:
-      return batches, None
-    packed = self.inputs.pack(batches, rng, state, self.accumulation * self.replicas)
-    micro = jax.tree_util.tree_map(lambda b: b[0], packed)
-    return packed, StepTaps(self.inputs, self.staged, micro,
-                            jax.tree_util.tree_leaves(packed), self.accumulation)
-
-  def _extras(self, taps) -> tuple:
-    """What a step returns after the loss: the new state (mutable), the aux (has_aux)."""
-    if taps is None:
-      return ()
-    new_state, aux = taps.results()
-    return (((new_state,) if self.inputs.mutable else ())
-            + ((aux,) if self.inputs.has_aux else ()))
+            jnp.mean(jnp.stack(losses))) + StepTaps.extras(taps)
 
   def init(self, params, batches, *, rng=None, state=None):
     """The optimizer state: one state per stage, on that stage's IPU."""
@@ -351,7 +335,8 @@ class Pipeline:
       raise PipelineError("Pipeline.step needs an optimizer; use gradients() without one.")
     self.lower(params, batches, rng=rng, state=state)
     flat = list(jax.tree_util.tree_leaves(params))
-    batches, taps = self._taps(batches, rng, state)
+    batches, taps = self.inputs.start_step(self.staged, batches, rng, state, self.accumulation,
+                                           self.replicas)
     grads, losses = self._run(flat, batches, taps)
     new_state = []
     for stage, programs, state in zip(self.staged.stages, self.stages, opt_state):
@@ -362,7 +347,7 @@ class Pipeline:
         flat[i] = value
       new_state.append(state)
     return (jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
-            jnp.mean(jnp.stack(losses))) + self._extras(taps)
+            jnp.mean(jnp.stack(losses))) + StepTaps.extras(taps)
 
   def run(self, params, opt_state, batches, steps_per_execution: int):
     """Run ``steps_per_execution`` micro-batches (over all replicas) as whole steps.
