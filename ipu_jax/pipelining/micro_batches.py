@@ -19,8 +19,10 @@ A :class:`~ipu_jax.pipelining.Pipeline` made with
 The key and the state are *free* batch values of the split
 (:func:`~ipu_jax.pipelining.split.split_stages`): they carry no stage, so the
 equations drawing random bits from a key, or updating a state from a
-stage's activations, run on the stage that uses them, and each stage reads
-the key itself (the same key, so the same bits, as plain accumulation). A
+stage's activations, run on the stage that uses them; each stage reads the
+key itself and derives from it what it needs (a key split for several
+layers is split again on each of their stages), so the bits are plain
+accumulation's and no key crosses an IPU-Link. A
 state leaf lives on the one stage that reads and updates it: its forward
 passes run micro-batch 0..G-1 in order, each reading the value the previous
 one made, as plain accumulation's loop over micro-batches carries it. With R

@@ -13,9 +13,10 @@ computed from them alone (a one-hot of the labels) runs there and travels
 with the activations.
 
 Per-micro-batch values that are not infeed (a micro-batch's random key, the
-state a stage holds) are *free* batch values: they carry no stage, so what is
-computed from them alone (a key folded, random bits drawn) joins the first
-stage that uses it, and each stage reads its own copy. A loss function with
+state a stage holds) are *free* batch values: they carry no stage, and each
+stage that needs them reads them itself. What is computed from them alone (a
+key folded or split) runs again on every stage that uses it, so no key
+crosses an IPU-Link and random bits are drawn on the stage that uses them. A loss function with
 auxiliary outputs (``has_aux``) returns them from the stages that compute
 them (:class:`AuxOutput`).
 
@@ -273,6 +274,40 @@ def _label(jaxpr, num_params: int, assignment=None, free=()) -> list:
   return stages
 
 
+def _free_copies(jaxpr, labels: list, num_params: int, free) -> dict:
+  """``{equation index: stages}``: equations of free batch values alone, run on
+  every stage that uses them.
+
+  An equation that reads only free values (a micro-batch's key, counters),
+  constants or other such equations' results -- folding a key, splitting it --
+  is computed again on each stage that needs its result, so no key crosses an
+  IPU-Link and each stage derives and draws its own. Its label (the first
+  such stage) stays its home for outputs of the whole function. Equations
+  with effects are left where they are (run once).
+  """
+  free_vars = {jaxpr.invars[num_params + i] for i in free}
+  derived, index_of = set(), {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    if eqn.effects or eqn.primitive is pipeline_stage_p:
+      continue
+    if all(v in free_vars or v in jaxpr.constvars or index_of.get(v) in derived for v in reads):
+      derived.add(i)
+      index_of.update({v: i for v in eqn.outvars})
+  consumers: dict = {}
+  for j, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal) and v in index_of:
+        consumers.setdefault(index_of[v], set()).add(j)
+  copies: dict = {}
+  for i in sorted(derived, reverse=True):  # consumers come later in program order
+    needed = set()
+    for j in consumers.get(i, ()):
+      needed |= copies[j] if j in derived else {labels[j]}
+    copies[i] = needed | {labels[i]}
+  return copies
+
+
 def split_stages(fn: Callable, params, batch, assignment=None, *, free=(),
                  has_aux: bool = False) -> StagedFunction:
   """Trace ``fn(params, batch) -> loss`` and split it at its stage marks.
@@ -306,12 +341,13 @@ def split_stages(fn: Callable, params, batch, assignment=None, *, free=(),
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
   labels = _label(jaxpr, len(flat_params), _check_assignment(assignment), free)
+  copies = _free_copies(jaxpr, labels, len(flat_params), free)
   num_stages = max(labels, default=0) + 1
   produced_by = {v: k for eqn, k in zip(jaxpr.eqns, labels) for v in eqn.outvars}
   loss_var = jaxpr.outvars[0]
   _check_loss_stage(loss_var, produced_by, num_stages)
   traced = _Traced(jaxpr, labels, len(flat_params), param_names,
-                   dict(zip(jaxpr.constvars, closed.consts)), produced_by)
+                   dict(zip(jaxpr.constvars, closed.consts)), produced_by, copies)
   stages = [traced.stage(k) for k in range(num_stages)]
   for stage in stages:
     if not stage.eqns:
@@ -399,7 +435,8 @@ class _Traced:
   so a second stage reading it is refused; build the stages in index order.
   """
 
-  def __init__(self, jaxpr, labels, num_params: int, param_names, consts, produced_by):
+  def __init__(self, jaxpr, labels, num_params: int, param_names, consts, produced_by,
+               copies=None):
     self.jaxpr, self.labels, self.param_names = jaxpr, labels, param_names
     self.consts, self.produced_by = consts, produced_by
     self.param_vars = jaxpr.invars[:num_params]
@@ -407,11 +444,15 @@ class _Traced:
     self.param_index = {v: i for i, v in enumerate(self.param_vars)}
     self.batch_index = {v: i for i, v in enumerate(self.batch_vars)}
     self.param_stage = {}
+    self.copies = copies or {}
 
   def stage(self, k: int) -> Stage:
     """Stage ``k``: its equations and the weights, batch values, constants and
     earlier stages' values they read."""
-    eqns = [e for e, lab in zip(self.jaxpr.eqns, self.labels) if lab == k]
+    copies = self.copies
+    eqns = [e for i, (e, lab) in enumerate(zip(self.jaxpr.eqns, self.labels))
+            if lab == k or k in copies.get(i, ())]
+    local = {v for i in copies if k in copies[i] for v in self.jaxpr.eqns[i].outvars}
     params_k, batch_k, inputs_k, consts_k = [], [], [], {}
     for eqn in eqns:
       for v in eqn.invars:
@@ -426,7 +467,7 @@ class _Traced:
             batch_k.append(self.batch_index[v])
         elif v in self.consts:
           consts_k[v] = self.consts[v]
-        elif self.produced_by.get(v) != k and v not in inputs_k:
+        elif self.produced_by.get(v) != k and v not in local and v not in inputs_k:
           inputs_k.append(v)
     params_k, batch_k = sorted(params_k), sorted(batch_k)
     return Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,
