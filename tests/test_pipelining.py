@@ -360,7 +360,8 @@ class KerasPipeliningTest(chex.TestCase):
     x = rng.normal(size=(40, 6)).astype(np.float32)
     y = rng.integers(0, 3, size=40).astype(np.int32)
     model = Model(testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0)), config=_config(stages=2, g=1))
-    model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy")
+    # As Keras on IPU asks, steps_per_execution is a multiple of G (one update here).
+    model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy", steps_per_execution=4)
     model.set_pipelining_options(schedule="Interleaved",
                                  gradient_accumulation_steps_per_replica=4)
     model.set_pipeline_stage_assignment({"second": 1})

@@ -159,8 +159,10 @@ class Model:
     self.checkpoint_epoch: Optional[int] = None
     self.executions = 0
     self._replication: Optional[Replication] = None
-    # The Pipeline of the last pipelined fit (keras/pipelining.py sets it).
+    # The Pipeline of the last pipelined fit (keras/pipelining.py sets it), and
+    # its stages' optimizer states, which the next pipelined fit continues.
     self.pipeline = None
+    self.pipeline_opt_state = None
 
   # -- reports --------------------------------------------------------------------
 
@@ -273,6 +275,7 @@ class Model:
     self._train_state = self._train_state.replace(
         opt_state=offload_lib.init_optimizer_state(optimizer, self.params, cfg, replication),
         step=jnp.zeros((), jnp.int32))
+    self.pipeline_opt_state = None
     self.number_formats = NumberFormatTelemetry()
     self._compiled = True
     if self._pending_optimizer is not None:
@@ -580,7 +583,10 @@ class Model:
       from ipu_jax.keras import pipelining
       return pipelining.fit(self, x, y, batch_size=batch_size, epochs=epochs,
                             verbose=0 if verbose == "auto" else verbose, shuffle=shuffle,
-                            callbacks=callbacks, validation_data=validation_data)
+                            callbacks=callbacks, validation_data=validation_data,
+                            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                            validation_batch_size=validation_batch_size,
+                            validate_inputs=validate_inputs)
     plan = self._fit_plan(x, y, batch_size, epochs, verbose, initial_epoch, steps_per_epoch,
                           shuffle, validation_data, validation_batch_size, validate_inputs)
     if validate_inputs:

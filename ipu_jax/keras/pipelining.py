@@ -12,11 +12,48 @@ Interleaved schedule), and a weight read by stages on one IPU is tied
 (updated once from the sum of their gradients); see
 :mod:`ipu_jax.pipelining.layout`.
 
-What this ``fit`` supports (checked before anything runs): array data, the
-``History`` it returns, ``batch_size``, ``epochs``, ``shuffle`` and
-``verbose``; models without mutable state (batch statistics) or dropout
-randomness, and optimizers that update each weight from its own gradient.
-Validation data, callbacks and metrics are not run on a pipelined model.
+The pipelined ``fit`` trains what plain ``fit`` trains, and runs its loop:
+the same samples per execution (``steps_per_execution`` S, a multiple of
+G x R as Keras on IPU asks; each execution is S / (G R) pipelined weight
+updates), the same logs, callbacks and history. Checked against plain ``fit``
+with G-step gradient accumulation in ``tests/test_pipelined_fit.py``:
+
+* Dropout: each micro-batch gets plain ``fit``'s counters (the micro-batch
+  step ``step x G + k`` and the replica) with the module's random streams and
+  the dropout key; they are free values of the split
+  (:mod:`ipu_jax.pipelining.micro_batches`), so each stage folds them into
+  its own key and draws its own masks -- plain fit's masks, bit for bit, so
+  the weights are plain fit's (measured on a 3-stage model: bit-equal after
+  two epochs of Adam; batch statistics within 3e-8, as the stages' programs
+  lay tensors out on other tiles and may reduce in another order).
+* Batch statistics (any non-trainable module state): held on the stage whose
+  layer reads and updates them; each forward pass there takes the value the
+  previous micro-batch made, as plain fit's loop over micro-batches does.
+  State read or updated on two stages is refused (``PipelineError`` naming
+  it and the stages).
+* Metrics and the loss: the last stage computes each micro-batch's
+  ``[loss, metrics..., count]`` sums from its predictions (an auxiliary
+  output of the pipelined loss); the host keeps plain fit's running means.
+* ``validation_data``: plain ``evaluate`` on the trained weights after each
+  epoch (``val_`` logs; the fit's callbacks see its test hooks). Evaluation
+  is the inference function (dropout off, running statistics), not the
+  training stages' forward-and-VJP programs, and its own program already
+  spreads the model over the config's IPUs; so its numbers are
+  ``evaluate``'s by construction. It is not pipelined (no schedule, no
+  forward-only slots in the report).
+* Callbacks (``History``, ``EarlyStopping``, ``ModelCheckpoint``,
+  ``TerminateOnNaN``, ``LambdaCallback``, the progress bar) at plain fit's
+  points: batch hooks once per execution, ``stop_training`` honoured after
+  each; ``initial_epoch``, ``steps_per_epoch``, iterables of batches and
+  ``validate_inputs`` as in plain ``fit``.
+
+Refused before anything runs, naming the reason: ``compile(emulate=False)``
+(the stages are tile programs on their own IPUs), replicated tensor sharding
+of the optimizer state (each stage's state lives on its IPU) and an S that
+is not a multiple of G x R. Lowering happens before the first callback, so
+a model that cannot be split or does not fit raises first. Not detected:
+each stage's optimizer updates its own weights, so one that mixes weights
+across stages (global-norm clipping) sees each stage's weights alone.
 
 Loss scaling (:class:`~ipu_jax.keras.LossScaleOptimizer`) works as in plain
 ``fit``: the loss stage multiplies the loss by the scale (it comes with each
@@ -31,6 +68,7 @@ train report, as plain ``fit`` records them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import jax
@@ -128,38 +166,82 @@ def _pipeline_config(model, options: dict):
   return cfg
 
 
+def _check_supported(model) -> None:
+  """Refuses, before anything runs, what the pipelined fit cannot train.
+
+  Raises:
+    RuntimeError: the model is not compiled.
+    NotImplementedError: naming the setting and why.
+  """
+  from ipu_jax.keras import offload as offload_lib
+  from ipu_jax.keras.model import NOT_COMPILED
+  if not model.compiled:
+    raise RuntimeError(NOT_COMPILED)
+  if not model.emulate:
+    raise NotImplementedError(
+        "A pipelined fit runs on the emulated IPUs only (compile(emulate=False) asks for "
+        "plain JAX): each stage is a tile program on its own IPU. Drop "
+        "set_pipelining_options to train with plain JAX.")
+  if offload_lib.shards_state(model.config, model.config.replication_factor):
+    raise NotImplementedError(
+        "A pipelined fit keeps each stage's optimizer state on its own IPU; replicated "
+        "tensor sharding (streaming.replicated_tensor_sharding) of it is not supported.")
+
+
+def _stacked(scalars):
+  """A float32 vector of scalars: one micro-batch's ``[loss, metrics..., count]`` sums."""
+  return jnp.stack([jnp.asarray(v, jnp.float32) for v in scalars])
+
+
+def _pipelined_loss(model, *, rng: bool, mutable: bool):
+  """The loss the pipeline splits: plain fit's objective of one micro-batch.
+
+  ``loss(params, batch, [counters,] [state]) -> (loss, ([new_state,] sums))``:
+  the module runs in training mode with plain fit's dropout counters
+  (``counters``: the micro-batch step and the replica) and module state;
+  the last stage computes the ``[loss, metrics..., count]`` sums from the
+  predictions, as plain fit's step does.
+  """
+  adapter, loss_fn, metric_fns = model.adapter, model.loss, list(model.metrics)
+  fixed_state, rng_state = model.train_state.state, model.train_state.rng_state
+
+  def loss(params, batch, *extra):
+    extra = list(extra)
+    counters = extra.pop(0) if rng else None
+    state = extra.pop(0) if mutable else fixed_state
+    streams, key = rng_state, None
+    if rng:  # the keys come with the counters: a typed key cannot be a program's constant
+      streams, base = counters["keys"]
+      key = (base, (counters["step"], counters["replica"]))
+    y_pred, new_state = adapter.apply(params, state, streams, batch["x"], True, key)
+    per_sample = programs.per_sample_loss(loss_fn, batch["y"], y_pred)
+    value = jnp.mean(per_sample)
+    if _LOSS_SCALE in batch:  # gradients of the scaled loss, as plain fit takes them
+      value = value * batch[_LOSS_SCALE].astype(value.dtype)
+    sums = _stacked([jnp.sum(per_sample)] + [jnp.sum(m(batch["y"], y_pred)) for m in metric_fns]
+                    + [per_sample.shape[0]])
+    return value, ((new_state, sums) if mutable else sums)
+
+  return loss
+
+
 def _pipeline(model):
   from ipu_jax.pipelining import Pipeline
   options = model.pipelining_options
-  adapter = model.adapter
-  if jax.tree_util.tree_leaves(model.state) or adapter.needs_rng:
-    raise NotImplementedError(
-        "A pipelined fit supports models without mutable state (batch statistics) or "
-        "dropout randomness; this model has "
-        + ("state" if jax.tree_util.tree_leaves(model.state) else "randomness") + ".")
-  cfg = _pipeline_config(model, options)
-  state, rng_state = model.state, model.train_state.rng_state
-  loss_fn = model.loss
-
-  def loss(params, batch):
-    y_pred, _ = adapter.apply(params, state, rng_state, batch["x"], True, None)
-    value = jnp.mean(programs.per_sample_loss(loss_fn, batch["y"], y_pred))
-    if _LOSS_SCALE in batch:  # gradients of the scaled loss, as plain fit takes them
-      value = value * batch[_LOSS_SCALE].astype(value.dtype)
-    return value
-
-  return Pipeline(loss, model.optimizer, config=cfg,
+  rng = bool(model.adapter.needs_rng)
+  mutable = bool(jax.tree_util.tree_leaves(model.train_state.state))
+  return Pipeline(_pipelined_loss(model, rng=rng, mutable=mutable), model.optimizer,
+                  config=_pipeline_config(model, options),
                   device_mapping=options.get("device_mapping"),
-                  stage_assignment=options.get("assignment"))
+                  stage_assignment=options.get("assignment"),
+                  rng=rng, has_aux=True, mutable=mutable)
 
 
 @dataclasses.dataclass
 class _Trainer:
-  """The pipelined fit's state between updates: the pipeline, the data and sizes."""
+  """The pipelined fit's state between updates: the pipeline and the sizes."""
   model: object
   pipe: object
-  x: np.ndarray
-  y: np.ndarray
   micro: int
   scaled: bool  # the optimizer is a LossScaleOptimizer
   opt_state: object = None
@@ -169,82 +251,183 @@ class _Trainer:
     """Micro-batches per weight update: G x R."""
     return self.pipe.accumulation * self.pipe.replicas
 
-  def batches(self, idx) -> dict:
-    """The micro-batches of one update: samples ``idx`` as ``[G R, b, ...]``."""
-    g_r, micro, x, y = self.rows, self.micro, self.x, self.y
-    batches = {"x": jnp.asarray(x[idx].reshape((g_r, micro) + x.shape[1:])),
-               "y": jnp.asarray(y[idx].reshape((g_r, micro) + y.shape[1:]))}
+  def batches(self, x, y) -> dict:
+    """One update's ``G R b`` samples (in order) as ``[G R, b, ...]`` micro-batches.
+
+    Micro-batch ``r G + k`` is replica r's k-th, as plain fit's layout gives it.
+    """
+    def stack(a):
+      a = np.asarray(a)
+      return jnp.asarray(a.reshape((self.rows, self.micro) + a.shape[1:]))
+
+    batches = {"x": jax.tree_util.tree_map(stack, x), "y": stack(y)}
     if self.scaled:  # a batch entry for the loss stage (there from the first lowering on)
-      batches[_LOSS_SCALE] = jnp.ones((g_r,), jnp.float32)
+      batches[_LOSS_SCALE] = jnp.ones((self.rows,), jnp.float32)
     return batches
 
-  def update(self, idx) -> float:
-    """One weight update on samples ``idx``; returns its loss.
+  def counters(self) -> dict:
+    """Plain fit's dropout counters of this update's micro-batches (step and
+    replica) and the keys they fold into (the module's streams, the dropout key)."""
+    g, ts = self.pipe.accumulation, self.model.train_state
+    m = np.arange(self.rows)
+    keys = jax.tree_util.tree_map(
+        lambda a: jnp.broadcast_to(a[None], (self.rows,) + np.shape(a)),
+        (ts.rng_state, ts.dropout_key))
+    return {"step": jnp.asarray(self.model.step * g + m % g, jnp.int32),
+            "replica": jnp.asarray(m // g, jnp.int32), "keys": keys}
 
-    The model's training state (weights, step) and number formats follow
-    every update.
+  def extra_inputs(self) -> dict:
+    """The step's ``rng`` (plain fit's dropout counters) and ``state`` (the module's)."""
+    inputs = self.pipe.inputs
+    return {"rng": self.counters() if inputs.rng else None,
+            "state": self.model.train_state.state if inputs.mutable else None}
+
+  def prepare(self, x, y) -> None:
+    """Split, lower and cost the stages on one update's samples, so a model
+    that cannot be pipelined fails before any callback runs.
+
+    The stages' optimizer states are the last pipelined fit's when they have
+    the same layout (a second ``fit`` goes on as plain ``fit`` does), else new.
     """
-    model = self.model
-    params = model.params
-    batches = self.batches(idx)
+    per_update = self.rows * self.micro
+    batches = self.batches(jax.tree_util.tree_map(lambda a: a[:per_update], x), y[:per_update])
+    fresh = self.pipe.init(self.model.params, batches, **self.extra_inputs())
+    kept = self.model.pipeline_opt_state
+    same = kept is not None and (jax.tree_util.tree_structure(kept)
+                                 == jax.tree_util.tree_structure(fresh)) and all(
+        np.shape(a) == np.shape(b) for a, b in zip(jax.tree_util.tree_leaves(kept),
+                                                    jax.tree_util.tree_leaves(fresh)))
+    self.opt_state = kept if same else fresh
+
+  def update(self, x, y) -> np.ndarray:
+    """One weight update on ``G R b`` samples; returns their ``[loss, metrics..., count]`` sums.
+
+    The model's training state (weights, module state, step) follows every update.
+    """
+    model, pipe = self.model, self.pipe
+    params, ts = model.params, model.train_state
+    batches = self.batches(x, y)
+    extra = self.extra_inputs()
     if self.opt_state is None:
-      self.opt_state = self.pipe.init(params, batches)
+      self.opt_state = pipe.init(params, batches, **extra)
     if self.scaled:
       scale = loss_scaling.loss_scale_of(self.opt_state[0])
       batches[_LOSS_SCALE] = batches[_LOSS_SCALE] * scale
-    new_params, new_state, loss = self.pipe.step(params, self.opt_state, batches)
-    if self.scaled:
-      new_params, new_state = _one_skip_decision(params, self.opt_state, new_params, new_state)
-      loss = loss / scale
-    self.opt_state = new_state
-    model.train_state = model.train_state.replace(params=new_params, step=model.step + 1)
-    logs = loss_scaling.scaling_logs(new_state[0]) if new_state else {}
-    model.record_number_formats(logs, self.pipe.report.program_report)
-    return float(loss)
+    out = pipe.step(params, self.opt_state, batches, **extra)
+    new_params, new_opt, sums = out[0], out[1], out[-1]
+    module_state = out[3] if pipe.inputs.mutable else ts.state
+    if self.scaled:  # a skipped step keeps the weights; the module state moves on, as in plain fit
+      new_params, new_opt = _one_skip_decision(params, self.opt_state, new_params, new_opt)
+    self.opt_state = model.pipeline_opt_state = new_opt
+    model.train_state = ts.replace(params=new_params, state=module_state, step=model.step + 1)
+    return np.asarray(jnp.sum(sums, axis=0), np.float64)
+
+  def execution(self, xb, yb, updates: int, running) -> dict:
+    """One execution's ``updates`` weight updates on its samples; returns its logs."""
+    model = self.model
+    per_update = self.rows * self.micro
+    start = time.perf_counter()
+    for u in range(updates):
+      part = slice(u * per_update, (u + 1) * per_update)
+      running.add(self.update(jax.tree_util.tree_map(lambda a: a[part], xb), yb[part]))
+    logs = running.logs()
+    report = self.pipe.report.program_report
+    logs["host_round_trips"] = 1
+    logs["emulated_seconds"] = updates * report.estimated_seconds
+    scaling = loss_scaling.scaling_logs(self.opt_state[0]) if self.opt_state else {}
+    logs.update(scaling)
+    model.record_number_formats(logs, report)
+    logs["samples"] = updates * per_update
+    logs["host_seconds"] = time.perf_counter() - start
+    return logs
+
+
+def _check_labels(model, x, y) -> None:
+  """Plain fit's check of the labels against the loss and the output (nothing runs)."""
+  from ipu_jax.keras.validation import check_labels
+  adapter, ts = model.adapter, model.train_state
+  sample = jax.tree_util.tree_map(lambda a: np.asarray(a)[:1], x)
+  out = jax.eval_shape(lambda p, s, r, xb: adapter.apply(p, s, r, xb, False, None)[0],
+                       ts.params, ts.state, ts.rng_state, sample)
+  leaves = jax.tree_util.tree_leaves(out)
+  if len(leaves) == 1:
+    check_labels(model.loss, y, leaves[0].shape)
+
+
+def _validate(model, validation_data, batch_size, callbacks, validate_inputs) -> dict:
+  """``val_`` logs: plain ``evaluate`` on the trained weights (the fit's callbacks
+  see its test hooks)."""
+  x_val, y_val = validation_data, None
+  if isinstance(validation_data, tuple) and len(validation_data) == 2:
+    x_val, y_val = validation_data
+  logs = model.evaluate(x_val, y_val, batch_size=batch_size, verbose=0, callbacks=callbacks,
+                        validate_inputs=validate_inputs)
+  return {"val_" + k: v for k, v in logs.items()}
 
 
 def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bool = True,
-        callbacks=None, validation_data=None):
+        callbacks=None, validation_data=None, initial_epoch: int = 0, steps_per_epoch=None,
+        validation_batch_size=None, validate_inputs: bool = True):
   """Train ``model`` pipelined; returns a :class:`~ipu_jax.keras.callbacks.History`.
 
-  Each weight update takes ``G x R`` micro-batches of ``batch_size``; samples
-  that do not fill a whole update are left out of the epoch. It uses only the
-  ``Model``'s public surface (the training-loop interface in ``model.py``).
+  Plain ``fit``'s loop (see the module docstring): the same samples per
+  execution, the same callbacks at the same points, the same logs; each
+  execution's ``S / (G R)`` weight updates are pipelined steps.
   """
-  from ipu_jax.keras.callbacks import History
-  from ipu_jax.keras.model import NOT_COMPILED
-  if not model.compiled:
-    raise RuntimeError(NOT_COMPILED)
-  if callbacks or validation_data is not None or model.metrics:
-    raise NotImplementedError("A pipelined fit runs no callbacks, validation data or "
-                              "metrics; leave them out (the loss is reported per epoch).")
+  from ipu_jax.keras import callbacks as callbacks_lib
+  from ipu_jax.keras import loop
+  from ipu_jax.keras.data import as_arrays
+  from ipu_jax.keras.progress import ProgbarLogger
+  _check_supported(model)
   pipe = _pipeline(model)
-  micro = int(batch_size or 32)
-  g, r = pipe.accumulation, pipe.replicas
-  x, y = np.asarray(x), np.asarray(y)
-  per_update = micro * g * r
-  updates = len(x) // per_update
-  if updates == 0:
-    raise ValueError(f"A pipelined step needs batch_size x G x R = {micro} x {g} x {r} = "
-                     f"{per_update} samples; got {len(x)}.")
+  g, r, s = pipe.accumulation, pipe.replicas, model.steps_per_execution
+  loop.check_steps_per_execution(s, g, r)
+  if initial_epoch < 0 or epochs < initial_epoch:
+    raise ValueError(f"need 0 <= initial_epoch <= epochs; got initial_epoch={initial_epoch}, "
+                     f"epochs={epochs}.")
+  source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch, s,
+                             model.seed)
+  if validate_inputs:
+    _check_labels(model, source.example[0], source.labels)
   scaled = isinstance(jax.eval_shape(model.optimizer.init, model.params),
                       loss_scaling.LossScaleState)
-  trainer = _Trainer(model, pipe, x, y, micro, scaled)
-  history = History()
-  history.history = {"loss": []}
-  for epoch in range(epochs):
-    order = (np.random.default_rng([model.seed, epoch]).permutation(len(x)) if shuffle
-             else np.arange(len(x)))
-    losses = []
-    for u in range(updates):
-      losses.append(trainer.update(order[u * per_update:(u + 1) * per_update]))
-    history.history["loss"].append(float(np.mean(losses)))
-    history.epoch.append(epoch)
-    if verbose:
-      print(f"Epoch {epoch + 1}/{epochs} - loss: {history.history['loss'][-1]:.4f}")
-  model.pipeline = pipe
-  model.reports["train"] = pipe.report.program_report
+  trainer = _Trainer(model, pipe, source.batch_size, scaled)
+  trainer.prepare(*source.example)
+  history = callbacks_lib.History()
+  plan = loop.FitPlan(g, r, s, source, model.replication, int(verbose), shuffle=shuffle)
+  cbs = list(callbacks or []) + ([ProgbarLogger(verbose=int(verbose))] if verbose else [])
+  cb = callbacks_lib.CallbackList(cbs + [history], model=model,
+                                  params=plan.callback_params(epochs))
+  model.stop_training, model.history = False, history
+  cb.on_train_begin()
+  logs: dict = {}
+  for epoch in range(initial_epoch, epochs):
+    logs = _fit_epoch(trainer, cb, source, epoch, shuffle)
+    if validation_data is not None and not model.stop_training:
+      logs.update(_validate(model, validation_data, validation_batch_size or source.batch_size,
+                            cbs, validate_inputs))
+    cb.on_epoch_end(epoch, logs)
+    if model.stop_training:
+      break
+  cb.on_train_end(logs)
   return history
+
+
+def _fit_epoch(trainer: _Trainer, cb, source, epoch: int, shuffle: bool) -> dict:
+  """One epoch's executions, with their batch hooks; returns the epoch's logs."""
+  from ipu_jax.keras import loop
+  model, pipe = trainer.model, trainer.pipe
+  s = model.steps_per_execution
+  cb.on_epoch_begin(epoch)
+  running = loop.RunningSums([m.name for m in model.metrics])
+  for index, (xb, yb) in enumerate(source.batches(epoch, shuffle)):
+    cb.on_train_batch_begin(index * s)
+    batch_logs = trainer.execution(xb, yb, s // trainer.rows, running)
+    model.pipeline, model.reports["train"] = pipe, pipe.report.program_report
+    cb.on_train_batch_end((index + 1) * s - 1, batch_logs)
+    if model.stop_training:
+      break
+  return running.logs()
 
 
 def _one_skip_decision(params, opt_state, new_params, new_state):

@@ -10,11 +10,12 @@ Sequential) and costs them (:class:`PipelineReport`). What users of Graphcore's 
 sharding, pipelining and recomputation, with sources: docs/multi_ipu.md.
 """
 
+from ipu_jax.pipelining.micro_batches import micro_batch_key, micro_batch_keys
 from ipu_jax.pipelining.pipeline import Pipeline, StagePrograms, check_steps_per_execution
 from ipu_jax.pipelining.report import PipelineReport
 from ipu_jax.pipelining.schedule import SCHEDULES, minimum_accumulation, stash_depths
 from ipu_jax.pipelining.split import PipelineError, split_stages, stage
 
-__all__ = ["Pipeline", "PipelineError", "PipelineReport", "SCHEDULES", "StagePrograms",
+__all__ = ["micro_batch_key", "micro_batch_keys", "Pipeline", "PipelineError", "PipelineReport", "SCHEDULES", "StagePrograms",
            "check_steps_per_execution", "minimum_accumulation", "split_stages",
            "stage", "stash_depths"]

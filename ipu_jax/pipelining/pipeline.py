@@ -39,6 +39,7 @@ import numpy as np
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.pipelining import layout, links, schedule as schedule_lib, stage_programs
+from ipu_jax.pipelining.micro_batches import MicroBatchInputs, StepTaps
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
 
@@ -87,6 +88,14 @@ class Pipeline:
       IPU may hold several stages (not with the Interleaved schedule).
     stage_assignment: ``{module path: stage}`` for models without marks
       (see :func:`~ipu_jax.pipelining.split_stages`).
+    rng: ``loss_fn(params, batch, rng)``: each micro-batch gets its own key
+      from the step's ``rng=`` (:mod:`~ipu_jax.pipelining.micro_batches`).
+    has_aux: the loss returns ``(loss, aux)``; steps return ``aux`` stacked
+      per micro-batch after the loss.
+    mutable: ``loss_fn(params, batch, [rng,] state)`` returns ``(loss,
+      new_state)`` (``(loss, (new_state, aux))`` with ``has_aux``); each state
+      leaf is held and updated on its stage; steps take ``state=`` and
+      return the new state after the loss.
 
   Raises:
     PipelineError: bad stage marks, more stages than IPUs without a device
@@ -97,8 +106,10 @@ class Pipeline:
 
   def __init__(self, loss_fn: Callable, optimizer=None, *, config=None,
                device_mapping: Optional[Sequence[int]] = None,
-               stage_assignment: Optional[dict] = None):
+               stage_assignment: Optional[dict] = None, rng: bool = False,
+               has_aux: bool = False, mutable: bool = False):
     self.loss_fn = loss_fn
+    self.inputs = MicroBatchInputs(bool(rng), bool(mutable), bool(has_aux))
     self.optimizer = optimizer
     self.config = (config if config is not None else config_lib.get_default_config()).copy()
     # Any iterable of IPUs (a list, a NumPy array); anything else is refused when lowered.
@@ -148,17 +159,20 @@ class Pipeline:
 
   # -- lowering ---------------------------------------------------------------
 
-  def lower(self, params, batches, opt_state=None) -> "Pipeline":
+  def lower(self, params, batches, opt_state=None, *, rng=None, state=None) -> "Pipeline":
     """Split, lower and cost every stage for these shapes (cached).
+
+    ``rng`` and ``state``: as :meth:`step` takes them.
 
     Raises:
       PipelineError: see the class.
       OutOfMemoryError: an IPU's largest program plus its stash exceeds a
         tile's memory; names the IPU, stage and tile.
     """
+    expected = self.accumulation * self.replicas
+    batches = self.inputs.pack(batches, rng, state, expected)
     micro = jax.tree_util.tree_map(lambda b: b[0], batches)
     leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
-    expected = self.accumulation * self.replicas
     if leading != {expected}:
       raise PipelineError(
           f"batches must stack gradient_accumulation_steps x replication_factor = "
@@ -169,7 +183,9 @@ class Pipeline:
                  for x in jax.tree_util.tree_leaves((params, micro))))
     if key == self._lowered_key:
       return self
-    staged = split_stages(self.loss_fn, params, micro, self.stage_assignment)
+    staged = split_stages(self.inputs.wrap(self.loss_fn), params, micro, self.stage_assignment,
+                          free=self.inputs.free(micro), has_aux=self.inputs.extended)
+    self.inputs.check_owners(staged, micro)
     mapping = self._check_settings(staged.num_stages)
     layout.check_tied_weights(staged, mapping)
     flat_params = jax.tree_util.tree_leaves(params)
@@ -296,38 +312,51 @@ class Pipeline:
 
   # -- running ----------------------------------------------------------------
 
-  def gradients(self, params, batches):
+  def gradients(self, params, batches, *, rng=None, state=None):
     """Accumulated gradients (like ``params``) and the mean loss of a step.
 
     The micro-batches are reduced as ``training.gradient_accumulation_reduction``
     ('sum', or 'mean' / 'running_mean' as a mean) and the replicas as
-    ``training.replica_reduction``.
+    ``training.replica_reduction``. With ``mutable`` / ``has_aux`` the new
+    state and the aux follow (as :meth:`step`).
     """
-    self.lower(params, batches)
+    self.lower(params, batches, rng=rng, state=state)
     flat_params = jax.tree_util.tree_leaves(params)
-    grads, losses = self._run(flat_params, batches)
-    return jax.tree_util.tree_unflatten(self.staged.param_tree, grads), jnp.mean(
-        jnp.stack(losses))
+    batches, taps = self.inputs.start_step(self.staged, batches, rng, state, self.accumulation,
+                                           self.replicas)
+    grads, losses = self._run(flat_params, batches, taps)
+    return (jax.tree_util.tree_unflatten(self.staged.param_tree, grads),
+            jnp.mean(jnp.stack(losses))) + StepTaps.extras(taps)
 
-  def init(self, params, batches):
+  def init(self, params, batches, *, rng=None, state=None):
     """The optimizer state: one state per stage (of the weights it owns), on its IPU."""
     if self.optimizer is None:
       raise PipelineError("Pipeline.init needs an optimizer; this pipeline has none.")
-    self.lower(params, batches)
+    self.lower(params, batches, rng=rng, state=state)
     flat = jax.tree_util.tree_leaves(params)
     return [self.optimizer.init([flat[i] for i in s.owned]) for s in self.staged.stages]
 
-  def step(self, params, opt_state, batches):
+  def step(self, params, opt_state, batches, *, rng=None, state=None):
     """One training step: G x R micro-batches, then each stage's update.
 
+    Args:
+      params, opt_state, batches: the weights, :meth:`init`'s state and the
+        ``G x R`` stacked micro-batches.
+      rng: with ``rng=True``: the step's PRNG key (micro-batch m gets
+        ``micro_batch_key(rng, m)``), or values stacked per micro-batch.
+      state: with ``mutable=True``: the state at the start of the step.
+
     Returns:
-      ``(new_params, new_opt_state, mean loss)``.
+      ``(new_params, new_opt_state, mean loss)``, then the new state
+      (``mutable``) and the aux stacked per micro-batch (``has_aux``).
     """
     if self.optimizer is None:
       raise PipelineError("Pipeline.step needs an optimizer; use gradients() without one.")
-    self.lower(params, batches)
+    self.lower(params, batches, rng=rng, state=state)
     flat = list(jax.tree_util.tree_leaves(params))
-    grads, losses = self._run(flat, batches)
+    batches, taps = self.inputs.start_step(self.staged, batches, rng, state, self.accumulation,
+                                           self.replicas)
+    grads, losses = self._run(flat, batches, taps)
     new_state = []
     for stage, programs, state in zip(self.staged.stages, self.stages, opt_state):
       p_k = [flat[i] for i in stage.owned]
@@ -337,7 +366,7 @@ class Pipeline:
         flat[i] = value
       new_state.append(state)
     return (jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
-            jnp.mean(jnp.stack(losses)))
+            jnp.mean(jnp.stack(losses))) + StepTaps.extras(taps)
 
   def run(self, params, opt_state, batches, steps_per_execution: int):
     """Run ``steps_per_execution`` micro-batches (over all replicas) as whole steps.
@@ -355,6 +384,9 @@ class Pipeline:
         (checked before anything runs), or ``batches`` holds another count.
     """
     check_steps_per_execution(steps_per_execution, self.accumulation, self.replicas)
+    if self.inputs.extended:
+      raise PipelineError("Pipeline.run drives a loss of (params, batch) only; with rng, "
+                          "has_aux or mutable call step() once per weight update.")
     per_step = self.accumulation * self.replicas
     leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
     if leading != {steps_per_execution}:
@@ -368,15 +400,17 @@ class Pipeline:
       losses.append(loss)
     return params, opt_state, jnp.stack(losses)
 
-  def _run(self, flat_params, batches):
+  def _run(self, flat_params, batches, taps=None):
     g, r = self.accumulation, self.replicas
     flat_batches = jax.tree_util.tree_leaves(batches)
     training = self.config.training
     total = [None] * len(flat_params)
     losses = []
     for replica in range(r):
+      if taps is not None:
+        taps.begin_replica(replica)
       acc, replica_losses = self._run_replica(
-          flat_params, [b[replica * g:(replica + 1) * g] for b in flat_batches])
+          flat_params, [b[replica * g:(replica + 1) * g] for b in flat_batches], taps)
       losses += replica_losses
       scale = 1.0 if training.gradient_accumulation_reduction == "sum" else 1.0 / g
       for i, a in acc.items():
@@ -387,7 +421,7 @@ class Pipeline:
     total = [jnp.zeros_like(p) if t is None else t for p, t in zip(flat_params, total)]
     return total, losses
 
-  def _run_replica(self, flat_params, flat_batches):
+  def _run_replica(self, flat_params, flat_batches, taps=None):
     staged, stages = self.staged, self.stages
     last = staged.num_stages - 1
     # One accumulator per weight: a tied weight's readers all add into it.
@@ -400,8 +434,12 @@ class Pipeline:
         p_k = [flat_params[i] for i in stage.params]
         if p.kind == "forward":
           b_k = [flat_batches[i][m] for i in stage.batch]
+          if taps is not None:  # a state leaf: the value its stage holds now
+            b_k = taps.inputs(stage.batch, b_k)
           in_k = [values[(v, m)] for v in stage.inputs]
           outs, vjp = programs.forward(p_k, b_k, in_k)
+          if taps is not None:
+            taps.forward(p.stage, m, outs)
           for v, o in zip(stage.outputs, outs):
             values[(v, m)] = o
           stash[(p.stage, m)] = vjp

@@ -12,6 +12,14 @@ Batch values enter on stage 0, as a pipeline's infeed does: what is
 computed from them alone (a one-hot of the labels) runs there and travels
 with the activations.
 
+Per-micro-batch values that are not infeed (a micro-batch's random key, the
+state a stage holds) are *free* batch values: they carry no stage, and each
+stage that needs them reads them itself. What is computed from them alone (a
+key folded or split) runs again on every stage that uses it, so no key
+crosses an IPU-Link and random bits are drawn on the stage that uses them. A loss function with
+auxiliary outputs (``has_aux``) returns them from the stages that compute
+them (:class:`AuxOutput`).
+
 Rules checked here, before anything is compiled or run, each with the user's
 source line: stage ids increase along the forward pass and leave no gap, and
 the loss is computed by the last stage.
@@ -40,7 +48,7 @@ from ipu_jax.lowering.lower import source_of
 from ipu_jax.lowering.scopes import module_path
 from ipu_jax.ops.pipeline_stage import pipeline_stage_p
 
-__all__ = ["Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
+__all__ = ["AuxOutput", "Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
 
 # The named scope ``stage(k)`` opens; the innermost one on an equation wins.
 _SCOPE_PREFIX = "ipu_pipeline_stage_"
@@ -165,6 +173,8 @@ class StagedFunction:
     loss_var: the variable holding the loss.
     weight_reads: flat weight index -> ``{stage: source line of its first
       read there}``, for every weight some stage reads.
+    aux: where each leaf of the auxiliary output comes from (``has_aux``).
+    aux_tree: the auxiliary output's tree structure (``None`` without aux).
   """
 
   stages: list
@@ -178,6 +188,9 @@ class StagedFunction:
     """The stage that owns weight ``param``: the first stage reading it."""
     return min(self.weight_reads[param])
 
+  aux: list = dataclasses.field(default_factory=list)
+  aux_tree: Any = None
+
   @property
   def num_stages(self) -> int:
     return len(self.stages)
@@ -190,18 +203,36 @@ class StagedFunction:
     raise KeyError(var)
 
 
+@dataclasses.dataclass(frozen=True)
+class AuxOutput:
+  """Where one leaf of the loss function's auxiliary output comes from.
+
+  Attributes:
+    kind: ``"stage"`` (a stage's forward pass computes it), ``"param"``,
+      ``"batch"`` (a flat weight or batch value passed through) or
+      ``"const"`` (a value the trace fixed).
+    where: the stage (for ``"stage"``), the flat index, or the value.
+    position: for ``"stage"``, its index among that stage's outputs.
+  """
+
+  kind: str
+  where: Any
+  position: int = -1
+
+
 def _where(eqn) -> str:
   return source_of(eqn) or "an unknown source line"
 
 
-def _label(jaxpr, num_params: int, assignment=None) -> list:
+def _label(jaxpr, num_params: int, assignment=None, free=()) -> list:
   """The stage of each equation (forward propagation, then unplaced ones).
 
-  Batch values enter on stage 0 (as a pipeline's infeed does); weights and
-  constants have no stage of their own.
+  Batch values enter on stage 0 (as a pipeline's infeed does); weights,
+  constants and the free batch values (flat indices ``free``) have no stage
+  of their own.
   """
-  used = set()
-  label = {v: 0 for v in jaxpr.invars[num_params:]}
+  used, free = set(), set(free)
+  label = {v: 0 for i, v in enumerate(jaxpr.invars[num_params:]) if i not in free}
   stages = []
   for eqn in jaxpr.eqns:
     seen = [label[v] for v in eqn.invars
@@ -262,7 +293,42 @@ def _label(jaxpr, num_params: int, assignment=None) -> list:
   return stages
 
 
-def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction:
+def _free_copies(jaxpr, labels: list, num_params: int, free) -> dict:
+  """``{equation index: stages}``: equations of free batch values alone, run on
+  every stage that uses them.
+
+  An equation that reads only free values (a micro-batch's key, counters),
+  constants or other such equations' results -- folding a key, splitting it --
+  is computed again on each stage that needs its result, so no key crosses an
+  IPU-Link and each stage derives and draws its own. Its label (the first
+  such stage) stays its home for outputs of the whole function. Equations
+  with effects are left where they are (run once).
+  """
+  free_vars = {jaxpr.invars[num_params + i] for i in free}
+  derived, index_of = set(), {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    if eqn.effects or eqn.primitive is pipeline_stage_p:
+      continue
+    if all(v in free_vars or v in jaxpr.constvars or index_of.get(v) in derived for v in reads):
+      derived.add(i)
+      index_of.update({v: i for v in eqn.outvars})
+  consumers: dict = {}
+  for j, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal) and v in index_of:
+        consumers.setdefault(index_of[v], set()).add(j)
+  copies: dict = {}
+  for i in sorted(derived, reverse=True):  # consumers come later in program order
+    needed = set()
+    for j in consumers.get(i, ()):
+      needed |= copies[j] if j in derived else {labels[j]}
+    copies[i] = needed | {labels[i]}
+  return copies
+
+
+def split_stages(fn: Callable, params, batch, assignment=None, *, free=(),
+                 has_aux: bool = False) -> StagedFunction:
   """Trace ``fn(params, batch) -> loss`` and split it at its stage marks.
 
   Args:
@@ -274,6 +340,10 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
       ``set_pipeline_stage_assignment``): operations traced inside a module
       whose path contains the key (``"Dense_1"``, ``"Encoder/layers_2"``)
       run on that stage; the longest matching key wins.
+    free: flat indices of batch values that are not infeed (random keys,
+      stage-held state): each stage that needs them reads them itself.
+    has_aux: ``fn`` returns ``(loss, aux)``; each leaf of ``aux`` comes out
+      of the stage that computes it.
 
   Returns:
     The :class:`StagedFunction`.
@@ -287,16 +357,17 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
   with_paths, param_tree = jax.tree_util.tree_flatten_with_path(params)
   flat_params = [leaf for _, leaf in with_paths]
   param_names = [jax.tree_util.keystr(path) or "params" for path, _ in with_paths]
-  closed, batch_tree = _trace(fn, param_tree, flat_params, batch)
+  closed, batch_tree, aux_tree = _trace(fn, param_tree, flat_params, batch, has_aux)
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
-  labels = _label(jaxpr, len(flat_params), _check_assignment(assignment))
+  labels = _label(jaxpr, len(flat_params), _check_assignment(assignment), free)
+  copies = _free_copies(jaxpr, labels, len(flat_params), free)
   num_stages = max(labels, default=0) + 1
   produced_by = {v: k for eqn, k in zip(jaxpr.eqns, labels) for v in eqn.outvars}
   loss_var = jaxpr.outvars[0]
   _check_loss_stage(loss_var, produced_by, num_stages)
   traced = _Traced(jaxpr, labels, len(flat_params), param_names,
-                   dict(zip(jaxpr.constvars, closed.consts)), produced_by)
+                   dict(zip(jaxpr.constvars, closed.consts)), produced_by, copies)
   stages = [traced.stage(k) for k in range(num_stages)]
   for stage in stages:
     if not stage.eqns:
@@ -307,35 +378,69 @@ def split_stages(fn: Callable, params, batch, assignment=None) -> StagedFunction
       source = stages[produced_by[v]]
       if v not in source.outputs:
         source.outputs.append(v)
+  aux = [_aux_source(v, traced, stages) for v in jaxpr.outvars[1:]]
   stages[-1].outputs = [v for v in stages[-1].outputs if v is not loss_var] + [loss_var]
   weight_reads = {traced.param_index[v]: {k: _where(eqn) for k, eqn in reads.items()}
                   for v, reads in traced.param_reads.items()}
   for stage in stages:
     stage.owned = [i for i in stage.params if min(weight_reads[i]) == stage.index]
-  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var, weight_reads)
+  aux = [AuxOutput(a.kind, a.where, stages[a.where].outputs.index(v)) if a.kind == "stage" else a
+         for a, v in zip(aux, jaxpr.outvars[1:])]
+  return StagedFunction(stages, param_tree, batch_tree, param_names, loss_var, weight_reads,
+                        aux, aux_tree)
 
 
-def _trace(fn: Callable, param_tree, flat_params: list, batch):
+def _aux_source(v, traced: "_Traced", stages: list) -> AuxOutput:
+  """Where auxiliary output ``v`` comes from; a computed one becomes an output
+  of the stage that computes it (the host reads it after that forward pass)."""
+  if isinstance(v, jcore.Literal):
+    return AuxOutput("const", v.val)
+  if v in traced.produced_by:
+    source = stages[traced.produced_by[v]]
+    if v not in source.outputs:
+      source.outputs.append(v)
+    return AuxOutput("stage", source.index)
+  if v in traced.param_index:
+    return AuxOutput("param", traced.param_index[v])
+  if v in traced.batch_index:
+    return AuxOutput("batch", traced.batch_index[v])
+  return AuxOutput("const", traced.consts[v])
+
+
+def _trace(fn: Callable, param_tree, flat_params: list, batch, has_aux: bool = False):
   """``fn(params, batch)`` traced on flat weights then flat batch values.
 
+  With ``has_aux`` the traced function returns the loss, then the flat
+  leaves of ``aux``.
+
   Returns:
-    ``(closed jaxpr, batch treedef)``.
+    ``(closed jaxpr, batch treedef, aux treedef or None)``.
 
   Raises:
-    PipelineError: the loss is not a scalar.
+    PipelineError: the loss is not a scalar (or, with ``has_aux``, not a pair).
   """
   flat_batch, batch_tree = jax.tree_util.tree_flatten(batch)
 
   def flat_fn(*flat):
     p = jax.tree_util.tree_unflatten(param_tree, flat[:len(flat_params)])
     b = jax.tree_util.tree_unflatten(batch_tree, flat[len(flat_params):])
-    return fn(p, b)
+    out = fn(p, b)
+    if not has_aux:
+      return out
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise PipelineError("With has_aux=True the pipelined loss function must return "
+                          f"(loss, aux); it returned {type(out).__name__}.")
+    aux_leaves, aux_tree[:] = jax.tree_util.tree_flatten(out[1])[0], [
+        jax.tree_util.tree_structure(out[1])]
+    return (out[0], *aux_leaves)
 
+  aux_tree = []
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
-  if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
+  loss_shape = out_shape[0] if has_aux else out_shape
+  if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
     raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
-                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, out_shape)}.")
-  return closed, batch_tree
+                        f"returned {jax.tree_util.tree_map(lambda s: s.shape, loss_shape)}.")
+  return closed, batch_tree, (aux_tree[0] if has_aux else None)
 
 
 def _check_loss_stage(loss_var, produced_by: dict, num_stages: int) -> None:
@@ -355,7 +460,8 @@ class _Traced:
   equation of each stage's first read (for ownership and error messages).
   """
 
-  def __init__(self, jaxpr, labels, num_params: int, param_names, consts, produced_by):
+  def __init__(self, jaxpr, labels, num_params: int, param_names, consts, produced_by,
+               copies=None):
     self.jaxpr, self.labels, self.param_names = jaxpr, labels, param_names
     self.consts, self.produced_by = consts, produced_by
     self.param_vars = jaxpr.invars[:num_params]
@@ -363,11 +469,15 @@ class _Traced:
     self.param_index = {v: i for i, v in enumerate(self.param_vars)}
     self.batch_index = {v: i for i, v in enumerate(self.batch_vars)}
     self.param_reads = {}
+    self.copies = copies or {}
 
   def stage(self, k: int) -> Stage:
     """Stage ``k``: its equations and the weights, batch values, constants and
     earlier stages' values they read."""
-    eqns = [e for e, lab in zip(self.jaxpr.eqns, self.labels) if lab == k]
+    copies = self.copies
+    eqns = [e for i, (e, lab) in enumerate(zip(self.jaxpr.eqns, self.labels))
+            if lab == k or k in copies.get(i, ())]
+    local = {v for i in copies if k in copies[i] for v in self.jaxpr.eqns[i].outvars}
     params_k, batch_k, inputs_k, consts_k = [], [], [], {}
     for eqn in eqns:
       for v in eqn.invars:
@@ -382,7 +492,7 @@ class _Traced:
             batch_k.append(self.batch_index[v])
         elif v in self.consts:
           consts_k[v] = self.consts[v]
-        elif self.produced_by.get(v) != k and v not in inputs_k:
+        elif self.produced_by.get(v) != k and v not in local and v not in inputs_k:
           inputs_k.append(v)
     params_k, batch_k = sorted(params_k), sorted(batch_k)
     return Stage(k, eqns, params_k, batch_k, inputs_k, [], consts_k,

@@ -115,8 +115,8 @@ class StagePrograms:
 
 
 def nbytes(values) -> int:
-  return int(sum(np.prod(np.shape(v), dtype=np.int64) * np.dtype(v.dtype).itemsize
-                 for v in values))
+  # ``dtype.itemsize``: a typed PRNG key's dtype has one (8 bytes) but is no NumPy dtype.
+  return int(sum(np.prod(np.shape(v), dtype=np.int64) * v.dtype.itemsize for v in values))
 
 
 def per_tile_bytes(lowered, output_indices, num_tiles: int) -> np.ndarray:
