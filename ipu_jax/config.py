@@ -423,7 +423,9 @@ class _IOTilesOptions(_Group):
   """Tiles set aside to receive host data while the others compute (lowering/host_io.py)."""
 
   num_io_tiles = _Option(
-      integer(0), 0,
+      OptionKind("0 or a positive even int (I/O tiles come in pairs, as TF-IPU and "
+                 "GCL require)", (numbers.Integral,),
+                 lambda value: value >= 0 and value % 2 == 0, int), 0,
       "Tiles of each IPU reserved for host I/O (TF-IPU's io_tiles.num_io_tiles, "
       "PopART's numIOTiles): 0, or an even count of at most 192 (TF-IPU's limit) "
       "and at most half of the IPU's tiles. Every plan, memory figure and "

@@ -179,8 +179,11 @@ class Lowered:
       if mapping is not None and mapping.num_elements:
         np.add.at(received, mapping.tiles, mapping.counts * self.inputs[i].itemsize)
     received = -(-received // max(loop.iterations, 1))
+    streamed = {self.inputs[i].id for i in loop.input_args}
+    landing = host_io.landing_cycles(self.program, self.profile, streamed)
     return host_io.host_io_profile(
-        loop, self.target, self.profile.total_cycles, self.options.io_exchange_strategy,
+        loop, self.target, self.profile.total_cycles - landing,
+        self.options.io_exchange_strategy,
         self.options.output_mode, self.options.output_return_period, received=received)
 
   def _build(self, ctx):

@@ -38,11 +38,12 @@ from jax.extend import core as jcore
 import numpy as np
 
 from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.lowering import program as P
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles
 
 __all__ = ["MAX_IO_TILES", "OUTPUT_MODES", "IO_STRATEGIES", "HostLoop", "HostIOProfile",
-           "check_num_io_tiles", "suggest_num_io_tiles_for", "find_host_loop", "apply_output_mode", "host_io_profile",
+           "check_num_io_tiles", "landing_cycles", "suggest_num_io_tiles_for", "find_host_loop", "select_outputs", "apply_output_mode", "host_io_profile",
            "check_io_memory"]
 
 # TF-IPU's poplar_compiler refuses more than 192 I/O tiles per IPU.
@@ -176,13 +177,16 @@ def find_host_loop(closed) -> Optional[HostLoop]:
 # -- output modes --------------------------------------------------------------
 
 
-def _select(value, mode: str, period: int):
+def select_outputs(value, mode: str, period: int, axis: int = 0, xp=jnp):
+  """What output ``mode`` keeps of ``value`` stacked along ``axis`` (``xp``:
+  ``jnp`` on the device, ``np`` for the same selection on the host)."""
+  index = [slice(None)] * axis
   if mode == "final":
-    return value[-1]
+    return value[tuple(index + [-1])]
   if mode == "sum":
-    return jnp.sum(value, axis=0, dtype=value.dtype)
+    return xp.sum(value, axis=axis, dtype=value.dtype)
   if mode == "every_n":
-    return value[period - 1::period]
+    return value[tuple(index + [slice(period - 1, None, period)])]
   return value
 
 
@@ -207,6 +211,8 @@ def apply_output_mode(closed, loop: Optional[HostLoop], mode: str, period: int):
         f"IPUConfig.outputs.mode={mode!r} selects among the stacked outputs of an on-device "
         f"loop (a top-level lax.scan over the function's arguments), and this program has "
         f"none; use mode 'all' or loop over the data inside the function.")
+  if not loop.stacked_outputs:  # results summed on the device already (a Keras fit)
+    return closed
   if mode == "every_n" and loop.outer % period:
     raise ValueError(
         f"IPUConfig.outputs.return_period={period} must divide the loop's {loop.outer} "
@@ -215,7 +221,7 @@ def apply_output_mode(closed, loop: Optional[HostLoop], mode: str, period: int):
 
   def selected(*args):
     outs = jcore.jaxpr_as_fun(closed)(*args)
-    return [_select(v, mode, period) if i in stacked else v for i, v in enumerate(outs)]
+    return [select_outputs(v, mode, period) if i in stacked else v for i, v in enumerate(outs)]
 
   return jax.make_jaxpr(selected)(*[v.aval for v in closed.jaxpr.invars])
 
@@ -322,6 +328,24 @@ def _overlapped(loop: HostLoop, strategy: str, io: int) -> int:
     # is then the innermost.
     return max(loop.iterations - 1, 0)
   return loop.outer * (loop.inner - 1)
+
+
+def landing_cycles(program, profile, streamed: set) -> float:
+  """Cycles of the loop's copies of each iteration's slice out of the stacked
+  arguments (``scan/slice`` steps reading them, and inner loops' slices of
+  those slices): on the chip each iteration's data lands from the host where
+  it is used, so the host transfer replaces them (0 if the steps do not
+  line up with the profile's)."""
+  nodes = list(P.iter_steps(program))
+  if len(nodes) != len(profile.steps):
+    return 0.0
+  streamed, total = set(streamed), 0.0
+  for (node, _, _), step in zip(nodes, profile.steps):
+    if (isinstance(node, P.Superstep) and node.name == "scan/slice"
+        and any(t.id in streamed for t in node.reads)):
+      streamed.update(t.id for t in node.writes)
+      total += step.total_cycles * step.executions
+  return total
 
 
 def host_io_profile(loop: HostLoop, target: IPUTarget, device_cycles: float, strategy: str,

@@ -62,6 +62,7 @@ import numpy as np
 from ipu_jax import config as config_lib
 from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
 from ipu_jax.report.precision import NumberFormatTelemetry
+from ipu_jax.lowering.host_io import select_outputs
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import loop
@@ -743,13 +744,19 @@ class Model:
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
     cb.on_predict_begin()
     outputs = []
+    # outputs.mode: which steps' outputs come back (docs/host_side.md#output-modes).
+    mode, period = self.config.outputs.mode, self.config.outputs.return_period
     for xs, _, _ in loop.padded_batches(data, self.steps_per_execution, rep):
       program = self._predict_program(xs)
       _, ys = program(self._train_state, rep.shard(xs))
+      if program.lowered is None and mode != "all":  # plain JAX: select as the device does
+        ys = jax.tree.map(lambda a: select_outputs(np.asarray(a), mode, period, 1, np), ys)
       self._record_report("predict", program.lowered, data.batch_size)
-      outputs.append(loop.gather_predictions(ys, rep))
+      outputs.append(loop.gather_selected_predictions(ys, rep, mode))
     cb.on_predict_end()
-    result = jax.tree.map(lambda *a: np.concatenate(a)[:data.n], *outputs)
+    # Padding samples are dropped only when every step's outputs return.
+    keep = data.n if mode == "all" else None
+    result = jax.tree.map(lambda *a: np.concatenate(a)[:keep], *outputs)
     if verbose:
       print(f"{len(outputs)} executions, {data.n} samples")
     return result
