@@ -457,8 +457,9 @@ class _OutputOptions(_Group):
       "(PopTorch's OutputMode, TF-IPU's outfeed mode): 'all' every "
       "iteration's, 'final' the last one's only, 'sum' their sum, 'every_n' "
       "every return_period-th (the return_period-th, 2 x return_period-th, "
-      "...). Applies to predict and the losses fit/evaluate read, and to the "
-      "stacked outputs of a jitted function's top-level lax.scan.")
+      "...). Applies to predict's outputs, the per-step loss and metric sums "
+      "fit and evaluate log (weights never change), and the stacked outputs of "
+      "a jitted function's top-level lax.scan.")
   return_period = _lowering_option(
       "output_return_period",
       "N of mode 'every_n' (PopTorch's output_return_period); must divide "

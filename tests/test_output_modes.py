@@ -102,5 +102,42 @@ class OutputModesTest(chex.TestCase, parameterized.TestCase):
                      _expected(per_step[0], mode, period).nbytes)
 
 
+  def _model(self, mode, period=1, steps=4):
+    with IPUStrategy(_config(mode, period, tiles=16)).scope():
+      model = ipu_jax.keras.Model(Tiny(nnx.Rngs(0)))
+      model.compile(optimizer=optax.sgd(0.1), loss="mse", steps_per_execution=steps)
+    return model
+
+  def test_fit_modes_leave_training_unchanged(self):
+    x, y = random_array((32, 6), seed=3), random_array((32, 3), seed=4)
+    fits = {}
+    for mode, period in (("all", 1), ("sum", 1), ("final", 1), ("every_n", 4), ("every_n", 2)):
+      model = self._model(mode, period)
+      history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+      fits[mode, period] = (history.history["loss"][0], jax.tree.map(np.asarray, model.params),
+                            model.train_report.host_io["host_bytes_out"])
+    for key, (_, params, _) in fits.items():  # the weights never depend on the mode
+      chex.assert_trees_all_close(params, fits["all", 1][1], rtol=0, atol=0)
+    np.testing.assert_allclose(fits["sum", 1][0], fits["all", 1][0], rtol=1e-6)
+    # every 4th of 4 updates is the final one; the last update's loss is not the mean.
+    self.assertEqual(fits["final", 1][0], fits["every_n", 4][0])
+    self.assertNotAlmostEqual(fits["final", 1][0], fits["all", 1][0], places=4)
+    k_bytes = fits["final", 1][2]
+    self.assertEqual(fits["all", 1][2], 4 * k_bytes)
+    self.assertEqual(fits["every_n", 2][2], 2 * k_bytes)
+    self.assertEqual(fits["sum", 1][2], k_bytes)
+
+  @parameterized.parameters("all", "sum", "final")
+  def test_evaluate_follows_mode(self, mode):
+    x, y = random_array((32, 6), seed=3), random_array((32, 3), seed=4)
+    result = self._model(mode).evaluate(x, y, batch_size=4, verbose=0)
+    module = Tiny(nnx.Rngs(0))
+    per_sample = np.mean((np.asarray(module(x)) - y) ** 2, axis=1)
+    # Two executions of 4 steps of 4 samples; 'final' returns each one's last step.
+    chosen = (per_sample if mode != "final"
+              else np.concatenate([per_sample[12:16], per_sample[28:32]]))
+    np.testing.assert_allclose(result["loss"], chosen.mean(), rtol=1e-5)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -661,7 +661,7 @@ class Model:
     trained, sums = program(self._train_state, rep.shard(xs), rep.shard(ys),
                             rep.shard(rep.replica_ids))
     self._train_state = self._train_state.merge(trained)
-    sums = np.asarray(rep.fetch(sums))
+    sums = self._host_sums(program, rep.fetch(sums))
     host_seconds = time.perf_counter() - start
     self.executions += 1
     running.add(sums)
@@ -676,6 +676,15 @@ class Model:
     logs["samples"] = plan.steps_per_execution * plan.batch_size
     logs["host_seconds"] = host_seconds
     return logs
+
+  def _host_sums(self, program, sums) -> np.ndarray:
+    """One ``[loss, metrics..., count]`` vector from what ``outputs.mode``
+    returned of an execution's per-step sums (docs/host_side.md#output-modes)."""
+    sums = np.asarray(sums)
+    mode, period = self.config.outputs.mode, self.config.outputs.return_period
+    if program.lowered is None and mode != "all":  # plain JAX: select as the device does
+      sums = select_outputs(sums, mode, period, 0, np)
+    return sums.astype(np.float64).sum(axis=0) if sums.ndim == 2 else sums
 
   def _validate_labels(self, x, y):
     """Checks labels ``y`` against the loss and the output for ``x`` (nothing runs)."""
@@ -705,7 +714,7 @@ class Model:
       cb.on_test_batch_begin(e * S)
       program = self._eval_program(xs, ys, ms)
       _, sums = program(self._train_state, rep.shard(xs), rep.shard(ys), rep.shard(ms))
-      running.add(np.asarray(rep.fetch(sums)))
+      running.add(self._host_sums(program, rep.fetch(sums)))
       self._record_report("eval", program.lowered, data.batch_size)
       cb.on_test_batch_end((e + 1) * S - 1, running.logs())
       executions += 1
