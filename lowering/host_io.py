@@ -96,7 +96,8 @@ class HostLoop:
     outer: iterations of the top-level loop.
     inner: iterations of the loop inside it over the same data (1: none).
     input_bytes: bytes loaded from the host per (innermost) iteration.
-    output_bytes: stacked results stored to the host per iteration (mode 'all').
+    output_bytes: stacked results stored to the host per outer iteration
+      (mode 'all'): the outer loop stacks them.
     stacked_outputs: indices of the program's outputs that are the loop's
       stacked results (leading axis ``outer``).
     input_args: indices of the program's arguments the loop streams.
@@ -169,7 +170,8 @@ def find_host_loop(closed) -> Optional[HostLoop]:
     output_bytes = sum(_nbytes(jaxpr.outvars[i].aval) for i in stacked)
     n = max(outer * inner, 1)
     return HostLoop(outer=outer, inner=inner, input_bytes=math.ceil(input_bytes / n),
-                    output_bytes=math.ceil(output_bytes / n), stacked_outputs=stacked,
+                    output_bytes=math.ceil(output_bytes / max(outer, 1)),
+                    stacked_outputs=stacked,
                     input_args=args)
   return None
 
@@ -226,14 +228,16 @@ def apply_output_mode(closed, loop: Optional[HostLoop], mode: str, period: int):
   return jax.make_jaxpr(selected)(*[v.aval for v in closed.jaxpr.invars])
 
 
-def _stored_bytes(loop: HostLoop, mode: str, period: int) -> tuple:
-  """(bytes stored per iteration in the loop, bytes stored once after it)."""
+def _stores(loop: HostLoop, mode: str, period: int) -> tuple:
+  """(bytes of one store in the loop, stores in the loop, bytes stored once after it)."""
+  if not loop.output_bytes:
+    return 0, 0, 0
   if mode == "all":
-    return loop.output_bytes, 0
+    return loop.output_bytes, loop.outer, 0
   if mode == "every_n":
-    return math.ceil(loop.output_bytes / period), 0
-  # 'final' and 'sum': one iteration's worth, after the loop.
-  return 0, loop.output_bytes * loop.inner
+    return loop.output_bytes, loop.outer // period, 0
+  # 'final' and 'sum': one outer iteration's worth, after the loop.
+  return 0, 0, loop.output_bytes
 
 
 # -- the cost ------------------------------------------------------------------
@@ -252,8 +256,11 @@ class HostIOProfile:
     num_io_tiles: I/O tiles per IPU (0: transfers land on compute tiles).
     strategy: the exchange strategy (``'none'`` without I/O tiles).
     outer, inner: loop iterations (see :class:`HostLoop`).
-    load_cycles / store_cycles: one iteration's host transfers.
-    io_exchange_cycles: one iteration's I/O-to-compute exchange (both ways).
+    load_cycles: one iteration's load from the host.
+    store_cycles: one store to the host (``stores`` of them in the loop, one
+      per outer iteration the output mode keeps).
+    io_exchange_cycles: an iteration's exchanges between the I/O and compute
+      tiles (its load's, and its share of the stores').
     compute_cycles: the program's device cycles per iteration.
     overlapped_iterations: iterations whose transfers overlap compute.
     serial_cycles / step_cycles: the execution, see above.
@@ -269,6 +276,7 @@ class HostIOProfile:
   inner: int
   load_cycles: float
   store_cycles: float
+  stores: int
   io_exchange_cycles: float
   compute_cycles: float
   overlapped_iterations: int
@@ -353,30 +361,31 @@ def host_io_profile(loop: HostLoop, target: IPUTarget, device_cycles: float, str
                     received: Optional[np.ndarray] = None) -> HostIOProfile:
   """The cost of ``loop``'s host transfers beside ``device_cycles`` of compute."""
   n = max(loop.iterations, 1)
-  per_store, after = _stored_bytes(loop, output_mode, period)
+  per_store, stores, after = _stores(loop, output_mode, period)
   load = _transfer_cycles(target, loop.input_bytes)
   store = _transfer_cycles(target, per_store)
   exchange = (_io_exchange(target, loop.input_bytes, received)
-              + _io_exchange(target, per_store, None))
+              + stores * _io_exchange(target, per_store, None) / n)
   compute = device_cycles / n
   final = _transfer_cycles(target, after) + _io_exchange(target, after, None)
-  serial = device_cycles + n * (load + store + exchange) + final
+  # Stores are spread over the iterations they overlap.
+  io_time = load + stores * store / n
+  serial = device_cycles + n * (io_time + exchange) + final
   k = _overlapped(loop, strategy, target.io_tiles_per_ipu)
-  io_time = load + store
   # Each overlapped pair replaces compute + io by max(compute, io).
   step = serial - k * min(compute, io_time)
   fraction = (k * min(compute, io_time) / device_cycles) if device_cycles else 0.0
   double = 2 if k else 1
-  io_bytes = (math.ceil(double * (loop.input_bytes + per_store)
+  io_bytes = (math.ceil(double * (loop.input_bytes + max(per_store, after))
                         / (target.io_tiles_per_ipu * target.num_ipus))
               if target.io_tiles_per_ipu else 0)
   return HostIOProfile(
       num_io_tiles=target.io_tiles_per_ipu,
       strategy=strategy if target.io_tiles_per_ipu else "none",
-      outer=loop.outer, inner=loop.inner, load_cycles=load, store_cycles=store,
+      outer=loop.outer, inner=loop.inner, load_cycles=load, store_cycles=store, stores=stores,
       io_exchange_cycles=exchange, compute_cycles=compute, overlapped_iterations=k,
       serial_cycles=serial, step_cycles=step, overlapped_fraction=fraction,
-      host_bytes_in=loop.input_bytes * n, host_bytes_out=per_store * n + after,
+      host_bytes_in=loop.input_bytes * n, host_bytes_out=per_store * stores + after,
       output_mode=output_mode, io_tile_bytes=io_bytes)
 
 

@@ -39,7 +39,8 @@ def host_io_section(document: Optional[dict]) -> list:
       f"  Loop:                  {d['outer']} x {d['inner']} iteration(s), {io}; "
       f"output mode {d['output_mode']}",
       f"  Host bytes in / out:   {d['host_bytes_in']:,} / {d['host_bytes_out']:,} per execution",
-      f"  Per iteration:         load {d['load_cycles']:,.0f}, store {d['store_cycles']:,.0f}, "
+      f"  Per iteration:         load {d['load_cycles']:,.0f}, "
+      f"store {d['store_cycles']:,.0f} (x {d.get('stores', 0)} per execution), "
       f"I/O exchange {d['io_exchange_cycles']:,.0f}, compute {d['compute_cycles']:,.0f} cycles",
       f"  Execution with I/O:    {d['step_cycles']:,.0f} cycles "
       f"(every transfer in turn: {d['serial_cycles']:,.0f})",
