@@ -108,6 +108,11 @@ class IOTilesTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(h.overlapped_fraction > 0, overlapped > 0)
     self.assertEqual(lowered.report.to_dict()["host_io"]["overlapped_iterations"], overlapped)
     self.assertIn("Compute overlapped with I/O", lowered.report.summary())
+    directory = self.create_tempdir().full_path
+    lowered.report.save(directory, plots=False)
+    saved = ipu_jax.report.load_report(directory)
+    self.assertEqual(saved.host_io, lowered.report.host_io)
+    self.assertIn("Compute overlapped with I/O", saved.summary())
     chex.assert_trees_all_close(np.asarray(lowered(np.float32(1), xs)),
                                 jax.jit(nested)(np.float32(1), xs), rtol=1e-5)
 
