@@ -15,6 +15,7 @@ from ipu_jax.report import NumberFormatTelemetry, Report, SavedReport, compare_r
 from ipu_jax.strategy import IPUStrategy
 from ipu_jax.target import IPUSystem, IPUTarget
 from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
+from ipu_jax import io_tiles  # I/O tile sizing (suggest_num_io_tiles)
 
 __version__ = "0.1.0"
 

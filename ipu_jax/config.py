@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ipu_jax.kernels.systems import SYSTEM_PRESETS, check_capacity, system_preset
 from ipu_jax.kernels.target import PRESETS, IPUTarget
+from ipu_jax.lowering.host_io import check_num_io_tiles
 from ipu_jax.lowering.options import (BOOL, LOWERING_KINDS, OPTIONAL_PATH, PROPORTION,
                                       LoweringOptions, OptionKind, check_per_ipu, integer,
                                       one_of, proportion_for)
@@ -416,6 +417,56 @@ class _FusionOptions(_Group):
       "superstep. Results are identical either way.")
 
 
+# -- Host I/O: I/O tiles and output modes (lowering/host_io.py) ---------------------
+
+
+class _IOTilesOptions(_Group):
+  """Tiles set aside to receive host data while the others compute (lowering/host_io.py)."""
+
+  num_io_tiles = _Option(
+      OptionKind("0 or a positive even int (I/O tiles come in pairs, as TF-IPU and "
+                 "GCL require)", (numbers.Integral,),
+                 lambda value: value >= 0 and value % 2 == 0, int), 0,
+      "Tiles of each IPU reserved for host I/O (TF-IPU's io_tiles.num_io_tiles, "
+      "PopART's numIOTiles): 0, or an even count of at most 192 (TF-IPU's limit) "
+      "and at most half of the IPU's tiles. Every plan, memory figure and "
+      "out-of-memory check then sees only the other tiles; host transfers land "
+      "on the I/O tiles and reach the compute tiles in one on-chip exchange. "
+      "ipu_jax.io_tiles.suggest_num_io_tiles sizes it by PopART's rule.")
+  strategy = _lowering_option(
+      "io_exchange_strategy",
+      "When the I/O tiles load the next iteration of an on-device loop "
+      "(PopART's ExchangeStrategy): 'JustInTime' (load, compute, store in "
+      "turn: no overlap), 'OverlapInnerLoop' (the next iteration's load and "
+      "this one's store overlap the compute inside the innermost loop; its "
+      "first load and last store do not) or 'OverlapLoops' (across the loop "
+      "nest too: only the execution's first load and last store do not "
+      "overlap). Matters only with num_io_tiles > 0.")
+  available_memory_proportion = _lowering_option(
+      "io_available_memory_proportion",
+      "Fraction of each I/O tile's memory that may hold streamed data, the "
+      "rest being code (TF-IPU's io_tiles.available_memory_proportion); "
+      "data that does not fit raises OutOfMemoryError.")
+
+
+class _OutputOptions(_Group):
+  """How much of an on-device loop's stacked results goes back to the host."""
+
+  mode = _lowering_option(
+      "output_mode",
+      "Which iterations' outputs of an on-device loop return to the host "
+      "(PopTorch's OutputMode, TF-IPU's outfeed mode): 'all' every "
+      "iteration's, 'final' the last one's only, 'sum' their sum, 'every_n' "
+      "every return_period-th (the return_period-th, 2 x return_period-th, "
+      "...). Applies to predict's outputs, the per-step loss and metric sums "
+      "fit and evaluate log (weights never change), and the stacked outputs of "
+      "a jitted function's top-level lax.scan.")
+  return_period = _lowering_option(
+      "output_return_period",
+      "N of mode 'every_n' (PopTorch's output_return_period); must divide "
+      "the loop's iteration count.")
+
+
 class IPUConfig(_Group):
   """Configuration of an emulated IPU system, like Graphcore's ``IPUConfig``.
 
@@ -458,6 +509,8 @@ class IPUConfig(_Group):
   streaming = _Section(_StreamingOptions)
   pipelining = _Section(_PipeliningOptions)
   fusion = _Section(_FusionOptions)
+  io_tiles = _Section(_IOTilesOptions)
+  outputs = _Section(_OutputOptions)
   random_seed = _Option(
       integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "
@@ -515,8 +568,10 @@ class IPUConfig(_Group):
           f"device.tiles_per_ipu={tiles} exceeds the {available} tiles of a "
           f"{version} IPU (device.version={version!r}); valid values are 0 "
           f"(every tile) or 1..{available}.")
+    io = check_num_io_tiles(self.io_tiles.num_io_tiles, tiles or available)
     return IPUTarget.preset(version, num_ipus=self.auto_select_ipus,
-                            tiles_per_ipu=tiles or None, system=self.system)
+                            tiles_per_ipu=(tiles or available) - io, io_tiles_per_ipu=io,
+                            system=self.system)
 
   def _chip(self) -> str:
     """``device.version``, or the system's chip when a system is set."""
@@ -589,6 +644,10 @@ _LOWERING_SOURCES = {
     "div0": "floating_point_behaviour.div0",
     "oflo": "floating_point_behaviour.oflo",
     "fuse_elementwise": "fusion.elementwise",
+    "io_exchange_strategy": "io_tiles.strategy",
+    "io_available_memory_proportion": "io_tiles.available_memory_proportion",
+    "output_mode": "outputs.mode",
+    "output_return_period": "outputs.return_period",
 }
 
 

@@ -30,6 +30,7 @@ from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.dead_code import eliminate_dead_code
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from ipu_jax.lowering import fp_exceptions
+from ipu_jax.lowering import host_io
 from ipu_jax.lowering import host_memory
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.executor import build_function
@@ -94,6 +95,15 @@ class Lowered:
 
     progress.stage("tracing")
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
+    # The on-device loop over host data, and which of its stacked outputs
+    # go back to the host (outputs.mode; lowering/host_io.py).
+    self.host_loop = host_io.find_host_loop(closed)
+    closed = host_io.apply_output_mode(closed, self.host_loop, options.output_mode,
+                                       options.output_return_period)
+    if options.output_mode != "all":
+      out_shape = jax.tree_util.tree_unflatten(
+          jax.tree_util.tree_structure(out_shape),
+          [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.outvars])
     # What no output or effect needs is dropped, as jax.jit's XLA drops it:
     # same inputs and outputs, fewer equations (lowering/dead_code.py).
     closed, self.dead_code = eliminate_dead_code(closed)
@@ -140,6 +150,7 @@ class Lowered:
                                    persistent=self.inputs + self.constants,
                                    live_to_end=self.outputs, name=name)
     self.profile.dead_code = self.dead_code
+    self.profile.host_io = self._host_io()
     from ipu_jax.report import Report, maybe_auto_save
     self.report = Report(self.profile)
     if options.report_directory:
@@ -147,11 +158,33 @@ class Lowered:
     progress.stage("memory check")
     check_memory(self.profile, allow_out_of_memory=options.allow_out_of_memory,
                  report=self.report, what=f"'{name}'")
+    if self.profile.host_io is not None:
+      host_io.check_io_memory(self.profile.host_io, target,
+                              options.io_available_memory_proportion,
+                              options.allow_out_of_memory, what=f"'{name}'")
     self.out_of_memory = bool(self.profile.memory.over_limit_tiles.size)
     progress.stage("building the executor")
     self._function = self._build(ctx)
     self._constant_values = [to_storage(jnp.asarray(c.value).reshape(-1), c.mapping)
                              for c in self.constants]
+
+  def _host_io(self):
+    """The host transfers of the program's on-device loop (None: no loop)."""
+    loop = self.host_loop
+    if loop is None:
+      return None
+    received = np.zeros(self.target.num_tiles, np.int64)
+    for i in loop.input_args:
+      mapping = self.inputs[i].mapping
+      if mapping is not None and mapping.num_elements:
+        np.add.at(received, mapping.tiles, mapping.counts * self.inputs[i].itemsize)
+    received = -(-received // max(loop.iterations, 1))
+    streamed = {self.inputs[i].id for i in loop.input_args}
+    landing = host_io.landing_cycles(self.program, self.profile, streamed)
+    return host_io.host_io_profile(
+        loop, self.target, self.profile.total_cycles - landing,
+        self.options.io_exchange_strategy,
+        self.options.output_mode, self.options.output_return_period, received=received)
 
   def _build(self, ctx):
     tensors = dict(ctx.tensors)

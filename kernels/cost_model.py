@@ -100,7 +100,8 @@ FIGURE_SOURCES = {
     "code_bytes_per_codelet": FigureSource("estimate", "no published code sizes"),
     "vertex_state_bytes": FigureSource("estimate", "no published vertex-state sizes"),
 }
-"""Provenance of every preset figure (``num_ipus``, ``name`` and ``system`` are not figures), and
+"""Provenance of every preset figure (``num_ipus``, ``name``, ``system`` and
+``io_tiles_per_ipu`` are not figures), and
 of the kernel figures named ``kernels.<module>.<NAME>`` (not target fields: the
 report's calibrated / estimated lists hold target figures only)."""
 
@@ -183,7 +184,8 @@ FIGURE_SOURCES.update({
 def _figures() -> list:
   """Every IPUTarget field that is a hardware figure."""
   from ipu_jax.kernels.target import IPUTarget
-  return [f.name for f in dataclasses.fields(IPUTarget) if f.name not in ("name", "num_ipus", "system")]
+  return [f.name for f in dataclasses.fields(IPUTarget)
+          if f.name not in ("name", "num_ipus", "system", "io_tiles_per_ipu")]
 
 
 def calibrated_figures() -> list:

@@ -87,6 +87,11 @@ class IPUTarget:
       flat model (one IPU-Link rate for everything, the M2000 ladder for
       pipelines). With a system, collectives between replicas are priced over
       its links (:mod:`ipu_jax.kernels.collectives`).
+    io_tiles_per_ipu: tiles of each IPU set aside for host I/O (PopART's
+      ``numIOTiles``, TF-IPU's ``io_tiles.num_io_tiles``), beyond the
+      ``tiles_per_ipu`` compute tiles every plan and memory check sees; 0
+      (the default) sets none aside. A setting, not a hardware figure
+      (``lowering/host_io.py`` costs them).
   """
 
   name: str = "ipu2"
@@ -123,6 +128,8 @@ class IPUTarget:
   # guide implies.
   streaming_memory_bytes: int = 64_000_000_000
   streaming_memory_bytes_per_second: float = 8e9
+  # Host I/O tiles (a setting; lowering/host_io.py).
+  io_tiles_per_ipu: int = 0
 
   # -- The system the IPUs are part of (docs/systems.md) -----------------------
   system: Any = None
@@ -141,7 +148,8 @@ class IPUTarget:
     non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
                     "sync_cycles_host", "supervisor_overhead_cycles",
                     "code_bytes_per_codelet", "vertex_state_bytes",
-                    "fp8_flops_per_cycle", "streaming_memory_bytes")
+                    "fp8_flops_per_cycle", "streaming_memory_bytes",
+                    "io_tiles_per_ipu")
     for field in non_negative:
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -189,6 +189,12 @@ class LoweringOptions:
     inv, div0, oflo: ``floating_point_behaviour.inv``, ``.div0``,
       ``.oflo`` (exceptions the executor traps).
     fuse_elementwise: ``fusion.elementwise``.
+    io_exchange_strategy, io_available_memory_proportion: ``io_tiles.strategy``,
+      ``io_tiles.available_memory_proportion`` (how host transfers overlap
+      compute on the I/O tiles, ``lowering/host_io.py``).
+    output_mode, output_return_period: ``outputs.mode``,
+      ``outputs.return_period`` (which of a loop's stacked outputs go back to
+      the host, ``lowering/host_io.py``).
   """
 
   available_memory_proportion: float = 0.6
@@ -204,6 +210,11 @@ class LoweringOptions:
   div0: bool = False
   oflo: bool = False
   fuse_elementwise: bool = True
+  # -- host I/O (lowering/host_io.py) --
+  io_exchange_strategy: str = "OverlapLoops"
+  io_available_memory_proportion: float = 0.9
+  output_mode: str = "all"
+  output_return_period: int = 1
 
   def __post_init__(self):
     for name, kind in LOWERING_KINDS.items():
@@ -230,4 +241,9 @@ LOWERING_KINDS = {
     "div0": BOOL,
     "oflo": BOOL,
     "fuse_elementwise": BOOL,
+    # -- host I/O (lowering/host_io.py) --
+    "io_exchange_strategy": one_of("JustInTime", "OverlapInnerLoop", "OverlapLoops"),
+    "io_available_memory_proportion": PROPORTION,
+    "output_mode": one_of("all", "final", "sum", "every_n"),
+    "output_return_period": integer(1),
 }

@@ -176,6 +176,9 @@ class ProgramProfile:
   with their counts, branches. ``dead_code`` (a
   :class:`~ipu_jax.lowering.dead_code.DeadCode`, or None for a program not
   lowered from a jaxpr) says what dead-code elimination removed first.
+  ``host_io`` (a :class:`~ipu_jax.lowering.host_io.HostIOProfile`, or None
+  for a program with no on-device loop over host data) holds what its host
+  transfers add, with or without I/O tiles.
   """
 
   target: IPUTarget
@@ -188,6 +191,7 @@ class ProgramProfile:
   streaming: Optional[object] = None
   dead_code: Optional[object] = None
   control: Optional[dict] = None
+  host_io: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

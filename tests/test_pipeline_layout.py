@@ -240,7 +240,8 @@ class KerasDeviceMappingTest(chex.TestCase):
     x = rng.normal(size=(32, 6)).astype(np.float32)
     y = rng.integers(0, 3, size=32).astype(np.int32)
     model = Model(testing_utils.TwoLayerMLP((6, 8, 3), rngs=nnx.Rngs(0)), config=_config(1, 1))
-    model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy")
+    model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy",
+                  steps_per_execution=4)
     model.set_pipelining_options(schedule="Grouped", gradient_accumulation_steps_per_replica=4,
                                  device_mapping=[0, 0])
     model.set_pipeline_stage_assignment({"second": 1})

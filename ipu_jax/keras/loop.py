@@ -30,7 +30,7 @@ from ipu_jax.keras.replication import Replication
 
 __all__ = ["check_steps_per_execution", "RunningSums", "TrainSource", "train_source",
            "eval_data", "padded_executions", "padded_batches", "train_layout", "eval_layout",
-           "gather_predictions", "FitPlan"]
+           "gather_predictions", "gather_selected_predictions", "FitPlan"]
 
 _DEFAULT_BATCH = 32
 
@@ -281,6 +281,23 @@ def gather_predictions(outputs, replication: Replication):
   def unarrange(a):
     a = np.swapaxes(replication.fetch_gathered(a), 0, 1)
     return a.reshape((-1,) + a.shape[3:])
+
+  return jax.tree.map(unarrange, outputs)
+
+
+def gather_selected_predictions(outputs, replication: Replication, mode: str):
+  """Outputs of every replica after output ``mode``, in sample order.
+
+  ``'all'`` and ``'every_n'`` keep a step axis (``[R, K', b, ...]``, as
+  :func:`gather_predictions`); ``'final'`` and ``'sum'`` leave one
+  micro-batch per replica (``[R, b, ...] -> [R b, ...]``).
+  """
+  if mode not in ("final", "sum"):
+    return gather_predictions(outputs, replication)
+
+  def unarrange(a):
+    a = replication.fetch_gathered(a)
+    return a.reshape((-1,) + a.shape[2:])
 
   return jax.tree.map(unarrange, outputs)
 

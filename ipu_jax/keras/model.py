@@ -62,6 +62,7 @@ import numpy as np
 from ipu_jax import config as config_lib
 from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
 from ipu_jax.report.precision import NumberFormatTelemetry
+from ipu_jax.lowering.host_io import select_outputs
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import loop
@@ -666,7 +667,7 @@ class Model:
     trained, sums = program(self._train_state, rep.shard(xs), rep.shard(ys),
                             rep.shard(rep.replica_ids))
     self._train_state = self._train_state.merge(trained)
-    sums = np.asarray(rep.fetch(sums))
+    sums = self._host_sums(program, rep.fetch(sums))
     host_seconds = time.perf_counter() - start
     self.executions += 1
     running.add(sums)
@@ -681,6 +682,15 @@ class Model:
     logs["samples"] = plan.steps_per_execution * plan.batch_size
     logs["host_seconds"] = host_seconds
     return logs
+
+  def _host_sums(self, program, sums) -> np.ndarray:
+    """One ``[loss, metrics..., count]`` vector from what ``outputs.mode``
+    returned of an execution's per-step sums (docs/host_side.md#output-modes)."""
+    sums = np.asarray(sums)
+    mode, period = self.config.outputs.mode, self.config.outputs.return_period
+    if program.lowered is None and mode != "all":  # plain JAX: select as the device does
+      sums = select_outputs(sums, mode, period, 0, np)
+    return sums.astype(np.float64).sum(axis=0) if sums.ndim == 2 else sums
 
   def _validate_labels(self, x, y):
     """Checks labels ``y`` against the loss and the output for ``x`` (nothing runs)."""
@@ -710,7 +720,7 @@ class Model:
       cb.on_test_batch_begin(e * S)
       program = self._eval_program(xs, ys, ms)
       _, sums = program(self._train_state, rep.shard(xs), rep.shard(ys), rep.shard(ms))
-      running.add(np.asarray(rep.fetch(sums)))
+      running.add(self._host_sums(program, rep.fetch(sums)))
       self._record_report("eval", program.lowered, data.batch_size)
       cb.on_test_batch_end((e + 1) * S - 1, running.logs())
       executions += 1
@@ -749,13 +759,19 @@ class Model:
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
     cb.on_predict_begin()
     outputs = []
+    # outputs.mode: which steps' outputs come back (docs/host_side.md#output-modes).
+    mode, period = self.config.outputs.mode, self.config.outputs.return_period
     for xs, _, _ in loop.padded_batches(data, self.steps_per_execution, rep):
       program = self._predict_program(xs)
       _, ys = program(self._train_state, rep.shard(xs))
+      if program.lowered is None and mode != "all":  # plain JAX: select as the device does
+        ys = jax.tree.map(lambda a: select_outputs(np.asarray(a), mode, period, 1, np), ys)
       self._record_report("predict", program.lowered, data.batch_size)
-      outputs.append(loop.gather_predictions(ys, rep))
+      outputs.append(loop.gather_selected_predictions(ys, rep, mode))
     cb.on_predict_end()
-    result = jax.tree.map(lambda *a: np.concatenate(a)[:data.n], *outputs)
+    # Padding samples are dropped only when every step's outputs return.
+    keep = data.n if mode == "all" else None
+    result = jax.tree.map(lambda *a: np.concatenate(a)[:keep], *outputs)
     if verbose:
       print(f"{len(outputs)} executions, {data.n} samples")
     return result

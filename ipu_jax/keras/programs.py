@@ -179,14 +179,16 @@ def train_execution(plan: TrainStep) -> Callable:
     ``execution(train_state, xs, ys, replica)`` with ``xs``/``ys`` laid out
     ``[U, G, b, ...]``; it returns ``(new, sums)``: ``new`` holds the trained
     fields of the :class:`TrainState` (the others ``None``), ``sums`` the
-    summed ``[loss, metrics..., count]``.
+    ``[loss, metrics..., count]`` sums of each update, ``[U, k]``: the loop's
+    stacked output, which ``outputs.mode`` selects from (``'sum'``: their
+    sum on the device) and the host adds up.
   """
 
   def execution(train_state: TrainState, xs, ys, replica):
     # The loop carries only the fields training changes; the others are read.
     update = functools.partial(_weight_update, plan, train_state, replica)
     carry, sums = jax.lax.scan(update, train_state.only(TRAINED_FIELDS), (xs, ys))
-    return carry, jnp.sum(sums, axis=0)
+    return carry, sums
 
   execution.__name__ = "train_step"
   return execution
@@ -196,18 +198,19 @@ def train_execution(plan: TrainStep) -> Callable:
 
 
 def eval_execution(adapter, loss: Callable, metric_fns: Sequence) -> Callable:
-  """``execution(train_state, xs, ys, mask) -> (None, [loss, metrics..., count] sums)``."""
+  """``execution(train_state, xs, ys, mask) -> (None, sums)``: the masked
+  ``[loss, metrics..., count]`` sums of each step, ``[K, k]`` (the loop's
+  stacked output, as in :func:`train_execution`)."""
 
   def execution(ts: TrainState, xs, ys, mask):
-    def body(sums, inp):
+    def body(carry, inp):
       x, y, m = inp
       y_pred, _ = adapter.apply(ts.params, ts.state, ts.rng_state, x, False, None)
       values = [per_sample_loss(loss, y, y_pred)] + [mf(y, y_pred) for mf in metric_fns]
       s = [jnp.sum(v.astype(jnp.float32) * m) for v in values] + [jnp.sum(m)]
-      return sums + _vector(s), None
+      return carry, _vector(s)
 
-    zeros = jnp.zeros((len(metric_fns) + 2,), jnp.float32)
-    sums, _ = jax.lax.scan(body, zeros, (xs, ys, mask))
+    _, sums = jax.lax.scan(body, jnp.zeros((), jnp.int32), (xs, ys, mask))
     return None, sums
 
   execution.__name__ = "eval_step"

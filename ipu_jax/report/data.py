@@ -86,7 +86,10 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
       "dead_code": null | {              # added key: removed before lowering
         "equations_removed": int,        # nested jaxprs' equations included
         "by_primitive": {str: int}       # (lowering/dead_code.py); null when
-      }                                  # not lowered from a jaxpr
+      },                                 # not lowered from a jaxpr
+      "host_io": null | {...}            # added key: an on-device loop's host
+                                         # transfers, I/O tiles, overlap
+                                         # (ipu_jax/report/host_io.py)
     }
 
 Readers must check ``schema`` and ``version``; later versions only add keys.

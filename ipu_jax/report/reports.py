@@ -24,6 +24,7 @@ from ipu_jax.lowering import scopes
 from ipu_jax.lowering.dead_code import DeadCode
 from ipu_jax.lowering.profile import ProgramProfile
 from ipu_jax.report.streaming import streaming_to_json
+from ipu_jax.report.host_io import host_io_to_json
 from ipu_jax.report import html as html_lib
 from ipu_jax.report.data import REPORT_FILE
 from ipu_jax.report.data import SCHEMA
@@ -324,7 +325,17 @@ class ReportBase(SummaryMixin):
         "streaming": self._streaming_dict(),
         "number_formats": self._number_formats_dict(),
         "dead_code": self._dead_code_dict(),
+        "host_io": self._host_io_dict(),
     }
+
+  @property
+  def host_io(self) -> Optional[dict]:
+    """The on-device loop's host transfers and their overlap with compute
+    (``report.json["host_io"]``, ``ipu_jax/report/host_io.py``), or None."""
+    return self._host_io_dict()
+
+  def _host_io_dict(self) -> Optional[dict]:
+    return getattr(self, "document", {}).get("host_io")
 
   @property
   def dead_code(self) -> Optional[DeadCode]:
@@ -452,6 +463,9 @@ class Report(ReportBase):
 
   def _streaming_dict(self):
     return streaming_to_json(self.profile)
+
+  def _host_io_dict(self):
+    return host_io_to_json(self.profile)
 
   def _dead_code_dict(self):
     dead_code = getattr(self.profile, "dead_code", None)

@@ -25,6 +25,7 @@ from ipu_jax.report.formatting import text_table
 from ipu_jax.report.formatting import tile_name
 from ipu_jax.report.precision import number_formats_section
 from ipu_jax.report.streaming import streaming_section
+from ipu_jax.report.host_io import host_io_section
 
 __all__ = ["SummaryMixin"]
 
@@ -49,6 +50,7 @@ class SummaryMixin:
         self._summary_memory(),
         streaming_section(self._streaming_dict(), self.total_cycles, top),
         self._summary_cycles(),
+        host_io_section(self._host_io_dict()),
         number_formats_section(self.number_formats, top),
         self._summary_cost_model(),
         self._summary_top_ops(top),
