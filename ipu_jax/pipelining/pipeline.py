@@ -27,7 +27,7 @@ import numpy as np
 
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.errors import OutOfMemoryError
-from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
+from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs, weight_update
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
 
@@ -189,10 +189,7 @@ class Pipeline:
       cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
       acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
       bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
-      update = None
-      if self.optimizer is not None:
-        state = self.optimizer.init(p_k)
-        update = jit(stage_programs.update_function(self.optimizer), config=cfg).lower(p_k, state, acc)
+      update = weight_update.lower_update(self, p_k, cfg)
       # Residuals that are the stage's own weights stay where they are.
       invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
       num_out = len(outs)
@@ -270,8 +267,7 @@ class Pipeline:
         copy_backward=lambda k: self.copy_cycles(k, "backward"),
         sync=target.ipu_sync_cycles(num_ipus),
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
-        all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes)
-                    for s in stages],
+        all_reduce=[weight_update.gradient_reduction_cycles(self, s) for s in stages],
         link_bytes_forward=[s.send_bytes for s in stages],
         link_bytes_backward=[s.gradient_bytes for s in stages])
 
@@ -296,7 +292,7 @@ class Pipeline:
       raise PipelineError("Pipeline.init needs an optimizer; this pipeline has none.")
     self.lower(params, batches)
     flat = jax.tree_util.tree_leaves(params)
-    return [self.optimizer.init([flat[i] for i in s.params]) for s in self.staged.stages]
+    return weight_update.init_state(self, flat)
 
   def step(self, params, opt_state, batches):
     """One training step: G x R micro-batches, then each stage's update.
@@ -313,7 +309,7 @@ class Pipeline:
     for stage, programs, state in zip(self.staged.stages, self.stages, opt_state):
       p_k = [flat[i] for i in stage.params]
       g_k = [grads[i] for i in stage.params]
-      p_k, state = programs.update(p_k, state, g_k)
+      p_k, state = weight_update.apply_update(self, programs, p_k, state, g_k)
       for i, value in zip(stage.params, p_k):
         flat[i] = value
       new_state.append(state)

@@ -123,7 +123,8 @@ class PipelineReport:
           f"{s['backward_cycles']:>9,.0f} {s['update_cycles']:>9,.0f} "
           f"{s['stash_depth']:>5d} x {s['stash_bytes_per_micro_batch']:>9,d} "
           f"{s['peak_max_tile_bytes']:>12,d} {s['peak_total_bytes']:>13,d}")
-    return "\n".join(lines)
+    from ipu_jax.pipelining.weight_update import summary_lines
+    return "\n".join(lines + summary_lines(self))
 
   def trace_events(self) -> list:
     """Chrome trace events: process = IPU, one span per pass / copy / update."""

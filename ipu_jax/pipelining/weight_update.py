@@ -1,0 +1,196 @@
+"""A pipeline stage's weight update: optimizer state offloaded, sharded over replicas.
+
+Two ``IPUConfig.streaming`` options reach :class:`~ipu_jax.pipelining.Pipeline`
+as they reach the Keras-like ``fit`` (``ipu_jax/keras/offload.py``):
+
+* ``offload_optimizer_state``: each stage's update program is lowered with its
+  optimizer state (argument 1 and output 1 of the program) in streaming
+  memory (``ipu_jax.jit(..., offload_argnums=1, offload_outputs=1)``,
+  ``ipu_jax/offload.py``): streamed onto the stage's IPU for the update and
+  back after it, so the stage's IPU holds no state between updates
+  (TensorFlow-IPU's ``offload_weight_update_variables`` in a pipeline).
+* ``replicated_tensor_sharding`` with ``replication_factor`` R > 1: the
+  pipeline's R copies of a stage each hold one R-th of its state. The stage's
+  gradients, all-reduced over the R copies without sharding, are instead
+  reduce-scattered (each copy gets the reduced gradients of its shard); each
+  copy updates its shard of the weights with its shard of the state; the new
+  weights are all-gathered. The update program is the optimizer's own,
+  interpreted on shards (:class:`ipu_jax.sharded_optimizer.ShardedUpdate`):
+  a reduction over a whole weight (LAMB's trust ratio, a clip by global norm)
+  is reduced on each shard and then across the copies by a scalar all-reduce
+  inside the program, lowered for R replicas and costed by its tile rule. The
+  program runs once per copy (``jax.vmap`` over the replica axis).
+
+Costs: in the step's timeline, where the all-reduce of an unsharded
+pipeline's gradients sits, a sharded stage spends one ring reduce-scatter and
+one ring all-gather of its (padded) sharded weights, plus an all-reduce of its
+scalar weights; each ring phase is (R - 1) steps moving (R - 1)/R of the
+bytes, the two halves of :func:`~ipu_jax.pipelining.links.all_reduce_cycles`.
+The numbers of the reduction are computed as the unsharded pipeline computes
+its all-reduce (the R copies' accumulated gradients summed on the host), then
+cut into shards: a reduce-scatter's result.
+
+The optimizer acts on each stage's own weights, as without sharding: a norm
+over "all" weights (a global-norm clip) is the norm over the stage's weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax.ops.collectives import REPLICA_AXIS
+from ipu_jax.pipelining import links, stage_programs
+from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_leaf,
+                                       shard_tree, sharded_bytes)
+
+__all__ = ["offloads_state", "shards_state", "lower_update", "init_state", "apply_update",
+           "gradient_reduction_cycles", "ring_phase_cycles", "summary_lines"]
+
+
+def offloads_state(pipeline) -> bool:
+  return bool(pipeline.config.streaming.offload_optimizer_state)
+
+
+def shards_state(pipeline) -> bool:
+  """Replicated tensor sharding: on, with more than one replica."""
+  return bool(pipeline.config.streaming.replicated_tensor_sharding) and pipeline.replicas > 1
+
+
+def _jit_options(pipeline) -> dict:
+  if not offloads_state(pipeline):
+    return {}
+  return {"offload_argnums": (1,), "offload_outputs": (1,)}
+
+
+def _sharded_function(program: ShardedUpdate):
+  """The per-copy update: ``(param shards, state shards, grad shards, replica)``."""
+
+  def update(p_shards, state, g_shards, replica):
+    return program(g_shards, state, p_shards, replica)
+
+  update.__name__ = "sharded_update"
+  return update
+
+
+def lower_update(pipeline, p_k, cfg):
+  """The lowered update program of a stage with weights ``p_k`` (None without optimizer).
+
+  Raises:
+    ShardedOptimizerError: with sharding on, an optimizer whose update cannot
+      run on shards (raised here, while the pipeline is lowered).
+  """
+  from ipu_jax.jit import jit
+  optimizer = pipeline.optimizer
+  if optimizer is None:
+    return None
+  options = _jit_options(pipeline)
+  if not shards_state(pipeline):
+    state = optimizer.init(p_k)
+    return jit(stage_programs.update_function(optimizer), config=cfg, **options).lower(
+        p_k, state, p_k)
+  program = ShardedUpdate(optimizer, p_k, pipeline.replicas)
+  program.check()
+  replicated = cfg.copy()  # the norms' all-reduces are over the R copies
+  replicated.replication_factor = pipeline.replicas
+  lowered = jit(_sharded_function(program), config=replicated, **options).lower(
+      shard_tree(p_k, 0, pipeline.replicas), program.init(p_k, 0),
+      shard_tree(p_k, 0, pipeline.replicas), jnp.int32(0))
+  lowered.sharded_program = program
+  return lowered
+
+
+def init_state(pipeline, flat_params) -> list:
+  """Each stage's optimizer state; sharded: each leaf stacked over the R copies."""
+  states = []
+  for stage in pipeline.staged.stages:
+    p_k = [flat_params[i] for i in stage.params]
+    if not shards_state(pipeline):
+      states.append(pipeline.optimizer.init(p_k))
+      continue
+    program = pipeline.stages[stage.index].update.sharded_program
+    shards = [program.init(p_k, r) for r in range(pipeline.replicas)]
+    states.append(jax.tree.map(lambda *xs: jnp.stack(xs), *shards))
+  return states
+
+
+def _stacked_shards(tree, replicas: int):
+  return jax.tree.map(lambda *xs: jnp.stack(xs),
+                      *[shard_tree(tree, r, replicas) for r in range(replicas)])
+
+
+def apply_update(pipeline, programs, p_k, state, g_k):
+  """One stage's update: ``(new p_k, new state)``.
+
+  Sharded: ``g_k`` (reduced over the copies) is cut into the copies' shards,
+  each copy's program updates its shards, and the new weights are gathered.
+  """
+  if not shards_state(pipeline):
+    return programs.update(p_k, state, g_k)
+  r = pipeline.replicas
+  lowered = programs.update
+  flat = jax.tree.leaves
+  run = jax.vmap(lambda p, s, g, i: lowered.apply(*flat((p, s, g, i))), axis_name=REPLICA_AXIS)
+  p_shards, state = run(_stacked_shards(p_k, r), state, _stacked_shards(g_k, r),
+                        jnp.arange(r, dtype=jnp.int32))
+  new_p = [gather_leaf(jnp.reshape(s, (-1,)), like) if is_sharded_leaf(like) else s[0]
+           for s, like in zip(p_shards, p_k)]
+  return new_p, state
+
+
+def ring_phase_cycles(target, replicas: int, nbytes: int) -> float:
+  """One ring phase (a reduce-scatter or an all-gather) of ``nbytes`` over ``replicas``.
+
+  Half of :func:`~ipu_jax.pipelining.links.all_reduce_cycles`: ``R - 1``
+  steps, each moving ``1/R`` of the bytes over the 2 links to the ring
+  neighbour and ending in a sync.
+  """
+  if replicas <= 1 or nbytes <= 0:
+    return 0.0
+  steps = replicas - 1
+  moved = nbytes * steps / replicas
+  per_step = target.exchange_latency_cycles + target.ipu_sync_cycles(replicas)
+  return moved / (2 * links.LINK_BYTES_PER_SECOND) * target.clock_hz + steps * per_step
+
+
+def gradient_reduction_cycles(pipeline, programs) -> float:
+  """Cycles of a stage's gradient reduction over the replicas, per step.
+
+  Unsharded: a ring all-reduce of its weights' bytes. Sharded: a
+  reduce-scatter and an all-gather of its sharded weights (padded to
+  multiples of R), and an all-reduce of its scalar weights.
+  """
+  target, r = pipeline.target, pipeline.replicas
+  if not shards_state(pipeline) or programs.update is None:
+    return links.all_reduce_cycles(target, r, programs.weight_bytes)
+  params = programs.update.sharded_program.params
+  scalars = sum(np.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)
+                if not is_sharded_leaf(p))
+  sharded = sharded_bytes(params, r)
+  return 2 * ring_phase_cycles(target, r, sharded) + links.all_reduce_cycles(target, r, scalars)
+
+
+def summary_lines(pipeline_report) -> list:
+  """The summary's lines on where the state lives and how the update is sharded."""
+  stages = [s for s in pipeline_report.stages if s.update is not None]
+  if not stages:
+    return []
+  lines = []
+  streaming = [s.update.profile.streaming for s in stages]
+  if any(streaming):
+    held = sum(s.total_bytes for s in streaming if s)
+    lines.append(f"  optimizer state in streaming memory: {held:,d} B per replica "
+                 f"(stage update programs; {pipeline_report.replicas} replica(s))")
+  sharded = [s for s in stages if getattr(s.update, "sharded_program", None) is not None]
+  if sharded:
+    ops = {}
+    for s in sharded:
+      for op, cycles in s.update.report.cycles_by_op().items():
+        if op.startswith("cross_replica"):
+          ops[op] = ops.get(op, 0.0) + cycles
+    collectives = ", ".join(f"{op} {c:,.0f} cycles" for op, c in sorted(ops.items())) or "none"
+    lines.append(f"  replicated tensor sharding over {pipeline_report.replicas} replicas: "
+                 f"gradients reduce-scattered, weights all-gathered; collectives inside the "
+                 f"updates: {collectives}")
+  return lines
