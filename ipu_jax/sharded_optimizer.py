@@ -188,10 +188,12 @@ class _Interpreter:
     replica: this replica's index (a traced int32 scalar).
     replicas: R.
     optimizer_name: for errors.
+    calls: the call equations being interpreted, outermost first (for errors).
   """
   replica: Any
   replicas: int
   optimizer_name: str
+  calls: list = dataclasses.field(default_factory=list)
 
   def run(self, closed: jcore.ClosedJaxpr, args: Sequence[Any]) -> list:
     env = {}
@@ -215,7 +217,10 @@ class _Interpreter:
   # -- helpers -------------------------------------------------------------------
 
   def _fail(self, eqn, why: str):
-    where = source_of(eqn) or "an unknown line"
+    # Equations inside a jitted helper (jnp.linalg.norm) may carry no line:
+    # then the line of the call that holds them.
+    lines = [source_of(e) for e in [eqn] + self.calls[::-1]]
+    where = next((line for line in lines if line), "an unknown line")
     raise ShardedOptimizerError(
         f"Replicated tensor sharding cannot run the optimizer {self.optimizer_name} on "
         f"shards: its update applies '{eqn.primitive.name}' to a sharded value ({why}) at "
@@ -254,7 +259,11 @@ class _Interpreter:
     body = _call_jaxpr(eqn)
     if body is not None and any(isinstance(v, (_Sharded, _Splat)) for v in values):
       inner = values[len(values) - len(body.jaxpr.invars):]
-      return self.run(body, inner)
+      self.calls.append(eqn)
+      try:
+        return self.run(body, inner)
+      finally:
+        self.calls.pop()
     sharded = [v for v in values if isinstance(v, _Sharded)]
     prim = eqn.primitive
     if prim in _ELEMENTWISE:
