@@ -67,8 +67,9 @@ class Pipeline:
       :func:`ipu_jax.ops.pipeline_stage` marks.
     optimizer: an optax ``GradientTransformation`` applied to each stage's
       weights on its own IPU (so optimizers that mix weights across stages,
-      e.g. global-norm clipping, are not supported); None to only compute
-      gradients.
+      e.g. global-norm clipping, see each stage's own weights); None to only
+      compute gradients. ``config.streaming`` offloads and shards its state
+      (:mod:`~ipu_jax.pipelining.weight_update`).
     config: the :class:`ipu_jax.IPUConfig`: ``auto_select_ipus`` IPUs per
       pipeline, ``device``, ``pipelining``, ``training`` and
       ``replication_factor``; default: the active default config.
