@@ -252,8 +252,10 @@ class PipelineShardedOptimizerTest(chex.TestCase):
                                 atol=1e-7)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, plain), expected, rtol=1e-5,
                                 atol=1e-7)
-    # Each replica holds half of every state leaf with an axis: [2, ceil(size / 2)].
+    # Each replica holds half of every state leaf with an axis: [2, ceil(size / 2)];
+    # the step count is one scalar.
     shapes = [s.shape for s in jax.tree.leaves(state[0]) if s.ndim > 1]
+    self.assertIn((), [s.shape for s in jax.tree.leaves(state[0])])
     self.assertIn((2, 12), shapes)        # b0: 23 elements, padded to 24
     self.assertIn((2, 12 * 23 // 2), shapes)
     # The state is in streaming memory: the sharded update's always-live tile
@@ -302,6 +304,36 @@ class PipelineShardedOptimizerTest(chex.TestCase):
     pipe = Pipeline(_pipeline_loss, _row_normalized(), config=_pipeline_config(True, True))
     with self.assertRaisesRegex(ShardedOptimizerError, "_row_normalized.*reduce_sum"):
       pipe.init(params, batches)
+
+
+class KerasPipelinedShardedOptimizerTest(chex.TestCase):
+
+  def test_pipelined_fit_with_loss_scaled_lamb(self):
+    # The Keras pipelined fit runs a Pipeline: LAMB under a loss-scale optimizer
+    # (whose finiteness check is an `all` over every gradient, reduced across the
+    # replicas), state offloaded and sharded, equals the unsharded pipelined fit.
+    import testing_utils
+    from ipu_jax.keras import LossScaleOptimizer, Model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(_STEPS * 16, 6)).astype(np.float32)
+    y = rng.integers(0, 9, size=_STEPS * 16).astype(np.int32)
+    models = {}
+    for sharded in (False, True):
+      cfg = _pipeline_config(sharded, sharded, g=1)
+      model = Model(testing_utils.TwoLayerMLP((6, 17, 9), rngs=nnx.Rngs(0)), config=cfg)
+      model.compile(LossScaleOptimizer(optax.lamb(1e-2), 2.0 ** 10),
+                    "sparse_categorical_crossentropy", steps_per_execution=8)
+      model.set_pipelining_options(schedule="Grouped", gradient_accumulation_steps_per_replica=4)
+      model.set_pipeline_stage_assignment({"second": 1})
+      model.fit(x, y, batch_size=2, epochs=1, shuffle=False)
+      models[sharded] = model
+    self.assertEqual(models[True].step, _STEPS)
+    chex.assert_trees_all_close(nnx.state(models[True].module, nnx.Param),
+                                nnx.state(models[False].module, nnx.Param), rtol=1e-5,
+                                atol=1e-7)
+    self.assertEqual(models[True].number_formats.loss_scaling.scale, [2.0 ** 10] * _STEPS)
+    self.assertGreater(models[True].pipeline.stages[1].update.profile.streaming.total_bytes, 0)
 
 
 if __name__ == "__main__":

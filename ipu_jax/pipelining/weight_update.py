@@ -101,8 +101,17 @@ def lower_update(pipeline, p_k, cfg):
   return lowered
 
 
+def _stack_sharded(shards):
+  """Per-copy trees as one: sharded leaves stacked ``[R, n]``, scalar leaves once."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs) if np.ndim(xs[0]) else xs[0], *shards)
+
+
 def init_state(pipeline, flat_params) -> list:
-  """Each stage's optimizer state; sharded: each leaf stacked over the R copies."""
+  """Each stage's optimizer state.
+
+  Sharded: each leaf with an axis as its R shards stacked ``[R, n]``; scalar
+  leaves (step counts, a loss scale) once, as every copy holds them.
+  """
   states = []
   for stage in pipeline.staged.stages:
     p_k = [flat_params[i] for i in stage.params]
@@ -111,13 +120,12 @@ def init_state(pipeline, flat_params) -> list:
       continue
     program = pipeline.stages[stage.index].update.sharded_program
     shards = [program.init(p_k, r) for r in range(pipeline.replicas)]
-    states.append(jax.tree.map(lambda *xs: jnp.stack(xs), *shards))
+    states.append(_stack_sharded(shards))
   return states
 
 
 def _stacked_shards(tree, replicas: int):
-  return jax.tree.map(lambda *xs: jnp.stack(xs),
-                      *[shard_tree(tree, r, replicas) for r in range(replicas)])
+  return _stack_sharded([shard_tree(tree, r, replicas) for r in range(replicas)])
 
 
 def apply_update(pipeline, programs, p_k, state, g_k):
@@ -131,12 +139,17 @@ def apply_update(pipeline, programs, p_k, state, g_k):
   r = pipeline.replicas
   lowered = programs.update
   flat = jax.tree.leaves
-  run = jax.vmap(lambda p, s, g, i: lowered.apply(*flat((p, s, g, i))), axis_name=REPLICA_AXIS)
-  p_shards, state = run(_stacked_shards(p_k, r), state, _stacked_shards(g_k, r),
-                        jnp.arange(r, dtype=jnp.int32))
+  p_shards, g_shards = _stacked_shards(p_k, r), _stacked_shards(g_k, r)
+  axes = lambda tree: jax.tree.map(lambda x: 0 if np.ndim(x) else None, tree)  # noqa: E731
+  run = jax.vmap(lambda p, s, g, i: lowered.apply(*flat((p, s, g, i))),
+                 in_axes=(axes(p_shards), axes(state), axes(g_shards), 0),
+                 axis_name=REPLICA_AXIS)
+  p_shards, new_state = run(p_shards, state, g_shards, jnp.arange(r, dtype=jnp.int32))
   new_p = [gather_leaf(jnp.reshape(s, (-1,)), like) if is_sharded_leaf(like) else s[0]
            for s, like in zip(p_shards, p_k)]
-  return new_p, state
+  # Scalar leaves are equal on every copy: kept once.
+  new_state = jax.tree.map(lambda x, old: x if np.ndim(old) else x[0], new_state, state)
+  return new_p, new_state
 
 
 def ring_phase_cycles(target, replicas: int, nbytes: int) -> float:
