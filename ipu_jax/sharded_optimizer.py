@@ -35,9 +35,11 @@ The interpreter's rules:
   or by all-gathering the R partials
   (:func:`ipu_jax.ops.cross_replica_all_gather`) and reducing them;
 * ``jit`` / ``pjit`` and ``custom_jvp`` / ``custom_vjp`` calls are interpreted
-  through their bodies;
+  through their bodies; a ``cond`` / ``switch`` on a replicated index runs its
+  branches interpreted (an output sharded in one branch is sharded in all), as
+  ``optax.MultiSteps`` and ``optax.apply_if_finite`` need;
 * anything else that reads a sharded value (a transpose, a partial
-  reduction, a dot, a gather, a sort, control flow ...) mixes elements of
+  reduction, a dot, a gather, a sort, a loop ...) mixes elements of
   different shards: :class:`ShardedOptimizerError` names the primitive, the
   optimizer and the source line, raised while the program is traced, before
   anything runs.
@@ -130,6 +132,12 @@ class _Splat:
   """A scalar broadcast to ``shape``."""
   scalar: Any
   shape: tuple
+
+
+# Pytrees (the array a child, the full shape static), so a branch of a ``cond``
+# can take and return them.
+for _kind, _field in ((_Sharded, "shard"), (_Splat, "scalar")):
+  jax.tree_util.register_dataclass(_kind, data_fields=[_field], meta_fields=["shape"])
 
 
 _ELEMENTWISE = frozenset({
@@ -272,9 +280,51 @@ class _Interpreter:
       return [self.reduction(eqn, values[0])]
     if prim in _ORDER_KEEPING:
       return [self.reshaped(eqn, values[0])]
+    if prim is lax.cond_p and any(isinstance(v, (_Sharded, _Splat)) for v in values[1:]):
+      return self.cond(eqn, values)
     if sharded:
-      self._fail(eqn, "it reads elements of other replicas' shards")
+      self._fail(eqn, "it is neither elementwise, nor a reshape keeping the element "
+                 "order, nor a reduction over the whole value")
     return self.replicated(eqn, values)
+
+  def cond(self, eqn, values):
+    """``cond`` / ``switch`` on a replicated index: each branch interpreted on shards.
+
+    The branches must agree on every output's layout: an output sharded in one
+    branch is cut to shards in the others.
+    """
+    index, operands = values[0], list(values[1:])
+    if isinstance(index, _Sharded):
+      self._fail(eqn, "a branch chosen by a sharded value")
+    leaves, tree = jax.tree.flatten(operands)
+    branches = eqn.params["branches"]
+
+    def interpreted(branch):
+      return lambda *flat: self.run(branch, jax.tree.unflatten(tree, flat))
+
+    laid_out = [jax.eval_shape(interpreted(b), *leaves) for b in branches]
+    outs = []
+    for k, var in enumerate(eqn.outvars):
+      kinds = [type(branch_outs[k]) for branch_outs in laid_out]
+      outs.append(_Sharded if _Sharded in kinds else
+                  _Splat if all(kind is _Splat for kind in kinds) else None)
+
+    def canonical(branch):
+      def run(*flat):
+        got = interpreted(branch)(*flat)
+        return [self.laid_out(v, kind, tuple(var.aval.shape))
+                for v, kind, var in zip(got, outs, eqn.outvars)]
+      return run
+
+    return lax.switch(self.materialize(index), [canonical(b) for b in branches], *leaves)
+
+  def laid_out(self, value, kind, shape):
+    """``value`` as a ``kind`` (``_Sharded``, ``_Splat`` or None: replicated)."""
+    if kind is _Sharded:
+      return _Sharded(self.as_shard(value, shape), shape)
+    if kind is _Splat:
+      return value
+    return self.materialize(value)
 
   def replicated(self, eqn, values):
     params = eqn.primitive.get_bind_params(eqn.params)

@@ -107,6 +107,33 @@ class ShardedUpdateTest(chex.TestCase):
     chex.assert_trees_all_close(got, _full_update(optimizer, params, steps), rtol=1e-5,
                                 atol=1e-7)
 
+  @parameterized.parameters("apply_if_finite", "multi_steps")
+  def test_branches_on_a_replicated_predicate(self, name):
+    # optax's skip of non-finite steps (an `all` over each sharded weight, then
+    # a cond) and its accumulation over mini-steps (a cond on the step count).
+    inner = optax.lamb(1e-2)
+    optimizer = (optax.apply_if_finite(inner, 3) if name == "apply_if_finite"
+                 else optax.MultiSteps(inner, 2))
+    keys = jax.random.split(jax.random.key(1), 6)
+    params = {"w": jax.random.normal(keys[0], (7, 5)), "b": jax.random.normal(keys[1], (11,))}
+    steps = [jax.tree.map(lambda p, k=k: jax.random.normal(k, np.shape(p)), params)
+             for k in keys[2:6]]
+    if name == "apply_if_finite":  # the second step is skipped
+      steps[1]["b"] = steps[1]["b"].at[4].set(jnp.inf)
+    program = ShardedUpdate(optimizer, params, 2)
+
+    def replica(r):
+      state, p = program.init(params, r), shard_tree(params, r, 2)
+      for grads in steps:
+        p, state = program(shard_tree(grads, r, 2), state, p, r)
+      return p
+
+    shards = jax.jit(jax.vmap(replica, axis_name=REPLICA_AXIS))(jnp.arange(2))
+    got = jax.tree.map(lambda s, like: gather_leaf(jnp.reshape(s, (-1,)), like), shards, params)
+    expected = _full_update(optimizer, params, steps)
+    chex.assert_tree_all_finite(expected)
+    chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-7)
+
   def test_a_program_that_mixes_shards_is_refused(self):
     program = ShardedUpdate(_row_normalized(), {"w": jnp.ones((4, 6))}, 2)
     with self.assertRaisesRegex(
