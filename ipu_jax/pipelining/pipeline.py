@@ -310,7 +310,7 @@ class Pipeline:
     for stage, programs, state in zip(self.staged.stages, self.stages, opt_state):
       p_k = [flat[i] for i in stage.params]
       g_k = [grads[i] for i in stage.params]
-      p_k, state = weight_update.apply_update(self, programs, p_k, state, g_k)
+      p_k, state = programs.update(p_k, state, g_k)
       for i, value in zip(stage.params, p_k):
         flat[i] = value
       new_state.append(state)

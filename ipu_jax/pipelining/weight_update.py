@@ -36,6 +36,9 @@ over "all" weights (a global-norm clip) is the norm over the stage's weights.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +48,7 @@ from ipu_jax.pipelining import links, stage_programs
 from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_leaf,
                                        shard_tree, sharded_bytes)
 
-__all__ = ["offloads_state", "shards_state", "lower_update", "init_state", "apply_update",
+__all__ = ["ShardedStageUpdate", "offloads_state", "shards_state", "lower_update", "init_state",
            "gradient_reduction_cycles", "ring_phase_cycles", "summary_lines"]
 
 
@@ -64,6 +67,68 @@ def _jit_options(pipeline) -> dict:
   return {"offload_argnums": (1,), "offload_outputs": (1,)}
 
 
+def _stack_sharded(shards):
+  """Per-copy trees as one: sharded leaves stacked ``[R, n]``, scalar leaves once."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs) if np.ndim(xs[0]) else xs[0], *shards)
+
+
+def _stacked_shards(tree, replicas: int):
+  return _stack_sharded([shard_tree(tree, r, replicas) for r in range(replicas)])
+
+
+def _copy_axes(tree):
+  """``vmap`` axes of a stacked tree: 0 for the stacked shards, None for scalars."""
+  return jax.tree.map(lambda x: 0 if np.ndim(x) else None, tree)
+
+
+@dataclasses.dataclass
+class ShardedStageUpdate:
+  """A stage's update with replicated tensor sharding, run on its R copies.
+
+  Called like the unsharded update program (``update(p_k, state, g_k)``), it
+  takes the full weights, the stage's gradients reduced over the copies and
+  the state in :meth:`init`'s layout; it cuts the weights and gradients into
+  the copies' shards (what a reduce-scatter leaves each copy), runs the
+  per-copy program ``lowered`` on every copy (``jax.vmap`` over the replica
+  axis, so the norms' all-reduces run across the copies) and gathers the new
+  weights (an all-gather).
+
+  Attributes:
+    lowered: the per-copy program, ``(param shards, state, grad shards,
+      replica) -> (param shards, state)``, lowered for R replicas.
+    program: the :class:`~ipu_jax.sharded_optimizer.ShardedUpdate` it runs.
+    replicas: R.
+  """
+  lowered: Any
+  program: ShardedUpdate
+  replicas: int
+
+  def __getattr__(self, name):
+    # What the pipeline reads of a stage program (profile, report, dead code)
+    # is the per-copy program's: every copy runs it.
+    if name == "lowered":  # not yet set (copying): no recursion
+      raise AttributeError(name)
+    return getattr(self.lowered, name)
+
+  def init(self, p_k):
+    """The state: leaves with an axis as their R shards ``[R, n]``; scalar leaves
+    (step counts, a loss scale) once, as every copy holds the same."""
+    return _stack_sharded([self.program.init(p_k, r) for r in range(self.replicas)])
+
+  def __call__(self, p_k, state, g_k):
+    r, lowered = self.replicas, self.lowered
+    p_shards, g_shards = _stacked_shards(p_k, r), _stacked_shards(g_k, r)
+    run = jax.vmap(lambda *args: lowered.apply(*jax.tree.leaves(args)),
+                   in_axes=(_copy_axes(p_shards), _copy_axes(state), _copy_axes(g_shards), 0),
+                   axis_name=REPLICA_AXIS)
+    p_shards, new_state = run(p_shards, state, g_shards, jnp.arange(r, dtype=jnp.int32))
+    new_p = [gather_leaf(jnp.reshape(s, (-1,)), like) if is_sharded_leaf(like) else s[0]
+             for s, like in zip(p_shards, p_k)]
+    # Scalar leaves are equal on every copy: kept once.
+    new_state = jax.tree.map(lambda x, old: x if np.ndim(old) else x[0], new_state, state)
+    return new_p, new_state
+
+
 def _sharded_function(program: ShardedUpdate):
   """The per-copy update: ``(param shards, state shards, grad shards, replica)``."""
 
@@ -75,7 +140,11 @@ def _sharded_function(program: ShardedUpdate):
 
 
 def lower_update(pipeline, p_k, cfg):
-  """The lowered update program of a stage with weights ``p_k`` (None without optimizer).
+  """The update program of a stage with weights ``p_k`` (None without optimizer).
+
+  Returns:
+    The lowered ``update(p_k, state, g_k) -> (p_k, state)``, or with sharding
+    a :class:`ShardedStageUpdate` called the same way.
 
   Raises:
     ShardedOptimizerError: with sharding on, an optimizer whose update cannot
@@ -90,66 +159,25 @@ def lower_update(pipeline, p_k, cfg):
     state = optimizer.init(p_k)
     return jit(stage_programs.update_function(optimizer), config=cfg, **options).lower(
         p_k, state, p_k)
-  program = ShardedUpdate(optimizer, p_k, pipeline.replicas)
+  r = pipeline.replicas
+  program = ShardedUpdate(optimizer, p_k, r)
   program.check()
   replicated = cfg.copy()  # the norms' all-reduces are over the R copies
-  replicated.replication_factor = pipeline.replicas
+  replicated.replication_factor = r
   lowered = jit(_sharded_function(program), config=replicated, **options).lower(
-      shard_tree(p_k, 0, pipeline.replicas), program.init(p_k, 0),
-      shard_tree(p_k, 0, pipeline.replicas), jnp.int32(0))
-  lowered.sharded_program = program
-  return lowered
-
-
-def _stack_sharded(shards):
-  """Per-copy trees as one: sharded leaves stacked ``[R, n]``, scalar leaves once."""
-  return jax.tree.map(lambda *xs: jnp.stack(xs) if np.ndim(xs[0]) else xs[0], *shards)
+      shard_tree(p_k, 0, r), program.init(p_k, 0), shard_tree(p_k, 0, r), jnp.int32(0))
+  return ShardedStageUpdate(lowered, program, r)
 
 
 def init_state(pipeline, flat_params) -> list:
-  """Each stage's optimizer state.
-
-  Sharded: each leaf with an axis as its R shards stacked ``[R, n]``; scalar
-  leaves (step counts, a loss scale) once, as every copy holds them.
-  """
+  """Each stage's optimizer state (sharded: :meth:`ShardedStageUpdate.init`'s layout)."""
   states = []
-  for stage in pipeline.staged.stages:
+  for stage, programs in zip(pipeline.staged.stages, pipeline.stages):
     p_k = [flat_params[i] for i in stage.params]
-    if not shards_state(pipeline):
-      states.append(pipeline.optimizer.init(p_k))
-      continue
-    program = pipeline.stages[stage.index].update.sharded_program
-    shards = [program.init(p_k, r) for r in range(pipeline.replicas)]
-    states.append(_stack_sharded(shards))
+    update = programs.update
+    states.append(update.init(p_k) if isinstance(update, ShardedStageUpdate)
+                  else pipeline.optimizer.init(p_k))
   return states
-
-
-def _stacked_shards(tree, replicas: int):
-  return _stack_sharded([shard_tree(tree, r, replicas) for r in range(replicas)])
-
-
-def apply_update(pipeline, programs, p_k, state, g_k):
-  """One stage's update: ``(new p_k, new state)``.
-
-  Sharded: ``g_k`` (reduced over the copies) is cut into the copies' shards,
-  each copy's program updates its shards, and the new weights are gathered.
-  """
-  if not shards_state(pipeline):
-    return programs.update(p_k, state, g_k)
-  r = pipeline.replicas
-  lowered = programs.update
-  flat = jax.tree.leaves
-  p_shards, g_shards = _stacked_shards(p_k, r), _stacked_shards(g_k, r)
-  axes = lambda tree: jax.tree.map(lambda x: 0 if np.ndim(x) else None, tree)  # noqa: E731
-  run = jax.vmap(lambda p, s, g, i: lowered.apply(*flat((p, s, g, i))),
-                 in_axes=(axes(p_shards), axes(state), axes(g_shards), 0),
-                 axis_name=REPLICA_AXIS)
-  p_shards, new_state = run(p_shards, state, g_shards, jnp.arange(r, dtype=jnp.int32))
-  new_p = [gather_leaf(jnp.reshape(s, (-1,)), like) if is_sharded_leaf(like) else s[0]
-           for s, like in zip(p_shards, p_k)]
-  # Scalar leaves are equal on every copy: kept once.
-  new_state = jax.tree.map(lambda x, old: x if np.ndim(old) else x[0], new_state, state)
-  return new_p, new_state
 
 
 def ring_phase_cycles(target, replicas: int, nbytes: int) -> float:
@@ -175,9 +203,9 @@ def gradient_reduction_cycles(pipeline, programs) -> float:
   multiples of R), and an all-reduce of its scalar weights.
   """
   target, r = pipeline.target, pipeline.replicas
-  if not shards_state(pipeline) or programs.update is None:
+  if not isinstance(programs.update, ShardedStageUpdate):
     return links.all_reduce_cycles(target, r, programs.weight_bytes)
-  params = programs.update.sharded_program.params
+  params = programs.update.program.params
   scalars = sum(np.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)
                 if not is_sharded_leaf(p))
   sharded = sharded_bytes(params, r)
@@ -195,7 +223,7 @@ def summary_lines(pipeline_report) -> list:
     held = sum(s.total_bytes for s in streaming if s)
     lines.append(f"  optimizer state in streaming memory: {held:,d} B per replica "
                  f"(stage update programs; {pipeline_report.replicas} replica(s))")
-  sharded = [s for s in stages if getattr(s.update, "sharded_program", None) is not None]
+  sharded = [s for s in stages if isinstance(s.update, ShardedStageUpdate)]
   if sharded:
     ops = {}
     for s in sharded:
