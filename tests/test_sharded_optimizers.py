@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from absl.testing import absltest, parameterized
 from flax import nnx
 
@@ -166,34 +167,38 @@ def _keras_model(cfg, optimizer):
   return model
 
 
+def _check_keras_fit(test, name):
+  """Fit with state offloaded and sharded equals the unsharded fit; the report shows it."""
+  x, y = toy_data(2 * _STEPS * 4)
+  models = {}
+  for sharded in (False, True):
+    model = _keras_model(_keras_config(sharded, sharded), _OPTIMIZERS[name]())
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    models[sharded] = model
+  chex.assert_trees_all_close(np.asarray(models[True].step), _STEPS)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, models[True].params),
+                              jax.tree.map(np.asarray, models[False].params),
+                              rtol=1e-5, atol=1e-7)
+  report = models[True].train_report
+  # The state's shards (those of at least 128 bytes) are in streaming memory.
+  test.assertGreater(report.profile.streaming.total_bytes, 0)
+  test.assertIn("Streaming memory", report.summary())
+  ops = report.cycles_by_op()
+  test.assertGreater(ops.get("cross_replica_reduce_scatter", 0), 0)
+  test.assertGreater(ops.get("cross_replica_all_gather", 0), 0)
+  # LAMB's norms and the global norm: scalar all-reduces, costed as collectives.
+  if name == "adam":
+    test.assertNotIn("cross_replica_sum", ops)
+  else:
+    test.assertGreater(ops.get("cross_replica_sum", 0), 0)
+    norms = [s for s in report.profile.steps if s.op == "cross_replica_sum"]
+    test.assertTrue(all(s.ipu_link_bytes <= 8 for s in norms))
+
+
 class KerasShardedOptimizerTest(chex.TestCase):
 
-  @parameterized.parameters("lamb", "adam", "clip_adam")
-  def test_offloaded_sharded_equals_unsharded_fit(self, name):
-    x, y = toy_data(2 * _STEPS * 4)
-    models = {}
-    for sharded in (False, True):
-      model = _keras_model(_keras_config(sharded, sharded), _OPTIMIZERS[name]())
-      model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-      models[sharded] = model
-    chex.assert_trees_all_close(np.asarray(models[True].step), _STEPS)
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, models[True].params),
-                                jax.tree.map(np.asarray, models[False].params),
-                                rtol=1e-5, atol=1e-7)
-    report = models[True].train_report
-    # The state's shards (those of at least 128 bytes) are in streaming memory.
-    self.assertGreater(report.profile.streaming.total_bytes, 0)
-    self.assertIn("Streaming memory", report.summary())
-    ops = report.cycles_by_op()
-    self.assertGreater(ops.get("cross_replica_reduce_scatter", 0), 0)
-    self.assertGreater(ops.get("cross_replica_all_gather", 0), 0)
-    # LAMB's norms and the global norm: scalar all-reduces, costed as collectives.
-    if name == "adam":
-      self.assertNotIn("cross_replica_sum", ops)
-    else:
-      self.assertGreater(ops.get("cross_replica_sum", 0), 0)
-      norms = [s for s in report.profile.steps if s.op == "cross_replica_sum"]
-      self.assertTrue(all(s.ipu_link_bytes <= 8 for s in norms))
+  def test_lamb_offloaded_sharded_equals_unsharded_fit(self):
+    _check_keras_fit(self, "lamb")
 
   def test_an_optimizer_that_cannot_be_sharded_fails_before_running(self):
     x, y = toy_data(2 * _STEPS * 4)
@@ -202,6 +207,15 @@ class KerasShardedOptimizerTest(chex.TestCase):
     with self.assertRaisesRegex(ShardedOptimizerError, "_row_normalized.*reduce_sum"):
       model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, model.params), before)
+
+
+@pytest.mark.slow
+class KerasShardedOptimizerSlowTest(chex.TestCase):
+  """Adam and clip + Adam (``-m slow``: about half a minute each)."""
+
+  @parameterized.parameters("adam", "clip_adam")
+  def test_offloaded_sharded_equals_unsharded_fit(self, name):
+    _check_keras_fit(self, name)
 
 
 # -- Pipeline -----------------------------------------------------------------------------
@@ -264,55 +278,73 @@ def _train_pipeline(cfg, optimizer, params, batches):
   return pipe, params, state
 
 
+def _check_pipeline(test, name):
+  """Offloaded, sharded state in a Pipeline equals plain accumulation; the report shows it."""
+  params, batches = _pipeline_data()
+  optimizer = _OPTIMIZERS[name]()
+  plain_pipe, plain, _ = _train_pipeline(_pipeline_config(False, False), optimizer, params,
+                                         batches)
+  pipe, sharded, state = _train_pipeline(_pipeline_config(True, True), optimizer, params,
+                                         batches)
+  expected = _plain_pipeline_training(optimizer, dict(params), batches)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, sharded), expected, rtol=1e-5,
+                              atol=1e-7)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, plain), expected, rtol=1e-5,
+                              atol=1e-7)
+  # Each replica holds half of every state leaf with an axis: [2, ceil(size / 2)];
+  # the step count is one scalar.
+  shapes = [s.shape for s in jax.tree.leaves(state[0]) if s.ndim > 1]
+  test.assertIn((), [s.shape for s in jax.tree.leaves(state[0])])
+  test.assertIn((2, 12), shapes)        # b0: 23 elements, padded to 24
+  test.assertIn((2, 12 * 23 // 2), shapes)
+  # The state is in streaming memory: the sharded update's always-live tile
+  # memory holds none of it; its copies are costed.
+  for stage in pipe.stages:
+    streaming = stage.update.profile.streaming
+    test.assertGreater(streaming.total_bytes, 0)
+    test.assertGreater(streaming.cycles, 0)
+  summary = pipe.report.summary()
+  test.assertIn("optimizer state in streaming memory", summary)
+  test.assertIn("replicated tensor sharding over 2 replicas", summary)
+  ops = pipe.report.stage_reports["stage0/update"].cycles_by_op()
+  if name == "adam":
+    test.assertNotIn("cross_replica_sum", ops)
+  else:  # the norms: scalar all-reduces over the replicas, in the update program
+    test.assertGreater(ops["cross_replica_sum"], 0)
+    test.assertIn("cross_replica_sum", summary)
+  # The gradient reduction in the timeline, where the all-reduce was: a
+  # reduce-scatter and an all-gather of the padded sharded weights (two ring
+  # phases: one all-reduce's traffic and steps), and an all-reduce of the
+  # scalar weight s.
+  spans = {ipu: cycles for ipu, _, kind, _, _, cycles in pipe.timeline.spans
+           if kind == "all-reduce"}
+  target = pipe.target
+  test.assertAlmostEqual(spans[0], links.all_reduce_cycles(target, 2, (12 * 23 + 24) * 4))
+  test.assertAlmostEqual(spans[1], links.all_reduce_cycles(target, 2, 208 * 4)
+                         + links.all_reduce_cycles(target, 2, 4))
+  test.assertAlmostEqual(
+      2 * weight_update.ring_phase_cycles(target, 2, 1000),
+      links.all_reduce_cycles(target, 2, 1000))
+
+
 class PipelineShardedOptimizerTest(chex.TestCase):
 
-  @parameterized.parameters("lamb", "adam", "clip_adam")
-  def test_offloaded_sharded_equals_plain_accumulation(self, name):
+  def test_lamb_offloaded_sharded_equals_plain_accumulation(self):
+    _check_pipeline(self, "lamb")
+
+  def test_an_optimizer_that_cannot_be_sharded_fails_before_running(self):
     params, batches = _pipeline_data()
-    optimizer = _OPTIMIZERS[name]()
-    plain_pipe, plain, _ = _train_pipeline(_pipeline_config(False, False), optimizer, params,
-                                           batches)
-    pipe, sharded, state = _train_pipeline(_pipeline_config(True, True), optimizer, params,
-                                           batches)
-    expected = _plain_pipeline_training(optimizer, dict(params), batches)
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, sharded), expected, rtol=1e-5,
-                                atol=1e-7)
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, plain), expected, rtol=1e-5,
-                                atol=1e-7)
-    # Each replica holds half of every state leaf with an axis: [2, ceil(size / 2)];
-    # the step count is one scalar.
-    shapes = [s.shape for s in jax.tree.leaves(state[0]) if s.ndim > 1]
-    self.assertIn((), [s.shape for s in jax.tree.leaves(state[0])])
-    self.assertIn((2, 12), shapes)        # b0: 23 elements, padded to 24
-    self.assertIn((2, 12 * 23 // 2), shapes)
-    # The state is in streaming memory: the sharded update's always-live tile
-    # memory holds none of it; its copies are costed.
-    for stage in pipe.stages:
-      streaming = stage.update.profile.streaming
-      self.assertGreater(streaming.total_bytes, 0)
-      self.assertGreater(streaming.cycles, 0)
-    summary = pipe.report.summary()
-    self.assertIn("optimizer state in streaming memory", summary)
-    self.assertIn("replicated tensor sharding over 2 replicas", summary)
-    ops = pipe.report.stage_reports["stage0/update"].cycles_by_op()
-    if name == "adam":
-      self.assertNotIn("cross_replica_sum", ops)
-    else:  # the norms: scalar all-reduces over the replicas, in the update program
-      self.assertGreater(ops["cross_replica_sum"], 0)
-      self.assertIn("cross_replica_sum", summary)
-    # The gradient reduction in the timeline, where the all-reduce was: a
-    # reduce-scatter and an all-gather of the padded sharded weights (two ring
-    # phases: one all-reduce's traffic and steps), and an all-reduce of the
-    # scalar weight s.
-    spans = {ipu: cycles for ipu, _, kind, _, _, cycles in pipe.timeline.spans
-             if kind == "all-reduce"}
-    target = pipe.target
-    self.assertAlmostEqual(spans[0], links.all_reduce_cycles(target, 2, (12 * 23 + 24) * 4))
-    self.assertAlmostEqual(spans[1], links.all_reduce_cycles(target, 2, 208 * 4)
-                           + links.all_reduce_cycles(target, 2, 4))
-    self.assertAlmostEqual(
-        2 * weight_update.ring_phase_cycles(target, 2, 1000),
-        links.all_reduce_cycles(target, 2, 1000))
+    pipe = Pipeline(_pipeline_loss, _row_normalized(), config=_pipeline_config(True, True))
+    with self.assertRaisesRegex(ShardedOptimizerError, "_row_normalized.*reduce_sum"):
+      pipe.init(params, batches)
+
+
+@pytest.mark.slow
+class PipelineShardedOptimizerSlowTest(chex.TestCase):
+
+  @parameterized.parameters("adam", "clip_adam")
+  def test_offloaded_sharded_equals_plain_accumulation(self, name):
+    _check_pipeline(self, name)
 
   def test_offload_alone_and_sharding_alone(self):
     params, batches = _pipeline_data()
@@ -326,13 +358,8 @@ class PipelineShardedOptimizerTest(chex.TestCase):
       streaming = pipe.stages[0].update.profile.streaming
       self.assertEqual(streaming is not None, offload)
 
-  def test_an_optimizer_that_cannot_be_sharded_fails_before_running(self):
-    params, batches = _pipeline_data()
-    pipe = Pipeline(_pipeline_loss, _row_normalized(), config=_pipeline_config(True, True))
-    with self.assertRaisesRegex(ShardedOptimizerError, "_row_normalized.*reduce_sum"):
-      pipe.init(params, batches)
 
-
+@pytest.mark.slow
 class KerasPipelinedShardedOptimizerTest(chex.TestCase):
 
   def test_pipelined_fit_with_loss_scaled_lamb(self):
