@@ -14,7 +14,9 @@ stages are costed over IPU-Links and syncs across IPUs
 (:mod:`~ipu_jax.pipelining.links`), and each IPU's memory is its largest
 program plus the activation sets the schedule keeps waiting (stash depth).
 With ``replication_factor`` R, R copies of the pipeline use R x N IPUs; each
-stage's gradients are all-reduced over its R copies before its update.
+stage's gradients are all-reduced over its R copies before its update
+(reduce-scattered, and the weights all-gathered after it, with the state
+sharded: :mod:`~ipu_jax.pipelining.weight_update`).
 """
 
 from __future__ import annotations

@@ -225,12 +225,15 @@ def summary_lines(pipeline_report) -> list:
                  f"(stage update programs; {pipeline_report.replicas} replica(s))")
   sharded = [s for s in stages if isinstance(s.update, ShardedStageUpdate)]
   if sharded:
-    ops = {}
+    ops = {}  # op -> [steps, cycles] over the stages' update programs
     for s in sharded:
-      for op, cycles in s.update.report.cycles_by_op().items():
-        if op.startswith("cross_replica"):
-          ops[op] = ops.get(op, 0.0) + cycles
-    collectives = ", ".join(f"{op} {c:,.0f} cycles" for op, c in sorted(ops.items())) or "none"
+      for step in s.update.profile.steps:
+        if step.op.startswith("cross_replica"):
+          entry = ops.setdefault(step.op, [0, 0.0])
+          entry[0] += step.executions
+          entry[1] += step.total_cycles * step.executions
+    collectives = ", ".join(f"{n} x {op} ({c:,.0f} cycles)"
+                            for op, (n, c) in sorted(ops.items())) or "none"
     lines.append(f"  replicated tensor sharding over {pipeline_report.replicas} replicas: "
                  f"gradients reduce-scattered, weights all-gathered; collectives inside the "
                  f"updates: {collectives}")
