@@ -8,6 +8,7 @@ training's. Small models, 16 tiles, 2 replicas.
 
 import os
 import sys
+import warnings
 
 import chex
 import jax
@@ -331,6 +332,19 @@ class PipelineShardedOptimizerTest(chex.TestCase):
 
   def test_lamb_offloaded_sharded_equals_plain_accumulation(self):
     _check_pipeline(self, "lamb")
+
+  def test_an_optimizer_reading_other_stages_is_named(self):
+    # A global-norm clip reads every stage's gradients; the pipeline's updates
+    # see one stage each, and the user is told. LAMB's norms are per weight.
+    params, batches = _pipeline_data()
+    cfg = _pipeline_config(False, False)
+    with self.assertWarnsRegex(UserWarning, r"update of weight \['b0'\] \(pipeline stage 0\) "
+                               r"reads weight \['s'\] of stage 1"):
+      Pipeline(_pipeline_loss, _OPTIMIZERS["clip_adam"](), config=cfg).init(params, batches)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      Pipeline(_pipeline_loss, _OPTIMIZERS["lamb"](), config=cfg).init(params, batches)
+    self.assertEmpty([w for w in caught if "reads weight" in str(w.message)])
 
   def test_an_optimizer_that_cannot_be_sharded_fails_before_running(self):
     params, batches = _pipeline_data()
