@@ -39,17 +39,14 @@ stages.
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.extend import core as jcore
 
 from ipu_jax.ops.collectives import REPLICA_AXIS
-from ipu_jax.pipelining import links, stage_programs
+from ipu_jax.pipelining import cross_stage, links, stage_programs
 from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_leaf,
                                        shard_tree, sharded_bytes)
 
@@ -174,85 +171,14 @@ def lower_update(pipeline, p_k, cfg):
   return ShardedStageUpdate(lowered, program, r)
 
 
-def _dependencies(jaxpr, in_deps) -> list:
-  """For each output of ``jaxpr``, the set of weights it is computed from.
-
-  A ``select_n`` predicate or a ``cond`` index only chooses between values
-  (a skip of a non-finite step, which the pipelined ``fit`` decides once for
-  all stages), so it is not counted; nested calls are followed.
-  """
-  deps = dict(zip(jaxpr.invars, in_deps))
-
-  def of(v):
-    return frozenset() if isinstance(v, jcore.Literal) else deps.get(v, frozenset())
-
-  for eqn in jaxpr.eqns:
-    body = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr")
-                 if isinstance(eqn.params.get(k), (jcore.ClosedJaxpr, jcore.Jaxpr))), None)
-    if body is not None:
-      inner = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
-      reads = [of(v) for v in eqn.invars][len(eqn.invars) - len(inner.invars):]
-      deps.update(zip(eqn.outvars, _dependencies(inner, reads)))
-      continue
-    operands = eqn.invars[1:] if eqn.primitive in (lax.select_n_p, lax.cond_p) else eqn.invars
-    read = frozenset().union(*(of(v) for v in operands))
-    deps.update((v, read) for v in eqn.outvars)
-  return [of(v) for v in jaxpr.outvars]
-
-
-def _reads_across_stages(optimizer, flat_params, stages_of) -> Optional[tuple]:
-  """``(i, j)``: a weight ``i`` whose new value is computed from weight ``j`` of
-  another stage (its value or gradient), traced on the whole model's update."""
-  import optax
-
-  flat = [jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)) for p in flat_params]
-
-  def update(grads, state, params):
-    updates, _ = optimizer.update(grads, state, params)
-    return optax.apply_updates(params, updates)
-
-  closed = jax.make_jaxpr(update)(flat, jax.eval_shape(optimizer.init, flat), flat)
-  n, num_in = len(flat), len(closed.jaxpr.invars)
-  # The gradients, then the state (computed from no weight), then the weights.
-  in_deps = [frozenset([k]) if k < n else
-             frozenset([k - (num_in - n)]) if k >= num_in - n else frozenset()
-             for k in range(num_in)]
-  for i, read in enumerate(_dependencies(closed.jaxpr, in_deps)[:n]):
-    for j in sorted(read):
-      if not stages_of[i] & stages_of[j]:
-        return i, j
-  return None
-
-
-def _warn_if_mixing(pipeline, flat_params) -> None:
-  """Warn when the optimizer reads other stages' weights: each stage sees its own only."""
-  stages_of = [set() for _ in flat_params]
-  for stage in pipeline.staged.stages:
-    for i in stage.params:
-      stages_of[i].add(stage.index)
-  if len({k for s in stages_of for k in s}) < 2:
-    return
-  found = _reads_across_stages(pipeline.optimizer, flat_params, stages_of)
-  if found is None:
-    return
-  paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
-      jax.tree_util.tree_unflatten(pipeline.staged.param_tree, list(flat_params)))[0]]
-  i, j = found
-  warnings.warn(
-      f"The optimizer's update of weight {paths[i]} (pipeline stage "
-      f"{min(stages_of[i])}) reads weight {paths[j]} of stage {min(stages_of[j])} (a "
-      "global-norm clip, for example); a Pipeline updates each stage's weights on their own "
-      "IPU, seeing only that stage's weights and gradients, so a global norm is each "
-      "stage's own.", stacklevel=4)
-
-
 def init_state(pipeline, flat_params) -> list:
   """Each stage's optimizer state (sharded: :meth:`ShardedStageUpdate.init`'s layout).
 
-  Warns when the optimizer mixes weights across stages (see
-  :func:`_warn_if_mixing`): the pipeline's updates see one stage each.
+  Warns when the optimizer mixes weights across stages
+  (:func:`~ipu_jax.pipelining.cross_stage.warn_if_mixing`): the pipeline's
+  updates see one stage each.
   """
-  _warn_if_mixing(pipeline, flat_params)
+  cross_stage.warn_if_mixing(pipeline, flat_params)
   states = []
   for stage, programs in zip(pipeline.staged.stages, pipeline.stages):
     p_k = [flat_params[i] for i in stage.params]
@@ -310,7 +236,7 @@ def summary_lines(pipeline_report) -> list:
     ops = {}  # op -> [steps, cycles] over the stages' update programs
     for s in sharded:
       for step in s.update.profile.steps:
-        if step.op.startswith("cross_replica"):
+        if (step.op or "").startswith("cross_replica"):
           entry = ops.setdefault(step.op, [0, 0.0])
           entry[0] += step.executions
           entry[1] += step.total_cycles * step.executions
