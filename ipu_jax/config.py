@@ -377,8 +377,11 @@ class _StreamingOptions(_Group):
       "state: gradients are reduce-scattered, each replica updates its shard "
       "of the weights, and the new weights are all-gathered (TensorFlow-IPU's "
       "replicated_optimizer_state_sharding, PopTorch's "
-      "useReplicatedTensorSharding). The optimizer must act elementwise "
-      "(SGD, momentum, Adam, ...).")
+      "useReplicatedTensorSharding). The optimizer's update runs on the shards "
+      "(ipu_jax/sharded_optimizer.py): elementwise work per shard, norms over a "
+      "whole weight (LAMB, global-norm clipping) reduced across the replicas; "
+      "an update that mixes elements otherwise is refused before anything runs. "
+      "Applies to the Keras-like fit and to ipu_jax.pipelining.Pipeline.")
 
 
 # -- Pipelining (ipu_jax/pipelining/) ----------------------------------------------

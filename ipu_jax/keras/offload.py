@@ -9,19 +9,26 @@ Two ``IPUConfig.streaming`` options change how the Keras-like ``Model`` trains:
   weight update reads it and back right after, as TensorFlow-IPU's
   ``offload_weight_update_variables``.
 * ``replicated_tensor_sharding`` (with R > 1 replicas): each replica holds one
-  R-th of every optimizer-state leaf (the leaf flattened and zero-padded to a
-  multiple of R). The weight update becomes: reduce-scatter the gradients
-  (each replica receives the reduced gradients of its
-  shard), update that shard of the weights with that shard of the state, and
+  R-th of every optimizer-state leaf with an axis (the leaf flattened and
+  zero-padded to a multiple of R; scalar leaves, such as step counts, are
+  whole on every replica). The weight update becomes: reduce-scatter the
+  gradients (each replica receives the reduced gradients of its shard),
+  update that shard of the weights with that shard of the state, and
   all-gather the new weights (``ipu_jax.ops.cross_replica_reduce_scatter`` /
-  ``cross_replica_all_gather``), in place of one all-reduce
-  of the gradients (TensorFlow-IPU ``replicated_optimizer_state_sharding``,
-  PopTorch ``useReplicatedTensorSharding``). A ring reduce-scatter and a ring
-  all-gather each move (R - 1)/R of the bytes per replica over the IPU-Links,
-  as the two halves of a ring all-reduce do, so the traffic is the same as
-  unsharded training while the state, and the update's work, shrink R-fold.
-  The optimizer must act elementwise (SGD, momentum, Adam, LAMB's moments
-  are; a global-norm clip is not): the shards are updated independently.
+  ``cross_replica_all_gather``), in place of one all-reduce of the gradients
+  (TensorFlow-IPU ``replicated_optimizer_state_sharding``, PopTorch
+  ``useReplicatedTensorSharding``). A ring reduce-scatter and a ring
+  all-gather each move (R - 1)/R of the bytes per replica over the
+  IPU-Links, as the two halves of a ring all-reduce do, so the traffic is the
+  same as unsharded training while the state, and the update's work, shrink
+  R-fold. The shard's update is the optimizer's own update program run on
+  shards (:class:`ipu_jax.sharded_optimizer.ShardedUpdate`): elementwise work
+  on the shard, and every norm or other reduction over a whole weight (LAMB's
+  trust ratio, global-norm clipping) reduced on the shard and then across the
+  replicas by a small all-reduce, so the weights equal unsharded training's.
+  An optimizer whose update mixes elements in other ways is refused with
+  :class:`~ipu_jax.sharded_optimizer.ShardedOptimizerError` while the
+  training program is traced, before anything runs.
 """
 
 from __future__ import annotations
@@ -29,13 +36,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ipu_jax import ops
-from ipu_jax.keras.replication import REPLICA_AXIS
+from ipu_jax.keras.replication import REPLICA_AXIS, cross_replica_mean, cross_replica_sum
+from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_leaf,
+                                       shard_length, shard_tree)
 
-__all__ = ["offloads_state", "shards_state", "jit_options", "shard_length",
-           "shard_params", "init_optimizer_state", "sharded_update"]
+__all__ = ["offloads_state", "shards_state", "jit_options", "init_optimizer_state",
+           "sharded_update"]
 
 
 def offloads_state(config) -> bool:
@@ -61,34 +69,16 @@ def jit_options(config, argnum: int, output: int) -> dict:
   return {"offload_argnums": (argnum,), "offload_outputs": (output,)}
 
 
-def shard_length(size: int, replicas: int) -> int:
-  """Elements of one replica's shard of a leaf of ``size`` elements."""
-  return -(-int(size) // replicas)
-
-
-def _flat_padded(x, replicas: int):
-  flat = jnp.reshape(x, (-1,))
-  return jnp.pad(flat, (0, shard_length(flat.size, replicas) * replicas - flat.size))
-
-
-def shard_params(params, replica, replicas: int):
-  """Replica ``replica``'s shard of every leaf (traceable in ``replica``)."""
-  def one(x):
-    n = shard_length(np.size(x), replicas)
-    return jax.lax.dynamic_slice_in_dim(_flat_padded(x, replicas), replica * n, n)
-  return jax.tree.map(one, params)
-
-
 def init_optimizer_state(optimizer, params, config, replication):
   """The optimizer state ``compile`` starts from.
 
   Sharded: stacked along a leading axis of this process's replicas, each
-  row the state of that replica's shard.
+  row that replica's shards of the full state (scalar leaves whole).
   """
   if not shards_state(config, replication.num_replicas):
     return optimizer.init(params)
-  R = replication.num_replicas
-  shards = [optimizer.init(shard_params(params, int(r), R)) for r in replication.replica_ids]
+  program = ShardedUpdate(optimizer, params, replication.num_replicas)
+  shards = [program.init(params, int(r)) for r in replication.replica_ids]
   return jax.tree.map(lambda *xs: jnp.stack(xs), *shards)
 
 
@@ -101,7 +91,7 @@ def sharded_update(optimizer, grads, opt_state, params, replica, replicas: int,
   """One weight update with replicated tensor sharding (see the module docstring).
 
   Args:
-    optimizer: the optax transformation (elementwise).
+    optimizer: the optax transformation.
     grads: this replica's (micro-batch) gradients, full size.
     opt_state: this replica's shard of the optimizer state.
     params: the full weights (equal on every replica).
@@ -111,18 +101,26 @@ def sharded_update(optimizer, grads, opt_state, params, replica, replicas: int,
 
   Returns:
     ``(new params, new opt_state shard)``.
+
+  Raises:
+    ShardedOptimizerError: the optimizer's update cannot run on shards.
   """
   def scatter(g):
-    shard = ops.cross_replica_reduce_scatter(_flat_padded(g, replicas), replicas, REPLICA_AXIS)
+    if not is_sharded_leaf(g):  # a scalar weight: all-reduced, updated whole
+      return (cross_replica_mean(g) if reduction == "mean" else cross_replica_sum(g))
+    n = shard_length(np.size(g), replicas)
+    flat = jnp.pad(jnp.reshape(g, (-1,)), (0, n * replicas - np.size(g)))
+    shard = ops.cross_replica_reduce_scatter(flat, replicas, REPLICA_AXIS)
     return shard / replicas if reduction == "mean" else shard
 
+  program = ShardedUpdate(optimizer, params, replicas)
   grad_shards = jax.tree.map(scatter, grads)
-  param_shards = shard_params(params, replica, replicas)
-  updates, opt_state = optimizer.update(grad_shards, opt_state, param_shards)
-  new_shards = optax.apply_updates(param_shards, updates)
+  new_shards, opt_state = program(grad_shards, opt_state,
+                                  shard_tree(params, replica, replicas), replica)
 
   def gather(shard, like):
-    full = ops.cross_replica_all_gather(shard, replicas, REPLICA_AXIS)
-    return jnp.reshape(full[:np.size(like)], np.shape(like)).astype(like.dtype)
+    if not is_sharded_leaf(like):
+      return shard
+    return gather_leaf(ops.cross_replica_all_gather(shard, replicas, REPLICA_AXIS), like)
 
   return jax.tree.map(gather, new_shards, params), opt_state

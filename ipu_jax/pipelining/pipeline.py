@@ -24,7 +24,9 @@ their gradient contributions into its accumulator; read across IPUs it is
 refused. The rules: :mod:`~ipu_jax.pipelining.layout`.
 
 With ``replication_factor`` R, R copies of the pipeline use R x N IPUs; each
-stage's gradients are all-reduced over its R copies before its update.
+stage's gradients are all-reduced over its R copies before its update
+(reduce-scattered, and the weights all-gathered after it, with the state
+sharded: :mod:`~ipu_jax.pipelining.weight_update`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.pipelining import layout, links, schedule as schedule_lib, stage_programs
+from ipu_jax.pipelining import weight_update
 from ipu_jax.pipelining.micro_batches import MicroBatchInputs, StepTaps
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
@@ -79,8 +82,9 @@ class Pipeline:
       :func:`ipu_jax.ops.pipeline_stage` marks.
     optimizer: an optax ``GradientTransformation`` applied to the weights
       each stage owns, on its IPU (so optimizers that mix weights across
-      stages, e.g. global-norm clipping, are not supported); None to only
-      compute gradients.
+      stages, e.g. global-norm clipping, see each stage's own weights); None
+      to only compute gradients. ``config.streaming`` offloads and shards its
+      state (:mod:`~ipu_jax.pipelining.weight_update`).
     config: the :class:`ipu_jax.IPUConfig`: ``auto_select_ipus`` IPUs per
       pipeline, ``device``, ``pipelining``, ``training`` and
       ``replication_factor``; default: the active default config.
@@ -212,14 +216,8 @@ class Pipeline:
       cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
       acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
       bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
-      update = None
       # The stage updates the weights it owns (tied ones once, by their first reader).
-      o_k = [flat_params[i] for i in stage.owned]
-      if self.optimizer is not None:
-        state = self.optimizer.init(o_k)
-        acc_o = [jnp.zeros(np.shape(p), p.dtype) for p in o_k]
-        update = jit(stage_programs.update_function(self.optimizer), config=cfg).lower(
-            o_k, state, acc_o)
+      update = weight_update.lower_update(self, [flat_params[i] for i in stage.owned], cfg)
       # Residuals that are the stage's own weights stay where they are.
       invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
       num_out = len(outs)
@@ -306,8 +304,7 @@ class Pipeline:
         copies_backward=[self.copies(k, "backward") for k in range(len(stages))],
         sync=target.ipu_sync_cycles(num_ipus),
         weight_update=[s.update.profile.total_cycles if s.update else 0.0 for s in stages],
-        all_reduce=[links.all_reduce_cycles(target, self.replicas, s.weight_bytes, s.ipu,
-                                            num_ipus) for s in stages],
+        all_reduce=[weight_update.gradient_reduction_cycles(self, s, num_ipus) for s in stages],
         copy_cost=functools.partial(links.slot_copy_cycles, target))
 
   # -- running ----------------------------------------------------------------
@@ -334,7 +331,7 @@ class Pipeline:
       raise PipelineError("Pipeline.init needs an optimizer; this pipeline has none.")
     self.lower(params, batches, rng=rng, state=state)
     flat = jax.tree_util.tree_leaves(params)
-    return [self.optimizer.init([flat[i] for i in s.owned]) for s in self.staged.stages]
+    return weight_update.init_state(self, flat)
 
   def step(self, params, opt_state, batches, *, rng=None, state=None):
     """One training step: G x R micro-batches, then each stage's update.

@@ -144,7 +144,8 @@ class PipelineReport:
       stages = ", ".join(map(str, m["stages"]))
       lines.append(f"  {ipu:>5d}  {stages:<14s} {m['max_tile_bytes']:>12,d} "
                    f"{m['total_bytes']:>13,d} {m['stash_bytes']:>13,d}")
-    return "\n".join(lines)
+    from ipu_jax.pipelining.weight_update import summary_lines
+    return "\n".join(lines + summary_lines(self))
 
   def trace_events(self) -> list:
     """Chrome trace events: process = used IPU, one span per pass / copy / update.
