@@ -217,7 +217,8 @@ class Pipeline:
       acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
       bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
       # The stage updates the weights it owns (tied ones once, by their first reader).
-      update = weight_update.lower_update(self, [flat_params[i] for i in stage.owned], cfg)
+      o_k = [flat_params[i] for i in stage.owned]
+      update = weight_update.lower_update(self, o_k, cfg)
       # Residuals that are the stage's own weights stay where they are.
       invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
       num_out = len(outs)
