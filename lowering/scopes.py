@@ -21,23 +21,38 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["ScopeCost", "by_scope", "costliest_scopes_table", "join_scopes", "module_path",
+__all__ = ["ScopeCost", "by_scope", "SEPARATE_GRADIENT_SCOPES", "costliest_scopes_table", "join_scopes", "module_path",
            "truncate", "NO_SCOPE"]
 
 NO_SCOPE = "(no scope)"
+
+
+# Scopes whose backward pass is costed apart from their forward pass, under
+# "<scope>/grad": a training step's loss (its gradient is not the model's).
+# Every other scope's backward pass counts with its forward pass, so a layer's
+# cost is both.
+SEPARATE_GRADIENT_SCOPES = ("loss",)
+GRADIENT = "grad"
 
 
 def module_path(name_stack) -> str:
   """The scope names of a ``source_info.name_stack``, joined by ``/``.
 
   Transformations (``jvp``, ``transpose``, ``vmap``) are dropped: they say how
-  an operation was derived, not which module it belongs to.
+  an operation was derived, not which module it belongs to; but the backward
+  pass (``transpose``) of a scope of :data:`SEPARATE_GRADIENT_SCOPES` is
+  ``loss/grad``, not ``loss``.
   """
   stack = getattr(name_stack, "stack", None)
   if stack is None:  # a plain string
     return str(name_stack or "")
   from ipu_jax.lowering.jax_compat import source_info_util
-  return "/".join(e.name for e in stack if isinstance(e, source_info_util.Scope) and e.name)
+  names = [e.name for e in stack if isinstance(e, source_info_util.Scope) and e.name]
+  if names and names[0].split("/")[0] in SEPARATE_GRADIENT_SCOPES and any(
+      isinstance(e, source_info_util.Transform) and e.name == "transpose" for e in stack):
+    head, _, rest = names[0].partition("/")
+    names[0] = "/".join(p for p in (head, GRADIENT, rest) if p)
+  return "/".join(names)
 
 
 def join_scopes(outer: str, inner: str) -> str:

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from ipu_jax import ops
+from ipu_jax.keras import scopes
 from ipu_jax.keras.replication import REPLICA_AXIS
 
 __all__ = ["offloads_state", "shards_state", "jit_options", "shard_length",
@@ -119,7 +120,8 @@ def sharded_update(optimizer, grads, opt_state, params, replica, replicas: int,
   grad_shards = jax.tree.map(scatter, grads)
   param_shards = shard_params(params, replica, replicas)
   updates, opt_state = optimizer.update(grad_shards, opt_state, param_shards)
-  new_shards = optax.apply_updates(param_shards, updates)
+  with scopes.scope(scopes.APPLY_UPDATES):
+    new_shards = optax.apply_updates(param_shards, updates)
 
   def gather(shard, like):
     full = ops.cross_replica_all_gather(shard, replicas, REPLICA_AXIS)
