@@ -261,7 +261,7 @@ def finish(model, settings: Settings, results: dict, name: str) -> dict:
   report = model.train_report or model.report
   report_dir = settings.report_dir or os.path.join("reports", name)
   if report is not None:
-    print(report.summary())
+    print(report.summary(), end="")  # as `python -m ipu_jax.report DIR` prints it
     if jax.process_index() == 0:
       report.save(report_dir)
       print(f"report written to {report_dir}")

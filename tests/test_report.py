@@ -522,6 +522,70 @@ class CommandLineTest(chex.TestCase):
     self.assertIn("error:", result.stderr)
 
 
+def _scoped_profile():
+  """``_make_profile`` with module paths and a run setup, as a Keras-like fit has."""
+  from ipu_jax.lowering.run_setup import RunSetup
+  profile = _make_profile()
+  for step, scope in zip(profile.steps, ("MLP/dense", "loss", "")):
+    step.scope = scope
+  for tensor, scope in zip(profile.tensors, ("MLP/dense", "", "MLP/dense")):
+    tensor.scope = scope
+  profile.run_setup = RunSetup(
+      program="train", target="ipu2", num_ipus=1, tiles_per_ipu=16, replicas=1,
+      gradient_accumulation_steps=2, gradient_accumulation_reduction="mean",
+      replica_reduction="mean", steps_per_execution=4, micro_batch=8, global_batch=16,
+      weight_updates_per_execution=2, param_dtypes=("float32",),
+      matmul_available_memory_proportion=0.6, conv_available_memory_proportion=0.6)
+  return profile
+
+
+def _keras_fit_report():
+  """The train report of a 16-tile fit with its optimizer state in streaming memory."""
+  import optax
+  from flax import nnx
+  import ipu_jax
+  import ipu_jax.keras
+  from tests import testing_utils
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = 16
+  cfg.streaming.offload_optimizer_state = True
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(32, 8)).astype(np.float32), rng.integers(0, 4, 32)
+  with ipu_jax.IPUStrategy(cfg).scope():
+    model = ipu_jax.keras.Model(testing_utils.TwoLayerMLP(rngs=nnx.Rngs(0)))
+    model.compile(optimizer=ipu_jax.keras.LossScaleOptimizer(optax.adam(1e-3)),
+                  loss="sparse_categorical_crossentropy", steps_per_execution=2)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  return model.reports["train"]
+
+
+class SavedEqualsLiveTest(chex.TestCase, parameterized.TestCase):
+  """``python -m ipu_jax.report DIR`` prints exactly what the live report printed."""
+
+  @parameterized.named_parameters(("scoped_profile", _scoped_profile),
+                                  ("keras_fit", _keras_fit_report))
+  def test_saved_summary_is_the_live_summary(self, make):
+    live = make()
+    if isinstance(live, ProgramProfile):
+      live = report_lib.Report(live)
+    directory = self.create_tempdir().full_path
+    live.save(directory, plots=False, html=False)
+    saved = report_lib.load_report(directory)
+    for top in (10, 3):
+      self.assertEqual(saved.summary(top=top), live.summary(top=top))
+    text = live.summary()
+    self.assertIn("Run setup:\n  Program: train step", text)
+    self.assertIn("Costliest module paths", text)
+    if make is _keras_fit_report:
+      self.assertIn("Streaming memory (one replica):", text)
+      self.assertIn("Number formats:", text)
+    result = _run_cli(directory)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertEqual(result.stdout, text)
+    result = _run_cli(directory, "--top", "3")
+    self.assertEqual(result.stdout, live.summary(top=3))
+
+
 class AutoSaveTest(chex.TestCase):
 
   def test_none_directory_does_nothing(self):

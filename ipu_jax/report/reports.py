@@ -265,6 +265,23 @@ class ReportBase(SummaryMixin):
       totals[row["op"]] += row["cycles"]
     return dict(totals)
 
+  def by_scope(self, depth: int = 2) -> list:
+    """Cycles and memory grouped by module path (``jax.named_scope``, Flax).
+
+    Args:
+      depth: how many levels of the path to keep (``Model/block_0`` at 2).
+
+    Returns:
+      ``ScopeCost`` rows (``scope``, ``cycles``, ``cycle_share``, ``steps``,
+      ``flops``, ``tensor_bytes``, ``working_bytes``), costliest first; the
+      same for a live report and the report saved from it.
+    """
+    steps, tensors = self._data.steps, self._data.tensors
+    return scopes.scope_costs(
+        steps.scopes, steps.sync + steps.exchange + steps.compute_max, steps.executions,
+        steps.flops, steps.temporary_peak, [t.get("scope", "") for t in tensors],
+        [t["total_bytes"] for t in tensors], depth)
+
   def largest_tensors(self, count: int = 10) -> list:
     """The ``count`` tensors with the most bytes (dicts as in report.json)."""
     return sorted(self._data.tensors,
@@ -408,18 +425,6 @@ class Report(ReportBase):
     self.profile = profile
     self._cached = None
 
-  def by_scope(self, depth: int = 2) -> list:
-    """Cycles and memory grouped by module path (``jax.named_scope``, Flax).
-
-    Args:
-      depth: how many levels of the path to keep (``Model/block_0`` at 2).
-
-    Returns:
-      ``ScopeCost`` rows (``scope``, ``cycles``, ``cycle_share``, ``steps``,
-      ``flops``, ``tensor_bytes``, ``working_bytes``), costliest first.
-    """
-    return scopes.by_scope(self.profile, depth)
-
   def _streaming_dict(self):
     return streaming_to_json(self.profile)
 
@@ -430,15 +435,6 @@ class Report(ReportBase):
   def _run_setup_dict(self):
     setup = getattr(self.profile, "run_setup", None)
     return None if setup is None else setup.as_dict()
-
-  def _summary_run_setup(self) -> list:
-    setup = getattr(self.profile, "run_setup", None)
-    return [] if setup is None else ["Run setup:"] + [f"  {line}" for line in setup.summary_lines()]
-
-  def _summary_scopes(self) -> list:
-    if not any(step.scope for step in self.profile.steps):
-      return []
-    return scopes.costliest_scopes_table(self.profile, depth=2, top=5).splitlines()
 
   @property
   def _data(self) -> ReportData:
