@@ -224,11 +224,13 @@ class ReportBase(SummaryMixin):
 
     Returns:
       A list of dicts with keys ``op``, ``source``, ``steps``, ``executions``,
-      ``cycles`` (cycles x executions), ``compute``, ``exchange``, ``sync``
-      and ``flops``.
+      ``cycles`` (cycles x executions), ``compute``, ``exchange``, ``sync``,
+      ``flops`` and ``scope``: the module paths of its steps, costliest first,
+      joined by ", " ('' when none has one; one source line may be a
+      forward and a backward operation, ``loss`` and ``loss/grad``).
     """
     steps = self._data.steps
-    groups = {}
+    groups, by_scope = {}, collections.defaultdict(lambda: collections.defaultdict(float))
     for i in range(len(steps)):
       key = (steps.ops[i], steps.sources[i])
       row = groups.setdefault(key, {
@@ -242,8 +244,13 @@ class ReportBase(SummaryMixin):
       row["exchange"] += float(steps.exchange[i]) * executions
       row["sync"] += float(steps.sync[i]) * executions
       row["flops"] += int(steps.flops[i]) * executions
-    for row in groups.values():
+      by_scope[key][steps.scopes[i] if i < len(steps.scopes) else ""] += (
+          float(steps.compute_max[i] + steps.exchange[i] + steps.sync[i]) * executions)
+    for key, row in groups.items():
       row["cycles"] = row["compute"] + row["exchange"] + row["sync"]
+      ranked = sorted(((c, s) for s, c in by_scope[key].items() if s),
+                      key=lambda cs: (-cs[0], cs[1]))
+      row["scope"] = ", ".join(s for _, s in ranked)
     return sorted(groups.values(), key=lambda r: -r["cycles"])
 
   def temporary_memory_by_op(self) -> dict:
