@@ -586,6 +586,92 @@ class SavedEqualsLiveTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(result.stdout, live.summary(top=3))
 
 
+class OutOfMemoryHintsTest(chex.TestCase, parameterized.TestCase):
+  """Out-of-memory messages list what fills the tile, largest first, and the fitting remedy."""
+
+  def _message(self, fn, *args):
+    import ipu_jax
+    one_tile = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=1)
+    with self.assertRaises(ipu_jax.OutOfMemoryError) as caught:
+      ipu_jax.jit(fn, target=one_tile).lower(*args)
+    return str(caught.exception)
+
+  def _listed_bytes(self, message):
+    block = message.split("at its peak:\n", 1)[1].split("What may help:", 1)[0]
+    return [int(line.split(" B ", 1)[0].replace(",", "")) for line in block.splitlines()
+            if line.strip()]
+
+  def _hints(self, message):
+    return [line.strip() for line in message.split("What may help:\n", 1)[1].splitlines()]
+
+  def test_optimizer_state_points_at_offloading_it(self):
+    import jax.numpy as jnp
+
+    def update(params, opt_state, grads):
+      mu = {k: 0.9 * opt_state["mu"][k] + 0.1 * g for k, g in grads.items()}
+      nu = {k: 0.99 * opt_state["nu"][k] + 0.01 * g * g for k, g in grads.items()}
+      new = {k: params[k] - 1e-3 * mu[k] / (jnp.sqrt(nu[k]) + 1e-8) for k in params}
+      return new, {"mu": mu, "nu": nu}
+
+    leaf = lambda: jnp.ones((20_000,), jnp.float32)
+    message = self._message(update, {"w": leaf()}, {"mu": {"w": leaf()}, "nu": {"w": leaf()}},
+                            {"w": leaf()})
+    self.assertIn("opt_state/mu/w", message)
+    listed = self._listed_bytes(message)
+    self.assertEqual(listed, sorted(listed, reverse=True))
+    hints = self._hints(message)
+    self.assertTrue(hints[0].startswith("- optimizer state: 160,000 B"), hints)
+    for field in ("streaming.offload_optimizer_state", "streaming.replicated_tensor_sharding",
+                  "memory.allow_out_of_memory"):
+      self.assertIn(field, message)
+
+  def test_kept_activations_point_at_recomputation(self):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(x):
+      for _ in range(6):
+        x = jnp.tanh(x) * 1.5
+      return jnp.sum(x)
+
+    message = self._message(jax.grad(loss), jnp.ones((40_000,), jnp.float32))
+    listed = self._listed_bytes(message)
+    self.assertEqual(listed, sorted(listed, reverse=True))
+    hints = self._hints(message)
+    self.assertTrue(hints[0].startswith("- activations:"), hints)
+    self.assertIn("pipelining.recomputation", hints[0])
+    self.assertNotIn("optimizer state", message)
+
+  @parameterized.named_parameters(
+      ("optimizer_state", "opt_state/0/mu/dense/kernel", "variables", "", "optimizer state",
+       "streaming.offload_optimizer_state"),
+      ("matmul_partials", "dot_general/partials", "temporaries", "dot_general",
+       "matmul working memory", "matmuls.available_memory_proportion"),
+      ("convolution", "working memory of step conv", "temporaries", "conv_general_dilated",
+       "convolution working memory", "convolutions.available_memory_proportion"),
+      ("activation", "tanh", "temporaries", "tanh", "activations", "pipelining.recomputation"),
+      ("weights", "params/dense/kernel", "variables", "", "weights and inputs", None),
+  )
+  def test_each_kind_names_its_config_field(self, name, category, op, kind, field):
+    from ipu_jax.lowering import memory_hints
+    holding = memory_hints.Holding(name, category, 50_000, op)
+    self.assertEqual(holding.kind, kind)
+    lines = memory_hints.hint_lines([holding], over_by=1_000)
+    if field is None:
+      self.assertLen(lines, 1)  # only the fallbacks
+    else:
+      self.assertIn(field, lines[0])
+      self.assertIn("50,000 B on this tile (more than the 1,000 B over)", lines[0])
+    self.assertIn("memory.allow_out_of_memory", lines[-1])
+
+  def test_optimizer_state_first_when_moving_it_alone_fits(self):
+    from ipu_jax.lowering import memory_hints
+    held = [memory_hints.Holding("tanh", "temporaries", 500_000, "tanh"),
+            memory_hints.Holding("opt_state/mu/w", "variables", 40_000)]
+    self.assertIn("optimizer state", memory_hints.hint_lines(held, over_by=20_000)[0])
+    self.assertIn("activations", memory_hints.hint_lines(held, over_by=60_000)[0])
+
+
 class AutoSaveTest(chex.TestCase):
 
   def test_none_directory_does_nothing(self):

@@ -15,6 +15,7 @@ import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
+from ipu_jax.lowering import memory_hints
 from ipu_jax.lowering.run_setup import RunSetup
 from ipu_jax.lowering.scopes import costliest_scopes_table
 from ipu_jax.report.formatting import category_label
@@ -336,9 +337,11 @@ class SummaryMixin:
             t["op"] or "?", short_source(t["source"])]
            for t in data.peak_tile_tensors], indent="    ",
           right=(False, False, True))
-    lines += ["", "  What might help: spread large tensors over more tiles, "
-              "lower availableMemoryProportion, recompute activations, "
-              "or use more IPUs."]
+    holdings = [memory_hints.Holding(t["name"], t["category"], int(t["bytes"]), t["op"] or "",
+                                     t["source"] or "") for t in data.peak_tile_tensors]
+    lines += ["", "  What may help:"]
+    lines += memory_hints.hint_lines(holdings, int(data.peak[order[0]]) - data.tile_limit,
+                                     indent="    ")
     return lines
 
 
