@@ -13,7 +13,7 @@ shrink it (names of :class:`ipu_jax.IPUConfig` fields):
   partial sums, the ``partials`` tensors): lower
   ``matmuls.available_memory_proportion`` /
   ``convolutions.available_memory_proportion``, or serialise the matmul
-  (``ipu_jax.ops.serialized_matmul``);
+  into pieces (``serialized_matmul`` of ``ipu_jax.ops``);
 * **activations** (other temporaries live at the tile's peak, chiefly what
   the forward pass keeps for the backward pass): recompute them
   (``pipelining.recomputation`` with ``ipu_jax.ops.recomputation_checkpoint``,
@@ -49,7 +49,7 @@ _ADVICE = {
         "(streaming.replicated_tensor_sharding = True with replication_factor > 1)"),
     MATMUL: (
         "lower matmuls.available_memory_proportion (fewer operand blocks and partials per "
-        "tile, more steps), or serialise the matmul into pieces (ipu_jax.ops.serialized_matmul)"),
+        "tile, more steps), or serialise the matmul into pieces (serialized_matmul of ipu_jax.ops)"),
     CONVOLUTION: (
         "lower convolutions.available_memory_proportion (fewer operand blocks and partials "
         "per tile)"),
