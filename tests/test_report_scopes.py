@@ -102,6 +102,27 @@ class FitScopesTest(parameterized.TestCase):
                      [r.as_dict() for r in scopes.by_scope(report.profile, 2)])
 
 
+class MainJobTest(parameterized.TestCase):
+  """The README's main job (``python -m experiments.mnist``), one epoch on the full ipu2."""
+
+  def test_main_job_fit_costs_carry_scopes(self):
+    from experiments import common, mnist
+    directory = self.create_tempdir().full_path
+    settings = common.Settings(epochs=1, learning_rate=3e-3, batch_size=32, verbose=0,
+                               report_dir=directory)
+    mnist.run(settings)
+    report = ipu_jax.report.load_report(directory)
+    rows = {r.scope: r for r in report.by_scope(depth=0)}
+    self.assertGreaterEqual(1.0 - rows[NO_SCOPE].cycle_share, 0.9, sorted(rows))
+    operations = report.cycles_by_operation()
+    fit_file = os.path.join("experiments", "common.py")
+    for row in operations:
+      scope = row["scope"]
+      if scope.startswith(("loss", "optimizer")):
+        self.assertNotIn(fit_file, row["source"], row)
+    self.assertTrue(any(r["scope"].startswith("optimizer") for r in operations))
+
+
 class ModulePathTest(parameterized.TestCase):
 
   def _paths(self, fn, *args):
