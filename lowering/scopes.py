@@ -11,7 +11,8 @@ together, and the lowering joins it to the enclosing path.
 
 :func:`by_scope` groups a :class:`~ipu_jax.lowering.profile.ProgramProfile`'s
 cycles and memory by module path cut to a depth (NumPy grouping over the
-steps and tensors, no per-tile loops); :func:`costliest_scopes_table` is the
+steps and tensors, no per-tile loops); :func:`scope_costs` does the same over
+plain columns, which a saved report has; :func:`costliest_scopes_table` is the
 text a summary prints.
 """
 
@@ -21,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["ScopeCost", "by_scope", "scope_costs", "SEPARATE_GRADIENT_SCOPES", "costliest_scopes_table", "join_scopes", "module_path",
-           "truncate", "NO_SCOPE"]
+__all__ = ["ScopeCost", "by_scope", "scope_costs", "costliest_scopes_table", "join_scopes",
+           "module_path", "truncate", "NO_SCOPE", "SEPARATE_GRADIENT_SCOPES"]
 
 NO_SCOPE = "(no scope)"
 
