@@ -9,16 +9,17 @@ Two kinds of key carry no information for a reader and are dropped:
 
 * a trailing ``.value``: Flax NNX variables flatten to their ``value``
   (``hidden1/kernel/value`` is the kernel);
-* an index into a tuple or list, when every name stays distinct without it:
-  optax states are tuples of the chained transforms' states, so Adam's first
-  moment is ``opt_state/mu/hidden1/kernel`` rather than
-  ``opt_state/0/mu/hidden1/kernel``. Where two leaves would share a name (two
-  transforms with a ``mu``, ``layers/0/kernel`` and ``layers/1/kernel``) the
-  indices are kept.
+* an index into a tuple or list, where the leaf's name stays its own without
+  it: optax states are tuples of the chained transforms' states, so Adam's
+  first moment is ``opt_state/mu/hidden1/kernel`` rather than
+  ``opt_state/0/mu/hidden1/kernel``. Leaves that would share a name (two
+  transforms with a ``mu``, ``layers/0/kernel`` and ``layers/1/kernel``) keep
+  their indices.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Optional, Sequence
 
 from jax import tree_util
@@ -76,9 +77,9 @@ def argument_names(paths: Sequence[tuple],
     One name per path, all distinct when the paths are.
   """
   roots = [_root(path[0], path[1], positional) for path in paths]
-  for keep_indices in (False, True):
-    names = ["/".join([root] + _parts(path[2:], keep_indices))
-             for root, path in zip(roots, paths)]
-    if len(set(names)) == len(names):
-      return names
-  return names
+  full = ["/".join([root] + _parts(path[2:], True)) for root, path in zip(roots, paths)]
+  short = ["/".join([root] + _parts(path[2:], False)) for root, path in zip(roots, paths)]
+  counts = collections.Counter(short)
+  # Each leaf drops its indices unless another leaf would then share its name.
+  names = [s if counts[s] == 1 else f for s, f in zip(short, full)]
+  return names if len(set(names)) == len(names) else full

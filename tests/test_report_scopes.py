@@ -208,6 +208,11 @@ class ArgumentNamesTest(parameterized.TestCase):
     names = self._names(([{"kernel": 1.0}, {"kernel": 2.0}],), positional=("layers",))
     self.assertEqual(names, ["layers/0/kernel", "layers/1/kernel"])
 
+  def test_each_leaf_keeps_indices_only_where_needed(self):
+    names = self._names((({"w": 1.0}, {"opt_state": ({"mu": 2.0},)}), [3.0, 4.0]),
+                        positional=("state", "others"))
+    self.assertEqual(names, ["state/w", "state/opt_state/mu", "others/0", "others/1"])
+
   def test_nnx_variable_value_dropped(self):
     state = nnx.state(testing_utils.TwoLayerMLP(rngs=nnx.Rngs(0)))
     names = self._names((state,), positional=("params",))
