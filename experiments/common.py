@@ -2,7 +2,8 @@
 
 Every runner takes the same flags (absl)::
 
-  --target ipu1|ipu2|bow          IPU generation (default ipu2)
+  --target ipu1|ipu2|ipu21|bow    IPU generation: every preset of
+                                  ipu_jax.IPUTarget (default ipu2)
   --tiles_per_ipu N               tiles per IPU; 0 = the chip's (1,472 on ipu2)
   --ipus_per_replica N            IPUs each replica spans
   --replicas N                    data-parallel replicas (of this process)
@@ -22,7 +23,10 @@ Every runner takes the same flags (absl)::
 A runner module defines ``DEFAULTS`` (its epochs, learning rate, batch size,
 report directory) and ``run(settings)``; :func:`settings_from_flags` fills a
 :class:`Settings` from the flags, each flag left unset taking the runner's
-default, so tests can call ``run`` directly.
+default, so tests can call ``run`` directly. A runner adopts these flags as
+its own (``flags.adopt_module_key_flags(common)``), so its ``--help`` lists
+them beside its own; :func:`main_for` prints an out-of-memory or lowering
+error's message (not its traceback) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ import time
 from typing import Callable, Optional
 
 from absl import flags, logging
+
+from experiments.entry import quiet_backend_probe, reporting_errors  # noqa: F401 (re-exported)
+from ipu_jax.kernels.target import PRESETS
 
 FLAGS = flags.FLAGS
 
@@ -47,7 +54,7 @@ def _define(define, name, default, help_text, **kwargs):
 
 
 _define(flags.DEFINE_enum, "target", "ipu2", "IPU generation to emulate.",
-        enum_values=["ipu1", "ipu2", "bow"])
+        enum_values=sorted(PRESETS))
 _define(flags.DEFINE_integer, "tiles_per_ipu", 0, "Tiles per IPU; 0 = every tile of the chip.")
 _define(flags.DEFINE_integer, "ipus_per_replica", 1, "IPUs each replica spans.")
 _define(flags.DEFINE_integer, "replicas", 1, "Data-parallel replicas (in this process).")
@@ -121,41 +128,16 @@ def settings_from_flags(defaults: dict) -> Settings:
   return Settings(**values)
 
 
-# Packages through which JAX finds a TPU or GPU; with none installed there is
-# nothing to probe for.
-_ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin",
-                        "jax_rocm6_plugin", "jax_rocm7_plugin")
-
-
 def main_for(run: Callable[[Settings], dict], defaults: dict) -> Callable:
   """The ``absl.app`` main of a runner: its flags read as ``Settings`` over
-  the runner's ``defaults``, then ``run``."""
+  the runner's ``defaults``, then ``run`` (errors as :func:`reporting_errors`)."""
 
+  @reporting_errors
   def main(argv):
     del argv
     run(settings_from_flags(defaults))
 
   return main
-
-
-def quiet_backend_probe() -> None:
-  """Pins JAX to the CPU when no accelerator plugin is installed.
-
-  Otherwise JAX's first call probes for a TPU and a GPU and logs "Unable to
-  initialize backend 'tpu'" on every CPU-only machine, as the first lines of
-  every run. ``JAX_PLATFORMS`` (or ``jax_platforms``), when set, wins. Must
-  run before anything touches a JAX backend.
-  """
-  import importlib.metadata
-  import importlib.util
-  import jax
-  if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
-    return
-  if any(importlib.util.find_spec(name) for name in _ACCELERATOR_PLUGINS):
-    return
-  if list(importlib.metadata.entry_points(group="jax_plugins")):
-    return
-  jax.config.update("jax_platforms", "cpu")
 
 
 def setup_devices(settings: Settings) -> None:
@@ -197,13 +179,30 @@ def make_config(settings: Settings):
 
 
 def describe(settings: Settings, cfg, name: str) -> str:
+  """The run's first line: target, replicas, batches, and how gradients are reduced."""
   target = cfg.to_target()
+  replicas = settings.replicas * max(settings.num_processes, 1)
+  verb = "averaged" if settings.reduction == "mean" else "summed"
   return (f"{name}: {target.name}, {target.num_ipus} IPU(s) x {target.tiles_per_ipu:,} "
           f"tiles per replica, {settings.replicas} replica(s) x "
-          f"{max(settings.num_processes, 1)} process(es), G={settings.accumulation_steps} "
-          f"({settings.reduction}), S={settings.resolved_steps_per_execution}, "
+          f"{max(settings.num_processes, 1)} process(es), G={settings.accumulation_steps}, "
+          f"S={settings.resolved_steps_per_execution}, "
           f"micro-batch {settings.batch_size}, lr {settings.learning_rate}, "
-          f"{settings.epochs} epoch(s), {'emulated' if settings.emulate else 'plain JAX'}")
+          f"{settings.epochs} epoch(s), {'emulated' if settings.emulate else 'plain JAX'}; "
+          f"gradients {verb} over the {settings.accumulation_steps} micro-batch(es) and "
+          f"{replicas} replica(s) (--reduction {settings.reduction})")
+
+
+def whole_executions(num_samples: int, settings: Settings) -> Optional[int]:
+  """Steps per epoch that run whole executions, or None when the data is too small.
+
+  ``fit`` runs whole executions of ``steps_per_execution`` micro-batches; a
+  runner passes this as ``steps_per_epoch`` and says what it leaves out,
+  where ``fit`` would warn about it.
+  """
+  S = settings.resolved_steps_per_execution
+  steps = num_samples // settings.batch_size // S * S
+  return steps or None
 
 
 def train_and_evaluate(settings: Settings, module, train, test, name: str,
@@ -242,9 +241,16 @@ def train_and_evaluate(settings: Settings, module, train, test, name: str,
                   steps_per_execution=settings.resolved_steps_per_execution,
                   emulate=settings.emulate)
     model.summary()
+    steps = whole_executions(len(train[0]), settings)
+    if steps is not None and steps * settings.batch_size < len(train[0]):
+      print(f"fit: {steps // settings.resolved_steps_per_execution} execution(s) of "
+            f"{settings.resolved_steps_per_execution} x {settings.batch_size} samples per "
+            f"epoch; each epoch leaves out {len(train[0]) - steps * settings.batch_size} of "
+            f"the {len(train[0])} (a new shuffle each epoch)")
     with Timer() as timer:
       history = model.fit(*train, batch_size=settings.batch_size,
-                          epochs=settings.epochs, verbose=settings.verbose)
+                          epochs=settings.epochs, verbose=settings.verbose,
+                          steps_per_epoch=steps)
     evaluation = model.evaluate(*test, batch_size=settings.batch_size, verbose=0)
   results = {
       "test_loss": evaluation["loss"], "test_accuracy": evaluation["accuracy"],
@@ -261,7 +267,7 @@ def finish(model, settings: Settings, results: dict, name: str) -> dict:
   report = model.train_report or model.report
   report_dir = settings.report_dir or os.path.join("reports", name)
   if report is not None:
-    print(report.summary())
+    print(report.summary(), end="")  # as `python -m ipu_jax.report DIR` prints it
     if jax.process_index() == 0:
       report.save(report_dir)
       print(f"report written to {report_dir}")

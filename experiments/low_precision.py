@@ -41,6 +41,8 @@ if __package__ in (None, ""):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from experiments import entry  # noqa: E402
+
 
 def _define(define, name, default, help_text):
   # The shared runner flags (experiments/common.py) may already be defined
@@ -258,8 +260,10 @@ def plot(results, out_dir):
   return path
 
 
+@entry.reporting_errors
 def main(argv):
   del argv
+  entry.quiet_backend_probe()
   f = flags.FLAGS
   os.makedirs(f.out_dir, exist_ok=True)
   for v in f.variants:

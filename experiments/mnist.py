@@ -23,13 +23,16 @@ import os
 import struct
 
 import numpy as np
-from absl import app
+from absl import app, flags
 
 if __package__ in (None, ""):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import common  # noqa: E402
+
+# The shared flags are this runner's own: --help lists them (not only --helpfull).
+flags.adopt_module_key_flags(common)
 
 NAME = "mnist"
 DEFAULTS = {"epochs": 8, "learning_rate": 3e-3, "batch_size": 32}

@@ -24,6 +24,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments import entry
+
 _FLAGS = flags.FLAGS
 flags.DEFINE_integer("tiles_per_ipu", 16, "Tiles per IPU (small: a fast emulation).")
 flags.DEFINE_integer("stages", 4, "Pipeline stages, one IPU each.")
@@ -85,8 +87,10 @@ def make_loss(layers, stages, heads=4):
   return loss
 
 
+@entry.reporting_errors
 def main(argv):
   del argv
+  entry.quiet_backend_probe()
   import jax
   import jax.numpy as jnp
   import optax

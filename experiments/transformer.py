@@ -32,6 +32,9 @@ if __package__ in (None, ""):
 
 from experiments import common  # noqa: E402
 
+# The shared flags are this runner's own: --help lists them (not only --helpfull).
+flags.adopt_module_key_flags(common)
+
 if "task" not in flags.FLAGS:
   flags.DEFINE_enum("task", "shift", ["shift", "reverse"], "The synthetic sequence task.")
 if "offload_optimizer_state" not in flags.FLAGS:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import compile_progress
+from ipu_jax.argument_names import argument_names
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
@@ -599,8 +600,9 @@ class IPUFunction:
     key = (in_tree, avals, static, target, options, replicas, _bound_replicas(), offload)
     lowered = self._cache.get(key)
     if lowered is None:
-      # Arguments are named by their pytree path: "args[0]['Dense_0']['kernel']".
-      arg_names = [_argument_name(path) for path, _ in with_paths]
+      # Arguments are named by their pytree path: "params/Dense_0/kernel".
+      arg_names = argument_names([path for path, _ in with_paths],
+                                 self._dynamic_parameter_names(len(args), static))
       with self._progress() as progress:
         lowered = Lowered(call, flat, in_tree, self.__name__, target, options,
                           call_site=user_call_site(),
@@ -608,6 +610,13 @@ class IPUFunction:
                           progress=progress, offload=offload)
       self._cache[key] = lowered
     return lowered, flat
+
+  def _dynamic_parameter_names(self, num_args: int, static) -> list:
+    """The parameter name of each dynamic positional argument (None where unknown)."""
+    names = self._positional_names or ()
+    static_positions = {key for key, _, _ in static if isinstance(key, int)}
+    return [names[i] if i < len(names) else None
+            for i in range(num_args) if i not in static_positions]
 
   def __call__(self, *args, **kwargs):
     lowered, flat = self._lower(args, kwargs)

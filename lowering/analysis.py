@@ -21,6 +21,7 @@ import functools
 import numpy as np
 
 from ipu_jax.lowering.errors import OutOfMemoryError
+from ipu_jax.lowering import memory_hints
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.control_tree import control_tree
@@ -341,9 +342,54 @@ def profile_program(program: P.Program, target: IPUTarget, *, persistent=(),
                         control=control_tree(program))
 
 
+def _holdings_at_peak(profile: ProgramProfile, tile: int) -> list:
+  """What ``tile`` holds at its peak step: tensors live there and that step's working memory.
+
+  Always-live tensors (variables, constants) count at every step; a
+  temporary from its first to its last use. The peak step is the one with
+  the most of these bytes on the tile.
+  """
+  n_steps = len(profile.steps)
+  held = []  # (holding, live_from, live_to)
+  for tensor in profile.tensors:
+    hit = np.nonzero(tensor.tiles == tile)[0]
+    if not hit.size:
+      continue
+    nbytes = int(tensor.bytes_on_tile[hit].sum())
+    always = tensor.category in ALWAYS_LIVE_CATEGORIES
+    lo, hi = (0, n_steps - 1) if always else (tensor.live_from, tensor.live_to)
+    held.append((memory_hints.Holding(tensor.name, tensor.category, nbytes, tensor.op or "",
+                                      tensor.source or ""), max(lo, 0), min(hi, n_steps - 1)))
+  if not n_steps:
+    return [h for h, _, _ in held]
+  # A step's own working memory (a fused chain's intermediates, a matmul's
+  # partials) belongs to no tensor.
+  working = np.asarray([0 if s.temporary_bytes is None else
+                        int(s.temporary_bytes[tile]) - int(s.exchange_bytes_in[tile])
+                        for s in profile.steps], np.int64)
+  delta = np.zeros(n_steps + 1, np.int64)
+  for holding, lo, hi in held:
+    if lo <= hi:
+      delta[lo] += holding.bytes
+      delta[hi + 1] -= holding.bytes
+  peak = int(np.argmax(np.cumsum(delta[:n_steps]) + np.maximum(working, 0)))
+  out = [h for h, lo, hi in held if lo <= peak <= hi]
+  if working[peak] > 0:
+    step = profile.steps[peak]
+    ops = ", ".join(f.op for f in step.fused_ops) or step.op
+    out.append(memory_hints.Holding(f"working memory of step {step.name} ({ops})",
+                                    "temporaries", int(working[peak]), step.op, step.source))
+  return out
+
+
 def check_memory(profile: ProgramProfile, *, allow_out_of_memory: bool = False,
                  report=None, what: str = "program") -> None:
-  """Raise :class:`OutOfMemoryError` if a tile exceeds its SRAM."""
+  """Raise :class:`OutOfMemoryError` if a tile exceeds its SRAM.
+
+  The message names the fullest tile, its bytes by category, the largest
+  tensors it holds at its peak (largest first) and what would free them
+  (:mod:`ipu_jax.lowering.memory_hints`).
+  """
   memory = profile.memory
   over = memory.over_limit_tiles
   if over.size == 0 or allow_out_of_memory:
@@ -351,34 +397,19 @@ def check_memory(profile: ProgramProfile, *, allow_out_of_memory: bool = False,
   worst = int(over[np.argmax(memory.peak[over])])
   needed = int(memory.peak[worst])
   limit = memory.tile_limit
-  on_tile = []
-  for tensor in profile.tensors:
-    hit = np.nonzero(tensor.tiles == worst)[0]
-    if hit.size:
-      on_tile.append((int(tensor.bytes_on_tile[hit].sum()), tensor))
-  on_tile.sort(key=lambda item: -item[0])
-  lines = [f"  {b:>12,d} B  {tt.name} {tt.shape} {tt.dtype} ({tt.category}"
-           f"{', ' + tt.op if tt.op else ''}{', ' + tt.source if tt.source else ''})"
-           for b, tt in on_tile[:5]]
-  # A step's own working memory (a fused chain's intermediates, a matmul's
-  # partials) belongs to no tensor: name the step that needs the most.
-  working = [(int(s.temporary_bytes[worst]) - int(s.exchange_bytes_in[worst]), s)
-             for s in profile.steps if s.temporary_bytes is not None]
-  if working and max(working, key=lambda w: w[0])[0] > 0:
-    b, step = max(working, key=lambda w: w[0])
-    ops = ", ".join(f.op for f in step.fused_ops) or step.op
-    lines.append(f"  {b:>12,d} B  working memory of step {step.name} ({ops}"
-                 f"{', ' + step.source if step.source else ''})")
+  holdings = _holdings_at_peak(profile, worst)
+  lines = [f"  {h.bytes:>12,d} B  {h.name} ({h.category}"
+           f"{', ' + h.op if h.op and h.op not in h.name else ''}"
+           f"{', ' + h.source if h.source else ''})"
+           for h in memory_hints.largest(holdings)]
   categories = ", ".join(f"{k} {int(v[worst]):,d}" for k, v in memory.by_category.items() if v[worst])
   message = (
       f"Out of memory on tile {worst} of {what}: it needs {needed:,d} bytes but has "
       f"{limit:,d} ({len(over)} tile(s) over the limit: "
       f"{', '.join(str(int(x)) for x in over[:8])}{' ...' if len(over) > 8 else ''}).\n"
       f"By category on tile {worst}: {categories}.\n"
-      f"Largest tensors on tile {worst}:\n" + "\n".join(lines) + "\n"
-      "What may help: spread the tensor over more tiles (map_tensor_linearly), "
-      "lower matmuls.available_memory_proportion, recompute activations, use more "
-      "IPUs, or set memory.allow_out_of_memory=True (allow_out_of_memory) to lower "
-      "anyway and read the report.")
+      f"Largest tensors on tile {worst} at its peak:\n" + "\n".join(lines) + "\n"
+      "What may help:\n"
+      + "\n".join(memory_hints.hint_lines(holdings, needed - limit)))
   raise OutOfMemoryError(message, tile=worst, bytes_needed=needed,
                          bytes_available=limit, over_tiles=over, report=report)

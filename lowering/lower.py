@@ -21,22 +21,24 @@ def source_of(eqn, library_fallback: bool = True) -> str:
   with (Flax, optax, chex, NumPy, ipu-jax itself): for a Flax layer, the line
   of the user's model that called it, not a line of ``flax/nnx/nn/linear.py``.
   When every frame is library code, the innermost non-JAX frame (or '' when
-  ``library_fallback`` is False).
+  ``library_fallback`` is False, unless a driver such as the Keras-like
+  ``fit`` wrote the equation: see ``_DRIVERS``).
   """
   traceback = eqn.source_info.traceback
   if traceback is None:
     return ""
-  global _LIBRARY_ROOTS
+  global _LIBRARY_ROOTS, _DRIVER_ROOTS
   if _LIBRARY_ROOTS is None:
-    _LIBRARY_ROOTS = _library_roots()
-  first = None
-  for frame in source_info_util.user_frames(traceback):
-    first = first or frame
+    _LIBRARY_ROOTS, _DRIVER_ROOTS = _library_roots(_LIBRARIES), _library_roots(_DRIVERS)
+  frames = list(source_info_util.user_frames(traceback))  # innermost first
+  for frame in frames:
     if not frame.file_name.startswith(_LIBRARY_ROOTS):
       return f"{frame.file_name}:{frame.start_line}"
-  if first is None or not library_fallback:
+  if not frames:
     return ""
-  return f"{first.file_name}:{first.start_line}"
+  if library_fallback or any(f.file_name.startswith(_DRIVER_ROOTS) for f in frames):
+    return f"{frames[0].file_name}:{frames[0].start_line}"
+  return ""
 
 
 def user_call_site() -> str:
@@ -48,9 +50,9 @@ def user_call_site() -> str:
   that called ``ipu_jax.jit``'s function.
   """
   import sys
-  global _LIBRARY_ROOTS
+  global _LIBRARY_ROOTS, _DRIVER_ROOTS
   if _LIBRARY_ROOTS is None:
-    _LIBRARY_ROOTS = _library_roots()
+    _LIBRARY_ROOTS, _DRIVER_ROOTS = _library_roots(_LIBRARIES), _library_roots(_DRIVERS)
   jax_roots = _jax_roots()
   frame = sys._getframe(1)
   while frame is not None:
@@ -69,14 +71,22 @@ def _jax_roots() -> tuple:
 
 
 _LIBRARY_ROOTS = None
+_DRIVER_ROOTS = None
 _LIBRARIES = ("flax", "optax", "chex", "numpy", "ipu_jax", "ipu_jax.lowering", "ipu_jax.kernels")
+# Libraries that run the user's model on the user's behalf (the Keras-like
+# training loop traces its own step function). An equation they wrote holds
+# no user frame (its traceback starts where that tracing began): the loss,
+# the optimizer update. The innermost frame outside JAX (``keras/losses.py``,
+# optax's ``scale_by_adam``) says which of them, where the call site
+# (``model.fit(...)``) would say nothing.
+_DRIVERS = ("ipu_jax.keras",)
 
 
-def _library_roots() -> tuple:
+def _library_roots(libraries=_LIBRARIES) -> tuple:
   import importlib.util
   import os
   roots = []
-  for name in _LIBRARIES:
+  for name in libraries:
     spec = importlib.util.find_spec(name)
     for location in (spec.submodule_search_locations or []) if spec else []:
       roots.append(os.path.join(os.path.realpath(location), ""))

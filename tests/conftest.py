@@ -20,6 +20,7 @@ _LONG_RUNS = (
     "test_models_e2e.py::TrainingStepTest::test_training_step_matches_jax3",
     "test_lowering_surface.py::SurfaceTest::test_gamma_beta_dirichlet0",
     "test_lowering_surface.py::SurfaceTest::test_gamma_beta_dirichlet1",
+    "test_report_scopes.py::MainJobTest::test_main_job_fit_costs_carry_scopes",
 )
 
 

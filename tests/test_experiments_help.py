@@ -7,6 +7,7 @@ An example that runs out of tile memory, or fails any other way, fails here.
 """
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -60,13 +61,70 @@ class HelpExamplesTest(parameterized.TestCase):
     del runner
     report_dir = self.create_tempdir().full_path
     command = [sys.executable] + argv[1:] + SMALL + [f"--report_dir={report_dir}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run(command, cwd=ROOT, env=_user_env(), capture_output=True, text=True,
                           timeout=600)
     self.assertEqual(proc.returncode, 0,
                      f"{shlex.join(argv)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     self.assertIn("test_accuracy", proc.stdout)
     self.assertTrue(os.path.exists(os.path.join(report_dir, "report.json")))
+    self.assertEqual(_foreign_lines(proc.stdout + proc.stderr), [])
+
+
+def _user_env():
+  """The environment a user runs in: no JAX_PLATFORMS (the runners choose), warnings shown."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env["PYTHONWARNINGS"] = "always::DeprecationWarning,always::UserWarning"
+  return env
+
+
+def _foreign_lines(output: str) -> list:
+  """Lines a run should not print: warnings, absl/C++ log lines (``I1127 04:25:16 ...``)."""
+  return [line for line in output.splitlines()
+          if re.match(r"[IWEF]\d{4} \d\d:\d\d:\d\d", line) or "Warning" in line
+          or "Traceback" in line]
+
+
+class RunnerFlagsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*RUNNERS)
+  def test_help_lists_the_shared_flags_and_every_target(self, runner):
+    from ipu_jax.kernels.target import PRESETS
+    text = _help_text(runner)
+    for flag in ("--epochs", "--tiles_per_ipu", "--report_dir", "--replicas",
+                 "--accumulation_steps", "--reduction", "--steps_per_execution"):
+      self.assertIn(f"  {flag}", text, runner)
+    self.assertIn(f"--target: <{'|'.join(sorted(PRESETS))}>", text)
+    self.assertIn("ipu21", PRESETS)
+
+  def test_first_line_says_how_gradients_are_reduced(self):
+    from experiments import common
+    settings = common.Settings(replicas=2, accumulation_steps=3, reduction="sum")
+    line = common.describe(settings, common.make_config(settings), "mnist")
+    self.assertIn("gradients summed over the 3 micro-batch(es) and 2 replica(s) "
+                  "(--reduction sum)", line)
+
+  def test_out_of_memory_prints_the_message_and_the_fix(self):
+    # docs/streaming_memory.md's example: Adam state does not fit 28 tiles.
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.transformer", "--tiles_per_ipu", "28",
+         "--num_samples", "256", "--epochs", "1", "--verbose", "0",
+         f"--report_dir={self.create_tempdir().full_path}"],
+        cwd=ROOT, env=_user_env(), capture_output=True, text=True, timeout=600)
+    self.assertEqual(proc.returncode, 1, proc.stdout[-2000:] + proc.stderr[-3000:])
+    self.assertNotIn("Traceback", proc.stderr)
+    self.assertRegex(proc.stderr, r"(?m)^OutOfMemoryError: Out of memory on tile \d+ of "
+                                  r"'train_step'")
+    hints = proc.stderr.split("What may help:\n", 1)[1].splitlines()
+    self.assertTrue(hints[0].startswith("  - optimizer state:"), hints)
+    self.assertIn("streaming.offload_optimizer_state", hints[0])
+
+  def test_low_precision_runner_prints_no_backend_probe(self):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.low_precision", "--steps", "1", "--small_steps",
+         "1", "--variants", "fp32", f"--out_dir={self.create_tempdir().full_path}"],
+        cwd=ROOT, env=_user_env(), capture_output=True, text=True, timeout=600)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertEqual(_foreign_lines(proc.stdout + proc.stderr), [])
 
 
 if __name__ == "__main__":

@@ -522,6 +522,156 @@ class CommandLineTest(chex.TestCase):
     self.assertIn("error:", result.stderr)
 
 
+def _scoped_profile():
+  """``_make_profile`` with module paths and a run setup, as a Keras-like fit has."""
+  from ipu_jax.lowering.run_setup import RunSetup
+  profile = _make_profile()
+  for step, scope in zip(profile.steps, ("MLP/dense", "loss", "")):
+    step.scope = scope
+  for tensor, scope in zip(profile.tensors, ("MLP/dense", "", "MLP/dense")):
+    tensor.scope = scope
+  profile.run_setup = RunSetup(
+      program="train", target="ipu2", num_ipus=1, tiles_per_ipu=16, replicas=1,
+      gradient_accumulation_steps=2, gradient_accumulation_reduction="mean",
+      replica_reduction="mean", steps_per_execution=4, micro_batch=8, global_batch=16,
+      weight_updates_per_execution=2, param_dtypes=("float32",),
+      matmul_available_memory_proportion=0.6, conv_available_memory_proportion=0.6)
+  return profile
+
+
+def _keras_fit_report():
+  """The train report of a 16-tile fit with its optimizer state in streaming memory."""
+  import optax
+  from flax import nnx
+  import ipu_jax
+  import ipu_jax.keras
+  from tests import testing_utils
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = 16
+  cfg.streaming.offload_optimizer_state = True
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(32, 8)).astype(np.float32), rng.integers(0, 4, 32)
+  with ipu_jax.IPUStrategy(cfg).scope():
+    model = ipu_jax.keras.Model(testing_utils.TwoLayerMLP(rngs=nnx.Rngs(0)))
+    model.compile(optimizer=ipu_jax.keras.LossScaleOptimizer(optax.adam(1e-3)),
+                  loss="sparse_categorical_crossentropy", steps_per_execution=2)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  return model.reports["train"]
+
+
+class SavedEqualsLiveTest(chex.TestCase, parameterized.TestCase):
+  """``python -m ipu_jax.report DIR`` prints exactly what the live report printed."""
+
+  @parameterized.named_parameters(("scoped_profile", _scoped_profile),
+                                  ("keras_fit", _keras_fit_report))
+  def test_saved_summary_is_the_live_summary(self, make):
+    live = make()
+    if isinstance(live, ProgramProfile):
+      live = report_lib.Report(live)
+    directory = self.create_tempdir().full_path
+    live.save(directory, plots=False, html=False)
+    saved = report_lib.load_report(directory)
+    for top in (10, 3):
+      self.assertEqual(saved.summary(top=top), live.summary(top=top))
+    text = live.summary()
+    self.assertIn("Run setup:\n  Program: train step", text)
+    self.assertIn("Costliest module paths", text)
+    if make is _keras_fit_report:
+      self.assertIn("Streaming memory (one replica):", text)
+      self.assertIn("Number formats:", text)
+    result = _run_cli(directory)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertEqual(result.stdout, text)
+    result = _run_cli(directory, "--top", "3")
+    self.assertEqual(result.stdout, live.summary(top=3))
+
+
+class OutOfMemoryHintsTest(chex.TestCase, parameterized.TestCase):
+  """Out-of-memory messages list what fills the tile, largest first, and the fitting remedy."""
+
+  def _message(self, fn, *args):
+    import ipu_jax
+    one_tile = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=1)
+    with self.assertRaises(ipu_jax.OutOfMemoryError) as caught:
+      ipu_jax.jit(fn, target=one_tile).lower(*args)
+    return str(caught.exception)
+
+  def _listed_bytes(self, message):
+    block = message.split("at its peak:\n", 1)[1].split("What may help:", 1)[0]
+    return [int(line.split(" B ", 1)[0].replace(",", "")) for line in block.splitlines()
+            if line.strip()]
+
+  def _hints(self, message):
+    return [line.strip() for line in message.split("What may help:\n", 1)[1].splitlines()]
+
+  def test_optimizer_state_points_at_offloading_it(self):
+    import jax.numpy as jnp
+
+    def update(params, opt_state, grads):
+      mu = {k: 0.9 * opt_state["mu"][k] + 0.1 * g for k, g in grads.items()}
+      nu = {k: 0.99 * opt_state["nu"][k] + 0.01 * g * g for k, g in grads.items()}
+      new = {k: params[k] - 1e-3 * mu[k] / (jnp.sqrt(nu[k]) + 1e-8) for k in params}
+      return new, {"mu": mu, "nu": nu}
+
+    leaf = lambda: jnp.ones((20_000,), jnp.float32)
+    message = self._message(update, {"w": leaf()}, {"mu": {"w": leaf()}, "nu": {"w": leaf()}},
+                            {"w": leaf()})
+    self.assertIn("opt_state/mu/w", message)
+    listed = self._listed_bytes(message)
+    self.assertEqual(listed, sorted(listed, reverse=True))
+    hints = self._hints(message)
+    self.assertTrue(hints[0].startswith("- optimizer state: 160,000 B"), hints)
+    for field in ("streaming.offload_optimizer_state", "streaming.replicated_tensor_sharding",
+                  "memory.allow_out_of_memory"):
+      self.assertIn(field, message)
+
+  def test_kept_activations_point_at_recomputation(self):
+    import jax
+    import jax.numpy as jnp
+
+    def loss(x):
+      for _ in range(6):
+        x = jnp.tanh(x) * 1.5
+      return jnp.sum(x)
+
+    message = self._message(jax.grad(loss), jnp.ones((40_000,), jnp.float32))
+    listed = self._listed_bytes(message)
+    self.assertEqual(listed, sorted(listed, reverse=True))
+    hints = self._hints(message)
+    self.assertTrue(hints[0].startswith("- activations:"), hints)
+    self.assertIn("pipelining.recomputation", hints[0])
+    self.assertNotIn("optimizer state", message)
+
+  @parameterized.named_parameters(
+      ("optimizer_state", "opt_state/0/mu/dense/kernel", "variables", "", "optimizer state",
+       "streaming.offload_optimizer_state"),
+      ("matmul_partials", "dot_general/partials", "temporaries", "dot_general",
+       "matmul working memory", "matmuls.available_memory_proportion"),
+      ("convolution", "working memory of step conv", "temporaries", "conv_general_dilated",
+       "convolution working memory", "convolutions.available_memory_proportion"),
+      ("activation", "tanh", "temporaries", "tanh", "activations", "pipelining.recomputation"),
+      ("weights", "params/dense/kernel", "variables", "", "weights and inputs", None),
+  )
+  def test_each_kind_names_its_config_field(self, name, category, op, kind, field):
+    from ipu_jax.lowering import memory_hints
+    holding = memory_hints.Holding(name, category, 50_000, op)
+    self.assertEqual(holding.kind, kind)
+    lines = memory_hints.hint_lines([holding], over_by=1_000)
+    if field is None:
+      self.assertLen(lines, 1)  # only the fallbacks
+    else:
+      self.assertIn(field, lines[0])
+      self.assertIn("50,000 B on this tile (more than the 1,000 B over)", lines[0])
+    self.assertIn("memory.allow_out_of_memory", lines[-1])
+
+  def test_optimizer_state_first_when_moving_it_alone_fits(self):
+    from ipu_jax.lowering import memory_hints
+    held = [memory_hints.Holding("tanh", "temporaries", 500_000, "tanh"),
+            memory_hints.Holding("opt_state/mu/w", "variables", 40_000)]
+    self.assertIn("optimizer state", memory_hints.hint_lines(held, over_by=20_000)[0])
+    self.assertIn("activations", memory_hints.hint_lines(held, over_by=60_000)[0])
+
+
 class AutoSaveTest(chex.TestCase):
 
   def test_none_directory_does_nothing(self):

@@ -20,6 +20,7 @@ import sys
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,8 +52,11 @@ def _browser_missing():
 
 
 def _mlp(x, w1, w2):
-  hidden = jnp.tanh(x @ w1)
-  return jnp.sum((hidden @ w2) ** 2, axis=1)
+  with jax.named_scope("MLP"):
+    with jax.named_scope("hidden"):
+      hidden = jnp.tanh(x @ w1)
+    with jax.named_scope("out"):
+      return jnp.sum((hidden @ w2) ** 2, axis=1)
 
 
 _SMALL = ((37, 50), (50, 70), (70, 11))
@@ -373,16 +377,28 @@ class ReportPageTest(_BrowserTestCase):
         By.XPATH, "//table[@id='operations']//th[text()='FLOPs']")
     header.click()
     cells = self.driver.find_elements(
-        By.CSS_SELECTOR, "#operations tbody tr td:nth-child(10)")
+        By.CSS_SELECTOR, "#operations tbody tr td:nth-child(11)")
     shown = [int(c.get_attribute("data-value")) for c in cells]
     expected = sorted((row["flops"] for row in report.cycles_by_operation()),
                       reverse=True)
     self.assertEqual(shown, expected)
     header.click()
     shown = [int(c.get_attribute("data-value")) for c in self.driver.find_elements(
-        By.CSS_SELECTOR, "#operations tbody tr td:nth-child(10)")]
+        By.CSS_SELECTOR, "#operations tbody tr td:nth-child(11)")]
     self.assertEqual(shown, expected[::-1])
     self.assertIn(f"{report.total_cycles:,.0f}", self._text("cards"))
+
+  def test_operations_table_has_a_module_path_column(self):
+    report = ipu_jax.Report.load(self.directories[1])
+    self._open(os.path.join(self.directories[1], "report.html"))
+    headers = [h.text for h in self.driver.find_elements(
+        By.CSS_SELECTOR, "#operations thead th")]
+    self.assertEqual(headers[:3], ["Operation", "Source", "Module path"])
+    shown = {c.text for c in self.driver.find_elements(
+        By.CSS_SELECTOR, "#operations tbody tr td:nth-child(3)")}
+    self.assertLessEqual({"MLP/hidden", "MLP/out"}, shown)
+    self.assertEqual(shown, {row["scope"] or "(no scope)"
+                             for row in report.cycles_by_operation()})
 
   def test_a_loaded_report_renders_the_same_page(self):
     directory = self.create_tempdir().full_path

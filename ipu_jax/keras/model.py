@@ -794,7 +794,8 @@ class Model:
         f'Model: "{self.name}" ({self._adapter.kind})', self.params, self.state, config=cfg,
         replicas=self.num_replicas, accumulation_steps=self.gradient_accumulation_steps,
         accumulation_reduction=self.gradient_accumulation_reduction,
-        steps_per_execution=self.steps_per_execution, report=self.report)
+        steps_per_execution=self.steps_per_execution, report=self.report,
+        replica_reduction=self.replica_reduction)
     if print_fn is not None:
       print_fn(text)
     return text

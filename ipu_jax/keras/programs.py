@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,6 +36,7 @@ import numpy as np
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import offload as offload_lib
+from ipu_jax.keras import scopes
 from ipu_jax.keras.replication import (GATHERED, REPLICATED, SHARDED, Replication,
                                        cross_replica_mean, cross_replica_sum)
 from ipu_jax.keras.train_state import TRAINED_FIELDS, TrainState
@@ -107,17 +109,19 @@ def _micro_gradients(plan: TrainStep, fixed: TrainState, params, state, x, y, mi
 
   def objective(p):
     y_pred, new_state = plan.adapter.apply(p, state, fixed.rng_state, x, True, rng)
-    per_sample = per_sample_loss(plan.loss, y, y_pred)
-    objective_value = jnp.mean(per_sample)
-    if loss_scale is not None:  # the optimizer is a LossScaleOptimizer
-      objective_value = objective_value * loss_scale.astype(objective_value.dtype)
+    with scopes.scope(scopes.LOSS):  # its backward pass is "loss/grad"
+      per_sample = per_sample_loss(plan.loss, y, y_pred)
+      objective_value = jnp.mean(per_sample)
+      if loss_scale is not None:  # the optimizer is a LossScaleOptimizer
+        objective_value = objective_value * loss_scale.astype(objective_value.dtype)
     return objective_value, (y_pred, new_state, per_sample)
 
   (_, (y_pred, new_state, per_sample)), grads = jax.value_and_grad(
       objective, has_aux=True)(params)
-  sums = [jnp.sum(per_sample)] + [jnp.sum(m(y, y_pred)) for m in plan.metric_fns]
-  sums.append(jnp.asarray(per_sample.shape[0], jnp.float32))
-  return grads, new_state, _vector(sums)
+  with scopes.scope(scopes.METRICS):
+    sums = [jnp.sum(per_sample)] + [jnp.sum(m(y, y_pred)) for m in plan.metric_fns]
+    sums.append(jnp.asarray(per_sample.shape[0], jnp.float32))
+    return grads, new_state, _vector(sums)
 
 
 def _accumulated_gradients(plan: TrainStep, fixed: TrainState, carry: TrainState, xg, yg,
@@ -134,17 +138,28 @@ def _accumulated_gradients(plan: TrainStep, fixed: TrainState, carry: TrainState
     k, x, y = inp
     grads, state, s = _micro_gradients(plan, fixed, params, state, x, y, step * G + k, replica,
                                        loss_scale)
-    return (acc_lib.accumulate(acc, grads, k, method), state, sums + s), None
+    with scopes.scope(scopes.GRADIENT_ACCUMULATION):
+      acc = acc_lib.accumulate(acc, grads, k, method)
+    with scopes.scope(scopes.METRICS):
+      return (acc, state, sums + s), None
 
-  zeros = jnp.zeros((len(plan.metric_fns) + 2,), jnp.float32)
+  with scopes.scope(scopes.METRICS):
+    zeros = jnp.zeros((len(plan.metric_fns) + 2,), jnp.float32)
+  with scopes.scope(scopes.GRADIENT_ACCUMULATION):
+    initial = acc_lib.init(params)
   (acc, state, sums), _ = jax.lax.scan(
-      accumulate, (acc_lib.init(params), carry.state, zeros),
-      (jnp.arange(G, dtype=jnp.int32), xg, yg))
-  return acc_lib.finalize(acc, G, method), state, sums
+      accumulate, (initial, carry.state, zeros), (jnp.arange(G, dtype=jnp.int32), xg, yg))
+  with scopes.scope(scopes.GRADIENT_ACCUMULATION):
+    return acc_lib.finalize(acc, G, method), state, sums
 
 
 def _reduce_over_replicas(plan: TrainStep, grads, state):
   """Gradients all-reduced over the replicas; batch statistics averaged."""
+  with scopes.scope(scopes.ALL_REDUCE):
+    return _all_reduced(plan, grads, state)
+
+
+def _all_reduced(plan: TrainStep, grads, state):
   grads = (cross_replica_mean(grads) if plan.replica_reduction == "mean"
            else cross_replica_sum(grads))
   if jax.tree.leaves(state):  # keep batch statistics equal on every replica
@@ -161,14 +176,16 @@ def _weight_update(plan: TrainStep, fixed: TrainState, replica, carry: TrainStat
   grads, state, sums = _accumulated_gradients(plan, fixed, carry, xg, yg, replica, scale)
   if plan.replicas > 1 and not plan.sharded_state:
     grads, state = _reduce_over_replicas(plan, grads, state)
-  if plan.sharded_state:
-    params, opt_state = offload_lib.sharded_update(
-        plan.optimizer, grads, carry.opt_state, carry.params, replica, plan.replicas,
-        plan.replica_reduction)
-    carry = carry.replace(params=params, opt_state=opt_state, state=state,
-                          step=carry.step + 1)
-  else:
-    carry = carry.apply_gradients(grads, plan.optimizer, state=state)
+  optimizer = scopes.scoped_optimizer(plan.optimizer)
+  with scopes.scope(scopes.OPTIMIZER):
+    if plan.sharded_state:
+      params, opt_state = offload_lib.sharded_update(
+          optimizer, grads, carry.opt_state, carry.params, replica, plan.replicas,
+          plan.replica_reduction)
+      carry = carry.replace(params=params, opt_state=opt_state, state=state,
+                            step=carry.step + 1)
+    else:
+      carry = carry.apply_gradients(grads, optimizer, state=state)
   return carry, sums
 
 
@@ -206,9 +223,12 @@ def eval_execution(adapter, loss: Callable, metric_fns: Sequence) -> Callable:
     def body(carry, inp):
       x, y, m = inp
       y_pred, _ = adapter.apply(ts.params, ts.state, ts.rng_state, x, False, None)
-      values = [per_sample_loss(loss, y, y_pred)] + [mf(y, y_pred) for mf in metric_fns]
-      s = [jnp.sum(v.astype(jnp.float32) * m) for v in values] + [jnp.sum(m)]
-      return carry, _vector(s)
+      with scopes.scope(scopes.LOSS):
+        values = [per_sample_loss(loss, y, y_pred)]
+      with scopes.scope(scopes.METRICS):
+        values += [mf(y, y_pred) for mf in metric_fns]
+        s = [jnp.sum(v.astype(jnp.float32) * m) for v in values] + [jnp.sum(m)]
+        return carry, _vector(s)
 
     _, sums = jax.lax.scan(body, jnp.zeros((), jnp.int32), (xs, ys, mask))
     return None, sums
@@ -240,8 +260,9 @@ class StateProgram:
   """A compiled execution of the :class:`TrainState` and data, on every replica.
 
   The lowered function takes the state's ``in_fields`` as its leading
-  positional arguments (so its report names them ``args[0]``, ... in that
-  order, and streaming memory addresses the optimizer state by its position)
+  positional arguments (its report names their leaves by field and pytree
+  path, ``params/hidden1/kernel``; streaming memory addresses the optimizer
+  state by its position)
   and returns the ``out_fields`` and then the result, as a flat tuple.
 
   Attributes:
@@ -274,6 +295,12 @@ def _positional(execution: Callable, in_fields: tuple, out_fields: tuple) -> Cal
     return tuple(new.values(out_fields)) + (result,)
 
   positional.__name__ = execution.__name__
+  # Named parameters name the program's tensors: "params/hidden1/kernel",
+  # "opt_state/mu/hidden1/kernel", "xs" (ipu_jax/argument_names.py).
+  data_names = list(inspect.signature(execution).parameters)[1:]
+  positional.__signature__ = inspect.Signature(
+      [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+       for name in tuple(in_fields) + tuple(data_names)])
   return positional
 
 

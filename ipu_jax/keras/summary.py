@@ -17,7 +17,8 @@ def _rows(tree) -> list:
 
 def summary_text(title: str, params, state, *, config=None, replicas: int = 1,
                  accumulation_steps: int = 1, accumulation_reduction: str = "sum",
-                 steps_per_execution: int = 1, report=None) -> str:
+                 steps_per_execution: int = 1, report=None,
+                 replica_reduction: str = "sum") -> str:
   """The summary table.
 
   Args:
@@ -26,6 +27,8 @@ def summary_text(title: str, params, state, *, config=None, replicas: int = 1,
     config: the ``IPUConfig`` (its target is described), or ``None``.
     replicas, accumulation_steps, accumulation_reduction, steps_per_execution:
       the run's settings, shown with the target.
+    replica_reduction: how gradients are combined over replicas (said when
+      there are several: summed gradients are R times the mean).
     report: the last program's report (cycles, peak memory), or ``None``.
   """
   rows, state_rows = _rows(params), _rows(state)
@@ -53,7 +56,10 @@ def summary_text(title: str, params, state, *, config=None, replicas: int = 1,
     lines += [
         f"IPU target: {target.name}, {target.num_ipus} IPU(s) x "
         f"{target.tiles_per_ipu:,} tiles per replica",
-        f"Replicas: {replicas}, gradient accumulation: "
+        f"Replicas: {replicas}"
+        + (f" (gradients {'summed' if replica_reduction == 'sum' else 'averaged'} over "
+           f"them: training.replica_reduction = {replica_reduction!r})" if replicas > 1 else "")
+        + ", gradient accumulation: "
         f"{accumulation_steps} ({accumulation_reduction}), "
         f"steps per execution: {steps_per_execution}"]
   if report is not None:

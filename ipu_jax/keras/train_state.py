@@ -33,6 +33,7 @@ from typing import Any, Optional
 import flax.struct
 import optax
 
+from ipu_jax.keras import scopes
 from ipu_jax.keras.replication import REPLICATED, SHARDED, Replication
 
 __all__ = ["TrainState", "FIELDS", "TRAINED_FIELDS", "INFERENCE_FIELDS"]
@@ -59,8 +60,8 @@ class TrainState:
     dropout_key: the base key of dropout; each micro-batch and replica folds
       in its own indices. Read only.
   """
-  # The order of the fields is the order a program takes them in (and so the
-  # names its report gives them: args[0] the parameters, ...).
+  # The order of the fields is the order a program takes them in; its report
+  # names their leaves by field and path ("params/hidden1/kernel").
   params: Any = _field(REPLICATED, trained=True)
   opt_state: Any = _field(REPLICATED, trained=True, sharded_placement=SHARDED)
   state: Any = _field(REPLICATED, trained=True)
@@ -83,7 +84,8 @@ class TrainState:
       **changes: other fields of the new state (the module state the step made).
     """
     updates, opt_state = optimizer.update(grads, self.opt_state, self.params)
-    params = optax.apply_updates(self.params, updates)
+    with scopes.scope(scopes.APPLY_UPDATES):
+      params = optax.apply_updates(self.params, updates)
     return self.replace(params=params, opt_state=opt_state, step=self.step + 1, **changes)
 
   def only(self, names) -> "TrainState":

@@ -46,6 +46,7 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
       "live_over_program": [int] * num_steps,   # bytes live on the device
       "steps": [{                        # in program order
         "name", "op", "source": str,
+        "scope": str,                    # added key: module path ('' if none)
         "compute_cycles_max", "compute_cycles_mean": float,
         "compute_cycles_per_ipu": [float] * num_ipus,  # slowest tile per IPU
         "ipus": [int],                   # IPUs taking part
@@ -74,6 +75,7 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
       }],                                # of one compute set
       "tensors": [{
         "name", "dtype", "category", "op", "source": str, "shape": [int],
+        "scope": str,                    # added key: module path ('' if none)
         "total_bytes": int, "tiles": int,  # number of tiles holding a part
         "max_bytes_per_tile": int, "live_from", "live_to": int,
         "placement": [[int, int, int]]   # v2: [first_tile, count, bytes per
@@ -151,6 +153,7 @@ class StepTable:
   fused_ops: list = dataclasses.field(default_factory=list)
   # per step: the vertex types (codelets) its compute set runs
   codelets: list = dataclasses.field(default_factory=list)
+  scopes: list = dataclasses.field(default_factory=list)  # per step: module path ('' if none)
 
   def __len__(self) -> int:
     return len(self.names)
@@ -245,6 +248,7 @@ def _steps_from_profile(profile: ProgramProfile) -> StepTable:
       names=[str(s.name) for s in steps],
       ops=[str(s.op) for s in steps],
       sources=[str(s.source or "") for s in steps],
+      scopes=[str(getattr(s, "scope", "") or "") for s in steps],
       compute_max=cycles.max(axis=1) if steps else np.zeros(0),
       compute_mean=cycles.mean(axis=1) if steps else np.zeros(0),
       compute_per_ipu=per_ipu_cycles,
@@ -429,6 +433,7 @@ def _tensor_row(tensor) -> dict:
       "max_bytes_per_tile": int(on_tile.max()) if on_tile.size else 0,
       "op": str(tensor.op or ""),
       "source": str(tensor.source or ""),
+      "scope": str(getattr(tensor, "scope", "") or ""),
       "live_from": int(tensor.live_from),
       "live_to": int(tensor.live_to),
   }
@@ -524,6 +529,7 @@ def steps_to_json(steps: StepTable,
       "name": steps.names[i],
       "op": steps.ops[i],
       "source": steps.sources[i],
+      "scope": steps.scopes[i] if i < len(steps.scopes) else "",
       "compute_cycles_max": float(steps.compute_max[i]),
       "compute_cycles_mean": float(steps.compute_mean[i]),
       "compute_cycles_per_ipu": steps.compute_per_ipu[i].astype(float).tolist(),
@@ -579,6 +585,7 @@ def _steps_from_json(rows: list, num_ipus: int) -> StepTable:
       names=[str(row.get("name", "")) for row in rows],
       ops=[str(row.get("op", "")) for row in rows],
       sources=[str(row.get("source", "")) for row in rows],
+      scopes=[str(row.get("scope", "")) for row in rows],
       compute_max=column("compute_cycles_max"),
       compute_mean=column("compute_cycles_mean"),
       compute_per_ipu=per_ipu,

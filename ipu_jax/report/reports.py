@@ -229,11 +229,13 @@ class ReportBase(SummaryMixin):
 
     Returns:
       A list of dicts with keys ``op``, ``source``, ``steps``, ``executions``,
-      ``cycles`` (cycles x executions), ``compute``, ``exchange``, ``sync``
-      and ``flops``.
+      ``cycles`` (cycles x executions), ``compute``, ``exchange``, ``sync``,
+      ``flops`` and ``scope``: the module paths of its steps, costliest first,
+      joined by ", " ('' when none has one; one source line may be a
+      forward and a backward operation, ``loss`` and ``loss/grad``).
     """
     steps = self._data.steps
-    groups = {}
+    groups, by_scope = {}, collections.defaultdict(lambda: collections.defaultdict(float))
     for i in range(len(steps)):
       key = (steps.ops[i], steps.sources[i])
       row = groups.setdefault(key, {
@@ -247,8 +249,13 @@ class ReportBase(SummaryMixin):
       row["exchange"] += float(steps.exchange[i]) * executions
       row["sync"] += float(steps.sync[i]) * executions
       row["flops"] += int(steps.flops[i]) * executions
-    for row in groups.values():
+      by_scope[key][steps.scopes[i] if i < len(steps.scopes) else ""] += (
+          float(steps.compute_max[i] + steps.exchange[i] + steps.sync[i]) * executions)
+    for key, row in groups.items():
       row["cycles"] = row["compute"] + row["exchange"] + row["sync"]
+      ranked = sorted(((c, s) for s, c in by_scope[key].items() if s),
+                      key=lambda cs: (-cs[0], cs[1]))
+      row["scope"] = ", ".join(s for _, s in ranked)
     return sorted(groups.values(), key=lambda r: -r["cycles"])
 
   def temporary_memory_by_op(self) -> dict:
@@ -269,6 +276,23 @@ class ReportBase(SummaryMixin):
     for row in self.cycles_by_operation():
       totals[row["op"]] += row["cycles"]
     return dict(totals)
+
+  def by_scope(self, depth: int = 2) -> list:
+    """Cycles and memory grouped by module path (``jax.named_scope``, Flax).
+
+    Args:
+      depth: how many levels of the path to keep (``Model/block_0`` at 2).
+
+    Returns:
+      ``ScopeCost`` rows (``scope``, ``cycles``, ``cycle_share``, ``steps``,
+      ``flops``, ``tensor_bytes``, ``working_bytes``), costliest first; the
+      same for a live report and the report saved from it.
+    """
+    steps, tensors = self._data.steps, self._data.tensors
+    return scopes.scope_costs(
+        steps.scopes, steps.sync + steps.exchange + steps.compute_max, steps.executions,
+        steps.flops, steps.temporary_peak, [t.get("scope", "") for t in tensors],
+        [t["total_bytes"] for t in tensors], depth)
 
   def largest_tensors(self, count: int = 10) -> list:
     """The ``count`` tensors with the most bytes (dicts as in report.json)."""
@@ -449,18 +473,6 @@ class Report(ReportBase):
     self.profile = profile
     self._cached = None
 
-  def by_scope(self, depth: int = 2) -> list:
-    """Cycles and memory grouped by module path (``jax.named_scope``, Flax).
-
-    Args:
-      depth: how many levels of the path to keep (``Model/block_0`` at 2).
-
-    Returns:
-      ``ScopeCost`` rows (``scope``, ``cycles``, ``cycle_share``, ``steps``,
-      ``flops``, ``tensor_bytes``, ``working_bytes``), costliest first.
-    """
-    return scopes.by_scope(self.profile, depth)
-
   def _streaming_dict(self):
     return streaming_to_json(self.profile)
 
@@ -474,15 +486,6 @@ class Report(ReportBase):
   def _run_setup_dict(self):
     setup = getattr(self.profile, "run_setup", None)
     return None if setup is None else setup.as_dict()
-
-  def _summary_run_setup(self) -> list:
-    setup = getattr(self.profile, "run_setup", None)
-    return [] if setup is None else ["Run setup:"] + [f"  {line}" for line in setup.summary_lines()]
-
-  def _summary_scopes(self) -> list:
-    if not any(step.scope for step in self.profile.steps):
-      return []
-    return scopes.costliest_scopes_table(self.profile, depth=2, top=5).splitlines()
 
   @property
   def _data(self) -> ReportData:

@@ -9,10 +9,15 @@ out-of-memory section listing the tiles over their SRAM.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
+from ipu_jax.lowering import memory_hints
+from ipu_jax.lowering.run_setup import RunSetup
+from ipu_jax.lowering.scopes import costliest_scopes_table
 from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import fmt_bytes
 from ipu_jax.report.formatting import fmt_flops
@@ -258,14 +263,17 @@ class SummaryMixin:
          "Source"], body, right=(False, False, False, False, True, True))
 
   def _summary_run_setup(self) -> list:
-    """How the program is run; only a live report's builder knows it."""
-    setup = self.document.get("run_setup") if hasattr(self, "document") else None
+    """How the program is run (a Keras-like program's builder says; saved in report.json)."""
+    setup = self._run_setup_dict()
     if not setup:
       return []
-    return ["Run setup:"] + [f"  {k}: {v}" for k, v in setup.items()]
+    return ["Run setup:"] + [f"  {line}" for line in run_setup_lines(setup)]
 
   def _summary_scopes(self) -> list:
-    return []
+    """The costliest module paths, by cycles and by memory (none without scopes)."""
+    if not any(self._data.steps.scopes):
+      return []
+    return costliest_scopes_table(None, depth=2, top=5, rows=self.by_scope(2)).splitlines()
 
   def _fusion_totals(self) -> tuple:
     """(operations fused, fused compute sets, syncs saved per run)."""
@@ -337,10 +345,28 @@ class SummaryMixin:
             t["op"] or "?", short_source(t["source"])]
            for t in data.peak_tile_tensors], indent="    ",
           right=(False, False, True))
-    lines += ["", "  What might help: spread large tensors over more tiles, "
-              "lower availableMemoryProportion, recompute activations, "
-              "or use more IPUs."]
+    holdings = [memory_hints.Holding(t["name"], t["category"], int(t["bytes"]), t["op"] or "",
+                                     t["source"] or "") for t in data.peak_tile_tensors]
+    lines += ["", "  What may help:"]
+    lines += memory_hints.hint_lines(holdings, int(data.peak[order[0]]) - data.tile_limit,
+                                     indent="    ")
     return lines
+
+
+def run_setup_lines(setup: dict) -> list:
+  """The lines of a ``RunSetup`` saved as a dict (``report.json["run_setup"]``).
+
+  Keys a later version added are ignored, so an older reader prints what it
+  knows; a dict that is not a run setup is printed as its keys and values.
+  """
+  known = {f.name for f in dataclasses.fields(RunSetup)}
+  values = {k: v for k, v in setup.items() if k in known}
+  if "param_dtypes" in values:
+    values["param_dtypes"] = tuple(values["param_dtypes"])
+  try:
+    return RunSetup(**values).summary_lines()
+  except TypeError:  # required fields missing
+    return [f"{k}: {v}" for k, v in setup.items()]
 
 
 def _counts_list(counts: dict, width: int = 60) -> str:

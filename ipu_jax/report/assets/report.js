@@ -348,12 +348,13 @@ function busiestStep() {
 
 function renderOperations() {
   const total = REPORT.totals.cycles;
-  const columns = [{label: "Operation"}, {label: "Source"}, {label: "Steps", num: true},
+  const columns = [{label: "Operation"}, {label: "Source"}, {label: "Module path"}, {label: "Steps", num: true},
     {label: "Executions", num: true}, {label: "Cycles", num: true}, {label: "% total", num: true},
     {label: "Compute", num: true}, {label: "Exchange", num: true}, {label: "Sync", num: true},
     {label: "FLOPs", num: true}, {label: "Working memory / tile", num: true}];
   const rows = REPORT.operations.map((r) => [cell(escapeHtml(r.op), r.op),
-    cell(`<small>${escapeHtml(r.source || "?")}</small>`, r.source), numCell(r.steps), numCell(r.executions),
+    cell(`<small>${escapeHtml(r.source || "?")}</small>`, r.source),
+    cell(`<small>${escapeHtml(r.scope || "(no scope)")}</small>`, r.scope || ""), numCell(r.steps), numCell(r.executions),
     numCell(r.cycles), cell(fmtPct(r.cycles, total), r.cycles), numCell(r.compute), numCell(r.exchange),
     numCell(r.sync), numCell(r.flops), numCell(r.memory)]);
   const wrap = document.getElementById("operations-table");
