@@ -170,6 +170,9 @@ class ProgramProfile:
   and what copying them costs. ``dead_code`` (a
   :class:`~ipu_jax.lowering.dead_code.DeadCode`, or None for a program not
   lowered from a jaxpr) says what dead-code elimination removed first.
+  ``host_side`` (an ``ipu_jax.host_time.HostSide``, or None) holds the
+  host time measured on this machine for the report's "Host side" section;
+  nothing here reads it.
   """
 
   target: IPUTarget
@@ -181,6 +184,7 @@ class ProgramProfile:
   run_setup: Optional[object] = None
   streaming: Optional[object] = None
   dead_code: Optional[object] = None
+  host_side: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

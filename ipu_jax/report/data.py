@@ -74,7 +74,11 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
       "dead_code": null | {              # added key: removed before lowering
         "equations_removed": int,        # nested jaxprs' equations included
         "by_primitive": {str: int}       # (lowering/dead_code.py); null when
-      }                                  # not lowered from a jaxpr
+      },                                 # not lowered from a jaxpr
+      "host_side": null | {              # added key (ipu_jax/report/host_side.py)
+        "modelled": {...},               # host-link bytes, time, syncs per run
+        "measured_on_this_machine": {...}  # tracing, lowering, cache, compile,
+      }                                  # calls: this machine's wall clock
     }
 
 Readers must check ``schema`` and ``version``; later versions only add keys.
