@@ -52,7 +52,8 @@ import jax
 import numpy as np
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "CacheWarning", "cache_directory", "program_key",
-           "library_versions", "enable_compilation_cache", "load", "store", "entry_path"]
+           "library_versions", "enable_compilation_cache", "disable_compilation_cache",
+           "load", "store", "entry_path"]
 
 CACHE_ENV = "IPU_JAX_EXECUTABLE_CACHE"
 FORMAT_VERSION = 1
@@ -172,15 +173,36 @@ def enable_compilation_cache(directory: str) -> None:
   small programs out; here every compiled program is kept. A cache directory
   the user set for JAX already is left alone.
   """
+  global _xla_directory
+  wanted = os.path.join(directory, "xla")
   current = jax.config.jax_compilation_cache_dir
-  if current:
-    return
-  jax.config.update("jax_compilation_cache_dir", os.path.join(directory, "xla"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  if current == wanted or (current and current != _xla_directory):
+    return  # already ours, or the user's own
+  _set_compilation_cache(wanted, 0.0, -1)
+  _xla_directory = wanted
+
+
+def disable_compilation_cache() -> None:
+  """Undo :func:`enable_compilation_cache` (JAX's defaults again); for tests."""
+  global _xla_directory
+  if _xla_directory and jax.config.jax_compilation_cache_dir == _xla_directory:
+    _set_compilation_cache(None, *_JAX_DEFAULTS)
+  _xla_directory = None
+
+
+# JAX's own thresholds (jax/_src/config.py), restored by disable_compilation_cache.
+_JAX_DEFAULTS = (jax.config.jax_persistent_cache_min_compile_time_secs,
+                 jax.config.jax_persistent_cache_min_entry_size_bytes)
+_xla_directory: Optional[str] = None
+
+
+def _set_compilation_cache(path, min_seconds, min_bytes) -> None:
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_bytes)
   # The cache is set up once per process, at the first compile: one that
   # ran before this directory was named would otherwise leave it unused.
-  from jax._src import compilation_cache
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
   compilation_cache.reset_cache()
 
 
