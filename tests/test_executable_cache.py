@@ -25,6 +25,7 @@ import numpy as np
 import ipu_jax
 from ipu_jax import executable_cache
 from ipu_jax.lowering.replica_axis import REPLICA_AXIS
+from ipu_jax.report.html import report_html
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -283,6 +284,13 @@ class HostSideReportTest(_Test):
     self.assertGreater(measured["first_call_seconds"], 0)
     self.assertIn("Host side (model: the emulated host link; this machine: measured here",
                   report.summary())
+    try:
+      page = report_html(report)
+    except ImportError:  # plotly missing: no page to check
+      page = None
+    if page is not None:
+      self.assertIn('<section id="host-side">', page)
+      self.assertIn("<td>Executable cache</td><td>off</td>", page)
     with tempfile.TemporaryDirectory() as directory:
       report.save(directory, plots=False, html=False)
       saved = ipu_jax.Report.load(directory)

@@ -55,6 +55,10 @@ def _seconds(value: float) -> str:
   return f"{value * 1e3:,.1f} ms" if value < 1 else f"{value:,.2f} s"
 
 
+def _short_seconds(value: float) -> str:
+  return f"{value * 1e9:,.0f} ns" if value < 1e-6 else f"{value * 1e6:,.1f} us"
+
+
 def host_side_rows(document: Optional[dict]) -> list:
   """``[(label, value)]`` rows of the section (the summary's and the page's)."""
   if not document:
@@ -65,7 +69,7 @@ def host_side_rows(document: Optional[dict]) -> list:
        f"{fmt_bytes(model['bytes_per_run'])} (arguments {fmt_bytes(model['argument_bytes'])}, "
        f"results {fmt_bytes(model['result_bytes'])}, streams {fmt_bytes(model['stream_bytes'])})"),
       ("Host-link time per run (model)",
-       f"{model['transfer_seconds_per_run'] * 1e6:,.1f} us at "
+       f"{_short_seconds(model['transfer_seconds_per_run'])} at "
        f"{model['host_link_bytes_per_second'] / 1e9:,.1f} GB/s"),
       ("Host syncs per run (model)", fmt_int(model["host_syncs_per_run"])),
       ("Executable cache", measured["cache"]),
