@@ -31,7 +31,7 @@ from jax import export
 
 from ipu_jax.lowering.replica_axis import REPLICA_AXIS, axis_is_bound
 
-__all__ = ["CachedProgram", "entry_of", "exported_of", "export_executor"]
+__all__ = ["CachedProgram", "committed", "entry_of", "exported_of", "export_executor"]
 
 # Attributes a Lowered from the cache gets by lowering after all.
 TILE_PROGRAM_ATTRIBUTES = ("program", "inputs", "outputs", "constants")
@@ -124,11 +124,24 @@ class CachedProgram:
     return list(flat), list(state), record
 
 
+def committed(values) -> list:
+  """``values`` as arrays committed to the default device.
+
+  An exported call's results are committed arrays; fed back uncommitted
+  arguments' places, they would make the caller's ``jax.jit`` compile a
+  second program (the HLO differs by its arguments' shardings). Committing
+  the first call's arguments too gives one program.
+  """
+  device = jax.devices()[0]
+  return [v if getattr(v, "committed", False) else jax.device_put(v, device)
+          for v in values]
+
+
 def restore(lowered, entry: dict, program: CachedProgram) -> None:
   """Give ``lowered`` (traced, not lowered) what ``entry`` holds."""
   lowered.profile = entry["profile"]
   lowered.dead_code = entry["dead_code"]
-  lowered._constant_values = [jax.numpy.asarray(c) for c in entry["constants"]]
+  lowered._constant_values = committed(entry["constants"])
   lowered._device_state = list(entry["device_state"])
   lowered._in_avals = list(entry["in_avals"])
   lowered._out_avals = list(entry["out_avals"])

@@ -186,6 +186,7 @@ class Lowered:
     program._full = self  # this process has the tile program already
     self._cached_program, self._pure = program, program
     self._function = jax.jit(program)
+    self._constant_values = cached_program.committed(self._constant_values)
     self.host.cache, self.host.cache_seconds = "stored", storing[0]
     logger.info("executable cache: stored '%s' in %s (%.3f s)", name, path, storing[0])
 
@@ -322,13 +323,25 @@ class Lowered:
     """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
     first = not getattr(self, "_has_run", False)
+    flat_args = self.prepare_arguments(flat_args)
     with host_time.measuring(self.host, first=first):
-      flat, device_state, record = self._function(list(flat_args), self._constant_values)
+      flat, device_state, record = self._function(flat_args, self._constant_values)
     self._has_run = True
     if record is not None:  # one read per run, only with exceptions trapped
       self._raise_trapped(record)
     self.set_device_state(device_state)  # the next run continues from here
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
+
+  def prepare_arguments(self, values: Sequence[Any]) -> list:
+    """Arguments as this program's executor wants them, for a jitted call.
+
+    A program run from its exported executor (the executable cache) gets
+    them committed to the default device, so feeding its results back in
+    compiles nothing new (``cached_program.committed``); others as given.
+    """
+    if self._cached_program is None:
+      return list(values)
+    return cached_program.committed(values)
 
   def apply(self, *args_flat):
     """Run the tile program as a traceable function of the flat arguments.

@@ -180,6 +180,26 @@ class SameProcessTest(_Test):
     chex.assert_trees_all_close(np.asarray(got), np.asarray(jnp.stack([x @ w, 2 * x @ w])),
                                 rtol=1e-5, atol=1e-5)
 
+  def test_results_fed_back_compile_nothing_new(self):
+    # An exported call returns committed arrays; uncommitted first arguments
+    # would make the second call a second XLA program.
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    step = lambda x: jnp.tanh(x) * 0.5
+    x = np.linspace(-1, 1, 33, dtype=np.float32)
+    with self._cache_dir() as cache_dir:
+      for expected_cache in ("stored", "hit"):
+        lowered, y = _run(cache_dir, step, (x,))
+        self.assertEqual(lowered.host.cache, expected_cache)
+        y = jnp.asarray(y)
+        del compiles[:]
+        z = np.asarray(lowered(lowered(y)))
+        self.assertEqual(compiles, [])
+        chex.assert_trees_all_close(z, np.tanh(np.tanh(np.tanh(x) * 0.5) * 0.5) * 0.5,
+                                    rtol=1e-5, atol=1e-6)
+
   @parameterized.parameters("truncated", "garbage", "version")
   def test_bad_entry_is_ignored_with_a_warning(self, damage):
     x, w = _args()

@@ -383,6 +383,8 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
     if lowered is None:
       outs = runner(*state, *leaves)
     else:  # host time of the program's calls (its report's "Host side")
+      if replication.mode == "single":  # replicas place their own arguments
+        state, leaves = lowered.prepare_arguments(state), lowered.prepare_arguments(leaves)
       with host_time.measuring(lowered.host, first=not calls[0]):
         outs = runner(*state, *leaves)
       calls[0] += 1
