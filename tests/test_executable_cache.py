@@ -200,6 +200,28 @@ class SameProcessTest(_Test):
         chex.assert_trees_all_close(z, np.tanh(np.tanh(np.tanh(x) * 0.5) * 0.5) * 0.5,
                                     rtol=1e-5, atol=1e-6)
 
+  def test_loaded_program_keeps_traps_and_rounding_state(self):
+    # Trapped exceptions (the record's table is in the entry) and stochastic
+    # rounding (the generators are device state among the constants).
+    def config(cache_dir):
+      cfg = _config(cache_dir)
+      cfg.floating_point_behaviour.inv = True
+      cfg.floating_point_behaviour.esr = "ON"
+      return cfg
+    fn = lambda x: (jnp.log(x) * 1.001).astype(jnp.float16)
+    x = np.linspace(0.5, 2, 40, dtype=np.float32)
+    results = []
+    with self._cache_dir() as cache_dir:
+      for _ in range(2):
+        f = ipu_jax.jit(fn, config=config(cache_dir))
+        results.append(np.asarray(f(x)))
+        with self.assertRaises(ipu_jax.FloatingPointException):
+          np.asarray(f(-x))
+        lowered = f.lower(x)
+        self.assertLen(lowered.device_state, 1)
+    self.assertEqual(lowered.host.cache, "hit")
+    np.testing.assert_array_equal(results[0], results[1])  # same seed, same bits
+
   @parameterized.parameters("truncated", "garbage", "version")
   def test_bad_entry_is_ignored_with_a_warning(self, damage):
     x, w = _args()
