@@ -23,15 +23,23 @@ serialize an export's derivative); lower without the cache for that.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 from jax import export
 
+from ipu_jax import executable_cache
+from ipu_jax import host_time
 from ipu_jax.lowering.replica_axis import REPLICA_AXIS, axis_is_bound
 
-__all__ = ["CachedProgram", "committed", "entry_of", "exported_of", "export_executor"]
+__all__ = ["CachedProgram", "committed", "entry_of", "exported_of", "export_executor",
+           "load_into", "store_from"]
+
+# The cache's log lines go with ipu_jax.jit's (recompilation notes).
+LOGGER = "ipu_jax.jit"
+logger = logging.getLogger(LOGGER)
 
 # Attributes a Lowered from the cache gets by lowering after all.
 TILE_PROGRAM_ATTRIBUTES = ("program", "inputs", "outputs", "constants")
@@ -147,8 +155,7 @@ def restore(lowered, entry: dict, program: CachedProgram) -> None:
   lowered._out_avals = list(entry["out_avals"])
   lowered._traps = entry["traps"]
   lowered.out_of_memory = entry["out_of_memory"]
-  lowered._cached_program = program
-  lowered._pure = program
+  lowered._cached_program = lowered._pure = program
   lowered._function = jax.jit(program)
 
 
@@ -159,3 +166,60 @@ def check_same_interface(lowered, entry: dict) -> Optional[str]:
   if entry["user_tree"] != lowered._user_tree:
     return "its argument tree differs"
   return None
+
+
+def load_into(lowered, cache_dir: str, key: str, lower_fully: Callable[[], Any]) -> bool:
+  """Restore the traced ``lowered`` from the cache; False when the entry is not there.
+
+  Args:
+    lowered: a ``Lowered`` traced (``jaxpr``, trees, avals set), not lowered.
+    cache_dir: the cache directory.
+    key: the program's key (``executable_cache.program_key``).
+    lower_fully: builds the program lowered without the cache.
+  """
+  with host_time.timer() as loading:
+    entry = executable_cache.load(cache_dir, key)
+    why = entry and check_same_interface(lowered, entry)
+    if why:
+      logger.warning("executable cache: entry %s does not fit (%s); lowering again",
+                     key[:12], why)
+    if not entry or why:
+      return False
+    restore(lowered, entry, CachedProgram(exported_of(entry), lower_fully))
+  name = lowered.profile.name
+  lowered.host.cache, lowered.host.cache_seconds = "hit", loading[0]
+  lowered.profile.host_side = lowered._host_side()  # pylint: disable=protected-access
+  from ipu_jax.report import Report, maybe_auto_save  # pylint: disable=g-import-not-at-top
+  lowered.report = Report(lowered.profile)
+  if lowered.options.report_directory:
+    maybe_auto_save(lowered.report, lowered.options.report_directory)
+  logger.info("executable cache: loaded '%s' (%s) in %.3f s instead of lowering it",
+              name, key[:12], loading[0])
+  return True
+
+
+def store_from(lowered, cache_dir: str, key: str, lower_fully: Callable[[], Any]) -> None:
+  """Export ``lowered``'s executor and write its entry; it runs the export from now on.
+
+  Running the exported form here too makes this process compile the same
+  HLO a later process will, so XLA's persistent cache serves that one. A
+  program that cannot be exported or pickled (host callbacks...) runs
+  uncached, and its record says why.
+  """
+  name = lowered.profile.name
+  with host_time.timer() as storing:
+    try:
+      exported = export_executor(lowered._pure, lowered._in_avals,  # pylint: disable=protected-access
+                                 lowered._constant_values)  # pylint: disable=protected-access
+      path = executable_cache.store(cache_dir, key, entry_of(lowered, exported))
+    except Exception as error:  # pylint: disable=broad-except
+      lowered.host.cache = f"not cached: {type(error).__name__}: {str(error)[:200]}"
+      logger.info("executable cache: '%s' %s", name, lowered.host.cache)
+      return
+  program = CachedProgram(exported, lower_fully)
+  program._full = lowered  # pylint: disable=protected-access  # the tile program is here
+  lowered._cached_program = lowered._pure = program  # pylint: disable=protected-access
+  lowered._function = jax.jit(program)  # pylint: disable=protected-access
+  lowered._constant_values = committed(lowered._constant_values)  # pylint: disable=protected-access
+  lowered.host.cache, lowered.host.cache_seconds = "stored", storing[0]
+  logger.info("executable cache: stored '%s' in %s (%.3f s)", name, path, storing[0])

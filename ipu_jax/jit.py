@@ -54,7 +54,7 @@ __all__ = ["jit", "IPUFunction", "Lowered"]
 # free too little to be worth it).
 _TRIM_AFTER_TILE_STEPS = 1 << 22
 
-logger = logging.getLogger("ipu_jax.jit")
+logger = logging.getLogger(cached_program.LOGGER)
 
 
 def _key_data_shape(aval):
@@ -95,7 +95,7 @@ class Lowered:
           Lowered, fn, [_abstract_leaf(a) for a in args_flat],
           in_tree, name, target, options, replication_factor, arg_names,
           call_site=call_site, offload=offload)
-      if self._load_cached(cache_dir, key, lower_fully, name):
+      if cached_program.load_into(self, cache_dir, key, lower_fully):
         return
     with host_time.timer() as lowering:
       # Plans shared between this program's equations are dropped once it is
@@ -108,7 +108,7 @@ class Lowered:
     if len(self.profile.steps) * target.num_tiles >= _TRIM_AFTER_TILE_STEPS:
       host_memory.release_free_memory()
     if cache_dir is not None:
-      self._store_cached(cache_dir, key, lower_fully, name)
+      cached_program.store_from(self, cache_dir, key, lower_fully)
 
   def _trace(self, fn, args_flat, in_tree, target, options, replication_factor,
              progress):
@@ -142,53 +142,6 @@ class Lowered:
         self.jaxpr, name=name, arg_names=tuple(arg_names), call_site=call_site,
         in_tree=str(self._user_tree), out_tree=str(self.out_tree), target=self.target,
         options=options, replicas=self.replication_factor, offload=offload)
-
-  def _load_cached(self, cache_dir, key, lower_fully, name) -> bool:
-    """Restore this program from the executable cache; False when it is not there."""
-    with host_time.timer() as loading:
-      entry = executable_cache.load(cache_dir, key)
-      why = entry and cached_program.check_same_interface(self, entry)
-      if why:
-        logger.warning("executable cache: entry %s for '%s' does not fit (%s); lowering "
-                       "again", key[:12], name, why)
-      if not entry or why:
-        return False
-      program = cached_program.CachedProgram(cached_program.exported_of(entry), lower_fully)
-      cached_program.restore(self, entry, program)
-    self.host.cache, self.host.cache_seconds = "hit", loading[0]
-    self.profile.host_side = self._host_side()
-    from ipu_jax.report import Report, maybe_auto_save
-    self.report = Report(self.profile)
-    if self.options.report_directory:
-      maybe_auto_save(self.report, self.options.report_directory)
-    logger.info("executable cache: loaded '%s' (%s) in %.3f s instead of lowering it",
-                name, key[:12], loading[0])
-    return True
-
-  def _store_cached(self, cache_dir, key, lower_fully, name) -> None:
-    """Export the executor and write the entry; run the exported form from now on.
-
-    Running the exported form here too makes this process compile the same
-    HLO a later process will, so XLA's persistent cache serves that one.
-    """
-    with host_time.timer() as storing:
-      try:
-        exported = cached_program.export_executor(self._pure, self._in_avals,
-                                                  self._constant_values)
-        path = executable_cache.store(cache_dir, key,
-                                      cached_program.entry_of(self, exported))
-      except Exception as error:  # pylint: disable=broad-except
-        # Host callbacks, unpicklable traps...: this program runs uncached.
-        self.host.cache = f"not cached: {type(error).__name__}: {str(error)[:200]}"
-        logger.info("executable cache: '%s' %s", name, self.host.cache)
-        return
-    program = cached_program.CachedProgram(exported, lower_fully)
-    program._full = self  # this process has the tile program already
-    self._cached_program, self._pure = program, program
-    self._function = jax.jit(program)
-    self._constant_values = cached_program.committed(self._constant_values)
-    self.host.cache, self.host.cache_seconds = "stored", storing[0]
-    logger.info("executable cache: stored '%s' in %s (%.3f s)", name, path, storing[0])
 
   def _host_side(self) -> host_time.HostSide:
     return host_time.HostSide(self.host, _avals_bytes(self._in_avals),
