@@ -23,8 +23,10 @@ Two halves, two mechanisms:
 
 The key is a SHA-256 of the traced jaxpr as text (equations, shapes, dtypes,
 static values, names of its scopes), the bytes of its constants, the
-argument names and call site the report shows, the target, the lowering
-options (all but the report directory) and the replica setting. The
+argument names the report shows, the target, the lowering options (all but
+the report directory) and the replica setting. Source lines are not in it
+(editing a script above its model should not miss): a loaded report shows
+the lines of the process that stored the entry. The
 library's version (``ipu_jax.__version__``, a fingerprint of its source, the
 cost model's version, JAX's and jaxlib's) is written in each file's header
 instead: an entry from another version is found, ignored with a warning,

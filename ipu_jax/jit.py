@@ -90,7 +90,7 @@ class Lowered:
     self.host.tracing_seconds = traced[0]
     key = None
     if cache_dir is not None:
-      key = self._cache_key(name, arg_names, call_site, offload)
+      key = self._cache_key(name, arg_names, offload)
       lower_fully = functools.partial(
           Lowered, fn, [_abstract_leaf(a) for a in args_flat],
           in_tree, name, target, options, replication_factor, arg_names,
@@ -134,12 +134,14 @@ class Lowered:
     self._in_avals = [v.aval for v in closed.jaxpr.invars]
     return out_shape
 
-  def _cache_key(self, name, arg_names, call_site, offload) -> str:
+  def _cache_key(self, name, arg_names, offload) -> str:
     """The executable cache's key of this traced program (executable_cache.py)."""
-    # Where reports are saved does not change the program.
+    # Where reports are saved does not change the program; nor do source
+    # lines (an edit above the model would otherwise miss): a loaded report
+    # shows the lines of the process that stored it.
     options = dataclasses.replace(self.options, report_directory=None)
     return executable_cache.program_key(
-        self.jaxpr, name=name, arg_names=tuple(arg_names), call_site=call_site,
+        self.jaxpr, name=name, arg_names=tuple(arg_names),
         in_tree=str(self._user_tree), out_tree=str(self.out_tree), target=self.target,
         options=options, replicas=self.replication_factor, offload=offload)
 

@@ -84,11 +84,7 @@ def _args():
 
 
 def _run(cache_dir, fn=_program, args=None):
-  """A fresh ``ipu_jax.jit`` of ``fn`` called once: ``(its Lowered, the result)``.
-
-  Every call comes from this line: the call site (which the report shows)
-  is part of the cache key.
-  """
+  """A fresh ``ipu_jax.jit`` of ``fn`` called once: ``(its Lowered, the result)``."""
   args = _args() if args is None else args
   f = ipu_jax.jit(fn, config=_config(cache_dir))
   result = np.asarray(f(*args))
@@ -170,6 +166,16 @@ class SameProcessTest(_Test):
     # The tile program is lowered when asked for.
     self.assertEqual([t.shape for t in loaded.inputs], [t.shape for t in stored.inputs])
     self.assertEqual(type(loaded.program), type(stored.program))
+
+  def test_another_call_site_hits(self):
+    # Source lines are not in the key: an edited script still loads.
+    x, w = _args()
+    with self._cache_dir() as cache_dir:
+      _run(cache_dir)
+      f = ipu_jax.jit(_program, config=_config(cache_dir))
+      got = np.asarray(f(x, w))
+      self.assertEqual(f.lower(x, w).host.cache, "hit")
+    chex.assert_trees_all_close(got, np.asarray(jax.jit(_program)(x, w)), rtol=1e-5, atol=1e-6)
 
   def test_loaded_program_runs_with_the_replica_axis_bound(self):
     with self._cache_dir() as cache_dir:
