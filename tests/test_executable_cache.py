@@ -288,8 +288,9 @@ class SameProcessTest(_Test):
     with self._cache_dir() as cache_dir:
       lowered, got = _run(cache_dir, printing)
       cache = lowered.host.cache
+      self.assertEqual(os.listdir(os.path.join(cache_dir, "programs")), [])
     chex.assert_trees_all_close(got, np.asarray(x @ w), rtol=1e-5, atol=1e-5)
-    self.assertTrue(cache == "stored" or cache.startswith("not cached: "), cache)
+    self.assertStartsWith(cache, "not cached: NotImplementedError: serialization of host_callbacks")
 
 
 class RecompilationTest(_Test):
