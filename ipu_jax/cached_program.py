@@ -135,10 +135,10 @@ class CachedProgram:
 def committed(values) -> list:
   """``values`` as arrays committed to the default device.
 
-  An exported call's results are committed arrays; fed back uncommitted
-  arguments' places, they would make the caller's ``jax.jit`` compile a
-  second program (the HLO differs by its arguments' shardings). Committing
-  the first call's arguments too gives one program.
+  An exported call's results are committed arrays. Fed back where the first
+  call had uncommitted arguments, they would make the caller's ``jax.jit``
+  compile a second program (the HLO differs by its arguments' shardings).
+  Committing the first call's arguments too gives one program.
   """
   device = jax.devices()[0]
   return [v if getattr(v, "committed", False) else jax.device_put(v, device)
