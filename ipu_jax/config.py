@@ -518,6 +518,12 @@ class IPUConfig(_Group):
       integer(allow_none=True), None,
       "Seed for the random state of programs run with this config, for "
       "reproducible runs; None fixes no seed.")
+  executable_cache_dir = _Option(
+      OPTIONAL_PATH, None,
+      "Directory of the executable cache: programs lowered and compiled once "
+      "are loaded by later processes instead (docs/host_side.md). None caches "
+      "nothing, unless the IPU_JAX_EXECUTABLE_CACHE environment variable "
+      "names a directory.")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> IPUConfig:

@@ -17,15 +17,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax import cached_program
 from ipu_jax import compile_progress
 from ipu_jax.argument_names import argument_names
 from ipu_jax import config as config_lib
+from ipu_jax import executable_cache
+from ipu_jax import host_time
+from ipu_jax import recompilation
 from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.dead_code import eliminate_dead_code
@@ -51,6 +56,8 @@ __all__ = ["jit", "IPUFunction", "Lowered"]
 # free too little to be worth it).
 _TRIM_AFTER_TILE_STEPS = 1 << 22
 
+logger = logging.getLogger(cached_program.LOGGER)
+
 
 def _key_data_shape(aval):
   return tuple(aval.shape) + tuple(aval.dtype._impl.key_shape)
@@ -67,29 +74,52 @@ class Lowered:
     jaxpr: the ``ClosedJaxpr`` lowered (dead code removed, rounding applied).
     dead_code: the :class:`~ipu_jax.lowering.dead_code.DeadCode` removed
       before lowering (also ``profile.dead_code`` and the report's).
+    host: the :class:`~ipu_jax.host_time.HostTimes` measured on this machine
+      (tracing, lowering, cache, compile, calls; the report's "Host side").
   """
 
   def __init__(self, fn: Callable, args_flat: Sequence, in_tree, name: str,
                target: IPUTarget, options, replication_factor: int = 1,
                arg_names: Sequence[str] = (), progress=None, call_site: str = "",
-               offload=None):
+               offload=None, cache_dir: Optional[str] = None,
+               compiled_because: str = "first call"):
     progress = progress or compile_progress.CompileProgress(name, verbose=0)
-    # Plans shared between this program's equations are dropped once it is
-    # lowered (the tables would otherwise hold most of a gigabyte at BERT size).
-    with plan_cache.lowering_session():
-      ctx = self._lower(fn, args_flat, in_tree, target, options, replication_factor,
-                        arg_names, progress, call_site, offload, name)
-      self._plan(ctx, name, progress)
+    self.host = host_time.HostTimes(compiled_because=compiled_because)
+    self._cached_program = None
+    with host_time.timer() as traced:
+      out_shape = self._trace(fn, args_flat, in_tree, target, options, replication_factor,
+                              progress)
+    self.host.tracing_seconds = traced[0]
+    key = None
+    if cache_dir is not None:
+      key = self._cache_key(name, arg_names, offload)
+      lower_fully = functools.partial(
+          Lowered, fn, [_abstract_leaf(a) for a in args_flat],
+          in_tree, name, target, options, replication_factor, arg_names,
+          call_site=call_site, offload=offload)
+      if cached_program.load_into(self, cache_dir, key, lower_fully):
+        return
+    with host_time.timer() as lowering:
+      # Plans shared between this program's equations are dropped once it is
+      # lowered (the tables would otherwise hold most of a gigabyte at BERT size).
+      with plan_cache.lowering_session():
+        ctx = self._lower(target, options, arg_names, progress, call_site, offload, name,
+                          out_shape)
+        self._plan(ctx, name, progress)
+    self.host.lowering_seconds = lowering[0]
     if len(self.profile.steps) * target.num_tiles >= _TRIM_AFTER_TILE_STEPS:
       host_memory.release_free_memory()
+    if cache_dir is not None:
+      cached_program.store_from(self, cache_dir, key, lower_fully)
 
-  def _lower(self, fn, args_flat, in_tree, target, options, replication_factor,
-             arg_names, progress, call_site, offload, name) -> LoweringContext:
-    """Trace, lower every equation, offload and fuse: ``self.program``."""
+  def _trace(self, fn, args_flat, in_tree, target, options, replication_factor,
+             progress):
+    """Trace ``fn`` to ``self.jaxpr`` (dead code removed, rounding applied)."""
     self.target = target
     # ``in_tree`` is the tree of the dynamic (args, kwargs) a caller passes.
     self._user_tree = in_tree
     self.options = options
+    self.replication_factor = replication_factor
     def flat_fn(*flat):
       args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
       return fn(*args, **kwargs)
@@ -112,10 +142,38 @@ class Lowered:
     closed = apply_floating_point_behaviour(closed, options)
     self.jaxpr = closed
     self.out_tree = jax.tree_util.tree_structure(out_shape)
-    # Collectives cost a ring all-reduce over replication_factor replicas.
-    ctx = LoweringContext(target, options, replication_factor=replication_factor)
-    self.replication_factor = replication_factor
     self._in_avals = [v.aval for v in closed.jaxpr.invars]
+    return out_shape
+
+  def _cache_key(self, name, arg_names, offload) -> str:
+    """The executable cache's key of this traced program (executable_cache.py)."""
+    # Where reports are saved does not change the program; nor do source
+    # lines (an edit above the model would otherwise miss): a loaded report
+    # shows the lines of the process that stored it.
+    options = dataclasses.replace(self.options, report_directory=None)
+    return executable_cache.program_key(
+        self.jaxpr, name=name, arg_names=tuple(arg_names),
+        in_tree=str(self._user_tree), out_tree=str(self.out_tree), target=self.target,
+        options=options, replicas=self.replication_factor, offload=offload)
+
+  def _host_side(self) -> host_time.HostSide:
+    return host_time.HostSide(self.host, _avals_bytes(self._in_avals),
+                              _avals_bytes(self._out_avals))
+
+  def __getattr__(self, name):
+    # A program loaded from the executable cache lowers when its tile
+    # program is asked for (ipu_jax/cached_program.py).
+    cached = self.__dict__.get("_cached_program")
+    if cached is not None and name in cached_program.TILE_PROGRAM_ATTRIBUTES:
+      return getattr(cached.full(), name)
+    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+  def _lower(self, target, options, arg_names, progress, call_site, offload, name,
+             out_shape) -> LoweringContext:
+    """Lower every equation of ``self.jaxpr``, offload and fuse: ``self.program``."""
+    closed = self.jaxpr
+    # Collectives cost a ring all-reduce over replication_factor replicas.
+    ctx = LoweringContext(target, options, replication_factor=self.replication_factor)
     inputs = []
     for i, aval in enumerate(self._in_avals):
       arg_name = arg_names[i] if i < len(arg_names) else f"arg{i}"
@@ -152,6 +210,7 @@ class Lowered:
                                    live_to_end=self.outputs, name=name)
     self.profile.dead_code = self.dead_code
     self.profile.host_io = self._host_io()
+    self.profile.host_side = self._host_side()
     from ipu_jax.report import Report, maybe_auto_save
     self.report = Report(self.profile)
     if options.report_directory:
@@ -222,7 +281,7 @@ class Lowered:
         flat_out.append(value)
       return flat_out, list(device_state), (record[0] if record else None)
 
-    self._pure = run
+    self._pure = self._live_pure = run
     return jax.jit(run)
 
   def _check_runnable(self):
@@ -252,11 +311,26 @@ class Lowered:
   def call_flat(self, flat_args: Sequence[Any]):
     """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
-    flat, device_state, record = self._function(list(flat_args), self._constant_values)
+    first = not getattr(self, "_has_run", False)
+    flat_args = self.prepare_arguments(flat_args)
+    with host_time.measuring(self.host, first=first):
+      flat, device_state, record = self._function(flat_args, self._constant_values)
+    self._has_run = True
     if record is not None:  # one read per run, only with exceptions trapped
       self._raise_trapped(record)
     self.set_device_state(device_state)  # the next run continues from here
     return jax.tree_util.tree_unflatten(self.out_tree, flat)
+
+  def prepare_arguments(self, values: Sequence[Any]) -> list:
+    """Arguments as this program's executor wants them, for a jitted call.
+
+    A program run from its exported executor (the executable cache) gets
+    them committed to the default device, so feeding its results back in
+    compiles nothing new (``cached_program.committed``); others as given.
+    """
+    if self._cached_program is None:
+      return list(values)
+    return cached_program.committed(values)
 
   def apply(self, *args_flat):
     """Run the tile program as a traceable function of the flat arguments.
@@ -347,6 +421,23 @@ class Lowered:
   @property
   def num_supersteps(self) -> int:
     return len(self.profile.steps)
+
+
+def _abstract_leaf(x) -> jax.ShapeDtypeStruct:
+  """An argument leaf as the shape, dtype and weak type it was traced with."""
+  shape, dtype, weak = _cache_aval(x)
+  return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+
+
+def _avals_bytes(avals) -> int:
+  """Bytes of arrays of these avals (a typed PRNG key counted as its key data)."""
+  total = 0
+  for aval in avals:
+    if is_key_dtype(aval.dtype):
+      total += int(np.prod(_key_data_shape(aval), dtype=np.int64)) * 4
+    else:
+      total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+  return total
 
 
 def _to_storage(flat, tensor):
@@ -533,6 +624,14 @@ class IPUFunction:
     target = self._target if self._target is not None else config.to_target()
     return target, config.lowering_options(), config.replication_factor
 
+  def _cache_directory(self) -> Optional[str]:
+    """The executable cache's directory (checked writable), or None; see executable_cache.py."""
+    config = self._config if self._config is not None else config_lib.get_default_config()
+    directory = executable_cache.cache_directory(config.executable_cache_dir)
+    if directory is not None:
+      executable_cache.enable_compilation_cache(directory)
+    return directory
+
   def _split(self, args, kwargs):
     """Static values, dynamic (args, kwargs), and ``fn`` of the dynamic ones."""
     num_args = len(args)
@@ -597,17 +696,25 @@ class IPUFunction:
       argnums = tuple(i % num_args if num_args else i for i in self.offload_argnums)
       offload = (tuple(offload_lib.offloaded_input_leaves(with_paths, argnums, dyn_positions)),
                  self.offload_outputs)
-    key = (in_tree, avals, static, target, options, replicas, _bound_replicas(), offload)
+    key = recompilation.CacheKey(in_tree, avals, static, target, options, replicas,
+                                 _bound_replicas(), offload)
     lowered = self._cache.get(key)
     if lowered is None:
+      cache_dir = self._cache_directory()  # checked before anything is lowered
       # Arguments are named by their pytree path: "params/Dense_0/kernel".
       arg_names = argument_names([path for path, _ in with_paths],
                                  self._dynamic_parameter_names(len(args), static))
+      because = "first call"
+      if self._cache:
+        because = recompilation.reason(next(reversed(self._cache)), key, arg_names)
+        logger.info("recompiling '%s' (%d programs so far): %s",
+                    self.__name__, len(self._cache), because)
       with self._progress() as progress:
         lowered = Lowered(call, flat, in_tree, self.__name__, target, options,
                           call_site=user_call_site(),
                           replication_factor=replicas, arg_names=arg_names,
-                          progress=progress, offload=offload)
+                          progress=progress, offload=offload, cache_dir=cache_dir,
+                          compiled_because=because)
       self._cache[key] = lowered
     return lowered, flat
 

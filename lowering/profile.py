@@ -179,6 +179,9 @@ class ProgramProfile:
   ``host_io`` (a :class:`~ipu_jax.lowering.host_io.HostIOProfile`, or None
   for a program with no on-device loop over host data) holds what its host
   transfers add, with or without I/O tiles.
+  ``host_side`` (an ``ipu_jax.host_time.HostSide``, or None) holds the
+  host time measured on this machine for the report's "Host side" section;
+  nothing here reads it.
   """
 
   target: IPUTarget
@@ -192,6 +195,7 @@ class ProgramProfile:
   dead_code: Optional[object] = None
   control: Optional[dict] = None
   host_io: Optional[object] = None
+  host_side: Optional[object] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))

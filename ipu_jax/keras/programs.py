@@ -372,6 +372,7 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
     ``lowered`` is the ``ipu_jax.Lowered`` (``None`` when not emulating).
   """
   import ipu_jax  # the package imports keras: import at call time
+  from ipu_jax import host_time
   per_replica_args = [
       _abstract(a) if kind == REPLICATED else
       jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), a)
@@ -404,10 +405,19 @@ def build_program(execution: Callable, args: Sequence, in_kinds_per_arg: Sequenc
   runner = replication.build(program, [REPLICATED] * num_state + in_kinds,
                              list(out_kinds_fn(out_tree)) + [REPLICATED] * num_state)
 
+  calls = [0]
+
   def run(*args_):
     leaves = jax.tree_util.tree_leaves(list(args_))
     state = replication.replicate(lowered.device_state) if num_state else []
-    outs = runner(*state, *leaves)
+    if lowered is None:
+      outs = runner(*state, *leaves)
+    else:  # host time of the program's calls (its report's "Host side")
+      if replication.mode == "single":  # replicas place their own arguments
+        state, leaves = lowered.prepare_arguments(state), lowered.prepare_arguments(leaves)
+      with host_time.measuring(lowered.host, first=not calls[0]):
+        outs = runner(*state, *leaves)
+      calls[0] += 1
     if num_state:
       lowered.set_device_state(outs[len(outs) - num_state:])
       outs = outs[:len(outs) - num_state]

@@ -92,6 +92,10 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
       "host_io": null | {...}            # added key: an on-device loop's host
                                          # transfers, I/O tiles, overlap
                                          # (ipu_jax/report/host_io.py)
+      "host_side": null | {              # added key (ipu_jax/report/host_side.py)
+        "modelled": {...},               # host-link bytes, time, syncs per run
+        "measured_on_this_machine": {...}  # tracing, lowering, cache, compile,
+      }                                  # calls: this machine's wall clock
     }
 
 Readers must check ``schema`` and ``version``; later versions only add keys.

@@ -59,6 +59,7 @@ from ipu_jax.report.data import tile_runs
 from ipu_jax.report.formatting import CATEGORY_COLOURS
 from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import ordered_categories
+from ipu_jax.report.host_side import host_side_html
 from ipu_jax.report.precision import number_formats_comparison
 from ipu_jax.report.precision import number_formats_comparison_rows
 from ipu_jax.report.timeline import timeline
@@ -260,7 +261,8 @@ def report_html(report) -> str:
   """
   title = (f"{report.name} on {report.target.name} "
            f"({report.target.num_tiles:,} tiles) — ipu-jax report")
-  return _page(title, _asset("report.html"), report_payload(report),
+  body = _asset("report.html") + host_side_html(report._host_side_dict())  # pylint: disable=protected-access
+  return _page(title, body, report_payload(report),
                _asset("views.js") + "\n" + _asset("report.js"))
 
 

@@ -23,6 +23,7 @@ from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering import scopes
 from ipu_jax.lowering.dead_code import DeadCode
 from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.report.host_side import host_side_to_json
 from ipu_jax.report.streaming import streaming_to_json
 from ipu_jax.report.host_io import host_io_to_json
 from ipu_jax.report import html as html_lib
@@ -350,6 +351,7 @@ class ReportBase(SummaryMixin):
         "number_formats": self._number_formats_dict(),
         "dead_code": self._dead_code_dict(),
         "host_io": self._host_io_dict(),
+        "host_side": self._host_side_dict(),
     }
 
   @property
@@ -407,6 +409,10 @@ class ReportBase(SummaryMixin):
   def codelets(self) -> list:
     """Per vertex type: compute sets, cycles, vertices, code bytes (or [] if unknown)."""
     return list(self._data.codelet_table or [])
+
+  def _host_side_dict(self):
+    """Host-link traffic and host time (``ipu_jax/report/host_side.py``), or None."""
+    return getattr(self, "document", {}).get("host_side")
 
   def trace(self) -> dict:
     """The Chrome Trace Event Format document written to ``trace.json``."""
@@ -478,6 +484,9 @@ class Report(ReportBase):
 
   def _host_io_dict(self):
     return host_io_to_json(self.profile)
+
+  def _host_side_dict(self):
+    return host_side_to_json(self.profile)
 
   def _dead_code_dict(self):
     dead_code = getattr(self.profile, "dead_code", None)

@@ -29,6 +29,7 @@ from ipu_jax.report.formatting import short_source
 from ipu_jax.report.formatting import text_table
 from ipu_jax.report.formatting import tile_name
 from ipu_jax.report.precision import number_formats_section
+from ipu_jax.report.host_side import host_side_section
 from ipu_jax.report.streaming import streaming_section
 from ipu_jax.report.host_io import host_io_section
 
@@ -63,6 +64,7 @@ class SummaryMixin:
         self._summary_top_tensors(top),
         self._summary_scopes(),
         self._summary_fusion(top),
+        host_side_section(self._host_side_dict()),
     ]
     sections = [section for section in sections if section]
     notes = self._summary_notes()
