@@ -239,20 +239,32 @@ def pretraining_loss(mlm_logits, nsp_logits, batch: dict):
   return mlm + nsp
 
 
-def make_loss(model: Bert, deterministic: bool = True):
-  """``(loss_fn, params)``: ``loss_fn(params, batch)`` for a Pipeline or jax.grad.
+def make_loss(model: Bert, dropout: bool = False):
+  """``(loss_fn, params)`` for a Pipeline or ``jax.grad``.
 
-  The model's calls open named scopes of their module paths
+  Without dropout, ``loss_fn(params, batch)``; with it, ``loss_fn(params,
+  batch, rng)``: every random stream of the model (its dropout layers) starts
+  from ``rng``, so the loss is a pure function of its arguments (a
+  ``Pipeline(..., rng=True)`` gives each micro-batch its own key). The
+  model's calls open named scopes of their module paths
   (``ipu_jax.nnx_scopes.module_scopes``), so a ``stage_assignment`` by module
   path (:func:`layout`) places them on pipeline stages.
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
 
-  def loss_fn(params, batch):
-    module = nnx.merge(graphdef, params, rest)
+  def run(params, batch, rng_values):
+    module = nnx.merge(graphdef, params, rng_values, rest)
     with ipu_jax.nnx_scopes.module_scopes(module):
-      mlm, nsp = module(batch, deterministic)
+      mlm, nsp = module(batch, deterministic=not dropout)
     return pretraining_loss(mlm, nsp, batch)
+
+  if not dropout:
+    return (lambda params, batch: run(params, batch, rng_state)), params
+
+  def loss_fn(params, batch, rng):
+    keys = jax.tree_util.tree_map(
+        lambda v: rng if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v, rng_state)
+    return run(params, batch, keys)
 
   return loss_fn, params
 

@@ -93,17 +93,26 @@ def ipu_config(f, num_ipus: int):
   return cfg
 
 
-def plain_steps(loss_fn, optimizer, params, batches_per_step):
-  """Weights after plain JAX gradient accumulation: the mean over all micro-batches."""
+def plain_steps(loss_fn, optimizer, params, batches_per_step, keys=None):
+  """Weights after plain JAX gradient accumulation: the mean over all micro-batches.
+
+  Args:
+    keys: with dropout, each step's key; micro-batch m of a step is given
+      ``ipu_jax.pipelining.micro_batch_key(key, m)``, as the pipeline does.
+  """
   import jax
   import optax
+  from ipu_jax.pipelining import micro_batch_key
   state = optimizer.init(params)
   grad = jax.jit(jax.grad(loss_fn))
-  for batches in batches_per_step:
+  for step, batches in enumerate(batches_per_step):
     n = len(jax.tree_util.tree_leaves(batches)[0])
     total = None
     for m in range(n):
-      g = grad(params, jax.tree_util.tree_map(lambda b: b[m], batches))
+      args = (params, jax.tree_util.tree_map(lambda b: b[m], batches))
+      if keys is not None:
+        args += (micro_batch_key(keys[step], m),)
+      g = grad(*args)
       total = g if total is None else jax.tree_util.tree_map(np.add, total, g)
     mean = jax.tree_util.tree_map(lambda t: t / n, total)
     updates, state = optimizer.update(mean, state, params)

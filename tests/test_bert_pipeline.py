@@ -80,6 +80,32 @@ class BertPipelineTest(chex.TestCase, parameterized.TestCase):
     self.assertTrue(all(s["recompute_cycles"] > 0 for s in stages[:-1]))
 
 
+class BertDropoutPipelineTest(chex.TestCase):
+  """Dropout on: each micro-batch draws the masks plain accumulation draws."""
+
+  def test_dropout_is_reproducible_and_equals_plain_accumulation(self):
+    model_cfg = dataclasses.replace(_MODEL, dropout=0.1)
+    loss_fn, params = bert.make_loss(bert.Bert(model_cfg, rngs=nnx.Rngs(0)), dropout=True)
+    assignment, mapping = bert.layout([1, 1, 1, 1])
+    cfg = _config("Sequential", 4)
+    cfg.replication_factor = 1
+    cfg.streaming.replicated_tensor_sharding = False
+    pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.sgd(0.1), config=cfg, rng=True,
+                                       device_mapping=mapping, stage_assignment=assignment)
+    batches = bert.synthetic_batches(model_cfg, 4, _MICRO_BATCH, _SEQ, _PREDICTIONS, seed=0)
+    state = pipe.init(params, batches, rng=jax.random.key(0))
+    runs = [pipe.step(params, state, batches, rng=jax.random.key(seed))[0]
+            for seed in (7, 7, 8)]
+    as_numpy = lambda tree: jax.tree_util.tree_map(np.asarray, tree)
+    chex.assert_trees_all_equal(as_numpy(runs[0]), as_numpy(runs[1]))
+    expected = bert_pretraining.plain_steps(loss_fn, optax.sgd(0.1), params, [batches],
+                                            keys=[jax.random.key(7)])
+    chex.assert_trees_all_close(as_numpy(runs[0]), as_numpy(expected), rtol=1e-5, atol=1e-6)
+    # Another key draws other masks, so other weights.
+    word = lambda p: np.asarray(p["encoder"]["layers"][0]["ffn_in"]["kernel"][...])
+    self.assertGreater(np.max(np.abs(word(runs[2]) - word(runs[0]))), 1e-6)
+
+
 class BertLayoutTest(chex.TestCase, parameterized.TestCase):
 
   def test_bert_large_layout(self):

@@ -301,7 +301,7 @@ class RecompilationTest(_Test):
     f(x, w)
     with self.assertLogs("ipu_jax.jit", logging.INFO) as logs:
       f(x[:4], w)
-    self.assertIn("args[0]: float32[6,11] -> float32[4,11]", "\n".join(logs.output))
+    self.assertIn("x: float32[6,11] -> float32[4,11]", "\n".join(logs.output))
     self.assertEqual(f.lower(x, w).host.compiled_because, "first call")
     self.assertIn("new argument shape/dtype", f.lower(x[:4], w).host.compiled_because)
 

@@ -64,8 +64,9 @@ def shards_state(pipeline) -> bool:
   return bool(pipeline.config.streaming.replicated_tensor_sharding) and pipeline.replicas > 1
 
 
-def _jit_options(pipeline) -> dict:
-  if not offloads_state(pipeline):
+def _jit_options(pipeline, state) -> dict:
+  # A stateless optimizer (SGD) has nothing to stream.
+  if not offloads_state(pipeline) or not jax.tree.leaves(state):
     return {}
   return {"offload_argnums": (1,), "offload_outputs": (1,)}
 
@@ -157,9 +158,9 @@ def lower_update(pipeline, p_k, cfg):
   optimizer = pipeline.optimizer
   if optimizer is None:
     return None
-  options = _jit_options(pipeline)
   if not shards_state(pipeline):
     state = optimizer.init(p_k)
+    options = _jit_options(pipeline, state)
     return jit(stage_programs.update_function(optimizer), config=cfg, **options).lower(
         p_k, state, p_k)
   r = pipeline.replicas
@@ -167,8 +168,10 @@ def lower_update(pipeline, p_k, cfg):
   program.check()
   replicated = cfg.copy()  # the norms' all-reduces are over the R copies
   replicated.replication_factor = r
+  state = program.init(p_k, 0)
+  options = _jit_options(pipeline, state)
   lowered = jit(_sharded_function(program), config=replicated, **options).lower(
-      shard_tree(p_k, 0, r), program.init(p_k, 0), shard_tree(p_k, 0, r), jnp.int32(0))
+      shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0))
   return ShardedStageUpdate(lowered, program, r)
 
 
