@@ -1,0 +1,69 @@
+r"""The split search (:func:`ipu_jax.pipelining.search`) for BERT.
+
+:func:`layered_model` describes :mod:`experiments.bert` to the search: its
+encoder layers ``layers_i``, the ``embeddings`` before them and the
+``pooler`` and heads after them (the MLM decoder tied to the word table, so
+both blocks sit on IPU 0), built with any number of layers and any
+serialisation factor of the decoder (the largest matmul).
+:func:`auto_split` is what the runner's ``--auto_split`` calls;
+:func:`large_phase1_pod16` is the BERT-Large phase-1 search on POD16 (4 IPUs
+per replica, 4 replicas) beside Graphcore's published split::
+
+    python -m experiments.bert_split --json_out split.json --plot split.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Graphcore's published BERT-Large phase-1 split on 4 IPUs per replica
+# (graphcore/examples, nlp/bert configs: layers_per_ipu / matmul_proportion).
+GRAPHCORE_LARGE_SPLIT = {"layers_per_ipu": [3, 7, 7, 7],
+                         "available_memory_proportion": [0.15, 0.25, 0.25, 0.25],
+                         "recomputation": True, "serialization_factor": 4}
+
+
+def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: int = 0):
+  """BERT (``mcfg``) as an :class:`ipu_jax.pipelining.LayeredModel`."""
+  import jax
+  from flax import nnx
+  import ipu_jax
+  from experiments import bert
+  batch = bert.synthetic_batches(mcfg, 1, micro_batch, seq, max_predictions, seed=seed)
+  batch = jax.tree_util.tree_map(lambda b: b[0], batch)
+
+  def build(num_layers: int, serialization: int):
+    cfg = dataclasses.replace(mcfg, layers=num_layers, decoder_serialization=serialization)
+    # Abstract weights would do for lowering; real ones keep the model's own init path.
+    return bert.make_loss(bert.Bert(cfg, rngs=nnx.Rngs(seed)))
+
+  return ipu_jax.pipelining.LayeredModel(
+      build=build, num_layers=mcfg.layers, micro_batch=batch,
+      layer_path=lambda i: f"layers_{i}", first=("embeddings",),
+      last=("pooler", "mlm_head", "nsp_head"), samples_per_micro_batch=micro_batch)
+
+
+def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predictions: int,
+               proportions=(0.15, 0.25, 0.35, 0.45), recomputation=(True,),
+               serialization=(1, 2, 4), baseline=None, log=print, **search_options):
+  """The runner's ``--auto_split``: the search's result for this BERT and config.
+
+  ``result.config`` holds the runner's keys (None when nothing fits:
+  ``result.message()`` names the shortfall); ``result.to_json()`` gives the
+  runner's ``"split"`` and ``"search"`` entries.
+  """
+  import ipu_jax
+  space = ipu_jax.pipelining.SearchSpace(proportions=tuple(proportions),
+                                         recomputation=tuple(recomputation),
+                                         serialization=tuple(serialization))
+  model = layered_model(mcfg, micro_batch, seq, max_predictions)
+  return ipu_jax.pipelining.search(model, config, optimizer, space, baseline=baseline,
+                                   log=log, **search_options)
