@@ -1,26 +1,26 @@
 """A split's memory and time composed from the figures of its lowered bodies.
 
-The split search lowers each distinct body -- the first block, one layer, the
-last block -- once per (memory proportion, recomputation, serialisation)
-setting, as the stages of a small probe pipeline (a one-layer model laid out
-``[first], [layer], [last]``), and reads from the profiles
-(:class:`BodyFigures`): each program's cycles and per-tile peak, the
-per-tile bytes of one micro-batch's stash, of the owned weights and of the
-weights plus their gradient accumulators, and the bytes sent between stages.
+The split search lowers each distinct body once per (memory proportion,
+recomputation, serialisation) setting, as the stages of a small probe
+pipeline -- a three-layer model laid out ``[first], [layer], [layer, layer],
+[last]`` -- and reads from the profiles (:class:`BodyFigures`): each
+program's cycles and per-tile peak, the per-tile bytes of one micro-batch's
+stash, of the owned weights and of the weights plus their gradient
+accumulators, and the bytes sent between stages.
 
-A stage of several bodies (IPU 0's first block and layers, or n layers) is
-composed from them (:func:`compose_stage`):
+A stage of n layers is the one-layer stage plus n - 1 times what the second
+layer added (:func:`layers`), figure by figure and tile by tile: identical
+layers lowered for one IPU map their tensors onto the same tiles, and what a
+further layer adds -- its weights, its stash, and in a recomputing backward
+the residuals its recomputed forward keeps until its gradients are taken --
+is the same for every further layer.
 
-* cycles: the sum of its bodies' (forward, backward, weight update);
-* stash and held bytes: the sums, tile by tile (identical layers lowered for
-  one IPU map their tensors onto the same tiles);
-* program peak: while body b's forward runs, the other bodies' weights and
-  the stash the earlier bodies already made are live beside its own peak, so
-  the forward peak is ``max_b(peak_b + weights_others + stash_others)``; the
-  backward's is ``max_b(peak_b + held_others + stash_others)`` (all
-  residuals and accumulators are its arguments); the weight update touches
-  every body's weights, state and accumulators, so its peak is the sum.
-  These are upper bounds of what one lowering of the whole stage would plan.
+IPU 0's first stage runs the first block and its layers one after another
+(:func:`compose_stage`): cycles, stash and holdings add; while one body's
+program runs, the other's weights (forward) or weights and accumulators
+(backward) and its stash are live beside the first's peak; the weight update
+touches everything, so its peak is the sum. These are upper bounds of what
+one lowering of the whole stage would plan.
 
 Each IPU's peak then follows :mod:`~ipu_jax.pipelining.layout`'s rule: the
 largest of its stages' program peaks with the other stages' holdings beside
@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["BodyFigures", "StageFigures", "body_figures", "compose_stage", "ipu_peak"]
+__all__ = ["BodyFigures", "StageFigures", "body_figures", "compose_stage", "ipu_peak", "layers"]
 
 
 @dataclasses.dataclass
@@ -95,6 +95,22 @@ def body_figures(pipe, index: int) -> BodyFigures:
       weight_bytes=int(programs.weight_bytes),
       sends=int(sum(programs.sends.values())),
       returns=int(sum(programs.returns.values())))
+
+
+_SCALED = ("forward", "backward", "update", "forward_peak", "backward_peak", "update_peak",
+           "stash", "weights", "held", "weight_bytes")
+
+
+def layers(one: BodyFigures, two: BodyFigures, count: int) -> BodyFigures:
+  """The figures of ``count`` layers from those of one and of two layers.
+
+  Each figure is ``one + (count - 1) x (two - one)``, never below zero.
+  """
+  def scaled(name):
+    a, b = getattr(one, name), getattr(two, name)
+    value = a + (count - 1) * (b - a)
+    return np.maximum(value, 0) if isinstance(value, np.ndarray) else max(value, 0)
+  return dataclasses.replace(one, **{name: scaled(name) for name in _SCALED})
 
 
 @dataclasses.dataclass

@@ -6,10 +6,11 @@ view, move a layer, compile again (BERT-Large's ``layers_per_ipu [3, 7, 7,
 against the emulator's own memory and cycle model, cheaply by construction:
 
 1. *Probe*: for each (available memory proportion, recomputation,
-   serialisation) setting, lower a one-layer model of the
-   :class:`~ipu_jax.pipelining.candidates.LayeredModel` as a three-stage
-   pipeline ``[first], [layer], [last]`` and read each body's figures
-   (:mod:`~ipu_jax.pipelining.compose`).
+   serialisation) setting, lower a three-layer model of the
+   :class:`~ipu_jax.pipelining.candidates.LayeredModel` as a four-stage
+   pipeline ``[first], [layer], [layer, layer], [last]`` and read each
+   body's figures; a stage of n layers is composed from those of one and
+   two (:mod:`~ipu_jax.pipelining.compose`).
 2. *Score*: per IPU and setting, compose its stages' peak memory (its own
    stash depth from the schedule) -- independent of the other IPUs, so
    cached -- and keep, per IPU, the proportions that fit and are not slower
@@ -67,19 +68,22 @@ def _pipeline_config(config, num_ipus: int, proportions, recomputation: bool):
 
 def probe(model: LayeredModel, config, optimizer, proportion: float, recomputation: bool,
           serialization: int):
-  """``({'first', 'layer', 'last'}: BodyFigures, target)`` of one setting."""
+  """``({'first', 'layer1', 'layer2', 'last'}: BodyFigures, target)`` of one setting.
+
+  ``layer1`` is a stage of one layer, ``layer2`` one of two.
+  """
   from ipu_jax.pipelining.pipeline import Pipeline
-  loss_fn, params = model.build(1, serialization)
-  cfg = _pipeline_config(config, 2, [proportion] * 2, recomputation)
+  loss_fn, params = model.build(3, serialization)
+  cfg = _pipeline_config(config, 3, [proportion] * 3, recomputation)
   cfg.replication_factor = 1
   cfg.training.gradient_accumulation_steps = 1
   cfg.pipelining.schedule = "Sequential"  # any G; the figures do not depend on it
-  assignment, mapping = model.layout([0, 1])
+  assignment, mapping = model.layout([0, 1, 2])
   pipe = Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                   stage_assignment=assignment)
   pipe.lower(params, _stacked(model.micro_batch, 1))
   figures = {name: compose.body_figures(pipe, k)
-             for k, name in enumerate(("first", "layer", "last"))}
+             for k, name in enumerate(("first", "layer1", "layer2", "last"))}
   return figures, pipe.target
 
 
@@ -106,12 +110,13 @@ class _Scorer:
   def _ipu_figures(self, ipu: int, layers: int, p: float, r: bool, s: int):
     """``(stages, peak bytes, peak tile)`` of IPU ``ipu`` (stage 0 + last on IPU 0)."""
     body = self.figures[(p, r, s)]
+    block = [compose.layers(body["layer1"], body["layer2"], layers)] if layers else []
     if ipu == 0:
-      stages = [compose.compose_stage([body["first"]] + [body["layer"]] * layers),
+      stages = [compose.compose_stage([body["first"]] + block),
                 compose.compose_stage([body["last"]])]
       depths = [self.depths[0], self.depths[-1]]
     else:
-      stages = [compose.compose_stage([body["layer"]] * layers)]
+      stages = [compose.compose_stage(block)]
       depths = [self.depths[ipu]]
     peak = compose.ipu_peak(stages, depths)
     tile = int(np.argmax(peak))
@@ -181,11 +186,13 @@ class _Scorer:
     for k in range(n):
       p = cand.proportions[k]
       body = self.figures[(p, cand.recomputation, cand.serialization)]
-      has_layers = cand.layers_per_ipu[k] > 0
-      sent = body["layer"].sends if k + 1 == n and has_layers else body["first"].sends
+      if cand.layers_per_ipu[k] == 0:
+        sent = body["first"].sends
+      else:
+        sent = body["layer2"].sends if k + 1 == n else body["layer1"].sends
       back_body = self.figures[(cand.proportions[(k + 1) % n], cand.recomputation,
                                 cand.serialization)]
-      back = back_body["last"].returns if k + 1 == n else back_body["layer"].returns
+      back = back_body["last"].returns if k + 1 == n else back_body["layer2"].returns
       fwd[k].append((self.mapping[k], self.mapping[k + 1], sent))
       bwd[k + 1].append((self.mapping[k + 1], self.mapping[k], back))
     return fwd, bwd
