@@ -67,3 +67,66 @@ def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predicti
   model = layered_model(mcfg, micro_batch, seq, max_predictions)
   return ipu_jax.pipelining.search(model, config, optimizer, space, baseline=baseline,
                                    log=log, **search_options)
+
+
+def large_phase1_config(micro_batch: int = 8, accumulation: int = 256, replicas: int = 4,
+                        tiles_per_ipu: int = 1472):
+  """BERT-Large phase 1 (sequence 128, 20 masked positions) on POD16: 4 IPUs per
+  replica x 4 replicas, Grouped schedule, LAMB state offloaded and sharded.
+
+  Returns ``(model config, IPUConfig, optimizer, micro_batch, seq, max_predictions)``.
+  """
+  import optax
+  import ipu_jax
+  from experiments import bert
+  # Graphcore's BERT configs pad the vocabulary to 30,528 (a multiple of 4 and
+  # 8) so the decoder serialises into equal pieces.
+  mcfg = bert.bert_large(dropout=0.0, vocab_size=30528)
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = tiles_per_ipu
+  cfg.auto_select_ipus = 4
+  cfg.replication_factor = replicas
+  cfg.training.gradient_accumulation_steps = accumulation
+  cfg.training.gradient_accumulation_reduction = "mean"
+  cfg.training.replica_reduction = "mean"
+  cfg.pipelining.schedule = "Grouped"
+  cfg.streaming.offload_optimizer_state = True
+  cfg.streaming.replicated_tensor_sharding = True
+  return mcfg, cfg, optax.lamb(1e-3), micro_batch, 128, 20
+
+
+def large_phase1_pod16(log=print, **search_options):
+  """The BERT-Large phase-1 POD16 search, with Graphcore's split as the baseline."""
+  mcfg, cfg, optimizer, micro_batch, seq, max_predictions = large_phase1_config()
+  return auto_split(mcfg, cfg, optimizer, micro_batch, seq, max_predictions,
+                    baseline=GRAPHCORE_LARGE_SPLIT, log=log, **search_options)
+
+
+def main(argv=None):
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json_out")
+  parser.add_argument("--plot")
+  parser.add_argument("--confirm_top", type=int, default=1,
+                      help="best splits lowered in full to confirm (0: none)")
+  parser.add_argument("--proportions", default="0.15,0.25,0.35,0.45")
+  parser.add_argument("--serialization", default="1,2,4")
+  args = parser.parse_args(argv)
+  start = time.time()
+  result = large_phase1_pod16(
+      confirm_top=args.confirm_top,
+      proportions=[float(p) for p in args.proportions.split(",")],
+      serialization=[int(s) for s in args.serialization.split(",")])
+  print(result.table())
+  print(result.message())
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  print(f"wall {time.time() - start:.0f} s, peak RSS {rss:.2f} GB")
+  if args.json_out:
+    with open(args.json_out, "w") as out:
+      json.dump({**result.to_json(), "peak_rss_gb": rss}, out, indent=1)
+  if args.plot and result.fits:
+    result.plot(args.plot)
+
+
+if __name__ == "__main__":
+  main()
