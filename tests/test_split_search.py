@@ -133,6 +133,21 @@ class SplitSearchTest(chex.TestCase):
     self.assertAlmostEqual(real_over, short.bytes_over, delta=0.05 * lowered.bytes_per_tile)
 
 
+  def test_other_serialization_relowers_only_the_last_block(self):
+    cfg = _config()
+    base, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 1)
+    full, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 2)
+    partial, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 2, known=base)
+    self.assertIs(partial["layer2"], base["layer2"])
+    # The last block of a one-layer probe costs what the full probe's does.
+    for name in ("forward", "backward", "update"):
+      self.assertEqual(getattr(partial["last"], name), getattr(full["last"], name))
+    np.testing.assert_array_equal(partial["last"].backward_peak, full["last"].backward_peak)
+    np.testing.assert_array_equal(partial["last"].stash, full["last"].stash)
+    # ... and differs from the unserialised decoder's.
+    self.assertNotEqual(full["last"].forward, base["last"].forward)
+
+
 class SearchSpaceTest(parameterized.TestCase):
 
   def test_compositions(self):

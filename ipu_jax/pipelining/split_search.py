@@ -10,7 +10,9 @@ against the emulator's own memory and cycle model, cheaply by construction:
    :class:`~ipu_jax.pipelining.candidates.LayeredModel` as a four-stage
    pipeline ``[first], [layer], [layer, layer], [last]`` and read each
    body's figures; a stage of n layers is composed from those of one and
-   two (:mod:`~ipu_jax.pipelining.compose`).
+   two (:mod:`~ipu_jax.pipelining.compose`). Another serialisation factor
+   of the same setting changes only the last block's matmul: a one-layer
+   model is lowered for its figures alone.
 2. *Score*: per IPU and setting, compose its stages' peak memory (its own
    stash depth from the schedule) -- independent of the other IPUs, so
    cached -- and keep, per IPU, the proportions that fit and are not slower
@@ -66,22 +68,36 @@ def _pipeline_config(config, num_ipus: int, proportions, recomputation: bool):
   return cfg
 
 
-def probe(model: LayeredModel, config, optimizer, proportion: float, recomputation: bool,
-          serialization: int):
-  """``({'first', 'layer1', 'layer2', 'last'}: BodyFigures, target)`` of one setting.
-
-  ``layer1`` is a stage of one layer, ``layer2`` one of two.
-  """
+def _lower_probe(model: LayeredModel, config, optimizer, proportion: float,
+                 recomputation: bool, serialization: int, layers_per_ipu):
   from ipu_jax.pipelining.pipeline import Pipeline
-  loss_fn, params = model.build(3, serialization)
-  cfg = _pipeline_config(config, 3, [proportion] * 3, recomputation)
+  loss_fn, params = model.build(sum(layers_per_ipu), serialization)
+  num_ipus = len(layers_per_ipu)
+  cfg = _pipeline_config(config, num_ipus, [proportion] * num_ipus, recomputation)
   cfg.replication_factor = 1
   cfg.training.gradient_accumulation_steps = 1
   cfg.pipelining.schedule = "Sequential"  # any G; the figures do not depend on it
-  assignment, mapping = model.layout([0, 1, 2])
+  assignment, mapping = model.layout(layers_per_ipu)
   pipe = Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                   stage_assignment=assignment)
-  pipe.lower(params, _stacked(model.micro_batch, 1))
+  return pipe.lower(params, _stacked(model.micro_batch, 1))
+
+
+def probe(model: LayeredModel, config, optimizer, proportion: float, recomputation: bool,
+          serialization: int, known: Optional[dict] = None):
+  """``({'first', 'layer1', 'layer2', 'last'}: BodyFigures, target)`` of one setting.
+
+  ``layer1`` is a stage of one layer, ``layer2`` one of two. With ``known``
+  (the figures of the same proportion and recomputation at another
+  serialisation factor, which only the last block's matmul takes) only a
+  one-layer model is lowered and only its last block's figures are new.
+  """
+  if known is not None:
+    pipe = _lower_probe(model, config, optimizer, proportion, recomputation, serialization,
+                        [0, 1])
+    return {**known, "last": compose.body_figures(pipe, 2)}, pipe.target
+  pipe = _lower_probe(model, config, optimizer, proportion, recomputation, serialization,
+                      [0, 1, 2])
   figures = {name: compose.body_figures(pipe, k)
              for k, name in enumerate(("first", "layer1", "layer2", "last"))}
   return figures, pipe.target
@@ -333,8 +349,10 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
 
   def ensure(p, r, s):
     if (p, r, s) not in figures:
-      log(f"probe: proportion {p}, recomputation {r}, serialization {s}")
-      figures[(p, r, s)], target = probe(model, config, optimizer, p, r, s)
+      known = next((f for (q, rr, _), f in figures.items() if (q, rr) == (p, r)), None)
+      log(f"probe: proportion {p}, recomputation {r}, serialization {s}"
+          + (" (last block only)" if known else ""))
+      figures[(p, r, s)], target = probe(model, config, optimizer, p, r, s, known)
       targets.append(target)
 
   for setting in itertools.product(space.proportions, space.recomputation, space.serialization):
