@@ -35,7 +35,7 @@ import functools
 import heapq
 import itertools
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import numpy as np
@@ -44,7 +44,8 @@ from ipu_jax.pipelining import compose, links, schedule as schedule_lib
 from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
 from ipu_jax.pipelining.search_result import Estimate, SearchResult, Shortfall
 
-__all__ = ["search", "score", "SearchSpace", "LayeredModel", "Candidate", "SearchResult"]
+__all__ = ["Candidate", "LayeredModel", "SearchResult", "SearchSpace", "confirm",
+           "lower_candidate", "probe", "score", "search"]
 
 
 def score(step_cycles: float, clock_hz: float, accumulation: int, samples: int,
