@@ -70,7 +70,7 @@ def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predicti
 
 
 def large_phase1_config(micro_batch: int = 8, accumulation: int = 256, replicas: int = 4,
-                        tiles_per_ipu: int = 1472):
+                        tiles_per_ipu: int = 1472, optimizer: str = "lamb"):
   """BERT-Large phase 1 (sequence 128, 20 masked positions) on POD16: 4 IPUs per
   replica x 4 replicas, half precision, Grouped schedule, LAMB state offloaded and sharded.
 
@@ -94,12 +94,17 @@ def large_phase1_config(micro_batch: int = 8, accumulation: int = 256, replicas:
   cfg.pipelining.schedule = "Grouped"
   cfg.streaming.offload_optimizer_state = True
   cfg.streaming.replicated_tensor_sharding = True
-  return mcfg, cfg, optax.lamb(1e-3), micro_batch, 128, 20
+  opt = optax.lamb(1e-3) if optimizer == "lamb" else optax.sgd(1e-3)
+  return mcfg, cfg, opt, micro_batch, 128, 20
 
 
-def large_phase1_pod16(log=print, **search_options):
-  """The BERT-Large phase-1 POD16 search, with Graphcore's split as the baseline."""
-  mcfg, cfg, optimizer, micro_batch, seq, max_predictions = large_phase1_config()
+def large_phase1_pod16(log=print, preset_options=None, **search_options):
+  """The BERT-Large phase-1 POD16 search, with Graphcore's split as the baseline.
+
+  ``preset_options``: keywords of :func:`large_phase1_config`.
+  """
+  mcfg, cfg, optimizer, micro_batch, seq, max_predictions = large_phase1_config(
+      **(preset_options or {}))
   return auto_split(mcfg, cfg, optimizer, micro_batch, seq, max_predictions,
                     baseline=GRAPHCORE_LARGE_SPLIT, log=log, **search_options)
 
@@ -113,9 +118,12 @@ def main(argv=None):
                       help="best splits lowered in full to confirm (0: none)")
   parser.add_argument("--proportions", default="0.15,0.25,0.35,0.45")
   parser.add_argument("--serialization", default="1,2,4")
+  parser.add_argument("--optimizer", default="lamb", choices=["lamb", "sgd"])
+  parser.add_argument("--micro_batch", type=int, default=8)
   args = parser.parse_args(argv)
   start = time.time()
   result = large_phase1_pod16(
+      preset_options={"optimizer": args.optimizer, "micro_batch": args.micro_batch},
       confirm_top=args.confirm_top,
       proportions=[float(p) for p in args.proportions.split(",")],
       serialization=[int(s) for s in args.serialization.split(",")])
