@@ -148,6 +148,21 @@ class SplitSearchTest(chex.TestCase):
     self.assertNotEqual(full["last"].forward, base["last"].forward)
 
 
+class HalfPrecisionBertTest(absltest.TestCase):
+
+  def test_half_bert_splits_with_a_layer_per_stage(self):
+    # The attention scale was a NumPy float64 that promoted half scores to
+    # float32; the mask's conversion then read only stage-0 values inside a
+    # later stage's layer, which the split refused as a skipped stage.
+    mcfg = bert.BertConfig(vocab_size=1000, hidden=128, layers=3, heads=4, ffn=512,
+                           max_positions=64, dropout=0.0, dtype=np.float16)
+    model = bert_split.layered_model(mcfg, micro_batch=2, seq=32, max_predictions=4)
+    loss_fn, params = model.build(3, 1)
+    assignment, _ = model.layout([1, 1, 1])
+    staged = ipu_jax.pipelining.split_stages(loss_fn, params, model.micro_batch, assignment)
+    self.assertEqual(staged.num_stages, 4)
+
+
 class SearchSpaceTest(parameterized.TestCase):
 
   def test_compositions(self):
