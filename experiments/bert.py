@@ -155,7 +155,9 @@ class EncoderLayer(nnx.Module):
     b, s, w = h.shape
     q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
     heads = lambda t: t.reshape(b, s, self.heads, w // self.heads).transpose(0, 2, 1, 3)
-    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(w // self.heads)
+    # A Python float keeps the scores in the model's dtype (a NumPy float64
+    # scalar would promote half-precision scores to float32).
+    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / float(np.sqrt(w // self.heads))
     probs = jax.nn.softmax(scores + mask_bias, axis=-1)
     return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
 

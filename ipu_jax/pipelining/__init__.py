@@ -6,7 +6,9 @@ layers in ``with ipu_jax.pipelining.stage(k):`` blocks; a
 forward, backward and weight-update programs onto its IPU (``device_mapping``;
 an IPU may hold several stages, which may share tied weights), runs steps in
 the schedule's order (``config.pipelining.schedule``: Grouped, Interleaved or
-Sequential) and costs them (:class:`PipelineReport`). What users of Graphcore's frameworks expect of
+Sequential) and costs them (:class:`PipelineReport`); :func:`search` finds
+a split (layers per IPU, memory proportions, recomputation) that fits and
+runs fastest. What users of Graphcore's frameworks expect of
 sharding, pipelining and recomputation, with sources: docs/multi_ipu.md.
 """
 
@@ -15,7 +17,12 @@ from ipu_jax.pipelining.pipeline import Pipeline, StagePrograms, check_steps_per
 from ipu_jax.pipelining.report import PipelineReport
 from ipu_jax.pipelining.schedule import SCHEDULES, minimum_accumulation, stash_depths
 from ipu_jax.pipelining.split import PipelineError, split_stages, stage
+from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
+from ipu_jax.pipelining.search_result import SearchResult
+from ipu_jax.pipelining.split_search import search
 
-__all__ = ["micro_batch_key", "micro_batch_keys", "Pipeline", "PipelineError", "PipelineReport", "SCHEDULES", "StagePrograms",
-           "check_steps_per_execution", "minimum_accumulation", "split_stages",
+__all__ = ["Candidate", "LayeredModel", "Pipeline", "PipelineError", "PipelineReport",
+           "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms",
+           "check_steps_per_execution", "micro_batch_key", "micro_batch_keys",
+           "minimum_accumulation", "search", "split_stages",
            "stage", "stash_depths"]

@@ -1,0 +1,143 @@
+r"""The split search (:func:`ipu_jax.pipelining.search`) for BERT.
+
+:func:`layered_model` describes :mod:`experiments.bert` to the search: its
+encoder layers ``layers_i``, the ``embeddings`` before them and the
+``pooler`` and heads after them (the MLM decoder tied to the word table, so
+both blocks sit on IPU 0), built with any number of layers and any
+serialisation factor of the decoder (the largest matmul).
+:func:`auto_split` is what the runner's ``--auto_split`` calls;
+:func:`large_phase1_pod16` is the BERT-Large phase-1 search on POD16 (4 IPUs
+per replica, 4 replicas) beside Graphcore's published split::
+
+    python -m experiments.bert_split --json_out split.json --plot split.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Graphcore's published BERT-Large phase-1 split on 4 IPUs per replica
+# (graphcore/examples, nlp/bert configs: layers_per_ipu / matmul_proportion).
+GRAPHCORE_LARGE_SPLIT = {"layers_per_ipu": [3, 7, 7, 7],
+                         "available_memory_proportion": [0.15, 0.25, 0.25, 0.25],
+                         "recomputation": True, "serialization_factor": 4}
+
+
+def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: int = 0):
+  """BERT (``mcfg``) as an :class:`ipu_jax.pipelining.LayeredModel`."""
+  import jax
+  from flax import nnx
+  import ipu_jax
+  from experiments import bert
+  batch = bert.synthetic_batches(mcfg, 1, micro_batch, seq, max_predictions, seed=seed)
+  batch = jax.tree_util.tree_map(lambda b: b[0], batch)
+
+  def build(num_layers: int, serialization: int):
+    cfg = dataclasses.replace(mcfg, layers=num_layers, decoder_serialization=serialization)
+    # Abstract weights would do for lowering; real ones keep the model's own init path.
+    return bert.make_loss(bert.Bert(cfg, rngs=nnx.Rngs(seed)))
+
+  return ipu_jax.pipelining.LayeredModel(
+      build=build, num_layers=mcfg.layers, micro_batch=batch,
+      layer_path=lambda i: f"layers_{i}", first=("embeddings",),
+      last=("pooler", "mlm_head", "nsp_head"), samples_per_micro_batch=micro_batch)
+
+
+def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predictions: int,
+               proportions=(0.15, 0.25, 0.35, 0.45), recomputation=(True,),
+               serialization=(1, 2, 4), baseline=None, log=print, **search_options):
+  """The runner's ``--auto_split``: the search's result for this BERT and config.
+
+  ``result.config`` holds the runner's keys (None when nothing fits:
+  ``result.message()`` names the shortfall); ``result.to_json()`` gives the
+  runner's ``"split"`` and ``"search"`` entries.
+  """
+  import ipu_jax
+  space = ipu_jax.pipelining.SearchSpace(proportions=tuple(proportions),
+                                         recomputation=tuple(recomputation),
+                                         serialization=tuple(serialization))
+  model = layered_model(mcfg, micro_batch, seq, max_predictions)
+  return ipu_jax.pipelining.search(model, config, optimizer, space, baseline=baseline,
+                                   log=log, **search_options)
+
+
+def large_phase1_config(micro_batch: int = 8, accumulation: int = 256, replicas: int = 4,
+                        tiles_per_ipu: int = 1472, optimizer: str = "lamb"):
+  """BERT-Large phase 1 (sequence 128, 20 masked positions) on POD16: 4 IPUs per
+  replica x 4 replicas, half precision, Grouped schedule, LAMB state offloaded and sharded.
+
+  Returns ``(model config, IPUConfig, optimizer, micro_batch, seq, max_predictions)``.
+  """
+  import jax.numpy as jnp
+  import optax
+  import ipu_jax
+  from experiments import bert
+  # Graphcore's BERT configs pad the vocabulary to 30,528 (a multiple of 4 and
+  # 8) so the decoder serialises into equal pieces.
+  # Weights and activations in half precision, as Graphcore trained BERT-Large.
+  mcfg = bert.bert_large(dropout=0.0, vocab_size=30528, dtype=jnp.float16)
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = tiles_per_ipu
+  cfg.auto_select_ipus = 4
+  cfg.replication_factor = replicas
+  cfg.training.gradient_accumulation_steps = accumulation
+  cfg.training.gradient_accumulation_reduction = "mean"
+  cfg.training.replica_reduction = "mean"
+  cfg.pipelining.schedule = "Grouped"
+  cfg.streaming.offload_optimizer_state = True
+  cfg.streaming.replicated_tensor_sharding = True
+  opt = optax.lamb(1e-3) if optimizer == "lamb" else optax.sgd(1e-3)
+  return mcfg, cfg, opt, micro_batch, 128, 20
+
+
+def large_phase1_pod16(log=print, preset_options=None, **search_options):
+  """The BERT-Large phase-1 POD16 search, with Graphcore's split as the baseline.
+
+  ``preset_options``: keywords of :func:`large_phase1_config`.
+  """
+  mcfg, cfg, optimizer, micro_batch, seq, max_predictions = large_phase1_config(
+      **(preset_options or {}))
+  return auto_split(mcfg, cfg, optimizer, micro_batch, seq, max_predictions,
+                    baseline=GRAPHCORE_LARGE_SPLIT, log=log, **search_options)
+
+
+def main(argv=None):
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json_out")
+  parser.add_argument("--plot")
+  parser.add_argument("--confirm_top", type=int, default=1,
+                      help="best splits lowered in full to confirm (0: none)")
+  parser.add_argument("--proportions", default="0.15,0.25,0.35,0.45")
+  parser.add_argument("--serialization", default="1,2,4")
+  parser.add_argument("--optimizer", default="lamb", choices=["lamb", "sgd"])
+  parser.add_argument("--micro_batch", type=int, default=8)
+  args = parser.parse_args(argv)
+  start = time.time()
+  result = large_phase1_pod16(
+      preset_options={"optimizer": args.optimizer, "micro_batch": args.micro_batch},
+      confirm_top=args.confirm_top,
+      proportions=[float(p) for p in args.proportions.split(",")],
+      serialization=[int(s) for s in args.serialization.split(",")])
+  print(result.table())
+  if result.fits:
+    print(result.message())
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  print(f"wall {time.time() - start:.0f} s, peak RSS {rss:.2f} GB")
+  if args.json_out:
+    with open(args.json_out, "w") as out:
+      json.dump({**result.to_json(), "peak_rss_gb": rss}, out, indent=1)
+  if args.plot and result.fits:
+    result.plot(args.plot)
+
+
+if __name__ == "__main__":
+  main()

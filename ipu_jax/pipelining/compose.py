@@ -1,0 +1,151 @@
+"""A split's memory and time composed from the figures of its lowered bodies.
+
+The split search lowers each distinct body once per (memory proportion,
+recomputation, serialisation) setting, as the stages of a small probe
+pipeline -- a three-layer model laid out ``[first], [layer], [layer, layer],
+[last]`` -- and reads from the profiles (:class:`BodyFigures`): each
+program's cycles and per-tile peak, the per-tile bytes of one micro-batch's
+stash, of the owned weights and of the weights plus their gradient
+accumulators, and the bytes sent between stages.
+
+A stage of n layers is the one-layer stage plus n - 1 times what the second
+layer added (:func:`layers`), figure by figure and tile by tile: identical
+layers lowered for one IPU map their tensors onto the same tiles, and what a
+further layer adds -- its weights, its stash, and in a recomputing backward
+the residuals its recomputed forward keeps until its gradients are taken --
+is the same for every further layer.
+
+IPU 0's first stage runs the first block and its layers one after another
+(:func:`compose_stage`): cycles, stash and holdings add; while one body's
+program runs, the other's weights (forward) or weights and accumulators
+(backward) and its stash are live beside the first's peak; the weight update
+touches everything, so its peak is the sum. These are upper bounds of what
+one lowering of the whole stage would plan.
+
+Each IPU's peak then follows :mod:`~ipu_jax.pipelining.layout`'s rule: the
+largest of its stages' program peaks with the other stages' holdings beside
+it, plus every stage's stash depth x stash bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["BodyFigures", "StageFigures", "body_figures", "compose_stage", "ipu_peak", "layers"]
+
+
+@dataclasses.dataclass
+class BodyFigures:
+  """What one lowered body costs (from its probe stage's programs).
+
+  Attributes:
+    forward, backward, update: cycles of each program (update 0 without one).
+    forward_peak, backward_peak, update_peak: ``[tiles]`` each program's peak bytes.
+    stash: ``[tiles]`` one micro-batch's stashed activations.
+    weights: ``[tiles]`` the weights it owns.
+    held: ``[tiles]`` the weights it owns and their gradient accumulators.
+    weight_bytes: bytes of the weights it owns.
+    sends, returns: bytes its forward sends on / its backward returns.
+  """
+
+  forward: float
+  backward: float
+  update: float
+  forward_peak: np.ndarray
+  backward_peak: np.ndarray
+  update_peak: np.ndarray
+  stash: np.ndarray
+  weights: np.ndarray
+  held: np.ndarray
+  weight_bytes: int
+  sends: int
+  returns: int
+
+
+def _owned_weight_tiles(programs, stage, num_tiles: int) -> np.ndarray:
+  owned = set(stage.owned)
+  out = np.zeros(num_tiles, np.int64)
+  for i, tensor in zip(stage.params, programs.forward.inputs[:len(stage.params)]):
+    if i in owned and tensor.mapping is not None and tensor.mapping.num_elements:
+      np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
+  return out
+
+
+def body_figures(pipe, index: int) -> BodyFigures:
+  """The figures of stage ``index`` of a lowered (probe) pipeline."""
+  programs = pipe.stages[index]
+  num_tiles = len(programs.stash_bytes)
+  zeros = np.zeros(num_tiles, np.int64)
+  update = programs.update
+  return BodyFigures(
+      forward=float(programs.forward.profile.total_cycles),
+      backward=float(programs.backward.profile.total_cycles),
+      update=float(update.profile.total_cycles) if update is not None else 0.0,
+      forward_peak=np.asarray(programs.forward.profile.memory.peak, np.int64),
+      backward_peak=np.asarray(programs.backward.profile.memory.peak, np.int64),
+      update_peak=(np.asarray(update.profile.memory.peak, np.int64) if update is not None
+                   else zeros),
+      stash=np.asarray(programs.stash_bytes, np.int64),
+      weights=_owned_weight_tiles(programs, pipe.staged.stages[index], num_tiles),
+      held=(np.asarray(programs.held_bytes, np.int64) if programs.held_bytes is not None
+            else zeros),
+      weight_bytes=int(programs.weight_bytes),
+      sends=int(sum(programs.sends.values())),
+      returns=int(sum(programs.returns.values())))
+
+
+_SCALED = ("forward", "backward", "update", "forward_peak", "backward_peak", "update_peak",
+           "stash", "weights", "held", "weight_bytes")
+
+
+def layers(one: BodyFigures, two: BodyFigures, count: int) -> BodyFigures:
+  """The figures of ``count`` layers from those of one and of two layers.
+
+  Each figure is ``one + (count - 1) x (two - one)``, never below zero.
+  """
+  def scaled(name):
+    a, b = getattr(one, name), getattr(two, name)
+    value = a + (count - 1) * (b - a)
+    return np.maximum(value, 0) if isinstance(value, np.ndarray) else max(value, 0)
+  return dataclasses.replace(one, **{name: scaled(name) for name in _SCALED})
+
+
+@dataclasses.dataclass
+class StageFigures:
+  """A composed stage: cycles, per-tile program peak, stash and holdings."""
+
+  forward: float
+  backward: float
+  update: float
+  program_peak: np.ndarray
+  stash: np.ndarray
+  held: np.ndarray
+  weight_bytes: int
+
+
+def compose_stage(bodies: Sequence[BodyFigures]) -> StageFigures:
+  """A stage running ``bodies`` one after another (see the module docstring)."""
+  stash = sum(b.stash for b in bodies)
+  held = sum(b.held for b in bodies)
+  weights = sum(b.weights for b in bodies)
+  forward = np.max([b.forward_peak + (weights - b.weights) + (stash - b.stash)
+                    for b in bodies], axis=0)
+  backward = np.max([b.backward_peak + (held - b.held) + (stash - b.stash)
+                     for b in bodies], axis=0)
+  update = sum(b.update_peak for b in bodies)
+  return StageFigures(
+      forward=float(sum(b.forward for b in bodies)),
+      backward=float(sum(b.backward for b in bodies)),
+      update=float(sum(b.update for b in bodies)),
+      program_peak=np.maximum(np.maximum(forward, backward), update),
+      stash=stash, held=held, weight_bytes=int(sum(b.weight_bytes for b in bodies)))
+
+
+def ipu_peak(stages: Sequence[StageFigures], depths: Sequence[int]) -> np.ndarray:
+  """``[tiles]`` the peak of an IPU running ``stages`` with these stash depths."""
+  total_held = sum(s.held for s in stages)
+  program = np.max([s.program_peak + (total_held - s.held) for s in stages], axis=0)
+  return program + sum(d * s.stash for s, d in zip(stages, depths))

@@ -1,0 +1,198 @@
+"""The pipeline split search (ipu_jax.pipelining.search).
+
+A small BERT (6 encoder layers of width 128) over 3 IPUs of 16 tiles: few
+enough tiles that most splits run out of memory, so the choice matters. The
+search's answer is checked against lowering every candidate of its space as a
+real Pipeline; a space where nothing fits gets the shortfall, named and true.
+"""
+
+import json
+import os
+import tempfile
+
+from absl.testing import absltest, parameterized
+import chex
+import numpy as np
+import optax
+
+import ipu_jax
+from ipu_jax.pipelining import candidates, split_search
+from experiments import bert, bert_split
+
+_LIMIT_TILES = 16
+
+
+def _small_bert():
+  mcfg = bert.BertConfig(vocab_size=1000, hidden=128, layers=6, heads=4, ffn=512,
+                         max_positions=64, dropout=0.0)
+  return bert_split.layered_model(mcfg, micro_batch=2, seq=32, max_predictions=4)
+
+
+def _config():
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = _LIMIT_TILES
+  cfg.auto_select_ipus = 3
+  cfg.training.gradient_accumulation_steps = 8
+  return cfg
+
+
+# Compositions of 6 layers with at most 3 per IPU, recomputation on: 8 candidates.
+_SPACE = ipu_jax.pipelining.SearchSpace(proportions=(0.6,), recomputation=(True,),
+                                        max_layers_per_ipu=3)
+
+
+class SplitSearchTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.model = _small_bert()
+    cls.optimizer = optax.sgd(1e-3)
+    cls.result = ipu_jax.pipelining.search(cls.model, _config(), cls.optimizer, _SPACE,
+                                           baseline={"layers_per_ipu": [1, 2, 3],
+                                                     "available_memory_proportion": [0.6] * 3,
+                                                     "recomputation": True})
+
+  def test_answer_is_the_best_of_every_candidate_lowered(self):
+    result = self.result
+    self.assertTrue(result.fits)
+    self.assertTrue(result.confirmed)
+    lowered = {}
+    for comp in _SPACE.compositions(6, 3):
+      cand = candidates.Candidate(comp, (0.6,) * 3, True, 1)
+      estimate = split_search.confirm(self.model, _config(), self.optimizer,
+                                      result.estimate(cand.config))
+      lowered[comp] = estimate
+      # The composed figures agree with the lowered pipeline's (IPU 0's first
+      # block and layers are composed as an upper bound: a few % high).
+      self.assertLess(estimate.step_error, 0.02, comp)
+      np.testing.assert_allclose(estimate.ipu_peak_bytes, estimate.lowered_peak_bytes,
+                                 rtol=0.05, err_msg=str(comp))
+    fits = {c: e for c, e in lowered.items() if e.lowered_fits}
+    # The choice matters: some splits run out of memory, and the fitting ones differ.
+    self.assertNotEmpty(fits)
+    self.assertLess(len(fits), len(lowered))
+    best = max(fits, key=lambda c: fits[c].lowered_samples_per_second)
+    self.assertEqual(tuple(result.config["layers_per_ipu"]), best)
+    self.assertTrue(result.chosen.lowered_fits)
+    self.assertAlmostEqual(result.chosen.lowered_samples_per_second,
+                           fits[best].lowered_samples_per_second, delta=1e-6)
+    # The estimate judged every candidate's fit as lowering does.
+    est_fits = {c for c, e in lowered.items() if max(e.ipu_peak_bytes) <= e.bytes_per_tile}
+    self.assertEqual(est_fits, set(fits))
+
+  def test_config_json_table_plot(self):
+    result = self.result
+    self.assertEqual(set(result.config), {"layers_per_ipu", "available_memory_proportion",
+                                          "recomputation", "serialization_factor"})
+    self.assertEqual(sum(result.config["layers_per_ipu"]), 6)
+    out = json.loads(json.dumps(result.to_json()))
+    self.assertEqual(out["split"], result.config)
+    search = out["search"]
+    self.assertEqual(search["scored"], 8)
+    self.assertEqual(search["confirmed"], 1)
+    # One probe per setting plus the confirming lowerings.
+    self.assertEqual(search["lowered"], 1 + len([e for e in result.top
+                                                 if e.lowered_step_cycles is not None]))
+    self.assertGreater(search["seconds"], 0)
+    table = result.table()
+    chosen_row = [line for line in table.splitlines() if line.startswith("*")]
+    self.assertLen(chosen_row, 1)
+    self.assertIn(str(result.config["layers_per_ipu"]), chosen_row[0])
+    self.assertIn("B ", table)  # the baseline's row
+    self.assertGreaterEqual(result.chosen.samples_per_second,
+                            result.baseline.samples_per_second)
+    with tempfile.TemporaryDirectory() as tmp:
+      path = result.plot(os.path.join(tmp, "split.png"),
+                         baseline={"layers_per_ipu": [2, 1, 3],
+                                   "available_memory_proportion": [0.6] * 3})
+      with open(path, "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+  def test_nothing_fits_names_the_shortfall_and_ipu(self):
+    # Without recomputation no split of this model fits 16 tiles per IPU.
+    space = ipu_jax.pipelining.SearchSpace(proportions=(0.6,), recomputation=(False,),
+                                           max_layers_per_ipu=3)
+    result = ipu_jax.pipelining.search(self.model, _config(), self.optimizer, space)
+    self.assertFalse(result.fits)
+    self.assertIsNone(result.config)
+    short = result.shortfall
+    self.assertGreater(short.bytes_over, 0)
+    message = result.message()
+    self.assertIn(f"short on IPU {short.ipu}", message)
+    self.assertIn(f"{short.bytes_over:,d} bytes", message)
+    out = result.to_json()
+    self.assertIsNone(out["split"])
+    self.assertEqual(out["shortfall"]["ipu"], short.ipu)
+    self.assertEqual(out["search"]["confirmed"], 0)
+    # The named IPU is short by about that much when the split is lowered.
+    lowered = split_search.confirm(self.model, _config(), self.optimizer,
+                                   result.estimate(short.candidate.config))
+    real_over = lowered.lowered_peak_bytes[short.ipu] - lowered.bytes_per_tile
+    self.assertGreater(real_over, 0)
+    self.assertAlmostEqual(real_over, short.bytes_over, delta=0.05 * lowered.bytes_per_tile)
+
+
+  def test_other_serialization_relowers_only_the_last_block(self):
+    cfg = _config()
+    base, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 1)
+    full, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 2)
+    partial, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 2, known=base)
+    self.assertIs(partial["layer2"], base["layer2"])
+    # The last block of a one-layer probe costs what the full probe's does.
+    for name in ("forward", "backward", "update"):
+      self.assertEqual(getattr(partial["last"], name), getattr(full["last"], name))
+    np.testing.assert_array_equal(partial["last"].backward_peak, full["last"].backward_peak)
+    np.testing.assert_array_equal(partial["last"].stash, full["last"].stash)
+    # ... and differs from the unserialised decoder's.
+    self.assertNotEqual(full["last"].forward, base["last"].forward)
+
+
+class HalfPrecisionBertTest(absltest.TestCase):
+
+  def test_half_bert_splits_with_a_layer_per_stage(self):
+    # The attention scale was a NumPy float64 that promoted half scores to
+    # float32; the mask's conversion then read only stage-0 values inside a
+    # later stage's layer, which the split refused as a skipped stage.
+    mcfg = bert.BertConfig(vocab_size=1000, hidden=128, layers=3, heads=4, ffn=512,
+                           max_positions=64, dropout=0.0, dtype=np.float16)
+    model = bert_split.layered_model(mcfg, micro_batch=2, seq=32, max_predictions=4)
+    loss_fn, params = model.build(3, 1)
+    assignment, _ = model.layout([1, 1, 1])
+    staged = ipu_jax.pipelining.split_stages(loss_fn, params, model.micro_batch, assignment)
+    self.assertEqual(staged.num_stages, 4)
+
+
+class SearchSpaceTest(parameterized.TestCase):
+
+  def test_compositions(self):
+    comps = candidates.layer_compositions(6, 3)
+    self.assertLen(comps, 15)  # IPU 0 takes 0..4 layers, the others at least 1
+    self.assertIn((0, 3, 3), comps)
+    self.assertNotIn((3, 3, 0), comps)
+    self.assertTrue(all(sum(c) == 6 for c in comps))
+    self.assertEqual(candidates.layer_compositions(6, 3, max_per_ipu=2), [(2, 2, 2)])
+    self.assertLen(candidates.layer_compositions(24, 4), 2024)  # C(24, 3)
+
+  @parameterized.parameters(
+      (dict(proportions=(1.5,)), "proportions"),
+      (dict(proportions=()), "proportions"),
+      (dict(serialization=(0,)), "serialization"),
+      (dict(layers_per_ipu=((2, 2, 1),)), "layers_per_ipu"),
+      (dict(layers_per_ipu=((3, 3, 0),)), "layers_per_ipu"))
+  def test_bad_space(self, kwargs, name):
+    with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, name):
+      ipu_jax.pipelining.SearchSpace(**kwargs).compositions(6, 3)
+
+  def test_bad_model(self):
+    with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, "LayeredModel.first"):
+      ipu_jax.pipelining.LayeredModel(build=None, num_layers=6, micro_batch={},
+                                      layer_path=str, first="embeddings", last=("head",))
+
+  def test_score(self):
+    # 8 micro-batches of 2 samples on 2 replicas in 1.33e6 cycles at 1.33 GHz: 32 / 1 ms.
+    self.assertAlmostEqual(split_search.score(1.33e6, 1.33e9, 8, 2, 2), 32000.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
