@@ -14,7 +14,8 @@ from ipu_jax.pipelining.pipeline import Pipeline, StagePrograms, check_steps_per
 from ipu_jax.pipelining.report import PipelineReport
 from ipu_jax.pipelining.schedule import SCHEDULES, minimum_accumulation, stash_depths
 from ipu_jax.pipelining.split import PipelineError, split_stages, stage
+from ipu_jax.pipelining.throughput import Throughput, step_throughput
 
 __all__ = ["Pipeline", "PipelineError", "PipelineReport", "SCHEDULES", "StagePrograms",
            "check_steps_per_execution", "minimum_accumulation", "split_stages",
-           "stage", "stash_depths"]
+           "stage", "stash_depths", "Throughput", "step_throughput"]
