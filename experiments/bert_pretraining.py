@@ -14,13 +14,30 @@ sharded over the replicas (``--offload_optimizer_state``,
 ``--accumulation`` micro-batches and averaged over ``--replicas``.
 
 The default is a small BERT (4 layers of width 128, vocabulary 1,000,
-sequence 64) on 16 tiles per IPU that trains in about a minute::
+sequence 64) on 32 tiles per IPU that trains in a few minutes::
 
     python -m experiments.bert_pretraining --report_dir reports/bert
 
 ``--check`` also trains the same model on the same micro-batches with plain
 JAX gradient accumulation (no pipeline) and prints the largest relative
-difference of the weights.
+difference of the weights. The report's summary ends with the step's
+throughput on ``--system`` and its breakdown by part
+(:mod:`ipu_jax.pipelining.throughput`).
+
+``--config`` takes a preset mirroring Graphcore's public BERT examples
+(:mod:`experiments.bert_presets`, docs/published_bert.md): ``phase1_pod16``,
+``phase1_pod64`` (sequence 128, micro-batch 8), ``phase2_pod16``,
+``phase2_pod64`` (sequence 512, micro-batch 2), BERT-Large on 4 replicas x 4
+IPUs of an IPU-POD16 or 16 x 4 of a POD64, every IPU's 1,472 tiles;
+``--model base`` for BERT-Base; any flag given overrides the preset.
+``--estimate_only`` lowers each stage's programs once (on one IPU; the
+replicas are not lowered again, the weights and optimizer state stay
+abstract) and prints the estimate without running anything; ``--json_out``
+writes it (samples/s, sequences/s, step seconds, breakdown, lowering
+seconds, peak RSS, whether every IPU fits and each IPU's peak)::
+
+    python -m experiments.bert_pretraining --config phase2_pod16 --packing_factor 2 \
+        --estimate_only --json_out reports/phase2_pod16.json
 """
 
 from __future__ import annotations
@@ -175,6 +192,20 @@ def max_relative_difference(a, b) -> float:
   return max(diffs, default=0.0)
 
 
+def abstract_init(optimizer):
+  """``optimizer`` whose ``init`` gives shapes (``jax.ShapeDtypeStruct``) for
+  abstract weights, so lowering its update allocates no state."""
+  import jax
+  import optax
+
+  def init(params):
+    if any(isinstance(p, jax.ShapeDtypeStruct) for p in jax.tree_util.tree_leaves(params)):
+      return jax.eval_shape(optimizer.init, params)
+    return optimizer.init(params)
+
+  return optax.GradientTransformation(init, optimizer.update)
+
+
 def peak_rss_bytes() -> int:
   import resource
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -229,8 +260,15 @@ def main(argv):
   cfg = ipu_config(f, len(layers_per_ipu))
   if f.estimate_only:
     cfg.memory.allow_out_of_memory = True  # report whether it fits, do not raise
-  loss_fn, params = bert.make_loss(bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
   optimizer = optax.lamb(f.learning_rate)
+  if f.estimate_only:
+    # Only shapes matter: the weights and the optimizer state stay abstract
+    # (BERT-Large's would take 4 GB of host memory).
+    model = nnx.eval_shape(lambda: bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
+    optimizer = abstract_init(optimizer)
+  else:
+    model = bert.Bert(mcfg, rngs=nnx.Rngs(f.seed))
+  loss_fn, params = bert.make_loss(model)
   pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                                      stage_assignment=assignment)
   if f.estimate_only:
