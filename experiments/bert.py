@@ -35,6 +35,7 @@ the released checkpoints' ``bert_config.json``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 import jax
@@ -155,7 +156,9 @@ class EncoderLayer(nnx.Module):
     b, s, w = h.shape
     q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
     heads = lambda t: t.reshape(b, s, self.heads, w // self.heads).transpose(0, 2, 1, 3)
-    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(w // self.heads)
+    # A Python float keeps the scores in the weights' dtype (a NumPy float64 would
+    # promote float16 scores to float32).
+    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) * (1.0 / math.sqrt(w // self.heads))
     probs = jax.nn.softmax(scores + mask_bias, axis=-1)
     return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
 

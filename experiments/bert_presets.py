@@ -9,7 +9,9 @@ stages on four IPUs asks (TF-IPU's rule, which ``Pipeline`` checks), so the
 presets take the largest multiple of 10 below it -- 2,040 on POD16, which is
 what the TensorFlow 2 example uses (``grad_acc_steps_per_replica: 2040``),
 and 510 on POD64. Masked positions: 20 a sequence at 128 tokens and 76 at
-512 (the examples' ``mask_tokens``).
+512 (the examples' ``mask_tokens``). Weights and activations are float16,
+as the examples train (``--dtype float32`` to override); LAMB's state takes
+the weights' dtype here.
 
 ``--model base`` takes ``pretrain_base_128``'s layout (the embeddings alone
 on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion 0.25) and, in phase 1,
@@ -21,7 +23,7 @@ from __future__ import annotations
 __all__ = ["PRESETS", "BASE_OVERRIDES", "preset_values"]
 
 _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 1472,
-          "dtype": "float32", "decoder_serialization": 2, "schedule": "Grouped",
+          "dtype": "float16", "decoder_serialization": 2, "schedule": "Grouped",
           "recomputation": True, "offload_optimizer_state": True,
           "replicated_tensor_sharding": True}
 

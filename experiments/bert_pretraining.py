@@ -237,6 +237,9 @@ def estimate(pipe, params, one_batch, f) -> dict:
           "fits": all(m["max_tile_bytes"] <= limit for m in memory.values()),
           "per_ipu_peak_bytes": [memory[i]["total_bytes"] for i in sorted(memory)],
           "per_ipu_max_tile_bytes": [memory[i]["max_tile_bytes"] for i in sorted(memory)],
+          # What fills each IPU's fullest tile (which program, what the others hold, stash).
+          "per_ipu_peak_tile": [report.ipu_memory[i].describe_tile(
+              int(np.argmax(report.ipu_memory[i].peak))) for i in sorted(memory)],
           "bytes_per_tile": limit}
 
 
