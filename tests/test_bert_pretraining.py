@@ -115,6 +115,24 @@ class SmallBertOnAPodTest(chex.TestCase):
         collectives.reduce_scatter(t128, [[0, 64]], 1 << 20).link_bytes["gw_link"], 0)
 
 
+class Float16SplitTest(absltest.TestCase):
+
+  def test_float16_bert_splits_into_its_stages(self):
+    # A NumPy float64 scale promoted float16 scores to float32, so each layer
+    # converted the stage-0 attention mask and layer 2 (stage 2) was refused.
+    cfg = bert.BertConfig(vocab_size=100, hidden=32, layers=4, heads=2, ffn=64,
+                          max_positions=32, dtype=np.float16)
+    loss_fn, params = bert.make_loss(bert.Bert(cfg, rngs=nnx.Rngs(0)))
+    micro = jax.tree_util.tree_map(lambda b: b[0], bert.synthetic_batches(cfg, 1, 2, 16, 4))
+    assignment, _ = bert.layout([1, 1, 1, 1])
+    staged = ipu_jax.pipelining.split_stages(loss_fn, params, micro, assignment)
+    self.assertEqual(staged.num_stages, 5)
+    jaxpr = jax.make_jaxpr(loss_fn)(params, micro)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    self.assertTrue(dots)
+    self.assertTrue(all(e.outvars[0].aval.dtype == np.float16 for e in dots))
+
+
 class BadInputTest(parameterized.TestCase):
 
   def _flags(self, *argv):
