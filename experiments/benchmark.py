@@ -27,6 +27,11 @@ outputs, temporaries: ``plain_xla_peak_mib``), and the emulated and plain
     python -m experiments.benchmark --suite=scale --repeats=5 \
         --json_out=experiments/results/scale.json
 
+The ``pod`` suite (``--suite=pod [--rows=phase2_pod16]``) runs BERT's
+``--estimate_only`` on IPU-PODs (experiments/benchmark_pod.py), each row in its
+own subprocess: wall time, lowering time, peak RSS, the estimate, and whether
+it kept issue 27's host budget (3 minutes, 8 GB).
+
 JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
 ``"host"`` object (platform, cpu count, python/jax versions) and ``"results"``:
 a list of objects with keys ``workload``, ``tiles``, ``plain_ms``,
@@ -62,10 +67,12 @@ _ISOLATE = flags.DEFINE_bool("isolate", True, "Run each case in its own subproce
 _CASE = flags.DEFINE_string("case", None, "Internal: run one case 'workload:tiles' and print JSON.")
 _EXECUTOR = flags.DEFINE_enum("executor", "batched", ["batched", "per_tile"], "Executor mode.")
 _SUITE = flags.DEFINE_enum(
-    "suite", "default", ["default", "scale"],
+    "suite", "default", ["default", "scale", "pod"],
     "default: --workloads at --tiles; scale: model-scale training steps "
-    "(experiments/scale_workloads.py), one subprocess per row.")
-_ROWS = flags.DEFINE_list("rows", None, "scale suite: rows to run (default: all).")
+    "(experiments/scale_workloads.py), one subprocess per row; pod: BERT estimates "
+    "on IPU-PODs (experiments/benchmark_pod.py: wall time and peak RSS of "
+    "bert_pretraining --estimate_only).")
+_ROWS = flags.DEFINE_list("rows", None, "scale / pod suite: rows to run (default: all).")
 _ROW_TIMEOUT = flags.DEFINE_integer("row_timeout", 1800, "scale suite: seconds per row.")
 _MAX_RSS_GIB = flags.DEFINE_float(
     "max_rss_gib", 10.0, "scale suite: a row whose resident memory passes this stops "
@@ -365,6 +372,27 @@ def _main_scale():
     print(f"\nwrote {out}")
 
 
+def _main_pod():
+  from experiments import benchmark_pod
+  names = _ROWS.value or list(benchmark_pod.ROWS)
+  for name in names:
+    if name not in benchmark_pod.ROWS:
+      raise app.UsageError(f"Unknown pod row {name!r}; valid rows are "
+                           f"{sorted(benchmark_pod.ROWS)}.")
+  results = []
+  for name in names:
+    print(f"running {name} ...", flush=True)
+    results.append(benchmark_pod.run_row(name, _ROW_TIMEOUT.value))
+    print(json.dumps(results[-1]), flush=True)
+  print(benchmark_pod.table(results))
+  out = _JSON_OUT.value
+  if out:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(dict(SCHEMA, suite="pod", host=_host(), results=results), f, indent=2)
+    print(f"\nwrote {out}")
+
+
 def run_case(name, tiles, repeats):
   try:
     if name == "fit":
@@ -427,6 +455,9 @@ def main(argv):
     return
   if _SUITE.value == "scale":
     _main_scale()
+    return
+  if _SUITE.value == "pod":
+    _main_pod()
     return
   results = []
   for name in _WORKLOADS.value:

@@ -14,13 +14,30 @@ sharded over the replicas (``--offload_optimizer_state``,
 ``--accumulation`` micro-batches and averaged over ``--replicas``.
 
 The default is a small BERT (4 layers of width 128, vocabulary 1,000,
-sequence 64) on 16 tiles per IPU that trains in about a minute::
+sequence 64) on 32 tiles per IPU that trains in a few minutes::
 
     python -m experiments.bert_pretraining --report_dir reports/bert
 
 ``--check`` also trains the same model on the same micro-batches with plain
 JAX gradient accumulation (no pipeline) and prints the largest relative
-difference of the weights.
+difference of the weights. The report's summary ends with the step's
+throughput on ``--system`` and its breakdown by part
+(:mod:`ipu_jax.pipelining.throughput`).
+
+``--config`` takes a preset mirroring Graphcore's public BERT examples
+(:mod:`experiments.bert_presets`, docs/published_bert.md): ``phase1_pod16``,
+``phase1_pod64`` (sequence 128, micro-batch 8), ``phase2_pod16``,
+``phase2_pod64`` (sequence 512, micro-batch 2), BERT-Large on 4 replicas x 4
+IPUs of an IPU-POD16 or 16 x 4 of a POD64, every IPU's 1,472 tiles;
+``--model base`` for BERT-Base; any flag given overrides the preset.
+``--estimate_only`` lowers each stage's programs once (on one IPU; the
+replicas are not lowered again, the weights and optimizer state stay
+abstract) and prints the estimate without running anything; ``--json_out``
+writes it (samples/s, sequences/s, step seconds, breakdown, lowering
+seconds, peak RSS, whether every IPU fits and each IPU's peak)::
+
+    python -m experiments.bert_pretraining --config phase2_pod16 --packing_factor 2 \
+        --estimate_only --json_out reports/phase2_pod16.json
 """
 
 from __future__ import annotations
@@ -35,6 +52,8 @@ from absl import app, flags
 if __package__ in (None, ""):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import bert_presets as presets  # noqa: E402
 
 _FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "tiny", ["tiny", "base", "large"],
@@ -58,21 +77,75 @@ flags.DEFINE_boolean("replicated_tensor_sharding", True,
 flags.DEFINE_float("dropout", 0.0, "Dropout rate.")
 flags.DEFINE_float("learning_rate", 1e-3, "LAMB learning rate.")
 flags.DEFINE_integer("steps", 3, "Training steps (weight updates).")
-flags.DEFINE_integer("tiles_per_ipu", 16, "Tiles per IPU (small: a fast emulation).")
+flags.DEFINE_integer("tiles_per_ipu", 32,
+                     "Tiles per IPU (small: a fast emulation; the presets use all 1,472).")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the data.")
 flags.DEFINE_boolean("check", False, "Compare with plain JAX gradient accumulation.")
 flags.DEFINE_string("report_dir", None, "Where to write the pipeline and stage reports.")
 flags.DEFINE_string("json_out", None, "Write the run's figures to this JSON file.")
+flags.DEFINE_enum("config", None, sorted(presets.PRESETS),
+                  "A preset mirroring Graphcore's public BERT examples (docs/published_bert.md); "
+                  "every flag given on the command line overrides it.")
+flags.DEFINE_string("system", None, "The IPU system (cfg.system): pod16, pod64, pod128, ...")
+flags.DEFINE_float("packing_factor", 1.0,
+                   "Sequences packed in each sample (>= 1); samples/s x this = sequences/s.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "float16"],
+                  "Weights and activations (the presets: float16, as Graphcore trained).")
+flags.DEFINE_boolean("estimate_only", False,
+                     "Lower each stage program once and print the estimate; run nothing.")
 
 
-def model_config(name: str, dropout: float, decoder_serialization: int):
+def model_config(name: str, dropout: float, decoder_serialization: int,
+                 dtype: str = "float32"):
+  import jax.numpy as jnp
   from experiments import bert
+  kw = dict(dropout=dropout, decoder_serialization=decoder_serialization,
+            dtype=jnp.dtype(dtype).type)
   if name == "tiny":
     return bert.BertConfig(vocab_size=1000, hidden=128, layers=4, heads=4, ffn=512,
-                           max_positions=512, dropout=dropout,
-                           decoder_serialization=decoder_serialization)
+                           max_positions=512, **kw)
   make = bert.bert_large if name == "large" else bert.bert_base
-  return make(dropout=dropout, decoder_serialization=decoder_serialization)
+  return make(**kw)
+
+
+def apply_preset(f) -> None:
+  """Set the flags of ``--config``'s preset that the command line did not give."""
+  if not f.config:
+    return
+  values = presets.preset_values(f.config, f.model if f["model"].present else None)
+  for name, value in values.items():
+    if not f[name].present:
+      setattr(f, name, [str(v) for v in value] if isinstance(value, list) else value)
+
+
+def check_flags(f, num_layers: int) -> None:
+  """Refuse bad settings before anything is built, naming the flag.
+
+  Raises:
+    ValueError: a packing factor below 1, layers that do not add up to the
+      model's, a G the Grouped / Interleaved schedule cannot run over BERT's
+      stages, or a system too small for replicas x IPUs per replica.
+  """
+  from ipu_jax.kernels.systems import check_capacity, system_preset
+  from ipu_jax.pipelining import minimum_accumulation
+  if not f.packing_factor >= 1.0:
+    raise ValueError(f"--packing_factor must be >= 1 (sequences packed in each sample); "
+                     f"got {f.packing_factor!r}.")
+  layers = [int(v) for v in f.layers_per_ipu]
+  if sum(layers) != num_layers:
+    raise ValueError(f"--layers_per_ipu {layers} adds up to {sum(layers)} layers; the "
+                     f"{f.model} model has {num_layers}.")
+  stages = len(layers) + 1  # the heads go back to IPU 0
+  minimum = minimum_accumulation(f.schedule, stages)
+  if f.accumulation < minimum or f.accumulation % minimum:
+    raise ValueError(f"--accumulation={f.accumulation} does not suit the {f.schedule} schedule "
+                     f"over {stages} stages: it must be a positive multiple of {minimum}.")
+  if f.system:
+    try:
+      check_capacity(system_preset(f.system), f.replicas, len(layers), "--replicas",
+                     "IPUs per replica (len(--layers_per_ipu))")
+    except ValueError as e:
+      raise ValueError(f"--system={f.system}: {e}") from None
 
 
 def ipu_config(f, num_ipus: int):
@@ -90,6 +163,7 @@ def ipu_config(f, num_ipus: int):
   cfg.matmuls.available_memory_proportion = [float(v) for v in f.matmul_proportion]
   cfg.streaming.offload_optimizer_state = f.offload_optimizer_state
   cfg.streaming.replicated_tensor_sharding = f.replicated_tensor_sharding
+  cfg.system = f.system
   return cfg
 
 
@@ -127,6 +201,57 @@ def max_relative_difference(a, b) -> float:
   return max(diffs, default=0.0)
 
 
+def abstract_init(optimizer):
+  """``optimizer`` whose ``init`` gives shapes (``jax.ShapeDtypeStruct``) for
+  abstract weights, so lowering its update allocates no state."""
+  import jax
+  import optax
+
+  def init(params):
+    if any(isinstance(p, jax.ShapeDtypeStruct) for p in jax.tree_util.tree_leaves(params)):
+      return jax.eval_shape(optimizer.init, params)
+    return optimizer.init(params)
+
+  return optax.GradientTransformation(init, optimizer.update)
+
+
+def peak_rss_bytes() -> int:
+  import resource
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def estimate(pipe, params, one_batch, f) -> dict:
+  """Lower the pipeline (each stage's programs once, on one IPU) and read the estimate.
+
+  ``one_batch`` is one micro-batch stacked once; the step's ``G x R``
+  micro-batches are views of it (only shapes matter here).
+  """
+  import jax
+  per_step = f.accumulation * f.replicas
+  batches = jax.tree_util.tree_map(
+      lambda b: np.broadcast_to(b, (per_step,) + b.shape[1:]), one_batch)
+  start = time.time()
+  pipe.lower(params, batches)
+  lower_seconds = time.time() - start
+  report = pipe.report
+  report.sequences_per_sample = f.packing_factor
+  tp = report.throughput
+  memory = report.memory_per_ipu()
+  limit = pipe.target.bytes_per_tile
+  return {"config": f.config, "model": f.model, "system": f.system,
+          "samples_per_second": tp.samples_per_second,
+          "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,
+          "breakdown": tp.breakdown, "lower_seconds": lower_seconds,
+          "peak_rss_bytes": peak_rss_bytes(),
+          "fits": all(m["max_tile_bytes"] <= limit for m in memory.values()),
+          "per_ipu_peak_bytes": [memory[i]["total_bytes"] for i in sorted(memory)],
+          "per_ipu_max_tile_bytes": [memory[i]["max_tile_bytes"] for i in sorted(memory)],
+          # What fills each IPU's fullest tile (which program, what the others hold, stash).
+          "per_ipu_peak_tile": [report.ipu_memory[i].describe_tile(
+              int(np.argmax(report.ipu_memory[i].peak))) for i in sorted(memory)],
+          "bytes_per_tile": limit}
+
+
 def main(argv):
   del argv
   import jax
@@ -136,17 +261,52 @@ def main(argv):
   from experiments import bert
 
   f = _FLAGS
+  apply_preset(f)
+  mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype)
+  try:
+    check_flags(f, mcfg.layers)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   layers_per_ipu = [int(v) for v in f.layers_per_ipu]
-  mcfg = model_config(f.model, f.dropout, f.decoder_serialization)
-  if sum(layers_per_ipu) != mcfg.layers:
-    raise app.UsageError(f"--layers_per_ipu {layers_per_ipu} adds up to {sum(layers_per_ipu)} "
-                         f"layers; the {f.model} model has {mcfg.layers}.")
   assignment, mapping = bert.layout(layers_per_ipu)
   cfg = ipu_config(f, len(layers_per_ipu))
-  loss_fn, params = bert.make_loss(bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
+  if f.estimate_only:
+    cfg.memory.allow_out_of_memory = True  # report whether it fits, do not raise
   optimizer = optax.lamb(f.learning_rate)
+  if f.estimate_only:
+    # Only shapes matter: the weights and the optimizer state stay abstract
+    # (BERT-Large's would take 4 GB of host memory).
+    model = nnx.eval_shape(lambda: bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
+    optimizer = abstract_init(optimizer)
+  else:
+    model = bert.Bert(mcfg, rngs=nnx.Rngs(f.seed))
+  loss_fn, params = bert.make_loss(model)
   pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                                      stage_assignment=assignment)
+  if f.estimate_only:
+    one = bert.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.max_predictions, f.seed)
+    results = estimate(pipe, params, one, f)
+    print(pipe.report.summary())
+    print(f"Estimate ({f.config or 'flags'}, BERT-{f.model}): "
+          f"{results['samples_per_second']:,.1f} samples/s, "
+          f"{results['sequences_per_second']:,.1f} sequences/s, step "
+          f"{results['step_seconds']:.3f} s; fits: {results['fits']} (largest tile per IPU "
+          f"{results['per_ipu_max_tile_bytes']} of {results['bytes_per_tile']:,d} B); lowered "
+          f"in {results['lower_seconds']:.1f} s, peak RSS "
+          f"{results['peak_rss_bytes'] / 2**30:.2f} GiB")
+  else:
+    results = train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping)
+  if f.report_dir:
+    pipe.report.save(f.report_dir)
+    print(f"Reports written to {f.report_dir}")
+  if f.json_out:
+    with open(f.json_out, "w") as out:
+      json.dump(results, out, indent=1)
+
+
+def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) -> dict:
+  """Train ``--steps`` steps on synthetic masked-LM data; the run's figures."""
+  from experiments import bert
   per_step = f.accumulation * f.replicas
   data = [bert.synthetic_batches(mcfg, per_step, f.micro_batch, f.seq, f.max_predictions,
                                  seed=f.seed + step) for step in range(f.steps)]
@@ -159,20 +319,20 @@ def main(argv):
     t = time.time()
     trained, state, value = pipe.step(trained, state, batches)
     print(f"step {step}: loss {float(value):.4f} ({time.time() - t:.1f} s on the host)")
+  pipe.report.sequences_per_sample = f.packing_factor
   print(pipe.report.summary())
+  tp = pipe.report.throughput
   results = {"layers_per_ipu": layers_per_ipu, "device_mapping": mapping,
-             "lower_seconds": lower_seconds, "final_loss": float(value)}
+             "lower_seconds": lower_seconds, "final_loss": float(value),
+             "samples_per_second": tp.samples_per_second,
+             "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,
+             "breakdown": tp.breakdown, "peak_rss_bytes": peak_rss_bytes()}
   if f.check:
     expected = plain_steps(loss_fn, optimizer, params, data)
     results["max_relative_difference"] = max_relative_difference(trained, expected)
     print(f"Plain JAX gradient accumulation: largest relative weight difference "
           f"{results['max_relative_difference']:.2e}")
-  if f.report_dir:
-    pipe.report.save(f.report_dir)
-    print(f"Reports written to {f.report_dir}")
-  if f.json_out:
-    with open(f.json_out, "w") as out:
-      json.dump(results, out, indent=1)
+  return results
 
 
 if __name__ == "__main__":

@@ -153,6 +153,16 @@ class Pipeline:
           f"and at least {minimum}.")
     return mapping
 
+  def _check_system(self) -> None:
+    # The replicas' IPUs must fit the system (each stage is lowered with one replica).
+    if self.config.system is not None:
+      from ipu_jax.kernels.systems import check_capacity, system_preset
+      try:
+        check_capacity(system_preset(self.config.system), self.replicas,
+                       self.config.auto_select_ipus)
+      except ValueError as e:
+        raise PipelineError(str(e)) from None
+
   def _stage_config(self, ipu: int = 0):
     # The stage's IPU's per-IPU options (available memory proportions) as numbers.
     cfg = self.config.for_ipu(ipu)
@@ -187,6 +197,7 @@ class Pipeline:
                  for x in jax.tree_util.tree_leaves((params, micro))))
     if key == self._lowered_key:
       return self
+    self._check_system()
     staged = split_stages(self.inputs.wrap(self.loss_fn), params, micro, self.stage_assignment,
                           free=self.inputs.free(micro), has_aux=self.inputs.extended)
     self.inputs.check_owners(staged, micro)
@@ -194,6 +205,10 @@ class Pipeline:
     layout.check_tied_weights(staged, mapping)
     flat_params = jax.tree_util.tree_leaves(params)
     flat_micro = jax.tree_util.tree_leaves(micro)
+    # Shapes the throughput estimate reads (optimizer state, host input bytes).
+    self.param_avals = [jax.ShapeDtypeStruct(np.shape(p), p.dtype) for p in flat_params]
+    self.micro_batch_avals = jax.tree_util.tree_map(
+        lambda m: jax.ShapeDtypeStruct(np.shape(m), m.dtype), micro)
     cfg = self._stage_config()
     target = cfg.to_target()
     recompute = self.config.pipelining.recomputation

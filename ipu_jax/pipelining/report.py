@@ -6,7 +6,8 @@ stages hold, plus every stash its stages keep; :mod:`~ipu_jax.pipelining.layout`
 the cycles of each stage's forward, backward and update programs, what
 crosses the IPU-Links per step, the step's ramp-up / steady state /
 ramp-down and the pipeline efficiency (the fraction of the used IPUs' time
-busy). ``save(directory)`` writes ``pipeline.json``, a ``pipeline_trace.json``
+busy) and the step's throughput on the config's system with its breakdown
+by part (``throughput``; :mod:`~ipu_jax.pipelining.throughput`). ``save(directory)`` writes ``pipeline.json``, a ``pipeline_trace.json``
 (Chrome trace: one process per IPU the pipeline uses, one span per pass of
 each micro-batch, named and tagged with its stage, so stages sharing an IPU
 show on its track) and ``pipeline_schedule.png``; every stage program keeps
@@ -47,6 +48,26 @@ class PipelineReport:
     #: The step as an ``ipu_jax.Report`` (one step per slot): its summary,
     #: ``compare_reports``, HTML page and ``trace.json`` (one process per IPU).
     self.program_report = Report(self.profile)
+    self._pipeline = pipeline
+    #: Sequences packed in each sample (the packing factor) for :attr:`throughput`.
+    self.sequences_per_sample = 1.0
+    self._throughput = {}
+
+  def throughput_for(self, samples_per_micro_batch=None, sequences_per_sample=None):
+    """The step's :class:`~ipu_jax.pipelining.throughput.Throughput` on the
+    config's system (see :func:`~ipu_jax.pipelining.throughput.step_throughput`)."""
+    from ipu_jax.pipelining.throughput import step_throughput
+    packing = self.sequences_per_sample if sequences_per_sample is None else sequences_per_sample
+    key = (samples_per_micro_batch, packing)
+    if key not in self._throughput:
+      self._throughput[key] = step_throughput(self._pipeline, samples_per_micro_batch, packing)
+    return self._throughput[key]
+
+  @property
+  def throughput(self):
+    """Samples and sequences per second of a step on the system, with the
+    step's breakdown by part (:mod:`~ipu_jax.pipelining.throughput`)."""
+    return self.throughput_for()
 
   @property
   def stage_reports(self) -> dict:
@@ -103,6 +124,7 @@ class PipelineReport:
         "busy_cycles_per_ipu": [float(b) for b in tl.busy_cycles],
         "ipus_used": list(self.ipus),
         "memory_per_ipu": {str(ipu): m for ipu, m in self.memory_per_ipu().items()},
+        "throughput": self.throughput.to_dict(),
         "stages": [{"stage": s.index, "ipu": s.ipu,
                     "forward_cycles": s.forward.profile.total_cycles,
                     "backward_cycles": s.backward.profile.total_cycles,
@@ -127,6 +149,7 @@ class PipelineReport:
         f"  pipeline efficiency: {100 * self.efficiency:.1f} % of IPU time busy; micro-batch "
         f"rate {100 * d['rate_efficiency']:.1f} % of the steady state's",
         f"  over IPU-Links per step: {d['ipu_link_bytes_per_step']:,d} B",
+        *self.throughput.summary_lines(),
         f"  recomputation in backward passes: {d['recompute_cycles_per_micro_batch']:,.0f} "
         "cycles per micro-batch (all stages)",
         "  stage  IPU   forward  backward (recompute)    update  stash(depth x B)  peak tile B"

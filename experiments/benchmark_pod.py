@@ -1,0 +1,76 @@
+"""The benchmark's ``pod`` suite: what estimating BERT on an IPU-POD costs the host.
+
+Each row runs ``python -m experiments.bert_pretraining --config C
+--estimate_only --json_out F`` in its own subprocess and records its wall
+time, the lowering time and the peak RSS the run reports (its own process's
+``ru_maxrss``), with the estimate itself (samples/s, sequences/s, step
+seconds, fits) and whether the run stayed within the host budget of issue 27
+(<= 180 s wall, <= 8 GB peak RSS)::
+
+    python -m experiments.benchmark --suite=pod [--rows=phase2_pod16] \
+        --json_out=experiments/results/pod.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["ROWS", "BUDGET_SECONDS", "BUDGET_RSS_BYTES", "run_row", "table"]
+
+# Issue 27's host budget for an estimate.
+BUDGET_SECONDS = 180.0
+BUDGET_RSS_BYTES = 8 * 10**9
+
+# row name -> the runner's arguments.
+ROWS = {
+    "phase2_pod16": ["--config=phase2_pod16", "--packing_factor=2"],
+    "phase1_pod16": ["--config=phase1_pod16"],
+    "phase1_pod64": ["--config=phase1_pod64"],
+    "phase1_pod16_base": ["--config=phase1_pod16", "--model=base"],
+    "phase2_pod64": ["--config=phase2_pod64", "--packing_factor=2"],
+}
+
+
+def run_row(name: str, timeout: float) -> dict:
+  """One row in its own subprocess; its figures or an ``error``."""
+  if name not in ROWS:
+    raise ValueError(f"Unknown pod row {name!r}; valid rows are {sorted(ROWS)}.")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "estimate.json")
+    cmd = [sys.executable, "-m", "experiments.bert_pretraining", *ROWS[name],
+           "--estimate_only", f"--json_out={out}"]
+    start = time.time()
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=timeout,
+                            env=dict(os.environ, IPU_JAX_PROGRESS="0"))
+    except subprocess.TimeoutExpired:
+      return {"workload": name, "error": f"timed out after {timeout} s"}
+    wall = time.time() - start
+    if proc.returncode or not os.path.exists(out):
+      return {"workload": name, "wall_s": wall, "error": proc.stderr[-500:]}
+    with open(out) as f:
+      result = json.load(f)
+  result.update(workload=name, wall_s=wall, args=ROWS[name],
+                within_budget=wall <= BUDGET_SECONDS
+                and result["peak_rss_bytes"] <= BUDGET_RSS_BYTES, error=None)
+  return result
+
+
+def table(results: list) -> str:
+  lines = ["| row | wall s | lower s | peak RSS GiB | fits | samples/s | sequences/s | step s "
+           "| within budget |", "|" + "---|" * 9]
+  for r in results:
+    if r.get("error"):
+      lines.append(f"| {r['workload']} |" + " |" * 7 + f" ERROR {r['error'][-200:]} |")
+      continue
+    lines.append(f"| {r['workload']} | {r['wall_s']:.1f} | {r['lower_seconds']:.1f} "
+                 f"| {r['peak_rss_bytes'] / 2**30:.2f} | {r['fits']} "
+                 f"| {r['samples_per_second']:,.1f} | {r['sequences_per_second']:,.1f} "
+                 f"| {r['step_seconds']:.3f} | {r['within_budget']} |")
+  return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Presets of ``experiments.bert_pretraining`` mirroring Graphcore's BERT examples.
+
+The values are those of ``graphcore/examples`` ``nlp/bert/pytorch/configs_pretraining.yml``
+(``pretrain_large_128``, ``pretrain_large_128_POD64``, ``pretrain_large_512``,
+``pretrain_large_512_POD64``, ``pretrain_base_128``; docs/published_bert.md),
+with one change: the examples' G (2,048 on POD16, 512 on POD64) is not a
+multiple of ``2 x stages = 10`` that the Grouped schedule over BERT's five
+stages on four IPUs asks (TF-IPU's rule, which ``Pipeline`` checks), so the
+presets take the largest multiple of 10 below it -- 2,040 on POD16, which is
+what the TensorFlow 2 example uses (``grad_acc_steps_per_replica: 2040``),
+and 510 on POD64. Masked positions: 20 a sequence at 128 tokens and 76 at
+512 (the examples' ``mask_tokens``). Weights and activations are float16,
+as the examples train (``--dtype float32`` to override); LAMB's state takes
+the weights' dtype here.
+
+``--model base`` takes ``pretrain_base_128``'s layout (the embeddings alone
+on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion 0.25) and, in phase 1,
+its micro-batch 32 and G 512 (510 here).
+"""
+
+from __future__ import annotations
+
+__all__ = ["PRESETS", "BASE_OVERRIDES", "preset_values"]
+
+_LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 1472,
+          "dtype": "float16", "decoder_serialization": 2, "schedule": "Grouped",
+          "recomputation": True, "offload_optimizer_state": True,
+          "replicated_tensor_sharding": True}
+
+PRESETS = {
+    "phase1_pod16": dict(_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
+                         matmul_proportion=[0.15, 0.25, 0.25, 0.25], system="pod16",
+                         max_predictions=20),
+    "phase1_pod64": dict(_LARGE, seq=128, micro_batch=8, replicas=16, accumulation=510,
+                         matmul_proportion=[0.14, 0.19, 0.19, 0.19], system="pod64",
+                         max_predictions=20),
+    "phase2_pod16": dict(_LARGE, seq=512, micro_batch=2, replicas=4, accumulation=2040,
+                         matmul_proportion=[0.10, 0.15, 0.15, 0.15], system="pod16",
+                         max_predictions=76),
+    "phase2_pod64": dict(_LARGE, seq=512, micro_batch=2, replicas=16, accumulation=510,
+                         matmul_proportion=[0.13, 0.19, 0.19, 0.19], system="pod64",
+                         max_predictions=76),
+}
+
+# pretrain_base_128: embeddings alone on IPU 0, 4 layers on each other IPU.
+BASE_OVERRIDES = {"layers_per_ipu": [0, 4, 4, 4], "matmul_proportion": [0.25] * 4}
+_BASE_PHASE1 = {"micro_batch": 32, "accumulation": 510}
+
+
+def preset_values(name: str, model: str | None) -> dict:
+  """The flag values of preset ``name`` for ``model`` ('large', 'base'; None: large)."""
+  values = dict(PRESETS[name])
+  if model == "base":
+    values.update(BASE_OVERRIDES, model="base")
+    if name.startswith("phase1"):
+      values.update(_BASE_PHASE1)
+  return values

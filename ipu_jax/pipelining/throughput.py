@@ -1,0 +1,239 @@
+"""A pipelined, replicated training step's time on an IPU system.
+
+:func:`step_throughput` reads a lowered :class:`~ipu_jax.pipelining.Pipeline`
+and lays one step of ``R`` replicas of the pipeline over the system its
+config names (``cfg.system``; none: the flat one-IPU-Link-rate model). The
+step is the sum of these parts, each in seconds (``Throughput.breakdown``):
+
+* ``steady_state``, ``ramp``: the compute of the schedule's slots in which
+  every stage is busy, and of the slots before and after (in each slot, the
+  busiest IPU's passes -- stages sharing an IPU add -- less what of them is
+  recomputation);
+* ``recomputation``: the forward work the busiest IPU's backward passes run
+  again, read off the lowered backward programs
+  (:func:`~ipu_jax.pipelining.stage_programs.recompute_cycles`);
+* ``inter_stage_copies``: each slot's IPU-Link copies between stages
+  (:func:`~ipu_jax.pipelining.links.slot_copy_cycles`, as the timeline);
+* ``syncs``: the sync ending each slot. Replicas run in lockstep as one
+  replicated graph, so the sync spans all ``R x N`` IPUs
+  (:meth:`IPUTarget.ipu_sync_cycles`, growing with the IPU count, DESIGN
+  section 10), plus a GW-Link latency each way when the replicas span PODs
+  (the same *estimate* the system's collectives use);
+* after the last slot, each IPU updates the weights its stages own, one
+  stage after another; the step waits for the IPU that takes longest, and
+  its parts are: ``gradient_reduction`` (an all-reduce of the stage's
+  gradients over the replicas, or with replicated tensor sharding a
+  reduce-scatter), ``optimizer_state_streaming`` (with
+  ``streaming.offload_optimizer_state``: the remote copies of the stage's
+  lowered update program, which streams its optimizer state -- the
+  replica's ``1 / R`` shard with sharding -- in from and back to Streaming
+  Memory, docs/streaming_memory.md), ``optimizer_compute`` (the rest of the
+  stage's lowered update program; with sharding the per-replica program,
+  which updates one shard, norms all-reduced across the replicas inside it,
+  :mod:`~ipu_jax.pipelining.weight_update`) and ``weight_all_gather``
+  (sharding: the updated weights gathered back to every replica);
+* ``host_io``: the replica's ``G`` micro-batches over its host link at
+  ``IPUTarget.host_link_bytes_per_second`` (PCIe 4.0 x16), each replica over
+  its own link, not overlapped with compute (an upper bound: Poplar can
+  overlap I/O).
+
+Collectives run over the system's links (:mod:`ipu_jax.kernels.collectives`)
+between IPU ``j`` of every replica. **Placement**: replica ``r`` sits in POD
+``r mod P`` when the replicas divide evenly over the system's ``P`` PODs (a
+job on a multi-POD partition uses every POD), packed in replica order inside
+each POD; otherwise all replicas are packed in order from IPU 0.
+
+The replica-local timeline (:attr:`Pipeline.timeline`) is unchanged by all
+this: it syncs the replica's own IPUs and all-reduces over the system in
+packed order; the throughput is the system-wide figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ipu_jax.kernels import collectives
+from ipu_jax.pipelining import links, schedule as schedule_lib
+
+__all__ = ["Throughput", "PARTS", "step_throughput", "replica_bases"]
+
+PARTS = ("steady_state", "ramp", "recomputation", "inter_stage_copies", "syncs",
+         "gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
+         "weight_all_gather", "host_io")
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+  """What one training step of the replicated pipeline takes on the system.
+
+  Attributes:
+    samples_per_second: samples (rows of a micro-batch) per second.
+    sequences_per_second: ``samples_per_second x sequences_per_sample``
+      (packed sequences: several a sample).
+    step_seconds: one step (``G x R`` micro-batches and the weight update).
+    samples_per_step: ``G x R x`` samples per micro-batch.
+    sequences_per_sample: the packing factor (1 unpacked).
+    breakdown: seconds of each part of :data:`PARTS` (they add up to
+      ``step_seconds``; see the module docstring).
+    system: the system's name (None: the flat model).
+    ipus: ``R x N`` IPUs the step uses.
+    update_ipu: the IPU (of a replica) whose weight update the step waits for.
+  """
+
+  samples_per_second: float
+  sequences_per_second: float
+  step_seconds: float
+  samples_per_step: int
+  sequences_per_sample: float
+  breakdown: dict
+  system: str | None
+  ipus: int
+  update_ipu: int
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def summary_lines(self) -> list:
+    where = f"on {self.system}" if self.system else "(flat link model, no system)"
+    lines = [f"  throughput {where}, {self.ipus} IPUs: {self.samples_per_second:,.1f} samples/s, "
+             f"{self.sequences_per_second:,.1f} sequences/s; step {self.step_seconds * 1e3:,.3f} "
+             f"ms ({self.samples_per_step:,d} samples)"]
+    for part in PARTS:
+      seconds = self.breakdown[part]
+      share = 100 * seconds / self.step_seconds if self.step_seconds else 0.0
+      lines.append(f"    {part:<26s} {seconds * 1e3:>12,.3f} ms {share:>6.1f} %")
+    return lines
+
+
+def replica_bases(system, replicas: int, ipus_per_replica: int) -> list:
+  """The first IPU of each replica on ``system`` (see the placement rule above)."""
+  n = ipus_per_replica
+  if system is None:
+    return [r * n for r in range(replicas)]
+  pods = system.pods
+  if pods > 1 and replicas % pods == 0 and (replicas // pods) * n <= system.ipus_per_pod:
+    return [(r % pods) * system.ipus_per_pod + (r // pods) * n for r in range(replicas)]
+  return [r * n for r in range(replicas)]
+
+
+def _spans_pods(system, bases: list, n: int) -> bool:
+  if system is None:
+    return False
+  return len({ipu // system.ipus_per_pod for b in bases for ipu in (b, b + n - 1)}) > 1
+
+
+def _collective(kind: str, target, groups, nbytes: float, replicas: int) -> float:
+  """Cycles of a collective between the replicas (flat model without a system:
+  an all-reduce is the ring of ``links``, a reduce-scatter or all-gather half of it)."""
+  if replicas <= 1 or nbytes <= 0:
+    return 0.0
+  if target.system is not None:
+    return collectives.collective(kind, target, groups, nbytes).cycles
+  full = links.all_reduce_cycles(target, replicas, nbytes)
+  return full if kind == "all_reduce" else full / 2
+
+
+def _slot_parts(pipeline, sync: float) -> dict:
+  """Cycles of the slots: steady / ramp compute, recomputation, copies, syncs."""
+  stages = pipeline.stages
+  n = len(stages)
+  fwd = [s.forward.profile.total_cycles for s in stages]
+  bwd = [s.backward.profile.total_cycles for s in stages]
+  rec = [s.recompute_cycles for s in stages]
+  slots = schedule_lib.slots(pipeline.schedule, n, pipeline.accumulation)
+  copies = pipeline.timeline.copy_cycles_per_slot
+  out = dict.fromkeys(("steady_state", "ramp", "recomputation", "inter_stage_copies",
+                       "syncs"), 0.0)
+  for t, slot in enumerate(slots):
+    work, again = {}, {}
+    for p in slot:
+      ipu = stages[p.stage].ipu
+      work[ipu] = work.get(ipu, 0.0) + (fwd[p.stage] if p.kind == "forward" else bwd[p.stage])
+      again[ipu] = again.get(ipu, 0.0) + (rec[p.stage] if p.kind == "backward" else 0.0)
+    busiest = max(work, key=work.get)
+    full = (len({(p.stage, p.kind) for p in slot}) == len(slot)
+            and {p.stage for p in slot} == set(range(n)))
+    out["steady_state" if full else "ramp"] += work[busiest] - again[busiest]
+    out["recomputation"] += again[busiest]
+    out["inter_stage_copies"] += copies[t] if t < len(copies) else 0.0
+    out["syncs"] += sync
+  return out
+
+
+def _update_parts(pipeline, target, groups_of, replicas: int) -> tuple:
+  """``(ipu, parts)``: the weight-update phase of the IPU that takes longest."""
+  cfg = pipeline.config
+  sharded = cfg.streaming.replicated_tensor_sharding and replicas > 1
+  per_ipu = {}
+  for programs in pipeline.stages:
+    parts = per_ipu.setdefault(programs.ipu, dict.fromkeys(
+        ("gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
+         "weight_all_gather"), 0.0))
+    groups = groups_of(programs.ipu)
+    grads = programs.weight_bytes
+    parts["gradient_reduction"] += _collective(
+        "reduce_scatter" if sharded else "all_reduce", target, groups, grads, replicas)
+    if programs.update is not None:
+      # The lowered update (per replica with sharding) streams its state itself.
+      profile = programs.update.profile
+      streamed = profile.streaming.cycles if profile.streaming is not None else 0.0
+      parts["optimizer_state_streaming"] += streamed
+      parts["optimizer_compute"] += profile.total_cycles - streamed
+    if sharded:
+      parts["weight_all_gather"] += _collective("all_gather", target, groups, grads, replicas)
+  ipu = max(per_ipu, key=lambda i: sum(per_ipu[i].values()))
+  return ipu, per_ipu[ipu]
+
+
+def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
+                    sequences_per_sample: float = 1.0, system=None) -> Throughput:
+  """The throughput of a lowered pipeline's step (see the module docstring).
+
+  Args:
+    pipeline: a lowered :class:`~ipu_jax.pipelining.Pipeline`.
+    samples_per_micro_batch: rows of a micro-batch; default the leading
+      dimension of the micro-batch's first leaf.
+    sequences_per_sample: sequences packed in each sample (>= 1).
+    system: price the same lowered step on this system (an ``IPUSystem`` or
+      a preset name) instead of the config's: the stage programs depend on
+      the chip only, so they are not lowered again; the chip must match.
+
+  Raises:
+    ValueError: ``sequences_per_sample`` below 1, or the system is too
+      small for the replicas (naming the fields).
+  """
+  if not sequences_per_sample >= 1:
+    raise ValueError(f"sequences_per_sample (the packing factor) must be >= 1; got "
+                     f"{sequences_per_sample!r}.")
+  target = pipeline.target
+  if system is not None:
+    target = target.replace(system=system)  # checks the chip
+  system = target.system
+  r, n, g = pipeline.replicas, pipeline.config.auto_select_ipus, pipeline.accumulation
+  if system is not None:
+    from ipu_jax.kernels.systems import check_capacity
+    check_capacity(system, r, n)
+  bases = replica_bases(system, r, n)
+  sync = target.ipu_sync_cycles(r * n)
+  if _spans_pods(system, bases, n):
+    sync += 2 * system.gw_latency_seconds * target.clock_hz
+  cycles = _slot_parts(pipeline, sync)
+  ipu, update = _update_parts(pipeline, target, lambda j: [[b + j for b in bases]], r)
+  cycles.update(update)
+  micro_bytes = sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
+                    for s in jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
+  breakdown = {part: cycles[part] / target.clock_hz for part in PARTS if part != "host_io"}
+  breakdown["host_io"] = g * float(micro_bytes) / target.host_link_bytes_per_second
+  breakdown = {part: float(breakdown[part]) for part in PARTS}
+  step = sum(breakdown.values())
+  if samples_per_micro_batch is None:
+    leaves = jax.tree_util.tree_leaves(pipeline.micro_batch_avals)
+    samples_per_micro_batch = int(leaves[0].shape[0]) if leaves and leaves[0].shape else 1
+  samples = g * r * int(samples_per_micro_batch)
+  rate = samples / step if step else 0.0
+  return Throughput(rate, rate * sequences_per_sample, step, samples,
+                    float(sequences_per_sample), breakdown,
+                    None if system is None else system.name, r * n, ipu)

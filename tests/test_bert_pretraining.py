@@ -1,0 +1,180 @@
+"""A small BERT pipelined over a replicated system, its throughput, the runner's presets.
+
+One small BERT (4 layers of width 128) is lowered once, on 2 replicas of 4
+IPUs of an IPU-POD64, and trained for a real step; the big estimates are
+measured by the benchmark's ``pod`` row, not here.
+"""
+
+import chex
+import jax
+import numpy as np
+import optax
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+import ipu_jax
+from experiments import bert, bert_pretraining, bert_presets
+from ipu_jax.kernels import collectives, systems
+from ipu_jax.pipelining import throughput as tp_lib
+
+_G, _R = 10, 2
+
+
+def _small_pipeline(system="pod64"):
+  cfg_model = bert.BertConfig(vocab_size=1000, hidden=128, layers=4, heads=4, ffn=512,
+                              max_positions=64, dropout=0.0, decoder_serialization=2)
+  loss_fn, params = bert.make_loss(bert.Bert(cfg_model, rngs=nnx.Rngs(0)))
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.tiles_per_ipu = 32
+  cfg.auto_select_ipus = 4
+  cfg.replication_factor = _R
+  cfg.system = system
+  cfg.training.gradient_accumulation_steps = _G
+  cfg.training.gradient_accumulation_reduction = "mean"
+  cfg.training.replica_reduction = "mean"
+  cfg.pipelining.recomputation = True
+  cfg.streaming.offload_optimizer_state = True
+  cfg.streaming.replicated_tensor_sharding = True
+  assignment, mapping = bert.layout([1, 1, 1, 1])
+  optimizer = optax.lamb(1e-3)
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
+                                     stage_assignment=assignment)
+  batches = bert.synthetic_batches(cfg_model, _G * _R, 2, 16, 4, seed=1)
+  return pipe, loss_fn, optimizer, params, batches
+
+
+class SmallBertOnAPodTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.pipe, loss_fn, optimizer, params, batches = _small_pipeline()
+    state = cls.pipe.init(params, batches)
+    cls.trained, _, cls.loss = cls.pipe.step(params, state, batches)
+    cls.expected = bert_pretraining.plain_steps(loss_fn, optimizer, params, [batches])
+
+  def test_weights_equal_plain_gradient_accumulation(self):
+    self.assertTrue(np.isfinite(float(self.loss)))
+    chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, self.trained),
+                                jax.tree_util.tree_map(np.asarray, self.expected),
+                                rtol=1e-5, atol=1e-7)
+
+  def test_report_shows_throughput_whose_parts_add_up(self):
+    report = self.pipe.report
+    tp = report.throughput
+    self.assertEqual(tp.system, "pod64")
+    self.assertEqual(tp.ipus, _R * 4)
+    self.assertEqual(set(tp.breakdown), set(tp_lib.PARTS))
+    self.assertAlmostEqual(sum(tp.breakdown.values()), tp.step_seconds, delta=1e-12)
+    self.assertEqual(tp.samples_per_step, _G * _R * 2)
+    self.assertAlmostEqual(tp.samples_per_second, tp.samples_per_step / tp.step_seconds)
+    for part in ("steady_state", "ramp", "recomputation", "inter_stage_copies", "syncs",
+                 "gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
+                 "weight_all_gather", "host_io"):
+      self.assertGreater(tp.breakdown[part], 0.0, part)
+    # The slots' compute and recomputation are the lowered programs' cycles.
+    clock = self.pipe.target.clock_hz
+    rec = (tp.breakdown["recomputation"] * clock)
+    self.assertLessEqual(rec, _G * sum(s.recompute_cycles for s in self.pipe.stages) + 1)
+    d = report.to_dict()["throughput"]
+    self.assertAlmostEqual(d["step_seconds"], tp.step_seconds)
+    self.assertIn("throughput on pod64, 8 IPUs", report.summary())
+    self.assertIn("gradient_reduction", report.summary())
+
+  def test_packing_multiplies_sequences(self):
+    tp = self.pipe.report.throughput_for(sequences_per_sample=2.0)
+    self.assertAlmostEqual(tp.sequences_per_second, 2 * tp.samples_per_second)
+    with self.assertRaisesRegex(ValueError, "packing factor"):
+      self.pipe.report.throughput_for(sequences_per_sample=0.5)
+
+  def test_two_pod64s_change_only_collectives_and_syncs(self):
+    one = tp_lib.step_throughput(self.pipe)
+    two = tp_lib.step_throughput(self.pipe, system="pod128")
+    changed = {"syncs", "gradient_reduction", "weight_all_gather"}
+    for part in set(tp_lib.PARTS) - changed:
+      self.assertEqual(one.breakdown[part], two.breakdown[part], part)
+    for part in changed:
+      self.assertGreater(two.breakdown[part], one.breakdown[part], part)
+    target = self.pipe.target
+    pod128 = systems.system_preset("pod128")
+    clock = target.clock_hz
+    # One replica in each POD: IPU j of replica 1 is IPU 64 + j, across the GW-Links.
+    self.assertEqual(tp_lib.replica_bases(pod128, 2, 4), [0, 64])
+    slots = len(ipu_jax.pipelining.schedule.slots("Grouped", 5, _G))
+    gw = 2 * pod128.gw_latency_seconds * clock
+    self.assertAlmostEqual((two.breakdown["syncs"] - one.breakdown["syncs"]) * clock,
+                           slots * gw, delta=1e-6)
+    # The update the step waits for is IPU 0's (stages 0 and 4): the reduce-scatter
+    # of their gradients, priced by the system's links.
+    t128 = target.replace(system=pod128)
+    ipu = two.update_ipu
+    expected = sum(collectives.reduce_scatter(t128, [[ipu, 64 + ipu]], s.weight_bytes).cycles
+                   for s in self.pipe.stages if s.ipu == ipu)
+    self.assertAlmostEqual(two.breakdown["gradient_reduction"] * clock, expected, delta=1e-3)
+    self.assertGreater(
+        collectives.reduce_scatter(t128, [[0, 64]], 1 << 20).link_bytes["gw_link"], 0)
+
+
+class Float16SplitTest(absltest.TestCase):
+
+  def test_float16_bert_splits_into_its_stages(self):
+    # A NumPy float64 scale promoted float16 scores to float32, so each layer
+    # converted the stage-0 attention mask and layer 2 (stage 2) was refused.
+    cfg = bert.BertConfig(vocab_size=100, hidden=32, layers=4, heads=2, ffn=64,
+                          max_positions=32, dtype=np.float16)
+    loss_fn, params = bert.make_loss(bert.Bert(cfg, rngs=nnx.Rngs(0)))
+    micro = jax.tree_util.tree_map(lambda b: b[0], bert.synthetic_batches(cfg, 1, 2, 16, 4))
+    assignment, _ = bert.layout([1, 1, 1, 1])
+    staged = ipu_jax.pipelining.split_stages(loss_fn, params, micro, assignment)
+    self.assertEqual(staged.num_stages, 5)
+    jaxpr = jax.make_jaxpr(loss_fn)(params, micro)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    self.assertTrue(dots)
+    self.assertTrue(all(e.outvars[0].aval.dtype == np.float16 for e in dots))
+
+
+class BadInputTest(parameterized.TestCase):
+
+  def _flags(self, *argv):
+    f = bert_pretraining._FLAGS
+    f.unparse_flags()
+    f(["bert_pretraining", *argv])
+    self.addCleanup(f.unparse_flags)
+    bert_pretraining.apply_preset(f)
+    return f
+
+  @parameterized.named_parameters(
+      ("packing", ["--packing_factor=0.5"], "--packing_factor must be >= 1"),
+      ("accumulation", ["--accumulation=12"], "--accumulation=12 does not suit the Grouped"),
+      ("system", ["--config=phase1_pod16", "--replicas=5"], "--replicas=5"),
+      ("layers", ["--layers_per_ipu=1,1,1"], "--layers_per_ipu"),
+  )
+  def test_clear_errors_naming_the_flag(self, argv, message):
+    f = self._flags(*argv)
+    with self.assertRaisesRegex(ValueError, message):
+      bert_pretraining.check_flags(f, 24 if f.model == "large" else 4)
+
+  def test_presets_and_overrides(self):
+    f = self._flags("--config=phase2_pod16", "--micro_batch=4")
+    self.assertEqual((f.seq, f.micro_batch, f.replicas, f.accumulation, f.system),
+                     (512, 4, 4, 2040, "pod16"))
+    self.assertEqual([int(v) for v in f.layers_per_ipu], [3, 7, 7, 7])
+    bert_pretraining.check_flags(f, 24)
+    f = self._flags("--config=phase1_pod16", "--model=base")
+    self.assertEqual([int(v) for v in f.layers_per_ipu],
+                     bert_presets.BASE_OVERRIDES["layers_per_ipu"])
+    self.assertEqual((f.micro_batch, f.accumulation), (32, 510))
+    bert_pretraining.check_flags(f, 12)
+
+  def test_pipeline_refuses_a_system_too_small(self):
+    pipe, _, _, params, batches = _small_pipeline()
+    pipe.config.replication_factor = 5
+    pipe.config.system = "pod16"
+    batches = jax.tree_util.tree_map(lambda b: np.concatenate([b, b, b[:10]]), batches)
+    with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError,
+                                "replication_factor=5 x auto_select_ipus=4"):
+      pipe.lower(params, batches)
+
+
+if __name__ == "__main__":
+  absltest.main()
