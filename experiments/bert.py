@@ -35,7 +35,7 @@ the released checkpoints' ``bert_config.json``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
