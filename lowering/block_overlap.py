@@ -31,7 +31,8 @@ import numpy as np
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["prefix_in_box", "merge_axes", "view_boxes", "block_exchange_cost"]
+__all__ = ["prefix_in_box", "merge_axes", "view_boxes", "block_exchange_cost",
+           "block_link_bytes"]
 
 
 def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.ndarray,
@@ -542,6 +543,92 @@ def _needed_per_tile(t, mapping: TileMapping, starts, ends, run_tiles, shape,
   return np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """An operand exchange's blocks as boxes of the (merged) tensor.
+
+  Attributes:
+    shape, groups: the tensor and view with neighbouring merged axes merged.
+    tiles: ``[G]`` grid tiles.
+    ranges: each block's view ranges.
+    boxes: ``(lo, hi)``, ``[G, ndim]`` each block's box of the tensor.
+    sets: the elements some block and exactly one block need.
+  """
+
+  shape: tuple
+  groups: tuple
+  tiles: np.ndarray
+  ranges: _BlockRanges
+  boxes: tuple
+  sets: _NeededSets
+
+
+def _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs):
+  """The blocks of an exchange as boxes: a :class:`_Geometry`, or what
+  :func:`block_exchange_cost` returns without one (None: intervals cannot
+  give the costs; ``(None, zeros)``: an empty window, nothing moves)."""
+  # Ranges along merged axes are ranges of one axis once those are merged.
+  shape, groups = merge_axes(shape, groups)
+  tiles = np.asarray(tiles, np.int64)
+  t = target.num_tiles
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  # Grid tiles are tile indices: a bincount finds repeats without sorting.
+  if mapping.num_elements == 0 or g_count == 0 or np.bincount(tiles, minlength=t).max() > 1:
+    return None
+  window = [(int(a), int(b)) for a, b in window]
+  if any(b <= a for a, b in window):
+    return None, np.zeros(g_count, np.int64)
+  ranges = _block_ranges(window, grid_shape, needs)
+  if ranges is None:
+    return None
+  boxes = view_boxes(shape, groups, ranges.lo, ranges.hi)
+  if boxes is None:
+    return None
+  sets = _needed_sets(shape, groups, window, ranges.widths)
+  if sets is None:
+    return None
+  return _Geometry(tuple(shape), tuple(groups), tiles, ranges, boxes, sets)
+
+
+def _geometry_link_bytes(target, mapping, geo: _Geometry, grid_shape, needs, sent,
+                         itemsize) -> Optional[np.ndarray]:
+  """``[num_ipus]`` IPU-Link bytes of an exchange whose tiles send ``sent`` elements."""
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus == 1 or not sent.any():
+    return link
+  if geo.ranges.halo:
+    return _halo_link_bytes(target, geo.tiles, sent, itemsize)
+  starts, run_tiles = mapping.intervals
+  ends = np.append(starts[1:], mapping.num_elements)
+  return _link_bytes(target, geo.shape, starts, ends, run_tiles, geo.boxes, geo.tiles, needs,
+                     grid_shape, itemsize)
+
+
+def block_link_bytes(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
+                     groups: Sequence[Sequence[int]], window: Sequence[tuple],
+                     grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
+                     sent: np.ndarray) -> Optional[np.ndarray]:
+  """The IPU-Link bytes of :func:`block_exchange_cost` alone, given what each tile sends.
+
+  The bytes each tile sends and receives compare only tile identities, so
+  a cost found for the same layouts placed elsewhere along the tiles gives
+  them (moved); which bytes cross an IPU-Link depends on where the IPUs'
+  boundaries fall, and is counted here afresh. Arguments as for
+  :func:`block_exchange_cost`, with ``sent``: ``[num_tiles]`` elements each
+  tile sends (its ``bytes_out / itemsize``).
+
+  Returns:
+    ``[num_ipus]`` bytes, exactly ``block_exchange_cost``'s, or None where
+    ``block_exchange_cost`` gives None or no cost (the caller costs the
+    whole exchange).
+  """
+  geo = _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs)
+  if not isinstance(geo, _Geometry):
+    return None
+  return _geometry_link_bytes(target, mapping, geo, grid_shape, needs,
+                              np.asarray(sent, np.int64), itemsize)
+
+
 def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
                         groups: Sequence[Sequence[int]], window: Sequence[tuple],
                         grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
@@ -567,43 +654,21 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     times cells of the blocks' grid than ``_LINK_BUDGET`` (the IPU-Link
     bytes follow each block's destinations).
   """
-  # Ranges along merged axes are ranges of one axis once those are merged.
-  shape, groups = merge_axes(shape, groups)
-  tiles = np.asarray(tiles, np.int64)
-  t = target.num_tiles
-  g_count = int(np.prod(grid_shape, dtype=np.int64))
-  # Grid tiles are tile indices: a bincount finds repeats without sorting.
-  if mapping.num_elements == 0 or g_count == 0 or np.bincount(tiles, minlength=t).max() > 1:
-    return None
-  window = [(int(a), int(b)) for a, b in window]
-  if any(b <= a for a, b in window):
-    return None, np.zeros(g_count, np.int64)
-  ranges = _block_ranges(window, grid_shape, needs)
-  if ranges is None:
-    return None
-  boxes = view_boxes(shape, groups, ranges.lo, ranges.hi)
-  if boxes is None:
-    return None
-  sets = _needed_sets(shape, groups, window, ranges.widths)
-  if sets is None:
-    return None
+  geo = _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs)
+  if not isinstance(geo, _Geometry):
+    return geo
+  shape, tiles, sets, t = geo.shape, geo.tiles, geo.sets, target.num_tiles
   starts, run_tiles = mapping.intervals
   ends = np.append(starts[1:], mapping.num_elements)
-  runs = _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes)
+  runs = _grid_runs(t, starts, ends, run_tiles, shape, tiles, geo.boxes)
   local = _on_own_tile(runs, None)
   sent = _needed_per_tile(t, mapping, starts, ends, run_tiles, shape, sets).copy()
-  if ranges.shared == 1 and sets.one_all:
+  if geo.ranges.shared == 1 and sets.one_all:
     # An element whose one block is its holder's is not sent.
     sent[tiles] -= local if all(c is None for c in sets.one) else _on_own_tile(runs, sets.one)
   bytes_in = np.zeros(t, np.int64)
   np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local) * itemsize)
-  link = np.zeros(target.num_ipus, np.int64)
-  if target.num_ipus > 1 and sent.any():
-    if ranges.halo:
-      link = _halo_link_bytes(target, tiles, sent, itemsize)
-    else:
-      link = _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
-                         itemsize)
-      if link is None:
-        return None
+  link = _geometry_link_bytes(target, mapping, geo, grid_shape, needs, sent, itemsize)
+  if link is None:
+    return None
   return ExchangeCost(bytes_in, sent * itemsize, link), local

@@ -34,7 +34,7 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
-                                       relayout_cost, to_flat, to_storage)
+                                       relayout_cost, roll_tiles, to_flat, to_storage)
 from ipu_jax.lowering.mapping import TileMapping, blocks_on_tiles
 
 __all__ = ["assign", "relayout_to", "elementwise", "elementwise_figures", "partitioned",
@@ -131,7 +131,7 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
   base = int(mapping.tiles[0]) if mapping.num_rows else 0
 
   def compute():
-    elements = np.roll(mapping.elements_per_tile(t), -base)
+    elements = roll_tiles(mapping.elements_per_tile(t), -base)
     cycles = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype,
                                            in_dtype=in_dtype)
     vertices = np.minimum(elements, target.worker_contexts)
@@ -143,7 +143,7 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
   cycles, vertices = plan_cache.cached(_ELEMENTWISE_FIGURES, key, compute)
   if base == 0:
     return cycles, vertices
-  return tuple(_frozen(np.roll(a, base)) for a in (cycles, vertices))
+  return tuple(_frozen(roll_tiles(a, base)) for a in (cycles, vertices))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
