@@ -316,12 +316,13 @@ def _cell_counts(shape, points, weights, owner, n_owners, cuts) -> np.ndarray:
 def _box_sums(counts: np.ndarray, cuts, lo, hi) -> np.ndarray:
   """``[owners, K]`` sums of per-cell counts over the cells of boxes ``[lo, hi)``."""
   ndim = counts.ndim - 1
-  padded = counts
+  # Cumulative sums along every cell axis, behind a leading zero per axis
+  # (the zero layers stay zero under the other axes' sums).
+  summed = counts
   for a in range(ndim):
-    padded = np.cumsum(padded, axis=a + 1)
-    pad = [(0, 0)] * padded.ndim
-    pad[a + 1] = (1, 0)
-    padded = np.pad(padded, pad)
+    summed = np.cumsum(summed, axis=a + 1)
+  padded = np.zeros((counts.shape[0],) + tuple(n + 1 for n in counts.shape[1:]), summed.dtype)
+  padded[(slice(None),) + (slice(1, None),) * ndim] = summed
   j_lo = [np.searchsorted(cuts[a], lo[a]) for a in range(ndim)]
   j_hi = [np.searchsorted(cuts[a], hi[a]) for a in range(ndim)]
   out = np.zeros((counts.shape[0], lo[0].size), np.int64)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -152,7 +153,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
-  size = int(np.prod(shape, dtype=np.int64))
+  size = math.prod(int(d) for d in shape)
   # Follow the operand with the result's shape (popops maps results like
   # their first full-size operand), preferring non-constants.
   candidates = [t for t in operands if t.size == size and tuple(t.shape) == tuple(shape)]
@@ -261,7 +262,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   if out_avals is None:
     out_avals = [(a.shape, a.dtype) for a in ctx.out_avals]
   shape, dtype = tuple(out_avals[0][0]), np.dtype(out_avals[0][1])
-  size = int(np.prod(shape, dtype=np.int64))
+  size = math.prod(int(d) for d in shape)
   operands = [_expand_size_one_axes(ctx, t, shape, size) for t in operands]
   mapping = _output_mapping(ctx, operands, shape, dtype)
   outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
