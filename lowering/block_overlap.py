@@ -79,12 +79,26 @@ def _prefix(x, shape, los, his, members=None, clipped: bool = False) -> np.ndarr
   sizes = [int(s) for s in shape]
   if not clipped:  # only the part of the box inside the tensor counts
     los, his = _clipped(los, his, sizes)
+  inner, volume = _box_volumes(los, his, members)
+  return _count_below(x, sizes, los, his, members, inner, volume)
+
+
+def _box_volumes(los, his, members) -> tuple:
+  """``(inner, volume)`` of boxes: per axis ``a`` the volume of the axes after
+  ``a`` (None for the last), and the whole box's volume."""
+  ndim = len(los)
   widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
   inner = [None] * ndim  # box volume of the axes after a (None: no axes)
   volume = None
   for a in reversed(range(ndim)):
     inner[a] = volume
     volume = widths[a] if volume is None else volume * widths[a]
+  return inner, volume
+
+
+def _count_below(x, sizes, los, his, members, inner, volume) -> np.ndarray:
+  """:func:`_prefix` given the boxes' :func:`_box_volumes` (bounds clipped)."""
+  ndim = len(sizes)
   volume = np.broadcast_to(np.asarray(volume, np.int64), x.shape)
   total = int(np.prod(sizes, dtype=np.int64))
   if total == 0:
@@ -487,15 +501,16 @@ class _GridRuns:
     shape: the (merged) tensor's shape.
     g_count: grid tiles.
     g: ``[R]`` grid index of each such run.
-    both: ``[2R]`` their starts then their ends.
-    run_lo, run_hi: per axis, ``[2R]`` the box of each entry of ``both``'s
-      tile, clipped to the tensor.
+    starts, ends: ``[R]`` their ends.
+    run_lo, run_hi: per axis, ``[R]`` the box of each run's tile, clipped
+      to the tensor (shared by both ends of the run).
   """
 
   shape: tuple
   g_count: int
   g: np.ndarray
-  both: np.ndarray
+  starts: np.ndarray
+  ends: np.ndarray
   run_lo: list
   run_hi: list
 
@@ -508,21 +523,29 @@ def _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes) -> _GridRuns:
   g = grid_of_tile[run_tiles]
   mine = g >= 0
   g = g[mine]
-  both = np.concatenate([starts[mine], ends[mine]])
-  g2 = np.concatenate([g, g])
   # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
   # (Clipped to the tensor per box here, not per run end in _prefix.)
   box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
                             [boxes[1][:, a] for a in range(len(shape))], shape)
-  run_lo = [lo[g2] for lo in box_lo]
-  run_hi = [hi[g2] for hi in box_hi]
-  return _GridRuns(shape, g_count, g, both, run_lo, run_hi)
+  run_lo = [lo[g] for lo in box_lo]
+  run_hi = [hi[g] for hi in box_hi]
+  return _GridRuns(shape, g_count, g, starts[mine], ends[mine], run_lo, run_hi)
 
 
 def _on_own_tile(runs: _GridRuns, sets) -> np.ndarray:
   """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
-  prefix = _prefix(runs.both, runs.shape, runs.run_lo, runs.run_hi, sets, clipped=True)
-  inside = prefix[runs.g.size:] - prefix[:runs.g.size]
+  if not runs.shape:  # one element: in the box when the run holds it
+    inside = (runs.ends >= 1).astype(np.int64) - (runs.starts >= 1)
+  else:
+    # A run's elements in its box: the prefix counts at its two ends, with
+    # the box's volumes found once for both.
+    ndim = len(runs.shape)
+    members = [None] * ndim if sets is None else list(sets)
+    sizes = [int(d) for d in runs.shape]
+    inner, volume = _box_volumes(runs.run_lo, runs.run_hi, members)
+    inside = (_count_below(runs.ends, sizes, runs.run_lo, runs.run_hi, members, inner, volume)
+              - _count_below(runs.starts, sizes, runs.run_lo, runs.run_hi, members, inner,
+                             volume))
   # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
   return np.bincount(runs.g, weights=inside,
                      minlength=runs.g_count)[:runs.g_count].astype(np.int64)
