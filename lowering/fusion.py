@@ -351,11 +351,12 @@ class _Fuser:
     """The step of each group (by ``id``): its fused step, or its one step.
 
     What is per tile (cycles, vertices, exchanged bytes) is folded over each
-    group's members' rows in their order (:func:`_fold_rows`): one array
-    operation per member row and figure, as many as the stacked reduction
-    this replaced launched per row, without copying every row into a
-    ``[rows, tiles]`` stack first (most of its time on several IPUs, whose
-    rows are thousands of tiles long).
+    group's members' rows in their order (:func:`_fold_rows`): a few
+    in-place array operations per member (each the length of the tiles),
+    rather than stacking every member's rows into ``[groups, rows, tiles]``
+    arrays and reducing those, whose copies were most of the time on several
+    IPUs (rows thousands of tiles long); the sums combine the rows in the
+    same order, so the figures are the same.
     """
     result = {}
     plans = []
