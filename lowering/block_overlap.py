@@ -31,7 +31,8 @@ import numpy as np
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
 
-__all__ = ["prefix_in_box", "merge_axes", "view_boxes", "block_exchange_cost"]
+__all__ = ["prefix_in_box", "merge_axes", "view_boxes", "block_exchange_cost",
+           "block_link_bytes"]
 
 
 def prefix_in_box(x: np.ndarray, shape: Sequence[int], lo: np.ndarray, hi: np.ndarray,
@@ -78,12 +79,26 @@ def _prefix(x, shape, los, his, members=None, clipped: bool = False) -> np.ndarr
   sizes = [int(s) for s in shape]
   if not clipped:  # only the part of the box inside the tensor counts
     los, his = _clipped(los, his, sizes)
+  inner, volume = _box_volumes(los, his, members)
+  return _count_below(x, sizes, los, his, members, inner, volume)
+
+
+def _box_volumes(los, his, members) -> tuple:
+  """``(inner, volume)`` of boxes: per axis ``a`` the volume of the axes after
+  ``a`` (None for the last), and the whole box's volume."""
+  ndim = len(los)
   widths = [h - l if c is None else c[h] - c[l] for l, h, c in zip(los, his, members)]
   inner = [None] * ndim  # box volume of the axes after a (None: no axes)
   volume = None
   for a in reversed(range(ndim)):
     inner[a] = volume
     volume = widths[a] if volume is None else volume * widths[a]
+  return inner, volume
+
+
+def _count_below(x, sizes, los, his, members, inner, volume) -> np.ndarray:
+  """:func:`_prefix` given the boxes' :func:`_box_volumes` (bounds clipped)."""
+  ndim = len(sizes)
   volume = np.broadcast_to(np.asarray(volume, np.int64), x.shape)
   total = int(np.prod(sizes, dtype=np.int64))
   if total == 0:
@@ -315,12 +330,13 @@ def _cell_counts(shape, points, weights, owner, n_owners, cuts) -> np.ndarray:
 def _box_sums(counts: np.ndarray, cuts, lo, hi) -> np.ndarray:
   """``[owners, K]`` sums of per-cell counts over the cells of boxes ``[lo, hi)``."""
   ndim = counts.ndim - 1
-  padded = counts
+  # Cumulative sums along every cell axis, behind a leading zero per axis
+  # (the zero layers stay zero under the other axes' sums).
+  summed = counts
   for a in range(ndim):
-    padded = np.cumsum(padded, axis=a + 1)
-    pad = [(0, 0)] * padded.ndim
-    pad[a + 1] = (1, 0)
-    padded = np.pad(padded, pad)
+    summed = np.cumsum(summed, axis=a + 1)
+  padded = np.zeros((counts.shape[0],) + tuple(n + 1 for n in counts.shape[1:]), summed.dtype)
+  padded[(slice(None),) + (slice(1, None),) * ndim] = summed
   j_lo = [np.searchsorted(cuts[a], lo[a]) for a in range(ndim)]
   j_hi = [np.searchsorted(cuts[a], hi[a]) for a in range(ndim)]
   out = np.zeros((counts.shape[0], lo[0].size), np.int64)
@@ -485,15 +501,16 @@ class _GridRuns:
     shape: the (merged) tensor's shape.
     g_count: grid tiles.
     g: ``[R]`` grid index of each such run.
-    both: ``[2R]`` their starts then their ends.
-    run_lo, run_hi: per axis, ``[2R]`` the box of each entry of ``both``'s
-      tile, clipped to the tensor.
+    starts, ends: ``[R]`` their ends.
+    run_lo, run_hi: per axis, ``[R]`` the box of each run's tile, clipped
+      to the tensor (shared by both ends of the run).
   """
 
   shape: tuple
   g_count: int
   g: np.ndarray
-  both: np.ndarray
+  starts: np.ndarray
+  ends: np.ndarray
   run_lo: list
   run_hi: list
 
@@ -506,21 +523,29 @@ def _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes) -> _GridRuns:
   g = grid_of_tile[run_tiles]
   mine = g >= 0
   g = g[mine]
-  both = np.concatenate([starts[mine], ends[mine]])
-  g2 = np.concatenate([g, g])
   # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
   # (Clipped to the tensor per box here, not per run end in _prefix.)
   box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
                             [boxes[1][:, a] for a in range(len(shape))], shape)
-  run_lo = [lo[g2] for lo in box_lo]
-  run_hi = [hi[g2] for hi in box_hi]
-  return _GridRuns(shape, g_count, g, both, run_lo, run_hi)
+  run_lo = [lo[g] for lo in box_lo]
+  run_hi = [hi[g] for hi in box_hi]
+  return _GridRuns(shape, g_count, g, starts[mine], ends[mine], run_lo, run_hi)
 
 
 def _on_own_tile(runs: _GridRuns, sets) -> np.ndarray:
   """``[G]`` elements each grid tile holds of its box (and of ``sets``)."""
-  prefix = _prefix(runs.both, runs.shape, runs.run_lo, runs.run_hi, sets, clipped=True)
-  inside = prefix[runs.g.size:] - prefix[:runs.g.size]
+  if not runs.shape:  # one element: in the box when the run holds it
+    inside = (runs.ends >= 1).astype(np.int64) - (runs.starts >= 1)
+  else:
+    # A run's elements in its box: the prefix counts at its two ends, with
+    # the box's volumes found once for both.
+    ndim = len(runs.shape)
+    members = [None] * ndim if sets is None else list(sets)
+    sizes = [int(d) for d in runs.shape]
+    inner, volume = _box_volumes(runs.run_lo, runs.run_hi, members)
+    inside = (_count_below(runs.ends, sizes, runs.run_lo, runs.run_hi, members, inner, volume)
+              - _count_below(runs.starts, sizes, runs.run_lo, runs.run_hi, members, inner,
+                             volume))
   # Weighted bincounts are float64: exact for any tensor below 2**53 elements.
   return np.bincount(runs.g, weights=inside,
                      minlength=runs.g_count)[:runs.g_count].astype(np.int64)
@@ -540,6 +565,92 @@ def _needed_per_tile(t, mapping: TileMapping, starts, ends, run_tiles, shape,
                          np.asarray(shape, np.int64), sets.some)
   taken = prefix[starts.size:] - prefix[:starts.size]
   return np.bincount(run_tiles, weights=taken, minlength=t)[:t].astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """An operand exchange's blocks as boxes of the (merged) tensor.
+
+  Attributes:
+    shape, groups: the tensor and view with neighbouring merged axes merged.
+    tiles: ``[G]`` grid tiles.
+    ranges: each block's view ranges.
+    boxes: ``(lo, hi)``, ``[G, ndim]`` each block's box of the tensor.
+    sets: the elements some block and exactly one block need.
+  """
+
+  shape: tuple
+  groups: tuple
+  tiles: np.ndarray
+  ranges: _BlockRanges
+  boxes: tuple
+  sets: _NeededSets
+
+
+def _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs):
+  """The blocks of an exchange as boxes: a :class:`_Geometry`, or what
+  :func:`block_exchange_cost` returns without one (None: intervals cannot
+  give the costs; ``(None, zeros)``: an empty window, nothing moves)."""
+  # Ranges along merged axes are ranges of one axis once those are merged.
+  shape, groups = merge_axes(shape, groups)
+  tiles = np.asarray(tiles, np.int64)
+  t = target.num_tiles
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  # Grid tiles are tile indices: a bincount finds repeats without sorting.
+  if mapping.num_elements == 0 or g_count == 0 or np.bincount(tiles, minlength=t).max() > 1:
+    return None
+  window = [(int(a), int(b)) for a, b in window]
+  if any(b <= a for a, b in window):
+    return None, np.zeros(g_count, np.int64)
+  ranges = _block_ranges(window, grid_shape, needs)
+  if ranges is None:
+    return None
+  boxes = view_boxes(shape, groups, ranges.lo, ranges.hi)
+  if boxes is None:
+    return None
+  sets = _needed_sets(shape, groups, window, ranges.widths)
+  if sets is None:
+    return None
+  return _Geometry(tuple(shape), tuple(groups), tiles, ranges, boxes, sets)
+
+
+def _geometry_link_bytes(target, mapping, geo: _Geometry, grid_shape, needs, sent,
+                         itemsize) -> Optional[np.ndarray]:
+  """``[num_ipus]`` IPU-Link bytes of an exchange whose tiles send ``sent`` elements."""
+  link = np.zeros(target.num_ipus, np.int64)
+  if target.num_ipus == 1 or not sent.any():
+    return link
+  if geo.ranges.halo:
+    return _halo_link_bytes(target, geo.tiles, sent, itemsize)
+  starts, run_tiles = mapping.intervals
+  ends = np.append(starts[1:], mapping.num_elements)
+  return _link_bytes(target, geo.shape, starts, ends, run_tiles, geo.boxes, geo.tiles, needs,
+                     grid_shape, itemsize)
+
+
+def block_link_bytes(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
+                     groups: Sequence[Sequence[int]], window: Sequence[tuple],
+                     grid_shape: Sequence[int], tiles: np.ndarray, needs: Sequence,
+                     sent: np.ndarray) -> Optional[np.ndarray]:
+  """The IPU-Link bytes of :func:`block_exchange_cost` alone, given what each tile sends.
+
+  The bytes each tile sends and receives compare only tile identities, so
+  a cost found for the same layouts placed elsewhere along the tiles gives
+  them (moved); which bytes cross an IPU-Link depends on where the IPUs'
+  boundaries fall, and is counted here afresh. Arguments as for
+  :func:`block_exchange_cost`, with ``sent``: ``[num_tiles]`` elements each
+  tile sends (its ``bytes_out / itemsize``).
+
+  Returns:
+    ``[num_ipus]`` bytes, exactly ``block_exchange_cost``'s, or None where
+    ``block_exchange_cost`` gives None or no cost (the caller costs the
+    whole exchange).
+  """
+  geo = _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs)
+  if not isinstance(geo, _Geometry):
+    return None
+  return _geometry_link_bytes(target, mapping, geo, grid_shape, needs,
+                              np.asarray(sent, np.int64), itemsize)
 
 
 def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
@@ -567,43 +678,21 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
     times cells of the blocks' grid than ``_LINK_BUDGET`` (the IPU-Link
     bytes follow each block's destinations).
   """
-  # Ranges along merged axes are ranges of one axis once those are merged.
-  shape, groups = merge_axes(shape, groups)
-  tiles = np.asarray(tiles, np.int64)
-  t = target.num_tiles
-  g_count = int(np.prod(grid_shape, dtype=np.int64))
-  # Grid tiles are tile indices: a bincount finds repeats without sorting.
-  if mapping.num_elements == 0 or g_count == 0 or np.bincount(tiles, minlength=t).max() > 1:
-    return None
-  window = [(int(a), int(b)) for a, b in window]
-  if any(b <= a for a, b in window):
-    return None, np.zeros(g_count, np.int64)
-  ranges = _block_ranges(window, grid_shape, needs)
-  if ranges is None:
-    return None
-  boxes = view_boxes(shape, groups, ranges.lo, ranges.hi)
-  if boxes is None:
-    return None
-  sets = _needed_sets(shape, groups, window, ranges.widths)
-  if sets is None:
-    return None
+  geo = _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs)
+  if not isinstance(geo, _Geometry):
+    return geo
+  shape, tiles, sets, t = geo.shape, geo.tiles, geo.sets, target.num_tiles
   starts, run_tiles = mapping.intervals
   ends = np.append(starts[1:], mapping.num_elements)
-  runs = _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes)
+  runs = _grid_runs(t, starts, ends, run_tiles, shape, tiles, geo.boxes)
   local = _on_own_tile(runs, None)
   sent = _needed_per_tile(t, mapping, starts, ends, run_tiles, shape, sets).copy()
-  if ranges.shared == 1 and sets.one_all:
+  if geo.ranges.shared == 1 and sets.one_all:
     # An element whose one block is its holder's is not sent.
     sent[tiles] -= local if all(c is None for c in sets.one) else _on_own_tile(runs, sets.one)
   bytes_in = np.zeros(t, np.int64)
   np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local) * itemsize)
-  link = np.zeros(target.num_ipus, np.int64)
-  if target.num_ipus > 1 and sent.any():
-    if ranges.halo:
-      link = _halo_link_bytes(target, tiles, sent, itemsize)
-    else:
-      link = _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
-                         itemsize)
-      if link is None:
-        return None
+  link = _geometry_link_bytes(target, mapping, geo, grid_shape, needs, sent, itemsize)
+  if link is None:
+    return None
   return ExchangeCost(bytes_in, sent * itemsize, link), local

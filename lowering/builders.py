@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -34,7 +35,7 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
-                                       relayout_cost, to_flat, to_storage)
+                                       relayout_cost, roll_tiles, to_flat, to_storage)
 from ipu_jax.lowering.mapping import TileMapping, blocks_on_tiles
 
 __all__ = ["assign", "relayout_to", "elementwise", "elementwise_figures", "partitioned",
@@ -131,7 +132,7 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
   base = int(mapping.tiles[0]) if mapping.num_rows else 0
 
   def compute():
-    elements = np.roll(mapping.elements_per_tile(t), -base)
+    elements = roll_tiles(mapping.elements_per_tile(t), -base)
     cycles = estimators.elementwise_cycles(target, elements, op, dtype.itemsize, dtype=dtype,
                                            in_dtype=in_dtype)
     vertices = np.minimum(elements, target.worker_contexts)
@@ -143,7 +144,7 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
   cycles, vertices = plan_cache.cached(_ELEMENTWISE_FIGURES, key, compute)
   if base == 0:
     return cycles, vertices
-  return tuple(_frozen(np.roll(a, base)) for a in (cycles, vertices))
+  return tuple(_frozen(roll_tiles(a, base)) for a in (cycles, vertices))
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -152,7 +153,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
-  size = int(np.prod(shape, dtype=np.int64))
+  size = math.prod(int(d) for d in shape)
   # Follow the operand with the result's shape (popops maps results like
   # their first full-size operand), preferring non-constants.
   candidates = [t for t in operands if t.size == size and tuple(t.shape) == tuple(shape)]
@@ -261,7 +262,7 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   if out_avals is None:
     out_avals = [(a.shape, a.dtype) for a in ctx.out_avals]
   shape, dtype = tuple(out_avals[0][0]), np.dtype(out_avals[0][1])
-  size = int(np.prod(shape, dtype=np.int64))
+  size = math.prod(int(d) for d in shape)
   operands = [_expand_size_one_axes(ctx, t, shape, size) for t in operands]
   mapping = _output_mapping(ctx, operands, shape, dtype)
   outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Iterable
+from typing import Iterable, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -350,10 +350,13 @@ class _Fuser:
   def _fuse_groups(self, groups, steps, works) -> dict:
     """The step of each group (by ``id``): its fused step, or its one step.
 
-    What is per tile (cycles, vertices, exchanged bytes) is computed for all
-    groups of the run at once, over their members' rows stacked into one
-    array and reduced per group, rather than a handful of small array
-    operations per group.
+    What is per tile (cycles, vertices, exchanged bytes) is folded over each
+    group's members' rows in their order (:func:`_fold_rows`): a few
+    in-place array operations per member (each the length of the tiles),
+    rather than stacking every member's rows into ``[groups, rows, tiles]``
+    arrays and reducing those, whose copies were most of the time on several
+    IPUs (rows thousands of tiles long); the sums combine the rows in the
+    same order, so the figures are the same.
     """
     result = {}
     plans = []
@@ -364,17 +367,9 @@ class _Fuser:
         plans.append(self._plan(group, [(steps[i], works[i]) for i in group.members]))
     if not plans:
       return result
-    overhead = self.overhead
-
-    def compute_cycles(cycles):  # [groups, members, tiles]
-      # Each member after the first on a tile no longer pays a compute
-      # set's launch and vertex overheads.
-      saved = np.maximum(np.count_nonzero(cycles > 0, axis=1) - 1, 0) * overhead
-      return np.maximum(cycles.sum(axis=1) - saved, cycles.max(axis=1))
-
-    sequential = _per_group([p.cycles for p in plans], compute_cycles, np.float64)
-    vertices = _per_group([p.vertices for p in plans], lambda v: v.max(axis=1))
-    exchanges = _exchange_per_group([p.exchanges for p in plans])
+    sequential = [_chain_cycles(p.cycles, self.overhead) for p in plans]
+    vertices = [_fold_rows(p.vertices, np.maximum) for p in plans]
+    exchanges = [_sum_costs(p.exchanges) for p in plans]
     for k, plan in enumerate(plans):
       members = [s for s, _ in plan.members]
       compute, vertex = self._compute_cycles(plan, sequential[k])
@@ -600,37 +595,44 @@ def _without_figures(step: P.Superstep) -> P.Superstep:
                              scratch_bytes=None, elementwise=None)
 
 
-def _per_group(rows_per_group, reduce, dtype=None) -> list:
-  """``reduce`` of each group's rows (``[num_tiles]`` arrays), for all groups.
+def _fold_rows(rows, combine, dtype=None) -> np.ndarray:
+  """``combine`` folded over ``[num_tiles]`` rows in their order, into a new array.
 
-  Groups with as many rows are stacked into one ``[groups, rows, tiles]``
-  array and reduced over its middle axis together: a few array operations
-  per group size instead of per group, and each group's rows are combined
-  in their order, as a reduction of that group alone would.
+  The values and dtype of reducing the rows stacked along a middle axis
+  (``stacked.sum(axis=1)`` for ``np.add``, ``.max`` for ``np.maximum``):
+  such a reduction combines the rows one after another too. Sums accumulate
+  in at least the platform integer, as ``ndarray.sum`` does.
   """
-  out = [None] * len(rows_per_group)
-  by_count = {}
-  for g, rows in enumerate(rows_per_group):
-    by_count.setdefault(len(rows), []).append(g)
-  for count, groups in by_count.items():
-    stacked = np.array([row for g in groups for row in rows_per_group[g]], dtype)
-    reduced = reduce(stacked.reshape(len(groups), count, -1))
-    for j, g in enumerate(groups):
-      out[g] = reduced[j]
+  if dtype is None:
+    dtype = np.result_type(*rows)
+    if combine is np.add and np.issubdtype(dtype, np.integer):
+      dtype = np.add.reduce(np.zeros((1,), dtype)).dtype
+  out = np.array(rows[0], dtype)
+  for row in rows[1:]:
+    combine(out, row, out=out)
   return out
 
 
-def _exchange_per_group(costs_per_group) -> list:
-  """Per group, the sum of its exchange costs (``None`` for none)."""
-  with_costs = [k for k, costs in enumerate(costs_per_group) if costs]
-  out = [None] * len(costs_per_group)
-  fields = ("bytes_in", "bytes_out", "link_bytes_out")
-  sums = [_per_group([[getattr(c, field) for c in costs_per_group[k]] for k in with_costs],
-                     lambda b: b.sum(axis=1))
-          for field in fields]
-  for j, k in enumerate(with_costs):
-    out[k] = ExchangeCost(sums[0][j], sums[1][j], sums[2][j])
-  return out
+def _chain_cycles(rows, overhead) -> np.ndarray:
+  """Per tile, the cycles of a group's members run one after another in one step.
+
+  Each member after the first on a tile no longer pays a compute set's
+  launch and vertex overheads; a tile never takes less than its longest
+  member. Computed in float64 from the members' rows in order.
+  """
+  total = _fold_rows(rows, np.add, np.float64)
+  longest = _fold_rows(rows, np.maximum, np.float64)
+  busy = _fold_rows([row > 0 for row in rows], np.add, np.intp)
+  saved = np.maximum(busy - 1, 0) * overhead
+  return np.maximum(total - saved, longest)
+
+
+def _sum_costs(costs) -> Optional[ExchangeCost]:
+  """The sum of a group's exchange costs (None for none)."""
+  if not costs:
+    return None
+  return ExchangeCost(*(_fold_rows([getattr(c, field) for c in costs], np.add)
+                        for field in ("bytes_in", "bytes_out", "link_bytes_out")))
 
 
 def _fused_fn(steps, reads, writes):

@@ -632,7 +632,14 @@ class TileMapping:
     if kind[0] not in ("linear", "grid"):
       # Keyed by the object: the shift is part of the key.
       return kind + (("base", int(base)),)
-    return kind[:-1] + (tiles_key((self.tiles - int(base)) % int(num_tiles)),)
+    # A tensor is costed against several others from the same base (its
+    # first tile, its IPU's): the hashed row tiles are kept per base.
+    memo = self.__dict__.setdefault("_relative_keys", {})
+    key = memo.get((int(base), int(num_tiles)))
+    if key is None:
+      key = memo[int(base), int(num_tiles)] = kind[:-1] + (
+          tiles_key((self.tiles - int(base)) % int(num_tiles)),)
+    return key
 
   @property
   def intervals(self) -> tuple:

@@ -90,7 +90,6 @@ themselves are short closures over it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import jax
@@ -109,7 +108,8 @@ from ipu_jax.lowering.mapping import TileMapping, tiles_key
 from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_grid_mapping, block_work,
                                           ceil_div, edge_sizes, grid_tiles, operand_dtype,
-                                          operand_exchange_cost, partials_dtype, plan_matmul,
+                                          operand_exchange_cost, operand_link_bytes,
+                                          partials_dtype, plan_matmul,
                                           widen_to_partials)
 
 __all__ = ["emit_matmul", "fill_zeros"]
@@ -150,26 +150,75 @@ def _frozen_grid_cost(result):
   return cost, local
 
 
-def _operand_cost(target, operand: P.Tensor, key: tuple, tiles: np.ndarray, compute):
-  """``compute()``'s ``(cost, local)`` of an operand's exchange, cached.
+def _operand_cost(target, key: tuple, exchange: "_OperandExchange"):
+  """``(cost, local)`` of an operand's exchange, cached.
 
   The bytes depend only on which tile holds what (and, on several IPUs,
   which IPU), so the key counts tile ids from the grid's first tile (its
   IPU's first tile on several IPUs: :func:`~ipu_jax.lowering.exchange.relative_base`):
   a repeated layer whose grid and operand landed further along the tiles, or
   on another IPU, reuses the first layer's cost, moved along by as many tiles.
+  On several IPUs a layer seldom lands a whole number of IPUs along, so the
+  bytes in and out are also kept counted from the grid's first tile, and
+  only the IPU-Link bytes are counted afresh (:func:`_tile_relative_cost`).
   """
   t, per = target.num_tiles, target.tiles_per_ipu
+  operand, tiles = exchange.tensor, exchange.tiles
   base = relative_base(target, tiles[0])
-  key = key + (operand.mapping.relative_fingerprint(base, t), operand.shape, operand.itemsize,
-               tiles_key((tiles - base) % t), target)
+  layout = (operand.shape, operand.itemsize, target)
+  ipu_key = key + (operand.mapping.relative_fingerprint(base, t), tiles_key((tiles - base) % t))
 
   def relative():
-    cost, local = compute()
+    if target.num_ipus == 1:
+      cost, local = exchange.cost(target)
+    else:
+      cost, local = _tile_relative_cost(target, key + layout, exchange)
     return _frozen_grid_cost((shift_cost(cost, -base, per), local))
 
-  cost, local = plan_cache.cached(_GRID_COSTS, key, relative)
+  cost, local = plan_cache.cached(_GRID_COSTS, ipu_key + layout, relative)
   return shift_cost(cost, base, per), local
+
+
+_TILE_COSTS = plan_cache.PlanCache("matmul operand tile bytes", max_entries=4096)
+
+
+def _tile_relative_cost(target, key: tuple, exchange: "_OperandExchange") -> tuple:
+  """``(cost, local)`` on several IPUs, its tile bytes cached from the grid's first tile.
+
+  The bytes each tile sends and receives compare only tile identities (as on
+  one IPU); the IPU-Link bytes are counted for this placement
+  (:meth:`_OperandExchange.link_bytes`, given what each tile sends), or the
+  whole exchange is costed where intervals cannot count them.
+  """
+  t, tiles = target.num_tiles, exchange.tiles
+  first = int(tiles[0])
+  key = key + ("tile bytes", exchange.tensor.mapping.relative_fingerprint(first, t),
+               tiles_key((tiles - first) % t))
+  fresh = []
+
+  def tile_bytes():
+    cost, local = exchange.cost(target)
+    fresh.append(cost)
+    return _frozen_grid_cost((shift_cost(_without_link(cost), -first), local))
+
+  cost, local = plan_cache.cached(_TILE_COSTS, key, tile_bytes)
+  if fresh:
+    return fresh[0], local
+  cost = shift_cost(cost, first)
+  if cost is None:
+    return None, local
+  itemsize = exchange.tensor.itemsize
+  link = exchange.link_bytes(target, cost.bytes_out // itemsize)
+  if link is None:
+    return exchange.cost(target)
+  return ExchangeCost(cost.bytes_in, cost.bytes_out, link), local
+
+
+def _without_link(cost):
+  """``cost`` with zero IPU-Link bytes (they do not move with the tiles)."""
+  if cost is None:
+    return None
+  return ExchangeCost(cost.bytes_in, cost.bytes_out, np.zeros_like(cost.link_bytes_out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -539,26 +588,58 @@ def _blocks_of(size, block_size):
   return lo, lo + 1
 
 
-def _lhs_exchange(target, p: _Plan, ps: _Pass):
-  """``(cost, local)`` of bringing every grid tile its A blocks of a pass."""
+@dataclasses.dataclass(frozen=True)
+class _OperandExchange:
+  """One operand's exchange of a pass, as ``operand_exchange_cost`` takes it.
+
+  Attributes:
+    tensor, perm, canon_shape, groups: the operand and its canonical view.
+    grid, tiles, needs: the grid, its tiles and which blocks need what.
+    elements: elements of each grid tile's block.
+    window: the ``(start, stop)`` taken of each canonical axis.
+  """
+
+  tensor: P.Tensor
+  perm: tuple
+  canon_shape: tuple
+  groups: tuple
+  grid: tuple
+  tiles: np.ndarray
+  needs: list
+  elements: int
+  window: tuple
+
+  def cost(self, target) -> tuple:
+    """``(cost, local)`` of the exchange."""
+    return operand_exchange_cost(target, self.tensor, self.perm, self.canon_shape, self.groups,
+                                 self.grid, self.tiles, self.needs, self.elements, self.window)
+
+  def link_bytes(self, target, sent):
+    """Its IPU-Link bytes alone, given what each tile sends (None: cost it whole)."""
+    return operand_link_bytes(target, self.tensor, self.perm, self.canon_shape, self.groups,
+                              self.grid, self.tiles, self.needs, sent, self.window)
+
+
+def _lhs_exchange(p: _Plan, ps: _Pass) -> _OperandExchange:
+  """Bringing every grid tile its A blocks of a pass."""
   prod, (bb, bm, _, bk) = p.prod, p.plan.block
   b, m, k = prod.b, prod.m, prod.k
   needs = [(0,) + _blocks_of(b, bb), (1,) + _blocks_of(ps.pm, bm), None,
            (2,) + _blocks_of(k, bk)]
   window = ((0, b), (ps.start, ps.stop) if p.serial_axis == 1 else (0, m), (0, k))
-  return operand_exchange_cost(target, p.lhs, prod.lhs_perm, (b, m, k), prod.lhs_dims,
-                               tuple(p.plan.grid), p.tiles, needs, ps.rb * ps.rm * ps.rk, window)
+  return _OperandExchange(p.lhs, prod.lhs_perm, (b, m, k), prod.lhs_dims, tuple(p.plan.grid),
+                          p.tiles, needs, ps.rb * ps.rm * ps.rk, window)
 
 
-def _rhs_exchange(target, p: _Plan, ps: _Pass):
-  """``(cost, local)`` of bringing every grid tile its B blocks of a pass."""
+def _rhs_exchange(p: _Plan, ps: _Pass) -> _OperandExchange:
+  """Bringing every grid tile its B blocks of a pass."""
   prod, (bb, _, bn, bk) = p.prod, p.plan.block
   b, n, k = prod.b, prod.n, prod.k
   needs = [(0,) + _blocks_of(b, bb), None, (2,) + _blocks_of(ps.pn, bn),
            (1,) + _blocks_of(k, bk)]
   window = ((0, b), (0, k), (ps.start, ps.stop) if p.serial_axis == 2 else (0, n))
-  return operand_exchange_cost(target, p.rhs, prod.rhs_perm, (b, k, n), prod.rhs_dims,
-                               tuple(p.plan.grid), p.tiles, needs, ps.rb * ps.rk * ps.rn, window)
+  return _OperandExchange(p.rhs, prod.rhs_perm, (b, k, n), prod.rhs_dims, tuple(p.plan.grid),
+                          p.tiles, needs, ps.rb * ps.rk * ps.rn, window)
 
 
 def _operand_costs(target, p: _Plan, ps: _Pass, previous: tuple) -> tuple:
@@ -574,11 +655,9 @@ def _operand_costs(target, p: _Plan, ps: _Pass, previous: tuple) -> tuple:
   grid_key = ((gb, gm, gn, gk), (prod.b, bb, ps.pm, bm, ps.pn, bn, prod.k, bk), p.serial_axis,
               ps.start, ps.stop)
   if a_all is None or p.serial_axis == 1:
-    a_all = _operand_cost(target, p.lhs, ("lhs", prod.lhs_perm) + grid_key, p.tiles,
-                          functools.partial(_lhs_exchange, target, p, ps))
+    a_all = _operand_cost(target, ("lhs", prod.lhs_perm) + grid_key, _lhs_exchange(p, ps))
   if b_all is None or p.serial_axis == 2:
-    b_all = _operand_cost(target, p.rhs, ("rhs", prod.rhs_perm) + grid_key, p.tiles,
-                          functools.partial(_rhs_exchange, target, p, ps))
+    b_all = _operand_cost(target, ("rhs", prod.rhs_perm) + grid_key, _rhs_exchange(p, ps))
   return a_all, b_all
 
 

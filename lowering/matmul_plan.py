@@ -71,7 +71,7 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.block_overlap import block_exchange_cost
+from ipu_jax.lowering.block_overlap import block_exchange_cost, block_link_bytes
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import BlockGrid, TileMapping
 
@@ -815,6 +815,24 @@ def operand_exchange_cost(target, tensor, perm, canon_shape, groups, grid, tiles
       return by_intervals
   src = canonical_tiles(tensor, perm, canon_shape)[tuple(slice(a, b) for a, b in window)]
   return grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
+
+
+def operand_link_bytes(target, tensor, perm, canon_shape, groups, grid, tiles, needs, sent,
+                       window=None) -> Optional[np.ndarray]:
+  """The IPU-Link bytes of :func:`operand_exchange_cost` alone, given ``[num_tiles]``
+  elements each tile sends (see :func:`~ipu_jax.lowering.block_overlap.block_link_bytes`).
+
+  None where they are not found by intervals: the caller costs the whole
+  exchange. ``perm`` is unused (the intervals see the operand through
+  ``groups``); it keeps the arguments those of :func:`operand_exchange_cost`.
+  """
+  del perm
+  if groups is None:
+    return None
+  if window is None:
+    window = [(0, int(d)) for d in canon_shape]
+  return block_link_bytes(target, tensor.mapping, tensor.shape, tensor.itemsize, groups, window,
+                          grid, tiles, needs, sent)
 
 
 def _along(axis: int, table, ndim: int) -> np.ndarray:

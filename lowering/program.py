@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Callable, Optional, Sequence as SequenceT, Union
 
 import numpy as np
@@ -65,7 +66,10 @@ class Tensor:
 
   @property
   def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
+    # math.prod of the Python ints (``__post_init__``): asked tens of
+    # thousands of times a program, where np.prod's array round trip was
+    # most of the cost.
+    return int(math.prod(self.shape))
 
   @property
   def itemsize(self) -> int:

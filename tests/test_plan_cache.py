@@ -118,29 +118,30 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(exchange.relative_base(_FOUR_IPUS, 53), 48)
     self.assertEqual(exchange.relative_base(self.target, 13), 13)
 
+  def _operand_exchange(self, start, tiles):
+    """A linear [24, 40] lhs from ``start`` into a 2 x 4 x 2 grid on ``tiles``."""
+    lhs = P.Tensor("lhs", (24, 40), np.float32,
+                   TileMapping.linear(960, 64, 4, start_tile=start, max_tiles=24))
+    # Per grid axis (b, m, n, k): the blocks needing each canonical coordinate.
+    needs = [(0, np.zeros(1, np.int64), np.ones(1, np.int64)),
+             (1, np.arange(24) // 12, np.arange(24) // 12 + 1), None,
+             (2, np.arange(40) // 20, np.arange(40) // 20 + 1)]
+    return matmul_emit._OperandExchange(lhs, (0, 1), (1, 24, 40), ((), (0,), (1,)),
+                                        (1, 2, 4, 2), tiles, needs, 12 * 20,
+                                        ((0, 1), (0, 24), (0, 40)))
+
   def test_matmul_operand_on_another_ipu_hits_ipu_zeros_plan(self):
-    # One operand exchange (a linear [24, 40] lhs into a 2 x 4 x 2 grid) with
-    # operand and grid on IPU 0, then both on IPU 3: the second is IPU 0's
-    # cost moved three IPUs along, equal to costing it afresh.
+    # One operand exchange with operand and grid on IPU 0, then both on IPU
+    # 3: the second is IPU 0's cost moved three IPUs along, equal to costing
+    # it afresh.
     target = _FOUR_IPUS
     matmul_emit._GRID_COSTS.clear()
     results = []
     for ipu in (0, 3):
-      tiles = ipu * 16 + np.arange(16)
-      lhs = P.Tensor("lhs", (24, 40), np.float32,
-                     TileMapping.linear(960, 64, 4, start_tile=ipu * 16 + 8, max_tiles=24))
-      # Per grid axis (b, m, n, k): the blocks needing each canonical coordinate.
-      needs = [(0, np.zeros(1, np.int64), np.ones(1, np.int64)),
-               (1, np.arange(24) // 12, np.arange(24) // 12 + 1), None,
-               (2, np.arange(40) // 20, np.arange(40) // 20 + 1)]
-
-      def compute(lhs=lhs, tiles=tiles, needs=needs):
-        return matmul_plan.operand_exchange_cost(
-            target, lhs, (0, 1), (1, 24, 40), ((), (0,), (1,)), (1, 2, 4, 2), tiles, needs,
-            np.full(16, 12 * 20))
+      exchange = self._operand_exchange(ipu * 16 + 8, ipu * 16 + np.arange(16))
       hits = matmul_emit._GRID_COSTS.hits
-      got, local = matmul_emit._operand_cost(target, lhs, ("lhs",), tiles, compute)
-      want, want_local = compute()
+      got, local = matmul_emit._operand_cost(target, ("lhs",), exchange)
+      want, want_local = exchange.cost(target)
       _assert_costs_equal(got, want)
       np.testing.assert_array_equal(local, want_local)
       results.append((got, matmul_emit._GRID_COSTS.hits - hits))
@@ -148,6 +149,29 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     self.assertGreater(results[0][0].link_bytes_out.sum(), 0)  # the operand spans IPUs 0 and 1
     np.testing.assert_array_equal(results[1][0].link_bytes_out,
                                   np.roll(results[0][0].link_bytes_out, 3))
+
+  @parameterized.parameters(5, 13, 40, 57)
+  def test_matmul_operand_moved_within_ipus_reuses_tile_bytes(self, shift):
+    # The same exchange moved by a number of tiles that is not a whole number
+    # of IPUs: IPU 0's plan does not apply, but its bytes in and out per tile
+    # do (moved along); the IPU-Link bytes, which change with where the IPUs'
+    # boundaries fall, are counted afresh. Every figure equals costing anew.
+    target = _FOUR_IPUS
+    matmul_emit._GRID_COSTS.clear()
+    matmul_emit._TILE_COSTS.clear()
+    links = []
+    for start in (0, shift):
+      exchange = self._operand_exchange((start + 8) % 64, (start + np.arange(16)) % 64)
+      tile_hits, hits = matmul_emit._TILE_COSTS.hits, matmul_emit._GRID_COSTS.hits
+      got, local = matmul_emit._operand_cost(target, ("lhs",), exchange)
+      with plan_cache.disabled():
+        want, want_local = exchange.cost(target)
+      _assert_costs_equal(got, want)
+      np.testing.assert_array_equal(local, want_local)
+      self.assertEqual(matmul_emit._GRID_COSTS.hits - hits, 0)
+      self.assertEqual(matmul_emit._TILE_COSTS.hits - tile_hits, int(start > 0))
+      links.append(got.link_bytes_out)
+    self.assertGreater(links[1].sum(), 0)
 
   @parameterized.parameters(("exp", np.float32, None), ("convert_element_type", np.float16,
                                                          np.float32), ("atan2", np.float32, None))

@@ -98,6 +98,22 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(reduce_kernels.reduce_vertex_cycles(_T16, 10, 3, np.bool_, "or"),
                      39 + 66 + 750)
 
+  @parameterized.parameters(("add", np.float32), ("max", np.float16), ("and", np.bool_))
+  def test_reduce_on_some_tiles_is_each_tiles_own_figure(self, op, dtype):
+    # Idle tiles (no inputs) cost nothing, and a busy tile's figure is the one
+    # it gets alone: the estimate of a mostly idle [num_tiles] array (costed
+    # on its busy tiles) equals the estimate of every tile by itself.
+    rng = np.random.default_rng(3)
+    elements = rng.integers(1, 4000, 64) * (rng.random(64) < 0.2)
+    for outputs in (None, rng.integers(1, 90, 64)):
+      got = reduce_kernels.reduce_cycles(_T16, elements, outputs, dtype, op)
+      alone = [reduce_kernels.reduce_cycles(
+          _T16, elements[i:i + 1], None if outputs is None else outputs[i:i + 1], dtype, op)[0]
+               for i in range(64)]
+      np.testing.assert_array_equal(got, alone)
+      self.assertEqual(got.dtype, np.float64)
+      self.assertTrue(np.all(got[elements == 0] == 0))
+
   def test_reduce_unknown_op(self):
     with self.assertRaisesRegex(ValueError, "reduce op 'argmax' has no cost"):
       reduce_kernels.reduce_cycles(_T16, np.array([4]), None, np.float32, "argmax")
