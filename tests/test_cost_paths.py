@@ -131,7 +131,9 @@ class CostPathsTest(chex.TestCase):
     self.assertRegex(summary, r"Estimates: .*sync_cycles_host")
     # Every figure is in exactly one list; one without a source counts as an estimate.
     import dataclasses
-    figures = {f.name for f in dataclasses.fields(ipu_jax.IPUTarget)} - {"name", "num_ipus"}
+    # The system a target belongs to and its I/O tiles are settings, not figures.
+    settings = {"name", "num_ipus", "system", "io_tiles_per_ipu"}
+    figures = {f.name for f in dataclasses.fields(ipu_jax.IPUTarget)} - settings
     listed = doc["cost_model"]["calibrated"] + doc["cost_model"]["estimates"]
     self.assertCountEqual(listed, figures)
 
