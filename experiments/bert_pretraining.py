@@ -231,7 +231,7 @@ def estimate(pipe, params, one_batch, f) -> dict:
   batches = jax.tree_util.tree_map(
       lambda b: np.broadcast_to(b, (per_step,) + b.shape[1:]), one_batch)
   start = time.time()
-  pipe.lower(params, batches)
+  pipe.lower(params, batches, **({"rng": jax.random.key(f.seed)} if f.dropout > 0 else {}))
   lower_seconds = time.time() - start
   report = pipe.report
   report.sequences_per_sample = f.packing_factor
@@ -280,9 +280,12 @@ def main(argv):
     optimizer = abstract_init(optimizer)
   else:
     model = bert.Bert(mcfg, rngs=nnx.Rngs(f.seed))
-  loss_fn, params = bert.make_loss(model)
+  # With dropout the loss takes a key: each micro-batch gets its own
+  # (ipu_jax.pipelining.micro_batch_key), the key plain accumulation uses.
+  dropout = f.dropout > 0
+  loss_fn, params = bert.make_loss(model, dropout=dropout)
   pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
-                                     stage_assignment=assignment)
+                                     stage_assignment=assignment, rng=dropout)
   if f.estimate_only:
     one = bert.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.max_predictions, f.seed)
     results = estimate(pipe, params, one, f)
@@ -310,14 +313,17 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) ->
   per_step = f.accumulation * f.replicas
   data = [bert.synthetic_batches(mcfg, per_step, f.micro_batch, f.seq, f.max_predictions,
                                  seed=f.seed + step) for step in range(f.steps)]
+  import jax
+  keys = [jax.random.key(f.seed + step) for step in range(f.steps)] if f.dropout > 0 else None
+  rng = (lambda step: {"rng": keys[step]}) if keys else (lambda step: {})
   start = time.time()
-  state = pipe.init(params, data[0])
+  state = pipe.init(params, data[0], **rng(0))
   lower_seconds = time.time() - start
   print(f"Lowered {len(mapping)} stages on IPUs {mapping} in {lower_seconds:.1f} s.")
   trained = params
   for step, batches in enumerate(data):
     t = time.time()
-    trained, state, value = pipe.step(trained, state, batches)
+    trained, state, value = pipe.step(trained, state, batches, **rng(step))
     print(f"step {step}: loss {float(value):.4f} ({time.time() - t:.1f} s on the host)")
   pipe.report.sequences_per_sample = f.packing_factor
   print(pipe.report.summary())
@@ -328,7 +334,7 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) ->
              "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,
              "breakdown": tp.breakdown, "peak_rss_bytes": peak_rss_bytes()}
   if f.check:
-    expected = plain_steps(loss_fn, optimizer, params, data)
+    expected = plain_steps(loss_fn, optimizer, params, data, keys=keys)
     results["max_relative_difference"] = max_relative_difference(trained, expected)
     print(f"Plain JAX gradient accumulation: largest relative weight difference "
           f"{results['max_relative_difference']:.2e}")
