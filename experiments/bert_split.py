@@ -21,8 +21,12 @@ import resource
 import sys
 import time
 
+from absl import app, flags
+
 if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import entry  # noqa: E402
 
 # Graphcore's published BERT-Large phase-1 split on 4 IPUs per replica
 # (graphcore/examples, nlp/bert configs: layers_per_ipu / matmul_proportion).
@@ -109,35 +113,45 @@ def large_phase1_pod16(log=print, preset_options=None, **search_options):
                     baseline=GRAPHCORE_LARGE_SPLIT, log=log, **search_options)
 
 
-def main(argv=None):
-  import argparse
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--json_out")
-  parser.add_argument("--plot")
-  parser.add_argument("--confirm_top", type=int, default=1,
-                      help="best splits lowered in full to confirm (0: none)")
-  parser.add_argument("--proportions", default="0.15,0.25,0.35,0.45")
-  parser.add_argument("--serialization", default="1,2,4")
-  parser.add_argument("--optimizer", default="lamb", choices=["lamb", "sgd"])
-  parser.add_argument("--micro_batch", type=int, default=8)
-  args = parser.parse_args(argv)
+@entry.reporting_errors
+def main(argv):
+  del argv
+  entry.quiet_backend_probe()
   start = time.time()
   result = large_phase1_pod16(
-      preset_options={"optimizer": args.optimizer, "micro_batch": args.micro_batch},
-      confirm_top=args.confirm_top,
-      proportions=[float(p) for p in args.proportions.split(",")],
-      serialization=[int(s) for s in args.serialization.split(",")])
+      preset_options={"optimizer": _OPTIMIZER.value, "micro_batch": _MICRO_BATCH.value},
+      confirm_top=_CONFIRM_TOP.value,
+      proportions=[float(p) for p in _PROPORTIONS.value],
+      serialization=[int(s) for s in _SERIALIZATION.value])
   print(result.table())
   if result.fits:
     print(result.message())
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
   print(f"wall {time.time() - start:.0f} s, peak RSS {rss:.2f} GB")
-  if args.json_out:
-    with open(args.json_out, "w") as out:
+  if _JSON_OUT.value:
+    with open(_JSON_OUT.value, "w") as out:
       json.dump({**result.to_json(), "peak_rss_gb": rss}, out, indent=1)
-  if args.plot and result.fits:
-    result.plot(args.plot)
+  if _PLOT.value and result.fits:
+    result.plot(_PLOT.value)
+
+
+def _define_flags() -> None:
+  """The runner's flags, defined only when it runs (tests import this module
+  beside ``bert_pretraining``, whose flags share some names)."""
+  global _JSON_OUT, _PLOT, _CONFIRM_TOP, _PROPORTIONS, _SERIALIZATION, _OPTIMIZER
+  global _MICRO_BATCH
+  _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the search's result to this JSON file.")
+  _PLOT = flags.DEFINE_string("plot", None, "Plot per-IPU cycles and memory of the chosen split.")
+  _CONFIRM_TOP = flags.DEFINE_integer("confirm_top", 1,
+                                      "Best splits lowered in full to confirm (0: none).")
+  _PROPORTIONS = flags.DEFINE_list("proportions", ["0.15", "0.25", "0.35", "0.45"],
+                                   "Available memory proportions tried on each IPU.")
+  _SERIALIZATION = flags.DEFINE_list("serialization", ["1", "2", "4"],
+                                     "Serialisation factors tried on the MLM decoder.")
+  _OPTIMIZER = flags.DEFINE_enum("optimizer", "lamb", ["lamb", "sgd"], "The optimizer.")
+  _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per micro-batch.")
 
 
 if __name__ == "__main__":
-  main()
+  _define_flags()
+  app.run(main)

@@ -39,6 +39,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from experiments import entry
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.matmul_plan import plan_matmul
 from ipu_jax.lowering.sparse_plan import DEFAULT_OVERSIZE, plan_dynamic, plan_static
@@ -175,8 +176,10 @@ def lower_case(target, spec: str) -> str:
           f"encoding the pattern took {encoded.host_seconds * 1e3:.1f} ms on the host")
 
 
+@entry.reporting_errors
 def main(argv):
   del argv
+  entry.quiet_backend_probe()
   started = time.perf_counter()
   target = IPUTarget.preset("bow")
   rows = [case_row(target, int(n), int(b), d, dtype)
