@@ -25,6 +25,19 @@ vertices) and the syncs; candidates whose temporaries exceed the available
 memory proportion of a tile are dropped (the least-memory one is kept if
 none fits). The lowering then costs the chosen grid on the real pattern.
 
+**Rotating static plan.** A second kind of static candidate, for grids with
+``pz > 1``: instead of copying each cell's blocks to all of its ``pz`` tiles,
+the cell's blocks are cut into ``pz`` groups of (within one) equal counts,
+group ``j`` placed once on tile ``(x, y, j)`` with its own meta-information,
+and the groups rotate along Z in ``pz`` supersteps (two buffers per tile),
+as dynamic's buckets do in its propagation phase: at step ``s`` tile
+``(x, y, z)`` multiplies group ``(z + s) % pz`` into its partials. Unlike a
+bucket, a group holds exactly its cell's blocks (no oversize, no other
+cells' entries to scan, no spill phase) and its meta-information is exact.
+It trades ``pz - 1`` more syncs and per-step vertex overheads for
+``1 / pz`` of the replicated plan's block memory and block exchange; both
+kinds are costed and the cheaper fitting one chosen.
+
 When no grid fits, a static product is split into serial passes over Z
 (each pass a grid over ``z / passes`` columns, passes of equal width, run one after another,
 cycles summed), the fewest passes that fit, as poplin serialises matmuls.
@@ -109,6 +122,7 @@ class SparsePlan:
   phases: int = 0
   spill_axis: str = ""
   serial: int = 1
+  rotate: bool = False
 
   @property
   def pass_z(self) -> int:
@@ -127,12 +141,15 @@ class SparsePlan:
   @property
   def steps(self) -> int:
     """Propagation steps (dynamic): ``pz`` per phase."""
-    return self.grid[2] * self.phases if self.dynamic else 1
+    if self.dynamic:
+      return self.grid[2] * self.phases
+    return self.grid[2] if self.rotate else 1
 
   def describe(self) -> str:
     px, py, pz = self.grid
     kind = (f"dynamic, buckets of {self.bucket_blocks} blocks, {self.phases} propagation "
-            f"phase(s) of {pz} step(s)" if self.dynamic else "static")
+            f"phase(s) of {pz} step(s)" if self.dynamic
+            else f"static, block groups rotating in {pz} steps" if self.rotate else "static")
     serial = f" in {self.serial} serial passes over Z" if self.serial > 1 else ""
     return (f"sparse [{self.x}x{self.y}] x dense [{self.y}x{self.z}] {self.dtype} block "
             f"{self.block} ({kind}): grid x{px}.y{py}.z{pz}{serial}; cycles {self.cycles:,.0f} = compute "
@@ -200,25 +217,53 @@ def _bands(s: _Shape, px, py, pz):
   return rx, cy, fz
 
 
-def _static_costs(target, s: _Shape, nnz: int, px, py, pz) -> dict:
-  """Per-candidate costs of a static plan on a uniform pattern of ``nnz`` blocks."""
+def _static_costs(target, s: _Shape, nnz: int, px, py, pz, rotate: bool = False) -> dict:
+  """Per-candidate costs of a static plan on a uniform pattern of ``nnz`` blocks.
+
+  ``rotate``: the rotating plan (a cell's blocks in ``pz`` groups passed along Z)
+  instead of the replicated one (every Z tile receives all of its cell's blocks).
+  """
   rx, cy, fz = _bands(s, px, py, pz)
   cells = max(s.xb * s.yb, 1)
   blocks = _ceil(nnz * rx * cy, cells)
-  rows = np.minimum(rx, blocks)
   b, item = s.block, s.itemsize
   partial = rx * b * fz
-  compute = (popsparse.sparse_product_cycles(target, blocks, rows, fz, b, item)
-             + popsparse.zero_partials_cycles(target, partial, s.p_itemsize))
+  zero = popsparse.zero_partials_cycles(target, partial, s.p_itemsize)
   dense_in = cy * b * fz * item
-  block_bytes = blocks * b * b * item
-  exchange = _exchange_cycles(target, dense_in + np.where(pz > 1, block_bytes, 0))
   reduce, reduce_temp = _reduce_cost(target, partial, py, s.p_itemsize, item)
-  meta = popsparse.meta_info_words(blocks, rows) * popsparse.META_WORD_BYTES
-  temp = np.maximum(dense_in + np.where(pz > 1, block_bytes, 0) + partial * s.p_itemsize + meta,
-                    reduce_temp)
+  if rotate:
+    # Each step a group of a pz-th of the cell's blocks, with its own meta-information.
+    group = _ceil(blocks, pz)
+    g_rows = np.minimum(rx, group)
+    g_bytes = (group * b * b * item
+               + popsparse.meta_info_words(group, g_rows) * popsparse.META_WORD_BYTES)
+    compute = pz * popsparse.sparse_product_cycles(target, group, g_rows, fz, b, item) + zero
+    exchange = (_exchange_cycles(target, dense_in)
+                + (pz - 1) * _exchange_cycles(target, g_bytes))
+    temp = np.maximum(dense_in + 2 * g_bytes + partial * s.p_itemsize, reduce_temp)
+    sync = pz * float(target.sync_cycles_internal)
+  else:
+    rows = np.minimum(rx, blocks)
+    compute = popsparse.sparse_product_cycles(target, blocks, rows, fz, b, item) + zero
+    block_bytes = blocks * b * b * item
+    exchange = _exchange_cycles(target, dense_in + np.where(pz > 1, block_bytes, 0))
+    meta = popsparse.meta_info_words(blocks, rows) * popsparse.META_WORD_BYTES
+    temp = np.maximum(dense_in + np.where(pz > 1, block_bytes, 0) + partial * s.p_itemsize
+                      + meta, reduce_temp)
+    sync = float(target.sync_cycles_internal)
   return dict(compute=compute, exchange=exchange, reduce=reduce,
-              sync=np.full(px.shape, float(target.sync_cycles_internal)), temp=temp)
+              sync=np.broadcast_to(np.asarray(sync, np.float64), px.shape), temp=temp,
+              rotate=np.full(px.shape, rotate))
+
+
+def _static_candidates(target, s: _Shape, nnz: int, px, py, pz) -> tuple:
+  """Both static plan kinds over the grids (rotating ones only where ``pz > 1``)."""
+  flat = _static_costs(target, s, nnz, px, py, pz)
+  turn = pz > 1
+  grids = (px[turn], py[turn], pz[turn])
+  rotating = _static_costs(target, s, nnz, *grids, rotate=True)
+  costs = {k: np.concatenate([flat[k], rotating[k]]) for k in flat}
+  return tuple(np.concatenate([a, b]) for a, b in zip((px, py, pz), grids)), costs
 
 
 def bucket_capacity(max_nnz: int, tiles: int, oversize: float) -> int:
@@ -304,7 +349,7 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
   if dynamic:
     costs = _dynamic_costs(target, s, nnz, oversize, px, py, pz)
   else:
-    costs = _static_costs(target, s, nnz, px, py, pz)
+    (px, py, pz), costs = _static_candidates(target, s, nnz, px, py, pz)
   i = _choose(costs, limit)
   grid = (int(px[i]), int(py[i]), int(pz[i]))
   rx, cy, fz = (int(v) for v in _bands(s, *[np.int64(g) for g in grid]))
@@ -315,7 +360,7 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
       (rx, cy, fz), float(pick["compute"]), float(pick["exchange"]), float(pick["reduce"]),
       float(pick["sync"]), int(pick["temp"]), limit, bool(pick["temp"] <= limit), int(px.size),
       dynamic=dynamic, bucket_blocks=int(pick.get("cap", 0)), phases=int(pick.get("phases", 0)),
-      spill_axis=("", "y", "x")[spill] if dynamic else "")
+      spill_axis=("", "y", "x")[spill] if dynamic else "", rotate=bool(pick.get("rotate", False)))
 
 
 @functools.lru_cache(maxsize=256)
