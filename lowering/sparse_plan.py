@@ -256,12 +256,17 @@ def _static_costs(target, s: _Shape, nnz: int, px, py, pz, rotate: bool = False)
               rotate=np.full(px.shape, rotate))
 
 
-def _static_candidates(target, s: _Shape, nnz: int, px, py, pz) -> tuple:
-  """Both static plan kinds over the grids (rotating ones only where ``pz > 1``)."""
+def _static_candidates(target, s: _Shape, nnz: int, px, py, pz, rotate=None) -> tuple:
+  """Both static plan kinds over the grids (rotating ones only where ``pz > 1``), or
+  only one kind when ``rotate`` is a bool (and it has a candidate)."""
   flat = _static_costs(target, s, nnz, px, py, pz)
   turn = pz > 1
+  if rotate is False or (rotate and not turn.any()):
+    return (px, py, pz), flat
   grids = (px[turn], py[turn], pz[turn])
   rotating = _static_costs(target, s, nnz, *grids, rotate=True)
+  if rotate:
+    return grids, rotating
   costs = {k: np.concatenate([flat[k], rotating[k]]) for k in flat}
   return tuple(np.concatenate([a, b]) for a, b in zip((px, py, pz), grids)), costs
 
@@ -320,9 +325,9 @@ _SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
-          oversize) -> SparsePlan:
+          oversize, rotate=None) -> SparsePlan:
   plan = _plan_pass(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
-                    oversize)
+                    oversize, rotate)
   if plan.fits or dynamic:
     return plan
   for count in _SERIAL_COUNTS:
@@ -331,7 +336,7 @@ def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, 
       continue
     width = s.z // count
     passed = _plan_pass(target, dataclasses.replace(s, z=width), dtype, partials_dtype, nnz,
-                        proportion, max_tiles, False, 0.0)
+                        proportion, max_tiles, False, 0.0, rotate)
     if passed.fits:
       return dataclasses.replace(
           passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
@@ -342,14 +347,14 @@ def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, 
 
 
 def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
-               oversize) -> SparsePlan:
+               oversize, rotate=None) -> SparsePlan:
   limit = int(proportion * target.bytes_per_tile)
   tiles = max(1, min(int(max_tiles), target.num_tiles))
   px, py, pz = _candidates(target, s.xb, s.yb, s.z, tiles)
   if dynamic:
     costs = _dynamic_costs(target, s, nnz, oversize, px, py, pz)
   else:
-    (px, py, pz), costs = _static_candidates(target, s, nnz, px, py, pz)
+    (px, py, pz), costs = _static_candidates(target, s, nnz, px, py, pz, rotate)
   i = _choose(costs, limit)
   grid = (int(px[i]), int(py[i]), int(pz[i]))
   rx, cy, fz = (int(v) for v in _bands(s, *[np.int64(g) for g in grid]))
@@ -366,13 +371,17 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
 @functools.lru_cache(maxsize=256)
 def plan_static(target: IPUTarget, x: int, y: int, z: int, block: int, nnz_blocks: int,
                 dtype, partials_dtype=np.float32, available_memory_proportion: float = 0.6,
-                max_tiles: int | None = None) -> SparsePlan:
-  """The grid of a static sparse ``[x, y]`` (``nnz_blocks`` blocks of ``block``) times dense ``[y, z]``."""
+                max_tiles: int | None = None, rotate: bool | None = None) -> SparsePlan:
+  """The grid of a static sparse ``[x, y]`` (``nnz_blocks`` blocks of ``block``) times dense ``[y, z]``.
+
+  ``rotate``: None chooses the replicated or the rotating plan by cost; a bool
+  keeps to that kind (where it has a candidate: rotating needs ``pz > 1``).
+  """
   s = _Shape(int(x), int(y), int(z), int(block), np.dtype(dtype).itemsize,
              np.dtype(partials_dtype).itemsize)
   return _plan(target, s, dtype, partials_dtype, int(nnz_blocks),
                float(available_memory_proportion),
-               target.num_tiles if max_tiles is None else max_tiles, False, 0.0)
+               target.num_tiles if max_tiles is None else max_tiles, False, 0.0, rotate)
 
 
 @functools.lru_cache(maxsize=256)
