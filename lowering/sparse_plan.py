@@ -38,9 +38,11 @@ It trades ``pz - 1`` more syncs and per-step vertex overheads for
 ``1 / pz`` of the replicated plan's block memory and block exchange; both
 kinds are costed and the cheaper fitting one chosen.
 
-When no grid fits, a static product is split into serial passes over Z
-(each pass a grid over ``z / passes`` columns, passes of equal width, run one after another,
-cycles summed), the fewest passes that fit, as poplin serialises matmuls.
+When no replicated grid fits, a static product may be split into serial
+passes over Z (each pass a grid over ``z / passes`` columns, passes of equal
+width, run one after another, cycles summed), as poplin serialises matmuls;
+the cheapest fitting plan among the one-pass ones (a rotating plan may fit)
+and the serial ones is taken.
 
 **Dynamic sparsity** (:func:`plan_dynamic`): the pattern is not known, only
 ``max_non_zeros``. The same grid; every tile holds a *bucket* of
@@ -328,22 +330,25 @@ def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, 
           oversize, rotate=None) -> SparsePlan:
   plan = _plan_pass(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
                     oversize, rotate)
-  if plan.fits or dynamic:
+  if dynamic or (plan.fits and not plan.rotate):
     return plan
-  for count in _SERIAL_COUNTS:
-    # Equal passes only: each tile then holds one equal piece per pass.
-    if s.z % count:
-      continue
-    width = s.z // count
-    passed = _plan_pass(target, dataclasses.replace(s, z=width), dtype, partials_dtype, nnz,
-                        proportion, max_tiles, False, 0.0, rotate)
-    if passed.fits:
-      return dataclasses.replace(
-          passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
-          exchange_cycles=passed.exchange_cycles * count,
-          reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count,
-          candidates=passed.candidates + plan.candidates)
-  return plan
+  # A rotating one-pass plan may fit where a replicated one does not, at many
+  # steps' cost: weigh it against serial passes (each pass either kind).
+  serial = [_serial_plan(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, rotate,
+                         count) for count in _SERIAL_COUNTS if s.z % count == 0]
+  fitting = [p for p in [plan] + serial if p.fits]
+  return min(fitting, key=lambda p: p.cycles) if fitting else plan
+
+
+def _serial_plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, rotate,
+                 count) -> SparsePlan:
+  """``count`` equal serial passes over Z (each tile then holds one equal piece per pass)."""
+  passed = _plan_pass(target, dataclasses.replace(s, z=s.z // count), dtype, partials_dtype, nnz,
+                      proportion, max_tiles, False, 0.0, rotate)
+  return dataclasses.replace(
+      passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
+      exchange_cycles=passed.exchange_cycles * count,
+      reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count)
 
 
 def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
