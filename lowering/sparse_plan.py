@@ -25,9 +25,24 @@ vertices) and the syncs; candidates whose temporaries exceed the available
 memory proportion of a tile are dropped (the least-memory one is kept if
 none fits). The lowering then costs the chosen grid on the real pattern.
 
-When no grid fits, a static product is split into serial passes over Z
-(each pass a grid over ``z / passes`` columns, passes of equal width, run one after another,
-cycles summed), the fewest passes that fit, as poplin serialises matmuls.
+**Rotating static plan.** A second kind of static candidate, for grids with
+``pz > 1``: instead of copying each cell's blocks to all of its ``pz`` tiles,
+the cell's blocks are cut into ``pz`` groups of (within one) equal counts,
+group ``j`` placed once on tile ``(x, y, j)`` with its own meta-information,
+and the groups rotate along Z in ``pz`` supersteps (two buffers per tile),
+as dynamic's buckets do in its propagation phase: at step ``s`` tile
+``(x, y, z)`` multiplies group ``(z + s) % pz`` into its partials. Unlike a
+bucket, a group holds exactly its cell's blocks (no oversize, no other
+cells' entries to scan, no spill phase) and its meta-information is exact.
+It trades ``pz - 1`` more syncs and per-step vertex overheads for
+``1 / pz`` of the replicated plan's block memory and block exchange; both
+kinds are costed and the cheaper fitting one chosen.
+
+When no replicated grid fits, a static product may be split into serial
+passes over Z (each pass a grid over ``z / passes`` columns, passes of equal
+width, run one after another, cycles summed), as poplin serialises matmuls;
+the cheapest fitting plan among the one-pass ones (a rotating plan may fit)
+and the serial ones is taken.
 
 **Dynamic sparsity** (:func:`plan_dynamic`): the pattern is not known, only
 ``max_non_zeros``. The same grid; every tile holds a *bucket* of
@@ -109,6 +124,7 @@ class SparsePlan:
   phases: int = 0
   spill_axis: str = ""
   serial: int = 1
+  rotate: bool = False
 
   @property
   def pass_z(self) -> int:
@@ -127,12 +143,15 @@ class SparsePlan:
   @property
   def steps(self) -> int:
     """Propagation steps (dynamic): ``pz`` per phase."""
-    return self.grid[2] * self.phases if self.dynamic else 1
+    if self.dynamic:
+      return self.grid[2] * self.phases
+    return self.grid[2] if self.rotate else 1
 
   def describe(self) -> str:
     px, py, pz = self.grid
     kind = (f"dynamic, buckets of {self.bucket_blocks} blocks, {self.phases} propagation "
-            f"phase(s) of {pz} step(s)" if self.dynamic else "static")
+            f"phase(s) of {pz} step(s)" if self.dynamic
+            else f"static, block groups rotating in {pz} steps" if self.rotate else "static")
     serial = f" in {self.serial} serial passes over Z" if self.serial > 1 else ""
     return (f"sparse [{self.x}x{self.y}] x dense [{self.y}x{self.z}] {self.dtype} block "
             f"{self.block} ({kind}): grid x{px}.y{py}.z{pz}{serial}; cycles {self.cycles:,.0f} = compute "
@@ -200,25 +219,58 @@ def _bands(s: _Shape, px, py, pz):
   return rx, cy, fz
 
 
-def _static_costs(target, s: _Shape, nnz: int, px, py, pz) -> dict:
-  """Per-candidate costs of a static plan on a uniform pattern of ``nnz`` blocks."""
+def _static_costs(target, s: _Shape, nnz: int, px, py, pz, rotate: bool = False) -> dict:
+  """Per-candidate costs of a static plan on a uniform pattern of ``nnz`` blocks.
+
+  ``rotate``: the rotating plan (a cell's blocks in ``pz`` groups passed along Z)
+  instead of the replicated one (every Z tile receives all of its cell's blocks).
+  """
   rx, cy, fz = _bands(s, px, py, pz)
   cells = max(s.xb * s.yb, 1)
   blocks = _ceil(nnz * rx * cy, cells)
-  rows = np.minimum(rx, blocks)
   b, item = s.block, s.itemsize
   partial = rx * b * fz
-  compute = (popsparse.sparse_product_cycles(target, blocks, rows, fz, b, item)
-             + popsparse.zero_partials_cycles(target, partial, s.p_itemsize))
+  zero = popsparse.zero_partials_cycles(target, partial, s.p_itemsize)
   dense_in = cy * b * fz * item
-  block_bytes = blocks * b * b * item
-  exchange = _exchange_cycles(target, dense_in + np.where(pz > 1, block_bytes, 0))
   reduce, reduce_temp = _reduce_cost(target, partial, py, s.p_itemsize, item)
-  meta = popsparse.meta_info_words(blocks, rows) * popsparse.META_WORD_BYTES
-  temp = np.maximum(dense_in + np.where(pz > 1, block_bytes, 0) + partial * s.p_itemsize + meta,
-                    reduce_temp)
+  if rotate:
+    # Each step a group of a pz-th of the cell's blocks, with its own meta-information.
+    group = _ceil(blocks, pz)
+    g_rows = np.minimum(rx, group)
+    g_bytes = (group * b * b * item
+               + popsparse.meta_info_words(group, g_rows) * popsparse.META_WORD_BYTES)
+    compute = pz * popsparse.sparse_product_cycles(target, group, g_rows, fz, b, item) + zero
+    exchange = (_exchange_cycles(target, dense_in)
+                + (pz - 1) * _exchange_cycles(target, g_bytes))
+    temp = np.maximum(dense_in + 2 * g_bytes + partial * s.p_itemsize, reduce_temp)
+    sync = pz * float(target.sync_cycles_internal)
+  else:
+    rows = np.minimum(rx, blocks)
+    compute = popsparse.sparse_product_cycles(target, blocks, rows, fz, b, item) + zero
+    block_bytes = blocks * b * b * item
+    exchange = _exchange_cycles(target, dense_in + np.where(pz > 1, block_bytes, 0))
+    meta = popsparse.meta_info_words(blocks, rows) * popsparse.META_WORD_BYTES
+    temp = np.maximum(dense_in + np.where(pz > 1, block_bytes, 0) + partial * s.p_itemsize
+                      + meta, reduce_temp)
+    sync = float(target.sync_cycles_internal)
   return dict(compute=compute, exchange=exchange, reduce=reduce,
-              sync=np.full(px.shape, float(target.sync_cycles_internal)), temp=temp)
+              sync=np.broadcast_to(np.asarray(sync, np.float64), px.shape), temp=temp,
+              rotate=np.full(px.shape, rotate))
+
+
+def _static_candidates(target, s: _Shape, nnz: int, px, py, pz, rotate=None) -> tuple:
+  """Both static plan kinds over the grids (rotating ones only where ``pz > 1``), or
+  only one kind when ``rotate`` is a bool (and it has a candidate)."""
+  flat = _static_costs(target, s, nnz, px, py, pz)
+  turn = pz > 1
+  if rotate is False or (rotate and not turn.any()):
+    return (px, py, pz), flat
+  grids = (px[turn], py[turn], pz[turn])
+  rotating = _static_costs(target, s, nnz, *grids, rotate=True)
+  if rotate:
+    return grids, rotating
+  costs = {k: np.concatenate([flat[k], rotating[k]]) for k in flat}
+  return tuple(np.concatenate([a, b]) for a, b in zip((px, py, pz), grids)), costs
 
 
 def bucket_capacity(max_nnz: int, tiles: int, oversize: float) -> int:
@@ -275,36 +327,39 @@ _SERIAL_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
-          oversize) -> SparsePlan:
+          oversize, rotate=None) -> SparsePlan:
   plan = _plan_pass(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
-                    oversize)
-  if plan.fits or dynamic:
+                    oversize, rotate)
+  if dynamic or (plan.fits and not plan.rotate):
     return plan
-  for count in _SERIAL_COUNTS:
-    # Equal passes only: each tile then holds one equal piece per pass.
-    if s.z % count:
-      continue
-    width = s.z // count
-    passed = _plan_pass(target, dataclasses.replace(s, z=width), dtype, partials_dtype, nnz,
-                        proportion, max_tiles, False, 0.0)
-    if passed.fits:
-      return dataclasses.replace(
-          passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
-          exchange_cycles=passed.exchange_cycles * count,
-          reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count,
-          candidates=passed.candidates + plan.candidates)
-  return plan
+  # A rotating one-pass plan may fit where a replicated one does not, at many
+  # steps' cost: weigh it against serial passes (each pass either kind).
+  serial = [_serial_plan(target, s, dtype, partials_dtype, nnz, proportion, max_tiles, rotate,
+                         count) for count in _SERIAL_COUNTS if s.z % count == 0]
+  fitting = [p for p in [plan] + serial if p.fits]
+  return min(fitting, key=lambda p: p.cycles) if fitting else plan
+
+
+def _serial_plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, rotate,
+                 count) -> SparsePlan:
+  """``count`` equal serial passes over Z (each tile then holds one equal piece per pass)."""
+  passed = _plan_pass(target, dataclasses.replace(s, z=s.z // count), dtype, partials_dtype, nnz,
+                      proportion, max_tiles, False, 0.0, rotate)
+  return dataclasses.replace(
+      passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
+      exchange_cycles=passed.exchange_cycles * count,
+      reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count)
 
 
 def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
-               oversize) -> SparsePlan:
+               oversize, rotate=None) -> SparsePlan:
   limit = int(proportion * target.bytes_per_tile)
   tiles = max(1, min(int(max_tiles), target.num_tiles))
   px, py, pz = _candidates(target, s.xb, s.yb, s.z, tiles)
   if dynamic:
     costs = _dynamic_costs(target, s, nnz, oversize, px, py, pz)
   else:
-    costs = _static_costs(target, s, nnz, px, py, pz)
+    (px, py, pz), costs = _static_candidates(target, s, nnz, px, py, pz, rotate)
   i = _choose(costs, limit)
   grid = (int(px[i]), int(py[i]), int(pz[i]))
   rx, cy, fz = (int(v) for v in _bands(s, *[np.int64(g) for g in grid]))
@@ -315,19 +370,23 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
       (rx, cy, fz), float(pick["compute"]), float(pick["exchange"]), float(pick["reduce"]),
       float(pick["sync"]), int(pick["temp"]), limit, bool(pick["temp"] <= limit), int(px.size),
       dynamic=dynamic, bucket_blocks=int(pick.get("cap", 0)), phases=int(pick.get("phases", 0)),
-      spill_axis=("", "y", "x")[spill] if dynamic else "")
+      spill_axis=("", "y", "x")[spill] if dynamic else "", rotate=bool(pick.get("rotate", False)))
 
 
 @functools.lru_cache(maxsize=256)
 def plan_static(target: IPUTarget, x: int, y: int, z: int, block: int, nnz_blocks: int,
                 dtype, partials_dtype=np.float32, available_memory_proportion: float = 0.6,
-                max_tiles: int | None = None) -> SparsePlan:
-  """The grid of a static sparse ``[x, y]`` (``nnz_blocks`` blocks of ``block``) times dense ``[y, z]``."""
+                max_tiles: int | None = None, rotate: bool | None = None) -> SparsePlan:
+  """The grid of a static sparse ``[x, y]`` (``nnz_blocks`` blocks of ``block``) times dense ``[y, z]``.
+
+  ``rotate``: None chooses the replicated or the rotating plan by cost; a bool
+  keeps to that kind (where it has a candidate: rotating needs ``pz > 1``).
+  """
   s = _Shape(int(x), int(y), int(z), int(block), np.dtype(dtype).itemsize,
              np.dtype(partials_dtype).itemsize)
   return _plan(target, s, dtype, partials_dtype, int(nnz_blocks),
                float(available_memory_proportion),
-               target.num_tiles if max_tiles is None else max_tiles, False, 0.0)
+               target.num_tiles if max_tiles is None else max_tiles, False, 0.0, rotate)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,10 +1,12 @@
 """Tests of ipu_jax.sparse: BlockCSR, static sparse matmuls and their tile plans."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -15,6 +17,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import sparse_plan
+from ipu_jax.sparse import static_rule
 from ipu_jax.sparse import (BlockCSR, BucketOverflowError, dynamic_layout, dynamic_matmul, encode,
                             static_matmul)
 
@@ -255,6 +258,115 @@ class StaticMatmulTest(parameterized.TestCase):
       call(_sparse((16, 24), 4))
 
 
+def _rotating():
+  """Lower static sparse products with the rotating plan (the planner kept to that kind)."""
+  return mock.patch.object(static_rule, "plan_static",
+                           functools.partial(sparse_plan.plan_static, rotate=True))
+
+
+def _rotate_steps(fn, *args):
+  with _rotating():
+    lowered = ipu_jax.jit(fn, target=T16).lower(*args)
+  return [s for s in _steps(lowered) if "/rotate" in s.name]
+
+
+class RotatingStaticTest(parameterized.TestCase):
+  """The rotating static plan: a cell's block groups placed once and passed along Z."""
+
+  @parameterized.product(
+      case=[("random", 4, (36, 24, 7), None), ("empty_rows", 4, (32, 48, 5), None),
+            ("one_block", 8, (24, 40, 9), None), ("full", 4, (20, 28, 6), None),
+            ("random", 1, (9, 13, 11), None), ("empty_rows", 1, (24, 40, 96), 0.003),
+            ("random", 8, (64, 256, 40), 0.01)],
+      side=["lhs", "rhs"],
+      mode=MODES)
+  def test_equals_dense(self, case, side, mode):
+    kind, block, (m, k, n), proportion = case
+    a = _sparse((m, k), block, kind)
+    dense = _dense((k, n) if side == "lhs" else (n, m))
+    fn = ((lambda s, d: static_matmul(s, d, proportion)) if side == "lhs"
+          else (lambda s, d: static_matmul(d, s, proportion)))
+    steps = _rotate_steps(fn, a, dense)
+    self.assertGreater(len(steps), 1)
+    # Each group is met once per pass: the steps' products are the whole product's.
+    self.assertEqual(sum(s.flops for s in steps), 2 * a.nnz_blocks * block ** 2 * n)
+    with _rotating():
+      got = _run(fn, mode, a, dense)
+    s = np.asarray(a.todense(), np.float64)
+    want = s @ dense if side == "lhs" else dense @ s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  def test_serial_passes_and_y_bands(self):
+    a = _sparse((64, 256), 8)
+    names = [s.name for s in _rotate_steps(lambda s, d: static_matmul(s, d, 0.01), a,
+                                           _dense((256, 40)))]
+    self.assertTrue(any("pass 2/" in n for n in names), names)
+    self.assertTrue(any(".y1." not in n for n in names), names)
+
+  @parameterized.product(side=["lhs", "rhs"], mode=MODES)
+  def test_grad_to_values_and_dense(self, side, mode):
+    a = _sparse((32, 48), 4, "empty_rows")
+    dense = _dense((48, 10) if side == "lhs" else (6, 32))
+    weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
+
+    def loss(values, d):
+      s = BlockCSR.from_pattern(values, a.pattern)
+      out = static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    def dense_loss(values, d):
+      s = BlockCSR.from_pattern(values, a.pattern).todense()
+      out = s @ d if side == "lhs" else d @ s
+      return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+    self.assertNotEmpty(_rotate_steps(jax.grad(loss, (0, 1)), a.values, dense))
+    with _rotating():
+      got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
+    want = jax.grad(dense_loss, (0, 1))(a.values, dense)
+    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), rtol=1e-4, atol=1e-4)
+
+  @parameterized.parameters("dense", "values", "both")
+  def test_vmap(self, batched):
+    a = _sparse((16, 24), 4)
+    n, copies = 5, 3
+    dense = _dense((copies, 24, n))
+    values = jnp.stack([a.values * (i + 1) for i in range(copies)])
+
+    def one(v, d):
+      return static_matmul(BlockCSR.from_pattern(v, a.pattern), d)
+
+    axes = {"dense": (None, 0), "values": (0, None), "both": (0, 0)}[batched]
+    args = (a.values if axes[0] is None else values, dense[0] if axes[1] is None else dense)
+    self.assertNotEmpty(_rotate_steps(jax.vmap(one, axes), *args))
+    with _rotating():
+      got = _run(jax.vmap(one, axes), "per_tile", *args)
+    s = np.asarray(jax.vmap(lambda v: BlockCSR.from_pattern(v, a.pattern).todense())(values))
+    s = s[:1].repeat(copies, 0) if axes[0] is None else s
+    d = np.broadcast_to(dense[0], dense.shape) if axes[1] is None else dense
+    np.testing.assert_allclose(got, s @ d, rtol=1e-5, atol=1e-5)
+
+  def test_float16_rounds_float32_partials(self):
+    a = _sparse((32, 64), 8, dtype=np.float16)
+    dense = _dense((64, 12), dtype=np.float16)
+    with _rotating():
+      got = _run(lambda s, d: static_matmul(s, d), "per_tile", a, dense)
+    self.assertEqual(got.dtype, np.float16)
+    exact = np.asarray(a.todense(), np.float32) @ dense.astype(np.float32)
+    np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
+                               atol=1e-3)
+
+  def test_chosen_by_cost_where_copies_do_not_fit_one_pass(self):
+    # fp32 16x16 blocks at density 1/4: copying each cell's blocks to its Z tiles
+    # needs two serial passes; rotating groups fits in one, and is cheaper.
+    nnz = (4096 // 16) ** 2 // 4
+    plan = sparse_plan.plan_static(BOW, 4096, 4096, 1024, 16, nnz, "float32")
+    copies = sparse_plan.plan_static(BOW, 4096, 4096, 1024, 16, nnz, "float32", rotate=False)
+    self.assertTrue(plan.rotate and plan.fits)
+    self.assertEqual((plan.serial, copies.serial), (1, 2))
+    self.assertLess(plan.cycles, copies.cycles)
+    self.assertIn("rotating", plan.describe())
+
+
 class StaticPlanTest(parameterized.TestCase):
 
   def test_memory_is_density_times_dense_plus_meta(self):
@@ -465,6 +577,15 @@ class DynamicMatmulTest(parameterized.TestCase):
 
 
 class ExperimentTest(absltest.TestCase):
+
+  def test_static_cycles_at_most_dynamic_in_every_row(self):
+    from experiments import popsparse as runner  # pylint: disable=g-import-not-at-top
+    for n in (1024, 2048):
+      for dtype in ("float16", "float32"):
+        for block in (1, 4, 16):
+          for density in (1 / 16, 1 / 8, 1 / 4):
+            row = runner.case_row(BOW, n, block, density, dtype)
+            self.assertLessEqual(row["static_cycles"], row["dynamic_cycles"], row)
 
   def test_runner_writes_the_table_rows_in_time(self):
     out = os.path.join(self.create_tempdir().full_path, "popsparse.json")

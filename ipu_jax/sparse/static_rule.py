@@ -25,6 +25,17 @@ is framed transposed), on a grid of ``px * py * pz`` tiles:
    pass's dense columns, each writing its columns of the one result (laid
    out pass by pass: every tile holds one piece per pass).
 
+**Rotating plan** (``plan.rotate``; :mod:`ipu_jax.lowering.sparse_plan`'s
+docstring): step 1 places group ``j`` of each cell's blocks (the cell's
+blocks in order, cut into ``pz`` runs whose counts differ by at most one) on
+tile ``(x, y, j)``, with a meta-information row of its own; step 2 becomes
+``pz`` supersteps: at step ``s`` of pass ``p`` tile ``(x, y, z)`` holds group
+``(z + t) % pz`` with ``t = p * (pz - 1) + s`` (each step after a pass's first
+moves every group one tile down Z, so the next pass starts where the last
+ended) and adds its products into its partials; the costs are each tile's
+real group's. Then the reduction or, with ``py == 1``, the last step writes
+the result.
+
 Executor forms: ``per_tile`` runs every cell's own padded block list (the
 grid's work split) and sums partials band by band; the logical form sums all
 blocks into their bands at once. Both give each band's partials from the same
@@ -52,11 +63,12 @@ from ipu_jax.lowering.matmul_plan import block_grid_mapping, grid_tiles, operand
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.sparse_plan import SparsePlan, plan_static
 from ipu_jax.sparse import products
+from ipu_jax.sparse import static_rotate
 from ipu_jax.sparse.formats import SparsityPattern
 from ipu_jax.sparse.static import static_sparse_matmul_p
 
 __all__ = ["SparseGrid", "sparse_grid", "pass_windows", "emit_products", "emit_reduction",
-           "new_result", "result_mapping", "place_pass"]
+           "new_result", "result_mapping", "place_pass", "block_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,53 +133,73 @@ def _z_cols(grid: SparseGrid, window) -> np.ndarray:
 # -- placement ------------------------------------------------------------------
 
 
+def block_groups(grid: SparseGrid) -> np.ndarray:
+  """``[nnz]`` the rotating group of each frame block: its cell's blocks in order, cut
+  into ``pz`` runs whose counts differ by at most one."""
+  pz = grid.shape[2]
+  order = np.argsort(grid.cell_of_block, kind="stable")
+  start = np.concatenate([[0], np.cumsum(grid.cell_blocks)[:-1]])
+  rank = np.empty(order.size, np.int64)
+  rank[order] = np.arange(order.size) - start[grid.cell_of_block[order]]
+  return rank * pz // np.maximum(grid.cell_blocks[grid.cell_of_block], 1)
+
+
 def values_mapping(grid: SparseGrid, frame_order: np.ndarray, block_elements: int) -> TileMapping:
-  """The values ``[nnz, bm, bk]`` (user order) with block ``i`` on its cell's ``z = 0`` tile.
+  """The values ``[nnz, bm, bk]`` (user order) with block ``i`` on its cell's ``z = 0`` tile,
+  or (rotating plan) on its group's tile ``(x, y, group)``.
 
   ``frame_order[j]``: the user block that is frame block ``j``.
   """
-  px, py, _ = grid.shape
-  cell_tile = grid.tiles[:, :, 0].reshape(-1)
+  px, py, pz = grid.shape
+  z = block_groups(grid) if grid.plan.rotate else 0
   tile_of_user_block = np.empty(frame_order.size, np.int64)
-  tile_of_user_block[frame_order] = cell_tile[grid.cell_of_block]
+  tile_of_user_block[frame_order] = grid.tiles.reshape(px * py, pz)[grid.cell_of_block, z]
   return TileMapping.from_element_tiles(np.repeat(tile_of_user_block, block_elements))
 
 
-def _cell_words(grid: SparseGrid, rows: np.ndarray, cols: np.ndarray) -> tuple:
-  """Meta-information of every cell: ``(words, cell of each word)`` in cell order.
+def _unit_words(grid: SparseGrid, rows: np.ndarray, cols: np.ndarray, per_cell: int) -> tuple:
+  """Meta-information of every unit (a cell, or with ``per_cell = pz`` a cell's rotating
+  group): ``(words, unit of each word)`` in unit order.
 
-  A cell's words: a header (blocks, non-empty rows, x, y), then ``(row, count)``
+  A unit's words: a header (blocks, non-empty rows, x, y), then ``(row, count)``
   for each non-empty block row, then each block's column within the band.
   """
   px, py, _ = grid.shape
   rx, cy, _ = grid.plan.band
-  cells = np.arange(px * py)
-  used = grid.cell_blocks > 0
-  header = np.stack([grid.cell_blocks, grid.cell_rows, cells // py, cells % py], 1)[used]
-  h_cell = np.repeat(cells[used], 4)
-  pair, counts = np.unique(grid.cell_of_block * max(grid.plan.x, 1) + rows, return_counts=True)
-  r_cell = np.repeat(pair // max(grid.plan.x, 1), 2)
-  r_words = np.stack([(pair % max(grid.plan.x, 1)) % rx, counts], 1).reshape(-1)
-  cell = np.concatenate([h_cell, r_cell, grid.cell_of_block])
-  section = np.concatenate([np.zeros(h_cell.size), np.ones(r_cell.size),
+  unit_of_block = grid.cell_of_block * per_cell + (block_groups(grid) if per_cell > 1 else 0)
+  units = np.arange(px * py * per_cell)
+  xr = max(grid.plan.x, 1)
+  pair, counts = np.unique(unit_of_block * xr + rows, return_counts=True)
+  blocks = np.bincount(unit_of_block, minlength=units.size)
+  unit_rows = np.bincount(pair // xr, minlength=units.size)
+  used = blocks > 0
+  cell = units // per_cell
+  header = np.stack([blocks, unit_rows, cell // py, cell % py], 1)[used]
+  h_unit = np.repeat(units[used], 4)
+  r_unit = np.repeat(pair // xr, 2)
+  r_words = np.stack([(pair % xr) % rx, counts], 1).reshape(-1)
+  unit = np.concatenate([h_unit, r_unit, unit_of_block])
+  section = np.concatenate([np.zeros(h_unit.size), np.ones(r_unit.size),
                             np.full(cols.size, 2)])
   words = np.concatenate([header.reshape(-1), r_words, cols % cy])
-  order = np.lexsort((np.arange(cell.size), section, cell))
-  return words[order].astype(np.uint16), cell[order]
+  order = np.lexsort((np.arange(unit.size), section, unit))
+  return words[order].astype(np.uint16), unit[order]
 
 
 def meta_constant(ctx, grid: SparseGrid, rows: np.ndarray, cols: np.ndarray) -> P.Tensor:
   """The meta-information as a program constant ``[G, L]``: row ``g`` on grid tile ``g``
-  holds its cell's words, padded to the longest cell's ``L`` (a linear layout, so no
-  per-element arrays however many blocks)."""
-  words, cell = _cell_words(grid, rows, cols)
+  holds its cell's words (rotating plan: its group's), padded to the longest row's ``L``
+  (a linear layout, so no per-element arrays however many blocks)."""
   px, py, pz = grid.shape
-  length = np.bincount(cell, minlength=px * py)
+  per_cell = pz if grid.plan.rotate else 1
+  words, unit = _unit_words(grid, rows, cols, per_cell)
+  units = px * py * per_cell
+  length = np.bincount(unit, minlength=units)
   longest = max(int(length.max(initial=0)), 1)
   start = np.concatenate([[0], np.cumsum(length)[:-1]])
-  padded = np.zeros((px * py, longest), np.uint16)
-  padded[cell, np.arange(cell.size) - start[cell]] = words
-  value = np.repeat(padded, pz, axis=0)          # grid order (x, y, z): z innermost
+  padded = np.zeros((units, longest), np.uint16)
+  padded[unit, np.arange(unit.size) - start[unit]] = words
+  value = np.repeat(padded, pz // per_cell, axis=0)   # grid order (x, y, z): z innermost
   tiles = grid.tiles.reshape(-1)
   mapping = TileMapping.blocks(value.size, longest, ctx.target.num_tiles, int(tiles[0]))
   module = ctx.module
@@ -470,9 +502,13 @@ def _static_sparse_rule(ctx, values, dense, *, pattern, side, available_memory_p
   meta = meta_constant(ctx, grid, frame.row_indices.astype(np.int64),
                        frame.col_indices.astype(np.int64))
   result = new_result(ctx, grid, side, out_dtype, name)
-  for window in pass_windows(plan):
-    out = emit_products(ctx, grid, pattern, frame, placed, dense, meta, out_dtype, side, name,
-                        result, window)
+  for index, window in enumerate(pass_windows(plan)):
+    if plan.rotate:
+      out = static_rotate.emit_rotation(ctx, grid, pattern, frame, placed, dense, meta, out_dtype,
+                                        side, name, result, window, index)
+    else:
+      out = emit_products(ctx, grid, pattern, frame, placed, dense, meta, out_dtype, side, name,
+                          result, window)
     if grid.shape[1] > 1:
       emit_reduction(ctx, grid, out, out_dtype, side, name, result, window)
   return [result]
