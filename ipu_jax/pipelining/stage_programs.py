@@ -43,14 +43,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from ipu_jax.lowering.scopes import RECOMPUTED_SCOPE, recomputed as _recomputed
 from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
+from ipu_jax.pipelining.recompute_segments import segmented_checkpoint
 
 __all__ = ["StagePrograms", "differentiable", "stage_functions", "update_function", "nbytes",
            "per_tile_bytes", "recompute_cycles", "RECOMPUTED_SCOPE"]
-
-# The name scope JAX gives the forward work a checkpointed region's transpose
-# runs again (jax/_src/ad_checkpoint.py, ``extend_name_stack``).
-RECOMPUTED_SCOPE = "rematted_computation"
 
 
 @dataclasses.dataclass
@@ -131,10 +129,6 @@ def per_tile_bytes(lowered, output_indices, num_tiles: int) -> np.ndarray:
   return out
 
 
-def _recomputed(scope: str) -> bool:
-  return RECOMPUTED_SCOPE in scope.split("/")
-
-
 def _recomputed_share(step) -> float:
   """The share of ``step``'s cycles that is recomputed forward work."""
   if not step.fused_ops:
@@ -183,8 +177,10 @@ def stage_functions(stage, recompute: bool):
               [o for o in outs if not differentiable(o)])
 
     if recompute:
-      body = jax.checkpoint(
-          body, policy=jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
+      # One jax.checkpoint per checkpoint segment: the backward recomputes
+      # each segment right before backpropagating it (recompute_segments).
+      body = segmented_checkpoint(
+          body, jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
     float_outs, vjp, int_outs = jax.vjp(
         body, p_k, [x for x, d in zip(in_k, mask) if d], has_aux=True)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
