@@ -3,9 +3,10 @@
 * forward: the stage's pass on one micro-batch; it returns the values later
   stages read and the activations its backward pass needs (JAX's VJP
   residuals: exactly what the stage stashes). With recomputation every stage
-  but the last is wrapped in ``jax.checkpoint`` saving only
-  ``recomputation_checkpoint`` values, so it stashes its inputs (from earlier
-  stages and the micro-batch) and those; ``jax.checkpoint`` / ``nnx.remat``
+  but the last is cut at its ``recomputation_checkpoint`` values into
+  segments, each in a ``jax.checkpoint`` saving only those values, so it
+  stashes its inputs (from earlier stages and the micro-batch) and those;
+  ``jax.checkpoint`` / ``nnx.remat``
   regions inside a stage shrink the stash the same way. The last stage is
   never recomputed, as in TensorFlow-IPU, whose recomputation pass skips the
   last forward stage: its forward and backward passes run back to back, so
@@ -14,7 +15,9 @@
 * backward: the stashed activations and the gradient of the stage's outputs
   in, the gradient of its inputs out (to the stages that made them), its
   weight gradients added to the accumulator it holds. With recomputation it
-  first runs again the forward work its gradients need.
+  runs again the forward work its gradients need, one checkpoint segment at a
+  time, each right before that segment's gradients
+  (:mod:`~ipu_jax.pipelining.recompute_segments`).
 * weight update: the optimizer on the stage's own weights and state.
 
 What recomputation costs (:func:`recompute_cycles`) is read off the lowered
@@ -25,9 +28,9 @@ checkpoint the forward pass computes and stashes -- under the name scope
 ``rematted_computation`` (``jax/_src/ad_checkpoint.py``), and the lowering
 keeps each equation's name scope on the supersteps it becomes. So the
 recompute cycles are the cycles of the backward's supersteps in that scope.
-A fused superstep (elementwise fusion may join a recomputed coefficient with
-a gradient product) counts for the share of its members' flops that are
-recomputed. This counts exactly the equations the backward program runs
+Elementwise fusion joins recomputed steps only with recomputed steps
+(``lowering/fusion.py``), so a fused step counts whole or not at all (the
+flops share of its recomputed members, were that ever mixed). This counts exactly the equations the backward program runs
 again, also those of ``jax.checkpoint`` regions the user wrote inside a
 stage. The other way, lowering the backward once more without recomputation
 and subtracting, would double the lowering work per stage and mix in
