@@ -16,7 +16,10 @@ source slices its operands (``a`` is ``[..., M, K]``, ``b`` ``[..., K, N]``):
 The gradient is serialised too, as TF-IPU's custom gradient does it: the
 products of the transpose are serialised on the same dimension of the
 problem (``dA = dC @ B^T`` and ``dB = A^T @ dC``; a split of M in the forward
-product is a split of the contraction of ``dB``, and so on).
+product is a split of the contraction of ``dB``, and so on). A matrix
+shared by a batch of products (2-D beside a batched operand: a decoder
+weight) gets one product whose contraction runs over the batch as well, not
+a stack of per-item gradients summed after.
 
 The tile rule (below the primitive): M and N splits are one planned matmul
 in ``factor`` serial passes (:func:`~ipu_jax.lowering.matmul_emit.emit_matmul`'s
