@@ -99,7 +99,7 @@ class SerializedMatmulTest(parameterized.TestCase):
                 "b_rows": ["n", "k", "n"]}[mode]
     self.assertEqual(sorted(axes), sorted(expected))
 
-  @parameterized.product(mode=("a_columns", "a_rows_b_columns", "b_rows"),
+  @parameterized.product(mode=("a_columns", "a_rows_b_columns", "b_rows", "ipu_matmul"),
                           shared=("a", "b"), dtype=(jnp.float32, jnp.float16))
   def test_grad_of_a_matrix_shared_by_a_batch(self, mode, shared, dtype):
     # A decoder weight applied to a batch of sequences: its gradient sums the
@@ -112,7 +112,9 @@ class SerializedMatmulTest(parameterized.TestCase):
     def loss(fn):
       return lambda x, y: jnp.sum(jnp.tanh(fn(x, y).astype(jnp.float32)))
 
-    grad = jax.grad(loss(lambda x, y: serialized_matmul(x, y, 2, mode)), argnums=(0, 1))
+    product = ((lambda x, y: ipu_jax.ops.matmul(x, y)) if mode == "ipu_matmul"
+               else (lambda x, y: serialized_matmul(x, y, 2, mode)))  # the same transposes
+    grad = jax.grad(loss(product), argnums=(0, 1))
     got = ipu_jax.jit(grad, target=T16)(a, b)
     want = jax.jit(jax.grad(loss(jnp.matmul), argnums=(0, 1)))(a, b)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -120,7 +122,8 @@ class SerializedMatmulTest(parameterized.TestCase):
                                 atol=tol)
     # No [batch, ...] stack of the shared matrix's gradients is made and summed.
     eqns = jax.make_jaxpr(grad)(a, b).jaxpr.eqns
-    products = [e.outvars[0].aval.shape for e in eqns if e.primitive is serialized_matmul_p]
+    products = [e.outvars[0].aval.shape for e in eqns
+                if e.primitive in (serialized_matmul_p, ipu_jax.ops.matmul_p)]
     self.assertIn((a if shared == "a" else b).shape, products)
     self.assertEqual([e.primitive.name for e in eqns].count("reduce_sum"), 1)  # the loss's
 

@@ -49,7 +49,8 @@ from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.shape import broadcast_to
-from ipu_jax.ops.matmul import matmul
+from ipu_jax.ops.matmul import (folded_lhs_gradient_operands, folded_rhs_gradient_operands,
+                                matmul, shared_by_batch)
 from ipu_jax.ops.primitive import define_primitive, not_mapped, shaped_like
 
 __all__ = ["serialized_matmul", "serialized_matmul_p", "MODES", "canonical_mode",
@@ -158,29 +159,15 @@ _LHS_GRAD_AXIS = {"m": "m", "k": "n", "n": "k"}
 _RHS_GRAD_AXIS = {"m": "k", "k": "m", "n": "n"}
 
 
-# A matrix shared by a batch of products (a decoder's weight applied to a
-# batch of sequences) gets the sum of the batch's gradients. Summing products
-# is one product with a longer contraction: the batch joins the contraction
-# (dB = A^T @ dC with A's and dC's batch and rows flattened together; dA = dC @
-# B^T with dC's batch and columns flattened, B's batch and columns likewise),
-# so no ``[batch, K, N]`` stack of per-item gradients is ever made -- for
-# BERT-Large's tied decoder that stack is 8 copies of the 1024 x 30528 word
-# table's gradient, summed in float32 after. The split dimension keeps its
-# factor: a split of the contraction still divides it (B * M or B * N).
-
-
-def _shared_by_batch(shared_aval, other) -> bool:
-  return len(shared_aval.shape) == 2 and jnp.ndim(other) > 2
+# A 2-D matrix shared by a batched operand: its gradient is one product over
+# the batch-flattened contraction (ipu_jax.ops.matmul); the split dimension
+# keeps its factor (a split contraction B * M or B * N is still divided).
 
 
 def _transpose_lhs(ct, a, b, *, factor, axis):
-  if _shared_by_batch(a.aval, b):
-    # [..., M, N] -> [M, (... N)]; [..., K, N] -> [(... N), K].
-    ct = jnp.broadcast_to(ct, _batch_shape(ct.shape, b.shape) + ct.shape[-2:])
-    b = jnp.broadcast_to(b, ct.shape[:-2] + b.shape[-2:])
-    ct = jnp.moveaxis(ct, -2, 0).reshape(ct.shape[-2], -1)
-    bt = jnp.swapaxes(b, -1, -2).reshape(-1, b.shape[-2])
-    grad = serialized_matmul_p.bind(ct, bt, factor=factor, axis=_LHS_GRAD_AXIS[axis])
+  if shared_by_batch(a.aval, b):
+    grad = serialized_matmul_p.bind(*folded_lhs_gradient_operands(ct, b), factor=factor,
+                                    axis=_LHS_GRAD_AXIS[axis])
     return grad.astype(a.aval.dtype)
   grad = serialized_matmul_p.bind(ct, jnp.swapaxes(b, -1, -2), factor=factor,
                                   axis=_LHS_GRAD_AXIS[axis])
@@ -188,12 +175,8 @@ def _transpose_lhs(ct, a, b, *, factor, axis):
 
 
 def _transpose_rhs(ct, a, b, *, factor, axis):
-  if _shared_by_batch(b.aval, a):
-    # [..., M, K] -> [K, (... M)]; [..., M, N] -> [(... M), N].
-    ct = jnp.broadcast_to(ct, _batch_shape(ct.shape, a.shape) + ct.shape[-2:])
-    a = jnp.broadcast_to(a, ct.shape[:-2] + a.shape[-2:])
-    grad = serialized_matmul_p.bind(a.reshape(-1, a.shape[-1]).T,
-                                    ct.reshape(-1, ct.shape[-1]), factor=factor,
+  if shared_by_batch(b.aval, a):
+    grad = serialized_matmul_p.bind(*folded_rhs_gradient_operands(ct, a), factor=factor,
                                     axis=_RHS_GRAD_AXIS[axis])
     return grad.astype(b.aval.dtype)
   grad = serialized_matmul_p.bind(jnp.swapaxes(a, -1, -2), ct, factor=factor,
