@@ -38,7 +38,11 @@ already emitted or in that group; a step that depends on an open group closes
 still growing, but never out of dependency order, and every value is computed
 by the same functions from the same inputs: the numbers do not change. (An
 optimizer's update, written leaf by leaf for each operation, thus becomes one
-compute set per parameter.)
+compute set per parameter.) Forward work a backward pass recomputes (JAX's
+``rematted_computation`` scope) groups only with recomputed work: TF-IPU's
+recomputation clones the forward stage's own program, which does not merge
+with the gradient's compute sets (and so ``recompute_cycles`` stays the
+cycles of whole steps).
 
 A producer on another layout joins its consumer's group when nothing else
 reads its results (``b1 * mu`` on the moment's layout feeding a chain on the
@@ -84,6 +88,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
 from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
 from ipu_jax.lowering.mapping import tiles_key
+from ipu_jax.lowering.scopes import recomputed
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
@@ -296,15 +301,16 @@ class _Fuser:
       if work is not None:
         # Prefer a group this step reads from (a chain), else the newest.
         layout = self.layouts.number(work.mapping)
+        again = recomputed(step.scope)
         for g in reversed(open_groups):
-          if g.layout == layout:
+          if g.layout == layout and g.recomputed == again:
             if g in pending:
               home = g
               break
             if home is None:
               home = g
         if home is None:
-          home = _Group(work.mapping, layout)
+          home = _Group(work.mapping, layout, again)
           open_groups.append(home)
         home.members.append(i)
         group_of[i] = home
@@ -333,7 +339,8 @@ class _Fuser:
     groups read (so no other layout of it is ever needed), of the
     consumer's size, and every step's cost must be known on any layout.
     """
-    if any(not works[j].cost_op for j in producer.members):
+    if (any(not works[j].cost_op for j in producer.members)
+        or producer.recomputed != consumer.recomputed):
       return False
     inside = {}
     for j in producer.members + consumer.members:
@@ -689,9 +696,13 @@ def _fused_logical(steps, reads, writes):
 class _Group:
   """Steps (indices into a run) that will be one compute set on ``mapping``."""
 
-  def __init__(self, mapping, layout: int):
+  def __init__(self, mapping, layout: int, recomputed: bool = False):
     self.mapping = mapping
     self.layout = layout      # its number in the fuser's _Layouts
+    # Recomputed forward work (a checkpointed region's ``rematted_computation``)
+    # is a clone of the forward stage's program (TF-IPU's recomputation pass
+    # clones the forward computation), so it fuses only with itself.
+    self.recomputed = recomputed
     self.members = []
 
   def __eq__(self, other):

@@ -23,7 +23,8 @@ import dataclasses
 import numpy as np
 
 __all__ = ["ScopeCost", "by_scope", "scope_costs", "costliest_scopes_table", "join_scopes",
-           "module_path", "truncate", "NO_SCOPE", "SEPARATE_GRADIENT_SCOPES"]
+           "module_path", "truncate", "recomputed", "NO_SCOPE", "RECOMPUTED_SCOPE",
+           "SEPARATE_GRADIENT_SCOPES"]
 
 NO_SCOPE = "(no scope)"
 
@@ -34,6 +35,15 @@ NO_SCOPE = "(no scope)"
 # cost is both.
 SEPARATE_GRADIENT_SCOPES = ("loss",)
 GRADIENT = "grad"
+
+# The name scope JAX gives the forward work a checkpointed region's transpose
+# runs again (jax/_src/ad_checkpoint.py, ``extend_name_stack``).
+RECOMPUTED_SCOPE = "rematted_computation"
+
+
+def recomputed(scope: str) -> bool:
+  """Whether a step's scope is forward work a backward pass runs again."""
+  return RECOMPUTED_SCOPE in (scope or "").split("/")
 
 
 def module_path(name_stack) -> str:

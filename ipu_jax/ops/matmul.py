@@ -70,12 +70,44 @@ def _mT(x):
   return jnp.swapaxes(x, -1, -2)
 
 
+# A matrix shared by a batch of products (a weight applied to a batch of
+# sequences) gets the sum of the batch's gradients. Summing products is one
+# product with a longer contraction, so the batch joins the contraction and no
+# ``[batch, K, N]`` stack of per-item gradients is made (and summed in float32
+# after): dB = A^T @ dC with A's and dC's batch and rows flattened together,
+# dA = dC @ B^T with dC's and B's batch and columns flattened together.
+
+
+def shared_by_batch(shared_aval, other) -> bool:
+  """Whether a 2-D operand was applied to every item of ``other``'s batch."""
+  return len(shared_aval.shape) == 2 and jnp.ndim(other) > 2
+
+
+def folded_lhs_gradient_operands(ct, b):
+  """``(dC', B')`` with ``dC' @ B'`` the batch-summed gradient of a shared 2-D ``a``."""
+  ct = jnp.broadcast_to(ct, _batch_shape(ct.shape, b.shape) + ct.shape[-2:])
+  b = jnp.broadcast_to(b, ct.shape[:-2] + b.shape[-2:])
+  return (jnp.moveaxis(ct, -2, 0).reshape(ct.shape[-2], -1),   # [M, (... N)]
+          _mT(b).reshape(-1, b.shape[-2]))                     # [(... N), K]
+
+
+def folded_rhs_gradient_operands(ct, a):
+  """``(A', dC')`` with ``A' @ dC'`` the batch-summed gradient of a shared 2-D ``b``."""
+  ct = jnp.broadcast_to(ct, _batch_shape(ct.shape, a.shape) + ct.shape[-2:])
+  a = jnp.broadcast_to(a, ct.shape[:-2] + a.shape[-2:])
+  return a.reshape(-1, a.shape[-1]).T, ct.reshape(-1, ct.shape[-1])  # [K, (... M)], [(... M), N]
+
+
 def _matmul_transpose_lhs(ct, a, b, **params):
+  if shared_by_batch(a.aval, b):
+    return matmul_p.bind(*folded_lhs_gradient_operands(ct, b), **params).astype(a.aval.dtype)
   shape = a.aval.shape
   return _sum_to_shape(matmul_p.bind(ct, _mT(b), **params), shape).astype(a.aval.dtype)
 
 
 def _matmul_transpose_rhs(ct, a, b, **params):
+  if shared_by_batch(b.aval, a):
+    return matmul_p.bind(*folded_rhs_gradient_operands(ct, a), **params).astype(b.aval.dtype)
   shape = b.aval.shape
   return _sum_to_shape(matmul_p.bind(_mT(a), ct, **params), shape).astype(b.aval.dtype)
 

@@ -16,7 +16,10 @@ source slices its operands (``a`` is ``[..., M, K]``, ``b`` ``[..., K, N]``):
 The gradient is serialised too, as TF-IPU's custom gradient does it: the
 products of the transpose are serialised on the same dimension of the
 problem (``dA = dC @ B^T`` and ``dB = A^T @ dC``; a split of M in the forward
-product is a split of the contraction of ``dB``, and so on).
+product is a split of the contraction of ``dB``, and so on). A matrix
+shared by a batch of products (2-D beside a batched operand: a decoder
+weight) gets one product whose contraction runs over the batch as well, not
+a stack of per-item gradients summed after.
 
 The tile rule (below the primitive): M and N splits are one planned matmul
 in ``factor`` serial passes (:func:`~ipu_jax.lowering.matmul_emit.emit_matmul`'s
@@ -46,7 +49,8 @@ from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.shape import broadcast_to
-from ipu_jax.ops.matmul import matmul
+from ipu_jax.ops.matmul import (folded_lhs_gradient_operands, folded_rhs_gradient_operands,
+                                matmul, shared_by_batch)
 from ipu_jax.ops.primitive import define_primitive, not_mapped, shaped_like
 
 __all__ = ["serialized_matmul", "serialized_matmul_p", "MODES", "canonical_mode",
@@ -155,13 +159,26 @@ _LHS_GRAD_AXIS = {"m": "m", "k": "n", "n": "k"}
 _RHS_GRAD_AXIS = {"m": "k", "k": "m", "n": "n"}
 
 
+# A 2-D matrix shared by a batched operand: its gradient is one product over
+# the batch-flattened contraction (ipu_jax.ops.matmul); the split dimension
+# keeps its factor (a split contraction B * M or B * N is still divided).
+
+
 def _transpose_lhs(ct, a, b, *, factor, axis):
+  if shared_by_batch(a.aval, b):
+    grad = serialized_matmul_p.bind(*folded_lhs_gradient_operands(ct, b), factor=factor,
+                                    axis=_LHS_GRAD_AXIS[axis])
+    return grad.astype(a.aval.dtype)
   grad = serialized_matmul_p.bind(ct, jnp.swapaxes(b, -1, -2), factor=factor,
                                   axis=_LHS_GRAD_AXIS[axis])
   return _sum_to_shape(grad, a.aval.shape).astype(a.aval.dtype)
 
 
 def _transpose_rhs(ct, a, b, *, factor, axis):
+  if shared_by_batch(b.aval, a):
+    grad = serialized_matmul_p.bind(*folded_rhs_gradient_operands(ct, a), factor=factor,
+                                    axis=_RHS_GRAD_AXIS[axis])
+    return grad.astype(b.aval.dtype)
   grad = serialized_matmul_p.bind(jnp.swapaxes(a, -1, -2), ct, factor=factor,
                                   axis=_RHS_GRAD_AXIS[axis])
   return _sum_to_shape(grad, b.aval.shape).astype(b.aval.dtype)

@@ -11,8 +11,9 @@ accumulators, and the bytes sent between stages.
 A stage of n layers is the one-layer stage plus n - 1 times what the second
 layer added (:func:`layers`), figure by figure and tile by tile: identical
 layers lowered for one IPU map their tensors onto the same tiles, and what a
-further layer adds -- its weights, its stash, and in a recomputing backward
-the residuals its recomputed forward keeps until its gradients are taken --
+further layer adds -- its weights, its stash (in a recomputing backward its
+checkpoint, read in until its segment is backpropagated: segments are
+recomputed one at a time, :mod:`~ipu_jax.pipelining.recompute_segments`) --
 is the same for every further layer.
 
 IPU 0's first stage runs the first block and its layers one after another

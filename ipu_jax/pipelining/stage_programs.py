@@ -3,9 +3,10 @@
 * forward: the stage's pass on one micro-batch; it returns the values later
   stages read and the activations its backward pass needs (JAX's VJP
   residuals: exactly what the stage stashes). With recomputation every stage
-  but the last is wrapped in ``jax.checkpoint`` saving only
-  ``recomputation_checkpoint`` values, so it stashes its inputs (from earlier
-  stages and the micro-batch) and those; ``jax.checkpoint`` / ``nnx.remat``
+  but the last is cut at its ``recomputation_checkpoint`` values into
+  segments, each in a ``jax.checkpoint`` saving only those values, so it
+  stashes its inputs (from earlier stages and the micro-batch) and those;
+  ``jax.checkpoint`` / ``nnx.remat``
   regions inside a stage shrink the stash the same way. The last stage is
   never recomputed, as in TensorFlow-IPU, whose recomputation pass skips the
   last forward stage: its forward and backward passes run back to back, so
@@ -14,7 +15,9 @@
 * backward: the stashed activations and the gradient of the stage's outputs
   in, the gradient of its inputs out (to the stages that made them), its
   weight gradients added to the accumulator it holds. With recomputation it
-  first runs again the forward work its gradients need.
+  runs again the forward work its gradients need, one checkpoint segment at a
+  time, each right before that segment's gradients
+  (:mod:`~ipu_jax.pipelining.recompute_segments`).
 * weight update: the optimizer on the stage's own weights and state.
 
 What recomputation costs (:func:`recompute_cycles`) is read off the lowered
@@ -25,9 +28,9 @@ checkpoint the forward pass computes and stashes -- under the name scope
 ``rematted_computation`` (``jax/_src/ad_checkpoint.py``), and the lowering
 keeps each equation's name scope on the supersteps it becomes. So the
 recompute cycles are the cycles of the backward's supersteps in that scope.
-A fused superstep (elementwise fusion may join a recomputed coefficient with
-a gradient product) counts for the share of its members' flops that are
-recomputed. This counts exactly the equations the backward program runs
+Elementwise fusion joins recomputed steps only with recomputed steps
+(``lowering/fusion.py``), so a fused step counts whole or not at all (the
+flops share of its recomputed members, were that ever mixed). This counts exactly the equations the backward program runs
 again, also those of ``jax.checkpoint`` regions the user wrote inside a
 stage. The other way, lowering the backward once more without recomputation
 and subtracting, would double the lowering work per stage and mix in
@@ -43,14 +46,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from ipu_jax.lowering.scopes import RECOMPUTED_SCOPE, recomputed as _recomputed
 from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
+from ipu_jax.pipelining.recompute_segments import segmented_checkpoint
 
 __all__ = ["StagePrograms", "differentiable", "stage_functions", "update_function", "nbytes",
            "per_tile_bytes", "recompute_cycles", "RECOMPUTED_SCOPE"]
-
-# The name scope JAX gives the forward work a checkpointed region's transpose
-# runs again (jax/_src/ad_checkpoint.py, ``extend_name_stack``).
-RECOMPUTED_SCOPE = "rematted_computation"
 
 
 @dataclasses.dataclass
@@ -131,10 +132,6 @@ def per_tile_bytes(lowered, output_indices, num_tiles: int) -> np.ndarray:
   return out
 
 
-def _recomputed(scope: str) -> bool:
-  return RECOMPUTED_SCOPE in scope.split("/")
-
-
 def _recomputed_share(step) -> float:
   """The share of ``step``'s cycles that is recomputed forward work."""
   if not step.fused_ops:
@@ -183,8 +180,10 @@ def stage_functions(stage, recompute: bool):
               [o for o in outs if not differentiable(o)])
 
     if recompute:
-      body = jax.checkpoint(
-          body, policy=jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
+      # One jax.checkpoint per checkpoint segment: the backward recomputes
+      # each segment right before backpropagating it (recompute_segments).
+      body = segmented_checkpoint(
+          body, jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
     float_outs, vjp, int_outs = jax.vjp(
         body, p_k, [x for x, d in zip(in_k, mask) if d], has_aux=True)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
