@@ -57,43 +57,67 @@ from experiments import bert_presets as presets  # noqa: E402
 from experiments import entry  # noqa: E402
 
 _FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "tiny", ["tiny", "base", "large"],
-                  "tiny: 4 x 128, vocabulary 1,000; base: BERT-Base; large: BERT-Large.")
-flags.DEFINE_list("layers_per_ipu", ["1", "1", "1", "1"],
-                  "Encoder layers on each IPU of a replica (BERT-Large: 3,7,7,7).")
-flags.DEFINE_list("matmul_proportion", ["0.15", "0.25", "0.25", "0.25"],
-                  "Available memory proportion of matmuls on each IPU.")
-flags.DEFINE_enum("schedule", "Grouped", ["Grouped", "Sequential", "Interleaved"],
-                  "Pipeline schedule (Interleaved cannot hold two stages on one IPU).")
-flags.DEFINE_integer("accumulation", 10, "Micro-batches per weight update (G).")
-flags.DEFINE_integer("replicas", 2, "Data-parallel replicas of the pipeline.")
-flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.")
-flags.DEFINE_integer("seq", 64, "Sequence length.")
-flags.DEFINE_integer("max_predictions", 8, "Masked positions per sequence.")
-flags.DEFINE_integer("decoder_serialization", 2, "Serialisation factor of the MLM decoder.")
-flags.DEFINE_boolean("recomputation", True, "Recompute each stage's forward in its backward.")
-flags.DEFINE_boolean("offload_optimizer_state", True, "LAMB state in streaming memory.")
-flags.DEFINE_boolean("replicated_tensor_sharding", True,
-                     "Shard the LAMB state over the replicas.")
-flags.DEFINE_float("dropout", 0.0, "Dropout rate.")
-flags.DEFINE_float("learning_rate", 1e-3, "LAMB learning rate.")
-flags.DEFINE_integer("steps", 3, "Training steps (weight updates).")
-flags.DEFINE_integer("tiles_per_ipu", 32,
-                     "Tiles per IPU (small: a fast emulation; the presets use all 1,472).")
-flags.DEFINE_integer("seed", 0, "Seed of the weights and the data.")
-flags.DEFINE_boolean("check", False, "Compare with plain JAX gradient accumulation.")
-flags.DEFINE_string("report_dir", None, "Where to write the pipeline and stage reports.")
-flags.DEFINE_string("json_out", None, "Write the run's figures to this JSON file.")
-flags.DEFINE_enum("config", None, sorted(presets.PRESETS),
-                  "A preset mirroring Graphcore's public BERT examples (docs/published_bert.md); "
-                  "every flag given on the command line overrides it.")
-flags.DEFINE_string("system", None, "The IPU system (cfg.system): pod16, pod64, pod128, ...")
-flags.DEFINE_float("packing_factor", 1.0,
-                   "Sequences packed in each sample (>= 1); samples/s x this = sequences/s.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "float16"],
-                  "Weights and activations (the presets: float16, as Graphcore trained).")
-flags.DEFINE_boolean("estimate_only", False,
-                     "Lower each stage program once and print the estimate; run nothing.")
+def define_flags(fv=None):
+  """Defines the runner's flags in ``fv`` (default the global FLAGS) and returns it.
+
+  Called when the runner runs, not on import: tests import this module beside
+  other runners whose flags share names (``json_out``, ``seed``, ...).
+  """
+  fv = flags.FLAGS if fv is None else fv
+  flags.DEFINE_enum("model", "tiny", ["tiny", "base", "large"],
+                    "tiny: 4 x 128, vocabulary 1,000; base: BERT-Base; large: BERT-Large.",
+                    flag_values=fv)
+  flags.DEFINE_list("layers_per_ipu", ["1", "1", "1", "1"],
+                    "Encoder layers on each IPU of a replica (BERT-Large: 3,7,7,7).",
+                    flag_values=fv)
+  flags.DEFINE_list("matmul_proportion", ["0.15", "0.25", "0.25", "0.25"],
+                    "Available memory proportion of matmuls on each IPU.", flag_values=fv)
+  flags.DEFINE_enum("schedule", "Grouped", ["Grouped", "Sequential", "Interleaved"],
+                    "Pipeline schedule (Interleaved cannot hold two stages on one IPU).",
+                    flag_values=fv)
+  flags.DEFINE_integer("accumulation", 10, "Micro-batches per weight update (G).", flag_values=fv)
+  flags.DEFINE_integer("replicas", 2, "Data-parallel replicas of the pipeline.", flag_values=fv)
+  flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.", flag_values=fv)
+  flags.DEFINE_integer("seq", 64, "Sequence length.", flag_values=fv)
+  flags.DEFINE_integer("max_predictions", 8, "Masked positions per sequence.", flag_values=fv)
+  flags.DEFINE_integer("decoder_serialization", 2, "Serialisation factor of the MLM decoder.",
+                       flag_values=fv)
+  flags.DEFINE_boolean("recomputation", True, "Recompute each stage's forward in its backward.",
+                       flag_values=fv)
+  flags.DEFINE_boolean("offload_optimizer_state", True, "LAMB state in streaming memory.",
+                       flag_values=fv)
+  flags.DEFINE_boolean("replicated_tensor_sharding", True,
+                       "Shard the LAMB state over the replicas.", flag_values=fv)
+  flags.DEFINE_float("dropout", 0.0, "Dropout rate.", flag_values=fv)
+  flags.DEFINE_float("learning_rate", 1e-3, "LAMB learning rate.", flag_values=fv)
+  flags.DEFINE_integer("steps", 3, "Training steps (weight updates).", flag_values=fv)
+  flags.DEFINE_integer("tiles_per_ipu", 32,
+                       "Tiles per IPU (small: a fast emulation; the presets use all 1,472).",
+                       flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "Seed of the weights and the data.", flag_values=fv)
+  flags.DEFINE_boolean("check", False, "Compare with plain JAX gradient accumulation.",
+                       flag_values=fv)
+  flags.DEFINE_string("report_dir", None, "Where to write the pipeline and stage reports.",
+                      flag_values=fv)
+  flags.DEFINE_string("json_out", None, "Write the run's figures to this JSON file.",
+                      flag_values=fv)
+  flags.DEFINE_enum("config", None, sorted(presets.PRESETS),
+                    "A preset mirroring Graphcore's public BERT examples (docs/published_bert.md); "
+                    "every flag given on the command line overrides it.", flag_values=fv)
+  flags.DEFINE_string("system", None, "The IPU system (cfg.system): pod16, pod64, pod128, ...",
+                      flag_values=fv)
+  flags.DEFINE_float("packing_factor", 1.0,
+                     "Sequences packed in each sample (>= 1); samples/s x this = sequences/s.",
+                     flag_values=fv)
+  flags.DEFINE_enum("dtype", "float32", ["float32", "float16"],
+                    "Weights and activations (the presets: float16, as Graphcore trained).",
+                    flag_values=fv)
+  flags.DEFINE_boolean("estimate_only", False,
+                       "Lower each stage program once and print the estimate; run nothing.",
+                       flag_values=fv)
+  return fv
+
+
 
 
 def model_config(name: str, dropout: float, decoder_serialization: int,
@@ -349,4 +373,5 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) ->
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -44,16 +44,24 @@ from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.matmul_plan import plan_matmul
 from ipu_jax.lowering.sparse_plan import DEFAULT_OVERSIZE, plan_dynamic, plan_static
 
-_JSON_OUT = flags.DEFINE_string("json_out", "experiments/results/popsparse.json",
-                                "Where to write the JSON rows ('' for none).")
-_PLOT = flags.DEFINE_string("plot", "experiments/results/popsparse_speedup.png",
-                            "Where to write the speed-up plot ('' for none).")
-_N = flags.DEFINE_list("n", ["1024", "2048"], "Dense columns.")
-_BLOCKS = flags.DEFINE_list("blocks", ["1", "4", "16"], "Block sizes.")
-_DTYPES = flags.DEFINE_list("dtypes", ["float16", "float32"], "Operand types.")
-_LOWER = flags.DEFINE_list(
-    "lower", ["1024:16:0.0625:float16"],
-    "Cases n:block:density:dtype to lower through ipu_jax.jit as a check ('' for none).")
+def define_flags(fv=None):
+  """Defines the runner's flags (when it runs, not on import: other runners share names)."""
+  fv = flags.FLAGS if fv is None else fv
+  global _JSON_OUT, _PLOT, _N, _BLOCKS, _DTYPES, _LOWER
+  _JSON_OUT = flags.DEFINE_string("json_out", "experiments/results/popsparse.json",
+                                  "Where to write the JSON rows ('' for none).", flag_values=fv)
+  _PLOT = flags.DEFINE_string("plot", "experiments/results/popsparse_speedup.png",
+                              "Where to write the speed-up plot ('' for none).", flag_values=fv)
+  _N = flags.DEFINE_list("n", ["1024", "2048"], "Dense columns.", flag_values=fv)
+  _BLOCKS = flags.DEFINE_list("blocks", ["1", "4", "16"], "Block sizes.", flag_values=fv)
+  _DTYPES = flags.DEFINE_list("dtypes", ["float16", "float32"], "Operand types.", flag_values=fv)
+  _LOWER = flags.DEFINE_list(
+      "lower", ["1024:16:0.0625:float16"],
+      "Cases n:block:density:dtype to lower through ipu_jax.jit as a check ('' for none).",
+                             flag_values=fv)
+  return fv
+
+
 
 M = K = 4096
 DENSITIES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4)
@@ -206,4 +214,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -9,6 +9,7 @@ import chex
 import jax
 import numpy as np
 import optax
+from absl import flags
 from absl.testing import absltest, parameterized
 from flax import nnx
 
@@ -136,10 +137,9 @@ class Float16SplitTest(absltest.TestCase):
 class BadInputTest(parameterized.TestCase):
 
   def _flags(self, *argv):
-    f = bert_pretraining._FLAGS
-    f.unparse_flags()
+    # The runner's own flags, parsed apart from the process's global FLAGS.
+    f = bert_pretraining.define_flags(flags.FlagValues())
     f(["bert_pretraining", *argv])
-    self.addCleanup(f.unparse_flags)
     bert_pretraining.apply_preset(f)
     return f
 
