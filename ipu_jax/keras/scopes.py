@@ -87,7 +87,7 @@ def _scoped_update(update_fn: Callable) -> Callable:
     def update(updates, state, params=None, **extra_args):
       with jax.named_scope(name):
         return update_fn(updates, state, params, **extra_args)
-    return update
+    return _named_like(update, update_fn)
 
   scoped = [_scoped_update(m) for m in members]
 
@@ -100,7 +100,17 @@ def _scoped_update(update_fn: Callable) -> Callable:
       updates, member_state = member(updates, member_state, params, **extra_args)
       new_state.append(member_state)
     return updates, tuple(new_state)
-  return chained
+  return _named_like(chained, update_fn)
+
+
+def _named_like(wrapper: Callable, update_fn: Callable) -> Callable:
+  """``wrapper`` named as the transformation it wraps, so errors about the
+  optimizer (e.g. one sharding cannot run) name the user's, not this module's."""
+  inner = _unwrapped(update_fn)
+  for attribute in ("__name__", "__qualname__", "__module__"):
+    if hasattr(inner, attribute):
+      setattr(wrapper, attribute, getattr(inner, attribute))
+  return wrapper
 
 
 def scoped_optimizer(optimizer) -> optax.GradientTransformationExtraArgs:
