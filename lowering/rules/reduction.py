@@ -593,6 +593,7 @@ def _place_outputs(ctx, plan: _Plan) -> _Stage2:
 
 
 def _with_link(cost: Optional[ExchangeCost], link) -> Optional[ExchangeCost]:
+  """``cost`` with IPU-Link bytes ``link`` (unchanged where either is None)."""
   return cost if cost is None or link is None else ExchangeCost(cost.bytes_in, cost.bytes_out,
                                                                 link)
 
@@ -615,7 +616,7 @@ def _relative_stage2(ctx, plan: _Plan, cand: TileMapping, runs, base: int, figur
   tile sends, receives and reduces only compares tile identities, so the
   figures found for one placement serve every placement moved by the same
   number of tiles (keyed by the absolute layouts, 429 of 564 stage-2 costs of
-  enc-8x256 missed; 236 now, on one IPU as on four). The IPU-Link bytes are
+  enc-8x256-bow4 missed; 254 now, 236 on one IPU). The IPU-Link bytes are
   not moved along (:func:`_stage2_link_bytes`).
 
   Returns:
