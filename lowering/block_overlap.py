@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
 
@@ -602,6 +603,31 @@ def _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs):
   window = [(int(a), int(b)) for a, b in window]
   if any(b <= a for a, b in window):
     return None, np.zeros(g_count, np.int64)
+  shape, groups = tuple(int(d) for d in shape), tuple(tuple(int(a) for a in g) for g in groups)
+  key = (shape, groups, tuple(window), tuple(int(g) for g in grid_shape), _needs_key(needs))
+  blocks = plan_cache.cached(_BLOCKS, key,
+                             lambda: _block_boxes(shape, groups, window, grid_shape, needs))
+  if blocks is None:
+    return None
+  return _Geometry(shape, groups, tiles, *blocks)
+
+
+def _needs_key(needs) -> tuple:
+  """A hashable key of an exchange's ``needs`` (halo tables by value)."""
+  return tuple(None if need is None else
+               (int(need[0]), plan_cache.array_key(np.asarray(need[1], np.int64)),
+                plan_cache.array_key(np.asarray(need[2], np.int64)))
+               for need in needs)
+
+
+def _block_boxes(shape, groups, window, grid_shape, needs) -> Optional[tuple]:
+  """``(ranges, boxes, sets)`` of :class:`_Geometry`, or None (see :func:`_geometry`).
+
+  They depend on the shapes, the window and the blocks' grid only, not on
+  where the tensor or the grid lie: cached (a repeated layer's exchanges,
+  and every exchange costed again for its IPU-Link bytes, share them).
+  Their arrays are read-only.
+  """
   ranges = _block_ranges(window, grid_shape, needs)
   if ranges is None:
     return None
@@ -611,7 +637,13 @@ def _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs):
   sets = _needed_sets(shape, groups, window, ranges.widths)
   if sets is None:
     return None
-  return _Geometry(tuple(shape), tuple(groups), tiles, ranges, boxes, sets)
+  for table in (*ranges.lo, *ranges.hi, *ranges.widths, *boxes, *sets.some, *sets.one):
+    if isinstance(table, np.ndarray):
+      table.setflags(write=False)
+  return ranges, boxes, sets
+
+
+_BLOCKS = plan_cache.PlanCache("block exchange geometries")
 
 
 def _geometry_link_bytes(target, mapping, geo: _Geometry, grid_shape, needs, sent,

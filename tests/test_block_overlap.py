@@ -205,5 +205,28 @@ class BlockExchangeCostTest(parameterized.TestCase):
     _assert_same(got, want)
 
 
+  def test_block_boxes_shared_across_placements_keyed_by_needs(self):
+    # Pooling boxes over a 12 x 10 tensor on two IPUs: the blocks' boxes are
+    # found once for the shapes and needs, then reused wherever the tensor
+    # and grid lie; other needs (other box sizes) are not confused with them.
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8, num_ipus=2)
+    shape, grid, window = (12, 10), (3, 2), [(0, 12), (0, 10)]
+    block_overlap._BLOCKS.clear()
+    hits, misses = block_overlap._BLOCKS.hits, block_overlap._BLOCKS.misses
+    for seed, rows in ((0, 4), (1, 4), (2, 4), (3, 3)):
+      rng = np.random.default_rng(seed)
+      tensor = P.Tensor("x", shape, np.float32, _mapping("random", shape, rng))
+      lo = np.minimum(np.arange(12) // rows, 2)
+      needs = [(0, lo, lo + 1), (1, np.arange(10) // 5, np.arange(10) // 5 + 1)]
+      elements = np.bincount(lo, minlength=3).repeat(2) * 5
+      tiles = (int(rng.integers(16)) + np.arange(6)) % 16
+      got = block_overlap.block_exchange_cost(target, tensor.mapping, shape, 4, ((0,), (1,)),
+                                              window, grid, tiles, needs, elements)
+      self.assertIsNotNone(got)
+      _assert_same(got, _exact(target, tensor, (0, 1), shape, window, grid, tiles, needs,
+                               elements))
+    self.assertEqual(block_overlap._BLOCKS.hits - hits, 2)      # seeds 1 and 2
+    self.assertEqual(block_overlap._BLOCKS.misses - misses, 2)  # seeds 0 and 3 (other needs)
+
 if __name__ == "__main__":
   absltest.main()

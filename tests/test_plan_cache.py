@@ -14,6 +14,7 @@ from ipu_jax.lowering import matmul_plan
 from ipu_jax.lowering import program as P
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
+from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering import matmul_emit
 from ipu_jax.lowering.rules import grouping
@@ -188,6 +189,45 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(vertices, np.minimum(elements, target.worker_contexts))
       self.assertFalse(cycles.flags.writeable)
     self.assertEqual(builders._ELEMENTWISE_FIGURES.hits - hits, 2)
+
+  def _reduction_stage2(self, target, start):
+    # A 12 x 30 f32 sum over its rows, laid out linearly from ``start``; the
+    # rotating output candidate starts 10 tiles further along.
+    ctx = LoweringContext(target)
+    ctx._next_start_tile = (start + 10) % target.num_tiles
+    x = ctx.new_tensor((12, 30), np.float32, TileMapping.linear(
+        360, target.num_tiles, 4, start_tile=start, min_bytes_per_tile=64))
+    spec = reduction._monoid_spec(jax.lax.reduce_sum_p, {"axes": (1,), "out_sharding": None},
+                                  np.float32, "add")
+    plan = reduction._plan(ctx, spec, [x], (1,), reduction._Inits((), ()),
+                           [((12,), np.dtype(np.float32))], 12)
+    return reduction._place_outputs(ctx, plan)
+
+  @parameterized.parameters(1, 4)
+  def test_reductions_moved_along_the_tiles_share_stage2_figures(self, num_ipus):
+    # The same reduction placed further along (by whole IPUs or not, and
+    # wrapping): its stage-2 figures per tile are found once and moved into
+    # place, the IPU-Link bytes counted afresh; all equal costing anew.
+    target = self.target if num_ipus == 1 else _FOUR_IPUS
+    reduction._STAGE2.clear()
+    links = 0
+    for i, start in enumerate((0, 5, 16, 27, target.num_tiles - 3)):
+      misses = reduction._STAGE2.misses
+      got = self._reduction_stage2(target, start)
+      with plan_cache.disabled():
+        want = self._reduction_stage2(target, start)
+      self.assertTrue(got.out_map.same_as(want.out_map))
+      self.assertEqual(got.rotates, want.rotates)
+      self.assertIsNotNone(got.cost)
+      _assert_costs_equal(got.cost, want.cost)
+      np.testing.assert_array_equal(got.cycles, want.cycles)
+      np.testing.assert_array_equal(got.received, want.received)
+      if i:  # every candidate placement found in the cache
+        self.assertEqual(reduction._STAGE2.misses - misses, 0)
+      links += int(got.cost.link_bytes_out.sum())
+    self.assertGreater(reduction._STAGE2.hits, 0)
+    if num_ipus > 1:
+      self.assertGreater(links, 0)  # some placements cross an IPU boundary
 
   def test_cache_is_bounded_by_bytes(self):
     cache = plan_cache.PlanCache("test", max_bytes=4000)
