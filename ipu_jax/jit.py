@@ -885,7 +885,7 @@ def jit(fn: Callable = None, *, target=None, config=None,
       argument that nothing reads after an elementwise operation with its
       shape, dtype and layout holds that operation's result in its own memory
       (an in-place update, as a Poplar variable ``x += g``), so the memory
-      figures count one copy, not two (docs/cost_model.md#memory).
+      figures count one copy, not two (docs/cost_model.md#the-memory-model).
     donate_argnames: checked like ``jax.jit``'s and otherwise without effect.
     verbose: 0 never shows compile progress; 1 shows it when tracing,
       lowering, planning and compiling take over 2 s; None (default) follows

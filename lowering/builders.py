@@ -255,7 +255,7 @@ def _in_place_output(ctx, operands, out_avals, mapping):
   ``acc + g`` -- holds its new value in its own memory instead of beside a
   second copy. Only an operand laid out like the result, with its dtype and
   shape, qualifies (an in-place map op keeps its operand's layout). None
-  otherwise (docs/cost_model.md#memory).
+  otherwise (docs/cost_model.md#the-memory-model).
   """
   if len(out_avals) != 1:
     return None

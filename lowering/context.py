@@ -62,7 +62,8 @@ class LoweringContext:
 
   # Declared attributes only: nothing outside the class adds state to it.
   __slots__ = ("_target", "_options", "_replication_factor", "op", "source", "scope",
-               "dying_ids", "donated_ids", "tensors", "constants", "_program_stack", "_next_start_tile",
+               "dying_ids", "donated_ids", "tensors", "constants", "_program_stack",
+               "_next_start_tile",
                "_local_stack", "_constant_cache", "_mesh_axes", "_program_state")
 
   def __init__(self, target: IPUTarget, options: Optional[LoweringOptions] = None,
@@ -215,7 +216,7 @@ class LoweringContext:
     """Whether ``tensor`` is a donated argument that no later operation reads.
 
     Its memory may then hold a result, as XLA reuses a donated buffer and a
-    Poplar variable is updated in place (docs/cost_model.md#memory).
+    Poplar variable is updated in place (docs/cost_model.md#the-memory-model).
     """
     return tensor.id in self.donated_ids and self.updatable_in_place(tensor)
 

@@ -16,7 +16,7 @@ equation that reads an accumulator is moved to right after the equation that
 makes its last operand; nothing else moves, so the dataflow and the numbers
 are those of the program as written. With the accumulator updated in place
 (``lowering/builders.py``: an elementwise result written over a dying program
-variable), each gradient then dies at its add (docs/cost_model.md#memory).
+variable), each gradient then dies at its add (docs/cost_model.md#the-memory-model).
 """
 
 from __future__ import annotations
