@@ -63,8 +63,8 @@ class LoweringContext:
   # Declared attributes only: nothing outside the class adds state to it.
   __slots__ = ("_target", "_options", "_replication_factor", "op", "source", "scope",
                "dying_ids", "donated_ids", "tensors", "constants", "_program_stack",
-               "_next_start_tile",
-               "_local_stack", "_constant_cache", "_mesh_axes", "_program_state")
+               "_next_start_tile", "_local_stack", "_constant_cache", "_mesh_axes",
+               "_program_state")
 
   def __init__(self, target: IPUTarget, options: Optional[LoweringOptions] = None,
                replication_factor: int = 1):
