@@ -82,10 +82,11 @@ class Lowered:
                target: IPUTarget, options, replication_factor: int = 1,
                arg_names: Sequence[str] = (), progress=None, call_site: str = "",
                offload=None, cache_dir: Optional[str] = None,
-               compiled_because: str = "first call"):
+               compiled_because: str = "first call", donated: Sequence[int] = ()):
     progress = progress or compile_progress.CompileProgress(name, verbose=0)
     self.host = host_time.HostTimes(compiled_because=compiled_because)
     self._cached_program = None
+    self._donated = tuple(donated)
     with host_time.timer() as traced:
       out_shape = self._trace(fn, args_flat, in_tree, target, options, replication_factor,
                               progress)
@@ -96,7 +97,7 @@ class Lowered:
       lower_fully = functools.partial(
           Lowered, fn, [_abstract_leaf(a) for a in args_flat],
           in_tree, name, target, options, replication_factor, arg_names,
-          call_site=call_site, offload=offload)
+          call_site=call_site, offload=offload, donated=self._donated)
       if cached_program.load_into(self, cache_dir, key, lower_fully):
         return
     with host_time.timer() as lowering:
@@ -154,7 +155,8 @@ class Lowered:
     return executable_cache.program_key(
         self.jaxpr, name=name, arg_names=tuple(arg_names),
         in_tree=str(self._user_tree), out_tree=str(self.out_tree), target=self.target,
-        options=options, replicas=self.replication_factor, offload=offload)
+        options=options, replicas=self.replication_factor, offload=offload,
+        **({"donated": self._donated} if self._donated else {}))
 
   def _host_side(self) -> host_time.HostSide:
     return host_time.HostSide(self.host, _avals_bytes(self._in_avals),
@@ -181,6 +183,7 @@ class Lowered:
                       else (aval.shape, aval.dtype))
       tensor = ctx.new_tensor(shape, dtype, name=arg_name, category="variables")
       inputs.append(tensor)
+    ctx.donated_ids = frozenset(inputs[i].id for i in self._donated)
     progress.stage("lowering")
     with ctx.at("argument", call_site):
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)
@@ -696,6 +699,7 @@ class IPUFunction:
       argnums = tuple(i % num_args if num_args else i for i in self.offload_argnums)
       offload = (tuple(offload_lib.offloaded_input_leaves(with_paths, argnums, dyn_positions)),
                  self.offload_outputs)
+    donated = self._donated_leaves(with_paths, len(args), static)
     key = recompilation.CacheKey(in_tree, avals, static, target, options, replicas,
                                  _bound_replicas(), offload)
     lowered = self._cache.get(key)
@@ -714,9 +718,20 @@ class IPUFunction:
                           call_site=user_call_site(),
                           replication_factor=replicas, arg_names=arg_names,
                           progress=progress, offload=offload, cache_dir=cache_dir,
-                          compiled_because=because)
+                          compiled_because=because, donated=donated)
       self._cache[key] = lowered
     return lowered, flat
+
+  def _donated_leaves(self, with_paths, num_args: int, static) -> tuple:
+    """Flat indices of the leaves of the donated positional arguments."""
+    if not self.donate_argnums:
+      return ()
+    from ipu_jax import offload as offload_lib  # the same leaf numbering
+    static_positions = {key for key, _, _ in static if isinstance(key, int)}
+    dyn_positions = [i for i in range(num_args) if i not in static_positions]
+    argnums = tuple(i % num_args if num_args else i for i in self.donate_argnums)
+    return tuple(i for i, _ in offload_lib.offloaded_input_leaves(with_paths, argnums,
+                                                                  dyn_positions))
 
   def _dynamic_parameter_names(self, num_args: int, static) -> list:
     """The parameter name of each dynamic positional argument (None where unknown)."""
@@ -866,10 +881,12 @@ def jit(fn: Callable = None, *, target=None, config=None,
     static_argnums: positional arguments treated as compile-time constants
       (hashable); an int or a sequence of ints, negative counting from the end.
     static_argnames: keyword arguments treated as compile-time constants.
-    donate_argnums: checked like ``jax.jit``'s and otherwise without effect:
-      the IPU allocates all tile memory statically, so there is nothing to
-      reuse.
-    donate_argnames: likewise, by name.
+    donate_argnums: checked like ``jax.jit``'s; a donated positional
+      argument that nothing reads after an elementwise operation with its
+      shape, dtype and layout holds that operation's result in its own memory
+      (an in-place update, as a Poplar variable ``x += g``), so the memory
+      figures count one copy, not two (docs/cost_model.md#the-memory-model).
+    donate_argnames: checked like ``jax.jit``'s and otherwise without effect.
     verbose: 0 never shows compile progress; 1 shows it when tracing,
       lowering, planning and compiling take over 2 s; None (default) follows
       ``config.report.progress`` and :func:`ipu_jax.compile_progress.verbosity`.

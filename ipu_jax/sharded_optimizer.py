@@ -96,6 +96,8 @@ def _flat_padded(x, replicas: int):
 
 def shard_leaf(x, replica, replicas: int):
   """Replica ``replica``'s ``[n]`` shard of ``x`` (traceable in ``replica``)."""
+  if isinstance(x, jax.ShapeDtypeStruct):  # shapes only (an --estimate_only lowering)
+    return jax.ShapeDtypeStruct((shard_length(int(np.prod(x.shape)), replicas),), x.dtype)
   n = shard_length(np.size(x), replicas)
   return lax.dynamic_slice_in_dim(_flat_padded(x, replicas), replica * n, n)
 

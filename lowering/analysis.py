@@ -267,6 +267,33 @@ def _vertex_state_and_code(target: IPUTarget, leaves) -> tuple:
   return vertex_state, code
 
 
+# The vertices of a data movement: on-tile copies and fills (lowering/rules/shape.py).
+_MOVEMENT_CODELETS = frozenset(vocab.identity(c) for c in (vocab.COPY, vocab.FILL))
+
+
+def _exchange_buffers(node, bytes_in: np.ndarray) -> np.ndarray:
+  """``[num_tiles]`` bytes a step's exchange needs beside the tensors already counted.
+
+  A compute step receives its operands into copies laid out for its vertices
+  (temporary memory of the step: its exchange buffers). A data movement (a
+  transpose, a relayout, a concatenation: no compute set, or only
+  ``popops::Copy`` / ``Fill`` vertices for the elements already on the
+  tile) receives straight into the tensors it writes, which are live at that
+  step already: a Poplar ``Copy`` program's exchange writes the destination
+  variable's memory, so those bytes are not counted a second time
+  (docs/cost_model.md#the-memory-model).
+  """
+  received = bytes_in.astype(np.float64)
+  if not (isinstance(node, P.Superstep) and node.writes
+          and set(_codelet_names(node)) <= _MOVEMENT_CODELETS):
+    return received
+  written = np.zeros(received.size, np.float64)
+  for tensor in {t.id: t for t in node.writes}.values():
+    tiles, nbytes = _tensor_bytes(tensor, received.size)
+    written[tiles] += nbytes  # a mapping's rows are on distinct tiles
+  return np.maximum(received - written, 0.0)
+
+
 def _peak_live(leaves, steps, allocs, num_tiles: int) -> tuple:
   """``(temporaries, exchange buffers, live sums)`` at each tile's peak.
 
@@ -289,7 +316,7 @@ def _peak_live(leaves, steps, allocs, num_tiles: int) -> tuple:
     temporaries = running
     if isinstance(node, P.Superstep) and node.scratch_bytes is not None:
       temporaries = running + node.scratch_bytes
-    exchange = steps[i].exchange_bytes_in.astype(np.float64)
+    exchange = _exchange_buffers(node, steps[i].exchange_bytes_in)
     live = temporaries + exchange
     live_sums[i] = live.sum()
     higher = live > best

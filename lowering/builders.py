@@ -245,6 +245,28 @@ def _elementwise_logical(fn, kinds, shape, *arrays):
   return tuple(jnp.broadcast_to(r, shape) for r in result)
 
 
+def _in_place_output(ctx, operands, out_avals, mapping):
+  """``[operand]`` when the one result can be written over a donated, dying argument.
+
+  Poplar updates a variable in place (``popops::addInPlace`` and the other
+  ``*InPlace`` map functions write the result into their first operand), and
+  XLA reuses a donated argument's buffer for a result: a donated argument
+  that nothing reads afterwards -- a pipeline stage's gradient accumulator
+  ``acc + g`` -- holds its new value in its own memory instead of beside a
+  second copy. Only an operand laid out like the result, with its dtype and
+  shape, qualifies (an in-place map op keeps its operand's layout). None
+  otherwise (docs/cost_model.md#the-memory-model).
+  """
+  if len(out_avals) != 1:
+    return None
+  shape, dtype = tuple(out_avals[0][0]), np.dtype(out_avals[0][1])
+  for t in operands:
+    if (t.mapping is mapping and t.dtype == dtype and tuple(t.shape) == shape
+        and ctx.donated_and_dying(t)):
+      return [t]
+  return None
+
+
 def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
                 name: str = "", cost_op: str = "", flops_per_element: int = 1) -> list:
   """Lower an elementwise operation; returns the output tensors.
@@ -265,7 +287,9 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   size = math.prod(int(d) for d in shape)
   operands = [_expand_size_one_axes(ctx, t, shape, size) for t in operands]
   mapping = _output_mapping(ctx, operands, shape, dtype)
-  outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
+  outputs = _in_place_output(ctx, operands, out_avals, mapping)
+  if outputs is None:
+    outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
   ins = _elementwise_operands(ctx, operands, shape, size, mapping)
   step_fn = functools.partial(_elementwise_storages, fn, ins.kinds, mapping)
   logical_fn = functools.partial(_elementwise_logical, fn, ins.kinds, shape)

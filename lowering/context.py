@@ -54,14 +54,17 @@ class LoweringContext:
       ``"Encoder/layers_0/attention"``.
     dying_ids: ids of the current equation's operands that nothing reads
       afterwards (None at the top level, before any equation).
+    donated_ids: ids of the program arguments the caller donated
+      (``ipu_jax.jit(donate_argnums=)``): a result may take their memory.
     tensors: every tensor created or emitted, by id.
     constants: the constant tensors (program inputs held on chip).
   """
 
   # Declared attributes only: nothing outside the class adds state to it.
   __slots__ = ("_target", "_options", "_replication_factor", "op", "source", "scope",
-               "dying_ids", "tensors", "constants", "_program_stack", "_next_start_tile",
-               "_local_stack", "_constant_cache", "_mesh_axes", "_program_state")
+               "dying_ids", "donated_ids", "tensors", "constants", "_program_stack",
+               "_next_start_tile", "_local_stack", "_constant_cache", "_mesh_axes",
+               "_program_state")
 
   def __init__(self, target: IPUTarget, options: Optional[LoweringOptions] = None,
                replication_factor: int = 1):
@@ -74,6 +77,7 @@ class LoweringContext:
     self.source = ""
     self.scope = ""
     self.dying_ids: Optional[frozenset] = None
+    self.donated_ids: frozenset = frozenset()
     self.tensors: dict = {}
     self.constants: list = []
     self._program_stack = [P.Sequence()]
@@ -207,6 +211,14 @@ class LoweringContext:
     """
     return (tensor.category == "variables" and tensor.size > 0
             and self.dying_ids is not None and tensor.id in self.dying_ids)
+
+  def donated_and_dying(self, tensor: P.Tensor) -> bool:
+    """Whether ``tensor`` is a donated argument that no later operation reads.
+
+    Its memory may then hold a result, as XLA reuses a donated buffer and a
+    Poplar variable is updated in place (docs/cost_model.md#the-memory-model).
+    """
+    return tensor.id in self.donated_ids and self.updatable_in_place(tensor)
 
   # -- tensors ------------------------------------------------------------
 
@@ -367,6 +379,8 @@ class RuleContext:
   named_axes = _forward("named_axes", ":meth:`LoweringContext.named_axes`.")
   updatable_in_place = _forward("updatable_in_place",
                                 ":meth:`LoweringContext.updatable_in_place`.")
+  donated_and_dying = _forward("donated_and_dying",
+                               ":meth:`LoweringContext.donated_and_dying`.")
   claim_tiles = _forward("claim_tiles", ":meth:`LoweringContext.claim_tiles`.")
   linear_mapping = _forward("linear_mapping", ":meth:`LoweringContext.linear_mapping`.")
   new_tensor = _forward("new_tensor", ":meth:`LoweringContext.new_tensor`.")

@@ -298,6 +298,11 @@ class _Fuser:
       pending = {group_of[p] for p in preds if p in group_of}
       work = works[i]
       home = None
+      if recomputed(step.scope):
+        # A segment's recomputation runs after the gradient work before it
+        # (interleaved recomputation): that work's groups do not sink past it.
+        for g in [g for g in open_groups if not g.recomputed]:
+          close(g)
       if work is not None:
         # Prefer a group this step reads from (a chain), else the newest.
         layout = self.layouts.number(work.mapping)

@@ -230,7 +230,8 @@ class Pipeline:
       vjp_zeros = [jnp.zeros(s.shape, s.dtype) for s in vjp]
       cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
       acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
-      bwd = jit(backward, config=cfg).lower(vjp_zeros, cts, acc)
+      # The accumulators are updated in place (donated), as TF-IPU's are.
+      bwd = jit(backward, config=cfg, donate_argnums=2).lower(vjp_zeros, cts, acc)
       # The stage updates the weights it owns (tied ones once, by their first reader).
       o_k = [flat_params[i] for i in stage.owned]
       update = weight_update.lower_update(self, o_k, cfg)

@@ -48,6 +48,7 @@ import numpy as np
 
 from ipu_jax.lowering.scopes import RECOMPUTED_SCOPE, recomputed as _recomputed
 from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
+from ipu_jax.pipelining.accumulate_early import accumulate_early
 from ipu_jax.pipelining.recompute_segments import segmented_checkpoint
 
 __all__ = ["StagePrograms", "differentiable", "stage_functions", "update_function", "nbytes",
@@ -193,11 +194,19 @@ def stage_functions(stage, recompute: bool):
     outs = [next(it_f) if differentiable(o) else next(it_i) for o in shapes]
     return outs, leaves
 
-  def backward(residuals, cts, acc):
-    """``cts``: of the differentiable outputs; returns those inputs' gradients."""
+  def accumulate(residuals, cts, acc):
     vjp = jax.tree_util.tree_unflatten(vjp_tree[0], residuals)
     d_params, d_inputs = vjp(cts)
     return [a + d for a, d in zip(acc, d_params)], d_inputs
+
+  def backward(residuals, cts, acc):
+    """``cts``: of the differentiable outputs; returns those inputs' gradients.
+
+    Each weight's gradient is added into its accumulator as soon as it is
+    ready (:mod:`~ipu_jax.pipelining.accumulate_early`), not after the whole
+    VJP.
+    """
+    return accumulate_early(accumulate, (residuals, cts, acc), argnum=2)
 
   return forward, backward
 
