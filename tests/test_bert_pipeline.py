@@ -101,6 +101,9 @@ class BertDropoutPipelineTest(chex.TestCase):
     expected = bert_pretraining.plain_steps(loss_fn, optax.sgd(0.1), params, [batches],
                                             keys=[jax.random.key(7)])
     chex.assert_trees_all_close(as_numpy(runs[0]), as_numpy(expected), rtol=1e-5, atol=1e-6)
+    # The report prices the step, the per-micro-batch keys included.
+    self.assertIn("throughput", pipe.report.summary())
+    self.assertGreater(pipe.report.throughput.samples_per_second, 0)
     # Another key draws other masks, so other weights.
     word = lambda p: np.asarray(p["encoder"]["layers"][0]["ffn_in"]["kernel"][...])
     self.assertGreater(np.max(np.abs(word(runs[2]) - word(runs[0]))), 1e-6)

@@ -56,7 +56,7 @@ import jax
 import numpy as np
 
 from ipu_jax.kernels import collectives
-from ipu_jax.pipelining import links, schedule as schedule_lib
+from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
 
 __all__ = ["Throughput", "PARTS", "step_throughput", "replica_bases"]
 
@@ -223,8 +223,8 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
   cycles = _slot_parts(pipeline, sync)
   ipu, update = _update_parts(pipeline, target, lambda j: [[b + j for b in bases]], r)
   cycles.update(update)
-  micro_bytes = sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
-                    for s in jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
+  # stage_programs.nbytes reads dtype.itemsize, which a typed PRNG key has too.
+  micro_bytes = stage_programs.nbytes(jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
   breakdown = {part: cycles[part] / target.clock_hz for part in PARTS if part != "host_io"}
   breakdown["host_io"] = g * float(micro_bytes) / target.host_link_bytes_per_second
   breakdown = {part: float(breakdown[part]) for part in PARTS}
