@@ -183,7 +183,7 @@ class Lowered:
                       else (aval.shape, aval.dtype))
       tensor = ctx.new_tensor(shape, dtype, name=arg_name, category="variables")
       inputs.append(tensor)
-    ctx.donated_ids = frozenset(inputs[i].id for i in self._donated)
+    ctx.donate([inputs[i] for i in self._donated])
     progress.stage("lowering")
     with ctx.at("argument", call_site):
       outputs = lower_closed_jaxpr(ctx, closed, inputs, progress=progress.equations)

@@ -212,6 +212,12 @@ class LoweringContext:
     return (tensor.category == "variables" and tensor.size > 0
             and self.dying_ids is not None and tensor.id in self.dying_ids)
 
+
+  def donate(self, tensors) -> None:
+    """Mark program arguments the caller donated (``ipu_jax.jit(donate_argnums=)``):
+    an elementwise result may take the memory of one that dies at it."""
+    self.donated_ids = frozenset(t.id for t in tensors)
+
   def donated_and_dying(self, tensor: P.Tensor) -> bool:
     """Whether ``tensor`` is a donated argument that no later operation reads.
 

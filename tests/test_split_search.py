@@ -25,7 +25,7 @@ _LIMIT_TILES = 16
 def _small_bert():
   mcfg = bert.BertConfig(vocab_size=1000, hidden=128, layers=6, heads=4, ffn=512,
                          max_positions=64, dropout=0.0)
-  return bert_split.layered_model(mcfg, micro_batch=2, seq=32, max_predictions=4)
+  return bert_split.layered_model(mcfg, micro_batch=4, seq=32, max_predictions=4)
 
 
 def _config():
@@ -63,11 +63,16 @@ class SplitSearchTest(chex.TestCase):
       estimate = split_search.confirm(self.model, _config(), self.optimizer,
                                       result.estimate(cand.config))
       lowered[comp] = estimate
-      # The composed figures agree with the lowered pipeline's (IPU 0's first
-      # block and layers are composed as an upper bound: a few % high).
+      # The composed figures agree with the lowered pipeline's. IPU 0's first
+      # block and layers are composed as an upper bound (with gradients added
+      # into their accumulators as they are ready, a stage's peak grows less
+      # than linearly in its layers, so up to ~8 % high); the others within 5 %.
       self.assertLess(estimate.step_error, 0.02, comp)
-      np.testing.assert_allclose(estimate.ipu_peak_bytes, estimate.lowered_peak_bytes,
-                                 rtol=0.05, err_msg=str(comp))
+      composed = np.asarray(estimate.ipu_peak_bytes)
+      lowered_peak = np.asarray(estimate.lowered_peak_bytes)
+      self.assertGreaterEqual(composed[0], lowered_peak[0], comp)
+      np.testing.assert_allclose(composed[0], lowered_peak[0], rtol=0.10, err_msg=str(comp))
+      np.testing.assert_allclose(composed[1:], lowered_peak[1:], rtol=0.05, err_msg=str(comp))
     fits = {c: e for c, e in lowered.items() if e.lowered_fits}
     # The choice matters: some splits run out of memory, and the fitting ones differ.
     self.assertNotEmpty(fits)
