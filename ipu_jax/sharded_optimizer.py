@@ -97,6 +97,9 @@ def _flat_padded(x, replicas: int):
 def shard_leaf(x, replica, replicas: int):
   """Replica ``replica``'s ``[n]`` shard of ``x`` (traceable in ``replica``)."""
   n = shard_length(np.size(x), replicas)
+  if isinstance(x, jax.ShapeDtypeStruct):
+    # Abstract weights or state (an estimate lowers shapes only): the shard's shape.
+    return jax.ShapeDtypeStruct((n,), x.dtype)
   return lax.dynamic_slice_in_dim(_flat_padded(x, replicas), replica * n, n)
 
 
