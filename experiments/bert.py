@@ -192,13 +192,18 @@ class MaskedLMHead(nnx.Module):
 
   def __call__(self, h, word_table):
     h = self.norm(jax.nn.gelu(self.transform(h), approximate=True))
+    # The decoder sees the masked positions as one [B P, H] matrix, so the
+    # word table's gradient is one [H, B P] x [B P, V] product: a batched
+    # [B, H, P] x [B, P, V] one would hold a [B, H, V] table gradient per
+    # sample (BERT-Base's micro-batch of 32: 750 M values) before summing.
+    rows = h.reshape(-1, h.shape[-1])
     if self.serialization > 1:
       # PopTorch serializedMatMul(OutputChannels): the vocabulary in pieces.
-      logits = ipu_jax.ops.serialized_matmul(h, word_table.T, self.serialization,
+      logits = ipu_jax.ops.serialized_matmul(rows, word_table.T, self.serialization,
                                              "output_channels")
     else:
-      logits = h @ word_table.T
-    return logits + self.bias[...]
+      logits = rows @ word_table.T
+    return (logits + self.bias[...]).reshape(h.shape[:-1] + logits.shape[-1:])
 
 
 class Bert(nnx.Module):

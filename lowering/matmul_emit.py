@@ -381,9 +381,18 @@ def _pass_counts(p: _Plan) -> Optional[np.ndarray]:
   if p.passes == 1:
     return p.out_mapping.counts[:, None]
   g_all, passes = p.g_all, p.passes
-  pass_of = p.out_mapping.element_offset // p.piece
-  return np.bincount(p.out_mapping.element_row * passes + pass_of,
-                     minlength=g_all * passes)[:g_all * passes].reshape(g_all, passes)
+  # From the mapping's runs, each cut where it crosses a piece: per-element
+  # rows and offsets of a vocabulary-sized result are 8 B x its size each.
+  _, length, row, offset = p.out_mapping.runs
+  first, last = offset // p.piece, (offset + length - 1) // p.piece
+  cuts = last - first + 1
+  run = np.repeat(np.arange(row.size), cuts)
+  k = first[run] + (np.arange(run.size) - np.repeat(np.cumsum(cuts) - cuts, cuts))
+  lo = np.maximum(offset[run], k * p.piece)
+  hi = np.minimum(offset[run] + length[run], (k + 1) * p.piece)
+  return np.bincount(row[run] * passes + k, weights=hi - lo,
+                     minlength=g_all * passes)[:g_all * passes].astype(np.int64).reshape(
+                         g_all, passes)
 
 
 def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape: Sequence[int],

@@ -48,6 +48,47 @@ def _memory(pipeline, target: IPUTarget, num_steps: int) -> MemoryProfile:
                        tile_limit=target.bytes_per_tile)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+  a.flags.writeable = False
+  return a
+
+
+class _PassTotals:
+  """A stage pass's cycles, flops and IPU-Link bytes, read once per pass kind.
+
+  A stage program's totals sum over its thousands of steps; a step of
+  G micro-batches has ~2 G slots, each naming a few passes.
+  """
+
+  def __init__(self, pipeline):
+    self.pipeline, self._table = pipeline, {}
+
+  def __call__(self, stage: int, kind: str) -> tuple:
+    key = (stage, kind)
+    if key not in self._table:
+      s = self.pipeline.stages[stage]
+      program = s.forward if kind == "forward" else s.backward
+      link_bytes = sum(nbytes for src, dst, nbytes in self.pipeline.copies(stage, kind)
+                       if src != dst)
+      self._table[key] = (program.profile.total_cycles, int(program.profile.total_flops),
+                          link_bytes)
+    return self._table[key]
+
+
+def _slot_arrays(passes: _PassTotals, composition, stages, n: int, t: int) -> tuple:
+  """``(compute, vertices, flops, link_bytes)`` of a slot running ``composition``."""
+  compute = np.zeros(n)
+  flops, link_bytes = 0, 0
+  for stage, kind in composition:
+    cycles, pass_flops, pass_link = passes(stage, kind)
+    ipu = stages[stage].ipu
+    compute[ipu * t:(ipu + 1) * t] += cycles
+    flops += pass_flops
+    link_bytes += pass_link
+  vertices = _read_only((compute > 0).astype(np.int64))
+  return _read_only(compute), vertices, flops, link_bytes
+
+
 def pipeline_profile(pipeline) -> ProgramProfile:
   """The :class:`ProgramProfile` of one step of a lowered pipeline."""
   stage_target = pipeline.target
@@ -60,25 +101,24 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   for span in pipeline.timeline.spans:
     spans_by_kind.setdefault(span[2], []).append(span)
   sync = stage_target.ipu_sync_cycles(num_ipus)
+  passes = _PassTotals(pipeline)
+  slot_arrays = {}
+  zeros = _read_only(np.zeros(n, np.int64))
   for index, slot in enumerate(pipeline._slots):
-    compute = np.zeros(n)
-    flops, link_bytes, names = 0, 0, []
-    for p in slot:
-      s = stages[p.stage]
-      program = s.forward if p.kind == "forward" else s.backward
-      compute[s.ipu * t:(s.ipu + 1) * t] += program.profile.total_cycles
-      flops += int(program.profile.total_flops)
-      names.append(f"{p.kind[0].upper()}{p.stage}.{p.micro_batch}")
-      link_bytes += sum(nbytes for src, dst, nbytes in pipeline.copies(p.stage, p.kind)
-                        if src != dst)
+    # Slots of the steady state repeat a few pass compositions; each
+    # composition's per-tile arrays are built once and shared read-only
+    # (thousands of slots x every tile of the IPUs otherwise).
+    composition = tuple((p.stage, p.kind) for p in slot)
+    if composition not in slot_arrays:
+      slot_arrays[composition] = _slot_arrays(passes, composition, stages, n, t)
+    compute, vertices, flops, link_bytes = slot_arrays[composition]
+    names = [f"{p.kind[0].upper()}{p.stage}.{p.micro_batch}" for p in slot]
     steps.append(StepProfile(
         name=f"slot {index}: " + " ".join(names), op="pipeline slot", source="",
-        compute_cycles=compute, exchange_bytes_in=np.zeros(n, np.int64),
-        exchange_bytes_out=np.zeros(n, np.int64),
+        compute_cycles=compute, exchange_bytes_in=zeros, exchange_bytes_out=zeros,
         exchange_cycles=pipeline.timeline.copy_cycles_per_slot[index],
         sync_cycles=sync, ipu_link_bytes=link_bytes, flops=flops,
-        vertices=(compute > 0).astype(np.int64), temporary_bytes=np.zeros(n, np.int64),
-        scope=""))
+        vertices=vertices, temporary_bytes=zeros, scope=""))
   for kind in ("all-reduce", "weight update"):
     compute = np.zeros(n)
     flops = 0
