@@ -99,9 +99,6 @@ def shard_leaf(x, replica, replicas: int):
   if isinstance(x, jax.ShapeDtypeStruct):  # shapes only (an --estimate_only lowering)
     return jax.ShapeDtypeStruct((shard_length(int(np.prod(x.shape)), replicas),), x.dtype)
   n = shard_length(np.size(x), replicas)
-  if isinstance(x, jax.ShapeDtypeStruct):
-    # Abstract weights or state (an estimate lowers shapes only): the shard's shape.
-    return jax.ShapeDtypeStruct((n,), x.dtype)
   return lax.dynamic_slice_in_dim(_flat_padded(x, replicas), replica * n, n)
 
 
