@@ -13,6 +13,18 @@ and 510 on POD64. Masked positions: 20 a sequence at 128 tokens and 76 at
 as the examples train (``--dtype float32`` to override); LAMB's state takes
 the weights' dtype here.
 
+Two presets mirror the MLPerf Training v1.0 closed BERT runs whose throughput
+Graphcore measured (docs/published_bert.md; ``mlperf_v1_pod16``,
+``mlperf_v1_pod64``): sequence 512 packed with 2 sequences a pack on average
+(``packing_factor`` 2), micro-batch 2 packs, 76 masked positions, the
+vocabulary padded to 30,400 and serialised in 5 steps, LAMB with replicated
+tensor sharding. POD16: 4 replicas x 4 IPUs, ``[3, 7, 7, 7]``, proportions
+``[0.20, 0.20, 0.25, 0.25]``, state offloaded, G 192 -> 190 (the multiple of
+10 nearest). POD64: 8 replicas x 8 IPUs, the embeddings alone on IPU 0
+(``encoder_start_ipu: 1``) and ``[3, 3, 3, 3, 4, 4, 4]`` after it, proportion
+1.0 on every IPU, state on chip, G 96 -> 90 (9 stages on 8 IPUs: a multiple
+of 18).
+
 ``--model base`` takes ``pretrain_base_128``'s layout (the embeddings alone
 on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion 0.25) and, in phase 1,
 its micro-batch 32 and G 512 (510 here).
@@ -40,6 +52,16 @@ PRESETS = {
     "phase2_pod64": dict(_LARGE, seq=512, micro_batch=2, replicas=16, accumulation=510,
                          matmul_proportion=[0.13, 0.19, 0.19, 0.19], system="pod64",
                          max_predictions=76),
+    # MLPerf Training v1.0 closed (configs/mk2/pod16-closed.json, pod64-closed.json).
+    "mlperf_v1_pod16": dict(_LARGE, seq=512, micro_batch=2, replicas=4, accumulation=190,
+                            matmul_proportion=[0.20, 0.20, 0.25, 0.25], system="pod16",
+                            max_predictions=76, packing_factor=2.0, vocab_size=30400,
+                            decoder_serialization=5),
+    "mlperf_v1_pod64": dict(_LARGE, seq=512, micro_batch=2, replicas=8, accumulation=90,
+                            layers_per_ipu=[0, 3, 3, 3, 3, 4, 4, 4], matmul_proportion=[1.0] * 8,
+                            system="pod64", max_predictions=76, packing_factor=2.0,
+                            vocab_size=30400, decoder_serialization=5,
+                            offload_optimizer_state=False),
 }
 
 # pretrain_base_128: embeddings alone on IPU 0, 4 layers on each other IPU.

@@ -166,6 +166,29 @@ class BadInputTest(parameterized.TestCase):
     self.assertEqual((f.micro_batch, f.accumulation), (32, 510))
     bert_pretraining.check_flags(f, 12)
 
+  @parameterized.parameters(*sorted(bert_presets.PRESETS))
+  def test_every_preset_passes_its_own_checks(self, name):
+    f = self._flags(f"--config={name}")
+    mcfg = bert_pretraining.model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
+                                         f.vocab_size)
+    bert_pretraining.check_flags(f, mcfg.layers)
+    self.assertLen(f.matmul_proportion, len(f.layers_per_ipu))
+    # The serialised decoder splits the vocabulary into equal pieces.
+    self.assertEqual(mcfg.vocab_size % mcfg.decoder_serialization, 0)
+
+  def test_mlperf_presets_mirror_the_measured_runs(self):
+    # docs/published_bert.md: MLPerf Training v1.0 closed, configs/mk2/pod64-closed.json.
+    f = self._flags("--config=mlperf_v1_pod64")
+    mcfg = bert_pretraining.model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
+                                         f.vocab_size)
+    self.assertEqual((f.replicas, f.micro_batch, f.seq, f.max_predictions, f.packing_factor),
+                     (8, 2, 512, 76, 2.0))
+    self.assertEqual([int(v) for v in f.layers_per_ipu], [0, 3, 3, 3, 3, 4, 4, 4])
+    self.assertEqual((mcfg.vocab_size, mcfg.decoder_serialization, f.offload_optimizer_state),
+                     (30400, 5, False))
+    f = self._flags("--config=mlperf_v1_pod16", "--vocab_size=30522", "--decoder_serialization=2")
+    self.assertEqual((f.replicas, f.accumulation, f.vocab_size), (4, 190, 30522))
+
   def test_pipeline_refuses_a_system_too_small(self):
     pipe, _, _, params, batches = _small_pipeline()
     pipe.config.replication_factor = 5
