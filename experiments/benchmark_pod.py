@@ -33,6 +33,9 @@ ROWS = {
     "phase1_pod64": ["--config=phase1_pod64"],
     "phase1_pod16_base": ["--config=phase1_pod16", "--model=base"],
     "phase2_pod64": ["--config=phase2_pod64", "--packing_factor=2"],
+    # The two configurations with a published measurement (docs/calibration.md).
+    "mlperf_v1_pod16": ["--config=mlperf_v1_pod16"],
+    "mlperf_v1_pod64": ["--config=mlperf_v1_pod64"],
 }
 
 
