@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -112,36 +113,40 @@ def _matmul_transpose_rhs(ct, a, b, **params):
   return _sum_to_shape(matmul_p.bind(_mT(a), ct, **params), shape).astype(b.aval.dtype)
 
 
-def _matmul_batch(args, dims, **params):
+def batch_matmul_like(primitive, args, dims, **params):
+  """vmap of a matmul-like primitive ``primitive(a, b, **params)``: ``(out, out_dim)``.
+
+  Shared by every primitive with ``jnp.matmul``'s operand convention (this
+  one and :mod:`ipu_jax.ops.serialized_matmul`). A shared matrix folds the
+  batch into the other operand's rows or columns (one larger product, the
+  way a user would write it); otherwise the batch leads both operands as a
+  batch dimension (size 1 for an unbatched operand: matmul broadcasts it).
+  """
   a, b = args
   da, db = dims
   if da is not not_mapped and db is not_mapped and b.ndim == 2:
-    # x @ W with W shared: fold the batch into the rows (one larger GEMM).
+    # x @ W with W shared: fold the batch into the rows.
     a = jnp.moveaxis(a, da, 0)
-    size = a.shape[0]
-    rows = a.reshape((-1, a.shape[-1]))
-    out = matmul_p.bind(rows, b, **params)
+    out = primitive.bind(a.reshape((-1, a.shape[-1])), b, **params)
     return out.reshape(a.shape[:-1] + (b.shape[-1],)), 0
   if da is not_mapped and db is not not_mapped and a.ndim == 2:
     # A @ x with A shared: fold the batch into the columns.
     b = jnp.moveaxis(b, db, -2)                       # [..., K, B, N]
     k, size, n = b.shape[-3], b.shape[-2], b.shape[-1]
-    cols = b.reshape(b.shape[:-3] + (k, size * n))
-    out = matmul_p.bind(a, cols, **params)            # [..., M, B*N]
-    out = out.reshape(out.shape[:-1] + (size, n))
+    out = primitive.bind(a, b.reshape(b.shape[:-3] + (k, size * n)), **params)
+    out = out.reshape(out.shape[:-1] + (size, n))     # [..., M, B, N]
     return out, out.ndim - 2
-  # General: the batch becomes a leading batch dimension of both operands
-  # (size 1 for an unbatched operand; matmul broadcasts batch dimensions).
   a = jnp.moveaxis(a, da, 0) if da is not not_mapped else a[None]
   b = jnp.moveaxis(b, db, 0) if db is not not_mapped else b[None]
   # Align ranks so the new axis is the leading batch axis of both.
   rank = max(a.ndim, b.ndim)
   a = a.reshape(a.shape[:1] + (1,) * (rank - a.ndim) + a.shape[1:])
   b = b.reshape(b.shape[:1] + (1,) * (rank - b.ndim) + b.shape[1:])
-  return matmul_p.bind(a, b, **params), 0
+  return primitive.bind(a, b, **params), 0
 
 
-define_primitive(matmul_p, _matmul_impl, _matmul_abstract_eval, batch=_matmul_batch)
+define_primitive(matmul_p, _matmul_impl, _matmul_abstract_eval,
+                 batch=functools.partial(batch_matmul_like, matmul_p))
 ad.defbilinear(matmul_p, _matmul_transpose_lhs, _matmul_transpose_rhs)
 
 

@@ -49,9 +49,9 @@ from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.shape import broadcast_to
-from ipu_jax.ops.matmul import (folded_lhs_gradient_operands, folded_rhs_gradient_operands,
-                                matmul, shared_by_batch)
-from ipu_jax.ops.primitive import define_primitive, not_mapped, shaped_like
+from ipu_jax.ops.matmul import (batch_matmul_like, folded_lhs_gradient_operands,
+                                folded_rhs_gradient_operands, matmul, shared_by_batch)
+from ipu_jax.ops.primitive import define_primitive, shaped_like
 
 __all__ = ["serialized_matmul", "serialized_matmul_p", "MODES", "canonical_mode",
            "check_factor"]
@@ -184,33 +184,10 @@ def _transpose_rhs(ct, a, b, *, factor, axis):
   return _sum_to_shape(grad, b.aval.shape).astype(b.aval.dtype)
 
 
-def _batch(args, dims, **params):
-  """vmap: fold the batch into M or N when one operand is a shared matrix, else lead with it.
-
-  Folding keeps the split dimension's factor dividing it (``B * M`` rows,
-  ``B * N`` columns).
-  """
-  a, b = args
-  da, db = dims
-  if da is not not_mapped and db is not_mapped and b.ndim == 2:
-    a = jnp.moveaxis(a, da, 0)
-    out = serialized_matmul_p.bind(a.reshape((-1, a.shape[-1])), b, **params)
-    return out.reshape(a.shape[:-1] + (b.shape[-1],)), 0
-  if da is not_mapped and db is not not_mapped and a.ndim == 2:
-    b = jnp.moveaxis(b, db, -2)                       # [..., K, B, N]
-    k, size, n = b.shape[-3], b.shape[-2], b.shape[-1]
-    out = serialized_matmul_p.bind(a, b.reshape(b.shape[:-3] + (k, size * n)), **params)
-    out = out.reshape(out.shape[:-1] + (size, n))
-    return out, out.ndim - 2
-  a = jnp.moveaxis(a, da, 0) if da is not not_mapped else a[None]
-  b = jnp.moveaxis(b, db, 0) if db is not not_mapped else b[None]
-  rank = max(a.ndim, b.ndim)
-  a = a.reshape(a.shape[:1] + (1,) * (rank - a.ndim) + a.shape[1:])
-  b = b.reshape(b.shape[:1] + (1,) * (rank - b.ndim) + b.shape[1:])
-  return serialized_matmul_p.bind(a, b, **params), 0
-
-
-define_primitive(serialized_matmul_p, _impl, _abstract_eval, batch=_batch)
+# vmap folds the batch into M or N when one operand is a shared matrix, which
+# keeps the split dimension's factor dividing it (B * M rows, B * N columns).
+define_primitive(serialized_matmul_p, _impl, _abstract_eval,
+                 batch=functools.partial(batch_matmul_like, serialized_matmul_p))
 ad.defbilinear(serialized_matmul_p, _transpose_lhs, _transpose_rhs)
 
 
