@@ -64,6 +64,24 @@ def _run(fn, mode, *args, target=T16):
                                                config=executor_config(mode))(*args))
 
 
+def _grad_case(side):
+  """A sparse operand with empty rows, a dense one, and a loss of their product
+  through ``static_matmul`` and the same loss through the densified matrix."""
+  a = _sparse((32, 48), 4, "empty_rows")
+  dense = _dense((48, 10) if side == "lhs" else (6, 32))
+  weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
+
+  def product_loss(values, d, matmul):
+    s = BlockCSR.from_pattern(values, a.pattern)
+    if matmul is jnp.matmul:
+      s = s.todense()
+    out = matmul(s, d) if side == "lhs" else matmul(d, s)
+    return jnp.sum(jnp.sin(0.1 * out) * weights)
+
+  return (a, dense, functools.partial(product_loss, matmul=static_matmul),
+          functools.partial(product_loss, matmul=jnp.matmul))
+
+
 def _steps(lowered):
   out = []
 
@@ -169,20 +187,7 @@ class StaticMatmulTest(parameterized.TestCase):
 
   @parameterized.product(side=["lhs", "rhs"], mode=MODES)
   def test_grad_to_values_and_dense(self, side, mode):
-    a = _sparse((32, 48), 4, "empty_rows")
-    dense = _dense((48, 10) if side == "lhs" else (6, 32))
-    weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
-
-    def loss(values, d):
-      s = BlockCSR.from_pattern(values, a.pattern)
-      out = static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
-      return jnp.sum(jnp.sin(0.1 * out) * weights)
-
-    def dense_loss(values, d):
-      s = BlockCSR.from_pattern(values, a.pattern).todense()
-      out = s @ d if side == "lhs" else d @ s
-      return jnp.sum(jnp.sin(0.1 * out) * weights)
-
+    a, dense, loss, dense_loss = _grad_case(side)
     got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
     want = jax.grad(dense_loss, (0, 1))(a.values, dense)
     self.assertEqual(got[0].shape, a.values.shape)  # a gradient per non-zero block only
@@ -305,20 +310,7 @@ class RotatingStaticTest(parameterized.TestCase):
 
   @parameterized.product(side=["lhs", "rhs"], mode=MODES)
   def test_grad_to_values_and_dense(self, side, mode):
-    a = _sparse((32, 48), 4, "empty_rows")
-    dense = _dense((48, 10) if side == "lhs" else (6, 32))
-    weights = _dense((32, 10) if side == "lhs" else (6, 48), seed=5)
-
-    def loss(values, d):
-      s = BlockCSR.from_pattern(values, a.pattern)
-      out = static_matmul(s, d) if side == "lhs" else static_matmul(d, s)
-      return jnp.sum(jnp.sin(0.1 * out) * weights)
-
-    def dense_loss(values, d):
-      s = BlockCSR.from_pattern(values, a.pattern).todense()
-      out = s @ d if side == "lhs" else d @ s
-      return jnp.sum(jnp.sin(0.1 * out) * weights)
-
+    a, dense, loss, dense_loss = _grad_case(side)
     self.assertNotEmpty(_rotate_steps(jax.grad(loss, (0, 1)), a.values, dense))
     with _rotating():
       got = _run(jax.grad(loss, (0, 1)), mode, a.values, dense)
