@@ -15,6 +15,7 @@ import ipu_jax
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.ops import pipeline_stage
 from ipu_jax.pipelining import Pipeline, PipelineError, schedule
+from testing_utils import chain_data
 
 _TILES = 16
 _VOCAB, _WIDTH, _ROWS = 11, 8, 5
@@ -77,15 +78,6 @@ def _chain_loss(params, batch):
       h = pipeline_stage(h, k)
     h = jnp.tanh(h @ w)
   return jnp.mean((h - batch["y"]) ** 2)
-
-
-def _chain_data(stages, g, width=16, rows=8, seed=0):
-  rng = np.random.default_rng(seed)
-  params = [jnp.asarray(rng.normal(size=(width, width)) * 0.3, jnp.float32)
-            for _ in range(stages)]
-  batches = {"x": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32)}
-  return params, batches
 
 
 class TiedWeightsTest(parameterized.TestCase):
@@ -151,12 +143,12 @@ class TiedWeightsTest(parameterized.TestCase):
 class DeviceMappingTest(parameterized.TestCase):
 
   def test_five_stages_on_four_ipus_grouped_needs_g_multiple_of_ten(self):
-    params, batches = _chain_data(5, 8)
+    params, batches = chain_data(5, 8)
     with self.assertRaisesRegex(PipelineError, "gradient_accumulation_steps=8 .*multiple of "
                                 r"10 \(2 x stages\)"):
       Pipeline(_chain_loss, config=_config(4, 8), device_mapping=[0, 1, 2, 3, 0]).lower(
           params, batches)
-    params, batches = _chain_data(5, 10)
+    params, batches = chain_data(5, 10)
     pipe = Pipeline(_chain_loss, config=_config(4, 10), device_mapping=[0, 1, 2, 3, 0])
     grads, _ = pipe.gradients(params, batches)
     grad = jax.jit(jax.grad(_chain_loss))
@@ -169,7 +161,7 @@ class DeviceMappingTest(parameterized.TestCase):
     self.assertEqual(pipe.report.memory_per_ipu()[0]["stages"], [0, 4])
 
   def test_interleaved_refuses_stages_sharing_an_ipu(self):
-    params, batches = _chain_data(3, 6)
+    params, batches = chain_data(3, 6)
     with self.assertRaisesRegex(
         PipelineError, "The Interleaved schedule does not currently support multiple pipeline "
         r"stages on the same device \(TF-IPU's rule\).*stages 0, 2 on IPU 0"):
@@ -179,7 +171,7 @@ class DeviceMappingTest(parameterized.TestCase):
   @parameterized.parameters(((0, 1, 4), 2, "is out of range"), ((0, -1, 1), 1, "is out of range"),
                             ((0, 1.0, 1), 1, "is not an IPU number"))
   def test_mapping_entry_outside_the_target(self, mapping, bad, what):
-    params, batches = _chain_data(3, 6)
+    params, batches = chain_data(3, 6)
     with self.assertRaisesRegex(
         PipelineError, rf"device_mapping\[{bad}\]={mapping[bad]!r} {what}: stage {bad} .*IPU "
         r"of the replica, valid range 0\.\.3 \(auto_select_ipus=4\)"):
@@ -188,13 +180,13 @@ class DeviceMappingTest(parameterized.TestCase):
 
   @parameterized.parameters(3, "010")
   def test_mapping_that_is_not_a_sequence_of_ipus(self, mapping):
-    params, batches = _chain_data(3, 6)
+    params, batches = chain_data(3, 6)
     with self.assertRaisesRegex(PipelineError, "device_mapping must be a sequence with the IPU "
                                 f"of each stage, e.g. .*; got {mapping!r}"):
       Pipeline(_chain_loss, config=_config(2, 6), device_mapping=mapping).lower(params, batches)
 
   def test_more_stages_than_ipus_without_mapping_suggests_one(self):
-    params, batches = _chain_data(3, 6)
+    params, batches = chain_data(3, 6)
     with self.assertRaisesRegex(PipelineError, "3 pipeline stages but each replica has only 2 "
                                 "IPUs .*give a device_mapping"):
       Pipeline(_chain_loss, config=_config(2, 6)).lower(params, batches)
@@ -215,7 +207,7 @@ class SharedIPUOutOfMemoryTest(parameterized.TestCase):
     # Width 320 on 16 tiles of 256 KiB (ipu1): each stage's programs peak at
     # ~231 KB a tile, so one stage per IPU fits; stages 0 and 2 on IPU 0 need
     # one's largest program beside the other's weights and accumulators (~282 KB).
-    params, batches = _chain_data(3, 2, width=320)
+    params, batches = chain_data(3, 2, width=320)
     fits = Pipeline(_chain_loss, optax.adam(0.1), config=_config(3, 2, "Sequential", "ipu1"))
     fits.lower(params, batches)
     limit = fits.target.bytes_per_tile
@@ -383,7 +375,7 @@ class PipelineEfficiencyTest(chex.TestCase):
 
   def test_efficiency_same_on_other_ipus(self):
     # IPUs 2 and 3 are a pair of the ladder as 0 and 1 are, so copies cost the same.
-    params, batches = _chain_data(2, 4)
+    params, batches = chain_data(2, 4)
     pipes = {mapping: Pipeline(_chain_loss, config=_config(4, 4), device_mapping=mapping).lower(
         params, batches) for mapping in ((0, 1), (2, 3))}
     low, high = pipes[(0, 1)].report, pipes[(2, 3)].report
@@ -400,7 +392,7 @@ class SameIPUValuesTest(chex.TestCase):
     # Stages 0 and 1 on IPU 0, stage 2 on IPU 1: only the boundary 1 -> 2
     # crosses an IPU-Link (activations forward, their gradients back).
     g = 6
-    params, batches = _chain_data(3, g)
+    params, batches = chain_data(3, g)
     pipe = Pipeline(_chain_loss, config=_config(2, g), device_mapping=[0, 0, 1])
     pipe.lower(params, batches)
     activations = 8 * 16 * 4

@@ -22,6 +22,7 @@ from ipu_jax.keras import Model, callbacks as callbacks_lib
 from ipu_jax.ops import pipeline_stage
 from ipu_jax.pipelining import Pipeline, PipelineError
 from ipu_jax.pipelining import micro_batch_key
+from testing_utils import chain_data
 
 _TILES = 16
 
@@ -51,13 +52,8 @@ def _loss_with_dropout(params, batch, rng):
   return jnp.mean((h - batch["y"]) ** 2)
 
 
-def _data(g, stages=3, width=8, rows=4, seed=0):
-  rng = np.random.default_rng(seed)
-  params = [jnp.asarray(rng.normal(size=(width, width)) * 0.3, jnp.float32)
-            for _ in range(stages)]
-  batches = {"x": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32)}
-  return params, batches
+def _data(g, stages=3):
+  return chain_data(stages, g, width=8, rows=4)
 
 
 class PipelineRngTest(chex.TestCase):
