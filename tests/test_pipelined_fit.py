@@ -322,19 +322,28 @@ class KerasPipelinedFitTest(chex.TestCase):
     # As plain fit: epochs 0..1 in one call train what epoch 0, then a call
     # resuming at epoch 1, train (the stages' Adam moments and the dropout
     # counters go on).
+    # A third model resumes from a checkpoint of the first epoch (with the
+    # optimizer: the stages' own Adam moments, not the plain state's).
     x, y = _keras_data()
     models = []
-    for calls in ([(0, 2)], [(0, 1), (1, 2)]):
-      model = Model(Net(rate=0.3, rngs=nnx.Rngs(params=0, dropout=1)), config=_config(3))
-      model.compile(optax.adam(1e-2), "sparse_categorical_crossentropy", steps_per_execution=6)
-      model.set_pipelining_options(gradient_accumulation_steps_per_replica=6)
-      model.set_pipeline_stage_assignment(_STAGES)
-      for initial, epochs in calls:
-        model.fit(x, y, batch_size=4, epochs=epochs, initial_epoch=initial, verbose=0)
-      models.append(model)
-    self.assertEqual(models[1].step, models[0].step)
-    chex.assert_trees_all_close(nnx.state(models[1].module, nnx.Param),
-                                nnx.state(models[0].module, nnx.Param), rtol=1e-6, atol=1e-7)
+    with tempfile.TemporaryDirectory() as directory:
+      path = os.path.join(directory, "epoch1.msgpack")
+      for calls in ([(0, 2)], [(0, 1), (1, 2)], [(1, 2)]):
+        model = Model(Net(rate=0.3, rngs=nnx.Rngs(params=0, dropout=1)), config=_config(3))
+        model.compile(optax.adam(1e-2), "sparse_categorical_crossentropy", steps_per_execution=6)
+        model.set_pipelining_options(gradient_accumulation_steps_per_replica=6)
+        model.set_pipeline_stage_assignment(_STAGES)
+        if calls[0][0]:
+          self.assertEqual(model.load_weights(path), 1)
+        for initial, epochs in calls:
+          model.fit(x, y, batch_size=4, epochs=epochs, initial_epoch=initial, verbose=0)
+          if len(calls) == 2 and epochs == 1:
+            model.save_weights(path, include_optimizer=True, epoch=1)
+        models.append(model)
+    for resumed in models[1:]:
+      self.assertEqual(resumed.step, models[0].step)
+      chex.assert_trees_all_close(nnx.state(resumed.module, nnx.Param),
+                                  nnx.state(models[0].module, nnx.Param), rtol=1e-6, atol=1e-7)
 
   def test_validation_is_plain_evaluate_on_the_trained_weights(self):
     model, history = _fit(True, rate=0.3, batch_norm=True, epochs=1)

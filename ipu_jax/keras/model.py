@@ -164,6 +164,9 @@ class Model:
     # its stages' optimizer states, which the next pipelined fit continues.
     self.pipeline = None
     self.pipeline_opt_state = None
+    # The stages' optimizer states of a loaded checkpoint (flat, by key path),
+    # restored when the next pipelined fit has split the model.
+    self.saved_pipeline_opt_state = None
 
   # -- reports --------------------------------------------------------------------
 
@@ -423,6 +426,9 @@ class Model:
           "opt_state": flat_saveable(self.opt_state),
           "step": np.asarray(self.step, np.int64),
       }
+      if self.pipeline_opt_state is not None:
+        # A pipelined fit trains its stages' own optimizer states, not opt_state.
+        extra["optimizer"]["pipeline_opt_state"] = flat_saveable(self.pipeline_opt_state)
     return write_weights_file(path, self.get_weights(), epoch=epoch, extra=extra)
 
   def load_weights(self, path: str) -> Optional[int]:
@@ -452,6 +458,9 @@ class Model:
     self._train_state = self._train_state.replace(
         opt_state=restore_flat(self.opt_state, saved["opt_state"], "opt_state"),
         step=jnp.asarray(int(np.asarray(saved["step"])), jnp.int32))
+    # The stages' states are laid out when a pipelined fit splits the model;
+    # it restores them then (ipu_jax/keras/pipelining.py).
+    self.saved_pipeline_opt_state = saved.get("pipeline_opt_state")
 
   # -- the programs -------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ import numpy as np
 
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import programs
+from ipu_jax.keras.weights import restore_flat
 
 __all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "merged_options",
            "merged_assignment", "fit"]
@@ -286,12 +287,17 @@ class _Trainer:
     """Split, lower and cost the stages on one update's samples, so a model
     that cannot be pipelined fails before any callback runs.
 
-    The stages' optimizer states are the last pipelined fit's when they have
-    the same layout (a second ``fit`` goes on as plain ``fit`` does), else new.
+    The stages' optimizer states are the last pipelined fit's (or a loaded
+    checkpoint's, ``save_weights(include_optimizer=True)``) when they have the
+    same layout (a second ``fit`` goes on as plain ``fit`` does), else new.
     """
     per_update = self.rows * self.micro
     batches = self.batches(jax.tree_util.tree_map(lambda a: a[:per_update], x), y[:per_update])
     fresh = self.pipe.init(self.model.params, batches, **self.extra_inputs())
+    saved = self.model.saved_pipeline_opt_state
+    if saved is not None:  # a checkpoint of a pipelined fit, loaded since
+      self.model.pipeline_opt_state = restore_flat(fresh, saved, "pipeline_opt_state")
+      self.model.saved_pipeline_opt_state = None
     kept = self.model.pipeline_opt_state
     same = kept is not None and (jax.tree_util.tree_structure(kept)
                                  == jax.tree_util.tree_structure(fresh)) and all(
