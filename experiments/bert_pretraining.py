@@ -437,10 +437,10 @@ def choose_split(f, mcfg) -> dict:
       mcfg, ipu_config(f, len(layers)), abstract_init(optax.lamb(f.learning_rate)),
       f.micro_batch, f.seq, f.max_predictions, baseline=baseline,
       confirm_top=f.split_confirm_top, seed=f.seed, abstract=True, **space)
-  print(result.table())
-  print(result.message())
+  print(result.table())  # when nothing fits, its last line is the shortfall
   if not result.fits:
     raise app.UsageError(f"--auto_split: {result.message()}")
+  print(result.message())
   split = result.config
   f.layers_per_ipu = [str(n) for n in split["layers_per_ipu"]]
   f.matmul_proportion = [str(p) for p in split["available_memory_proportion"]]
