@@ -38,6 +38,18 @@ seconds, peak RSS, whether every IPU fits and each IPU's peak)::
 
     python -m experiments.bert_pretraining --config phase2_pod16 --packing_factor 2 \
         --estimate_only --json_out reports/phase2_pod16.json
+
+``--auto_split`` first searches the split (:func:`ipu_jax.pipelining.search`
+through :func:`experiments.bert_split.auto_split`): layers and matmul
+proportion per IPU, recomputation and decoder serialisation (the space:
+``--split_proportions``, ``--split_recomputation``, ``--split_serialization``)
+for this model, system and training options, the flags' own split as the
+baseline; it prints the candidates' table, then runs as above with the chosen
+split, and ``--json_out`` gains its ``"split"`` and ``"search"``
+(docs/multi_ipu.md, "Finding the split")::
+
+    python -m experiments.bert_pretraining --config phase1_pod16 --auto_split \
+        --estimate_only --json_out split.json --split_plot split.png
 """
 
 from __future__ import annotations
@@ -118,7 +130,8 @@ def define_flags(fv=None):
   flags.DEFINE_boolean("auto_split", False,
                        "Search the split (layers and matmul proportion per IPU, recomputation, "
                        "decoder serialisation) that fits and runs fastest, then estimate or "
-                       "train with it; the split flags given are the search's baseline.",
+                       "train with it; the split flags given are the search's baseline. The "
+                       "search models the layers without dropout.",
                        flag_values=fv)
   flags.DEFINE_list("split_proportions", ["0.15", "0.25", "0.35", "0.45"],
                     "--auto_split: matmul proportions tried on each IPU.", flag_values=fv)
