@@ -360,6 +360,7 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
 
   for setting in itertools.product(space.proportions, space.recomputation, space.serialization):
     ensure(*setting)
+  probed = time.time()
   scorer = _Scorer(figures, targets[0], num_ipus, config.pipelining.schedule,
                    config.training.gradient_accumulation_steps, config.replication_factor,
                    model.samples())
@@ -376,6 +377,7 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   fitting, closest = _feasible(scorer, space, compositions)
   log(f"{len(fitting):,d} candidates fit; ranking")
   ranked, simulated = _rank(scorer, fitting, max(top, confirm_top))
+  ranked_at = time.time()
   chosen, confirmed, lowered = (None, False, 0)
   if ranked:
     chosen, confirmed, lowered = _confirm_best(model, config, optimizer, ranked, confirm_top,
@@ -384,7 +386,8 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   counts = {"space": space.size(model.num_layers, num_ipus),
             "scored": space.size(model.num_layers, num_ipus), "simulated": simulated,
             "probes": len(figures), "lowered": len(figures) + lowered,
-            "confirmed": int(confirmed)}
+            "confirmed": int(confirmed), "probe_seconds": probed - start,
+            "rank_seconds": ranked_at - probed, "confirm_seconds": time.time() - ranked_at}
   if chosen is None and closest is None and ranked:
     # Every candidate fitted by estimate but none when lowered: name the closest.
     e = min(ranked[:confirm_top], key=lambda e: max(e.lowered_peak_bytes))
