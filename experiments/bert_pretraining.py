@@ -38,6 +38,18 @@ seconds, peak RSS, whether every IPU fits and each IPU's peak)::
 
     python -m experiments.bert_pretraining --config phase2_pod16 --packing_factor 2 \
         --estimate_only --json_out reports/phase2_pod16.json
+
+``--auto_split`` first searches the split (:func:`ipu_jax.pipelining.search`
+through :func:`experiments.bert_split.auto_split`): layers and matmul
+proportion per IPU, recomputation and decoder serialisation (the space:
+``--split_proportions``, ``--split_recomputation``, ``--split_serialization``)
+for this model, system and training options, the flags' own split as the
+baseline; it prints the candidates' table, then runs as above with the chosen
+split, and ``--json_out`` gains its ``"split"`` and ``"search"``
+(docs/multi_ipu.md, "Finding the split")::
+
+    python -m experiments.bert_pretraining --config phase1_pod16 --auto_split \
+        --estimate_only --json_out split.json --split_plot split.png
 """
 
 from __future__ import annotations
@@ -118,6 +130,24 @@ def define_flags(fv=None):
   flags.DEFINE_integer("vocab_size", None,
                        "Vocabulary (default the model's: 1,000 tiny, 30,522 base and large); "
                        "Graphcore's MLPerf runs pad it to 30,400.", lower_bound=1, flag_values=fv)
+  flags.DEFINE_boolean("auto_split", False,
+                       "Search the split (layers and matmul proportion per IPU, recomputation, "
+                       "decoder serialisation) that fits and runs fastest, then estimate or "
+                       "train with it; the split flags given are the search's baseline. The "
+                       "search models the layers without dropout.",
+                       flag_values=fv)
+  flags.DEFINE_list("split_proportions", ["0.15", "0.25", "0.35", "0.45"],
+                    "--auto_split: matmul proportions tried on each IPU.", flag_values=fv)
+  flags.DEFINE_list("split_recomputation", ["true", "false"],
+                    "--auto_split: recomputation settings tried.", flag_values=fv)
+  flags.DEFINE_list("split_serialization", ["1", "2", "4"],
+                    "--auto_split: decoder serialisation factors tried.", flag_values=fv)
+  flags.DEFINE_integer("split_confirm_top", 1,
+                       "--auto_split: best splits lowered in full, in order, to confirm one "
+                       "(0: none).", flag_values=fv)
+  flags.DEFINE_string("split_plot", None,
+                      "--auto_split: PNG of per-IPU cycles and memory, the chosen split beside "
+                      "the flags' own.", flag_values=fv)
   return fv
 
 
@@ -290,19 +320,31 @@ def estimate(pipe, params, one_batch, f) -> dict:
 def main(argv):
   del argv
   entry.quiet_backend_probe()
-  import jax
+  run(_FLAGS)
+
+
+def run(f) -> dict:
+  """The runner on parsed flag values ``f``: estimate or train; the run's figures.
+
+  Raises:
+    app.UsageError: a bad flag, or ``--auto_split`` finding no split that fits.
+  """
   import optax
   from flax import nnx
   import ipu_jax
   from experiments import bert
 
-  f = _FLAGS
   apply_preset(f)
   mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size)
   try:
     check_flags(f, mcfg.layers)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  searched = {}
+  if f.auto_split:
+    searched = choose_split(f, mcfg)
+    mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
+                        f.vocab_size)
   layers_per_ipu = [int(v) for v in f.layers_per_ipu]
   assignment, mapping = bert.layout(layers_per_ipu)
   cfg = ipu_config(f, len(layers_per_ipu))
@@ -335,12 +377,99 @@ def main(argv):
           f"{results['peak_rss_bytes'] / 2**30:.2f} GiB")
   else:
     results = train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping)
+  results.update(searched)
   if f.report_dir:
     pipe.report.save(f.report_dir)
     print(f"Reports written to {f.report_dir}")
   if f.json_out:
     with open(f.json_out, "w") as out:
       json.dump(results, out, indent=1)
+  return results
+
+
+def split_space(f, vocab_size: int) -> dict:
+  """``--split_*`` as :func:`experiments.bert_split.auto_split`'s search-space keywords.
+
+  Serialisation factors that do not divide the vocabulary (the decoder's
+  columns) are left out with a note: BERT-Large's 30,522 words split into 1,
+  2, 3 or 6 pieces, not 4 (Graphcore's configs pad it to 30,528).
+
+  Raises:
+    ValueError: a value that is not a proportion in (0, 1], a boolean or a
+      factor >= 1, or no factor dividing the vocabulary, naming the flag.
+  """
+  def parse(name, convert, valid, what):
+    values = []
+    for text in getattr(f, name):
+      try:
+        value = convert(text.strip())
+      except ValueError:
+        value = None
+      if value is None or not valid(value):
+        raise ValueError(f"--{name}: {text!r} is not {what}.")
+      values.append(value)
+    if not values:
+      raise ValueError(f"--{name} must list at least one value ({what}).")
+    return tuple(dict.fromkeys(values))
+
+  booleans = {"true": True, "false": False, "1": True, "0": False}
+  factors = parse("split_serialization", int, lambda s: s >= 1, "an integer >= 1")
+  dividing = tuple(s for s in factors if vocab_size % s == 0)
+  if not dividing:
+    raise ValueError(f"--split_serialization: none of {list(factors)} divides the vocabulary "
+                     f"of {vocab_size:,d} words (the decoder's columns).")
+  if len(dividing) < len(factors):
+    print(f"--split_serialization: leaving out {[s for s in factors if s not in dividing]}, "
+          f"which do not divide the vocabulary of {vocab_size:,d} words.")
+  return {"proportions": parse("split_proportions", float, lambda p: 0.0 < p <= 1.0,
+                               "a proportion in (0, 1]"),
+          "recomputation": parse("split_recomputation", lambda t: booleans.get(t.lower()),
+                                 lambda r: r is not None, "true or false"),
+          "serialization": dividing}
+
+
+def choose_split(f, mcfg) -> dict:
+  """``--auto_split``: search the split for the flags' model, system and training
+  options, set the split flags to it and return the JSON's ``split`` and ``search``.
+
+  The flags' own split (``--layers_per_ipu``, ``--matmul_proportion``,
+  ``--recomputation``, ``--decoder_serialization``) is the search's baseline,
+  estimated beside the chosen one.
+
+  Raises:
+    app.UsageError: a bad ``--split_*`` value, or no split fits (the message
+      names the closest split's IPU and the bytes its fullest tile lacks).
+  """
+  import optax
+  from experiments import bert_split
+  try:
+    space = split_space(f, mcfg.vocab_size)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  layers = [int(v) for v in f.layers_per_ipu]
+  baseline = {"layers_per_ipu": layers,
+              "available_memory_proportion": [float(v) for v in f.matmul_proportion],
+              "recomputation": f.recomputation,
+              "serialization_factor": f.decoder_serialization}
+  # The search lowers shapes only: abstract weights, abstract optimizer state.
+  result = bert_split.auto_split(
+      mcfg, ipu_config(f, len(layers)), abstract_init(optax.lamb(f.learning_rate)),
+      f.micro_batch, f.seq, f.max_predictions, baseline=baseline,
+      confirm_top=f.split_confirm_top, seed=f.seed, abstract=True, **space)
+  print(result.table())  # when nothing fits, its last line is the shortfall
+  if not result.fits:
+    raise app.UsageError(f"--auto_split: {result.message()}")
+  print(result.message())
+  split = result.config
+  f.layers_per_ipu = [str(n) for n in split["layers_per_ipu"]]
+  f.matmul_proportion = [str(p) for p in split["available_memory_proportion"]]
+  f.recomputation = split["recomputation"]
+  f.decoder_serialization = split["serialization_factor"]
+  if f.split_plot:
+    print(f"Split plot written to {result.plot(f.split_plot)}")
+  out = result.to_json()
+  return {"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
+          **({"split_baseline": out["baseline"]} if "baseline" in out else {})}
 
 
 def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) -> dict:

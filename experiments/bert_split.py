@@ -35,8 +35,17 @@ GRAPHCORE_LARGE_SPLIT = {"layers_per_ipu": [3, 7, 7, 7],
                          "recomputation": True, "serialization_factor": 4}
 
 
-def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: int = 0):
-  """BERT (``mcfg``) as an :class:`ipu_jax.pipelining.LayeredModel`."""
+def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: int = 0,
+                  abstract: bool = False):
+  """BERT (``mcfg``) as an :class:`ipu_jax.pipelining.LayeredModel`.
+
+  Args:
+    abstract: build the weights as shapes only (``nnx.eval_shape``): lowering
+      reads only their shapes, and BERT-Large's real weights would be drawn
+      again for every probe and confirmation. The optimizer must then give
+      abstract state for abstract weights
+      (``experiments.bert_pretraining.abstract_init``).
+  """
   import jax
   from flax import nnx
   import ipu_jax
@@ -46,8 +55,8 @@ def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: 
 
   def build(num_layers: int, serialization: int):
     cfg = dataclasses.replace(mcfg, layers=num_layers, decoder_serialization=serialization)
-    # Abstract weights would do for lowering; real ones keep the model's own init path.
-    return bert.make_loss(bert.Bert(cfg, rngs=nnx.Rngs(seed)))
+    make = lambda: bert.Bert(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
+    return bert.make_loss(nnx.eval_shape(make) if abstract else make())
 
   return ipu_jax.pipelining.LayeredModel(
       build=build, num_layers=mcfg.layers, micro_batch=batch,
@@ -57,7 +66,8 @@ def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: 
 
 def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predictions: int,
                proportions=(0.15, 0.25, 0.35, 0.45), recomputation=(True,),
-               serialization=(1, 2, 4), baseline=None, log=print, **search_options):
+               serialization=(1, 2, 4), baseline=None, log=print, seed: int = 0,
+               abstract: bool = False, **search_options):
   """The runner's ``--auto_split``: the search's result for this BERT and config.
 
   ``result.config`` holds the runner's keys (None when nothing fits:
@@ -68,7 +78,7 @@ def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predicti
   space = ipu_jax.pipelining.SearchSpace(proportions=tuple(proportions),
                                          recomputation=tuple(recomputation),
                                          serialization=tuple(serialization))
-  model = layered_model(mcfg, micro_batch, seq, max_predictions)
+  model = layered_model(mcfg, micro_batch, seq, max_predictions, seed=seed, abstract=abstract)
   return ipu_jax.pipelining.search(model, config, optimizer, space, baseline=baseline,
                                    log=log, **search_options)
 

@@ -5,11 +5,16 @@ IPUs of an IPU-POD64, and trained for a real step; the big estimates are
 measured by the benchmark's ``pod`` row, not here.
 """
 
+import json
+import os
+import shutil
+import tempfile
+
 import chex
 import jax
 import numpy as np
 import optax
-from absl import flags
+from absl import app, flags
 from absl.testing import absltest, parameterized
 from flax import nnx
 
@@ -197,6 +202,110 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError,
                                 "replication_factor=5 x auto_select_ipus=4"):
       pipe.lower(params, batches)
+
+
+def _runner_flags(*argv):
+  """The runner's flags parsed apart from the process's global FLAGS."""
+  f = bert_pretraining.define_flags(flags.FlagValues())
+  f(["bert_pretraining", *argv])
+  return f
+
+
+# The tiny BERT (4 layers of width 128) on 14 tiles per IPU: no split fits at
+# proportion 0.6, nor Graphcore-style splits with an empty IPU 0 as fast as
+# one layer per IPU.
+_TILES = ["--tiles_per_ipu=14", "--split_proportions=0.3,0.6", "--split_recomputation=true",
+          "--split_serialization=2"]
+
+
+class AutoSplitTest(chex.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.mkdtemp()
+    path = os.path.join(cls.tmp, "auto.json")
+    bert_pretraining.run(_runner_flags(
+        "--auto_split", "--estimate_only", f"--json_out={path}", *_TILES,
+        "--layers_per_ipu=0,2,1,1", "--matmul_proportion=0.3,0.3,0.3,0.3",
+        "--decoder_serialization=2", f"--split_plot={os.path.join(cls.tmp, 'split.png')}"))
+    with open(path) as out:
+      cls.auto = json.load(out)
+    split = cls.auto["split"]
+    # The same estimate, the chosen split given by hand.
+    path = os.path.join(cls.tmp, "given.json")
+    bert_pretraining.run(_runner_flags(
+        "--estimate_only", f"--json_out={path}", *_TILES,
+        "--layers_per_ipu=" + ",".join(map(str, split["layers_per_ipu"])),
+        "--matmul_proportion=" + ",".join(map(str, split["available_memory_proportion"])),
+        f"--recomputation={split['recomputation']}",
+        f"--decoder_serialization={split['serialization_factor']}"))
+    with open(path) as out:
+      cls.given = json.load(out)
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.tmp, ignore_errors=True)
+    super().tearDownClass()
+
+  def test_chosen_split_fits_and_is_the_layout_estimated(self):
+    auto = self.auto
+    self.assertEqual(set(auto["split"]), {"layers_per_ipu", "available_memory_proportion",
+                                          "recomputation", "serialization_factor"})
+    self.assertEqual(sum(auto["split"]["layers_per_ipu"]), 4)
+    self.assertLen(auto["split"]["available_memory_proportion"], 4)
+    self.assertTrue(auto["fits"])
+    self.assertLessEqual(max(auto["per_ipu_max_tile_bytes"]), auto["bytes_per_tile"])
+    # The flags' own split was the baseline; the search chose a faster one.
+    self.assertEqual(auto["split_baseline"]["layers_per_ipu"], [0, 2, 1, 1])
+    self.assertNotEqual(auto["split"]["layers_per_ipu"], [0, 2, 1, 1])
+    self.assertGreater(auto["split_estimate"]["samples_per_second"],
+                       auto["split_baseline"]["samples_per_second"])
+    # The runner estimated the chosen split: the same figures as given by hand.
+    self.assertEqual(auto["per_ipu_max_tile_bytes"], self.given["per_ipu_max_tile_bytes"])
+    self.assertEqual(auto["per_ipu_peak_bytes"], self.given["per_ipu_peak_bytes"])
+    self.assertAlmostEqual(auto["samples_per_second"], self.given["samples_per_second"],
+                           delta=1e-9 * auto["samples_per_second"])
+    # ... which the search's own lowering of it confirmed.
+    self.assertEqual(auto["split_estimate"]["lowered_peak_bytes"],
+                     auto["per_ipu_max_tile_bytes"])
+    self.assertNotIn("split", self.given)
+    with open(os.path.join(self.tmp, "split.png"), "rb") as png:
+      self.assertEqual(png.read(8), b"\x89PNG\r\n\x1a\n")
+
+  def test_search_counts(self):
+    search = self.auto["search"]
+    # 4 layer compositions x 2 proportions on each of 4 IPUs.
+    self.assertEqual(search["scored"], 4 * 2 ** 4)
+    self.assertGreaterEqual(search["lowered"], 3)  # a probe per proportion, a confirmation
+    self.assertEqual(search["confirmed"], 1)
+    self.assertGreater(search["seconds"], 0)
+
+  def test_nothing_fits_is_a_usage_error_naming_the_ipu_and_shortfall(self):
+    path = os.path.join(self.tmp, "none.json")
+    f = _runner_flags("--auto_split", "--estimate_only", f"--json_out={path}",
+                      "--tiles_per_ipu=4", "--split_proportions=0.3",
+                      "--split_recomputation=true", "--split_serialization=2")
+    with self.assertRaisesRegex(app.UsageError,
+                                r"--auto_split: No split fits: .* is [\d,]+ bytes short on IPU "
+                                r"\d \(tile \d+ needs [\d,]+ of 638,976 bytes\)"):
+      bert_pretraining.run(f)
+    self.assertFalse(os.path.exists(path))
+
+  @parameterized.named_parameters(
+      ("proportion", ["--split_proportions=0.3,1.5"], "--split_proportions: '1.5'"),
+      ("recomputation", ["--split_recomputation=maybe"], "--split_recomputation: 'maybe'"),
+      ("factor", ["--split_serialization=0"], "--split_serialization: '0'"),
+      ("vocabulary", ["--split_serialization=3,7"], "none of \\[3, 7\\] divides the vocabulary"),
+  )
+  def test_bad_search_space_flags(self, argv, message):
+    with self.assertRaisesRegex(ValueError, message):
+      bert_pretraining.split_space(_runner_flags(*argv), 1000)
+
+  def test_factors_not_dividing_the_vocabulary_are_left_out(self):
+    space = bert_pretraining.split_space(_runner_flags("--split_serialization=1,2,4"), 30522)
+    self.assertEqual(space["serialization"], (1, 2))
+    self.assertEqual(space["recomputation"], (True, False))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ def plot_splits(path: str, chosen, baseline=None) -> str:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  splits = [("chosen " + str(list(chosen.candidate.layers_per_ipu)), chosen)]
-  if baseline is not None:
-    splits.append(("baseline " + str(list(baseline.candidate.layers_per_ipu)), baseline))
+  splits = [("chosen", chosen)] + ([("baseline", baseline)] if baseline is not None else [])
+  splits = [(f"{name} {list(e.candidate.layers_per_ipu)} at "
+             f"{[round(float(p), 3) for p in e.candidate.proportions]}", e)
+            for name, e in splits]
   num_ipus = len(chosen.ipu_peak_bytes)
   x = np.arange(num_ipus)
   width = 0.8 / len(splits)
@@ -36,7 +37,8 @@ def plot_splits(path: str, chosen, baseline=None) -> str:
                      (memory_ax, "peak KiB on the fullest tile")):
     ax.set_xticks(x, [f"IPU {i}" for i in x])
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper center", ncol=1)
   cycles_ax.set_title("Per-IPU cycles (estimate)")
   memory_ax.set_title("Per-IPU memory (estimate)")
   fig.tight_layout()

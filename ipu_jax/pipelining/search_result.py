@@ -69,6 +69,7 @@ class Estimate:
   def row(self) -> dict:
     out = {**self.config, "samples_per_second": self.samples_per_second,
            "step_cycles": self.step_cycles, "ipu_peak_bytes": list(self.ipu_peak_bytes),
+           "ipu_busy_cycles": list(self.ipu_busy_cycles),
            "bottleneck_ipu": self.bottleneck_ipu, "bottleneck_stages": self.bottleneck_stages}
     if self.lowered_step_cycles is not None:
       out.update(lowered_step_cycles=self.lowered_step_cycles,
@@ -120,7 +121,9 @@ class SearchResult:
     counts: ``space`` (candidates in the space), ``scored`` (candidates
       whose fit was composed), ``simulated`` (timelines laid out),
       ``lowered`` (pipelines lowered: probes and confirmations), ``probes``,
-      ``confirmed``.
+      ``confirmed``; and the seconds of each phase: ``probe_seconds``,
+      ``rank_seconds`` (composing and laying out candidates),
+      ``confirm_seconds`` (confirming, and estimating the baseline).
     seconds: the search's wall time.
   """
 
