@@ -381,6 +381,24 @@ def _merged_runs(a: np.ndarray, b: np.ndarray) -> tuple:
   return merged[keep], in_a[keep], in_b[keep]
 
 
+def _pieces(src: TileMapping, dst: TileMapping) -> tuple:
+  """``(src_tiles, dst_tiles, lengths)`` of the pieces where a run of ``src``
+  overlaps a run of ``dst``.
+
+  Two linear mappings with equal rows (the same tensor laid out from other
+  tiles, as a layer's activations and residuals often are) share every run
+  boundary: the pieces are their rows, with no merge.
+  """
+  if (src.is_linear and dst.is_linear and src.chunk == dst.chunk
+      and src.num_rows == dst.num_rows):
+    return src.tiles, dst.tiles, src.counts
+  s_starts, s_tiles = src.intervals
+  d_starts, d_tiles = dst.intervals
+  bounds, in_s, in_d = _merged_runs(s_starts, d_starts)
+  lengths = np.diff(np.append(bounds, src.num_elements))
+  return s_tiles[in_s], d_tiles[in_d], lengths
+
+
 def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
                            itemsize: int) -> ExchangeCost:
   """:func:`movement_cost` of every element from ``src`` to ``dst``, by intervals.
@@ -389,11 +407,7 @@ def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping
   the pieces where a run of ``src`` overlaps a run of ``dst``: merging the
   two sorted run lists takes time proportional to the runs, not elements.
   """
-  s_starts, s_tiles = src.intervals
-  d_starts, d_tiles = dst.intervals
-  bounds, in_s, in_d = _merged_runs(s_starts, d_starts)
-  lengths = np.diff(np.append(bounds, src.num_elements))
-  s, d = s_tiles[in_s], d_tiles[in_d]
+  s, d, lengths = _pieces(src, dst)
   moved = s != d
   s, d, lengths = s[moved], d[moved], lengths[moved]
   t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
