@@ -176,10 +176,36 @@ def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarr
   if busy.size == elements.size or (outputs is not None and outputs.shape != elements.shape):
     return _busy_reduce_cycles(target, elements, outputs, dtype, op)
   cycles = np.zeros(elements.size, np.float64)
-  cycles[busy] = _busy_reduce_cycles(target, elements.reshape(-1)[busy],
-                                     None if outputs is None else outputs.reshape(-1)[busy],
-                                     dtype, op)
+  cycles[busy] = _distinct_reduce_cycles(target, elements.reshape(-1)[busy],
+                                         None if outputs is None else outputs.reshape(-1)[busy],
+                                         dtype, op)
   return cycles.reshape(elements.shape)
+
+
+# Busy tiles past which the estimate is made once per distinct (inputs, outputs) pair.
+_DISTINCT_AFTER = 64
+
+
+def _distinct_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
+  """:func:`_busy_reduce_cycles` on ``[n]`` tiles, once per distinct pair of figures.
+
+  The estimate of a tile depends on its own inputs and outputs only, and a
+  reduction spread over thousands of tiles holds a few distinct pairs (equal
+  shares, a shorter last one): its few dozen array passes run on those, and
+  the cycles are spread back.
+  """
+  if elements.size <= _DISTINCT_AFTER or (outputs is not None and outputs.min() < 0):
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+  key = elements
+  if outputs is not None:
+    span = int(outputs.max()) + 1
+    if int(elements.max()) >= (1 << 62) // span:
+      return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+    key = elements * span + outputs
+  _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+  distinct = _busy_reduce_cycles(target, elements[first],
+                                 None if outputs is None else outputs[first], dtype, op)
+  return distinct[inverse.reshape(-1)]
 
 
 def _busy_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
