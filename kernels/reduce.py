@@ -172,9 +172,13 @@ def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarr
   # Every figure is per tile and zero off the tiles with inputs: on several
   # IPUs most of a reduction's [num_tiles] arrays are idle tiles, so the
   # estimate runs on the busy ones only and is scattered back.
-  busy = np.flatnonzero(elements.reshape(-1) > 0)
-  if busy.size == elements.size or (outputs is not None and outputs.shape != elements.shape):
+  if outputs is not None and outputs.shape != elements.shape:
     return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+  busy = np.flatnonzero(elements.reshape(-1) > 0)
+  if busy.size == elements.size:
+    return _distinct_reduce_cycles(target, elements.reshape(-1),
+                                   None if outputs is None else outputs.reshape(-1), dtype,
+                                   op).reshape(elements.shape)
   cycles = np.zeros(elements.size, np.float64)
   cycles[busy] = _distinct_reduce_cycles(target, elements.reshape(-1)[busy],
                                          None if outputs is None else outputs.reshape(-1)[busy],
