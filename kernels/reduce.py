@@ -186,30 +186,35 @@ def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarr
   return cycles.reshape(elements.shape)
 
 
-# Busy tiles past which the estimate is made once per distinct (inputs, outputs) pair.
+# Tiles past which the estimate is made once for the figures most of them share.
 _DISTINCT_AFTER = 64
 
 
 def _distinct_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
-  """:func:`_busy_reduce_cycles` on ``[n]`` tiles, once per distinct pair of figures.
+  """:func:`_busy_reduce_cycles` on ``[n]`` tiles, once for the pair most share.
 
   The estimate of a tile depends on its own inputs and outputs only, and a
-  reduction spread over thousands of tiles holds a few distinct pairs (equal
-  shares, a shorter last one): its few dozen array passes run on those, and
-  the cycles are spread back.
+  reduction spread over thousands of tiles mostly holds one pair of them
+  (equal shares, a shorter last one): when the first tile's pair is most
+  tiles', its few dozen array passes run on that pair and on the other
+  tiles only.
   """
-  if elements.size <= _DISTINCT_AFTER or (outputs is not None and outputs.min() < 0):
+  n = elements.size
+  if n <= _DISTINCT_AFTER:
     return _busy_reduce_cycles(target, elements, outputs, dtype, op)
-  key = elements
+  same = elements == elements[0]
   if outputs is not None:
-    span = int(outputs.max()) + 1
-    if int(elements.max()) >= (1 << 62) // span:
-      return _busy_reduce_cycles(target, elements, outputs, dtype, op)
-    key = elements * span + outputs
-  _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-  distinct = _busy_reduce_cycles(target, elements[first],
-                                 None if outputs is None else outputs[first], dtype, op)
-  return distinct[inverse.reshape(-1)]
+    same &= outputs == outputs[0]
+  others = np.flatnonzero(~same)
+  if 2 * others.size > n:
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+  pick = lambda a, where: None if a is None else a[where]
+  cycles = np.empty(n, np.float64)
+  cycles[:] = _busy_reduce_cycles(target, elements[:1], pick(outputs, slice(0, 1)), dtype, op)[0]
+  if others.size:
+    cycles[others] = _busy_reduce_cycles(target, elements[others], pick(outputs, others), dtype,
+                                         op)
+  return cycles
 
 
 def _busy_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
