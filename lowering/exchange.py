@@ -236,6 +236,17 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   """Bytes moved when a tensor goes from ``src`` to ``dst``."""
   if src.same_as(dst) or src.num_elements == 0:
     return None
+  # The same two layouts meet again (a tensor read by several steps, a fused
+  # member moved where it was costed before): the placed cost is looked up.
+  prints = (src.fingerprint, dst.fingerprint)
+  key = None if "object" in (prints[0][0], prints[1][0]) else prints + (int(itemsize), target)
+  return plan_cache.cached(_PLACED_RELAYOUTS, key,
+                           lambda: _frozen(_placed_relayout_cost(target, src, dst, itemsize)))
+
+
+def _placed_relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
+                          itemsize: int) -> ExchangeCost:
+  """:func:`relayout_cost` of two layouts that differ, from the costs moved along the tiles."""
   # Repeated layers relayout between the same layouts, maybe moved along the
   # tiles: the bytes each tile sends and receives only compare tile
   # identities, so they are costed once, counted from the destination's
@@ -349,6 +360,7 @@ def shift_cost(cost: ExchangeCost | None, tiles: int,
 
 
 _RELAYOUTS = plan_cache.PlanCache("relayout costs", max_entries=4096)
+_PLACED_RELAYOUTS = plan_cache.PlanCache("placed relayout costs", max_entries=4096)
 
 
 def _frozen(cost: ExchangeCost) -> ExchangeCost:
