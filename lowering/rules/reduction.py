@@ -582,6 +582,10 @@ def _place_outputs(ctx, plan: _Plan) -> _Stage2:
   best = None
   for cand, rotates in candidates:
     tile_cost, cycles, received, most = _relative_stage2(ctx, plan, cand, runs, base, figures)
+    # IPU-Link bytes only add cycles: a placement already no cheaper without
+    # them cannot win, and their count (afresh, on runs) is skipped.
+    if best is not None and exchange_cycles(target, tile_cost) + most >= best[-1]:
+      continue
     link = _stage2_link_bytes(target, cand, runs, itemsize, tile_cost)
     score = exchange_cycles(target, _with_link(tile_cost, link)) + most
     if best is None or score < best[-1]:
