@@ -257,8 +257,15 @@ def _placed_relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   t = target.num_tiles
   key = (src.relative_fingerprint(base, t), dst.relative_fingerprint(base, t), int(itemsize),
          target)
-  relative = plan_cache.cached(_RELAYOUTS, key, lambda: _frozen(shift_cost(
-      _tile_bytes(interval_movement_cost(target, src, dst, itemsize)), -base)))
+  fresh = []
+
+  def relative():
+    fresh.append(interval_movement_cost(target, src, dst, itemsize))
+    return _frozen(shift_cost(_tile_bytes(fresh[0]), -base))
+
+  relative = plan_cache.cached(_RELAYOUTS, key, relative)
+  if fresh:  # counted here, IPU-Link bytes included: nothing to move or recount
+    return fresh[0]
   moved = shift_cost(relative, base)
   if target.num_ipus == 1:
     return moved
