@@ -130,6 +130,22 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
   of lowering).
   """
   dtype = np.dtype(dtype)
+  # Types as dtype objects, not ``.str``: bfloat16 and the FP8 types share ``<V2``/``<V1``.
+  in_key = None if in_dtype is None else np.dtype(in_dtype)
+  # A chain of elementwise steps works on one layout: its placed figures are
+  # looked up (shared read-only arrays), not rolled into place for each step.
+  placed = mapping.fingerprint
+  key = None if placed[0] == "object" else (placed, op, dtype, in_key, target)
+  return plan_cache.cached(
+      _PLACED_FIGURES, key,
+      lambda: _placed_elementwise_figures(target, mapping, op, dtype, in_dtype, in_key))
+
+
+_PLACED_FIGURES = plan_cache.PlanCache("placed elementwise figures", max_entries=4096)
+
+
+def _placed_elementwise_figures(target, mapping, op, dtype, in_dtype, in_key) -> tuple:
+  """:func:`elementwise_figures` from the figures cached counted from the layout's first tile."""
   t = target.num_tiles
   base = int(mapping.tiles[0]) if mapping.num_rows else 0
 
@@ -140,8 +156,6 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
     vertices = np.minimum(elements, target.worker_contexts)
     return tuple(_frozen(P.narrowed(a)) for a in (cycles, vertices))
 
-  # Types as dtype objects, not ``.str``: bfloat16 and the FP8 types share ``<V2``/``<V1``.
-  in_key = None if in_dtype is None else np.dtype(in_dtype)
   key = (mapping.relative_fingerprint(base, t), op, dtype, in_key, target)
   cycles, vertices = plan_cache.cached(_ELEMENTWISE_FIGURES, key, compute)
   if base == 0:
