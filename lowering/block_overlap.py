@@ -401,7 +401,7 @@ def _link_blocks(shape, boxes, needs, grid_shape) -> _LinkBlocks:
   return _LinkBlocks(tuple(shape), key, lo, hi, cuts, cells)
 
 
-def _link_bytes(target, blocks: _LinkBlocks, starts, ends, run_tiles, tiles,
+def _link_bytes(target, blocks: _LinkBlocks, ipu_starts, ipu_of, num_elements, tiles,
                 itemsize) -> Optional[np.ndarray]:
   """Exact IPU-Link bytes when every element has one block per needing axis.
 
@@ -419,12 +419,8 @@ def _link_bytes(target, blocks: _LinkBlocks, starts, ends, run_tiles, tiles,
   shape, lo, hi, n_blocks = blocks.shape, blocks.lo, blocks.hi, blocks.lo[0].size
   member = np.zeros((n_blocks, n_ipus), bool)
   member[blocks.key, tiles // per] = True
-  # The tensor as runs of one IPU each.
-  ipu = run_tiles // per
-  keep = np.ones(ipu.size, bool)
-  keep[1:] = ipu[1:] != ipu[:-1]
-  ipu_starts, ipu_of = starts[keep], ipu[keep]
-  ipu_ends = np.append(ipu_starts[1:], ends[-1])
+  # The tensor as runs of one IPU each (``ipu_starts``, ``ipu_of``).
+  ipu_ends = np.append(ipu_starts[1:], num_elements)
   others = member.sum(axis=1)[None, :] - member.T  # [IPU, block]
   if 2 * ipu_starts.size * n_blocks <= _DIRECT_BUDGET:
     inside = _ipu_box_counts(shape, ipu_starts, ipu_ends, ipu_of, n_ipus, lo, hi)
@@ -759,11 +755,11 @@ def _geometry_link_bytes(target, mapping, geo: _Geometry, grid_shape, needs, sen
     return link
   if geo.ranges.halo:
     return _halo_link_bytes(target, geo.tiles, sent, itemsize)
-  starts, run_tiles = mapping.intervals
-  ends = np.append(starts[1:], mapping.num_elements)
   blocks = plan_cache.cached(_LINK_BLOCKS, geo.key,
                              lambda: _link_blocks(geo.shape, geo.boxes, needs, grid_shape))
-  return _link_bytes(target, blocks, starts, ends, run_tiles, geo.tiles, itemsize)
+  ipu_starts, ipu_of = mapping.ipu_runs(target.tiles_per_ipu)
+  return _link_bytes(target, blocks, ipu_starts, ipu_of, mapping.num_elements, geo.tiles,
+                     itemsize)
 
 
 _LINK_BLOCKS = plan_cache.PlanCache("block link geometries")

@@ -280,11 +280,7 @@ def _tile_bytes(cost: ExchangeCost) -> ExchangeCost:
 
 def _ipu_runs(mapping: TileMapping, tiles_per_ipu: int) -> tuple:
   """``(starts, ipus)``: the flattened tensor as runs of one IPU each."""
-  starts, tiles = mapping.intervals
-  ipus = tiles // tiles_per_ipu
-  keep = np.ones(ipus.size, bool)
-  keep[1:] = ipus[1:] != ipus[:-1]
-  return starts[keep], ipus[keep]
+  return mapping.ipu_runs(tiles_per_ipu)
 
 
 def interval_link_bytes(target: IPUTarget, src: TileMapping, dst: TileMapping,
