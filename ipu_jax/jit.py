@@ -87,6 +87,17 @@ class Lowered:
     self.host = host_time.HostTimes(compiled_because=compiled_because)
     self._cached_program = None
     self._donated = tuple(donated)
+    # Tracing and lowering keep tens of thousands of objects alive and make
+    # almost no cyclic garbage: full cycle collections in between only walk
+    # them (lowering/host_memory.py).
+    with host_memory.cycle_collection_paused():
+      self._trace_and_lower(fn, args_flat, in_tree, name, target, options, replication_factor,
+                            arg_names, progress, call_site, offload, cache_dir)
+
+  def _trace_and_lower(self, fn, args_flat, in_tree, name, target, options,
+                       replication_factor, arg_names, progress, call_site, offload,
+                       cache_dir) -> None:
+    """Trace ``fn``, then load the program from the executable cache or lower it."""
     with host_time.timer() as traced:
       out_shape = self._trace(fn, args_flat, in_tree, target, options, replication_factor,
                               progress)

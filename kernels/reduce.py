@@ -172,14 +172,49 @@ def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarr
   # Every figure is per tile and zero off the tiles with inputs: on several
   # IPUs most of a reduction's [num_tiles] arrays are idle tiles, so the
   # estimate runs on the busy ones only and is scattered back.
-  busy = np.flatnonzero(elements.reshape(-1) > 0)
-  if busy.size == elements.size or (outputs is not None and outputs.shape != elements.shape):
+  if outputs is not None and outputs.shape != elements.shape:
     return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+  busy = np.flatnonzero(elements.reshape(-1) > 0)
+  if busy.size == elements.size:
+    return _distinct_reduce_cycles(target, elements.reshape(-1),
+                                   None if outputs is None else outputs.reshape(-1), dtype,
+                                   op).reshape(elements.shape)
   cycles = np.zeros(elements.size, np.float64)
-  cycles[busy] = _busy_reduce_cycles(target, elements.reshape(-1)[busy],
-                                     None if outputs is None else outputs.reshape(-1)[busy],
-                                     dtype, op)
+  cycles[busy] = _distinct_reduce_cycles(target, elements.reshape(-1)[busy],
+                                         None if outputs is None else outputs.reshape(-1)[busy],
+                                         dtype, op)
   return cycles.reshape(elements.shape)
+
+
+# Tiles past which the estimate is made once for the figures most of them share.
+_DISTINCT_AFTER = 64
+
+
+def _distinct_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
+  """:func:`_busy_reduce_cycles` on ``[n]`` tiles, once for the pair most share.
+
+  The estimate of a tile depends on its own inputs and outputs only, and a
+  reduction spread over thousands of tiles mostly holds one pair of them
+  (equal shares, a shorter last one): when the first tile's pair is most
+  tiles', its few dozen array passes run on that pair and on the other
+  tiles only.
+  """
+  n = elements.size
+  if n <= _DISTINCT_AFTER:
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+  same = elements == elements[0]
+  if outputs is not None:
+    same &= outputs == outputs[0]
+  others = np.flatnonzero(~same)
+  if 2 * others.size > n:
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+  pick = lambda a, where: None if a is None else a[where]
+  cycles = np.empty(n, np.float64)
+  cycles[:] = _busy_reduce_cycles(target, elements[:1], pick(outputs, slice(0, 1)), dtype, op)[0]
+  if others.size:
+    cycles[others] = _busy_reduce_cycles(target, elements[others], pick(outputs, others), dtype,
+                                         op)
+  return cycles
 
 
 def _busy_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:

@@ -51,8 +51,9 @@ def _zeros(num_tiles: int, dtype) -> np.ndarray:
 
 
 def _sync_cycles(target, touched_tiles: np.ndarray, crosses: bool) -> float:
+  per = target.tiles_per_ipu
   if target.num_ipus > 1 and (crosses or (touched_tiles.size and
-                              np.unique(touched_tiles // target.tiles_per_ipu).size > 1)):
+                              touched_tiles.min() // per != touched_tiles.max() // per)):
     return target.ipu_sync_cycles()
   return float(target.sync_cycles_internal)
 

@@ -348,24 +348,37 @@ def _box_sums(counts: np.ndarray, cuts, lo, hi) -> np.ndarray:
   return out
 
 
-def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, grid_shape,
-                itemsize) -> Optional[np.ndarray]:
-  """Exact IPU-Link bytes when every element has one block per needing axis.
+@dataclasses.dataclass(frozen=True)
+class _LinkBlocks:
+  """The blocks of an exchange as :func:`_link_bytes` counts them.
 
-  An element is multicast to the grid tiles of its block (every block along
-  the axes needing all elements); it crosses once to each other IPU among
-  them. So IPU ``i`` sends, per block, its elements in the block times the
-  other IPUs the block's tiles span. Each IPU's elements per block are its
-  counts per cell of the grid that the blocks' bounds cut the tensor into
-  (:func:`_cell_counts`, from the ends of its runs), summed over the block's
-  cells: work in IPU runs plus IPUs x cells, not runs x blocks. None when
-  IPUs x cells is more than ``_LINK_BUDGET``.
+  They depend on the geometry only (shapes, window, grid, needs), not on
+  where the tensor or the grid lie: cached with it (every matmul operand
+  exchange on several IPUs counts its IPU-Link bytes).
+
+  Attributes:
+    shape: the (merged) tensor's shape, one axis of one element for a scalar.
+    key: ``[G]`` the block of each grid index.
+    lo, hi: per axis, ``[K]`` each block's box, clipped to the tensor.
+    cuts: per axis, the sorted cut points the boxes' bounds make.
+    cells: how many cells those cuts make.
   """
-  per, n_ipus = target.tiles_per_ipu, target.num_ipus
-  g_count = tiles.size
-  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid_shape))
+
+  shape: tuple
+  key: np.ndarray
+  lo: list
+  hi: list
+  cuts: list
+  cells: int
+
+
+def _link_blocks(shape, boxes, needs, grid_shape) -> _LinkBlocks:
+  """:class:`_LinkBlocks` of an exchange (uncached; see :func:`_geometry_link_bytes`)."""
+  grid_shape = tuple(int(g) for g in grid_shape)
+  g_count = int(np.prod(grid_shape, dtype=np.int64))
+  coords = np.unravel_index(np.arange(g_count), grid_shape)
   cut = [a for a, need in enumerate(needs) if need is not None]
-  key = (np.ravel_multi_index([coords[a] for a in cut], [int(grid_shape[a]) for a in cut])
+  key = (np.ravel_multi_index([coords[a] for a in cut], [grid_shape[a] for a in cut])
          if cut else np.zeros(g_count, np.int64))
   # One grid index per block: the first along the axes needing everything.
   shared = [coords[a] == 0 for a in range(len(grid_shape)) if needs[a] is None]
@@ -373,15 +386,6 @@ def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, gri
   # one True, not one per index).
   first = np.all(shared, axis=0) if shared else np.ones(g_count, bool)
   rep = np.flatnonzero(first)
-  member = np.zeros((rep.size, n_ipus), bool)
-  member[key, tiles // per] = True
-  # The tensor as runs of one IPU each.
-  ipu = run_tiles // per
-  keep = np.ones(ipu.size, bool)
-  keep[1:] = ipu[1:] != ipu[:-1]
-  ipu_starts, ipu_of = starts[keep], ipu[keep]
-  ipu_ends = np.append(ipu_starts[1:], ends[-1])
-  others = member.sum(axis=1)[None, :] - member.T  # [IPU, block]
   if not len(shape):  # a scalar: one axis of one element, in every block
     shape, boxes = (1,), (np.zeros((g_count, 1), np.int64), np.ones((g_count, 1), np.int64))
   # Only the part of a box inside the tensor counts.
@@ -392,13 +396,73 @@ def _link_bytes(target, shape, starts, ends, run_tiles, boxes, tiles, needs, gri
   cuts = [np.unique(np.concatenate([[0, int(shape[a])], lo[a], hi[a]]))
           for a in range(len(shape))]
   cells = int(np.prod([c.size - 1 for c in cuts], dtype=np.int64))
-  if n_ipus * cells > _LINK_BUDGET:
-    return None
-  points = np.concatenate([ipu_ends, ipu_starts]).astype(np.int64)
-  weights = np.concatenate([np.ones(ipu_ends.size, np.int64), -np.ones(ipu_starts.size, np.int64)])
-  counts = _cell_counts(shape, points, weights, np.concatenate([ipu_of, ipu_of]), n_ipus, cuts)
-  inside = _box_sums(counts, cuts, lo, hi)  # [IPU, block]
+  for table in [key] + lo + hi + cuts:
+    table.setflags(write=False)
+  return _LinkBlocks(tuple(shape), key, lo, hi, cuts, cells)
+
+
+def _link_bytes(target, blocks: _LinkBlocks, ipu_starts, ipu_of, num_elements, tiles,
+                itemsize) -> Optional[np.ndarray]:
+  """Exact IPU-Link bytes when every element has one block per needing axis.
+
+  An element is multicast to the grid tiles of its block (every block along
+  the axes needing all elements); it crosses once to each other IPU among
+  them. So IPU ``i`` sends, per block, its elements in the block times the
+  other IPUs the block's tiles span. Each IPU's elements per block are
+  counted from the ends of its runs: run by run in every block where they
+  are few (:func:`_ipu_box_counts`), else as its counts per cell of the grid
+  that the blocks' bounds cut the tensor into (:func:`_cell_counts`),
+  summed over the block's cells: work in IPU runs plus IPUs x cells, not
+  runs x blocks. None when IPUs x cells is more than ``_LINK_BUDGET``.
+  """
+  per, n_ipus = target.tiles_per_ipu, target.num_ipus
+  shape, lo, hi, n_blocks = blocks.shape, blocks.lo, blocks.hi, blocks.lo[0].size
+  member = np.zeros((n_blocks, n_ipus), bool)
+  member[blocks.key, tiles // per] = True
+  # The tensor as runs of one IPU each (``ipu_starts``, ``ipu_of``).
+  ipu_ends = np.append(ipu_starts[1:], num_elements)
+  others = member.sum(axis=1)[None, :] - member.T  # [IPU, block]
+  if 2 * ipu_starts.size * n_blocks <= _DIRECT_BUDGET:
+    inside = _ipu_box_counts(shape, ipu_starts, ipu_ends, ipu_of, n_ipus, lo, hi)
+  else:
+    cuts = blocks.cuts
+    if n_ipus * blocks.cells > _LINK_BUDGET:
+      return None
+    points = np.concatenate([ipu_ends, ipu_starts]).astype(np.int64)
+    weights = np.concatenate([np.ones(ipu_ends.size, np.int64),
+                              -np.ones(ipu_starts.size, np.int64)])
+    counts = _cell_counts(shape, points, weights, np.concatenate([ipu_of, ipu_of]), n_ipus,
+                          cuts)
+    inside = _box_sums(counts, cuts, lo, hi)  # [IPU, block]
   return ((inside * others).sum(axis=1) * itemsize).astype(np.int64)
+
+
+# Most (IPU runs x blocks) pairs counted one by one (:func:`_ipu_box_counts`).
+_DIRECT_BUDGET = 1 << 14
+
+
+def _ipu_box_counts(shape, starts, ends, ipu_of, n_ipus, lo, hi) -> np.ndarray:
+  """``[n_ipus, K]`` elements of each IPU in each of ``K`` boxes, run by run.
+
+  Most operands lie on a few IPU runs (a weight on consecutive tiles spans
+  two or three IPUs): counting every run's two ends in every box directly
+  is then a few thousand prefix counts, cheaper than the cells
+  :func:`_cell_counts` cuts the tensor into. ``lo``, ``hi``: per axis,
+  ``[K]`` bounds clipped to the tensor.
+  """
+  sizes = [int(d) for d in shape]
+  ndim, r, k = len(sizes), starts.size, lo[0].size
+  points = np.concatenate([ends, starts]).astype(np.int64)
+  x = np.broadcast_to(points[:, None], (2 * r, k))
+  los = [np.broadcast_to(l[None, :], (2 * r, k)) for l in lo]
+  his = [np.broadcast_to(h[None, :], (2 * r, k)) for h in hi]
+  members = [None] * ndim
+  inner, volume = _box_volumes(los, his, members)
+  below = _count_below(x, sizes, los, his, members, inner, volume)
+  per_run = below[:r] - below[r:]  # [run, box]
+  inside = np.zeros((n_ipus, k), np.int64)
+  np.add.at(inside, ipu_of, per_run)
+  return inside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,21 +580,56 @@ class _GridRuns:
   run_hi: list
 
 
-def _grid_runs(t, starts, ends, run_tiles, shape, tiles, boxes) -> _GridRuns:
-  """The runs on grid tiles and their boxes (``boxes``: ``[G, ndim]`` bounds)."""
+def _grid_runs(t, starts, ends, run_tiles, geo: "_Geometry") -> _GridRuns:
+  """The runs on grid tiles that reach into their tile's box, with that box.
+
+  A run lying wholly before or after its box's first and last elements
+  holds none of it (nor of any set within it): it is left out, so the
+  prefix counts run only where a tile may hold part of its own block (on a
+  grid laid over many tiles, a few of its runs).
+  """
+  shape, tiles = geo.shape, geo.tiles
   g_count = tiles.size
   grid_of_tile = np.full(t, -1, np.int64)
   grid_of_tile[tiles] = np.arange(g_count)
   g = grid_of_tile[run_tiles]
   mine = g >= 0
+  bounds = plan_cache.cached(_BOX_BOUNDS, geo.key, lambda: _box_bounds(shape, geo.boxes))
+  box_lo, box_hi, first, last = bounds
+  if shape:
+    mine &= (starts < last[np.maximum(g, 0)]) & (ends > first[np.maximum(g, 0)])
   g = g[mine]
   # Each run's box, per axis (contiguous gathers, not [runs, ndim] ones).
-  # (Clipped to the tensor per box here, not per run end in _prefix.)
-  box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(len(shape))],
-                            [boxes[1][:, a] for a in range(len(shape))], shape)
   run_lo = [lo[g] for lo in box_lo]
   run_hi = [hi[g] for hi in box_hi]
   return _GridRuns(shape, g_count, g, starts[mine], ends[mine], run_lo, run_hi)
+
+
+def _box_bounds(shape, boxes) -> tuple:
+  """``(lo, hi, first, last)`` of ``[G]`` boxes: per axis their bounds clipped to
+  the tensor, and the flat positions of their first element and past their
+  last (``first == last == 0`` for an empty box). Read-only (cached)."""
+  ndim = len(shape)
+  box_lo, box_hi = _clipped([boxes[0][:, a] for a in range(ndim)],
+                            [boxes[1][:, a] for a in range(ndim)], shape)
+  g_count = boxes[0].shape[0]
+  first = np.zeros(g_count, np.int64)
+  last = np.ones(g_count, np.int64)
+  empty = np.zeros(g_count, bool)
+  stride = 1
+  for a in reversed(range(ndim)):
+    first += box_lo[a] * stride
+    last += (box_hi[a] - 1) * stride
+    empty |= box_hi[a] <= box_lo[a]
+    stride *= int(shape[a])
+  first[empty] = 0
+  last[empty] = 0
+  for table in box_lo + box_hi + [first, last]:
+    table.setflags(write=False)
+  return box_lo, box_hi, first, last
+
+
+_BOX_BOUNDS = plan_cache.PlanCache("block box bounds")
 
 
 def _on_own_tile(runs: _GridRuns, sets) -> np.ndarray:
@@ -578,6 +677,7 @@ class _Geometry:
     ranges: each block's view ranges.
     boxes: ``(lo, hi)``, ``[G, ndim]`` each block's box of the tensor.
     sets: the elements some block and exactly one block need.
+    key: the geometry's cache key (what those depend on).
   """
 
   shape: tuple
@@ -586,6 +686,7 @@ class _Geometry:
   ranges: _BlockRanges
   boxes: tuple
   sets: _NeededSets
+  key: tuple
 
 
 def _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs):
@@ -609,7 +710,7 @@ def _geometry(target, mapping, shape, groups, window, grid_shape, tiles, needs):
                              lambda: _block_boxes(shape, groups, window, grid_shape, needs))
   if blocks is None:
     return None
-  return _Geometry(shape, groups, tiles, *blocks)
+  return _Geometry(shape, groups, tiles, *blocks, key)
 
 
 def _needs_key(needs) -> tuple:
@@ -654,10 +755,14 @@ def _geometry_link_bytes(target, mapping, geo: _Geometry, grid_shape, needs, sen
     return link
   if geo.ranges.halo:
     return _halo_link_bytes(target, geo.tiles, sent, itemsize)
-  starts, run_tiles = mapping.intervals
-  ends = np.append(starts[1:], mapping.num_elements)
-  return _link_bytes(target, geo.shape, starts, ends, run_tiles, geo.boxes, geo.tiles, needs,
-                     grid_shape, itemsize)
+  blocks = plan_cache.cached(_LINK_BLOCKS, geo.key,
+                             lambda: _link_blocks(geo.shape, geo.boxes, needs, grid_shape))
+  ipu_starts, ipu_of = mapping.ipu_runs(target.tiles_per_ipu)
+  return _link_bytes(target, blocks, ipu_starts, ipu_of, mapping.num_elements, geo.tiles,
+                     itemsize)
+
+
+_LINK_BLOCKS = plan_cache.PlanCache("block link geometries")
 
 
 def block_link_bytes(target, mapping: TileMapping, shape: Sequence[int], itemsize: int,
@@ -716,7 +821,7 @@ def block_exchange_cost(target, mapping: TileMapping, shape: Sequence[int], item
   shape, tiles, sets, t = geo.shape, geo.tiles, geo.sets, target.num_tiles
   starts, run_tiles = mapping.intervals
   ends = np.append(starts[1:], mapping.num_elements)
-  runs = _grid_runs(t, starts, ends, run_tiles, shape, tiles, geo.boxes)
+  runs = _grid_runs(t, starts, ends, run_tiles, geo)
   local = _on_own_tile(runs, None)
   sent = _needed_per_tile(t, mapping, starts, ends, run_tiles, shape, sets).copy()
   if geo.ranges.shared == 1 and sets.one_all:

@@ -92,18 +92,20 @@ def relayout_to(ctx, tensor: P.Tensor, mapping: TileMapping, name: str = "relayo
 def broadcast_cost(ctx, tensor: P.Tensor, dst_tiles: np.ndarray) -> Optional[ExchangeCost]:
   """Every tile in ``dst_tiles`` receives the whole of ``tensor`` (multicast)."""
   target = ctx.target
-  dst_tiles = np.unique(np.asarray(dst_tiles, np.int64))
+  # The receiving tiles as a mask (tile ids are small: no sort to find them once each).
+  receivers = np.zeros(target.num_tiles, bool)
+  receivers[np.asarray(dst_tiles, np.int64)] = True
+  dst_tiles = np.flatnonzero(receivers)
   if tensor.size == 0 or dst_tiles.size == 0:
     return None
   on_tile = tensor.mapping.bytes_per_tile(target.num_tiles, tensor.itemsize)
   bytes_in = np.zeros(target.num_tiles, np.int64)
   bytes_in[dst_tiles] = tensor.nbytes - on_tile[dst_tiles]
-  receivers = np.zeros(target.num_tiles, bool)
-  receivers[dst_tiles] = True
   # A source tile sends its part once if anyone but itself needs it.
-  others = receivers.sum() - receivers
+  others = dst_tiles.size - receivers
   bytes_out = np.where(others > 0, on_tile, 0)
-  ipu_of_dst = np.unique(dst_tiles // target.tiles_per_ipu)
+  ipu_of_dst = np.flatnonzero(np.bincount(dst_tiles // target.tiles_per_ipu,
+                                          minlength=target.num_ipus))
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus > 1:
     on_ipu = np.bincount(np.arange(target.num_tiles) // target.tiles_per_ipu,
@@ -128,6 +130,22 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
   of lowering).
   """
   dtype = np.dtype(dtype)
+  # Types as dtype objects, not ``.str``: bfloat16 and the FP8 types share ``<V2``/``<V1``.
+  in_key = None if in_dtype is None else np.dtype(in_dtype)
+  # A chain of elementwise steps works on one layout: its placed figures are
+  # looked up (shared read-only arrays), not rolled into place for each step.
+  placed = mapping.fingerprint
+  key = None if placed[0] == "object" else (placed, op, dtype, in_key, target)
+  return plan_cache.cached(
+      _PLACED_FIGURES, key,
+      lambda: _placed_elementwise_figures(target, mapping, op, dtype, in_dtype, in_key))
+
+
+_PLACED_FIGURES = plan_cache.PlanCache("placed elementwise figures", max_entries=4096)
+
+
+def _placed_elementwise_figures(target, mapping, op, dtype, in_dtype, in_key) -> tuple:
+  """:func:`elementwise_figures` from the figures cached counted from the layout's first tile."""
   t = target.num_tiles
   base = int(mapping.tiles[0]) if mapping.num_rows else 0
 
@@ -138,8 +156,6 @@ def elementwise_figures(target, mapping: TileMapping, op: str, dtype, in_dtype) 
     vertices = np.minimum(elements, target.worker_contexts)
     return tuple(_frozen(P.narrowed(a)) for a in (cycles, vertices))
 
-  # Types as dtype objects, not ``.str``: bfloat16 and the FP8 types share ``<V2``/``<V1``.
-  in_key = None if in_dtype is None else np.dtype(in_dtype)
   key = (mapping.relative_fingerprint(base, t), op, dtype, in_key, target)
   cycles, vertices = plan_cache.cached(_ELEMENTWISE_FIGURES, key, compute)
   if base == 0:

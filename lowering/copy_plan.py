@@ -350,8 +350,25 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
     return _frozen(CopyPlan(None, received, written, fills))
   dst, src, a, b = dst[moved], src[moved], a[moved], b[moved]
   received = _union_lengths(dst, a, b, num_tiles, num_sources)
+  if num_sources <= _COVERAGE_RATIO * a.size:
+    sent, link = _sent_by_coverage(target, dst, a, b, s_starts, s_tiles, num_sources)
+  else:
+    sent, link = _sent_by_unions(target, dst, src, a, b, num_sources)
+  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
+  return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+# What is sent is counted on the source elements (:func:`_sent_by_coverage`)
+# when they are at most this many times the moved pieces, else by unions.
+_COVERAGE_RATIO = 2
+
+
+def _sent_by_unions(target, dst, src, a, b, num_sources) -> tuple:
+  """``(sent, link)``: elements each tile sends and each IPU sends over its links,
+  given the moved pieces (source ``[a, b)`` from tile ``src`` to tile ``dst``):
+  per tile, and per source tile and destination IPU, unions of their intervals."""
+  num_tiles, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
   sent = _union_lengths(src, a, b, num_tiles, num_sources)
-  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
   link = np.zeros(n_ipus, np.int64)
   if n_ipus > 1:
     crossing = src // per_ipu != dst // per_ipu
@@ -359,8 +376,39 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
     per_pair = _union_lengths(group, a[crossing], b[crossing], n_ipus * num_tiles, num_sources)
     source_ipu = (np.arange(n_ipus * num_tiles) % num_tiles) // per_ipu
     link = np.bincount(source_ipu, weights=per_pair, minlength=n_ipus)[:n_ipus].astype(np.int64)
-  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
-  return _frozen(CopyPlan(cost, received, written - received, fills))
+  return sent, link
+
+
+def _sent_by_coverage(target, dst, a, b, s_starts, s_tiles, num_sources) -> tuple:
+  """:func:`_sent_by_unions` from which source elements the pieces cover.
+
+  A source element lies on one tile, so the union of what a tile sends is
+  every element of its own that some moved piece covers, and what crosses to
+  an IPU once is every element some piece to that IPU covers, from another
+  IPU. Covered elements are counted on the sources (a difference array per
+  destination IPU): work in pieces plus source elements, no sort. Pays where
+  the sources are small against the pieces (a bias broadcast over
+  thousands of tiles).
+  """
+  num_tiles, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
+  span = num_sources + 1
+  owner = np.repeat(s_tiles, np.diff(np.append(s_starts, num_sources)))
+  # Pieces to IPU i mark source elements in layer i (one difference array per
+  # IPU, laid end to end: each layer's marks add up to zero before the next).
+  layer = dst // per_ipu * span
+  size = n_ipus * span
+  marks = (np.bincount(layer + a, minlength=size)[:size]
+           - np.bincount(layer + b, minlength=size)[:size])
+  covered = (np.cumsum(marks).reshape(n_ipus, span)[:, :num_sources] > 0)
+  sent = np.bincount(owner[covered.any(axis=0)], minlength=num_tiles)[:num_tiles]
+  link = np.zeros(n_ipus, np.int64)
+  if n_ipus > 1:
+    # Elements covered in another IPU's layer than their own leave it once each.
+    owner_ipu = owner // per_ipu
+    away = covered & (owner_ipu[None, :] != np.arange(n_ipus)[:, None])
+    link = np.bincount(owner_ipu, weights=away.sum(axis=0),
+                       minlength=n_ipus)[:n_ipus].astype(np.int64)
+  return sent.astype(np.int64), link
 
 
 def _permutation_box(sources, outputs) -> Optional[Box]:

@@ -236,6 +236,17 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   """Bytes moved when a tensor goes from ``src`` to ``dst``."""
   if src.same_as(dst) or src.num_elements == 0:
     return None
+  # The same two layouts meet again (a tensor read by several steps, a fused
+  # member moved where it was costed before): the placed cost is looked up.
+  prints = (src.fingerprint, dst.fingerprint)
+  key = None if "object" in (prints[0][0], prints[1][0]) else prints + (int(itemsize), target)
+  return plan_cache.cached(_PLACED_RELAYOUTS, key,
+                           lambda: _frozen(_placed_relayout_cost(target, src, dst, itemsize)))
+
+
+def _placed_relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
+                          itemsize: int) -> ExchangeCost:
+  """:func:`relayout_cost` of two layouts that differ, from the costs moved along the tiles."""
   # Repeated layers relayout between the same layouts, maybe moved along the
   # tiles: the bytes each tile sends and receives only compare tile
   # identities, so they are costed once, counted from the destination's
@@ -246,8 +257,15 @@ def relayout_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
   t = target.num_tiles
   key = (src.relative_fingerprint(base, t), dst.relative_fingerprint(base, t), int(itemsize),
          target)
-  relative = plan_cache.cached(_RELAYOUTS, key, lambda: _frozen(shift_cost(
-      _tile_bytes(interval_movement_cost(target, src, dst, itemsize)), -base)))
+  fresh = []
+
+  def relative():
+    fresh.append(interval_movement_cost(target, src, dst, itemsize))
+    return _frozen(shift_cost(_tile_bytes(fresh[0]), -base))
+
+  relative = plan_cache.cached(_RELAYOUTS, key, relative)
+  if fresh:  # counted here, IPU-Link bytes included: nothing to move or recount
+    return fresh[0]
   moved = shift_cost(relative, base)
   if target.num_ipus == 1:
     return moved
@@ -262,11 +280,7 @@ def _tile_bytes(cost: ExchangeCost) -> ExchangeCost:
 
 def _ipu_runs(mapping: TileMapping, tiles_per_ipu: int) -> tuple:
   """``(starts, ipus)``: the flattened tensor as runs of one IPU each."""
-  starts, tiles = mapping.intervals
-  ipus = tiles // tiles_per_ipu
-  keep = np.ones(ipus.size, bool)
-  keep[1:] = ipus[1:] != ipus[:-1]
-  return starts[keep], ipus[keep]
+  return mapping.ipu_runs(tiles_per_ipu)
 
 
 def interval_link_bytes(target: IPUTarget, src: TileMapping, dst: TileMapping,
@@ -349,6 +363,7 @@ def shift_cost(cost: ExchangeCost | None, tiles: int,
 
 
 _RELAYOUTS = plan_cache.PlanCache("relayout costs", max_entries=4096)
+_PLACED_RELAYOUTS = plan_cache.PlanCache("placed relayout costs", max_entries=4096)
 
 
 def _frozen(cost: ExchangeCost) -> ExchangeCost:
@@ -381,6 +396,24 @@ def _merged_runs(a: np.ndarray, b: np.ndarray) -> tuple:
   return merged[keep], in_a[keep], in_b[keep]
 
 
+def _pieces(src: TileMapping, dst: TileMapping) -> tuple:
+  """``(src_tiles, dst_tiles, lengths)`` of the pieces where a run of ``src``
+  overlaps a run of ``dst``.
+
+  Two linear mappings with equal rows (the same tensor laid out from other
+  tiles, as a layer's activations and residuals often are) share every run
+  boundary: the pieces are their rows, with no merge.
+  """
+  if (src.is_linear and dst.is_linear and src.chunk == dst.chunk
+      and src.num_rows == dst.num_rows):
+    return src.tiles, dst.tiles, src.counts
+  s_starts, s_tiles = src.intervals
+  d_starts, d_tiles = dst.intervals
+  bounds, in_s, in_d = _merged_runs(s_starts, d_starts)
+  lengths = np.diff(np.append(bounds, src.num_elements))
+  return s_tiles[in_s], d_tiles[in_d], lengths
+
+
 def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping,
                            itemsize: int) -> ExchangeCost:
   """:func:`movement_cost` of every element from ``src`` to ``dst``, by intervals.
@@ -389,11 +422,7 @@ def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping
   the pieces where a run of ``src`` overlaps a run of ``dst``: merging the
   two sorted run lists takes time proportional to the runs, not elements.
   """
-  s_starts, s_tiles = src.intervals
-  d_starts, d_tiles = dst.intervals
-  bounds, in_s, in_d = _merged_runs(s_starts, d_starts)
-  lengths = np.diff(np.append(bounds, src.num_elements))
-  s, d = s_tiles[in_s], d_tiles[in_d]
+  s, d, lengths = _pieces(src, dst)
   moved = s != d
   s, d, lengths = s[moved], d[moved], lengths[moved]
   t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jax.extend import core as jcore
@@ -27,6 +29,14 @@ def source_of(eqn, library_fallback: bool = True) -> str:
   traceback = eqn.source_info.traceback
   if traceback is None:
     return ""
+  return _source_of_traceback(traceback, library_fallback)
+
+
+@functools.lru_cache(maxsize=4096)
+def _source_of_traceback(traceback, library_fallback: bool) -> str:
+  """:func:`source_of` by traceback: a layer's equations, traced once per layer
+  from the same lines, share equal tracebacks (walking the frames is
+  costly on thousands of equations)."""
   global _LIBRARY_ROOTS, _DRIVER_ROOTS
   if _LIBRARY_ROOTS is None:
     _LIBRARY_ROOTS, _DRIVER_ROOTS = _library_roots(_LIBRARIES), _library_roots(_DRIVERS)

@@ -663,6 +663,25 @@ class TileMapping:
     # were a tenth of a lowered BERT-base program's host memory.
     return self._derived("intervals", self._compute_intervals)
 
+  def ipu_runs(self, tiles_per_ipu: int) -> tuple:
+    """``(starts, ipus)``: the flattened tensor as runs of one IPU each.
+
+    What crosses IPU-Links is counted on these (a few per tensor, not one
+    per tile); a tensor is costed against many others, so they are kept
+    on the mapping (small arrays, read-only).
+    """
+    memo = self.__dict__.setdefault("_ipu_runs", {})
+    runs = memo.get(int(tiles_per_ipu))
+    if runs is None:
+      starts, tiles = self.intervals
+      ipus = tiles // int(tiles_per_ipu)
+      keep = np.ones(ipus.size, bool)
+      keep[1:] = ipus[1:] != ipus[:-1]
+      runs = memo[int(tiles_per_ipu)] = (starts[keep], ipus[keep])
+      for a in runs:
+        a.setflags(write=False)
+    return runs
+
   def _compute_intervals(self) -> tuple:
     if self._row_runs is None:
       self._row_runs = row_runs(self.element_row)

@@ -744,11 +744,16 @@ def _scatter_exchange(target, tiles: np.ndarray, group: np.ndarray, p_size: int)
   bytes_out[tiles] = (group.sum(axis=1, keepdims=True) - group).reshape(-1) * p_size
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus > 1:
+    n_ipus = target.num_ipus
     ipu = (tiles // target.tiles_per_ipu).reshape(g_out, gk)
-    crossing = ipu[:, :, None] != ipu[:, None, :]  # [group, src, dst]
-    sent = (crossing * group[:, None, :]).sum(axis=2) * p_size  # [group, src]
+    # A tile sends its group's pieces for the tiles on other IPUs: the
+    # group's total less what its own IPU's tiles take.
+    slot = np.arange(g_out)[:, None] * n_ipus + ipu  # [group, tile]: (group, IPU)
+    on_ipu = np.bincount(slot.reshape(-1), weights=group.reshape(-1),
+                         minlength=g_out * n_ipus)[:g_out * n_ipus]
+    sent = (group.sum(axis=1, keepdims=True) - on_ipu[slot]) * p_size  # [group, src]
     link = np.bincount(ipu.reshape(-1), weights=sent.reshape(-1),
-                       minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
+                       minlength=n_ipus)[:n_ipus].astype(np.int64)
   return ExchangeCost(bytes_in, bytes_out, link)
 
 

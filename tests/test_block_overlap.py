@@ -1,5 +1,7 @@
 """Interval arithmetic of block overlaps: the same bytes as per-element counting."""
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -96,8 +98,10 @@ class BlockExchangeCostTest(parameterized.TestCase):
             ((2, 3, 4, 5), ((3,), (0, 1), (2,)), (2, 2, 1, 3), (1, 6), True),
             ((2, 4, 3, 5), ((0, 1), (2,), (3,)), (4, 1, 2, 2), None, True),
             ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (2, 2, 2, 1), None, True),
-            ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (3, 2, 1, 1), None, False)))
-  def test_same_bytes_as_per_element(self, kind, num_ipus, case):
+            ((2, 5, 4, 3), ((0, 2), (1,), (3,)), (3, 2, 1, 1), None, False)),
+      # IPU-Link bytes counted run by run in every block, or per cell.
+      link_count=("runs", "cells"))
+  def test_same_bytes_as_per_element(self, kind, num_ipus, case, link_count):
     target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16 // num_ipus, num_ipus=num_ipus)
     shape, (batch, free, contract), grid, serial, boxes = case
     rng = np.random.default_rng(abs(hash((kind, str(case)))) % 2 ** 32)
@@ -118,9 +122,11 @@ class BlockExchangeCostTest(parameterized.TestCase):
     ib, im, _, ik = np.unravel_index(np.arange(tiles.size), grid)
     elements = (edge_sizes(sizes[0], gb, blocks[0])[ib] * edge_sizes(sizes[1], gm, blocks[1])[im]
                 * edge_sizes(sizes[2], gk, blocks[2])[ik])
-    got = block_overlap.block_exchange_cost(target, tensor.mapping, shape, 4,
-                                            (batch, free, contract), window, grid, tiles,
-                                            needs, elements)
+    budget = 0 if link_count == "cells" else block_overlap._DIRECT_BUDGET
+    with mock.patch.object(block_overlap, "_DIRECT_BUDGET", budget):
+      got = block_overlap.block_exchange_cost(target, tensor.mapping, shape, 4,
+                                              (batch, free, contract), window, grid, tiles,
+                                              needs, elements)
     want = _exact(target, tensor, perm, canon, window, grid, tiles, needs, elements)
     if not boxes:
       self.assertIsNone(got)  # a block across a merged axis' boundary: not a box

@@ -1,5 +1,7 @@
 """Host memory a lowered program holds: per-tile figures, plans and fused members."""
 
+import gc
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -90,6 +92,48 @@ class HostMemoryTest(chex.TestCase, parameterized.TestCase):
       self.assertEqual((step.compute_cycles, step.exchange, step.vertices, step.scratch_bytes),
                        (None,) * 4)
     chex.assert_trees_all_close(fn(self.x), jnp.sqrt(jnp.tanh(self.x) + 1.5) - self.x)
+
+
+
+class CycleCollectionTest(chex.TestCase):
+  """The cycle collector is off while a program is traced and lowered, as it was after."""
+
+  def setUp(self):
+    super().setUp()
+    self.target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    self.x = jnp.arange(24, dtype=jnp.float32).reshape(4, 6)
+    self.addCleanup(gc.enable)
+
+  def _traced_with(self, fn):
+    seen = []
+
+    def f(x):
+      seen.append(gc.isenabled())
+      return fn(x)
+    return seen, ipu_jax.jit(f, target=self.target)
+
+  def test_paused_while_lowering_and_restored(self):
+    seen, fn = self._traced_with(lambda x: jnp.tanh(x) @ x.T)
+    np.testing.assert_allclose(np.asarray(fn(self.x)), np.tanh(self.x) @ np.asarray(self.x).T,
+                               rtol=1e-5)
+    self.assertEqual(seen, [False])
+    self.assertTrue(gc.isenabled())
+
+  def test_restored_when_tracing_fails(self):
+    def fails(x):
+      raise ValueError("user error")
+    seen, fn = self._traced_with(fails)
+    with self.assertRaisesRegex(ValueError, "user error"):
+      fn.lower(self.x)
+    self.assertEqual(seen, [False])
+    self.assertTrue(gc.isenabled())
+
+  def test_left_off_when_the_caller_switched_it_off(self):
+    gc.disable()
+    seen, fn = self._traced_with(lambda x: x * 2.0)
+    np.testing.assert_allclose(np.asarray(fn(self.x)), 2 * np.asarray(self.x))
+    self.assertEqual(seen, [False])
+    self.assertFalse(gc.isenabled())
 
 
 if __name__ == "__main__":

@@ -103,16 +103,23 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     # Idle tiles (no inputs) cost nothing, and a busy tile's figure is the one
     # it gets alone: the estimate of a mostly idle [num_tiles] array (costed
     # on its busy tiles) equals the estimate of every tile by itself.
+    # Also over many tiles mostly holding one pair of figures (costed once for
+    # that pair), busy or all busy.
     rng = np.random.default_rng(3)
-    elements = rng.integers(1, 4000, 64) * (rng.random(64) < 0.2)
-    for outputs in (None, rng.integers(1, 90, 64)):
-      got = reduce_kernels.reduce_cycles(_T16, elements, outputs, dtype, op)
-      alone = [reduce_kernels.reduce_cycles(
-          _T16, elements[i:i + 1], None if outputs is None else outputs[i:i + 1], dtype, op)[0]
-               for i in range(64)]
-      np.testing.assert_array_equal(got, alone)
-      self.assertEqual(got.dtype, np.float64)
-      self.assertTrue(np.all(got[elements == 0] == 0))
+    shared = [0.9, 0.05, 0.05]
+    for n, busy, values in ((64, 0.2, None), (600, 0.9, 3), (600, 1.0, 3)):
+      elements = rng.integers(1, 4000, n) if values is None else rng.choice(
+          rng.integers(1, 4000, values), n, p=shared)
+      elements = elements * (rng.random(n) < busy)
+      for outputs in (None, rng.integers(1, 90, n) if values is None
+                      else rng.choice(rng.integers(1, 90, values), n, p=shared)):
+        got = reduce_kernels.reduce_cycles(_T16, elements, outputs, dtype, op)
+        alone = [reduce_kernels.reduce_cycles(
+            _T16, elements[i:i + 1], None if outputs is None else outputs[i:i + 1], dtype,
+            op)[0] for i in range(n)]
+        np.testing.assert_array_equal(got, alone)
+        self.assertEqual(got.dtype, np.float64)
+        self.assertTrue(np.all(got[elements == 0] == 0))
 
   def test_reduce_unknown_op(self):
     with self.assertRaisesRegex(ValueError, "reduce op 'argmax' has no cost"):

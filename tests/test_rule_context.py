@@ -103,5 +103,25 @@ class RuleContextTest(chex.TestCase):
     self.assertEmpty(found, "\n".join(found))
 
 
+
+class SourceLineTest(chex.TestCase):
+
+  def test_a_loops_equations_name_their_line_found_once(self):
+    # Each pass of the loop traces equations with equal tracebacks: their
+    # line is found once and looked up after.
+    from ipu_jax.lowering import lower
+
+    def f(x):
+      for _ in range(3):
+        x = jnp.sin(x) * 2.0  # the line every pass names
+      return x
+    line = f.__code__.co_firstlineno + 2
+    eqns = jax.make_jaxpr(f)(1.0).jaxpr.eqns
+    lower._source_of_traceback.cache_clear()
+    sources = [lower.source_of(e) for e in eqns]
+    self.assertEqual(set(sources), {f"{os.path.abspath(__file__)}:{line}"})
+    self.assertEqual(lower._source_of_traceback.cache_info().misses, 2)  # sin, mul
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -47,6 +47,28 @@ class IntervalCostTest(parameterized.TestCase):
           (want.bytes_in, want.bytes_out, want.link_bytes_out))
       self.assertEqual(got.bytes_in.dtype, np.int64)
 
+  @parameterized.product(n=[1, 7, 97, 1000], num_ipus=[1, 2])
+  def test_linear_mappings_with_equal_rows(self, n, num_ipus):
+    # Equal chunks on other tiles (a layer's activations and residuals): the
+    # rows are the pieces, some staying where one tile holds both.
+    rng = np.random.default_rng(n + num_ipus)
+    target = IPUTarget.preset("ipu2", num_ipus=num_ipus, tiles_per_ipu=8)
+    t = target.num_tiles
+    chunk = max(-(-n // t), int(rng.integers(1, n + 1)))
+    rows = -(-n // chunk)
+    src = TileMapping.blocks(n, chunk, t, int(rng.integers(t)))
+    for _ in range(4):
+      # Half the rows stay on their tiles, the rest go to other (unique) tiles.
+      stay = src.tiles[: rows // 2]
+      rest = rng.permutation(np.setdiff1d(np.arange(t), stay))[: rows - stay.size]
+      tiles = np.concatenate([stay, rest])
+      dst = TileMapping(n, tiles, src.counts, chunk=chunk)
+      want = movement_cost(target, src.element_tile, dst.element_tile, 4)
+      got = interval_movement_cost(target, src, dst, 4)
+      chex.assert_trees_all_equal(
+          (got.bytes_in, got.bytes_out, got.link_bytes_out),
+          (want.bytes_in, want.bytes_out, want.link_bytes_out))
+
   def test_intervals_of_linear_mapping_touch_no_elements(self):
     mapping = TileMapping.blocks(10**9, 10**6, 1472)
     starts, tiles = mapping.intervals

@@ -178,14 +178,10 @@ def unicast_link_elements(target, src_tile: np.ndarray, first: np.ndarray, stop:
   intervals (a few per tensor, not one per tile); the rest crosses.
   """
   per_ipu, n = target.tiles_per_ipu, dst_mapping.num_elements
-  starts, tiles = dst_mapping.intervals
-  ipus = tiles // per_ipu
-  keep = np.ones(ipus.size, bool)
-  keep[1:] = ipus[1:] != ipus[:-1]
-  ipu_starts = starts[keep]
+  ipu_starts, ipus = dst_mapping.ipu_runs(per_ipu)
   ipu_ends = np.append(ipu_starts[1:], n)
   src_ipu = np.asarray(src_tile, np.int64) // per_ipu
-  crossing = (stop - first) - _overlap(src_ipu, first, stop, ipus[keep], ipu_starts, ipu_ends, n)
+  crossing = (stop - first) - _overlap(src_ipu, first, stop, ipus, ipu_starts, ipu_ends, n)
   return np.bincount(src_ipu, weights=crossing,
                      minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
 
@@ -582,6 +578,10 @@ def _place_outputs(ctx, plan: _Plan) -> _Stage2:
   best = None
   for cand, rotates in candidates:
     tile_cost, cycles, received, most = _relative_stage2(ctx, plan, cand, runs, base, figures)
+    # IPU-Link bytes only add cycles: a placement already no cheaper without
+    # them cannot win, and their count (afresh, on runs) is skipped.
+    if best is not None and exchange_cycles(target, tile_cost) + most >= best[-1]:
+      continue
     link = _stage2_link_bytes(target, cand, runs, itemsize, tile_cost)
     score = exchange_cycles(target, _with_link(tile_cost, link)) + most
     if best is None or score < best[-1]:
