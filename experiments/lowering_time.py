@@ -1,0 +1,69 @@
+r"""Lowering time of the benchmark's ``scale`` rows alone, several lowerings per process.
+
+The scale suite (``python -m experiments.benchmark --suite=scale``) measures a
+row's lowering once, beside its compile and steps; comparing two states of the
+code needs the lowering alone, repeated, in CPU seconds (``time.process_time``:
+on a shared machine wall time includes waiting for a core). Each lowering is a
+fresh ``ipu_jax.jit`` of the row's step; the line printed per row gives the CPU
+and wall seconds of each, the equations, the CPU ms an equation of the fastest
+and the figures' fingerprint (``benchmark.figures_sha1``: a speed change must
+leave it unchanged)::
+
+    python -m experiments.lowering_time --rows=enc-8x256,enc-8x256-bow4 --repeats=3
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags
+
+if __package__ in (None, ""):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def measure(name: str, repeats: int) -> dict:
+  """Lower scale row ``name`` ``repeats`` times; its CPU and wall seconds and fingerprint."""
+  import ipu_jax
+  from experiments import benchmark, scale_workloads
+  r = scale_workloads.row(name)
+  fn, args = scale_workloads.workload(r)
+  target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
+  cfg = ipu_jax.IPUConfig()
+  cfg.replication_factor = r.replicas
+  cpu, wall = [], []
+  for _ in range(repeats):
+    emulated = ipu_jax.jit(fn, config=cfg, target=target, verbose=0)
+    start_cpu, start_wall = time.process_time(), time.perf_counter()
+    lowered = emulated.lower(*args)
+    cpu.append(time.process_time() - start_cpu)
+    wall.append(time.perf_counter() - start_wall)
+  equations = sum(1 for _ in benchmark._iter_eqns(lowered.jaxpr.jaxpr))
+  return {"row": name, "cpu_s": cpu, "wall_s": wall, "equations": equations,
+          "cpu_ms_per_equation": 1000 * min(cpu) / equations,
+          "figures_sha1": benchmark.figures_sha1(lowered.report.profile)}
+
+
+_DEFAULT_ROWS = ["enc-8x256", "enc-8x256-bow4"]
+
+
+def main(argv):
+  del argv
+  from experiments import entry
+  entry.quiet_backend_probe()
+  f = flags.FLAGS
+  for name in f.rows or _DEFAULT_ROWS:
+    m = measure(name, f.repeats)
+    print(f"{name}: CPU s {[round(t, 2) for t in m['cpu_s']]}, wall s "
+          f"{[round(t, 2) for t in m['wall_s']]}, {m['equations']} equations, "
+          f"{m['cpu_ms_per_equation']:.3f} CPU ms an equation, figures {m['figures_sha1']}",
+          flush=True)
+
+
+if __name__ == "__main__":
+  # The benchmark runner defines --rows and --repeats (on import); this runner
+  # takes them with the same meaning (default rows: enc-8x256, enc-8x256-bow4).
+  from experiments import benchmark  # noqa: F401
+  app.run(main)
