@@ -39,6 +39,12 @@ _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 147
           "recomputation": True, "offload_optimizer_state": True,
           "replicated_tensor_sharding": True}
 
+# What Graphcore's MLPerf v1.0 BERT runs share: packed sequences of 512 (2 a
+# pack on average), micro-batch 2 packs, 76 masked positions, the vocabulary
+# padded to 30,400 and serialised in 5 steps.
+_MLPERF_V1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
+                  vocab_size=30400, decoder_serialization=5)
+
 PRESETS = {
     "phase1_pod16": dict(_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
                          matmul_proportion=[0.15, 0.25, 0.25, 0.25], system="pod16",
@@ -53,15 +59,11 @@ PRESETS = {
                          matmul_proportion=[0.13, 0.19, 0.19, 0.19], system="pod64",
                          max_predictions=76),
     # MLPerf Training v1.0 closed (configs/mk2/pod16-closed.json, pod64-closed.json).
-    "mlperf_v1_pod16": dict(_LARGE, seq=512, micro_batch=2, replicas=4, accumulation=190,
-                            matmul_proportion=[0.20, 0.20, 0.25, 0.25], system="pod16",
-                            max_predictions=76, packing_factor=2.0, vocab_size=30400,
-                            decoder_serialization=5),
-    "mlperf_v1_pod64": dict(_LARGE, seq=512, micro_batch=2, replicas=8, accumulation=90,
+    "mlperf_v1_pod16": dict(_MLPERF_V1, replicas=4, accumulation=190,
+                            matmul_proportion=[0.20, 0.20, 0.25, 0.25], system="pod16"),
+    "mlperf_v1_pod64": dict(_MLPERF_V1, replicas=8, accumulation=90,
                             layers_per_ipu=[0, 3, 3, 3, 3, 4, 4, 4], matmul_proportion=[1.0] * 8,
-                            system="pod64", max_predictions=76, packing_factor=2.0,
-                            vocab_size=30400, decoder_serialization=5,
-                            offload_optimizer_state=False),
+                            system="pod64", offload_optimizer_state=False),
 }
 
 # pretrain_base_128: embeddings alone on IPU 0, 4 layers on each other IPU.

@@ -278,11 +278,6 @@ def _tile_bytes(cost: ExchangeCost) -> ExchangeCost:
   return ExchangeCost(cost.bytes_in, cost.bytes_out, np.zeros_like(cost.link_bytes_out))
 
 
-def _ipu_runs(mapping: TileMapping, tiles_per_ipu: int) -> tuple:
-  """``(starts, ipus)``: the flattened tensor as runs of one IPU each."""
-  return mapping.ipu_runs(tiles_per_ipu)
-
-
 def interval_link_bytes(target: IPUTarget, src: TileMapping, dst: TileMapping,
                         itemsize: int) -> np.ndarray:
   """``[num_ipus]`` IPU-Link bytes of :func:`interval_movement_cost`, on runs of whole IPUs.
@@ -292,8 +287,8 @@ def interval_link_bytes(target: IPUTarget, src: TileMapping, dst: TileMapping,
   same sums as their tile runs, in time proportional to the IPU runs.
   """
   per, n_ipus = target.tiles_per_ipu, target.num_ipus
-  s_starts, s_ipus = _ipu_runs(src, per)
-  d_starts, d_ipus = _ipu_runs(dst, per)
+  s_starts, s_ipus = src.ipu_runs(per)
+  d_starts, d_ipus = dst.ipu_runs(per)
   bounds, in_s, in_d = _merged_runs(s_starts, d_starts)
   lengths = np.diff(np.append(bounds, src.num_elements))
   s, d = s_ipus[in_s], d_ipus[in_d]

@@ -47,12 +47,7 @@ def _loss(params, batch):
 
 
 def _data(stages=4, g=8, width=32, rows=16, seed=0):
-  rng = np.random.default_rng(seed)
-  params = [jnp.asarray(rng.normal(size=(width, width)) * 0.2, jnp.float32)
-            for _ in range(stages)]
-  batches = {"x": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32),
-             "y": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32)}
-  return params, batches
+  return testing_utils.chain_data(stages, g, width=width, rows=rows, seed=seed, scale=0.2)
 
 
 def _plain_gradients(loss, params, batches, count):

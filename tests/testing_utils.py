@@ -150,12 +150,12 @@ def supersteps_with_members(program):
     yield from supersteps_with_members(child)
 
 
-def chain_data(stages, g, width=16, rows=8, seed=0):
-  """Weights of a chain of ``stages`` ``[width, width]`` layers and ``g``
-  micro-batches of ``{"x", "y"}`` (``[rows, width]`` each): the pipeline tests'
-  model."""
+def chain_data(stages, g, width=16, rows=8, seed=0, scale=0.3):
+  """Weights of a chain of ``stages`` ``[width, width]`` layers (normal, times
+  ``scale``) and ``g`` micro-batches of ``{"x", "y"}`` (``[rows, width]``
+  each): the pipeline tests' model."""
   rng = np.random.default_rng(seed)
-  params = [jnp.asarray(rng.normal(size=(width, width)) * 0.3, jnp.float32)
+  params = [jnp.asarray(rng.normal(size=(width, width)) * scale, jnp.float32)
             for _ in range(stages)]
   batches = {"x": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32),
              "y": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32)}
