@@ -86,7 +86,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         executions=executions, temporary_bytes=temporary,
         notes=tuple(node.notes),
         scope=node.scope, fused_ops=tuple(node.fused_ops),
-        codelets=_codelet_names(node))
+        codelets=_codelet_names(node), flops_dtype=_flops_dtype(node))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
@@ -107,6 +107,23 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
       sync_cycles=float(target.sync_cycles_host),
       executions=executions, host_bytes=total,
       vertices=np.zeros(t, np.int64), scope=tensor.scope)
+
+
+def _flops_dtype(node: P.Superstep) -> str:
+  """The dtype whose peak a step's FLOPs run at: its widest floating-point read.
+
+  A product of half operands runs on the AMP units at the half rate even when
+  it accumulates in float (poplin's partials); a step that reads none (a fill,
+  a random draw) is counted at the rate of what it writes.
+  """
+  if not node.flops:
+    return ""
+  for tensors in (node.reads, node.writes):
+    floating = [np.dtype(t.dtype) for t in tensors
+                if np.issubdtype(np.dtype(t.dtype), np.inexact)]
+    if floating:
+      return str(max(floating, key=lambda d: d.itemsize))
+  return ""
 
 
 def _codelet_names(node: P.Superstep) -> tuple:

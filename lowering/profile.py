@@ -19,7 +19,7 @@ import numpy as np
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["StepProfile", "TensorProfile", "MemoryProfile", "ProgramProfile",
-           "MEMORY_CATEGORIES", "ALWAYS_LIVE_CATEGORIES"]
+           "MEMORY_CATEGORIES", "ALWAYS_LIVE_CATEGORIES", "flops_by_dtype", "flops_dtype"]
 
 # Always-live memory is allocated for the whole program; not-always-live
 # memory is shared between values whose lifetimes do not overlap.
@@ -63,6 +63,10 @@ class StepProfile:
       would otherwise have been its own superstep); empty otherwise.
     codelets: the vertex types (codelet names) its compute set runs; empty
       for a step without compute.
+    flops_dtype: the dtype whose peak rate its FLOPs are counted against:
+      the widest floating-point operand it reads (an AMP product of half
+      operands runs at the half rate whatever it accumulates in); '' for a
+      step without FLOPs.
   """
 
   name: str
@@ -84,6 +88,7 @@ class StepProfile:
   streaming_bytes: int = 0
   fused_ops: tuple = ()
   codelets: tuple = ()
+  flops_dtype: str = ""
 
   @property
   def compute_phase_cycles(self) -> float:
@@ -182,6 +187,9 @@ class ProgramProfile:
   ``host_side`` (an ``ipu_jax.host_time.HostSide``, or None) holds the
   host time measured on this machine for the report's "Host side" section;
   nothing here reads it.
+  ``flops_dtype`` (a dtype name, or None) declares the dtype whose peak the
+  program's FLOPs are measured against (a composed profile whose steps do
+  not say, as a pipeline's); None: :func:`flops_dtype` finds it from the steps.
   """
 
   target: IPUTarget
@@ -196,6 +204,7 @@ class ProgramProfile:
   control: Optional[dict] = None
   host_io: Optional[object] = None
   host_side: Optional[object] = None
+  flops_dtype: Optional[str] = None
 
   def _weighted(self, attribute: str) -> float:
     return float(sum(getattr(s, attribute) * s.executions for s in self.steps))
@@ -233,3 +242,29 @@ class ProgramProfile:
     if not self.steps:
       return np.zeros((0, self.target.num_tiles))
     return np.stack([s.compute_cycles for s in self.steps], dtype=np.float64)
+
+
+def flops_by_dtype(profile: ProgramProfile) -> dict:
+  """``{dtype name: FLOPs per run}`` of ``profile``'s steps that say their dtype."""
+  by_dtype = {}
+  for step in profile.steps:
+    dtype = getattr(step, "flops_dtype", "")
+    if dtype and step.flops:
+      by_dtype[dtype] = by_dtype.get(dtype, 0) + step.flops * step.executions
+  return by_dtype
+
+
+def flops_dtype(profile: ProgramProfile) -> str:
+  """The dtype whose peak FLOP/s ``profile`` is measured against.
+
+  The declared ``profile.flops_dtype`` if set; else the dtype of most of
+  its FLOPs (a float16 model's products outweigh its float32 norms and
+  updates); float32 for a program with none.
+  """
+  declared = getattr(profile, "flops_dtype", None)
+  if declared:
+    return str(np.dtype(declared))
+  by_dtype = flops_by_dtype(profile)
+  if not by_dtype:
+    return "float32"
+  return max(by_dtype.items(), key=lambda item: item[1])[0]

@@ -248,6 +248,7 @@ class PipelinedTrainingTest(chex.TestCase):
     stash_a = a.memory_by_category["stashed_activations"].sum()
     self.assertLess(b.memory_by_category["stashed_activations"].sum(), stash_a)
     self.assertGreater(b.total_cycles, a.total_cycles)
+    self.assertEqual(a.flops_dtype, "float32")
     text = ipu_jax.compare_reports(a, b)
     self.assertRegex(text, r"Stashed activations +[\d,]+ +[\d,]+ +-[\d,]+")
     self.assertRegex(text, r"Total +[\d,]+ +[\d,]+ +\+[\d,]+")
@@ -277,6 +278,24 @@ class PipelinedTrainingTest(chex.TestCase):
     self.assertIn("pipeline efficiency", summary)
     self.assertIn("over IPU-Links per step", summary)
     self.assertEqual(len(pipe.report.to_dict()["stages"]), self.STAGES)
+
+
+class HalfPrecisionPipelineTest(chex.TestCase):
+
+  def test_step_counts_its_flops_at_the_half_rate(self):
+    # The stage programs' products read float16: the step's FLOPs are held
+    # against the AMP units' float16 peak, not float32's.
+    params, batches = _data(stages=2, g=4)
+    half = lambda a: a.astype(jnp.float16) if a.dtype == jnp.float32 else a
+    params, batches = (jax.tree_util.tree_map(half, t) for t in (params, batches))
+    pipe = Pipeline(_loss, optax.sgd(0.05), config=_config(stages=2, g=4))
+    pipe.step(params, pipe.init(params, batches), batches)
+    report = pipe.report.program_report
+    self.assertEqual(report.flops_dtype, "float16")
+    target = report.target
+    peak = target.num_tiles * target.fp16_flops_per_cycle * target.clock_hz
+    self.assertAlmostEqual(report.flops_fraction_of_peak,
+                           report.total_flops / (report.estimated_seconds * peak))
 
 
 class _FourStages(PipelinedTrainingTest):

@@ -8,8 +8,10 @@ import json
 import os
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
@@ -124,6 +126,38 @@ class ProgramReportTest(chex.TestCase):
     with open(os.path.join(directory, "report.json")) as f:
       document = json.load(f)
     self.assertNotEmpty(np.atleast_1d(document["memory"]["over_limit_tiles"]))
+
+
+class FlopsDtypeTest(chex.TestCase):
+  """The peak a program's FLOPs are held against is that of the dtype most of them run in."""
+
+  # The GC200 has no bfloat16 arithmetic: its products run on float32
+  # copies of the operands, at the float32 rate.
+  @parameterized.parameters(("float32", "float32", "fp32_flops_per_cycle"),
+                            ("float16", "float16", "fp16_flops_per_cycle"),
+                            ("bfloat16", "float32", "fp32_flops_per_cycle"))
+  def test_matmul_with_float32_epilogue(self, dtype, counted_as, rate):
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+
+    def f(a, b, bias):
+      # An AMP product (half operands, float32 accumulation) then a float32
+      # epilogue: the product's FLOPs outnumber the epilogue's.
+      y = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+      return jnp.tanh(y + bias)
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(37, 48)), dtype)
+    b = jnp.asarray(rng.normal(size=(48, 29)), dtype)
+    bias = jnp.asarray(rng.normal(size=(29,)), jnp.float32)
+    emulated = ipu_jax.jit(f, target=target, verbose=0)
+    report = emulated.lower(a, b, bias).report
+    self.assertEqual(report.flops_dtype, counted_as)
+    peak = target.num_tiles * getattr(target, rate) * target.clock_hz
+    self.assertAlmostEqual(report.flops_fraction_of_peak,
+                           report.total_flops / (report.estimated_seconds * peak))
+    self.assertIn(f"FLOP/s ({counted_as})", report.summary())
+    chex.assert_trees_all_close(np.asarray(emulated(a, b, bias)),
+                                np.asarray(jax.jit(f)(a, b, bias)), rtol=1e-5, atol=1e-6)
 
 
 if __name__ == "__main__":

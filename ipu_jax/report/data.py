@@ -103,7 +103,6 @@ Readers must check ``schema`` and ``version``; later versions only add keys.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -112,7 +111,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
-from ipu_jax.lowering.profile import ProgramProfile
+from ipu_jax.lowering.profile import ProgramProfile, flops_dtype
 from ipu_jax.kernels.cost_model import cost_model_json
 from ipu_jax.kernels.target import IPUTarget
 
@@ -456,26 +455,6 @@ def tensors_on_tile(tensors: Iterable, tile: int, limit: int = 10) -> list:
   return rows[:limit]
 
 
-def _flops_dtype(profile: ProgramProfile) -> str:
-  """The dtype whose peak FLOPS the program is measured against.
-
-  The profile contract carries no dtype for FLOPs; a cost model may add
-  ``ProgramProfile.flops_dtype`` or ``StepProfile.flops_dtype`` and it is
-  honoured (the dtype of the majority of FLOPs wins). Otherwise fp32.
-  """
-  declared = getattr(profile, "flops_dtype", None)
-  if declared:
-    return str(np.dtype(declared))
-  by_dtype = collections.Counter()
-  for step in profile.steps:
-    dtype = getattr(step, "flops_dtype", None)
-    if dtype:
-      by_dtype[str(np.dtype(dtype))] += step.flops * step.executions
-  if by_dtype:
-    return by_dtype.most_common(1)[0][0]
-  return "float32"
-
-
 def data_from_profile(profile: ProgramProfile) -> ReportData:
   target = profile.target
   n = target.num_tiles
@@ -488,7 +467,7 @@ def data_from_profile(profile: ProgramProfile) -> ReportData:
       name=str(profile.name),
       target=target,
       host_round_trips=int(profile.host_round_trips),
-      flops_dtype=_flops_dtype(profile),
+      flops_dtype=flops_dtype(profile),
       categories=categories,
       peak=peak,
       tile_limit=int(memory.tile_limit),
