@@ -296,7 +296,11 @@ def estimate(pipe, params, one_batch, f) -> dict:
       lambda b: np.broadcast_to(b, (per_step,) + b.shape[1:]), one_batch)
   start = time.time()
   pipe.lower(params, batches, **({"rng": jax.random.key(f.seed)} if f.dropout > 0 else {}))
-  lower_seconds = time.time() - start
+  return lowered_estimate(pipe, f, time.time() - start)
+
+
+def lowered_estimate(pipe, f, lower_seconds: float) -> dict:
+  """The estimate of an already lowered pipeline (``lower_seconds``: its lowering)."""
   report = pipe.report
   report.sequences_per_sample = f.packing_factor
   tp = report.throughput
@@ -340,9 +344,9 @@ def run(f) -> dict:
     check_flags(f, mcfg.layers)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  searched = {}
+  searched, lowered = {}, None
   if f.auto_split:
-    searched = choose_split(f, mcfg)
+    searched, lowered = choose_split(f, mcfg)
     mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
                         f.vocab_size)
   layers_per_ipu = [int(v) for v in f.layers_per_ipu]
@@ -364,9 +368,16 @@ def run(f) -> dict:
   loss_fn, params = bert.make_loss(model, dropout=dropout)
   pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                                      stage_assignment=assignment, rng=dropout)
-  if f.estimate_only:
+  if f.estimate_only and lowered is not None and not dropout:
+    # The search lowered this very split to confirm it, from the same model,
+    # config, optimizer and micro-batch shapes: its pipeline is read rather
+    # than lowered again (minutes at BERT-Large size).
+    pipe = lowered.pipeline
+    results = dict(lowered_estimate(pipe, f, lowered.seconds), lowered_by="split search")
+    print(pipe.report.summary())
+  elif f.estimate_only:
     one = bert.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.max_predictions, f.seed)
-    results = estimate(pipe, params, one, f)
+    results = dict(estimate(pipe, params, one, f), lowered_by="runner")
     print(pipe.report.summary())
     print(f"Estimate ({f.config or 'flags'}, BERT-{f.model}): "
           f"{results['samples_per_second']:,.1f} samples/s, "
@@ -428,9 +439,10 @@ def split_space(f, vocab_size: int) -> dict:
           "serialization": dividing}
 
 
-def choose_split(f, mcfg) -> dict:
+def choose_split(f, mcfg) -> tuple:
   """``--auto_split``: search the split for the flags' model, system and training
-  options, set the split flags to it and return the JSON's ``split`` and ``search``.
+  options, set the split flags to it; ``(the JSON's split and search entries, the
+  chosen split as the search lowered it or None)``.
 
   The flags' own split (``--layers_per_ipu``, ``--matmul_proportion``,
   ``--recomputation``, ``--decoder_serialization``) is the search's baseline,
@@ -468,8 +480,9 @@ def choose_split(f, mcfg) -> dict:
   if f.split_plot:
     print(f"Split plot written to {result.plot(f.split_plot)}")
   out = result.to_json()
-  return {"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
-          **({"split_baseline": out["baseline"]} if "baseline" in out else {})}
+  return ({"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
+           **({"split_baseline": out["baseline"]} if "baseline" in out else {})},
+          result.lowered)
 
 
 def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) -> dict:

@@ -261,7 +261,10 @@ class AutoSplitTest(chex.TestCase):
     self.assertNotEqual(auto["split"]["layers_per_ipu"], [0, 2, 1, 1])
     self.assertGreater(auto["split_estimate"]["samples_per_second"],
                        auto["split_baseline"]["samples_per_second"])
-    # The runner estimated the chosen split: the same figures as given by hand.
+    # The runner estimated the chosen split from the search's own lowering of
+    # it: the same figures as that split given by hand and lowered afresh.
+    self.assertEqual(auto["lowered_by"], "split search")
+    self.assertEqual(self.given["lowered_by"], "runner")
     self.assertEqual(auto["per_ipu_max_tile_bytes"], self.given["per_ipu_max_tile_bytes"])
     self.assertEqual(auto["per_ipu_peak_bytes"], self.given["per_ipu_peak_bytes"])
     self.assertAlmostEqual(auto["samples_per_second"], self.given["samples_per_second"],

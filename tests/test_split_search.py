@@ -86,6 +86,19 @@ class SplitSearchTest(chex.TestCase):
     est_fits = {c for c, e in lowered.items() if max(e.ipu_peak_bytes) <= e.bytes_per_tile}
     self.assertEqual(est_fits, set(fits))
 
+  def test_result_holds_the_chosen_split_as_lowered(self):
+    # The confirmation's pipeline is kept for a caller estimating that split
+    # (the BERT runner), so it need not be lowered a second time.
+    result = self.result
+    pipe = result.lowered.pipeline
+    self.assertGreater(result.lowered.seconds, 0)
+    self.assertEqual(float(pipe.timeline.total_cycles), result.chosen.lowered_step_cycles)
+    self.assertLen({s.ipu for s in pipe.stages}, len(result.config["layers_per_ipu"]))
+    cfg = pipe.config
+    self.assertEqual(list(cfg.matmuls.available_memory_proportion),
+                     list(result.config["available_memory_proportion"]))
+    self.assertEqual(cfg.pipelining.recomputation, result.config["recomputation"])
+
   def test_config_json_table_plot(self):
     result = self.result
     self.assertEqual(set(result.config), {"layers_per_ipu", "available_memory_proportion",

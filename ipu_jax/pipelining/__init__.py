@@ -18,12 +18,12 @@ from ipu_jax.pipelining.report import PipelineReport
 from ipu_jax.pipelining.schedule import SCHEDULES, minimum_accumulation, stash_depths
 from ipu_jax.pipelining.split import PipelineError, split_stages, stage
 from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
-from ipu_jax.pipelining.search_result import SearchResult
+from ipu_jax.pipelining.search_result import LoweredSplit, SearchResult
 from ipu_jax.pipelining.split_search import search
 from ipu_jax.pipelining.throughput import Throughput, step_throughput
 
 __all__ = ["Candidate", "LayeredModel", "Pipeline", "PipelineError", "PipelineReport",
-           "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms", "Throughput",
+           "LoweredSplit", "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms", "Throughput",
            "check_steps_per_execution", "micro_batch_key", "micro_batch_keys",
            "minimum_accumulation", "search", "split_stages",
            "stage", "stash_depths", "step_throughput"]

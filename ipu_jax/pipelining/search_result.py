@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from ipu_jax.pipelining.candidates import Candidate
 
-__all__ = ["Estimate", "SearchResult", "Shortfall"]
+__all__ = ["Estimate", "LoweredSplit", "SearchResult", "Shortfall"]
 
 
 @dataclasses.dataclass
@@ -109,6 +109,22 @@ class Shortfall:
 
 
 @dataclasses.dataclass
+class LoweredSplit:
+  """The chosen split as the search lowered it to confirm it.
+
+  Attributes:
+    pipeline: the lowered :class:`~ipu_jax.pipelining.Pipeline` (its report,
+      timeline and stage programs), built from the search's model, config
+      (with the split's proportions and recomputation, out-of-memory allowed)
+      and optimizer.
+    seconds: how long lowering it took.
+  """
+
+  pipeline: object
+  seconds: float
+
+
+@dataclasses.dataclass
 class SearchResult:
   """The answer of :func:`ipu_jax.pipelining.search`.
 
@@ -125,6 +141,10 @@ class SearchResult:
       ``rank_seconds`` (composing and laying out candidates),
       ``confirm_seconds`` (confirming, and estimating the baseline).
     seconds: the search's wall time.
+    lowered: the chosen split's :class:`LoweredSplit` when the search lowered
+      it (None otherwise): a caller estimating that split with the same model,
+      config and optimizer reads it instead of lowering it again. The result
+      holds it, and its memory, while the result is held.
   """
 
   chosen: Optional[Estimate]
@@ -135,6 +155,7 @@ class SearchResult:
   counts: dict
   seconds: float
   estimator: Optional[Callable] = dataclasses.field(default=None, repr=False)
+  lowered: Optional[LoweredSplit] = dataclasses.field(default=None, repr=False)
 
   @property
   def fits(self) -> bool:

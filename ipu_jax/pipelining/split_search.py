@@ -42,7 +42,7 @@ import numpy as np
 
 from ipu_jax.pipelining import compose, links, schedule as schedule_lib
 from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
-from ipu_jax.pipelining.search_result import Estimate, SearchResult, Shortfall
+from ipu_jax.pipelining.search_result import Estimate, LoweredSplit, SearchResult, Shortfall
 
 __all__ = ["Candidate", "LayeredModel", "SearchResult", "SearchSpace", "confirm",
            "lower_candidate", "probe", "score", "search"]
@@ -279,8 +279,15 @@ def lower_candidate(model: LayeredModel, config, optimizer, cand: Candidate):
 
 def confirm(model: LayeredModel, config, optimizer, estimate: Estimate) -> Estimate:
   """Lower ``estimate``'s split and record its real step and per-IPU peaks."""
+  return _confirmed(model, config, optimizer, estimate)[0]
+
+
+def _confirmed(model: LayeredModel, config, optimizer, estimate: Estimate) -> tuple:
+  """:func:`confirm`, and the lowered :class:`Pipeline` with its lowering seconds."""
   from ipu_jax.pipelining import layout
+  start = time.time()
   pipe = lower_candidate(model, config, optimizer, estimate.candidate)
+  seconds = time.time() - start
   memory = layout.ipu_memory(pipe.stages)
   estimate.lowered_peak_bytes = [int(memory[i].peak.max()) for i in sorted(memory)]
   estimate.lowered_step_cycles = float(pipe.timeline.total_cycles)
@@ -288,22 +295,27 @@ def confirm(model: LayeredModel, config, optimizer, estimate: Estimate) -> Estim
   estimate.lowered_samples_per_second = score(
       pipe.timeline.total_cycles, pipe.target.clock_hz, pipe.accumulation, model.samples(),
       pipe.replicas)
-  return estimate
+  return estimate, LoweredSplit(pipe, seconds)
 
 
 def _confirm_best(model, config, optimizer, ranked: list, attempts: int, tolerance: float):
-  """``(chosen, confirmed, pipelines lowered)``: the first of ``ranked`` that fits when
-  lowered and matches its estimate; else the lowered one that fits and runs fastest."""
-  lowered = 0
+  """``(chosen, confirmed, pipelines lowered, chosen's LoweredSplit or None)``: the first
+  of ``ranked`` that fits when lowered and matches its estimate; else the lowered one that
+  fits and runs fastest. Only the lowered pipeline that may yet be chosen is held (a
+  BERT-Large pipeline holds gigabytes of plans and figures)."""
+  lowered, best = 0, (None, None)
   for estimate in ranked[:attempts]:
-    confirm(model, config, optimizer, estimate)
+    estimate, split = _confirmed(model, config, optimizer, estimate)
     lowered += 1
     if estimate.lowered_fits and estimate.step_error <= tolerance:
-      return estimate, True, lowered
-  fits = [e for e in ranked[:attempts] if e.lowered_fits]
-  if fits:
-    return max(fits, key=lambda e: e.lowered_samples_per_second), False, lowered
-  return (ranked[0] if attempts == 0 else None), False, lowered
+      return estimate, True, lowered, split
+    if estimate.lowered_fits and (best[0] is None or estimate.lowered_samples_per_second
+                                  > best[0].lowered_samples_per_second):
+      best = (estimate, split)
+    del split  # freed before the next lowering unless it is the best so far
+  if best[0] is not None:
+    return best[0], False, lowered, best[1]
+  return (ranked[0] if attempts == 0 else None), False, lowered, None
 
 
 def _as_candidate(split) -> Candidate:
@@ -339,7 +351,8 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
 
   Returns:
     A :class:`SearchResult`: ``.config`` (None and ``.shortfall`` naming the
-    closest miss when nothing fits), ``.table()``, ``.to_json()``, ``.plot()``.
+    closest miss when nothing fits), ``.table()``, ``.to_json()``, ``.plot()``,
+    and ``.lowered``: the chosen split's pipeline as its confirmation lowered it.
   """
   from ipu_jax import config as config_lib
   start = time.time()
@@ -378,10 +391,10 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   log(f"{len(fitting):,d} candidates fit; ranking")
   ranked, simulated = _rank(scorer, fitting, max(top, confirm_top))
   ranked_at = time.time()
-  chosen, confirmed, lowered = (None, False, 0)
+  chosen, confirmed, lowered, split = (None, False, 0, None)
   if ranked:
-    chosen, confirmed, lowered = _confirm_best(model, config, optimizer, ranked, confirm_top,
-                                               tolerance)
+    chosen, confirmed, lowered, split = _confirm_best(model, config, optimizer, ranked,
+                                                      confirm_top, tolerance)
   base = estimator(baseline) if baseline is not None else None
   counts = {"space": space.size(model.num_layers, num_ipus),
             "scored": space.size(model.num_layers, num_ipus), "simulated": simulated,
@@ -396,4 +409,4 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
                         scorer.limit)
   return SearchResult(chosen=chosen, top=ranked[:top], shortfall=None if chosen else closest,
                       baseline=base, confirmed=confirmed, counts=counts,
-                      seconds=time.time() - start, estimator=estimator)
+                      seconds=time.time() - start, estimator=estimator, lowered=split)
