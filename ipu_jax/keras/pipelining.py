@@ -48,9 +48,11 @@ with G-step gradient accumulation in ``tests/test_pipelined_fit.py``:
   ``validate_inputs`` as in plain ``fit``.
 
 Refused before anything runs, naming the reason: ``compile(emulate=False)``
-(the stages are tile programs on their own IPUs), replicated tensor sharding
-of the optimizer state (each stage's state lives on its IPU) and an S that
-is not a multiple of G x R. Lowering happens before the first callback, so
+(the stages are tile programs on their own IPUs) and an S that is not a
+multiple of G x R. The config's ``streaming`` options reach the pipeline:
+each stage's optimizer state offloaded, and with R replicas sharded over
+them (:mod:`ipu_jax.pipelining.weight_update`), checkpoints holding the
+shards. Lowering happens before the first callback, so
 a model that cannot be split or does not fit raises first. Not detected:
 each stage's optimizer updates its own weights, so one that mixes weights
 across stages (global-norm clipping) sees each stage's weights alone.
@@ -174,7 +176,6 @@ def _check_supported(model) -> None:
     RuntimeError: the model is not compiled.
     NotImplementedError: naming the setting and why.
   """
-  from ipu_jax.keras import offload as offload_lib
   from ipu_jax.keras.model import NOT_COMPILED
   if not model.compiled:
     raise RuntimeError(NOT_COMPILED)
@@ -183,10 +184,6 @@ def _check_supported(model) -> None:
         "A pipelined fit runs on the emulated IPUs only (compile(emulate=False) asks for "
         "plain JAX): each stage is a tile program on its own IPU. Drop "
         "set_pipelining_options to train with plain JAX.")
-  if offload_lib.shards_state(model.config, model.config.replication_factor):
-    raise NotImplementedError(
-        "A pipelined fit keeps each stage's optimizer state on its own IPU; replicated "
-        "tensor sharding (streaming.replicated_tensor_sharding) of it is not supported.")
 
 
 def _stacked(scalars):
