@@ -128,6 +128,38 @@ class StageAssignmentTest(chex.TestCase):
     self.assertEqual([staged.producer(v) for v in staged.stages[2].inputs], [1, 0])
     self.assertLen(staged.stages[0].outputs, 1)
 
+  def test_layer_reading_only_an_earlier_stage_value_trains(self):
+    # Layer c (stage 2) scales by sin of a stage-0 value alone, as a BERT layer
+    # converting the embeddings' attention mask does: the value goes straight
+    # from stage 0 to stage 2 and its gradient straight back.
+    import flax.linen as nn
+
+    class Last(nn.Module):
+      @nn.compact
+      def __call__(self, h, m):
+        return jnp.tanh(nn.Dense(8)(h)) * jnp.sin(m)
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        h = jnp.tanh(nn.Dense(8, name="b")(jnp.tanh(nn.Dense(8, name="a")(x))))
+        return Last(name="c")(h, x * 0.5)
+
+    model = Model()
+    params = model.init(jax.random.key(0), jnp.ones((4, 8)))
+    rng = np.random.default_rng(2)
+    batches = {k: jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32) for k in ("x", "y")}
+    loss = lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)
+    micro = jax.tree_util.tree_map(lambda b: b[0], batches)
+    staged = ipu_jax.pipelining.split_stages(loss, params, micro, {"b": 1, "c": 2})
+    self.assertIn(0, [staged.producer(v) for v in staged.stages[2].inputs])
+    pipe = Pipeline(loss, optax.sgd(0.1), config=_config(stages=3, g=6),
+                    stage_assignment={"b": 1, "c": 2})
+    new, _, _ = pipe.step(params, pipe.init(params, batches), batches)
+    expected = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params,
+                                      _plain_gradients(loss, params, batches, 6))
+    chex.assert_trees_all_close(new, expected, rtol=1e-5, atol=1e-6)
+
   def test_unknown_module_path(self):
     with self.assertRaisesRegex(PipelineError, r"module path\(s\) \['Dense_9'\] that no "
                                 r"operation .* the module paths are: \['Model', "

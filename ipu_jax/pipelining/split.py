@@ -262,10 +262,9 @@ def _label(jaxpr, num_params: int, assignment=None, free=()) -> list:
         raise PipelineError(
             f"An operation at {_where(eqn)} {how} reads values of stage {before}: stage ids "
             "must increase along the forward pass.")
-      if scoped > before + 1 and here is not None:
-        raise PipelineError(
-            f"An operation at {_where(eqn)} {how} follows stage {before}: stage ids must "
-            f"not skip a stage (expected stage {before + 1}).")
+      # A later stage may read values of any earlier one (a layer converting
+      # the embeddings' attention mask): they go straight to it, as skip
+      # connections do, and their gradients straight back.
       here = scoped
     for v in eqn.outvars:
       label[v] = here
