@@ -352,6 +352,15 @@ class KerasPipelinedFitTest(chex.TestCase):
     self.assertEqual(history.history["val_loss"], [logs["loss"]])
     self.assertEqual(history.history["val_accuracy"], [logs["accuracy"]])
 
+  def test_stage_reports_cost_loss_metrics_and_optimizer_under_plain_fits_scopes(self):
+    model, _ = _fit(True, epochs=1, validation=False)
+    scopes = {name: {row.scope for row in report.by_scope(depth=0)}
+              for name, report in model.pipeline.report.stage_reports.items()}
+    self.assertLessEqual({"loss", "metrics", "Net/third"}, scopes["stage2/forward"])
+    self.assertIn("loss/grad", scopes["stage2/backward"])
+    for k in range(3):
+      self.assertIn("optimizer/scale_by_adam", scopes[f"stage{k}/update"])
+
   def test_callbacks_fire_as_in_plain_fit(self):
     events = {}
     for pipelined in (False, True):

@@ -34,6 +34,9 @@ with G-step gradient accumulation in ``tests/test_pipelined_fit.py``:
 * Metrics and the loss: the last stage computes each micro-batch's
   ``[loss, metrics..., count]`` sums from its predictions (an auxiliary
   output of the pipelined loss); the host keeps plain fit's running means.
+  The stage programs' reports cost them under plain fit's scopes (``loss``,
+  ``loss/grad``, ``metrics``; :mod:`ipu_jax.keras.scopes`), and each stage's
+  update under ``optimizer/<transform>``.
 * ``validation_data``: plain ``evaluate`` on the trained weights after each
   epoch (``val_`` logs; the fit's callbacks see its test hooks). Evaluation
   is the inference function (dropout off, running statistics), not the
@@ -79,6 +82,7 @@ import numpy as np
 
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import programs
+from ipu_jax.keras import scopes
 from ipu_jax.keras.weights import restore_flat
 
 __all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "merged_options",
@@ -212,12 +216,16 @@ def _pipelined_loss(model, *, rng: bool, mutable: bool):
       streams, base = counters["keys"]
       key = (base, (counters["step"], counters["replica"]))
     y_pred, new_state = adapter.apply(params, state, streams, batch["x"], True, key)
-    per_sample = programs.per_sample_loss(loss_fn, batch["y"], y_pred)
-    value = jnp.mean(per_sample)
-    if _LOSS_SCALE in batch:  # gradients of the scaled loss, as plain fit takes them
-      value = value * batch[_LOSS_SCALE].astype(value.dtype)
-    sums = _stacked([jnp.sum(per_sample)] + [jnp.sum(m(batch["y"], y_pred)) for m in metric_fns]
-                    + [per_sample.shape[0]])
+    # Costed under plain fit's scopes (loss, its backward loss/grad, metrics).
+    with scopes.scope(scopes.LOSS):
+      per_sample = programs.per_sample_loss(loss_fn, batch["y"], y_pred)
+      value = jnp.mean(per_sample)
+      if _LOSS_SCALE in batch:  # gradients of the scaled loss, as plain fit takes them
+        value = value * batch[_LOSS_SCALE].astype(value.dtype)
+    with scopes.scope(scopes.METRICS):
+      sums = _stacked([jnp.sum(per_sample)]
+                      + [jnp.sum(m(batch["y"], y_pred)) for m in metric_fns]
+                      + [per_sample.shape[0]])
     return value, ((new_state, sums) if mutable else sums)
 
   return loss
@@ -228,7 +236,8 @@ def _pipeline(model):
   options = model.pipelining_options
   rng = bool(model.adapter.needs_rng)
   mutable = bool(jax.tree_util.tree_leaves(model.train_state.state))
-  return Pipeline(_pipelined_loss(model, rng=rng, mutable=mutable), model.optimizer,
+  return Pipeline(_pipelined_loss(model, rng=rng, mutable=mutable),
+                  scopes.optimizer_in_scope(model.optimizer),
                   config=_pipeline_config(model, options),
                   device_mapping=options.get("device_mapping"),
                   stage_assignment=options.get("assignment"),

@@ -29,7 +29,7 @@ import jax
 import optax
 
 __all__ = ["LOSS", "METRICS", "OPTIMIZER", "APPLY_UPDATES", "GRADIENT_ACCUMULATION",
-           "ALL_REDUCE", "scope", "scoped_optimizer", "transform_name"]
+           "ALL_REDUCE", "scope", "scoped_optimizer", "optimizer_in_scope", "transform_name"]
 
 LOSS = "loss"
 METRICS = "metrics"
@@ -121,3 +121,19 @@ def scoped_optimizer(optimizer) -> optax.GradientTransformationExtraArgs:
   """
   return optax.GradientTransformationExtraArgs(optimizer.init, _scoped_update(optimizer.update))
 
+
+
+def optimizer_in_scope(optimizer) -> optax.GradientTransformationExtraArgs:
+  """:func:`scoped_optimizer` whose update also opens the ``optimizer`` scope.
+
+  For a caller that hands the optimizer on rather than calling it (the
+  pipelined ``fit`` gives it to each stage's update program): its costs read
+  ``optimizer/<transform>`` as plain ``fit``'s do.
+  """
+  scoped = scoped_optimizer(optimizer)
+
+  def update(updates, state, params=None, **extra_args):
+    with jax.named_scope(OPTIMIZER):
+      return scoped.update(updates, state, params, **extra_args)
+  return optax.GradientTransformationExtraArgs(optimizer.init,
+                                               _named_like(update, optimizer.update))
