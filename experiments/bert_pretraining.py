@@ -327,15 +327,42 @@ def main(argv):
   run(_FLAGS)
 
 
+def build_pipeline(f, mcfg) -> tuple:
+  """``(pipe, loss_fn, optimizer, params)`` of the flags' split, model and training options.
+
+  With ``--estimate_only`` the weights and the optimizer state are abstract
+  (only shapes matter; BERT-Large's would take 4 GB of host memory) and an
+  out-of-memory split is reported, not raised.
+  """
+  import optax
+  from flax import nnx
+  import ipu_jax
+  from experiments import bert
+  layers_per_ipu = [int(v) for v in f.layers_per_ipu]
+  assignment, mapping = bert.layout(layers_per_ipu)
+  cfg = ipu_config(f, len(layers_per_ipu))
+  optimizer = optax.lamb(f.learning_rate)
+  if f.estimate_only:
+    cfg.memory.allow_out_of_memory = True
+    model = nnx.eval_shape(lambda: bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
+    optimizer = abstract_init(optimizer)
+  else:
+    model = bert.Bert(mcfg, rngs=nnx.Rngs(f.seed))
+  # With dropout the loss takes a key: each micro-batch gets its own
+  # (ipu_jax.pipelining.micro_batch_key), the key plain accumulation uses.
+  dropout = f.dropout > 0
+  loss_fn, params = bert.make_loss(model, dropout=dropout)
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
+                                     stage_assignment=assignment, rng=dropout)
+  return pipe, loss_fn, optimizer, params
+
+
 def run(f) -> dict:
   """The runner on parsed flag values ``f``: estimate or train; the run's figures.
 
   Raises:
     app.UsageError: a bad flag, or ``--auto_split`` finding no split that fits.
   """
-  import optax
-  from flax import nnx
-  import ipu_jax
   from experiments import bert
 
   apply_preset(f)
@@ -349,45 +376,31 @@ def run(f) -> dict:
     searched, lowered = choose_split(f, mcfg)
     mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
                         f.vocab_size)
-  layers_per_ipu = [int(v) for v in f.layers_per_ipu]
-  assignment, mapping = bert.layout(layers_per_ipu)
-  cfg = ipu_config(f, len(layers_per_ipu))
-  if f.estimate_only:
-    cfg.memory.allow_out_of_memory = True  # report whether it fits, do not raise
-  optimizer = optax.lamb(f.learning_rate)
-  if f.estimate_only:
-    # Only shapes matter: the weights and the optimizer state stay abstract
-    # (BERT-Large's would take 4 GB of host memory).
-    model = nnx.eval_shape(lambda: bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
-    optimizer = abstract_init(optimizer)
-  else:
-    model = bert.Bert(mcfg, rngs=nnx.Rngs(f.seed))
-  # With dropout the loss takes a key: each micro-batch gets its own
-  # (ipu_jax.pipelining.micro_batch_key), the key plain accumulation uses.
-  dropout = f.dropout > 0
-  loss_fn, params = bert.make_loss(model, dropout=dropout)
-  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
-                                     stage_assignment=assignment, rng=dropout)
-  if f.estimate_only and lowered is not None and not dropout:
+  if f.estimate_only and lowered is not None and f.dropout == 0:
     # The search lowered this very split to confirm it, from the same model,
     # config, optimizer and micro-batch shapes: its pipeline is read rather
-    # than lowered again (minutes at BERT-Large size).
+    # than lowered again (a minute or more at BERT-Large size).
     pipe = lowered.pipeline
     results = dict(lowered_estimate(pipe, f, lowered.seconds), lowered_by="split search")
-    print(pipe.report.summary())
-  elif f.estimate_only:
-    one = bert.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.max_predictions, f.seed)
-    results = dict(estimate(pipe, params, one, f), lowered_by="runner")
+  else:
+    del lowered  # not this run's pipeline: its memory goes before another is lowered
+    pipe, loss_fn, optimizer, params = build_pipeline(f, mcfg)
+    if f.estimate_only:
+      one = bert.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.max_predictions, f.seed)
+      results = dict(estimate(pipe, params, one, f), lowered_by="runner")
+    else:
+      layers_per_ipu = [int(v) for v in f.layers_per_ipu]
+      results = train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu,
+                      bert.layout(layers_per_ipu)[1])
+  if f.estimate_only:
     print(pipe.report.summary())
     print(f"Estimate ({f.config or 'flags'}, BERT-{f.model}): "
           f"{results['samples_per_second']:,.1f} samples/s, "
           f"{results['sequences_per_second']:,.1f} sequences/s, step "
           f"{results['step_seconds']:.3f} s; fits: {results['fits']} (largest tile per IPU "
           f"{results['per_ipu_max_tile_bytes']} of {results['bytes_per_tile']:,d} B); lowered "
-          f"in {results['lower_seconds']:.1f} s, peak RSS "
+          f"in {results['lower_seconds']:.1f} s ({results['lowered_by']}), peak RSS "
           f"{results['peak_rss_bytes'] / 2**30:.2f} GiB")
-  else:
-    results = train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping)
   results.update(searched)
   if f.report_dir:
     pipe.report.save(f.report_dir)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.lowering.errors import OutOfMemoryError
@@ -86,7 +87,7 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
         executions=executions, temporary_bytes=temporary,
         notes=tuple(node.notes),
         scope=node.scope, fused_ops=tuple(node.fused_ops),
-        codelets=_codelet_names(node), flops_dtype=_flops_dtype(node))
+        codelets=_codelet_names(node), flops_dtype=_step_flops_dtype(node))
   # Host transfers: stream copies and printed tensors cross the host link.
   tensor = node.tensor
   tiles, nbytes = _tensor_bytes(tensor, t)
@@ -109,20 +110,23 @@ def _step_profile(target: IPUTarget, node, executions: int) -> StepProfile:
       vertices=np.zeros(t, np.int64), scope=tensor.scope)
 
 
-def _flops_dtype(node: P.Superstep) -> str:
-  """The dtype whose peak a step's FLOPs run at: its widest floating-point read.
+def _step_flops_dtype(node: P.Superstep) -> str:
+  """The dtype whose peak a step's FLOPs run at ('' for a step without FLOPs).
 
-  A product of half operands runs on the AMP units at the half rate even when
-  it accumulates in float (poplin's partials); a step that reads none (a fill,
-  a random draw) is counted at the rate of what it writes.
+  The one its rule costed them at (a matmul's operand type), else its widest
+  floating-point operand, not counting a result it adds into (a matmul's
+  later pass reads its float32 sum), else its widest floating-point result.
   """
   if not node.flops:
     return ""
-  for tensors in (node.reads, node.writes):
-    floating = [np.dtype(t.dtype) for t in tensors
-                if np.issubdtype(np.dtype(t.dtype), np.inexact)]
+  if node.flops_dtype is not None:
+    return np.dtype(node.flops_dtype).name
+  written = {t.id for t in node.writes}
+  for tensors in ([t for t in node.reads if t.id not in written], node.writes):
+    # jnp.issubdtype: NumPy does not count bfloat16 and the FP8 types as floating.
+    floating = [np.dtype(t.dtype) for t in tensors if jnp.issubdtype(t.dtype, jnp.inexact)]
     if floating:
-      return str(max(floating, key=lambda d: d.itemsize))
+      return max(floating, key=lambda d: d.itemsize).name
   return ""
 
 

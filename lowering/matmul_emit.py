@@ -695,7 +695,8 @@ def _matmul_step(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange, writes, fn
       compute_cycles=work.compute,
       exchange=exchange, vertices=work.vertices,
       codelets=(vocab.vertex(vocab.MATMUL_BLOCK, np.dtype(p.in_dtype), p.acc),),
-      flops=work.flops, scratch_bytes=work.scratch, notes=p.notes)
+      flops=work.flops, scratch_bytes=work.scratch, notes=p.notes,
+      flops_dtype=np.dtype(p.in_dtype))
 
 
 def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange) -> None:

@@ -19,7 +19,8 @@ import numpy as np
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["StepProfile", "TensorProfile", "MemoryProfile", "ProgramProfile",
-           "MEMORY_CATEGORIES", "ALWAYS_LIVE_CATEGORIES", "flops_by_dtype", "flops_dtype"]
+           "MEMORY_CATEGORIES", "ALWAYS_LIVE_CATEGORIES", "flops_by_dtype", "majority_dtype",
+           "program_flops_dtype"]
 
 # Always-live memory is allocated for the whole program; not-always-live
 # memory is shared between values whose lifetimes do not overlap.
@@ -248,23 +249,24 @@ def flops_by_dtype(profile: ProgramProfile) -> dict:
   """``{dtype name: FLOPs per run}`` of ``profile``'s steps that say their dtype."""
   by_dtype = {}
   for step in profile.steps:
-    dtype = getattr(step, "flops_dtype", "")
-    if dtype and step.flops:
-      by_dtype[dtype] = by_dtype.get(dtype, 0) + step.flops * step.executions
+    if step.flops_dtype and step.flops:
+      by_dtype[step.flops_dtype] = (by_dtype.get(step.flops_dtype, 0)
+                                    + step.flops * step.executions)
   return by_dtype
 
 
-def flops_dtype(profile: ProgramProfile) -> str:
+def majority_dtype(by_dtype: dict) -> Optional[str]:
+  """The dtype with the most FLOPs in ``{dtype: FLOPs}`` (the first on a tie), or None."""
+  return max(by_dtype.items(), key=lambda item: item[1])[0] if by_dtype else None
+
+
+def program_flops_dtype(profile: ProgramProfile) -> str:
   """The dtype whose peak FLOP/s ``profile`` is measured against.
 
   The declared ``profile.flops_dtype`` if set; else the dtype of most of
   its FLOPs (a float16 model's products outweigh its float32 norms and
   updates); float32 for a program with none.
   """
-  declared = getattr(profile, "flops_dtype", None)
-  if declared:
-    return str(np.dtype(declared))
-  by_dtype = flops_by_dtype(profile)
-  if not by_dtype:
-    return "float32"
-  return max(by_dtype.items(), key=lambda item: item[1])[0]
+  if profile.flops_dtype:
+    return str(np.dtype(profile.flops_dtype))
+  return majority_dtype(flops_by_dtype(profile)) or "float32"

@@ -186,6 +186,9 @@ class Superstep:
     literals: the scalar constants folded into ``fn`` instead of read (an
       elementwise step's ``x * jnp.inf``), as NumPy scalars; the
       floating-point exception check counts them as inputs.
+    flops_dtype: the dtype whose peak rate its FLOPs were costed at (a
+      matmul's or convolution's operand type: float16, bfloat16 and FP8
+      products run on the AMP units); None: its widest floating-point operand.
   """
 
   name: str
@@ -206,6 +209,7 @@ class Superstep:
   fused_ops: tuple = ()
   literals: tuple = ()
   logical: Optional[Callable] = dataclasses.field(default=None, repr=False)
+  flops_dtype: Optional[np.dtype] = None
 
   def __post_init__(self):
     # A program holds several [num_tiles] arrays per superstep (11,776

@@ -5,6 +5,8 @@ IPUs of an IPU-POD64, and trained for a real step; the big estimates are
 measured by the benchmark's ``pod`` row, not here.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -225,10 +227,13 @@ class AutoSplitTest(chex.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.mkdtemp()
     path = os.path.join(cls.tmp, "auto.json")
-    bert_pretraining.run(_runner_flags(
-        "--auto_split", "--estimate_only", f"--json_out={path}", *_TILES,
-        "--layers_per_ipu=0,2,1,1", "--matmul_proportion=0.3,0.3,0.3,0.3",
-        "--decoder_serialization=2", f"--split_plot={os.path.join(cls.tmp, 'split.png')}"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      bert_pretraining.run(_runner_flags(
+          "--auto_split", "--estimate_only", f"--json_out={path}", *_TILES,
+          "--layers_per_ipu=0,2,1,1", "--matmul_proportion=0.3,0.3,0.3,0.3",
+          "--decoder_serialization=2", f"--split_plot={os.path.join(cls.tmp, 'split.png')}"))
+    cls.printed = printed.getvalue()
     with open(path) as out:
       cls.auto = json.load(out)
     split = cls.auto["split"]
@@ -264,6 +269,7 @@ class AutoSplitTest(chex.TestCase):
     # The runner estimated the chosen split from the search's own lowering of
     # it: the same figures as that split given by hand and lowered afresh.
     self.assertEqual(auto["lowered_by"], "split search")
+    self.assertRegex(self.printed, r"Estimate \(flags, BERT-.*\(split search\)")
     self.assertEqual(self.given["lowered_by"], "runner")
     self.assertEqual(auto["per_ipu_max_tile_bytes"], self.given["per_ipu_max_tile_bytes"])
     self.assertEqual(auto["per_ipu_peak_bytes"], self.given["per_ipu_peak_bytes"])

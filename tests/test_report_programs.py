@@ -131,16 +131,15 @@ class ProgramReportTest(chex.TestCase):
 class FlopsDtypeTest(chex.TestCase):
   """The peak a program's FLOPs are held against is that of the dtype most of them run in."""
 
-  # The GC200 has no bfloat16 arithmetic: its products run on float32
-  # copies of the operands, at the float32 rate.
-  @parameterized.parameters(("float32", "float32", "fp32_flops_per_cycle"),
-                            ("float16", "float16", "fp16_flops_per_cycle"),
-                            ("bfloat16", "float32", "fp32_flops_per_cycle"))
-  def test_matmul_with_float32_epilogue(self, dtype, counted_as, rate):
-    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+  @parameterized.parameters(("ipu2", "float32", "fp32_flops_per_cycle"),
+                            ("ipu2", "float16", "fp16_flops_per_cycle"),
+                            ("ipu2", "bfloat16", "fp16_flops_per_cycle"),
+                            ("ipu21", "float8_e4m3fnuz", "fp8_flops_per_cycle"))
+  def test_matmul_with_float32_epilogue(self, preset, dtype, rate):
+    target = ipu_jax.IPUTarget.preset(preset, tiles_per_ipu=16)
 
     def f(a, b, bias):
-      # An AMP product (half operands, float32 accumulation) then a float32
+      # A product on the AMP units (float32 accumulation) then a float32
       # epilogue: the product's FLOPs outnumber the epilogue's.
       y = jnp.matmul(a, b, preferred_element_type=jnp.float32)
       return jnp.tanh(y + bias)
@@ -151,11 +150,11 @@ class FlopsDtypeTest(chex.TestCase):
     bias = jnp.asarray(rng.normal(size=(29,)), jnp.float32)
     emulated = ipu_jax.jit(f, target=target, verbose=0)
     report = emulated.lower(a, b, bias).report
-    self.assertEqual(report.flops_dtype, counted_as)
+    self.assertEqual(report.flops_dtype, dtype)
     peak = target.num_tiles * getattr(target, rate) * target.clock_hz
     self.assertAlmostEqual(report.flops_fraction_of_peak,
                            report.total_flops / (report.estimated_seconds * peak))
-    self.assertIn(f"FLOP/s ({counted_as})", report.summary())
+    self.assertIn(f"FLOP/s ({dtype})", report.summary())
     chex.assert_trees_all_close(np.asarray(emulated(a, b, bias)),
                                 np.asarray(jax.jit(f)(a, b, bias)), rtol=1e-5, atol=1e-6)
 

@@ -122,7 +122,6 @@ def scoped_optimizer(optimizer) -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(optimizer.init, _scoped_update(optimizer.update))
 
 
-
 def optimizer_in_scope(optimizer) -> optax.GradientTransformationExtraArgs:
   """:func:`scoped_optimizer` whose update also opens the ``optimizer`` scope.
 

@@ -22,8 +22,9 @@ from ipu_jax.pipelining.search_result import LoweredSplit, SearchResult
 from ipu_jax.pipelining.split_search import search
 from ipu_jax.pipelining.throughput import Throughput, step_throughput
 
-__all__ = ["Candidate", "LayeredModel", "Pipeline", "PipelineError", "PipelineReport",
-           "LoweredSplit", "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms", "Throughput",
+__all__ = ["Candidate", "LayeredModel", "LoweredSplit", "Pipeline", "PipelineError",
+           "PipelineReport", "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms",
+           "Throughput",
            "check_steps_per_execution", "micro_batch_key", "micro_batch_keys",
            "minimum_accumulation", "search", "split_stages",
            "stage", "stash_depths", "step_throughput"]

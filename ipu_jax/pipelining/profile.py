@@ -21,7 +21,7 @@ import numpy as np
 
 from ipu_jax.lowering.dead_code import DeadCode
 from ipu_jax.lowering.profile import (MEMORY_CATEGORIES, MemoryProfile, ProgramProfile,
-                                      StepProfile, flops_by_dtype)
+                                      StepProfile, flops_by_dtype, majority_dtype)
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.pipelining import layout
 
@@ -89,7 +89,7 @@ def _slot_arrays(passes: _PassTotals, composition, stages, n: int, t: int) -> tu
   return _read_only(compute), vertices, flops, link_bytes
 
 
-def _flops_dtype(pipeline):
+def _stages_flops_dtype(pipeline):
   """The dtype of most of the step's FLOPs: its stage programs' steps say theirs
   (forward and backward passes run once per micro-batch, updates once)."""
   totals = {}
@@ -100,7 +100,7 @@ def _flops_dtype(pipeline):
         continue
       for dtype, flops in flops_by_dtype(program.profile).items():
         totals[dtype] = totals.get(dtype, 0) + flops * runs
-  return max(totals.items(), key=lambda item: item[1])[0] if totals else None
+  return majority_dtype(totals)
 
 
 def pipeline_profile(pipeline) -> ProgramProfile:
@@ -151,7 +151,7 @@ def pipeline_profile(pipeline) -> ProgramProfile:
   return ProgramProfile(target=target, steps=steps, tensors=[],
                         memory=_memory(pipeline, target, len(steps)),
                         name=f"pipeline ({pipeline.schedule}, G={pipeline.accumulation})",
-                        host_round_trips=1, flops_dtype=_flops_dtype(pipeline),
+                        host_round_trips=1, flops_dtype=_stages_flops_dtype(pipeline),
                         dead_code=DeadCode.total(
                             program.dead_code for s in stages
                             for program in (s.forward, s.backward, s.update) if program))

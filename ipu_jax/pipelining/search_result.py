@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ipu_jax.pipelining.candidates import Candidate
+
+if TYPE_CHECKING:  # the annotation only: the search imports the pipeline where it lowers
+  from ipu_jax.pipelining.pipeline import Pipeline
 
 __all__ = ["Estimate", "LoweredSplit", "SearchResult", "Shortfall"]
 
@@ -120,7 +123,7 @@ class LoweredSplit:
     seconds: how long lowering it took.
   """
 
-  pipeline: object
+  pipeline: "Pipeline"
   seconds: float
 
 

@@ -21,8 +21,9 @@ auxiliary outputs (``has_aux``) returns them from the stages that compute
 them (:class:`AuxOutput`).
 
 Rules checked here, before anything is compiled or run, each with the user's
-source line: stage ids increase along the forward pass and leave no gap, and
-the loss is computed by the last stage.
+source line: stage ids increase along the forward pass (a ``pipeline_stage``
+mark also leaves no gap; an operation placed by module path may read values
+of any earlier stage), and the loss is computed by the last stage.
 
 A weight may be read by several stages (a tied embedding and output
 projection). Each weight has one owner, the first stage that reads it: the

@@ -111,7 +111,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
-from ipu_jax.lowering.profile import ProgramProfile, flops_dtype
+from ipu_jax.lowering.profile import ProgramProfile, program_flops_dtype
 from ipu_jax.kernels.cost_model import cost_model_json
 from ipu_jax.kernels.target import IPUTarget
 
@@ -467,7 +467,7 @@ def data_from_profile(profile: ProgramProfile) -> ReportData:
       name=str(profile.name),
       target=target,
       host_round_trips=int(profile.host_round_trips),
-      flops_dtype=flops_dtype(profile),
+      flops_dtype=program_flops_dtype(profile),
       categories=categories,
       peak=peak,
       tile_limit=int(memory.tile_limit),

@@ -462,7 +462,8 @@ def conv_general_dilated_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, window_strid
       compute_cycles=work.compute, exchange=add_costs(lhs_cost, rhs_cost),
       vertices=work.vertices,
       codelets=(vocab.vertex(vocab.CONV_PARTIAL, np.dtype(in_dtype), acc),), flops=work.flops,
-      scratch_bytes=work.scratch, notes=(note,) if note else (), logical=logical_step))
+      scratch_bytes=work.scratch, notes=(note,) if note else (), logical=logical_step,
+      flops_dtype=np.dtype(in_dtype)))
   return [out]
 
 
