@@ -56,9 +56,10 @@ multiple of G x R. The config's ``streaming`` options reach the pipeline:
 each stage's optimizer state offloaded, and with R replicas sharded over
 them (:mod:`ipu_jax.pipelining.weight_update`), checkpoints holding the
 shards. Lowering happens before the first callback, so
-a model that cannot be split or does not fit raises first. Not detected:
-each stage's optimizer updates its own weights, so one that mixes weights
-across stages (global-norm clipping) sees each stage's weights alone.
+a model that cannot be split or does not fit raises first. Warned, not
+mended: each stage's optimizer updates its own weights, so one that mixes
+weights across stages (global-norm clipping) sees each stage's weights alone
+(``Pipeline.init`` names the two weights: :mod:`ipu_jax.pipelining.cross_stage`).
 
 Loss scaling (:class:`~ipu_jax.keras.LossScaleOptimizer`) works as in plain
 ``fit``: the loss stage multiplies the loss by the scale (it comes with each
