@@ -65,9 +65,10 @@ class StepProfile:
     codelets: the vertex types (codelet names) its compute set runs; empty
       for a step without compute.
     flops_dtype: the dtype whose peak rate its FLOPs are counted against:
-      the widest floating-point operand it reads (an AMP product of half
-      operands runs at the half rate whatever it accumulates in); '' for a
-      step without FLOPs.
+      the one its rule costed them at (a matmul's operand type: an AMP
+      product of half operands runs at the half rate whatever it accumulates
+      in), else its widest floating-point operand or result; '' for a step
+      without FLOPs or without floating-point values.
   """
 
   name: str
