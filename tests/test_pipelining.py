@@ -321,7 +321,13 @@ class HalfPrecisionPipelineTest(chex.TestCase):
     half = lambda a: a.astype(jnp.float16) if a.dtype == jnp.float32 else a
     params, batches = (jax.tree_util.tree_map(half, t) for t in (params, batches))
     pipe = Pipeline(_loss, optax.sgd(0.05), config=_config(stages=2, g=4))
-    pipe.step(params, pipe.init(params, batches), batches)
+    new_params, _, _ = pipe.step(params, pipe.init(params, batches), batches)
+    # The half-precision step trains as plain accumulation does, to float16 rounding.
+    expected = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, params,
+                                      _plain_gradients(_loss, params, batches, 4))
+    chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, new_params),
+                                jax.tree_util.tree_map(np.asarray, expected),
+                                rtol=1e-2, atol=1e-3)
     report = pipe.report.program_report
     self.assertEqual(report.flops_dtype, "float16")
     target = report.target
