@@ -329,12 +329,10 @@ def _peak_live(leaves, steps, allocs, num_tiles: int) -> tuple:
   peak_exchange = np.zeros(num_tiles, np.float64)
   live_sums = np.zeros(len(leaves), np.float64)
   for i, (node, _, _) in enumerate(leaves):
-    changes = allocs.get(i)
-    if changes:
-      delta = np.zeros(num_tiles, np.float64)
-      for tiles, nbytes in changes:
-        delta[tiles] += nbytes
-      running = running + delta
+    # Byte counts are whole numbers: float64 sums of them are exact in any
+    # order, so they are added in place (a mapping's rows are on distinct tiles).
+    for tiles, nbytes in allocs.get(i) or ():
+      running[tiles] += nbytes
     temporaries = running
     if isinstance(node, P.Superstep) and node.scratch_bytes is not None:
       temporaries = running + node.scratch_bytes
@@ -343,9 +341,9 @@ def _peak_live(leaves, steps, allocs, num_tiles: int) -> tuple:
     live_sums[i] = live.sum()
     higher = live > best
     if higher.any():
-      best = np.where(higher, live, best)
-      peak_temp = np.where(higher, temporaries, peak_temp)
-      peak_exchange = np.where(higher, exchange, peak_exchange)
+      np.copyto(best, live, where=higher)
+      np.copyto(peak_temp, temporaries, where=higher)
+      np.copyto(peak_exchange, exchange, where=higher)
   return peak_temp, peak_exchange, live_sums
 
 

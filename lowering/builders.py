@@ -104,14 +104,13 @@ def broadcast_cost(ctx, tensor: P.Tensor, dst_tiles: np.ndarray) -> Optional[Exc
   # A source tile sends its part once if anyone but itself needs it.
   others = dst_tiles.size - receivers
   bytes_out = np.where(others > 0, on_tile, 0)
-  ipu_of_dst = np.flatnonzero(np.bincount(dst_tiles // target.tiles_per_ipu,
-                                          minlength=target.num_ipus))
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus > 1:
-    on_ipu = np.bincount(np.arange(target.num_tiles) // target.tiles_per_ipu,
-                         weights=on_tile, minlength=target.num_ipus)
-    for ipu in range(target.num_ipus):
-      link[ipu] = int(on_ipu[ipu]) * int((ipu_of_dst != ipu).sum())
+    # Each IPU's part crosses once to every other IPU holding a receiver.
+    receiving = np.zeros(target.num_ipus, bool)
+    receiving[dst_tiles // target.tiles_per_ipu] = True
+    on_ipu = on_tile.astype(np.int64).reshape(target.num_ipus, target.tiles_per_ipu).sum(axis=1)
+    link = on_ipu * (int(receiving.sum()) - receiving)
   return ExchangeCost(bytes_in, bytes_out.astype(np.int64), link)
 
 

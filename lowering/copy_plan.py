@@ -221,6 +221,9 @@ def _cut(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray, total: int, budget:
   pieces.
   """
   first = np.searchsorted(starts, lo, side="right") - 1
+  if lo.size and (hi - lo == 1).all():
+    # One element each (a broadcast's pieces): in the run of its start.
+    return np.arange(lo.size), first, lo, hi
   last = np.searchsorted(starts, hi - 1, side="right") - 1
   count = last - first + 1
   n = int(count.sum())
@@ -243,12 +246,19 @@ def _union_lengths(group: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_groups
     # One sort of (group, start) packed into one key: half the work of a
     # two-key lexsort, on copies with tens of thousands of pieces.
     key = group.astype(np.int64) * (span + 1) + lo
-    order = np.argsort(key, kind="stable")
-    start = key[order]
-    end = start + (hi - lo)[order]
+    if (key[1:] >= key[:-1]).all():
+      # Already in order (a broadcast's pieces, in output order onto a
+      # linear layout): the sort would leave it as it is.
+      start, end, group = key, key + (hi - lo), group
+    else:
+      order = np.argsort(key, kind="stable")
+      start = key[order]
+      end = start + (hi - lo)[order]
+      group = group[order]
   else:
     order = np.lexsort((lo, group))
-    base = group[order].astype(np.int64) * (span + 1)
+    group = group[order]
+    base = group.astype(np.int64) * (span + 1)
     start, end = base + lo[order], base + hi[order]
   # Groups are sorted and separated by more than ``span``: a running maximum
   # of interval ends never carries from one group into the next.
@@ -256,7 +266,7 @@ def _union_lengths(group: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_groups
   before = np.concatenate([start[:1], reached[:-1]])
   new = np.maximum(end - np.maximum(start, before), 0)
   # Weighted bincounts are float64: exact below 2**53 elements.
-  return np.bincount(group[order], weights=new, minlength=num_groups)[:num_groups].astype(np.int64)
+  return np.bincount(group, weights=new, minlength=num_groups)[:num_groups].astype(np.int64)
 
 
 def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
@@ -344,11 +354,13 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
   received = np.zeros(num_tiles, np.int64)
   if not pieces:
     return _frozen(CopyPlan(None, received, written, fills))
-  dst, src, a, b = (np.concatenate(p) for p in zip(*pieces))
+  dst, src, a, b = pieces[0] if len(pieces) == 1 else (np.concatenate(p) for p in zip(*pieces))
   moved = src != dst
   if not moved.any():
     return _frozen(CopyPlan(None, received, written, fills))
-  dst, src, a, b = dst[moved], src[moved], a[moved], b[moved]
+  if not moved.all():
+    kept = np.flatnonzero(moved)  # one pass for the four arrays
+    dst, src, a, b = dst[kept], src[kept], a[kept], b[kept]
   received = _union_lengths(dst, a, b, num_tiles, num_sources)
   if num_sources <= _COVERAGE_RATIO * a.size:
     sent, link = _sent_by_coverage(target, dst, a, b, s_starts, s_tiles, num_sources)
@@ -474,19 +486,32 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
   n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
   link = np.zeros(n_ipus, np.int64)
   if n_ipus > 1:
-    # What leaves an IPU is all it holds but what stays on it. Both sides'
-    # IPUs are spread from their runs (no division or widening per element),
-    # and the destination's is constant on its runs, so what stays on an
-    # IPU is counted per run.
-    ipu_of = (np.arange(num_tiles) // per_ipu).astype(np.int8 if n_ipus < 128 else np.int32)
-    src_ipu = in_output_order(np.repeat(ipu_of[src_tiles], src_lengths))
-    on_ipu = np.flatnonzero(src_ipu == np.repeat(ipu_of[dst_tiles], dst_lengths))
-    per_run = np.diff(np.searchsorted(on_ipu, np.append(dst_starts, mapping.num_elements)))
-    same = np.bincount(ipu_of[dst_tiles], weights=per_run, minlength=n_ipus)
+    # What leaves an IPU is all it holds but what stays on it: the output
+    # elements whose source tile lies in their destination IPU's tile range.
+    # That IPU is constant on the destination's IPU runs (a few per tensor),
+    # so the range's first tile is spread over the elements from those runs,
+    # and "in range" is one subtraction read unsigned (below the first tile
+    # wraps past any tile id) on the source tiles already in output order.
+    ipu_starts, ipus = mapping.ipu_runs(per_ipu)
+    first_tile = np.repeat((ipus * per_ipu).astype(tile_type),
+                           np.diff(np.append(ipu_starts, mapping.num_elements)))
+    unsigned = np.uint16 if tile_type == np.int16 else np.uint32
+    stays_on_ipu = (src - first_tile).view(unsigned) < per_ipu
+    if ipu_starts.size <= _FEW_IPU_RUNS:  # counting set flags beats widening them to add
+      bounds = np.append(ipu_starts, mapping.num_elements)
+      per_run = np.array([np.count_nonzero(stays_on_ipu[a:b])
+                          for a, b in zip(bounds[:-1], bounds[1:])], np.int64)
+    else:
+      per_run = np.add.reduceat(stays_on_ipu, ipu_starts, dtype=np.int64)
+    same = np.bincount(ipus, weights=per_run, minlength=n_ipus)
     from_ipu = np.add.reduceat(held, np.arange(0, num_tiles, per_ipu))
     link = from_ipu - same[:n_ipus].astype(np.int64)
   cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
   return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+# A tensor's IPU runs counted one by one (a linear layout has one or two per IPU).
+_FEW_IPU_RUNS = 64
 
 
 def _frozen(plan: CopyPlan) -> CopyPlan:

@@ -383,12 +383,15 @@ def _merged_runs(a: np.ndarray, b: np.ndarray) -> tuple:
   merged = np.concatenate([a, b])
   order = np.argsort(merged, kind="stable")
   merged = merged[order]
-  from_a = order < a.size
-  in_a = np.cumsum(from_a) - 1
-  in_b = np.cumsum(~from_a) - 1
+  in_a = np.cumsum(order < a.size) - 1
+  # The entries of b up to position i are the rest of the i + 1.
+  in_b = np.arange(merged.size) - in_a - 1
   keep = np.ones(merged.size, bool)
   keep[:-1] = merged[1:] != merged[:-1]
-  return merged[keep], in_a[keep], in_b[keep]
+  if keep.all():
+    return merged, in_a, in_b
+  kept = np.flatnonzero(keep)  # one pass for the three arrays
+  return merged[kept], in_a[kept], in_b[kept]
 
 
 def _pieces(src: TileMapping, dst: TileMapping) -> tuple:
@@ -418,14 +421,16 @@ def interval_movement_cost(target: IPUTarget, src: TileMapping, dst: TileMapping
   two sorted run lists takes time proportional to the runs, not elements.
   """
   s, d, lengths = _pieces(src, dst)
-  moved = s != d
-  s, d, lengths = s[moved], d[moved], lengths[moved]
   t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
-  bytes_in = np.bincount(d, weights=lengths, minlength=t)[:t]
-  bytes_out = np.bincount(s, weights=lengths, minlength=t)[:t]
-  crossing = s // per_ipu != d // per_ipu
-  link = np.bincount(s[crossing] // per_ipu, weights=lengths[crossing],
-                     minlength=n_ipus)[:n_ipus]
+  # Pieces that stay weigh nothing (cheaper than selecting the rest).
+  moved = np.where(s != d, lengths, 0)
+  bytes_in = np.bincount(d, weights=moved, minlength=t)[:t]
+  bytes_out = np.bincount(s, weights=moved, minlength=t)[:t]
+  link = np.zeros(n_ipus)
+  if n_ipus > 1:  # on one IPU nothing crosses (and a piece that stays never does)
+    s_ipu = s // per_ipu
+    link = np.bincount(s_ipu, weights=np.where(s_ipu != d // per_ipu, lengths, 0),
+                       minlength=n_ipus)[:n_ipus]
   # Weighted bincounts are float64: exact for any tensor below 2**53 bytes.
   return ExchangeCost((bytes_in.astype(np.int64) * itemsize),
                       (bytes_out.astype(np.int64) * itemsize),

@@ -108,16 +108,19 @@ def _overlap(group: np.ndarray, first: np.ndarray, stop: np.ndarray, interval_gr
   intervals sorted by (group, start), against the running sum of their
   lengths: ``O((runs + intervals) log intervals)``.
   """
-  order = np.lexsort((starts, interval_group))
-  key = interval_group[order] * (size + 1) + starts[order]
-  begin, length = starts[order], ends[order] - starts[order]
+  key = interval_group * (size + 1) + starts
+  if not (key[1:] > key[:-1]).all():  # a linear layout's intervals are in order already
+    order = np.lexsort((starts, interval_group))
+    interval_group, starts, ends, key = (
+        interval_group[order], starts[order], ends[order], key[order])
+  begin, length = starts, ends - starts
   through = np.cumsum(length)                       # lengths up to and with each
 
   def below(x):
     k = np.searchsorted(key, group * (size + 1) + x, side="right") - 1
     valid = k >= 0
     kk = np.maximum(k, 0)
-    valid &= interval_group[order][kk] == group
+    valid &= interval_group[kk] == group
     upto = np.where(k >= 0, through[kk], 0)
     # In the group's interval that starts at or before x: its part past x is not below.
     past = np.where(valid, length[kk] - np.minimum(x - begin[kk], length[kk]), 0)
@@ -575,15 +578,22 @@ def _place_outputs(ctx, plan: _Plan) -> _Stage2:
   runs = (in_map.tiles[run_row], run_key, run_length)
   figures = (target, itemsize, value_itemsize, cpv, spec.kind)
   base = int(in_map.tiles[0]) if in_map.num_rows else 0
-  best = None
-  for cand, rotates in candidates:
+  # The cheapest placement wins, the earliest of equals. IPU-Link bytes only
+  # add cycles, so the placements are tried cheapest-without-them first: one
+  # already no cheaper without them than the best so far cannot win, and
+  # their count (afresh, on runs) is skipped.
+  tried = []
+  for index, (cand, rotates) in enumerate(candidates):
     tile_cost, cycles, received, most = _relative_stage2(ctx, plan, cand, runs, base, figures)
-    # IPU-Link bytes only add cycles: a placement already no cheaper without
-    # them cannot win, and their count (afresh, on runs) is skipped.
-    if best is not None and exchange_cycles(target, tile_cost) + most >= best[-1]:
+    bound = exchange_cycles(target, tile_cost) + most
+    tried.append(((bound, index), cand, rotates, tile_cost, cycles, received, most))
+  best = None
+  for (bound, index), cand, rotates, tile_cost, cycles, received, most in sorted(
+      tried, key=lambda entry: entry[0]):
+    if best is not None and (bound, index) >= best[-1]:
       continue
     link = _stage2_link_bytes(target, cand, runs, itemsize, tile_cost)
-    score = exchange_cycles(target, _with_link(tile_cost, link)) + most
+    score = (exchange_cycles(target, _with_link(tile_cost, link)) + most, index)
     if best is None or score < best[-1]:
       best = (cand, rotates, tile_cost, link, cycles, received, score)
   cand, rotates, tile_cost, link, cycles, received, _ = best
