@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -100,8 +101,7 @@ def _box_volumes(los, his, members) -> tuple:
 def _count_below(x, sizes, los, his, members, inner, volume) -> np.ndarray:
   """:func:`_prefix` given the boxes' :func:`_box_volumes` (bounds clipped)."""
   ndim = len(sizes)
-  volume = np.broadcast_to(np.asarray(volume, np.int64), x.shape)
-  total = int(np.prod(sizes, dtype=np.int64))
+  total = math.prod(sizes)
   if total == 0:
     return np.zeros(x.shape, np.int64)
   # x == total has no digits: every index lies below it.
@@ -122,7 +122,8 @@ def _count_below(x, sizes, los, his, members, inner, volume) -> np.ndarray:
       if cum is not None:
         now &= cum[digit + 1] > cum[digit]
       inside = now if inside is None else inside & now
-  return np.where(whole, volume, count).astype(np.int64, copy=False)
+  # ``volume`` (the boxes' shape) broadcasts against ``x``'s.
+  return np.where(whole, np.asarray(volume, np.int64), count).astype(np.int64, copy=False)
 
 
 def _clipped(los, his, sizes) -> tuple:
@@ -338,14 +339,20 @@ def _box_sums(counts: np.ndarray, cuts, lo, hi) -> np.ndarray:
     summed = np.cumsum(summed, axis=a + 1)
   padded = np.zeros((counts.shape[0],) + tuple(n + 1 for n in counts.shape[1:]), summed.dtype)
   padded[(slice(None),) + (slice(1, None),) * ndim] = summed
-  j_lo = [np.searchsorted(cuts[a], lo[a]) for a in range(ndim)]
-  j_hi = [np.searchsorted(cuts[a], hi[a]) for a in range(ndim)]
-  out = np.zeros((counts.shape[0], lo[0].size), np.int64)
+  # Each box's sum is the signed sum of the padded sums at its 2**ndim
+  # corners: their flat indices side by side, gathered at once.
+  dims = padded.shape[1:]
+  strides = [math.prod(dims[a + 1:]) for a in range(ndim)]
+  j_lo = [np.searchsorted(cuts[a], lo[a]) * strides[a] for a in range(ndim)]
+  j_hi = [np.searchsorted(cuts[a], hi[a]) * strides[a] for a in range(ndim)]
+  corners = np.zeros((1 << ndim, lo[0].size), np.int64)
+  signs = np.empty(1 << ndim, np.int64)
   for corner in range(1 << ndim):
-    index = tuple(j_hi[a] if corner >> a & 1 else j_lo[a] for a in range(ndim))
-    sign = -1 if (ndim - bin(corner).count("1")) % 2 else 1
-    out += sign * padded[(slice(None),) + index]
-  return out
+    for a in range(ndim):
+      corners[corner] += j_hi[a] if corner >> a & 1 else j_lo[a]
+    signs[corner] = -1 if (ndim - bin(corner).count("1")) % 2 else 1
+  gathered = padded.reshape(counts.shape[0], -1)[:, corners]  # [owners, corners, boxes]
+  return np.einsum("ock,c->ok", gathered, signs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,12 +460,14 @@ def _ipu_box_counts(shape, starts, ends, ipu_of, n_ipus, lo, hi) -> np.ndarray:
   sizes = [int(d) for d in shape]
   ndim, r, k = len(sizes), starts.size, lo[0].size
   points = np.concatenate([ends, starts]).astype(np.int64)
-  x = np.broadcast_to(points[:, None], (2 * r, k))
-  los = [np.broadcast_to(l[None, :], (2 * r, k)) for l in lo]
-  his = [np.broadcast_to(h[None, :], (2 * r, k)) for h in hi]
+  # Points down, boxes across: the digits are taken once per point and the
+  # boxes' volumes once per box, broadcast only where they meet.
+  x = points[:, None]
+  los = [l[None, :] for l in lo]
+  his = [h[None, :] for h in hi]
   members = [None] * ndim
   inner, volume = _box_volumes(los, his, members)
-  below = _count_below(x, sizes, los, his, members, inner, volume)
+  below = np.broadcast_to(_count_below(x, sizes, los, his, members, inner, volume), (2 * r, k))
   per_run = below[:r] - below[r:]  # [run, box]
   inside = np.zeros((n_ipus, k), np.int64)
   np.add.at(inside, ipu_of, per_run)
