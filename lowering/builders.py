@@ -313,11 +313,16 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
   in_dtype = operands[0].dtype if operands else None
   compute, vertices = elementwise_figures(ctx.target, mapping, op, dtype, in_dtype)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
+  # The step and its ElementwiseWork hold the operands' costs narrowed, one
+  # copy for both (a lone moved operand's cost is the step's exchange).
+  costs = tuple(map(P.narrowed_cost, ins.costs))
+  moved = [c for c in costs if c is not None]
+  exchange = moved[0] if len(moved) == 1 else add_costs(*ins.costs)
   ctx.emit(P.Superstep(
       name=name or op, op=ctx.op, reads=ins.reads, writes=tuple(outputs), fn=step_fn,
-      logical=logical_fn, compute_cycles=compute, exchange=add_costs(*ins.costs),
+      logical=logical_fn, compute_cycles=compute, exchange=exchange,
       vertices=vertices, codelets=(vocab.vertex(vocab.ELEMENTWISE, op),),
-      flops=flops, elementwise=P.ElementwiseWork(mapping, ins.costs, op, dtype.itemsize, dtype,
+      flops=flops, elementwise=P.ElementwiseWork(mapping, costs, op, dtype.itemsize, dtype,
                                                  in_dtype),
       literals=tuple(info for kind, info in ins.kinds if kind == "literal")))
   return outputs

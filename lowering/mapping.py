@@ -662,11 +662,14 @@ class TileMapping:
     if key is None:
       consecutive = self.__dict__.get("_consecutive")
       if consecutive is not None and consecutive[1] == int(num_tiles):
-        # The same row tiles as the shared run from the moved start (one hash per run).
-        moved = _consecutive_tiles(self.num_rows, consecutive[0] - int(base), int(num_tiles))
+        # Consecutive row tiles moved along are consecutive from the moved
+        # start: keyed in closed form (another mapping with the same tiles
+        # but made otherwise keys by their hash, and only shares no plans).
+        moved = ("consecutive", self.num_rows, (consecutive[0] - int(base)) % int(num_tiles),
+                 int(num_tiles))
       else:
-        moved = (self.tiles - int(base)) % int(num_tiles)
-      key = memo[int(base), int(num_tiles)] = kind[:-1] + (tiles_key(moved),)
+        moved = tiles_key((self.tiles - int(base)) % int(num_tiles))
+      key = memo[int(base), int(num_tiles)] = kind[:-1] + (moved,)
     return key
 
   @property
