@@ -50,31 +50,10 @@ def tiles_key(tiles: np.ndarray) -> tuple:
   and mappings was hundreds of megabytes. Two distinct arrays of one length
   and ends share a key with odds of 2**-64 (a lowering compares thousands).
   """
-  if isinstance(tiles, np.ndarray) and not tiles.flags.writeable and tiles.dtype == np.int64:
-    # A shared, read-only row array (every linear layout from one start tile
-    # holds the same one): hashed once while it is held.
-    held = plan_cache.cached(_TILES_KEYS, id(tiles), lambda: (tiles, _tiles_key(tiles)))
-    if held[0] is tiles:
-      return held[1]
-  return _tiles_key(tiles)
-
-
-def _tiles_key(tiles) -> tuple:
   tiles = np.ascontiguousarray(tiles, dtype=np.int64)
   if tiles.size == 0:
     return (0,)
   return (tiles.size, int(tiles[0]), int(tiles[-1]), hash(tiles.tobytes()))
-
-
-# Keyed by the array object; each entry holds its array, so no other array
-# takes that id while the entry lives.
-_TILES_KEYS = plan_cache.PlanCache("row tile keys", max_entries=8192)
-
-
-def _consecutive_tiles(rows: int, start: int, num_tiles: int) -> np.ndarray:
-  """The shared row tiles ``start, start + 1, ...`` (modulo ``num_tiles``)."""
-  return _shared_rows(("tiles", rows, start % max(num_tiles, 1), num_tiles),
-                      lambda: (start + np.arange(rows)) % num_tiles)
 
 
 def blocks_on_tiles(num_tiles: int, tiles: np.ndarray, items: int, per_block: int) -> np.ndarray:
@@ -407,7 +386,8 @@ class TileMapping:
     rows = -(-num_elements // chunk) if num_elements else 0
     if rows > num_tiles:
       raise ValueError(f"{rows} chunks of {chunk} do not fit on {num_tiles} tiles")
-    tiles = _consecutive_tiles(rows, start_tile, num_tiles)
+    tiles = _shared_rows(("tiles", rows, start_tile % max(num_tiles, 1), num_tiles),
+                         lambda: (start_tile + np.arange(rows)) % num_tiles)
     last = num_elements - chunk * (rows - 1) if rows else 0
 
     def counts():
