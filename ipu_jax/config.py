@@ -52,6 +52,10 @@ __all__ = [
 # switched on for a whole run without touching the code.
 REPORT_DIR_ENV = "IPU_JAX_REPORT_DIR"
 
+# The largest seed both consumers take: jax.random.key converts it to a C long.
+SEED_MAX = 2**63 - 1
+SEED_KIND = integer(minimum=0, maximum=SEED_MAX, allow_none=True)
+
 
 # The checked kinds of value are the lowering's (ipu_jax.lowering.options),
 # so an option the lowering reads is checked the same way in both places.
@@ -514,8 +518,11 @@ class IPUConfig(_Group):
   fusion = _Section(_FusionOptions)
   io_tiles = _Section(_IOTilesOptions)
   outputs = _Section(_OutputOptions)
+  # NumPy's generators (a fit's shuffling) take only non-negative seeds and
+  # jax.random.key a C long, so the seed is refused here, naming the field,
+  # rather than deep inside the first fit.
   random_seed = _Option(
-      integer(allow_none=True), None,
+      SEED_KIND, None,
       "Seed for the random state of programs run with this config, for "
       "reproducible runs; None fixes no seed.")
   executable_cache_dir = _Option(

@@ -59,13 +59,22 @@ def one_of(*choices: str) -> OptionKind:
                     lambda value: value in choices)
 
 
-def integer(minimum: Optional[int] = None, allow_none: bool = False) -> OptionKind:
-  """An int, at least ``minimum`` when given (``None`` too if ``allow_none``)."""
-  description = "an int" if minimum is None else f"an int >= {minimum}"
+def integer(minimum: Optional[int] = None, allow_none: bool = False,
+            maximum: Optional[int] = None) -> OptionKind:
+  """An int in ``[minimum, maximum]`` where given (``None`` too if ``allow_none``)."""
+  if minimum is not None and maximum is not None:
+    description = f"an int in [{minimum}, {maximum}]"
+  elif minimum is not None:
+    description = f"an int >= {minimum}"
+  elif maximum is not None:
+    description = f"an int <= {maximum}"
+  else:
+    description = "an int"
   if allow_none:
     description += " or None"
   return OptionKind(description, (numbers.Integral,),
-                    lambda value: minimum is None or value >= minimum, int,
+                    lambda value: ((minimum is None or value >= minimum) and
+                                   (maximum is None or value <= maximum)), int,
                     allow_none)
 
 

@@ -143,11 +143,25 @@ class IPUConfigTest(_CleanEnvironmentTest):
       ("replica_reduction", "training.replica_reduction", "running_mean"),
       ("accumulation_steps", "training.gradient_accumulation_steps", 0),
       ("executor", "executor.mode", "sequential"),
+      ("negative_seed", "random_seed", -1),
+      ("seed_past_c_long", "random_seed", 2**63),
   )
   def test_bad_value_raises_value_error_naming_field(self, path, value):
     self._assert_rejected(ValueError, path, value)
 
+  def test_model_seed_is_checked_before_anything_runs(self):
+    # A negative seed used to pass here and fail inside NumPy at the first
+    # fit's shuffle, naming no field.
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    from ipu_jax import keras  # pylint: disable=g-import-not-at-top
+    module = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    with self.assertRaisesRegex(ValueError, r"Model\(seed=\.\.\.\) must be an int in \[0, "):
+      keras.Model(module, seed=-1)
+    self.assertEqual(keras.Model(module, seed=2**40).seed, 2**40)
+
   def test_value_error_states_valid_values(self):
+    with self.assertRaisesRegex(ValueError, r"random_seed must be an int in \[0, \d+\] or None"):
+      IPUConfig().random_seed = -1
     with self.assertRaisesRegex(ValueError, "'ipu1', 'ipu2', 'bow'"):
       IPUConfig().device.version = "ipu3"
     with self.assertRaisesRegex(ValueError, r"\(0, 1\]"):

@@ -120,6 +120,7 @@ class Model:
       raise TypeError(f"config must be an ipu_jax.IPUConfig; got {type(config).__name__}.")
     self._explicit_config = config
     self._config_at_init = _active_config()
+    seed = config_lib.SEED_KIND.check("Model(seed=...)", seed)
     if seed is None:
       known = config or self._config_at_init
       seed = known.random_seed if known is not None and known.random_seed is not None else 0
