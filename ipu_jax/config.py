@@ -671,6 +671,11 @@ _DEFAULT_CONFIG: contextvars.ContextVar[Optional[IPUConfig]] = (
     contextvars.ContextVar("ipu_jax_default_config", default=None))
 
 
+def active_config() -> Optional[IPUConfig]:
+  """The config set by the innermost :func:`default_config`, or None if none is."""
+  return _DEFAULT_CONFIG.get()
+
+
 def get_default_config() -> IPUConfig:
   """The config set by the innermost :func:`default_config`, else a new one.
 

@@ -89,7 +89,7 @@ NOT_COMPILED = "call model.compile(optimizer=..., loss=...) first."
 
 def _active_config():
   """The config of the innermost strategy scope / default_config, or None."""
-  return config_lib._DEFAULT_CONFIG.get()  # noqa: SLF001  (same package)
+  return config_lib.active_config()
 
 
 class Model:

@@ -205,7 +205,7 @@ def emit_rotation(ctx, grid: sr.SparseGrid, pattern, frame, values, dense, meta,
   groups = groups_of(grid, frame.row_indices.astype(np.int64))
   itemsize = np.dtype(out_dtype).itemsize
   gbytes = _group_bytes(grid, groups, itemsize)
-  z_cols = sr._z_cols(grid, window)
+  z_cols = sr.z_columns(grid, window)
   kind = vocab.SPARSE_DENSE_ELEMENTWISE if grid.plan.block == 1 else vocab.SPARSE_DENSE_BLOCK
   suffix = f" pass {index + 1}/{grid.plan.serial}" if grid.plan.serial > 1 else ""
   on_grid = np.zeros(ctx.target.num_tiles, np.int64)

@@ -126,7 +126,8 @@ def pass_windows(plan: SparsePlan) -> list:
   return [(i * width, min(plan.z, (i + 1) * width)) for i in range(plan.serial)]
 
 
-def _z_cols(grid: SparseGrid, window) -> np.ndarray:
+def z_columns(grid: SparseGrid, window) -> np.ndarray:
+  """Column edges of the Z partitions of a pass's output ``window`` (also for rotation)."""
   return _edges(window[1] - window[0], grid.shape[2], grid.plan.band[2])
 
 
@@ -225,7 +226,7 @@ def dense_exchange(ctx, grid: SparseGrid, dense: P.Tensor, side: str, window=Non
   z_of_col = np.arange(window[1] - window[0]) // fz
   needs = [None, (0, y_of_row, y_of_row + 1), (1, z_of_col, z_of_col + 1)]
   band_rows = _edges(c, py, cy * b)
-  elements = (band_rows[None, :, None] * _z_cols(grid, window)[None, None, :]
+  elements = (band_rows[None, :, None] * z_columns(grid, window)[None, None, :]
               * np.ones((px, 1, 1), np.int64)).reshape(-1)
   perm, groups = ((0, 1), ((0,), (1,))) if side == "lhs" else ((1, 0), ((1,), (0,)))
   cost, _ = operand_exchange_cost(ctx.target, dense, perm, (c, f), groups, (px, py, pz),
@@ -409,7 +410,7 @@ def emit_products(ctx, grid: SparseGrid, pattern, frame, values, dense, meta, ou
     out = result
     prior = (result,) if window[0] > 0 else ()
   itemsize = np.dtype(out_dtype).itemsize
-  z_cols = _z_cols(grid, window)
+  z_cols = z_columns(grid, window)
   exchange = dense_exchange(ctx, grid, dense, side, window) + block_copies(ctx, grid, itemsize)
   blocks_on_tile = _on_tiles(ctx, grid, np.repeat(grid.cell_blocks, pz))
   p = _Product(grid, pattern, frame, side, _cells(grid, frame.row_indices), values, dense, out,
@@ -459,7 +460,7 @@ def emit_reduction(ctx, grid: SparseGrid, partials: P.Tensor, out_dtype, side, n
   px, py, pz = grid.shape
   out = new_result(ctx, grid, side, out_dtype, name) if result is None else result
   window = (0, grid.plan.z) if window is None else tuple(window)
-  region = np.repeat(grid.x_rows, pz)[:, None] * np.tile(_z_cols(grid, window), px)[:, None]
+  region = np.repeat(grid.x_rows, pz)[:, None] * np.tile(z_columns(grid, window), px)[:, None]
   region = np.broadcast_to(region.reshape(px, 1, pz), (px, py, pz)).reshape(-1)
   piece = -(-region // py)
   p_item = partials.itemsize
