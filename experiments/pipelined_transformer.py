@@ -134,6 +134,11 @@ def main(argv):
     params, state, value = pipe.step(params, state, batches(step))
     print(f"step {step}: loss {float(value):.4f} ({time.time() - start:.1f} s on the host)")
   print(pipe.report.summary())
+  if f.recomputation:
+    # Less than 1: the segments' output matmuls and residual adds are not rerun.
+    ratios = [s.recompute_cycles / s.forward.profile.total_cycles for s in pipe.stages]
+    print("recompute / forward cycles per stage: " + ", ".join(f"{r:.2f}" for r in ratios)
+          + " (docs/multi_ipu.md#what-is-recomputed)")
   if f.report_dir:
     pipe.report.save(f.report_dir)
     for name, report in pipe.report.stage_reports.items():

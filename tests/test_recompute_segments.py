@@ -117,5 +117,75 @@ class SplitSegmentsTest(chex.TestCase):
     self.assertEqual(segment.outputs, list(jaxpr.outvars))
 
 
+_SEGMENT_OUTPUT = "segment_output"
+
+
+def _residual_loss(params, batch):
+  """Stage 0: two residual blocks (``x + tanh(x @ w) @ w'``), the first one's
+  output a checkpoint, as in an encoder layer; stage 1: the loss. Each block's
+  output matmul and residual add are in the scope ``segment_output``."""
+  w1, w2, w3, w4, w_out = params
+  x = batch["x"]
+  a = jnp.tanh(x @ w1)
+  with jax.named_scope(_SEGMENT_OUTPUT):
+    x = x + a @ w2
+  x = recomputation_checkpoint(x)
+  b = jnp.tanh(x @ w3)
+  with jax.named_scope(_SEGMENT_OUTPUT):
+    x = x + b @ w4
+  x = pipeline_stage(x, 1)
+  return jnp.mean((x @ w_out - batch["y"]) ** 2)
+
+
+def _cycles(steps) -> float:
+  return float(sum(s.total_cycles * s.executions for s in steps))
+
+
+class WhatIsRecomputedTest(chex.TestCase):
+  """Which forward work the backward runs again (docs/multi_ipu.md#what-is-recomputed)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    batches = _batches()
+    cls.stage0 = {}
+    for recompute in (False, True):
+      pipe = Pipeline(_residual_loss, optax.sgd(0.1), config=_config(recompute))
+      pipe.lower(_params(4), batches)
+      cls.stage0[recompute] = pipe.stages[0]
+
+  def _segment_output_steps(self, profile):
+    return [s for s in profile.steps if _SEGMENT_OUTPUT in s.scope.split("/")]
+
+  def test_recompute_cycles_are_the_forward_less_each_segments_output(self):
+    # The backward of ``x + h @ w`` reads h and w, never the product or the
+    # sum: so each segment's output matmul and residual add are all of the
+    # forward that is not run again (JAX's remat keeps only what the
+    # gradients read, as TF-IPU's recomputation cluster does).
+    plain, recomputing = self.stage0[False], self.stage0[True]
+    skipped = _cycles(self._segment_output_steps(plain.forward.profile))
+    self.assertGreater(skipped, 0.0)
+    forward = _cycles(plain.forward.profile.steps)
+    self.assertAlmostEqual(recomputing.recompute_cycles, forward - skipped,
+                           delta=1e-9 * forward)
+    rerun = [s for s in recomputing.backward.profile.steps if recomputed(s.scope)]
+    self.assertNotEmpty(rerun)
+    self.assertEmpty([s for s in rerun if _SEGMENT_OUTPUT in s.scope.split("/")])
+
+  def test_recomputed_forward_is_a_share_of_the_recomputing_stages_forward(self):
+    # The recomputing stage's own forward computes no derivative
+    # coefficients (tanh's 1 - tanh^2); the recomputation does, as the plain
+    # forward does: recompute = its forward - segment outputs + coefficients.
+    plain, recomputing = self.stage0[False], self.stage0[True]
+    coefficients = plain.forward.profile.total_cycles - recomputing.forward.profile.total_cycles
+    self.assertGreater(coefficients, 0.0)
+    skipped = _cycles(self._segment_output_steps(recomputing.forward.profile))
+    self.assertAlmostEqual(
+        recomputing.recompute_cycles,
+        recomputing.forward.profile.total_cycles - skipped + coefficients,
+        delta=1e-9 * plain.forward.profile.total_cycles)
+    self.assertLess(recomputing.recompute_cycles, recomputing.forward.profile.total_cycles)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -32,9 +32,13 @@ Elementwise fusion joins recomputed steps only with recomputed steps
 (``lowering/fusion.py``), so a fused step counts whole or not at all (the
 flops share of its recomputed members, were that ever mixed). This counts exactly the equations the backward program runs
 again, also those of ``jax.checkpoint`` regions the user wrote inside a
-stage. The other way, lowering the backward once more without recomputation
-and subtracting, would double the lowering work per stage and mix in
-whatever else differs between the two programs. (Should JAX rename the
+stage. It is less than the stage's forward: the rematted computation holds
+only what the gradients read, so a segment's output work (a residual block's
+last matmul and add, whose results only leave the segment) is not run again,
+while the derivative coefficients the plain forward computes are
+(docs/multi_ipu.md#what-is-recomputed). The other way, lowering the backward
+once more without recomputation and subtracting, would double the lowering
+work per stage and mix in whatever else differs between the two programs. (Should JAX rename the
 scope, the figure drops to 0, which tests/test_pipeline_costs.py catches.)
 """
 
