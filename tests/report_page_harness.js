@@ -20,7 +20,7 @@ new Function(page)();
 setTimeout(() => {
   const out = {ready: element("body").dataset.ready === "true", plots: plots.map((p) => ({div: p.div, traces: p.traces.map((t) => ({type: t.type, name: t.name, x: t.x, y: t.y})), title: p.layout.title && p.layout.title.text})),
     hidden: {section: element("number-formats").hidden, link: element("number-formats-link").hidden},
-    table: element("fp8-tensors-table").innerHTML,
+    table: element("fp8-tensors-table").innerHTML, cards: element("cards").innerHTML,
     comparisonTable: element("number-formats-table").innerHTML};
   console.log(JSON.stringify(out));
 }, 50);

@@ -195,7 +195,10 @@ class ReportsTest(chex.TestCase):
                       eval_setup.micro_batch), ("eval", 1, 4))
     # What a user reads: the summary and report.json say how it was run.
     summary = model.reports["train"].summary()
-    self.assertTrue(summary.startswith("Run setup:\n  Program: train step"), summary[:200])
+    # First the headline (the step with its host I/O), then the run setup.
+    self.assertTrue(summary.startswith("Step (host I/O included): "), summary[:200])
+    self.assertTrue(summary.split("\n\n", 1)[1].startswith("Run setup:\n  Program: train step"),
+                    summary[:300])
     directory = self.create_tempdir().full_path
     model.reports["train"].save(directory, plots=False, html=False)
     saved = ipu_jax.load_report(directory)

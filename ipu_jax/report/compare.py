@@ -50,6 +50,12 @@ def _memory_rows(a: ReportBase, b: ReportBase, reduce) -> list:
   return rows + [_compare_row("  Total (peak)", peak_a, peak_b)]
 
 
+def _step_label(a: ReportBase, b: ReportBase) -> str:
+  """What the compared steps include (each side says when they differ)."""
+  kinds = [("host I/O included" if r.step_includes_host_io else "device only") for r in (a, b)]
+  return f" ({kinds[0]})" if kinds[0] == kinds[1] else f" (A: {kinds[0]}; B: {kinds[1]})"
+
+
 def compare_reports(a, b, top: int = 20) -> str:
   """What changed from report ``a`` to report ``b``, side by side.
 
@@ -60,8 +66,9 @@ def compare_reports(a, b, top: int = 20) -> str:
 
   Returns:
     Multi-line text: memory by category (total over the device and on the
-    peak tile), cycles by phase, estimated time, and cycles by operation, each
-    with the delta and % change; then, when either report has number-format
+    peak tile), the step (host I/O included where a program streams data
+    each iteration), cycles by phase, estimated time, and cycles by
+    operation, each with the delta and % change; then, when either report has number-format
     telemetry (loss scale, FP8 per-tensor scales), both side by side.
   """
   a, b = as_report(a), as_report(b)
@@ -74,7 +81,8 @@ def compare_reports(a, b, top: int = 20) -> str:
   rows += [_compare_row("  Tiles used", a.tiles_used, b.tiles_used),
            _compare_row("  Tiles over the limit", a.over_limit_tiles.size,
                         b.over_limit_tiles.size)]
-  rows += [["Cycles", "", "", "", ""],
+  rows += [["Cycles (Total: device only)", "", "", "", ""],
+           _compare_row("  Step" + _step_label(a, b), a.step_cycles, b.step_cycles),
            _compare_row("  Compute", a.compute_cycles, b.compute_cycles),
            _compare_row("  Exchange", a.exchange_cycles, b.exchange_cycles),
            _compare_row("  Sync", a.sync_cycles, b.sync_cycles),

@@ -24,6 +24,12 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "calibrated": [str], "estimates": [str]   # IPUTarget figure names
       },
       "totals": {                        # derived, for readers of the file
+        "step_cycles", "step_seconds": float,  # added: the headline, one execution
+                                         # with its host I/O where the program
+                                         # streams data each iteration, else
+                                         # the device cycles (report/host_io.py)
+        "step_includes_host_io": bool,   # added: which of the two it is
+        "device_cycles": float,          # added: = "cycles" (device only)
         "cycles", "compute_cycles", "exchange_cycles", "sync_cycles": float,
         "estimated_seconds": float, "flops": float, "flops_dtype": str,
         "peak_flops_per_second": float, "flops_fraction_of_peak": float,

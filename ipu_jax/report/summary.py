@@ -1,10 +1,13 @@
 """The text summary of a report, laid out like Poplar's profile summary.
 
-:class:`SummaryMixin` gives every report class ``summary()``: target,
-program structure, memory by category (always-live vs not-always-live, on the
-peak tile), cycles by phase, FLOPs against the target's peak, the top
-operations by cycles and by working memory, the largest tensors, and an
-out-of-memory section listing the tiles over their SRAM.
+:class:`SummaryMixin` gives every report class ``summary()``: first the
+headline (one execution's cycles as the system runs it, host I/O included
+where the program streams data each iteration, and the device-only cycles
+beside them), then the target, program structure, memory by category
+(always-live vs not-always-live, on the peak tile), cycles by phase, FLOPs
+against the target's peak, the top operations by cycles and by working
+memory, the largest tensors, and an out-of-memory section listing the tiles
+over their SRAM.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ipu_jax.report.formatting import tile_name
 from ipu_jax.report.precision import number_formats_section
 from ipu_jax.report.host_side import host_side_section
 from ipu_jax.report.streaming import streaming_section
+from ipu_jax.report.host_io import headline_line
 from ipu_jax.report.host_io import host_io_section
 
 __all__ = ["SummaryMixin"]
@@ -50,6 +54,8 @@ class SummaryMixin:
       Multi-line text.
     """
     sections = [
+        # First what a user reads first: the step as the system runs it.
+        [headline_line(self._step_totals(), self.target.clock_hz)],
         self._summary_run_setup(),
         self._summary_target(),
         self._summary_program(),
@@ -199,7 +205,7 @@ class SummaryMixin:
         f"({pct(self.exchange_cycles, total)})",
         f"  Sync:                  {fmt_int(self.sync_cycles):>16} "
         f"({pct(self.sync_cycles, total)})",
-        f"  Total:                 {fmt_int(total):>16}",
+        f"  Total (device only):   {fmt_int(total):>16}",
         f"  Estimated time:        {fmt_seconds(seconds)} at "
         f"{self.target.clock_hz / 1e9:.3f} GHz",
         "",

@@ -36,6 +36,7 @@ function renderTotals() {
     `A: ${A.name} (${A.target.name}, ${fmtInt(A.target.num_tiles)} tiles) vs ` +
     `B: ${B.name} (${B.target.name}, ${fmtInt(B.target.num_tiles)} tiles)`;
   const metrics = [
+    ["Step cycles (host I/O included where streamed)", "step_cycles"],
     ["Total cycles", "cycles"], ["Compute cycles", "compute_cycles"], ["Exchange cycles", "exchange_cycles"],
     ["Sync cycles", "sync_cycles"], ["Supersteps executed", "num_supersteps_executed"], ["FLOPs", "flops"],
     ["Memory over device (bytes)", "memory_bytes"], ["Peak tile bytes", "peak_tile_bytes"],

@@ -21,15 +21,29 @@ function bytesOnTile(tensor, tile) {
   return 0;
 }
 
+// The first cards: the step as the system runs it (host I/O included where the
+// program streams data each iteration), then the device-only cycles beside it.
+function stepCards(totals) {
+  const step = totals.step_cycles === undefined ? totals.cycles : totals.step_cycles;
+  const seconds = totals.step_seconds === undefined ? totals.estimated_seconds : totals.step_seconds;
+  const time = `${(seconds * 1e6).toFixed(2)} µs`;
+  if (!totals.step_includes_host_io) {
+    return [["Step cycles (device only, no data streamed each iteration)", fmtInt(step)],
+            ["Estimated step time", time]];
+  }
+  return [["Step cycles (host I/O included)", fmtInt(step)],
+          ["Device cycles (host I/O excluded)", fmtInt(totals.cycles)],
+          ["Estimated step time (host I/O included)", time]];
+}
+
 function renderHeader() {
   const totals = REPORT.totals;
   document.getElementById("title").textContent =
     `${REPORT.name} — ${T.name}, ${T.num_ipus} IPU(s), ${fmtInt(T.num_tiles)} tiles`;
   const cards = [
-    ["Total cycles", fmtInt(totals.cycles)],
-    ["Compute / exchange / sync", `${fmtPct(totals.compute_cycles, totals.cycles)} / ` +
+    ...stepCards(totals),
+    ["Device compute / exchange / sync", `${fmtPct(totals.compute_cycles, totals.cycles)} / ` +
       `${fmtPct(totals.exchange_cycles, totals.cycles)} / ${fmtPct(totals.sync_cycles, totals.cycles)}`],
-    ["Estimated time", `${(totals.estimated_seconds * 1e6).toFixed(2)} µs`],
     ["Peak tile (bytes at its own peak)", `${tileName(totals.peak_tile)}: ${fmtBytes(totals.peak_tile_bytes)}`],
     ["SRAM per tile", fmtBytes(M.tile_limit)],
     ["Device peak (live at one superstep)", fmtBytes(Math.max(0, ...REPORT.liveness.not_always_live) + REPORT.liveness.always_live_bytes)],
