@@ -37,12 +37,16 @@ Temporary memory per tile is the two operand blocks plus the partial block
 must fit in ``available_memory_proportion`` of the tile's SRAM. When no grid
 fits, the product is split into serial passes along M or N (poplin's serial
 splits): each pass is a smaller product with its own exchange and compute, so
-the temporaries shrink and the cycles grow. When even that does not fit, the
+the temporaries shrink and the cycles grow. Pass counts up to the fewest that
+fit and a couple past it are searched on both axes, as widely as one pass, and
+the fastest plan that fits is kept (:func:`_serial_options`). When even that does not fit, the
 plan with the least temporary memory is returned (``fits=False``) and the
 program's out-of-memory check reports the tile (on a target of a tile or two
 the serial searches may find no grid at all; the single pass always has one).
 A serialised matmul (``serial=``) asks for a number of passes whatever
-fits, its grid chosen to cut the temporaries (:func:`_serial_budget`).
+fits (a multiple of it when a piece must be cut again), its passes chosen to
+cut the temporaries below the unserialised plan's (:func:`_forced_serial`,
+:func:`_serial_budget`).
 
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
@@ -571,24 +575,69 @@ def _serial_budget(plain: MatmulPlan, count: int, temps: np.ndarray, memory_limi
 
 
 def _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, axis, factor,
-                   memory_limit) -> tuple:
-  """``(count, axis, costs)`` of a forced serialisation: ``factor`` pieces, each cut
-  again into as few equal passes as fit (poplin plans each piece as a matmul of
-  its own), or the factor alone when nothing fits; None when no grid exists."""
+                   memory_limit, wanted) -> list:
+  """``(count, axis, costs)`` options of a forced serialisation: ``factor`` pieces, each
+  cut again into equal passes (poplin plans each piece as a matmul of its own).
+
+  Pass counts rise until a grid holds at most ``wanted`` bytes (the
+  temporaries the serialisation is asked to reach, :func:`_serial_budget`)
+  within the available memory, and :data:`_SERIAL_LOOKAHEAD` counts past it:
+  stopping at the fewest passes that merely fit kept the unserialised plan's
+  temporaries, or more, where that plan already needs serial passes. Empty
+  when no grid exists (a tile or two).
+  """
   size = m if axis == "m" else n
-  first = None
+  options, extra = [], None
   for times in (1,) + _SERIAL_COUNTS:
     count = factor * times
     if count > size:
       break
     option = _serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis, count,
-                            _SEARCH_BUDGET if times == 1 else _SEARCH_BUDGET // 8)
+                            _SEARCH_BUDGET)
     if option[2]["cycles"].size == 0:
       continue
-    first = first or option
-    if (option[2]["temp"] <= memory_limit).any():
-      return option
-  return first
+    options.append(option)
+    if extra is None and (option[2]["temp"] <= min(wanted, memory_limit)).any():
+      extra = _SERIAL_LOOKAHEAD
+    elif extra is not None:
+      extra -= 1
+    if extra == 0:
+      break
+  return options
+
+
+# Pass counts tried past the fewest that fit: more passes can be faster when the
+# fewest that fit leave only a grid with a costly partials reduction.
+_SERIAL_LOOKAHEAD = 2
+
+
+def _serial_options(target, b, m, n, k, operand, p_itemsize, limit, memory_limit) -> list:
+  """Serial splits of a product no single pass of which fits (poplin's serial splits).
+
+  Both axes are tried at each count of :data:`_SERIAL_COUNTS` up to the
+  fewest passes found to fit, and :data:`_SERIAL_LOOKAHEAD` counts past it,
+  each searched as widely as a single pass: the caller keeps the fastest
+  that fits. (Stopping at the first count that fits, with a coarser search,
+  left faster plans to a serialised matmul: two passes over M or four over N
+  of a ``[1024, 1024] x [1024, 30522]`` fp16 product beat the three passes
+  over N it chose.)
+  """
+  options, tried, extra = [], set(), None
+  for count in _SERIAL_COUNTS:
+    for axis, size in (("n", n), ("m", m)):
+      # Passes of equal length; a count giving the same length is the same plan.
+      count_ = int(ceil_div(size, ceil_div(size, count)))
+      if count_ > 1 and (axis, count_) not in tried:
+        tried.add((axis, count_))
+        options.append(_serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis,
+                                      count_, _SEARCH_BUDGET))
+    if extra is None and any((c["temp"] <= memory_limit).any() for _, _, c in options):
+      extra = _SERIAL_LOOKAHEAD
+    elif extra is not None:
+      extra -= 1
+    if extra == 0:
+      break
+  return options
 
 
 @functools.lru_cache(maxsize=1024)
@@ -607,32 +656,21 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
   # A forced serialisation searches only its own passes.
   options = []
   if serial is not None:
-    forced = _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, serial[0], serial[1],
-                            memory_limit)
-    if forced is None:  # no grid for the passes (a tile or two)
+    plain = _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
+                         tree_reduce)
+    options = _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, serial[0],
+                             serial[1], memory_limit, plain.temp_bytes // serial[1])
+    if not options:  # no grid for the passes (a tile or two)
       serial = None
-    else:
-      options = [forced]
   if not options:
     options = [(1, "n", _search(target, b, m, n, k, operand, p_itemsize, limit, _SEARCH_BUDGET,
                                 tree_reduce=tree_reduce))]
   if serial is None and not (options[0][2]["temp"] <= memory_limit).any():
-    tried = set()
-    for count in _SERIAL_COUNTS:
-      for axis, size in (("n", n), ("m", m)):
-        # Passes of equal length; a count giving the same length is the same plan.
-        count_ = int(ceil_div(size, ceil_div(size, count)))
-        if count_ > 1 and (axis, count_) not in tried:
-          tried.add((axis, count_))
-          options.append(_serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis,
-                                        count_, _SEARCH_BUDGET // 8))
-      if any((c["temp"] <= memory_limit).any() for _, _, c in options[1:]):
-        break
+    options += _serial_options(target, b, m, n, k, operand, p_itemsize, limit, memory_limit)
   choose_limit = memory_limit
   if serial is not None:
-    plain = _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tiles,
-                         tree_reduce)
-    choose_limit = _serial_budget(plain, serial[1], options[0][2]["temp"], memory_limit)
+    temps = np.concatenate([c["temp"] for _, _, c in options])
+    choose_limit = _serial_budget(plain, serial[1], temps, memory_limit)
   best = None
   for count, axis, costs in options:
     if costs["cycles"].size == 0:

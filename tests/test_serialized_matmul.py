@@ -45,6 +45,16 @@ def _working_bytes(profile, result_shape) -> int:
   return best
 
 
+def _proportion_config(proportion, tiles=None):
+  """An ipu2 config with ``proportion`` for matmuls (``tiles`` per IPU, or the chip's)."""
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.version = "ipu2"
+  if tiles is not None:
+    cfg.device.tiles_per_ipu = tiles
+  cfg.matmuls.available_memory_proportion = proportion
+  return cfg
+
+
 class SerializedMatmulTest(parameterized.TestCase):
 
   @parameterized.parameters(*_CASES)
@@ -213,6 +223,40 @@ class SerializedMatmulTest(parameterized.TestCase):
                        sum(s.total_cycles for s in profile.steps))
     self.assertGreaterEqual(figures["plain"][0] / figures["serial"][0], 1.6, figures)
     self.assertGreater(figures["serial"][1], figures["plain"][1], figures)
+
+  def test_serialising_lowers_the_fullest_tile_where_the_plan_needs_passes(self):
+    # [64, 128] x [128, 4096] fp16 on 16 tiles needs serial passes at 0.15
+    # already (the BERT decoder's character on a full IPU): serialising over
+    # the vocabulary must still cut the fullest tile, not stop at the passes
+    # the plain plan takes.
+    a, b = random_array((64, 128), jnp.float16, seed=1), random_array((128, 4096), jnp.float16,
+                                                                      seed=2)
+    cfg = _proportion_config(0.15, tiles=16)
+    serial = lambda x, y: serialized_matmul(x, y, 2, "output_channels")
+    peak = {name: int(ipu_jax.jit(fn, config=cfg).lower(a, b).report.profile.memory.peak.max())
+            for name, fn in (("plain", jnp.matmul), ("serial", serial))}
+    self.assertLess(peak["serial"], peak["plain"], peak)
+    got = ipu_jax.jit(serial, config=cfg)(a, b)
+    want = jax.jit(jnp.matmul)(a, b)
+    chex.assert_trees_all_close(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                rtol=2e-2, atol=2e-2)
+
+  def test_plain_plan_is_not_slower_than_a_serialised_one(self):
+    """The BERT decoder's [1024, 1024] x [1024, 30522] fp16 on one IPU at 0.6:
+    the planner's own plan needs serial passes, and must not be slower than
+    the M or N passes a serialised matmul takes (plans it could have picked)."""
+    a = jax.ShapeDtypeStruct((1024, 1024), jnp.float16)
+    b = jax.ShapeDtypeStruct((1024, 30522), jnp.float16)
+    cfg = _proportion_config(0.6)
+
+    def cycles(fn):
+      return sum(s.total_cycles for s in ipu_jax.jit(fn, config=cfg).lower(a, b).report
+                 .profile.steps)
+
+    plain = cycles(jnp.matmul)
+    for mode, factor in (("b_rows", 2), ("a_columns", 2), ("a_columns", 4)):
+      serial = cycles(lambda x, y: serialized_matmul(x, y, factor, mode))
+      self.assertLessEqual(plain, serial, (mode, factor))
 
   @parameterized.named_parameters(
       ("not_dividing", 4, "b_rows", ValueError,
