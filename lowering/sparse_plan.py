@@ -49,10 +49,16 @@ and the serial ones is taken.
 ``ceil(max_nnz / tiles * (1 + oversize))`` blocks with their meta-information.
 A cell's non-zeros are dealt over the buckets of its ``pz`` tiles; the
 buckets rotate ``pz`` times along Z so each tile meets all of its cell's
-(propagation phase 1), then, when the grid has a neighbouring cell along Y
-(or X), once more after a shift by one cell, for the non-zeros that spilled
-into a neighbour's buckets (phase 2). Each step exchanges whole buckets (two
-buffers per tile) and scans them.
+(propagation phase 1). What a cell's buckets cannot hold goes forward along
+the ring of cells to the first free room, so any pattern of at most
+``max_nnz`` blocks fits; at run time the program runs one more phase per
+cell the farthest spill moved (buckets moved one cell on, then rotated along
+Z), as PopSparse's propagation loop runs as far as its partitioner's
+overflow information says. Each step exchanges whole buckets (two buffers
+per tile) and scans them. The estimate (as PopSparse's planner, on a uniform
+pattern) counts phase 1 and, when there is more than one cell, one further
+phase that scans and skips; :attr:`SparsePlan.phase_cycles` is what each
+further phase adds.
 """
 
 from __future__ import annotations
@@ -99,8 +105,10 @@ class SparsePlan:
     candidates: grids evaluated.
     dynamic: buckets and propagation (dynamic sparsity) or a fixed pattern.
     bucket_blocks: blocks a bucket holds (dynamic only).
-    phases: propagation phases (dynamic only): 1, or 2 with a spill phase.
-    spill_axis: ``"y"``, ``"x"`` or ``""``: where overflowing non-zeros go.
+    phases: propagation phases costed (dynamic only): 1, or 2 when the grid has
+      more than one cell (phase 1 and one run-time phase).
+    phase_cycles: cycles of one run-time propagation phase (dynamic only): ``pz``
+      bucket exchanges, skips of a bucket scan and syncs.
   """
 
   x: int
@@ -122,7 +130,7 @@ class SparsePlan:
   dynamic: bool = False
   bucket_blocks: int = 0
   phases: int = 0
-  spill_axis: str = ""
+  phase_cycles: float = 0.0
   serial: int = 1
   rotate: bool = False
 
@@ -150,7 +158,8 @@ class SparsePlan:
   def describe(self) -> str:
     px, py, pz = self.grid
     kind = (f"dynamic, buckets of {self.bucket_blocks} blocks, {self.phases} propagation "
-            f"phase(s) of {pz} step(s)" if self.dynamic
+            f"phase(s) of {pz} step(s) costed, {self.phase_cycles:,.0f} cycles per further "
+            f"phase a pattern's spills need" if self.dynamic
             else f"static, block groups rotating in {pz} steps" if self.rotate else "static")
     serial = f" in {self.serial} serial passes over Z" if self.serial > 1 else ""
     return (f"sparse [{self.x}x{self.y}] x dense [{self.y}x{self.z}] {self.dtype} block "
@@ -280,8 +289,9 @@ def bucket_capacity(max_nnz: int, tiles: int, oversize: float) -> int:
   return int(np.ceil(max_nnz / tiles * (1.0 + oversize)))
 
 
-def _spill_axis(py, px):
-  return np.where(py > 1, 1, np.where(px > 1, 2, 0))
+def _run_time_phases(px, py):
+  """1 when the grid has more than one cell (a propagation ring), else 0."""
+  return np.where(px * py > 1, 1, 0)
 
 
 def _dynamic_costs(target, s: _Shape, max_nnz: int, oversize: float, px, py, pz) -> dict:
@@ -293,12 +303,12 @@ def _dynamic_costs(target, s: _Shape, max_nnz: int, oversize: float, px, py, pz)
   # A full bucket's share for this tile: a cell's non-zeros over its pz buckets.
   per_step = _ceil(max_nnz * rx * cy, max(s.xb * s.yb, 1) * pz)
   rows = np.minimum(rx, per_step)
-  phases = np.where(_spill_axis(py, px) > 0, 2, 1)
+  phases = 1 + _run_time_phases(px, py)
   steps = pz * phases
   bucket_bytes = cap * (b * b * item + _ENTRY_META_WORDS * popsparse.META_WORD_BYTES)
   partial = rx * b * fz
-  # Phase 1 multiplies the cell's entries; the spill phase only scans (a uniform
-  # pattern spills nothing) but still moves and scans every bucket.
+  # Phase 1 multiplies the cell's entries; the run-time phase costed only scans
+  # (a uniform pattern spills nothing) but still moves and scans every bucket.
   work = popsparse.sparse_product_cycles(target, per_step, rows, fz, b, item)
   scan = popsparse.bucket_scan_cycles(1, 1)
   skip = popsparse.bucket_scan_cycles(1, 0)
@@ -310,8 +320,11 @@ def _dynamic_costs(target, s: _Shape, max_nnz: int, oversize: float, px, py, pz)
   reduce, reduce_temp = _reduce_cost(target, partial, py, s.p_itemsize, item)
   temp = np.maximum(2 * bucket_bytes + dense_in + partial * s.p_itemsize, reduce_temp)
   sync = steps * float(target.sync_cycles_internal)
+  # One run-time phase: pz steps, each a bucket exchange, a scan that skips, a sync.
+  phase = _run_time_phases(px, py) * pz * (skip + _exchange_cycles(target, bucket_bytes)
+                                           + target.sync_cycles_internal)
   return dict(compute=compute, exchange=exchange, reduce=reduce, sync=sync, temp=temp, cap=cap,
-              phases=phases)
+              phases=phases, phase=phase)
 
 
 def _choose(costs: dict, limit: int) -> int:
@@ -364,13 +377,12 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
   grid = (int(px[i]), int(py[i]), int(pz[i]))
   rx, cy, fz = (int(v) for v in _bands(s, *[np.int64(g) for g in grid]))
   pick = {k: (v[i] if np.ndim(v) else v) for k, v in costs.items()}
-  spill = int(_spill_axis(np.int64(grid[1]), np.int64(grid[0])))
   return SparsePlan(
       s.x, s.y, s.z, s.block, np.dtype(dtype).name, np.dtype(partials_dtype).name, grid,
       (rx, cy, fz), float(pick["compute"]), float(pick["exchange"]), float(pick["reduce"]),
       float(pick["sync"]), int(pick["temp"]), limit, bool(pick["temp"] <= limit), int(px.size),
       dynamic=dynamic, bucket_blocks=int(pick.get("cap", 0)), phases=int(pick.get("phases", 0)),
-      spill_axis=("", "y", "x")[spill] if dynamic else "", rotate=bool(pick.get("rotate", False)))
+      phase_cycles=float(pick.get("phase", 0.0)), rotate=bool(pick.get("rotate", False)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -477,15 +477,25 @@ class DynamicMatmulTest(parameterized.TestCase):
     got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
     np.testing.assert_allclose(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-4)
 
+  @parameterized.parameters(*MODES)
+  def test_a_pattern_of_max_non_zeros_in_one_band_encodes(self, mode):
+    a = self._skewed()            # 26 blocks, 25 of them in the first X band
+    layout = dynamic_layout(T16, (32, 64), 200, 26, block=4, oversize=0.0)
+    encoded = encode(a, layout)
+    self.assertGreater(encoded.spill_distance, 1)     # past the neighbouring cell
+    dense = _dense((64, 200))
+    got = _run(lambda e, d: dynamic_matmul(e, d), mode, encoded, dense)
+    np.testing.assert_allclose(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-4)
+
   def test_overflow_is_an_error_with_the_counts(self):
     a = self._skewed()
-    layout = dynamic_layout(T16, (32, 64), 200, 26, block=4, oversize=0.0)
-    with self.assertRaisesRegex(BucketOverflowError, r"Overflow in buckets: cell .* has 25 non-zero"):
-      encode(a, layout)
-    small = dynamic_layout(T16, (32, 64), 200, 10, block=4)
+    small = dynamic_layout(T16, (32, 64), 200, 25, block=4)
     with self.assertRaisesRegex(BucketOverflowError, "26 non-zero blocks, more than "
-                                "max_non_zeros=10"):
+                                "max_non_zeros=25"):
       encode(a, small)
+    with self.assertRaisesRegex(BucketOverflowError, "26 non-zero blocks, more than "
+                                "max_non_zeros=25"):
+      dynamic_matmul(a, _dense((64, 200)), 25, target=T16)
 
   def test_a_new_pattern_runs_the_same_program(self):
     layout = dynamic_layout(T16, (32, 48), 20, 40, block=4)
@@ -566,6 +576,63 @@ class DynamicMatmulTest(parameterized.TestCase):
     with self.assertRaisesRegex(ipu_jax.LoweringError, "planned for 8 tiles"):
       ipu_jax.jit(lambda e, d: dynamic_matmul(e, d), target=T16).lower(
           encode(a, layout), _dense((24, 5)))
+
+
+
+def _clustered(kind, grid, count, seed):
+  """A block mask of exactly ``count`` non-zeros: ``uniform`` (random over the
+  matrix), ``corner`` (the top-left blocks, nearest the corner first) or ``row``
+  (one full row of blocks, the rest random)."""
+  rng = np.random.RandomState(seed)
+  rows, cols = grid
+  mask = np.zeros(grid, bool)
+  if kind == "corner":
+    r, c = np.divmod(np.arange(rows * cols), cols)
+    mask.reshape(-1)[np.lexsort((c, np.maximum(r, c)))[:count]] = True
+    return mask
+  if kind == "row":
+    mask[rng.randint(rows)] = True
+  free = np.flatnonzero(~mask.reshape(-1))
+  mask.reshape(-1)[rng.choice(free, count - int(mask.sum()), replace=False)] = True
+  return mask
+
+
+class DynamicPatternsOfMaxNonZerosTest(chex.TestCase, parameterized.TestCase):
+  """Any pattern of at most max_non_zeros blocks runs, however it clusters."""
+
+  def _check(self, kind, block, grid, count, n, mode, target, seed=0):
+    m, k = grid[0] * block, grid[1] * block
+    a = BlockCSR.fromdense(_dense((m, k), seed=seed + 7), _clustered(kind, grid, count, seed),
+                           (block, block))
+    dense = _dense((k, n))
+    self.assertEqual(a.nnz_blocks, count)
+    got = _run(lambda v, d: dynamic_matmul(BlockCSR.from_pattern(v, a.pattern), d, count,
+                                           target=target), mode, a.values, dense, target=target)
+    chex.assert_trees_all_close(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-4)
+
+  def test_the_issue_pattern_runs(self):
+    # 35 random 4x4 blocks planned for exactly 35 used to overflow a cell.
+    for seed in range(3):
+      self._check("uniform", 4, (16, 16), 35, 8, "per_tile", T16, seed)
+
+  @parameterized.product(kind=["uniform", "corner", "row"],
+                         case=[(1, (24, 20), 60, 9), (4, (16, 12), 40, 6),
+                               (16, (6, 5), 12, 5)],
+                         mode=MODES)
+  def test_exactly_max_non_zeros_on_16_tiles(self, kind, case, mode):
+    block, grid, count, n = case
+    self._check(kind, block, grid, count, n, mode, T16)
+
+  @parameterized.parameters(("corner", 4, (40, 40), 120, 6), ("row", 1, (64, 96), 200, 4),
+                            ("uniform", 16, (8, 8), 24, 3))
+  def test_exactly_max_non_zeros_on_1472_tiles(self, kind, block, grid, count, n):
+    self._check(kind, block, grid, count, n, "per_tile", ipu_jax.IPUTarget.preset("ipu2"))
+
+  def test_one_more_than_planned_names_the_counts(self):
+    a = BlockCSR.fromdense(_dense((64, 48)), _clustered("corner", (16, 12), 41, 0), (4, 4))
+    with self.assertRaisesRegex(BucketOverflowError, "41 non-zero blocks, more than "
+                                "max_non_zeros=40"):
+      dynamic_matmul(a, _dense((48, 6)), 40, target=T16)
 
 
 class ExperimentTest(absltest.TestCase):

@@ -9,15 +9,21 @@ tiles, each holding a bucket of ``bucket_blocks`` entries. A pattern is
 function whose time is recorded as host time), so a new pattern with at most
 ``max_non_zeros`` blocks runs the same program with no new lowering.
 
-Encoding (as PopSparse's host-side partitioner): each non-zero belongs to the
-*cell* ``(x, y)`` of its block row's X band and block column's Y band. A
-cell's non-zeros are dealt round-robin over the buckets of its ``pz`` tiles.
-What does not fit spills into the buckets of the neighbouring cell along the
-plan's spill axis (``(x, y + 1)``, or ``(x + 1, y)`` when ``py == 1``), after
-that cell's own non-zeros; the program's second propagation phase brings those
-buckets past the owning cell's tiles. A non-zero that fits nowhere is an
-:class:`BucketOverflowError` ("Overflow in buckets") with the counts — never
-a silently wrong product.
+Encoding (as PopSparse's host-side partitioner, ``SparsePartitionerImpl``):
+each non-zero belongs to the *cell* ``(x, y)`` of its block row's X band and
+block column's Y band. A cell's non-zeros are dealt round-robin over the
+buckets of its ``pz`` tiles. What does not fit moves on along the ring of
+cells in propagation order (``x * py + y``: the other Y cells of its X band
+first, then the next X bands) into the first free bucket room, as PopSparse
+rebalances overflow within the Z partitions, then the Y, then the X ones.
+The buckets hold ``ceil(max_non_zeros / tiles * (1 + oversize)) * tiles >=
+max_non_zeros`` blocks, so every pattern of at most ``max_non_zeros``
+non-zeros is placed, however it clusters; the encoding records how many
+cells its farthest spill moved (:attr:`DynamicSparse.spill_distance`), and
+the program's run-time propagation loop brings the buckets that far
+(:mod:`ipu_jax.sparse.dynamic_rule`). More non-zeros than ``max_non_zeros``
+is a :class:`BucketOverflowError` ("Overflow in buckets") with the counts —
+never a silently wrong product.
 """
 
 from __future__ import annotations
@@ -78,15 +84,11 @@ class DynamicLayout:
     """``(px, py)``."""
     return self.plan.grid[:2]
 
-  def neighbour(self, cell: np.ndarray) -> np.ndarray:
-    """The cell each cell spills into (itself when the grid has no neighbour)."""
+  @property
+  def num_cells(self) -> int:
+    """``px * py``: the cells of the propagation ring."""
     px, py = self.cells
-    x, y = cell // py, cell % py
-    if self.plan.spill_axis == "y":
-      return x * py + (y + 1) % py
-    if self.plan.spill_axis == "x":
-      return ((x + 1) % px) * py + y
-    return cell
+    return px * py
 
 
 def dynamic_layout(target: IPUTarget, shape, n: int, max_non_zeros: int, *, block: int = 1,
@@ -124,12 +126,16 @@ class DynamicSparse:
   ``meta [buckets, bucket_blocks, 2]`` int16 (block row, block column; -1 empty).
 
   Both arrays are pytree leaves (run-time data); the layout is static.
-  ``host_seconds`` is the encoding's host time (not carried through jit).
+  ``host_seconds`` is the encoding's host time and ``spill_distance`` how many
+  cells along the propagation ring its farthest spilled block moved (the
+  run-time propagation phases the pattern needs beyond the first); neither is
+  carried through jit.
   """
 
-  def __init__(self, values, meta, layout: DynamicLayout, host_seconds: float = 0.0):
+  def __init__(self, values, meta, layout: DynamicLayout, host_seconds: float = 0.0,
+               spill_distance: int = 0):
     self.values, self.meta, self.layout = values, meta, layout
-    self.host_seconds = host_seconds
+    self.host_seconds, self.spill_distance = host_seconds, spill_distance
 
   def tree_flatten(self):
     return (self.values, self.meta), self.layout
@@ -147,35 +153,58 @@ class DynamicSparse:
             f"{self.layout.buckets} x {self.layout.bucket_blocks}, dtype={self.dtype})")
 
 
+def _spill_order(over: np.ndarray, free: np.ndarray) -> tuple:
+  """Where overflow goes: ``(ring, used)``, the cells in propagation order from the
+  start cell and the overflowing blocks each of them takes in.
+
+  Cells form a ring in propagation order (``x * py + y``: the Y cells of an X
+  band, then the next band). Overflow moves forward along the ring into the
+  first free room; started after the lowest prefix of ``over - free``, the
+  pending overflow never has to pass the start again, so any overflow that
+  fits the ring's free room in total is placed (``used`` sums to it).
+  """
+  cells = over.size
+  start = (int(np.argmin(np.cumsum(over - free))) + 1) % cells
+  ring = (start + np.arange(cells)) % cells
+  prefix = np.cumsum(over[ring] - free[ring])
+  # Lindley's recursion in closed form: pending = max(0, pending + over - free).
+  pending = prefix - np.minimum(np.minimum.accumulate(prefix), 0)
+  before = np.concatenate([[0], pending[:-1]])
+  return ring, before + over[ring] - pending
+
+
 def _slots(layout: DynamicLayout, cell: np.ndarray) -> tuple:
-  """``(bucket, slot)`` of every block, spilling overflow into the neighbour cell."""
-  px, py = layout.cells
-  pz, cap = layout.grid[2], layout.bucket_blocks
+  """``(bucket, slot, spill distance)`` of every block: a cell's own buckets first,
+  overflow forward along the ring of cells (:func:`_spill_order`)."""
+  cells, pz, cap = layout.num_cells, layout.grid[2], layout.bucket_blocks
   room = pz * cap
-  counts = np.bincount(cell, minlength=px * py)
+  counts = np.bincount(cell, minlength=cells)
   order = np.argsort(cell, kind="stable")
   start = np.concatenate([[0], np.cumsum(counts)[:-1]])
   rank = np.empty(cell.size, np.int64)
   rank[order] = np.arange(cell.size) - start[cell[order]]
-  home = rank < room
-  target_cell = np.where(home, cell, layout.neighbour(cell))
-  # A spilled block goes after the neighbour's own blocks.
-  position = np.where(home, rank, np.minimum(counts, room)[target_cell] + rank - room)
-  spill_room = room - np.minimum(counts, room)
-  overflow = ~home & ((target_cell == cell) | (rank - room >= spill_room[target_cell]))
-  if overflow.any():
-    c = int(cell[overflow][0])
-    nb = int(layout.neighbour(np.array([c]))[0])
-    free = int(spill_room[nb]) if nb != c else 0
+  filled = np.minimum(counts, room)
+  over, free = counts - filled, room - filled
+  if over.sum() > free.sum():   # only with more blocks than the buckets' slots
     raise BucketOverflowError(
-        f"Overflow in buckets: cell (x={c // py}, y={c % py}) has {int(counts[c])} non-zero "
-        f"blocks; its {pz} buckets hold {room} and the spill cell has {free} free; "
-        f"{int(overflow.sum())} block(s) do not fit (pattern: {cell.size} blocks, "
-        f"max_non_zeros={layout.max_non_zeros}, oversize={layout.oversize}). Raise "
-        f"max_non_zeros or oversize.")
-  grid_x, grid_y = target_cell // py, target_cell % py
-  bucket = (grid_x * py + grid_y) * pz + position % pz
-  return bucket, position // pz
+        f"Overflow in buckets: {cell.size} non-zero blocks, the {layout.buckets} buckets of "
+        f"{cap} blocks hold {layout.buckets * cap} (max_non_zeros={layout.max_non_zeros}, "
+        f"oversize={layout.oversize}). Raise max_non_zeros.")
+  target_cell, position = cell.copy(), rank.copy()
+  spilled = np.flatnonzero(rank >= room)
+  if spilled.size:
+    ring, used = _spill_order(over, free)
+    ring_position = np.empty(cells, np.int64)
+    ring_position[ring] = np.arange(cells)
+    spilled = spilled[np.lexsort((rank[spilled], ring_position[cell[spilled]]))]
+    # The i-th overflowing block in ring order takes the i-th free place taken in.
+    targets = np.repeat(ring, used)
+    first = np.repeat(np.cumsum(used) - used, used)
+    target_cell[spilled] = targets
+    position[spilled] = filled[targets] + np.arange(spilled.size) - first
+  bucket = target_cell * pz + position % pz
+  distance = int(((target_cell - cell) % cells).max()) if cell.size else 0
+  return bucket, position // pz, distance
 
 
 def encode(sparse: BlockCSR, layout: DynamicLayout) -> DynamicSparse:
@@ -198,7 +227,7 @@ def encode(sparse: BlockCSR, layout: DynamicLayout) -> DynamicSparse:
   _, py = layout.cells
   rows = pattern.row_indices.astype(np.int64)
   cols = pattern.col_indices.astype(np.int64)
-  bucket, slot = _slots(layout, (rows // rx) * py + cols // cy)
+  bucket, slot, distance = _slots(layout, (rows // rx) * py + cols // cy)
   cap, b = layout.bucket_blocks, layout.block
   index = np.full((layout.buckets, cap), -1, np.int64)
   index[bucket, slot] = np.arange(rows.size)
@@ -207,4 +236,4 @@ def encode(sparse: BlockCSR, layout: DynamicLayout) -> DynamicSparse:
   values = sparse.values
   padded = jnp.concatenate([values, jnp.zeros((1, b, b), values.dtype)])
   bucketed = padded[np.where(index >= 0, index, rows.size)]
-  return DynamicSparse(bucketed, meta, layout, time.perf_counter() - started)
+  return DynamicSparse(bucketed, meta, layout, time.perf_counter() - started, distance)

@@ -15,17 +15,26 @@ buckets are the layout's, fixed before any pattern is known):
    of X band ``x``, the dense rows of Y band ``y`` and the columns of its Z
    range, received in the first step). After ``pz`` steps it has met all of
    its cell's non-zeros that were not spilled.
-3. **Phase 2** (``pz`` more supersteps, when the grid has a neighbouring
-   cell): the buckets of the neighbouring cell (where this cell's overflow
-   spilled) are brought over and rotated along Z the same way; the tile
-   multiplies the entries of its cell among them.
+3. **Further phases, at run time** (when the grid has more than one cell):
+   a step reads the buckets' meta-information for the farthest distance a
+   spilled non-zero moved along the ring of cells (``x * py + y``; the host
+   encoding puts overflow in the first free room forward along it), as
+   PopSparse's propagation reads the overflow information its partitioner
+   wrote; then a ``RepeatWhileTrue`` loop runs one phase per cell of that
+   distance: in phase ``k`` tile ``(x, y, z)`` meets the buckets that started
+   in cell ``(x * py + y + k) % (px * py)``, moved one cell on and rotated
+   along Z in ``pz`` supersteps, and multiplies the entries of its own cell
+   among them. A uniform pattern spills nothing and the loop runs no phase;
+   a pattern clustered in one cell runs as many phases as its spills need
+   (at most ``px * py - 1``).
 4. **Reduction**: the ``py`` partials of each ``(x, z)`` region are
    reduce-scattered as for static sparsity (``static_rule.emit_reduction``).
 
 Costs are the plan's figures for a uniform pattern of ``max_non_zeros``
 blocks: each step a bucket exchange, the scan of a bucket and the products
-of the cell's share (:mod:`ipu_jax.kernels.popsparse`); the program is the
-same for every pattern.
+of the cell's share (:mod:`ipu_jax.kernels.popsparse`); the loop's body is
+costed once, as a phase that scans and skips (its products are what phase 1
+did not do); the program is the same for every pattern.
 
 Executor forms: ``per_tile`` runs the propagation step by step (each tile's
 held bucket gathered, entries of other cells masked); the logical form sums
@@ -42,12 +51,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popsparse
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, relayout_to, storage, worker_vertices
 from ipu_jax.lowering.errors import LoweringError
-from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.matmul_plan import block_grid_mapping
 from ipu_jax.lowering.registry import register_lowering
@@ -67,6 +77,7 @@ class _Propagation:
   meta: P.Tensor
   dense: P.Tensor
   partials: P.Tensor
+  counter: P.Tensor = None
 
 
 def _positions(grid: SparseGrid) -> tuple:
@@ -77,12 +88,12 @@ def _positions(grid: SparseGrid) -> tuple:
   return x, y, z, x * py + y
 
 
-def held_buckets(layout: DynamicLayout, grid: SparseGrid, phase: int, step: int) -> np.ndarray:
-  """``[G]`` the bucket each grid position holds at ``(phase, step)``."""
-  pz = grid.shape[2]
+def held_buckets(grid: SparseGrid, phase, step: int):
+  """``[G]`` the bucket each grid position holds at ``(phase, step)`` (``phase`` may
+  be a traced scalar: the run-time loop's)."""
+  px, py, pz = grid.shape
   _, _, z, cell = _positions(grid)
-  source = cell if phase == 0 else layout.neighbour(cell)
-  return source * pz + (z + step) % pz
+  return ((cell + phase) % (px * py)) * pz + (z + step) % pz
 
 
 def _step_partials(p: _Propagation, held, values, meta, dense):
@@ -107,9 +118,11 @@ def _step_partials(p: _Propagation, held, values, meta, dense):
   return part[:, :layout.shape[0], :n]
 
 
-def _step_fn(p: _Propagation, held, first, values_st, meta_st, dense_st, *partials_st):
+def _step_fn(p: _Propagation, step, first, values_st, meta_st, dense_st, *partials_st):
+  """Phase 1's steps: the held buckets are known when lowering."""
   values, meta = logical(values_st, p.values), logical(meta_st, p.meta)
-  added = _step_partials(p, held, values, meta, logical(dense_st, p.dense))
+  added = _step_partials(p, held_buckets(p.grid, 0, step), values, meta,
+                         logical(dense_st, p.dense))
   total = added if first else logical(partials_st[0], p.partials) + added
   return (storage(total, p.partials),)
 
@@ -118,6 +131,32 @@ def _step_logical(p: _Propagation, first, values, meta, dense, *partials):
   if first:
     return (bucket_partials(values, meta, dense, p.layout, p.grid.shape[1]),)
   return (partials[0],)
+
+
+def _loop_step_fn(p: _Propagation, step, last, values_st, meta_st, dense_st, partials_st,
+                  counter_st):
+  """A run-time phase's step: phase ``counter + 1`` (the loop's counter)."""
+  counter = logical(counter_st, p.counter)
+  held = held_buckets(p.grid, counter + 1, step)
+  added = _step_partials(p, held, logical(values_st, p.values), logical(meta_st, p.meta),
+                         logical(dense_st, p.dense))
+  out = (storage(logical(partials_st, p.partials) + added, p.partials),)
+  return out + ((storage(counter + 1, p.counter),) if last else ())
+
+
+def _loop_step_logical(last, values, meta, dense, partials, counter):
+  del values, meta, dense   # the first step summed every entry
+  return (partials,) + ((counter + 1,) if last else ())
+
+
+def spill_distance(layout: DynamicLayout, meta):
+  """The farthest any entry of ``meta`` sits from its cell along the ring (int32)."""
+  px, py, pz = layout.grid
+  rx, cy, _ = layout.plan.band
+  rows, cols = meta[..., 0].astype(jnp.int32), meta[..., 1].astype(jnp.int32)
+  home = (jnp.arange(meta.shape[0], dtype=jnp.int32) // pz)[:, None]
+  distance = ((rows // rx) * py + cols // cy - home) % (px * py)
+  return jnp.max(jnp.where(rows >= 0, distance, 0)).astype(jnp.int32)
 
 
 def _bucket_exchange(ctx, grid: SparseGrid, nbytes: int) -> ExchangeCost:
@@ -151,26 +190,115 @@ def _step_cycles(ctx, p: _Propagation, phase: int, first: bool) -> np.ndarray:
   return out
 
 
-def _emit_step(ctx, p: _Propagation, phase: int, step: int, bucket_bytes: int, name: str):
-  first = phase == 0 and step == 0
+def _on_grid(ctx, grid: SparseGrid) -> np.ndarray:
+  on_grid = np.zeros(ctx.target.num_tiles, np.int64)
+  on_grid[grid.tiles.reshape(-1)] = 1
+  return on_grid
+
+
+def _propagation_step(ctx, p: _Propagation, label: str, bucket_bytes: int, exchange, **fields):
+  """A propagation superstep: every grid tile's vertex on the bucket it holds."""
+  on_grid = _on_grid(ctx, p.grid)
+  kind = (vocab.SPARSE_DENSE_ELEMENTWISE if p.layout.block == 1
+          else vocab.SPARSE_DENSE_BLOCK)
+  return P.Superstep(
+      name=label, op=ctx.op, exchange=exchange,
+      vertices=worker_vertices(ctx, on_grid * ctx.target.worker_contexts),
+      codelets=(vocab.vertex(kind, p.values.dtype, p.partials.dtype),),
+      scratch_bytes=on_grid * bucket_bytes, **fields)
+
+
+def _emit_step(ctx, p: _Propagation, step: int, bucket_bytes: int, name: str):
+  """Step ``step`` of phase 1 (the buckets' own cells)."""
+  first = step == 0
   grid = p.grid
   exchange = (dense_exchange(ctx, grid, p.dense, "lhs") if first
               else _bucket_exchange(ctx, grid, bucket_bytes))
-  held = held_buckets(p.layout, grid, phase, step)
-  on_grid = np.zeros(ctx.target.num_tiles, np.int64)
-  on_grid[grid.tiles.reshape(-1)] = 1
-  kind = (vocab.SPARSE_DENSE_ELEMENTWISE if p.layout.block == 1
-          else vocab.SPARSE_DENSE_BLOCK)
-  ctx.emit(P.Superstep(
-      name=f"{name}/propagate phase {phase + 1} step {step + 1}", op=ctx.op,
+  ctx.emit(_propagation_step(
+      ctx, p, f"{name}/propagate phase 1 step {step + 1}", bucket_bytes, exchange,
       reads=(p.values, p.meta, p.dense) + (() if first else (p.partials,)),
-      writes=(p.partials,), fn=functools.partial(_step_fn, p, held, first),
+      writes=(p.partials,), fn=functools.partial(_step_fn, p, step, first),
       logical=functools.partial(_step_logical, p, first),
-      compute_cycles=_step_cycles(ctx, p, phase, first), exchange=exchange,
-      vertices=worker_vertices(ctx, on_grid * ctx.target.worker_contexts),
-      codelets=(vocab.vertex(kind, p.values.dtype, p.partials.dtype),),
-      scratch_bytes=on_grid * bucket_bytes,
+      compute_cycles=_step_cycles(ctx, p, 0, first),
       notes=(grid.plan.describe(),) if first else ()))
+
+
+def _scalar_tiles(ctx, tensor: P.Tensor) -> np.ndarray:
+  return tensor.mapping.elements_per_tile(ctx.target.num_tiles)
+
+
+def _emit_distance(ctx, p: _Propagation, need: P.Tensor, name: str) -> None:
+  """``need``: the farthest spill (phases the loop must run); the loop counter zeroed.
+
+  Each grid tile reads its bucket's sub-group header (a bucket skipped:
+  PopSparse's figure) and sends its farthest distance to the counter's tile,
+  which takes their maximum (popops' Reduce) and zeroes the counter (Fill).
+  """
+  tiles = p.grid.tiles.reshape(-1)
+  dst = int(p.counter.mapping.tiles[0])
+  counter_tiles = _scalar_tiles(ctx, p.counter)
+  cycles = _on_grid(ctx, p.grid) * popsparse.bucket_scan_cycles(1, 0)
+  cycles = cycles + estimators.fill_cycles(ctx.target, counter_tiles, 4)
+  cycles[dst] += estimators.reduce_cycles(ctx.target, np.array([tiles.size]), 4,
+                                          op="max")[0]
+  layout = p.layout
+
+  def fn(meta_st):
+    distance = spill_distance(layout, logical(meta_st, p.meta))
+    return storage(distance, need), storage(jnp.zeros((), jnp.int32), p.counter)
+
+  def logical_fn(meta):
+    return spill_distance(layout, meta), jnp.zeros((), jnp.int32)
+
+  ctx.emit(P.Superstep(
+      name=f"{name}/spill distance", op=ctx.op, reads=(p.meta,), writes=(need, p.counter),
+      fn=fn, logical=logical_fn, compute_cycles=cycles,
+      exchange=movement_cost(ctx.target, tiles, np.full(tiles.size, dst, np.int64), 4),
+      vertices=np.minimum(_on_grid(ctx, p.grid) + counter_tiles, 1)))
+
+
+def _emit_condition(ctx, p: _Propagation, need: P.Tensor, more: P.Tensor, name: str) -> None:
+  """``more``: whether a further phase is needed (counter < need, on one tile)."""
+  counter_tiles = _scalar_tiles(ctx, p.counter)
+
+  def fn(counter_st, need_st):
+    return (storage(logical(counter_st, p.counter) < logical(need_st, need), more),)
+
+  ctx.emit(P.Superstep(
+      name=f"{name}/more phases", op=ctx.op, reads=(p.counter, need), writes=(more,), fn=fn,
+      logical=lambda counter, distance: (counter < distance,),
+      compute_cycles=estimators.elementwise_cycles(ctx.target, counter_tiles, "lt", 4),
+      vertices=np.minimum(counter_tiles, 1)))
+
+
+def _emit_loop_step(ctx, p: _Propagation, step: int, bucket_bytes: int, name: str):
+  """Step ``step`` of a run-time phase; the last one counts the phase."""
+  last = step == p.grid.shape[2] - 1
+  cycles = _step_cycles(ctx, p, 1, False)
+  if last:
+    cycles = cycles + estimators.elementwise_cycles(ctx.target, _scalar_tiles(ctx, p.counter),
+                                                    "add", 4)
+  ctx.emit(_propagation_step(
+      ctx, p, f"{name}/propagate next cell step {step + 1}", bucket_bytes,
+      _bucket_exchange(ctx, p.grid, bucket_bytes),
+      reads=(p.values, p.meta, p.dense, p.partials, p.counter),
+      writes=(p.partials,) + ((p.counter,) if last else ()),
+      fn=functools.partial(_loop_step_fn, p, step, last),
+      logical=functools.partial(_loop_step_logical, last), compute_cycles=cycles))
+
+
+def _emit_further_phases(ctx, p: _Propagation, bucket_bytes: int, name: str) -> None:
+  """The run-time loop: one phase per cell the farthest spill moved."""
+  need = ctx.new_tensor((), np.int32, mapping=p.counter.mapping, name=f"{name} spill distance")
+  _emit_distance(ctx, p, need, name)
+  with ctx.sub_program() as (condition, cond_locals):
+    more = ctx.new_tensor((), np.bool_, mapping=p.counter.mapping, name=f"{name} more phases")
+    _emit_condition(ctx, p, need, more, name)
+  with ctx.sub_program() as (body, body_locals):
+    for step in range(p.grid.shape[2]):
+      _emit_loop_step(ctx, p, step, bucket_bytes, name)
+  cond_locals.discard(more.id)   # read after the loop's last condition
+  ctx.emit(P.RepeatWhileTrue(condition, more, body, local_ids=frozenset(cond_locals | body_locals)))
 
 
 def _bucket_mapping(ctx, grid: SparseGrid, tensor: P.Tensor) -> TileMapping:
@@ -198,11 +326,13 @@ def _dynamic_sparse_rule(ctx, values, meta, dense, *, layout):
   acc = products.accumulator(out_dtype)
   partials = ctx.new_tensor((py,) + out_shape, acc, name=f"{name} partials",
                             mapping=_partials_mapping(grid, out_shape))
-  p = _Propagation(layout, grid, values, meta, dense, partials)
+  counter = ctx.new_tensor((), np.int32, name=f"{name} phase counter") if px * py > 1 else None
+  p = _Propagation(layout, grid, values, meta, dense, partials, counter)
   bucket_bytes = (values.nbytes + meta.nbytes) // (px * py * pz)
-  for phase in range(layout.plan.phases):
-    for step in range(pz):
-      _emit_step(ctx, p, phase, step, bucket_bytes, name)
+  for step in range(pz):
+    _emit_step(ctx, p, step, bucket_bytes, name)
+  if counter is not None:
+    _emit_further_phases(ctx, p, bucket_bytes, name)
   return [emit_reduction(ctx, grid, partials, out_dtype, "lhs", name)]
 
 
