@@ -628,6 +628,17 @@ class DynamicPatternsOfMaxNonZerosTest(chex.TestCase, parameterized.TestCase):
   def test_exactly_max_non_zeros_on_1472_tiles(self, kind, block, grid, count, n):
     self._check(kind, block, grid, count, n, "per_tile", ipu_jax.IPUTarget.preset("ipu2"))
 
+  def test_target_taken_from_the_enclosing_jit(self):
+    # Inside ipu_jax.jit, a BlockCSR's buckets are planned for the jit's target.
+    a = BlockCSR.fromdense(_dense((64, 48), seed=3), _clustered("corner", (16, 12), 40, 0),
+                           (4, 4))
+    dense = _dense((48, 6))
+    got = _run(lambda v, d: dynamic_matmul(BlockCSR.from_pattern(v, a.pattern), d, 40),
+               "per_tile", a.values, dense)
+    chex.assert_trees_all_close(got, np.asarray(a.todense()) @ dense, rtol=1e-5, atol=1e-4)
+    with self.assertRaisesRegex(ValueError, "inside ipu_jax.jit .* or pass target="):
+      dynamic_matmul(a, dense, 40)  # outside a jit, no target to plan for
+
   def test_one_more_than_planned_names_the_counts(self):
     a = BlockCSR.fromdense(_dense((64, 48)), _clustered("corner", (16, 12), 41, 0), (4, 4))
     with self.assertRaisesRegex(BucketOverflowError, "41 non-zero blocks, more than "

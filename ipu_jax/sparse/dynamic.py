@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching
 
+from ipu_jax import tracing
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.matmul_plan import widen_to_partials
 from ipu_jax.lowering.sparse_plan import DEFAULT_OVERSIZE
@@ -160,7 +161,8 @@ def dynamic_matmul(a, b, max_non_zeros: Optional[int] = None, *, target: Optiona
     b: the dense ``[K, N]`` operand.
     max_non_zeros: blocks the buckets are sized for (with a ``BlockCSR``).
     target: the IPU target the layout is planned for (with a ``BlockCSR``;
-      it must be the one the program is lowered for).
+      it must be the one the program is lowered for). Inside
+      ``ipu_jax.jit`` it defaults to the jit's target.
     oversize: bucket room over a uniform spread (PopSparse's default 0.3).
     available_memory_proportion: the plan's temporary memory budget.
 
@@ -171,9 +173,12 @@ def dynamic_matmul(a, b, max_non_zeros: Optional[int] = None, *, target: Optiona
   """
   b = jnp.asarray(b)
   if isinstance(a, BlockCSR):
+    target = target if target is not None else tracing.tracing_target()
     if max_non_zeros is None or target is None:
-      raise ValueError("dynamic_matmul: a BlockCSR needs max_non_zeros= and target= to plan its "
-                       "buckets (or pass a DynamicSparse from ipu_jax.sparse.encode).")
+      raise ValueError("dynamic_matmul: a BlockCSR needs max_non_zeros= to size its buckets and "
+                       "a target to plan them for: call it inside ipu_jax.jit (its target is "
+                       "used) or pass target=; or pass a DynamicSparse from "
+                       "ipu_jax.sparse.encode.")
     if b.ndim != 2:
       raise ValueError(f"dynamic_matmul: the dense operand must be a matrix, got {b.shape}.")
     a = encode(a, dynamic_layout(target, a.shape, b.shape[1], max_non_zeros,
