@@ -17,6 +17,7 @@ import numpy as np
 
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.host_io import check_num_io_tiles, suggest_num_io_tiles_for
+from ipu_jax.lowering.jax_compat import physical_nbytes
 
 __all__ = ["suggest_num_io_tiles"]
 
@@ -27,8 +28,7 @@ def _bytes_of(data: Any) -> int:
       raise ValueError(f"suggest_num_io_tiles: a byte count must be >= 0; got {data}.")
     return int(data)
   leaves = jax.tree.leaves(data)
-  return int(sum(np.prod(np.shape(a), dtype=np.int64) * np.dtype(a.dtype).itemsize
-                 for a in leaves))
+  return sum(physical_nbytes(a) for a in leaves)
 
 
 def suggest_num_io_tiles(data: Any, config: Optional[config_lib.IPUConfig] = None) -> int:

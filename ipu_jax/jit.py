@@ -42,7 +42,10 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
+from ipu_jax.lowering.jax_compat import physical_nbytes, physical_shape_dtype
 from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, user_call_site
+from ipu_jax.lowering.size_check import check_program_size, offloaded_leaves
+from ipu_jax import tracing
 from ipu_jax.rounding import apply_floating_point_behaviour
 from ipu_jax.rounding import PRNG_STATE, prng_state_value
 from ipu_jax.lowering.remote import is_remote
@@ -58,10 +61,6 @@ __all__ = ["jit", "IPUFunction", "Lowered"]
 _TRIM_AFTER_TILE_STEPS = 1 << 22
 
 logger = logging.getLogger(cached_program.LOGGER)
-
-
-def _key_data_shape(aval):
-  return tuple(aval.shape) + tuple(aval.dtype._impl.key_shape)
 
 
 class Lowered:
@@ -110,7 +109,7 @@ class Lowered:
           Lowered, fn, [_abstract_leaf(a) for a in args_flat],
           in_tree, name, target, options, replication_factor, arg_names,
           call_site=call_site, offload=offload, donated=self._donated)
-      if cached_program.load_into(self, cache_dir, key, lower_fully):
+      if cached_program.load_into(self, cache_dir, key, lower_fully, progress):
         return
     with host_time.timer() as lowering:
       # Plans shared between this program's equations are dropped once it is
@@ -138,7 +137,9 @@ class Lowered:
       return fn(*args, **kwargs)
 
     progress.stage("tracing")
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
+    # Operations that plan while traced (a BlockCSR's buckets) read the target here.
+    with tracing.tracing_for(target):
+      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
     # The on-device loop over host data, and which of its stacked outputs
     # go back to the host (outputs.mode; lowering/host_io.py).
     self.host_loop = host_io.find_host_loop(closed)
@@ -186,13 +187,15 @@ class Lowered:
              out_shape) -> LoweringContext:
     """Lower every equation of ``self.jaxpr``, offload and fuse: ``self.program``."""
     closed = self.jaxpr
+    if not options.allow_out_of_memory:  # a tensor no tiles can hold: refused before planning
+      check_program_size(closed, target, arg_names=arg_names, what=f"'{name}'",
+                         **offloaded_leaves(offload, out_shape))
     # Collectives cost a ring all-reduce over replication_factor replicas.
     ctx = LoweringContext(target, options, replication_factor=self.replication_factor)
     inputs = []
     for i, aval in enumerate(self._in_avals):
       arg_name = arg_names[i] if i < len(arg_names) else f"arg{i}"
-      shape, dtype = ((_key_data_shape(aval), np.uint32) if is_key_dtype(aval.dtype)
-                      else (aval.shape, aval.dtype))
+      shape, dtype = physical_shape_dtype(aval)
       tensor = ctx.new_tensor(shape, dtype, name=arg_name, category="variables")
       inputs.append(tensor)
     ctx.donate([inputs[i] for i in self._donated])
@@ -446,13 +449,7 @@ def _abstract_leaf(x) -> jax.ShapeDtypeStruct:
 
 def _avals_bytes(avals) -> int:
   """Bytes of arrays of these avals (a typed PRNG key counted as its key data)."""
-  total = 0
-  for aval in avals:
-    if is_key_dtype(aval.dtype):
-      total += int(np.prod(_key_data_shape(aval), dtype=np.int64)) * 4
-    else:
-      total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-  return total
+  return sum(physical_nbytes(aval) for aval in avals)
 
 
 def _to_storage(flat, tensor):

@@ -41,6 +41,7 @@ from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles
+from ipu_jax.lowering.jax_compat import is_extended_dtype, physical_nbytes
 
 __all__ = ["MAX_IO_TILES", "OUTPUT_MODES", "IO_STRATEGIES", "HostLoop", "HostIOProfile",
            "check_num_io_tiles", "landing_cycles", "suggest_num_io_tiles_for", "find_host_loop", "select_outputs", "apply_output_mode", "host_io_profile",
@@ -115,10 +116,6 @@ class HostLoop:
     return self.outer * self.inner
 
 
-def _nbytes(aval) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-
-
 def _origins(jaxpr) -> dict:
   """Variable -> the jaxpr input it is a reshape/cast of (through such chains)."""
   origin = {v: v for v in jaxpr.invars}
@@ -163,11 +160,11 @@ def find_host_loop(closed) -> Optional[HostLoop]:
     outer = int(eqn.params["length"])
     inner = _inner_length(eqn)
     args = tuple(sorted({position[v] for v in sources}))
-    input_bytes = sum(_nbytes(jaxpr.invars[i].aval) for i in args)
+    input_bytes = sum(physical_nbytes(jaxpr.invars[i].aval) for i in args)
     ys = set(eqn.outvars[eqn.params["num_carry"]:])
     stacked = tuple(i for i, v in enumerate(jaxpr.outvars)
                     if not isinstance(v, jcore.Literal) and v in ys)
-    output_bytes = sum(_nbytes(jaxpr.outvars[i].aval) for i in stacked)
+    output_bytes = sum(physical_nbytes(jaxpr.outvars[i].aval) for i in stacked)
     n = max(outer * inner, 1)
     return HostLoop(outer=outer, inner=inner, input_bytes=math.ceil(input_bytes / n),
                     output_bytes=math.ceil(output_bytes / max(outer, 1)),
@@ -220,12 +217,26 @@ def apply_output_mode(closed, loop: Optional[HostLoop], mode: str, period: int):
         f"IPUConfig.outputs.return_period={period} must divide the loop's {loop.outer} "
         f"iterations (mode 'every_n').")
   stacked = set(loop.stacked_outputs)
+  if mode == "sum":
+    _refuse_summed_keys(closed, loop.stacked_outputs)
 
   def selected(*args):
     outs = jcore.jaxpr_as_fun(closed)(*args)
     return [select_outputs(v, mode, period) if i in stacked else v for i, v in enumerate(outs)]
 
   return jax.make_jaxpr(selected)(*[v.aval for v in closed.jaxpr.invars])
+
+
+def _refuse_summed_keys(closed, stacked_outputs) -> None:
+  """Typed PRNG keys have no sum: refuse mode 'sum' on a stacked key output."""
+  outvars = closed.jaxpr.outvars
+  keys = [i for i in stacked_outputs if is_extended_dtype(outvars[i].aval.dtype)]
+  if keys:
+    raise ValueError(
+        f"IPUConfig.outputs.mode='sum' adds up the loop's stacked outputs, and output(s) "
+        f"{keys} ({', '.join(outvars[i].aval.str_short() for i in keys)}) are PRNG keys, "
+        f"which have no sum; use mode 'all', 'final' or 'every_n', or return "
+        f"jax.random.key_data of the keys.")
 
 
 def _stores(loop: HostLoop, mode: str, period: int) -> tuple:

@@ -34,9 +34,18 @@ What is reached, and why:
   derivatives (``lowering/dead_code.py``); no public spelling.
 * ``interpreters.ad`` (``ad_internal``): ``custom_lin_p``, the tangent
   ``jax.jvp`` leaves through a ``custom_vjp`` (refused by name when live).
+* ``prng.KeyTy`` and ``prng.prngs``: a typed PRNG key's dtype from its
+  implementation's name (:func:`dtype_of_plain`, for the executable cache).
+* ``core.physical_element_aval``: what one element of an extended dtype (a
+  typed PRNG key, ``key<fry>``) is held as (``uint32[2]``), for
+  :func:`physical_shape_dtype`, the one conversion every pass reading an
+  aval's bytes or dtype uses; JAX has no public spelling of it.
 """
 
 # pylint: disable=unused-import
+import jax
+import numpy as np
+
 from jax._src import ad_checkpoint
 from jax._src import config
 from jax._src import core
@@ -65,4 +74,65 @@ __all__ = [
     "control_flow_loops", "core", "custom_derivatives", "debugging", "dispatch", "lax_internal",
     "lax_linalg", "lax_parallel", "lax_special", "partial_eval", "pjit", "prng", "random_core",
     "shard_map", "source_info_util", "threefry2x32", "windowed_reductions",
+    "is_extended_dtype", "physical_shape_dtype", "physical_nbytes", "physical_value",
+    "dtype_plain", "dtype_of_plain",
 ]
+
+
+def is_extended_dtype(dtype) -> bool:
+  """Whether ``dtype`` is one of JAX's extended dtypes (a typed PRNG key)."""
+  return dtype is not None and bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
+
+
+def physical_shape_dtype(aval) -> tuple:
+  """``(shape, numpy dtype)`` an array of ``aval`` is held as on the tiles and host.
+
+  An extended dtype is no NumPy dtype: a typed PRNG key array
+  ``key<fry>[n]`` is held as its key data ``uint32[n, 2]`` (the element's
+  physical axes last, as ``jax.random.key_data`` gives), so byte counts,
+  tensors and storage all see the physical form.
+
+  Args:
+    aval: anything with ``shape`` and ``dtype`` (an aval, an array, a
+      ``jax.ShapeDtypeStruct``).
+  """
+  if is_extended_dtype(aval.dtype):
+    element = core.physical_element_aval(aval.dtype)
+    return (tuple(int(d) for d in aval.shape) + tuple(int(d) for d in element.shape),
+            np.dtype(element.dtype))
+  return tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
+
+
+def physical_nbytes(aval) -> int:
+  """Bytes of an array of ``aval`` as held (:func:`physical_shape_dtype`)."""
+  shape, dtype = physical_shape_dtype(aval)
+  return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+
+def physical_value(value) -> np.ndarray:
+  """``value`` as a NumPy array of what is held (:func:`physical_shape_dtype`).
+
+  NumPy refuses typed PRNG key arrays, so a key array (a constant the
+  function closed over) gives its key data.
+  """
+  if is_extended_dtype(getattr(value, "dtype", None)):
+    value = jax.random.key_data(value)
+  return np.asarray(value)
+
+
+_KEY_PREFIX = "key:"
+
+
+def dtype_plain(dtype):
+  """``dtype`` as a file can hold it: a NumPy dtype, or ``"key:<impl>"`` for a PRNG key."""
+  if is_extended_dtype(dtype):
+    return _KEY_PREFIX + dtype._impl.name  # pylint: disable=protected-access
+  return np.dtype(dtype)
+
+
+def dtype_of_plain(plain):
+  """The dtype :func:`dtype_plain` gave ``plain`` for."""
+  if isinstance(plain, str) and plain.startswith(_KEY_PREFIX):
+    return prng.KeyTy(prng.prngs[plain[len(_KEY_PREFIX):]])
+  return np.dtype(plain)

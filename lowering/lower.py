@@ -9,7 +9,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from ipu_jax.lowering.errors import LoweringError
-from ipu_jax.lowering.jax_compat import source_info_util
+from ipu_jax.lowering.jax_compat import (is_extended_dtype, physical_shape_dtype, physical_value,
+                                         source_info_util)
 from ipu_jax.lowering.context import LoweringContext, RuleContext
 from ipu_jax.lowering.registry import get_lowering
 
@@ -106,8 +107,7 @@ def _library_roots(libraries=_LIBRARIES) -> tuple:
 
 def is_key_dtype(dtype) -> bool:
   """Whether ``dtype`` is a JAX PRNG key type (held as uint32 key data)."""
-  import jax
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  return is_extended_dtype(dtype)
 
 
 def _describe(values) -> str:
@@ -184,8 +184,7 @@ def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> lis
       raise LoweringError(f"rule for {eqn.primitive.name} returned {len(outputs)} results, "
                           f"expected {len(eqn.outvars)}")
     for v, t in zip(eqn.outvars, outputs):
-      if not is_key_dtype(v.aval.dtype) and (tuple(t.shape) != tuple(v.aval.shape)
-                                             or np.dtype(t.dtype) != np.dtype(v.aval.dtype)):
+      if (tuple(t.shape), np.dtype(t.dtype)) != physical_shape_dtype(v.aval):
         raise LoweringError(
             f"rule for {eqn.primitive.name} at {source} produced "
             f"{t.dtype}{list(t.shape)}, expected {v.aval.str_short()}")
@@ -242,5 +241,5 @@ class _TensorLastUses:
 
 def lower_closed_jaxpr(ctx: LoweringContext, closed_jaxpr, args, progress=None) -> list:
   """Lower a ``ClosedJaxpr``: its consts become constant tensors."""
-  consts = [ctx.constant(np.asarray(c)) for c in closed_jaxpr.consts]
+  consts = [ctx.constant(physical_value(c)) for c in closed_jaxpr.consts]
   return lower_jaxpr(ctx, closed_jaxpr.jaxpr, consts, args, progress=progress)

@@ -23,7 +23,10 @@ Hints come costliest kind first (optimizer state first when moving it alone
 would fit: it leaves the tiles whole, where the others only shrink), each with
 its bytes on the tile against the bytes over the limit. Both the error raised before anything
 runs (:func:`ipu_jax.lowering.analysis.check_memory`) and a report's summary
-use them.
+use them. A program refused before planning because a tensor (or its
+arguments together) exceeds every tile's SRAM (``lowering/size_check.py``)
+gets :func:`size_hint_lines` instead: only what shrinks or moves whole
+tensors helps there.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-__all__ = ["Holding", "classify", "hint_lines", "OPTIMIZER_STATE_NAMES", "MATMUL_OPS"]
+__all__ = ["Holding", "classify", "hint_lines", "size_hint_lines", "OPTIMIZER_STATE_NAMES",
+           "MATMUL_OPS"]
 
 # First path component of an argument that is optimizer state: the
 # TrainState field of the Keras-like fit, and the usual names of one's own.
@@ -138,4 +142,33 @@ def hint_lines(holdings: Sequence[Holding], over_by: int, indent: str = "  ") ->
   lines.append(f"{indent}- or use more tiles or IPUs (device.tiles_per_ipu, auto_select_ipus), "
                "spread large tensors over more tiles (graph API: Graph.map_tensor_linearly), "
                "or set memory.allow_out_of_memory = True to lower anyway and read the report")
+  return lines
+
+
+def size_hint_lines(holdings: Sequence[Holding], over_by: int, ipus_needed: int,
+                    indent: str = "  ") -> list:
+  """Remedies for tensors too large for all the tiles' SRAM together.
+
+  Tile layouts, available memory proportions and recomputation cannot help a
+  tensor that exceeds the SRAM of every tile: it must move to streaming
+  memory, shrink, or get more IPUs.
+
+  Args:
+    holdings: the tensors over the limit (arguments: category
+      ``variables``).
+    over_by: bytes beyond the SRAM.
+    ipus_needed: IPUs whose SRAM would at least hold those bytes.
+    indent: the lines' indent.
+  """
+  kinds = {holding.kind for holding in holdings}
+  lines = []
+  if kinds & {OPTIMIZER_STATE, WEIGHTS}:
+    lines.append(f"{indent}- keep arguments in streaming memory: ipu_jax.jit(..., "
+                 "offload_argnums=..., offload_outputs=...), or "
+                 "streaming.offload_optimizer_state = True for the Keras-like fit's state")
+  if kinds - {OPTIMIZER_STATE, WEIGHTS}:
+    lines.append(f"{indent}- a smaller batch or smaller shapes ({over_by:,} B over the SRAM of "
+                 "all the tiles together)")
+  lines.append(f"{indent}- or at least {ipus_needed} IPU(s) of this kind (auto_select_ipus, "
+               "the target's num_ipus), splitting the model over them (ipu_jax.pipelining)")
   return lines

@@ -7,12 +7,16 @@ program runs in subprocesses; the rest runs here with a fresh
 """
 
 import contextlib
+import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 import warnings
 
 from absl.testing import absltest
@@ -23,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax import cached_program
+from ipu_jax import compile_progress
 from ipu_jax import executable_cache
 from ipu_jax.lowering.replica_axis import REPLICA_AXIS
 from ipu_jax.report.html import report_html
@@ -96,6 +102,38 @@ def _entries(cache_dir):
   return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".ipuexe"))
 
 
+def _rewrite_payload(path, payload, versions=None):
+  """Replace the entry at ``path`` by ``payload`` under a valid header (checksum
+  and length right), with ``versions`` in it (default: the entry's own)."""
+  with open(path, "rb") as f:
+    magic, header = f.readline(), json.loads(f.readline())
+  header.update(length=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+  if versions is not None:
+    header["versions"] = versions
+  with open(path, "wb") as f:
+    f.write(magic + json.dumps(header).encode() + b"\n" + payload)
+
+
+class _WritesMarker:
+  """Unpickling it creates the file ``marker`` (what an attacker's code would do)."""
+
+  def __init__(self, marker):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (open, (self.marker, "w"))
+
+
+def _npz(**arrays):
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  return buffer.getvalue()
+
+
+def _document(document):
+  return np.frombuffer(json.dumps(document).encode(), np.uint8)
+
+
 class _Test(chex.TestCase, parameterized.TestCase):
 
   @contextlib.contextmanager
@@ -142,7 +180,7 @@ class NewProcessTest(_Test):
       with warnings.catch_warnings():
         warnings.simplefilter("error", executable_cache.CacheWarning)
         key = os.path.basename(_entries(cache_dir)[0])[:-len(".ipuexe")]
-        self.assertIsNotNone(executable_cache.load(cache_dir, key))
+        self.assertIsNotNone(executable_cache.load(cache_dir, key, cached_program.ENTRY_CODEC))
 
 
 class SameProcessTest(_Test):
@@ -254,6 +292,54 @@ class SameProcessTest(_Test):
       self.assertEqual(_run(cache_dir)[0].host.cache, "hit")
     chex.assert_trees_all_close(got, np.asarray(jax.jit(_program)(x, w)), rtol=1e-5, atol=1e-6)
 
+  @parameterized.named_parameters(
+      # NumPy refuses these (allow_pickle=False), in words of its own version.
+      ("pickle_current_header", "pickle", False, "does not load (ValueError: "),
+      ("pickle_format_1", "pickle", True, "old pickle format (format 1, now 2)"),
+      ("object_array_in_npz", "object_array", False, "does not load (ValueError: "),
+      ("unknown_type_named", "unknown_type", False,
+       "names a type the executable cache does not load: 'Popen'"))
+  def test_entry_that_would_run_code_is_never_loaded(self, attack, old_format, expected):
+    # Whoever can write the cache directory must not run code in its readers:
+    # nothing is unpickled and no class is looked up by a name in the file.
+    x, w = _args()
+    with self._cache_dir() as cache_dir:
+      marker = os.path.join(cache_dir, "marker")
+      _run(cache_dir)
+      [path] = _entries(cache_dir)
+      payload = {
+          "pickle": lambda: pickle.dumps({"profile": _WritesMarker(marker)}),
+          "object_array": lambda: _npz(
+              document=_document({"entry": {"$": "array", "index": 0},
+                                  "arrays": [["g0", 0, [1]]]}),
+              g0=np.array([_WritesMarker(marker)], dtype=object)),
+          "unknown_type": lambda: _npz(document=_document(
+              {"entry": {"$": "Popen", "fields": {"args": ["touch", marker]}},
+               "arrays": []})),
+      }[attack]()
+      versions = dict(executable_cache.library_versions(), format=1) if old_format else None
+      _rewrite_payload(path, payload, versions)
+      with self.assertWarns(executable_cache.CacheWarning) as caught:
+        again, got = _run(cache_dir)
+      self.assertFalse(os.path.exists(marker))
+      self.assertIn(expected, str(caught.warning))
+      self.assertEqual(again.host.cache, "stored")  # lowered and replaced
+      self.assertEqual(_run(cache_dir)[0].host.cache, "hit")
+    chex.assert_trees_all_close(got, np.asarray(jax.jit(_program)(x, w)), rtol=1e-5, atol=1e-6)
+
+  def test_bfloat16_program_with_constants_hits(self):
+    # Arrays NumPy has no name for (bfloat16) and constants go through the entry.
+    table = jnp.asarray(np.linspace(-2, 2, 33), jnp.bfloat16)
+    fn = lambda x: (x.astype(jnp.bfloat16) * table + table[::-1]).astype(jnp.float32)
+    x = np.linspace(-1, 1, 33, dtype=np.float32)
+    with self._cache_dir() as cache_dir:
+      stored, want = _run(cache_dir, fn, (x,))
+      loaded, got = _run(cache_dir, fn, (x,))
+    self.assertEqual((stored.host.cache, loaded.host.cache), ("stored", "hit"))
+    np.testing.assert_array_equal(got, want)
+    chex.assert_trees_all_close(got, np.asarray(jax.jit(fn)(x)), rtol=1e-2, atol=1e-2)
+    self.assertEqual(loaded.report.to_dict()["totals"], stored.report.to_dict()["totals"])
+
   def test_unwritable_directory_is_a_clear_error_before_lowering(self):
     with tempfile.NamedTemporaryFile() as blocker:
       bad = os.path.join(blocker.name, "cache")
@@ -291,6 +377,43 @@ class SameProcessTest(_Test):
       self.assertEqual(os.listdir(os.path.join(cache_dir, "programs")), [])
     chex.assert_trees_all_close(got, np.asarray(x @ w), rtol=1e-5, atol=1e-5)
     self.assertStartsWith(cache, "not cached: NotImplementedError: serialization of host_callbacks")
+
+
+class HitLineTest(_Test):
+  """A hit says so in one line, where compile progress is printed (stderr)."""
+
+  def _hit(self, cache_dir, verbose=None, progress=True):
+    x, w = _args()
+    _run(cache_dir)
+    cfg = _config(cache_dir)
+    cfg.report.progress = progress
+    f = ipu_jax.jit(_program, config=cfg, verbose=verbose)
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+      got = np.asarray(f(x, w))
+    self.assertEqual(f.lower(x, w).host.cache, "hit")
+    chex.assert_trees_all_close(got, np.asarray(jax.jit(_program)(x, w)), rtol=1e-5,
+                                atol=1e-6)
+    return err.getvalue() + out.getvalue()
+
+  def test_hit_prints_one_line(self):
+    with self._cache_dir() as cache_dir:
+      text = self._hit(cache_dir)
+    self.assertRegex(text, r"^Compiling '_program': loaded from the executable cache in "
+                     r"\d+\.\d{3}s \(entry [0-9a-f]{12}\), not lowered\n$")
+
+  @parameterized.named_parameters(("verbose_0", "verbose"), ("config", "config"),
+                                  ("environment", "environment"), ("scope", "scope"))
+  def test_quiet_switch_silences_it(self, switch):
+    with self._cache_dir() as cache_dir, contextlib.ExitStack() as stack:
+      if switch == "environment":
+        stack.enter_context(mock.patch.dict(os.environ,
+                                            {compile_progress.PROGRESS_ENV: "0"}))
+      if switch == "scope":
+        stack.enter_context(compile_progress.verbosity(0))
+      text = self._hit(cache_dir, verbose=0 if switch == "verbose" else None,
+                       progress=switch != "config")
+    self.assertEqual(text, "")
 
 
 class RecompilationTest(_Test):

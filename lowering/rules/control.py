@@ -62,26 +62,15 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, broadcast_cost
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, to_flat, to_storage)
-from ipu_jax.lowering.lower import is_key_dtype, lower_closed_jaxpr, lower_jaxpr
+from ipu_jax.lowering.jax_compat import physical_shape_dtype
+from ipu_jax.lowering.lower import lower_closed_jaxpr, lower_jaxpr
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
-__all__ = ["physical_aval", "copy_step", "make_repeat"]
+__all__ = ["copy_step", "make_repeat"]
 
 
 # -- helpers ------------------------------------------------------------------
-
-
-def physical_aval(aval):
-  """``(shape, dtype)`` a value of ``aval`` is held as in tile memory.
-
-  PRNG key arrays are held as their ``uint32`` key data, with the key shape
-  appended.
-  """
-  if is_key_dtype(aval.dtype):
-    impl = aval.dtype._impl  # pylint: disable=protected-access
-    return tuple(aval.shape) + tuple(impl.key_shape), np.dtype(np.uint32)
-  return tuple(aval.shape), np.dtype(aval.dtype)
 
 
 def _note_keys(jaxpr, tensors) -> None:
@@ -480,7 +469,7 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
              for x in inits]
   ys_stacked = []
   for aval in jaxpr.out_avals[num_carry:]:
-    shape, dtype = physical_aval(aval)
+    shape, dtype = physical_shape_dtype(aval)
     ys_stacked.append(ctx.new_tensor((length,) + shape, dtype, name="scan/ys"))
   if length == 0:
     _emit_copies(ctx, carries, inits, "scan/init")

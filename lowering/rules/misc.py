@@ -25,7 +25,7 @@ import numpy as np
 import jax
 
 from ipu_jax.lowering.jax_compat import (ad_checkpoint, core, custom_derivatives, debugging, dispatch,
-                                pjit, lax_internal)
+                                pjit, lax_internal, physical_shape_dtype)
 from ipu_jax.lowering.jax_compat import control_flow as cf
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical
@@ -67,8 +67,7 @@ def _empty(ctx, **params):
   CPU for these buffers.
   """
   del params
-  from ipu_jax.lowering.rules.control import physical_aval
-  shape, dtype = physical_aval(ctx.out_avals[0])
+  shape, dtype = physical_shape_dtype(ctx.out_avals[0])
   if int(np.prod(shape, dtype=np.int64)) <= 1:
     return [ctx.constant(np.zeros(shape, dtype))]
   return [ctx.new_tensor(shape, dtype, name="empty")]

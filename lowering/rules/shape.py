@@ -65,7 +65,7 @@ from ipu_jax.lowering import copy_plan
 from ipu_jax.lowering.builders import storage, worker_vertices
 from ipu_jax.lowering.copy_plan import exchange_plan
 from ipu_jax.lowering.exchange import to_flat, to_storage
-from ipu_jax.lowering.lower import is_key_dtype
+from ipu_jax.lowering.jax_compat import physical_shape_dtype
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 from ipu_jax.lowering.registry import register_lowering
@@ -79,9 +79,7 @@ __all__ = ["alias", "move", "exchange_plan", "broadcast_in_dim", "broadcast_to"]
 def _key_shape(ctx, i: int = 0) -> tuple:
   """Trailing key-data axes of a PRNG key result (``()`` for other dtypes)."""
   aval = ctx.out_avals[i]
-  if is_key_dtype(aval.dtype):
-    return tuple(int(d) for d in aval.dtype._impl.key_shape)  # pylint: disable=protected-access
-  return ()
+  return physical_shape_dtype(aval)[0][len(aval.shape):]
 
 
 def _out_aval(ctx, i: int = 0):
@@ -90,10 +88,7 @@ def _out_aval(ctx, i: int = 0):
   PRNG key arrays are held as their ``uint32`` key data, with the key's
   axes last, so movements of keys move whole keys.
   """
-  aval = ctx.out_avals[i]
-  if is_key_dtype(aval.dtype):
-    return tuple(int(d) for d in aval.shape) + _key_shape(ctx, i), np.dtype(np.uint32)
-  return tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
+  return physical_shape_dtype(ctx.out_avals[i])
 
 
 def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
