@@ -210,19 +210,27 @@ def matmul(a, b, available_memory_proportion: Optional[float] = None,
 # needs no transpose.
 
 
-@register_lowering(matmul_p)
-def _matmul_rule(ctx, a, b, *, available_memory_proportion, partials_type):
-  out_aval = ctx.out_avals[0]
-  out_shape = tuple(int(d) for d in out_aval.shape)
+def matmul_operands(ctx, a, b):
+  """``jnp.matmul``-shaped operands as one ``dot_general`` for the emitter.
+
+  Returns ``(a, b, dimension_numbers, out_shape)``: with a 2-D ``b``, ``a``'s
+  batch dimensions are free dimensions of the lhs; otherwise both operands are
+  broadcast to the result's batch dimensions, which become batch dimensions.
+  Shared with :mod:`ipu_jax.ops.serialized_matmul`.
+  """
+  out_shape = tuple(int(d) for d in ctx.out_avals[0].shape)
   batch = out_shape[:-2]
   if len(b.shape) == 2:
-    # a's batch dimensions are free dimensions of the lhs.
-    dimension_numbers = (((len(a.shape) - 1,), (0,)), ((), ()))
-  else:
-    a = broadcast_to(ctx, a, batch + tuple(a.shape[-2:]))
-    b = broadcast_to(ctx, b, batch + tuple(b.shape[-2:]))
-    axes = tuple(range(len(batch)))
-    dimension_numbers = (((len(batch) + 1,), (len(batch),)), (axes, axes))
-  return [emit_matmul(ctx, a, b, dimension_numbers, out_shape, np.dtype(out_aval.dtype),
+    return a, b, (((len(a.shape) - 1,), (0,)), ((), ())), out_shape
+  a = broadcast_to(ctx, a, batch + tuple(a.shape[-2:]))
+  b = broadcast_to(ctx, b, batch + tuple(b.shape[-2:]))
+  axes = tuple(range(len(batch)))
+  return a, b, (((len(batch) + 1,), (len(batch),)), (axes, axes)), out_shape
+
+
+@register_lowering(matmul_p)
+def _matmul_rule(ctx, a, b, *, available_memory_proportion, partials_type):
+  a, b, dimension_numbers, out_shape = matmul_operands(ctx, a, b)
+  return [emit_matmul(ctx, a, b, dimension_numbers, out_shape, np.dtype(ctx.out_avals[0].dtype),
                       available_memory_proportion=available_memory_proportion,
                       partials_type=partials_type, name="matmul")]

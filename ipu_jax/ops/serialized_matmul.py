@@ -48,9 +48,9 @@ from ipu_jax.lowering.builders import elementwise
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.shape import broadcast_to
 from ipu_jax.ops.matmul import (batch_matmul_like, folded_lhs_gradient_operands,
-                                folded_rhs_gradient_operands, matmul, shared_by_batch)
+                                folded_rhs_gradient_operands, matmul, matmul_operands,
+                                shared_by_batch)
 from ipu_jax.ops.primitive import define_primitive, shaped_like
 
 __all__ = ["serialized_matmul", "serialized_matmul_p", "MODES", "canonical_mode",
@@ -277,16 +277,7 @@ def _k_split_rule(ctx, a, b, factor):
 def _serialized_matmul_rule(ctx, a, b, *, factor, axis):
   if axis == "k" and factor > 1:
     return _k_split_rule(ctx, a, b, factor)
-  out_aval = ctx.out_avals[0]
-  out_shape = tuple(int(d) for d in out_aval.shape)
-  batch = out_shape[:-2]
-  if len(b.shape) == 2:
-    dimension_numbers = (((len(a.shape) - 1,), (0,)), ((), ()))
-  else:
-    a = broadcast_to(ctx, a, batch + tuple(a.shape[-2:]))
-    b = broadcast_to(ctx, b, batch + tuple(b.shape[-2:]))
-    axes = tuple(range(len(batch)))
-    dimension_numbers = (((len(batch) + 1,), (len(batch),)), (axes, axes))
+  a, b, dimension_numbers, out_shape = matmul_operands(ctx, a, b)
   serial = (axis, factor) if factor > 1 and axis != "k" else None
-  return [emit_matmul(ctx, a, b, dimension_numbers, out_shape, np.dtype(out_aval.dtype),
+  return [emit_matmul(ctx, a, b, dimension_numbers, out_shape, np.dtype(ctx.out_avals[0].dtype),
                       name="serialized_matmul", serial=serial)]
