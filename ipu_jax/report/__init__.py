@@ -22,7 +22,7 @@ From a shell::
 Files written by :meth:`Report.save`:
 
 * ``report.json`` -- everything needed to print, compare or draw the report
-  again (schema in :mod:`~ipu_jax.report.data`);
+  again (schema in :mod:`~ipu_jax.report.report_file`);
 * ``report.html`` -- the interactive view, one self-contained file (needs
   ``pip install ipu-jax[plots]``; otherwise ``HTML_MISSING.txt`` says so);
 * ``trace.json`` -- Chrome Trace Event Format, for https://ui.perfetto.dev;
@@ -32,8 +32,9 @@ Files written by :meth:`Report.save`:
 
 One concern per module:
 
-* :mod:`~ipu_jax.report.data` -- the numbers every view reads, and the
-  ``report.json`` schema;
+* :mod:`~ipu_jax.report.data` -- the numbers every view reads;
+* :mod:`~ipu_jax.report.report_file` -- ``report.json``: its schema, writing
+  and reading;
 * :mod:`~ipu_jax.report.reports` -- :class:`Report`, :class:`SavedReport`,
   :func:`load_report`, saving;
 * :mod:`~ipu_jax.report.summary` -- the text summary;
@@ -53,8 +54,8 @@ One concern per module:
 from ipu_jax.report.autosave import maybe_auto_save
 from ipu_jax.report.cli import main
 from ipu_jax.report.compare import compare_reports
-from ipu_jax.report.data import SCHEMA
-from ipu_jax.report.data import SCHEMA_VERSION
+from ipu_jax.report.report_file import SCHEMA
+from ipu_jax.report.report_file import SCHEMA_VERSION
 from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.report.reports import Report
 from ipu_jax.report.reports import SavedReport

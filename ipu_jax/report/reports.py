@@ -28,18 +28,18 @@ from ipu_jax.report.streaming import streaming_to_json
 from ipu_jax.report.host_io import host_io_to_json
 from ipu_jax.report.host_io import step_totals
 from ipu_jax.report import html as html_lib
-from ipu_jax.report.data import REPORT_FILE
-from ipu_jax.report.data import SCHEMA
-from ipu_jax.report.data import SCHEMA_VERSION
 from ipu_jax.report.data import TRACE_FILE
 from ipu_jax.report.data import ReportData
-from ipu_jax.report.data import check_schema
-from ipu_jax.report.data import data_from_json
 from ipu_jax.report.data import data_from_profile
-from ipu_jax.report.data import report_json_path
-from ipu_jax.report.data import steps_to_json
-from ipu_jax.report.data import target_to_json
-from ipu_jax.report.data import write_json
+from ipu_jax.report.report_file import REPORT_FILE
+from ipu_jax.report.report_file import SCHEMA
+from ipu_jax.report.report_file import SCHEMA_VERSION
+from ipu_jax.report.report_file import check_schema
+from ipu_jax.report.report_file import data_from_json
+from ipu_jax.report.report_file import report_json_path
+from ipu_jax.report.report_file import steps_to_json
+from ipu_jax.report.report_file import target_to_json
+from ipu_jax.report.report_file import write_json
 from ipu_jax.report.plots import load_matplotlib
 from ipu_jax.report.plots import write_plots
 from ipu_jax.report.precision import NUMBER_FORMATS_PLOT_FILE
