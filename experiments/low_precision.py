@@ -30,6 +30,7 @@ every run's report with its number-format telemetry::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -119,6 +120,113 @@ def make_model(fp8: bool, seed: int = 0):
   return LM(nnx.Rngs(seed))
 
 
+@dataclasses.dataclass
+class _Variant:
+  """One number format's model, split for a pure training step."""
+
+  name: str
+  model: object      # the NNX model (FP8 telemetry is read back into it)
+  graphdef: object
+  params: object     # initial weights (fp16 for the fp16 variants)
+  probes: object     # FP8 gradient amax probes
+  stats: object      # FP8 per-tensor statistics
+
+  @property
+  def half(self) -> bool:
+    return self.name.startswith("fp16")
+
+
+def _variant(name: str) -> _Variant:
+  """The model of variant ``name`` from the shared seed, its weights cast as the variant keeps them."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from ipu_jax.fp8_scaling import FP8GradAmax
+
+  model = make_model(fp8=name == "fp8")
+  graphdef, params, probes, stats = nnx.split(model, nnx.Param, FP8GradAmax, ...)
+  if name.startswith("fp16"):
+    params = jax.tree.map(lambda p: p.astype(jnp.float16), params)
+  return _Variant(name, model, graphdef, params, probes, stats)
+
+
+def _optimizer(v: _Variant, lr):
+  """SGD; the fp16 variants under dynamic loss scaling (Keras's defaults but the start)."""
+  import optax
+  from ipu_jax.keras.loss_scaling import LossScaleOptimizer
+  opt = optax.sgd(lr)
+  return LossScaleOptimizer(opt, 2.0 ** 12, dynamic=True, growth_steps=20) if v.half else opt
+
+
+def _training_step(v: _Variant):
+  """The pure step ``(params, probes, stats, opt_state, x, y, lr) -> (..., loss)``."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from ipu_jax.fp8_scaling import FP8Stats, apply_gradient_telemetry
+
+  def step(params, probes, stats, opt_state, x, y, lr):
+    scale = getattr(opt_state, "loss_scale", None)
+    # fp16 weights take fp16 updates: -lr * g rounds to fp16, then w + u does.
+    lr = lr.astype(jnp.float16) if v.half else lr
+
+    def loss_fn(p, probes):
+      m = nnx.merge(v.graphdef, p, probes, stats, copy=True)
+      logits = m(x).astype(jnp.float32)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      scaled = loss * scale if scale is not None else loss
+      return scaled.astype(jnp.float16 if v.half else jnp.float32), (loss, nnx.state(m, FP8Stats))
+
+    (_, (loss, new_stats)), (grads, probe_grads) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(params, probes)
+    updates, opt_state = _optimizer(v, lr).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    stats = nnx.merge_state(stats, new_stats) if jax.tree.leaves(new_stats) else stats
+    return params, apply_gradient_telemetry(probes, probe_grads), stats, opt_state, loss
+
+  return step
+
+
+def _config(v: _Variant, tiles: int):
+  import ipu_jax
+  cfg = ipu_jax.IPUConfig()
+  cfg.device.version = "ipu21"
+  cfg.device.tiles_per_ipu = tiles
+  if v.name == "fp16+SR":
+    cfg.floating_point_behaviour.esr = "ON"
+  return cfg
+
+
+def _train(v: _Variant, lowered, opt_state, data, batch: int, lr: float, steps: int):
+  """``steps`` steps at ``lr`` from the initial weights: (params, opt_state, losses, telemetry)."""
+  import ipu_jax
+  from flax import nnx
+  xs, ys = data
+  params, probes, stats = v.params, v.probes, v.stats
+  telemetry = ipu_jax.NumberFormatTelemetry()
+  losses = []
+  for i in range(steps):
+    lo = (i * batch) % (len(xs) - batch)
+    params, probes, stats, opt_state, loss = lowered(
+        params, probes, stats, opt_state, xs[lo:lo + batch], ys[lo:lo + batch], np.float32(lr))
+    losses.append(float(loss))
+    if v.name == "fp8":
+      nnx.update(v.model, probes, stats)
+      telemetry.record(i + 1, model=v.model)
+    telemetry.record(i + 1, opt_state=opt_state)
+  return params, opt_state, losses, telemetry
+
+
+def _unchanged_share(params, initial) -> float:
+  """The share of weights that end exactly where they started."""
+  import jax
+  before = jax.tree.leaves(initial)
+  same = sum(int(np.sum(np.asarray(w) == np.asarray(w0)))
+             for w, w0 in zip(jax.tree.leaves(params), before))
+  return same / sum(np.size(w0) for w0 in before)
+
+
 def run_variant(variant: str, data, runs, batch: int, tiles: int, out_dir: str) -> list:
   """Trains ``variant`` from the same initial weights once per ``(learning rate, steps)``.
 
@@ -140,82 +248,29 @@ def run_variant(variant: str, data, runs, batch: int, tiles: int, out_dir: str) 
     share of weights that end where they started (``weights_unchanged``),
     the report path and telemetry.
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
   import ipu_jax
-  from ipu_jax.fp8_scaling import FP8GradAmax, FP8Stats, apply_gradient_telemetry
-  from ipu_jax.keras.loss_scaling import LossScaleOptimizer, scaling_logs
+  from ipu_jax.keras.loss_scaling import scaling_logs
 
-  half = variant.startswith("fp16")
-  model = make_model(fp8=variant == "fp8")
-  graphdef, params0, probes0, stats0 = nnx.split(model, nnx.Param, FP8GradAmax, ...)
-  if half:
-    params0 = jax.tree.map(lambda p: p.astype(jnp.float16), params0)
-  weights0 = [np.array(w) for w in jax.tree.leaves(params0)]
-
-  def optimizer(lr):
-    opt = optax.sgd(lr)
-    return LossScaleOptimizer(opt, 2.0 ** 12, dynamic=True, growth_steps=20) if half else opt
-
-  def step(params, probes, stats, opt_state, x, y, lr):
-    scale = getattr(opt_state, "loss_scale", None)
-    # fp16 weights take fp16 updates: -lr * g rounds to fp16, then w + u does.
-    lr = lr.astype(jnp.float16) if half else lr
-
-    def loss_fn(p, probes):
-      m = nnx.merge(graphdef, p, probes, stats, copy=True)
-      logits = m(x).astype(jnp.float32)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      scaled = loss * scale if scale is not None else loss
-      return scaled.astype(jnp.float16 if half else jnp.float32), (loss, nnx.state(m, FP8Stats))
-
-    (_, (loss, new_stats)), (grads, probe_grads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, probes)
-    updates, opt_state = optimizer(lr).update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    stats = nnx.merge_state(stats, new_stats) if jax.tree.leaves(new_stats) else stats
-    return params, apply_gradient_telemetry(probes, probe_grads), stats, opt_state, loss
-
-  cfg = ipu_jax.IPUConfig()
-  cfg.device.version = "ipu21"
-  cfg.device.tiles_per_ipu = tiles
-  if variant == "fp16+SR":
-    cfg.floating_point_behaviour.esr = "ON"
+  v = _variant(variant)
   xs, ys = data
-  fn = ipu_jax.jit(step, config=cfg)
-  opt_state0 = optimizer(runs[0][0]).init(params0)
+  opt_state0 = _optimizer(v, runs[0][0]).init(v.params)
   start = time.perf_counter()
-  lowered = fn.lower(params0, probes0, stats0, opt_state0, xs[:batch], ys[:batch],
-                     np.float32(runs[0][0]))
+  lowered = ipu_jax.jit(_training_step(v), config=_config(v, tiles)).lower(
+      v.params, v.probes, v.stats, opt_state0, xs[:batch], ys[:batch], np.float32(runs[0][0]))
   compile_s = time.perf_counter() - start
   report = lowered.report
   results = []
   for lr, steps in runs:
-    params, probes, stats, opt_state = params0, probes0, stats0, opt_state0
-    telemetry = ipu_jax.NumberFormatTelemetry()
-    losses = []
     start = time.perf_counter()
-    for i in range(steps):
-      lo = (i * batch) % (len(xs) - batch)
-      params, probes, stats, opt_state, loss = lowered(
-          params, probes, stats, opt_state, xs[lo:lo + batch], ys[lo:lo + batch], np.float32(lr))
-      losses.append(float(loss))
-      if variant == "fp8":
-        nnx.update(model, probes, stats)
-        telemetry.record(i + 1, model=model)
-      telemetry.record(i + 1, opt_state=opt_state)
+    params, opt_state, losses, telemetry = _train(v, lowered, opt_state0, data, batch, lr, steps)
     run_s = time.perf_counter() - start
-    unchanged = sum(int(np.sum(np.asarray(w) == w0))
-                    for w, w0 in zip(jax.tree.leaves(params), weights0))
     report.number_formats = telemetry
     report_dir = os.path.join(out_dir, "reports", f"{variant}-lr{lr:g}")
     report.save(report_dir)
     out = {"variant": variant, "learning_rate": lr, "losses": losses,
            "final_loss": float(np.mean(losses[-5:])),
            "loss_drop": float(np.mean(losses[:5]) - np.mean(losses[-5:])),
-           "weights_unchanged": unchanged / sum(w.size for w in weights0),
+           "weights_unchanged": _unchanged_share(params, v.params),
            "cycles_per_step": float(report.total_cycles),
            "peak_bytes_per_tile": int(np.max(report.memory_per_tile)),
            "compile_seconds": compile_s, "run_seconds": run_s,

@@ -343,8 +343,8 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     loaded = report_lib.Report.load(self.directory)
     files = loaded.save(os.path.join(self.directory, "again"), html=False)
     self.assertIn("cycles_heatmap.png", [os.path.basename(f) for f in files])
-    np.testing.assert_array_equal(loaded._data.tile_cycles,
-                                  report._data.tile_cycles)
+    np.testing.assert_array_equal(loaded.data.tile_cycles,
+                                  report.data.tile_cycles)
 
   def test_version_1_report_still_loads(self):
     report = report_lib.Report(_make_profile())
@@ -420,7 +420,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
 
   def test_memory_plot_has_limit_line(self):
     report = report_lib.Report(_make_profile())
-    figure = plots_lib.memory_figure(report._data)
+    figure = plots_lib.memory_figure(report.data)
     limit = report.target.bytes_per_tile
     lines = [line for line in figure.axes[0].lines
              if np.allclose(line.get_ydata(), limit)]
@@ -432,7 +432,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
     peak = int(report.memory_per_tile.max())
     limit = report.target.bytes_per_tile
     self.assertLess(peak, limit / 4)
-    axes = plots_lib.memory_figure(report._data).axes[0]
+    axes = plots_lib.memory_figure(report.data).axes[0]
     bottom, top = axes.get_ylim()
     self.assertEqual(bottom, 0)
     self.assertGreaterEqual(top, peak)
@@ -446,7 +446,7 @@ class SaveTest(chex.TestCase, parameterized.TestCase):
   @parameterized.parameters(1, 2)
   def test_every_plot_title_names_the_program_and_target(self, num_ipus):
     report = report_lib.Report(_make_profile(num_ipus=num_ipus, name="mlp"))
-    data = report._data
+    data = report.data
     figures = [plots_lib.memory_figure(data),
                plots_lib.cycles_heatmap_figure(data, data.tile_cycles),
                plots_lib.live_memory_figure(data)]

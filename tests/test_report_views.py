@@ -52,7 +52,7 @@ def _nodes(node):
 
 
 def _weighted(report):
-  steps = report._data.steps  # pylint: disable=protected-access
+  steps = report.data.steps
   return steps.weighted_cycles
 
 
@@ -114,7 +114,7 @@ class ProgramTreeTest(parameterized.TestCase):
     self.assertEqual(outer["label"], "repeat ×5")
     # The inner loop runs once per trip of the outer one; its steps 15 times.
     self.assertEqual(inner["executions"], 5)
-    executions = self.report._data.steps.executions  # pylint: disable=protected-access
+    executions = self.report.data.steps.executions
     first, last = inner["steps"]
     self.assertTrue(np.all(executions[first:last + 1] == 15))
 
@@ -176,7 +176,7 @@ class TimelineTest(parameterized.TestCase):
   @parameterized.parameters(1, 2, 4, 10)
   def test_spans_are_end_to_end_and_end_at_the_total(self, unroll):
     layout = self.report.timeline(unroll=unroll)
-    cycles = self.report._data.steps.cycles_per_execution  # pylint: disable=protected-access
+    cycles = self.report.data.steps.cycles_per_execution
     ends = [s + cycles[i] * r for i, s, r in
             zip(layout.step, layout.start, layout.repeat)]
     # Each span starts where the last one (or a summary) ended.
@@ -215,7 +215,7 @@ class TraceTest(parameterized.TestCase):
     layout = report.timeline()
     spans = [e for e in events if e["ph"] == "X" and e["tid"] != 3]
     # One span per laid-out step execution and phase, on the step's IPUs.
-    steps = report._data.steps  # pylint: disable=protected-access
+    steps = report.data.steps
     compute = [e for e in spans if e["tid"] == 2]
     self.assertLen(compute, sum(
         1 for i in layout.step for ipu in steps.ipus[i]
@@ -237,7 +237,7 @@ class TraceTest(parameterized.TestCase):
     # The live-memory counter follows the laid-out steps.
     counters = [e for e in events if e["ph"] == "C"]
     self.assertLen(counters, len(layout.step))
-    self.assertEqual(trace_lib.trace_events(report._data), events)  # pylint: disable=protected-access
+    self.assertEqual(trace_lib.trace_events(report.data), events)
 
 
 class CodeletAndExchangeTest(chex.TestCase):

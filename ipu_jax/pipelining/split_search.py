@@ -358,37 +358,17 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   start = time.time()
   config = (config if config is not None else config_lib.get_default_config()).copy()
   space = space if space is not None else SearchSpace()
-  log = log or (lambda message: None)
   num_ipus = config.auto_select_ipus
-  compositions = space.compositions(model.num_layers, num_ipus)
-  figures, targets = {}, []
-
-  def ensure(p, r, s):
-    if (p, r, s) not in figures:
-      known = next((f for (q, rr, _), f in figures.items() if (q, rr) == (p, r)), None)
-      log(f"probe: proportion {p}, recomputation {r}, serialization {s}"
-          + (" (last block only)" if known else ""))
-      figures[(p, r, s)], target = probe(model, config, optimizer, p, r, s, known)
-      targets.append(target)
-
+  probes = _Probes(model, config, optimizer, log or (lambda message: None))
   for setting in itertools.product(space.proportions, space.recomputation, space.serialization):
-    ensure(*setting)
+    probes.ensure(*setting)
   probed = time.time()
-  scorer = _Scorer(figures, targets[0], num_ipus, config.pipelining.schedule,
+  scorer = _Scorer(probes.figures, probes.targets[0], num_ipus, config.pipelining.schedule,
                    config.training.gradient_accumulation_steps, config.replication_factor,
                    model.samples())
-
-  def estimator(split) -> Estimate:
-    cand = _as_candidate(split)
-    if len(cand.layers_per_ipu) != num_ipus or sum(cand.layers_per_ipu) != model.num_layers:
-      raise ValueError(f"The split {cand.config} must give {num_ipus} IPUs "
-                       f"{model.num_layers} layers in all.")
-    for p in set(cand.proportions):
-      ensure(p, cand.recomputation, cand.serialization)
-    return scorer.estimate(cand)
-
-  fitting, closest = _feasible(scorer, space, compositions)
-  log(f"{len(fitting):,d} candidates fit; ranking")
+  estimator = functools.partial(_estimate, model, num_ipus, probes, scorer)
+  fitting, closest = _feasible(scorer, space, space.compositions(model.num_layers, num_ipus))
+  probes.log(f"{len(fitting):,d} candidates fit; ranking")
   ranked, simulated = _rank(scorer, fitting, max(top, confirm_top))
   ranked_at = time.time()
   chosen, confirmed, lowered, split = (None, False, 0, None)
@@ -398,15 +378,49 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   base = estimator(baseline) if baseline is not None else None
   counts = {"space": space.size(model.num_layers, num_ipus),
             "scored": space.size(model.num_layers, num_ipus), "simulated": simulated,
-            "probes": len(figures), "lowered": len(figures) + lowered,
+            "probes": len(probes.figures), "lowered": len(probes.figures) + lowered,
             "confirmed": int(confirmed), "probe_seconds": probed - start,
             "rank_seconds": ranked_at - probed, "confirm_seconds": time.time() - ranked_at}
   if chosen is None and closest is None and ranked:
-    # Every candidate fitted by estimate but none when lowered: name the closest.
-    e = min(ranked[:confirm_top], key=lambda e: max(e.lowered_peak_bytes))
-    ipu = int(np.argmax(e.lowered_peak_bytes))
-    closest = Shortfall(e.candidate, ipu, -1, int(max(e.lowered_peak_bytes)) - scorer.limit,
-                        scorer.limit)
+    closest = _lowered_shortfall(ranked[:confirm_top], scorer.limit)
   return SearchResult(chosen=chosen, top=ranked[:top], shortfall=None if chosen else closest,
                       baseline=base, confirmed=confirmed, counts=counts,
                       seconds=time.time() - start, estimator=estimator, lowered=split)
+
+
+class _Probes:
+  """The probe figures of each (proportion, recomputation, serialisation), lowered once."""
+
+  def __init__(self, model: LayeredModel, config, optimizer, log):
+    self.model, self.config, self.optimizer, self.log = model, config, optimizer, log
+    self.figures, self.targets = {}, []
+
+  def ensure(self, p, r, s) -> None:
+    """Probes the setting unless known; a known (p, r) needs only the last block again."""
+    if (p, r, s) in self.figures:
+      return
+    known = next((f for (q, rr, _), f in self.figures.items() if (q, rr) == (p, r)), None)
+    self.log(f"probe: proportion {p}, recomputation {r}, serialization {s}"
+             + (" (last block only)" if known else ""))
+    self.figures[(p, r, s)], target = probe(self.model, self.config, self.optimizer, p, r, s,
+                                            known)
+    self.targets.append(target)
+
+
+def _estimate(model: LayeredModel, num_ipus: int, probes: _Probes, scorer: _Scorer,
+              split) -> Estimate:
+  """The estimate of ``split`` (a :class:`Candidate` or the runner's keys), probing as needed."""
+  cand = _as_candidate(split)
+  if len(cand.layers_per_ipu) != num_ipus or sum(cand.layers_per_ipu) != model.num_layers:
+    raise ValueError(f"The split {cand.config} must give {num_ipus} IPUs "
+                     f"{model.num_layers} layers in all.")
+  for p in set(cand.proportions):
+    probes.ensure(p, cand.recomputation, cand.serialization)
+  return scorer.estimate(cand)
+
+
+def _lowered_shortfall(confirmed: list, limit: int) -> Shortfall:
+  """Every candidate fitted by estimate but none when lowered: the closest lowered one."""
+  e = min(confirmed, key=lambda e: max(e.lowered_peak_bytes))
+  ipu = int(np.argmax(e.lowered_peak_bytes))
+  return Shortfall(e.candidate, ipu, -1, int(max(e.lowered_peak_bytes)) - limit, limit)

@@ -121,7 +121,7 @@ def _tile_grid(tiles_per_ipu: int) -> dict:
 
 def _operations(report) -> list:
   """``cycles_by_operation`` rows with each (op, source)'s working memory."""
-  steps = report._data.steps  # pylint: disable=protected-access
+  steps = report.data.steps
   memory = {}
   for op, source, peak in zip(steps.ops, steps.sources, steps.temporary_peak):
     memory[(op, source)] = max(memory.get((op, source), 0), int(peak))
@@ -151,22 +151,9 @@ def report_payload(report) -> dict:
     of scratch; None if unknown): the per-tile liveness and the exchange
     heatmap are computed from these runs in the page, on demand.
   """
-  data = report._data  # pylint: disable=protected-access
+  data = report.data
   document = report.to_dict()
-  steps, target = data.steps, data.target
-  categories = ordered_categories(data.categories)
-  always_live = int(sum(int(data.categories[c].sum()) for c in categories
-                        if c in ALWAYS_LIVE_CATEGORIES))
-  tile_cycles = None
-  if data.tile_cycles is not None:
-    tile_cycles = []
-    for cycles in data.tile_cycles:
-      busy = np.flatnonzero(cycles)
-      tile_cycles.append(tile_runs(busy, cycles[busy]))
-  tensors = [{key: tensor.get(key) for key in
-              ("name", "shape", "dtype", "category", "total_bytes", "op",
-               "source", "live_from", "live_to", "placement")}
-             for tensor in data.tensors]
+  target = data.target
   return {
       "name": data.name,
       "target": {"name": target.name, "num_ipus": target.num_ipus,
@@ -176,6 +163,29 @@ def report_payload(report) -> dict:
                  "clock_hz": target.clock_hz},
       "totals": document["totals"],
       "grid": _tile_grid(target.tiles_per_ipu),
+      **_memory_payload(data),
+      "steps": _steps_payload(data.steps),
+      "tile_cycles": _tile_cycle_runs(data),
+      "tensors": [{key: tensor.get(key) for key in
+                   ("name", "shape", "dtype", "category", "total_bytes", "op",
+                    "source", "live_from", "live_to", "placement")}
+                  for tensor in data.tensors],
+      "operations": _operations(report),
+      "number_formats": document["number_formats"],
+      "program_tree": document["program_tree"],
+      "timeline": timeline(
+          data, max_spans=max(200, HTML_MAX_BARS // (3 * target.num_ipus))).as_dict(),
+      "codelets": document.get("codelets") or [],
+      "tile_exchange": _bounded_tile_exchange(data.tile_exchange),
+  }
+
+
+def _memory_payload(data) -> dict:
+  """The page's ``memory`` (per tile, by category) and ``liveness`` entries."""
+  categories = ordered_categories(data.categories)
+  always_live = int(sum(int(data.categories[c].sum()) for c in categories
+                        if c in ALWAYS_LIVE_CATEGORIES))
+  return {
       "memory": {
           "tile_limit": data.tile_limit,
           "peak": data.peak.tolist(),
@@ -190,33 +200,39 @@ def report_payload(report) -> dict:
           "always_live_bytes": always_live,
           "not_always_live": np.maximum(data.live - always_live, 0).tolist(),
       },
-      "steps": {
-          "name": steps.names, "op": steps.ops, "source": steps.sources,
-          "compute": steps.compute_max.tolist(),
-          "compute_mean": steps.compute_mean.tolist(),
-          "compute_per_ipu": steps.compute_per_ipu.tolist(),
-          "ipus": [list(map(int, ipus)) for ipus in steps.ipus],
-          "exchange": steps.exchange.tolist(), "sync": steps.sync.tolist(),
-          "executions": steps.executions.tolist(),
-          "flops": steps.flops.tolist(),
-          "tiles_busy": steps.tiles_busy.tolist(),
-          "vertices": steps.vertices.tolist(),
-          "bytes_in": steps.bytes_in.tolist(),
-          "bytes_out": steps.bytes_out.tolist(),
-          "ipu_link_bytes": steps.ipu_link_bytes.tolist(),
-          "working_memory": steps.temporary_peak.tolist(),
-          "codelets": [list(c) for c in steps.codelets] or [[] for _ in steps.names],
-      },
-      "tile_cycles": tile_cycles,
-      "tensors": tensors,
-      "operations": _operations(report),
-      "number_formats": document["number_formats"],
-      "program_tree": document["program_tree"],
-      "timeline": timeline(
-          data, max_spans=max(200, HTML_MAX_BARS // (3 * target.num_ipus))).as_dict(),
-      "codelets": document.get("codelets") or [],
-      "tile_exchange": _bounded_tile_exchange(data.tile_exchange),
   }
+
+
+def _steps_payload(steps) -> dict:
+  """The page's per-step columns."""
+  return {
+      "name": steps.names, "op": steps.ops, "source": steps.sources,
+      "compute": steps.compute_max.tolist(),
+      "compute_mean": steps.compute_mean.tolist(),
+      "compute_per_ipu": steps.compute_per_ipu.tolist(),
+      "ipus": [list(map(int, ipus)) for ipus in steps.ipus],
+      "exchange": steps.exchange.tolist(), "sync": steps.sync.tolist(),
+      "executions": steps.executions.tolist(),
+      "flops": steps.flops.tolist(),
+      "tiles_busy": steps.tiles_busy.tolist(),
+      "vertices": steps.vertices.tolist(),
+      "bytes_in": steps.bytes_in.tolist(),
+      "bytes_out": steps.bytes_out.tolist(),
+      "ipu_link_bytes": steps.ipu_link_bytes.tolist(),
+      "working_memory": steps.temporary_peak.tolist(),
+      "codelets": [list(c) for c in steps.codelets] or [[] for _ in steps.names],
+  }
+
+
+def _tile_cycle_runs(data) -> Optional[list]:
+  """Per step, runs of busy tiles with their cycles (None when not recorded)."""
+  if data.tile_cycles is None:
+    return None
+  runs = []
+  for cycles in data.tile_cycles:
+    busy = np.flatnonzero(cycles)
+    runs.append(tile_runs(busy, cycles[busy]))
+  return runs
 
 
 def _bounded_tile_exchange(tile_exchange: Optional[dict]) -> Optional[dict]:

@@ -60,6 +60,11 @@ class ReportBase(SummaryMixin):
 
   _data: ReportData
 
+  @property
+  def data(self) -> ReportData:
+    """The numbers every view reads (the same for a live and a loaded report)."""
+    return self._data
+
   # -- identity ---------------------------------------------------------------
 
   @property
