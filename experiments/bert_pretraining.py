@@ -514,7 +514,8 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) ->
   trained = params
   for step, batches in enumerate(data):
     t = time.time()
-    trained, state, value = pipe.step(trained, state, batches, **rng(step))
+    out = pipe.step(trained, state, batches, **rng(step))
+    trained, state, value = out.params, out.opt_state, out.loss
     print(f"step {step}: loss {float(value):.4f} ({time.time() - t:.1f} s on the host)")
   pipe.report.sequences_per_sample = f.packing_factor
   print(pipe.report.summary())

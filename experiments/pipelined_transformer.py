@@ -131,7 +131,8 @@ def main(argv):
   state = pipe.init(params, batches(0))
   for step in range(f.steps):
     start = time.time()
-    params, state, value = pipe.step(params, state, batches(step))
+    out = pipe.step(params, state, batches(step))
+    params, state, value = out.params, out.opt_state, out.loss
     print(f"step {step}: loss {float(value):.4f} ({time.time() - start:.1f} s on the host)")
   print(pipe.report.summary())
   if f.recomputation:

@@ -57,7 +57,8 @@ def _train(schedule: str, g: int):
   state = pipe.init(params, data[0])
   trained = params
   for batches in data:
-    trained, state, _ = pipe.step(trained, state, batches)
+    out = pipe.step(trained, state, batches)
+    trained, state = out.params, out.opt_state
   return pipe, loss_fn, params, trained, data
 
 
@@ -94,7 +95,7 @@ class BertDropoutPipelineTest(chex.TestCase):
                                        device_mapping=mapping, stage_assignment=assignment)
     batches = bert.synthetic_batches(model_cfg, 4, _MICRO_BATCH, _SEQ, _PREDICTIONS, seed=0)
     state = pipe.init(params, batches, rng=jax.random.key(0))
-    runs = [pipe.step(params, state, batches, rng=jax.random.key(seed))[0]
+    runs = [pipe.step(params, state, batches, rng=jax.random.key(seed)).params
             for seed in (7, 7, 8)]
     as_numpy = lambda tree: jax.tree_util.tree_map(np.asarray, tree)
     chex.assert_trees_all_equal(as_numpy(runs[0]), as_numpy(runs[1]))

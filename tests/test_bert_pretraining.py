@@ -58,7 +58,8 @@ class SmallBertOnAPodTest(chex.TestCase):
     super().setUpClass()
     cls.pipe, loss_fn, optimizer, params, batches = _small_pipeline()
     state = cls.pipe.init(params, batches)
-    cls.trained, _, cls.loss = cls.pipe.step(params, state, batches)
+    out = cls.pipe.step(params, state, batches)
+    cls.trained, cls.loss = out.params, out.loss
     cls.expected = bert_pretraining.plain_steps(loss_fn, optimizer, params, [batches])
 
   def test_weights_equal_plain_gradient_accumulation(self):

@@ -324,7 +324,8 @@ class PipelineDeadCodeTest(chex.TestCase):
       pipe = ipu_jax.pipelining.Pipeline(lambda p, b, d=dead: loss(p, b, d), optax.sgd(0.1),
                                          config=cfg)
       state = pipe.init(params, batches)
-      new_params, _, value = pipe.step(params, state, batches)
+      out = pipe.step(params, state, batches)
+      new_params, value = out.params, out.loss
       results[dead] = (jax.tree.map(np.asarray, new_params), np.asarray(value), pipe.report)
     chex.assert_trees_all_close(results[True][:2], results[False][:2], rtol=1e-6, atol=1e-7)
     dead_report, clean_report = results[True][2], results[False][2]

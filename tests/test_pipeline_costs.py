@@ -211,7 +211,7 @@ class RecomputationTest(chex.TestCase):
       acc = [a + x for a, x in zip(acc, g)]
     expected = [p - 0.05 * a for p, a in zip(self.params, acc)]
     for recompute in (False, True):
-      chex.assert_trees_all_close(self.pipes[recompute][1][0], expected, rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(self.pipes[recompute][1].params, expected, rtol=1e-5, atol=1e-6)
 
   def test_last_stage_is_not_recomputed(self):
     plain, recomputed = self.pipes[False][0], self.pipes[True][0]

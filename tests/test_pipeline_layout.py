@@ -95,7 +95,8 @@ class TiedWeightsTest(parameterized.TestCase):
     state = pipe.init(params, steps[0])
     got = params
     for batches in steps:
-      got, state, loss = pipe.step(got, state, batches)
+      out = pipe.step(got, state, batches)
+      got, state, loss = out.params, out.opt_state, out.loss
       self.assertTrue(np.isfinite(np.asarray(loss)))
     expected = _plain_steps(_tied_loss, optimizer, params, steps)
     chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)

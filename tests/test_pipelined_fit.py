@@ -65,8 +65,8 @@ class PipelineRngTest(chex.TestCase):
     key = jax.random.key(3)
     pipe = Pipeline(_loss_with_dropout, optax.sgd(0.1),
                     config=_config(3, g=6, schedule=schedule, recompute=recompute), rng=True)
-    new_params, _, loss = pipe.step(params, pipe.init(params, batches, rng=key), batches,
-                                    rng=key)
+    out = pipe.step(params, pipe.init(params, batches, rng=key), batches, rng=key)
+    new_params, loss = out.params, out.loss
     grad = jax.jit(jax.value_and_grad(_loss_with_dropout))
     acc, losses = jax.tree_util.tree_map(jnp.zeros_like, params), []
     for m in range(6):
@@ -81,8 +81,8 @@ class PipelineRngTest(chex.TestCase):
     self.assertTrue(all(not s.inputs or all(v.aval.dtype == jnp.float32 for v in s.inputs)
                         for s in pipe.staged.stages))
     # Another key draws other masks.
-    other, _, _ = pipe.step(params, pipe.init(params, batches, rng=key), batches,
-                            rng=jax.random.key(4))
+    other = pipe.step(params, pipe.init(params, batches, rng=key), batches,
+                      rng=jax.random.key(4)).params
     self.assertGreater(float(jnp.max(jnp.abs(other[0] - new_params[0]))), 1e-4)
 
   def test_key_required_and_refused(self):
@@ -439,7 +439,8 @@ class ShardedStatePipelinedFitTest(chex.TestCase):
     chex.assert_trees_all_close(params(resumed), params(sharded), rtol=1e-6, atol=1e-7)
     # Each replica holds half of every state leaf with an axis (Linear(6, 16)'s
     # kernel: 96 elements, 48 a replica); the stages stream their shards.
-    shapes = [np.shape(a) for a in jax.tree_util.tree_leaves(sharded.pipeline_opt_state[0])]
+    stage_states = sharded.train_state.opt_state  # the stages' states, in the TrainState
+    shapes = [np.shape(a) for a in jax.tree_util.tree_leaves(stage_states[0])]
     self.assertIn((2, 48), shapes)
     streamed = [s.update.profile.streaming for s in sharded.pipeline.stages]
     self.assertGreater(streamed[0].total_bytes, 0)

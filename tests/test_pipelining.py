@@ -155,7 +155,7 @@ class StageAssignmentTest(chex.TestCase):
     self.assertIn(0, [staged.producer(v) for v in staged.stages[2].inputs])
     pipe = Pipeline(loss, optax.sgd(0.1), config=_config(stages=3, g=6),
                     stage_assignment={"b": 1, "c": 2})
-    new, _, _ = pipe.step(params, pipe.init(params, batches), batches)
+    new = pipe.step(params, pipe.init(params, batches), batches).params
     expected = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params,
                                       _plain_gradients(loss, params, batches, 6))
     chex.assert_trees_all_close(new, expected, rtol=1e-5, atol=1e-6)
@@ -211,7 +211,8 @@ class PipelinedTrainingTest(chex.TestCase):
 
   @parameterized.parameters(False, True)
   def test_weights_equal_plain_accumulation(self, recompute):
-    _, (new_params, _, loss) = self.pipes[recompute]
+    _, out = self.pipes[recompute]
+    new_params, loss = out.params, out.loss
     grads = self.plain
     expected = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, self.params, grads)
     chex.assert_trees_all_close(new_params, expected, rtol=1e-5, atol=1e-6)
@@ -321,7 +322,7 @@ class HalfPrecisionPipelineTest(chex.TestCase):
     half = lambda a: a.astype(jnp.float16) if a.dtype == jnp.float32 else a
     params, batches = (jax.tree_util.tree_map(half, t) for t in (params, batches))
     pipe = Pipeline(_loss, optax.sgd(0.05), config=_config(stages=2, g=4))
-    new_params, _, _ = pipe.step(params, pipe.init(params, batches), batches)
+    new_params = pipe.step(params, pipe.init(params, batches), batches).params
     # The half-precision step trains as plain accumulation does, to float16 rounding.
     expected = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g, params,
                                       _plain_gradients(_loss, params, batches, 4))

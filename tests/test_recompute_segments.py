@@ -87,7 +87,7 @@ class SegmentedRecomputationTest(chex.TestCase):
     params = _params(4)
     pipe = Pipeline(_loss, optax.sgd(0.1), config=_config(True))
     state = pipe.init(params, self.batches)
-    new_params = pipe.step(params, state, self.batches)[0]
+    new_params = pipe.step(params, state, self.batches).params
     grad = jax.jit(jax.grad(_loss))
     acc = [jnp.zeros_like(p) for p in params]
     for m in range(_G):

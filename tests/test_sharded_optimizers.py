@@ -276,7 +276,8 @@ def _train_pipeline(cfg, optimizer, params, batches):
   pipe = Pipeline(_pipeline_loss, optimizer, config=cfg)
   state = pipe.init(params, batches)
   for _ in range(_STEPS):
-    params, state, _ = pipe.step(params, state, batches)
+    out = pipe.step(params, state, batches)
+    params, state = out.params, out.opt_state
   return pipe, params, state
 
 

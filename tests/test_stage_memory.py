@@ -71,7 +71,7 @@ class StageBackwardMemoryTest(chex.TestCase):
       g = grad(self.params, jax.tree_util.tree_map(lambda b: b[m], self.batches))
       acc = [a + x for a, x in zip(acc, g)]
     expected = [p - 0.1 * a for p, a in zip(self.params, acc)]
-    chex.assert_trees_all_close(self.result[0], expected, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(self.result.params, expected, rtol=1e-5, atol=1e-6)
 
   def test_accumulators_are_held_once(self):
     # Hand count: the backward's variables are its arguments -- residuals

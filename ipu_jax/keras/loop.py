@@ -135,12 +135,13 @@ def _array_source(x, y, batch_size, steps_per_epoch, S, seed) -> TrainSource:
 
   used = executions * chunk
   if steps_per_epoch is None and used < data.n:
-    # At the user's fit call: here <- train_source <- Model._fit_plan <- Model.fit.
+    # At the user's fit call: here <- train_source <- epoch_loop._plan <- epoch_loop.fit
+    # <- Model.fit (plain and pipelined alike).
     warnings.warn(
         f"fit: {data.n - used} of {data.n} samples are left out of every epoch: an "
         f"epoch runs whole executions of steps_per_execution x batch_size = {S} x "
         f"{data.batch_size} = {chunk} samples ({executions} of them). Choose sizes "
-        "that divide the data to use every sample.", stacklevel=5)
+        "that divide the data to use every sample.", stacklevel=6)
   example = data.take(np.zeros(chunk, np.int64))
   return TrainSource(data.batch_size, executions, batches, example, data.y)
 

@@ -40,19 +40,20 @@ This module is the public face only (its length is mostly the docstrings of
 the Keras API): the training state is one named pytree
 (:class:`~ipu_jax.keras.train_state.TrainState`, each field's replica
 placement in its metadata), the per-replica programs are built in
-:mod:`~ipu_jax.keras.programs`, the host data loop, layouts and ``fit``'s plan
-(``FitPlan``) live in :mod:`~ipu_jax.keras.loop`, the weights file in
-:mod:`~ipu_jax.keras.weights` and the summary table in
-:mod:`~ipu_jax.keras.summary`. A training loop other than ``fit`` (the
-pipelined one, :mod:`~ipu_jax.keras.pipelining`) uses the public
-training-loop interface: ``train_state`` (read and assign), ``adapter``,
-``pipelining_options``, ``compiled``, ``record_number_formats`` and
-``reports``.
+:mod:`~ipu_jax.keras.programs` and cached, placed and run by
+:mod:`~ipu_jax.keras.plain_trainer`; ``fit``, ``evaluate`` and ``predict``
+run the one host loop of :mod:`~ipu_jax.keras.epoch_loop` (plain or
+pipelined, :mod:`~ipu_jax.keras.pipelining`: only what one execution does
+differs); the data layouts and ``fit``'s plan (``FitPlan``) live in
+:mod:`~ipu_jax.keras.loop`, the weights file in :mod:`~ipu_jax.keras.weights`
+and the summary table in :mod:`~ipu_jax.keras.summary`. The pipelined trainer
+uses the public training-loop interface: ``train_state`` (read and assign),
+``adapter``, ``pipelining_options``, ``compiled``, ``record_number_formats``,
+``pop_saved_stage_optimizers`` and ``reports``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -60,25 +61,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import config as config_lib
-from ipu_jax.fp8_scaling import FP8Stats, collect_telemetry
 from ipu_jax.report.precision import NumberFormatTelemetry
-from ipu_jax.lowering.host_io import select_outputs
 from ipu_jax.keras import accumulation as acc_lib
 from ipu_jax.keras import callbacks as callbacks_lib
-from ipu_jax.keras import loop
-from ipu_jax.keras import loss_scaling
+from ipu_jax.keras import epoch_loop
 from ipu_jax.keras import losses as losses_lib
 from ipu_jax.keras import metrics as metrics_lib
 from ipu_jax.keras import offload as offload_lib
-from ipu_jax.keras import programs
+from ipu_jax.keras import plain_trainer
+from ipu_jax.keras import telemetry as telemetry_lib
 from ipu_jax.keras.adapters import make_adapter
-from ipu_jax.keras.data import ArrayData, as_arrays, is_array_like
 from ipu_jax.keras.loop import check_steps_per_execution
-from ipu_jax.keras.progress import ProgbarLogger
-from ipu_jax.keras.replication import GATHERED, SUMMED, Replication
+from ipu_jax.keras.replication import Replication
 from ipu_jax.keras.summary import summary_text
-from ipu_jax.keras.train_state import FIELDS, INFERENCE_FIELDS, TRAINED_FIELDS, TrainState
-from ipu_jax.keras.validation import check_labels
+from ipu_jax.keras.train_state import MODEL_OPTIMIZER, STAGE_OPTIMIZERS, TrainState
+from ipu_jax.keras import weights as weights_lib
 from ipu_jax.keras.weights import (flat_saveable, read_weights_file, restore_flat,
                                    restore_nested, to_saveable, write_weights_file)
 
@@ -144,8 +141,8 @@ class Model:
     self._accumulation_reduction: Optional[str] = None
     # set_pipelining_options: the pipelining options (None: not pipelined).
     self._pipelining: Optional[dict] = None
-    self._programs: dict = {}
-    self._compile_verbose = None  # fit/evaluate(verbose=0) silence compile progress
+    # The compiled train / eval / predict executions (plain_trainer.Programs).
+    self._programs = plain_trainer.Programs(self)
     self.config: Optional[config_lib.IPUConfig] = None
     self.optimizer = None
     self.loss = None
@@ -157,17 +154,12 @@ class Model:
     self.reports: dict = {}
     # Loss-scale and FP8-scale histories of fit, shared by every train report.
     self.number_formats = NumberFormatTelemetry()
-    self._last_program: Optional[str] = None
     self.checkpoint_epoch: Optional[int] = None
     self.executions = 0
     self._replication: Optional[Replication] = None
-    # The Pipeline of the last pipelined fit (keras/pipelining.py sets it), and
-    # its stages' optimizer states, which the next pipelined fit continues.
+    # The Pipeline of the last pipelined fit (keras/pipelining.py sets it); its
+    # stages' optimizer states are the training state's opt_state.
     self.pipeline = None
-    self.pipeline_opt_state = None
-    # The stages' optimizer states of a loaded checkpoint (flat, by key path),
-    # restored when the next pipelined fit has split the model.
-    self.saved_pipeline_opt_state = None
 
   # -- reports --------------------------------------------------------------------
 
@@ -180,28 +172,12 @@ class Model:
     """
     if "train" in self.reports:
       return self.reports["train"]
-    return self.reports.get(self._last_program)
+    return self.reports.get(self._programs.last_program)
 
   @property
   def train_report(self):
     """The training program's report (``None`` before ``fit``)."""
     return self.reports.get("train")
-
-  def _run_setup(self, program: str, micro_batch: int):
-    return programs.run_setup(
-        program, self._lowering_config(), self.params, micro_batch=micro_batch,
-        replicas=self.num_replicas, accumulation_steps=self.gradient_accumulation_steps,
-        accumulation_reduction=self.gradient_accumulation_reduction,
-        replica_reduction=self.replica_reduction,
-        steps_per_execution=self.steps_per_execution)
-
-  def _record_report(self, program: str, lowered, micro_batch: int):
-    self._last_program = program
-    if lowered is None:
-      return
-    if lowered.profile.run_setup is None:
-      lowered.profile.run_setup = self._run_setup(program, micro_batch)
-    self.reports[program] = lowered.report
 
   def record_number_formats(self, logs: dict, report):
     """After an execution: the loss scale and FP8 layers' scales into the train report.
@@ -216,22 +192,8 @@ class Model:
       report: the train program's report (None when not emulating); the
         pipelined ``fit`` passes its step's report.
     """
-    fp8 = {}
-    if any(isinstance(leaf, FP8Stats) for leaf in jax.tree.leaves(
-        self.state, is_leaf=lambda x: isinstance(x, FP8Stats))):
-      fp8 = collect_telemetry(self.state)
-    if "loss_scale" not in logs and not fp8:
-      return
-    step, telemetry = self.step, self.number_formats
-    if telemetry.last_step is not None and step <= telemetry.last_step:
-      telemetry = self.number_formats = NumberFormatTelemetry()
-    if "loss_scale" in logs:
-      telemetry.record_loss_scale(step, logs["loss_scale"], logs["skipped_steps"],
-                                  logs["overflows"])
-    if fp8:
-      telemetry.record_fp8(step, fp8)
-    if report is not None:
-      report.number_formats = telemetry
+    self.number_formats = telemetry_lib.record_number_formats(
+        self.number_formats, lambda: self.step, self.state, logs, report)
 
   # -- configuration --------------------------------------------------------------
 
@@ -275,17 +237,15 @@ class Model:
     self.steps_per_execution = int(steps_per_execution)
     self.emulate = bool(emulate)
     self._replication = replication
-    self._programs = {}
+    self._programs.reset()
     # (Re)compiling resets it; sharded over replicas with replicated tensor sharding.
     self._train_state = self._train_state.replace(
         opt_state=offload_lib.init_optimizer_state(optimizer, self.params, cfg, replication),
-        step=jnp.zeros((), jnp.int32))
-    self.pipeline_opt_state = None
+        step=jnp.zeros((), jnp.int32), opt_layout=MODEL_OPTIMIZER)
     self.number_formats = NumberFormatTelemetry()
     self._compiled = True
-    if self._pending_optimizer is not None:
+    if self._pending_optimizer is not None:  # loaded before compile (or stage states)
       self._restore_optimizer(self._pending_optimizer)
-      self._pending_optimizer = None
     return self
 
   def set_gradient_accumulation_options(self, gradient_accumulation_steps_per_replica=None,
@@ -318,7 +278,7 @@ class Model:
       self._accumulation_steps = int(g)
     if reduction_method is not None:
       self._accumulation_reduction = acc_lib.check_reduction(reduction_method)
-    self._programs = {}
+    self._programs.reset()
 
   @property
   def gradient_accumulation_steps(self) -> int:
@@ -415,7 +375,8 @@ class Model:
     Args:
       path: the file.
       include_optimizer: also the optimizer state, step counter and random
-        state, so training resumes exactly (what ``ModelCheckpoint`` does).
+        state, so training resumes exactly (what ``ModelCheckpoint`` does);
+        after a pipelined ``fit``, the stages' optimizer states.
       epoch: epochs completed, stored for ``fit(..., initial_epoch=...)``.
 
     Returns:
@@ -423,20 +384,16 @@ class Model:
     """
     extra = {"rng_state": flat_saveable(self._local(self._train_state.rng_state))}
     if include_optimizer and self._compiled:
-      extra["optimizer"] = {
-          "opt_state": flat_saveable(self.opt_state),
-          "step": np.asarray(self.step, np.int64),
-      }
-      if self.pipeline_opt_state is not None:
-        # A pipelined fit trains its stages' own optimizer states, not opt_state.
-        extra["optimizer"]["pipeline_opt_state"] = flat_saveable(self.pipeline_opt_state)
+      extra["optimizer"] = weights_lib.optimizer_entry(
+          self.opt_state, self._train_state.opt_layout == STAGE_OPTIMIZERS, self.step)
     return write_weights_file(path, self.get_weights(), epoch=epoch, extra=extra)
 
   def load_weights(self, path: str) -> Optional[int]:
     """Reads a file of :meth:`save_weights` (or ``ModelCheckpoint``).
 
     Restores the weights; when the file holds the optimizer state, that too
-    (now if compiled, else at ``compile``). Sets and returns
+    (now if compiled, else at ``compile``; a pipelined fit's stage states
+    when the next pipelined ``fit`` has split the model). Sets and returns
     ``checkpoint_epoch``, the epochs the checkpoint had completed (``None``
     if it does not say), the ``initial_epoch`` to resume ``fit`` from.
     """
@@ -456,60 +413,25 @@ class Model:
     return self.checkpoint_epoch
 
   def _restore_optimizer(self, saved):
-    self._train_state = self._train_state.replace(
-        opt_state=restore_flat(self.opt_state, saved["opt_state"], "opt_state"),
-        step=jnp.asarray(int(np.asarray(saved["step"])), jnp.int32))
-    # The stages' states are laid out when a pipelined fit splits the model;
-    # it restores them then (ipu_jax/keras/pipelining.py).
-    self.saved_pipeline_opt_state = saved.get("pipeline_opt_state")
+    """Restores the step and a whole-model optimizer state now; keeps the
+    stages' states of a pipelined fit for its next split."""
+    def template():  # a whole-model state to restore into (not the stages')
+      if self._train_state.opt_layout == MODEL_OPTIMIZER:
+        return self.opt_state
+      return offload_lib.init_optimizer_state(self.optimizer, self.params, self.config,
+                                              self._replication)
 
-  # -- the programs -------------------------------------------------------------------
+    self._train_state, stages = weights_lib.restore_optimizer(self._train_state, saved,
+                                                              template)
+    # Kept in the file's form, so a later compile keeps waiting for the split.
+    self._pending_optimizer = (None if stages is None
+                               else {weights_lib.STAGE_OPTIMIZERS_KEY: stages})
 
-  def _lowering_config(self):
-    cfg = self.config.copy()
-    cfg.replication_factor = self.num_replicas  # the all-reduce spans every replica
-    return cfg
-
-  def _shards_optimizer_state(self) -> bool:
-    return offload_lib.shards_state(self.config, self.num_replicas)
-
-  def _program(self, key, execution, data, **fields) -> programs.StateProgram:
-    """The compiled execution of the training state and ``data``, built once per key."""
-    if key not in self._programs:
-      self._programs[key] = programs.build_state_program(
-          execution, self._train_state, data,
-          sharded_optimizer_state=self._shards_optimizer_state(),
-          replication=self._replication, config=self._lowering_config(),
-          emulate=self.emulate, verbose=self._compile_verbose, **fields)
-    return self._programs[key]
-
-  def _train_program(self, xs, ys) -> programs.StateProgram:
-    """The program of one training execution (U updates of G micro-batches)."""
-    G, R = self.gradient_accumulation_steps, self.num_replicas
-    method = self.gradient_accumulation_reduction
-    key = ("train", G, method, R, programs.shape_key((xs, ys)))
-    execution = programs.train_execution(programs.TrainStep(
-        self._adapter, self.optimizer, self.loss, self.metrics, G, method, R,
-        self.replica_reduction, sharded_state=self._shards_optimizer_state()))
-    return self._program(key, execution, [xs, ys, self._replication.replica_ids],
-                         in_fields=FIELDS, out_fields=TRAINED_FIELDS, result_kind=SUMMED)
-
-  def _eval_program(self, xs, ys, mask) -> programs.StateProgram:
-    key = ("eval", self.num_replicas, programs.shape_key((xs, ys, mask)))
-    execution = programs.eval_execution(self._adapter, self.loss, self.metrics)
-    return self._program(key, execution, [xs, ys, mask], in_fields=INFERENCE_FIELDS,
-                         out_fields=(), result_kind=SUMMED)
-
-  def _predict_program(self, xs) -> programs.StateProgram:
-    key = ("predict", self.num_replicas, programs.shape_key(xs))
-    execution = programs.predict_execution(self._adapter)
-    return self._program(key, execution, [xs], in_fields=INFERENCE_FIELDS, out_fields=(),
-                         result_kind=GATHERED)
-
-  def _place(self):
-    """Puts the training state on the replicas' devices (a no-op once there)."""
-    self._train_state = self._train_state.place(self._replication,
-                                                self._shards_optimizer_state())
+  def pop_saved_stage_optimizers(self) -> Optional[dict]:
+    """A loaded checkpoint's pipeline-stage optimizer states (flat, by key path),
+    once: the pipelined fit restores them when it has split the model."""
+    pending, self._pending_optimizer = self._pending_optimizer, None
+    return None if pending is None else pending.get(weights_lib.STAGE_OPTIMIZERS_KEY)
 
   # -- fit ------------------------------------------------------------------------------
 
@@ -523,7 +445,7 @@ class Model:
     from ipu_jax.keras import pipelining
     self._pipelining = pipelining.merged_assignment(self._pipelining, assignment)
 
-  # -- what a training loop uses: plain fit and keras/pipelining.py's fit ------------
+  # -- what a trainer uses: plain_trainer.py and pipelining.py ----------------------
   #
   # A loop reads the compiled settings (config, optimizer, loss, metrics, seed,
   # the accumulation properties), the module adapter and the training state;
@@ -592,153 +514,15 @@ class Model:
     self._require_compiled()
     if self._pipelining:
       from ipu_jax.keras import pipelining
-      return pipelining.fit(self, x, y, batch_size=batch_size, epochs=epochs,
-                            verbose=0 if verbose == "auto" else verbose, shuffle=shuffle,
-                            callbacks=callbacks, validation_data=validation_data,
-                            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-                            validation_batch_size=validation_batch_size,
-                            validate_inputs=validate_inputs)
-    plan = self._fit_plan(x, y, batch_size, epochs, verbose, initial_epoch, steps_per_epoch,
-                          shuffle, validation_data, validation_batch_size, validate_inputs)
-    if validate_inputs:
-      self._validate_labels(plan.source.example[0], plan.source.labels)
-    history = callbacks_lib.History()
-    cb = self._fit_callbacks(plan, callbacks, epochs, history)
-    self.stop_training = False
-    self.history = history
-    self._place()
-    # Lower and compile now, so a program that cannot be lowered or does not
-    # fit in tile memory fails before any callback or epoch starts.
-    self._train_program(*map(plan.layout, plan.source.example))
-    cb.on_train_begin()
-    logs: dict = {}
-    for epoch in range(initial_epoch, epochs):
-      logs = self._fit_epoch(plan, cb, epoch)
-      if self.stop_training:
-        break
-    self._sync_module()
-    cb.on_train_end(logs)
-    return history
-
-  def _fit_plan(self, x, y, batch_size, epochs, verbose, initial_epoch, steps_per_epoch,
-                shuffle, validation_data, validation_batch_size,
-                validate_inputs) -> loop.FitPlan:
-    """Checks ``fit``'s sizes and options (before anything runs) into a plan."""
-    G, R, S = self.gradient_accumulation_steps, self.num_replicas, self.steps_per_execution
-    check_steps_per_execution(S, G, R)
-    if initial_epoch < 0 or epochs < initial_epoch:
-      raise ValueError(f"need 0 <= initial_epoch <= epochs; got initial_epoch="
-                       f"{initial_epoch}, epochs={epochs}.")
-    verbose = 1 if verbose == "auto" else int(verbose)
-    self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
-    source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch,
-                               S, self.seed)
-    return loop.FitPlan(G, R, S, source, self._replication, verbose, shuffle=shuffle,
-                        validation_data=validation_data,
-                        validation_batch_size=validation_batch_size,
-                        validate_inputs=validate_inputs)
-
-  def _fit_callbacks(self, plan: loop.FitPlan, callbacks, epochs: int,
-                     history) -> callbacks_lib.CallbackList:
-    """The user's callbacks, then the progress bar (if verbose) and ``history``."""
-    cbs = list(callbacks or [])
-    if plan.verbose:
-      cbs.append(ProgbarLogger(verbose=plan.verbose))
-    cbs.append(history)
-    return callbacks_lib.CallbackList(cbs, model=self, params=plan.callback_params(epochs))
-
-  def _fit_epoch(self, plan: loop.FitPlan, cb, epoch: int) -> dict:
-    """One epoch of ``fit`` (and its validation); returns the epoch's logs."""
-    S = plan.steps_per_execution
-    cb.on_epoch_begin(epoch)
-    running = loop.RunningSums([m.name for m in self.metrics])
-    for index, (xb, yb) in enumerate(plan.source.batches(epoch, plan.shuffle)):
-      cb.on_train_batch_begin(index * S)
-      logs = self._train_execution(plan, xb, yb, running)
-      cb.on_train_batch_end((index + 1) * S - 1, logs)
-      if self.stop_training:
-        break
-    epoch_logs = running.logs()
-    if plan.validation_data is not None and not self.stop_training:
-      val = self._evaluate(plan.validation_data, None,
-                           plan.validation_batch_size or plan.batch_size, cb, verbose=0,
-                           validate_inputs=plan.validate_inputs)
-      epoch_logs.update({"val_" + k: v for k, v in val.items()})
-    self._sync_module()
-    cb.on_epoch_end(epoch, epoch_logs)
-    return epoch_logs
-
-  def _train_execution(self, plan: loop.FitPlan, xb, yb, running: loop.RunningSums) -> dict:
-    """Runs one execution of the training program on ``(xb, yb)``; returns its logs."""
-    xs, ys = plan.layout(xb), plan.layout(yb)
-    program = self._train_program(xs, ys)
-    start = time.perf_counter()
-    rep = self._replication
-    trained, sums = program(self._train_state, rep.shard(xs), rep.shard(ys),
-                            rep.shard(rep.replica_ids))
-    self._train_state = self._train_state.merge(trained)
-    sums = self._host_sums(program, rep.fetch(sums))
-    host_seconds = time.perf_counter() - start
-    self.executions += 1
-    running.add(sums)
-    logs = running.logs()
-    lowered = program.lowered
-    self._record_report("train", lowered, plan.batch_size)
-    if lowered is not None:
-      logs["host_round_trips"] = lowered.report.host_round_trips
-      logs["emulated_seconds"] = lowered.report.estimated_seconds
-    logs.update(loss_scaling.scaling_logs(self._train_state.opt_state))
-    self.record_number_formats(logs, lowered.report if lowered is not None else None)
-    logs["samples"] = plan.steps_per_execution * plan.batch_size
-    logs["host_seconds"] = host_seconds
-    return logs
-
-  def _host_sums(self, program, sums) -> np.ndarray:
-    """One ``[loss, metrics..., count]`` vector from what ``outputs.mode``
-    returned of an execution's per-step sums (docs/host_side.md#output-modes)."""
-    sums = np.asarray(sums)
-    mode, period = self.config.outputs.mode, self.config.outputs.return_period
-    if program.lowered is None and mode != "all":  # plain JAX: select as the device does
-      sums = select_outputs(sums, mode, period, 0, np)
-    return sums.astype(np.float64).sum(axis=0) if sums.ndim == 2 else sums
-
-  def _validate_labels(self, x, y):
-    """Checks labels ``y`` against the loss and the output for ``x`` (nothing runs)."""
-    sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
-    adapter = self._adapter
-    out = jax.eval_shape(
-        lambda p, s, r, xb: adapter.apply(p, s, r, xb, False, None)[0],
-        self.params, self.state, self._local(self._train_state.rng_state), sample)
-    leaves = jax.tree.leaves(out)
-    if len(leaves) == 1:
-      check_labels(self.loss, y, leaves[0].shape)
-
-  def _evaluate(self, x, y, batch_size, cb, verbose, steps=None, validate_inputs=True):
-    if isinstance(x, tuple) and y is None and len(x) == 2 and is_array_like(x[0]):
-      x, y = x
-    data = loop.eval_data(as_arrays(x), as_arrays(y), batch_size, steps)
-    if data.y is None:
-      raise ValueError("evaluate needs labels y.")
-    if validate_inputs:
-      self._validate_labels(data.x, data.y)
-    S, rep = self.steps_per_execution, self._replication
-    self._place()
-    running = loop.RunningSums([m.name for m in self.metrics])
-    cb.on_test_begin()
-    executions = 0
-    for e, (xs, ys, ms) in enumerate(loop.padded_batches(data, S, rep)):
-      cb.on_test_batch_begin(e * S)
-      program = self._eval_program(xs, ys, ms)
-      _, sums = program(self._train_state, rep.shard(xs), rep.shard(ys), rep.shard(ms))
-      running.add(self._host_sums(program, rep.fetch(sums)))
-      self._record_report("eval", program.lowered, data.batch_size)
-      cb.on_test_batch_end((e + 1) * S - 1, running.logs())
-      executions += 1
-    logs = running.logs()
-    cb.on_test_end(logs)
-    if verbose:
-      print(f"{executions} executions - " + " - ".join(f"{k}: {v:.4f}" for k, v in logs.items()))
-    return logs
+      trainer = pipelining.trainer(self)
+    else:
+      trainer = plain_trainer.PlainTrainer(self, self._programs)
+    return epoch_loop.fit(
+        self, trainer, self._programs, x, y, epochs=epochs, callbacks=callbacks,
+        initial_epoch=initial_epoch, verbose=1 if verbose == "auto" else int(verbose),
+        batch_size=batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
+        validation_data=validation_data, validation_batch_size=validation_batch_size,
+        validate_inputs=validate_inputs)
 
   def evaluate(self, x=None, y=None, batch_size: Optional[int] = None, verbose="auto",
                callbacks: Optional[Sequence] = None, steps: Optional[int] = None,
@@ -751,40 +535,18 @@ class Model:
     """
     self._require_compiled()
     verbose = 1 if verbose == "auto" else int(verbose)
-    self._compile_verbose = None if verbose else 0  # verbose=0 silences compile progress
+    self._programs.verbose = None if verbose else 0  # verbose=0 silences compile progress
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
-    logs = self._evaluate(x, y, batch_size, cb, verbose, steps, validate_inputs)
+    logs = epoch_loop.evaluate(self, self._programs, x, y, batch_size, cb, verbose, steps,
+                               validate_inputs)
     return logs if return_dict else list(logs.values())
 
   def predict(self, x, batch_size: Optional[int] = None, verbose=0,
               callbacks: Optional[Sequence] = None, steps: Optional[int] = None) -> np.ndarray:
     """The model's outputs for every sample of ``x``, as NumPy."""
     self._require_compiled()
-    x = as_arrays(x)
-    if not is_array_like(x):
-      x = loop.eval_data(x, None, batch_size, steps).x
-    data = ArrayData(x, None, 32 if batch_size is None else batch_size)
-    rep = self._replication
-    self._place()
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
-    cb.on_predict_begin()
-    outputs = []
-    # outputs.mode: which steps' outputs come back (docs/host_side.md#output-modes).
-    mode, period = self.config.outputs.mode, self.config.outputs.return_period
-    for xs, _, _ in loop.padded_batches(data, self.steps_per_execution, rep):
-      program = self._predict_program(xs)
-      _, ys = program(self._train_state, rep.shard(xs))
-      if program.lowered is None and mode != "all":  # plain JAX: select as the device does
-        ys = jax.tree.map(lambda a: select_outputs(np.asarray(a), mode, period, 1, np), ys)
-      self._record_report("predict", program.lowered, data.batch_size)
-      outputs.append(loop.gather_selected_predictions(ys, rep, mode))
-    cb.on_predict_end()
-    # Padding samples are dropped only when every step's outputs return.
-    keep = data.n if mode == "all" else None
-    result = jax.tree.map(lambda *a: np.concatenate(a)[:keep], *outputs)
-    if verbose:
-      print(f"{len(outputs)} executions, {data.n} samples")
-    return result
+    return epoch_loop.predict(self, self._programs, x, batch_size, verbose, cb, steps)
 
   def __call__(self, x, training: bool = False):
     """The module applied to ``x`` with the current weights (plain JAX)."""

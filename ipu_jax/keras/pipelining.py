@@ -12,8 +12,9 @@ Interleaved schedule), and a weight read by stages on one IPU is tied
 (updated once from the sum of their gradients); see
 :mod:`ipu_jax.pipelining.layout`.
 
-The pipelined ``fit`` trains what plain ``fit`` trains, and runs its loop:
-the same samples per execution (``steps_per_execution`` S, a multiple of
+The pipelined ``fit`` trains what plain ``fit`` trains, and runs its loop
+(:mod:`ipu_jax.keras.epoch_loop`; :class:`PipelinedTrainer` is what one
+execution does): the same samples per execution (``steps_per_execution`` S, a multiple of
 G x R as Keras on IPU asks; each execution is S / (G R) pipelined weight
 updates), the same logs, callbacks and history. Checked against plain ``fit``
 with G-step gradient accumulation in ``tests/test_pipelined_fit.py``:
@@ -54,8 +55,11 @@ Refused before anything runs, naming the reason: ``compile(emulate=False)``
 (the stages are tile programs on their own IPUs) and an S that is not a
 multiple of G x R. The config's ``streaming`` options reach the pipeline:
 each stage's optimizer state offloaded, and with R replicas sharded over
-them (:mod:`ipu_jax.pipelining.weight_update`), checkpoints holding the
-shards. Lowering happens before the first callback, so
+them (:mod:`ipu_jax.pipelining.weight_update`). The stages' optimizer
+states are the model's ``TrainState.opt_state`` (``opt_layout``
+``"stages"``), so ``ModelCheckpoint`` / ``save_weights(include_optimizer=True)``
+save them (the shards, when sharded) and a loaded model's next pipelined
+``fit`` restores them bit for bit once it has split the model. Lowering happens before the first callback, so
 a model that cannot be split or does not fit raises first. Warned, not
 mended: each stage's optimizer updates its own weights, so one that mixes
 weights across stages (global-norm clipping) sees each stage's weights alone
@@ -73,7 +77,6 @@ train report, as plain ``fit`` records them.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Optional
 
@@ -84,10 +87,11 @@ import numpy as np
 from ipu_jax.keras import loss_scaling
 from ipu_jax.keras import programs
 from ipu_jax.keras import scopes
+from ipu_jax.keras.train_state import STAGE_OPTIMIZERS
 from ipu_jax.keras.weights import restore_flat
 
 __all__ = ["set_pipelining_options", "set_pipeline_stage_assignment", "merged_options",
-           "merged_assignment", "fit"]
+           "merged_assignment", "PipelinedTrainer", "trainer"]
 
 _SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 # The batch entry carrying the loss scale to the loss stage (one per micro-batch).
@@ -245,14 +249,29 @@ def _pipeline(model):
                   rng=rng, has_aux=True, mutable=mutable)
 
 
-@dataclasses.dataclass
-class _Trainer:
-  """The pipelined fit's state between updates: the pipeline and the sizes."""
-  model: object
-  pipe: object
-  micro: int
-  scaled: bool  # the optimizer is a LossScaleOptimizer
-  opt_state: object = None
+class PipelinedTrainer:
+  """The pipelined ``fit``'s executions (:class:`~ipu_jax.keras.epoch_loop.Trainer`).
+
+  Each execution is S / (G R) pipelined weight updates. The stages'
+  optimizer states live in the model's
+  :class:`~ipu_jax.keras.train_state.TrainState` (``opt_state``, laid out as
+  ``STAGE_OPTIMIZERS``), so checkpoints save and restore them.
+
+  Attributes:
+    model: the :class:`~ipu_jax.keras.Model`.
+    pipe: its :class:`~ipu_jax.pipelining.Pipeline`.
+    scaled: the optimizer is a :class:`~ipu_jax.keras.LossScaleOptimizer`.
+    micro: the micro-batch b (set by :meth:`prepare`).
+  """
+
+  def __init__(self, model, pipe, scaled: bool):
+    self.model, self.pipe, self.scaled = model, pipe, scaled
+    self.micro = 0
+
+  @property
+  def accumulation(self) -> int:
+    """G, micro-batches per replica per weight update."""
+    return self.pipe.accumulation
 
   @property
   def rows(self) -> int:
@@ -290,55 +309,57 @@ class _Trainer:
     return {"rng": self.counters() if inputs.rng else None,
             "state": self.model.train_state.state if inputs.mutable else None}
 
-  def prepare(self, x, y) -> None:
+  def prepare(self, plan) -> None:
     """Split, lower and cost the stages on one update's samples, so a model
     that cannot be pipelined fails before any callback runs.
 
-    The stages' optimizer states are the last pipelined fit's (or a loaded
-    checkpoint's, ``save_weights(include_optimizer=True)``) when they have the
-    same layout (a second ``fit`` goes on as plain ``fit`` does), else new.
+    The stages' optimizer states are the training state's when it holds
+    states of this layout (a second ``fit`` goes on as plain ``fit`` does),
+    or a loaded checkpoint's (``save_weights(include_optimizer=True)``),
+    else new.
     """
+    self.micro = plan.batch_size
+    x, y = plan.source.example
     per_update = self.rows * self.micro
     batches = self.batches(jax.tree_util.tree_map(lambda a: a[:per_update], x), y[:per_update])
     fresh = self.pipe.init(self.model.params, batches, **self.extra_inputs())
-    saved = self.model.saved_pipeline_opt_state
-    if saved is not None:  # a checkpoint of a pipelined fit, loaded since
-      self.model.pipeline_opt_state = restore_flat(fresh, saved, "pipeline_opt_state")
-      self.model.saved_pipeline_opt_state = None
-    kept = self.model.pipeline_opt_state
+    ts = self.model.train_state
+    saved = self.model.pop_saved_stage_optimizers()
+    kept = (restore_flat(fresh, saved, "pipeline_opt_state") if saved is not None
+            else ts.opt_state if ts.opt_layout == STAGE_OPTIMIZERS else None)
     same = kept is not None and (jax.tree_util.tree_structure(kept)
                                  == jax.tree_util.tree_structure(fresh)) and all(
         np.shape(a) == np.shape(b) for a, b in zip(jax.tree_util.tree_leaves(kept),
                                                     jax.tree_util.tree_leaves(fresh)))
-    self.opt_state = kept if same else fresh
+    self.model.train_state = ts.replace(opt_state=kept if same else fresh,
+                                        opt_layout=STAGE_OPTIMIZERS)
 
   def update(self, x, y) -> np.ndarray:
     """One weight update on ``G R b`` samples; returns their ``[loss, metrics..., count]`` sums.
 
-    The model's training state (weights, module state, step) follows every update.
+    The model's training state (weights, the stages' optimizer states,
+    module state, step) follows every update.
     """
     model, pipe = self.model, self.pipe
-    params, ts = model.params, model.train_state
+    ts = model.train_state
     batches = self.batches(x, y)
-    extra = self.extra_inputs()
-    if self.opt_state is None:
-      self.opt_state = pipe.init(params, batches, **extra)
     if self.scaled:
-      scale = loss_scaling.loss_scale_of(self.opt_state[0])
+      scale = loss_scaling.loss_scale_of(ts.opt_state[0])
       batches[_LOSS_SCALE] = batches[_LOSS_SCALE] * scale
-    out = pipe.step(params, self.opt_state, batches, **extra)
-    new_params, new_opt, sums = out[0], out[1], out[-1]
-    module_state = out[3] if pipe.inputs.mutable else ts.state
+    out = pipe.step(ts.params, ts.opt_state, batches, **self.extra_inputs())
+    new_params, new_opt = out.params, out.opt_state
     if self.scaled:  # a skipped step keeps the weights; the module state moves on, as in plain fit
-      new_params, new_opt = _one_skip_decision(params, self.opt_state, new_params, new_opt)
-    self.opt_state = model.pipeline_opt_state = new_opt
-    model.train_state = ts.replace(params=new_params, state=module_state, step=model.step + 1)
-    return np.asarray(jnp.sum(sums, axis=0), np.float64)
+      new_params, new_opt = _one_skip_decision(ts.params, ts.opt_state, new_params, new_opt)
+    model.train_state = ts.replace(
+        params=new_params, opt_state=new_opt, step=model.step + 1,
+        state=out.state if pipe.inputs.mutable else ts.state)
+    return np.asarray(jnp.sum(out.aux, axis=0), np.float64)
 
-  def execution(self, xb, yb, updates: int, running) -> dict:
-    """One execution's ``updates`` weight updates on its samples; returns its logs."""
+  def execution(self, plan, xb, yb, running) -> dict:
+    """One execution's S / (G R) weight updates on its samples; returns its logs."""
     model = self.model
     per_update = self.rows * self.micro
+    updates = plan.steps_per_execution // self.rows
     start = time.perf_counter()
     for u in range(updates):
       part = slice(u * per_update, (u + 1) * per_update)
@@ -347,100 +368,28 @@ class _Trainer:
     report = self.pipe.report.program_report
     logs["host_round_trips"] = 1
     logs["emulated_seconds"] = updates * report.estimated_seconds
-    scaling = loss_scaling.scaling_logs(self.opt_state[0]) if self.opt_state else {}
-    logs.update(scaling)
+    logs.update(loss_scaling.scaling_logs(model.train_state.opt_state[0]))
     model.record_number_formats(logs, report)
     logs["samples"] = updates * per_update
     logs["host_seconds"] = time.perf_counter() - start
+    model.pipeline, model.reports["train"] = self.pipe, report
     return logs
 
-
-def _check_labels(model, x, y) -> None:
-  """Plain fit's check of the labels against the loss and the output (nothing runs)."""
-  from ipu_jax.keras.validation import check_labels
-  adapter, ts = model.adapter, model.train_state
-  sample = jax.tree_util.tree_map(lambda a: np.asarray(a)[:1], x)
-  out = jax.eval_shape(lambda p, s, r, xb: adapter.apply(p, s, r, xb, False, None)[0],
-                       ts.params, ts.state, ts.rng_state, sample)
-  leaves = jax.tree_util.tree_leaves(out)
-  if len(leaves) == 1:
-    check_labels(model.loss, y, leaves[0].shape)
+  def end_epoch(self) -> None:
+    """Nothing: every update already wrote the model's variables into the module."""
 
 
-def _validate(model, validation_data, batch_size, callbacks, validate_inputs) -> dict:
-  """``val_`` logs: plain ``evaluate`` on the trained weights (the fit's callbacks
-  see its test hooks)."""
-  x_val, y_val = validation_data, None
-  if isinstance(validation_data, tuple) and len(validation_data) == 2:
-    x_val, y_val = validation_data
-  logs = model.evaluate(x_val, y_val, batch_size=batch_size, verbose=0, callbacks=callbacks,
-                        validate_inputs=validate_inputs)
-  return {"val_" + k: v for k, v in logs.items()}
+def trainer(model) -> PipelinedTrainer:
+  """The pipelined ``fit``'s trainer of ``model`` (its pipeline built, not yet lowered).
 
-
-def fit(model, x, y, *, batch_size=None, epochs: int = 1, verbose=0, shuffle: bool = True,
-        callbacks=None, validation_data=None, initial_epoch: int = 0, steps_per_epoch=None,
-        validation_batch_size=None, validate_inputs: bool = True):
-  """Train ``model`` pipelined; returns a :class:`~ipu_jax.keras.callbacks.History`.
-
-  Plain ``fit``'s loop (see the module docstring): the same samples per
-  execution, the same callbacks at the same points, the same logs; each
-  execution's ``S / (G R)`` weight updates are pipelined steps.
+  Raises:
+    RuntimeError: the model is not compiled.
+    NotImplementedError: ``compile(emulate=False)``.
   """
-  from ipu_jax.keras import callbacks as callbacks_lib
-  from ipu_jax.keras import loop
-  from ipu_jax.keras.data import as_arrays
-  from ipu_jax.keras.progress import ProgbarLogger
   _check_supported(model)
-  pipe = _pipeline(model)
-  g, r, s = pipe.accumulation, pipe.replicas, model.steps_per_execution
-  loop.check_steps_per_execution(s, g, r)
-  if initial_epoch < 0 or epochs < initial_epoch:
-    raise ValueError(f"need 0 <= initial_epoch <= epochs; got initial_epoch={initial_epoch}, "
-                     f"epochs={epochs}.")
-  source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch, s,
-                             model.seed)
-  if validate_inputs:
-    _check_labels(model, source.example[0], source.labels)
   scaled = isinstance(jax.eval_shape(model.optimizer.init, model.params),
                       loss_scaling.LossScaleState)
-  trainer = _Trainer(model, pipe, source.batch_size, scaled)
-  trainer.prepare(*source.example)
-  history = callbacks_lib.History()
-  plan = loop.FitPlan(g, r, s, source, model.replication, int(verbose), shuffle=shuffle)
-  cbs = list(callbacks or []) + ([ProgbarLogger(verbose=int(verbose))] if verbose else [])
-  cb = callbacks_lib.CallbackList(cbs + [history], model=model,
-                                  params=plan.callback_params(epochs))
-  model.stop_training, model.history = False, history
-  cb.on_train_begin()
-  logs: dict = {}
-  for epoch in range(initial_epoch, epochs):
-    logs = _fit_epoch(trainer, cb, source, epoch, shuffle)
-    if validation_data is not None and not model.stop_training:
-      logs.update(_validate(model, validation_data, validation_batch_size or source.batch_size,
-                            cbs, validate_inputs))
-    cb.on_epoch_end(epoch, logs)
-    if model.stop_training:
-      break
-  cb.on_train_end(logs)
-  return history
-
-
-def _fit_epoch(trainer: _Trainer, cb, source, epoch: int, shuffle: bool) -> dict:
-  """One epoch's executions, with their batch hooks; returns the epoch's logs."""
-  from ipu_jax.keras import loop
-  model, pipe = trainer.model, trainer.pipe
-  s = model.steps_per_execution
-  cb.on_epoch_begin(epoch)
-  running = loop.RunningSums([m.name for m in model.metrics])
-  for index, (xb, yb) in enumerate(source.batches(epoch, shuffle)):
-    cb.on_train_batch_begin(index * s)
-    batch_logs = trainer.execution(xb, yb, s // trainer.rows, running)
-    model.pipeline, model.reports["train"] = pipe, pipe.report.program_report
-    cb.on_train_batch_end((index + 1) * s - 1, batch_logs)
-    if model.stop_training:
-      break
-  return running.logs()
+  return PipelinedTrainer(model, _pipeline(model), scaled)
 
 
 def _one_skip_decision(params, opt_state, new_params, new_state):

@@ -16,7 +16,13 @@ name, never by position:
 The optimizer state is replicated, or sharded when replicated tensor sharding
 is on (``IPUConfig.streaming.replicated_tensor_sharding`` with more than one
 replica, :mod:`ipu_jax.keras.offload`): its metadata names that placement as
-``sharded_placement``.
+``sharded_placement``. A pipelined ``fit`` (:mod:`ipu_jax.keras.pipelining`)
+trains one optimizer state per pipeline stage, and holds them in the same
+field: ``opt_layout`` says which (:data:`MODEL_OPTIMIZER` or
+:data:`STAGE_OPTIMIZERS`), and :meth:`TrainState.place` leaves the stages'
+states where their update programs keep them (with replicated tensor sharding
+each leaf stacked over the replicas, ``[R, ...]``, one shard a row).
+Checkpoints (``Model.save_weights(include_optimizer=True)``) save either.
 
 Training changes some fields and only reads others (``trained`` in the
 metadata): a training execution returns the trained fields (the loop over
@@ -36,7 +42,13 @@ import optax
 from ipu_jax.keras import scopes
 from ipu_jax.keras.replication import REPLICATED, SHARDED, Replication
 
-__all__ = ["TrainState", "FIELDS", "TRAINED_FIELDS", "INFERENCE_FIELDS"]
+__all__ = ["TrainState", "FIELDS", "TRAINED_FIELDS", "INFERENCE_FIELDS", "MODEL_OPTIMIZER",
+           "STAGE_OPTIMIZERS"]
+
+# opt_layout: the optimizer's state of every parameter (``compile``'s, what plain fit trains) ...
+MODEL_OPTIMIZER = "model"
+# ... or a list with one state per pipeline stage, of the weights the stage owns.
+STAGE_OPTIMIZERS = "stages"
 
 
 def _field(placement: str, trained: bool, sharded_placement: Optional[str] = None):
@@ -53,12 +65,15 @@ class TrainState:
     params: the trainable parameters (an ``nnx.State`` or a linen params dict).
     opt_state: the optimizer's state (``None`` before ``compile``); one
       replica's shard of it, stacked over replicas on the host, with
-      replicated tensor sharding.
+      replicated tensor sharding. After a pipelined ``fit``: the list of
+      the stages' states (``opt_layout``).
     state: the module's non-trainable variables (batch statistics, ...).
     rng_state: the module's random-number state (NNX ``RngState``); read only.
     step: the weight updates made so far (an int32 scalar).
     dropout_key: the base key of dropout; each micro-batch and replica folds
       in its own indices. Read only.
+    opt_layout: how ``opt_state`` is laid out, :data:`MODEL_OPTIMIZER` or
+      :data:`STAGE_OPTIMIZERS` (static: not a leaf of the pytree).
   """
   # The order of the fields is the order a program takes them in; its report
   # names their leaves by field and path ("params/hidden1/kernel").
@@ -68,12 +83,13 @@ class TrainState:
   rng_state: Any = _field(REPLICATED, trained=False)
   step: Any = _field(REPLICATED, trained=True)
   dropout_key: Any = _field(REPLICATED, trained=False)
+  opt_layout: str = flax.struct.field(pytree_node=False, default=MODEL_OPTIMIZER)
 
   @staticmethod
   def placements(sharded_optimizer_state: bool = False) -> dict:
     """``{field: REPLICATED or SHARDED}``, with or without a sharded optimizer state."""
     key = "sharded_placement" if sharded_optimizer_state else "placement"
-    return {f.name: f.metadata[key] for f in dataclasses.fields(TrainState)}
+    return {f.name: f.metadata[key] for f in _state_fields()}
 
   def apply_gradients(self, grads, optimizer, **changes) -> "TrainState":
     """One optimizer update from ``grads``; the step counts it.
@@ -107,8 +123,8 @@ class TrainState:
 
     def put(name):
       value = getattr(self, name)
-      if value is None:
-        return None
+      if value is None or (name == "opt_state" and self.opt_layout == STAGE_OPTIMIZERS):
+        return value  # the stages' states stay where their update programs keep them
       return (replication.shard(value) if placements[name] == SHARDED
               else replication.replicate(value))
 
@@ -119,8 +135,13 @@ class TrainState:
     return self if replication is None else replication.local(self)
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
+def _state_fields() -> list:
+  """The fields that hold state (``opt_layout`` only describes one of them)."""
+  return [f for f in dataclasses.fields(TrainState) if "placement" in f.metadata]
+
+
+FIELDS = tuple(f.name for f in _state_fields())
 # What a training execution returns (and its loop over updates carries), in order.
-TRAINED_FIELDS = tuple(f.name for f in dataclasses.fields(TrainState) if f.metadata["trained"])
+TRAINED_FIELDS = tuple(f.name for f in _state_fields() if f.metadata["trained"])
 # What evaluation and prediction read.
 INFERENCE_FIELDS = ("params", "state", "rng_state")

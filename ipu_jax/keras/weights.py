@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["atomic_write", "flat_saveable", "is_key", "restore_flat", "restore_nested",
+__all__ = ["optimizer_entry", "restore_optimizer", "atomic_write", "flat_saveable", "is_key", "restore_flat", "restore_nested",
            "to_saveable", "write_weights_file", "read_weights_file"]
 
 _FORMAT = "ipu-jax-keras-weights"
@@ -128,3 +129,40 @@ def read_weights_file(path: str) -> dict:
     raise ValueError(f"{path} has format version {payload['version']}; this "
                      f"ipu-jax reads up to {_FORMAT_VERSION}.")
   return payload
+
+
+# The optimizer entry of a checkpoint: a whole-model state (plain fit's) under
+# "opt_state", a pipelined fit's stage states under "pipeline_opt_state" (they
+# are laid out only once a pipelined fit has split the model), and the step.
+MODEL_OPTIMIZER_KEY = "opt_state"
+STAGE_OPTIMIZERS_KEY = "pipeline_opt_state"
+
+
+def optimizer_entry(opt_state, stages: bool, step: int) -> dict:
+  """The checkpoint's ``optimizer`` entry (``stages``: a pipelined fit's states)."""
+  key = STAGE_OPTIMIZERS_KEY if stages else MODEL_OPTIMIZER_KEY
+  return {key: flat_saveable(opt_state), "step": np.asarray(step, np.int64)}
+
+
+def restore_optimizer(train_state, saved: dict, template: Callable[[], object]):
+  """``train_state`` with a checkpoint's step and whole-model optimizer state.
+
+  Args:
+    train_state: the model's :class:`~ipu_jax.keras.train_state.TrainState`.
+    saved: the checkpoint's ``optimizer`` entry (:func:`optimizer_entry`).
+    template: the whole-model optimizer state to restore into (called only
+      when ``saved`` holds one).
+
+  Returns:
+    ``(train_state, stage states)``: the stages' saved states (flat, by key
+    path) for the next pipelined fit to restore once it has split the model,
+    or ``None``.
+  """
+  from ipu_jax.keras.train_state import MODEL_OPTIMIZER
+  if "step" in saved:
+    train_state = train_state.replace(step=jnp.asarray(int(np.asarray(saved["step"])), jnp.int32))
+  if MODEL_OPTIMIZER_KEY in saved:
+    train_state = train_state.replace(
+        opt_state=restore_flat(template(), saved[MODEL_OPTIMIZER_KEY], MODEL_OPTIMIZER_KEY),
+        opt_layout=MODEL_OPTIMIZER)
+  return train_state, saved.get(STAGE_OPTIMIZERS_KEY)

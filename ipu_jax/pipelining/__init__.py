@@ -13,7 +13,8 @@ sharding, pipelining and recomputation, with sources: docs/multi_ipu.md.
 """
 
 from ipu_jax.pipelining.micro_batches import micro_batch_key, micro_batch_keys
-from ipu_jax.pipelining.pipeline import Pipeline, StagePrograms, check_steps_per_execution
+from ipu_jax.pipelining.pipeline import (Pipeline, StagePrograms, StepResult,
+                                        check_steps_per_execution)
 from ipu_jax.pipelining.report import PipelineReport
 from ipu_jax.pipelining.schedule import SCHEDULES, minimum_accumulation, stash_depths
 from ipu_jax.pipelining.split import PipelineError, split_stages, stage
@@ -24,7 +25,7 @@ from ipu_jax.pipelining.throughput import Throughput, step_throughput
 
 __all__ = ["Candidate", "LayeredModel", "LoweredSplit", "Pipeline", "PipelineError",
            "PipelineReport", "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms",
-           "Throughput",
+           "StepResult", "Throughput",
            "check_steps_per_execution", "micro_batch_key", "micro_batch_keys",
            "minimum_accumulation", "search", "split_stages",
            "stage", "stash_depths", "step_throughput"]

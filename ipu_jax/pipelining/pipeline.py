@@ -32,7 +32,7 @@ sharded: :mod:`~ipu_jax.pipelining.weight_update`).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,28 @@ from ipu_jax.pipelining.micro_batches import MicroBatchInputs, StepTaps
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
 
-__all__ = ["Pipeline", "StagePrograms", "check_steps_per_execution"]
+__all__ = ["Pipeline", "StagePrograms", "StepResult", "check_steps_per_execution"]
+
+
+class StepResult(NamedTuple):
+  """What :meth:`Pipeline.step` returns, read by name (``result.params``).
+
+  Always these five fields, whatever the pipeline's ``rng`` / ``mutable`` /
+  ``has_aux``, so it does not unpack into three names: read the fields
+  (``out = pipe.step(...); params, opt_state = out.params, out.opt_state``).
+
+  Attributes:
+    params: the updated weights (like the step's ``params``).
+    opt_state: the stages' new optimizer states (one per stage).
+    loss: the step's mean loss over its micro-batches.
+    state: the new state after the step (``mutable``; else ``None``).
+    aux: the loss's aux, stacked per micro-batch (``has_aux``; else ``None``).
+  """
+  params: Any
+  opt_state: Any
+  loss: Any
+  state: Any = None
+  aux: Any = None
 
 
 def check_steps_per_execution(steps_per_execution: int, accumulation: int,
@@ -71,7 +92,8 @@ class Pipeline:
       return loss
 
     pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.sgd(0.1), config=cfg)
-    params, opt_state, loss = pipe.step(params, opt_state, batches)
+    out = pipe.step(params, opt_state, batches)   # a StepResult
+    params, opt_state = out.params, out.opt_state
     print(pipe.report.summary())
 
   ``batches`` holds ``G x R`` micro-batches stacked on a leading axis (G =
@@ -95,11 +117,11 @@ class Pipeline:
     rng: ``loss_fn(params, batch, rng)``: each micro-batch gets its own key
       from the step's ``rng=`` (:mod:`~ipu_jax.pipelining.micro_batches`).
     has_aux: the loss returns ``(loss, aux)``; steps return ``aux`` stacked
-      per micro-batch after the loss.
+      per micro-batch (:attr:`StepResult.aux`).
     mutable: ``loss_fn(params, batch, [rng,] state)`` returns ``(loss,
       new_state)`` (``(loss, (new_state, aux))`` with ``has_aux``); each state
       leaf is held and updated on its stage; steps take ``state=`` and
-      return the new state after the loss.
+      return the new state (:attr:`StepResult.state`).
 
   Raises:
     PipelineError: bad stage marks, more stages than IPUs without a device
@@ -361,8 +383,9 @@ class Pipeline:
       state: with ``mutable=True``: the state at the start of the step.
 
     Returns:
-      ``(new_params, new_opt_state, mean loss)``, then the new state
-      (``mutable``) and the aux stacked per micro-batch (``has_aux``).
+      a :class:`StepResult`: the new params and optimizer state, the mean
+      loss, the new state (``mutable``) and the aux stacked per micro-batch
+      (``has_aux``).
     """
     if self.optimizer is None:
       raise PipelineError("Pipeline.step needs an optimizer; use gradients() without one.")
@@ -379,8 +402,9 @@ class Pipeline:
       for i, value in zip(stage.owned, p_k):
         flat[i] = value
       new_state.append(state)
-    return (jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
-            jnp.mean(jnp.stack(losses))) + StepTaps.extras(taps)
+    state, aux = taps.results() if taps is not None else (None, None)
+    return StepResult(jax.tree_util.tree_unflatten(self.staged.param_tree, flat), new_state,
+                      jnp.mean(jnp.stack(losses)), state=state, aux=aux)
 
   def run(self, params, opt_state, batches, steps_per_execution: int):
     """Run ``steps_per_execution`` micro-batches (over all replicas) as whole steps.
@@ -410,8 +434,9 @@ class Pipeline:
     losses = []
     for start in range(0, steps_per_execution, per_step):
       chunk = jax.tree_util.tree_map(lambda b: b[start:start + per_step], batches)
-      params, opt_state, loss = self.step(params, opt_state, chunk)
-      losses.append(loss)
+      out = self.step(params, opt_state, chunk)
+      params, opt_state = out.params, out.opt_state
+      losses.append(out.loss)
     return params, opt_state, jnp.stack(losses)
 
   def _run(self, flat_params, batches, taps=None):
