@@ -205,15 +205,7 @@ class Pipeline:
       OutOfMemoryError: an IPU's largest program plus its stash exceeds a
         tile's memory; names the IPU, stage and tile.
     """
-    expected = self.accumulation * self.replicas
-    batches = self.inputs.pack(batches, rng, state, expected)
-    micro = jax.tree_util.tree_map(lambda b: b[0], batches)
-    leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
-    if leading != {expected}:
-      raise PipelineError(
-          f"batches must stack gradient_accumulation_steps x replication_factor = "
-          f"{self.accumulation} x {self.replicas} = {expected} micro-batches on their leading "
-          f"axis; got leading sizes {sorted(leading)}.")
+    micro = self._micro_batch(batches, rng, state)
     key = (jax.tree_util.tree_structure((params, micro)),
            tuple((np.shape(x), str(np.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype))
                  for x in jax.tree_util.tree_leaves((params, micro))))
@@ -231,49 +223,13 @@ class Pipeline:
     self.param_avals = [jax.ShapeDtypeStruct(np.shape(p), p.dtype) for p in flat_params]
     self.micro_batch_avals = jax.tree_util.tree_map(
         lambda m: jax.ShapeDtypeStruct(np.shape(m), m.dtype), micro)
-    cfg = self._stage_config()
-    target = cfg.to_target()
-    recompute = self.config.pipelining.recomputation
-    from ipu_jax.jit import jit
-    values = {}
-    stages, all_reads = [], []
+    target = self._stage_config().to_target()
+    values, stages, all_reads = {}, [], []
     for stage in staged.stages:
-      cfg = self._stage_config(mapping[stage.index])
-      p_k = [flat_params[i] for i in stage.params]
-      b_k = [flat_micro[i] for i in stage.batch]
-      in_k = [values[v] for v in stage.inputs]
-      # TF-IPU never recomputes the last stage (see stage_programs).
-      forward, backward = stage_programs.stage_functions(
-          stage, recompute and stage.index < staged.num_stages - 1)
-      fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
-      outs, vjp = jax.eval_shape(forward, p_k, b_k, in_k)
-      for v, o in zip(stage.outputs, outs):
-        values[v] = jnp.zeros(o.shape, o.dtype)
-      vjp_zeros = [jnp.zeros(s.shape, s.dtype) for s in vjp]
-      cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
-      acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
-      # The accumulators are updated in place (donated), as TF-IPU's are.
-      bwd = jit(backward, config=cfg, donate_argnums=2).lower(vjp_zeros, cts, acc)
-      # The stage updates the weights it owns (tied ones once, by their first reader).
-      o_k = [flat_params[i] for i in stage.owned]
-      update = weight_update.lower_update(self, o_k, cfg)
-      # Residuals that are the stage's own weights stay where they are.
-      invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
-      num_out = len(outs)
-      stashed = [num_out + i for i, v in enumerate(fwd.jaxpr.jaxpr.outvars[num_out:])
-                 if not any(v is w for w in invars)]
-      returns, reads = {}, {}
-      for v, value in zip(stage.inputs, in_k):
-        source = staged.producer(v)
-        reads[source] = reads.get(source, 0) + stage_programs.nbytes([value])
-        if stage_programs.differentiable(value):
-          returns[source] = returns.get(source, 0) + stage_programs.nbytes([value])
+      programs, reads = self._lower_stage(stage, staged, mapping, values,
+                                          (flat_params, flat_micro), target)
+      stages.append(programs)
       all_reads.append(reads)
-      stages.append(stage_programs.StagePrograms(
-          index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
-          update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
-          returns=returns, weight_bytes=stage_programs.nbytes(o_k),
-          held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles)))
     for stage, reads in zip(staged.stages, all_reads):
       for source, nbytes in reads.items():
         stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes
@@ -288,6 +244,73 @@ class Pipeline:
     from ipu_jax.pipelining.report import PipelineReport
     self.report = PipelineReport(self)
     return self
+
+  def _micro_batch(self, batches, rng, state):
+    """One micro-batch of ``batches`` (packed with ``rng`` / ``state`` as the loss takes them),
+    after checking they stack G x R micro-batches."""
+    expected = self.accumulation * self.replicas
+    batches = self.inputs.pack(batches, rng, state, expected)
+    leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
+    if leading != {expected}:
+      raise PipelineError(
+          f"batches must stack gradient_accumulation_steps x replication_factor = "
+          f"{self.accumulation} x {self.replicas} = {expected} micro-batches on their leading "
+          f"axis; got leading sizes {sorted(leading)}.")
+    return jax.tree_util.tree_map(lambda b: b[0], batches)
+
+  def _lower_stage(self, stage, staged, mapping, values: dict, flat, target):
+    """Lowers one stage's forward, backward and update on its IPU's config.
+
+    Args:
+      stage: the stage (``staged.stages[k]``).
+      staged: every stage, as :func:`split_stages` gives them.
+      mapping: the IPU of each stage.
+      values: zeros of every value earlier stages produced, by variable; this
+        stage's outputs are added.
+      flat: ``(flat params, flat micro-batch)``.
+      target: the stages' target (one IPU's tiles).
+
+    Returns:
+      ``(StagePrograms, reads)``: ``reads`` the bytes this stage reads from
+      each earlier stage (its sends are filled in by the caller).
+    """
+    from ipu_jax.jit import jit
+    flat_params, flat_micro = flat
+    cfg = self._stage_config(mapping[stage.index])
+    p_k = [flat_params[i] for i in stage.params]
+    b_k = [flat_micro[i] for i in stage.batch]
+    in_k = [values[v] for v in stage.inputs]
+    # TF-IPU never recomputes the last stage (see stage_programs).
+    forward, backward = stage_programs.stage_functions(
+        stage, self.config.pipelining.recomputation and stage.index < staged.num_stages - 1)
+    fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
+    outs, vjp = jax.eval_shape(forward, p_k, b_k, in_k)
+    for v, o in zip(stage.outputs, outs):
+      values[v] = jnp.zeros(o.shape, o.dtype)
+    vjp_zeros = [jnp.zeros(s.shape, s.dtype) for s in vjp]
+    cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
+    acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
+    # The accumulators are updated in place (donated), as TF-IPU's are.
+    bwd = jit(backward, config=cfg, donate_argnums=2).lower(vjp_zeros, cts, acc)
+    # The stage updates the weights it owns (tied ones once, by their first reader).
+    o_k = [flat_params[i] for i in stage.owned]
+    update = weight_update.lower_update(self, o_k, cfg)
+    # Residuals that are the stage's own weights stay where they are.
+    invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
+    stashed = [len(outs) + i for i, v in enumerate(fwd.jaxpr.jaxpr.outvars[len(outs):])
+               if not any(v is w for w in invars)]
+    returns, reads = {}, {}
+    for v, value in zip(stage.inputs, in_k):
+      source = staged.producer(v)
+      reads[source] = reads.get(source, 0) + stage_programs.nbytes([value])
+      if stage_programs.differentiable(value):
+        returns[source] = returns.get(source, 0) + stage_programs.nbytes([value])
+    programs = stage_programs.StagePrograms(
+        index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
+        update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
+        returns=returns, weight_bytes=stage_programs.nbytes(o_k),
+        held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles))
+    return programs, reads
 
   def _check_memory(self) -> None:
     """Each IPU's peak (its stages' largest program, what the others hold,
