@@ -24,7 +24,6 @@ import optax
 import ipu_jax
 from ipu_jax import executable_cache
 from ipu_jax.pipelining import Pipeline
-from ipu_jax.pipelining.micro_batches import micro_batch_key
 from ipu_jax.ops import pipeline_stage
 import testing_utils
 
@@ -212,12 +211,8 @@ class KeysThroughPipelineTest(chex.TestCase):
     key = jax.random.key(7)
     pipe = Pipeline(_loss_with_scanned_dropout, optax.sgd(0.1), config=cfg, rng=True)
     grads, loss = pipe.gradients(params, batches, rng=key)
-    grad = jax.jit(jax.value_and_grad(_loss_with_scanned_dropout))
-    acc, losses = jax.tree_util.tree_map(jnp.zeros_like, params), []
-    for m in range(4):
-      value, g = grad(params, jax.tree_util.tree_map(lambda b: b[m], batches),
-                      micro_batch_key(key, m))
-      acc, losses = jax.tree_util.tree_map(jnp.add, acc, g), losses + [value]
+    acc, losses = testing_utils.accumulated_gradients(_loss_with_scanned_dropout, params,
+                                                      batches, 4, key=key)
     chex.assert_trees_all_close(grads, acc, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(loss), np.mean(losses), rtol=1e-5)
 

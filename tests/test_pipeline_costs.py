@@ -14,7 +14,6 @@ import numpy as np
 import optax
 
 import ipu_jax
-from ipu_jax.ops import pipeline_stage, recomputation_checkpoint
 from ipu_jax.pipelining import Pipeline, links, schedule, stage_programs
 import testing_utils
 
@@ -128,13 +127,7 @@ class SlotCopyTest(parameterized.TestCase):
 
 def _layers_loss(params, batch):
   """One tanh layer per stage, the middle value of each a checkpoint."""
-  h = batch["x"]
-  for k, w in enumerate(params):
-    if k:
-      h = pipeline_stage(h, k)
-    h = recomputation_checkpoint(jnp.tanh(h @ w))
-    h = jnp.tanh(h @ w.T)
-  return jnp.mean((h - batch["y"]) ** 2)
+  return jnp.mean((testing_utils.chain_layers(params, batch["x"]) - batch["y"]) ** 2)
 
 
 def _data(stages, g, seed=0):
@@ -204,12 +197,8 @@ class RecomputationTest(chex.TestCase):
       cls.pipes[recompute] = (pipe, pipe.step(cls.params, state, cls.batches))
 
   def test_numbers_equal_plain_accumulation(self):
-    grad = jax.jit(jax.grad(_layers_loss))
-    acc = [jnp.zeros_like(p) for p in self.params]
-    for m in range(self.G):
-      g = grad(self.params, jax.tree_util.tree_map(lambda b: b[m], self.batches))
-      acc = [a + x for a, x in zip(acc, g)]
-    expected = [p - 0.05 * a for p, a in zip(self.params, acc)]
+    acc, _ = testing_utils.accumulated_gradients(_layers_loss, self.params, self.batches, self.G)
+    expected = testing_utils.sgd_after(self.params, acc, 0.05)
     for recompute in (False, True):
       chex.assert_trees_all_close(self.pipes[recompute][1].params, expected, rtol=1e-5, atol=1e-6)
 

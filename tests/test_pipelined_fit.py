@@ -22,6 +22,7 @@ from ipu_jax.keras import Model, callbacks as callbacks_lib
 from ipu_jax.ops import pipeline_stage
 from ipu_jax.pipelining import Pipeline, PipelineError
 from ipu_jax.pipelining import micro_batch_key
+import testing_utils
 from testing_utils import chain_data
 
 _TILES = 16
@@ -67,13 +68,9 @@ class PipelineRngTest(chex.TestCase):
                     config=_config(3, g=6, schedule=schedule, recompute=recompute), rng=True)
     out = pipe.step(params, pipe.init(params, batches, rng=key), batches, rng=key)
     new_params, loss = out.params, out.loss
-    grad = jax.jit(jax.value_and_grad(_loss_with_dropout))
-    acc, losses = jax.tree_util.tree_map(jnp.zeros_like, params), []
-    for m in range(6):
-      value, g = grad(params, jax.tree_util.tree_map(lambda b: b[m], batches),
-                      micro_batch_key(key, m))
-      acc, losses = jax.tree_util.tree_map(jnp.add, acc, g), losses + [value]
-    expected = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, acc)
+    acc, losses = testing_utils.accumulated_gradients(_loss_with_dropout, params, batches, 6,
+                                                      key=key)
+    expected = testing_utils.sgd_after(params, acc, 0.1)
     chex.assert_trees_all_close(new_params, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(loss), np.mean(losses), rtol=1e-5)
     # Each stage reads the key and draws its own bits; no mask crosses a link.

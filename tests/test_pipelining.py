@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import ipu_jax
-from ipu_jax.ops import pipeline_stage, recomputation_checkpoint
+from ipu_jax.ops import pipeline_stage
 from ipu_jax.pipelining import Pipeline, PipelineError, schedule
 import testing_utils
 
@@ -36,12 +36,7 @@ def _loss(params, batch):
   keeps the middle activation of each layer. An integer value made on stage 0
   crosses to the last stage (it carries no gradient)."""
   shift = jnp.argmax(batch["x"], axis=-1)
-  h = batch["x"]
-  for k, w in enumerate(params):
-    if k:
-      h = pipeline_stage(h, k)
-    h = recomputation_checkpoint(jnp.tanh(h @ w))
-    h = jnp.tanh(h @ w.T)
+  h = testing_utils.chain_layers(params, batch["x"])
   picked = jnp.take_along_axis(h, shift[:, None], axis=1)
   return jnp.mean((h - batch["y"]) ** 2) + 0.01 * jnp.mean(picked)
 
@@ -51,12 +46,7 @@ def _data(stages=4, g=8, width=32, rows=16, seed=0):
 
 
 def _plain_gradients(loss, params, batches, count):
-  acc = jax.tree_util.tree_map(jnp.zeros_like, params)
-  grad = jax.jit(jax.grad(loss))
-  for m in range(count):
-    g = grad(params, jax.tree_util.tree_map(lambda b: b[m], batches))
-    acc = jax.tree_util.tree_map(jnp.add, acc, g)
-  return acc
+  return testing_utils.accumulated_gradients(loss, params, batches, count)[0]
 
 
 class StageMarkTest(chex.TestCase):

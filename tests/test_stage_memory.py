@@ -65,12 +65,8 @@ class StageBackwardMemoryTest(chex.TestCase):
     cls.backward = cls.pipe.stages[0].backward
 
   def test_numbers_equal_plain_accumulation(self):
-    grad = jax.jit(jax.grad(_loss))
-    acc = [jnp.zeros_like(p) for p in self.params]
-    for m in range(self.G):
-      g = grad(self.params, jax.tree_util.tree_map(lambda b: b[m], self.batches))
-      acc = [a + x for a, x in zip(acc, g)]
-    expected = [p - 0.1 * a for p, a in zip(self.params, acc)]
+    acc, _ = testing_utils.accumulated_gradients(_loss, self.params, self.batches, self.G)
+    expected = testing_utils.sgd_after(self.params, acc, 0.1)
     chex.assert_trees_all_close(self.result.params, expected, rtol=1e-5, atol=1e-6)
 
   def test_accumulators_are_held_once(self):

@@ -264,6 +264,40 @@ def supersteps_with_members(program):
     yield from supersteps_with_members(child)
 
 
+def accumulated_gradients(loss_fn, params, batches, count, key=None):
+  """Plain gradient accumulation, the pipelines' reference: ``loss_fn``'s
+  gradients summed over the ``count`` micro-batches stacked on ``batches``'
+  leading axis, and each micro-batch's loss, as ``jax.jit`` computes them.
+  With ``key``, micro-batch ``m`` is given ``micro_batch_key(key, m)`` (the key
+  a pipeline gives it). Returns ``(summed gradients, [losses])``."""
+  from ipu_jax.pipelining import micro_batch_key  # pylint: disable=g-import-not-at-top
+  grad = jax.jit(jax.value_and_grad(loss_fn))
+  acc, losses = jax.tree_util.tree_map(jnp.zeros_like, params), []
+  for m in range(count):
+    batch = jax.tree_util.tree_map(lambda b: b[m], batches)  # pylint: disable=cell-var-from-loop
+    value, g = grad(params, batch) if key is None else grad(params, batch,
+                                                             micro_batch_key(key, m))
+    acc, losses = jax.tree_util.tree_map(jnp.add, acc, g), losses + [value]
+  return acc, losses
+
+
+def sgd_after(params, gradients, learning_rate):
+  """``params`` after one SGD step on ``gradients``."""
+  return jax.tree_util.tree_map(lambda p, g: p - learning_rate * g, params, gradients)
+
+
+def chain_layers(params, h):
+  """The pipeline tests' model: one stage per weight, each ``tanh(tanh(h @ w) @ w.T)``
+  with its middle value a recomputation checkpoint."""
+  from ipu_jax.ops import pipeline_stage, recomputation_checkpoint  # pylint: disable=g-import-not-at-top
+  for k, w in enumerate(params):
+    if k:
+      h = pipeline_stage(h, k)
+    h = recomputation_checkpoint(jnp.tanh(h @ w))
+    h = jnp.tanh(h @ w.T)
+  return h
+
+
 def chain_data(stages, g, width=16, rows=8, seed=0, scale=0.3):
   """Weights of a chain of ``stages`` ``[width, width]`` layers (normal, times
   ``scale``) and ``g`` micro-batches of ``{"x", "y"}`` (``[rows, width]``
