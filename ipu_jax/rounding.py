@@ -72,6 +72,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
@@ -371,7 +372,8 @@ def prng_state(ctx, seed: int) -> P.Tensor:
 
 
 @register_lowering(hw_round_p)
-def _hw_round_rule(ctx, x, *, dtype, stochastic, saturate, replica_identical, seed, site):
+def _hw_round_rule(ctx: RuleContext, x, *, dtype, stochastic, saturate, replica_identical, seed,
+                   site):
   del site  # the persistent per-tile state gives every rounding new bits
   target = ctx.target
   out = ctx.new_tensor(x.shape, dtype, x.mapping, name="hw_round")

@@ -8,9 +8,9 @@ cost. The common shapes of work:
   tensor into another mapping.
 * :func:`elementwise`: a compute set of elementwise vertices over the output's
   tiles, operands exchanged onto the output's mapping first.
-* Pure data movement (transpose, slice, broadcast...) lives with its rules:
-  ``lowering.rules.shape.move`` (every output element's source is known
-  statically, so the exchange is exact).
+* Pure data movement (transpose, slice, broadcast...) is
+  ``lowering/movement.py``'s :func:`~ipu_jax.lowering.movement.move` (every
+  output element's source is known statically, so the exchange is exact).
 * :func:`partitioned`: an operation whose output is cut along one axis into
   per-tile pieces, each computed on its tile from the inputs it needs.
 
@@ -37,6 +37,8 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, roll_tiles, to_flat, to_storage)
 from ipu_jax.lowering.mapping import TileMapping, blocks_on_tiles
+from ipu_jax.lowering.movement import broadcast_to
+from ipu_jax.lowering.program import worker_vertices
 
 __all__ = ["assign", "relayout_to", "elementwise", "elementwise_figures", "partitioned",
            "logical", "storage", "broadcast_cost", "add_costs",
@@ -61,11 +63,6 @@ def add_costs(*costs) -> Optional[ExchangeCost]:
   for c in costs[1:]:
     total = total + c
   return total
-
-
-def worker_vertices(ctx, elements: np.ndarray) -> np.ndarray:
-  """Vertices per tile when each tile's work is split over its workers."""
-  return np.minimum(np.asarray(elements), ctx.target.worker_contexts)
 
 
 def assign(ctx, dst: P.Tensor, src: P.Tensor, name: str = "copy") -> None:
@@ -186,7 +183,6 @@ def _expand_size_one_axes(ctx, t: P.Tensor, shape, size) -> P.Tensor:
     return t
   if len(t.shape) != len(shape) or any(a not in (1, b) for a, b in zip(t.shape, shape)):
     raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not broadcast to {shape}")
-  from ipu_jax.lowering.rules.shape import broadcast_to  # rules import builders
   return broadcast_to(ctx, t, shape)
 
 

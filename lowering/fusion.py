@@ -76,9 +76,8 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Iterable, Optional
+from typing import Iterable
 
-import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import estimators
@@ -86,10 +85,12 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import fused_cost
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost
-from ipu_jax.lowering.exchange import ExchangeCost, relayout_cost
-from ipu_jax.lowering.mapping import tiles_key
+from ipu_jax.lowering.exchange import relayout_cost
 from ipu_jax.lowering.scopes import recomputed
 from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.lowering.fused_step import (chain_cycles, common_scope, fold_rows, fused_fn,
+                                         fused_logical, sum_costs, without_figures)
+from ipu_jax.lowering.layout_numbers import LayoutNumbers
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
 
@@ -157,65 +158,6 @@ def _count_uses(node, reads: dict, writes: dict) -> None:
     _count_uses(child, reads, writes)
 
 
-class _Layouts:
-  """Numbers tile layouts so that equal layouts share one number.
-
-  Two mappings get the same number exactly when ``same_as`` holds (an
-  equivalence: both put every element in the same storage slot on the same
-  tile). Each mapping object is compared once, when first seen; grouping
-  then compares integers instead of tile arrays for every open group and
-  step. Per-tile element counts are kept per layout for the same reason.
-  """
-
-  def __init__(self, num_tiles: int):
-    self.num_tiles = num_tiles
-    self._by_object = {}      # id(mapping) -> (number, mapping); holds the mapping alive
-    self._by_key = {}         # closed-form fingerprint -> number
-    self._by_bucket = {}      # _layout_bucket(mapping) -> [(number, mapping)]
-    self._elements = {}       # number -> elements per tile
-
-  def number(self, mapping) -> int:
-    """The number of ``mapping``'s layout."""
-    seen = self._by_object.get(id(mapping))
-    if seen is not None:
-      return seen[0]
-    # Linear and block-grid layouts with equal closed forms are equal.
-    key = mapping.fingerprint
-    closed_form = key[0] in ("linear", "grid")
-    number = self._by_key.get(key) if closed_form else None
-    if number is None:
-      bucket = _layout_bucket(mapping)
-      candidates = self._by_bucket.setdefault(bucket, [])
-      number = next((n for n, m in candidates if m.same_as(mapping)), None)
-      if number is None:
-        number = len(self._by_object)
-        candidates.append((number, mapping))
-      if closed_form:
-        self._by_key[key] = number
-    self._by_object[id(mapping)] = (number, mapping)
-    return number
-
-  def elements_per_tile(self, mapping) -> np.ndarray:
-    """``[num_tiles]`` elements ``mapping`` puts on each tile (shared, read-only)."""
-    number = self.number(mapping)
-    elements = self._elements.get(number)
-    if elements is None:
-      elements = mapping.elements_per_tile(self.num_tiles)
-      elements.setflags(write=False)
-      self._elements[number] = elements
-    return elements
-
-
-def _layout_bucket(mapping) -> tuple:
-  """What two layouts share if they are equal: size, storage shape, row
-  tiles and the storage slots of every ``n // 64``-th element (so unequal
-  layouts of the same shape on the same tiles rarely need comparing)."""
-  n = mapping.num_elements
-  step = max(1, n // 64)
-  sample = mapping.positions_of(np.arange(0, n, step, dtype=np.int64))
-  return n, mapping.storage_shape, tiles_key(mapping.tiles), sample.tobytes()
-
-
 class _Fuser:
   """Rebuilds a program tree with its straight-line runs fused."""
 
@@ -224,7 +166,7 @@ class _Fuser:
     self.reads = reads
     self.writes = writes
     self.overhead = vertex_overhead_cycles(target)
-    self.layouts = _Layouts(target.num_tiles)
+    self.layouts = LayoutNumbers(target.num_tiles)
     self._exchanges = {}
     self._moved_cycles = {}
     self._expressions = {}
@@ -363,7 +305,7 @@ class _Fuser:
     """The step of each group (by ``id``): its fused step, or its one step.
 
     What is per tile (cycles, vertices, exchanged bytes) is folded over each
-    group's members' rows in their order (:func:`_fold_rows`): a few
+    group's members' rows in their order (:func:`fold_rows`): a few
     in-place array operations per member (each the length of the tiles),
     rather than stacking every member's rows into ``[groups, rows, tiles]``
     arrays and reducing those, whose copies were most of the time on several
@@ -379,9 +321,9 @@ class _Fuser:
         plans.append(self._plan(group, [(steps[i], works[i]) for i in group.members]))
     if not plans:
       return result
-    sequential = [_chain_cycles(p.cycles, self.overhead) for p in plans]
-    vertices = [_fold_rows(p.vertices, np.maximum) for p in plans]
-    exchanges = [_sum_costs(p.exchanges) for p in plans]
+    sequential = [chain_cycles(p.cycles, self.overhead) for p in plans]
+    vertices = [fold_rows(p.vertices, np.maximum) for p in plans]
+    exchanges = [sum_costs(p.exchanges) for p in plans]
     for k, plan in enumerate(plans):
       members = [s for s, _ in plan.members]
       compute, vertex = self._compute_cycles(plan, sequential[k])
@@ -390,8 +332,8 @@ class _Fuser:
       result[id(plan.group)] = P.Superstep(
           name="fused(" + "+".join(dict.fromkeys(s.name for s in members)) + ")",
           op="fusion", reads=plan.reads, writes=plan.writes,
-          fn=_fused_fn(members, plan.reads, plan.writes),
-          logical=_fused_logical(members, plan.reads, plan.writes),
+          fn=fused_fn(members, plan.reads, plan.writes),
+          logical=fused_logical(members, plan.reads, plan.writes),
           compute_cycles=compute, exchange=exchanges[k], vertices=vertices[k],
           codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
                                               for s in members)),),
@@ -399,9 +341,9 @@ class _Fuser:
           scratch_bytes=self._scratch(plan),
           source=members[0].source,
           notes=notes,
-          scope=_common_scope(s.scope for s in members),
+          scope=common_scope(s.scope for s in members),
           elementwise=P.ElementwiseWork(plan.group.mapping),
-          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=_without_figures(s))
+          fused_ops=tuple(P.FusedOp(s.name, s.op, s.source, s.scope, step=without_figures(s))
                           for s in members))
     return result
 
@@ -595,115 +537,12 @@ class _Plan:
     self.writes = ()
 
 
-def _without_figures(step: P.Superstep) -> P.Superstep:
-  """``step`` as a fused member keeps it: what runs, not what it costs.
-
-  The executor runs members one by one (to name an op that traps a
-  floating-point exception) or by their logical forms; the fused step holds
-  the figures. Members keeping their per-tile arrays held a gigabyte at
-  BERT size.
-  """
-  return dataclasses.replace(step, compute_cycles=None, exchange=None, vertices=None,
-                             scratch_bytes=None, elementwise=None)
-
-
-def _fold_rows(rows, combine, dtype=None) -> np.ndarray:
-  """``combine`` folded over ``[num_tiles]`` rows in their order, into a new array.
-
-  The values and dtype of reducing the rows stacked along a middle axis
-  (``stacked.sum(axis=1)`` for ``np.add``, ``.max`` for ``np.maximum``):
-  such a reduction combines the rows one after another too. Sums accumulate
-  in at least the platform integer, as ``ndarray.sum`` does.
-  """
-  if dtype is None:
-    dtype = np.result_type(*rows)
-    if combine is np.add and np.issubdtype(dtype, np.integer):
-      dtype = np.add.reduce(np.zeros((1,), dtype)).dtype
-  out = np.array(rows[0], dtype)
-  for row in rows[1:]:
-    combine(out, row, out=out)
-  return out
-
-
-def _chain_cycles(rows, overhead) -> np.ndarray:
-  """Per tile, the cycles of a group's members run one after another in one step.
-
-  Each member after the first on a tile no longer pays a compute set's
-  launch and vertex overheads; a tile never takes less than its longest
-  member. Computed in float64 from the members' rows in order.
-  """
-  total = _fold_rows(rows, np.add, np.float64)
-  longest = _fold_rows(rows, np.maximum, np.float64)
-  busy = _fold_rows([row > 0 for row in rows], np.add, np.intp)
-  saved = np.maximum(busy - 1, 0) * overhead
-  return np.maximum(total - saved, longest)
-
-
-def _sum_costs(costs) -> Optional[ExchangeCost]:
-  """The sum of a group's exchange costs (None for none)."""
-  if not costs:
-    return None
-  return ExchangeCost(*(_fold_rows([getattr(c, field) for c in costs], np.add)
-                        for field in ("bytes_in", "bytes_out", "link_bytes_out")))
-
-
-def _fused_fn(steps, reads, writes):
-  """The fused step's function: its members' functions in order, on storages.
-
-  Each member's results are cast to their tensors' dtypes, as the executor
-  stores every step's results, so the numbers are those of the separate
-  steps bit for bit.
-  """
-  read_ids = tuple(t.id for t in reads)
-  plan = tuple((s.fn, tuple(t.id for t in s.reads), tuple((t.id, t.dtype) for t in s.writes))
-               for s in steps)
-  write_ids = tuple(t.id for t in writes)
-
-  def fn(*storages):
-    env = dict(zip(read_ids, storages))
-    for step_fn, ins, outs in plan:
-      values = step_fn(*[env[i] for i in ins])
-      for (i, dtype), v in zip(outs, values):
-        env[i] = v.astype(dtype)
-    return tuple(env[i] for i in write_ids)
-
-  return fn
-
-
-def _fused_logical(steps, reads, writes):
-  """The fused step's logical form: its members' forms in order, or None
-  when one has none (the executor then runs each member by its own form).
-
-  Each member's results are cast to their tensors' dtypes and shapes, as the
-  executor stores every step's results.
-  """
-  forms = [s.logical for s in steps]
-  if not all(forms):
-    return None
-  plan = tuple((form, tuple((t.id, t.shape) for t in s.reads),
-                tuple((t.id, t.dtype, t.shape) for t in s.writes))
-               for form, s in zip(forms, steps))
-  read_ids = tuple(t.id for t in reads)
-  write_ids = tuple(t.id for t in writes)
-
-  def form(*arrays):
-    env = dict(zip(read_ids, arrays))
-    for member_form, ins, outs in plan:
-      values = member_form(*[env[i].reshape(shape) for i, shape in ins])
-      for (i, dtype, shape), v in zip(outs, values):
-        v = jnp.reshape(v, shape)
-        env[i] = v if v.dtype == dtype else v.astype(dtype)
-    return tuple(env[i] for i in write_ids)
-
-  return form
-
-
 class _Group:
   """Steps (indices into a run) that will be one compute set on ``mapping``."""
 
   def __init__(self, mapping, layout: int, recomputed: bool = False):
     self.mapping = mapping
-    self.layout = layout      # its number in the fuser's _Layouts
+    self.layout = layout      # its number in the fuser's LayoutNumbers
     # Recomputed forward work (a checkpointed region's ``rematted_computation``)
     # is a clone of the forward stage's program (TF-IPU's recomputation pass
     # clones the forward computation), so it fuses only with itself.
@@ -742,15 +581,3 @@ def _flatten(sequence):
       yield child
 
 
-def _common_scope(scopes) -> str:
-  parts = None
-  for scope in scopes:
-    pieces = scope.split("/") if scope else []
-    if parts is None:
-      parts = pieces
-      continue
-    n = 0
-    while n < min(len(parts), len(pieces)) and parts[n] == pieces[n]:
-      n += 1
-    parts = parts[:n]
-  return "/".join(parts or [])

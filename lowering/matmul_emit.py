@@ -45,7 +45,7 @@ its grid tiles (cut into ``gk`` pieces, or whole on the group's first tile
 after a tree reduction; with serial passes a tile holds one piece per pass),
 a block :class:`TileMapping` (general, or linear when the blocks happen to be
 contiguous runs). Its storage is built from the logical result with pad /
-reshape / transpose (:func:`~ipu_jax.lowering.matmul_plan.blocked_storage`).
+reshape / transpose (:func:`~ipu_jax.lowering.matmul_grid.blocked_storage`).
 
 Exchange accounting is exact per tile without per-destination index arrays:
 every operand element knows its block, hence the set of grid tiles that need
@@ -53,7 +53,7 @@ it (a product of ranges); a tile receives its blocks' sizes less the elements
 it already holds (found from the operand's real mapping), and a tile sends
 each element it holds once if any other tile needs it (multicast), crossing
 once to each other IPU its destinations span
-(:func:`~ipu_jax.lowering.matmul_plan.grid_exchange_cost`). Per-tile
+(:func:`~ipu_jax.lowering.matmul_grid.grid_exchange_cost`). Per-tile
 temporary memory: the received blocks are exchange buffers; the blocks' local
 elements are copied into the AMP's block layout (the step's
 ``scratch_bytes``); the partials are a tensor. Together they equal the plan's
@@ -79,11 +79,12 @@ executor, not this module, chooses between the forms.
 
 Code. :func:`emit_matmul` is a short driver: :func:`_make_plan` canonicalises
 the product (:class:`_Product`), plans it and creates the result (a frozen
-:class:`_Plan`); then, per pass, :func:`_pass` gives the pass's block sizes,
-:func:`_operand_costs` and :func:`_block_work` its figures, and the
-``_emit_*`` helpers its supersteps. The steps' arithmetic
-(:func:`_logical_product`, :func:`_pass_blocks`, :func:`_reduce_pieces`,
-:func:`_tree_sum`) is module-level and reads the plan; the step functions
+:class:`ProductPlan`); then, per pass, :func:`_pass` gives the pass's block sizes,
+:func:`_operand_costs` (operands' exchanges costed and cached in
+``lowering/matmul_operands.py``) and :func:`_block_work` its figures, and the
+``_emit_*`` helpers its supersteps (a tree reduction's in
+``lowering/matmul_tree.py``). The steps' arithmetic is
+``lowering/matmul_arith.py``'s and reads the plan; the step functions
 themselves are short closures over it.
 """
 
@@ -92,25 +93,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import half_partials
-from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import logical, worker_vertices
-from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
-from ipu_jax.lowering.mapping import TileMapping, tiles_key
+from ipu_jax.lowering.builders import worker_vertices
+from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.options import proportion_for
-from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_grid_mapping, block_work,
-                                          ceil_div, edge_sizes, grid_tiles, operand_dtype,
-                                          operand_exchange_cost, operand_link_bytes,
-                                          partials_dtype, plan_matmul,
-                                          widen_to_partials)
+from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_work, operand_dtype,
+                                          partials_dtype, plan_matmul)
+from ipu_jax.lowering.matmul_cost import ceil_div
+from ipu_jax.lowering.matmul_grid import block_grid_mapping, edge_sizes, grid_tiles
+from ipu_jax.lowering.matmul_tree import emit_tree_reduce
+from ipu_jax.lowering.matmul_operands import OperandExchange, blocks_of, operand_cost
+from ipu_jax.lowering.matmul_arith import logical_product, pass_blocks, put_pass, reduce_pieces
 
 __all__ = ["emit_matmul", "fill_zeros"]
 
@@ -135,90 +135,6 @@ def fill_zeros(ctx, shape, dtype, name: str) -> P.Tensor:
 
 def _prod(values) -> int:
   return int(np.prod([int(v) for v in values], dtype=np.int64))
-
-
-_GRID_COSTS = plan_cache.PlanCache("matmul operand exchange", max_entries=4096)
-
-
-def _frozen_grid_cost(result):
-  """A cached ``(cost, local)`` pair, made read-only since it is shared."""
-  cost, local = result
-  arrays = [local] + ([] if cost is None else [cost.bytes_in, cost.bytes_out,
-                                               cost.link_bytes_out])
-  for a in arrays:
-    a.setflags(write=False)
-  return cost, local
-
-
-def _operand_cost(target, key: tuple, exchange: "_OperandExchange"):
-  """``(cost, local)`` of an operand's exchange, cached.
-
-  The bytes depend only on which tile holds what (and, on several IPUs,
-  which IPU), so the key counts tile ids from the grid's first tile (its
-  IPU's first tile on several IPUs: :func:`~ipu_jax.lowering.exchange.relative_base`):
-  a repeated layer whose grid and operand landed further along the tiles, or
-  on another IPU, reuses the first layer's cost, moved along by as many tiles.
-  On several IPUs a layer seldom lands a whole number of IPUs along, so the
-  bytes in and out are also kept counted from the grid's first tile, and
-  only the IPU-Link bytes are counted afresh (:func:`_tile_relative_cost`).
-  """
-  t, per = target.num_tiles, target.tiles_per_ipu
-  operand, tiles = exchange.tensor, exchange.tiles
-  base = relative_base(target, tiles[0])
-  layout = (operand.shape, operand.itemsize, target)
-  ipu_key = key + (operand.mapping.relative_fingerprint(base, t), tiles_key((tiles - base) % t))
-
-  def relative():
-    if target.num_ipus == 1:
-      cost, local = exchange.cost(target)
-    else:
-      cost, local = _tile_relative_cost(target, key + layout, exchange)
-    return _frozen_grid_cost((shift_cost(cost, -base, per), local))
-
-  cost, local = plan_cache.cached(_GRID_COSTS, ipu_key + layout, relative)
-  return shift_cost(cost, base, per), local
-
-
-_TILE_COSTS = plan_cache.PlanCache("matmul operand tile bytes", max_entries=4096)
-
-
-def _tile_relative_cost(target, key: tuple, exchange: "_OperandExchange") -> tuple:
-  """``(cost, local)`` on several IPUs, its tile bytes cached from the grid's first tile.
-
-  The bytes each tile sends and receives compare only tile identities (as on
-  one IPU); the IPU-Link bytes are counted for this placement
-  (:meth:`_OperandExchange.link_bytes`, given what each tile sends), or the
-  whole exchange is costed where intervals cannot count them.
-  """
-  t, tiles = target.num_tiles, exchange.tiles
-  first = int(tiles[0])
-  key = key + ("tile bytes", exchange.tensor.mapping.relative_fingerprint(first, t),
-               tiles_key((tiles - first) % t))
-  fresh = []
-
-  def tile_bytes():
-    cost, local = exchange.cost(target)
-    fresh.append(cost)
-    return _frozen_grid_cost((shift_cost(_without_link(cost), -first), local))
-
-  cost, local = plan_cache.cached(_TILE_COSTS, key, tile_bytes)
-  if fresh:
-    return fresh[0], local
-  cost = shift_cost(cost, first)
-  if cost is None:
-    return None, local
-  itemsize = exchange.tensor.itemsize
-  link = exchange.link_bytes(target, cost.bytes_out // itemsize)
-  if link is None:
-    return exchange.cost(target)
-  return ExchangeCost(cost.bytes_in, cost.bytes_out, link), local
-
-
-def _without_link(cost):
-  """``cost`` with zero IPU-Link bytes (they do not move with the tiles)."""
-  if cost is None:
-    return None
-  return ExchangeCost(cost.bytes_in, cost.bytes_out, np.zeros_like(cost.link_bytes_out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +180,7 @@ def _canonical(lhs_shape, rhs_shape, dimension_numbers) -> _Product:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class ProductPlan:
   """Everything the steps of one planned matmul share.
 
   Attributes:
@@ -340,7 +256,7 @@ class _Plan:
 
 def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out_dtype,
                precision, available_memory_proportion, partials_type, name,
-               serial=None) -> _Plan:
+               serial=None) -> ProductPlan:
   """Plan the product, claim its grid's tiles and create the result."""
   options = ctx.options
   if available_memory_proportion is None:
@@ -367,14 +283,14 @@ def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out
   out_mapping = block_grid_mapping((b, m, n), (gb, gm, gn), (bb, bm, bn), out_tiles,
                                    pieces=out_pieces, serial=(serial_axis, passes))
   out = ctx.new_tensor(out_shape, out_dtype, out_mapping)
-  p = _Plan(prod=prod, lhs=lhs, rhs=rhs, out=out, out_mapping=out_mapping, plan=plan, tiles=tiles,
-            in_dtype=in_dtype, acc=acc, precision=precision,
-            notes=(note,) if note else (), serial_axis=serial_axis, length=length,
-            out_pieces=out_pieces, pass_counts=None, name=name)
+  p = ProductPlan(prod=prod, lhs=lhs, rhs=rhs, out=out, out_mapping=out_mapping, plan=plan,
+                  tiles=tiles, in_dtype=in_dtype, acc=acc, precision=precision,
+                  notes=(note,) if note else (), serial_axis=serial_axis, length=length,
+                  out_pieces=out_pieces, pass_counts=None, name=name)
   return dataclasses.replace(p, pass_counts=_pass_counts(p))
 
 
-def _pass_counts(p: _Plan) -> Optional[np.ndarray]:
+def _pass_counts(p: ProductPlan) -> Optional[np.ndarray]:
   """Result elements per tile and pass (a pass's pieces sit side by side)."""
   if p.plan.reduce_fanins:
     return None
@@ -444,104 +360,10 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
       continue
     partials = _emit_partial_blocks(ctx, p, ps, work, exchange)
     if p.plan.reduce_fanins:
-      _emit_tree_reduce(ctx, partials, p.out, p.plan, p.tiles, ps.outputs, p.name)
+      emit_tree_reduce(ctx, partials, p.out, p.plan, p.tiles, ps.outputs, p.name)
     else:
       _emit_reduce_scatter(ctx, p, ps, partials)
   return p.out
-
-
-# --- Arithmetic (the steps' functions) -------------------------------------------------------
-
-
-def _logical_product(p: _Plan, a, w):
-  """The whole product of the logical operands, in the result's shape and type.
-
-  Whatever the K split, one ``lax.dot_general`` with the user's precision
-  and the partials type as ``preferred_element_type``: the numbers
-  ``jax.jit`` gives, to rounding. The tiles sum ``gk`` partials in their
-  own order; reproducing that order (one product per K block and a sum of
-  the partials) cost 5x a plain product on the whole chip and bought only
-  a different rounding of fp32 sums, so it is not done. fp16 partials are
-  the exception: rounding each partial and each addition to half precision
-  changes the result, so :mod:`half_partials` keeps the plan's order.
-  The per-tile accounting does not depend on this: it is the plan's.
-  """
-  prod, acc = p.prod, p.acc
-  if p.half:
-    return half_partials.planned_dot(
-        jnp.transpose(a, prod.lhs_perm).reshape(prod.b, prod.m, prod.k),
-        jnp.transpose(w, prod.rhs_perm).reshape(prod.b, prod.k, prod.n), p.plan.grid[3],
-        p.plan.block[3], fanins=p.plan.reduce_fanins).astype(p.out_dtype).reshape(p.out.shape)
-  c = lax.dot_general(widen_to_partials(a, acc), widen_to_partials(w, acc),
-                      prod.dimension_numbers, precision=p.precision, preferred_element_type=acc)
-  return c.astype(p.out_dtype).reshape(p.out.shape)
-
-
-def _tile_blocks(p: _Plan, a_st, b_st, start, stop):
-  """Each grid tile's A and B blocks of one pass, ``[G, bb, bm, bk]`` and ``[G, bb, bk, bn]``.
-
-  Pad / reshape / transpose / broadcast of the logical operands, no gathers.
-  """
-  prod = p.prod
-  gb, gm, gn, gk = p.plan.grid
-  bb, bm, bn, bk = p.plan.block
-  g_all = p.g_all
-  a = jnp.transpose(logical(a_st, p.lhs), prod.lhs_perm).reshape(prod.b, prod.m, prod.k)
-  w = jnp.transpose(logical(b_st, p.rhs), prod.rhs_perm).reshape(prod.b, prod.k, prod.n)
-  common = jnp.promote_types(a.dtype, w.dtype)
-  a, w = a.astype(common), w.astype(common)
-  if p.serial_axis == 1:
-    a = a[:, start:stop]
-  elif p.serial_axis == 2:
-    w = w[:, :, start:stop]
-  pb, pm, pk, pn = a.shape[0], a.shape[1], a.shape[2], w.shape[2]
-  a = jnp.pad(a, ((0, gb * bb - pb), (0, gm * bm - pm), (0, gk * bk - pk)))
-  a = a.reshape(gb, bb, gm, bm, gk, bk).transpose(0, 2, 4, 1, 3, 5)
-  a = jnp.broadcast_to(a[:, :, None], (gb, gm, gn, gk, bb, bm, bk)).reshape(g_all, bb, bm, bk)
-  w = jnp.pad(w, ((0, gb * bb - pb), (0, gk * bk - pk), (0, gn * bn - pn)))
-  w = w.reshape(gb, bb, gk, bk, gn, bn).transpose(0, 4, 2, 1, 3, 5)
-  w = jnp.broadcast_to(w[:, None], (gb, gm, gn, gk, bb, bk, bn)).reshape(g_all, bb, bk, bn)
-  return a, w
-
-
-def _pass_blocks(p: _Plan, a_st, b_st, start, stop):
-  """Per-tile partial blocks ``[G, bb*bm*bn]`` of one pass (per_tile mode)."""
-  a, w = _tile_blocks(p, a_st, b_st, start, stop)
-  bb, bm, bn, bk = p.plan.block
-  g_all, acc = p.g_all, p.acc
-  if p.half:  # fp16 partials: each tile's AMP chains, as the batched model
-    return half_partials.tile_partials(a.reshape(g_all * bb, bm, bk),
-                                       w.reshape(g_all * bb, bk, bn)).reshape(g_all, p.block)
-  # f32 blocks use HIGHEST: the per-tile arithmetic is the AMP's, not XLA:CPU's default.
-  precision = lax.Precision.HIGHEST if np.dtype(p.in_dtype) == np.float32 else p.precision
-
-  def block_matmul(x, y):
-    x, y = widen_to_partials(x, acc), widen_to_partials(y, acc)
-    return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))),
-                           precision=precision, preferred_element_type=acc)
-
-  return jax.vmap(block_matmul)(a, w).reshape(g_all, p.block)
-
-
-def _put(p: _Plan, out_st, index, value):
-  """Write one pass's pieces into the result storage."""
-  if p.passes == 1:
-    return value.astype(p.out_dtype)
-  rows = out_st.shape[0]
-  return out_st.reshape(rows, p.passes, -1).at[:, index].set(value.astype(p.out_dtype)).reshape(
-      rows, -1)
-
-
-def _reduce_pieces(p: _Plan, p_st):
-  """Each tile's sum of its piece of the block's ``gk`` partials (per_tile mode)."""
-  gk, g_out, block, piece = p.plan.grid[3], p.g_out, p.block, p.piece
-  x = p_st.reshape(g_out, gk, block)
-  if piece * gk != block:
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, piece * gk - block)))
-  x = x.reshape(g_out, gk, gk, piece)
-  if p.half:  # the partials added in order, rounding each addition
-    return half_partials.add_in_order(jnp.moveaxis(x, 1, 0)).reshape(p.g_all, piece)
-  return x.sum(axis=1).reshape(p.g_all, piece)
 
 
 # --- One pass: costs ------------------------------------------------------------------------
@@ -576,7 +398,7 @@ class _Pass:
     return self.rb * self.rm * self.rn
 
 
-def _pass(p: _Plan, index: int) -> _Pass:
+def _pass(p: ProductPlan, index: int) -> _Pass:
   prod, passes, axis = p.prod, p.passes, p.serial_axis
   b, m, n, k = prod.b, prod.m, prod.n, prod.k
   gb, gm, gn, gk = p.plan.grid
@@ -591,67 +413,29 @@ def _pass(p: _Plan, index: int) -> _Pass:
                f" pass {index + 1}/{passes}" if passes > 1 else "")
 
 
-def _blocks_of(size, block_size):
-  """Per position along a dimension: the one block needing it, ``[lo, lo + 1)``."""
-  lo = np.arange(size, dtype=np.int64) // block_size
-  return lo, lo + 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _OperandExchange:
-  """One operand's exchange of a pass, as ``operand_exchange_cost`` takes it.
-
-  Attributes:
-    tensor, perm, canon_shape, groups: the operand and its canonical view.
-    grid, tiles, needs: the grid, its tiles and which blocks need what.
-    elements: elements of each grid tile's block.
-    window: the ``(start, stop)`` taken of each canonical axis.
-  """
-
-  tensor: P.Tensor
-  perm: tuple
-  canon_shape: tuple
-  groups: tuple
-  grid: tuple
-  tiles: np.ndarray
-  needs: list
-  elements: int
-  window: tuple
-
-  def cost(self, target) -> tuple:
-    """``(cost, local)`` of the exchange."""
-    return operand_exchange_cost(target, self.tensor, self.perm, self.canon_shape, self.groups,
-                                 self.grid, self.tiles, self.needs, self.elements, self.window)
-
-  def link_bytes(self, target, sent):
-    """Its IPU-Link bytes alone, given what each tile sends (None: cost it whole)."""
-    return operand_link_bytes(target, self.tensor, self.perm, self.canon_shape, self.groups,
-                              self.grid, self.tiles, self.needs, sent, self.window)
-
-
-def _lhs_exchange(p: _Plan, ps: _Pass) -> _OperandExchange:
+def _lhs_exchange(p: ProductPlan, ps: _Pass) -> OperandExchange:
   """Bringing every grid tile its A blocks of a pass."""
   prod, (bb, bm, _, bk) = p.prod, p.plan.block
   b, m, k = prod.b, prod.m, prod.k
-  needs = [(0,) + _blocks_of(b, bb), (1,) + _blocks_of(ps.pm, bm), None,
-           (2,) + _blocks_of(k, bk)]
+  needs = [(0,) + blocks_of(b, bb), (1,) + blocks_of(ps.pm, bm), None,
+           (2,) + blocks_of(k, bk)]
   window = ((0, b), (ps.start, ps.stop) if p.serial_axis == 1 else (0, m), (0, k))
-  return _OperandExchange(p.lhs, prod.lhs_perm, (b, m, k), prod.lhs_dims, tuple(p.plan.grid),
-                          p.tiles, needs, ps.rb * ps.rm * ps.rk, window)
+  return OperandExchange(p.lhs, prod.lhs_perm, (b, m, k), prod.lhs_dims, tuple(p.plan.grid),
+                         p.tiles, needs, ps.rb * ps.rm * ps.rk, window)
 
 
-def _rhs_exchange(p: _Plan, ps: _Pass) -> _OperandExchange:
+def _rhs_exchange(p: ProductPlan, ps: _Pass) -> OperandExchange:
   """Bringing every grid tile its B blocks of a pass."""
   prod, (bb, _, bn, bk) = p.prod, p.plan.block
   b, n, k = prod.b, prod.n, prod.k
-  needs = [(0,) + _blocks_of(b, bb), None, (2,) + _blocks_of(ps.pn, bn),
-           (1,) + _blocks_of(k, bk)]
+  needs = [(0,) + blocks_of(b, bb), None, (2,) + blocks_of(ps.pn, bn),
+           (1,) + blocks_of(k, bk)]
   window = ((0, b), (0, k), (ps.start, ps.stop) if p.serial_axis == 2 else (0, n))
-  return _OperandExchange(p.rhs, prod.rhs_perm, (b, k, n), prod.rhs_dims, tuple(p.plan.grid),
-                          p.tiles, needs, ps.rb * ps.rk * ps.rn, window)
+  return OperandExchange(p.rhs, prod.rhs_perm, (b, k, n), prod.rhs_dims, tuple(p.plan.grid),
+                         p.tiles, needs, ps.rb * ps.rk * ps.rn, window)
 
 
-def _operand_costs(target, p: _Plan, ps: _Pass, previous: tuple) -> tuple:
+def _operand_costs(target, p: ProductPlan, ps: _Pass, previous: tuple) -> tuple:
   """The pass's ``((a_cost, a_local), (b_cost, b_local))``.
 
   An operand not cut into passes keeps ``previous``'s (costed in the first
@@ -664,13 +448,13 @@ def _operand_costs(target, p: _Plan, ps: _Pass, previous: tuple) -> tuple:
   grid_key = ((gb, gm, gn, gk), (prod.b, bb, ps.pm, bm, ps.pn, bn, prod.k, bk), p.serial_axis,
               ps.start, ps.stop)
   if a_all is None or p.serial_axis == 1:
-    a_all = _operand_cost(target, ("lhs", prod.lhs_perm) + grid_key, _lhs_exchange(p, ps))
+    a_all = operand_cost(target, ("lhs", prod.lhs_perm) + grid_key, _lhs_exchange(p, ps))
   if b_all is None or p.serial_axis == 2:
-    b_all = _operand_cost(target, ("rhs", prod.rhs_perm) + grid_key, _rhs_exchange(p, ps))
+    b_all = operand_cost(target, ("rhs", prod.rhs_perm) + grid_key, _rhs_exchange(p, ps))
   return a_all, b_all
 
 
-def _block_work(target, p: _Plan, ps: _Pass, a_local, b_local) -> BlockWork:
+def _block_work(target, p: ProductPlan, ps: _Pass, a_local, b_local) -> BlockWork:
   macs = ps.rb * ps.rm * ps.rn * ps.rk
   cycles = estimators.matmul_cycles(target, macs, np.dtype(p.in_dtype).itemsize,
                                     outputs=ps.rb * ps.rm * ps.rn, dtype=p.in_dtype,
@@ -686,7 +470,7 @@ def _block_work(target, p: _Plan, ps: _Pass, a_local, b_local) -> BlockWork:
 # --- One pass: emission ---------------------------------------------------------------------
 
 
-def _matmul_step(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange, writes, fn, logical):
+def _matmul_step(ctx, p: ProductPlan, ps: _Pass, work: BlockWork, exchange, writes, fn, logical):
   """The pass's block-matmul superstep (a pass also reads the result it adds to)."""
   result_in = (p.out,) if p.passes > 1 else ()  # a single pass writes it whole
   return P.Superstep(
@@ -699,22 +483,22 @@ def _matmul_step(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange, writes, fn
       flops_dtype=np.dtype(p.in_dtype))
 
 
-def _emit_whole_blocks(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange) -> None:
+def _emit_whole_blocks(ctx, p: ProductPlan, ps: _Pass, work: BlockWork, exchange) -> None:
   """``gk == 1``: each tile's product block is its piece of the result."""
   index = ps.index
 
   def step(a_st, b_st, *out_st):
     prior = out_st[0] if out_st else None
-    return (_put(p, prior, index, _pass_blocks(p, a_st, b_st, ps.start, ps.stop)),)
+    return (put_pass(p, prior, index, pass_blocks(p, a_st, b_st, ps.start, ps.stop)),)
 
   def logical_step(a, w, *prior):
     # The whole product at once; later passes have nothing to do.
-    return (_logical_product(p, a, w),) if index == 0 else (prior[0],)
+    return (logical_product(p, a, w),) if index == 0 else (prior[0],)
 
   ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (p.out,), step, logical_step))
 
 
-def _emit_partial_blocks(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange) -> P.Tensor:
+def _emit_partial_blocks(ctx, p: ProductPlan, ps: _Pass, work: BlockWork, exchange) -> P.Tensor:
   """``gk > 1``: each tile's product block is a partial block; returns the partials."""
   g_all, block, acc, out, index = p.g_all, p.block, p.acc, p.out, ps.index
   partials = ctx.new_tensor((g_all, block), acc,
@@ -724,13 +508,13 @@ def _emit_partial_blocks(ctx, p: _Plan, ps: _Pass, work: BlockWork, exchange) ->
 
   def step(a_st, b_st, *out_st):
     prior = out_st[0] if out_st else jnp.zeros(out.storage_shape, out.dtype)
-    return _pass_blocks(p, a_st, b_st, ps.start, ps.stop), prior
+    return pass_blocks(p, a_st, b_st, ps.start, ps.stop), prior
 
   def logical_step(a, w, *prior):
     # The whole product in the first pass, written straight into the result;
     # the partials are never read (XLA drops them), nor are the reductions'.
     return (jnp.zeros(partials.shape, acc),
-            _logical_product(p, a, w) if index == 0 else prior[0])
+            logical_product(p, a, w) if index == 0 else prior[0])
 
   ctx.emit(_matmul_step(ctx, p, ps, work, exchange, (partials, out), step, logical_step))
   return partials
@@ -758,7 +542,7 @@ def _scatter_exchange(target, tiles: np.ndarray, group: np.ndarray, p_size: int)
   return ExchangeCost(bytes_in, bytes_out, link)
 
 
-def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
+def _emit_reduce_scatter(ctx, p: ProductPlan, ps: _Pass, partials: P.Tensor) -> None:
   """Reduce-scatter of the partials: each tile sums its piece of the block."""
   target, tiles, gk, acc, out, index = (ctx.target, p.tiles, p.plan.grid[3], p.acc, p.out,
                                         ps.index)
@@ -770,7 +554,7 @@ def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
   reduce_vertices[tiles] = worker_vertices(ctx, counts)
 
   def reduce_step(p_st, out_st):
-    return (_put(p, out_st, index, _reduce_pieces(p, p_st)),)
+    return (put_pass(p, out_st, index, reduce_pieces(p, p_st)),)
 
   ctx.emit(P.Superstep(
       name=f"{p.name}/{p.plan.label}{ps.suffix} reduce", op=ctx.op, reads=(partials, out),
@@ -783,141 +567,6 @@ def _emit_reduce_scatter(ctx, p: _Plan, ps: _Pass, partials: P.Tensor) -> None:
 
 
 # --- Tree reduction -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _TreeStage:
-  """One stage of a tree reduction: groups of ``fanin`` partials summed on their first tile.
-
-  Attributes:
-    count, new_count: partials per output block before and after the stage.
-    fanin: partials a group sums.
-    members: ``[new_count]`` partials in each group (the last may be short).
-    receivers: ``[g_out, new_count]`` the tile summing each group.
-    exchange: the stage's bytes.
-    compute: ``[num_tiles]`` cycles.
-    outputs: ``[num_tiles]`` elements each tile writes.
-  """
-  count: int
-  new_count: int
-  fanin: int
-  members: np.ndarray
-  receivers: np.ndarray
-  exchange: ExchangeCost
-  compute: np.ndarray
-  outputs: np.ndarray
-
-  @property
-  def last(self) -> bool:
-    return self.new_count == 1
-
-
-def _tree_stage(target, group_tiles: np.ndarray, elements: np.ndarray, p_size: int, count: int,
-                stride: int, fanin: int) -> _TreeStage:
-  """A stage's costs; partial ``j`` of group ``g`` is on ``group_tiles[g, j * stride]``."""
-  num_tiles = target.num_tiles
-  new_count = ceil_div(count, fanin)
-  holders = group_tiles[:, ::stride][:, :count]                  # [g_out, count]
-  members = np.minimum(fanin, count - np.arange(new_count) * fanin)  # [new_count]
-  receivers = holders[:, ::fanin]                                 # [g_out, new_count]
-  sends = (np.arange(count) % fanin) != 0                         # [count]
-  bytes_in = np.zeros(num_tiles, np.int64)
-  bytes_out = np.zeros(num_tiles, np.int64)
-  np.add.at(bytes_in, receivers, (members[None, :] - 1) * elements[:, None] * p_size)
-  senders = holders[:, sends]
-  np.add.at(bytes_out, senders, np.broadcast_to(elements[:, None] * p_size, senders.shape))
-  link = np.zeros(target.num_ipus, np.int64)
-  if target.num_ipus > 1:
-    per = target.tiles_per_ipu
-    dest = np.repeat(receivers, fanin, axis=1)[:, :count][:, sends]
-    crossing = (senders // per) != (dest // per)
-    np.add.at(link, (senders // per)[crossing],
-              np.broadcast_to(elements[:, None] * p_size, senders.shape)[crossing])
-  summed = np.zeros(num_tiles, np.int64)
-  np.add.at(summed, receivers, members[None, :] * elements[:, None])
-  outputs = np.zeros(num_tiles, np.int64)
-  np.add.at(outputs, receivers, np.broadcast_to(elements[:, None], receivers.shape))
-  compute = estimators.reduce_cycles(target, summed, p_size, outputs=outputs)
-  return _TreeStage(count, new_count, fanin, members, receivers,
-                    ExchangeCost(bytes_in, bytes_out, link), compute, outputs)
-
-
-def _tree_sum(level_st, stage: _TreeStage, g_out: int, block: int, acc):
-  """Each group's sum of its ``fanin`` partial blocks (per_tile mode)."""
-  count, new_count, fanin = stage.count, stage.new_count, stage.fanin
-  x = level_st.reshape(g_out, count, block)
-  x = jnp.pad(x, ((0, 0), (0, new_count * fanin - count), (0, 0)))
-  x = x.reshape(g_out, new_count, fanin, block)
-  if half_partials.applies(acc, acc):  # in order, rounding each addition
-    return half_partials.add_in_order(jnp.moveaxis(x, 2, 0), stage.members[None, :, None])
-  return x.sum(axis=2)
-
-
-def _emit_tree_reduce(ctx, partials: P.Tensor, out: P.Tensor, plan: MatmulPlan, tiles: np.ndarray,
-                      block_elements: np.ndarray, name: str) -> None:
-  """Sum each output block's ``gk`` partial blocks in a tree of supersteps.
-
-  For a block with fewer elements than ``gk`` (a long contraction with a tiny
-  result) a reduce-scatter would leave tiles idle and pile ``gk - 1`` partials
-  on one: instead stage ``s`` sums groups of ``plan.reduce_fanins[s]``
-  partials on the tile of each group's first (which keeps its own partial
-  in place and receives the others), until one sum per block is left, on the
-  group's first tile, where the result lies.
-
-  Args:
-    partials: ``[g_all, block]`` partial blocks, row ``g * gk + j`` on
-      ``tiles[g * gk + j]``.
-    out: the result (block-grid mapping on the groups' first tiles).
-    plan: the matmul plan.
-    tiles: ``[g_all]`` tile of each grid index.
-    block_elements: ``[g_all]`` elements of the output block of each grid tile.
-    name: prefix of the steps' and tensors' names.
-  """
-  gb, gm, gn, gk = plan.grid
-  g_out = gb * gm * gn
-  acc = partials.dtype
-  elements = block_elements.reshape(g_out, gk)[:, 0]  # [g_out]
-  group_tiles = tiles.reshape(g_out, gk)
-  level, count, stride = partials, gk, 1  # partial j of a group is on k-tile j * stride
-  for index, fanin in enumerate(plan.reduce_fanins):
-    stage = _tree_stage(ctx.target, group_tiles, elements, acc.itemsize, count, stride, fanin)
-    label = f"{plan.label} stage {index + 1}/{len(plan.reduce_fanins)}"
-    result = _emit_tree_stage(ctx, stage, level, out, label, index, elements, name)
-    level, count, stride = result, stage.new_count, stride * fanin
-
-
-def _emit_tree_stage(ctx, stage: _TreeStage, level: P.Tensor, out: P.Tensor, label: str,
-                     index: int, elements: np.ndarray, name: str) -> P.Tensor:
-  """Emit one stage's superstep; returns its result (``out`` at the last stage)."""
-  g_out, block = stage.receivers.shape[0], level.shape[1]
-  acc, out_dtype, last = level.dtype, out.dtype, stage.last
-  if last:
-    result = out
-  else:
-    rows = g_out * stage.new_count
-    result = ctx.new_tensor((rows, block), acc,
-                            TileMapping(rows * block, stage.receivers.reshape(-1),
-                                        np.full(rows, block, np.int64), chunk=block),
-                            name=f"{name}/partials{index + 1}")
-
-  def step(level_st, *out_st):
-    x = _tree_sum(level_st, stage, g_out, block, acc)
-    if last:
-      return (x.astype(out_dtype).reshape(out.storage_shape),)
-    return (x.reshape(result.storage_shape),)
-
-  def logical_step(level, *out):
-    # The matmul step's logical form wrote the result.
-    return (out[0],) if last else (jnp.zeros(result.shape, acc),)
-
-  ctx.emit(P.Superstep(
-      name=f"{name}/{label} reduce", op=ctx.op, reads=(level,) + ((out,) if last else ()),
-      writes=(result,), fn=step, logical=logical_step, compute_cycles=stage.compute,
-      exchange=stage.exchange,
-      vertices=worker_vertices(ctx, stage.outputs),
-      codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out_dtype if last else acc),),
-      flops=int(((stage.members - 1).sum()) * elements.sum()) if _is_float(out_dtype) else 0))
-  return result
 
 
 def _add(x: Optional[ExchangeCost], y: Optional[ExchangeCost]) -> Optional[ExchangeCost]:

@@ -51,42 +51,29 @@ cut the temporaries below the unserialised plan's (:func:`_forced_serial`,
 The search is vectorised: for each of ``B, M, N, K`` a modest set of split
 counts (powers of two, divisors and the full size, deduplicated by the block
 size they give) is combined into a grid of candidates evaluated as NumPy
-arrays. Plans are cached by shapes, dtypes, target and proportion.
+arrays (``lowering/matmul_cost.py``: the split counts and the cost of a
+candidate). Plans are cached by shapes, dtypes, target and proportion.
 
-The module also holds the tile-grid helpers the matmul and convolution rules
-share: the mapping and storage of an array cut into blocks, one per tile
-(:func:`block_grid_mapping`, :func:`blocked_storage`), and the exact bytes
-to give each grid tile the operand elements its block needs
-(:func:`grid_exchange_cost`).
-
-(Longer than the ~600 lines a module usually keeps to: the planner and the
-grid helpers are one concept, the helpers cost and place exactly the blocks
-the plan chooses, and ``lowering/matmul_emit.py`` emits the supersteps.)
+The tile-grid helpers the matmul and convolution rules share once a grid is
+chosen (block mappings, storage, exact operand bytes) are in
+``lowering/matmul_grid.py``; ``lowering/matmul_emit.py`` emits the supersteps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.kernels import estimators
-from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.block_overlap import block_exchange_cost, block_link_bytes
-from ipu_jax.lowering.exchange import ExchangeCost
-from ipu_jax.lowering.mapping import BlockGrid, TileMapping
-
-if TYPE_CHECKING:  # program imports this module's users; only the annotation needs it
-  from ipu_jax.lowering import program as P
 from ipu_jax.kernels.target import IPUTarget
+from ipu_jax.lowering.matmul_cost import (ceil_div, evaluate_grid, grid_product,
+                                          split_candidates, tree_fanins)
 
-__all__ = ["BlockWork", "GridPlan", "MatmulPlan", "block_work", "plan_matmul", "split_candidates", "ceil_div", "covering",
-           "operand_dtype",
-           "partials_dtype", "widen_to_partials", "tree_fanins", "block_grid_mapping", "blocked_storage",
-           "canonical_tiles", "grid_exchange_cost", "grid_tiles", "edge_sizes"]
+__all__ = ["BlockWork", "GridPlan", "MatmulPlan", "block_work", "plan_matmul", "covering",
+           "operand_dtype", "partials_dtype", "widen_to_partials"]
 
 # About this many grids are evaluated per plan (a few milliseconds of NumPy).
 _SEARCH_BUDGET = 150_000
@@ -160,11 +147,6 @@ def covering(lo: np.ndarray, hi: np.ndarray, grid: int) -> np.ndarray:
   np.add.at(diff, np.minimum(lo, grid), 1)
   np.add.at(diff, np.minimum(hi, grid), -1)
   return np.cumsum(diff)[:grid]
-
-
-def ceil_div(a, b):
-  """``ceil(a / b)`` for non-negative integers (works on arrays)."""
-  return -(-a // b)
 
 
 def operand_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
@@ -321,164 +303,6 @@ class MatmulPlan:
             f"{'' if self.fits else ' (does not fit)'}.")
 
 
-def _divisors(d: int) -> list:
-  small = [i for i in range(1, int(d ** 0.5) + 1) if d % i == 0]
-  return sorted(set(small + [d // i for i in small]))
-
-
-def split_candidates(d: int, limit: int, budget: int = 64,
-                     aligned_only: bool = False) -> np.ndarray:
-  """Split counts worth trying for a dimension of size ``d``.
-
-  Every count from 1 to ``limit`` is merged into the smallest grid giving the
-  same block size (``ceil(d / ceil(d / g))``; those cost the same). When more
-  than ``budget`` remain, the divisors of ``d`` (no ragged blocks) and the
-  powers of two are kept first and the rest are sampled log-spaced.
-
-  Args:
-    d: dimension size.
-    limit: the most blocks wanted (usually the tile count).
-    budget: the most counts returned.
-    aligned_only: only divisors of ``d`` (every block the same size).
-  """
-  limit = max(1, min(int(d), int(limit)))
-  if d <= 1:
-    return np.array([1], np.int64)
-  if aligned_only:
-    values = np.array([g for g in _divisors(d) if g <= limit], np.int64)
-  else:
-    g = np.arange(1, limit + 1, dtype=np.int64)
-    values = np.unique(ceil_div(d, ceil_div(d, g)))
-  if values.size <= budget:
-    return values
-  preferred = {g for g in _divisors(d) if g <= limit}
-  preferred |= {1 << p for p in range(limit.bit_length()) if (1 << p) <= limit}
-  preferred = {int(ceil_div(d, ceil_div(d, g))) for g in preferred} | {int(values[-1])}
-  preferred = np.array(sorted(preferred), np.int64)
-  if preferred.size >= budget:
-    pick = np.unique(np.round(np.geomspace(1, preferred.size, budget)).astype(int) - 1)
-    return preferred[pick]
-  rest = np.setdiff1d(values, preferred)
-  pick = np.unique(np.round(np.geomspace(1, rest.size, budget - preferred.size)).astype(int) - 1)
-  return np.union1d(preferred, rest[pick])
-
-
-def grid_product(lists: Sequence[np.ndarray], limit: int) -> list:
-  """All combinations of per-dimension split counts whose product fits.
-
-  Returns:
-    One flat array per dimension, of equal length.
-  """
-  mesh = np.meshgrid(*lists, indexing="ij")
-  flat = [g.reshape(-1) for g in mesh]
-  total = np.ones_like(flat[0])
-  for g in flat:
-    total = total * g
-  keep = total <= limit
-  return [g[keep] for g in flat]
-
-
-def _exchange_cycles(target: IPUTarget, nbytes: np.ndarray) -> np.ndarray:
-  nbytes = np.asarray(nbytes, np.float64)
-  return np.where(nbytes > 0, nbytes / target.exchange_bytes_per_cycle
-                  + target.exchange_latency_cycles, 0.0)
-
-
-def tree_fanins(gk: int, stages: int) -> tuple:
-  """Fan-in of each stage of a tree reduction of ``gk`` partials in ``stages``.
-
-  Every stage but the last sums groups of ``f = ceil(gk ** (1/stages))``
-  partials (fewer stages when ``f`` already covers ``gk``).
-  """
-  f = max(2, int(np.ceil(gk ** (1.0 / stages))))
-  while f ** stages < gk:
-    f += 1
-  fanins, count = [], int(gk)
-  while count > 1:
-    fanins.append(min(f, count))
-    count = ceil_div(count, f)
-  return tuple(fanins)
-
-
-# Stages a tree reduction may take (each costs a sync).
-_TREE_STAGES = (1, 2, 3)
-
-
-def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
-  """Cycles and largest received bytes of a tree reduction (arrays over candidates).
-
-  Stage ``s`` sums groups of ``f`` partial blocks on the tile of the group's
-  first: that tile receives ``f - 1`` blocks, adds them, and holds the sum
-  for the next stage (the last writes the result).
-  """
-  gk = np.asarray(gk, np.int64)
-  f = np.maximum(2, np.ceil(gk ** (1.0 / stages)).astype(np.int64))
-  f = np.where(f ** stages < gk, f + 1, f)
-  count = gk.copy()
-  cycles = np.zeros(gk.shape, np.float64)
-  received = np.zeros(gk.shape, np.int64)
-  for _ in range(stages):
-    members = np.minimum(f, count)
-    active = count > 1
-    nbytes = (members - 1) * out_block * p_itemsize
-    stage = (target.sync_cycles_internal + _exchange_cycles(target, nbytes)
-             + estimators.reduce_cycles(target, members * out_block, p_itemsize,
-                                        outputs=out_block))
-    cycles += np.where(active, stage, 0.0)
-    received = np.maximum(received, np.where(active, nbytes, 0))
-    count = ceil_div(count, f)
-  return cycles, received
-
-
-def _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce=True):
-  """Per-candidate costs (arrays over candidates).
-
-  A reduce group with fewer output elements than tiles (``gk`` above the
-  block's elements: a long contraction with a tiny result) sums its partials
-  in a tree (``tree_stages`` > 0) when ``tree_reduce``; else it is costed as
-  a reduce-scatter whose first tiles each receive ``gk - 1`` elements.
-  """
-  itemsize = dtype.itemsize
-  bb, bm, bn, bk = (ceil_div(b, gb), ceil_div(m, gm), ceil_div(n, gn), ceil_div(k, gk))
-  macs = bb * bm * bn * bk
-  out_block = bb * bm * bn
-  compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block, dtype=dtype,
-                                     k=bk, n=bn, groups=bb)
-  a_bytes = bb * bm * bk * itemsize
-  b_bytes = bb * bk * bn * itemsize
-  partial_bytes = out_block * p_itemsize
-  exchange_bytes = a_bytes + b_bytes
-  exchange = _exchange_cycles(target, exchange_bytes)
-  piece = ceil_div(out_block, gk)
-  reduce_bytes = np.where(gk > 1, (gk - 1) * piece * p_itemsize, 0)
-  reduce_compute = np.where(
-      gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
-  reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
-                    + reduce_compute, 0.0)
-  stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
-  tree_stages = np.zeros(gk.shape, np.int64)
-  deep = (gk > out_block) & tree_reduce
-  if deep.any():
-    best_cycles = np.full(gk.shape, np.inf)
-    best_bytes = np.zeros(gk.shape, np.int64)
-    for stages in _TREE_STAGES:
-      cycles, received = _tree_reduce_cost(target, gk, out_block, p_itemsize, stages)
-      better = deep & (cycles < best_cycles)
-      tree_stages = np.where(better, stages, tree_stages)
-      best_cycles = np.where(better, cycles, best_cycles)
-      best_bytes = np.where(better, received, best_bytes)
-    reduce = np.where(deep, best_cycles, reduce)
-    reduce_bytes = np.where(deep, best_bytes, reduce_bytes)
-    # The summing tile holds its partials, those received and the sum.
-    stage2 = np.where(deep, 2 * partial_bytes + best_bytes, stage2)
-  stage1 = a_bytes + b_bytes + partial_bytes
-  temp = np.maximum(stage1, stage2)
-  cycles = target.sync_cycles_internal + exchange + compute + reduce
-  return dict(block=(bb, bm, bn, bk), compute=compute, exchange=exchange,
-              reduce=reduce, exchange_bytes=exchange_bytes, reduce_bytes=reduce_bytes,
-              temp=temp, cycles=cycles, tree_stages=tree_stages)
-
-
 def plan_matmul(target: IPUTarget, b: int, m: int, n: int, k: int, dtype,
                 partials_dtype=np.float32, available_memory_proportion: float = 0.6,
                 max_tiles: Optional[int] = None, tree_reduce: bool = True,
@@ -544,7 +368,7 @@ def _search(target, b, m, n, k, dtype, p_itemsize, limit, budget_total,
   elif serial_axis == "n":
     keep &= ceil_div(n, gn) <= last
   gb, gm, gn, gk = gb[keep], gm[keep], gn[keep], gk[keep]
-  costs = _evaluate(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce)
+  costs = evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce)
   costs["grid"] = (gb, gm, gn, gk)
   costs["tiles"] = gb * gm * gn * gk
   return costs
@@ -702,315 +526,3 @@ def _plan_cached(target, b, m, n, k, dtype, partials_dtype, proportion, max_tile
       serial=count, serial_axis=axis,
       reduce_fanins=(tree_fanins(int(gk[i]), int(costs["tree_stages"][i]))
                      if costs["tree_stages"][i] else ()))
-
-
-# -- tile-grid helpers (shared by the matmul and convolution rules) ----------
-
-
-def grid_tiles(ctx, count: int) -> np.ndarray:
-  """Tiles for a grid of ``count`` blocks, rotating the start for small grids.
-
-  Small grids start where the last small tensor ended, so many small products
-  do not all pile onto tile 0 (as ``LoweringContext.linear_mapping`` does).
-  """
-  num_tiles = ctx.target.num_tiles
-  start = ctx.claim_tiles(count) if count < num_tiles else 0
-  return (start + np.arange(count, dtype=np.int64)) % num_tiles
-
-
-def edge_sizes(size: int, grid: int, block: int) -> np.ndarray:
-  """``[grid]`` elements in each block of a dimension (the last may be short)."""
-  return np.clip(size - np.arange(grid, dtype=np.int64) * block, 0, block)
-
-
-def block_grid_mapping(shape: Sequence[int], grids: Sequence[int],
-                       blocks: Sequence[int], tiles: np.ndarray,
-                       pieces: int = 1, serial: tuple = (None, 1)) -> TileMapping:
-  """The mapping of an array cut into a grid of blocks, one block per tile.
-
-  Axis ``a`` is cut into ``grids[a]`` blocks of ``blocks[a]``; block ``(i0, i1,
-  ...)`` (row-major) is split into ``pieces`` equal runs of its row-major
-  elements, each on its own tile: row ``r = block_index * pieces + piece`` of the
-  storage lives on ``tiles[r]``. Edge blocks are stored padded to the full block
-  size, so storage is ``[rows, ceil(block_elements / pieces)]`` and
-  :func:`blocked_storage` builds it with pad / reshape / transpose only.
-
-  ``serial = (axis, count)`` first cuts ``axis`` into ``count`` equal passes
-  (the last may be short); the grid then applies within each pass, and every
-  tile holds one piece per pass, side by side (row size ``count * piece``).
-
-  Returns:
-    A linear mapping when the rows are consecutive runs of the flattened array,
-    else a general one.
-  """
-  shape = tuple(int(d) for d in shape)
-  grids = tuple(int(g) for g in grids)
-  blocks = tuple(int(b) for b in blocks)
-  rows = int(np.prod(grids, dtype=np.int64)) * int(pieces)
-  tiles = np.asarray(tiles, np.int64)[:rows]
-  n = int(np.prod(shape, dtype=np.int64))
-  if n == 0:
-    return TileMapping(0, np.zeros(0, np.int64), np.zeros(0, np.int64), chunk=1)
-  # Where each element goes does not depend on the tiles: repeated layers,
-  # whose grids land on other tiles, share one layout and differ in tiles only.
-  key = (shape, grids, blocks, int(pieces), tuple(serial), int(tiles.size))
-  layout = plan_cache.cached(_GRID_LAYOUTS, key, lambda: _block_grid_layout(
-      shape, grids, blocks, int(tiles.size), int(pieces), tuple(serial)))
-  if layout.chunk is not None:
-    return TileMapping(n, tiles, layout.counts, chunk=layout.chunk)
-  return TileMapping(n, tiles, layout.counts, grid=layout.grid, row_runs=layout.runs)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GridLayout:
-  """The tile-independent part of a block-grid mapping (shared, read-only).
-
-  ``chunk`` is set when the rows are consecutive runs of the flattened array
-  (a linear mapping); else ``grid`` places every element (its closed form,
-  derived on demand by the mapping) and ``runs`` are the runs of one row
-  (see ``TileMapping.row_runs``).
-  """
-
-  counts: np.ndarray
-  chunk: Optional[int] = None
-  grid: Optional[BlockGrid] = None
-  runs: Optional[tuple] = None
-
-
-_GRID_LAYOUTS = plan_cache.PlanCache("block_grid_mapping")
-
-
-def _block_grid_layout(shape, grids, blocks, stored, pieces, serial) -> _GridLayout:
-  num_blocks = int(np.prod(grids, dtype=np.int64))
-  rows = num_blocks * pieces
-  block_elements = int(np.prod(blocks, dtype=np.int64))
-  piece = ceil_div(block_elements, pieces)
-  _, count = serial
-  grid = BlockGrid(tuple(int(d) for d in shape), tuple(int(g) for g in grids),
-                   tuple(int(b) for b in blocks), int(pieces), tuple(serial),
-                   rows=stored if stored < rows else None)
-  # The placement is the grid's closed form (one formula, BlockGrid's), taken
-  # on its runs: a vocabulary-sized operand has millions of elements but
-  # thousands of runs.
-  start, length, row, offset = grid.runs()
-  row_size = count * piece if count > 1 else piece
-  counts = np.bincount(row, weights=length, minlength=rows)[:rows].astype(np.int64)
-  if counts[-1] > 0 and np.all(counts[:-1] == row_size):
-    # Within a run both the flat index and the storage place go up by one.
-    if np.array_equal(row * row_size + offset, start):
-      return _GridLayout(_read_only(counts), chunk=row_size)
-  # Blocks past the last tile given are empty (the grid over-covers an
-  # axis): they have no storage row.
-  if stored < rows and counts[stored:].any():
-    raise ValueError(f"block grid: {rows} blocks hold elements but only {stored} tiles given")
-  counts = counts[:stored]
-  # Runs of one row (TileMapping.row_runs): neighbouring runs on one row merge.
-  new = np.ones(row.size, bool)
-  new[1:] = row[1:] != row[:-1]
-  runs = tuple(_read_only(a) for a in (start[new], row[new]))
-  return _GridLayout(_read_only(counts), grid=grid, runs=runs)
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-  """``a``, made read-only: cached layouts are shared by many mappings."""
-  a = np.ascontiguousarray(a)
-  a.setflags(write=False)
-  return a
-
-
-def blocked_storage(x, grids: Sequence[int], blocks: Sequence[int], pieces: int = 1,
-                    serial: tuple = (None, 1)):
-  """Logical array -> storage of :func:`block_grid_mapping` (pad/reshape/transpose)."""
-  return BlockGrid(tuple(x.shape), tuple(grids), tuple(blocks), pieces, serial).to_storage(x)
-
-
-def canonical_tiles(tensor: P.Tensor, perm: Sequence[int], canon_shape: Sequence[int]):
-  """The tile of every element of ``tensor``, in a canonical view of it.
-
-  The view is ``transpose(perm)`` then ``reshape(canon_shape)``, as used by
-  :func:`grid_exchange_cost`.
-  """
-  src = tensor.mapping.element_tile.astype(np.intp, copy=False).reshape(tensor.shape)
-  return np.transpose(src, perm).reshape(tuple(int(d) for d in canon_shape))
-
-
-def operand_exchange_cost(target, tensor, perm, canon_shape, groups, grid, tiles, needs,
-                          elements, window=None) -> tuple:
-  """:func:`grid_exchange_cost` of an operand seen as ``canon_shape`` (axes ``perm`` first).
-
-  By intervals of its mapping where the view allows
-  (:func:`~ipu_jax.lowering.block_overlap.block_exchange_cost`; ``groups``:
-  the tensor axes of each canonical axis, or None), else per element.
-  ``window``: the ``(start, stop)`` taken of each canonical axis (a serial
-  pass's slice); default the whole axis.
-  """
-  if window is None:
-    window = [(0, int(d)) for d in canon_shape]
-  if groups is not None:
-    by_intervals = block_exchange_cost(target, tensor.mapping, tensor.shape, tensor.itemsize,
-                                       groups, window, grid, tiles, needs, elements)
-    if by_intervals is not None:
-      return by_intervals
-  src = canonical_tiles(tensor, perm, canon_shape)[tuple(slice(a, b) for a, b in window)]
-  return grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
-
-
-def operand_link_bytes(target, tensor, perm, canon_shape, groups, grid, tiles, needs, sent,
-                       window=None) -> Optional[np.ndarray]:
-  """The IPU-Link bytes of :func:`operand_exchange_cost` alone, given ``[num_tiles]``
-  elements each tile sends (see :func:`~ipu_jax.lowering.block_overlap.block_link_bytes`).
-
-  None where they are not found by intervals: the caller costs the whole
-  exchange. ``perm`` is unused (the intervals see the operand through
-  ``groups``); it keeps the arguments those of :func:`operand_exchange_cost`.
-  """
-  del perm
-  if groups is None:
-    return None
-  if window is None:
-    window = [(0, int(d)) for d in canon_shape]
-  return block_link_bytes(target, tensor.mapping, tensor.shape, tensor.itemsize, groups, window,
-                          grid, tiles, needs, sent)
-
-
-def _along(axis: int, table, ndim: int) -> np.ndarray:
-  """``table`` shaped to broadcast along canonical axis ``axis`` of ``ndim``."""
-  return np.asarray(table).reshape([-1 if i == axis else 1 for i in range(ndim)])
-
-
-def _on_tiles(num_tiles: int, tiles: np.ndarray, values, fill: int) -> np.ndarray:
-  """A ``[num_tiles]`` table of a per-grid-index value (``fill`` off the grid)."""
-  table = np.full(num_tiles, fill, np.int64)
-  table[tiles] = values
-  return table
-
-
-@dataclasses.dataclass(frozen=True)
-class _GridNeeds:
-  """Which grid tiles need each operand element, in the canonical layout.
-
-  Axes where an element needs one block fold into one key, compared with the
-  key of the tile that holds it; ranges (halos) are checked per axis.
-
-  Attributes:
-    key_needed: the key of the block each element needs (broadcasts to the
-      canonical shape).
-    key_have: ``[G]`` each grid index's key.
-    ranges: per grid axis with halos, ``(coordinate of each tile [num_tiles]
-      (-1 off the grid), lo, hi)``, ``lo``/``hi`` along the canonical axis.
-    count: how many blocks need each element (broadcasts to the canonical shape).
-  """
-
-  key_needed: np.ndarray
-  key_have: np.ndarray
-  ranges: tuple
-  count: np.ndarray
-
-
-def _grid_needs(num_tiles, ndim, grid_shape, tiles, needs, masks) -> _GridNeeds:
-  """The keys, ranges and counts of :func:`grid_exchange_cost`'s ``needs`` and ``masks``."""
-  g_count = int(np.prod(grid_shape, dtype=np.int64))
-  coords = np.unravel_index(np.arange(g_count), tuple(grid_shape))
-  strides = [int(np.prod(grid_shape[a + 1:], dtype=np.int64)) for a in range(len(grid_shape))]
-  key_needed = np.zeros((1,) * ndim, np.int64)
-  key_have = np.zeros(g_count, np.int64)
-  ranges = []
-  count = np.ones((1,) * ndim, np.int64)
-  for a, need in enumerate(needs):
-    if need is None:
-      count = count * int(grid_shape[a])
-      continue
-    axis, lo, hi = need
-    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    width = np.maximum(hi - lo, 0)
-    count = count * _along(axis, width, ndim)
-    if np.all(width <= 1):
-      key_needed = key_needed + _along(axis, lo * strides[a], ndim)
-      key_have += coords[a] * strides[a]
-    else:
-      ranges.append((_on_tiles(num_tiles, tiles, coords[a], -1), _along(axis, lo, ndim),
-                     _along(axis, hi, ndim)))
-  for axis, needed in masks:
-    count = count * _along(axis, np.asarray(needed, np.int64), ndim)
-  return _GridNeeds(key_needed, key_have, tuple(ranges), count)
-
-
-def _grid_link_bytes(target, src, tiles, grid: _GridNeeds, sent, sent_src,
-                     itemsize: int) -> np.ndarray:
-  """``[num_ipus]`` IPU-Link bytes of the elements sent (``sent``, from tiles ``sent_src``)."""
-  per = target.tiles_per_ipu
-  if not grid.ranges:
-    # Exact: an element's destinations are the grid tiles sharing its key
-    # (every block along the other axes); a multicast crosses once to each
-    # other IPU among them.
-    g_count = grid.key_have.size
-    member = np.zeros((g_count, target.num_ipus), bool)
-    member[grid.key_have, np.asarray(tiles) // per] = True
-    key = np.broadcast_to(grid.key_needed, src.shape).ravel()[sent.ravel()]
-    # Count elements per (key, sending IPU) pair, then weigh each pair by
-    # the other IPUs its key's blocks sit on: no per-element IPU table.
-    ipus = target.num_ipus
-    pairs = np.bincount(key * ipus + sent_src // per, minlength=g_count * ipus)
-    pairs = pairs[:g_count * ipus].reshape(g_count, ipus)
-    others = member.sum(axis=1, keepdims=True) - member
-    return ((pairs * others).sum(axis=0) * itemsize).astype(np.int64)
-  # Halo ranges: an upper bound, every element sent leaves for every
-  # other IPU the grid spans.
-  spanned = np.unique(np.asarray(tiles) // per)
-  sent_per_ipu = np.bincount(sent_src // per, minlength=target.num_ipus)[:target.num_ipus]
-  others = spanned.size - np.isin(np.arange(target.num_ipus), spanned)
-  return (sent_per_ipu * others * itemsize).astype(np.int64)
-
-
-def grid_exchange_cost(target, src: np.ndarray, itemsize: int, grid_shape: Sequence[int],
-                       tiles: np.ndarray, needs: Sequence, block_elements: np.ndarray,
-                       masks: Sequence = ()) -> tuple:
-  """Bytes moved to give every grid tile the part of an operand it needs.
-
-  The operand is seen in a canonical layout: ``src`` holds the tile of each of
-  its elements there (see :func:`canonical_tiles`; a slice of it for a part of
-  the operand). For grid axis ``a``, ``needs[a]`` is ``None`` (an element is
-  needed by every block along that axis) or ``(canon_axis, lo, hi)``: an
-  element whose coordinate along ``canon_axis`` is ``c`` is needed by blocks
-  ``lo[c] <= i_a < hi[c]``. ``masks`` are ``(canon_axis, bool table)``:
-  elements no tile needs. So the set of tiles needing an element is a product
-  of ranges, and no per-(element, destination) array is built.
-
-  Args:
-    target: the IPU target.
-    src: tile of every operand element, in the canonical layout.
-    itemsize: bytes per element.
-    grid_shape: blocks along each grid axis; grid index is row-major.
-    tiles: ``[G]`` tile of each grid index.
-    needs: per grid axis, ``None`` or ``(canon_axis, lo, hi)``.
-    block_elements: ``[G]`` elements each grid tile needs (consistent with
-      ``needs``, computed analytically by the caller).
-    masks: ``(canon_axis, needed)`` tables.
-
-  Returns:
-    ``(ExchangeCost, local)``: the cost, and ``[G]`` elements each grid tile
-    needs that it already holds.
-  """
-  t = target.num_tiles
-  g_count = int(np.prod(grid_shape, dtype=np.int64))
-  if src.size == 0 or g_count == 0:
-    return None, np.zeros(g_count, np.int64)
-  grid = _grid_needs(t, src.ndim, grid_shape, tiles, needs, masks)
-  # Tiles outside the grid hold nothing anyone needs locally.
-  local = _on_tiles(t, tiles, grid.key_have, -1)[src] == grid.key_needed
-  for coord_of_tile, lo, hi in grid.ranges:
-    j = coord_of_tile[src]
-    local &= (j >= lo) & (j < hi)
-  local &= grid.count > 0
-  sent = np.broadcast_to(grid.count, src.shape) > local
-  # Flat boolean selection is much faster in NumPy than an n-d mask.
-  src_flat = src.ravel()
-  sent_src = src_flat[sent.ravel()]
-  bytes_out = np.bincount(sent_src, minlength=t)[:t].astype(np.int64) * itemsize
-  local_count = np.bincount(src_flat[local.ravel()], minlength=t)[:t][tiles].astype(np.int64)
-  bytes_in = np.zeros(t, np.int64)
-  np.add.at(bytes_in, tiles, (np.asarray(block_elements, np.int64) - local_count) * itemsize)
-  link = np.zeros(target.num_ipus, np.int64)
-  if target.num_ipus > 1 and sent_src.size:
-    link = _grid_link_bytes(target, src, tiles, grid, sent, sent_src, itemsize)
-  return ExchangeCost(bytes_in, bytes_out, link), local_count

@@ -27,6 +27,7 @@ __all__ = [
     "Tensor", "Superstep", "Sequence", "Repeat", "RepeatWhileTrue", "If",
     "Switch", "Replicated", "HostStream", "StreamCopy", "PrintTensor", "Program",
     "program_reads", "program_writes", "iter_steps", "children", "ElementwiseWork", "FusedOp",
+    "worker_vertices",
 ]
 
 _ids = itertools.count()
@@ -485,3 +486,8 @@ def _iter(program: Optional[Program], executions, loops):
       yield from _iter(child, executions, loops)
   else:
     raise TypeError(f"not a tile program: {program!r}")
+
+
+def worker_vertices(ctx, elements: np.ndarray) -> np.ndarray:
+  """A step's ``vertices`` per tile when each tile's work is split over its workers."""
+  return np.minimum(np.asarray(elements), ctx.target.worker_contexts)

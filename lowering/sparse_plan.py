@@ -71,7 +71,7 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popsparse
 from ipu_jax.kernels.target import IPUTarget
-from ipu_jax.lowering.matmul_plan import split_candidates
+from ipu_jax.lowering.matmul_cost import split_candidates
 
 __all__ = ["SparsePlan", "plan_static", "plan_dynamic", "bucket_capacity", "DEFAULT_OVERSIZE",
            "reduce_piece_elements"]

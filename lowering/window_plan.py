@@ -23,7 +23,7 @@ own box. Ties go to the first maximum on every tile alike, so the result is
 the one ``jax.jit`` gives.
 
 Choosing the grid (:func:`plan_window`): for each axis a modest set of split
-counts (``matmul_plan.split_candidates``) is combined into candidate grids of
+counts (``matmul_cost.split_candidates``) is combined into candidate grids of
 at most ``num_tiles`` boxes, evaluated as NumPy arrays for the busiest tile
 (full boxes), as popnn's planner evaluates its partitions:
 
@@ -48,7 +48,7 @@ Exchange is exact and by regions (:func:`pool_needs`, :func:`scatter_needs`):
 per operand axis, every coordinate knows the contiguous range of boxes that
 read it (from the first and last window reading it, :meth:`WindowGeometry.
 readers`, closed-form in the window's arithmetic); the ranges are what
-``matmul_plan.operand_exchange_cost`` takes, which overlaps them with the
+``matmul_grid.operand_exchange_cost`` takes, which overlaps them with the
 operand's mapping by intervals (``lowering/block_overlap.py``). A tile
 receives what its box needs and does not hold; an element is sent once if any
 other tile needs it (multicast). Coordinates no window reads (strides longer
@@ -70,8 +70,9 @@ from typing import Sequence
 import numpy as np
 
 from ipu_jax.kernels import estimators
-from ipu_jax.lowering.matmul_plan import (GridPlan, ceil_div, covering, edge_sizes,
-                                          grid_product, split_candidates)
+from ipu_jax.lowering.matmul_plan import GridPlan, covering
+from ipu_jax.lowering.matmul_cost import ceil_div, grid_product, split_candidates
+from ipu_jax.lowering.matmul_grid import edge_sizes
 
 __all__ = ["WindowGeometry", "WindowWork", "WindowPlan", "window_geometry", "plan_window",
            "pool_needs", "scatter_needs", "block_work", "pool_cuts", "scatter_cuts",

@@ -8,10 +8,10 @@ import chex
 import numpy as np
 
 import ipu_jax
-from ipu_jax.lowering import block_overlap
+from ipu_jax.lowering import block_counts, block_links, block_overlap
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, canonical_tiles, edge_sizes,
+from ipu_jax.lowering.matmul_grid import (block_grid_mapping, canonical_tiles, edge_sizes,
                                           grid_exchange_cost)
 
 _TARGET = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
@@ -61,23 +61,23 @@ class PrefixInBoxTest(chex.TestCase):
       x = rng.integers(0, 61, 8)
       inside = np.all((digits >= lo) & (digits < hi), axis=1)
       want = [int(inside[:v].sum()) for v in x]
-      np.testing.assert_array_equal(block_overlap.prefix_in_box(x, shape, lo, hi), want)
+      np.testing.assert_array_equal(block_counts.prefix_in_box(x, shape, lo, hi), want)
       # Within a product of sets (e.g. the rows a strided window reads).
       sets = [rng.random(d) < 0.6 for d in shape]
       cums = [np.concatenate([[0], np.cumsum(m)]) for m in sets]
       member = np.all([m[digits[:, a]] for a, m in enumerate(sets)], axis=0)
       want = [int((inside & member)[:v].sum()) for v in x]
-      np.testing.assert_array_equal(block_overlap.prefix_in_box(x, shape, lo, hi, cums), want)
+      np.testing.assert_array_equal(block_counts.prefix_in_box(x, shape, lo, hi, cums), want)
 
 
 class MergeAxesTest(chex.TestCase):
 
   def test_merges_neighbours_of_one_group(self):
-    shape, groups = block_overlap.merge_axes((2, 1, 3, 4, 5), ((), (0, 2), (3,), (1, 4)))
+    shape, groups = block_counts.merge_axes((2, 1, 3, 4, 5), ((), (0, 2), (3,), (1, 4)))
     self.assertEqual(shape, (6, 4, 5))
     self.assertEqual(groups, [[], [0], [1], [2]])
     # Out of the group's order: kept apart, outer first in the group's order.
-    shape, groups = block_overlap.merge_axes((2, 3, 4), ((2, 0), (1,)))
+    shape, groups = block_counts.merge_axes((2, 3, 4), ((2, 0), (1,)))
     self.assertEqual(shape, (2, 3, 4))
     self.assertEqual(groups, [[2, 0], [1]])
 
@@ -122,8 +122,8 @@ class BlockExchangeCostTest(parameterized.TestCase):
     ib, im, _, ik = np.unravel_index(np.arange(tiles.size), grid)
     elements = (edge_sizes(sizes[0], gb, blocks[0])[ib] * edge_sizes(sizes[1], gm, blocks[1])[im]
                 * edge_sizes(sizes[2], gk, blocks[2])[ik])
-    budget = 0 if link_count == "cells" else block_overlap._DIRECT_BUDGET
-    with mock.patch.object(block_overlap, "_DIRECT_BUDGET", budget):
+    budget = 0 if link_count == "cells" else block_links._DIRECT_BUDGET
+    with mock.patch.object(block_links, "_DIRECT_BUDGET", budget):
       got = block_overlap.block_exchange_cost(target, tensor.mapping, shape, 4,
                                               (batch, free, contract), window, grid, tiles,
                                               needs, elements)

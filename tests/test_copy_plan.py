@@ -18,7 +18,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering import copy_plan
+from ipu_jax.lowering import copy_elements, copy_plan
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 
@@ -29,7 +29,7 @@ _TARGETS = {"t16": _T16, "t2x8": _T2X8}
 
 def _element_figures(target, sources, outputs, itemsize):
   """The element planner's figures for the same copy (the reference)."""
-  plan, _ = copy_plan.plan_elements(
+  plan, _ = copy_elements.plan_elements(
       target, sources,
       [(m, b.index(m.num_elements, -1, np.int64)) for m, b in outputs], itemsize)
   return plan.exchange, plan.received, plan.copies, plan.fills

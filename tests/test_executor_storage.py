@@ -9,7 +9,8 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering.exchange import ordered_runs, take_or_fill, to_flat, to_storage
-from ipu_jax.lowering.mapping import BlockGrid, TileMapping
+from ipu_jax.lowering.block_grid import BlockGrid
+from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.target import IPUTarget
 
 

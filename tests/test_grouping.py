@@ -1,4 +1,4 @@
-"""Reductions and scans grouped by regions (lowering/rules/grouping.py).
+"""Reductions and scans grouped by regions (lowering/grouping.py).
 
 The grouping of a tensor's elements by (tile, output element) is planned on
 the mapping's runs, not element by element. What a user observes must not
@@ -17,7 +17,7 @@ import numpy as np
 
 import ipu_jax
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.rules import grouping
+from ipu_jax.lowering import grouping
 import testing_utils
 
 _T16 = testing_utils.T16

@@ -15,7 +15,7 @@ from jax import lax
 import numpy as np
 
 import ipu_jax
-from ipu_jax.lowering.rules.convolution import conv_geometry, plan_conv
+from ipu_jax.lowering.conv_plan import conv_geometry, plan_conv
 import testing_utils
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)

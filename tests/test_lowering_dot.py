@@ -17,7 +17,8 @@ from jax import lax
 import numpy as np
 
 import ipu_jax
-from ipu_jax.lowering.matmul_plan import MatmulPlan, plan_matmul, split_candidates
+from ipu_jax.lowering.matmul_plan import MatmulPlan, plan_matmul
+from ipu_jax.lowering.matmul_cost import split_candidates
 import testing_utils
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)

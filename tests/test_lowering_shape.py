@@ -20,7 +20,7 @@ from ipu_jax.lowering.exchange import movement_cost, to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.rules import shape as shape_rules
+from ipu_jax.lowering import copy_elements, movement
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.bool_)
@@ -188,7 +188,7 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
     dst = rng.randint(0, target.num_tiles, size=300)
     want = movement_cost(target, source_tiles[source], dst, 2, element_id=source)
     for one_to_one in (False, True):
-      got, _ = shape_rules.exchange_plan(target, source_tiles, source, dst, 2, one_to_one)
+      got, _ = copy_elements.exchange_plan(target, source_tiles, source, dst, 2, one_to_one)
       np.testing.assert_array_equal(got.bytes_in, want.bytes_in)
       np.testing.assert_array_equal(got.bytes_out, want.bytes_out)
       np.testing.assert_array_equal(got.link_bytes_out, want.link_bytes_out)
@@ -215,12 +215,12 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
     """The helper other rules call for operands with size-1 axes."""
     ctx = LoweringContext(_SMALL)
     row = ctx.new_tensor((1, 5), np.float32, category="variables")
-    out = shape_rules.broadcast_to(ctx, row, (3, 4, 5))
+    out = movement.broadcast_to(ctx, row, (3, 4, 5))
     self.assertEqual(out.shape, (3, 4, 5))
     self.assertLen(ctx.program.programs, 1)
-    self.assertEqual(shape_rules.broadcast_to(ctx, row, (1, 1, 5)).id, row.id)  # an alias
+    self.assertEqual(movement.broadcast_to(ctx, row, (1, 1, 5)).id, row.id)  # an alias
     with self.assertRaises(ValueError):
-      shape_rules.broadcast_to(ctx, row, (3, 4))
+      movement.broadcast_to(ctx, row, (3, 4))
 
   def test_constant_pad_value_is_filled_not_sent(self):
     x = _random((40, 30), jnp.float32)

@@ -6,7 +6,8 @@ import chex
 import numpy as np
 
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.mapping import BlockGrid, TileMapping
+from ipu_jax.lowering.block_grid import BlockGrid
+from ipu_jax.lowering.mapping import TileMapping
 
 
 def _grid_mapping(grid: BlockGrid) -> TileMapping:

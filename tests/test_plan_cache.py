@@ -10,14 +10,15 @@ import numpy as np
 import ipu_jax
 from ipu_jax.lowering import builders
 from ipu_jax.lowering import exchange
-from ipu_jax.lowering import matmul_plan
+from ipu_jax.lowering import matmul_grid
 from ipu_jax.lowering import program as P
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering import matmul_emit
-from ipu_jax.lowering.rules import grouping
+from ipu_jax.lowering import matmul_operands
+from ipu_jax.lowering import grouping
+from ipu_jax.lowering import reduction_plan
 from ipu_jax.lowering.rules import reduction
 
 
@@ -54,8 +55,8 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     self.ws = jax.random.normal(k2, (3, 40, 40)) * 0.1
 
   def _clear(self):
-    for cache in (grouping.GROUPS, reduction._OWNERS, reduction._STAGE2, reduction._FINAL,
-                  matmul_emit._GRID_COSTS):
+    for cache in (grouping.GROUPS, reduction_plan._OWNERS, reduction_plan._STAGE2, reduction._FINAL,
+                  matmul_operands._GRID_COSTS):
       cache.clear()
 
   @parameterized.parameters(1, 4)
@@ -85,7 +86,7 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     costs = []
     for shift in (0, 48, 32, 5):
       tiles = (shift + np.arange(20)) % 64
-      src = matmul_plan.block_grid_mapping((10, 20), (5, 4), (2, 5), tiles)
+      src = matmul_grid.block_grid_mapping((10, 20), (5, 4), (2, 5), tiles)
       dst = TileMapping.linear(200, 64, 4, start_tile=(shift + 12) % 64, min_bytes_per_tile=32)
       got = exchange.relayout_cost(target, src, dst, 4)
       _assert_costs_equal(got, exchange.interval_movement_cost(target, src, dst, 4))
@@ -127,25 +128,25 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     needs = [(0, np.zeros(1, np.int64), np.ones(1, np.int64)),
              (1, np.arange(24) // 12, np.arange(24) // 12 + 1), None,
              (2, np.arange(40) // 20, np.arange(40) // 20 + 1)]
-    return matmul_emit._OperandExchange(lhs, (0, 1), (1, 24, 40), ((), (0,), (1,)),
-                                        (1, 2, 4, 2), tiles, needs, 12 * 20,
-                                        ((0, 1), (0, 24), (0, 40)))
+    return matmul_operands.OperandExchange(lhs, (0, 1), (1, 24, 40), ((), (0,), (1,)),
+                                           (1, 2, 4, 2), tiles, needs, 12 * 20,
+                                           ((0, 1), (0, 24), (0, 40)))
 
   def test_matmul_operand_on_another_ipu_hits_ipu_zeros_plan(self):
     # One operand exchange with operand and grid on IPU 0, then both on IPU
     # 3: the second is IPU 0's cost moved three IPUs along, equal to costing
     # it afresh.
     target = _FOUR_IPUS
-    matmul_emit._GRID_COSTS.clear()
+    matmul_operands._GRID_COSTS.clear()
     results = []
     for ipu in (0, 3):
       exchange = self._operand_exchange(ipu * 16 + 8, ipu * 16 + np.arange(16))
-      hits = matmul_emit._GRID_COSTS.hits
-      got, local = matmul_emit._operand_cost(target, ("lhs",), exchange)
+      hits = matmul_operands._GRID_COSTS.hits
+      got, local = matmul_operands.operand_cost(target, ("lhs",), exchange)
       want, want_local = exchange.cost(target)
       _assert_costs_equal(got, want)
       np.testing.assert_array_equal(local, want_local)
-      results.append((got, matmul_emit._GRID_COSTS.hits - hits))
+      results.append((got, matmul_operands._GRID_COSTS.hits - hits))
     self.assertEqual([h for _, h in results], [0, 1])
     self.assertGreater(results[0][0].link_bytes_out.sum(), 0)  # the operand spans IPUs 0 and 1
     np.testing.assert_array_equal(results[1][0].link_bytes_out,
@@ -158,19 +159,19 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     # do (moved along); the IPU-Link bytes, which change with where the IPUs'
     # boundaries fall, are counted afresh. Every figure equals costing anew.
     target = _FOUR_IPUS
-    matmul_emit._GRID_COSTS.clear()
-    matmul_emit._TILE_COSTS.clear()
+    matmul_operands._GRID_COSTS.clear()
+    matmul_operands._TILE_COSTS.clear()
     links = []
     for start in (0, shift):
       exchange = self._operand_exchange((start + 8) % 64, (start + np.arange(16)) % 64)
-      tile_hits, hits = matmul_emit._TILE_COSTS.hits, matmul_emit._GRID_COSTS.hits
-      got, local = matmul_emit._operand_cost(target, ("lhs",), exchange)
+      tile_hits, hits = matmul_operands._TILE_COSTS.hits, matmul_operands._GRID_COSTS.hits
+      got, local = matmul_operands.operand_cost(target, ("lhs",), exchange)
       with plan_cache.disabled():
         want, want_local = exchange.cost(target)
       _assert_costs_equal(got, want)
       np.testing.assert_array_equal(local, want_local)
-      self.assertEqual(matmul_emit._GRID_COSTS.hits - hits, 0)
-      self.assertEqual(matmul_emit._TILE_COSTS.hits - tile_hits, int(start > 0))
+      self.assertEqual(matmul_operands._GRID_COSTS.hits - hits, 0)
+      self.assertEqual(matmul_operands._TILE_COSTS.hits - tile_hits, int(start > 0))
       links.append(got.link_bytes_out)
     self.assertGreater(links[1].sum(), 0)
 
@@ -197,11 +198,12 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     ctx._next_start_tile = (start + 10) % target.num_tiles
     x = ctx.new_tensor((12, 30), np.float32, TileMapping.linear(
         360, target.num_tiles, 4, start_tile=start, min_bytes_per_tile=64))
-    spec = reduction._monoid_spec(jax.lax.reduce_sum_p, {"axes": (1,), "out_sharding": None},
-                                  np.float32, "add")
-    plan = reduction._plan(ctx, spec, [x], (1,), reduction._Inits((), ()),
-                           [((12,), np.dtype(np.float32))], 12)
-    return reduction._place_outputs(ctx, plan)
+    spec = reduction_plan.monoid_spec(jax.lax.reduce_sum_p, {"axes": (1,), "out_sharding": None},
+                                      np.float32, "add")
+    plan = reduction_plan.plan_reduction(ctx, spec, [x], (1,),
+                                         reduction_plan.ReductionInits((), ()),
+                                         [((12,), np.dtype(np.float32))], 12)
+    return reduction_plan.place_outputs(ctx, plan)
 
   @parameterized.parameters(1, 4)
   def test_reductions_moved_along_the_tiles_share_stage2_figures(self, num_ipus):
@@ -209,10 +211,10 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     # wrapping): its stage-2 figures per tile are found once and moved into
     # place, the IPU-Link bytes counted afresh; all equal costing anew.
     target = self.target if num_ipus == 1 else _FOUR_IPUS
-    reduction._STAGE2.clear()
+    reduction_plan._STAGE2.clear()
     links = 0
     for i, start in enumerate((0, 5, 16, 27, target.num_tiles - 3)):
-      misses = reduction._STAGE2.misses
+      misses = reduction_plan._STAGE2.misses
       got = self._reduction_stage2(target, start)
       with plan_cache.disabled():
         want = self._reduction_stage2(target, start)
@@ -223,9 +225,9 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(got.cycles, want.cycles)
       np.testing.assert_array_equal(got.received, want.received)
       if i:  # every candidate placement found in the cache
-        self.assertEqual(reduction._STAGE2.misses - misses, 0)
+        self.assertEqual(reduction_plan._STAGE2.misses - misses, 0)
       links += int(got.cost.link_bytes_out.sum())
-    self.assertGreater(reduction._STAGE2.hits, 0)
+    self.assertGreater(reduction_plan._STAGE2.hits, 0)
     if num_ipus > 1:
       self.assertGreater(links, 0)  # some placements cross an IPU boundary
 
@@ -248,7 +250,7 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     costs = []
     for shift in (0, 5, 11):
       tiles = (shift + np.arange(12)) % 16
-      src = matmul_plan.block_grid_mapping((6, 20), (3, 4), (2, 5), tiles)
+      src = matmul_grid.block_grid_mapping((6, 20), (3, 4), (2, 5), tiles)
       dst = TileMapping.linear(120, 16, 4, start_tile=(shift + 3) % 16, min_bytes_per_tile=16)
       got = exchange.relayout_cost(target, src, dst, 4)
       want = exchange.interval_movement_cost(target, src, dst, 4)
@@ -261,8 +263,8 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_array_equal(costs[1].bytes_in, np.roll(costs[0].bytes_in, 5))
 
   def test_grids_moved_along_the_tiles_share_one_layout(self):
-    a = matmul_plan.block_grid_mapping((7, 9), (2, 3), (4, 3), np.arange(6))
-    b = matmul_plan.block_grid_mapping((7, 9), (2, 3), (4, 3), (9 + np.arange(6)) % 16)
+    a = matmul_grid.block_grid_mapping((7, 9), (2, 3), (4, 3), np.arange(6))
+    b = matmul_grid.block_grid_mapping((7, 9), (2, 3), (4, 3), (9 + np.arange(6)) % 16)
     self.assertIs(a.element_row, b.element_row)  # one shared, read-only layout
     self.assertFalse(a.element_row.flags.writeable)
     np.testing.assert_array_equal(b.element_tile, ((9 + np.arange(6)) % 16)[a.element_row])

@@ -10,10 +10,11 @@ from absl.testing import parameterized
 import chex
 import numpy as np
 
-from ipu_jax.lowering.mapping import BlockGrid, TileMapping, spread_runs
-from ipu_jax.lowering.matmul_plan import block_grid_mapping
-from ipu_jax.lowering.rules.grouping import group_regions
-from ipu_jax.lowering.rules.reduction import unicast_cost
+from ipu_jax.lowering.mapping import TileMapping, spread_runs
+from ipu_jax.lowering.block_grid import BlockGrid
+from ipu_jax.lowering.matmul_grid import block_grid_mapping
+from ipu_jax.lowering.grouping import group_regions
+from ipu_jax.lowering.unicast import unicast_cost
 from ipu_jax.target import IPUTarget
 
 

@@ -22,6 +22,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import storage, worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.parallel import all_reduce_cost, replication_factor
 from ipu_jax.ops.primitive import define_primitive, not_mapped
@@ -169,7 +170,7 @@ def replica_index(axis_name=REPLICA_AXIS):
 
 
 def _make_cross_replica_rule(kind):
-  def rule(ctx, x, *, axis_name):
+  def rule(ctx: RuleContext, x, *, axis_name):
     out = ctx.like(x, name=f"cross_replica_{kind}")
     replicas = replication_factor(ctx, axis_name)
     exchange, compute = all_reduce_cost(ctx, x, replicas)
@@ -194,7 +195,7 @@ register_lowering(cross_replica_mean_p, _make_cross_replica_rule("mean"))
 
 
 @register_lowering(replica_index_p)
-def _replica_index_rule(ctx, *, axis_name):
+def _replica_index_rule(ctx: RuleContext, *, axis_name):
   out = ctx.new_tensor((), np.int32, name="replica_index")
   elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
 

@@ -11,11 +11,12 @@ from jax.extend import core as jcore
 from jax.interpreters import ad
 
 from ipu_jax.lowering import half_partials
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.matmul_plan import partials_dtype
 from ipu_jax.ops.primitive import shaped_like, define_primitive, not_mapped
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.shape import broadcast_to
+from ipu_jax.lowering.movement import broadcast_to
 
 
 matmul_p = jcore.Primitive("ipu_matmul")
@@ -229,7 +230,7 @@ def matmul_operands(ctx, a, b):
 
 
 @register_lowering(matmul_p)
-def _matmul_rule(ctx, a, b, *, available_memory_proportion, partials_type):
+def _matmul_rule(ctx: RuleContext, a, b, *, available_memory_proportion, partials_type):
   a, b, dimension_numbers, out_shape = matmul_operands(ctx, a, b)
   return [emit_matmul(ctx, a, b, dimension_numbers, out_shape, np.dtype(ctx.out_avals[0].dtype),
                       available_memory_proportion=available_memory_proportion,

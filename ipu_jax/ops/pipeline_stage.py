@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
 
 __all__ = ["pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
@@ -118,6 +119,6 @@ def recomputation_checkpoint(x):
 
 
 @register_lowering(pipeline_stage_p)
-def _pipeline_stage_rule(ctx, x, *, stage, backward):
+def _pipeline_stage_rule(ctx: RuleContext, x, *, stage, backward):
   del ctx, stage, backward
   return [x]

@@ -10,6 +10,7 @@ from ipu_jax.lowering.printing import format_tensor
 from ipu_jax.ops.primitive import define_primitive
 from ipu_jax.lowering.jax_compat import debugging
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
 
 
@@ -65,6 +66,6 @@ def print_tensor(x, title: str = ""):
 
 
 @register_lowering(print_tensor_p)
-def _print_tensor_rule(ctx, x, *, title):
+def _print_tensor_rule(ctx: RuleContext, x, *, title):
   ctx.emit(P.PrintTensor(title, x))
   return [x]

@@ -45,6 +45,7 @@ from jax.interpreters import ad
 
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import elementwise
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
@@ -274,7 +275,7 @@ def _k_split_rule(ctx, a, b, factor):
 
 
 @register_lowering(serialized_matmul_p)
-def _serialized_matmul_rule(ctx, a, b, *, factor, axis):
+def _serialized_matmul_rule(ctx: RuleContext, a, b, *, factor, axis):
   if axis == "k" and factor > 1:
     return _k_split_rule(ctx, a, b, factor)
   a, b, dimension_numbers, out_shape = matmul_operands(ctx, a, b)

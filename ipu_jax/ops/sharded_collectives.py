@@ -22,6 +22,7 @@ from ipu_jax.ops.primitive import define_primitive, not_mapped
 from ipu_jax.ops.collectives import REPLICA_AXIS, axis_is_bound
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.builders import add_costs
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.rules.parallel import (block_positions, emit_collective,
                                              move_cost, one_phase, collective_cost)
@@ -149,7 +150,7 @@ def cross_replica_all_gather(x, replicas: int, axis_name=REPLICA_AXIS):
 
 
 @register_lowering(cross_replica_reduce_scatter_p)
-def _reduce_scatter_rule(ctx, x, *, axis_name, replicas):
+def _reduce_scatter_rule(ctx: RuleContext, x, *, axis_name, replicas):
   n = x.size // replicas
   out = ctx.new_tensor((n,), x.dtype, name="reduce_scatter")
   exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas,
@@ -167,7 +168,7 @@ def _reduce_scatter_rule(ctx, x, *, axis_name, replicas):
 
 
 @register_lowering(cross_replica_all_gather_p)
-def _all_gather_rule(ctx, x, *, axis_name, replicas):
+def _all_gather_rule(ctx: RuleContext, x, *, axis_name, replicas):
   out = ctx.new_tensor((x.size * replicas,), x.dtype, name="all_gather")
   own = block_positions(out.shape, (x.size,))
   exchange, _ = collective_cost(ctx, out, one_phase(replicas), kind="all_gather",

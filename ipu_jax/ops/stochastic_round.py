@@ -16,6 +16,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import broadcast_cost, logical, worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import to_storage
 from ipu_jax.lowering.registry import register_lowering
 
@@ -224,7 +225,7 @@ _SR_CYCLES_PER_VECTOR = 3
 
 
 @register_lowering(stochastic_round_p)
-def _stochastic_round_rule(ctx, x, key, *, dtype, impl):
+def _stochastic_round_rule(ctx: RuleContext, x, key, *, dtype, impl):
   target = ctx.target
   out = ctx.new_tensor(x.shape, dtype, x.mapping, name="stochastic_round")
   if x.size == 0:

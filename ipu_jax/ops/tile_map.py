@@ -18,6 +18,7 @@ from ipu_jax.ops.primitive import shaped_like, define_primitive, not_mapped
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, storage
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import relayout, relayout_cost, to_flat
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
@@ -231,7 +232,7 @@ def _slice_mapping(ctx, shape, dtype, tiles: np.ndarray) -> TileMapping:
 
 
 @register_lowering(tile_map_p)
-def _tile_map_rule(ctx, *args, codelet, tiles):
+def _tile_map_rule(ctx: RuleContext, *args, codelet, tiles):
   target = ctx.target
   tiles_arr = np.asarray(tiles, np.int64)
   if tiles_arr.size and tiles_arr.max() >= target.num_tiles:

@@ -56,10 +56,11 @@ from ipu_jax.kernels import popsparse
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, relayout_to, storage, worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.errors import LoweringError
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.matmul_plan import block_grid_mapping
+from ipu_jax.lowering.matmul_grid import block_grid_mapping
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.sparse import products
 from ipu_jax.sparse.buckets import DynamicLayout
@@ -309,7 +310,7 @@ def _bucket_mapping(ctx, grid: SparseGrid, tensor: P.Tensor) -> TileMapping:
 
 
 @register_lowering(dynamic_sparse_matmul_p)
-def _dynamic_sparse_rule(ctx, values, meta, dense, *, layout):
+def _dynamic_sparse_rule(ctx: RuleContext, values, meta, dense, *, layout):
   out_aval = ctx.out_avals[0]
   out_shape, out_dtype = tuple(int(d) for d in out_aval.shape), np.dtype(out_aval.dtype)
   if layout.num_tiles != ctx.target.num_tiles:

@@ -36,7 +36,7 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, storage, worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
-from ipu_jax.lowering.matmul_plan import block_grid_mapping
+from ipu_jax.lowering.matmul_grid import block_grid_mapping
 from ipu_jax.sparse import products
 from ipu_jax.sparse import static_rule as sr
 

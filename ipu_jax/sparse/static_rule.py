@@ -56,10 +56,11 @@ from ipu_jax.kernels import popsparse
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical, relayout_to, storage, worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.matmul_emit import fill_zeros
-from ipu_jax.lowering.matmul_plan import block_grid_mapping, grid_tiles, operand_exchange_cost
+from ipu_jax.lowering.matmul_grid import block_grid_mapping, grid_tiles, operand_exchange_cost
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.sparse_plan import SparsePlan, plan_static
 from ipu_jax.sparse import products
@@ -482,7 +483,8 @@ def emit_reduction(ctx, grid: SparseGrid, partials: P.Tensor, out_dtype, side, n
 
 
 @register_lowering(static_sparse_matmul_p)
-def _static_sparse_rule(ctx, values, dense, *, pattern, side, available_memory_proportion):
+def _static_sparse_rule(ctx: RuleContext, values, dense, *, pattern, side,
+                        available_memory_proportion):
   out_aval = ctx.out_avals[0]
   out_shape, out_dtype = tuple(int(d) for d in out_aval.shape), np.dtype(out_aval.dtype)
   if 0 in out_shape:

@@ -52,20 +52,20 @@ from typing import Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ipu_jax.lowering.jax_compat import (ad_checkpoint, ad_internal, control_flow, core,
                                          custom_derivatives, pjit)
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.builders import add_costs, broadcast_cost
-from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
-                                       relayout_cost, to_flat, to_storage)
+from ipu_jax.lowering.builders import add_costs
+from ipu_jax.lowering.context import RuleContext
+from ipu_jax.lowering.exchange import movement_cost, relayout, relayout_cost, to_flat, to_storage
 from ipu_jax.lowering.jax_compat import physical_shape_dtype
 from ipu_jax.lowering.lower import lower_closed_jaxpr, lower_jaxpr
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.dynamic_rows import dynamic_rows_cost, read_row, row_positions, write_row
 
 __all__ = ["copy_step", "make_repeat"]
 
@@ -186,7 +186,7 @@ def _scalar(storage_array):
 
 
 def _inline_rule(param_names):
-  def rule(ctx, *operands, **params):
+  def rule(ctx: RuleContext, *operands, **params):
     for name in param_names:
       jaxpr = params.get(name)
       if jaxpr is not None:
@@ -212,7 +212,7 @@ def _register_calls():
 _register_calls()
 
 
-def _custom_lin(ctx, *operands, **params):
+def _custom_lin(ctx: RuleContext, *operands, **params):
   """A live ``custom_lin``: the tangent of ``jax.jvp`` through a ``custom_vjp``.
 
   ``jax.jit`` refuses it (a ``custom_vjp`` has no forward mode); a dead one
@@ -225,108 +225,6 @@ def _custom_lin(ctx, *operands, **params):
 
 
 register_lowering(ad_internal.custom_lin_p, _custom_lin)
-
-
-# -- dynamic rows (scan xs / ys) ----------------------------------------------
-
-
-def _dynamic_rows_cost(ctx, stacked: P.Tensor, piece: P.Tensor, to_piece: bool,
-                       index: P.Tensor):
-  """Exchange and compute of moving row ``i`` of ``stacked`` to/from ``piece``.
-
-  Every tile's bytes are those of its busiest iteration; the index is
-  broadcast to the tiles holding ``stacked`` (they run the dynamic-slice or
-  dynamic-update vertices).
-
-  Returns:
-    ``(ExchangeCost or None, compute cycles [num_tiles])``.
-  """
-  target = ctx.target
-  t = target.num_tiles
-  length, size = stacked.shape[0], piece.size
-  cycles = np.zeros(t, np.float64)
-  if length == 0 or size == 0:
-    return None, cycles
-  smap, pmap = stacked.mapping, piece.mapping
-  src = smap.element_tile.reshape(length, size)
-  dst = pmap.element_tile
-  moved = src != dst[None, :]
-  it = np.arange(length, dtype=np.int64)[:, None]
-
-  def busiest_per_tile(rows, num_rows, tiles, mask):
-    """Max over iterations of elements per row (mask selects elements)."""
-    key = it * num_rows + rows
-    if mask is not None:
-      key = key[mask]
-    key = key.reshape(-1)
-    out = np.zeros(t, np.int64)
-    if key.size == 0:
-      return out
-    if length * num_rows <= 8 * key.size + 4096:
-      per_row = np.bincount(key, minlength=length * num_rows).reshape(length, num_rows).max(axis=0)
-    else:
-      if bool(np.all(key[1:] >= key[:-1])):
-        # Linear mappings list each iteration's rows in order: count runs.
-        starts = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
-        keys, counts = key[starts], np.diff(np.append(starts, key.size))
-      else:
-        keys, counts = np.unique(key, return_counts=True)
-      per_row = np.zeros(num_rows, np.int64)
-      np.maximum.at(per_row, keys % num_rows, counts)
-    np.add.at(out, tiles, per_row)
-    return out
-
-  piece_rows = pmap.element_row[None, :]
-  stacked_rows = smap.element_row.reshape(length, size)
-  piece_side = busiest_per_tile(piece_rows, pmap.num_rows, pmap.tiles, moved) * piece.itemsize
-  stacked_side = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles, moved) * piece.itemsize
-  if to_piece:
-    bytes_in, bytes_out = piece_side, stacked_side
-  else:
-    bytes_in, bytes_out = stacked_side, piece_side
-  link = np.zeros(target.num_ipus, np.int64)
-  if target.num_ipus > 1:
-    per_ipu = target.tiles_per_ipu
-    src_ipu, dst_ipu = (src // per_ipu), np.broadcast_to(dst // per_ipu, src.shape)
-    if not to_piece:
-      src_ipu, dst_ipu = dst_ipu, src_ipu
-    crossing = src_ipu != dst_ipu
-    if crossing.any():
-      totals = np.bincount(src_ipu[crossing], minlength=target.num_ipus)[:target.num_ipus]
-      link = (-(-totals // length) * piece.itemsize).astype(np.int64)
-  cost = ExchangeCost(bytes_in.astype(np.int64), bytes_out.astype(np.int64), link)
-  # The tiles holding the stacked tensor copy their part of the row.
-  copied = busiest_per_tile(stacked_rows, smap.num_rows, smap.tiles, None)
-  cycles = estimators.copy_cycles(target, copied, piece.itemsize)
-  # Every tile holding the stacked tensor checks the index, even when idle.
-  holders = np.zeros(t, bool)
-  holders[smap.tiles] = True
-  cycles = np.where(holders & (cycles == 0), target.supervisor_overhead_cycles, cycles)
-  return add_costs(cost, broadcast_cost(ctx, index, smap.tiles)), cycles
-
-
-def _row_positions(mapping: TileMapping, length: int, size: int):
-  """``[length, size]`` storage positions of each row (None when linear)."""
-  if mapping.is_linear:
-    return None
-  return mapping.storage_position.reshape(length, size).astype(np.int32)
-
-
-def _read_row(stacked_storage, mapping, positions, row, size):
-  flat = stacked_storage.reshape(-1)
-  if positions is None:
-    return lax.dynamic_slice(flat, (row * size,), (size,))
-  return flat[jnp.asarray(positions)[row]]
-
-
-def _write_row(stacked_storage, mapping, positions, row, size, value):
-  shape = stacked_storage.shape
-  flat = stacked_storage.reshape(-1)
-  if positions is None:
-    flat = lax.dynamic_update_slice(flat, value.astype(flat.dtype), (row * size,))
-  else:
-    flat = flat.at[jnp.asarray(positions)[row]].set(value.astype(flat.dtype))
-  return flat.reshape(shape)
 
 
 # -- scan ---------------------------------------------------------------------
@@ -375,7 +273,7 @@ def _rows_costs(ctx, pairs, to_piece: bool, counter: P.Tensor, cycles):
   """
   costs = []
   for stacked, piece in pairs:
-    cost, cy = _dynamic_rows_cost(ctx, stacked, piece, to_piece, counter)
+    cost, cy = dynamic_rows_cost(ctx, stacked, piece, to_piece, counter)
     costs.append(cost)
     cycles = cycles + cy
   return cycles, costs
@@ -386,7 +284,7 @@ class _RowRead:
   """How the slice step reads one row of a stacked ``xs`` into its slice."""
 
   mapping: TileMapping          # the stacked tensor's
-  positions: Optional[np.ndarray]   # see _row_positions
+  positions: Optional[np.ndarray]   # see row_positions
   size: int                     # elements per row
   slice_mapping: TileMapping
 
@@ -394,7 +292,7 @@ class _RowRead:
 def _slice_rows(length, reverse, reads, counter_storage, *stacked):
   """The slice step's function: row ``i`` of every stacked tensor, in its slice's layout."""
   row = _scan_row(counter_storage, length, reverse)
-  return tuple(to_storage(_read_row(st, r.mapping, r.positions, row, r.size), r.slice_mapping)
+  return tuple(to_storage(read_row(st, r.mapping, r.positions, row, r.size), r.slice_mapping)
                for st, r in zip(stacked, reads))
 
 
@@ -404,7 +302,7 @@ def _emit_scan_slice(ctx, xs, slices, counter: P.Tensor, length: int, reverse: b
   if not moves:
     return
   cycles, costs = _rows_costs(ctx, moves, True, counter, np.zeros(ctx.target.num_tiles))
-  reads = tuple(_RowRead(x.mapping, _row_positions(x.mapping, length, s.size), s.size,
+  reads = tuple(_RowRead(x.mapping, row_positions(x.mapping, length, s.size), s.size,
                          s.mapping) for x, s in moves)
   ctx.emit(P.Superstep(
       name="scan/slice", op=ctx.op, reads=(counter,) + tuple(x for x, _ in moves),
@@ -419,7 +317,7 @@ def _update_rows(length, reverse, y_plans, copy_fn, counter_storage, *rest):
   n_y = len(y_plans)
   stacked, values, copy_in = rest[:n_y], rest[n_y:2 * n_y], rest[2 * n_y:]
   row = _scan_row(counter_storage, length, reverse)
-  new_stacked = tuple(_write_row(st, None, None, row, n, to_flat(v, m))
+  new_stacked = tuple(write_row(st, None, None, row, n, to_flat(v, m))
                       for st, v, (m, n) in zip(stacked, values, y_plans))
   return new_stacked + tuple(copy_fn(*copy_in)) + (counter_storage + 1,)
 
@@ -456,7 +354,7 @@ def _emit_scan_update(ctx, ys_stacked, ys, carries, new_carries, counter: P.Tens
       codelets=(vocab.DYNAMIC_UPDATE_SLICE, vocab.vertex(vocab.ELEMENTWISE, "add"))))
 
 
-def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
+def _scan_rule(ctx: RuleContext, *operands, jaxpr, length, reverse, num_consts, num_carry,
                unroll=1, **params):
   del unroll, params  # unrolling does not change the tile program's numbers
   length = int(length)
@@ -493,7 +391,7 @@ def _scan_rule(ctx, *operands, jaxpr, length, reverse, num_consts, num_carry,
 # -- while --------------------------------------------------------------------
 
 
-def _while_rule(ctx, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
+def _while_rule(ctx: RuleContext, *operands, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
                 **params):
   del params
   cond_consts = list(operands[:cond_nconsts])
@@ -605,7 +503,7 @@ def _emit_lane_select(ctx, carries, outs, lanes: P.Tensor) -> None:
 # -- cond ---------------------------------------------------------------------
 
 
-def _cond_rule(ctx, index, *operands, branches, **params):
+def _cond_rule(ctx: RuleContext, index, *operands, branches, **params):
   del params  # branches_platforms: the index already says which branch
   operands = list(operands)
   if len(branches) == 1:

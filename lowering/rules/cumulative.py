@@ -36,11 +36,12 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import ExchangeCost, exchange_cycles, relayout, relayout_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.grouping import (Groups, Slots, gather_or_fill, group_regions,
-                                             identity_of, rows_mapping)
+from ipu_jax.lowering.grouping import (Groups, Slots, gather_or_fill, group_regions, identity_of,
+                                       rows_mapping)
 
 
 _CUMULATIVE = {
@@ -447,7 +448,7 @@ def _emit_scan(ctx, prim, kind, combine, x, axis, reverse, plan: _ScanPlan):
 
 
 def _make_cumulative_rule(prim, kind, combine, cost):
-  def rule(ctx, x, *, axis, reverse):
+  def rule(ctx: RuleContext, x, *, axis, reverse):
     return _lower_cumulative(ctx, prim, kind, combine, cost, x, axis, reverse)
   return rule
 

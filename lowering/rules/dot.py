@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.lowering import program as P
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.matmul_emit import emit_matmul
 from ipu_jax.lowering.registry import register_lowering
 
@@ -23,7 +24,7 @@ __all__ = ["dot_general_rule"]
 
 
 @register_lowering(lax.dot_general_p)
-def dot_general_rule(ctx, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
+def dot_general_rule(ctx: RuleContext, lhs: P.Tensor, rhs: P.Tensor, *, dimension_numbers,
                      precision=None, preferred_element_type=None, **unused):
   """Lower ``dot_general`` to a planned block matmul (+ partials reduce)."""
   del preferred_element_type, unused  # the result type is in ctx.out_avals

@@ -2,7 +2,7 @@
 
 A dynamic slice is a gather of one window: the start indices are broadcast to
 the operand's tiles, which serve the window's elements (the served plan of
-:mod:`~ipu_jax.lowering.rules.indexing`); the result is mapped linearly. A
+:mod:`~ipu_jax.lowering.indexing`); the result is mapped linearly. A
 dynamic update overwrites the window in place on the operand's tiles. With
 compile-time-constant starts both are static movements with exact exchange.
 """
@@ -15,13 +15,14 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.indexing import (
-    copy_of, is_constant, served_lookup, served_update, static_sources)
+from ipu_jax.lowering.indexing import (copy_of, is_constant, served_lookup, served_update,
+                                       static_sources)
 
 
 @register_lowering(lax.dynamic_slice_p)
-def _dynamic_slice(ctx, operand, *indices, slice_sizes):
+def _dynamic_slice(ctx: RuleContext, operand, *indices, slice_sizes):
   """A window at run-time offsets: each operand tile serves its part."""
   params = dict(slice_sizes=slice_sizes)
   aval = ctx.out_avals[0]
@@ -41,7 +42,7 @@ def _dynamic_slice(ctx, operand, *indices, slice_sizes):
 
 
 @register_lowering(lax.dynamic_update_slice_p)
-def _dynamic_update_slice(ctx, operand, update, *indices):
+def _dynamic_update_slice(ctx: RuleContext, operand, update, *indices):
   """Overwrite a window at run-time offsets, in place on the operand's tiles."""
   if operand.size == 0:
     return [ctx.like(operand)]

@@ -17,6 +17,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import elementwise, logical, storage, worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
@@ -55,7 +56,7 @@ _FLOPS = {lax.logistic_p: 4, lax.tanh_p: 4, lax.erf_p: 8, lax.erf_inv_p: 12, lax
 
 
 def _make_rule(primitive):
-  def rule(ctx, *operands, **params):
+  def rule(ctx: RuleContext, *operands, **params):
     def body(*arrays):
       if primitive is add_jaxvals_p:
         return arrays[0] + arrays[1]
@@ -69,7 +70,7 @@ for _prim in _UNARY + _BINARY + _OTHER:
   register_lowering(_prim, _make_rule(_prim))
 
 
-def _bitcast_convert_type(ctx, operand, *, new_dtype):
+def _bitcast_convert_type(ctx: RuleContext, operand, *, new_dtype):
   """Reinterpret bits, keeping every byte on the tile that holds it.
 
   Equal widths are elementwise. A narrowing bitcast (``f32 -> u8[..., 4]``)

@@ -47,9 +47,10 @@ from jax import lax
 from ipu_jax.kernels import linalg as K
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering.builders import elementwise
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.problems import solve_problems
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.shape import alias, move
+from ipu_jax.lowering.movement import alias, move
 
 __all__ = []
 
@@ -220,7 +221,7 @@ def _inverse_real_four_step(ctx, x, length, out_dtype, n1, n2):
 
 
 @register_lowering(lax.fft_p)
-def _fft(ctx, x, *, fft_type, fft_lengths):
+def _fft(ctx: RuleContext, x, *, fft_type, fft_lengths):
   fft_type = _fft_type(fft_type)
   dtype = np.dtype(x.dtype)
   if dtype.name not in _SUPPORTED_DTYPES:

@@ -6,8 +6,8 @@
 
 Every ``GatherDimensionNumbers`` form and the modes clip / fill /
 promise_in_bounds are lowered with the served plan of
-:mod:`~ipu_jax.lowering.rules.indexing`. When many indices read a small table,
-:mod:`~ipu_jax.lowering.rules.small_table`'s replicated-table gather is taken
+:mod:`~ipu_jax.lowering.indexing`. When many indices read a small table,
+:mod:`~ipu_jax.lowering.small_table`'s replicated-table gather is taken
 instead if its estimated time is lower. A served gather of whole rows along
 the table's leading axis (an embedding lookup) is emulated tile by tile
 (:func:`_rows_gather_per_tile`) in its step's ``fn``, which the
@@ -25,10 +25,11 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules import small_table
-from ipu_jax.lowering.rules.indexing import (
-    GatherScatterMode, bind_fn, bits_dtype, emit_step, is_constant, pad_rows, rows_in_range,
-    served_lookup, served_lookup_cost, static_sources, tile_blocks)
+from ipu_jax.lowering import small_table
+from ipu_jax.lowering.context import RuleContext
+from ipu_jax.lowering.indexing import (GatherScatterMode, bind_fn, bits_dtype, emit_step,
+                                       is_constant, pad_rows, rows_in_range, served_lookup,
+                                       served_lookup_cost, static_sources, tile_blocks)
 
 
 def _rows_gather_per_tile(table_storage, mapping, rows, row_len, dtype):
@@ -86,7 +87,7 @@ def _default_fill(dtype):
 
 
 @register_lowering(lax.gather_p)
-def _gather(ctx, operand, indices, *, dimension_numbers, slice_sizes,
+def _gather(ctx: RuleContext, operand, indices, *, dimension_numbers, slice_sizes,
             indices_are_sorted, unique_indices, mode, fill_value):
   """Gathers: the indices go to the table's tiles, which serve their rows."""
   params = dict(dimension_numbers=dimension_numbers, slice_sizes=slice_sizes,

@@ -56,6 +56,7 @@ import numpy as np
 from ipu_jax.lowering.jax_compat import control_flow, lax_linalg
 from ipu_jax.kernels import linalg as K
 from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.problems import solve_problems
 from ipu_jax.lowering.registry import register_lowering
@@ -117,7 +118,7 @@ def _check_dtypes(ctx, operands, spec: LinalgSpec):
 
 
 def _rule(primitive, spec: LinalgSpec):
-  def rule(ctx, *operands, **params):
+  def rule(ctx: RuleContext, *operands, **params):
     _check_dtypes(ctx, operands, spec)
     batch_ndim = len(operands[0].shape) - spec.core_ndim
     cores = [tuple(t.shape[batch_ndim:]) for t in operands]
@@ -281,7 +282,7 @@ SPECS = {
 }
 
 
-def _custom_linear_solve(ctx, *operands, const_lengths, jaxprs, **params):
+def _custom_linear_solve(ctx: RuleContext, *operands, const_lengths, jaxprs, **params):
   """The value of a linear solve: its ``solve`` jaxpr, lowered in place."""
   del params
   counts = [const_lengths.matvec, const_lengths.vecmat, const_lengths.solve,

@@ -29,10 +29,11 @@ from ipu_jax.lowering.jax_compat import (ad_checkpoint, core, custom_derivatives
 from ipu_jax.lowering.jax_compat import control_flow as cf
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import logical
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
 
 
-def _identity(ctx, *operands, **params):
+def _identity(ctx: RuleContext, *operands, **params):
   del ctx, params
   return list(operands)
 
@@ -45,7 +46,7 @@ def _platform_names() -> set:
   return names
 
 
-def _platform_index(ctx, *, platforms, **params):
+def _platform_index(ctx: RuleContext, *, platforms, **params):
   del params
   names = _platform_names()
   index = next((i for i, group in enumerate(platforms)
@@ -59,7 +60,7 @@ def _platform_index(ctx, *, platforms, **params):
   return [ctx.constant(np.int32(index))]
 
 
-def _empty(ctx, **params):
+def _empty(ctx: RuleContext, **params):
   """An uninitialised buffer (``lax.empty``, grad residual placeholders).
 
   It costs nothing on the IPU: memory is allocated, nothing is written. The
@@ -76,7 +77,7 @@ def _empty(ctx, **params):
 def _host_callback_rule(primitive):
   """A step that hands the operands to the host and runs the callback."""
 
-  def rule(ctx, *operands, **params):
+  def rule(ctx: RuleContext, *operands, **params):
     tensors = tuple(operands)
 
     def fn(*storages):

@@ -85,6 +85,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import add_costs, logical, storage, worker_vertices
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.registry import get_lowering, register_lowering
 from ipu_jax.lowering.rules.control import lower_inline
@@ -283,7 +284,7 @@ def _reduce_positional(ctx, reduce_prim, x: P.Tensor, axes: tuple, out_aval) -> 
 
 
 def _make_reduce_rule(kind: str, reduce_prim):
-  def rule(ctx, *xs, axes, axis_index_groups=None):
+  def rule(ctx: RuleContext, *xs, axes, axis_index_groups=None):
     _reject_groups(ctx, axis_index_groups)
     positional = tuple(a for a in axes if isinstance(a, (int, np.integer)))
     names = tuple(a for a in axes if not isinstance(a, (int, np.integer)))
@@ -305,7 +306,7 @@ register_lowering(lax_parallel.pmin_p, _make_reduce_rule("min", lax.reduce_min_p
 
 
 @register_lowering(lax_parallel.psum_invariant_p)
-def _psum_invariant_rule(ctx, *xs, axes):
+def _psum_invariant_rule(ctx: RuleContext, *xs, axes):
   # shard_map's check_vma form of psum (varying in, invariant out).
   return [_emit_all_reduce(ctx, x, _names(axes), "sum") for x in xs]
 
@@ -316,7 +317,7 @@ def _psum_invariant_rule(ctx, *xs, axes):
 
 
 @register_lowering(lax_parallel.axis_index_p)
-def _axis_index_rule(ctx, *, axis_name):
+def _axis_index_rule(ctx: RuleContext, *, axis_name):
   named_axis_size(ctx, axis_name)
   out = ctx.new_tensor((), np.int32, name="axis_index")
   elements = out.mapping.elements_per_tile(ctx.target.num_tiles)
@@ -351,7 +352,7 @@ def _own_block(shape, dim: int, replicas: int, tiled: bool):
   return tuple(block)
 
 
-def _gather_rule(ctx, x, *, all_gather_dimension, axis_name, axis_index_groups=None,
+def _gather_rule(ctx: RuleContext, x, *, all_gather_dimension, axis_name, axis_index_groups=None,
                  axis_size=None, tiled=False, **_):
   _reject_groups(ctx, axis_index_groups)
   replicas = named_axis_size(ctx, axis_name)
@@ -377,8 +378,8 @@ register_lowering(lax_parallel.all_gather_invariant_p, _gather_rule)
 
 
 @register_lowering(lax_parallel.reduce_scatter_p)
-def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_index_groups=None,
-                         axis_size=None, tiled=False):
+def _reduce_scatter_rule(ctx: RuleContext, x, *, scatter_dimension, axis_name,
+                         axis_index_groups=None, axis_size=None, tiled=False):
   _reject_groups(ctx, axis_index_groups)
   replicas = named_axis_size(ctx, axis_name)
   aval = ctx.out_avals[0]
@@ -402,8 +403,8 @@ def _reduce_scatter_rule(ctx, x, *, scatter_dimension, axis_name, axis_index_gro
 
 
 @register_lowering(lax_parallel.all_to_all_p)
-def _all_to_all_rule(ctx, x, *, axis_name, split_axis, concat_axis, axis_index_groups=None,
-                     tiled=False, **_):
+def _all_to_all_rule(ctx: RuleContext, x, *, axis_name, split_axis, concat_axis,
+                     axis_index_groups=None, tiled=False, **_):
   _reject_groups(ctx, axis_index_groups)
   replicas = named_axis_size(ctx, axis_name)
   aval = ctx.out_avals[0]
@@ -434,7 +435,7 @@ def _whole_copy(ctx, x, name, axis_name, moves, fn):
 
 
 @register_lowering(lax_parallel.ppermute_p)
-def _ppermute_rule(ctx, x, *, axis_name, perm):
+def _ppermute_rule(ctx: RuleContext, x, *, axis_name, perm):
   perm = tuple((int(s), int(d)) for s, d in perm)
   moves = any(src != dst for src, dst in perm)
   return _whole_copy(ctx, x, "ppermute", axis_name, moves,
@@ -442,7 +443,7 @@ def _ppermute_rule(ctx, x, *, axis_name, perm):
 
 
 @register_lowering(lax_parallel.pbroadcast_p)
-def _pbroadcast_rule(ctx, x, *, axis_name, source):
+def _pbroadcast_rule(ctx: RuleContext, x, *, axis_name, source):
   moves = named_axis_size(ctx, axis_name) > 1
   return _whole_copy(ctx, x, "pbroadcast", axis_name, moves,
                      lambda v: lax.pbroadcast(v, axis_name, source))
@@ -524,7 +525,7 @@ def _leave(ctx, s: P.Tensor, spec, shape, sizes: dict, local_ids: set) -> P.Tens
   return out
 
 
-def _shard_map_rule(ctx, *args, jaxpr, mesh, in_specs, out_specs, **params):
+def _shard_map_rule(ctx: RuleContext, *args, jaxpr, mesh, in_specs, out_specs, **params):
   sizes = {str(name): int(size) for name, size in dict(mesh.shape).items()}
   manual = params.get("manual_axes", params.get("newly_manual_axes"))
   manual = frozenset(sizes) if manual is None else frozenset(manual)

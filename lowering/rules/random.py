@@ -48,6 +48,7 @@ from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
                                        logical, storage, worker_vertices)
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.registry import register_lowering
@@ -193,7 +194,7 @@ def _key_members(num_keys: int, key_words: int) -> np.ndarray:
 # -- rules --------------------------------------------------------------------
 
 
-def _random_seed(ctx, seeds, *, impl):
+def _random_seed(ctx: RuleContext, seeds, *, impl):
   ks = tuple(impl.key_shape)
   kw = int(np.prod(ks, dtype=np.int64))
   out = _emit_generator(
@@ -203,7 +204,7 @@ def _random_seed(ctx, seeds, *, impl):
   return [_record(out, impl)]
 
 
-def _random_split(ctx, keys, *, shape):
+def _random_split(ctx: RuleContext, keys, *, shape):
   impl = ctx.out_avals[0].dtype._impl  # pylint: disable=protected-access
   ks = tuple(impl.key_shape)
   kw = int(np.prod(ks, dtype=np.int64))
@@ -218,7 +219,7 @@ def _random_split(ctx, keys, *, shape):
   return [_record(out, impl)]
 
 
-def _random_fold_in(ctx, keys, msgs):
+def _random_fold_in(ctx: RuleContext, keys, msgs):
   impl = ctx.out_avals[0].dtype._impl  # pylint: disable=protected-access
   ks = tuple(impl.key_shape)
   kw = int(np.prod(ks, dtype=np.int64))
@@ -243,7 +244,7 @@ def _random_fold_in(ctx, keys, msgs):
   return [_record(out, impl)]
 
 
-def _random_bits(ctx, keys, *, bit_width, shape):
+def _random_bits(ctx: RuleContext, keys, *, bit_width, shape):
   impl = key_impl_of(ctx, keys)
   ks = tuple(impl.key_shape)
   kw = int(np.prod(ks, dtype=np.int64))
@@ -260,24 +261,24 @@ def _random_bits(ctx, keys, *, bit_width, shape):
   return [out]
 
 
-def _random_wrap(ctx, data, *, impl):
+def _random_wrap(ctx: RuleContext, data, *, impl):
   del ctx
   return [_record(data, impl)]
 
 
-def _random_unwrap(ctx, keys):
+def _random_unwrap(ctx: RuleContext, keys):
   del ctx
   return [keys]
 
 
-def _random_clone(ctx, keys):
+def _random_clone(ctx: RuleContext, keys):
   impl = ctx.out_avals[0].dtype._impl if is_key_dtype(ctx.out_avals[0].dtype) else None
   if impl is not None:
     _record(keys, impl)
   return [keys]
 
 
-def _threefry2x32(ctx, *operands):
+def _threefry2x32(ctx: RuleContext, *operands):
   def body(*arrays):
     shape = next((a.shape for a in arrays if a.ndim), ())
     return tuple(threefry2x32.threefry2x32_p.bind(*[jnp.broadcast_to(a, shape) for a in arrays]))
@@ -286,7 +287,7 @@ def _threefry2x32(ctx, *operands):
                      flops_per_element=0)
 
 
-def _iota_2x32_shape(ctx, *, shape):
+def _iota_2x32_shape(ctx: RuleContext, *, shape):
   shape = tuple(int(d) for d in shape)
   hi = ctx.new_tensor(shape, np.uint32, name="iota_hi")
   lo = ctx.new_tensor(shape, np.uint32, hi.mapping, name="iota_lo")
@@ -313,7 +314,7 @@ _RBG_COST_OPS = {
 }
 
 
-def _rng_bit_generator(ctx, key, *, shape, dtype, algorithm, **unused):
+def _rng_bit_generator(ctx: RuleContext, key, *, shape, dtype, algorithm, **unused):
   """``lax.rng_bit_generator``: ``(new_key, bits)``, both ``jax.jit``'s.
 
   The bits are mapped linearly and made on their tiles from the key,
@@ -363,7 +364,7 @@ def _rng_bit_generator(ctx, key, *, shape, dtype, algorithm, **unused):
 _GAMMA_CYCLES_PER_VECTOR = 4 * 40 + 20
 
 
-def _random_gamma(ctx, keys, alpha, *, log_space):
+def _random_gamma(ctx: RuleContext, keys, alpha, *, log_space):
   """Gamma samples made on the tiles of ``alpha``, each from its key.
 
   ``keys`` has a prefix of ``alpha``'s shape (one key for all samples, or one

@@ -7,8 +7,8 @@
   table tile accumulates the updates whose indices fall in its range — the
   gradient of an embedding lookup.
 
-The served plan is that of :mod:`~ipu_jax.lowering.rules.indexing`; when many
-updates go to a small table, :mod:`~ipu_jax.lowering.rules.small_table`'s
+The served plan is that of :mod:`~ipu_jax.lowering.indexing`; when many
+updates go to a small table, :mod:`~ipu_jax.lowering.small_table`'s
 partial-table scatter (reduced in a tree) is taken instead if its estimated
 time is lower. A served scatter of whole rows is emulated tile by tile
 (:func:`_rows_scatter_per_tile`) in its step's ``fn``, which the
@@ -24,9 +24,10 @@ import numpy as np
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules import small_table
-from ipu_jax.lowering.rules.indexing import (
-    GatherScatterMode, copy_of, rows_in_range, served_update, served_update_cost, tile_blocks)
+from ipu_jax.lowering import small_table
+from ipu_jax.lowering.context import RuleContext
+from ipu_jax.lowering.indexing import (GatherScatterMode, copy_of, rows_in_range, served_update,
+                                       served_update_cost, tile_blocks)
 
 _COMBINE = {
     "scatter": lambda ref, pos, u: ref.at[pos].set(u, mode="drop"),
@@ -81,7 +82,7 @@ def _rows_form_scatter(operand, indices, updates, dnums) -> bool:
 def _scatter_rule(prim, codelet, cycles_per_vector, counts_flops):
   name = prim.name
 
-  def rule(ctx, operand, indices, updates, *, dimension_numbers, indices_are_sorted,
+  def rule(ctx: RuleContext, operand, indices, updates, *, dimension_numbers, indices_are_sorted,
            unique_indices, mode, update_jaxpr, update_consts):
     params = dict(dimension_numbers=dimension_numbers,
                   indices_are_sorted=indices_are_sorted, unique_indices=unique_indices,

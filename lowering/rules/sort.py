@@ -23,10 +23,11 @@ import numpy as np
 
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import builders
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.rules.indexing import bind_fn, emit_step, item_cycles
+from ipu_jax.lowering.indexing import bind_fn, emit_step, item_cycles
 
 # Cycles per compare-exchange of a sort: compare the keys, move the operands.
 _SORT_COMPARE_CYCLES = 2
@@ -168,7 +169,7 @@ def _relayout_cost(ctx, operands, mapping):
 
 
 @register_lowering(lax.sort_p)
-def _sort(ctx, *operands, dimension, is_stable, num_keys):
+def _sort(ctx: RuleContext, *operands, dimension, is_stable, num_keys):
   """Sort rows: whole rows per tile, or chunks per tile with bitonic merges."""
   params = dict(dimension=dimension, is_stable=is_stable, num_keys=num_keys)
   shape = tuple(operands[0].shape)
@@ -285,13 +286,13 @@ def _top_k_like(ctx, prim, params, operand, axis, k):
 
 
 @register_lowering(lax.top_k_p)
-def _top_k(ctx, operand, *, k, **params):
+def _top_k(ctx: RuleContext, operand, *, k, **params):
   axis = params.get("axis", -1) % len(operand.shape)
   return _top_k_like(ctx, lax.top_k_p, dict(params, k=k), operand, axis, k)
 
 
 @register_lowering(lax.approx_top_k_p)
-def _approx_top_k(ctx, operand, *, k, reduction_dimension, **params):
+def _approx_top_k(ctx: RuleContext, operand, *, k, reduction_dimension, **params):
   axis = reduction_dimension % len(operand.shape)
   return _top_k_like(ctx, lax.approx_top_k_p,
                      dict(params, k=k, reduction_dimension=reduction_dimension),

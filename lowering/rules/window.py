@@ -47,9 +47,10 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering import window_plan as W
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, logical, storage,
                                        worker_vertices)
+from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import exchange_cycles, movement_cost
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.matmul_plan import (block_grid_mapping, blocked_storage, grid_tiles,
+from ipu_jax.lowering.matmul_grid import (block_grid_mapping, blocked_storage, grid_tiles,
                                           operand_exchange_cost)
 from ipu_jax.lowering.registry import register_lowering
 
@@ -324,7 +325,7 @@ def _unpadded(geo: W.WindowGeometry) -> dict:
 
 
 def _make_monoid_rule(prim, kind):
-  def rule(ctx, x, *, window_dimensions, window_strides, padding, base_dilation,
+  def rule(ctx: RuleContext, x, *, window_dimensions, window_strides, padding, base_dilation,
            window_dilation):
     geo = W.window_geometry(x.shape, ctx.out_avals[0].shape, window_dimensions, window_strides,
                             padding, base_dilation, window_dilation)
@@ -347,7 +348,7 @@ register_lowering(wr.reduce_window_min_p, _make_monoid_rule(wr.reduce_window_min
 
 
 @register_lowering(wr.reduce_window_p)
-def _reduce_window_rule(ctx, *args, jaxpr, consts, window_dimensions, window_strides,
+def _reduce_window_rule(ctx: RuleContext, *args, jaxpr, consts, window_dimensions, window_strides,
                         padding, base_dilation, window_dilation):
   """Generic ``lax.reduce_window``: any computation, variadic operands."""
   num = len(args) // 2
@@ -403,8 +404,8 @@ def _skipping_holes(jaxpr, consts, num: int) -> Callable:
 
 
 @register_lowering(wr.select_and_scatter_add_p)
-def _select_and_scatter_add_rule(ctx, source, operand, *, select_prim, window_dimensions,
-                                 window_strides, padding):
+def _select_and_scatter_add_rule(ctx: RuleContext, source, operand, *, select_prim,
+                                 window_dimensions, window_strides, padding):
   """Max-pool gradient: each window's cotangent goes to its selected element."""
   params = dict(select_prim=select_prim, window_dimensions=window_dimensions,
                 window_strides=window_strides)
@@ -423,7 +424,8 @@ def _select_and_scatter_add_rule(ctx, source, operand, *, select_prim, window_di
 
 
 @register_lowering(wr.select_and_gather_add_p)
-def _select_and_gather_add_rule(ctx, tangents, operand, *, select_prim, window_dimensions,
+def _select_and_gather_add_rule(ctx: RuleContext, tangents, operand, *, select_prim,
+                                window_dimensions,
                                 window_strides, padding, base_dilation, window_dilation):
   """Max-pool JVP: each window takes the tangent of its selected element."""
   params = dict(select_prim=select_prim, window_dimensions=window_dimensions,
