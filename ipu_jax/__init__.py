@@ -7,7 +7,9 @@ training semantics, hardware facts and their sources) are in docs/.
 from ipu_jax.config import (IPUConfig, LoweringOptions, default_config,
                             get_default_config)
 from ipu_jax.errors import FloatingPointException, LoweringError, OutOfMemoryError
-from ipu_jax.jit import IPUFunction, Lowered, jit
+from ipu_jax.jit import IPUFunction, jit
+from ipu_jax.compiled import Compiled
+from ipu_jax.stages import Lowered, Traced
 from ipu_jax.nnx_jit import NNXFunction, nnx_jit
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax import ops
@@ -38,10 +40,10 @@ def __dir__():
   return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 __all__ = [
-    "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
+    "Compiled", "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
     "IPUSystem", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
-    "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit",
+    "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit", "Traced",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",
     "register_lowering", "number_formats", "rounding", "fp8_scaling", "offload", "remote_buffers",
     "sparse",

@@ -1,13 +1,17 @@
 """A :class:`ipu_jax.Lowered` as an executable cache entry, and back.
 
-What a lowered program needs to run and to report, and nothing else:
+What a lowered program needs to run and to report, and nothing else
+(``ipu_jax/stages.py`` makes the ``Lowered`` of an entry,
+``Lowered.from_cache_entry``, and runs a stored one's export,
+``Lowered.stored``):
 
-* the executor function (``Lowered._pure``: flat arguments and constant
+* the executor function (``Executable.run``: flat arguments and constant
   storages in; results, device state and the exception record out),
   exported by ``jax.export`` as StableHLO; the rules' closures it was built
   from are not kept (they cannot be serialised, and are not needed to run it);
-* the constants' tile storages, as NumPy arrays, and which of them are
-  device state (the stochastic rounding generators);
+* the constants' tile storages, as NumPy arrays, which of them are
+  device state (the stochastic rounding generators) and how a seed's state
+  is laid out in storage (so ``set_seed`` needs no tile mapping);
 * the argument and result avals and trees the calls are checked against;
 * the ``ProgramProfile`` (NumPy arrays and dataclasses) the report is made
   from, the dead code removed, the trapped exceptions' table.
@@ -19,10 +23,11 @@ dataclasses from the whitelist below, the avals and the exceptions' table by
 explicit converters. Nothing is pickled, so reading an entry cannot run
 code.
 
-A program loaded this way has no tile program in memory. What needs one
-(``Lowered.program``, ``inputs``, ``outputs``, ``constants``, or running it
-with the replica axis bound, whose collectives the export cannot carry) lowers
-it then, once (:meth:`CachedProgram.full`). Differentiating through a loaded
+A program loaded this way has no tile program in memory: its
+``Lowered.program`` (``inputs``, ``outputs``, ``constants``) is None, and
+``Lowered.lower_uncached()`` lowers it. Running it with the replica axis
+bound, whose collectives the export cannot carry, lowers it then, once
+(:meth:`CachedProgram.live`). Differentiating through a loaded
 program's :meth:`~ipu_jax.Lowered.apply` is not supported (JAX does not
 serialize an export's derivative); lower without the cache for that.
 """
@@ -33,7 +38,7 @@ import collections
 import dataclasses
 import logging
 import sys
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -54,16 +59,12 @@ from ipu_jax.lowering.remote import StreamingBuffer, StreamingProfile
 from ipu_jax.lowering.replica_axis import REPLICA_AXIS, axis_is_bound
 from ipu_jax.lowering.run_setup import RunSetup
 
-__all__ = ["CachedProgram", "ENTRY_CODEC", "committed", "entry_of", "exported_of",
-           "export_executor", "load_into", "store_from"]
+__all__ = ["CachedProgram", "ENTRY_CODEC", "announce_hit", "committed", "entry_of",
+           "exported_of", "export_executor", "load", "store"]
 
 # The cache's log lines go with ipu_jax.jit's (recompilation notes).
 LOGGER = "ipu_jax.jit"
 logger = logging.getLogger(LOGGER)
-
-# Attributes a Lowered from the cache gets by lowering after all.
-TILE_PROGRAM_ATTRIBUTES = ("program", "inputs", "outputs", "constants")
-
 
 def _abstract(value) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(np.shape(value), value.dtype)
@@ -179,52 +180,59 @@ def _report_profile(profile):
 
 
 def entry_of(lowered, exported: export.Exported) -> dict:
-  """The cache entry of a freshly lowered program."""
+  """The cache entry of a freshly lowered program (an ``ipu_jax.stages.Lowered``)."""
   profile = _report_profile(lowered.profile)
+  executable, signature = lowered.executable, lowered.signature
   return {
       "name": profile.name,
       "profile": profile,
       "dead_code": lowered.dead_code,
-      "constants": [np.asarray(c) for c in lowered._constant_values],
-      "device_state": list(lowered._device_state),
-      "in_avals": list(lowered._in_avals),
-      "out_avals": list(lowered._out_avals),
+      "constants": [np.asarray(c) for c in executable.constants],
+      "device_state": list(executable.state),
+      # The generators' storage layout: a seed is set without the tile mapping.
+      "state_index": [np.asarray(i) for i in executable.seeding.index],
+      "in_avals": list(signature.in_avals),
+      "out_avals": list(signature.out_avals),
       # Trees as text: what they are checked by (they are in the key too).
-      "out_tree": str(lowered.out_tree),
-      "user_tree": str(lowered._user_tree),
-      "traps": lowered._traps,
-      "out_of_memory": lowered.out_of_memory,
+      "out_tree": str(signature.out_tree),
+      "user_tree": str(signature.in_tree),
+      "traps": executable.traps,
+      "out_of_memory": executable.out_of_memory,
       "exported": exported,
   }
 
 
 class CachedProgram:
-  """The executor of a loaded (or stored) program, with its way back to lowering.
+  """The exported executor of a loaded (or stored) program.
+
+  Called as the executor of an ``Executable`` (``ipu_jax/stages.py``) is.
+  With the replica axis bound (``vmap`` / ``shard_map`` replicas), whose
+  collectives the export (made with none bound) cannot carry, it runs the
+  executor built from the tile program: ``live`` when the program was just
+  lowered, else the one ``lower_live`` lowers (once, on the first such call).
 
   Args:
     exported: the exported executor.
-    lower_fully: builds the program's ``Lowered`` without the cache (traces
-      and lowers again); called at most once, when something needs the tile
-      program.
+    live: the executor built from the tile program, when there is one.
+    lower_live: lowers the program without the cache and returns its
+      executor (a loaded program).
   """
 
-  def __init__(self, exported: export.Exported, lower_fully: Callable[[], Any]):
+  def __init__(self, exported: export.Exported, live: Optional[Callable] = None,
+               lower_live: Optional[Callable[[], Callable]] = None):
     self.exported = exported
-    self._lower_fully = lower_fully
-    self._full = None
+    self._live = live
+    self._lower_live = lower_live
 
-  def full(self):
-    """The program lowered without the cache (once)."""
-    if self._full is None:
-      self._full = self._lower_fully()
-    return self._full
+  def live(self) -> Callable:
+    """The executor built from the tile program (lowered once, if need be)."""
+    if self._live is None:
+      self._live = self._lower_live()
+    return self._live
 
   def __call__(self, flat_args, constants):
-    """``Lowered._pure``'s contract, on the exported function."""
     if axis_is_bound(REPLICA_AXIS):
-      # Replicas (vmap / shard_map): collectives need the axis, which the
-      # export (made with none bound) does not have.
-      return self.full()._live_pure(flat_args, constants)
+      return self.live()(flat_args, constants)
     flat, state, record = self.exported.call(list(flat_args), list(constants))
     return list(flat), list(state), record
 
@@ -242,65 +250,49 @@ def committed(values) -> list:
           for v in values]
 
 
-def restore(lowered, entry: dict, program: CachedProgram) -> None:
-  """Give ``lowered`` (traced, not lowered) what ``entry`` holds."""
-  lowered.profile = entry["profile"]
-  lowered.dead_code = entry["dead_code"]
-  lowered._constant_values = committed(entry["constants"])
-  lowered._device_state = list(entry["device_state"])
-  lowered._in_avals = list(entry["in_avals"])
-  lowered._out_avals = list(entry["out_avals"])
-  lowered._traps = entry["traps"]
-  lowered.out_of_memory = entry["out_of_memory"]
-  lowered._cached_program = lowered._pure = program
-  lowered._function = jax.jit(program)
-
-
-def check_same_interface(lowered, entry: dict) -> Optional[str]:
-  """Why ``entry`` does not fit the traced ``lowered`` (None when it does)."""
-  if entry["out_tree"] != str(lowered.out_tree):
+def check_same_interface(signature, entry: dict) -> Optional[str]:
+  """Why ``entry`` does not fit a program traced with ``signature`` (None when it does)."""
+  if entry["out_tree"] != str(signature.out_tree):
     return "its result tree differs"
-  if entry["user_tree"] != str(lowered._user_tree):
+  if entry["user_tree"] != str(signature.in_tree):
     return "its argument tree differs"
   return None
 
 
-def load_into(lowered, cache_dir: str, key: str, lower_fully: Callable[[], Any],
-              progress: Optional[compile_progress.CompileProgress] = None) -> bool:
-  """Restore the traced ``lowered`` from the cache; False when the entry is not there.
+def load(cache_dir: str, key: str, signature,
+         progress: Optional[compile_progress.CompileProgress] = None) -> Optional[tuple]:
+  """The entry of ``key`` and the seconds it took to read; None when it is not there.
+
+  ``ipu_jax.stages.Lowered.from_cache_entry`` makes the program of it.
 
   Args:
-    lowered: a ``Lowered`` traced (``jaxpr``, trees, avals set), not lowered.
     cache_dir: the cache directory.
     key: the program's key (``executable_cache.program_key``).
-    lower_fully: builds the program lowered without the cache.
-    progress: the compile's progress display; a hit prints one line through
-      it (unless it is silenced), as a compile does.
+    signature: the traced program's ``ipu_jax.compiled.Signature`` (an entry
+      of other trees is not used).
+    progress: the compile's progress display.
   """
   if progress is not None:
     progress.stage("loading from the executable cache")
   with host_time.timer() as loading:
     entry = executable_cache.load(cache_dir, key, ENTRY_CODEC)
-    why = entry and check_same_interface(lowered, entry)
+    why = entry and check_same_interface(signature, entry)
     if why:
       logger.warning("executable cache: entry %s does not fit (%s); lowering again",
                      key[:12], why)
-    if not entry or why:
-      return False
-    restore(lowered, entry, CachedProgram(exported_of(entry), lower_fully))
-  name = lowered.profile.name
-  lowered.host.cache, lowered.host.cache_seconds = "hit", loading[0]
-  lowered.profile.host_side = lowered._host_side()  # pylint: disable=protected-access
-  from ipu_jax.report import Report, maybe_auto_save  # pylint: disable=g-import-not-at-top
-  lowered.report = Report(lowered.profile)
-  if lowered.options.report_directory:
-    maybe_auto_save(lowered.report, lowered.options.report_directory)
+  if not entry or why:
+    return None
+  return entry, loading[0]
+
+
+def announce_hit(progress: Optional[compile_progress.CompileProgress], name: str, key: str,
+                 seconds: float) -> None:
+  """The log line of a hit, and its progress line (unless silenced)."""
   logger.info("executable cache: loaded '%s' (%s) in %.3f s instead of lowering it",
-              name, key[:12], loading[0])
+              name, key[:12], seconds)
   if progress is not None:
-    _announce_hit(progress, f"loaded from the executable cache in {loading[0]:.3f}s "
+    _announce_hit(progress, f"loaded from the executable cache in {seconds:.3f}s "
                   f"(entry {key[:12]}), not lowered")
-  return True
 
 
 def _announce_hit(progress: compile_progress.CompileProgress, text: str) -> None:
@@ -322,28 +314,23 @@ def _announce_hit(progress: compile_progress.CompileProgress, text: str) -> None
   stream.flush()
 
 
-def store_from(lowered, cache_dir: str, key: str, lower_fully: Callable[[], Any]) -> None:
-  """Export ``lowered``'s executor and write its entry; it runs the export from now on.
+def store(lowered, cache_dir: str, key: str) -> Optional[CachedProgram]:
+  """Export ``lowered``'s executor and write its entry: the exported program, or None.
 
-  Running the exported form here too makes this process compile the same
-  HLO a later process will, so XLA's persistent cache serves that one. A
-  program that cannot be exported or stored (host callbacks...) runs
-  uncached, and its record says why.
+  A program that cannot be exported or stored (host callbacks...) is not
+  cached (None), and its host record says why.
   """
   name = lowered.profile.name
+  host = lowered.host
   with host_time.timer() as storing:
     try:
-      exported = export_executor(lowered._pure, lowered._in_avals,  # pylint: disable=protected-access
-                                 lowered._constant_values)  # pylint: disable=protected-access
+      exported = export_executor(lowered.executable.run, lowered.signature.in_avals,
+                                 lowered.executable.constants)
       path = executable_cache.store(cache_dir, key, entry_of(lowered, exported), ENTRY_CODEC)
     except Exception as error:  # pylint: disable=broad-except
-      lowered.host.cache = f"not cached: {type(error).__name__}: {str(error)[:200]}"
-      logger.info("executable cache: '%s' %s", name, lowered.host.cache)
-      return
-  program = CachedProgram(exported, lower_fully)
-  program._full = lowered  # pylint: disable=protected-access  # the tile program is here
-  lowered._cached_program = lowered._pure = program  # pylint: disable=protected-access
-  lowered._function = jax.jit(program)  # pylint: disable=protected-access
-  lowered._constant_values = committed(lowered._constant_values)  # pylint: disable=protected-access
-  lowered.host.cache, lowered.host.cache_seconds = "stored", storing[0]
+      host.cache = f"not cached: {type(error).__name__}: {str(error)[:200]}"
+      logger.info("executable cache: '%s' %s", name, host.cache)
+      return None
+  host.cache, host.cache_seconds = "stored", storing[0]
   logger.info("executable cache: stored '%s' in %s (%.3f s)", name, path, storing[0])
+  return CachedProgram(exported, live=lowered.executable.run)

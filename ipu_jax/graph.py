@@ -27,7 +27,10 @@ Programs are the tile program IR's own nodes (``lowering/program.py``):
 ``HostStream``. Only two leaves need the graph, so they are defined here:
 :class:`Execute` (run a compute set) and :class:`Copy` (between views or
 streams). Building an :class:`Engine` freezes the tile mappings and resolves
-them (``ipu_jax/graph_lowering.py``): each compute set becomes one superstep
+them (``ipu_jax/graph_lowering.py``), then takes each program through the
+stages ``ipu_jax.jit`` uses (``ipu_jax/stages.py``: a ``Lowered`` with its
+profile, report and memory check, compiled when it first runs, the graph's
+tensors and streams as its device state): each compute set becomes one superstep
 (exchange in, vertices ``vmap``-ed over tiles), each copy a gather/scatter
 step, and each view a predicate, control or printed tensor names becomes a
 tensor of its own.
@@ -44,11 +47,9 @@ import numpy as np
 from ipu_jax.graph_lowering import GraphLeaf, GraphLowerer
 from ipu_jax.kernels.codelet import Codelet, codelet
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.exchange import to_flat, to_storage
-from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.mapping import TileMapping, linear_chunk
-from ipu_jax.report import Report
+from ipu_jax.stages import Lowered
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = [
@@ -394,21 +395,10 @@ class Engine:
                          category=base.category, value=base.value, op="graph")
                 for base in graph._bases]
     lowerer = GraphLowerer(graph, self._ir)
-    self._programs = [lowerer.lower(p) for p in programs]
+    programs = [lowerer.lower(p) for p in programs]
     self._streams = lowerer.streams
     from ipu_jax import remote_buffers
     self._remote_buffers = remote_buffers.engine_buffers(graph, lowerer)
-    self._persistent = list(self._ir) + self._remote_buffers
-    self.profiles = [profile_program(p, self.target, persistent=self._persistent,
-                                     name=f"{name}[{i}]")
-                     for i, p in enumerate(self._programs)]
-    self.allow_out_of_memory = allow_out_of_memory
-    self.out_of_memory = False
-    for profile in self.profiles:
-      if profile.memory.over_limit_tiles.size:
-        self.out_of_memory = True
-      check_memory(profile, allow_out_of_memory=allow_out_of_memory,
-                   report=_make_report(profile), what=profile.name)
     self._state = {}
     for t in self._ir:
       if t.value is not None:
@@ -416,8 +406,28 @@ class Engine:
       else:
         self._state[t.id] = jnp.zeros(t.storage_shape, t.dtype)
     self._state.update(remote_buffers.initial_state(self._remote_buffers))
+    # The device state each program runs on: the graph's tensors, the remote
+    # buffers and the streams it uses (connected before it runs).
+    self._keys = sorted(list(self._state) + [key for name in self._streams
+                                             for key in _stream_keys(name)], key=str)
+    self._lowered = [self._lower(p, f"{name}[{i}]", allow_out_of_memory)
+                     for i, p in enumerate(programs)]
+    self.profiles = [lowered.profile for lowered in self._lowered]
+    self.allow_out_of_memory = allow_out_of_memory
+    self.out_of_memory = any(lowered.out_of_memory for lowered in self._lowered)
     self._host_buffers = {}
-    self._functions = {}
+
+  def _lower(self, program, name: str, allow_out_of_memory: bool):
+    """``program`` as a :class:`~ipu_jax.stages.Lowered` over the engine's state."""
+    tensors = {t.id: t for t in self._ir}
+    for node, _, _ in P.iter_steps(program):
+      for t in (list(node.reads) + list(node.writes) if isinstance(node, P.Superstep)
+                else [node.tensor]):
+        tensors[t.id] = t
+    state = [(key, self._state.get(key)) for key in self._keys]
+    return Lowered.from_program(program, self.target, name=name, tensors=tensors, state=state,
+                                persistent=list(self._ir) + self._remote_buffers,
+                                allow_out_of_memory=allow_out_of_memory)
 
   def connect_stream(self, name: str, buffer: np.ndarray) -> None:
     """Attach a host array to a stream (read from, or written into in place)."""
@@ -428,20 +438,9 @@ class Engine:
     if not isinstance(buffer, np.ndarray):
       raise TypeError("device-to-host streams write into a NumPy array; pass one")
     self._host_buffers[name] = buffer
-    self._state[f"stream:{name}:buffer"] = jnp.asarray(buffer.reshape(-1))
-    self._state[f"stream:{name}:cursor"] = jnp.int32(0)
-
-  def _function(self, index: int):
-    if index not in self._functions:
-      tensors = {t.id: t for t in self._ir}
-      for program in [self._programs[index]]:
-        for node, _, _ in P.iter_steps(program):
-          for t in (list(node.reads) + list(node.writes) if isinstance(node, P.Superstep)
-                    else [node.tensor]):
-            tensors[t.id] = t
-      keys = sorted(self._state, key=str)
-      self._functions[index] = (keys, build_function(self._programs[index], tensors, keys, keys))
-    return self._functions[index]
+    buffer_key, cursor_key = _stream_keys(name)
+    self._state[buffer_key] = jnp.asarray(buffer.reshape(-1))
+    self._state[cursor_key] = jnp.int32(0)
 
   def run(self, index: int = 0) -> None:
     """Run program ``index`` (one host call)."""
@@ -451,12 +450,13 @@ class Engine:
     for name, stream in self._streams.items():
       if name not in self._host_buffers:
         raise RuntimeError(f"stream {name!r} is used but not connected (connect_stream)")
-    keys, fn = self._function(index)
-    missing = [k for k in keys if k not in self._state]
+    missing = [k for k in self._keys if k not in self._state]
     if missing:
       raise RuntimeError(f"state keys missing: {missing}")
-    outputs = fn(*[self._state[k] for k in keys])
-    self._state = dict(zip(keys, outputs))
+    compiled = self._lowered[index].compile()
+    compiled.set_device_state([self._state[k] for k in self._keys])
+    compiled()
+    self._state.update(zip(self._keys, compiled.device_state))
     for name, buffer in self._host_buffers.items():
       if not self.graph.streams[name].to_device:
         buffer.reshape(-1)[...] = np.asarray(self._state[f"stream:{name}:buffer"])
@@ -495,12 +495,13 @@ class Engine:
 
   def report(self, index: int = 0):
     """The :class:`ipu_jax.Report` of program ``index``."""
-    return _make_report(self.profiles[index])
+    return self._lowered[index].report
 
   @property
   def profile(self):
     return self.profiles[0]
 
 
-def _make_report(profile):
-  return Report(profile)
+def _stream_keys(name: str) -> tuple:
+  """The state keys of a connected stream (its host buffer and cursor)."""
+  return (f"stream:{name}:buffer", f"stream:{name}:cursor")

@@ -111,7 +111,7 @@ class LogicalFormTest(chex.TestCase, parameterized.TestCase):
     fn, args = _tiny_transformer()
     lowered = ipu_jax.jit(fn, target=T16).lower(*args)
     flat = jax.tree_util.tree_leaves(args)
-    emulated = lowered._function.lower(flat, lowered._constant_values).compile()
+    emulated = lowered.compile().lower_executor(flat).compile()
     plain = jax.jit(fn).lower(*args).compile()
     temp = emulated.memory_analysis().temp_size_in_bytes
     plain_temp = plain.memory_analysis().temp_size_in_bytes

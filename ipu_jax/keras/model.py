@@ -469,6 +469,17 @@ class Model:
     arrays of this process; assigning one also writes it into the module."""
     return self._train_state.local(self._replication)
 
+  @property
+  def placed_train_state(self) -> TrainState:
+    """The training state as the replicas hold it (on their devices, sharded
+    fields sharded): what the compiled programs read and a trainer replaces
+    after each execution. :attr:`train_state` is this process's view of it."""
+    return self._train_state
+
+  @placed_train_state.setter
+  def placed_train_state(self, value: TrainState):
+    self._train_state = value
+
   @train_state.setter
   def train_state(self, value: TrainState):
     if not isinstance(value, TrainState):

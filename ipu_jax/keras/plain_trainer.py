@@ -68,7 +68,7 @@ class Programs:
   def place(self) -> None:
     """Puts the training state on the replicas' devices (a no-op once there)."""
     model = self.model
-    model._train_state = model._train_state.place(model.replication,
+    model.placed_train_state = model.placed_train_state.place(model.replication,
                                                   self.shards_optimizer_state())
 
   # -- reports ----------------------------------------------------------------------
@@ -95,7 +95,7 @@ class Programs:
     if key not in self._cache:
       model = self.model
       self._cache[key] = programs.build_state_program(
-          execution, model._train_state, data,
+          execution, model.placed_train_state, data,
           sharded_optimizer_state=self.shards_optimizer_state(),
           replication=model.replication, config=self.lowering_config(),
           emulate=model.emulate, verbose=self.verbose, **fields)
@@ -167,9 +167,9 @@ class PlainTrainer:
     xs, ys = plan.layout(xb), plan.layout(yb)
     program = self.programs.train(xs, ys)
     start = time.perf_counter()
-    trained, sums = program(model._train_state, rep.shard(xs), rep.shard(ys),
+    trained, sums = program(model.placed_train_state, rep.shard(xs), rep.shard(ys),
                             rep.shard(rep.replica_ids))
-    model._train_state = model._train_state.merge(trained)
+    model.placed_train_state = model.placed_train_state.merge(trained)
     running.add(self.programs.host_sums(program, rep.fetch(sums)))
     host_seconds = time.perf_counter() - start
     logs = running.logs()
@@ -179,7 +179,7 @@ class PlainTrainer:
     if report is not None:
       logs["host_round_trips"] = report.host_round_trips
       logs["emulated_seconds"] = report.estimated_seconds
-    logs.update(loss_scaling.scaling_logs(model._train_state.opt_state))
+    logs.update(loss_scaling.scaling_logs(model.placed_train_state.opt_state))
     model.record_number_formats(logs, report)
     logs["samples"] = plan.steps_per_execution * plan.batch_size
     logs["host_seconds"] = host_seconds

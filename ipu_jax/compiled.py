@@ -1,0 +1,389 @@
+"""The last stage of an ``ipu_jax.jit`` compile: a program ready to run.
+
+:class:`Compiled` (what :meth:`ipu_jax.stages.Lowered.compile` returns) runs an
+:class:`Executable`: the jitted executor built from a tile program
+(:func:`build_executable`) or its export from the executable cache, the
+constants' tile storages with the device state among them (the stochastic
+rounding generators, which each run advances) and the seed. Arguments are
+checked against the program's :class:`Signature` before anything runs, as
+``jax.stages.Compiled`` checks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ipu_jax import cached_program
+from ipu_jax import host_time
+from ipu_jax.lowering import fp_exceptions
+from ipu_jax.lowering.exchange import to_flat, to_storage
+from ipu_jax.lowering.executor import build_function
+from ipu_jax.lowering.jax_compat import physical_nbytes
+from ipu_jax.lowering.lower import is_key_dtype
+from ipu_jax.lowering.remote import is_remote
+from ipu_jax.rounding import prng_state_value
+
+__all__ = ["Compiled", "Executable", "Seeding", "Signature", "avals_bytes",
+           "build_executable", "check_arguments"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """The flat arguments and results a program is checked and called with.
+
+  ``in_tree`` is the tree of the dynamic ``(args, kwargs)`` a caller passes.
+  """
+
+  in_avals: tuple
+  out_avals: tuple
+  in_tree: Any
+  out_tree: Any
+
+  @classmethod
+  def empty(cls) -> "Signature":
+    """No arguments, no results (a graph engine's program: all device state)."""
+    return cls((), (), jax.tree_util.tree_structure(((), {})),
+               jax.tree_util.tree_structure(()))
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Seeding:
+  """How the generators' state is rebuilt for a seed.
+
+  Attributes:
+    default_seed: the seed ``set_seed(None)`` uses
+      (``floating_point_behaviour.seed``).
+    num_tiles: the tiles whose generators the state holds.
+    positions: which constants are generator state.
+    index: per position, its tile storage as flat element indices (-1:
+      padding), so a seed's state is laid out without the tile mapping
+      (which a program from the executable cache does not have).
+  """
+
+  default_seed: int = 0
+  num_tiles: int = 0
+  positions: tuple = ()
+  index: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Executable:
+  """A program's runnable form, what :meth:`Lowered.compile` compiles.
+
+  Attributes:
+    run: ``run(flat_args, constants) -> (flat results, device state,
+      exception record or None)``, traceable: the executor built from the
+      tile program, or its export (``cached_program.CachedProgram``).
+    constants: the constants' initial tile storages.
+    state: the constants the program updates and the next run starts from
+      (device state), as positions in ``constants``.
+    seeding: how the generator state is set for a seed.
+    traps: the trapped floating-point exceptions' table, or None.
+    exported: whether ``run`` is the exported form (arguments committed).
+    out_of_memory: a tile is over its SRAM (lowered with
+      ``allow_out_of_memory``): running is refused.
+  """
+
+  run: Callable
+  constants: tuple
+  state: tuple = ()
+  seeding: Seeding = Seeding()
+  traps: Any = None
+  exported: bool = False
+  out_of_memory: bool = False
+
+
+def build_executable(program, tensors: dict, signature: Signature, *, inputs, outputs,
+                      constant_keys, constants, state, traps, mode, out_of_memory,
+                      seeding: Seeding = Seeding()) -> Executable:
+  """The executor of ``program`` as one traceable function (see :class:`Executable`).
+
+  Arguments come in as flat logical arrays and leave the same way; constants
+  and device state stay in tile storage.
+  """
+  keys_in = [t.id for t in inputs] + list(constant_keys)
+  keys_out = [t.id for t in outputs]
+  keys_state = [constant_keys[i] for i in state]
+  # Trapped floating-point exceptions: the record is the last output.
+  keys_record = [fp_exceptions.RECORD_KEY] if traps else []
+  inner = build_function(program, tensors, keys_in, keys_out + keys_state + keys_record,
+                         traps=traps, mode=mode).__wrapped__
+  num_out, num_state = len(keys_out), len(keys_state)
+  in_avals, out_avals = signature.in_avals, signature.out_avals
+
+  def run(flat_args, constant_values):
+    storages = []
+    for arg, aval, tensor in zip(flat_args, in_avals, inputs):
+      if is_key_dtype(aval.dtype):
+        arg = jax.random.key_data(arg)
+      storages.append(_to_storage(jnp.reshape(arg, (-1,)).astype(tensor.dtype), tensor))
+    results = inner(*storages, *constant_values)
+    results, device_state, record = (results[:num_out],
+                                     results[num_out:num_out + num_state],
+                                     results[num_out + num_state:])
+    flat_out = []
+    for value, aval, tensor in zip(results, out_avals, outputs):
+      value = _to_flat(value, tensor).reshape(tensor.shape[1:] if is_remote(tensor)
+                                              else tensor.shape)
+      if is_key_dtype(aval.dtype):
+        value = jax.random.wrap_key_data(value, impl=aval.dtype._impl)
+      flat_out.append(value)
+    return flat_out, list(device_state), (record[0] if record else None)
+
+  return Executable(run, tuple(constants), tuple(state), seeding, traps,
+                    exported=False, out_of_memory=out_of_memory)
+
+
+# -- Compiled ----------------------------------------------------------------
+
+
+class Compiled:
+  """A compiled program: call it with the dynamic arguments it was lowered for.
+
+  It holds the jitted executor and the constants' tile storages, among them
+  the device state (the tiles' stochastic rounding generators): each run
+  continues the random streams where the last ended, as on the chip.
+
+  Attributes:
+    executable: the :class:`Executable` compiled.
+    signature: the :class:`Signature` arguments are checked against.
+    host: the :class:`~ipu_jax.host_time.HostTimes` its calls are timed into.
+  """
+
+  __slots__ = ("executable", "signature", "host", "_function", "_constants", "_has_run")
+
+  def __init__(self, executable: Executable, signature: Signature,
+               host: host_time.HostTimes):
+    self.executable = executable
+    self.signature = signature
+    self.host = host
+    self._function = jax.jit(executable.run)
+    self._constants = list(executable.constants)
+    self._has_run = False
+
+  @property
+  def has_run(self) -> bool:
+    """Whether it has run once (its first call compiles the XLA program)."""
+    return self._has_run
+
+  @property
+  def out_tree(self):
+    return self.signature.out_tree
+
+  def _check_runnable(self):
+    if self.executable.out_of_memory:
+      raise RuntimeError("this program was lowered with allow_out_of_memory and a tile is "
+                         "over its SRAM; it cannot run (read .report)")
+
+  def __call__(self, *args, **kwargs):
+    """Run the program on the arguments it was lowered for.
+
+    Takes the function's dynamic arguments (static ones left out), as
+    ``jax.stages.Compiled`` does, and checks their tree structure, shapes and
+    dtypes against the lowering before anything runs.
+
+    Raises:
+      TypeError: an argument is missing, extra, or of another shape or dtype,
+        naming it.
+    """
+    with_paths, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    if tree != self.signature.in_tree:
+      raise TypeError(_tree_mismatch(self.signature.in_tree, tree))
+    flat = [leaf for _, leaf in with_paths]
+    names = [_argument_name(path) for path, _ in with_paths]
+    check_arguments(self.signature.in_avals, flat, names)
+    return self.call_flat(flat)
+
+  def call_flat(self, flat_args: Sequence[Any]):
+    """Run on already-checked flat arguments (the leaves of the lowering)."""
+    self._check_runnable()
+    first = not self._has_run
+    flat_args = self.prepare_arguments(flat_args)
+    with host_time.measuring(self.host, first=first):
+      flat, device_state, record = self._function(flat_args, self._constants)
+    self._has_run = True
+    if record is not None:  # one read per run, only with exceptions trapped
+      self._raise_trapped(record)
+    self.set_device_state(device_state)  # the next run continues from here
+    return jax.tree_util.tree_unflatten(self.signature.out_tree, flat)
+
+  def prepare_arguments(self, values: Sequence[Any]) -> list:
+    """Arguments as this program's executor wants them, for a jitted call.
+
+    A program run from its exported executor (the executable cache) gets
+    them committed to the default device, so feeding its results back in
+    compiles nothing new (``cached_program.committed``); others as given.
+    """
+    if not self.executable.exported:
+      return list(values)
+    return cached_program.committed(values)
+
+  def lower_executor(self, flat_args: Sequence[Any]):
+    """The executor's ``jax.stages.Lowered`` for these flat arguments and the
+    current constants (its XLA program: ``.compile().memory_analysis()``)."""
+    return self._function.lower(list(flat_args), self._constants)
+
+  def apply(self, *args_flat):
+    """Run the tile program as a traceable function of the flat arguments.
+
+    Use it inside ``jax.jit``, ``jax.vmap`` or ``jax.shard_map`` (replicas run
+    the same program this way); ``__call__`` is the jitted form. Being a
+    pure function, it reads the device state (the stochastic rounding
+    generators) as it is now and does not advance it; use
+    :meth:`apply_with_state` to carry it.
+    """
+    return self.apply_with_state(self.device_state, *args_flat)[0]
+
+  def apply_with_state(self, device_state: Sequence[Any], *args_flat):
+    """:meth:`apply` with the device state passed in and returned.
+
+    Args:
+      device_state: as :attr:`device_state` gives it.
+      *args_flat: the flat arguments.
+
+    Returns:
+      ``(outputs, new device state)``; give the latter to
+      :meth:`set_device_state` (or the next call) to continue the generators.
+    """
+    self._check_runnable()
+    device_state = list(device_state)
+    positions = self.executable.state
+    if len(device_state) != len(positions):
+      raise ValueError(f"apply_with_state: expected {len(positions)} device state "
+                       f"arrays (Lowered.device_state), got {len(device_state)}.")
+    constants = list(self._constants)
+    for i, value in zip(positions, device_state):
+      constants[i] = value
+    flat, new_state, record = self.executable.run(list(args_flat), constants)
+    if record is not None:
+      # Traced: the check runs on the host when the computation does; the
+      # runtime error it raises carries the FloatingPointException's message.
+      jax.debug.callback(self._raise_trapped, record)
+    return jax.tree_util.tree_unflatten(self.signature.out_tree, flat), list(new_state)
+
+  @property
+  def device_state(self) -> list:
+    """The state the program keeps on the device between runs (the tiles'
+    stochastic rounding generators), as tile storage arrays; may be empty."""
+    return [self._constants[i] for i in self.executable.state]
+
+  def set_device_state(self, values: Sequence[Any]) -> None:
+    """Continue from ``values`` (as :meth:`apply_with_state` returns them)."""
+    values = list(values)
+    positions = self.executable.state
+    if len(values) != len(positions):
+      raise ValueError(f"set_device_state: expected {len(positions)} arrays, "
+                       f"got {len(values)}.")
+    for i, value in zip(positions, values):
+      self._constants[i] = value
+
+  def _raise_trapped(self, record):
+    error = self.executable.traps.error(record)
+    if error is not None:
+      raise error
+
+  def set_seed(self, seed: Optional[int] = None) -> None:
+    """Reseed the tiles' hardware generators (Poplar's ``setSeed``).
+
+    The generators' state persists between runs of this program, as on the
+    chip: each run continues the random streams where the last one ended, so
+    two runs round differently. ``set_seed`` restarts them: the next run
+    draws the bits the first run after lowering drew with that seed.
+
+    Args:
+      seed: an int >= 0; None: ``floating_point_behaviour.seed`` of the
+        config this program was lowered with.
+
+    Raises:
+      TypeError / ValueError: ``seed`` is not an int >= 0.
+    """
+    seeding = self.executable.seeding
+    if seed is None:
+      seed = seeding.default_seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+      raise TypeError(f"set_seed: seed must be an int >= 0 (as "
+                      f"floating_point_behaviour.seed); got {seed!r} of type "
+                      f"{type(seed).__name__}.")
+    if seed < 0:
+      raise ValueError(f"set_seed: seed must be an int >= 0 (as "
+                       f"floating_point_behaviour.seed); got {seed}.")
+    for i, index in zip(seeding.positions, seeding.index):
+      value = prng_state_value(seeding.num_tiles, int(seed)).reshape(-1)
+      storage = np.where(index >= 0, value[np.maximum(index, 0)], 0).astype(value.dtype)
+      self._constants[i] = jnp.asarray(storage)
+
+
+# -- arguments -------------------------------------------------------------------
+
+
+def avals_bytes(avals) -> int:
+  """Bytes of arrays of these avals (a typed PRNG key counted as its key data)."""
+  return sum(physical_nbytes(aval) for aval in avals)
+
+
+def _to_storage(flat, tensor):
+  """Storage of a program input; a remote buffer's is its rows (host memory)."""
+  if is_remote(tensor):
+    return jnp.reshape(flat, tensor.storage_shape)
+  return to_storage(flat, tensor.mapping)
+
+
+def _to_flat(storage, tensor):
+  if is_remote(tensor):
+    return jnp.reshape(storage, (-1,))
+  return to_flat(storage, tensor.mapping)
+
+
+def _argument_name(path) -> str:
+  """``args[0]['w']`` / ``kwargs['x']`` for a path into ``(args, kwargs)``."""
+  first, *rest = path
+  base = "args" if getattr(first, "idx", 0) == 0 else "kwargs"
+  return base + jax.tree_util.keystr(tuple(rest))
+
+
+def _tree_mismatch(expected, given) -> str:
+  (exp_args, exp_kwargs) = jax.tree_util.tree_unflatten(expected, [0] * expected.num_leaves)
+  (got_args, got_kwargs) = jax.tree_util.tree_unflatten(given, [0] * given.num_leaves)
+  if len(got_args) != len(exp_args):
+    what = (f"{len(got_args)} positional arguments where it was lowered for "
+            f"{len(exp_args)}")
+  elif set(got_kwargs) != set(exp_kwargs):
+    what = (f"keyword arguments {sorted(got_kwargs)} where it was lowered for "
+            f"{sorted(exp_kwargs)}")
+  else:
+    what = f"arguments structured as {given} where it was lowered for {expected}"
+  return (f"Lowered program called with {what}. Call it with the dynamic arguments given "
+          f"to .lower() (static arguments left out), or lower it again for the new ones.")
+
+
+def _describe_aval(aval) -> str:
+  return aval.str_short(short_dtypes=True) if hasattr(aval, "str_short") else str(aval)
+
+
+def check_arguments(expected_avals: Sequence[Any], values: Sequence[Any],
+                    names: Sequence[str]) -> None:
+  """Raise ``TypeError`` unless ``values`` have the shapes and dtypes expected.
+
+  Weak types are not compared, as ``jax.stages.Compiled`` does not compare
+  them: a Python scalar may stand for a 0-d array of its dtype.
+  """
+  errors = []
+  for aval, value, name in zip(expected_avals, values, names):
+    try:
+      got = jax.typeof(value)
+    except TypeError:
+      errors.append(f"{name} is a {type(value).__name__}, not an array: it was lowered as "
+                    f"{_describe_aval(aval)}")
+      continue
+    if tuple(got.shape) != tuple(aval.shape) or got.dtype != aval.dtype:
+      errors.append(f"{name} was lowered as {_describe_aval(aval)} and is now "
+                    f"{_describe_aval(got)}")
+  if errors:
+    raise TypeError("Arguments differ from those the program was lowered for:\n  "
+                    + "\n  ".join(errors))
