@@ -1,13 +1,18 @@
 """A strict, nested configuration in the manner of Graphcore's ``IPUConfig``.
 
-Example::
+Example:
 
-  cfg = ipu_jax.IPUConfig()
-  cfg.device.version = "ipu1"
-  cfg.device.tiles_per_ipu = 16
-  cfg.matmuls.available_memory_proportion = 0.3
-  target = cfg.to_target()             # an IPUTarget
-  options = cfg.lowering_options()     # a hashable LoweringOptions
+>>> import ipu_jax
+>>> cfg = ipu_jax.IPUConfig()
+>>> cfg.device.tiles_per_ipu = 16
+>>> cfg.matmuls.available_memory_proportion = 0.3
+>>> cfg.to_target().num_tiles                 # an IPUTarget
+16
+>>> options = cfg.lowering_options()          # a hashable LoweringOptions
+>>> cfg.matmuls.partials_type = "half"
+Traceback (most recent call last):
+...
+ValueError: matmuls.partials_type must be one of 'float32', 'float16'; got 'half'.
 
 Each option is declared once, as an :class:`_Option` descriptor carrying its
 default, the values it accepts and its documentation. A misspelt name or a bad

@@ -1,12 +1,18 @@
 """The stages of an ``ipu_jax.jit`` compile: Traced -> Lowered -> Compiled.
 
 As ``jax.stages`` has them, each stage is a small value made by the one
-before it::
+before it:
 
-    traced = ipu_jax.jit(f).trace(x, w)   # Traced: the jaxpr, avals, trees
-    lowered = traced.lower()              # Lowered: tile program, profile, report
-    compiled = lowered.compile()          # Compiled: the executor and its device state
-    y = compiled(x, w)
+>>> import jax.numpy as jnp, ipu_jax
+>>> f = ipu_jax.jit(lambda x, w: x @ w, target=ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16))
+>>> x, w = jnp.ones((8, 4)), jnp.full((4, 2), 0.5)
+>>> traced = f.trace(x, w)        # Traced: the jaxpr, avals, trees
+>>> lowered = traced.lower()      # Lowered: tile program, profile, report
+>>> compiled = lowered.compile()  # Compiled: the executor and its device state
+>>> compiled(x, w)[0]
+Array([2., 2.], dtype=float32)
+>>> lowered.report.total_cycles > 0
+True
 
 * :class:`Traced` holds the closed jaxpr (dead code removed, the chip's
   rounding applied), the argument and result avals and trees, the host loop

@@ -163,13 +163,19 @@ def tile_map(codelet, *args, tiles: Optional[Sequence[int]] = None):
   operand, and the results are stacked along a new leading tile axis, i.e. the
   result is ``jax.vmap(codelet.fn)(*args)``.
 
-  Example::
+  Example:
 
-    @ipu_jax.graph.codelet(inputs=("x",), outputs=("y",), cycles=lambda x, y: 20)
-    def scale(x):
-      return 2.0 * x
-
-    y = ipu_jax.ops.tile_map(scale, jnp.ones((4, 8)), tiles=[3, 5, 7, 9])
+  >>> import jax.numpy as jnp, ipu_jax
+  >>> @ipu_jax.graph.codelet(inputs=("x",), outputs=("y",), cycles=lambda x, y: 20)
+  ... def scale(x):
+  ...   return 2.0 * x
+  >>> run = ipu_jax.jit(lambda a: ipu_jax.ops.tile_map(scale, a, tiles=[3, 5, 7, 9]),
+  ...                   target=ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16))
+  >>> run(jnp.ones((4, 2)))
+  Array([[2., 2.],
+         [2., 2.],
+         [2., 2.],
+         [2., 2.]], dtype=float32)
 
   Args:
     codelet: a :class:`~ipu_jax.kernels.codelet.Codelet` (from

@@ -497,12 +497,16 @@ class Report(ReportBase):
   Attributes:
     profile: the :class:`~ipu_jax.lowering.profile.ProgramProfile` it shows.
 
-  Example::
+  Example (``lowered.report`` is one; ``Report(profile)`` makes one):
 
-    report = Report(profile)
-    report.total_cycles, report.memory_per_tile.max()
-    print(report)                  # the summary
-    report.save("/tmp/my-report")  # report.json, trace.json, PNGs
+  >>> import tempfile, jax.numpy as jnp, ipu_jax
+  >>> f = ipu_jax.jit(jnp.tanh, target=ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16))
+  >>> report = f.lower(jnp.ones((64, 64))).report
+  >>> report.memory_per_tile.shape
+  (16,)
+  >>> report.summary().splitlines()[0].startswith("Step (device only")
+  True
+  >>> written = report.save(tempfile.mkdtemp())  # report.json, report.html, trace.json, PNGs
   """
 
   def __init__(self, profile: ProgramProfile):
