@@ -26,9 +26,9 @@ from ipu_jax.lowering import remote
 from testing_utils import T16, executor_config, random_array, supersteps_with_members
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Where the mode may be named: its declaration, the user config, and the jit
-# that hands it to the executor.
-_MAY_NAME_THE_MODE = {"lowering/options.py", "ipu_jax/config.py", "ipu_jax/jit.py"}
+# Where the mode may be named: its declaration, the user config, and the
+# lowering stage that hands it to the executor.
+_MAY_NAME_THE_MODE = {"lowering/options.py", "ipu_jax/config.py", "ipu_jax/stages.py"}
 
 def mode_readers(sources: dict) -> list:
   """``path:line`` of every read of ``executor_mode`` (an attribute, or the

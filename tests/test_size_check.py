@@ -26,6 +26,19 @@ _SRAM16 = 16 * T16.bytes_per_tile
 # argument shapes, and the tensor the message must name with its bytes.
 _CHILD = textwrap.dedent("""
     import json, resource, sys, time
+
+    def peak_rss_bytes():
+      # VmHWM is this program's own high-water mark: ru_maxrss is not reset
+      # by exec, so it would report the (large) test worker this child was
+      # forked from.
+      try:
+        with open("/proc/self/status") as status:
+          for line in status:
+            if line.startswith("VmHWM:"):
+              return int(line.split()[1]) * 1024
+      except OSError:
+        pass
+      return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # A runaway plan fails at 6 GB of address space instead of filling the
     # machine (before the size check, the transpose took 4.5 GB).
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
@@ -51,8 +64,7 @@ _CHILD = textwrap.dedent("""
         kind, message = type(e).__name__, str(e)
       print(json.dumps({"case": name, "kind": kind, "message": message[:4000],
                         "seconds": time.perf_counter() - start,
-                        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                          * 1024}), flush=True)
+                        "peak_rss_bytes": peak_rss_bytes()}), flush=True)
 """)
 
 _CASES = {
