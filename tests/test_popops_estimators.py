@@ -14,7 +14,7 @@ from jax import lax
 import numpy as np
 
 import ipu_jax
-from experiments import calibration
+from experiments import poplibs_reference
 from ipu_jax.kernels import cost_model
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popops
@@ -216,7 +216,7 @@ class OneCostPerWorkTest(chex.TestCase, parameterized.TestCase):
     x = jnp.ones(shape, dtype)
     lowered = _lower(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), _T1, x)
     step = next(s for s in lowered.profile.steps if s.op == "reduce_sum")
-    expected = calibration.poplibs_reduce_cycles(rows, outputs, np.dtype(dtype).itemsize == 2)
+    expected = poplibs_reference.poplibs_reduce_cycles(rows, outputs, np.dtype(dtype).itemsize == 2)
     self.assertEqual(step.compute_cycles.max(), expected)
 
   @parameterized.parameters(("max", "float32", 37, 99), ("min", "float16", 64, 96),
@@ -229,7 +229,7 @@ class OneCostPerWorkTest(chex.TestCase, parameterized.TestCase):
     kwargs = {"dtype": x.dtype} if fn == "prod" else {}
     lowered = _lower(lambda x: getattr(jnp, fn)(x, axis=0, **kwargs), _T1, x)
     step = next(s for s in lowered.profile.steps if s.op == f"reduce_{fn}")
-    expected = calibration.poplibs_reduce_cycles(rows, outputs, np.dtype(dtype).itemsize == 2,
+    expected = poplibs_reference.poplibs_reduce_cycles(rows, outputs, np.dtype(dtype).itemsize == 2,
                                                  op=op)
     self.assertEqual(step.compute_cycles.max(), expected)
 
