@@ -411,7 +411,7 @@ def _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, axis, factor,
   when no grid exists (a tile or two).
   """
   size = m if axis == "m" else n
-  options, extra = [], None
+  options, lookahead = [], _Lookahead()
   for times in (1,) + _SERIAL_COUNTS:
     count = factor * times
     if count > size:
@@ -421,11 +421,7 @@ def _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, axis, factor,
     if option[2]["cycles"].size == 0:
       continue
     options.append(option)
-    if extra is None and (option[2]["temp"] <= min(wanted, memory_limit)).any():
-      extra = _SERIAL_LOOKAHEAD
-    elif extra is not None:
-      extra -= 1
-    if extra == 0:
+    if lookahead.done((option[2]["temp"] <= min(wanted, memory_limit)).any()):
       break
   return options
 
@@ -433,6 +429,22 @@ def _forced_serial(target, b, m, n, k, operand, p_itemsize, limit, axis, factor,
 # Pass counts tried past the fewest that fit: more passes can be faster when the
 # fewest that fit leave only a grid with a costly partials reduction.
 _SERIAL_LOOKAHEAD = 2
+
+
+class _Lookahead:
+  """Stops a search over rising pass counts :data:`_SERIAL_LOOKAHEAD` counts after
+  the first that fits."""
+
+  def __init__(self):
+    self.left = None
+
+  def done(self, fits: bool) -> bool:
+    """Records one more count (``fits``: whether it fits); True when the search stops."""
+    if self.left is not None:
+      self.left -= 1
+    elif fits:
+      self.left = _SERIAL_LOOKAHEAD
+    return self.left == 0
 
 
 def _serial_options(target, b, m, n, k, operand, p_itemsize, limit, memory_limit) -> list:
@@ -446,7 +458,7 @@ def _serial_options(target, b, m, n, k, operand, p_itemsize, limit, memory_limit
   of a ``[1024, 1024] x [1024, 30522]`` fp16 product beat the three passes
   over N it chose.)
   """
-  options, tried, extra = [], set(), None
+  options, tried, lookahead = [], set(), _Lookahead()
   for count in _SERIAL_COUNTS:
     for axis, size in (("n", n), ("m", m)):
       # Passes of equal length; a count giving the same length is the same plan.
@@ -455,11 +467,7 @@ def _serial_options(target, b, m, n, k, operand, p_itemsize, limit, memory_limit
         tried.add((axis, count_))
         options.append(_serial_option(target, b, m, n, k, operand, p_itemsize, limit, axis,
                                       count_, _SEARCH_BUDGET))
-    if extra is None and any((c["temp"] <= memory_limit).any() for _, _, c in options):
-      extra = _SERIAL_LOOKAHEAD
-    elif extra is not None:
-      extra -= 1
-    if extra == 0:
+    if lookahead.done(any((c["temp"] <= memory_limit).any() for _, _, c in options)):
       break
   return options
 
