@@ -268,9 +268,21 @@ def make_loss(model: Bert, dropout: bool = False):
   if not dropout:
     return (lambda params, batch: run(params, batch, rng_state)), params
 
+  def stream(v, rng):
+    """A random stream's leaf: its key is ``rng``; its counter starts at 0.
+
+    The counter is a value even when the model is abstract
+    (``nnx.eval_shape``, the runner's ``--estimate_only``): there it is a
+    ``jax.ShapeDtypeStruct``, which ``nnx.Dropout`` cannot read.
+    """
+    if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+      return rng
+    if isinstance(v, jax.ShapeDtypeStruct):
+      return jnp.zeros(v.shape, v.dtype)
+    return v
+
   def loss_fn(params, batch, rng):
-    keys = jax.tree_util.tree_map(
-        lambda v: rng if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v, rng_state)
+    keys = jax.tree_util.tree_map(lambda v: stream(v, rng), rng_state)
     return run(params, batch, keys)
 
   return loss_fn, params

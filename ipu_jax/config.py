@@ -429,6 +429,21 @@ class _FusionOptions(_Group):
       "superstep. Results are identical either way.")
 
 
+# -- Random numbers (lowering/rules/random.py) ----------------------------------------
+
+
+class _RandomOptions(_Group):
+  """How ``jax.random``'s bits are made (docs/number_formats.md#random-numbers)."""
+
+  mode = _lowering_option(
+      "random_mode",
+      "'jax': jax.random's bits exactly as jax.jit draws them (threefry, priced "
+      "as its integer arithmetic on the tiles); 'hardware': drawn from the "
+      "tiles' xoroshiro128aox generators as poprand does (the same "
+      "distributions, other numbers; seeded by floating_point_behaviour.seed, "
+      "each replica its own stream; priced by PopLibs' poprand estimators).")
+
+
 # -- Host I/O: I/O tiles and output modes (lowering/host_io.py) ---------------------
 
 
@@ -521,6 +536,7 @@ class IPUConfig(_Group):
   streaming = _Section(_StreamingOptions)
   pipelining = _Section(_PipeliningOptions)
   fusion = _Section(_FusionOptions)
+  random = _Section(_RandomOptions)
   io_tiles = _Section(_IOTilesOptions)
   outputs = _Section(_OutputOptions)
   # NumPy's generators (a fit's shuffling) take only non-negative seeds and
@@ -665,6 +681,7 @@ _LOWERING_SOURCES = {
     "div0": "floating_point_behaviour.div0",
     "oflo": "floating_point_behaviour.oflo",
     "fuse_elementwise": "fusion.elementwise",
+    "random_mode": "random.mode",
     "io_exchange_strategy": "io_tiles.strategy",
     "io_available_memory_proportion": "io_tiles.available_memory_proportion",
     "output_mode": "outputs.mode",

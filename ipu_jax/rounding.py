@@ -66,21 +66,23 @@ from jax.interpreters import ad
 from ipu_jax.kernels import xoroshiro
 from ipu_jax.kernels.number_formats import is_fp8
 from ipu_jax.ops.primitive import shaped_like, define_primitive
-from ipu_jax.ops.collectives import REPLICA_AXIS, replica_index_value
+from ipu_jax.ops.collectives import REPLICA_AXIS
 from ipu_jax.ops.stochastic_round import round_with_bits
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import worker_vertices
 from ipu_jax.lowering.context import RuleContext
-from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
+# The tiles' generators and their per-tile state are shared with the hardware
+# mode of random_bits (the same generators on the chip), so they live below.
+from ipu_jax.lowering.rules.random import (PRNG_STATE, WORKERS, draw_tile_words, mix_replica,
+                                           prng_state, prng_state_value)
 
-__all__ = ["ESR_MODES", "hw_round_p", "hw_round", "apply_floating_point_behaviour",
-           "round_tile_rows", "needs_rewrite"]
+__all__ = ["ESR_MODES", "PRNG_STATE", "hw_round_p", "hw_round", "apply_floating_point_behaviour",
+           "prng_state", "prng_state_value", "round_tile_rows", "needs_rewrite"]
 
 ESR_MODES = ("OFF", "ON", "REPLICA_IDENTICAL_ONLY")
-WORKERS = 6  # worker contexts per tile, each with its own generator stream
 
 hw_round_p = jcore.Primitive("hw_round")
 
@@ -97,15 +99,6 @@ def _saturate(x, dtype):
   return jnp.where(jnp.isnan(x), x, jnp.clip(x, -big, big))
 
 
-def _mix_replica(states):
-  """Perturb s0 of every stream by this replica's index (identity on replica 0)."""
-  r = replica_index_value(REPLICA_AXIS).astype(jnp.uint32)
-  lo = r * jnp.uint32(0x9E3779B9)
-  hi = r * jnp.uint32(0x85EBCA6B)
-  mix = jnp.stack([lo, hi, jnp.uint32(0), jnp.uint32(0)])
-  return states ^ mix
-
-
 def round_tile_rows(x_rows, states, dtype, *, saturate: bool, replica_identical: bool):
   """Round ``[rows, E]`` float32 stochastically with per-row generator streams.
 
@@ -119,12 +112,10 @@ def round_tile_rows(x_rows, states, dtype, *, saturate: bool, replica_identical:
   Returns:
     ``(rounded [rows, E], new states)``.
   """
-  rows, e = x_rows.shape
+  e = x_rows.shape[1]
   if not replica_identical:
-    states = _mix_replica(states)
-  rounds = -(-e // (2 * WORKERS))
-  bits, states = xoroshiro.draw(states, rounds)           # [rounds, rows, W, 2]
-  bits = jnp.transpose(bits, (1, 0, 2, 3)).reshape(rows, -1)[:, :e]
+    states = mix_replica(states)
+  bits, states = draw_tile_words(states, e)
   x = _saturate(x_rows, dtype) if saturate else x_rows
   return round_with_bits(x, bits, dtype), states
 
@@ -340,35 +331,6 @@ def apply_floating_point_behaviour(closed: jcore.ClosedJaxpr, options) -> jcore.
 
 # As ``stochastic_round``: the cast plus a 32-bit random draw per element.
 _SR_CYCLES_PER_VECTOR = 3
-
-
-#: First element of the :meth:`LoweringContext.program_state` key of the
-#: generator state (the key is ``(PRNG_STATE, seed)``).
-PRNG_STATE = "hw_prng_state"
-
-
-def prng_state_value(num_tiles: int, seed: int) -> np.ndarray:
-  """``[num_tiles, WORKERS, 4]`` uint32: every generator as ``seed`` sets it."""
-  return xoroshiro.seed_states(seed, np.arange(num_tiles * WORKERS)).reshape(
-      num_tiles, WORKERS, 4)
-
-
-def prng_state(ctx, seed: int) -> P.Tensor:
-  """The program's per-tile generator state (made on first use, one per seed)."""
-  module = ctx.module
-
-  def make():
-    n = module.target.num_tiles
-    value = prng_state_value(n, seed)
-    mapping = TileMapping.blocks(n * WORKERS * 4, WORKERS * 4, n, 0)
-    state = P.Tensor("hw_prng_state", value.shape, np.dtype(np.uint32), mapping,
-                     category="constants", value=value, op=ctx.op, source=ctx.source,
-                     scope=module.scope)
-    module.tensors[state.id] = state
-    module.constants.append(state)
-    return state
-
-  return module.program_state((PRNG_STATE, int(seed)), make)
 
 
 @register_lowering(hw_round_p)

@@ -133,6 +133,27 @@ FIGURE_SOURCES.update({
         "no co-issue with the ALU assumed for generated C++ codelets"),
 })
 
+# The tiles' hardware generators (random.mode = "hardware"): kernels/poprand.py.
+_POPRAND = "poplibs lib/poprand/poprandCycleEstimators.cpp MAKE_PERF_ESTIMATOR_NAME"
+FIGURE_SOURCES.update({
+    "kernels.poprand.uniform_int_bits_cycles": FigureSource(
+        "poplibs", _POPRAND + "(Uniform), type INT, scale 0: 4 + 22 x workers + out / 2 (one "
+        "st64 of two random words a cycle); what random_bits costs in hardware mode"),
+    "kernels.poprand.uniform_cycles": FigureSource(
+        "poplibs", _POPRAND + "(Uniform), float / half: 4 cycles a 64-bit vector, 22 / 24 x "
+        "workers"),
+    "kernels.poprand.bernoulli_cycles": FigureSource(
+        "poplibs", _POPRAND + "(Bernoulli): 1 cycle a vector, 21 (half) / 23 x workers"),
+    "kernels.poprand.normal_cycles": FigureSource(
+        "poplibs", _POPRAND + "(Normal): 4 cycles a vector, 22 (float) / 24 x workers"),
+    "kernels.poprand.truncated_normal_cycles": FigureSource(
+        "poplibs", _POPRAND + "(TruncatedNormal): (11 or 12 x iterations + 5) a vector"),
+    "kernels.poprand.dropout_cycles": FigureSource(
+        "poplibs", _POPRAND + "(Dropout): 6 + 24 x workers + 2 cycles a vector"),
+    "kernels.poprand.set_seed_cycles": FigureSource(
+        "poplibs", _POPRAND + "(SetSeed): 14 + 27 x workers"),
+})
+
 _SYS = "docs/systems.md; "
 FIGURE_SOURCES.update({
     "kernels.systems.IPUSystem.ipu_link_bytes_per_second": FigureSource(

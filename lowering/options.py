@@ -198,6 +198,9 @@ class LoweringOptions:
     inv, div0, oflo: ``floating_point_behaviour.inv``, ``.div0``,
       ``.oflo`` (exceptions the executor traps).
     fuse_elementwise: ``fusion.elementwise``.
+    random_mode: ``random.mode``: ``"jax"`` draws ``jax.random``'s bits as
+      ``jax.jit`` does (threefry), ``"hardware"`` from the tiles' generators
+      (``lowering/rules/random.py``).
     io_exchange_strategy, io_available_memory_proportion: ``io_tiles.strategy``,
       ``io_tiles.available_memory_proportion`` (how host transfers overlap
       compute on the I/O tiles, ``lowering/host_io.py``).
@@ -219,6 +222,7 @@ class LoweringOptions:
   div0: bool = False
   oflo: bool = False
   fuse_elementwise: bool = True
+  random_mode: str = "jax"
   # -- host I/O (lowering/host_io.py) --
   io_exchange_strategy: str = "OverlapLoops"
   io_available_memory_proportion: float = 0.9
@@ -250,6 +254,7 @@ LOWERING_KINDS = {
     "div0": BOOL,
     "oflo": BOOL,
     "fuse_elementwise": BOOL,
+    "random_mode": one_of("jax", "hardware"),
     # -- host I/O (lowering/host_io.py) --
     "io_exchange_strategy": one_of("JustInTime", "OverlapInnerLoop", "OverlapLoops"),
     "io_available_memory_proportion": PROPORTION,

@@ -21,6 +21,8 @@ from ipu_jax.lowering.profile import MEMORY_CATEGORIES
 from ipu_jax.lowering import memory_hints
 from ipu_jax.lowering.run_setup import RunSetup
 from ipu_jax.lowering.scopes import costliest_scopes_table
+from ipu_jax.lowering.rules.random import HARDWARE_BITS_VERTEX
+from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import fmt_bytes
 from ipu_jax.report.formatting import fmt_flops
@@ -117,6 +119,9 @@ class SummaryMixin:
     if fused[0]:
       lines.append(f"  Fusion:                {fused[0]:,} elementwise ops fused into "
                    f"{fused[1]:,} compute sets, {fused[2]:,} syncs saved per run")
+    random_line = self._random_bits_line()
+    if random_line:
+      lines.append(random_line)
     dead = self._dead_code_dict()
     if dead and dead["equations_removed"]:
       lines.append(f"  Dead code removed:     {dead['equations_removed']:,} equations "
@@ -128,6 +133,27 @@ class SummaryMixin:
     if host:
       lines.append(f"  Host traffic:          {fmt_bytes(host)}")
     return lines
+
+  def _random_bits_line(self) -> str:
+    """Steps drawing ``jax.random``'s bits as ``jax.jit`` does, and their share.
+
+    Threefry and Philox run as integer arithmetic on the tiles, where the chip
+    would draw from its hardware generators (``random.mode = 'hardware'``,
+    docs/number_formats.md#random-numbers); '' when no step does.
+    """
+    steps = self._data.steps
+    prefix = vocab.vertex(vocab.RANDOM, "")[:-1]
+    counter_based = [i for i, names in enumerate(steps.codelets)
+                     if any(n.startswith(prefix) and n != HARDWARE_BITS_VERTEX for n in names)]
+    draws_bits = any(steps.names[i] == "random_bits" or
+                     steps.names[i].startswith("rng_bit_generator") for i in counter_based)
+    if not draws_bits:  # keys alone (split, fold_in) are a few words
+      return ""
+    cycles = float(np.sum(steps.weighted_cycles[counter_based]))
+    count = len(counter_based)
+    return (f"  Random bits:           {count:,} step{'s' if count != 1 else ''}, "
+            f"{pct(cycles, self.total_cycles)} of cycles (threefry as jax.jit draws them; "
+            f"cfg.random.mode = 'hardware' draws them as the IPU's generators do)")
 
   def _summary_memory(self) -> list:
     data, target = self._data, self.target

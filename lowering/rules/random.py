@@ -32,6 +32,19 @@ binds the primitive itself, so the bits and the new key are ``jax.jit``'s.
 or one per leading index under ``vmap``) are multicast to their samples'
 tiles, and each tile runs the rejection sampler for the samples it holds,
 costed as one expected Marsaglia-Tsang attempt per sample.
+
+With ``random.mode = "hardware"`` (``LoweringOptions.random_mode``)
+``random_bits`` draws its bits from the tiles' hardware generators instead,
+as poprand's vertices do: one xoroshiro128aox stream per (tile, worker)
+(``kernels/xoroshiro.py``), the per-tile state the program shares with
+stochastic rounding (:func:`prng_state`: the same generators on the chip),
+seeded by ``floating_point_behaviour.seed`` and perturbed by the replica
+index, so each replica draws its own numbers. The key is not read: the
+generator's state advances with every draw. The bits land linearly mapped;
+each tile fills its own with a ``Uniform<int>`` vertex (raw 32-bit words),
+priced by PopLibs' estimator (``kernels/poprand.py``). ``uniform``,
+``bernoulli``, ``normal``, ``truncated_normal`` and dropout, all built on
+``random_bits``, follow. See docs/number_formats.md#random-numbers.
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.lowering.jax_compat import config, prng, random_core, threefry2x32
-from ipu_jax.kernels import estimators
+from ipu_jax.kernels import estimators, poprand, xoroshiro
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
@@ -51,9 +64,12 @@ from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
 from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.lower import is_key_dtype
+from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.replica_axis import REPLICA_AXIS, replica_index_value
 
-__all__ = ["key_impl_of", "note_key_avals"]
+__all__ = ["HARDWARE_BITS_VERTEX", "PRNG_STATE", "WORKERS", "draw_tile_words", "key_impl_of",
+           "mix_replica", "note_key_avals", "prng_state", "prng_state_value"]
 
 # The key implementation of tensors made by these rules, by tensor id (an
 # alias made by a reshape keeps the id, so it keeps its impl too).
@@ -245,6 +261,8 @@ def _random_fold_in(ctx: RuleContext, keys, msgs):
 
 
 def _random_bits(ctx: RuleContext, keys, *, bit_width, shape):
+  if ctx.options.random_mode == "hardware":
+    return [_hardware_bits(ctx, bit_width)]
   impl = key_impl_of(ctx, keys)
   ks = tuple(impl.key_shape)
   kw = int(np.prod(ks, dtype=np.int64))
@@ -401,6 +419,123 @@ def _random_gamma(ctx: RuleContext, keys, alpha, *, log_space):
       exchange=add_costs(*costs), vertices=worker_vertices(ctx, elements),
       codelets=(vocab.vertex(vocab.RANDOM, "gamma"),), flops=out.size * 20))
   return [out]
+
+
+# -- the tiles' hardware generators -------------------------------------------
+
+WORKERS = 6  # worker contexts per tile, each with its own generator stream
+
+#: First element of the :meth:`LoweringContext.program_state` key of the
+#: tiles' generator state (the key is ``(PRNG_STATE, seed)``).
+PRNG_STATE = "hw_prng_state"
+
+#: The vertex that fills a tile's share of ``random_bits`` in hardware mode
+#: (poprand's ``Uniform<int>`` with ``scale == 0``: raw 32-bit words).
+HARDWARE_BITS_VERTEX = vocab.vertex(vocab.RANDOM, "xoroshiro128aox")
+
+
+def prng_state_value(num_tiles: int, seed: int) -> np.ndarray:
+  """``[num_tiles, WORKERS, 4]`` uint32: every generator as ``seed`` sets it."""
+  return xoroshiro.seed_states(seed, np.arange(num_tiles * WORKERS)).reshape(
+      num_tiles, WORKERS, 4)
+
+
+def prng_state(ctx, seed: int) -> P.Tensor:
+  """The program's per-tile generator state (made on first use, one per seed).
+
+  One ``[tiles, WORKERS, 4]`` uint32 tensor for the whole program, shared by
+  every user of the generators (stochastic rounding, hardware ``random_bits``),
+  so each draw continues where the last one left the streams; the executable
+  keeps its final value as device state (``ipu_jax/stages.py`` finds it by
+  :data:`PRNG_STATE`).
+  """
+  module = ctx.module
+
+  def make():
+    n = module.target.num_tiles
+    value = prng_state_value(n, seed)
+    mapping = TileMapping.blocks(n * WORKERS * 4, WORKERS * 4, n, 0)
+    state = P.Tensor("hw_prng_state", value.shape, np.dtype(np.uint32), mapping,
+                     category="constants", value=value, op=ctx.op, source=ctx.source,
+                     scope=module.scope)
+    module.tensors[state.id] = state
+    module.constants.append(state)
+    return state
+
+  return module.program_state((PRNG_STATE, int(seed)), make)
+
+
+def mix_replica(states):
+  """Perturb s0 of every stream by this replica's index (identity on replica 0).
+
+  One seed for the program (Poplar's ``setSeed``); each replica's streams
+  differ by its index, so replicas draw different numbers
+  (docs/number_formats.md#random-numbers).
+  """
+  r = replica_index_value(REPLICA_AXIS).astype(jnp.uint32)
+  lo = r * jnp.uint32(0x9E3779B9)
+  hi = r * jnp.uint32(0x85EBCA6B)
+  mix = jnp.stack([lo, hi, jnp.uint32(0), jnp.uint32(0)])
+  return states ^ mix
+
+
+def draw_tile_words(states, words: int):
+  """``words`` uint32 per row from each row's ``WORKERS`` streams.
+
+  Args:
+    states: ``[rows, WORKERS, 4]`` uint32 generator states (one tile each).
+    words: 32-bit words each row needs (static).
+
+  Returns:
+    ``(words [rows, words] uint32, new states)``: word ``j`` of a row comes
+    from round ``j // (2 * WORKERS)``, worker ``(j // 2) % WORKERS``, half
+    ``j % 2``, the workers interleaved as their 64-bit stores are.
+  """
+  rows = states.shape[0]
+  rounds = -(-words // (2 * WORKERS))
+  bits, states = xoroshiro.draw(states, rounds)           # [rounds, rows, W, 2]
+  bits = jnp.transpose(bits, (1, 0, 2, 3)).reshape(rows, -1)[:, :words]
+  return bits, states
+
+
+def _words_as(words, dtype: np.dtype):
+  """``[rows, n]`` uint32 words as ``[rows, n * 4 // itemsize]`` of ``dtype``."""
+  rows = words.shape[0]
+  if dtype.itemsize == 4:
+    return words.astype(dtype)
+  if dtype.itemsize > 4:
+    pairs = words.reshape(rows, -1, dtype.itemsize // 4)
+    return lax.bitcast_convert_type(pairs, dtype)
+  return lax.bitcast_convert_type(words, dtype).reshape(rows, -1)
+
+
+def _hardware_bits(ctx: RuleContext, bit_width: int) -> P.Tensor:
+  """``random_bits`` from the tiles' generators: each tile fills its own bits."""
+  out_aval = ctx.out_avals[0]
+  dtype = np.dtype(out_aval.dtype)
+  out = ctx.new_tensor(tuple(out_aval.shape), dtype, name="random_bits/hardware")
+  if out.size == 0:
+    return out
+  target = ctx.target
+  state = prng_state(ctx, ctx.options.rounding_seed)
+  rows, row_size = out.mapping.storage_shape
+  row_words = -(-row_size * bit_width // 32)
+  row_tiles = np.asarray(out.mapping.tiles, np.int64)
+  n = target.num_tiles
+
+  def fn(st_s):
+    st = st_s.reshape(n, WORKERS, 4)
+    words, new = draw_tile_words(mix_replica(st[row_tiles]), row_words)
+    st = st.at[row_tiles].set(mix_replica(new))
+    return _words_as(words, dtype)[:, :row_size], st.reshape(st_s.shape)
+
+  elements = out.mapping.elements_per_tile(n)
+  words = -(-elements * bit_width // 32)
+  ctx.emit(P.Superstep(
+      name="random_bits/hardware", op=ctx.op, reads=(state,), writes=(out, state), fn=fn,
+      compute_cycles=poprand.uniform_int_bits_cycles(words, target.worker_contexts),
+      vertices=worker_vertices(ctx, words), codelets=(HARDWARE_BITS_VERTEX,)))
+  return out
 
 
 def _register():
