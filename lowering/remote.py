@@ -312,19 +312,32 @@ def streaming_profile(target: IPUTarget, buffers: Sequence[RemoteBuffer], leaves
 # -- the offload pass ------------------------------------------------------------------
 
 
-def _touching(programs, tensor_id, memo):
-  return [i for i, child in enumerate(programs)
-          if tensor_id in P.program_reads(child, memo) or tensor_id in P.program_writes(child, memo)]
+def _touching(sequence: P.Sequence, tensor_id, memo: dict, uses: dict) -> list:
+  """Positions of ``sequence``'s children that read or write ``tensor_id``.
+
+  One pass over the children's key sets builds, per sequence, an index from
+  each key to the children using it (in ``uses``), so that looking up every
+  offloaded tensor costs its own uses, not a scan of all the children.
+  """
+  index = uses.get(id(sequence))
+  if index is None:
+    index = {}
+    for i, child in enumerate(sequence.programs):
+      reads, writes = P.program_reads(child, memo), P.program_writes(child, memo)
+      for key in reads | writes:
+        index.setdefault(key, []).append(i)
+    uses[id(sequence)] = index
+  return index.get(tensor_id, [])
 
 
-def _where(sequence: P.Sequence, tensor: P.Tensor, memo: dict):
+def _where(sequence: P.Sequence, tensor: P.Tensor, memo: dict, uses: dict):
   """``(sequence, first, last)`` holding every use of ``tensor``, innermost first.
 
   When every use is in one loop body (or sub-sequence), that body: there the
   tile copy lives only for the uses of one iteration, and the loop stops
   carrying it. ``None`` when nothing uses the tensor.
   """
-  where = _touching(sequence.programs, tensor.id, memo)
+  where = _touching(sequence, tensor.id, memo, uses)
   if not where:
     return None
   if len(where) == 1:
@@ -333,7 +346,7 @@ def _where(sequence: P.Sequence, tensor: P.Tensor, memo: dict):
     if isinstance(body, P.Sequence):
       if isinstance(child, P.Repeat):
         child.local_ids = frozenset(child.local_ids) | {tensor.id}
-      return _where(body, tensor, memo)
+      return _where(body, tensor, memo, uses)
   return sequence, where[0], where[-1]
 
 
@@ -358,12 +371,12 @@ def offload_tensors(program: P.Program, pairs: Sequence[tuple]) -> P.Sequence:
   """
   if not isinstance(program, P.Sequence):
     program = P.Sequence(program)
-  memo = {}
+  memo, uses = {}, {}  # key sets per program; children using each key per sequence
   groups = {}  # id(sequence) -> [sequence, first, last, ins, outs]
   for tensor, buffer, copy_in, copy_out in pairs:
     if tensor.category == "variables":
       tensor.category = "temporaries"
-    found = _where(program, tensor, memo)
+    found = _where(program, tensor, memo, uses)
     if found is None:
       continue
     sequence, first, last = found

@@ -392,6 +392,28 @@ class ShardedAndReplicatedTest(chex.TestCase):
     self.assertEqual(pipe.report.to_dict()["ipus"], 4)
 
 
+class AlikeStagesTest(chex.TestCase):
+  """Stages whose weights have the same shapes share one lowered update program."""
+
+  @parameterized.parameters(False, True)
+  def test_alike_stages_share_one_update_and_train_as_plain(self, sharded):
+    replicas, g = 2, 4
+    params, batches = _data(stages=4, g=g * replicas)
+    cfg = _config(stages=4, g=g, schedule_name="Sequential", replicas=replicas)
+    cfg.streaming.offload_optimizer_state = sharded
+    cfg.streaming.replicated_tensor_sharding = sharded
+    optimizer = optax.adam(0.01)
+    pipe = Pipeline(_loss, optimizer, config=cfg)
+    out = pipe.step(params, pipe.init(params, batches), batches)
+    lowered = [getattr(s.update, "lowered", s.update) for s in pipe.stages]
+    # Every stage updates one [32, 32] weight: one program, lowered once.
+    self.assertTrue(all(program is lowered[0] for program in lowered))
+    grads = _plain_gradients(_loss, params, batches, g * replicas)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    chex.assert_trees_all_close([np.asarray(p) for p in out.params],
+                                optax.apply_updates(params, updates), rtol=1e-5, atol=1e-6)
+
+
 class KerasPipeliningTest(chex.TestCase):
 
   @pytest.mark.slow

@@ -225,9 +225,10 @@ class Pipeline:
         lambda m: jax.ShapeDtypeStruct(np.shape(m), m.dtype), micro)
     target = self._stage_config().to_target()
     values, stages, all_reads = {}, [], []
+    updates = weight_update.SharedUpdates()  # stages alike share their update program
     for stage in staged.stages:
       programs, reads = self._lower_stage(stage, staged, mapping, values,
-                                          (flat_params, flat_micro), target)
+                                          (flat_params, flat_micro), target, updates)
       stages.append(programs)
       all_reads.append(reads)
     for stage, reads in zip(staged.stages, all_reads):
@@ -258,17 +259,19 @@ class Pipeline:
           f"axis; got leading sizes {sorted(leading)}.")
     return jax.tree_util.tree_map(lambda b: b[0], batches)
 
-  def _lower_stage(self, stage, staged, mapping, values: dict, flat, target):
+  def _lower_stage(self, stage, staged, mapping, values: dict, flat, target, updates=None):
     """Lowers one stage's forward, backward and update on its IPU's config.
 
     Args:
       stage: the stage (``staged.stages[k]``).
       staged: every stage, as :func:`split_stages` gives them.
       mapping: the IPU of each stage.
-      values: zeros of every value earlier stages produced, by variable; this
+      values: the shape of every value earlier stages produced, by variable; this
         stage's outputs are added.
       flat: ``(flat params, flat micro-batch)``.
       target: the stages' target (one IPU's tiles).
+      updates: the update programs of the stages lowered before
+        (:class:`~ipu_jax.pipelining.weight_update.SharedUpdates`).
 
     Returns:
       ``(StagePrograms, reads)``: ``reads`` the bytes this stage reads from
@@ -284,17 +287,18 @@ class Pipeline:
     forward, backward = stage_programs.stage_functions(
         stage, self.config.pipelining.recomputation and stage.index < staged.num_stages - 1)
     fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
-    outs, vjp = jax.eval_shape(forward, p_k, b_k, in_k)
-    for v, o in zip(stage.outputs, outs):
-      values[v] = jnp.zeros(o.shape, o.dtype)
-    vjp_zeros = [jnp.zeros(s.shape, s.dtype) for s in vjp]
-    cts = [jnp.zeros(o.shape, o.dtype) for o in outs if stage_programs.differentiable(o)]
-    acc = [jnp.zeros(np.shape(p), p.dtype) for p in p_k]
+    # Only shapes are lowered: the forward's outputs (its values, then its
+    # residuals, all flat) as the traced program has them, not traced again.
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd.jaxpr.out_avals]
+    outs, vjp_zeros = avals[:len(stage.outputs)], avals[len(stage.outputs):]
+    values.update(zip(stage.outputs, outs))
+    cts = [o for o in outs if stage_programs.differentiable(o)]
+    acc = [jax.ShapeDtypeStruct(np.shape(p), p.dtype) for p in p_k]
     # The accumulators are updated in place (donated), as TF-IPU's are.
     bwd = jit(backward, config=cfg, donate_argnums=2).lower(vjp_zeros, cts, acc)
     # The stage updates the weights it owns (tied ones once, by their first reader).
     o_k = [flat_params[i] for i in stage.owned]
-    update = weight_update.lower_update(self, o_k, cfg)
+    update = weight_update.lower_update(self, o_k, cfg, updates)
     # Residuals that are the stage's own weights stay where they are.
     invars = fwd.jaxpr.jaxpr.invars[:len(p_k)]
     stashed = [len(outs) + i for i, v in enumerate(fwd.jaxpr.jaxpr.outvars[len(outs):])

@@ -193,9 +193,10 @@ def stage_functions(stage, recompute: bool):
         body, p_k, [x for x, d in zip(in_k, mask) if d], has_aux=True)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
     vjp_tree[:] = [tree]
-    shapes = jax.eval_shape(lambda: stage(p_k, b_k, in_k))
+    # The stage's output variables say which outputs are differentiable
+    # (their avals), without tracing the stage once more.
     it_f, it_i = iter(float_outs), iter(int_outs)
-    outs = [next(it_f) if differentiable(o) else next(it_i) for o in shapes]
+    outs = [next(it_f) if differentiable(o) else next(it_i) for o in stage.outputs]
     return outs, leaves
 
   def accumulate(residuals, cts, acc):

@@ -51,8 +51,8 @@ from ipu_jax.pipelining import cross_stage, links, stage_programs
 from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_leaf,
                                        shard_tree, sharded_bytes)
 
-__all__ = ["ShardedStageUpdate", "offloads_state", "shards_state", "lower_update", "init_state",
-           "gradient_reduction_cycles", "ring_phase_cycles", "summary_lines"]
+__all__ = ["ShardedStageUpdate", "SharedUpdates", "offloads_state", "shards_state", "lower_update",
+           "init_state", "gradient_reduction_cycles", "ring_phase_cycles", "summary_lines"]
 
 
 def offloads_state(pipeline) -> bool:
@@ -143,8 +143,53 @@ def _sharded_function(program: ShardedUpdate):
   return update
 
 
-def lower_update(pipeline, p_k, cfg):
+def _shapes_key(tree) -> tuple:
+  """What a lowering of ``tree``'s leaves depends on: its structure, shapes and dtypes."""
+  leaves, structure = jax.tree.flatten(tree)
+  return structure, tuple((tuple(np.shape(x)), np.dtype(x.dtype).name) for x in leaves)
+
+
+class SharedUpdates:
+  """One pipeline lowering's update functions, shared by the stages alike.
+
+  Stages whose weights have the same shapes and dtypes, on IPUs with the
+  same options, run the same update program (BERT's encoder stages): one
+  ``ipu_jax.jit`` function per optimizer program and stage config serves them
+  all, so its cache (keyed on the arguments' shapes, target and options)
+  lowers that program once; a :class:`ShardedUpdate` is traced and checked
+  once per set of weight shapes.
+  """
+
+  def __init__(self):
+    self._programs = {}  # _shapes_key(p_k) -> ShardedUpdate
+    self._functions = []  # (program or None, stage config, options, ipu_jax.jit function)
+
+  def program(self, optimizer, p_k, replicas: int) -> ShardedUpdate:
+    """The checked :class:`ShardedUpdate` of weights shaped as ``p_k``."""
+    key = _shapes_key(p_k)
+    if key not in self._programs:
+      program = ShardedUpdate(optimizer, p_k, replicas)
+      program.check()
+      self._programs[key] = program
+    return self._programs[key]
+
+  def function(self, program, make, cfg, options: dict):
+    """The jitted ``make()`` of ``program`` (None: the plain update) under ``cfg``."""
+    from ipu_jax.jit import jit
+    for known, known_cfg, known_options, fn in self._functions:
+      if known is program and known_options == options and known_cfg == cfg:
+        return fn
+    fn = jit(make(), config=cfg, **options)
+    self._functions.append((program, cfg, options, fn))
+    return fn
+
+
+def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   """The update program of a stage with weights ``p_k`` (None without optimizer).
+
+  ``shared``: the update functions of the stages lowered so far in this
+  lowering of the pipeline (a stage alike reuses their programs); a fresh one
+  when None.
 
   Returns:
     The lowered ``update(p_k, state, g_k) -> (p_k, state)``, or with sharding
@@ -154,24 +199,24 @@ def lower_update(pipeline, p_k, cfg):
     ShardedOptimizerError: with sharding on, an optimizer whose update cannot
       run on shards (raised here, while the pipeline is lowered).
   """
-  from ipu_jax.jit import jit
   optimizer = pipeline.optimizer
   if optimizer is None:
     return None
+  shared = SharedUpdates() if shared is None else shared
   if not shards_state(pipeline):
     state = optimizer.init(p_k)
     options = _jit_options(pipeline, state)
-    return jit(stage_programs.update_function(optimizer), config=cfg, **options).lower(
-        p_k, state, p_k)
+    update = shared.function(None, lambda: stage_programs.update_function(optimizer), cfg,
+                             options)
+    return update.lower(p_k, state, p_k)
   r = pipeline.replicas
-  program = ShardedUpdate(optimizer, p_k, r)
-  program.check()
+  program = shared.program(optimizer, p_k, r)
   replicated = cfg.copy()  # the norms' all-reduces are over the R copies
   replicated.replication_factor = r
   state = program.init(p_k, 0)
   options = _jit_options(pipeline, state)
-  lowered = jit(_sharded_function(program), config=replicated, **options).lower(
-      shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0))
+  update = shared.function(program, lambda: _sharded_function(program), replicated, options)
+  lowered = update.lower(shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0))
   return ShardedStageUpdate(lowered, program, r)
 
 
