@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 
 from ipu_jax.kernels import collectives
 from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
