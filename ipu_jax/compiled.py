@@ -26,7 +26,7 @@ from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.jax_compat import physical_nbytes
 from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.remote import is_remote
-from ipu_jax.rounding import prng_state_value
+from ipu_jax.lowering.tile_generators import prng_state_value
 
 __all__ = ["Compiled", "Executable", "Seeding", "Signature", "avals_bytes",
            "build_executable", "check_arguments"]

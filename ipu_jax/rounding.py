@@ -76,11 +76,10 @@ from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.registry import register_lowering
 # The tiles' generators and their per-tile state are shared with the hardware
 # mode of random_bits (the same generators on the chip), so they live below.
-from ipu_jax.lowering.rules.random import (PRNG_STATE, WORKERS, draw_tile_words, mix_replica,
-                                           prng_state, prng_state_value)
+from ipu_jax.lowering.tile_generators import WORKERS, draw_tile_words, mix_replica, prng_state
 
-__all__ = ["ESR_MODES", "PRNG_STATE", "hw_round_p", "hw_round", "apply_floating_point_behaviour",
-           "prng_state", "prng_state_value", "round_tile_rows", "needs_rewrite"]
+__all__ = ["ESR_MODES", "hw_round_p", "hw_round", "apply_floating_point_behaviour",
+           "round_tile_rows", "needs_rewrite"]
 
 ESR_MODES = ("OFF", "ON", "REPLICA_IDENTICAL_ONLY")
 

@@ -65,7 +65,7 @@ from ipu_jax.lowering.jax_compat import physical_shape_dtype
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.size_check import check_program_size, offloaded_leaves
 from ipu_jax.rounding import apply_floating_point_behaviour
-from ipu_jax.rounding import PRNG_STATE
+from ipu_jax.lowering.tile_generators import PRNG_STATE
 
 __all__ = ["Lowered", "Setup", "TileProgram", "Traced"]
 

@@ -21,7 +21,7 @@ from ipu_jax.lowering.profile import MEMORY_CATEGORIES
 from ipu_jax.lowering import memory_hints
 from ipu_jax.lowering.run_setup import RunSetup
 from ipu_jax.lowering.scopes import costliest_scopes_table
-from ipu_jax.lowering.rules.random import HARDWARE_BITS_VERTEX
+from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.report.formatting import category_label
 from ipu_jax.report.formatting import fmt_bytes

@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from ipu_jax.lowering.jax_compat import config, prng, random_core, threefry2x32
-from ipu_jax.kernels import estimators, poprand, xoroshiro
+from ipu_jax.kernels import estimators, poprand
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
@@ -64,12 +64,11 @@ from ipu_jax.lowering.builders import (add_costs, broadcast_cost, elementwise,
 from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import movement_cost
 from ipu_jax.lowering.lower import is_key_dtype
-from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.replica_axis import REPLICA_AXIS, replica_index_value
+from ipu_jax.lowering.tile_generators import (HARDWARE_BITS_VERTEX, WORKERS, draw_tile_words,
+                                              mix_replica, prng_state)
 
-__all__ = ["HARDWARE_BITS_VERTEX", "PRNG_STATE", "WORKERS", "draw_tile_words", "key_impl_of",
-           "mix_replica", "note_key_avals", "prng_state", "prng_state_value"]
+__all__ = ["key_impl_of", "note_key_avals"]
 
 # The key implementation of tensors made by these rules, by tensor id (an
 # alias made by a reshape keeps the id, so it keeps its impl too).
@@ -421,81 +420,7 @@ def _random_gamma(ctx: RuleContext, keys, alpha, *, log_space):
   return [out]
 
 
-# -- the tiles' hardware generators -------------------------------------------
-
-WORKERS = 6  # worker contexts per tile, each with its own generator stream
-
-#: First element of the :meth:`LoweringContext.program_state` key of the
-#: tiles' generator state (the key is ``(PRNG_STATE, seed)``).
-PRNG_STATE = "hw_prng_state"
-
-#: The vertex that fills a tile's share of ``random_bits`` in hardware mode
-#: (poprand's ``Uniform<int>`` with ``scale == 0``: raw 32-bit words).
-HARDWARE_BITS_VERTEX = vocab.vertex(vocab.RANDOM, "xoroshiro128aox")
-
-
-def prng_state_value(num_tiles: int, seed: int) -> np.ndarray:
-  """``[num_tiles, WORKERS, 4]`` uint32: every generator as ``seed`` sets it."""
-  return xoroshiro.seed_states(seed, np.arange(num_tiles * WORKERS)).reshape(
-      num_tiles, WORKERS, 4)
-
-
-def prng_state(ctx, seed: int) -> P.Tensor:
-  """The program's per-tile generator state (made on first use, one per seed).
-
-  One ``[tiles, WORKERS, 4]`` uint32 tensor for the whole program, shared by
-  every user of the generators (stochastic rounding, hardware ``random_bits``),
-  so each draw continues where the last one left the streams; the executable
-  keeps its final value as device state (``ipu_jax/stages.py`` finds it by
-  :data:`PRNG_STATE`).
-  """
-  module = ctx.module
-
-  def make():
-    n = module.target.num_tiles
-    value = prng_state_value(n, seed)
-    mapping = TileMapping.blocks(n * WORKERS * 4, WORKERS * 4, n, 0)
-    state = P.Tensor("hw_prng_state", value.shape, np.dtype(np.uint32), mapping,
-                     category="constants", value=value, op=ctx.op, source=ctx.source,
-                     scope=module.scope)
-    module.tensors[state.id] = state
-    module.constants.append(state)
-    return state
-
-  return module.program_state((PRNG_STATE, int(seed)), make)
-
-
-def mix_replica(states):
-  """Perturb s0 of every stream by this replica's index (identity on replica 0).
-
-  One seed for the program (Poplar's ``setSeed``); each replica's streams
-  differ by its index, so replicas draw different numbers
-  (docs/number_formats.md#random-numbers).
-  """
-  r = replica_index_value(REPLICA_AXIS).astype(jnp.uint32)
-  lo = r * jnp.uint32(0x9E3779B9)
-  hi = r * jnp.uint32(0x85EBCA6B)
-  mix = jnp.stack([lo, hi, jnp.uint32(0), jnp.uint32(0)])
-  return states ^ mix
-
-
-def draw_tile_words(states, words: int):
-  """``words`` uint32 per row from each row's ``WORKERS`` streams.
-
-  Args:
-    states: ``[rows, WORKERS, 4]`` uint32 generator states (one tile each).
-    words: 32-bit words each row needs (static).
-
-  Returns:
-    ``(words [rows, words] uint32, new states)``: word ``j`` of a row comes
-    from round ``j // (2 * WORKERS)``, worker ``(j // 2) % WORKERS``, half
-    ``j % 2``, the workers interleaved as their 64-bit stores are.
-  """
-  rows = states.shape[0]
-  rounds = -(-words // (2 * WORKERS))
-  bits, states = xoroshiro.draw(states, rounds)           # [rounds, rows, W, 2]
-  bits = jnp.transpose(bits, (1, 0, 2, 3)).reshape(rows, -1)[:, :words]
-  return bits, states
+# -- hardware mode: the tiles' generators (lowering/tile_generators.py) -------
 
 
 def _words_as(words, dtype: np.dtype):
