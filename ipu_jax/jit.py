@@ -35,6 +35,7 @@ from ipu_jax import host_time
 from ipu_jax.lowering import host_memory
 from ipu_jax import recompilation
 from ipu_jax.lowering.lower import user_call_site
+from ipu_jax.lowering.replica_axis import bound_axes
 from ipu_jax.compiled import Compiled, check_arguments
 from ipu_jax.stages import Lowered, Setup, Traced
 from ipu_jax.kernels.target import PRESETS, IPUTarget
@@ -54,18 +55,6 @@ def _cache_aval(x) -> tuple:
   if dtype is not None:  # arrays (jax and NumPy), NumPy scalars: no conversions
     return tuple(x.shape), dtype, getattr(x, "weak_type", False)
   return tuple(np.shape(x)), np.dtype(jnp.result_type(x)), False
-
-
-def _bound_replicas():
-  """Size of the replica axis when traced under it (vmap/shard_map), else None.
-
-  Part of the cache key: a program lowered under the axis costs its
-  collectives for that many replicas.
-  """
-  try:
-    return jax.lax.axis_size("replicas")
-  except NameError:
-    return None
 
 
 def _tuple_of(value, kind: type, what: str) -> tuple:
@@ -260,7 +249,7 @@ class IPUFunction:
                  self.offload_outputs)
     donated = self._donated_leaves(with_paths, len(args), static)
     key = recompilation.CacheKey(in_tree, avals, static, target, options, replicas,
-                                 _bound_replicas(), offload)
+                                 bound_axes(), offload)
     # Arguments are named by their pytree path: "params/Dense_0/kernel".
     names = lambda: argument_names([path for path, _ in with_paths],
                                    self._dynamic_parameter_names(len(args), static))

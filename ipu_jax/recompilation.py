@@ -26,7 +26,7 @@ class CacheKey:
   target: object
   options: object
   replicas: int
-  bound_replicas: object
+  bound_axes: object
   offload: object
 
 
@@ -57,7 +57,7 @@ def reason(previous: CacheKey, new: CacheKey, names: Sequence[str]) -> str:
     return "new static value: " + ("; ".join(diffs) or "a static argument was dropped")
   for field, what in (("target", "the target"), ("options", "the config's lowering options"),
                       ("replicas", "the replication factor"),
-                      ("bound_replicas", "the replica axis bound around the call"),
+                      ("bound_axes", "the replica axes bound around the call"),
                       ("offload", "which leaves are offloaded")):
     if getattr(previous, field) != getattr(new, field):
       return f"{what} changed"

@@ -59,6 +59,7 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.dead_code import eliminate_dead_code
 from ipu_jax.lowering.exchange import to_storage
+from ipu_jax.lowering.replica_axis import bound_axes
 from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
 from ipu_jax.lowering.jax_compat import physical_shape_dtype
@@ -176,7 +177,8 @@ class Traced:
         self.jaxpr, name=setup.name, arg_names=tuple(setup.arg_names),
         in_tree=str(self.signature.in_tree), out_tree=str(self.signature.out_tree),
         target=setup.target, options=options, replicas=setup.replication_factor,
-        offload=setup.offload, **({"donated": setup.donated} if setup.donated else {}))
+        offload=setup.offload, axes=bound_axes(),
+        **({"donated": setup.donated} if setup.donated else {}))
 
   def lower(self, progress=None, cache_dir: Optional[str] = None) -> "Lowered":
     """Lower (or load from the executable cache in ``cache_dir``) this program.

@@ -39,11 +39,14 @@ import dataclasses
 import numbers
 from typing import Sequence
 
+import numpy as np
+
 from ipu_jax.kernels.systems import LINK_CLASSES, IPUSystem, check_capacity
 from ipu_jax.kernels.target import IPUTarget
 
-__all__ = ["CollectiveCost", "transfer_cycles", "replica_groups", "ring_order", "all_reduce",
-           "reduce_scatter", "all_gather", "broadcast", "KINDS", "collective"]
+__all__ = ["CollectiveCost", "transfer_cycles", "ReplicaGrouping", "axis_groups", "ipu_groups",
+           "replica_groups", "ring_order", "all_reduce", "reduce_scatter", "all_gather",
+           "broadcast", "KINDS", "collective"]
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
@@ -127,24 +130,129 @@ def _check_group(system: IPUSystem, group) -> list:
   return group
 
 
-def replica_groups(system: IPUSystem, replicas: int, ipus_per_replica: int,
-                   ipus: Sequence[int] | None = None) -> list:
-  """The groups of a collective between ``replicas`` replicas.
+@dataclasses.dataclass(frozen=True)
+class ReplicaGrouping:
+  """Which replicas a collective (or a variable) groups, as PopXL's
+  ``Ir.replica_grouping(stride, group_size)``.
+
+  ``group_size`` replicas form a group, consecutive members ``stride``
+  replicas apart; groups are numbered as PopXL's ``assignment`` numbers them
+  (PopXL user guide, "Replica grouping", and API reference
+  ``popxl.ReplicaGrouping``; docs/tensor_parallel.md#replica-groups). In a
+  ``(dp, tp)`` layout the tensor-parallel group is ``ReplicaGrouping(tp)``
+  and the data-parallel group ``ReplicaGrouping(dp, stride=tp)``.
+
+  Attributes:
+    group_size: replicas in each group (>= 1).
+    stride: replica index difference between two members of a group (>= 1).
+  """
+
+  group_size: int
+  stride: int = 1
+
+  def __post_init__(self):
+    for field in ("group_size", "stride"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"ReplicaGrouping.{field} must be a positive integer, got {value!r}.")
+
+  def _check(self, num_replicas: int) -> None:
+    span = self.group_size * self.stride
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, numbers.Integral) or (
+        num_replicas < 1 or num_replicas % span):
+      raise ValueError(
+          f"ReplicaGrouping(group_size={self.group_size}, stride={self.stride}) needs a "
+          f"number of replicas that is a multiple of group_size x stride = {span}; got "
+          f"num_replicas={num_replicas!r}.")
+
+  def groups(self, num_replicas: int) -> list:
+    """The groups of ``num_replicas`` replicas: a list of lists of replica indices.
+
+    Raises:
+      ValueError: ``num_replicas`` is not a multiple of ``group_size * stride``.
+    """
+    self._check(num_replicas)
+    span = self.group_size * self.stride
+    ids = np.arange(num_replicas).reshape(num_replicas // span, self.group_size, self.stride)
+    return ids.transpose(0, 2, 1).reshape(-1, self.group_size).tolist()
+
+  def assignment(self, num_replicas: int) -> list:
+    """The group of each replica (PopXL's ``ReplicaGrouping.assignment``)."""
+    out = np.zeros(num_replicas, np.int64)
+    for g, members in enumerate(self.groups(num_replicas)):
+      out[members] = g
+    return out.tolist()
+
+  def num_groups(self, num_replicas: int) -> int:
+    self._check(num_replicas)
+    return num_replicas // self.group_size
+
+
+def axis_groups(layout: Sequence, names: Sequence) -> list:
+  """The replica groups of a collective over the axes ``names`` of ``layout``.
+
+  Args:
+    layout: ``[(axis_name, size), ...]``, outermost axis first: replica
+      ``r`` is the mixed-radix number of its axis indices (the last axis
+      varies fastest), as nested ``vmap``s or a device mesh number them.
+    names: the axes the collective spans (a subset of ``layout``'s).
+
+  Returns:
+    One list of replica indices per group: the replicas that agree on every
+    axis not in ``names`` (in increasing order). A single axis spanning every
+    replica is one group ``[0 .. R - 1]``; in a ``(dp, tp)`` layout the
+    ``tp`` axis gives ``ReplicaGrouping(tp)``'s groups and the ``dp`` axis
+    ``ReplicaGrouping(dp, stride=tp)``'s.
+
+  Raises:
+    ValueError: a name not in the layout.
+  """
+  axes = [str(n) for n, _ in layout]
+  sizes = [int(s) for _, s in layout]
+  picked = [axes.index(str(n)) if str(n) in axes else -1 for n in names]
+  if -1 in picked:
+    missing = [n for n, i in zip(names, picked) if i < 0]
+    raise ValueError(f"Collective axes {missing} are not replica axes of the layout {layout}.")
+  others = [i for i in range(len(axes)) if i not in picked]
+  ids = np.arange(int(np.prod(sizes, dtype=np.int64))).reshape(sizes)
+  group_size = int(np.prod([sizes[i] for i in picked], dtype=np.int64))
+  return ids.transpose(others + sorted(picked)).reshape(-1, group_size).tolist()
+
+
+def ipu_groups(system: IPUSystem, groups: Sequence, num_replicas: int,
+               ipus_per_replica: int, ipus: Sequence[int] | None = None) -> list:
+  """The IPU groups of a collective between the replica ``groups``.
 
   Replica ``r`` holds IPUs ``r * ipus_per_replica ...`` (replicas are laid
-  out in order, as Poplar numbers them); IPU ``j`` of every replica forms
-  group ``j``. ``ipus`` picks the replica's IPUs taking part (default: all).
+  out in order, as Poplar numbers them); IPU ``j`` of every replica of a
+  replica group forms one IPU group; all groups run at once. ``ipus`` picks
+  the replica's IPUs taking part (default: all).
+
+  Raises:
+    ValueError: the system is too small for ``num_replicas`` replicas
+      (naming the counts), or an IPU of ``ipus`` is not one of the replica's.
+  """
+  check_capacity(system, num_replicas, ipus_per_replica, "replicas", "ipus_per_replica")
+  ipus = range(ipus_per_replica) if ipus is None else ipus
+  for j in ipus:
+    if not (0 <= j < ipus_per_replica):
+      raise ValueError(f"IPU {j} is not one of a replica's {ipus_per_replica} IPUs.")
+  return [[r * ipus_per_replica + j for r in group] for group in groups for j in ipus]
+
+
+def replica_groups(system: IPUSystem, replicas: int, ipus_per_replica: int,
+                   ipus: Sequence[int] | None = None) -> list:
+  """The groups of a collective spanning all of ``replicas`` replicas.
+
+  IPU ``j`` of every replica forms group ``j`` (:func:`ipu_groups` with one
+  replica group of every replica). ``ipus`` picks the replica's IPUs taking
+  part (default: all).
 
   Raises:
     ValueError: the system is too small (naming the counts), or an IPU of
       ``ipus`` is not one of the replica's.
   """
-  check_capacity(system, replicas, ipus_per_replica, "replicas", "ipus_per_replica")
-  ipus = range(ipus_per_replica) if ipus is None else ipus
-  for j in ipus:
-    if not (0 <= j < ipus_per_replica):
-      raise ValueError(f"IPU {j} is not one of a replica's {ipus_per_replica} IPUs.")
-  return [[r * ipus_per_replica + j for r in range(replicas)] for j in ipus]
+  return ipu_groups(system, [list(range(replicas))], replicas, ipus_per_replica, ipus)
 
 
 def ring_order(system: IPUSystem, group: Sequence[int]) -> list:

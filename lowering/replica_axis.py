@@ -14,8 +14,10 @@ from typing import Optional
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["REPLICA_AXIS", "apply_collective", "axis_is_bound", "axis_names", "replica_count",
-           "replica_index_value"]
+from ipu_jax.lowering.jax_compat import core
+
+__all__ = ["REPLICA_AXIS", "apply_collective", "axis_is_bound", "axis_names", "bound_axes",
+           "replica_count", "replica_index_value"]
 
 # The axis name the training layer's replicas are bound to.
 REPLICA_AXIS = "replicas"
@@ -51,6 +53,22 @@ def replica_count(axis_name) -> Optional[int]:
     return int(size)
   except Exception:  # a traced size (inside shard_map lowering)
     return None
+
+
+def bound_axes() -> tuple:
+  """The named axes bound around what is being traced, outermost first.
+
+  ``((name, size), ...)`` in the order the enclosing ``vmap``/``shard_map``s
+  bound them (sizes static; an axis of unknown size is left out). A program
+  lowered under them prices its collectives over the replica groups they
+  make, so they are part of every cache key of a lowered program.
+  """
+  layout = {}
+  for name in core.get_axis_env().axis_names():
+    size = replica_count(name)
+    if size is not None and size > 0:
+      layout[name] = size
+  return tuple(layout.items())
 
 
 def apply_collective(kind: str, x, axis_name):

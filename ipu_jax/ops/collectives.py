@@ -173,7 +173,7 @@ def _make_cross_replica_rule(kind):
   def rule(ctx: RuleContext, x, *, axis_name):
     out = ctx.like(x, name=f"cross_replica_{kind}")
     replicas = replication_factor(ctx, axis_name)
-    exchange, compute = all_reduce_cost(ctx, x, replicas)
+    exchange, compute = all_reduce_cost(ctx, x, replicas, axis_name=axis_name)
 
     def fn(xs):
       # Zero padding of the storage stays zero under sum and mean.

@@ -154,7 +154,7 @@ def _reduce_scatter_rule(ctx: RuleContext, x, *, axis_name, replicas):
   n = x.size // replicas
   out = ctx.new_tensor((n,), x.dtype, name="reduce_scatter")
   exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas,
-                                      kind="reduce_scatter")
+                                      kind="reduce_scatter", axis_name=axis_name)
   # Costed for replica 0's block; every replica's is the same size.
   own = block_positions(x.shape, (n,))
   exchange = add_costs(exchange, move_cost(ctx, x, own, out, None))
@@ -172,7 +172,7 @@ def _all_gather_rule(ctx: RuleContext, x, *, axis_name, replicas):
   out = ctx.new_tensor((x.size * replicas,), x.dtype, name="all_gather")
   own = block_positions(out.shape, (x.size,))
   exchange, _ = collective_cost(ctx, out, one_phase(replicas), kind="all_gather",
-                                replicas=replicas)
+                                replicas=replicas, axis_name=axis_name)
   exchange = add_costs(exchange, move_cost(ctx, x, None, out, own))
 
   def fn(v):

@@ -73,6 +73,8 @@ unset) and their step is the identity on one replica's data.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 from jax import lax
 
@@ -89,10 +91,11 @@ from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost
 from ipu_jax.lowering.registry import get_lowering, register_lowering
 from ipu_jax.lowering.rules.control import lower_inline
-from ipu_jax.lowering.replica_axis import replica_count
+from ipu_jax.lowering.replica_axis import bound_axes, replica_count
 
-__all__ = ["all_reduce_cost", "block_positions", "collective_cost", "emit_collective", "move_cost",
-           "named_axis_size", "one_phase", "replication_factor"]
+__all__ = ["all_reduce_cost", "binding_axes", "block_positions", "collective_cost",
+           "collective_groups", "emit_collective", "move_cost", "named_axis_size", "one_phase",
+           "replica_layout", "replication_factor", "system_link_cycles"]
 
 
 # ---------------------------------------------------------------------------
@@ -146,6 +149,50 @@ def replication_factor(ctx, axis_name) -> int:
   return ctx.replication_factor
 
 
+def replica_layout(ctx) -> tuple:
+  """The replica axes in scope, outermost first: ``((name, size), ...)``.
+
+  The axes JAX has bound around the whole program (``vmap``/``shard_map``
+  of the training layer, :func:`binding_axes`), in the order they were bound,
+  then the mesh axes of the enclosing ``shard_map``/``pmap`` regions. Replica
+  ``r`` is the mixed-radix number of its indices along them (the last axis
+  varies fastest), as the executor's nested ``vmap``s number them.
+  """
+  layout = dict(bound_axes())
+  for name, size in ctx.mesh_axes.items():
+    layout.pop(name, None)
+    layout[name] = int(size)
+  return tuple(layout.items())
+
+
+def collective_groups(ctx, axis_name, replicas: int) -> tuple:
+  """``(num_replicas, replica_groups)`` of a collective over ``axis_name``.
+
+  Over axes of the :func:`replica_layout`: the replicas that agree on every
+  other axis form a group (in a ``(dp, tp)`` layout a ``tp`` collective's
+  groups are ``tp`` consecutive replicas, a ``dp`` one's are ``tp`` apart:
+  PopXL's ``replica_grouping(group_size, stride)``). Otherwise (an IPU op
+  over the config's replicas, no axis bound) one group of ``replicas``.
+  """
+  layout = replica_layout(ctx)
+  bound = {name for name, _ in layout}
+  names = _names(axis_name) if axis_name is not None else ()
+  if names and all(name in bound for name in names):
+    total = int(np.prod([size for _, size in layout], dtype=np.int64))
+    return total, collectives.axis_groups(layout, names)
+  return replicas, [list(range(replicas))]
+
+
+@contextlib.contextmanager
+def binding_axes(axes):
+  """Binds the named ``axes`` (``[(name, size), ...]``, outermost first) around
+  what runs inside: tracing sees them as ``vmap`` axes and the lowering reads
+  them (:func:`replica_layout`), so a program lowered once for one replica
+  prices its collectives over the replica groups the axes make."""
+  with jax_core.extend_axis_env_nd([(name, int(size)) for name, size in axes]):
+    yield
+
+
 def _reject_groups(ctx, axis_index_groups) -> None:
   if axis_index_groups is not None:
     raise LoweringError(
@@ -160,7 +207,8 @@ def _reject_groups(ctx, axis_index_groups) -> None:
 
 
 def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 0,
-                    op_name: str = "add", kind: str | None = None, replicas: int = 0):
+                    op_name: str = "add", kind: str | None = None, replicas: int = 0,
+                    axis_name=None):
   """(exchange, compute) of a collective moving ``share`` of ``tensor``'s bytes.
 
   Each tile sends and receives ``share`` of the bytes it holds of ``tensor``;
@@ -172,7 +220,8 @@ def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 
   With ``kind`` (a :data:`ipu_jax.kernels.collectives.KINDS` name) over
   ``replicas`` (default ``reduce_replicas``) and a target on an
   ``IPUSystem``, the links' time is the system's price
-  (:func:`system_link_cycles`), not the flat rate.
+  (:func:`system_link_cycles`), not the flat rate, over the replica groups
+  a collective over ``axis_name`` makes (:func:`collective_groups`).
 
   Returns ``(None, None)`` when nothing moves.
   """
@@ -184,7 +233,11 @@ def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 
   ipu = np.arange(target.num_tiles) // target.tiles_per_ipu
   on_ipu = np.bincount(ipu, weights=on_tile, minlength=target.num_ipus)[:target.num_ipus]
   link = np.ceil(on_ipu * share).astype(np.int64)
-  link_cycles = system_link_cycles(target, kind, replicas or reduce_replicas, on_ipu)
+  link_cycles = None
+  if target.system is not None and kind is not None:
+    num_replicas, groups = collective_groups(ctx, axis_name, replicas or reduce_replicas)
+    link_cycles = system_link_cycles(target, kind, replicas or reduce_replicas, on_ipu,
+                                     groups=groups, num_replicas=num_replicas)
   notes = () if link_cycles is None else (
       f"replica {kind.replace('_', '-')} priced over the {target.system.name} system's links "
       "(docs/systems.md#collectives)",)
@@ -197,33 +250,42 @@ def collective_cost(ctx, tensor: P.Tensor, share: float, reduce_replicas: int = 
   return exchange, compute
 
 
-def system_link_cycles(target, kind, replicas: int, on_ipu: np.ndarray):
+def system_link_cycles(target, kind, replicas: int, on_ipu: np.ndarray, groups=None,
+                       num_replicas: int | None = None):
   """The links' time of collective ``kind`` over ``replicas`` replicas of
   ``target``'s IPUs on ``target.system``, each IPU's group reducing the
   ``on_ipu`` bytes it holds (``None``: no system, or no kind).
 
-  Replica ``r`` holds the system's IPUs ``r * num_ipus ...``; IPU ``j`` of
-  every replica forms one group, all groups at once
+  Replica ``r`` holds the system's IPUs ``r * num_ipus ...``; ``groups``
+  (replica groups of ``replicas`` each, out of ``num_replicas``; default one
+  group of all ``replicas``) say which replicas take part together; IPU
+  ``j`` of every replica of a group forms one IPU group, all groups at once
   (:mod:`ipu_jax.kernels.collectives`).
   """
   if target.system is None or kind is None or replicas <= 1:
     return None
+  if groups is None:
+    groups, num_replicas = [list(range(replicas))], replicas
   ipus = [j for j in range(target.num_ipus) if on_ipu[j] > 0]
-  groups = collectives.replica_groups(target.system, replicas, target.num_ipus, ipus)
-  cost = collectives.collective(kind, target, groups, [float(on_ipu[j]) for j in ipus])
+  ipu_groups = collectives.ipu_groups(target.system, groups, num_replicas or replicas,
+                                      target.num_ipus, ipus)
+  per_group = [float(on_ipu[j]) for _ in groups for j in ipus]
+  cost = collectives.collective(kind, target, ipu_groups, per_group)
   return cost.cycles
 
 
-def all_reduce_cost(ctx, tensor: P.Tensor, replicas: int, op_name: str = "add"):
+def all_reduce_cost(ctx, tensor: P.Tensor, replicas: int, op_name: str = "add",
+                    axis_name=None):
   """(exchange, compute) of a ring all-reduce of ``tensor`` over ``replicas``.
 
   Reduce-scatter then all-gather: ``2 (R - 1) / R`` of every tile's bytes
-  (see :func:`collective_cost`).
+  (see :func:`collective_cost`; ``axis_name``: the axes it spans, for the
+  replica groups a system prices).
   """
   if replicas <= 1:
     return None, None
   return collective_cost(ctx, tensor, 2.0 * (replicas - 1) / replicas, replicas, op_name,
-                         kind="all_reduce")
+                         kind="all_reduce", axis_name=axis_name)
 
 
 def one_phase(replicas: int) -> float:
@@ -260,7 +322,7 @@ def _emit_all_reduce(ctx, x: P.Tensor, names: tuple, kind: str) -> P.Tensor:
   replicas = named_axis_size(ctx, names)
   collective, op_name, codelet = _COMBINE[kind]
   out = ctx.like(x, name=f"p{kind}")
-  exchange, compute = all_reduce_cost(ctx, x, replicas, op_name)
+  exchange, compute = all_reduce_cost(ctx, x, replicas, op_name, axis_name=names)
   elements = x.mapping.elements_per_tile(ctx.target.num_tiles)
   axis = names if len(names) > 1 else names[0]
 
@@ -363,7 +425,7 @@ def _gather_rule(ctx: RuleContext, x, *, all_gather_dimension, axis_name, axis_i
   # links: one ring phase of the gathered bytes.
   own = block_positions(out.shape, _own_block(out.shape, dim, replicas, tiled))
   exchange, _ = collective_cost(ctx, out, one_phase(replicas), kind="all_gather",
-                                replicas=replicas)
+                                replicas=replicas, axis_name=axis_name)
   exchange = add_costs(exchange, move_cost(ctx, x, None, out, own))
 
   def fn(v):
@@ -388,7 +450,7 @@ def _reduce_scatter_rule(ctx: RuleContext, x, *, scatter_dimension, axis_name,
   # Ring reduce-scatter (one phase of the input's bytes, with the adds);
   # the replica's reduced block then moves into its result.
   exchange, compute = collective_cost(ctx, x, one_phase(replicas), replicas,
-                                      kind="reduce_scatter")
+                                      kind="reduce_scatter", axis_name=axis_name)
   block = _own_block(x.shape, dim, replicas, tiled)
   own = block_positions(x.shape, block)
   exchange = add_costs(exchange, move_cost(ctx, x, own, out, None))
