@@ -231,6 +231,7 @@ class Graph:
     self.compute_sets: list = []
     self.streams: dict = {}
     self.remote_buffers: dict = {}  # name -> handle (ipu_jax.remote_buffers)
+    self.cpp_vertex_classes: dict = {}  # name -> (VertexClass, cycles), by add_codelets
 
   def _next_offset(self, base: _Base) -> int:
     offset = self._size
@@ -317,18 +318,52 @@ class Graph:
     self.compute_sets.append(cs)
     return cs
 
-  def add_vertex(self, compute_set: ComputeSet, codelet_: Codelet, tile: int = 0,
+  def add_codelets(self, path_or_source, *, include_dirs=(), defines=(), cycles=None):
+    """Compile a C++ codelet file and register every vertex class it defines.
+
+    As Poplar's ``Graph::addCodelets``; see docs/cpp_codelets.md.
+
+    Args:
+      path_or_source: a ``.cpp`` path or the C++ source text.
+      include_dirs, defines: more ``-I`` directories and ``-D`` macros.
+      cycles: the author's estimate, ``cycles(fields) -> int`` (or an int),
+        for every class, or a dict by class name; without one a class is
+        priced by an estimate from its work (``ipu_jax/cpp_codelets/cost.py``).
+
+    Returns:
+      The :class:`ipu_jax.cpp_codelets.CodeletLibrary`.
+    """
+    from ipu_jax import cpp_codelets
+    lib = cpp_codelets.compile_codelets(path_or_source, include_dirs=include_dirs,
+                                        defines=defines)
+    for name, vclass in lib.vertex_classes.items():
+      estimate = cycles.get(name) if isinstance(cycles, dict) else cycles
+      self.cpp_vertex_classes[name] = (vclass, estimate)
+    return lib
+
+  def add_vertex(self, compute_set: ComputeSet, codelet_, tile: int = 0,
                  **connections) -> Vertex:
-    """Add a vertex running ``codelet_`` on ``tile``, fields connected to views."""
+    """Add a vertex running ``codelet_`` on ``tile``, fields connected to views.
+
+    ``codelet_`` is a :class:`Codelet`, or the name of a C++ vertex class
+    registered by :meth:`add_codelets` (as Poplar's ``addVertex``): its
+    Input/Output/InOut fields connect to views (vectors flattened, lists as
+    a list of views), plain members take values (``setInitialValue``);
+    ``cycles=`` gives the class's estimate for this vertex unless it has a
+    field of that name.
+    """
+    if not 0 <= tile < self.target.num_tiles:
+      raise ValueError(f"tile {tile} is out of range; the target has tiles 0..{self.target.num_tiles - 1}")
+    if isinstance(codelet_, str):
+      codelet_, connections = self._cpp_vertex(codelet_, int(tile), connections)
     if not isinstance(codelet_, Codelet):
-      raise TypeError("add_vertex needs a Codelet (decorate the function with @graph.codelet)")
+      raise TypeError("add_vertex needs a Codelet (decorate the function with @graph.codelet) "
+                      "or the name of a C++ vertex class registered with add_codelets")
     missing = [f for f in codelet_.fields if f not in connections]
     unknown = [f for f in connections if f not in codelet_.fields]
     if missing or unknown:
       raise ValueError(f"vertex {codelet_.name}: fields {codelet_.fields}; "
                        f"missing {missing}, unknown {unknown}")
-    if not 0 <= tile < self.target.num_tiles:
-      raise ValueError(f"tile {tile} is out of range; the target has tiles 0..{self.target.num_tiles - 1}")
     for field, value in connections.items():
       if not isinstance(value, GraphTensor):
         raise TypeError(f"vertex {codelet_.name}: field {field!r} must be a GraphTensor")
@@ -336,7 +371,24 @@ class Graph:
     compute_set.vertices.append(vertex)
     return vertex
 
+  def _cpp_vertex(self, name: str, tile: int, connections: dict):
+    """``(codelet, views)`` of a vertex of the registered C++ class ``name``."""
+    from ipu_jax.cpp_codelets import graph_vertex
+    from ipu_jax.cpp_codelets.build import normalise_name
+    entry = self.cpp_vertex_classes.get(name) or next(
+        (e for n, e in self.cpp_vertex_classes.items() if normalise_name(n) == normalise_name(name)),
+        None)
+    if entry is None:
+      raise ValueError(f"no vertex class {name!r}: add_codelets registered "
+                       f"{sorted(self.cpp_vertex_classes) or 'none'}")
+    vclass, cycles = entry
+    if "cycles" in connections and all(f.name != "cycles" for f in vclass.fields):
+      connections = dict(connections)
+      cycles = connections.pop("cycles")
+    return graph_vertex.connect(self, vclass, tile, connections, cycles)
+
   def set_perf_estimate(self, vertex: Vertex, cycles: int) -> None:
+    """The vertex's cycles, as Poplar's ``setPerfEstimate`` (overrides any estimator)."""
     vertex.perf_estimate = int(cycles)
 
   # host streams

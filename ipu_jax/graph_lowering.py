@@ -10,7 +10,9 @@ the graph is resolved here, once the Engine has frozen the tile mappings:
   contexts (``vertex_cycles_per_tile``). The step's ``fn`` concatenates the
   bases it reads into one flat buffer per dtype, gathers every field with
   index arrays fixed now, ``vmap``-s each codelet over its vertices and
-  scatters the results back: no per-vertex Python at run time.
+  scatters the results back: no per-vertex Python at run time. A C++ vertex
+  class (``ipu_jax/cpp_codelets/``) is such a codelet whose body is its XLA
+  FFI call, so its vertices are one call per group.
 * ``Copy`` between views -> a gather step into a temporary laid out like the
   source, then a scatter step into the destination's elements; a copy from
   or to a ``HostStream`` is a ``StreamCopy`` (through a landing tensor when
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.cpp_codelets.cost import work_estimate_notes
 from ipu_jax.kernels.estimators import vertex_cycles_per_tile
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import ExchangeCost, movement_cost, to_flat, to_storage
@@ -186,8 +189,12 @@ class GraphLowerer:
 
   def compute_set_step(self, cs) -> P.Superstep:
     """One superstep for a compute set: exchange operands in, run vertices."""
+    grouped = _group_vertices(cs)
     groups = [_vertex_group(self, cdl, fields, vertices)
-              for (cdl, fields), vertices in _group_vertices(cs).items()]
+              for (cdl, fields), vertices in grouped.items()]
+    # C++ vertices priced by the work estimate say so (and warn, naming the class).
+    notes = tuple(dict.fromkeys(note for (cdl, _), vertices in grouped.items()
+                                for note in work_estimate_notes(cdl, vertices)))
     # Costed first, so the moves' arrays are freed before the step's own are made.
     exchange = _compute_set_exchange(self.target, groups)
     groups = [dataclasses.replace(g, moves=()) for g in groups]
@@ -201,7 +208,8 @@ class GraphLowerer:
         written_bases=tuple(written_bases),
         write_mappings=tuple(self.base_ir(b).mapping for b in written_bases),
         layout=layout,
-        codelets=tuple((g.codelet, _field_positions(self, g, layout)) for g in groups))
+        codelets=tuple((g.codelet, _field_positions(self, g, layout), len(g.tiles))
+                       for g in groups))
     compute, vertices = _compute_set_cycles(self.target, groups)
     return P.Superstep(
         name=cs.name, op=f"Execute({cs.name})",
@@ -210,7 +218,7 @@ class GraphLowerer:
         fn=functools.partial(_run_compute_set, run), compute_cycles=compute,
         exchange=exchange, vertices=vertices,
         codelets=tuple(sorted({g.codelet.name for g in groups})),
-        flops=sum(g.flops for g in groups))
+        flops=sum(g.flops for g in groups), notes=notes)
 
 
 # -- compute sets ---------------------------------------------------------------
@@ -382,7 +390,7 @@ class _ComputeSetRun:
   """What a compute set's step runs: every codelet ``vmap``-ed over its vertices.
 
   Attributes:
-    codelets: ``(codelet, field positions)`` per vertex group
+    codelets: ``(codelet, field positions, vertices)`` per vertex group
       (:func:`_field_positions`).
   """
 
@@ -395,10 +403,11 @@ class _ComputeSetRun:
   codelets: tuple
 
 
-def _run_codelet(cdl, positions, buffers):
+def _run_codelet(cdl, positions, buffers, vertices: int):
   """The codelet on every vertex of its group: one value per written field."""
   operands = [buffers[positions[f].dtype][positions[f].index] for f in cdl.read_fields]
-  results = jax.vmap(cdl.fn)(*operands)
+  # axis_size: a codelet may read no field (it only writes).
+  results = jax.vmap(cdl.fn, axis_size=vertices)(*operands)
   if not isinstance(results, (tuple, list)):
     results = (results,)
   if len(results) != len(cdl.written_fields):
@@ -413,8 +422,8 @@ def _run_compute_set(run: _ComputeSetRun, *storages):
   buffers = {dtype: jnp.concatenate([flats[b] for b in bs]) if bs else jnp.zeros((0,), dtype)
              for dtype, bs in run.layout.bases.items()}
   new_flats = {b: flats[b] for b in run.written_bases}
-  for cdl, positions in run.codelets:
-    for f, value in zip(cdl.written_fields, _run_codelet(cdl, positions, buffers)):
+  for cdl, positions, vertices in run.codelets:
+    for f, value in zip(cdl.written_fields, _run_codelet(cdl, positions, buffers, vertices)):
       value = jnp.reshape(value, (-1,))
       for b, sel, local in positions[f].scatter:
         tensor = run.graph._bases[b]
