@@ -201,6 +201,17 @@ FIGURE_SOURCES.update({
         "poplibs", _POPSPARSE + "zeroPartialsCycles: 10 cycles then 64-bit stores per worker"),
 })
 
+# C++ vertices with neither Graph.set_perf_estimate nor the author's cycles
+# function (ipu_jax/cpp_codelets/cost.py): the report marks them estimates.
+FIGURE_SOURCES.update({
+    "ipu_jax.cpp_codelets.cost.CYCLES_PER_ELEMENT": FigureSource(
+        "estimate", "2 cycles per element a C++ vertex reads or writes (a compiled scalar "
+        "loop's load, operation and store per element on a worker); not calibrated"),
+    "ipu_jax.cpp_codelets.cost.VERTEX_OVERHEAD_CYCLES": FigureSource(
+        "estimate", "20 cycles a C++ vertex call (entry, field pointers, return); not "
+        "calibrated"),
+})
+
 
 def _figures() -> list:
   """Every IPUTarget field that is a hardware figure."""
