@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 # attribute access (ipu_jax.keras pulls in Flax and optax, so it is not loaded
 # up front), so ``import ipu_jax; ipu_jax.graph.Graph(...)`` works.
 _LAZY_SUBMODULES = ("graph", "poplibs", "keras", "kernels", "lowering", "remote_buffers",
-                    "number_formats", "rounding", "fp8_scaling", "pipelining", "sparse")
+                    "number_formats", "rounding", "fp8_scaling", "pipelining", "sparse",
+                    "parallel", "phased", "cpp_codelets", "tessellate")
 
 
 def __getattr__(name):
@@ -46,5 +47,5 @@ __all__ = [
     "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit", "Traced",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",
     "register_lowering", "number_formats", "rounding", "fp8_scaling", "offload", "remote_buffers",
-    "sparse",
+    "sparse", "parallel", "phased", "cpp_codelets", "tessellate",
 ]

@@ -1,0 +1,95 @@
+"""experiments.llm: the LLM runner's estimate, its bounds, --check and its errors.
+
+Small configurations only (16 tiles an IPU); the GPT-J / GPT-3 / Llama-2
+presets are run by hand (docs/llm.md).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+from absl import flags
+from absl.testing import absltest, parameterized
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _flags(*argv):
+  from experiments import llm
+  fv = llm.define_flags(flags.FlagValues())
+  fv(["llm"] + list(argv))
+  return fv
+
+
+class LLMRunnerTest(chex.TestCase, parameterized.TestCase):
+
+  def test_estimate_json_keys_and_bounds(self):
+    from experiments import llm
+    out = os.path.join(self.create_tempdir().full_path, "tiny.json")
+    llm.run(_flags("--config=tiny_check", "--estimate_only", f"--json_out={out}"))
+    with open(out) as f:
+      result = json.load(f)
+    for key in ("samples_per_second", "step_seconds", "breakdown", "fits",
+                "per_ipu_peak_bytes", "lower_seconds", "peak_rss_bytes", "tokens_per_second",
+                "streaming_bytes_per_step", "bounds", "closest_bound"):
+      self.assertIn(key, result)
+    self.assertIn("streaming", result["breakdown"])
+    self.assertTrue(result["fits"])
+    self.assertGreater(result["streaming_bytes_per_step"], 0)
+    bounds = result["bounds"]
+    # The estimate can be no faster than the IPUs' peak FLOPs nor their
+    # Streaming Memory bandwidth allow.
+    self.assertLess(result["tokens_per_second"], bounds["peak_flops_tokens_per_second"])
+    self.assertLess(result["tokens_per_second"], bounds["streaming_tokens_per_second"])
+    self.assertAlmostEqual(result["tokens_per_second"],
+                           result["tokens_per_step"] / result["step_seconds"], delta=1e-6 *
+                           result["tokens_per_second"])
+
+  def test_inference_estimate_below_bounds(self):
+    from experiments import llm
+    result = llm.run(_flags("--model=llama2", "--mode=inference", "--rotary_dim=32",
+                            "--tensor_parallel=2", "--data_parallel=1", "--micro_batch=1",
+                            "--global_batch=1", "--layers=2", "--estimate_only"))
+    bounds = result["bounds"]
+    self.assertLess(result["tokens_per_second"], bounds["peak_flops_tokens_per_second"])
+    self.assertLess(result["tokens_per_second"], bounds["streaming_tokens_per_second"])
+    self.assertGreater(result["breakdown"]["streaming"], 0.0)
+
+  def test_check_passes_and_can_fail(self):
+    from experiments import llm
+    good = llm.run(_flags("--config=tiny_check", "--check", "--steps=2"))
+    self.assertTrue(good["check_passed"], good["max_relative_difference"])
+    self.assertLess(good["max_relative_difference"], 1e-5)
+    # The same comparison against a plain-JAX run with another learning rate fails.
+    bad = llm.run(_flags("--config=tiny_check", "--check", "--steps=1", "--check_perturb=0.5"))
+    self.assertFalse(bad["check_passed"])
+
+  @parameterized.named_parameters(
+      ("tp_heads", ["--config=tiny_check", "--tensor_parallel=3", "--estimate_only"],
+       "--tensor_parallel"),
+      ("batch", ["--config=tiny_check", "--global_batch=6", "--estimate_only"],
+       "--global_batch"))
+  def test_bad_flag_names_the_field(self, argv, field):
+    from absl import app
+    from experiments import llm
+    with self.assertRaisesRegex(app.UsageError, field) as ctx:
+      llm.run(_flags(*argv))
+    if field == "--tensor_parallel":
+      self.assertIn("1, 2, 4", str(ctx.exception))  # the valid values: divisors
+
+  def test_without_phases_reports_out_of_memory(self):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.llm", "--config=tiny_check", "--nophased",
+         "--tensor_parallel=1", "--estimate_only"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    self.assertEqual(proc.returncode, 1, proc.stderr[-2000:])
+    self.assertIn("OutOfMemoryError", proc.stderr)
+    self.assertIn("IPU 0", proc.stderr)
+    self.assertIn("--phased", proc.stderr)
+    self.assertNotIn("Traceback", proc.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
