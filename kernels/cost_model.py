@@ -152,6 +152,10 @@ FIGURE_SOURCES.update({
         "poplibs", _POPRAND + "(Dropout): 6 + 24 x workers + 2 cycles a vector"),
     "kernels.poprand.set_seed_cycles": FigureSource(
         "poplibs", _POPRAND + "(SetSeed): 14 + 27 x workers"),
+    "kernels.poprand.truncated_normal_iterations": FigureSource(
+        "poplibs", "lib/poprand/RandomGen.cpp poprand::truncatedNormal: ceil(-4 / log10(erfc("
+        "alpha / sqrt 2))) rounds (3 at alpha = 2, the cut a hardware-mode truncated normal "
+        "is priced at: an estimate, the bounds being traced values)"),
 })
 
 _SYS = "docs/systems.md; "

@@ -15,11 +15,13 @@ cycles; a tile with nothing to write runs no vertex (0 cycles).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["DATA_PATH_BITS", "bernoulli_cycles", "dropout_cycles", "normal_cycles",
-           "set_seed_cycles", "truncated_normal_cycles", "uniform_cycles",
-           "uniform_int_bits_cycles"]
+           "set_seed_cycles", "truncated_normal_cycles", "truncated_normal_iterations",
+           "uniform_cycles", "uniform_int_bits_cycles"]
 
 #: Bits a tile loads or stores per cycle (``Target::getDataPathWidth()``).
 DATA_PATH_BITS = 64
@@ -118,6 +120,18 @@ def truncated_normal_cycles(out, workers: int, dtype_bits: int,
     cycles = (4 + 28 * workers + (12 * it + 5) * _vectors(out, width)
               + _ragged(out, width) * (12 * it + 10))
   return _only_busy(out, cycles)
+
+
+def truncated_normal_iterations(alpha: float) -> int:
+  """Redraw rounds poprand gives ``TruncatedNormal`` for a cut at ``alpha`` deviations.
+
+  ``ceil(-4 / log10(erfc(alpha / sqrt(2))))``: enough rounds that a value is
+  still outside ``[-alpha, alpha]`` with probability at most 1e-4
+  (``poprand::truncatedNormal``, ``lib/poprand/RandomGen.cpp``); 3 for
+  ``alpha = 2``.
+  """
+  outside = math.erfc(float(alpha) / math.sqrt(2.0))
+  return int(math.ceil(-4.0 / math.log10(outside)))
 
 
 def dropout_cycles(out, workers: int, dtype_bits: int) -> np.ndarray:

@@ -42,7 +42,8 @@ __all__ = [
     # popsparse.
     "SPARSE_DENSE_ELEMENTWISE", "SPARSE_DENSE_BLOCK",
     # poprand.
-    "RANDOM",
+    "RANDOM", "POPRAND_UNIFORM", "POPRAND_BERNOULLI", "POPRAND_NORMAL",
+    "POPRAND_TRUNCATED_NORMAL", "POPRAND_DROPOUT",
     # ipu_jax.
     "FFT", "AXIS_INDEX", "REPLICA_INDEX",
 ]
@@ -105,6 +106,13 @@ SPARSE_DENSE_ELEMENTWISE = "popsparse::SparseDenseMatMulElementWise"
 SPARSE_DENSE_BLOCK = "popsparse::SparseDenseMatMulBlock"
 
 RANDOM = "poprand::Random"  # vertex(RANDOM, generator)
+# poprand's samplers, vertex(POPRAND_*, dtype): a fused chain on the tiles'
+# hardware bits priced as the one vertex poprand runs (lowering/fused_cost.py).
+POPRAND_UNIFORM = "poprand::Uniform"
+POPRAND_BERNOULLI = "poprand::Bernoulli"
+POPRAND_NORMAL = "poprand::Normal"
+POPRAND_TRUNCATED_NORMAL = "poprand::TruncatedNormal"
+POPRAND_DROPOUT = "poprand::Dropout"
 
 FFT = "ipu_jax::FFT"
 AXIS_INDEX = "ipu_jax::AxisIndex"

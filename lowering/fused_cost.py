@@ -32,6 +32,20 @@ ways, and the step pays the cheapest on each tile:
 
 The description of a chain (:class:`MapExpression`) holds no tile data, so
 equal chains on the same layout (a transformer's layers) share one costing.
+
+A chain that starts from the tiles' hardware random bits (``random.mode =
+"hardware"``: the bits step is a member, ``lowering/rules/random.py``) is what
+poprand draws in one vertex: the generators' words turned into samples on
+the way to memory. :func:`find_sampler` reads which one from the members
+(:class:`Sampler`): JAX's uniform (shift, or, bitcast, affine, clamp) is
+``Uniform<T>``; a compare of it with a single value, ``Bernoulli<T>``; that
+mask selecting a (scaled) vector against a single value (``jnp.where(keep, x
+/ p, 0)``, what ``nnx.Dropout`` traces to), ``Dropout<T>``; ``erf_inv`` of the
+uniform (scaled, shifted), ``Normal<T>``; clipped after, ``TruncatedNormal<T>``
+(priced at poprand's rounds for a cut at 2 deviations, the bounds being
+traced values); bits used otherwise stay ``Uniform<int>`` words. Those members
+cost poprand's estimator (``kernels/poprand.py``); the rest of the group is
+costed as above, as a second vertex of the same compute set.
 """
 
 from __future__ import annotations
@@ -43,11 +57,17 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popops
+from ipu_jax.kernels import poprand
+from ipu_jax.kernels import vocabulary as vocab
+from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 
-__all__ = ["MapExpression", "describe", "expression_cycles", "cheapest", "SCALED_VERTEX_NOTE"]
+__all__ = ["MapExpression", "describe", "expression_cycles", "cheapest", "SCALED_VERTEX_NOTE",
+           "POPRAND_VERTEX_NOTE", "Sampler", "find_sampler", "sampler_cycles"]
 
 # The note a fused step gets when a scaled-arithmetic vertex is its cost.
 SCALED_VERTEX_NOTE = "costed as popops' {vertex}<{dtype}>"
+# The note a fused step on the hardware random bits gets.
+POPRAND_VERTEX_NOTE = "costed as {vertex}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,3 +215,187 @@ def cheapest(sequential, as_map, scaled, expression: MapExpression, elements) ->
     operation, dtype = expression.scaled
     note = SCALED_VERTEX_NOTE.format(vertex=popops.SCALED_VERTICES[operation], dtype=dtype.name)
   return np.minimum(cycles, scaled), note
+
+
+# -- poprand's samplers on the hardware bits -----------------------------------
+
+# What JAX's uniform does to the bits: the mantissa (shift, or, bitcast), then
+# ``- 1``, ``* (max - min) + min`` and a clamp at ``min``, each with single values.
+_UNIFORM_OPS = frozenset({"shift_right_logical", "or", "bitcast_convert_type", "sub", "mul",
+                          "add", "max", "min", "convert_element_type"})
+_AFFINE_OPS = frozenset({"mul", "add", "sub", "div"})
+_CLAMP_OPS = frozenset({"max", "min", "clamp"})
+_COMPARES = frozenset({"lt", "le", "gt", "ge"})
+# ``TruncatedNormal``'s cut, in deviations, where the bounds are traced values.
+_TRUNCATION_DEVIATIONS = 2.0
+
+_SAMPLER_VERTICES = {
+    "Uniform": vocab.POPRAND_UNIFORM, "Bernoulli": vocab.POPRAND_BERNOULLI,
+    "Normal": vocab.POPRAND_NORMAL, "TruncatedNormal": vocab.POPRAND_TRUNCATED_NORMAL,
+    "Dropout": vocab.POPRAND_DROPOUT,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """The poprand vertex a fused chain on the hardware bits is.
+
+  Attributes:
+    kind: ``"UniformInt"`` (raw words), ``"Uniform"``, ``"Bernoulli"``,
+      ``"Normal"``, ``"TruncatedNormal"`` or ``"Dropout"``.
+    dtype: the vertex's type (the uniform's float type for ``Bernoulli``,
+      whose mask JAX holds as bool; the result's for ``Dropout``).
+    positions: the members the vertex does (the rest of the group is costed
+      as a map expression).
+  """
+
+  kind: str
+  dtype: np.dtype
+  positions: frozenset
+
+  @property
+  def vertex(self) -> str:
+    if self.kind == "UniformInt":
+      return HARDWARE_BITS_VERTEX
+    return vocab.vertex(_SAMPLER_VERTICES[self.kind], self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+  position: int
+  op: str
+  inputs: tuple     # per operand: its id, or None for a single value
+  operands: tuple   # per read: its id
+  outs: tuple
+  dtype: Optional[np.dtype]
+
+
+def _sampler_nodes(members, born):
+  """Per member: a :class:`_Node`; single-value broadcasts have op ``"single"``."""
+  single, nodes = set(), []
+  for position, (step, work) in enumerate(members):
+    outs = tuple(t.id for t in step.writes)
+    operands = tuple(t.id for t in step.reads)
+    if step.codelets == (HARDWARE_BITS_VERTEX,):
+      nodes.append(_Node(position, "bits", (), operands, outs[:1], np.dtype(step.writes[0].dtype)))
+      continue
+    op = work.cost_op or step.op
+    if op == "copy" and all(t.size == 1 for t in step.reads):
+      single.update(outs)
+      nodes.append(_Node(position, "single", (), operands, outs, None))
+      continue
+    inputs = []
+    for t in step.reads:
+      inside = born.get(t.id, position) < position
+      inputs.append(None if (inside and t.id in single) or (not inside and t.size == 1)
+                    else t.id)
+    inputs.extend([None] * len(step.literals))
+    nodes.append(_Node(position, op, tuple(inputs), operands, outs,
+                       np.dtype(step.writes[0].dtype)))
+  return nodes
+
+
+def find_sampler(members, born: dict, kept_ids) -> Optional[Sampler]:
+  """The poprand vertex a group's chain from the hardware bits is, or None.
+
+  Args:
+    members: ``(step, work)`` in program order.
+    born: tensor id -> position of the member that first writes it.
+    kept_ids: ids of the results written out of the fused step (a value
+      another step reads ends the sampler there: the vertex writes it).
+
+  Returns:
+    None when no member draws hardware bits.
+  """
+  nodes = _sampler_nodes(members, born)
+  bits = next((n for n in nodes if n.op == "bits"), None)
+  if bits is None:
+    return None
+  readers = {}
+  for n in nodes:
+    for i in n.operands:
+      readers.setdefault(i, []).append(n)
+
+  def next_of(value, ops):
+    """The one member that reads ``value`` as its one vector, when in ``ops``."""
+    users = readers.get(value, [])
+    if value in kept_ids or len(users) != 1 or users[0].op not in ops:
+      return None
+    user = users[0]
+    vectors = [i for i in user.inputs if i is not None]
+    return user if vectors == [value] and len(user.outs) == 1 else None
+
+  covered, value = [bits.position], bits.outs[0]
+  chain, node = [], next_of(value, _UNIFORM_OPS)
+  while node is not None:
+    chain.append(node)
+    node = next_of(node.outs[0], _UNIFORM_OPS)
+  if not any(n.op == "bitcast_convert_type" for n in chain) or chain[-1].dtype.kind != "f":
+    return Sampler("UniformInt", bits.dtype, frozenset(covered))
+  covered += [n.position for n in chain]
+  value, dtype = chain[-1].outs[0], chain[-1].dtype
+  node = next_of(value, {"erf_inv"} | _COMPARES)
+  if node is None:
+    return Sampler("Uniform", dtype, frozenset(covered))
+  if node.op in _COMPARES:
+    return _bernoulli(node, covered, dtype, readers, nodes, kept_ids)
+  return _normal(node, covered, next_of)
+
+
+def _normal(node, covered, next_of) -> Sampler:
+  """``erf_inv`` of the uniform, scaled and shifted, maybe clipped after."""
+  kind, dtype = "Normal", node.dtype
+  while node is not None:
+    covered.append(node.position)
+    dtype = node.dtype
+    node = next_of(node.outs[0], _AFFINE_OPS | _CLAMP_OPS)
+    if node is not None and node.op in _CLAMP_OPS:
+      kind = "TruncatedNormal"
+  return Sampler(kind, dtype, frozenset(covered))
+
+
+def _bernoulli(compare, covered, dtype, readers, nodes, kept_ids) -> Sampler:
+  """The compare's mask; ``Dropout`` when it only selects a vector against a
+  single value, the vector an operand from outside or its scaling."""
+  covered.append(compare.position)
+  mask = compare.outs[0]
+  users = readers.get(mask, [])
+  bernoulli = Sampler("Bernoulli", dtype, frozenset(covered))
+  if mask in kept_ids or len(users) != 1 or users[0].op != "select_n":
+    return bernoulli
+  select = users[0]
+  if len(select.inputs) != 3 or select.inputs[0] != mask or select.inputs[1:].count(None) != 1:
+    return bernoulli
+  k = 1 if select.inputs[1] is not None else 2
+  kept_value, other = select.operands[k], select.operands[3 - k]
+  maker = {i: n for n in nodes for i in n.outs}
+  extra = [select.position]
+  fill = maker.get(other)
+  if fill is not None:
+    if fill.op != "single" or len(readers.get(other, [])) != 1 or other in kept_ids:
+      return bernoulli
+    extra.append(fill.position)
+  scale = maker.get(kept_value)
+  if scale is not None:
+    # The kept values are ``x * s`` or ``x / s``, made only for this select.
+    vectors = [i for i in scale.inputs if i is not None]
+    if (scale.op not in ("mul", "div") or len(vectors) != 1
+        or getattr(maker.get(vectors[0]), "position", None) in covered
+        or kept_value in kept_ids or len(readers.get(kept_value, [])) != 1):
+      return bernoulli
+    extra.append(scale.position)
+  return Sampler("Dropout", select.dtype, frozenset(covered + extra))
+
+
+def sampler_cycles(target, elements, sampler: Sampler) -> np.ndarray:
+  """``[num_tiles]`` cycles of ``sampler``'s poprand vertex (``kernels/poprand.py``)."""
+  workers = target.worker_contexts
+  bits = sampler.dtype.itemsize * 8
+  if sampler.kind == "UniformInt":
+    return poprand.uniform_int_bits_cycles(-(-np.asarray(elements) * bits // 32), workers)
+  if sampler.kind == "TruncatedNormal":
+    return poprand.truncated_normal_cycles(
+        elements, workers, bits, poprand.truncated_normal_iterations(_TRUNCATION_DEVIATIONS))
+  estimator = {"Uniform": poprand.uniform_cycles, "Bernoulli": poprand.bernoulli_cycles,
+               "Normal": poprand.normal_cycles, "Dropout": poprand.dropout_cycles}[sampler.kind]
+  return estimator(elements, workers, bits)

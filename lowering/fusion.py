@@ -91,6 +91,7 @@ from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.fused_step import (chain_cycles, common_scope, fold_rows, fused_fn,
                                          fused_logical, sum_costs, without_figures)
 from ipu_jax.lowering.layout_numbers import LayoutNumbers
+from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
 
@@ -249,7 +250,10 @@ class _Fuser:
         # Prefer a group this step reads from (a chain), else the newest.
         layout = self.layouts.number(work.mapping)
         again = recomputed(step.scope)
-        for g in reversed(open_groups):
+        # Hardware random bits start a group of their own: the chain that
+        # turns them into samples is one poprand vertex (fused_cost.find_sampler).
+        joinable = [] if _draws_hardware_bits(step) else open_groups
+        for g in reversed(joinable):
           if g.layout == layout and g.recomputed == again:
             if g in pending:
               home = g
@@ -326,7 +330,7 @@ class _Fuser:
     exchanges = [sum_costs(p.exchanges) for p in plans]
     for k, plan in enumerate(plans):
       members = [s for s, _ in plan.members]
-      compute, vertex = self._compute_cycles(plan, sequential[k])
+      compute, vertex, codelets = self._compute_cycles(plan, sequential[k])
       notes = tuple(dict.fromkeys([n for s in members for n in s.notes]
                                   + ([vertex] if vertex else [])))
       result[id(plan.group)] = P.Superstep(
@@ -335,8 +339,7 @@ class _Fuser:
           fn=fused_fn(members, plan.reads, plan.writes),
           logical=fused_logical(members, plan.reads, plan.writes),
           compute_cycles=compute, exchange=exchanges[k], vertices=vertices[k],
-          codelets=(vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op
-                                              for s in members)),),
+          codelets=codelets or (_map_vertex(members),),
           flops=int(sum(s.flops for s in members)),
           scratch_bytes=self._scratch(plan),
           source=members[0].source,
@@ -348,18 +351,52 @@ class _Fuser:
     return result
 
   def _compute_cycles(self, plan, sequential) -> tuple:
-    """``(cycles, note)`` of the fused step: the cheapest way to run the chain
-    (``fused_cost.cheapest``), given its members' cost in turn. Its costs as
-    one vertex are cached by layout and expression (a model's repeated
-    layers share them)."""
-    expression = fused_cost.describe(plan.members, plan.born, {t.id for t in plan.writes})
+    """``(cycles, note, codelets)`` of the fused step: the cheapest way to run
+    the chain (``fused_cost.cheapest``), given its members' cost in turn, or
+    poprand's vertex where the chain draws hardware random bits (then
+    ``codelets`` names it; else None). Costs as one vertex are cached by
+    layout and expression (a model's repeated layers share them)."""
+    kept = {t.id for t in plan.writes}
     elements = self.layouts.elements_per_tile(plan.group.mapping)
-    key = (plan.group.layout, expression)
+    sampler = fused_cost.find_sampler(plan.members, plan.born, kept)
+    if sampler is not None:
+      return self._sampler_cycles(plan, sampler, elements, kept)
+    cycles, note = self._cheapest(plan.group.layout, plan.members, plan.born, kept, elements,
+                                  sequential)
+    return cycles, note, None
+
+  def _cheapest(self, layout, members, born, kept, elements, sequential) -> tuple:
+    """``(cycles, note)``: ``members``' cheapest way as one compute set."""
+    expression = fused_cost.describe(members, born, kept)
+    key = (layout, expression)
     as_one = self._expressions.get(key)
     if as_one is None:
       as_one = self._expressions[key] = fused_cost.expression_cycles(self.target, elements,
                                                                      expression)
     return fused_cost.cheapest(sequential, *as_one, expression, elements)
+
+  def _sampler_cycles(self, plan, sampler, elements, kept) -> tuple:
+    """A chain on the hardware bits: poprand's vertex for the members it does,
+    the rest (if any) costed as a chain of its own, run after it in the same
+    compute set (one launch saved), reading what the vertex wrote."""
+    vertex_cycles = fused_cost.sampler_cycles(self.target, elements, sampler)
+    note = fused_cost.POPRAND_VERTEX_NOTE.format(vertex=sampler.vertex)
+    rest = [k for k in range(len(plan.members)) if k not in sampler.positions]
+    if not rest:
+      return vertex_cycles, note, (sampler.vertex,)
+    members = [plan.members[k] for k in rest]
+    born = {}
+    for position, (step, _) in enumerate(members):
+      for t in step.writes:
+        born.setdefault(t.id, position)
+    made = {t.id for k in sampler.positions for t in plan.members[k][0].writes}
+    read = {t.id for step, _ in members for t in step.reads}
+    sequential = chain_cycles([plan.cycles[k] for k in rest], self.overhead)
+    rest_cycles, _ = self._cheapest(plan.group.layout, members, born, kept | (made & read),
+                                    elements, sequential)
+    both = (vertex_cycles > 0) & (rest_cycles > 0)
+    cycles = vertex_cycles + rest_cycles - both * self.overhead
+    return cycles, note, (sampler.vertex, _map_vertex([s for s, _ in members]))
 
   def _plan(self, group, members) -> "_Plan":
     """What one fused step reads, writes, exchanges and keeps inside."""
@@ -553,6 +590,16 @@ class _Group:
     return self is other
 
   __hash__ = object.__hash__
+
+
+def _map_vertex(steps) -> str:
+  """The vertex type of ``steps`` fused into one map codelet."""
+  return vocab.vertex(vocab.MAP, *(s.codelets[0] if s.codelets else s.op for s in steps))
+
+
+def _draws_hardware_bits(step) -> bool:
+  """Whether ``step`` is ``random_bits`` from the tiles' generators."""
+  return step.codelets == (HARDWARE_BITS_VERTEX,)
 
 
 def _work(step):

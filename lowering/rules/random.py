@@ -44,7 +44,11 @@ generator's state advances with every draw. The bits land linearly mapped;
 each tile fills its own with a ``Uniform<int>`` vertex (raw 32-bit words),
 priced by PopLibs' estimator (``kernels/poprand.py``). ``uniform``,
 ``bernoulli``, ``normal``, ``truncated_normal`` and dropout, all built on
-``random_bits``, follow. See docs/number_formats.md#random-numbers.
+``random_bits``, follow: the fusion pass joins the bits to the elementwise
+chain that turns them into samples and prices the group as the one poprand
+vertex that draws and converts in one pass (``Uniform``, ``Bernoulli``,
+``Normal``, ``TruncatedNormal``, ``Dropout``: ``lowering/fused_cost.py``).
+See docs/number_formats.md#random-numbers.
 """
 
 from __future__ import annotations
@@ -459,7 +463,11 @@ def _hardware_bits(ctx: RuleContext, bit_width: int) -> P.Tensor:
   ctx.emit(P.Superstep(
       name="random_bits/hardware", op=ctx.op, reads=(state,), writes=(out, state), fn=fn,
       compute_cycles=poprand.uniform_int_bits_cycles(words, target.worker_contexts),
-      vertices=worker_vertices(ctx, words), codelets=(HARDWARE_BITS_VERTEX,)))
+      vertices=worker_vertices(ctx, words), codelets=(HARDWARE_BITS_VERTEX,),
+      # Elementwise work on the bits' layout, so fusion can join the bits to
+      # the chain that turns them into samples (poprand's one vertex); it
+      # never moves to another layout (no cost op).
+      elementwise=P.ElementwiseWork(out.mapping, (None,), "", dtype.itemsize, dtype)))
   return out
 
 
