@@ -101,6 +101,10 @@ def define_flags(fv=None):
   flags.DEFINE_boolean("replicated_tensor_sharding", True,
                        "Shard the LAMB state over the replicas.", flag_values=fv)
   flags.DEFINE_float("dropout", 0.0, "Dropout rate.", flag_values=fv)
+  flags.DEFINE_enum("random_mode", "jax", ["jax", "hardware"],
+                    "cfg.random.mode: 'jax' draws jax.jit's bits (priced as threefry's integer "
+                    "work), 'hardware' the tiles' generators (priced as poprand's vertices: "
+                    "dropout as one Dropout vertex).", flag_values=fv)
   flags.DEFINE_float("learning_rate", 1e-3, "LAMB learning rate.", flag_values=fv)
   flags.DEFINE_integer("steps", 3, "Training steps (weight updates).", flag_values=fv)
   flags.DEFINE_integer("tiles_per_ipu", 32,
@@ -182,7 +186,7 @@ def check_flags(f, num_layers: int) -> None:
   """Refuse bad settings before anything is built, naming the flag.
 
   Raises:
-    ValueError: a packing factor below 1, layers that do not add up to the
+    ValueError: ``--check`` with hardware dropout masks, a packing factor below 1, layers that do not add up to the
       model's, a G the Grouped / Interleaved schedule cannot run over BERT's
       stages, or a system too small for replicas x IPUs per replica.
   """
@@ -191,6 +195,10 @@ def check_flags(f, num_layers: int) -> None:
   if not f.packing_factor >= 1.0:
     raise ValueError(f"--packing_factor must be >= 1 (sequences packed in each sample); "
                      f"got {f.packing_factor!r}.")
+  if f.check and f.dropout > 0 and f.random_mode == "hardware":
+    raise ValueError("--check compares with plain JAX, whose dropout masks are jax.jit's bits; "
+                     "--random_mode=hardware draws other masks. Use --random_mode=jax with "
+                     "--check, or --dropout=0.")
   layers = [int(v) for v in f.layers_per_ipu]
   if sum(layers) != num_layers:
     raise ValueError(f"--layers_per_ipu {layers} adds up to {sum(layers)} layers; the "
@@ -224,6 +232,7 @@ def ipu_config(f, num_ipus: int):
   cfg.streaming.offload_optimizer_state = f.offload_optimizer_state
   cfg.streaming.replicated_tensor_sharding = f.replicated_tensor_sharding
   cfg.system = f.system
+  cfg.random.mode = f.random_mode
   return cfg
 
 

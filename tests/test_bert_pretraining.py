@@ -156,6 +156,8 @@ class BadInputTest(parameterized.TestCase):
       ("accumulation", ["--accumulation=12"], "--accumulation=12 does not suit the Grouped"),
       ("system", ["--config=phase1_pod16", "--replicas=5"], "--replicas=5"),
       ("layers", ["--layers_per_ipu=1,1,1"], "--layers_per_ipu"),
+      ("hardware_masks_checked", ["--check", "--dropout=0.1", "--random_mode=hardware"],
+       "--random_mode=jax with --check"),
   )
   def test_clear_errors_naming_the_flag(self, argv, message):
     f = self._flags(*argv)
