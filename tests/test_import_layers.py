@@ -210,6 +210,21 @@ class ImportLayersTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(setup.packages(), sorted(package_dirs(_REPO)))
     self.assertIn("ipu_jax.sparse", setup.packages())
 
+  def test_tests_never_import_a_tests_package(self):
+    # tests/ is no package: its modules import each other by name
+    # (``import testing_utils``). ``from tests import ...`` would resolve to any
+    # installed top-level ``tests`` first (icecream, of the pyscf extra, ships
+    # one), which shadows a namespace package.
+    found = []
+    for path in sorted((_REPO / "tests").rglob("*.py")):
+      for node in ast.walk(_parse(path.read_text(), str(path))):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found += [f"{path.relative_to(_REPO)}:{node.lineno}" for n in names
+                  if n == "tests" or n.startswith("tests.")]
+    self.assertEmpty(found)
+    self.assertFalse((_REPO / "tests" / "__init__.py").exists())
+
   @parameterized.named_parameters(
       ("kernels_imports_lowering", "kernels/estimators.py",
        "from ipu_jax.lowering import program\n", "lowering floor above it"),

@@ -18,7 +18,7 @@ import ipu_jax
 from ipu_jax.lowering import host_io
 from ipu_jax.report import html as report_html
 from ipu_jax.strategy import IPUStrategy
-from tests.testing_utils import random_array
+from testing_utils import random_array
 
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_page_harness.js")
 

@@ -11,7 +11,7 @@ from flax import nnx
 import ipu_jax
 import ipu_jax.keras
 from ipu_jax.strategy import IPUStrategy
-from tests.testing_utils import random_array
+from testing_utils import random_array
 
 
 def _config(mode="all", period=1, tiles=32, io=0):

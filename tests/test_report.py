@@ -579,7 +579,7 @@ def _keras_fit_report():
   from flax import nnx
   import ipu_jax
   import ipu_jax.keras
-  from tests import testing_utils
+  import testing_utils
   cfg = ipu_jax.IPUConfig()
   cfg.device.tiles_per_ipu = 16
   cfg.streaming.offload_optimizer_state = True

@@ -25,7 +25,7 @@ from ipu_jax.keras import scopes as keras_scopes
 from ipu_jax.lowering import scopes
 from ipu_jax.lowering.scopes import NO_SCOPE
 from ipu_jax.strategy import IPUStrategy
-from tests import testing_utils
+import testing_utils
 
 _THIS_FILE = os.path.abspath(__file__)
 

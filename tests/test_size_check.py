@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
-from tests.testing_utils import T16, random_array
+from testing_utils import T16, random_array
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SRAM16 = 16 * T16.bytes_per_tile
