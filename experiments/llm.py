@@ -89,9 +89,11 @@ def define_flags(fv=None):
                       ("remote_activations", "Stored activations in Streaming Memory."),
                       ("rts", "Replicated tensor sharding of the remote state over the "
                               "data-parallel replicas."),
+                      ("rts_activations", "Replicated tensor sharding of the stored "
+                                          "activations over the tensor-parallel group."),
                       ("recompute", "Recompute each phase's forward in its backward."),
                       ("io_tiles", "Loads overlap compute, as with I/O tiles.")):
-    flags.DEFINE_boolean(name, name != "io_tiles" and name != "rts", help_, **d)
+    flags.DEFINE_boolean(name, name not in ("io_tiles", "rts", "rts_activations"), help_, **d)
   flags.DEFINE_enum("dtype", "float32", ["float32", "float16"], "Weights and activations.", **d)
   flags.DEFINE_float("learning_rate", 1e-3, "Adam's learning rate.", **d)
   flags.DEFINE_string("system", None, "The IPU system: pod4, pod16, pod64, pod256, ...", **d)
@@ -273,7 +275,8 @@ def _layout(f, parallel, phased):
   return phased.PhasedLayout(
       mode=f.phase_mode, batch_serialisation=accumulation(f), remote_weights=f.remote_weights,
       remote_optimizer_state=f.remote_optimizer_state, remote_activations=f.remote_activations,
-      rts=f.rts, recompute=f.recompute, io_tiles=f.io_tiles,
+      rts=f.rts, rts_activations=f.rts_activations, recompute=f.recompute,
+      io_tiles=f.io_tiles,
       mesh=parallel.Mesh(dp=f.data_parallel, tp=f.tensor_parallel))
 
 

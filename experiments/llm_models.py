@@ -334,20 +334,11 @@ class DecoderLM(nnx.Module):
 def _pure(graphdef, method: str | None = None) -> Callable:
   """``fn(params, *args)`` calling the module rebuilt from ``params``."""
 
-  def call(params, *args):
+  def apply(params, *args):
+    # Runs with "tp" bound (ipu_jax.phased binds it, as a group of one when
+    # tp = 1; ipu_jax.parallel.spmd binds it for a TP group).
     module = nnx.merge(graphdef, params)
     return (module if method is None else getattr(module, method))(*args)
-
-  def apply(params, *args):
-    from ipu_jax.lowering.replica_axis import axis_is_bound
-    if axis_is_bound(_parallel().TP_AXIS):
-      return call(params, *args)
-    # Outside a TP group (a shape inference with no axis bound, e.g.
-    # jax.eval_shape of a phase): a group of one, so the collectives resolve.
-    # The output's shape is the shard's; its values are only right for tp = 1.
-    one = lambda p: call(p, *args)  # noqa: E731
-    lead = jax.tree.map(lambda a: a[None], params)
-    return jax.tree.map(lambda a: a[0], jax.vmap(one, axis_name=_parallel().TP_AXIS)(lead))
 
   return apply
 

@@ -65,13 +65,15 @@ _GPTJ = {"model": "gptj", "mode": "train", "layers": 28, "hidden": 4096, "heads"
          "ffn": 16384, "rotary_dim": 64, "vocab_size": 50400, "seq": 1024, "micro_batch": 1,
          "global_batch": 128, "tensor_parallel": 16, "phased": True, "phase_mode": "serial",
          "remote_weights": True, "remote_optimizer_state": True, "remote_activations": True,
-         "rts": True, "recompute": True, "dtype": "float16", "tiles_per_ipu": 1472}
+         "rts": True, "rts_activations": True, "recompute": True, "dtype": "float16",
+         "tiles_per_ipu": 1472}
 _GPT3 = {"model": "gpt3", "mode": "train", "layers": 96, "hidden": 12288, "heads": 96,
          "ffn": 49152, "rotary_dim": 0, "vocab_size": 50272, "max_positions": 2048,
          "seq": 2048, "micro_batch": 1, "global_batch": 128, "tensor_parallel": 32,
          "data_parallel": 8, "phased": True, "phase_mode": "serial", "remote_weights": True,
          "remote_optimizer_state": True, "remote_activations": True, "rts": True,
-         "recompute": True, "dtype": "float16", "tiles_per_ipu": 1472, "system": "pod256"}
+         "rts_activations": True, "recompute": True, "dtype": "float16", "tiles_per_ipu": 1472,
+         "system": "pod256"}
 _LLAMA2_7B = {"model": "llama2", "mode": "inference", "layers": 32, "hidden": 4096,
               "heads": 32, "ffn": 11008, "rotary_dim": 128, "vocab_size": 32000, "seq": 2048,
               "micro_batch": 1, "global_batch": 1, "data_parallel": 1, "phased": True,
@@ -116,10 +118,15 @@ _GPTJ_SOURCES = {
     "phased": f"{_GPTJ_README} 'Phased Execution and Batch serialisation'",
     "rts": f"{_GPTJ_README} 'Combining data parallelism, tensor parallelism and RTS'",
     "remote_activations": f"{_GPTJ_README} 'RTS on activations'",
+    "rts_activations": f"{_GPTJ_README} 'RTS on activations' (stored activations sharded "
+                       "over the tensor-parallel group, gathered after each load)",
     "dtype": f"{_GPTJ_CONFIG} ModelConfig.precision (float16)",
     "accumulation": f"{_GPTJ_CONFIG} GPTJConfig.gradient_accumulation = global / (dp x micro)",
 }
 _GPT3_SOURCES = {
+    "rts_activations": f"derived: {_GPT3_README} 'Phased Execution and RTS' (the 2-D tensor "
+                       "parallelism splits the activation x along the hidden dimension; "
+                       "here sharded over the 1-D TP group)",
     "layers": f"{_GPT3_YML} gpt3_175B.model.layers",
     "hidden": f"{_GPT3_YML} gpt3_175B.model.hidden_size",
     "heads": f"{_GPT3_YML} gpt3_175B.model.attention.heads",

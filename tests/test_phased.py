@@ -264,8 +264,9 @@ class PhasedTrainingTest(parameterized.TestCase):
                      + [("head", "backward")]
                      + [(f"layer{i}", "backward") for i in (3, 2, 1, 0)]
                      + [("embed", "backward")])
-    # One forward and one backward program for the four identical decoder layers.
-    self.assertEqual(estimate.programs_lowered, 5)
+    # One forward, one backward and one update program (and with RTS one load) for the
+    # four identical decoder layers; the embedding and the head have their own.
+    self.assertEqual(estimate.programs_lowered, 11 if rts else 8)
     text = estimate.summary()
     self.assertIn(f"Phases ({mode}, G={g}", text)
     self.assertIn("exposed streaming", text)
@@ -303,7 +304,7 @@ class TensorParallelPhasedTest(parameterized.TestCase):
     expected, tolerance = accumulated_reference(ps, opt, batches, micro, dp)
     assert_within_rounding(trainer.params, tp_split(expected, tp), tp_split(tolerance, tp))
     estimate = trainer.estimate()
-    self.assertEqual(estimate.programs_lowered, 5)
+    self.assertEqual(estimate.programs_lowered, 11)
     self.assertEqual(estimate.to_dict()["num_ipus"], dp * tp * (2 if mode == "ping_pong" else 1))
     # The tensor-parallel all-reduces (and the RTS gathers / reduce-scatters) are priced.
     self.assertTrue(all(p.collective_cycles > 0 for p in estimate.phases))
@@ -353,14 +354,14 @@ class StreamingBytesTest(parameterized.TestCase):
                              places=6)
     # Streaming Memory held per IPU: W and O of both layers and layer1's stored input.
     self.assertEqual(est.streaming_memory_bytes_per_ipu, 2 * (w + o) + a + a)
-    # The backward program's own remote buffers are the counted W and O (the IR's
+    # The update program's own remote buffers are the counted W and O (the IR's
     # streaming memory, ipu_jax.jit's offload).
     programs = phased.programs.lower_programs(
         phased.programs.PhaseKind("last", _dense_loss, _two_dense().phases[1].params,
                                   jax.ShapeDtypeStruct((2, 128), jnp.float32),
                                   (jax.ShapeDtypeStruct((2, 128), jnp.float32),)),
         trainer.optimizer, layout, trainer.target, None, True)
-    self.assertEqual(programs.backward.profile.streaming.total_bytes, w + o)
+    self.assertEqual(programs.update.profile.streaming.total_bytes, w + o)
 
   def test_estimate_lowers_each_distinct_program_once(self):
     # 2 or 8 identical decoder layers: the same programs, so the same lowering work.
@@ -373,7 +374,51 @@ class StreamingBytesTest(parameterized.TestCase):
       est = trainer.estimate((ids, ids))
       counts.append(est.programs_lowered)
       self.assertLen(est.phases, 2 * (layers + 2) - 1)
-    self.assertEqual(counts, [5, 5])
+    self.assertEqual(counts, [8, 8])
+
+
+  def test_tiles_hold_one_micro_batch_of_activations(self):
+    # Batch serialisation keeps each micro-batch's activations in Streaming Memory and
+    # streams them per micro-batch inside the phase: the In-Processor peak does not grow
+    # with G, while the compute and the activation traffic grow G-fold.
+    ps = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), gpt_params())
+    est = {}
+    for g in (2, 8):
+      trainer = phased.PhasedTrainer(gpt_model(ps), _adam(),
+                                     phased.PhasedLayout(batch_serialisation=g), T16)
+      ids = jax.ShapeDtypeStruct((2 * g, SEQ), jnp.int32)
+      est[g] = trainer.estimate((ids, ids))
+    self.assertEqual(est[2].per_ipu_peak_bytes, est[8].per_ipu_peak_bytes)
+    fwd = {g: {(p.name, p.direction): p for p in e.phases}["layer1", "forward"]
+           for g, e in est.items()}
+    self.assertEqual(fwd[8].traffic.activations_load, 4 * fwd[2].traffic.activations_load)
+    self.assertAlmostEqual(fwd[8].compute_cycles, 4 * fwd[2].compute_cycles,
+                           delta=1e-9 * fwd[8].compute_cycles)
+    # A host sync per micro-batch's activation copy each way, one for the weights.
+    self.assertAlmostEqual(fwd[8].sync_cycles, (1 + 2 * 8) * T16.sync_cycles_host)
+
+
+  def test_rts_on_activations_over_the_tp_group(self):
+    # GPT-J's README, "RTS on activations": over a TP group of 2 each IPU stores and
+    # loads half of every micro-batch's activation (2*128*4 / 2 = 512 B, G = 2) and the
+    # group all-gathers it after each load over the IPU-Links.
+    shard = {"w": jax.ShapeDtypeStruct((2, 128, 128), jnp.float32)}  # [tp, ...] shards
+    model = phased.PhasedModel([phased.Phase("layer0", _dense, shard),
+                                phased.Phase("layer1", _dense_loss, shard)])
+    batch = jax.ShapeDtypeStruct((4, 128), jnp.float32)
+    rows = {}
+    for sharded in (False, True):
+      layout = phased.PhasedLayout(batch_serialisation=2, mesh=Mesh(dp=1, tp=2),
+                                   rts_activations=sharded)
+      est = phased.PhasedTrainer(model, optax.sgd(0.1), layout, T16).estimate((batch, batch))
+      rows[sharded] = {(p.name, p.direction): p for p in est.phases}
+    plain, split = rows[False]["layer1", "backward"], rows[True]["layer1", "backward"]
+    self.assertEqual((plain.traffic.activations_load, split.traffic.activations_load),
+                     (2 * 1_024, 2 * 512))
+    gather = 512 * 2 / T16.ipu_link_bytes_per_cycle + 2 * T16.ipu_sync_cycles(2)
+    self.assertAlmostEqual(split.collective_cycles - plain.collective_cycles, gather, places=3)
+    with self.assertRaisesRegex(ValueError, "rts_activations=True .* remote_activations=True"):
+      phased.PhasedLayout(rts_activations=True, remote_activations=False)
 
 
 class BadInputTest(parameterized.TestCase):

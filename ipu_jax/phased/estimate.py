@@ -2,14 +2,15 @@
 
 Each phase execution (forwards in order, then backwards in reverse) costs
 
-* its program's cycles from the lowered profile (per replica, every
-  micro-batch of the phase's loop counted), less the program's own
-  Streaming-Memory copies (priced here instead, from the counted bytes),
+* its programs' cycles from their lowered profiles (per replica: the RTS
+  load once, the micro-batch program G times, the update once), less the
+  programs' own Streaming-Memory copies (priced here instead, from the counted bytes),
   split into compute and collectives (all-gathers, reduce-scatters,
   all-reduces over the IPU-Links);
 * its loads and stores: per IPU bytes at the streaming rate
-  (:func:`~ipu_jax.phased.streaming.transfer_cycles`) plus one host sync
-  each direction.
+  (:func:`~ipu_jax.phased.streaming.transfer_cycles`) plus a host sync per
+  remote copy: one each way for the weights and optimizer state, one per
+  micro-batch each way for the activations (streamed inside the loop).
 
 How transfers overlap compute, by scheme (exposed = what the step waits for):
 
@@ -37,7 +38,7 @@ import numpy as np
 
 from ipu_jax.phased.streaming import PhaseTraffic, transfer_cycles
 
-__all__ = ["COLLECTIVE_OPS", "PhaseEstimate", "PhasedEstimate", "program_cycles", "compose"]
+__all__ = ["COLLECTIVE_OPS", "activation_gather_cycles", "PhaseEstimate", "PhasedEstimate", "program_cycles", "compose"]
 
 # Ops whose steps move data between IPUs over the IPU-Links.
 COLLECTIVE_OPS = frozenset({
@@ -127,6 +128,33 @@ def _exposed(busy, loads, stores, mode: str, io_tiles: bool) -> np.ndarray:
   return exposed
 
 
+def _transfers(t: PhaseTraffic, micro_batches: int) -> int:
+  """Remote copies (each opened by a host sync) of one phase execution: the
+  weights and optimizer state each way once; the activations once per
+  micro-batch each way (loaded and stored inside the micro-batch loop)."""
+  state_in = t.weights_load + t.optimizer_load > 0
+  state_out = t.weights_store + t.optimizer_store > 0
+  return int(state_in) + int(state_out) + micro_batches * (
+      int(t.activations_load > 0) + int(t.activations_store > 0))
+
+
+def activation_gather_cycles(t: PhaseTraffic, layout, target) -> float:
+  """IPU-Link cycles of re-assembling RTS-sharded activations (``rts_activations``).
+
+  After each load of a micro-batch's activation shard (``1/tp`` of it on each
+  IPU) the TP group all-gathers it: each IPU receives the other ``tp - 1``
+  shards over its IPU-Links (``IPUTarget.ipu_link_bytes_per_second``, the
+  flat rate the lowering prices a collective at without a system) and the
+  group syncs (``IPUTarget.ipu_sync_cycles`` over ``tp`` IPUs) once per
+  micro-batch (a micro-batch's loaded shards gathered in one step).
+  """
+  tp = layout.tp
+  if not layout.rts_activations or tp == 1 or not t.activations_load:
+    return 0.0
+  moved = (tp - 1) * t.activations_load / target.ipu_link_bytes_per_cycle
+  return float(moved + layout.batch_serialisation * target.ipu_sync_cycles(tp))
+
+
 def compose(traffic: list, figures: list, layout, target, peaks=None) -> list:
   """Per-execution estimates of one step.
 
@@ -138,6 +166,8 @@ def compose(traffic: list, figures: list, layout, target, peaks=None) -> list:
     peaks: per execution, In-Processor bytes per IPU at its peak.
   """
   io_tiles = layout.io_tiles or target.io_tiles_per_ipu > 0
+  figures = [(c, k + activation_gather_cycles(t, layout, target))
+             for (c, k), t in zip(figures, traffic)]
   busy = [c + k for c, k in figures]
   loads = [transfer_cycles(t.load_bytes, target) for t in traffic]
   stores = [transfer_cycles(t.store_bytes, target) for t in traffic]
@@ -145,8 +175,9 @@ def compose(traffic: list, figures: list, layout, target, peaks=None) -> list:
   swap = target.replace(num_ipus=max(layout.num_ipus, 1)).ipu_sync_cycles() \
       if layout.mode == "ping_pong" else 0.0
   rows = []
+  g = layout.batch_serialisation
   for k, t in enumerate(traffic):
-    syncs = target.sync_cycles_host * ((t.load_bytes > 0) + (t.store_bytes > 0)) + swap
+    syncs = target.sync_cycles_host * _transfers(t, g) + swap
     rows.append(PhaseEstimate(
         t.name, t.index, t.direction, t.group, t.kind, figures[k][0], figures[k][1],
         t.load_bytes, t.store_bytes, loads[k] + stores[k], float(max(exposed[k], 0.0)),

@@ -56,6 +56,12 @@ class PhasedLayout:
       ``tp``; ``None`` is one replica on one IPU.
     io_tiles: loads overlap compute as with I/O tiles (the target's
       ``io_tiles_per_ipu > 0`` also turns this on).
+    rts_activations: replicated tensor sharding of the stored activations
+      over the tensor-parallel group (Graphcore's GPT-J README, "RTS on
+      activations"): a phase's input and output are identical on the
+      group's IPUs, so each stores and loads ``1/tp`` of every micro-batch's
+      activation and the group all-gathers it over the IPU-Links after each
+      load. Needs ``remote_activations``; with ``tp = 1`` it changes nothing.
   """
 
   mode: str = "serial"
@@ -67,13 +73,14 @@ class PhasedLayout:
   recompute: bool = True
   mesh: Any = None
   io_tiles: bool = False
+  rts_activations: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"PhasedLayout.mode must be one of {list(MODES)}, got {self.mode!r}.")
     _positive_int("batch_serialisation", self.batch_serialisation)
     for name in ("remote_weights", "remote_optimizer_state", "remote_activations", "rts",
-                 "recompute", "io_tiles"):
+                 "recompute", "io_tiles", "rts_activations"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"PhasedLayout.{name} must be True or False, "
                          f"got {getattr(self, name)!r}.")
@@ -86,6 +93,9 @@ class PhasedLayout:
     if self.rts and dp < 2:
       raise ValueError(f"PhasedLayout.rts=True shards the remote state over data-parallel "
                        f"replicas, but mesh.dp={dp}; use mesh dp >= 2 or rts=False.")
+    if self.rts_activations and not self.remote_activations:
+      raise ValueError("PhasedLayout.rts_activations=True shards the stored activations in "
+                       "Streaming Memory; set remote_activations=True.")
     if self.rts and not (self.remote_weights and self.remote_optimizer_state):
       raise ValueError("PhasedLayout.rts=True shards remote weights and optimizer state; "
                        "set remote_weights=True and remote_optimizer_state=True.")

@@ -47,8 +47,12 @@ def phase_peaks(executions: list, profiles: list, layout, target,
                 stored_activation_bytes: int) -> list:
   """Per execution, ``(peak bytes of one IPU, [tiles] peak bytes)``.
 
+  A phase execution runs several programs in turn (load, the micro-batch
+  program G times, update); its peak is the highest of theirs, each with the
+  code of every other program its IPU group runs resident.
+
   Args:
-    executions: ``(name, group, program index)`` per phase execution.
+    executions: ``(name, group, program indices)`` per phase execution.
     profiles: the distinct programs' profiles (one IPU's tiles each).
     layout: the layout.
     target: the per-IPU target.
@@ -56,14 +60,17 @@ def phase_peaks(executions: list, profiles: list, layout, target,
       (0 with remote activations), per IPU.
   """
   groups = {}
-  for _, group, p in executions:
-    groups.setdefault(group, set()).add(p)
+  for _, group, used in executions:
+    groups.setdefault(group, set()).update(used)
   spread = stored_activation_bytes / target.tiles_per_ipu
   peaks = []
-  for _, group, p in executions:
-    others = sum((_code(profiles[q]) for q in groups[group] if q != p), np.int64(0))
-    tiles = np.asarray(profiles[p].memory.peak, np.float64)[:target.tiles_per_ipu] \
-        + others + spread
+  for _, group, used in executions:
+    tiles = None
+    for p in used:
+      others = sum((_code(profiles[q]) for q in groups[group] if q != p), np.int64(0))
+      mine = np.asarray(profiles[p].memory.peak, np.float64)[:target.tiles_per_ipu] \
+          + others + spread
+      tiles = mine if tiles is None else np.maximum(tiles, mine)
     peaks.append((int(tiles.sum()), tiles))
   return peaks
 

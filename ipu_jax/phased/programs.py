@@ -1,30 +1,37 @@
-"""The per-phase programs: forward, backward (recompute + G micro-batches) and update.
+"""The per-phase programs: load, forward, backward (recompute + VJP) and update.
 
-Each kind of phase (see :meth:`PhasedModel.kinds`) gets at most two programs,
-each traced for ONE replica and lowered once through ``ipu_jax.jit``:
+Each kind of phase (see :meth:`PhasedModel.kinds`) gets up to four programs,
+each traced for ONE replica and ONE micro-batch and lowered once through
+``ipu_jax.jit``; batch serialisation runs the micro-batch programs G times
+between one load of the phase's weights and one store, as PopXL's phased
+examples loop over the micro-batches inside a phase:
 
-* **forward** ``(weights, xs[G, ...]) -> ys[G, ...]``: the micro-batch loop
-  (batch serialisation) runs inside the phase, so its weights are loaded
-  once; each micro-batch's output is stored for the next phase.
-* **backward** ``(weights, opt_state, xs[G], dys[G]) -> (weights', opt_state',
-  dxs[G])``: per micro-batch the phase forward is recomputed from its stored
-  input and its VJP taken; the weight gradient accumulates over the G
-  micro-batches; then the gradient is reduced over the replicas
-  (all-reduce, or reduce-scatter with replicated tensor sharding) and the
-  optimizer updates the phase's weights, which are stored back with the
-  optimizer state. The last phase's backward takes the labels in place of
-  ``dys`` (it starts the backward from its loss, which it also returns); the
-  first phase's returns no ``dxs``.
+* **load** (RTS only) ``(weight shards) -> weights``: the phase's 1/dp shards
+  stream in from Streaming Memory (an offloaded argument) and are
+  all-gathered over ``"replicas"`` (``ipu_jax.ops.cross_replica_all_gather``).
+  Without RTS the weights arrive whole (priced by the estimate's traffic).
+* **forward** ``(weights, x) -> (y,)``: one micro-batch. Its input is loaded
+  from Streaming Memory and its output stored back per micro-batch
+  (``remote_activations``), so the tiles only ever hold ONE micro-batch's
+  activations next to the phase's weights (PopXL's ``remote_load`` /
+  ``remote_store`` of the activation at the loop's index).
+* **backward** ``(weights, acc, x, seed) -> (acc', dx[, loss])``: one
+  micro-batch: the phase forward recomputed from its stored input and its
+  VJP taken; the weight gradient accumulates on the tiles (``acc``) over the
+  G micro-batches. ``seed`` is the output's cotangent (middle/first phases)
+  or the labels (last phase: the cotangent is 1 on its loss, returned last);
+  the first phase returns no ``dx``.
+* **update** ``(weights, opt_state, acc) -> (weights', opt_state')``: the
+  accumulated gradient reduced over the replicas (all-reduce, or
+  reduce-scatter with replicated tensor sharding, then
+  :class:`ipu_jax.sharded_optimizer.ShardedUpdate` on the shards) and the
+  optimizer step. Weights and optimizer state are its offloaded arguments and
+  outputs (``ipu_jax.jit(offload_argnums=, offload_outputs=)``, the IR's
+  Streaming Memory, ``lowering/remote.py``).
 
-Weights and optimizer state are the programs' offloaded arguments and outputs
-(``ipu_jax.jit(offload_argnums=, offload_outputs=)``): they live in the
-IR's Streaming Memory (``lowering/remote.py``), copied onto the tiles once a
-phase (the micro-batch loop carries them, so the copy sits outside it) and
-back after the update. With RTS the weights arrive as 1/dp shards and the
-program all-gathers them over ``"replicas"``
-(``ipu_jax.ops.cross_replica_all_gather``); the gradients are
-reduce-scattered and the optimizer runs on the shards
-(:class:`ipu_jax.sharded_optimizer.ShardedUpdate`).
+No program holds the G micro-batches' activations at once: that would be
+wrong for batch serialisation (PopXL keeps them in remote buffers) and, at
+GPT-J size, a [G, 1024, 4096] tile tensor per phase.
 """
 
 from __future__ import annotations
@@ -45,8 +52,8 @@ from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_le
 
 TP_AXIS = "tp"  # ipu_jax.parallel.TP_AXIS (the tensor-parallel shards of one replica)
 
-__all__ = ["PhaseKind", "PhasePrograms", "forward_fn", "backward_fn", "shard_shapes",
-           "program_args", "lower_programs", "mesh_runner", "bind_mesh_axes"]
+__all__ = ["PhaseKind", "PhasePrograms", "load_fn", "forward_fn", "backward_fn", "update_fn",
+           "shard_shapes", "program_args", "lower_programs", "mesh_runner", "bind_mesh_axes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,88 +102,94 @@ def _scattered(grads, replicas: int, scale: float):
   return jax.tree.map(one, grads)
 
 
-def forward_fn(kind: PhaseKind, replicas: int, rts: bool) -> Callable:
-  """The forward program of ``kind`` for one replica: ``(w, xs) -> (ys,)``."""
-  def forward(weights, xs):
-    full = _gathered(weights, kind.params, replicas) if rts else weights
+def load_fn(kind: PhaseKind, replicas: int) -> Callable:
+  """The RTS load program: ``(shards,) -> (weights,)``, all-gathered over the replicas."""
+  def load(shards):
+    return (_gathered(shards, kind.params, replicas),)
+  return load
 
-    def body(carry, x):
-      return carry, kind.apply(carry, x)
-    _, ys = jax.lax.scan(body, full, xs)
-    return (ys,)
+
+def forward_fn(kind: PhaseKind) -> Callable:
+  """One micro-batch's forward of ``kind``: ``(weights, x) -> (y,)``."""
+  def forward(weights, x):
+    return (kind.apply(weights, x),)
   return forward
 
 
-def _accumulate(kind: PhaseKind, full, xs, seeds):
-  """Summed weight gradients over the micro-batches, each input's gradient and losses.
+def backward_fn(kind: PhaseKind) -> Callable:
+  """One micro-batch's backward of ``kind``: ``(weights, acc, x, seed) -> (acc', dx[, loss])``.
 
-  ``seeds`` are the output cotangents ``dys[G]`` (middle/first phases) or the
-  labels ``extras[G]`` (last phase: the cotangent is 1 on its loss).
+  The forward is recomputed from the stored input ``x`` (recomputation from
+  the phase's start); ``seed`` is the output's cotangent, or for the last
+  phase the tuple of its extras (labels). The first phase's input is the
+  step's data: only the weights are differentiated.
   """
-  zeros = jax.tree.map(jnp.zeros_like, full)
-  last = kind.role == "last"
+  role = kind.role
 
-  def body(carry, item):
-    weights, acc = carry
-    x, seed = item
-    if last:
+  def backward(weights, acc, x, seed):
+    if role == "last":
       loss, vjp = jax.vjp(lambda w, v: kind.apply(w, v, *seed), weights, x)
       dw, dx = vjp(jnp.ones_like(loss))
+    elif role == "first":
+      _, vjp = jax.vjp(lambda w: kind.apply(w, x), weights)
+      (dw,) = vjp(seed)
     else:
-      loss = jnp.zeros((), jnp.float32)
       _, vjp = jax.vjp(kind.apply, weights, x)
       dw, dx = vjp(seed)
-    acc = jax.tree.map(jnp.add, acc, dw)
-    keep = dx if kind.role != "first" else jnp.zeros((), jnp.float32)
-    return (weights, acc), (keep, loss)
-  (_, grads), (dxs, losses) = jax.lax.scan(body, (full, zeros), (xs, seeds))
-  return grads, dxs, losses
-
-
-def backward_fn(kind: PhaseKind, optimizer, replicas: int, rts: bool,
-                micro_batches: int) -> Callable:
-  """The backward + update program of ``kind`` for one replica.
-
-  Returns ``(weights', opt_state', dxs)`` (no ``dxs`` for the first phase) and
-  the mean loss over the micro-batches last for the last phase.
-  """
-  scale = 1.0 / (micro_batches * replicas)
-  sharded = ShardedUpdate(optimizer, kind.params, replicas) if rts else None
-
-  def backward(weights, opt_state, xs, seeds):
-    full = _gathered(weights, kind.params, replicas) if rts else weights
-    grads, dxs, losses = _accumulate(kind, full, xs, seeds)
-    if rts:
-      shards = _scattered(grads, replicas, scale)
-      new_w, new_state = sharded(shards, opt_state, weights, ops.replica_index())
-    else:
-      if replicas > 1:
-        grads = ops.cross_replica_sum(grads)
-      grads = jax.tree.map(lambda g: g * scale, grads)
-      updates, new_state = optimizer.update(grads, opt_state, weights)
-      new_w = optax.apply_updates(weights, updates)
-    outputs = (new_w, new_state)
-    if kind.role != "first":
-      outputs += (dxs,)
-    if kind.role == "last":
-      outputs += (jnp.mean(losses),)
+    outputs = (jax.tree.map(jnp.add, acc, dw),)
+    if role != "first":
+      outputs += (dx,)
+    if role == "last":
+      outputs += (loss,)
     return outputs
   return backward
 
 
+def update_fn(kind: PhaseKind, optimizer, replicas: int, rts: bool,
+              micro_batches: int) -> Callable:
+  """The update program: ``(weights, opt_state, acc) -> (weights', opt_state')``.
+
+  ``acc`` is this replica's gradient summed over its G micro-batches; the
+  replicas' sum is scaled to the mean over all ``G x replicas`` micro-batches.
+  """
+  scale = 1.0 / (micro_batches * replicas)
+  sharded = ShardedUpdate(optimizer, kind.params, replicas) if rts else None
+
+  def update(weights, opt_state, acc):
+    if rts:
+      shards = _scattered(acc, replicas, scale)
+      return sharded(shards, opt_state, weights, ops.replica_index())
+    grads = ops.cross_replica_sum(acc) if replicas > 1 else acc
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, new_state = optimizer.update(grads, opt_state, weights)
+    return optax.apply_updates(weights, updates), new_state
+  return update
+
+
 @dataclasses.dataclass
 class PhasePrograms:
-  """A kind's lowered programs (one replica's; run by :func:`mesh_runner`).
+  """A kind's lowered programs (one replica's, one micro-batch's; run by :func:`mesh_runner`).
 
   Attributes:
     kind: the :class:`PhaseKind`.
-    forward: the forward's ``ipu_jax`` ``Lowered`` (None for the last phase).
-    backward: the backward's ``Lowered``.
+    load: the RTS load's ``ipu_jax`` ``Lowered`` (None without RTS).
+    forward: one micro-batch's forward (None for the last phase).
+    backward: one micro-batch's backward.
+    update: the reduction over the replicas and the optimizer step.
   """
 
   kind: PhaseKind
+  load: Any
   forward: Any
   backward: Any
+  update: Any
+
+  def of_execution(self, direction: str, micro_batches: int) -> list:
+    """``[(Lowered, runs)]`` one phase execution (``"forward"``/``"backward"``) runs."""
+    runs = [(self.load, 1)] if self.load is not None else []
+    if direction == "forward":
+      return runs + [(self.forward, micro_batches)]
+    return runs + [(self.backward, micro_batches), (self.update, 1)]
 
 
 # -- lowering once per kind ------------------------------------------------------------------
@@ -192,31 +205,34 @@ def _abstract(tree):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
-def _stacked(tree, n: int):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + tuple(a.shape), a.dtype), tree)
-
-
 def program_args(kind: PhaseKind, optimizer, layout) -> dict:
-  """One replica's argument shapes: weights, optimizer state, xs, seeds (dys or labels)."""
-  g, dp = layout.batch_serialisation, layout.dp
+  """One replica's, one micro-batch's argument shapes.
+
+  ``stored``: the weights and optimizer state as Streaming Memory holds them
+  (RTS shards); ``weights``: whole on the tiles; ``x``; ``seed`` (the output's
+  cotangent, or the last phase's extras).
+  """
+  dp = layout.dp
   state = jax.eval_shape(optimizer.init, kind.params)
-  weights = shard_shapes(kind.params, dp) if layout.rts else kind.params
+  stored = shard_shapes(kind.params, dp) if layout.rts else kind.params
   if layout.rts:
     state = shard_shapes(state, dp)
-  xs = _stacked(kind.x, g)
   if kind.role == "last":
-    seeds = tuple(_stacked(e, g) for e in kind.extras)
+    seed = tuple(kind.extras)
   else:
-    seeds = _stacked(jax.eval_shape(kind.apply, kind.params, kind.x), g)
-  return {"weights": weights, "opt_state": state, "xs": xs, "seeds": seeds}
+    seed = jax.eval_shape(kind.apply, kind.params, kind.x)
+  return {"stored": stored, "opt_state": state, "weights": kind.params, "x": kind.x,
+          "seed": seed}
 
 
-def _offload(layout, backward: bool) -> dict:
+def _offloaded(layout, update: bool, state=()) -> dict:
+  """The load's shards, and the update's weights and optimizer state (when the
+  optimizer has any, e.g. not plain SGD), live remote."""
   remote = [0] if layout.remote_weights else []
-  if backward and layout.remote_optimizer_state:
+  if update and layout.remote_optimizer_state and jax.tree.leaves(state):
     remote.append(1)
   return {"offload_argnums": tuple(remote),
-          "offload_outputs": tuple(remote) if backward else ()}
+          "offload_outputs": tuple(remote) if update else ()}
 
 
 def _key(kind: PhaseKind, optimizer, layout, target, config) -> tuple:
@@ -229,25 +245,27 @@ def _key(kind: PhaseKind, optimizer, layout, target, config) -> tuple:
 
 @contextlib.contextmanager
 def bind_mesh_axes(layout):
-  """With tensor parallelism, both mesh axes bound around what runs inside (as
-  ``ipu_jax.parallel.spmd`` lowers): tracing a phase's apply (its shapes, its
-  programs) sees ``"tp"`` and ``"replicas"`` as vmap axes, and the lowering
-  prices collectives over them over their replica groups. Data parallelism
-  alone is the replication factor, as the training layer lowers it."""
-  if layout.tp == 1:
-    yield
-    return
+  """The mesh axes bound around what runs inside (as ``ipu_jax.parallel.spmd``
+  lowers): tracing a phase's apply (its shapes, its programs) sees ``"tp"``
+  (and with tensor parallelism ``"replicas"``) as vmap axes, and the lowering
+  prices collectives over them over their replica groups. Without tensor
+  parallelism ``"tp"`` is bound with size 1, so a phase written with the
+  tensor-parallel ops runs unsplit (its collectives over a group of one);
+  data parallelism alone is the replication factor, as the training layer
+  lowers it."""
   from ipu_jax.lowering.rules.parallel import binding_axes
-  with binding_axes(((REPLICA_AXIS, layout.dp), (TP_AXIS, layout.tp))):
+  axes = ((REPLICA_AXIS, layout.dp), (TP_AXIS, layout.tp)) if layout.tp > 1 else \
+      ((TP_AXIS, 1),)
+  with binding_axes(axes):
     yield
 
 
 def lower_programs(kind: PhaseKind, optimizer, layout, target, config,
                    allow_out_of_memory: bool = False) -> PhasePrograms:
-  """``kind``'s forward and backward programs, each lowered once (cached).
+  """``kind``'s load, forward, backward and update programs, each lowered once (cached).
 
   Args:
-    kind: the phase kind.
+    kind: the phase kind (one micro-batch's input shape).
     optimizer: the optax optimizer.
     layout: the :class:`~ipu_jax.phased.PhasedLayout`.
     target: the per-IPU target one replica's phase program runs on.
@@ -264,21 +282,31 @@ def lower_programs(kind: PhaseKind, optimizer, layout, target, config,
   config = (config or ipu_jax.IPUConfig()).copy()
   config.replication_factor = layout.dp
   config.memory.allow_out_of_memory = bool(allow_out_of_memory)
-  forward = None
+
+  def lower(fn, *args, **offload):
+    return ipu_jax.jit(fn, target=target, config=config, **offload).lower(*args)
+
+  load = forward = None
   with bind_mesh_axes(layout):
-    args = program_args(kind, optimizer, layout)
+    a = program_args(kind, optimizer, layout)
+    if layout.rts:
+      load = lower(load_fn(kind, layout.dp), a["stored"], **_offloaded(layout, False))
     if kind.role != "last":
-      forward = ipu_jax.jit(forward_fn(kind, layout.dp, layout.rts), target=target,
-                            config=config, **_offload(layout, False)).lower(
-          args["weights"], args["xs"])
-    backward_program = backward_fn(kind, optimizer, layout.dp, layout.rts,
-                                   layout.batch_serialisation)
-    backward = ipu_jax.jit(backward_program, target=target, config=config,
-                           **_offload(layout, True)).lower(
-        args["weights"], args["opt_state"], args["xs"], args["seeds"])
-  programs = PhasePrograms(kind, forward, backward)
+      forward = lower(forward_fn(kind), a["weights"], a["x"])
+    backward = lower(backward_fn(kind), a["weights"], a["weights"], a["x"], a["seed"])
+    update = lower(update_fn(kind, optimizer, layout.dp, layout.rts, layout.batch_serialisation),
+                   a["stored"], a["opt_state"], a["weights"],
+                   **_offloaded(layout, True, a["opt_state"]))
+  programs = PhasePrograms(kind, load, forward, backward, update)
   _LOWERED[key] = (programs, optimizer, given)
   return programs
+
+
+def _squeezed(fn):
+  """``fn`` with its outputs' leading axis of one dropped."""
+  def run(*args):
+    return [a[0] for a in fn(*args)]
+  return run
 
 
 def mesh_runner(lowered, dp: int, tp: int, arg_axes: list):
@@ -296,7 +324,8 @@ def mesh_runner(lowered, dp: int, tp: int, arg_axes: list):
 
   Returns:
     ``run(*args)``: the output pytree, every leaf stacked ``[dp, (tp,) ...]``
-    (the tp axis only when ``tp > 1``).
+    (the tp axis only when ``tp > 1``; with ``tp = 1`` ``"tp"`` is still bound,
+    as a group of one).
   """
   def point(*flat):
     return jax.tree.leaves(lowered.apply(*flat))
@@ -310,9 +339,9 @@ def mesh_runner(lowered, dp: int, tp: int, arg_axes: list):
       dp_axes += [0 if over_dp else None] * len(leaves)
       tp_axes += [0 if over_tp and tp > 1 else None] * len(leaves)
     if "fn" not in cache:
-      fn = point
-      if tp > 1:
-        fn = jax.vmap(fn, in_axes=tp_axes, axis_name=TP_AXIS, axis_size=tp)
+      fn = jax.vmap(point, in_axes=tp_axes, axis_name=TP_AXIS, axis_size=tp)
+      if tp == 1:  # "tp" bound as a group of one (see bind_mesh_axes); no tp axis out
+        fn = _squeezed(fn)
       cache["fn"] = jax.jit(jax.vmap(fn, in_axes=dp_axes, axis_name=REPLICA_AXIS, axis_size=dp))
     return jax.tree.unflatten(lowered.out_tree, cache["fn"](*flat))
   return run

@@ -65,7 +65,8 @@ class PhaseShapes:
     index: its position in the model.
     kind: its kind (programs shared by phases of one kind).
     weight_bytes, optimizer_bytes: streamed bytes on one IPU (RTS applied).
-    input_bytes, output_bytes: one micro-batch's input and output bytes.
+    input_bytes, output_bytes: one micro-batch's input and output bytes on
+      one IPU (``1/tp`` of them with ``PhasedLayout.rts_activations``).
   """
 
   name: str
@@ -79,10 +80,12 @@ class PhaseShapes:
   @classmethod
   def of(cls, name, index, kind, params, opt_state, x, y, layout) -> "PhaseShapes":
     dp, rts = layout.dp, layout.rts
+    # RTS on activations: each IPU of the TP group stores 1/tp of them.
+    share = layout.tp if layout.rts_activations else 1
     return cls(name, index, kind,
                remote_bytes(params, dp, rts) if layout.remote_weights else 0,
                remote_bytes(opt_state, dp, rts) if layout.remote_optimizer_state else 0,
-               _bytes(x), _bytes(y))
+               -(-_bytes(x) // share), -(-_bytes(y) // share))
 
 
 @dataclasses.dataclass(frozen=True)

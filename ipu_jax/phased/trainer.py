@@ -154,13 +154,21 @@ class PhasedTrainer:
     return kinds, table, avals, programs, time.perf_counter() - start
 
   def _runner(self, kind_index, which, lowered):
+    """The mesh runner of one program; arguments in the host's layouts.
+
+    Weights: on the host ``[(tp,) ...]`` (RTS: ``[dp, (tp,) ...]`` shards, and
+    what the load program returns is stacked ``[dp, (tp,) ...]``); the
+    gradient accumulator is stacked ``[dp, (tp,) ...]``; activations
+    ``[dp, ...]``.
+    """
     key = (kind_index, which, id(lowered))
     if key not in self._runners:
-      rts = self.layout.rts
-      state_axes = (rts, self._lead == 1)
-      data_axes = (True, False)
-      axes = [state_axes, data_axes] if which == "forward" else \
-          [state_axes, state_axes, data_axes, data_axes]
+      tp = self._lead == 1
+      state = (self.layout.rts, tp)
+      stacked, data = (True, tp), (True, False)
+      axes = {"load": [state], "forward": [state, data],
+              "backward": [state, stacked, data, data],
+              "update": [state, state, stacked]}[which]
       self._runners[key] = mesh_runner(lowered, self.layout.dp, self.layout.tp, axes)
     return self._runners[key]
 
@@ -188,8 +196,50 @@ class PhasedTrainer:
   def _act_out(self, a):
     return a[:, 0] if self._lead else a
 
+  def _loaded(self, i, kind, programs):
+    """Phase ``i``'s weights on the tiles for its micro-batch loop (RTS: gathered once)."""
+    if programs.load is None:
+      return self._weights[i]
+    (full,) = self._runner(kind, "load", programs.load)(self._weights[i])
+    return full
+
+  def _zeros_like_loaded(self, weights):
+    """A zero gradient accumulator per replica, ``[dp, (tp,) ...]``."""
+    if self.layout.rts:
+      return jax.tree.map(jnp.zeros_like, weights)
+    return jax.tree.map(lambda a: jnp.zeros((self.layout.dp,) + np.shape(a), a.dtype), weights)
+
+  def _forward_phase(self, i, kind, programs, xs):
+    """Phase ``i``'s forward over the G micro-batches ``xs[:, g]``: ``[dp, G, ...]`` outputs."""
+    weights = self._loaded(i, kind, programs)
+    run = self._runner(kind, "forward", programs.forward)
+    ys = [self._act_out(run(weights, xs[:, g])[0]) for g in range(xs.shape[1])]
+    return jnp.stack(ys, axis=1)
+
+  def _backward_phase(self, i, kind, programs, xs, seeds):
+    """Phase ``i``'s backward and update: its input gradients ``[dp, G, ...]`` and losses."""
+    weights = self._loaded(i, kind, programs)
+    acc = self._zeros_like_loaded(weights)
+    run = self._runner(kind, "backward", programs.backward)
+    dxs, losses = [], []
+    for g in range(self.layout.batch_serialisation):
+      seed = jax.tree.map(lambda a: a[:, g], seeds)
+      out = run(weights, acc, xs[:, g], seed)
+      acc = out[0]
+      if programs.kind.role != "first":
+        dxs.append(self._act_out(out[1]))
+      if programs.kind.role == "last":
+        losses.append(out[2])
+    new = self._runner(kind, "update", programs.update)(self._weights[i], self._opt[i], acc)
+    self._weights[i], self._opt[i] = self._state_out(new[0]), self._state_out(new[1])
+    return (jnp.stack(dxs, axis=1) if dxs else None), losses
+
   def step(self, batch) -> float:
     """One training step on ``batch = (inputs, *extras)``; returns the mean loss.
+
+    Each phase runs its micro-batch programs G times between one load of its
+    weights and one store (batch serialisation); each micro-batch's
+    activation is kept on the host (Streaming Memory) between phases.
 
     Raises:
       ValueError: the batch is not divisible by ``dp x batch_serialisation``.
@@ -207,22 +257,16 @@ class PhasedTrainer:
     stored = []
     for i in range(len(kinds) - 1):
       stored.append(xs)
-      fwd = programs[kinds[i]].forward
-      (xs,) = self._runner(kinds[i], "forward", fwd)(self._weights[i], xs)
-      xs = self._act_out(xs)
-    seeds = extras
-    loss = None
+      xs = self._forward_phase(i, kinds[i], programs[kinds[i]], xs)
+    seeds, losses = extras, None
     for i in reversed(range(len(kinds))):
       inputs = xs if i == len(kinds) - 1 else stored[i]
-      bwd = programs[kinds[i]].backward
-      out = self._runner(kinds[i], "backward", bwd)(self._weights[i], self._opt[i], inputs, seeds)
-      self._weights[i], self._opt[i] = self._state_out(out[0]), self._state_out(out[1])
-      if i > 0:
-        seeds = self._act_out(out[2])
+      dxs, phase_losses = self._backward_phase(i, kinds[i], programs[kinds[i]], inputs, seeds)
+      seeds = dxs
       if i == len(kinds) - 1:
-        loss = out[3]
+        losses = phase_losses
     self.steps += 1
-    return float(np.mean(np.asarray(loss)))
+    return float(np.mean([np.asarray(l) for l in losses]))
 
   # -- the estimate --------------------------------------------------------------------------
 
@@ -289,15 +333,21 @@ class PhasedTrainer:
     layout, target = self.layout, self.target
     shapes = self._shapes(kinds, table, avals)
     traffic = phase_traffic(shapes, layout)
+    g = layout.batch_serialisation
     distinct, index = [], {}
-    executions = []
+    executions, runs = [], []
     for t in traffic:
-      lowered = getattr(programs[t.kind], t.direction)
-      if id(lowered) not in index:
-        index[id(lowered)] = len(distinct)
-        distinct.append(lowered.profile)
-      executions.append((t.name, t.group, index[id(lowered)]))
-    figures = [program_cycles(distinct[p]) for _, _, p in executions]
+      used = programs[t.kind].of_execution(t.direction, g)
+      for lowered, _ in used:
+        if id(lowered) not in index:
+          index[id(lowered)] = len(distinct)
+          distinct.append(lowered.profile)
+      executions.append((t.name, t.group, tuple(index[id(low)] for low, _ in used)))
+      runs.append(tuple(n for _, n in used))
+    figures = []
+    for (_, _, used), counts in zip(executions, runs):
+      cycles = [program_cycles(distinct[p]) for p in used]
+      figures.append(tuple(sum(n * c[j] for n, c in zip(counts, cycles)) for j in (0, 1)))
     on_chip = 0 if layout.remote_activations else \
         sum(layout.batch_serialisation * s.input_bytes for s in shapes[1:])
     peaks = phase_peaks(executions, distinct, layout, target, on_chip)
