@@ -6,10 +6,11 @@ repository: give its checkout with ``--pyscf_ipu_src`` or ``$PYSCF_IPU_SRC``) un
 * ``--backend ipu`` (default): ``nanoDFT(mol, opts)`` with ``opts.backend = "ipu"``, the path
   written for the IPU. ``ipu_jax.tessellate.install_alias()`` makes ``import tessellate_ipu``
   (``ipu_eigh``, ``create_ipu_tile_primitive``, ``tile_map``...) resolve to the emulator's
-  TessellateIPU API, and pyscf-ipu's C++ vertex file ``nanoDFT/compute_indices.cpp`` is compiled
-  from the user's checkout by ``ipu_jax.cpp_codelets``. Not yet runnable from this repository:
-  the alias does not answer ``jax.pmap(..., backend="ipu")`` (the runner says so before running)
-  nor two further calls of the path (docs/pyscf_ipu.md#status).
+  TessellateIPU API, nanoDFT's ``jax.pmap(..., backend="ipu")`` SCF program is lowered by
+  ``ipu_jax.jit`` (one replica), the ``jax.jit(..., backend="ipu")`` ERI index function it calls
+  inside is lowered as part of that program, and pyscf-ipu's C++ vertex file
+  ``nanoDFT/compute_indices.cpp`` is compiled from the user's checkout by ``ipu_jax.cpp_codelets``
+  (docs/pyscf_ipu.md#status).
 * ``--backend cpu``: nanoDFT's CPU path (``jnp.linalg.eigh``, the ERI indices computed with
   ``jax.vmap``), its ``jax.pmap(..., backend="cpu")`` program lowered through ``ipu_jax.jit``
   instead. No TessellateIPU call is made: this is what ipu-jax could run before the alias.
@@ -24,7 +25,7 @@ Usage::
     python -m experiments.pyscf_ipu --molecule=h2o --backend=cpu --pyscf_ipu_src=/path/to/pyscf-ipu
     python -m experiments.pyscf_ipu --molecule=benzene --backend=cpu --json_out=/tmp/benzene.json
     python -m experiments.pyscf_ipu --molecule=h2o --backend=cpu --tiles=64
-    python -m experiments.pyscf_ipu --molecule=h2o    # the IPU path: see its status above
+    python -m experiments.pyscf_ipu --molecule=h2o    # the IPU path (all 1,472 tiles)
 
 (the last three take the checkout from ``$PYSCF_IPU_SRC``).
 
@@ -149,8 +150,9 @@ def load_nanodft(src: str, backend: str):
 def check_ipu_path() -> None:
   """Checks that ``jax.pmap(..., backend="ipu")``, nanoDFT's outer program, reaches ipu-jax.
 
-  Run after ``install_alias()``: a one-element pmap, so that a missing answer is a clear error
-  before nanoDFT builds its integrals, not JAX's "Unknown backend ipu" at the end.
+  Run after ``install_alias()``: a one-element pmap, so that a missing answer (JAX's own
+  ``jax.pmap`` back in place, e.g. another patch over the alias's) is a clear error before nanoDFT
+  builds its integrals, not JAX's "Unknown backend ipu" at the end.
 
   Raises:
     IPUPathUnavailable: JAX is asked for an "ipu" backend it does not have.
@@ -162,10 +164,10 @@ def check_ipu_path() -> None:
     if "Unknown backend" not in str(error):
       raise
     raise IPUPathUnavailable(
-        "nanoDFT runs its SCF program as jax.pmap(..., backend=\"ipu\"), which "
-        "ipu_jax.tessellate.install_alias() does not answer (it routes jax.jit(..., "
-        "backend=\"ipu\") only): see docs/pyscf_ipu.md#status; --backend=cpu runs nanoDFT's "
-        "CPU path through ipu_jax.jit.") from error
+        "nanoDFT runs its SCF program as jax.pmap(..., backend=\"ipu\"), which reached JAX "
+        "instead of ipu_jax.tessellate.install_alias()'s pmap: is jax.pmap patched by something "
+        "else? See docs/pyscf_ipu.md#status; --backend=cpu runs nanoDFT's CPU path through "
+        "ipu_jax.jit.") from error
 
 
 def molecule_and_options(nd, molecule: str, basis: str, backend: str, iterations: int,

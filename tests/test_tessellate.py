@@ -5,11 +5,13 @@ import shutil
 import sys
 import tempfile
 from functools import partial
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 import chex
 import jax
 from jax import lax
+import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
@@ -99,6 +101,24 @@ class CppVertexTest(chex.TestCase):
       fn = ipu_jax.jit(lambda a: T.tile_map(prim, T.tile_put_sharded(a, (1, 5, 9)), k=3.0).array,
                        target=tu.T16)
       np.testing.assert_array_equal(np.asarray(fn(x)), 3 * x)
+
+  @absltest.skipIf(shutil.which("g++") is None, "needs g++ to compile the C++ vertex")
+  def test_a_vertex_including_tile_constants_compiles_and_reads_ctxt_workers(self):
+    # pyscf-ipu's compute_indices.cpp includes "poplar/TileConstants.hpp".
+    source = _SCALE_VERTEX.replace("#include <poplar/Vertex.hpp>",
+                                   "#include <poplar/Vertex.hpp>\n"
+                                   "#include \"poplar/TileConstants.hpp\"")
+    source = source.replace("y[i] = k * x[i]", "y[i] = CTXT_WORKERS * x[i]")
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "workers_vertex.cpp")
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+      prim = T.create_ipu_tile_primitive("workers_cpp", "ScaleVertex<{x}>", inputs=["x"],
+                                         outputs={"y": 0}, gp_filename=path, perf_estimate=40)
+      x = np.arange(8, dtype=np.float32).reshape(2, 4)
+      fn = ipu_jax.jit(lambda a: T.tile_map(prim, T.tile_put_sharded(a, (1, 5)), k=1.0).array,
+                       target=tu.T16)
+      np.testing.assert_array_equal(np.asarray(fn(x)), tu.T16.worker_contexts * x)
 
 
 class PlacementTest(chex.TestCase):
@@ -210,7 +230,7 @@ class LinalgTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_allclose(q @ h @ q.T, x, atol=1e-5)
 
 
-class AliasTest(chex.TestCase):
+class AliasTest(chex.TestCase, parameterized.TestCase):
 
   def tearDown(self):
     T.alias.uninstall_alias()
@@ -225,18 +245,86 @@ class AliasTest(chex.TestCase):
     def fn(a):
       return tile_map(lax.abs_p, tile_put_sharded(a, (1, 2)))
     out = fn(-np.ones((2, 3), np.float32))
-    self.assertIsInstance(fn, ipu_jax.jit(lambda a: a).__class__)
+    self.assertIsInstance(fn.lower(-np.ones((2, 3), np.float32)), ipu_jax.stages.Lowered)
     np.testing.assert_array_equal(np.asarray(out), np.ones((2, 3)))
     self.assertIs(eigh, ipu_eigh)
     self.assertEqual(jax.devices("ipu")[0].num_tiles, T.device.emulated_target().tiles_per_ipu)
 
   def test_uninstall_restores_jax(self):
-    original = jax.jit
+    original, original_pmap = jax.jit, jax.pmap
     T.install_alias()
     self.assertIsNot(jax.jit, original)
     T.alias.uninstall_alias()
     self.assertIs(jax.jit, original)
+    self.assertIs(jax.pmap, original_pmap)
     self.assertNotIn("tessellate_ipu", sys.modules)
+
+  @parameterized.parameters(1, 2)
+  def test_pmap_with_backend_ipu_runs_as_replicas(self, ipus):
+    # nanoDFT's SCF program: jax.pmap(f, backend="ipu", in_axes=..., axis_name="p").
+    x = tu.random_array((ipus, 2, 8), seed=3)
+    h = tu.random_array((8,), seed=4)
+    body = lambda a, b: (lax.psum(a * 2.0, "p") + b, a.sum())
+    on_cpu = jax.pmap(body, in_axes=(0, None), axis_name="p", backend="cpu")
+    # One CPU device here: JAX's own pmap runs over 1; over more, vmap with the
+    # same axis name is pmap's semantics.
+    expected = (on_cpu(x, h) if ipus == 1 else
+                jax.vmap(body, in_axes=(0, None), axis_name="p")(x, h))
+    with mock.patch.dict(os.environ, {"JAX_IPU_DEVICE_COUNT": str(ipus),
+                                      "JAX_IPU_MODEL_NUM_TILES": "16"}):
+      T.install_alias()
+      self.assertLen(jax.devices("ipu"), ipus)
+      fn = jax.pmap(body, backend="ipu", in_axes=(0, None), axis_name="p")
+      got = fn(x, h)
+      report = fn.lower(x, h).report
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, got), expected, rtol=1e-6)
+    self.assertGreater(report.total_cycles, 0)
+    self.assertEqual(report.target.tiles_per_ipu, 16)
+
+  def test_pmap_over_more_ipus_than_jax_devices_ipu_is_refused(self):
+    with mock.patch.dict(os.environ, {"JAX_IPU_DEVICE_COUNT": "1"}):
+      T.install_alias()
+      fn = jax.pmap(lambda a: a + 1, backend="ipu")
+      with self.assertRaisesRegex(ValueError, "2 IPUs.*1 device.*JAX_IPU_DEVICE_COUNT=2"):
+        fn(np.zeros((2, 3), np.float32))
+
+  def test_pmap_of_other_backends_is_jax_own(self):
+    T.install_alias()
+    x = np.arange(3, dtype=np.float32)[None]
+    got = jax.pmap(lambda a: a * 3, backend="cpu")(x)
+    self.assertIsInstance(got, jax.Array)
+    np.testing.assert_array_equal(np.asarray(got), x * 3)
+
+  @parameterized.parameters("ipu_jax.jit", "pmap")
+  def test_jit_backend_ipu_called_under_a_trace_is_inlined(self, outer_kind):
+    # pyscf-ipu's ipu_ijkl: decorated at import, called in the SCF loop with
+    # traced arguments.
+    T.install_alias()
+    from tessellate_ipu import tile_map, tile_put_sharded  # pylint: disable=import-outside-toplevel
+
+    @partial(jax.jit, backend="ipu")
+    def inner(a, k):
+      return tile_map(lax.abs_p, tile_put_sharded(a * k, (1, 2))).array
+
+    def outer(a):
+      step = lambda i, acc: acc + inner(a, (i - 1).astype(np.float32))
+      return lax.fori_loop(0, 3, step, jnp.zeros_like(a))
+
+    def reference(a):
+      step = lambda i, acc: acc + jnp.abs(a * (i - 1).astype(np.float32))
+      return lax.fori_loop(0, 3, step, jnp.zeros_like(a))
+
+    x = tu.random_array((2, 5), seed=5)
+    if outer_kind == "pmap":
+      fn = jax.pmap(outer, backend="ipu")
+      got, expected = fn(x[None]), jax.jit(reference)(x)[None]
+    else:
+      fn = ipu_jax.jit(outer, target=_target(16))
+      got, expected = fn(x), jax.jit(reference)(x)
+    chex.assert_trees_all_close(np.asarray(got), np.asarray(expected), rtol=1e-6)
+    # Its vertices are steps of the outer program, not of a program of its own.
+    report = fn.lower(x[None] if outer_kind == "pmap" else x).report
+    self.assertIn("tile_map<abs>", [step.name for step in report.profile.steps])
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 TessellateIPU asks ``jax.devices("ipu")`` for the device and reads its
 ``num_tiles``, ``num_worker_contexts`` and ``target_type``; it runs the IPU
-model when ``JAX_IPU_USE_MODEL=true`` with ``JAX_IPU_MODEL_NUM_TILES`` tiles.
+model when ``JAX_IPU_USE_MODEL=true`` with ``JAX_IPU_MODEL_NUM_TILES`` tiles,
+and JAX sees ``JAX_IPU_DEVICE_COUNT`` IPUs (TessellateIPU's README:
+``jax_ipu_device_count``, "the number of IPUs visible in JAX").
 :func:`emulated_target` reads the same variables: the emulated target is an
-``ipu2`` with that many tiles (1,472 when unset), and the device reports
-itself as an IPU model (the emulator, like Graphcore's IPU model, runs no
-hardware).
+``ipu2`` with that many tiles (1,472 when unset), :func:`emulated_devices` is
+that many IPUs (1 when unset), and each reports itself as an IPU model (the
+emulator, like Graphcore's IPU model, runs no hardware).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["IpuTargetType", "IpuDevice", "is_ipu_model", "emulated_target", "emulated_device",
+           "emulated_devices", "DEVICE_COUNT_ENV",
            "ArrayLike", "DType", "DTypeLike", "NDArray", "Shape"]
 
 ArrayLike = Any
@@ -30,6 +33,7 @@ NDArray = np.ndarray
 Shape = Tuple[int, ...]
 
 NUM_TILES_ENV = "JAX_IPU_MODEL_NUM_TILES"
+DEVICE_COUNT_ENV = "JAX_IPU_DEVICE_COUNT"
 
 
 class IpuTargetType(enum.Enum):
@@ -82,6 +86,20 @@ def emulated_target() -> IPUTarget:
 def emulated_device() -> IpuDevice:
   """The emulated device for :func:`emulated_target`."""
   return IpuDevice(emulated_target())
+
+
+def emulated_devices() -> list:
+  """``jax.devices("ipu")`` under the alias: ``JAX_IPU_DEVICE_COUNT`` IPUs (1 when unset).
+
+  Raises:
+    ValueError: the variable is not a positive integer.
+  """
+  count = os.environ.get(DEVICE_COUNT_ENV, "1")
+  if not count.strip().isdigit() or int(count) < 1:
+    raise ValueError(f"{DEVICE_COUNT_ENV}={count!r}: the number of IPUs JAX sees, a positive "
+                     "integer.")
+  target = emulated_target()
+  return [IpuDevice(target, id=i) for i in range(int(count))]
 
 
 def env_path_append(key: str, value: str) -> None:
