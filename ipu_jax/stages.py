@@ -56,6 +56,7 @@ from ipu_jax.lowering import host_memory
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.analysis import check_memory, profile_program
+from ipu_jax.lowering.constant_folding import fold_constants
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.dead_code import eliminate_dead_code
 from ipu_jax.lowering.exchange import to_storage
@@ -482,12 +483,13 @@ def traced_uncached(traced: Traced) -> Lowered:
 
 def _lower_traced(traced: Traced, progress) -> Lowered:
   """Lower ``traced``'s equations, then profile, report, check and build its executor."""
-  tile, ctx = _lower_to_tiles(traced, progress)
+  tile, ctx, folded = _lower_to_tiles(traced, progress)
   setup, options = traced.setup, traced.setup.options
   progress.stage("planning")
 
   def annotate(profile):
     profile.dead_code = traced.dead_code
+    profile.constant_folding = folded.as_dict()
     profile.host_io = _host_io(traced, tile, profile)
     profile.host_side = _host_side(traced.host, traced.signature.in_avals,
                                    traced.signature.out_avals)
@@ -519,8 +521,15 @@ def _lower_traced(traced: Traced, progress) -> Lowered:
 
 
 def _lower_to_tiles(traced: Traced, progress):
-  """Every equation of ``traced.jaxpr`` lowered, offloaded and fused: ``(TileProgram, ctx)``."""
-  setup, closed = traced.setup, traced.jaxpr
+  """Every equation of ``traced.jaxpr`` lowered, offloaded and fused.
+
+  Returns ``(TileProgram, ctx, ConstantFolding)``.
+  """
+  setup = traced.setup
+  # Equations of known operands are computed on the host, as XLA and PopART
+  # fold them (lowering/constant_folding.py). Here, not at trace time: the
+  # executable cache keys the traced jaxpr, folding is a function of it.
+  closed, folded = fold_constants(traced.jaxpr)
   target, options, arg_names = setup.target, setup.options, setup.arg_names
   if not options.allow_out_of_memory:  # a tensor no tiles can hold: refused before planning
     check_program_size(closed, target, arg_names=arg_names, what=f"'{setup.name}'",
@@ -545,7 +554,8 @@ def _lower_to_tiles(traced: Traced, progress):
         offload_lib.out_paths_of(traced.out_shape), setup.offload[1], setup.name)
   if options.fuse_elementwise:
     program = fuse_elementwise(program, target, keep=outputs)
-  return TileProgram(program, tuple(inputs), tuple(outputs), tuple(ctx.constants)), ctx
+  tile = TileProgram(program, tuple(inputs), tuple(outputs), tuple(ctx.constants))
+  return tile, ctx, folded
 
 
 def _device_state(ctx: LoweringContext, constants) -> tuple:

@@ -182,7 +182,10 @@ class ProgramProfile:
   step indices (:func:`~ipu_jax.lowering.control_tree.control_tree`): loops
   with their counts, branches. ``dead_code`` (a
   :class:`~ipu_jax.lowering.dead_code.DeadCode`, or None for a program not
-  lowered from a jaxpr) says what dead-code elimination removed first.
+  lowered from a jaxpr) says what dead-code elimination removed first;
+  ``constant_folding`` (the dict of
+  :meth:`~ipu_jax.lowering.constant_folding.ConstantFolding.as_dict`, or
+  None) what constant folding computed on the host instead.
   ``host_io`` (a :class:`~ipu_jax.lowering.host_io.HostIOProfile`, or None
   for a program with no on-device loop over host data) holds what its host
   transfers add, with or without I/O tiles.
@@ -203,6 +206,7 @@ class ProgramProfile:
   run_setup: Optional[object] = None
   streaming: Optional[object] = None
   dead_code: Optional[object] = None
+  constant_folding: Optional[dict] = None
   control: Optional[dict] = None
   host_io: Optional[object] = None
   host_side: Optional[object] = None

@@ -136,7 +136,8 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
 
   def test_cost_model_version(self):
     # 5: fused elementwise chains as map expressions / scaled-arithmetic vertices.
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "5")
+    # 6: constant folding (equations of known operands computed on the host).
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "6")
 
   def test_scaled_arithmetic_family(self):
     # 1,200 fp32: 600 vectors, 100 per worker, no remainder.

@@ -92,6 +92,10 @@ version 2 added the keys marked ``v2``, version 1 files still load)::
         "equations_removed": int,        # nested jaxprs' equations included
         "by_primitive": {str: int}       # (lowering/dead_code.py); null when
       },                                 # not lowered from a jaxpr
+      "constant_folding": null | {       # added key: computed on the host
+        "equations_folded": int,         # (lowering/constant_folding.py); null
+        "by_primitive": {str: int}       # when not lowered from a jaxpr
+      },
       "host_io": null | {...}            # added key: an on-device loop's host
                                          # transfers, I/O tiles, overlap
                                          # (ipu_jax/report/host_io.py)

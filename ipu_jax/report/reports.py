@@ -383,6 +383,7 @@ class ReportBase(SummaryMixin):
         "streaming": self._streaming_dict(),
         "number_formats": self._number_formats_dict(),
         "dead_code": self._dead_code_dict(),
+        "constant_folding": self._constant_folding_dict(),
         "host_io": self._host_io_dict(),
         "host_side": self._host_side_dict(),
     }
@@ -410,6 +411,10 @@ class ReportBase(SummaryMixin):
   def _dead_code_dict(self) -> Optional[dict]:
     """The ``"dead_code"`` entry of report.json, or None."""
     return getattr(self, "document", {}).get("dead_code")
+
+  def _constant_folding_dict(self) -> Optional[dict]:
+    """The ``"constant_folding"`` entry of report.json, or None."""
+    return getattr(self, "document", {}).get("constant_folding")
 
   def _run_setup_dict(self):
     """How the program is run (replicas, batches...), if its builder said."""
@@ -528,6 +533,9 @@ class Report(ReportBase):
   def _dead_code_dict(self):
     dead_code = getattr(self.profile, "dead_code", None)
     return None if dead_code is None else dead_code.as_dict()
+
+  def _constant_folding_dict(self):
+    return getattr(self.profile, "constant_folding", None)
 
   def _run_setup_dict(self):
     setup = getattr(self.profile, "run_setup", None)

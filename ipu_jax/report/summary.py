@@ -126,6 +126,11 @@ class SummaryMixin:
     if dead and dead["equations_removed"]:
       lines.append(f"  Dead code removed:     {dead['equations_removed']:,} equations "
                    f"({_counts_list(dead['by_primitive'])}), not lowered")
+    folded = self._constant_folding_dict()
+    if folded and folded["equations_folded"]:
+      # lowering/constant_folding.py: computed on the host, as XLA and PopART do.
+      lines.append(f"  Constant folding:      {folded['equations_folded']:,} equations folded "
+                   f"({_counts_list(folded['by_primitive'])}), computed on the host")
     link = int(np.sum(steps.ipu_link_bytes * steps.executions))
     host = int(np.sum(steps.host_bytes * steps.executions))
     if link:
