@@ -94,6 +94,10 @@ def define_flags(fv=None):
                       ("recompute", "Recompute each phase's forward in its backward."),
                       ("io_tiles", "Loads overlap compute, as with I/O tiles.")):
     flags.DEFINE_boolean(name, name not in ("io_tiles", "rts", "rts_activations"), help_, **d)
+  flags.DEFINE_float("available_memory_proportion", 0.6,
+                     "Fraction of each tile's memory a matmul may use for temporaries "
+                     "(IPUConfig.matmuls.available_memory_proportion; Poplar's default 0.6; "
+                     "the presets take their PopXL config's execution value).", **d)
   flags.DEFINE_enum("dtype", "float32", ["float32", "float16"], "Weights and activations.", **d)
   flags.DEFINE_float("learning_rate", 1e-3, "Adam's learning rate.", **d)
   flags.DEFINE_string("system", None, "The IPU system: pod4, pod16, pod64, pod256, ...", **d)
@@ -170,6 +174,14 @@ def ipu_target(f):
   from ipu_jax.target import IPUTarget
   chip = system_preset(f.system).chip if f.system else "ipu2"
   return IPUTarget.preset(chip, tiles_per_ipu=f.tiles_per_ipu)
+
+
+def ipu_config(f):
+  """The ``IPUConfig`` every program is lowered with (the matmuls' memory proportion)."""
+  import ipu_jax
+  config = ipu_jax.IPUConfig()
+  config.matmuls.available_memory_proportion = f.available_memory_proportion
+  return config
 
 
 def num_ipus(f) -> int:
@@ -254,7 +266,9 @@ def phased_model(model, tp: int, abstract: bool):
   from ipu_jax import phased
   phases = []
   for name, apply, params in llm_models.phase_functions(model):
-    if abstract and tp > 1:
+    if tp == 1:  # unsplit: ipu_jax.phased takes the weights as they are (no [tp] axis)
+      pass
+    elif abstract:
       params = jax.tree.map(lambda a: jax.ShapeDtypeStruct((tp,) + tuple(a.shape), a.dtype),
                             params)
     else:
@@ -298,7 +312,8 @@ def train_estimate(f, cfg, target) -> dict:
   from ipu_jax import phased
   model = nnx.eval_shape(lambda: llm_models.DecoderLM(cfg, rngs=nnx.Rngs(f.seed)))
   trainer = phased.PhasedTrainer(phased_model(model, f.tensor_parallel, abstract=True),
-                                 optax.adam(f.learning_rate), layout(f), target)
+                                 optax.adam(f.learning_rate), layout(f), target,
+                                 config=ipu_config(f))
   tokens = jax.ShapeDtypeStruct((f.global_batch, f.seq), jnp.int32)
   est = trainer.estimate_from_shapes(tokens, tokens)
   breakdown = {k: target.cycles_to_seconds(v) for k, v in est.breakdown.items()}
@@ -326,19 +341,21 @@ def _decode_programs(f, cfg, target):
       lambda a: jax.ShapeDtypeStruct((tp,) + tuple(a.shape), a.dtype), tree)
   mesh = parallel.Mesh(dp=1, tp=tp)
   whole = target.replace(num_ipus=tp)
+  config = ipu_config(f)
   x = jax.ShapeDtypeStruct((b, 1, cfg.hidden), cfg.dtype)
   cache = jax.ShapeDtypeStruct((tp, b, f.seq, cfg.heads // tp, cfg.head_dim), cfg.dtype)
   position = jax.ShapeDtypeStruct((), jnp.int32)
   (_, emb, emb_p), (_, block, block_p), (_, head, head_p) = phases[0], phases[1], phases[-1]
   lowered = {
       "embedding": parallel.spmd(emb, mesh, ["tp_sharded", "replicated"], "stacked",
-                                 target=whole).lower(
+                                 target=whole, config=config).lower(
           stack(emb_p), jax.ShapeDtypeStruct((b, 1), jnp.int32)),
       "block": parallel.spmd(block, mesh, ["tp_sharded", "replicated", "tp_sharded",
                                            "tp_sharded", "replicated"], "stacked",
-                             target=whole).lower(stack(block_p), x, cache, cache, position),
+                             target=whole, config=config).lower(
+          stack(block_p), x, cache, cache, position),
       "head": parallel.spmd(head, mesh, ["tp_sharded", "replicated"], "stacked",
-                            target=whole).lower(stack(head_p), x)}
+                            target=whole, config=config).lower(stack(head_p), x)}
   weights = {"embedding": emb_p, "block": block_p, "head": head_p}
   return lowered, weights, 2 * cache.size // tp * jnp.dtype(cfg.dtype).itemsize
 
@@ -497,7 +514,8 @@ def check(f) -> dict:
       phased.Phase(name, apply, _stacked(weights, f.tensor_parallel))
       for (name, apply, _), (_, _, weights) in zip(llm_models.phase_functions(shard),
                                                    llm_models.phase_functions(full))])
-  trainer = phased.PhasedTrainer(model, check_optimizer(f.learning_rate), layout(f), target)
+  trainer = phased.PhasedTrainer(model, check_optimizer(f.learning_rate), layout(f), target,
+                                 config=ipu_config(f))
   batches = [synthetic_tokens(f, s) for s in range(f.steps)]
   losses = [trainer.step(b) for b in batches]
   for s, value in enumerate(losses):

@@ -66,14 +66,14 @@ _GPTJ = {"model": "gptj", "mode": "train", "layers": 28, "hidden": 4096, "heads"
          "global_batch": 128, "tensor_parallel": 16, "phased": True, "phase_mode": "serial",
          "remote_weights": True, "remote_optimizer_state": True, "remote_activations": True,
          "rts": True, "rts_activations": True, "recompute": True, "dtype": "float16",
-         "tiles_per_ipu": 1472}
+         "tiles_per_ipu": 1472, "available_memory_proportion": 0.2}
 _GPT3 = {"model": "gpt3", "mode": "train", "layers": 96, "hidden": 12288, "heads": 96,
          "ffn": 49152, "rotary_dim": 0, "vocab_size": 50272, "max_positions": 2048,
          "seq": 2048, "micro_batch": 1, "global_batch": 128, "tensor_parallel": 32,
          "data_parallel": 8, "phased": True, "phase_mode": "serial", "remote_weights": True,
          "remote_optimizer_state": True, "remote_activations": True, "rts": True,
          "rts_activations": True, "recompute": True, "dtype": "float16", "tiles_per_ipu": 1472,
-         "system": "pod256"}
+         "available_memory_proportion": 0.1, "system": "pod256"}
 _LLAMA2_7B = {"model": "llama2", "mode": "inference", "layers": 32, "hidden": 4096,
               "heads": 32, "ffn": 11008, "rotary_dim": 128, "vocab_size": 32000, "seq": 2048,
               "micro_batch": 1, "global_batch": 1, "data_parallel": 1, "phased": True,
@@ -86,9 +86,12 @@ PRESETS = {
     "gptj_6b_finetune_pod16": dict(_GPTJ, data_parallel=1, rts=False, system="pod16"),
     "gptj_6b_finetune_pod64": dict(_GPTJ, data_parallel=4, system="pod64"),
     "gpt3_175b_pretrain_pod256": dict(_GPT3),
-    "llama2_7b_inference_pod2": dict(_LLAMA2_7B, tensor_parallel=2, system="pod4"),
-    "llama2_7b_inference_pod4": dict(_LLAMA2_7B, tensor_parallel=4, system="pod4"),
-    "llama2_7b_inference_pod16": dict(_LLAMA2_7B, tensor_parallel=16, system="pod16"),
+    "llama2_7b_inference_pod2": dict(_LLAMA2_7B, tensor_parallel=2, system="pod4",
+                                     available_memory_proportion=0.1),
+    "llama2_7b_inference_pod4": dict(_LLAMA2_7B, tensor_parallel=4, system="pod4",
+                                     available_memory_proportion=0.4),
+    "llama2_7b_inference_pod16": dict(_LLAMA2_7B, tensor_parallel=16, system="pod16",
+                                      available_memory_proportion=0.4),
     # The small GPT: 4 layers of width 128, 4 heads, vocabulary 256,
     # sequence 16; TP 2 x DP 2, phased, G = 4 (global batch 16 of micro-batch 2).
     "tiny_check": {"model": "gpt3", "mode": "train", "layers": 4, "hidden": 128, "heads": 4,
@@ -122,6 +125,7 @@ _GPTJ_SOURCES = {
                        "over the tensor-parallel group, gathered after each load)",
     "dtype": f"{_GPTJ_CONFIG} ModelConfig.precision (float16)",
     "accumulation": f"{_GPTJ_CONFIG} GPTJConfig.gradient_accumulation = global / (dp x micro)",
+    "available_memory_proportion": f"{_GPTJ_YML} release.*.execution.available_memory_proportion",
 }
 _GPT3_SOURCES = {
     "rts_activations": f"derived: {_GPT3_README} 'Phased Execution and RTS' (the 2-D tensor "
@@ -145,6 +149,8 @@ _GPT3_SOURCES = {
     "phased": f"{_GPT3_README} 'Phased Execution and RTS'",
     "rts": f"{_GPT3_README} 'Phased Execution and RTS'",
     "system": f"{_GPT3_README} 'Min. 256 IPUs (POD256) required'",
+    "available_memory_proportion": (f"{_GPT3_YML} release.gpt3_175B_pod256.execution."
+                                    "available_memory_proportion"),
 }
 _LLAMA_SOURCES = {
     "layers": f"{_LLAMA_YML} llama2_7b.model.layers",
@@ -159,6 +165,8 @@ _LLAMA_SOURCES = {
     "phased": f"{_LLAMA_PY} module docstring (one transformer block loaded at a time)",
     "remote_weights": f"{_LLAMA_PY} named_variable_buffers(..., shard_over_dict=False)",
     "kv_cache": f"{_LLAMA_PY} prepare_cache / use_cache (past_k, past_v remote buffers)",
+    "available_memory_proportion": (f"{_LLAMA_YML} release.llama2_7b_pod*.execution."
+                                    "available_memory_proportion (0.1 pod2, 0.4 pod4 / pod16)"),
 }
 SOURCES = {
     "gptj_6b_finetune_pod16": dict(_GPTJ_SOURCES, system=f"{_GPTJ_YML} gptj_6B_1024_pod16"),

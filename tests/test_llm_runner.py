@@ -57,6 +57,18 @@ class LLMRunnerTest(chex.TestCase, parameterized.TestCase):
     self.assertLess(result["tokens_per_second"], bounds["streaming_tokens_per_second"])
     self.assertGreater(result["breakdown"]["streaming"], 0.0)
 
+  @parameterized.named_parameters(
+      ("gpt3", "gpt3_175b_pretrain_pod256", 0.1), ("gptj", "gptj_6b_finetune_pod16", 0.2),
+      ("llama_pod2", "llama2_7b_inference_pod2", 0.1))
+  def test_preset_plans_matmuls_under_published_memory_proportion(self, config, expected):
+    # PopXL's configs set execution.available_memory_proportion; without it
+    # GPT-3's head backward planned its matmul partials under Poplar's 0.6
+    # and overflowed (docs/llm.md#gpt-3-175b).
+    from experiments import llm
+    fv = _flags(f"--config={config}", "--estimate_only")
+    llm.apply_preset(fv)
+    self.assertEqual(llm.ipu_config(fv).matmuls.available_memory_proportion, expected)
+
   def test_check_passes_and_can_fail(self):
     from experiments import llm
     good = llm.run(_flags("--config=tiny_check", "--check", "--steps=2"))
@@ -79,15 +91,19 @@ class LLMRunnerTest(chex.TestCase, parameterized.TestCase):
     if field == "--tensor_parallel":
       self.assertIn("1, 2, 4", str(ctx.exception))  # the valid values: divisors
 
-  def test_without_phases_reports_out_of_memory(self):
+  @parameterized.named_parameters(
+      ("without_phases", ["--nophased", "--tensor_parallel=1"], "--phased"),
+      # Phased but unsplit: a preset-shaped width whose block overflows 16 tiles.
+      ("without_tp", ["--tensor_parallel=1", "--hidden=512", "--ffn=2048", "--seq=64",
+                      "--max_positions=64"], "tensor parallelism"))
+  def test_without_tp_or_phases_reports_out_of_memory(self, argv, remedy):
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.llm", "--config=tiny_check", "--nophased",
-         "--tensor_parallel=1", "--estimate_only"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "experiments.llm", "--config=tiny_check", "--estimate_only"]
+        + argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     self.assertEqual(proc.returncode, 1, proc.stderr[-2000:])
     self.assertIn("OutOfMemoryError", proc.stderr)
     self.assertIn("IPU 0", proc.stderr)
-    self.assertIn("--phased", proc.stderr)
+    self.assertIn(remedy, proc.stderr)
     self.assertNotIn("Traceback", proc.stderr)
 
 
