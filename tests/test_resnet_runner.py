@@ -1,0 +1,125 @@
+"""experiments.resnet_training: the ResNet runner's estimate, its flag errors and a real step.
+
+A tiny ResNet on 16 tiles only; the MLPerf presets (1,472 tiles) are run by
+hand or by the benchmark's pod suite (docs/published_resnet.md).
+"""
+
+import json
+import os
+
+import chex
+import jax
+import numpy as np
+from absl import app, flags
+from absl.testing import absltest, parameterized
+
+
+def _flags(*argv):
+  from experiments import resnet_training
+  fv = resnet_training.define_flags(flags.FlagValues())
+  fv(["resnet_training"] + list(argv))
+  return fv
+
+
+class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
+
+  def test_estimate_writes_the_pod_runners_keys(self):
+    from experiments import resnet_training
+    out = os.path.join(self.create_tempdir().full_path, "tiny.json")
+    resnet_training.run(_flags("--config=tiny_check", "--estimate_only", f"--json_out={out}"))
+    with open(out) as f:
+      result = json.load(f)
+    for key in ("samples_per_second", "step_seconds", "breakdown", "fits",
+                "per_ipu_peak_bytes", "lower_seconds", "peak_rss_bytes"):
+      self.assertIn(key, result)
+    self.assertTrue(result["fits"])
+    self.assertLen(result["per_ipu_peak_bytes"], 1)  # one IPU a replica
+    # G x R x micro-batch images a step.
+    self.assertAlmostEqual(result["samples_per_second"] * result["step_seconds"], 2 * 2 * 2,
+                           places=6)
+    self.assertAlmostEqual(sum(result["breakdown"].values()), result["step_seconds"],
+                           delta=1e-9 + 1e-6 * result["step_seconds"])
+    self.assertGreater(result["breakdown"]["gradient_reduction"], 0.0)
+
+  def test_more_replicas_on_a_pod_cost_more_reduction(self):
+    # The all-reduce over the system's links grows with the replicas.
+    from experiments import resnet_training
+    small = resnet_training.run(_flags("--config=tiny_check", "--estimate_only",
+                                       "--replicas=2", "--system=pod16"))
+    large = resnet_training.run(_flags("--config=tiny_check", "--estimate_only",
+                                       "--replicas=16", "--system=pod16"))
+    self.assertGreater(large["breakdown"]["gradient_reduction"],
+                       small["breakdown"]["gradient_reduction"])
+
+  @parameterized.named_parameters(
+      ("system", ["--system=pod17"], r"--system='pod17' is not valid; valid values are \[.*"
+                                     r"'bow-pod16'"),
+      ("dtype", ["--dtype=bfloat16"], r"--dtype='bfloat16' .* valid values are "
+                                      r"\['float32', 'float16'\]"),
+      ("optimizer", ["--optimizer=adam"], r"--optimizer='adam' .* \['momentum', 'lars', 'sgd'\]"),
+      ("config", ["--config=pod16"], r"--config='pod16' is not a preset; valid presets are "
+                                     r"\[.*'mlperf_v1_1_pod16'"),
+      ("replicas", ["--config=tiny_check", "--system=pod4", "--replicas=8"], r"--system=pod4"),
+      ("split", ["--config=tiny_check", "--pipeline_splits=stage9/unit1/relu"],
+       r"'stage9/unit1/relu' names no unit .* valid units are \['stage1_unit1', "
+       r"'stage2_unit1'\]"),
+      ("image", ["--config=tiny_check", "--image_size=8"], r"--image_size=8 .* >= 16"),
+  )
+  def test_bad_flag_names_the_field_and_valid_values(self, argv, message):
+    from experiments import resnet_training
+    with self.assertRaisesRegex(app.UsageError, message):
+      resnet_training.run(_flags(*argv, "--estimate_only"))
+
+  def test_one_training_step_equals_plain_jit(self):
+    # One real step of the tiny ResNet (2 replicas x G 2, batch norm, momentum)
+    # against plain jax.jit accumulation of the same micro-batches.
+    from experiments import resnet_training
+    result = resnet_training.run(_flags("--config=tiny_check", "--check"))
+    self.assertLess(result["max_relative_difference"], 1e-5)
+    trained, stats = result["trained"]
+    self.assertTrue(all(np.all(np.isfinite(np.asarray(x)))
+                        for x in jax.tree_util.tree_leaves((trained, stats))))
+    # The batch-norm statistics moved away from their initial zeros and ones.
+    means = [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(stats)
+             if "mean" in jax.tree_util.keystr(path)]
+    self.assertGreater(max(float(np.max(np.abs(m))) for m in means), 1e-4)
+
+
+class ResNetLayoutTest(chex.TestCase):
+
+  def test_mlperf_splits_make_seven_stages_in_either_naming(self):
+    # v1.x names units b<stage>/<unit from 0>, v2.0 stage<s>/unit<u from 1>.
+    from experiments import resnet_models, resnet_presets
+    cfg = resnet_models.resnet50()
+    v2 = resnet_models.stage_assignment(cfg, resnet_presets.SPLITS)
+    v1 = resnet_models.stage_assignment(cfg, ["b1/0/relu", "b1/2/relu", "b2/0/relu",
+                                              "b2/2/relu", "b3/0/relu", "b3/3/relu"])
+    self.assertEqual(v1, v2)
+    self.assertEqual(v2["stem"], 0)
+    self.assertEqual(v2["head"], 6)
+    self.assertEqual(v2["stage2_unit4"], v2["stage3_unit1"])
+
+
+class PodSuiteTest(chex.TestCase):
+
+  def test_resnet_rows_run_presets_and_print_ratios(self):
+    from experiments import benchmark_pod, resnet_presets
+    for name, runner in benchmark_pod.RUNNERS.items():
+      self.assertEqual(runner, "experiments.resnet_training")
+      preset = benchmark_pod.ROWS[name][0].split("=", 1)[1]
+      self.assertIn(preset, resnet_presets.PRESETS)
+    self.assertLessEqual(set(benchmark_pod.MEASURED), set(benchmark_pod.ROWS))
+    # The BERT rows still run the BERT runner.
+    self.assertNotIn("mlperf_v1_pod16", benchmark_pod.RUNNERS)
+    rows = [dict(workload=name, wall_s=1.0, lower_seconds=1.0, peak_rss_bytes=2**30, fits=True,
+                 samples_per_second=value * scale, step_seconds=0.1, within_budget=True,
+                 measured_samples_per_second=value, ratio=scale, error=None)
+            for (name, value), scale in zip(sorted(benchmark_pod.MEASURED.items())[:2],
+                                            (0.5, 2.0))]
+    text = benchmark_pod.table(rows)
+    self.assertIn("| 0.500 |", text)
+    self.assertIn("geometric-mean ratio 1.000, worst 0.500 (2 measured rows)", text)
+
+
+if __name__ == "__main__":
+  absltest.main()
