@@ -27,10 +27,12 @@ outputs, temporaries: ``plain_xla_peak_mib``), and the emulated and plain
     python -m experiments.benchmark --suite=scale --repeats=5 \
         --json_out=experiments/results/scale.json
 
-The ``pod`` suite (``--suite=pod [--rows=phase2_pod16]``) runs BERT's
-``--estimate_only`` on IPU-PODs (experiments/benchmark_pod.py), each row in its
-own subprocess: wall time, lowering time, peak RSS, the estimate, and whether
-it kept issue 27's host budget (3 minutes, 8 GB).
+The ``pod`` suite (``--suite=pod [--rows=phase2_pod16]``) runs BERT's and
+ResNet-50's ``--estimate_only`` on IPU-PODs (experiments/benchmark_pod.py), each
+row in its own subprocess: wall time, lowering time, peak RSS, the estimate
+(beside the measured throughput where one is recorded: ratios, their geometric
+mean and the worst), and whether it kept issue 27's host budget (3 minutes,
+8 GB).
 
 JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
 ``"host"`` object (platform, cpu count, python/jax versions) and ``"results"``:
