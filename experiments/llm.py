@@ -94,6 +94,10 @@ def define_flags(fv=None):
                       ("recompute", "Recompute each phase's forward in its backward."),
                       ("io_tiles", "Loads overlap compute, as with I/O tiles.")):
     flags.DEFINE_boolean(name, name not in ("io_tiles", "rts", "rts_activations"), help_, **d)
+  flags.DEFINE_boolean("sequence_parallel", False,
+                       "Megatron's sequence parallelism (Korthikanti et al. 2022): norms and "
+                       "residual adds hold --seq / --tensor_parallel positions an IPU, the "
+                       "phases' activations too (so --rts_activations must be off).", **d)
   flags.DEFINE_float("available_memory_proportion", 0.6,
                      "Fraction of each tile's memory a matmul may use for temporaries "
                      "(IPUConfig.matmuls.available_memory_proportion; Poplar's default 0.6; "
@@ -148,6 +152,19 @@ def check_flags(f) -> None:
   if f.mode == "train" and f.global_batch % (f.data_parallel * f.micro_batch):
     raise ValueError(f"--global_batch={f.global_batch} is not a multiple of --data_parallel x "
                      f"--micro_batch = {f.data_parallel * f.micro_batch}.")
+  if f.sequence_parallel:
+    if f.mode != "train":
+      raise ValueError("--sequence_parallel is for --mode=train (one decoded token has no "
+                       "sequence to split).")
+    if f.seq % f.tensor_parallel:
+      raise ValueError(f"--sequence_parallel: --tensor_parallel={f.tensor_parallel} does not "
+                       f"divide --seq={f.seq}; valid values: {parallel.divisors(f.seq)}.")
+    if f.rts_activations:
+      # The phases' activations are already each IPU's 1/tp block of the
+      # sequence: RTS would count (and gather) them a second time.
+      raise ValueError("--sequence_parallel already shards the stored activations over the "
+                       "tensor-parallel group; --rts_activations would shard them again. "
+                       "Pass --norts_activations.")
   if f.model == "gpt3" and f.max_positions < f.seq:
     raise ValueError(f"--max_positions={f.max_positions} is shorter than --seq={f.seq}.")
   if f.system:
@@ -165,7 +182,8 @@ def model_config(f):
   return llm_models.LLMConfig(
       family=f.model, vocab_size=f.vocab_size, hidden=f.hidden, layers=f.layers, heads=f.heads,
       ffn=f.ffn, max_positions=max(f.max_positions, f.seq), rotary_dim=f.rotary_dim,
-      tp=f.tensor_parallel, dtype=jnp.dtype(f.dtype).type)
+      tp=f.tensor_parallel, dtype=jnp.dtype(f.dtype).type,
+      sequence_parallel=f.sequence_parallel)
 
 
 def ipu_target(f):

@@ -71,6 +71,12 @@ class LLMConfig:
       the vocabulary.
     dtype: weights' and activations' dtype.
     norm_eps: the layer / RMS norm's epsilon.
+    sequence_parallel: Megatron's sequence parallelism (Korthikanti et al.
+      2022, ``ipu_jax.parallel.sequence``): between the split matmuls (norms,
+      residual adds) each IPU holds ``S / tp`` positions, so a block's input
+      and output -- what a phase stores and loads -- are this IPU's block of
+      the sequence; the reduce-scatter / all-gather pairs replace the
+      all-reduces. Training only (one decoded token has no sequence to split).
   """
   family: str = "gpt3"
   vocab_size: int = 256
@@ -83,6 +89,7 @@ class LLMConfig:
   tp: int = 1
   dtype: Any = jnp.float32
   norm_eps: float = 1e-5
+  sequence_parallel: bool = False
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -127,20 +134,26 @@ class Norm(nnx.Module):
 
   def __init__(self, cfg: LLMConfig):
     self.rms = cfg.family == "llama2"
+    self.sequence_parallel = cfg.sequence_parallel
     self.eps = cfg.norm_eps
     self.scale = _ones((cfg.hidden,), cfg.dtype)
     if not self.rms:
       self.bias = _zeros((cfg.hidden,), cfg.dtype)
 
+  def _weight(self, w):
+    # On a sequence block the weight's gradient is partial: summed over "tp".
+    return _parallel().copy_to_group(w) if self.sequence_parallel else w
+
   def __call__(self, x):
     xf = x.astype(jnp.float32)
+    scale = self._weight(self.scale[...])
     if self.rms:
       y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-      return (y.astype(x.dtype) * self.scale[...])
+      return (y.astype(x.dtype) * scale)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
     y = ((xf - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
-    return y * self.scale[...] + self.bias[...]
+    return y * scale + self._weight(self.bias[...])
 
 
 def _linear(din: int, dout: int, split: str, cfg: LLMConfig, rngs: nnx.Rngs,
@@ -153,7 +166,8 @@ def _linear(din: int, dout: int, split: str, cfg: LLMConfig, rngs: nnx.Rngs,
   """
   parallel = _parallel()
   layer = parallel.ColumnParallelLinear if split == "column" else parallel.RowParallelLinear
-  return layer(din, dout, cfg.tp, use_bias=bias, dtype=cfg.dtype, rngs=rngs)
+  return layer(din, dout, cfg.tp, use_bias=bias, dtype=cfg.dtype,
+               sequence_parallel=cfg.sequence_parallel, rngs=rngs)
 
 
 def _rotary(x, positions, rotary_dim: int):
@@ -190,13 +204,14 @@ class Attention(nnx.Module):
     self.heads = cfg.heads // cfg.tp
     self.head_dim = cfg.head_dim
     self.rotary_dim = cfg.rotary_dim
+    self.sequence_parallel = cfg.sequence_parallel
 
-  def _project(self, h, positions):
+  def _project(self, h, positions, gathered=False):
     b, s, _ = h.shape
     split = lambda t: t.reshape(b, s, self.heads, self.head_dim)
-    q = _rotary(split(self.q(h)), positions, self.rotary_dim)
-    k = _rotary(split(self.k(h)), positions, self.rotary_dim)
-    return q, k, split(self.v(h))
+    q = _rotary(split(self.q(h, gathered)), positions, self.rotary_dim)
+    k = _rotary(split(self.k(h, gathered)), positions, self.rotary_dim)
+    return q, k, split(self.v(h, gathered))
 
   def _attend(self, q, k, v, mask):
     # q [B, S, h, d], k/v [B, T, h, d]; mask [S, T] (True = attend). A Python
@@ -208,10 +223,13 @@ class Attention(nnx.Module):
     b, s = out.shape[:2]
     return self.out(out.reshape(b, s, self.heads * self.head_dim))
 
-  def __call__(self, h):
+  def __call__(self, h, gathered=False):
+    """``h`` [B, S, H] (sequence parallel: this IPU's block, or with
+    ``gathered`` the whole sequence from ``gather_sequence``)."""
+    h, gathered = _gather_once(h, gathered, self.sequence_parallel)
     s = h.shape[1]
     positions = jnp.arange(s)
-    q, k, v = self._project(h, positions)
+    q, k, v = self._project(h, positions, gathered)
     return self._attend(q, k, v, jnp.tril(jnp.ones((s, s), bool)))
 
   def decode(self, h, cache_k, cache_v, position):
@@ -222,11 +240,22 @@ class Attention(nnx.Module):
     it attends to positions ``<= position``. Returns ``(out, cache_k,
     cache_v)``.
     """
+    if self.sequence_parallel:
+      raise ValueError("LLMConfig.sequence_parallel=True is for training: one decoded token "
+                       "has no sequence to split (use sequence_parallel=False).")
     q, k, v = self._project(h, jnp.reshape(position, (1,)))
     cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), position, 1)
     cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), position, 1)
     mask = (jnp.arange(cache_k.shape[1]) <= position)[None, :]
     return self._attend(q, cache_k, cache_v, mask), cache_k, cache_v
+
+
+def _gather_once(h, gathered: bool, sequence_parallel: bool):
+  """``(h, gathered)``: a sequence block all-gathered ONCE for the column-
+  parallel linears that share it (their ``f`` is the gather's backward)."""
+  if sequence_parallel and not gathered:
+    return _parallel().gather_sequence(h), True
+  return h, gathered
 
 
 class MLP(nnx.Module):
@@ -239,11 +268,13 @@ class MLP(nnx.Module):
     if self.swiglu:
       self.gate = _linear(cfg.hidden, cfg.ffn, "column", cfg, rngs, bias=False)
     self.down = _linear(cfg.ffn, cfg.hidden, "row", cfg, rngs, bias=bias)
+    self.sequence_parallel = cfg.sequence_parallel
 
-  def __call__(self, h):
+  def __call__(self, h, gathered=False):
+    h, gathered = _gather_once(h, gathered, self.sequence_parallel)
     if self.swiglu:
-      return self.down(jax.nn.silu(self.gate(h)) * self.up(h))
-    return self.down(jax.nn.gelu(self.up(h), approximate=True))
+      return self.down(jax.nn.silu(self.gate(h, gathered)) * self.up(h, gathered))
+    return self.down(jax.nn.gelu(self.up(h, gathered), approximate=True))
 
 
 class DecoderBlock(nnx.Module):
@@ -256,11 +287,13 @@ class DecoderBlock(nnx.Module):
     if not self.parallel:
       self.norm2 = Norm(cfg)
     self.mlp = MLP(cfg, rngs)
+    self.sequence_parallel = cfg.sequence_parallel
 
   def __call__(self, x):
     if self.parallel:
-      h = self.norm1(x)
-      return x + self.attention(h) + self.mlp(h)
+      # GPT-J: attention and MLP share the normed input (one gather).
+      h, gathered = _gather_once(self.norm1(x), False, self.sequence_parallel)
+      return x + self.attention(h, gathered) + self.mlp(h, gathered)
     x = x + self.attention(self.norm1(x))
     return x + self.mlp(self.norm2(x))
 
@@ -279,18 +312,29 @@ class Embedding(nnx.Module):
 
   def __init__(self, cfg: LLMConfig, rngs: nnx.Rngs):
     self.word = _parallel().VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, cfg.tp,
-                                                   dtype=cfg.dtype, rngs=rngs)
+                                                   dtype=cfg.dtype,
+                                                   sequence_parallel=cfg.sequence_parallel,
+                                                   rngs=rngs)
+    self.sequence_parallel = cfg.sequence_parallel
     self.learned_positions = cfg.family == "gpt3"
     if self.learned_positions:
       self.position = _init(rngs, (cfg.max_positions, cfg.hidden), cfg.dtype, std=0.01)
 
   def __call__(self, ids, position=None):
-    """``ids`` [B, S] -> ``[B, S, H]``; ``position``: the first token's position (decode)."""
+    """``ids`` [B, S] -> ``[B, S, H]``; ``position``: the first token's position (decode).
+
+    Sequence parallel: ``[B, S / tp, H]``, this IPU's block of positions.
+    """
     h = self.word(ids)
     if self.learned_positions:
-      s = ids.shape[1]
+      s = h.shape[1]
       start = 0 if position is None else position
-      h = h + jax.lax.dynamic_slice_in_dim(self.position[...], start, s, 0)[None]
+      table = self.position[...]
+      if self.sequence_parallel:
+        parallel = _parallel()
+        start = start + parallel.sequence_shard_start(ids.shape[1])
+        table = parallel.copy_to_group(table)  # each IPU's rows' gradient, summed
+      h = h + jax.lax.dynamic_slice_in_dim(table, start, s, 0)[None]
     return h
 
 

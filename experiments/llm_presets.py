@@ -72,8 +72,9 @@ _GPT3 = {"model": "gpt3", "mode": "train", "layers": 96, "hidden": 12288, "heads
          "seq": 2048, "micro_batch": 1, "global_batch": 128, "tensor_parallel": 32,
          "data_parallel": 8, "phased": True, "phase_mode": "serial", "remote_weights": True,
          "remote_optimizer_state": True, "remote_activations": True, "rts": True,
-         "rts_activations": True, "recompute": True, "dtype": "float16", "tiles_per_ipu": 1472,
-         "available_memory_proportion": 0.1, "system": "pod256"}
+         "rts_activations": False, "sequence_parallel": True, "recompute": True,
+         "dtype": "float16", "tiles_per_ipu": 1472, "available_memory_proportion": 0.1,
+         "system": "pod256"}
 _LLAMA2_7B = {"model": "llama2", "mode": "inference", "layers": 32, "hidden": 4096,
               "heads": 32, "ffn": 11008, "rotary_dim": 128, "vocab_size": 32000, "seq": 2048,
               "micro_batch": 1, "global_batch": 1, "data_parallel": 1, "phased": True,
@@ -129,8 +130,11 @@ _GPTJ_SOURCES = {
 }
 _GPT3_SOURCES = {
     "rts_activations": f"derived: {_GPT3_README} 'Phased Execution and RTS' (the 2-D tensor "
-                       "parallelism splits the activation x along the hidden dimension; "
-                       "here sharded over the 1-D TP group)",
+                       "parallelism splits the activation x along the hidden dimension); "
+                       "off here: sequence_parallel already stores each IPU's 1/32 block",
+    "sequence_parallel": ("derived: Graphcore's 2-D TP splits activations along hidden; "
+                          "sequence parallelism is our 1-D TP's way to split them "
+                          "(Korthikanti et al. 2022, arXiv:2205.05198)"),
     "layers": f"{_GPT3_YML} gpt3_175B.model.layers",
     "hidden": f"{_GPT3_YML} gpt3_175B.model.hidden_size",
     "heads": f"{_GPT3_YML} gpt3_175B.model.attention.heads",

@@ -107,5 +107,65 @@ class LLMRunnerTest(chex.TestCase, parameterized.TestCase):
     self.assertNotIn("Traceback", proc.stderr)
 
 
+class SequenceParallelModelTest(chex.TestCase, parameterized.TestCase):
+  """``LLMConfig.sequence_parallel``: the models' numbers, and the runner's
+  phases storing each IPU's block of the sequence."""
+
+  @parameterized.parameters("gpt3", "gptj", "llama2")
+  def test_loss_and_gradients_equal_the_unsplit_model(self, family):
+    import dataclasses
+    import jax
+    import numpy as np
+    from flax import nnx
+    from experiments import llm_models
+    tp = 2
+    cfg = llm_models.LLMConfig(family=family, vocab_size=64, hidden=32, layers=2, heads=4,
+                               ffn=64, max_positions=8, rotary_dim=4 if family != "gpt3" else 0)
+    whole = llm_models.DecoderLM(cfg, rngs=nnx.Rngs(0))
+    _, state = nnx.split(whole)
+    graphdef, _ = nnx.split(llm_models.DecoderLM(
+        dataclasses.replace(cfg, tp=tp, sequence_parallel=True), rngs=nnx.Rngs(0)))
+    ids = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+    labels = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
+
+    def loss(gdef):
+      return lambda params: nnx.merge(gdef, params)(ids, labels)
+    want_loss, want_grads = jax.vmap(jax.value_and_grad(loss(nnx.split(whole)[0])),
+                                     axis_name="tp")(jax.tree.map(lambda a: a[None], state))
+    got_loss, got_grads = jax.vmap(jax.value_and_grad(loss(graphdef)), axis_name="tp")(
+        llm_models.shard_state(state, tp))
+    np.testing.assert_allclose(np.asarray(got_loss), np.asarray(want_loss[0]).repeat(tp),
+                               rtol=1e-5)
+    got = jax.tree.leaves(llm_models.unshard_state(got_grads))
+    for g, w in zip(got, jax.tree.leaves(jax.tree.map(lambda a: a[0], want_grads))):
+      w = np.asarray(w)
+      np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    # Replicated weights (norms) get the same, full gradient on every shard.
+    def same_on_shards(path, leaf):
+      if llm_models.split_kind(path) == "replicated":
+        np.testing.assert_allclose(np.asarray(leaf[1]), np.asarray(leaf[0]), rtol=1e-6)
+    jax.tree_util.tree_map_with_path(same_on_shards, got_grads)
+
+  def test_phases_stream_the_sequence_block(self):
+    from experiments import llm
+    base = ["--config=tiny_check", "--estimate_only", "--data_parallel=1", "--global_batch=4"]
+    plain = llm.run(_flags(*base, "--norts_activations"))
+    sp = llm.run(_flags(*base, "--sequence_parallel", "--norts_activations"))
+    rts = llm.run(_flags(*base, "--rts_activations"))
+    # A phase's input and output are [B, S / tp, H] an IPU: the same bytes
+    # as RTS's 1/tp shard of [B, S, H], fewer than plain TP's whole one.
+    self.assertEqual(sp["streaming_bytes_per_step"], rts["streaming_bytes_per_step"])
+    self.assertLess(sp["streaming_bytes_per_step"], plain["streaming_bytes_per_step"])
+
+  @parameterized.named_parameters(
+      ("with_rts_activations", ["--rts_activations"], "--rts_activations"),
+      ("seq_not_divisible", ["--seq=15", "--tensor_parallel=4"], "--seq=15"))
+  def test_bad_sequence_parallel_flags(self, extra, field):
+    from absl import app
+    from experiments import llm
+    with self.assertRaisesRegex(app.UsageError, field):
+      llm.run(_flags("--config=tiny_check", "--estimate_only", "--sequence_parallel", *extra))
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -35,18 +35,24 @@ class ColumnParallelLinear(nnx.Module):
   Attributes:
     kernel: ``[in_features, out_features / tp]``.
     bias: ``[out_features / tp]`` (``None`` without bias).
+    sequence_parallel: the input is this shard's block of the sequence,
+      all-gathered first (``ops.column_linear``).
   """
 
   def __init__(self, in_features: int, out_features: int, tp: int, *, use_bias: bool = True,
-               dtype=jnp.float32, axis_name=TP_AXIS, rngs: nnx.Rngs):
+               dtype=jnp.float32, axis_name=TP_AXIS, sequence_parallel: bool = False,
+               rngs: nnx.Rngs):
     shard = _shard(out_features, tp, "out_features")
     self.tp, self.axis_name = int(tp), axis_name
+    self.sequence_parallel = bool(sequence_parallel)
     self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (in_features, shard), dtype))
     self.bias = nnx.Param(jnp.zeros((shard,), dtype)) if use_bias else None
 
-  def __call__(self, x):
+  def __call__(self, x, gathered: bool = False):
+    """``gathered=True``: ``x`` already came from ``gather_sequence``."""
     bias = None if self.bias is None else self.bias[...]
-    return ops.column_linear(x, self.kernel[...], bias, axis_name=self.axis_name)
+    return ops.column_linear(x, self.kernel[...], bias, axis_name=self.axis_name,
+                             sequence_parallel=self.sequence_parallel, gathered=gathered)
 
 
 class RowParallelLinear(nnx.Module):
@@ -55,18 +61,23 @@ class RowParallelLinear(nnx.Module):
   Attributes:
     kernel: ``[in_features / tp, out_features]``.
     bias: ``[out_features]``, unsplit, added after the all-reduce.
+    sequence_parallel: reduce-scatter the partial products along the
+      sequence instead of all-reducing them (``ops.row_linear``).
   """
 
   def __init__(self, in_features: int, out_features: int, tp: int, *, use_bias: bool = True,
-               dtype=jnp.float32, axis_name=TP_AXIS, rngs: nnx.Rngs):
+               dtype=jnp.float32, axis_name=TP_AXIS, sequence_parallel: bool = False,
+               rngs: nnx.Rngs):
     shard = _shard(in_features, tp, "in_features")
     self.tp, self.axis_name = int(tp), axis_name
+    self.sequence_parallel = bool(sequence_parallel)
     self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (shard, out_features), dtype))
     self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
   def __call__(self, x_local):
     bias = None if self.bias is None else self.bias[...]
-    return ops.row_linear(x_local, self.kernel[...], bias, axis_name=self.axis_name)
+    return ops.row_linear(x_local, self.kernel[...], bias, axis_name=self.axis_name,
+                          sequence_parallel=self.sequence_parallel)
 
 
 class VocabParallelEmbedding(nnx.Module):
@@ -75,17 +86,21 @@ class VocabParallelEmbedding(nnx.Module):
   Attributes:
     embedding: ``[num_embeddings / tp, features]``: rows
       ``i * num_embeddings / tp ...`` on shard ``i``.
+    sequence_parallel: the lookup returns this shard's block of the
+      sequence (a reduce-scatter instead of the all-reduce).
   """
 
   def __init__(self, num_embeddings: int, features: int, tp: int, *, dtype=jnp.float32,
-               axis_name=TP_AXIS, rngs: nnx.Rngs):
+               axis_name=TP_AXIS, sequence_parallel: bool = False, rngs: nnx.Rngs):
     rows = _shard(num_embeddings, tp, "num_embeddings")
     self.tp, self.axis_name = int(tp), axis_name
+    self.sequence_parallel = bool(sequence_parallel)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
     self.embedding = nnx.Param(init(rngs.params(), (rows, features), dtype))
 
   def __call__(self, ids):
-    return ops.vocab_embedding(ids, self.embedding[...], axis_name=self.axis_name)
+    return ops.vocab_embedding(ids, self.embedding[...], axis_name=self.axis_name,
+                               sequence_parallel=self.sequence_parallel)
 
   def attend(self, x):
     """Tied output logits of this shard's vocabulary: ``x @ E[shard].T``

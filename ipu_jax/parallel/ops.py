@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ipu_jax.parallel.groups import TP_AXIS
+from ipu_jax.parallel.sequence import gather_sequence, scatter_sequence
 
 __all__ = ["copy_to_group", "reduce_from_group", "column_linear", "row_linear",
            "vocab_embedding", "vocab_cross_entropy"]
@@ -63,43 +64,64 @@ def _reduce_bwd(axis_name, _, g):
 reduce_from_group.defvjp(_reduce_fwd, _reduce_bwd)
 
 
-def column_linear(x, kernel_shard, bias_shard=None, axis_name=TP_AXIS):
+def column_linear(x, kernel_shard, bias_shard=None, axis_name=TP_AXIS,
+                  sequence_parallel: bool = False, gathered: bool = False, seq_axis: int = 1):
   """``x @ W[:, shard] (+ b[shard])``: this shard's output features.
 
   ``x`` is the same on every shard; its gradient is all-reduced over the
   group (``f``). The result stays split (feed it to :func:`row_linear`, or
-  to per-head attention).
+  to per-head attention). ``sequence_parallel=True``: ``x`` is this shard's
+  block of the sequence (``seq_axis``), all-gathered first; its gradient is
+  reduce-scattered back (:func:`~ipu_jax.parallel.gather_sequence` in place
+  of ``f``). ``gathered=True``: ``x`` already came from ``gather_sequence``
+  (one gather shared by several column-parallel linears), so neither applies.
   """
-  y = copy_to_group(x, axis_name) @ kernel_shard
+  if not gathered:
+    x = (gather_sequence(x, axis_name, seq_axis) if sequence_parallel
+         else copy_to_group(x, axis_name))
+  y = x @ kernel_shard
   return y if bias_shard is None else y + bias_shard
 
 
-def row_linear(x_local, kernel_shard, bias=None, axis_name=TP_AXIS):
+def row_linear(x_local, kernel_shard, bias=None, axis_name=TP_AXIS,
+               sequence_parallel: bool = False, seq_axis: int = 1):
   """``psum(x_local @ W[shard, :]) (+ b)``: the full output on every shard.
 
   ``x_local`` holds this shard's input features (a column-parallel output);
   the partial products are all-reduced (``g``); the unsplit ``bias`` is added
-  once, after the sum.
+  once, after the sum. ``sequence_parallel=True``: the partial products are
+  reduce-scattered along ``seq_axis`` instead (this shard's block of the
+  sequence of the sum), and the bias's gradient, partial per block, is
+  summed over the group (``copy_to_group``).
   """
-  y = reduce_from_group(x_local @ kernel_shard, axis_name)
-  return y if bias is None else y + bias
+  y = x_local @ kernel_shard
+  if not sequence_parallel:
+    y = reduce_from_group(y, axis_name)
+    return y if bias is None else y + bias
+  y = scatter_sequence(y, axis_name, seq_axis)
+  return y if bias is None else y + copy_to_group(bias, axis_name)
 
 
 def _shard_offset(rows: int, axis_name):
   return lax.axis_index(axis_name) * rows
 
 
-def vocab_embedding(ids, table_shard, axis_name=TP_AXIS):
+def vocab_embedding(ids, table_shard, axis_name=TP_AXIS, sequence_parallel: bool = False,
+                    seq_axis: int = 1):
   """Rows of a vocabulary-sharded embedding table, summed over the group.
 
   Shard ``i`` holds rows ``i * V / tp ...``; ids outside them read zeros, and
-  the all-reduce (``g``) gives every shard the full embedding.
+  the all-reduce (``g``) gives every shard the full embedding
+  (``sequence_parallel=True``: a reduce-scatter along ``seq_axis``, this
+  shard's block of the sequence).
   """
   rows = table_shard.shape[0]
   local = ids - _shard_offset(rows, axis_name)
   inside = (local >= 0) & (local < rows)
   picked = jnp.take(table_shard, jnp.where(inside, local, 0), axis=0)
   picked = jnp.where(inside[..., None], picked, jnp.zeros((), picked.dtype))
+  if sequence_parallel:
+    return scatter_sequence(picked, axis_name, seq_axis)
   return reduce_from_group(picked, axis_name)
 
 
