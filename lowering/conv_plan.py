@@ -21,10 +21,12 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering.matmul_plan import GridPlan
-from ipu_jax.lowering.matmul_cost import ceil_div, grid_product, split_candidates
+from ipu_jax.lowering.matmul_cost import (ceil_div, grid_product, scatter_reduce_cost,
+                                          split_candidates)
 from ipu_jax.lowering.matmul_grid import edge_sizes
 
-__all__ = ["ConvGeometry", "ConvPlan", "conv_geometry", "plan_conv"]
+__all__ = ["ConvGeometry", "ConvPlan", "conv_geometry", "plan_conv", "splits_contraction",
+           "tap_row_ranges"]
 
 
 _SEARCH_BUDGET = 100_000
@@ -161,12 +163,33 @@ class ConvPlan(GridPlan):
   """
 
   memory_limit: int = 0
+  contraction: tuple = (1, 1)
+  contraction_block: tuple = (0, 0)
+  reduce_cycles: float = 0.0
+
+  @property
+  def gk(self) -> int:
+    """Tiles sharing an output block (the contraction split)."""
+    return int(self.contraction[0] * self.contraction[1])
+
+  @property
+  def out_blocks(self) -> int:
+    return int(np.prod(self.grid, dtype=np.int64))
+
+  @property
+  def num_tiles(self) -> int:
+    return self.out_blocks * self.gk
+
+  @property
+  def cycles(self) -> float:
+    return super().cycles + self.reduce_cycles
 
   @property
   def label(self) -> str:
-    """E.g. ``grid n8.c2.s4x4 blocks 1x16x8x8``."""
+    """E.g. ``grid n8.c2.s4x4 blocks 1x16x8x8`` (``.k2x7`` with a contraction split)."""
     spatial = "x".join(str(g) for g in self.grid[2:]) or "-"
-    return (f"grid n{self.grid[0]}.c{self.grid[1]}.s{spatial} blocks "
+    split = f".k{self.contraction[0]}x{self.contraction[1]}" if self.gk > 1 else ""
+    return (f"grid n{self.grid[0]}.c{self.grid[1]}.s{spatial}{split} blocks "
             f"{'x'.join(str(b) for b in self.block)}")
 
 
@@ -185,60 +208,141 @@ def _feature_candidates(geo: ConvGeometry, limit: int, budget: int) -> np.ndarra
   return counts if counts.size else np.array([1], np.int64)
 
 
+def splits_contraction(geo: ConvGeometry) -> bool:
+  """Whether the planner may split the contraction (input channels, kernel rows).
+
+  Ungrouped convolutions with a spatial axis whose block convolutions run on
+  zero-filled windows (not the tap-by-tap form that skips lhs-dilation holes).
+  """
+  skips_holes = (any(d > 1 for d in geo.lhs_dilation) and all(v == 1 for v in geo.strides)
+                 and all(v == 1 for v in geo.rhs_dilation) and len(geo.out_spatial) <= 2)
+  return geo.groups == 1 and len(geo.out_spatial) >= 1 and not skips_holes
+
+
 def plan_conv(target, geo: ConvGeometry, available_memory_proportion: float) -> ConvPlan:
-  """Choose the output grid of a convolution (cached)."""
+  """Choose the grid of a convolution (cached): output blocks, and the contraction split."""
   return _plan_conv_cached(target, geo, float(available_memory_proportion))
 
 
-@functools.lru_cache(maxsize=512)
-def _plan_conv_cached(target, geo: ConvGeometry, proportion: float) -> ConvPlan:
-  limit = target.num_tiles
-  memory_limit = int(proportion * target.bytes_per_tile)
+def _output_lists(geo: ConvGeometry, limit: int, budget: int) -> list:
+  return ([split_candidates(geo.n_out, limit, budget), _feature_candidates(geo, limit, budget)]
+          + [split_candidates(d, limit, budget) for d in geo.out_spatial])
+
+
+def tap_row_ranges(geo: ConvGeometry, gt: int, bt: int) -> tuple:
+  """For each input position along spatial axis 0, the kernel-row blocks reading it.
+
+  Only with the whole axis in one output block: kernel rows ``[t*bt, t*bt +
+  rows_t)`` read padded-dilated positions ``[t*bt*d, t*bt*d + (rows_t - 1)*d +
+  (out - 1)*s]``.
+  """
+  s, d = geo.strides[0], geo.rhs_dilation[0]
+  rows = edge_sizes(geo.k_spatial[0], gt, bt)
+  start = np.arange(gt) * bt * d
+  end = start + (rows - 1) * d + (geo.out_spatial[0] - 1) * s
+  p = geo.padding[0][0] + np.arange(geo.in_spatial[0]) * geo.lhs_dilation[0]
+  lo = np.searchsorted(end, p, side="left")
+  hi = np.searchsorted(start, p, side="right")
+  return lo, np.maximum(hi, lo)
+
+
+def _evaluate(target, geo: ConvGeometry, grid: list, gi, gt) -> dict:
+  """Per-candidate costs of the busiest tile (arrays over candidates).
+
+  ``gi``, ``gt``: the input-channel and kernel-row splits (1: none); a split
+  contraction adds the reduce-scatter of the partials
+  (:func:`~ipu_jax.lowering.matmul_cost.scatter_reduce_cost`, the matmul
+  planner's).
+  """
   nsp = len(geo.out_spatial)
   dims = (geo.n_out, geo.o) + geo.out_spatial
-  active = sum(d > 1 for d in dims)
-  budget = max(4, int(_SEARCH_BUDGET ** (1.0 / max(active, 1))))
-  lists = ([split_candidates(geo.n_out, limit, budget), _feature_candidates(geo, limit, budget)]
-           + [split_candidates(d, limit, budget) for d in geo.out_spatial])
-  grid = grid_product(lists, limit)
   block = [ceil_div(d, g) for d, g in zip(dims, grid)]
   bn, bc = block[0], block[1]
+  bi = ceil_div(geo.i, gi)
+  bt = ceil_div(geo.k_spatial[0], gt)
+  taps = bt * int(np.prod(geo.k_spatial[1:], dtype=np.int64))
   out_block = np.ones_like(bn)
   for b in block:
     out_block = out_block * b
-  macs = out_block * geo.i * geo.kernel_elements
+  macs = out_block * bi * taps
   compute = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_block,
                                      dtype=geo.dtype, n=bc)
   # Input window of a full block (the planner's estimate; exchange is exact).
   size = geo.group_size
   groups_in_block = np.where(bc >= size, bc // size, 1)
   batch = bn * (groups_in_block if geo.bgc > 1 else 1)
-  channels = geo.i * groups_in_block if geo.fgc > 1 else geo.c
+  channels = geo.i * groups_in_block if geo.fgc > 1 else np.where(gi > 1, bi, geo.c)
   window = batch * channels
   for d in range(nsp):
-    span = (block[2 + d] - 1) * geo.strides[d] + geo.reach(d)
+    reach = (bt - 1) * geo.rhs_dilation[d] + 1 if d == 0 else geo.reach(d)
+    span = (block[2 + d] - 1) * geo.strides[d] + reach
     lo, hi = geo.block_ranges(d, 1, geo.out_spatial[d])
     read = int((hi > lo).sum())  # positions read at all
     window = window * np.minimum(read, ceil_div(span, geo.lhs_dilation[d]))
   in_bytes = window * geo.itemsize
-  k_bytes = bc * geo.i * geo.kernel_elements * geo.itemsize
+  k_bytes = bc * bi * taps * geo.itemsize
   exchange_bytes = in_bytes + k_bytes
   exchange = np.where(exchange_bytes > 0, exchange_bytes / target.exchange_bytes_per_cycle
                       + target.exchange_latency_cycles, 0.0)
-  temp = exchange_bytes + out_block * geo.acc_itemsize
-  cycles = exchange + compute
-  tiles = np.ones_like(bn)
+  reduce, _, stage2 = scatter_reduce_cost(target, gi * gt, out_block, geo.acc_itemsize)
+  temp = np.maximum(exchange_bytes + out_block * geo.acc_itemsize, stage2)
+  tiles = np.ones_like(bn) * gi * gt
   for g in grid:
     tiles = tiles * g
-  fits = temp <= memory_limit
+  return dict(grid=grid, block=block, gi=gi * np.ones_like(bn), gt=gt * np.ones_like(bn),
+              bi=bi * np.ones_like(bn), bt=bt * np.ones_like(bn), compute=compute,
+              exchange=exchange, exchange_bytes=exchange_bytes, reduce=reduce, temp=temp,
+              cycles=exchange + compute + reduce, tiles=tiles)
+
+
+def _contraction_candidates(target, geo: ConvGeometry, active: int) -> dict:
+  """Grids that also split the contraction (empty when it cannot be split).
+
+  A kernel-row split keeps spatial axis 0 whole (its window then depends on
+  the row block alone); every tile of a reduce-scatter gets a piece.
+  """
+  limit = target.num_tiles
+  budget = max(3, int(_SEARCH_BUDGET ** (1.0 / (active + 2))))
+  lists = _output_lists(geo, limit, budget)
+  lists += [split_candidates(geo.i, limit, budget),
+            split_candidates(geo.k_spatial[0], limit, budget)]
+  flat = grid_product(lists, limit)
+  *grid, gi, gt = flat
+  out_block = np.ones_like(gi)
+  for d, g in zip((geo.n_out, geo.o) + geo.out_spatial, grid):
+    out_block = out_block * ceil_div(d, g)
+  keep = (gi * gt > 1) & (gi * gt <= out_block) & ((gt == 1) | (grid[2] == 1))
+  grid = [g[keep] for g in grid]
+  return _evaluate(target, geo, grid, gi[keep], gt[keep]) if keep.any() else {}
+
+
+@functools.lru_cache(maxsize=512)
+def _plan_conv_cached(target, geo: ConvGeometry, proportion: float) -> ConvPlan:
+  limit = target.num_tiles
+  memory_limit = int(proportion * target.bytes_per_tile)
+  dims = (geo.n_out, geo.o) + geo.out_spatial
+  active = sum(d > 1 for d in dims)
+  budget = max(4, int(_SEARCH_BUDGET ** (1.0 / max(active, 1))))
+  c = _evaluate(target, geo, grid_product(_output_lists(geo, limit, budget), limit), 1, 1)
+  if splits_contraction(geo):
+    extra = _contraction_candidates(target, geo, active)
+    if extra:
+      c = {key: ([np.concatenate([a, b]) for a, b in zip(c[key], extra[key])]
+                 if isinstance(c[key], list) else np.concatenate([c[key], extra[key]]))
+           for key in c}
+  fits = c["temp"] <= memory_limit
+  # Today's grids come first: an equal-cost contraction split never wins.
   if fits.any():
-    order = np.lexsort((tiles, temp, np.where(fits, cycles, np.inf)))
+    order = np.lexsort((c["tiles"], c["temp"], np.where(fits, c["cycles"], np.inf)))
   else:
-    order = np.lexsort((tiles, cycles, temp))
+    order = np.lexsort((c["tiles"], c["cycles"], c["temp"]))
   j = int(order[0])
   return ConvPlan(
-      grid=tuple(int(g[j]) for g in grid), block=tuple(int(b[j]) for b in block),
-      compute_cycles=float(compute[j]), exchange_cycles=float(exchange[j]),
-      sync_cycles=float(target.sync_cycles_internal), exchange_bytes=int(exchange_bytes[j]),
-      temp_bytes=int(temp[j]), memory_limit=memory_limit, fits=bool(fits[j]),
-      candidates=int(grid[0].size))
+      grid=tuple(int(g[j]) for g in c["grid"]), block=tuple(int(b[j]) for b in c["block"]),
+      compute_cycles=float(c["compute"][j]), exchange_cycles=float(c["exchange"][j]),
+      sync_cycles=float(target.sync_cycles_internal),
+      exchange_bytes=int(c["exchange_bytes"][j]), temp_bytes=int(c["temp"][j]),
+      memory_limit=memory_limit, fits=bool(fits[j]), candidates=int(c["tiles"].size),
+      contraction=(int(c["gi"][j]), int(c["gt"][j])),
+      contraction_block=(int(c["bi"][j]), int(c["bt"][j])),
+      reduce_cycles=float(c["reduce"][j]))

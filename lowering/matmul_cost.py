@@ -22,7 +22,8 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels.target import IPUTarget
 
-__all__ = ["ceil_div", "evaluate_grid", "grid_product", "split_candidates", "tree_fanins"]
+__all__ = ["ceil_div", "evaluate_grid", "grid_product", "scatter_reduce_cost", "split_candidates",
+           "tree_fanins"]
 
 
 def ceil_div(a, b):
@@ -139,6 +140,28 @@ def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
   return cycles, received
 
 
+def scatter_reduce_cost(target, gk, out_block, p_itemsize) -> tuple:
+  """A reduce-scatter of ``gk`` partial blocks (arrays over candidates; 0 where ``gk == 1``).
+
+  Each of the ``gk`` tiles sharing an output block receives its piece of the
+  other ``gk - 1`` partials and sums them (a superstep: sync, exchange,
+  ``estimators.reduce_cycles``). Used by the matmul and convolution planners.
+
+  Returns:
+    ``(cycles, received bytes, temporary bytes of the reducing stage)``.
+  """
+  gk = np.asarray(gk, np.int64)
+  piece = ceil_div(out_block, gk)
+  partial_bytes = out_block * p_itemsize
+  reduce_bytes = np.where(gk > 1, (gk - 1) * piece * p_itemsize, 0)
+  reduce_compute = np.where(
+      gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
+  reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
+                    + reduce_compute, 0.0)
+  stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
+  return reduce, reduce_bytes, stage2
+
+
 def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce=True):
   """Per-candidate costs (arrays over candidates).
 
@@ -158,13 +181,7 @@ def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_re
   partial_bytes = out_block * p_itemsize
   exchange_bytes = a_bytes + b_bytes
   exchange = _exchange_cycles(target, exchange_bytes)
-  piece = ceil_div(out_block, gk)
-  reduce_bytes = np.where(gk > 1, (gk - 1) * piece * p_itemsize, 0)
-  reduce_compute = np.where(
-      gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
-  reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
-                    + reduce_compute, 0.0)
-  stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
+  reduce, reduce_bytes, stage2 = scatter_reduce_cost(target, gk, out_block, p_itemsize)
   tree_stages = np.zeros(gk.shape, np.int64)
   deep = (gk > out_block) & tree_reduce
   if deep.any():

@@ -112,7 +112,7 @@ from ipu_jax.lowering.matmul_tree import emit_tree_reduce
 from ipu_jax.lowering.matmul_operands import OperandExchange, blocks_of, operand_cost
 from ipu_jax.lowering.matmul_arith import logical_product, pass_blocks, put_pass, reduce_pieces
 
-__all__ = ["emit_matmul", "fill_zeros"]
+__all__ = ["emit_matmul", "fill_zeros", "scatter_exchange"]
 
 
 def _is_float(dtype) -> bool:
@@ -520,7 +520,7 @@ def _emit_partial_blocks(ctx, p: ProductPlan, ps: _Pass, work: BlockWork, exchan
   return partials
 
 
-def _scatter_exchange(target, tiles: np.ndarray, group: np.ndarray, p_size: int) -> ExchangeCost:
+def scatter_exchange(target, tiles: np.ndarray, group: np.ndarray, p_size: int) -> ExchangeCost:
   """Bytes of a reduce-scatter: tile ``j`` of a group gets ``group[:, j]`` from each other."""
   g_out, gk = group.shape
   bytes_in = np.zeros(target.num_tiles, np.int64)
@@ -561,7 +561,7 @@ def _emit_reduce_scatter(ctx, p: ProductPlan, ps: _Pass, partials: P.Tensor) -> 
       writes=(out,), fn=reduce_step,
       # The matmul step's logical form wrote the result.
       logical=lambda partial_blocks, result: (result,), compute_cycles=reduce_compute,
-      exchange=_scatter_exchange(target, tiles, counts.reshape(p.g_out, gk), p_size),
+      exchange=scatter_exchange(target, tiles, counts.reshape(p.g_out, gk), p_size),
       vertices=reduce_vertices, codelets=(vocab.vertex(vocab.REDUCE_ADD, acc, out.dtype),),
       flops=int((gk - 1) * counts.sum()) if _is_float(out.dtype) else 0))
 

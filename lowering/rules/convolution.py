@@ -20,8 +20,11 @@ the AMP. The grid is chosen by the cycle model (compute + exchange + sync)
 among split counts for each axis, so that the per-tile temporaries (input
 window, kernel slice and output block in the partials type) fit in
 ``convolutions.available_memory_proportion`` of the tile's SRAM (more, smaller
-blocks when they do not; the least-memory grid when nothing fits). Input
-channels are not split (no partial sums across tiles). Feature splits of
+blocks when they do not; the least-memory grid when nothing fits). The grid
+may also split the contraction (input channels, kernel rows along spatial
+axis 0; ungrouped convolutions): the ``gk`` tiles of an output block compute
+partial blocks, then a reduce-scatter sums them (``lowering/conv_partials.py``),
+and the result lies in ``gk`` pieces per block. Feature splits of
 grouped convolutions are aligned to the groups, so every tile runs the same
 convolution. Every form ``jax.grad`` emits is covered: the input gradient (lhs
 dilation, flipped kernel, possibly negative padding) and the weight gradient
@@ -81,7 +84,10 @@ from ipu_jax.lowering.matmul_grid import (block_grid_mapping, blocked_storage, e
                                           grid_tiles, operand_exchange_cost)
 from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.registry import register_lowering
-from ipu_jax.lowering.conv_plan import ConvGeometry, ConvPlan, conv_geometry, plan_conv
+from ipu_jax.lowering import half_partials
+from ipu_jax.lowering.conv_partials import emit_partials_reduce, partials_tensor
+from ipu_jax.lowering.conv_plan import (ConvGeometry, ConvPlan, conv_geometry, plan_conv,
+                                        tap_row_ranges as _tap_ranges)
 
 
 def _normalise_dn(dimension_numbers, ndim):
@@ -114,15 +120,24 @@ class _OutputGrid:
   blocks: tuple
   tiles: np.ndarray
   coords: tuple
+  contraction: tuple = (1, 1)
+  contraction_coords: tuple = ()
+
+  @property
+  def exchange_grid(self) -> tuple:
+    """The output axes, then the input-channel and kernel-row splits (innermost)."""
+    return self.grids + tuple(self.contraction)
 
 
 def _output_grid(ctx, out_shape, out_spec, plan: ConvPlan) -> _OutputGrid:
+  """Tile ``b * gk + j`` computes contraction block ``j`` of output block ``b``."""
   grids, blocks = [1] * len(out_shape), list(out_shape)
   for canon, axis in enumerate(out_spec):
     grids[axis], blocks[axis] = plan.grid[canon], plan.block[canon]
-  coords = np.unravel_index(np.arange(plan.num_tiles), tuple(grids))
+  coords = np.unravel_index(np.arange(plan.num_tiles), tuple(grids) + plan.contraction)
   return _OutputGrid(tuple(grids), tuple(blocks), grid_tiles(ctx, plan.num_tiles),
-                     tuple(coords[axis] for axis in out_spec))
+                     tuple(coords[axis] for axis in out_spec), plan.contraction,
+                     tuple(coords[-2:]))
 
 
 def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
@@ -138,7 +153,7 @@ def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   g_lo, g_hi = geo.group_block_ranges(gc, bc)
   lhs_canon = (geo.bgc, geo.n // geo.bgc, geo.fgc, geo.c // geo.fgc) + geo.in_spatial
   n_lo = np.arange(geo.n_out) // bn
-  needs = [None] * len(out.grids)
+  needs = [None] * len(out.exchange_grid)
   needs[out_spec[0]] = (1, n_lo, n_lo + 1)
   if geo.bgc > 1:
     needs[out_spec[1]] = (0, g_lo, g_hi)
@@ -149,8 +164,20 @@ def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   elements = edge_sizes(geo.n_out, grid[0], bn)[c_n]
   if geo.bgc > 1:
     elements = elements * groups_of_block[c_c]
-  elements = elements * ((geo.c // geo.fgc) * groups_of_block[c_c] if geo.fgc > 1 else geo.c)
+  gi, gt = plan.contraction
+  bi, bt = plan.contraction_block
+  if gi > 1:  # (ungrouped) a channel block
+    c_lo = np.arange(geo.c) // bi
+    needs[-2] = (3, c_lo, c_lo + 1)
+    elements = elements * edge_sizes(geo.c, gi, bi)[out.contraction_coords[0]]
+  else:
+    elements = elements * ((geo.c // geo.fgc) * groups_of_block[c_c] if geo.fgc > 1 else geo.c)
   for d in range(len(geo.out_spatial)):
+    if d == 0 and gt > 1:  # axis 0 is one output block: the kernel-row block sets the window
+      lo, hi = _tap_ranges(geo, gt, bt)
+      needs[-1] = (4, lo, hi)
+      elements = elements * covering(lo, hi, gt)[out.contraction_coords[1]]
+      continue
     lo, hi = geo.block_ranges(d, grid[2 + d], block[2 + d])
     needs[out_spec[2 + d]] = (4 + d, lo, hi)
     elements = elements * covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
@@ -158,7 +185,7 @@ def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   groups = (((), (lhs_spec[0],), (), (lhs_spec[1],)) + tuple((a,) for a in lhs_spec[2:])
             if geo.bgc == 1 and geo.fgc == 1 else None)
   return operand_exchange_cost(target, lhs, tuple(lhs_spec), lhs_canon, groups,
-                               out.grids, out.tiles, needs, elements)
+                               out.exchange_grid, out.tiles, needs, elements)
 
 
 def _rhs_exchange(target, rhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
@@ -171,16 +198,30 @@ def _rhs_exchange(target, rhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   _, rhs_spec, out_spec = dn
   grid, block = plan.grid, plan.block
   o_lo = np.arange(geo.o) // block[1]
-  needs = [None] * len(out.grids)
+  needs = [None] * len(out.exchange_grid)
   needs[out_spec[1]] = (0, o_lo, o_lo + 1)
-  elements = edge_sizes(geo.o, grid[1], block[1])[out.coords[1]] * geo.i
+  gi, gt = plan.contraction
+  bi, bt = plan.contraction_block
+  elements = edge_sizes(geo.o, grid[1], block[1])[out.coords[1]]
+  if gi > 1:
+    i_lo = np.arange(geo.i) // bi
+    needs[-2] = (1, i_lo, i_lo + 1)
+    elements = elements * edge_sizes(geo.i, gi, bi)[out.contraction_coords[0]]
+  else:
+    elements = elements * geo.i
   for d in range(len(geo.out_spatial)):
     lo, hi = geo.tap_block_ranges(d, grid[2 + d], block[2 + d])
+    if d == 0 and gt > 1:  # taps read by the (single) block, by kernel-row block
+      t_lo = np.arange(geo.k_spatial[0]) // bt
+      lo, hi = t_lo, np.where(hi > lo, t_lo + 1, t_lo)
+      needs[-1] = (2, lo, hi)
+      elements = elements * covering(lo, hi, gt)[out.contraction_coords[1]]
+      continue
     needs[out_spec[2 + d]] = (2 + d, lo, hi)
     elements = elements * covering(lo, hi, grid[2 + d])[out.coords[2 + d]]
   return operand_exchange_cost(target, rhs, tuple(rhs_spec), (geo.o, geo.i) + geo.k_spatial,
-                               tuple((a,) for a in rhs_spec), out.grids, out.tiles, needs,
-                               elements)
+                               tuple((a,) for a in rhs_spec), out.exchange_grid, out.tiles,
+                               needs, elements)
 
 
 def _block_work(target, geo: ConvGeometry, plan: ConvPlan, out: _OutputGrid, local_bytes,
@@ -194,12 +235,19 @@ def _block_work(target, geo: ConvGeometry, plan: ConvPlan, out: _OutputGrid, loc
   for canon, size in enumerate((geo.n_out, geo.o) + geo.out_spatial):
     out_elements = out_elements * edge_sizes(size, plan.grid[canon],
                                               plan.block[canon])[out.coords[canon]]
-  macs = out_elements * geo.i * geo.kernel_elements
+  if plan.gk > 1:
+    gi, gt = plan.contraction
+    bi, bt = plan.contraction_block
+    taps = edge_sizes(geo.k_spatial[0], gt, bt)[out.contraction_coords[1]] * (
+        geo.kernel_elements // geo.k_spatial[0])
+    macs = out_elements * edge_sizes(geo.i, gi, bi)[out.contraction_coords[0]] * taps
+  else:
+    macs = out_elements * geo.i * geo.kernel_elements
   out_chans = edge_sizes(geo.o, plan.grid[1], plan.block[1])[out.coords[1]]
   cycles = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements,
                                     dtype=geo.dtype, n=out_chans)
   scratch = local_bytes
-  if acc != out_dtype:   # partials wider than the result
+  if acc != out_dtype and plan.gk == 1:   # partials wider than the result (else a tensor)
     scratch = scratch + out_elements * acc.itemsize
   return block_work(target, out.tiles, macs, cycles, scratch,
                     bool(jnp.issubdtype(out_dtype, jnp.inexact)))
@@ -233,41 +281,92 @@ def conv_general_dilated_rule(ctx: RuleContext, lhs: P.Tensor, rhs: P.Tensor, *,
                                                range(target.num_ipus)))
   grid = _output_grid(ctx, out_shape, dn[2], plan)
   out = ctx.new_tensor(out_shape, out_dtype,
-                       block_grid_mapping(out_shape, grid.grids, grid.blocks, grid.tiles))
+                       block_grid_mapping(out_shape, grid.grids, grid.blocks, grid.tiles,
+                                          pieces=plan.gk))
   lhs_cost, lhs_local = _lhs_exchange(target, lhs, geo, plan, dn, grid)
   rhs_cost, rhs_local = _rhs_exchange(target, rhs, geo, plan, dn, grid)
   work = _block_work(target, geo, plan, grid,
                      lhs_local * lhs.itemsize + rhs_local * rhs.itemsize, acc, out_dtype)
-  step, logical_step = _conv_step(lhs, rhs, out, grid, geo, dn, plan, acc, precision, in_dtype)
+  name = f"{ctx.op}/conv {plan.label}"
+  partials = (partials_tensor(ctx, grid.tiles, int(np.prod(grid.blocks)), acc,
+                              f"{ctx.op}/partials") if plan.gk > 1 else None)
+  step, logical_step = _conv_step(lhs, rhs, out, partials, grid, geo, dn, plan, acc, precision,
+                                  in_dtype)
   note = estimators.mac_cost_note(in_dtype)
   ctx.emit(P.Superstep(
-      name=f"{ctx.op}/conv {plan.label}", op=ctx.op, reads=(lhs, rhs), writes=(out,), fn=step,
+      name=name, op=ctx.op, reads=(lhs, rhs),
+      writes=(out,) if partials is None else (partials, out), fn=step,
       compute_cycles=work.compute, exchange=add_costs(lhs_cost, rhs_cost),
       vertices=work.vertices,
       codelets=(vocab.vertex(vocab.CONV_PARTIAL, np.dtype(in_dtype), acc),), flops=work.flops,
       scratch_bytes=work.scratch, notes=(note,) if note else (), logical=logical_step,
       flops_dtype=np.dtype(in_dtype)))
+  if partials is not None:
+    emit_partials_reduce(ctx, partials, out, grid.tiles, plan.gk,
+                         half_partials.applies(in_dtype, acc), name)
   return [out]
 
 
-def _conv_step(lhs, rhs, out, grid: _OutputGrid, geo: ConvGeometry, dn, plan: ConvPlan, acc,
-               precision, in_dtype):
+def _conv_step(lhs, rhs, out, partials, grid: _OutputGrid, geo: ConvGeometry, dn,
+               plan: ConvPlan, acc, precision, in_dtype):
   """``(fn, logical)``: the step's blocks on tile storage, and the whole
-  convolution on the logical operands."""
+  convolution on the logical operands (with a split contraction, the step
+  writes the partial blocks, and its logical form the result)."""
   dn_obj = lax.ConvDimensionNumbers(*dn)
 
   def step(x_st, w_st):
     x, w = logical(x_st, lhs), logical(w_st, rhs)
-    y = _per_tile_conv(x, w, geo, dn, plan, acc, precision, in_dtype)
-    return (blocked_storage(y.astype(out.dtype), grid.grids, grid.blocks),)
+    if partials is None:
+      y = _per_tile_conv(x, w, geo, dn, plan, acc, precision, in_dtype)
+      return (blocked_storage(y.astype(out.dtype), grid.grids, grid.blocks),)
+    parts = [blocked_storage(y, grid.grids, grid.blocks)
+             for y in _per_tile_partials(x, w, geo, dn, plan, acc, precision, in_dtype)]
+    p_st = jnp.stack(parts, axis=1).reshape(partials.storage_shape)
+    return p_st, jnp.zeros(out.storage_shape, out.dtype)
 
   def logical_step(x, w):
-    return (lax.conv_general_dilated(
+    y = lax.conv_general_dilated(
         x, w, geo.strides, geo.padding, geo.lhs_dilation, geo.rhs_dilation,
         dimension_numbers=dn_obj, feature_group_count=geo.fgc,
-        batch_group_count=geo.bgc, precision=precision, preferred_element_type=acc),)
+        batch_group_count=geo.bgc, precision=precision, preferred_element_type=acc)
+    if partials is None:
+      return (y,)
+    # The partials are never read on the host (XLA drops them); the reduce
+    # step's logical form passes the result on.
+    return jnp.zeros(partials.shape, acc), y
 
   return step, logical_step
+
+
+def _per_tile_partials(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision,
+                       in_dtype) -> list:
+  """The ``gk`` partial convolutions of a split contraction, logical, in ``acc``.
+
+  Contraction block ``j = ci * gt + ct`` convolves input channels ``[ci*bi,
+  ...)`` with kernel rows ``[ct*bt, ...)`` along spatial axis 0: the same
+  convolution with the window's start moved by ``ct*bt`` taps (padding less
+  ``ct*bt*d`` before, so every output row still reads the same positions).
+  """
+  lhs_spec, rhs_spec, _ = dn
+  (gi, gt), (bi, bt) = plan.contraction, plan.contraction_block
+  reach = geo.reach(0)
+  parts = []
+  for ci in range(gi):
+    chans = slice(ci * bi, min(geo.i, (ci + 1) * bi))
+    for ct in range(gt):
+      rows = slice(ct * bt, min(geo.k_spatial[0], (ct + 1) * bt))
+      taps = rows.stop - rows.start
+      lo, hi = geo.padding[0]
+      lo_j = lo - rows.start * geo.rhs_dilation[0]
+      hi_j = lo + hi - reach + (taps - 1) * geo.rhs_dilation[0] + 1 - lo_j
+      geo_j = dataclasses.replace(
+          geo, c=chans.stop - chans.start, i=chans.stop - chans.start,
+          k_spatial=(taps,) + geo.k_spatial[1:], padding=((lo_j, hi_j),) + geo.padding[1:])
+      xj = lax.slice_in_dim(x, chans.start, chans.stop, axis=lhs_spec[1])
+      wj = lax.slice_in_dim(w, chans.start, chans.stop, axis=rhs_spec[1])
+      wj = lax.slice_in_dim(wj, rows.start, rows.stop, axis=rhs_spec[2])
+      parts.append(_per_tile_conv(xj, wj, geo_j, dn, plan, acc, precision, in_dtype))
+  return parts
 
 
 @dataclasses.dataclass(frozen=True)
