@@ -16,11 +16,17 @@ receives and sends, multicasts deduplicated, IPU-Link bytes; copies and fills
 per tile) without an array per element. A box is cut into *rows* along its innermost axis when
 that axis is contiguous in the output and copies either a contiguous source
 run (stride 1) or one source element (stride 0, a broadcast); rows are cut
-where the destination mapping's tile runs and the sources' tile runs change,
-and the per-tile counts are unions of source intervals. A broadcast of a
-``[D]`` bias over ``[B, S, D]`` is ``B * S`` rows instead of ``B * S * D``
-elements. A transpose that moves the innermost axis has rows of one element;
-it is planned on the tile of every element, transposed like the data (small
+where the destination mapping's tile runs change, the source intervals each
+destination tile needs are merged into their union, and those are cut where
+the sources' tile runs change; the per-tile counts are unions of source
+intervals. A broadcast of a ``[D]`` bias over ``[B, S, D]`` is ``B * S`` rows
+instead of ``B * S * D`` elements, and its sources are cut once per
+destination tile, not once per row. When even that passes the piece budget
+(a ``[C]`` vector spread over many tiles, broadcast over an output on every
+tile: C x tiles pieces) the figures are read from a ``[tiles, sources]``
+table of which source elements each tile needs, when it is small. A
+transpose that moves the innermost axis has rows of one element; it is
+planned on the tile of every element, transposed like the data (small
 integers, no index array, every source copied once), and cached by layout
 like the region plans. Other maps with short rows (strided slices of the
 innermost axis, reversals) fall back to the element planner. All return a
@@ -270,6 +276,28 @@ def _union_lengths(group: np.ndarray, lo: np.ndarray, hi: np.ndarray, num_groups
   return np.bincount(group, weights=new, minlength=num_groups)[:num_groups].astype(np.int64)
 
 
+def _merged_intervals(group: np.ndarray, lo: np.ndarray, hi: np.ndarray, span: int):
+  """``(group, lo, hi)``: the union of intervals ``[lo, hi)`` per group, as
+  disjoint intervals sorted by group then start (touching ones joined).
+
+  Intervals lie in ``[0, span]``; the covered set of each group is kept, so
+  every union taken of them later is unchanged.
+  """
+  if group.size <= 1 or (int(group.max()) + 1) * (span + 1) >= 1 << 62:
+    return group, lo, hi
+  # Each group shifted past the previous one's reach: once sorted, a running
+  # maximum of interval ends never carries from one group into the next.
+  base = group.astype(np.int64) * (span + 1)
+  start, end = base + lo, base + hi
+  if not (start[1:] >= start[:-1]).all():
+    order = np.argsort(start, kind="stable")
+    start, end, group, base = start[order], end[order], group[order], base[order]
+  reached = np.maximum.accumulate(end)
+  first = np.flatnonzero(np.concatenate([[True], start[1:] > reached[:-1]]))
+  last_end = reached[np.append(first[1:] - 1, reached.size - 1)]
+  return group[first], start[first] - base[first], last_end - base[first]
+
+
 def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
                 itemsize: int) -> Optional[CopyPlan]:
   """The figures of a static copy from its boxes, or ``None`` if rows are short.
@@ -321,44 +349,80 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
 
   written = np.zeros(num_tiles, np.int64)
   fills = np.zeros(num_tiles, np.int64)
-  pieces = []  # (dst tile, src tile, src lo, src hi)
+  needs = []  # per output: (dst tile, src lo, src hi) of its pieces
   for mapping, boxmap in outputs:
     if mapping.num_elements == 0:
       continue
     on_tile = mapping.elements_per_tile(num_tiles)
-    parts = [b.rows() for b in boxmap.boxes]
-    if not parts:
+    if not boxmap.boxes:
       fills += on_tile
       continue
-    out_lo = np.concatenate([p[0] for p in parts])
-    src_lo = np.concatenate([p[1] for p in parts])
-    length = np.concatenate([np.full(p[0].size, p[2], np.int64) for p in parts])
-    step = np.concatenate([np.full(p[0].size, p[3], np.int64) for p in parts])
-    d_starts, d_tiles = mapping.intervals
-    cut = _cut(out_lo, out_lo + length, d_starts, mapping.num_elements, budget)
-    if cut is None:
+    need = _destination_needs(mapping, boxmap, budget)
+    if need is None:
       return None
-    parent, run, lo, hi = cut
-    dst = d_tiles[run]
-    count = hi - lo
-    covered = np.bincount(dst, weights=count, minlength=num_tiles)[:num_tiles].astype(np.int64)
+    covered = np.bincount(need[0], weights=need[3],
+                          minlength=num_tiles)[:num_tiles].astype(np.int64)
     written += covered
     fills += on_tile - covered
-    # Each piece's sources: a run (stride 1) or one element (stride 0).
-    first = src_lo[parent] + step[parent] * (lo - out_lo[parent])
-    last = first + np.where(step[parent] == 1, count, 1)
-    cut = _cut(first, last, s_starts, num_sources, budget)
-    if cut is None:
-      return None
-    owner, s_run, a, b = cut
-    pieces.append((dst[owner], s_tiles[s_run], a, b))
-  received = np.zeros(num_tiles, np.int64)
-  if not pieces:
-    return _frozen(CopyPlan(None, received, written, fills))
-  dst, src, a, b = pieces[0] if len(pieces) == 1 else (np.concatenate(p) for p in zip(*pieces))
+    needs.append(need[:3])
+  nothing = np.zeros(num_tiles, np.int64)
+  if not needs:
+    return _frozen(CopyPlan(None, nothing, written, fills))
+  dst, first, last = needs[0] if len(needs) == 1 else (np.concatenate(p) for p in zip(*needs))
+  # Every figure is a union of source intervals per destination tile: merge
+  # them first, so a small operand repeated over many rows (a [C] bias over
+  # [B, H, W, C]) is cut on its source runs once per tile, not once per row.
+  dst, first, last = _merged_intervals(dst, first, last, num_sources)
+  figures = _exchange_by_pieces(target, dst, first, last, s_starts, s_tiles, num_sources,
+                                budget)
+  if figures is None and num_tiles * num_sources <= _DENSE_CELLS:
+    figures = _exchange_dense(target, dst, first, last, s_starts, s_tiles, num_sources)
+  if figures is None:
+    return None
+  received, sent, link = figures
+  if not received.any():
+    return _frozen(CopyPlan(None, nothing, written, fills))
+  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
+  return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+def _destination_needs(mapping: TileMapping, boxmap: BoxMap, budget: int):
+  """``(dst tile, src lo, src hi, count)`` of one output's rows cut at its tile runs.
+
+  Piece ``k`` writes ``count[k]`` elements on tile ``dst[k]`` from sources
+  ``[lo[k], hi[k])`` (a run, or one element a broadcast row repeats); ``None``
+  past ``budget`` pieces.
+  """
+  parts = [b.rows() for b in boxmap.boxes]
+  out_lo = np.concatenate([p[0] for p in parts])
+  src_lo = np.concatenate([p[1] for p in parts])
+  length = np.concatenate([np.full(p[0].size, p[2], np.int64) for p in parts])
+  step = np.concatenate([np.full(p[0].size, p[3], np.int64) for p in parts])
+  d_starts, d_tiles = mapping.intervals
+  cut = _cut(out_lo, out_lo + length, d_starts, mapping.num_elements, budget)
+  if cut is None:
+    return None
+  parent, run, lo, hi = cut
+  count = hi - lo
+  # Each piece's sources: a run (stride 1) or one element (stride 0).
+  first = src_lo[parent] + step[parent] * (lo - out_lo[parent])
+  last = first + np.where(step[parent] == 1, count, 1)
+  return d_tiles[run], first, last, count
+
+
+def _exchange_by_pieces(target, dst, first, last, s_starts, s_tiles, num_sources, budget):
+  """``(received, sent, link)`` elements per tile / IPU from the source
+  intervals each destination tile needs, cut at the sources' tile runs;
+  ``None`` past ``budget`` pieces."""
+  num_tiles = target.num_tiles
+  cut = _cut(first, last, s_starts, num_sources, budget)
+  if cut is None:
+    return None
+  owner, s_run, a, b = cut
+  dst, src = dst[owner], s_tiles[s_run]
   moved = src != dst
   if not moved.any():
-    return _frozen(CopyPlan(None, received, written, fills))
+    return np.zeros(num_tiles, np.int64), None, None
   if not moved.all():
     kept = np.flatnonzero(moved)  # one pass for the four arrays
     dst, src, a, b = dst[kept], src[kept], a[kept], b[kept]
@@ -367,8 +431,43 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
     sent, link = _sent_by_coverage(target, dst, a, b, s_starts, s_tiles, num_sources)
   else:
     sent, link = _sent_by_unions(target, dst, src, a, b, num_sources)
-  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
-  return _frozen(CopyPlan(cost, received, written - received, fills))
+  return received, sent, link
+
+
+# Past its piece budget a copy is planned on a [tiles, sources] table of which
+# source elements each tile needs when the table has at most this many cells
+# (a [C] operand broadcast over an output on every tile: C x tiles).
+_DENSE_CELLS = 1 << 24
+
+
+def _exchange_dense(target, dst, lo, hi, s_starts, s_tiles, num_sources) -> tuple:
+  """:func:`_exchange_by_pieces` on a ``[tiles, sources]`` table of needs.
+
+  ``(dst, lo, hi)`` are disjoint, non-touching intervals per tile (from
+  :func:`_merged_intervals`), so each is two marks in a difference table and
+  a running sum along the sources gives which elements each tile needs: work
+  in tiles x sources, however many source runs the intervals cross.
+  """
+  num_tiles, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
+  width = num_sources + 1
+  marks = np.zeros(num_tiles * width, np.int8)
+  row = dst.astype(np.int64) * width
+  marks[row + lo] = 1
+  marks[row + hi] = -1
+  need = np.cumsum(marks.reshape(num_tiles, width), axis=1, dtype=np.int8)[:, :num_sources] > 0
+  owner = np.repeat(s_tiles, np.diff(np.append(s_starts, num_sources)))
+  need[owner, np.arange(num_sources)] = False  # an element on its own tile does not move
+  received = need.sum(axis=1, dtype=np.int64)
+  sent = np.bincount(owner[need.any(axis=0)], minlength=num_tiles)[:num_tiles].astype(np.int64)
+  link = np.zeros(n_ipus, np.int64)
+  if n_ipus > 1:
+    # An element crosses the links once per other IPU with a tile needing it.
+    owner_ipu = owner // per_ipu
+    wanted = need.reshape(n_ipus, per_ipu, num_sources).any(axis=1)
+    away = wanted & (owner_ipu[None, :] != np.arange(n_ipus)[:, None])
+    link = np.bincount(owner_ipu, weights=away.sum(axis=0),
+                       minlength=n_ipus)[:n_ipus].astype(np.int64)
+  return received, sent, link
 
 
 # What is sent is counted on the source elements (:func:`_sent_by_coverage`)

@@ -99,14 +99,23 @@ def _assert_same_figures(plan, target, sources, outputs, itemsize):
   return fills
 
 
+def _counting(how):
+  """Plans count what moves by unions of intervals, on the source elements, or
+  on the table of needs the planner uses past its piece budget."""
+  if how == "table":
+    return mock.patch.object(copy_plan, "_exchange_by_pieces", lambda *args: None)
+  return mock.patch.object(copy_plan, "_COVERAGE_RATIO", 0 if how == "unions" else 10**9)
+
+
 class RegionPlanTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.product(seed=list(range(12)), target=sorted(_TARGETS),
                          layouts=[("linear", "linear"), ("irregular", "blocks"),
                                   ("blocks", "irregular")],
-                         # What is sent counted by unions of intervals or on the sources.
-                         sent_count=[0, 10**9])
-  def test_same_figures_as_the_element_planner(self, seed, target, layouts, sent_count):
+                         # What is sent counted by unions of intervals, on the sources,
+                         # or on a [tiles, sources] table of needs (past the piece budget).
+                         counting=["unions", "sources", "table"])
+  def test_same_figures_as_the_element_planner(self, seed, target, layouts, counting):
     target = _TARGETS[target]
     rng = np.random.RandomState(seed)
     in_shape = (int(rng.randint(1, 5)), int(rng.randint(1, 6)), int(rng.randint(10, 40)))
@@ -115,14 +124,15 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     shape, box = _random_movement(rng, in_shape)
     out = _mapping(layouts[1], int(np.prod(shape)), target, rng)
     itemsize = int(rng.choice([1, 2, 4]))
-    with plan_cache.disabled(), mock.patch.object(copy_plan, "_COVERAGE_RATIO", sent_count):
+    with plan_cache.disabled(), _counting(counting):
       plan = copy_plan.plan_copies(target, [source], [(out, BoxMap((box,)))], itemsize)
     if plan is None:
       self.assertGreater(box.num_rows() * copy_plan.MIN_MEAN_ROW, out.num_elements)
       return
     _assert_same_figures(plan, target, [source], [(out, BoxMap((box,)))], itemsize)
 
-  def test_several_sources_and_outputs_with_fill(self):
+  @parameterized.parameters("unions", "sources", "table")
+  def test_several_sources_and_outputs_with_fill(self, counting):
     # A concatenation of two operands into a padded output, and a second
     # output reading the same elements: multicasts counted once per tile.
     rng = np.random.RandomState(3)
@@ -136,7 +146,8 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     second = (Box.make((8, 40), 0, (40, 1), 0, (40, 1)),)
     outputs = [(_mapping("linear", 9 * 44, target, rng), BoxMap(boxes)),
                (_mapping("blocks", 8 * 40, target, rng), BoxMap(second))]
-    plan = copy_plan.plan_copies(target, [a, b], outputs, 4)
+    with plan_cache.disabled(), _counting(counting):
+      plan = copy_plan.plan_copies(target, [a, b], outputs, 4)
     self.assertIsNotNone(plan.exchange)
     fills = _assert_same_figures(plan, target, [a, b], outputs, 4)
     self.assertGreater(int(fills.sum()), 0)

@@ -6,6 +6,8 @@ Each primitive runs on the emulated IPU and must give exactly what
 """
 
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -20,7 +22,7 @@ from ipu_jax.lowering.exchange import movement_cost, to_flat, to_storage
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.lower import lower_closed_jaxpr
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering import copy_elements, movement
+from ipu_jax.lowering import copy_elements, copy_plan, movement
 
 _SMALL = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.bool_)
@@ -210,6 +212,44 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
     steps = _steps(lambda v: jnp.broadcast_to(v, (100, 90)), v)
     # Each element leaves its tile once, however many tiles need it.
     self.assertLessEqual(int(steps[0].exchange_bytes_out.sum()), 90 * 4)
+
+  @parameterized.parameters(((2, 14, 14, 256), 1), ((3, 7, 7, 2048), 1), ((4, 28, 28, 64), 1),
+                            ((2, 8, 8, 1000), 2))
+  def test_channel_broadcast_on_a_full_ipu_is_planned_by_regions(self, shape, num_ipus):
+    """Batch norm's per-channel [C] vector over [B, H, W, C] on 1,472 tiles.
+
+    The vector, a reduction's result, lies on many tiles: planned by its
+    elements, the broadcast cost time and memory in the output's elements.
+    By regions it is planned per destination tile on the channels it needs,
+    with the figures of the per-element planner (the oracle: every
+    movement planned element by element).
+    """
+    target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=num_ipus)
+    x = _random(shape, jnp.float16)
+
+    def fn(x):  # as flax.nnx.BatchNorm in training: statistics kept as [1, 1, 1, C]
+      x = x.astype(jnp.float32)
+      centred = x - jnp.mean(x, axis=(0, 1, 2), keepdims=True)
+      return centred * lax.rsqrt(jnp.mean(centred * centred, axis=(0, 1, 2), keepdims=True)
+                                 + 1e-5)
+
+    with mock.patch.object(copy_elements, "plan_elements",
+                           wraps=copy_elements.plan_elements) as by_elements:
+      lowered = ipu_jax.jit(fn, target=target).lower(x)
+    self.assertEqual(by_elements.call_count, 0)
+    with mock.patch.object(copy_plan, "MIN_MEAN_ROW", 1 << 62):  # rows never long enough
+      oracle = ipu_jax.jit(fn, target=target).lower(x)
+    got, want = lowered.report.profile, oracle.report.profile
+    self.assertIn("broadcast_in_dim", [s.name for s in got.steps])
+    self.assertEqual([s.name for s in got.steps], [s.name for s in want.steps])
+    for step, expected in zip(got.steps, want.steps):
+      self.assertEqual(step.total_cycles, expected.total_cycles, step.name)
+      np.testing.assert_array_equal(step.exchange_bytes_in, expected.exchange_bytes_in)
+      np.testing.assert_array_equal(step.exchange_bytes_out, expected.exchange_bytes_out)
+      self.assertEqual(step.ipu_link_bytes, expected.ipu_link_bytes)
+    np.testing.assert_array_equal(got.memory.peak, want.memory.peak)
+    chex.assert_trees_all_close(np.asarray(lowered.compile()(x)), jax.jit(fn)(x),
+                                rtol=2e-3, atol=2e-3)
 
   def test_broadcast_to_helper(self):
     """The helper other rules call for operands with size-1 axes."""
