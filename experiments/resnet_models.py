@@ -21,7 +21,11 @@ Layout NHWC, as the examples:
 Batch normalisation uses each replica's own micro-batch statistics in
 training and keeps running averages (``nnx.BatchStat``) updated on the stage
 that runs the layer; the examples' MLPerf configs take statistics over 2
-replicas (``BN_span: 2``), see docs/published_resnet.md.
+replicas (``BN_span: 2``), see docs/published_resnet.md. It is
+:class:`FusedBatchNorm`: ``nnx.BatchNorm``'s parameters and numbers, computed as
+the examples' ``tf.nn.fused_batch_norm`` runs on the IPU (float32 statistics,
+float16 whitening and gradient, no float32 copy of an activation kept for the
+backward); ``ResNetConfig.fused_batch_norm=False`` gives Flax's own.
 
 :func:`make_loss` turns a model into ``loss_fn(params, batch, state) ->
 (loss, new_state)`` (softmax cross entropy with label smoothing, the
@@ -34,6 +38,7 @@ examples' ``pipeline_splits``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Sequence
 
@@ -45,7 +50,8 @@ from flax import nnx
 
 import ipu_jax
 
-__all__ = ["ResNetConfig", "ResNet", "resnet50", "tiny_resnet", "make_loss",
+__all__ = ["ResNetConfig", "ResNet", "FusedBatchNorm", "fused_batch_norm", "resnet50",
+           "tiny_resnet", "make_loss",
            "stage_assignment", "unit_names", "synthetic_batches"]
 
 
@@ -61,12 +67,15 @@ class ResNetConfig:
     label_smoothing: of the cross entropy (the examples' 0.1).
     dtype: weights' and activations' dtype (the examples' precision 16.16:
       float16 both).
+    fused_batch_norm: batch norm as the IPU runs TensorFlow's fused one
+      (:class:`FusedBatchNorm`); False: Flax's ``nnx.BatchNorm``.
   """
   units: tuple = (3, 4, 6, 3)
   width: int = 64
   classes: int = 1000
   label_smoothing: float = 0.1
   dtype: object = jnp.float32
+  fused_batch_norm: bool = True
 
 
 def resnet50(dtype=jnp.float32) -> ResNetConfig:
@@ -83,24 +92,95 @@ def _conv(cin, cout, k, stride, dtype, rngs):
                   use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
-def _norm(c, dtype, rngs):
+def _channel_sums(*tensors):
+  """Per-channel float32 sums of NHWC tensors (the statistics' accumulation)."""
+  return [jnp.sum(t, axis=(0, 1, 2), dtype=jnp.float32) for t in tensors]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fused_batch_norm(x, scale, bias, epsilon: float):
+  """``(y, mean, var)``: training batch norm of NHWC ``x`` over N, H and W.
+
+  As TensorFlow's ``tf.nn.fused_batch_norm`` on the IPU (popnn's
+  ``batchNormalise`` / ``batchNormGradients``, what Graphcore's MLPerf
+  ``Models/batch_norm.py`` calls): the statistics accumulate in float32, the
+  whitening and its gradient run in ``x``'s dtype as one scale and offset a
+  channel, and the backward keeps only ``x`` and the per-channel statistics.
+  Flax's ``nnx.BatchNorm`` computes in float32 instead and its VJP keeps
+  float32 copies of the activations (``x - mean``, ``x * scale``) alive from the
+  recomputed forward to the backward: twice the float16 activation's bytes
+  each. ``mean`` and ``var`` (biased, as Flax's) feed only the running
+  averages; their cotangents are not propagated.
+  """
+  return _fused_forward(x, scale, bias, epsilon)[0]
+
+
+def _fused_forward(x, scale, bias, epsilon):
+  n = x.size // x.shape[-1]
+  total, squares = _channel_sums(x, jnp.square(x.astype(jnp.float32)))
+  mean = total / n
+  var = jnp.maximum(squares / n - jnp.square(mean), 0.0)
+  inv = jax.lax.rsqrt(var + epsilon)
+  a = scale.astype(jnp.float32) * inv
+  b = bias.astype(jnp.float32) - mean * a
+  y = x * a.astype(x.dtype) + b.astype(x.dtype)
+  return (y, mean, var), (x, mean, inv, scale, bias)
+
+
+def _fused_backward(epsilon, residuals, cotangents):
+  del epsilon  # in the residuals' inverse deviation
+  x, mean, inv, scale, bias = residuals
+  dy = cotangents[0]
+  n = x.size // x.shape[-1]
+  sum_dy, sum_dy_x = _channel_sums(dy, (dy * x).astype(jnp.float32))
+  sum_dy_xhat = inv * (sum_dy_x - mean * sum_dy)  # d scale
+  k = scale.astype(jnp.float32) * inv
+  c_x = -k * inv * sum_dy_xhat / n
+  c_0 = -k * sum_dy / n - c_x * mean
+  dx = dy * k.astype(x.dtype) + x * c_x.astype(x.dtype) + c_0.astype(x.dtype)
+  return dx, sum_dy_xhat.astype(scale.dtype), sum_dy.astype(bias.dtype)
+
+
+fused_batch_norm.defvjp(_fused_forward, _fused_backward)
+
+
+class FusedBatchNorm(nnx.BatchNorm):
+  """``nnx.BatchNorm`` (same parameters and statistics) whose training call is
+  :func:`fused_batch_norm`; with running averages it is Flax's."""
+
+  def __call__(self, x, use_running_average=None, *, mask=None):
+    running = self.use_running_average if use_running_average is None else use_running_average
+    if running or mask is not None or self.axis not in (-1, x.ndim - 1):
+      return super().__call__(x, use_running_average=use_running_average, mask=mask)
+    y, mean, var = fused_batch_norm(x.astype(self.dtype or x.dtype), self.scale[...],
+                                    self.bias[...], self.epsilon)
+    self.mean[...] = jax.lax.stop_gradient(self.momentum * self.mean[...]
+                                           + (1 - self.momentum) * mean)
+    self.var[...] = jax.lax.stop_gradient(self.momentum * self.var[...]
+                                          + (1 - self.momentum) * var)
+    return y
+
+
+def _norm(c, dtype, rngs, fused=True):
   # The examples' BN_decay 0.9 and resnet_base.py's norm(): epsilon 1e-5.
-  return nnx.BatchNorm(c, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=dtype,
-                       rngs=rngs)
+  cls = FusedBatchNorm if fused else nnx.BatchNorm
+  return cls(c, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class Bottleneck(nnx.Module):
   """1x1 -> 3x3 (stride here: v1.5) -> 1x1, each with batch norm; shortcut."""
 
-  def __init__(self, cin: int, width: int, stride: int, dtype, rngs: nnx.Rngs):
+  def __init__(self, cin: int, width: int, stride: int, dtype, rngs: nnx.Rngs,
+               fused: bool = True):
     cout = 4 * width
-    self.conv1, self.bn1 = _conv(cin, width, 1, 1, dtype, rngs), _norm(width, dtype, rngs)
-    self.conv2, self.bn2 = _conv(width, width, 3, stride, dtype, rngs), _norm(width, dtype, rngs)
-    self.conv3, self.bn3 = _conv(width, cout, 1, 1, dtype, rngs), _norm(cout, dtype, rngs)
+    norm = lambda c: _norm(c, dtype, rngs, fused)
+    self.conv1, self.bn1 = _conv(cin, width, 1, 1, dtype, rngs), norm(width)
+    self.conv2, self.bn2 = _conv(width, width, 3, stride, dtype, rngs), norm(width)
+    self.conv3, self.bn3 = _conv(width, cout, 1, 1, dtype, rngs), norm(cout)
     self.project = cin != cout or stride != 1
     if self.project:
       self.short = _conv(cin, cout, 1, stride, dtype, rngs)
-      self.short_bn = _norm(cout, dtype, rngs)
+      self.short_bn = norm(cout)
 
   def __call__(self, x, train: bool):
     h = jax.nn.relu(self.bn1(self.conv1(x), use_running_average=not train))
@@ -111,8 +191,8 @@ class Bottleneck(nnx.Module):
 
 
 class Stem(nnx.Module):
-  def __init__(self, width: int, dtype, rngs: nnx.Rngs):
-    self.conv, self.bn = _conv(3, width, 7, 2, dtype, rngs), _norm(width, dtype, rngs)
+  def __init__(self, width: int, dtype, rngs: nnx.Rngs, fused: bool = True):
+    self.conv, self.bn = _conv(3, width, 7, 2, dtype, rngs), _norm(width, dtype, rngs, fused)
 
   def __call__(self, x, train: bool):
     h = jax.nn.relu(self.bn(self.conv(x), use_running_average=not train))
@@ -137,13 +217,14 @@ class ResNet(nnx.Module):
 
   def __init__(self, cfg: ResNetConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.stem = Stem(cfg.width, cfg.dtype, rngs)
+    self.stem = Stem(cfg.width, cfg.dtype, rngs, cfg.fused_batch_norm)
     cin = cfg.width
     for s, n in enumerate(cfg.units):
       width = cfg.width * 2 ** s
       for u in range(n):
         stride = 2 if (u == 0 and s > 0) else 1
-        setattr(self, f"stage{s + 1}_unit{u + 1}", Bottleneck(cin, width, stride, cfg.dtype, rngs))
+        setattr(self, f"stage{s + 1}_unit{u + 1}",
+                Bottleneck(cin, width, stride, cfg.dtype, rngs, cfg.fused_batch_norm))
         cin = 4 * width
     self.head = Head(cin, cfg.classes, cfg.dtype, rngs)
 

@@ -18,9 +18,10 @@ from 0>`` in ``Models/resnet_base.py``, i.e. after units 1 and 3 of stages 1
 and 2, and units 1 and 4 of stage 3, v2.0's ``stage1/unit1`` ...), the
 ``Sequential`` schedule with recomputation (each stage's forward runs again
 in its backward: checkpoints at the splits), ``available_memory_proportion``
-0.15 (0.14 for v1.0's POD64), precision ``16.16`` (float16 weights and
-activations, the train.py default), half partials, 8-bit image I/O, batch
-norm. Optimiser: momentum SGD (0.9) in v1.0, LARS in v1.1 and v2.0.
+0.15 (0.14 for v1.0's POD64) for the convolutions, precision ``16.16``
+(float16 weights and activations, the train.py default), half partials
+(``enable_half_partials``), 8-bit image I/O, batch norm. Optimiser: momentum
+SGD (0.9) in v1.0, LARS in v1.1 and v2.0.
 Images 224 x 224 (``standard_imagenet``).
 
 Not modelled: ``BN_span: 2`` (statistics over pairs of replicas; here each
@@ -36,9 +37,13 @@ __all__ = ["PRESETS", "SPLITS"]
 SPLITS = ["stage1/unit1/relu", "stage1/unit3/relu", "stage2/unit1/relu",
           "stage2/unit3/relu", "stage3/unit1/relu", "stage3/unit4/relu"]
 
+# ``available_memory_proportion`` goes to the convolutions only and
+# ``enable_half_partials`` to convolutions and matmuls, as the MLPerf code's
+# ``ipu_utils.get_config`` sets them (experiments/resnet_training.py's
+# ``ipu_config``); the dense layer's matmul keeps PopLibs' default 0.6.
 _MLPERF = {"model": "resnet50", "tiles_per_ipu": 1472, "dtype": "float16",
            "image_size": 224, "pipeline_splits": SPLITS, "recomputation": True,
-           "matmul_proportion": 0.15}
+           "conv_proportion": 0.15, "matmul_proportion": 0.6, "partials_type": "float16"}
 
 PRESETS = {
     # v1.0: mk2_resnet50_mlperf_pod16_bs20 / _pod64_bs20 (momentum SGD).
@@ -46,7 +51,7 @@ PRESETS = {
                             gradient_accumulation=6, optimizer="momentum"),
     "mlperf_v1_pod64": dict(_MLPERF, system="pod64", replicas=64, micro_batch=20,
                             gradient_accumulation=2, optimizer="momentum",
-                            matmul_proportion=0.14),
+                            conv_proportion=0.14),
     # v1.1: mk2_resnet50_mlperf_pod{16,64,128,256}_lars.
     "mlperf_v1_1_pod16": dict(_MLPERF, system="pod16", replicas=16, micro_batch=20,
                               gradient_accumulation=10, optimizer="lars"),
@@ -71,14 +76,16 @@ PRESETS = {
     # ``resnet50`` (PopTorch, run by benchmarks.yml's
     # pytorch_resnet50_train_real_pod16 on 16 Mk2 IPUs): one stage, recomputation
     # from manual checkpoints (modelled as the whole forward recomputed),
-    # micro-batch 18, G 57, proportion 0.16, momentum SGD. No measurement is
-    # published with it (docs/published_resnet.md).
+    # micro-batch 18, G 57, proportion 0.16 (PopTorch's setAvailableMemoryProportion:
+    # convolutions and matmuls, utils/ipu_settings.py), half_partial, momentum
+    # SGD. No measurement is published with it (docs/published_resnet.md).
     "poptorch_pod16": dict(_MLPERF, system="pod16", replicas=16, micro_batch=18,
                            gradient_accumulation=57, optimizer="momentum", pipeline_splits=[],
-                           matmul_proportion=0.16),
+                           conv_proportion=0.16, matmul_proportion=0.16),
     # A test-sized model on 16 tiles: the runner's own checks.
     "tiny_check": {"model": "tiny", "tiles_per_ipu": 16, "dtype": "float32", "image_size": 16,
                    "pipeline_splits": ["stage1/unit1/relu"], "recomputation": True,
-                   "matmul_proportion": 0.6, "system": "pod4", "replicas": 2, "micro_batch": 2,
+                   "conv_proportion": 0.6, "matmul_proportion": 0.6,
+                   "partials_type": "float32", "system": "pod4", "replicas": 2, "micro_batch": 2,
                    "gradient_accumulation": 2, "optimizer": "momentum"},
 }

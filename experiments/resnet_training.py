@@ -49,6 +49,7 @@ _FLAGS = flags.FLAGS
 OPTIMIZERS = ("momentum", "lars", "sgd")
 MODELS = ("tiny", "resnet50")
 DTYPES = ("float32", "float16")
+PARTIALS = ("float32", "float16")
 
 
 def define_flags(fv=None):
@@ -74,8 +75,13 @@ def define_flags(fv=None):
                     "Units after which a new stage (same IPU) begins.", **d)
   flags.DEFINE_boolean("recomputation", True, "Recompute each stage's forward in its "
                        "backward.", **d)
-  flags.DEFINE_float("matmul_proportion", 0.6, "Available memory proportion of convolutions "
-                     "and matmuls.", **d)
+  flags.DEFINE_float("conv_proportion", 0.6, "Available memory proportion of convolutions "
+                     "(the examples' available_memory_proportion; PopLibs' default 0.6).", **d)
+  flags.DEFINE_float("matmul_proportion", 0.6, "Available memory proportion of matmuls (the "
+                     "final dense layer; PopLibs' default 0.6).", **d)
+  flags.DEFINE_string("partials_type", "float32", f"Partial sums of convolutions and matmuls: "
+                      f"{', '.join(PARTIALS)} (the examples' enable_half_partials: "
+                      "float16).", **d)
   flags.DEFINE_string("optimizer", "momentum", f"One of {', '.join(OPTIMIZERS)}.", **d)
   flags.DEFINE_float("learning_rate", 0.1, "Learning rate.", **d)
   flags.DEFINE_integer("tiles_per_ipu", 16, "Tiles per IPU (the presets: 1,472).", **d)
@@ -129,8 +135,10 @@ def check_flags(f) -> None:
   for name in ("replicas", "micro_batch", "gradient_accumulation", "tiles_per_ipu", "steps"):
     if getattr(f, name) < 1:
       raise ValueError(f"--{name}={getattr(f, name)} must be >= 1.")
-  if not 0.0 < f.matmul_proportion <= 1.0:
-    raise ValueError(f"--matmul_proportion={f.matmul_proportion} must be in (0, 1].")
+  _choice(f, "partials_type", PARTIALS)
+  for name in ("conv_proportion", "matmul_proportion"):
+    if not 0.0 < getattr(f, name) <= 1.0:
+      raise ValueError(f"--{name}={getattr(f, name)} must be in (0, 1].")
   mcfg = model_config(f)
   smallest = 4 * 2 ** len(mcfg.units)  # stem /4, each later stage /2: at least 2 x 2 left
   if f.image_size < smallest:
@@ -152,7 +160,19 @@ def model_config(f):
 
 
 def ipu_config(f):
-  """One replica's IPUConfig: one IPU, the stages in sequence, replicas and G."""
+  """One replica's IPUConfig: one IPU, the stages in sequence, replicas and G.
+
+  The proportions and partials are set where Graphcore's examples set them:
+  the MLPerf TensorFlow code (``ipu_utils.py`` ``get_config`` in
+  ``github.com/mlcommons/training_results_v1.1``, commit ``ebe92f81``,
+  ``Graphcore/benchmarks/resnet/implementations/tensorflow/``) puts its one
+  ``available_memory_proportion`` in ``config.convolutions.poplar_options``
+  only (matmuls keep PopLibs' default) and ``enable_half_partials`` in both
+  the convolutions' and the matmuls' ``partialsType``; PopTorch's
+  ``setAvailableMemoryProportion`` (the PyTorch example) covers both. v1.0's
+  (``50619b5d``) does the same with ``utils.set_convolution_options``, v2.0's
+  (``8437fbb7``) as v1.1's.
+  """
   import ipu_jax
   cfg = ipu_jax.IPUConfig()
   cfg.device.tiles_per_ipu = f.tiles_per_ipu
@@ -163,7 +183,9 @@ def ipu_config(f):
   cfg.training.replica_reduction = "mean"
   cfg.pipelining.schedule = "Sequential"
   cfg.pipelining.recomputation = f.recomputation
+  cfg.convolutions.available_memory_proportion = f.conv_proportion
   cfg.matmuls.available_memory_proportion = f.matmul_proportion
+  cfg.matmuls.partials_type = f.partials_type  # the convolutions' too (lowering/options.py)
   cfg.system = f.system
   return cfg
 

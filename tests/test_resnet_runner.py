@@ -64,6 +64,10 @@ class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
        r"'stage9/unit1/relu' names no unit .* valid units are \['stage1_unit1', "
        r"'stage2_unit1'\]"),
       ("image", ["--config=tiny_check", "--image_size=8"], r"--image_size=8 .* >= 16"),
+      ("conv_proportion", ["--config=tiny_check", "--conv_proportion=0"],
+       r"--conv_proportion=0.0 must be in \(0, 1\]"),
+      ("partials", ["--config=tiny_check", "--partials_type=half"],
+       r"--partials_type='half' .* \['float32', 'float16'\]"),
   )
   def test_bad_flag_names_the_field_and_valid_values(self, argv, message):
     from experiments import resnet_training
@@ -83,6 +87,91 @@ class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
     means = [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(stats)
              if "mean" in jax.tree_util.keystr(path)]
     self.assertGreater(max(float(np.max(np.abs(m))) for m in means), 1e-4)
+
+
+def _conv_working_bytes(pipe) -> int:
+  """The most working memory any convolution step of the pipeline needs on a tile."""
+  return max(bytes_ for report in pipe.report.stage_reports.values()
+             for op, bytes_ in report.temporary_memory_by_op().items() if "conv" in op)
+
+
+class ResNetOptionsTest(chex.TestCase, parameterized.TestCase):
+  """Where the examples' proportion and partials go (ipu_config's sources)."""
+
+  @parameterized.named_parameters(
+      # MLPerf TF: available_memory_proportion -> convolutions only,
+      # enable_half_partials -> convolutions and matmuls.
+      ("mlperf_v1_pod16", "mlperf_v1_pod16", 0.15, 0.6, "float16"),
+      ("mlperf_v1_pod64", "mlperf_v1_pod64", 0.14, 0.6, "float16"),
+      ("mlperf_v2_bow_pod256", "mlperf_v2_bow_pod256", 0.15, 0.6, "float16"),
+      # PopTorch: setAvailableMemoryProportion covers both; half_partial.
+      ("poptorch_pod16", "poptorch_pod16", 0.16, 0.16, "float16"),
+  )
+  def test_presets_set_the_examples_proportions_and_partials(self, preset, conv, matmul,
+                                                             partials):
+    from experiments import resnet_training
+    f = _flags(f"--config={preset}", "--estimate_only")
+    resnet_training.apply_preset(f)
+    cfg = resnet_training.ipu_config(f)
+    self.assertEqual(cfg.convolutions.available_memory_proportion, conv)
+    self.assertEqual(cfg.matmuls.available_memory_proportion, matmul)
+    self.assertEqual(cfg.matmuls.partials_type, partials)
+
+  def test_conv_proportion_plans_the_convolutions_and_matmul_proportion_does_not(self):
+    from experiments import resnet_models, resnet_training
+
+    def conv_bytes(*argv):
+      f = _flags("--config=tiny_check", "--estimate_only", "--image_size=32", *argv)
+      resnet_training.apply_preset(f)
+      resnet_training.check_flags(f)
+      mcfg = resnet_training.model_config(f)
+      pipe, _, _, params, state = resnet_training.build_pipeline(f, mcfg)
+      result = resnet_training.estimate(f, pipe, params, state, mcfg)
+      self.assertGreater(result["samples_per_second"], 0.0)
+      return _conv_working_bytes(pipe)
+
+    default = conv_bytes()
+    self.assertLess(conv_bytes("--conv_proportion=0.002"), default)
+    self.assertEqual(conv_bytes("--matmul_proportion=0.002"), default)
+
+
+def _tiny_float16_estimate(fused: bool) -> dict:
+  """The tiny ResNet's float16 estimate with the fused or Flax's batch norm."""
+  import dataclasses
+  from experiments import resnet_training
+  f = _flags("--config=tiny_check", "--estimate_only", "--dtype=float16", "--image_size=32",
+             "--micro_batch=4")
+  resnet_training.apply_preset(f)
+  mcfg = dataclasses.replace(resnet_training.model_config(f), fused_batch_norm=fused)
+  pipe, _, _, params, state = resnet_training.build_pipeline(f, mcfg)
+  return resnet_training.estimate(f, pipe, params, state, mcfg)
+
+
+class FusedBatchNormTest(chex.TestCase):
+  """The IPU's fused batch norm: Flax's numbers, float16 residuals only."""
+
+  def test_loss_gradients_and_statistics_equal_flax_batch_norm(self):
+    import dataclasses
+    from flax import nnx
+    from experiments import resnet_models
+    results = []
+    for fused in (True, False):
+      cfg = dataclasses.replace(resnet_models.tiny_resnet(), fused_batch_norm=fused)
+      loss_fn, params, state = resnet_models.make_loss(
+          resnet_models.ResNet(cfg, rngs=nnx.Rngs(0)))
+      batch = jax.tree_util.tree_map(lambda b: b[0],
+                                     resnet_models.synthetic_batches(cfg, 1, 4, 16, seed=1))
+      (loss, stats), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+          params, batch, state)
+      results.append(jax.tree_util.tree_map(np.asarray, (loss, stats, grads)))
+    chex.assert_trees_all_close(results[0], results[1], rtol=1e-4, atol=1e-5)
+
+  def test_float16_backward_needs_less_memory_than_flax_batch_norm(self):
+    # Flax's float32 copies of the activations live from the recomputed
+    # forward to the backward; the fused one keeps x (float16) and statistics.
+    fused, flax_bn = _tiny_float16_estimate(True), _tiny_float16_estimate(False)
+    self.assertLess(fused["per_ipu_peak_bytes"][0], 0.8 * flax_bn["per_ipu_peak_bytes"][0])
+    self.assertGreater(fused["samples_per_second"], 0.0)
 
 
 class ResNetLayoutTest(chex.TestCase):
