@@ -255,7 +255,10 @@ class _Folder:
       return None
     if _would_trap(eqn, values) or _expands(eqn, values):
       return None
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    # This process's own CPU device: in a multi-process run jax.devices()[0]
+    # belongs to process 0, and computing on it from another process waits on
+    # a collective that process never joins.
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
       outs = eqn.primitive.bind(*[jnp.asarray(v) for v in values], **eqn.params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     results = [np.asarray(o) for o in outs]

@@ -82,7 +82,7 @@ class ReduceScatterExchangeTest(chex.TestCase, parameterized.TestCase):
     g_out, gk = 3, 4
     tiles = rng.permutation(target.num_tiles)[:g_out * gk]
     group = rng.integers(0, 50, (g_out, gk))
-    cost = matmul_emit._scatter_exchange(target, tiles, group, 4)
+    cost = matmul_emit.scatter_exchange(target, tiles, group, 4)
     ipu = (tiles // 6).reshape(g_out, gk)
     want = np.zeros(num_ipus, np.int64)
     for g in range(g_out):
