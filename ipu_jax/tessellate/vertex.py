@@ -55,14 +55,13 @@ def _has_impl(primitive) -> bool:
   return "impl" in vars(primitive)
 
 
-def _checked_impl_body(primitive, gp_filename: Optional[str]) -> Optional[Callable]:
-  """The vertex body: the primitive's Python impl, vmapped over the tiles."""
+def _checked_impl_body(primitive) -> Optional[Callable]:
+  """The body of a vertex without a C++ file: the primitive's Python impl, vmapped over the tiles."""
   def body(p, params):
     if not _has_impl(p):
       raise NotImplementedError(
-          f"Vertex primitive '{p.name}' has no body on the emulator: give it a Python "
-          f"implementation with primitive.def_impl(fn) (its C++ vertex {gp_filename!r} is not "
-          "run by this emulator yet).")
+          f"Vertex primitive '{p.name}' has no body on the emulator: give its C++ vertex "
+          "file (gp_filename=...), or a Python implementation with primitive.def_impl(fn).")
 
     def fn(*xs):
       out = p.impl(*xs, **params)
@@ -123,7 +122,7 @@ def create_ipu_tile_primitive(pname: str, vname: str, inputs: List[str],
     return {"tmp": jax.core.ShapedArray(aval.shape, aval.dtype)}
 
   body = (cpp_body(gp_filename, name_of, inputs, out_avals, constant_values, scratch)
-          if gp_filename else _checked_impl_body(p, gp_filename))
+          if gp_filename else _checked_impl_body(p))
   register_vertex(p, VertexSpec(vertex_name=name_of,
                                 perf_estimate=lambda avals, attrs: int(perf_estimate),
                                 body=body))
@@ -169,7 +168,7 @@ def declare_ipu_tile_primitive(vname: str, gp_filename: Optional[str] = None):
 
     p.def_abstract_eval(abstract_eval)
     body = (cpp_body(gp_filename, name_of, inputs, out_avals, constant_values, scratch)
-            if gp_filename else _checked_impl_body(p, gp_filename))
+            if gp_filename else _checked_impl_body(p))
     register_vertex(p, VertexSpec(
         vertex_name=name_of,
         perf_estimate=lambda avals, attrs: int(initializer(*avals)[3] or 0),
@@ -200,7 +199,7 @@ def _equation_body(translation):
       avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in shards]
       eqn = _equation(translation, p, avals, params)
       if eqn is None or not getattr(eqn, "gp_filename", None):
-        return _checked_impl_body(p, None)(p, params)(*shards)
+        return _checked_impl_body(p)(p, params)(*shards)
       operands = [i for i in eqn.inputs_info if not i.is_constant_input]
       consts = {i.name: _decoded(i) for i in eqn.inputs_info if i.is_constant_input}
       outs = {o.name: jax.core.ShapedArray(
