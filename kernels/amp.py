@@ -29,7 +29,12 @@ The AMP rate itself is the target's: ``conv_units`` is derived from
 ``fp16_flops_per_cycle`` / ``fp32_flops_per_cycle`` so that a full pass runs
 at the datasheet's peak (IPU2 fp16: 16 input channels x 16 units per 4
 cycles = 64 MACs/cycle = 128 FLOP/cycle, i.e. 250 TFLOPS over 1,472 tiles at
-1.33 GHz). A product whose ``N`` is narrower than the units but whose ``M``
+1.33 GHz). That peak is the half-partials one: 2-byte inputs with float32
+partials run at most 8 units (poplibs' ``fp16InFp32OutConvUnitsPerTile``,
+the AMP's pipeline depth of 4 times the two fp32 partials a 64-bit store
+path writes a cycle, ``tools/single_conv_layer.cpp``; the IPU2 vertex is
+``conv_partial_1x1_half_float_8_and_half_half_h16.S``: 8 units half-float,
+16 half-half), half the rate. A product whose ``N`` is narrower than the units but whose ``M``
 is wider is costed transposed (poplin's planner may swap the operands).
 
 Float64 and complex products are not native (see ``estimators``): they keep
@@ -63,6 +68,11 @@ _COEFF_LOAD_BYTES_PER_CYCLE = 16
 # Extra cycles the fp32-input path spends zeroing partials per row (first
 # input group only): poplibs' zeroCyclesPerGroup.
 _FLOAT_ZERO_PER_ROW = {8: 4, 16: 8}
+# Units of a 2-byte-input AMP with float32 partials: poplibs'
+# fp16InFp32OutConvUnitsPerTile = min(fp16InFp16OutConvUnitsPerTile,
+# pipeline depth 4 x 2 fp32 stored per cycle) (tools/single_conv_layer.cpp;
+# IPU2's vertex conv_partial_1x1_half_float_8_and_half_half_h16.S).
+_FP32_PARTIALS_UNITS = 8
 
 
 class AmpGeometry(tuple):
@@ -78,13 +88,20 @@ class AmpGeometry(tuple):
   core_cycles = property(lambda self: self[2])
 
 
-def amp_geometry(target: IPUTarget, itemsize: int) -> AmpGeometry:
-  """The AMP's channel groups for inputs of ``itemsize`` bytes on ``target``."""
+def amp_geometry(target: IPUTarget, itemsize: int, partials_itemsize: int = 4) -> AmpGeometry:
+  """The AMP's channel groups for inputs of ``itemsize`` bytes on ``target``.
+
+  ``partials_itemsize``: bytes of a partial sum (4: float32, poplin's
+  default; 2: half partials). 2-byte inputs with float32 partials get at
+  most :data:`_FP32_PARTIALS_UNITS` units (half the IPU2's fp16 peak).
+  """
   width = 2 if itemsize <= 2 else 4
   flops = target.fp16_flops_per_cycle if width == 2 else target.fp32_flops_per_cycle
   core = _CORE_CYCLES[width]
   in_chans = _IN_CHANS[width]
   units = max(1, (flops // 2) * core // in_chans)
+  if width == 2 and partials_itemsize >= 4:
+    units = min(units, _FP32_PARTIALS_UNITS)
   return AmpGeometry(in_chans, units, core)
 
 
@@ -109,7 +126,8 @@ def _oriented_cycles(target, geo, width, groups, rows, k, n):
   return supervisor + groups * w * (passes * worker + zeroing)
 
 
-def amp_block_cycles(target: IPUTarget, rows, k, n, itemsize: int, groups=1) -> np.ndarray:
+def amp_block_cycles(target: IPUTarget, rows, k, n, itemsize: int, groups=1,
+                     partials_itemsize: int = 4) -> np.ndarray:
   """Tile cycles of ``groups`` products ``[rows, k] x [k, n]`` on the AMP.
 
   Vectorised: ``rows``, ``k``, ``n`` and ``groups`` may be ``[tiles]`` arrays.
@@ -120,13 +138,15 @@ def amp_block_cycles(target: IPUTarget, rows, k, n, itemsize: int, groups=1) -> 
     rows, k, n: the block's output rows, contraction length and columns.
     itemsize: bytes of an input element (2: fp16/bf16 rate, else fp32 rate).
     groups: independent products on the tile (a batch block).
+    partials_itemsize: bytes of a partial sum (4: float32; 2: half partials,
+      the full fp16 AMP rate).
 
   Returns:
     float64 cycles, the supervisor's and workers' together.
   """
   rows, k, n, groups = (np.asarray(x, np.int64) for x in (rows, k, n, groups))
   width = 2 if itemsize <= 2 else 4
-  geo = amp_geometry(target, itemsize)
+  geo = amp_geometry(target, itemsize, partials_itemsize)
   straight = _oriented_cycles(target, geo, width, groups, rows, k, n)
   swapped = _oriented_cycles(target, geo, width, groups, n, k, rows)
   cycles = np.minimum(straight, swapped).astype(np.float64)

@@ -55,7 +55,19 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    exchange, vertex); lowering/constant_folding.py. Hardware dropout on
 #    [1024, 1024] float16 at 1,472 tiles: 3 steps, 1,809 cycles -> 1 step,
 #    1,065 (compute 979 -> 517, poprand's Dropout alone).
-COST_MODEL_VERSION = "6"
+# 7: PopSparse's dynamic block vertices scan buckets with sparseDenseBlockMultiply's
+#    supervisor figures (33 a sub-group skipped, 46 + 56 for the one found) instead
+#    of the element-wise vertex's (32, 47 + 46); kernels/popsparse.py. Only dynamic
+#    sparse products with blocks of 4, 8 or 16 move (a few cycles per propagation step).
+# 8: float32 sums of float16 values as popnn's batch norm runs them (popops::reduceMany):
+#    a widening cast / square read only by a reduce_sum is folded into its first stage
+#    (float16 in, float32 partials; SQUARE_ADD), and two sums' stages on one layout share
+#    a compute set; lowering/reduce_many.py, kernels/reduce.py. A [20, 56, 56, 256] batch
+#    norm's statistics at 1,472 tiles: 41,266 -> 12,588 cycles. Only such sums move.
+# 9: float16 products with float32 partials run 8 AMP units on IPU2 / Bow, half the
+#    half-partials rate (poplibs' fp16InFp32OutConvUnitsPerTile; kernels/amp.py); only
+#    2-byte matmuls and convolutions with float32 partials move (their AMP passes double).
+COST_MODEL_VERSION = "9"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +215,9 @@ FIGURE_SOURCES.update({
         "poplibs", _POPSPARSE + "sparseDenseElementwiseMultiply: 3 cycles per vector of 8 "
         "halves / 4 floats of Z per non-zero, per-row and entry overheads"),
     "kernels.popsparse.bucket_scan_cycles": FigureSource(
-        "poplibs", _POPSPARSE + "supervisorCyclesWithBucketsNotForPN (32 a sub-group skipped) "
-        "and ...ForPN (47 + 46 for the sub-group found) of the same estimators"),
+        "poplibs", _POPSPARSE + "supervisorCyclesWithBucketsNotForPN and ...ForPN, one "
+        "sub-group a bucket: sparseDenseElementwiseMultiply 32 a sub-group skipped and "
+        "47 + 46 for the one found; sparseDenseBlockMultiply (4x4, 8x8, 16x16) 33 and 46 + 56"),
     "kernels.popsparse.meta_info_words": FigureSource(
         "estimate", "16-bit words: a 4-word tile header, 2 per non-empty block row, 1 per "
         "non-zero block (after popsparse's meta-info layout; no published size formula)"),

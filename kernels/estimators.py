@@ -154,20 +154,21 @@ def fill_cycles(target, elements, itemsize):
 
 
 def reduce_cycles(target, elements, itemsize, outputs=None, cycles_per_vector=1, dtype=None,
-                  op="add"):
+                  op="add", out_dtype=None):
   """Partial reductions of ``elements`` inputs per tile onto ``outputs``.
 
   With one vector op per input vector (``op``: add, mul, max, min, and, or,
-  xor), popops' Reduce vertices for that operation
-  (:func:`ipu_jax.kernels.reduce.reduce_cycles`, in the partials type
-  ``dtype``, by default the float type of ``itemsize``).
+  xor, square_add), popops' Reduce vertices for that operation
+  (:func:`ipu_jax.kernels.reduce.reduce_cycles`, on inputs of ``dtype``, by
+  default the float type of ``itemsize``, into outputs of ``out_dtype``, by
+  default ``dtype``).
   Reductions of several ops per vector (argmax, variadic ``reduce``) have no
   poplibs vertex: ``cycles_per_vector`` per input vector split over the
   workers plus 2 cycles per output (an estimate).
   """
   if cycles_per_vector == 1:
     return reduce.reduce_cycles(target, elements, outputs,
-                                _float_of(itemsize) if dtype is None else dtype, op)
+                                _float_of(itemsize) if dtype is None else dtype, op, out_dtype)
   cycles = worker_split_cycles(target, elements, cycles_per_vector, itemsize)
   if outputs is None:
     return cycles
@@ -220,7 +221,7 @@ def mac_cost_note(dtype) -> str:
 
 
 def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None, *, k=None, n=None,
-                  groups=None):
+                  groups=None, partials_itemsize=4):
   """A tile's matmul block on the AMP unit (:func:`ipu_jax.kernels.amp.amp_block_cycles`).
 
   The block is ``groups`` products ``[rows, k] x [k, n]`` with ``macs =
@@ -234,6 +235,9 @@ def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None, *, k=None, n
   ``dtype`` given, it sets the rate instead of ``itemsize``: complex MACs
   count as :data:`COMPLEX_REAL_MACS` real products, and float64 ones run as
   the software emulation described at :data:`FLOAT64_FP32_OPS_PER_MAC`.
+  ``partials_itemsize`` is the partial sums' bytes: 2-byte inputs run the
+  AMP's full rate with half partials (2) and half of it with float32 ones (4,
+  poplin's default; :func:`ipu_jax.kernels.amp.amp_geometry`).
   """
   from ipu_jax.kernels.amp import amp_block_cycles, amp_geometry
   macs = np.asarray(macs, np.float64)
@@ -257,7 +261,7 @@ def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None, *, k=None, n
     # the fp16 input channels. Elsewhere FP8 runs as fp16 (poplin's fallback).
     fp8_speedup = max(1, target.fp8_flops_per_cycle // target.fp16_flops_per_cycle)
     itemsize = 2
-  geo = amp_geometry(target, itemsize)
+  geo = amp_geometry(target, itemsize, partials_itemsize)
   if outputs is None:
     outputs = np.ceil(macs / geo.in_chans)
   outputs = np.maximum(np.asarray(outputs, np.float64), 1.0)
@@ -267,7 +271,8 @@ def matmul_cycles(target, macs, itemsize, outputs=None, dtype=None, *, k=None, n
   groups = np.ones(np.shape(macs)) if groups is None else np.asarray(groups, np.float64)
   rows = np.ceil(outputs / np.maximum(n * groups, 1.0))
   cycles = products * amp_block_cycles(target, rows.astype(np.int64), k.astype(np.int64),
-                                       n.astype(np.int64), itemsize, groups.astype(np.int64))
+                                       n.astype(np.int64), itemsize, groups.astype(np.int64),
+                                       partials_itemsize)
   return np.where(macs > 0, cycles, 0.0)
 
 

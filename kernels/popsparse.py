@@ -29,7 +29,9 @@ some non-zero blocks of ``S`` and a column range of ``Z``.
 * **Dynamic buckets.** A tile scans each bucket that passes it: the
   sub-groups not for it cost a fixed skip each, the one for it the search
   and the products (``supervisorCyclesWithBucketsNotForPN`` /
-  ``...ForPN`` terms of the same estimators).
+  ``...ForPN`` terms of the same estimators; the block vertices' supervisor
+  has its own: 33 a skip and 46 + 56 for the sub-group found, against the
+  element-wise vertex's 32 and 47 + 46).
 
 Figures are poplibs' where the estimator publishes them and are named in
 :data:`ipu_jax.kernels.cost_model.FIGURE_SOURCES` as ``kernels.popsparse.*``.
@@ -69,10 +71,12 @@ _ELEMENT_ROW_OVERHEAD = 13
 _ELEMENT_WORKER_ENTRY = 30
 _ELEMENT_SUPERVISOR_ENTRY = 30
 
-# Bucket scanning (dynamic sparsity): skipping a sub-group not for this tile,
-# and finding and starting the one that is.
-_SKIP_SUBGROUP = 32
-_FOR_TILE_SUBGROUP = 93
+# Bucket scanning (dynamic sparsity), keyed by vertex kind (element-wise, block):
+# skipping a sub-group not for this tile, and finding and starting the one that
+# is (one sub-group per bucket: (0 + 1) * 47 + 46 element-wise, (0 + 1) * 46 + 56
+# for the block vertices; sparseDenseElementwiseMultiply / sparseDenseBlockMultiply).
+_SKIP_SUBGROUP = {False: 32, True: 33}
+_FOR_TILE_SUBGROUP = {False: 93, True: 102}
 
 #: Bytes of one meta-information word.
 META_WORD_BYTES = 2
@@ -134,11 +138,17 @@ def meta_info_words(blocks, rows) -> np.ndarray:
   return np.where(blocks > 0, _META_HEADER_WORDS + 2 * rows + blocks, 0)
 
 
-def bucket_scan_cycles(buckets_seen, buckets_for_tile) -> np.ndarray:
-  """Supervisor cycles of scanning buckets: skips plus the ones holding this tile's work."""
+def bucket_scan_cycles(buckets_seen, buckets_for_tile, block: int = 1) -> np.ndarray:
+  """Supervisor cycles of scanning buckets: skips plus the ones holding this tile's work.
+
+  ``block``: 1 for the element-wise vertex, else a block vertex (whose
+  supervisor walks a bucket's sub-groups with its own figures).
+  """
   seen = np.asarray(buckets_seen, np.int64)
   mine = np.asarray(buckets_for_tile, np.int64)
-  return ((seen - mine) * _SKIP_SUBGROUP + mine * _FOR_TILE_SUBGROUP).astype(np.float64)
+  kind = int(block) > 1
+  return ((seen - mine) * _SKIP_SUBGROUP[kind]
+          + mine * _FOR_TILE_SUBGROUP[kind]).astype(np.float64)
 
 
 def zero_partials_cycles(target: IPUTarget, elements, p_itemsize: int) -> np.ndarray:

@@ -23,6 +23,15 @@ The structure and constants follow poplibs'
   general ``DEFAULT`` vertex, used only for irregular regions, is dearer;
 * integer and other types have 1-element "vectors".
 
+The vertex's input type and its output type may differ (poplibs'
+``partialsType`` and ``outType``): the first stage of a float32 reduction of
+float16 values (a batch norm's statistics, popnn's ``normStatistics``) loads
+float16 inputs, 8 to an accumulator operation, and stores float32. The loads
+follow the input type; the stores and the second stage follow the output type
+(the single-input vertex's 5 cycles of conversion are paid unless the output
+is fp32; a strided group's store costs poplibs' figure for a half input and
+that output type: 1 + 7 into fp16, 1 + 6 into fp32 for ``add``).
+
 The tile pays the busiest worker times the contexts plus the compute set's
 launch (``supervisor_overhead_cycles``), like the other worker vertices.
 When a tile has fewer outputs than workers, poplibs combines the workers'
@@ -32,7 +41,12 @@ one worker per output reduces the ``workers`` partials, costed the same way
 
 The operation changes the cost the way poplibs' estimators say:
 
-* ``add`` runs on the accumulators (above);
+* ``add`` runs on the accumulators (above), and so does ``square_add``
+  (poplibs' ``SQUARE_ADD``, the sum of squares: the same loop with
+  ``f16v8sqacc`` / ``f32v4sqacc``). poplibs' table of fp16-input store costs
+  has no ``SQUARE_ADD`` row (its lookup yields 0, an omission): it takes
+  ``add``'s, the other accumulating operation; with fp32 inputs its loop
+  completion is 2 cycles, not ``add``'s 3 (``isOpAdd`` in the estimator);
 * ``max``, ``min`` and ``mul`` use no accumulators: their vectors are one
   64-bit load wide (4 fp16 or 2 fp32), so a single-output worker's loop
   handles 4 fp16 / 2 fp32 inputs a cycle with a shorter remainder; a
@@ -60,7 +74,7 @@ __all__ = ["REDUCE_OPS", "accumulator_width", "op_vector_width", "reduce_cycles"
            "reduce_vertex_cycles"]
 
 # Operations on accumulators, on 64-bit vectors, and in C++ vertices.
-_ACCUMULATING = ("add",)
+_ACCUMULATING = ("add", "square_add")
 _VECTOR = ("max", "min", "mul")
 _LOGICAL = ("and", "or", "xor")
 REDUCE_OPS = _ACCUMULATING + _VECTOR + _LOGICAL
@@ -94,11 +108,14 @@ def _check_op(op):
     raise ValueError(f"reduce op {op!r} has no cost: expected one of {REDUCE_OPS}.")
 
 
-def _strided_post(op, half):
-  """Cycles completing and storing one strided group (poplibs' cyclesLoopPost)."""
+def _strided_post(op, half, out_fp32=False):
+  """Cycles completing and storing one strided group (poplibs' cyclesLoopPost).
+
+  ``half``: the inputs are fp16; ``out_fp32``: the outputs are fp32.
+  """
   if half:  # inner loop completion + store: add, max and min alike to fp16
-    return 1 + 7
-  return (3 if op in _ACCUMULATING else 2) + 2
+    return 1 + (6 if out_fp32 and op in _ACCUMULATING else 7)
+  return (3 if op == "add" else 2) + 2
 
 
 def _logical(regions, elements):
@@ -135,10 +152,15 @@ def _strided(outputs, rows, acc, path, post, stride):
   return 5 + 11 + outer * -(-outputs // per_loop)
 
 
-def reduce_vertex_cycles(target, outputs: int, rows: int, dtype, op: str = "add") -> int:
-  """One worker's reduce vertex: ``rows`` partials of ``op`` onto each of ``outputs`` outputs."""
+def reduce_vertex_cycles(target, outputs: int, rows: int, dtype, op: str = "add",
+                         out_dtype=None) -> int:
+  """One worker's reduce vertex: ``rows`` partials of ``op`` onto each of ``outputs`` outputs.
+
+  ``dtype``: the inputs' type; ``out_dtype``: the outputs' (default ``dtype``).
+  """
   _check_op(op)
   dtype = np.dtype(dtype)
+  out_fp32 = _is_fp32(dtype if out_dtype is None else out_dtype)
   path = max(1, int(target.vector_width_bytes) // dtype.itemsize)
   width = op_vector_width(op, dtype, path)
   rows = max(int(rows), 1)
@@ -146,12 +168,23 @@ def reduce_vertex_cycles(target, outputs: int, rows: int, dtype, op: str = "add"
   if op in _LOGICAL:
     return int(_logical(1 if outputs <= 1 else rows, max(outputs, 1) * rows))
   if outputs <= 1:
-    return int(_single_input(rows, width, path, dtype.kind == "f" and dtype.itemsize == 4))
+    return int(_single_input(rows, width, path, out_fp32))
   return int(_strided(outputs, rows, width, path,
-                      _strided_post(op, dtype.kind == "f" and dtype.itemsize == 2), outputs))
+                      _strided_post(op, _is_half(dtype), out_fp32), outputs))
 
 
-def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarray:
+def _is_fp32(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  return dtype.kind == "f" and dtype.itemsize == 4
+
+
+def _is_half(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  return dtype.kind == "f" and dtype.itemsize == 2
+
+
+def reduce_cycles(target, elements, outputs, dtype, op: str = "add",
+                  out_dtype=None) -> np.ndarray:
   """Tile cycles of popops' ``Reduce`` vertices: ``elements`` inputs onto ``outputs``.
 
   Args:
@@ -159,30 +192,33 @@ def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarr
     elements: ``[num_tiles]`` inputs each tile reduces.
     outputs: ``[num_tiles]`` outputs each tile produces, or ``None``: each
       worker reduces its share of the inputs to one value.
-    dtype: the partials' type (the type accumulated in).
+    dtype: the inputs' type (poplibs' ``partialsType`` of the vertex).
     op: the combining operation, one of :data:`REDUCE_OPS`.
+    out_dtype: the outputs' type (poplibs' ``outType``), by default ``dtype``.
 
   Returns:
     ``[num_tiles]`` float64 cycles (0 where a tile has no inputs).
   """
   _check_op(op)
   elements = np.asarray(elements, np.int64)
+  dtype = np.dtype(dtype)
+  out_dtype = dtype if out_dtype is None else np.dtype(out_dtype)
   if outputs is not None:
     outputs = np.asarray(outputs, np.int64)
   # Every figure is per tile and zero off the tiles with inputs: on several
   # IPUs most of a reduction's [num_tiles] arrays are idle tiles, so the
   # estimate runs on the busy ones only and is scattered back.
   if outputs is not None and outputs.shape != elements.shape:
-    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op, out_dtype)
   busy = np.flatnonzero(elements.reshape(-1) > 0)
   if busy.size == elements.size:
     return _distinct_reduce_cycles(target, elements.reshape(-1),
                                    None if outputs is None else outputs.reshape(-1), dtype,
-                                   op).reshape(elements.shape)
+                                   op, out_dtype).reshape(elements.shape)
   cycles = np.zeros(elements.size, np.float64)
   cycles[busy] = _distinct_reduce_cycles(target, elements.reshape(-1)[busy],
                                          None if outputs is None else outputs.reshape(-1)[busy],
-                                         dtype, op)
+                                         dtype, op, out_dtype)
   return cycles.reshape(elements.shape)
 
 
@@ -190,7 +226,7 @@ def reduce_cycles(target, elements, outputs, dtype, op: str = "add") -> np.ndarr
 _DISTINCT_AFTER = 64
 
 
-def _distinct_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
+def _distinct_reduce_cycles(target, elements, outputs, dtype, op, out_dtype) -> np.ndarray:
   """:func:`_busy_reduce_cycles` on ``[n]`` tiles, once for the pair most share.
 
   The estimate of a tile depends on its own inputs and outputs only, and a
@@ -201,31 +237,31 @@ def _distinct_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
   """
   n = elements.size
   if n <= _DISTINCT_AFTER:
-    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op, out_dtype)
   same = elements == elements[0]
   if outputs is not None:
     same &= outputs == outputs[0]
   others = np.flatnonzero(~same)
   if 2 * others.size > n:
-    return _busy_reduce_cycles(target, elements, outputs, dtype, op)
+    return _busy_reduce_cycles(target, elements, outputs, dtype, op, out_dtype)
   pick = lambda a, where: None if a is None else a[where]
   cycles = np.empty(n, np.float64)
-  cycles[:] = _busy_reduce_cycles(target, elements[:1], pick(outputs, slice(0, 1)), dtype, op)[0]
+  cycles[:] = _busy_reduce_cycles(target, elements[:1], pick(outputs, slice(0, 1)), dtype, op,
+                                  out_dtype)[0]
   if others.size:
     cycles[others] = _busy_reduce_cycles(target, elements[others], pick(outputs, others), dtype,
-                                         op)
+                                         op, out_dtype)
   return cycles
 
 
-def _busy_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
+def _busy_reduce_cycles(target, elements, outputs, dtype, op, out_dtype) -> np.ndarray:
   """:func:`reduce_cycles` on int64 ``elements`` (``outputs``: int64 or None)."""
   w = target.worker_contexts
-  dtype = np.dtype(dtype)
   path = max(1, int(target.vector_width_bytes) // dtype.itemsize)
   acc = op_vector_width(op, dtype, path)
-  post = _strided_post(op, dtype.kind == "f" and dtype.itemsize == 2)
+  is_fp32 = _is_fp32(out_dtype)
+  post = _strided_post(op, _is_half(dtype), is_fp32)
   logical = op in _LOGICAL
-  is_fp32 = dtype.kind == "f" and dtype.itemsize == 4
   if outputs is None:
     stride = np.ones_like(elements)
     shares = [(stride, -(-elements // w)), (stride, elements // w)]
@@ -253,7 +289,10 @@ def _busy_reduce_cycles(target, elements, outputs, dtype, op) -> np.ndarray:
   if outputs is not None:
     split = (outputs < w) & (elements > outputs)
     partials = np.full_like(elements, w)
+    # The workers' partials are of the output type.
+    out_path = max(1, int(target.vector_width_bytes) // out_dtype.itemsize)
     second = w * (_logical(1, partials) if logical
-                  else _single_input(partials, acc, path, is_fp32))
+                  else _single_input(partials, op_vector_width(op, out_dtype, out_path),
+                                     out_path, is_fp32))
     cycles = cycles + np.where(split, second + target.supervisor_overhead_cycles, 0)
   return np.where(elements > 0, cycles, 0).astype(np.float64)

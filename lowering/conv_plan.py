@@ -266,7 +266,7 @@ def _evaluate(target, geo: ConvGeometry, grid: list, gi, gt) -> dict:
     out_block = out_block * b
   macs = out_block * bi * taps
   compute = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_block,
-                                     dtype=geo.dtype, n=bc)
+                                     dtype=geo.dtype, n=bc, partials_itemsize=geo.acc_itemsize)
   # Input window of a full block (the planner's estimate; exchange is exact).
   size = geo.group_size
   groups_in_block = np.where(bc >= size, bc // size, 1)

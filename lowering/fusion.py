@@ -91,6 +91,7 @@ from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.fused_step import (chain_cycles, common_scope, fold_rows, fused_fn,
                                          fused_logical, sum_costs, without_figures)
 from ipu_jax.lowering.layout_numbers import LayoutNumbers
+from ipu_jax.lowering.reduce_many import fold_sums
 from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 
 __all__ = ["fuse_elementwise", "vertex_overhead_cycles"]
@@ -204,6 +205,8 @@ class _Fuser:
 
   def _run(self, steps) -> list:
     """Schedule a straight-line run of supersteps, fusing where allowed."""
+    # Sums first take their casts and squares and their siblings as popops runs them.
+    steps = fold_sums(steps, self.target, self.reads)
     if len(steps) < 2:
       return list(steps)
     works = [_work(step) for step in steps]

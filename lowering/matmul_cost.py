@@ -175,7 +175,7 @@ def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_re
   macs = bb * bm * bn * bk
   out_block = bb * bm * bn
   compute = estimators.matmul_cycles(target, macs, itemsize, outputs=out_block, dtype=dtype,
-                                     k=bk, n=bn, groups=bb)
+                                     k=bk, n=bn, groups=bb, partials_itemsize=p_itemsize)
   a_bytes = bb * bm * bk * itemsize
   b_bytes = bb * bk * bn * itemsize
   partial_bytes = out_block * p_itemsize

@@ -458,7 +458,8 @@ def _block_work(target, p: ProductPlan, ps: _Pass, a_local, b_local) -> BlockWor
   macs = ps.rb * ps.rm * ps.rn * ps.rk
   cycles = estimators.matmul_cycles(target, macs, np.dtype(p.in_dtype).itemsize,
                                     outputs=ps.rb * ps.rm * ps.rn, dtype=p.in_dtype,
-                                    k=ps.rk, n=ps.rn, groups=ps.rb)
+                                    k=ps.rk, n=ps.rn, groups=ps.rb,
+                                    partials_itemsize=p.acc.itemsize)
   # Local elements of the blocks are copied into the AMP's block layout; the
   # received ones sit in the exchange buffers (counted by the analysis).
   scratch = a_local * p.lhs.itemsize + b_local * p.rhs.itemsize

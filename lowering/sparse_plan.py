@@ -310,8 +310,8 @@ def _dynamic_costs(target, s: _Shape, max_nnz: int, oversize: float, px, py, pz)
   # Phase 1 multiplies the cell's entries; the run-time phase costed only scans
   # (a uniform pattern spills nothing) but still moves and scans every bucket.
   work = popsparse.sparse_product_cycles(target, per_step, rows, fz, b, item)
-  scan = popsparse.bucket_scan_cycles(1, 1)
-  skip = popsparse.bucket_scan_cycles(1, 0)
+  scan = popsparse.bucket_scan_cycles(1, 1, b)
+  skip = popsparse.bucket_scan_cycles(1, 0, b)
   compute = (pz * (work + scan) + (phases - 1) * pz * skip
              + popsparse.zero_partials_cycles(target, partial, s.p_itemsize))
   dense_in = cy * b * fz * item

@@ -2,6 +2,7 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -199,6 +200,66 @@ class PlanTest(parameterized.TestCase):
     # Every tile holds 4 rows, so stage 1 leaves one partial per column per
     # tile; the 1,024 outputs are spread so no tile receives them all.
     self.assertLess(int(final.exchange_bytes_in.max()), 64 * 1024)
+
+
+def _statistics(x):
+  """A batch norm's float32 statistics of float16 ``x`` (experiments/resnet_models.py)."""
+  return (jnp.sum(x, (0, 1, 2), dtype=jnp.float32),
+          jnp.sum(jnp.square(x.astype(jnp.float32)), (0, 1, 2)))
+
+
+def _gradient_sums(dy, x):
+  """The batch norm gradient's two float32 sums of float16 tensors."""
+  return (jnp.sum(dy, (0, 1, 2), dtype=jnp.float32),
+          jnp.sum((dy * x).astype(jnp.float32), (0, 1, 2)))
+
+
+class ReduceManyTest(chex.TestCase, parameterized.TestCase):
+  """float32 sums of float16 values as popnn's batch norm runs them (lowering/reduce_many.py)."""
+
+  # [n, 8, 8, 32] float16: every tile holds whole rows of the 32 channels
+  # (64 rows on 1 tile, 16 on each of 16, 2 on each of 1,472).
+  @parameterized.parameters((1, 1, 64), (16, 4, 16), (1472, 46, 2))
+  def test_statistics_first_stage_is_popops_reduce_many(self, tiles, n, rows):
+    target = (ipu_jax.IPUTarget.preset("ipu2") if tiles == 1472
+              else ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=tiles))
+    x = jax.ShapeDtypeStruct((n, 8, 8, 32), jnp.float16)
+    steps = ipu_jax.jit(_statistics, target=target).lower(x).profile.steps
+    # One compute set reads the float16 input: no float32 copy, no square step.
+    self.assertEqual([s.name for s in steps][:1], ["reduce_sum/partials"])
+    self.assertNotIn("convert_element_type", " ".join(s.name for s in steps))
+    # poplibs' STRIDED_REDUCE estimate (lib/popops/reduction/CycleEstimationFunctions.cpp,
+    # getCyclesEstimateForStridedReduce), half partials into float: per worker
+    # (32 outputs over 6 workers: 6 or 5, in 2 loops of 4 = gcd(min(8, 4), 32)):
+    # 3 + 2 entry/exit, 6 + 5 loop setup, per loop 3 + cyclesLoopPost (1 + 6:
+    # cycleMap[FLOAT][ADD][false]; SQUARE_ADD has no entry, it takes ADD's)
+    # + 3 + (rows - 1). ADD and SQUARE_ADD in one compute set (popops::reduceMany,
+    # lib/popops/reduction/Reduction.cpp): 6 workers each, one launch of 50.
+    worker = 16 + 2 * (3 + 7 + 3 + rows - 1)
+    cycles = np.asarray(steps[0].compute_cycles)
+    self.assertEqual(set(cycles[cycles > 0].tolist()), {2 * (6 * worker + 50) - 50})
+    self.assertEqual(int((cycles > 0).sum()), tiles)
+
+  @parameterized.parameters("batched", "per_tile")
+  def test_statistics_and_gradient_sums_match_jit(self, mode):
+    x = testing_utils.random_array((4, 8, 8, 32), jnp.float16, seed=3)
+    dy = testing_utils.random_array((4, 8, 8, 32), jnp.float16, seed=4)
+    for fn, args in ((_statistics, (x,)), (_gradient_sums, (dy, x))):
+      got = ipu_jax.jit(fn, target=_T16, config=_config(mode))(*args)
+      chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.jit(fn)(*args),
+                                  rtol=1e-5, atol=1e-3)
+
+  def test_gradient_sums_share_compute_sets(self):
+    x = jax.ShapeDtypeStruct((4, 8, 8, 32), jnp.float16)
+    steps = ipu_jax.jit(_gradient_sums, target=_T16).lower(x, x).profile.steps
+    names = [s.name for s in steps]
+    # dy * x stays a float16 multiply; both casts go into the vertices, and
+    # the two sums' stages run as one compute set each.
+    self.assertEqual(names, ["mul", "reduce_sum/partials", "reduce_sum/final"])
+    self.assertEqual(steps[1].codelets, ("popops::Reduce<add>",))
+    # 16 rows of 32 float16 per tile, two ADD vertices (the test above's figures).
+    worker = 16 + 2 * (3 + 7 + 3 + 15)
+    self.assertEqual(int(np.max(steps[1].compute_cycles)), 2 * (6 * worker + 50) - 50)
 
 
 if __name__ == "__main__":

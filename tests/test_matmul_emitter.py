@@ -70,6 +70,43 @@ class OneEmitterTest(chex.TestCase, parameterized.TestCase):
 
 
 
+# PopLibs' estimate of one Bow tile's fp16 [96, 64] x [64, 32] block, worked by
+# hand from lib/poplin/PerformanceEstimation.hpp
+# (getConvPartial1x1SupervisorInnerLoopCycleEstimateHalfFloat and
+# ...OuterLoopCycleEstimateHalfFloat; weight loads at 16 bytes a cycle, as
+# kernels/amp.py assumes): 4 input groups of 16 channels, 16 rows per worker,
+# a worker's pass 37 + 13 * 4 - 7 = 82 cycles zeroing (83 not), x 6 contexts
+# + 14 = 506 (512); supervisor 50 + 6 * (7 + 3 * 3) = 146, then 13 + 3 * (15 +
+# G * (19 + 6 + L + 512)) + 11 + G * (18 + 7 + L + 506).
+# * float32 partials: 8 conv units on IPU2 / Bow (fp16InFp32OutConvUnitsPerTile,
+#   conv_partial_1x1_half_float_8_and_half_half_h16.S), G = 4 output groups of
+#   8, L = 8 * 32 / 16 = 16: 146 + 13 + 6,681 + 2,199 = 9,039 cycles.
+# * half partials: 16 units, G = 2, L = 32: 146 + 13 + 3,459 + 1,137 = 4,755.
+_POPLIBS_HALF_BLOCK = {"float32": 9039, "float16": 4755}
+
+
+class AmpRateByPartialsTest(chex.TestCase, parameterized.TestCase):
+  """fp16 products run the AMP at half rate with float32 partials, as PopLibs does."""
+
+  @parameterized.parameters(("float32", jnp.float32), ("float16", jnp.float16))
+  def test_block_cycles_match_poplibs_estimate(self, partials, out_dtype):
+    target = ipu_jax.IPUTarget.preset("bow", tiles_per_ipu=1)  # one tile: the block is whole
+    rng = np.random.RandomState(0)
+    a = jnp.asarray(rng.randn(96, 64), jnp.float16)
+    b = jnp.asarray(rng.randn(64, 32), jnp.float16)
+    fn = lambda a, b: jnp.dot(a, b, preferred_element_type=out_dtype)
+    lowered = _report(fn, a, b, target, None, partials)
+    steps = [s for s in lowered.profile.steps if s.op == "dot_general"]
+    self.assertLen(steps, 1)
+    # The model keeps its simpler worker entry (37 a pass, no retention
+    # saving): within 5 % of PopLibs' figure.
+    np.testing.assert_allclose(float(steps[0].compute_cycles.max()),
+                               _POPLIBS_HALF_BLOCK[partials], rtol=0.05)
+    chex.assert_trees_all_close(np.asarray(lowered(a, b), np.float32),
+                                np.asarray(jnp.dot(a, b, preferred_element_type=out_dtype),
+                                           np.float32), rtol=2e-2, atol=2e-1)
+
+
 class ReduceScatterExchangeTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.parameters(2, 3, 4)

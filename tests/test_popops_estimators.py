@@ -89,6 +89,26 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     # One worker's vertex alone, as the second on-tile stage uses it.
     self.assertEqual(reduce_kernels.reduce_vertex_cycles(_T16, 1, 167, np.float16, "max"), 66)
 
+  def test_reduce_half_into_float_and_square_add(self):
+    # poplibs' CycleEstimationFunctions.cpp. SCALAR_OUTPUT_SINGLE_INPUT,
+    # 1,000 fp16 (167 or 166 a worker) summed (or squared and summed) into
+    # fp32: 8 a loop of 2 cycles, no 5 cycles of conversion for a float
+    # output: 9 + 2 * 167 // 8 + 5 + 167 % 8 + 3 = 65 (166: 9 + 41 + 5 + 6 + 3).
+    one = np.array([1000])
+    for op in ("add", "square_add"):
+      self.assertEqual(reduce_kernels.reduce_cycles(_T16, one, None, np.float16, op,
+                                                    out_dtype=np.float32)[0], 6 * 65 + 50)
+    # STRIDED_REDUCE, 10 outputs of 3 rows: 3 + 2 + 6 + 5, then per loop of
+    # gcd(min(8, 4), 10) = 2 outputs 3 + cyclesLoopPost + 3 + 2. Half in, float
+    # out: 1 + 6 (cycleMap[FLOAT][ADD]; SQUARE_ADD has no row and takes ADD's).
+    # Float in: ADD 3 + 2, SQUARE_ADD 2 + 2 (isOpAdd).
+    vertex = reduce_kernels.reduce_vertex_cycles
+    self.assertEqual(vertex(_T16, 10, 3, np.float16, "square_add", np.float32), 16 + 5 * 15)
+    self.assertEqual(vertex(_T16, 10, 3, np.float16, "add", np.float32), 16 + 5 * 15)
+    self.assertEqual(vertex(_T16, 10, 3, np.float16, "add"), 16 + 5 * 16)
+    self.assertEqual(vertex(_T16, 10, 3, np.float32, "square_add"), 16 + 5 * 12)
+    self.assertEqual(vertex(_T16, 10, 3, np.float32, "add"), 16 + 5 * 13)
+
   def test_reduce_logical_and_is_poplibs_cpp_vertex(self):
     # LOGICAL_AND has no assembly vertex: 7 + 24 + 8 + 22 per region + 25 per
     # element. 1,000 bools, 167 per worker: 61 + 25 * 167 = 4,236.
@@ -137,7 +157,10 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
   def test_cost_model_version(self):
     # 5: fused elementwise chains as map expressions / scaled-arithmetic vertices.
     # 6: constant folding (equations of known operands computed on the host).
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "6")
+    # 7: PopSparse's block vertices scan buckets with their own supervisor figures.
+    # 8: float32 sums of float16 values folded into popops' Reduce, siblings reduceMany'd.
+    # 9: fp16 products with float32 partials at half the AMP rate (8 units).
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "9")
 
   def test_scaled_arithmetic_family(self):
     # 1,200 fp32: 600 vectors, 100 per worker, no remainder.

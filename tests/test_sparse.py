@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax.kernels import popsparse
 from ipu_jax.lowering import sparse_plan
 from ipu_jax.sparse import static_rule
 from ipu_jax.sparse import (BlockCSR, BucketOverflowError, dynamic_layout, dynamic_matmul, encode,
@@ -545,6 +546,26 @@ class DynamicMatmulTest(parameterized.TestCase):
     self.assertEqual(encoded.values.nbytes, small.buckets * small.bucket_blocks * 16 * 4)
     self.assertGreaterEqual(small.buckets * small.bucket_blocks, 180)
 
+  @parameterized.parameters((16, 33, 102), (4, 33, 102), (1, 32, 93))
+  def test_bucket_scan_is_poplibs_vertex_estimate(self, block, skip, found):
+    # PopLibs lib/popsparse/PerformanceEstimation.hpp: sparseDenseBlockMultiply's
+    # supervisor skips a sub-group not for its tile in 33 cycles and finds its own
+    # (one sub-group a bucket) in (0 + 1) * 46 + 56 = 102; the element-wise
+    # vertex (sparseDenseElementwiseMultiply) in 32 and (0 + 1) * 47 + 46 = 93.
+    plan = sparse_plan.plan_dynamic(BOW, 1024, 1024, 256, block, (1024 // block) ** 2 // 16,
+                                    "float16")
+    _, _, pz = plan.grid
+    bucket_bytes = plan.bucket_blocks * (block * block * 2 + 2 * 2)
+    exchange = bucket_bytes / BOW.exchange_bytes_per_cycle + BOW.exchange_latency_cycles
+    self.assertGreater(plan.phases, 1)
+    self.assertAlmostEqual(plan.phase_cycles,
+                           pz * (skip + exchange + BOW.sync_cycles_internal))
+    # The lowered program's run-time phase pays the same skips as the plan.
+    layout = dynamic_layout(BOW, (1024, 1024), 256, (1024 // block) ** 2 // 16, block=block,
+                            dtype=np.float16)
+    self.assertEqual(layout.plan.phase_cycles, plan.phase_cycles)
+    self.assertEqual(float(popsparse.bucket_scan_cycles(3, 1, block)), 2 * skip + found)
+
   def test_static_beats_dynamic(self):
     for block in (1, 4, 16):
       for density in (1 / 64, 1 / 16, 1 / 4):
@@ -657,6 +678,16 @@ class ExperimentTest(absltest.TestCase):
             row = runner.case_row(BOW, n, block, density, dtype)
             self.assertLessEqual(row["static_cycles"], row["dynamic_cycles"], row)
 
+  def test_published_points_beside_the_model(self):
+    from experiments import popsparse as runner  # pylint: disable=g-import-not-at-top
+    points = runner.published_comparison(BOW)
+    self.assertLen(points, len(runner.PUBLISHED_SPEEDUPS))
+    for p in points:
+      # Measured and modelled alike: static beats dynamic at every published point.
+      self.assertGreater(p["published_static"], p["published_dynamic"], p)
+      self.assertGreater(p["model_static"], p["model_dynamic"], p)
+    self.assertIn("Table 2", runner.comparison_table(points))
+
   def test_runner_writes_the_table_rows_in_time(self):
     out = os.path.join(self.create_tempdir().full_path, "popsparse.json")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -667,6 +698,7 @@ class ExperimentTest(absltest.TestCase):
     self.assertLess(time.perf_counter() - started, 180)
     self.assertIn("Where static sparse stops paying off", proc.stdout)
     self.assertIn("lowered 1024:16:0.0625:float16", proc.stdout)
+    self.assertIn("Model beside the measurements", proc.stdout)
     with open(out) as f:
       rows = json.load(f)
     self.assertLen(rows, 2 * 3 * 5 * 2)

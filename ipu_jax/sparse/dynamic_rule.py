@@ -180,9 +180,9 @@ def _step_cycles(ctx, p: _Propagation, phase: int, first: bool) -> np.ndarray:
   z = np.tile(grid.z_cols, px * py)
   if phase == 0:
     work = (popsparse.sparse_product_cycles(ctx.target, share, min(rx, share), z, b, itemsize)
-            + popsparse.bucket_scan_cycles(1, 1))
+            + popsparse.bucket_scan_cycles(1, 1, b))
   else:   # a uniform pattern spills nothing: the spill phase scans and skips
-    work = np.broadcast_to(popsparse.bucket_scan_cycles(1, 0), z.shape)
+    work = np.broadcast_to(popsparse.bucket_scan_cycles(1, 0, b), z.shape)
   if first:
     partial = np.repeat(grid.x_rows, py * pz) * z
     work = work + popsparse.zero_partials_cycles(ctx.target, partial, p.partials.itemsize)
@@ -238,7 +238,7 @@ def _emit_distance(ctx, p: _Propagation, need: P.Tensor, name: str) -> None:
   tiles = p.grid.tiles.reshape(-1)
   dst = int(p.counter.mapping.tiles[0])
   counter_tiles = _scalar_tiles(ctx, p.counter)
-  cycles = _on_grid(ctx, p.grid) * popsparse.bucket_scan_cycles(1, 0)
+  cycles = _on_grid(ctx, p.grid) * popsparse.bucket_scan_cycles(1, 0, p.layout.block)
   cycles = cycles + estimators.fill_cycles(ctx.target, counter_tiles, 4)
   cycles[dst] += estimators.reduce_cycles(ctx.target, np.array([tiles.size]), 4,
                                           op="max")[0]

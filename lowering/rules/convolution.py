@@ -245,7 +245,8 @@ def _block_work(target, geo: ConvGeometry, plan: ConvPlan, out: _OutputGrid, loc
     macs = out_elements * geo.i * geo.kernel_elements
   out_chans = edge_sizes(geo.o, plan.grid[1], plan.block[1])[out.coords[1]]
   cycles = estimators.matmul_cycles(target, macs, geo.itemsize, outputs=out_elements,
-                                    dtype=geo.dtype, n=out_chans)
+                                    dtype=geo.dtype, n=out_chans,
+                                    partials_itemsize=acc.itemsize)
   scratch = local_bytes
   if acc != out_dtype and plan.gk == 1:   # partials wider than the result (else a tensor)
     scratch = scratch + out_elements * acc.itemsize
