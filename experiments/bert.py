@@ -25,7 +25,12 @@ IPU: the embeddings and the first layers on IPU 0, the remaining layers over
 the other IPUs, and the pooler and both heads back on **IPU 0** (so the tied
 decoder sits with the embedding it shares) -- BERT-Large's
 ``layers_per_ipu = [3, 7, 7, 7]`` makes five stages on four IPUs,
-``device_mapping = [0, 1, 2, 3, 0]``.
+``device_mapping = [0, 1, 2, 3, 0]``. :func:`placement_layout` lays it out as
+Graphcore's MLPerf v1.1 / v2.0 runs did (``att_ffn_placement``): the
+embeddings alone on stage 0, then stages of attention and feed-forward blocks
+placed separately (each layer's two sub-blocks are scopes of their own,
+``layers_<i>/attention_block`` and ``layers_<i>/ffn_block``), so a layer's
+attention may run on one IPU and its feed-forward block on the next.
 
 Sizes (``BertConfig``): BERT-Large 24 x 1024, 16 heads, FFN 4096, vocabulary
 30,522; BERT-Base 12 x 768, 12 heads, FFN 3072 (Devlin et al., Table 1 and
@@ -46,7 +51,13 @@ from flax import nnx
 import ipu_jax
 
 __all__ = ["BertConfig", "Bert", "bert_large", "bert_base", "pretraining_loss",
-           "make_loss", "layout", "synthetic_batches"]
+           "make_loss", "layout", "placement_layout", "synthetic_batches",
+           "ATTENTION_BLOCK", "FFN_BLOCK"]
+
+# The scopes of an encoder layer's two sub-blocks (module paths
+# ``layers_<i>/attention_block``, ``layers_<i>/ffn_block``).
+ATTENTION_BLOCK = "attention_block"
+FFN_BLOCK = "ffn_block"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +173,18 @@ class EncoderLayer(nnx.Module):
     return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
 
   def __call__(self, h, mask_bias, deterministic: bool):
-    a = self.dropout(self.attention_out(self._attention(h, mask_bias)),
-                     deterministic=deterministic)
-    h = self.attention_norm(h + a)
-    f = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
-    h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
-    # Only these values wait for the backward pass when recomputation is on.
-    return ipu_jax.ops.recomputation_checkpoint(h)
+    # The two sub-blocks open scopes of their own, so a stage_assignment can
+    # put a layer's attention and its feed-forward block on different
+    # pipeline stages (Graphcore's att_ffn_placement, :func:`placement_layout`).
+    with jax.named_scope(ATTENTION_BLOCK):
+      a = self.dropout(self.attention_out(self._attention(h, mask_bias)),
+                       deterministic=deterministic)
+      h = self.attention_norm(h + a)
+    with jax.named_scope(FFN_BLOCK):
+      f = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
+      h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
+      # Only these values wait for the backward pass when recomputation is on.
+      return ipu_jax.ops.recomputation_checkpoint(h)
 
 
 class Encoder(nnx.Module):
@@ -315,6 +331,82 @@ def layout(layers_per_ipu: Sequence[int]):
   heads_stage = len(counts)
   assignment.update({"pooler": heads_stage, "mlm_head": heads_stage, "nsp_head": heads_stage})
   return assignment, list(range(len(counts))) + [0]
+
+
+def _check_placement(placement, num_layers: int) -> list:
+  """``placement`` as ``[(ipu, attention blocks, ffn blocks)]``, checked.
+
+  Raises:
+    ValueError: naming ``att_ffn_placement``: an entry not ``[ipu, [a, f]]``
+      of ints >= 0, a stage with no block, counts not adding up to
+      ``num_layers``, a layer's feed-forward block placed before its
+      attention, or IPU ids not ``0 .. N-1``.
+  """
+  what = (f"att_ffn_placement must list stages [ipu, [attention blocks, feed-forward "
+          f"blocks]], e.g. [[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], [0, [4, 5]]]; got "
+          f"{placement!r}")
+  try:
+    stages = [(int(ipu), int(a), int(f)) for ipu, (a, f) in placement]
+  except (TypeError, ValueError):
+    raise ValueError(f"{what}.") from None
+  if not stages or any(min(s) < 0 for s in stages):
+    raise ValueError(f"{what}.")
+  for k, (ipu, a, f) in enumerate(stages):
+    if a + f == 0:
+      raise ValueError(f"att_ffn_placement stage {k + 1} (IPU {ipu}) holds no block; its "
+                       f"pipeline stage would be empty.")
+  attention = np.cumsum([a for _, a, _ in stages])
+  ffn = np.cumsum([f for _, _, f in stages])
+  if attention[-1] != num_layers or ffn[-1] != num_layers:
+    raise ValueError(f"att_ffn_placement places {attention[-1]} attention and {ffn[-1]} "
+                     f"feed-forward blocks; the model has {num_layers} layers of each.")
+  behind = np.flatnonzero(ffn > attention)
+  if behind.size:
+    raise ValueError(f"att_ffn_placement stage {behind[0] + 1} places feed-forward block "
+                     f"{attention[behind[0]]} before its layer's attention block.")
+  ipus = sorted({ipu for ipu, _, _ in stages} | {0})
+  if ipus != list(range(len(ipus))):
+    raise ValueError(f"att_ffn_placement uses IPUs {ipus}; a replica's IPUs are 0 .. N-1, "
+                     f"each used.")
+  return stages
+
+
+def placement_layout(att_ffn_placement, num_layers: int):
+  """``(stage_assignment, device_mapping)`` of Graphcore's MLPerf ``att_ffn_placement``.
+
+  The layout of Graphcore's MLPerf Training v1.1 / v2.0 BERT
+  (``bert_model.py``'s ``init_device_placement`` with
+  ``encoder_start_pipeline_stage: 1``): stage 0 holds the embeddings alone on
+  IPU 0; each entry ``[ipu, [a, f]]`` is the next stage, on IPU ``ipu``,
+  holding the next ``a`` layers' attention blocks and the next ``f`` layers'
+  feed-forward blocks, so a layer's attention may sit on one IPU and its
+  feed-forward block on the next; the pooler and heads join the last stage
+  when it is on IPU 0 (the tied decoder beside the word embedding), else a
+  stage of their own on IPU 0 follows.
+
+  Args:
+    att_ffn_placement: ``[[ipu, [attention blocks, ffn blocks]], ...]`` in
+      pipeline order, e.g. ``[[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], [0, [4, 5]]]``.
+    num_layers: the model's encoder layers.
+
+  Raises:
+    ValueError: a placement :func:`_check_placement` refuses.
+  """
+  stages = _check_placement(att_ffn_placement, num_layers)
+  assignment = {"embeddings": 0}
+  next_attention = next_ffn = 0
+  for stage, (_, a, f) in enumerate(stages, start=1):
+    for i in range(next_attention, next_attention + a):
+      assignment[f"layers_{i}/{ATTENTION_BLOCK}"] = stage
+    for i in range(next_ffn, next_ffn + f):
+      assignment[f"layers_{i}/{FFN_BLOCK}"] = stage
+    next_attention, next_ffn = next_attention + a, next_ffn + f
+  mapping = [0] + [ipu for ipu, _, _ in stages]
+  if mapping[-1] != 0:
+    mapping.append(0)
+  heads = len(mapping) - 1
+  assignment.update({"pooler": heads, "mlm_head": heads, "nsp_head": heads})
+  return assignment, mapping
 
 
 def synthetic_batches(cfg: BertConfig, num: int, micro_batch: int, seq: int,

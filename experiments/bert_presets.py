@@ -17,13 +17,42 @@ Two presets mirror the MLPerf Training v1.0 closed BERT runs whose throughput
 Graphcore measured (docs/published_bert.md; ``mlperf_v1_pod16``,
 ``mlperf_v1_pod64``): sequence 512 packed with 2 sequences a pack on average
 (``packing_factor`` 2), micro-batch 2 packs, 76 masked positions, the
-vocabulary padded to 30,400 and serialised in 5 steps, LAMB with replicated
-tensor sharding. POD16: 4 replicas x 4 IPUs, ``[3, 7, 7, 7]``, proportions
+vocabulary padded to 30,400 and serialised in 5 steps, half partials
+(``enable_half_partials``), LAMB with replicated tensor sharding. POD16: 4 replicas x 4 IPUs, ``[3, 7, 7, 7]``, proportions
 ``[0.20, 0.20, 0.25, 0.25]``, state offloaded, G 192 -> 190 (the multiple of
 10 nearest). POD64: 8 replicas x 8 IPUs, the embeddings alone on IPU 0
 (``encoder_start_ipu: 1``) and ``[3, 3, 3, 3, 4, 4, 4]`` after it, proportion
 1.0 on every IPU, state on chip, G 96 -> 90 (9 stages on 8 IPUs: a multiple
 of 18).
+
+Seven presets mirror the MLPerf Training v1.1 and v2.0 closed BERT runs
+(``configs/mk2/pod{16,64,128}-closed.json`` of
+``github.com/mlcommons/training_results_v1.1`` and
+``configs/pod{16,64,128,256}-closed.json`` of ``_v2.0``, folder
+``Graphcore/benchmarks/bert/implementations/popart/``; docs/published_bert.md).
+Those runs place each layer's attention and feed-forward blocks separately
+(``att_ffn_placement``, ``encoder_start_pipeline_stage: 1``): stage 0 holds the
+embeddings alone on IPU 0, then each ``[ipu, [a, f]]`` is a stage of the next
+``a`` attention and ``f`` feed-forward blocks, the last one back on IPU 0 with
+the heads (``experiments.bert.placement_layout``); the presets give the runs'
+placement as is. What they share: sequence 512 packed (2 sequences a pack),
+76 masked positions, the vocabulary padded to 30,912 and serialised in 4
+steps (``embedding_serialization_vocab_steps: 4``; here the tied decoder's
+projection), half partials (``enable_half_partials``), LAMB with replicated
+tensor sharding, float16. G is the Grouped schedule's nearest multiple of
+``2 x stages`` to the run's (the schedule TF-IPU checks; PopART's pipeline
+does not ask it): 5 stages on a v1.1 POD16 (192 -> 190), 9 on every other
+(96 -> 90, 256 -> 252, 64 -> 72, 36 as run).
+
+What they do not reproduce (each preset's comment says which apply): LAMB's
+state is float16 here as the weights are (optax.lamb keeps the weights'
+dtype), where v1.1 set only the first moment to FLOAT16 (``lamb_m_dtype``)
+and v2.0 the accumulators (``lamb_accl_dtype``); v2.0 POD16's FLOAT8
+activation checkpoints (``activation_checkpoint_dtype``, the stashed
+values between stages: float16 here), v2.0's ``merge_collectives`` (one
+merged all-reduce; here one collective per weight, inside the update),
+v1.1 POD16's ``split_qkv`` (three matmuls; here one ``[H, 3H]``), the runs'
+dropout (off here, as in the v1.0 presets) and stochastic rounding.
 
 ``--model base`` takes ``pretrain_base_128``'s layout (the embeddings alone
 on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion 0.25) and, in phase 1,
@@ -41,9 +70,10 @@ _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 147
 
 # What Graphcore's MLPerf v1.0 BERT runs share: packed sequences of 512 (2 a
 # pack on average), micro-batch 2 packs, 76 masked positions, the vocabulary
-# padded to 30,400 and serialised in 5 steps.
+# padded to 30,400 and serialised in 5 steps, half partials (the runs'
+# enable_half_partials: true; float32 partials run the AMP at half rate).
 _MLPERF_V1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
-                  vocab_size=30400, decoder_serialization=5)
+                  vocab_size=30400, decoder_serialization=5, partials_type="float16")
 
 PRESETS = {
     "phase1_pod16": dict(_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
@@ -65,6 +95,60 @@ PRESETS = {
                             layers_per_ipu=[0, 3, 3, 3, 3, 4, 4, 4], matmul_proportion=[1.0] * 8,
                             system="pod64", offload_optimizer_state=False),
 }
+
+# What Graphcore's MLPerf v1.1 / v2.0 BERT runs share: packed sequences of
+# 512, 76 masked positions, the vocabulary padded to 30,912 and serialised in
+# 4 steps, half partials, layers placed as att_ffn_placement.
+_MLPERF_V1_1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
+                    vocab_size=30912, decoder_serialization=4, partials_type="float16")
+_MLPERF_V2 = dict(_MLPERF_V1_1, micro_batch=3, offload_optimizer_state=False)
+# v1.1 POD64 / POD128 and v2.0 POD64 / POD128 / POD256: 8 IPUs a replica.
+_V1_1_POD64_PLACEMENT = [[1, [2, 2]], [2, [3, 3]], [3, [4, 3]], [4, [3, 4]], [5, [4, 3]],
+                         [6, [3, 4]], [7, [4, 3]], [0, [1, 2]]]
+_V2_POD64_PLACEMENT = [[1, [3, 3]], [2, [3, 3]], [3, [3, 3]], [4, [4, 3]], [5, [3, 4]],
+                       [6, [4, 3]], [7, [3, 4]], [0, [1, 1]]]
+
+PRESETS.update({
+    # v1.1 closed, IPU-POD16 (configs/mk2/pod16-closed.json): 4 x 4 IPUs,
+    # 5 stages, G 192 -> 190. Not modelled: lamb_m_dtype FLOAT16 alone (here
+    # all LAMB state float16), split_qkv.
+    "mlperf_v1_1_pod16": dict(_MLPERF_V1_1, replicas=4, accumulation=190, system="pod16",
+                              att_ffn_placement=[[1, [7, 6]], [2, [6, 7]], [3, [7, 6]],
+                                                 [0, [4, 5]]],
+                              matmul_proportion=[0.23] * 4),
+    # v1.1 closed, IPU-POD64 (pod64-closed.json): 8 x 8 IPUs, 9 stages,
+    # G 96 -> 90, LAMB state on chip (float32 in the run; float16 here).
+    "mlperf_v1_1_pod64": dict(_MLPERF_V1_1, replicas=8, accumulation=90, system="pod64",
+                              att_ffn_placement=_V1_1_POD64_PLACEMENT,
+                              matmul_proportion=[0.20] + [0.25] * 7,
+                              offload_optimizer_state=False),
+    # v1.1 closed, IPU-POD128 (pod128-closed.json, 2 hosts): as POD64 on 16
+    # replicas. Not modelled: lamb_m_dtype FLOAT16 alone.
+    "mlperf_v1_1_pod128": dict(_MLPERF_V1_1, replicas=16, accumulation=90, system="pod128",
+                               att_ffn_placement=_V1_1_POD64_PLACEMENT,
+                               matmul_proportion=[0.20] + [0.25] * 7,
+                               offload_optimizer_state=False),
+    # v2.0 closed, Bow Pod16 (configs/pod16-closed.json): 2 x 8 Bow IPUs,
+    # micro-batch 3, G 256 -> 252. Not modelled: FLOAT8 activation
+    # checkpoints, lamb_accl_dtype FLOAT16 alone, merge_collectives.
+    "mlperf_v2_bow_pod16": dict(_MLPERF_V2, replicas=2, accumulation=252, system="bow-pod16",
+                                att_ffn_placement=[[1, [3, 3]], [2, [4, 3]], [3, [3, 3]],
+                                                   [4, [3, 4]], [5, [4, 3]], [6, [3, 4]],
+                                                   [7, [4, 3]], [0, [0, 1]]],
+                                matmul_proportion=[0.3] * 8),
+    # v2.0 closed, Bow-Pod64 / 128 / 256 (pod64/128/256-closed.json): 8, 16,
+    # 32 replicas of 8 Bow IPUs, G 96 -> 90, 64 -> 72, 36. Not modelled:
+    # lamb_accl_dtype FLOAT16 alone, merge_collectives.
+    "mlperf_v2_bow_pod64": dict(_MLPERF_V2, replicas=8, accumulation=90, system="bow-pod64",
+                                att_ffn_placement=_V2_POD64_PLACEMENT,
+                                matmul_proportion=[1.0] * 8),
+    "mlperf_v2_bow_pod128": dict(_MLPERF_V2, replicas=16, accumulation=72,
+                                 system="bow-pod128", att_ffn_placement=_V2_POD64_PLACEMENT,
+                                 matmul_proportion=[1.0] * 8),
+    "mlperf_v2_bow_pod256": dict(_MLPERF_V2, replicas=32, accumulation=36,
+                                 system="bow-pod256", att_ffn_placement=_V2_POD64_PLACEMENT,
+                                 matmul_proportion=[1.0] * 8),
+})
 
 # pretrain_base_128: embeddings alone on IPU 0, 4 layers on each other IPU.
 BASE_OVERRIDES = {"layers_per_ipu": [0, 4, 4, 4], "matmul_proportion": [0.25] * 4}

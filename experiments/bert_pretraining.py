@@ -29,7 +29,11 @@ throughput on ``--system`` and its breakdown by part
 ``phase1_pod64`` (sequence 128, micro-batch 8), ``phase2_pod16``,
 ``phase2_pod64`` (sequence 512, micro-batch 2), BERT-Large on 4 replicas x 4
 IPUs of an IPU-POD16 or 16 x 4 of a POD64, every IPU's 1,472 tiles;
-``--model base`` for BERT-Base; any flag given overrides the preset.
+``--model base`` for BERT-Base; any flag given overrides the preset. The
+``mlperf_*`` presets mirror Graphcore's MLPerf Training v1.0 / v1.1 / v2.0
+BERT runs; v1.1's and v2.0's place attention and feed-forward blocks
+separately (``--att_ffn_placement``, in place of ``--layers_per_ipu``) and
+use half partials (``--partials_type float16``).
 ``--estimate_only`` lowers each stage's programs once (on one IPU; the
 replicas are not lowered again, the weights and optimizer state stay
 abstract) and prints the estimate without running anything; ``--json_out``
@@ -82,6 +86,13 @@ def define_flags(fv=None):
   flags.DEFINE_list("layers_per_ipu", ["1", "1", "1", "1"],
                     "Encoder layers on each IPU of a replica (BERT-Large: 3,7,7,7).",
                     flag_values=fv)
+  flags.DEFINE_string("att_ffn_placement", None,
+                      "Graphcore's MLPerf att_ffn_placement as JSON, replacing --layers_per_ipu: "
+                      "stages [ipu, [attention blocks, feed-forward blocks]] after the "
+                      "embeddings' stage on IPU 0, e.g. '[[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], "
+                      "[0, [4, 5]]]' (a layer's attention and feed-forward block may sit on "
+                      "different IPUs); the heads join the last stage on IPU 0.",
+                      flag_values=fv)
   flags.DEFINE_list("matmul_proportion", ["0.15", "0.25", "0.25", "0.25"],
                     "Available memory proportion of matmuls on each IPU.", flag_values=fv)
   flags.DEFINE_enum("schedule", "Grouped", ["Grouped", "Sequential", "Interleaved"],
@@ -92,6 +103,9 @@ def define_flags(fv=None):
   flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.", flag_values=fv)
   flags.DEFINE_integer("seq", 64, "Sequence length.", flag_values=fv)
   flags.DEFINE_integer("max_predictions", 8, "Masked positions per sequence.", flag_values=fv)
+  flags.DEFINE_enum("partials_type", "float32", ["float32", "float16"],
+                    "cfg.matmuls.partials_type: the matmuls' partial sums (Graphcore's "
+                    "enable_half_partials: float16).", flag_values=fv)
   flags.DEFINE_integer("decoder_serialization", 2, "Serialisation factor of the MLM decoder.",
                        flag_values=fv)
   flags.DEFINE_boolean("recomputation", True, "Recompute each stage's forward in its backward.",
@@ -173,22 +187,62 @@ def model_config(name: str, dropout: float, decoder_serialization: int,
 
 
 def apply_preset(f) -> None:
-  """Set the flags of ``--config``'s preset that the command line did not give."""
+  """Set the flags of ``--config``'s preset that the command line did not give.
+
+  A ``--layers_per_ipu`` given on the command line replaces the preset's
+  ``att_ffn_placement`` (whole layers per IPU), unless that is given too.
+  """
   if not f.config:
     return
   values = presets.preset_values(f.config, f.model if f["model"].present else None)
+  if f["layers_per_ipu"].present and not f["att_ffn_placement"].present:
+    values.pop("att_ffn_placement", None)
   for name, value in values.items():
-    if not f[name].present:
-      setattr(f, name, [str(v) for v in value] if isinstance(value, list) else value)
+    if f[name].present:
+      continue
+    if name == "att_ffn_placement":
+      value = json.dumps(value)  # a JSON flag
+    setattr(f, name, [str(v) for v in value] if isinstance(value, list) else value)
+
+
+def stage_layout(f, num_layers: int) -> tuple:
+  """``(stage_assignment, device_mapping)`` of the flags' split.
+
+  ``--att_ffn_placement`` when given (:func:`experiments.bert.placement_layout`),
+  else ``--layers_per_ipu`` (:func:`experiments.bert.layout`).
+
+  Raises:
+    ValueError: a placement that is not JSON or that the layout refuses, or
+      layers that do not add up to ``num_layers``, naming the flag.
+  """
+  from experiments import bert
+  if f.att_ffn_placement:
+    try:
+      placement = json.loads(f.att_ffn_placement)
+      return bert.placement_layout(placement, num_layers)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+      raise ValueError(f"--att_ffn_placement={f.att_ffn_placement!r}: {e}") from None
+  layers = [int(v) for v in f.layers_per_ipu]
+  if sum(layers) != num_layers:
+    raise ValueError(f"--layers_per_ipu {layers} adds up to {sum(layers)} layers; the "
+                     f"{f.model} model has {num_layers}.")
+  return bert.layout(layers)
+
+
+def num_ipus(mapping) -> int:
+  """IPUs of one replica's pipeline, from its ``device_mapping``."""
+  return max(mapping) + 1
 
 
 def check_flags(f, num_layers: int) -> None:
   """Refuse bad settings before anything is built, naming the flag.
 
   Raises:
-    ValueError: ``--check`` with hardware dropout masks, a packing factor below 1, layers that do not add up to the
-      model's, a G the Grouped / Interleaved schedule cannot run over BERT's
-      stages, or a system too small for replicas x IPUs per replica.
+    ValueError: ``--check`` with hardware dropout masks, a packing factor
+      below 1, layers that do not add up to the model's (or a placement
+      :func:`stage_layout` refuses), ``--auto_split`` from a placement, a G
+      the Grouped / Interleaved schedule cannot run over BERT's stages, or a
+      system too small for replicas x IPUs per replica.
   """
   from ipu_jax.kernels.systems import check_capacity, system_preset
   from ipu_jax.pipelining import minimum_accumulation
@@ -199,19 +253,20 @@ def check_flags(f, num_layers: int) -> None:
     raise ValueError("--check compares with plain JAX, whose dropout masks are jax.jit's bits; "
                      "--random_mode=hardware draws other masks. Use --random_mode=jax with "
                      "--check, or --dropout=0.")
-  layers = [int(v) for v in f.layers_per_ipu]
-  if sum(layers) != num_layers:
-    raise ValueError(f"--layers_per_ipu {layers} adds up to {sum(layers)} layers; the "
-                     f"{f.model} model has {num_layers}.")
-  stages = len(layers) + 1  # the heads go back to IPU 0
+  if f.auto_split and f.att_ffn_placement:
+    raise ValueError("--auto_split searches whole layers per IPU (--layers_per_ipu); it cannot "
+                     "start from --att_ffn_placement. Give --layers_per_ipu instead.")
+  _, mapping = stage_layout(f, num_layers)
+  stages = len(mapping)
   minimum = minimum_accumulation(f.schedule, stages)
   if f.accumulation < minimum or f.accumulation % minimum:
     raise ValueError(f"--accumulation={f.accumulation} does not suit the {f.schedule} schedule "
                      f"over {stages} stages: it must be a positive multiple of {minimum}.")
   if f.system:
     try:
-      check_capacity(system_preset(f.system), f.replicas, len(layers), "--replicas",
-                     "IPUs per replica (len(--layers_per_ipu))")
+      check_capacity(system_preset(f.system), f.replicas, num_ipus(mapping), "--replicas",
+                     "IPUs per replica (len(--layers_per_ipu), or the IPUs of "
+                     "--att_ffn_placement)")
     except ValueError as e:
       raise ValueError(f"--system={f.system}: {e}") from None
 
@@ -229,6 +284,7 @@ def ipu_config(f, num_ipus: int):
   cfg.pipelining.schedule = f.schedule
   cfg.pipelining.recomputation = f.recomputation
   cfg.matmuls.available_memory_proportion = [float(v) for v in f.matmul_proportion]
+  cfg.matmuls.partials_type = f.partials_type
   cfg.streaming.offload_optimizer_state = f.offload_optimizer_state
   cfg.streaming.replicated_tensor_sharding = f.replicated_tensor_sharding
   cfg.system = f.system
@@ -347,9 +403,8 @@ def build_pipeline(f, mcfg) -> tuple:
   from flax import nnx
   import ipu_jax
   from experiments import bert
-  layers_per_ipu = [int(v) for v in f.layers_per_ipu]
-  assignment, mapping = bert.layout(layers_per_ipu)
-  cfg = ipu_config(f, len(layers_per_ipu))
+  assignment, mapping = stage_layout(f, mcfg.layers)
+  cfg = ipu_config(f, num_ipus(mapping))
   optimizer = optax.lamb(f.learning_rate)
   if f.estimate_only:
     cfg.memory.allow_out_of_memory = True
@@ -398,9 +453,8 @@ def run(f) -> dict:
       one = bert.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.max_predictions, f.seed)
       results = dict(estimate(pipe, params, one, f), lowered_by="runner")
     else:
-      layers_per_ipu = [int(v) for v in f.layers_per_ipu]
-      results = train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu,
-                      bert.layout(layers_per_ipu)[1])
+      results = train(pipe, loss_fn, optimizer, params, mcfg, f,
+                      stage_layout(f, mcfg.layers)[1])
   if f.estimate_only:
     print(pipe.report.summary())
     print(f"Estimate ({f.config or 'flags'}, BERT-{f.model}): "
@@ -507,7 +561,7 @@ def choose_split(f, mcfg) -> tuple:
           result.lowered)
 
 
-def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) -> dict:
+def train(pipe, loss_fn, optimizer, params, mcfg, f, mapping) -> dict:
   """Train ``--steps`` steps on synthetic masked-LM data; the run's figures."""
   from experiments import bert
   per_step = f.accumulation * f.replicas
@@ -529,7 +583,9 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, layers_per_ipu, mapping) ->
   pipe.report.sequences_per_sample = f.packing_factor
   print(pipe.report.summary())
   tp = pipe.report.throughput
-  results = {"layers_per_ipu": layers_per_ipu, "device_mapping": mapping,
+  layout = ({"att_ffn_placement": json.loads(f.att_ffn_placement)} if f.att_ffn_placement
+            else {"layers_per_ipu": [int(v) for v in f.layers_per_ipu]})
+  results = {**layout, "device_mapping": mapping,
              "lower_seconds": lower_seconds, "final_loss": float(value),
              "samples_per_second": tp.samples_per_second,
              "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,

@@ -110,6 +110,58 @@ class BertDropoutPipelineTest(chex.TestCase):
     self.assertGreater(np.max(np.abs(word(runs[2]) - word(runs[0]))), 1e-6)
 
 
+def _train_layout(layout, g: int = 2, steps: int = 1):
+  """Weights after ``steps`` Sequential steps of the small BERT laid out as
+  ``layout`` (``(stage_assignment, device_mapping)``), and the pipeline."""
+  loss_fn, params = bert.make_loss(bert.Bert(_MODEL, rngs=nnx.Rngs(0)))
+  assignment, mapping = layout
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.lamb(1e-3),
+                                     config=_config("Sequential", g),
+                                     device_mapping=mapping, stage_assignment=assignment)
+  data = _data(g)[:steps]
+  state = pipe.init(params, data[0])
+  trained = params
+  for batches in data:
+    out = pipe.step(trained, state, batches)
+    trained, state = out.params, out.opt_state
+  return pipe, jax.tree_util.tree_map(np.asarray, trained), loss_fn, params, data
+
+
+class AttentionFfnPlacementTest(chex.TestCase):
+  """Graphcore's att_ffn_placement: a layer's attention on one IPU, its FFN on the next."""
+
+  def test_split_layers_train_as_whole_layers_do(self):
+    # Layer 1's FFN and layer 2's attention change IPUs against the whole-layer
+    # split [0, 2, 1, 1] (the embeddings alone on IPU 0, the heads back on it).
+    split = bert.placement_layout([[1, [2, 1]], [2, [1, 2]], [3, [1, 1]]], 4)
+    whole = bert.layout([0, 2, 1, 1])
+    self.assertEqual(split[1], whole[1])
+    pipe, trained, loss_fn, params, data = _train_layout(split)
+    _, expected_whole, _, _, _ = _train_layout(whole)
+    chex.assert_trees_all_close(trained, expected_whole, rtol=1e-5, atol=1e-6)
+    expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, data)
+    chex.assert_trees_all_close(trained, jax.tree_util.tree_map(np.asarray, expected),
+                                rtol=1e-5, atol=1e-6)
+    # The FFN of layer 1 runs on IPU 2: its weights are stage 2's.
+    stages = pipe.report.to_dict()["stages"]
+    self.assertEqual([s["ipu"] for s in stages], [0, 1, 2, 3, 0])
+
+  def test_placement_layout(self):
+    # MLPerf v1.1 POD16 (configs/mk2/pod16-closed.json).
+    assignment, mapping = bert.placement_layout(
+        [[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], [0, [4, 5]]], 24)
+    self.assertEqual(mapping, [0, 1, 2, 3, 0])
+    self.assertEqual(assignment["embeddings"], 0)
+    self.assertEqual(assignment["layers_6/attention_block"], 1)
+    self.assertEqual(assignment["layers_6/ffn_block"], 2)
+    self.assertEqual(assignment["layers_19/attention_block"], 3)
+    self.assertEqual(assignment["layers_19/ffn_block"], 4)
+    self.assertEqual({assignment[k] for k in ("pooler", "mlm_head", "nsp_head")}, {4})
+    # The last stage off IPU 0: the heads get a stage of their own on IPU 0.
+    _, mapping = bert.placement_layout([[1, [2, 1]], [2, [2, 3]]], 4)
+    self.assertEqual(mapping, [0, 1, 2, 0])
+
+
 class BertLayoutTest(chex.TestCase, parameterized.TestCase):
 
   def test_bert_large_layout(self):
@@ -124,6 +176,17 @@ class BertLayoutTest(chex.TestCase, parameterized.TestCase):
   def test_bad_layout(self, layers_per_ipu):
     with self.assertRaisesRegex(ValueError, "layers_per_ipu"):
       bert.layout(layers_per_ipu)
+
+  @parameterized.named_parameters(
+      ("not_pairs", [[1, 7]], "att_ffn_placement must list stages"),
+      ("empty_stage", [[1, [4, 4]], [2, [0, 0]]], "stage 2 \\(IPU 2\\) holds no block"),
+      ("counts", [[1, [3, 4]]], "places 3 attention and 4 feed-forward"),
+      ("ffn_first", [[1, [1, 2]], [2, [3, 2]]], "feed-forward block 1 before"),
+      ("ipus", [[2, [4, 4]]], "uses IPUs \\[0, 2\\]"),
+  )
+  def test_bad_placement(self, placement, message):
+    with self.assertRaisesRegex(ValueError, message):
+      bert.placement_layout(placement, 4)
 
   def test_sizes(self):
     large, base = bert.bert_large(), bert.bert_base()

@@ -182,7 +182,8 @@ class BadInputTest(parameterized.TestCase):
     mcfg = bert_pretraining.model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
                                          f.vocab_size)
     bert_pretraining.check_flags(f, mcfg.layers)
-    self.assertLen(f.matmul_proportion, len(f.layers_per_ipu))
+    _, mapping = bert_pretraining.stage_layout(f, mcfg.layers)
+    self.assertLen(f.matmul_proportion, bert_pretraining.num_ipus(mapping))
     # The serialised decoder splits the vocabulary into equal pieces.
     self.assertEqual(mcfg.vocab_size % mcfg.decoder_serialization, 0)
 
@@ -198,6 +199,70 @@ class BadInputTest(parameterized.TestCase):
                      (30400, 5, False))
     f = self._flags("--config=mlperf_v1_pod16", "--vocab_size=30522", "--decoder_serialization=2")
     self.assertEqual((f.replicas, f.accumulation, f.vocab_size), (4, 190, 30522))
+
+  # docs/published_bert.md: every MLPerf closed run's system, replicas x IPUs
+  # per replica, micro-batch (packs), G (the run's, then the preset's: the
+  # Grouped schedule's nearest multiple of 2 x stages), vocabulary, partials,
+  # optimizer state offloaded.
+  @parameterized.named_parameters(
+      ("v1_pod16", "mlperf_v1_pod16", "pod16", 4, 4, 2, 192, 190, 30400, "float16", True, 3072),
+      ("v1_pod64", "mlperf_v1_pod64", "pod64", 8, 8, 2, 96, 90, 30400, "float16", False, 3072),
+      ("v1_1_pod16", "mlperf_v1_1_pod16", "pod16", 4, 4, 2, 192, 190, 30912, "float16", True,
+       3072),
+      ("v1_1_pod64", "mlperf_v1_1_pod64", "pod64", 8, 8, 2, 96, 90, 30912, "float16", False,
+       3072),
+      ("v1_1_pod128", "mlperf_v1_1_pod128", "pod128", 16, 8, 2, 96, 90, 30912, "float16",
+       False, 6144),
+      ("v2_pod16", "mlperf_v2_bow_pod16", "bow-pod16", 2, 8, 3, 256, 252, 30912, "float16",
+       False, 3072),
+      ("v2_pod64", "mlperf_v2_bow_pod64", "bow-pod64", 8, 8, 3, 96, 90, 30912, "float16",
+       False, 4608),
+      ("v2_pod128", "mlperf_v2_bow_pod128", "bow-pod128", 16, 8, 3, 64, 72, 30912, "float16",
+       False, 6144),
+      ("v2_pod256", "mlperf_v2_bow_pod256", "bow-pod256", 32, 8, 3, 36, 36, 30912, "float16",
+       False, 6912),
+  )
+  def test_every_mlperf_run_has_its_preset(self, name, system, replicas, ipus, micro_batch,
+                                           run_g, g, vocab, partials, offload, global_batch):
+    f = self._flags(f"--config={name}")
+    _, mapping = bert_pretraining.stage_layout(f, 24)
+    stages = len(mapping)
+    self.assertEqual((f.system, f.replicas, bert_pretraining.num_ipus(mapping), f.micro_batch,
+                      f.accumulation), (system, replicas, ipus, micro_batch, g))
+    self.assertEqual((f.seq, f.max_predictions, f.packing_factor, f.vocab_size, f.partials_type,
+                      f.offload_optimizer_state, f.replicated_tensor_sharding),
+                     (512, 76, 2.0, vocab, partials, offload, True))
+    # G: the accepted multiple of 2 x stages nearest the run's.
+    multiples = [k * 2 * stages for k in range(1, run_g // stages + 2)]
+    self.assertEqual(g, min(multiples, key=lambda m: abs(m - run_g)))
+    # The logged global batch (sequences) is micro-batch x the run's G x replicas x 2.
+    self.assertEqual(micro_batch * run_g * replicas * 2, global_batch)
+    ipu_cfg = bert_pretraining.ipu_config(f, bert_pretraining.num_ipus(mapping))
+    self.assertEqual(ipu_cfg.matmuls.partials_type, partials)
+
+  def test_attention_ffn_placement_flag(self):
+    f = self._flags("--config=mlperf_v1_1_pod16")
+    assignment, mapping = bert_pretraining.stage_layout(f, 24)
+    self.assertEqual(mapping, [0, 1, 2, 3, 0])
+    self.assertEqual((assignment["layers_6/attention_block"], assignment["layers_6/ffn_block"]),
+                     (1, 2))
+    # --layers_per_ipu on the command line replaces the preset's placement.
+    f = self._flags("--config=mlperf_v1_1_pod16", "--layers_per_ipu=3,7,7,7")
+    self.assertIsNone(f.att_ffn_placement)
+    self.assertEqual(bert_pretraining.stage_layout(f, 24)[1], [0, 1, 2, 3, 0])
+
+  @parameterized.named_parameters(
+      ("json", ["--att_ffn_placement=[[1, [2, 2]"], "--att_ffn_placement="),
+      ("counts", ["--att_ffn_placement=[[1, [2, 2]], [2, [2, 1]]]"],
+       "--att_ffn_placement=.*places 4 attention and 3 feed-forward"),
+      ("auto_split", ["--config=mlperf_v2_bow_pod64", "--auto_split"],
+       "--auto_split searches whole layers"),
+      ("capacity", ["--config=mlperf_v2_bow_pod16", "--replicas=3"], "--replicas=3"),
+  )
+  def test_bad_placement_flags(self, argv, message):
+    f = self._flags(*argv)
+    with self.assertRaisesRegex(ValueError, message):
+      bert_pretraining.check_flags(f, 24 if f.model == "large" else 4)
 
   def test_pipeline_refuses_a_system_too_small(self):
     pipe, _, _, params, batches = _small_pipeline()
