@@ -26,7 +26,12 @@ accumulation of the same model::
     python -m experiments.llm --config tiny_check --check
 
 Every preset value is a flag (``--helpfull`` lists them); a flag given on the
-command line overrides the preset. A preset whose model does not fit without
+command line overrides the preset. The overriding flags every runner of the
+``pod`` suite shares work here too: ``--system``, ``--replicas`` (the
+data-parallel replicas, ``--data_parallel``), ``--micro_batch``,
+``--gradient_accumulation`` (G: the global batch becomes G x replicas x
+micro-batch) and ``--dtype``; the JSON records ``replicas``,
+``gradient_accumulation``, ``micro_batch`` and ``dtype`` beside the estimate. A preset whose model does not fit without
 tensor parallelism or phases (``--tensor_parallel=1``, ``--nophased``)
 reports the out-of-memory error naming the IPU and the remedy, exit status 1.
 """
@@ -79,6 +84,13 @@ def define_flags(fv=None):
       ("tiles_per_ipu", 16, "Tiles per IPU (the presets use all 1,472)."),
       ("steps", 3, "Training steps (--check)."), ("seed", 0, "Seed of the weights and data.")):
     flags.DEFINE_integer(name, default, help_, lower_bound=0 if name == "seed" else 1, **d)
+  # The overriding flags every runner shares (bert_pretraining, resnet_training):
+  # --replicas is --data_parallel; --gradient_accumulation sets --global_batch.
+  flags.DEFINE_alias("replicas", "data_parallel", flag_values=fv)
+  flags.DEFINE_integer("gradient_accumulation", None,
+                       "G, micro-batches per replica per step: sets --global_batch to G x "
+                       "--data_parallel x --micro_batch (give one of the two).", lower_bound=1,
+                       **d)
   flags.DEFINE_integer("rotary_dim", 0, "Rotary features of each head (0: none).",
                        lower_bound=0, **d)
   flags.DEFINE_boolean("phased", True, "Phased execution (a phase per decoder block).", **d)
@@ -126,6 +138,24 @@ def apply_preset(f) -> None:
   for name, value in presets.preset_values(f.config).items():
     if not f[name].present:
       setattr(f, name, value)
+  apply_accumulation(f)
+
+
+def apply_accumulation(f) -> None:
+  """``--gradient_accumulation G``: the global batch of G micro-batches on every replica.
+
+  Raises:
+    app.UsageError: ``--global_batch`` given too, and not G x replicas x micro-batch.
+  """
+  if f.gradient_accumulation is None:
+    return
+  batch = f.gradient_accumulation * f.data_parallel * f.micro_batch
+  if f["global_batch"].present and f.global_batch != batch:
+    raise app.UsageError(
+        f"--global_batch={f.global_batch} and --gradient_accumulation="
+        f"{f.gradient_accumulation} disagree: G x --data_parallel x --micro_batch = {batch}; "
+        "give one of the two.")
+  f.global_batch = batch
 
 
 def accumulation(f) -> int:
@@ -430,6 +460,8 @@ def estimate(f) -> dict:
     result = inference_estimate(f, cfg, target)
   step = result["step_seconds"]
   result.update(config=f.config, model=f.model, mode=f.mode, system=f.system,
+                replicas=f.data_parallel, micro_batch=f.micro_batch, dtype=f.dtype,
+                gradient_accumulation=accumulation(f) if f.mode == "train" else 1,
                 num_ipus=num_ipus(f), tokens_per_step=tokens_per_step(f),
                 tokens_per_second=tokens_per_step(f) / step,
                 samples_per_second=(f.global_batch if f.mode == "train"
@@ -556,6 +588,8 @@ def run(f) -> dict:
     app.UsageError: a bad flag (the message names it and the valid values).
   """
   apply_preset(f)
+  if not f.config:
+    apply_accumulation(f)
   try:
     check_flags(f)
   except ValueError as e:

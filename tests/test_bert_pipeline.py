@@ -136,9 +136,9 @@ class AttentionFfnPlacementTest(chex.TestCase):
     split = bert.placement_layout([[1, [2, 1]], [2, [1, 2]], [3, [1, 1]]], 4)
     whole = bert.layout([0, 2, 1, 1])
     self.assertEqual(split[1], whole[1])
+    # Plain accumulation is what the whole-layer split trains to
+    # (BertPipelineTest), so it stands for that split here.
     pipe, trained, loss_fn, params, data = _train_layout(split)
-    _, expected_whole, _, _, _ = _train_layout(whole)
-    chex.assert_trees_all_close(trained, expected_whole, rtol=1e-5, atol=1e-6)
     expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, data)
     chex.assert_trees_all_close(trained, jax.tree_util.tree_map(np.asarray, expected),
                                 rtol=1e-5, atol=1e-6)

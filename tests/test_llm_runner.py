@@ -47,6 +47,20 @@ class LLMRunnerTest(chex.TestCase, parameterized.TestCase):
                            result["tokens_per_step"] / result["step_seconds"], delta=1e-6 *
                            result["tokens_per_second"])
 
+  def test_shared_overriding_flags(self):
+    # --replicas and --gradient_accumulation, as the BERT and ResNet runners take them.
+    from experiments import llm
+    result = llm.run(_flags("--config=tiny_check", "--replicas=1", "--gradient_accumulation=3",
+                            "--estimate_only"))
+    self.assertEqual((result["replicas"], result["gradient_accumulation"],
+                      result["micro_batch"]), (1, 3, 2))
+    self.assertEqual(result["tokens_per_step"], 3 * 1 * 2 * 16)  # G x replicas x micro x seq
+    self.assertAlmostEqual(result["samples_per_second"] * result["step_seconds"], 6.0)
+    from absl import app
+    with self.assertRaisesRegex(app.UsageError, "--global_batch=8 and --gradient_accumulation=3"):
+      llm.run(_flags("--config=tiny_check", "--global_batch=8", "--gradient_accumulation=3",
+                     "--estimate_only"))
+
   def test_inference_estimate_below_bounds(self):
     from experiments import llm
     result = llm.run(_flags("--model=llama2", "--mode=inference", "--rotary_dim=32",
