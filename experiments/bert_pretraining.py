@@ -99,6 +99,9 @@ def define_flags(fv=None):
                     "Pipeline schedule (Interleaved cannot hold two stages on one IPU).",
                     flag_values=fv)
   flags.DEFINE_integer("accumulation", 10, "Micro-batches per weight update (G).", flag_values=fv)
+  # The name every runner shares (resnet_training, llm): one configuration
+  # can be asked of another runner with the same flags.
+  flags.DEFINE_alias("gradient_accumulation", "accumulation", flag_values=fv)
   flags.DEFINE_integer("replicas", 2, "Data-parallel replicas of the pipeline.", flag_values=fv)
   flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.", flag_values=fv)
   flags.DEFINE_integer("seq", 64, "Sequence length.", flag_values=fv)

@@ -168,6 +168,11 @@ class BadInputTest(parameterized.TestCase):
     f = self._flags("--config=phase2_pod16", "--micro_batch=4")
     self.assertEqual((f.seq, f.micro_batch, f.replicas, f.accumulation, f.system),
                      (512, 4, 4, 2040, "pod16"))
+    # The overriding flags every runner shares (resnet_training, llm).
+    f = self._flags("--config=phase2_pod16", "--gradient_accumulation=1020",
+                    "--system=bow-pod16", "--dtype=float32")
+    self.assertEqual((f.accumulation, f.system, f.dtype), (1020, "bow-pod16", "float32"))
+    bert_pretraining.check_flags(f, 24)
     self.assertEqual([int(v) for v in f.layers_per_ipu], [3, 7, 7, 7])
     bert_pretraining.check_flags(f, 24)
     f = self._flags("--config=phase1_pod16", "--model=base")
