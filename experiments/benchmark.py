@@ -27,6 +27,19 @@ outputs, temporaries: ``plain_xla_peak_mib``), and the emulated and plain
     python -m experiments.benchmark --suite=scale --repeats=5 \
         --json_out=experiments/results/scale.json
 
+The ``speed`` suite (``--suite=speed``) prints issue 43's figures, each against
+its goal, in one run: the emulated over plain ``jax.jit`` step time of the MLP,
+CNN and tiny transformer LM training steps at ``--tiles`` (the two run
+alternately, ``--repeats`` times each, in the row's own subprocess; the ratio
+of the medians), the 4-IPU / 1-IPU lowering CPU time of the 8-layer width-256
+LM step (``experiments/lowering_time.py``'s ``enc-8x256`` and
+``enc-8x256-bow4``), and the wall time and peak RSS of the POD16 BERT-Large
+estimates (``phase2_pod16 --packing_factor 2 --estimate_only``, the pod
+suite's row, and ``phase1_pod16 --auto_split --estimate_only``)::
+
+    python -m experiments.benchmark --suite=speed --repeats=31 \
+        --json_out=experiments/results/speed.json
+
 The ``pod`` suite (``--suite=pod [--rows=phase2_pod16]``) runs BERT's and
 ResNet-50's ``--estimate_only`` on IPU-PODs (experiments/benchmark_pod.py), each
 row in its own subprocess: wall time, lowering time, peak RSS, the estimate
@@ -69,11 +82,21 @@ _ISOLATE = flags.DEFINE_bool("isolate", True, "Run each case in its own subproce
 _CASE = flags.DEFINE_string("case", None, "Internal: run one case 'workload:tiles' and print JSON.")
 _EXECUTOR = flags.DEFINE_enum("executor", "batched", ["batched", "per_tile"], "Executor mode.")
 _SUITE = flags.DEFINE_enum(
-    "suite", "default", ["default", "scale", "pod"],
+    "suite", "default", ["default", "scale", "pod", "speed"],
     "default: --workloads at --tiles; scale: model-scale training steps "
     "(experiments/scale_workloads.py), one subprocess per row; pod: BERT estimates "
     "on IPU-PODs (experiments/benchmark_pod.py: wall time and peak RSS of "
-    "bert_pretraining --estimate_only).")
+    "bert_pretraining --estimate_only); speed: issue 43's figures against their goals "
+    "(step ratios, 4-IPU / 1-IPU lowering, the POD16 BERT-Large estimates).")
+_SPEED_PARTS = flags.DEFINE_list(
+    "speed_parts", ["steps", "lowering", "estimates"],
+    "speed suite: which parts to run (steps: MLP, CNN, tiny LM against jax.jit at --tiles; "
+    "lowering: enc-8x256 on 4 Bow IPUs over 1; estimates: the POD16 BERT-Large estimates).")
+_SPEED_WORKLOADS = flags.DEFINE_list(
+    "speed_workloads", ["mlp", "cnn", "transformer"],
+    "speed suite: the training steps timed against jax.jit (experiments/models.py).")
+_SPEED_BATCH = flags.DEFINE_integer(
+    "speed_batch", 0, "speed suite: the step workloads' batch (0: each workload's own).")
 _ROWS = flags.DEFINE_list("rows", None, "scale / pod suite: rows to run (default: all).")
 _ROW_TIMEOUT = flags.DEFINE_integer("row_timeout", 1800, "scale suite: seconds per row.")
 _MAX_RSS_GIB = flags.DEFINE_float(
@@ -395,6 +418,196 @@ def _main_pod():
     print(f"\nwrote {out}")
 
 
+# -- speed suite (issue 43) ----------------------------------------------------
+
+# Goals of issue 43: emulated / jax.jit step time, 4-IPU / 1-IPU lowering time,
+# and the POD16 BERT-Large estimates' wall seconds and peak RSS.
+SPEED_GOALS = {"step_ratio": 1.2, "lowering_ratio": 1.2, "estimate_wall_s": 20.0,
+               "estimate_rss_gib": 3.0, "auto_split_wall_s": 60.0}
+_SPEED_LOWERING_ROWS = ("enc-8x256", "enc-8x256-bow4")
+
+
+def run_speed_step(name: str, tiles: int, repeats: int, batch: int = 0) -> dict:
+  """Emulated and plain ``jax.jit`` step times of ``name``, run alternately.
+
+  On a shared machine the load moves while a row runs; alternating the two
+  (emulated, plain, emulated, ...) gives both the same conditions, and the
+  medians of ``repeats`` runs each make the ratio. ``ratio_of_pairs`` is the
+  median of each pair's own ratio.
+  """
+  import jax
+  import ipu_jax
+  from experiments import models
+  fn, args = models.workload(name, batch=batch)
+  plain = jax.jit(fn)
+  emulated = ipu_jax.jit(fn, config=_config(tiles), target=_target(tiles), verbose=0)
+  start = time.perf_counter()
+  _block(emulated(*args))
+  lower_compile = time.perf_counter() - start
+  _block(plain(*args))
+  emulated_ms, plain_ms = [], []
+  for _ in range(repeats):
+    for fn_, times in ((emulated, emulated_ms), (plain, plain_ms)):
+      start = time.perf_counter()
+      _block(fn_(*args))
+      times.append((time.perf_counter() - start) * 1e3)
+  median = statistics.median
+  ratio = median(emulated_ms) / median(plain_ms)
+  return dict(workload=name, tiles=tiles, batch=int(args[2].shape[0]), repeats=repeats,
+              emulated_ms=median(emulated_ms), plain_ms=median(plain_ms), ratio=ratio,
+              ratio_of_pairs=median(e / p for e, p in zip(emulated_ms, plain_ms)),
+              lower_compile_s=lower_compile, goal=SPEED_GOALS["step_ratio"],
+              meets_goal=ratio <= SPEED_GOALS["step_ratio"], error=None)
+
+
+def _speed_step_rows(tiles, repeats, batch) -> list:
+  rows = []
+  for name in _SPEED_WORKLOADS.value:
+    for t in tiles:
+      print(f"running {name} at {t} tiles ...", flush=True)
+      if _ISOLATE.value:
+        rows.append(_subprocess_json(
+            [f"--case=speed:{name}:{t}", f"--repeats={repeats}", f"--speed_batch={batch}"],
+            dict(workload=name, tiles=t)))
+      else:
+        rows.append(_guarded(run_speed_step, dict(workload=name, tiles=t), name, t,
+                             repeats, batch))
+  return rows
+
+
+def _speed_lowering_row(repeats: int) -> dict:
+  """enc-8x256's lowering CPU seconds on 4 Bow IPUs over 1 (fastest of ``repeats``)."""
+  from experiments import lowering_time
+  one, four = (lowering_time.measure(name, max(1, repeats)) for name in _SPEED_LOWERING_ROWS)
+  ratio = min(four["cpu_s"]) / min(one["cpu_s"])
+  return dict(workload="lowering enc-8x256 bow x4 / x1", one_ipu_cpu_s=min(one["cpu_s"]),
+              four_ipu_cpu_s=min(four["cpu_s"]), one_ipu_wall_s=min(one["wall_s"]),
+              four_ipu_wall_s=min(four["wall_s"]), ratio=ratio,
+              goal=SPEED_GOALS["lowering_ratio"],
+              meets_goal=ratio <= SPEED_GOALS["lowering_ratio"],
+              figures_sha1=[one["figures_sha1"], four["figures_sha1"]], error=None)
+
+
+def _run_estimate(label: str, args: list, timeout: float) -> dict:
+  """``experiments.bert_pretraining ARGS --estimate_only`` in a subprocess: wall, peak RSS."""
+  import tempfile
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "estimate.json")
+    cmd = [sys.executable, "-m", "experiments.bert_pretraining", *args, "--estimate_only",
+           f"--json_out={out}"]
+    start = time.time()
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=timeout,
+                            env=dict(os.environ, IPU_JAX_PROGRESS="0"))
+    except subprocess.TimeoutExpired:
+      return dict(workload=label, args=args, error=f"timed out after {timeout} s")
+    wall = time.time() - start
+    if proc.returncode or not os.path.exists(out):
+      return dict(workload=label, args=args, wall_s=wall, error=proc.stderr[-500:])
+    with open(out) as f:
+      result = json.load(f)
+  return dict(workload=label, args=args, wall_s=wall, peak_rss_bytes=result["peak_rss_bytes"],
+              error=None)
+
+
+def _speed_estimate_rows(timeout: float) -> list:
+  """The POD16 BERT-Large estimate (the pod suite's row) and the split search's, vs goals."""
+  from experiments import benchmark_pod
+  print("running phase2_pod16 --estimate_only ...", flush=True)
+  row = benchmark_pod.run_row("phase2_pod16", timeout)
+  estimate = dict(workload="phase2_pod16 estimate", args=row.get("args"),
+                  wall_s=row.get("wall_s"), peak_rss_bytes=row.get("peak_rss_bytes"),
+                  error=row.get("error"))
+  print("running phase1_pod16 --auto_split --estimate_only ...", flush=True)
+  split = _run_estimate("phase1_pod16 auto_split", ["--config=phase1_pod16", "--auto_split"],
+                        timeout)
+  goals = SPEED_GOALS
+  if estimate["error"] is None:
+    estimate.update(goal_wall_s=goals["estimate_wall_s"], goal_rss_gib=goals["estimate_rss_gib"],
+                    meets_goal=estimate["wall_s"] <= goals["estimate_wall_s"]
+                    and estimate["peak_rss_bytes"] <= goals["estimate_rss_gib"] * 2**30)
+  if split["error"] is None:
+    split.update(goal_wall_s=goals["auto_split_wall_s"],
+                 meets_goal=split["wall_s"] <= goals["auto_split_wall_s"])
+  return [estimate, split]
+
+
+def speed_table(results: list) -> str:
+  """One line per figure: what was measured, the goal, whether it is met."""
+  lines = []
+  for r in results:
+    if r.get("error"):
+      lines.append(f"{r['workload']:<36} ERROR {str(r['error']).splitlines()[-1:]}")
+      continue
+    met = "meets" if r.get("meets_goal") else "MISSES"
+    if "tiles" in r:
+      lines.append(f"{r['workload'] + ' step @ ' + str(r['tiles']) + ' tiles':<36} "
+                   f"emulated {r['emulated_ms']:8.2f} ms  jax.jit {r['plain_ms']:8.2f} ms  "
+                   f"ratio {r['ratio']:.2f}x (pairs {r['ratio_of_pairs']:.2f}x)  "
+                   f"goal <= {r['goal']}x: {met}")
+    elif "four_ipu_cpu_s" in r:
+      lines.append(f"{r['workload']:<36} {r['four_ipu_cpu_s']:.2f} / {r['one_ipu_cpu_s']:.2f} "
+                   f"CPU s  ratio {r['ratio']:.2f}x  goal <= {r['goal']}x: {met}")
+    else:
+      rss = f"  peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB" if r.get("peak_rss_bytes") else ""
+      goal = f"goal <= {r['goal_wall_s']:.0f} s" + (
+          f", <= {r['goal_rss_gib']:.0f} GiB" if "goal_rss_gib" in r else "")
+      lines.append(f"{r['workload']:<36} wall {r['wall_s']:6.1f} s{rss}  {goal}: {met}")
+  return "\n".join(lines)
+
+
+def _main_speed():
+  parts = set(_SPEED_PARTS.value)
+  unknown = parts - {"steps", "lowering", "estimates"}
+  if unknown:
+    raise app.UsageError(f"--speed_parts: unknown {sorted(unknown)}; valid parts are "
+                         "steps, lowering, estimates.")
+  workloads = set(_SPEED_WORKLOADS.value) - {"mlp", "cnn", "transformer"}
+  if workloads:
+    raise app.UsageError(f"--speed_workloads: unknown {sorted(workloads)}; valid "
+                         "workloads are mlp, cnn, transformer.")
+  results = []
+  if "steps" in parts:
+    results += _speed_step_rows([int(t) for t in _TILES.value], _REPEATS.value,
+                                _SPEED_BATCH.value)
+  if "lowering" in parts:
+    print("lowering enc-8x256 on 1 and 4 Bow IPUs ...", flush=True)
+    results.append(_guarded(_speed_lowering_row, dict(workload="lowering enc-8x256"),
+                            min(_REPEATS.value, 3)))
+  if "estimates" in parts:
+    results += _speed_estimate_rows(_ROW_TIMEOUT.value)
+  print(speed_table(results))
+  out = _JSON_OUT.value
+  if out:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(dict(SCHEMA, suite="speed", host=_host(), goals=SPEED_GOALS,
+                     load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
+                     results=results), f, indent=2)
+    print(f"\nwrote {out}")
+
+
+def _guarded(function, row: dict, *args) -> dict:
+  """``function(*args)``, or ``row`` with the error (a failing row does not stop the suite)."""
+  try:
+    return function(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _subprocess_json(flags_: list, row: dict) -> dict:
+  """This runner with ``flags_`` in a subprocess; the last JSON line it prints."""
+  cmd = [sys.executable, "-m", "experiments.benchmark", *flags_,
+         f"--executor={_EXECUTOR.value}"]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  return dict(row, error=f"subprocess failed: {proc.stderr[-500:]}")
+
+
 def run_case(name, tiles, repeats):
   try:
     if name == "fit":
@@ -449,7 +662,12 @@ def main(argv):
   from experiments import common  # pylint: disable=g-import-not-at-top
   common.quiet_backend_probe()
   if _CASE.value:
-    name, tiles = _CASE.value.split(":")
+    name, tiles = _CASE.value.split(":", 1)
+    if name == "speed":
+      workload, tiles = tiles.split(":")
+      print(json.dumps(_guarded(run_speed_step, dict(workload=workload, tiles=int(tiles)),
+                                workload, int(tiles), _REPEATS.value, _SPEED_BATCH.value)))
+      return
     if name == "scale":
       print(json.dumps(run_scale_case(tiles, _REPEATS.value)))
     else:
@@ -460,6 +678,9 @@ def main(argv):
     return
   if _SUITE.value == "pod":
     _main_pod()
+    return
+  if _SUITE.value == "speed":
+    _main_speed()
     return
   results = []
   for name in _WORKLOADS.value:
@@ -485,4 +706,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # experiments.lowering_time (the speed suite's lowering row) imports this
+  # module by name: let it find this one, whose flags are defined, not a second copy.
+  sys.modules.setdefault("experiments.benchmark", sys.modules[__name__])
   app.run(main)

@@ -69,6 +69,16 @@ def _lowering_option(field: str, doc: str) -> "_Option":
   return _Option(LOWERING_KINDS[field], LoweringOptions.default(field), doc)
 
 
+# Counts the options set on any IPUConfig: what is derived from a config
+# (ipu_jax.jit's per-call settings) is reused while it has not moved.
+_generation = 0
+
+
+def generation() -> int:
+  """A number that changes whenever an option of any :class:`IPUConfig` is set."""
+  return _generation
+
+
 class _Option:
   """A data descriptor declaring one option: what it accepts, default, doc."""
 
@@ -87,7 +97,9 @@ class _Option:
     return group._values[self.name]
 
   def __set__(self, group: _Group, value: Any):
+    global _generation
     group._values[self.name] = self.kind.check(group._qualify(self.name), value)
+    _generation += 1
 
   def explain(self, heading: str) -> str:
     """``heading`` followed by the doc, accepted values and default."""

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -143,6 +144,7 @@ class IPUFunction:
     self.donate_argnums = tuple(donate_argnums)
     self.donate_argnames = tuple(donate_argnames)
     self._cache = {}
+    self._settings_memo = None
     _copy_metadata(self, fn)
 
   def __get__(self, instance, owner=None):
@@ -152,9 +154,22 @@ class IPUFunction:
     return functools.partial(self, instance)
 
   def _settings(self):
+    """``(target, lowering options, replicas)`` of this call's config.
+
+    Building and checking them took a third of a small step's time, every
+    call: they are kept while the config is the same object, no option of
+    any config has been set since, and the report directory's environment
+    variable reads the same.
+    """
     config = self._config if self._config is not None else config_lib.get_default_config()
+    stamp = (config_lib.generation(), os.environ.get(config_lib.REPORT_DIR_ENV))
+    memo = self._settings_memo
+    if memo is not None and memo[0] is config and memo[1] == stamp:
+      return memo[2]
     target = self._target if self._target is not None else config.to_target()
-    return target, config.lowering_options(), config.replication_factor
+    settings = (target, config.lowering_options(), config.replication_factor)
+    self._settings_memo = (config, stamp, settings)
+    return settings
 
   def _cache_directory(self) -> Optional[str]:
     """The executable cache's directory (checked writable), or None; see executable_cache.py."""
@@ -232,12 +247,19 @@ class IPUFunction:
   def _call(self, args, kwargs) -> "_Call":
     """The arguments split, flattened and keyed (see :class:`_Call`)."""
     from ipu_jax.nnx_jit import reject_graph_nodes  # nnx_jit builds on this module
-    reject_graph_nodes(tuple(args) + tuple(kwargs.values()), self.__name__)
-    target, options, replicas = self._settings()
     static, dynamic, fn = self._split(args, kwargs)
-    with_paths, in_tree = jax.tree_util.tree_flatten_with_path(dynamic)
-    flat = [leaf for _, leaf in with_paths]
+    # One flattening serves the graph-node check and the key; the leaves'
+    # paths (a slower flattening) only where names, offload or donation need them.
+    flat, in_tree = jax.tree_util.tree_flatten(dynamic)
+    reject_graph_nodes(tuple(args) + tuple(kwargs.values()), self.__name__,
+                       flat=None if static else (flat, in_tree))
+    target, options, replicas = self._settings()
     avals = tuple(_cache_aval(x) for x in flat)
+    with_paths = (jax.tree_util.tree_flatten_with_path(dynamic)[0]
+                  if self.offload_argnums or self.offload_outputs or self.donate_argnums
+                  else None)
+    paths = lambda: [path for path, _ in (with_paths if with_paths is not None else
+                                          jax.tree_util.tree_flatten_with_path(dynamic)[0])]
     offload = None
     if self.offload_argnums or self.offload_outputs:
       from ipu_jax import offload as offload_lib
@@ -251,8 +273,7 @@ class IPUFunction:
     key = recompilation.CacheKey(in_tree, avals, static, target, options, replicas,
                                  bound_axes(), offload)
     # Arguments are named by their pytree path: "params/Dense_0/kernel".
-    names = lambda: argument_names([path for path, _ in with_paths],
-                                   self._dynamic_parameter_names(len(args), static))
+    names = lambda: argument_names(paths(), self._dynamic_parameter_names(len(args), static))
     setup = lambda arg_names: Setup(self.__name__, target, options, replicas,
                                     tuple(arg_names), user_call_site(), offload, donated)
     return _Call(fn, flat, in_tree, key, names, setup)

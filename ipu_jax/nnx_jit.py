@@ -72,19 +72,20 @@ _CHECKED_TREES_LIMIT = 256
 _ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic)
 
 
-def reject_graph_nodes(args: Sequence, fn_name: str = "fn") -> None:
+def reject_graph_nodes(args: Sequence, fn_name: str = "fn", flat=None) -> None:
   """Refuses NNX objects in a plain ``ipu_jax.jit`` call.
 
   ``ipu_jax.jit`` sees a module's variables as input arrays only; an update
   the function makes in place would be lost. The hook for
-  ``IPUFunction.__call__``.
+  ``IPUFunction.__call__``, which passes its own flattening of the same
+  values as ``flat`` (``(leaves, treedef)``) so they are not flattened twice.
 
   Raises:
     TypeError: naming the arguments that are graph nodes.
   """
   # A step called in a loop passes the same structure every time: checking
   # its leaves' types is ~20x cheaper than asking Flax about every node.
-  leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+  leaves, treedef = flat if flat is not None else jax.tree_util.tree_flatten(tuple(args))
   arrays = all(isinstance(leaf, _ARRAY_LEAVES) for leaf in leaves)
   if arrays and treedef in _CHECKED_TREES:
     return
