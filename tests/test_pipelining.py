@@ -14,7 +14,7 @@ import pytest
 
 import ipu_jax
 from ipu_jax.ops import pipeline_stage
-from ipu_jax.pipelining import Pipeline, PipelineError, schedule
+from ipu_jax.pipelining import Pipeline, PipelineError, schedule, stage_programs
 import testing_utils
 
 _TILES = 16
@@ -412,6 +412,45 @@ class AlikeStagesTest(chex.TestCase):
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     chex.assert_trees_all_close([np.asarray(p) for p in out.params],
                                 optax.apply_updates(params, updates), rtol=1e-5, atol=1e-6)
+
+  @parameterized.parameters(False, True)
+  def test_alike_stages_lower_once_with_their_own_figures(self, recompute):
+    # Stages 1 and 2 hold one equal layer each (the integer value stage 0
+    # makes passes them by): their forward and backward are lowered once.
+    params, batches = _data(stages=4)
+    pipe = Pipeline(_loss, optax.sgd(0.1), config=_config(recompute=recompute))
+    pipe.lower(params, batches)
+    self.assertEqual([s.shared_with for s in pipe.stages], [None, None, 1, None])
+    self.assertIs(pipe.stages[2].forward, pipe.stages[1].forward)
+    self.assertIs(pipe.stages[2].backward, pipe.stages[1].backward)
+    # The figures are those of stage 2's programs lowered for it alone.
+    stage = pipe.staged.stages[2]
+    forward, backward = stage_programs.stage_functions(stage, recompute)
+    cfg = pipe._stage_config(2)  # pylint: disable=protected-access
+    p_k, x = [params[2]], jnp.zeros((16, 32), jnp.float32)
+    fwd = ipu_jax.jit(forward, config=cfg).lower(p_k, [], [x])
+    outs, residuals = fwd.jaxpr.out_avals[:1], fwd.jaxpr.out_avals[1:]
+    bwd = ipu_jax.jit(backward, config=cfg, donate_argnums=2).lower(
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in residuals],
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs], p_k)
+    for own, shared in ((fwd, pipe.stages[2].forward), (bwd, pipe.stages[2].backward)):
+      self.assertEqual(own.profile.total_cycles, shared.profile.total_cycles)
+      np.testing.assert_array_equal(own.profile.memory.peak, shared.profile.memory.peak)
+    # Trained with the shared programs, the weights are plain accumulation's.
+    out = pipe.step(params, pipe.init(params, batches), batches)
+    grads = _plain_gradients(_loss, params, batches, 8)
+    chex.assert_trees_all_close([np.asarray(p) for p in out.params],
+                                [p - 0.1 * g for p, g in zip(params, grads)],
+                                rtol=1e-5, atol=1e-6)
+
+  def test_stages_on_ipus_with_other_options_are_not_shared(self):
+    params, batches = _data(stages=4)
+    cfg = _config()
+    cfg.matmuls.available_memory_proportion = [0.6, 0.6, 0.3, 0.6]
+    pipe = Pipeline(_loss, None, config=cfg)
+    pipe.lower(params, batches)
+    self.assertEqual([s.shared_with for s in pipe.stages], [None] * 4)
+    self.assertIsNot(pipe.stages[2].forward, pipe.stages[1].forward)
 
 
 class KerasPipeliningTest(chex.TestCase):

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import ipu_jax
-from ipu_jax.pipelining import candidates, split_search
+from ipu_jax.pipelining import candidates, shared_stages, split_search
 from experiments import bert, bert_split
 
 _LIMIT_TILES = 16
@@ -164,6 +164,25 @@ class SplitSearchTest(chex.TestCase):
     np.testing.assert_array_equal(partial["last"].stash, full["last"].stash)
     # ... and differs from the unserialised decoder's.
     self.assertNotEqual(full["last"].forward, base["last"].forward)
+
+  def test_probes_of_one_search_lower_each_stage_once(self):
+    cfg = _config()
+    shared = shared_stages.SharedLowerings()
+    base, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 1, shared=shared)
+    self.assertEqual(shared.stages.lowerings, 4)  # first block, one layer, two layers, last
+    partial, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 2, known=base,
+                                    shared=shared)
+    # The one-layer probe's first block was lowered by the first probe; its
+    # layer (which passes the heads a value more) and serialised last block are new ...
+    self.assertEqual(shared.stages.lowerings, 6)
+    alone, _ = split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 2, known=base)
+    # ... and the figures are those of the probe lowered on its own.
+    for name in ("forward", "backward", "update"):
+      self.assertEqual(getattr(partial["last"], name), getattr(alone["last"], name))
+    np.testing.assert_array_equal(partial["last"].backward_peak, alone["last"].backward_peak)
+    # Without recomputation the blocks are new but the last (never recomputed) is not.
+    split_search.probe(self.model, cfg, self.optimizer, 0.6, False, 1, shared=shared)
+    self.assertEqual(shared.stages.lowerings, 9)
 
 
 class ComposedFiguresTest(chex.TestCase):

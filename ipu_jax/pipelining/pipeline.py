@@ -41,7 +41,7 @@ import numpy as np
 from ipu_jax import config as config_lib
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.pipelining import layout, links, schedule as schedule_lib, stage_programs
-from ipu_jax.pipelining import weight_update
+from ipu_jax.pipelining import shared_stages, weight_update
 from ipu_jax.pipelining.micro_batches import MicroBatchInputs, StepTaps
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
@@ -78,6 +78,22 @@ def check_steps_per_execution(steps_per_execution: int, accumulation: int,
         f"steps_per_execution={steps_per_execution} must be a multiple of "
         f"gradient_accumulation_steps x replication_factor = {accumulation} x {replicas} = "
         f"{accumulation * replicas}: each execution runs whole pipeline steps.")
+
+
+def _lower_passes(stage, recompute: bool, cfg, p_k, b_k, in_k) -> tuple:
+  """The lowered ``(forward, backward)`` programs of ``stage`` under ``cfg``."""
+  from ipu_jax.jit import jit
+  forward, backward = stage_programs.stage_functions(stage, recompute)
+  fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
+  # Only shapes are lowered: the forward's outputs (its values, then its
+  # residuals, all flat) as the traced program has them, not traced again.
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd.jaxpr.out_avals]
+  outs, vjp_zeros = avals[:len(stage.outputs)], avals[len(stage.outputs):]
+  cts = [o for o in outs if stage_programs.differentiable(o)]
+  acc = [jax.ShapeDtypeStruct(np.shape(p), p.dtype) for p in p_k]
+  # The accumulators are updated in place (donated), as TF-IPU's are.
+  bwd = jit(backward, config=cfg, donate_argnums=2).lower(vjp_zeros, cts, acc)
+  return fwd, bwd
 
 
 class Pipeline:
@@ -144,6 +160,8 @@ class Pipeline:
         and not isinstance(device_mapping, (str, bytes)) else device_mapping)
     self.stage_assignment = None if stage_assignment is None else dict(stage_assignment)
     self._lowered_key = None
+    # Programs shared with other pipelines' lowerings (a split search's); None: its own.
+    self.shared_lowerings: Optional[shared_stages.SharedLowerings] = None
     self.staged = None
     self.stages: list = []
     self.timeline = None
@@ -225,10 +243,12 @@ class Pipeline:
         lambda m: jax.ShapeDtypeStruct(np.shape(m), m.dtype), micro)
     target = self._stage_config().to_target()
     values, stages, all_reads = {}, [], []
-    updates = weight_update.SharedUpdates()  # stages alike share their update program
+    # Stages alike share their forward and backward programs and their update program.
+    lowerings = self.shared_lowerings or shared_stages.SharedLowerings()
+    shared = (lowerings.stages, lowerings.updates)
     for stage in staged.stages:
       programs, reads = self._lower_stage(stage, staged, mapping, values,
-                                          (flat_params, flat_micro), target, updates)
+                                          (flat_params, flat_micro), target, shared)
       stages.append(programs)
       all_reads.append(reads)
     for stage, reads in zip(staged.stages, all_reads):
@@ -259,7 +279,7 @@ class Pipeline:
           f"axis; got leading sizes {sorted(leading)}.")
     return jax.tree_util.tree_map(lambda b: b[0], batches)
 
-  def _lower_stage(self, stage, staged, mapping, values: dict, flat, target, updates=None):
+  def _lower_stage(self, stage, staged, mapping, values: dict, flat, target, shared=None):
     """Lowers one stage's forward, backward and update on its IPU's config.
 
     Args:
@@ -270,32 +290,28 @@ class Pipeline:
         stage's outputs are added.
       flat: ``(flat params, flat micro-batch)``.
       target: the stages' target (one IPU's tiles).
-      updates: the update programs of the stages lowered before
-        (:class:`~ipu_jax.pipelining.weight_update.SharedUpdates`).
+      shared: ``(SharedStages, SharedUpdates)``, the programs of the stages
+        lowered before (:mod:`~ipu_jax.pipelining.shared_stages`,
+        :class:`~ipu_jax.pipelining.weight_update.SharedUpdates`): a stage
+        alike reuses them; fresh ones when None.
 
     Returns:
       ``(StagePrograms, reads)``: ``reads`` the bytes this stage reads from
       each earlier stage (its sends are filled in by the caller).
     """
-    from ipu_jax.jit import jit
     flat_params, flat_micro = flat
+    stages, updates = shared or (shared_stages.SharedStages(), weight_update.SharedUpdates())
     cfg = self._stage_config(mapping[stage.index])
     p_k = [flat_params[i] for i in stage.params]
     b_k = [flat_micro[i] for i in stage.batch]
     in_k = [values[v] for v in stage.inputs]
     # TF-IPU never recomputes the last stage (see stage_programs).
-    forward, backward = stage_programs.stage_functions(
-        stage, self.config.pipelining.recomputation and stage.index < staged.num_stages - 1)
-    fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
-    # Only shapes are lowered: the forward's outputs (its values, then its
-    # residuals, all flat) as the traced program has them, not traced again.
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd.jaxpr.out_avals]
-    outs, vjp_zeros = avals[:len(stage.outputs)], avals[len(stage.outputs):]
+    recompute = self.config.pipelining.recomputation and stage.index < staged.num_stages - 1
+    (fwd, bwd), shared_with = stages.programs(
+        stage, recompute, cfg, lambda: _lower_passes(stage, recompute, cfg, p_k, b_k, in_k))
+    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for a in fwd.jaxpr.out_avals[:len(stage.outputs)]]
     values.update(zip(stage.outputs, outs))
-    cts = [o for o in outs if stage_programs.differentiable(o)]
-    acc = [jax.ShapeDtypeStruct(np.shape(p), p.dtype) for p in p_k]
-    # The accumulators are updated in place (donated), as TF-IPU's are.
-    bwd = jit(backward, config=cfg, donate_argnums=2).lower(vjp_zeros, cts, acc)
     # The stage updates the weights it owns (tied ones once, by their first reader).
     o_k = [flat_params[i] for i in stage.owned]
     update = weight_update.lower_update(self, o_k, cfg, updates)
@@ -313,7 +329,8 @@ class Pipeline:
         index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
         update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
         returns=returns, weight_bytes=stage_programs.nbytes(o_k),
-        held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles))
+        held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles),
+        shared_with=shared_with)
     return programs, reads
 
   def _check_memory(self) -> None:

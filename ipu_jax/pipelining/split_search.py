@@ -43,6 +43,7 @@ import numpy as np
 from ipu_jax.pipelining import compose, links, schedule as schedule_lib
 from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
 from ipu_jax.pipelining.search_result import Estimate, LoweredSplit, SearchResult, Shortfall
+from ipu_jax.pipelining.shared_stages import SharedLowerings
 
 __all__ = ["Candidate", "LayeredModel", "SearchResult", "SearchSpace", "confirm",
            "lower_candidate", "probe", "score", "search"]
@@ -70,7 +71,7 @@ def _pipeline_config(config, num_ipus: int, proportions, recomputation: bool):
 
 
 def _lower_probe(model: LayeredModel, config, optimizer, proportion: float,
-                 recomputation: bool, serialization: int, layers_per_ipu):
+                 recomputation: bool, serialization: int, layers_per_ipu, shared=None):
   from ipu_jax.pipelining.pipeline import Pipeline
   loss_fn, params = model.build(sum(layers_per_ipu), serialization)
   num_ipus = len(layers_per_ipu)
@@ -83,24 +84,27 @@ def _lower_probe(model: LayeredModel, config, optimizer, proportion: float,
   assignment, mapping = model.layout(layers_per_ipu)
   pipe = Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                   stage_assignment=assignment)
+  pipe.shared_lowerings = shared
   return pipe.lower(params, _stacked(model.micro_batch, cfg.replication_factor))
 
 
 def probe(model: LayeredModel, config, optimizer, proportion: float, recomputation: bool,
-          serialization: int, known: Optional[dict] = None):
+          serialization: int, known: Optional[dict] = None, shared=None):
   """``({'first', 'layer1', 'layer2', 'last'}: BodyFigures, target)`` of one setting.
 
   ``layer1`` is a stage of one layer, ``layer2`` one of two. With ``known``
   (the figures of the same proportion and recomputation at another
   serialisation factor, which only the last block's matmul takes) only a
   one-layer model is lowered and only its last block's figures are new.
+  ``shared``: a :class:`~ipu_jax.pipelining.shared_stages.SharedLowerings`
+  the probes of one search share (stages met before are not lowered again).
   """
   if known is not None:
     pipe = _lower_probe(model, config, optimizer, proportion, recomputation, serialization,
-                        [0, 1])
+                        [0, 1], shared)
     return {**known, "last": compose.body_figures(pipe, 2)}, pipe.target
   pipe = _lower_probe(model, config, optimizer, proportion, recomputation, serialization,
-                      [0, 1, 2])
+                      [0, 1, 2], shared)
   figures = {name: compose.body_figures(pipe, k)
              for k, name in enumerate(("first", "layer1", "layer2", "last"))}
   return figures, pipe.target
@@ -264,8 +268,11 @@ def _rank(scorer: _Scorer, candidates: list, top: int) -> tuple:
   return ranked, simulated
 
 
-def lower_candidate(model: LayeredModel, config, optimizer, cand: Candidate):
-  """The full model's :class:`Pipeline` for ``cand``, lowered (fits not enforced)."""
+def lower_candidate(model: LayeredModel, config, optimizer, cand: Candidate, shared=None):
+  """The full model's :class:`Pipeline` for ``cand``, lowered (fits not enforced).
+
+  ``shared``: as :func:`probe` takes it.
+  """
   from ipu_jax.pipelining.pipeline import Pipeline
   loss_fn, params = model.build(model.num_layers, cand.serialization)
   cfg = _pipeline_config(config, len(cand.layers_per_ipu), cand.proportions,
@@ -273,6 +280,7 @@ def lower_candidate(model: LayeredModel, config, optimizer, cand: Candidate):
   assignment, mapping = model.layout(cand.layers_per_ipu)
   pipe = Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                   stage_assignment=assignment)
+  pipe.shared_lowerings = shared
   count = cfg.training.gradient_accumulation_steps * cfg.replication_factor
   return pipe.lower(params, _stacked(model.micro_batch, count))
 
@@ -373,6 +381,7 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   ranked_at = time.time()
   chosen, confirmed, lowered, split = (None, False, 0, None)
   if ranked:
+    probes.release()  # the probes' programs go before the full model's are lowered
     chosen, confirmed, lowered, split = _confirm_best(model, config, optimizer, ranked,
                                                       confirm_top, tolerance)
   base = estimator(baseline) if baseline is not None else None
@@ -394,6 +403,15 @@ class _Probes:
   def __init__(self, model: LayeredModel, config, optimizer, log):
     self.model, self.config, self.optimizer, self.log = model, config, optimizer, log
     self.figures, self.targets = {}, []
+    # The probes of one proportion share the programs of stages alike (the
+    # heads, never recomputed, of every probe; the first block of a last-block
+    # probe). Programs lowered under another proportion never match, so only
+    # the current proportion's are held (the heads are large).
+    self.shared, self._proportion = None, None
+
+  def release(self) -> None:
+    """Drops the programs the probes shared (a later probe lowers afresh)."""
+    self.shared, self._proportion = None, None
 
   def ensure(self, p, r, s) -> None:
     """Probes the setting unless known; a known (p, r) needs only the last block again."""
@@ -402,8 +420,10 @@ class _Probes:
     known = next((f for (q, rr, _), f in self.figures.items() if (q, rr) == (p, r)), None)
     self.log(f"probe: proportion {p}, recomputation {r}, serialization {s}"
              + (" (last block only)" if known else ""))
+    if p != self._proportion:
+      self.shared, self._proportion = SharedLowerings(), p
     self.figures[(p, r, s)], target = probe(self.model, self.config, self.optimizer, p, r, s,
-                                            known)
+                                            known, self.shared)
     self.targets.append(target)
 
 

@@ -78,6 +78,9 @@ class StagePrograms:
     held_bytes: ``[tiles_per_ipu]`` bytes of the weights it owns and their
       gradient accumulators, held between its programs (what the other
       stages on its IPU run beside; :mod:`~ipu_jax.pipelining.layout`).
+    shared_with: the stage whose forward and backward programs these are
+      (an earlier stage alike, :mod:`~ipu_jax.pipelining.shared_stages`),
+      or None when this stage's were lowered for it.
   """
 
   index: int
@@ -91,6 +94,7 @@ class StagePrograms:
   returns: dict = dataclasses.field(default_factory=dict)
   weight_bytes: int = 0
   held_bytes: Any = None
+  shared_with: Any = None
 
   @property
   def send_bytes(self) -> int:

@@ -156,31 +156,41 @@ class SharedUpdates:
   same options, run the same update program (BERT's encoder stages): one
   ``ipu_jax.jit`` function per optimizer program and stage config serves them
   all, so its cache (keyed on the arguments' shapes, target and options)
-  lowers that program once; a :class:`ShardedUpdate` is traced and checked
-  once per set of weight shapes.
+  lowers that program once; a :class:`ShardedUpdate` is traced once per set
+  of weight shapes.
   """
 
   def __init__(self):
-    self._programs = {}  # _shapes_key(p_k) -> ShardedUpdate
-    self._functions = []  # (program or None, stage config, options, ipu_jax.jit function)
+    self._programs = {}  # (optimizer, R, _shapes_key(p_k)) -> ShardedUpdate
+    self._functions = []  # (program or optimizer, lowering settings, options, jit function)
 
   def program(self, optimizer, p_k, replicas: int) -> ShardedUpdate:
-    """The checked :class:`ShardedUpdate` of weights shaped as ``p_k``."""
-    key = _shapes_key(p_k)
+    """The :class:`ShardedUpdate` of weights shaped as ``p_k``.
+
+    Not checked apart (``ShardedUpdate.check`` is a trace of the program on
+    shards): :func:`lower_update` traces that same program on the same
+    shards right after, which raises the same error before anything runs.
+    """
+    # Keyed by the optimizer too: pipelines of a split search share one of these.
+    key = (optimizer, replicas, _shapes_key(p_k))
     if key not in self._programs:
-      program = ShardedUpdate(optimizer, p_k, replicas)
-      program.check()
-      self._programs[key] = program
+      self._programs[key] = ShardedUpdate(optimizer, p_k, replicas)
     return self._programs[key]
 
   def function(self, program, make, cfg, options: dict):
-    """The jitted ``make()`` of ``program`` (None: the plain update) under ``cfg``."""
+    """The jitted ``make()`` of ``program`` under ``cfg``.
+
+    ``program``: the :class:`ShardedUpdate`, or for the plain update the
+    optimizer itself (compared by identity either way).
+    """
     from ipu_jax.jit import jit
-    for known, known_cfg, known_options, fn in self._functions:
-      if known is program and known_options == options and known_cfg == cfg:
+    from ipu_jax.pipelining.shared_stages import lowering_settings
+    settings = lowering_settings(cfg)
+    for known, known_settings, known_options, fn in self._functions:
+      if known is program and known_options == options and known_settings == settings:
         return fn
     fn = jit(make(), config=cfg, **options)
-    self._functions.append((program, cfg, options, fn))
+    self._functions.append((program, settings, options, fn))
     return fn
 
 
@@ -188,8 +198,8 @@ def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   """The update program of a stage with weights ``p_k`` (None without optimizer).
 
   ``shared``: the update functions of the stages lowered so far in this
-  lowering of the pipeline (a stage alike reuses their programs); a fresh one
-  when None.
+  lowering of the pipeline, or in the pipelines of a split search (a stage
+  alike reuses their programs); a fresh one when None.
 
   Returns:
     The lowered ``update(p_k, state, g_k) -> (p_k, state)``, or with sharding
@@ -206,7 +216,7 @@ def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   if not shards_state(pipeline):
     state = optimizer.init(p_k)
     options = _jit_options(pipeline, state)
-    update = shared.function(None, lambda: stage_programs.update_function(optimizer), cfg,
+    update = shared.function(optimizer, lambda: stage_programs.update_function(optimizer), cfg,
                              options)
     return update.lower(p_k, state, p_k)
   r = pipeline.replicas
