@@ -8,7 +8,8 @@ pre-training examples build it:
 * ``encoder/layers_i``: post-norm layers of multi-head self-attention and a
   GELU feed-forward block, a recomputation checkpoint on each layer's output
   (``ipu_jax.ops.recomputation_checkpoint``: with pipelining recomputation on,
-  only these values wait for the backward pass);
+  only these values wait for the backward pass) and, for the layers listed in
+  ``BertConfig.attention_checkpoints``, on its attention block's output too;
 * ``pooler``: a tanh dense layer on the first ([CLS]) position;
 * ``mlm_head``: a dense + GELU + layer-norm transform of the masked positions
   only (the examples gather the ``max_predictions`` masked positions before
@@ -16,6 +17,8 @@ pre-training examples build it:
   decoder projection, **tied** to the word embedding (``h @ word.T + bias``),
   optionally serialised (``decoder_serialization``: PopTorch's
   ``serializedMatMul`` over output channels, TF-IPU's ``serialized_matmul``);
+  with ``BertConfig.head_checkpoints`` the masked rows, the projection and
+  the biased logits are recomputation checkpoints;
 * ``nsp_head``: next-sentence prediction, a dense layer on the pooled output.
 
 :func:`pretraining_loss` is the masked-LM cross entropy over the masked
@@ -31,6 +34,12 @@ embeddings alone on stage 0, then stages of attention and feed-forward blocks
 placed separately (each layer's two sub-blocks are scopes of their own,
 ``layers_<i>/attention_block`` and ``layers_<i>/ffn_block``), so a layer's
 attention may run on one IPU and its feed-forward block on the next.
+:func:`popart_checkpoints` gives the checkpoints Graphcore's MLPerf v1.1 /
+v2.0 PopART code marks (``bert_model.py``'s ``should_checkpoint_att`` and
+``projection()``): every attention output of the last stage and the MLM
+projection's three, so that stage is recomputed between them under
+``pipelining.last_stage_recomputation = "checkpoints"`` (PopART's
+``RecomputationType::Pipeline``, docs/multi_ipu.md#the-last-stage).
 
 Sizes (``BertConfig``): BERT-Large 24 x 1024, 16 heads, FFN 4096, vocabulary
 30,522; BERT-Base 12 x 768, 12 heads, FFN 3072 (Devlin et al., Table 1 and
@@ -51,7 +60,8 @@ from flax import nnx
 import ipu_jax
 
 __all__ = ["BertConfig", "Bert", "bert_large", "bert_base", "pretraining_loss",
-           "make_loss", "layout", "placement_layout", "synthetic_batches",
+           "make_loss", "layout", "placement_layout", "popart_checkpoints",
+           "synthetic_batches",
            "ATTENTION_BLOCK", "FFN_BLOCK"]
 
 # The scopes of an encoder layer's two sub-blocks (module paths
@@ -75,6 +85,12 @@ class BertConfig:
     embedding_serialization: the word-embedding lookup's serialisation factor
       (TF-IPU ``embedding_lookup(serialization_factor=)``).
     dtype: the parameters' and activations' dtype.
+    attention_checkpoints: the layers whose attention block's output is a
+      recomputation checkpoint (every layer's output is one);
+      :func:`popart_checkpoints` gives Graphcore's MLPerf choice.
+    head_checkpoints: the MLM head's masked rows, its vocabulary projection
+      and the biased logits are recomputation checkpoints (Graphcore's
+      MLPerf ``projection()``).
   """
   vocab_size: int = 30522
   hidden: int = 1024
@@ -88,6 +104,8 @@ class BertConfig:
   decoder_serialization: int = 1
   embedding_serialization: int = 1
   dtype: object = jnp.float32
+  attention_checkpoints: tuple = ()
+  head_checkpoints: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "layers", "heads", "ffn", "max_positions",
@@ -100,6 +118,12 @@ class BertConfig:
                        f"BertConfig.heads={self.heads}.")
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"BertConfig.dropout must be in [0, 1); got {self.dropout!r}.")
+    layers = self.attention_checkpoints
+    if (not isinstance(layers, tuple)
+        or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.layers
+               for i in layers)):
+      raise ValueError(f"BertConfig.attention_checkpoints must be a tuple of layer indices in "
+                       f"[0, {self.layers}); got {layers!r}.")
 
 
 def bert_large(**overrides) -> BertConfig:
@@ -152,8 +176,9 @@ class Embeddings(nnx.Module):
 class EncoderLayer(nnx.Module):
   """Post-norm self-attention and feed-forward block, BERT's layer."""
 
-  def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: BertConfig, rngs: nnx.Rngs, checkpoint_attention: bool = False):
     self.heads = cfg.heads
+    self.checkpoint_attention = checkpoint_attention
     self.qkv = _dense(cfg.hidden, 3 * cfg.hidden, cfg, rngs)
     self.attention_out = _dense(cfg.hidden, cfg.hidden, cfg, rngs)
     self.attention_norm = _norm(cfg, rngs)
@@ -180,6 +205,8 @@ class EncoderLayer(nnx.Module):
       a = self.dropout(self.attention_out(self._attention(h, mask_bias)),
                        deterministic=deterministic)
       h = self.attention_norm(h + a)
+      if self.checkpoint_attention:
+        h = ipu_jax.ops.recomputation_checkpoint(h)
     with jax.named_scope(FFN_BLOCK):
       f = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
       h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
@@ -189,7 +216,8 @@ class EncoderLayer(nnx.Module):
 
 class Encoder(nnx.Module):
   def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
-    self.layers = nnx.List([EncoderLayer(cfg, rngs) for _ in range(cfg.layers)])
+    marked = set(cfg.attention_checkpoints)
+    self.layers = nnx.List([EncoderLayer(cfg, rngs, i in marked) for i in range(cfg.layers)])
 
   def __call__(self, h, mask_bias, deterministic: bool):
     for layer in self.layers:
@@ -205,9 +233,13 @@ class MaskedLMHead(nnx.Module):
     self.norm = _norm(cfg, rngs)
     self.bias = nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.dtype))
     self.serialization = cfg.decoder_serialization
+    self.checkpoints = cfg.head_checkpoints
+
+  def _mark(self, x):
+    return ipu_jax.ops.recomputation_checkpoint(x) if self.checkpoints else x
 
   def __call__(self, h, word_table):
-    h = self.norm(jax.nn.gelu(self.transform(h), approximate=True))
+    h = self.norm(jax.nn.gelu(self.transform(self._mark(h)), approximate=True))
     # The decoder sees the masked positions as one [B P, H] matrix, so the
     # word table's gradient is one [H, B P] x [B P, V] product: a batched
     # [B, H, P] x [B, P, V] one would hold a [B, H, V] table gradient per
@@ -219,7 +251,8 @@ class MaskedLMHead(nnx.Module):
                                              "output_channels")
     else:
       logits = rows @ word_table.T
-    return (logits + self.bias[...]).reshape(h.shape[:-1] + logits.shape[-1:])
+    logits = self._mark(self._mark(logits) + self.bias[...])
+    return logits.reshape(h.shape[:-1] + logits.shape[-1:])
 
 
 class Bert(nnx.Module):
@@ -407,6 +440,30 @@ def placement_layout(att_ffn_placement, num_layers: int):
   heads = len(mapping) - 1
   assignment.update({"pooler": heads, "mlm_head": heads, "nsp_head": heads})
   return assignment, mapping
+
+
+def popart_checkpoints(att_ffn_placement, num_layers: int) -> tuple:
+  """The attention blocks Graphcore's MLPerf v1.1 / v2.0 BERT checkpoints.
+
+  ``bert_model.py``'s ``should_checkpoint_att`` (github.com/mlcommons/
+  training_results_v1.1 and _v2.0, ``Graphcore/benchmarks/bert/
+  implementations/popart/``) marks an attention block's output with
+  ``checkpointOutput`` iff the block is on the last pipeline stage ("Checkpoint
+  the output of attention layers on the last stage"); every feed-forward
+  output is one already here (each layer's output), as ``should_checkpoint_ffn``
+  marks all but an IPU's last one, whose value leaves the stage anyway.
+
+  Args:
+    att_ffn_placement, num_layers: as :func:`placement_layout` takes them.
+
+  Returns:
+    The layers whose attention block sits on the pipeline's last stage (none
+    when the heads have a stage of their own).
+  """
+  assignment, mapping = placement_layout(att_ffn_placement, num_layers)
+  last = len(mapping) - 1
+  return tuple(i for i in range(num_layers)
+               if assignment[f"layers_{i}/{ATTENTION_BLOCK}"] == last)
 
 
 def synthetic_batches(cfg: BertConfig, num: int, micro_batch: int, seq: int,

@@ -44,6 +44,18 @@ tensor sharding, float16. G is the Grouped schedule's nearest multiple of
 does not ask it): 5 stages on a v1.1 POD16 (192 -> 190), 9 on every other
 (96 -> 90, 256 -> 252, 64 -> 72, 36 as run).
 
+Every MLPerf run was PopART's with ``autoRecomputation =
+RecomputationType::Pipeline`` (v1.1 ``bert.py:444-446``, v2.0
+``bert.py:453-454``), which recomputes the last stage too, between the
+checkpoints the model marks there (``Pipeline::setFinalFwdStageRecomputation``
+in PopART's ``willow/src/transforms/pipeline.cpp``): the presets set
+``last_stage_recomputation: "checkpoints"``, and v1.1's and v2.0's
+``checkpoint_blocks`` marks what their ``bert_model.py`` marks
+(``should_checkpoint_att``: each attention output of the last stage;
+``projection()``: the masked rows, the vocabulary projection, the biased
+logits; docs/multi_ipu.md#the-last-stage). v1.0's code was not read for
+its marks: its presets' heads stage has none, so it is not recomputed.
+
 What they do not reproduce (each preset's comment says which apply): LAMB's
 state is float16 here as the weights are (optax.lamb keeps the weights'
 dtype), where v1.1 set only the first moment to FLOAT16 (``lamb_m_dtype``)
@@ -72,8 +84,12 @@ _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 147
 # pack on average), micro-batch 2 packs, 76 masked positions, the vocabulary
 # padded to 30,400 and serialised in 5 steps, half partials (the runs'
 # enable_half_partials: true; float32 partials run the AMP at half rate).
+# PopART's RecomputationType::Pipeline recomputes the last stage between its
+# checkpoints (last_stage_recomputation "checkpoints"); v1.0's heads stage
+# holds no mark here, so it is not recomputed either way.
 _MLPERF_V1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
-                  vocab_size=30400, decoder_serialization=5, partials_type="float16")
+                  vocab_size=30400, decoder_serialization=5, partials_type="float16",
+                  last_stage_recomputation="checkpoints")
 
 PRESETS = {
     "phase1_pod16": dict(_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
@@ -98,9 +114,12 @@ PRESETS = {
 
 # What Graphcore's MLPerf v1.1 / v2.0 BERT runs share: packed sequences of
 # 512, 76 masked positions, the vocabulary padded to 30,912 and serialised in
-# 4 steps, half partials, layers placed as att_ffn_placement.
+# 4 steps, half partials, layers placed as att_ffn_placement, the last stage
+# recomputed between the checkpoints bert_model.py marks there (each
+# attention output, each layer's output, the MLM projection's three).
 _MLPERF_V1_1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
-                    vocab_size=30912, decoder_serialization=4, partials_type="float16")
+                    vocab_size=30912, decoder_serialization=4, partials_type="float16",
+                    last_stage_recomputation="checkpoints", checkpoint_blocks=True)
 _MLPERF_V2 = dict(_MLPERF_V1_1, micro_batch=3, offload_optimizer_state=False)
 # v1.1 POD64 / POD128 and v2.0 POD64 / POD128 / POD256: 8 IPUs a replica.
 _V1_1_POD64_PLACEMENT = [[1, [2, 2]], [2, [3, 3]], [3, [4, 3]], [4, [3, 4]], [5, [4, 3]],

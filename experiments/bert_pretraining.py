@@ -33,7 +33,10 @@ IPUs of an IPU-POD16 or 16 x 4 of a POD64, every IPU's 1,472 tiles;
 ``mlperf_*`` presets mirror Graphcore's MLPerf Training v1.0 / v1.1 / v2.0
 BERT runs; v1.1's and v2.0's place attention and feed-forward blocks
 separately (``--att_ffn_placement``, in place of ``--layers_per_ipu``) and
-use half partials (``--partials_type float16``).
+use half partials (``--partials_type float16``); every ``mlperf_*`` preset
+recomputes the last stage as PopART did (``--last_stage_recomputation
+checkpoints``) and v1.1's and v2.0's mark its attention outputs and the MLM
+projection as checkpoints as their code did (``--checkpoint_blocks``).
 ``--estimate_only`` lowers each stage's programs once (on one IPU; the
 replicas are not lowered again, the weights and optimizer state stay
 abstract) and prints the estimate without running anything; ``--json_out``
@@ -113,6 +116,15 @@ def define_flags(fv=None):
                        flag_values=fv)
   flags.DEFINE_boolean("recomputation", True, "Recompute each stage's forward in its backward.",
                        flag_values=fv)
+  flags.DEFINE_enum("last_stage_recomputation", "none", ["none", "checkpoints"],
+                    "cfg.pipelining.last_stage_recomputation: 'none' never recomputes the last "
+                    "stage (TF-IPU); 'checkpoints' recomputes it between its checkpoints "
+                    "(PopART's RecomputationType::Pipeline, what the MLPerf presets ran).",
+                    flag_values=fv)
+  flags.DEFINE_boolean("checkpoint_blocks", False,
+                       "Mark recomputation checkpoints as Graphcore's MLPerf PopART BERT does: "
+                       "each attention block's output on the last stage and the MLM "
+                       "projection's (experiments.bert.popart_checkpoints).", flag_values=fv)
   flags.DEFINE_boolean("offload_optimizer_state", True, "LAMB state in streaming memory.",
                        flag_values=fv)
   flags.DEFINE_boolean("replicated_tensor_sharding", True,
@@ -187,6 +199,22 @@ def model_config(name: str, dropout: float, decoder_serialization: int,
     kw["vocab_size"] = vocab_size
   make = bert.bert_large if name == "large" else bert.bert_base
   return make(**kw)
+
+
+def with_checkpoints(f, mcfg):
+  """``mcfg`` with ``--checkpoint_blocks``' checkpoints (unchanged without it).
+
+  The attention blocks of the last stage (a placement's, from
+  :func:`experiments.bert.popart_checkpoints`; ``--layers_per_ipu`` gives the
+  heads a stage of their own, so none) and the MLM head's three.
+  """
+  import dataclasses
+  from experiments import bert
+  if not f.checkpoint_blocks:
+    return mcfg
+  attention = (bert.popart_checkpoints(json.loads(f.att_ffn_placement), mcfg.layers)
+               if f.att_ffn_placement else ())
+  return dataclasses.replace(mcfg, attention_checkpoints=attention, head_checkpoints=True)
 
 
 def apply_preset(f) -> None:
@@ -286,6 +314,7 @@ def ipu_config(f, num_ipus: int):
   cfg.training.replica_reduction = "mean"
   cfg.pipelining.schedule = f.schedule
   cfg.pipelining.recomputation = f.recomputation
+  cfg.pipelining.last_stage_recomputation = f.last_stage_recomputation
   cfg.matmuls.available_memory_proportion = [float(v) for v in f.matmul_proportion]
   cfg.matmuls.partials_type = f.partials_type
   cfg.streaming.offload_optimizer_state = f.offload_optimizer_state
@@ -385,7 +414,10 @@ def lowered_estimate(pipe, f, lower_seconds: float) -> dict:
           # What fills each IPU's fullest tile (which program, what the others hold, stash).
           "per_ipu_peak_tile": [report.ipu_memory[i].describe_tile(
               int(np.argmax(report.ipu_memory[i].peak))) for i in sorted(memory)],
-          "bytes_per_tile": limit}
+          "bytes_per_tile": limit,
+          # The recomputation rule the figures are under (docs/multi_ipu.md#the-last-stage).
+          "last_stage_recomputation": pipe.config.pipelining.last_stage_recomputation,
+          "checkpoint_blocks": bool(f.checkpoint_blocks)}
 
 
 @entry.reporting_errors
@@ -438,11 +470,12 @@ def run(f) -> dict:
     check_flags(f, mcfg.layers)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  mcfg = with_checkpoints(f, mcfg)
   searched, lowered = {}, None
   if f.auto_split:
     searched, lowered = choose_split(f, mcfg)
-    mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
-                        f.vocab_size)
+    mcfg = with_checkpoints(f, model_config(f.model, f.dropout, f.decoder_serialization,
+                                            f.dtype, f.vocab_size))
   if f.estimate_only and lowered is not None and f.dropout == 0:
     # The search lowered this very split to confirm it, from the same model,
     # config, optimizer and micro-batch shapes: its pipeline is read rather

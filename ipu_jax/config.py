@@ -424,7 +424,19 @@ class _PipeliningOptions(_Group):
       "only the stage's inputs and the values marked with "
       "ipu_jax.ops.recomputation_checkpoint (TF-IPU's recomputation_mode "
       "RecomputeThenBackpropagate). As in TF-IPU the last stage is not "
-      "recomputed: its forward and backward passes run back to back.")
+      "recomputed: its forward and backward passes run back to back "
+      "(pipelining.last_stage_recomputation changes that).")
+  last_stage_recomputation = _Option(
+      one_of("none", "checkpoints"), "none",
+      "With pipelining.recomputation, what the last stage (the loss's) "
+      "recomputes. 'none': nothing, as TF-IPU's recomputation pass (its "
+      "whole forward's activations wait for its backward). 'checkpoints': "
+      "PopART's RecomputationType::Pipeline (Pipeline::"
+      "setFinalFwdStageRecomputation): the stage is cut at its "
+      "ipu_jax.ops.recomputation_checkpoint values, the segments up to the "
+      "last checkpoint are recomputed one at a time right before their "
+      "gradients, the tail after the last checkpoint (up to the loss) is not. "
+      "A last stage without checkpoint marks is never recomputed either way.")
 
 
 # -- Fusion (lowering/fusion.py) -----------------------------------------------------

@@ -162,6 +162,73 @@ class AttentionFfnPlacementTest(chex.TestCase):
     self.assertEqual(mapping, [0, 1, 2, 0])
 
 
+# The heads' stage on IPU 0 with the last two layers (att_ffn_placement).
+_LAST_TWO_ON_IPU0 = [[1, [1, 1]], [2, [1, 1]], [0, [2, 2]]]
+
+
+def _popart_pipeline(mode: str):
+  """The small BERT laid out as ``_LAST_TWO_ON_IPU0`` with Graphcore's MLPerf
+  checkpoints, its last stage recomputed as ``mode`` says."""
+  attention = bert.popart_checkpoints(_LAST_TWO_ON_IPU0, _MODEL.layers)
+  model = bert.Bert(dataclasses.replace(_MODEL, attention_checkpoints=attention,
+                                        head_checkpoints=True), rngs=nnx.Rngs(0))
+  loss_fn, params = bert.make_loss(model)
+  assignment, mapping = bert.placement_layout(_LAST_TWO_ON_IPU0, _MODEL.layers)
+  cfg = _config("Sequential", 2)
+  cfg.auto_select_ipus = 3
+  cfg.matmuls.available_memory_proportion = 0.25
+  cfg.pipelining.last_stage_recomputation = mode
+  # Two layers and the heads overfill IPU 0's 16 tiles: the peaks are compared, not checked.
+  cfg.memory.allow_out_of_memory = True
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.lamb(1e-3), config=cfg,
+                                     device_mapping=mapping, stage_assignment=assignment)
+  return pipe, loss_fn, params
+
+
+class PopartLastStageTest(chex.TestCase):
+  """Graphcore's MLPerf checkpoints, the last stage recomputed between them (PopART)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.data = _data(2)[:1]
+    cls.pipes = {}
+    for mode in ("none", "checkpoints"):
+      # A tuple: a function stored on the class would be bound to the test.
+      pipe, *cls.model = _popart_pipeline(mode)
+      pipe.lower(cls.model[1], cls.data[0])
+      cls.pipes[mode] = pipe
+
+  def test_popart_checkpoints_are_the_last_stages_attention_blocks(self):
+    self.assertEqual(bert.popart_checkpoints(_LAST_TWO_ON_IPU0, 4), (2, 3))
+    # MLPerf v1.1 POD16: attention 20-23 on the last stage (configs/mk2/pod16-closed.json).
+    self.assertEqual(bert.popart_checkpoints(
+        [[1, [7, 6]], [2, [6, 7]], [3, [7, 6]], [0, [4, 5]]], 24), (20, 21, 22, 23))
+    # The heads on a stage of their own: no attention block there.
+    self.assertEqual(bert.popart_checkpoints([[1, [2, 1]], [2, [2, 3]]], 4), ())
+    with self.assertRaisesRegex(ValueError, "BertConfig.attention_checkpoints"):
+      bert.BertConfig(layers=4, attention_checkpoints=(4,))
+
+  def test_weights_equal_plain_accumulation(self):
+    pipe, (loss_fn, params) = self.pipes["checkpoints"], self.model
+    state = pipe.init(params, self.data[0])
+    trained = pipe.step(params, state, self.data[0]).params
+    expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, self.data)
+    chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, trained),
+                                jax.tree_util.tree_map(np.asarray, expected),
+                                rtol=1e-5, atol=1e-6)
+
+  def test_last_stage_recomputed_with_a_lower_peak(self):
+    none, checkpoints = self.pipes["none"].stages[-1], self.pipes["checkpoints"].stages[-1]
+    self.assertEqual(none.recompute_cycles, 0.0)
+    self.assertGreater(checkpoints.recompute_cycles, 0.0)
+    self.assertLess(checkpoints.backward.profile.memory.peak.max(),
+                    none.backward.profile.memory.peak.max())
+    # The other stages are recomputed alike under either rule.
+    for a, b in zip(self.pipes["none"].stages[:-1], self.pipes["checkpoints"].stages[:-1]):
+      self.assertEqual(a.recompute_cycles, b.recompute_cycles)
+
+
 class BertLayoutTest(chex.TestCase, parameterized.TestCase):
 
   def test_bert_large_layout(self):

@@ -245,6 +245,27 @@ class BadInputTest(parameterized.TestCase):
     ipu_cfg = bert_pretraining.ipu_config(f, bert_pretraining.num_ipus(mapping))
     self.assertEqual(ipu_cfg.matmuls.partials_type, partials)
 
+  @parameterized.named_parameters(
+      ("v1_pod16", "mlperf_v1_pod16", False, ()),
+      ("v1_1_pod16", "mlperf_v1_1_pod16", True, (20, 21, 22, 23)),
+      ("v1_1_pod64", "mlperf_v1_1_pod64", True, (23,)),
+      ("v2_pod16", "mlperf_v2_bow_pod16", True, ()),
+      ("v2_pod64", "mlperf_v2_bow_pod64", True, (23,)),
+  )
+  def test_mlperf_presets_recompute_the_last_stage_as_popart(self, name, marked, attention):
+    # PopART's RecomputationType::Pipeline; bert_model.py's should_checkpoint_att
+    # marks the attention outputs of the last stage (docs/published_bert.md).
+    f = self._flags(f"--config={name}")
+    self.assertEqual((f.last_stage_recomputation, f.checkpoint_blocks), ("checkpoints", marked))
+    mcfg = bert_pretraining.with_checkpoints(f, bert_pretraining.model_config(
+        f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size))
+    self.assertEqual((mcfg.attention_checkpoints, mcfg.head_checkpoints), (attention, marked))
+    ipu_cfg = bert_pretraining.ipu_config(f, 8)
+    self.assertEqual(ipu_cfg.pipelining.last_stage_recomputation, "checkpoints")
+    # Other presets keep TF-IPU's rule.
+    f = self._flags("--config=phase2_pod16")
+    self.assertEqual((f.last_stage_recomputation, f.checkpoint_blocks), ("none", False))
+
   def test_attention_ffn_placement_flag(self):
     f = self._flags("--config=mlperf_v1_1_pod16")
     assignment, mapping = bert_pretraining.stage_layout(f, 24)

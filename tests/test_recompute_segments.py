@@ -1,6 +1,6 @@
 """Pipeline recomputation one checkpoint segment at a time (recompute_segments)."""
 
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 import ipu_jax
+from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.lowering.scopes import recomputed
 from ipu_jax.ops import pipeline_stage, recomputation_checkpoint
 from ipu_jax.pipelining import Pipeline
@@ -185,6 +186,120 @@ class WhatIsRecomputedTest(chex.TestCase):
         recomputing.forward.profile.total_cycles - skipped + coefficients,
         delta=1e-9 * plain.forward.profile.total_cycles)
     self.assertLess(recomputing.recompute_cycles, recomputing.forward.profile.total_cycles)
+
+
+_TAIL = "loss_tail"
+
+
+def _last_stage_loss(params, batch, marks=True):
+  """Stage 0: one layer; stage 1 (the last): four layers, each output a
+  checkpoint when ``marks``, then the loss in the scope ``loss_tail``."""
+  h = pipeline_stage(jnp.tanh(batch["x"] @ params[0]), 1)
+  for w in params[1:-1]:
+    a = h @ w
+    b = jnp.tanh(a)
+    h = h + b * jnp.sin(a) * b
+    h = recomputation_checkpoint(h) if marks else h
+  with jax.named_scope(_TAIL):
+    return jnp.mean((jnp.tanh(h @ params[-1]) - batch["y"]) ** 2)
+
+
+def _unmarked_loss(params, batch):
+  return _last_stage_loss(params, batch, marks=False)
+
+
+def _last_stage_config(mode):
+  cfg = _config(True)
+  cfg.pipelining.last_stage_recomputation = mode
+  return cfg
+
+
+class LastStageRecomputationTest(chex.TestCase):
+  """pipelining.last_stage_recomputation: TF-IPU's rule ('none') and PopART's
+  ('checkpoints': the last stage recomputed between its checkpoints)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.batches = _batches()
+    cls.params = _params(5)
+    cls.pipes = {}
+    for loss in (_last_stage_loss, _unmarked_loss):
+      for mode in ("none", "checkpoints"):
+        pipe = Pipeline(loss, optax.sgd(0.1), config=_last_stage_config(mode))
+        pipe.lower(cls.params, cls.batches)
+        cls.pipes[loss.__name__, mode] = pipe
+
+  def test_default_is_tf_ipus_rule(self):
+    self.assertEqual(ipu_jax.IPUConfig().pipelining.last_stage_recomputation, "none")
+
+  def test_weights_equal_none_and_plain_accumulation(self):
+    pipe = self.pipes["_last_stage_loss", "checkpoints"]
+    new = pipe.step(self.params, pipe.init(self.params, self.batches), self.batches).params
+    plain = self.pipes["_last_stage_loss", "none"]
+    tf_rule = plain.step(self.params, plain.init(self.params, self.batches),
+                         self.batches).params
+    grad = jax.jit(jax.grad(_last_stage_loss))
+    acc = [jnp.zeros_like(p) for p in self.params]
+    for m in range(_G):
+      g = grad(self.params, jax.tree_util.tree_map(lambda b, m=m: b[m], self.batches))
+      acc = [a + d for a, d in zip(acc, g)]
+    expected = [p - 0.1 * a for p, a in zip(self.params, acc)]
+    chex.assert_trees_all_close([np.asarray(p) for p in new], expected, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close([np.asarray(p) for p in new],
+                                [np.asarray(p) for p in tf_rule], rtol=1e-6, atol=1e-7)
+
+  def test_last_stage_recomputed_with_a_lower_backward_peak(self):
+    none = self.pipes["_last_stage_loss", "none"].stages[-1]
+    checkpoints = self.pipes["_last_stage_loss", "checkpoints"].stages[-1]
+    self.assertEqual(none.recompute_cycles, 0.0)
+    self.assertGreater(checkpoints.recompute_cycles, 0.0)
+    # Four layers' residuals wait under TF-IPU's rule; one segment's at a
+    # time (and the four checkpoints) under PopART's.
+    self.assertLess(checkpoints.backward.profile.memory.peak.max(),
+                    0.75 * none.backward.profile.memory.peak.max())
+    self.assertLess(checkpoints.peak_bytes.max(), none.peak_bytes.max())
+
+  def test_segments_recomputed_one_at_a_time_tail_not(self):
+    steps = self.pipes["_last_stage_loss", "checkpoints"].stages[-1].backward.profile.steps
+    flags = [recomputed(s.scope) for s in steps]
+    runs = sum(1 for i, f in enumerate(flags) if f and (i == 0 or not flags[i - 1]))
+    self.assertEqual(runs, 4)  # one per checkpoint segment, before its gradients
+    rerun = [s.scope for s in steps if recomputed(s.scope)]
+    self.assertEmpty([scope for scope in rerun if _TAIL in scope.split("/")])
+    tail = [s for s in steps if _TAIL in s.scope.split("/")]
+    self.assertNotEmpty(tail)  # the tail's gradients, from its kept residuals
+
+  def test_last_stage_without_marks_is_unchanged(self):
+    none = self.pipes["_unmarked_loss", "none"].stages[-1]
+    checkpoints = self.pipes["_unmarked_loss", "checkpoints"].stages[-1]
+    self.assertEqual(checkpoints.recompute_cycles, 0.0)
+    for program in ("forward", "backward"):
+      a, b = getattr(none, program).profile, getattr(checkpoints, program).profile
+      self.assertEqual(a.total_cycles, b.total_cycles)
+      np.testing.assert_array_equal(a.memory.peak, b.memory.peak)
+
+  def test_popart_rule_fits_where_tf_ipus_does_not(self):
+    # 6,144 rows: the last stage's four layers' residuals overfill a tile
+    # (about 840 KB of 639 KB) under TF-IPU's rule; one segment's at a time
+    # fit (about 422 KB). The error points at the option.
+    rng = np.random.default_rng(1)
+    batches = {k: jnp.asarray(rng.normal(size=(_G, 6144, _WIDTH)), jnp.float32) for k in "xy"}
+    with self.assertRaisesRegex(OutOfMemoryError, r"Out of memory on IPU 1 .*"
+                                r"pipelining\.last_stage_recomputation='checkpoints'"):
+      Pipeline(_last_stage_loss, optax.sgd(0.1),
+               config=_last_stage_config("none")).lower(self.params, batches)
+    pipe = Pipeline(_last_stage_loss, optax.sgd(0.1), config=_last_stage_config("checkpoints"))
+    pipe.lower(self.params, batches)
+    self.assertLess(pipe.stages[-1].peak_bytes.max(), pipe.target.bytes_per_tile)
+
+  @parameterized.parameters("all", "Checkpoints", True, None)
+  def test_bad_value_names_the_option_and_its_values(self, value):
+    cfg = ipu_jax.IPUConfig()
+    # A string not among them: ValueError; another type: TypeError (the config's kinds).
+    with self.assertRaisesRegex((ValueError, TypeError), r"pipelining\.last_stage_recomputation must be "
+                                r"one of 'none', 'checkpoints'"):
+      cfg.pipelining.last_stage_recomputation = value
 
 
 if __name__ == "__main__":

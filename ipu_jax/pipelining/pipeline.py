@@ -80,10 +80,24 @@ def check_steps_per_execution(steps_per_execution: int, accumulation: int,
         f"{accumulation * replicas}: each execution runs whole pipeline steps.")
 
 
-def _lower_passes(stage, recompute: bool, cfg, p_k, b_k, in_k) -> tuple:
-  """The lowered ``(forward, backward)`` programs of ``stage`` under ``cfg``."""
+def _recomputation(config, index: int, num_stages: int) -> tuple:
+  """``(recompute, recompute_tail)`` of stage ``index`` (stage_programs.stage_functions).
+
+  Every stage but the last is recomputed whole under ``pipelining.recomputation``;
+  the last one not (TF-IPU), or up to its last checkpoint (PopART) under
+  ``last_stage_recomputation = "checkpoints"``.
+  """
+  options = config.pipelining
+  if index < num_stages - 1:
+    return bool(options.recomputation), True
+  return bool(options.recomputation and options.last_stage_recomputation == "checkpoints"), False
+
+
+def _lower_passes(stage, recompute: tuple, cfg, p_k, b_k, in_k) -> tuple:
+  """The lowered ``(forward, backward)`` programs of ``stage`` under ``cfg``;
+  ``recompute``: :func:`_recomputation`'s pair."""
   from ipu_jax.jit import jit
-  forward, backward = stage_programs.stage_functions(stage, recompute)
+  forward, backward = stage_programs.stage_functions(stage, *recompute)
   fwd = jit(forward, config=cfg).lower(p_k, b_k, in_k)
   # Only shapes are lowered: the forward's outputs (its values, then its
   # residuals, all flat) as the traced program has them, not traced again.
@@ -305,8 +319,8 @@ class Pipeline:
     p_k = [flat_params[i] for i in stage.params]
     b_k = [flat_micro[i] for i in stage.batch]
     in_k = [values[v] for v in stage.inputs]
-    # TF-IPU never recomputes the last stage (see stage_programs).
-    recompute = self.config.pipelining.recomputation and stage.index < staged.num_stages - 1
+    # TF-IPU never recomputes the last stage; PopART between its checkpoints (stage_programs).
+    recompute = _recomputation(self.config, stage.index, staged.num_stages)
     (fwd, bwd), shared_with = stages.programs(
         stage, recompute, cfg, lambda: _lower_passes(stage, recompute, cfg, p_k, b_k, in_k))
     outs = [jax.ShapeDtypeStruct(a.shape, a.dtype)
@@ -354,10 +368,20 @@ class Pipeline:
             + ("fewer stages on this IPU, more IPUs, pipelining.recomputation=True, or more "
                "tiles." if len(memory.stages) > 1 else
                "more stages (IPUs), pipelining.recomputation=True, the Interleaved schedule, "
-               "or more tiles."),
+               "or more tiles.") + self._last_stage_hint(memory.stage_indices),
             tile=ipu * t + tile, bytes_needed=int(peak[tile]),
             bytes_available=limit, over_tiles=over + ipu * t,
             report=memory.programs[memory.chosen[tile]][2].report)
+
+  def _last_stage_hint(self, stage_indices) -> str:
+    """A hint for an IPU holding the last stage while it is not recomputed."""
+    options = self.config.pipelining
+    if (len(self.stages) - 1 not in stage_indices
+        or (options.recomputation and options.last_stage_recomputation == "checkpoints")):
+      return ""
+    return (" The last stage keeps its whole forward's activations for its backward: "
+            "pipelining.last_stage_recomputation='checkpoints' (with recomputation=True) "
+            "recomputes it between its recomputation_checkpoint marks, as PopART does.")
 
   def copies(self, stage: int, kind: str) -> list:
     """The ``(src_ipu, dst_ipu, nbytes)`` IPU-Link copies after a pass of ``stage``.

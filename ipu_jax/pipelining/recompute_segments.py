@@ -24,6 +24,16 @@ A stage without checkpoint marks is one segment: the whole stage in one
 ``jax.checkpoint``, as before. Marks inside a nested call (a ``jax.jit`` or
 ``scan`` body) do not cut the stage at the top level; such a call is one
 equation of whichever segment it falls in.
+
+With ``recompute_tail=False`` (the last stage under
+``pipelining.last_stage_recomputation = "checkpoints"``) the equations after
+the last mark are evaluated plainly, outside any ``jax.checkpoint``: their
+residuals wait for the backward pass and are not recomputed, as PopART's
+``Pipeline::setFinalFwdStageRecomputation`` sets the ops between the
+topologically final checkpoints and the loss to ``Checkpoint`` ("avoids ...
+operations run twice in a row with no benefit to liveness",
+``willow/src/transforms/pipeline.cpp``). A stage without marks is then not
+recomputed at all.
 """
 
 from __future__ import annotations
@@ -111,12 +121,19 @@ def _eval(eqns, inputs, outputs, values) -> list:
   return [read(v) for v in outputs]
 
 
-def segmented_checkpoint(fn: Callable, policy) -> Callable:
+def _ends_at_checkpoint(segment: Segment) -> bool:
+  return bool(segment.eqns) and _is_checkpoint(segment.eqns[-1])
+
+
+def segmented_checkpoint(fn: Callable, policy, recompute_tail: bool = True) -> Callable:
   """``fn`` recomputed segment by segment: see the module docstring.
 
   Args:
     fn: the stage body, a function of pytrees of arrays.
     policy: the ``jax.checkpoint`` policy of each segment.
+    recompute_tail: whether the equations after the last checkpoint mark
+      (all of them without marks) are recomputed too; False: they are
+      evaluated plainly, their residuals kept.
 
   Returns:
     A function with ``fn``'s signature and results.
@@ -128,14 +145,15 @@ def segmented_checkpoint(fn: Callable, policy) -> Callable:
         lambda *a: fn(*jax.tree_util.tree_unflatten(in_tree, a)), return_shape=True)(*flat)
     jaxpr = closed.jaxpr
     segments = split_segments(jaxpr)
+    plain_tail = not recompute_tail and not (segments and _ends_at_checkpoint(segments[-1]))
     if len(segments) <= 1:
-      return jax.checkpoint(fn, policy=policy)(*args)
+      return fn(*args) if plain_tail else jax.checkpoint(fn, policy=policy)(*args)
     env = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, flat))
-    for seg in segments:
-      run = jax.checkpoint(
-          lambda *values, seg=seg: _eval(seg.eqns, seg.inputs, seg.outputs, values),
-          policy=policy)
+    for k, seg in enumerate(segments):
+      run = lambda *values, seg=seg: _eval(seg.eqns, seg.inputs, seg.outputs, values)
+      if not (plain_tail and k == len(segments) - 1):
+        run = jax.checkpoint(run, policy=policy)
       env.update(zip(seg.outputs, run(*[env[v] for v in seg.inputs])))
     outs = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)

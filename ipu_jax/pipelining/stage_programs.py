@@ -7,11 +7,17 @@
   segments, each in a ``jax.checkpoint`` saving only those values, so it
   stashes its inputs (from earlier stages and the micro-batch) and those;
   ``jax.checkpoint`` / ``nnx.remat``
-  regions inside a stage shrink the stash the same way. The last stage is
-  never recomputed, as in TensorFlow-IPU, whose recomputation pass skips the
-  last forward stage: its forward and backward passes run back to back, so
-  its stash is never kept across slots (``PipelineRecomputation`` in
+  regions inside a stage shrink the stash the same way. By default the last
+  stage is never recomputed, as in TensorFlow-IPU, whose recomputation pass
+  skips the last forward stage: its forward and backward passes run back to
+  back, so its stash is never kept across slots (``PipelineRecomputation`` in
   tensorflow/compiler/plugin/poplar/driver/passes/pipeline_recomputation.cc).
+  With ``pipelining.last_stage_recomputation = "checkpoints"`` it is cut at
+  its checkpoints as PopART's ``RecomputationType::Pipeline`` cuts it
+  (``Pipeline::setFinalFwdStageRecomputation``): the segments up to its last
+  checkpoint are recomputed, the tail after it (up to the loss) is not
+  (``recompute_tail=False``); one micro-batch's checkpoints wait, its
+  residuals are those of one segment at a time plus the tail's.
 * backward: the stashed activations and the gradient of the stage's outputs
   in, the gradient of its inputs out (to the stages that made them), its
   weight gradients added to the accumulator it holds. With recomputation it
@@ -169,8 +175,16 @@ def recompute_cycles(profile) -> float:
                    for s in profile.steps))
 
 
-def stage_functions(stage, recompute: bool):
-  """The forward and backward functions of one stage (lowered by ipu_jax.jit)."""
+def stage_functions(stage, recompute: bool, recompute_tail: bool = True):
+  """The forward and backward functions of one stage (lowered by ipu_jax.jit).
+
+  Args:
+    stage: the :class:`~ipu_jax.pipelining.split.Stage`.
+    recompute: cut it at its checkpoint marks and recompute the segments in
+      the backward pass.
+    recompute_tail: with ``recompute``, whether the equations after the last
+      mark are recomputed too (False: PopART's last stage).
+  """
 
   # The VJP's tree holds the traced backward jaxpr, which differs from trace
   # to trace: the programs pass its leaves (the residuals), and the backward
@@ -192,7 +206,8 @@ def stage_functions(stage, recompute: bool):
       # One jax.checkpoint per checkpoint segment: the backward recomputes
       # each segment right before backpropagating it (recompute_segments).
       body = segmented_checkpoint(
-          body, jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT))
+          body, jax.checkpoint_policies.save_only_these_names(RECOMPUTATION_CHECKPOINT),
+          recompute_tail=recompute_tail)
     float_outs, vjp, int_outs = jax.vjp(
         body, p_k, [x for x, d in zip(in_k, mask) if d], has_aux=True)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
