@@ -10,8 +10,9 @@ presets take the largest multiple of 10 below it -- 2,040 on POD16, which is
 what the TensorFlow 2 example uses (``grad_acc_steps_per_replica: 2040``),
 and 510 on POD64. Masked positions: 20 a sequence at 128 tokens and 76 at
 512 (the examples' ``mask_tokens``). Weights and activations are float16,
-as the examples train (``--dtype float32`` to override); LAMB's state takes
-the weights' dtype here.
+as the examples train (``--dtype float32`` to override), with half partials
+as both examples set them (``--partials_type float32`` to override); LAMB's
+state takes the weights' dtype here.
 
 Two presets mirror the MLPerf Training v1.0 closed BERT runs whose throughput
 Graphcore measured (docs/published_bert.md; ``mlperf_v1_pod16``,
@@ -75,10 +76,13 @@ from __future__ import annotations
 
 __all__ = ["PRESETS", "BASE_OVERRIDES", "preset_values"]
 
+# Half partials: both public BERT examples set them (TensorFlow 2:
+# utilities/options.py matmul_partials_type "half"; PyTorch:
+# enable_half_partials True); float32 partials run the AMP at half the rate.
 _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 1472,
           "dtype": "float16", "decoder_serialization": 2, "schedule": "Grouped",
           "recomputation": True, "offload_optimizer_state": True,
-          "replicated_tensor_sharding": True}
+          "replicated_tensor_sharding": True, "partials_type": "float16"}
 
 # What Graphcore's MLPerf v1.0 BERT runs share: packed sequences of 512 (2 a
 # pack on average), micro-batch 2 packs, 76 masked positions, the vocabulary
