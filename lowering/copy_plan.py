@@ -26,9 +26,13 @@ destination tile, not once per row. When even that passes the piece budget
 tile: C x tiles pieces) the figures are read from a ``[tiles, sources]``
 table of which source elements each tile needs, when it is small. A
 transpose that moves the innermost axis has rows of one element; it is
-planned on the tile of every element, transposed like the data (small
-integers, no index array, every source copied once), and cached by layout
-like the region plans. Other maps with short rows (strided slices of the
+planned on boxes: each tile's (and IPU's) runs of the source and of the
+output cut into boxes of the array and coalesced (a block layout's tile is
+one box), and the elements that stay on their tile are the overlaps of the
+two sides' boxes of that tile; where runs are so short that the boxes' pairs
+would cost more (or under 2**21 elements), on the tile of every element,
+transposed like the data (small integers, no index array, every source
+copied once). Both are cached by layout like the region plans. Other maps with short rows (strided slices of the
 innermost axis, reversals) fall back to the element planner. All return a
 :class:`CopyPlan`.
 
@@ -550,64 +554,225 @@ def _permutation_box(sources, outputs) -> Optional[Box]:
 
 def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Box,
                       itemsize: int) -> CopyPlan:
-  """The figures of a transpose from its tiles, transposed like the data.
+  """The figures of a transpose from its tiles' runs, transposed as boxes.
 
-  A transpose that moves the innermost axis has rows of one element, so it is
-  planned on the ``[size]`` tile of every element instead: the source tiles,
-  viewed with the box's strides, are the tile each output element comes from.
-  Small tile ids (int16) keep that one transposed copy cheap; every source
-  element is copied once, so nothing needs deduplicating.
+  A transpose that moves the innermost axis has rows of one element, so it
+  is not planned on rows: each tile's runs, of the source and of the output,
+  are cut into boxes of the array (a run of a row-major array is a few
+  boxes), the source's boxes read in the output's axes, and the elements
+  that stay on their tile (or IPU) are the overlaps of the two tiles' (IPUs')
+  boxes: ``O(boxes)``, not ``O(elements)``. Where tiles hold so many short
+  runs that the boxes' pairs outnumber a share of the elements, the tile of
+  every element is compared instead (:func:`_elementwise_stays`); both count
+  the same elements.
   """
   num_tiles = target.num_tiles
-  tile_type = np.int16 if num_tiles < 2**15 else np.int32
-  src_starts, src_tiles = source.intervals
-  src_lengths = np.diff(np.append(src_starts, source.num_elements))
-
-  def in_output_order(flat):
-    """Per source element -> per output element (one transposed copy)."""
-    return np.lib.stride_tricks.as_strided(
-        flat, shape=box.extents, strides=[s * flat.itemsize for s in box.src_strides],
-        writeable=False).reshape(-1)
-
-  src = in_output_order(np.repeat(src_tiles.astype(tile_type), src_lengths))
-  dst_starts, dst_tiles = mapping.intervals
-  dst_lengths = np.diff(np.append(dst_starts, mapping.num_elements))
-  dst = np.repeat(dst_tiles.astype(tile_type), dst_lengths)
+  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
+  frame = _PermutedFrame(box)
+  stays = frame.overlaps(source.intervals, mapping.intervals, source.num_elements, num_tiles)
+  on_ipu = None
+  if n_ipus > 1:
+    on_ipu = frame.overlaps(source.ipu_runs(per_ipu), mapping.ipu_runs(per_ipu),
+                            source.num_elements, n_ipus)
+  if stays is None or (n_ipus > 1 and on_ipu is None):
+    stays, on_ipu = _elementwise_stays(target, source, mapping, box)
   written = mapping.elements_per_tile(num_tiles).astype(np.int64)
   fills = np.zeros(num_tiles, np.int64)
   # Every element moves but those already on their tile; as every source
   # element is copied once, counting those few gives both directions.
-  stays = np.bincount(dst[src == dst], minlength=num_tiles)[:num_tiles].astype(np.int64)
   received = written - stays
   if not received.any():
     return _frozen(CopyPlan(None, received, written, fills))
   held = source.elements_per_tile(num_tiles).astype(np.int64)
   sent = held - stays
-  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
   link = np.zeros(n_ipus, np.int64)
   if n_ipus > 1:
-    # What leaves an IPU is all it holds but what stays on it: the output
-    # elements whose source tile lies in their destination IPU's tile range.
-    # That IPU is constant on the destination's IPU runs (a few per tensor),
-    # so the range's first tile is spread over the elements from those runs,
-    # and "in range" is one subtraction read unsigned (below the first tile
-    # wraps past any tile id) on the source tiles already in output order.
-    ipu_starts, ipus = mapping.ipu_runs(per_ipu)
-    first_tile = np.repeat((ipus * per_ipu).astype(tile_type),
-                           np.diff(np.append(ipu_starts, mapping.num_elements)))
-    unsigned = np.uint16 if tile_type == np.int16 else np.uint32
-    stays_on_ipu = (src - first_tile).view(unsigned) < per_ipu
-    if ipu_starts.size <= _FEW_IPU_RUNS:  # counting set flags beats widening them to add
-      bounds = np.append(ipu_starts, mapping.num_elements)
-      per_run = np.array([np.count_nonzero(stays_on_ipu[a:b])
-                          for a, b in zip(bounds[:-1], bounds[1:])], np.int64)
-    else:
-      per_run = np.add.reduceat(stays_on_ipu, ipu_starts, dtype=np.int64)
-    same = np.bincount(ipus, weights=per_run, minlength=n_ipus)
+    # What leaves an IPU is all it holds but what stays on it.
     from_ipu = np.add.reduceat(held, np.arange(0, num_tiles, per_ipu))
-    link = from_ipu - same[:n_ipus].astype(np.int64)
+    link = from_ipu - on_ipu
   cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
   return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+class _PermutedFrame:
+  """A transpose's box as two row-major frames of one array: the output's and the source's.
+
+  The output's axes (size-1 axes dropped) are row-major in the output; the
+  same axes ordered by falling source stride are row-major in the source.
+  """
+
+  def __init__(self, box: Box):
+    axes = [(e, s) for e, s in zip(box.extents, box.src_strides) if e > 1]
+    self.extents = [e for e, _ in axes]
+    order = sorted(range(len(axes)), key=lambda a: -axes[a][1])
+    self.src_extents = [self.extents[a] for a in order]
+    self.to_output = np.argsort(order)  # source frame's axis of each output axis
+    self.size = int(np.prod(self.extents, dtype=np.int64))
+
+  def overlaps(self, src_runs: tuple, dst_runs: tuple, num_elements: int, num_keys: int):
+    """``[num_keys]`` output elements whose source run has their run's key (tile, IPU).
+
+    Args:
+      src_runs, dst_runs: ``(starts, keys)`` runs of the source and the output,
+        in their own flat orders.
+      num_elements: elements of each.
+      num_keys: keys are below this.
+
+    Returns:
+      Counts per key, or ``None`` when the boxes' pairs would cost more than
+      comparing elements.
+    """
+    if (self.size < _REGION_MIN_ELEMENTS
+        or len(src_runs[0]) + len(dst_runs[0]) > self.size // _RUNS_PER_ELEMENT):
+      return None  # few elements, or runs so short that boxes cost more than elements
+    src = _coalesced(*_run_boxes(*src_runs, num_elements, self.src_extents))
+    dst = _coalesced(*_run_boxes(*dst_runs, num_elements, self.extents))
+    src = (src[0], src[1][:, self.to_output], src[2][:, self.to_output])
+    return _overlaps_by_key(dst, src, num_keys, self.size // _PAIRS_PER_ELEMENT)
+
+
+def _coalesced(key, lo, hi) -> tuple:
+  """Boxes of one key that abut along an axis and match on the others, as one.
+
+  A block layout's runs are its blocks' rows: coalesced, a tile's boxes are
+  its blocks again. The union is the same elements, so overlaps are unchanged.
+  """
+  axes = lo.shape[1]
+  for a in range(axes):
+    rest = [b for b in range(axes) if b != a]
+    order = np.lexsort([lo[:, a]] + [hi[:, b] for b in rest] + [lo[:, b] for b in rest] + [key])
+    key, lo, hi = key[order], lo[order], hi[order]
+    joins = (key[1:] == key[:-1]) & (lo[1:, a] == hi[:-1, a])
+    for b in rest:
+      joins &= (lo[1:, b] == lo[:-1, b]) & (hi[1:, b] == hi[:-1, b])
+    if not joins.any():
+      continue
+    first = np.flatnonzero(np.append(True, ~joins))
+    last = np.append(first[1:], key.size) - 1
+    hi = np.concatenate([hi[first][:, :a], hi[last][:, a:a + 1], hi[first][:, a + 1:]], axis=1)
+    key, lo = key[first], lo[first]
+  return key, lo, hi
+
+
+# A pair of boxes costs a few NumPy passes over ``[pairs, axes]``, an element
+# one int16 compare: past one pair per this many elements (measured on BERT's
+# transposes), the elements are compared; likewise past one run per
+# ``_RUNS_PER_ELEMENT`` elements, whose boxes cost a sort each.
+_PAIRS_PER_ELEMENT = 32
+_RUNS_PER_ELEMENT = 16
+# Below this many elements the compare takes a few milliseconds, about the
+# boxes' fixed cost in NumPy calls (a 4-axis transpose of 2**20: 8 and 16 ms).
+_REGION_MIN_ELEMENTS = 1 << 21
+
+
+def _run_boxes(starts, keys, num_elements: int, extents) -> tuple:
+  """``(key, lo, hi)``: the runs of a row-major ``[extents]`` array as boxes.
+
+  Run ``i`` covers flat elements ``[starts[i], starts[i + 1])`` (the last to
+  ``num_elements``); each is cut into at most ``2 * len(extents) - 1`` boxes
+  (``lo``, ``hi``: ``[boxes, len(extents)]`` corners) that keep its key.
+  """
+  starts = np.asarray(starts, np.int64)
+  ends = np.append(starts[1:], num_elements)
+  strides = np.asarray(row_major_strides(extents), np.int64)
+  pieces = []
+  s = starts.copy()
+  # Heads, innermost axis first: from the start up to the next boundary of
+  # the axis above, or to the last whole row of this axis before the end.
+  for k in range(len(extents) - 1, -1, -1):
+    above = -(-s // strides[k - 1]) * strides[k - 1] if k else num_elements
+    stop = np.minimum(ends // strides[k] * strides[k], above)
+    s = _piece(pieces, k, s, stop)
+  # Tails, outermost axis first: what is left before the end, row by row.
+  for k in range(len(extents)):
+    s = _piece(pieces, k, s, ends // strides[k] * strides[k])
+  owner = np.concatenate([p[0] for p in pieces])
+  level = np.concatenate([np.full(p[0].size, p[1], np.int64) for p in pieces])
+  first = np.concatenate([p[2] for p in pieces])
+  count = np.concatenate([p[3] for p in pieces])
+  extents = np.asarray(extents, np.int64)
+  axis = np.arange(extents.size)
+  lo = first[:, None] // strides[None, :] % extents[None, :]
+  # Axes above the box's level are fixed, its own spans ``count`` rows, those below are whole.
+  span = np.where(axis[None, :] < level[:, None], 1,
+                  np.where(axis[None, :] == level[:, None], (count // strides[level])[:, None],
+                           extents[None, :]))
+  lo = np.where(axis[None, :] > level[:, None], 0, lo)
+  return np.asarray(keys, np.int64)[owner], lo, lo + span
+
+
+def _piece(pieces: list, level: int, s, stop):
+  """Records ``[s, stop)`` where not empty as boxes of ``level``; the new starts."""
+  keep = stop > s
+  if keep.any():
+    owner = np.flatnonzero(keep)
+    pieces.append((owner, level, s[owner], stop[owner] - s[owner]))
+  return np.where(keep, stop, s)
+
+
+def _overlaps_by_key(a: tuple, b: tuple, num_keys: int, budget: int):
+  """``[num_keys]`` elements where a box of ``a`` meets a box of ``b`` of the same key.
+
+  The boxes of each side are disjoint, so the overlaps of the pairs of one
+  key add up to the elements both sides give that key. ``None`` past
+  ``budget`` pairs.
+  """
+  a_key, a_lo, a_hi = a
+  b_key, b_lo, b_hi = b
+  order = np.argsort(b_key, kind="stable")
+  b_per_key = np.bincount(b_key, minlength=num_keys)
+  b_first = np.cumsum(b_per_key) - b_per_key
+  pairs = b_per_key[a_key]
+  total = int(pairs.sum())
+  if total > budget:
+    return None
+  # Pair ``p`` of box ``i`` of ``a``: the ``p``-th box of ``b`` with its key.
+  i = np.repeat(np.arange(a_key.size), pairs)
+  p = np.arange(total) - np.repeat(np.cumsum(pairs) - pairs, pairs)
+  j = order[b_first[a_key[i]] + p]
+  sides = np.minimum(a_hi[i], b_hi[j]) - np.maximum(a_lo[i], b_lo[j])
+  volume = np.prod(np.maximum(sides, 0), axis=1)
+  return np.bincount(a_key[i], weights=volume, minlength=num_keys)[:num_keys].astype(np.int64)
+
+
+def _elementwise_stays(target, source: TileMapping, mapping: TileMapping, box: Box) -> tuple:
+  """``(stays per tile, stays per IPU)`` from the tile of every element.
+
+  The source tiles, viewed with the box's strides, are the tile each output
+  element comes from; small tile ids (int16) keep that one transposed copy
+  cheap. Stays per IPU is ``None`` on one IPU.
+  """
+  num_tiles = target.num_tiles
+  tile_type = np.int16 if num_tiles < 2**15 else np.int32
+  src_starts, src_tiles = source.intervals
+  src_lengths = np.diff(np.append(src_starts, source.num_elements))
+  flat = np.repeat(src_tiles.astype(tile_type), src_lengths)
+  src = np.lib.stride_tricks.as_strided(
+      flat, shape=box.extents, strides=[s * flat.itemsize for s in box.src_strides],
+      writeable=False).reshape(-1)
+  dst_starts, dst_tiles = mapping.intervals
+  dst = np.repeat(dst_tiles.astype(tile_type), np.diff(np.append(dst_starts, mapping.num_elements)))
+  stays = np.bincount(dst[src == dst], minlength=num_tiles)[:num_tiles].astype(np.int64)
+  n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
+  if n_ipus == 1:
+    return stays, None
+  # The output elements whose source tile lies in their destination IPU's
+  # tile range: that IPU is constant on the destination's IPU runs, so the
+  # range's first tile is spread over them, and "in range" is one
+  # subtraction read unsigned (below the first tile wraps past any tile id).
+  ipu_starts, ipus = mapping.ipu_runs(per_ipu)
+  first_tile = np.repeat((ipus * per_ipu).astype(tile_type),
+                         np.diff(np.append(ipu_starts, mapping.num_elements)))
+  unsigned = np.uint16 if tile_type == np.int16 else np.uint32
+  stays_on_ipu = (src - first_tile).view(unsigned) < per_ipu
+  if ipu_starts.size <= _FEW_IPU_RUNS:  # counting set flags beats widening them to add
+    bounds = np.append(ipu_starts, mapping.num_elements)
+    per_run = np.array([np.count_nonzero(stays_on_ipu[a:b])
+                        for a, b in zip(bounds[:-1], bounds[1:])], np.int64)
+  else:
+    per_run = np.add.reduceat(stays_on_ipu, ipu_starts, dtype=np.int64)
+  same = np.bincount(ipus, weights=per_run, minlength=n_ipus)
+  return stays, same[:n_ipus].astype(np.int64)
 
 
 # A tensor's IPU runs counted one by one (a linear layout has one or two per IPU).

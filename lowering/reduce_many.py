@@ -44,6 +44,7 @@ steps' bit for bit.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -52,6 +53,7 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.fused_step import fused_fn, fused_logical, sum_costs
+from ipu_jax.lowering.mapping import tiles_key
 
 __all__ = ["fold_sums"]
 
@@ -178,14 +180,27 @@ def _folded(stage, chain: list, target) -> P.Superstep:
 
 
 def _merge_siblings(steps: list, stage: str, target) -> list:
-  """Pairs of ``stage`` steps of one layout merged where the schedule allows."""
-  out = list(steps)
-  i = 0
-  while i < len(out):
-    if out[i].name == stage:
-      out = _merge_next(out, i, target)
-    i += 1
-  return out
+  """Pairs of ``stage`` steps of one layout merged where the schedule allows.
+
+  Each ``stage`` step, in the run's current order, is merged into its next
+  sibling (:func:`_same_layouts`) unless that sibling depends on it or on
+  what it must sink past. Siblings are found by their class key
+  (:func:`_class_key`) in :class:`_Order`, not by comparing each step with
+  every later one: the merged steps of a 7-layer stage's sharded update
+  compared 1.3 M pairs that way. The cost is the run once, plus the steps
+  between each step and its sibling (the ones a merge may move).
+  """
+  order = _Order(steps, stage)
+  pos = 0
+  while pos < len(order.steps):
+    j = order.sibling(pos)
+    if j is not None:
+      window = _sink(order.steps, pos, j)
+      if window is not None:
+        order.replace(pos, j, window[0] + [_merged(order.steps[pos], order.steps[j], target)]
+                      + window[1])
+    pos += 1
+  return order.steps
 
 
 def _same_layouts(a, b) -> bool:
@@ -197,33 +212,97 @@ def _same_layouts(a, b) -> bool:
           and a.reads[0].mapping.same_as(b.reads[0].mapping))
 
 
-def _merge_next(steps: list, i: int, target) -> list:
-  """``steps`` with step ``i`` merged into its next sibling, where the schedule allows.
+def _class_key(step, stage: str):
+  """A hashable key equal for any two steps :func:`_same_layouts` accepts; None: no sibling.
+
+  ``TileMapping.same_as`` holds only for mappings of equal element counts and
+  equal row tiles, so those (the tiles by :func:`mapping.tiles_key`) stand
+  for the layout here; :func:`_same_layouts` still decides within a class.
+  """
+  if step.name != stage or len(step.reads) != 1 or len(step.writes) != 1:
+    return None
+  read, write = step.reads[0], step.writes[0]
+  layout = None if read.mapping is None else (
+      read.mapping.num_elements, tiles_key(read.mapping.tiles))
+  return (step.scope, read.shape, write.shape, read.dtype, write.dtype, layout)
+
+
+class _Order:
+  """A run's steps in their current order, and where each class's members are.
+
+  Each position holds a rank that grows along the run; a merge rewrites only
+  the steps from a member to its sibling, which take that stretch's ranks in
+  their new order (one fewer step), so the ranks stay sorted and a class,
+  kept as its members' sorted ranks, finds a member's next sibling by
+  bisection. The same step object may stand at two positions.
+  """
+
+  def __init__(self, steps: list, stage: str):
+    self.steps = list(steps)
+    self._stage = stage
+    self._ranks = list(range(len(steps)))                  # increasing along ``steps``
+    self._keys = [_class_key(s, stage) for s in steps]      # per position
+    self._members = {}                                      # key -> sorted ranks
+    for rank, key in enumerate(self._keys):
+      if key is not None:
+        self._members.setdefault(key, []).append(rank)
+
+  def sibling(self, pos: int):
+    """Position of the next step :func:`_same_layouts` pairs with step ``pos``; None if none."""
+    key = self._keys[pos]
+    if key is None:
+      return None
+    members = self._members[key]
+    first = self.steps[pos]
+    for rank in members[bisect.bisect_right(members, self._ranks[pos]):]:
+      j = bisect.bisect_left(self._ranks, rank)
+      if _same_layouts(first, self.steps[j]):
+        return j
+    return None
+
+  def replace(self, pos: int, j: int, window: list):
+    """Steps ``pos`` .. ``j`` become ``window`` (one step fewer)."""
+    low, high = self._ranks[pos], self._ranks[j]
+    for key in set(self._keys[pos:j + 1]) - {None}:
+      members = self._members[key]
+      del members[bisect.bisect_left(members, low):bisect.bisect_right(members, high)]
+    known = {id(s): k for s, k in zip(self.steps[pos + 1:j], self._keys[pos + 1:j])}
+    keys = [known[id(s)] if id(s) in known else _class_key(s, self._stage) for s in window]
+    ranks = self._ranks[pos + 1:j + 1]
+    self.steps[pos:j + 1] = window
+    self._ranks[pos:j + 1] = ranks
+    self._keys[pos:j + 1] = keys
+    for rank, key in zip(ranks, keys):
+      if key is not None:
+        bisect.insort(self._members.setdefault(key, []), rank)
+
+
+def _sink(steps: list, i: int, j: int):
+  """``(stay, after)``: steps between ``i`` and its sibling ``j`` before and after the merge.
 
   Step ``i`` sinks to the sibling with the steps between that depend on it
   (they follow the merged step, in order); the others between keep their
-  order before it. Not possible when the sibling depends on what sinks.
+  order before it. None when the sibling depends on what sinks.
   """
   first = steps[i]
-  sinking = [i]
+  sinking = []
   read = {t.id for t in first.reads}
   written = {t.id for t in first.writes}
-  for j in range(i + 1, len(steps)):
-    step = steps[j]
+  stay = []
+  for k in range(i + 1, j + 1):
+    step = steps[k]
     ins = {t.id for t in step.reads}
     outs = {t.id for t in step.writes}
     depends = bool(ins & written or outs & (written | read))
-    if _same_layouts(first, step):
-      if depends:
-        return steps
-      stay = [steps[k] for k in range(i + 1, j) if k not in sinking]
-      after = [steps[k] for k in sinking[1:]]
-      return steps[:i] + stay + [_merged(first, step, target)] + after + steps[j + 1:]
+    if k == j:
+      return None if depends else (stay, sinking)
     if depends:
-      sinking.append(j)
+      sinking.append(step)
       read |= ins
       written |= outs
-  return steps
+    else:
+      stay.append(step)
+  raise AssertionError("unreachable: the loop ends at the sibling")
 
 
 def _merged(a: P.Superstep, b: P.Superstep, target) -> P.Superstep:

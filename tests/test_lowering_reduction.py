@@ -1,5 +1,7 @@
 """Tests of the reduction and cumulative lowering rules (rules/reduction.py, cumulative.py)."""
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax.lowering import reduce_many
 import testing_utils
 
 _T16 = testing_utils.T16
@@ -214,6 +217,11 @@ def _gradient_sums(dy, x):
           jnp.sum((dy * x).astype(jnp.float32), (0, 1, 2)))
 
 
+def _layer_statistics(*xs):
+  """Every layer's batch norm statistics (sibling sums of one layout across layers)."""
+  return [_statistics(x) for x in xs]
+
+
 class ReduceManyTest(chex.TestCase, parameterized.TestCase):
   """float32 sums of float16 values as popnn's batch norm runs them (lowering/reduce_many.py)."""
 
@@ -261,6 +269,45 @@ class ReduceManyTest(chex.TestCase, parameterized.TestCase):
     worker = 16 + 2 * (3 + 7 + 3 + 15)
     self.assertEqual(int(np.max(steps[1].compute_cycles)), 2 * (6 * worker + 50) - 50)
 
+
+  @parameterized.parameters(3, 8)
+  def test_many_layers_statistics_merge_per_layer(self, layers):
+    """Each layer's two sums share its compute sets, at one layer's figures, values as jit's."""
+    x = jax.ShapeDtypeStruct((4, 8, 8, 32), jnp.float16)
+    one = ipu_jax.jit(_statistics, target=_T16).lower(x).profile.steps
+    steps = ipu_jax.jit(_layer_statistics, target=_T16).lower(*[x] * layers).profile.steps
+    # Sibling sums of equal layouts pair up in order: each layer's sum with its
+    # sum of squares (the next sibling), never across layers.
+    self.assertEqual([s.name for s in steps], [s.name for s in one] * layers)
+    for got, want in zip(steps, one * layers):
+      self.assertIn("two sums in one compute set (popops::reduceMany)", got.notes)
+      np.testing.assert_array_equal(got.compute_cycles, want.compute_cycles)
+      np.testing.assert_array_equal(got.exchange_bytes_in, want.exchange_bytes_in)
+    xs = [testing_utils.random_array((4, 8, 8, 32), jnp.float16, seed=s) for s in range(layers)]
+    got = ipu_jax.jit(_layer_statistics, target=_T16)(*xs)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.jit(_layer_statistics)(*xs),
+                                rtol=1e-5, atol=1e-3)
+
+  def test_sibling_search_is_linear_in_the_sums(self):
+    """Twice the sums, twice the layout comparisons (siblings found by key, not pairwise)."""
+
+    def slices_statistics(x):  # every slice's two sums in one straight-line run
+      return [(jnp.sum(x[i], 0, dtype=jnp.float32),
+               jnp.sum(jnp.square(x[i].astype(jnp.float32)), 0)) for i in range(x.shape[0])]
+
+    def comparisons(layers):
+      x = jax.ShapeDtypeStruct((layers, 64, 32), jnp.float16)
+      compare = reduce_many._same_layouts  # pylint: disable=protected-access
+      with mock.patch.object(reduce_many, "_same_layouts", side_effect=compare) as counted:
+        steps = ipu_jax.jit(slices_statistics, target=_T16).lower(x).profile.steps
+      merged = [s for s in steps if "two sums in one compute set (popops::reduceMany)" in s.notes]
+      self.assertLen(merged, 2 * layers)  # each slice's two stages, each one compute set
+      return counted.call_count
+
+    few, many = comparisons(8), comparisons(16)
+    self.assertGreater(few, 0)
+    # Pairwise, every merged step was compared with every later step: 216 -> 816.
+    self.assertLessEqual(many, 2 * few + 2)
 
 if __name__ == "__main__":
   absltest.main()

@@ -6,6 +6,7 @@ Each primitive runs on the emulated IPU and must give exactly what
 """
 
 
+import tracemalloc
 from unittest import mock
 
 from absl.testing import absltest
@@ -181,6 +182,39 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
     expected = movement_cost(_SMALL, mapping.element_tile[src], mapping.element_tile, 4)
     self.assertEqual(moved, expected.total_bytes)
     np.testing.assert_array_equal(steps[0].exchange_bytes_out, expected.bytes_out)
+
+  # Small ones compare every element's tiles; from 2**21 elements they are
+  # planned on the tiles' runs as boxes (lowering/copy_plan.py).
+  @parameterized.parameters(((64, 48), (1, 0), 8), ((2, 4, 8, 24), (0, 1, 3, 2), 8),
+                            ((6, 5, 16, 4), (2, 0, 3, 1), 8), ((2048, 1024), (1, 0), None),
+                            ((4, 8, 256, 256), (0, 1, 3, 2), None),
+                            ((2, 64, 128, 128), (2, 0, 3, 1), None))
+  def test_transpose_figures_on_two_ipus_match_movement_cost(self, shape, axes, tiles_per_ipu):
+    """A transpose's bytes per tile and over IPU-Links equal the element-by-element model."""
+    target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=tiles_per_ipu)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    steps = ipu_jax.jit(lambda x: x.transpose(axes), target=target).lower(x).profile.steps
+    self.assertEqual([s.name for s in steps], ["transpose"])
+    mapping = TileMapping.linear(int(np.prod(shape)), target.num_tiles, 4)
+    src = np.arange(mapping.num_elements).reshape(shape).transpose(axes).reshape(-1)
+    want = movement_cost(target, mapping.element_tile[src], mapping.element_tile, 4)
+    np.testing.assert_array_equal(steps[0].exchange_bytes_in, want.bytes_in)
+    np.testing.assert_array_equal(steps[0].exchange_bytes_out, want.bytes_out)
+    self.assertEqual(int(steps[0].ipu_link_bytes), int(want.link_bytes_out.sum()))
+
+  def test_transpose_plan_host_memory_does_not_grow_with_elements(self):
+    """Planned on its tiles' runs: 8 M elements need no per-element arrays (72 MB before)."""
+    target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2)
+    x = jax.ShapeDtypeStruct((2048, 4096), jnp.float32)
+    tracemalloc.start()
+    try:
+      steps = ipu_jax.jit(lambda x: x.T, target=target).lower(x).profile.steps
+      _, peak = tracemalloc.get_traced_memory()
+    finally:
+      tracemalloc.stop()
+    self.assertEqual([s.name for s in steps], ["transpose"])
+    self.assertGreater(int(steps[0].exchange_bytes_in.sum()), 0)
+    self.assertLess(peak, 8 << 20)  # a quarter of the tensor's 32 MiB
 
   def test_exchange_plan_matches_movement_cost(self):
     target = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
