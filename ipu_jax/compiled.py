@@ -112,8 +112,10 @@ def build_executable(program, tensors: dict, signature: Signature, *, inputs, ou
   keys_state = [constant_keys[i] for i in state]
   # Trapped floating-point exceptions: the record is the last output.
   keys_record = [fp_exceptions.RECORD_KEY] if traps else []
+  # The outputs leave as flat logical arrays (a remote buffer's as its rows).
+  logical_out = [i for i, t in enumerate(outputs) if not is_remote(t)]
   inner = build_function(program, tensors, keys_in, keys_out + keys_state + keys_record,
-                         traps=traps, mode=mode).__wrapped__
+                         traps=traps, mode=mode, logical_outputs=logical_out).__wrapped__
   num_out, num_state = len(keys_out), len(keys_state)
   in_avals, out_avals = signature.in_avals, signature.out_avals
 
@@ -129,8 +131,8 @@ def build_executable(program, tensors: dict, signature: Signature, *, inputs, ou
                                      results[num_out + num_state:])
     flat_out = []
     for value, aval, tensor in zip(results, out_avals, outputs):
-      value = _to_flat(value, tensor).reshape(tensor.shape[1:] if is_remote(tensor)
-                                              else tensor.shape)
+      value = (_to_flat(value, tensor).reshape(tensor.shape[1:]) if is_remote(tensor)
+               else value.reshape(tensor.shape))
       if is_key_dtype(aval.dtype):
         value = jax.random.wrap_key_data(value, impl=aval.dtype._impl)
       flat_out.append(value)

@@ -366,7 +366,7 @@ def _stream_copy(program: P.StreamCopy, state, env):
 
 def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
                    output_keys: Iterable, *, donate: bool = False, traps=None,
-                   mode: str = "batched") -> Callable:
+                   mode: str = "batched", logical_outputs: Iterable = ()) -> Callable:
   """Compile ``program`` into one jitted function.
 
   Args:
@@ -381,20 +381,31 @@ def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
       ``fp_exceptions.RECORD_KEY``), or None.
     mode: ``"batched"`` (steps' logical forms) or ``"per_tile"`` (their
       ``fn``s); see the module docstring.
+    logical_outputs: positions in ``output_keys`` (of tensors) returned as
+      their flat logical arrays rather than their storages: a tensor held
+      logical goes out as it is, where building its storage and reading it
+      back cost two gathers for an irregular layout, which XLA does not
+      cancel.
 
   Returns:
     ``fn(*inputs) -> tuple(outputs)``, jit-compiled.
   """
   input_keys = tuple(input_keys)
   output_keys = tuple(output_keys)
+  logical_outputs = frozenset(logical_outputs)
   env = _Env(tensors, traps, mode)
+
+  def output(state, i, key):
+    if i in logical_outputs:
+      return env.get_logical(state, tensors[key]).reshape(-1)
+    return env.get(state, key)
 
   def run(*inputs):
     state = dict(zip(input_keys, inputs))
     if traps is not None:
       state[fp_exceptions.RECORD_KEY] = traps.initial_record()
     state = _run(program, state, env, owned=True)
-    return tuple(env.get(state, k) for k in output_keys)
+    return tuple(output(state, i, k) for i, k in enumerate(output_keys))
 
   donate_argnums = tuple(range(len(input_keys))) if donate else ()
   return jax.jit(run, donate_argnums=donate_argnums)

@@ -4,8 +4,11 @@ Between steps the executor keeps tensors as logical arrays and runs a step's
 logical form where it has one (``Superstep.logical``). These tests
 check each form against its step's storage function, the whole program
 against the storage path (which a trapping run takes), and that a training
-step then needs no more XLA temporary memory than ``jax.jit``'s.
+step then needs no more XLA temporary memory than ``jax.jit``'s, and that
+reductions and their outputs leave XLA no gathers.
 """
+
+import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -18,6 +21,8 @@ import ipu_jax
 from ipu_jax.lowering.exchange import to_flat, to_storage
 from experiments import scale_workloads
 from testing_utils import T16, executor_config, random_array, supersteps_with_members
+
+_IPU2 = ipu_jax.IPUTarget.preset("ipu2")
 
 
 def _attention_block(x, w, b):
@@ -41,6 +46,16 @@ def _carries_through(step) -> bool:
   the forms agree on the operation's result, not per step."""
   return any(t.name.endswith(("/partials", "/local", "/totals"))
              for t in step.reads + step.writes)
+
+
+def _compiled_hlo(fn, *args, target=T16) -> str:
+  """The executor's compiled XLA program for ``fn`` (batched mode), as text."""
+  lowered = ipu_jax.jit(fn, target=target).lower(*args)
+  return lowered.compile().lower_executor(jax.tree_util.tree_leaves(args)).compile().as_text()
+
+
+def _gathers(hlo: str) -> int:
+  return len(re.findall(r"\bgather\(", hlo))
 
 
 def _tiny_transformer():
@@ -117,6 +132,28 @@ class LogicalFormTest(chex.TestCase, parameterized.TestCase):
     plain_temp = plain.memory_analysis().temp_size_in_bytes
     self.assertLessEqual(temp, 1.1 * plain_temp + 16384, (temp, plain_temp))
     chex.assert_trees_all_close(lowered(*args), jax.jit(fn)(*args), rtol=2e-4, atol=2e-5)
+
+  @parameterized.named_parameters(
+      ("sum_rows_16", "sum", (0,), 16), ("sum_middle_16", "sum", (1,), 16),
+      ("sum_last_16", "sum", (2,), 16), ("sum_outer_16", "sum", (0, 2), 16),
+      ("sum_all_16", "sum", (0, 1, 2), 16), ("sum_rows_1472", "sum", (0,), 1472),
+      ("sum_middle_1472", "sum", (1,), 1472), ("sum_last_1472", "sum", (2,), 1472),
+      ("max_middle_16", "max", (1,), 16), ("max_last_1472", "max", (2,), 1472),
+      ("argmax_middle_16", "argmax", (1,), 16), ("argmax_last_1472", "argmax", (2,), 1472))
+  def test_reduction_compiles_without_gathers(self, op, axes, tiles):
+    # A reduction's two compute sets carry the result through the partials
+    # (the logical forms compute it once, by the primitive): placing it
+    # and taking it back cost one gather per reduction (30 in a small
+    # transformer step's program against jax.jit's 2), and an output of
+    # irregular layout two more (to its storage and back).
+    fns = dict(sum=lambda x: jnp.sum(x, axis=axes), max=lambda x: jnp.max(x, axis=axes),
+               argmax=lambda x: jnp.argmax(x, axis=axes[0]))
+    fn = fns[op]
+    x = random_array((37, 19, 3), seed=4)
+    target = T16 if tiles == 16 else _IPU2
+    self.assertEqual(_gathers(_compiled_hlo(fn, x, target=target)), 0)
+    got = ipu_jax.jit(fn, target=target)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(x)))
 
 
 if __name__ == "__main__":

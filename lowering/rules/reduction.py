@@ -48,6 +48,7 @@ import functools
 from typing import Optional, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -156,7 +157,7 @@ def _lower_reduction(ctx, spec: ReductionSpec, data: Sequence[P.Tensor], axes,
   partials = []
   if not plan.skip_stage1:
     partials = _new_partials(ctx, plan, skip_stage2)
-    _emit_partials(ctx, plan, partials)
+    _emit_partials(ctx, plan, partials, skip_stage2)
     if skip_stage2:
       return [partials[c] for c in spec.out_components]
   outputs = [ctx.new_tensor(s, d, stage2.out_map) for s, d in out_avals]
@@ -226,19 +227,31 @@ def _partials_per_tile(spec, inits, partials, tables: PerTileTables, *storages):
 
 
 def _partials_logical(spec, inits, num_data: int, out_of_group, partials, *arrays):
-  """Stage 1's logical form: the whole reduction by the primitive, each
-  output element in its first group's partial (``out_of_group``: its
-  output, ``out_size`` for the other groups, which hold the identity)."""
+  """Stage 1's logical form: the whole reduction by the primitive.
+
+  Partials that are the outputs (stage 2 skipped) hold each result in its
+  output's group (``out_of_group``: its output, ``out_size`` for the other
+  groups). Partials that only stage 2's form reads carry the results in
+  their first ``out_size`` elements and the identity after them
+  (``out_of_group`` is ``None``): stage 2's form takes that prefix, which
+  XLA folds away with the padding, where placing each result in its
+  output's first group and taking it back cost one gather per reduction.
+  """
   ids = spec.identities(inits.values(arrays[num_data:]))
   results = spec.batched(*arrays[:num_data], inits.values(arrays[num_data:]))
   out = []
   for c, p in enumerate(partials):
-    if c in spec.out_components:
-      value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
-      # Placing the results (no arithmetic follows).
-      out.append(take_or_fill(value, out_of_group, ids[c]).reshape(p.shape))
-    else:
+    if c not in spec.out_components:
       out.append(jnp.full(p.shape, ids[c], p.dtype))
+      continue
+    value = results[spec.out_components.index(c)].reshape(-1).astype(p.dtype)
+    fill = jnp.asarray(ids[c], p.dtype)
+    if out_of_group is None:
+      # Placing the results (no arithmetic follows).
+      value = lax.pad(value, fill, ((0, p.size - value.size, 0),))
+    else:
+      value = take_or_fill(value, out_of_group, fill)
+    out.append(value.reshape(p.shape))
   return tuple(out)
 
 
@@ -251,8 +264,9 @@ def _out_of_group(groups, out_size: int) -> np.ndarray:
   return out
 
 
-def _emit_partials(ctx, plan: ReductionPlan, partials) -> None:
-  """Compute set 1: every tile reduces its own elements per output element."""
+def _emit_partials(ctx, plan: ReductionPlan, partials, are_outputs: bool) -> None:
+  """Compute set 1: every tile reduces its own elements per output element
+  (into the outputs themselves when ``are_outputs``)."""
   target = ctx.target
   num_tiles = target.num_tiles
   spec, data, groups, in_map = plan.spec, plan.data, plan.groups, plan.in_map
@@ -271,7 +285,8 @@ def _emit_partials(ctx, plan: ReductionPlan, partials) -> None:
       vertices=worker_vertices(ctx, per_tile), codelets=(vocab.vertex(vocab.REDUCE, spec.kind),),
       flops=int(flops),
       logical=functools.partial(_partials_logical, spec, plan.inits, len(data),
-                                _out_of_group(groups, plan.out_size), tuple(partials))))
+                                _out_of_group(groups, plan.out_size) if are_outputs else None,
+                                tuple(partials))))
 
 
 def _init_cost(ctx, init_reads, tiles):
@@ -300,15 +315,16 @@ def _final_per_tile(spec, inits, outputs, tables: PerTileTables, *storages):
                for c, o in zip(spec.out_components, outputs))
 
 
-def _final_logical(spec, inits, first_of_key, skip_stage1, outputs, *arrays):
-  """Stage 2's logical form: each output from its first partial (stage 1's
-  form holds the result there), or the whole reduction when stage 1 is skipped."""
+def _final_logical(spec, inits, skip_stage1, outputs, *arrays):
+  """Stage 2's logical form: the outputs are the partials' first elements
+  (stage 1's form holds the results there), or the whole reduction when
+  stage 1 is skipped."""
   n_src = len(arrays) - len(inits.reads)
   srcs, init_values = arrays[:n_src], inits.values(arrays[n_src:])
   if skip_stage1:
     return tuple(jnp.reshape(r, o.shape) for r, o in zip(spec.batched(*srcs, init_values),
                                                           outputs))
-  return tuple(srcs[c].reshape(-1)[first_of_key].reshape(o.shape)
+  return tuple(lax.slice(srcs[c].reshape(-1), (0,), (o.size,)).reshape(o.shape)
                for c, o in zip(spec.out_components, outputs))
 
 
@@ -327,8 +343,8 @@ def _emit_final(ctx, plan: ReductionPlan, stage2: Stage2Plan, partials, outputs)
       exchange=_add(stage2.cost, _init_cost(ctx, plan.inits.reads, out_map.tiles)),
       vertices=worker_vertices(ctx, out_map.elements_per_tile(ctx.target.num_tiles)),
       codelets=(vocab.vertex(vocab.REDUCE, spec.kind),), flops=int(flops),
-      logical=functools.partial(_final_logical, spec, plan.inits, groups.first_of_key,
-                                skip_stage1, tuple(outputs))))
+      logical=functools.partial(_final_logical, spec, plan.inits, skip_stage1,
+                                tuple(outputs))))
 
 
 def _add(a, b):
