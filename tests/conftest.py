@@ -21,6 +21,33 @@ _LONG_RUNS = (
     "test_lowering_surface.py::SurfaceTest::test_gamma_beta_dirichlet0",
     "test_lowering_surface.py::SurfaceTest::test_gamma_beta_dirichlet1",
     "test_report_scopes.py::MainJobTest::test_main_job_fit_costs_carry_scopes",
+    # Each beside a smaller default test of the same path: the Sequential
+    # BERT pipeline (Grouped runs in test_pipelining), the other two
+    # sequence-parallel families, phased ping-pong with TP and serial with
+    # RTS, the TP model at tp=4, LAMB sharded in a pipeline
+    # (test_sharded_optimizers), dropout in pipelines (PipelineRngTest), the
+    # fused batch norm against Flax's, the transformer step at 1,472 tiles,
+    # the pipelined fit's first fit.
+    "test_bert_pipeline.py::BertPipelineTest::test_weights_equal_plain_accumulation0",
+    "test_bert_pipeline.py::BertDropoutPipelineTest::"
+    "test_dropout_is_reproducible_and_equals_plain_accumulation",
+    "test_llm_runner.py::SequenceParallelModelTest::test_loss_and_gradients_equal_the_unsplit_model0",
+    "test_llm_runner.py::LLMRunnerTest::test_check_passes_and_can_fail",
+    "test_phased.py::PhasedTrainingTest::"
+    "test_three_steps_equal_plain_jax_gradient_accumulation_ping_pong_rts2_g4",
+    "test_phased.py::TensorParallelPhasedTest::test_three_steps_equal_unsplit_gradient_accumulation_serial",
+    "test_tensor_parallel.py::TensorParallelTransformerTest::test_equals_unsplit_model0",
+    "test_pipelined_fit.py::ShardedStatePipelinedFitTest::"
+    "test_trains_what_the_unsharded_fit_trains_and_resumes_from_its_shards",
+    "test_pipelined_fit.py::KerasPipelinedFitTest::test_a_second_fit_goes_on",
+    "test_resnet_runner.py::ResNetRunnerTest::test_one_training_step_equals_plain_jit",
+    "test_models_e2e.py::TrainingStepTest::test_training_step_matches_jax4",
+)
+
+# Whole classes: a small BERT on a POD64 (its set-up alone is a minute; the
+# POD16 pipeline tests and the throughput tests of test_pipeline_costs stay).
+_LONG_CLASSES = (
+    "test_bert_pretraining.py::SmallBertOnAPodTest::",
 )
 
 
@@ -28,7 +55,8 @@ def pytest_collection_modifyitems(config, items):
   del config
   import pytest
   for item in items:
-    if item.nodeid.split("tests/")[-1] in _LONG_RUNS:
+    nodeid = item.nodeid.split("tests/")[-1]
+    if nodeid in _LONG_RUNS or nodeid.startswith(_LONG_CLASSES):
       item.add_marker(pytest.mark.slow)
 
 
