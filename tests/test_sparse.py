@@ -18,6 +18,7 @@ import numpy as np
 import ipu_jax
 from ipu_jax.kernels import popsparse
 from ipu_jax.lowering import sparse_plan
+from ipu_jax.lowering.matmul_plan import plan_matmul
 from ipu_jax.sparse import static_rule
 from ipu_jax.sparse import (BlockCSR, BucketOverflowError, dynamic_layout, dynamic_matmul, encode,
                             static_matmul)
@@ -687,6 +688,21 @@ class ExperimentTest(absltest.TestCase):
       self.assertGreater(p["published_static"], p["published_dynamic"], p)
       self.assertGreater(p["model_static"], p["model_dynamic"], p)
     self.assertIn("Table 2", runner.comparison_table(points))
+
+  def test_dense_fp16_baseline_is_above_the_float_partials_ceiling(self):
+    # The measured dense fp16 baseline (226 TFLOP/s) exceeds what float32 partials allow
+    # (8 AMP units: half the fp16 peak), so the runner's baseline takes half partials.
+    from experiments import popsparse as runner  # pylint: disable=g-import-not-at-top
+    ceiling = BOW.fp16_flops_per_cycle / 2 * BOW.num_tiles * BOW.clock_hz / 1e12
+    row = runner.case_row(BOW, 2048, 16, 1 / 16, "float16")
+    half = plan_matmul(BOW, 1, 4096, 2048, 4096, "float16", partials_dtype=np.float16)
+    self.assertEqual(row["dense_cycles"], float(half.cycles))
+    rate = 2.0 * 4096 * 4096 * 2048 / (row["dense_cycles"] / BOW.clock_hz) / 1e12
+    self.assertGreater(rate, ceiling)
+    self.assertLess(rate, runner.PUBLISHED_DENSE_FP16_TFLOPS * 1.3)
+    fp32 = runner.case_row(BOW, 2048, 16, 1 / 16, "float32")
+    self.assertEqual(fp32["dense_cycles"],
+                     float(plan_matmul(BOW, 1, 4096, 2048, 4096, "float32").cycles))
 
   def test_runner_writes_the_table_rows_in_time(self):
     out = os.path.join(self.create_tempdir().full_path, "popsparse.json")
