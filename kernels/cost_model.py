@@ -67,7 +67,12 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 # 9: float16 products with float32 partials run 8 AMP units on IPU2 / Bow, half the
 #    half-partials rate (poplibs' fp16InFp32OutConvUnitsPerTile; kernels/amp.py); only
 #    2-byte matmuls and convolutions with float32 partials move (their AMP passes double).
-COST_MODEL_VERSION = "9"
+# 10: a replicated pipeline's weight-update collectives are one collective of every IPU's
+#    gradients at once over the links they share (PopART's merged collectives, as the MLPerf
+#    BERT runs set them), not each IPU's group alone; a Grouped pipeline's ramp slots run
+#    every stage's inter-IPU copies (PopART PopPrograms::addPipelineCycle, TF-IPU's grouped
+#    visitor); ipu_jax/pipelining/throughput.py. Only replicated / pipelined steps move.
+COST_MODEL_VERSION = "10"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,9 @@ import numpy as np
 import optax
 
 import ipu_jax
+from ipu_jax.kernels import collectives, systems
 from ipu_jax.pipelining import Pipeline, links, schedule, stage_programs
+from ipu_jax.pipelining import throughput as throughput_lib
 import testing_utils
 
 _TILES = 16
@@ -178,6 +180,87 @@ class SharedLinkPipelineTest(chex.TestCase):
     self.assertAlmostEqual(steps[4].exchange_cycles, expected, places=6)
     # Each activation crosses once per pass, whatever links it shares.
     self.assertEqual(pipe.timeline.link_bytes, 6 * 4 * _ACTIVATION)
+
+
+class RampCopiesTest(chex.TestCase):
+  """Two stages on IPUs 0 and 1 (one rung of the ladder), Grouped, G = 4.
+
+  PopART runs every stage's inter-IPU copies in every pipeline cycle, fill
+  and flush too (popart ``PopPrograms::addPipelineCycle``: "Always do all
+  the copies"), and only the stages with a micro-batch compute: G + 2N - 2
+  slots, the ramp's compute the stages that have work.
+  """
+
+  N, G = 2, 4
+
+  def test_ramp_slots_run_every_copy_and_only_the_busy_stages(self):
+    params, batches = _data(self.N, self.G)
+    pipe = Pipeline(_layers_loss, optax.sgd(0.05), config=_config(self.N, self.G))
+    pipe.lower(params, batches)
+    tp = throughput_lib.step_throughput(pipe)
+    slots = schedule.slots("Grouped", self.N, self.G)
+    self.assertLen(slots, self.G + 2 * self.N - 2)
+    # Stage 0's activation up the rung's 4 links and stage 1's input gradient
+    # back down them: other directions, so each slot takes one copy's time.
+    self.assertEqual(pipe.copies(0, "forward"), [(0, 1, _ACTIVATION)])
+    self.assertEqual(pipe.copies(1, "backward"), [(1, 0, _ACTIVATION)])
+    copy = _cycles(_ACTIVATION, 4, hops=1)
+    self.assertAlmostEqual(tp.breakdown["inter_stage_copies"] * _CLOCK, len(slots) * copy,
+                           places=6)
+    # The ramp: slot 0 runs stage 0's first forward, the last slot its last
+    # backward; the G slots between are full (the last stage forward and backward).
+    fwd = [s.forward.profile.total_cycles for s in pipe.stages]
+    bwd = [s.backward.profile.total_cycles for s in pipe.stages]
+    self.assertAlmostEqual(tp.breakdown["ramp"] * _CLOCK, fwd[0] + bwd[0], places=3)
+    # IPU 0 runs forward m = t while t < G and backward m = t - 2 from t = 2.
+    last = fwd[1] + bwd[1]
+    busiest = [max(fwd[0], last), max(fwd[0] + bwd[0], last), max(fwd[0] + bwd[0], last),
+               max(bwd[0], last)]
+    self.assertAlmostEqual(tp.breakdown["steady_state"] * _CLOCK, sum(busiest), places=3)
+
+
+class ConcurrentUpdateCollectivesTest(chex.TestCase):
+  """Two replicas of a 4-stage pipeline on a POD16, one stage per IPU.
+
+  Group ``j`` is IPU ``j`` of both replicas, ``{j, 4 + j}``; every IPU
+  reduces its gradients with its peer at once (PopART's merged
+  collectives), so groups 0 and 2 share the cable up from IPU 2 to IPU 4,
+  and groups 1 and 3 the one from IPU 3 to IPU 5.
+  """
+
+  IPUS, R, G, WIDTH = 4, 2, 8, 128
+
+  def test_gradient_all_reduce_is_every_ipus_at_once(self):
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(self.WIDTH, self.WIDTH)) * 0.1, jnp.float32)
+              for _ in range(self.IPUS)]
+    batches = {k: jnp.asarray(rng.normal(size=(self.G * self.R, _ROWS, self.WIDTH)),
+                              jnp.float32) for k in "xy"}
+    cfg = _config(self.IPUS, self.G)
+    cfg.replication_factor = self.R
+    cfg.system = "pod16"
+    pipe = Pipeline(_layers_loss, optax.sgd(0.05), config=cfg)
+    pipe.lower(params, batches)
+    tp = throughput_lib.step_throughput(pipe)
+    system = systems.system_preset("pod16")
+    grads = self.WIDTH * self.WIDTH * 4
+    self.assertEqual([s.weight_bytes for s in pipe.stages], [grads] * self.IPUS)
+    # Hand-computed: each of the all-reduce's 2 steps (reduce-scatter, then
+    # all-gather, of 2 members) sends half the gradients each way over the
+    # rail and the cable; the cable carries two groups' halves at 2 links.
+    self.assertEqual([g.kind for g, _ in system.route(0, 4)], ["rail", "cable"])
+    rate = 2 * system.ipu_link_bytes_per_second
+    target = pipe.target
+    step = (2 * (grads / 2) / rate * _CLOCK + 2 * target.exchange_latency_cycles
+            + target.ipu_sync_cycles(self.IPUS * self.R))
+    self.assertAlmostEqual(tp.breakdown["gradient_reduction"] * _CLOCK, 2 * step, places=3)
+    concurrent = collectives.all_reduce(target, [[j, self.IPUS + j] for j in range(self.IPUS)],
+                                        grads)
+    self.assertAlmostEqual(tp.breakdown["gradient_reduction"] * _CLOCK, concurrent.cycles,
+                           places=3)
+    alone = collectives.all_reduce(target, [[0, self.IPUS]], grads)
+    self.assertGreater(concurrent.cycles, alone.cycles)
+    self.assertEqual(tp.breakdown["weight_all_gather"], 0.0)
 
 
 class RecomputationTest(chex.TestCase):

@@ -13,25 +13,30 @@ step is the sum of these parts, each in seconds (``Throughput.breakdown``):
   again, read off the lowered backward programs
   (:func:`~ipu_jax.pipelining.stage_programs.recompute_cycles`);
 * ``inter_stage_copies``: each slot's IPU-Link copies between stages
-  (:func:`~ipu_jax.pipelining.links.slot_copy_cycles`, as the timeline);
+  (:func:`~ipu_jax.pipelining.links.slot_copy_cycles`); with the Grouped
+  schedule every slot, the ramp's too, runs every stage's copies, as PopART
+  and TF-IPU run them (the replica-local timeline counts a slot's own);
 * ``syncs``: the sync ending each slot. Replicas run in lockstep as one
   replicated graph, so the sync spans all ``R x N`` IPUs
   (:meth:`IPUTarget.ipu_sync_cycles`, growing with the IPU count, DESIGN
   section 10), plus a GW-Link latency each way when the replicas span PODs
   (the same *estimate* the system's collectives use);
-* after the last slot, each IPU updates the weights its stages own, one
-  stage after another; the step waits for the IPU that takes longest, and
-  its parts are: ``gradient_reduction`` (an all-reduce of the stage's
-  gradients over the replicas, or with replicated tensor sharding a
-  reduce-scatter), ``optimizer_state_streaming`` (with
+* after the last slot, the weight update: ``gradient_reduction`` (an
+  all-reduce of the gradients over the replicas, or with replicated tensor
+  sharding a reduce-scatter; one collective in which every IPU of the
+  replica reduces its stages' gradients with its peers at once, sharing the
+  links, as PopART's merged collectives run), then each IPU updates the
+  weights its stages own, one stage after another, and the step waits for
+  the IPU that takes longest: ``optimizer_state_streaming`` (with
   ``streaming.offload_optimizer_state``: the remote copies of the stage's
   lowered update program, which streams its optimizer state -- the
   replica's ``1 / R`` shard with sharding -- in from and back to Streaming
   Memory, docs/streaming_memory.md), ``optimizer_compute`` (the rest of the
   stage's lowered update program; with sharding the per-replica program,
   which updates one shard, norms all-reduced across the replicas inside it,
-  :mod:`~ipu_jax.pipelining.weight_update`) and ``weight_all_gather``
-  (sharding: the updated weights gathered back to every replica);
+  :mod:`~ipu_jax.pipelining.weight_update`); then ``weight_all_gather``
+  (sharding: the updated weights gathered back to every replica, every
+  IPU's at once as the reduction);
 * ``host_io``: the replica's ``G`` micro-batches over its host link at
   ``IPUTarget.host_link_bytes_per_second`` (PCIe 4.0 x16), each replica over
   its own link, not overlapped with compute (an upper bound: Poplar can
@@ -135,6 +140,27 @@ def _collective(kind: str, target, groups, nbytes: float, replicas: int) -> floa
   return full if kind == "all_reduce" else full / 2
 
 
+def _slot_copies(pipeline) -> list:
+  """Cycles of each slot's IPU-Link copies as the framework runs them.
+
+  Grouped: every slot runs the copies of *every* stage, the ramp's slots as
+  the full ones, since PopART puts one merged inter-IPU copy program in each
+  pipeline cycle, fill and flush included (popart
+  ``willow/src/popx/popprograms.cpp``, ``PopPrograms::addPipelineCycle``:
+  "Always do all the copies"), as TF-IPU's grouped visitor schedules its
+  inter-IPU copies over the ramp-up with the full schedule
+  (``grouped_overlap_pipeline_visitor.cc``); only the stages' compute is
+  skipped where they have no micro-batch. Other schedules: the copies of
+  the slot's own passes (the replica-local timeline's).
+  """
+  copies = list(pipeline.timeline.copy_cycles_per_slot)
+  if pipeline.schedule != "Grouped":
+    return copies
+  every = [c for k in range(len(pipeline.stages)) for kind in ("forward", "backward")
+           for c in pipeline.copies(k, kind)]
+  return [links.slot_copy_cycles(pipeline.target, every)] * len(copies)
+
+
 def _slot_parts(pipeline, sync: float) -> dict:
   """Cycles of the slots: steady / ramp compute, recomputation, copies, syncs."""
   stages = pipeline.stages
@@ -143,10 +169,12 @@ def _slot_parts(pipeline, sync: float) -> dict:
   bwd = [s.backward.profile.total_cycles for s in stages]
   rec = [s.recompute_cycles for s in stages]
   slots = schedule_lib.slots(pipeline.schedule, n, pipeline.accumulation)
-  copies = pipeline.timeline.copy_cycles_per_slot
+  copies = _slot_copies(pipeline)
   out = dict.fromkeys(("steady_state", "ramp", "recomputation", "inter_stage_copies",
                        "syncs"), 0.0)
   for t, slot in enumerate(slots):
+    # A slot lasts as long as its busiest IPU: in the ramp the stages with no
+    # micro-batch yet (or any more) are skipped (PopART ``PipelineInfo::doStage``).
     work, again = {}, {}
     for p in slot:
       ipu = stages[p.stage].ipu
@@ -162,29 +190,58 @@ def _slot_parts(pipeline, sync: float) -> dict:
   return out
 
 
+def _concurrent(kind: str, target, groups_of, nbytes_by_ipu: dict, replicas: int) -> float:
+  """Cycles of one collective ``kind`` over every IPU's group at once.
+
+  IPU ``j`` of the replica reduces ``nbytes_by_ipu[j]`` with its peers while
+  the replica's other IPUs reduce theirs, over the same ladder and GW-Links
+  (:mod:`~ipu_jax.kernels.collectives` prices the shared links' load). The
+  flat model has no shared links: the slowest IPU's ring.
+  """
+  ipus = [j for j in sorted(nbytes_by_ipu) if nbytes_by_ipu[j] > 0]
+  if replicas <= 1 or not ipus:
+    return 0.0
+  if target.system is None:
+    return max(_collective(kind, target, None, nbytes_by_ipu[j], replicas) for j in ipus)
+  groups = [(group, nbytes_by_ipu[j]) for j in ipus for group in groups_of(j)]
+  return collectives.collective(kind, target, [g for g, _ in groups],
+                                [b for _, b in groups]).cycles
+
+
 def _update_parts(pipeline, target, groups_of, replicas: int) -> tuple:
-  """``(ipu, parts)``: the weight-update phase of the IPU that takes longest."""
-  cfg = pipeline.config
-  sharded = cfg.streaming.replicated_tensor_sharding and replicas > 1
-  per_ipu = {}
+  """``(ipu, parts)``: the weight-update phase; ``ipu`` the one whose optimizer
+  takes longest.
+
+  The gradient reduction (and with sharding the weights' all-gather) is one
+  collective of every IPU's gradients at once, each IPU's with its own
+  bytes, as PopART merges a replica's collectives
+  (``replicated_collectives_settings.merge_all_reduce_collectives``, on in
+  every MLPerf BERT run: ``merge_collectives`` in Graphcore's
+  ``configs/pod*-closed.json``, mlcommons/training_results_v2.0): the step
+  waits for the collective, the slowest IPU's optimizer, then the gather.
+  """
+  sharded = pipeline.config.streaming.replicated_tensor_sharding and replicas > 1
+  grads, streamed, compute = {}, {}, {}
   for programs in pipeline.stages:
-    parts = per_ipu.setdefault(programs.ipu, dict.fromkeys(
-        ("gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
-         "weight_all_gather"), 0.0))
-    groups = groups_of(programs.ipu)
-    grads = programs.weight_bytes
-    parts["gradient_reduction"] += _collective(
-        "reduce_scatter" if sharded else "all_reduce", target, groups, grads, replicas)
+    j = programs.ipu
+    grads[j] = grads.get(j, 0) + programs.weight_bytes
+    streamed.setdefault(j, 0.0)
+    compute.setdefault(j, 0.0)
     if programs.update is not None:
       # The lowered update (per replica with sharding) streams its state itself.
       profile = programs.update.profile
-      streamed = profile.streaming.cycles if profile.streaming is not None else 0.0
-      parts["optimizer_state_streaming"] += streamed
-      parts["optimizer_compute"] += profile.total_cycles - streamed
-    if sharded:
-      parts["weight_all_gather"] += _collective("all_gather", target, groups, grads, replicas)
-  ipu = max(per_ipu, key=lambda i: sum(per_ipu[i].values()))
-  return ipu, per_ipu[ipu]
+      stream = profile.streaming.cycles if profile.streaming is not None else 0.0
+      streamed[j] += stream
+      compute[j] += profile.total_cycles - stream
+  ipu = max(grads, key=lambda i: streamed[i] + compute[i])
+  parts = {
+      "gradient_reduction": _concurrent("reduce_scatter" if sharded else "all_reduce", target,
+                                        groups_of, grads, replicas),
+      "optimizer_state_streaming": streamed[ipu],
+      "optimizer_compute": compute[ipu],
+      "weight_all_gather": (_concurrent("all_gather", target, groups_of, grads, replicas)
+                            if sharded else 0.0)}
+  return ipu, parts
 
 
 def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
