@@ -163,6 +163,45 @@ class BlockGrid:
       offset = passes * piece + offset
     return row, offset
 
+  def boxes(self) -> tuple:
+    """``(row, lo, hi)``: the elements of each storage row as boxes of the array.
+
+    Box ``i`` is the elements ``lo[i] <= index < hi[i]`` (``[boxes, ndim]``
+    corners, in :attr:`shape`) held by storage row ``row[i]``: one box per
+    block and pass (a block's passes sit side by side in its row), empty
+    ones left out. ``None`` when blocks are split into pieces (a piece is a
+    share of a block's row-major elements, not a box). A block layout's
+    tile is a few boxes however many short runs its rows make, so a
+    transpose out of one is planned on these.
+    """
+    shape = tuple(int(d) for d in self.shape)
+    if self.pieces != 1 or not shape or 0 in shape:
+      return None
+    axis_of_passes, count = self._passes
+    segments = []  # per axis: (block index, lo, hi) of each non-empty stretch
+    for a, d in enumerate(shape):
+      size, grid = int(self.blocks[a]), np.arange(int(self.grids[a]), dtype=np.int64)
+      if a == axis_of_passes:
+        length = -(-d // count)
+        start = np.arange(count, dtype=np.int64)[:, None] * length
+        lo = start + grid[None, :] * size
+        hi = np.minimum(start + np.minimum((grid[None, :] + 1) * size, length), d)
+        block = np.broadcast_to(grid, lo.shape)
+      else:
+        lo, block = grid * size, grid
+        hi = np.minimum(lo + size, d)
+      lo, hi, block = lo.reshape(-1), hi.reshape(-1), block.reshape(-1)
+      keep = hi > lo
+      segments.append((block[keep], lo[keep], hi[keep]))
+    # Every combination of one stretch per axis: its row is the blocks' row-major index.
+    index = np.indices([s[0].size for s in segments]).reshape(len(shape), -1)
+    row = np.zeros(index.shape[1], np.int64)
+    for a, (block, _, _) in enumerate(segments):
+      row = row * int(self.grids[a]) + block[index[a]]
+    lo = np.stack([s[1][index[a]] for a, s in enumerate(segments)], axis=1)
+    hi = np.stack([s[2][index[a]] for a, s in enumerate(segments)], axis=1)
+    return row, lo, hi
+
   def runs(self) -> tuple:
     """``(start, length, row, offset)``: the flattened elements as maximal runs
     of consecutive elements in consecutive places of one storage row.

@@ -32,7 +32,13 @@ one box), and the elements that stay on their tile are the overlaps of the
 two sides' boxes of that tile; where runs are so short that the boxes' pairs
 would cost more (or under 2**21 elements), on the tile of every element,
 transposed like the data (small integers, no index array, every source
-copied once). Both are cached by layout like the region plans. Other maps with short rows (strided slices of the
+copied once). A block grid's tile is a few boxes (one per block and pass)
+however many short runs its rows make, so its boxes are taken from the grid
+(:meth:`~ipu_jax.lowering.block_grid.BlockGrid.boxes`), not cut from runs.
+Every plan is cached by its layouts counted from a base tile
+(:func:`~ipu_jax.lowering.exchange.relative_base`): a repeated layer's copy
+between the same layouts moved along the tiles reuses the first one's plan,
+its per-tile figures moved into place. Other maps with short rows (strided slices of the
 innermost axis, reversals) fall back to the element planner. All return a
 :class:`CopyPlan`.
 
@@ -48,7 +54,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.exchange import ExchangeCost
+from ipu_jax.lowering.exchange import ExchangeCost, relative_base, roll_tiles, shift_cost
 from ipu_jax.lowering.mapping import TileMapping
 
 __all__ = ["Box", "BoxMap", "CopyPlan", "plan_copies", "index_dtype", "row_major_strides"]
@@ -318,19 +324,45 @@ def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
     ``None`` when the map's rows are too short for regions to pay and it is
     not a transpose (then the caller plans element by element).
   """
-  key = _cache_key(target, sources, outputs, itemsize)
-  return plan_cache.cached(_PLANS, key,
-                           lambda: _plan(target, sources, outputs, itemsize))
+  mappings = list(sources) + [m for m, _ in outputs]
+  if any(m.fingerprint[0] == "object" for m in mappings):
+    # An irregular layout is unique to its tensor: nothing to share.
+    return _plan(target, sources, outputs, itemsize)
+  # A repeated layer copies between the same layouts moved along the tiles:
+  # every figure only compares tile identities (and, on several IPUs, which
+  # IPU a tile is on), so the plan is kept counted from a base tile
+  # (exchange.relative_base: whole IPUs on several) and moved into place.
+  first = next((m for m in mappings if m.num_rows), None)
+  base = relative_base(target, int(first.tiles[0])) if first is not None else 0
+  t = target.num_tiles
+  key = (tuple(m.relative_fingerprint(base, t) for m in sources),
+         tuple(m.relative_fingerprint(base, t) for m, _ in outputs),
+         tuple(b for _, b in outputs), int(itemsize), target)
+  fresh = []
+
+  def relative():
+    fresh.append(_plan(target, sources, outputs, itemsize))
+    return _shifted(fresh[0], -base, target)
+
+  relative = plan_cache.cached(_PLANS, key, relative)
+  if fresh:  # planned here, in place: nothing to move
+    return fresh[0]
+  return _shifted(relative, base, target)
 
 
-_PLANS = plan_cache.PlanCache("copy plans by regions")
+_PLANS = plan_cache.PlanCache("copy plans by regions", max_entries=2048)
 
 
-def _cache_key(target, sources, outputs, itemsize):
-  prints = [m.fingerprint for m in sources] + [m.fingerprint for m, _ in outputs]
-  if any(p[0] == "object" for p in prints):
-    return None  # an irregular layout is unique to its tensor: nothing to share
-  return (tuple(prints), tuple(b for _, b in outputs), int(itemsize), target)
+def _shifted(plan: Optional[CopyPlan], tiles: int, target) -> Optional[CopyPlan]:
+  """``plan`` with tile ``k``'s figures moved to tile ``k + tiles`` (cyclically)."""
+  if plan is None:
+    return None
+  if tiles % max(target.num_tiles, 1) == 0:
+    return plan
+  return _frozen(CopyPlan(
+      shift_cost(plan.exchange, tiles, target.tiles_per_ipu),
+      roll_tiles(plan.received, tiles), roll_tiles(plan.copies, tiles),
+      roll_tiles(plan.fills, tiles)))
 
 
 def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
@@ -569,10 +601,17 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
   num_tiles = target.num_tiles
   n_ipus, per_ipu = target.num_ipus, target.tiles_per_ipu
   frame = _PermutedFrame(box)
-  stays = frame.overlaps(source.intervals, mapping.intervals, source.num_elements, num_tiles)
+  # Block layouts give their tiles' boxes directly (a few per tile, however
+  # many short runs their rows make).
+  src_boxes = _grid_boxes(source, frame.src_extents)
+  dst_boxes = _grid_boxes(mapping, frame.extents)
+  stays = frame.overlaps((source.intervals, src_boxes), (mapping.intervals, dst_boxes),
+                         source.num_elements, num_tiles)
   on_ipu = None
   if n_ipus > 1:
-    on_ipu = frame.overlaps(source.ipu_runs(per_ipu), mapping.ipu_runs(per_ipu),
+    ipu = lambda b: None if b is None else (b[0] // per_ipu, b[1], b[2])  # noqa: E731
+    on_ipu = frame.overlaps((source.ipu_runs(per_ipu), ipu(src_boxes)),
+                            (mapping.ipu_runs(per_ipu), ipu(dst_boxes)),
                             source.num_elements, n_ipus)
   if stays is None or (n_ipus > 1 and on_ipu is None):
     stays, on_ipu = _elementwise_stays(target, source, mapping, box)
@@ -609,12 +648,13 @@ class _PermutedFrame:
     self.to_output = np.argsort(order)  # source frame's axis of each output axis
     self.size = int(np.prod(self.extents, dtype=np.int64))
 
-  def overlaps(self, src_runs: tuple, dst_runs: tuple, num_elements: int, num_keys: int):
+  def overlaps(self, src: tuple, dst: tuple, num_elements: int, num_keys: int):
     """``[num_keys]`` output elements whose source run has their run's key (tile, IPU).
 
     Args:
-      src_runs, dst_runs: ``(starts, keys)`` runs of the source and the output,
-        in their own flat orders.
+      src, dst: ``((starts, keys), boxes)`` of the source and the output:
+        their runs in their own flat orders, and their ``(key, lo, hi)``
+        boxes in their own frames when known (block layouts), else None.
       num_elements: elements of each.
       num_keys: keys are below this.
 
@@ -622,13 +662,38 @@ class _PermutedFrame:
       Counts per key, or ``None`` when the boxes' pairs would cost more than
       comparing elements.
     """
-    if (self.size < _REGION_MIN_ELEMENTS
-        or len(src_runs[0]) + len(dst_runs[0]) > self.size // _RUNS_PER_ELEMENT):
+    pieces = sum(len(runs[0]) if boxes is None else boxes[0].size for runs, boxes in (src, dst))
+    if self.size < _REGION_MIN_ELEMENTS or pieces > self.size // _RUNS_PER_ELEMENT:
       return None  # few elements, or runs so short that boxes cost more than elements
-    src = _coalesced(*_run_boxes(*src_runs, num_elements, self.src_extents))
-    dst = _coalesced(*_run_boxes(*dst_runs, num_elements, self.extents))
+    if src[1] is None:
+      src = (None, _coalesced(*_run_boxes(*src[0], num_elements, self.src_extents)))
+    if dst[1] is None:
+      dst = (None, _coalesced(*_run_boxes(*dst[0], num_elements, self.extents)))
+    src, dst = src[1], dst[1]
     src = (src[0], src[1][:, self.to_output], src[2][:, self.to_output])
     return _overlaps_by_key(dst, src, num_keys, self.size // _PAIRS_PER_ELEMENT)
+
+
+def _grid_boxes(mapping: TileMapping, extents) -> Optional[tuple]:
+  """``(tile, lo, hi)``: a block-grid layout's boxes in the frame ``[extents]``.
+
+  ``None`` unless ``mapping`` is a block grid (without pieces) whose shape,
+  size-1 axes dropped, is ``extents``.
+  """
+  grid = mapping.grid
+  if grid is None:
+    return None
+  shape = [int(d) for d in grid.shape]
+  if [d for d in shape if d != 1] != [int(e) for e in extents]:
+    return None
+  boxes = grid.boxes()
+  if boxes is None:
+    return None
+  row, lo, hi = boxes
+  if row.size and int(row.max()) >= mapping.num_rows:
+    return None  # a stored block beyond the rows: not this layout
+  axes = [a for a, d in enumerate(shape) if d != 1]
+  return mapping.tiles[row], lo[:, axes], hi[:, axes]
 
 
 def _coalesced(key, lo, hi) -> tuple:

@@ -20,6 +20,7 @@ import ipu_jax
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import copy_elements, copy_plan
 from ipu_jax.lowering.mapping import TileMapping
+from ipu_jax.lowering.block_grid import BlockGrid
 from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
@@ -210,6 +211,61 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     with plan_cache.disabled():
       fresh = ipu_jax.jit(layers, target=_T16).lower(*args)
     self.assertEqual(figures(cached), figures(fresh))
+
+  @parameterized.product(target=sorted(_TARGETS), side=["source", "output"],
+                         serial=[(None, 1), (1, 8), (0, 2)])
+  def test_transposes_out_of_block_grids_are_planned_on_their_blocks(self, target, side,
+                                                                      serial):
+    # A block grid with narrow blocks cut into serial passes (BERT's embedding
+    # table: 786,432 runs of 40 elements on 1,472 tiles): its rows are many
+    # short runs, but each tile is a few boxes, so a transpose out of (or
+    # into) it is planned on those, not on the tile of every element.
+    target = _TARGETS[target]
+    blocks = {None: (16, 96), 0: (8, 96), 1: (16, 12)}[serial[0]]  # passes of 32 rows, 48 columns
+    grid = BlockGrid(shape=(64, 384), grids=(4, 4), blocks=blocks, serial=serial)
+    row, _ = grid.element_layout()
+    rng = np.random.RandomState(7)
+    grid_map = TileMapping(row.size, rng.permutation(target.num_tiles)[:16],
+                           np.bincount(row, minlength=16), grid=grid)
+    linear = TileMapping.linear(row.size, target.num_tiles, 4, start_tile=3)
+    if side == "source":  # [64, 384] in blocks -> [384, 64] linear
+      source, out = grid_map, linear
+      box = Box.make((384, 64), 0, (64, 1), 0, (1, 384))
+    else:  # [384, 64] linear -> [64, 384] in blocks
+      source, out = linear, grid_map
+      box = Box.make((64, 384), 0, (384, 1), 0, (1, 64))
+    outputs = [(out, BoxMap((box,)))]
+    refuse = mock.Mock(side_effect=AssertionError("compared element by element"))
+    with plan_cache.disabled(), mock.patch.object(copy_plan, "_REGION_MIN_ELEMENTS", 0), \
+        mock.patch.object(copy_plan, "_elementwise_stays", refuse):
+      plan = copy_plan.plan_copies(target, [source], outputs, 2)
+    _assert_same_figures(plan, target, [source], outputs, 2)
+
+  @parameterized.parameters("t16", "t2x8")
+  def test_layouts_moved_along_the_tiles_share_plans(self, target):
+    # A repeated layer copies between the same layouts, moved along the tiles
+    # (whole IPUs on several): the plan found for the first serves the others,
+    # moved into place, with the figures planning afresh gives.
+    target = _TARGETS[target]
+    step = target.tiles_per_ipu if target.num_ipus > 1 else 5
+    bias_box = Box.make((6, 40), 0, (40, 1), 0, (0, 1))
+    transpose = Box.make((40, 6), 0, (6, 1), 0, (1, 40))
+
+    def copies(start):
+      source = TileMapping.linear(40, target.num_tiles, 4, start_tile=start)
+      wide = TileMapping.linear(240, target.num_tiles, 4, start_tile=start + 2)
+      out = TileMapping.linear(240, target.num_tiles, 4, start_tile=start + 1)
+      return [([source], [(out, BoxMap((bias_box,)))]), ([wide], [(out, BoxMap((transpose,)))])]
+
+    copy_plan._PLANS.clear()  # pylint: disable=protected-access
+    for sources, outputs in copies(0):
+      copy_plan.plan_copies(target, sources, outputs, 4)
+    hits = copy_plan._PLANS.hits  # pylint: disable=protected-access
+    for sources, outputs in copies(step):
+      plan = copy_plan.plan_copies(target, sources, outputs, 4)
+      self.assertIsNotNone(plan.exchange)
+      _assert_same_figures(plan, target, sources, outputs, 4)
+    self.assertEqual(copy_plan._PLANS.hits - hits, 2)  # pylint: disable=protected-access
 
 
 # Programs whose movements cross layouts (linear, reduction results, matmul
