@@ -72,7 +72,12 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    BERT runs set them), not each IPU's group alone; a Grouped pipeline's ramp slots run
 #    every stage's inter-IPU copies (PopART PopPrograms::addPipelineCycle, TF-IPU's grouped
 #    visitor); ipu_jax/pipelining/throughput.py. Only replicated / pipelined steps move.
-COST_MODEL_VERSION = "10"
+# 11: the partials of a split contraction (matmul, convolution) are summed by poplin's
+#    ReduceAdd vertex (lib/poplin/ConvReduce.cpp; getReduceCycleEstimate in
+#    lib/poplin/PerformanceEstimation.hpp), not popops' Reduce: kernels/estimators.py
+#    partials_reduce_cycles. Only products with gk > 1 move (BERT-Large's layer matmuls
+#    at proportion 1.0: 1.553 M -> 1.492 M cycles a layer's forward + backward).
+COST_MODEL_VERSION = "11"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +233,11 @@ FIGURE_SOURCES.update({
         "non-zero block (after popsparse's meta-info layout; no published size formula)"),
     "kernels.popsparse.zero_partials_cycles": FigureSource(
         "poplibs", _POPSPARSE + "zeroPartialsCycles: 10 cycles then 64-bit stores per worker"),
+    "kernels.estimators.partials_reduce_cycles": FigureSource(
+        "poplibs", "lib/poplin/PerformanceEstimation.hpp getReduceCycleEstimate (poplin's "
+        "ReduceAdd, single-input and supervisor variants; the single-input choice after "
+        "ConvReducePlan.hpp checkPartialsSizeForSingleInputReduce, memory-element rounding "
+        "left out)"),
 })
 
 # C++ vertices with neither Graph.set_perf_estimate nor the author's cycles

@@ -28,7 +28,7 @@ from ipu_jax.kernels import reduce
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = [
-    "worker_split_cycles", "elementwise_cycles", "reduce_cycles",
+    "worker_split_cycles", "elementwise_cycles", "reduce_cycles", "partials_reduce_cycles",
     "matmul_cycles", "copy_cycles", "fill_cycles", "scaled_add_cycles",
     "scaled_arithmetic_cycles", "map_member_element_cycles", "elementwise_overheads",
     "dot_product_cycles", "dynamic_slice_cycles", "vertex_cycles_per_tile",
@@ -174,6 +174,66 @@ def reduce_cycles(target, elements, itemsize, outputs=None, cycles_per_vector=1,
     return cycles
   w = target.worker_contexts
   return cycles + np.where(np.asarray(elements) > 0, w * 2 * -(-np.asarray(outputs) // w), 0)
+
+
+# poplin's ReduceAdd vertex (lib/poplin/PerformanceEstimation.hpp,
+# getReduceCycleEstimate): the accumulator's vector (8 halves, 4 floats), the
+# supervisor variant's fixed cycles and per-loop overheads, and the single-input
+# variant's (its first partial read in place) supervisor cycles.
+_RA_ACC_WIDTH = {2: 8, 4: 4}
+_RA_ENTRY, _RA_SINGLE_ENTRY, _RA_SINGLE_SUPERVISOR = 32, 20, 33
+_RA_LOOP_OVERHEAD = {(2, 2): 8, (2, 4): 9, (4, 2): 6, (4, 4): 7}  # (partials, out) bytes
+_RA_SINGLE_LOOP_OVERHEAD = {(2, 2): 9, (2, 4): 10, (4, 2): 7, (4, 4): 8}
+_RA_REMAINDER = {2: 11, 4: 13}
+# Single-input reduce only while the exchanged partials take under 1/16 of the
+# tile's memory (poplin ConvReducePlan.hpp checkPartialsSizeForSingleInputReduce;
+# its rounding up to whole memory elements is left out: their size is not public).
+_RA_SINGLE_MEMORY_FRACTION = 16
+
+
+def partials_reduce_cycles(target, elements, itemsize, outputs, out_itemsize=None):
+  """A tile's sum of a matmul's or convolution's partials: poplin's ``ReduceAdd``.
+
+  poplin reduces the partials of a split contraction with its own vertex, not
+  popops' Reduce (lib/poplin/ConvReduce.cpp, ``poplin::ReduceAdd``); its cost is
+  ``getReduceCycleEstimate`` (lib/poplin/PerformanceEstimation.hpp) as the
+  planner's ``estimateConvReduceCycles`` calls it for one stage: the
+  single-input vertex when the outputs are whole accumulator vectors and the
+  exchanged partials are small (``enableFastReduce`` off, poplin's default),
+  else the supervisor vertex.
+
+  Args:
+    target: the IPU target (worker contexts, data path width).
+    elements: ``[...]`` partial elements each tile sums (``depth * outputs``).
+    itemsize: bytes of a partial (2: half, else float).
+    outputs: ``[...]`` elements each tile writes.
+    out_itemsize: bytes of an output (default ``itemsize``).
+  """
+  elements = np.asarray(elements, np.int64)
+  outputs = np.broadcast_to(np.asarray(outputs, np.int64), elements.shape)
+  p = 2 if itemsize <= 2 else 4
+  o = p if out_itemsize is None else (2 if out_itemsize <= 2 else 4)
+  w, acc = target.worker_contexts, _RA_ACC_WIDTH[p]
+  in_path = max(1, target.vector_width_bytes // p)
+  out = np.maximum(outputs, 1)
+  depth = -(-elements // out)
+  loops = out // acc
+  for bit in range(int(np.log2(acc))):  # the vertex's tail of 4, 2, 1 elements
+    loops = loops + ((out >> bit) & 1)
+  per_worker = loops // w
+  ragged = (loops % w) > 0
+  tail = (out & (acc - 1)) > 0
+  extra = np.where(ragged & tail, 2 * depth + _RA_REMAINDER[p], 0)
+  per_worker = per_worker + (ragged & ~tail)
+  multi = (_RA_ENTRY + extra + (acc // min(acc, in_path) + 1) * depth * per_worker
+           + _RA_LOOP_OVERHEAD[(p, o)] * per_worker) * w
+  s_loops = -(-(out // acc) // w)
+  single = ((_RA_SINGLE_ENTRY + (acc // min(acc, in_path)) * (depth - 1) * s_loops
+             + _RA_SINGLE_LOOP_OVERHEAD[(p, o)] * s_loops) * w + _RA_SINGLE_SUPERVISOR)
+  small = ((depth - 1) * out * p) < target.bytes_per_tile // _RA_SINGLE_MEMORY_FRACTION
+  use_single = (out % acc == 0) & small
+  cycles = np.where(use_single, single, multi).astype(np.float64)
+  return np.where((elements > 0) & (outputs > 0) & (depth > 1), cycles, 0.0)
 
 
 def dynamic_slice_cycles(target, elements, itemsize, num_slices=1):

@@ -8,7 +8,7 @@ partials type: tile ``b * gk + j`` holds contraction block ``j`` of output
 block ``b``. :func:`partials_tensor` is that tensor; :func:`emit_partials_reduce`
 sums the partials as the matmul rules do (``lowering/matmul_emit.py``): a
 reduce-scatter in which each of the ``gk`` tiles sums its piece of the block
-and casts it to the result type, priced by ``estimators.reduce_cycles`` and
+and casts it to the result type, priced by ``estimators.partials_reduce_cycles`` and
 the matmul's reduce-scatter exchange; the result lies in ``gk`` pieces per
 block (``block_grid_mapping(..., pieces=gk)``).
 """
@@ -60,7 +60,7 @@ def emit_partials_reduce(ctx, partials: P.Tensor, out: P.Tensor, tiles: np.ndarr
   counts = out.mapping.counts  # [g_out * gk] result elements each tile sums
   p_size = acc.itemsize
   compute = np.zeros(target.num_tiles)
-  compute[tiles] = estimators.reduce_cycles(target, gk * counts, p_size, outputs=counts)
+  compute[tiles] = estimators.partials_reduce_cycles(target, gk * counts, p_size, counts)
   vertices = np.zeros(target.num_tiles, np.int64)
   vertices[tiles] = worker_vertices(ctx, counts)
   out_dtype = out.dtype

@@ -132,8 +132,8 @@ def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
     active = count > 1
     nbytes = (members - 1) * out_block * p_itemsize
     stage = (target.sync_cycles_internal + _exchange_cycles(target, nbytes)
-             + estimators.reduce_cycles(target, members * out_block, p_itemsize,
-                                        outputs=out_block))
+             + estimators.partials_reduce_cycles(target, members * out_block, p_itemsize,
+                                                 outputs=out_block))
     cycles += np.where(active, stage, 0.0)
     received = np.maximum(received, np.where(active, nbytes, 0))
     count = ceil_div(count, f)
@@ -145,7 +145,8 @@ def scatter_reduce_cost(target, gk, out_block, p_itemsize) -> tuple:
 
   Each of the ``gk`` tiles sharing an output block receives its piece of the
   other ``gk - 1`` partials and sums them (a superstep: sync, exchange,
-  ``estimators.reduce_cycles``). Used by the matmul and convolution planners.
+  poplin's ``ReduceAdd`` vertex, ``estimators.partials_reduce_cycles``). Used by
+  the matmul and convolution planners.
 
   Returns:
     ``(cycles, received bytes, temporary bytes of the reducing stage)``.
@@ -155,7 +156,8 @@ def scatter_reduce_cost(target, gk, out_block, p_itemsize) -> tuple:
   partial_bytes = out_block * p_itemsize
   reduce_bytes = np.where(gk > 1, (gk - 1) * piece * p_itemsize, 0)
   reduce_compute = np.where(
-      gk > 1, estimators.reduce_cycles(target, gk * piece, p_itemsize, outputs=piece), 0.0)
+      gk > 1, estimators.partials_reduce_cycles(target, gk * piece, p_itemsize, outputs=piece),
+      0.0)
   reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
                     + reduce_compute, 0.0)
   stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)

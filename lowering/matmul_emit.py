@@ -550,7 +550,7 @@ def _emit_reduce_scatter(ctx, p: ProductPlan, ps: _Pass, partials: P.Tensor) -> 
   counts = p.pass_counts[:, index]  # [g_all] result elements each tile reduces
   p_size = acc.itemsize
   reduce_compute = np.zeros(target.num_tiles)
-  reduce_compute[tiles] = estimators.reduce_cycles(target, gk * counts, p_size, outputs=counts)
+  reduce_compute[tiles] = estimators.partials_reduce_cycles(target, gk * counts, p_size, counts)
   reduce_vertices = np.zeros(target.num_tiles, np.int64)
   reduce_vertices[tiles] = worker_vertices(ctx, counts)
 

@@ -82,7 +82,7 @@ def _tree_stage(target, group_tiles: np.ndarray, elements: np.ndarray, p_size: i
   np.add.at(summed, receivers, members[None, :] * elements[:, None])
   outputs = np.zeros(num_tiles, np.int64)
   np.add.at(outputs, receivers, np.broadcast_to(elements[:, None], receivers.shape))
-  compute = estimators.reduce_cycles(target, summed, p_size, outputs=outputs)
+  compute = estimators.partials_reduce_cycles(target, summed, p_size, outputs)
   return _TreeStage(count, new_count, fanin, members, receivers,
                     ExchangeCost(bytes_in, bytes_out, link), compute, outputs)
 

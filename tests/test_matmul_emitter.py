@@ -131,5 +131,40 @@ class ReduceScatterExchangeTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_array_equal(cost.bytes_in[tiles], ((gk - 1) * group).reshape(-1) * 4)
 
 
+class PartialsReduceTest(chex.TestCase, parameterized.TestCase):
+  """A split contraction's partials are summed by poplin's ReduceAdd vertex.
+
+  Expected figures are poplin's getReduceCycleEstimate
+  (lib/poplin/PerformanceEstimation.hpp) worked by hand for 6 workers and a
+  64-bit data path, half partials and outputs.
+  """
+
+  @parameterized.named_parameters(
+      # 16 outputs (whole vectors of 8), depth 16, 480 B exchanged: the
+      # single-input vertex, (20 + (2 * 15 + 9) * 1) * 6 + 33.
+      ("single_input", 16, 16, 387),
+      # 3,280 outputs, depth 8, 45,920 B exchanged (over 1/16 of the tile):
+      # the supervisor vertex, (32 + (3 * 8 + 8) * 69) * 6 (BERT-Large's QKV).
+      ("supervisor_large_partials", 3280, 8, 13440),
+      # 1,084 outputs (a tail of 4), depth 4: the supervisor vertex with the
+      # remainder loop, (32 + 19 + (3 * 4 + 8) * 22) * 6.
+      ("supervisor_ragged", 1084, 4, 2946),
+  )
+  def test_reduce_add_estimate(self, outputs, depth, expected):
+    from ipu_jax.kernels import estimators
+    got = estimators.partials_reduce_cycles(_ONE, np.array([depth * outputs]), 2,
+                                            np.array([outputs]))
+    np.testing.assert_array_equal(np.asarray(got), [expected])
+
+  def test_plan_prices_reduce_scatter_with_reduce_add(self):
+    from ipu_jax.lowering.matmul_plan import plan_matmul
+    # [16, 4096] x [4096, 16] on 16 tiles: the contraction split 16 ways, each
+    # tile sums 16 outputs of 16 partials: sync 90, 15 x 16 x 2 B received at
+    # 4 B a cycle + 100, ReduceAdd 387 (single input).
+    plan = plan_matmul(_ONE, 1, 16, 16, 4096, np.float16, np.float16, 0.6)
+    self.assertEqual(plan.grid, (1, 1, 1, 16))
+    self.assertEqual(plan.reduce_cycles, 90 + (480 / 4 + 100) + 387)
+
+
 if __name__ == "__main__":
   absltest.main()
