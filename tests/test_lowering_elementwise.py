@@ -169,6 +169,32 @@ class ElementwiseTest(chex.TestCase, parameterized.TestCase):
     exp_step, mul_step = report.profile.steps[0], report.profile.steps[1]
     self.assertGreater(exp_step.compute_phase_cycles, mul_step.compute_phase_cycles)
 
+  @parameterized.parameters(np.float16, np.float32)
+  def test_division_by_a_constant_costs_a_multiply(self, dtype):
+    # XLA's algebraic simplifier rewrites A / Const into A * (1 / Const), so
+    # the IPU runs popops' MULTIPLY: BinaryOp1D's estimator for it, not
+    # DIVIDE's 21 (half) / 10 (float) cycles per unrolled group.
+    from ipu_jax.kernels import popops
+    x, y = _random((16, 96), dtype), _random((16, 96), dtype, seed=1, low=1.0)
+    cfg = ipu_jax.IPUConfig()
+    cfg.fusion.elementwise = False
+
+    def cycles(fn, *args):
+      steps = ipu_jax.jit(fn, target=_T16, config=cfg).lower(*args).report.profile.steps
+      return np.asarray(steps[-1].compute_cycles, np.float64)
+
+    scaled = cycles(lambda x: x / 8.0, x)
+    np.testing.assert_array_equal(scaled, cycles(lambda x: x * 0.125, x))
+    elements = np.full(16, x.size // 16)   # 96 elements a tile
+    want = popops.popops_elementwise_cycles(_T16, elements, "mul", dtype)
+    self.assertEqual(scaled.max(), want.max())
+    # A divisor that is not a constant stays popops' DIVIDE.
+    divided = cycles(lambda x, y: x / y, x, y)
+    self.assertEqual(divided.max(), popops.popops_elementwise_cycles(_T16, elements, "div",
+                                                                     dtype).max())
+    _check(lambda x: x / 3.0, x)
+    _check(lambda x: x / 8.0, x)
+
   def test_scalar_broadcast_is_a_multicast(self):
     x, s = _random((515,), np.float32), _random((), np.float32, seed=1)
     report = ipu_jax.jit(lambda x, s: x * s, target=_T16).lower(x, s).report

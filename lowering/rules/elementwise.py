@@ -55,13 +55,35 @@ _FLOPS = {lax.logistic_p: 4, lax.tanh_p: 4, lax.erf_p: 8, lax.erf_inv_p: 12, lax
           lax.regularized_incomplete_beta_p: 200, lax.igamma_grad_a_p: 200}
 
 
+def _is_constant(t) -> bool:
+  return t.category == "constants" and t.value is not None
+
+
+def _cost_op(primitive, operands) -> str:
+  """The estimator key of ``primitive`` on ``operands`` ('' for the primitive's own).
+
+  A floating-point division by a constant is priced as popops' MULTIPLY:
+  XLA's algebraic simplifier (``AlgebraicSimplifierVisitor::HandleDivide``,
+  ``A / Const => A * (1 / Const)``, scalar or broadcast constants) rewrites it
+  before any backend sees it, TensorFlow's IPU backend included, so the IPU
+  runs a multiply by the folded reciprocal, not popops' DIVIDE (21 cycles per
+  4 halves against 1 per vector, ``binaryOpPerfInfo``). The values are
+  jax.jit's: its own compile applies the same rewrite.
+  """
+  if primitive is not lax.div_p or len(operands) != 2:
+    return ""
+  x, y = operands
+  floating = np.issubdtype(np.dtype(y.dtype), np.floating)
+  return "mul" if floating and _is_constant(y) and not _is_constant(x) else ""
+
+
 def _make_rule(primitive):
   def rule(ctx: RuleContext, *operands, **params):
     def body(*arrays):
       if primitive is add_jaxvals_p:
         return arrays[0] + arrays[1]
       return primitive.bind(*arrays, **params)
-    return elementwise(ctx, body, operands,
+    return elementwise(ctx, body, operands, cost_op=_cost_op(primitive, operands),
                        flops_per_element=_FLOPS.get(primitive, 1))
   return rule
 
