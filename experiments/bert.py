@@ -194,7 +194,7 @@ class EncoderLayer(nnx.Module):
     # A Python float keeps the scores in the model's dtype (a NumPy float64
     # scalar would promote half-precision scores to float32).
     scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / float(np.sqrt(w // self.heads))
-    probs = jax.nn.softmax(scores + mask_bias, axis=-1)
+    probs = ipu_jax.ops.softmax(scores + mask_bias, axis=-1)  # popnn's, as PopART runs it
     return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
 
   def __call__(self, h, mask_bias, deterministic: bool):

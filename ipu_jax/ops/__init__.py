@@ -23,6 +23,9 @@ collectives' ring costs are ``ipu_jax.lowering.rules.parallel``'s).
   :func:`embedding_lookup` with TF-IPU's ``serialization_factor``.
 * :func:`stochastic_round`: fp32 -> fp16/bf16 rounding the way the IPU's
   stochastic rounding mode does it (unbiased).
+* :func:`softmax`: ``jax.nn.softmax``'s values, lowered and priced as popnn's
+  softmax (max, exp, sum, the sums' reciprocal, a multiply; its gradient as
+  ``softmaxInputGradientImpl``).
 * :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
 * :func:`cast_to_fp8`, :func:`cast_from_fp8`, :func:`fp8_matmul`: the FP8
   formats F143/F152 with power-of-two scales (``ops/fp8.py``).
@@ -52,6 +55,7 @@ from ipu_jax.ops.sharded_collectives import (cross_replica_all_gather,
 from ipu_jax.ops.pipeline_stage import (RECOMPUTATION_CHECKPOINT, pipeline_stage,
                                         pipeline_stage_p, recomputation_checkpoint)
 from ipu_jax.ops.print_tensor import format_tensor, print_tensor, print_tensor_p
+from ipu_jax.ops.softmax import softmax, softmax_grad_p, softmax_p
 from ipu_jax.ops.stochastic_round import stochastic_round, stochastic_round_p
 from ipu_jax.ops.tile_map import tile_map, tile_map_p
 
@@ -65,4 +69,5 @@ __all__ = [
     "cross_replica_reduce_scatter_p", "cross_replica_all_gather_p",
     "pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
     "RECOMPUTATION_CHECKPOINT", "serialized_matmul", "serialized_matmul_p", "embedding_lookup",
+    "softmax", "softmax_p", "softmax_grad_p",
 ]
