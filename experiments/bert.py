@@ -208,7 +208,7 @@ class EncoderLayer(nnx.Module):
       if self.checkpoint_attention:
         h = ipu_jax.ops.recomputation_checkpoint(h)
     with jax.named_scope(FFN_BLOCK):
-      f = self.ffn_out(jax.nn.gelu(self.ffn_in(h), approximate=True))
+      f = self.ffn_out(ipu_jax.ops.gelu(self.ffn_in(h)))  # popnn's GELU, as PopART's Gelu
       h = self.ffn_norm(h + self.dropout(f, deterministic=deterministic))
       # Only these values wait for the backward pass when recomputation is on.
       return ipu_jax.ops.recomputation_checkpoint(h)
@@ -239,7 +239,7 @@ class MaskedLMHead(nnx.Module):
     return ipu_jax.ops.recomputation_checkpoint(x) if self.checkpoints else x
 
   def __call__(self, h, word_table):
-    h = self.norm(jax.nn.gelu(self.transform(self._mark(h)), approximate=True))
+    h = self.norm(ipu_jax.ops.gelu(self.transform(self._mark(h))))  # popnn's GELU
     # The decoder sees the masked positions as one [B P, H] matrix, so the
     # word table's gradient is one [H, B P] x [B P, V] product: a batched
     # [B, H, P] x [B, P, V] one would hold a [B, H, V] table gradient per

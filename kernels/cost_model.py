@@ -87,7 +87,13 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    reciprocal then a MULTIPLY, not a full-size DIVIDE), used by experiments/bert.py's
 #    attention: a BERT-Large layer's softmax forward + backward at [3, 16, 512, 512] float16 on
 #    a Bow IPU 232,594 -> 119,373 cycles; only models calling the op move.
-COST_MODEL_VERSION = "13"
+# 14: ipu_jax.ops.gelu, popnn's GELU: one NonLinearity1DInPlace<GELU> vertex forward and one
+#    NonLinearityGrad1D<GELU> backward (5 cycles a vector of 4 halves, 10 a float pair;
+#    popnn's estimators, kernels/popops.py nonlinearity_cycles) instead of jax.nn.gelu's
+#    dozen-primitive chain priced as popops map expressions; used by experiments/bert.py.
+#    A BERT-Large layer's FFN bias + GELU forward + backward at [3, 512, 4096] float16 on
+#    a Bow IPU: 90,191 -> 45,712 cycles; only models calling the op move.
+COST_MODEL_VERSION = "14"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +167,12 @@ FIGURE_SOURCES.update({
     "kernels.popops.elementwise_overheads": FigureSource(
         "poplibs", _POPOPS + "popopsCycleEstimators.cpp UnaryOp1D / BinaryOp1D worker entry and "
         "supervisor cycles, Cast1D's; paid once by a fused chain (the largest of its members')"),
+    "kernels.popops.NONLINEARITY": FigureSource(
+        "poplibs", "lib/popnn/PerformanceEstimation.hpp getNonLinearityOpCycles / "
+        "getNonLinearityGradOpCycles (GELU: 5 cycles a half vector, 10 float) in "
+        "lib/popnn/popnnCycleEstimators.cpp's NonLinearity1DInPlace and NonLinearityGrad1D "
+        "estimators (9 supervisor cycles, 20 per worker, the longest worker's vectors, the "
+        "remainder's 32/16-bit steps); poplibs marks the GELU figures 'should be verified'"),
     "kernels.popops.MAP_LOOP_CYCLES": FigureSource(
         "estimate", "one brnzdec per vector for the generated loop's count and branch"),
     "kernels.estimators.ELEMENTWISE_COST.philox4x32": FigureSource(

@@ -52,7 +52,8 @@ import numpy as np
 __all__ = ["UNARY", "BINARY", "popops_elementwise_cycles", "cast_cycles", "fill_cycles",
            "fill_vertex_cycles", "scaled_add_cycles", "scaled_arithmetic_cycles",
            "SCALED_OPERATIONS", "map_expression_cycles", "map_member_element_cycles",
-           "map_vectorisable", "elementwise_overheads", "dynamic_slice_cycles"]
+           "map_vectorisable", "elementwise_overheads", "dynamic_slice_cycles",
+           "NONLINEARITY", "nonlinearity_cycles"]
 
 # (cycles per loop, natural vector width?, unroll factor) by op and width
 # (2: fp16, 4: fp32), after poplibs' unaryOpPerfInfo / binaryOpPerfInfo.
@@ -120,6 +121,8 @@ def popops_elementwise_cycles(target, elements, op_name: str, dtype):
   dtype = np.dtype(dtype)
   if dtype.kind != "f" or dtype.itemsize not in (2, 4):
     return None
+  if op_name in NONLINEARITY:
+    return nonlinearity_cycles(target, elements, op_name, dtype)
   width = dtype.itemsize
   if op_name in UNARY:
     entry, unary = UNARY[op_name][width], True
@@ -140,6 +143,59 @@ def popops_elementwise_cycles(target, elements, op_name: str, dtype):
     worker = start + _inner_binary(op_name, per_worker, entry, vector)
     cycles = w * worker + _SUPERVISOR
   return np.where(elements > 0, cycles, 0).astype(np.float64)
+
+
+# popnn's non-linearity vertices (NonLinearity1DInPlace forward, NonLinearityGrad1D
+# backward): cycles per operation by element width, from getNonLinearityOpCycles /
+# getNonLinearityGradOpCycles in poplibs' lib/popnn/PerformanceEstimation.hpp (the
+# same figure for a scalar and a 64-bit vector step: GELU 5 half, 10 float).
+NONLINEARITY = {
+    "gelu": {2: 5, 4: 10},
+    "gelu_grad": {2: 5, 4: 10},
+}
+_NL_SUPERVISOR = 9
+
+
+def nonlinearity_cycles(target, elements, op_name: str, dtype):
+  """Tile cycles of popnn's non-linearity vertex for ``op_name`` on ``elements`` per tile.
+
+  ``"gelu"``: ``nonLinearity1DCycleEstimator`` (NonLinearity1DInPlace, ONE_PTR
+  data) and ``"gelu_grad"``: the ``NonLinearityGrad1D`` estimator, both in
+  poplibs' ``lib/popnn/popnnCycleEstimators.cpp``: 9 supervisor cycles plus
+  every worker's (the longest worker's vectors, 64-bit each, the remainder's
+  32/16-bit steps) times the worker contexts.
+
+  Returns:
+    ``[num_tiles]`` float64 cycles (0 where a tile has none), or ``None`` for
+    an operation or type popnn has no figure for.
+  """
+  dtype = np.dtype(dtype)
+  if op_name not in NONLINEARITY or dtype.kind != "f" or dtype.itemsize not in (2, 4):
+    return None
+  op = NONLINEARITY[op_name][dtype.itemsize]
+  n = np.asarray(elements, np.int64)
+  w = target.worker_contexts
+  vector = max(1, _datapath_bytes(target) // dtype.itemsize)
+  vectors, rem = n // vector, n % vector
+  per_worker = -(-vectors // w)
+  busy = per_worker > 0
+  half = dtype.itemsize == 2
+  if op_name == "gelu":
+    # pointers and size 3, split 5, worker id 2, alignment 2, remainders 5, offsets 3
+    worker = 20 + busy * (2 + op + (per_worker - 1) * op + 1 + op)
+    if half:
+      worker = worker + 4 + (rem & 2 > 0) * (2 + op) + (rem & 1) * (3 + op)
+    else:
+      worker = worker + 3 + (rem & 1) * (2 + op)
+  else:
+    # state 3, split 5, worker id 2, remaining vectors 3, offsets 3, pre-load 3, branch 1
+    worker = 20 + busy * (4 + (per_worker - 1) * op + 1)
+    if half:
+      worker = worker + 6 + (rem & 2 > 0) * (op + 2) + (rem & 1) * (op + 4)
+    else:
+      worker = worker + 4 + (rem & 1) * (op + 1)
+  cycles = _NL_SUPERVISOR + w * worker
+  return np.where(n > 0, cycles, 0).astype(np.float64)
 
 
 # -- helpers --------------------------------------------------------------------
@@ -384,6 +440,9 @@ def map_member_element_cycles(target, op_name: str, dtype, vector_inputs: int):
   dtype = np.dtype(dtype)
   if dtype.kind != "f" or dtype.itemsize not in (2, 4):
     return None
+  if op_name in NONLINEARITY:
+    # popnn's vertex, not a popops expression: its loop's cycles per element.
+    return NONLINEARITY[op_name][dtype.itemsize] / max(1, _datapath_bytes(target) // dtype.itemsize)
   table = UNARY if op_name in UNARY else BINARY if op_name in BINARY else None
   if table is None:
     return None
@@ -411,6 +470,8 @@ def elementwise_overheads(target, op_name: str, dtype, in_dtype=None):
     return None
   if op_name in UNARY:
     return (33 if op_name == "exp" else 17), _SUPERVISOR + _UNARY_SUPERVISOR_EXTRA
+  if op_name in NONLINEARITY:
+    return 20, _NL_SUPERVISOR
   if op_name in BINARY:
     return (29 if dtype.itemsize == 4 else 26), _SUPERVISOR
   return None

@@ -26,6 +26,8 @@ collectives' ring costs are ``ipu_jax.lowering.rules.parallel``'s).
 * :func:`softmax`: ``jax.nn.softmax``'s values, lowered and priced as popnn's
   softmax (max, exp, sum, the sums' reciprocal, a multiply; its gradient as
   ``softmaxInputGradientImpl``).
+* :func:`gelu`: ``jax.nn.gelu(x, approximate=True)``'s values, lowered and
+  priced as popnn's GELU vertex (its gradient as ``NonLinearityGrad1D``).
 * :func:`print_tensor`: Poplar's ``PrintTensor`` as an identity op.
 * :func:`cast_to_fp8`, :func:`cast_from_fp8`, :func:`fp8_matmul`: the FP8
   formats F143/F152 with power-of-two scales (``ops/fp8.py``).
@@ -44,6 +46,7 @@ _source_info_util.register_exclusion(_os.path.dirname(__file__))
 from ipu_jax.ops.collectives import (REPLICA_AXIS, cross_replica_mean, cross_replica_mean_p,
                                      cross_replica_sum, cross_replica_sum_p, replica_index,
                                      replica_index_p)
+from ipu_jax.ops.gelu import gelu, gelu_grad_p, gelu_p
 from ipu_jax.ops.fp8 import cast_from_fp8, cast_to_fp8, fp8_matmul
 from ipu_jax.ops.matmul import matmul, matmul_p
 from ipu_jax.ops.serialized_matmul import serialized_matmul, serialized_matmul_p
@@ -69,5 +72,5 @@ __all__ = [
     "cross_replica_reduce_scatter_p", "cross_replica_all_gather_p",
     "pipeline_stage", "pipeline_stage_p", "recomputation_checkpoint",
     "RECOMPUTATION_CHECKPOINT", "serialized_matmul", "serialized_matmul_p", "embedding_lookup",
-    "softmax", "softmax_p", "softmax_grad_p",
+    "softmax", "softmax_p", "softmax_grad_p", "gelu", "gelu_p", "gelu_grad_p",
 ]
