@@ -335,8 +335,22 @@ _BEFORE = {
 _CROSS_IPU_SYNC_CHANGE = 90.0 + 40.0 - 1500.0
 
 
+# Cost model 11 prices a split contraction's partials as poplin's ReduceAdd, and
+# the planner picks another grid for "from_matmul"'s product: its result lands
+# on another layout again, and the broadcast after it moves 8,064 bytes.
+_FROM_MATMUL_MODEL_11 = {
+    "t16/from_matmul": [("broadcast_in_dim", 582.0, 8064, 8064, 576),
+                        ("transpose", 780.0, 25344, 25344, 1728)],
+    "t2x8/from_matmul": [("broadcast_in_dim", 622.0, 8064, 8064, 576),
+                         ("transpose", 839.152, 25344, 25344, 1728)],
+}
+
+
 def _expected(key):
   """The recorded figures with cost model 4's cross-IPU syncs, and why they moved."""
+  if key in _FROM_MATMUL_MODEL_11:
+    return (_FROM_MATMUL_MODEL_11[key],
+            "cost model 11: the matmul's grid, hence its result's layout, moved")
   if not key.startswith("t2x8/"):
     return _BEFORE[key], "cost model 3 figures"
   return ([(name, cycles + _CROSS_IPU_SYNC_CHANGE if cycles > 1500 else cycles, *rest)
