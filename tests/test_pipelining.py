@@ -168,6 +168,27 @@ class ScheduleTest(parameterized.TestCase):
                      [n - 1 - k for k in range(n)])
     self.assertEqual(schedule.stash_depths(schedule.slots("Sequential", n, g), n), [0] * n)
 
+  @parameterized.product(sched=("Grouped", "Interleaved", "Sequential"), n=(1, 3, 5),
+                         g=(1, 7, 2040))
+  def test_stash_depths_count_the_sets_waiting(self, sched, n, g):
+    # Replay the schedule: at each forward start, count the earlier micro-batches
+    # of that stage whose forward ran and whose backward has not yet run.
+    slots = schedule.slots(sched, n, g)
+    fwd_at, bwd_at = {}, {}
+    for t, slot in enumerate(slots):
+      for p in slot:
+        (fwd_at if p.kind == "forward" else bwd_at)[(p.stage, p.micro_batch)] = t
+    want = []
+    for k in range(n):
+      starts = sorted((t, m) for (s, m), t in fwd_at.items() if s == k)
+      live, most = [], 0
+      for t, m in starts:
+        live = [mm for mm in live if bwd_at[(k, mm)] >= t]
+        most = max(most, len(live))
+        live.append(m)
+      want.append(most)
+    self.assertEqual(schedule.stash_depths(slots, n), want)
+
   @parameterized.parameters((4, 8), (4, 16), (2, 4))
   def test_balanced_efficiency_closed_forms(self, n, g):
     def run(name):
