@@ -93,7 +93,13 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    dozen-primitive chain priced as popops map expressions; used by experiments/bert.py.
 #    A BERT-Large layer's FFN bias + GELU forward + backward at [3, 512, 4096] float16 on
 #    a Bow IPU: 90,191 -> 45,712 cycles; only models calling the op move.
-COST_MODEL_VERSION = "14"
+# 15: an elementwise operand with size-1 axes (LayerNorm's per-row mean and inverse
+#    deviation, batch norm's per-channel scale) is read broadcast, as popops' vertices read
+#    it: no full-size popops::Copy step nor temporary; each tile receives only the small
+#    operand's elements it reads; a scalar per region is popops' BroadcastScalar1D/2D
+#    (the cheaper, as binaryOpBroadcastScalar picks; kernels/popops.py
+#    broadcast_scalar_cycles), other broadcasts the binary vertex or map reading in place.
+COST_MODEL_VERSION = "15"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +179,12 @@ FIGURE_SOURCES.update({
         "lib/popnn/popnnCycleEstimators.cpp's NonLinearity1DInPlace and NonLinearityGrad1D "
         "estimators (9 supervisor cycles, 20 per worker, the longest worker's vectors, the "
         "remainder's 32/16-bit steps); poplibs marks the GELU figures 'should be verified'"),
+    "kernels.popops.broadcast_scalar_cycles": FigureSource(
+        "poplibs", _POPOPS + "popopsCycleEstimators.cpp broadcastArithmetic1DCycleEstimate "
+        "(BroadcastScalar1D MultiVertex per region) and broadcastArithmeticCycleEstimate "
+        "(BroadcastScalar2D, non-uniform scalar), broadcastOpPerfInfo; the cheaper per tile, "
+        "as ElementWise.cpp binaryOpBroadcastScalar picks; the 2D regions' split between "
+        "workers is an estimate"),
     "kernels.popops.MAP_LOOP_CYCLES": FigureSource(
         "estimate", "one brnzdec per vector for the generated loop's count and branch"),
     "kernels.estimators.ELEMENTWISE_COST.philox4x32": FigureSource(

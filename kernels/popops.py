@@ -53,7 +53,8 @@ __all__ = ["UNARY", "BINARY", "popops_elementwise_cycles", "cast_cycles", "fill_
            "fill_vertex_cycles", "scaled_add_cycles", "scaled_arithmetic_cycles",
            "SCALED_OPERATIONS", "map_expression_cycles", "map_member_element_cycles",
            "map_vectorisable", "elementwise_overheads", "dynamic_slice_cycles",
-           "NONLINEARITY", "nonlinearity_cycles"]
+           "NONLINEARITY", "nonlinearity_cycles", "BROADCAST_SCALAR",
+           "broadcast_scalar_cycles"]
 
 # (cycles per loop, natural vector width?, unroll factor) by op and width
 # (2: fp16, 4: fp32), after poplibs' unaryOpPerfInfo / binaryOpPerfInfo.
@@ -313,6 +314,87 @@ def fill_cycles(target, elements, itemsize) -> np.ndarray:
   worker = fill_vertex_cycles(target, _ceil_div(elements, w), int(itemsize))
   cycles = w * worker + target.supervisor_overhead_cycles
   return np.where(elements > 0, cycles, 0).astype(np.float64)
+
+
+# -- BroadcastScalar2D: an operand with one scalar per region ----------------
+
+# (cycles per loop, natural vector width?, unroll factor) by op and width, after
+# poplibs' broadcastOpPerfInfo (lib/popops/popopsCycleEstimators.hpp).
+BROADCAST_SCALAR = {
+    "add": {2: (1, True, 0), 4: (1, True, 0)},
+    "sub": {2: (1, True, 0), 4: (1, True, 0)},
+    "mul": {2: (1, True, 0), 4: (1, True, 0)},
+    "div": {2: (8, False, 2), 4: (6, False, 2)},
+    "max": {2: (3, False, 4), 4: (3, False, 2)},
+    "min": {2: (3, False, 4), 4: (3, False, 2)},
+}
+# broadcastArithmetic{1D,}CycleEstimate: the vertex's entry, each region's cost
+# outside its loop (2D), and the per-vector load/store and loop overhead: 1 for
+# the assembly codelets (add, sub, mul) in the 1D MultiVertex, 4 otherwise and
+# in the 2D vertex whose scalar changes from region to region.
+_BSCALAR_ENTRY = 20
+_BSCALAR_PER_REGION = 28
+_BSCALAR_LOOP_OVERHEAD = 4
+
+
+def _bscalar_loop(target, op_name, dtype, one_d: bool) -> tuple:
+  """``(elements per loop, cycles per loop)`` of a BroadcastScalar vertex."""
+  cycles_per_loop, natural, unroll = BROADCAST_SCALAR[op_name][dtype.itemsize]
+  if not natural:
+    return unroll, cycles_per_loop
+  overhead = 1 if one_d and op_name in _ASSEMBLY_BINARY else _BSCALAR_LOOP_OVERHEAD
+  return max(1, target.vector_width_bytes // dtype.itemsize), cycles_per_loop + overhead
+
+
+def broadcast_scalar_cycles(target, region_tiles, region_sizes, region_counts,
+                            op_name: str, dtype):
+  """Tile cycles of popops' BroadcastScalar vertices (``A op B``, one scalar ``B`` per region).
+
+  popops' ``binaryOpBroadcastScalar`` (``lib/popops/ElementWise.cpp``) takes
+  per tile the cheaper of two plans by poplibs' own estimators
+  (``lib/popops/popopsCycleEstimators.cpp``):
+
+  * ``BroadcastScalar1D``, one MultiVertex per region of ``n`` elements:
+    ``workers * (20 + ceil(ceil(n / workers) / vector) * (loop + 1)) + 11``
+    (``broadcastArithmetic1DCycleEstimate``, ``basicOpSupervisorOverhead``);
+  * ``BroadcastScalar2D`` worker vertices over the regions split between the
+    workers (``splitRegionsBetweenWorkers``): the busiest worker pays
+    ``20 + sum over its regions (ceil(n / vector) * (loop + 4) + 28)``
+    (``broadcastArithmeticCycleEstimate``), times the contexts. Here each
+    worker takes an equal share of the elements, and a share of
+    ``E / workers`` contiguous elements crosses ``ceil((R - 1) / workers)``
+    region boundaries (an estimate of the split).
+
+  Args:
+    target: the IPU target (worker contexts, vector width).
+    region_tiles, region_sizes, region_counts: ``[k]`` arrays: ``count``
+      regions of ``size`` elements on ``tile``.
+    op_name: the JAX primitive name.
+    dtype: the element type.
+
+  Returns:
+    ``[num_tiles]`` float64 cycles (0 where a tile has none), or ``None`` when
+    poplibs has no BroadcastScalar figure for the operation or type.
+  """
+  dtype = np.dtype(dtype)
+  if dtype.kind != "f" or dtype.itemsize not in (2, 4) or op_name not in BROADCAST_SCALAR:
+    return None
+  t, w = target.num_tiles, target.worker_contexts
+  tiles = np.asarray(region_tiles, np.int64)
+  sizes = np.asarray(region_sizes, np.int64)
+  counts = np.asarray(region_counts, np.int64)
+  per_loop, cycles_per_loop = _bscalar_loop(target, op_name, dtype, one_d=True)
+  one_region = (w * (_BSCALAR_ENTRY + _ceil_div(_ceil_div(sizes, w), per_loop)
+                     * cycles_per_loop) + _SUPERVISOR)
+  one_d = np.bincount(tiles, weights=counts * one_region, minlength=t)[:t]
+  elements = np.bincount(tiles, weights=counts * sizes, minlength=t)[:t].astype(np.int64)
+  regions = np.bincount(tiles, weights=counts, minlength=t)[:t].astype(np.int64)
+  per_loop, cycles_per_loop = _bscalar_loop(target, op_name, dtype, one_d=False)
+  worker_regions = 1 + _ceil_div(np.maximum(regions, 1) - 1, w)
+  # Each region of a worker may end in a partial vector.
+  loops = _ceil_div(_ceil_div(elements, w), per_loop) + worker_regions - 1
+  two_d = w * (_BSCALAR_ENTRY + worker_regions * _BSCALAR_PER_REGION + loops * cycles_per_loop)
+  return np.where(elements > 0, np.minimum(one_d, two_d), 0).astype(np.float64)
 
 
 # -- ScaledAddSupervisor and its family ------------------------------------------

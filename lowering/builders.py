@@ -30,14 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ipu_jax.kernels import estimators
+from ipu_jax.kernels import estimators, popops
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.exchange import (ExchangeCost, movement_cost, relayout,
                                        relayout_cost, roll_tiles, to_flat, to_storage)
 from ipu_jax.lowering.mapping import TileMapping, blocks_on_tiles
-from ipu_jax.lowering.movement import broadcast_to
+from ipu_jax.lowering.movement import broadcast_read_exchange
 from ipu_jax.lowering.program import worker_vertices
 
 __all__ = ["assign", "relayout_to", "elementwise", "elementwise_figures", "partitioned",
@@ -177,13 +177,13 @@ def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
   return ctx.linear_mapping(shape, dtype)
 
 
-def _expand_size_one_axes(ctx, t: P.Tensor, shape, size) -> P.Tensor:
-  """Broadcast an operand with size-1 axes (``f32[1,128]`` with ``f32[4,128]``)."""
+def _check_broadcastable(ctx, t: P.Tensor, shape) -> None:
+  """An operand with size-1 axes (``f32[1,128]`` with ``f32[4,128]``) is read
+  broadcast; any other shape is an error."""
   if tuple(t.shape) == tuple(shape) or t.size == 1:
-    return t
+    return
   if len(t.shape) != len(shape) or any(a not in (1, b) for a, b in zip(t.shape, shape)):
     raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not broadcast to {shape}")
-  return broadcast_to(ctx, t, shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +193,11 @@ class _ElementwiseOperands:
   Attributes:
     reads: the tensors the step reads, in order (literals are not read).
     kinds: per operand, ``("same", mapping)`` (a full-size operand, moved
-      onto the output's mapping), ``("scalar", mapping)`` (one element,
-      multicast to every tile) or ``("literal", value)`` (a constant scalar
-      folded into the step).
+      onto the output's mapping), ``("broadcast", (mapping, shape))`` (an
+      operand with size-1 axes, read broadcast: each tile receives the
+      elements it reads, nothing of the result's size is made),
+      ``("scalar", mapping)`` (one element, multicast to every tile) or
+      ``("literal", value)`` (a constant scalar folded into the step).
     costs: the exchange of each read operand (None where nothing moves).
   """
 
@@ -214,6 +216,10 @@ def _elementwise_operands(ctx, operands, shape, size, mapping) -> _ElementwiseOp
       reads.append(t)
       kinds.append(("same", t.mapping))
       costs.append(relayout_cost(target, t.mapping, mapping, t.itemsize))
+    elif t.size != 1:
+      reads.append(t)
+      kinds.append(("broadcast", (t.mapping, tuple(t.shape))))
+      costs.append(broadcast_read_exchange(target, t, shape, mapping))
     elif t.size == 1:
       if t.category == "constants" and t.value is not None:
         kinds.append(("literal", np.asarray(t.value).reshape(())))
@@ -221,12 +227,94 @@ def _elementwise_operands(ctx, operands, shape, size, mapping) -> _ElementwiseOp
         reads.append(t)
         kinds.append(("scalar", t.mapping))
         costs.append(broadcast_cost(ctx, t, all_tiles))
-    else:
-      raise ValueError(f"elementwise {ctx.op}: operand {t.shape} does not match result {shape}")
   return _ElementwiseOperands(tuple(reads), tuple(kinds), tuple(costs))
 
 
-def _elementwise_storages(fn, kinds, mapping, *storages):
+_COMMUTATIVE = frozenset({"add", "mul", "max", "min"})
+
+
+def _scalar_region_size(small_shape, shape) -> int:
+  """Elements of the result that read one element of a broadcast operand
+  laid out as one scalar per region (``[a, b, 1]`` read as ``[a, b, c]``: ``c``),
+  or 0 when a broadcast axis comes before a kept one (a vector repeated)."""
+  kept = [i for i, (a, b) in enumerate(zip(small_shape, shape)) if a == b and b > 1]
+  k = kept[-1] + 1 if kept else 0
+  if any(a != b for a, b in zip(small_shape[:k], shape[:k])):
+    return 0
+  return math.prod(int(d) for d in shape[k:])
+
+
+def _broadcast_scalar_compute(target, mapping, op, dtype, kinds, shape, compute):
+  """The compute of a binary step reading one operand as a scalar per region.
+
+  popops runs ``A op broadcast(B)`` with ``B`` constant along each contiguous
+  region of a tile (LayerNorm's per-row mean and inverse deviation) with its
+  ``BroadcastScalar1D`` / ``BroadcastScalar2D`` vertices
+  (``lib/popops/ElementWise.cpp`` tries them before any other plan), priced by
+  :func:`~ipu_jax.kernels.popops.broadcast_scalar_cycles` over the regions
+  of the result's tile runs cut at every change of scalar. Other broadcasts
+  (a vector repeated along the outer axes) keep ``compute``: the binary
+  vertex reading the operand in place.
+  """
+  names = [kind for kind, _ in kinds]
+  if len(kinds) != 2 or names.count("broadcast") != 1 or names.count("same") != 1:
+    return compute
+  if names[0] == "broadcast" and op not in _COMMUTATIVE:
+    return compute
+  block = _scalar_region_size(kinds[names.index("broadcast")][1][1], shape)
+  if block <= 1:
+    return compute
+  cycles = _broadcast_scalar_figures(target, mapping, block, op, np.dtype(dtype))
+  return compute if cycles is None else cycles
+
+
+_BROADCAST_SCALAR_FIGURES = plan_cache.PlanCache("broadcast scalar figures", max_entries=1024)
+
+
+def _broadcast_scalar_figures(target, mapping, block: int, op: str, dtype):
+  """The BroadcastScalar cycles per tile, narrowed and read-only, once per layout.
+
+  A repeated layer's layer norms read their statistics on the same layouts:
+  the figures depend only on the layout, the region size, the op and type.
+  """
+  t = target.num_tiles
+  base = int(mapping.tiles[0]) if mapping.num_rows else 0
+
+  def compute():
+    tiles, sizes, counts = _scalar_regions(mapping, block)
+    cycles = popops.broadcast_scalar_cycles(target, (tiles - base) % t, sizes, counts, op,
+                                            dtype)
+    return None if cycles is None else _frozen(P.narrowed(cycles))
+
+  # Counted from the layout's first tile, as elementwise_figures: the same
+  # layer's layout moved along the tiles shares them.
+  placed = mapping.fingerprint
+  key = (None if placed[0] == "object"
+         else (mapping.relative_fingerprint(base, t), block, op, dtype, target))
+  cycles = plan_cache.cached(_BROADCAST_SCALAR_FIGURES, key, compute)
+  if cycles is None or base == 0:
+    return cycles
+  return _frozen(roll_tiles(cycles, base))
+
+
+def _scalar_regions(mapping, block: int) -> tuple:
+  """``(tiles, sizes, counts)``: the result's tile runs cut where the scalar
+  changes (every ``block`` elements), as regions of equal size grouped per
+  run (its first piece, its whole blocks, its last piece): O(runs)."""
+  starts, lengths, rows, _ = mapping.runs
+  starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+  tiles = np.asarray(mapping.tiles, np.int64)[np.asarray(rows, np.int64)]
+  ends = starts + lengths
+  first_end = np.minimum(ends, (starts // block + 1) * block)
+  last_start = np.maximum(first_end, (ends - 1) // block * block)
+  whole = (last_start - first_end) // block
+  first, last = first_end - starts, ends - last_start
+  return (np.concatenate([tiles, tiles, tiles]),
+          np.concatenate([first, np.full_like(first, block), last]),
+          np.concatenate([(first > 0).astype(np.int64), whole, (last > 0).astype(np.int64)]))
+
+
+def _elementwise_storages(fn, kinds, mapping, shape, *storages):
   """An elementwise step's function: ``fn`` on whole tile storages."""
   it = iter(storages)
   args = []
@@ -235,6 +323,11 @@ def _elementwise_storages(fn, kinds, mapping, *storages):
       args.append(jnp.asarray(info))
     elif kind == "scalar":
       args.append(next(it).reshape(-1)[0])
+    elif kind == "broadcast":
+      # The executor may make the broadcast values; the cost model does not.
+      small_mapping, small_shape = info
+      value = to_flat(next(it), small_mapping).reshape(small_shape)
+      args.append(to_storage(jnp.broadcast_to(value, shape).reshape(-1), mapping))
     else:
       args.append(relayout(next(it), info, mapping))
   result = fn(*args)
@@ -248,7 +341,9 @@ def _elementwise_logical(fn, kinds, shape, *arrays):
   """An elementwise step's logical form: the same arithmetic on the logical arrays."""
   it = iter(arrays)
   args = [jnp.asarray(info) if kind == "literal"
-          else next(it).reshape(-1)[0] if kind == "scalar" else next(it)
+          else next(it).reshape(-1)[0] if kind == "scalar"
+          else jnp.broadcast_to(next(it).reshape(info[1]), shape) if kind == "broadcast"
+          else next(it)
           for kind, info in kinds]
   result = fn(*args)
   if not isinstance(result, (tuple, list)):
@@ -296,18 +391,20 @@ def elementwise(ctx, fn: Callable, operands: Sequence[P.Tensor], out_avals=None,
     out_avals = [(a.shape, a.dtype) for a in ctx.out_avals]
   shape, dtype = tuple(out_avals[0][0]), np.dtype(out_avals[0][1])
   size = math.prod(int(d) for d in shape)
-  operands = [_expand_size_one_axes(ctx, t, shape, size) for t in operands]
+  for t in operands:
+    _check_broadcastable(ctx, t, shape)
   mapping = _output_mapping(ctx, operands, shape, dtype)
   outputs = _in_place_output(ctx, operands, out_avals, mapping)
   if outputs is None:
     outputs = [ctx.new_tensor(s, d, mapping) for s, d in out_avals]
   ins = _elementwise_operands(ctx, operands, shape, size, mapping)
-  step_fn = functools.partial(_elementwise_storages, fn, ins.kinds, mapping)
+  step_fn = functools.partial(_elementwise_storages, fn, ins.kinds, mapping, shape)
   logical_fn = functools.partial(_elementwise_logical, fn, ins.kinds, shape)
 
   op = cost_op or ctx.op
   in_dtype = operands[0].dtype if operands else None
   compute, vertices = elementwise_figures(ctx.target, mapping, op, dtype, in_dtype)
+  compute = _broadcast_scalar_compute(ctx.target, mapping, op, dtype, ins.kinds, shape, compute)
   flops = size * flops_per_element if np.issubdtype(dtype, np.inexact) else 0
   # The step and its ElementwiseWork hold the operands' costs narrowed, one
   # copy for both (a lone moved operand's cost is the step's exchange).

@@ -9,7 +9,7 @@ the tile program, after lowering.
 
 Why here and not on the jaxpr: only after lowering is it known which
 equations became elementwise compute sets and on which layout (operands with
-size-1 axes are broadcast first, mappings follow operands, scalars may be
+size-1 axes are read broadcast, mappings follow operands, scalars may be
 baked into the vertex). The pass reads that from the steps themselves
 (:attr:`Superstep.elementwise`, set by ``builders.elementwise``) and needs no
 second copy of the lowering rules.
@@ -473,7 +473,10 @@ class _Fuser:
     key = (tensor.id, self.layouts.number(mapping))
     cost = self._exchanges.get(key, False)
     if cost is False:
-      if tensor.mapping.num_elements == 1:
+      if tensor.mapping.num_elements != mapping.num_elements:
+        # A scalar, or an operand read broadcast by a member moved here from
+        # its own layout: every tile of the group receives it whole (at most
+        # what it reads broadcast).
         cost = broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
       else:
         cost = relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)

@@ -16,9 +16,11 @@ for constants.
 :func:`alias` (the same storage seen with another shape, no step),
 :func:`broadcast_in_dim` and :func:`broadcast_to` are built on it. The
 movement rules (``lowering/rules/shape.py``) and other rules and builders
-(``lowering/builders.py`` broadcasts an elementwise operand's size-1 axes)
+(``lowering/builders.py`` its readers of broadcast operands)
 share these, as JAX's ``mlir.py`` holds the machinery its primitives' rules
-share.
+share. :func:`broadcast_read_exchange` prices an elementwise step reading an
+operand with size-1 axes in place (popops' vertices read the broadcast view):
+the broadcast's exchange without its copy step.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.program import worker_vertices
 
 __all__ = ["alias", "move", "broadcast_in_dim", "broadcast_to", "bind_params",
-           "uniform_value"]
+           "uniform_value", "broadcast_read_exchange"]
 
 
 def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
@@ -349,15 +351,43 @@ def broadcast_in_dim(ctx, x: P.Tensor, shape, broadcast_dimensions,
     # A constant everywhere (jnp.zeros, jnp.full): fill vertices, no exchange.
     return move(ctx, [], [(shape, dtype, BoxMap())],
                 lambda: jnp.full(shape, value, dtype), fill=value, name="fill")[0]
-  # A broadcast axis (new, or size 1 in ``x``) reads the same source: stride 0.
-  src_strides = [0] * len(shape)
-  for axis, (out_axis, stride) in enumerate(zip(broadcast_dimensions,
-                                                row_major_strides(x.shape))):
-    if x.shape[axis] == shape[out_axis]:
-      src_strides[out_axis] = stride
-  box = Box.make(shape, 0, row_major_strides(shape), 0, src_strides)
+  box = _broadcast_box(x.shape, shape, broadcast_dimensions)
   return move(ctx, [x], [(shape, dtype, BoxMap((box,)))],
               bind_params(lax.broadcast_in_dim_p, full), name="broadcast_in_dim")[0]
+
+
+def _broadcast_box(x_shape, shape, broadcast_dimensions) -> Box:
+  """The box of ``lax.broadcast_in_dim``: a broadcast axis (new, or size 1 in
+  ``x``) reads the same source, stride 0."""
+  src_strides = [0] * len(shape)
+  for axis, (out_axis, stride) in enumerate(zip(broadcast_dimensions,
+                                                row_major_strides(x_shape))):
+    if x_shape[axis] == shape[out_axis]:
+      src_strides[out_axis] = stride
+  return Box.make(shape, 0, row_major_strides(shape), 0, src_strides)
+
+
+def broadcast_read_exchange(target, x: P.Tensor, shape, mapping: TileMapping):
+  """The exchange a step on ``mapping`` pays to read ``x`` broadcast to ``shape``.
+
+  popops' elementwise vertices read a broadcast operand in place
+  (``BroadcastScalar*``, ``BroadcastVector*``, a map expression's operand):
+  each tile receives only the elements of ``x`` its part of the result reads,
+  once each, as the broadcast's own copy plan counts them; nothing of the
+  result's size is made. ``x`` has the rank of ``shape`` (size-1 axes
+  broadcast). Returns the :class:`~ipu_jax.lowering.exchange.ExchangeCost`,
+  or None when nothing moves.
+  """
+  shape = tuple(int(d) for d in shape)
+  spec = BoxMap((_broadcast_box(tuple(x.shape), shape, tuple(range(len(shape)))),))
+  plan = copy_plan.plan_copies(target, [x.mapping], [(mapping, spec)], x.itemsize)
+  if plan is None:
+    size = int(np.prod(shape, dtype=np.int64))
+    index = spec.index(size, -1, copy_plan.index_dtype(x.size + 1))
+    plan, _ = copy_elements.plan_elements(target, [x.mapping], [(mapping, index)],
+                                          x.itemsize, False)
+  exchange = plan.exchange
+  return exchange if exchange is not None and exchange.total_bytes else None
 
 
 def broadcast_to(ctx, x: P.Tensor, shape) -> P.Tensor:

@@ -219,5 +219,95 @@ class ElementwiseTest(chex.TestCase, parameterized.TestCase):
                                 rtol=1e-6)
 
 
+
+def _profile(fn, *args, fuse=False):
+  cfg = ipu_jax.IPUConfig()
+  cfg.fusion.elementwise = fuse
+  return ipu_jax.jit(fn, target=_T16, config=cfg).lower(*args).report.profile
+
+
+def _layer_norm_like(x, r, m):
+  return x * r[..., None] + m[..., None]
+
+
+def _batch_norm_like(x, s, b):
+  return x * s[None, None, None, :] + b
+
+
+class BroadcastOperandTest(chex.TestCase):
+  """An operand with size-1 axes is read broadcast, never made full size.
+
+  popops' vertices read it in place (lib/popops/ElementWise.cpp: BroadcastScalar
+  for a scalar per region, the binary vertex or a map expression otherwise).
+  """
+
+  @parameterized.parameters(np.float16, np.float32)
+  def test_values_are_exact_on_odd_sizes(self, dtype):
+    x = _random((3, 37, 33), dtype)
+    r, m = _random((3, 37), dtype, seed=1), _random((3, 37), dtype, seed=2)
+    s, b = _random((33,), dtype, seed=3), _random((33,), dtype, seed=4)
+    x4 = _random((2, 3, 5, 33), dtype, seed=5)
+    for mode in ("batched", "per_tile"):
+      _check(_layer_norm_like, x, r, m, mode=mode)
+      _check(_batch_norm_like, x4, s, b, mode=mode)
+      _check(lambda r, s: r[..., None] - s, r, s, mode=mode)   # both operands broadcast
+
+  @parameterized.parameters(np.float16, np.float32)
+  def test_scalar_per_row_is_popops_broadcast_scalar(self, dtype):
+    # [4, 8, 32] on 16 tiles: 64 elements, two rows of 32, on each tile.
+    x = _random((4, 8, 32), dtype)
+    r, m = _random((4, 8), dtype, seed=1), _random((4, 8), dtype, seed=2)
+    profile = _profile(_layer_norm_like, x, r, m)
+    self.assertEqual([s.name for s in profile.steps], ["mul", "add"])   # no copy step
+    # popops' BroadcastScalar1D per region (lib/popops/popopsCycleEstimators.cpp,
+    # broadcastArithmetic1DCycleEstimate; mul and add have assembly codelets, 1
+    # cycle + 1 overhead a vector): 6 * (20 + ceil(ceil(32 / 6) / vector) * 2)
+    # + 11 (basicOpSupervisorOverhead); it is cheaper than BroadcastScalar2D
+    # (6 * (20 + 2 * 28 + loops * 5)), so popops picks it; two regions a tile.
+    vector = 4 if dtype == np.float16 else 2
+    region = 6 * (20 + -(-6 // vector) * 2) + 11
+    for step in profile.steps:
+      np.testing.assert_array_equal(step.compute_cycles, np.full(16, 2 * region))
+      # Each tile receives at most the two scalars its rows read.
+      self.assertLessEqual(int(step.exchange_bytes_in.max()), 2 * np.dtype(dtype).itemsize)
+    _check(_layer_norm_like, x, r, m)
+
+  @parameterized.parameters(np.float16, np.float32)
+  def test_vector_along_rows_is_read_in_place(self, dtype):
+    from ipu_jax.kernels import popops
+    x = _random((2, 4, 8, 16), dtype)        # 64 elements a tile: 4 rows of 16
+    s, b = _random((16,), dtype, seed=1), _random((16,), dtype, seed=2)
+    profile = _profile(_batch_norm_like, x, s, b)
+    self.assertEqual([st.name for st in profile.steps], ["mul", "add"])
+    want = popops.popops_elementwise_cycles(_T16, np.full(16, 64), "mul", dtype)
+    itemsize = np.dtype(dtype).itemsize
+    for step in profile.steps:
+      np.testing.assert_array_equal(step.compute_cycles, want)
+      # Only the 16 elements of the vector, once, not the 64 a tile reads.
+      self.assertLessEqual(int(step.exchange_bytes_in.max()), 16 * itemsize)
+    _check(_batch_norm_like, x, s, b)
+
+  @parameterized.parameters((_layer_norm_like, (4, 8, 32), (4, 8)),
+                            (_batch_norm_like, (2, 4, 8, 16), (16,)))
+  def test_fused_chain_makes_no_full_size_operand(self, fn, shape, small):
+    x = _random(shape, np.float32)
+    a, b = _random(small, np.float32, seed=1), _random(small, np.float32, seed=2)
+    fused = _profile(fn, x, a, b, fuse=True)
+    self.assertLen(fused.steps, 1)
+    # The same arithmetic with the operands made full size first (what every
+    # size-1 operand cost before): more steps, more memory at the peak.
+    ndim = len(shape)
+    lead = (ndim - len(small)) if fn is _batch_norm_like else 0
+
+    def made(x, a, b):
+      dims = tuple(range(lead, lead + len(small)))
+      full = lambda v: lax.broadcast_in_dim(v, shape, dims)  # noqa: E731
+      return x * full(a) + full(b)
+
+    materialised = _profile(made, x, a, b, fuse=True)
+    self.assertGreater(len(materialised.steps), 1)
+    self.assertLess(int(fused.memory.peak.max()), int(materialised.memory.peak.max()))
+    _check(fn, x, a, b)
+
 if __name__ == "__main__":
   absltest.main()

@@ -165,7 +165,8 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     # 12: a floating-point division by a constant costs popops' MULTIPLY.
     # 13: ipu_jax.ops.softmax (popnn's softmax) in the BERT attention.
     # 14: ipu_jax.ops.gelu (popnn's GELU vertices) in the BERT feed-forward block.
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "14")
+    # 15: operands with size-1 axes read broadcast (popops' BroadcastScalar), not copied.
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "15")
 
   def test_scaled_arithmetic_family(self):
     # 1,200 fp32: 600 vectors, 100 per worker, no remainder.
