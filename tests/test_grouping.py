@@ -147,9 +147,19 @@ _COST_MODEL_4_CHANGES = {
 }
 
 
+# Cost model 12: a division by a constant (the mean's ``sum / n``) costs
+# popops' MULTIPLY, as XLA's algebraic simplifier rewrites it.
+_COST_MODEL_12_CHANGES = {
+    "rows_mean_keep": (-42.0, "the mean's division by n costs a multiply (cost model 12)"),
+}
+
+
 def _now(key, want):
-  """``want`` with cost model 4's change of cycles, and why it changed."""
+  """``want`` with cost models 4 and 12's changes of cycles, and why they changed."""
   delta, why = _COST_MODEL_4_CHANGES.get(key, (0.0, "cost model 3 figures"))
+  if key in _COST_MODEL_12_CHANGES:
+    later, why_later = _COST_MODEL_12_CHANGES[key]
+    delta, why = delta + later, f"{why}; {why_later}"
   return [want[0], want[1] + delta] + list(want[2:]), why
 
 
