@@ -19,6 +19,7 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import elementwise, logical, storage, worker_vertices
 from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import movement_cost
+from ipu_jax.lowering.indexing import is_constant
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.registry import register_lowering
 
@@ -55,10 +56,6 @@ _FLOPS = {lax.logistic_p: 4, lax.tanh_p: 4, lax.erf_p: 8, lax.erf_inv_p: 12, lax
           lax.regularized_incomplete_beta_p: 200, lax.igamma_grad_a_p: 200}
 
 
-def _is_constant(t) -> bool:
-  return t.category == "constants" and t.value is not None
-
-
 def _cost_op(primitive, operands) -> str:
   """The estimator key of ``primitive`` on ``operands`` ('' for the primitive's own).
 
@@ -74,7 +71,7 @@ def _cost_op(primitive, operands) -> str:
     return ""
   x, y = operands
   floating = np.issubdtype(np.dtype(y.dtype), np.floating)
-  return "mul" if floating and _is_constant(y) and not _is_constant(x) else ""
+  return "mul" if floating and is_constant(y) and not is_constant(x) else ""
 
 
 def _make_rule(primitive):
