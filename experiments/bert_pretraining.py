@@ -106,6 +106,11 @@ def define_flags(fv=None):
   # can be asked of another runner with the same flags.
   flags.DEFINE_alias("gradient_accumulation", "accumulation", flag_values=fv)
   flags.DEFINE_integer("replicas", 2, "Data-parallel replicas of the pipeline.", flag_values=fv)
+  flags.DEFINE_integer("updates_per_execution", 1,
+                       "Weight updates one execution of the device program runs (PopART's "
+                       "batches_per_step: 1 in every MLPerf BERT config); the host's fixed "
+                       "time per execution (IPUSystem.execution_overhead_seconds) is shared "
+                       "by them.", flag_values=fv)
   flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.", flag_values=fv)
   flags.DEFINE_integer("seq", 64, "Sequence length.", flag_values=fv)
   flags.DEFINE_integer("max_predictions", 8, "Masked positions per sequence.", flag_values=fv)
@@ -290,6 +295,8 @@ def check_flags(f, num_layers: int) -> None:
   _, mapping = stage_layout(f, num_layers)
   stages = len(mapping)
   minimum = minimum_accumulation(f.schedule, stages)
+  if f.updates_per_execution < 1:
+    raise ValueError(f"--updates_per_execution={f.updates_per_execution} must be >= 1.")
   if f.accumulation < minimum or f.accumulation % minimum:
     raise ValueError(f"--accumulation={f.accumulation} does not suit the {f.schedule} schedule "
                      f"over {stages} stages: it must be a positive multiple of {minimum}.")
@@ -400,6 +407,7 @@ def lowered_estimate(pipe, f, lower_seconds: float) -> dict:
   """The estimate of an already lowered pipeline (``lower_seconds``: its lowering)."""
   report = pipe.report
   report.sequences_per_sample = f.packing_factor
+  report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
   tp = report.throughput
   memory = report.memory_per_ipu()
   limit = pipe.target.bytes_per_tile
@@ -617,6 +625,7 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, mapping) -> dict:
     trained, state, value = out.params, out.opt_state, out.loss
     print(f"step {step}: loss {float(value):.4f} ({time.time() - t:.1f} s on the host)")
   pipe.report.sequences_per_sample = f.packing_factor
+  pipe.report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
   print(pipe.report.summary())
   tp = pipe.report.throughput
   layout = ({"att_ffn_placement": json.loads(f.att_ffn_placement)} if f.att_ffn_placement

@@ -69,6 +69,9 @@ def define_flags(fv=None):
   flags.DEFINE_integer("replicas", 2, "Data-parallel replicas, one IPU each.", **d)
   flags.DEFINE_integer("micro_batch", 2, "Images per micro-batch.", **d)
   flags.DEFINE_integer("gradient_accumulation", 2, "Micro-batches per weight update (G).", **d)
+  flags.DEFINE_integer("updates_per_execution", 1, "Weight updates one execution of the "
+                       "device program runs (the host's fixed time per execution, "
+                       "IPUSystem.execution_overhead_seconds, is shared by them).", **d)
   flags.DEFINE_string("dtype", "float32", f"Weights and activations: {', '.join(DTYPES)}.", **d)
   flags.DEFINE_integer("image_size", 16, "Images are image_size x image_size x 3.", **d)
   flags.DEFINE_list("pipeline_splits", ["stage1/unit1/relu"],
@@ -132,7 +135,8 @@ def check_flags(f) -> None:
   _choice(f, "optimizer", OPTIMIZERS)
   if f.system is not None:
     _choice(f, "system", sorted(SYSTEM_PRESETS))
-  for name in ("replicas", "micro_batch", "gradient_accumulation", "tiles_per_ipu", "steps"):
+  for name in ("replicas", "micro_batch", "gradient_accumulation", "updates_per_execution",
+               "tiles_per_ipu", "steps"):
     if getattr(f, name) < 1:
       raise ValueError(f"--{name}={getattr(f, name)} must be >= 1.")
   _choice(f, "partials_type", PARTIALS)
@@ -246,6 +250,7 @@ def figures(f, pipe, lower_seconds: float) -> dict:
   """The JSON keys every pod runner writes, from a lowered pipeline."""
   from experiments import bert_pretraining
   report = pipe.report
+  report.steps_per_execution = f.updates_per_execution * f.gradient_accumulation * f.replicas
   tp = report.throughput
   memory = report.memory_per_ipu()
   limit = pipe.target.bytes_per_tile

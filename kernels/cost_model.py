@@ -99,14 +99,20 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    operand's elements it reads; a scalar per region is popops' BroadcastScalar1D/2D
 #    (the cheaper, as binaryOpBroadcastScalar picks; kernels/popops.py
 #    broadcast_scalar_cycles), other broadcasts the binary vertex or map reading in place.
-COST_MODEL_VERSION = "15"
+# 16: a pipelined step pays the host's fixed time per execution of the device program
+#    (IPUSystem.execution_overhead_seconds, 53 ms, measured from MLPerf v2.0's Bow Pod BERT
+#    evaluation gaps; docs/published_bert.md#the-evaluation-gaps) over the weight updates an
+#    execution runs (``steps_per_execution``; one by default, PopART's batches_per_step 1 in
+#    every MLPerf BERT run); ipu_jax/pipelining/throughput.py. Only system-level throughput
+#    moves (a BERT POD step +53 ms; the ResNet presets' long executions < 0.5 ms).
+COST_MODEL_VERSION = "16"
 
 
 @dataclasses.dataclass(frozen=True)
 class FigureSource:
   """The provenance of one :class:`~ipu_jax.kernels.target.IPUTarget` figure."""
 
-  kind: str          # "datasheet", "poplibs" or "estimate"
+  kind: str          # "datasheet", "poplibs", "measurement" or "estimate"
   source: str        # where the value comes from
 
 
@@ -238,6 +244,12 @@ FIGURE_SOURCES.update({
         "nothing published"),
     "kernels.systems.IPUSystem.switch_latency_seconds": FigureSource(
         "estimate", _SYS + "1 us through a GW-Link switch; nothing published"),
+    "kernels.systems.IPUSystem.execution_overhead_seconds": FigureSource(
+        "measurement", _SYS + "53 ms an execution: the forward-only evaluation runs of "
+        "MLPerf Training v2.0's Graphcore BERT on Bow Pod16 / 64 / 128 / 256 (PopART, SDK "
+        "2.5.1; mlcommons/training_results_v2.0 logs, the gaps between training blocks), "
+        "fitted as n x (F + (G + 8) x c), docs/published_bert.md#the-evaluation-gaps; "
+        "assumed the same on IPU-M2000 PODs"),
     "kernels.systems.ladder_wraps_in_pod": FigureSource(
         "estimate", _SYS + "a POD's IPU-Link ladder closes into rings (top machine cabled to "
         "the bottom one), read from GCL's need for rings (Memory and Performance Optimisation "

@@ -157,6 +157,7 @@ class BadInputTest(parameterized.TestCase):
       ("layers", ["--layers_per_ipu=1,1,1"], "--layers_per_ipu"),
       ("hardware_masks_checked", ["--check", "--dropout=0.1", "--random_mode=hardware"],
        "--random_mode=jax with --check"),
+      ("updates", ["--updates_per_execution=0"], "--updates_per_execution=0 must be >= 1"),
   )
   def test_clear_errors_naming_the_flag(self, argv, message):
     f = self._flags(*argv)

@@ -217,6 +217,8 @@ class RampCopiesTest(chex.TestCase):
     busiest = [max(fwd[0], last), max(fwd[0] + bwd[0], last), max(fwd[0] + bwd[0], last),
                max(bwd[0], last)]
     self.assertAlmostEqual(tp.breakdown["steady_state"] * _CLOCK, sum(busiest), places=3)
+    # No system: no host to price an execution on.
+    self.assertEqual(tp.breakdown["execution_overhead"], 0.0)
 
 
 class ConcurrentUpdateCollectivesTest(chex.TestCase):
@@ -261,6 +263,49 @@ class ConcurrentUpdateCollectivesTest(chex.TestCase):
     alone = collectives.all_reduce(target, [[0, self.IPUS]], grads)
     self.assertGreater(concurrent.cycles, alone.cycles)
     self.assertEqual(tp.breakdown["weight_all_gather"], 0.0)
+
+
+class ExecutionOverheadTest(chex.TestCase):
+  """The host's fixed time per execution of the device program, shared by
+  the steps one execution runs (PopART's ``batches_per_step``)."""
+
+  IPUS, R, G = 2, 2, 4
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    params, batches = _data(cls.IPUS, cls.G * cls.R)
+    cfg = _config(cls.IPUS, cls.G)
+    cfg.replication_factor = cls.R
+    cfg.system = "pod16"
+    cls.pipe = Pipeline(_layers_loss, optax.sgd(0.05), config=cfg).lower(params, batches)
+
+  @parameterized.parameters(None, 8, 24)
+  def test_each_step_pays_its_share_of_an_execution(self, steps_per_execution):
+    tp = throughput_lib.step_throughput(self.pipe, steps_per_execution=steps_per_execution)
+    # 53 ms: MLPerf v2.0's Bow Pod BERT evaluation gaps, assumed for IPU-M2000
+    # PODs too (kernels/systems.py).
+    self.assertEqual(systems.system_preset("pod16").execution_overhead_seconds, 53e-3)
+    updates = 1 if steps_per_execution is None else steps_per_execution // (self.G * self.R)
+    self.assertAlmostEqual(tp.breakdown["execution_overhead"], 53e-3 / updates, places=12)
+    self.assertAlmostEqual(tp.step_seconds, sum(tp.breakdown.values()), places=12)
+    self.assertIn("execution_overhead", "\n".join(tp.summary_lines()))
+
+  def test_the_report_reads_the_pipelines_executions(self):
+    report = self.pipe.report
+    one = report.throughput_for(steps_per_execution=self.G * self.R)
+    ten = report.throughput_for(steps_per_execution=10 * self.G * self.R)
+    self.assertAlmostEqual(one.step_seconds - ten.step_seconds, 0.9 * 53e-3, places=9)
+    self.assertEqual(report.throughput.breakdown, one.breakdown)
+
+  @parameterized.parameters(6, 0, -8, 2.5)
+  def test_a_bad_steps_per_execution_is_refused(self, steps):
+    with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, "steps_per_execution"):
+      throughput_lib.step_throughput(self.pipe, steps_per_execution=steps)
+
+  def test_a_negative_overhead_is_refused(self):
+    with self.assertRaisesRegex(ValueError, "IPUSystem.execution_overhead_seconds"):
+      systems.system_preset("pod16").replace(execution_overhead_seconds=-1.0)
 
 
 class RecomputationTest(chex.TestCase):

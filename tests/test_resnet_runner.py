@@ -40,6 +40,17 @@ class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
     self.assertAlmostEqual(sum(result["breakdown"].values()), result["step_seconds"],
                            delta=1e-9 + 1e-6 * result["step_seconds"])
     self.assertGreater(result["breakdown"]["gradient_reduction"], 0.0)
+    # One update an execution by default (PopTorch's device_iterations 1):
+    # the host's 53 ms an execution on the tiny_check preset's pod4.
+    self.assertAlmostEqual(result["breakdown"]["execution_overhead"], 53e-3, places=12)
+
+  def test_updates_per_execution_share_the_hosts_time(self):
+    from experiments import resnet_training
+    one = resnet_training.run(_flags("--config=tiny_check", "--estimate_only"))
+    many = resnet_training.run(_flags("--config=tiny_check", "--estimate_only",
+                                      "--updates_per_execution=100"))
+    self.assertAlmostEqual(many["breakdown"]["execution_overhead"], 53e-5, places=12)
+    self.assertAlmostEqual(one["step_seconds"] - many["step_seconds"], 0.99 * 53e-3, places=9)
 
   def test_more_replicas_on_a_pod_cost_more_reduction(self):
     # The all-reduce over the system's links grows with the replicas.
@@ -66,6 +77,8 @@ class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
       ("image", ["--config=tiny_check", "--image_size=8"], r"--image_size=8 .* >= 16"),
       ("conv_proportion", ["--config=tiny_check", "--conv_proportion=0"],
        r"--conv_proportion=0.0 must be in \(0, 1\]"),
+      ("updates", ["--config=tiny_check", "--updates_per_execution=0"],
+       r"--updates_per_execution=0 must be >= 1"),
       ("partials", ["--config=tiny_check", "--partials_type=half"],
        r"--partials_type='half' .* \['float32', 'float16'\]"),
   )

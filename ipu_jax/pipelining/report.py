@@ -51,16 +51,22 @@ class PipelineReport:
     self._pipeline = pipeline
     #: Sequences packed in each sample (the packing factor) for :attr:`throughput`.
     self.sequences_per_sample = 1.0
+    #: Micro-batches one execution of the device program runs for
+    #: :attr:`throughput` (None: one step an execution).
+    self.steps_per_execution = None
     self._throughput = {}
 
-  def throughput_for(self, samples_per_micro_batch=None, sequences_per_sample=None):
+  def throughput_for(self, samples_per_micro_batch=None, sequences_per_sample=None,
+                     steps_per_execution=None):
     """The step's :class:`~ipu_jax.pipelining.throughput.Throughput` on the
     config's system (see :func:`~ipu_jax.pipelining.throughput.step_throughput`)."""
     from ipu_jax.pipelining.throughput import step_throughput
     packing = self.sequences_per_sample if sequences_per_sample is None else sequences_per_sample
-    key = (samples_per_micro_batch, packing)
+    per_run = self.steps_per_execution if steps_per_execution is None else steps_per_execution
+    key = (samples_per_micro_batch, packing, per_run)
     if key not in self._throughput:
-      self._throughput[key] = step_throughput(self._pipeline, samples_per_micro_batch, packing)
+      self._throughput[key] = step_throughput(self._pipeline, samples_per_micro_batch, packing,
+                                              steps_per_execution=per_run)
     return self._throughput[key]
 
   @property

@@ -41,6 +41,12 @@ step is the sum of these parts, each in seconds (``Throughput.breakdown``):
   ``IPUTarget.host_link_bytes_per_second`` (PCIe 4.0 x16), each replica over
   its own link, not overlapped with compute (an upper bound: Poplar can
   overlap I/O).
+* ``execution_overhead``: the host's fixed time per execution of the device
+  program (``IPUSystem.execution_overhead_seconds``, measured on Bow Pods:
+  PopART's ``session.run`` with its streams and the script's host work
+  around it) over the steps one execution runs (``steps_per_execution``
+  micro-batches: one step each by default, as PopART's ``batches_per_step``
+  of 1 in the MLPerf BERT runs; none without a system).
 
 Collectives run over the system's links (:mod:`ipu_jax.kernels.collectives`)
 between IPU ``j`` of every replica. **Placement**: replica ``r`` sits in POD
@@ -66,7 +72,7 @@ __all__ = ["Throughput", "PARTS", "step_throughput", "replica_bases"]
 
 PARTS = ("steady_state", "ramp", "recomputation", "inter_stage_copies", "syncs",
          "gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
-         "weight_all_gather", "host_io")
+         "weight_all_gather", "host_io", "execution_overhead")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +250,23 @@ def _update_parts(pipeline, target, groups_of, replicas: int) -> tuple:
   return ipu, parts
 
 
+def _steps_per_run(steps_per_execution, accumulation: int, replicas: int) -> int:
+  """Weight updates one execution runs (``steps_per_execution`` checked)."""
+  if steps_per_execution is None:
+    return 1
+  from ipu_jax.pipelining.pipeline import check_steps_per_execution
+  from ipu_jax.pipelining.split import PipelineError
+  if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
+      or steps_per_execution < 1:
+    raise PipelineError(f"steps_per_execution must be a positive integer (micro-batches an "
+                        f"execution runs); got {steps_per_execution!r}.")
+  check_steps_per_execution(steps_per_execution, accumulation, replicas)
+  return steps_per_execution // (accumulation * replicas)
+
+
 def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
-                    sequences_per_sample: float = 1.0, system=None) -> Throughput:
+                    sequences_per_sample: float = 1.0, system=None,
+                    steps_per_execution: int | None = None) -> Throughput:
   """The throughput of a lowered pipeline's step (see the module docstring).
 
   Args:
@@ -256,10 +277,14 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
     system: price the same lowered step on this system (an ``IPUSystem`` or
       a preset name) instead of the config's: the stage programs depend on
       the chip only, so they are not lowered again; the chip must match.
+    steps_per_execution: micro-batches (over all replicas) one execution of
+      the device program runs, a multiple of ``G x R``; default ``G x R``
+      (one step an execution).
 
   Raises:
     ValueError: ``sequences_per_sample`` below 1, or the system is too
       small for the replicas (naming the fields).
+    PipelineError: ``steps_per_execution`` not a multiple of ``G x R``.
   """
   if not sequences_per_sample >= 1:
     raise ValueError(f"sequences_per_sample (the packing factor) must be >= 1; got "
@@ -269,6 +294,7 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
     target = target.replace(system=system)  # checks the chip
   system = target.system
   r, n, g = pipeline.replicas, pipeline.config.auto_select_ipus, pipeline.accumulation
+  steps_per_run = _steps_per_run(steps_per_execution, g, r)
   if system is not None:
     from ipu_jax.kernels.systems import check_capacity
     check_capacity(system, r, n)
@@ -281,8 +307,11 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
   cycles.update(update)
   # stage_programs.nbytes reads dtype.itemsize, which a typed PRNG key has too.
   micro_bytes = stage_programs.nbytes(jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
-  breakdown = {part: cycles[part] / target.clock_hz for part in PARTS if part != "host_io"}
+  breakdown = {part: cycles[part] / target.clock_hz for part in PARTS
+               if part not in ("host_io", "execution_overhead")}
   breakdown["host_io"] = g * float(micro_bytes) / target.host_link_bytes_per_second
+  breakdown["execution_overhead"] = (
+      system.execution_overhead_seconds / steps_per_run if system is not None else 0.0)
   breakdown = {part: float(breakdown[part]) for part in PARTS}
   step = sum(breakdown.values())
   if samples_per_micro_batch is None:
