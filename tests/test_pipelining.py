@@ -1,5 +1,6 @@
 """Models across IPUs: stage marks, schedules, pipelined training, reports."""
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -14,7 +15,7 @@ import pytest
 
 import ipu_jax
 from ipu_jax.ops import pipeline_stage
-from ipu_jax.pipelining import Pipeline, PipelineError, schedule, stage_programs
+from ipu_jax.pipelining import Pipeline, PipelineError, links, schedule, stage_programs
 import testing_utils
 
 _TILES = 16
@@ -201,6 +202,48 @@ class ScheduleTest(parameterized.TestCase):
     # Interleaved: one pass per IPU per slot, 2G + 2N - 2 slots.
     self.assertLen(schedule.slots("Interleaved", n, g), 2 * g + 2 * n - 2)
     self.assertLess(run("Interleaved").efficiency, run("Grouped").efficiency)
+
+  @parameterized.parameters(*[(name, ipus) for name in schedule.SCHEDULES
+                              for ipus in ([0, 1, 2, 3], [0, 1, 2, 0])])
+  def test_slot_copies_priced_once_per_composition(self, name, ipus):
+    # A step's slots repeat a few (stage, kind) compositions; the copies of
+    # each are priced once, and every figure is the slot-by-slot one.
+    n, g = len(ipus), 2 * schedule.minimum_accumulation(name, len(ipus))
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    fwd, bwd = [1.5e4, 2.5e4, 2.0e4, 3.0e3], [3.1e4, 4.9e4, 4.2e4, 7.0e3]
+    copies_f = [[(ipus[k], ipus[(k + 1) % n], 1000 * (k + 1))] for k in range(n)]
+    copies_b = [[(ipus[k], ipus[k - 1], 700 * (k + 1))] for k in range(n)]
+    priced = []
+
+    def copy_cost(copies):
+      priced.append(tuple(copies))
+      return links.slot_copy_cycles(target, copies)
+
+    slots = schedule.slots(name, n, g)
+    timeline = schedule.simulate(slots, ipus, fwd, bwd, copies_f, copies_b, 100.0,
+                                 [0.0] * n, [0.0] * n, copy_cost)
+    compositions = {tuple((p.stage, p.kind) for p in slot) for slot in slots}
+    self.assertLen(priced, len(compositions))
+    self.assertLen(set(priced), len(priced))
+    # The same step laid out slot by slot.
+    now, busy, starts = 0.0, np.zeros(max(ipus) + 1), []
+    for slot in slots:
+      work = np.zeros(max(ipus) + 1)
+      copies = []
+      for p in slot:
+        starts.append(now + work[ipus[p.stage]])
+        work[ipus[p.stage]] += (fwd if p.kind == "forward" else bwd)[p.stage]
+        copies += (copies_f if p.kind == "forward" else copies_b)[p.stage]
+      busy += work
+      now += work.max() + links.slot_copy_cycles(target, copies) + 100.0
+    self.assertEqual(timeline.total_cycles, now)
+    np.testing.assert_array_equal(timeline.busy_cycles, busy)
+    self.assertEqual([s[4] for s in timeline.spans if s[2] in ("forward", "backward")], starts)
+    totals = schedule.simulate(slots, ipus, fwd, bwd, copies_f, copies_b, 100.0, [0.0] * n,
+                               [0.0] * n, copy_cost, with_spans=False)
+    self.assertEqual(totals.spans, [])
+    self.assertEqual(dataclasses.replace(totals, spans=timeline.spans, busy_cycles=None),
+                     dataclasses.replace(timeline, busy_cycles=None))
 
 
 class PipelinedTrainingTest(chex.TestCase):

@@ -6,6 +6,7 @@ search's answer is checked against lowering every candidate of its space as a
 real Pipeline; a space where nothing fits gets the shortfall, named and true.
 """
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -150,6 +151,31 @@ class SplitSearchTest(chex.TestCase):
     self.assertGreater(real_over, 0)
     self.assertAlmostEqual(real_over, short.bytes_over, delta=0.05 * lowered.bytes_per_tile)
 
+
+  def test_probes_build_each_model_once(self):
+    # Probes of two proportions (and the one-layer probe of a second
+    # serialisation) ask for the same small models; each is built once, and
+    # the 0.6 probe made from the 0.5 probe's model prices the baseline as
+    # the class's search (0.6 only, its own model) did.
+    built = []
+
+    def build(num_layers, serialization):
+      built.append((num_layers, serialization))
+      return self.model.build(num_layers, serialization)
+
+    model = dataclasses.replace(self.model, build=build)
+    space = ipu_jax.pipelining.SearchSpace(proportions=(0.5, 0.6), recomputation=(True,),
+                                           serialization=(1, 2), max_layers_per_ipu=3)
+    result = ipu_jax.pipelining.search(model, _config(), self.optimizer, space, confirm_top=0,
+                                       baseline={"layers_per_ipu": [1, 2, 3],
+                                                 "available_memory_proportion": [0.6] * 3,
+                                                 "recomputation": True})
+    self.assertEqual(result.counts["probes"], 4)
+    self.assertEqual(sorted(built), [(1, 2), (3, 1)])
+    want, got = self.result.baseline, result.baseline
+    self.assertEqual(got.step_cycles, want.step_cycles)
+    self.assertEqual(got.ipu_peak_bytes, want.ipu_peak_bytes)
+    self.assertEqual(got.ipu_busy_cycles, want.ipu_busy_cycles)
 
   def test_other_serialization_relowers_only_the_last_block(self):
     cfg = _config()

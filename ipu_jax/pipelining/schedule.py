@@ -185,9 +185,67 @@ class Timeline:
     return float(self.busy_cycles[used].sum() / total) if total else 0.0
 
 
+class _Composition:
+  """What every slot with one sequence of ``(stage, kind)`` passes shares.
+
+  The micro-batch numbers are the only thing that tells the slots of a
+  steady state apart, so a Grouped step of five stages holds 17 compositions
+  whatever its G (2,048 slots at G = 2,040): each one's work, copies and
+  their cost are found once here rather than once per slot (the split
+  search lays out a hundred candidates' steps).
+  """
+
+  def __init__(self, key: tuple, ipus: list, cycles: dict, copies: dict, sync: float,
+               copy_cost, num_ipus: int, num_stages: int):
+    work = np.zeros(num_ipus)
+    self.offsets = []  # per pass: (ipu, its start within the slot, cycles)
+    copied = []
+    for stage, kind in key:
+      ipu = ipus[stage]
+      # Passes of stages sharing an IPU run one after another: their cycles add.
+      self.offsets.append((ipu, work[ipu], cycles[kind][stage]))
+      work[ipu] += cycles[kind][stage]
+      copied += copies[kind][stage]
+    self.work = work
+    self.link = sum(nbytes for src, dst, nbytes in copied if src != dst)
+    self.longest = float(work.max())
+    self.copy = float(copy_cost(copied)) if copied else 0.0
+    self.duration = self.longest + self.copy + sync
+    self.ipus = list(set(ipus[stage] for stage, _ in key))
+    self.full = (len(set(key)) == len(key) and
+                 {stage for stage, _ in key} == set(range(num_stages)))
+
+
+def _compositions(schedule_slots: list, make) -> list:
+  """The composition of each slot, each distinct one made once by ``make(key)``."""
+  found, index = {}, []
+  for slot in schedule_slots:
+    key = tuple((p.stage, p.kind) for p in slot)
+    comp = found.get(key)
+    if comp is None:
+      comp = found[key] = make(key)
+    index.append(comp)
+  return index
+
+
+def _slot_spans(schedule_slots: list, comps: list, starts: np.ndarray, sync: float) -> list:
+  """The passes', copies' and syncs' spans of every slot, in slot order."""
+  spans = []
+  for slot, comp, now in zip(schedule_slots, comps, starts.tolist()):
+    for p, (ipu, offset, cycles) in zip(slot, comp.offsets):
+      spans.append((ipu, f"{p.kind[0].upper()}{p.micro_batch}", p.kind, p.micro_batch,
+                    now + offset, cycles, p.stage))
+    for ipu in comp.ipus:
+      if comp.copy:
+        spans.append((ipu, "copy", "copy", -1, now + comp.longest, comp.copy))
+      if sync:
+        spans.append((ipu, "sync", "sync", -1, now + comp.longest + comp.copy, sync))
+  return spans
+
+
 def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
              copies_forward: list, copies_backward: list, sync: float, weight_update: list,
-             all_reduce: list, copy_cost) -> Timeline:
+             all_reduce: list, copy_cost, *, with_spans: bool = True) -> Timeline:
   """Lay the slots end to end and time them.
 
   Args:
@@ -202,43 +260,28 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     weight_update: cycles of each stage's weight update.
     all_reduce: cycles of each stage's gradient all-reduce over replicas.
     copy_cost: ``copy_cost(copies) -> cycles`` of all of one slot's copies
-      (e.g. ``functools.partial(links.slot_copy_cycles, target)``).
+      (e.g. ``functools.partial(links.slot_copy_cycles, target)``); called
+      once per distinct sequence of ``(stage, kind)`` passes in a slot, so it
+      must depend on the copies alone.
+    with_spans: False leaves ``Timeline.spans`` empty (every total is the
+      same), for callers that read the totals only.
   """
   num_ipus = max(ipus) + 1
   num_stages = len(ipus)
-  busy = np.zeros(num_ipus)
-  spans = []
-  now = 0.0
-  link = 0
-  slot_cycles, full, slot_copies = [], [], []
-  for slot in schedule_slots:
-    work = np.zeros(num_ipus)
-    copies = []
-    for p in slot:
-      ipu = ipus[p.stage]
-      cycles = forward[p.stage] if p.kind == "forward" else backward[p.stage]
-      # Passes of stages sharing an IPU run one after another: their cycles add.
-      spans.append((ipu, f"{p.kind[0].upper()}{p.micro_batch}", p.kind, p.micro_batch,
-                    now + work[ipu], cycles, p.stage))
-      work[ipu] += cycles
-      copies += (copies_forward if p.kind == "forward" else copies_backward)[p.stage]
-    link += sum(nbytes for src, dst, nbytes in copies if src != dst)
-    busy += work
-    longest = float(work.max())
-    copy = float(copy_cost(copies)) if copies else 0.0
-    slot_copies.append(copy)
-    for ipu in set(ipus[p.stage] for p in slot):
-      if copy:
-        spans.append((ipu, "copy", "copy", -1, now + longest, copy))
-      if sync:
-        spans.append((ipu, "sync", "sync", -1, now + longest + copy, sync))
-    duration = longest + copy + sync
-    slot_cycles.append(duration)
-    full.append(len({(p.stage, p.kind) for p in slot}) == len(slot) and
-                {p.stage for p in slot} == set(range(num_stages)))
-    now += duration
-  slot_cycles = np.asarray(slot_cycles)
-  full = np.asarray(full, bool)
+  cycles = {"forward": forward, "backward": backward}
+  copies = {"forward": copies_forward, "backward": copies_backward}
+  comps = _compositions(schedule_slots, lambda key: _Composition(
+      key, ipus, cycles, copies, sync, copy_cost, num_ipus, num_stages))
+  slot_cycles = np.array([c.duration for c in comps], dtype=float)
+  # Sequential sums (cumsum), in slot order: the same floats as adding slot by slot.
+  ends = np.cumsum(slot_cycles)
+  starts = np.concatenate([[0.0], ends[:-1]])
+  now = float(ends[-1]) if len(ends) else 0.0
+  busy = (np.cumsum(np.stack([c.work for c in comps]), axis=0)[-1].copy() if comps
+          else np.zeros(num_ipus))
+  link = sum(c.link for c in comps)
+  spans = _slot_spans(schedule_slots, comps, starts, sync) if with_spans else []
+  full = np.asarray([c.full for c in comps], bool)
   steady = np.nonzero(full)[0]
   if steady.size:
     ramp_up = float(slot_cycles[:steady[0]].sum())
@@ -248,10 +291,24 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
   else:
     ramp_up, steady_total, ramp_down = 0.0, float(slot_cycles.sum()), 0.0
     steady_slot = float(slot_cycles.max(initial=0.0))
-  end = now
-  free = {}  # IPU -> when it is free: stages sharing an IPU update one after another
-  for k in range(num_stages):
-    ipu = ipus[k]
+  end, update_spans = _weight_updates(ipus, weight_update, all_reduce, busy, now)
+  if with_spans:
+    spans += update_spans
+  micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
+  return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
+                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches,
+                  [c.copy for c in comps], tuple(sorted(set(ipus))))
+
+
+def _weight_updates(ipus: list, weight_update: list, all_reduce: list, busy: np.ndarray,
+                    now: float) -> tuple:
+  """``(the step's end, spans)`` of the all-reduces and updates after the last slot.
+
+  Adds each update to ``busy``; stages sharing an IPU update one after another.
+  """
+  spans, end = [], now
+  free = {}  # IPU -> when it is free
+  for k, ipu in enumerate(ipus):
     start = free.get(ipu, now)
     if all_reduce[k]:
       spans.append((ipu, "all-reduce", "all-reduce", -1, start, all_reduce[k], k))
@@ -261,7 +318,4 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     busy[ipu] += weight_update[k]
     free[ipu] = start + weight_update[k]
     end = max(end, free[ipu])
-  micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
-  return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
-                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches,
-                  slot_copies, tuple(sorted(set(ipus))))
+  return end, spans

@@ -231,7 +231,8 @@ class _Scorer:
         all_reduce=[links.all_reduce_cycles(self.target, self.replicas, s.weight_bytes, ipu,
                                             self.num_ipus)
                     for s, ipu in zip(stages, self.mapping)],
-        copy_cost=functools.partial(links.slot_copy_cycles, self.target))
+        copy_cost=functools.partial(links.slot_copy_cycles, self.target),
+        with_spans=False)  # the estimate reads the totals only
 
 
 def _feasible(scorer: _Scorer, space: SearchSpace, compositions) -> tuple:
@@ -401,7 +402,12 @@ class _Probes:
   """The probe figures of each (proportion, recomputation, serialisation), lowered once."""
 
   def __init__(self, model: LayeredModel, config, optimizer, log):
-    self.model, self.config, self.optimizer, self.log = model, config, optimizer, log
+    # Probes of other proportions and recomputation settings build the same
+    # small models: each (layers, serialisation) is built once (BERT-Large's
+    # phase-1 search: 16 probes, two distinct models, about half a second each).
+    self._built, self._model_build = {}, model.build
+    self.model = dataclasses.replace(model, build=self._build)
+    self.config, self.optimizer, self.log = config, optimizer, log
     self.figures, self.targets = {}, []
     # The probes of one proportion share the programs of stages alike (the
     # heads, never recomputed, of every probe; the first block of a last-block
@@ -409,9 +415,17 @@ class _Probes:
     # the current proportion's are held (the heads are large).
     self.shared, self._proportion = None, None
 
+  def _build(self, num_layers: int, serialization: int):
+    """``model.build``, once per argument pair: it depends on nothing else."""
+    key = (num_layers, serialization)
+    if key not in self._built:
+      self._built[key] = self._model_build(num_layers, serialization)
+    return self._built[key]
+
   def release(self) -> None:
-    """Drops the programs the probes shared (a later probe lowers afresh)."""
+    """Drops the programs and models the probes shared (a later probe makes them afresh)."""
     self.shared, self._proportion = None, None
+    self._built = {}
 
   def ensure(self, p, r, s) -> None:
     """Probes the setting unless known; a known (p, r) needs only the last block again."""
