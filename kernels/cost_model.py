@@ -105,7 +105,11 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    execution runs (``steps_per_execution``; one by default, PopART's batches_per_step 1 in
 #    every MLPerf BERT run); ipu_jax/pipelining/throughput.py. Only system-level throughput
 #    moves (a BERT POD step +53 ms; the ResNet presets' long executions < 0.5 ms).
-COST_MODEL_VERSION = "16"
+# 17: exchange-bus sharing of matmul inputs, as poplin's planner prices it: a product's grid
+#    starts on an even tile with its N split innermost, so the bus pair (2j, 2j + 1) needs the
+#    same A block, which both receive at twice the rate (ExchangeCost.bus_shared_in); the
+#    planner halves A's exchange when the N split is even (lowering/matmul_cost.py).
+COST_MODEL_VERSION = "17"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +141,14 @@ FIGURE_SOURCES = {
     "vector_width_bytes": FigureSource(
         "estimate", "64-bit loads per worker per cycle; poplibs' popops estimators use "
         "64-bit vectors for most elementwise codelets"),
+    "tiles_per_exchange_bus": FigureSource(
+        "poplibs", "lib/poplin/ExchangeEstimator.hpp ExchangeEstimator (constructor, "
+        "getInputElementCycles): when target.supportsExchangeBusSharing() and the plan's "
+        "linearizeTileOrder is STANDARD, input (activation) elements are received at "
+        "exchangeBytesPerCycle x 2 if outChanSplit.parallel % getTilesPerSharedExchangeBus() "
+        "== 0, since linearizeConvIndices (lib/poplin/Convolution.cpp) puts the output-channel "
+        "split innermost and plans start on an even tile; lib/popops/ExchangeEstimator.cpp and "
+        "lib/popsparse/FullyConnectedPlan.cpp assert getTilesPerSharedExchangeBus() == 2"),
     "exchange_latency_cycles": FigureSource(
         "poplibs", "popnn CTC-loss planner (lib/popnn/CTCLossPlan.cpp): fixed 100 cycles per "
         "exchange on top of bytes / exchangeBytesPerCycle (a planner constant, not a "

@@ -58,6 +58,10 @@ class IPUTarget:
     exchange_bytes_per_cycle: bytes a tile sends or receives per cycle.
     exchange_latency_cycles: fixed cost of an exchange phase (poplibs'
       planner figure, 100 cycles).
+    tiles_per_exchange_bus: tiles sharing one exchange bus (a "super tile":
+      tiles ``2j`` and ``2j + 1``); bytes both receive together arrive at
+      that many times a tile's rate (poplin's ExchangeEstimator; poplibs
+      asserts Poplar's getTilesPerSharedExchangeBus() is 2). 1: no sharing.
     sync_cycles_internal: cost of a sync among the tiles of one IPU (poplibs'
       planner figure, 90 cycles).
     ipu_sync_seconds_per_hop: latency of a sync signal across one hop
@@ -105,6 +109,7 @@ class IPUTarget:
   vector_width_bytes: int = 8
   exchange_bytes_per_cycle: int = 4
   exchange_latency_cycles: int = _EXCHANGE_FIXED_CYCLES
+  tiles_per_exchange_bus: int = 2
   sync_cycles_internal: int = _ONCHIP_SYNC_CYCLES
   ipu_sync_seconds_per_hop: float = _IPU_SYNC_SECONDS_PER_HOP
   sync_cycles_host: int = 1500
@@ -139,12 +144,17 @@ class IPUTarget:
     positive_ints = ("num_ipus", "tiles_per_ipu", "bytes_per_tile",
                      "worker_contexts", "fp16_flops_per_cycle",
                      "fp32_flops_per_cycle", "vector_width_bytes",
-                     "exchange_bytes_per_cycle")
+                     "exchange_bytes_per_cycle", "tiles_per_exchange_bus")
     for field in positive_ints:
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(
             f"IPUTarget.{field} must be a positive integer, got {value!r}.")
+    if self.tiles_per_exchange_bus not in (1, 2):
+      # Poplibs' estimators assert a shared bus holds two tiles; the exchange
+      # model pairs tiles (2j, 2j + 1) (lowering/exchange.py shift_cost).
+      raise ValueError(f"IPUTarget.tiles_per_exchange_bus must be 1 (no sharing) or 2 "
+                       f"(tiles 2j and 2j + 1 share a bus), got {self.tiles_per_exchange_bus!r}.")
     non_negative = ("exchange_latency_cycles", "sync_cycles_internal",
                     "sync_cycles_host", "supervisor_overhead_cycles",
                     "code_bytes_per_codelet", "vertex_state_bytes",

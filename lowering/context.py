@@ -233,15 +233,20 @@ class LoweringContext:
     """Where the next small tensor will start (see :meth:`claim_tiles`)."""
     return self._next_start_tile
 
-  def claim_tiles(self, count: int) -> int:
+  def claim_tiles(self, count: int, align: int = 1) -> int:
     """Start tile for something spanning ``count`` consecutive tiles.
 
     Anything smaller than the whole chip starts where the previous one ended,
     so many small tensors and grids spread over the tiles instead of all
-    landing on tile 0. Returns the start tile.
+    landing on tile 0. ``align``: the start is rounded up to a multiple of it
+    (a matmul grid starts on an exchange-bus pair's first tile, as poplin's
+    plans do), or wraps to tile 0. Returns the start tile.
     """
     start = self._next_start_tile
     if 0 < count < self.target.num_tiles:
+      start = -(-start // align) * align
+      if start >= self.target.num_tiles:
+        start = 0
       self._next_start_tile = (start + count) % self.target.num_tiles
     return start
 

@@ -37,6 +37,12 @@ class ExchangeCost:
       ``None``: the flat rate.
     link_notes: how the link time was priced, for the report's notes (a
       step's notes gain them).
+    bus_shared_in: ``[num_tiles]`` bytes of ``bytes_in`` a tile receives
+      together with the other tiles of its exchange bus (the same bytes,
+      ``IPUTarget.tiles_per_exchange_bus`` tiles receiving them in the same
+      cycles), or None: none. :func:`exchange_cycles` prices them at that
+      many times a tile's rate, as poplin's ExchangeEstimator prices a
+      matmul's input elements.
   """
 
   bytes_in: np.ndarray
@@ -44,6 +50,7 @@ class ExchangeCost:
   link_bytes_out: np.ndarray
   link_cycles: float | None = None
   link_notes: tuple = ()
+  bus_shared_in: np.ndarray | None = None
 
   @classmethod
   def zeros(cls, target: IPUTarget) -> "ExchangeCost":
@@ -58,11 +65,13 @@ class ExchangeCost:
       # The sum's link time would mix a topology price with a flat one.
       raise ValueError("Cannot add an exchange priced by topology (link_cycles) to one "
                        "with IPU-Link bytes at the flat rate.")
+    shared = [c.bus_shared_in for c in (self, other) if c.bus_shared_in is not None]
     return ExchangeCost(self.bytes_in + other.bytes_in,
                         self.bytes_out + other.bytes_out,
                         self.link_bytes_out + other.link_bytes_out,
                         sum(c.link_cycles for c in priced) if priced else None,
-                        tuple(dict.fromkeys(self.link_notes + other.link_notes)))
+                        tuple(dict.fromkeys(self.link_notes + other.link_notes)),
+                        sum(shared[1:], shared[0]) if shared else None)
 
   @property
   def total_bytes(self) -> int:
@@ -121,11 +130,26 @@ def _first_occurrences(keys: np.ndarray) -> np.ndarray:
   return np.sort(first[first < keys.size])
 
 
+def _received_bytes(target: IPUTarget, cost: ExchangeCost) -> np.ndarray:
+  """``[num_tiles]`` bytes each tile receives, weighed by the rate it receives them at.
+
+  Bytes a bus's tiles receive together (``cost.bus_shared_in``) count
+  ``1 / tiles_per_exchange_bus``: poplin's ExchangeEstimator
+  (lib/poplin/ExchangeEstimator.hpp, getInputElementCycles) gives them that
+  many times the exchange rate.
+  """
+  if cost.bus_shared_in is None:
+    return cost.bytes_in
+  bus = target.tiles_per_exchange_bus
+  return cost.bytes_in - cost.bus_shared_in * (1.0 - 1.0 / bus)
+
+
 def exchange_cycles(target: IPUTarget, cost: ExchangeCost | None) -> float:
   """Cycles of an exchange phase: the busiest tile, latency, IPU-Link time."""
   if cost is None:
     return 0.0
-  busiest = max(int(cost.bytes_in.max(initial=0)), int(cost.bytes_out.max(initial=0)))
+  busiest = max(_received_bytes(target, cost).max(initial=0),
+                int(cost.bytes_out.max(initial=0)))
   if busiest == 0:
     return 0.0
   cycles = busiest / target.exchange_bytes_per_cycle + target.exchange_latency_cycles
@@ -354,7 +378,13 @@ def shift_cost(cost: ExchangeCost | None, tiles: int,
       raise ValueError(f"shift_cost: a cost over {link.size} IPUs moved by {tiles} tiles, "
                        f"not a multiple of tiles_per_ipu={tiles_per_ipu}")
     link = roll_tiles(link, tiles // tiles_per_ipu)
-  return ExchangeCost(roll_tiles(cost.bytes_in, tiles), roll_tiles(cost.bytes_out, tiles), link)
+  shared = cost.bus_shared_in
+  if shared is not None and tiles % 2:
+    # Bus pairs are tiles (2j, 2j + 1): an odd move would pair other tiles.
+    raise ValueError(f"shift_cost: a cost with bytes shared by exchange-bus pairs moved by "
+                     f"{tiles} tiles, an odd number")
+  return ExchangeCost(roll_tiles(cost.bytes_in, tiles), roll_tiles(cost.bytes_out, tiles), link,
+                      bus_shared_in=None if shared is None else roll_tiles(shared, tiles))
 
 
 _RELAYOUTS = plan_cache.PlanCache("relayout costs", max_entries=4096)

@@ -76,8 +76,10 @@ def sum_costs(costs) -> Optional[ExchangeCost]:
   """The sum of a group's exchange costs (None for none)."""
   if not costs:
     return None
+  shared = [c.bus_shared_in for c in costs if c.bus_shared_in is not None]
   return ExchangeCost(*(fold_rows([getattr(c, field) for c in costs], np.add)
-                        for field in ("bytes_in", "bytes_out", "link_bytes_out")))
+                        for field in ("bytes_in", "bytes_out", "link_bytes_out")),
+                      bus_shared_in=fold_rows(shared, np.add) if shared else None)
 
 
 def fused_fn(steps, reads, writes):

@@ -5,8 +5,9 @@ For each of ``B, M, N, K`` a modest set of split counts
 deduplicated by the block size they give) is combined into candidate grids
 (:func:`grid_product`), and :func:`evaluate_grid` prices them all at once, per
 tile (the busiest, whose blocks are full): the block MACs on the AMP unit
-(``estimators.matmul_cycles``), both operand blocks at the exchange bandwidth,
-and, when ``gk > 1``, the reduction of the partials (a reduce-scatter, or a
+(``estimators.matmul_cycles``), both operand blocks at the exchange bandwidth
+(the A block at twice it when an even N split lets exchange-bus pairs share
+it, as poplin's planner prices it), and, when ``gk > 1``, the reduction of the partials (a reduce-scatter, or a
 tree of 1 to 3 stages, :func:`tree_fanins`, for blocks with fewer elements
 than ``gk``), with the temporary memory each stage holds. The search over
 these costs, and the serial passes, are ``lowering/matmul_plan.py``'s; the
@@ -92,6 +93,22 @@ def _exchange_cycles(target: IPUTarget, nbytes: np.ndarray) -> np.ndarray:
   nbytes = np.asarray(nbytes, np.float64)
   return np.where(nbytes > 0, nbytes / target.exchange_bytes_per_cycle
                   + target.exchange_latency_cycles, 0.0)
+
+
+def _bus_shared_a(target: IPUTarget, gn) -> np.ndarray:
+  """The share of an A block's receive time (arrays over candidates): 1 / bus or 1.
+
+  Poplin's ExchangeEstimator (lib/poplin/ExchangeEstimator.hpp, the
+  constructor and getInputElementCycles) receives input elements at
+  ``exchangeBytesPerCycle * 2`` when ``outChanSplit.parallel %
+  getTilesPerSharedExchangeBus() == 0``: its tile order
+  (``linearizeConvIndices``) puts the output-channel split innermost, so the
+  two tiles of a bus need the same input block. The matmul emitter lays its
+  grids out the same way (``matmul_grid.matmul_tile_order``): N is poplin's
+  output channels, A its input.
+  """
+  bus = target.tiles_per_exchange_bus
+  return np.where(np.asarray(gn) % bus == 0, 1.0 / bus, 1.0)
 
 
 def tree_fanins(gk: int, stages: int) -> tuple:
@@ -182,7 +199,7 @@ def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_re
   b_bytes = bb * bk * bn * itemsize
   partial_bytes = out_block * p_itemsize
   exchange_bytes = a_bytes + b_bytes
-  exchange = _exchange_cycles(target, exchange_bytes)
+  exchange = _exchange_cycles(target, _bus_shared_a(target, gn) * a_bytes + b_bytes)
   reduce, reduce_bytes, stage2 = scatter_reduce_cost(target, gk, out_block, p_itemsize)
   tree_stages = np.zeros(gk.shape, np.int64)
   deep = (gk > out_block) & tree_reduce

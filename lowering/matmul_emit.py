@@ -107,7 +107,8 @@ from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_work, operand_dtype,
                                           partials_dtype, plan_matmul)
 from ipu_jax.lowering.matmul_cost import ceil_div
-from ipu_jax.lowering.matmul_grid import block_grid_mapping, edge_sizes, grid_tiles
+from ipu_jax.lowering.matmul_grid import (block_grid_mapping, edge_sizes, grid_tiles,
+                                          matmul_tile_order)
 from ipu_jax.lowering.matmul_tree import emit_tree_reduce
 from ipu_jax.lowering.matmul_operands import OperandExchange, blocks_of, operand_cost
 from ipu_jax.lowering.matmul_arith import logical_product, pass_blocks, put_pass, reduce_pieces
@@ -275,7 +276,10 @@ def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out
   serial_axis = (2 if plan.serial_axis == "n" else 1) if passes > 1 else None
   length = ceil_div((b, m, n)[serial_axis], passes) if passes > 1 else 0
   g_out = gb * gm * gn
-  tiles = grid_tiles(ctx, g_out * gk)
+  # Grid index (ib, im, in, ik) on its tiles with N innermost from an even
+  # tile, as poplin lays out a plan: exchange-bus pairs share an A block.
+  tiles = grid_tiles(ctx, g_out * gk, align=ctx.target.tiles_per_exchange_bus)[
+      matmul_tile_order(plan.grid)]
   # A tree reduction leaves each output block whole on its group's first
   # tile; a reduce-scatter leaves 1/gk of it on each tile of the group.
   out_pieces = 1 if plan.reduce_fanins else gk
@@ -421,7 +425,7 @@ def _lhs_exchange(p: ProductPlan, ps: _Pass) -> OperandExchange:
            (2,) + blocks_of(k, bk)]
   window = ((0, b), (ps.start, ps.stop) if p.serial_axis == 1 else (0, m), (0, k))
   return OperandExchange(p.lhs, prod.lhs_perm, (b, m, k), prod.lhs_dims, tuple(p.plan.grid),
-                         p.tiles, needs, ps.rb * ps.rm * ps.rk, window)
+                         p.tiles, needs, ps.rb * ps.rm * ps.rk, window, bus_shared=True)
 
 
 def _rhs_exchange(p: ProductPlan, ps: _Pass) -> OperandExchange:

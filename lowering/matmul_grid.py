@@ -28,19 +28,40 @@ from ipu_jax.lowering.matmul_cost import ceil_div
 if TYPE_CHECKING:  # program imports this module's users; only the annotation needs it
   from ipu_jax.lowering import program as P
 
-__all__ = ["block_grid_mapping", "blocked_storage", "canonical_tiles", "edge_sizes",
-           "grid_exchange_cost", "grid_tiles", "operand_exchange_cost", "operand_link_bytes"]
+__all__ = ["block_grid_mapping", "blocked_storage", "bus_shared_bytes", "canonical_tiles",
+           "edge_sizes", "grid_exchange_cost", "grid_tiles", "matmul_tile_order",
+           "operand_exchange_cost", "operand_link_bytes"]
 
 
-def grid_tiles(ctx, count: int) -> np.ndarray:
+def grid_tiles(ctx, count: int, align: int = 1) -> np.ndarray:
   """Tiles for a grid of ``count`` blocks, rotating the start for small grids.
 
   Small grids start where the last small tensor ended, so many small products
-  do not all pile onto tile 0 (as ``LoweringContext.linear_mapping`` does).
+  do not all pile onto tile 0 (as ``LoweringContext.linear_mapping`` does);
+  ``align``: on a multiple of it (see :func:`matmul_tile_order`).
   """
   num_tiles = ctx.target.num_tiles
-  start = ctx.claim_tiles(count) if count < num_tiles else 0
+  start = ctx.claim_tiles(count, align) if count < num_tiles else 0
   return (start + np.arange(count, dtype=np.int64)) % num_tiles
+
+
+def matmul_tile_order(grid: Sequence[int]) -> np.ndarray:
+  """``[gb * gm * gn * gk]`` the place along its tiles of each matmul grid index.
+
+  Grid index ``(ib, im, in, ik)`` (row-major) sits at place
+  ``((ib * gm + im) * gk + ik) * gn + in``: the N split innermost, as
+  poplin's ``linearizeConvIndices`` (lib/poplin/Convolution.cpp) puts the
+  output-channel split innermost. With the grid starting on an even tile,
+  the two tiles of an exchange bus (``2j``, ``2j + 1``) then need the same A
+  block whenever ``gn`` is even, and receive it together
+  (:func:`operand_exchange_cost`'s ``bus_shared``). Poplin puts the
+  contraction (input-channel) split outermost; here it stays just outside
+  N, so the ``gk`` tiles summing one output block stay close (fewer
+  IPU-Link bytes when a grid spans IPUs).
+  """
+  gb, gm, gn, gk = (int(g) for g in grid)
+  places = np.arange(gb * gm * gk * gn, dtype=np.int64).reshape(gb, gm, gk, gn)
+  return places.transpose(0, 1, 3, 2).reshape(-1)
 
 
 def edge_sizes(size: int, grid: int, block: int) -> np.ndarray:
@@ -160,24 +181,70 @@ def canonical_tiles(tensor: P.Tensor, perm: Sequence[int], canon_shape: Sequence
 
 
 def operand_exchange_cost(target, tensor, perm, canon_shape, groups, grid, tiles, needs,
-                          elements, window=None) -> tuple:
+                          elements, window=None, bus_shared: bool = False) -> tuple:
   """:func:`grid_exchange_cost` of an operand seen as ``canon_shape`` (axes ``perm`` first).
 
   By intervals of its mapping where the view allows
   (:func:`~ipu_jax.lowering.block_overlap.block_exchange_cost`; ``groups``:
   the tensor axes of each canonical axis, or None), else per element.
   ``window``: the ``(start, stop)`` taken of each canonical axis (a serial
-  pass's slice); default the whole axis.
+  pass's slice); default the whole axis. ``bus_shared``: the bytes the two
+  tiles of an exchange bus both receive for one block are counted in the
+  cost's ``bus_shared_in`` (:func:`bus_shared_bytes`; a matmul's A operand,
+  poplin's input elements).
   """
   if window is None:
     window = [(0, int(d)) for d in canon_shape]
+  result = None
   if groups is not None:
-    by_intervals = block_exchange_cost(target, tensor.mapping, tensor.shape, tensor.itemsize,
-                                       groups, window, grid, tiles, needs, elements)
-    if by_intervals is not None:
-      return by_intervals
-  src = canonical_tiles(tensor, perm, canon_shape)[tuple(slice(a, b) for a, b in window)]
-  return grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
+    result = block_exchange_cost(target, tensor.mapping, tensor.shape, tensor.itemsize,
+                                 groups, window, grid, tiles, needs, elements)
+  if result is None:
+    src = canonical_tiles(tensor, perm, canon_shape)[tuple(slice(a, b) for a, b in window)]
+    result = grid_exchange_cost(target, src, tensor.itemsize, grid, tiles, needs, elements)
+  cost, local = result
+  if bus_shared and cost is not None and target.tiles_per_exchange_bus > 1:
+    shared = bus_shared_bytes(target, grid, tiles, needs, elements, local, tensor.itemsize)
+    cost = dataclasses.replace(cost, bus_shared_in=shared)
+  return cost, local
+
+
+def bus_shared_bytes(target, grid, tiles, needs, elements, local, itemsize) -> np.ndarray:
+  """``[num_tiles]`` bytes a grid tile receives together with its exchange-bus partner.
+
+  Tiles ``2j`` and ``2j + 1`` share a bus. When both are grid tiles needing
+  the same block (the same coordinates on every grid axis whose ``needs`` is
+  not None), each receives the block's elements that neither holds, in the
+  same cycles: those are the shared bytes (what one of them holds, the other
+  receives alone). Poplin's ExchangeEstimator credits exactly this
+  (lib/poplin/ExchangeEstimator.hpp: input elements at twice the exchange
+  rate when the output-channel split is even); here it is counted per pair.
+
+  Args:
+    target: the IPU target.
+    grid, tiles, needs: as :func:`grid_exchange_cost` takes them.
+    elements: ``[G]`` elements of each grid tile's block.
+    local: ``[G]`` of them each grid tile already holds.
+    itemsize: bytes per element.
+  """
+  tiles = np.asarray(tiles, np.int64)
+  g_count = tiles.size
+  coords = np.unravel_index(np.arange(g_count), tuple(int(g) for g in grid))
+  block = np.zeros(g_count, np.int64)
+  for axis, need in enumerate(needs):
+    if need is not None:
+      block = block * int(grid[axis]) + coords[axis]
+  bus = target.tiles_per_exchange_bus
+  # One group per (bus, block); a group is shared when every tile of the bus is in it.
+  _, group, members = np.unique((tiles // bus) * g_count + block, return_inverse=True,
+                                return_counts=True)
+  group = group.reshape(-1)
+  held = np.bincount(group, weights=local, minlength=members.size)
+  elements = np.broadcast_to(np.asarray(elements, np.int64), (g_count,))
+  shared = np.where(members[group] == bus, elements - held[group].astype(np.int64), 0)
+  out = np.zeros(target.num_tiles, np.int64)
+  np.add.at(out, tiles, shared * itemsize)
+  return out
 
 
 def operand_link_bytes(target, tensor, perm, canon_shape, groups, grid, tiles, needs, sent,

@@ -20,7 +20,7 @@ import numpy as np
 
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.exchange import ExchangeCost, relative_base, shift_cost
+from ipu_jax.lowering.exchange import relative_base, shift_cost
 from ipu_jax.lowering.mapping import tiles_key
 from ipu_jax.lowering.matmul_grid import operand_exchange_cost, operand_link_bytes
 
@@ -35,6 +35,8 @@ def _frozen_grid_cost(result):
   cost, local = result
   arrays = [local] + ([] if cost is None else [cost.bytes_in, cost.bytes_out,
                                                cost.link_bytes_out])
+  if cost is not None and cost.bus_shared_in is not None:
+    arrays.append(cost.bus_shared_in)
   for a in arrays:
     a.setflags(write=False)
   return cost, local
@@ -101,14 +103,14 @@ def _tile_relative_cost(target, key: tuple, exchange: "OperandExchange") -> tupl
   link = exchange.link_bytes(target, cost.bytes_out // itemsize)
   if link is None:
     return exchange.cost(target)
-  return ExchangeCost(cost.bytes_in, cost.bytes_out, link), local
+  return dataclasses.replace(cost, link_bytes_out=link), local
 
 
 def _without_link(cost):
   """``cost`` with zero IPU-Link bytes (they do not move with the tiles)."""
   if cost is None:
     return None
-  return ExchangeCost(cost.bytes_in, cost.bytes_out, np.zeros_like(cost.link_bytes_out))
+  return dataclasses.replace(cost, link_bytes_out=np.zeros_like(cost.link_bytes_out))
 
 
 def blocks_of(size, block_size):
@@ -126,6 +128,9 @@ class OperandExchange:
     grid, tiles, needs: the grid, its tiles and which blocks need what.
     elements: elements of each grid tile's block.
     window: the ``(start, stop)`` taken of each canonical axis.
+    bus_shared: count the bytes exchange-bus pairs receive together (the
+      A operand, poplin's input elements; see
+      :func:`~ipu_jax.lowering.matmul_grid.bus_shared_bytes`).
   """
 
   tensor: P.Tensor
@@ -137,11 +142,13 @@ class OperandExchange:
   needs: list
   elements: int
   window: tuple
+  bus_shared: bool = False
 
   def cost(self, target) -> tuple:
     """``(cost, local)`` of the exchange."""
     return operand_exchange_cost(target, self.tensor, self.perm, self.canon_shape, self.groups,
-                                 self.grid, self.tiles, self.needs, self.elements, self.window)
+                                 self.grid, self.tiles, self.needs, self.elements, self.window,
+                                 self.bus_shared)
 
   def link_bytes(self, target, sent):
     """Its IPU-Link bytes alone, given what each tile sends (None: cost it whole)."""

@@ -236,7 +236,7 @@ def narrowed_cost(cost: Optional[ExchangeCost]) -> Optional[ExchangeCost]:
   if bytes_in is cost.bytes_in and bytes_out is cost.bytes_out:
     return cost
   return ExchangeCost(bytes_in, bytes_out, cost.link_bytes_out, cost.link_cycles,
-                      cost.link_notes)
+                      cost.link_notes, cost.bus_shared_in)
 
 
 def narrowed(values: Optional[np.ndarray]) -> Optional[np.ndarray]:

@@ -166,5 +166,51 @@ class PartialsReduceTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(plan.reduce_cycles, 90 + (480 / 4 + 100) + 387)
 
 
+class ExchangeBusSharingTest(chex.TestCase, parameterized.TestCase):
+  """A bus pair's shared A block, priced as poplin's ExchangeEstimator prices input elements.
+
+  lib/poplin/ExchangeEstimator.hpp: where the target shares exchange buses
+  (two tiles a bus) and the output-channel split is even, getInputElementCycles
+  is ``ceil(elements * size * 16 / (round(4 B * 16) * 2))``: input elements
+  at twice the 4 B a cycle, weights (getCycles) at 4 B a cycle. A matmul is
+  poplin's 1x1 convolution with A the input (batch M, input channels K) and
+  N the output channels (lib/poplin/MatMul.cpp getConvParams).
+  """
+
+  def test_pairs_receive_a_shared_a_block_at_twice_the_rate(self):
+    # [16, 32] x [32, 128] float16 on 16 tiles: grid b1.m1.n16.k1, every tile
+    # needs all of A (512 elements) and a [32, 8] block of B. Tiles 8..15 hold
+    # none of A (it lies on tiles 0..7, 64 elements each); B lies 2 rows a
+    # tile, so each tile holds 16 of its block's 256 elements. Per poplin, a
+    # tile of 8..15: inputs ceil(512 x 2 x 16 / (64 x 2)) = 128 cycles,
+    # weights ceil(240 x 2 x 16 / 64) = 120 cycles, + 100 exchange latency
+    # = 348. (Tiles 0..7 receive 448 + 448 - 2 x 64 = 768 of A's bytes shared
+    # and 128 alone: the same 248 cycles.) Both received at 4 B a cycle, as
+    # before cost model 17: (1,024 + 480) / 4 + 100 = 476.
+    a = jnp.asarray(np.random.RandomState(0).randn(16, 32), jnp.float16)
+    b = jnp.asarray(np.random.RandomState(1).randn(32, 128), jnp.float16)
+    lowered = _report(jnp.dot, a, b, _ONE, None, None)
+    step, = [s for s in lowered.profile.steps if "/matmul " in s.name]
+    self.assertIn("grid b1.m1.n16.k1", step.name)
+    np.testing.assert_array_equal(step.exchange_bytes_in, [1376] * 8 + [1504] * 8)
+    self.assertEqual(step.exchange_cycles, 348.0)
+    # Only placement and cycles move: the values are jax.jit's.
+    chex.assert_trees_all_close(np.asarray(lowered(a, b)), np.asarray(jnp.dot(a, b)),
+                                rtol=2e-3, atol=2e-2)
+
+  @parameterized.named_parameters(
+      # [16, 32] x [32, 128]: 16 N blocks; the A block (512 elements) costs
+      # poplin's 128 cycles, the B block (256 elements) ceil(256 x 2 x 16 /
+      # 64) = 128, + 100 = 356 (at 4 B a cycle both: 484).
+      ("even_n_split", 16, 128, 32, (1, 1, 16, 1), 356.0),
+      # [64, 256] x [256, 3]: one N block (an odd split), A at 4 B a cycle:
+      # (64 x 16 + 16 x 3) x 2 B / 4 + 100 = 636.
+      ("one_n_block", 64, 3, 256, (1, 1, 1, 16), 636.0))
+  def test_plan_prices_a_at_the_shared_rate_when_n_split_is_even(self, m, n, k, grid, exchange):
+    from ipu_jax.lowering.matmul_plan import plan_matmul
+    plan = plan_matmul(_ONE, 1, m, n, k, np.float16, np.float16, 0.6)
+    self.assertEqual(plan.grid, grid)
+    self.assertEqual(plan.exchange_cycles, exchange)
+
 if __name__ == "__main__":
   absltest.main()

@@ -167,7 +167,8 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     # 14: ipu_jax.ops.gelu (popnn's GELU vertices) in the BERT feed-forward block.
     # 15: operands with size-1 axes read broadcast (popops' BroadcastScalar), not copied.
     # 16: a pipelined step pays the host's measured time per execution, shared by its steps.
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "16")
+    # 17: matmul inputs received at the shared exchange-bus rate (poplin's ExchangeEstimator).
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "17")
 
   def test_scaled_arithmetic_family(self):
     # 1,200 fp32: 600 vectors, 100 per worker, no remainder.
