@@ -366,11 +366,13 @@ def _bernoulli(compare, covered, dtype, readers, nodes, kept_ids) -> Sampler:
   select = users[0]
   if len(select.inputs) != 3 or select.inputs[0] != mask or select.inputs[1:].count(None) != 1:
     return bernoulli
-  k = 1 if select.inputs[1] is not None else 2
-  kept_value, other = select.operands[k], select.operands[3 - k]
+  kept_value = next(i for i in select.inputs[1:] if i is not None)
+  # The single value: a member's broadcast, a scalar read, or a literal the
+  # select folds in (a broadcast read as a view; no operand then).
+  other = next((i for i in select.operands[1:] if i != kept_value), None)
   maker = {i: n for n in nodes for i in n.outs}
   extra = [select.position]
-  fill = maker.get(other)
+  fill = None if other is None else maker.get(other)
   if fill is not None:
     if fill.op != "single" or len(readers.get(other, [])) != 1 or other in kept_ids:
       return bernoulli

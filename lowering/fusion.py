@@ -91,6 +91,7 @@ from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.fused_step import (chain_cycles, common_scope, fold_rows, fused_fn,
                                          fused_logical, sum_costs, without_figures)
 from ipu_jax.lowering.layout_numbers import LayoutNumbers
+from ipu_jax.lowering.movement import broadcast_read_exchange
 from ipu_jax.lowering.reduce_many import fold_sums
 from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 
@@ -435,7 +436,7 @@ class _Fuser:
           costs = work.read_exchanges
           cost = costs[k] if k < len(costs) else None
         else:
-          cost = self._exchange_onto(t, mapping)
+          cost = self._exchange_onto(t, mapping, step.writes[0].shape)
         if cost is not None:
           plan.exchanges.append(cost)
       for t in step.writes:
@@ -468,16 +469,21 @@ class _Fuser:
       self._moved_cycles[key] = cycles
     return cycles
 
-  def _exchange_onto(self, tensor, mapping):
-    """The exchange bringing ``tensor`` to the vertices of ``mapping``."""
-    key = (tensor.id, self.layouts.number(mapping))
+  def _exchange_onto(self, tensor, mapping, shape):
+    """The exchange bringing ``tensor`` to the vertices of ``mapping`` for a
+    member whose result has ``shape``."""
+    shape = tuple(int(d) for d in shape)
+    key = (tensor.id, self.layouts.number(mapping), shape, tuple(tensor.shape))
     cost = self._exchanges.get(key, False)
     if cost is False:
-      if tensor.mapping.num_elements != mapping.num_elements:
-        # A scalar, or an operand read broadcast by a member moved here from
-        # its own layout: every tile of the group receives it whole (at most
-        # what it reads broadcast).
+      if tensor.mapping.num_elements == 1:
+        # A scalar: every tile of the group receives the one value.
         cost = broadcast_cost(types.SimpleNamespace(target=self.target), tensor, mapping.tiles)
+      elif tensor.mapping.num_elements != mapping.num_elements:
+        # An operand read broadcast by a member moved here from its own
+        # layout: each tile receives the elements its part of the result
+        # reads, as the member's own step would (builders.elementwise).
+        cost = broadcast_read_exchange(self.target, tensor, shape, mapping)
       else:
         cost = relayout_cost(self.target, tensor.mapping, mapping, tensor.itemsize)
       self._exchanges[key] = cost

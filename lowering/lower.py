@@ -6,13 +6,15 @@ import functools
 
 import numpy as np
 
+from jax import lax
 from jax.extend import core as jcore
 
 from ipu_jax.lowering.errors import LoweringError
 from ipu_jax.lowering.jax_compat import (is_extended_dtype, physical_shape_dtype, physical_value,
                                          source_info_util)
 from ipu_jax.lowering.context import LoweringContext, RuleContext
-from ipu_jax.lowering.registry import get_lowering
+from ipu_jax.lowering.movement import broadcast_view
+from ipu_jax.lowering.registry import get_lowering, reads_broadcast
 
 __all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
 
@@ -150,6 +152,7 @@ def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> lis
       return ctx.constant(np.asarray(v.val, dtype=v.aval.dtype))
     return env[v]
 
+  views = _broadcast_views(jaxpr)
   uses = _TensorLastUses(jaxpr, ctx.dying_ids)
   for v, t in zip(jaxpr.constvars, consts):
     env[v] = t
@@ -167,6 +170,12 @@ def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> lis
     if rule is None:
       raise _unsupported(eqn, source)
     operands = [read(v) for v in eqn.invars]
+    if index in views:
+      # Read in place by every reader: bound as a view, nothing emitted.
+      env[eqn.outvars[0]] = view = broadcast_view(operands[0], eqn.params["shape"],
+                                                  eqn.params["broadcast_dimensions"])
+      uses.bind(eqn.outvars[0], view)
+      continue
     name_stack = eqn.source_info.name_stack
     rule_ctx = RuleContext(ctx, eqn.primitive, [v.aval for v in eqn.invars],
                            [v.aval for v in eqn.outvars], source, name_stack)
@@ -194,6 +203,37 @@ def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> lis
   if progress is not None:
     progress(len(jaxpr.eqns), len(jaxpr.eqns))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _broadcast_views(jaxpr) -> frozenset:
+  """Indices of the ``broadcast_in_dim`` equations lowered as views.
+
+  JAX's transpose of a reduction is a ``broadcast_in_dim`` of the cotangent
+  to full size (a LayerNorm's or softmax's backward), read by elementwise
+  ops. popops reads such an operand through a broadcast view
+  (``lib/popops/ElementWise.cpp``: ``BroadcastScalar*``, the binary vertex, a
+  map expression) and Poplar's ``Tensor::broadcast`` is itself a view, so
+  when every reader's rule reads operands with size-1 axes broadcast
+  (:func:`~ipu_jax.lowering.registry.reads_broadcast`) and the result is not
+  an output of ``jaxpr``, the result is the operand seen with size-1 axes
+  (:func:`~ipu_jax.lowering.movement.broadcast_view`): no full-size copy
+  step nor temporary, each reader priced as reading it broadcast. Results
+  read by any other rule (a matmul, a nested jaxpr) are made full size.
+  """
+  readers_ok = {}
+  for eqn in jaxpr.eqns:
+    ok = reads_broadcast(eqn.primitive)
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        readers_ok[v] = readers_ok.get(v, True) and ok
+  for v in jaxpr.outvars:
+    if not isinstance(v, jcore.Literal):
+      readers_ok[v] = False
+  return frozenset(
+      index for index, eqn in enumerate(jaxpr.eqns)
+      if eqn.primitive is lax.broadcast_in_dim_p and len(eqn.invars) == 1
+      and readers_ok.get(eqn.outvars[0], False)
+      and not is_extended_dtype(eqn.outvars[0].aval.dtype))
 
 
 def _last_uses(jaxpr) -> dict:

@@ -43,7 +43,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.program import worker_vertices
 
 __all__ = ["alias", "move", "broadcast_in_dim", "broadcast_to", "bind_params",
-           "uniform_value", "broadcast_read_exchange"]
+           "uniform_value", "broadcast_read_exchange", "broadcast_view"]
 
 
 def _output_mapping(ctx, operands, shape, dtype) -> TileMapping:
@@ -388,6 +388,22 @@ def broadcast_read_exchange(target, x: P.Tensor, shape, mapping: TileMapping):
                                           x.itemsize, False)
   exchange = plan.exchange
   return exchange if exchange is not None and exchange.total_bytes else None
+
+
+def broadcast_view(x: P.Tensor, shape, broadcast_dimensions) -> P.Tensor:
+  """``lax.broadcast_in_dim(x, shape, broadcast_dimensions)`` as a view: ``x``
+  seen with the result's rank, size 1 on every broadcast axis.
+
+  For readers that read such an operand broadcast in place (an elementwise
+  step: popops' vertices read a broadcast view, ``Tensor::broadcast`` in
+  Poplar is a view, not a copy): no step, no full-size tensor; ``x``'s own
+  storage, as :func:`alias`. ``broadcast_dimensions`` increase (as
+  ``lax.broadcast_in_dim`` requires), so the flat order is ``x``'s.
+  """
+  view = [1] * len(shape)
+  for axis, out_axis in enumerate(broadcast_dimensions):
+    view[int(out_axis)] = int(x.shape[axis])
+  return alias(x, view)
 
 
 def broadcast_to(ctx, x: P.Tensor, shape) -> P.Tensor:

@@ -25,9 +25,11 @@ from typing import Callable, Optional
 
 from jax.extend import core as jcore
 
-__all__ = ["register_lowering", "get_lowering", "registered_primitives"]
+__all__ = ["register_lowering", "get_lowering", "registered_primitives", "reads_broadcast"]
 
 _RULES: dict = {}
+# Primitives whose rule reads an operand with size-1 axes broadcast in place.
+_BROADCAST_READERS: set = set()
 
 
 def _check_primitive(primitive) -> None:
@@ -37,7 +39,8 @@ def _check_primitive(primitive) -> None:
         f"your own Primitive object), got {type(primitive).__name__}: {primitive!r}")
 
 
-def register_lowering(primitive, rule: Optional[Callable] = None, *, override: bool = False):
+def register_lowering(primitive, rule: Optional[Callable] = None, *, override: bool = False,
+                      reads_broadcast: bool = False):
   """Register ``rule`` as the tile lowering of ``primitive``.
 
   Args:
@@ -46,6 +49,12 @@ def register_lowering(primitive, rule: Optional[Callable] = None, *, override: b
       returns a decorator.
     override: replace a rule ``primitive`` already has (otherwise that is an
       error, so two rules never silently compete).
+    reads_broadcast: the rule reads any operand whose tensor has size-1 axes
+      where the equation's operand has the result's sizes (``f32[64, 1]``
+      for ``f32[64, 96]``) broadcast, in place, as
+      ``ipu_jax.lowering.builders.elementwise`` does. A
+      ``broadcast_in_dim`` read only by such rules is then lowered as a
+      view of its operand, never a full-size copy (``lowering/lower.py``).
 
   Returns:
     ``rule`` (or the decorator).
@@ -65,6 +74,10 @@ def register_lowering(primitive, rule: Optional[Callable] = None, *, override: b
           f"({where}.{getattr(existing, '__qualname__', existing)}); pass override=True to "
           f"replace it.")
     _RULES[primitive] = fn
+    if reads_broadcast:
+      _BROADCAST_READERS.add(primitive)
+    else:
+      _BROADCAST_READERS.discard(primitive)
     return fn
 
   return register if rule is None else register(rule)
@@ -73,6 +86,12 @@ def register_lowering(primitive, rule: Optional[Callable] = None, *, override: b
 def get_lowering(primitive) -> Optional[Callable]:
   """The rule registered for ``primitive`` (a ``Primitive``), or None."""
   return _RULES.get(primitive)
+
+
+def reads_broadcast(primitive) -> bool:
+  """Whether ``primitive``'s rule reads operands with size-1 axes broadcast
+  (registered with ``reads_broadcast=True``)."""
+  return primitive in _BROADCAST_READERS
 
 
 def registered_primitives() -> list:

@@ -294,8 +294,9 @@ class BroadcastOperandTest(chex.TestCase):
     a, b = _random(small, np.float32, seed=1), _random(small, np.float32, seed=2)
     fused = _profile(fn, x, a, b, fuse=True)
     self.assertLen(fused.steps, 1)
-    # The same arithmetic with the operands made full size first (what every
-    # size-1 operand cost before): more steps, more memory at the peak.
+    # The same arithmetic with explicit full-size broadcasts (as JAX's
+    # transposes write them) reads them in place too: no copy step, the
+    # same peak.
     ndim = len(shape)
     lead = (ndim - len(small)) if fn is _batch_norm_like else 0
 
@@ -304,10 +305,102 @@ class BroadcastOperandTest(chex.TestCase):
       full = lambda v: lax.broadcast_in_dim(v, shape, dims)  # noqa: E731
       return x * full(a) + full(b)
 
-    materialised = _profile(made, x, a, b, fuse=True)
-    self.assertGreater(len(materialised.steps), 1)
-    self.assertLess(int(fused.memory.peak.max()), int(materialised.memory.peak.max()))
+    explicit = _profile(made, x, a, b, fuse=True)
+    self.assertLen(explicit.steps, 1)
+    self.assertEqual(int(fused.memory.peak.max()), int(explicit.memory.peak.max()))
     _check(fn, x, a, b)
+    _check(made, x, a, b)
+
+
+def _centred_square_sum(x):
+  return jnp.sum((x - x.mean(-1, keepdims=True)) ** 2)
+
+
+class BroadcastInDimViewTest(chex.TestCase, parameterized.TestCase):
+  """A ``broadcast_in_dim`` read only by elementwise ops is a view, not a copy.
+
+  JAX's transpose of ``reduce_sum`` (a LayerNorm's or softmax's backward) is
+  a ``broadcast_in_dim`` of the cotangent to full size; popops reads it
+  through a broadcast view (lib/popops/ElementWise.cpp), as it reads an
+  operand with size-1 axes.
+  """
+
+  @parameterized.product(fuse=(False, True), dtype=(np.float32, np.float16))
+  def test_reduction_cotangent_is_read_in_place(self, fuse, dtype):
+    x = _random((64, 96), dtype)
+    grad = jax.grad(_centred_square_sum)
+    jaxpr = jax.make_jaxpr(grad)(x).jaxpr
+    self.assertIn("broadcast_in_dim", [e.primitive.name for e in jaxpr.eqns])
+    profile = _profile(grad, x, fuse=fuse)
+    names = [s.name for s in profile.steps]
+    self.assertNotIn("broadcast_in_dim", names)
+    self.assertNotIn("fill", names)
+    # No step writes a full-size copy of the [64] cotangent: each step
+    # reading it receives at most the rows its tiles hold (4 a tile).
+    for step in profile.steps:
+      self.assertLessEqual(int(step.exchange_bytes_in.max()), 4 * np.dtype(dtype).itemsize)
+    for mode in ("batched", "per_tile"):
+      _check(grad, x, mode=mode)
+
+  @parameterized.product(op=(lax.add, lax.sub, lax.mul, lax.div),
+                         dtype=(np.float32, np.float16))
+  def test_costs_what_a_size_one_operand_costs(self, op, dtype):
+    # An explicit broadcast read by a binary op costs what the same operand
+    # with size-1 axes does (cost model 15: BroadcastScalar, or the binary
+    # vertex reading in place): the same steps, cycles and peak memory.
+    a, v = _random((64, 96), dtype), _random((64,), dtype, seed=1, low=1.0)
+    explicit = _profile(lambda a, v: op(a, lax.broadcast_in_dim(v, a.shape, (0,))), a, v)
+    size_one = _profile(lambda a, v: op(a, v[:, None]), a, v)
+    self.assertEqual([s.name for s in explicit.steps], [s.name for s in size_one.steps])
+    for got, want in zip(explicit.steps, size_one.steps):
+      np.testing.assert_array_equal(got.compute_cycles, want.compute_cycles)
+      np.testing.assert_array_equal(got.exchange_bytes_in, want.exchange_bytes_in)
+    self.assertEqual(explicit.total_cycles, size_one.total_cycles)
+    self.assertEqual(int(explicit.memory.peak.max()), int(size_one.memory.peak.max()))
+    _check(lambda a, v: op(a, lax.broadcast_in_dim(v, a.shape, (0,))), a, v)
+
+  @parameterized.parameters(
+      (lambda v, n: lax.broadcast_in_dim(v, (64, 96), (0,)),),
+      (lambda v, n: v[:, None],),
+  )
+  def test_fused_member_moved_onto_another_layout_reads_its_rows(self, read):
+    a, w = _random((64, 96), np.float32), _random((64, 96), np.float32, seed=1)
+    b, v = _random((64, 64), np.float32, seed=2), _random((64,), np.float32, seed=3)
+    # The multiply, on the matmul's layout alone, joins exp(a)'s group on
+    # a's layout: there it still receives only the rows of v each tile reads
+    # (not all of v on every tile), as if written on that layout unfused.
+    moved = lambda a, b, v: jnp.exp(a) + (b @ w) * read(v, 96)  # noqa: E731
+    on_a = lambda a, b, v: jnp.exp(a) * read(v, 96) + b @ w  # noqa: E731
+    fused = [s for s in _profile(moved, a, b, v, fuse=True).steps if s.name.startswith("fused")]
+    self.assertLen(fused, 1)
+    steps = _profile(on_a, a, b, v).steps
+    want = sum(s.exchange_bytes_in for s in steps if s.name in ("mul", "add"))
+    np.testing.assert_array_equal(fused[0].exchange_bytes_in, want)
+    _check(moved, a, b, v)
+
+  @parameterized.named_parameters(
+      ("output", lambda v, w: (lax.broadcast_in_dim(v, (16, 24), (0,)),
+                               lax.broadcast_in_dim(v, (16, 24), (0,)) * 2.0)),
+      ("matmul_reader", lambda v, w: jnp.dot(lax.broadcast_in_dim(v, (16, 24), (0,)), w)),
+      ("mixed_readers", lambda v, w: (lambda b: (b + 1.0, b @ w))(
+          lax.broadcast_in_dim(v, (16, 24), (0,)))),
+  )
+  def test_other_readers_get_the_full_size_result(self, fn):
+    v, w = _random((16,), np.float32), _random((24, 8), np.float32, seed=1)
+    names = [s.name for s in _profile(fn, v, w).steps]
+    self.assertIn("broadcast_in_dim", names)
+    _check(fn, v, w)
+
+  @parameterized.parameters(
+      (lambda c, x: jnp.where(c, x, lax.broadcast_in_dim(x[:, 0], x.shape, (0,))),),
+      (lambda c, x: lax.clamp(lax.broadcast_in_dim(x[:, 0], x.shape, (0,)), x, x + 1.0),),
+      (lambda c, x: -lax.broadcast_in_dim(x[:, 0], x.shape, (0,)).astype(np.float16),),
+      (lambda c, x: jnp.where(c, x, 0.0) + jnp.zeros_like(x),),
+  )
+  def test_every_elementwise_reader_reads_a_view(self, fn):
+    c, x = _random((13, 37), np.bool_), _random((13, 37), np.float32, seed=1)
+    for mode in ("batched", "per_tile"):
+      _check(fn, c, x, mode=mode)
 
 if __name__ == "__main__":
   absltest.main()

@@ -231,11 +231,10 @@ class ShapeRulesTest(chex.TestCase, parameterized.TestCase):
 
   def test_broadcast_is_a_multicast(self):
     s = jnp.float32(2.5)
-    # Fusion off: this checks the broadcast rule's own step (fused, the
-    # broadcast becomes a scalar operand of the multiply's vertices).
-    unfused = ipu_jax.IPUConfig()
-    unfused.fusion.elementwise = False
-    steps = _steps(lambda s: jnp.broadcast_to(s, (100, 90)) * 1, s, config=unfused)
+    # The broadcast is the result: made full size by the rule's own step (read
+    # only by elementwise ops, it would be a view: the scalar operand of their
+    # vertices).
+    steps = _steps(lambda s: jnp.broadcast_to(s, (100, 90)), s)
     bcast = [st for st in steps if st.op == "broadcast_in_dim"]
     self.assertLen(bcast, 1)
     # Every tile receives the scalar once and replicates it on the tile.

@@ -9,6 +9,7 @@ those of XLA.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -77,6 +78,10 @@ def _cost_op(primitive, operands) -> str:
 def _make_rule(primitive):
   def rule(ctx: RuleContext, *operands, **params):
     def body(*arrays):
+      if len({np.shape(a) for a in arrays}) > 1:
+        # A scalar or broadcast operand arrives as read (0-d, size-1 axes);
+        # select_n, clamp and others take only equal shapes.
+        arrays = jnp.broadcast_arrays(*arrays)
       if primitive is add_jaxvals_p:
         return arrays[0] + arrays[1]
       return primitive.bind(*arrays, **params)
@@ -85,8 +90,11 @@ def _make_rule(primitive):
   return rule
 
 
+# builders.elementwise reads an operand with size-1 axes broadcast (popops'
+# vertices read the broadcast view), so a broadcast_in_dim feeding these
+# rules is a view, not a copy (lowering/lower.py).
 for _prim in _UNARY + _BINARY + _OTHER:
-  register_lowering(_prim, _make_rule(_prim))
+  register_lowering(_prim, _make_rule(_prim), reads_broadcast=True)
 
 
 def _bitcast_convert_type(ctx: RuleContext, operand, *, new_dtype):
