@@ -363,6 +363,12 @@ class AutoSplitTest(chex.TestCase):
     # The runner estimated the chosen split from the search's own lowering of
     # it: the same figures as that split given by hand and lowered afresh.
     self.assertEqual(auto["lowered_by"], "split search")
+    # A forward-only run of the same micro-batches (evaluation) is cheaper.
+    forward = auto["forward_only"]
+    self.assertLess(forward["run_seconds"], auto["step_seconds"])
+    self.assertGreater(forward["slot_seconds"], 0.0)
+    self.assertAlmostEqual(sum(forward["breakdown"].values()), forward["run_seconds"],
+                           delta=1e-12)
     self.assertRegex(self.printed, r"Estimate \(flags, BERT-.*\(split search\)")
     self.assertEqual(self.given["lowered_by"], "runner")
     self.assertEqual(auto["per_ipu_max_tile_bytes"], self.given["per_ipu_max_tile_bytes"])

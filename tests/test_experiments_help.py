@@ -121,7 +121,8 @@ class RunnerFlagsTest(parameterized.TestCase):
   def test_low_precision_runner_prints_no_backend_probe(self):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.low_precision", "--steps", "1", "--small_steps",
-         "1", "--variants", "fp32", f"--out_dir={self.create_tempdir().full_path}"],
+         "1", "--variants", "fp32", "--batch_size", "2", "--tiles_per_ipu", "16",
+         f"--out_dir={self.create_tempdir().full_path}"],
         cwd=ROOT, env=_user_env(), capture_output=True, text=True, timeout=600)
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     self.assertEqual(_foreign_lines(proc.stdout + proc.stderr), [])

@@ -221,6 +221,57 @@ class RampCopiesTest(chex.TestCase):
     self.assertEqual(tp.breakdown["execution_overhead"], 0.0)
 
 
+class ForwardOnlyTest(chex.TestCase):
+  """A forward-only run (PopART's implicitPipeliningFwdOnly) of the same
+  lowered stages: G + N - 1 slots, stage k on micro-batch t - k in slot t."""
+
+  G = 4
+
+  @parameterized.named_parameters(("two_ipus", [0, 1]), ("one_ipu", [0, 0]))
+  def test_slots_run_the_forward_passes_only(self, mapping):
+    params, batches = _data(2, self.G)
+    cfg = _config(2, self.G)
+    cfg.auto_select_ipus = max(mapping) + 1
+    pipe = Pipeline(_layers_loss, optax.sgd(0.05), config=cfg, device_mapping=mapping)
+    pipe.lower(params, batches)
+    tp = ipu_jax.pipelining.forward_throughput(pipe)
+    fwd = [s.forward.profile.total_cycles for s in pipe.stages]
+    slots = self.G + 2 - 1
+    if mapping == [0, 1]:
+      # Fill and drain run one stage; the G - 1 slots between run both, on
+      # their own IPUs; every slot runs stage 0's activation copy up the rung.
+      busiest, ramp = max(fwd), fwd[0] + fwd[1]
+      copy = _cycles(_ACTIVATION, 4, hops=1)
+    else:
+      # One IPU: both stages' passes add in a slot, and no copy crosses a link.
+      busiest, ramp, copy = fwd[0] + fwd[1], fwd[0] + fwd[1], 0.0
+    self.assertAlmostEqual(tp.breakdown["steady_state"] * _CLOCK, (self.G - 1) * busiest,
+                           places=3)
+    self.assertAlmostEqual(tp.breakdown["ramp"] * _CLOCK, ramp, places=3)
+    self.assertAlmostEqual(tp.breakdown["inter_stage_copies"] * _CLOCK, slots * copy, places=6)
+    sync = pipe.target.ipu_sync_cycles(max(mapping) + 1)
+    self.assertAlmostEqual(tp.breakdown["syncs"] * _CLOCK, slots * sync, places=6)
+    self.assertEqual(tp.breakdown["execution_overhead"], 0.0)  # no system
+    self.assertAlmostEqual(tp.step_seconds, sum(tp.breakdown.values()), places=12)
+    self.assertEqual(tp.samples_per_step, self.G * _ROWS)
+    # Cheaper than the training step it shares its forward programs with.
+    self.assertLess(tp.step_seconds, pipe.report.throughput.step_seconds)
+    self.assertEqual(pipe.report.forward_throughput().breakdown, tp.breakdown)
+
+  def test_a_step_of_fewer_micro_batches_than_stages_is_all_ramp(self):
+    params, batches = _data(3, 2)
+    cfg = _config(3, 2)
+    cfg.pipelining.schedule = "Sequential"  # Grouped asks G >= 2N for training
+    pipe = Pipeline(_layers_loss, optax.sgd(0.05), config=cfg)
+    pipe.lower(params, batches)
+    tp = ipu_jax.pipelining.forward_throughput(pipe)
+    fwd = [s.forward.profile.total_cycles for s in pipe.stages]
+    self.assertEqual(tp.breakdown["steady_state"], 0.0)
+    # Slots 0..3 run stages {0}, {0, 1}, {1, 2}, {2}, each on its own IPU.
+    expected = fwd[0] + max(fwd[0], fwd[1]) + max(fwd[1], fwd[2]) + fwd[2]
+    self.assertAlmostEqual(tp.breakdown["ramp"] * _CLOCK, expected, places=3)
+
+
 class ConcurrentUpdateCollectivesTest(chex.TestCase):
   """Two replicas of a 4-stage pipeline on a POD16, one stage per IPU.
 

@@ -22,10 +22,12 @@ from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
 from ipu_jax.pipelining.search_result import LoweredSplit, SearchResult
 from ipu_jax.pipelining.split_search import search
 from ipu_jax.pipelining.throughput import Throughput, step_throughput
+from ipu_jax.pipelining.forward_throughput import forward_throughput
 
 __all__ = ["Candidate", "LayeredModel", "LoweredSplit", "Pipeline", "PipelineError",
            "PipelineReport", "SCHEDULES", "SearchResult", "SearchSpace", "StagePrograms",
            "StepResult", "Throughput",
-           "check_steps_per_execution", "micro_batch_key", "micro_batch_keys",
+           "check_steps_per_execution", "forward_throughput", "micro_batch_key",
+           "micro_batch_keys",
            "minimum_accumulation", "search", "split_stages",
            "stage", "stash_depths", "step_throughput"]

@@ -69,6 +69,16 @@ class PipelineReport:
                                               steps_per_execution=per_run)
     return self._throughput[key]
 
+  def forward_throughput(self, samples_per_micro_batch=None, sequences_per_sample=None,
+                         steps_per_execution=None):
+    """A forward-only run of the step's micro-batches (evaluation, inference;
+    :func:`~ipu_jax.pipelining.forward_throughput.forward_throughput`)."""
+    from ipu_jax.pipelining.forward_throughput import forward_throughput
+    packing = self.sequences_per_sample if sequences_per_sample is None else sequences_per_sample
+    per_run = self.steps_per_execution if steps_per_execution is None else steps_per_execution
+    return forward_throughput(self._pipeline, samples_per_micro_batch, packing,
+                              steps_per_execution=per_run)
+
   @property
   def throughput(self):
     """Samples and sequences per second of a step on the system, with the

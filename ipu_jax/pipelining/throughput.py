@@ -68,7 +68,8 @@ import jax
 from ipu_jax.kernels import collectives
 from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
 
-__all__ = ["Throughput", "PARTS", "step_throughput", "replica_bases"]
+__all__ = ["Throughput", "PARTS", "step_throughput", "replica_bases", "spans_pods",
+           "steps_per_run"]
 
 PARTS = ("steady_state", "ramp", "recomputation", "inter_stage_copies", "syncs",
          "gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
@@ -111,8 +112,7 @@ class Throughput:
     lines = [f"  throughput {where}, {self.ipus} IPUs: {self.samples_per_second:,.1f} samples/s, "
              f"{self.sequences_per_second:,.1f} sequences/s; step {self.step_seconds * 1e3:,.3f} "
              f"ms ({self.samples_per_step:,d} samples)"]
-    for part in PARTS:
-      seconds = self.breakdown[part]
+    for part, seconds in self.breakdown.items():
       share = 100 * seconds / self.step_seconds if self.step_seconds else 0.0
       lines.append(f"    {part:<26s} {seconds * 1e3:>12,.3f} ms {share:>6.1f} %")
     return lines
@@ -129,7 +129,8 @@ def replica_bases(system, replicas: int, ipus_per_replica: int) -> list:
   return [r * n for r in range(replicas)]
 
 
-def _spans_pods(system, bases: list, n: int) -> bool:
+def spans_pods(system, bases: list, n: int) -> bool:
+  """Whether the replicas starting at ``bases`` (``n`` IPUs each) span PODs."""
   if system is None:
     return False
   return len({ipu // system.ipus_per_pod for b in bases for ipu in (b, b + n - 1)}) > 1
@@ -250,7 +251,7 @@ def _update_parts(pipeline, target, groups_of, replicas: int) -> tuple:
   return ipu, parts
 
 
-def _steps_per_run(steps_per_execution, accumulation: int, replicas: int) -> int:
+def steps_per_run(steps_per_execution, accumulation: int, replicas: int) -> int:
   """Weight updates one execution runs (``steps_per_execution`` checked)."""
   if steps_per_execution is None:
     return 1
@@ -294,13 +295,13 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
     target = target.replace(system=system)  # checks the chip
   system = target.system
   r, n, g = pipeline.replicas, pipeline.config.auto_select_ipus, pipeline.accumulation
-  steps_per_run = _steps_per_run(steps_per_execution, g, r)
+  runs = steps_per_run(steps_per_execution, g, r)
   if system is not None:
     from ipu_jax.kernels.systems import check_capacity
     check_capacity(system, r, n)
   bases = replica_bases(system, r, n)
   sync = target.ipu_sync_cycles(r * n)
-  if _spans_pods(system, bases, n):
+  if spans_pods(system, bases, n):
     sync += 2 * system.gw_latency_seconds * target.clock_hz
   cycles = _slot_parts(pipeline, sync)
   ipu, update = _update_parts(pipeline, target, lambda j: [[b + j for b in bases]], r)
@@ -311,7 +312,7 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
                if part not in ("host_io", "execution_overhead")}
   breakdown["host_io"] = g * float(micro_bytes) / target.host_link_bytes_per_second
   breakdown["execution_overhead"] = (
-      system.execution_overhead_seconds / steps_per_run if system is not None else 0.0)
+      system.execution_overhead_seconds / runs if system is not None else 0.0)
   breakdown = {part: float(breakdown[part]) for part in PARTS}
   step = sum(breakdown.values())
   if samples_per_micro_batch is None:
