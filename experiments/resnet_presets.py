@@ -91,16 +91,14 @@ PRESETS = {
                    "gradient_accumulation": 2, "optimizer": "momentum"},
 }
 
-# Every MLPerf config runs ``batches_per_step: 100000`` micro-batches a
-# replica in one execution (the TF1 CNN code's on-device loop): 100,000 // G
-# weight updates, taken here as at most one ImageNet epoch (1,281,167 images)
-# in case the loop stops at the epoch's end -- the reading with the more
-# executions. Either way the host's time per execution
-# (IPUSystem.execution_overhead_seconds) is under 0.5 ms a step, under 1 %
-# of any of these runs' steps.
+# One execution of the MLPerf runs' training loop is a fifth of an epoch:
+# train.py sets its on-device iterations (weight updates) to ``log_freq =
+# (1,281,167 // global batch) // logs_per_epoch`` (``logs_per_epoch: 5`` in
+# the base config every MLPerf config inherits; ``batches_per_step: 100000``
+# only caps it), e.g. 25 updates on POD256, 80 on v1.1's POD16
+# (docs/published_resnet.md#steady-epochs).
 for _name, _preset in PRESETS.items():
   if _name.startswith("mlperf_"):
-    _g = _preset["gradient_accumulation"]
-    _epoch = 1_281_167 // (_preset["micro_batch"] * _g * _preset["replicas"])
-    _preset["updates_per_execution"] = min(100_000 // _g, _epoch)
-del _name, _preset, _g, _epoch
+    _batch = _preset["micro_batch"] * _preset["gradient_accumulation"] * _preset["replicas"]
+    _preset["updates_per_execution"] = (1_281_167 // _batch) // 5
+del _name, _preset, _batch

@@ -104,7 +104,8 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    evaluation gaps; docs/published_bert.md#the-evaluation-gaps) over the weight updates an
 #    execution runs (``steps_per_execution``; one by default, PopART's batches_per_step 1 in
 #    every MLPerf BERT run); ipu_jax/pipelining/throughput.py. Only system-level throughput
-#    moves (a BERT POD step +53 ms; the ResNet presets' long executions < 0.5 ms).
+#    moves (a BERT POD step +53 ms; the MLPerf ResNet presets' executions of a fifth of an
+#    epoch, 25-133 updates, 0.4-2.1 ms a step).
 # 17: exchange-bus sharing of matmul inputs, as poplin's planner prices it: a product's grid
 #    starts on an even tile with its N split innermost, so the bus pair (2j, 2j + 1) needs the
 #    same A block, which both receive at twice the rate (ExchangeCost.bus_shared_in); the
