@@ -104,10 +104,11 @@ class RunnerFlagsTest(parameterized.TestCase):
                   "(--reduction sum)", line)
 
   def test_out_of_memory_prints_the_message_and_the_fix(self):
-    # docs/streaming_memory.md's example: Adam state does not fit 27 tiles.
+    # docs/streaming_memory.md's example: Adam state does not fit 28 tiles at
+    # micro-batch 17.
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.transformer", "--tiles_per_ipu", "27",
-         "--num_samples", "256", "--epochs", "1", "--verbose", "0",
+        [sys.executable, "-m", "experiments.transformer", "--tiles_per_ipu", "28",
+         "--batch_size", "17", "--num_samples", "256", "--epochs", "1", "--verbose", "0",
          f"--report_dir={self.create_tempdir().full_path}"],
         cwd=ROOT, env=_user_env(), capture_output=True, text=True, timeout=600)
     self.assertEqual(proc.returncode, 1, proc.stdout[-2000:] + proc.stderr[-3000:])
