@@ -349,6 +349,13 @@ class ExecutionOverheadTest(chex.TestCase):
     self.assertAlmostEqual(one.step_seconds - ten.step_seconds, 0.9 * 53e-3, places=9)
     self.assertEqual(report.throughput.breakdown, one.breakdown)
 
+  def test_the_system_asked_for_prices_the_host(self):
+    # step_throughput(system=...) prices the same step on another system, its host too.
+    quiet = systems.system_preset("pod16").replace(execution_overhead_seconds=1e-3)
+    tp = throughput_lib.step_throughput(self.pipe, system=quiet)
+    self.assertAlmostEqual(tp.breakdown["execution_overhead"], 1e-3, places=15)
+    self.assertEqual(tp.system, "pod16")
+
   @parameterized.parameters(6, 0, -8, 2.5)
   def test_a_bad_steps_per_execution_is_refused(self, steps):
     with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, "steps_per_execution"):

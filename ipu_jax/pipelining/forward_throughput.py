@@ -31,10 +31,9 @@ hold this against (docs/published_bert.md#the-evaluation-gaps).
 
 from __future__ import annotations
 
-import jax
-
-from ipu_jax.pipelining import links, stage_programs
-from ipu_jax.pipelining.throughput import Throughput, replica_bases, spans_pods, steps_per_run
+from ipu_jax.pipelining import links
+from ipu_jax.pipelining.throughput import (Throughput, assemble, host_parts, replica_bases,
+                                          spans_pods, steps_per_run)
 
 __all__ = ["FORWARD_PARTS", "forward_throughput"]
 
@@ -102,21 +101,9 @@ def forward_throughput(pipeline, samples_per_micro_batch: int | None = None,
   slots = g + len(pipeline.stages) - 1
   every = [c for k in range(len(pipeline.stages)) for c in pipeline.copies(k, "forward")]
   steady, ramp = _slot_cycles(pipeline)
-  micro_bytes = stage_programs.nbytes(jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
   breakdown = {
       "steady_state": steady / target.clock_hz, "ramp": ramp / target.clock_hz,
       "inter_stage_copies": slots * links.slot_copy_cycles(target, every) / target.clock_hz,
-      "syncs": slots * sync / target.clock_hz,
-      "host_io": g * float(micro_bytes) / target.host_link_bytes_per_second,
-      "execution_overhead": (system.execution_overhead_seconds / runs
-                             if system is not None else 0.0)}
-  breakdown = {part: float(breakdown[part]) for part in FORWARD_PARTS}
-  seconds = sum(breakdown.values())
-  if samples_per_micro_batch is None:
-    leaves = jax.tree_util.tree_leaves(pipeline.micro_batch_avals)
-    samples_per_micro_batch = int(leaves[0].shape[0]) if leaves and leaves[0].shape else 1
-  samples = g * r * int(samples_per_micro_batch)
-  rate = samples / seconds if seconds else 0.0
-  return Throughput(rate, rate * sequences_per_sample, seconds, samples,
-                    float(sequences_per_sample), breakdown,
-                    None if system is None else system.name, r * n, -1)
+      "syncs": slots * sync / target.clock_hz, **host_parts(pipeline, target, runs)}
+  return assemble(pipeline, system, {part: breakdown[part] for part in FORWARD_PARTS},
+                  samples_per_micro_batch, sequences_per_sample, -1)

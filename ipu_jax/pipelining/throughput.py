@@ -69,7 +69,7 @@ from ipu_jax.kernels import collectives
 from ipu_jax.pipelining import links, schedule as schedule_lib, stage_programs
 
 __all__ = ["Throughput", "PARTS", "step_throughput", "replica_bases", "spans_pods",
-           "steps_per_run"]
+           "steps_per_run", "host_parts", "assemble"]
 
 PARTS = ("steady_state", "ramp", "recomputation", "inter_stage_copies", "syncs",
          "gradient_reduction", "optimizer_state_streaming", "optimizer_compute",
@@ -306,20 +306,36 @@ def step_throughput(pipeline, samples_per_micro_batch: int | None = None,
   cycles = _slot_parts(pipeline, sync)
   ipu, update = _update_parts(pipeline, target, lambda j: [[b + j for b in bases]], r)
   cycles.update(update)
-  # stage_programs.nbytes reads dtype.itemsize, which a typed PRNG key has too.
-  micro_bytes = stage_programs.nbytes(jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
   breakdown = {part: cycles[part] / target.clock_hz for part in PARTS
                if part not in ("host_io", "execution_overhead")}
-  breakdown["host_io"] = g * float(micro_bytes) / target.host_link_bytes_per_second
-  breakdown["execution_overhead"] = (
-      system.execution_overhead_seconds / runs if system is not None else 0.0)
-  breakdown = {part: float(breakdown[part]) for part in PARTS}
+  breakdown.update(host_parts(pipeline, target, runs))
+  return assemble(pipeline, system, {part: breakdown[part] for part in PARTS},
+                  samples_per_micro_batch, sequences_per_sample, ipu)
+
+
+def host_parts(pipeline, target, runs: int) -> dict:
+  """``host_io`` and ``execution_overhead`` (seconds) of one step of ``pipeline``
+  on ``target`` (its system's host), ``runs`` steps an execution (:func:`steps_per_run`)."""
+  system = target.system
+  # stage_programs.nbytes reads dtype.itemsize, which a typed PRNG key has too.
+  micro_bytes = stage_programs.nbytes(jax.tree_util.tree_leaves(pipeline.micro_batch_avals))
+  return {"host_io": pipeline.accumulation * float(micro_bytes)
+                     / target.host_link_bytes_per_second,
+          "execution_overhead": (system.execution_overhead_seconds / runs
+                                 if system is not None else 0.0)}
+
+
+def assemble(pipeline, system, breakdown: dict, samples_per_micro_batch,
+             sequences_per_sample: float, update_ipu: int) -> Throughput:
+  """The :class:`Throughput` on ``system`` of a step whose parts take ``breakdown`` seconds."""
+  breakdown = {part: float(seconds) for part, seconds in breakdown.items()}
   step = sum(breakdown.values())
   if samples_per_micro_batch is None:
     leaves = jax.tree_util.tree_leaves(pipeline.micro_batch_avals)
     samples_per_micro_batch = int(leaves[0].shape[0]) if leaves and leaves[0].shape else 1
-  samples = g * r * int(samples_per_micro_batch)
+  samples = pipeline.accumulation * pipeline.replicas * int(samples_per_micro_batch)
   rate = samples / step if step else 0.0
   return Throughput(rate, rate * sequences_per_sample, step, samples,
                     float(sequences_per_sample), breakdown,
-                    None if system is None else system.name, r * n, ipu)
+                    None if system is None else system.name,
+                    pipeline.replicas * pipeline.config.auto_select_ipus, update_ipu)
