@@ -6,15 +6,13 @@ import functools
 
 import numpy as np
 
-from jax import lax
 from jax.extend import core as jcore
 
 from ipu_jax.lowering.errors import LoweringError
 from ipu_jax.lowering.jax_compat import (is_extended_dtype, physical_shape_dtype, physical_value,
                                          source_info_util)
 from ipu_jax.lowering.context import LoweringContext, RuleContext
-from ipu_jax.lowering.movement import broadcast_view
-from ipu_jax.lowering.registry import get_lowering, reads_broadcast
+from ipu_jax.lowering.registry import get_lowering, get_view, reads_broadcast
 
 __all__ = ["lower_jaxpr", "lower_closed_jaxpr", "source_of", "is_key_dtype"]
 
@@ -172,8 +170,7 @@ def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> lis
     operands = [read(v) for v in eqn.invars]
     if index in views:
       # Read in place by every reader: bound as a view, nothing emitted.
-      env[eqn.outvars[0]] = view = broadcast_view(operands[0], eqn.params["shape"],
-                                                  eqn.params["broadcast_dimensions"])
+      env[eqn.outvars[0]] = view = get_view(eqn.primitive)(operands[0], **eqn.params)
       uses.bind(eqn.outvars[0], view)
       continue
     name_stack = eqn.source_info.name_stack
@@ -206,7 +203,8 @@ def lower_jaxpr(ctx: LoweringContext, jaxpr, consts, args, progress=None) -> lis
 
 
 def _broadcast_views(jaxpr) -> frozenset:
-  """Indices of the ``broadcast_in_dim`` equations lowered as views.
+  """Indices of the equations lowered as views (``registry.register_view``:
+  ``broadcast_in_dim``).
 
   JAX's transpose of a reduction is a ``broadcast_in_dim`` of the cotangent
   to full size (a LayerNorm's or softmax's backward), read by elementwise
@@ -231,7 +229,7 @@ def _broadcast_views(jaxpr) -> frozenset:
       readers_ok[v] = False
   return frozenset(
       index for index, eqn in enumerate(jaxpr.eqns)
-      if eqn.primitive is lax.broadcast_in_dim_p and len(eqn.invars) == 1
+      if get_view(eqn.primitive) is not None and len(eqn.invars) == 1
       and readers_ok.get(eqn.outvars[0], False)
       and not is_extended_dtype(eqn.outvars[0].aval.dtype))
 

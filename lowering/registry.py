@@ -25,11 +25,15 @@ from typing import Callable, Optional
 
 from jax.extend import core as jcore
 
-__all__ = ["register_lowering", "get_lowering", "registered_primitives", "reads_broadcast"]
+__all__ = ["register_lowering", "get_lowering", "registered_primitives", "reads_broadcast",
+           "register_view", "get_view"]
 
 _RULES: dict = {}
 # Primitives whose rule reads an operand with size-1 axes broadcast in place.
 _BROADCAST_READERS: set = set()
+# Primitive -> view(operand, **params): its one-operand result as a view of the
+# operand with size-1 axes, for readers that all read broadcast (lower.py).
+_VIEWS: dict = {}
 
 
 def _check_primitive(primitive) -> None:
@@ -92,6 +96,26 @@ def reads_broadcast(primitive) -> bool:
   """Whether ``primitive``'s rule reads operands with size-1 axes broadcast
   (registered with ``reads_broadcast=True``)."""
   return primitive in _BROADCAST_READERS
+
+
+def register_view(primitive, view: Callable) -> None:
+  """Let ``primitive``'s result be lowered as a view when every reader's rule
+  reads broadcast (:func:`reads_broadcast`) and it is not an output.
+
+  ``view(operand, **params)`` returns the one operand seen with the result's
+  rank and size 1 on the axes it would fill (no step, no storage of its own);
+  ``lowering/lower.py`` binds it instead of running the rule.
+
+  Raises:
+    TypeError: ``primitive`` is not a ``Primitive``.
+  """
+  _check_primitive(primitive)
+  _VIEWS[primitive] = view
+
+
+def get_view(primitive) -> Optional[Callable]:
+  """The view function registered for ``primitive``, or None."""
+  return _VIEWS.get(primitive)
 
 
 def registered_primitives() -> list:

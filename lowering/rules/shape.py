@@ -58,9 +58,9 @@ from ipu_jax.lowering.builders import storage, worker_vertices
 from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 from ipu_jax.lowering.jax_compat import lax_internal, physical_shape_dtype
-from ipu_jax.lowering.movement import (alias, bind_params, broadcast_in_dim, move,
-                                       uniform_value)
-from ipu_jax.lowering.registry import register_lowering
+from ipu_jax.lowering.movement import (alias, bind_params, broadcast_in_dim, broadcast_view,
+                                       move, uniform_value)
+from ipu_jax.lowering.registry import register_lowering, register_view
 
 
 # -- helpers -----------------------------------------------------------------
@@ -116,6 +116,16 @@ def _broadcast_in_dim(ctx: RuleContext, x, *dynamic, shape, broadcast_dimensions
   broadcast_dimensions = tuple(int(d) for d in broadcast_dimensions) + tuple(
       range(len(shape), len(shape) + key_axes))
   return [broadcast_in_dim(ctx, x, _out_aval(ctx)[0], broadcast_dimensions, params)]
+
+
+def _broadcast_in_dim_view(x, *, shape, broadcast_dimensions, **params):
+  """A ``broadcast_in_dim`` every reader reads broadcast: ``x`` as a view
+  (popops reads a broadcast operand in place; ``lowering/lower.py``)."""
+  del params
+  return broadcast_view(x, shape, broadcast_dimensions)
+
+
+register_view(lax.broadcast_in_dim_p, _broadcast_in_dim_view)
 
 
 def _whole(shape, src_shape=None, src_offset: int = 0, src_strides=None) -> Box:
