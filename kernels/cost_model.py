@@ -117,7 +117,14 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    a broadcast operand from another layout receives only the elements its tiles read
 #    (lowering/fusion.py), not the whole operand on every tile. BERT-Large layer forward +
 #    backward (float16 [3, 512, 1024], Bow): 1,837,882 -> 1,816,043 cycles.
-COST_MODEL_VERSION = "18"
+# 19: exchange-bus sharing of convolution inputs, as 17 for matmuls (poplin prices a conv
+#    partition's input elements with the same ExchangeEstimator, lib/poplin/ConvModel.cpp
+#    addExchangeCycleEstimates): a conv grid starts on an even tile with its feature split
+#    innermost (linearizeConvIndices), bus pairs receive their common input window together,
+#    and the planner halves the window's exchange when the feature split within a group is
+#    even (lowering/conv_plan.py). ResNet-50 (mlperf_v2_bow_pod16, one micro-batch's seven
+#    stage programs): conv cycles 9,891,845 -> 9,078,517, their exchange 2.96 M -> 2.31 M.
+COST_MODEL_VERSION = "19"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +163,12 @@ FIGURE_SOURCES = {
         "exchangeBytesPerCycle x 2 if outChanSplit.parallel % getTilesPerSharedExchangeBus() "
         "== 0, since linearizeConvIndices (lib/poplin/Convolution.cpp) puts the output-channel "
         "split innermost and plans start on an even tile; lib/popops/ExchangeEstimator.cpp and "
-        "lib/popsparse/FullyConnectedPlan.cpp assert getTilesPerSharedExchangeBus() == 2"),
+        "lib/popsparse/FullyConnectedPlan.cpp assert getTilesPerSharedExchangeBus() == 2. "
+        "lib/poplin/ConvModel.cpp addExchangeCycleEstimates prices each partition's input "
+        "elements (less the 1/outChanSplit in place) with getInputElementCycles and its "
+        "weights and partials with getCycles (never shared): here a matmul's A block and a "
+        "convolution's input window (lowering/matmul_emit.py, lowering/rules/convolution.py; "
+        "feature split within a group even, conv groups being a split of their own)"),
     "exchange_latency_cycles": FigureSource(
         "poplibs", "popnn CTC-loss planner (lib/popnn/CTCLossPlan.cpp): fixed 100 cycles per "
         "exchange on top of bytes / exchangeBytesPerCycle (a planner constant, not a "

@@ -21,8 +21,8 @@ import numpy as np
 
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering.matmul_plan import GridPlan
-from ipu_jax.lowering.matmul_cost import (ceil_div, grid_product, scatter_reduce_cost,
-                                          split_candidates)
+from ipu_jax.lowering.matmul_cost import (bus_shared_fraction, ceil_div, grid_product,
+                                          scatter_reduce_cost, split_candidates)
 from ipu_jax.lowering.matmul_grid import edge_sizes
 
 __all__ = ["ConvGeometry", "ConvPlan", "conv_geometry", "plan_conv", "splits_contraction",
@@ -246,8 +246,24 @@ def tap_row_ranges(geo: ConvGeometry, gt: int, bt: int) -> tuple:
   return lo, np.maximum(hi, lo)
 
 
+def _split_within_groups(geo: ConvGeometry, gc) -> np.ndarray:
+  """Feature blocks per group (arrays over candidates): poplin's ``outChanSplit``.
+
+  Blocks of whole groups (``gc <= groups``) are poplin's conv-group split,
+  one block a group; below a group, ``gc / groups`` blocks split each one.
+  """
+  gc = np.asarray(gc)
+  return np.where(gc > geo.groups, gc // geo.groups, 1)
+
+
 def _evaluate(target, geo: ConvGeometry, grid: list, gi, gt) -> dict:
   """Per-candidate costs of the busiest tile (arrays over candidates).
+
+  The input window is received at the shared exchange-bus rate when the
+  feature split within a group is even
+  (:func:`~ipu_jax.lowering.matmul_cost.bus_shared_fraction`: poplin's
+  ExchangeEstimator::getInputElementCycles), the kernel slice at a tile's
+  rate (poplin's ExchangeEstimator::getCycles for weights).
 
   ``gi``, ``gt``: the input-channel and kernel-row splits (1: none); a split
   contraction adds the reduce-scatter of the partials
@@ -282,7 +298,10 @@ def _evaluate(target, geo: ConvGeometry, grid: list, gi, gt) -> dict:
   in_bytes = window * geo.itemsize
   k_bytes = bc * bi * taps * geo.itemsize
   exchange_bytes = in_bytes + k_bytes
-  exchange = np.where(exchange_bytes > 0, exchange_bytes / target.exchange_bytes_per_cycle
+  # Bus pairs share an input window when the feature split within a group is
+  # even (the emitter puts it innermost): poplin's input-element rate.
+  priced = bus_shared_fraction(target, _split_within_groups(geo, grid[1])) * in_bytes + k_bytes
+  exchange = np.where(exchange_bytes > 0, priced / target.exchange_bytes_per_cycle
                       + target.exchange_latency_cycles, 0.0)
   reduce, _, stage2 = scatter_reduce_cost(target, gi * gt, out_block, geo.acc_itemsize)
   temp = np.maximum(exchange_bytes + out_block * geo.acc_itemsize, stage2)

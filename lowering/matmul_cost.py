@@ -23,8 +23,8 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.kernels.target import IPUTarget
 
-__all__ = ["ceil_div", "evaluate_grid", "grid_product", "scatter_reduce_cost", "split_candidates",
-           "tree_fanins"]
+__all__ = ["bus_shared_fraction", "ceil_div", "evaluate_grid", "grid_product",
+           "scatter_reduce_cost", "split_candidates", "tree_fanins"]
 
 
 def ceil_div(a, b):
@@ -95,20 +95,22 @@ def _exchange_cycles(target: IPUTarget, nbytes: np.ndarray) -> np.ndarray:
                   + target.exchange_latency_cycles, 0.0)
 
 
-def _bus_shared_a(target: IPUTarget, gn) -> np.ndarray:
-  """The share of an A block's receive time (arrays over candidates): 1 / bus or 1.
+def bus_shared_fraction(target: IPUTarget, out_split) -> np.ndarray:
+  """The share of an input block's receive time (arrays over candidates): 1 / bus or 1.
 
   Poplin's ExchangeEstimator (lib/poplin/ExchangeEstimator.hpp, the
   constructor and getInputElementCycles) receives input elements at
   ``exchangeBytesPerCycle * 2`` when ``outChanSplit.parallel %
   getTilesPerSharedExchangeBus() == 0``: its tile order
   (``linearizeConvIndices``) puts the output-channel split innermost, so the
-  two tiles of a bus need the same input block. The matmul emitter lays its
-  grids out the same way (``matmul_grid.matmul_tile_order``): N is poplin's
-  output channels, A its input.
+  two tiles of a bus need the same input block. Both emitters lay their grids
+  out the same way (``matmul_grid.bus_pair_tile_order``): for a matmul,
+  ``out_split`` is the N split (poplin's output channels; A its input); for
+  a convolution, the feature split within a group (poplin's conv groups are
+  a split of their own, outside it).
   """
   bus = target.tiles_per_exchange_bus
-  return np.where(np.asarray(gn) % bus == 0, 1.0 / bus, 1.0)
+  return np.where(np.asarray(out_split) % bus == 0, 1.0 / bus, 1.0)
 
 
 def tree_fanins(gk: int, stages: int) -> tuple:
@@ -199,7 +201,7 @@ def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_re
   b_bytes = bb * bk * bn * itemsize
   partial_bytes = out_block * p_itemsize
   exchange_bytes = a_bytes + b_bytes
-  exchange = _exchange_cycles(target, _bus_shared_a(target, gn) * a_bytes + b_bytes)
+  exchange = _exchange_cycles(target, bus_shared_fraction(target, gn) * a_bytes + b_bytes)
   reduce, reduce_bytes, stage2 = scatter_reduce_cost(target, gk, out_block, p_itemsize)
   tree_stages = np.zeros(gk.shape, np.int64)
   deep = (gk > out_block) & tree_reduce

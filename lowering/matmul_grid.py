@@ -28,8 +28,8 @@ from ipu_jax.lowering.matmul_cost import ceil_div
 if TYPE_CHECKING:  # program imports this module's users; only the annotation needs it
   from ipu_jax.lowering import program as P
 
-__all__ = ["block_grid_mapping", "blocked_storage", "bus_shared_bytes", "canonical_tiles",
-           "edge_sizes", "grid_exchange_cost", "grid_tiles", "matmul_tile_order",
+__all__ = ["block_grid_mapping", "blocked_storage", "bus_pair_tile_order", "bus_shared_bytes",
+           "canonical_tiles", "edge_sizes", "grid_exchange_cost", "grid_tiles", "matmul_tile_order",
            "operand_exchange_cost", "operand_link_bytes"]
 
 
@@ -45,23 +45,40 @@ def grid_tiles(ctx, count: int, align: int = 1) -> np.ndarray:
   return (start + np.arange(count, dtype=np.int64)) % num_tiles
 
 
+def bus_pair_tile_order(grid: Sequence[int], axis: int) -> np.ndarray:
+  """``[prod(grid)]`` the place along its tiles of each (row-major) grid index.
+
+  The grid's axes keep their order except ``axis``, which goes innermost:
+  grid indices differing only along ``axis`` sit on consecutive tiles. With
+  the grid starting on an even tile (``grid_tiles(..., align=2)``), the two
+  tiles of an exchange bus (``2j``, ``2j + 1``) then differ only along
+  ``axis`` whenever its split is even, and need the same block of every
+  operand that does not vary along it, which they receive together
+  (:func:`operand_exchange_cost`'s ``bus_shared``). Poplin's
+  ``linearizeConvIndices`` (lib/poplin/Convolution.cpp) puts the
+  output-channel split innermost for this reason: a matmul's N split
+  (:func:`matmul_tile_order`) and a convolution's feature split.
+  """
+  grid = tuple(int(g) for g in grid)
+  moved = tuple(a for a in range(len(grid)) if a != axis) + (axis,)
+  places = np.arange(int(np.prod(grid, dtype=np.int64)), dtype=np.int64).reshape(
+      tuple(grid[a] for a in moved))
+  return places.transpose(np.argsort(moved)).reshape(-1)
+
+
 def matmul_tile_order(grid: Sequence[int]) -> np.ndarray:
   """``[gb * gm * gn * gk]`` the place along its tiles of each matmul grid index.
 
   Grid index ``(ib, im, in, ik)`` (row-major) sits at place
-  ``((ib * gm + im) * gk + ik) * gn + in``: the N split innermost, as
-  poplin's ``linearizeConvIndices`` (lib/poplin/Convolution.cpp) puts the
-  output-channel split innermost. With the grid starting on an even tile,
-  the two tiles of an exchange bus (``2j``, ``2j + 1``) then need the same A
-  block whenever ``gn`` is even, and receive it together
-  (:func:`operand_exchange_cost`'s ``bus_shared``). Poplin puts the
-  contraction (input-channel) split outermost; here it stays just outside
-  N, so the ``gk`` tiles summing one output block stay close (fewer
+  ``((ib * gm + im) * gk + ik) * gn + in``: the N split innermost
+  (:func:`bus_pair_tile_order`), as poplin's ``linearizeConvIndices``
+  (lib/poplin/Convolution.cpp) puts the output-channel split innermost, so
+  exchange-bus pairs share an A block whenever ``gn`` is even. Poplin puts
+  the contraction (input-channel) split outermost; here it stays just
+  outside N, so the ``gk`` tiles summing one output block stay close (fewer
   IPU-Link bytes when a grid spans IPUs).
   """
-  gb, gm, gn, gk = (int(g) for g in grid)
-  places = np.arange(gb * gm * gk * gn, dtype=np.int64).reshape(gb, gm, gk, gn)
-  return places.transpose(0, 1, 3, 2).reshape(-1)
+  return bus_pair_tile_order(grid, 2)
 
 
 def edge_sizes(size: int, grid: int, block: int) -> np.ndarray:

@@ -330,5 +330,58 @@ class ConvContractionSplitTest(chex.TestCase, parameterized.TestCase):
     self.assertGreater(float(np.max(steps[1].compute_cycles)), 0)
 
 
+class ConvExchangeBusSharingTest(chex.TestCase, parameterized.TestCase):
+  """A bus pair's shared input window, priced as poplin's ExchangeEstimator prices it.
+
+  lib/poplin/ConvModel.cpp addExchangeCycleEstimates prices a partition's
+  input elements with ExchangeEstimator::getInputElementCycles and its
+  weights with getCycles (lib/poplin/ExchangeEstimator.hpp): where the target
+  shares exchange buses (two tiles a bus) and ``outChanSplit.parallel`` is
+  even, input elements cost ``ceil(elements * size * 16 / (round(4 B * 16) *
+  2))`` cycles (twice the 4 B a cycle), weights ``ceil(elements * size * 16 /
+  64)``; linearizeConvIndices (lib/poplin/Convolution.cpp) puts the
+  output-channel split innermost so that a bus pair needs the same input.
+  """
+
+  def test_bus_pairs_receive_their_shared_window_at_twice_the_rate(self):
+    # [1, 4, 4, 16] * [1, 1, 16, 64] float16 on 16 tiles: grid n1.c8.s1x2,
+    # blocks 1x8x4x2: 8 feature blocks (an even outChanSplit) innermost, so
+    # tiles 2j, 2j + 1 share a 4x2x16 input window (128 elements). x lies
+    # one image row a tile on tiles 0..3; w one input channel (64 elements)
+    # a tile, so each tile holds 8 of its 16x8 kernel block. Poplin's rates
+    # on what a tile of 4..15 receives: inputs ceil(128 x 2 x 16 / (64 x 2))
+    # = 32 cycles, weights ceil(120 x 2 x 16 / 64) = 60, + 100 exchange
+    # latency = 192. Tiles 0..3 hold 32 of their window, their partner 32
+    # more: 64 elements shared (128 B at 8 B a cycle) and 32 alone (64 B at
+    # 4 B), the same 32 cycles. Both at 4 B a cycle, as before cost model
+    # 19: (256 + 240) / 4 + 100 = 224.
+    x, w = _random((1, 4, 4, 16), jnp.float16), _random((1, 1, 16, 64), jnp.float16, seed=1)
+    lowered = ipu_jax.jit(_conv(padding="VALID"), target=_SMALL).lower(x, w)
+    step, = _conv_steps(lowered)
+    self.assertIn("grid n1.c8.s1x2 ", step.name)
+    np.testing.assert_array_equal(step.exchange_bytes_in, [432] * 4 + [496] * 12)
+    self.assertEqual(step.exchange_cycles, 192.0)
+    # Only placement and cycles move: the values are jax.jit's.
+    _check(_conv(padding="VALID"), x, w, tol=2e-2, target=_SMALL)
+
+  @parameterized.named_parameters(
+      # The same convolution planned: window 4x2x16 and kernel block 16x8
+      # (256 B each), the window at the shared rate: (128 + 256) / 4 + 100.
+      ("even_feature_split", (1, 4, 4, 16), (1, 1, 16, 64), 1, "grid n1.c8.s1x2 ", 196.0),
+      # 4 groups of 2 features, 2 blocks of 2 whole groups: poplin's
+      # conv-group split, its outChanSplit 1 (odd): window 4x8x4 (256 B) and
+      # kernel block 4x2x9 (144 B) both at 4 B a cycle: 400 / 4 + 100.
+      ("whole_groups", (2, 8, 8, 8), (3, 3, 2, 8), 4, "grid n2.c2.s1x4 ", 200.0))
+  def test_plan_prices_the_window_at_the_shared_rate_when_the_split_is_even(
+      self, x_shape, w_shape, fgc, label, exchange):
+    pad = ((0, 0), (0, 0)) if w_shape[0] == 1 else ((1, 1), (1, 1))
+    out_shape = x_shape[:3] + w_shape[3:]
+    geo = conv_geometry(x_shape, w_shape, out_shape, ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)),
+                        (1, 1), pad, (1, 1), (1, 1), fgc, 1, 2, 2, "float16")
+    plan = plan_conv(_SMALL, geo, 0.6)
+    self.assertIn(label, plan.label + " ")
+    self.assertEqual(plan.exchange_cycles, exchange)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -169,7 +169,8 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     # 16: a pipelined step pays the host's measured time per execution, shared by its steps.
     # 17: matmul inputs received at the shared exchange-bus rate (poplin's ExchangeEstimator).
     # 18: a broadcast_in_dim read only by elementwise ops is a view, not a copy.
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "18")
+    # 19: convolution inputs received at the shared exchange-bus rate, as matmuls' in 17.
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "19")
 
   def test_scaled_arithmetic_family(self):
     # 1,200 fp32: 600 vectors, 100 per worker, no remainder.

@@ -14,9 +14,13 @@ Tile ``(in, ic, is...)`` receives
   same ``ic``), less the taps that meet only padding in its window (edge
   blocks),
 
-and computes its output block on the AMP unit: the cycles are the block's MACs
-at the AMP rate (``estimators.matmul_cycles``), as the IPU runs convolutions on
-the AMP. The grid is chosen by the cycle model (compute + exchange + sync)
+and computes its output block on the AMP unit. The grid starts on an even tile
+with the feature split innermost (poplin's ``linearizeConvIndices``), so the
+two tiles of an exchange bus hold neighbouring feature blocks and receive
+their common input window together, at twice a tile's rate (poplin's
+ExchangeEstimator; ``ExchangeCost.bus_shared_in``, as a matmul's A block).
+The cycles are the block's MACs at the AMP rate
+(``estimators.matmul_cycles``), as the IPU runs convolutions on the AMP. The grid is chosen by the cycle model (compute + exchange + sync)
 among split counts for each axis, so that the per-tile temporaries (input
 window, kernel slice and output block in the partials type) fit in
 ``convolutions.available_memory_proportion`` of the tile's SRAM (more, smaller
@@ -80,8 +84,9 @@ from ipu_jax.lowering.matmul_emit import fill_zeros
 from ipu_jax.lowering.matmul_plan import (BlockWork, block_work, covering, operand_dtype,
                                           partials_dtype)
 from ipu_jax.lowering.matmul_cost import ceil_div
-from ipu_jax.lowering.matmul_grid import (block_grid_mapping, blocked_storage, edge_sizes,
-                                          grid_tiles, operand_exchange_cost)
+from ipu_jax.lowering.matmul_grid import (block_grid_mapping, blocked_storage,
+                                          bus_pair_tile_order, edge_sizes, grid_tiles,
+                                          operand_exchange_cost)
 from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering import half_partials
@@ -130,12 +135,21 @@ class _OutputGrid:
 
 
 def _output_grid(ctx, out_shape, out_spec, plan: ConvPlan) -> _OutputGrid:
-  """Tile ``b * gk + j`` computes contraction block ``j`` of output block ``b``."""
+  """Grid index ``b * gk + j`` computes contraction block ``j`` of output block ``b``.
+
+  Its tiles start on an even tile with the feature split innermost, as
+  poplin's ``linearizeConvIndices`` lays a plan out: the two tiles of an
+  exchange bus then hold neighbouring feature blocks and need the same input
+  window, which they receive together (:func:`_lhs_exchange`).
+  """
   grids, blocks = [1] * len(out_shape), list(out_shape)
   for canon, axis in enumerate(out_spec):
     grids[axis], blocks[axis] = plan.grid[canon], plan.block[canon]
-  coords = np.unravel_index(np.arange(plan.num_tiles), tuple(grids) + plan.contraction)
-  return _OutputGrid(tuple(grids), tuple(blocks), grid_tiles(ctx, plan.num_tiles),
+  exchange_grid = tuple(grids) + plan.contraction
+  coords = np.unravel_index(np.arange(plan.num_tiles), exchange_grid)
+  tiles = grid_tiles(ctx, plan.num_tiles, align=ctx.target.tiles_per_exchange_bus)[
+      bus_pair_tile_order(exchange_grid, out_spec[1])]
+  return _OutputGrid(tuple(grids), tuple(blocks), tiles,
                      tuple(coords[axis] for axis in out_spec), plan.contraction,
                      tuple(coords[-2:]))
 
@@ -184,8 +198,9 @@ def _lhs_exchange(target, lhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
   # Grouped convolutions split the batch or feature axis: not a plain view.
   groups = (((), (lhs_spec[0],), (), (lhs_spec[1],)) + tuple((a,) for a in lhs_spec[2:])
             if geo.bgc == 1 and geo.fgc == 1 else None)
+  # Bus pairs needing the same window receive it together (poplin's input elements).
   return operand_exchange_cost(target, lhs, tuple(lhs_spec), lhs_canon, groups,
-                               out.exchange_grid, out.tiles, needs, elements)
+                               out.exchange_grid, out.tiles, needs, elements, bus_shared=True)
 
 
 def _rhs_exchange(target, rhs: P.Tensor, geo: ConvGeometry, plan: ConvPlan, dn,
