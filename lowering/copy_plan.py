@@ -38,7 +38,11 @@ however many short runs its rows make, so its boxes are taken from the grid
 Every plan is cached by its layouts counted from a base tile
 (:func:`~ipu_jax.lowering.exchange.relative_base`): a repeated layer's copy
 between the same layouts moved along the tiles reuses the first one's plan,
-its per-tile figures moved into place. Other maps with short rows (strided slices of the
+its per-tile figures moved into place. What the outputs' tiles need of the
+sources (rows cut at the outputs' runs, merged per tile) is cached by the
+outputs' layouts alone, counted from their first tile: a bias broadcast over
+each layer's activation, whose position against the bias changes from layer
+to layer (on several IPUs most layers), finds it once. Other maps with short rows (strided slices of the
 innermost axis, reversals) fall back to the element planner. All return a
 :class:`CopyPlan`.
 
@@ -383,6 +387,76 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
   s_starts = np.concatenate([r[0] for r in runs] + [np.zeros(0, np.int64)])
   s_tiles = np.concatenate([r[1] for r in runs] + [np.zeros(0, np.int64)])
 
+  needs = _output_needs(target, outputs, budget, num_sources)
+  if needs is None:
+    return None
+  written, fills, dst, first, last = needs
+  nothing = np.zeros(num_tiles, np.int64)
+  if dst is None:
+    return _frozen(CopyPlan(None, nothing, written, fills))
+  figures = _exchange_by_pieces(target, dst, first, last, s_starts, s_tiles, num_sources,
+                                budget)
+  if figures is None and num_tiles * num_sources <= _DENSE_CELLS:
+    figures = _exchange_dense(target, dst, first, last, s_starts, s_tiles, num_sources)
+  if figures is None:
+    return None
+  received, sent, link = figures
+  if not received.any():
+    return _frozen(CopyPlan(None, nothing, written, fills))
+  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
+  return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+_NEEDS = plan_cache.PlanCache("copy destination needs", max_entries=2048)
+
+
+def _output_needs(target, outputs, budget: int, num_sources: int) -> Optional[tuple]:
+  """``(written, fills, dst, first, last)`` of a copy's outputs, shared by layouts moved along.
+
+  What the outputs need depends on their layouts and boxes alone, not on
+  where the sources lie: a bias broadcast over each layer's activation
+  needs the same source intervals per tile whichever tiles hold the bias
+  (its position against the activation differs from layer to layer, so
+  whole plans seldom repeat). So these are kept counted from the outputs'
+  first tile and moved into place: tile ids shift, source intervals stay.
+  ``dst`` is None when no output copies anything; None past ``budget``.
+  """
+  laid = [m for m, _ in outputs if m.num_rows]
+  if not laid or any(m.fingerprint[0] == "object" for m in laid):
+    return _needs_of(target, outputs, budget, num_sources)
+  start, t = int(laid[0].tiles[0]), target.num_tiles
+  key = (tuple(m.relative_fingerprint(start, t) for m, _ in outputs),
+         tuple(b for _, b in outputs), int(budget), int(num_sources), t)
+
+  def relative():
+    needs = _needs_of(target, outputs, budget, num_sources)
+    return None if needs is None else _frozen_arrays(_moved_needs(needs, -start, t))
+
+  needs = plan_cache.cached(_NEEDS, key, relative)
+  return None if needs is None else _moved_needs(needs, start, t)
+
+
+def _moved_needs(needs: tuple, tiles: int, num_tiles: int) -> tuple:
+  """``needs`` (of :func:`_needs_of`) with tile ``k``'s part moved to tile ``k + tiles``."""
+  written, fills, dst, first, last = needs
+  if tiles % num_tiles == 0:
+    return needs
+  moved = None if dst is None else (dst + tiles) % num_tiles
+  return roll_tiles(written, tiles), roll_tiles(fills, tiles), moved, first, last
+
+
+def _frozen_arrays(values: tuple) -> tuple:
+  """``values`` with read-only arrays: a cached value is shared, never edited."""
+  for value in values:
+    if isinstance(value, np.ndarray):
+      value.setflags(write=False)
+  return values
+
+
+def _needs_of(target, outputs, budget: int, num_sources: int) -> Optional[tuple]:
+  """:func:`_output_needs` planned in place: each output's rows cut at its tile
+  runs, and the source intervals each destination tile needs merged."""
+  num_tiles = target.num_tiles
   written = np.zeros(num_tiles, np.int64)
   fills = np.zeros(num_tiles, np.int64)
   needs = []  # per output: (dst tile, src lo, src hi) of its pieces
@@ -401,25 +475,14 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
     written += covered
     fills += on_tile - covered
     needs.append(need[:3])
-  nothing = np.zeros(num_tiles, np.int64)
   if not needs:
-    return _frozen(CopyPlan(None, nothing, written, fills))
+    return written, fills, None, None, None
   dst, first, last = needs[0] if len(needs) == 1 else (np.concatenate(p) for p in zip(*needs))
   # Every figure is a union of source intervals per destination tile: merge
   # them first, so a small operand repeated over many rows (a [C] bias over
   # [B, H, W, C]) is cut on its source runs once per tile, not once per row.
   dst, first, last = _merged_intervals(dst, first, last, num_sources)
-  figures = _exchange_by_pieces(target, dst, first, last, s_starts, s_tiles, num_sources,
-                                budget)
-  if figures is None and num_tiles * num_sources <= _DENSE_CELLS:
-    figures = _exchange_dense(target, dst, first, last, s_starts, s_tiles, num_sources)
-  if figures is None:
-    return None
-  received, sent, link = figures
-  if not received.any():
-    return _frozen(CopyPlan(None, nothing, written, fills))
-  cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
-  return _frozen(CopyPlan(cost, received, written - received, fills))
+  return written, fills, dst, first, last
 
 
 def _destination_needs(mapping: TileMapping, boxmap: BoxMap, budget: int):

@@ -267,6 +267,26 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
       _assert_same_figures(plan, target, sources, outputs, 4)
     self.assertEqual(copy_plan._PLANS.hits - hits, 2)  # pylint: disable=protected-access
 
+  @parameterized.product(target=["t16", "t2x8"], source_start=[3, 11])
+  def test_outputs_moved_against_their_sources_share_their_needs(self, target, source_start):
+    # A bias broadcast over each layer's activation: the activation moves
+    # along the tiles but the bias stays, so the two layouts never repeat
+    # together and the whole plan is made afresh; what the activation's tiles
+    # need of the bias is the same each time, found once and moved into
+    # place. Every figure is the element planner's.
+    target = _TARGETS[target]
+    box = Box.make((6, 40), 0, (40, 1), 0, (0, 1))
+    bias = TileMapping.linear(40, target.num_tiles, 4, start_tile=source_start)
+    copy_plan._NEEDS.clear()  # pylint: disable=protected-access
+    plan_hits, hits = copy_plan._PLANS.hits, copy_plan._NEEDS.hits  # pylint: disable=protected-access
+    for start in (0, 5, 9):
+      out = TileMapping.linear(240, target.num_tiles, 4, start_tile=start)
+      plan = copy_plan.plan_copies(target, [bias], [(out, BoxMap((box,)))], 4)
+      self.assertIsNotNone(plan.exchange)
+      _assert_same_figures(plan, target, [bias], [(out, BoxMap((box,)))], 4)
+    self.assertEqual(copy_plan._PLANS.hits - plan_hits, 0)  # pylint: disable=protected-access
+    self.assertEqual(copy_plan._NEEDS.hits - hits, 2)  # pylint: disable=protected-access
+
 
 # Programs whose movements cross layouts (linear, reduction results, matmul
 # block grids) on 16 tiles and on 2 IPUs of 8 tiles.
