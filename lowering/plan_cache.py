@@ -15,6 +15,14 @@ outermost :func:`lowering_session` ends (a first call's tracing may derive a
 few layout arrays again). Row tiles enter keys as :func:`~ipu_jax.lowering.mapping.tiles_key`,
 a 64-bit hash with the length and ends: two layouts share a key by chance
 with odds of about 2**-64 a pair.
+
+A key holds everything its value depends on -- layouts, shapes, dtypes, and
+the target wherever a figure reads it -- and nothing of the program being
+lowered or its options (a matmul's proportion decides its grid, and the grid
+is in the key). One session may therefore span several programs: a
+pipeline's stage programs (``Pipeline.lower``: a backward replans its
+recomputed forward, stages repeat the same layer) and a split search's
+probes, confirmations and baseline (``ipu_jax.pipelining.search``).
 """
 
 from __future__ import annotations
@@ -126,8 +134,10 @@ def lowering_session():
 
   A program's equations reuse each other's plans; once it is lowered they
   are dead weight (up to ``max_bytes`` per table, most of a gigabyte at
-  BERT size), so the lowering of one program is one session. Sessions nest:
-  a program lowered inside another's lowering shares its tables.
+  BERT size), so the lowering of one program is one session, unless a
+  caller lowering several programs that meet the same layouts (a pipeline's
+  stages, a split search) holds one around them all. Sessions nest: a
+  program lowered inside another session shares its tables.
   """
   with _sessions_lock:
     _sessions[0] += 1

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import ipu_jax
+from ipu_jax.lowering import plan_cache
 from ipu_jax.ops import pipeline_stage
 from ipu_jax.pipelining import Pipeline, PipelineError, links, schedule, stage_programs
 import testing_utils
@@ -515,6 +516,40 @@ class AlikeStagesTest(chex.TestCase):
     pipe.lower(params, batches)
     self.assertEqual([s.shared_with for s in pipe.stages], [None] * 4)
     self.assertIsNot(pipe.stages[2].forward, pipe.stages[1].forward)
+
+
+class PlanSessionTest(chex.TestCase):
+  """A pipeline's stage programs are lowered in one plan session."""
+
+  def test_each_plan_computed_once_with_the_figures_of_no_cache(self):
+    # Other proportions on every IPU: no stage shares another's programs, but
+    # each backward recomputes its forward's equations and every stage holds
+    # the same layer, so their plans are met again.
+    params, batches = _data(stages=4)
+    cfg = _config(recompute=True)
+    cfg.matmuls.available_memory_proportion = [0.6, 0.5, 0.4, 0.3]
+    pipe = Pipeline(_loss, optax.sgd(0.1), config=cfg)
+    with testing_utils.counting_plans() as computed:
+      pipe.lower(params, batches)
+    self.assertEqual([s.shared_with for s in pipe.stages], [None] * 4)
+    self.assertTrue(computed)
+    # The tables whose plans were computed more than once: none.
+    self.assertEqual(sorted({table for (table, _), n in computed.items() if n > 1}), [])
+    # Plans met again are the plans computed afresh: the same figures.
+    with plan_cache.disabled():
+      fresh = Pipeline(_loss, optax.sgd(0.1), config=cfg).lower(params, batches)
+    self.assertEqual(pipe.timeline.total_cycles, fresh.timeline.total_cycles)
+    for ours, theirs in zip(pipe.stages, fresh.stages):
+      for name in ("forward", "backward", "update"):
+        mine, other = getattr(ours, name).profile, getattr(theirs, name).profile
+        self.assertEqual(mine.total_cycles, other.total_cycles)
+        np.testing.assert_array_equal(mine.memory.peak, other.memory.peak)
+    # And the pipeline trains as plain accumulation does.
+    out = pipe.step(params, pipe.init(params, batches), batches)
+    grads = _plain_gradients(_loss, params, batches, 8)
+    chex.assert_trees_all_close([np.asarray(p) for p in out.params],
+                                [p - 0.1 * g for p, g in zip(params, grads)],
+                                rtol=1e-5, atol=1e-6)
 
 
 class KerasPipeliningTest(chex.TestCase):

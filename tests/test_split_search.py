@@ -17,8 +17,10 @@ import numpy as np
 import optax
 
 import ipu_jax
+from ipu_jax.lowering import plan_cache
 from ipu_jax.pipelining import candidates, shared_stages, split_search
 from experiments import bert, bert_split
+import testing_utils
 
 _LIMIT_TILES = 16
 
@@ -190,6 +192,26 @@ class SplitSearchTest(chex.TestCase):
     np.testing.assert_array_equal(partial["last"].stash, full["last"].stash)
     # ... and differs from the unserialised decoder's.
     self.assertNotEqual(full["last"].forward, base["last"].forward)
+
+  def test_search_computes_each_plan_once_with_the_figures_of_no_cache(self):
+    # The probes of one proportion, the confirmations and the baseline meet
+    # the same layers' layouts: one plan session holds them for the search.
+    baseline = {"layers_per_ipu": [1, 2, 3], "available_memory_proportion": [0.6] * 3,
+                "recomputation": True}
+    with testing_utils.counting_plans() as computed:
+      result = ipu_jax.pipelining.search(self.model, _config(), self.optimizer, _SPACE,
+                                         baseline=baseline)
+    self.assertTrue(computed)
+    self.assertEqual(sorted({table for (table, _), n in computed.items() if n > 1}), [])
+    with plan_cache.disabled():
+      fresh = ipu_jax.pipelining.search(self.model, _config(), self.optimizer, _SPACE,
+                                        baseline=baseline)
+    self.assertEqual(result.config, fresh.config)
+    for ours, theirs in zip(result.top + [result.baseline], fresh.top + [fresh.baseline]):
+      self.assertEqual(ours.step_cycles, theirs.step_cycles)
+      self.assertEqual(ours.ipu_peak_bytes, theirs.ipu_peak_bytes)
+      self.assertEqual(ours.lowered_peak_bytes, theirs.lowered_peak_bytes)
+      self.assertEqual(ours.lowered_step_cycles, theirs.lowered_step_cycles)
 
   def test_probes_of_one_search_lower_each_stage_once(self):
     cfg = _config()

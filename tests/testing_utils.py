@@ -6,6 +6,9 @@ Each test file used to carry its own copy of these; one copy keeps the
 tolerance rules the same everywhere.
 """
 
+import collections
+import contextlib
+
 import chex
 from flax import nnx
 import jax
@@ -308,3 +311,25 @@ def chain_data(stages, g, width=16, rows=8, seed=0, scale=0.3):
   batches = {"x": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32),
              "y": jnp.asarray(rng.normal(size=(g, rows, width)), jnp.float32)}
   return params, batches
+
+
+@contextlib.contextmanager
+def counting_plans():
+  """Counts, per ``(table name, key)``, how often a plan-cache entry is computed.
+
+  Yields a ``collections.Counter``: a count above 1 is a plan computed again,
+  what a shared plan session exists to avoid.
+  """
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  from ipu_jax.lowering import plan_cache  # pylint: disable=g-import-not-at-top
+  computed = collections.Counter()
+  original = plan_cache.PlanCache.get_or_compute
+
+  def recording(cache, key, compute):
+    def counted():
+      computed[(cache.name, key)] += 1
+      return compute()
+    return original(cache, key, counted)
+
+  with mock.patch.object(plan_cache.PlanCache, "get_or_compute", recording):
+    yield computed

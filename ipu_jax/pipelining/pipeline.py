@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax import config as config_lib
+from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.pipelining import layout, links, schedule as schedule_lib, stage_programs
 from ipu_jax.pipelining import shared_stages, weight_update
@@ -260,11 +261,16 @@ class Pipeline:
     # Stages alike share their forward and backward programs and their update program.
     lowerings = self.shared_lowerings or shared_stages.SharedLowerings()
     shared = (lowerings.stages, lowerings.updates)
-    for stage in staged.stages:
-      programs, reads = self._lower_stage(stage, staged, mapping, values,
-                                          (flat_params, flat_micro), target, shared)
-      stages.append(programs)
-      all_reads.append(reads)
+    # One plan session for every stage: a stage's backward replans its
+    # recomputed forward's equations, and stages not alike (other neighbours,
+    # other proportions) still hold the same layers' layouts. Plan keys hold
+    # every figure they depend on (layouts, shapes, target), not the program.
+    with plan_cache.lowering_session():
+      for stage in staged.stages:
+        programs, reads = self._lower_stage(stage, staged, mapping, values,
+                                            (flat_params, flat_micro), target, shared)
+        stages.append(programs)
+        all_reads.append(reads)
     for stage, reads in zip(staged.stages, all_reads):
       for source, nbytes in reads.items():
         stages[source].sends[stage.index] = stages[source].sends.get(stage.index, 0) + nbytes

@@ -40,6 +40,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from ipu_jax.lowering import plan_cache
 from ipu_jax.pipelining import compose, links, schedule as schedule_lib
 from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
 from ipu_jax.pipelining.search_result import Estimate, LoweredSplit, SearchResult, Shortfall
@@ -368,24 +369,28 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   config = (config if config is not None else config_lib.get_default_config()).copy()
   space = space if space is not None else SearchSpace()
   num_ipus = config.auto_select_ipus
-  probes = _Probes(model, config, optimizer, log or (lambda message: None))
-  for setting in itertools.product(space.proportions, space.recomputation, space.serialization):
-    probes.ensure(*setting)
-  probed = time.time()
-  scorer = _Scorer(probes.figures, probes.targets[0], num_ipus, config.pipelining.schedule,
-                   config.training.gradient_accumulation_steps, config.replication_factor,
-                   model.samples())
-  estimator = functools.partial(_estimate, model, num_ipus, probes, scorer)
-  fitting, closest = _feasible(scorer, space, space.compositions(model.num_layers, num_ipus))
-  probes.log(f"{len(fitting):,d} candidates fit; ranking")
-  ranked, simulated = _rank(scorer, fitting, max(top, confirm_top))
-  ranked_at = time.time()
-  chosen, confirmed, lowered, split = (None, False, 0, None)
-  if ranked:
-    probes.release()  # the probes' programs go before the full model's are lowered
-    chosen, confirmed, lowered, split = _confirm_best(model, config, optimizer, ranked,
-                                                      confirm_top, tolerance)
-  base = estimator(baseline) if baseline is not None else None
+  # One plan session for the probes, the confirmations and the baseline: the
+  # probes' layers and the full model's share layouts (plan keys hold every
+  # figure they depend on -- layouts, shapes, target -- not the program).
+  with plan_cache.lowering_session():
+    probes = _Probes(model, config, optimizer, log or (lambda message: None))
+    for setting in itertools.product(space.proportions, space.recomputation, space.serialization):
+      probes.ensure(*setting)
+    probed = time.time()
+    scorer = _Scorer(probes.figures, probes.targets[0], num_ipus, config.pipelining.schedule,
+                     config.training.gradient_accumulation_steps, config.replication_factor,
+                     model.samples())
+    estimator = functools.partial(_estimate, model, num_ipus, probes, scorer)
+    fitting, closest = _feasible(scorer, space, space.compositions(model.num_layers, num_ipus))
+    probes.log(f"{len(fitting):,d} candidates fit; ranking")
+    ranked, simulated = _rank(scorer, fitting, max(top, confirm_top))
+    ranked_at = time.time()
+    chosen, confirmed, lowered, split = (None, False, 0, None)
+    if ranked:
+      probes.release()  # the probes' programs go before the full model's are lowered
+      chosen, confirmed, lowered, split = _confirm_best(model, config, optimizer, ranked,
+                                                        confirm_top, tolerance)
+    base = estimator(baseline) if baseline is not None else None
   counts = {"space": space.size(model.num_layers, num_ipus),
             "scored": space.size(model.num_layers, num_ipus), "simulated": simulated,
             "probes": len(probes.figures), "lowered": len(probes.figures) + lowered,
