@@ -71,11 +71,15 @@ from ipu_jax.lowering.tile_generators import PRNG_STATE
 
 __all__ = ["Lowered", "Setup", "TileProgram", "Traced"]
 
-# Lowerings whose per-tile cost arrays total at least this many entries hand
-# the heap they freed back to the system (small programs free too little to
-# be worth it). Measured: the 8-layer width-256 step on four IPUs returns
-# 640 MB of its 1,350 MB in 0.07 s; on one IPU it stays below the line.
-_TRIM_AFTER_TILE_STEPS = 1 << 22
+# Programs whose per-tile cost arrays total at least this many entries hand
+# the heap their lowering freed back to the system when they are compiled
+# (small programs free too little to be worth it). Measured: the 8-layer
+# width-256 step on four IPUs returns 640 MB of its 1,350 MB in 0.07 s; on one
+# IPU it stays below the line. Not after lowering: a search or an estimate
+# lowers program after program and never compiles, and every lowering after a
+# trim faulted those pages in again (140k-210k page faults, 0.3-0.4 CPU s a
+# lowering of the four-IPU step, more than the trim saved).
+_TRIM_AT_TILE_STEPS = 1 << 22
 
 
 # -- Traced --------------------------------------------------------------------
@@ -205,8 +209,6 @@ class Traced:
         with plan_cache.lowering_session():
           lowered = _lower_traced(self, progress)
       self.host.lowering_seconds = lowering[0]
-      if len(lowered.profile.steps) * self.setup.target.num_tiles >= _TRIM_AFTER_TILE_STEPS:
-        host_memory.release_free_memory()
       if cache_dir is not None:
         lowered = lowered.stored(cache_dir, key)
       return lowered
@@ -372,6 +374,10 @@ class Lowered:
   def compile(self) -> "Compiled":
     """The :class:`Compiled` program (made on first call, then the same one)."""
     if self._compiled is None:
+      if len(self.profile.steps) * self.target.num_tiles >= _TRIM_AT_TILE_STEPS:
+        # The compiled step's large buffers cannot reuse the small blocks the
+        # lowering freed; handed back, they do not count twice.
+        host_memory.release_free_memory()
       host = self.traced.host if self.traced is not None else host_time.HostTimes()
       object.__setattr__(self, "_compiled", Compiled(self.executable, self.signature, host))
     return self._compiled
