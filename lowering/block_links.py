@@ -103,6 +103,12 @@ def _cell_counts(shape, points, weights, owner, n_owners, cuts) -> np.ndarray:
 def _box_sums(counts: np.ndarray, cuts, lo, hi) -> np.ndarray:
   """``[owners, K]`` sums of per-cell counts over the cells of boxes ``[lo, hi)``."""
   ndim = counts.ndim - 1
+  first = [np.searchsorted(cuts[a], lo[a]) for a in range(ndim)]
+  if all(np.array_equal(np.searchsorted(cuts[a], hi[a]), first[a] + 1) for a in range(ndim)):
+    # Every box is one cell (a matmul grid's blocks cut the tensor into its
+    # cells): its sum is that cell's count, gathered without the
+    # cumulative sums over every cell below.
+    return counts.reshape(counts.shape[0], -1)[:, np.ravel_multi_index(first, counts.shape[1:])]
   # Cumulative sums along every cell axis, behind a leading zero per axis
   # (the zero layers stay zero under the other axes' sums).
   summed = counts
