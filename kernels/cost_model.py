@@ -124,7 +124,12 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    and the planner halves the window's exchange when the feature split within a group is
 #    even (lowering/conv_plan.py). ResNet-50 (mlperf_v2_bow_pod16, one micro-batch's seven
 #    stage programs): conv cycles 9,891,845 -> 9,078,517, their exchange 2.96 M -> 2.31 M.
-COST_MODEL_VERSION = "19"
+# 20: JAX's add_any (the backward pass's sum of cotangents) is popops' ADD, as the forward
+#    add is (BinaryOp1D, or BroadcastScalar for a scalar-per-region operand), not the generic
+#    elementwise figure; lowering/rules/elementwise.py. A reduction over size-1 axes only (a
+#    keepdims mean's cotangent) is a view, as XLA's HandleReduce and popops' reduceWithMap
+#    leave it: no Reduce step; lowering/rules/reduction.py. Only backward passes move.
+COST_MODEL_VERSION = "20"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +228,18 @@ FIGURE_SOURCES.update({
         "(BroadcastScalar2D, non-uniform scalar), broadcastOpPerfInfo; the cheaper per tile, "
         "as ElementWise.cpp binaryOpBroadcastScalar picks; the 2D regions' split between "
         "workers is an estimate"),
+    "kernels.popops.BINARY": FigureSource(
+        "poplibs", _POPOPS + "popopsCycleEstimators.cpp BinaryOp1D estimator and "
+        "binaryOpPerfInfo: workers * (29 float / 26 half + ceil(ceil(n / workers) / vector) * "
+        "(cycles + 2 for the assembly ADD/SUB/MUL, + 5 otherwise)) + 11 "
+        "(basicOpSupervisorOverhead); JAX's add_any (the backward's cotangent sums, an XLA "
+        "add) is priced as ADD, as the forward add is"),
+    "lowering.rules.reduction.size_one_views": FigureSource(
+        "poplibs", _POPOPS + "reduction/Reduction.cpp canReduceWithMap / reduceWithMap: a "
+        "reduce whose reduced dimensions all have size 1 runs no Reduce vertex (a cast, a copy "
+        "when the types agree, on the input's own mapping); XLA's AlgebraicSimplifier "
+        "HandleReduce makes it a reshape first (jax.jit's compile shows a bitcast), so it "
+        "costs 0 cycles, a view"),
     "kernels.popops.MAP_LOOP_CYCLES": FigureSource(
         "estimate", "one brnzdec per vector for the generated loop's count and branch"),
     "kernels.estimators.ELEMENTWISE_COST.philox4x32": FigureSource(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax.kernels import vocabulary as vocab
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _SHAPES = ((), (0,), (1,), (37,), (7, 13), (3, 1, 5), (515,))
@@ -310,6 +311,55 @@ class BroadcastOperandTest(chex.TestCase):
     self.assertEqual(int(fused.memory.peak.max()), int(explicit.memory.peak.max()))
     _check(fn, x, a, b)
     _check(made, x, a, b)
+
+
+def _two_uses_grad(x, y, z):
+  # x read twice: its cotangent is JAX's add_any of the two readers' cotangents.
+  return jax.grad(lambda x: jnp.sum(jnp.sin(x) * y) + jnp.sum(jnp.cos(x) * z))(x)
+
+
+def _centred_grad(x, y):
+  # x - mean(x): x's cotangent is add_any(g, broadcast_in_dim(-sum(g) / n)),
+  # the broadcast read as a view (a scalar per row).
+  return jax.grad(lambda x: jnp.sum((x - jnp.mean(x, axis=-1, keepdims=True)) * y))(x)
+
+
+def _add_any_step(profile):
+  steps = [s for s in profile.steps if s.op == "add_any"]
+  assert len(steps) == 1, [s.op for s in profile.steps]
+  return steps[0]
+
+
+class CotangentSumTest(chex.TestCase, parameterized.TestCase):
+  """``add_any`` (the backward pass's sum of cotangents) is popops' ADD, as ``add`` is."""
+
+  @parameterized.parameters(np.float16, np.float32)
+  def test_add_any_is_popops_binary_add(self, dtype):
+    # [16, 96] on 16 tiles: 96 elements a tile. popops' BinaryOp1D ADD
+    # (poplibs lib/popops/popopsCycleEstimators.cpp, BinaryOp1D estimator with
+    # binaryOpPerfInfo ADD: 1 cycle a vector, +2 loop overhead for the
+    # assembly codelet): 6 * (29 float / 26 half + ceil(ceil(96 / 6) / vector)
+    # * 3) + 11 (basicOpSupervisorOverhead). float: 6 * (29 + 8 * 3) + 11 = 329;
+    # half: 6 * (26 + 4 * 3) + 11 = 239.
+    x, y, z = (_random((16, 96), dtype, seed=i) for i in range(3))
+    step = _add_any_step(_profile(_two_uses_grad, x, y, z))
+    want = 329 if dtype == np.float32 else 239
+    np.testing.assert_array_equal(step.compute_cycles, np.full(16, want))
+    self.assertEqual(step.codelets, (vocab.vertex(vocab.ELEMENTWISE, "add"),))
+    _check(_two_uses_grad, x, y, z)
+
+  def test_add_any_broadcast_reader_is_popops_broadcast_scalar(self):
+    # [16, 96] float32, one row a tile; the mean's cotangent is one scalar per
+    # row: popops' BroadcastScalar1D ADD (broadcastArithmetic1DCycleEstimate,
+    # 1 cycle + 1 overhead a vector of 2 floats): 6 * (20 + ceil(ceil(96 / 6)
+    # / 2) * 2) + 11 = 6 * (20 + 16) + 11 = 227 (BroadcastScalar2D's
+    # 6 * (20 + 28 + 8 * 5) = 528 is dearer), as the forward ``add`` pays.
+    x, y = _random((16, 96), np.float32), _random((16, 96), np.float32, seed=1)
+    step = _add_any_step(_profile(_centred_grad, x, y))
+    np.testing.assert_array_equal(step.compute_cycles, np.full(16, 227))
+    forward = _profile(lambda x, m: x + m[:, None], x, _random((16,), np.float32, seed=2))
+    np.testing.assert_array_equal(step.compute_cycles, forward.steps[0].compute_cycles)
+    _check(_centred_grad, x, y)
 
 
 def _centred_square_sum(x):

@@ -205,6 +205,47 @@ class PlanTest(parameterized.TestCase):
     self.assertLess(int(final.exchange_bytes_in.max()), 64 * 1024)
 
 
+def _size_one_reductions(x, flags):
+  # x: [5, 1, 33, 1], reduced over its size-1 axes only.
+  return (lax.reduce_sum(x, (1, 3)), lax.reduce_max(x, (1,)), lax.reduce_min(x, (3,)),
+          lax.reduce_prod(x, (1, 3)), lax.reduce_or(flags, (1, 3)),
+          lax.reduce(x, np.zeros((), x.dtype), lambda a, b: a + b, (1, 3)))
+
+
+class SizeOneAxesTest(chex.TestCase, parameterized.TestCase):
+  """A reduction over size-1 axes only reduces nothing, as in PopLibs and XLA."""
+
+  @parameterized.parameters(np.float16, np.float32)
+  def test_reduction_over_size_one_axes_is_a_view(self, dtype):
+    # PopLibs' popops::reduce (lib/popops/reduction/Reduction.cpp,
+    # canReduceWithMap / reduceWithMap) runs no Reduce vertex when every
+    # reduced dimension has size 1, and XLA turns such a reduce into a reshape
+    # (jax.jit's own compile shows a bitcast): a view, 0 cycles, no exchange.
+    x = np.random.default_rng(20).standard_normal((5, 1, 33, 1)).astype(dtype)
+    x[0, 0, :3, 0] = [-0.0, np.nan, np.inf]
+    flags = x > 0
+    lowered = ipu_jax.jit(_size_one_reductions, target=_T16).lower(x, flags)
+    self.assertEqual([s.name for s in lowered.profile.steps], [])
+    self.assertEqual(lowered.report.total_cycles, 0)
+    # Bit for bit jax.jit's, NaN and the sign of -0.0 included.
+    testing_utils.assert_matches_jit(_size_one_reductions, x, flags, exact=True)
+
+  def test_keepdims_mean_gradient_sums_only_its_long_axis(self):
+    # The gradient of x - mean(x, -1, keepdims=True) sums the cotangent over
+    # the row ([16, 96] -> [16]) and then over the size-1 axis of the
+    # keepdims mean ([16, 1] -> [16]): only the first is a reduction.
+    x = np.random.default_rng(21).standard_normal((16, 96)).astype(np.float32)
+    y = np.random.default_rng(22).standard_normal((16, 96)).astype(np.float32)
+
+    def fn(x, y):
+      return jax.grad(lambda x: jnp.sum((x - jnp.mean(x, -1, keepdims=True)) * y))(x)
+
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x, y)
+    sums = [s.name for s in lowered.profile.steps if s.op == "reduce_sum"]
+    self.assertEqual(sums, ["reduce_sum/partials"])
+    testing_utils.assert_matches_jit(fn, x, y)
+
+
 def _statistics(x):
   """A batch norm's float32 statistics of float16 ``x`` (experiments/resnet_models.py)."""
   return (jnp.sum(x, (0, 1, 2), dtype=jnp.float32),

@@ -170,7 +170,8 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
     # 17: matmul inputs received at the shared exchange-bus rate (poplin's ExchangeEstimator).
     # 18: a broadcast_in_dim read only by elementwise ops is a view, not a copy.
     # 19: convolution inputs received at the shared exchange-bus rate, as matmuls' in 17.
-    self.assertEqual(cost_model.COST_MODEL_VERSION, "19")
+    # 20: add_any priced as popops' ADD; a reduction over size-1 axes only is a view.
+    self.assertEqual(cost_model.COST_MODEL_VERSION, "20")
 
   def test_scaled_arithmetic_family(self):
     # 1,200 fp32: 600 vectors, 100 per worker, no remainder.
@@ -233,7 +234,7 @@ class HandWorkedFiguresTest(chex.TestCase, parameterized.TestCase):
   def test_kernel_figures_have_sources(self):
     for name in ("scaled_arithmetic_cycles", "map_expression_cycles",
                  "map_member_element_cycles", "elementwise_overheads", "MAP_LOOP_CYCLES",
-                 "MAP_WORDS_PER_CYCLE", "NONLINEARITY"):
+                 "MAP_WORDS_PER_CYCLE", "NONLINEARITY", "BINARY"):
       self.assertTrue(hasattr(popops, name), name)
       source = cost_model.FIGURE_SOURCES["kernels.popops." + name]
       self.assertIn(source.kind, ("poplibs", "estimate"))

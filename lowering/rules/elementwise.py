@@ -67,7 +67,19 @@ def _cost_op(primitive, operands) -> str:
   runs a multiply by the folded reciprocal, not popops' DIVIDE (21 cycles per
   4 halves against 1 per vector, ``binaryOpPerfInfo``). The values are
   jax.jit's: its own compile applies the same rewrite.
+
+  ``add_any`` (``add_jaxvals_p``, the sum of two cotangents JAX's transpose
+  writes) is priced as popops' ADD, as the forward ``add`` is: XLA lowers it
+  to an ordinary ``add`` HLO, which TensorFlow's IPU backend maps to
+  ``popops::add`` (the ``BinaryOp1D`` ADD estimator,
+  ``binaryOpPerfInfo`` in poplibs' ``lib/popops/popopsCycleEstimators.cpp``:
+  per worker ``29`` (float) or ``26`` (half) plus ``ceil(n / vector) * (1 +
+  2)``, times the contexts, plus ``basicOpSupervisorOverhead``'s 11), and an
+  operand with a scalar per region (a LayerNorm's mean cotangent read
+  broadcast) is popops' ``BroadcastScalar`` ADD, exactly as for ``add``.
   """
+  if primitive is add_jaxvals_p:
+    return "add"
   if primitive is not lax.div_p or len(operands) != 2:
     return ""
   x, y = operands

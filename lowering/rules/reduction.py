@@ -60,6 +60,7 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.builders import add_costs, broadcast_cost, worker_vertices
 from ipu_jax.lowering.context import RuleContext
 from ipu_jax.lowering.exchange import take_or_fill
+from ipu_jax.lowering.movement import alias
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering.grouping import gather_or_fill
 from ipu_jax.lowering.reduction_plan import (PerTileTables, ReductionInits, ReductionPlan,
@@ -150,6 +151,9 @@ def _lower_reduction(ctx, spec: ReductionSpec, data: Sequence[P.Tensor], axes,
   init_plan = ReductionInits.of(inits)
   if out_size == 0 or data[0].size == 0:
     return _emit_empty(ctx, spec, init_plan, out_avals, out_size)
+  views = _size_one_views(spec, data, axes, out_avals)
+  if views is not None:
+    return views
   plan = plan_reduction(ctx, spec, data, axes, init_plan, out_avals, out_size)
   stage2 = place_outputs(ctx, plan)
   _claim_linear(ctx, stage2.out_map, stage2.rotates)
@@ -163,6 +167,33 @@ def _lower_reduction(ctx, spec: ReductionSpec, data: Sequence[P.Tensor], axes,
   outputs = [ctx.new_tensor(s, d, stage2.out_map) for s, d in out_avals]
   _emit_final(ctx, plan, stage2, partials, outputs)
   return outputs
+
+
+def _size_one_views(spec: ReductionSpec, data: Sequence[P.Tensor], axes,
+                    out_avals) -> Optional[list]:
+  """The outputs as views of the inputs when every reduced axis has size 1, else None.
+
+  PopLibs reduces nothing then: ``popops::reduce`` finds that every reduced
+  dimension has size 1 (``canReduceWithMap``, ``lib/popops/reduction/
+  Reduction.cpp``) and ``reduceWithMap`` clones the input's mapping for the
+  output and runs ``popops::cast``, a plain on-tile copy when the types agree
+  (no Reduce vertex, no exchange: the output sits where the input is). XLA's
+  algebraic simplifier goes one step further before any backend sees it
+  (``AlgebraicSimplifierVisitor::HandleReduce``: a reduce with as many
+  elements out as in is a reshape of its input, the init value being the
+  computation's identity), so TensorFlow's IPU backend is handed a reshape,
+  a Poplar view: no step, no cycles, no memory. Dropping size-1 axes keeps
+  the row-major element order, so the output is an alias of the input.
+  JAX emits these in backward passes (a ``keepdims`` mean's cotangent summed
+  over its size-1 axis). ``argmax``/``argmin`` (an index of another type)
+  keep the planned path.
+  """
+  if spec.index_axis is not None or any(int(data[0].shape[a]) != 1 for a in axes):
+    return None
+  xs = [data[c] for c in spec.out_components]
+  if any(x.dtype != np.dtype(dtype) for x, (_, dtype) in zip(xs, out_avals)):
+    return None
+  return [alias(x, shape) for x, (shape, _) in zip(xs, out_avals)]
 
 
 @dataclasses.dataclass(frozen=True)
