@@ -62,12 +62,16 @@ import ipu_jax
 __all__ = ["BertConfig", "Bert", "bert_large", "bert_base", "pretraining_loss",
            "make_loss", "layout", "placement_layout", "popart_checkpoints",
            "synthetic_batches",
-           "ATTENTION_BLOCK", "FFN_BLOCK"]
+           "ATTENTION_BLOCK", "FFN_BLOCK", "SCORES", "SOFTMAX", "CONTEXT"]
 
 # The scopes of an encoder layer's two sub-blocks (module paths
 # ``layers_<i>/attention_block``, ``layers_<i>/ffn_block``).
 ATTENTION_BLOCK = "attention_block"
 FFN_BLOCK = "ffn_block"
+# Scopes inside the attention block (the layer_costs runner groups steps by them).
+SCORES = "scores"
+SOFTMAX = "softmax"
+CONTEXT = "context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,11 +195,17 @@ class EncoderLayer(nnx.Module):
     b, s, w = h.shape
     q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
     heads = lambda t: t.reshape(b, s, self.heads, w // self.heads).transpose(0, 2, 1, 3)
-    # A Python float keeps the scores in the model's dtype (a NumPy float64
-    # scalar would promote half-precision scores to float32).
-    scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / float(np.sqrt(w // self.heads))
-    probs = ipu_jax.ops.softmax(scores + mask_bias, axis=-1)  # popnn's, as PopART runs it
-    return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
+    # The scores, softmax and context open scopes of their own so a report (and
+    # experiments/layer_costs.py) can tell their steps apart; costs are unchanged.
+    with jax.named_scope(SCORES):
+      # A Python float keeps the scores in the model's dtype (a NumPy float64
+      # scalar would promote half-precision scores to float32).
+      scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / float(np.sqrt(w // self.heads))
+      scores = scores + mask_bias
+    with jax.named_scope(SOFTMAX):
+      probs = ipu_jax.ops.softmax(scores, axis=-1)  # popnn's, as PopART runs it
+    with jax.named_scope(CONTEXT):
+      return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
 
   def __call__(self, h, mask_bias, deterministic: bool):
     # The two sub-blocks open scopes of their own, so a stage_assignment can

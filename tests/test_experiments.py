@@ -157,3 +157,64 @@ def test_replicated_scale_row_all_reduces_its_gradients():
   np.testing.assert_allclose(np.asarray(loss), np.asarray(want_loss), rtol=1e-4)
   for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
+
+
+import chex  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
+
+# A 2-head width-64 BERT layer on 16 tiles: seconds.
+_TINY_LAYER = ["--hidden=64", "--heads=2", "--ffn=256", "--seq=32", "--micro_batch=1",
+               "--tiles_per_ipu=16"]
+
+
+class LayerCostsRunnerTest(chex.TestCase, parameterized.TestCase):
+  """``python -m experiments.layer_costs``: one encoder layer's cycles, part by part."""
+
+  def _run(self, *flags):
+    out = os.path.join(self.create_tempdir().full_path, "layer.json")
+    proc = subprocess.run([sys.executable, "-m", "experiments.layer_costs", *_TINY_LAYER,
+                           *flags, f"--json_out={out}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-3000:])
+    self.assertIn("forward_backward:", proc.stdout)
+    with open(out) as f:
+      return json.load(f)
+
+  @parameterized.named_parameters(("half_partials", "float16", 0.0),
+                                  ("float_partials_dropout", "float32", 0.1))
+  def test_parts_add_up_to_the_totals(self, partials, dropout):
+    from ipu_jax.kernels.cost_model import COST_MODEL_VERSION
+    results = self._run(f"--partials={partials}", f"--dropout={dropout}")
+    self.assertEqual((results["schema"], results["version"]), ("ipu-jax-layer-costs", 1))
+    self.assertEqual(results["cost_model"], COST_MODEL_VERSION)
+    for key in ("forward", "forward_backward"):
+      program = results[key]
+      parts = [p for passes in program["passes"].values() for p in passes.values()]
+      self.assertAlmostEqual(sum(p["cycles"] for p in parts), program["total_cycles"], delta=1)
+      for part in parts:
+        self.assertAlmostEqual(sum(s["cycles"] for s in part["steps"].values()), part["cycles"],
+                               delta=1)
+      self.assertGreater(program["peak_tile_bytes"], 0)
+    forward, both = results["forward"], results["forward_backward"]
+    self.assertEqual(list(forward["passes"]), ["forward"])
+    self.assertEqual(sorted(both["passes"]), ["backward", "forward"])
+    self.assertEqual((forward["matmuls"], both["matmuls"]), (6, 18))
+    # The forward alone is a part of forward + backward: its products cost the same there.
+    self.assertLess(forward["total_cycles"], both["total_cycles"])
+    matmul_parts = ("qkv_matmul", "attention_scores", "attention_context",
+                    "attention_output_matmul", "ffn_in_matmul", "ffn_out_matmul")
+    for name in matmul_parts + ("softmax", "gelu", "layer_norm"):
+      self.assertIn(name, both["passes"]["backward"])
+      self.assertIn(name, both["passes"]["forward"])
+    for name in matmul_parts:
+      self.assertEqual(forward["passes"]["forward"][name]["cycles"],
+                       both["passes"]["forward"][name]["cycles"], name)
+    self.assertEqual("dropout" in forward["passes"]["forward"], dropout > 0)
+
+  def test_matmuls_with_float_partials_stand_beside_poplins_estimate(self):
+    results = self._run("--partials=float32")
+    references = [r for passes in results["forward_backward"]["passes"].values()
+                  for part in passes.values() for r in part.get("poplin_reference", [])]
+    self.assertLen(references, 18)
+    for r in references:
+      self.assertBetween(r["estimate_compute_cycles"] / r["poplin_cycles"], 0.85, 1.15)

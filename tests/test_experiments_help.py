@@ -84,6 +84,24 @@ def _foreign_lines(output: str) -> list:
           or "Traceback" in line]
 
 
+class LayerCostsHelpTest(parameterized.TestCase):
+  """experiments.layer_costs (no training flags): its --help examples run as written."""
+
+  def test_help_shows_the_examples_and_they_run(self):
+    with open(os.path.join(ROOT, "experiments", "layer_costs.py")) as f:
+      documented = examples(f.read().split('"""', 2)[1])
+    self.assertEqual(examples(_help_text("layer_costs")), documented)
+    self.assertLen(documented, 2)
+    for argv in documented:
+      out = os.path.join(self.create_tempdir().full_path, "layer.json")
+      proc = subprocess.run([sys.executable] + argv[1:] + [f"--json_out={out}"], cwd=ROOT,
+                            env=_user_env(), capture_output=True, text=True, timeout=600)
+      self.assertEqual(proc.returncode, 0, f"{shlex.join(argv)} failed:\n{proc.stderr[-3000:]}")
+      self.assertIn("forward_backward:", proc.stdout)
+      self.assertTrue(os.path.exists(out))
+      self.assertEqual(_foreign_lines(proc.stdout + proc.stderr), [])
+
+
 class RunnerFlagsTest(parameterized.TestCase):
 
   @parameterized.parameters(*RUNNERS)
