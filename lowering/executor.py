@@ -13,7 +13,9 @@ carries two forms of its work, and the executor, not the rule, chooses:
   which check every step's storages, it runs that form between the storages
   (:func:`_logical_on_storage`); a step with no logical form runs ``fn``.
 
-Control programs carry tile storages and become ``lax.fori_loop`` (Repeat),
+Control programs carry tile storages (in ``"batched"`` mode, the logical
+arrays of tensors that may be held logical, as the program's inputs are
+held) and become ``lax.fori_loop`` (Repeat),
 ``lax.while_loop`` (RepeatWhileTrue), ``lax.cond`` (If), ``lax.switch``
 (Switch) and ``vmap`` over named replica axes (Replicated, so the collectives
 of its steps reach across replicas). Nothing here loops over tiles in Python: a step's function does its
@@ -44,9 +46,10 @@ class _Logical:
 
   Between steps a tensor on a linear or block-grid layout is kept as an
   array of its shape and converted to storage (pads, reshapes, transposes)
-  only where a step reads it through its storage function; tensors on
-  irregular layouts, tensors a step updates in place, and those carried
-  through control programs stay in storage. Steps with a logical form
+  only where a step reads it through its storage function; the program's
+  inputs and control programs' carries are held so too (:func:`_held_logical`);
+  tensors on irregular layouts and tensors a step updates in place stay in
+  storage. Steps with a logical form
   (``Superstep.logical``) read and write these arrays directly, and a storage function's
   ``to_flat`` of an operand undoes the conversion (XLA cancels the pair),
   so what XLA materialises between fusions is what ``jax.jit`` would: no
@@ -244,13 +247,51 @@ def _run_logical(step: P.Superstep, state: dict, env) -> dict:
   return state
 
 
+def _held_logical(env: _Env, key) -> bool:
+  """Whether the program's inputs and control programs' carries hold ``key`` logical.
+
+  In ``"batched"`` mode (no traps) a tensor that may be held logical
+  (:class:`_Logical`: a linear or block-grid layout) enters the program and
+  crosses a loop or a branch as the array ``jax.jit``'s program has there.
+  Held as storage, a branch sliced its operands out of the padded rows and
+  padded its results into them, conversions XLA cannot cancel across the
+  branch's boundary, so it fused them with the branch's steps and ran those
+  over other loop shapes than ``jax.jit``'s; XLA's CPU backend computes
+  some transcendental functions (``exp``) by its own vectorised polynomial
+  in some loops and by a libm call in others, an ulp apart on some inputs
+  (docs/tile_program.md#what-same-numbers-means). Stream cursors and
+  buffers and the trap record are not tensors: held as they are.
+  """
+  tensor = env.tensors.get(key) if isinstance(key, int) else None
+  if not env.batched or env.traps is not None or tensor is None:
+    return False
+  mapping = tensor.mapping
+  return mapping is not None and (mapping.is_linear or mapping.grid is not None)
+
+
+def _hold(env: _Env, key, value, storage: bool = False):
+  """``key``'s ``value`` as the state holds it.
+
+  ``value`` is its storage where ``storage`` (a program input) or where
+  :func:`_held_logical` says no (a carry of storage), else its logical array.
+  """
+  if not _held_logical(env, key):
+    return value
+  tensor = env.tensors[key]
+  if storage:
+    value = to_flat(value, tensor.mapping)
+  return _Logical(value.reshape(tensor.shape), tensor.mapping)
+
+
 def _carry(state, env, keys):
-  return tuple(env.get(state, k) for k in keys)
+  """The values of ``keys`` a control program carries (see :func:`_held_logical`)."""
+  return tuple(env.get_logical(state, env.tensors[k]) if _held_logical(env, k)
+               else env.get(state, k) for k in keys)
 
 
-def _with(state, keys, values):
+def _with(state, keys, values, env):
   state = dict(state)
-  state.update(zip(keys, values))
+  state.update((k, _hold(env, k, v)) for k, v in zip(keys, values))
   return state
 
 
@@ -262,13 +303,13 @@ def _repeat(program: P.Repeat, state, env):
   def body(i, carried):
     outer, env.iteration = env.iteration, i
     try:
-      inner = _run(program.body, _with(state, keys, carried), env)
+      inner = _run(program.body, _with(state, keys, carried, env), env)
     finally:
       env.iteration = outer
     return _carry(inner, env, keys)
 
   carried = jax.lax.fori_loop(0, program.count, body, _carry(state, env, keys))
-  return _with(state, keys, carried)
+  return _with(state, keys, carried, env)
 
 
 def _scalar_true(state, env, tensor):
@@ -284,14 +325,14 @@ def _repeat_while(program: P.RepeatWhileTrue, state, env):
     return carry[0]
 
   def body(carry):
-    inner = _with(state, keys, carry[1])
+    inner = _with(state, keys, carry[1], env)
     inner = _run(program.body, inner, env)
     inner = _run(program.condition, inner, env)
     return _scalar_true(inner, env, program.predicate), _carry(inner, env, keys)
 
   init = (_scalar_true(state, env, program.predicate), _carry(state, env, keys))
   _, carried = jax.lax.while_loop(cond, body, init)
-  return _with(state, keys, carried)
+  return _with(state, keys, carried, env)
 
 
 def _branches(programs, state, env, local_ids=frozenset()):
@@ -300,7 +341,7 @@ def _branches(programs, state, env, local_ids=frozenset()):
 
   def make(p):
     def branch(carried):
-      return _carry(_run(p, _with(state, keys, carried), env), env, keys)
+      return _carry(_run(p, _with(state, keys, carried, env), env), env, keys)
     return branch
 
   return keys, [make(p) for p in programs]
@@ -310,7 +351,7 @@ def _if(program: P.If, state, env):
   keys, (then, else_) = _branches([program.then, program.else_], state, env, program.local_ids)
   pred = _scalar_true(state, env, program.predicate)
   carried = jax.lax.cond(pred, then, else_, _carry(state, env, keys))
-  return _with(state, keys, carried)
+  return _with(state, keys, carried, env)
 
 
 def _switch(program: P.Switch, state, env):
@@ -321,7 +362,7 @@ def _switch(program: P.Switch, state, env):
   for i, (value, _) in reversed(list(enumerate(program.cases))):
     index = jnp.where(control == value, jnp.int32(i), index)
   carried = jax.lax.switch(index, branches, _carry(state, env, keys))
-  return _with(state, keys, carried)
+  return _with(state, keys, carried, env)
 
 
 def _replicated(program: P.Replicated, state, env):
@@ -342,7 +383,7 @@ def _replicated(program: P.Replicated, state, env):
   first = (0,) * len(axes)
   return _with(state, keys, [fp_exceptions.Traps.merge_replicas(value)
                              if k == fp_exceptions.RECORD_KEY else value[first]
-                             for k, value in zip(keys, carried)])
+                             for k, value in zip(keys, carried)], env)
 
 
 def _stream_copy(program: P.StreamCopy, state, env):
@@ -401,7 +442,7 @@ def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
     return env.get(state, key)
 
   def run(*inputs):
-    state = dict(zip(input_keys, inputs))
+    state = {k: _hold(env, k, v, storage=True) for k, v in zip(input_keys, inputs)}
     if traps is not None:
       state[fp_exceptions.RECORD_KEY] = traps.initial_record()
     state = _run(program, state, env, owned=True)

@@ -157,6 +157,28 @@ class LogicalFormTest(chex.TestCase, parameterized.TestCase):
     got = ipu_jax.jit(fn, target=target)(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(x)))
 
+  # exp of these values (seed 62 of the slow fuzz suite): XLA's CPU backend
+  # computes jax.jit's exp on a lone f32[7] by a libm call and exp in a loop
+  # over padded tile rows by its own vectorised polynomial; they are an ulp
+  # apart on x[1] (libm's is the correctly rounded one).
+  _ULP_APART = np.array([-1.272868, 1.1594185, 2.5564365, 0.08180993, 2.2436993, 1.960323,
+                         -1.5855207], np.float32)
+
+  @parameterized.named_parameters(
+      ("switch", lambda x, i: jax.lax.switch(i, [jnp.sin, lambda a: a * 3.0, jnp.exp], x)),
+      ("cond", lambda x, i: jax.lax.cond(i > 1, jnp.exp, jnp.sin, x)),
+      ("cond_closure", lambda x, i: jax.lax.cond(i > 1, lambda: jnp.exp(x), lambda: x)))
+  def test_branch_computes_on_logical_arrays_as_jax_jit(self, fn):
+    # A branch took its operands from tile storage (program inputs were held
+    # padded) and put its results into it: conversions XLA cannot cancel
+    # across the conditional, so it ran exp over padded rows, an ulp away
+    # from jax.jit's exp. Inputs and carries are now held logical.
+    x, index = self._ULP_APART, np.int32(2)
+    padded = jax.jit(lambda v: jnp.exp(jnp.pad(v, (0, 25)))[:7])(x)
+    self.assertFalse(np.array_equal(np.asarray(padded), np.asarray(jnp.exp(x))))
+    got = ipu_jax.jit(fn, target=T16)(x, index)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(fn)(x, index)))
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -26,6 +26,12 @@ lowering: counted in ``Lowered.dead_code``, never refused). Each runs at 16 tile
 * ``rounding`` programs (sums, dots, convolutions, loops, gradients) within
   ``rtol = atol = 2e-5`` of the result's scale for float32 (float16 2e-3,
   bfloat16 2e-2): a different accumulation order, not different maths.
+* in ``per_tile`` mode, ``exact`` programs computing ``exp`` or ``log``
+  within 1 ulp: XLA's CPU backend emits these either as its own vectorised
+  polynomial or as a libm call, by the shape of the loop computing them, and
+  a per-tile vertex computes on its tile's padded row, a loop of another
+  shape than ``jax.jit``'s (``test_per_tile_exp_loop_shape``). The batched
+  mode computes on the logical arrays ``jax.jit`` has: bit for bit.
 
 CI runs ``_CI_SEEDS`` (every family twice); ``-m slow`` runs
 ``_SLOW_SEEDS`` more. ``KNOWN_FAILURES`` lists the seeds that fail in code
@@ -38,6 +44,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import chex
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,6 +60,18 @@ _SLOW_SEEDS = range(len(_CI_SEEDS), len(_CI_SEEDS) + 240)
 _ULP_BUDGET = 3
 _RTOL = {np.dtype("float32"): 2e-5, np.dtype("float16"): 2e-3,
          np.dtype(jnp.bfloat16): 2e-2}
+# XLA's CPU backend emits exp and log either as its own vectorised
+# polynomial or as a call to libm's expf/logf, by the shape of the loop
+# computing them: a lone f32[7] exp is one 7-wide vector operation, lowered
+# to libm; exp in the pad-and-slice fusion of a padded tile row, or in a
+# loop of 8 or 32 elements, is the polynomial. The two are 1 ulp apart on 9 %
+# (exp) and 12 % (log) of float32 inputs (measured: 140,000 normal(0, 3)
+# inputs, f32[7] kernels against rows of 32, JAX 0.10.2 on x86-64), never
+# more. The per-tile executor runs each vertex on its tile's padded row, so a
+# per-tile result of a program with exp or log is held to that 1 ulp; the
+# batched executor computes on jax.jit's logical arrays and gives its bits.
+_LOOP_SHAPE_DEPENDENT = frozenset({"exp", "log"})
+_LOOP_SHAPE_ULPS = 1
 
 # seed -> why it fails now (the fix is in another engineer's files).
 KNOWN_FAILURES: dict[int, str] = {}
@@ -78,7 +97,27 @@ def _ordered_bits(x):
   return np.where(bits < 0, -magnitude, magnitude)
 
 
-def assert_same_numbers(got, want, compare, what=""):
+def _primitive_names(jaxpr):
+  """Names of the primitives of ``jaxpr`` and of every jaxpr nested in it."""
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub
+        if isinstance(sub, jax_core.Jaxpr):
+          yield from _primitive_names(sub)
+
+
+def _comparison(program, mode):
+  """``(compare, ulp budget)`` of ``program``'s results in executor ``mode``."""
+  if (mode == "per_tile" and program.compare == "exact"
+      and not _LOOP_SHAPE_DEPENDENT.isdisjoint(
+          _primitive_names(jax.make_jaxpr(program.fn)(*program.args).jaxpr))):
+    return "ulp", _LOOP_SHAPE_ULPS
+  return program.compare, _ULP_BUDGET
+
+
+def assert_same_numbers(got, want, compare, what="", ulps=_ULP_BUDGET):
   """Asserts ``got`` equals ``want`` under the program's comparison class."""
   chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
@@ -88,9 +127,9 @@ def assert_same_numbers(got, want, compare, what=""):
       np.testing.assert_array_equal(g, w, err_msg=what)
     elif compare == "ulp":
       np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=what)
-      ulps = np.abs(_ordered_bits(g) - _ordered_bits(w))[~np.isnan(w)]
-      assert ulps.size == 0 or ulps.max() <= _ULP_BUDGET, (
-          f"{what}: {ulps.max()} ulps apart (budget {_ULP_BUDGET})")
+      apart = np.abs(_ordered_bits(g) - _ordered_bits(w))[~np.isnan(w)]
+      assert apart.size == 0 or apart.max() <= ulps, (
+          f"{what}: {apart.max()} ulps apart (budget {ulps})")
     else:
       finite = np.isfinite(w.astype(np.float32))
       scale = float(np.max(np.abs(w.astype(np.float32))[finite], initial=1.0))
@@ -105,7 +144,8 @@ def check_program(seed):
   for mode in ("batched", "per_tile"):
     lowered = ipu_jax.jit(program.fn, target=_T16, config=_config(mode)).lower(*program.args)
     got = lowered(*program.args)
-    assert_same_numbers(got, want, program.compare, what=f"{program.name} [{mode}]")
+    compare, ulps = _comparison(program, mode)
+    assert_same_numbers(got, want, compare, what=f"{program.name} [{mode}]", ulps=ulps)
     # Each kind of dead code added is at least one equation not lowered.
     assert lowered.dead_code.equations >= len(program.dead_code), (
         f"{program.name}: {lowered.dead_code} removed")
@@ -127,6 +167,26 @@ class FuzzProgramsTest(chex.TestCase, parameterized.TestCase):
   def test_generator_covers_every_family_in_ci(self):
     families = {program_generator.generate(s).family for s in _CI_SEEDS}
     self.assertEqual(families, set(program_generator.FAMILIES))
+
+  def test_per_tile_exp_loop_shape(self):
+    # Seed 62's switch ends in exp of x (f32[7]). XLA computes jax.jit's lone
+    # f32[7] exp by libm's expf (the correctly rounded value here) and exp in
+    # the per-tile vertex's loop over its padded row by its own polynomial,
+    # an ulp above: the per-tile result is the padded loop's bits.
+    x = np.array([-1.272868, 1.1594185, 2.5564365, 0.08180993, 2.2436993, 1.960323,
+                  -1.5855207], np.float32)
+    lone = np.asarray(jax.jit(jnp.exp)(x))
+    padded = np.asarray(jax.jit(lambda v: jnp.exp(jnp.pad(v, (0, 25)))[:7])(x))
+    self.assertEqual(np.flatnonzero(lone != padded).tolist(), [1])
+    self.assertEqual(int(padded.view(np.int32)[1] - lone.view(np.int32)[1]), 1)
+    self.assertEqual(lone[1], np.float32(np.exp(np.float64(x[1]))))
+    per_tile = ipu_jax.jit(jnp.exp, target=_T16, config=_config("per_tile"))(x)
+    np.testing.assert_array_equal(np.asarray(per_tile), padded)
+    np.testing.assert_array_equal(np.asarray(ipu_jax.jit(jnp.exp, target=_T16)(x)), lone)
+    assert_same_numbers(per_tile, lone, "ulp", ulps=_LOOP_SHAPE_ULPS)
+    program = program_generator.generate(62)
+    self.assertEqual(_comparison(program, "per_tile"), ("ulp", _LOOP_SHAPE_ULPS))
+    self.assertEqual(_comparison(program, "batched"), ("exact", _ULP_BUDGET))
 
   def test_generator_is_deterministic(self):
     first, again = program_generator.generate(7), program_generator.generate(7)
