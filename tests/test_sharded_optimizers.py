@@ -77,8 +77,9 @@ _OPTIMIZERS = {
 
 def _full_update(optimizer, params, grads_per_step):
   state = optimizer.init(params)
+  update = jax.jit(optimizer.update)  # one XLA program, not one per operation
   for grads in grads_per_step:
-    updates, state = optimizer.update(grads, state, params)
+    updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
   return params
 
@@ -262,12 +263,13 @@ def _plain_pipeline_training(optimizer, params, batches):
   count = jax.tree.leaves(batches)[0].shape[0]
   grad = jax.jit(jax.grad(_pipeline_loss))
   states = [optimizer.init([params[k] for k in leaves]) for leaves in _STAGE_LEAVES]
+  update = jax.jit(optimizer.update)  # one XLA program, not one per operation
   for _ in range(_STEPS):
     grads = [grad(params, jax.tree.map(lambda b, m=m: b[m], batches)) for m in range(count)]
     mean = jax.tree.map(lambda *g: sum(g) / count, *grads)
     for k, leaves in enumerate(_STAGE_LEAVES):
       p = [params[name] for name in leaves]
-      updates, states[k] = optimizer.update([mean[name] for name in leaves], states[k], p)
+      updates, states[k] = update([mean[name] for name in leaves], states[k], p)
       params.update(zip(leaves, optax.apply_updates(p, updates)))
   return params
 
@@ -334,6 +336,24 @@ class PipelineShardedOptimizerTest(chex.TestCase):
 
   def test_lamb_offloaded_sharded_equals_plain_accumulation(self):
     _check_pipeline(self, "lamb")
+
+  def test_a_sharded_update_compiles_one_xla_program(self):
+    # The R copies' updates run under jax.vmap; run op by op, each of LAMB's
+    # operations would compile its own XLA program (hundreds a stage).
+    params, batches = _pipeline_data()
+    pipe = Pipeline(_pipeline_loss, _OPTIMIZERS["lamb"](), config=_pipeline_config(True, True))
+    state = pipe.init(params, batches)
+    p_0 = [params[name] for name in _STAGE_LEAVES[0]]
+    compiles = []
+    listener = lambda event, duration, **_: compiles.append(event) if event == (
+        "/jax/core/compile/backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+      new_p, _ = pipe.stages[0].update(p_0, state[0], p_0)
+      jax.tree.map(np.asarray, new_p)
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listener)
+    self.assertLen(compiles, 1)
 
   def test_an_optimizer_reading_other_stages_is_named(self):
     # A global-norm clip reads every stage's gradients; the pipeline's updates

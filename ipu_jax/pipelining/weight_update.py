@@ -106,6 +106,7 @@ class ShardedStageUpdate:
   lowered: Any
   program: ShardedUpdate
   replicas: int
+  _jitted: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   def __getattr__(self, name):
     # What the pipeline reads of a stage program (profile, report, dead code)
@@ -120,6 +121,14 @@ class ShardedStageUpdate:
     return _stack_sharded([self.program.init(p_k, r) for r in range(self.replicas)])
 
   def __call__(self, p_k, state, g_k):
+    # One XLA program for the cut, the R copies' updates and the gather: run
+    # eagerly, ``jax.vmap`` would dispatch (and compile) every primitive of
+    # the per-copy program on its own, hundreds of compiles per stage.
+    if self._jitted is None:
+      self._jitted = jax.jit(self._update)
+    return self._jitted(p_k, state, g_k)
+
+  def _update(self, p_k, state, g_k):
     r, lowered = self.replicas, self.lowered
     p_shards, g_shards = _stacked_shards(p_k, r), _stacked_shards(g_k, r)
     run = jax.vmap(lambda *args: lowered.apply(*jax.tree.leaves(args)),
