@@ -138,20 +138,27 @@ def accumulated_reference(ps, opt, batches, micro, dp=1):
   """
   state = opt.init(ps)
   adam = AdamRoundingBound(ps)
+  # The sums in NumPy (float32 adds round as XLA's do) and the update as one
+  # jax.jit program: eager jnp ops would compile a program per operation and shape.
+  @jax.jit
+  def update(g, state, ps):
+    up, state = opt.update(g, state, ps)
+    return optax.apply_updates(ps, up), state
+
+  host = lambda tree: jax.tree.map(np.asarray, tree)  # noqa: E731
   for ids, labels in batches:
     n = ids.shape[0] // micro
     g_per = n // dp
     mbs = [(ids[i*micro:(i+1)*micro], labels[i*micro:(i+1)*micro]) for i in range(n)]
     sums = []
     for r in range(dp):
-      gs = [_grad(ps, *mbs[r * g_per + i]) for i in range(g_per)]
-      sums.append(functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), gs))
-    g = jax.tree.map(lambda *a: functools.reduce(jnp.add, a) * (1.0 / n), *sums)
+      gs = [host(_grad(ps, *mbs[r * g_per + i])) for i in range(g_per)]
+      sums.append(functools.reduce(lambda a, b: jax.tree.map(np.add, a, b), gs))
+    g = jax.tree.map(lambda *a: functools.reduce(np.add, a) * np.float32(1.0 / n), *sums)
     terms = jax.tree.map(lambda *a: sum(a) / (n * micro * SEQ),
-                         *[_abs_terms(ps, *mb) for mb in mbs])
+                         *[host(_abs_terms(ps, *mb)) for mb in mbs])
     adam.step(g, terms, n * micro * SEQ)
-    up, state = opt.update(g, state, ps)
-    ps = optax.apply_updates(ps, up)
+    ps, state = update(g, state, ps)
   return ps, adam.tolerance
 
 
