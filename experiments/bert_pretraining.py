@@ -343,6 +343,13 @@ def plain_steps(loss_fn, optimizer, params, batches_per_step, keys=None):
   from ipu_jax.pipelining import micro_batch_key
   state = optimizer.init(params)
   grad = jax.jit(jax.grad(loss_fn))
+  # One XLA program per update: run eagerly, every one of the optimizer's
+  # operations on every leaf would be compiled on its own.
+  @jax.jit
+  def update(grads, state, params):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
   for step, batches in enumerate(batches_per_step):
     n = len(jax.tree_util.tree_leaves(batches)[0])
     total = None
@@ -353,8 +360,7 @@ def plain_steps(loss_fn, optimizer, params, batches_per_step, keys=None):
       g = grad(*args)
       total = g if total is None else jax.tree_util.tree_map(np.add, total, g)
     mean = jax.tree_util.tree_map(lambda t: t / n, total)
-    updates, state = optimizer.update(mean, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = update(mean, state, params)
   return params
 
 

@@ -172,6 +172,14 @@ class SharedUpdates:
   def __init__(self):
     self._programs = {}  # (optimizer, R, _shapes_key(p_k)) -> ShardedUpdate
     self._functions = []  # (program or optimizer, lowering settings, options, jit function)
+    self._sharded = {}  # id(lowered) -> ShardedStageUpdate (which holds the lowered alive)
+
+  def sharded(self, lowered, program: ShardedUpdate, replicas: int) -> ShardedStageUpdate:
+    """The :class:`ShardedStageUpdate` running ``lowered``: one for the stages
+    alike, so its R copies' program is compiled once for them all."""
+    if id(lowered) not in self._sharded:
+      self._sharded[id(lowered)] = ShardedStageUpdate(lowered, program, replicas)
+    return self._sharded[id(lowered)]
 
   def program(self, optimizer, p_k, replicas: int) -> ShardedUpdate:
     """The :class:`ShardedUpdate` of weights shaped as ``p_k``.
@@ -236,7 +244,7 @@ def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   options = _jit_options(pipeline, state)
   update = shared.function(program, lambda: _sharded_function(program), replicated, options)
   lowered = update.lower(shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0))
-  return ShardedStageUpdate(lowered, program, r)
+  return shared.sharded(lowered, program, r)
 
 
 def init_state(pipeline, flat_params) -> list:
