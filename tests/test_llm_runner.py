@@ -144,9 +144,11 @@ class SequenceParallelModelTest(chex.TestCase, parameterized.TestCase):
 
     def loss(gdef):
       return lambda params: nnx.merge(gdef, params)(ids, labels)
-    want_loss, want_grads = jax.vmap(jax.value_and_grad(loss(nnx.split(whole)[0])),
-                                     axis_name="tp")(jax.tree.map(lambda a: a[None], state))
-    got_loss, got_grads = jax.vmap(jax.value_and_grad(loss(graphdef)), axis_name="tp")(
+    # Jitted: run eagerly, vmap would compile each operation of the models on its own.
+    want_loss, want_grads = jax.jit(jax.vmap(jax.value_and_grad(loss(nnx.split(whole)[0])),
+                                             axis_name="tp"))(
+        jax.tree.map(lambda a: a[None], state))
+    got_loss, got_grads = jax.jit(jax.vmap(jax.value_and_grad(loss(graphdef)), axis_name="tp"))(
         llm_models.shard_state(state, tp))
     np.testing.assert_allclose(np.asarray(got_loss), np.asarray(want_loss[0]).repeat(tp),
                                rtol=1e-5)
