@@ -84,8 +84,10 @@ def loss_fn(rep, sh, ids, labels, ops, heads):
 
 
 def init_params(seed=0):
-  keys = iter(jax.random.split(jax.random.key(seed), 64))
-  normal = lambda shape, scale: scale * jax.random.normal(next(keys), shape, jnp.float32)
+  # NumPy's generator: jax.random would compile a sampler for every weight shape.
+  rng = np.random.default_rng(seed)
+  normal = lambda shape, scale: jnp.asarray(  # noqa: E731
+      scale * rng.standard_normal(shape, np.float32))
   rep = {"lnf_g": 1 + normal((WIDTH,), 0.1), "lnf_b": normal((WIDTH,), 0.1), "layers": []}
   sh = {"emb": normal((VOCAB, WIDTH), 1.0), "head": normal((WIDTH, VOCAB), 0.1), "layers": []}
   for _ in range(LAYERS):
@@ -145,9 +147,9 @@ def make_split_step(tp):
 
 
 def batch(dp, seed=1):
-  key1, key2 = jax.random.split(jax.random.key(seed))
-  ids = jax.random.randint(key1, (dp, BATCH, SEQ), 0, VOCAB)
-  labels = jax.random.randint(key2, (dp, BATCH, SEQ), 0, VOCAB)
+  rng = np.random.default_rng(seed)
+  ids, labels = (jnp.asarray(rng.integers(0, VOCAB, (dp, BATCH, SEQ)), jnp.int32)
+                 for _ in range(2))
   return ids, labels
 
 
