@@ -75,6 +75,13 @@ _OPTIMIZERS = {
 }
 
 
+def _normal_sampler(seed):
+  """float32 normal samples of a shape, from NumPy's generator (jax.random
+  would compile a sampler for every shape)."""
+  rng = np.random.default_rng(seed)
+  return lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
 def _full_update(optimizer, params, grads_per_step):
   state = optimizer.init(params)
   update = jax.jit(optimizer.update)  # one XLA program, not one per operation
@@ -91,12 +98,12 @@ class ShardedUpdateTest(chex.TestCase):
                             ("max_scaled", 3))
   def test_shards_equal_the_full_update(self, name, replicas):
     optimizer = _max_scaled() if name == "max_scaled" else _OPTIMIZERS[name]()
-    keys = jax.random.split(jax.random.key(0), 8)
+    normal = _normal_sampler(0)
     # Odd sizes (padded shards), a scalar weight (replicated) and a 1-element one.
-    params = {"w": jax.random.normal(keys[0], (7, 5)), "b": jax.random.normal(keys[1], (11,)),
-              "s": jnp.float32(0.7), "u": jnp.ones((1,))}
-    steps = [jax.tree.map(lambda p, k=k: -jnp.abs(jax.random.normal(k, np.shape(p))), params)
-             for k in keys[2:2 + _STEPS]]
+    params = {"w": normal((7, 5)), "b": normal((11,)), "s": jnp.float32(0.7),
+              "u": jnp.ones((1,))}
+    steps = [jax.tree.map(lambda p: -jnp.abs(normal(np.shape(p))), params)
+             for _ in range(_STEPS)]
     program = ShardedUpdate(optimizer, params, replicas)
 
     def replica(r):
@@ -118,10 +125,9 @@ class ShardedUpdateTest(chex.TestCase):
     inner = optax.lamb(1e-2)
     optimizer = (optax.apply_if_finite(inner, 3) if name == "apply_if_finite"
                  else optax.MultiSteps(inner, 2))
-    keys = jax.random.split(jax.random.key(1), 6)
-    params = {"w": jax.random.normal(keys[0], (7, 5)), "b": jax.random.normal(keys[1], (11,))}
-    steps = [jax.tree.map(lambda p, k=k: jax.random.normal(k, np.shape(p)), params)
-             for k in keys[2:6]]
+    normal = _normal_sampler(1)
+    params = {"w": normal((7, 5)), "b": normal((11,))}
+    steps = [jax.tree.map(lambda p: normal(np.shape(p)), params) for _ in range(4)]
     if name == "apply_if_finite":  # the second step is skipped
       steps[1]["b"] = steps[1]["b"].at[4].set(jnp.inf)
     program = ShardedUpdate(optimizer, params, 2)
