@@ -126,12 +126,15 @@ class ShardedStageUpdate:
     # the per-copy program on its own, hundreds of compiles per stage.
     if self._jitted is None:
       self._jitted = jax.jit(self._update)
-    return self._jitted(p_k, state, g_k)
+    # The device state (the stochastic rounding generators) is an argument:
+    # read at every call, as the eager run read it, not fixed at the first trace.
+    return self._jitted(p_k, state, g_k, list(self.lowered.device_state))
 
-  def _update(self, p_k, state, g_k):
+  def _update(self, p_k, state, g_k, device_state):
     r, lowered = self.replicas, self.lowered
     p_shards, g_shards = _stacked_shards(p_k, r), _stacked_shards(g_k, r)
-    run = jax.vmap(lambda *args: lowered.apply(*jax.tree.leaves(args)),
+    run = jax.vmap(lambda *args: lowered.apply_with_state(device_state,
+                                                          *jax.tree.leaves(args))[0],
                    in_axes=(_copy_axes(p_shards), _copy_axes(state), _copy_axes(g_shards), 0),
                    axis_name=REPLICA_AXIS)
     p_shards, new_state = run(p_shards, state, g_shards, jnp.arange(r, dtype=jnp.int32))
