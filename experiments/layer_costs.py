@@ -140,13 +140,14 @@ def poplin_reference(step, target, partials: str) -> Optional[dict]:
   (``lowering.matmul_plan.MatmulPlan.label``); the reference covers float32
   partials of a one-pass plan (serial passes and tree reductions have none).
   """
+  import jax.numpy as jnp
   from experiments.poplibs_reference import poplibs_amp_matmul_cycles
   from ipu_jax.kernels.amp import amp_geometry
   match = _BLOCKS.search(step.name)
   if step.op != "dot_general" or partials != "float32" or match is None:
     return None
   bb, bm, bn, bk = (int(g) for g in match.groups())
-  itemsize = 2 if "16" in (step.flops_dtype or "") else 4
+  itemsize = jnp.dtype(step.flops_dtype).itemsize if step.flops_dtype is not None else 4
   units = amp_geometry(target, itemsize).conv_units
   # A batched block is bb products of its own operands: bb vertices in turn;
   # poplin's planner may swap the operands (ConvTransform::swapOperands), so
