@@ -297,7 +297,12 @@ class Graph:
   def get_tile_mapping(self, tensor: GraphTensor) -> dict:
     """``{tile: [flat element indices of the view]}`` for the view."""
     tiles = self._element_tiles(tensor.index).reshape(-1)
-    return {int(t): np.nonzero(tiles == t)[0].tolist() for t in np.unique(tiles)}
+    if tiles.size == 0:
+      return {}
+    # One stable sort groups the positions by tile, each group in order.
+    order = np.argsort(tiles, kind="stable")
+    groups = np.split(order, np.flatnonzero(np.diff(tiles[order])) + 1)
+    return {int(tiles[group[0]]): group.tolist() for group in groups}
 
   def map_tensor_linearly(self, tensor: GraphTensor, min_elements_per_tile: int = 0,
                           grain_size: int = 0) -> None:

@@ -5,9 +5,16 @@ the graph is resolved here, once the Engine has frozen the tile mappings:
 
 * ``Execute(cs)`` -> one superstep per compute set. Vertices are grouped by
   codelet and field shapes; every element a vertex reads (writes) is moved to
-  (from) its tile, costed once per element and tile by ``movement_cost``; the
-  compute phase of a tile is its vertices' estimates spread over the worker
-  contexts (``vertex_cycles_per_tile``). The step's ``fn`` concatenates the
+  (from) its tile, costed once per element and tile; the compute phase of a
+  tile is its vertices' estimates spread over the worker contexts
+  (``vertex_cycles_per_tile``). The exchange is planned on regions, not
+  elements: each field of a group, over all its vertices at once, becomes
+  pieces (runs of consecutive element ids of one vertex on one tile, cut
+  where the engine's tile mappings change tile), and a read's cost is the
+  length of the union of its pieces per receiving tile, per sending tile and
+  per (sending tile, receiving IPU) (one sort of the pieces each); written
+  pieces, where the first writer of an element decides, are expanded to
+  elements and costed by ``movement_cost``. The step's ``fn`` concatenates the
   bases it reads into one flat buffer per dtype, gathers every field with
   index arrays fixed now, ``vmap``-s each codelet over its vertices and
   scatters the results back: no per-vertex Python at run time. A C++ vertex
@@ -57,6 +64,11 @@ class GraphLowerer:
     self.streams = {}
     self.remote_buffers = {}  # this engine's IR buffer of each graph remote buffer
     self.cache = {}
+
+  @functools.cached_property
+  def tile_runs(self) -> "_TileRuns":
+    """The graph's elements as runs on one tile, from the engine's frozen mappings."""
+    return _tile_runs(self.graph, self.ir)
 
   def base_ir(self, b: int) -> P.Tensor:
     return self.ir[b]
@@ -261,12 +273,107 @@ def _group_vertices(cs) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Moves:
-  """The elements one field of a vertex group moves to or from its vertices' tiles.
+class _TileRuns:
+  """The graph's elements (global ids) as runs held by one tile in one base.
 
   Attributes:
-    src, dst: ``[M]`` int32 tiles each element leaves and reaches.
-    ids: ``[M]`` global element ids (int64).
+    start: ``[R]`` first global element id of each run, increasing.
+    stop: ``[R]`` one past its last element.
+    tile: ``[R]`` the tile holding the run.
+    base: ``[R]`` the base tensor it belongs to.
+  """
+
+  start: np.ndarray
+  stop: np.ndarray
+  tile: np.ndarray
+  base: np.ndarray
+
+
+def _tile_runs(graph, ir) -> _TileRuns:
+  """The runs of every base's frozen mapping (``TileMapping.runs``), in id order."""
+  parts = [(base.offset + start, length, tensor.mapping.tiles[row], np.full(start.size, b))
+           for b, (base, tensor) in enumerate(zip(graph._bases, ir))
+           for start, length, row, _ in [tensor.mapping.runs]]
+  start, length, tile, base = (np.concatenate([np.asarray(p[i], np.int64) for p in parts])
+                               if parts else np.zeros(0, np.int64) for i in range(4))
+  # Block-grid runs come block by block: order them by id for searchsorted.
+  order = np.argsort(start, kind="stable")
+  return _TileRuns(start[order], start[order] + length[order], tile[order], base[order])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+  """A field over all vertices of a group as pieces, in the order of its elements.
+
+  A piece is a run of consecutive global element ids that one vertex connects
+  to, all held by one tile in one base.
+
+  Attributes:
+    start, stop: ``[P]`` the piece's ids ``[start, stop)``.
+    tile: ``[P]`` the tile holding it.
+    base: ``[P]`` its base tensor.
+    vertex: ``[P]`` the vertex (position in the group) connecting it.
+  """
+
+  start: np.ndarray
+  stop: np.ndarray
+  tile: np.ndarray
+  base: np.ndarray
+  vertex: np.ndarray
+
+
+def _field_pieces(runs: _TileRuns, stacked: np.ndarray) -> _Pieces:
+  """The pieces of ``stacked`` (``[vertices, *field shape]`` global ids)."""
+  flat = stacked.reshape(len(stacked), -1)
+  if flat.size == 0:
+    empty = np.zeros(0, np.int64)
+    return _Pieces(empty, empty, empty, empty, empty)
+  at = _run_starts(flat)
+  start = flat.reshape(-1)[at]
+  stop = start + np.diff(np.append(at, flat.size))
+  return _cut_at_tiles(runs, start, stop, at // flat.shape[1])
+
+
+# Elements compared at once when finding runs: the temporaries stay small
+# (a field over all vertices can be tens of millions of elements).
+_RUN_BLOCK_ELEMENTS = 1 << 20
+
+
+def _run_starts(flat: np.ndarray) -> np.ndarray:
+  """Positions in ``flat`` (``[vertices, n]``, row-major) where a run starts:
+  a vertex's first element, or one whose id is not one more than the last."""
+  rows = max(1, _RUN_BLOCK_ELEMENTS // flat.shape[1])
+  starts = []
+  for r in range(0, len(flat), rows):
+    block = flat[r:r + rows]
+    first = np.ones(block.shape, bool)
+    np.not_equal(block[:, 1:] - block[:, :-1], 1, out=first[:, 1:])
+    starts.append(np.flatnonzero(first) + r * flat.shape[1])
+  return np.concatenate(starts)
+
+
+def _cut_at_tiles(runs: _TileRuns, start, stop, vertex) -> _Pieces:
+  """Runs ``[start, stop)`` cut where the tile runs change, in order."""
+  first = np.searchsorted(runs.start, start, side="right") - 1
+  last = np.searchsorted(runs.start, stop - 1, side="right") - 1
+  count = last - first + 1
+  run = first
+  if count.max() > 1:
+    which = np.repeat(np.arange(start.size), count)
+    run = first[which] + np.arange(which.size) - np.repeat(np.cumsum(count) - count, count)
+    start = np.maximum(start[which], runs.start[run])
+    stop = np.minimum(stop[which], runs.stop[run])
+    vertex = vertex[which]
+  return _Pieces(start, stop, runs.tile[run], runs.base[run], vertex)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Moves:
+  """The pieces one field of a vertex group moves to or from its vertices' tiles.
+
+  Attributes:
+    src, dst: ``[P]`` int64 tiles each piece leaves and reaches.
+    start, stop: ``[P]`` the piece's global element ids ``[start, stop)``.
     itemsize: bytes per element.
     key: ``(written, bases)``: whether the field is written, and the base
       tensors its elements belong to; fields whose keys share a base can move
@@ -275,7 +382,8 @@ class _Moves:
 
   src: np.ndarray
   dst: np.ndarray
-  ids: np.ndarray
+  start: np.ndarray
+  stop: np.ndarray
   itemsize: int
   key: tuple
 
@@ -285,27 +393,24 @@ def _field_moves(lowerer, cdl, fields, stacked, tiles):
   read, written, moves = set(), set(), []
   itemsizes = {f: dtype.itemsize for f, _, dtype in fields}
   for f in cdl.fields:
-    # The bases the field touches: counted, not sorted (fields can be long).
-    present = np.bincount(lowerer.graph._base_of(stacked[f].reshape(-1)),
-                          minlength=len(lowerer.graph._bases))
+    pieces = _field_pieces(lowerer.tile_runs, stacked[f])
+    # The bases the field touches: counted, not sorted.
+    present = np.bincount(pieces.base, minlength=len(lowerer.graph._bases))
     field_bases = frozenset(np.flatnonzero(present).tolist())
     if f in cdl.written_fields:
       written.update(field_bases)
     if f in cdl.read_fields:
       read.update(field_bases)
-    # Every element a vertex touches must reach its tile (int32 tiles: these
-    # arrays are as long as the field over all vertices).
-    el_tiles = lowerer.graph._element_tiles(stacked[f]).astype(np.int32).reshape(-1)
-    vt = np.repeat(tiles.astype(np.int32), el_tiles.size // max(len(tiles), 1))
-    ids = stacked[f].reshape(-1)
+    vt = tiles[pieces.vertex]
     if f in cdl.read_fields:
-      # A read element already on its vertex's tile moves nothing, and every
+      # A read piece already on its vertex's tile moves nothing, and every
       # other read of it by that tile is on the tile too: drop them here.
-      away = np.flatnonzero(el_tiles != vt)
-      moves.append(_Moves(el_tiles[away], vt[away], ids[away], itemsizes[f],
-                          (False, field_bases)))
+      away = np.flatnonzero(pieces.tile != vt)
+      moves.append(_Moves(pieces.tile[away], vt[away], pieces.start[away], pieces.stop[away],
+                          itemsizes[f], (False, field_bases)))
     if f in cdl.written_fields:
-      moves.append(_Moves(vt, el_tiles, ids, itemsizes[f], (True, field_bases)))
+      moves.append(_Moves(vt, pieces.tile, pieces.start, pieces.stop, itemsizes[f],
+                          (True, field_bases)))
   return frozenset(read), frozenset(written), tuple(moves)
 
 
@@ -369,20 +474,45 @@ def _field_positions(lowerer, group: _VertexGroup, layout: _FlatLayout) -> dict:
   """Field -> its :class:`_FieldPositions` (only what the step will use is kept)."""
   positions = {}
   cdl = group.codelet
+  graph = lowerer.graph
   for f in cdl.fields:
     stacked = group.stacked[f]
-    bases, local = lowerer.split(stacked)
-    dtype = lowerer.graph._bases[int(bases[0])].dtype if bases.size else np.dtype("float32")
+    dtype = (graph._bases[int(graph._base_of(stacked.reshape(-1)[:1])[0])].dtype
+             if stacked.size else np.dtype("float32"))
     index = scatter = None
     if f in cdl.read_fields:
-      index = (layout.base_start[dtype][bases] + local).reshape(stacked.shape)
-      if index.size and index.max() < np.iinfo(np.int32).max:
-        index = index.astype(np.int32)
+      index = _buffer_positions(graph, stacked, layout.base_start[dtype])
     if f in cdl.written_fields:
+      bases, local = lowerer.split(stacked)
       scatter = tuple((int(b), sel, local[sel])
                       for b in np.unique(bases) for sel in [np.nonzero(bases == b)[0]])
     positions[f] = _FieldPositions(dtype, index, scatter or ())
   return positions
+
+
+def _buffer_positions(graph, stacked: np.ndarray, base_start: np.ndarray) -> np.ndarray:
+  """``stacked``'s positions in its dtype's flat buffer (``id + base_start - offset``),
+  int32 when they all fit.
+
+  A vertex's field usually lies in one base: its shift is found from the
+  field's least and greatest ids; only fields spanning bases look up each id.
+  """
+  flat = stacked.reshape(len(stacked), -1)
+  if flat.size == 0:
+    return stacked.astype(np.int64)
+  shift = base_start - np.asarray(graph._offsets, np.int64)
+  low, high = graph._base_of(flat.min(axis=1)), graph._base_of(flat.max(axis=1))
+  # Positions are below the graph's element count: when int32 holds that,
+  # they are written as int32 at once (no int64 copy of a large field).
+  narrow = graph._size < np.iinfo(np.int32).max
+  index = np.empty(flat.shape, np.int32 if narrow else np.int64)
+  np.add(flat, shift[low][:, None], out=index, casting="unsafe")
+  spanning = np.flatnonzero(low != high)
+  if spanning.size:
+    index[spanning] = flat[spanning] + shift[graph._base_of(flat[spanning])]
+  if not narrow and index.max() < np.iinfo(np.int32).max:
+    index = index.astype(np.int32)
+  return index.reshape(stacked.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,7 +581,7 @@ def _compute_set_exchange(target, groups) -> Optional[ExchangeCost]:
   from being held all at once).
   """
   moves = [m for g in groups for m in g.moves]
-  if not any(m.ids.size for m in moves):
+  if not any(m.start.size for m in moves):
     return None if not moves else ExchangeCost.zeros(target)
   exchange = ExchangeCost.zeros(target)
   for part in _sharing_bases(moves):
@@ -473,19 +603,67 @@ def _sharing_bases(moves) -> list:
   return [[moves[j] for j in g] for g in groups]
 
 
-# Elements costed at once: every figure of a move counts (element, tile)
-# pairs or elements once, so elements cut by id ranges add up exactly, and a
-# large compute set's dedup and cost need a bounded part of memory.
-_CHUNK_ELEMENTS = 1 << 22
-
-
 def _moves_cost(target, moves, itemsize: int) -> ExchangeCost:
-  """The exchange of ``moves`` (one itemsize), each (element, tile) pair once."""
+  """The exchange of ``moves`` (one direction, one itemsize), each (element,
+  tile) pair once."""
   def joined(field):
     arrays = [getattr(m, field) for m in moves]
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
-  src, dst, ids = joined("src"), joined("dst"), joined("ids")
+  src, dst, start, stop = joined("src"), joined("dst"), joined("start"), joined("stop")
+  if moves[0].key[0]:
+    return _written_cost(target, src, dst, start, stop, itemsize)
+  return _read_cost(target, src, dst, start, stop, itemsize)
+
+
+def _read_cost(target, src, dst, start, stop, itemsize: int) -> ExchangeCost:
+  """Read pieces (none already on its reader's tile): a tile receives each
+  element it reads once, a tile sends each element read elsewhere once (the
+  exchange multicasts), and an element crosses the links once per receiving
+  IPU; each is the covered length of the pieces' union by that key."""
+  t, n_ipus, per_ipu = target.num_tiles, target.num_ipus, target.tiles_per_ipu
+  bytes_in = _covered(dst, start, stop, t)
+  bytes_out = _covered(src, start, stop, t)
+  link = np.zeros(n_ipus, np.int64)
+  crossing = np.flatnonzero(src // per_ipu != dst // per_ipu)
+  if crossing.size:
+    by_pair = _covered(src[crossing] * n_ipus + dst[crossing] // per_ipu,
+                       start[crossing], stop[crossing], t * n_ipus)
+    link = np.bincount(np.arange(t * n_ipus) // n_ipus // per_ipu, weights=by_pair,
+                       minlength=n_ipus)[:n_ipus].astype(np.int64)
+  return ExchangeCost(bytes_in * itemsize, bytes_out * itemsize, link * itemsize)
+
+
+def _covered(key, start, stop, size: int) -> np.ndarray:
+  """``[size]`` int64: per key, the elements in the union of its pieces."""
+  if key.size == 0:
+    return np.zeros(size, np.int64)
+  # Each key's pieces on a line of their own, so one sort orders them all.
+  span = np.int64(stop.max()) + 1
+  lo, hi = key * span + start, key * span + stop
+  order = np.argsort(lo, kind="stable")  # timsort: pieces often come sorted
+  key, lo, hi = key[order], lo[order], hi[order]
+  reach = np.maximum.accumulate(hi)
+  # What each piece adds beyond everything before it on its line.
+  seen = np.concatenate([lo[:1], reach[:-1]])
+  added = np.maximum(hi - np.maximum(lo, seen), 0)
+  # Weighted bincounts are float64: exact below 2**53 elements.
+  return np.bincount(key, weights=added, minlength=size)[:size].astype(np.int64)
+
+
+# Written elements costed at once: every figure of a move counts (element,
+# tile) pairs or elements once, so elements cut by id ranges add up exactly,
+# and a large compute set's dedup and cost need a bounded part of memory.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _written_cost(target, src, dst, start, stop, itemsize: int) -> ExchangeCost:
+  """Written pieces as elements: the first vertex writing an element (in the
+  order of the fields and vertices) is where it leaves from."""
+  length = stop - start
+  ids = np.arange(int(length.sum()), dtype=np.int64) + np.repeat(
+      start - (np.cumsum(length) - length), length)
+  src, dst = np.repeat(src, length), np.repeat(dst, length)
   if ids.size <= _CHUNK_ELEMENTS:
     return _pairs_cost(target, src, dst, ids, itemsize)
   edges = np.linspace(ids.min(), ids.max() + 1, -(-ids.size // _CHUNK_ELEMENTS) + 1)

@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import time
 
 from absl.testing import absltest
 import chex
@@ -123,14 +124,70 @@ class Tutorial3Test(chex.TestCase):
     np.testing.assert_array_equal(step.compute_cycles[:4], [expected] * 4)
 
 
+def _tile_table(gr, views):
+  """Global element id -> tile for every element of ``views`` (-1 elsewhere),
+  read with ``Graph.get_tile_mapping``."""
+  table = np.full(max(int(v.index.max()) for v in views) + 1, -1)
+  for view in views:
+    flat = view.index.reshape(-1)
+    for tile, positions in gr.get_tile_mapping(view).items():
+      table[flat[positions]] = tile
+  return table
+
+
+def _exchange_of_one_vertex_per_tile(cs, table, num_tiles, itemsize):
+  """``(bytes in, bytes out)`` per tile of a compute set whose vertices are
+  on distinct tiles and write on their own tile: a tile receives each element
+  its vertex reads from elsewhere once, and a tile sends once each of its
+  elements that some other tile reads."""
+  bytes_in = np.zeros(num_tiles, np.int64)
+  sent = np.zeros(table.size, bool)
+  for v in cs.vertices:
+    ids = np.sort(np.concatenate([v.connections[f].index.reshape(-1)
+                                  for f in v.codelet.inputs]))
+    ids = ids[np.append(True, ids[1:] != ids[:-1])]  # distinct
+    away = ids[table[ids] != v.tile]
+    bytes_in[v.tile] += itemsize * away.size
+    sent[away] = True
+  return bytes_in, itemsize * np.bincount(table[sent], minlength=num_tiles)
+
+
 class Tutorial4Test(chex.TestCase):
   """tut4: chained matmuls 900x600 . 600x300 . 300x200 with a summary."""
 
-  def test_tut4(self):
-    gr, (a, b, c), prog, abc = testing_utils.chained_matmul_graph(
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.gr, cls.operands, prog, cls.abc = testing_utils.chained_matmul_graph(
         ipu_jax.IPUTarget.preset("ipu2"))
+    started = time.process_time()
+    cls.engine = g.Engine(cls.gr, [prog])
+    cls.lowering_cpu_s = time.process_time() - started
+
+  def test_tut4_lowering_is_exact_and_within_its_cpu_budget(self):
+    # Each compute set's exchange is planned on runs of all its vertices at
+    # once: about 1 CPU s here, 8 s when every element read was sorted
+    # (docs/performance.md#what-makes-lowering-scale).
+    self.assertLess(self.lowering_cpu_s, 4.0)
+    gr, engine = self.gr, self.engine
+    ab_cs, abc_cs = (next(cs for cs in gr.compute_sets if cs.name == name)
+                     for name in ("ab", "abc"))
+    written = g.concatenate([v.connections["c"].flatten() for v in ab_cs.vertices])
+    table = _tile_table(gr, list(self.operands) + [self.abc, written])
+    steps = {s.name: s for s in engine.profile.steps}
+    for cs in (ab_cs, abc_cs):
+      self.assertLen({v.tile for v in cs.vertices}, len(cs.vertices))
+      bytes_in, bytes_out = _exchange_of_one_vertex_per_tile(cs, table, gr.target.num_tiles, 4)
+      np.testing.assert_array_equal(steps[cs.name].exchange_bytes_in, bytes_in)
+      np.testing.assert_array_equal(steps[cs.name].exchange_bytes_out, bytes_out)
+      self.assertEqual(steps[cs.name].ipu_link_bytes, 0)
+      np.testing.assert_array_equal(
+          steps[cs.name].vertices,
+          np.bincount([v.tile for v in cs.vertices], minlength=gr.target.num_tiles))
+
+  def test_tut4(self):
+    (a, b, c), abc, engine = self.operands, self.abc, self.engine
     rng = np.random.default_rng(0)
-    engine = g.Engine(gr, [prog])
     av, bv, cv = (rng.standard_normal(s).astype(np.float32)
                   for s in ((900, 600), (600, 300), (300, 200)))
     engine.write_tensor(a, av)
