@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-import time
 
 from absl.testing import absltest
 import chex
@@ -160,15 +159,12 @@ class Tutorial4Test(chex.TestCase):
     super().setUpClass()
     cls.gr, cls.operands, prog, cls.abc = testing_utils.chained_matmul_graph(
         ipu_jax.IPUTarget.preset("ipu2"))
-    started = time.process_time()
     cls.engine = g.Engine(cls.gr, [prog])
-    cls.lowering_cpu_s = time.process_time() - started
 
-  def test_tut4_lowering_is_exact_and_within_its_cpu_budget(self):
+  def test_tut4_exchange_is_what_each_vertex_reads_from_other_tiles(self):
     # Each compute set's exchange is planned on runs of all its vertices at
-    # once: about 1 CPU s here, 8 s when every element read was sorted
-    # (docs/performance.md#what-makes-lowering-scale).
-    self.assertLess(self.lowering_cpu_s, 4.0)
+    # once (docs/performance.md#what-makes-lowering-scale); the bytes each tile
+    # receives and sends are worked out here element by element instead.
     gr, engine = self.gr, self.engine
     ab_cs, abc_cs = (next(cs for cs in gr.compute_sets if cs.name == name)
                      for name in ("ab", "abc"))
