@@ -84,8 +84,9 @@ class ControlTest(chex.TestCase, parameterized.TestCase):
     # The carry starts linearly mapped; the body's result is a matmul's
     # block-grid layout, so the end-of-iteration copy must relayout it while
     # the initial copy must not.
-    x0 = jax.random.normal(jax.random.key(0), (37, 29))
-    w = jax.random.normal(jax.random.key(1), (29, 29)) * 0.2
+    # Inputs drawn on the host: jax.random would compile a sampler per shape.
+    x0 = jnp.asarray(np.random.default_rng(0).standard_normal((37, 29), np.float32))
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((29, 29), np.float32) * 0.2)
 
     def f(x0, w):
       return lax.scan(lambda c, _: (jnp.tanh(c @ w), c.sum()), x0, None, length=3)

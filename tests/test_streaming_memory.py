@@ -160,7 +160,7 @@ class JitOffloadTest(chex.TestCase):
     params = {"w": jnp.arange(21 * 13, dtype=jnp.float32).reshape(21, 13) / 300,
               "b": jnp.linspace(-1, 1, 37), "s": jnp.float32(0.5)}
     state = _OPT.init(params)
-    xs = jax.random.normal(jax.random.key(0), (3, 7, 21))
+    xs = jnp.asarray(np.random.default_rng(0).standard_normal((3, 7, 21), np.float32))
     on_chip = ipu_jax.jit(_train, target=target)
     offloaded = ipu_jax.jit(_train, target=target, offload_argnums=1, offload_outputs=1)
     # Offloading moves bytes, not arithmetic: the numbers on-chip state gives
@@ -220,7 +220,7 @@ class ShardedCollectivesTest(chex.TestCase):
       shard = jax.lax.psum_scatter(v, "replicas", scatter_dimension=0, tiled=True)
       return jax.lax.all_gather(shard * 2.0, "replicas", axis=0, tiled=True)
 
-    x = jax.random.normal(jax.random.key(1), (replicas, 4 * 7))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((replicas, 4 * 7), np.float32))
     expected = jax.vmap(reference, axis_name="replicas")(x)
     chex.assert_trees_all_close(jax.vmap(f, axis_name="replicas")(x), expected, rtol=1e-6)
     lowered = ipu_jax.jit(f, target=ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)).lower(x[0])
