@@ -71,23 +71,34 @@ def _train(replicas, accumulation):
   return model, x, y
 
 
-def _reference(x, y, batch):
+_REFERENCE = {}  # the plain step, jitted once: the combos' batch sizes repeat
+
+
+def _reference_step(graphdef):
+  """Plain optax Adam's jitted step on ``graphdef``'s model (one per graphdef)."""
   import jax
   import optax
   from flax import nnx
+  if graphdef not in _REFERENCE:
+    opt = optax.adam(LR)
+
+    def loss(p, xb, yb):
+      return optax.softmax_cross_entropy_with_integer_labels(
+          nnx.merge(graphdef, p)(xb), yb).mean()
+
+    @jax.jit
+    def step(p, s, xb, yb):
+      updates, s = opt.update(jax.grad(loss)(p, xb, yb), s, p)
+      return optax.apply_updates(p, updates), s
+    _REFERENCE[graphdef] = opt, step
+  return _REFERENCE[graphdef]
+
+
+def _reference(x, y, batch):
+  from flax import nnx
   graphdef, params = nnx.split(_module(), nnx.Param)
-  opt = optax.adam(LR)
+  opt, step = _reference_step(graphdef)
   state = opt.init(params)
-
-  def loss(p, xb, yb):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        nnx.merge(graphdef, p)(xb), yb).mean()
-
-  @jax.jit
-  def step(p, s, xb, yb):
-    updates, s = opt.update(jax.grad(loss)(p, xb, yb), s, p)
-    return optax.apply_updates(p, updates), s
-
   for i in range(0, len(x), batch):
     params, state = step(params, state, x[i:i + batch], y[i:i + batch])
   return params
