@@ -61,6 +61,7 @@ split, and ``--json_out`` gains its ``"split"`` and ``"search"``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -331,6 +332,25 @@ def ipu_config(f, num_ipus: int):
   return cfg
 
 
+@functools.lru_cache(maxsize=8)
+def _plain_update(optimizer):
+  """``optimizer``'s update and its application as one ``jax.jit`` function.
+
+  One XLA program per update: run eagerly, every one of the optimizer's
+  operations on every leaf would be compiled on its own. Kept per optimizer
+  (an optax ``GradientTransformation`` hashes by its functions), so the
+  references of several runs with one optimizer compile it once per shape.
+  """
+  import jax
+  import optax
+
+  @jax.jit
+  def update(grads, state, params):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return update
+
+
 def plain_steps(loss_fn, optimizer, params, batches_per_step, keys=None):
   """Weights after plain JAX gradient accumulation: the mean over all micro-batches.
 
@@ -343,13 +363,7 @@ def plain_steps(loss_fn, optimizer, params, batches_per_step, keys=None):
   from ipu_jax.pipelining import micro_batch_key
   state = optimizer.init(params)
   grad = jax.jit(jax.grad(loss_fn))
-  # One XLA program per update: run eagerly, every one of the optimizer's
-  # operations on every leaf would be compiled on its own.
-  @jax.jit
-  def update(grads, state, params):
-    updates, state = optimizer.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+  update = _plain_update(optimizer)
   for step, batches in enumerate(batches_per_step):
     n = len(jax.tree_util.tree_leaves(batches)[0])
     total = None

@@ -25,6 +25,9 @@ from experiments import bert_pretraining
 _MODEL = bert.BertConfig(vocab_size=1000, hidden=128, layers=4, heads=4, ffn=512,
                          max_positions=64, dropout=0.0, decoder_serialization=2)
 _MICRO_BATCH, _SEQ, _PREDICTIONS, _REPLICAS, _STEPS = 2, 64, 8, 2, 3
+# One LAMB for every pipeline and reference here: plain_steps keeps its jitted
+# update per optimizer, so the references compile it once.
+_LAMB = optax.lamb(1e-3)
 
 
 def _config(schedule: str, g: int):
@@ -51,7 +54,7 @@ def _data(g: int):
 def _train(schedule: str, g: int):
   loss_fn, params = bert.make_loss(bert.Bert(_MODEL, rngs=nnx.Rngs(0)))
   assignment, mapping = bert.layout([1, 1, 1, 1])
-  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.lamb(1e-3), config=_config(schedule, g),
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, _LAMB, config=_config(schedule, g),
                                      device_mapping=mapping, stage_assignment=assignment)
   data = _data(g)
   state = pipe.init(params, data[0])
@@ -67,7 +70,7 @@ class BertPipelineTest(chex.TestCase, parameterized.TestCase):
   @parameterized.parameters(("Grouped", 10), ("Sequential", 8))
   def test_weights_equal_plain_accumulation(self, schedule, g):
     pipe, loss_fn, params, trained, data = _train(schedule, g)
-    expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, data)
+    expected = bert_pretraining.plain_steps(loss_fn, _LAMB, params, data)
     chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, trained),
                                 jax.tree_util.tree_map(np.asarray, expected),
                                 rtol=1e-5, atol=1e-6)
@@ -115,7 +118,7 @@ def _train_layout(layout, g: int = 2, steps: int = 1):
   ``layout`` (``(stage_assignment, device_mapping)``), and the pipeline."""
   loss_fn, params = bert.make_loss(bert.Bert(_MODEL, rngs=nnx.Rngs(0)))
   assignment, mapping = layout
-  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.lamb(1e-3),
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, _LAMB,
                                      config=_config("Sequential", g),
                                      device_mapping=mapping, stage_assignment=assignment)
   data = _data(g)[:steps]
@@ -139,7 +142,7 @@ class AttentionFfnPlacementTest(chex.TestCase):
     # Plain accumulation is what the whole-layer split trains to
     # (BertPipelineTest), so it stands for that split here.
     pipe, trained, loss_fn, params, data = _train_layout(split)
-    expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, data)
+    expected = bert_pretraining.plain_steps(loss_fn, _LAMB, params, data)
     chex.assert_trees_all_close(trained, jax.tree_util.tree_map(np.asarray, expected),
                                 rtol=1e-5, atol=1e-6)
     # The FFN of layer 1 runs on IPU 2: its weights are stage 2's.
@@ -180,7 +183,7 @@ def _popart_pipeline(mode: str):
   cfg.pipelining.last_stage_recomputation = mode
   # Two layers and the heads overfill IPU 0's 16 tiles: the peaks are compared, not checked.
   cfg.memory.allow_out_of_memory = True
-  pipe = ipu_jax.pipelining.Pipeline(loss_fn, optax.lamb(1e-3), config=cfg,
+  pipe = ipu_jax.pipelining.Pipeline(loss_fn, _LAMB, config=cfg,
                                      device_mapping=mapping, stage_assignment=assignment)
   return pipe, loss_fn, params
 
@@ -213,7 +216,7 @@ class PopartLastStageTest(chex.TestCase):
     pipe, (loss_fn, params) = self.pipes["checkpoints"], self.model
     state = pipe.init(params, self.data[0])
     trained = pipe.step(params, state, self.data[0]).params
-    expected = bert_pretraining.plain_steps(loss_fn, optax.lamb(1e-3), params, self.data)
+    expected = bert_pretraining.plain_steps(loss_fn, _LAMB, params, self.data)
     chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, trained),
                                 jax.tree_util.tree_map(np.asarray, expected),
                                 rtol=1e-5, atol=1e-6)

@@ -527,11 +527,15 @@ class Pipeline:
       losses += replica_losses
       scale = 1.0 if training.gradient_accumulation_reduction == "sum" else 1.0 / g
       for i, a in acc.items():
-        a = a * scale if scale != 1.0 else a
+        # On the host, in the weight's dtype (each op rounds as XLA's does):
+        # eager jnp ops would compile a program per operation and weight shape.
+        a = np.asarray(a)
+        a = a * np.asarray(scale, a.dtype) if scale != 1.0 else a
         total[i] = a if total[i] is None else total[i] + a
     if r > 1 and training.replica_reduction == "mean":
-      total = [t / r for t in total]
-    total = [jnp.zeros_like(p) if t is None else t for p, t in zip(flat_params, total)]
+      total = [t / np.asarray(r, t.dtype) for t in total]
+    total = [jnp.zeros_like(p) if t is None else jnp.asarray(t)
+             for p, t in zip(flat_params, total)]
     return total, losses
 
   def _run_replica(self, flat_params, flat_batches, taps=None):
