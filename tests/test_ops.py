@@ -32,7 +32,16 @@ def ipu(fn, target=T16, mode=None):
 
 
 def normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape).astype(dtype)
+  """Seeded normal test inputs, drawn on the host (no sampler compiled per shape)."""
+  x = np.random.default_rng(seed).standard_normal(shape, np.float32)
+  return jax.device_put(x.astype(jnp.dtype(dtype)))
+
+
+def _split_k_operands():
+  """The split-K operands: jax.random's draw, whose sequential fp32 sum is
+  known to break atol=1e-4 (SumErrorBoundTest depends on these values)."""
+  return (jax.random.normal(jax.random.key(1), (64, 4096)),
+          jax.random.normal(jax.random.key(2), (4096, 8)))
 
 
 @codelet(inputs=("x", "w"), outputs=("y",), cycles=lambda x, w, y: 20)
@@ -246,7 +255,7 @@ class MatmulTest(parameterized.TestCase):
     testing_utils.assert_within_sum_bound(ipu(ops.matmul)(a, b), np.matmul, a, b, against=ref)
 
   def test_per_tile_mode_and_split_k(self):
-    a, b = normal(1, (64, 4096)), normal(2, (4096, 8))
+    a, b = _split_k_operands()
     fn = lambda a, b: ops.matmul(a, b, available_memory_proportion=0.05)
     # A 4096-long fp32 contraction is off the exact product by an amount that
     # depends on the machine's summation order (XLA's is ~1.2e-4 here and
@@ -272,8 +281,9 @@ class MatmulTest(parameterized.TestCase):
     loss = lambda a, b: jnp.sum(jnp.tanh(ops.matmul(a, b)))
     ref = lambda a, b: jnp.sum(jnp.tanh(a @ b))
     grad, grad_ref = jax.grad(loss, argnums=(0, 1)), jax.grad(ref, argnums=(0, 1))
-    chex.assert_trees_all_close(jax.jit(grad)(a, b), grad_ref(a, b), rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(ipu(grad)(a, b), grad_ref(a, b), rtol=1e-5, atol=1e-6)
+    want = jax.jit(grad_ref)(a, b)
+    chex.assert_trees_all_close(jax.jit(grad)(a, b), want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(ipu(grad)(a, b), want, rtol=1e-5, atol=1e-6)
     # Broadcast batch dims: the cotangent is summed back to the operand.
     a3, b3 = normal(3, (4, 5, 6)), normal(4, (1, 6, 3))
     chex.assert_trees_all_close(jax.jit(jax.grad(loss, argnums=(0, 1)))(a3, b3),
@@ -282,7 +292,8 @@ class MatmulTest(parameterized.TestCase):
     for axes, args in (((0, None), (xs, b)), ((None, 0), (a, bs)), ((0, 0), (xs, bs)),
                        ((2, 0), (jnp.moveaxis(xs, 0, 2), bs))):
       chex.assert_trees_all_close(jax.jit(jax.vmap(ops.matmul, in_axes=axes))(*args),
-                                  jax.vmap(jnp.matmul, in_axes=axes)(*args), rtol=1e-5)
+                                  jax.jit(jax.vmap(jnp.matmul, in_axes=axes))(*args),
+                                  rtol=1e-5)
     batched = jax.vmap(ops.matmul, in_axes=(0, None))
     chex.assert_trees_all_close(ipu(batched)(xs, b), jnp.matmul(xs, b), rtol=1e-5, atol=1e-5)
 
@@ -360,7 +371,7 @@ class MatmulTest(parameterized.TestCase):
 def _split_k_products():
   """test_per_tile_mode_and_split_k's operands and their fp32 products
   ``[m, k, n]``, to be summed over ``k`` in chosen orders."""
-  a, b = normal(1, (64, 4096)), normal(2, (4096, 8))
+  a, b = _split_k_operands()
   return a, b, np.asarray(a)[:, :, None] * np.asarray(b)[None, :, :]
 
 
