@@ -202,9 +202,15 @@ class BlockCSR:
     rows, cols = np.nonzero(mask)
     offsets = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
     pattern = SparsityPattern(shape, block, offsets, cols)
-    blocks = jnp.asarray(dense).reshape(grid[0], block[0], grid[1], block[1])
-    values = jnp.transpose(blocks, (0, 2, 1, 3))[rows, cols]
-    return cls._from_pattern(values, pattern)
+    # A host array's blocks are picked on the host: the same values as the
+    # jnp path, without an XLA program per shape for the reshape and gather.
+    if isinstance(dense, jax.Array):
+      blocks = dense.reshape(grid[0], block[0], grid[1], block[1])
+      return cls._from_pattern(jnp.transpose(blocks, (0, 2, 1, 3))[rows, cols], pattern)
+    dense = np.asarray(dense)
+    blocks = dense.astype(jax.dtypes.canonicalize_dtype(dense.dtype), copy=False)
+    blocks = blocks.reshape(grid[0], block[0], grid[1], block[1])
+    return cls._from_pattern(jax.device_put(blocks.transpose(0, 2, 1, 3)[rows, cols]), pattern)
 
   @classmethod
   def from_coordinates(cls, rows, cols, values, shape, block_shape=(1, 1)) -> "BlockCSR":
@@ -277,6 +283,10 @@ class BlockCSR:
   def T(self) -> "BlockCSR":
     """The transpose (a block-sparse ``[K, M]``)."""
     pattern, order = self.pattern.transpose()
+    place = _host_placement(self.values)
+    if place is not None:     # concrete: moved on the host, no XLA program per shape
+      return BlockCSR._from_pattern(
+          place(np.asarray(self.values)[..., order, :, :].swapaxes(-1, -2)), pattern)
     return BlockCSR._from_pattern(jnp.swapaxes(self.values[..., order, :, :], -1, -2), pattern)
 
   def __repr__(self):
@@ -311,7 +321,29 @@ def blocks_todense(values, pattern: SparsityPattern):
   (rb, cb), (bm, bk) = pattern.grid, pattern.block
   batch = tuple(values.shape[:-3])
   flat = pattern.row_indices.astype(np.int64) * cb + pattern.col_indices
+  place = _host_placement(values)
+  if place is not None:
+    # Concrete values are placed on the host and the matrix put back where the
+    # values were: the same matrix, without an XLA program per shape for the
+    # scatter and the transposes.
+    grid = np.zeros(batch + (rb * cb, bm, bk), values.dtype)
+    grid[..., flat, :, :] = np.asarray(values)
+    grid = grid.reshape(batch + (rb, cb, bm, bk)).swapaxes(-3, -2)
+    return place(grid.reshape(batch + tuple(pattern.shape)))
   grid = jnp.zeros(batch + (rb * cb, bm, bk), values.dtype)
   grid = grid.at[..., flat, :, :].set(values) if pattern.nnz_blocks else grid
   grid = grid.reshape(batch + (rb, cb, bm, bk))
   return jnp.swapaxes(grid, -3, -2).reshape(batch + tuple(pattern.shape))
+
+
+def _host_placement(values):
+  """How to put a host copy of concrete ``values`` on the device: None for
+  traced or committed values (the jnp path keeps their placement) and for a
+  host dtype JAX would narrow."""
+  if isinstance(values, jax.core.Tracer):
+    return None
+  if isinstance(values, jax.Array):
+    return None if values.committed else jax.device_put   # uncommitted, as a jnp op's
+  if isinstance(values, np.ndarray) and jax.dtypes.canonicalize_dtype(values.dtype) == values.dtype:
+    return jax.device_put
+  return None
