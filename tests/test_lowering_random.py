@@ -6,6 +6,8 @@ uniform, normal, bernoulli, split, fold_in, dropout, and the tile cost of a
 generator (key multicast, threefry work on the result's tiles).
 """
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -202,9 +204,14 @@ _ALGORITHMS = {"default": lax.RandomAlgorithm.RNG_DEFAULT,
 _RBG_SHAPES = ((), (0,), (37,), (3, 5, 7), (1000,))
 
 
+@functools.lru_cache(maxsize=None)
 def _chained_bits(algorithm, dtype):
   """Bits of every ``_RBG_SHAPES`` shape, each drawn with the key the last
-  draw returned, and the last key."""
+  draw returned, and the last key.
+
+  One function per (algorithm, dtype): the executor modes' checks share
+  jax.jit's compile of the reference (jit caches on the function).
+  """
   def fn(key):
     out = []
     for shape in _RBG_SHAPES:
