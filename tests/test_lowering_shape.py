@@ -30,12 +30,14 @@ _DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.bool_)
 
 
 def _random(shape, dtype, seed=0):
+  """Seeded inputs, converted on the host and put on the device (jnp.asarray
+  would compile a conversion per shape and dtype)."""
   rng = np.random.RandomState(seed)
   if dtype == jnp.bool_:
-    return jnp.asarray(rng.rand(*shape) > 0.5)
+    return jax.device_put(rng.rand(*shape) > 0.5)
   if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.randint(-1000, 1000, size=shape), dtype)
-  return jnp.asarray(rng.randn(*shape), dtype)
+    return jax.device_put(rng.randint(-1000, 1000, size=shape).astype(jnp.dtype(dtype)))
+  return jax.device_put(np.asarray(rng.randn(*shape)).astype(jnp.dtype(dtype)))
 
 
 def _config(mode):

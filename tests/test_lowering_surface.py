@@ -44,15 +44,17 @@ def _sub_jaxprs(params):
 
 
 def _random(rng, shape, dtype):
+  """Seeded inputs, converted on the host and put on the device (jnp.asarray
+  would compile a conversion per shape and dtype)."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.bool_:
-    return jnp.asarray(rng.integers(0, 2, shape), bool)
+    return jax.device_put(rng.integers(0, 2, shape).astype(bool))
   if jnp.issubdtype(dtype, jnp.unsignedinteger):
     info = jnp.iinfo(dtype)
-    return jnp.asarray(rng.integers(0, int(info.max), shape, dtype=np.uint64), dtype)
+    return jax.device_put(rng.integers(0, int(info.max), shape, dtype=np.uint64).astype(dtype))
   if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.integers(-1000, 1000, shape), dtype)
-  return jnp.asarray(rng.standard_normal(shape), dtype)
+    return jax.device_put(rng.integers(-1000, 1000, shape).astype(dtype))
+  return jax.device_put(np.asarray(rng.standard_normal(shape)).astype(dtype))
 
 
 class SurfaceTest(chex.TestCase, parameterized.TestCase):
