@@ -27,19 +27,16 @@ _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
 
 def _random(rng, shape, dtype):
   dtype = jnp.dtype(dtype)
+  # Cast on the host: a device cast compiles an XLA program per shape and dtype.
   if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.integers(-50, 50, shape), dtype)
-  return jnp.asarray(rng.standard_normal(shape), dtype)
+    return jnp.asarray(rng.integers(-50, 50, shape).astype(dtype))
+  return jnp.asarray(rng.standard_normal(shape).astype(dtype))
 
 
 def _per_tile_config():
   cfg = ipu_jax.IPUConfig()
   cfg.executor.mode = "per_tile"
   return cfg
-
-
-def _step_profiles(fn, *args, target=_TARGET):
-  return ipu_jax.jit(fn, target=target).lower(*args).profile.steps
 
 
 class IndexingTest(chex.TestCase, parameterized.TestCase):
@@ -54,15 +51,20 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
     missing = [n for n in names if n not in registered]
     self.assertEqual(missing, [], f"lowering rules missing for {missing}")
 
-  def _check(self, fn, *args, target=_TARGET, config=None, exact=True):
-    got = ipu_jax.jit(fn, target=target, config=config)(*args)
+  def _check(self, fn, *args, **kwargs):
+    return self._check_lowered(fn, *args, **kwargs)[0]
+
+  def _check_lowered(self, fn, *args, target=_TARGET, config=None, exact=True):
+    """``_check``, also returning the ``Lowered`` that ran (for its report: lowered once)."""
+    lowered = ipu_jax.jit(fn, target=target, config=config).lower(*args)
+    got = lowered(*args)
     want = jax.jit(fn)(*args)
     jax.tree_util.tree_map(lambda g, w: self.assertEqual(g.dtype, w.dtype), got, want)
     if exact:
       chex.assert_trees_all_equal(got, want)
     else:
       chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-    return got
+    return got, lowered
 
   # -- dynamic_slice / dynamic_update_slice ----------------------------------
 
@@ -76,8 +78,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
   def test_dynamic_slice_constant_indices_is_exact_movement(self):
     x = _random(self.rng, (33, 17), jnp.float32)
     fn = lambda x: lax.dynamic_slice(x, (30, 2), (5, 3))  # clamps to row 28
-    self._check(fn, x)
-    (step,) = [s for s in _step_profiles(fn, x) if s.op == "dynamic_slice"]
+    _, lowered = self._check_lowered(fn, x)
+    (step,) = [s for s in lowered.profile.steps if s.op == "dynamic_slice"]
     self.assertTrue(step.name.endswith("/static"))
     self.assertEqual(step.exchange_bytes_in.sum(), step.exchange_bytes_out.sum())
 
@@ -170,8 +172,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
     dnums = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
                                        start_index_map=(0,))
     fn = lambda x: lax.gather(x, indices, dnums, (1, 5), mode="fill", fill_value=0.5)
-    self._check(fn, x)
-    names = [s.name for s in _step_profiles(fn, x)]
+    _, lowered = self._check_lowered(fn, x)
+    names = [s.name for s in lowered.profile.steps]
     self.assertIn("gather/static", names)
 
   def test_gather_size_zero(self):
@@ -292,8 +294,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
     keys = _random(self.rng, (3, 20011), jnp.float32)
     vals = jnp.asarray(self.rng.integers(0, 1000, (3, 20011)), jnp.int32)
     fn = lambda k, v: lax.sort((k, v), num_keys=1)
-    self._check(fn, keys, vals)
-    steps = _step_profiles(fn, keys, vals)
+    _, lowered = self._check_lowered(fn, keys, vals)
+    steps = lowered.profile.steps
     merges = [s for s in steps if s.name.startswith("sort/merge")]
     self.assertLen(merges, 6)  # log2(8) * (log2(8) + 1) / 2
     self.assertTrue(all(s.exchange_bytes_in.sum() > 0 for s in merges))
@@ -311,8 +313,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
     x = _random(self.rng, (37,), jnp.float32)
     self._check(lambda x: lax.top_k(x, 5), x)
     x = _random(self.rng, (2, 30001), jnp.float32)
-    self._check(lambda x: lax.top_k(x, 7), x)
-    names = [s.name for s in _step_profiles(lambda x: lax.top_k(x, 7), x)]
+    _, lowered = self._check_lowered(lambda x: lax.top_k(x, 7), x)
+    names = [s.name for s in lowered.profile.steps]
     self.assertIn("top_k/merge", names)
 
   def test_top_k_int_and_bf16(self):
@@ -334,8 +336,8 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
     dnums = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
                                        start_index_map=(0,))
     fn = lambda t, i: lax.gather(t, i, dnums, (1, 16), mode="clip")
-    self._check(fn, table, ids, target=target)
-    (step,) = [s for s in _step_profiles(fn, table, ids, target=target) if s.op == "gather"]
+    _, lowered = self._check_lowered(fn, table, ids, target=target)
+    (step,) = [s for s in lowered.profile.steps if s.op == "gather"]
     self.assertGreater(step.ipu_link_bytes, 0)
 
   def test_per_tile_gather_narrow_unsigned_indices(self):
@@ -365,8 +367,7 @@ class IndexingTest(chex.TestCase, parameterized.TestCase):
       rows = lax.gather(t, i, gd, (1, 64), mode="clip")
       return rows, lax.scatter_add(t, i, u, sd)
 
-    self._check(fn, table, ids, upd, target=target, exact=False)
-    lowered = ipu_jax.jit(fn, target=target).lower(table, ids, upd)
+    _, lowered = self._check_lowered(fn, table, ids, upd, target=target, exact=False)
     (step,) = [s for s in lowered.profile.steps if s.op == "gather"]
     self.assertGreater(int((step.compute_cycles > 0).sum()), 100)
 
@@ -402,10 +403,12 @@ class ManyIndicesSmallTableTest(chex.TestCase, parameterized.TestCase):
     self.upd = jnp.asarray(self.rng.standard_normal(3001), jnp.float32)
 
   def _check(self, fn, *args, exact, target=_TARGET):
-    got = ipu_jax.jit(fn, target=target)(*args)
+    # The program that ran is the one whose report the caller reads: lowered once.
+    lowered = ipu_jax.jit(fn, target=target).lower(*args)
+    got = lowered(*args)
     want = jax.jit(fn)(*args)
     testing_utils.assert_trees_match(got, want, exact, rtol=1e-5, atol=1e-5)
-    return ipu_jax.jit(fn, target=target).lower(*args)
+    return lowered
 
   def _step_names(self, lowered, op):
     return [s.name for s in lowered.profile.steps if s.op == op]
