@@ -76,8 +76,28 @@ def _lowered_report(num_ipus=1, tiles_per_ipu=16, proportion=None,
   return ipu_jax.jit(_mlp, config=cfg).lower(*args).report
 
 
+_WINDOW_SIZE = (1400, 3400)
+_browser = {}  # the module's one Chromium: {"driver": ..., "windows": {url: handle}}
+
+
+def _start_browser():
+  options = webdriver.ChromeOptions()
+  options.binary_location = _CHROMIUM
+  for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
+               "--disable-dev-shm-usage", "--window-size=%d,%d" % _WINDOW_SIZE):
+    options.add_argument(flag)
+  options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+  return webdriver.Chrome(service=Service(_CHROMEDRIVER), options=options)
+
+
+def tearDownModule():
+  if "driver" in _browser:
+    _browser.pop("driver").quit()
+
+
 class _BrowserTestCase(chex.TestCase, parameterized.TestCase):
-  """Starts one headless Chromium for the class."""
+  """Drives the module's one headless Chromium (started by the first class
+  that needs it: each start costs seconds)."""
 
   driver = None
 
@@ -87,27 +107,27 @@ class _BrowserTestCase(chex.TestCase, parameterized.TestCase):
     missing = _browser_missing()
     if missing:
       raise absltest.SkipTest(missing)
-    options = webdriver.ChromeOptions()
-    options.binary_location = _CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                 "--disable-dev-shm-usage", "--window-size=1400,3400"):
-      options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    cls.driver = webdriver.Chrome(service=Service(_CHROMEDRIVER),
-                                  options=options)
-
-  @classmethod
-  def tearDownClass(cls):
-    if cls.driver is not None:
-      cls.driver.quit()
-    super().tearDownClass()
+    if "driver" not in _browser:
+      _browser["driver"] = _start_browser()
+      _browser["windows"] = {}
+    cls.driver = _browser["driver"]
 
   def _open(self, path):
+    """Shows the page at ``path``, each page loaded once, in a window of its own.
+
+    Loading plotly.js takes seconds; the tests of one page share it (each
+    test's clicks replace the panels it reads), also when tests of another
+    page ran in between.
+    """
     url = "file://" + os.path.abspath(path)
-    if self.driver.current_url == url:
-      # Loading plotly.js takes seconds; the tests of one page share it
-      # (each test's clicks replace the panels it reads).
+    windows = _browser["windows"]
+    if url in windows:
+      self.driver.switch_to.window(windows[url])
       return
+    if windows:
+      self.driver.switch_to.new_window("window")
+      self.driver.set_window_size(*_WINDOW_SIZE)
+    windows[url] = self.driver.current_window_handle
     self.driver.get(url)
     WebDriverWait(self.driver, 60).until(
         lambda d: d.find_element(By.TAG_NAME, "body").get_attribute(
