@@ -6,6 +6,7 @@ the report and its cycles, exact exchange bytes, and how the available memory
 proportion trades memory for cycles.
 """
 
+import functools
 import re
 
 from absl.testing import absltest
@@ -171,6 +172,12 @@ class DotGeneralTest(chex.TestCase, parameterized.TestCase):
                                           against=jax.jit(jnp.matmul)(a, b))
 
 
+@functools.lru_cache(maxsize=None)
+def _dot_fn(dn, preferred):
+  """``lax.dot_general`` with these parameters, the same function object each time."""
+  return lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=preferred)
+
+
 def _attention_loss(q, k, v):
   """A loss through dot-product attention as Flax writes it: the batch
   dimensions of both products (batch, heads) are not all leading."""
@@ -178,6 +185,9 @@ def _attention_loss(q, k, v):
   probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
   return jnp.sum(out.astype(jnp.float32) ** 2)
+
+
+_ATTENTION_GRAD = jax.grad(_attention_loss, argnums=(0, 1, 2))
 
 
 class HalfNonLeadingBatchTest(chex.TestCase, parameterized.TestCase):
@@ -202,7 +212,7 @@ class HalfNonLeadingBatchTest(chex.TestCase, parameterized.TestCase):
   def test_matches_jit(self, dtype, preferred, dot, mode):
     a_shape, b_shape, dn = self._DOTS[dot]
     preferred = dtype if preferred == "same" else preferred
-    fn = lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=preferred)
+    fn = _dot_fn(dn, preferred)  # one function per product: both modes share jax.jit's compile
     a, b = _random(a_shape, dtype, 1), _random(b_shape, dtype, 2)
     got = np.asarray(ipu_jax.jit(fn, target=_SMALL, config=_config(mode))(a, b))
     try:
@@ -222,7 +232,7 @@ class HalfNonLeadingBatchTest(chex.TestCase, parameterized.TestCase):
   @parameterized.product(dtype=(jnp.bfloat16, jnp.float16), mode=testing_utils.MODES)
   def test_attention_gradients(self, dtype, mode):
     q, k, v = (_random((2, 5, 3, 8), dtype, seed) for seed in (3, 4, 5))
-    grad = jax.grad(_attention_loss, argnums=(0, 1, 2))
+    grad = _ATTENTION_GRAD  # one function: both modes share jax.jit's compile
     got = ipu_jax.jit(grad, target=_SMALL, config=_config(mode))(q, k, v)
     want = jax.jit(grad)(q, k, v)
     chex.assert_trees_all_equal_shapes_and_dtypes(got, want)

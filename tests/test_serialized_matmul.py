@@ -55,6 +55,12 @@ def _proportion_config(proportion, tiles=None):
   return cfg
 
 
+# The reference of test_grad_of_a_matrix_shared_by_a_batch, one jitted function
+# for every case: compiled once per shape and dtype, not once per case.
+_SHARED_MATRIX_REFERENCE = jax.jit(jax.grad(
+    lambda x, y: jnp.sum(jnp.tanh(jnp.matmul(x, y).astype(jnp.float32))), argnums=(0, 1)))
+
+
 class SerializedMatmulTest(parameterized.TestCase):
 
   @parameterized.parameters(*_CASES)
@@ -126,7 +132,7 @@ class SerializedMatmulTest(parameterized.TestCase):
                else (lambda x, y: serialized_matmul(x, y, 2, mode)))  # the same transposes
     grad = jax.grad(loss(product), argnums=(0, 1))
     got = ipu_jax.jit(grad, target=T16)(a, b)
-    want = jax.jit(jax.grad(loss(jnp.matmul), argnums=(0, 1)))(a, b)
+    want = _SHARED_MATRIX_REFERENCE(a, b)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     chex.assert_trees_all_close(jax.tree_util.tree_map(np.asarray, got), want, rtol=tol,
                                 atol=tol)
@@ -279,14 +285,20 @@ class EmbeddingLookupTest(parameterized.TestCase):
   def test_equals_take(self, factor):
     table = random_array((10, 3), seed=1)
     ids = jnp.array([[0, 9, 5, 4], [3, 3, 7, 1]], jnp.int32)
-    testing_utils.assert_matches_jit(lambda t, i: embedding_lookup(t, i, factor), table, ids)
-    got = ipu_jax.jit(lambda t, i: embedding_lookup(t, i, factor), target=T16)(table, ids)
-    chex.assert_trees_all_close(np.asarray(got), np.asarray(table)[np.asarray(ids)])
+    fn = lambda t, i: embedding_lookup(t, i, factor)
+    want = jax.jit(fn)(table, ids)
+    # Each mode's run equals jax.jit's and the table's rows (run once each:
+    # the batched run is the one a plain ipu_jax.jit makes).
+    for mode in testing_utils.MODES:
+      got = ipu_jax.jit(fn, target=T16, config=testing_utils.executor_config(mode))(table, ids)
+      chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(np.asarray(got), np.asarray(table)[np.asarray(ids)])
 
   def test_grad(self):
     table, ids = random_array((12, 4), seed=2), jnp.array([0, 11, 5, 5, 6], jnp.int32)
     fn = lambda t: jnp.sum(jnp.sin(embedding_lookup(t, ids, 3)))
-    want = jax.grad(lambda t: jnp.sum(jnp.sin(t[ids])))(table)
+    want = jax.jit(jax.grad(lambda t: jnp.sum(jnp.sin(t[ids]))))(table)  # one program, not eager ops
     chex.assert_trees_all_close(np.asarray(ipu_jax.jit(jax.grad(fn), target=T16)(table)),
                                 np.asarray(want), rtol=1e-6)
     # The pieces' gradients are concatenated into one table, not padded to
