@@ -131,12 +131,20 @@ class PerTileConvolutionHolesTest(chex.TestCase, parameterized.TestCase):
     w = np.array(_random((2, 4 // groups, 3, 2), seed=9))
     w[0, 0, 2, 1], w[1, 0, 0, 0] = np.inf, np.nan
     w = jnp.asarray(w)
+    per_tile = ipu_jax.jit(fn, target=_SMALL, config=_config("per_tile"))
     want = np.asarray(jax.jit(fn)(x, w))
-    got = np.asarray(ipu_jax.jit(fn, target=_SMALL, config=_config("per_tile"))(x, w))
+    got = np.asarray(per_tile(x, w))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # Finite inputs: the same numbers in both modes.
-    _check(fn, x, _random(w.shape, seed=10))
+    # Finite inputs: the same numbers in both modes (as _check; the per-tile
+    # program above, lowered and compiled once, runs them).
+    finite = _random(w.shape, seed=10)
+    want = _check(fn, x, finite, modes=("batched",))
+    got = per_tile(x, finite)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    scale = max(1.0, float(np.abs(np.asarray(want, np.float64)).max(initial=0)))
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                               rtol=1e-5, atol=1e-5 * scale)
 
   @parameterized.named_parameters(
       ("1d", (2, 3, 9), (4, 3, 3), [(1, 2)], (3,)),
