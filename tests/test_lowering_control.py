@@ -77,6 +77,11 @@ def _clipped_sin_bwd(cos_x, g):
 _clipped_sin.defvjp(_clipped_sin_fwd, _clipped_sin_bwd)
 
 
+def _tanh_scan(x0, w):
+  """Three steps of ``tanh(c @ w)``; one function, so both modes share jax.jit's compile."""
+  return lax.scan(lambda c, _: (jnp.tanh(c @ w), c.sum()), x0, None, length=3)
+
+
 class ControlTest(chex.TestCase, parameterized.TestCase):
 
   @parameterized.parameters("batched", "per_tile")
@@ -87,14 +92,10 @@ class ControlTest(chex.TestCase, parameterized.TestCase):
     # Inputs drawn on the host: jax.random would compile a sampler per shape.
     x0 = jnp.asarray(np.random.default_rng(0).standard_normal((37, 29), np.float32))
     w = jnp.asarray(np.random.default_rng(1).standard_normal((29, 29), np.float32) * 0.2)
-
-    def f(x0, w):
-      return lax.scan(lambda c, _: (jnp.tanh(c @ w), c.sum()), x0, None, length=3)
-
     cfg = ipu_jax.IPUConfig()
     cfg.executor.mode = mode
-    chex.assert_trees_all_close(_run(f, x0, w, config=cfg), jax.jit(f)(x0, w), rtol=1e-5,
-                                atol=1e-6)
+    chex.assert_trees_all_close(_run(_tanh_scan, x0, w, config=cfg),
+                                jax.jit(_tanh_scan)(x0, w), rtol=1e-5, atol=1e-6)
 
   def assert_same(self, fn, *args, target=_T16, config=None, exact=True):
     got = _run(fn, *args, target=target, config=config)
