@@ -43,26 +43,6 @@ def _check(fn, *args, tol=1e-5, **kwargs):
   return testing_utils.assert_sums_match_jit(fn, *args, rtol=tol, **kwargs)
 
 
-def _check_lowered(fn, *args, tol=1e-5, target=_SMALL):
-  """``_check`` in both executor modes, returning the batched run's ``Lowered``.
-
-  The report a test then reads is the one of the program that ran, lowered
-  once per mode rather than once more for the report. As
-  ``testing_utils.assert_sums_match_jit``: the absolute tolerance scales with
-  the largest result.
-  """
-  want = jax.jit(fn)(*args)
-  wide = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
-  scale = max([1.0] + [float(np.abs(x).max(initial=0)) for x in jax.tree.leaves(wide(want))])
-  lowered = {}
-  for mode in testing_utils.MODES:
-    lowered[mode] = ipu_jax.jit(fn, target=target, config=_config(mode)).lower(*args)
-    got = lowered[mode](*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    chex.assert_trees_all_close(wide(got), wide(want), rtol=tol, atol=tol * scale)
-  return lowered["batched"]
-
-
 def _conv_steps(lowered):
   return [s for s in lowered.report.profile.steps if s.op == "conv_general_dilated"]
 
@@ -114,7 +94,8 @@ class ConvForwardTest(chex.TestCase, parameterized.TestCase):
 
   def test_one_conv_on_full_target(self):
     x, w = _random((8, 32, 32, 32), seed=7), _random((3, 3, 32, 64), seed=8)
-    lowered = _check_lowered(_conv(), x, w, target=_FULL)
+    _check(_conv(), x, w, target=_FULL)
+    lowered = ipu_jax.jit(_conv(), target=_FULL).lower(x, w)
     step = _conv_steps(lowered)[0]
     self.assertGreater(np.count_nonzero(step.compute_cycles), 1000)
     macs = 8 * 32 * 32 * 64 * 9 * 32
@@ -203,13 +184,12 @@ class ConvAccountingTest(chex.TestCase, parameterized.TestCase):
     rows = out.mapping.element_row // gk
     bytes_in = np.zeros(target.num_tiles, np.int64)
     needed_by = {}
-    # One program for every tile's vjp (eagerly, each tile's ops dispatched one by one).
-    masked_vjp = jax.jit(lambda x, w, mask, ct: jax.vjp(lambda x, w: fn(x, w * mask), x, w)[1](ct))
     for r, tile in enumerate(out.mapping.tiles):
       ci, ct = divmod(r % gk, gt)
       mask = np.zeros(w.shape, np.float32)
       mask[ct * bt:(ct + 1) * bt, :, ci * bi:(ci + 1) * bi] = 1
-      grads = masked_vjp(x, w, mask, ((rows == r // gk).reshape(out.shape)).astype(np.float32))
+      _, vjp = jax.vjp(lambda x, w: fn(x, w * mask), x, w)
+      grads = vjp(jnp.asarray((rows == r // gk).reshape(out.shape), jnp.float32))
       for tensor, grad in zip((lhs, rhs), grads):
         ids = np.nonzero(np.asarray(grad).ravel())[0]
         bytes_in[tile] += 4 * int((tensor.mapping.element_tile[ids] != tile).sum())
@@ -307,7 +287,8 @@ class ConvContractionSplitTest(chex.TestCase, parameterized.TestCase):
     out_hw = 7 if strides == (2, 2) else 14
     g = _random((4, out_hw, out_hw, 8), dtype, seed=1)
     fn = _weight_grad(strides)
-    steps = [s.name for s in _conv_steps(_check_lowered(fn, x, g, tol=tol))]
+    _check(fn, x, g, tol=tol)
+    steps = [s.name for s in _conv_steps(ipu_jax.jit(fn, target=_SMALL).lower(x, g))]
     self.assertTrue(any(".k" in name and name.endswith(" reduce") for name in steps), steps)
 
   def test_resnet_weight_gradient_fits_at_the_forward_rate(self):
@@ -375,12 +356,13 @@ class ConvExchangeBusSharingTest(chex.TestCase, parameterized.TestCase):
     # 4 B), the same 32 cycles. Both at 4 B a cycle, as before cost model
     # 19: (256 + 240) / 4 + 100 = 224.
     x, w = _random((1, 4, 4, 16), jnp.float16), _random((1, 1, 16, 64), jnp.float16, seed=1)
-    # Only placement and cycles move: the values are jax.jit's.
-    lowered = _check_lowered(_conv(padding="VALID"), x, w, tol=2e-2)
+    lowered = ipu_jax.jit(_conv(padding="VALID"), target=_SMALL).lower(x, w)
     step, = _conv_steps(lowered)
     self.assertIn("grid n1.c8.s1x2 ", step.name)
     np.testing.assert_array_equal(step.exchange_bytes_in, [432] * 4 + [496] * 12)
     self.assertEqual(step.exchange_cycles, 192.0)
+    # Only placement and cycles move: the values are jax.jit's.
+    _check(_conv(padding="VALID"), x, w, tol=2e-2, target=_SMALL)
 
   @parameterized.named_parameters(
       # The same convolution planned: window 4x2x16 and kernel block 16x8

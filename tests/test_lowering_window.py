@@ -4,7 +4,6 @@ import re
 
 from absl.testing import absltest
 from absl.testing import parameterized
-import chex
 import flax.linen as nn
 import jax
 from jax import lax
@@ -21,29 +20,6 @@ _T4 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=4)
 _TWO_IPUS = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
 _assert_matches = testing_utils.assert_matches_jit
 _WINDOW_OPS = ("reduce_window", "select_and_scatter_add", "select_and_gather_add")
-
-
-def _assert_matches_lowered(fn, *args, exact=False, target=_T16):
-  """``_assert_matches``, returning the ``Lowered`` of the batched run.
-
-  The report a test then reads is the one of the program that ran, and the
-  program is lowered once per mode, not once more for the report.
-  """
-  want = jax.jit(fn)(*args)
-  lowered = {}
-  for mode in testing_utils.MODES:
-    config = testing_utils.executor_config(mode)
-    lowered[mode] = ipu_jax.jit(fn, target=target, config=config).lower(*args)
-    got = lowered[mode](*args)
-    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
-    if isinstance(want, dict) and set(want) == {"close", "exact"}:
-      chex.assert_trees_all_close(got["close"], want["close"], rtol=1e-5, atol=1e-6)
-      jax.tree.map(np.testing.assert_array_equal, got["exact"], want["exact"])
-    elif exact:
-      jax.tree.map(np.testing.assert_array_equal, got, want)
-    else:
-      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-  return lowered["batched"]
 
 
 def _images(shape=(4, 9, 9, 3), seed=0, dtype=np.float32):
@@ -151,7 +127,8 @@ class ReduceWindowTest(parameterized.TestCase):
   def test_no_unwindowed_axis_runs_on_one_tile(self):
     x = np.random.default_rng(11).standard_normal((50,)).astype(np.float32)
     fn = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (3,), (2,), "SAME")
-    lowered = _assert_matches_lowered(fn, x, exact=True)
+    _assert_matches(fn, x, exact=True)
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x)
     self.assertEqual(int((lowered.profile.steps[-1].compute_cycles > 0).sum()), 1)
 
   def test_size_zero(self):
@@ -169,7 +146,8 @@ class HaloSplitTest(parameterized.TestCase):
     fn = lambda x: {
         "exact": lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (2, 2), "VALID"),
         "close": lax.reduce_window(x, 0.0, lax.add, (3, 3), (2, 2), "SAME") / 9}
-    lowered = _assert_matches_lowered(fn, x, target=target)
+    _assert_matches(fn, x, target=target)
+    lowered = ipu_jax.jit(fn, target=target).lower(x)
     self.assertFalse(lowered.out_of_memory)
     self.assertLess(int(lowered.profile.memory.peak.max()), x.nbytes // 100)
     for step in _window_steps(lowered):
@@ -187,7 +165,8 @@ class HaloSplitTest(parameterized.TestCase):
                              window_dilation):
     x = _images(shape, seed=31)
     fn = _pools(window, strides, padding, base_dilation, window_dilation)
-    lowered = _assert_matches_lowered(fn, x)
+    _assert_matches(fn, x)
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x)
     for step in _window_steps(lowered):
       self.assertGreater(_tiles_computing(step), 1, step.name)
 
@@ -200,7 +179,8 @@ class HaloSplitTest(parameterized.TestCase):
   def test_nd_pooling(self, shape, window, strides, padding):
     x = _images(shape, seed=32)
     fn = _pools(window, strides, padding)
-    lowered = _assert_matches_lowered(fn, x)
+    _assert_matches(fn, x)
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x)
     # Most tiles (boxes of at least 64 outputs; the box counts the axes allow).
     for step in _window_steps(lowered):
       self.assertGreater(_tiles_computing(step), 8, step.name)
@@ -223,7 +203,8 @@ class HaloSplitTest(parameterized.TestCase):
     fn = lambda i: (lax.reduce_window(i, 0, lax.add, (2, 3), (2, 1), "VALID"),
                     lax.reduce_window(i, np.iinfo(np.int32).min, lax.max, (3, 3), (1, 1), "SAME"),
                     lax.reduce_window(i, np.iinfo(np.int32).max, lax.min, (2, 2), (3, 3), "SAME"))
-    lowered = _assert_matches_lowered(fn, i, exact=True)
+    _assert_matches(fn, i, exact=True)
+    lowered = ipu_jax.jit(fn, target=_T16).lower(i)
     for step in _window_steps(lowered):
       self.assertGreater(_tiles_computing(step), 1, step.name)
 
@@ -240,7 +221,8 @@ class HaloSplitTest(parameterized.TestCase):
     max_grad = jax.grad(lambda x: (nn.max_pool(x, window, strides, padding) ** 2).sum())
     avg_grad = jax.grad(lambda x: (nn.avg_pool(x, window, strides, padding) ** 2).sum())
     fn = lambda x: (max_grad(x), avg_grad(x))
-    lowered = _assert_matches_lowered(fn, x)
+    _assert_matches(fn, x)
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x)
     ops = {s.op for s in _window_steps(lowered)}
     self.assertEqual(ops, {"reduce_window_max", "reduce_window_sum", "select_and_scatter_add"})
     for step in _window_steps(lowered):
@@ -266,7 +248,8 @@ class HaloSplitTest(parameterized.TestCase):
     max_pool = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (3, 3), (2, 1), "SAME")
     fn = lambda x, t: (jax.grad(lambda x: (min_pool(x) ** 2).sum())(x),
                        jax.jvp(max_pool, (x,), (t,)))
-    lowered = _assert_matches_lowered(fn, x, t)
+    _assert_matches(fn, x, t)
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x, t)
     ops = {s.op for s in _window_steps(lowered)}
     self.assertIn("select_and_gather_add", ops)
     self.assertIn("select_and_scatter_add", ops)
@@ -285,7 +268,8 @@ class HaloSplitTest(parameterized.TestCase):
         "close": lax.reduce_window(x, init, lax.mul, (2, 3), (1, 2), "SAME"),
         "exact": lax.reduce_window((x, i), (-jnp.inf, np.int32(-1)), pick, (3, 3), (2, 2),
                                    "SAME")}
-    lowered = _assert_matches_lowered(fn, x, idx, np.float32(1.5))
+    _assert_matches(fn, x, idx, np.float32(1.5))
+    lowered = ipu_jax.jit(fn, target=_T16).lower(x, idx, np.float32(1.5))
     steps = _window_steps(lowered)
     self.assertLen(steps, 2)
     for step in steps:
