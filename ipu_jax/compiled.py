@@ -21,7 +21,7 @@ import numpy as np
 from ipu_jax import cached_program
 from ipu_jax import host_time
 from ipu_jax.lowering import fp_exceptions
-from ipu_jax.lowering.exchange import to_flat, to_storage
+from ipu_jax.lowering.exchange import to_flat
 from ipu_jax.lowering.executor import build_function
 from ipu_jax.lowering.jax_compat import physical_nbytes
 from ipu_jax.lowering.lower import is_key_dtype
@@ -104,7 +104,7 @@ def build_executable(program, tensors: dict, signature: Signature, *, inputs, ou
                       seeding: Seeding = Seeding()) -> Executable:
   """The executor of ``program`` as one traceable function (see :class:`Executable`).
 
-  Arguments come in as flat logical arrays and leave the same way; constants
+  Arguments come in as logical arrays and leave the same way; constants
   and device state stay in tile storage.
   """
   keys_in = [t.id for t in inputs] + list(constant_keys)
@@ -112,27 +112,36 @@ def build_executable(program, tensors: dict, signature: Signature, *, inputs, ou
   keys_state = [constant_keys[i] for i in state]
   # Trapped floating-point exceptions: the record is the last output.
   keys_record = [fp_exceptions.RECORD_KEY] if traps else []
-  # The outputs leave as flat logical arrays (a remote buffer's as its rows).
+  # The arguments come in and the outputs leave as logical arrays (a
+  # remote buffer's as its rows): the executor builds an argument's storage
+  # only where it holds it as storage.
+  logical_in = [i for i, t in enumerate(inputs) if not is_remote(t)]
   logical_out = [i for i, t in enumerate(outputs) if not is_remote(t)]
   inner = build_function(program, tensors, keys_in, keys_out + keys_state + keys_record,
-                         traps=traps, mode=mode, logical_outputs=logical_out).__wrapped__
+                         traps=traps, mode=mode, logical_inputs=logical_in,
+                         logical_outputs=logical_out).__wrapped__
   num_out, num_state = len(keys_out), len(keys_state)
   in_avals, out_avals = signature.in_avals, signature.out_avals
 
   def run(flat_args, constant_values):
-    storages = []
+    values = []
     for arg, aval, tensor in zip(flat_args, in_avals, inputs):
       if is_key_dtype(aval.dtype):
         arg = jax.random.key_data(arg)
-      storages.append(_to_storage(jnp.reshape(arg, (-1,)).astype(tensor.dtype), tensor))
-    results = inner(*storages, *constant_values)
+      arg = jnp.asarray(arg).astype(tensor.dtype)
+      # A remote buffer's storage is its rows (host memory).
+      values.append(jnp.reshape(arg, tensor.storage_shape) if is_remote(tensor) else arg)
+    results = inner(*values, *constant_values)
     results, device_state, record = (results[:num_out],
                                      results[num_out:num_out + num_state],
                                      results[num_out + num_state:])
     flat_out = []
     for value, aval, tensor in zip(results, out_avals, outputs):
-      value = (_to_flat(value, tensor).reshape(tensor.shape[1:]) if is_remote(tensor)
-               else value.reshape(tensor.shape))
+      if is_remote(tensor):
+        value = _to_flat(value, tensor).reshape(tensor.shape[1:])
+      elif value.shape != tuple(tensor.shape):
+        # An output aliasing another shape of its tensor id (a reshape of an input).
+        value = value.reshape(tensor.shape)
       if is_key_dtype(aval.dtype):
         value = jax.random.wrap_key_data(value, impl=aval.dtype._impl)
       flat_out.append(value)
@@ -327,13 +336,6 @@ class Compiled:
 def avals_bytes(avals) -> int:
   """Bytes of arrays of these avals (a typed PRNG key counted as its key data)."""
   return sum(physical_nbytes(aval) for aval in avals)
-
-
-def _to_storage(flat, tensor):
-  """Storage of a program input; a remote buffer's is its rows (host memory)."""
-  if is_remote(tensor):
-    return jnp.reshape(flat, tensor.storage_shape)
-  return to_storage(flat, tensor.mapping)
 
 
 def _to_flat(storage, tensor):

@@ -73,7 +73,12 @@ def assign(ctx, dst: P.Tensor, src: P.Tensor, name: str = "copy") -> None:
   def fn(x):
     return (relayout(x, src.mapping, dst.mapping).astype(dst.dtype),)
 
+  def logical(x):
+    # A copy moves elements between tiles; its values are the source's.
+    return (jnp.reshape(x, dst.shape).astype(dst.dtype),)
+
   ctx.emit(P.Superstep(name=name, op=ctx.op or "copy", reads=(src,), writes=(dst,), fn=fn,
+                       logical=logical,
                        exchange=relayout_cost(ctx.target, src.mapping, dst.mapping, src.itemsize)))
 
 

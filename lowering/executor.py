@@ -57,12 +57,16 @@ class _Logical:
   matmul and reduction. Only the representation changes: the storage's
   padding (slots holding no element) reads as zeros, as
   :func:`~ipu_jax.lowering.exchange.to_storage` fills it.
+
+  ``storage``: the storage a step built from ``value`` (None: none yet),
+  kept so that later readers in the same state reuse it: a tensor is
+  converted once, not once per reading step.
   """
 
-  __slots__ = ("value", "mapping")
+  __slots__ = ("value", "mapping", "storage")
 
-  def __init__(self, value, mapping):
-    self.value, self.mapping = value, mapping
+  def __init__(self, value, mapping, storage=None):
+    self.value, self.mapping, self.storage = value, mapping, storage
 
 
 class _Env:
@@ -88,6 +92,8 @@ class _Env:
     """``key``'s value; a tensor's in its tile storage."""
     value = state.get(key)
     if isinstance(value, _Logical):
+      if value.storage is not None:
+        return value.storage
       return to_storage(value.value.reshape(-1), value.mapping)
     if value is not None:
       return value
@@ -101,7 +107,7 @@ class _Env:
     value = state.get(tensor.id)
     if isinstance(value, _Logical):
       # An alias (rules/shape.py) shares the id with another shape.
-      return value.value.reshape(tensor.shape)
+      return _shaped(value.value, tensor.shape)
     if value is None:
       return jnp.zeros(tensor.shape, tensor.dtype)
     return to_flat(value, tensor.mapping).reshape(tensor.shape)
@@ -196,6 +202,7 @@ def _run_storage(step: P.Superstep, function, state: dict, env: _Env, owned: boo
                        f"expected {len(step.writes)}")
   if not owned:
     state = dict(state)
+  _keep_storages(state, step.reads, values)
   written = []
   for tensor, value in zip(step.writes, outputs):
     if tuple(value.shape) != tensor.storage_shape:
@@ -211,6 +218,18 @@ def _run_storage(step: P.Superstep, function, state: dict, env: _Env, owned: boo
     key = fp_exceptions.RECORD_KEY
     state[key] = env.traps.check(step, values, written, state[key], env.iteration)
   return state
+
+
+def _keep_storages(state: dict, reads, storages) -> None:
+  """Keep the storages built for logical ``reads`` beside their arrays in ``state``.
+
+  A new :class:`_Logical` in this state (owned): the old one may be shared
+  with an enclosing control program's state, traced outside this one.
+  """
+  for tensor, storage in zip(reads, storages):
+    value = state.get(tensor.id)
+    if isinstance(value, _Logical) and value.storage is None:
+      state[tensor.id] = _Logical(value.value, value.mapping, storage)
 
 
 def _keeps_logical(tensor, step) -> bool:
@@ -280,7 +299,34 @@ def _hold(env: _Env, key, value, storage: bool = False):
   tensor = env.tensors[key]
   if storage:
     value = to_flat(value, tensor.mapping)
-  return _Logical(value.reshape(tensor.shape), tensor.mapping)
+  return _Logical(_shaped(value, tensor.shape), tensor.mapping)
+
+
+def _shaped(value, shape):
+  """``value`` (of ``shape``'s size) as ``shape``.
+
+  No operation where it has that shape already: JAX traces a reshape of a
+  scalar to its own shape as one.
+  """
+  shape = tuple(shape)
+  return value if tuple(value.shape) == shape else jnp.reshape(value, shape)
+
+
+def _hold_input(env: _Env, key, value, logical: bool):
+  """A program input's ``value`` as the state holds it.
+
+  ``logical``: it arrives as its logical array (any shape of its size).
+  Held logical (:func:`_held_logical`) it is kept as it is, so an input that
+  no step reads through its storage costs XLA no operation at all (built
+  into storage and read back, it was a pad, reshapes and a slice per input
+  that XLA compiled, and cancelled, in every program); otherwise its
+  storage is built here, once.
+  """
+  if not logical:
+    return _hold(env, key, value, storage=True)
+  if _held_logical(env, key):
+    return _hold(env, key, value)
+  return to_storage(jnp.reshape(value, (-1,)), env.tensors[key].mapping)
 
 
 def _carry(state, env, keys):
@@ -407,7 +453,8 @@ def _stream_copy(program: P.StreamCopy, state, env):
 
 def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
                    output_keys: Iterable, *, donate: bool = False, traps=None,
-                   mode: str = "batched", logical_outputs: Iterable = ()) -> Callable:
+                   mode: str = "batched", logical_inputs: Iterable = (),
+                   logical_outputs: Iterable = ()) -> Callable:
   """Compile ``program`` into one jitted function.
 
   Args:
@@ -422,8 +469,11 @@ def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
       ``fp_exceptions.RECORD_KEY``), or None.
     mode: ``"batched"`` (steps' logical forms) or ``"per_tile"`` (their
       ``fn``s); see the module docstring.
+    logical_inputs: positions in ``input_keys`` (of tensors) given as their
+      logical arrays (any shape of their size) rather than their storages (see
+      :func:`_hold_input`); the others are storages.
     logical_outputs: positions in ``output_keys`` (of tensors) returned as
-      their flat logical arrays rather than their storages: a tensor held
+      their logical arrays (of their shapes) rather than their storages: a tensor held
       logical goes out as it is, where building its storage and reading it
       back cost two gathers for an irregular layout, which XLA does not
       cancel.
@@ -433,16 +483,18 @@ def build_function(program: P.Program, tensors: dict, input_keys: Iterable,
   """
   input_keys = tuple(input_keys)
   output_keys = tuple(output_keys)
+  logical_inputs = frozenset(logical_inputs)
   logical_outputs = frozenset(logical_outputs)
   env = _Env(tensors, traps, mode)
 
   def output(state, i, key):
     if i in logical_outputs:
-      return env.get_logical(state, tensors[key]).reshape(-1)
+      return env.get_logical(state, tensors[key])
     return env.get(state, key)
 
   def run(*inputs):
-    state = {k: _hold(env, k, v, storage=True) for k, v in zip(input_keys, inputs)}
+    state = {k: _hold_input(env, k, v, i in logical_inputs)
+             for i, (k, v) in enumerate(zip(input_keys, inputs))}
     if traps is not None:
       state[fp_exceptions.RECORD_KEY] = traps.initial_record()
     state = _run(program, state, env, owned=True)

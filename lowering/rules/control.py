@@ -146,11 +146,18 @@ def copy_step(ctx, dsts: Sequence[P.Tensor], srcs: Sequence[P.Tensor],
     return tuple(relayout(x, sm, dm).astype(dt)
                  for x, sm, dm, dt in zip(storages, src_maps, dst_maps, dst_dtypes))
 
+  dst_shapes = [d.shape for d, _ in pairs]
+
+  def logical(*arrays):
+    # A copy moves elements between tiles; its values are its sources'.
+    return tuple(jnp.reshape(x, shape).astype(dt)
+                 for x, shape, dt in zip(arrays, dst_shapes, dst_dtypes))
+
   cost = add_costs(*[relayout_cost(ctx.target, s.mapping, d.mapping, s.itemsize)
                      for d, s in pairs])
   return P.Superstep(name=name, op=ctx.op, reads=tuple(s for _, s in pairs),
-                     writes=tuple(d for d, _ in pairs), fn=fn, exchange=cost,
-                     source=ctx.source)
+                     writes=tuple(d for d, _ in pairs), fn=fn, logical=logical,
+                     exchange=cost, source=ctx.source)
 
 
 def _emit_copies(ctx, dsts, srcs, name="copy") -> None:
@@ -231,7 +238,7 @@ register_lowering(ad_internal.custom_lin_p, _custom_lin)
 
 
 def _with_zero_counter(copy_fn, counter_shape, *storages):
-  """The init copies, then a zeroed loop counter."""
+  """The init copies, then a zeroed loop counter (storages or logical arrays)."""
   return tuple(copy_fn(*storages)) + (jnp.zeros(counter_shape, jnp.int32),)
 
 
@@ -259,6 +266,7 @@ def _emit_scan_init(ctx, carries, inits, counter: P.Tensor) -> None:
         codelets=(vocab.vertex(vocab.FILL, "int"),)))
     return
   init.fn = functools.partial(_with_zero_counter, init.fn, counter_shape)
+  init.logical = functools.partial(_with_zero_counter, init.logical, counter.shape)
   init.writes = init.writes + (counter,)
   init.compute_cycles = fill
   init.vertices = (counter_tiles > 0).astype(np.int64)
