@@ -167,7 +167,9 @@ def bind_fn(prim, params, reads, outs, per_tile=None):
   """Step function: ``prim`` on the logical operands, results into storage.
 
   ``per_tile(logical_operands, storages)``, when given, replaces the call:
-  what the tiles do (the step's logical form is then :func:`bind_logical`).
+  what the tiles do. Either way the step's logical form is
+  :func:`bind_logical` (the batched executor runs that, with no round trip
+  through tile storage).
   """
   def fn(*storages):
     args = [builders.logical(s, t) for s, t in zip(storages, reads)]
@@ -218,7 +220,7 @@ def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
   target = ctx.target
   reads = [table] + list(indices)
   fn = bind_fn(prim, params, reads, [out], per_tile)
-  logical = None if per_tile is None else bind_logical(prim, params)
+  logical = bind_logical(prim, params)
   if static_source is not None:
     emit_step(ctx, f"{ctx.op}/static", reads, [out], fn,
               exchange=_static_cost(ctx, [table], out, static_source), logical=logical)
@@ -247,7 +249,7 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
   """
   target = ctx.target
   fn = bind_fn(prim, params, reads, [out], per_tile)
-  logical = None if per_tile is None else bind_logical(prim, params)
+  logical = bind_logical(prim, params)
   if static_source is not None:
     # The operand stays put; each update element moves to its static place.
     cost = _static_cost(ctx, [operand, updates], out, static_source)
