@@ -15,13 +15,14 @@ member's on a tie: the chain's result). Forward and backward steps are told
 apart by the ``loss`` scope (its backward is ``loss/grad``,
 ``ipu_jax.lowering.scopes``).
 
-For a matmul pass of float32 partials in one pass, poplin's own
-``ConvPartial1x1`` estimate of the tile's block
-(``experiments.poplibs_reference.poplibs_amp_matmul_cycles``) stands beside
-the busiest tile's compute cycles. The defaults are docs/calibration.md's
-settings (BERT-Large, float16 ``[3, 512, 1024]``, 1,472 Bow tiles, proportion
-1.0, half partials); the second example is a 2-head width-64 layer on 16 tiles,
-float32 partials (poplin's references shown)::
+For a matmul in one pass, poplin's own ``ConvPartial1x1`` estimate of the
+tile's block (``experiments.poplibs_reference.poplibs_amp_matmul_cycles``,
+float32 or half partials as the pass's vertex says, on the units poplin takes
+for them) stands beside the busiest tile's compute cycles, and the text
+output sums them. The defaults are docs/calibration.md's settings
+(BERT-Large, float16 ``[3, 512, 1024]``, 1,472 Bow tiles, proportion 1.0,
+half partials); the second example is a 2-head width-64 layer on 16 tiles,
+float32 partials::
 
     python -m experiments.layer_costs --json_out layer_costs.json
     python -m experiments.layer_costs --hidden 64 --heads 2 --ffn 256 --seq 32 --micro_batch 1 --tiles_per_ipu 16 --partials float32
@@ -31,7 +32,8 @@ JSON (``"schema": "ipu-jax-layer-costs", "version": 1``): ``settings``,
 ``total_cycles``, ``peak_tile_bytes``, ``lower_seconds`` and ``passes``:
 per pass (``forward`` / ``backward``) per part ``cycles`` and ``steps``
 (per step name its ``cycles`` and ``count``; matmul passes their
-``poplin_reference`` rows).
+``poplin_reference`` rows: ``block``, ``partials_bytes``, ``conv_units``,
+``estimate_compute_cycles``, ``poplin_cycles``, ``step``).
 """
 
 from __future__ import annotations
@@ -130,36 +132,63 @@ def pass_of(scope: str) -> str:
   return "backward" if parts[:2] == [LOSS_SCOPE, GRADIENT] else "forward"
 
 
+# The block (bb, bm, bn, bk) is in the plan's label at the end of the step's
+# name (``lowering.matmul_plan.MatmulPlan.label``): neither the step nor its
+# profile carries it in a field of its own.
 _BLOCKS = re.compile(r"blocks (\d+)x(\d+)x(\d+)x(\d+)$")
 
 
-def poplin_reference(step, target, partials: str) -> Optional[dict]:
+def _partials_itemsize(step) -> Optional[int]:
+  """Bytes of a matmul pass's partials, from its vertex type.
+
+  The pass runs ``vertex(MATMUL_BLOCK, operand dtype, partials dtype)``
+  (``kernels.vocabulary``): its second template argument is the partials
+  type the lowering chose (``lowering.matmul_plan.partials_dtype``), which
+  is float32 for a product with a float32 result whatever ``--partials``
+  says.
+  """
+  import jax.numpy as jnp
+  from ipu_jax.kernels import vocabulary as vocab
+  prefix = vocab.MATMUL_BLOCK + "<"
+  for codelet in step.codelets:
+    if codelet.startswith(prefix) and codelet.endswith(">"):
+      return jnp.dtype(codelet[len(prefix):-1].split(",")[-1]).itemsize
+  return None
+
+
+def poplin_reference(step, target) -> Optional[dict]:
   """poplin's ConvPartial1x1 estimate beside a matmul pass's busiest tile, where it applies.
 
-  The block is read from the plan's label in the step's name
-  (``lowering.matmul_plan.MatmulPlan.label``); the reference covers float32
-  partials of a one-pass plan (serial passes and tree reductions have none).
+  The block is read from the plan's label in the step's name, the partials
+  type from its vertex; the reference covers one-pass plans with float32 or
+  half partials (serial passes and tree reductions have none), with the
+  units poplin's planner takes for them (``kernels.amp.amp_geometry``:
+  IPU2's 8 half-float, 16 half-half).
   """
   import jax.numpy as jnp
   from experiments.poplibs_reference import poplibs_amp_matmul_cycles
   from ipu_jax.kernels.amp import amp_geometry
   match = _BLOCKS.search(step.name)
-  if step.op != "dot_general" or partials != "float32" or match is None:
+  partials_itemsize = _partials_itemsize(step)
+  if step.op != "dot_general" or match is None or partials_itemsize is None:
     return None
   bb, bm, bn, bk = (int(g) for g in match.groups())
-  itemsize = jnp.dtype(step.flops_dtype).itemsize if step.flops_dtype is not None else 4
-  units = amp_geometry(target, itemsize).conv_units
+  itemsize = jnp.dtype(step.flops_dtype).itemsize if step.flops_dtype else 4
+  units = amp_geometry(target, itemsize, partials_itemsize).conv_units
+  float_partials = partials_itemsize >= 4
   # A batched block is bb products of its own operands: bb vertices in turn;
   # poplin's planner may swap the operands (ConvTransform::swapOperands), so
   # the cheaper orientation, as the emulator's kernels/amp.py takes.
   reference = bb * min(
-      poplibs_amp_matmul_cycles(rows, bk, cols, itemsize == 2, units, target.worker_contexts)
+      poplibs_amp_matmul_cycles(rows, bk, cols, itemsize == 2, units, target.worker_contexts,
+                                float_partials=float_partials)
       for rows, cols in ((bm, bn), (bn, bm)))
-  return {"block": [bb, bm, bn, bk], "estimate_compute_cycles": float(step.compute_cycles.max()),
+  return {"block": [bb, bm, bn, bk], "partials_bytes": partials_itemsize,
+          "conv_units": units, "estimate_compute_cycles": float(step.compute_cycles.max()),
           "poplin_cycles": float(reference)}
 
 
-def group_steps(profile, target, partials: str) -> dict:
+def group_steps(profile, target) -> dict:
   """``{pass: {part: {"cycles", "steps": {name: {"cycles", "count"}}, ...}}}`` of a profile."""
   passes = {}
   for step in profile.steps:
@@ -170,7 +199,7 @@ def group_steps(profile, target, partials: str) -> dict:
     entry_ = part["steps"].setdefault(step.name, {"cycles": 0.0, "count": 0})
     entry_["cycles"] += cycles
     entry_["count"] += step.executions
-    reference = poplin_reference(step, target, partials)
+    reference = poplin_reference(step, target)
     if reference is not None:
       part.setdefault("poplin_reference", []).append(dict(reference, step=step.name))
   return {p: dict(sorted(parts.items(), key=lambda kv: PART_NAMES.index(kv[0])))
@@ -247,7 +276,7 @@ def measure(fn, args, settings: dict) -> dict:
           "matmuls": sum(_first_pass(s.name) for s in products),
           "peak_tile_bytes": int(profile.memory.peak.max()),
           "lower_seconds": round(seconds, 1),
-          "passes": group_steps(profile, target, settings["partials"])}
+          "passes": group_steps(profile, target)}
 
 
 def run(settings: dict) -> dict:
@@ -257,6 +286,20 @@ def run(settings: dict) -> dict:
   return dict(SCHEMA, settings=settings, cost_model=COST_MODEL_VERSION,
               forward=measure(loss, args, settings),
               forward_backward=measure(grad, args, settings))
+
+
+def reference_summary(program: dict) -> Optional[str]:
+  """The matmul passes' busiest-tile cycles against poplin's estimates, in one line."""
+  refs = [r for parts in program["passes"].values() for part in parts.values()
+          for r in part.get("poplin_reference", [])]
+  if not refs:
+    return None
+  ours = sum(r["estimate_compute_cycles"] for r in refs)
+  theirs = sum(r["poplin_cycles"] for r in refs)
+  ratios = [r["estimate_compute_cycles"] / r["poplin_cycles"] for r in refs]
+  return (f"  {len(refs)} matmul passes beside poplin's ConvPartial1x1 estimate: "
+          f"{ours:,.0f} against {theirs:,.0f} cycles ({ours / theirs:.3f}; "
+          f"each {min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def table(results: dict) -> str:
@@ -274,6 +317,9 @@ def table(results: dict) -> str:
     rows.append(f"{key}: {r['total_cycles']:,.1f} cycles ({r['matmuls']} matmuls "
                 f"{r['matmul_cycles']:,.1f}), peak tile {r['peak_tile_bytes']:,d} B, "
                 f"lowered in {r['lower_seconds']} s")
+    summary = reference_summary(r)
+    if summary:
+      rows.append(summary)
   rows.append(f"cost model {results['cost_model']}")
   return "\n".join(rows)
 

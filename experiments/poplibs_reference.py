@@ -24,47 +24,87 @@ def _worker_rows(rows: int, workers: int) -> list:
   return [base + (i < extra) for i in range(workers)]
 
 
-def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units: int,
-                              workers: int = 6) -> int:
-  """poplin's ConvPartial1x1 estimate of ``[rows, k] x [k, n]`` (fp32 partials).
+# poplibs at commit 7eac0f266ced5b064b3284a3cd90d491745b387c, file
+# lib/poplin/PerformanceEstimation.hpp (``PE``), the AMP 1x1 vertex's estimator.
+_POPLIBS_PE = "poplibs 7eac0f2 lib/poplin/PerformanceEstimation.hpp"
 
-  The structure and constants follow poplibs' published estimator for the
-  AMP 1x1 convolution-partials vertex with float partials (input channel group
-  16 for half, 8 for float; output group = ``conv_units``).
+
+def _amp_1x1_path(half: bool, conv_units: int, float_partials: bool):
+  """``(common, retention, zero_per_row)`` of the 1x1 AMP vertex's code path.
+
+  ``common``: PE:418-419 (inner) and PE:592-593 (outer), the half-float
+  8-unit path that half-half on 16 units shares
+  (``conv_partial_1x1_half_float_8_and_half_half_h16.S``); half-half on 8
+  units has its own path. ``retention``: PE:49-58
+  (``conv1x1WorkerRetentionSavings``). ``zero_per_row``: PE:413-415
+  (``zeroCyclesPerGroup``).
   """
-  in_chans = 16 if half else 8
-  in_groups = -(-k // in_chans)
+  common = float_partials or (half and conv_units == 16)
+  retention = (7, 3) if half and common else (0, 0)
+  if not half and conv_units == 16:
+    zero_per_row = 8
+  else:
+    zero_per_row = 4 if float_partials else 2
+  return common, retention, zero_per_row
+
+
+def _amp_1x1_worker(e: int, zeroing: bool, half: bool, common: bool, zero_per_row: int) -> int:
+  """One worker's cycles for ``e`` rows before the retention saving (PE:430-478)."""
+  z = int(zeroing)
+  if not half:                                       # float activations, PE:441, 452, 465-466
+    if e == 1:
+      return 47 + (2 + zero_per_row) * z
+    if e == 2:
+      return 46 + (2 + zero_per_row * 2) * z
+    return 46 + (2 + zero_per_row * e) * z + (e - 3) * 8
+  if common:                                         # PE:444, 455, 470
+    if e < 3:
+      return {1: 31, 2: 40}[e] + (1 if zeroing else 2)
+    return (37 if zeroing else 38) + (e - 3) * 4
+  if e == 1:                                         # half-half, 8 units: PE:446, 458, 473
+    return 39 + (2 + zero_per_row) * z
+  if e == 2:
+    return 40 + (2 + zero_per_row * 2) * z
+  return 41 + (2 + zero_per_row * e) * z + (e - 3) * 4
+
+
+def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units: int,
+                              workers: int = 6, float_partials: bool = True) -> int:
+  """poplin's ConvPartial1x1 estimate of ``[rows, k] x [k, n]`` on one tile.
+
+  poplibs' ``getConvPartial1x1SupervisorCycleEstimate`` for one conv group,
+  case by case (see :data:`_POPLIBS_PE`): input channel group 16 for half,
+  8 for float (``getWeightsPerConvUnit``); output group = ``conv_units``
+  (one output pass per group, the planner's ``partialChansPerGroup`` =
+  units; ConvVertexType.cpp:341-353); the rows dealt to the workers as
+  ``partitionConvPartialByWorker`` does (ConvUtilInternal.cpp:78). Float
+  activations always take float partials (ConvVertexType.cpp:250-252).
+
+  Args:
+    rows, k, n: field positions, input and output channels.
+    half: 2-byte activations (else float).
+    conv_units: the AMP units the vertex uses (IPU2: 16 for half-half,
+      8 for half-float, ``kernels.amp.amp_geometry``).
+    workers: the tile's worker contexts.
+    float_partials: float32 partials (poplin's default) or half partials.
+  """
+  float_partials = float_partials or not half
+  common, retention, zero_per_row = _amp_1x1_path(half, conv_units, float_partials)
+  in_groups = -(-k // (16 if half else 8))
   out_groups = -(-n // conv_units)
-  common = True                     # float partials: the common code path
-  retention = (7, 3) if half else (0, 0)
-  zero_per_row = 8 if conv_units == 16 else 4
+  split = _worker_rows(rows, workers)
 
-  def worker(e, zeroing):
-    if e == 0:
-      return 0
-    if half:
-      table = {1: 31, 2: 40}
-      c = (table[e] + (1 if zeroing else 2)) if e < 3 else (
-          (37 if zeroing else 38) + (e - 3) * 4)
-    else:
-      if e == 1:
-        c = 47 + (2 + zero_per_row) * zeroing
-      elif e == 2:
-        c = 46 + (2 + zero_per_row * 2) * zeroing
-      else:
-        c = 46 + (2 + zero_per_row * e) * zeroing + (e - 3) * 8
-    return c - retention[0]
+  def inner(zeroing):                                # PE:420-488
+    cycles = [workers * (_amp_1x1_worker(e, zeroing, half, common, zero_per_row) - retention[0])
+              if e else 0 for e in split]
+    return max(max(cycles), min(cycles) + 14)
 
-  def inner(zeroing):
-    cycles = [workers * worker(e, zeroing) for e in _worker_rows(rows, workers)]
-    used = sum(e > 0 for e in _worker_rows(rows, workers))
-    low = 0 if used < workers else min(cycles)
-    return max(max(cycles), low + 14)
-
+  # Weight loads: weightBytesPerConvUnit (32: 16 half or 8 float weights,
+  # ConvModel.cpp:287-288) x units at 16 bytes a cycle (PE:559-568).
   loads = conv_units * 32 // 16
   c = int(common)
   inner_z, inner_nz = inner(True), inner(False)
-  return (50 + workers * (retention[0] + retention[1] * (in_groups - 1))
+  return (50 + workers * (retention[0] + retention[1] * (in_groups - 1))      # PE:595-601
           + 12 + c
           + (in_groups - 1) * (15 - c + 1 + out_groups * (19 + 6 + loads + inner_nz))
           + (10 + 1 + out_groups * (19 - c + 7 + loads + inner_z)))

@@ -211,10 +211,42 @@ class LayerCostsRunnerTest(chex.TestCase, parameterized.TestCase):
                        both["passes"]["forward"][name]["cycles"], name)
     self.assertEqual("dropout" in forward["passes"]["forward"], dropout > 0)
 
-  def test_matmuls_with_float_partials_stand_beside_poplins_estimate(self):
-    results = self._run("--partials=float32")
+  @parameterized.named_parameters(("float_partials", "float32", 4, 8),
+                                  ("half_partials", "float16", 2, 16))
+  def test_matmuls_stand_beside_poplins_estimate(self, partials, partials_bytes, units):
+    results = self._run(f"--partials={partials}")
     references = [r for passes in results["forward_backward"]["passes"].values()
                   for part in passes.values() for r in part.get("poplin_reference", [])]
     self.assertLen(references, 18)
     for r in references:
+      # Bow (IPU2) with float16 operands: poplin's 8 half-float units, 16 half-half.
+      self.assertEqual((r["partials_bytes"], r["conv_units"]), (partials_bytes, units))
       self.assertBetween(r["estimate_compute_cycles"] / r["poplin_cycles"], 0.85, 1.15)
+
+  def test_half_partials_reference_is_poplins_estimate_worked_by_hand(self):
+    from experiments.poplibs_reference import poplibs_amp_matmul_cycles
+    # poplibs 7eac0f2, lib/poplin/PerformanceEstimation.hpp ("PE"): [64, 64] x [64, 64]
+    # half-half on IPU2's 16 units, 6 workers. Half activations on 16 units take the
+    # half-float code path (PE:418-419, common = 1), retention savings (7, 3) (PE:49-58);
+    # 4 input groups of 16, 4 output groups of 16; 64 rows dealt 11,11,11,11,10,10.
+    # Inner loop (PE:420-488), worker = (37 zeroing / 38 not) + (e - 3) * 4 - 7:
+    #   zeroing: 11 rows 62 x 6 = 372, 10 rows 58 x 6 = 348; max(372, 348 + 14) = 372;
+    #   not:     11 rows 63 x 6 = 378, 10 rows 59 x 6 = 354; max(378, 354 + 14) = 378.
+    # Weight loads 16 units x 32 bytes / 16 bytes a cycle = 32 (PE:558-570).
+    # Outer loop (PE:595-616): 50 + 6 x (7 + 3 x 3) + 12 + 1
+    #   + 3 x (15 - 1 + 1 + 4 x (19 + 6 + 32 + 378)) + (10 + 1 + 4 x (19 - 1 + 7 + 32 + 372))
+    #   = 146 + 13 + 5,265 + 1,727 = 7,151.
+    self.assertEqual(poplibs_amp_matmul_cycles(64, 64, 64, True, 16, 6, float_partials=False),
+                     7151)
+    # Half-half on 8 units has its own path (common = 0, no retention, 2 zeroing cycles a
+    # row, PE:413-415): [12, 16] x [16, 8], 2 rows a worker, one input and output group:
+    # worker 40 + (2 + 2 x 2) = 46, x 6 = 276, max(276, 276 + 14) = 290; loads 8 x 32 / 16
+    # = 16; 50 + 12 + (10 + 1 + (19 + 7 + 16 + 290)) = 405.
+    self.assertEqual(poplibs_amp_matmul_cycles(12, 16, 8, True, 8, 6, float_partials=False),
+                     405)
+    # The float-partials path is unchanged (its values before half partials were added).
+    self.assertEqual(poplibs_amp_matmul_cycles(64, 64, 64, True, 8, 6), 13575)
+    self.assertEqual(poplibs_amp_matmul_cycles(64, 64, 64, False, 8, 6), 47251)
+    # Float activations always accumulate in float (ConvVertexType.cpp:250-252).
+    self.assertEqual(poplibs_amp_matmul_cycles(64, 64, 64, False, 8, 6, float_partials=False),
+                     47251)
