@@ -209,7 +209,8 @@ def _size_one_reductions(x, flags):
   # x: [5, 1, 33, 1], reduced over its size-1 axes only.
   return (lax.reduce_sum(x, (1, 3)), lax.reduce_max(x, (1,)), lax.reduce_min(x, (3,)),
           lax.reduce_prod(x, (1, 3)), lax.reduce_or(flags, (1, 3)),
-          lax.reduce(x, np.zeros((), x.dtype), lambda a, b: a + b, (1, 3)))
+          lax.reduce(x, np.zeros((), x.dtype), lambda a, b: a + b, (1, 3)),
+          lax.argmax(x, 1, jnp.int32), lax.argmin(x, 3, jnp.int32))
 
 
 class SizeOneAxesTest(chex.TestCase, parameterized.TestCase):
@@ -221,6 +222,7 @@ class SizeOneAxesTest(chex.TestCase, parameterized.TestCase):
     # canReduceWithMap / reduceWithMap) runs no Reduce vertex when every
     # reduced dimension has size 1, and XLA turns such a reduce into a reshape
     # (jax.jit's own compile shows a bitcast): a view, 0 cycles, no exchange.
+    # An argmax / argmin over a size-1 axis is index 0 (a constant).
     x = np.random.default_rng(20).standard_normal((5, 1, 33, 1)).astype(dtype)
     x[0, 0, :3, 0] = [-0.0, np.nan, np.inf]
     flags = x > 0

@@ -151,7 +151,7 @@ def _lower_reduction(ctx, spec: ReductionSpec, data: Sequence[P.Tensor], axes,
   init_plan = ReductionInits.of(inits)
   if out_size == 0 or data[0].size == 0:
     return _emit_empty(ctx, spec, init_plan, out_avals, out_size)
-  views = _size_one_views(spec, data, axes, out_avals)
+  views = _size_one_views(ctx, spec, data, axes, out_avals)
   if views is not None:
     return views
   plan = plan_reduction(ctx, spec, data, axes, init_plan, out_avals, out_size)
@@ -169,7 +169,7 @@ def _lower_reduction(ctx, spec: ReductionSpec, data: Sequence[P.Tensor], axes,
   return outputs
 
 
-def _size_one_views(spec: ReductionSpec, data: Sequence[P.Tensor], axes,
+def _size_one_views(ctx, spec: ReductionSpec, data: Sequence[P.Tensor], axes,
                     out_avals) -> Optional[list]:
   """The outputs as views of the inputs when every reduced axis has size 1, else None.
 
@@ -185,11 +185,15 @@ def _size_one_views(spec: ReductionSpec, data: Sequence[P.Tensor], axes,
   a Poplar view: no step, no cycles, no memory. Dropping size-1 axes keeps
   the row-major element order, so the output is an alias of the input.
   JAX emits these in backward passes (a ``keepdims`` mean's cotangent summed
-  over its size-1 axis). ``argmax``/``argmin`` (an index of another type)
-  keep the planned path.
+  over its size-1 axis). An ``argmax``/``argmin`` over a size-1 axis is
+  index 0 everywhere: the same simplifier leaves XLA's variadic reduce as
+  the reshape of an iota of one element, a constant, so it is a constant
+  of zeros here (no step, no cycles; its bytes are a constant's).
   """
-  if spec.index_axis is not None or any(int(data[0].shape[a]) != 1 for a in axes):
+  if any(int(data[0].shape[a]) != 1 for a in axes):
     return None
+  if spec.index_axis is not None:
+    return [ctx.constant(np.zeros(shape, dtype)) for shape, dtype in out_avals]
   xs = [data[c] for c in spec.out_components]
   if any(x.dtype != np.dtype(dtype) for x, (_, dtype) in zip(xs, out_avals)):
     return None
