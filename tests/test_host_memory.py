@@ -53,9 +53,10 @@ class HostMemoryTest(chex.TestCase, parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    k1, k2 = jax.random.split(jax.random.key(0))
-    self.params = list(jax.random.normal(k1, (3, 48, 48)) * 0.1)
-    self.x = jax.random.normal(k2, (20, 48))
+    # Inputs drawn with NumPy: jax.random would compile a sampler per shape.
+    rng = np.random.default_rng(0)
+    self.params = list(jnp.asarray(rng.normal(size=(3, 48, 48)) * 0.1, jnp.float32))
+    self.x = jnp.asarray(rng.normal(size=(20, 48)), jnp.float32)
 
   def test_plan_tables_are_empty_after_lowering(self):
     target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)

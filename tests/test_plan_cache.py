@@ -50,9 +50,10 @@ class PlanCacheTest(chex.TestCase, parameterized.TestCase):
   def setUp(self):
     super().setUp()
     self.target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
-    k1, k2 = jax.random.split(jax.random.key(0))
-    self.x = jax.random.normal(k1, (24, 40))
-    self.ws = jax.random.normal(k2, (3, 40, 40)) * 0.1
+    # Inputs drawn with NumPy: jax.random would compile a sampler per shape.
+    rng = np.random.default_rng(0)
+    self.x = jnp.asarray(rng.normal(size=(24, 40)), jnp.float32)
+    self.ws = jnp.asarray(rng.normal(size=(3, 40, 40)) * 0.1, jnp.float32)
 
   def _clear(self):
     for cache in (grouping.GROUPS, reduction_plan._OWNERS, reduction_plan._STAGE2, reduction._FINAL,
