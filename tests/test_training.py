@@ -4,6 +4,7 @@ Most tests use a 16-tile target and a tiny MLP; the acceptance test trains the
 digits MLP on the full 1,472-tile ipu2.
 """
 
+import functools
 import io
 import os
 import warnings
@@ -55,25 +56,31 @@ def toy_data(n=256, features=8, classes=4, seed=0):
   return x, y
 
 
+@functools.lru_cache(maxsize=None)
+def _adam(lr):
+  """One ``optax.adam`` a rate (it holds no state): the reference step below
+  is compiled once a rate and batch shape, not once a test."""
+  return optax.adam(lr)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _reference_step(graphdef, optimizer, params, opt_state, xb, yb):
+  def loss_fn(p):
+    logits = nnx.merge(graphdef, p)(xb)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+  updates, opt_state = optimizer.update(jax.grad(loss_fn)(params), opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
 def reference_training(batches, lr=1e-2, optimizer=None):
   """Plain JAX + optax: one update per batch, from the same initial weights."""
   model = TinyMLP(nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  optimizer = optimizer or optax.adam(lr)
+  optimizer = optimizer or _adam(lr)
   opt_state = optimizer.init(params)
-
-  def loss_fn(p, xb, yb):
-    logits = nnx.merge(graphdef, p)(xb)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-
-  @jax.jit
-  def step(p, s, xb, yb):
-    grads = jax.grad(loss_fn)(p, xb, yb)
-    updates, s = optimizer.update(grads, s, p)
-    return optax.apply_updates(p, updates), s
-
   for xb, yb in batches:
-    params, opt_state = step(params, opt_state, xb, yb)
+    params, opt_state = _reference_step(graphdef, optimizer, params, opt_state, xb, yb)
   return params
 
 
