@@ -20,12 +20,19 @@ from ipu_jax.ops.serialized_matmul import serialized_matmul_p
 _B, _P, _H, _V = 3, 5, 16, 96
 
 
+def _leaf_name(path) -> str:
+  """The variable's name at the end of a pytree path (``kernel``, ``scale``,
+  ...), past the ``.value`` of an ``nnx.State``'s variables."""
+  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+  return [n for n in names if n != "value"][-1]
+
+
 def _numpy_values(path, leaf, rng):
   """A concrete value for one leaf of an abstract model's state: matrices
   LeCun-normal from ``rng``, layer norm scales ones, other floats zero, key 0."""
   if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     return jax.random.key(0)
-  if str(getattr(path[-1], "key", path[-1])) == "scale":
+  if _leaf_name(path) == "scale":
     return np.ones(leaf.shape, leaf.dtype)
   if not jnp.issubdtype(leaf.dtype, jnp.floating) or len(leaf.shape) < 2:
     return np.zeros(leaf.shape, leaf.dtype)

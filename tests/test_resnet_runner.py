@@ -160,6 +160,13 @@ def _tiny_float16_estimate(fused: bool) -> dict:
   return resnet_training.estimate(f, pipe, params, state, mcfg)
 
 
+def _leaf_name(path) -> str:
+  """The variable's name at the end of a pytree path (``kernel``, ``scale``,
+  ...), past the ``.value`` of an ``nnx.State``'s variables."""
+  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+  return [n for n in names if n != "value"][-1]
+
+
 def _numpy_weights(tree, seed: int):
   """Concrete values for an abstract ResNet's parameters or statistics.
 
@@ -169,7 +176,7 @@ def _numpy_weights(tree, seed: int):
   rng = np.random.default_rng(seed)
 
   def draw(path, leaf):
-    name = str(getattr(path[-1], "key", path[-1]))
+    name = _leaf_name(path)
     if name == "kernel":
       std = 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
       return jax.numpy.asarray(rng.normal(size=leaf.shape) * std, leaf.dtype)
