@@ -16,27 +16,9 @@ from flax import nnx
 
 from experiments import bert
 from ipu_jax.ops.serialized_matmul import serialized_matmul_p
+import testing_utils
 
 _B, _P, _H, _V = 3, 5, 16, 96
-
-
-def _leaf_name(path) -> str:
-  """The variable's name at the end of a pytree path (``kernel``, ``scale``,
-  ...), past the ``.value`` of an ``nnx.State``'s variables."""
-  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-  return [n for n in names if n != "value"][-1]
-
-
-def _numpy_values(path, leaf, rng):
-  """A concrete value for one leaf of an abstract model's state: matrices
-  LeCun-normal from ``rng``, layer norm scales ones, other floats zero, key 0."""
-  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-    return jax.random.key(0)
-  if _leaf_name(path) == "scale":
-    return np.ones(leaf.shape, leaf.dtype)
-  if not jnp.issubdtype(leaf.dtype, jnp.floating) or len(leaf.shape) < 2:
-    return np.zeros(leaf.shape, leaf.dtype)
-  return (rng.normal(size=leaf.shape) / np.sqrt(leaf.shape[-2])).astype(leaf.dtype)
 
 
 def _model(serialization):
@@ -49,9 +31,7 @@ def _model(serialization):
   cfg = bert.BertConfig(vocab_size=_V, hidden=_H, layers=1, heads=2, ffn=32,
                         max_positions=16, dropout=0.0, decoder_serialization=serialization)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: bert.Bert(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(0)
-  state = jax.tree_util.tree_map_with_path(lambda p, v: _numpy_values(p, v, rng), state)
-  return cfg, nnx.merge(graphdef, state)
+  return cfg, nnx.merge(graphdef, testing_utils.numpy_weights(state, seed=0))
 
 
 def _equations(jaxpr):

@@ -38,22 +38,6 @@ def _tut4_report():
   return g.Engine(gr, [prog]).report()
 
 
-def _numpy_values(abstract, seed):
-  """Concrete values for an abstract model's state: LeCun-normal kernels drawn
-  with NumPy, zero biases and counts, ``seed``'s key for random streams."""
-  rng = np.random.default_rng(seed)
-
-  def draw(leaf):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      return jax.random.key(seed)
-    if not jnp.issubdtype(leaf.dtype, jnp.floating) or len(leaf.shape) < 2:
-      return np.zeros(leaf.shape, leaf.dtype)
-    std = 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
-    return (rng.normal(size=leaf.shape) * std).astype(leaf.dtype)
-
-  return jax.tree_util.tree_map(draw, abstract)
-
-
 @functools.lru_cache(maxsize=None)
 def _cnn_workload():
   """``models.workload("cnn", batch=8)``'s step and arguments, drawn with NumPy.
@@ -65,8 +49,8 @@ def _cnn_workload():
   from experiments import cifar_cnn
   graphdef, state = nnx.split(nnx.eval_shape(lambda: cifar_cnn.make_model(0)))
   optimizer = optax.adam(1e-3)
-  step, params = models.make_train_step(nnx.merge(graphdef, _numpy_values(state, 0)),
-                                        optimizer)
+  model = nnx.merge(graphdef, testing_utils.numpy_weights(state, 0))
+  step, params = models.make_train_step(model, optimizer)
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(8, 32, 32, 3)), jnp.float32)
   y = jnp.asarray(rng.integers(0, 10, 8), jnp.int32)

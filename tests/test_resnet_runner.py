@@ -13,6 +13,8 @@ import numpy as np
 from absl import app, flags
 from absl.testing import absltest, parameterized
 
+import testing_utils
+
 
 def _flags(*argv):
   from experiments import resnet_training
@@ -160,32 +162,6 @@ def _tiny_float16_estimate(fused: bool) -> dict:
   return resnet_training.estimate(f, pipe, params, state, mcfg)
 
 
-def _leaf_name(path) -> str:
-  """The variable's name at the end of a pytree path (``kernel``, ``scale``,
-  ...), past the ``.value`` of an ``nnx.State``'s variables."""
-  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-  return [n for n in names if n != "value"][-1]
-
-
-def _numpy_weights(tree, seed: int):
-  """Concrete values for an abstract ResNet's parameters or statistics.
-
-  Kernels are LeCun-normal as Flax draws them (variance 1 / fan-in), batch
-  norm scales and running variances ones, biases and running means zeros.
-  """
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    name = _leaf_name(path)
-    if name == "kernel":
-      std = 1.0 / np.sqrt(np.prod(leaf.shape[:-1]))
-      return jax.numpy.asarray(rng.normal(size=leaf.shape) * std, leaf.dtype)
-    fill = np.ones if name in ("scale", "var") else np.zeros
-    return jax.numpy.asarray(fill(leaf.shape), leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(draw, tree)
-
-
 class FusedBatchNormTest(chex.TestCase):
   """The IPU's fused batch norm: Flax's numbers, float16 residuals only."""
 
@@ -202,13 +178,17 @@ class FusedBatchNormTest(chex.TestCase):
       # not Flax's particular ones.
       loss_fn, params, state = resnet_models.make_loss(
           nnx.eval_shape(lambda: resnet_models.ResNet(cfg, rngs=nnx.Rngs(0))))
-      params, state = _numpy_weights(params, seed=0), _numpy_weights(state, seed=0)
+      params, state = (testing_utils.numpy_weights(params, seed=0),
+                       testing_utils.numpy_weights(state, seed=0))
       batch = jax.tree_util.tree_map(lambda b: b[0],
                                      resnet_models.synthetic_batches(cfg, 1, 4, 16, seed=1))
       (loss, stats), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
           params, batch, state)
       results.append(jax.tree_util.tree_map(np.asarray, (loss, stats, grads)))
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-4, atol=1e-5)
+    # Weights that give real gradients (all-zero ones would make both sides agree trivially).
+    largest = max(float(np.abs(g).max()) for g in jax.tree_util.tree_leaves(results[0][2]))
+    self.assertGreater(largest, 0.1)
 
   def test_float16_backward_needs_less_memory_than_flax_batch_norm(self):
     # Flax's float32 copies of the activations live from the recomputed
