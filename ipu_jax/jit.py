@@ -157,18 +157,23 @@ class IPUFunction:
     """``(target, lowering options, replicas)`` of this call's config.
 
     Building and checking them took a third of a small step's time, every
-    call: they are kept while the config is the same object, no option of
-    any config has been set since, and the report directory's environment
-    variable reads the same.
+    call: they are kept while the config is the same object (or, with no
+    config given nor set as the default, while that stays so: each call
+    would otherwise build an equal fresh default), no option of any config
+    has been set since, and the report directory's environment variable
+    reads the same.
     """
-    config = self._config if self._config is not None else config_lib.get_default_config()
+    config = self._config if self._config is not None else config_lib.active_config()
     stamp = (config_lib.generation(), os.environ.get(config_lib.REPORT_DIR_ENV))
     memo = self._settings_memo
     if memo is not None and memo[0] is config and memo[1] == stamp:
       return memo[2]
+    if config is None:
+      config = config_lib.IPUConfig()
     target = self._target if self._target is not None else config.to_target()
     settings = (target, config.lowering_options(), config.replication_factor)
-    self._settings_memo = (config, stamp, settings)
+    self._settings_memo = (self._config if self._config is not None
+                           else config_lib.active_config(), stamp, settings)
     return settings
 
   def _cache_directory(self) -> Optional[str]:
