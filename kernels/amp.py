@@ -5,8 +5,8 @@ convolution rules, :func:`ipu_jax.ops.matmul`, ``ipu_jax.poplibs.matmul`` and
 the built-in ``matmul_block`` codelet run through ``tile_map`` or the graph
 API) costs its per-tile work here, so identical work costs identical cycles.
 
-The model follows the structure of poplin's published estimator for its AMP
-convolution-partials vertex with a 1x1 kernel (``ConvPartial1x1Out``; poplibs
+The model is poplin's published estimator for its AMP convolution-partials
+vertex with a 1x1 kernel (``ConvPartial1x1Out``; poplibs
 ``lib/poplin/PerformanceEstimation.hpp``, functions
 ``getConvPartial1x1SupervisorInnerLoopCycleEstimateHalfFloat`` and
 ``...OuterLoopCycleEstimateHalfFloat``), which is how poplin runs a matmul: a
@@ -16,14 +16,24 @@ are field positions, ``K`` input channels and ``N`` output channels.
 * The AMP takes ``in_chans`` input channels (16 for 2-byte inputs, 8 for
   fp32, poplibs' "weights per conv unit") and produces ``conv_units`` output
   channels per pass; ``K`` and ``N`` are padded to those groups.
-* Each (input group, output group) pass splits the ``M`` rows evenly over the
-  worker contexts. A worker pays a fixed entry cost and then ``core`` cycles
-  per row (4 for 2-byte inputs, 8 for fp32; poplibs' ``coreCycles``). Workers
-  issue round-robin, so the pass costs the busiest worker times the number of
-  contexts.
-* The supervisor pays a fixed entry (50 cycles), per-group loop overheads and
-  the weight loads of every pass (``conv_units * 32 bytes`` at 16 bytes per
-  cycle).
+* Each (input group, output group) pass deals the ``M`` rows to the worker
+  contexts as ``partitionConvPartialByWorker`` does (``ceil`` or ``floor``
+  of ``M / workers`` each). A worker pays an entry cost that depends on its
+  rows (1, 2, 3 or more), on the code path (half-float and 16-unit
+  half-half share one, 8-unit half-half and float have their own) and on
+  whether the pass zeroes its partials (the first input group's passes),
+  then ``core`` cycles per row beyond 3 (4 for 2-byte inputs, 8 for fp32;
+  poplibs' ``coreCycles``). Workers issue round-robin, so a pass costs the
+  busiest worker times the number of contexts, and at least the least busy
+  one's plus 14 (the tag). Half inputs' state retention saves 7 cycles per
+  worker per pass, paid back once per vertex.
+* The supervisor pays a fixed entry (50 cycles), per-group and per-input-group
+  loop overheads, 3 cycles per worker restoring retained state on each
+  further input group, and the weight loads of every pass (``conv_units *
+  32 bytes`` at 16 bytes per cycle).
+
+Every case equals poplibs' estimate (``experiments/poplibs_reference.py``
+evaluates it case by case; ``tests/test_cost_paths.py`` holds the two equal).
 
 The AMP rate itself is the target's: ``conv_units`` is derived from
 ``fp16_flops_per_cycle`` / ``fp32_flops_per_cycle`` so that a full pass runs
@@ -49,25 +59,43 @@ from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["AmpGeometry", "amp_geometry", "amp_block_cycles"]
 
-# Worker cycles of the 1x1 AMP vertex, from poplibs (half / float inputs):
-# the entry cost of a worker's pass with at least 3 rows (the core loop covers
-# the rest). Passes of 1 or 2 rows cost about the same (32-41 in poplibs).
-_WORKER_ENTRY = {2: 37, 4: 46}
-_CORE_CYCLES = {2: 4, 4: 8}
-_IN_CHANS = {2: 16, 4: 8}
-# Supervisor: fixed entry, per-group entry, each further input group, each
-# pass (output group) before its weight loads. Half inputs also spend 3
-# cycles per worker restoring retained state on each further input group.
-_SUPERVISOR_ENTRY = 50
-_GROUP_ENTRY = 24
-_IN_GROUP_OVERHEAD = 15
-_RETENTION_PER_WORKER = {2: 3, 4: 0}
-_PASS_OVERHEAD = 25
+# poplibs 7eac0f2, lib/poplin/PerformanceEstimation.hpp ("PE"): the 1x1 AMP
+# vertex's estimator, getConvPartial1x1Supervisor{Inner,Outer}LoopCycleEstimateHalfFloat.
+_CORE_CYCLES = {2: 4, 4: 8}                  # PE:402, coreCycles (per row beyond 3)
+_IN_CHANS = {2: 16, 4: 8}                    # getWeightsPerConvUnit: 16 half, 8 float
+# A worker's entry for 1, 2 and 3+ rows, by code path (PE:439-475): "common" is
+# half inputs with float partials or on 16 units (PE:418-419, the vertex
+# conv_partial_1x1_half_float_8_and_half_half_h16.S), "half8" half-half on 8
+# units, "float" float inputs.
+_WORKER_ENTRY = {"common": (31, 40, 36),      # PE:444, 455, 470 (37 / 38 less the 1 / 2 below)
+                 "half8": (39, 40, 41),       # PE:446, 458, 473
+                 "float": (47, 46, 46)}       # PE:441, 452, 465
+# Fixed cycles of a pass that zeroes its partials (the first input group's)
+# and of one that does not: the common path's ``outputZeroing ? 1 : 2``
+# (PE:444, 455, 470), the others' ``(2 + zeroCyclesPerGroup * rows)`` when
+# zeroing (PE:441-473).
+_ZEROING_FIXED = {"common": (1, 2), "half8": (2, 0), "float": (2, 0)}
+# State retention (PE:49-58, conv1x1WorkerRetentionSavings): each worker saves
+# 7 cycles a pass (PE:478), the supervisor pays them once per vertex and 3 per
+# worker for each further input group of every conv group (PE:599-601).
+_RETENTION = {"common": (7, 3), "half8": (0, 0), "float": (0, 0)}
+# The tag: a pass costs at least its least busy worker's cycles plus 14 (PE:488).
+_WORKER_TAG = 14
+# Supervisor (PE:595-614): fixed entry; per conv group 12 (+1 on the common
+# path); per further input group 15 (-1 on the common path) + 1; per output
+# group 19 and per pass 6 before its weight loads (first input group: 10 + 1,
+# 19 (-1 on the common path) and 7).
+_SUPERVISOR_ENTRY = 50                        # PE:595, supervisorNonloopOverhead
+_GROUP_ENTRY = 12                             # PE:603
+_FURTHER_IN_GROUP = 15 + 1                    # PE:605-606, + excessInChanOverhead (PE:597)
+_FIRST_IN_GROUP = 10 + 1                      # PE:610
+_OUT_GROUP = 19                               # PE:607, 612
+_FURTHER_PASS = 6                             # PE:608
+_FIRST_PASS = 7                               # PE:596, outPassesOverhead
+# Weight loads: weightBytesPerConvUnit (32: 16 half or 8 float weights,
+# ConvModel.cpp:287-288) x units at 16 bytes a cycle (PE:559-570).
 _WEIGHT_BYTES_PER_UNIT = 32
 _COEFF_LOAD_BYTES_PER_CYCLE = 16
-# Extra cycles the fp32-input path spends zeroing partials per row (first
-# input group only): poplibs' zeroCyclesPerGroup.
-_FLOAT_ZERO_PER_ROW = {8: 4, 16: 8}
 # Units of a 2-byte-input AMP with float32 partials: poplibs'
 # fp16InFp32OutConvUnitsPerTile = min(fp16InFp16OutConvUnitsPerTile,
 # pipeline depth 4 x 2 fp32 stored per cycle) (tools/single_conv_layer.cpp;
@@ -109,21 +137,75 @@ def _ceil(a, b):
   return -(-a // b)
 
 
-def _oriented_cycles(target, geo, width, groups, rows, k, n):
+def _vertex_path(width: int, conv_units: int, float_partials: bool):
+  """``(path, zero_per_row)``: the 1x1 vertex's code path and zeroing cycles a row.
+
+  Float inputs always accumulate in float (poplin's ConvVertexType.cpp:250-252).
+  ``zero_per_row`` is PE:413-415's ``zeroCyclesPerGroup``.
+  """
+  float_partials = float_partials or width == 4
+  if width == 4:
+    path = "float"
+  elif float_partials or conv_units == 16:
+    path = "common"
+  else:
+    path = "half8"
+  if width == 4 and conv_units == 16:
+    zero_per_row = 8
+  else:
+    zero_per_row = 4 if float_partials else 2
+  return path, zero_per_row
+
+
+def _worker_cycles(rows, zeroing: bool, path: str, zero_per_row: int, core: int):
+  """One worker's cycles for ``rows`` rows of a pass, less the retention saving.
+
+  A worker with no rows has an empty work list and costs 0 (PE:431-478).
+  """
+  e1, e2, e3 = _WORKER_ENTRY[path]
+  entry = np.where(rows == 1, e1, np.where(rows == 2, e2, e3))
+  fixed = _ZEROING_FIXED[path][0 if zeroing else 1]
+  per_row = zero_per_row if (zeroing and path != "common") else 0
+  cycles = (entry + fixed + per_row * rows + np.maximum(rows - 3, 0) * core
+            - _RETENTION[path][0])
+  return np.where(rows > 0, cycles, 0)
+
+
+def _pass_cycles(rows, workers: int, zeroing: bool, path: str, zero_per_row: int, core: int):
+  """A pass's cycles: the busiest worker's x ``workers``, at least the least busy one's + tag.
+
+  The rows are dealt as partitionConvPartialByWorker deals them: some workers
+  take ``ceil(rows / workers)``, the others ``floor`` (none when ``rows`` is
+  a multiple; the floor is 0 when ``rows < workers``: idle workers cost 0).
+  """
+  most = _worker_cycles(_ceil(rows, workers), zeroing, path, zero_per_row, core)
+  fewest = _worker_cycles(rows // workers, zeroing, path, zero_per_row, core)
+  # The cost is not monotonic in rows (a float worker's 1 row costs more than 2).
+  high = workers * np.maximum(most, fewest)
+  low = workers * np.minimum(most, fewest)
+  return np.maximum(high, low + _WORKER_TAG)
+
+
+def _oriented_cycles(target, geo, width, float_partials, groups, rows, k, n):
+  """PE's outer loop (PE:595-614) for ``groups`` conv groups of ``[rows, k] x [k, n]``."""
   w = target.worker_contexts
+  path, zero_per_row = _vertex_path(width, geo.conv_units, float_partials)
+  # PE:592-593's commonHalfAndFloatPartialsCodePath holds for float inputs
+  # too (their partials are float): the supervisor's loops are the common path's.
+  common = int(path != "half8")
   in_groups = _ceil(k, geo.in_chans)
   out_groups = _ceil(n, geo.conv_units)
-  per_worker = _ceil(rows, w)
-  worker = _WORKER_ENTRY[width] + np.maximum(per_worker - 3, 0) * geo.core_cycles
-  passes = in_groups * out_groups
-  zeroing = 0
-  if width == 4:
-    zeroing = out_groups * (2 + _FLOAT_ZERO_PER_ROW.get(geo.conv_units, 4) * per_worker)
-  weight_loads = geo.conv_units * _WEIGHT_BYTES_PER_UNIT // _COEFF_LOAD_BYTES_PER_CYCLE
-  further_in = (in_groups - 1) * (_IN_GROUP_OVERHEAD + w * _RETENTION_PER_WORKER[width])
-  supervisor = (_SUPERVISOR_ENTRY
-                + groups * (_GROUP_ENTRY + further_in + passes * (_PASS_OVERHEAD + weight_loads)))
-  return supervisor + groups * w * (passes * worker + zeroing)
+  loads = geo.conv_units * _WEIGHT_BYTES_PER_UNIT // _COEFF_LOAD_BYTES_PER_CYCLE
+  zeroing = _pass_cycles(rows, w, True, path, zero_per_row, geo.core_cycles)
+  accumulating = _pass_cycles(rows, w, False, path, zero_per_row, geo.core_cycles)
+  first_in = _FIRST_IN_GROUP + out_groups * (_OUT_GROUP - common + _FIRST_PASS + loads + zeroing)
+  further_in = (in_groups - 1) * (_FURTHER_IN_GROUP - common
+                                  + out_groups * (_OUT_GROUP + _FURTHER_PASS + loads
+                                                  + accumulating))
+  saved, restored = _RETENTION[path]
+  retention = w * (saved + restored * (in_groups * groups - 1))
+  return (_SUPERVISOR_ENTRY + retention
+          + groups * (_GROUP_ENTRY + common + further_in + first_in))
 
 
 def amp_block_cycles(target: IPUTarget, rows, k, n, itemsize: int, groups=1,
@@ -137,7 +219,8 @@ def amp_block_cycles(target: IPUTarget, rows, k, n, itemsize: int, groups=1,
     target: the IPU target (AMP rate, worker contexts).
     rows, k, n: the block's output rows, contraction length and columns.
     itemsize: bytes of an input element (2: fp16/bf16 rate, else fp32 rate).
-    groups: independent products on the tile (a batch block).
+    groups: independent products on the tile (a batch block): the conv groups
+      of one vertex (PE's ``numConvGroups``).
     partials_itemsize: bytes of a partial sum (4: float32; 2: half partials,
       the full fp16 AMP rate).
 
@@ -147,8 +230,9 @@ def amp_block_cycles(target: IPUTarget, rows, k, n, itemsize: int, groups=1,
   rows, k, n, groups = (np.asarray(x, np.int64) for x in (rows, k, n, groups))
   width = 2 if itemsize <= 2 else 4
   geo = amp_geometry(target, itemsize, partials_itemsize)
-  straight = _oriented_cycles(target, geo, width, groups, rows, k, n)
-  swapped = _oriented_cycles(target, geo, width, groups, n, k, rows)
+  float_partials = partials_itemsize >= 4
+  straight = _oriented_cycles(target, geo, width, float_partials, groups, rows, k, n)
+  swapped = _oriented_cycles(target, geo, width, float_partials, groups, n, k, rows)
   cycles = np.minimum(straight, swapped).astype(np.float64)
   busy = (rows > 0) & (k > 0) & (n > 0) & (groups > 0)
   return np.where(busy, cycles, 0.0)

@@ -129,7 +129,16 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    elementwise figure; lowering/rules/elementwise.py. A reduction over size-1 axes only (a
 #    keepdims mean's cotangent) is a view, as XLA's HandleReduce and popops' reduceWithMap
 #    leave it: no Reduce step; lowering/rules/reduction.py. Only backward passes move.
-COST_MODEL_VERSION = "20"
+# 21: the AMP block (kernels/amp.py amp_block_cycles) is poplin's ConvPartial1x1 estimate
+#    case for case (poplibs 7eac0f2 lib/poplin/PerformanceEstimation.hpp, "PE"): the 7-cycle
+#    retention saving per worker pass, paid once per vertex (PE:478, 599-601); 38 not 37 on
+#    passes after the first input group (PE:470); the 14-cycle tag when the rows split
+#    evenly (PE:488); each worker's own rows (ceil or floor, PE's 1- and 2-row entries) and
+#    code path (half-float / 16-unit half-half, 8-unit half-half, float with its zeroing in
+#    the worker). Matmul blocks were 1.6-4.9 % dearer than PE. BERT-Large layer forward +
+#    backward (float16 [3, 512, 1024], Bow): 1,700,014.5 -> 1,673,122.0 cycles, its 18
+#    matmul passes equal to PE's (1.027 -> 1.000).
+COST_MODEL_VERSION = "21"
 
 
 @dataclasses.dataclass(frozen=True)

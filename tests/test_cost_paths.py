@@ -9,7 +9,8 @@ compute set, and a 1x1 convolution) and each must cost the compute cycles of
 :func:`ipu_jax.kernels.amp.amp_block_cycles` for that block, within 5 %
 (issue 12's acceptance). Elementwise work costs the same through ``ipu_jax.jit``
 and the graph API's popops codelets, and reports name the cost-model version
-and which figures are calibrated.
+and which figures are calibrated. The AMP estimator itself is poplin's
+ConvPartial1x1 estimate, case for case (cost model 21).
 """
 
 from absl.testing import absltest
@@ -26,8 +27,14 @@ from ipu_jax import ops
 from ipu_jax import poplibs
 from ipu_jax.kernels import library
 from ipu_jax.kernels.amp import amp_block_cycles
+from ipu_jax.kernels.amp import amp_geometry
 
 TOL = 0.05
+# Rows below the 6 workers, 1 and 2 a worker, not dividing the workers; k and n
+# below, at and off the channel groups (16 / 8 inputs, 8 / 16 units).
+_ROWS = np.array([1, 2, 3, 5, 6, 7, 11, 12, 13, 17, 18, 64, 100])
+_KS = (5, 8, 16, 17, 40, 64)
+_NS = (3, 8, 9, 16, 17, 40)
 
 
 def _jit(fn, target):
@@ -93,6 +100,51 @@ class CostPathsTest(chex.TestCase):
     for path, cycles in got.items():
       self.assertAlmostEqual(cycles / expected, 1.0, delta=TOL,
                              msg=f"{path}: {cycles} cycles vs AMP estimate {expected} ({got})")
+
+  @parameterized.named_parameters(
+      ("half_float_partials_8_units", "ipu2", 2, 4, 8),   # the common code path
+      ("half_half_16_units", "ipu2", 2, 2, 16),           # the common code path, full rate
+      ("half_half_8_units", "ipu1", 2, 2, 8),             # its own code path
+      ("float_16_units", "ipu2", 4, 4, 16),
+      ("float_8_units", "ipu1", 4, 4, 8),
+  )
+  def test_amp_block_cycles_are_poplins_estimate(self, preset, itemsize, partials, units):
+    from experiments.poplibs_reference import poplibs_amp_matmul_cycles
+    target = ipu_jax.IPUTarget.preset(preset, tiles_per_ipu=16)
+    self.assertEqual(amp_geometry(target, itemsize, partials).conv_units, units)
+    workers = target.worker_contexts
+
+    def poplin(rows, k, n):
+      return poplibs_amp_matmul_cycles(rows, k, n, itemsize == 2, units, workers,
+                                       float_partials=partials == 4)
+
+    for k in _KS:
+      for n in _NS:
+        got = amp_block_cycles(target, _ROWS, k, n, itemsize, partials_itemsize=partials)
+        for rows, cycles in zip(_ROWS, np.asarray(got)):
+          # poplin's planner may swap the operands: the cheaper orientation.
+          expected = min(poplin(int(rows), k, n), poplin(n, k, int(rows)))
+          self.assertEqual(cycles, expected, f"[{rows}, {k}] x [{k}, {n}]")
+
+  def test_amp_block_cycles_worked_by_hand(self):
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    # poplibs 7eac0f2, lib/poplin/PerformanceEstimation.hpp ("PE"): [7, 16] x [16, 8]
+    # half inputs, float partials, 8 units, 6 workers: the common code path (PE:418-419),
+    # retention (7, 3) (PE:49-58); one input and one output group; rows dealt 2,1,1,1,1,1.
+    # Zeroing pass (PE:420-488): 2 rows 40 + 1 - 7 = 34, x 6 = 204; 1 row 31 + 1 - 7 = 25,
+    # x 6 = 150; max(204, 150 + 14) = 204. Weight loads 8 x 32 / 16 = 16 (PE:559-570).
+    # Outer loop (PE:595-614): 50 + 6 x 7 + (12 + 1) + (10 + 1 + (19 - 1 + 7 + 16 + 204))
+    # = 50 + 42 + 13 + 256 = 361.
+    self.assertEqual(float(amp_block_cycles(target, 7, 16, 8, 2)), 361.0)
+    # Three conv groups of [7, 32] x [32, 8] in one vertex: two input groups; the
+    # accumulating pass is 2 rows 40 + 2 - 7 = 35, x 6 = 210; 1 row 26 x 6 = 156 + 14.
+    # 50 + 6 x (7 + 3 x (2 x 3 - 1)) + 3 x (13 + (15 - 1 + 1 + (19 + 6 + 16 + 210)) + 256)
+    # = 50 + 132 + 3 x 535 = 1,787.
+    self.assertEqual(float(amp_block_cycles(target, 7, 32, 8, 2, groups=3)), 1787.0)
+    # Every row count on every tile at once (vectorised), as one row at a time.
+    rows = np.arange(1, 40)
+    self.assertEqual(list(amp_block_cycles(target, rows, 32, 8, 2, groups=3)),
+                     [float(amp_block_cycles(target, r, 32, 8, 2, groups=3)) for r in rows])
 
   @parameterized.parameters(("add", "float16"), ("mul", "float32"))
   def test_elementwise_jit_and_graph_cost_the_same(self, op, dtype):

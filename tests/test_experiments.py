@@ -221,7 +221,8 @@ class LayerCostsRunnerTest(chex.TestCase, parameterized.TestCase):
     for r in references:
       # Bow (IPU2) with float16 operands: poplin's 8 half-float units, 16 half-half.
       self.assertEqual((r["partials_bytes"], r["conv_units"]), (partials_bytes, units))
-      self.assertBetween(r["estimate_compute_cycles"] / r["poplin_cycles"], 0.85, 1.15)
+      # Cost model 21: kernels/amp.py is poplin's estimate case for case (was within 15 %).
+      self.assertEqual(r["estimate_compute_cycles"], r["poplin_cycles"], r["step"])
 
   def test_half_partials_reference_is_poplins_estimate_worked_by_hand(self):
     from experiments.poplibs_reference import poplibs_amp_matmul_cycles

@@ -175,15 +175,33 @@ _COST_MODEL_16_FIGURES = {
 }
 
 
+# Cost model 21: the AMP block is PopLibs' ConvPartial1x1 estimate case for
+# case (kernels/amp.py). The same plans; the matmul step's compute moves by
+# PopLibs' 14-cycle tag (PerformanceEstimation.hpp:488) on passes whose workers'
+# cycles differ by less than 14 over the 6 workers.
+_COST_MODEL_21_CHANGES = {
+    # [10, 17] x [17, 15] fp32 blocks: on its 2 accumulating passes a worker's
+    # 2 rows cost 46 and 1 row 47 (PE:441, 452): max(6 x 47, 6 x 46 + 14).
+    "batched_matmul_sum": (28.0, "PopLibs' worker tag on 2 passes (cost model 21)"),
+    # [24, 48] x [48, 10] fp32 blocks: 4 rows a worker, evenly split, on 6 passes.
+    "two_ipu/matmul_sum0": (84.0, "PopLibs' worker tag on 6 passes (cost model 21)"),
+}
+
+
 def _now(key, want):
-  """``want`` with cost models 4, 12 and 16's changes, and why they changed."""
+  """``want`` with cost models 4, 12, 16 and 21's changes, and why they changed."""
   if key in _COST_MODEL_16_FIGURES:
-    return _COST_MODEL_16_FIGURES[key]
-  delta, why = _COST_MODEL_4_CHANGES.get(key, (0.0, "cost model 3 figures"))
-  for changes in (_COST_MODEL_12_CHANGES, _COST_MODEL_16_CHANGES):
-    if key in changes:
-      later, why_later = changes[key]
-      delta, why = delta + later, f"{why}; {why_later}"
+    want, why = _COST_MODEL_16_FIGURES[key]
+    delta = 0.0
+  else:
+    delta, why = _COST_MODEL_4_CHANGES.get(key, (0.0, "cost model 3 figures"))
+    for changes in (_COST_MODEL_12_CHANGES, _COST_MODEL_16_CHANGES):
+      if key in changes:
+        later, why_later = changes[key]
+        delta, why = delta + later, f"{why}; {why_later}"
+  if key in _COST_MODEL_21_CHANGES:
+    later, why_later = _COST_MODEL_21_CHANGES[key]
+    delta, why = delta + later, f"{why}; {why_later}"
   return [want[0], want[1] + delta] + list(want[2:]), why
 
 

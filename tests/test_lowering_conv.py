@@ -365,9 +365,12 @@ class ConvExchangeBusSharingTest(chex.TestCase, parameterized.TestCase):
     _check(_conv(padding="VALID"), x, w, tol=2e-2, target=_SMALL)
 
   @parameterized.named_parameters(
-      # The same convolution planned: window 4x2x16 and kernel block 16x8
-      # (256 B each), the window at the shared rate: (128 + 256) / 4 + 100.
-      ("even_feature_split", (1, 4, 4, 16), (1, 1, 16, 64), 1, "grid n1.c8.s1x2 ", 196.0),
+      # The same convolution planned: 16 feature blocks of 4 (an even split;
+      # since cost model 21 the AMP's [4, 16] x [16, 16] pass, one row a worker,
+      # is cheaper than [8, 16] x [16, 8], two rows on some: PE's 1- and 2-row
+      # entries). Window 4x4x16 (512 B) at the shared rate, kernel block 16x4
+      # (128 B) at 4 B a cycle: 512 / 8 + 128 / 4 + 100.
+      ("even_feature_split", (1, 4, 4, 16), (1, 1, 16, 64), 1, "grid n1.c16.s1x1 ", 196.0),
       # 4 groups of 2 features, 2 blocks of 2 whole groups: poplin's
       # conv-group split, its outChanSplit 1 (odd): window 4x8x4 (256 B) and
       # kernel block 4x2x9 (144 B) both at 4 B a cycle: 400 / 4 + 100.

@@ -98,10 +98,9 @@ class AmpRateByPartialsTest(chex.TestCase, parameterized.TestCase):
     lowered = _report(fn, a, b, target, None, partials)
     steps = [s for s in lowered.profile.steps if s.op == "dot_general"]
     self.assertLen(steps, 1)
-    # The model keeps its simpler worker entry (37 a pass, no retention
-    # saving): within 5 % of PopLibs' figure.
-    np.testing.assert_allclose(float(steps[0].compute_cycles.max()),
-                               _POPLIBS_HALF_BLOCK[partials], rtol=0.05)
+    # Cost model 21: kernels/amp.py is PopLibs' estimator case for case (it was
+    # within 5 %: a 37-cycle worker entry on every pass, no retention saving).
+    self.assertEqual(float(steps[0].compute_cycles.max()), _POPLIBS_HALF_BLOCK[partials])
     chex.assert_trees_all_close(np.asarray(lowered(a, b), np.float32),
                                 np.asarray(jnp.dot(a, b, preferred_element_type=out_dtype),
                                            np.float32), rtol=2e-2, atol=2e-1)
