@@ -137,7 +137,9 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    code path (half-float / 16-unit half-half, 8-unit half-half, float with its zeroing in
 #    the worker). Matmul blocks were 1.6-4.9 % dearer than PE. BERT-Large layer forward +
 #    backward (float16 [3, 512, 1024], Bow): 1,700,014.5 -> 1,673,122.0 cycles, its 18
-#    matmul passes equal to PE's (1.027 -> 1.000).
+#    matmul passes equal to PE's (1.027 -> 1.000). Also: an argmax / argmin over a size-1
+#    axis is a constant index 0 (XLA's simplifier leaves the reshape of a one-element iota),
+#    no Reduce step; lowering/rules/reduction.py.
 COST_MODEL_VERSION = "21"
 
 
