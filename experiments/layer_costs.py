@@ -176,12 +176,13 @@ def poplin_reference(step, target) -> Optional[dict]:
   itemsize = jnp.dtype(step.flops_dtype).itemsize if step.flops_dtype else 4
   units = amp_geometry(target, itemsize, partials_itemsize).conv_units
   float_partials = partials_itemsize >= 4
-  # A batched block is bb products of its own operands: bb vertices in turn;
-  # poplin's planner may swap the operands (ConvTransform::swapOperands), so
-  # the cheaper orientation, as the emulator's kernels/amp.py takes.
-  reference = bb * min(
+  # A batched block is bb products of their own operands: conv groups of one
+  # vertex (PE's numConvGroups); poplin's planner may swap the operands
+  # (ConvTransform::swapOperands), so the cheaper orientation, as the
+  # emulator's kernels/amp.py takes.
+  reference = min(
       poplibs_amp_matmul_cycles(rows, bk, cols, itemsize == 2, units, target.worker_contexts,
-                                float_partials=float_partials)
+                                float_partials=float_partials, groups=bb)
       for rows, cols in ((bm, bn), (bn, bm)))
   return {"block": [bb, bm, bn, bk], "partials_bytes": partials_itemsize,
           "conv_units": units, "estimate_compute_cycles": float(step.compute_cycles.max()),

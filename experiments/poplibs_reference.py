@@ -69,10 +69,11 @@ def _amp_1x1_worker(e: int, zeroing: bool, half: bool, common: bool, zero_per_ro
 
 
 def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units: int,
-                              workers: int = 6, float_partials: bool = True) -> int:
-  """poplin's ConvPartial1x1 estimate of ``[rows, k] x [k, n]`` on one tile.
+                              workers: int = 6, float_partials: bool = True,
+                              groups: int = 1) -> int:
+  """poplin's ConvPartial1x1 estimate of ``groups`` products ``[rows, k] x [k, n]`` on one tile.
 
-  poplibs' ``getConvPartial1x1SupervisorCycleEstimate`` for one conv group,
+  poplibs' ``getConvPartial1x1SupervisorCycleEstimate`` (``groups`` conv groups),
   case by case (see :data:`_POPLIBS_PE`): input channel group 16 for half,
   8 for float (``getWeightsPerConvUnit``); output group = ``conv_units``
   (one output pass per group, the planner's ``partialChansPerGroup`` =
@@ -87,6 +88,10 @@ def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units:
       8 for half-float, ``kernels.amp.amp_geometry``).
     workers: the tile's worker contexts.
     float_partials: float32 partials (poplin's default) or half partials.
+    groups: ``numConvGroups``, products of their own operands in one vertex
+      (a batched block): the supervisor's loop runs once per group, the
+      retention is restored on every input group but the vertex's first
+      (PE:599-601, ``numInGroups * numConvGroups - 1``).
   """
   float_partials = float_partials or not half
   common, retention, zero_per_row = _amp_1x1_path(half, conv_units, float_partials)
@@ -104,10 +109,11 @@ def poplibs_amp_matmul_cycles(rows: int, k: int, n: int, half: bool, conv_units:
   loads = conv_units * 32 // 16
   c = int(common)
   inner_z, inner_nz = inner(True), inner(False)
-  return (50 + workers * (retention[0] + retention[1] * (in_groups - 1))      # PE:595-601
-          + 12 + c
-          + (in_groups - 1) * (15 - c + 1 + out_groups * (19 + 6 + loads + inner_nz))
-          + (10 + 1 + out_groups * (19 - c + 7 + loads + inner_z)))
+  per_group = (12 + c                                                       # PE:603-614
+               + (in_groups - 1) * (15 - c + 1 + out_groups * (19 + 6 + loads + inner_nz))
+               + (10 + 1 + out_groups * (19 - c + 7 + loads + inner_z)))
+  return (50 + workers * (retention[0] + retention[1] * (in_groups * groups - 1))  # PE:595-601
+          + groups * per_group)
 
 
 def _strided_reduce_vertex(outputs: int, partials: int, half: bool, stride: int,

@@ -77,7 +77,8 @@ _WORKER_ENTRY = {"common": (31, 40, 36),      # PE:444, 455, 470 (37 / 38 less t
 _ZEROING_FIXED = {"common": (1, 2), "half8": (2, 0), "float": (2, 0)}
 # State retention (PE:49-58, conv1x1WorkerRetentionSavings): each worker saves
 # 7 cycles a pass (PE:478), the supervisor pays them once per vertex and 3 per
-# worker for each further input group of every conv group (PE:599-601).
+# worker for every input group of every conv group but the vertex's first
+# (PE:599-601: numInGroups * numConvGroups - 1).
 _RETENTION = {"common": (7, 3), "half8": (0, 0), "float": (0, 0)}
 # The tag: a pass costs at least its least busy worker's cycles plus 14 (PE:488).
 _WORKER_TAG = 14

@@ -114,17 +114,19 @@ class CostPathsTest(chex.TestCase):
     self.assertEqual(amp_geometry(target, itemsize, partials).conv_units, units)
     workers = target.worker_contexts
 
-    def poplin(rows, k, n):
+    def poplin(rows, k, n, groups):
       return poplibs_amp_matmul_cycles(rows, k, n, itemsize == 2, units, workers,
-                                       float_partials=partials == 4)
+                                       float_partials=partials == 4, groups=groups)
 
-    for k in _KS:
-      for n in _NS:
-        got = amp_block_cycles(target, _ROWS, k, n, itemsize, partials_itemsize=partials)
-        for rows, cycles in zip(_ROWS, np.asarray(got)):
-          # poplin's planner may swap the operands: the cheaper orientation.
-          expected = min(poplin(int(rows), k, n), poplin(n, k, int(rows)))
-          self.assertEqual(cycles, expected, f"[{rows}, {k}] x [{k}, {n}]")
+    for groups in (1, 3):  # 3: a batched block's conv groups in one vertex
+      for k in _KS:
+        for n in _NS:
+          got = amp_block_cycles(target, _ROWS, k, n, itemsize, groups=groups,
+                                 partials_itemsize=partials)
+          for rows, cycles in zip(_ROWS, np.asarray(got)):
+            # poplin's planner may swap the operands: the cheaper orientation.
+            expected = min(poplin(int(rows), k, n, groups), poplin(n, k, int(rows), groups))
+            self.assertEqual(cycles, expected, f"{groups} x [{rows}, {k}] x [{k}, {n}]")
 
   def test_amp_block_cycles_worked_by_hand(self):
     target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
