@@ -221,11 +221,21 @@ def _update_parts(pipeline, target, groups_of, replicas: int) -> tuple:
 
   The gradient reduction (and with sharding the weights' all-gather) is one
   collective of every IPU's gradients at once, each IPU's with its own
-  bytes, as PopART merges a replica's collectives
-  (``replicated_collectives_settings.merge_all_reduce_collectives``, on in
-  every MLPerf BERT run: ``merge_collectives`` in Graphcore's
-  ``configs/pod*-closed.json``, mlcommons/training_results_v2.0): the step
-  waits for the collective, the slowest IPU's optimizer, then the gather.
+  bytes: the step waits for the collective, the slowest IPU's optimizer,
+  then the gather. PopART merges a replica's all-reduces
+  (``replicatedCollectivesSettings.mergeAllReduceCollectives``, on in every
+  MLPerf BERT run: ``merge_collectives`` in Graphcore's
+  ``configs/pod*-closed.json``, mlcommons/training_results_v2.0). Under
+  replicated tensor sharding the runs' SDK (PopART ``sdk/poplar/2.5.1``) did
+  not merge the reduce-scatters and all-gathers that replace them: its
+  ``MergeCollectivesTransform`` merges all-reduces only
+  (``willow/src/transforms/mergecollectives.cpp``, "TODO T56323 / T56324";
+  merging both came with popart a068bba76), so those runs paid one pair per
+  weight tensor. Merged here all the same: the bytes are the same, and the
+  other pairs' latency at :mod:`~ipu_jax.kernels.collectives`' figures
+  (about 45 tensors an IPU on the BERT-Large presets) is about 0.2 ms a
+  step over a Bow Pod64's replicas, 2.3 ms over a Bow Pod256's (the
+  GW-Link rings' steps): not modelled.
   """
   sharded = pipeline.config.streaming.replicated_tensor_sharding and replicas > 1
   grads, streamed, compute = {}, {}, {}
