@@ -4,12 +4,14 @@
 (``kernels/amp.py``, ``kernels/reduce.py``, ``kernels/popops.py``) against
 these: Graphcore's estimator functions written out case by case (per-worker
 partition, short-row cases, state retention, supervisor loops), each naming
-the PopLibs source it follows.
+the PopLibs source it follows. ``tests/test_matmul_emitter.py`` holds the
+matmul's staged partials reduction against poplin's reduction stages here.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 
 # The static model's compute-set launch: poplin's supervisor non-loop overhead.
 SUPERVISOR = 50
@@ -165,6 +167,141 @@ def poplibs_reduce_cycles(rows: int, outputs: int, half: bool, workers: int = 6,
   first = max(_single_input_reduce_vertex(e, half, op) for e in _worker_rows(rows, workers) if e)
   second = _single_input_reduce_vertex(workers, half, op)
   return workers * first + SUPERVISOR + workers * second + SUPERVISOR
+
+
+# ---------------------------------------------------------------------------
+# poplin's partials reduction: its stages and ReduceAdd estimate, in full.
+# poplibs 7eac0f2: lib/poplin/ConvReducePlan.cpp (``CRP``), ConvReducePlan.hpp
+# (``CRPH``), PerformanceEstimation.hpp (``PE``), ConvModel.cpp (``CM``).
+# ---------------------------------------------------------------------------
+
+
+def _c_float(x: float) -> float:
+  """``x`` rounded to a C ``float`` (poplin's costs are float)."""
+  return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def poplin_num_reduce_stages(depth: int, multi_stage: bool = True) -> int:
+  """CRP:10-27 getNumReduceStages: 3 from a depth of 125, 2 from 16, else 1."""
+  if not multi_stage:
+    return 1
+  if depth >= 125:
+    return 3
+  if depth >= 16:
+    return 2
+  return 1
+
+
+def poplin_multi_stage_plan(depth: int, stages: int) -> tuple:
+  """CRP:36-57 getMultiStageReducePlanAndCost: ``(intermediate depths, cost)``.
+
+  The cost is poplin's float (average messages a tile); on a tie the
+  rounded-up depth wins (``roundDownCost < roundUpCost``, CRP:51).
+  """
+  f32 = _c_float
+  if stages == 1:
+    return [], f32(depth)
+  down = int(math.pow(float(depth), (stages - 1.0) / stages))
+  down_plan, down_cost = poplin_multi_stage_plan(down, stages - 1)
+  down_cost = f32(down_cost + f32(f32(depth) / f32(down)))
+  up_plan, up_cost = poplin_multi_stage_plan(down + 1, stages - 1)
+  up_cost = f32(up_cost + f32(f32(depth) / f32(down + 1)))
+  if down_cost < up_cost:
+    return [down] + down_plan, down_cost
+  return [down + 1] + up_plan, up_cost
+
+
+def poplin_reduce_add_cycles(out_size: int, partials: int, float_out: bool,
+                             float_partials: bool, single_input: bool,
+                             data_path_width: int = 64, workers: int = 6) -> int:
+  """PE:1560-1637 getReduceCycleEstimate (``constrainPartials`` false: fast reduce off)."""
+  acc = 4 if float_partials else 8                                  # PE:1566
+  in_path = data_path_width // ((4 if float_partials else 2) * 8)   # PE:1567-1569
+  if single_input:
+    per_loop = acc // min(acc, in_path)                             # PE:1579-1582
+    loops = out_size // acc
+    per_worker = loops // workers + (1 if loops % workers else 0)   # PE:1583-1587
+    overhead = (8 if float_out else 7) if float_partials else (10 if float_out else 9)
+    return (20 + (per_loop * partials + overhead) * per_worker) * workers + 33  # PE:1588-1596
+  cycles = 32                                                       # PE:1600
+  per_loop = acc // min(acc, in_path) + 1                           # PE:1609-1610
+  loops = out_size // acc + sum(1 for i in range(int(math.log2(acc)))
+                                if out_size & (1 << i))             # PE:1611-1616
+  per_worker = loops // workers                                     # PE:1618
+  if loops % workers:                                               # PE:1620-1625
+    if out_size & (acc - 1):
+      cycles += 2 * partials + (13 if float_partials else 11)
+    else:
+      per_worker += 1
+  loop = (7 if float_partials else 9) if float_out else (6 if float_partials else 8)
+  return (cycles + (per_loop * partials + loop) * per_worker) * workers  # PE:1629-1636
+
+
+def _single_input_fits(partials_bytes: int, memory_bytes: int, element_bytes: int) -> bool:
+  """CRPH:16-31 checkPartialsSizeForSingleInputReduce.
+
+  poplar's ``memoryElementOffsets`` are not public: the memory is
+  ``memory_bytes`` in elements of ``element_bytes``.
+  """
+  occupied = -(-partials_bytes // element_bytes)
+  return occupied * element_bytes < memory_bytes // 16
+
+
+def poplin_conv_reduce_stages(output_size: int, depth: int, float_out: bool,
+                              float_partials: bool, memory_bytes: int,
+                              element_bytes: int = 1) -> list:
+  """PE:1836-1912 estimateConvReduceCycles, stage by stage (fast reduce off, CO:53).
+
+  Args:
+    output_size: outputs a tile writes (``ceil(partials per tile / depth)``, CM:1162).
+    depth: partials an output sums.
+
+  Returns:
+    ``[(depth, outputs, cycles)]`` of each stage: its partials, the outputs
+    a tile writes and its ReduceAdd estimate.
+  """
+  stages = []
+  remaining, out = depth, output_size * depth                      # PE:1859-1861
+  width = 4 if float_partials else 8                                # PE:1862
+  p_bytes = 4 if float_partials else 2
+
+  def stage(out, this_depth, is_float_out):
+    single = (out % width == 0) and _single_input_fits(
+        (this_depth - 1) * out * p_bytes, memory_bytes, element_bytes)  # PE:1872-1881
+    return (this_depth, out, poplin_reduce_add_cycles(
+        out, this_depth - single, is_float_out, float_partials, single))
+
+  plan = poplin_multi_stage_plan(depth, poplin_num_reduce_stages(depth))[0]
+  for d in plan:                                                    # PE:1864-1887
+    this_depth = -(-remaining // d)
+    remaining = -(-remaining // this_depth)
+    out = -(-out // this_depth)
+    stages.append(stage(out, this_depth, float_out if remaining == 1 else float_partials))
+  if remaining > 1:                                                 # PE:1889-1909
+    out = -(-out // remaining)
+    stages.append(stage(out, remaining, float_out))
+  return stages
+
+
+def poplin_reduce_later_exchange_elements(partial_sums: int, depth: int) -> list:
+  """CM:1100-1131: partials elements a tile receives in each stage after the first.
+
+  The first stage's exchange is the whole ``partial_sums`` (CM:1091-1093).
+  """
+  if depth <= 1:
+    return []
+  plan = poplin_multi_stage_plan(depth, poplin_num_reduce_stages(depth))[0]
+  remaining, out, later, first = depth, partial_sums, [], True
+  for d in plan:
+    if not first:
+      later.append(out)
+    this_depth = -(-remaining // d)
+    out = -(-out // this_depth)
+    remaining = -(-remaining // this_depth)
+    first = False
+  if remaining > 1 and not first:
+    later.append(out)
+  return later
 
 
 def poplibs_scaled_arithmetic_cycles(elements: int, half: bool, operation: str = "add",

@@ -140,7 +140,15 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    matmul passes equal to PE's (1.027 -> 1.000). Also: an argmax / argmin over a size-1
 #    axis is a constant index 0 (XLA's simplifier leaves the reshape of a one-element iota),
 #    no Reduce step; lowering/rules/reduction.py.
-COST_MODEL_VERSION = "21"
+# 22: a matmul's reduce-scatter of 16 or more partials runs in poplin's stages
+#    (lib/poplin/ConvReducePlan.cpp 20-57: two stages from a depth of 16, three from 125;
+#    the sections as lib/poplin/ConvReduce.cpp 145-180 cuts them), a superstep each with its
+#    exchange, ReduceAdd (PerformanceEstimation.hpp estimateConvReduceCycles' stages) and
+#    sync, priced the same by the planner (lowering/matmul_cost.py, lowering/matmul_stages.py).
+#    BERT-Large layer forward + backward: 1,673,122.0 -> 1,673,205.0 cycles: the two gk = 18
+#    grids (FFN-out forward, FFN-in dX) would pay +8,994 each and the planner moves them to
+#    k13 / k6 grids instead.
+COST_MODEL_VERSION = "22"
 
 
 @dataclasses.dataclass(frozen=True)

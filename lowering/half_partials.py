@@ -13,9 +13,11 @@ end. The model here, used by the ``dot_general`` rule in place of one XLA dot:
 2. the ``gk`` partials of an output block are then added in fp16 (the
    partials type), rounding after each addition, in the order of the plan's
    reduction: in order 0, 1, ..., gk - 1 when the tiles reduce-scatter the
-   block; stage by stage when the plan sums them in a tree
+   block in one stage; stage by stage when the plan sums them in a tree
    (``plan.reduce_fanins``: each stage adds groups of ``fanin`` consecutive
-   partials in order, the last group possibly shorter).
+   partials in order, the last group possibly shorter) or reduce-scatters
+   them in poplin's stages (``plan.scatter_stages``, from ``gk = 16``: each
+   stage adds poplin's balanced sections of consecutive partials in order).
 
 Both executor modes use these functions: ``"batched"`` computes the whole
 product with :func:`planned_dot`, ``"per_tile"`` cuts the per-tile blocks and
@@ -30,6 +32,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from ipu_jax.lowering.matmul_cost import balanced_bounds
 
 __all__ = ["AMP_CHAIN", "applies", "tile_partials", "add_in_order", "planned_dot",
            "numpy_model"]
@@ -104,7 +108,21 @@ def _reduce_stages(parts, fanins):
   return parts[0]
 
 
-def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()):
+def _reduce_levels(parts, levels):
+  """A staged reduce-scatter's order: each stage sums poplin's sections of the partials."""
+  for new in levels:
+    count = parts.shape[0]
+    bounds = balanced_bounds(count, new)
+    members = np.diff(bounds)
+    index = bounds[:-1, None] + np.arange(members.max())[None, :]     # [new, most]
+    index = np.where(index < bounds[1:, None], index, count)          # past a section: zeros
+    padded = jnp.concatenate([parts, jnp.zeros((1,) + parts.shape[1:], parts.dtype)])
+    x = jnp.moveaxis(padded[index], 1, 0)                              # [most, new, ...]
+    parts = add_in_order(x, members.reshape((new,) + (1,) * (parts.ndim - 1)))
+  return parts[0]
+
+
+def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=(), levels=()):
   """``a [B, M, K] @ w [B, K, N]`` with fp16 partials, split as the plan splits K.
 
   Args:
@@ -113,6 +131,8 @@ def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()):
     chain: the AMP's accumulation chain.
     fanins: the plan's tree reduction (``plan.reduce_fanins``); empty: the
       partials are added in order (a reduce-scatter).
+    levels: a staged reduce-scatter's partials left after each stage
+      (``plan.scatter_stages``, when it has more than one stage).
 
   Returns ``[B, M, N]`` float16.
   """
@@ -123,10 +143,13 @@ def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()):
   w = jnp.pad(w, ((0, 0), (0, pad), (0, 0))).reshape(b, gk, bk, n).transpose(1, 0, 2, 3)
   parts = tile_partials(a.reshape(gk * b, m, bk), w.reshape(gk * b, bk, n), chain)
   parts = parts.reshape(gk, b, m, n)
+  if levels:
+    return _reduce_levels(parts, levels)
   return _reduce_stages(parts, tuple(fanins) or (gk,))
 
 
-def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()) -> np.ndarray:
+def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=(),
+                levels=()) -> np.ndarray:
   """The accumulation order of :func:`planned_dot` in NumPy, for ``a [M, K] @ w [K, N]``."""
   a, w = np.asarray(a, np.float16), np.asarray(w, np.float16)
   m, k = a.shape
@@ -144,12 +167,25 @@ def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=()) -> np
           s = s + np.float32(0)
       acc = (acc.astype(np.float32) + s).astype(np.float16)
     partials.append(acc)
-  for fanin in tuple(fanins) or (gk,):
+  for groups in _section_bounds(gk, fanins, levels):
     sums = []
-    for lo in range(0, len(partials), fanin):
+    for lo, hi in zip(groups[:-1], groups[1:]):
       total = partials[lo]
-      for p in partials[lo + 1:lo + fanin]:
+      for p in partials[lo + 1:hi]:
         total = (total.astype(np.float32) + p.astype(np.float32)).astype(np.float16)
       sums.append(total)
     partials = sums
   return partials[0]
+
+
+def _section_bounds(gk: int, fanins, levels) -> list:
+  """Each stage's section bounds: ``levels``' balanced sections, else groups of each fan-in."""
+  stages, count = [], gk
+  for step in (levels or tuple(fanins) or (gk,)):
+    if levels:
+      bounds = balanced_bounds(count, step)
+    else:
+      bounds = np.unique(np.minimum(np.arange(0, count + step, step), count))
+    stages.append([int(x) for x in bounds])
+    count = len(bounds) - 1
+  return stages

@@ -48,7 +48,9 @@ def logical_product(p: ProductPlan, a, w):
     return half_partials.planned_dot(
         jnp.transpose(a, prod.lhs_perm).reshape(prod.b, prod.m, prod.k),
         jnp.transpose(w, prod.rhs_perm).reshape(prod.b, prod.k, prod.n), p.plan.grid[3],
-        p.plan.block[3], fanins=p.plan.reduce_fanins).astype(p.out_dtype).reshape(p.out.shape)
+        p.plan.block[3], fanins=p.plan.reduce_fanins,
+        levels=p.plan.scatter_stages if len(p.plan.scatter_stages) > 1 else ()
+    ).astype(p.out_dtype).reshape(p.out.shape)
   c = lax.dot_general(widen_to_partials(a, acc), widen_to_partials(w, acc),
                       prod.dimension_numbers, precision=p.precision, preferred_element_type=acc)
   return c.astype(p.out_dtype).reshape(p.out.shape)

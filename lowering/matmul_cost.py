@@ -12,10 +12,16 @@ tree of 1 to 3 stages, :func:`tree_fanins`, for blocks with fewer elements
 than ``gk``), with the temporary memory each stage holds. The search over
 these costs, and the serial passes, are ``lowering/matmul_plan.py``'s; the
 window (convolution) planner reuses the split counts.
+
+A reduce-scatter of 16 or more partials runs in poplin's stages
+(:func:`poplin_reduce_levels`, :func:`staged_scatter_figures`): each stage
+sums sections of partials, a section's sum spread over its tiles, and
+the last stage leaves ``1/gk`` of the block on every tile, as one stage does.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -24,7 +30,8 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["bus_shared_fraction", "ceil_div", "evaluate_grid", "grid_product",
-           "scatter_reduce_cost", "split_candidates", "tree_fanins"]
+           "balanced_bounds", "poplin_reduce_levels", "scatter_reduce_cost",
+           "split_candidates", "stage_layout", "staged_scatter_figures", "tree_fanins"]
 
 
 def ceil_div(a, b):
@@ -159,6 +166,172 @@ def _tree_reduce_cost(target, gk, out_block, p_itemsize, stages):
   return cycles, received
 
 
+# poplin's reduction stages by depth (lib/poplin/ConvReducePlan.cpp getNumReduceStages,
+# lines 20-26 at poplibs 7eac0f2): 3 from 125 partials, 2 from 16, else 1.
+_POPLIN_STAGE_DEPTHS = ((125, 3), (16, 2))
+
+
+def _poplin_stage_depths(depth: int, stages: int) -> tuple:
+  """poplin's intermediate partials depths and their cost (ConvReducePlan.cpp 36-57).
+
+  ``getMultiStageReducePlanAndCost``: the next depth is ``depth ** ((n-1)/n)``
+  truncated, or one more, whichever gives fewer messages a tile (``depth /
+  next`` plus the rest's), costs in float as poplin computes them.
+  """
+  if stages == 1:
+    return (), np.float32(depth)
+  down = int(math.pow(float(depth), (stages - 1.0) / stages))
+  plan_down, cost_down = _poplin_stage_depths(down, stages - 1)
+  plan_up, cost_up = _poplin_stage_depths(down + 1, stages - 1)
+  cost_down = np.float32(cost_down + np.float32(depth) / np.float32(down))
+  cost_up = np.float32(cost_up + np.float32(depth) / np.float32(down + 1))
+  if cost_down < cost_up:
+    return (down,) + plan_down, cost_down
+  return (down + 1,) + plan_up, cost_up
+
+
+def poplin_reduce_levels(gk: int) -> tuple:
+  """Partials an output block has left after each stage of poplin's reduction of ``gk``.
+
+  poplin reduces a depth of 16 or more in two stages, 125 or more in three
+  (lib/poplin/ConvReducePlan.cpp 20-26), through the intermediate depths of
+  its plan (36-57), then to one. E.g. 18: ``(4, 1)``: four sections of the
+  18 partials (4, 5, 4 and 5: ``balanced_bounds``, as
+  lib/poplin/ConvReduce.cpp 160-162 cuts them), then their 4 sums.
+
+  Returns:
+    ``()`` for ``gk <= 1``; ``(1,)`` for one stage.
+  """
+  gk = int(gk)
+  if gk <= 1:
+    return ()
+  stages = next((s for depth, s in _POPLIN_STAGE_DEPTHS if gk >= depth), 1)
+  return tuple(_poplin_stage_depths(gk, stages)[0]) + (1,)
+
+
+def balanced_bounds(count: int, groups: int) -> np.ndarray:
+  """``[groups + 1]`` bounds of ``groups`` consecutive sections of ``count``: ``i * count // groups``.
+
+  poplin's ``partialGroupedReduce`` cuts a stage's partials and the group's
+  tiles this way (lib/poplin/ConvReduce.cpp 160-165).
+  """
+  return (np.arange(groups + 1) * int(count)) // int(groups)
+
+
+def _section_of(bounds: np.ndarray, index: np.ndarray) -> np.ndarray:
+  return np.searchsorted(bounds, index, side="right") - 1
+
+
+def stage_layout(gk: int, old: int, new: int) -> dict:
+  """Where each of the ``gk`` k-tiles stands in a stage reducing ``old`` partials to ``new``.
+
+  The ``old`` partials of a block are items, each on a section of the
+  k-tiles (``balanced_bounds(gk, old)``), its sum cut into equal pieces over
+  them in order; the stage sums sections of them (``balanced_bounds(old,
+  new)``) into ``new`` items laid out the same way.
+
+  Returns:
+    ``[gk]`` arrays: ``old_tiles`` / ``old_pos`` (tiles of the k-tile's item
+    and its place in it), ``new_tiles`` / ``new_pos``, ``group`` (its new
+    item), ``members`` (items that item sums), ``own`` (whether its own item
+    is one of them), ``dest`` (the new item its own item goes into).
+  """
+  t = np.arange(gk)
+  a_old, a_new, c = balanced_bounds(gk, old), balanced_bounds(gk, new), balanced_bounds(old, new)
+  old_item, group = _section_of(a_old, t), _section_of(a_new, t)
+  dest = _section_of(c, old_item)
+  return dict(old_tiles=np.diff(a_old)[old_item], old_pos=t - a_old[old_item],
+              new_tiles=np.diff(a_new)[group], new_pos=t - a_new[group], group=group,
+              members=np.diff(c)[group], own=dest == group, dest=dest)
+
+
+def staged_scatter_figures(target, gk: int, levels: tuple, block, p_itemsize: int,
+                           final_lengths=None) -> list:
+  """Per-tile figures of a reduce-scatter of ``gk`` partials through ``levels``.
+
+  Stage ``s`` reduces the block's ``levels[s-1]`` partials (``gk`` at first,
+  a whole partial block a tile) to ``levels[s]`` (:func:`stage_layout`):
+  k-tile ``t`` receives its piece of its new item from every item summed
+  into it, less what it holds of it itself, and adds them (poplin's
+  ``partialGroupedReduce``, lib/poplin/ConvReduce.cpp 145-180). After the
+  last stage (one item) k-tile ``t`` holds piece ``t`` of ``ceil(block /
+  gk)``, the layout of a one-stage reduce-scatter.
+
+  Args:
+    target: the IPU target.
+    gk: partials per output block.
+    levels: partials left after each stage (:func:`poplin_reduce_levels`).
+    block: ``[...]`` output block elements (arrays over candidates or groups).
+    p_itemsize: bytes of a partial.
+    final_lengths: ``[..., gk]`` result elements each k-tile writes, when its
+      last piece is short of a full block's (edge blocks); default the full.
+
+  Returns:
+    One dict a stage: :func:`stage_layout`'s arrays and ``[..., gk]``
+    ``bytes_in``, ``bytes_out``, ``compute`` (ReduceAdd cycles),
+    ``outputs``, ``lo`` (each piece's first element), ``piece``.
+  """
+  block = np.asarray(block, np.int64)[..., None]
+  stages, old = [], gk
+  for index, new in enumerate(levels):
+    lay = stage_layout(gk, old, new)
+    q_old, q_new = ceil_div(block, lay["old_tiles"]), ceil_div(block, lay["new_tiles"])
+    p_lo = np.minimum(lay["old_pos"] * q_old, block)
+    p_hi = np.minimum((lay["old_pos"] + 1) * q_old, block)
+    r_lo = np.minimum(lay["new_pos"] * q_new, block)
+    r_hi = np.minimum((lay["new_pos"] + 1) * q_new, block)
+    if final_lengths is not None and index == len(levels) - 1:
+      r_hi = r_lo + np.asarray(final_lengths, np.int64)
+    length = r_hi - r_lo
+    overlap = np.where(lay["own"], np.maximum(0, np.minimum(p_hi, r_hi) - np.maximum(p_lo, r_lo)),
+                       0)
+    compute = np.where(length > 0, estimators.partials_reduce_cycles(
+        target, lay["members"] * length, p_itemsize, outputs=length), 0.0)
+    stages.append(dict(lay, bytes_in=(lay["members"] * length - overlap) * p_itemsize,
+                       bytes_out=(p_hi - p_lo - overlap) * p_itemsize, compute=compute,
+                       outputs=length, lo=r_lo, held_lo=p_lo, held_hi=p_hi,
+                       piece=np.broadcast_to(q_new, length.shape)))
+    old = new
+  return stages
+
+
+def _staged_scatter_cost(target, gk_value: int, out_block, p_itemsize) -> tuple:
+  """``(cycles, received bytes, reduce temporary bytes)`` of a staged reduce-scatter.
+
+  Each stage is a superstep (sync, exchange of the busiest tile's bytes in or
+  out, the busiest tile's ReduceAdd), as :mod:`lowering.matmul_stages` emits it.
+  """
+  stages = staged_scatter_figures(target, gk_value, poplin_reduce_levels(gk_value), out_block,
+                                  p_itemsize)
+  cycles = np.zeros(np.shape(out_block))
+  received = np.zeros(np.shape(out_block), np.int64)
+  held = np.zeros(np.shape(out_block), np.int64)
+  for stage in stages:
+    busiest = np.maximum(stage["bytes_in"], stage["bytes_out"]).max(axis=-1)
+    cycles = cycles + (target.sync_cycles_internal + _exchange_cycles(target, busiest)
+                       + stage["compute"].max(axis=-1))
+    stage_in = stage["bytes_in"].max(axis=-1)
+    received = np.maximum(received, stage_in)
+    held = np.maximum(held, stage_in + stage["piece"].max(axis=-1) * p_itemsize)
+  return cycles, received, held
+
+
+def _apply_staged_scatter(target, gk, out_block, p_itemsize, deep, costs) -> tuple:
+  """Replace the one-stage reduce-scatter's costs where poplin reduces in stages."""
+  reduce, reduce_bytes, stage2 = costs
+  staged = (gk >= _POPLIN_STAGE_DEPTHS[-1][0]) & ~deep
+  for value in np.unique(gk[staged]):
+    sel = staged & (gk == value)
+    cycles, received, held = _staged_scatter_cost(target, int(value), out_block[sel], p_itemsize)
+    reduce = np.where(sel, 0.0, reduce)
+    reduce[sel] = cycles
+    reduce_bytes = np.array(reduce_bytes, np.int64)
+    reduce_bytes[sel] = received
+    stage2 = np.array(stage2, np.int64)
+    stage2[sel] = out_block[sel] * p_itemsize + held
+  return reduce, reduce_bytes, stage2
+
+
 def scatter_reduce_cost(target, gk, out_block, p_itemsize) -> tuple:
   """A reduce-scatter of ``gk`` partial blocks (arrays over candidates; 0 where ``gk == 1``).
 
@@ -205,6 +378,9 @@ def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_re
   reduce, reduce_bytes, stage2 = scatter_reduce_cost(target, gk, out_block, p_itemsize)
   tree_stages = np.zeros(gk.shape, np.int64)
   deep = (gk > out_block) & tree_reduce
+  reduce, reduce_bytes, stage2 = _apply_staged_scatter(
+      target, gk, np.broadcast_to(out_block, gk.shape), p_itemsize, deep,
+      (np.array(reduce, np.float64), reduce_bytes, stage2))
   if deep.any():
     best_cycles = np.full(gk.shape, np.inf)
     best_bytes = np.zeros(gk.shape, np.int64)

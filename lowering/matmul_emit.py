@@ -24,7 +24,9 @@ result):
    partials type.
 2. ``<name>/<plan> reduce`` (only when ``gk > 1``): the ``gk`` tiles that
    share an output block exchange their partials so that each sums ``1/gk``
-   of the block (a reduce-scatter), casting to the result type. When the
+   of the block (a reduce-scatter), casting to the result type; from ``gk =
+   16`` in poplin's stages, one superstep each (``<name>/<plan> stage s/S
+   reduce``, ``lowering/matmul_stages.py``). When the
    block has fewer elements than ``gk`` (a long contraction with a tiny
    result, e.g. a dot of two long vectors), the partials are summed in a
    tree instead: one superstep per stage (``<name>/<plan> stage s/S
@@ -110,6 +112,7 @@ from ipu_jax.lowering.matmul_cost import ceil_div
 from ipu_jax.lowering.matmul_grid import (block_grid_mapping, edge_sizes, grid_tiles,
                                           matmul_tile_order)
 from ipu_jax.lowering.matmul_tree import emit_tree_reduce
+from ipu_jax.lowering.matmul_stages import emit_staged_scatter
 from ipu_jax.lowering.matmul_operands import OperandExchange, blocks_of, operand_cost
 from ipu_jax.lowering.matmul_arith import logical_product, pass_blocks, put_pass, reduce_pieces
 
@@ -365,6 +368,8 @@ def emit_matmul(ctx, lhs: P.Tensor, rhs: P.Tensor, dimension_numbers, out_shape:
     partials = _emit_partial_blocks(ctx, p, ps, work, exchange)
     if p.plan.reduce_fanins:
       emit_tree_reduce(ctx, partials, p.out, p.plan, p.tiles, ps.outputs, p.name)
+    elif len(p.plan.scatter_stages) > 1:
+      emit_staged_scatter(ctx, p, ps, partials)
     else:
       _emit_reduce_scatter(ctx, p, ps, partials)
   return p.out

@@ -18,7 +18,9 @@ The cost of a candidate, per tile (the busiest, whose blocks are full):
   known when planning); the emitted supersteps count the exact bytes, so the
   report may show slightly less exchange than the plan;
 * reduce, when ``gk > 1``: a second superstep (sync, exchange of ``gk - 1``
-  pieces of ``1/gk`` of the block in the partials type, a reduce vertex).
+  pieces of ``1/gk`` of the block in the partials type, a reduce vertex);
+  from ``gk = 16``, poplin's two (from 125, three) stages, a superstep each
+  (``MatmulPlan.scatter_stages``, ``lowering/matmul_stages.py``).
   A block with fewer elements than ``gk`` cannot be reduce-scattered (a dot
   of two long vectors has one output element but may want all tiles for its
   contraction): its partials are summed in a tree of 1 to 3 stages, each a
@@ -70,7 +72,7 @@ import numpy as np
 
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.matmul_cost import (ceil_div, evaluate_grid, grid_product,
-                                          split_candidates, tree_fanins)
+                                          poplin_reduce_levels, split_candidates, tree_fanins)
 
 __all__ = ["BlockWork", "GridPlan", "MatmulPlan", "block_work", "plan_matmul", "covering",
            "operand_dtype", "partials_dtype", "widen_to_partials"]
@@ -281,6 +283,16 @@ class MatmulPlan:
   def cycles(self) -> float:
     """Estimated cycles of the whole matmul (both supersteps)."""
     return self.sync_cycles + self.exchange_cycles + self.compute_cycles + self.reduce_cycles
+
+  @property
+  def scatter_stages(self) -> tuple:
+    """Partials a block has left after each stage of its reduce-scatter (``(1,)``: one stage).
+
+    poplin's multi-stage reduction, two stages from ``gk = 16``
+    (:func:`~ipu_jax.lowering.matmul_cost.poplin_reduce_levels`); ``()``
+    without a reduce-scatter (``gk == 1`` or a tree reduction).
+    """
+    return () if self.reduce_fanins else poplin_reduce_levels(self.grid[3])
 
   @property
   def label(self) -> str:
