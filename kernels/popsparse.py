@@ -26,6 +26,17 @@ some non-zero blocks of ``S`` and a column range of ``Z``.
   a header per tile, a row entry per non-empty block row and a column entry
   per non-zero block, 16-bit words (an estimate after popsparse's meta-info
   layout; poplibs does not publish its sizes as a formula).
+* **Static vertices** (``popsparse::static_``: ``StaticSparseDenseMatMulBlock``
+  4x4 / 8x8 / 16x16 and ``StaticSparseDenseElementWise``, data and partials
+  of one type, ``lib/popsparse/codelets/StaticSparseDenseMatMulBlock.cpp:154-159``,
+  ``StaticSparseDenseElementWise.cpp:75-76``). Priced with static_'s own
+  planner figures (``lib/popsparse/StaticMatMulPartitioner.cpp``,
+  ``matmulComputeCycles`` and ``zeroingCycles``, poplibs commit 7eac0f26), on
+  the work split its planner uses (``tileWorkSplit``, same file): the block
+  vertex runs every row of the tile on every worker with ``Z / workers``
+  columns each; the element-wise one splits the rows over the workers. The
+  static block vertex zeroes its half partials as it goes, so only float
+  partials of 8x8 and 16x16 blocks pay a zeroing pass.
 * **Dynamic buckets.** A tile scans each bucket that passes it: the
   sub-groups not for it cost a fixed skip each, the one for it the search
   and the products (``supervisorCyclesWithBucketsNotForPN`` /
@@ -45,7 +56,9 @@ from ipu_jax.kernels.target import IPUTarget
 
 __all__ = ["BLOCK_SIZES", "block_product_cycles", "element_product_cycles",
            "sparse_product_cycles", "meta_info_words", "META_WORD_BYTES",
-           "bucket_scan_cycles", "zero_partials_cycles"]
+           "bucket_scan_cycles", "zero_partials_cycles", "static_block_product_cycles",
+           "static_element_product_cycles", "static_product_cycles",
+           "static_zero_partials_cycles"]
 
 #: Square block sizes PopSparse has vertices for (1 is the element-wise vertex).
 BLOCK_SIZES = (1, 4, 8, 16)
@@ -157,3 +170,133 @@ def zero_partials_cycles(target: IPUTarget, elements, p_itemsize: int) -> np.nda
   per_vector = 8 // int(p_itemsize)
   return np.where(elements > 0, 10 + _ceil(_ceil(elements, per_vector), target.worker_contexts)
                   * target.worker_contexts, 0).astype(np.float64)
+
+
+# -- popsparse::static_'s own vertices -------------------------------------------
+# poplibs lib/popsparse/StaticMatMulPartitioner.cpp (commit 7eac0f26), matmulComputeCycles.
+# Block vertices, keyed by (block, input itemsize): headerRetainedCycles,
+# xRetainedCycles (both per worker) and yCycles(n) per block per worker for n
+# columns a worker (lines 235-272).
+_STATIC_HEADER = {(4, 2): 17, (4, 4): 13, (8, 2): 13, (8, 4): 13, (16, 2): 13, (16, 4): 16}
+_STATIC_X_RETAINED = {(4, 2): 1, (4, 4): 1, (8, 2): 1, (8, 4): 4, (16, 2): 1, (16, 4): 4}
+# Lines 276-278: 30 on entry, per row 17 (besides xRetained), per block 16 plus
+# the coefficients' load at 8 bytes a cycle (cweiLoadBytesPerCycle, line 201).
+_STATIC_ENTRY = 30
+_STATIC_PER_ROW = 17
+_STATIC_PER_BLOCK = 16
+_STATIC_COEFF_BYTES_PER_CYCLE = 8
+
+
+def _static_y_cycles(n, key) -> np.ndarray:
+  """yCycles: a block's cycles on one worker with ``n`` columns (lines 235-272)."""
+  n = np.asarray(n, np.int64)
+  if key == (4, 2):
+    return np.where(n <= 2, 7 + n, 13 + n)               # lines 239-243
+  if key == (4, 4):
+    return 12 + (n - 1) * 4                               # line 247
+  if key == (8, 2):
+    return 14 + (n - 1) * 2                               # line 253
+  if key == (8, 4):
+    return 19 + (n - 1) * 8                               # line 257
+  if key == (16, 2):
+    return 19 + (n - 1) * 4                               # line 263
+  return np.where(n == 1, 29 * 2, (37 + (n - 1) * 8) * 2)  # lines 267-271 (16x16 float)
+
+
+def static_block_product_cycles(target: IPUTarget, rows, blocks, z, block: int,
+                                itemsize: int) -> np.ndarray:
+  """Cycles of ``StaticSparseDenseMatMulBlock``: ``blocks`` in ``rows`` block rows times ``z``.
+
+  As static_'s planner splits a tile's work (``tileWorkSplit``): every worker
+  walks all ``rows`` with ``ceil(blocks / rows)`` blocks each and
+  ``ceil(z / workers)`` columns (StaticMatMulPartitioner.cpp:661-663), then
+  ``matmulComputeCycles`` (lines 276-278).
+
+  Args:
+    target: the IPU target (worker count).
+    rows: non-empty block rows on the tile (array).
+    blocks: non-zero blocks on the tile (array, broadcast with ``rows``).
+    z: dense columns the tile computes (array).
+    block: 4, 8 or 16.
+    itemsize: input bytes (2 or 4); partials are of the same type.
+  """
+  key = (int(block), 2 if itemsize <= 2 else 4)
+  w = target.worker_contexts
+  blocks = np.asarray(blocks, np.int64)
+  rows = np.maximum(np.asarray(rows, np.int64), 1)
+  per_row = _ceil(blocks, rows)
+  n = np.maximum(_ceil(z, w), 1)
+  coeff = block * block * key[1] // _STATIC_COEFF_BYTES_PER_CYCLE
+  cycles = (_STATIC_ENTRY + _STATIC_HEADER[key] * w
+            + rows * (_STATIC_X_RETAINED[key] * w + _STATIC_PER_ROW
+                      + per_row * (_STATIC_PER_BLOCK + coeff + _static_y_cycles(n, key) * w)))
+  return np.where((blocks > 0) & (np.asarray(z) > 0), cycles, 0).astype(np.float64)
+
+
+def _static_element_worker(m, k, n, itemsize: int) -> np.ndarray:
+  """One worker's cycles for ``m`` rows of ``k`` non-zeros times ``n`` columns (lines 206-226)."""
+  if itemsize <= 2:
+    general = 33 + m * (11 + (n // 8) * (14 + (k - 1) * 3)
+                        + (n % 8 != 0) * (9 + (k - 1) * 2))   # lines 213-215
+    return np.select([n == 4, n == 8],
+                     [31 + m * (7 + (k - 1) * 2),            # line 210
+                      31 + m * (8 + (k - 1) * 3)], general)  # line 212
+  general = 31 + m * (12 + (n // 4) * (10 + (k - 1) * 3)
+                      + (n % 4 != 0) * (10 + (k - 1) * 2))     # lines 223-224
+  return np.select([n == 2, n == 4],
+                   [29 + m * (5 + (k - 1) * 2),              # line 219
+                    30 + m * (6 + (k - 1) * 3)], general)    # line 221
+
+
+def static_element_product_cycles(target: IPUTarget, nonzeros, rows, z,
+                                  itemsize: int) -> np.ndarray:
+  """Cycles of ``StaticSparseDenseElementWise``: ``nonzeros`` in ``rows`` rows times ``z`` columns.
+
+  static_'s planner gives each worker ``ceil(rows / workers)`` rows of
+  ``ceil(nonzeros / rows)`` non-zeros over all ``z`` columns
+  (StaticMatMulPartitioner.cpp:657-659) and counts every worker alike
+  (``cycles *= numWorkers``, line 227).
+  """
+  w = target.worker_contexts
+  nonzeros = np.asarray(nonzeros, np.int64)
+  rows = np.maximum(np.asarray(rows, np.int64), 1)
+  m = _ceil(rows, w)
+  k = _ceil(nonzeros, rows)
+  n = np.asarray(z, np.int64)
+  cycles = _static_element_worker(m, k, n, itemsize) * w
+  return np.where((nonzeros > 0) & (n > 0), cycles, 0).astype(np.float64)
+
+
+def static_product_cycles(target: IPUTarget, blocks, rows, z, block: int,
+                          itemsize: int) -> np.ndarray:
+  """A tile's ``popsparse::static_`` vertex: element-wise for ``block == 1``, else the block one.
+
+  Same arguments as :func:`sparse_product_cycles` (``rows``: the tile's
+  non-empty block rows).
+  """
+  if int(block) == 1:
+    return static_element_product_cycles(target, blocks, rows, z, itemsize)
+  return static_block_product_cycles(target, rows, blocks, z, block, itemsize)
+
+
+# zeroingCycles (StaticMatMulPartitioner.cpp:183-190): 12 per worker, then the
+# partials' bytes over the 64-bit data path (Target::getDataPathWidth) split over the workers.
+_STATIC_ZERO_ENTRY = 12
+_DATA_PATH_BYTES = 8
+
+
+def static_zero_partials_cycles(target: IPUTarget, elements, block: int,
+                                p_itemsize: int) -> np.ndarray:
+  """Zeroing a static product's partials (``elements`` of ``p_itemsize`` bytes) before its vertex.
+
+  static_'s planner charges none for the element-wise vertex, for half
+  partials and for float partials of 4x4 blocks (those vertices zero as they
+  write, StaticMatMulPartitioner.cpp:698-703); else ``zeroingCycles``.
+  """
+  elements = np.asarray(elements, np.int64)
+  if int(block) == 1 or int(p_itemsize) <= 2 or int(block) == 4:
+    return np.zeros(elements.shape, np.float64)
+  w = target.worker_contexts
+  # bytes * 8 / dataPathWidth rounds down before the split over workers (line 187).
+  per_worker = _ceil(elements * int(p_itemsize) // _DATA_PATH_BYTES, w)
+  return np.where(elements > 0, (_STATIC_ZERO_ENTRY + per_worker) * w, 0).astype(np.float64)

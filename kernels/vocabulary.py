@@ -40,7 +40,8 @@ __all__ = [
     "JACOBI_SVD", "HESSENBERG_QR_EIG", "SCHUR", "HESSENBERG", "TRIDIAGONAL", "TRIDIAGONAL_SOLVE",
     "SYMMETRIC_PRODUCT",
     # popsparse.
-    "SPARSE_DENSE_ELEMENTWISE", "SPARSE_DENSE_BLOCK",
+    "SPARSE_DENSE_ELEMENTWISE", "SPARSE_DENSE_BLOCK", "STATIC_SPARSE_DENSE_ELEMENTWISE",
+    "STATIC_SPARSE_DENSE_BLOCK",
     # poprand.
     "RANDOM", "POPRAND_UNIFORM", "POPRAND_BERNOULLI", "POPRAND_NORMAL",
     "POPRAND_TRUNCATED_NORMAL", "POPRAND_DROPOUT",
@@ -104,6 +105,10 @@ SYMMETRIC_PRODUCT = "poplin::SymmetricProduct"
 # popsparse: vertex(SPARSE_DENSE_*, dtype, partials dtype).
 SPARSE_DENSE_ELEMENTWISE = "popsparse::SparseDenseMatMulElementWise"
 SPARSE_DENSE_BLOCK = "popsparse::SparseDenseMatMulBlock"
+# popsparse::static_'s own vertices, vertex(STATIC_SPARSE_DENSE_*, dtype, partials dtype)
+# (poplibs lib/popsparse/StaticMatMul.cpp:705-717).
+STATIC_SPARSE_DENSE_ELEMENTWISE = "popsparse::StaticSparseDenseElementWise"
+STATIC_SPARSE_DENSE_BLOCK = "popsparse::StaticSparseDenseMatMulBlock"
 
 RANDOM = "poprand::Random"  # vertex(RANDOM, generator)
 # poprand's samplers, vertex(POPRAND_*, dtype): a fused chain on the tiles'

@@ -19,7 +19,8 @@ reduction across Y).
 is chosen on a *uniform* pattern of the same density: every cell holds
 ``nnz * (rows / Xb) * (cols / Yb)`` blocks. Each candidate is costed from the
 vertex work (:mod:`ipu_jax.kernels.popsparse`: block AMP or element-wise
-products, zeroing partials), the exchange of ``D``'s slices and of the
+products, zeroing partials; a static plan with ``popsparse::static_``'s own
+vertices and its partials type, :func:`static_partials_dtype`), the exchange of ``D``'s slices and of the
 sparse blocks to the ``z > 0`` tiles, the reduction (``popops`` Reduce
 vertices) and the syncs; candidates whose temporaries exceed the available
 memory proportion of a tile are dropped (the least-memory one is kept if
@@ -72,9 +73,10 @@ from ipu_jax.kernels import estimators
 from ipu_jax.kernels import popsparse
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.matmul_cost import split_candidates
+from ipu_jax.lowering.matmul_plan import partials_dtype as _partials_rule
 
 __all__ = ["SparsePlan", "plan_static", "plan_dynamic", "bucket_capacity", "DEFAULT_OVERSIZE",
-           "reduce_piece_elements"]
+           "reduce_piece_elements", "static_partials_dtype"]
 
 #: Extra bucket room over a uniform spread of ``max_non_zeros`` (popsparse's default).
 DEFAULT_OVERSIZE = 0.3
@@ -239,7 +241,8 @@ def _static_costs(target, s: _Shape, nnz: int, px, py, pz, rotate: bool = False)
   blocks = _ceil(nnz * rx * cy, cells)
   b, item = s.block, s.itemsize
   partial = rx * b * fz
-  zero = popsparse.zero_partials_cycles(target, partial, s.p_itemsize)
+  # popsparse::static_'s own vertices and zeroing rule (kernels/popsparse.py).
+  zero = popsparse.static_zero_partials_cycles(target, partial, b, s.p_itemsize)
   dense_in = cy * b * fz * item
   reduce, reduce_temp = _reduce_cost(target, partial, py, s.p_itemsize, item)
   if rotate:
@@ -248,14 +251,14 @@ def _static_costs(target, s: _Shape, nnz: int, px, py, pz, rotate: bool = False)
     g_rows = np.minimum(rx, group)
     g_bytes = (group * b * b * item
                + popsparse.meta_info_words(group, g_rows) * popsparse.META_WORD_BYTES)
-    compute = pz * popsparse.sparse_product_cycles(target, group, g_rows, fz, b, item) + zero
+    compute = pz * popsparse.static_product_cycles(target, group, g_rows, fz, b, item) + zero
     exchange = (_exchange_cycles(target, dense_in)
                 + (pz - 1) * _exchange_cycles(target, g_bytes))
     temp = np.maximum(dense_in + 2 * g_bytes + partial * s.p_itemsize, reduce_temp)
     sync = pz * float(target.sync_cycles_internal)
   else:
     rows = np.minimum(rx, blocks)
-    compute = popsparse.sparse_product_cycles(target, blocks, rows, fz, b, item) + zero
+    compute = popsparse.static_product_cycles(target, blocks, rows, fz, b, item) + zero
     block_bytes = blocks * b * b * item
     exchange = _exchange_cycles(target, dense_in + np.where(pz > 1, block_bytes, 0))
     meta = popsparse.meta_info_words(blocks, rows) * popsparse.META_WORD_BYTES
@@ -385,15 +388,34 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
       phase_cycles=float(pick.get("phase", 0.0)), rotate=bool(pick.get("rotate", False)))
 
 
+def static_partials_dtype(dtype) -> np.dtype:
+  """The partials type ``popsparse::static_`` keeps: the data type's for 2-byte floats.
+
+  static_ sets its partials type to the input type (poplibs
+  ``lib/popsparse/StaticMatMul.cpp:931, 948, 1196, 1239, 1415``) and has its
+  vertices only as ``<half, half>`` and ``<float, float>``
+  (``codelets/StaticSparseDenseMatMulBlock.cpp:154-159``,
+  ``StaticSparseDenseElementWise.cpp:75-76``); through the one partials rule
+  (:func:`ipu_jax.lowering.matmul_plan.partials_dtype`) that is half partials
+  for float16 (bfloat16 for bfloat16) and float32 otherwise.
+  """
+  return _partials_rule(dtype, dtype, "float16")
+
+
 @functools.lru_cache(maxsize=256)
 def plan_static(target: IPUTarget, x: int, y: int, z: int, block: int, nnz_blocks: int,
-                dtype, partials_dtype=np.float32, available_memory_proportion: float = 0.6,
+                dtype, partials_dtype=None, available_memory_proportion: float = 0.6,
                 max_tiles: int | None = None, rotate: bool | None = None) -> SparsePlan:
   """The grid of a static sparse ``[x, y]`` (``nnz_blocks`` blocks of ``block``) times dense ``[y, z]``.
 
+  ``partials_dtype``: None takes ``popsparse::static_``'s, the data type's
+  (half for float16: poplibs ``lib/popsparse/StaticMatMul.cpp:931`` sets
+  ``options.partialsType = inputType``), through the one partials rule.
   ``rotate``: None chooses the replicated or the rotating plan by cost; a bool
   keeps to that kind (where it has a candidate: rotating needs ``pz > 1``).
   """
+  if partials_dtype is None:
+    partials_dtype = static_partials_dtype(dtype)
   s = _Shape(int(x), int(y), int(z), int(block), np.dtype(dtype).itemsize,
              np.dtype(partials_dtype).itemsize)
   return _plan(target, s, dtype, partials_dtype, int(nnz_blocks),

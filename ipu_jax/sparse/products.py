@@ -14,16 +14,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.lowering import sparse_plan
 from ipu_jax.lowering.matmul_plan import partials_dtype, widen_to_partials
 from ipu_jax.sparse.formats import SparsityPattern
 
-__all__ = ["frame", "frame_dense", "unframe", "accumulator", "band_partials", "reference_product",
-           "values_gradient"]
+__all__ = ["frame", "frame_dense", "unframe", "accumulator", "static_accumulator", "band_partials",
+           "reference_product", "values_gradient"]
 
 
 def accumulator(dtype) -> np.dtype:
   """The partials type of a sparse product of ``dtype`` operands (float32 for floats)."""
   return partials_dtype(dtype, dtype, "float32")
+
+
+def static_accumulator(dtype) -> np.dtype:
+  """The partials type of a ``popsparse::static_`` product (half for float16 data).
+
+  :func:`ipu_jax.lowering.sparse_plan.static_partials_dtype`. The products
+  themselves are summed in float32 and rounded once when written, as the
+  static vertices' C++ forms sum in float.
+  """
+  return sparse_plan.static_partials_dtype(dtype)
 
 
 def frame(values, pattern: SparsityPattern, side: str):

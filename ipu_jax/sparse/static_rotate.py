@@ -9,7 +9,9 @@ supersteps: at step ``s`` tile ``(x, y, z)`` holds group ``(z + t) % pz``
 (``t = pass * (pz - 1) + s``: every step after a pass's first moves each
 group one tile down Z, so the next pass starts with the groups where they
 are) and adds that group's products with ``D``'s rows of band ``y`` and
-columns of range ``z`` into its partials ``[py, R, w]`` (float32). This is
+columns of range ``z`` into its partials ``[py, R, w]`` (static_'s partials
+type, :func:`ipu_jax.sparse.products.static_accumulator`: each step adds in
+float32 and rounds to it). This is
 dynamic sparsity's propagation phase with the pattern known: each group holds
 exactly its cell's blocks, so there is no oversize, no scan of other cells'
 entries and no spill phase, and each step is costed from the group the tile
@@ -19,7 +21,8 @@ static rule's reduction follows.
 Executor forms: ``per_tile`` runs each step as the tiles do (every tile's held
 group, padded, times its dense columns, added to the partials); the logical
 form adds every block into its band at the first step and passes the partials
-through the rest. Both give the same partials after the last step.
+through the rest. Both give the same partials after the last step (with half
+partials, up to the per-tile form's rounding after each step).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class _Step:
   first: bool                   # the pass's first step: partials start here
   values: P.Tensor
   dense: P.Tensor
-  partials: P.Tensor            # [py, R, w] float32, read after the first step
+  partials: P.Tensor            # [py, R, w] static_'s partials type, read after the first step
   out: P.Tensor                 # what the step writes: the partials, or the result
   window: tuple
 
@@ -127,7 +130,7 @@ def _added(p: _Step, fv, dense_c):
 
 def _write(p: _Step, total, prior):
   if p.out is p.partials:
-    return total
+    return total.astype(p.partials.dtype)
   return sr.place_pass(p.side, p.out.shape, p.window, total[0].astype(p.out.dtype), prior)
 
 
@@ -137,7 +140,7 @@ def _step_fn(p: _Step, values_st, dense_st, meta_st, *rest_st):
   dense_c = products.frame_dense(logical(dense_st, p.dense), p.side)[:, p.window[0]:p.window[1]]
   added = _added(p, fv, dense_c)
   rest = list(rest_st)
-  total = added if p.first else logical(rest.pop(0), p.partials) + added
+  total = added if p.first else logical(rest.pop(0), p.partials).astype(added.dtype) + added
   prior = logical(rest[0], p.out) if rest else None
   return (storage(_write(p, total, prior), p.out),)
 
@@ -174,12 +177,13 @@ def _step_cycles(ctx, grid: sr.SparseGrid, groups: Groups, held, z_cols, first, 
   """``[num_tiles]``: each tile's products of the group it holds (and zeroing, first)."""
   px, py, pz = grid.shape
   z = np.tile(z_cols, px * py)
-  cycles = popsparse.sparse_product_cycles(ctx.target, groups.blocks[:, held].reshape(-1),
+  cycles = popsparse.static_product_cycles(ctx.target, groups.blocks[:, held].reshape(-1),
                                            groups.rows[:, held].reshape(-1), z,
                                            grid.plan.block, itemsize)
   if first:
     partial = np.repeat(grid.x_rows, py * pz) * z
-    cycles = cycles + popsparse.zero_partials_cycles(ctx.target, partial, p_itemsize)
+    cycles = cycles + popsparse.static_zero_partials_cycles(ctx.target, partial,
+                                                            grid.plan.block, p_itemsize)
   out = np.zeros(ctx.target.num_tiles)
   out[grid.tiles.reshape(-1)] = cycles
   return out
@@ -200,13 +204,14 @@ def emit_rotation(ctx, grid: sr.SparseGrid, pattern, frame, values, dense, meta,
   (``py == 1``) ``result`` with the pass's columns written."""
   px, py, pz = grid.shape
   window = tuple(window)
-  acc = products.accumulator(out_dtype)
+  acc = products.static_accumulator(out_dtype)
   partials = _partials_tensor(ctx, grid, window[1] - window[0], acc, name)
   groups = groups_of(grid, frame.row_indices.astype(np.int64))
   itemsize = np.dtype(out_dtype).itemsize
   gbytes = _group_bytes(grid, groups, itemsize)
   z_cols = sr.z_columns(grid, window)
-  kind = vocab.SPARSE_DENSE_ELEMENTWISE if grid.plan.block == 1 else vocab.SPARSE_DENSE_BLOCK
+  kind = (vocab.STATIC_SPARSE_DENSE_ELEMENTWISE if grid.plan.block == 1
+          else vocab.STATIC_SPARSE_DENSE_BLOCK)
   suffix = f" pass {index + 1}/{grid.plan.serial}" if grid.plan.serial > 1 else ""
   on_grid = np.zeros(ctx.target.num_tiles, np.int64)
   on_grid[grid.tiles.reshape(-1)] = 1

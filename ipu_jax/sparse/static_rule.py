@@ -16,7 +16,8 @@ is framed transposed), on a grid of ``px * py * pz`` tiles:
    it zeroes its partials and runs PopSparse's element-wise or block AMP
    vertex over its blocks (costed per tile from the *real* pattern). With
    ``py == 1`` the products are the result; else they are partials
-   ``[py, R, F]`` in float32.
+   ``[py, R, F]`` in static_'s partials type (the data type's: half for
+   float16, :func:`ipu_jax.sparse.products.static_accumulator`).
 3. **Reduction** (``py > 1``). The ``py`` partials of each ``(x, z)`` region
    are reduce-scattered over the region's ``py`` tiles: each sums one piece
    (``poplin::ReduceAdd``, popops' Reduce cost) and writes it as the result.
@@ -261,8 +262,8 @@ def product_cycles(ctx, grid: SparseGrid, itemsize: int, p_itemsize: int,
   rows = np.repeat(grid.cell_rows, pz)
   z = np.tile(grid.z_cols if z_cols is None else z_cols, px * py)
   partial = np.repeat(grid.x_rows, py * pz) * z
-  cycles = (popsparse.sparse_product_cycles(ctx.target, blocks, rows, z, b, itemsize)
-            + popsparse.zero_partials_cycles(ctx.target, partial, p_itemsize))
+  cycles = (popsparse.static_product_cycles(ctx.target, blocks, rows, z, b, itemsize)
+            + popsparse.static_zero_partials_cycles(ctx.target, partial, b, p_itemsize))
   out = np.zeros(ctx.target.num_tiles)
   np.add.at(out, grid.tiles.reshape(-1), cycles)
   return out
@@ -355,7 +356,7 @@ def place_pass(side, out_shape, window, value, prior):
 def _finish(p: _Product, partials, prior):
   """The step's written value: the partials, or (one band) the result."""
   if p.grid.shape[1] > 1:
-    return partials
+    return partials.astype(p.out.dtype)   # summed in float32, stored in static_'s partials type
   return place_pass(p.side, p.out.shape, p.window, partials[0].astype(p.out.dtype), prior)
 
 
@@ -399,7 +400,7 @@ def emit_products(ctx, grid: SparseGrid, pattern, frame, values, dense, meta, ou
   px, py, pz = grid.shape
   rx, _, fz = grid.plan.band
   window = (0, grid.plan.z) if window is None else tuple(window)
-  acc = products.accumulator(out_dtype)
+  acc = products.static_accumulator(out_dtype)
   prior = ()
   if py > 1:
     width = window[1] - window[0]
@@ -416,7 +417,8 @@ def emit_products(ctx, grid: SparseGrid, pattern, frame, values, dense, meta, ou
   blocks_on_tile = _on_tiles(ctx, grid, np.repeat(grid.cell_blocks, pz))
   p = _Product(grid, pattern, frame, side, _cells(grid, frame.row_indices), values, dense, out,
                window)
-  kind = vocab.SPARSE_DENSE_ELEMENTWISE if grid.plan.block == 1 else vocab.SPARSE_DENSE_BLOCK
+  kind = (vocab.STATIC_SPARSE_DENSE_ELEMENTWISE if grid.plan.block == 1
+          else vocab.STATIC_SPARSE_DENSE_BLOCK)
   suffix = f" pass {window[0] // grid.plan.pass_z + 1}/{grid.plan.serial}" if grid.plan.serial > 1 else ""
   ctx.emit(P.Superstep(
       name=f"{name}/products x{px}.y{py}.z{pz}{suffix}", op=ctx.op,
@@ -439,6 +441,8 @@ class _Reduction:
 
 
 def _reduced(r: _Reduction, partials, prior):
+  # Half partials are summed in float32 and the sum rounded once to the result.
+  partials = partials.astype(products.accumulator(r.out.dtype))
   total = partials[0]
   for band in range(1, partials.shape[0]):   # band by band, as the tiles add them
     total = total + partials[band]
@@ -497,7 +501,7 @@ def _static_sparse_rule(ctx: RuleContext, values, dense, *, pattern, side,
          else available_memory_proportion)
   free = out_shape[1] if side == "lhs" else out_shape[0]
   plan = plan_static(ctx.target, frame.shape[0], frame.shape[1], free, frame.block[0],
-                     frame.nnz_blocks, out_dtype, products.accumulator(out_dtype), amp)
+                     frame.nnz_blocks, out_dtype, products.static_accumulator(out_dtype), amp)
   grid = sparse_grid(ctx, plan, frame.row_indices, frame.col_indices)
   name = "static sparse matmul"
   placed = relayout_to(ctx, values, values_mapping(grid, fv_order, frame.block[0] ** 2),
