@@ -148,6 +148,13 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    BERT-Large layer forward + backward: 1,673,122.0 -> 1,673,205.0 cycles: the two gk = 18
 #    grids (FFN-out forward, FFN-in dX) would pay +8,994 each and the planner moves them to
 #    k13 / k6 grids instead.
+#    Also in 22: static sparse products (popsparse::static_) are priced with static_'s own
+#    vertices (StaticSparseDenseMatMulBlock / StaticSparseDenseElementWise:
+#    StaticMatMulPartitioner.cpp matmulComputeCycles and zeroingCycles on its planner's work
+#    split, tileWorkSplit) and keep partials of the data type, half for float16
+#    (StaticMatMul.cpp: partialsType = inputType); kernels/popsparse.py. fp16 static rate at
+#    density 1/16 (model / measured): block 4 0.87 -> 1.50, block 8 0.62 -> 1.14. Only static
+#    sparse products move.
 COST_MODEL_VERSION = "22"
 
 
@@ -347,6 +354,14 @@ FIGURE_SOURCES.update({
         "non-zero block (after popsparse's meta-info layout; no published size formula)"),
     "kernels.popsparse.zero_partials_cycles": FigureSource(
         "poplibs", _POPSPARSE + "zeroPartialsCycles: 10 cycles then 64-bit stores per worker"),
+    "kernels.popsparse.static_product_cycles": FigureSource(
+        "poplibs", "lib/popsparse/StaticMatMulPartitioner.cpp matmulComputeCycles "
+        "(StaticSparseDenseMatMulBlock 4x4 / 8x8 / 16x16 and StaticSparseDenseElementWise, "
+        "data and partials of one type) on the planner's work split, tileWorkSplit"),
+    "kernels.popsparse.static_zero_partials_cycles": FigureSource(
+        "poplibs", "lib/popsparse/StaticMatMulPartitioner.cpp zeroingCycles (12 a worker, then "
+        "64-bit stores), charged only for float partials of 8x8 and 16x16 blocks, as its "
+        "planner does"),
     "kernels.estimators.partials_reduce_cycles": FigureSource(
         "poplibs", "lib/poplin/PerformanceEstimation.hpp getReduceCycleEstimate (poplin's "
         "ReduceAdd, single-input and supervisor variants; the single-input choice after "
