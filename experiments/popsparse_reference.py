@@ -17,6 +17,12 @@ can hold one against the other:
   estimate instead, as the program runs ``popops::reduceMany``,
   ``lib/popsparse/StaticMatMul.cpp:793``).
 
+* The layout of static_'s result ``out`` (``lib/popsparse/StaticMatMul.cpp``,
+  ``SM`` below, SM:543-546: ``[m / b, nPadded, b]`` mapped linearly over all
+  tiles in grains of ``nGrainSize * mGrainSize``), into which
+  ``popops::reduceMany`` (SM:793) copies or reduces the products, and which the
+  emulator's final-output step moves the result to (``output_chunk_elements``).
+
 static_ takes partials of the data type (``options.partialsType = inputType``,
 ``lib/popsparse/StaticMatMul.cpp:931, 948, 1196, 1239, 1415``); its vertices
 exist only as ``<half, half>`` and ``<float, float>``
@@ -126,3 +132,25 @@ def reduction_cycle_estimate(num_workers: int, outputs: int, out_half: bool,
   vector = 4 if not partials_half else 8
   outer += 6 + 1 * (factor - 1)
   return (cycles + _ceildiv(per_worker, vector) * outer) * num_workers
+
+
+def vector_width(type_size: int) -> int:
+  """``Target::getVectorWidth(type)``: elements of ``type_size`` bytes in the 64-bit data path."""
+  return DATA_PATH_WIDTH_BITS // 8 // type_size
+
+
+def output_chunk_elements(num_tiles: int, m: int, n: int, block: int, type_size: int) -> int:
+  """Elements of static_'s result ``out`` a tile holds (the last tile holding any, fewer).
+
+  SM:543-546: ``nPadded = alignNext(n, nGrainSize)``; ``out`` is ``[m / b, nPadded,
+  b]``, ``mapTensorLinearly(graph, out, 0, nGrainSize * mGrainSize)``, with
+  ``nGrainSize = getVectorWidth(type)`` (SMP:78-80) and ``mGrainSize`` 1 for
+  element-wise, else ``nGrainSize`` (SMP:398-401). poputil's linear mapping
+  (``lib/poputil/TileMapping.cpp:80-90`` -> ``splitRegions``,
+  ``lib/poputil/Util.cpp:143-147``) gives each tile ``ceil(grains / tiles)`` grains.
+  """
+  n_grain = vector_width(type_size)
+  grain = n_grain if block == 1 else n_grain * n_grain
+  n_padded = _ceildiv(n, n_grain) * n_grain
+  grains = _ceildiv(m * n_padded, grain)
+  return _ceildiv(grains, num_tiles) * grain

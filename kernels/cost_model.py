@@ -155,6 +155,12 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    (StaticMatMul.cpp: partialsType = inputType); kernels/popsparse.py. fp16 static rate at
 #    density 1/16 (model / measured): block 4 0.87 -> 1.50, block 8 0.62 -> 1.14. Only static
 #    sparse products move.
+#    Also in 22: a static sparse product's result moves to popsparse::static_'s layout (`out`
+#    linear over all tiles, StaticMatMul.cpp:543-546, written by popops::reduceMany at :793)
+#    in one copy step, planned as a sync and a tile's chunk of exchange (static_'s planner's
+#    moveFinalOutput, StaticMatMulPartitioner.cpp:714-720); kernels/popsparse.py
+#    static_output_chunk. fp16 block 16, 1/16, n = 1024: plan 69,798 -> 71,420 cycles;
+#    static rate (model / measured) 1.11-1.58 -> 1.08-1.56 at block 16.
 COST_MODEL_VERSION = "22"
 
 
@@ -358,6 +364,10 @@ FIGURE_SOURCES.update({
         "poplibs", "lib/popsparse/StaticMatMulPartitioner.cpp matmulComputeCycles "
         "(StaticSparseDenseMatMulBlock 4x4 / 8x8 / 16x16 and StaticSparseDenseElementWise, "
         "data and partials of one type) on the planner's work split, tileWorkSplit"),
+    "kernels.popsparse.static_output_chunk": FigureSource(
+        "poplibs", "lib/popsparse/StaticMatMul.cpp:543-546 (out mapped linearly in grains of "
+        "nGrainSize * mGrainSize: StaticMatMulPartitioner.cpp:78-80, 398-401) and "
+        "lib/poputil/Util.cpp:143-147 (ceil(grains / tiles) grains a tile)"),
     "kernels.popsparse.static_zero_partials_cycles": FigureSource(
         "poplibs", "lib/popsparse/StaticMatMulPartitioner.cpp zeroingCycles (12 a worker, then "
         "64-bit stores), charged only for float partials of 8x8 and 16x16 blocks, as its "

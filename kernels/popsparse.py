@@ -58,7 +58,7 @@ __all__ = ["BLOCK_SIZES", "block_product_cycles", "element_product_cycles",
            "sparse_product_cycles", "meta_info_words", "META_WORD_BYTES",
            "bucket_scan_cycles", "zero_partials_cycles", "static_block_product_cycles",
            "static_element_product_cycles", "static_product_cycles",
-           "static_zero_partials_cycles"]
+           "static_zero_partials_cycles", "static_output_grain", "static_output_chunk"]
 
 #: Square block sizes PopSparse has vertices for (1 is the element-wise vertex).
 BLOCK_SIZES = (1, 4, 8, 16)
@@ -300,3 +300,32 @@ def static_zero_partials_cycles(target: IPUTarget, elements, block: int,
   # bytes * 8 / dataPathWidth rounds down before the split over workers (line 187).
   per_worker = _ceil(elements * int(p_itemsize) // _DATA_PATH_BYTES, w)
   return np.where(elements > 0, (_STATIC_ZERO_ENTRY + per_worker) * w, 0).astype(np.float64)
+
+
+def static_output_grain(target: IPUTarget, itemsize: int, block: int) -> int:
+  """Elements per grain of ``popsparse::static_``'s result layout.
+
+  static_ maps its result ``out`` linearly over the tiles in grains of
+  ``nGrainSize * mGrainSize`` elements (``lib/popsparse/StaticMatMul.cpp:543-546``):
+  ``nGrainSize`` is the type's vector width (``getNGrainSize``,
+  ``StaticMatMulPartitioner.cpp:78-80``: 4 halves or 2 floats in 64 bits) and
+  ``mGrainSize`` is 1 for the element-wise vertex, else the same
+  (``getMGrainSize``, ``StaticMatMulPartitioner.cpp:398-401``).
+  """
+  vector = max(int(target.vector_width_bytes) // int(itemsize), 1)
+  return vector if int(block) == 1 else vector * vector
+
+
+def static_output_chunk(target: IPUTarget, rows: int, columns: int, itemsize: int,
+                        block: int) -> int:
+  """Elements of ``popsparse::static_``'s ``[rows, columns]`` result on each tile (the last less).
+
+  ``poputil::mapTensorLinearly`` gives each tile ``ceil(grains / tiles)`` grains
+  (``lib/poputil/Util.cpp:143-147``) of the result padded to whole column
+  grains (``nPadded``, ``StaticMatMul.cpp:543``).
+  """
+  grain = static_output_grain(target, itemsize, block)
+  vector = max(int(target.vector_width_bytes) // int(itemsize), 1)
+  padded = int(rows) * int(_ceil(columns, vector)) * vector
+  grains = int(_ceil(padded, grain))
+  return int(_ceil(grains, target.num_tiles)) * grain

@@ -14,6 +14,8 @@ of cell ``(x, y)``, receives ``D``'s rows of band ``y`` and columns of range
 each of the cell's ``py`` tiles sums one piece (``lib/popsparse``'s static
 and fully-connected planners have the same X/Y/Z partitions and a partials
 reduction across Y).
+A static product's result then moves to ``popsparse::static_``'s layout
+(linear over all tiles; :func:`static_output_cycles`), once per product.
 
 **Choice.** As poplibs' planner does (``FullyConnectedPlan.cpp``), the grid
 is chosen on a *uniform* pattern of the same density: every cell holds
@@ -76,7 +78,7 @@ from ipu_jax.lowering.matmul_cost import split_candidates
 from ipu_jax.lowering.matmul_plan import partials_dtype as _partials_rule
 
 __all__ = ["SparsePlan", "plan_static", "plan_dynamic", "bucket_capacity", "DEFAULT_OVERSIZE",
-           "reduce_piece_elements", "static_partials_dtype"]
+           "reduce_piece_elements", "static_partials_dtype", "static_output_cycles"]
 
 #: Extra bucket room over a uniform spread of ``max_non_zeros`` (popsparse's default).
 DEFAULT_OVERSIZE = 0.3
@@ -102,6 +104,8 @@ class SparsePlan:
     band: ``(block rows per X band, block columns per Y band, Z columns per range)``.
     compute_cycles, exchange_cycles, reduce_cycles, sync_cycles: the estimate
       on a uniform pattern (the lowering re-costs the real one).
+    output_cycles: moving the result to its final layout (static only: once per
+      product, after the last pass; :func:`static_output_cycles`).
     temp_bytes: temporaries per tile; memory_limit: what the proportion allows.
     fits: whether ``temp_bytes <= memory_limit``.
     candidates: grids evaluated.
@@ -135,6 +139,7 @@ class SparsePlan:
   phase_cycles: float = 0.0
   serial: int = 1
   rotate: bool = False
+  output_cycles: float = 0.0
 
   @property
   def pass_z(self) -> int:
@@ -148,7 +153,8 @@ class SparsePlan:
 
   @property
   def cycles(self) -> float:
-    return self.compute_cycles + self.exchange_cycles + self.reduce_cycles + self.sync_cycles
+    return (self.compute_cycles + self.exchange_cycles + self.reduce_cycles + self.sync_cycles
+            + self.output_cycles)
 
   @property
   def steps(self) -> int:
@@ -167,7 +173,8 @@ class SparsePlan:
     return (f"sparse [{self.x}x{self.y}] x dense [{self.y}x{self.z}] {self.dtype} block "
             f"{self.block} ({kind}): grid x{px}.y{py}.z{pz}{serial}; cycles {self.cycles:,.0f} = compute "
             f"{self.compute_cycles:,.0f} + exchange {self.exchange_cycles:,.0f} + reduce "
-            f"{self.reduce_cycles:,.0f} + sync {self.sync_cycles:,.0f}; temporaries "
+            f"{self.reduce_cycles:,.0f} + sync {self.sync_cycles:,.0f}"
+            f"{f' + final output {self.output_cycles:,.0f}' if self.output_cycles else ''}; temporaries "
             f"{self.temp_bytes:,d} B per tile of {self.memory_limit:,d} B"
             f"{'' if self.fits else ' (does not fit)'}.")
 
@@ -267,7 +274,24 @@ def _static_costs(target, s: _Shape, nnz: int, px, py, pz, rotate: bool = False)
     sync = float(target.sync_cycles_internal)
   return dict(compute=compute, exchange=exchange, reduce=reduce,
               sync=np.broadcast_to(np.asarray(sync, np.float64), px.shape), temp=temp,
-              rotate=np.full(px.shape, rotate))
+              rotate=np.full(px.shape, rotate),
+              output=np.full(px.shape, static_output_cycles(target, s.x, s.z, s.block, s.itemsize)))
+
+
+def static_output_cycles(target: IPUTarget, x: int, z: int, block: int, itemsize: int) -> float:
+  """The superstep moving a static product's ``[x, z]`` result to ``popsparse::static_``'s layout.
+
+  static_ writes its result into ``out``, mapped linearly over all the tiles
+  (``lib/popsparse/StaticMatMul.cpp:543-546``), through ``popops::reduceMany``
+  (``StaticMatMul.cpp:793``), which copies a single band's partials there
+  (``lib/popops/reduction/Reduction.cpp:707-713``) or reduces into it; the
+  emulator reduces onto the grid and then copies. On a uniform pattern each
+  tile receives its whole chunk of the result (an estimate: what already lies
+  on the tile is not subtracted): a sync and that chunk's exchange, the same
+  for every grid.
+  """
+  chunk = popsparse.static_output_chunk(target, x, z, itemsize, block)
+  return float(target.sync_cycles_internal + _exchange_cycles(target, chunk * itemsize))
 
 
 def _static_candidates(target, s: _Shape, nnz: int, px, py, pz, rotate=None) -> tuple:
@@ -331,7 +355,8 @@ def _dynamic_costs(target, s: _Shape, max_nnz: int, oversize: float, px, py, pz)
 
 
 def _choose(costs: dict, limit: int) -> int:
-  total = costs["compute"] + costs["exchange"] + costs["reduce"] + costs["sync"]
+  total = (costs["compute"] + costs["exchange"] + costs["reduce"] + costs["sync"]
+           + costs.get("output", 0.0))
   fits = costs["temp"] <= limit
   if fits.any():
     return int(np.argmin(np.where(fits, total, np.inf)))
@@ -364,7 +389,8 @@ def _serial_plan(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_
   return dataclasses.replace(
       passed, z=s.z, serial=count, compute_cycles=passed.compute_cycles * count,
       exchange_cycles=passed.exchange_cycles * count,
-      reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count)
+      reduce_cycles=passed.reduce_cycles * count, sync_cycles=passed.sync_cycles * count,
+      output_cycles=static_output_cycles(target, s.x, s.z, s.block, s.itemsize))  # once, whole result
 
 
 def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_tiles, dynamic,
@@ -385,7 +411,8 @@ def _plan_pass(target, s: _Shape, dtype, partials_dtype, nnz, proportion, max_ti
       (rx, cy, fz), float(pick["compute"]), float(pick["exchange"]), float(pick["reduce"]),
       float(pick["sync"]), int(pick["temp"]), limit, bool(pick["temp"] <= limit), int(px.size),
       dynamic=dynamic, bucket_blocks=int(pick.get("cap", 0)), phases=int(pick.get("phases", 0)),
-      phase_cycles=float(pick.get("phase", 0.0)), rotate=bool(pick.get("rotate", False)))
+      phase_cycles=float(pick.get("phase", 0.0)), rotate=bool(pick.get("rotate", False)),
+      output_cycles=float(pick.get("output", 0.0)))
 
 
 def static_partials_dtype(dtype) -> np.dtype:

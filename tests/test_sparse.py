@@ -530,6 +530,44 @@ class StaticPlanTest(parameterized.TestCase):
                                       available_memory_proportion=0.001)
     self.assertFalse(nothing.fits)     # marked, the least-memory grid kept
 
+class StaticFinalOutputTest(chex.TestCase, parameterized.TestCase):
+  """static_ leaves its result in ``out``'s linear layout (StaticMatMul.cpp:543-546,
+  popops::reduceMany at :793 copies or reduces the products into it): one copy step."""
+
+  @parameterized.named_parameters(
+      ("element_wise_one_y_band", 1, "lhs", (64, 64, 32), "float32"),
+      ("element_wise_reduced_over_y_bands", 1, "lhs", (128, 256, 40), "float32"),
+      ("block_16_rotating", 16, "lhs", (256, 256, 64), "float32"),
+      ("block_4_dense_times_sparse", 4, "rhs", (128, 64, 24), "float16"),
+      ("block_8_half", 8, "lhs", (128, 128, 40), "float16"))
+  def test_result_moves_to_static_layout_in_a_final_copy(self, block, side, shape, dtype):
+    m, k, n = shape
+    a = _sparse((m, k), block, dtype=dtype)
+    dense = _dense((k, n) if side == "lhs" else (n, m), dtype=dtype)
+    fn = (lambda s, d: static_matmul(s, d)) if side == "lhs" else (lambda s, d: static_matmul(d, s))
+    rows = m if side == "lhs" else k           # the product's frame: out[rows, n]
+    lowered = ipu_jax.jit(fn, target=T16).lower(a, dense)
+    final = [s for s in _steps(lowered) if s.name.endswith("/final output")]
+    self.assertLen(final, 1)
+    src, out = final[0].reads[0].mapping, final[0].writes[0].mapping
+    item, tiles = np.dtype(dtype).itemsize, T16.num_tiles
+    chunk = popsparse_reference.output_chunk_elements(tiles, rows, n, block, item)
+    holds = np.clip(rows * n - chunk * np.arange(tiles), 0, chunk)
+    np.testing.assert_array_equal(out.elements_per_tile(tiles), holds)
+    # Each tile receives its chunk less what the products or reduction left on it.
+    kept = np.bincount(out.element_tile[src.element_tile == out.element_tile], minlength=tiles)
+    np.testing.assert_array_equal(final[0].exchange.bytes_in, (holds - kept) * item)
+    # The plan charges the move too: a sync and a tile's whole chunk at the exchange rate.
+    plan = sparse_plan.plan_static(T16, rows, m if side == "rhs" else k, n, block,
+                                   a.nnz_blocks, dtype)
+    self.assertEqual(plan.output_cycles, T16.sync_cycles_internal + T16.exchange_latency_cycles
+                     + chunk * item / T16.exchange_bytes_per_cycle)
+    tol = dict(rtol=2e-3, atol=2e-2) if dtype == "float16" else dict(rtol=1e-5, atol=1e-4)
+    expected = np.asarray(_STATIC_REFERENCE[side](a, dense))
+    for mode in MODES:
+      chex.assert_trees_all_close(_run(fn, mode, a, dense), expected, **tol)
+
+
 class DynamicMatmulTest(parameterized.TestCase):
 
   @parameterized.product(

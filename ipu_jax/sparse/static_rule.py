@@ -25,6 +25,13 @@ is framed transposed), on a grid of ``px * py * pz`` tiles:
    grid fits the memory proportion), steps 2 and 3 repeat per pass on that
    pass's dense columns, each writing its columns of the one result (laid
    out pass by pass: every tile holds one piece per pass).
+5. **Final output.** static_ leaves its result in ``out``, laid out linearly
+   over all the tiles in grains of ``nGrainSize * mGrainSize`` elements
+   (poplibs ``lib/popsparse/StaticMatMul.cpp:543-546``), by
+   ``popops::reduceMany`` (``StaticMatMul.cpp:793``): a row block's partials
+   from one tile are copied there (``lib/popops/reduction/Reduction.cpp:707-713``),
+   from several reduced into it. One copy superstep moves the result from the
+   grid to that layout (:func:`final_output_mapping`), priced by its exchange.
 
 **Rotating plan** (``plan.rotate``; :mod:`ipu_jax.lowering.sparse_plan`'s
 docstring): step 1 places group ``j`` of each cell's blocks (the cell's
@@ -70,7 +77,7 @@ from ipu_jax.sparse.formats import SparsityPattern
 from ipu_jax.sparse.static import static_sparse_matmul_p
 
 __all__ = ["SparseGrid", "sparse_grid", "pass_windows", "emit_products", "emit_reduction",
-           "new_result", "result_mapping", "place_pass", "block_groups"]
+           "new_result", "result_mapping", "place_pass", "block_groups", "final_output_mapping"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +394,20 @@ def result_mapping(grid: SparseGrid, side: str, pieces: int) -> TileMapping:
                             serial=(0, count) if count > 1 else (None, 1))
 
 
+def final_output_mapping(target, shape, dtype, block: int, side: str) -> TileMapping:
+  """static_'s result layout: equal chunks on the tiles from tile 0 (the last less).
+
+  The chunk is :func:`ipu_jax.kernels.popsparse.static_output_chunk` of the frame's
+  ``[rows, columns]`` result. The chunks follow the result's row-major order;
+  static_'s follow its ``out`` tensor's ``[rows / b, columns, b]`` order
+  (``StaticMatMul.cpp:543-546``): the same elements per tile, not the same ones.
+  """
+  rows, columns = shape if side == "lhs" else shape[::-1]
+  itemsize = np.dtype(dtype).itemsize
+  chunk = popsparse.static_output_chunk(target, rows, columns, itemsize, block)
+  return TileMapping.blocks(int(np.prod(shape)), chunk, target.num_tiles, 0)
+
+
 def new_result(ctx, grid: SparseGrid, side: str, out_dtype, name) -> P.Tensor:
   """The result tensor, laid out for the plan's last step (products, or the reduction)."""
   shape = (grid.plan.x, grid.plan.z) if side == "lhs" else (grid.plan.z, grid.plan.x)
@@ -518,4 +539,5 @@ def _static_sparse_rule(ctx: RuleContext, values, dense, *, pattern, side,
                           result, window)
     if grid.shape[1] > 1:
       emit_reduction(ctx, grid, out, out_dtype, side, name, result, window)
-  return [result]
+  final = final_output_mapping(ctx.target, out_shape, out_dtype, frame.block[0], side)
+  return [relayout_to(ctx, result, final, name=f"{name}/final output")]
