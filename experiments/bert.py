@@ -83,6 +83,12 @@ class BertConfig:
     max_positions: rows of the position table (the longest sequence).
     type_vocab: rows of the token-type table.
     dropout: dropout rate of embeddings, attention output and FFN output.
+    attention_dropout: dropout rate of the attention probabilities (the
+      softmax's output, before they weight the values), as BERT's reference
+      applies it (``attention_probs_dropout_prob``) and Graphcore's MLPerf
+      v2.0 runs did (``no_attn_dropout: false``, PopART ``bert_model.py``);
+      0 turns it off, as Graphcore's TensorFlow 2 and PyTorch examples and
+      the v1.0 / v1.1 MLPerf runs set it.
     layer_norm_eps: BERT's 1e-12.
     decoder_serialization: the MLM decoder projection's serialisation factor
       over its output channels (the vocabulary); 1 = one matmul.
@@ -104,6 +110,7 @@ class BertConfig:
   max_positions: int = 512
   type_vocab: int = 2
   dropout: float = 0.1
+  attention_dropout: float = 0.0
   layer_norm_eps: float = 1e-12
   decoder_serialization: int = 1
   embedding_serialization: int = 1
@@ -120,8 +127,9 @@ class BertConfig:
     if self.hidden % self.heads:
       raise ValueError(f"BertConfig.hidden={self.hidden} must be a multiple of "
                        f"BertConfig.heads={self.heads}.")
-    if not 0.0 <= self.dropout < 1.0:
-      raise ValueError(f"BertConfig.dropout must be in [0, 1); got {self.dropout!r}.")
+    for name in ("dropout", "attention_dropout"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"BertConfig.{name} must be in [0, 1); got {getattr(self, name)!r}.")
     layers = self.attention_checkpoints
     if (not isinstance(layers, tuple)
         or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.layers
@@ -190,8 +198,11 @@ class EncoderLayer(nnx.Module):
     self.ffn_out = _dense(cfg.ffn, cfg.hidden, cfg, rngs)
     self.ffn_norm = _norm(cfg, rngs)
     self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+    # Only when on, so a model without it keeps the module tree it had.
+    self.attention_dropout = (nnx.Dropout(cfg.attention_dropout, rngs=rngs)
+                              if cfg.attention_dropout else None)
 
-  def _attention(self, h, mask_bias):
+  def _attention(self, h, mask_bias, deterministic: bool):
     b, s, w = h.shape
     q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
     heads = lambda t: t.reshape(b, s, self.heads, w // self.heads).transpose(0, 2, 1, 3)
@@ -204,6 +215,8 @@ class EncoderLayer(nnx.Module):
       scores = scores + mask_bias
     with jax.named_scope(SOFTMAX):
       probs = ipu_jax.ops.softmax(scores, axis=-1)  # popnn's, as PopART runs it
+    if self.attention_dropout is not None:
+      probs = self.attention_dropout(probs, deterministic=deterministic)
     with jax.named_scope(CONTEXT):
       return (probs @ heads(v)).transpose(0, 2, 1, 3).reshape(b, s, w)
 
@@ -212,7 +225,7 @@ class EncoderLayer(nnx.Module):
     # put a layer's attention and its feed-forward block on different
     # pipeline stages (Graphcore's att_ffn_placement, :func:`placement_layout`).
     with jax.named_scope(ATTENTION_BLOCK):
-      a = self.dropout(self.attention_out(self._attention(h, mask_bias)),
+      a = self.dropout(self.attention_out(self._attention(h, mask_bias, deterministic)),
                        deterministic=deterministic)
       h = self.attention_norm(h + a)
       if self.checkpoint_attention:

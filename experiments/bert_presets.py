@@ -64,8 +64,10 @@ and v2.0 the accumulators (``lamb_accl_dtype``); v2.0 POD16's FLOAT8
 activation checkpoints (``activation_checkpoint_dtype``, the stashed
 values between stages: float16 here), v2.0's ``merge_collectives`` (one
 merged all-reduce; here one collective per weight, inside the update),
-v1.1 POD16's ``split_qkv`` (three matmuls; here one ``[H, 3H]``), the runs'
-dropout (off here, as in the v1.0 presets) and stochastic rounding.
+v1.1 POD16's ``split_qkv`` (three matmuls; here one ``[H, 3H]``) and stochastic
+rounding. The runs' dropout is on, as they ran it: 0.1 of the hidden values
+everywhere, of the attention probabilities too in v2.0, from the tiles'
+generators (``random_mode`` "hardware").
 
 ``--model base`` takes ``pretrain_base_128``'s layout (the embeddings alone
 on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion 0.25) and, in phase 1,
@@ -79,10 +81,16 @@ __all__ = ["PRESETS", "BASE_OVERRIDES", "preset_values"]
 # Half partials: both public BERT examples set them (TensorFlow 2:
 # utilities/options.py matmul_partials_type "half"; PyTorch:
 # enable_half_partials True); float32 partials run the AMP at half the rate.
+# Every measured run dropped out 0.1 of the embeddings', attention outputs'
+# and FFN outputs' values (PopART's bert_model.py dropout_prob 0.1 with
+# no_dropout false in every MLPerf config; hidden_dropout_prob 0.1 in the
+# TensorFlow 2 configs and HF's default under the PyTorch example), drawn from
+# the tiles' generators as poprand draws them (random_mode "hardware").
 _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 1472,
           "dtype": "float16", "decoder_serialization": 2, "schedule": "Grouped",
           "recomputation": True, "offload_optimizer_state": True,
-          "replicated_tensor_sharding": True, "partials_type": "float16"}
+          "replicated_tensor_sharding": True, "partials_type": "float16",
+          "dropout": 0.1, "random_mode": "hardware"}
 
 # What Graphcore's MLPerf v1.0 BERT runs share: packed sequences of 512 (2 a
 # pack on average), micro-batch 2 packs, 76 masked positions, the vocabulary
@@ -124,7 +132,11 @@ PRESETS = {
 _MLPERF_V1_1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
                     vocab_size=30912, decoder_serialization=4, partials_type="float16",
                     last_stage_recomputation="checkpoints", checkpoint_blocks=True)
-_MLPERF_V2 = dict(_MLPERF_V1_1, micro_batch=3, offload_optimizer_state=False)
+# v2.0 also dropped out the attention probabilities (no_attn_dropout: false in
+# its four configs; attn_dropout_prob 0.1, bert_model.py); v1.0 / v1.1 set
+# no_attn_dropout: true, the examples attention_probs_dropout_prob 0.0.
+_MLPERF_V2 = dict(_MLPERF_V1_1, micro_batch=3, offload_optimizer_state=False,
+                  attention_dropout=0.1)
 # v1.1 POD64 / POD128 and v2.0 POD64 / POD128 / POD256: 8 IPUs a replica.
 _V1_1_POD64_PLACEMENT = [[1, [2, 2]], [2, [3, 3]], [3, [4, 3]], [4, [3, 4]], [5, [4, 3]],
                          [6, [3, 4]], [7, [4, 3]], [0, [1, 2]]]

@@ -37,6 +37,10 @@ use half partials (``--partials_type float16``); every ``mlperf_*`` preset
 recomputes the last stage as PopART did (``--last_stage_recomputation
 checkpoints``) and v1.1's and v2.0's mark its attention outputs and the MLM
 projection as checkpoints as their code did (``--checkpoint_blocks``).
+Every preset drops out as the measured runs did: ``--dropout 0.1``, with
+``--attention_dropout 0.1`` in the v2.0 presets, the masks from the tiles'
+generators (``--random_mode hardware``; ``--check`` needs ``--random_mode
+jax``, plain JAX's masks).
 ``--estimate_only`` lowers each stage's programs once (on one IPU; the
 replicas are not lowered again, the weights and optimizer state stay
 abstract) and prints the estimate without running anything; ``--json_out``
@@ -135,7 +139,12 @@ def define_flags(fv=None):
                        flag_values=fv)
   flags.DEFINE_boolean("replicated_tensor_sharding", True,
                        "Shard the LAMB state over the replicas.", flag_values=fv)
-  flags.DEFINE_float("dropout", 0.0, "Dropout rate.", flag_values=fv)
+  flags.DEFINE_float("dropout", 0.0, "Dropout rate of the embeddings', attention output's and "
+                     "FFN output's dropouts.", flag_values=fv)
+  flags.DEFINE_float("attention_dropout", 0.0,
+                     "Dropout rate of the attention probabilities (BERT's "
+                     "attention_probs_dropout_prob; Graphcore's MLPerf v2.0 runs: 0.1).",
+                     flag_values=fv)
   flags.DEFINE_enum("random_mode", "jax", ["jax", "hardware"],
                     "cfg.random.mode: 'jax' draws jax.jit's bits (priced as threefry's integer "
                     "work), 'hardware' the tiles' generators (priced as poprand's vertices: "
@@ -193,11 +202,12 @@ def define_flags(fv=None):
 
 
 def model_config(name: str, dropout: float, decoder_serialization: int,
-                 dtype: str = "float32", vocab_size: int | None = None):
+                 dtype: str = "float32", vocab_size: int | None = None,
+                 attention_dropout: float = 0.0):
   import jax.numpy as jnp
   from experiments import bert
-  kw = dict(dropout=dropout, decoder_serialization=decoder_serialization,
-            dtype=jnp.dtype(dtype).type)
+  kw = dict(dropout=dropout, attention_dropout=attention_dropout,
+            decoder_serialization=decoder_serialization, dtype=jnp.dtype(dtype).type)
   if name == "tiny":
     return bert.BertConfig(vocab_size=vocab_size or 1000, hidden=128, layers=4, heads=4,
                            ffn=512, max_positions=512, **kw)
@@ -205,6 +215,11 @@ def model_config(name: str, dropout: float, decoder_serialization: int,
     kw["vocab_size"] = vocab_size
   make = bert.bert_large if name == "large" else bert.bert_base
   return make(**kw)
+
+
+def uses_dropout(f) -> bool:
+  """Whether the model draws dropout masks (so the loss takes a key)."""
+  return f.dropout > 0 or f.attention_dropout > 0
 
 
 def with_checkpoints(f, mcfg):
@@ -286,7 +301,7 @@ def check_flags(f, num_layers: int) -> None:
   if not f.packing_factor >= 1.0:
     raise ValueError(f"--packing_factor must be >= 1 (sequences packed in each sample); "
                      f"got {f.packing_factor!r}.")
-  if f.check and f.dropout > 0 and f.random_mode == "hardware":
+  if f.check and uses_dropout(f) and f.random_mode == "hardware":
     raise ValueError("--check compares with plain JAX, whose dropout masks are jax.jit's bits; "
                      "--random_mode=hardware draws other masks. Use --random_mode=jax with "
                      "--check, or --dropout=0.")
@@ -419,7 +434,7 @@ def estimate(pipe, params, one_batch, f) -> dict:
   batches = jax.tree_util.tree_map(
       lambda b: np.broadcast_to(b, (per_step,) + b.shape[1:]), one_batch)
   start = time.time()
-  pipe.lower(params, batches, **({"rng": jax.random.key(f.seed)} if f.dropout > 0 else {}))
+  pipe.lower(params, batches, **({"rng": jax.random.key(f.seed)} if uses_dropout(f) else {}))
   return lowered_estimate(pipe, f, time.time() - start)
 
 
@@ -491,7 +506,7 @@ def build_pipeline(f, mcfg) -> tuple:
     model = bert.Bert(mcfg, rngs=nnx.Rngs(f.seed))
   # With dropout the loss takes a key: each micro-batch gets its own
   # (ipu_jax.pipelining.micro_batch_key), the key plain accumulation uses.
-  dropout = f.dropout > 0
+  dropout = uses_dropout(f)
   loss_fn, params = bert.make_loss(model, dropout=dropout)
   pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
                                      stage_assignment=assignment, rng=dropout)
@@ -507,7 +522,8 @@ def run(f) -> dict:
   from experiments import bert
 
   apply_preset(f)
-  mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size)
+  mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size,
+                      f.attention_dropout)
   try:
     check_flags(f, mcfg.layers)
   except ValueError as e:
@@ -517,8 +533,8 @@ def run(f) -> dict:
   if f.auto_split:
     searched, lowered = choose_split(f, mcfg)
     mcfg = with_checkpoints(f, model_config(f.model, f.dropout, f.decoder_serialization,
-                                            f.dtype, f.vocab_size))
-  if f.estimate_only and lowered is not None and f.dropout == 0:
+                                            f.dtype, f.vocab_size, f.attention_dropout))
+  if f.estimate_only and lowered is not None and not uses_dropout(f):
     # The search lowered this very split to confirm it, from the same model,
     # config, optimizer and micro-batch shapes: its pipeline is read rather
     # than lowered again (a minute or more at BERT-Large size).
@@ -646,7 +662,7 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, mapping) -> dict:
   data = [bert.synthetic_batches(mcfg, per_step, f.micro_batch, f.seq, f.max_predictions,
                                  seed=f.seed + step) for step in range(f.steps)]
   import jax
-  keys = [jax.random.key(f.seed + step) for step in range(f.steps)] if f.dropout > 0 else None
+  keys = [jax.random.key(f.seed + step) for step in range(f.steps)] if uses_dropout(f) else None
   rng = (lambda step: {"rng": keys[step]}) if keys else (lambda step: {})
   start = time.time()
   state = pipe.init(params, data[0], **rng(0))

@@ -84,7 +84,7 @@ class Part:
 # In order: the first part that claims a step gets it.
 PARTS = (
     Part("loss"),  # steps scoped "loss" or "loss/grad" alone: the loss's sum and seed
-    Part("dropout", scopes=("dropout",)),
+    Part("dropout", scopes=("dropout", "attention_dropout")),
     Part("qkv_matmul", scopes=("qkv",)),
     Part("attention_output_matmul", scopes=("attention_out",)),
     Part("ffn_in_matmul", scopes=("ffn_in",)),

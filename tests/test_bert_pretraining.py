@@ -192,6 +192,18 @@ class BadInputTest(parameterized.TestCase):
     # The serialised decoder splits the vocabulary into equal pieces.
     self.assertEqual(mcfg.vocab_size % mcfg.decoder_serialization, 0)
 
+  @parameterized.parameters(*sorted(bert_presets.PRESETS))
+  def test_presets_drop_out_as_the_measured_runs_did(self, name):
+    # Every run: 0.1 of the hidden values (PopART's dropout_prob, the
+    # examples' hidden_dropout_prob) from the tiles' generators; the
+    # attention probabilities too only in MLPerf v2.0 (no_attn_dropout: false).
+    f = self._flags(f"--config={name}")
+    self.assertEqual((f.dropout, f.random_mode), (0.1, "hardware"))
+    self.assertEqual(f.attention_dropout, 0.1 if name.startswith("mlperf_v2") else 0.0)
+    mcfg = bert_pretraining.model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
+                                         f.vocab_size, f.attention_dropout)
+    self.assertEqual((mcfg.dropout, mcfg.attention_dropout), (f.dropout, f.attention_dropout))
+
   def test_mlperf_presets_mirror_the_measured_runs(self):
     # docs/published_bert.md: MLPerf Training v1.0 closed, configs/mk2/pod64-closed.json.
     f = self._flags("--config=mlperf_v1_pod64")

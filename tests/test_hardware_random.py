@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from flax import nnx
 from absl.testing import absltest, parameterized
 
 import ipu_jax
 from ipu_jax import IPUConfig
+from ipu_jax.kernels import vocabulary as vocab
 
 _WORKERS = 6
 
@@ -342,6 +344,40 @@ class BertDropoutEstimateTest(chex.TestCase):
     with contextlib.redirect_stdout(io.StringIO()):
       results = bert_pretraining.run(f)
     self.assertGreater(results["samples_per_second"], 0)
+
+
+class BertAttentionDropoutTest(chex.TestCase):
+  """Dropout of BERT's attention probabilities, as Graphcore's MLPerf v2.0 runs had it."""
+
+  @staticmethod
+  def _loss(attention_dropout):
+    from experiments import bert
+    cfg = bert.BertConfig(vocab_size=64, hidden=32, layers=1, heads=2, ffn=64, max_positions=16,
+                          dropout=0.0, attention_dropout=attention_dropout)
+    loss_fn, params = bert.make_loss(bert.Bert(cfg, rngs=nnx.Rngs(0)), dropout=True)
+    batch = jax.tree_util.tree_map(lambda b: b[0], bert.synthetic_batches(cfg, 1, 2, 16, 4))
+    return loss_fn, params, batch
+
+  def test_jax_mode_is_jax_jit_and_the_probabilities_are_dropped(self):
+    key = jax.random.key(3)
+    loss_fn, params, batch = self._loss(0.5)
+    got = np.asarray(ipu_jax.jit(loss_fn, config=_config("jax"))(params, batch, key))
+    chex.assert_trees_all_equal(got, np.asarray(jax.jit(loss_fn)(params, batch, key)))
+    plain_fn, plain_params, _ = self._loss(0.0)
+    self.assertNotEqual(float(got), float(jax.jit(plain_fn)(plain_params, batch, key)))
+
+  def test_hardware_mode_draws_a_mask_of_the_probabilities(self):
+    key = jax.random.key(3)
+    loss_fn, params, batch = self._loss(0.1)
+    lowered = ipu_jax.jit(loss_fn, config=_config("hardware")).lower(params, batch, key)
+    dropouts = [s for s in lowered.profile.steps
+                if any(c.startswith(vocab.POPRAND_DROPOUT) for c in s.codelets)]
+    # The model's one dropout: poprand's Dropout vertex on the probabilities
+    # (fused with the softmax's last scaling, a member of its compute set).
+    self.assertLen(dropouts, 1)
+    self.assertIn("Bert/encoder/layers_0/attention_block/attention_dropout",
+                  {m.scope for m in dropouts[0].fused_ops})
+    self.assertTrue(np.isfinite(np.asarray(lowered(params, batch, key))))
 
 
 if __name__ == "__main__":
