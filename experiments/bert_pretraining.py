@@ -181,8 +181,8 @@ def define_flags(fv=None):
   flags.DEFINE_boolean("auto_split", False,
                        "Search the split (layers and matmul proportion per IPU, recomputation, "
                        "decoder serialisation) that fits and runs fastest, then estimate or "
-                       "train with it; the split flags given are the search's baseline. The "
-                       "search models the layers without dropout.",
+                       "train with it; the split flags given are the search's baseline (the "
+                       "search lowers the model as the run does, dropout included).",
                        flag_values=fv)
   flags.DEFINE_list("split_proportions", ["0.15", "0.25", "0.35", "0.45"],
                     "--auto_split: matmul proportions tried on each IPU.", flag_values=fv)
@@ -534,7 +534,7 @@ def run(f) -> dict:
     searched, lowered = choose_split(f, mcfg)
     mcfg = with_checkpoints(f, model_config(f.model, f.dropout, f.decoder_serialization,
                                             f.dtype, f.vocab_size, f.attention_dropout))
-  if f.estimate_only and lowered is not None and not uses_dropout(f):
+  if f.estimate_only and lowered is not None:
     # The search lowered this very split to confirm it, from the same model,
     # config, optimizer and micro-batch shapes: its pipeline is read rather
     # than lowered again (a minute or more at BERT-Large size).

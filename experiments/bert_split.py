@@ -53,15 +53,19 @@ def layered_model(mcfg, micro_batch: int, seq: int, max_predictions: int, seed: 
   batch = bert.synthetic_batches(mcfg, 1, micro_batch, seq, max_predictions, seed=seed)
   batch = jax.tree_util.tree_map(lambda b: b[0], batch)
 
+  # With dropout the search lowers the masks too: its figures are the run's.
+  dropout = mcfg.dropout > 0 or mcfg.attention_dropout > 0
+
   def build(num_layers: int, serialization: int):
     cfg = dataclasses.replace(mcfg, layers=num_layers, decoder_serialization=serialization)
     make = lambda: bert.Bert(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
-    return bert.make_loss(nnx.eval_shape(make) if abstract else make())
+    return bert.make_loss(nnx.eval_shape(make) if abstract else make(), dropout=dropout)
 
   return ipu_jax.pipelining.LayeredModel(
       build=build, num_layers=mcfg.layers, micro_batch=batch,
       layer_path=lambda i: f"layers_{i}", first=("embeddings",),
-      last=("pooler", "mlm_head", "nsp_head"), samples_per_micro_batch=micro_batch)
+      last=("pooler", "mlm_head", "nsp_head"), samples_per_micro_batch=micro_batch,
+      rng=dropout)
 
 
 def auto_split(mcfg, config, optimizer, micro_batch: int, seq: int, max_predictions: int,

@@ -326,6 +326,11 @@ _TILES = ["--tiles_per_ipu=14", "--split_proportions=0.3,0.6", "--split_recomput
           "--split_serialization=2"]
 
 
+# The search lowers the model as the run does, its dropout masks included
+# (the presets drop out as the measured runs did).
+_DROPOUT = ("--dropout=0.1", "--attention_dropout=0.1", "--random_mode=hardware")
+
+
 class AutoSplitTest(chex.TestCase):
 
   @classmethod
@@ -336,7 +341,7 @@ class AutoSplitTest(chex.TestCase):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
       bert_pretraining.run(_runner_flags(
-          "--auto_split", "--estimate_only", f"--json_out={path}", *_TILES,
+          "--auto_split", "--estimate_only", f"--json_out={path}", *_TILES, *_DROPOUT,
           "--layers_per_ipu=0,2,1,1", "--matmul_proportion=0.3,0.3,0.3,0.3",
           "--decoder_serialization=2", f"--split_plot={os.path.join(cls.tmp, 'split.png')}"))
     cls.printed = printed.getvalue()
@@ -346,7 +351,7 @@ class AutoSplitTest(chex.TestCase):
     # The same estimate, the chosen split given by hand.
     path = os.path.join(cls.tmp, "given.json")
     bert_pretraining.run(_runner_flags(
-        "--estimate_only", f"--json_out={path}", *_TILES,
+        "--estimate_only", f"--json_out={path}", *_TILES, *_DROPOUT,
         "--layers_per_ipu=" + ",".join(map(str, split["layers_per_ipu"])),
         "--matmul_proportion=" + ",".join(map(str, split["available_memory_proportion"])),
         f"--recomputation={split['recomputation']}",
@@ -373,7 +378,8 @@ class AutoSplitTest(chex.TestCase):
     self.assertGreater(auto["split_estimate"]["samples_per_second"],
                        auto["split_baseline"]["samples_per_second"])
     # The runner estimated the chosen split from the search's own lowering of
-    # it: the same figures as that split given by hand and lowered afresh.
+    # it (dropout's masks and all): the same figures as that split given by
+    # hand and lowered afresh.
     self.assertEqual(auto["lowered_by"], "split search")
     # A forward-only run of the same micro-batches (evaluation) is cheaper.
     forward = auto["forward_only"]

@@ -33,8 +33,9 @@ class LayeredModel:
 
   Attributes:
     build: ``build(num_layers, serialization_factor) -> (loss_fn, params)``;
-      ``loss_fn(params, micro_batch)`` runs its layers inside named scopes
-      (module paths) so a ``stage_assignment`` can place them.
+      ``loss_fn(params, micro_batch)`` (``loss_fn(params, micro_batch, rng)``
+      with ``rng``) runs its layers inside named scopes (module paths) so a
+      ``stage_assignment`` can place them.
     num_layers: the repeated layers of the full model.
     micro_batch: one micro-batch (a pytree of arrays, leading axis the samples).
     layer_path: ``layer_path(i)`` is the module path of layer ``i``
@@ -42,6 +43,9 @@ class LayeredModel:
     first: module paths of the block before the layers (stage 0, IPU 0).
     last: module paths of the block after them (the last stage, on IPU 0).
     samples_per_micro_batch: samples in ``micro_batch`` (default: its leading size).
+    rng: the loss takes a key (dropout): every lowering of the search is a
+      ``Pipeline(..., rng=True)``, so the masks' work and memory are in its
+      figures, as in the run's own pipeline.
   """
 
   build: Callable
@@ -51,6 +55,7 @@ class LayeredModel:
   first: Tuple[str, ...]
   last: Tuple[str, ...]
   samples_per_micro_batch: Optional[int] = None
+  rng: bool = False
 
   def __post_init__(self):
     if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) \

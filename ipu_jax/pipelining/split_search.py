@@ -62,6 +62,13 @@ def _stacked(micro_batch, count: int):
       lambda x: np.broadcast_to(np.asarray(x), (count,) + np.shape(x)), micro_batch)
 
 
+def _key(model: LayeredModel) -> dict:
+  """``Pipeline.lower``'s key argument for a model whose loss takes one (its value is
+  not read: lowering needs its shape only)."""
+  import jax
+  return {"rng": jax.random.key(0)} if model.rng else {}
+
+
 def _pipeline_config(config, num_ipus: int, proportions, recomputation: bool):
   cfg = config.copy()
   cfg.auto_select_ipus = num_ipus
@@ -84,9 +91,10 @@ def _lower_probe(model: LayeredModel, config, optimizer, proportion: float,
   cfg.pipelining.schedule = "Sequential"  # any G; the figures do not depend on it
   assignment, mapping = model.layout(layers_per_ipu)
   pipe = Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
-                  stage_assignment=assignment)
+                  stage_assignment=assignment, rng=model.rng)
   pipe.shared_lowerings = shared
-  return pipe.lower(params, _stacked(model.micro_batch, cfg.replication_factor))
+  return pipe.lower(params, _stacked(model.micro_batch, cfg.replication_factor),
+                    **_key(model))
 
 
 def probe(model: LayeredModel, config, optimizer, proportion: float, recomputation: bool,
@@ -281,10 +289,10 @@ def lower_candidate(model: LayeredModel, config, optimizer, cand: Candidate, sha
                          cand.recomputation)
   assignment, mapping = model.layout(cand.layers_per_ipu)
   pipe = Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
-                  stage_assignment=assignment)
+                  stage_assignment=assignment, rng=model.rng)
   pipe.shared_lowerings = shared
   count = cfg.training.gradient_accumulation_steps * cfg.replication_factor
-  return pipe.lower(params, _stacked(model.micro_batch, count))
+  return pipe.lower(params, _stacked(model.micro_batch, count), **_key(model))
 
 
 def confirm(model: LayeredModel, config, optimizer, estimate: Estimate) -> Estimate:
