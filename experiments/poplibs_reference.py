@@ -283,27 +283,6 @@ def poplin_conv_reduce_stages(output_size: int, depth: int, float_out: bool,
   return stages
 
 
-def poplin_reduce_later_exchange_elements(partial_sums: int, depth: int) -> list:
-  """CM:1100-1131: partials elements a tile receives in each stage after the first.
-
-  The first stage's exchange is the whole ``partial_sums`` (CM:1091-1093).
-  """
-  if depth <= 1:
-    return []
-  plan = poplin_multi_stage_plan(depth, poplin_num_reduce_stages(depth))[0]
-  remaining, out, later, first = depth, partial_sums, [], True
-  for d in plan:
-    if not first:
-      later.append(out)
-    this_depth = -(-remaining // d)
-    out = -(-out // this_depth)
-    remaining = -(-remaining // this_depth)
-    first = False
-  if remaining > 1 and not first:
-    later.append(out)
-  return later
-
-
 def poplibs_scaled_arithmetic_cycles(elements: int, half: bool, operation: str = "add",
                                      workers: int = 6) -> int:
   """poplibs' getScaledArithmeticSupervisorCycleEstimate, worker by worker.

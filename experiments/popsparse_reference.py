@@ -12,11 +12,6 @@ can hold one against the other:
   per-worker work split the planner makes (``tileWorkSplit``, SMP:655-667).
 * ``zeroingCycles`` (SMP:183-190) and when the planner charges it
   (SMP:698-703).
-* ``reductionCycleEstimate`` (SMP:24-43), the planner's estimate of the
-  partials' reduction (the emulator prices the reduction with popops' Reduce
-  estimate instead, as the program runs ``popops::reduceMany``,
-  ``lib/popsparse/StaticMatMul.cpp:793``).
-
 * The layout of static_'s result ``out`` (``lib/popsparse/StaticMatMul.cpp``,
   ``SM`` below, SM:543-546: ``[m / b, nPadded, b]`` mapped linearly over all
   tiles in grains of ``nGrainSize * mGrainSize``), into which
@@ -118,20 +113,6 @@ def zeroing_cycles(num_workers: int, rows: int, n: int, block: int, partials_byt
   to_zero = rows * block * n * partials_bytes
   per_worker = _ceildiv(to_zero * 8 // DATA_PATH_WIDTH_BITS, num_workers)
   return (12 + per_worker) * num_workers
-
-
-def reduction_cycle_estimate(num_workers: int, outputs: int, out_half: bool,
-                             partials_half: bool, factor: int) -> int:
-  """SMP:24-43, ``reductionCycleEstimate``: a strided reduce of ``factor`` partials."""
-  cycles = 3 + 2 + 6 + 5
-  if partials_half:
-    outer = 8 if out_half else 7
-  else:
-    outer = 5
-  per_worker = _ceildiv(outputs, num_workers)
-  vector = 4 if not partials_half else 8
-  outer += 6 + 1 * (factor - 1)
-  return (cycles + _ceildiv(per_worker, vector) * outer) * num_workers
 
 
 def vector_width(type_size: int) -> int:
