@@ -316,6 +316,10 @@ class SearchSpaceTest(parameterized.TestCase):
     with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, "LayeredModel.first"):
       ipu_jax.pipelining.LayeredModel(build=None, num_layers=6, micro_batch={},
                                       layer_path=str, first="embeddings", last=("head",))
+    with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, "LayeredModel.rng"):
+      ipu_jax.pipelining.LayeredModel(build=None, num_layers=6, micro_batch={},
+                                      layer_path=str, first=("embeddings",), last=("head",),
+                                      rng="dropout")
 
   def test_score(self):
     # 8 micro-batches of 2 samples on 2 replicas in 1.33e6 cycles at 1.33 GHz: 32 / 1 ms.

@@ -68,6 +68,9 @@ class LayeredModel:
         raise PipelineError(f"LayeredModel.{name} must be a non-empty sequence of module "
                             f"paths, e.g. ('embeddings',); got {paths!r}.")
       object.__setattr__(self, name, tuple(paths))
+    if not isinstance(self.rng, bool):
+      raise PipelineError(f"LayeredModel.rng must be True (the loss takes a key: dropout) or "
+                          f"False; got {self.rng!r}.")
 
   def samples(self) -> int:
     if self.samples_per_micro_batch is not None:
