@@ -229,8 +229,9 @@ def _update_parts(pipeline, target, groups_of, replicas: int) -> tuple:
   replicated tensor sharding the runs' SDK (PopART ``sdk/poplar/2.5.1``) did
   not merge the reduce-scatters and all-gathers that replace them: its
   ``MergeCollectivesTransform`` merges all-reduces only
-  (``willow/src/transforms/mergecollectives.cpp``, "TODO T56323 / T56324";
-  merging both came with popart a068bba76), so those runs paid one pair per
+  (``willow/src/transforms/mergecollectives.cpp``, where merging the other
+  two is still marked as work to do, T56323 / T56324; it came with popart
+  a068bba76), so those runs paid one pair per
   weight tensor. Merged here all the same: the bytes are the same, and the
   other pairs' latency at :mod:`~ipu_jax.kernels.collectives`' figures
   (about 45 tensors an IPU on the BERT-Large presets) is about 0.2 ms a
