@@ -12,7 +12,8 @@ and 510 on POD64. Masked positions: 20 a sequence at 128 tokens and 76 at
 512 (the examples' ``mask_tokens``). Weights and activations are float16,
 as the examples train (``--dtype float32`` to override), with half partials
 as both examples set them (``--partials_type float32`` to override); LAMB's
-state takes the weights' dtype here.
+state takes the weights' dtype here (the examples' optimizer state dtypes are
+not modelled; ``--lamb_m_dtype`` / ``--lamb_v_dtype`` to set them).
 
 Two presets mirror the MLPerf Training v1.0 closed BERT runs whose throughput
 Graphcore measured (docs/published_bert.md; ``mlperf_v1_pod16``,
@@ -40,10 +41,17 @@ placement as is. What they share: sequence 512 packed (2 sequences a pack),
 76 masked positions, the vocabulary padded to 30,912 and serialised in 4
 steps (``embedding_serialization_vocab_steps: 4``; here the tied decoder's
 projection), half partials (``enable_half_partials``), LAMB with replicated
-tensor sharding, float16. G is the Grouped schedule's nearest multiple of
-``2 x stages`` to the run's (the schedule TF-IPU checks; PopART's pipeline
-does not ask it): 5 stages on a v1.1 POD16 (192 -> 190), 9 on every other
-(96 -> 90, 256 -> 252, 64 -> 72, 36 as run).
+tensor sharding, float16. LAMB's moments take the dtypes each run gave
+PopART's ``Adam`` (``--lamb_m_dtype`` m / accl1, ``--lamb_v_dtype`` v /
+accl2): v1.1 set only m, FLOAT16 where a config says ``lamb_m_dtype:
+FLOAT16`` (POD16, POD128) and FLOAT otherwise (POD64: ``bert_model.py``'s
+default), v left at PopART's default FLOAT; v2.0 set both to FLOAT16
+(``lamb_accl_dtype``). The gradient accumulator (PopART's ``accum_type``) no
+run set: PopART's default is the weight's dtype, float16, as here. G is the
+Grouped schedule's nearest multiple of ``2 x stages`` to the run's (the
+schedule TF-IPU checks; PopART's pipeline does not ask it): 5 stages on a
+v1.1 POD16 (192 -> 190), 9 on every other (96 -> 90, 256 -> 252, 64 -> 72,
+36 as run).
 
 Every MLPerf run was PopART's with ``autoRecomputation =
 RecomputationType::Pipeline`` (v1.1 ``bert.py:444-446``, v2.0
@@ -57,10 +65,8 @@ in PopART's ``willow/src/transforms/pipeline.cpp``): the presets set
 logits; docs/multi_ipu.md#the-last-stage). v1.0's code was not read for
 its marks: its presets' heads stage has none, so it is not recomputed.
 
-What they do not reproduce (each preset's comment says which apply): LAMB's
-state is float16 here as the weights are (optax.lamb keeps the weights'
-dtype), where v1.1 set only the first moment to FLOAT16 (``lamb_m_dtype``)
-and v2.0 the accumulators (``lamb_accl_dtype``); v2.0 POD16's FLOAT8
+What they do not reproduce (each preset's comment says which apply): v2.0
+POD16's FLOAT8
 activation checkpoints (``activation_checkpoint_dtype``, the stashed
 values between stages: float16 here), v2.0's ``merge_collectives`` (one
 merged all-reduce; here one collective per weight, inside the update),
@@ -129,14 +135,25 @@ PRESETS = {
 # 4 steps, half partials, layers placed as att_ffn_placement, the last stage
 # recomputed between the checkpoints bert_model.py marks there (each
 # attention output, each layer's output, the MLM projection's three).
+# LAMB's moments (PopART's popart.Adam accl1_type / accl2_type): v1.1's
+# bert_optimizer.py:149-161 passes accl1_type alone, FLOAT16 when
+# lamb_m_dtype is "FLOAT16" and FLOAT otherwise (bert_model.py:118's
+# default), so accl2 keeps PopART's default FLOAT (graphcore/popart
+# python/popart/popart_core/popart.cpp:938-942, "Momentums in FP32 by
+# default"; bert_tf_loader.py:122-135: "accl2 is always in FP32"). Each
+# v1.1 preset sets m as its config did.
 _MLPERF_V1_1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
                     vocab_size=30912, decoder_serialization=4, partials_type="float16",
-                    last_stage_recomputation="checkpoints", checkpoint_blocks=True)
+                    last_stage_recomputation="checkpoints", checkpoint_blocks=True,
+                    lamb_m_dtype="float32", lamb_v_dtype="float32")
 # v2.0 also dropped out the attention probabilities (no_attn_dropout: false in
 # its four configs; attn_dropout_prob 0.1, bert_model.py); v1.0 / v1.1 set
 # no_attn_dropout: true, the examples attention_probs_dropout_prob 0.0.
+# Its four configs set lamb_accl_dtype: FLOAT16 (configs/pod{16,64,128,256}-
+# closed.json:19), which bert_optimizer.py:151-166 passes as both accl1_type
+# and accl2_type: LAMB's m and v float16.
 _MLPERF_V2 = dict(_MLPERF_V1_1, micro_batch=3, offload_optimizer_state=False,
-                  attention_dropout=0.1)
+                  attention_dropout=0.1, lamb_m_dtype="float16", lamb_v_dtype="float16")
 # v1.1 POD64 / POD128 and v2.0 POD64 / POD128 / POD256: 8 IPUs a replica.
 _V1_1_POD64_PLACEMENT = [[1, [2, 2]], [2, [3, 3]], [3, [4, 3]], [4, [3, 4]], [5, [4, 3]],
                          [6, [3, 4]], [7, [4, 3]], [0, [1, 2]]]
@@ -145,27 +162,30 @@ _V2_POD64_PLACEMENT = [[1, [3, 3]], [2, [3, 3]], [3, [3, 3]], [4, [4, 3]], [5, [
 
 PRESETS.update({
     # v1.1 closed, IPU-POD16 (configs/mk2/pod16-closed.json): 4 x 4 IPUs,
-    # 5 stages, G 192 -> 190. Not modelled: lamb_m_dtype FLOAT16 alone (here
-    # all LAMB state float16), split_qkv.
+    # 5 stages, G 192 -> 190, LAMB's m float16 (lamb_m_dtype: FLOAT16, line
+    # 19), v float32. Not modelled: split_qkv.
     "mlperf_v1_1_pod16": dict(_MLPERF_V1_1, replicas=4, accumulation=190, system="pod16",
+                              lamb_m_dtype="float16",
                               att_ffn_placement=[[1, [7, 6]], [2, [6, 7]], [3, [7, 6]],
                                                  [0, [4, 5]]],
                               matmul_proportion=[0.23] * 4),
     # v1.1 closed, IPU-POD64 (pod64-closed.json): 8 x 8 IPUs, 9 stages,
-    # G 96 -> 90, LAMB state on chip (float32 in the run; float16 here).
+    # G 96 -> 90, LAMB state on chip, m and v float32 (the config sets no
+    # lamb_m_dtype: bert_model.py:118's "FLOAT").
     "mlperf_v1_1_pod64": dict(_MLPERF_V1_1, replicas=8, accumulation=90, system="pod64",
                               att_ffn_placement=_V1_1_POD64_PLACEMENT,
                               matmul_proportion=[0.20] + [0.25] * 7,
                               offload_optimizer_state=False),
     # v1.1 closed, IPU-POD128 (pod128-closed.json, 2 hosts): as POD64 on 16
-    # replicas. Not modelled: lamb_m_dtype FLOAT16 alone.
+    # replicas, but LAMB's m float16 (lamb_m_dtype: FLOAT16, line 19).
     "mlperf_v1_1_pod128": dict(_MLPERF_V1_1, replicas=16, accumulation=90, system="pod128",
+                               lamb_m_dtype="float16",
                                att_ffn_placement=_V1_1_POD64_PLACEMENT,
                                matmul_proportion=[0.20] + [0.25] * 7,
                                offload_optimizer_state=False),
     # v2.0 closed, Bow Pod16 (configs/pod16-closed.json): 2 x 8 Bow IPUs,
     # micro-batch 3, G 256 -> 252. Not modelled: FLOAT8 activation
-    # checkpoints, lamb_accl_dtype FLOAT16 alone, merge_collectives.
+    # checkpoints, merge_collectives.
     "mlperf_v2_bow_pod16": dict(_MLPERF_V2, replicas=2, accumulation=252, system="bow-pod16",
                                 att_ffn_placement=[[1, [3, 3]], [2, [4, 3]], [3, [3, 3]],
                                                    [4, [3, 4]], [5, [4, 3]], [6, [3, 4]],
@@ -173,7 +193,7 @@ PRESETS.update({
                                 matmul_proportion=[0.3] * 8),
     # v2.0 closed, Bow-Pod64 / 128 / 256 (pod64/128/256-closed.json): 8, 16,
     # 32 replicas of 8 Bow IPUs, G 96 -> 90, 64 -> 72, 36. Not modelled:
-    # lamb_accl_dtype FLOAT16 alone, merge_collectives.
+    # merge_collectives.
     "mlperf_v2_bow_pod64": dict(_MLPERF_V2, replicas=8, accumulation=90, system="bow-pod64",
                                 att_ffn_placement=_V2_POD64_PLACEMENT,
                                 matmul_proportion=[1.0] * 8),

@@ -10,7 +10,8 @@ layer, the decoder projection serialised over the vocabulary
 (``--decoder_serialization``), a per-IPU available memory proportion
 (``--matmul_proportion``), LAMB with its state in streaming memory and
 sharded over the replicas (``--offload_optimizer_state``,
-``--replicated_tensor_sharding``), gradients accumulated over
+``--replicated_tensor_sharding``), its moments m and v in the weights' dtype
+or in ``--lamb_m_dtype`` / ``--lamb_v_dtype`` (:mod:`experiments.lamb`), gradients accumulated over
 ``--accumulation`` micro-batches and averaged over ``--replicas``.
 
 The default is a small BERT (4 layers of width 128, vocabulary 1,000,
@@ -81,6 +82,10 @@ from experiments import bert_presets as presets  # noqa: E402
 from experiments import entry  # noqa: E402
 
 _FLAGS = flags.FLAGS
+# The dtypes --lamb_m_dtype / --lamb_v_dtype take (PopART's FLOAT16 and FLOAT).
+LAMB_STATE_DTYPES = ("float16", "float32")
+
+
 def define_flags(fv=None):
   """Defines the runner's flags in ``fv`` (default the global FLAGS) and returns it.
 
@@ -137,6 +142,14 @@ def define_flags(fv=None):
                        "projection's (experiments.bert.popart_checkpoints).", flag_values=fv)
   flags.DEFINE_boolean("offload_optimizer_state", True, "LAMB state in streaming memory.",
                        flag_values=fv)
+  flags.DEFINE_enum("lamb_m_dtype", None, list(LAMB_STATE_DTYPES),
+                    "LAMB's first moment m (PopART's accl1); default the weights' dtype "
+                    "(--dtype), as optax.lamb. Graphcore's MLPerf v1.1 lamb_m_dtype, v2.0 "
+                    "lamb_accl_dtype (docs/published_bert.md).", flag_values=fv)
+  flags.DEFINE_enum("lamb_v_dtype", None, list(LAMB_STATE_DTYPES),
+                    "LAMB's second moment v (PopART's accl2); default the weights' dtype "
+                    "(--dtype), as optax.lamb. Graphcore's MLPerf v2.0 lamb_accl_dtype; "
+                    "PopART's default float32 in v1.1.", flag_values=fv)
   flags.DEFINE_boolean("replicated_tensor_sharding", True,
                        "Shard the LAMB state over the replicas.", flag_values=fv)
   flags.DEFINE_float("dropout", 0.0, "Dropout rate of the embeddings', attention output's and "
@@ -404,6 +417,13 @@ def max_relative_difference(a, b) -> float:
   return max(diffs, default=0.0)
 
 
+def make_optimizer(f):
+  """The flags' LAMB: ``--learning_rate``, its moments in ``--lamb_m_dtype`` and
+  ``--lamb_v_dtype`` (unset: the weights' dtype, ``optax.lamb``'s numbers)."""
+  from experiments import lamb
+  return lamb.lamb(f.learning_rate, mu_dtype=f.lamb_m_dtype, nu_dtype=f.lamb_v_dtype)
+
+
 def abstract_init(optimizer):
   """``optimizer`` whose ``init`` gives shapes (``jax.ShapeDtypeStruct``) for
   abstract weights, so lowering its update allocates no state."""
@@ -491,13 +511,12 @@ def build_pipeline(f, mcfg) -> tuple:
   (only shapes matter; BERT-Large's would take 4 GB of host memory) and an
   out-of-memory split is reported, not raised.
   """
-  import optax
   from flax import nnx
   import ipu_jax
   from experiments import bert
   assignment, mapping = stage_layout(f, mcfg.layers)
   cfg = ipu_config(f, num_ipus(mapping))
-  optimizer = optax.lamb(f.learning_rate)
+  optimizer = make_optimizer(f)
   if f.estimate_only:
     cfg.memory.allow_out_of_memory = True
     model = nnx.eval_shape(lambda: bert.Bert(mcfg, rngs=nnx.Rngs(f.seed)))
@@ -622,7 +641,6 @@ def choose_split(f, mcfg) -> tuple:
     app.UsageError: a bad ``--split_*`` value, or no split fits (the message
       names the closest split's IPU and the bytes its fullest tile lacks).
   """
-  import optax
   from experiments import bert_split
   try:
     space = split_space(f, mcfg.vocab_size)
@@ -635,7 +653,7 @@ def choose_split(f, mcfg) -> tuple:
               "serialization_factor": f.decoder_serialization}
   # The search lowers shapes only: abstract weights, abstract optimizer state.
   result = bert_split.auto_split(
-      mcfg, ipu_config(f, len(layers)), abstract_init(optax.lamb(f.learning_rate)),
+      mcfg, ipu_config(f, len(layers)), abstract_init(make_optimizer(f)),
       f.micro_batch, f.seq, f.max_predictions, baseline=baseline,
       confirm_top=f.split_confirm_top, seed=f.seed, abstract=True, **space)
   print(result.table())  # when nothing fits, its last line is the shortfall

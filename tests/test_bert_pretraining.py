@@ -21,9 +21,10 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import ipu_jax
-from experiments import bert, bert_pretraining, bert_presets
+from experiments import bert, bert_pretraining, bert_presets, lamb
 from ipu_jax.kernels import collectives, systems
 from ipu_jax.pipelining import throughput as tp_lib
+import testing_utils
 
 _G, _R = 10, 2
 
@@ -204,6 +205,37 @@ class BadInputTest(parameterized.TestCase):
                                          f.vocab_size, f.attention_dropout)
     self.assertEqual((mcfg.dropout, mcfg.attention_dropout), (f.dropout, f.attention_dropout))
 
+  # LAMB's m and v (PopART's accl1 / accl2) as each run set them
+  # (docs/published_bert.md): v1.1 lamb_m_dtype FLOAT16 on POD16 / POD128,
+  # its default FLOAT on POD64, v at PopART's default FLOAT; v2.0
+  # lamb_accl_dtype FLOAT16 for both. Other presets: the weights' dtype.
+  _RUN_LAMB_STATE = {"mlperf_v1_1_pod16": ("float16", "float32"),
+                     "mlperf_v1_1_pod64": ("float32", "float32"),
+                     "mlperf_v1_1_pod128": ("float16", "float32"),
+                     "mlperf_v2_bow_pod16": ("float16", "float16"),
+                     "mlperf_v2_bow_pod64": ("float16", "float16"),
+                     "mlperf_v2_bow_pod128": ("float16", "float16"),
+                     "mlperf_v2_bow_pod256": ("float16", "float16")}
+
+  @parameterized.parameters(*sorted(bert_presets.PRESETS))
+  def test_presets_keep_lamb_state_as_the_measured_runs_did(self, name):
+    f = self._flags(f"--config={name}")
+    weights = {"w": np.zeros((4, 8), f.dtype), "b": np.zeros((8,), f.dtype)}
+    state = bert_pretraining.make_optimizer(f).init(weights)[0]
+    got = tuple({np.dtype(x.dtype).name for x in jax.tree.leaves(moment)}
+                for moment in (state.mu, state.nu))
+    m, v = self._RUN_LAMB_STATE.get(name, (f.dtype, f.dtype))
+    self.assertEqual(got, ({m}, {v}))
+
+  def test_bad_lamb_state_dtype_names_the_flag_and_its_values(self):
+    with self.assertRaisesRegex(flags.IllegalFlagValueError,
+                                r"--lamb_m_dtype=bfloat16: value should be one of "
+                                r"<float16\|float32>"):
+      self._flags("--lamb_m_dtype=bfloat16")
+    with self.assertRaisesRegex(flags.IllegalFlagValueError,
+                                r"--lamb_v_dtype=half: value should be one of"):
+      self._flags("--config=mlperf_v2_bow_pod16", "--lamb_v_dtype=half")
+
   def test_mlperf_presets_mirror_the_measured_runs(self):
     # docs/published_bert.md: MLPerf Training v1.0 closed, configs/mk2/pod64-closed.json.
     f = self._flags("--config=mlperf_v1_pod64")
@@ -310,6 +342,89 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError,
                                 "replication_factor=5 x auto_select_ipus=4"):
       pipe.lower(params, batches)
+
+
+def _gradients(params, step):
+  """Step ``step``'s made-up gradients, in ``params``' shapes and dtypes."""
+  keys = jax.random.split(jax.random.key(step), len(params))
+  return {name: (0.1 * jax.random.normal(k, p.shape)).astype(p.dtype)
+          for k, (name, p) in zip(keys, sorted(params.items()))}
+
+
+def _lamb_steps(optimizer, params, steps=3):
+  """``steps`` updates of ``optimizer`` on :func:`_gradients`: the weights and
+  the state after them."""
+  state = optimizer.init(params)
+  for step in range(steps):
+    updates, state = optimizer.update(_gradients(params, step), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _weights(dtype):
+  w = np.random.default_rng(0).normal(size=(8, 16))
+  return {"w": w.astype(dtype), "b": np.linspace(-1.0, 1.0, 16).astype(dtype)}
+
+
+class LambStateDtypesTest(chex.TestCase):
+  """experiments.lamb: optax.lamb with its moments kept in given dtypes."""
+
+  @parameterized.product(dtype=[np.float32, np.float16], weight_decay=[0.0, 0.01])
+  def test_weights_dtypes_give_optax_lamb(self, dtype, weight_decay):
+    # Moments in the weights' dtype, as given or as the default: optax.lamb's numbers.
+    params = _weights(dtype)
+    want = _lamb_steps(optax.lamb(1e-2, weight_decay=weight_decay), params)
+    for mu, nu in ((None, None), (dtype, dtype)):
+      got = _lamb_steps(lamb.lamb(1e-2, weight_decay=weight_decay, mu_dtype=mu, nu_dtype=nu),
+                        params)
+      chex.assert_trees_all_close(jax.tree.map(np.asarray, got),
+                                  jax.tree.map(np.asarray, want), rtol=0, atol=0)
+
+  @parameterized.parameters(("float16", "float32"), ("float32", "float32"),
+                            ("float16", "float16"), ("float32", "float16"))
+  def test_each_moment_stays_in_its_dtype(self, mu, nu):
+    params = _weights(np.float16)
+    got, state = _lamb_steps(lamb.lamb(1e-2, mu_dtype=mu, nu_dtype=nu), params)
+    adam = state[0]
+    self.assertEqual({np.dtype(x.dtype).name for x in jax.tree.leaves(adam.mu)}, {mu})
+    self.assertEqual({np.dtype(x.dtype).name for x in jax.tree.leaves(adam.nu)}, {nu})
+    self.assertEqual({np.dtype(x.dtype).name for x in jax.tree.leaves(got)}, {"float16"})
+
+  def test_float32_moments_are_float32_lamb_of_the_gradients(self):
+    # float16 weights, float32 m and v: each moment's update is computed in
+    # float32 (the gradient cast first), so the moments are those of a float32
+    # LAMB given the same gradients; the weights, cast to float16, agree to
+    # float16's rounding.
+    params = _weights(np.float16)
+    got, state = _lamb_steps(lamb.lamb(1e-2, mu_dtype="float32", nu_dtype="float32"), params)
+    mu = nu = jax.tree.map(lambda p: np.zeros(p.shape, np.float32), params)
+    for step in range(3):
+      g = jax.tree.map(lambda x: x.astype(np.float32), _gradients(params, step))
+      mu = jax.tree.map(lambda m, x: 0.9 * m + 0.1 * x, mu, g)
+      nu = jax.tree.map(lambda n, x: 0.999 * n + 0.001 * x * x, nu, g)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, (state[0].mu, state[0].nu)),
+                                jax.tree.map(np.asarray, (mu, nu)), rtol=1e-6, atol=1e-12)
+    self.assertEqual({np.dtype(x.dtype).name for x in jax.tree.leaves(got)}, {"float16"})
+
+  def test_mixed_dtypes_update_on_the_ipu_equals_jax_jit(self):
+    # The update with float16 weights, float16 m and float32 v (MLPerf v1.1
+    # POD16's) lowers and runs on the emulated IPU as jax.jit runs it.
+    params = _weights(np.float16)
+    optimizer = lamb.lamb(1e-2, mu_dtype="float16", nu_dtype="float32")
+    _, state = _lamb_steps(optimizer, params, steps=2)
+    grads = jax.tree.map(lambda p: (0.05 * p).astype(p.dtype), params)
+
+    def update(grads, state, params):
+      updates, new_state = optimizer.update(grads, state, params)
+      return optax.apply_updates(params, updates), new_state
+    testing_utils.assert_matches_jit(update, grads, state, params, rtol=2e-3, atol=1e-3,
+                                     modes=("batched",))
+
+  def test_a_moment_dtype_that_is_not_floating_is_refused(self):
+    with self.assertRaisesRegex(ValueError, r"nu_dtype='int8' is not a floating dtype"):
+      lamb.lamb(1e-3, nu_dtype="int8")
+    with self.assertRaisesRegex(ValueError, r"mu_dtype='fp17' is not a floating dtype"):
+      lamb.lamb(1e-3, mu_dtype="fp17")
 
 
 def _runner_flags(*argv):
