@@ -46,7 +46,9 @@ PopART's ``Adam`` (``--lamb_m_dtype`` m / accl1, ``--lamb_v_dtype`` v /
 accl2): v1.1 set only m, FLOAT16 where a config says ``lamb_m_dtype:
 FLOAT16`` (POD16, POD128) and FLOAT otherwise (POD64: ``bert_model.py``'s
 default), v left at PopART's default FLOAT; v2.0 set both to FLOAT16
-(``lamb_accl_dtype``). The gradient accumulator (PopART's ``accum_type``) no
+(``lamb_accl_dtype``); v1.0 set neither (m and v float32). Every run's
+LAMB was PopART's ``LambNoBias``, without Adam's bias correction
+(``optimizer: LAMB_NO_BIAS``; ``--nolamb_bias_correction``). The gradient accumulator (PopART's ``accum_type``) no
 run set: PopART's default is the weight's dtype, float16, as here. G is the
 Grouped schedule's nearest multiple of ``2 x stages`` to the run's (the
 schedule TF-IPU checks; PopART's pipeline does not ask it): 5 stages on a
@@ -66,12 +68,12 @@ logits; docs/multi_ipu.md#the-last-stage). v1.0's code was not read for
 its marks: its presets' heads stage has none, so it is not recomputed.
 
 What they do not reproduce (each preset's comment says which apply): v2.0
-POD16's FLOAT8
-activation checkpoints (``activation_checkpoint_dtype``, the stashed
-values between stages: float16 here), v2.0's ``merge_collectives`` (one
+POD16's FLOAT8 activation checkpoints (``activation_checkpoint_dtype``: each
+checkpoint off the last stage cast to a 1.3.4 float and back, float16 here), v2.0's ``merge_collectives`` (one
 merged all-reduce; here one collective per weight, inside the update),
-v1.1 POD16's ``split_qkv`` (three matmuls; here one ``[H, 3H]``) and stochastic
-rounding. The runs' dropout is on, as they ran it: 0.1 of the hidden values
+and stochastic rounding. v1.0 / v1.1 POD16's ``split_qkv`` split only the
+weight variables: ``bert_model.py``'s ``qkv_weights`` concatenates the three
+into the one ``[H, 3H]`` operand of one product, the product here. The runs' dropout is on, as they ran it: 0.1 of the hidden values
 everywhere, of the attention probabilities too in v2.0, from the tiles'
 generators (``random_mode`` "hardware").
 
@@ -105,9 +107,16 @@ _LARGE = {"layers_per_ipu": [3, 7, 7, 7], "model": "large", "tiles_per_ipu": 147
 # PopART's RecomputationType::Pipeline recomputes the last stage between its
 # checkpoints (last_stage_recomputation "checkpoints"); v1.0's heads stage
 # holds no mark here, so it is not recomputed either way.
+# Every MLPerf BERT run (v1.0, v1.1, v2.0) chose optimizer LAMB_NO_BIAS
+# (configs/*-closed.json), PopART's AdamMode.LambNoBias: no bias correction
+# (v1.0 bert_optimizer.py:141-147, v1.1 :148-161, v2.0 :151-167). v1.0
+# passes accl1_type FLOAT unless lamb_m_dtype is FLOAT16 (bert_optimizer.py:
+# 141-147, bert_model.py:123's default FLOAT), which neither config sets, and
+# no accl2_type (PopART's default FLOAT): m and v float32.
 _MLPERF_V1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
                   vocab_size=30400, decoder_serialization=5, partials_type="float16",
-                  last_stage_recomputation="checkpoints")
+                  last_stage_recomputation="checkpoints", lamb_bias_correction=False,
+                  lamb_m_dtype="float32", lamb_v_dtype="float32")
 
 PRESETS = {
     "phase1_pod16": dict(_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
@@ -145,7 +154,7 @@ PRESETS = {
 _MLPERF_V1_1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_factor=2.0,
                     vocab_size=30912, decoder_serialization=4, partials_type="float16",
                     last_stage_recomputation="checkpoints", checkpoint_blocks=True,
-                    lamb_m_dtype="float32", lamb_v_dtype="float32")
+                    lamb_m_dtype="float32", lamb_v_dtype="float32", lamb_bias_correction=False)
 # v2.0 also dropped out the attention probabilities (no_attn_dropout: false in
 # its four configs; attn_dropout_prob 0.1, bert_model.py); v1.0 / v1.1 set
 # no_attn_dropout: true, the examples attention_probs_dropout_prob 0.0.
@@ -163,7 +172,7 @@ _V2_POD64_PLACEMENT = [[1, [3, 3]], [2, [3, 3]], [3, [3, 3]], [4, [4, 3]], [5, [
 PRESETS.update({
     # v1.1 closed, IPU-POD16 (configs/mk2/pod16-closed.json): 4 x 4 IPUs,
     # 5 stages, G 192 -> 190, LAMB's m float16 (lamb_m_dtype: FLOAT16, line
-    # 19), v float32. Not modelled: split_qkv.
+    # 19), v float32.
     "mlperf_v1_1_pod16": dict(_MLPERF_V1_1, replicas=4, accumulation=190, system="pod16",
                               lamb_m_dtype="float16",
                               att_ffn_placement=[[1, [7, 6]], [2, [6, 7]], [3, [7, 6]],

@@ -11,7 +11,8 @@ layer, the decoder projection serialised over the vocabulary
 (``--matmul_proportion``), LAMB with its state in streaming memory and
 sharded over the replicas (``--offload_optimizer_state``,
 ``--replicated_tensor_sharding``), its moments m and v in the weights' dtype
-or in ``--lamb_m_dtype`` / ``--lamb_v_dtype`` (:mod:`experiments.lamb`), gradients accumulated over
+or in ``--lamb_m_dtype`` / ``--lamb_v_dtype`` (:mod:`experiments.lamb`), with or without
+Adam's bias correction (``--lamb_bias_correction``), gradients accumulated over
 ``--accumulation`` micro-batches and averaged over ``--replicas``.
 
 The default is a small BERT (4 layers of width 128, vocabulary 1,000,
@@ -150,6 +151,10 @@ def define_flags(fv=None):
                     "LAMB's second moment v (PopART's accl2); default the weights' dtype "
                     "(--dtype), as optax.lamb. Graphcore's MLPerf v2.0 lamb_accl_dtype; "
                     "PopART's default float32 in v1.1.", flag_values=fv)
+  flags.DEFINE_boolean("lamb_bias_correction", True,
+                       "Divide LAMB's moments by Adam's 1 - b**t (optax.lamb); false is "
+                       "PopART's LambNoBias, the mode of Graphcore's MLPerf runs "
+                       "(optimizer: LAMB_NO_BIAS).", flag_values=fv)
   flags.DEFINE_boolean("replicated_tensor_sharding", True,
                        "Shard the LAMB state over the replicas.", flag_values=fv)
   flags.DEFINE_float("dropout", 0.0, "Dropout rate of the embeddings', attention output's and "
@@ -419,9 +424,11 @@ def max_relative_difference(a, b) -> float:
 
 def make_optimizer(f):
   """The flags' LAMB: ``--learning_rate``, its moments in ``--lamb_m_dtype`` and
-  ``--lamb_v_dtype`` (unset: the weights' dtype, ``optax.lamb``'s numbers)."""
+  ``--lamb_v_dtype`` (unset: the weights' dtype, ``optax.lamb``'s numbers),
+  bias-corrected unless ``--nolamb_bias_correction`` (PopART's LambNoBias)."""
   from experiments import lamb
-  return lamb.lamb(f.learning_rate, mu_dtype=f.lamb_m_dtype, nu_dtype=f.lamb_v_dtype)
+  return lamb.lamb(f.learning_rate, mu_dtype=f.lamb_m_dtype, nu_dtype=f.lamb_v_dtype,
+                   bias_correction=f.lamb_bias_correction)
 
 
 def abstract_init(optimizer):

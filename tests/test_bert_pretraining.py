@@ -208,8 +208,11 @@ class BadInputTest(parameterized.TestCase):
   # LAMB's m and v (PopART's accl1 / accl2) as each run set them
   # (docs/published_bert.md): v1.1 lamb_m_dtype FLOAT16 on POD16 / POD128,
   # its default FLOAT on POD64, v at PopART's default FLOAT; v2.0
-  # lamb_accl_dtype FLOAT16 for both. Other presets: the weights' dtype.
-  _RUN_LAMB_STATE = {"mlperf_v1_1_pod16": ("float16", "float32"),
+  # lamb_accl_dtype FLOAT16 for both; v1.0 neither (FLOAT). Other presets:
+  # the weights' dtype.
+  _RUN_LAMB_STATE = {"mlperf_v1_pod16": ("float32", "float32"),
+                     "mlperf_v1_pod64": ("float32", "float32"),
+                     "mlperf_v1_1_pod16": ("float16", "float32"),
                      "mlperf_v1_1_pod64": ("float32", "float32"),
                      "mlperf_v1_1_pod128": ("float16", "float32"),
                      "mlperf_v2_bow_pod16": ("float16", "float16"),
@@ -226,6 +229,13 @@ class BadInputTest(parameterized.TestCase):
                 for moment in (state.mu, state.nu))
     m, v = self._RUN_LAMB_STATE.get(name, (f.dtype, f.dtype))
     self.assertEqual(got, ({m}, {v}))
+
+  @parameterized.parameters(*sorted(bert_presets.PRESETS))
+  def test_mlperf_presets_run_lamb_without_bias_correction(self, name):
+    # Every MLPerf config: optimizer LAMB_NO_BIAS (PopART's LambNoBias); the
+    # example presets keep optax.lamb's bias-corrected LAMB.
+    f = self._flags(f"--config={name}")
+    self.assertEqual(f.lamb_bias_correction, not name.startswith("mlperf_"))
 
   def test_bad_lamb_state_dtype_names_the_flag_and_its_values(self):
     with self.assertRaisesRegex(flags.IllegalFlagValueError,
@@ -405,6 +415,27 @@ class LambStateDtypesTest(chex.TestCase):
     chex.assert_trees_all_close(jax.tree.map(np.asarray, (state[0].mu, state[0].nu)),
                                 jax.tree.map(np.asarray, (mu, nu)), rtol=1e-6, atol=1e-12)
     self.assertEqual({np.dtype(x.dtype).name for x in jax.tree.leaves(got)}, {"float16"})
+
+  def test_without_bias_correction_is_popart_lamb_no_bias(self):
+    # PopART's LambNoBias (willow/include/popart/adam.hpp): m' and v' divide
+    # the update as they are; the trust ratio ||w|| / ||u|| scales it. The
+    # ratio cancels any per-tensor factor, so the two modes differ through
+    # eps alone: a large eps shows it.
+    params = _weights(np.float32)
+    got, _ = _lamb_steps(lamb.lamb(1e-2, eps=0.1, bias_correction=False), params)
+    want = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    mu = {k: np.zeros_like(v) for k, v in want.items()}
+    nu = {k: np.zeros_like(v) for k, v in want.items()}
+    for step in range(3):
+      g = {k: np.asarray(v, np.float64) for k, v in _gradients(params, step).items()}
+      for k in want:
+        mu[k] = 0.9 * mu[k] + 0.1 * g[k]
+        nu[k] = 0.999 * nu[k] + 0.001 * g[k] ** 2
+        u = mu[k] / (np.sqrt(nu[k]) + 0.1)
+        want[k] = want[k] - 1e-2 * np.linalg.norm(want[k]) / np.linalg.norm(u) * u
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, got), want, rtol=1e-6, atol=1e-7)
+    corrected, _ = _lamb_steps(lamb.lamb(1e-2, eps=0.1), params)
+    self.assertGreater(np.max(np.abs(np.asarray(corrected["w"]) - want["w"])), 1e-4)
 
   def test_mixed_dtypes_update_on_the_ipu_equals_jax_jit(self):
     # The update with float16 weights, float16 m and float32 v (MLPerf v1.1
