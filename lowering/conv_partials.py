@@ -10,7 +10,10 @@ sums the partials as the matmul rules do (``lowering/matmul_emit.py``): a
 reduce-scatter in which each of the ``gk`` tiles sums its piece of the block
 and casts it to the result type, priced by ``estimators.partials_reduce_cycles`` and
 the matmul's reduce-scatter exchange; the result lies in ``gk`` pieces per
-block (``block_grid_mapping(..., pieces=gk)``).
+block (``block_grid_mapping(..., pieces=gk)``). From ``gk = 16`` the
+reduce-scatter runs in poplin's stages, a superstep each, exactly as a
+matmul's (``lowering/matmul_stages.py``, priced by the planner with the same
+figures): poplin plans a convolution's reduction as a matmul's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ipu_jax.lowering.builders import worker_vertices
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.matmul_cost import ceil_div
 from ipu_jax.lowering.matmul_emit import scatter_exchange
+from ipu_jax.lowering.matmul_stages import StagedScatter, emit_stages
 
 __all__ = ["emit_partials_reduce", "partials_tensor", "sum_pieces"]
 
@@ -54,8 +58,35 @@ def sum_pieces(p_st, gk: int, half: bool):
 
 
 def emit_partials_reduce(ctx, partials: P.Tensor, out: P.Tensor, tiles: np.ndarray, gk: int,
-                         half: bool, name: str) -> None:
-  """The reduce-scatter superstep writing ``out`` (mapped in ``gk`` pieces per block)."""
+                         levels: tuple, half: bool, name: str) -> None:
+  """The reduce-scatter writing ``out`` (mapped in ``gk`` pieces per block).
+
+  Args:
+    ctx: the rule context.
+    partials: ``[g_out * gk, block]`` partial blocks, row ``r`` on ``tiles[r]``.
+    out: the result.
+    tiles: the tile of each partial block.
+    gk: partials per output block.
+    levels: partials left after each stage (``ConvPlan.scatter_stages``):
+      one superstep for ``(1,)``, poplin's stages, a superstep each, for more.
+    half: fp16 partials, added in order rounding each addition.
+    name: prefix of the steps' names.
+  """
+  if len(levels) > 1:
+    out_dtype = out.dtype
+    emit_stages(ctx, StagedScatter(
+        tiles=tiles, gk=gk, block=int(partials.shape[1]), levels=tuple(levels),
+        acc=np.dtype(partials.dtype), half=half, out=out,
+        final_lengths=out.mapping.counts.reshape(-1, gk), name=name,
+        stage_tensor=f"{ctx.op}/partials stage {{}}",
+        write=lambda out_st, x: x.astype(out_dtype).reshape(out_st.shape)), partials)
+    return
+  _emit_one_stage(ctx, partials, out, tiles, gk, half, name)
+
+
+def _emit_one_stage(ctx, partials: P.Tensor, out: P.Tensor, tiles: np.ndarray, gk: int,
+                    half: bool, name: str) -> None:
+  """The one reduce-scatter superstep of fewer than 16 partials a block."""
   target, acc = ctx.target, np.dtype(partials.dtype)
   counts = out.mapping.counts  # [g_out * gk] result elements each tile sums
   p_size = acc.itemsize

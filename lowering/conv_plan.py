@@ -22,7 +22,8 @@ import numpy as np
 from ipu_jax.kernels import estimators
 from ipu_jax.lowering.matmul_plan import GridPlan
 from ipu_jax.lowering.matmul_cost import (bus_shared_fraction, ceil_div, grid_product,
-                                          scatter_reduce_cost, split_candidates)
+                                          poplin_reduce_levels, scatter_reduce_cost,
+                                          split_candidates)
 from ipu_jax.lowering.matmul_grid import edge_sizes
 
 __all__ = ["ConvGeometry", "ConvPlan", "conv_geometry", "plan_conv", "splits_contraction",
@@ -173,6 +174,16 @@ class ConvPlan(GridPlan):
     return int(self.contraction[0] * self.contraction[1])
 
   @property
+  def scatter_stages(self) -> tuple:
+    """Partials a block has left after each stage of its reduce-scatter (``(1,)``: one stage).
+
+    poplin reduces a convolution's partials in the stages it reduces a
+    matmul's (:func:`~ipu_jax.lowering.matmul_cost.poplin_reduce_levels`:
+    two from ``gk = 16``, three from 125); ``()`` when ``gk == 1``.
+    """
+    return poplin_reduce_levels(self.gk)
+
+  @property
   def out_blocks(self) -> int:
     return int(np.prod(self.grid, dtype=np.int64))
 
@@ -268,7 +279,7 @@ def _evaluate(target, geo: ConvGeometry, grid: list, gi, gt) -> dict:
   ``gi``, ``gt``: the input-channel and kernel-row splits (1: none); a split
   contraction adds the reduce-scatter of the partials
   (:func:`~ipu_jax.lowering.matmul_cost.scatter_reduce_cost`, the matmul
-  planner's).
+  planner's: in poplin's stages from ``gi * gt = 16``).
   """
   nsp = len(geo.out_spatial)
   dims = (geo.n_out, geo.o) + geo.out_spatial

@@ -22,9 +22,13 @@ end. The model here, used by the ``dot_general`` rule in place of one XLA dot:
 Both executor modes use these functions: ``"batched"`` computes the whole
 product with :func:`planned_dot`, ``"per_tile"`` cuts the per-tile blocks and
 calls :func:`tile_partials` on them, then :func:`add_in_order` in its reduce
-steps. :func:`numpy_model` is the same order in NumPy, for tests. The chain length is
-an *estimate* (the Mk2 AMP's internal accumulation depth is not public); the
-order of the two stages follows the plan (``lowering/matmul_plan.py``).
+steps. A convolution with a split contraction and fp16 partials adds its
+partial convolutions in the same order (:func:`reduce_partials` in the
+``"batched"`` form, :func:`add_in_order` in its reduce steps; one stage, or
+poplin's stages from ``gk = 16``). :func:`numpy_model` is the same order in
+NumPy, for tests. The chain length is an *estimate* (the Mk2 AMP's internal
+accumulation depth is not public); the order of the two stages follows the
+plan (``lowering/matmul_plan.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from jax import lax
 
 from ipu_jax.lowering.matmul_cost import balanced_bounds
 
-__all__ = ["AMP_CHAIN", "applies", "tile_partials", "add_in_order", "planned_dot",
-           "numpy_model"]
+__all__ = ["AMP_CHAIN", "applies", "tile_partials", "add_in_order", "reduce_partials",
+           "planned_dot", "numpy_model"]
 
 AMP_CHAIN = 16
 
@@ -122,6 +126,22 @@ def _reduce_levels(parts, levels):
   return parts[0]
 
 
+def reduce_partials(parts, fanins=(), levels=()):
+  """``parts [gk, ...]`` fp16 partials added in the plan's order, rounding each addition.
+
+  Args:
+    parts: the ``gk`` partials of every output element.
+    fanins: a tree reduction's fan-ins (``plan.reduce_fanins``).
+    levels: a staged reduce-scatter's partials left after each stage
+      (``scatter_stages``, when it has more than one stage).
+
+  Neither: one reduce-scatter, the partials added in order 0, 1, ...
+  """
+  if levels:
+    return _reduce_levels(parts, levels)
+  return _reduce_stages(parts, tuple(fanins) or (parts.shape[0],))
+
+
 def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=(), levels=()):
   """``a [B, M, K] @ w [B, K, N]`` with fp16 partials, split as the plan splits K.
 
@@ -142,10 +162,7 @@ def planned_dot(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=(), level
   a = jnp.pad(a, ((0, 0), (0, 0), (0, pad))).reshape(b, m, gk, bk).transpose(2, 0, 1, 3)
   w = jnp.pad(w, ((0, 0), (0, pad), (0, 0))).reshape(b, gk, bk, n).transpose(1, 0, 2, 3)
   parts = tile_partials(a.reshape(gk * b, m, bk), w.reshape(gk * b, bk, n), chain)
-  parts = parts.reshape(gk, b, m, n)
-  if levels:
-    return _reduce_levels(parts, levels)
-  return _reduce_stages(parts, tuple(fanins) or (gk,))
+  return reduce_partials(parts.reshape(gk, b, m, n), fanins, levels)
 
 
 def numpy_model(a, w, gk: int, bk: int, chain: int = AMP_CHAIN, fanins=(),

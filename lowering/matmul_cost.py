@@ -316,29 +316,40 @@ def _staged_scatter_cost(target, gk_value: int, out_block, p_itemsize) -> tuple:
   return cycles, received, held
 
 
-def _apply_staged_scatter(target, gk, out_block, p_itemsize, deep, costs) -> tuple:
-  """Replace the one-stage reduce-scatter's costs where poplin reduces in stages."""
+def _apply_staged_scatter(target, gk, out_block, p_itemsize, staged, costs) -> tuple:
+  """Replace the one-stage reduce-scatter's costs where ``staged`` (poplin reduces in stages)."""
   reduce, reduce_bytes, stage2 = costs
-  staged = (gk >= _POPLIN_STAGE_DEPTHS[-1][0]) & ~deep
+  reduce = np.array(reduce, np.float64)
+  reduce_bytes = np.array(reduce_bytes, np.int64)
+  stage2 = np.array(stage2, np.int64)
   for value in np.unique(gk[staged]):
     sel = staged & (gk == value)
     cycles, received, held = _staged_scatter_cost(target, int(value), out_block[sel], p_itemsize)
-    reduce = np.where(sel, 0.0, reduce)
     reduce[sel] = cycles
-    reduce_bytes = np.array(reduce_bytes, np.int64)
     reduce_bytes[sel] = received
-    stage2 = np.array(stage2, np.int64)
     stage2[sel] = out_block[sel] * p_itemsize + held
   return reduce, reduce_bytes, stage2
 
 
-def scatter_reduce_cost(target, gk, out_block, p_itemsize) -> tuple:
+def scatter_reduce_cost(target, gk, out_block, p_itemsize, staged=None) -> tuple:
   """A reduce-scatter of ``gk`` partial blocks (arrays over candidates; 0 where ``gk == 1``).
 
   Each of the ``gk`` tiles sharing an output block receives its piece of the
   other ``gk - 1`` partials and sums them (a superstep: sync, exchange,
-  poplin's ``ReduceAdd`` vertex, ``estimators.partials_reduce_cycles``). Used by
-  the matmul and convolution planners.
+  poplin's ``ReduceAdd`` vertex, ``estimators.partials_reduce_cycles``); 16
+  or more partials are reduced in poplin's stages, a superstep each
+  (:func:`poplin_reduce_levels`, :func:`staged_scatter_figures`), as
+  ``lowering/matmul_stages.py`` emits them. Used by the matmul and
+  convolution planners (poplin plans both reductions alike: a matmul is its
+  1x1 convolution).
+
+  Args:
+    target: the IPU target.
+    gk: partials per output block (arrays over candidates).
+    out_block: output block elements.
+    p_itemsize: bytes of a partial.
+    staged: where poplin's stages may apply (default everywhere; the
+      matmul planner excludes its tree reductions).
 
   Returns:
     ``(cycles, received bytes, temporary bytes of the reducing stage)``.
@@ -353,7 +364,15 @@ def scatter_reduce_cost(target, gk, out_block, p_itemsize) -> tuple:
   reduce = np.where(gk > 1, target.sync_cycles_internal + _exchange_cycles(target, reduce_bytes)
                     + reduce_compute, 0.0)
   stage2 = np.where(gk > 1, partial_bytes + reduce_bytes + piece * p_itemsize, 0)
-  return reduce, reduce_bytes, stage2
+  shape = np.broadcast_shapes(np.shape(gk), np.shape(out_block))
+  gk, out_block = np.broadcast_to(gk, shape), np.broadcast_to(out_block, shape)
+  many = gk >= _POPLIN_STAGE_DEPTHS[-1][0]
+  if staged is not None:
+    many = many & np.broadcast_to(staged, shape)
+  if not many.any():
+    return reduce, reduce_bytes, stage2
+  one_stage = tuple(np.broadcast_to(x, shape) for x in (reduce, reduce_bytes, stage2))
+  return _apply_staged_scatter(target, gk, out_block, p_itemsize, many, one_stage)
 
 
 def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_reduce=True):
@@ -375,12 +394,10 @@ def evaluate_grid(target, b, m, n, k, dtype, p_itemsize, gb, gm, gn, gk, tree_re
   partial_bytes = out_block * p_itemsize
   exchange_bytes = a_bytes + b_bytes
   exchange = _exchange_cycles(target, bus_shared_fraction(target, gn) * a_bytes + b_bytes)
-  reduce, reduce_bytes, stage2 = scatter_reduce_cost(target, gk, out_block, p_itemsize)
   tree_stages = np.zeros(gk.shape, np.int64)
   deep = (gk > out_block) & tree_reduce
-  reduce, reduce_bytes, stage2 = _apply_staged_scatter(
-      target, gk, np.broadcast_to(out_block, gk.shape), p_itemsize, deep,
-      (np.array(reduce, np.float64), reduce_bytes, stage2))
+  reduce, reduce_bytes, stage2 = scatter_reduce_cost(target, gk, out_block, p_itemsize,
+                                                     staged=~deep)
   if deep.any():
     best_cycles = np.full(gk.shape, np.inf)
     best_bytes = np.zeros(gk.shape, np.int64)

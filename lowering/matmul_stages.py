@@ -1,4 +1,4 @@
-"""A matmul's reduce-scatter in poplin's stages (16 or more partials a block).
+"""A reduce-scatter in poplin's stages (16 or more partials a block): matmuls, convolutions.
 
 poplin reduces a partials depth of 16 or more in two stages, 125 or more in
 three (lib/poplin/ConvReducePlan.cpp 20-26; the depths,
@@ -12,7 +12,10 @@ superstep (``<name>/<plan> stage s/S reduce``): its exchange, poplin's
 ``ReduceAdd`` vertex and a sync. The per-tile figures are
 :func:`~ipu_jax.lowering.matmul_cost.staged_scatter_figures`, the same the
 planner prices. ``lowering/matmul_emit.py`` calls :func:`emit_staged_scatter`
-after a pass's products when ``plan.scatter_stages`` has more than one stage.
+after a pass's products when ``plan.scatter_stages`` has more than one stage;
+a convolution's split contraction (``lowering/conv_partials.py``) reduces in
+the same stages, as poplin plans both alike: both describe their partials as
+a :class:`StagedScatter` for :func:`emit_stages`.
 
 Arithmetic (``per_tile`` mode): each stage sums its groups in order, fp16
 partials rounding each addition (:mod:`half_partials`, the same order as the
@@ -20,6 +23,9 @@ batched form's ``planned_dot`` with the plan's ``levels``).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +39,7 @@ from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.matmul_arith import put_pass
 from ipu_jax.lowering.matmul_cost import balanced_bounds, ceil_div, staged_scatter_figures
 
-__all__ = ["emit_staged_scatter"]
+__all__ = ["StagedScatter", "emit_staged_scatter", "emit_stages"]
 
 
 def _gather_sums(gk: int, items: int, block: int, width: int) -> np.ndarray:
@@ -101,8 +107,43 @@ def _link_bytes(target, tiles: np.ndarray, stage: dict, p_size: int):
   return link
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedScatter:
+  """A reduce-scatter of ``gk`` partials a block in poplin's stages: what to emit.
+
+  Attributes:
+    tiles: ``[g_out * gk]`` tile of each partial block (row ``b * gk + j``).
+    gk: partials per output block.
+    block: elements of a (full) partial block.
+    levels: partials left after each stage (``plan.scatter_stages``).
+    acc: the partials' dtype.
+    half: fp16 partials, added in order rounding each addition.
+    out: the result, written by the last stage.
+    final_lengths: ``[g_out, gk]`` result elements each tile writes.
+    name: prefix of the steps' names (``<name> stage s/S reduce``).
+    stage_tensor: name of stage ``s``'s sums, a format string of ``s``.
+    write: ``(out storage, [g_out * gk, piece] sums in acc) -> out storage``.
+  """
+
+  tiles: np.ndarray
+  gk: int
+  block: int
+  levels: tuple
+  acc: np.dtype
+  half: bool
+  out: P.Tensor
+  final_lengths: np.ndarray
+  name: str
+  stage_tensor: str
+  write: Callable
+
+  @property
+  def g_out(self) -> int:
+    return int(self.tiles.size) // self.gk
+
+
 def emit_staged_scatter(ctx, p, ps, partials: P.Tensor) -> None:
-  """Reduce-scatter the pass's ``gk`` partials in ``p.plan.scatter_stages`` supersteps.
+  """Reduce-scatter a matmul pass's ``gk`` partials in ``p.plan.scatter_stages`` supersteps.
 
   Args:
     ctx: the rule context.
@@ -110,16 +151,30 @@ def emit_staged_scatter(ctx, p, ps, partials: P.Tensor) -> None:
     ps: the pass (its index and step-name suffix).
     partials: ``[g_all, block]`` partial blocks, row ``g * gk + j`` on ``p.tiles[g * gk + j]``.
   """
-  gk, g_out, levels = p.plan.grid[3], p.g_out, p.plan.scatter_stages
-  counts = p.pass_counts[:, ps.index].reshape(g_out, gk)
-  stages = staged_scatter_figures(ctx.target, gk, levels, np.full(g_out, p.block),
-                                  p.acc.itemsize, final_lengths=counts)
+  gk = p.plan.grid[3]
+  emit_stages(ctx, StagedScatter(
+      tiles=p.tiles, gk=gk, block=p.block, levels=p.plan.scatter_stages, acc=p.acc,
+      half=p.half, out=p.out, final_lengths=p.pass_counts[:, ps.index].reshape(p.g_out, gk),
+      name=f"{p.name}/{p.plan.label}{ps.suffix}",
+      stage_tensor=f"{p.name}/partials stage {{}}{ps.suffix}",
+      write=lambda out_st, x: put_pass(p, out_st, ps.index, x[:, :p.piece])), partials)
+
+
+def emit_stages(ctx, spec: StagedScatter, partials: P.Tensor) -> None:
+  """Emit the stages of ``spec``, a superstep each, reading ``partials`` ``[g_out * gk, block]``.
+
+  Each stage's figures are :func:`~ipu_jax.lowering.matmul_cost.staged_scatter_figures`',
+  what the planners price.
+  """
+  g_out, gk = spec.g_out, spec.gk
+  stages = staged_scatter_figures(ctx.target, gk, spec.levels, np.full(g_out, spec.block),
+                                  spec.acc.itemsize, final_lengths=spec.final_lengths)
   level, old = partials, gk
-  for index, (new, stage) in enumerate(zip(levels, stages)):
+  for index, (new, stage) in enumerate(zip(spec.levels, stages)):
     stage = dict(stage, held_lo=np.broadcast_to(stage["held_lo"], (g_out, gk)),
                  held_hi=np.broadcast_to(stage["held_hi"], (g_out, gk)))
-    link = _link_bytes(ctx.target, p.tiles, stage, p.acc.itemsize)
-    level = _emit_stage(ctx, p, ps, level, stage, link, (index, old, new))
+    link = _link_bytes(ctx.target, spec.tiles, stage, spec.acc.itemsize)
+    level = _emit_stage(ctx, spec, level, stage, link, (index, old, new))
     old = new
 
 
@@ -129,34 +184,33 @@ def _per_tile(target, tiles: np.ndarray, values) -> np.ndarray:
   return full
 
 
-def _emit_stage(ctx, p, ps, level: P.Tensor, stage: dict, link, where: tuple) -> P.Tensor:
-  """Emit one stage's superstep; returns its result (``p.out`` at the last stage)."""
+def _emit_stage(ctx, spec: StagedScatter, level: P.Tensor, stage: dict, link,
+                where: tuple) -> P.Tensor:
+  """Emit one stage's superstep; returns its result (``spec.out`` at the last stage)."""
   index, old, new = where
-  target, tiles, acc, out = ctx.target, p.tiles, p.acc, p.out
-  gk, g_out, block, count = p.plan.grid[3], p.g_out, p.block, len(p.plan.scatter_stages)
-  last, half = index == count - 1, p.half
+  target, tiles, acc, out = ctx.target, spec.tiles, spec.acc, spec.out
+  gk, g_out, block, count = spec.gk, spec.g_out, spec.block, len(spec.levels)
+  last, half = index == count - 1, spec.half
   if last:
     result = out
   else:
-    width = _width(gk, new, block)
-    result = ctx.new_tensor((p.g_all, width), acc,
-                            TileMapping(p.g_all * width, tiles, np.full(p.g_all, width, np.int64),
+    width, rows = _width(gk, new, block), int(tiles.size)
+    result = ctx.new_tensor((rows, width), acc,
+                            TileMapping(rows * width, tiles, np.full(rows, width, np.int64),
                                         chunk=width),
-                            name=f"{p.name}/partials stage {index + 1}{ps.suffix}")
+                            name=spec.stage_tensor.format(index + 1))
 
   def step(level_st, *out_st):
     x = _stage_sum(level_st, g_out, gk, old, new, block, half)
-    if last:
-      return (put_pass(p, out_st[0], ps.index, x[:, :p.piece]),)
-    return (x,)
+    return (spec.write(out_st[0], x),) if last else (x,)
 
   def logical_step(level, *prior):
-    # The matmul step's logical form wrote the result.
+    # The product's (matmul or convolution) step's logical form wrote the result.
     return (prior[0],) if last else (jnp.zeros(result.shape, acc),)
 
   outputs = _per_tile(target, tiles, stage["outputs"])
   ctx.emit(P.Superstep(
-      name=f"{p.name}/{p.plan.label}{ps.suffix} stage {index + 1}/{count} reduce", op=ctx.op,
+      name=f"{spec.name} stage {index + 1}/{count} reduce", op=ctx.op,
       reads=(level,) + ((out,) if last else ()), writes=(result,), fn=step,
       logical=logical_step, compute_cycles=_per_tile(target, tiles, stage["compute"]),
       exchange=ExchangeCost(_per_tile(target, tiles, stage["bytes_in"]),

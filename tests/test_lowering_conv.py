@@ -6,6 +6,8 @@ modes; the tests also check the exchange bytes against a brute-force count
 and how the available memory proportion shapes the plan.
 """
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -328,6 +330,87 @@ class ConvContractionSplitTest(chex.TestCase, parameterized.TestCase):
     self.assertLen(steps, 2)
     self.assertGreater(int(steps[1].exchange_bytes_in.sum()), 0)
     self.assertGreater(float(np.max(steps[1].compute_cycles)), 0)
+
+
+class ConvStagedReduceTest(chex.TestCase, parameterized.TestCase):
+  """16 or more partials a block reduce in poplin's stages, as a matmul's do.
+
+  poplin plans a convolution's reduction as a matmul's (a matmul is its 1x1
+  convolution; lib/poplin/ConvReducePlan.cpp 20-26: two stages from a depth
+  of 16): a weight gradient of [16, 16, 16, 4] on 16 tiles sums its 16 images
+  on 16 tiles (``k16x1``), [8, 16, 16, 4] its 8 images x 2 row halves
+  (``k8x2``); both reduce 16 -> 4 -> 1, a superstep a stage, each stage's
+  ReduceAdd what poplin's estimateConvReduceCycles prices for it
+  (experiments/poplibs_reference.py), and the plan prices what is emitted.
+  """
+
+  @parameterized.named_parameters(
+      ("k16x1_float", (16, 16, 16, 4), jnp.float32, None, "k16x1"),
+      ("k8x2_half", (8, 16, 16, 4), jnp.float16, "float16", "k8x2"),
+      ("k16x1_half_float_partials", (16, 16, 16, 4), jnp.float16, None, "k16x1"))
+  def test_stages_are_poplins(self, x_shape, dtype, partials, split):
+    from experiments import poplibs_reference as ref
+    from ipu_jax.lowering import matmul_cost
+    x, g = _random(x_shape, dtype), _random(x_shape, dtype, seed=1)
+    cfg = testing_utils.executor_config(matmuls={"partials_type": partials})
+    lowered = ipu_jax.jit(_weight_grad(), target=_SMALL, config=cfg).lower(x, g)
+    steps = _conv_steps(lowered)
+    self.assertIn(f".{split} ", steps[0].name)
+    self.assertEqual([s.name.rsplit(" ", 3)[-3:] for s in steps[1:]],
+                     [["stage", "1/2", "reduce"], ["stage", "2/2", "reduce"]])
+    block, gk = 3 * 3 * 4 * 4, 16
+    p_size = 2 if partials == "float16" else 4
+    want = ref.poplin_conv_reduce_stages(block // gk, gk, p_size == 4, p_size == 4,
+                                         _SMALL.bytes_per_tile)
+    got = [float(s.compute_cycles.max()) for s in steps[1:]]
+    self.assertEqual(got, [float(cycles) for _, _, cycles in want])
+    figures = matmul_cost.staged_scatter_figures(_SMALL, gk, (4, 1), np.array([block]), p_size)
+    self.assertEqual(got, [float(f["compute"].max()) for f in figures])
+    geo = _weight_grad_geometry(x_shape, (3, 3, 4, 4), (1, 1), "SAME",
+                                itemsize=np.dtype(dtype).itemsize, acc_itemsize=p_size,
+                                dtype=np.dtype(dtype).name)
+    plan = plan_conv(_SMALL, geo, 0.6)
+    self.assertEqual((plan.gk, plan.scatter_stages), (gk, (4, 1)))
+    self.assertEqual(plan.reduce_cycles,
+                     sum(s.sync_cycles + s.exchange_cycles + float(s.compute_cycles.max())
+                         for s in steps[1:]))
+    np.asarray(lowered(x, g))
+
+  @parameterized.product(mode=("batched", "per_tile"), half=(False, True))
+  def test_matches_jit(self, mode, half):
+    dtype = jnp.float16 if half else jnp.float32
+    x, g = _random((16, 16, 16, 4), dtype), _random((16, 16, 16, 4), dtype, seed=1)
+    fn = _weight_grad()
+    cfg = testing_utils.executor_config(mode, matmuls={"partials_type": "float16" if half
+                                                       else None})
+    lowered = ipu_jax.jit(fn, target=_SMALL, config=cfg).lower(x, g)
+    self.assertTrue(_conv_steps(lowered)[-1].name.endswith(".k16x1 blocks 4x4x3x3 stage 2/2 "
+                                                           "reduce"))
+    got = np.asarray(lowered(x, g), np.float32)
+    want = np.asarray(jax.jit(fn)(x, g), np.float32)
+    if half:  # fp16 partials: image j's partial, sections of 4 summed in order, then the 4 sums
+      parts = [np.asarray(jax.jit(fn)(x[j:j + 1], g[j:j + 1])) for j in range(16)]
+      add = lambda a, b: (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
+      sums = [functools.reduce(add, parts[lo:lo + 4]) for lo in range(0, 16, 4)]
+      np.testing.assert_array_equal(got, functools.reduce(add, sums).astype(np.float32))
+      chex.assert_trees_all_close(got, want, rtol=2e-2, atol=0.5)
+    else:
+      chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-3)
+
+  def test_half_partials_one_stage_same_order_in_both_modes(self):
+    # On 8 tiles at most 8 partials a block, reduced in one stage; fp16
+    # partials are added in order in both executor modes.
+    x, g = _random((4, 14, 14, 8), jnp.float16), _random((4, 14, 14, 8), jnp.float16, seed=1)
+    target = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=8)
+    got = {}
+    for mode in ("batched", "per_tile"):
+      cfg = testing_utils.executor_config(mode, matmuls={"partials_type": "float16"})
+      lowered = ipu_jax.jit(_weight_grad(), target=target, config=cfg).lower(x, g)
+      self.assertRegex(_conv_steps(lowered)[-1].name, r"\.k\d+x\d+ blocks [\dx]+ reduce$")
+      got[mode] = np.asarray(lowered(x, g), np.float32)
+    np.testing.assert_array_equal(got["batched"], got["per_tile"])
+    chex.assert_trees_all_close(got["batched"], np.asarray(jax.jit(_weight_grad())(x, g),
+                                                           np.float32), rtol=2e-2, atol=0.5)
 
 
 class ConvExchangeBusSharingTest(chex.TestCase, parameterized.TestCase):

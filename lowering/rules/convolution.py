@@ -318,7 +318,7 @@ def conv_general_dilated_rule(ctx: RuleContext, lhs: P.Tensor, rhs: P.Tensor, *,
       scratch_bytes=work.scratch, notes=(note,) if note else (), logical=logical_step,
       flops_dtype=np.dtype(in_dtype)))
   if partials is not None:
-    emit_partials_reduce(ctx, partials, out, grid.tiles, plan.gk,
+    emit_partials_reduce(ctx, partials, out, grid.tiles, plan.gk, plan.scatter_stages,
                          half_partials.applies(in_dtype, acc), name)
   return [out]
 
@@ -327,26 +327,39 @@ def _conv_step(lhs, rhs, out, partials, grid: _OutputGrid, geo: ConvGeometry, dn
                plan: ConvPlan, acc, precision, in_dtype):
   """``(fn, logical)``: the step's blocks on tile storage, and the whole
   convolution on the logical operands (with a split contraction, the step
-  writes the partial blocks, and its logical form the result)."""
+  writes the partial blocks, and its logical form the result: fp16 partials
+  summed in the reduction's order, :mod:`half_partials`, as the reduce steps
+  of ``"per_tile"`` sum them)."""
   dn_obj = lax.ConvDimensionNumbers(*dn)
+  half = half_partials.applies(in_dtype, acc)
 
   def step(x_st, w_st):
     x, w = logical(x_st, lhs), logical(w_st, rhs)
     if partials is None:
       y = _per_tile_conv(x, w, geo, dn, plan, acc, precision, in_dtype)
       return (blocked_storage(y.astype(out.dtype), grid.grids, grid.blocks),)
+    block_conv = lambda xj, wj, geo_j: _per_tile_conv(xj, wj, geo_j, dn, plan, acc, precision,
+                                                      in_dtype)
     parts = [blocked_storage(y, grid.grids, grid.blocks)
-             for y in _per_tile_partials(x, w, geo, dn, plan, acc, precision, in_dtype)]
+             for y in _contraction_parts(x, w, geo, dn, plan, block_conv)]
     p_st = jnp.stack(parts, axis=1).reshape(partials.storage_shape)
     return p_st, jnp.zeros(out.storage_shape, out.dtype)
 
+  def whole_conv(x, w, geo_j):
+    return lax.conv_general_dilated(
+        x, w, geo_j.strides, geo_j.padding, geo_j.lhs_dilation, geo_j.rhs_dilation,
+        dimension_numbers=dn_obj, feature_group_count=geo_j.fgc,
+        batch_group_count=geo_j.bgc, precision=precision, preferred_element_type=acc)
+
   def logical_step(x, w):
-    y = lax.conv_general_dilated(
-        x, w, geo.strides, geo.padding, geo.lhs_dilation, geo.rhs_dilation,
-        dimension_numbers=dn_obj, feature_group_count=geo.fgc,
-        batch_group_count=geo.bgc, precision=precision, preferred_element_type=acc)
     if partials is None:
-      return (y,)
+      return (whole_conv(x, w, geo),)
+    if half:  # fp16 partials: the gk partial convolutions added in the plan's order
+      parts = _contraction_parts(x, w, geo, dn, plan, whole_conv)
+      levels = plan.scatter_stages if len(plan.scatter_stages) > 1 else ()
+      y = half_partials.reduce_partials(jnp.stack(parts), levels=levels)
+    else:
+      y = whole_conv(x, w, geo)
     # The partials are never read on the host (XLA drops them); the reduce
     # step's logical form passes the result on.
     return jnp.zeros(partials.shape, acc), y
@@ -354,9 +367,11 @@ def _conv_step(lhs, rhs, out, partials, grid: _OutputGrid, geo: ConvGeometry, dn
   return step, logical_step
 
 
-def _per_tile_partials(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precision,
-                       in_dtype) -> list:
+def _contraction_parts(x, w, geo: ConvGeometry, dn, plan: ConvPlan, conv) -> list:
   """The ``gk`` partial convolutions of a split contraction, logical, in ``acc``.
+
+  ``conv(xj, wj, geo_j)`` computes one: the tiles' block convolutions
+  (``"per_tile"``) or one whole convolution (the logical form of fp16 partials).
 
   Contraction block ``j = ci * gt + ct`` convolves input channels ``[ci*bi,
   ...)`` with kernel rows ``[ct*bt, ...)`` along spatial axis 0: the same
@@ -381,7 +396,7 @@ def _per_tile_partials(x, w, geo: ConvGeometry, dn, plan: ConvPlan, acc, precisi
       xj = lax.slice_in_dim(x, chans.start, chans.stop, axis=lhs_spec[1])
       wj = lax.slice_in_dim(w, chans.start, chans.stop, axis=rhs_spec[1])
       wj = lax.slice_in_dim(wj, rows.start, rows.stop, axis=rhs_spec[2])
-      parts.append(_per_tile_conv(xj, wj, geo_j, dn, plan, acc, precision, in_dtype))
+      parts.append(conv(xj, wj, geo_j))
   return parts
 
 
