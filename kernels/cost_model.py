@@ -161,7 +161,14 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    moveFinalOutput, StaticMatMulPartitioner.cpp:714-720); kernels/popsparse.py
 #    static_output_chunk. fp16 block 16, 1/16, n = 1024: plan 69,798 -> 71,420 cycles;
 #    static rate (model / measured) 1.11-1.58 -> 1.08-1.56 at block 16.
-COST_MODEL_VERSION = "22"
+# 23: a convolution's split contraction reduces 16 or more partials per output block in
+#    poplin's stages, as 22 made matmuls do (poplin plans a convolution's reduction with the
+#    same ConvReducePlan.cpp / ConvReduce.cpp: a matmul is a convolution there);
+#    lowering/conv_plan.py prices the stages with the matmul's staged figures,
+#    lowering/conv_partials.py emits them (lowering/matmul_stages.py emit_stages). ResNet-50
+#    mlperf_v1_1_pod16: 39 of its 125 split convolutions reduce in two or three stages;
+#    31,573 -> 31,415 images/s (ramp 77.23 -> 77.74 ms). Only convolutions of gk >= 16 move.
+COST_MODEL_VERSION = "23"
 
 
 @dataclasses.dataclass(frozen=True)
