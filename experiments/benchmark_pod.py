@@ -69,14 +69,18 @@ ROWS.update({f"resnet_{name}": [f"--config={name}"] for name in _RESNET_PRESETS}
 # matmul_partials_type "half"; PyTorch: enable_half_partials: True).
 _HALF = "--partials_type=float16"
 _TABLE_ROWS = {
-    # BERT-Large phase 1, TensorFlow 2 (configs/pretrain_large_128_phase1.json:
+    # BERT-Large phase 1, TensorFlow 2: the example's own config
+    # (configs/pretrain_large_128_phase1.json, the tf2_phase1_pod16 preset:
     # micro-batch 8, 4 replicas, G 2,040 = the table's 65,280).
-    "table_bert_large_ph1_bow_pod16": ["--config=phase1_pod16", "--system=bow-pod16", _HALF],
-    # ... on a Bow Pod64: the table's batch 66,560 = 8 x 16 replicas x G 520.
-    "table_bert_large_ph1_bow_pod64": ["--config=phase1_pod64", "--system=bow-pod64",
+    "table_bert_large_ph1_bow_pod16": ["--config=tf2_phase1_pod16", "--system=bow-pod16",
+                                       _HALF],
+    # ... on a Bow Pod64 (pretrain_large_128_phase1_POD64.json, tf2_phase1_pod64):
+    # the table's batch 66,560 = 8 x 16 replicas x G 520 (the file's G is 1,020).
+    "table_bert_large_ph1_bow_pod64": ["--config=tf2_phase1_pod64", "--system=bow-pod64",
                                        "--accumulation=520", _HALF],
-    # BERT-Base phase 1, TensorFlow 2 (pretrain_base_128_phase1.json: 32 x 4 x 510).
-    "table_bert_base_ph1_bow_pod16": ["--config=phase1_pod16", "--model=base",
+    # BERT-Base phase 1, TensorFlow 2 (pretrain_base_128_phase1.json,
+    # tf2_base_phase1_pod16: 32 x 4 x 510).
+    "table_bert_base_ph1_bow_pod16": ["--config=tf2_base_phase1_pod16", "--model=base",
                                       "--system=bow-pod16", _HALF],
     # BERT-Large phase 2 packed, PyTorch (pretrain_large_512, 2 sequences a pack):
     # the table's batch of 8,192 sequences is 4,096 packs of micro-batch 2, G 512

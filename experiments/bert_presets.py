@@ -12,8 +12,23 @@ and 510 on POD64. Masked positions: 20 a sequence at 128 tokens and 76 at
 512 (the examples' ``mask_tokens``). Weights and activations are float16,
 as the examples train (``--dtype float32`` to override), with half partials
 as both examples set them (``--partials_type float32`` to override); LAMB's
-state takes the weights' dtype here (the examples' optimizer state dtypes are
-not modelled; ``--lamb_m_dtype`` / ``--lamb_v_dtype`` to set them).
+moments m and v float32 as the PyTorch example keeps them
+(``optimization.py``: ``first_order_momentum_accum_type`` float32 unless
+``enable_half_first_order_momentum``, ``second_order_momentum_accum_type``
+float32), bias-corrected for BERT-Large (``optimizer: LAMB``) and not for
+BERT-Base (``pretrain_base_128``'s ``LAMBNoBiasCorrection``).
+
+Three presets mirror the TensorFlow 2 example
+(``nlp/bert/tensorflow2/configs/pretrain_large_128_phase1.json``,
+``pretrain_large_128_phase1_POD64.json``, ``pretrain_base_128_phase1.json``,
+with the defaults of ``utilities/options.py``), whose throughput Graphcore's
+performance-results tables give (docs/published_tables.md): ``tf2_phase1_pod16``,
+``tf2_phase1_pod64`` and ``tf2_base_phase1_pod16``. Against the PyTorch
+presets they take the configs' own proportions, replicated tensor sharding
+(off on POD16, on on POD64), vocabulary 30,400, serialisation (5 on the
+POD64 config, else ``options.py``'s 2) and the ``LAMBIpuOptimizer`` the
+example builds (``keras_extensions/optimization.py``: m and v float32,
+``debiasing`` at its default, on).
 
 Two presets mirror the MLPerf Training v1.0 closed BERT runs whose throughput
 Graphcore measured (docs/published_bert.md; ``mlperf_v1_pod16``,
@@ -77,9 +92,10 @@ into the one ``[H, 3H]`` operand of one product, the product here. The runs' dro
 everywhere, of the attention probabilities too in v2.0, from the tiles'
 generators (``random_mode`` "hardware").
 
-``--model base`` takes ``pretrain_base_128``'s layout (the embeddings alone
-on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion 0.25) and, in phase 1,
-its micro-batch 32 and G 512 (510 here).
+``--model base`` on a BERT-Large preset takes ``pretrain_base_128``'s layout
+(the embeddings alone on IPU 0, ``layers_per_ipu [0, 4, 4, 4]``, proportion
+0.25), its LAMB without bias correction (``LAMBNoBiasCorrection``) and, in
+phase 1, its micro-batch 32 and G 512 (510 here).
 """
 
 from __future__ import annotations
@@ -118,17 +134,28 @@ _MLPERF_V1 = dict(_LARGE, seq=512, micro_batch=2, max_predictions=76, packing_fa
                   last_stage_recomputation="checkpoints", lamb_bias_correction=False,
                   lamb_m_dtype="float32", lamb_v_dtype="float32")
 
+# The PyTorch example's LAMB (nlp/bert/pytorch/optimization.py:54,69-79):
+# poptorch.optim.LAMB with first_order_momentum_accum_type float32 (the
+# configs leave enable_half_first_order_momentum False, configs_pretraining.yml
+# defaults) and second_order_momentum_accum_type float32; bias_correction as
+# optimizer: LAMB (pretrain_large_128, inherited by pretrain_large_512).
+# Serialisation: embedding_serialization_factor 2 (pretrain_large_128) splits
+# both the word-embedding lookup (modeling.py SerializedEmbedding) and the
+# tied decoder; the runner's --decoder_serialization 2 is the decoder's, and
+# the lookup's split (BertConfig.embedding_serialization) has no runner flag.
+_PYTORCH_LARGE = dict(_LARGE, lamb_m_dtype="float32", lamb_v_dtype="float32")
+
 PRESETS = {
-    "phase1_pod16": dict(_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
+    "phase1_pod16": dict(_PYTORCH_LARGE, seq=128, micro_batch=8, replicas=4, accumulation=2040,
                          matmul_proportion=[0.15, 0.25, 0.25, 0.25], system="pod16",
                          max_predictions=20),
-    "phase1_pod64": dict(_LARGE, seq=128, micro_batch=8, replicas=16, accumulation=510,
+    "phase1_pod64": dict(_PYTORCH_LARGE, seq=128, micro_batch=8, replicas=16, accumulation=510,
                          matmul_proportion=[0.14, 0.19, 0.19, 0.19], system="pod64",
                          max_predictions=20),
-    "phase2_pod16": dict(_LARGE, seq=512, micro_batch=2, replicas=4, accumulation=2040,
+    "phase2_pod16": dict(_PYTORCH_LARGE, seq=512, micro_batch=2, replicas=4, accumulation=2040,
                          matmul_proportion=[0.10, 0.15, 0.15, 0.15], system="pod16",
                          max_predictions=76),
-    "phase2_pod64": dict(_LARGE, seq=512, micro_batch=2, replicas=16, accumulation=510,
+    "phase2_pod64": dict(_PYTORCH_LARGE, seq=512, micro_batch=2, replicas=16, accumulation=510,
                          matmul_proportion=[0.13, 0.19, 0.19, 0.19], system="pod64",
                          max_predictions=76),
     # MLPerf Training v1.0 closed (configs/mk2/pod16-closed.json, pod64-closed.json).
@@ -214,15 +241,80 @@ PRESETS.update({
                                  matmul_proportion=[1.0] * 8),
 })
 
-# pretrain_base_128: embeddings alone on IPU 0, 4 layers on each other IPU.
-BASE_OVERRIDES = {"layers_per_ipu": [0, 4, 4, 4], "matmul_proportion": [0.25] * 4}
+# Graphcore's TensorFlow 2 BERT example (graphcore/examples
+# nlp/bert/tensorflow2, commit 3cc8f81f), the configuration of the
+# performance-results tables' TensorFlow2 rows (docs/published_tables.md).
+# What every config inherits (utilities/options.py SharedOptions):
+# optimizer_state_offchip True (run_pretraining.py passes it as
+# offload_weight_update_variables), matmul_partials_type "half",
+# embedding_serialization_factor 2 (the word-embedding lookup and the tied MLM
+# projection, convert_bert_model.py / ipu_lm_prediction_head.py's
+# serialized_matmul; the runner serialises the projection,
+# --decoder_serialization, and has no flag for the lookup's split),
+# enable_recomputation True. run_pretraining.py: the Grouped schedule,
+# RecomputeAndBackpropagateInterleaved (the last stage not recomputed:
+# last_stage_recomputation "none"), the proportions per IPU
+# (ipu_utils.get_poplar_options_per_pipeline_stage indexes them by the
+# stage's device). keras_extensions/optimization.py: ipu_tensorflow_addons'
+# LAMBIpuOptimizer with m_dtype and v_dtype float32 and debiasing left at its
+# default True (bias-corrected). The configs' bert_config: vocab_size 30400,
+# hidden_dropout_prob 0.1, attention_probs_dropout_prob 0.0.
+# Not expressible here: optimizer_compute_precisions (float32, float16) (the
+# update's ratio applied in float16; here LAMB computes in each moment's
+# dtype), enable_stochastic_rounding True, min_remote_tensor_size 50000 (only
+# variables of 50,000 bytes or more offloaded; here all the state), the
+# static loss scaling (32768 Large, 4096 Base).
+_TF2 = dict(_LARGE, seq=128, max_predictions=20, vocab_size=30400, decoder_serialization=2,
+            offload_optimizer_state=True, partials_type="float16", lamb_m_dtype="float32",
+            lamb_v_dtype="float32", lamb_bias_correction=True,
+            last_stage_recomputation="none")
+
+PRESETS.update({
+    # configs/pretrain_large_128_phase1.json: micro_batch_size 8, replicas 4,
+    # grad_acc_steps_per_replica 2040, stages [emb + 3, 7, 7, 7, heads] on
+    # pipeline_device_mapping [0, 1, 2, 3, 0],
+    # matmul_available_memory_proportion_per_pipeline_stage
+    # [0.10, 0.19, 0.20, 0.25], replicated_tensor_sharding false.
+    "tf2_phase1_pod16": dict(_TF2, micro_batch=8, replicas=4, accumulation=2040,
+                             layers_per_ipu=[3, 7, 7, 7],
+                             matmul_proportion=[0.10, 0.19, 0.20, 0.25],
+                             replicated_tensor_sharding=False, system="bow-pod16"),
+    # configs/pretrain_large_128_phase1_POD64.json: replicas 16,
+    # grad_acc_steps_per_replica 1020, proportions [0.1, 0.19, 0.2, 0.2],
+    # replicated_tensor_sharding true, embedding_serialization_factor 5
+    # (30,400 / 5 = 6,080 a piece).
+    "tf2_phase1_pod64": dict(_TF2, micro_batch=8, replicas=16, accumulation=1020,
+                             layers_per_ipu=[3, 7, 7, 7],
+                             matmul_proportion=[0.10, 0.19, 0.20, 0.20],
+                             replicated_tensor_sharding=True, decoder_serialization=5,
+                             system="bow-pod64"),
+    # configs/pretrain_base_128_phase1.json: BERT-Base, micro_batch_size 32,
+    # replicas 4, grad_acc_steps_per_replica 510, stages [emb], [4 x hid] x 3,
+    # [heads] on [0, 1, 2, 3, 0], proportions [0.28, 0.26, 0.28, 0.28],
+    # replicated_tensor_sharding false.
+    "tf2_base_phase1_pod16": dict(_TF2, model="base", micro_batch=32, replicas=4,
+                                  accumulation=510, layers_per_ipu=[0, 4, 4, 4],
+                                  matmul_proportion=[0.28, 0.26, 0.28, 0.28],
+                                  replicated_tensor_sharding=False, system="bow-pod16"),
+})
+
+# pretrain_base_128: embeddings alone on IPU 0, 4 layers on each other IPU,
+# optimizer LAMBNoBiasCorrection (poptorch LAMB, bias_correction False;
+# pretrain_base_512 inherits it).
+BASE_OVERRIDES = {"layers_per_ipu": [0, 4, 4, 4], "matmul_proportion": [0.25] * 4,
+                  "lamb_bias_correction": False}
 _BASE_PHASE1 = {"micro_batch": 32, "accumulation": 510}
 
 
 def preset_values(name: str, model: str | None) -> dict:
-  """The flag values of preset ``name`` for ``model`` ('large', 'base'; None: large)."""
+  """The flag values of preset ``name`` for ``model`` ('large', 'base'; None: the preset's).
+
+  ``model`` 'base' on a BERT-Large preset takes the PyTorch example's
+  BERT-Base layout (:data:`BASE_OVERRIDES`); a preset of BERT-Base's own
+  (``tf2_base_phase1_pod16``) keeps its values.
+  """
   values = dict(PRESETS[name])
-  if model == "base":
+  if model == "base" and values["model"] != "base":
     values.update(BASE_OVERRIDES, model="base")
     if name.startswith("phase1"):
       values.update(_BASE_PHASE1)

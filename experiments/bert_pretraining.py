@@ -32,6 +32,10 @@ throughput on ``--system`` and its breakdown by part
 ``phase2_pod64`` (sequence 512, micro-batch 2), BERT-Large on 4 replicas x 4
 IPUs of an IPU-POD16 or 16 x 4 of a POD64, every IPU's 1,472 tiles;
 ``--model base`` for BERT-Base; any flag given overrides the preset. The
+``tf2_*`` presets (``tf2_phase1_pod16``, ``tf2_phase1_pod64``,
+``tf2_base_phase1_pod16``) mirror the TensorFlow 2 example's phase-1
+configs, whose throughput Graphcore's performance-results tables give
+(docs/published_tables.md). The
 ``mlperf_*`` presets mirror Graphcore's MLPerf Training v1.0 / v1.1 / v2.0
 BERT runs; v1.1's and v2.0's place attention and feed-forward blocks
 separately (``--att_ffn_placement``, in place of ``--layers_per_ipu``) and

@@ -78,6 +78,69 @@ class PodSuiteRatioTest(chex.TestCase):
                      {"BERT-Large", "BERT-Base", "ResNet-50"})
 
 
+def _runner_flags(args):
+  """The BERT runner's flags for a row's arguments, its preset applied."""
+  from absl import flags
+  from experiments import bert_pretraining
+  f = bert_pretraining.define_flags(flags.FlagValues())
+  f(["bert_pretraining", *args])
+  bert_pretraining.apply_preset(f)
+  return f
+
+
+class TableRowsRunTheirExamplesTest(parameterized.TestCase):
+  """Each BERT table row runs the configuration of the example that measured it.
+
+  The figures are the examples' (graphcore/examples, commit 3cc8f81f;
+  docs/published_tables.md): TensorFlow 2 ``nlp/bert/tensorflow2/configs/*.json``
+  (``matmul_available_memory_proportion_per_pipeline_stage``,
+  ``replicated_tensor_sharding``, ``bert_config.vocab_size``,
+  ``embedding_serialization_factor``, else ``utilities/options.py``'s 2;
+  ``optimizer_state_offchip`` True; ``keras_extensions/optimization.py``'s
+  LAMB: m and v float32, debiased) and PyTorch ``configs_pretraining.yml``
+  ``pretrain_large_512`` / ``_POD64`` (``matmul_proportion``,
+  ``replicated_tensor_sharding`` True, vocabulary 30,522,
+  ``embedding_serialization_factor`` 2, ``optimizer_state_offchip`` True;
+  ``optimization.py``'s LAMB: m and v float32, bias-corrected).
+  """
+
+  @parameterized.named_parameters(
+      ("tf2_large_pod16", "table_bert_large_ph1_bow_pod16", [0.10, 0.19, 0.20, 0.25], False,
+       30400, 2, 2040),
+      ("tf2_large_pod64", "table_bert_large_ph1_bow_pod64", [0.10, 0.19, 0.20, 0.20], True,
+       30400, 5, 520),
+      ("tf2_base_pod16", "table_bert_base_ph1_bow_pod16", [0.28, 0.26, 0.28, 0.28], False,
+       30400, 2, 510),
+      ("pytorch_ph2_pod16", "table_bert_large_ph2_bow_pod16", [0.10, 0.15, 0.15, 0.15], True,
+       30522, 2, 510),
+      ("pytorch_ph2_pod64", "table_bert_large_ph2_bow_pod64", [0.13, 0.19, 0.19, 0.19], True,
+       30522, 2, 130),
+  )
+  def test_row_runs_its_examples_config(self, row, proportions, rts, vocab, serialization,
+                                        accumulation):
+    import jax
+    import numpy as np
+    from experiments import benchmark_pod, bert_pretraining
+    f = _runner_flags(benchmark_pod.ROWS[row])
+    mcfg = bert_pretraining.model_config(f.model, f.dropout, f.decoder_serialization, f.dtype,
+                                         f.vocab_size, f.attention_dropout)
+    _, mapping = bert_pretraining.stage_layout(f, mcfg.layers)
+    bert_pretraining.check_flags(f, mcfg.layers)
+    cfg = bert_pretraining.ipu_config(f, bert_pretraining.num_ipus(mapping))
+    self.assertEqual(list(cfg.matmuls.available_memory_proportion), proportions)
+    self.assertEqual((cfg.streaming.replicated_tensor_sharding,
+                      cfg.streaming.offload_optimizer_state), (rts, True))
+    self.assertEqual((mcfg.vocab_size, mcfg.decoder_serialization, f.accumulation),
+                     (vocab, serialization, accumulation))
+    self.assertEqual((cfg.matmuls.partials_type, mcfg.dropout, mcfg.attention_dropout),
+                     ("float16", 0.1, 0.0))
+    # LAMB as both examples build it: m and v float32, bias-corrected.
+    state = bert_pretraining.make_optimizer(f).init({"w": np.zeros((4, 8), f.dtype)})[0]
+    self.assertEqual({np.dtype(x.dtype).name for x in jax.tree.leaves((state.mu, state.nu))},
+                     {"float32"})
+    self.assertTrue(f.lamb_bias_correction)
+
+
 class CalibrationTableTest(parameterized.TestCase):
 
   def _run(self, rows, *extra):

@@ -208,12 +208,13 @@ class BadInputTest(parameterized.TestCase):
   # LAMB's m and v (PopART's accl1 / accl2) as each run set them
   # (docs/published_bert.md): v1.1 lamb_m_dtype FLOAT16 on POD16 / POD128,
   # its default FLOAT on POD64, v at PopART's default FLOAT; v2.0
-  # lamb_accl_dtype FLOAT16 for both; v1.0 neither (FLOAT). Other presets:
-  # the weights' dtype.
-  _RUN_LAMB_STATE = {"mlperf_v1_pod16": ("float32", "float32"),
-                     "mlperf_v1_pod64": ("float32", "float32"),
-                     "mlperf_v1_1_pod16": ("float16", "float32"),
-                     "mlperf_v1_1_pod64": ("float32", "float32"),
+  # lamb_accl_dtype FLOAT16 for both; v1.0 neither (FLOAT). The examples'
+  # presets: float32 both, as the PyTorch example's poptorch LAMB
+  # (optimization.py: first_order_momentum_accum_type float32 without
+  # enable_half_first_order_momentum, second_order_momentum_accum_type
+  # float32) and the TensorFlow 2 example's LAMBIpuOptimizer (optimization.py:
+  # m_dtype, v_dtype tf.float32) keep them.
+  _RUN_LAMB_STATE = {"mlperf_v1_1_pod16": ("float16", "float32"),
                      "mlperf_v1_1_pod128": ("float16", "float32"),
                      "mlperf_v2_bow_pod16": ("float16", "float16"),
                      "mlperf_v2_bow_pod64": ("float16", "float16"),
@@ -227,8 +228,28 @@ class BadInputTest(parameterized.TestCase):
     state = bert_pretraining.make_optimizer(f).init(weights)[0]
     got = tuple({np.dtype(x.dtype).name for x in jax.tree.leaves(moment)}
                 for moment in (state.mu, state.nu))
-    m, v = self._RUN_LAMB_STATE.get(name, (f.dtype, f.dtype))
+    m, v = self._RUN_LAMB_STATE.get(name, ("float32", "float32"))
     self.assertEqual(got, ({m}, {v}))
+
+  @parameterized.named_parameters(
+      # PyTorch pretrain_base_128: optimizer LAMBNoBiasCorrection (poptorch
+      # LAMB bias_correction False), proportion 0.25, vocabulary 30,522.
+      ("pytorch", ["--config=phase1_pod16", "--model=base"], False, [0.25] * 4, None),
+      # TensorFlow 2 pretrain_base_128_phase1.json: LAMBIpuOptimizer with
+      # debiasing at its default True; its own proportions and vocabulary,
+      # whether or not --model=base is given.
+      ("tf2", ["--config=tf2_base_phase1_pod16"], True, [0.28, 0.26, 0.28, 0.28], 30400),
+      ("tf2_model_given", ["--config=tf2_base_phase1_pod16", "--model=base"], True,
+       [0.28, 0.26, 0.28, 0.28], 30400),
+  )
+  def test_base_presets_run_their_examples(self, argv, bias_correction, proportions, vocab):
+    f = self._flags(*argv)
+    self.assertEqual((f.model, f.micro_batch, f.accumulation), ("base", 32, 510))
+    self.assertEqual([int(v) for v in f.layers_per_ipu], [0, 4, 4, 4])
+    self.assertEqual(f.lamb_bias_correction, bias_correction)
+    self.assertEqual([float(v) for v in f.matmul_proportion], proportions)
+    self.assertEqual(f.vocab_size, vocab)
+    bert_pretraining.check_flags(f, 12)
 
   @parameterized.parameters(*sorted(bert_presets.PRESETS))
   def test_mlperf_presets_run_lamb_without_bias_correction(self, name):
