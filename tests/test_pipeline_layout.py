@@ -323,15 +323,21 @@ class SharedIPUMemoryAndReportTest(chex.TestCase):
     self.assertEqual(memory[0]["stash_depths"], [4, 0])
     self.assertEqual(memory[0]["stash_bytes"],
                      int((s0.stash_depth * s0.stash_bytes + s2.stash_depth * s2.stash_bytes).sum()))
-    # What each stage holds between its programs: the weights it owns and
-    # their accumulators (stage 0 the tied embedding and l0, stage 2 the bias).
-    f32 = 4
-    self.assertEqual(int(s0.held_bytes.sum()), 2 * f32 * (_VOCAB * _WIDTH + _WIDTH * _WIDTH))
-    self.assertEqual(int(s2.held_bytes.sum()), 2 * f32 * _VOCAB)
+    # What each stage holds for the whole step: the weights it owns, their
+    # accumulators and Adam's m and v (stage 0 the tied embedding and l0,
+    # stage 2 the bias), and Adam's int32 count, all on chip.
+    f32, count = 4, 4
+    self.assertEqual(int(s0.held_bytes.sum()),
+                     4 * f32 * (_VOCAB * _WIDTH + _WIDTH * _WIDTH) + count)
+    self.assertEqual(int(s2.held_bytes.sum()), 4 * f32 * _VOCAB + count)
+    self.assertEqual(int(s0.state_bytes.sum()),
+                     2 * f32 * (_VOCAB * _WIDTH + _WIDTH * _WIDTH) + count)
     self.assertEqual(s2.weight_bytes, f32 * _VOCAB)  # updates (and all-reduces) only its own
 
     def programs(s):
-      return [p.profile.memory.peak for p in (s.forward, s.backward, s.update)]
+      # A stage's forward and backward run beside its state; its update reads it.
+      return [s.forward.profile.memory.peak + s.state_bytes,
+              s.backward.profile.memory.peak + s.state_bytes, s.update.profile.memory.peak]
 
     # On every tile of IPU 0: the largest program of either stage, beside what
     # the other holds, plus both stashes.
@@ -402,6 +408,77 @@ class SameIPUValuesTest(chex.TestCase):
     self.assertEqual(pipe.timeline.link_bytes, g * 2 * activations)
     slots = [s for s in pipe.report.program_report.profile.steps if s.op == "pipeline slot"]
     self.assertEqual(sum(s.ipu_link_bytes for s in slots), g * 2 * activations)
+
+
+def _state_config(offload, replicas=1, allow_out_of_memory=False):
+  """Two stages on two ipu2 IPUs of 16 tiles; Adam's state on chip or offloaded,
+  sharded over the replicas when there are several."""
+  cfg = _config(2, 2, "Sequential")
+  cfg.replication_factor = replicas
+  cfg.streaming.offload_optimizer_state = offload
+  cfg.streaming.replicated_tensor_sharding = replicas > 1
+  cfg.memory.allow_out_of_memory = allow_out_of_memory
+  return cfg
+
+
+def _state_tile_bytes(update):
+  """``[tiles]`` bytes of the update program's state arguments on the tiles
+  their mappings give (none for those in streaming memory)."""
+  out = np.zeros(_TILES, np.int64)
+  for tensor in update.inputs:
+    if tensor.name.startswith("state") and tensor.mapping is not None:
+      np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
+  return out
+
+
+class OnChipOptimizerStateTest(chex.TestCase):
+  """Optimizer state kept on chip is held on its IPU for the whole step."""
+
+  @parameterized.named_parameters(("unsharded", 1), ("sharded_over_two_replicas", 2))
+  def test_peak_beside_forward_and_backward_grows_by_the_state(self, replicas):
+    # 128 rows of width 256: the backward program peaks over the update on
+    # the tiles compared (asserted), so the state beside it shows.
+    params, batches = chain_data(2, 2 * replicas, width=256, rows=128)
+    pipes = [Pipeline(_chain_loss, optax.adam(0.01),
+                      config=_state_config(offload, replicas, True)).lower(params, batches)
+             for offload in (False, True)]
+    on_chip, offloaded = pipes
+    compared = 0
+    for ipu in (0, 1):
+      memory = [p.report.ipu_memory[ipu] for p in pipes]
+      kinds = [np.array([k for _, k, _ in m.programs])[m.chosen] for m in memory]
+      steady = (kinds[0] != "update") & (kinds[1] != "update")
+      stage = [p.stages[ipu] for p in pipes]
+      for kind in ("forward", "backward"):  # the same programs either way
+        np.testing.assert_array_equal(getattr(stage[0], kind).profile.memory.peak,
+                                      getattr(stage[1], kind).profile.memory.peak)
+      # On chip Adam's m and v (and its count, on chip either way) are held.
+      state = _state_tile_bytes(stage[0].update) - _state_tile_bytes(stage[1].update)
+      per_tile = [p.report.memory_per_tile().reshape(2, _TILES)[ipu] for p in pipes]
+      np.testing.assert_array_equal((per_tile[0] - per_tile[1])[steady], state[steady])
+      compared += int(state[steady].sum())
+    # Every tile compared: m and v of both [256, 256] weights, a copy's shard of them.
+    self.assertEqual(compared, 2 * 2 * 4 * 256 * 256 // replicas)
+    self.assertIn("optimizer state held on chip beside it takes",
+                  on_chip.report.ipu_memory[1].describe_tile(0))
+
+  def test_on_chip_state_beside_the_backward_overflows_offloaded_fits(self):
+    # Width 512, 128 rows: each stage's backward peaks ~526 KB a tile and its
+    # update ~591 KB, both under the 638,976 B of an ipu2 tile; Adam's m and v
+    # (131,072 B a tile) held beside the last stage's backward do not fit.
+    params, batches = chain_data(2, 2, width=512, rows=128)
+    on_chip = Pipeline(_chain_loss, optax.adam(0.01), config=_state_config(False))
+    limit = 638976
+    with self.assertRaisesRegex(
+        OutOfMemoryError, rf"Out of memory on IPU 1 \(pipeline stage 1\), tile \d+: it needs "
+        rf"[\d,]+ bytes but has {limit:,d} .*stage 1's backward program peaks at [\d,]+ B, "
+        r"the IPU's other stages hold 0 B of weights and accumulators, the optimizer state "
+        r"held on chip beside it takes 131,07\d B \(stage 1: 131,07\d B\).*"
+        r"streaming.offload_optimizer_state = True"):
+      on_chip.lower(params, batches)
+    offloaded = Pipeline(_chain_loss, optax.adam(0.01), config=_state_config(True))
+    offloaded.lower(params, batches)
+    self.assertLessEqual(int(offloaded.report.memory_per_tile().max()), limit)
 
 
 if __name__ == "__main__":

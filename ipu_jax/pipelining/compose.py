@@ -5,8 +5,9 @@ recomputation, serialisation) setting, as the stages of a small probe
 pipeline -- a three-layer model laid out ``[first], [layer], [layer, layer],
 [last]`` -- and reads from the profiles (:class:`BodyFigures`): each
 program's cycles and per-tile peak, the per-tile bytes of one micro-batch's
-stash, of the owned weights and of the weights plus their gradient
-accumulators, and the bytes sent between stages.
+stash, of the owned weights, of the on-chip optimizer state and of all the
+stage holds for the step (weights, gradient accumulators, on-chip optimizer
+state), and the bytes sent between stages.
 
 A stage of n >= 2 layers is the two-layer stage plus n - 2 times what the
 second layer added (:func:`layers`): the same cycles, and per tile the same
@@ -27,9 +28,10 @@ stage's backward peak); its mean over the tiles gives each figure within 2 %
 IPU 0's first stage runs the first block and its layers one after another
 (:func:`compose_stage`): cycles, stash and holdings add; while one body's
 program runs, the other's weights (forward) or weights and accumulators
-(backward) and its stash are live beside the first's peak; the weight update
-touches everything, so its peak is the sum. These are upper bounds of what
-one lowering of the whole stage would plan.
+(backward) and its stash are live beside the first's peak, and every body's
+on-chip optimizer state beside either (only the update reads it); the weight
+update touches everything, so its peak is the sum. These are upper bounds of
+what one lowering of the whole stage would plan.
 
 Each IPU's peak then follows :mod:`~ipu_jax.pipelining.layout`'s rule: the
 largest of its stages' program peaks with the other stages' holdings beside
@@ -55,7 +57,9 @@ class BodyFigures:
     forward_peak, backward_peak, update_peak: ``[tiles]`` each program's peak bytes.
     stash: ``[tiles]`` one micro-batch's stashed activations.
     weights: ``[tiles]`` the weights it owns.
-    held: ``[tiles]`` the weights it owns and their gradient accumulators.
+    state: ``[tiles]`` its optimizer state kept on chip (zeros offloaded).
+    held: ``[tiles]`` the weights it owns, their gradient accumulators and
+      its on-chip optimizer state.
     weight_bytes: bytes of the weights it owns.
     sends, returns: bytes its forward sends on / its backward returns.
   """
@@ -68,6 +72,7 @@ class BodyFigures:
   update_peak: np.ndarray
   stash: np.ndarray
   weights: np.ndarray
+  state: np.ndarray
   held: np.ndarray
   weight_bytes: int
   sends: int
@@ -99,6 +104,8 @@ def body_figures(pipe, index: int) -> BodyFigures:
                    else zeros),
       stash=np.asarray(programs.stash_bytes, np.int64),
       weights=_owned_weight_tiles(programs, pipe.staged.stages[index], num_tiles),
+      state=(np.asarray(programs.state_bytes, np.int64) if programs.state_bytes is not None
+             else zeros),
       held=(np.asarray(programs.held_bytes, np.int64) if programs.held_bytes is not None
             else zeros),
       weight_bytes=int(programs.weight_bytes),
@@ -107,7 +114,7 @@ def body_figures(pipe, index: int) -> BodyFigures:
 
 
 _SCALED = ("forward", "backward", "update", "forward_peak", "backward_peak", "update_peak",
-           "stash", "weights", "held", "weight_bytes")
+           "stash", "weights", "state", "held", "weight_bytes")
 
 
 def layers(one: BodyFigures, two: BodyFigures, count: int) -> BodyFigures:
@@ -131,7 +138,8 @@ def layers(one: BodyFigures, two: BodyFigures, count: int) -> BodyFigures:
 
 @dataclasses.dataclass
 class StageFigures:
-  """A composed stage: cycles, per-tile program peak, stash and holdings."""
+  """A composed stage: cycles, per-tile program peak, stash and holdings (weights,
+  accumulators and on-chip optimizer state)."""
 
   forward: float
   backward: float
@@ -147,9 +155,10 @@ def compose_stage(bodies: Sequence[BodyFigures]) -> StageFigures:
   stash = sum(b.stash for b in bodies)
   held = sum(b.held for b in bodies)
   weights = sum(b.weights for b in bodies)
-  forward = np.max([b.forward_peak + (weights - b.weights) + (stash - b.stash)
+  state = sum(b.state for b in bodies)  # beside the forward and backward, its own too
+  forward = np.max([b.forward_peak + (weights - b.weights) + state + (stash - b.stash)
                     for b in bodies], axis=0)
-  backward = np.max([b.backward_peak + (held - b.held) + (stash - b.stash)
+  backward = np.max([b.backward_peak + (held - b.held) + b.state + (stash - b.stash)
                      for b in bodies], axis=0)
   update = sum(b.update_peak for b in bodies)
   return StageFigures(

@@ -18,10 +18,18 @@ know are checked here, before anything is lowered:
 Stages on one IPU share its tiles and memory. The programs of one IPU run
 one at a time, so on each tile the IPU needs the largest of its stages'
 program peaks -- with, beside that program, the weights and accumulators the
-IPU's *other* stages hold (a program's peak already counts its own) -- plus
-every activation set any of its stages keeps stashed (each stage's stash
-depth x its stash bytes). With one stage per IPU this is that stage's
-largest program plus its stash, as before.
+IPU's *other* stages hold (a program's peak already counts its own) and the
+optimizer state every stage on the IPU keeps on chip (only the update
+program reads it, so a forward or backward program's peak does not count
+even its own stage's) -- plus every activation set any of its stages keeps
+stashed (each stage's stash depth x its stash bytes). With one stage per IPU
+this is that stage's largest program, its optimizer state beside its forward
+and backward programs, plus its stash.
+
+The optimizer state is held on the tiles the update program maps it to (with
+replicated tensor sharding: the copy's shard); a leaf offloaded to streaming
+memory (``streaming.offload_optimizer_state``) is a remote buffer with no
+tile mapping and holds nothing on chip between updates.
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ import dataclasses
 import numbers
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 from ipu_jax.pipelining.split import PipelineError
 
 __all__ = ["INTERLEAVED_SHARED_IPU", "IPUMemory", "check_mapping", "check_tied_weights",
-           "held_bytes", "ipu_memory"]
+           "held_bytes", "ipu_memory", "state_bytes"]
 
 # TF-IPU's reason for refusing an Interleaved pipeline with a repeated IPU.
 INTERLEAVED_SHARED_IPU = ("The Interleaved schedule does not currently support multiple "
@@ -117,22 +126,52 @@ def check_tied_weights(staged, mapping: Sequence[int]) -> None:
           "value across the stage boundary instead.")
 
 
-def held_bytes(forward, backward, stage, num_tiles: int) -> np.ndarray:
-  """``[tiles]`` bytes of the weights ``stage`` owns and their gradient accumulators.
+def _tile_bytes(tensors, num_tiles: int) -> np.ndarray:
+  """``[tiles]`` bytes of ``tensors`` on the tiles their mappings give (each tensor once)."""
+  out = np.zeros(num_tiles, np.int64)
+  seen = set()
+  for tensor in tensors:
+    # By object: tensor ids are numbered per program, and these come from several.
+    if id(tensor) in seen or tensor.mapping is None or not tensor.mapping.num_elements:
+      continue
+    seen.add(id(tensor))
+    np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
+  return out
 
-  Read from the tile mappings of the forward program's weight arguments and
-  the backward program's accumulator arguments (``stage.params`` order).
+
+def state_bytes(update, num_tiles: int) -> np.ndarray:
+  """``[tiles]`` bytes of the optimizer state a stage keeps on chip for the whole step.
+
+  Read from the tile mappings of the update program's state arguments
+  (argument 1 of ``update(p_k, state, g_k)``, or of the sharded per-copy
+  program: the copy's shard). Leaves offloaded to streaming memory are remote
+  buffers without a tile mapping: they add nothing.
+
+  Args:
+    update: the stage's lowered update program, or None (no optimizer).
+    num_tiles: tiles of the stage's IPU.
+  """
+  if update is None:
+    return np.zeros(num_tiles, np.int64)
+  in_tree = update.signature.in_tree
+  args, _ = jax.tree_util.tree_unflatten(in_tree, list(range(in_tree.num_leaves)))
+  return _tile_bytes([update.inputs[i] for i in jax.tree_util.tree_leaves(args[1])], num_tiles)
+
+
+def held_bytes(forward, backward, stage, num_tiles: int, update=None) -> np.ndarray:
+  """``[tiles]`` bytes ``stage`` holds for the whole step.
+
+  The weights it owns and their gradient accumulators, read from the tile
+  mappings of the forward program's weight arguments and the backward
+  program's accumulator arguments (``stage.params`` order), and its on-chip
+  optimizer state (:func:`state_bytes` of ``update``).
   """
   owned = set(stage.owned)
   count = len(stage.params)
   weights = [t for i, t in zip(stage.params, forward.inputs[:count]) if i in owned]
   accumulators = [t for i, t in zip(stage.params, backward.inputs[-count:] if count else [])
                   if i in owned]
-  out = np.zeros(num_tiles, np.int64)
-  for tensor in weights + accumulators:
-    if tensor.mapping is not None and tensor.mapping.num_elements:
-      np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
-  return out
+  return _tile_bytes(weights + accumulators, num_tiles) + state_bytes(update, num_tiles)
 
 
 @dataclasses.dataclass
@@ -143,11 +182,14 @@ class IPUMemory:
     ipu: the IPU within the replica.
     stages: its :class:`StagePrograms`, in stage order.
     programs: ``[(stage, kind, Lowered)]``, every program run on the IPU.
-    others_held: ``[programs, tiles]`` bytes the IPU's other stages hold
-      (weights, accumulators) while each program runs.
+    others_held: ``[programs, tiles]`` bytes of the weights and accumulators
+      the IPU's other stages hold while each program runs.
+    optimizer_state: ``[programs, tiles]`` bytes of on-chip optimizer state
+      held beside each program and not counted in its peak: every stage's on
+      the IPU, less an update program's own (which it reads).
     chosen: ``[tiles]`` index into ``programs`` of the program that peaks
-      highest on each tile (with the other stages' holdings).
-    program_peak: ``[tiles]`` that program's peak plus the others' holdings.
+      highest on each tile (with what is held beside it).
+    program_peak: ``[tiles]`` that program's peak plus what is held beside it.
     stash: ``[tiles]`` every stage's stash depth x stash bytes, summed.
   """
 
@@ -155,6 +197,7 @@ class IPUMemory:
   stages: list
   programs: list
   others_held: np.ndarray
+  optimizer_state: np.ndarray
   chosen: np.ndarray
   program_peak: np.ndarray
   stash: np.ndarray
@@ -165,24 +208,43 @@ class IPUMemory:
 
   @property
   def peak(self) -> np.ndarray:
-    """``[tiles]`` the IPU's peak bytes: largest program with the others' holdings + stash."""
+    """``[tiles]`` the IPU's peak bytes: largest program with what is held beside it + stash."""
     return self.program_peak + self.stash
 
   def describe_tile(self, tile: int) -> str:
     """What makes up ``tile``'s peak, for an out-of-memory message."""
-    stage, kind, program = self.programs[self.chosen[tile]]
-    held = int(self.others_held[self.chosen[tile], tile])
+    chosen = self.chosen[tile]
+    stage, kind, program = self.programs[chosen]
+    held = int(self.others_held[chosen, tile])
     stashes = ", ".join(f"stage {s.index}: {s.stash_depth} x {int(s.stash_bytes[tile]):,d} B"
                         for s in self.stages)
     return (f"stage {stage}'s {kind} program peaks at "
             f"{int(program.profile.memory.peak[tile]):,d} B, the IPU's other stages hold "
-            f"{held:,d} B of weights and accumulators, and the stashed activation sets take "
-            f"{int(self.stash[tile]):,d} B ({stashes})")
+            f"{held:,d} B of weights and accumulators, {self._describe_state(chosen, tile)}"
+            f"and the stashed activation sets take {int(self.stash[tile]):,d} B ({stashes})")
+
+  def _describe_state(self, chosen: int, tile: int) -> str:
+    state = int(self.optimizer_state[chosen, tile])
+    if not state:
+      return ""
+    own = self.programs[chosen][0] if self.programs[chosen][1] == "update" else None
+    parts = ", ".join(f"stage {s.index}: {int(_state(s, len(self.program_peak))[tile]):,d} B"
+                      for s in self.stages if s.index != own)
+    return f"the optimizer state held on chip beside it takes {state:,d} B ({parts}), "
+
+  def state_at(self, tile: int) -> int:
+    """Bytes of on-chip optimizer state beside the program peaking on ``tile``."""
+    return int(self.optimizer_state[self.chosen[tile], tile])
 
 
 def _held(stage, num_tiles: int) -> np.ndarray:
   held = getattr(stage, "held_bytes", None)
   return np.zeros(num_tiles, np.int64) if held is None else held
+
+
+def _state(stage, num_tiles: int) -> np.ndarray:
+  state = getattr(stage, "state_bytes", None)
+  return np.zeros(num_tiles, np.int64) if state is None else state
 
 
 def ipu_memory(stages: Sequence) -> dict:
@@ -191,9 +253,11 @@ def ipu_memory(stages: Sequence) -> dict:
   for ipu in sorted({s.ipu for s in stages}):
     on_ipu = [s for s in stages if s.ipu == ipu]
     num_tiles = len(on_ipu[0].stash_bytes)
-    held = {s.index: _held(s, num_tiles) for s in on_ipu}
-    total_held = sum(held.values())
-    programs, others, peaks = [], [], []
+    state = {s.index: _state(s, num_tiles) for s in on_ipu}
+    # Weights and accumulators: ``held_bytes`` counts the stage's state too.
+    held = {s.index: _held(s, num_tiles) - state[s.index] for s in on_ipu}
+    total_held, total_state = sum(held.values()), sum(state.values())
+    programs, others, beside = [], [], []
     for s in on_ipu:
       for kind in _PROGRAM_KINDS:
         program = getattr(s, kind)
@@ -201,10 +265,12 @@ def ipu_memory(stages: Sequence) -> dict:
           continue
         programs.append((s.index, kind, program))
         others.append(total_held - held[s.index])
-        peaks.append(program.profile.memory.peak + others[-1])
-    peaks = np.stack(peaks)
+        # Only the update program reads (and so counts) its own stage's state.
+        beside.append(total_state - (state[s.index] if kind == "update" else 0))
+    others, beside = np.stack(others), np.stack(beside)
+    peaks = np.stack([p.profile.memory.peak for _, _, p in programs]) + others + beside
     chosen = np.argmax(peaks, axis=0)
     stash = sum(s.stash_depth * s.stash_bytes for s in on_ipu)
-    out[ipu] = IPUMemory(ipu, on_ipu, programs, np.stack(others), chosen,
+    out[ipu] = IPUMemory(ipu, on_ipu, programs, others, beside, chosen,
                          peaks[chosen, np.arange(num_tiles)], np.asarray(stash, np.int64))
   return out

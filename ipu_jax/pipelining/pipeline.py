@@ -94,6 +94,16 @@ def _recomputation(config, index: int, num_stages: int) -> tuple:
   return bool(options.recomputation and options.last_stage_recomputation == "checkpoints"), False
 
 
+def _state_hint(state_bytes: int) -> str:
+  """What moves on-chip optimizer state off a tile (docs/streaming_memory.md)."""
+  if not state_bytes:
+    return ""
+  return (f" The optimizer state on chip ({state_bytes:,d} B on this tile) can stay in "
+          "streaming memory between updates (streaming.offload_optimizer_state = True) or be "
+          "sharded over replicas (streaming.replicated_tensor_sharding = True with "
+          "replication_factor > 1).")
+
+
 def _lower_passes(stage, recompute: tuple, cfg, p_k, b_k, in_k) -> tuple:
   """The lowered ``(forward, backward)`` programs of ``stage`` under ``cfg``;
   ``recompute``: :func:`_recomputation`'s pair."""
@@ -349,13 +359,13 @@ class Pipeline:
         index=stage.index, ipu=mapping[stage.index], forward=fwd, backward=bwd,
         update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
         returns=returns, weight_bytes=stage_programs.nbytes(o_k),
-        held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles),
-        shared_with=shared_with)
+        held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles, update),
+        state_bytes=layout.state_bytes(update, target.num_tiles), shared_with=shared_with)
     return programs, reads
 
   def _check_memory(self) -> None:
     """Each IPU's peak (its stages' largest program, what the others hold,
-    all their stashes) against a tile's memory."""
+    the on-chip optimizer state, all their stashes) against a tile's memory."""
     if self.config.memory.allow_out_of_memory:
       return
     limit = self.target.bytes_per_tile
@@ -374,7 +384,8 @@ class Pipeline:
             + ("fewer stages on this IPU, more IPUs, pipelining.recomputation=True, or more "
                "tiles." if len(memory.stages) > 1 else
                "more stages (IPUs), pipelining.recomputation=True, the Interleaved schedule, "
-               "or more tiles.") + self._last_stage_hint(memory.stage_indices),
+               "or more tiles.") + _state_hint(memory.state_at(tile))
+            + self._last_stage_hint(memory.stage_indices),
             tile=ipu * t + tile, bytes_needed=int(peak[tile]),
             bytes_available=limit, over_tiles=over + ipu * t,
             report=memory.programs[memory.chosen[tile]][2].report)

@@ -40,7 +40,10 @@ def _memory(pipeline, target: IPUTarget, num_steps: int) -> MemoryProfile:
     for c in MEMORY_CATEGORIES:
       stack = np.stack([p.profile.memory.by_category[c] for _, _, p in memory.programs])
       cats[c][window] = stack[chosen, cols]
-    cats["variables"][window] += memory.others_held[chosen, cols]
+    # Held beside the chosen program: the other stages' weights and
+    # accumulators, and the on-chip optimizer state it does not read.
+    cats["variables"][window] += (memory.others_held[chosen, cols]
+                                  + memory.optimizer_state[chosen, cols])
     cats[STASH_CATEGORY][window] = memory.stash
   peak = sum(cats.values())
   return MemoryProfile(by_category=cats, peak=peak,

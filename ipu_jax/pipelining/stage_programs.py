@@ -81,9 +81,13 @@ class StagePrograms:
     returns: stage -> bytes of input gradients the backward pass sends it.
     weight_bytes: bytes of the weights the stage owns and updates (and so
       of their gradients).
-    held_bytes: ``[tiles_per_ipu]`` bytes of the weights it owns and their
-      gradient accumulators, held between its programs (what the other
-      stages on its IPU run beside; :mod:`~ipu_jax.pipelining.layout`).
+    held_bytes: ``[tiles_per_ipu]`` bytes of the weights it owns, their
+      gradient accumulators and its on-chip optimizer state, held for the
+      whole step (what the other stages on its IPU run beside;
+      :mod:`~ipu_jax.pipelining.layout`).
+    state_bytes: ``[tiles_per_ipu]`` of those, the on-chip optimizer state
+      (zeros when offloaded to streaming memory): beside its forward and
+      backward programs too.
     shared_with: the stage whose forward and backward programs these are
       (an earlier stage alike, :mod:`~ipu_jax.pipelining.shared_stages`),
       or None when this stage's were lowered for it.
@@ -100,6 +104,7 @@ class StagePrograms:
   returns: dict = dataclasses.field(default_factory=dict)
   weight_bytes: int = 0
   held_bytes: Any = None
+  state_bytes: Any = None
   shared_with: Any = None
 
   @property
@@ -122,12 +127,14 @@ class StagePrograms:
   def peak_bytes(self) -> np.ndarray:
     """``[tiles_per_ipu]`` this stage's peak bytes: its largest program plus its stash.
 
-    Stages sharing an IPU add up there: see
-    :func:`ipu_jax.pipelining.layout.ipu_memory`.
+    Its on-chip optimizer state is held beside its forward and backward
+    programs (the update program counts it). Stages sharing an IPU add up
+    there: see :func:`ipu_jax.pipelining.layout.ipu_memory`.
     """
-    programs = [self.forward, self.backward] + ([self.update] if self.update else [])
-    peak = np.max([p.profile.memory.peak for p in programs], axis=0)
-    return peak + self.stash_depth * self.stash_bytes
+    state = 0 if self.state_bytes is None else self.state_bytes
+    peaks = [self.forward.profile.memory.peak + state, self.backward.profile.memory.peak + state]
+    peaks += [self.update.profile.memory.peak] if self.update else []
+    return np.max(peaks, axis=0) + self.stash_depth * self.stash_bytes
 
 
 def nbytes(values) -> int:
