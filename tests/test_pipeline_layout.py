@@ -218,7 +218,8 @@ class SharedIPUOutOfMemoryTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         OutOfMemoryError, r"Out of memory on IPU 0 \(pipeline stages 0, 2\), tile \d+: it needs "
         rf"[\d,]+ bytes but has {limit:,d} .*stage [02]'s (forward|backward|update) program "
-        r"peaks at [\d,]+ B, the IPU's other stages hold [\d,]+ B of weights and accumulators"):
+        r"peaks at [\d,]+ B, the weights and gradient accumulators held beside it take "
+        r"[\d,]+ B"):
       shared.lower(params, batches)
 
 
@@ -335,8 +336,9 @@ class SharedIPUMemoryAndReportTest(chex.TestCase):
     self.assertEqual(s2.weight_bytes, f32 * _VOCAB)  # updates (and all-reduces) only its own
 
     def programs(s):
-      # A stage's forward and backward run beside its state; its update reads it.
-      return [s.forward.profile.memory.peak + s.state_bytes,
+      # A stage's forward and backward run beside its state, its forward beside
+      # its accumulators too; its update reads both.
+      return [s.forward.profile.memory.peak + s.state_bytes + s.accumulator_bytes,
               s.backward.profile.memory.peak + s.state_bytes, s.update.profile.memory.peak]
 
     # On every tile of IPU 0: the largest program of either stage, beside what
@@ -472,13 +474,39 @@ class OnChipOptimizerStateTest(chex.TestCase):
     with self.assertRaisesRegex(
         OutOfMemoryError, rf"Out of memory on IPU 1 \(pipeline stage 1\), tile \d+: it needs "
         rf"[\d,]+ bytes but has {limit:,d} .*stage 1's backward program peaks at [\d,]+ B, "
-        r"the IPU's other stages hold 0 B of weights and accumulators, the optimizer state "
+        r"the weights and gradient accumulators held beside it take 0 B, the optimizer state "
         r"held on chip beside it takes 131,07\d B \(stage 1: 131,07\d B\).*"
         r"streaming.offload_optimizer_state = True"):
       on_chip.lower(params, batches)
     offloaded = Pipeline(_chain_loss, optax.adam(0.01), config=_state_config(True))
     offloaded.lower(params, batches)
     self.assertLessEqual(int(offloaded.report.memory_per_tile().max()), limit)
+
+
+
+class AccumulatorsBesideForwardTest(chex.TestCase):
+  """A stage's gradient accumulators are live beside its own forward program."""
+
+  def test_forward_program_is_counted_with_its_stages_accumulators(self):
+    params, batches = chain_data(2, 2, width=128, rows=32)
+    pipe = Pipeline(_chain_loss, optax.sgd(0.01), config=_state_config(True)).lower(
+        params, batches)
+    for ipu in (0, 1):
+      stage, memory = pipe.stages[ipu], pipe.report.ipu_memory[ipu]
+      # The [128, 128] float32 weight's accumulator, as the backward program maps it.
+      count = len(pipe.staged.stages[ipu].params)
+      acc = np.zeros(_TILES, np.int64)
+      for t in stage.backward.inputs[-count:]:
+        np.add.at(acc, t.mapping.tiles, t.mapping.counts * t.itemsize)
+      self.assertEqual(int(acc.sum()), 128 * 128 * 4)
+      kinds = [k for _, k, _ in memory.programs]
+      # One stage an IPU: beside its forward only its own accumulators;
+      # beside its backward (which reads them) nothing.
+      np.testing.assert_array_equal(memory.others_held[kinds.index("forward")], acc)
+      np.testing.assert_array_equal(memory.others_held[kinds.index("backward")], 0)
+      forward = np.asarray(stage.forward.profile.memory.peak) + acc
+      self.assertTrue(np.all(memory.program_peak >= forward))
+      self.assertTrue(np.all(stage.peak_bytes >= forward + stage.stash_depth * stage.stash_bytes))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,11 @@ stage's backward peak); its mean over the tiles gives each figure within 2 %
 
 IPU 0's first stage runs the first block and its layers one after another
 (:func:`compose_stage`): cycles, stash and holdings add; while one body's
-program runs, the other's weights (forward) or weights and accumulators
-(backward) and its stash are live beside the first's peak, and every body's
-on-chip optimizer state beside either (only the update reads it); the weight
-update touches everything, so its peak is the sum. These are upper bounds of
+program runs, everything the stage holds that the program does not read is
+live beside its peak -- beside a forward, every accumulator, every on-chip
+optimizer state and the other bodies' weights; beside a backward, the other
+bodies' weights and accumulators and every optimizer state -- and the other
+bodies' stash; the weight update touches everything, so its peak is the sum. These are upper bounds of
 what one lowering of the whole stage would plan.
 
 Each IPU's peak then follows :mod:`~ipu_jax.pipelining.layout`'s rule: the
@@ -154,9 +155,10 @@ def compose_stage(bodies: Sequence[BodyFigures]) -> StageFigures:
   """A stage running ``bodies`` one after another (see the module docstring)."""
   stash = sum(b.stash for b in bodies)
   held = sum(b.held for b in bodies)
-  weights = sum(b.weights for b in bodies)
-  state = sum(b.state for b in bodies)  # beside the forward and backward, its own too
-  forward = np.max([b.forward_peak + (weights - b.weights) + state + (stash - b.stash)
+  # Beside each program: what the stage holds less what the program reads
+  # (a forward its body's weights; a backward its body's weights and
+  # accumulators, not its state).
+  forward = np.max([b.forward_peak + (held - b.weights) + (stash - b.stash)
                     for b in bodies], axis=0)
   backward = np.max([b.backward_peak + (held - b.held) + b.state + (stash - b.stash)
                      for b in bodies], axis=0)

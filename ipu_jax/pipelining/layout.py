@@ -158,20 +158,33 @@ def state_bytes(update, num_tiles: int) -> np.ndarray:
   return _tile_bytes([update.inputs[i] for i in jax.tree_util.tree_leaves(args[1])], num_tiles)
 
 
+def _owned(stage, tensors) -> list:
+  """Of a program's per-parameter ``tensors`` (``stage.params`` order), the stage's own."""
+  owned = set(stage.owned)
+  return [t for i, t in zip(stage.params, tensors) if i in owned]
+
+
+def accumulator_bytes(backward, stage, num_tiles: int) -> np.ndarray:
+  """``[tiles]`` bytes of the gradient accumulators of the weights ``stage`` owns.
+
+  Read from the backward program's accumulator arguments (its last
+  ``len(stage.params)``). They live for the whole step, beside the stage's
+  forward program too, which does not read them.
+  """
+  count = len(stage.params)
+  return _tile_bytes(_owned(stage, backward.inputs[-count:] if count else []), num_tiles)
+
+
 def held_bytes(forward, backward, stage, num_tiles: int, update=None) -> np.ndarray:
   """``[tiles]`` bytes ``stage`` holds for the whole step.
 
-  The weights it owns and their gradient accumulators, read from the tile
-  mappings of the forward program's weight arguments and the backward
-  program's accumulator arguments (``stage.params`` order), and its on-chip
-  optimizer state (:func:`state_bytes` of ``update``).
+  The weights it owns (the forward program's weight arguments), their
+  gradient accumulators (:func:`accumulator_bytes`) and its on-chip optimizer
+  state (:func:`state_bytes` of ``update``).
   """
-  owned = set(stage.owned)
-  count = len(stage.params)
-  weights = [t for i, t in zip(stage.params, forward.inputs[:count]) if i in owned]
-  accumulators = [t for i, t in zip(stage.params, backward.inputs[-count:] if count else [])
-                  if i in owned]
-  return _tile_bytes(weights + accumulators, num_tiles) + state_bytes(update, num_tiles)
+  weights = _owned(stage, forward.inputs[:len(stage.params)])
+  return (_tile_bytes(weights, num_tiles) + accumulator_bytes(backward, stage, num_tiles)
+          + state_bytes(update, num_tiles))
 
 
 @dataclasses.dataclass
@@ -183,7 +196,9 @@ class IPUMemory:
     stages: its :class:`StagePrograms`, in stage order.
     programs: ``[(stage, kind, Lowered)]``, every program run on the IPU.
     others_held: ``[programs, tiles]`` bytes of the weights and accumulators
-      the IPU's other stages hold while each program runs.
+      held beside each program and not counted in its peak: the IPU's other
+      stages', and a forward program's own stage's accumulators (which it
+      does not read).
     optimizer_state: ``[programs, tiles]`` bytes of on-chip optimizer state
       held beside each program and not counted in its peak: every stage's on
       the IPU, less an update program's own (which it reads).
@@ -219,8 +234,9 @@ class IPUMemory:
     stashes = ", ".join(f"stage {s.index}: {s.stash_depth} x {int(s.stash_bytes[tile]):,d} B"
                         for s in self.stages)
     return (f"stage {stage}'s {kind} program peaks at "
-            f"{int(program.profile.memory.peak[tile]):,d} B, the IPU's other stages hold "
-            f"{held:,d} B of weights and accumulators, {self._describe_state(chosen, tile)}"
+            f"{int(program.profile.memory.peak[tile]):,d} B, the weights and gradient "
+            f"accumulators held beside it take {held:,d} B, "
+            f"{self._describe_state(chosen, tile)}"
             f"and the stashed activation sets take {int(self.stash[tile]):,d} B ({stashes})")
 
   def _describe_state(self, chosen: int, tile: int) -> str:
@@ -247,6 +263,11 @@ def _state(stage, num_tiles: int) -> np.ndarray:
   return np.zeros(num_tiles, np.int64) if state is None else state
 
 
+def _accumulators(stage, num_tiles: int) -> np.ndarray:
+  acc = getattr(stage, "accumulator_bytes", None)
+  return np.zeros(num_tiles, np.int64) if acc is None else acc
+
+
 def ipu_memory(stages: Sequence) -> dict:
   """``{ipu: IPUMemory}`` for the IPUs the stages use (see the module docstring)."""
   out = {}
@@ -264,7 +285,9 @@ def ipu_memory(stages: Sequence) -> dict:
         if program is None:
           continue
         programs.append((s.index, kind, program))
-        others.append(total_held - held[s.index])
+        # The forward program reads its stage's weights, not their accumulators.
+        own = _accumulators(s, num_tiles) if kind == "forward" else 0
+        others.append(total_held - held[s.index] + own)
         # Only the update program reads (and so counts) its own stage's state.
         beside.append(total_state - (state[s.index] if kind == "update" else 0))
     others, beside = np.stack(others), np.stack(beside)

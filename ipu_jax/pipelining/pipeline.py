@@ -360,7 +360,9 @@ class Pipeline:
         update=update, stash_bytes=stage_programs.per_tile_bytes(fwd, stashed, target.num_tiles),
         returns=returns, weight_bytes=stage_programs.nbytes(o_k),
         held_bytes=layout.held_bytes(fwd, bwd, stage, target.num_tiles, update),
-        state_bytes=layout.state_bytes(update, target.num_tiles), shared_with=shared_with)
+        state_bytes=layout.state_bytes(update, target.num_tiles),
+        accumulator_bytes=layout.accumulator_bytes(bwd, stage, target.num_tiles),
+        shared_with=shared_with)
     return programs, reads
 
   def _check_memory(self) -> None:

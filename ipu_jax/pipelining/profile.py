@@ -7,8 +7,9 @@ each tile's compute the cycles its IPU spends on the slot's passes (a stage
 program's cycles, spread evenly over the IPU's tiles: the slot lasts as long
 as the busiest IPU). The gradient all-reduce over replicas and the weight
 updates close the step. Memory per tile is, on each IPU, the categories of
-the stage program that peaks highest on that tile, plus the weights and
-accumulators the IPU's other stages hold (as ``variables``) and every stashed
+the stage program that peaks highest on that tile, plus the weights,
+accumulators and on-chip optimizer state held beside it (the IPU's other
+stages', and what of its own stage's it does not read: as ``variables``) and every stashed
 activation set of its stages (category ``stashed_activations``;
 :mod:`~ipu_jax.pipelining.layout`), so ``ipu_jax.Report``,
 ``compare_reports`` and the HTML page show a pipeline like any program.

@@ -88,6 +88,8 @@ class StagePrograms:
     state_bytes: ``[tiles_per_ipu]`` of those, the on-chip optimizer state
       (zeros when offloaded to streaming memory): beside its forward and
       backward programs too.
+    accumulator_bytes: ``[tiles_per_ipu]`` of those, the gradient
+      accumulators: beside its forward program too.
     shared_with: the stage whose forward and backward programs these are
       (an earlier stage alike, :mod:`~ipu_jax.pipelining.shared_stages`),
       or None when this stage's were lowered for it.
@@ -105,6 +107,7 @@ class StagePrograms:
   weight_bytes: int = 0
   held_bytes: Any = None
   state_bytes: Any = None
+  accumulator_bytes: Any = None
   shared_with: Any = None
 
   @property
@@ -128,11 +131,14 @@ class StagePrograms:
     """``[tiles_per_ipu]`` this stage's peak bytes: its largest program plus its stash.
 
     Its on-chip optimizer state is held beside its forward and backward
-    programs (the update program counts it). Stages sharing an IPU add up
-    there: see :func:`ipu_jax.pipelining.layout.ipu_memory`.
+    programs (the update program counts it), its gradient accumulators beside
+    its forward program (the backward and update programs read them). Stages
+    sharing an IPU add up there: see :func:`ipu_jax.pipelining.layout.ipu_memory`.
     """
     state = 0 if self.state_bytes is None else self.state_bytes
-    peaks = [self.forward.profile.memory.peak + state, self.backward.profile.memory.peak + state]
+    acc = 0 if self.accumulator_bytes is None else self.accumulator_bytes
+    peaks = [self.forward.profile.memory.peak + state + acc,
+             self.backward.profile.memory.peak + state]
     peaks += [self.update.profile.memory.peak] if self.update else []
     return np.max(peaks, axis=0) + self.stash_depth * self.stash_bytes
 
