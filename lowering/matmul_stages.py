@@ -94,10 +94,18 @@ def _link_bytes(target, tiles: np.ndarray, stage: dict, p_size: int):
   link = np.zeros(target.num_ipus, np.int64)
   if target.num_ipus == 1:
     return link
-  held_lo, held_hi = stage["held_lo"], stage["held_hi"]
-  g_out, gk = held_lo.shape
+  g_out, gk = stage["held_lo"].shape
   ipu = (tiles // target.tiles_per_ipu).reshape(g_out, gk)
-  lo, hi = stage["lo"], stage["lo"] + stage["outputs"]
+  # Only a block whose k-tiles straddle an IPU boundary sends over a link,
+  # and a block's few dozen consecutive k-tiles seldom do: the [block,
+  # sender, receiver] overlaps are taken of those blocks alone.
+  mixed = np.flatnonzero(ipu.min(axis=1) != ipu.max(axis=1))
+  if not mixed.size:
+    return link
+  ipu = ipu[mixed]
+  held_lo, held_hi, lo, outputs = (np.broadcast_to(stage[k], (g_out, gk))[mixed]
+                                   for k in ("held_lo", "held_hi", "lo", "outputs"))
+  hi = lo + outputs
   overlap = np.maximum(0, np.minimum(held_hi[:, :, None], hi[:, None, :])
                        - np.maximum(held_lo[:, :, None], lo[:, None, :]))  # [g, sender, receiver]
   needs = stage["dest"][:, None] == stage["group"][None, :]               # [sender, receiver]
