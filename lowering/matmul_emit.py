@@ -389,6 +389,8 @@ class _Pass:
     rb, rm, rn, rk: ``[g_all]`` block sizes of every grid tile (edge blocks
       are short).
     suffix: the steps' name suffix (``" pass i/n"``, or empty).
+    edges: ``([gb], [gm], [gn], [gk])`` the block sizes along each grid axis,
+      of which ``rb, rm, rn, rk`` are the grid's outer product.
   """
   index: int
   start: int
@@ -400,6 +402,7 @@ class _Pass:
   rn: np.ndarray
   rk: np.ndarray
   suffix: str
+  edges: tuple
 
   @property
   def outputs(self) -> np.ndarray:
@@ -417,9 +420,10 @@ def _pass(p: ProductPlan, index: int) -> _Pass:
   pm = (stop - start) if axis == 1 else m
   pn = (stop - start) if axis == 2 else n
   ib, im, in_, ik = np.unravel_index(np.arange(p.g_all), (gb, gm, gn, gk))
-  return _Pass(index, start, stop, pm, pn, edge_sizes(b, gb, bb)[ib], edge_sizes(pm, gm, bm)[im],
-               edge_sizes(pn, gn, bn)[in_], edge_sizes(k, gk, bk)[ik],
-               f" pass {index + 1}/{passes}" if passes > 1 else "")
+  edges = (edge_sizes(b, gb, bb), edge_sizes(pm, gm, bm), edge_sizes(pn, gn, bn),
+           edge_sizes(k, gk, bk))
+  return _Pass(index, start, stop, pm, pn, edges[0][ib], edges[1][im], edges[2][in_],
+               edges[3][ik], f" pass {index + 1}/{passes}" if passes > 1 else "", edges)
 
 
 def _lhs_exchange(p: ProductPlan, ps: _Pass) -> OperandExchange:
@@ -463,12 +467,28 @@ def _operand_costs(target, p: ProductPlan, ps: _Pass, previous: tuple) -> tuple:
   return a_all, b_all
 
 
+def _block_cycles(target, p: ProductPlan, ps: _Pass) -> np.ndarray:
+  """``[g_all]`` AMP cycles of every grid tile's block, estimated once per block shape.
+
+  Along each grid axis the blocks take at most three sizes (whole, the
+  edge's short one, none past the end), so the grid's thousands of tiles
+  hold a few shapes: the elementwise estimate is taken of those and
+  gathered back (the same figures as one estimate per tile, at a fraction
+  of the work on a grid over several IPUs).
+  """
+  sizes, where = zip(*(np.unique(e, return_inverse=True) for e in ps.edges))
+  rb, rm, rn, rk = np.ix_(*sizes)
+  table = estimators.matmul_cycles(target, rb * rm * rn * rk, np.dtype(p.in_dtype).itemsize,
+                                   outputs=rb * rm * rn, dtype=p.in_dtype, k=rk, n=rn,
+                                   groups=rb, partials_itemsize=p.acc.itemsize)
+  # Each grid tile's shape, row-major over the grid as ``_pass`` lays the tiles.
+  index = np.ravel_multi_index(np.ix_(*(w.reshape(-1) for w in where)), table.shape)
+  return table.reshape(-1)[index.reshape(-1)[:p.g_all]]
+
+
 def _block_work(target, p: ProductPlan, ps: _Pass, a_local, b_local) -> BlockWork:
   macs = ps.rb * ps.rm * ps.rn * ps.rk
-  cycles = estimators.matmul_cycles(target, macs, np.dtype(p.in_dtype).itemsize,
-                                    outputs=ps.rb * ps.rm * ps.rn, dtype=p.in_dtype,
-                                    k=ps.rk, n=ps.rn, groups=ps.rb,
-                                    partials_itemsize=p.acc.itemsize)
+  cycles = _block_cycles(target, p, ps)
   # Local elements of the blocks are copied into the AMP's block layout; the
   # received ones sit in the exchange buffers (counted by the analysis).
   scratch = a_local * p.lhs.itemsize + b_local * p.rhs.itemsize
