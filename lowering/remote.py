@@ -21,10 +21,11 @@ from tile-mapped tensors at a row offset. Here:
 
 The offload pass (:func:`offload_tensors`) moves chosen tile tensors of a
 lowered program into remote buffers: inside the innermost loop body that
-holds every use of a tensor, the tensors sharing that body are copied onto
-their tiles in one step before the first use of any of them and back in one
-step after the last, so between uses they cost no tile memory and each
-direction pays one sync.
+holds every use of a tensor, tensors whose spans of use overlap there are
+copied onto their tiles in one step before the first use of any of them and
+back in one step after the last, so between uses they cost no tile memory and
+each such cluster pays one sync per direction (a weight update ordered weight
+by weight streams one weight's state at a time).
 """
 
 from __future__ import annotations
@@ -350,6 +351,20 @@ def _where(sequence: P.Sequence, tensor: P.Tensor, memo: dict, uses: dict):
   return sequence, where[0], where[-1]
 
 
+def _clusters(entries: list) -> list:
+  """``entries`` (``(first, last, ins, outs)`` in one sequence) merged where
+  their use intervals overlap: ``[(first, last, ins, outs)]``, by position."""
+  entries = sorted(entries, key=lambda e: e[0])
+  merged = []
+  for first, last, ins, outs in entries:
+    if merged and first <= merged[-1][1]:
+      top = merged[-1]
+      merged[-1] = (top[0], max(top[1], last), top[2] + ins, top[3] + outs)
+    else:
+      merged.append((first, last, list(ins), list(outs)))
+  return merged
+
+
 def offload_tensors(program: P.Program, pairs: Sequence[tuple]) -> P.Sequence:
   """Move tile tensors of ``program`` into remote buffers.
 
@@ -362,9 +377,13 @@ def offload_tensors(program: P.Program, pairs: Sequence[tuple]) -> P.Sequence:
       (an offloaded output). Offloaded inputs stop being always-live variables:
       on tiles they are temporaries, live only between the copies.
 
-  Tensors whose uses share a sequence are streamed together, as a weight
-  update loads all its state at once: one copy step (one sync) before the
-  first use of any of them, one after the last.
+  Tensors whose uses overlap in one sequence (the span from a tensor's first
+  use to its last meets another's) are streamed together: one copy step (one
+  sync) before the first use of any of them, one after the last. A weight
+  update traced leaf by leaf for each operation (optax's order) thus loads
+  all its state at once; one ordered weight by weight
+  (``lowering/update_order.py``) streams each weight's state in just before
+  its chain and out right after, so the tiles hold one weight's at a time.
 
   Returns:
     The rewritten program (a Sequence).
@@ -372,7 +391,8 @@ def offload_tensors(program: P.Program, pairs: Sequence[tuple]) -> P.Sequence:
   if not isinstance(program, P.Sequence):
     program = P.Sequence(program)
   memo, uses = {}, {}  # key sets per program; children using each key per sequence
-  groups = {}  # id(sequence) -> [sequence, first, last, ins, outs]
+  sequences = {}  # id(sequence) -> sequence
+  spans = {}  # (id(sequence), buffer id) -> [first, last, ins, outs]
   for tensor, buffer, copy_in, copy_out in pairs:
     if tensor.category == "variables":
       tensor.category = "temporaries"
@@ -380,15 +400,24 @@ def offload_tensors(program: P.Program, pairs: Sequence[tuple]) -> P.Sequence:
     if found is None:
       continue
     sequence, first, last = found
-    group = groups.setdefault(id(sequence), [sequence, first, last, [], []])
-    group[1], group[2] = min(group[1], first), max(group[2], last)
+    sequences[id(sequence)] = sequence
+    # A buffer's old value and its new one (an updated variable) are on tiles
+    # from the old one's first use to the new one's last: one span.
+    span = spans.setdefault((id(sequence), buffer.id), [first, last, [], []])
+    span[0], span[1] = min(span[0], first), max(span[1], last)
     if copy_in:
-      group[3].append((buffer, tensor, 0))
+      span[2].append((buffer, tensor, 0))
     if copy_out:
-      group[4].append((buffer, tensor, 0))
-  for sequence, first, last, ins, outs in groups.values():
-    if outs:
-      sequence.programs.insert(last + 1, remote_copies(outs, to_remote=True))
-    if ins:
-      sequence.programs.insert(first, remote_copies(ins, to_remote=False))
+      span[3].append((buffer, tensor, 0))
+  entries = {}
+  for (key, _), span in spans.items():
+    entries.setdefault(key, []).append(tuple(span))
+  for key, sequence_entries in entries.items():
+    sequence = sequences[key]
+    # From the last cluster back, so the positions of earlier ones still hold.
+    for first, last, ins, outs in reversed(_clusters(sequence_entries)):
+      if outs:
+        sequence.programs.insert(last + 1, remote_copies(outs, to_remote=True))
+      if ins:
+        sequence.programs.insert(first, remote_copies(ins, to_remote=False))
   return program

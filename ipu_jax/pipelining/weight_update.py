@@ -21,6 +21,14 @@ as they reach the Keras-like ``fit`` (``ipu_jax/keras/offload.py``):
   inside the program, lowered for R replicas and costed by its tile rule. The
   program runs once per copy (``jax.vmap`` over the replica axis).
 
+Order: the update is lowered weight by weight
+(:func:`ipu_jax.lowering.update_order.in_chain_order`), as TensorFlow-IPU's
+and PopART's liveness-minimising schedulers run it, not in optax's
+operation-by-operation trace order; with the state offloaded, each weight's
+state is then streamed in just before its chain and out right after it
+(``lowering/remote.py``), so the tiles hold one weight's state at a time.
+The numbers do not change (only the order does).
+
 Costs: in the step's timeline, where the all-reduce of an unsharded
 pipeline's gradients sits, a sharded stage spends one ring reduce-scatter and
 one ring all-gather of its (padded) sharded weights, plus an all-reduce of its
@@ -46,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import collectives
+from ipu_jax.lowering.update_order import in_chain_order
 from ipu_jax.ops.collectives import REPLICA_AXIS
 from ipu_jax.pipelining import cross_stage, links, stage_programs
 from ipu_jax.sharded_optimizer import (ShardedUpdate, gather_leaf, is_sharded_leaf,
@@ -236,8 +245,9 @@ def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   if not shards_state(pipeline):
     state = optimizer.init(p_k)
     options = _jit_options(pipeline, state)
-    update = shared.function(optimizer, lambda: stage_programs.update_function(optimizer), cfg,
-                             options)
+    update = shared.function(
+        optimizer, lambda: in_chain_order(stage_programs.update_function(optimizer)), cfg,
+        options)
     return update.lower(p_k, state, p_k)
   r = pipeline.replicas
   program = shared.program(optimizer, p_k, r)
@@ -245,7 +255,8 @@ def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   replicated.replication_factor = r
   state = program.init(p_k, 0)
   options = _jit_options(pipeline, state)
-  update = shared.function(program, lambda: _sharded_function(program), replicated, options)
+  update = shared.function(program, lambda: in_chain_order(_sharded_function(program)),
+                           replicated, options)
   lowered = update.lower(shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0))
   return shared.sharded(lowered, program, r)
 
