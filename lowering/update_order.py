@@ -32,6 +32,7 @@ numbers are bit-identical. Linear in equations and operands (a union-find).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -133,16 +134,16 @@ def in_chain_order(fn: Callable) -> Callable:
   """``fn`` traced, reordered by :func:`chain_order`, and evaluated in that order.
 
   Called inside a trace (``ipu_jax.jit``), the outer trace records ``fn``'s
-  equations chain by chain; the outputs are ``fn``'s, bit for bit.
+  equations chain by chain; the outputs are ``fn``'s, bit for bit. The
+  wrapper keeps ``fn``'s signature (``functools.wraps``), so a program lowered
+  from it names its arguments as ``fn``'s (``state``, ``grads`` ...).
   """
 
-  def ordered(*args):
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  @functools.wraps(fn)
+  def ordered(*args, **kwargs):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     closed = chain_order(closed)
-    flat = jex_core.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(args))
+    flat = jex_core.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves((args, kwargs)))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
 
-  for attribute in ("__name__", "__qualname__", "__doc__"):
-    if hasattr(fn, attribute):
-      setattr(ordered, attribute, getattr(fn, attribute))
   return ordered
