@@ -46,6 +46,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ipu_jax.pipelining import layout
+
 __all__ = ["BodyFigures", "StageFigures", "body_figures", "compose_stage", "ipu_peak", "layers"]
 
 
@@ -80,15 +82,6 @@ class BodyFigures:
   returns: int
 
 
-def _owned_weight_tiles(programs, stage, num_tiles: int) -> np.ndarray:
-  owned = set(stage.owned)
-  out = np.zeros(num_tiles, np.int64)
-  for i, tensor in zip(stage.params, programs.forward.inputs[:len(stage.params)]):
-    if i in owned and tensor.mapping is not None and tensor.mapping.num_elements:
-      np.add.at(out, tensor.mapping.tiles, tensor.mapping.counts * tensor.itemsize)
-  return out
-
-
 def body_figures(pipe, index: int) -> BodyFigures:
   """The figures of stage ``index`` of a lowered (probe) pipeline."""
   programs = pipe.stages[index]
@@ -104,7 +97,7 @@ def body_figures(pipe, index: int) -> BodyFigures:
       update_peak=(np.asarray(update.profile.memory.peak, np.int64) if update is not None
                    else zeros),
       stash=np.asarray(programs.stash_bytes, np.int64),
-      weights=_owned_weight_tiles(programs, pipe.staged.stages[index], num_tiles),
+      weights=layout.weight_bytes(programs.forward, pipe.staged.stages[index], num_tiles),
       state=(np.asarray(programs.state_bytes, np.int64) if programs.state_bytes is not None
              else zeros),
       held=(np.asarray(programs.held_bytes, np.int64) if programs.held_bytes is not None

@@ -44,7 +44,7 @@ import numpy as np
 from ipu_jax.pipelining.split import PipelineError
 
 __all__ = ["INTERLEAVED_SHARED_IPU", "IPUMemory", "check_mapping", "check_tied_weights",
-           "held_bytes", "ipu_memory", "state_bytes"]
+           "accumulator_bytes", "held_bytes", "ipu_memory", "state_bytes", "weight_bytes"]
 
 # TF-IPU's reason for refusing an Interleaved pipeline with a repeated IPU.
 INTERLEAVED_SHARED_IPU = ("The Interleaved schedule does not currently support multiple "
@@ -164,6 +164,12 @@ def _owned(stage, tensors) -> list:
   return [t for i, t in zip(stage.params, tensors) if i in owned]
 
 
+def weight_bytes(forward, stage, num_tiles: int) -> np.ndarray:
+  """``[tiles]`` bytes of the weights ``stage`` owns, read from the forward
+  program's weight arguments (its first ``len(stage.params)``)."""
+  return _tile_bytes(_owned(stage, forward.inputs[:len(stage.params)]), num_tiles)
+
+
 def accumulator_bytes(backward, stage, num_tiles: int) -> np.ndarray:
   """``[tiles]`` bytes of the gradient accumulators of the weights ``stage`` owns.
 
@@ -178,13 +184,12 @@ def accumulator_bytes(backward, stage, num_tiles: int) -> np.ndarray:
 def held_bytes(forward, backward, stage, num_tiles: int, update=None) -> np.ndarray:
   """``[tiles]`` bytes ``stage`` holds for the whole step.
 
-  The weights it owns (the forward program's weight arguments), their
-  gradient accumulators (:func:`accumulator_bytes`) and its on-chip optimizer
-  state (:func:`state_bytes` of ``update``).
+  The weights it owns (:func:`weight_bytes`), their gradient accumulators
+  (:func:`accumulator_bytes`) and its on-chip optimizer state
+  (:func:`state_bytes` of ``update``).
   """
-  weights = _owned(stage, forward.inputs[:len(stage.params)])
-  return (_tile_bytes(weights, num_tiles) + accumulator_bytes(backward, stage, num_tiles)
-          + state_bytes(update, num_tiles))
+  return (weight_bytes(forward, stage, num_tiles)
+          + accumulator_bytes(backward, stage, num_tiles) + state_bytes(update, num_tiles))
 
 
 @dataclasses.dataclass
