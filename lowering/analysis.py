@@ -234,8 +234,57 @@ def _lifetimes(program: P.Program, leaves, persistent, live_to_end) -> _Lifetime
   return _Lifetimes(tensors, first, last, remote_buffers)
 
 
-def _place_tensors(lifetimes: _Lifetimes, n_steps: int, num_tiles: int) -> _Placement:
-  """Static bytes by category, temporaries' liveness changes, tensor profiles."""
+def _in_place_results(leaves, lifetimes: _Lifetimes, live_to_end) -> dict:
+  """``operand id -> result id`` for elementwise results written over a dying operand.
+
+  Poplar's map operations have in-place forms that write the result into an
+  operand (``popops::mapInPlace`` and the ``*InPlace`` functions), and the
+  frameworks choose them wherever the operand is read by nothing later
+  (PopART's inplacing transform, TensorFlow-IPU's in-place HLO pass): the
+  result then takes the operand's memory instead of a second buffer. This is
+  decided here, on the fused program, not while lowering: a fused chain's
+  intermediates are already elided, and only what a (fused or single)
+  elementwise step reads from memory and writes back can share it. The
+  result must be a temporary first written at that step, and the operand a
+  temporary (not an output) last read there, with the result's layout
+  (``TileMapping.same_as``), dtype and shape: their bytes on every tile are
+  then the same, so
+  sharing lowers that step's live bytes and changes no other step's
+  (docs/cost_model.md#the-memory-model).
+  """
+  tensors, first, last = lifetimes.tensors, lifetimes.first, lifetimes.last
+  outputs = {t.id for t in live_to_end}
+  pairs = {}
+  for i, (node, _, _) in enumerate(leaves):
+    if not isinstance(node, P.Superstep) or node.elementwise is None:
+      continue
+    written = {t.id for t in node.writes}
+    dying = {a.id: a for a in node.reads
+             if a.id in tensors and a.category == "temporaries" and a.mapping is not None
+             and last[a.id] == i and first[a.id] < i
+             and a.id not in written and a.id not in outputs}
+    for b in node.writes:
+      if b.id not in tensors or b.category != "temporaries" or first.get(b.id) != i:
+        continue
+      a = next((a for a in dying.values() if a.dtype == b.dtype
+                and tuple(a.shape) == tuple(b.shape) and a.mapping.same_as(b.mapping)), None)
+      if a is not None:
+        pairs[a.id] = b.id
+        del dying[a.id]
+  return pairs
+
+
+def _place_tensors(lifetimes: _Lifetimes, n_steps: int, num_tiles: int,
+                   in_place=None) -> _Placement:
+  """Static bytes by category, temporaries' liveness changes, tensor profiles.
+
+  ``in_place`` (``operand id -> result id``, :func:`_in_place_results`): the
+  result is not allocated and the operand not freed at the step that writes
+  over it; the operand's profile ends the step before, where the result's
+  begins, so the profiles' live ranges add up to the same bytes.
+  """
+  in_place = in_place or {}
+  taking = set(in_place.values())
   static = {c: np.zeros(num_tiles, np.float64) for c in ("variables", "constants")}
   allocs, profiles = {}, []
   # Tensors of one layout share their bytes-per-tile array (thousands of
@@ -258,8 +307,12 @@ def _place_tensors(lifetimes: _Lifetimes, n_steps: int, num_tiles: int) -> _Plac
       lo, hi = 0, max(n_steps - 1, 0)
     else:
       lo, hi = lifetimes.first.get(tensor.id, 0), lifetimes.last.get(tensor.id, 0)
-      allocs.setdefault(lo, []).append((tiles, nbytes))
-      allocs.setdefault(hi + 1, []).append((tiles, -nbytes))
+      if tensor.id not in taking:
+        allocs.setdefault(lo, []).append((tiles, nbytes))
+      if tensor.id in in_place:
+        hi -= 1  # its memory holds the result from its last step on
+      else:
+        allocs.setdefault(hi + 1, []).append((tiles, -nbytes))
     profiles.append(TensorProfile(
         name=tensor.name, shape=tensor.shape, dtype=tensor.dtype.name,
         category=category, tiles=tiles, bytes_on_tile=nbytes, op=tensor.op,
@@ -367,7 +420,8 @@ def profile_program(program: P.Program, target: IPUTarget, *, persistent=(),
   n_steps = len(steps)
   lifetimes = _lifetimes(program, leaves, persistent, live_to_end)
   streaming = streaming_profile(target, lifetimes.remote_buffers, leaves, steps)
-  placement = _place_tensors(lifetimes, n_steps, t)
+  placement = _place_tensors(lifetimes, n_steps, t,
+                             _in_place_results(leaves, lifetimes, live_to_end))
   vertex_state, code = _vertex_state_and_code(target, leaves)
   by_category = dict(placement.static, vertex_state=vertex_state, code=code)
   always = sum(by_category[c] for c in ALWAYS_LIVE_CATEGORIES)

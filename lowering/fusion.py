@@ -529,13 +529,14 @@ class _Fuser:
       change[last + 1].append((c, -tensor.itemsize))
       if whole_step:
         held[c] += tensor.itemsize
+      return c
 
     for tensor in plan.reads:
       if tensor.category == "temporaries" and tensor.id not in born:
         # Read only here: it is free after the group's last read of it.
         inside = self.reads.get(tensor.id, 0) == plan.operand_reads[tensor.id]
         live(tensor, 0, last_read[tensor.id] if inside else n - 1, True)
-    seen = set()
+    seen, column, taken = set(), {}, set()
     for step in members:
       for tensor in step.writes:
         if tensor.id in seen:
@@ -543,9 +544,20 @@ class _Fuser:
         seen.add(tensor.id)
         first = born[tensor.id]
         if tensor.id in internal:
-          live(tensor, first, max(last_read.get(tensor.id, 0), first), False)
+          c = live(tensor, first, max(last_read.get(tensor.id, 0), first), False)
         else:
-          live(tensor, first, n - 1, True)
+          c = live(tensor, first, n - 1, True)
+        column[tensor.id] = c
+        # In place, as the analysis writes a step's result over a dying
+        # operand (analysis._in_place_results): over an intermediate this
+        # member reads last, on the same layout and of the same itemsize.
+        over = next((a for a in step.reads if a.id in internal and a.id not in taken
+                     and a.id != tensor.id and last_read.get(a.id) == first
+                     and column.get(a.id) == c and a.itemsize == tensor.itemsize), None)
+        if over is not None:
+          taken.add(over.id)
+          change[first].append((c, -tensor.itemsize))
+          change[first + 1].append((c, tensor.itemsize))
     # Bytes per element live at each position, per layout.
     now = [0] * len(layouts)
     per_position = []
