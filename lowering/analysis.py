@@ -248,9 +248,8 @@ def _in_place_results(leaves, lifetimes: _Lifetimes, live_to_end) -> dict:
   result must be a temporary first written at that step, and the operand a
   temporary (not an output) last read there, with the result's layout
   (``TileMapping.same_as``), dtype and shape: their bytes on every tile are
-  then the same, so
-  sharing lowers that step's live bytes and changes no other step's
-  (docs/cost_model.md#the-memory-model).
+  then the same, so sharing lowers that step's live bytes and changes no
+  other step's (docs/cost_model.md#the-memory-model).
   """
   tensors, first, last = lifetimes.tensors, lifetimes.first, lifetimes.last
   outputs = {t.id for t in live_to_end}
@@ -263,8 +262,9 @@ def _in_place_results(leaves, lifetimes: _Lifetimes, live_to_end) -> dict:
              if a.id in tensors and a.category == "temporaries" and a.mapping is not None
              and last[a.id] == i and first[a.id] < i
              and a.id not in written and a.id not in outputs}
-    for b in node.writes:
-      if b.id not in tensors or b.category != "temporaries" or first.get(b.id) != i:
+    for b in {t.id: t for t in node.writes}.values():  # a result listed twice takes one
+      if (b.id not in tensors or b.category != "temporaries" or b.mapping is None
+          or first.get(b.id) != i):
         continue
       a = next((a for a in dying.values() if a.dtype == b.dtype
                 and tuple(a.shape) == tuple(b.shape) and a.mapping.same_as(b.mapping)), None)
