@@ -54,7 +54,13 @@ Memory: a member's result that nothing outside the group reads (and that is
 not a program output, variable or constant) is never written to tile memory
 between supersteps; it lives only inside the fused step. Those values still
 count: the fused step's scratch is, per tile, the peak of such intermediates
-live at once within the chain.
+live at once within the chain, a member's result written over an
+intermediate it reads last as separate steps would write it. The memory
+analysis may also write the fused step's result over an operand the step
+reads last (``analysis._in_place_results``): one compute set, whose
+generated codelet evaluates the chain element by element, needs no second
+buffer for them; the scratch still counts the chain's intermediates as the
+members in turn would hold them (a conservative reading, as before).
 
 Host cost: the pass must cost less than the profiling of the steps it
 removes. It walks the program once to count reads and writes, numbers each
