@@ -14,11 +14,8 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import ipu_jax
-from ipu_jax.ops import pipeline_stage
-from ipu_jax.pipelining import Pipeline
 import testing_utils
 
 _N = 1024  # 64 elements per tile on 16 tiles
@@ -128,48 +125,6 @@ class InPlaceMemoryTest(chex.TestCase, parameterized.TestCase):
                         for s in profile.steps])
     np.testing.assert_array_equal(live + working + always,
                                   np.asarray(profile.memory.live_over_program))
-
-
-def _two_stage_loss(params, batch):
-  h = jnp.tanh(batch["x"] @ params[0])
-  h = pipeline_stage(h, 1)
-  return jnp.mean((jnp.tanh(h @ params[1]) - batch["y"]) ** 2)
-
-
-class PipelinedUpdateInPlaceTest(chex.TestCase):
-
-  def test_streamed_moments_take_the_new_moments(self):
-    # A stage's Adam update with its state in streaming memory: each moment
-    # is loaded into a buffer of its own layout object, and the new moment,
-    # stored back afterwards, is written over it (TF-IPU and PopART update
-    # the loaded state in place): the loaded moment's range ends where a
-    # result of its bytes on its tiles begins.
-    rng = np.random.default_rng(0)
-    g, width = 2, 32
-    params = [jnp.asarray(rng.normal(size=(width, width)) * 0.2, jnp.float32)
-              for _ in range(2)]
-    batches = {k: jnp.asarray(rng.normal(size=(g, 8, width)), jnp.float32) for k in "xy"}
-    cfg = ipu_jax.IPUConfig()
-    cfg.device.tiles_per_ipu = 16
-    cfg.auto_select_ipus = 2
-    cfg.training.gradient_accumulation_steps = g
-    cfg.pipelining.schedule = "Sequential"
-    cfg.streaming.offload_optimizer_state = True
-    optimizer = optax.adam(1e-2)
-    pipe = Pipeline(_two_stage_loss, optimizer, config=cfg)
-    out = pipe.step(params, pipe.init(params, batches), batches)
-    grads = testing_utils.accumulated_gradients(_two_stage_loss, params, batches, g)[0]
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
-    chex.assert_trees_all_close([np.asarray(p) for p in out.params],
-                                optax.apply_updates(params, updates), rtol=1e-5, atol=1e-6)
-    temps = [t for t in pipe.stages[0].update.profile.tensors if t.category == "temporaries"]
-    loaded = [t for t in temps if t.name.startswith("state/")]
-    self.assertLen(loaded, 2)  # mu and nu
-    for moment in loaded:
-      takers = [t for t in temps if t.live_from == moment.live_to + 1
-                and np.array_equal(t.tiles, moment.tiles)
-                and np.array_equal(t.bytes_on_tile, moment.bytes_on_tile)]
-      self.assertNotEmpty(takers, moment.name)
 
 
 if __name__ == "__main__":

@@ -385,6 +385,18 @@ class PipelinedOffloadedUpdateTest(chex.TestCase):
     # Only the order changed: the same numbers as the traced order's program.
     chex.assert_trees_all_equal(update(p_k, state, grads[:_PIPE_WEIGHTS]),
                                 traced_order(p_k, state, grads[:_PIPE_WEIGHTS]))
+    # Each moment is loaded into a buffer of its own layout object and its
+    # new value, stored back afterwards, is written over it (cost model 24,
+    # tests/test_in_place_memory.py): the loaded moment's range ends where a
+    # result of its bytes on its tiles begins.
+    temps = [t for t in update.profile.tensors if t.category == "temporaries"]
+    loaded = [t for t in temps if t.name.startswith("state/")]
+    self.assertLen(loaded, 2 * _PIPE_WEIGHTS)  # m and v of each weight
+    for moment in loaded:
+      self.assertNotEmpty([t for t in temps if t.live_from == moment.live_to + 1
+                           and np.array_equal(t.tiles, moment.tiles)
+                           and np.array_equal(t.bytes_on_tile, moment.bytes_on_tile)],
+                          moment.name)
 
 
 # -- the training layer ----------------------------------------------------------------
