@@ -172,7 +172,9 @@ __all__ = ["COST_MODEL_VERSION", "FigureSource", "FIGURE_SOURCES", "calibrated_f
 #    reads last, of its layout, dtype and shape (popops::mapInPlace and the *InPlace map
 #    functions; PopART's Inplace pattern, TF-IPU's InplaceFinder pass choose them where the
 #    operand dies), decided on the fused program (lowering/analysis.py _in_place_results), and
-#    a fused chain's intermediates by the same rule (lowering/fusion.py). No cycle moves.
+#    a fused chain's intermediates by the same rule (lowering/fusion.py); an update of a base
+#    tensor (dynamic_update_slice, scatter, scatter-add: popops' dynamicUpdate, multiUpdate,
+#    multiUpdateAdd write into their base) takes a dying base's memory too. No cycle moves.
 #    TF2 BERT-Large phase 1 on a Bow Pod16 (tf2_phase1_pod16): IPU 0's fullest tile, in stage
 #    0's update, 734,840 -> 583,320 B (its streamed embedding moments are updated in the
 #    buffers they were loaded into): the configuration now fits, as it ran.

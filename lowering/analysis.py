@@ -235,7 +235,7 @@ def _lifetimes(program: P.Program, leaves, persistent, live_to_end) -> _Lifetime
 
 
 def _in_place_results(leaves, lifetimes: _Lifetimes, live_to_end) -> dict:
-  """``operand id -> result id`` for elementwise results written over a dying operand.
+  """``operand id -> result id`` for results written over a dying operand.
 
   Poplar's map operations have in-place forms that write the result into an
   operand (``popops::mapInPlace`` and the ``*InPlace`` functions), and the
@@ -249,16 +249,25 @@ def _in_place_results(leaves, lifetimes: _Lifetimes, live_to_end) -> dict:
   temporary (not an output) last read there, with the result's layout
   (``TileMapping.same_as``), dtype and shape: their bytes on every tile are
   then the same, so sharing lowers that step's live bytes and changes no
-  other step's (docs/cost_model.md#the-memory-model).
+  other step's (docs/cost_model.md#the-memory-model). An update of a base
+  tensor (``Superstep.updates_base``: popops' ``dynamicUpdate``,
+  ``multiUpdate`` and ``multiUpdateAdd`` write into their base) may take its
+  base's memory by the same rule.
   """
   tensors, first, last = lifetimes.tensors, lifetimes.first, lifetimes.last
   outputs = {t.id for t in live_to_end}
   pairs = {}
   for i, (node, _, _) in enumerate(leaves):
-    if not isinstance(node, P.Superstep) or node.elementwise is None:
+    if not isinstance(node, P.Superstep):
+      continue
+    if node.elementwise is not None:
+      operands = node.reads
+    elif node.updates_base and len(node.writes) == 1:
+      operands = node.reads[:1]  # popops' dynamicUpdate / multiUpdate(Add): over the base
+    else:
       continue
     written = {t.id for t in node.writes}
-    dying = {a.id: a for a in node.reads
+    dying = {a.id: a for a in operands
              if a.id in tensors and a.category == "temporaries" and a.mapping is not None
              and last[a.id] == i and first[a.id] < i
              and a.id not in written and a.id not in outputs}

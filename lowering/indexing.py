@@ -192,13 +192,18 @@ def bind_logical(prim, params):
 
 
 def emit_step(ctx, name, reads, writes, fn, compute=None, exchange=None,
-              vertices=None, codelet="", flops=0, scratch=None, logical=None):
-  """Emit one indexing superstep of the equation being lowered."""
+              vertices=None, codelet="", flops=0, scratch=None, logical=None,
+              updates_base=False):
+  """Emit one indexing superstep of the equation being lowered.
+
+  ``updates_base``: the one result is ``reads[0]`` updated in place
+  (``Superstep.updates_base``).
+  """
   ctx.emit(P.Superstep(
       name=name, op=ctx.op, reads=tuple(reads), writes=tuple(writes), fn=fn,
       compute_cycles=compute, exchange=exchange, vertices=vertices,
       codelets=(codelet,) if codelet else (), flops=int(flops),
-      scratch_bytes=scratch, logical=logical))
+      scratch_bytes=scratch, logical=logical, updates_base=updates_base))
 
 
 def served_lookup(ctx, prim, params, table, indices, out, num_lookups, codelet,
@@ -259,7 +264,7 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
     emit_step(ctx, f"{ctx.op}/static", reads, [out], fn,
               compute=estimators.copy_cycles(target, received, out.itemsize),
               exchange=cost, vertices=builders.worker_vertices(ctx, received),
-              codelet=codelet, logical=logical)
+              codelet=codelet, logical=logical, updates_base=reads[0] is operand)
     return
   share = _table_share(ctx, operand)
   active = share > 0
@@ -270,7 +275,7 @@ def served_update(ctx, prim, params, reads, operand, indices, updates, out, num_
   vertices = np.where(active, min(target.worker_contexts, max(1, num_lookups)), 0)
   emit_step(ctx, ctx.op, reads, [out], fn, compute=compute,
             exchange=served_update_cost(ctx, operand, indices, updates), vertices=vertices,
-            codelet=codelet, flops=flops, logical=logical)
+            codelet=codelet, flops=flops, logical=logical, updates_base=reads[0] is operand)
 
 
 def served_update_cost(ctx, operand, indices, updates):

@@ -183,6 +183,12 @@ class Superstep:
     scope: the module path (name stack), e.g. ``"Encoder/layers_0/attention"``.
     elementwise: set by elementwise steps, which the fusion pass
       (``lowering/fusion.py``) may merge; ``None`` for other steps.
+    updates_base: the step's one result is its first read (the base tensor)
+      with some elements replaced or added to, as popops' ``dynamicUpdate``
+      and ``multiUpdate`` / ``multiUpdateAdd`` write into their base: the
+      memory analysis lets the result take the base's memory where the base
+      dies at this step, as it lets an elementwise result take a dying
+      operand's.
     fused_ops: for a fused step, the operations it was made of.
     literals: the scalar constants folded into ``fn`` instead of read (an
       elementwise step's ``x * jnp.inf``), as NumPy scalars; the
@@ -207,6 +213,7 @@ class Superstep:
   notes: tuple = ()
   scope: str = ""
   elementwise: Optional[ElementwiseWork] = None
+  updates_base: bool = False
   fused_ops: tuple = ()
   literals: tuple = ()
   logical: Optional[Callable] = dataclasses.field(default=None, repr=False)

@@ -12,6 +12,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -96,6 +97,33 @@ class InPlaceMemoryTest(chex.TestCase, parameterized.TestCase):
     profile = f.lower(g, m).profile
     self.assertEqual([s.op for s in profile.steps], ["RemoteCopy", "fusion", "RemoteCopy"])
     np.testing.assert_array_equal(_temporaries(profile), np.full(16, 2 * 256))
+
+  @parameterized.named_parameters(
+      ("dynamic_update_slice",
+       lambda y, u, i: lax.dynamic_update_slice(y, u, (i,))),
+      ("scatter_add", lambda y, u, i: y.at[i + jnp.arange(8)].add(u)),
+      ("scatter", lambda y, u, i: y.at[i + jnp.arange(8)].set(u)))
+  def test_an_update_writes_into_its_dying_base(self, update):
+    # popops' dynamicUpdate and multiUpdate(Add) write into their base: the
+    # updated exp(x) takes exp(x)'s memory where nothing reads exp(x) later.
+    u = jnp.asarray(np.random.default_rng(3).normal(size=(8,)), jnp.float32)
+    fn = lambda x, u, i: update(jnp.exp(x), u, i)
+    profile = _profile(fn, _x(), u, jnp.int32(100), fuse=False)
+    base, = [t for t in profile.tensors if t.op == "exp"]
+    out, = [t for t in profile.tensors if t.category == "temporaries" and t.op != "exp"
+            and t.shape == (_N,)]
+    self.assertEqual(out.live_from, base.live_to + 1)
+    # One buffer of 256 B a tile and the small index arithmetic, not two.
+    self.assertLess(_temporaries(profile).max(), 2 * 256)
+
+  def test_an_update_keeps_a_base_read_later(self):
+    u = jnp.asarray(np.random.default_rng(3).normal(size=(8,)), jnp.float32)
+
+    def fn(x, u):
+      y = jnp.exp(x)
+      return lax.dynamic_update_slice(y, u, (100,)) + y
+    profile = _profile(fn, _x(), u, fuse=False)
+    self.assertGreaterEqual(_temporaries(profile).max(), 2 * 256)
 
   def test_a_matmul_result_is_taken_by_its_activation(self):
     # The fused tanh(h) * 2 reads the matmul's h last: one buffer of [64, 48]
