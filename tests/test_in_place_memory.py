@@ -1,7 +1,8 @@
-"""An elementwise result written over a dying operand takes its memory (16 tiles).
+"""A result written over a dying operand takes its memory (16 tiles).
 
 docs/cost_model.md#the-memory-model: Poplar's map operations have in-place
-forms (``popops::mapInPlace``, ``addInPlace``...) and PopART's inplacing
+forms (``popops::mapInPlace``, ``addInPlace``...), its updates write into
+their base (``dynamicUpdate``, ``multiUpdate(Add)``), and PopART's inplacing
 transform and TensorFlow-IPU's in-place pass choose them wherever nothing
 reads the operand later. The memory analysis models that on the fused
 program: one buffer where the operand dies and the result is born, never
