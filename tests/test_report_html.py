@@ -525,7 +525,10 @@ class MainJobPageTest(_BrowserTestCase):
     # Opening the loop's run of steps lists them; clicking one shows it.
     run = loop.find_element(By.CSS_SELECTOR, "details[data-kind='steps']")
     run.find_element(By.TAG_NAME, "summary").click()
-    link = run.find_element(By.CSS_SELECTOR, f"a[data-step='{first + 1}']")
+    # The page fills a run's list when it opens: wait for it (a fresh CI
+    # machine once looked before the list was there).
+    link = WebDriverWait(self.driver, 10).until(
+        lambda d: run.find_element(By.CSS_SELECTOR, f"a[data-step='{first + 1}']"))
     link.click()
     self.assertEqual(self._text("step-heading"), f"Superstep {first + 1}")
     # The trace: one lane per IPU on a cycle axis, the loop's later trips
