@@ -1,8 +1,50 @@
-"""Test set-up: absl flags parsed, x64 off, a fixed small host device count."""
+"""Test set-up: absl flags parsed, one XLA compilation cache per run, the slow marks, RSS budget."""
+
+import os
+import shutil
+import tempfile
 
 from absl import flags
 
 flags.FLAGS.mark_as_parsed()
+
+
+# One XLA compilation cache for the whole run. Many tests build the same XLA
+# program (a model's reference step, an emulated program a runner subprocess
+# compiles again, a file's repeated shapes): JAX's persistent compilation cache
+# in a fresh temporary directory, shared by the xdist workers and the
+# subprocesses they start (they inherit the environment), compiles each once.
+# A hit is the executable XLA compiled for the same program and options, so
+# nothing a test checks changes; about a tenth of the suite's CPU time goes.
+# A cache the user set (JAX_COMPILATION_CACHE_DIR) is used as it is;
+# IPU_JAX_TEST_XLA_CACHE=0 runs without one.
+_XLA_CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+_XLA_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+_created_cache = []
+
+
+def pytest_configure(config):
+  if hasattr(config, "workerinput") or os.environ.get(_XLA_CACHE_DIR):
+    return  # an xdist worker (it inherited the controller's) or the user's own
+  if os.environ.get("IPU_JAX_TEST_XLA_CACHE", "1") == "0":
+    return
+  directory = tempfile.mkdtemp(prefix="ipu_jax_tests_xla_")
+  _created_cache.append(directory)
+  os.environ[_XLA_CACHE_DIR] = directory
+  os.environ.update(_XLA_CACHE_SETTINGS)
+  import sys
+  if "jax" in sys.modules:  # imported before this hook (a plugin): JAX read its env already
+    import jax
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+  del config
+  for directory in _created_cache:
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 # The longest end-to-end runs (about a minute of CPU each on the 2-core CI

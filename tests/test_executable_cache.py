@@ -54,6 +54,11 @@ print(json.dumps({"y": y.tolist(), "host": f.lower(x, w).host.as_dict()}))
 def _start(cache_dir, scale=1.0):
   env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS="cpu")
   env.pop(executable_cache.CACHE_ENV, None)
+  # The suite's own XLA cache (tests/conftest.py) would serve the second
+  # process's compile: these processes use the one the executable cache sets up.
+  for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+    env.pop(name, None)
   return subprocess.Popen([sys.executable, "-c", _SCRIPT, cache_dir, str(scale)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=_ROOT)
