@@ -126,13 +126,20 @@ def pytest_runtest_teardown(item, nextitem):
 
   JAX keeps every compiled executable of a process in its caches; the next
   file does not run them again, so clearing them keeps a test process's
-  memory to the file it is running.
+  memory to the file it is running. What survives the collection (imported
+  modules, earlier files' module globals) is frozen out of the cyclic
+  collector: each later collection, this one and Python's own, then walks
+  only what was made since, where it walked every survivor of the run so far
+  (0.29 s a file, 0.03 s frozen, over 40 files). A frozen object left in a
+  cycle later is kept to the process's end; the RSS budget below still
+  bounds each process.
   """
   if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
     import gc
     import jax
     jax.clear_caches()
     gc.collect()
+    gc.freeze()
 
 
 def _peak_rss_bytes():
