@@ -350,15 +350,24 @@ def unsplit_model(f, cfg):
   return llm_models.DecoderLM(dataclasses.replace(cfg, tp=1), rngs=nnx.Rngs(f.seed))
 
 
+def abstract_shard(f, cfg):
+  """One tensor-parallel shard of the model as shapes (``nnx.eval_shape``: no
+  weights allocated), traced with :func:`ipu_jax.cheap_tracer_probes` so that
+  a 96-layer model costs in proportion to its size."""
+  from flax import nnx
+  import ipu_jax
+  from experiments import llm_models
+  with ipu_jax.cheap_tracer_probes():
+    return nnx.eval_shape(lambda: llm_models.DecoderLM(cfg, rngs=nnx.Rngs(f.seed)))
+
+
 def train_estimate(f, cfg, target) -> dict:
   """The phased training step's estimate, from shapes (no weights allocated)."""
   import jax
   import jax.numpy as jnp
   import optax
-  from flax import nnx
-  from experiments import llm_models
   from ipu_jax import phased
-  model = nnx.eval_shape(lambda: llm_models.DecoderLM(cfg, rngs=nnx.Rngs(f.seed)))
+  model = abstract_shard(f, cfg)
   trainer = phased.PhasedTrainer(phased_model(model, f.tensor_parallel, abstract=True),
                                  optax.adam(f.learning_rate), layout(f), target,
                                  config=ipu_config(f))
@@ -379,11 +388,10 @@ def _decode_programs(f, cfg, target):
   """Lowered embedding / block-decode / head programs of one token (one shard)."""
   import jax
   import jax.numpy as jnp
-  from flax import nnx
   from experiments import llm_models
   from ipu_jax import parallel
   tp, b = f.tensor_parallel, f.micro_batch
-  model = nnx.eval_shape(lambda: llm_models.DecoderLM(cfg, rngs=nnx.Rngs(f.seed)))
+  model = abstract_shard(f, cfg)
   phases = llm_models.phase_functions(model, inference=True)
   stack = lambda tree: jax.tree.map(  # noqa: E731
       lambda a: jax.ShapeDtypeStruct((tp,) + tuple(a.shape), a.dtype), tree)
@@ -551,15 +559,13 @@ def _unstacked(weights, tp: int):
 
 def check(f) -> dict:
   """Train with TP, phases and replicas; compare with plain JAX; the figures."""
-  import optax
-  from flax import nnx
   from experiments import bert_pretraining, llm_models
   from ipu_jax import phased
   cfg, target = model_config(f), ipu_target(f)
   full = unsplit_model(f, cfg)
   # The phases' functions are the TP shard's (shapes only: nothing allocated);
   # their weights the unsplit model's, split into [tp, ...] shards.
-  shard = nnx.eval_shape(lambda: llm_models.DecoderLM(cfg, rngs=nnx.Rngs(f.seed)))
+  shard = abstract_shard(f, cfg)
   model = phased.PhasedModel([
       phased.Phase(name, apply, _stacked(weights, f.tensor_parallel))
       for (name, apply, _), (_, _, weights) in zip(llm_models.phase_functions(shard),

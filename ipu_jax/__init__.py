@@ -18,6 +18,7 @@ from ipu_jax.strategy import IPUStrategy
 from ipu_jax.target import IPUSystem, IPUTarget
 from ipu_jax import offload  # streaming memory for ipu_jax.jit users (offload_argnums)
 from ipu_jax import io_tiles  # I/O tile sizing (suggest_num_io_tiles)
+from ipu_jax.tracer_probes import cheap_tracer_probes
 
 __version__ = "0.1.0"
 
@@ -41,7 +42,7 @@ def __dir__():
   return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 __all__ = [
-    "Compiled", "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
+    "Compiled", "cheap_tracer_probes", "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
     "IPUSystem", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit", "Traced",

@@ -50,6 +50,7 @@ from ipu_jax import compile_progress
 from ipu_jax import executable_cache
 from ipu_jax import host_time
 from ipu_jax import tracing
+from ipu_jax.tracer_probes import cheap_tracer_probes
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering import host_io
 from ipu_jax.lowering import host_memory
@@ -149,7 +150,9 @@ class Traced:
     with host_time.timer() as traced:
       progress.stage("tracing")
       # Operations that plan while traced (a BlockCSR's buckets) read the target here.
-      with tracing.tracing_for(setup.target):
+      # Flax NNX probes each assigned value's sharding: cheap_tracer_probes
+      # keeps that linear in the model's size (ipu_jax/tracer_probes.py).
+      with tracing.tracing_for(setup.target), cheap_tracer_probes():
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*args_flat)
       # The on-device loop over host data, and which of its stacked outputs
       # go back to the host (outputs.mode; lowering/host_io.py).

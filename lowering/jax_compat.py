@@ -36,6 +36,9 @@ What is reached, and why:
   ``jax.jvp`` leaves through a ``custom_vjp`` (refused by name when live).
 * ``prng.KeyTy`` and ``prng.prngs``: a typed PRNG key's dtype from its
   implementation's name (:func:`dtype_of_plain`, for the executable cache).
+* ``core.Tracer``: its ``sharding`` and ``device`` properties, swapped for
+  the duration of :func:`ipu_jax.cheap_tracer_probes` (``ipu_jax/tracer_probes.py``:
+  the pinned JAX walks the whole trace to build a message nobody sees).
 * ``core.physical_element_aval``: what one element of an extended dtype (a
   typed PRNG key, ``key<fry>``) is held as (``uint32[2]``), for
   :func:`physical_shape_dtype`, the one conversion every pass reading an

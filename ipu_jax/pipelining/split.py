@@ -47,6 +47,7 @@ from jax.extend import core as jcore
 
 from ipu_jax.lowering.lower import source_of
 from ipu_jax.lowering.scopes import module_path
+from ipu_jax.tracer_probes import cheap_tracer_probes
 from ipu_jax.ops.pipeline_stage import pipeline_stage_p
 
 __all__ = ["AuxOutput", "Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
@@ -435,7 +436,8 @@ def _trace(fn: Callable, param_tree, flat_params: list, batch, has_aux: bool = F
     return (out[0], *aux_leaves)
 
   aux_tree = []
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
+  with cheap_tracer_probes():  # NNX's sharding probes (ipu_jax/tracer_probes.py)
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat_params, *flat_batch)
   loss_shape = out_shape[0] if has_aux else out_shape
   if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
     raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
