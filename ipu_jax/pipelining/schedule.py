@@ -40,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["SCHEDULES", "Pass", "Slot", "slots", "stash_depths",
+__all__ = ["SCHEDULES", "Pass", "Slot", "Slots", "slots", "stash_depths",
            "minimum_accumulation", "Timeline", "simulate"]
 
 SCHEDULES = ("Grouped", "Interleaved", "Sequential")
@@ -66,15 +66,37 @@ def minimum_accumulation(schedule: str, num_stages: int) -> int:
   return {"Grouped": 2 * num_stages, "Interleaved": num_stages, "Sequential": 1}[schedule]
 
 
-def slots(schedule: str, num_stages: int, accumulation: int) -> list:
-  """The passes of each time slot of one step."""
+class Slots(list):
+  """The slots of one step (a list of :data:`Slot`), with what :func:`simulate`
+  reads of them found once: the split search simulates a hundred candidates'
+  steps over the same slots (2,048 of them at G = 2,040).
+
+  Attributes:
+    compositions: the distinct ``(stage, kind)`` sequences of the slots, in
+      order of first appearance.
+    composition_of: ``[slots]`` the index of each slot's composition.
+    num_micro_batches: the distinct micro-batches the slots run.
+  """
+
+  def __init__(self, passes):
+    super().__init__(passes)
+    found, index = {}, []
+    for slot in self:
+      index.append(found.setdefault(tuple((p.stage, p.kind) for p in slot), len(found)))
+    self.compositions = list(found)
+    self.composition_of = np.asarray(index, np.int64)
+    self.num_micro_batches = len({p.micro_batch for slot in self for p in slot})
+
+
+def slots(schedule: str, num_stages: int, accumulation: int) -> Slots:
+  """The passes of each time slot of one step (read-only: :class:`Slots`)."""
   n, g = num_stages, accumulation
   if schedule == "Sequential":
     out = []
     for m in range(g):
       out += [[Pass(k, "forward", m)] for k in range(n)]
       out += [[Pass(k, "backward", m)] for k in reversed(range(n))]
-    return out
+    return Slots(out)
   if schedule == "Grouped":
     fwd = lambda k, m: k + m
     bwd = lambda k, m: 2 * n - 2 - k + m
@@ -91,7 +113,7 @@ def slots(schedule: str, num_stages: int, accumulation: int) -> list:
   for k in range(n):
     for m in range(g):
       out[bwd(k, m)].append(Pass(k, "backward", m))
-  return out
+  return Slots(out)
 
 
 def stash_depths(schedule_slots: list, num_stages: int) -> list:
@@ -216,16 +238,10 @@ class _Composition:
                  {stage for stage, _ in key} == set(range(num_stages)))
 
 
-def _compositions(schedule_slots: list, make) -> list:
+def _compositions(schedule_slots: Slots, make) -> list:
   """The composition of each slot, each distinct one made once by ``make(key)``."""
-  found, index = {}, []
-  for slot in schedule_slots:
-    key = tuple((p.stage, p.kind) for p in slot)
-    comp = found.get(key)
-    if comp is None:
-      comp = found[key] = make(key)
-    index.append(comp)
-  return index
+  made = [make(key) for key in schedule_slots.compositions]
+  return [made[i] for i in schedule_slots.composition_of.tolist()]
 
 
 def _slot_spans(schedule_slots: list, comps: list, starts: np.ndarray, sync: float) -> list:
@@ -266,6 +282,8 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
     with_spans: False leaves ``Timeline.spans`` empty (every total is the
       same), for callers that read the totals only.
   """
+  if not isinstance(schedule_slots, Slots):
+    schedule_slots = Slots(schedule_slots)
   num_ipus = max(ipus) + 1
   num_stages = len(ipus)
   cycles = {"forward": forward, "backward": backward}
@@ -294,9 +312,9 @@ def simulate(schedule_slots: list, ipus: list, forward: list, backward: list,
   end, update_spans = _weight_updates(ipus, weight_update, all_reduce, busy, now)
   if with_spans:
     spans += update_spans
-  micro_batches = len({p.micro_batch for slot in schedule_slots for p in slot})
   return Timeline(spans, end, busy, ramp_up, steady_total, ramp_down + (end - now),
-                  steady_slot, int(link), float(slot_cycles.sum()), micro_batches,
+                  steady_slot, int(link), float(slot_cycles.sum()),
+                  schedule_slots.num_micro_batches,
                   [c.copy for c in comps], tuple(sorted(set(ipus))))
 
 
