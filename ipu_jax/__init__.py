@@ -42,8 +42,8 @@ def __dir__():
   return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 __all__ = [
-    "Compiled", "cheap_tracer_probes", "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
-    "IPUSystem", "IPUTarget", "Lowered", "LoweringError",
+    "Compiled", "FloatingPointException", "IPUConfig", "IPUFunction", "NNXFunction", "IPUStrategy",
+    "IPUSystem", "cheap_tracer_probes", "IPUTarget", "Lowered", "LoweringError",
     "LoweringOptions", "OutOfMemoryError", "Report", "SavedReport",
     "NumberFormatTelemetry", "compare_reports", "default_config", "get_default_config", "jit", "Traced",
     "graph", "keras", "kernels", "load_report", "lowering", "nnx_jit", "ops", "pipelining", "poplibs",

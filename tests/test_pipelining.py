@@ -226,6 +226,13 @@ class ScheduleTest(parameterized.TestCase):
     compositions = {tuple((p.stage, p.kind) for p in slot) for slot in slots}
     self.assertLen(priced, len(compositions))
     self.assertLen(set(priced), len(priced))
+    # The slots as a plain list (what schedule.slots found of them found afresh).
+    plain = schedule.simulate([list(slot) for slot in slots], ipus, fwd, bwd, copies_f,
+                              copies_b, 100.0, [0.0] * n, [0.0] * n,
+                              lambda copies: links.slot_copy_cycles(target, copies))
+    self.assertEqual((plain.spans, plain.total_cycles, plain.num_micro_batches),
+                     (timeline.spans, timeline.total_cycles, timeline.num_micro_batches))
+    np.testing.assert_array_equal(plain.busy_cycles, timeline.busy_cycles)
     # The same step laid out slot by slot.
     now, busy, starts = 0.0, np.zeros(max(ipus) + 1), []
     for slot in slots:
