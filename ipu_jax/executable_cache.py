@@ -62,6 +62,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 
+from ipu_jax.lowering import jax_compat
 from ipu_jax.lowering.jax_compat import physical_value
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "CacheWarning", "Converter", "EntryCodec",
@@ -216,8 +217,7 @@ def _set_compilation_cache(path, min_seconds, min_bytes) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_bytes)
   # The cache is set up once per process, at the first compile: one that
   # ran before this directory was named would otherwise leave it unused.
-  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
-  compilation_cache.reset_cache()
+  jax_compat.compilation_cache.reset_cache()
 
 
 def entry_path(directory: str, key: str) -> str:

@@ -59,11 +59,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jcore_src
 from jax.extend import core as jcore
 from jax.interpreters import ad
 
 from ipu_jax.kernels import xoroshiro
+from ipu_jax.lowering.jax_compat import core as jcore_src
 from ipu_jax.kernels.number_formats import is_fp8
 from ipu_jax.ops.primitive import shaped_like, define_primitive
 from ipu_jax.ops.collectives import REPLICA_AXIS

@@ -36,6 +36,9 @@ What is reached, and why:
   ``jax.jvp`` leaves through a ``custom_vjp`` (refused by name when live).
 * ``prng.KeyTy`` and ``prng.prngs``: a typed PRNG key's dtype from its
   implementation's name (:func:`dtype_of_plain`, for the executable cache).
+* ``compilation_cache.reset_cache``: the persistent compilation cache is set
+  up once per process; ``ipu_jax/executable_cache.py`` resets it when it
+  names a directory after a first compile (no public spelling).
 * ``core.Tracer``: its ``sharding`` and ``device`` properties, swapped for
   the duration of :func:`ipu_jax.cheap_tracer_probes` (``ipu_jax/tracer_probes.py``:
   the pinned JAX walks the whole trace to build a message nobody sees).
@@ -50,6 +53,7 @@ import jax
 import numpy as np
 
 from jax._src import ad_checkpoint
+from jax._src import compilation_cache
 from jax._src import config
 from jax._src import core
 from jax._src import custom_derivatives
@@ -73,7 +77,7 @@ from jax._src.random import prng
 from jax._src.random import threefry2x32
 
 __all__ = [
-    "ad_checkpoint", "ad_internal", "add_jaxvals_p", "config", "control_flow",
+    "ad_checkpoint", "ad_internal", "add_jaxvals_p", "compilation_cache", "config", "control_flow",
     "control_flow_loops", "core", "custom_derivatives", "debugging", "dispatch", "lax_internal",
     "lax_linalg", "lax_parallel", "lax_special", "partial_eval", "pjit", "prng", "random_core",
     "shard_map", "source_info_util", "threefry2x32", "windowed_reductions",

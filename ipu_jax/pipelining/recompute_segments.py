@@ -42,9 +42,9 @@ import dataclasses
 from typing import Callable
 
 import jax
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from ipu_jax.lowering.jax_compat import source_info_util
 from ipu_jax.ops.pipeline_stage import RECOMPUTATION_CHECKPOINT
 
 __all__ = ["Segment", "split_segments", "segmented_checkpoint"]

@@ -42,9 +42,9 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from ipu_jax.lowering.jax_compat import core, source_info_util
 from ipu_jax.lowering.lower import source_of
 from ipu_jax.lowering.scopes import module_path
 from ipu_jax.tracer_probes import cheap_tracer_probes
@@ -503,7 +503,6 @@ class _Traced:
 
 
 def _reject_nested_marks(jaxpr) -> None:
-  from jax._src import core
   for eqn in jaxpr.eqns:
     for sub in core.jaxprs_in_params(eqn.params):
       for inner in sub.eqns:
