@@ -117,7 +117,8 @@ def _first_occurrences(keys: np.ndarray) -> np.ndarray:
   O(n) with a mark array when the keys are dense (the usual case: element
   indices), falling back to a sort for sparse keys. The callers count what
   lies at these positions (``bincount``), so the positions are not sorted:
-  sorting them took 1.5 of the BERT-Large split search's CPU seconds.
+  sorting them took 1.5 CPU s of the BERT-Large split search (cProfile; a
+  2 M-key call sorts in 0.12 s, docs/performance.md).
   """
   if keys.size == 0:
     return np.zeros(0, np.int64)

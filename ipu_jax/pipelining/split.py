@@ -47,8 +47,8 @@ from jax.extend import core as jcore
 from ipu_jax.lowering.jax_compat import core, source_info_util
 from ipu_jax.lowering.lower import source_of
 from ipu_jax.lowering.scopes import module_path
-from ipu_jax.tracer_probes import cheap_tracer_probes
 from ipu_jax.ops.pipeline_stage import pipeline_stage_p
+from ipu_jax.tracer_probes import cheap_tracer_probes
 
 __all__ = ["AuxOutput", "Stage", "StagedFunction", "PipelineError", "split_stages", "stage"]
 
