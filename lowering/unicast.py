@@ -4,7 +4,7 @@ A reduction's partials (and other unicast movements planned on runs) leave
 their tiles as runs ``[first, first + length)`` of the destination tensor.
 :func:`unicast_cost` counts the exchange on runs and the destination's
 intervals, not on their elements: what each destination interval receives is
-the runs' coverage of it (a sort of the run ends and running sums), what
+the runs' coverage of it (the run ends placed among the intervals, running sums), what
 stays is each run's overlap with its own tile's intervals, and what crosses
 IPUs (:func:`unicast_link_elements`) each run's part outside its IPU's runs
 of intervals. Used by the reduction plans (``lowering/rules/reduction.py``).
@@ -21,14 +21,29 @@ __all__ = ["unicast_cost", "unicast_link_elements"]
 
 
 def _covered(first: np.ndarray, stop: np.ndarray, x: np.ndarray) -> np.ndarray:
-  """Elements of the runs ``[first[i], stop[i])`` below each ``x`` (all runs summed)."""
-  first, stop = np.sort(first), np.sort(stop)
-  total = []
-  for ends in (first, stop):
-    below = np.searchsorted(ends, x, side="left")
-    sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(ends)])
-    total.append(x * below - sums[below])
-  return total[0] - total[1]
+  """Elements of the runs ``[first[i], stop[i])`` below each ``x`` (all runs summed).
+
+  ``x`` is ascending (a mapping's interval starts and its end): each run end
+  is placed among the few points (a search of the runs into ``x``, not a sort
+  of the runs: a reduction's partials are thousands of runs against a few
+  hundred intervals), and a point counts, per end below it, its distance to
+  that end. The distance is taken from the first point above the end, so the
+  weighted sums stay below ``runs x interval length`` (float64 bincounts:
+  exact below 2**53), and the rest is whole points' counts, in integers.
+  """
+  m = x.size
+  total = np.zeros(m, np.int64)
+  for ends, sign in ((first, 1), (stop, -1)):
+    place = np.searchsorted(x, ends, side="right")  # x[j] > end for every j >= place
+    counted = place < m
+    ends, place = ends[counted], place[counted]
+    # Per point: the ends first above it and their distances to it.
+    count = np.bincount(place, minlength=m)[:m].astype(np.int64)
+    gap = np.bincount(place, weights=x[place] - ends, minlength=m)[:m].astype(np.int64)
+    # x_j - end = (x_j - x_place) + (x_place - end), summed over ends placed at or before j.
+    below = np.cumsum(count)
+    total += sign * (np.cumsum(gap) + x * below - np.cumsum(count * x))
+  return total
 
 
 def _overlap(group: np.ndarray, first: np.ndarray, stop: np.ndarray, interval_group: np.ndarray,
@@ -89,9 +104,10 @@ def unicast_cost(target, src_tile: np.ndarray, first: np.ndarray, length: np.nda
   def per(where, weights, length_):
     return np.bincount(where, weights=weights, minlength=length_)[:length_].astype(np.int64)
 
-  # Coverage below every interval's end and start, from one sort of the runs.
-  covered = _covered(first, stop, np.concatenate([ends, starts]))
-  received = per(tiles, covered[:ends.size] - covered[ends.size:], t)
+  # Coverage below every interval's start and the tensor's end (ascending):
+  # an interval receives the difference at its two ends.
+  covered = _covered(first, stop, np.append(starts, n))
+  received = per(tiles, np.diff(covered), t)
   stay = _overlap(src, first, stop, tiles, starts, ends, n)
   moved = (stop - first) - stay
   if not moved.any():
