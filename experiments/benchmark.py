@@ -76,7 +76,7 @@ _WORKLOADS = flags.DEFINE_list(
     "Workloads: matmul (1024^3 f32), mlp, cnn, transformer (training steps), "
     "fit (one fit epoch of the digits MLP).")
 _TILES = flags.DEFINE_list("tiles", ["16", "1472"], "Tiles per IPU to measure at (ipu2).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).", lower_bound=1)
 _JSON_OUT = flags.DEFINE_string("json_out", "reports/benchmark.json", "Where to write JSON.")
 _ISOLATE = flags.DEFINE_bool("isolate", True, "Run each case in its own subprocess.")
 _CASE = flags.DEFINE_string("case", None, "Internal: run one case 'workload:tiles' and print JSON.")
@@ -96,9 +96,11 @@ _SPEED_WORKLOADS = flags.DEFINE_list(
     "speed_workloads", ["mlp", "cnn", "transformer"],
     "speed suite: the training steps timed against jax.jit (experiments/models.py).")
 _SPEED_BATCH = flags.DEFINE_integer(
-    "speed_batch", 0, "speed suite: the step workloads' batch (0: each workload's own).")
+    "speed_batch", 0, "speed suite: the step workloads' batch (0: each workload's own).",
+    lower_bound=0)
 _ROWS = flags.DEFINE_list("rows", None, "scale / pod suite: rows to run (default: all).")
-_ROW_TIMEOUT = flags.DEFINE_integer("row_timeout", 1800, "scale suite: seconds per row.")
+_ROW_TIMEOUT = flags.DEFINE_integer("row_timeout", 1800, "scale suite: seconds per row.",
+                                    lower_bound=1)
 _MAX_RSS_GIB = flags.DEFINE_float(
     "max_rss_gib", 10.0, "scale suite: a row whose resident memory passes this stops "
     "(recorded as an error) so a shared machine is not exhausted.")

@@ -120,20 +120,23 @@ def define_flags(fv=None):
   # The name every runner shares (resnet_training, llm): one configuration
   # can be asked of another runner with the same flags.
   flags.DEFINE_alias("gradient_accumulation", "accumulation", flag_values=fv)
-  flags.DEFINE_integer("replicas", 2, "Data-parallel replicas of the pipeline.", flag_values=fv)
+  flags.DEFINE_integer("replicas", 2, "Data-parallel replicas of the pipeline.", lower_bound=1,
+                       flag_values=fv)
   flags.DEFINE_integer("updates_per_execution", 1,
                        "Weight updates one execution of the device program runs (PopART's "
                        "batches_per_step: 1 in every MLPerf BERT config); the host's fixed "
                        "time per execution (IPUSystem.execution_overhead_seconds) is shared "
                        "by them.", flag_values=fv)
-  flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.", flag_values=fv)
-  flags.DEFINE_integer("seq", 64, "Sequence length.", flag_values=fv)
-  flags.DEFINE_integer("max_predictions", 8, "Masked positions per sequence.", flag_values=fv)
+  flags.DEFINE_integer("micro_batch", 2, "Sequences per micro-batch.", lower_bound=1,
+                       flag_values=fv)
+  flags.DEFINE_integer("seq", 64, "Sequence length.", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("max_predictions", 8, "Masked positions per sequence (<= --seq).",
+                       lower_bound=1, flag_values=fv)
   flags.DEFINE_enum("partials_type", "float32", ["float32", "float16"],
                     "cfg.matmuls.partials_type: the matmuls' partial sums (Graphcore's "
                     "enable_half_partials: float16).", flag_values=fv)
   flags.DEFINE_integer("decoder_serialization", 2, "Serialisation factor of the MLM decoder.",
-                       flag_values=fv)
+                       lower_bound=1, flag_values=fv)
   flags.DEFINE_boolean("recomputation", True, "Recompute each stage's forward in its backward.",
                        flag_values=fv)
   flags.DEFINE_enum("last_stage_recomputation", "none", ["none", "checkpoints"],
@@ -162,9 +165,9 @@ def define_flags(fv=None):
   flags.DEFINE_boolean("replicated_tensor_sharding", True,
                        "Shard the LAMB state over the replicas.", flag_values=fv)
   flags.DEFINE_float("dropout", 0.0, "Dropout rate of the embeddings', attention output's and "
-                     "FFN output's dropouts.", flag_values=fv)
+                     "FFN output's dropouts, in [0, 1).", flag_values=fv)
   flags.DEFINE_float("attention_dropout", 0.0,
-                     "Dropout rate of the attention probabilities (BERT's "
+                     "Dropout rate of the attention probabilities, in [0, 1) (BERT's "
                      "attention_probs_dropout_prob; Graphcore's MLPerf v2.0 runs: 0.1).",
                      flag_values=fv)
   flags.DEFINE_enum("random_mode", "jax", ["jax", "hardware"],
@@ -172,10 +175,11 @@ def define_flags(fv=None):
                     "work), 'hardware' the tiles' generators (priced as poprand's vertices: "
                     "dropout as one Dropout vertex).", flag_values=fv)
   flags.DEFINE_float("learning_rate", 1e-3, "LAMB learning rate.", flag_values=fv)
-  flags.DEFINE_integer("steps", 3, "Training steps (weight updates).", flag_values=fv)
-  flags.DEFINE_integer("tiles_per_ipu", 32,
-                       "Tiles per IPU (small: a fast emulation; the presets use all 1,472).",
+  flags.DEFINE_integer("steps", 3, "Training steps (weight updates).", lower_bound=1,
                        flag_values=fv)
+  flags.DEFINE_integer("tiles_per_ipu", 32,
+                       "Tiles per IPU (small: a fast emulation; the presets use all 1,472; "
+                       "0: every tile of the system's chip).", lower_bound=0, flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Seed of the weights and the data.", flag_values=fv)
   flags.DEFINE_boolean("check", False, "Compare with plain JAX gradient accumulation.",
                        flag_values=fv)
@@ -214,7 +218,7 @@ def define_flags(fv=None):
                     "--auto_split: decoder serialisation factors tried.", flag_values=fv)
   flags.DEFINE_integer("split_confirm_top", 1,
                        "--auto_split: best splits lowered in full, in order, to confirm one "
-                       "(0: none).", flag_values=fv)
+                       "(0: none).", lower_bound=0, flag_values=fv)
   flags.DEFINE_string("split_plot", None,
                       "--auto_split: PNG of per-IPU cycles and memory, the chosen split beside "
                       "the flags' own.", flag_values=fv)
@@ -296,7 +300,11 @@ def stage_layout(f, num_layers: int) -> tuple:
       return bert.placement_layout(placement, num_layers)
     except ValueError as e:  # json.JSONDecodeError is a ValueError
       raise ValueError(f"--att_ffn_placement={f.att_ffn_placement!r}: {e}") from None
-  layers = [int(v) for v in f.layers_per_ipu]
+  try:
+    layers = [int(v) for v in f.layers_per_ipu]
+  except ValueError:
+    raise ValueError(f"--layers_per_ipu={','.join(f.layers_per_ipu)}: each entry must be a "
+                     f"whole number of encoder layers.") from None
   if sum(layers) != num_layers:
     raise ValueError(f"--layers_per_ipu {layers} adds up to {sum(layers)} layers; the "
                      f"{f.model} model has {num_layers}.")
@@ -306,6 +314,50 @@ def stage_layout(f, num_layers: int) -> tuple:
 def num_ipus(mapping) -> int:
   """IPUs of one replica's pipeline, from its ``device_mapping``."""
   return max(mapping) + 1
+
+
+def check_model_flags(f) -> None:
+  """Refuse model and data flags the model cannot take, naming the flag.
+
+  (Counts are held to their least values when the flags are parsed.)
+
+  Raises:
+    ValueError: a dropout rate outside [0, 1), or more masked positions than
+      the sequence has.
+  """
+  for name in ("dropout", "attention_dropout"):
+    rate = getattr(f, name)
+    if not 0.0 <= rate < 1.0:
+      raise ValueError(f"--{name}={rate!r} must be in [0, 1) (the fraction of values dropped).")
+  if f.max_predictions > f.seq:
+    raise ValueError(f"--max_predictions={f.max_predictions} exceeds --seq={f.seq}: a sequence "
+                     f"has at most --seq masked positions.")
+
+
+def check_decoder_serialization(f, vocab_size: int) -> None:
+  """``--decoder_serialization`` must divide the vocabulary (the decoder's columns)."""
+  factor = f.decoder_serialization
+  if vocab_size % factor:
+    divisors = [d for d in range(1, vocab_size + 1) if vocab_size % d == 0]
+    shown = divisors if len(divisors) <= 16 else divisors[:16] + ["..."]
+    raise ValueError(f"--decoder_serialization={factor} does not divide the vocabulary of "
+                     f"{vocab_size:,d} words (the decoder's columns, in {factor} pieces); "
+                     f"factors that do: {shown}.")
+
+
+def _check_proportions(values, ipus: int) -> None:
+  """``--matmul_proportion``: one proportion in (0, 1] per IPU of a replica."""
+  text = ",".join(values)
+  try:
+    proportions = [float(v) for v in values]
+  except ValueError:
+    proportions = None
+  if proportions is None or not all(0.0 < p <= 1.0 for p in proportions):
+    raise ValueError(f"--matmul_proportion={text}: each entry must be a proportion in (0, 1] "
+                     f"of a tile's memory.")
+  if len(proportions) != ipus:
+    raise ValueError(f"--matmul_proportion={text} gives {len(proportions)} proportions; the "
+                     f"split has {ipus} IPUs a replica, one proportion each.")
 
 
 def check_flags(f, num_layers: int) -> None:
@@ -331,6 +383,7 @@ def check_flags(f, num_layers: int) -> None:
     raise ValueError("--auto_split searches whole layers per IPU (--layers_per_ipu); it cannot "
                      "start from --att_ffn_placement. Give --layers_per_ipu instead.")
   _, mapping = stage_layout(f, num_layers)
+  _check_proportions(f.matmul_proportion, num_ipus(mapping))
   stages = len(mapping)
   minimum = minimum_accumulation(f.schedule, stages)
   if f.updates_per_execution < 1:
@@ -553,10 +606,12 @@ def run(f) -> dict:
   from experiments import bert
 
   apply_preset(f)
-  mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size,
-                      f.attention_dropout)
   try:
+    check_model_flags(f)
+    mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size,
+                        f.attention_dropout)
     check_flags(f, mcfg.layers)
+    check_decoder_serialization(f, mcfg.vocab_size)  # with --auto_split: the baseline's
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   mcfg = with_checkpoints(f, mcfg)

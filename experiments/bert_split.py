@@ -160,13 +160,15 @@ def _define_flags() -> None:
   _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the search's result to this JSON file.")
   _PLOT = flags.DEFINE_string("plot", None, "Plot per-IPU cycles and memory of the chosen split.")
   _CONFIRM_TOP = flags.DEFINE_integer("confirm_top", 1,
-                                      "Best splits lowered in full to confirm (0: none).")
+                                      "Best splits lowered in full to confirm (0: none).",
+                                      lower_bound=0)
   _PROPORTIONS = flags.DEFINE_list("proportions", ["0.15", "0.25", "0.35", "0.45"],
                                    "Available memory proportions tried on each IPU.")
   _SERIALIZATION = flags.DEFINE_list("serialization", ["1", "2", "4"],
                                      "Serialisation factors tried on the MLM decoder.")
   _OPTIMIZER = flags.DEFINE_enum("optimizer", "lamb", ["lamb", "sgd"], "The optimizer.")
-  _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per micro-batch.")
+  _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 8, "Sequences per micro-batch.",
+                                      lower_bound=1)
 
 
 if __name__ == "__main__":

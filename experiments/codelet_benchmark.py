@@ -28,9 +28,9 @@ import numpy as np
 import ipu_jax
 from ipu_jax import graph as g
 
-_TILES = flags.DEFINE_integer("tiles", 1472, "Tiles (ipu2), one vertex on each.")
-_ELEMENTS = flags.DEFINE_integer("elements", 256, "Elements per vertex.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs (median).")
+_TILES = flags.DEFINE_integer("tiles", 1472, "Tiles (ipu2), one vertex on each.", lower_bound=1)
+_ELEMENTS = flags.DEFINE_integer("elements", 256, "Elements per vertex.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs (median).", lower_bound=1)
 _WORKLOADS = flags.DEFINE_list("workloads", ["elementwise", "sum"], "What the vertices compute.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Where to write the results as JSON.")
 

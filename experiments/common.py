@@ -23,7 +23,10 @@ Every runner takes the same flags (absl)::
 A runner module defines ``DEFAULTS`` (its epochs, learning rate, batch size,
 report directory) and ``run(settings)``; :func:`settings_from_flags` fills a
 :class:`Settings` from the flags, each flag left unset taking the runner's
-default, so tests can call ``run`` directly. A runner adopts these flags as
+default, so tests can call ``run`` directly. A count below its least value
+(``--batch_size 0``, ``--replicas 0``) is refused when the flags are parsed,
+and by ``Settings`` when one is made by hand, naming the field and its flag.
+A runner adopts these flags as
 its own (``flags.adopt_module_key_flags(common)``), so its ``--help`` lists
 them beside its own; :func:`main_for` prints an out-of-memory or lowering
 error's message (not its traceback) and exits with status 1.
@@ -36,7 +39,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from experiments.entry import quiet_backend_probe, reporting_errors  # noqa: F401 (re-exported)
 from ipu_jax.kernels.target import PRESETS
@@ -44,9 +47,18 @@ from ipu_jax.kernels.target import PRESETS
 FLAGS = flags.FLAGS
 
 
+# The least value of each count (the flags refuse less when parsed, and a
+# Settings made by hand when built): 0 where it means "the default".
+_LEAST = {"tiles_per_ipu": 0, "ipus_per_replica": 1, "replicas": 1, "accumulation_steps": 1,
+          "steps_per_execution": 0, "epochs": 1, "batch_size": 1, "verbose": 0,
+          "num_processes": 1, "process_id": 0, "num_samples": 0}
+
+
 def _define(define, name, default, help_text, **kwargs):
   if name in FLAGS:
     return
+  if name in _LEAST:
+    kwargs["lower_bound"] = _LEAST[name]
   if "enum_values" in kwargs:
     define(name, default, kwargs.pop("enum_values"), help_text, **kwargs)
   else:
@@ -75,7 +87,8 @@ _define(flags.DEFINE_string, "report_dir", None,
 _define(flags.DEFINE_string, "data_dir", None, "Directory of real data (runner-specific).")
 _define(flags.DEFINE_boolean, "emulate", True,
         "Run on the emulated IPU; --noemulate runs the same loop with plain jax.jit.")
-_define(flags.DEFINE_integer, "verbose", 2, "0 silent, 1 progress bar, 2 a line per epoch.")
+_define(flags.DEFINE_integer, "verbose", 2, "0 silent, 1 progress bar, 2 a line per epoch.",
+        upper_bound=2)
 _define(flags.DEFINE_string, "coordinator_address", None,
         "host:port of process 0 of a multi-process run.")
 _define(flags.DEFINE_integer, "num_processes", 1, "Processes in a multi-process run.")
@@ -108,6 +121,16 @@ class Settings:
   process_id: int = 0
   num_samples: int = 0
 
+  def __post_init__(self):
+    for name, least in _LEAST.items():
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"Settings.{name} must be an int >= {least} (--{name}); "
+                         f"got {value!r}.")
+    if self.process_id >= self.num_processes:
+      raise ValueError(f"Settings.process_id={self.process_id} must be below "
+                       f"num_processes={self.num_processes} (--process_id, --num_processes).")
+
   @property
   def resolved_steps_per_execution(self) -> int:
     unit = self.accumulation_steps * self.replicas * max(self.num_processes, 1)
@@ -135,7 +158,11 @@ def main_for(run: Callable[[Settings], dict], defaults: dict) -> Callable:
   @reporting_errors
   def main(argv):
     del argv
-    run(settings_from_flags(defaults))
+    try:
+      settings = settings_from_flags(defaults)
+    except ValueError as e:  # flags that do not go together, named in the message
+      raise app.UsageError(str(e)) from None
+    run(settings)
 
   return main
 

@@ -329,15 +329,15 @@ def define_flags(fv=flags.FLAGS):
   from ipu_jax.kernels.target import PRESETS
   d = {"flag_values": fv}
   flags.DEFINE_enum("model", "large", ["large", "base"], "BERT-Large or BERT-Base's layer.", **d)
-  flags.DEFINE_integer("hidden", 0, "Width; 0 = the model's.", **d)
-  flags.DEFINE_integer("heads", 0, "Attention heads; 0 = the model's.", **d)
-  flags.DEFINE_integer("ffn", 0, "Feed-forward width; 0 = the model's.", **d)
-  flags.DEFINE_integer("seq", 512, "Sequence length.", **d)
-  flags.DEFINE_integer("micro_batch", 3, "Sequences in the micro-batch.", **d)
+  flags.DEFINE_integer("hidden", 0, "Width; 0 = the model's.", lower_bound=0, **d)
+  flags.DEFINE_integer("heads", 0, "Attention heads; 0 = the model's.", lower_bound=0, **d)
+  flags.DEFINE_integer("ffn", 0, "Feed-forward width; 0 = the model's.", lower_bound=0, **d)
+  flags.DEFINE_integer("seq", 512, "Sequence length.", lower_bound=1, **d)
+  flags.DEFINE_integer("micro_batch", 3, "Sequences in the micro-batch.", lower_bound=1, **d)
   flags.DEFINE_enum("dtype", "float16", ["float16", "float32", "bfloat16"],
                     "Parameters' and activations' dtype.", **d)
   flags.DEFINE_enum("system", "bow", sorted(PRESETS), "IPU target preset.", **d)
-  flags.DEFINE_integer("tiles_per_ipu", 0, "Tiles per IPU; 0 = the preset's.", **d)
+  flags.DEFINE_integer("tiles_per_ipu", 0, "Tiles per IPU; 0 = the preset's.", lower_bound=0, **d)
   flags.DEFINE_float("proportion", 1.0, "Matmuls' available_memory_proportion.", **d)
   flags.DEFINE_enum("partials", "float16", ["float16", "float32"], "Matmuls' partials type.",
                     **d)

@@ -45,22 +45,24 @@ if __package__ in (None, ""):
 from experiments import entry  # noqa: E402
 
 
-def _define(define, name, default, help_text):
+def _define(define, name, default, help_text, **kwargs):
   # The shared runner flags (experiments/common.py) may already be defined
   # in this process; then theirs are used and None means this runner's default.
   if name not in flags.FLAGS:
-    define(name, default, help_text)
+    define(name, default, help_text, **kwargs)
 
 
-_define(flags.DEFINE_integer, "steps", 60, "SGD steps of every variant at --learning_rate.")
-_define(flags.DEFINE_integer, "batch_size", 16, "Sequences per step.")
+_define(flags.DEFINE_integer, "steps", 60, "SGD steps of every variant at --learning_rate.",
+        lower_bound=1)
+_define(flags.DEFINE_integer, "batch_size", 16, "Sequences per step.", lower_bound=1)
 _define(flags.DEFINE_float, "learning_rate", 0.05, "SGD learning rate of every variant.")
 _define(flags.DEFINE_float, "small_learning_rate", 0.002,
         "A second run of fp32 / fp16 / fp16+SR at this learning rate, where most updates are "
         "below half an fp16 ulp of their weight (0 skips it).")
 _define(flags.DEFINE_integer, "small_steps", 600,
-        "SGD steps of the small-learning-rate run (its progress per step is small).")
-_define(flags.DEFINE_integer, "tiles_per_ipu", 64, "Tiles of the emulated ipu21.")
+        "SGD steps of the small-learning-rate run (its progress per step is small).",
+        lower_bound=1)
+_define(flags.DEFINE_integer, "tiles_per_ipu", 64, "Tiles of the emulated ipu21.", lower_bound=1)
 _define(flags.DEFINE_string, "out_dir", "reports/low_precision",
         "Where the plots, JSON and each run's report go.")
 _define(flags.DEFINE_list, "variants", "fp32,fp16,fp16+SR,fp8", "Variants to run.")

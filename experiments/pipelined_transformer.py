@@ -27,18 +27,18 @@ from absl import app, flags
 from experiments import entry
 
 _FLAGS = flags.FLAGS
-flags.DEFINE_integer("tiles_per_ipu", 16, "Tiles per IPU (small: a fast emulation).")
-flags.DEFINE_integer("stages", 4, "Pipeline stages, one IPU each.")
-flags.DEFINE_integer("layers", 4, "Encoder layers (a multiple of --stages).")
-flags.DEFINE_integer("width", 192, "Model width.")
-flags.DEFINE_integer("seq", 16, "Sequence length.")
-flags.DEFINE_integer("vocab", 64, "Vocabulary.")
-flags.DEFINE_integer("micro_batch", 2, "Samples per micro-batch.")
-flags.DEFINE_integer("accumulation", 8, "Micro-batches per step (G).")
+flags.DEFINE_integer("tiles_per_ipu", 16, "Tiles per IPU (small: a fast emulation).", lower_bound=1)
+flags.DEFINE_integer("stages", 4, "Pipeline stages, one IPU each.", lower_bound=1)
+flags.DEFINE_integer("layers", 4, "Encoder layers (a multiple of --stages).", lower_bound=1)
+flags.DEFINE_integer("width", 192, "Model width.", lower_bound=1)
+flags.DEFINE_integer("seq", 16, "Sequence length.", lower_bound=1)
+flags.DEFINE_integer("vocab", 64, "Vocabulary.", lower_bound=1)
+flags.DEFINE_integer("micro_batch", 2, "Samples per micro-batch.", lower_bound=1)
+flags.DEFINE_integer("accumulation", 8, "Micro-batches per step (G).", lower_bound=1)
 flags.DEFINE_enum("schedule", "Grouped", ["Grouped", "Interleaved", "Sequential"],
                   "Pipeline schedule.")
 flags.DEFINE_boolean("recomputation", False, "Recompute stages in the backward pass.")
-flags.DEFINE_integer("steps", 3, "Training steps.")
+flags.DEFINE_integer("steps", 3, "Training steps.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate.")
 flags.DEFINE_string("report_dir", None, "Where to write the reports.")
 

@@ -448,7 +448,7 @@ def define_flags(fv=None):
                                flag_values=fv)
   _TILES = flags.DEFINE_integer("tiles", IPU_PATH_TILES,
                                 "Tiles per IPU (ipu2); the IPU path needs all 1,472.",
-                                flag_values=fv)
+                                lower_bound=1, flag_values=fv)
   _JSON_OUT = flags.DEFINE_string("json_out", "", "Where to write the result as JSON.",
                                   flag_values=fv)
   _SRC = flags.DEFINE_string("pyscf_ipu_src", None,
@@ -456,8 +456,10 @@ def define_flags(fv=None):
   _BACKEND = flags.DEFINE_enum("backend", "ipu", ["ipu", "cpu"],
                                "nanoDFT's backend: its IPU (TessellateIPU) path or its CPU path; "
                                "both lowered by ipu_jax.", flag_values=fv)
-  _ITS = flags.DEFINE_integer("its", 20, "SCF iterations (nanoDFT's default).", flag_values=fv)
-  _LEVEL = flags.DEFINE_integer("level", 0, "Grid level (nanoDFT's default 0).", flag_values=fv)
+  _ITS = flags.DEFINE_integer("its", 20, "SCF iterations (nanoDFT's default).", lower_bound=1,
+                              flag_values=fv)
+  _LEVEL = flags.DEFINE_integer("level", 0, "Grid level (nanoDFT's default 0).", lower_bound=0,
+                                flag_values=fv)
   _REPORT_DIR = flags.DEFINE_string("report_dir", None,
                                     "Keep the lowered programs' reports here.", flag_values=fv)
   _VERBOSE = flags.DEFINE_bool("verbose", False, "Show nanoDFT's own prints.", flag_values=fv)

@@ -165,6 +165,41 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, message):
       bert_pretraining.check_flags(f, 24 if f.model == "large" else 4)
 
+  @parameterized.parameters(
+      ("--replicas=0", "--replicas=0: 0 is not a positive integer"),
+      ("--micro_batch=0", "--micro_batch=0: 0 is not a positive integer"),
+      ("--seq=-4", "--seq=-4: -4 is not a positive integer"),
+      ("--steps=0", "--steps=0: 0 is not a positive integer"),
+      ("--decoder_serialization=0", "--decoder_serialization=0: 0 is not a positive integer"),
+      ("--tiles_per_ipu=-1", "--tiles_per_ipu=-1: -1 is not a non-negative integer"),
+  )
+  def test_counts_below_their_least_are_refused_when_parsed(self, arg, message):
+    # --micro_batch=0 used to estimate 0 samples/s; --replicas=0 raised from IPUConfig.
+    with self.assertRaisesRegex(flags.IllegalFlagValueError, message):
+      self._flags(arg)
+
+  @parameterized.parameters(
+      (["--dropout=1.5"], r"--dropout=1\.5 must be in \[0, 1\)"),
+      (["--attention_dropout=-0.1"], r"--attention_dropout=-0\.1 must be in \[0, 1\)"),
+      (["--max_predictions=100"], r"--max_predictions=100 exceeds --seq=64"),
+      # The tiny model's 1,000 words do not split in 3; the factors that do are listed.
+      (["--decoder_serialization=3"],
+       r"--decoder_serialization=3 does not divide the vocabulary of 1,000 words.*"
+       r"\[1, 2, 4, 5, 8, 10,"),
+      # BERT-Large's 30,522 words split into 1, 2, 3 or 6 pieces, not 4.
+      (["--config=phase2_pod16", "--decoder_serialization=4"],
+       r"--decoder_serialization=4 .* 30,522 words"),
+      (["--matmul_proportion=2.0,0.2,0.2,0.2"],
+       r"--matmul_proportion=2\.0,0\.2,0\.2,0\.2: each entry must be a proportion in \(0, 1\]"),
+      (["--matmul_proportion=0.2,0.2"], r"gives 2 proportions; the split has 4 IPUs a replica"),
+      (["--layers_per_ipu=1,x,1,1"], r"--layers_per_ipu=1,x,1,1: each entry must be a whole"),
+  )
+  def test_values_the_model_cannot_take_are_a_usage_error(self, argv, message):
+    # Raised by the runner before a model is built or a program lowered (they
+    # were tracebacks from BertConfig, IPUConfig or the decoder's tracing).
+    with self.assertRaisesRegex(app.UsageError, message):
+      bert_pretraining.run(self._flags("--estimate_only", *argv))
+
   def test_presets_and_overrides(self):
     f = self._flags("--config=phase2_pod16", "--micro_batch=4")
     self.assertEqual((f.seq, f.micro_batch, f.replicas, f.accumulation, f.system),

@@ -121,6 +121,30 @@ class RunnerFlagsTest(parameterized.TestCase):
     self.assertIn("gradients summed over the 3 micro-batch(es) and 2 replica(s) "
                   "(--reduction sum)", line)
 
+  @parameterized.parameters(
+      ("batch_size", 0, 1), ("epochs", 0, 1), ("replicas", 0, 1),
+      ("accumulation_steps", 0, 1), ("ipus_per_replica", 0, 1), ("num_samples", -1, 0),
+      ("tiles_per_ipu", -5, 0), ("steps_per_execution", -1, 0),
+  )
+  def test_settings_name_the_field_its_flag_and_least_value(self, name, value, least):
+    # --batch_size 0 used to end in a ZeroDivisionError, --epochs 0 in a KeyError.
+    from experiments import common
+    with self.assertRaisesRegex(ValueError, rf"Settings\.{name} must be an int >= {least} "
+                                            rf"\(--{name}\); got {value}\."):
+      common.Settings(**{name: value})
+
+  def test_the_main_job_refuses_bad_flags_before_it_runs(self):
+    for argv, message in ((["--batch_size", "0"],
+                           "flag --batch_size=0: 0 is not a positive integer"),
+                          (["--process_id", "2"],
+                           "Settings.process_id=2 must be below num_processes=1")):
+      proc = subprocess.run([sys.executable, "-m", "experiments.mnist", *argv], cwd=ROOT,
+                            env=_user_env(), capture_output=True, text=True, timeout=600)
+      self.assertEqual(proc.returncode, 1, proc.stderr[-2000:])
+      self.assertIn(message, proc.stderr)
+      self.assertNotIn("Traceback", proc.stderr)
+      self.assertNotIn("report written", proc.stdout)
+
   def test_out_of_memory_prints_the_message_and_the_fix(self):
     # docs/streaming_memory.md's example: Adam state does not fit 28 tiles at
     # micro-batch 17.
