@@ -26,10 +26,10 @@ report directory) and ``run(settings)``; :func:`settings_from_flags` fills a
 default, so tests can call ``run`` directly. A count below its least value
 (``--batch_size 0``, ``--replicas 0``) is refused when the flags are parsed,
 and by ``Settings`` when one is made by hand, naming the field and its flag.
-A runner adopts these flags as
-its own (``flags.adopt_module_key_flags(common)``), so its ``--help`` lists
-them beside its own; :func:`main_for` prints an out-of-memory or lowering
-error's message (not its traceback) and exits with status 1.
+A runner adopts these flags as its own (``flags.adopt_module_key_flags(common)``),
+so its ``--help`` lists them beside its own; :func:`main_for` prints an
+out-of-memory or lowering error's message (not its traceback) and exits with
+status 1.
 """
 
 from __future__ import annotations
