@@ -315,6 +315,14 @@ class BadConfigTest(absltest.TestCase):
                        steps_per_execution=4)
     with self.assertRaisesRegex(ValueError, "samples"):
       model.fit(x[:4], y[:4], batch_size=4, verbose=0)  # less than one execution of data
+    # One check for the three loops: evaluate's used to divide by zero, predict's
+    # to fail inside a tree map.
+    for run in (lambda b: model.fit(x, y, batch_size=b, verbose=0),
+                lambda b: model.evaluate(x, y, batch_size=b, verbose=0),
+                lambda b: model.predict(x, batch_size=b, verbose=0)):
+      for bad in (0, -2, 2.5):
+        with self.assertRaisesRegex(ValueError, rf"batch_size must be an int >= 1 .*got {bad}"):
+          run(bad)
     self.assertEqual(model.executions, 0)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, nnx.state(module, nnx.Param)), before)
     with self.assertRaisesRegex(ValueError, "input_shape"):

@@ -7,6 +7,8 @@ both to host arrays of the dtypes the device program takes.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import numpy as np
 
@@ -65,6 +67,11 @@ class ArrayData:
     self.n = num_samples(self.x)
     if self.y is not None and len(self.y) != self.n:
       raise ValueError(f"x has {self.n} samples and y has {len(self.y)}.")
+    # fit, evaluate and predict all batch through here: one check for the three.
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+        or batch_size < 1):
+      raise ValueError(f"batch_size must be an int >= 1 (samples a replica takes a step); "
+                       f"got {batch_size!r}.")
     self.batch_size = int(batch_size)
 
   def take(self, index):

@@ -121,8 +121,6 @@ def _array_source(x, y, batch_size, steps_per_epoch, S, seed) -> TrainSource:
   if y is None:
     raise ValueError("fit with an array x needs labels y.")
   data = ArrayData(x, y, _DEFAULT_BATCH if batch_size is None else batch_size)
-  if data.batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1; got {batch_size}.")
   executions = _whole_executions(data, S, steps_per_epoch)
   chunk = S * data.batch_size
 
