@@ -163,17 +163,34 @@ def accumulation(f) -> int:
   return f.global_batch // (f.data_parallel * f.micro_batch)
 
 
+def _check_model_sizes(f) -> None:
+  """Heads that split the width, a rotary part of a head, a memory proportion."""
+  if f.hidden % f.heads:
+    raise ValueError(f"--hidden={f.hidden} must be a multiple of --heads={f.heads} (each head "
+                     f"takes hidden / heads features).")
+  head = f.hidden // f.heads
+  if f.rotary_dim % 2 or f.rotary_dim > head:
+    raise ValueError(f"--rotary_dim={f.rotary_dim} must be even and at most the head size "
+                     f"--hidden / --heads = {head}.")
+  if not 0.0 < f.available_memory_proportion <= 1.0:
+    raise ValueError(f"--available_memory_proportion={f.available_memory_proportion!r} must be "
+                     f"in (0, 1] (the share of a tile's memory a matmul's plan may use).")
+
+
 def check_flags(f) -> None:
   """Refuse bad settings before anything is built, naming the flag and valid values.
 
   Raises:
-    ValueError: a tensor-parallel size not dividing the heads, hidden size,
+    ValueError: heads not dividing the hidden size, an odd or too long rotary
+      part, a memory proportion outside (0, 1]; a tensor-parallel size not
+      dividing the heads, hidden size,
       feed-forward size or vocabulary; a global batch not a multiple of
       ``data_parallel x micro_batch``; a system too small; GPT-3 positions
       shorter than the sequence.
   """
   from ipu_jax import parallel
   from ipu_jax.kernels.systems import check_capacity, system_preset
+  _check_model_sizes(f)
   parallel.check_tensor_parallel(f.tensor_parallel, heads=f.heads, hidden=f.hidden,
                                  vocab=f.vocab_size, field="--tensor_parallel")
   if f.ffn % f.tensor_parallel:

@@ -96,7 +96,14 @@ class LLMRunnerTest(chex.TestCase, parameterized.TestCase):
       ("tp_heads", ["--config=tiny_check", "--tensor_parallel=3", "--estimate_only"],
        "--tensor_parallel"),
       ("batch", ["--config=tiny_check", "--global_batch=6", "--estimate_only"],
-       "--global_batch"))
+       "--global_batch"),
+      # These three were tracebacks from LLMConfig / IPUConfig, naming their fields.
+      ("heads", ["--config=tiny_check", "--heads=3", "--tensor_parallel=1", "--estimate_only"],
+       "--hidden=128 must be a multiple of --heads=3"),
+      ("rotary", ["--config=tiny_check", "--model=gptj", "--rotary_dim=7", "--estimate_only"],
+       "--rotary_dim=7 must be even and at most the head size --hidden / --heads = 32"),
+      ("proportion", ["--config=tiny_check", "--available_memory_proportion=1.5",
+                      "--estimate_only"], r"--available_memory_proportion=1.5 must be in \(0, 1\]"))
   def test_bad_flag_names_the_field(self, argv, field):
     from absl import app
     from experiments import llm
