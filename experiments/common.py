@@ -130,6 +130,8 @@ class Settings:
     if self.process_id >= self.num_processes:
       raise ValueError(f"Settings.process_id={self.process_id} must be below "
                        f"num_processes={self.num_processes} (--process_id, --num_processes).")
+    if self.num_processes > 1 and not self.coordinator_address:
+      raise ValueError("--num_processes > 1 needs --coordinator_address host:port.")
 
   @property
   def resolved_steps_per_execution(self) -> int:
@@ -160,11 +162,29 @@ def main_for(run: Callable[[Settings], dict], defaults: dict) -> Callable:
     del argv
     try:
       settings = settings_from_flags(defaults)
+      check_paths(settings)
     except ValueError as e:  # flags that do not go together, named in the message
       raise app.UsageError(str(e)) from None
     run(settings)
 
   return main
+
+
+def check_paths(settings: Settings) -> None:
+  """The directories a run reads and writes, checked before it trains (a report
+  directory that is a file would fail only when the report is saved, at the end).
+
+  Raises:
+    ValueError: ``--data_dir`` not a directory, or ``--report_dir`` an existing
+      file, naming the flag.
+  """
+  if settings.data_dir and not os.path.isdir(settings.data_dir):
+    raise ValueError(f"--data_dir={settings.data_dir} is not a directory (the runner reads "
+                     f"its data files from it; leave it out for the built-in data).")
+  if settings.report_dir and os.path.exists(settings.report_dir) and not os.path.isdir(
+      settings.report_dir):
+    raise ValueError(f"--report_dir={settings.report_dir} is a file; give a directory (it is "
+                     f"created if missing).")
 
 
 def setup_devices(settings: Settings) -> None:
@@ -175,8 +195,6 @@ def setup_devices(settings: Settings) -> None:
   import jax
   quiet_backend_probe()
   if settings.num_processes > 1:
-    if not settings.coordinator_address:
-      raise ValueError("--num_processes > 1 needs --coordinator_address host:port.")
     from ipu_jax.keras.replication import initialize_distributed
     initialize_distributed(settings.coordinator_address, settings.num_processes,
                            settings.process_id, local_device_count=settings.replicas)

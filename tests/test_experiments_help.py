@@ -133,11 +133,22 @@ class RunnerFlagsTest(parameterized.TestCase):
                                             rf"\(--{name}\); got {value}\."):
       common.Settings(**{name: value})
 
+  def test_paths_and_processes_are_checked_before_a_run(self):
+    from experiments import common
+    with self.assertRaisesRegex(ValueError, "needs --coordinator_address host:port"):
+      common.Settings(num_processes=2, process_id=1)
+    with self.assertRaisesRegex(ValueError, "--data_dir=/nonexistent is not a directory"):
+      common.check_paths(common.Settings(data_dir="/nonexistent"))
+
   def test_the_main_job_refuses_bad_flags_before_it_runs(self):
+    # A report directory that is a file used to fail when the report was
+    # saved, after the training.
+    a_file = self.create_tempfile().full_path
     for argv, message in ((["--batch_size", "0"],
                            "flag --batch_size=0: 0 is not a positive integer"),
                           (["--process_id", "2"],
-                           "Settings.process_id=2 must be below num_processes=1")):
+                           "Settings.process_id=2 must be below num_processes=1"),
+                          (["--report_dir", a_file], f"--report_dir={a_file} is a file")):
       proc = subprocess.run([sys.executable, "-m", "experiments.mnist", *argv], cwd=ROOT,
                             env=_user_env(), capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 1, proc.stderr[-2000:])
