@@ -449,7 +449,6 @@ def plain_steps(loss_fn, optimizer, params, batches_per_step, keys=None):
       ``ipu_jax.pipelining.micro_batch_key(key, m)``, as the pipeline does.
   """
   import jax
-  import optax
   from ipu_jax.pipelining import micro_batch_key
   state = optimizer.init(params)
   grad = jax.jit(jax.grad(loss_fn))
@@ -612,6 +611,8 @@ def run(f) -> dict:
                         f.attention_dropout)
     check_flags(f, mcfg.layers)
     check_decoder_serialization(f, mcfg.vocab_size)  # with --auto_split: the baseline's
+    entry.prepare_outputs(files=[("--json_out", f.json_out), ("--split_plot", f.split_plot)],
+                          directories=[("--report_dir", f.report_dir)])
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   mcfg = with_checkpoints(f, mcfg)

@@ -134,6 +134,10 @@ def large_phase1_pod16(log=print, preset_options=None, **search_options):
 def main(argv):
   del argv
   entry.quiet_backend_probe()
+  try:
+    entry.prepare_outputs(files=[("--json_out", _JSON_OUT.value), ("--plot", _PLOT.value)])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   start = time.time()
   result = large_phase1_pod16(
       preset_options={"optimizer": _OPTIMIZER.value, "micro_batch": _MICRO_BATCH.value},

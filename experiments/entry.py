@@ -3,7 +3,9 @@
 * :func:`quiet_backend_probe`: pin JAX to the CPU where no accelerator plugin
   is installed, so no "Unable to initialize backend 'tpu'" line opens a run;
 * :func:`reporting_errors`: an out-of-memory or lowering error printed as its
-  message, exit status 1, not a traceback through the library.
+  message, exit status 1, not a traceback through the library;
+* :func:`prepare_outputs`: the files and directories a run writes at its end,
+  made ready (or refused, naming the flag) before it starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sys
 from typing import Callable
 
-__all__ = ["quiet_backend_probe", "reporting_errors"]
+__all__ = ["prepare_outputs", "quiet_backend_probe", "reporting_errors"]
 
 # Packages through which JAX finds a TPU or GPU; with none installed there is
 # nothing to probe for.
@@ -60,3 +62,38 @@ def reporting_errors(main: Callable) -> Callable:
       return 1
 
   return wrapped
+
+
+def prepare_outputs(files=(), directories=()) -> None:
+  """Make ready the places a run writes when it ends, before it starts.
+
+  A run writes its JSON, plots and reports last, after minutes of lowering
+  or training; a path it cannot write would fail only then. So the missing
+  directories are made now (as a report directory is made when missing), and
+  a path that cannot be written is refused now.
+
+  Args:
+    files: ``(flag, path)`` pairs of files written at the end (None: not
+      asked for); their directories are made.
+    directories: ``(flag, path)`` pairs of directories written at the end;
+      they are made.
+
+  Raises:
+    ValueError: naming the flag, a file path that is a directory, or a path
+      with a file where a directory must be.
+  """
+  def make(flag, directory, path):
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+      raise ValueError(f"{flag}={path}: {directory} is a file, not a directory.") from None
+
+  for flag, path in files:
+    if not path:
+      continue
+    if os.path.isdir(path):
+      raise ValueError(f"{flag}={path} is a directory; give a file name.")
+    make(flag, os.path.dirname(path) or ".", path)
+  for flag, path in directories:
+    if path:
+      make(flag, path, path)

@@ -357,6 +357,10 @@ def main(argv):
   del argv
   entry.quiet_backend_probe()
   f = flags.FLAGS
+  try:
+    entry.prepare_outputs(files=[("--json_out", f.json_out)])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   results = run({k: getattr(f, k) for k in _SETTINGS})
   print(table(results))
   if f.json_out:

@@ -615,6 +615,7 @@ def run(f) -> dict:
     apply_accumulation(f)
   try:
     check_flags(f)
+    entry.prepare_outputs(files=[("--json_out", f.json_out)])
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if f.check:

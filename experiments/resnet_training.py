@@ -329,6 +329,8 @@ def run(f) -> dict:
   try:
     apply_preset(f)
     check_flags(f)
+    entry.prepare_outputs(files=[("--json_out", f.json_out)],
+                          directories=[("--report_dir", f.report_dir)])
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   mcfg = model_config(f)

@@ -27,7 +27,9 @@ class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
 
   def test_estimate_writes_the_pod_runners_keys(self):
     from experiments import resnet_training
-    out = os.path.join(self.create_tempdir().full_path, "tiny.json")
+    # Into a directory not there yet: made before the run (it used to fail
+    # there, after the estimate).
+    out = os.path.join(self.create_tempdir().full_path, "new", "tiny.json")
     resnet_training.run(_flags("--config=tiny_check", "--estimate_only", f"--json_out={out}"))
     with open(out) as f:
       result = json.load(f)
@@ -83,6 +85,9 @@ class ResNetRunnerTest(chex.TestCase, parameterized.TestCase):
        r"--updates_per_execution=0 must be >= 1"),
       ("partials", ["--config=tiny_check", "--partials_type=half"],
        r"--partials_type='half' .* \['float32', 'float16'\]"),
+      ("json_out", ["--config=tiny_check", "--json_out=/"], r"--json_out=/ is a directory"),
+      ("report_dir", ["--config=tiny_check", f"--report_dir={os.path.abspath(__file__)}"],
+       r"--report_dir=.*test_resnet_runner.py: .* is a file, not a directory"),
   )
   def test_bad_flag_names_the_field_and_valid_values(self, argv, message):
     from experiments import resnet_training
