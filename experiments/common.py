@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 from absl import app, flags, logging
 
+from experiments.entry import prepare_outputs
 from experiments.entry import quiet_backend_probe, reporting_errors  # noqa: F401 (re-exported)
 from ipu_jax.kernels.target import PRESETS
 
@@ -171,20 +172,18 @@ def main_for(run: Callable[[Settings], dict], defaults: dict) -> Callable:
 
 
 def check_paths(settings: Settings) -> None:
-  """The directories a run reads and writes, checked before it trains (a report
-  directory that is a file would fail only when the report is saved, at the end).
+  """The directories a run reads and writes, checked (and the report's made)
+  before it trains: a report directory that is a file would fail only when
+  the report is saved, at the end (:func:`experiments.entry.prepare_outputs`).
 
   Raises:
-    ValueError: ``--data_dir`` not a directory, or ``--report_dir`` an existing
-      file, naming the flag.
+    ValueError: ``--data_dir`` not a directory, or ``--report_dir`` a file,
+      naming the flag.
   """
   if settings.data_dir and not os.path.isdir(settings.data_dir):
     raise ValueError(f"--data_dir={settings.data_dir} is not a directory (the runner reads "
                      f"its data files from it; leave it out for the built-in data).")
-  if settings.report_dir and os.path.exists(settings.report_dir) and not os.path.isdir(
-      settings.report_dir):
-    raise ValueError(f"--report_dir={settings.report_dir} is a file; give a directory (it is "
-                     f"created if missing).")
+  prepare_outputs(directories=[("--report_dir", settings.report_dir)])
 
 
 def setup_devices(settings: Settings) -> None:

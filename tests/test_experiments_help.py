@@ -148,7 +148,7 @@ class RunnerFlagsTest(parameterized.TestCase):
                            "flag --batch_size=0: 0 is not a positive integer"),
                           (["--process_id", "2"],
                            "Settings.process_id=2 must be below num_processes=1"),
-                          (["--report_dir", a_file], f"--report_dir={a_file} is a file")):
+                          (["--report_dir", a_file], f"--report_dir={a_file}: {a_file} is a file")):
       proc = subprocess.run([sys.executable, "-m", "experiments.mnist", *argv], cwd=ROOT,
                             env=_user_env(), capture_output=True, text=True, timeout=600)
       self.assertEqual(proc.returncode, 1, proc.stderr[-2000:])
