@@ -713,6 +713,29 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(PipelineError, "steps_per_execution=12 must be a multiple of "
                                 "gradient_accumulation_steps x replication_factor = 8 x 2"):
       pipe.run(params, None, batches, steps_per_execution=12)
+    for count in (0, -8, 8.0, "8"):
+      with self.assertRaisesRegex(PipelineError, "steps_per_execution must be a positive int"):
+        pipe.run(params, None, batches, steps_per_execution=count)
+
+  def test_integer_loss_is_refused_as_jax_grad_refuses_it(self):
+    # A count has no gradient: the weights would stay as they are, silently.
+    def loss(params, batch):
+      h = pipeline_stage(batch["x"] @ params[0], 1)
+      return jnp.sum(h @ params[1] > 0)
+    with self.assertRaisesRegex(PipelineError, "must return a floating-point loss .* int32"):
+      self._lower(loss, _config(stages=2), stages=2)
+
+  def test_step_needs_one_optimizer_state_per_stage(self):
+    # A shorter list used to leave the last stages' weights untouched.
+    params, batches = _data(stages=2, g=8, width=4, rows=2)
+    pipe = Pipeline(_loss, optax.sgd(0.1), config=_config(stages=2))
+    state = pipe.init(params, batches)
+    for bad, got in ((state[:1], "got 1 entries"), (None, "got NoneType")):
+      with self.assertRaisesRegex(PipelineError, rf"one optimizer state per stage \(2\); {got}"):
+        pipe.step(params, bad, batches)
+    out = pipe.step(params, state, batches)
+    self.assertLen(out.opt_state, 2)
+    self.assertFalse(np.allclose(np.asarray(out.params[1]), np.asarray(params[1])))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ sharded: :mod:`~ipu_jax.pipelining.weight_update`).
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -73,7 +74,12 @@ class StepResult(NamedTuple):
 
 def check_steps_per_execution(steps_per_execution: int, accumulation: int,
                               replicas: int) -> None:
-  """Raise unless ``steps_per_execution`` is a multiple of ``G x R``."""
+  """Raise unless ``steps_per_execution`` is a positive multiple of ``G x R``."""
+  if (isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, numbers.Integral)
+      or steps_per_execution < 1):
+    raise PipelineError(f"steps_per_execution must be a positive int (a multiple of "
+                        f"gradient_accumulation_steps x replication_factor = "
+                        f"{accumulation * replicas}); got {steps_per_execution!r}.")
   if steps_per_execution % (accumulation * replicas):
     raise PipelineError(
         f"steps_per_execution={steps_per_execution} must be a multiple of "
@@ -477,6 +483,7 @@ class Pipeline:
     if self.optimizer is None:
       raise PipelineError("Pipeline.step needs an optimizer; use gradients() without one.")
     self.lower(params, batches, rng=rng, state=state)
+    _check_opt_state(opt_state, len(self.stages))
     flat = list(jax.tree_util.tree_leaves(params))
     batches, taps = self.inputs.start_step(self.staged, batches, rng, state, self.accumulation,
                                            self.replicas)
@@ -589,3 +596,13 @@ class Pipeline:
           for v, c in zip(filter(stage_programs.differentiable, stage.inputs), in_cts):
             cts[(v, m)] = c if (v, m) not in cts else cts[(v, m)] + c
     return acc, [losses[m] for m in sorted(losses)]
+
+
+def _check_opt_state(opt_state, num_stages: int) -> None:
+  """``opt_state`` must be :meth:`Pipeline.init`'s: one optimizer state per stage
+  (a shorter list would leave the last stages' weights as they are)."""
+  if not isinstance(opt_state, (list, tuple)) or len(opt_state) != num_stages:
+    got = (f"{len(opt_state)} entries" if isinstance(opt_state, (list, tuple))
+           else type(opt_state).__name__)
+    raise PipelineError(f"opt_state must be Pipeline.init's list of one optimizer state per "
+                        f"stage ({num_stages}); got {got}.")

@@ -42,6 +42,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from ipu_jax.lowering.jax_compat import core, source_info_util
@@ -442,6 +443,12 @@ def _trace(fn: Callable, param_tree, flat_params: list, batch, has_aux: bool = F
   if not isinstance(loss_shape, jax.ShapeDtypeStruct) or loss_shape.shape != ():
     raise PipelineError(f"The pipelined loss function must return a scalar loss; it "
                         f"returned {jax.tree_util.tree_map(lambda s: s.shape, loss_shape)}.")
+  if not jnp.issubdtype(loss_shape.dtype, jnp.floating):
+    # As jax.grad refuses it: a count or a comparison has no gradient, and the
+    # weights would stay as they are, step after step.
+    raise PipelineError(f"The pipelined loss function must return a floating-point loss to "
+                        f"differentiate; it returned {loss_shape.dtype} (cast it, e.g. "
+                        f"loss.astype(jnp.float32), if it is meant as one).")
   return closed, batch_tree, (aux_tree[0] if has_aux else None)
 
 
