@@ -330,6 +330,40 @@ class BadConfigTest(absltest.TestCase):
     with self.assertRaises(TypeError):
       ipu_jax.keras.Model(lambda x: x)
 
+  def test_fit_evaluate_predict_check_their_data_and_counts_before_the_first_step(self):
+    x, y = toy_data(64)
+    model = compiled_model(small_config())
+    before = jax.tree.map(np.asarray, model.get_weights())
+    fit = lambda **kw: model.fit(x, y, batch_size=16, verbose=0, **kw)  # noqa: E731
+    # Each used to train a whole epoch first (validation data), train nothing
+    # and report zeros (a negative steps_per_epoch), or fail inside the loop.
+    cases = [
+        (dict(steps_per_epoch=-1), "steps_per_epoch must be an int >= 1"),
+        (dict(steps_per_epoch=1.5), "steps_per_epoch must be an int >= 1"),
+        (dict(validation_data=(x[:10], y[:5])), "x has 10 samples and y has 5"),
+        (dict(validation_data=(x,)), r"validation_data must be \(x_val, y_val\)"),
+        (dict(validation_data=(x[:16, :5], y[:16])),
+         r"validation_data's x has samples of shape \(5,\); the training data's are \(8,\)"),
+        (dict(validation_data=(x, y), validation_batch_size=0),
+         "validation_batch_size must be an int >= 1"),
+        (dict(callbacks=ipu_jax.keras.callbacks.History()), "callbacks must be a list"),
+    ]
+    for kwargs, message in cases:
+      with self.assertRaisesRegex(ValueError, message):
+        fit(**kwargs)
+    with self.assertRaisesRegex(ValueError, "fit: the dataset is empty"):
+      model.fit(iter([]), steps_per_epoch=4, verbose=0)
+    self.assertEqual(model.executions, 0)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, model.get_weights()), before)
+    for run in (lambda **kw: model.evaluate(x, y, verbose=0, **kw),
+                lambda **kw: model.predict(x, verbose=0, **kw)):
+      with self.assertRaisesRegex(ValueError, "steps must be an int >= 1"):
+        run(steps=0)
+    with self.assertRaisesRegex(ValueError, "x has no samples"):
+      model.evaluate(x[:0], y[:0], verbose=0)
+    with self.assertRaisesRegex(ValueError, "x has no samples"):
+      model.predict(x[:0], verbose=0)
+
   def test_left_out_samples_warning_points_at_the_fit_call(self):
     x, y = toy_data(50)
     model = compiled_model(small_config(), steps_per_execution=4)

@@ -85,15 +85,51 @@ def _plan(model, trainer: Trainer, x, y, *, batch_size, epochs, verbose, initial
                      f"{initial_epoch}, epochs={epochs}.")
   source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch, S,
                              model.seed)
+  loop.check_count("validation_batch_size", validation_batch_size, none="fit's batch_size")
+  if validation_data is not None:
+    batch = source.batch_size if validation_batch_size is None else validation_batch_size
+    validation_data = _validation_arrays(model, source, validation_data, batch, validate_inputs)
   return loop.FitPlan(G, R, S, source, model.replication, verbose, shuffle=shuffle,
                       validation_data=validation_data,
                       validation_batch_size=validation_batch_size,
                       validate_inputs=validate_inputs)
 
 
+def _validation_arrays(model, source: loop.TrainSource, validation_data, batch_size: int,
+                       validate_inputs: bool) -> tuple:
+  """``validation_data`` as ``(x, y)`` arrays, checked before the first step.
+
+  It is evaluated after each epoch: a mistake in it (no labels, x and y of
+  different lengths, samples of another shape than the training data's) would
+  otherwise surface only after an epoch had changed the weights. An iterable
+  is read once here, so every epoch validates on the same samples.
+  """
+  vx, vy = validation_data, None
+  if isinstance(validation_data, tuple) and len(validation_data) == 2 and (
+      is_array_like(validation_data[0])):  # as evaluate reads an (x, y) pair
+    vx, vy = validation_data
+  elif isinstance(validation_data, tuple) and hasattr(validation_data[0], "shape"):
+    raise ValueError(f"validation_data must be (x_val, y_val) or an iterable of (x, y) "
+                     f"batches; got a tuple of {len(validation_data)} arrays.")
+  data = loop.eval_data(as_arrays(vx), as_arrays(vy), batch_size, None)
+  if data.y is None:
+    raise ValueError("validation_data needs labels: give (x_val, y_val).")
+  train = jax.tree.map(lambda a: np.shape(a)[1:], source.example[0])
+  val = jax.tree.map(lambda a: np.shape(a)[1:], data.x)
+  if jax.tree.structure(train) != jax.tree.structure(val) or train != val:
+    raise ValueError(f"validation_data's x has samples of shape {val}; the training data's "
+                     f"are {train}.")
+  if validate_inputs:
+    validate_labels(model, data.x, data.y)
+  return data.x, data.y
+
+
 def _fit_callbacks(model, plan: loop.FitPlan, callbacks, epochs: int,
                    history) -> callbacks_lib.CallbackList:
   """The user's callbacks, then the progress bar (if verbose) and ``history``."""
+  if isinstance(callbacks, callbacks_lib.Callback):
+    raise ValueError(f"callbacks must be a list of callbacks; got one "
+                     f"{type(callbacks).__name__} (pass [callback]).")
   cbs = list(callbacks or [])
   if plan.verbose:
     cbs.append(ProgbarLogger(verbose=plan.verbose))
@@ -192,6 +228,10 @@ def evaluate(model, programs, x, y, batch_size: Optional[int], cb, verbose: int,
 def predict(model, programs, x, batch_size: Optional[int], verbose: int, cb,
             steps: Optional[int] = None):
   """The model's outputs for every sample of ``x``, as NumPy."""
+  loop.check_count("steps", steps)
+  if x is None:
+    raise ValueError("predict needs x: an array (or pytree of arrays), or an iterable of "
+                     "batches.")
   x = as_arrays(x)
   if not is_array_like(x):
     x = loop.eval_data(x, None, batch_size, steps).x

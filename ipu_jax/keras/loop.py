@@ -19,6 +19,7 @@ The layouts put the samples of an execution on the replicas:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import warnings
 from typing import Callable, Optional
 
@@ -100,6 +101,17 @@ class TrainSource:
   labels: object
 
 
+def check_count(name: str, value, none: str = "all the data") -> None:
+  """``value`` (a ``steps_per_epoch``, ``steps``, ...) is None or an int >= 1.
+
+  ``none``: what None means, for the message.
+  """
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1 (or None: {none}); got {value!r}.")
+
+
 def _whole_executions(data: ArrayData, steps_per_execution: int,
                       steps_per_epoch: Optional[int]) -> int:
   S, b = steps_per_execution, data.batch_size
@@ -147,12 +159,12 @@ def _array_source(x, y, batch_size, steps_per_epoch, S, seed) -> TrainSource:
 def _iterable_source(x, batch_size, steps_per_epoch, S) -> TrainSource:
   iterator_once = iter(x) is x if hasattr(x, "__iter__") else True
   stream = {"it": None}
+  it = x if iterator_once and hasattr(x, "__next__") else iter(x)
+  peek = next(it, None)
+  if peek is None:
+    raise ValueError("fit: the dataset is empty.")
   if iterator_once:
-    it = x if hasattr(x, "__next__") else iter(x)
-    peek = next(it)
     stream["it"] = it
-  else:
-    peek = next(iter(x))
   px, py = split_batch(peek)
   b = num_samples(px)
   if batch_size is not None and batch_size != b:
@@ -201,13 +213,19 @@ def train_source(x, y, batch_size: Optional[int], steps_per_epoch: Optional[int]
   """How ``fit`` draws ``[S * b, ...]`` samples per execution from ``x`` (and ``y``)."""
   if x is None:
     raise ValueError("fit needs data: x and y arrays, or x an iterable of (x, y) batches.")
+  check_count("steps_per_epoch", steps_per_epoch)
   if y is not None or is_array_like(x):
     return _array_source(x, y, batch_size, steps_per_epoch, steps_per_execution, seed)
   return _iterable_source(x, batch_size, steps_per_epoch, steps_per_execution)
 
 
 def eval_data(x, y, batch_size: Optional[int], steps: Optional[int]) -> ArrayData:
-  """Evaluate/predict data as arrays (an iterable of batches is concatenated)."""
+  """Evaluate/predict data as arrays (an iterable of batches is concatenated).
+
+  Raises:
+    ValueError: ``steps`` not None or an int >= 1, or no samples.
+  """
+  check_count("steps", steps)
   if y is None and not is_array_like(x):
     items = []
     for i, item in enumerate(x):
@@ -225,7 +243,13 @@ def eval_data(x, y, batch_size: Optional[int], steps: Optional[int]) -> ArrayDat
 
 
 def padded_executions(data: ArrayData, steps_per_execution: int) -> tuple:
-  """``(executions, samples per execution)``, the last execution padded."""
+  """``(executions, samples per execution)``, the last execution padded.
+
+  Raises:
+    ValueError: no samples (nothing to evaluate or predict; no execution runs).
+  """
+  if data.n == 0:
+    raise ValueError("x has no samples: evaluate and predict need at least one.")
   chunk = steps_per_execution * data.batch_size
   return -(-data.n // chunk), chunk
 
