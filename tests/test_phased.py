@@ -465,6 +465,33 @@ class BadInputTest(parameterized.TestCase):
                                 r"PhasedLayout.batch_serialisation = 2 x 4 = 8"):
       trainer.step((x, x))
 
+  def test_batch_loss_and_arguments_are_checked_before_a_step(self):
+    trainer = phased.PhasedTrainer(_two_dense(8, concrete=True), optax.sgd(0.1),
+                                   phased.PhasedLayout(), "ipu2")  # a preset name, as jit
+    x = np.ones((4, 8), np.float32)
+    # No samples: the step used to return NaN and count itself.
+    with self.assertRaisesRegex(ValueError, "batch size 0: the batch has no samples"):
+      trainer.step((x[:0], x[:0]))
+    with self.assertRaisesRegex(TypeError, r"takes batch = \(inputs, \*extras\)"):
+      trainer.step(x)
+    self.assertEqual(trainer.steps, 0)
+    # A loss that is not a floating-point scalar used to train silently.
+    for loss, got in ((lambda p, x, y: (x @ p["w"] - y) ** 2, r"float32\[4, 8\]"),
+                      (lambda p, x, y: jnp.sum(x @ p["w"] > y), r"int32\[\]")):
+      model = phased.PhasedModel([phased.Phase("a", _dense, {"w": jnp.ones((8, 8))}),
+                                  phased.Phase("b", loss, {"w": jnp.ones((8, 8))})])
+      bad = phased.PhasedTrainer(model, optax.sgd(0.1), phased.PhasedLayout(), T16)
+      with self.assertRaisesRegex(ValueError, rf"last phase \('b'\) must return .* "
+                                              rf"floating-point scalar; it returned {got}"):
+        bad.step((x, x))
+    with self.assertRaisesRegex(TypeError, r"mesh must be ipu_jax.parallel.Mesh.*got \(2, 1\)"):
+      phased.PhasedLayout(mesh=(2, 1))
+    with self.assertRaisesRegex(TypeError, "optimizer must be an optax GradientTransformation"):
+      phased.PhasedTrainer(_two_dense(8), "sgd", phased.PhasedLayout(), T16)
+    with self.assertRaisesRegex(TypeError, "model must be a PhasedModel"):
+      phased.PhasedTrainer(list(_two_dense(8).phases), optax.sgd(0.1), phased.PhasedLayout(),
+                           T16)
+
   def test_streaming_memory_overflow(self):
     small = T16.replace(streaming_memory_bytes=100_000)
     with self.assertRaises(phased.PhaseOutOfMemoryError) as caught:

@@ -22,6 +22,10 @@ def mesh_sizes(mesh: Any) -> tuple[int, int]:
   """``(dp, tp)`` of ``mesh`` (``None``: one replica of one IPU)."""
   if mesh is None:
     return 1, 1
+  if not (hasattr(mesh, "dp") or hasattr(mesh, "tp")):
+    # A tuple such as (2, 1) would read as one replica of one IPU.
+    raise TypeError(f"PhasedLayout.mesh must be ipu_jax.parallel.Mesh(dp, tp) (or an object "
+                    f"with dp and tp) or None; got {mesh!r}.")
   return int(getattr(mesh, "dp", 1)), int(getattr(mesh, "tp", 1))
 
 
@@ -130,6 +134,10 @@ class PhasedLayout:
       field: the name to use in the message.
     """
     g, dp = self.batch_serialisation, self.dp
+    if batch_size < 1:  # a mean over no samples: a NaN loss, and the step counted
+      raise ValueError(f"{field} size {batch_size}: the batch has no samples; use a batch "
+                       f"that is a positive multiple of mesh.dp x "
+                       f"PhasedLayout.batch_serialisation = {dp * g}.")
     if batch_size % (dp * g):
       raise ValueError(
           f"{field} size {batch_size} is not divisible by mesh.dp x "

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Phase", "PhasedModel"]
@@ -126,10 +127,24 @@ class PhasedModel:
     return len(self.phases)
 
   def input_avals(self, x, *extras) -> list:
-    """Each phase's input shape for micro-batch ``x`` (abstract; nothing runs)."""
+    """Each phase's input shape for micro-batch ``x`` (abstract; nothing runs).
+
+    Raises:
+      ValueError: the last phase does not return a floating-point scalar loss
+        (a vector would be trained as its sum by nobody's intent; an integer
+        has no gradient, so the weights would not move).
+    """
     avals = [_abstract(x)]
     for phase in self.phases[:-1]:
       avals.append(jax.eval_shape(phase.apply, _abstract(phase.params), avals[-1]))
+    last = self.phases[-1]
+    loss = jax.eval_shape(last.apply, _abstract(last.params), avals[-1],
+                          *(_abstract(e) for e in extras))
+    if (not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != ()
+        or not jnp.issubdtype(loss.dtype, jnp.floating)):
+      got = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", loss)
+      raise ValueError(f"PhasedModel: the last phase ({last.name!r}) must return the "
+                       f"micro-batch's loss as a floating-point scalar; it returned {got}.")
     return avals
 
   def kinds(self, x, *extras) -> list[int]:

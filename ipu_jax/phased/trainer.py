@@ -41,6 +41,15 @@ def _strip(tree, n: int):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(np.shape(a))[n:], a.dtype), tree)
 
 
+def _as_batch(batch) -> tuple:
+  """``batch = (inputs, *extras)`` with NumPy-readable leaves as arrays, checked."""
+  if not isinstance(batch, (tuple, list)) or not batch:
+    raise TypeError(f"PhasedTrainer.step takes batch = (inputs, *extras) (e.g. (x, y)), a "
+                    f"tuple; got {type(batch).__name__}.")
+  return tuple(jax.tree.map(np.asarray, e) if isinstance(e, (list, tuple)) else e
+               for e in batch)
+
+
 class PhasedTrainer:
   """Trains a :class:`PhasedModel` phase by phase.
 
@@ -51,7 +60,8 @@ class PhasedTrainer:
       the tensor-parallel ops on one shard.
     optimizer: an optax ``GradientTransformation``.
     layout: the :class:`PhasedLayout`.
-    target: ONE IPU's target (an ``IPUTarget``); default the config's.
+    target: ONE IPU's target (an ``IPUTarget`` or a preset name); default
+      the config's.
     config: an ``ipu_jax.IPUConfig`` to lower with.
 
   Raises:
@@ -62,9 +72,21 @@ class PhasedTrainer:
   def __init__(self, model: PhasedModel, optimizer, layout: PhasedLayout, target=None,
                config=None):
     import ipu_jax
+    if not isinstance(model, PhasedModel):
+      raise TypeError(f"PhasedTrainer: model must be a PhasedModel (PhasedModel([Phase(...), "
+                      f"...]) or PhasedModel.from_layers), got {type(model).__name__}.")
+    if not (callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))):
+      raise TypeError(f"PhasedTrainer: optimizer must be an optax GradientTransformation "
+                      f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}: {optimizer!r}.")
     if not isinstance(layout, PhasedLayout):
       raise TypeError(f"PhasedTrainer: layout must be a PhasedLayout, got {type(layout).__name__}.")
     self.model, self.optimizer, self.layout, self.config = model, optimizer, layout, config
+    if isinstance(target, str):  # a preset name, as ipu_jax.jit takes one
+      target = ipu_jax.IPUTarget.preset(target)
+    elif target is not None and not isinstance(target, ipu_jax.IPUTarget):
+      raise TypeError(f"PhasedTrainer: target must be an ipu_jax.IPUTarget or a preset name, "
+                      f"got {type(target).__name__}.")
     target = target if target is not None else (config or ipu_jax.IPUConfig()).to_target()
     self.target = target.replace(num_ipus=1)
     self._lead = 1 if layout.tp > 1 else 0
@@ -177,7 +199,7 @@ class PhasedTrainer:
   def _split(self, batch):
     """``[dp, G, micro-batch, ...]`` of every array of the batch, checked first."""
     x, *extras = batch
-    size = int(np.shape(x)[0])
+    size = int(np.shape(x)[0]) if np.ndim(x) else 0
     mb = self.layout.check_batch(size)
     for i, e in enumerate(extras):
       if np.shape(e)[0] != size:
@@ -248,6 +270,7 @@ class PhasedTrainer:
       raise ValueError("PhasedTrainer.step: the model's weights are shapes "
                        "(jax.ShapeDtypeStruct), so it can only be estimated; give arrays "
                        "to train.")
+    batch = _as_batch(batch)
     xs, extras = self._split(batch)
     micro = (_abstract(xs[0, 0]), tuple(_abstract(e[0, 0]) for e in extras))
     kinds, _, avals = self._kinds(*micro)
