@@ -725,6 +725,20 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(PipelineError, "must return a floating-point loss .* int32"):
       self._lower(loss, _config(stages=2), stages=2)
 
+  def test_constructor_arguments_and_scalar_batch_leaves(self):
+    # An optimizer of the wrong kind used to fail after every stage was lowered.
+    with self.assertRaisesRegex(PipelineError, "optimizer must be an optax "
+                                "GradientTransformation .* got str: 'sgd'"):
+      Pipeline(_loss, "sgd", config=_config(stages=2))
+    with self.assertRaisesRegex(PipelineError, "config must be an ipu_jax.IPUConfig; got dict"):
+      Pipeline(_loss, config={"auto_select_ipus": 2})
+    with self.assertRaisesRegex(PipelineError, "stage_assignment must map module paths"):
+      Pipeline(_loss, config=_config(stages=2), stage_assignment=[1])
+    params, batches = _data(stages=2, g=8, width=4, rows=2)
+    with self.assertRaisesRegex(PipelineError, r"batches\['y'\] is a scalar; every leaf must "
+                                r"stack .* = 8 micro-batches"):
+      Pipeline(_loss, config=_config(stages=2)).lower(params, {**batches, "y": 0.0})
+
   def test_step_needs_one_optimizer_state_per_stage(self):
     # A shorter list used to leave the last stages' weights untouched.
     params, batches = _data(stages=2, g=8, width=4, rows=2)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +181,7 @@ class Pipeline:
                device_mapping: Optional[Sequence[int]] = None,
                stage_assignment: Optional[dict] = None, rng: bool = False,
                has_aux: bool = False, mutable: bool = False):
+    _check_arguments(loss_fn, optimizer, config, stage_assignment)
     self.loss_fn = loss_fn
     self.inputs = MicroBatchInputs(bool(rng), bool(mutable), bool(has_aux))
     self.optimizer = optimizer
@@ -307,6 +308,7 @@ class Pipeline:
     after checking they stack G x R micro-batches."""
     expected = self.accumulation * self.replicas
     batches = self.inputs.pack(batches, rng, state, expected)
+    _check_stacked(batches, expected, "gradient_accumulation_steps x replication_factor")
     leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
     if leading != {expected}:
       raise PipelineError(
@@ -520,6 +522,7 @@ class Pipeline:
       raise PipelineError("Pipeline.run drives a loss of (params, batch) only; with rng, "
                           "has_aux or mutable call step() once per weight update.")
     per_step = self.accumulation * self.replicas
+    _check_stacked(batches, steps_per_execution, "steps_per_execution")
     leading = {np.shape(b)[0] for b in jax.tree_util.tree_leaves(batches)}
     if leading != {steps_per_execution}:
       raise PipelineError(
@@ -596,6 +599,40 @@ class Pipeline:
           for v, c in zip(filter(stage_programs.differentiable, stage.inputs), in_cts):
             cts[(v, m)] = c if (v, m) not in cts else cts[(v, m)] + c
     return acc, [losses[m] for m in sorted(losses)]
+
+
+def _check_arguments(loss_fn, optimizer, config, stage_assignment) -> None:
+  """The constructor's arguments, checked when the pipeline is made (an optimizer
+  of the wrong kind would otherwise fail after every stage was lowered)."""
+  if not callable(loss_fn):
+    raise PipelineError(f"Pipeline: loss_fn must be a function (params, batch) -> loss; got "
+                        f"{type(loss_fn).__name__}.")
+  if optimizer is not None and not (callable(getattr(optimizer, "init", None))
+                                    and callable(getattr(optimizer, "update", None))):
+    raise PipelineError(f"Pipeline: optimizer must be an optax GradientTransformation (e.g. "
+                        f"optax.adam(1e-3)) or None; got {type(optimizer).__name__}: "
+                        f"{optimizer!r}.")
+  if config is not None and not isinstance(config, config_lib.IPUConfig):
+    raise PipelineError(f"Pipeline: config must be an ipu_jax.IPUConfig; got "
+                        f"{type(config).__name__} (build one and set its fields, or "
+                        f"IPUConfig.from_dict).")
+  if stage_assignment is not None and not isinstance(stage_assignment, Mapping):
+    raise PipelineError(f"Pipeline: stage_assignment must map module paths to stages, e.g. "
+                        f"{{'layers_1': 1}}; got {type(stage_assignment).__name__}.")
+
+
+def _check_stacked(batches, expected: int, what: str) -> None:
+  """Every leaf of ``batches`` stacks micro-batches on a leading axis (a scalar or
+  a Python number has none to read micro-batch ``m`` from)."""
+  paths = jax.tree_util.tree_flatten_with_path(batches)[0]
+  if not paths:
+    raise PipelineError("Pipeline: batches hold no arrays; give the micro-batches stacked on "
+                        "a leading axis.")
+  for path, leaf in paths:
+    if np.ndim(leaf) == 0:
+      raise PipelineError(f"Pipeline: batches{jax.tree_util.keystr(path)} is a scalar; every "
+                          f"leaf must stack {what} = {expected} micro-batches on its leading "
+                          f"axis (broadcast a constant to shape [{expected}, ...]).")
 
 
 def _check_opt_state(opt_state, num_stages: int) -> None:
