@@ -122,6 +122,10 @@ class GraphTensor:
     return self._view(self.index[i])
 
   def slice(self, begin: int, end: int, dim: int = 0) -> "GraphTensor":
+    size = self.shape[dim]
+    if not 0 <= begin <= end <= size:  # Poplar refuses it; NumPy would clamp
+      raise ValueError(f"slice({begin}, {end}) of dimension {dim} (size {size}) is out of "
+                       f"range: need 0 <= begin <= end <= {size}.")
     key = [slice(None)] * self.rank
     key[dim] = slice(begin, end)
     return self._view(self.index[tuple(key)])
@@ -394,6 +398,8 @@ class Graph:
 
   def set_perf_estimate(self, vertex: Vertex, cycles: int) -> None:
     """The vertex's cycles, as Poplar's ``setPerfEstimate`` (overrides any estimator)."""
+    if int(cycles) < 0:
+      raise ValueError(f"set_perf_estimate: cycles must be >= 0; got {cycles}.")
     vertex.perf_estimate = int(cycles)
 
   # host streams
@@ -407,14 +413,22 @@ class Graph:
     return remote_buffers.add_remote_buffer(self, name, dtype, shape, repeats)
 
   def add_host_to_device_fifo(self, name: str, dtype, num_elements: int) -> DataStream:
-    stream = DataStream(name, np.dtype(dtype), int(num_elements), True)
+    stream = DataStream(name, np.dtype(dtype), _stream_elements(name, num_elements), True)
     self.streams[name] = stream
     return stream
 
   def add_device_to_host_fifo(self, name: str, dtype, num_elements: int) -> DataStream:
-    stream = DataStream(name, np.dtype(dtype), int(num_elements), False)
+    stream = DataStream(name, np.dtype(dtype), _stream_elements(name, num_elements), False)
     self.streams[name] = stream
     return stream
+
+
+def _stream_elements(name: str, num_elements) -> int:
+  """A FIFO's elements per transfer: an int >= 1."""
+  if isinstance(num_elements, bool) or int(num_elements) != num_elements or num_elements < 1:
+    raise ValueError(f"stream {name!r}: num_elements must be an int >= 1 (elements a transfer "
+                     f"moves); got {num_elements!r}.")
+  return int(num_elements)
 
 
 # -- the engine: graph programs -> tile IR -> one jitted function each --------
@@ -510,6 +524,9 @@ class Engine:
     missing = [k for k in self._keys if k not in self._state]
     if missing:
       raise RuntimeError(f"state keys missing: {missing}")
+    if not 0 <= index < len(self._lowered):
+      raise IndexError(f"Engine.run({index}): the engine has {len(self._lowered)} program(s), "
+                       f"indices 0..{len(self._lowered) - 1}.")
     compiled = self._lowered[index].compile()
     compiled.set_device_state([self._state[k] for k in self._keys])
     compiled()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 from typing import Callable, Optional, Sequence as SequenceT, Union
 
 import numpy as np
@@ -290,6 +291,14 @@ class Repeat:
   count: int
   body: "Program"
   local_ids: frozenset = frozenset()
+
+  def __post_init__(self):
+    # Poplar's Repeat takes an unsigned count: a negative one would run nothing
+    # and report negative cycles, a fractional one run its floor.
+    if (isinstance(self.count, bool) or not isinstance(self.count, numbers.Integral)
+        or self.count < 0):
+      raise ValueError(f"Repeat: count must be an int >= 0 (the body's iterations); got "
+                       f"{self.count!r}.")
 
 
 @dataclasses.dataclass(eq=False)

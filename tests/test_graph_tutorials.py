@@ -335,6 +335,26 @@ class GraphApiTest(chex.TestCase):
     repeat_step = [s for s in engine.profiles[1].steps if s.name == "inc"][0]
     self.assertEqual(repeat_step.executions, 3)
 
+  def test_counts_indices_and_slices_are_checked_as_poplar_does(self):
+    gr = g.Graph(_target())
+    v = gr.add_variable("float32", (4,), "v")
+    gr.set_tile_mapping(v, 0)
+    # A negative count ran nothing and reported negative cycles; 2.5 ran twice.
+    for count in (-1, 2.5):
+      with self.assertRaisesRegex(ValueError, "Repeat: count must be an int >= 0"):
+        g.Repeat(count, g.Sequence())
+    with self.assertRaisesRegex(ValueError, r"slice\(2, 9\) of dimension 0 \(size 4\)"):
+      v.slice(2, 9)  # NumPy would clamp it to [2, 4)
+    with self.assertRaisesRegex(ValueError, "stream 'f': num_elements must be an int >= 1"):
+      gr.add_host_to_device_fifo("f", "float32", -1)
+    inc = g.codelet(inouts=("x",), cycles=1, name="inc")(lambda x: x + 1)
+    vertex = gr.add_vertex(gr.add_compute_set("inc"), inc, tile=0, x=v)
+    with self.assertRaisesRegex(ValueError, "cycles must be >= 0; got -5"):
+      gr.set_perf_estimate(vertex, -5)
+    engine = g.Engine(gr, [g.Sequence()])
+    with self.assertRaisesRegex(IndexError, r"Engine.run\(3\): the engine has 1 program"):
+      engine.run(3)
+
   def test_unmapped_tensor_is_an_error(self):
     gr = g.Graph(_target())
     gr.add_variable("float32", (4,), "lonely")
