@@ -730,6 +730,15 @@ class DynamicMatmulTest(parameterized.TestCase):
        "target="),
       ("max_non_zeros", lambda e: dynamic_layout(T16, (16, 24), 5, 0, block=4),
        "max_non_zeros must be"),
+      # Each of these planned (n=-8: a z of -8), divided by zero or failed in a table lookup.
+      ("n", lambda e: dynamic_layout(T16, (16, 24), -8, 10, block=4), "n .* must be an int >= 1"),
+      ("block", lambda e: dynamic_layout(T16, (16, 24), 5, 10, block=2),
+       r"block 2 has no PopSparse vertex; valid blocks are \[1, 4, 8, 16\]"),
+      ("oversize", lambda e: dynamic_layout(T16, (16, 24), 5, 10, block=4, oversize=np.nan),
+       "oversize must be a number >= 0"),
+      ("proportion", lambda e: dynamic_layout(T16, (16, 24), 5, 10, block=4,
+                                              available_memory_proportion=5),
+       r"available_memory_proportion must be in \(0, 1\]"),
   )
   def test_bad_input(self, call, message):
     layout = dynamic_layout(T16, (16, 24), 5, 20, block=4)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.kernels.popsparse import BLOCK_SIZES
 from ipu_jax.kernels.target import IPUTarget
 from ipu_jax.lowering.sparse_plan import DEFAULT_OVERSIZE, SparsePlan, plan_dynamic
 from ipu_jax.sparse.formats import BlockCSR
@@ -97,22 +98,41 @@ def dynamic_layout(target: IPUTarget, shape, n: int, max_non_zeros: int, *, bloc
   """Plan buckets for a ``[M, K]`` sparse operand with at most ``max_non_zeros`` blocks.
 
   Raises:
-    ValueError: ``max_non_zeros`` not positive, more than the matrix's
-      blocks, a negative oversize, or a block that does not divide the shape.
+    TypeError: ``target`` not an ``IPUTarget``.
+    ValueError: a block PopSparse has no vertex for (``BLOCK_SIZES``), ``n``
+      below 1, ``max_non_zeros`` not positive or more than the matrix's
+      blocks, an oversize that is negative or not a number, an available
+      memory proportion outside (0, 1], or a block that does not divide the
+      shape.
   """
+  if not isinstance(target, IPUTarget):
+    raise TypeError(f"dynamic_layout: target must be an ipu_jax.IPUTarget (e.g. "
+                    f"IPUTarget.preset('ipu2')); got {type(target).__name__}.")
+  if len(tuple(shape)) != 2:
+    raise ValueError(f"dynamic_layout: shape must be the sparse operand's (M, K), got "
+                     f"{tuple(shape)}.")
   m, k = (int(d) for d in shape)
+  if block not in BLOCK_SIZES:
+    raise ValueError(f"dynamic_layout: block {block!r} has no PopSparse vertex; valid blocks "
+                     f"are {list(BLOCK_SIZES)}.")
   block = int(block)
+  if isinstance(n, bool) or int(n) != n or n < 1:
+    raise ValueError(f"dynamic_layout: n (the dense operand's columns) must be an int >= 1, "
+                     f"got {n!r}.")
+  if not 0.0 < float(available_memory_proportion) <= 1.0:
+    raise ValueError(f"dynamic_layout: available_memory_proportion must be in (0, 1], got "
+                     f"{available_memory_proportion!r}.")
   if m % block or k % block:
     raise ValueError(f"dynamic_layout: block {block} does not divide the shape {(m, k)}.")
   total = (m // block) * (k // block)
-  if not 0 < int(max_non_zeros) <= max(total, 1):
+  if int(max_non_zeros) != max_non_zeros or not 0 < int(max_non_zeros) <= max(total, 1):
     raise ValueError(f"dynamic_layout: max_non_zeros must be in 1..{total} (blocks of the "
                      f"matrix), got {max_non_zeros}.")
   if max(m, k) // block > np.iinfo(np.int16).max:
     raise ValueError(f"dynamic_layout: {max(m, k) // block} block rows or columns do not fit "
                      f"the 16-bit meta-information words (at most {np.iinfo(np.int16).max}).")
-  if float(oversize) < 0:
-    raise ValueError(f"dynamic_layout: oversize must be >= 0, got {oversize}.")
+  if not float(oversize) >= 0:  # NaN too: it planned buckets of -2**63 blocks
+    raise ValueError(f"dynamic_layout: oversize must be a number >= 0, got {oversize}.")
   dtype = np.dtype(dtype)
   plan = plan_dynamic(target, m, k, int(n), block, int(max_non_zeros), dtype,
                       np.float32, float(available_memory_proportion), float(oversize))
