@@ -706,6 +706,32 @@ class OutOfMemoryHintsTest(chex.TestCase, parameterized.TestCase):
     self.assertIn("activations", memory_hints.hint_lines(held, over_by=60_000)[0])
 
 
+class BadArgumentsTest(chex.TestCase):
+  """Paths and counts a user gets wrong are named, not OSErrors or slices."""
+
+  def test_paths(self):
+    report = report_lib.Report(_make_profile())
+    a_file = self.create_tempfile(content="not json").full_path
+    with self.assertRaisesRegex(ValueError, rf"Report.save: {a_file} is .* a file, not a "
+                                            r"directory"):
+      report.save(a_file, plots=False, html=False)
+    with self.assertRaisesRegex(ValueError, rf"IPUConfig.report.directory: {a_file} is"):
+      report_lib.maybe_auto_save(report, a_file)
+    with self.assertRaisesRegex(ValueError, rf"{a_file} is not an ipu-jax report: it is not "
+                                            r"JSON"):
+      report_lib.load_report(a_file)
+
+  def test_counts(self):
+    report = report_lib.Report(_make_profile())
+    # largest_tensors(-3) used to drop the last three; top=-1 printed "(-1 of 1)".
+    for call, message in ((lambda: report.largest_tensors(-3), "largest_tensors: count"),
+                          (lambda: report.summary(top="x"), "summary: top"),
+                          (lambda: report_lib.compare_reports(report, report, top=-1),
+                           "compare_reports: top")):
+      with self.assertRaisesRegex(ValueError, message):
+        call()
+
+
 class AutoSaveTest(chex.TestCase):
 
   def test_none_directory_does_nothing(self):

@@ -6,6 +6,7 @@ import os
 import re
 from typing import Optional
 
+from ipu_jax.report.report_file import make_directory
 from ipu_jax.report.reports import as_report
 
 __all__ = ["maybe_auto_save"]
@@ -33,7 +34,7 @@ def maybe_auto_save(report, directory: Optional[str | os.PathLike]
     return None
   report = as_report(report)
   directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
+  make_directory(directory, "IPUConfig.report.directory")
   stem = _safe_name(report.name)
   pattern = re.compile(re.escape(stem) + r"-(\d+)$")
   taken = [int(m.group(1)) for m in map(pattern.match, os.listdir(directory))

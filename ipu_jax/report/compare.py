@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ipu_jax.report.formatting import category_label
+from ipu_jax.report.formatting import check_count
 from ipu_jax.report.formatting import fmt_int
 from ipu_jax.report.formatting import fmt_seconds
 from ipu_jax.report.formatting import ordered_categories
@@ -71,6 +72,7 @@ def compare_reports(a, b, top: int = 20) -> str:
     operation, each with the delta and % change; then, when either report has number-format
     telemetry (loss scale, FP8 per-tensor scales), both side by side.
   """
+  check_count("compare_reports: top", top, least=0)
   a, b = as_report(a), as_report(b)
   header = ["", f"A: {a.name}", f"B: {b.name}", "Delta (B-A)", "Change"]
   right = (False, True, True, True, True)

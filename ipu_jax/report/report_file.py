@@ -298,3 +298,11 @@ def write_json(path: str, document: dict, indent: Optional[int] = None) -> str:
     json.dump(document, f, indent=indent)
   return path
 
+
+def make_directory(directory: str, who: str) -> None:
+  """``os.makedirs``, a file in the way named as the caller's mistake."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    raise ValueError(f"{who}: {directory} is (or lies under) a file, not a directory; give a "
+                     f"directory to write the report into.") from None

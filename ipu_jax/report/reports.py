@@ -29,6 +29,7 @@ from ipu_jax.report.host_io import host_io_to_json
 from ipu_jax.report.host_io import step_totals
 from ipu_jax.report import html as html_lib
 from ipu_jax.report.data import TRACE_FILE
+from ipu_jax.report.formatting import check_count
 from ipu_jax.report.data import ReportData
 from ipu_jax.report.data import data_from_profile
 from ipu_jax.report.report_file import REPORT_FILE
@@ -36,6 +37,7 @@ from ipu_jax.report.report_file import SCHEMA
 from ipu_jax.report.report_file import SCHEMA_VERSION
 from ipu_jax.report.report_file import check_schema
 from ipu_jax.report.report_file import data_from_json
+from ipu_jax.report.report_file import make_directory
 from ipu_jax.report.report_file import report_json_path
 from ipu_jax.report.report_file import steps_to_json
 from ipu_jax.report.report_file import target_to_json
@@ -327,6 +329,7 @@ class ReportBase(SummaryMixin):
 
   def largest_tensors(self, count: int = 10) -> list:
     """The ``count`` tensors with the most bytes (dicts as in report.json)."""
+    check_count("largest_tensors: count", count, least=0)
     return sorted(self._data.tensors,
                   key=lambda t: -t["total_bytes"])[:count]
 
@@ -474,7 +477,7 @@ class ReportBase(SummaryMixin):
       to install them.
     """
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
+    make_directory(directory, "Report.save")
     written = [write_json(os.path.join(directory, REPORT_FILE),
                           self.to_dict(), indent=1),
                write_json(os.path.join(directory, TRACE_FILE), self.trace())]
@@ -583,8 +586,12 @@ def load_report(path_or_dir: str | os.PathLike) -> SavedReport:
   """
   path = report_json_path(path_or_dir)
   with open(path, encoding="utf-8") as f:
-    document = json.load(f)
+    try:
+      document = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not an ipu-jax report: it is not JSON ({e}).") from None
   return SavedReport(document, path)
+
 
 
 def as_report(report) -> ReportBase:

@@ -24,6 +24,7 @@ from ipu_jax.lowering.scopes import costliest_scopes_table
 from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.report.formatting import category_label
+from ipu_jax.report.formatting import check_count
 from ipu_jax.report.formatting import fmt_bytes
 from ipu_jax.report.formatting import fmt_flops
 from ipu_jax.report.formatting import fmt_int
@@ -55,6 +56,7 @@ class SummaryMixin:
     Returns:
       Multi-line text.
     """
+    check_count("summary: top", top, least=0)
     sections = [
         # First what a user reads first: the step as the system runs it.
         [headline_line(self._step_totals(), self.target.clock_hz)],
