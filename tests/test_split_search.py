@@ -324,10 +324,39 @@ class SearchSpaceTest(parameterized.TestCase):
       (dict(proportions=()), "proportions"),
       (dict(serialization=(0,)), "serialization"),
       (dict(layers_per_ipu=((2, 2, 1),)), "layers_per_ipu"),
-      (dict(layers_per_ipu=((3, 3, 0),)), "layers_per_ipu"))
+      (dict(layers_per_ipu=((3, 3, 0),)), "layers_per_ipu"),
+      # A scalar, a string and "no" (read as on) used to pass or fail deep inside.
+      (dict(proportions=0.5), "proportions must be a sequence"),
+      (dict(proportions=("a",)), r"proportions: 'a' is not a number"),
+      (dict(recomputation=("no",)), r"recomputation: 'no' is not True or False"),
+      (dict(max_layers_per_ipu=0), "max_layers_per_ipu must be an int >= 1"))
   def test_bad_space(self, kwargs, name):
     with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, name):
       ipu_jax.pipelining.SearchSpace(**kwargs).compositions(6, 3)
+
+  def test_search_arguments_are_checked_before_any_probe(self):
+    def model(layers):
+      return ipu_jax.pipelining.LayeredModel(build=None, num_layers=layers, micro_batch={},
+                                             layer_path=str, first=("embeddings",),
+                                             last=("head",))
+    cfg = ipu_jax.IPUConfig()
+    cfg.auto_select_ipus = 3
+    # Nothing is built (build=None would fail): each is refused up front. An
+    # empty space used to give a result whose table() raised AttributeError.
+    for layers, kwargs, message in (
+        (1, dict(), "no split of 1 layers over 3 IPUs"),
+        (4, dict(top=0), "top must be an int >= 1"),
+        (4, dict(tolerance=-1), "tolerance .* must be a number >= 0"),
+        (4, dict(baseline={"layers": [0, 2, 2]}), "baseline must be a Candidate or a dict"),
+        (4, dict(baseline={"layers_per_ipu": [1, 1], "available_memory_proportion": [.3, .3]}),
+         "the baseline .* must give 3 IPUs 4 layers")):
+      with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, message):
+        ipu_jax.pipelining.search(model(layers), cfg, **kwargs)
+    with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError,
+                                "samples_per_micro_batch must be an int >= 1"):
+      ipu_jax.pipelining.LayeredModel(build=None, num_layers=6, micro_batch={},
+                                      layer_path=str, first=("embeddings",), last=("head",),
+                                      samples_per_micro_batch=0)
 
   def test_bad_model(self):
     with self.assertRaisesRegex(ipu_jax.pipelining.PipelineError, "LayeredModel.first"):

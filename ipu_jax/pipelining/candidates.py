@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from typing import Callable, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ipu_jax.pipelining.split import PipelineError
 
@@ -71,6 +74,11 @@ class LayeredModel:
     if not isinstance(self.rng, bool):
       raise PipelineError(f"LayeredModel.rng must be True (the loss takes a key: dropout) or "
                           f"False; got {self.rng!r}.")
+    samples = self.samples_per_micro_batch
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int)
+                                or samples < 1):
+      raise PipelineError(f"LayeredModel.samples_per_micro_batch must be an int >= 1 or None "
+                          f"(the micro-batch's leading size); got {samples!r}.")
 
   def samples(self) -> int:
     if self.samples_per_micro_batch is not None:
@@ -138,13 +146,25 @@ class SearchSpace:
 
   def __post_init__(self):
     for name in ("proportions", "recomputation", "serialization"):
-      values = tuple(getattr(self, name))
+      values = getattr(self, name)
+      if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise PipelineError(f"SearchSpace.{name} must be a sequence of values, e.g. "
+                            f"{getattr(SearchSpace, name)!r}; got {values!r}.")
+      values = tuple(values)
       if not values:
         raise PipelineError(f"SearchSpace.{name} must list at least one value.")
       object.__setattr__(self, name, values)
     for p in self.proportions:
-      if not 0.0 < float(p) <= 1.0:
-        raise PipelineError(f"SearchSpace.proportions: {p!r} is not in (0, 1].")
+      if (isinstance(p, bool) or not isinstance(p, numbers.Real)
+          or not 0.0 < float(p) <= 1.0):
+        raise PipelineError(f"SearchSpace.proportions: {p!r} is not a number in (0, 1].")
+    for r in self.recomputation:
+      if not isinstance(r, (bool, np.bool_)):  # "no" would read as on
+        raise PipelineError(f"SearchSpace.recomputation: {r!r} is not True or False.")
+    bound = self.max_layers_per_ipu
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+      raise PipelineError(f"SearchSpace.max_layers_per_ipu must be an int >= 1 or None; got "
+                          f"{bound!r}.")
     for s in self.serialization:
       if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise PipelineError(f"SearchSpace.serialization: {s!r} is not an int >= 1.")

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import numbers
 import time
 from typing import Optional
 
@@ -45,6 +46,7 @@ from ipu_jax.pipelining import compose, links, schedule as schedule_lib
 from ipu_jax.pipelining.candidates import Candidate, LayeredModel, SearchSpace
 from ipu_jax.pipelining.search_result import Estimate, LoweredSplit, SearchResult, Shortfall
 from ipu_jax.pipelining.shared_stages import SharedLowerings
+from ipu_jax.pipelining.split import PipelineError
 
 __all__ = ["Candidate", "LayeredModel", "SearchResult", "SearchSpace", "confirm",
            "lower_candidate", "probe", "score", "search"]
@@ -336,6 +338,40 @@ def _confirm_best(model, config, optimizer, ranked: list, attempts: int, toleran
   return (ranked[0] if attempts == 0 else None), False, lowered, None
 
 
+def _check_search(model: LayeredModel, space: SearchSpace, num_ipus: int, top, confirm_top,
+                  tolerance, baseline) -> None:
+  """The search's arguments, checked before any probe is lowered.
+
+  Raises:
+    PipelineError: a count or tolerance out of range, a space with no split
+      of the model's layers over the IPUs, or a baseline split that is not
+      one of them (each used to surface after the probes, or as an empty
+      result whose table failed).
+  """
+  for name, value, least in (("top", top, 1), ("confirm_top", confirm_top, 0)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise PipelineError(f"search: {name} must be an int >= {least}; got {value!r}.")
+  if not (isinstance(tolerance, numbers.Real) and 0.0 <= float(tolerance) < float("inf")):
+    raise PipelineError(f"search: tolerance (a confirmed split's relative step-cycle error) "
+                        f"must be a number >= 0; got {tolerance!r}.")
+  if not space.compositions(model.num_layers, num_ipus):
+    raise PipelineError(f"search: no split of {model.num_layers} layers over {num_ipus} IPUs "
+                        f"(IPU 0 >= 0 layers, every other >= 1) is in the space "
+                        f"(max_layers_per_ipu={space.max_layers_per_ipu}); widen it, or use "
+                        f"fewer IPUs (auto_select_ipus).")
+  if baseline is not None:
+    try:
+      cand = _as_candidate(baseline)
+    except (KeyError, TypeError, ValueError) as e:
+      raise PipelineError(f"search: baseline must be a Candidate or a dict with "
+                          f"'layers_per_ipu' and 'available_memory_proportion' (and "
+                          f"optionally 'recomputation', 'serialization_factor'); {e!r} in "
+                          f"{baseline!r}.") from None
+    if len(cand.layers_per_ipu) != num_ipus or sum(cand.layers_per_ipu) != model.num_layers:
+      raise PipelineError(f"search: the baseline {cand.config} must give {num_ipus} IPUs "
+                          f"{model.num_layers} layers in all.")
+
+
 def _as_candidate(split) -> Candidate:
   if isinstance(split, Candidate):
     return split
@@ -377,6 +413,7 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   config = (config if config is not None else config_lib.get_default_config()).copy()
   space = space if space is not None else SearchSpace()
   num_ipus = config.auto_select_ipus
+  _check_search(model, space, num_ipus, top, confirm_top, tolerance, baseline)
   # One plan session for the probes, the confirmations and the baseline: the
   # probes' layers and the full model's share layouts (plan keys hold every
   # figure they depend on -- layouts, shapes, target -- not the program).
