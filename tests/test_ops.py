@@ -309,6 +309,9 @@ class MatmulTest(parameterized.TestCase):
     self.assertNotEqual(plans[1.0], plans[0.02])
     with self.assertRaises(ValueError):
       ops.matmul(a, b, available_memory_proportion=1.5)
+    with self.assertRaisesRegex(ValueError, "partials_type must be 'float32' or 'float16', "
+                                            "got 'foo'"):
+      ops.matmul(a, b, partials_type="foo")  # was NumPy's "data type not understood"
 
   # One plan without and one with a K split. The first shape changed with the
   # AMP estimator (issue 12): it no longer charges 1 cycle per 2 outputs on top
@@ -477,6 +480,9 @@ class StochasticRoundTest(parameterized.TestCase):
     # Raw uint32 key data works like the typed key it holds.
     chex.assert_trees_all_equal(ops.stochastic_round(x, dtype, jax.random.key_data(key)),
                                 ops.stochastic_round(x, dtype, key))
+    # A seed is not a key: named, not an AttributeError on int.dtype.
+    with self.assertRaisesRegex(TypeError, "key must be a PRNG key .* got int: 3"):
+      ops.stochastic_round(x, dtype, 3)
 
   def test_jit_grad_vmap(self):
     x = normal(0, (3, 50))

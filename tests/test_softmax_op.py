@@ -89,6 +89,11 @@ class SoftmaxValuesTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "softmax: .*axis"):
       ops.softmax(jnp.ones((2, 3)), axis=axis)
 
+  def test_axis_of_another_type_raises_naming_it(self):
+    with self.assertRaisesRegex(TypeError, "softmax: axis must be an int, a sequence of ints "
+                                           "or None, got 1.0"):
+      ops.softmax(jnp.ones((2, 3)), axis=1.0)  # was "'float' object is not iterable"
+
   def test_scalar_raises(self):
     with self.assertRaisesRegex(ValueError, "rank-0 input has no axis"):
       ops.softmax(jnp.float32(1.0), axis=None)

@@ -169,7 +169,10 @@ def matmul(a, b, available_memory_proportion: Optional[float] = None,
       raise ValueError(f"available_memory_proportion must be in (0, 1], got {amp}.")
     available_memory_proportion = amp
   if partials_type is not None:
-    partials_type = np.dtype(partials_type).name
+    try:
+      partials_type = np.dtype(partials_type).name
+    except TypeError:  # NumPy's "data type 'foo' not understood"
+      pass
     if partials_type not in ("float32", "float16"):
       raise ValueError(f"partials_type must be 'float32' or 'float16', got {partials_type!r}.")
   a, b = jnp.asarray(a), jnp.asarray(b)

@@ -150,6 +150,8 @@ def _normalize_axis(axis, ndim: int) -> Tuple[int, ...]:
   """``axis`` (int, sequence of ints or None) as sorted non-negative axes, or a ValueError."""
   if axis is None:
     return tuple(range(ndim))
+  if not isinstance(axis, (int, np.integer, tuple, list)):  # a float is not iterable either
+    raise TypeError(f"softmax: axis must be an int, a sequence of ints or None, got {axis!r}.")
   axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
   out = []
   for a in axes:

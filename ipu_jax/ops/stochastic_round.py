@@ -26,6 +26,9 @@ stochastic_round_p = jcore.Primitive("stochastic_round")
 
 def _key_impl_name(key) -> Tuple[Any, str]:
   """(key operand, PRNG impl name) for a typed key or raw uint32 key data."""
+  if not hasattr(key, "dtype"):  # a Python int seed, say: not a key
+    raise TypeError(f"stochastic_round: key must be a PRNG key (jax.random.key(seed)), got "
+                    f"{type(key).__name__}: {key!r}.")
   if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
     return key, str(jax.random.key_impl(key))
   key = jnp.asarray(key)
