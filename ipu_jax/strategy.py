@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
 import weakref
 from typing import Callable, Iterator, Optional
 
@@ -118,6 +119,10 @@ class IPUStrategy:
 
     Lowered programs are cached per function and argument shapes.
     """
+    if not isinstance(args, (tuple, list)):
+      # An array would be unpacked row by row into fn's arguments.
+      raise TypeError(f"IPUStrategy.run: args must be a tuple of fn's positional arguments, "
+                      f"e.g. args=(x,); got {type(args).__name__}.")
     kwargs = dict(kwargs or {})
     args = tuple(args)
     ipu_fn = self._function(fn)
@@ -172,8 +177,15 @@ class IPUStrategy:
         each program was compiled with.
 
     Raises:
-      TypeError / ValueError: ``seed`` is not an int >= 0.
+      TypeError / ValueError: ``seed`` is not an int >= 0 (checked even before
+        any program was compiled).
     """
+    if seed is not None:
+      if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"IPUStrategy.set_seed: seed must be an int >= 0 or None; got "
+                        f"{seed!r}.")
+      if seed < 0:
+        raise ValueError(f"IPUStrategy.set_seed: seed must be an int >= 0 or None; got {seed}.")
     for cache in (*self._functions.values(), *self._strong.values()):
       for ipu_fn in cache.values():
         ipu_fn.set_seed(seed)

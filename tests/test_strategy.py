@@ -138,6 +138,17 @@ class StrategyTest(chex.TestCase, parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "seed must be an int >= 0"):
       strategy.set_seed(-1)
 
+  def test_bad_arguments_before_any_run(self):
+    strategy = IPUStrategy(ipu_jax.IPUConfig())
+    # Checked before any program is compiled (nothing to reseed yet).
+    with self.assertRaisesRegex(ValueError, "seed must be an int >= 0 or None; got -1"):
+      strategy.set_seed(-1)
+    with self.assertRaisesRegex(TypeError, "seed must be an int >= 0 or None; got 'x'"):
+      strategy.set_seed("x")
+    # An array was unpacked row by row into the function's arguments.
+    with self.assertRaisesRegex(TypeError, r"args must be a tuple .* e.g. args=\(x,\)"):
+      strategy.run(lambda x: x + 1, np.ones((3, 4), np.float32))
+
   def test_bad_configs(self):
     with self.assertRaises(TypeError):
       IPUStrategy({"replication_factor": 2})
