@@ -364,6 +364,25 @@ class BadConfigTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "x has no samples"):
       model.predict(x[:0], verbose=0)
 
+  def test_options_and_weights_of_the_wrong_kind_are_named(self):
+    x, y = toy_data(64)
+    model = compiled_model(small_config())
+    # "no" used to read as True (emulate, recomputation); the others failed inside.
+    with self.assertRaisesRegex(TypeError, "emulate must be True or False; got 'no'"):
+      model.compile(optax.sgd(0.1), "sparse_categorical_crossentropy", emulate="no")
+    with self.assertRaisesRegex(TypeError, r"unknown option\(s\) \['foo'\]; the options are"):
+      model.set_pipelining_options(foo=1)
+    with self.assertRaisesRegex(ValueError, "recomputation must be True or False; got 'no'"):
+      model.set_pipelining_options(recomputation="no")
+    with self.assertRaisesRegex(ValueError, r"set_weights takes what get_weights gives: .* "
+                                            r"got \['foo'\]"):
+      model.set_weights({"foo": 1})
+    with self.assertRaisesRegex(ValueError, "epochs must be an int; got '2'"):
+      model.fit(x, y, batch_size=16, epochs="2", verbose=0)
+    with self.assertRaisesRegex(ValueError, "verbose must be 'auto', 0, 1 or 2; got 'x'"):
+      model.fit(x, y, batch_size=16, verbose="x")
+    self.assertEqual(model.executions, 0)
+
   def test_left_out_samples_warning_points_at_the_fit_call(self):
     x, y = toy_data(50)
     model = compiled_model(small_config(), steps_per_execution=4)

@@ -28,6 +28,7 @@ models alike; each execution's outputs come back as ``outputs.mode`` says
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Protocol
 
 import jax
@@ -80,6 +81,9 @@ def _plan(model, trainer: Trainer, x, y, *, batch_size, epochs, verbose, initial
   """Checks ``fit``'s sizes and options (before anything runs) into a plan."""
   G, R, S = trainer.accumulation, model.num_replicas, model.steps_per_execution
   loop.check_steps_per_execution(S, G, R)
+  for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise ValueError(f"{name} must be an int; got {value!r}.")
   if initial_epoch < 0 or epochs < initial_epoch:
     raise ValueError(f"need 0 <= initial_epoch <= epochs; got initial_epoch="
                      f"{initial_epoch}, epochs={epochs}.")

@@ -217,6 +217,8 @@ class Model:
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
       raise TypeError("optimizer must be an optax GradientTransformation (e.g. "
                       f"optax.adam(1e-3)); got {optimizer!r}.")
+    if not isinstance(emulate, bool):  # "no" would read as True
+      raise TypeError(f"compile: emulate must be True or False; got {emulate!r}.")
     loss_fn = losses_lib.get(loss)
     metric_fns = [metrics_lib.get(m, loss_fn) for m in (metrics or [])]
     names = [m.name for m in metric_fns]
@@ -349,6 +351,10 @@ class Model:
 
   def set_weights(self, weights: dict):
     """Sets weights as :meth:`get_weights` gives them."""
+    if not isinstance(weights, dict) or "params" not in weights:
+      got = sorted(weights) if isinstance(weights, dict) else type(weights).__name__
+      raise ValueError(f"set_weights takes what get_weights gives: a dict with 'params' (and "
+                       f"'state'); got {got}.")
     params_t = self._adapter.to_pure(self.params)
     state_t = self._adapter.to_pure(self.state)
     ts = self._train_state.replace(params=self._adapter.from_pure(self.params, restore_nested(
@@ -436,8 +442,16 @@ class Model:
   # -- fit ------------------------------------------------------------------------------
 
   def set_pipelining_options(self, **options):
-    """Train pipelined over IPUs (see :mod:`ipu_jax.keras.pipelining`)."""
+    """Train pipelined over IPUs (see :mod:`ipu_jax.keras.pipelining`).
+
+    Options: ``schedule``, ``gradient_accumulation_steps_per_replica``,
+    ``recomputation``, ``device_mapping``.
+    """
     from ipu_jax.keras import pipelining
+    unknown = sorted(set(options) - set(pipelining.PIPELINING_OPTIONS))
+    if unknown:
+      raise TypeError(f"set_pipelining_options: unknown option(s) {unknown}; the options are "
+                      f"{list(pipelining.PIPELINING_OPTIONS)}.")
     self._pipelining = pipelining.merged_options(self._pipelining, **options)
 
   def set_pipeline_stage_assignment(self, assignment: dict):
@@ -530,7 +544,7 @@ class Model:
       trainer = plain_trainer.PlainTrainer(self, self._programs)
     return epoch_loop.fit(
         self, trainer, self._programs, x, y, epochs=epochs, callbacks=callbacks,
-        initial_epoch=initial_epoch, verbose=1 if verbose == "auto" else int(verbose),
+        initial_epoch=initial_epoch, verbose=_verbosity(verbose),
         batch_size=batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
         validation_data=validation_data, validation_batch_size=validation_batch_size,
         validate_inputs=validate_inputs)
@@ -545,7 +559,7 @@ class Model:
     the model's output first (``ValueError``); ``False`` skips it.
     """
     self._require_compiled()
-    verbose = 1 if verbose == "auto" else int(verbose)
+    verbose = _verbosity(verbose)
     self._programs.verbose = None if verbose else 0  # verbose=0 silences compile progress
     cb = callbacks_lib.CallbackList(callbacks or [], model=self)
     logs = epoch_loop.evaluate(self, self._programs, x, y, batch_size, cb, verbose, steps,
@@ -582,3 +596,12 @@ class Model:
     if print_fn is not None:
       print_fn(text)
     return text
+
+
+def _verbosity(verbose) -> int:
+  """``verbose`` (``"auto"``, 0, 1 or 2) as 0, 1 or 2."""
+  if verbose == "auto":
+    return 1
+  if isinstance(verbose, bool) or verbose not in (0, 1, 2):
+    raise ValueError(f"verbose must be 'auto', 0, 1 or 2; got {verbose!r}.")
+  return int(verbose)

@@ -98,6 +98,11 @@ _SCHEDULES = ("Grouped", "Interleaved", "Sequential")
 _LOSS_SCALE = "loss_scale"
 
 
+# The keywords of ``Model.set_pipelining_options`` (TF-IPU's names).
+PIPELINING_OPTIONS = ("schedule", "gradient_accumulation_steps_per_replica", "recomputation",
+                      "device_mapping")
+
+
 def merged_options(current: Optional[dict], *, schedule: Optional[str] = None,
                    gradient_accumulation_steps_per_replica: Optional[int] = None,
                    recomputation: Optional[bool] = None, device_mapping=None) -> dict:
@@ -117,6 +122,9 @@ def merged_options(current: Optional[dict], *, schedule: Optional[str] = None,
   if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
     raise ValueError("set_pipelining_options: gradient_accumulation_steps_per_replica must "
                      f"be an int >= 1; got {g!r}.")
+  if recomputation is not None and not isinstance(recomputation, bool):  # "no": on
+    raise ValueError(f"set_pipelining_options: recomputation must be True or False; got "
+                     f"{recomputation!r}.")
   options = dict(current or {})
   options.update({k: v for k, v in dict(
       schedule=schedule, accumulation=g, recomputation=recomputation,
