@@ -148,6 +148,15 @@ class PlacementTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, "3 shards but 2 tiles"):
       T.tile_put_sharded(np.zeros((3, 4), np.float32), (0, 1))
 
+  def test_tile_ids_and_mapped_function_of_the_wrong_kind(self):
+    # A float id was truncated (0.5 -> tile 0), a string parsed digit by digit.
+    with self.assertRaisesRegex(TypeError, r"tile ids must be integers; got \[0.5, 1\]"):
+      T.tile_put_sharded(np.zeros((2, 4), np.float32), [0.5, 1])
+    x = T.tile_put_sharded(np.zeros((2, 4), np.float32), (0, 1))
+    with self.assertRaisesRegex(TypeError, "tile_map maps a JAX primitive .* got "
+                                           "PjitFunction 'exp'"):
+      T.tile_map(jnp.exp, x)
+
   def test_barrier_refuses_dtypes_of_different_sizes(self):
     a = T.tile_put_replicated(np.zeros(3, np.float32), (0, 1))
     b = T.tile_put_replicated(np.zeros(3, np.float16), (0, 1))

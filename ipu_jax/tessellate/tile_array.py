@@ -27,8 +27,16 @@ SliceType = Union[int, slice]
 
 
 def tiles_tuple(tiles) -> Tuple[int, ...]:
-  """``tiles`` (tuple, list, NumPy array) as a tuple of Python ints."""
-  return tuple(int(t) for t in np.asarray(tiles, dtype=np.int64).reshape(-1))
+  """``tiles`` (tuple, list, NumPy array of ints) as a tuple of Python ints.
+
+  Raises:
+    TypeError: ids that are not integers (a float would be truncated, a
+      string parsed).
+  """
+  array = np.asarray(tiles)
+  if array.size and not np.issubdtype(array.dtype, np.integer):
+    raise TypeError(f"tile ids must be integers; got {tiles!r}.")
+  return tuple(int(t) for t in array.astype(np.int64).reshape(-1))
 
 
 def check_tile_array_multi_slice(slices: tuple, shape) -> bool:

@@ -253,6 +253,10 @@ def tile_map(primitive, *args: TileShardedArray, **kwargs):
   kwargs.pop("sync", None)
   if primitive is None:
     return tuple(inputs)
+  if not (hasattr(primitive, "bind") and hasattr(primitive, "name")):
+    raise TypeError(f"tile_map maps a JAX primitive (e.g. lax.exp_p) or a vertex primitive "
+                    f"(create_ipu_tile_primitive); got {type(primitive).__name__} "
+                    f"{getattr(primitive, '__name__', primitive)!r}.")
   primitive = _SAME_AS.get(primitive, primitive)
   # JAX's params are hashable: TessellateIPU code passes lists (``axes=[0]``).
   kwargs = {k: _tuples(v) for k, v in kwargs.items()}
