@@ -156,6 +156,8 @@ class PlacementTest(chex.TestCase):
     with self.assertRaisesRegex(TypeError, "tile_map maps a JAX primitive .* got "
                                            "PjitFunction 'exp'"):
       T.tile_map(jnp.exp, x)
+    with self.assertRaisesRegex(IndexError, "tile index 7 is out of range .* 2 tiles"):
+      x[7]  # was wrapped round to shard 1
 
   def test_barrier_refuses_dtypes_of_different_sizes(self):
     a = T.tile_put_replicated(np.zeros(3, np.float32), (0, 1))

@@ -171,6 +171,9 @@ class TileShardedArray:
     if not isinstance(key, tuple):
       raise ValueError(f"Unsupported tile sharded array slicing key: {key!r}.")
     if isinstance(key[0], (int, np.integer)):
+      if not -self.num_tiles <= int(key[0]) < self.num_tiles:  # NumPy's rule, not a wrap
+        raise IndexError(f"tile index {int(key[0])} is out of range for a TileShardedArray of "
+                         f"{self.num_tiles} tiles.")
       k = int(key[0]) % self.num_tiles
       key = (slice(k, k + 1),) + key[1:]
     check_tile_array_multi_slice(key, self.shape)
