@@ -71,6 +71,9 @@ class PhasedModel:
 
   def __init__(self, phases: Sequence[Phase]):
     phases = list(phases)
+    wrong = [type(p).__name__ for p in phases if not isinstance(p, Phase)]
+    if wrong:
+      raise TypeError(f"PhasedModel takes Phase(name, apply, params) objects; got {wrong}.")
     if len(phases) < 2:
       raise ValueError(f"PhasedModel needs at least 2 phases (the last returns the loss), "
                        f"got {len(phases)}.")

@@ -415,7 +415,18 @@ class Pipeline:
 
     ``kind`` 'forward': its outputs to the stages that read them; 'backward':
     its input gradients to the stages that made the inputs.
+
+    Raises:
+      PipelineError: before the pipeline is lowered, a stage it does not have,
+        or a kind other than those two.
     """
+    if not self.stages:
+      raise PipelineError("Pipeline.copies: lower the pipeline first (lower, init or step).")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(self.stages):
+      raise PipelineError(f"Pipeline.copies: stage must be 0..{len(self.stages) - 1}; got "
+                          f"{stage!r}.")
+    if kind not in ("forward", "backward"):
+      raise PipelineError(f"Pipeline.copies: kind must be 'forward' or 'backward'; got {kind!r}.")
     programs = self.stages[stage]
     to = programs.sends if kind == "forward" else programs.returns
     return [(programs.ipu, self.stages[k].ipu, nbytes) for k, nbytes in to.items()]
