@@ -93,6 +93,8 @@ class SoftmaxValuesTest(parameterized.TestCase):
     with self.assertRaisesRegex(TypeError, "softmax: axis must be an int, a sequence of ints "
                                            "or None, got 1.0"):
       ops.softmax(jnp.ones((2, 3)), axis=1.0)  # was "'float' object is not iterable"
+    with self.assertRaisesRegex(TypeError, "softmax: stable must be True or False, got 'no'"):
+      ops.softmax(jnp.ones((2, 3)), stable="no")  # was read as True
 
   def test_scalar_raises(self):
     with self.assertRaisesRegex(ValueError, "rank-0 input has no axis"):

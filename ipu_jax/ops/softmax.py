@@ -185,8 +185,10 @@ def softmax(x, axis: Union[int, Sequence[int], None] = -1, stable: bool = True):
   Raises:
     ValueError: an axis outside ``x``'s rank or repeated (a rank-0 input has
       none), before anything is traced.
-    TypeError: an axis that is not an int.
+    TypeError: an axis that is not an int, or ``stable`` not a bool.
   """
+  if not isinstance(stable, (bool, np.bool_)):  # "no" would read as True
+    raise TypeError(f"softmax: stable must be True or False, got {stable!r}.")
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
