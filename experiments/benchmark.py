@@ -383,8 +383,11 @@ def _main_scale():
   from experiments import scale_workloads
   names = _ROWS.value or [r.name for r in scale_workloads.ROWS]
   results = []
-  for name in names:
-    scale_workloads.row(name)  # unknown names fail before anything runs
+  for name in names:  # unknown names fail before anything runs
+    try:
+      scale_workloads.row(name)
+    except ValueError as e:
+      raise app.UsageError(f"--rows: {e}") from None
   for name in names:
     print(f"running {name} ...", flush=True)
     results.append(_subprocess_scale(name) if _ISOLATE.value
@@ -661,8 +664,12 @@ def _table(results):
 
 def main(argv):
   del argv
-  from experiments import common  # pylint: disable=g-import-not-at-top
+  from experiments import common, entry  # pylint: disable=g-import-not-at-top
   common.quiet_backend_probe()
+  try:  # written at the end, after minutes of rows: its directory made now
+    entry.prepare_outputs(files=[("--json_out", _JSON_OUT.value)])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   if _CASE.value:
     name, tiles = _CASE.value.split(":", 1)
     if name == "speed":
