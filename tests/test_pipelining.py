@@ -724,6 +724,11 @@ class ValidationTest(parameterized.TestCase):
       return jnp.sum(h @ params[1] > 0)
     with self.assertRaisesRegex(PipelineError, "must return a floating-point loss .* int32"):
       self._lower(loss, _config(stages=2), stages=2)
+    params, batches = _data(stages=2, g=8, width=4, rows=2)
+    with self.assertRaisesRegex(PipelineError, r"trains floating-point weights; params\[0\] "
+                                               r"is int32"):
+      Pipeline(_loss, config=_config(stages=2)).lower(
+          [params[0].astype(jnp.int32), params[1]], batches)  # was JAX's float0 error
 
   def test_constructor_arguments_and_scalar_batch_leaves(self):
     # An optimizer of the wrong kind used to fail after every stage was lowered.

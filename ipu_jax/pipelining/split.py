@@ -359,6 +359,7 @@ def split_stages(fn: Callable, params, batch, assignment=None, *, free=(),
   with_paths, param_tree = jax.tree_util.tree_flatten_with_path(params)
   flat_params = [leaf for _, leaf in with_paths]
   param_names = [jax.tree_util.keystr(path) or "params" for path, _ in with_paths]
+  _check_float_params(param_names, flat_params)
   closed, batch_tree, aux_tree = _trace(fn, param_tree, flat_params, batch, has_aux)
   jaxpr = closed.jaxpr
   _reject_nested_marks(jaxpr)
@@ -407,6 +408,18 @@ def _aux_source(v, traced: "_Traced", stages: list) -> AuxOutput:
   if v in traced.batch_index:
     return AuxOutput("batch", traced.batch_index[v])
   return AuxOutput("const", traced.consts[v])
+
+
+def _check_float_params(names: Sequence[str], flat_params: list) -> None:
+  """The trained weights are floating point (an integer one has no gradient:
+  JAX's ``float0`` error would surface inside the update)."""
+  for name, leaf in zip(names, flat_params):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+      where = name if name == "params" else f"params{name}"
+      raise PipelineError(f"Pipeline trains floating-point weights; {where} is {dtype}. "
+                          f"Pass integer values (counts, indices) in the batch, or as state "
+                          f"with Pipeline(..., mutable=True).")
 
 
 def _trace(fn: Callable, param_tree, flat_params: list, batch, has_aux: bool = False):
