@@ -70,8 +70,17 @@ class Codelet:
       return 0
     if self.supervisor:
       from ipu_jax.kernels.target import IPUTarget
-      return int(self.cycles(target if target is not None else IPUTarget(), *specs))
-    return int(self.cycles(*specs))
+      cycles = self.cycles(target if target is not None else IPUTarget(), *specs)
+    else:
+      cycles = self.cycles(*specs)
+    try:  # a NumPy or 0-d array number is fine; a string or a negative count is not
+      ok = not isinstance(cycles, (str, bytes, bool)) and float(cycles) >= 0
+    except (TypeError, ValueError):
+      ok = False
+    if not ok:
+      raise ValueError(f"codelet {self.name!r}: its cycles function must return a number >= 0 "
+                       f"(the vertex's cycles); it returned {cycles!r}.")
+    return int(cycles)
 
 
 def codelet(inputs: Sequence[str] = (), outputs: Sequence[str] = (),

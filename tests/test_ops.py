@@ -126,6 +126,13 @@ class TileMapTest(parameterized.TestCase):
       ops.tile_map(sin_scale, x, x, tiles=[0, 1])
     with self.assertRaises(ipu_jax.LoweringError):
       ipu(lambda x: ops.tile_map(sin_scale, x, x, tiles=[0, 1, 2, 99]))(x)
+    with self.assertRaisesRegex(TypeError, "tile ids must be integers"):
+      ops.tile_map(sin_scale, x, x, tiles=[0.5, 1, 2, 3])  # was read as tile 0
+    bad = codelet(inputs=("x",), outputs=("y",),
+                  cycles=lambda *specs: "12x")(lambda x: x + 1)
+    with self.assertRaisesRegex(ValueError, "cycles function must return a number >= 0 .* "
+                                            "'12x'"):
+      ipu(lambda x: ops.tile_map(bad, x))(x)  # was int()'s "invalid literal"
 
 
 class CollectiveTest(parameterized.TestCase):

@@ -203,6 +203,9 @@ def tile_map(codelet, *args, tiles: Optional[Sequence[int]] = None):
   if any(a.shape[0] != n for a in args):
     raise ValueError("tile_map operands must share the leading tile axis; got shapes "
                      f"{[tuple(a.shape) for a in args]}.")
+  if tiles is not None and np.size(tiles) and not np.issubdtype(np.asarray(tiles).dtype,
+                                                                  np.integer):
+    raise TypeError(f"tile_map: tile ids must be integers; got {tiles!r}.")  # 0.5 read as 0
   tiles = tuple(range(n)) if tiles is None else tuple(int(t) for t in np.asarray(tiles).reshape(-1))
   if len(tiles) != n:
     raise ValueError(f"tile_map: {len(tiles)} tiles given for {n} slices.")
