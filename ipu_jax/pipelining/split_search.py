@@ -338,8 +338,8 @@ def _confirm_best(model, config, optimizer, ranked: list, attempts: int, toleran
   return (ranked[0] if attempts == 0 else None), False, lowered, None
 
 
-def _check_search(model: LayeredModel, space: SearchSpace, num_ipus: int, top, confirm_top,
-                  tolerance, baseline) -> None:
+def _check_search(model: LayeredModel, space: SearchSpace, compositions: list, num_ipus: int,
+                  top, confirm_top, tolerance, baseline) -> None:
   """The search's arguments, checked before any probe is lowered.
 
   Raises:
@@ -354,7 +354,7 @@ def _check_search(model: LayeredModel, space: SearchSpace, num_ipus: int, top, c
   if not (isinstance(tolerance, numbers.Real) and 0.0 <= float(tolerance) < float("inf")):
     raise PipelineError(f"search: tolerance (a confirmed split's relative step-cycle error) "
                         f"must be a number >= 0; got {tolerance!r}.")
-  if not space.compositions(model.num_layers, num_ipus):
+  if not compositions:
     raise PipelineError(f"search: no split of {model.num_layers} layers over {num_ipus} IPUs "
                         f"(IPU 0 >= 0 layers, every other >= 1) is in the space "
                         f"(max_layers_per_ipu={space.max_layers_per_ipu}); widen it, or use "
@@ -413,7 +413,8 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
   config = (config if config is not None else config_lib.get_default_config()).copy()
   space = space if space is not None else SearchSpace()
   num_ipus = config.auto_select_ipus
-  _check_search(model, space, num_ipus, top, confirm_top, tolerance, baseline)
+  compositions = space.compositions(model.num_layers, num_ipus)  # enumerated once
+  _check_search(model, space, compositions, num_ipus, top, confirm_top, tolerance, baseline)
   # One plan session for the probes, the confirmations and the baseline: the
   # probes' layers and the full model's share layouts (plan keys hold every
   # figure they depend on -- layouts, shapes, target -- not the program).
@@ -426,7 +427,7 @@ def search(model: LayeredModel, config=None, optimizer=None, space: Optional[Sea
                      config.training.gradient_accumulation_steps, config.replication_factor,
                      model.samples())
     estimator = functools.partial(_estimate, model, num_ipus, probes, scorer)
-    fitting, closest = _feasible(scorer, space, space.compositions(model.num_layers, num_ipus))
+    fitting, closest = _feasible(scorer, space, compositions)
     probes.log(f"{len(fitting):,d} candidates fit; ranking")
     ranked, simulated = _rank(scorer, fitting, max(top, confirm_top))
     ranked_at = time.time()
