@@ -34,6 +34,7 @@ from typing import Optional, Protocol
 import jax
 import numpy as np
 
+from ipu_jax.arguments import check_count
 from ipu_jax.keras import callbacks as callbacks_lib
 from ipu_jax.keras import loop
 from ipu_jax.keras.data import ArrayData, as_arrays, is_array_like
@@ -89,7 +90,7 @@ def _plan(model, trainer: Trainer, x, y, *, batch_size, epochs, verbose, initial
                      f"{initial_epoch}, epochs={epochs}.")
   source = loop.train_source(as_arrays(x), as_arrays(y), batch_size, steps_per_epoch, S,
                              model.seed)
-  loop.check_count("validation_batch_size", validation_batch_size, none="fit's batch_size")
+  check_count("validation_batch_size", validation_batch_size, none="fit's batch_size")
   if validation_data is not None:
     batch = source.batch_size if validation_batch_size is None else validation_batch_size
     validation_data = _validation_arrays(model, source, validation_data, batch, validate_inputs)
@@ -232,7 +233,7 @@ def evaluate(model, programs, x, y, batch_size: Optional[int], cb, verbose: int,
 def predict(model, programs, x, batch_size: Optional[int], verbose: int, cb,
             steps: Optional[int] = None):
   """The model's outputs for every sample of ``x``, as NumPy."""
-  loop.check_count("steps", steps)
+  check_count("steps", steps, none="all the data")
   if x is None:
     raise ValueError("predict needs x: an array (or pytree of arrays), or an iterable of "
                      "batches.")

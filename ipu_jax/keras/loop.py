@@ -19,13 +19,13 @@ The layouts put the samples of an execution on the replicas:
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import warnings
 from typing import Callable, Optional
 
 import jax
 import numpy as np
 
+from ipu_jax.arguments import check_count
 from ipu_jax.keras.data import ArrayData, host_dtype, is_array_like, num_samples, split_batch
 from ipu_jax.keras.replication import Replication
 
@@ -99,17 +99,6 @@ class TrainSource:
   batches: Callable
   example: tuple
   labels: object
-
-
-def check_count(name: str, value, none: str = "all the data") -> None:
-  """``value`` (a ``steps_per_epoch``, ``steps``, ...) is None or an int >= 1.
-
-  ``none``: what None means, for the message.
-  """
-  if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{name} must be an int >= 1 (or None: {none}); got {value!r}.")
 
 
 def _whole_executions(data: ArrayData, steps_per_execution: int,
@@ -213,7 +202,7 @@ def train_source(x, y, batch_size: Optional[int], steps_per_epoch: Optional[int]
   """How ``fit`` draws ``[S * b, ...]`` samples per execution from ``x`` (and ``y``)."""
   if x is None:
     raise ValueError("fit needs data: x and y arrays, or x an iterable of (x, y) batches.")
-  check_count("steps_per_epoch", steps_per_epoch)
+  check_count("steps_per_epoch", steps_per_epoch, none="all the data")
   if y is not None or is_array_like(x):
     return _array_source(x, y, batch_size, steps_per_epoch, steps_per_execution, seed)
   return _iterable_source(x, batch_size, steps_per_epoch, steps_per_execution)
@@ -225,7 +214,7 @@ def eval_data(x, y, batch_size: Optional[int], steps: Optional[int]) -> ArrayDat
   Raises:
     ValueError: ``steps`` not None or an int >= 1, or no samples.
   """
-  check_count("steps", steps)
+  check_count("steps", steps, none="all the data")
   if y is None and not is_array_like(x):
     items = []
     for i, item in enumerate(x):

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.arguments import check_optimizer
 from ipu_jax import config as config_lib
 from ipu_jax.report.precision import NumberFormatTelemetry
 from ipu_jax.keras import accumulation as acc_lib
@@ -214,9 +215,7 @@ class Model:
       ValueError: an unknown loss or metric, a bad target, or S not a
         multiple of G x R -- all before anything is traced.
     """
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-      raise TypeError("optimizer must be an optax GradientTransformation (e.g. "
-                      f"optax.adam(1e-3)); got {optimizer!r}.")
+    check_optimizer(optimizer)
     if not isinstance(emulate, bool):  # "no" would read as True
       raise TypeError(f"compile: emulate must be True or False; got {emulate!r}.")
     loss_fn = losses_lib.get(loss)

@@ -12,6 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad
 
+from ipu_jax.arguments import tile_ids
 from ipu_jax.kernels.codelet import Codelet
 
 from ipu_jax.ops.primitive import shaped_like, define_primitive, not_mapped
@@ -203,10 +204,7 @@ def tile_map(codelet, *args, tiles: Optional[Sequence[int]] = None):
   if any(a.shape[0] != n for a in args):
     raise ValueError("tile_map operands must share the leading tile axis; got shapes "
                      f"{[tuple(a.shape) for a in args]}.")
-  if tiles is not None and np.size(tiles) and not np.issubdtype(np.asarray(tiles).dtype,
-                                                                  np.integer):
-    raise TypeError(f"tile_map: tile ids must be integers; got {tiles!r}.")  # 0.5 read as 0
-  tiles = tuple(range(n)) if tiles is None else tuple(int(t) for t in np.asarray(tiles).reshape(-1))
+  tiles = tuple(range(n)) if tiles is None else tile_ids(tiles, "tile_map: ")  # 0.5: not tile 0
   if len(tiles) != n:
     raise ValueError(f"tile_map: {len(tiles)} tiles given for {n} slices.")
   if any(t < 0 for t in tiles):

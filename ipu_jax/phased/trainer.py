@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.arguments import check_optimizer
 from ipu_jax.phased.estimate import PhasedEstimate, compose, program_cycles
 from ipu_jax.phased.layout import PhasedLayout
 from ipu_jax.phased.memory import check_peaks, check_streaming_memory, phase_peaks
@@ -75,10 +76,7 @@ class PhasedTrainer:
     if not isinstance(model, PhasedModel):
       raise TypeError(f"PhasedTrainer: model must be a PhasedModel (PhasedModel([Phase(...), "
                       f"...]) or PhasedModel.from_layers), got {type(model).__name__}.")
-    if not (callable(getattr(optimizer, "init", None))
-            and callable(getattr(optimizer, "update", None))):
-      raise TypeError(f"PhasedTrainer: optimizer must be an optax GradientTransformation "
-                      f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}: {optimizer!r}.")
+    check_optimizer(optimizer, "PhasedTrainer: ")
     if not isinstance(layout, PhasedLayout):
       raise TypeError(f"PhasedTrainer: layout must be a PhasedLayout, got {type(layout).__name__}.")
     self.model, self.optimizer, self.layout, self.config = model, optimizer, layout, config

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax.arguments import check_optimizer
 from ipu_jax import config as config_lib
 from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.errors import OutOfMemoryError
@@ -618,11 +619,8 @@ def _check_arguments(loss_fn, optimizer, config, stage_assignment) -> None:
   if not callable(loss_fn):
     raise PipelineError(f"Pipeline: loss_fn must be a function (params, batch) -> loss; got "
                         f"{type(loss_fn).__name__}.")
-  if optimizer is not None and not (callable(getattr(optimizer, "init", None))
-                                    and callable(getattr(optimizer, "update", None))):
-    raise PipelineError(f"Pipeline: optimizer must be an optax GradientTransformation (e.g. "
-                        f"optax.adam(1e-3)) or None; got {type(optimizer).__name__}: "
-                        f"{optimizer!r}.")
+  if optimizer is not None:  # None: gradients only
+    check_optimizer(optimizer, "Pipeline: ", PipelineError)
   if config is not None and not isinstance(config, config_lib.IPUConfig):
     raise PipelineError(f"Pipeline: config must be an ipu_jax.IPUConfig; got "
                         f"{type(config).__name__} (build one and set its fields, or "

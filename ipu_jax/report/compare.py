@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ipu_jax.arguments import check_count
 from ipu_jax.report.formatting import category_label
-from ipu_jax.report.formatting import check_count
 from ipu_jax.report.formatting import fmt_int
 from ipu_jax.report.formatting import fmt_seconds
 from ipu_jax.report.formatting import ordered_categories

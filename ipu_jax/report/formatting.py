@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Sequence
 
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
@@ -97,8 +96,3 @@ def tile_name(tile: int, target: IPUTarget) -> str:
     return f"tile {tile}"
   return f"tile {tile} (IPU {target.ipu_of_tile(tile)})"
 
-
-def check_count(what: str, value, least: int) -> None:
-  """An int argument of a report view (how many rows, how deep), ``>= least``."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-    raise ValueError(f"{what} must be an int >= {least}; got {value!r}.")

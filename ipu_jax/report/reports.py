@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from ipu_jax.arguments import check_count
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering import scopes
 from ipu_jax.lowering.dead_code import DeadCode
@@ -29,7 +30,6 @@ from ipu_jax.report.host_io import host_io_to_json
 from ipu_jax.report.host_io import step_totals
 from ipu_jax.report import html as html_lib
 from ipu_jax.report.data import TRACE_FILE
-from ipu_jax.report.formatting import check_count
 from ipu_jax.report.data import ReportData
 from ipu_jax.report.data import data_from_profile
 from ipu_jax.report.report_file import REPORT_FILE

@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from ipu_jax.arguments import check_count
 from ipu_jax.lowering.profile import ALWAYS_LIVE_CATEGORIES
 from ipu_jax.lowering.profile import MEMORY_CATEGORIES
 from ipu_jax.lowering import memory_hints
@@ -24,7 +25,6 @@ from ipu_jax.lowering.scopes import costliest_scopes_table
 from ipu_jax.lowering.tile_generators import HARDWARE_BITS_VERTEX
 from ipu_jax.kernels import vocabulary as vocab
 from ipu_jax.report.formatting import category_label
-from ipu_jax.report.formatting import check_count
 from ipu_jax.report.formatting import fmt_bytes
 from ipu_jax.report.formatting import fmt_flops
 from ipu_jax.report.formatting import fmt_int

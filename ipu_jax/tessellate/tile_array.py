@@ -21,22 +21,17 @@ from typing import Any, Sequence, Tuple, Union
 import jax
 import numpy as np
 
+from ipu_jax.arguments import tile_ids
+
 __all__ = ["TileShardedArray", "check_tile_array_multi_slice", "tiles_tuple"]
 
 SliceType = Union[int, slice]
 
 
 def tiles_tuple(tiles) -> Tuple[int, ...]:
-  """``tiles`` (tuple, list, NumPy array of ints) as a tuple of Python ints.
-
-  Raises:
-    TypeError: ids that are not integers (a float would be truncated, a
-      string parsed).
-  """
-  array = np.asarray(tiles)
-  if array.size and not np.issubdtype(array.dtype, np.integer):
-    raise TypeError(f"tile ids must be integers; got {tiles!r}.")
-  return tuple(int(t) for t in array.astype(np.int64).reshape(-1))
+  """``tiles`` (tuple, list, NumPy array of ints) as a tuple of Python ints
+  (:func:`ipu_jax.arguments.tile_ids`: a TypeError for ids that are not ints)."""
+  return tile_ids(tiles)
 
 
 def check_tile_array_multi_slice(slices: tuple, shape) -> bool:
