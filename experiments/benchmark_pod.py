@@ -1,8 +1,9 @@
-"""The benchmark's ``pod`` suite: what estimating BERT and ResNet-50 on IPU-PODs costs.
+"""The benchmark's ``pod`` suite: what estimating BERT, ResNet-50 and GPT-2 on IPU-PODs costs.
 
 Each row runs ``python -m experiments.bert_pretraining --config C
 --estimate_only --json_out F`` (the ``resnet_*`` rows:
-``experiments.resnet_training``) in its own subprocess and records its wall
+``experiments.resnet_training``; the ``gpt2_*`` rows, which have no
+published measurement: ``experiments.gpt2_training``) in its own subprocess and records its wall
 time, the lowering time and the peak RSS the run reports (its own process's
 ``ru_maxrss``), with the estimate itself (samples/s, sequences/s, step
 seconds, fits) and whether the run stayed within the host budget of issue 27
@@ -98,8 +99,15 @@ _TABLE_ROWS = {
 }
 ROWS.update(_TABLE_ROWS)
 
+# GPT-2: Graphcore's PopTorch example's benchmarks.yml entries
+# (experiments/gpt2_presets.py); no published measurement (docs/published_tables.md).
+_GPT2_PRESETS = ("small_pod16", "small_pod64", "medium_pod16", "medium_pod64",
+                 "large_sl512_pod16", "large_sl512_pod64", "large_pod16")
+ROWS.update({f"gpt2_{name}": [f"--config={name}"] for name in _GPT2_PRESETS})
+
 # row name -> the runner module it runs (default: the BERT runner).
 RUNNERS = {f"resnet_{name}": "experiments.resnet_training" for name in _RESNET_PRESETS}
+RUNNERS.update({f"gpt2_{name}": "experiments.gpt2_training" for name in _GPT2_PRESETS})
 RUNNERS.update({name: "experiments.resnet_training" for name in _TABLE_ROWS
                 if name.startswith("table_resnet")})
 

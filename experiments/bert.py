@@ -319,45 +319,17 @@ def pretraining_loss(mlm_logits, nsp_logits, batch: dict):
 
 
 def make_loss(model: Bert, dropout: bool = False):
-  """``(loss_fn, params)`` for a Pipeline or ``jax.grad``.
+  """``(loss_fn, params)`` for a Pipeline or ``jax.grad``: :func:`pretraining_loss`
+  of the model's outputs (:func:`experiments.nnx_losses.pure_loss`).
 
   Without dropout, ``loss_fn(params, batch)``; with it, ``loss_fn(params,
   batch, rng)``: every random stream of the model (its dropout layers) starts
-  from ``rng``, so the loss is a pure function of its arguments (a
-  ``Pipeline(..., rng=True)`` gives each micro-batch its own key). The
-  model's calls open named scopes of their module paths
-  (``ipu_jax.nnx_scopes.module_scopes``), so a ``stage_assignment`` by module
-  path (:func:`layout`) places them on pipeline stages.
+  from ``rng``. The model's calls open named scopes of their module paths, so
+  a ``stage_assignment`` by module path (:func:`layout`) places them on
+  pipeline stages.
   """
-  graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
-
-  def run(params, batch, rng_values):
-    module = nnx.merge(graphdef, params, rng_values, rest)
-    with ipu_jax.nnx_scopes.module_scopes(module):
-      mlm, nsp = module(batch, deterministic=not dropout)
-    return pretraining_loss(mlm, nsp, batch)
-
-  if not dropout:
-    return (lambda params, batch: run(params, batch, rng_state)), params
-
-  def stream(v, rng):
-    """A random stream's leaf: its key is ``rng``; its counter starts at 0.
-
-    The counter is a value even when the model is abstract
-    (``nnx.eval_shape``, the runner's ``--estimate_only``): there it is a
-    ``jax.ShapeDtypeStruct``, which ``nnx.Dropout`` cannot read.
-    """
-    if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
-      return rng
-    if isinstance(v, jax.ShapeDtypeStruct):
-      return jnp.zeros(v.shape, v.dtype)
-    return v
-
-  def loss_fn(params, batch, rng):
-    keys = jax.tree_util.tree_map(lambda v: stream(v, rng), rng_state)
-    return run(params, batch, keys)
-
-  return loss_fn, params
+  from experiments import nnx_losses
+  return nnx_losses.pure_loss(model, lambda out, batch: pretraining_loss(*out, batch), dropout)
 
 
 def layout(layers_per_ipu: Sequence[int]):

@@ -334,18 +334,18 @@ def check_model_flags(f) -> None:
                      f"has at most --seq masked positions.")
 
 
-def check_decoder_serialization(f, vocab_size: int) -> None:
-  """``--decoder_serialization`` must divide the vocabulary (the decoder's columns)."""
-  factor = f.decoder_serialization
+def check_vocabulary_factor(flag: str, factor: int, vocab_size: int) -> None:
+  """A serialisation factor ``--flag`` must divide the vocabulary (the tied
+  head's columns); the message lists the factors that do."""
   if vocab_size % factor:
     divisors = [d for d in range(1, vocab_size + 1) if vocab_size % d == 0]
     shown = divisors if len(divisors) <= 16 else divisors[:16] + ["..."]
-    raise ValueError(f"--decoder_serialization={factor} does not divide the vocabulary of "
+    raise ValueError(f"{flag}={factor} does not divide the vocabulary of "
                      f"{vocab_size:,d} words (the decoder's columns, in {factor} pieces); "
                      f"factors that do: {shown}.")
 
 
-def _check_proportions(values, ipus: int) -> None:
+def check_proportions(values, ipus: int) -> None:
   """``--matmul_proportion``: one proportion in (0, 1] per IPU of a replica."""
   text = ",".join(values)
   try:
@@ -383,7 +383,7 @@ def check_flags(f, num_layers: int) -> None:
     raise ValueError("--auto_split searches whole layers per IPU (--layers_per_ipu); it cannot "
                      "start from --att_ffn_placement. Give --layers_per_ipu instead.")
   _, mapping = stage_layout(f, num_layers)
-  _check_proportions(f.matmul_proportion, num_ipus(mapping))
+  check_proportions(f.matmul_proportion, num_ipus(mapping))
   stages = len(mapping)
   minimum = minimum_accumulation(f.schedule, stages)
   if f.updates_per_execution < 1:
@@ -610,7 +610,9 @@ def run(f) -> dict:
     mcfg = model_config(f.model, f.dropout, f.decoder_serialization, f.dtype, f.vocab_size,
                         f.attention_dropout)
     check_flags(f, mcfg.layers)
-    check_decoder_serialization(f, mcfg.vocab_size)  # with --auto_split: the baseline's
+    # With --auto_split: the baseline's.
+    check_vocabulary_factor("--decoder_serialization", f.decoder_serialization,
+                            mcfg.vocab_size)
     entry.prepare_outputs(files=[("--json_out", f.json_out), ("--split_plot", f.split_plot)],
                           directories=[("--report_dir", f.report_dir)])
   except ValueError as e:
