@@ -23,16 +23,19 @@ import ipu_jax
 __all__ = ["pure_loss"]
 
 
-def _stream_leaf(value, rng):
-  """A random stream's leaf: its key is ``rng``; its counter starts at 0.
+def _concrete_counter(value):
+  """A random stream's counter as an array, also when the model is abstract.
 
-  The counter is a value even when the model is abstract (``nnx.eval_shape``,
-  the runners' ``--estimate_only``): there it is a ``jax.ShapeDtypeStruct``,
-  which ``nnx.Dropout`` cannot read.
+  Under ``nnx.eval_shape`` (the runners' ``--estimate_only``) the counter is
+  a ``jax.ShapeDtypeStruct``, which ``nnx.Dropout`` cannot read. It becomes a
+  zero array made here, outside the loss's trace, so the traced program
+  holds it as it holds a real model's counter (an array captured as a
+  constant); made inside the trace it would be a fill step and a folded
+  constant, and the estimate would differ from a run's. Keys are left: the
+  loss's ``rng`` replaces them.
   """
-  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-    return rng
-  if isinstance(value, jax.ShapeDtypeStruct):
+  if isinstance(value, jax.ShapeDtypeStruct) and not jax.dtypes.issubdtype(
+      value.dtype, jax.dtypes.prng_key):
     return jnp.zeros(value.shape, value.dtype)
   return value
 
@@ -48,6 +51,7 @@ def pure_loss(model: nnx.Module, loss_of: Callable, dropout: bool = False):
       ``loss_fn(params, batch, rng)``, else ``loss_fn(params, batch)``.
   """
   graphdef, params, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+  rng_state = jax.tree_util.tree_map(_concrete_counter, rng_state)
 
   def run(params, batch, rng_values):
     module = nnx.merge(graphdef, params, rng_values, rest)
@@ -59,6 +63,8 @@ def pure_loss(model: nnx.Module, loss_of: Callable, dropout: bool = False):
     return (lambda params, batch: run(params, batch, rng_state)), params
 
   def loss_fn(params, batch, rng):
-    return run(params, batch, jax.tree_util.tree_map(lambda v: _stream_leaf(v, rng), rng_state))
+    keys = jax.tree_util.tree_map(
+        lambda v: rng if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v, rng_state)
+    return run(params, batch, keys)
 
   return loss_fn, params
