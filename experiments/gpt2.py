@@ -155,7 +155,7 @@ class PositionEmbedding(nnx.Module):
   """Learned positions added to the tokens, then dropout (IPU 1's first block)."""
 
   def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
-    self.table = nnx.Param(jax.nn.initializers.normal(0.01)(
+    self.table = nnx.Param(jax.nn.initializers.normal(0.02)(
         rngs.params(), (cfg.max_positions, cfg.hidden), cfg.dtype))
     self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
 

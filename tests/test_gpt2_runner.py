@@ -167,5 +167,18 @@ class GPT2RunnerTest(chex.TestCase, parameterized.TestCase):
       self.assertEqual(sum(int(v) for v in f.layers_per_ipu), gpt2.SIZES[f.model]["layers"])
 
 
+class GPT2PodRowsTest(absltest.TestCase):
+
+  def test_every_preset_is_a_pod_row_without_a_measurement(self):
+    from experiments import benchmark_pod, gpt2_presets
+    rows = {name: args for name, args in benchmark_pod.ROWS.items() if name.startswith("gpt2_")}
+    self.assertEqual(sorted(args[0].split("=", 1)[1] for args in rows.values()),
+                     sorted(gpt2_presets.PRESETS))
+    for name in rows:
+      self.assertEqual(benchmark_pod.RUNNERS[name], "experiments.gpt2_training")
+      self.assertEqual(benchmark_pod.family(name), "GPT-2")
+      self.assertNotIn(name, benchmark_pod.MEASURED)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -222,8 +222,10 @@ class PodSuiteTest(chex.TestCase):
 
   def test_resnet_rows_run_presets_and_print_ratios(self):
     from experiments import benchmark_pod, resnet_presets
-    for name, runner in benchmark_pod.RUNNERS.items():
-      self.assertEqual(runner, "experiments.resnet_training")
+    resnet_rows = [name for name in benchmark_pod.ROWS if "resnet" in name]
+    self.assertLen(resnet_rows, 13)
+    for name in resnet_rows:
+      self.assertEqual(benchmark_pod.RUNNERS[name], "experiments.resnet_training")
       preset = benchmark_pod.ROWS[name][0].split("=", 1)[1]
       self.assertIn(preset, resnet_presets.PRESETS)
     self.assertLessEqual(set(benchmark_pod.MEASURED), set(benchmark_pod.ROWS))
