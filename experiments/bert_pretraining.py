@@ -506,11 +506,13 @@ def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def estimate(pipe, params, one_batch, f) -> dict:
-  """Lower the pipeline (each stage's programs once, on one IPU) and read the estimate.
+def lower_step(pipe, params, one_batch, f) -> float:
+  """Lower the pipeline (each stage's programs once, on one IPU); its seconds.
 
   ``one_batch`` is one micro-batch stacked once; the step's ``G x R``
-  micro-batches are views of it (only shapes matter here).
+  micro-batches are views of it (only shapes matter here). With dropout
+  (``--dropout``, ``--attention_dropout``) the step takes ``--seed``'s key.
+  The GPT-2 runner lowers its pipeline the same way.
   """
   import jax
   per_step = f.accumulation * f.replicas
@@ -518,7 +520,12 @@ def estimate(pipe, params, one_batch, f) -> dict:
       lambda b: np.broadcast_to(b, (per_step,) + b.shape[1:]), one_batch)
   start = time.time()
   pipe.lower(params, batches, **({"rng": jax.random.key(f.seed)} if uses_dropout(f) else {}))
-  return lowered_estimate(pipe, f, time.time() - start)
+  return time.time() - start
+
+
+def estimate(pipe, params, one_batch, f) -> dict:
+  """Lower the pipeline (:func:`lower_step`) and read the estimate."""
+  return lowered_estimate(pipe, f, lower_step(pipe, params, one_batch, f))
 
 
 def forward_only(pipe) -> dict:
@@ -648,12 +655,7 @@ def run(f) -> dict:
           f"in {results['lower_seconds']:.1f} s ({results['lowered_by']}), peak RSS "
           f"{results['peak_rss_bytes'] / 2**30:.2f} GiB")
   results.update(searched)
-  if f.report_dir:
-    pipe.report.save(f.report_dir)
-    print(f"Reports written to {f.report_dir}")
-  if f.json_out:
-    with open(f.json_out, "w") as out:
-      json.dump(results, out, indent=1)
+  entry.write_outputs(pipe.report, results, f.report_dir, f.json_out)
   return results
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from typing import Callable
@@ -97,3 +98,19 @@ def prepare_outputs(files=(), directories=()) -> None:
   for flag, path in directories:
     if path:
       make(flag, path, path)
+
+
+def write_outputs(report, results: dict, report_dir=None, json_out=None) -> None:
+  """The end of a pipelined run, where :func:`prepare_outputs` made ready.
+
+  Args:
+    report: the pipeline's report, saved into ``report_dir`` (HTML, JSON,
+      plots) when one is given.
+    results: the run's figures, written to ``json_out`` when one is given.
+  """
+  if report_dir:
+    report.save(report_dir)
+    print(f"Reports written to {report_dir}")
+  if json_out:
+    with open(json_out, "w") as out:
+      json.dump(results, out, indent=1)

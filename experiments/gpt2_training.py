@@ -44,7 +44,6 @@ No throughput measured with these configurations was found published
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -54,6 +53,7 @@ if __package__ in (None, ""):
   import sys
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from experiments import bert_pretraining  # noqa: E402
 from experiments import entry  # noqa: E402
 from experiments import gpt2_presets as presets  # noqa: E402
 
@@ -162,10 +162,6 @@ def model_config(f):
       loss_serialization=f.loss_serialization, dtype=jnp.dtype(f.dtype).type)
 
 
-def uses_dropout(f) -> bool:
-  return f.dropout > 0 or f.attention_dropout > 0
-
-
 def stage_layout(f) -> tuple:
   """``(stage_assignment, device_mapping)`` of ``--layers_per_ipu``.
 
@@ -198,7 +194,7 @@ def check_flags(f) -> None:
   """
   from ipu_jax.kernels.systems import check_capacity, system_preset
   from ipu_jax.pipelining import minimum_accumulation
-  from experiments import bert_pretraining, gpt2
+  from experiments import gpt2
   for name in ("dropout", "attention_dropout"):
     if not 0.0 <= getattr(f, name) < 1.0:
       raise ValueError(f"--{name}={getattr(f, name)!r} must be in [0, 1) (the fraction of "
@@ -206,7 +202,7 @@ def check_flags(f) -> None:
   bert_pretraining.check_vocabulary_factor("--embedding_serialization",
                                            f.embedding_serialization,
                                            gpt2.gpt2_config(f.model).vocab_size)
-  if f.check and uses_dropout(f) and f.random_mode == "hardware":
+  if f.check and bert_pretraining.uses_dropout(f) and f.random_mode == "hardware":
     raise ValueError("--check compares with plain JAX, whose dropout masks are jax.jit's bits; "
                      "use --random_mode=jax with --check, or no dropout.")
   _, mapping = stage_layout(f)
@@ -235,7 +231,7 @@ def build_pipeline(f, mcfg) -> tuple:
   """``(pipe, loss_fn, optimizer, params)``; abstract weights with ``--estimate_only``."""
   from flax import nnx
   import ipu_jax
-  from experiments import bert_pretraining, gpt2
+  from experiments import gpt2
   assignment, mapping = stage_layout(f)
   cfg = bert_pretraining.ipu_config(f, max(mapping) + 1)
   optimizer = make_optimizer(f)
@@ -246,16 +242,15 @@ def build_pipeline(f, mcfg) -> tuple:
     optimizer = bert_pretraining.abstract_init(optimizer)
   else:
     model = gpt2.GPT2(mcfg, rngs=nnx.Rngs(f.seed))
-  loss_fn, params = gpt2.make_loss(model, dropout=uses_dropout(f))
+  loss_fn, params = gpt2.make_loss(model, dropout=bert_pretraining.uses_dropout(f))
   pipe = ipu_jax.pipelining.Pipeline(loss_fn, optimizer, config=cfg, device_mapping=mapping,
-                                     stage_assignment=assignment, rng=uses_dropout(f))
+                                     stage_assignment=assignment, rng=bert_pretraining.uses_dropout(f))
   return pipe, loss_fn, optimizer, params
 
 
 def figures(f, pipe, lower_seconds: float) -> dict:
   """The run's figures under the keys every runner writes."""
   import numpy as np
-  from experiments import bert_pretraining
   report = pipe.report
   report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
   tp = report.throughput
@@ -278,26 +273,19 @@ def figures(f, pipe, lower_seconds: float) -> dict:
 
 def estimate(f, pipe, params, mcfg) -> dict:
   """Lower the pipeline once (one micro-batch's shapes, viewed ``G x R`` times)."""
-  import jax
-  import numpy as np
   from experiments import gpt2
   one = gpt2.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.seed)
-  per_step = f.accumulation * f.replicas
-  batches = jax.tree_util.tree_map(
-      lambda b: np.broadcast_to(b, (per_step,) + b.shape[1:]), one)
-  start = time.time()
-  pipe.lower(params, batches, **({"rng": jax.random.key(f.seed)} if uses_dropout(f) else {}))
-  return figures(f, pipe, time.time() - start)
+  return figures(f, pipe, bert_pretraining.lower_step(pipe, params, one, f))
 
 
 def train(f, pipe, loss_fn, optimizer, params, mcfg) -> dict:
   """Train ``--steps`` steps on generated text; with ``--check``, against plain JAX."""
   import jax
-  from experiments import bert_pretraining, gpt2
+  from experiments import gpt2
   per_step = f.accumulation * f.replicas
   data = [gpt2.synthetic_batches(mcfg, per_step, f.micro_batch, f.seq, f.seed + step)
           for step in range(f.steps)]
-  keys = [jax.random.key(f.seed + step) for step in range(f.steps)] if uses_dropout(f) else None
+  keys = [jax.random.key(f.seed + step) for step in range(f.steps)] if bert_pretraining.uses_dropout(f) else None
   rng = (lambda step: {"rng": keys[step]}) if keys else (lambda step: {})
   start = time.time()
   state = pipe.init(params, data[0], **rng(0))
@@ -343,12 +331,7 @@ def run(f) -> dict:
         f"fits: {results['fits']} (largest tile per IPU {results['per_ipu_max_tile_bytes']} "
         f"of {results['bytes_per_tile']:,d} B); lowered in {results['lower_seconds']:.1f} s, "
         f"peak RSS {results['peak_rss_bytes'] / 2**30:.2f} GiB")
-  if f.report_dir:
-    pipe.report.save(f.report_dir)
-    print(f"Reports written to {f.report_dir}")
-  if f.json_out:
-    with open(f.json_out, "w") as out:
-      json.dump(results, out, indent=1)
+  entry.write_outputs(pipe.report, results, f.report_dir, f.json_out)
   return results
 
 

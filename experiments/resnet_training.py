@@ -31,7 +31,6 @@ prints the largest weight difference (``--config tiny_check --check``).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -345,11 +344,8 @@ def run(f) -> dict:
         f"{results['step_seconds'] * 1e3:.2f} ms; fits: {results['fits']} (largest tile "
         f"{results['per_ipu_max_tile_bytes']} of {results['bytes_per_tile']:,d} B); lowered in "
         f"{results['lower_seconds']:.1f} s, peak RSS {results['peak_rss_bytes'] / 2**30:.2f} GiB")
-  if f.report_dir:
-    pipe.report.save(f.report_dir)
-  if f.json_out:
-    with open(f.json_out, "w") as out:
-      json.dump({k: v for k, v in results.items() if k != "trained"}, out, indent=1)
+  entry.write_outputs(pipe.report, {k: v for k, v in results.items() if k != "trained"},
+                      f.report_dir, f.json_out)
   return results
 
 
