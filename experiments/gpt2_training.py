@@ -139,6 +139,21 @@ def define_flags(fv=None):
                        **d)
   flags.DEFINE_string("report_dir", None, "Where to write the pipeline and stage reports.", **d)
   flags.DEFINE_string("json_out", None, "Write the run's figures to this JSON file.", **d)
+  flags.DEFINE_boolean("auto_split", False,
+                       "Search the split (blocks and matmul proportion per IPU, recomputation, "
+                       "embedding serialisation) that fits and runs fastest, IPU 0 keeping the "
+                       "token table and the head alone as the example's splits do; then estimate "
+                       "or train with it. The split flags given are the search's baseline.", **d)
+  flags.DEFINE_list("split_proportions", ["0.15", "0.25", "0.35", "0.45"],
+                    "--auto_split: matmul proportions tried on each IPU.", **d)
+  flags.DEFINE_list("split_recomputation", ["true"], "--auto_split: recomputation settings "
+                    "tried.", **d)
+  flags.DEFINE_list("split_serialization", ["4", "8"],
+                    "--auto_split: embedding serialisation factors tried.", **d)
+  flags.DEFINE_integer("split_confirm_top", 1, "--auto_split: best splits lowered in full, in "
+                       "order, to confirm one (0: none).", lower_bound=0, **d)
+  flags.DEFINE_string("split_plot", None, "--auto_split: PNG of per-IPU cycles and memory, the "
+                      "chosen split beside the flags' own.", **d)
   return fv
 
 
@@ -305,6 +320,78 @@ def train(f, pipe, loss_fn, optimizer, params, mcfg) -> dict:
   return results
 
 
+def layered_model(f, mcfg):
+  """GPT-2 (``mcfg``) as the split search's :class:`ipu_jax.pipelining.LayeredModel`,
+  abstract weights: ``wte`` the first block, ``lm_head`` the last (IPU 0), the
+  blocks between. The positions and ``ln_f`` follow the values they read
+  (``wpe`` the table's stage, ``ln_f`` the last block's), so the search's
+  layout differs from the example's only in the positions' IPU (0, not 1).
+  """
+  import dataclasses
+  import jax
+  from flax import nnx
+  import ipu_jax
+  from experiments import gpt2
+  batch = jax.tree_util.tree_map(
+      lambda b: b[0], gpt2.synthetic_batches(mcfg, 1, f.micro_batch, f.seq, f.seed))
+  dropout = bert_pretraining.uses_dropout(f)
+
+  def build(num_layers: int, serialization: int):
+    cfg = dataclasses.replace(mcfg, layers=num_layers, embedding_serialization=serialization)
+    with ipu_jax.cheap_tracer_probes():
+      model = nnx.eval_shape(lambda: gpt2.GPT2(cfg, rngs=nnx.Rngs(f.seed)))
+    return gpt2.make_loss(model, dropout=dropout)
+
+  return ipu_jax.pipelining.LayeredModel(
+      build=build, num_layers=mcfg.layers, micro_batch=batch,
+      layer_path=lambda i: f"layers_{i}", first=("wte",), last=("lm_head",),
+      samples_per_micro_batch=f.micro_batch, rng=dropout)
+
+
+def choose_split(f, mcfg) -> dict:
+  """``--auto_split``: search the split, set the split flags to it; the JSON's entries.
+
+  The compositions searched keep IPU 0 free of blocks (the table, the head
+  and the loss are its work, as in every split of the example), so the
+  runner's layout has the stages the search's had and G suits both.
+
+  Raises:
+    app.UsageError: a bad ``--split_*`` value, or no split fits (the message
+      names the closest split's IPU and the bytes its fullest tile lacks).
+  """
+  import ipu_jax
+  from ipu_jax.pipelining.candidates import layer_compositions
+  try:
+    space = bert_pretraining.split_space(f, mcfg.vocab_size)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  ipus = len(f.layers_per_ipu)
+  free_ipu0 = tuple(c for c in layer_compositions(mcfg.layers, ipus) if c[0] == 0)
+  baseline = {"layers_per_ipu": [int(v) for v in f.layers_per_ipu],
+              "available_memory_proportion": [float(v) for v in f.matmul_proportion],
+              "recomputation": f.recomputation,
+              "serialization_factor": f.embedding_serialization}
+  result = ipu_jax.pipelining.search(
+      layered_model(f, mcfg), bert_pretraining.ipu_config(f, ipus),
+      bert_pretraining.abstract_init(make_optimizer(f)),
+      ipu_jax.pipelining.SearchSpace(layers_per_ipu=free_ipu0, **space), baseline=baseline,
+      confirm_top=f.split_confirm_top)
+  print(result.table())
+  if not result.fits:
+    raise app.UsageError(f"--auto_split: {result.message()}")
+  print(result.message())
+  split = result.config
+  f.layers_per_ipu = [str(n) for n in split["layers_per_ipu"]]
+  f.matmul_proportion = [str(p) for p in split["available_memory_proportion"]]
+  f.recomputation = split["recomputation"]
+  f.embedding_serialization = split["serialization_factor"]
+  if f.split_plot:
+    print(f"Split plot written to {result.plot(f.split_plot)}")
+  out = result.to_json()
+  return {"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
+          **({"split_baseline": out["baseline"]} if "baseline" in out else {})}
+
+
 def run(f) -> dict:
   """The runner on parsed flag values ``f``: estimate or train; the run's figures.
 
@@ -315,10 +402,14 @@ def run(f) -> dict:
   try:
     check_flags(f)
     mcfg = model_config(f)
-    entry.prepare_outputs(files=[("--json_out", f.json_out)],
+    entry.prepare_outputs(files=[("--json_out", f.json_out), ("--split_plot", f.split_plot)],
                           directories=[("--report_dir", f.report_dir)])
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  searched = {}
+  if f.auto_split:
+    searched = choose_split(f, mcfg)
+    mcfg = model_config(f)  # the chosen serialisation
   pipe, loss_fn, optimizer, params = build_pipeline(f, mcfg)
   if f.estimate_only:
     results = estimate(f, pipe, params, mcfg)
@@ -331,6 +422,7 @@ def run(f) -> dict:
         f"fits: {results['fits']} (largest tile per IPU {results['per_ipu_max_tile_bytes']} "
         f"of {results['bytes_per_tile']:,d} B); lowered in {results['lower_seconds']:.1f} s, "
         f"peak RSS {results['peak_rss_bytes'] / 2**30:.2f} GiB")
+  results.update(searched)
   entry.write_outputs(pipe.report, results, f.report_dir, f.json_out)
   return results
 

@@ -137,6 +137,30 @@ class GPT2RunnerTest(chex.TestCase, parameterized.TestCase):
     self.assertAlmostEqual(ran["step_seconds"], estimated["step_seconds"], places=12)
     self.assertEqual(ran["per_ipu_peak_bytes"], estimated["per_ipu_peak_bytes"])
 
+  def test_auto_split_finds_a_faster_split_that_keeps_ipu0_for_the_head(self):
+    from experiments import gpt2_training
+    out = os.path.join(self.create_tempdir().full_path, "split.json")
+    result = gpt2_training.run(_flags(
+        *_TINY, "--replicas=2", "--layers_per_ipu=0,1,3", "--auto_split", "--estimate_only",
+        "--split_serialization=1,2,3", "--split_proportions=0.2,0.4", f"--json_out={out}"))
+    with open(out) as f:
+      self.assertEqual(json.load(f)["split"], result["split"])
+    split = result["split"]
+    self.assertEqual(split["layers_per_ipu"][0], 0)  # IPU 0: the table, head and loss
+    self.assertEqual(sum(split["layers_per_ipu"]), 4)
+    self.assertIn(split["serialization_factor"], (1, 2))  # 3 does not divide 512 words
+    self.assertTrue(result["fits"])
+    self.assertEqual(result["split_baseline"]["layers_per_ipu"], [0, 1, 3])
+    self.assertGreater(result["split_estimate"]["samples_per_second"],
+                       result["split_baseline"]["samples_per_second"])
+    # The runner lowered the example's layout of the chosen split (positions
+    # on IPU 1, not with the table as in the search): the same split's figures
+    # but for that table's placement.
+    self.assertEqual(result["device_mapping"], [0, 1, 2, 0])
+    self.assertAlmostEqual(result["samples_per_second"],
+                           result["split_estimate"]["samples_per_second"], delta=
+                           0.01 * result["samples_per_second"])
+
   @parameterized.parameters(
       (["--layers_per_ipu=0,2,1"], r"--layers_per_ipu \[0, 2, 1\] adds up to 3 blocks; GPT-2 "
                                    r"tiny has 4"),
