@@ -44,6 +44,7 @@ No throughput measured with these configurations was found published
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -348,25 +349,98 @@ def layered_model(f, mcfg):
       samples_per_micro_batch=f.micro_batch, rng=dropout)
 
 
+# Compositions of the blocks over IPUs 1.. searched in full up to this many;
+# past it (GPT-2 medium and large on 8 IPUs: 100,947 and 1.6 M) only the
+# balanced ones, each IPU within one block of the even share's floor / ceiling.
+_ALL_COMPOSITIONS = 5000
+# Candidates (compositions x proportions per IPU x recomputation x
+# serialisation) a search may score: a 4-IPU search scores 28,160 in ~20 s.
+_MAX_CANDIDATES = 2_000_000
+
+
+def _count(blocks: int, parts: int, low: int, high: int) -> int:
+  """How many splits of ``blocks`` into ``parts`` counts, each in ``[low, high]``."""
+  ways = [1] + [0] * blocks  # ways[b]: splits of b blocks into the parts so far
+  for _ in range(parts):
+    ways = [sum(ways[b - k] for k in range(low, min(high, b) + 1)) for b in range(blocks + 1)]
+  return ways[blocks]
+
+
+def _compositions(blocks: int, parts: int, low: int, high: int) -> list:
+  """Every split of ``blocks`` into ``parts`` counts, each in ``[low, high]``."""
+  if parts == 1:
+    return [(blocks,)] if low <= blocks <= high else []
+  out = []
+  for first in range(low, high + 1):
+    rest = blocks - first
+    if (parts - 1) * low <= rest <= (parts - 1) * high:
+      out += [(first,) + tail for tail in _compositions(rest, parts - 1, low, high)]
+  return out
+
+
+def searched_compositions(blocks: int, ipus: int, limit: int) -> tuple:
+  """``layers_per_ipu`` the search tries: IPU 0 none, the others at least one each;
+  all of them, or only the balanced ones when there are more than
+  :data:`_ALL_COMPOSITIONS`.
+
+  Raises:
+    ValueError: more than ``limit`` of them (counted, not listed).
+  """
+  parts = ipus - 1
+  if math.comb(blocks - 1, parts - 1) <= _ALL_COMPOSITIONS:
+    low, high = 1, blocks
+  else:
+    low, high = max(1, blocks // parts - 1), -(-blocks // parts) + 1
+  count = _count(blocks, parts, low, high)
+  if count > limit:
+    raise ValueError(f"{count:,d} ways to place {blocks} blocks on IPUs 1 to {parts} "
+                     f"(each {low} to {high})")
+  return tuple((0,) + c for c in _compositions(blocks, parts, low, high))
+
+
 def choose_split(f, mcfg) -> dict:
   """``--auto_split``: search the split, set the split flags to it; the JSON's entries.
 
   The compositions searched keep IPU 0 free of blocks (the table, the head
-  and the loss are its work, as in every split of the example), so the
-  runner's layout has the stages the search's had and G suits both.
+  and the loss are its work, as in the example's splits of GPT-2 small and
+  medium), so the runner's layout has the stages the search's had and G
+  suits both (:func:`searched_compositions`).
 
   Raises:
     app.UsageError: a bad ``--split_*`` value, or no split fits (the message
       names the closest split's IPU and the bytes its fullest tile lacks).
   """
   import ipu_jax
-  from ipu_jax.pipelining.candidates import layer_compositions
+  from ipu_jax.pipelining import minimum_accumulation
   try:
     space = bert_pretraining.split_space(f, mcfg.vocab_size)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   ipus = len(f.layers_per_ipu)
-  free_ipu0 = tuple(c for c in layer_compositions(mcfg.layers, ipus) if c[0] == 0)
+  # The searched layouts' stages: the table's, one per other IPU, the head's;
+  # the flags' split is the baseline, so it must be one of them.
+  minimum = minimum_accumulation(f.schedule, ipus + 1)
+  g = max(minimum, round(f.accumulation / minimum) * minimum)
+  if int(f.layers_per_ipu[0]) or f.accumulation % minimum:
+    share, extra = divmod(mcfg.layers, ipus - 1)
+    even = [0] + [share] * (ipus - 1 - extra) + [share + 1] * extra
+    raise app.UsageError(
+        f"--auto_split searches splits with no blocks on IPU 0 ({ipus + 1} stages under the "
+        f"{f.schedule} schedule) from the flags' split; --layers_per_ipu="
+        f"{','.join(f.layers_per_ipu)} with --accumulation={f.accumulation} is not one. Give "
+        f"one, e.g. --layers_per_ipu={','.join(map(str, even))} --accumulation={g} (a "
+        f"multiple of {minimum}).")
+  settings = (len(space["proportions"]) ** ipus * len(space["recomputation"])
+              * len(space["serialization"]))
+  try:
+    free_ipu0 = searched_compositions(mcfg.layers, ipus, _MAX_CANDIDATES // settings)
+  except ValueError as e:
+    raise app.UsageError(
+        f"--auto_split: {e}, times {settings:,d} settings ({len(space['proportions'])} "
+        f"proportions on each of {ipus} IPUs x {len(space['recomputation'])} x "
+        f"{len(space['serialization'])}), are more than the {_MAX_CANDIDATES:,d} candidates a "
+        f"search scores in minutes; give fewer --split_proportions (each IPU multiplies by "
+        f"their count), --split_serialization or --split_recomputation, or fewer IPUs.") from None
   baseline = {"layers_per_ipu": [int(v) for v in f.layers_per_ipu],
               "available_memory_proportion": [float(v) for v in f.matmul_proportion],
               "recomputation": f.recomputation,

@@ -161,6 +161,20 @@ class GPT2RunnerTest(chex.TestCase, parameterized.TestCase):
                            result["split_estimate"]["samples_per_second"], delta=
                            0.01 * result["samples_per_second"])
 
+  def test_auto_split_refuses_a_search_too_large_to_score_before_lowering(self):
+    # GPT-2 large on 16 IPUs: 92 M ways to place 36 blocks even when balanced.
+    from experiments import gpt2_training
+    with self.assertRaisesRegex(app.UsageError, r"92,348,750 ways to place 36 blocks on IPUs 1 "
+                                                r"to 15 .* give fewer --split_proportions"):
+      gpt2_training.run(_flags("--config=large_pod16", "--auto_split", "--estimate_only"))
+    # GPT-2 large at 512 positions: the example's split puts a block on IPU 0
+    # (11 stages, G 4,092); the searched splits have 9 stages.
+    with self.assertRaisesRegex(app.UsageError, r"--layers_per_ipu=1,5,5,5,5,5,5,5 with "
+                                                r"--accumulation=4092 is not one. Give one, e.g. "
+                                                r"--layers_per_ipu=0,5,5,5,5,5,5,6 "
+                                                r"--accumulation=4086 \(a multiple of 18\)"):
+      gpt2_training.run(_flags("--config=large_sl512_pod16", "--auto_split", "--estimate_only"))
+
   @parameterized.parameters(
       (["--layers_per_ipu=0,2,1"], r"--layers_per_ipu \[0, 2, 1\] adds up to 3 blocks; GPT-2 "
                                    r"tiny has 4"),
