@@ -341,7 +341,7 @@ def check_vocabulary_factor(flag: str, factor: int, vocab_size: int) -> None:
     divisors = [d for d in range(1, vocab_size + 1) if vocab_size % d == 0]
     shown = divisors if len(divisors) <= 16 else divisors[:16] + ["..."]
     raise ValueError(f"{flag}={factor} does not divide the vocabulary of "
-                     f"{vocab_size:,d} words (the decoder's columns, in {factor} pieces); "
+                     f"{vocab_size:,d} words (the tied head's columns, in {factor} pieces); "
                      f"factors that do: {shown}.")
 
 
