@@ -541,27 +541,34 @@ def forward_only(pipe) -> dict:
           "breakdown": fwd.breakdown}
 
 
+def memory_figures(pipe) -> dict:
+  """A lowered pipeline's memory as the runners' JSON holds it: ``fits``, each
+  IPU's peak bytes and fullest tile, what fills that tile, the tile's bytes."""
+  report = pipe.report
+  memory = report.memory_per_ipu()
+  limit = pipe.target.bytes_per_tile
+  return {"fits": all(m["max_tile_bytes"] <= limit for m in memory.values()),
+          "per_ipu_peak_bytes": [memory[i]["total_bytes"] for i in sorted(memory)],
+          "per_ipu_max_tile_bytes": [memory[i]["max_tile_bytes"] for i in sorted(memory)],
+          # What fills each IPU's fullest tile (which program, what the others hold, stash).
+          "per_ipu_peak_tile": [report.ipu_memory[i].describe_tile(
+              int(np.argmax(report.ipu_memory[i].peak))) for i in sorted(memory)],
+          "bytes_per_tile": limit}
+
+
 def lowered_estimate(pipe, f, lower_seconds: float) -> dict:
   """The estimate of an already lowered pipeline (``lower_seconds``: its lowering)."""
   report = pipe.report
   report.sequences_per_sample = f.packing_factor
   report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
   tp = report.throughput
-  memory = report.memory_per_ipu()
-  limit = pipe.target.bytes_per_tile
   return {"config": f.config, "model": f.model, "system": f.system,
           "samples_per_second": tp.samples_per_second,
           "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,
           "breakdown": tp.breakdown, "forward_only": forward_only(pipe),
           "lower_seconds": lower_seconds,
           "peak_rss_bytes": peak_rss_bytes(),
-          "fits": all(m["max_tile_bytes"] <= limit for m in memory.values()),
-          "per_ipu_peak_bytes": [memory[i]["total_bytes"] for i in sorted(memory)],
-          "per_ipu_max_tile_bytes": [memory[i]["max_tile_bytes"] for i in sorted(memory)],
-          # What fills each IPU's fullest tile (which program, what the others hold, stash).
-          "per_ipu_peak_tile": [report.ipu_memory[i].describe_tile(
-              int(np.argmax(report.ipu_memory[i].peak))) for i in sorted(memory)],
-          "bytes_per_tile": limit,
+          **memory_figures(pipe),
           # The recomputation rule the figures are under (docs/multi_ipu.md#the-last-stage).
           "last_stage_recomputation": pipe.config.pipelining.last_stage_recomputation,
           "checkpoint_blocks": bool(f.checkpoint_blocks)}
@@ -728,6 +735,19 @@ def choose_split(f, mcfg) -> tuple:
       mcfg, ipu_config(f, len(layers)), abstract_init(make_optimizer(f)),
       f.micro_batch, f.seq, f.max_predictions, baseline=baseline,
       confirm_top=f.split_confirm_top, seed=f.seed, abstract=True, **space)
+  return adopt_split(f, result, "decoder_serialization"), result.lowered
+
+
+def adopt_split(f, result, serialization_flag: str) -> dict:
+  """Print a split search's ``result``, set the split flags to its choice (the
+  serialisation factor into ``--serialization_flag``) and plot it with
+  ``--split_plot``; the run JSON's ``split`` / ``search`` / ``split_estimate`` /
+  ``split_baseline`` entries. The GPT-2 runner's ``--auto_split`` ends the same way.
+
+  Raises:
+    app.UsageError: nothing fits (the message names the closest split's IPU
+      and the bytes its fullest tile lacks).
+  """
   print(result.table())  # when nothing fits, its last line is the shortfall
   if not result.fits:
     raise app.UsageError(f"--auto_split: {result.message()}")
@@ -736,13 +756,12 @@ def choose_split(f, mcfg) -> tuple:
   f.layers_per_ipu = [str(n) for n in split["layers_per_ipu"]]
   f.matmul_proportion = [str(p) for p in split["available_memory_proportion"]]
   f.recomputation = split["recomputation"]
-  f.decoder_serialization = split["serialization_factor"]
+  setattr(f, serialization_flag, split["serialization_factor"])
   if f.split_plot:
     print(f"Split plot written to {result.plot(f.split_plot)}")
   out = result.to_json()
-  return ({"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
-           **({"split_baseline": out["baseline"]} if "baseline" in out else {})},
-          result.lowered)
+  return {"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
+          **({"split_baseline": out["baseline"]} if "baseline" in out else {})}
 
 
 def train(pipe, loss_fn, optimizer, params, mcfg, f, mapping) -> dict:

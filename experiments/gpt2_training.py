@@ -266,12 +266,9 @@ def build_pipeline(f, mcfg) -> tuple:
 
 def figures(f, pipe, lower_seconds: float) -> dict:
   """The run's figures under the keys every runner writes."""
-  import numpy as np
   report = pipe.report
   report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
   tp = report.throughput
-  memory = report.memory_per_ipu()
-  limit = pipe.target.bytes_per_tile
   return {"config": f.config, "model": f.model, "system": f.system,
           "device_mapping": list(pipe.device_mapping),
           "samples_per_second": tp.samples_per_second,
@@ -279,12 +276,7 @@ def figures(f, pipe, lower_seconds: float) -> dict:
           "step_seconds": tp.step_seconds, "breakdown": tp.breakdown,
           "forward_only": bert_pretraining.forward_only(pipe),
           "lower_seconds": lower_seconds, "peak_rss_bytes": bert_pretraining.peak_rss_bytes(),
-          "fits": all(m["max_tile_bytes"] <= limit for m in memory.values()),
-          "per_ipu_peak_bytes": [memory[i]["total_bytes"] for i in sorted(memory)],
-          "per_ipu_max_tile_bytes": [memory[i]["max_tile_bytes"] for i in sorted(memory)],
-          "per_ipu_peak_tile": [report.ipu_memory[i].describe_tile(
-              int(np.argmax(report.ipu_memory[i].peak))) for i in sorted(memory)],
-          "bytes_per_tile": limit}
+          **bert_pretraining.memory_figures(pipe)}
 
 
 def estimate(f, pipe, params, mcfg) -> dict:
@@ -450,20 +442,7 @@ def choose_split(f, mcfg) -> dict:
       bert_pretraining.abstract_init(make_optimizer(f)),
       ipu_jax.pipelining.SearchSpace(layers_per_ipu=free_ipu0, **space), baseline=baseline,
       confirm_top=f.split_confirm_top)
-  print(result.table())
-  if not result.fits:
-    raise app.UsageError(f"--auto_split: {result.message()}")
-  print(result.message())
-  split = result.config
-  f.layers_per_ipu = [str(n) for n in split["layers_per_ipu"]]
-  f.matmul_proportion = [str(p) for p in split["available_memory_proportion"]]
-  f.recomputation = split["recomputation"]
-  f.embedding_serialization = split["serialization_factor"]
-  if f.split_plot:
-    print(f"Split plot written to {result.plot(f.split_plot)}")
-  out = result.to_json()
-  return {"split": out["split"], "search": out["search"], "split_estimate": out["estimate"],
-          **({"split_baseline": out["baseline"]} if "baseline" in out else {})}
+  return bert_pretraining.adopt_split(f, result, "embedding_serialization")
 
 
 def run(f) -> dict:
