@@ -327,7 +327,7 @@ class Compiled:
     for i, index in zip(seeding.positions, seeding.index):
       value = prng_state_value(seeding.num_tiles, int(seed)).reshape(-1)
       storage = np.where(index >= 0, value[np.maximum(index, 0)], 0).astype(value.dtype)
-      self._constants[i] = jnp.asarray(storage)
+      self._constants[i] = jax.device_put(storage)
 
 
 # -- arguments -------------------------------------------------------------------

@@ -41,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence as SequenceT
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.graph_lowering import GraphLeaf, GraphLowerer
 from ipu_jax.kernels.codelet import Codelet, codelet
 from ipu_jax.lowering import program as P
-from ipu_jax.lowering.exchange import to_flat, to_storage
+from ipu_jax.lowering.exchange import host_flat, host_storage
 from ipu_jax.lowering.mapping import TileMapping, linear_chunk
 from ipu_jax.stages import Lowered
 from ipu_jax.kernels.target import IPUTarget
@@ -473,7 +474,7 @@ class Engine:
     self._state = {}
     for t in self._ir:
       if t.value is not None:
-        self._state[t.id] = to_storage(jnp.asarray(t.value.reshape(-1)), t.mapping)
+        self._state[t.id] = jax.device_put(host_storage(np.asarray(t.value).reshape(-1), t.mapping))
       else:
         self._state[t.id] = jnp.zeros(t.storage_shape, t.dtype)
     self._state.update(remote_buffers.initial_state(self._remote_buffers))
@@ -537,7 +538,7 @@ class Engine:
 
   def _flat(self, b: int):
     tensor = self._ir[b]
-    return np.asarray(to_flat(self._state[tensor.id], tensor.mapping))
+    return host_flat(self._state[tensor.id], tensor.mapping)
 
   def read_tensor(self, tensor: GraphTensor) -> np.ndarray:
     """The current value of a view (or of a remote buffer), as a NumPy array."""
@@ -565,7 +566,7 @@ class Engine:
       flat = self._flat(int(b)).copy()
       flat[flat_index[sel] - base.offset] = values[sel]
       ir = self._ir[int(b)]
-      self._state[ir.id] = to_storage(jnp.asarray(flat), ir.mapping)
+      self._state[ir.id] = jax.device_put(host_storage(np.asarray(flat), ir.mapping))
 
   def report(self, index: int = 0):
     """The :class:`ipu_jax.Report` of program ``index``."""

@@ -60,7 +60,7 @@ from ipu_jax.lowering.analysis import check_memory, profile_program
 from ipu_jax.lowering.constant_folding import fold_constants
 from ipu_jax.lowering.context import LoweringContext
 from ipu_jax.lowering.dead_code import eliminate_dead_code
-from ipu_jax.lowering.exchange import to_storage
+from ipu_jax.lowering.exchange import host_storage, to_storage
 from ipu_jax.lowering.replica_axis import bound_axes
 from ipu_jax.lowering.fp_exceptions import traps_from_options
 from ipu_jax.lowering.fusion import fuse_elementwise
@@ -520,8 +520,7 @@ def _lower_traced(traced: Traced, progress) -> Lowered:
   executable = build_executable(
       tile.program, tensors, traced.signature, inputs=tile.inputs, outputs=tile.outputs,
       constant_keys=[c.id for c in tile.constants],
-      constants=[to_storage(jnp.asarray(c.value).reshape(-1), c.mapping)
-                 for c in tile.constants],
+      constants=[_constant_storage(c.value, c.mapping) for c in tile.constants],
       state=state, traps=traps_from_options(options, tile.program, profile.name),
       mode=options.executor_mode, out_of_memory=bool(profile.memory.over_limit_tiles.size),
       seeding=Seeding(options.rounding_seed, setup.target.num_tiles, state,
@@ -574,10 +573,20 @@ def _device_state(ctx: LoweringContext, constants) -> tuple:
   return tuple(i for i, c in enumerate(constants) if id(c) in prng)
 
 
+def _constant_storage(value, mapping):
+  """A constant's initial tile storage, laid out on the host (``host_storage``)."""
+  if jax.dtypes.issubdtype(getattr(value, "dtype", np.float32), jax.dtypes.extended):
+    return to_storage(jnp.asarray(value).reshape(-1), mapping)  # key arrays: JAX lays them out
+  host = np.asarray(value)
+  host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+  return jax.device_put(host_storage(host.reshape(-1), mapping))
+
+
 def _storage_index(mapping) -> np.ndarray:
   """The tile storage of a tensor of ``mapping`` as flat element indices (-1: padding)."""
-  count = mapping.num_elements
-  return np.asarray(to_storage(jnp.arange(1, count + 1, dtype=jnp.int32), mapping)) - 1
+  source = mapping.storage_source  # padding holds num_elements
+  index = np.where(source == mapping.num_elements, -1, source).astype(np.int32)
+  return index.reshape(mapping.storage_shape)
 
 
 def _host_io(traced: Traced, tile: TileProgram, profile):

@@ -259,7 +259,7 @@ class _Folder:
     # belongs to process 0, and computing on it from another process waits on
     # a collective that process never joins.
     with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
-      outs = eqn.primitive.bind(*[jnp.asarray(v) for v in values], **eqn.params)
+      outs = eqn.primitive.bind(*[jax.device_put(v) for v in values], **eqn.params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     results = [np.asarray(o) for o in outs]
     if _makes_non_finite(values, results):

@@ -184,6 +184,26 @@ def to_storage(flat, mapping: TileMapping):
   return take_or_fill(flat, mapping.storage_source, 0).reshape(rows, size)
 
 
+def host_storage(flat: np.ndarray, mapping: TileMapping) -> np.ndarray:
+  """:func:`to_storage` of a host array, computed with NumPy.
+
+  A program's constants are known on the host; laying them out there puts
+  each element at its storage position directly, where :func:`to_storage`
+  run eagerly would compile a small XLA program for every constant's shape
+  (a lowering's share of its host time in the test suite).
+  """
+  rows, size = mapping.storage_shape
+  storage = np.zeros(rows * size, flat.dtype)
+  if mapping.num_elements:
+    storage[mapping.storage_position] = flat
+  return storage.reshape(rows, size)
+
+
+def host_flat(storage, mapping: TileMapping) -> np.ndarray:
+  """:func:`to_flat` computed with NumPy, for storage read back to the host."""
+  return np.asarray(storage).reshape(-1)[mapping.storage_position]
+
+
 def to_flat(storage, mapping: TileMapping):
   """``[rows, row_size]`` tile storage -> flat logical array."""
   if mapping.num_elements == 0:

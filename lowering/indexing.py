@@ -146,7 +146,9 @@ def static_sources(fn, *shapes) -> np.ndarray:
     offset, ids = 0, []
     for shape in shapes:
       size = int(np.prod(shape, dtype=np.int64))
-      ids.append(jnp.arange(offset, offset + size, dtype=jnp.int32).reshape(shape))
+      # Made on the host and placed as they are: eager jnp ops would compile
+      # a program for each shape.
+      ids.append(jax.device_put(np.arange(offset, offset + size, dtype=np.int32).reshape(shape)))
       offset += size
     return np.asarray(fn(*ids)).reshape(-1).astype(np.int64)
 

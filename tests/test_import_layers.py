@@ -94,19 +94,39 @@ def floor_of(module: str):
 
 def _imports(tree: ast.AST, module: str, is_package: bool):
   """(line, module, name or None, local name) of every import, relative ones resolved."""
-  package = module if is_package else module.rpartition(".")[0]
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      for alias in node.names:
-        yield node.lineno, alias.name, None, alias.asname or alias.name
-    elif isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:
-        parts = package.split(".")
-        parts = parts[:len(parts) - node.level + 1]
-        base = ".".join(parts + ([node.module] if node.module else []))
-      for alias in node.names:
-        yield node.lineno, base, alias.name, alias.asname or alias.name
+  return _facts(tree, module, is_package)[0]
+
+
+def _facts(tree: ast.AST, module: str, is_package: bool):
+  """A module's imports and its ``name._attr`` reads, from one walk of its tree.
+
+  Kept per tree (``_parse`` keeps a tree per source): a check walks every
+  module of the library, and each deliberate-break test checks twice.
+  """
+  key = (id(tree), module, is_package)
+  if key not in _FACTS:
+    imports, reads = [], []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        for alias in node.names:
+          imports.append((node.lineno, alias.name, None, alias.asname or alias.name))
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parts = package.split(".")
+          parts = parts[:len(parts) - node.level + 1]
+          base = ".".join(parts + ([node.module] if node.module else []))
+        for alias in node.names:
+          imports.append((node.lineno, base, alias.name, alias.asname or alias.name))
+      elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.attr.startswith("_") and not node.attr.startswith("__")):
+        reads.append((node.lineno, node.value.id, node.attr))
+    _FACTS[key] = (tree, imports, reads)  # the tree held: its id stays its own
+  return _FACTS[key][1:]
+
+
+_FACTS = {}
 
 
 def _module_aliases(tree: ast.AST, module: str, is_package: bool, known) -> dict[str, str]:
@@ -122,11 +142,9 @@ def _module_aliases(tree: ast.AST, module: str, is_package: bool, known) -> dict
 def _private_attribute_reads(tree: ast.AST, module: str, is_package: bool, known):
   """(line, module.name) of each ``alias._name`` read through an imported module."""
   aliases = _module_aliases(tree, module, is_package, known)
-  for node in ast.walk(tree):
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id in aliases and node.attr.startswith("_")
-        and not node.attr.startswith("__") and aliases[node.value.id] != module):
-      yield node.lineno, f"{aliases[node.value.id]}.{node.attr}"
+  for line, name, attr in _facts(tree, module, is_package)[1]:
+    if name in aliases and aliases[name] != module:
+      yield line, f"{aliases[name]}.{attr}"
 
 
 def _private_module_outside(imported: str, importer: str) -> bool:

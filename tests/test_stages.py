@@ -72,6 +72,30 @@ class StagesTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(f.lower(w, x, scale=2.0).report.total_cycles,
                      lowered.report.total_cycles)
 
+  def test_constants_are_laid_out_on_the_host(self):
+    # A program's constants (of sizes no other test uses; the matmul's on
+    # its block grid) are laid out as tile storage with NumPy and placed on
+    # the device as they are: with nothing to fold, lowering builds no JAX
+    # program of its own, where laying them out with JAX ops (even
+    # jnp.asarray of a NumPy array) lowered and compiled one per shape.
+    rng = np.random.default_rng(3)
+    c1, c2, w = (rng.standard_normal(s).astype(np.float32)
+                 for s in ((37, 53), (37, 53), (53, 29)))
+    fn = lambda x: (x * c1 + c2, x @ w)  # noqa: E731
+    x = rng.standard_normal((37, 53)).astype(np.float32)
+    traced = ipu_jax.jit(fn, target=_T16).trace(x)
+    events = []
+    listener = lambda event, duration, **_: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+      lowered = traced.lower()
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listener)
+    self.assertNotIn("/jax/core/compile/jaxpr_to_mlir_module_duration", events)
+    self.assertLen(lowered.tile.constants, 3)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, lowered.compile()(x)),
+                                jax.tree.map(np.asarray, jax.jit(fn)(x)), rtol=1e-5, atol=1e-5)
+
   def test_lowered_is_immutable(self):
     w, x = _args()
     lowered = ipu_jax.jit(_step, target=_T16).lower(w, x, scale=1.0)

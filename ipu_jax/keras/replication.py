@@ -121,7 +121,8 @@ class Replication:
   def replicate(self, tree):
     """Puts a pytree (equal on every process) on the replicas' devices."""
     if self.mode != "devices":
-      return jax.tree.map(jnp.asarray, tree)
+      # device_put, not jnp.asarray: that compiles a program per batch shape.
+      return jax.tree.map(jax.device_put, tree)
     sharding = NamedSharding(self.mesh, P())
 
     def put(x):
@@ -142,7 +143,8 @@ class Replication:
   def shard(self, tree):
     """Places arrays with a leading axis of this process's replicas."""
     if self.mode != "devices":
-      return jax.tree.map(jnp.asarray, tree)
+      # device_put, not jnp.asarray: that compiles a program per batch shape.
+      return jax.tree.map(jax.device_put, tree)
     sharding = NamedSharding(self.mesh, P(REPLICA_AXIS))
 
     def put(x):

@@ -569,7 +569,7 @@ class Pipeline:
         total[i] = a if total[i] is None else total[i] + a
     if r > 1 and training.replica_reduction == "mean":
       total = [t / np.asarray(r, t.dtype) for t in total]
-    total = [jnp.zeros_like(p) if t is None else jnp.asarray(t)
+    total = [jnp.zeros_like(p) if t is None else jax.device_put(t)
              for p, t in zip(flat_params, total)]
     return total, losses
 
