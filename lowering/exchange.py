@@ -189,8 +189,7 @@ def host_storage(flat: np.ndarray, mapping: TileMapping) -> np.ndarray:
 
   A program's constants are known on the host; laying them out there puts
   each element at its storage position directly, where :func:`to_storage`
-  run eagerly would compile a small XLA program for every constant's shape
-  (a lowering's share of its host time in the test suite).
+  run eagerly would compile a small XLA program for every constant's shape.
   """
   rows, size = mapping.storage_shape
   storage = np.zeros(rows * size, flat.dtype)
