@@ -471,12 +471,14 @@ class Engine:
     self._streams = lowerer.streams
     from ipu_jax import remote_buffers
     self._remote_buffers = remote_buffers.engine_buffers(graph, lowerer)
+    # Laid out on the host and transferred: an eager jnp.zeros compiles an XLA
+    # program per storage shape.
     self._state = {}
     for t in self._ir:
       if t.value is not None:
         self._state[t.id] = jax.device_put(host_storage(np.asarray(t.value).reshape(-1), t.mapping))
       else:
-        self._state[t.id] = jnp.zeros(t.storage_shape, t.dtype)
+        self._state[t.id] = jax.device_put(np.zeros(t.storage_shape, t.dtype))
     self._state.update(remote_buffers.initial_state(self._remote_buffers))
     # The device state each program runs on: the graph's tensors, the remote
     # buffers and the streams it uses (connected before it runs).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -138,7 +139,7 @@ def engine_buffers(graph, lowerer) -> list:
 
 
 def initial_state(buffers) -> dict:
-  return {b.id: jnp.zeros(b.storage_shape, b.dtype) for b in buffers}
+  return {b.id: jax.device_put(np.zeros(b.storage_shape, b.dtype)) for b in buffers}
 
 
 def _engine_ir(engine, handle: RemoteBufferHandle) -> remote.RemoteBuffer:

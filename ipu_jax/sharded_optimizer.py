@@ -55,7 +55,7 @@ Used by ``ipu_jax/keras/offload.py`` (the Keras-like ``fit``) and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +94,23 @@ def _flat_padded(x, replicas: int):
   return jnp.pad(flat, (0, shard_length(flat.size, replicas) * replicas - flat.size))
 
 
+def _shard(x, replica, replicas: int):
+  n = shard_length(np.size(x), replicas)
+  return lax.dynamic_slice_in_dim(_flat_padded(x, replicas), replica * n, n)
+
+
+# Concrete leaves are cut by one compiled program per shape for every replica,
+# not by the three eager operations (each compiled per shape) ``_shard`` runs.
+_shard_concrete = jax.jit(_shard, static_argnums=2)
+
+
 def shard_leaf(x, replica, replicas: int):
   """Replica ``replica``'s ``[n]`` shard of ``x`` (traceable in ``replica``)."""
   if isinstance(x, jax.ShapeDtypeStruct):  # shapes only (an --estimate_only lowering)
     return jax.ShapeDtypeStruct((shard_length(int(np.prod(x.shape)), replicas),), x.dtype)
-  n = shard_length(np.size(x), replicas)
-  return lax.dynamic_slice_in_dim(_flat_padded(x, replicas), replica * n, n)
+  if isinstance(x, jax.core.Tracer) or isinstance(replica, jax.core.Tracer):
+    return _shard(x, replica, replicas)
+  return _shard_concrete(x, replica, replicas)
 
 
 def shard_tree(tree, replica, replicas: int):

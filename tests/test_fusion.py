@@ -16,6 +16,7 @@ import pytest
 import ipu_jax
 from ipu_jax.kernels import popops
 from ipu_jax.lowering import fusion
+import testing_utils
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 
@@ -37,8 +38,8 @@ def _random(shape, dtype, seed=0):
   rng = np.random.default_rng(seed)
   dtype = np.dtype(dtype)
   if np.issubdtype(dtype, np.integer):
-    return jnp.asarray(rng.integers(-20, 20, size=shape), dtype)
-  return jnp.asarray(rng.uniform(-2.0, 2.0, size=shape), dtype)
+    return testing_utils.on_device(rng.integers(-20, 20, size=shape), dtype)
+  return testing_utils.on_device(rng.uniform(-2.0, 2.0, size=shape), dtype)
 
 
 def _assert_bit_equal(got, want):

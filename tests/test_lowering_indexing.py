@@ -27,10 +27,11 @@ _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
 
 def _random(rng, shape, dtype):
   dtype = jnp.dtype(dtype)
-  # Cast on the host: a device cast compiles an XLA program per shape and dtype.
+  # Cast and placed from the host: a device cast (or jnp.asarray) compiles an
+  # XLA program per shape and dtype.
   if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.integers(-50, 50, shape).astype(dtype))
-  return jnp.asarray(rng.standard_normal(shape).astype(dtype))
+    return testing_utils.on_device(rng.integers(-50, 50, shape), dtype)
+  return testing_utils.on_device(rng.standard_normal(shape), dtype)
 
 
 def _per_tile_config():

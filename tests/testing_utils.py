@@ -42,10 +42,25 @@ def random_array(shape, dtype=jnp.float32, seed=0, int_bound=50):
   rng = np.random.RandomState(seed)
   dtype = jnp.dtype(dtype)
   if jnp.issubdtype(dtype, jnp.integer):
-    return jnp.asarray(rng.randint(-int_bound, int_bound, size=shape), dtype)
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return jnp.asarray(rng.randn(*shape) + 1j * rng.randn(*shape), dtype)
-  return jnp.asarray(rng.randn(*shape), dtype)
+    values = rng.randint(-int_bound, int_bound, size=shape)
+  elif jnp.issubdtype(dtype, jnp.complexfloating):
+    values = rng.randn(*shape) + 1j * rng.randn(*shape)
+  else:
+    values = rng.randn(*shape)
+  return on_device(values, dtype)
+
+
+def on_device(values, dtype=None):
+  """NumPy values on the device as ``dtype`` (JAX's canonical form of it).
+
+  Converted by NumPy and placed with ``jax.device_put``: in JAX 0.10
+  ``jnp.asarray`` of a NumPy array compiles a small XLA program per shape and
+  dtype, which thousands of test shapes pay for. The values equal
+  ``jnp.asarray``'s.
+  """
+  values = np.asarray(values)
+  dtype = jax.dtypes.canonicalize_dtype(values.dtype if dtype is None else dtype)
+  return jax.device_put(values.astype(dtype))
 
 
 def numpy_weights(tree, seed: int = 0):

@@ -225,9 +225,9 @@ class PhasedTrainer:
 
   def _zeros_like_loaded(self, weights):
     """A zero gradient accumulator per replica, ``[dp, (tp,) ...]``."""
-    if self.layout.rts:
-      return jax.tree.map(jnp.zeros_like, weights)
-    return jax.tree.map(lambda a: jnp.zeros((self.layout.dp,) + np.shape(a), a.dtype), weights)
+    # Zeros from the host: an eager jnp.zeros compiles a program per shape.
+    lead = () if self.layout.rts else (self.layout.dp,)
+    return jax.tree.map(lambda a: jax.device_put(np.zeros(lead + np.shape(a), a.dtype)), weights)
 
   def _forward_phase(self, i, kind, programs, xs):
     """Phase ``i``'s forward over the G micro-batches ``xs[:, g]``: ``[dp, G, ...]`` outputs."""

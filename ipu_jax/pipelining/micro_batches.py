@@ -42,7 +42,7 @@ import numpy as np
 
 from ipu_jax.pipelining.split import PipelineError
 
-__all__ = ["MicroBatchInputs", "StepTaps", "micro_batch_key", "micro_batch_keys"]
+__all__ = ["MicroBatchInputs", "StepTaps", "micro_batch_key", "micro_batch_keys", "one_of_stacked"]
 
 
 def micro_batch_key(key, index):
@@ -144,9 +144,8 @@ class MicroBatchInputs:
     if not self.extended:
       return batches, None
     packed = self.pack(batches, rng, state, accumulation * replicas)
-    micro = jax.tree_util.tree_map(lambda b: b[0], packed)
-    return packed, StepTaps(self, staged, micro, jax.tree_util.tree_leaves(packed),
-                            accumulation)
+    return packed, StepTaps(self, staged, one_of_stacked(packed),
+                            jax.tree_util.tree_leaves(packed), accumulation)
 
   def free(self, micro) -> tuple:
     """Flat indices of one packed micro-batch's key and state leaves (not infeed)."""
@@ -192,6 +191,20 @@ def _check_same_tree(state, new_state) -> None:
         "The pipelined loss function's new state must have the structure of the state it "
         f"was given: got {jax.tree_util.tree_structure(new_state)} for "
         f"{jax.tree_util.tree_structure(state)}.")
+
+
+def one_of_stacked(stacked):
+  """The shapes and dtypes of one micro-batch of ``stacked`` (a pytree of arrays
+  stacked on their leading axis).
+
+  They are all the lowering and the step's bookkeeping read: slicing a real
+  micro-batch out would run, and first compile, an indexing op per leaf.
+  """
+  def one(leaf):
+    dtype = jax.dtypes.canonicalize_dtype(leaf.dtype, allow_extended_dtype=True)
+    return jax.ShapeDtypeStruct(np.shape(leaf)[1:], dtype,
+                                weak_type=getattr(leaf, "weak_type", False))
+  return jax.tree_util.tree_map(one, stacked)
 
 
 class StepTaps:

@@ -45,7 +45,7 @@ from ipu_jax.lowering import plan_cache
 from ipu_jax.lowering.errors import OutOfMemoryError
 from ipu_jax.pipelining import layout, links, schedule as schedule_lib, stage_programs
 from ipu_jax.pipelining import shared_stages, weight_update
-from ipu_jax.pipelining.micro_batches import MicroBatchInputs, StepTaps
+from ipu_jax.pipelining.micro_batches import MicroBatchInputs, StepTaps, one_of_stacked
 from ipu_jax.pipelining.stage_programs import StagePrograms
 from ipu_jax.pipelining.split import PipelineError, split_stages
 
@@ -305,8 +305,8 @@ class Pipeline:
     return self
 
   def _micro_batch(self, batches, rng, state):
-    """One micro-batch of ``batches`` (packed with ``rng`` / ``state`` as the loss takes them),
-    after checking they stack G x R micro-batches."""
+    """The shapes and dtypes of one micro-batch of ``batches`` (packed with ``rng`` /
+    ``state`` as the loss takes them), after checking they stack G x R micro-batches."""
     expected = self.accumulation * self.replicas
     batches = self.inputs.pack(batches, rng, state, expected)
     _check_stacked(batches, expected, "gradient_accumulation_steps x replication_factor")
@@ -316,7 +316,7 @@ class Pipeline:
           f"batches must stack gradient_accumulation_steps x replication_factor = "
           f"{self.accumulation} x {self.replicas} = {expected} micro-batches on their leading "
           f"axis; got leading sizes {sorted(leading)}.")
-    return jax.tree_util.tree_map(lambda b: b[0], batches)
+    return one_of_stacked(batches)
 
   def _lower_stage(self, stage, staged, mapping, values: dict, flat, target, shared=None):
     """Lowers one stage's forward, backward and update on its IPU's config.
@@ -577,7 +577,8 @@ class Pipeline:
     staged, stages = self.staged, self.stages
     last = staged.num_stages - 1
     # One accumulator per weight: a tied weight's readers all add into it.
-    acc = {i: jnp.zeros(np.shape(flat_params[i]), flat_params[i].dtype)
+    # Zeros from the host (an eager jnp.zeros compiles a program per shape).
+    acc = {i: jax.device_put(np.zeros(np.shape(flat_params[i]), flat_params[i].dtype))
            for s in staged.stages for i in s.params}
     values, stash, cts, losses = {}, {}, {}, {}
     for slot in self._slots:
