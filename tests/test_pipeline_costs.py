@@ -316,6 +316,24 @@ class ConcurrentUpdateCollectivesTest(chex.TestCase):
     self.assertEqual(tp.breakdown["weight_all_gather"], 0.0)
 
 
+class HostInputBytesTest(chex.TestCase):
+  """The host sends what the device holds: without x64, JAX holds NumPy
+  float64 (int64) batches as float32 (int32), so the step's host I/O counts
+  four bytes an element for them, as for float32 batches."""
+
+  def test_float64_batches_cost_what_float32_ones_do(self):
+    params, batches = _data(2, 4)
+    host_io = []
+    for dtype in (np.float64, np.float32):
+      given = {k: np.asarray(v, dtype) for k, v in batches.items()}
+      pipe = Pipeline(_layers_loss, optax.sgd(0.05), config=_config(2, 4)).lower(params, given)
+      host_io.append(throughput_lib.step_throughput(pipe).breakdown["host_io"])
+    micro_batch_bytes = 2 * _ROWS * _WIDTH * 4  # x and y, float32
+    self.assertEqual(host_io[0], host_io[1])
+    rate = pipe.target.host_link_bytes_per_second
+    self.assertAlmostEqual(host_io[1], 4 * micro_batch_bytes / rate, places=15)
+
+
 class ExecutionOverheadTest(chex.TestCase):
   """The host's fixed time per execution of the device program, shared by
   the steps one execution runs (PopART's ``batches_per_step``)."""
