@@ -35,16 +35,19 @@ transposed like the data (small integers, no index array, every source
 copied once). A block grid's tile is a few boxes (one per block and pass)
 however many short runs its rows make, so its boxes are taken from the grid
 (:meth:`~ipu_jax.lowering.block_grid.BlockGrid.boxes`), not cut from runs.
-Every plan is cached by its layouts counted from a base tile
-(:func:`~ipu_jax.lowering.exchange.relative_base`): a repeated layer's copy
-between the same layouts moved along the tiles reuses the first one's plan,
-its per-tile figures moved into place. What the outputs' tiles need of the
-sources (rows cut at the outputs' runs, merged per tile) is cached by the
-outputs' layouts alone, counted from their first tile: a bias broadcast over
-each layer's activation, whose position against the bias changes from layer
-to layer (on several IPUs most layers), finds it once. Other maps with short rows (strided slices of the
-innermost axis, reversals) fall back to the element planner. All return a
-:class:`CopyPlan`.
+Every plan is cached by its layouts counted from their first tile: a repeated
+layer's copy between the same layouts moved along the tiles reuses the first
+one's plan, its per-tile figures moved into place. On several IPUs such a
+move seldom keeps which bytes cross an IPU-Link, so those are counted again
+for each placement, on IPU runs (a few per tensor) rather than tiles: the
+source intervals the outputs' tiles need, merged per IPU and cut at the
+sources' IPU runs; a transpose's from the two sides' IPU runs as boxes. What
+the outputs' tiles need of the sources (rows cut at the outputs' runs, merged
+per tile) is cached by the outputs' layouts alone, counted from their first
+tile: a bias broadcast over each layer's activation, whose position against
+the bias changes from layer to layer, finds it once. Other maps with short
+rows (strided slices of the innermost axis, reversals) fall back to the
+element planner. All return a :class:`CopyPlan`.
 
 The same boxes also build the per-element gather indices the ``per_tile``
 executor mode needs, at trace time only, so no step holds them.
@@ -58,7 +61,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ipu_jax.lowering import plan_cache
-from ipu_jax.lowering.exchange import ExchangeCost, relative_base, roll_tiles, shift_cost
+from ipu_jax.lowering.exchange import ExchangeCost, roll_tiles, shift_cost
 from ipu_jax.lowering.mapping import TileMapping
 
 __all__ = ["Box", "BoxMap", "CopyPlan", "plan_copies", "index_dtype", "row_major_strides"]
@@ -333,11 +336,13 @@ def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
     # An irregular layout is unique to its tensor: nothing to share.
     return _plan(target, sources, outputs, itemsize)
   # A repeated layer copies between the same layouts moved along the tiles:
-  # every figure only compares tile identities (and, on several IPUs, which
-  # IPU a tile is on), so the plan is kept counted from a base tile
-  # (exchange.relative_base: whole IPUs on several) and moved into place.
+  # what each tile receives, sends, copies and fills only compares tile
+  # identities, so the plan is kept counted from the first laid-out tile and
+  # moved into place. Which bytes cross an IPU-Link depends on where the
+  # IPUs' boundaries fall (a layer on several IPUs seldom lands whole IPUs
+  # along), so on several IPUs those are counted afresh, on IPU runs.
   first = next((m for m in mappings if m.num_rows), None)
-  base = relative_base(target, int(first.tiles[0])) if first is not None else 0
+  base = int(first.tiles[0]) if first is not None else 0
   t = target.num_tiles
   key = (tuple(m.relative_fingerprint(base, t) for m in sources),
          tuple(m.relative_fingerprint(base, t) for m, _ in outputs),
@@ -346,12 +351,19 @@ def plan_copies(target, sources: Sequence[TileMapping], outputs: Sequence,
 
   def relative():
     fresh.append(_plan(target, sources, outputs, itemsize))
-    return _shifted(fresh[0], -base, target)
+    return _shifted(_without_link(fresh[0]), -base, target)
 
   relative = plan_cache.cached(_PLANS, key, relative)
   if fresh:  # planned here, in place: nothing to move
     return fresh[0]
-  return _shifted(relative, base, target)
+  plan = _shifted(relative, base, target)
+  if target.num_ipus == 1 or plan is None or plan.exchange is None:
+    return plan
+  link = _link_elements(target, sources, outputs)
+  if link is None:
+    return _plan(target, sources, outputs, itemsize)
+  exchange = dataclasses.replace(plan.exchange, link_bytes_out=link * itemsize)
+  return _frozen(dataclasses.replace(plan, exchange=exchange))
 
 
 _PLANS = plan_cache.PlanCache("copy plans by regions", max_entries=2048)
@@ -369,23 +381,50 @@ def _shifted(plan: Optional[CopyPlan], tiles: int, target) -> Optional[CopyPlan]
       roll_tiles(plan.fills, tiles)))
 
 
-def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
-  num_tiles = target.num_tiles
+def _without_link(plan: Optional[CopyPlan]) -> Optional[CopyPlan]:
+  """``plan`` with zero IPU-Link bytes (they do not move with the tiles)."""
+  if plan is None or plan.exchange is None or not plan.exchange.link_bytes_out.any():
+    return plan
+  link = np.zeros_like(plan.exchange.link_bytes_out)
+  return _frozen(dataclasses.replace(
+      plan, exchange=dataclasses.replace(plan.exchange, link_bytes_out=link)))
+
+
+def _short_rows(outputs) -> bool:
+  """Whether the outputs' rows are too short to plan on (a transpose, or no region plan)."""
+  total_out = sum(m.num_elements for m, _ in outputs)
+  return sum(b.num_rows() for _, b in outputs) * MIN_MEAN_ROW > max(total_out, 1)
+
+
+def _piece_budget(target, outputs) -> int:
+  """Most pieces a copy is cut into before it is planned on a table (or refused)."""
   total_out = sum(m.num_elements for m, _ in outputs)
   rows = sum(b.num_rows() for _, b in outputs)
-  if rows * MIN_MEAN_ROW > max(total_out, 1):
+  return max(4 * rows, total_out // MIN_MEAN_ROW) + 4 * target.num_tiles
+
+
+def _source_runs(sources, runs_of) -> tuple:
+  """``(starts, keys, num_sources)``: the sources' runs (``runs_of(mapping)``: their
+  intervals or IPU runs), each shifted to its place in the concatenation."""
+  offsets = np.cumsum([0] + [m.num_elements for m in sources])
+  starts, keys = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+  for m, offset in zip(sources, offsets[:-1]):
+    if m.num_elements:
+      run_starts, run_keys = runs_of(m)
+      starts.append(run_starts + offset)
+      keys.append(run_keys)
+  return np.concatenate(starts), np.concatenate(keys), int(offsets[-1])
+
+
+def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
+  num_tiles = target.num_tiles
+  if _short_rows(outputs):
     permutation = _permutation_box(sources, outputs)
     if permutation is None:
       return None
     return _plan_permutation(target, sources[0], outputs[0][0], permutation, itemsize)
-  budget = max(4 * rows, total_out // MIN_MEAN_ROW) + 4 * num_tiles
-  # Sources: every mapping's runs, shifted to its place in the concatenation.
-  offsets = np.cumsum([0] + [m.num_elements for m in sources])
-  num_sources = int(offsets[-1])
-  runs = [(m.intervals[0] + o, m.intervals[1]) for m, o in zip(sources, offsets[:-1])
-          if m.num_elements]
-  s_starts = np.concatenate([r[0] for r in runs] + [np.zeros(0, np.int64)])
-  s_tiles = np.concatenate([r[1] for r in runs] + [np.zeros(0, np.int64)])
+  budget = _piece_budget(target, outputs)
+  s_starts, s_tiles, num_sources = _source_runs(sources, lambda m: m.intervals)
 
   needs = _output_needs(target, outputs, budget, num_sources)
   if needs is None:
@@ -405,6 +444,33 @@ def _plan(target, sources, outputs, itemsize) -> Optional[CopyPlan]:
     return _frozen(CopyPlan(None, nothing, written, fills))
   cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
   return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+def _link_elements(target, sources, outputs) -> Optional[np.ndarray]:
+  """``[num_ipus]`` source elements each IPU sends over its links, counted on IPU runs.
+
+  The figure :func:`_plan` gives (an element crosses once to each other IPU
+  with a tile needing it) without the tiles: the source intervals the
+  outputs' tiles need (:func:`_output_needs`, cached by the outputs'
+  layouts) merged per destination IPU and cut where the sources' IPU runs
+  change, a few per tensor; a transpose's from the overlaps of the two
+  sides' IPU runs as boxes. None where those would cost more than planning.
+  """
+  if _short_rows(outputs):
+    return _permutation_link(target, sources[0], outputs[0][0],
+                             _permutation_box(sources, outputs))
+  per = target.tiles_per_ipu
+  starts, ipus, num_sources = _source_runs(sources, lambda m: m.ipu_runs(per))
+  needs = _output_needs(target, outputs, _piece_budget(target, outputs), num_sources)
+  if needs is None or needs[2] is None:
+    return None  # not what a plan that moves anything had: plan it whole
+  _, _, dst, first, last = needs
+  group, lo, hi = _merged_intervals(dst // per, first, last, num_sources)
+  parent, run, a, b = _cut(lo, hi, starts, num_sources, np.iinfo(np.int64).max)
+  src = ipus[run]
+  away = src != group[parent]
+  return np.bincount(src[away], weights=(b - a)[away],
+                     minlength=target.num_ipus)[:target.num_ipus].astype(np.int64)
 
 
 _NEEDS = plan_cache.PlanCache("copy destination needs", max_entries=2048)
@@ -694,6 +760,26 @@ def _plan_permutation(target, source: TileMapping, mapping: TileMapping, box: Bo
     link = from_ipu - on_ipu
   cost = ExchangeCost(received * itemsize, sent * itemsize, link * itemsize)
   return _frozen(CopyPlan(cost, received, written - received, fills))
+
+
+def _permutation_link(target, source: TileMapping, mapping: TileMapping,
+                      box: Box) -> Optional[np.ndarray]:
+  """:func:`_plan_permutation`'s IPU-Link elements alone: all each IPU holds but
+  what stays on it, the overlaps of the two sides' IPU runs as boxes (a
+  few per IPU, so boxes pay however small the transpose). None past a pair
+  budget."""
+  per, n_ipus = target.tiles_per_ipu, target.num_ipus
+  frame = _PermutedFrame(box)
+  count = source.num_elements
+  src = _run_boxes(*source.ipu_runs(per), count, frame.src_extents)
+  dst = _run_boxes(*mapping.ipu_runs(per), count, frame.extents)
+  src = (src[0], src[1][:, frame.to_output], src[2][:, frame.to_output])
+  on_ipu = _overlaps_by_key(dst, src, n_ipus, max(frame.size // _PAIRS_PER_ELEMENT, 1 << 12))
+  if on_ipu is None:
+    return None
+  starts, ipus = source.ipu_runs(per)
+  held = np.bincount(ipus, weights=np.diff(np.append(starts, count)), minlength=n_ipus)
+  return held[:n_ipus].astype(np.int64) - on_ipu
 
 
 class _PermutedFrame:

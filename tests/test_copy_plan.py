@@ -25,6 +25,7 @@ from ipu_jax.lowering.copy_plan import Box, BoxMap, row_major_strides
 
 _T16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
 _T2X8 = ipu_jax.IPUTarget.preset("ipu2", num_ipus=2, tiles_per_ipu=8)
+_T3X8 = ipu_jax.IPUTarget.preset("ipu2", num_ipus=3, tiles_per_ipu=8)
 _TARGETS = {"t16": _T16, "t2x8": _T2X8}
 
 
@@ -241,13 +242,13 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
       plan = copy_plan.plan_copies(target, [source], outputs, 2)
     _assert_same_figures(plan, target, [source], outputs, 2)
 
-  @parameterized.parameters("t16", "t2x8")
-  def test_layouts_moved_along_the_tiles_share_plans(self, target):
+  @parameterized.parameters(("t16", 5), ("t2x8", 8), ("t2x8", 5))
+  def test_layouts_moved_along_the_tiles_share_plans(self, target, step):
     # A repeated layer copies between the same layouts, moved along the tiles
-    # (whole IPUs on several): the plan found for the first serves the others,
-    # moved into place, with the figures planning afresh gives.
+    # (on several IPUs by whole IPUs or not): the plan found for the first
+    # serves the others, moved into place, its IPU-Link bytes counted again;
+    # every figure is what planning afresh gives.
     target = _TARGETS[target]
-    step = target.tiles_per_ipu if target.num_ipus > 1 else 5
     bias_box = Box.make((6, 40), 0, (40, 1), 0, (0, 1))
     transpose = Box.make((40, 6), 0, (6, 1), 0, (1, 40))
 
@@ -266,6 +267,41 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
       self.assertIsNotNone(plan.exchange)
       _assert_same_figures(plan, target, sources, outputs, 4)
     self.assertEqual(copy_plan._PLANS.hits - hits, 2)  # pylint: disable=protected-access
+
+  @parameterized.product(seed=list(range(8)), movement=["random", "innermost transpose"],
+                         layouts=[("linear", "linear"), ("linear", "blocks"), ("blocks", "linear")])
+  def test_copies_moved_within_an_ipu_count_their_links_afresh(self, seed, movement, layouts):
+    # On several IPUs a layer seldom lands whole IPUs along: the plan of the
+    # same copy between the same layouts moved by part of an IPU is the
+    # first one's, moved, with the IPU-Link bytes counted on IPU runs (a
+    # transpose's from boxes of them). Every figure is the element planner's.
+    target, t = _T3X8, _T3X8.num_tiles
+    rng = np.random.RandomState(100 + seed)
+    in_shape = (int(rng.randint(1, 5)), int(rng.randint(1, 6)), int(rng.randint(10, 40)))
+    if movement == "random":
+      shape, box = _random_movement(rng, in_shape)
+    else:  # rows of one element: planned as a permutation
+      shape = in_shape[::-1]
+      box = Box.make(shape, 0, row_major_strides(shape), 0, row_major_strides(in_shape)[::-1])
+    sizes = (int(np.prod(in_shape)), int(np.prod(shape)))
+    chunks = [-(-n // int(rng.randint(1, t + 1))) for n in sizes]
+    starts = [int(s) for s in rng.randint(t, size=2)]
+
+    def copy(shift):
+      placed = [TileMapping.linear(n, t, 4, start_tile=(s + shift) % t) if kind == "linear"
+                else TileMapping.blocks(n, c, t, (s + shift) % t)
+                for kind, n, c, s in zip(layouts, sizes, chunks, starts)]
+      return [placed[0]], [(placed[1], BoxMap((box,)))]
+
+    copy_plan._PLANS.clear()  # pylint: disable=protected-access
+    if copy_plan.plan_copies(target, *copy(0), 2) is None:
+      self.assertGreater(box.num_rows() * copy_plan.MIN_MEAN_ROW, sizes[1])
+      return
+    hits = copy_plan._PLANS.hits  # pylint: disable=protected-access
+    sources, outputs = copy(int(rng.randint(1, target.tiles_per_ipu)))
+    plan = copy_plan.plan_copies(target, sources, outputs, 2)
+    self.assertEqual(copy_plan._PLANS.hits - hits, 1)  # pylint: disable=protected-access
+    _assert_same_figures(plan, target, sources, outputs, 2)
 
   @parameterized.product(target=["t16", "t2x8"], source_start=[3, 11])
   def test_outputs_moved_against_their_sources_share_their_needs(self, target, source_start):
