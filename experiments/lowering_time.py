@@ -4,8 +4,10 @@ The scale suite (``python -m experiments.benchmark --suite=scale``) measures a
 row's lowering once, beside its compile and steps; comparing two states of the
 code needs the lowering alone, repeated, in CPU seconds (``time.process_time``:
 on a shared machine wall time includes waiting for a core). Each lowering is a
-fresh ``ipu_jax.jit`` of the row's step; the line printed per row gives the CPU
-and wall seconds of each (with the kernel's share of the CPU seconds and the
+fresh ``ipu_jax.jit`` of the row's step, the rows lowered in turn, round by
+round (:func:`measure_alternating`: the machine's speed drifts within minutes,
+and rows measured at the same moments compare the code). The line printed per
+row gives the CPU and wall seconds of each (with the kernel's share of the CPU seconds and the
 page faults), the equations, the CPU ms an equation of the fastest and the
 figures' fingerprint (``benchmark.figures_sha1``: a speed change must
 leave it unchanged)::
@@ -15,10 +17,12 @@ leave it unchanged)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import sys
 import time
+from typing import Callable, Sequence
 
 from absl import app, flags
 
@@ -26,33 +30,73 @@ if __package__ in (None, ""):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def measure(name: str, repeats: int) -> dict:
-  """Lower scale row ``name`` ``repeats`` times; its CPU and wall seconds and fingerprint."""
+@dataclasses.dataclass
+class _Row:
+  """A scale row ready to lower: its step, arguments, target and config."""
+
+  name: str
+  fn: Callable
+  args: tuple
+  target: object
+  config: object
+
+
+def _prepare(name: str) -> _Row:
   import ipu_jax
-  from experiments import benchmark, scale_workloads
+  from experiments import scale_workloads
   r = scale_workloads.row(name)
   fn, args = scale_workloads.workload(r)
   target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
   cfg = ipu_jax.IPUConfig()
   cfg.replication_factor = r.replicas
-  cpu, wall, system, faults = [], [], [], []
-  for _ in range(repeats):
-    emulated = ipu_jax.jit(fn, config=cfg, target=target, verbose=0)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    start_cpu, start_wall = time.process_time(), time.perf_counter()
-    lowered = emulated.lower(*args)
-    cpu.append(time.process_time() - start_cpu)
-    wall.append(time.perf_counter() - start_wall)
-    # Part of the CPU time is the kernel's, mostly zeroing the pages a
-    # lowering touches first (the first lowering in a process most).
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    system.append(after.ru_stime - usage.ru_stime)
-    faults.append(after.ru_minflt - usage.ru_minflt)
+  return _Row(name, fn, args, target, cfg)
+
+
+def _lower_once(row: _Row) -> tuple:
+  """``(cpu s, wall s, kernel s, page faults, lowered)`` of one fresh lowering."""
+  import ipu_jax
+  emulated = ipu_jax.jit(row.fn, config=row.config, target=row.target, verbose=0)
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  start_cpu, start_wall = time.process_time(), time.perf_counter()
+  lowered = emulated.lower(*row.args)
+  cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start_wall
+  # Part of the CPU time is the kernel's, mostly zeroing the pages a
+  # lowering touches first (the first lowering in a process most).
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  return cpu, wall, after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt, lowered
+
+
+def _summary(name: str, samples: list) -> dict:
+  from experiments import benchmark
+  cpu, wall, system, faults, lowered = (list(column) for column in zip(*samples))
+  lowered = lowered[-1]
   equations = sum(1 for _ in benchmark._iter_eqns(lowered.jaxpr.jaxpr))
   return {"row": name, "cpu_s": cpu, "wall_s": wall, "system_s": system,
           "page_faults": faults, "equations": equations,
           "cpu_ms_per_equation": 1000 * min(cpu) / equations,
           "figures_sha1": benchmark.figures_sha1(lowered.report.profile)}
+
+
+def measure(name: str, repeats: int) -> dict:
+  """Lower scale row ``name`` ``repeats`` times; its CPU and wall seconds and fingerprint."""
+  row = _prepare(name)
+  return _summary(name, [_lower_once(row) for _ in range(repeats)])
+
+
+def measure_alternating(names: Sequence[str], repeats: int) -> list:
+  """:func:`measure` of several rows, lowered in turn, ``repeats`` rounds.
+
+  The machine's speed drifts within minutes; rows lowered in turn are
+  measured at the same moments, so the ratio of round ``k``'s times
+  compares the code, not the minute (the first round pays the process's
+  first lowering: take the median over rounds).
+  """
+  rows = [_prepare(name) for name in names]
+  samples = [[] for _ in rows]
+  for _ in range(repeats):
+    for row, kept in zip(rows, samples):
+      kept.append(_lower_once(row))
+  return [_summary(row.name, kept) for row, kept in zip(rows, samples)]
 
 
 _DEFAULT_ROWS = ["enc-8x256", "enc-8x256-bow4"]
@@ -63,8 +107,8 @@ def main(argv):
   from experiments import entry
   entry.quiet_backend_probe()
   f = flags.FLAGS
-  for name in f.rows or _DEFAULT_ROWS:
-    m = measure(name, f.repeats)
+  for m in measure_alternating(f.rows or _DEFAULT_ROWS, f.repeats):
+    name = m["row"]
     print(f"{name}: CPU s {[round(t, 2) for t in m['cpu_s']]}, wall s "
           f"{[round(t, 2) for t in m['wall_s']]}, of the CPU s in the kernel "
           f"{[round(t, 2) for t in m['system_s']]} ({m['page_faults']} page faults), "

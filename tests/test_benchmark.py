@@ -1,4 +1,5 @@
-"""The benchmark runner's speed suite (issue 43): its step rows run and report their keys."""
+"""The benchmark runner's speed suite (issue 43): its step rows run and report their keys;
+the lowering rows are measured in turn."""
 
 import json
 import os
@@ -6,8 +7,14 @@ import subprocess
 import sys
 import tempfile
 
+from unittest import mock
+
 import chex
 from absl.testing import absltest
+import jax.numpy as jnp
+import numpy as np
+
+import ipu_jax
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +60,34 @@ class SpeedSuiteTest(chex.TestCase):
     self.assertNotEqual(proc.returncode, 0)
     self.assertIn("--speed_parts: unknown ['bogus']", proc.stderr)
 
+
+class LoweringTimeTest(chex.TestCase):
+
+  def test_rows_lowered_in_turn_keep_their_figures(self):
+    # The lowering rows are measured round by round (the machine drifts
+    # within minutes); each keeps its own times, equations and figures.
+    # Two small steps stand in for the scale rows (whose models take seconds
+    # to build): the runner's rows by name, the step and target each gives.
+    from experiments import lowering_time
+    t16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    steps = {"tanh": (lambda x: jnp.tanh(x), (np.ones((6, 40), np.float32),)),
+             "sum": (lambda x: jnp.sum(x * x, 0), (np.ones((9, 33), np.float32),))}
+
+    def prepare(name):
+      fn, args = steps[name]
+      row = lowering_time._Row  # pylint: disable=protected-access
+      return row(name, fn, args, t16, ipu_jax.IPUConfig())
+
+    with mock.patch.object(lowering_time, "_prepare", prepare):
+      rows = lowering_time.measure_alternating(["tanh", "sum"], 3)
+      alone = lowering_time.measure("sum", 1)
+    self.assertEqual([m["row"] for m in rows], ["tanh", "sum"])
+    for m in rows:
+      self.assertLen(m["cpu_s"], 3)
+      self.assertGreater(min(m["cpu_s"]), 0)
+    self.assertEqual(rows[1]["figures_sha1"], alone["figures_sha1"])
+    self.assertEqual(rows[1]["equations"], alone["equations"])
+    self.assertNotEqual(rows[0]["figures_sha1"], rows[1]["figures_sha1"])
 
 if __name__ == "__main__":
   absltest.main()
