@@ -62,7 +62,6 @@ import hashlib
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -265,6 +264,7 @@ def _rss_guard(name, limit_gib):
 
 def run_scale_case(name, repeats):
   """One ``scale`` row: lower, compile, step times, all in this process."""
+  from ipu_jax import host_time
   if os.path.exists("/proc/self/statm"):
     _rss_guard(name, _MAX_RSS_GIB.value)
   import jax
@@ -290,7 +290,7 @@ def run_scale_case(name, repeats):
     result["lower_cpu_s"] = time.process_time() - cpu
     result["equations"] = sum(1 for _ in _iter_eqns(lowered.jaxpr.jaxpr))
     result["supersteps"] = len(lowered.report.profile.steps)
-    result["lower_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["lower_rss_mib"] = host_time.peak_rss_bytes() / 2**20
     result["figures_sha1"] = figures_sha1(lowered.report.profile)
     start, cpu = time.perf_counter(), time.process_time()
     _block(emulated(*args))
@@ -298,7 +298,7 @@ def run_scale_case(name, repeats):
     result["compile_cpu_s"] = time.process_time() - cpu
     # The issue's measure: lowering + compile + one step. Later steps and the
     # plain step (same process, for the ratio) can add allocator slack.
-    result["step_peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["step_peak_host_mib"] = host_time.peak_rss_bytes() / 2**20
     result["ipu_seconds"] = lowered.report.estimated_seconds
     result["emulated_ms"] = _median_ms(emulated, args, repeats)
     plain = jax.jit(fn).lower(*args).compile()
@@ -312,7 +312,7 @@ def run_scale_case(name, repeats):
     result["error"] = None
   except Exception as e:  # a failing row is recorded, the suite goes on
     result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-  result["peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  result["peak_host_mib"] = host_time.peak_rss_bytes() / 2**20
   return result
 
 
@@ -619,6 +619,7 @@ def _subprocess_json(flags_: list, row: dict) -> dict:
 
 
 def run_case(name, tiles, repeats):
+  from ipu_jax import host_time
   try:
     if name == "fit":
       result = _run_fit_case(tiles, repeats)
@@ -629,8 +630,7 @@ def run_case(name, tiles, repeats):
     result = dict(plain_ms=None, emulated_ms=None, ratio=None, lower_compile_s=None,
                   ipu_cycles=None, ipu_seconds=None, supersteps=None,
                   error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-  # ru_maxrss is in KiB on Linux.
-  result["peak_host_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  result["peak_host_mib"] = host_time.peak_rss_bytes() / 2**20
   return dict(workload=name, tiles=tiles, **result)
 
 

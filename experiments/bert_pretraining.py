@@ -501,11 +501,6 @@ def abstract_init(optimizer):
   return optax.GradientTransformation(init, optimizer.update)
 
 
-def peak_rss_bytes() -> int:
-  import resource
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def lower_step(pipe, params, one_batch, f) -> float:
   """Lower the pipeline (each stage's programs once, on one IPU); its seconds.
 
@@ -558,6 +553,7 @@ def memory_figures(pipe) -> dict:
 
 def lowered_estimate(pipe, f, lower_seconds: float) -> dict:
   """The estimate of an already lowered pipeline (``lower_seconds``: its lowering)."""
+  from ipu_jax import host_time
   report = pipe.report
   report.sequences_per_sample = f.packing_factor
   report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
@@ -567,7 +563,7 @@ def lowered_estimate(pipe, f, lower_seconds: float) -> dict:
           "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,
           "breakdown": tp.breakdown, "forward_only": forward_only(pipe),
           "lower_seconds": lower_seconds,
-          "peak_rss_bytes": peak_rss_bytes(),
+          "peak_rss_bytes": host_time.peak_rss_bytes(),
           **memory_figures(pipe),
           # The recomputation rule the figures are under (docs/multi_ipu.md#the-last-stage).
           "last_stage_recomputation": pipe.config.pipelining.last_stage_recomputation,
@@ -766,6 +762,7 @@ def adopt_split(f, result, serialization_flag: str) -> dict:
 
 def train(pipe, loss_fn, optimizer, params, mcfg, f, mapping) -> dict:
   """Train ``--steps`` steps on synthetic masked-LM data; the run's figures."""
+  from ipu_jax import host_time
   from experiments import bert
   per_step = f.accumulation * f.replicas
   data = [bert.synthetic_batches(mcfg, per_step, f.micro_batch, f.seq, f.max_predictions,
@@ -793,7 +790,7 @@ def train(pipe, loss_fn, optimizer, params, mcfg, f, mapping) -> dict:
              "lower_seconds": lower_seconds, "final_loss": float(value),
              "samples_per_second": tp.samples_per_second,
              "sequences_per_second": tp.sequences_per_second, "step_seconds": tp.step_seconds,
-             "breakdown": tp.breakdown, "peak_rss_bytes": peak_rss_bytes()}
+             "breakdown": tp.breakdown, "peak_rss_bytes": host_time.peak_rss_bytes()}
   if f.check:
     expected = plain_steps(loss_fn, optimizer, params, data, keys=keys)
     results["max_relative_difference"] = max_relative_difference(trained, expected)

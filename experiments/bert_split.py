@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import sys
 import time
 
@@ -132,6 +131,7 @@ def large_phase1_pod16(log=print, preset_options=None, **search_options):
 
 @entry.reporting_errors
 def main(argv):
+  from ipu_jax import host_time
   del argv
   entry.quiet_backend_probe()
   try:
@@ -147,7 +147,7 @@ def main(argv):
   print(result.table())
   if result.fits:
     print(result.message())
-  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+  rss = host_time.peak_rss_bytes() / 2**30
   print(f"wall {time.time() - start:.0f} s, peak RSS {rss:.2f} GB")
   if _JSON_OUT.value:
     with open(_JSON_OUT.value, "w") as out:

@@ -266,6 +266,7 @@ def build_pipeline(f, mcfg) -> tuple:
 
 def figures(f, pipe, lower_seconds: float) -> dict:
   """The run's figures under the keys every runner writes."""
+  from ipu_jax import host_time
   report = pipe.report
   report.steps_per_execution = f.updates_per_execution * f.accumulation * f.replicas
   tp = report.throughput
@@ -275,7 +276,7 @@ def figures(f, pipe, lower_seconds: float) -> dict:
           "tokens_per_second": tp.samples_per_second * f.seq,
           "step_seconds": tp.step_seconds, "breakdown": tp.breakdown,
           "forward_only": bert_pretraining.forward_only(pipe),
-          "lower_seconds": lower_seconds, "peak_rss_bytes": bert_pretraining.peak_rss_bytes(),
+          "lower_seconds": lower_seconds, "peak_rss_bytes": host_time.peak_rss_bytes(),
           **bert_pretraining.memory_figures(pipe)}
 
 

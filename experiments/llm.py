@@ -475,7 +475,7 @@ def inference_estimate(f, cfg, target) -> dict:
 
 def estimate(f) -> dict:
   """The preset's estimate and both bounds (nothing runs)."""
-  import resource
+  from ipu_jax import host_time
   cfg, target = model_config(f), ipu_target(f)
   if not f.phased:
     check_on_chip(f, cfg, target)
@@ -491,7 +491,7 @@ def estimate(f) -> dict:
                 tokens_per_second=tokens_per_step(f) / step,
                 samples_per_second=(f.global_batch if f.mode == "train"
                                     else f.data_parallel * f.micro_batch) / step,
-                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                peak_rss_bytes=host_time.peak_rss_bytes())
   result["bounds"] = bounds(f, cfg, target, result["streaming_bytes_per_step"])
   b = result["bounds"]
   result["closest_bound"] = ("peak_flops" if b["peak_flops_tokens_per_second"]

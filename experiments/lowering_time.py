@@ -66,10 +66,11 @@ def _lower_once(row: _Row) -> tuple:
   return cpu, wall, after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt, lowered
 
 
-def _summary(name: str, samples: list) -> dict:
+def _summary(name: str, samples: list, lowered) -> dict:
+  """The row's figures: ``samples`` of :func:`_lower_once` less the program, and its last
+  lowered program (for the equations and the figures' fingerprint)."""
   from experiments import benchmark
-  cpu, wall, system, faults, lowered = (list(column) for column in zip(*samples))
-  lowered = lowered[-1]
+  cpu, wall, system, faults = (list(column) for column in zip(*samples))
   equations = sum(1 for _ in benchmark._iter_eqns(lowered.jaxpr.jaxpr))
   return {"row": name, "cpu_s": cpu, "wall_s": wall, "system_s": system,
           "page_faults": faults, "equations": equations,
@@ -79,8 +80,7 @@ def _summary(name: str, samples: list) -> dict:
 
 def measure(name: str, repeats: int) -> dict:
   """Lower scale row ``name`` ``repeats`` times; its CPU and wall seconds and fingerprint."""
-  row = _prepare(name)
-  return _summary(name, [_lower_once(row) for _ in range(repeats)])
+  return measure_alternating([name], repeats)[0]
 
 
 def measure_alternating(names: Sequence[str], repeats: int) -> list:
@@ -89,14 +89,20 @@ def measure_alternating(names: Sequence[str], repeats: int) -> list:
   The machine's speed drifts within minutes; rows lowered in turn are
   measured at the same moments, so the ratio of round ``k``'s times
   compares the code, not the minute (the first round pays the process's
-  first lowering: take the median over rounds).
+  first lowering: take the median over rounds). Only each row's last
+  program is kept: a lowered program holds its plans (hundreds of MB at
+  this size), and this process's peak is part of what it measures.
   """
   rows = [_prepare(name) for name in names]
   samples = [[] for _ in rows]
+  last = [None for _ in rows]
   for _ in range(repeats):
-    for row, kept in zip(rows, samples):
-      kept.append(_lower_once(row))
-  return [_summary(row.name, kept) for row, kept in zip(rows, samples)]
+    for k, row in enumerate(rows):
+      last[k] = None  # the previous program goes before the next is lowered
+      *figures, last[k] = _lower_once(row)
+      samples[k].append(figures)
+  return [_summary(row.name, kept, lowered)
+          for row, kept, lowered in zip(rows, samples, last)]
 
 
 _DEFAULT_ROWS = ["enc-8x256", "enc-8x256-bow4"]

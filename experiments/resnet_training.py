@@ -248,7 +248,7 @@ def estimate(f, pipe, params, state, mcfg) -> dict:
 
 def figures(f, pipe, lower_seconds: float) -> dict:
   """The JSON keys every pod runner writes, from a lowered pipeline."""
-  from experiments import bert_pretraining
+  from ipu_jax import host_time
   report = pipe.report
   report.steps_per_execution = f.updates_per_execution * f.gradient_accumulation * f.replicas
   tp = report.throughput
@@ -259,7 +259,7 @@ def figures(f, pipe, lower_seconds: float) -> dict:
           "dtype": f.dtype, "image_size": f.image_size,
           "samples_per_second": tp.samples_per_second, "step_seconds": tp.step_seconds,
           "breakdown": tp.breakdown, "lower_seconds": lower_seconds,
-          "peak_rss_bytes": bert_pretraining.peak_rss_bytes(),
+          "peak_rss_bytes": host_time.peak_rss_bytes(),
           "fits": all(m["max_tile_bytes"] <= limit for m in memory.values()),
           "per_ipu_peak_bytes": [memory[i]["total_bytes"] for i in sorted(memory)],
           "per_ipu_max_tile_bytes": [memory[i]["max_tile_bytes"] for i in sorted(memory)],

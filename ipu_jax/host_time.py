@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import resource
 import threading
 import time
 from typing import Iterator
 
 import jax
 
-__all__ = ["HostSide", "HostTimes", "measuring", "timer"]
+__all__ = ["HostSide", "HostTimes", "measuring", "peak_rss_bytes", "timer"]
 
 # JAX's monitoring events (jax/_src/dispatch.py, compiler.py).
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -149,3 +150,22 @@ def measuring(record: HostTimes, first: bool) -> Iterator[None]:
     else:
       record.calls += 1
       record.call_seconds += elapsed
+
+
+def peak_rss_bytes() -> int:
+  """This process's own peak resident memory, in bytes.
+
+  Linux's ``VmHWM``, the high-water mark of this program's memory: a runner
+  started from a larger process (the benchmark, after lowering programs of
+  its own) reports its own peak. ``getrusage``'s ``ru_maxrss`` keeps the
+  parent's across ``exec``; it is the fallback where ``/proc`` has no such
+  line.
+  """
+  try:
+    with open("/proc/self/status") as status:
+      for line in status:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024  # kB
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

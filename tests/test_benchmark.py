@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ipu_jax
+from ipu_jax import host_time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +89,23 @@ class LoweringTimeTest(chex.TestCase):
     self.assertEqual(rows[1]["figures_sha1"], alone["figures_sha1"])
     self.assertEqual(rows[1]["equations"], alone["equations"])
     self.assertNotEqual(rows[0]["figures_sha1"], rows[1]["figures_sha1"])
+
+class PeakMemoryTest(chex.TestCase):
+
+  def test_a_runner_started_from_a_large_process_reports_its_own_peak(self):
+    # The speed suite lowers programs in its own process, then starts the
+    # POD estimates: each must report its own peak, not the suite's (Linux
+    # keeps ru_maxrss across exec).
+    held = np.ones(96 << 20, np.uint8)  # 96 MiB touched in this process
+    parent = host_time.peak_rss_bytes()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from ipu_jax import host_time; print(host_time.peak_rss_bytes())"],
+        capture_output=True, text=True, cwd=_ROOT, timeout=120, check=True)
+    child = int(proc.stdout.split()[-1])
+    self.assertGreater(parent, held.nbytes)
+    self.assertGreater(child, 1 << 20)
+    if os.path.exists("/proc/self/status"):
+      self.assertLess(child, parent)
 
 if __name__ == "__main__":
   absltest.main()

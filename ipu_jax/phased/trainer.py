@@ -13,13 +13,13 @@ group a phase runs on); only the estimate differs.
 
 from __future__ import annotations
 
-import resource
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ipu_jax import host_time
 from ipu_jax.arguments import check_optimizer
 from ipu_jax.phased.estimate import PhasedEstimate, compose, program_cycles
 from ipu_jax.phased.layout import PhasedLayout
@@ -317,13 +317,12 @@ class PhasedTrainer:
     size = int(np.shape(x)[0])
     mb = self.layout.check_batch(size)
     micro = lambda a: jax.ShapeDtypeStruct((mb,) + tuple(np.shape(a)[1:]), a.dtype)  # noqa: E731
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     kinds, table, avals, programs, seconds = self._lower(
         micro(x), tuple(micro(e) for e in extras), allow_out_of_memory=True)
     estimate = self._compose(kinds, table, avals, programs, raise_on_out_of_memory)
     estimate.lower_seconds = seconds
     estimate.samples_per_step = size
-    estimate.peak_rss_bytes = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    estimate.peak_rss_bytes = host_time.peak_rss_bytes()
     return estimate
 
   def _held(self, kinds_avals) -> np.ndarray:
