@@ -42,6 +42,7 @@ class _Row:
 
 
 def _prepare(name: str) -> _Row:
+  """Scale row ``name``'s step and arguments, built once for all its lowerings."""
   import ipu_jax
   from experiments import scale_workloads
   r = scale_workloads.row(name)
@@ -67,8 +68,7 @@ def _lower_once(row: _Row) -> tuple:
 
 
 def _summary(name: str, samples: list, lowered) -> dict:
-  """The row's figures: ``samples`` of :func:`_lower_once` less the program, and its last
-  lowered program (for the equations and the figures' fingerprint)."""
+  """A row's result from its lowerings' times (``samples``) and its last program."""
   from experiments import benchmark
   cpu, wall, system, faults = (list(column) for column in zip(*samples))
   equations = sum(1 for _ in benchmark._iter_eqns(lowered.jaxpr.jaxpr))
@@ -90,8 +90,8 @@ def measure_alternating(names: Sequence[str], repeats: int) -> list:
   measured at the same moments, so the ratio of round ``k``'s times
   compares the code, not the minute (the first round pays the process's
   first lowering: take the median over rounds). Only each row's last
-  program is kept: a lowered program holds its plans (hundreds of MB at
-  this size), and this process's peak is part of what it measures.
+  program is kept: a lowered program holds its plans, hundreds of MB at
+  this size.
   """
   rows = [_prepare(name) for name in names]
   samples = [[] for _ in rows]
