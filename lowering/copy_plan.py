@@ -454,17 +454,19 @@ def _link_elements(target, sources, outputs) -> Optional[np.ndarray]:
   outputs' tiles need (:func:`_output_needs`, cached by the outputs'
   layouts) merged per destination IPU and cut where the sources' IPU runs
   change, a few per tensor; a transpose's from the overlaps of the two
-  sides' IPU runs as boxes. None where those would cost more than planning.
+  sides' IPU runs as boxes. None where a transpose's boxes would cost more
+  than planning it (the caller plans the copy whole).
   """
   if _short_rows(outputs):
     return _permutation_link(target, sources[0], outputs[0][0],
                              _permutation_box(sources, outputs))
   per = target.tiles_per_ipu
   starts, ipus, num_sources = _source_runs(sources, lambda m: m.ipu_runs(per))
-  needs = _output_needs(target, outputs, _piece_budget(target, outputs), num_sources)
-  if needs is None or needs[2] is None:
-    return None  # not what a plan that moves anything had: plan it whole
-  _, _, dst, first, last = needs
+  # The needs depend on the outputs' layouts alone: a plan that moves anything had some.
+  _, _, dst, first, last = _output_needs(target, outputs, _piece_budget(target, outputs),
+                                         num_sources)
+  # Merged, one destination IPU's intervals are disjoint: their lengths add
+  # up to their union (``_merged_intervals`` merges below 2**62 / IPUs sources).
   group, lo, hi = _merged_intervals(dst // per, first, last, num_sources)
   parent, run, a, b = _cut(lo, hi, starts, num_sources, np.iinfo(np.int64).max)
   src = ipus[run]
@@ -770,6 +772,8 @@ def _permutation_link(target, source: TileMapping, mapping: TileMapping,
   budget."""
   per, n_ipus = target.tiles_per_ipu, target.num_ipus
   frame = _PermutedFrame(box)
+  if not frame.extents:
+    return None  # one element: no axes to cut runs along (planned whole, at once)
   count = source.num_elements
   src = _run_boxes(*source.ipu_runs(per), count, frame.src_extents)
   dst = _run_boxes(*mapping.ipu_runs(per), count, frame.extents)

@@ -268,7 +268,8 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
       _assert_same_figures(plan, target, sources, outputs, 4)
     self.assertEqual(copy_plan._PLANS.hits - hits, 2)  # pylint: disable=protected-access
 
-  @parameterized.product(seed=list(range(8)), movement=["random", "innermost transpose"],
+  @parameterized.product(seed=list(range(8)),
+                         movement=["random", "innermost transpose", "one element"],
                          layouts=[("linear", "linear"), ("linear", "blocks"), ("blocks", "linear")])
   def test_copies_moved_within_an_ipu_count_their_links_afresh(self, seed, movement, layouts):
     # On several IPUs a layer seldom lands whole IPUs along: the plan of the
@@ -280,6 +281,9 @@ class RegionPlanTest(chex.TestCase, parameterized.TestCase):
     in_shape = (int(rng.randint(1, 5)), int(rng.randint(1, 6)), int(rng.randint(10, 40)))
     if movement == "random":
       shape, box = _random_movement(rng, in_shape)
+    elif movement == "one element":  # a permutation of no axes
+      in_shape = shape = (1, 1)
+      box = Box.make(shape, 0, (1, 1), 0, (1, 1))
     else:  # rows of one element: planned as a permutation
       shape = in_shape[::-1]
       box = Box.make(shape, 0, row_major_strides(shape), 0, row_major_strides(in_shape)[::-1])
