@@ -52,13 +52,12 @@ JSON format (stable; ``"schema": "ipu-jax-benchmark", "version": 1``): a
 a list of objects with keys ``workload``, ``tiles``, ``plain_ms``,
 ``emulated_ms``, ``ratio``, ``lower_compile_s``, ``peak_host_mib``,
 ``ipu_cycles``, ``ipu_seconds``, ``supersteps``, ``error`` (null when fine);
-scale rows also record ``figures_sha1`` (:func:`figures_sha1`: equal figures
+scale rows also record ``figures_sha1`` (:func:`~experiments.program_figures.figures_sha1`: equal figures
 give equal fingerprints, so a speed change can show it changed none).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -69,6 +68,8 @@ import time
 
 from absl import app
 from absl import flags
+
+from experiments.program_figures import figures_sha1, iter_eqns
 
 _WORKLOADS = flags.DEFINE_list(
     "workloads", ["matmul", "mlp", "cnn", "transformer", "fit"],
@@ -288,7 +289,7 @@ def run_scale_case(name, repeats):
     lowered = emulated.lower(*args)
     result["lower_s"] = time.perf_counter() - start
     result["lower_cpu_s"] = time.process_time() - cpu
-    result["equations"] = sum(1 for _ in _iter_eqns(lowered.jaxpr.jaxpr))
+    result["equations"] = sum(1 for _ in iter_eqns(lowered.jaxpr.jaxpr))
     result["supersteps"] = len(lowered.report.profile.steps)
     result["lower_rss_mib"] = host_time.peak_rss_bytes() / 2**20
     result["figures_sha1"] = figures_sha1(lowered.report.profile)
@@ -314,27 +315,6 @@ def run_scale_case(name, repeats):
     result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
   result["peak_host_mib"] = host_time.peak_rss_bytes() / 2**20
   return result
-
-
-def figures_sha1(profile) -> str:
-  """A fingerprint of a program's figures: every step's total cycles and the bytes each tile
-  receives in it, and every tile's peak memory (equal when a change leaves them unchanged)."""
-  import numpy as np
-  digest = hashlib.sha1()
-  for step in profile.steps:
-    digest.update(np.float64(step.total_cycles).tobytes())
-    digest.update(np.asarray(step.exchange_bytes_in, np.int64).tobytes())
-  digest.update(np.asarray(profile.memory.peak, np.int64).tobytes())
-  return digest.hexdigest()[:16]
-
-
-def _iter_eqns(jaxpr):
-  """Every equation, nested jaxprs (loops, conditionals, calls) included."""
-  from jax.extend import core as jex_core
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jex_core.jaxprs_in_params(eqn.params):
-      yield from _iter_eqns(sub)
 
 
 def _subprocess_scale(name):

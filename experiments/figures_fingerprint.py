@@ -10,7 +10,7 @@ it and on the commit after, and comparing the two outputs line by line::
     diff before.txt after.txt
 
 Each line is one program lowered at 16 tiles: its name, the figures'
-fingerprint (:func:`experiments.benchmark.figures_sha1`: every step's cycles
+fingerprint (:func:`experiments.program_figures.figures_sha1`: every step's cycles
 and bytes received per tile, every tile's peak memory), a fingerprint of the
 vertex types each step runs, and the code bytes summed over tiles. The
 programs are the fuzz programs of ``tests/program_generator.py`` for
@@ -103,7 +103,7 @@ def _fuzz_programs(seeds):
 def fingerprint(lowered) -> tuple:
   """(figures_sha1, vertex types' sha1, code bytes over all tiles) of a lowered program."""
   # pylint: disable=import-outside-toplevel
-  from experiments.benchmark import figures_sha1
+  from experiments.program_figures import figures_sha1
   from ipu_jax.kernels.vocabulary import identity
   from ipu_jax.lowering.program import iter_steps
   names = hashlib.sha1()

@@ -9,7 +9,7 @@ round (:func:`measure_alternating`: the machine's speed drifts within minutes,
 and rows measured at the same moments compare the code). The line printed per
 row gives the CPU and wall seconds of each (with the kernel's share of the CPU seconds and the
 page faults), the equations, the CPU ms an equation of the fastest and the
-figures' fingerprint (``benchmark.figures_sha1``: a speed change must
+figures' fingerprint (``program_figures.figures_sha1``: a speed change must
 leave it unchanged)::
 
     python -m experiments.lowering_time --rows=enc-8x256,enc-8x256-bow4 --repeats=3
@@ -69,13 +69,13 @@ def _lower_once(row: _Row) -> tuple:
 
 def _summary(name: str, samples: list, lowered) -> dict:
   """A row's result from its lowerings' times (``samples``) and its last program."""
-  from experiments import benchmark
+  from experiments.program_figures import figures_sha1, iter_eqns
   cpu, wall, system, faults = (list(column) for column in zip(*samples))
-  equations = sum(1 for _ in benchmark._iter_eqns(lowered.jaxpr.jaxpr))
+  equations = sum(1 for _ in iter_eqns(lowered.jaxpr.jaxpr))
   return {"row": name, "cpu_s": cpu, "wall_s": wall, "system_s": system,
           "page_faults": faults, "equations": equations,
           "cpu_ms_per_equation": 1000 * min(cpu) / equations,
-          "figures_sha1": benchmark.figures_sha1(lowered.report.profile)}
+          "figures_sha1": figures_sha1(lowered.report.profile)}
 
 
 def measure(name: str, repeats: int) -> dict:
