@@ -4,8 +4,8 @@ Each row runs ``python -m experiments.bert_pretraining --config C
 --estimate_only --json_out F`` (the ``resnet_*`` rows:
 ``experiments.resnet_training``; the ``gpt2_*`` rows, which have no
 published measurement: ``experiments.gpt2_training``) in its own subprocess and records its wall
-time, the lowering time and the peak RSS the run reports (its own process's
-``ru_maxrss``), with the estimate itself (samples/s, sequences/s, step
+time, the lowering time and the peak RSS the run reports (its own process's high-water
+mark, ``host_time.peak_rss_bytes``), with the estimate itself (samples/s, sequences/s, step
 seconds, fits) and whether the run stayed within the host budget of issue 27
 (<= 180 s wall, <= 8 GB peak RSS). Rows with a published measurement
 (``MEASURED``: the BERT and ResNet-50 MLPerf runs, docs/published_bert.md and
