@@ -28,8 +28,8 @@ from ipu_jax.lowering.lower import is_key_dtype
 from ipu_jax.lowering.remote import is_remote
 from ipu_jax.lowering.tile_generators import prng_state_value
 
-__all__ = ["Compiled", "Executable", "Seeding", "Signature", "avals_bytes",
-           "build_executable", "check_arguments"]
+__all__ = ["ArgumentMismatch", "Compiled", "Executable", "Seeding", "Signature",
+           "avals_bytes", "build_executable", "check_arguments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +154,39 @@ def build_executable(program, tensors: dict, signature: Signature, *, inputs, ou
 # -- Compiled ----------------------------------------------------------------
 
 
+class ArgumentMismatch(Exception):
+  """A call's arguments differ from the lowering's in tree, shape, dtype or weak type.
+
+  Raised by :meth:`Compiled.call_tree` while ``jax.jit`` traces the call,
+  before anything runs: the caller lowers (or finds) the program for them.
+  """
+
+
+def _tree_runner(executable: Executable, signature: Signature) -> Callable:
+  """``run(constants, args, kwargs) -> (outputs, device state, record)``, traceable.
+
+  The arguments are checked as traced values, so ``jax.jit`` of it checks
+  each new tree, shape, dtype or weak type once, when it traces them; weak
+  types count because ``IPUFunction`` keys its programs by them (a weakly
+  typed argument can promote the function's other operands differently).
+  """
+  expected = [(tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False)))
+              for a in signature.in_avals]
+
+  def run(constants, args, kwargs):
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    if tree != signature.in_tree:
+      raise ArgumentMismatch(f"arguments structured as {tree}, lowered for {signature.in_tree}")
+    for leaf, want in zip(flat, expected):
+      aval = jax.typeof(leaf)
+      if (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False))) != want:
+        raise ArgumentMismatch(f"an argument is {aval}, lowered as {want}")
+    outputs, device_state, record = executable.run(flat, constants)
+    return jax.tree_util.tree_unflatten(signature.out_tree, outputs), device_state, record
+
+  return run
+
+
 class Compiled:
   """A compiled program: call it with the dynamic arguments it was lowered for.
 
@@ -167,14 +200,16 @@ class Compiled:
     host: the :class:`~ipu_jax.host_time.HostTimes` its calls are timed into.
   """
 
-  __slots__ = ("executable", "signature", "host", "_function", "_constants", "_has_run")
+  __slots__ = ("executable", "signature", "host", "_function", "_loose", "_constants",
+               "_has_run")
 
   def __init__(self, executable: Executable, signature: Signature,
                host: host_time.HostTimes):
     self.executable = executable
     self.signature = signature
     self.host = host
-    self._function = jax.jit(executable.run)
+    self._function = jax.jit(_tree_runner(executable, signature))
+    self._loose = None
     self._constants = list(executable.constants)
     self._has_run = False
 
@@ -214,15 +249,51 @@ class Compiled:
   def call_flat(self, flat_args: Sequence[Any]):
     """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
-    first = not self._has_run
     flat_args = self.prepare_arguments(flat_args)
-    with host_time.measuring(self.host, first=first):
-      flat, device_state, record = self._function(flat_args, self._constants)
+    args, kwargs = jax.tree_util.tree_unflatten(self.signature.in_tree, flat_args)
+    try:
+      return self._run(args, kwargs)
+    except ArgumentMismatch:
+      # Checked without weak types (a Python scalar standing for a 0-d
+      # array, as jax.stages.Compiled allows): the leaves run as given.
+      return self._run_loose(flat_args)
+
+  def call_tree(self, args: tuple, kwargs: dict):
+    """Run on the call's own ``(args, kwargs)``: a loop's repeat call.
+
+    ``jax.jit``'s dispatcher flattens the arguments, finds the program traced
+    for their tree, shapes, dtypes and weak types, and unflattens the results
+    without Python work per leaf, as for a plain ``jax.jit`` function; a step
+    of a millisecond spent a sixth of its time in ``call_flat``'s Python. It
+    must have run once (its first call compiles).
+
+    Raises:
+      ArgumentMismatch: the arguments are not those it was lowered for
+        (found while tracing them, before anything runs).
+    """
+    return self._run(args, kwargs)
+
+  def _run(self, args, kwargs):
+    """One run of the traced call on ``(args, kwargs)``, timed, the device state kept."""
+    with host_time.measuring(self.host, first=not self._has_run):
+      outputs, device_state, record = self._function(self._constants, args, kwargs)
+    return self._finish(outputs, device_state, record)
+
+  def _run_loose(self, flat_args):
+    """:meth:`_run` of flat leaves whose weak types differ from the lowering's."""
+    if self._loose is None:
+      self._loose = jax.jit(self.executable.run)
+    with host_time.measuring(self.host, first=not self._has_run):
+      flat, device_state, record = self._loose(flat_args, self._constants)
+    outputs = jax.tree_util.tree_unflatten(self.signature.out_tree, flat)
+    return self._finish(outputs, device_state, record)
+
+  def _finish(self, outputs, device_state, record):
     self._has_run = True
     if record is not None:  # one read per run, only with exceptions trapped
       self._raise_trapped(record)
     self.set_device_state(device_state)  # the next run continues from here
-    return jax.tree_util.tree_unflatten(self.signature.out_tree, flat)
+    return outputs
 
   def prepare_arguments(self, values: Sequence[Any]) -> list:
     """Arguments as this program's executor wants them, for a jitted call.
@@ -238,7 +309,8 @@ class Compiled:
   def lower_executor(self, flat_args: Sequence[Any]):
     """The executor's ``jax.stages.Lowered`` for these flat arguments and the
     current constants (its XLA program: ``.compile().memory_analysis()``)."""
-    return self._function.lower(list(flat_args), self._constants)
+    args, kwargs = jax.tree_util.tree_unflatten(self.signature.in_tree, list(flat_args))
+    return self._function.lower(self._constants, args, kwargs)
 
   def apply(self, *args_flat):
     """Run the tile program as a traceable function of the flat arguments.

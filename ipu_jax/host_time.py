@@ -143,13 +143,14 @@ def measuring(record: HostTimes, first: bool) -> Iterator[None]:
   try:
     yield
   finally:
-    elapsed = time.perf_counter() - start
     _local.record = outer
-    if first:
-      record.first_call_seconds += elapsed
-    else:
-      record.calls += 1
-      record.call_seconds += elapsed
+  # Only calls that returned count (a call refused while tracing ran nothing).
+  elapsed = time.perf_counter() - start
+  if first:
+    record.first_call_seconds += elapsed
+  else:
+    record.calls += 1
+    record.call_seconds += elapsed
 
 
 def peak_rss_bytes() -> int:

@@ -24,8 +24,6 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from ipu_jax import cached_program
 from ipu_jax import compile_progress
@@ -34,10 +32,11 @@ from ipu_jax import config as config_lib
 from ipu_jax import executable_cache
 from ipu_jax import host_time
 from ipu_jax.lowering import host_memory
+from ipu_jax.lowering.jax_compat import outside_transformations
 from ipu_jax import recompilation
 from ipu_jax.lowering.lower import user_call_site
 from ipu_jax.lowering.replica_axis import bound_axes
-from ipu_jax.compiled import Compiled, check_arguments
+from ipu_jax.compiled import ArgumentMismatch, Compiled, check_arguments
 from ipu_jax.stages import Lowered, Setup, Traced
 from ipu_jax.kernels.target import PRESETS, IPUTarget
 
@@ -51,11 +50,15 @@ def _cache_aval(x) -> tuple:
   """``(shape, dtype name, weak type)`` of an argument leaf, for the lowering cache.
 
   A NumPy array and a ``jax.Array`` of one shape and dtype give the same key.
+  A Python scalar is weakly typed, as ``jax.jit`` traces it: ``2.0 + bf16``
+  stays bfloat16 where ``float32(2.0) + bf16`` is float32, so the two get
+  programs of their own.
   """
   dtype = getattr(x, "dtype", None)
   if dtype is not None:  # arrays (jax and NumPy), NumPy scalars: no conversions
     return tuple(x.shape), dtype, getattr(x, "weak_type", False)
-  return tuple(np.shape(x)), np.dtype(jnp.result_type(x)), False
+  aval = jax.typeof(x)
+  return tuple(aval.shape), aval.dtype, aval.weak_type
 
 
 def _tuple_of(value, kind: type, what: str) -> tuple:
@@ -145,6 +148,11 @@ class IPUFunction:
     self.donate_argnames = tuple(donate_argnames)
     self._cache = {}
     self._settings_memo = None
+    # The loop's program (see _repeat_call): the last program called, and
+    # the one repeat calls go straight to, with the settings it was keyed by.
+    self._last_called = None
+    self._repeat = None
+    self._not_repeated = set()
     _copy_metadata(self, fn)
 
   def __get__(self, instance, owner=None):
@@ -326,13 +334,48 @@ class IPUFunction:
             for i in range(num_args) if i not in static_positions]
 
   def __call__(self, *args, **kwargs):
+    repeat, refused = self._repeat, None
+    if repeat is not None and self._repeat_applies(repeat):
+      try:
+        return repeat.compiled.call_tree(args, kwargs)
+      except ArgumentMismatch:  # other shapes: found or lowered below
+        self._repeat, refused = None, repeat.compiled
     lowered, flat = self._lower(args, kwargs)
     compiled = lowered.compile()
     if compiled.has_run:
-      return compiled.call_flat(flat)
-    with self._progress() as progress:
-      progress.stage("compiling (XLA)")
-      return compiled.call_flat(flat)
+      result = compiled.call_flat(flat)
+    else:
+      with self._progress() as progress:
+        progress.stage("compiling (XLA)")
+        result = compiled.call_flat(flat)
+    self._note_called(compiled, refused)
+    return result
+
+  def _note_called(self, compiled: Compiled, refused: Optional[Compiled]) -> None:
+    """Let a program called twice in a row take the next calls directly.
+
+    A step in a loop is called with arguments of one tree and shape again
+    and again: :meth:`Compiled.call_tree` lets ``jax.jit``'s dispatcher check
+    and flatten them (a mismatch is found before anything runs, and the call
+    comes back here). Twice in a row, so that calls alternating between two
+    shapes do not pay a refused trace each; never again for a program that
+    refused arguments its key then found it for (their weak types differ
+    from the lowering's, say). Not for static arguments (their values are
+    part of the key), inside a JAX transformation (the replica axes bound
+    around the call are), nor for a program from the executable cache (its
+    arguments are committed to a device first).
+    """
+    if compiled is refused:
+      self._not_repeated.add(compiled)
+    if (compiled is self._last_called and compiled not in self._not_repeated
+        and not self.static_argnums and not self.static_argnames
+        and not compiled.executable.exported and outside_transformations()):
+      self._repeat = _RepeatCall(compiled, self._settings())
+    self._last_called = compiled
+
+  def _repeat_applies(self, repeat: "_RepeatCall") -> bool:
+    """Whether the config is as when ``repeat`` was kept, outside any transformation."""
+    return self._settings() is repeat.settings and outside_transformations()
 
   def _progress(self) -> compile_progress.CompileProgress:
     """The progress display of a compile (shown only when it is slow)."""
@@ -350,6 +393,20 @@ class IPUFunction:
     """:meth:`Lowered.set_seed` on every program compiled so far."""
     for lowered in self._cache.values():
       lowered.set_seed(seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RepeatCall:
+  """The program a loop's calls go straight to (see ``IPUFunction._note_called``).
+
+  Attributes:
+    compiled: the program.
+    settings: ``IPUFunction._settings()`` when it was kept (the same object
+      while no config option has changed).
+  """
+
+  compiled: Compiled
+  settings: tuple
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,9 @@ What is reached, and why:
   typed PRNG key, ``key<fry>``) is held as (``uint32[2]``), for
   :func:`physical_shape_dtype`, the one conversion every pass reading an
   aval's bytes or dtype uses; JAX has no public spelling of it.
+* ``core.trace_state_clean``: whether a call is made outside every JAX
+  transformation (:func:`outside_transformations`: ``ipu_jax.jit`` lets a
+  loop's repeat calls go straight to ``jax.jit``'s dispatcher only there).
 """
 
 # pylint: disable=unused-import
@@ -82,8 +85,13 @@ __all__ = [
     "lax_linalg", "lax_parallel", "lax_special", "partial_eval", "pjit", "prng", "random_core",
     "shard_map", "source_info_util", "threefry2x32", "windowed_reductions",
     "is_extended_dtype", "physical_shape_dtype", "physical_nbytes", "physical_value",
-    "dtype_plain", "dtype_of_plain",
+    "dtype_plain", "dtype_of_plain", "outside_transformations",
 ]
+
+
+def outside_transformations() -> bool:
+  """Whether nothing is being traced (no ``jit``, ``vmap``, ``grad``, ``shard_map`` around)."""
+  return core.trace_state_clean()
 
 
 def is_extended_dtype(dtype) -> bool:
