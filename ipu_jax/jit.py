@@ -148,8 +148,8 @@ class IPUFunction:
     self.donate_argnames = tuple(donate_argnames)
     self._cache = {}
     self._settings_memo = None
-    # The loop's program (see _repeat_call): the last program called, and
-    # the one repeat calls go straight to, with the settings it was keyed by.
+    # A loop's program (see _note_called): the last program called, the one
+    # repeat calls go straight to, and those that refused arguments they fit.
     self._last_called = None
     self._repeat = None
     self._not_repeated = set()
