@@ -238,6 +238,13 @@ class Compiled:
       TypeError: an argument is missing, extra, or of another shape or dtype,
         naming it.
     """
+    if self._has_run and not self.executable.exported:
+      # A loop's call: jax.jit's dispatcher checks the arguments (see
+      # call_tree); anything it refuses is checked below, named.
+      try:
+        return self.call_tree(args, kwargs)
+      except ArgumentMismatch:
+        pass
     with_paths, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
     if tree != self.signature.in_tree:
       raise TypeError(_tree_mismatch(self.signature.in_tree, tree))

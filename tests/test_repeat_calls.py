@@ -1,10 +1,11 @@
 """A loop's calls of one ``ipu_jax.jit`` function: the third call on takes ``jax.jit``'s dispatch.
 
 A program called twice in a row is called straight through ``jax.jit``'s
-dispatcher from then on (``Compiled.call_tree``); everything a user sees must
-be as on the first calls' path: the numbers, the device state carried from
-call to call, trapped exceptions, new shapes, weak types and config changes
-finding their own programs, and calls inside JAX transformations.
+dispatcher from then on (``Compiled.call_tree``), as a ``Compiled`` is from its
+second call; everything a user sees must be as on the first calls' path: the
+numbers, the device state carried from call to call, trapped exceptions, new
+shapes, weak types and config changes finding their own programs, bad
+arguments named, and calls inside JAX transformations.
 """
 
 from absl.testing import absltest
@@ -107,15 +108,33 @@ class RepeatCallTest(chex.TestCase, parameterized.TestCase):
     f = lambda x: x.astype(jnp.float16)  # noqa: E731
     x = jax.device_put(np.random.default_rng(1).normal(size=(37, 29)).astype(np.float32))
     looped = ipu_jax.jit(f, config=_config(esr="ON", seed=3))
+    # The reference threads the generators' state through a pure function.
     compiled = ipu_jax.jit(f, config=_config(esr="ON", seed=3)).lower(x).compile()
+    step, state = jax.jit(compiled.apply_with_state), compiled.device_state
     draws = []
     for _ in range(5):
-      got, want = np.asarray(looped(x)), np.asarray(compiled(x))  # compiled: checked each call
+      want, state = step(state, x)
+      got, want = np.asarray(looped(x)), np.asarray(want)
       np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
       draws.append(got.view(np.uint16))
     self.assertTrue((draws[3] != draws[4]).any())
     looped.set_seed()
     np.testing.assert_array_equal(np.asarray(looped(x)).view(np.uint16), draws[0])
+
+  def test_a_compiled_program_in_a_loop_still_names_a_bad_argument(self):
+    compiled = ipu_jax.jit(_step, target=_T16).lower(_params(), _batch(5, 0)).compile()
+    got = want = _params()
+    for i in range(3):
+      x = _batch(5, i)
+      (got, got_loss), (want, want_loss) = compiled(got, x), jax.jit(_step)(want, x)
+      chex.assert_trees_all_close((got, got_loss), (want, want_loss), rtol=1e-5, atol=1e-6)
+    with self.assertRaisesRegex(TypeError, r"args\[1\] was lowered as f32\[5,7\] and is now "
+                                r"f32\[4,7\]"):
+      compiled(got, _batch(4, 0))
+    # A Python scalar where a 0-d array was lowered: accepted, as by jax.stages.Compiled.
+    scale = ipu_jax.jit(lambda x, s: x * s, target=_T16).lower(jnp.ones(3), jnp.float32(2)).compile()
+    for s in (jnp.float32(2), jnp.float32(3), 4.0):
+      np.testing.assert_array_equal(np.asarray(scale(jnp.ones(3), s)), np.full(3, s, np.float32))
 
   def test_a_trapped_exception_is_raised_on_a_repeat_call(self):
     f = lambda x, y: x / y  # noqa: E731
