@@ -272,12 +272,15 @@ class Compiled:
     for their tree, shapes, dtypes and weak types, and unflattens the results
     without Python work per leaf, as for a plain ``jax.jit`` function; a step
     of a millisecond spent a sixth of its time in ``call_flat``'s Python. It
-    must have run once (its first call compiles).
+    is the function ``call_flat`` runs: after a first call either way,
+    nothing compiles again.
 
     Raises:
       ArgumentMismatch: the arguments are not those it was lowered for
         (found while tracing them, before anything runs).
+      RuntimeError: the program is over a tile's memory (see ``call_flat``).
     """
+    self._check_runnable()
     return self._run(args, kwargs)
 
   def _run(self, args, kwargs):

@@ -136,6 +136,17 @@ class RepeatCallTest(chex.TestCase, parameterized.TestCase):
     for s in (jnp.float32(2), jnp.float32(3), 4.0):
       np.testing.assert_array_equal(np.asarray(scale(jnp.ones(3), s)), np.full(3, s, np.float32))
 
+  def test_a_program_over_a_tiles_memory_runs_on_no_path(self):
+    cfg = ipu_jax.IPUConfig()
+    cfg.memory.allow_out_of_memory = True
+    tiny = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=2)
+    x = jnp.ones(400_000)
+    compiled = ipu_jax.jit(lambda v: v * 2, target=tiny, config=cfg).lower(x).compile()
+    for run in (lambda: compiled(x), lambda: compiled.call_flat([x]),
+                lambda: compiled.call_tree((x,), {})):
+      with self.assertRaisesRegex(RuntimeError, "allow_out_of_memory"):
+        run()
+
   def test_a_trapped_exception_is_raised_on_a_repeat_call(self):
     f = lambda x, y: x / y  # noqa: E731
     emulated = ipu_jax.jit(f, config=_config(div0=True, inv=True, oflo=True))
