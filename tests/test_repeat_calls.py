@@ -79,8 +79,9 @@ class RepeatCallTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_array_equal(np.asarray(emulated(p, x)), np.asarray(jax.jit(f)(p, x)))
     # Another dtype: a program of its own, as jax.jit's.
     x16 = jnp.ones(4, jnp.float16)
-    got = emulated(p, x16)
-    self.assertEqual(got.dtype, jax.jit(f)(p, x16).dtype)
+    got, want = emulated(p, x16), jax.jit(f)(p, x16)
+    self.assertEqual(got.dtype, want.dtype)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     self.assertEqual(emulated.cache_size, 2)
     # A bad argument gets the first call's error, whichever path was taken before.
     fresh = ipu_jax.jit(f, target=_T16)
@@ -164,7 +165,7 @@ class RepeatCallTest(chex.TestCase, parameterized.TestCase):
     emulated = ipu_jax.jit(f, config=cfg)
     a, b = _batch(64, 0).reshape(7, 64), _batch(64, 1)
     for _ in range(3):
-      emulated(a, b)
+      chex.assert_trees_all_close(emulated(a, b), jax.jit(f)(a, b), rtol=1e-5)
     cycles = emulated.lower(a, b).report.total_cycles
     cfg.device.tiles_per_ipu = 8
     chex.assert_trees_all_close(emulated(a, b), jax.jit(f)(a, b), rtol=1e-5)
