@@ -93,8 +93,9 @@ _SPEED_PARTS = flags.DEFINE_list(
     "speed suite: which parts to run (steps: MLP, CNN, tiny LM against jax.jit at --tiles; "
     "lowering: enc-8x256 on 4 Bow IPUs over 1; estimates: the POD16 BERT-Large estimates).")
 _SPEED_WORKLOADS = flags.DEFINE_list(
-    "speed_workloads", ["mlp", "cnn", "transformer"],
-    "speed suite: the training steps timed against jax.jit (experiments/models.py).")
+    "speed_workloads", ["mlp", "cnn", "transformer", "nnx_mlp"],
+    "speed suite: the training steps timed against jax.jit (experiments/models.py; "
+    "nnx_mlp: an NNX step under ipu_jax.nnx_jit against nnx.jit).")
 _SPEED_BATCH = flags.DEFINE_integer(
     "speed_batch", 0, "speed suite: the step workloads' batch (0: each workload's own).",
     lower_bound=0)
@@ -412,20 +413,69 @@ SPEED_GOALS = {"step_ratio": 1.2, "lowering_ratio": 1.2, "estimate_wall_s": 20.0
 _SPEED_LOWERING_ROWS = ("enc-8x256", "enc-8x256-bow4")
 
 
+def _nnx_mlp_steps(tiles: int, batch: int) -> tuple:
+  """``(emulated, plain, args, batch)``: an NNX MLP's training step (a module and an
+  ``nnx.Optimizer`` updated in place) under ``ipu_jax.nnx_jit`` and ``nnx.jit``.
+
+  Each side trains its own model; the per-call work over the program is the
+  graph's split and write-back, which both pay.
+  """
+  import numpy as np
+  import optax
+  from flax import nnx
+  import ipu_jax
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(64, 128, rngs=rngs)
+      self.l2 = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.l1(x)))
+
+  def step(model, optimizer, x, y):
+    def loss_fn(m):
+      return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  batch = batch or 32
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(batch, 64)).astype(np.float32)
+  y = rng.integers(0, 10, size=batch).astype(np.int32)
+
+  def bound(jitted):
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    return lambda *_: jitted(model, optimizer, x, y)
+
+  emulated = bound(ipu_jax.nnx_jit(step, config=_config(tiles), target=_target(tiles)))
+  return emulated, bound(nnx.jit(step)), (), batch
+
+
+def _speed_steps(name: str, tiles: int, batch: int) -> tuple:
+  """``(emulated, plain, args, batch)`` of speed workload ``name``."""
+  import jax
+  import ipu_jax
+  from experiments import models
+  if name == "nnx_mlp":
+    return _nnx_mlp_steps(tiles, batch)
+  fn, args = models.workload(name, batch=batch)
+  emulated = ipu_jax.jit(fn, config=_config(tiles), target=_target(tiles), verbose=0)
+  return emulated, jax.jit(fn), args, int(args[2].shape[0])
+
+
 def run_speed_step(name: str, tiles: int, repeats: int, batch: int = 0) -> dict:
   """Emulated and plain ``jax.jit`` step times of ``name``, run alternately.
 
   On a shared machine the load moves while a row runs; alternating the two
   (emulated, plain, emulated, ...) gives both the same conditions, and the
   medians of ``repeats`` runs each make the ratio. ``ratio_of_pairs`` is the
-  median of each pair's own ratio.
+  median of each pair's own ratio. ``nnx_mlp`` times ``ipu_jax.nnx_jit``
+  against ``nnx.jit``.
   """
-  import jax
-  import ipu_jax
-  from experiments import models
-  fn, args = models.workload(name, batch=batch)
-  plain = jax.jit(fn)
-  emulated = ipu_jax.jit(fn, config=_config(tiles), target=_target(tiles), verbose=0)
+  emulated, plain, args, batch = _speed_steps(name, tiles, batch)
   start = time.perf_counter()
   _block(emulated(*args))
   lower_compile = time.perf_counter() - start
@@ -438,7 +488,7 @@ def run_speed_step(name: str, tiles: int, repeats: int, batch: int = 0) -> dict:
       times.append((time.perf_counter() - start) * 1e3)
   median = statistics.median
   ratio = median(emulated_ms) / median(plain_ms)
-  return dict(workload=name, tiles=tiles, batch=int(args[2].shape[0]), repeats=repeats,
+  return dict(workload=name, tiles=tiles, batch=batch, repeats=repeats,
               emulated_ms=median(emulated_ms), plain_ms=median(plain_ms), ratio=ratio,
               ratio_of_pairs=median(e / p for e, p in zip(emulated_ms, plain_ms)),
               lower_compile_s=lower_compile, goal=SPEED_GOALS["step_ratio"],
@@ -530,8 +580,9 @@ def speed_table(results: list) -> str:
       continue
     met = "meets" if r.get("meets_goal") else "MISSES"
     if "tiles" in r:
+      plain = "nnx.jit" if r["workload"] == "nnx_mlp" else "jax.jit"
       lines.append(f"{r['workload'] + ' step @ ' + str(r['tiles']) + ' tiles':<36} "
-                   f"emulated {r['emulated_ms']:8.2f} ms  jax.jit {r['plain_ms']:8.2f} ms  "
+                   f"emulated {r['emulated_ms']:8.2f} ms  {plain} {r['plain_ms']:8.2f} ms  "
                    f"ratio {r['ratio']:.2f}x (pairs {r['ratio_of_pairs']:.2f}x)  "
                    f"goal <= {r['goal']}x: {met}")
     elif "four_ipu_cpu_s" in r:
@@ -553,10 +604,10 @@ def _main_speed():
   if unknown:
     raise app.UsageError(f"--speed_parts: unknown {sorted(unknown)}; valid parts are "
                          "steps, lowering, estimates.")
-  workloads = set(_SPEED_WORKLOADS.value) - {"mlp", "cnn", "transformer"}
+  workloads = set(_SPEED_WORKLOADS.value) - {"mlp", "cnn", "transformer", "nnx_mlp"}
   if workloads:
     raise app.UsageError(f"--speed_workloads: unknown {sorted(workloads)}; valid "
-                         "workloads are mlp, cnn, transformer.")
+                         "workloads are mlp, cnn, transformer, nnx_mlp.")
   results = []
   if "steps" in parts:
     results += _speed_step_rows([int(t) for t in _TILES.value], _REPEATS.value,

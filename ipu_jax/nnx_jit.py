@@ -24,6 +24,7 @@ removes variables or submodules) or returns a graph node.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -100,6 +101,64 @@ def reject_graph_nodes(args: Sequence, fn_name: str = "fn", flat=None) -> None:
         "@ipu_jax.nnx_jit (the ipu-jax form of @nnx.jit) instead.")
 
 
+def _nested(pairs) -> dict:
+  """A nested dict of ``(path, value)`` pairs: ``{0: {"l1": {"kernel": value}}}``.
+
+  The variables' values travel through the tile program in it: a dict
+  flattens in JAX's C++ (an ``nnx.State`` calls back into Python at every
+  node), and its paths name the program's inputs as the state's would
+  (``state/0/l1/kernel`` in the report).
+  """
+  tree: dict = {}
+  for path, value in pairs:
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
+def _at(tree: dict, path: tuple):
+  """The value at ``path`` of a :func:`_nested` dict."""
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitCall:
+  """One call's arguments split for the tile program.
+
+  Attributes:
+    treedef: the ``(args, kwargs)`` tree, graph nodes as leaves.
+    node_positions: the leaves that are graph nodes (modules, optimizers...).
+    graphdef: their graph definition (structure, variable types, metadata).
+    variables: ``(path, Variable)`` of each of their variables, shared ones once.
+    state: the variables' values, :func:`_nested` by path.
+    others: the leaves that are not graph nodes.
+  """
+
+  treedef: Any
+  node_positions: tuple
+  graphdef: Any
+  variables: tuple
+  state: dict
+  others: list
+
+
+def _split_call(args, kwargs) -> _SplitCall:
+  """:class:`_SplitCall` of a call: the graph nodes flattened once, as ``nnx.split`` would."""
+  from flax import nnx
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_graph_node)
+  positions = tuple(i for i, leaf in enumerate(leaves) if _is_graph_node(leaf))
+  nodes = tuple(leaves[i] for i in positions)
+  others = [leaf for i, leaf in enumerate(leaves) if i not in positions]
+  graphdef, flat = nnx.graph.flatten(nodes, with_paths=True)
+  variables = tuple(flat)
+  state = _nested((path, variable.get_raw_value()) for path, variable in variables)
+  return _SplitCall(treedef, positions, graphdef, variables, state, others)
+
+
 class NNXFunction:
   """The callable :func:`nnx_jit` returns.
 
@@ -113,62 +172,65 @@ class NNXFunction:
     self._functions: dict = {}
     functools.update_wrapper(self, fn)
 
-  def _split(self, args, kwargs):
-    from flax import nnx
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_graph_node)
-    node_positions = tuple(i for i, leaf in enumerate(leaves) if _is_graph_node(leaf))
-    nodes = tuple(leaves[i] for i in node_positions)
-    others = [leaf for i, leaf in enumerate(leaves) if i not in node_positions]
-    graphdef, state = nnx.split(nodes)
-    return treedef, node_positions, nodes, graphdef, state, others
-
-  def _ipu_function(self, treedef, node_positions, graphdef):
-    key = (treedef, node_positions, graphdef)
+  def _ipu_function(self, split: _SplitCall):
+    key = (split.treedef, split.node_positions, split.graphdef)
     function = self._functions.get(key)
-    if function is not None:
-      return function
-    from flax import nnx
-    fn, name = self.fn, getattr(self.fn, "__name__", "fn")
-
-    def pure(state, others):
-      nodes = nnx.merge(graphdef, state)
-      positions = set(node_positions)
-      node_it, other_it = iter(nodes), iter(others)
-      leaves = [next(node_it) if i in positions else next(other_it)
-                for i in range(treedef.num_leaves)]
-      args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-      with module_scopes(*nodes):  # reports name operations by module path
-        out = fn(*args, **kwargs)
-      returned = _graph_node_paths(out)
-      if returned:
-        raise TypeError(
-            f"ipu_jax.nnx_jit({name}) returned Flax NNX objects (result{returned[0]}); "
-            "a tile program returns arrays only. Update the module in place, or "
-            "return nnx.state(module).")
-      new_graphdef, new_state = nnx.split(nodes)
-      if new_graphdef != graphdef:
-        raise TypeError(
-            f"ipu_jax.nnx_jit({name}) changed the structure of its NNX arguments "
-            "(added or removed variables or submodules); only their values can be "
-            "carried back from the IPU. Create variables before the step.")
-      return out, new_state
-
-    pure.__name__ = name
-    function = ipu_jit(pure, **self._jit_kwargs)
-    self._functions[key] = function
+    if function is None:
+      function = ipu_jit(_pure_function(self.fn, *key), **self._jit_kwargs)
+      self._functions[key] = function
     return function
 
   def lower(self, *args, **kwargs) -> Lowered:
     """The :class:`ipu_jax.Lowered` program (and its ``.report``) for these arguments."""
-    treedef, positions, _, graphdef, state, others = self._split(args, kwargs)
-    return self._ipu_function(treedef, positions, graphdef).lower(state, others)
+    split = _split_call(args, kwargs)
+    return self._ipu_function(split).lower(split.state, split.others)
 
   def __call__(self, *args, **kwargs):
     from flax import nnx
-    treedef, positions, nodes, graphdef, state, others = self._split(args, kwargs)
-    out, new_state = self._ipu_function(treedef, positions, graphdef)(state, others)
-    nnx.update(nodes, new_state)
+    split = _split_call(args, kwargs)
+    out, new_state = self._ipu_function(split)(split.state, split.others)
+    # Variable by variable (nnx.update's own rule for one), not the whole
+    # graph walked again: a step's write-back was a quarter of its call.
+    for path, variable in split.variables:
+      nnx.update(variable, _at(new_state, path))
     return out
+
+
+def _pure_function(fn: Callable, treedef, node_positions: tuple, graphdef) -> Callable:
+  """``pure(state, others) -> (out, new state)``: ``fn`` on modules merged from ``state``.
+
+  Raises (while tracing) ``TypeError`` when ``fn`` returns a graph node or
+  changes its arguments' graph (variables or submodules added or removed,
+  a variable's metadata changed): only values come back.
+  """
+  from flax import nnx
+  name = getattr(fn, "__name__", "fn")
+
+  def pure(state, others):
+    nodes = nnx.merge(graphdef, state)
+    positions = set(node_positions)
+    node_it, other_it = iter(nodes), iter(others)
+    leaves = [next(node_it) if i in positions else next(other_it)
+              for i in range(treedef.num_leaves)]
+    args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    with module_scopes(*nodes):  # reports name operations by module path
+      out = fn(*args, **kwargs)
+    returned = _graph_node_paths(out)
+    if returned:
+      raise TypeError(
+          f"ipu_jax.nnx_jit({name}) returned Flax NNX objects (result{returned[0]}); "
+          "a tile program returns arrays only. Update the module in place, or "
+          "return nnx.state(module).")
+    new_graphdef, flat = nnx.graph.flatten(nodes, with_paths=True)
+    if new_graphdef != graphdef:
+      raise TypeError(
+          f"ipu_jax.nnx_jit({name}) changed the structure of its NNX arguments "
+          "(added or removed variables or submodules, or changed their metadata); only "
+          "their values can be carried back from the IPU. Create variables before the step.")
+    return out, _nested((path, variable.get_raw_value()) for path, variable in flat)
+
+  pure.__name__ = name
+  return pure
 
 
 def nnx_jit(fn: Optional[Callable] = None, *, target=None, config=None) -> Any:

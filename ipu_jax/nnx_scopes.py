@@ -56,7 +56,9 @@ def _scope_names(root) -> dict:
     if not path:
       name = type(node).__name__
     else:
-      parent = max((p for p in modules if len(p) < len(path) and path[:len(p)] == p), key=len)
+      # A module under no calling module (the root a container) is named by its whole path.
+      parent = max((p for p in modules if len(p) < len(path) and path[:len(p)] == p), key=len,
+                   default=())
       name = "_".join(str(k) for k in path[len(parent):])
     names.setdefault(id(node), (node, name))
   return names

@@ -26,12 +26,13 @@ _STEP_KEYS = {"workload", "tiles", "batch", "repeats", "emulated_ms", "plain_ms"
 class SpeedSuiteTest(chex.TestCase):
 
   def test_step_rows_at_small_size(self):
-    # One step at batch 2: the CNN's and the tiny LM's rows run the same code.
+    # One step at batch 2: the CNN's and the tiny LM's rows run the same code
+    # as the MLP's; the NNX step's (ipu_jax.nnx_jit against nnx.jit) its own.
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "speed.json")
       proc = subprocess.run(
           [sys.executable, "-m", "experiments.benchmark", "--suite=speed",
-           "--speed_parts=steps", "--speed_workloads=mlp", "--speed_batch=2", "--tiles=16",
+           "--speed_parts=steps", "--speed_workloads=mlp,nnx_mlp", "--speed_batch=2", "--tiles=16",
            "--repeats=2",
            "--noisolate", f"--json_out={out}"],
           capture_output=True, text=True, cwd=_ROOT, timeout=600,
@@ -42,7 +43,7 @@ class SpeedSuiteTest(chex.TestCase):
     self.assertEqual(data["suite"], "speed")
     self.assertEqual(data["goals"]["step_ratio"], 1.2)
     rows = data["results"]
-    self.assertEqual([r["workload"] for r in rows], ["mlp"])
+    self.assertEqual([r["workload"] for r in rows], ["mlp", "nnx_mlp"])
     for row in rows:
       self.assertIsNone(row["error"])
       self.assertEqual(set(row), _STEP_KEYS)

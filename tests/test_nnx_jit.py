@@ -177,6 +177,56 @@ class NNXJitTest(chex.TestCase, parameterized.TestCase):
       nnx_jit_lib.reject_graph_nodes((jnp.ones(2), Counter()), "step")
     self.assertFalse(nnx_jit_lib.has_graph_nodes((jnp.ones(2), {"a": 1.0})))
 
+  def test_dropout_streams_and_shared_variables_carry_over_as_in_nnx_jit(self):
+    # Each call draws new masks from the module's Rngs (its counter is written
+    # back), and a Variable shared by two modules is one Variable after the call.
+
+    class Tied(nnx.Module):
+
+      def __init__(self, rngs):
+        self.a = nnx.Linear(6, 6, rngs=rngs)
+        self.b = nnx.Linear(6, 6, rngs=rngs)
+        self.b.kernel = self.a.kernel
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def step(model, x):
+      model.a.kernel[...] = model.a.kernel[...] * 0.5 + 0.25
+      return model.drop(model.b(model.a(x)))
+
+    x = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
+    emulated, reference = Tied(nnx.Rngs(3)), Tied(nnx.Rngs(3))
+    ipu_step, jax_step = ipu_jax.nnx_jit(step, config=small_config()), nnx.jit(step)
+    for _ in range(3):
+      got, want = ipu_step(emulated, x), jax_step(reference, x)
+      chex.assert_trees_all_close(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(np.asarray(emulated.a.kernel[...]),
+                                np.asarray(reference.a.kernel[...]))
+    self.assertIs(emulated.b.kernel, emulated.a.kernel)
+    self.assertEqual(int(emulated.drop.rngs.count[...]),
+                     int(reference.drop.rngs.count[...]))
+    self.assertEqual(int(emulated.drop.rngs.count[...]), 3)
+
+  def test_a_variable_argument_is_updated(self):
+    total = nnx.Variable(jnp.zeros((4,), jnp.float32))
+
+    @ipu_jax.nnx_jit(config=small_config())
+    def add(v, x):
+      v[...] = v[...] + x
+
+    add(total, jnp.arange(4.0))
+    add(total, jnp.ones(4))
+    np.testing.assert_array_equal(np.asarray(total[...]), np.arange(4.0) + 1.0)
+
+  def test_metadata_change_raises(self):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    @ipu_jax.nnx_jit(config=small_config())
+    def tag(m):
+      m.kernel.set_metadata("frozen", True)
+
+    with self.assertRaisesRegex(TypeError, "changed their metadata"):
+      tag(model)
+
   def test_lower_gives_the_report(self):
     model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
     step = ipu_jax.nnx_jit(lambda m, x: m(x), config=small_config())
