@@ -179,6 +179,36 @@ class StepsPerExecutionTest(absltest.TestCase):
                            histories[1][0].history["loss"][-1], places=4)
 
 
+class RepeatedFitTest(absltest.TestCase):
+
+  def test_a_second_fit_traces_nothing_and_still_checks_its_labels(self):
+    # A loop of one-epoch fits (as the benchmark's fit row runs) traces the
+    # module once: the label check's output shapes are kept per input shape.
+    traced = []
+
+    class Counted(TinyMLP):
+
+      def __call__(self, x):
+        traced.append(x.shape)
+        return super().__call__(x)
+
+    x, y = toy_data(64)
+    with IPUStrategy(small_config()).scope():
+      model = ipu_jax.keras.Model(Counted(nnx.Rngs(0)))
+      model.compile(optimizer=optax.sgd(0.1), loss="sparse_categorical_crossentropy",
+                    steps_per_execution=2)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    first = len(traced)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    self.assertEqual(len(traced), first)
+    self.assertEqual(model.executions, 8)
+    # Labels that do not fit the output are refused on every call, before a step.
+    with self.assertRaisesRegex(ValueError, "label"):
+      model.fit(x, np.full(64, 7, np.int32)[:, None].repeat(3, axis=1), batch_size=8,
+                epochs=1, verbose=0)
+    self.assertEqual(model.executions, 8)
+
+
 class CountingCallback(callbacks_lib.Callback):
 
   def __init__(self):
