@@ -58,6 +58,7 @@ give equal fingerprints, so a speed change can show it changed none).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -175,6 +176,22 @@ def _run_step_case(name, tiles, repeats):
               ipu_seconds=report.estimated_seconds, supersteps=len(report.profile.steps))
 
 
+@functools.lru_cache(maxsize=None)
+def _digits_mlp():
+  """The digits MLP (64-128-10) as an NNX module class (Flax imported when first asked)."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(64, 128, rngs=rngs)
+      self.l2 = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, v):
+      return self.l2(nnx.relu(self.l1(v)))
+
+  return Net
+
+
 def _run_fit_case(tiles, repeats):
   """One epoch of the digits MLP with ipu_jax.keras against plain optax."""
   import jax
@@ -193,14 +210,7 @@ def _run_fit_case(tiles, repeats):
   usable = len(x) // (batch * steps_per_execution) * batch * steps_per_execution
   x, y = x[:usable], y[:usable]
 
-  class Net(nnx.Module):
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(64, 128, rngs=rngs)
-      self.l2 = nnx.Linear(128, 10, rngs=rngs)
-
-    def __call__(self, v):
-      return self.l2(nnx.relu(self.l1(v)))
-
+  Net = _digits_mlp()
   cfg = _config(tiles)
   with ipu_jax.IPUStrategy(cfg).scope():
     model = keras.Model(Net(nnx.Rngs(0)))
@@ -425,13 +435,7 @@ def _nnx_mlp_steps(tiles: int, batch: int) -> tuple:
   from flax import nnx
   import ipu_jax
 
-  class MLP(nnx.Module):
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(64, 128, rngs=rngs)
-      self.l2 = nnx.Linear(128, 10, rngs=rngs)
-
-    def __call__(self, x):
-      return self.l2(nnx.relu(self.l1(x)))
+  MLP = _digits_mlp()
 
   def step(model, optimizer, x, y):
     def loss_fn(m):
