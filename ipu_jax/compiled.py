@@ -162,6 +162,11 @@ class ArgumentMismatch(Exception):
   """
 
 
+def _weak_types(flat_args) -> tuple:
+  """Which leaves are weakly typed (a Python scalar, ``jnp.asarray(0.5)``)."""
+  return tuple(bool(getattr(jax.typeof(x), "weak_type", False)) for x in flat_args)
+
+
 def _tree_runner(executable: Executable, signature: Signature) -> Callable:
   """``run(constants, args, kwargs) -> (outputs, device state, record)``, traceable.
 
@@ -200,8 +205,8 @@ class Compiled:
     host: the :class:`~ipu_jax.host_time.HostTimes` its calls are timed into.
   """
 
-  __slots__ = ("executable", "signature", "host", "_function", "_loose", "_constants",
-               "_has_run")
+  __slots__ = ("executable", "signature", "host", "_function", "_loose", "_loose_calls",
+               "_constants", "_has_run")
 
   def __init__(self, executable: Executable, signature: Signature,
                host: host_time.HostTimes):
@@ -210,6 +215,7 @@ class Compiled:
     self.host = host
     self._function = jax.jit(_tree_runner(executable, signature))
     self._loose = None
+    self._loose_calls = set()  # weak-type patterns only the plain executor takes
     self._constants = list(executable.constants)
     self._has_run = False
 
@@ -238,7 +244,7 @@ class Compiled:
       TypeError: an argument is missing, extra, or of another shape or dtype,
         naming it.
     """
-    if self._has_run and not self.executable.exported:
+    if self._has_run and not self.executable.exported and not self._takes_loose(args, kwargs):
       # A loop's call: jax.jit's dispatcher checks the arguments (see
       # call_tree); anything it refuses is checked below, named.
       try:
@@ -253,16 +259,27 @@ class Compiled:
     check_arguments(self.signature.in_avals, flat, names)
     return self.call_flat(flat)
 
+  def _takes_loose(self, args, kwargs) -> bool:
+    """Whether a call like this one ran on the plain executor before (see call_flat)."""
+    return bool(self._loose_calls) and (
+        _weak_types(jax.tree_util.tree_leaves((args, kwargs))) in self._loose_calls)
+
   def call_flat(self, flat_args: Sequence[Any]):
     """Run on already-checked flat arguments (the leaves of the lowering)."""
     self._check_runnable()
     flat_args = self.prepare_arguments(flat_args)
+    weak = _weak_types(flat_args) if self._loose_calls else None
+    if weak in self._loose_calls:
+      return self._run_loose(flat_args)
     args, kwargs = jax.tree_util.tree_unflatten(self.signature.in_tree, flat_args)
     try:
       return self._run(args, kwargs)
     except ArgumentMismatch:
       # Checked without weak types (a Python scalar standing for a 0-d
       # array, as jax.stages.Compiled allows): the leaves run as given.
+      # Calls like it go there directly: a refused trace is not cached by
+      # jax.jit, and cost milliseconds a call (70x the call).
+      self._loose_calls.add(_weak_types(flat_args))
       return self._run_loose(flat_args)
 
   def call_tree(self, args: tuple, kwargs: dict):
