@@ -235,7 +235,7 @@ def evaluate(model, programs, x, y, batch_size: Optional[int], cb, verbose: int,
   for e, (xs, ys, ms) in enumerate(loop.padded_batches(data, S, rep)):
     cb.on_test_batch_begin(e * S)
     program = programs.eval(xs, ys, ms)
-    _, sums = program(model.placed_train_state, rep.shard(xs), rep.shard(ys), rep.shard(ms))
+    _, sums = program(model.placed_train_state, rep.feed(xs), rep.feed(ys), rep.feed(ms))
     running.add(programs.host_sums(program, rep.fetch(sums)))
     programs.record_report("eval", program.lowered, data.batch_size)
     cb.on_test_batch_end((e + 1) * S - 1, running.logs())
@@ -266,7 +266,7 @@ def predict(model, programs, x, batch_size: Optional[int], verbose: int, cb,
   mode, period = model.config.outputs.mode, model.config.outputs.return_period
   for xs, _, _ in loop.padded_batches(data, model.steps_per_execution, rep):
     program = programs.predict(xs)
-    _, ys = program(model.placed_train_state, rep.shard(xs))
+    _, ys = program(model.placed_train_state, rep.feed(xs))
     if program.lowered is None and mode != "all":  # plain JAX: select as the device does
       ys = jax.tree.map(lambda a: select_outputs(np.asarray(a), mode, period, 1, np), ys)
     programs.record_report("predict", program.lowered, data.batch_size)

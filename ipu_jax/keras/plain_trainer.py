@@ -167,8 +167,8 @@ class PlainTrainer:
     xs, ys = plan.layout(xb), plan.layout(yb)
     program = self.programs.train(xs, ys)
     start = time.perf_counter()
-    trained, sums = program(model.placed_train_state, rep.shard(xs), rep.shard(ys),
-                            rep.shard(rep.replica_ids))
+    trained, sums = program(model.placed_train_state, rep.feed(xs), rep.feed(ys),
+                            rep.feed(rep.replica_ids))
     model.placed_train_state = model.placed_train_state.merge(trained)
     running.add(self.programs.host_sums(program, rep.fetch(sums)))
     host_seconds = time.perf_counter() - start

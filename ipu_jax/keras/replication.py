@@ -156,6 +156,12 @@ class Replication:
 
     return jax.tree.map(put, tree)
 
+  def feed(self, tree):
+    """One execution's batch for the program: :meth:`shard` across devices; on one
+    device the host arrays as they are (the jitted program's dispatch copies them
+    in, where a Python ``device_put`` per array was a tenth of a one-epoch fit)."""
+    return self.shard(tree) if self.mode == "devices" else tree
+
   def fetch(self, tree):
     """A pytree of replicated arrays as host NumPy arrays."""
     def get(x):
