@@ -73,9 +73,10 @@ def validate_labels(model, x, y) -> None:
     check_labels(model.loss, y, leaves[0].shape)
 
 
-# adapter -> {the arguments' shapes and dtypes: the output's}. The model is
-# traced once per input signature, not at every call of fit (a third of a
-# one-epoch fit's time on the digits MLP); a recompiled model has a new adapter.
+# adapter (one per Model) -> {the arguments' shapes and dtypes: the output's}.
+# The model is traced once per input signature, not at every call of fit (a
+# third of a one-epoch fit's time on the digits MLP); the key holds the
+# weights' shapes, so a model whose variables change shape is traced again.
 _OUTPUT_SHAPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
