@@ -122,7 +122,10 @@ class Replication:
     """Puts a pytree (equal on every process) on the replicas' devices."""
     if self.mode != "devices":
       # device_put, not jnp.asarray: that compiles a program per batch shape.
-      return jax.tree.map(jax.device_put, tree)
+      # A JAX array stays where it is (a device_put of it does nothing but
+      # costs microseconds per leaf: a fifth of a one-execution fit's call).
+      return jax.tree.map(
+          lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), tree)
     sharding = NamedSharding(self.mesh, P())
 
     def put(x):
