@@ -93,6 +93,14 @@ _LONG_RUNS = (
     # search itself in the other SplitSearchTest tests and AutoSplitTest).
     "test_bert_pipeline.py::BertPipelineTest::test_weights_equal_plain_accumulation1",
     "test_split_search.py::SplitSearchTest::test_answer_is_the_best_of_every_candidate_lowered",
+    # Runs in a subprocess beside in-process runs of the same runner and flags
+    # (test_experiments.py: LayerCostsRunnerTest, the mnist script with
+    # replicas and accumulation; the help texts still list the examples), and
+    # the serial phased step without RTS beside the one with it (and ping-pong
+    # with TP).
+    "test_experiments_help.py::LayerCostsHelpTest::test_examples_run",
+    "test_experiments_help.py::HelpExamplesTest::test_example_runs_mnist_1",
+    "test_phased.py::PhasedTrainingTest::test_three_steps_equal_plain_jax_gradient_accumulation_serial_g4",
 )
 
 # Whole classes: a small BERT on a POD64 (its set-up alone is a minute; the

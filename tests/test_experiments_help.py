@@ -87,12 +87,17 @@ def _foreign_lines(output: str) -> list:
 class LayerCostsHelpTest(parameterized.TestCase):
   """experiments.layer_costs (no training flags): its --help examples run as written."""
 
-  def test_help_shows_the_examples_and_they_run(self):
+  def _documented(self):
     with open(os.path.join(ROOT, "experiments", "layer_costs.py")) as f:
-      documented = examples(f.read().split('"""', 2)[1])
+      return examples(f.read().split('"""', 2)[1])
+
+  def test_help_shows_the_examples(self):
+    documented = self._documented()
     self.assertEqual(examples(_help_text("layer_costs")), documented)
     self.assertLen(documented, 2)
-    for argv in documented:
+
+  def test_examples_run(self):
+    for argv in self._documented():
       out = os.path.join(self.create_tempdir().full_path, "layer.json")
       proc = subprocess.run([sys.executable] + argv[1:] + [f"--json_out={out}"], cwd=ROOT,
                             env=_user_env(), capture_output=True, text=True, timeout=600)
