@@ -285,12 +285,11 @@ def run_scale_case(name, repeats):
   r = scale_workloads.row(name)
   result = dict(workload=name, model=r.model, layers=r.layers, width=r.width, seq=r.seq,
                 batch=r.batch, vocab=r.vocab if r.model == "transformer" else None,
-                target=f"{r.target[0]}x{r.target[1]}"
-                + (f" x{r.replicas} replicas" if r.replicas > 1 else ""))
+                target=r.target_name)
   try:
     fn, args = scale_workloads.workload(r)
     result["params"] = scale_workloads.num_params(args[0])
-    target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
+    target = r.ipu_target()
     cfg = ipu_jax.IPUConfig()
     cfg.executor.mode = _EXECUTOR.value
     cfg.replication_factor = r.replicas  # ipu_jax.jit lowers and runs one replica

@@ -13,6 +13,10 @@ figures' fingerprint (``program_figures.figures_sha1``: a speed change must
 leave it unchanged)::
 
     python -m experiments.lowering_time --rows=enc-8x256,enc-8x256-bow4 --repeats=3
+
+Adding ``enc-8x256-t5888`` (the same step on one IPU of the four's 5,888
+tiles) parts the four-IPU row's time over one IPU's into what the tile count
+makes and what the IPU-Links add.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _prepare(name: str) -> _Row:
   from experiments import scale_workloads
   r = scale_workloads.row(name)
   fn, args = scale_workloads.workload(r)
-  target = ipu_jax.IPUTarget.preset(r.target[0], num_ipus=r.target[1])
+  target = r.ipu_target()
   cfg = ipu_jax.IPUConfig()
   cfg.replication_factor = r.replicas
   return _Row(name, fn, args, target, cfg)

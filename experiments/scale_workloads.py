@@ -35,6 +35,8 @@ class ScaleRow:
       each replica runs the step on its own ``target`` and the gradients are
       averaged across them (``ipu_jax.ops.cross_replica_mean``, an all-reduce
       over the IPU-Links), so ``replicas x num_ipus`` IPUs in all.
+    tiles_per_ipu: tiles of each IPU (0: the preset's). More than the chip
+      has makes a hypothetical IPU (a measurement row, no real system).
   """
 
   name: str
@@ -48,6 +50,24 @@ class ScaleRow:
   image: int = 0
   target: tuple = ("ipu2", 1)
   replicas: int = 1
+  tiles_per_ipu: int = 0
+
+  def ipu_target(self):
+    """The :class:`ipu_jax.IPUTarget` a replica of the row lowers for."""
+    import ipu_jax
+    preset, num_ipus = self.target
+    target = ipu_jax.IPUTarget.preset(preset, num_ipus=num_ipus)
+    # ``replace``, not the preset's ``tiles_per_ipu`` (which refuses more
+    # tiles than the chip has): each tile stays the preset's.
+    return target.replace(tiles_per_ipu=self.tiles_per_ipu) if self.tiles_per_ipu else target
+
+  @property
+  def target_name(self) -> str:
+    """``bowx4``, ``ipu2x1 (5888 tiles)``, ``bowx1 x16 replicas``: the target as tables show it."""
+    name = f"{self.target[0]}x{self.target[1]}"
+    if self.tiles_per_ipu:
+      name += f" ({self.tiles_per_ipu} tiles)"
+    return name + (f" x{self.replicas} replicas" if self.replicas > 1 else "")
 
 
 ROWS = (
@@ -68,6 +88,11 @@ ROWS = (
     # lowering time against the IPU count, the work being enc-8x256's.
     ScaleRow("enc-8x256-bow4", "transformer", batch=8, layers=8, width=256, seq=128,
              target=("bow", 4)),
+    # The same step on one hypothetical IPU of as many tiles as the four (no
+    # IPU-Links): of the four-IPU row's lowering time over one IPU's, the part
+    # the tile count alone makes (docs/performance.md#lowering-on-several-ipus).
+    ScaleRow("enc-8x256-t5888", "transformer", batch=8, layers=8, width=256, seq=128,
+             tiles_per_ipu=5888),
     # Lowering time per equation, one IPU against sixteen: the same step on one
     # Bow IPU, and replicated over 16 (one IPU each, gradients all-reduced).
     ScaleRow("enc-4x128-bow1", "transformer", batch=8, layers=4, width=128, seq=64,

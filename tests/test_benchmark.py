@@ -91,6 +91,22 @@ class LoweringTimeTest(chex.TestCase):
     self.assertEqual(rows[1]["equations"], alone["equations"])
     self.assertNotEqual(rows[0]["figures_sha1"], rows[1]["figures_sha1"])
 
+  def test_the_tile_count_row_is_the_four_ipu_step_on_one_wide_ipu(self):
+    # enc-8x256-t5888 parts the four-IPU row's lowering time: the same step
+    # on one IPU of the four's tiles, each tile as large as ipu2's.
+    from experiments import scale_workloads
+    one, wide, four = (scale_workloads.row(n) for n in
+                       ("enc-8x256", "enc-8x256-t5888", "enc-8x256-bow4"))
+    targets = [r.ipu_target() for r in (one, wide, four)]
+    self.assertEqual([(t.num_ipus, t.num_tiles) for t in targets],
+                     [(1, 1472), (1, 5888), (4, 5888)])
+    self.assertEqual(targets[1].bytes_per_tile, targets[0].bytes_per_tile)
+    geometry = lambda r: (r.model, r.batch, r.layers, r.width, r.heads, r.seq, r.vocab)
+    self.assertEqual(geometry(wide), geometry(four))
+    self.assertEqual(geometry(wide), geometry(one))
+    self.assertEqual([r.target_name for r in (wide, four)], ["ipu2x1 (5888 tiles)", "bowx4"])
+    self.assertEqual(scale_workloads.row("enc-4x128-bow1x16").target_name, "bowx1 x16 replicas")
+
 class PeakMemoryTest(chex.TestCase):
 
   def test_a_runner_started_from_a_large_process_reports_its_own_peak(self):
