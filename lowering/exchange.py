@@ -118,7 +118,7 @@ def _first_occurrences(keys: np.ndarray) -> np.ndarray:
   indices), falling back to a sort for sparse keys. The callers count what
   lies at these positions (``bincount``), so the positions are not sorted:
   sorting them took 1.5 CPU s of the BERT-Large split search (cProfile; a
-  2 M-key call sorts in 0.12 s, docs/performance.md).
+  2 M-key call sorts in 0.12 s, docs/performance_history.md).
   """
   if keys.size == 0:
     return np.zeros(0, np.int64)
