@@ -17,7 +17,7 @@ flags.FLAGS.mark_as_parsed()
 # subprocesses they start (they inherit the environment), compiles each once.
 # A hit is the executable XLA compiled for the same program and options, so
 # nothing a test checks changes; the suite took 7-14 % less CPU time
-# (docs/performance.md, the test suite).
+# (docs/performance_history.md, the test suite's time).
 # A cache the user set (JAX_COMPILATION_CACHE_DIR) is used as it is;
 # IPU_JAX_TEST_XLA_CACHE=0 runs without one.
 _XLA_CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
