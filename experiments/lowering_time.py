@@ -10,7 +10,7 @@ and rows measured at the same moments compare the code). The line printed per
 row gives the CPU and wall seconds of each (with the kernel's share of the CPU seconds and the
 page faults), the equations, the CPU ms an equation of the fastest and the
 figures' fingerprint (``program_figures.figures_sha1``: a speed change must
-leave it unchanged)::
+leave it unchanged), then each row's time over the first row's (:func:`over`)::
 
     python -m experiments.lowering_time --rows=enc-8x256,enc-8x256-bow4 --repeats=3
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import statistics
 import sys
 import time
 from typing import Callable, Sequence
@@ -109,6 +110,17 @@ def measure_alternating(names: Sequence[str], repeats: int) -> list:
           for row, kept, lowered in zip(rows, samples, last)]
 
 
+def over(row: dict, base: dict) -> dict:
+  """``row``'s lowering CPU time over ``base``'s, two rows of one :func:`measure_alternating`.
+
+  ``fastest``: fastest over fastest; ``rounds``: the median of the rounds'
+  own ratios (each round lowers both rows within the same minutes).
+  """
+  rounds = [r / b for r, b in zip(row["cpu_s"], base["cpu_s"])]
+  return {"fastest": min(row["cpu_s"]) / min(base["cpu_s"]),
+          "rounds": statistics.median(rounds)}
+
+
 _DEFAULT_ROWS = ["enc-8x256", "enc-8x256-bow4"]
 
 
@@ -117,7 +129,8 @@ def main(argv):
   from experiments import entry
   entry.quiet_backend_probe()
   f = flags.FLAGS
-  for m in measure_alternating(f.rows or _DEFAULT_ROWS, f.repeats):
+  measured = measure_alternating(f.rows or _DEFAULT_ROWS, f.repeats)
+  for m in measured:
     name = m["row"]
     print(f"{name}: CPU s {[round(t, 2) for t in m['cpu_s']]}, wall s "
           f"{[round(t, 2) for t in m['wall_s']]}, of the CPU s in the kernel "
@@ -125,6 +138,10 @@ def main(argv):
           f"{m['equations']} equations, "
           f"{m['cpu_ms_per_equation']:.3f} CPU ms an equation, figures {m['figures_sha1']}",
           flush=True)
+  for m in measured[1:]:  # each row against the first, as the speed suite's lowering row
+    ratio = over(m, measured[0])
+    print(f"{m['row']} / {measured[0]['row']}: {ratio['fastest']:.2f}x fastest to fastest, "
+          f"{ratio['rounds']:.2f}x the rounds' median", flush=True)
 
 
 if __name__ == "__main__":

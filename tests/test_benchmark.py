@@ -90,6 +90,12 @@ class LoweringTimeTest(chex.TestCase):
     self.assertEqual(rows[1]["figures_sha1"], alone["figures_sha1"])
     self.assertEqual(rows[1]["equations"], alone["equations"])
     self.assertNotEqual(rows[0]["figures_sha1"], rows[1]["figures_sha1"])
+    # Each row over the first, as the runner prints it and the speed suite's
+    # lowering row reports it: fastest over fastest, and the rounds' median.
+    ratio = lowering_time.over(rows[1], rows[0])
+    self.assertAlmostEqual(ratio["fastest"], min(rows[1]["cpu_s"]) / min(rows[0]["cpu_s"]))
+    self.assertAlmostEqual(ratio["rounds"], float(np.median(
+        np.array(rows[1]["cpu_s"]) / np.array(rows[0]["cpu_s"]))))
 
   def test_the_tile_count_row_is_the_four_ipu_step_on_one_wide_ipu(self):
     # enc-8x256-t5888 parts the four-IPU row's lowering time: the same step
