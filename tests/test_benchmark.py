@@ -113,6 +113,7 @@ class LoweringTimeTest(chex.TestCase):
     self.assertEqual([r.target_name for r in (wide, four)], ["ipu2x1 (5888 tiles)", "bowx4"])
     self.assertEqual(scale_workloads.row("enc-4x128-bow1x16").target_name, "bowx1 x16 replicas")
 
+
 class PeakMemoryTest(chex.TestCase):
 
   def test_a_runner_started_from_a_large_process_reports_its_own_peak(self):
