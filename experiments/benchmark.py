@@ -33,7 +33,9 @@ CNN and tiny transformer LM training steps at ``--tiles`` (the two run
 alternately, ``--repeats`` times each, in the row's own subprocess; the ratio
 of the medians), the 4-IPU / 1-IPU lowering CPU time of the 8-layer width-256
 LM step (``experiments/lowering_time.py``'s ``enc-8x256`` and
-``enc-8x256-bow4``), and the wall time and peak RSS of the POD16 BERT-Large
+``enc-8x256-bow4``; the JSON also keeps ``figure_runs_share``, how many values
+each program's per-tile figures would take held as runs:
+``program_figures.figure_runs``), and the wall time and peak RSS of the POD16 BERT-Large
 estimates (``phase2_pod16 --packing_factor 2 --estimate_only``, the pod
 suite's row, and ``phase1_pod16 --auto_split --estimate_only``)::
 
@@ -526,7 +528,9 @@ def _speed_lowering_row(repeats: int) -> dict:
               ratio_of_rounds=ratios["rounds"],
               goal=SPEED_GOALS["lowering_ratio"],
               meets_goal=ratio <= SPEED_GOALS["lowering_ratio"],
-              figures_sha1=[one["figures_sha1"], four["figures_sha1"]], error=None)
+              figures_sha1=[one["figures_sha1"], four["figures_sha1"]],
+              figure_runs_share=[one["figure_runs"]["share"], four["figure_runs"]["share"]],
+              error=None)
 
 
 def _run_estimate(label: str, args: list, timeout: float) -> dict:

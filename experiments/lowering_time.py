@@ -10,7 +10,10 @@ and rows measured at the same moments compare the code). The line printed per
 row gives the CPU and wall seconds of each (with the kernel's share of the CPU seconds and the
 page faults), the equations, the CPU ms an equation of the fastest and the
 figures' fingerprint (``program_figures.figures_sha1``: a speed change must
-leave it unchanged), then each row's time over the first row's (:func:`over`)::
+leave it unchanged), and how many values its per-tile figures would take held
+as runs (``program_figures.figure_runs``: what the redesign of
+``docs/performance.md#lowering-on-several-ipus`` could take the tile count down
+to), then each row's time over the first row's (:func:`over`)::
 
     python -m experiments.lowering_time --rows=enc-8x256,enc-8x256-bow4 --repeats=3
 
@@ -74,13 +77,14 @@ def _lower_once(row: _Row) -> tuple:
 
 def _summary(name: str, samples: list, lowered) -> dict:
   """A row's result from its lowerings' times (``samples``) and its last program."""
-  from experiments.program_figures import figures_sha1, iter_eqns
+  from experiments.program_figures import figure_runs, figures_sha1, iter_eqns
   cpu, wall, system, faults = (list(column) for column in zip(*samples))
   equations = sum(1 for _ in iter_eqns(lowered.jaxpr.jaxpr))
   return {"row": name, "cpu_s": cpu, "wall_s": wall, "system_s": system,
           "page_faults": faults, "equations": equations,
           "cpu_ms_per_equation": 1000 * min(cpu) / equations,
-          "figures_sha1": figures_sha1(lowered.report.profile)}
+          "figures_sha1": figures_sha1(lowered.report.profile),
+          "figure_runs": figure_runs(lowered.program)}
 
 
 def measure(name: str, repeats: int) -> dict:
@@ -138,6 +142,10 @@ def main(argv):
           f"{m['equations']} equations, "
           f"{m['cpu_ms_per_equation']:.3f} CPU ms an equation, figures {m['figures_sha1']}",
           flush=True)
+    runs = m["figure_runs"]
+    print(f"  its per-tile figures held as runs: {runs['share']:.1%} of their "
+          f"{runs['figures']} x {runs['tiles']} values ({runs['median']:.0f} runs a figure "
+          f"at the median, {runs['p90']:.0f} at the 90th percentile)", flush=True)
   for m in measured[1:]:  # each row against the first, as the speed suite's lowering row
     ratio = over(m, measured[0])
     print(f"{m['row']} / {measured[0]['row']}: {ratio['fastest']:.2f}x fastest to fastest, "

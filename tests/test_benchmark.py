@@ -88,6 +88,7 @@ class LoweringTimeTest(chex.TestCase):
       self.assertLen(m["cpu_s"], 3)
       self.assertGreater(min(m["cpu_s"]), 0)
     self.assertEqual(rows[1]["figures_sha1"], alone["figures_sha1"])
+    self.assertEqual(rows[1]["figure_runs"], alone["figure_runs"])
     self.assertEqual(rows[1]["equations"], alone["equations"])
     self.assertNotEqual(rows[0]["figures_sha1"], rows[1]["figures_sha1"])
     # Each row over the first, as the runner prints it and the speed suite's
@@ -112,6 +113,38 @@ class LoweringTimeTest(chex.TestCase):
     self.assertEqual(geometry(wide), geometry(one))
     self.assertEqual([r.target_name for r in (wide, four)], ["ipu2x1 (5888 tiles)", "bowx4"])
     self.assertEqual(scale_workloads.row("enc-4x128-bow1x16").target_name, "bowx1 x16 replicas")
+
+
+class FigureRunsTest(chex.TestCase):
+  """How many values a program's per-tile figures take held as runs (the lowering rows')."""
+
+  def _runs(self, fn, x):
+    from experiments.program_figures import figure_runs
+    t16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
+    emulated = ipu_jax.jit(fn, target=t16, verbose=0)
+    chex.assert_trees_all_close(np.asarray(emulated(x)), np.asarray(fn(x)), rtol=1e-6)
+    return figure_runs(emulated.lower(x).program)
+
+  def test_a_figure_equal_on_every_tile_is_one_run(self):
+    # 1,024 elements on 16 tiles: every tile runs the same tanh (cycles and
+    # vertices, two figures), each one run of sixteen values.
+    runs = self._runs(jnp.tanh, np.linspace(-2, 2, 1024, dtype=np.float32))
+    self.assertEqual((runs["figures"], runs["tiles"], runs["runs"]), (2, 16, 2))
+    self.assertEqual(runs["share"], 2 / 32)
+    self.assertEqual((runs["median"], runs["p90"]), (1, 1))
+
+  def test_a_scalar_on_one_tile_is_that_tile_and_the_idle_rest(self):
+    # One element on tile 0: its cycles and vertices are a value and fifteen
+    # zeros (two runs each); its exchange's bytes in and out, zero on every
+    # tile, one run each.
+    runs = self._runs(jnp.tanh, np.float32(0.5))
+    self.assertEqual((runs["figures"], runs["runs"]), (4, 6))
+    self.assertEqual(runs["share"], 6 / 64)
+
+  def test_a_program_without_supersteps_has_no_figures(self):
+    runs = self._runs(lambda x: x, np.ones(3, np.float32))
+    self.assertEqual(runs, {"figures": 0, "tiles": 0, "runs": 0, "share": 0.0,
+                            "median": 0.0, "p90": 0.0})
 
 
 class PeakMemoryTest(chex.TestCase):
