@@ -11,9 +11,10 @@ row gives the CPU and wall seconds of each (with the kernel's share of the CPU s
 page faults), the equations, the CPU ms an equation of the fastest and the
 figures' fingerprint (``program_figures.figures_sha1``: a speed change must
 leave it unchanged), and how many values its per-tile figures would take held
-as runs (``program_figures.figure_runs``: what the redesign of
-``docs/performance.md#lowering-on-several-ipus`` could take the tile count down
-to), then each row's time over the first row's (:func:`over`)::
+as runs or as classes of tiles (``program_figures.figure_compression``: how far
+the redesign of ``docs/performance.md#lowering-on-several-ipus`` could take the
+tile count out of the lowering's work), then each row's time over the first
+row's (:func:`over`)::
 
     python -m experiments.lowering_time --rows=enc-8x256,enc-8x256-bow4 --repeats=3
 
@@ -77,14 +78,14 @@ def _lower_once(row: _Row) -> tuple:
 
 def _summary(name: str, samples: list, lowered) -> dict:
   """A row's result from its lowerings' times (``samples``) and its last program."""
-  from experiments.program_figures import figure_runs, figures_sha1, iter_eqns
+  from experiments.program_figures import figure_compression, figures_sha1, iter_eqns
   cpu, wall, system, faults = (list(column) for column in zip(*samples))
   equations = sum(1 for _ in iter_eqns(lowered.jaxpr.jaxpr))
   return {"row": name, "cpu_s": cpu, "wall_s": wall, "system_s": system,
           "page_faults": faults, "equations": equations,
           "cpu_ms_per_equation": 1000 * min(cpu) / equations,
           "figures_sha1": figures_sha1(lowered.report.profile),
-          "figure_runs": figure_runs(lowered.program)}
+          "figure_compression": figure_compression(lowered.program)}
 
 
 def measure(name: str, repeats: int) -> dict:
@@ -142,10 +143,12 @@ def main(argv):
           f"{m['equations']} equations, "
           f"{m['cpu_ms_per_equation']:.3f} CPU ms an equation, figures {m['figures_sha1']}",
           flush=True)
-    runs = m["figure_runs"]
-    print(f"  its per-tile figures held as runs: {runs['share']:.1%} of their "
-          f"{runs['figures']} x {runs['tiles']} values ({runs['median']:.0f} runs a figure "
-          f"at the median, {runs['p90']:.0f} at the 90th percentile)", flush=True)
+    c = m["figure_compression"]
+    print(f"  its per-tile figures: {c['figures']} arrays of {c['tiles']} tiles; as runs "
+          f"{c['runs_share']:.1%} of their values ({c['median_runs']:.0f} runs an array at the "
+          f"median, {c['p90_runs']:.0f} at the 90th percentile); as {c['classes']} classes of "
+          f"tiles over {c['steps']} steps ({c['median_classes']:.0f} a step at the median, "
+          f"{c['p90_classes']:.0f} at the 90th percentile)", flush=True)
   for m in measured[1:]:  # each row against the first, as the speed suite's lowering row
     ratio = over(m, measured[0])
     print(f"{m['row']} / {measured[0]['row']}: {ratio['fastest']:.2f}x fastest to fastest, "

@@ -1,5 +1,5 @@
 """A lowered program's figures in a line: its equations, a fingerprint of its figures, and
-how many values its per-tile figures take held as runs.
+how many values its per-tile figures take held per tile, as runs or as classes of tiles.
 
 Shared by the runners that compare two states of the code (the benchmark's
 scale and speed suites, ``lowering_time``, ``figures_fingerprint``); kept
@@ -12,7 +12,7 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["figure_runs", "figures_sha1", "iter_eqns"]
+__all__ = ["figure_compression", "figures_sha1", "iter_eqns"]
 
 
 def figures_sha1(profile) -> str:
@@ -31,26 +31,10 @@ _STEP_FIGURES = ("compute_cycles", "vertices", "scratch_bytes")
 _EXCHANGE_FIGURES = ("bytes_in", "bytes_out")
 
 
-def figure_runs(program) -> dict:
-  """How many values a lowered program's per-tile figures take held as runs of equal values.
-
-  Every superstep holds its cycles, vertices, scratch bytes and exchange bytes in and out
-  as ``[num_tiles]`` arrays, so each rule's work on them grows with the tile count. Held as
-  runs (a value and the tiles it covers, one run per change along the tiles), a figure of
-  a regular layout takes a few values whatever the tile count: this is the measure of how
-  far that redesign (``docs/performance.md#lowering-on-several-ipus``) could take the
-  tile count out of the figures. Each step is counted once, however often it runs.
-
-  Args:
-    program: a lowered program (``Lowered.program``).
-
-  Returns:
-    ``figures`` (arrays counted), ``tiles`` (their length), ``runs`` (their runs in
-    all), ``share`` (``runs / (figures * tiles)``: 1 when no figure repeats a value on
-    neighbouring tiles), and the ``median`` and ``p90`` runs of one figure.
-  """
+def _step_figures(program):
+  """Each superstep's ``[num_tiles]`` figures, once per step however often it runs."""
   from ipu_jax.lowering import program as P
-  counts, sizes, seen = [], [], set()
+  seen = set()
   for node, _, _ in P.iter_steps(program):
     if not isinstance(node, P.Superstep) or id(node) in seen:
       continue
@@ -58,18 +42,52 @@ def figure_runs(program) -> dict:
     arrays = [getattr(node, name) for name in _STEP_FIGURES]
     if node.exchange is not None:
       arrays += [getattr(node.exchange, name) for name in _EXCHANGE_FIGURES]
+    arrays = [np.asarray(a) for a in arrays if a is not None and np.ndim(a) == 1 and np.size(a)]
+    if arrays:
+      yield arrays
+
+
+def figure_compression(program) -> dict:
+  """How many values a lowered program's per-tile figures take, held per tile or otherwise.
+
+  Every superstep holds its cycles, vertices, scratch bytes and exchange bytes in and out
+  as ``[num_tiles]`` arrays, so each rule's work on them grows with the tile count. Two
+  other forms measure how far the tile count could drop out of that work
+  (``docs/performance.md#lowering-on-several-ipus``):
+
+  * runs: a value and the neighbouring tiles that share it, per figure;
+  * tile classes: per step, the tiles whose figures are all equal (a class's values
+    once, and which class each tile is in).
+
+  Args:
+    program: a lowered program (``Lowered.program``).
+
+  Returns:
+    ``figures`` (arrays counted), ``tiles`` (their length), ``runs`` (their runs in
+    all), ``runs_share`` (``runs`` over the figures' values: 1 when no figure repeats a
+    value on neighbouring tiles), ``median_runs`` and ``p90_runs`` (runs of one figure),
+    ``steps`` (steps counted), ``classes`` (their tile classes in all),
+    ``median_classes`` and ``p90_classes`` (classes of one step).
+  """
+  runs, sizes, classes = [], [], []
+  for arrays in _step_figures(program):
     for a in arrays:
-      if a is None or np.ndim(a) != 1 or not np.size(a):
-        continue
-      a = np.asarray(a)
       sizes.append(a.size)
-      counts.append(1 + int(np.count_nonzero(a[1:] != a[:-1])))
-  counts = np.asarray(counts, np.int64)
-  if not counts.size:
-    return {"figures": 0, "tiles": 0, "runs": 0, "share": 0.0, "median": 0.0, "p90": 0.0}
-  return {"figures": int(counts.size), "tiles": int(max(sizes)), "runs": int(counts.sum()),
-          "share": float(counts.sum() / sum(sizes)),
-          "median": float(np.median(counts)), "p90": float(np.percentile(counts, 90))}
+      runs.append(1 + int(np.count_nonzero(a[1:] != a[:-1])))
+    # Float64 holds every figure exactly (each is below 2**53).
+    table = np.stack([a.astype(np.float64) for a in arrays], axis=1)
+    classes.append(np.unique(table, axis=0).shape[0])
+  runs, classes = np.asarray(runs, np.int64), np.asarray(classes, np.int64)
+  if not classes.size:
+    return {"figures": 0, "tiles": 0, "runs": 0, "runs_share": 0.0, "median_runs": 0.0,
+            "p90_runs": 0.0, "steps": 0, "classes": 0, "median_classes": 0.0,
+            "p90_classes": 0.0}
+  return {"figures": int(runs.size), "tiles": int(max(sizes)), "runs": int(runs.sum()),
+          "runs_share": float(runs.sum() / sum(sizes)),
+          "median_runs": float(np.median(runs)), "p90_runs": float(np.percentile(runs, 90)),
+          "steps": int(classes.size), "classes": int(classes.sum()),
+          "median_classes": float(np.median(classes)),
+          "p90_classes": float(np.percentile(classes, 90))}
 
 
 def iter_eqns(jaxpr):

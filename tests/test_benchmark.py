@@ -88,7 +88,7 @@ class LoweringTimeTest(chex.TestCase):
       self.assertLen(m["cpu_s"], 3)
       self.assertGreater(min(m["cpu_s"]), 0)
     self.assertEqual(rows[1]["figures_sha1"], alone["figures_sha1"])
-    self.assertEqual(rows[1]["figure_runs"], alone["figure_runs"])
+    self.assertEqual(rows[1]["figure_compression"], alone["figure_compression"])
     self.assertEqual(rows[1]["equations"], alone["equations"])
     self.assertNotEqual(rows[0]["figures_sha1"], rows[1]["figures_sha1"])
     # Each row over the first, as the runner prints it and the speed suite's
@@ -115,36 +115,45 @@ class LoweringTimeTest(chex.TestCase):
     self.assertEqual(scale_workloads.row("enc-4x128-bow1x16").target_name, "bowx1 x16 replicas")
 
 
-class FigureRunsTest(chex.TestCase):
-  """How many values a program's per-tile figures take held as runs (the lowering rows')."""
+class FigureCompressionTest(chex.TestCase):
+  """How many values a program's per-tile figures take as runs and as classes of tiles."""
 
-  def _runs(self, fn, x):
-    from experiments.program_figures import figure_runs
+  def _compression(self, fn, x):
+    from experiments.program_figures import figure_compression
     t16 = ipu_jax.IPUTarget.preset("ipu2", tiles_per_ipu=16)
     emulated = ipu_jax.jit(fn, target=t16, verbose=0)
     chex.assert_trees_all_close(np.asarray(emulated(x)), np.asarray(fn(x)), rtol=1e-6)
-    return figure_runs(emulated.lower(x).program)
+    return figure_compression(emulated.lower(x).program)
 
-  def test_a_figure_equal_on_every_tile_is_one_run(self):
+  def test_a_figure_equal_on_every_tile_is_one_run_and_one_class(self):
     # 1,024 elements on 16 tiles: every tile runs the same tanh (cycles and
-    # vertices, two figures), each one run of sixteen values.
-    runs = self._runs(jnp.tanh, np.linspace(-2, 2, 1024, dtype=np.float32))
-    self.assertEqual((runs["figures"], runs["tiles"], runs["runs"]), (2, 16, 2))
-    self.assertEqual(runs["share"], 2 / 32)
-    self.assertEqual((runs["median"], runs["p90"]), (1, 1))
+    # vertices, two figures), each one run of sixteen values; one step whose
+    # tiles are all alike.
+    c = self._compression(jnp.tanh, np.linspace(-2, 2, 1024, dtype=np.float32))
+    self.assertEqual((c["figures"], c["tiles"], c["runs"], c["runs_share"]), (2, 16, 2, 2 / 32))
+    self.assertEqual((c["median_runs"], c["p90_runs"]), (1, 1))
+    self.assertEqual((c["steps"], c["classes"], c["median_classes"]), (1, 1, 1))
 
   def test_a_scalar_on_one_tile_is_that_tile_and_the_idle_rest(self):
     # One element on tile 0: its cycles and vertices are a value and fifteen
     # zeros (two runs each); its exchange's bytes in and out, zero on every
-    # tile, one run each.
-    runs = self._runs(jnp.tanh, np.float32(0.5))
-    self.assertEqual((runs["figures"], runs["runs"]), (4, 6))
-    self.assertEqual(runs["share"], 6 / 64)
+    # tile, one run each. Two classes of tiles: the busy one and the idle.
+    c = self._compression(jnp.tanh, np.float32(0.5))
+    self.assertEqual((c["figures"], c["runs"], c["runs_share"]), (4, 6, 6 / 64))
+    self.assertEqual((c["steps"], c["classes"]), (1, 2))
+
+  def test_classes_count_tiles_alike_wherever_they_lie(self):
+    # Five rows of 100 summed on sixteen tiles: the rows' partials and sums
+    # fall on every third tile or so, figures alternating along the tiles
+    # (many runs) between a few values (few classes).
+    c = self._compression(lambda x: jnp.sum(x * x, axis=1), np.ones((5, 100), np.float32))
+    self.assertEqual(c["steps"], 3)  # the square, the partials, the sums
+    self.assertLess(4 * c["classes"], c["runs"])
+    self.assertLessEqual(c["runs"], c["figures"] * c["tiles"])
 
   def test_a_program_without_supersteps_has_no_figures(self):
-    runs = self._runs(lambda x: x, np.ones(3, np.float32))
-    self.assertEqual(runs, {"figures": 0, "tiles": 0, "runs": 0, "share": 0.0,
-                            "median": 0.0, "p90": 0.0})
+    c = self._compression(lambda x: x, np.ones(3, np.float32))
+    self.assertEqual((c["figures"], c["steps"], c["runs"], c["classes"]), (0, 0, 0, 0))
 
 
 class PeakMemoryTest(chex.TestCase):
