@@ -74,7 +74,7 @@ def figure_compression(program) -> dict:
     for a in arrays:
       sizes.append(a.size)
       runs.append(1 + int(np.count_nonzero(a[1:] != a[:-1])))
-    # Float64 holds every figure exactly (each is below 2**53).
+    # Float64 holds every figure exactly (integer counts below 2**53, or cycles already float).
     table = np.stack([a.astype(np.float64) for a in arrays], axis=1)
     classes.append(np.unique(table, axis=0).shape[0])
   runs, classes = np.asarray(runs, np.int64), np.asarray(classes, np.int64)
