@@ -41,9 +41,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from ipu_jax.kernels.systems import SYSTEM_PRESETS, check_capacity, system_preset
 from ipu_jax.kernels.target import PRESETS, IPUTarget
 from ipu_jax.lowering.host_io import check_num_io_tiles
-from ipu_jax.lowering.options import (BOOL, LOWERING_KINDS, OPTIONAL_PATH, PROPORTION,
-                                      LoweringOptions, OptionKind, check_per_ipu, integer,
-                                      one_of, proportion_for)
+from ipu_jax.lowering.options import (BOOL, LOWERING_KINDS, MEMORY_PROPORTIONS, OPTIONAL_PATH,
+                                      PROPORTION, LoweringOptions, OptionKind, check_per_ipu,
+                                      integer, one_of, proportion_for)
 
 __all__ = [
     "IPUConfig",
@@ -686,7 +686,7 @@ class IPUConfig(_Group):
 
 
 # Options that may give one value per IPU of a replica.
-_PER_IPU_FIELDS = ("available_memory_proportion", "conv_available_memory_proportion")
+_PER_IPU_FIELDS = MEMORY_PROPORTIONS
 
 # Each LoweringOptions field and the IPUConfig option it comes from; the
 # option supplies its default and its check.

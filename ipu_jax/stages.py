@@ -229,12 +229,16 @@ class TileProgram:
     inputs: the tensors of the flat arguments, in order.
     outputs: the tensors of the flat results, in order.
     constants: the program's constant tensors (their values start each run).
+    proportions_read: the memory proportions (``LoweringOptions`` fields such
+      as ``"available_memory_proportion"``) its matmul, convolution and sparse
+      plans read; a program that read none is the same under any of them.
   """
 
   program: P.Program
   inputs: tuple
   outputs: tuple
   constants: tuple
+  proportions_read: frozenset = frozenset()
 
 
 def _check_and_report(program, target: IPUTarget, *, name: str, what: str,
@@ -562,7 +566,8 @@ def _lower_to_tiles(traced: Traced, progress):
         offload_lib.out_paths_of(traced.out_shape), setup.offload[1], setup.name)
   if options.fuse_elementwise:
     program = fuse_elementwise(program, target, keep=outputs)
-  tile = TileProgram(program, tuple(inputs), tuple(outputs), tuple(ctx.constants))
+  tile = TileProgram(program, tuple(inputs), tuple(outputs), tuple(ctx.constants),
+                     ctx.proportions_read)
   return tile, ctx, folded
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ipu_jax.lowering.options import LoweringOptions
+from ipu_jax.lowering.options import LoweringOptions, proportion_for
 from ipu_jax.lowering import program as P
 from ipu_jax.lowering.mapping import TileMapping
 from ipu_jax.lowering.scopes import join_scopes, module_path
@@ -64,7 +64,7 @@ class LoweringContext:
   __slots__ = ("_target", "_options", "_replication_factor", "op", "source", "scope",
                "dying_ids", "donated_ids", "tensors", "constants", "_program_stack",
                "_next_start_tile", "_local_stack", "_constant_cache", "_mesh_axes",
-               "_program_state")
+               "_program_state", "_proportions_read")
 
   def __init__(self, target: IPUTarget, options: Optional[LoweringOptions] = None,
                replication_factor: int = 1):
@@ -86,6 +86,7 @@ class LoweringContext:
     self._constant_cache = {}
     self._program_state = {}
     self._mesh_axes: dict = {}
+    self._proportions_read: set = set()
 
   @property
   def target(self) -> IPUTarget:
@@ -98,6 +99,28 @@ class LoweringContext:
   @property
   def replication_factor(self) -> int:
     return self._replication_factor
+
+  def memory_proportion(self, option: str) -> float:
+    """The per-IPU memory proportion ``option`` for a plan over the program's IPUs.
+
+    ``option`` names a :class:`LoweringOptions` field
+    (``"available_memory_proportion"``, ``"conv_available_memory_proportion"``).
+    A plan may spread over every IPU of the program, so it takes the tightest
+    of theirs. Rules read the proportions only through here, which notes
+    each one read (:attr:`proportions_read`).
+    """
+    self._proportions_read.add(option)
+    return proportion_for(getattr(self._options, option), range(self._target.num_ipus))
+
+  @property
+  def proportions_read(self) -> frozenset:
+    """The memory proportions the lowering planned with so far.
+
+    A program that read none is the same under any value of them: a split
+    search's probes, which differ in the proportions, share the weight
+    updates that hold no matmul (``ipu_jax/pipelining/weight_update.py``).
+    """
+    return frozenset(self._proportions_read)
 
   # -- the program --------------------------------------------------------
 
@@ -382,6 +405,7 @@ class RuleContext:
   target = _forward("target", "The IPU target.")
   options = _forward("options", "The :class:`LoweringOptions`.")
   replication_factor = _forward("replication_factor", "Replicas of the program.")
+  memory_proportion = _forward("memory_proportion", ":meth:`LoweringContext.memory_proportion`.")
   mesh_axes = _forward("mesh_axes", "Mesh axes in scope: ``{name: size}``.")
   op = _forward("op", "Name stamped on what is created now (the module's current op).")
   next_start_tile = _forward("next_start_tile", "Where the next small tensor starts.")

@@ -105,7 +105,6 @@ from ipu_jax.lowering import program as P
 from ipu_jax.lowering.builders import worker_vertices
 from ipu_jax.lowering.exchange import ExchangeCost
 from ipu_jax.lowering.mapping import TileMapping
-from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.matmul_plan import (BlockWork, MatmulPlan, block_work, operand_dtype,
                                           partials_dtype, plan_matmul)
 from ipu_jax.lowering.matmul_cost import ceil_div
@@ -264,9 +263,7 @@ def _make_plan(ctx, lhs: P.Tensor, rhs: P.Tensor, prod: _Product, out_shape, out
   """Plan the product, claim its grid's tiles and create the result."""
   options = ctx.options
   if available_memory_proportion is None:
-    # A plan may spread over every IPU of the program: the tightest of theirs.
-    available_memory_proportion = proportion_for(options.available_memory_proportion,
-                                                 range(ctx.target.num_ipus))
+    available_memory_proportion = ctx.memory_proportion("available_memory_proportion")
   b, m, n, k = prod.b, prod.m, prod.n, prod.k
   in_dtype = operand_dtype(lhs.dtype, rhs.dtype)
   acc = partials_dtype(in_dtype, out_dtype, partials_type or options.partials_type)

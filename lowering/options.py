@@ -16,9 +16,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-__all__ = ["BOOL", "LOWERING_KINDS", "LoweringOptions", "OPTIONAL_PATH", "OptionKind",
-           "PER_IPU_PROPORTION", "PROPORTION", "check_per_ipu", "integer", "is_per_ipu",
-           "one_of", "proportion_for"]
+__all__ = ["BOOL", "LOWERING_KINDS", "LoweringOptions", "MEMORY_PROPORTIONS", "OPTIONAL_PATH",
+           "OptionKind", "PER_IPU_PROPORTION", "PROPORTION", "check_per_ipu", "integer",
+           "is_per_ipu", "one_of", "proportion_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +238,11 @@ class LoweringOptions:
     """The default of field ``name``."""
     return cls.__dataclass_fields__[name].default
 
+
+# The LoweringOptions fields that bound a plan's temporary memory, each a
+# proportion or one per IPU of a replica; rules read them through
+# LoweringContext.memory_proportion, which notes the reads.
+MEMORY_PROPORTIONS = ("available_memory_proportion", "conv_available_memory_proportion")
 
 # The kind of value each LoweringOptions field accepts.
 LOWERING_KINDS = {

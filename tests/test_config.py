@@ -9,7 +9,10 @@ from unittest import mock
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
+import jax
+import jax.numpy as jnp
 
+import ipu_jax
 from ipu_jax import config as config_lib
 from ipu_jax.config import IPUConfig, LoweringOptions
 from ipu_jax.target import IPUTarget
@@ -486,6 +489,21 @@ class PerIPUProportionTest(_CleanEnvironmentTest):
     self.assertEqual(names([0.6, 0.05]), names(0.05))
     self.assertEqual(names({1: 0.05}), names(0.05))
     self.assertNotEqual(names(0.05), names(0.6))
+
+  @parameterized.named_parameters(
+      ("elementwise", lambda x, w: jnp.tanh(x) * 2.0, ()),
+      ("matmul", lambda x, w: x @ w, ("available_memory_proportion",)),
+      ("convolution", lambda x, w: jax.lax.conv(x[None, None], w[None, None], (1, 1), "SAME"),
+       ("conv_available_memory_proportion",)),
+      ("reduction_of_a_matmul", lambda x, w: jnp.sum(jnp.tanh(x @ w)),
+       ("available_memory_proportion",)))
+  def test_a_program_names_the_proportions_its_plans_read(self, fn, read):
+    # A program that read none is the same under any: a split search's probes
+    # share such weight updates across proportions (test_split_search.py).
+    cfg = self._config(0.3, ipus=1)
+    cfg.device.tiles_per_ipu = 16
+    lowered = ipu_jax.jit(fn, config=cfg).lower(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    self.assertEqual(lowered.tile.proportions_read, frozenset(read))
 
   def test_pipeline_stage_plans_under_its_ipu(self):
     import jax

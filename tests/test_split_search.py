@@ -13,6 +13,7 @@ import tempfile
 
 from absl.testing import absltest, parameterized
 import chex
+import jax
 import numpy as np
 import optax
 
@@ -231,6 +232,40 @@ class SplitSearchTest(chex.TestCase):
     # Without recomputation the blocks are new but the last (never recomputed) is not.
     split_search.probe(self.model, cfg, self.optimizer, 0.6, False, 1, shared=shared)
     self.assertEqual(shared.stages.lowerings, 9)
+
+  def test_probes_of_another_proportion_share_the_weight_updates(self):
+    cfg = _config()
+    first = shared_stages.SharedLowerings()
+    split_search.probe(self.model, cfg, self.optimizer, 0.6, True, 1, shared=first)
+    lowered = first.updates.lowerings
+    self.assertGreater(lowered, 0)
+    # Another proportion plans every stage afresh, but SGD's update holds no
+    # matmul: the same programs serve, lowered under 0.6 ...
+    then = shared_stages.SharedLowerings(first.updates)
+    shared, _ = split_search.probe(self.model, cfg, self.optimizer, 0.3, True, 1, shared=then)
+    self.assertEqual(then.stages.lowerings, 4)
+    self.assertEqual(first.updates.lowerings, lowered)
+    # ... with the figures of the probe lowered on its own under 0.3.
+    alone, _ = split_search.probe(self.model, cfg, self.optimizer, 0.3, True, 1)
+    self.assertEqual(shared.keys(), alone.keys())
+    for body in alone:
+      self.assertEqual(shared[body].update, alone[body].update, body)
+
+  def test_an_update_with_a_matmul_is_lowered_under_each_proportion(self):
+    def update(grads, state, params=None):
+      del params
+      # A matrix's step through a product of it (a preconditioner's shape):
+      # its plan reads the proportion.
+      return jax.tree.map(lambda g: -1e-3 * (g @ (g.T @ g) if g.ndim == 2 else g), grads), state
+
+    optimizer = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    cfg = _config()
+    first = shared_stages.SharedLowerings()
+    split_search.probe(self.model, cfg, optimizer, 0.6, True, 1, shared=first)
+    lowered = first.updates.lowerings
+    split_search.probe(self.model, cfg, optimizer, 0.3, True, 1,
+                       shared=shared_stages.SharedLowerings(first.updates))
+    self.assertEqual(first.updates.lowerings, 2 * lowered)
 
 
 class ComposedFiguresTest(chex.TestCase):

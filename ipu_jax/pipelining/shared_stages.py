@@ -25,8 +25,9 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -138,11 +139,19 @@ def stage_key(stage) -> tuple:
   return (len(stage.param_vars), len(stage.batch_vars), tuple(head), eqns, outputs)
 
 
-def lowering_settings(cfg) -> tuple:
+def lowering_settings(cfg, ignoring: Sequence[str] = ()) -> tuple:
   """What a program lowered under ``cfg`` depends on: ``ipu_jax.jit``'s own cache key
   parts (the target, the lowering options, the replicas), not options it never reads
-  (the schedule, the gradient accumulation count)."""
-  return cfg.to_target(), cfg.lowering_options(), cfg.replication_factor
+  (the schedule, the gradient accumulation count).
+
+  ``ignoring``: lowering options left out (for a program known not to read them);
+  the options are then ``(name, value)`` pairs instead of a ``LoweringOptions``.
+  """
+  options = cfg.lowering_options()
+  if ignoring:
+    options = tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options)
+                    if f.name not in ignoring)
+  return cfg.to_target(), options, cfg.replication_factor
 
 
 class SharedStages:
@@ -191,9 +200,11 @@ class SharedLowerings:
 
   Attributes:
     stages: the :class:`SharedStages`.
-    updates: the :class:`~ipu_jax.pipelining.weight_update.SharedUpdates`.
+    updates: the :class:`~ipu_jax.pipelining.weight_update.SharedUpdates`
+      (``updates``, or fresh ones: a search keeps its updates when it moves
+      to another proportion, where the stages cannot match).
   """
 
-  def __init__(self):
+  def __init__(self, updates: "weight_update.SharedUpdates | None" = None):
     self.stages = SharedStages()
-    self.updates = weight_update.SharedUpdates()
+    self.updates = weight_update.SharedUpdates() if updates is None else updates

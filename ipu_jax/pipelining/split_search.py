@@ -462,8 +462,9 @@ class _Probes:
     self.figures, self.targets = {}, []
     # The probes of one proportion share the programs of stages alike (the
     # heads, never recomputed, of every probe; the first block of a last-block
-    # probe). Programs lowered under another proportion never match, so only
-    # the current proportion's are held (the heads are large).
+    # probe). Stage programs lowered under another proportion never match, so
+    # only the current proportion's are held (the heads are large); weight
+    # updates with no matmul match under every proportion and are kept.
     self.shared, self._proportion = None, None
 
   def _build(self, num_layers: int, serialization: int):
@@ -486,7 +487,8 @@ class _Probes:
     self.log(f"probe: proportion {p}, recomputation {r}, serialization {s}"
              + (" (last block only)" if known else ""))
     if p != self._proportion:
-      self.shared, self._proportion = SharedLowerings(), p
+      updates = None if self.shared is None else self.shared.updates
+      self.shared, self._proportion = SharedLowerings(updates), p
     self.figures[(p, r, s)], target = probe(self.model, self.config, self.optimizer, p, r, s,
                                             known, self.shared)
     self.targets.append(target)

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ipu_jax.kernels import collectives
+from ipu_jax.lowering.options import MEMORY_PROPORTIONS
 from ipu_jax.lowering.update_order import in_chain_order
 from ipu_jax.ops.collectives import REPLICA_AXIS
 from ipu_jax.pipelining import cross_stage, links, stage_programs
@@ -178,13 +179,23 @@ class SharedUpdates:
   ``ipu_jax.jit`` function per optimizer program and stage config serves them
   all, so its cache (keyed on the arguments' shapes, target and options)
   lowers that program once; a :class:`ShardedUpdate` is traced once per set
-  of weight shapes.
+  of weight shapes. An update whose lowering read no memory proportion (no
+  matmul: Adam, LAMB) also serves configs that differ only in the
+  proportions, as a split search's probes do (:meth:`lowered`).
+
+  Attributes:
+    lowerings: how many update programs were lowered (the rest reused one).
   """
 
   def __init__(self):
     self._programs = {}  # (optimizer, R, _shapes_key(p_k)) -> ShardedUpdate
     self._functions = []  # (program or optimizer, lowering settings, options, jit function)
     self._sharded = {}  # id(lowered) -> ShardedStageUpdate (which holds the lowered alive)
+    # (id(program), settings but the proportions, options, arguments' shapes) ->
+    # (program, lowered): the lowerings that read no memory proportion.
+    self._proportion_free = {}
+    self._lowered = {}  # id(lowered) -> lowered: the programs counted in ``lowerings``
+    self.lowerings = 0
 
   def sharded(self, lowered, program: ShardedUpdate, replicas: int) -> ShardedStageUpdate:
     """The :class:`ShardedStageUpdate` running ``lowered``: one for the stages
@@ -205,6 +216,28 @@ class SharedUpdates:
     if key not in self._programs:
       self._programs[key] = ShardedUpdate(optimizer, p_k, replicas)
     return self._programs[key]
+
+  def lowered(self, program, make, cfg, options: dict, args: tuple):
+    """``program``'s update lowered on ``args`` under ``cfg``: a lowering met before, or a new one.
+
+    A lowering under a config that differs only in the memory proportions
+    serves when it read none of them (``TileProgram.proportions_read``):
+    without a matmul, convolution or sparse product the proportions change
+    nothing of it. Arguments as :meth:`function` takes them.
+    """
+    from ipu_jax.pipelining.shared_stages import lowering_settings
+    key = (id(program), lowering_settings(cfg, ignoring=MEMORY_PROPORTIONS),
+           tuple(sorted(options.items())), _shapes_key(args))
+    known = self._proportion_free.get(key)
+    if known is not None and known[0] is program:
+      return known[1]
+    lowered = self.function(program, make, cfg, options).lower(*args)
+    if id(lowered) not in self._lowered:  # not the jit function's cached lowering
+      self._lowered[id(lowered)] = lowered
+      self.lowerings += 1
+    if lowered.tile is not None and not lowered.tile.proportions_read:
+      self._proportion_free[key] = (program, lowered)
+    return lowered
 
   def function(self, program, make, cfg, options: dict):
     """The jitted ``make()`` of ``program`` under ``cfg``.
@@ -244,20 +277,18 @@ def lower_update(pipeline, p_k, cfg, shared: SharedUpdates | None = None):
   shared = SharedUpdates() if shared is None else shared
   if not shards_state(pipeline):
     state = optimizer.init(p_k)
-    options = _jit_options(pipeline, state)
-    update = shared.function(
+    return shared.lowered(
         optimizer, lambda: in_chain_order(stage_programs.update_function(optimizer)), cfg,
-        options)
-    return update.lower(p_k, state, p_k)
+        _jit_options(pipeline, state), (p_k, state, p_k))
   r = pipeline.replicas
   program = shared.program(optimizer, p_k, r)
   replicated = cfg.copy()  # the norms' all-reduces are over the R copies
   replicated.replication_factor = r
   state = program.init(p_k, 0)
-  options = _jit_options(pipeline, state)
-  update = shared.function(program, lambda: in_chain_order(_sharded_function(program)),
-                           replicated, options)
-  lowered = update.lower(shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0))
+  lowered = shared.lowered(
+      program, lambda: in_chain_order(_sharded_function(program)), replicated,
+      _jit_options(pipeline, state),
+      (shard_tree(p_k, 0, r), state, shard_tree(p_k, 0, r), jnp.int32(0)))
   return shared.sharded(lowered, program, r)
 
 

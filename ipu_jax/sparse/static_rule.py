@@ -518,8 +518,9 @@ def _static_sparse_rule(ctx: RuleContext, values, dense, *, pattern, side,
     return [fill_zeros(ctx, out_shape, out_dtype, "static sparse matmul (no blocks)")]
   fv_order = np.arange(pattern.nnz_blocks) if side == "lhs" else pattern.transpose()[1]
   frame = pattern if side == "lhs" else pattern.transpose()[0]
-  amp = (ctx.options.available_memory_proportion if available_memory_proportion is None
-         else available_memory_proportion)
+  amp = available_memory_proportion
+  if amp is None:
+    amp = ctx.memory_proportion("available_memory_proportion")
   free = out_shape[1] if side == "lhs" else out_shape[0]
   plan = plan_static(ctx.target, frame.shape[0], frame.shape[1], free, frame.block[0],
                      frame.nnz_blocks, out_dtype, products.static_accumulator(out_dtype), amp)

@@ -87,7 +87,6 @@ from ipu_jax.lowering.matmul_cost import ceil_div
 from ipu_jax.lowering.matmul_grid import (block_grid_mapping, blocked_storage,
                                           bus_pair_tile_order, edge_sizes, grid_tiles,
                                           operand_exchange_cost)
-from ipu_jax.lowering.options import proportion_for
 from ipu_jax.lowering.registry import register_lowering
 from ipu_jax.lowering import half_partials
 from ipu_jax.lowering.conv_partials import emit_partials_reduce, partials_tensor
@@ -292,9 +291,7 @@ def conv_general_dilated_rule(ctx: RuleContext, lhs: P.Tensor, rhs: P.Tensor, *,
   geo = conv_geometry(lhs.shape, rhs.shape, out_shape, dn, window_strides, padding,
                       lhs_dilation, rhs_dilation, feature_group_count, batch_group_count,
                       np.dtype(in_dtype).itemsize, acc.itemsize, in_dtype.name)
-  # A plan may spread over every IPU of the program: the tightest of theirs.
-  plan = plan_conv(target, geo, proportion_for(options.conv_available_memory_proportion,
-                                               range(target.num_ipus)))
+  plan = plan_conv(target, geo, ctx.memory_proportion("conv_available_memory_proportion"))
   grid = _output_grid(ctx, out_shape, dn[2], plan)
   out = ctx.new_tensor(out_shape, out_dtype,
                        block_grid_mapping(out_shape, grid.grids, grid.blocks, grid.tiles,
