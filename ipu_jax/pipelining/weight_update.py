@@ -192,7 +192,8 @@ class SharedUpdates:
     self._functions = []  # (program or optimizer, lowering settings, options, jit function)
     self._sharded = {}  # id(lowered) -> ShardedStageUpdate (which holds the lowered alive)
     # (id(program), settings but the proportions, options, arguments' shapes) ->
-    # (program, lowered): the lowerings that read no memory proportion.
+    # (program, lowered): the lowerings that read no memory proportion (the
+    # program held, so its id stays its own while the entry lives).
     self._proportion_free = {}
     self._lowered = {}  # id(lowered) -> lowered: the programs counted in ``lowerings``
     self.lowerings = 0
@@ -229,7 +230,7 @@ class SharedUpdates:
     key = (id(program), lowering_settings(cfg, ignoring=MEMORY_PROPORTIONS),
            tuple(sorted(options.items())), _shapes_key(args))
     known = self._proportion_free.get(key)
-    if known is not None and known[0] is program:
+    if known is not None:
       return known[1]
     lowered = self.function(program, make, cfg, options).lower(*args)
     if id(lowered) not in self._lowered:  # not the jit function's cached lowering
